@@ -1,0 +1,188 @@
+"""The recipe schema: the single source of truth for CLI validation, the UI form, docs and defaults.
+
+Every field has a default or is required, and a one-line description. Sections mirror the YAML.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_bytes(value: Any) -> Any:
+    """Turn '12GiB', '12GB', '512M' or an int into a byte count; leave 'auto' and None alone."""
+    if value is None or isinstance(value, int) or value == "auto":
+        return value
+    if isinstance(value, float):
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"expected a size such as 12GiB, 512MiB or a number of bytes, got {value!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size, e.g. 1.50 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+ByteSize = Annotated[int, BeforeValidator(parse_bytes)]
+Auto = Literal["auto"]
+
+
+class Section(BaseModel):
+    """Base for recipe sections: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=False)
+
+
+class ModelConfig(Section):
+    path: str = Field(description="Local Hugging Face folder, a hub id (when online), or a .gguf file.")
+    trust_remote_code: bool = Field(False, description="Run model code shipped with the checkpoint; off unless you trust it.")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) when path is a hub id.")
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
+        "auto", description="Compute dtype; auto picks bf16 where the GPU supports it and fp32 on CPU.")
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = Field(
+        "auto", description="Attention kernel; auto uses sdpa.")
+
+
+class QuantizationConfig(Section):
+    bits: Literal[4, 8] | Auto | None = Field(
+        4, description="Base-weight quantization: 4 (NF4, QLoRA), 8 (LLM.int8), null for none, auto lets the planner choose.")
+    quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type; NF4 is the QLoRA default.")
+    double_quant: bool = Field(True, description="Quantize the 4-bit block scales too (saves ~0.37 bits per weight).")
+
+
+class AdapterConfig(Section):
+    type: Literal["lora", "dora", "full"] = Field("lora", description="lora, dora (weight-decomposed LoRA) or full fine-tuning.")
+    r: int = Field(16, ge=1, le=1024, description="LoRA rank.")
+    alpha: float = Field(32, gt=0, description="LoRA scaling numerator (scale = alpha / r, or alpha / sqrt(r) with rslora).")
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
+    target_modules: str | list[str] = Field(
+        "all-linear", description="Modules to adapt: all-linear or a list of module-name suffixes such as [q_proj, v_proj].")
+    rslora: bool = Field(False, description="Rank-stabilised LoRA scaling alpha / sqrt(r).")
+    modules_to_save: list[str] | None = Field(None, description="Extra modules trained in full and saved with the adapter.")
+
+
+class DataConfig(Section):
+    path: str = Field(description="JSON, JSONL, CSV, Parquet file, or a datasets save_to_disk folder.")
+    format: Literal["auto", "alpaca", "messages", "sharegpt", "text"] = Field(
+        "auto", description="Record format; auto detects it from the first records.")
+    max_seq_len: int = Field(1024, ge=8, description="Longest sequence in tokens; the memory plan is made for it.")
+    validation_split: float = Field(0.0, ge=0, lt=1, description="Fraction of records held out for evaluation.")
+    overlong: Literal["truncate", "drop"] = Field("truncate", description="What to do with examples longer than max_seq_len.")
+    on_bad_record: Literal["error", "skip"] = Field("error", description="Stop on a malformed record, or skip and count it.")
+    packing: bool = Field(False, description="Pack several examples into one sequence (no cross-attention between them).")
+    assistant_only_loss: bool = Field(True, description="Chat formats: compute the loss only on assistant turns.")
+    chat_template: str | None = Field(
+        None, description="Jinja chat template (or a path to one); default: the tokenizer's, else a ChatML template.")
+    system_prompt: str | None = Field(None, description="System message added to chat records that have none.")
+    max_samples: int | None = Field(None, ge=1, description="Use at most this many records (after shuffling with the seed).")
+
+
+class TrainingConfig(Section):
+    max_steps: int | None = Field(None, ge=1, description="Optimizer steps to run; null trains for `epochs`.")
+    epochs: float = Field(1, gt=0, description="Passes over the training data when max_steps is null.")
+    micro_batch_size: int | Auto = Field(1, description="Sequences per forward pass; auto lets the planner choose.")
+    gradient_accumulation_steps: int | Auto = Field(
+        1, description="Micro-batches per optimizer step; auto keeps effective_batch_size with the planner's micro-batch.")
+    effective_batch_size: int | None = Field(
+        None, ge=1, description="Target sequences per optimizer step when micro-batch or accumulation is auto.")
+    learning_rate: float = Field(2.0e-4, gt=0, description="Peak learning rate.")
+    lr_scheduler: Literal["cosine", "linear", "constant", "wsd"] = Field(
+        "cosine", description="Schedule after warmup; wsd = warmup, stable, then decay over decay_ratio.")
+    warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Fraction of steps spent warming up linearly.")
+    decay_ratio: float = Field(0.1, gt=0, le=1, description="wsd only: fraction of steps spent decaying to zero.")
+    max_grad_norm: float | None = Field(1.0, description="Clip the global gradient norm to this; null disables clipping.")
+    seed: int = Field(42, description="Seed for data order, initialisation and dropout.")
+    logging_steps: int = Field(1, ge=1, description="Log metrics every this many optimizer steps.")
+    eval_steps: int | None = Field(None, ge=1, description="Evaluate every this many steps (needs validation_split); null: at the end.")
+
+    @model_validator(mode="after")
+    def _positive_ints(self) -> TrainingConfig:
+        for key in ("micro_batch_size", "gradient_accumulation_steps"):
+            value = getattr(self, key)
+            if value != "auto" and value < 1:
+                raise ValueError(f"{key} must be a positive integer or auto, got {value}")
+        return self
+
+
+class MemoryConfig(Section):
+    activation_checkpointing: bool | Auto = Field(
+        True, description="Recompute activations in backward instead of storing them (non-reentrant); auto: planner.")
+    checkpoint_every_n_layers: int = Field(1, ge=1, description="Checkpoint one decoder layer in every n (1 = all layers).")
+    offload: Literal["none", "cpu", "disk", "auto"] = Field(
+        "none", description="Where saved activations go during forward: none, cpu (RAM), disk (SSD), auto: planner.")
+    offload_dir: str | None = Field(None, description="Folder for disk offload; default <output.dir>/offload.")
+    offload_min_size: ByteSize = Field(1 << 20, description="Only tensors at least this big are offloaded.")
+    offload_cpu_limit: ByteSize | None = Field(
+        None, description="RAM the cpu tier may hold before tensors spill to disk; null: no limit.")
+    chunked_loss: bool | Auto = Field(
+        "auto", description="Compute the LM head and loss in chunks so full logits never exist; auto: planner.")
+    gpu_memory: ByteSize | Auto = Field("auto", description="Memory budget, e.g. 12GiB; auto reads the GPU's free memory.")
+    gpu_memory_margin: ByteSize = Field(512 << 20, description="Head-room kept free below the budget.")
+
+
+OptimizerName = Literal[
+    "adamw", "adamw_8bit", "paged_adamw_8bit", "apollo", "apollo_mini",
+    "galore", "galore_8bit", "adafactor", "sgd", "auto",
+]
+
+
+class OptimizerConfig(Section):
+    name: OptimizerName = Field("adamw", description="Optimizer; auto lets the planner choose.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas (beta1, beta2).")
+    eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
+    momentum: float = Field(0.0, ge=0, lt=1, description="sgd only: momentum.")
+    rank: int | None = Field(None, ge=1, description="APOLLO/GaLore projection rank; null: the preset's.")
+    update_proj_gap: int | None = Field(None, ge=1, description="Steps between projection refreshes; null: the preset's.")
+    scale: float | None = Field(None, gt=0, description="APOLLO/GaLore update scale; null: the preset's.")
+    proj_type: Literal["std", "left", "right", "reverse_std", "random"] | None = Field(
+        None, description="Projection side/type; null: the preset's.")
+    scale_type: Literal["channel", "tensor"] | None = Field(None, description="APOLLO scaling granularity; null: the preset's.")
+    target_modules: str | list[str] | None = Field(
+        None, description="Weights given the low-rank treatment (default: all trained 2-D weights); the rest use AdamW.")
+    layerwise: bool = Field(False, description="Update each weight as soon as its gradient is ready, freeing it.")
+
+
+class OutputConfig(Section):
+    dir: str = Field("runs/run", description="Run directory: recipe, plan, metrics, checkpoints and the adapter.")
+    save_steps: int = Field(100, ge=1, description="Save a checkpoint every this many optimizer steps.")
+    save_total_limit: int = Field(2, ge=1, description="Keep only the newest this many checkpoints.")
+
+
+class Recipe(Section):
+    """A whole fine-tuning recipe."""
+
+    model: ModelConfig
+    quantization: QuantizationConfig = Field(default_factory=QuantizationConfig, description="Base-weight quantization.")
+    adapter: AdapterConfig = Field(default_factory=AdapterConfig, description="What is trained.")
+    data: DataConfig
+    training: TrainingConfig = Field(default_factory=TrainingConfig, description="Loop, schedule and batch.")
+    memory: MemoryConfig = Field(default_factory=MemoryConfig, description="Activation memory and the budget.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer and its state.")
+    output: OutputConfig = Field(default_factory=OutputConfig, description="Where results go.")
+
+    @model_validator(mode="after")
+    def _coherent(self) -> Recipe:
+        if self.adapter.type == "full" and self.quantization.bits in (4, 8):
+            raise ValueError(
+                f"quantization.bits={self.quantization.bits} cannot be used with adapter.type=full: quantized "
+                "weights cannot be trained; set quantization.bits: null or use adapter.type: lora")
+        if self.training.eval_steps is not None and self.data.validation_split == 0:
+            raise ValueError("training.eval_steps needs data.validation_split > 0")
+        return self

@@ -1,0 +1,86 @@
+"""Tiny offline models for tests, benchmarks and demos: no hub, built in a second.
+
+`make_tiny_model_dir` writes a Hugging Face folder (config, safetensors weights, a byte-level BPE
+tokenizer trained on the spot, a ChatML chat template) that loads exactly like a real checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Fine-tuning adapts a pretrained language model to a task with a small dataset.",
+    "user assistant system function observation tool call answer question instruction input output",
+    "What is the capital of France? The capital of France is Paris.",
+    "Memory, gradients, activations, optimizer state and logits decide what fits on a GPU.",
+    "0123456789 {}[]():;,.!?\"' -+*/=<>_#@$%&",
+]
+
+ARCHITECTURES = {
+    # name: (transformers config class name, extra config kwargs)
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "query_pre_attn_scalar": 16}),
+    "phi3": ("Phi3Config", {}),
+}
+
+
+def make_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE tokenizer with ChatML special tokens, trained offline in well under a second."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 20, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=None, eos_token="<|im_end|>", pad_token="<|pad|>",
+        unk_token=None, additional_special_tokens=["<|im_start|>", "<|endoftext|>"],
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides):
+    """A config of the given architecture family at toy size (override any field)."""
+    import transformers
+
+    cls_name, extra = ARCHITECTURES[arch]
+    kwargs = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        tie_word_embeddings=False, pad_token_id=3, eos_token_id=2, bos_token_id=None,
+    )
+    kwargs.update(extra)
+    kwargs.update(overrides)
+    return getattr(transformers, cls_name)(**kwargs)
+
+
+def make_tiny_model_dir(path: str | Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Write a tiny random model with tokenizer to `path` (safetensors) and return the path."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    tokenizer = make_tokenizer()
+    config = tiny_config(arch, vocab_size=len(tokenizer), **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path

@@ -1,0 +1,40 @@
+"""Shared fixtures. Tests are offline: no hub, no downloads."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+_HF_HOME = tempfile.mkdtemp(prefix="finetune-test-hf-")
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["HF_HOME"] = _HF_HOME
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("FINETUNE_CACHE", str(Path(_HF_HOME) / "finetune-cache"))
+
+import pytest  # noqa: E402
+
+SHARED_DATASETS = Path(__file__).resolve().parents[1].parent / "shared" / "datasets"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama with a trained byte-level BPE tokenizer, saved as safetensors."""
+    from finetune.testing import make_tiny_model_dir
+
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture
+def shared_datasets() -> Path:
+    if not SHARED_DATASETS.is_dir():
+        pytest.skip(f"shared sample datasets not found at {SHARED_DATASETS} (CI places ../shared beside the repo)")
+    return SHARED_DATASETS
