@@ -1,0 +1,214 @@
+"""Peak memory per component for one set of concrete settings.
+
+How the prediction is put together (docs/planner.md has the long form):
+
+1. Activations, logits/loss and gradients as they evolve through forward and backward come from `trace.py`:
+   the real training step run on the `meta` device for a model cut to one and two repeating blocks of
+   layers (a block = `checkpoint_every_n_layers` layers, or one layer without checkpointing), at
+   micro-batch 1. Each phase's peak (forward, backward) is extrapolated linearly to the real layer count,
+   and its activation and logits parts are multiplied by the micro-batch (every such tensor has the batch
+   as a dimension).
+2. Weights are priced per parameter: compute dtype, NF4 (0.5 B/element + one absmax per 64-element block:
+   fp32, or with double quantization uint8 plus one fp32 per 256 blocks), LLM.int8 (1 B/element + one
+   fp32 scale per row); embeddings, norms and the LM head stay unquantized as bitsandbytes leaves them.
+   4-bit and 8-bit layers dequantize one weight at a time into the compute dtype: the largest one is added.
+3. Optimizer state per trained parameter (`optimizer_state_bytes`), present in every phase from step 2 on.
+   The optimizer phase holds weights + gradients + state + a per-parameter temporary.
+4. Chunked loss keeps `CHUNK_TOKENS` tokens of logits instead of all; offload removes checkpointed inputs
+   (all but the last layer's) or, without checkpointing, every saved tensor >= offload_min_size of every
+   layer but the last.
+5. CUDA fixed costs (context, cuBLAS workspace, allocator rounding) are the constants below.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from finetune.plan.trace import ParamInfo, Trace, trace_step
+from finetune.recipe.schema import AdapterConfig
+
+# Tokens per chunk of the chunked LM-head + loss (must match finetune.memory's chunked loss).
+CHUNK_TOKENS = 1024
+# CUDA fixed costs. The context is outside torch's allocator, so it is added to the peak; the budget is
+# measured as free memory before the process creates its context. Values for CUDA 12 with lazy module
+# loading on Ampere/Ada/Hopper; cuBLAS keeps one 32 MiB workspace (Hopper) per stream/handle.
+CUDA_CONTEXT_BYTES = 500 * 2**20
+CUBLAS_WORKSPACE_BYTES = 32 * 2**20
+# The caching allocator rounds blocks (to 512 B, and large ones to 2 MiB segments) and fragments; reserved
+# memory runs this fraction above allocated memory in our CUDA runs of LoRA/QLoRA training steps.
+ALLOCATOR_OVERHEAD = 0.05
+# Temporaries of one optimizer update, in multiples of the largest trained parameter's bytes.
+_STEP_TEMPORARIES = {"adamw": 2, "adamw_8bit": 1, "paged_adamw_8bit": 1, "sgd": 1, "adafactor": 3,
+                     "apollo": 3, "apollo_mini": 3, "galore": 3, "galore_8bit": 3}
+NF4_BLOCK = 64
+DOUBLE_QUANT_BLOCK = 256
+BNB_8BIT_MIN_SIZE = 4096  # bitsandbytes keeps 32-bit state for tensors smaller than this
+BNB_8BIT_BLOCK = 256
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One concrete configuration the planner can evaluate."""
+
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    activation_checkpointing: bool
+    checkpoint_every_n_layers: int
+    offload: str  # none | cpu | disk
+    chunked_loss: bool
+    bits: int | None
+    optimizer: str
+
+
+@dataclass
+class Prediction:
+    peak_bytes: int
+    breakdown: dict[str, int]
+    phase: str
+    offloaded_bytes: int = 0  # activation bytes moved off the device per micro-batch
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def quantized_weight_bytes(numel: int, out_features: int, bits: int | None, double_quant: bool,
+                           bytes_per_elem: int) -> int:
+    """Bytes of one frozen Linear weight under bitsandbytes quantization (None = unquantized)."""
+    if bits == 4:
+        blocks = math.ceil(numel / NF4_BLOCK)
+        scales = blocks + math.ceil(blocks / DOUBLE_QUANT_BLOCK) * 4 if double_quant else blocks * 4
+        return math.ceil(numel / 2) + scales
+    if bits == 8:
+        return numel + out_features * 4
+    return numel * bytes_per_elem
+
+
+def optimizer_state_bytes(name: str, params: list[ParamInfo], rank: int | None = None) -> int:
+    """Optimizer state for the trained parameters (swap for finetune.optim.optimizer_state_bytes when it lands)."""
+    total = 0
+    for p in params:
+        if not p.trainable:
+            continue
+        n, b = p.numel, p.bytes_per_elem
+        step = 4  # AdamW's per-parameter step counter
+        if name == "adamw":
+            total += 2 * n * b + step
+        elif name in ("adamw_8bit", "paged_adamw_8bit"):
+            total += 2 * n * 4 + step if n < BNB_8BIT_MIN_SIZE else 2 * (n + math.ceil(n / BNB_8BIT_BLOCK) * 4) + step
+        elif name == "sgd":
+            total += 0
+        elif name == "adafactor":
+            cols = n // p.out_features
+            total += (p.out_features + cols) * 4 if cols > 1 else n * 4
+        elif name in ("apollo", "apollo_mini", "galore", "galore_8bit"):
+            cols = n // p.out_features
+            r = 1 if name == "apollo_mini" else (rank or 128)
+            if cols > 1:
+                r = min(r, p.out_features, cols)
+                proj = min(p.out_features, cols)
+                total += 2 * r * max(p.out_features, cols) * 4 + (proj * r * 4 if name.startswith("galore") else 0)
+            else:
+                total += 2 * n * 4
+        else:
+            raise ValueError(f"no state-size model for optimizer {name}")
+    return total
+
+
+def _with_momentum(name: str, momentum: float, params: list[ParamInfo]) -> int:
+    return sum(p.numel * p.bytes_per_elem for p in params if p.trainable) if name == "sgd" and momentum > 0 else 0
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the memory model needs to know about the model and the run besides `Settings`."""
+
+    config: Any
+    adapter: AdapterConfig
+    dtype: torch.dtype
+    attn: str
+    device: str  # cpu | cuda: the device trained on
+    seq_len: int
+    num_layers: int
+    hidden_size: int
+    double_quant: bool = True
+    optimizer_rank: int | None = None
+    momentum: float = 0.0
+    offload_min_size: int = 1 << 20
+
+
+def _block(settings: Settings) -> int:
+    return settings.checkpoint_every_n_layers if settings.activation_checkpointing else 1
+
+
+def _traces(spec: ModelSpec, settings: Settings) -> tuple[Trace, Trace, int, int]:
+    n = min(_block(settings), spec.num_layers)
+    small, large = n, min(2 * n, spec.num_layers)
+    every = settings.checkpoint_every_n_layers if settings.activation_checkpointing else 0
+    args = (spec.config, spec.adapter, spec.dtype, spec.attn, spec.device, 1, spec.seq_len)
+    a = trace_step(*args, small, every)
+    b = trace_step(*args, large, every) if large != small else a
+    return a, b, small, large
+
+
+def _lerp(a: float, b: float, xa: int, xb: int, x: int) -> float:
+    return a if xa == xb else a + (b - a) * (x - xa) / (xb - xa)
+
+
+def _param_parts(trace: Trace, spec: ModelSpec, settings: Settings) -> dict[str, float]:
+    params = list(trace.params)
+    frozen = sum(quantized_weight_bytes(p.numel, p.out_features, settings.bits if p.quantizable else None,
+                                        spec.double_quant, p.bytes_per_elem) for p in params if not p.trainable)
+    trainable = sum(p.numel * p.bytes_per_elem for p in params if p.trainable)
+    state = optimizer_state_bytes(settings.optimizer, params, spec.optimizer_rank) + _with_momentum(
+        settings.optimizer, spec.momentum, params)
+    return {"weights": frozen, "trainable_weights": trainable, "optimizer_state": state}
+
+
+def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
+    """Peak bytes and breakdown of a training step (steady state: optimizer state already allocated)."""
+    ta, tb, la, lb = _traces(spec, settings)
+    L, mb = spec.num_layers, settings.micro_batch_size
+    pa, pb = _param_parts(ta, spec, settings), _param_parts(tb, spec, settings)
+    params = {k: _lerp(pa[k], pb[k], la, lb, L) for k in pa}
+    grads_total = params["trainable_weights"]
+    largest_trained = max((p.numel * p.bytes_per_elem for p in tb.params if p.trainable), default=0)
+    largest_quant = max((p.numel for p in tb.params if p.quantizable), default=0)
+    dequant = largest_quant * torch.tensor([], dtype=spec.dtype).element_size() if settings.bits else 0
+
+    tokens = mb * spec.seq_len
+    logits_keep = min(1.0, CHUNK_TOKENS / tokens) if settings.chunked_loss else 1.0
+    hidden_bytes = tokens * spec.hidden_size * torch.tensor([], dtype=spec.dtype).element_size()
+    windows: dict[str, dict[str, float]] = {}
+    offloaded = 0.0
+    for name in ("forward", "backward"):
+        wa, wb = ta.windows[name][1], tb.windows[name][1]
+        act = _lerp(wa["activations"], wb["activations"], la, lb, L) * mb
+        act_per_block = (wb["activations"] - wa["activations"]) * mb if lb != la else 0.0
+        logits = _lerp(wa["logits_and_loss"], wb["logits_and_loss"], la, lb, L) * mb * logits_keep
+        grads = _lerp(wa["gradients"], wb["gradients"], la, lb, L)
+        if settings.gradient_accumulation_steps > 1:
+            grads = max(grads, grads_total)
+        moved = 0.0
+        if settings.offload != "none":
+            if settings.activation_checkpointing:
+                n_ckpt = math.ceil(L / settings.checkpoint_every_n_layers)
+                moved = max(0, n_ckpt - 1) * hidden_bytes
+            elif hidden_bytes >= spec.offload_min_size:
+                moved = max(0.0, act_per_block * (L - 1))
+            moved = min(moved, act)
+            act -= moved
+            offloaded = max(offloaded, moved)
+        windows[name] = {**params, "gradients": grads, "activations": act, "logits_and_loss": logits,
+                         "other": dequant}
+    windows["optimizer"] = {**params, "gradients": grads_total, "activations": 0.0, "logits_and_loss": 0.0,
+                            "other": _STEP_TEMPORARIES.get(settings.optimizer, 2) * largest_trained}
+    if spec.device == "cuda":
+        for w in windows.values():
+            dynamic = sum(w.values())
+            w["other"] += CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + ALLOCATOR_OVERHEAD * dynamic
+    phase = max(windows, key=lambda k: sum(windows[k].values()))
+    breakdown = {k: int(round(v)) for k, v in windows[phase].items()}
+    return Prediction(peak_bytes=sum(breakdown.values()), breakdown=breakdown, phase=phase,
+                      offloaded_bytes=int(offloaded))

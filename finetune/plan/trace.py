@@ -1,0 +1,125 @@
+"""Count a training step's memory on the `meta` device: exact tensor sizes, no memory, no weights.
+
+Why: activation memory depends on every detail of an architecture's forward (GQA handled by the kernel or by
+repeating K/V, rotary tables, dropout masks, soft-capping, fused projections, the attention kernel's saved
+log-sum-exp, upcasts in norms and in the loss). Writing that as a formula per family drifts with every
+transformers release. Running the same training step as `finetune measure` on meta tensors, under the same
+tracker, gives the byte count of every saved tensor in ~0.1 s. We run it on copies with 1-2 repeating
+blocks of layers and two micro-batch sizes and extrapolate linearly (activations are linear in micro-batch
+and in the number of layers), see `memory_model.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from finetune.memory.measure import apply_adapter, enable_checkpointing, training_step
+from finetune.memory.tracker import MemoryTracker
+from finetune.plan.shapes import with_layers
+from finetune.recipe.schema import AdapterConfig
+
+
+@contextlib.contextmanager
+def _meta_kernels(device: str) -> Iterator[None]:
+    """On meta, torch picks the math SDPA (which stores s x s probabilities); use the fused kernel's shapes.
+
+    The fused CPU kernel saves what CUDA's flash/efficient kernels save (q, k, v, output, log-sum-exp). Also
+    skip transformers' packed-sequence check, which reads position_ids values (plain batches are not packed).
+    """
+    import transformers.masking_utils as masking
+
+    original_sdpa = torch.nn.functional.scaled_dot_product_attention
+    original_packed = masking.find_packed_sequence_indices
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if q.device.type != "meta":
+            return original_sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                 scale=scale, enable_gqa=enable_gqa)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+    torch.nn.functional.scaled_dot_product_attention = sdpa
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original_sdpa
+        masking.find_packed_sequence_indices = original_packed
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter of the traced model: how the memory model prices it."""
+
+    numel: int
+    out_features: int
+    bytes_per_elem: int
+    trainable: bool
+    quantizable: bool  # a decoder-layer Linear weight that bitsandbytes would quantize
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Window peaks (total, breakdown) of one traced step, and the traced model's parameters."""
+
+    windows: dict[str, tuple[int, dict[str, int]]]
+    params: tuple[ParamInfo, ...]
+
+
+def _param_infos(model: torch.nn.Module) -> tuple[ParamInfo, ...]:
+    infos = []
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            quantizable = (isinstance(module, torch.nn.Linear) and pname == "weight" and ".layers." in f".{name}."
+                           and not p.requires_grad and "lora_" not in name)
+            out = p.shape[0] if p.dim() == 2 else p.numel()
+            infos.append(ParamInfo(p.numel(), out, p.element_size(), p.requires_grad, quantizable))
+    return tuple(infos)
+
+
+@functools.lru_cache(maxsize=512)
+def _trace_cached(config_json: str, model_type: str, adapter_json: str, dtype: str, attn: str, device: str,
+                  micro_batch: int, seq_len: int, layers: int, checkpoint_every: int) -> Trace:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **json.loads(config_json))
+    config = with_layers(config, layers)
+    config._attn_implementation = attn
+    adapter = AdapterConfig.model_validate_json(adapter_json)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+        model = apply_adapter(model, adapter)
+        ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
+    enable_checkpointing(model, checkpoint_every > 0, max(checkpoint_every, 1))
+    model.train()
+    tracker = MemoryTracker(vocab_size=config.get_text_config().vocab_size)
+    tracker.register_model(model)
+    try:
+        with _meta_kernels(device), tracker:
+            training_step(model, {"input_ids": ids, "labels": ids}, None, 1, tracker)
+    finally:
+        tracker.remove_hooks()
+    return Trace(windows=dict(tracker.windows), params=_param_infos(model))
+
+
+def trace_step(config: Any, adapter: AdapterConfig, dtype: torch.dtype, attn: str, device: str, micro_batch: int,
+               seq_len: int, layers: int, checkpoint_every: int) -> Trace:
+    """Trace one forward+backward of `config` cut to `layers` layers (checkpoint_every 0 = no checkpointing)."""
+    data = config.to_dict()
+    model_type = data.pop("model_type")
+    for key in ("transformers_version", "architectures", "_name_or_path"):
+        data.pop(key, None)
+    return _trace_cached(json.dumps(data, sort_keys=True, default=str), model_type,
+                         adapter.model_dump_json(), str(dtype).removeprefix("torch."), attn, device,
+                         micro_batch, seq_len, layers, checkpoint_every)
