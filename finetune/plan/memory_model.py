@@ -11,7 +11,8 @@ How the prediction is put together (docs/planner.md has the long form):
 2. Weights are priced per parameter: compute dtype, NF4 (0.5 B/element + one absmax per 64-element block:
    fp32, or with double quantization uint8 plus one fp32 per 256 blocks), LLM.int8 (1 B/element + one
    fp32 scale per row); embeddings, norms and the LM head stay unquantized as bitsandbytes leaves them.
-   4-bit and 8-bit layers dequantize one weight at a time into the compute dtype: the largest one is added.
+   4-bit layers dequantize one weight at a time into the compute dtype in backward (and forward on CUDA):
+   the largest one is added. LLM.int8 layers are emulated in the trace (they keep their input for backward).
 3. Optimizer state per trained parameter (`optimizer_state_bytes`), present in every phase from step 2 on.
    The optimizer phase holds weights + gradients + state + a per-parameter temporary.
 4. Chunked loss keeps `CHUNK_TOKENS` tokens of logits instead of all; offload removes checkpointed inputs
@@ -147,8 +148,9 @@ def _traces(spec: ModelSpec, settings: Settings) -> tuple[Trace, Trace, int, int
     small, large = n, min(2 * n, spec.num_layers)
     every = settings.checkpoint_every_n_layers if settings.activation_checkpointing else 0
     args = (spec.config, spec.adapter, spec.dtype, spec.attn, spec.device, 1, spec.seq_len)
-    a = trace_step(*args, small, every)
-    b = trace_step(*args, large, every) if large != small else a
+    int8 = settings.bits == 8
+    a = trace_step(*args, small, every, int8)
+    b = trace_step(*args, large, every, int8) if large != small else a
     return a, b, small, large
 
 
@@ -175,7 +177,9 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
     grads_total = params["trainable_weights"]
     largest_trained = max((p.numel * p.bytes_per_elem for p in tb.params if p.trainable), default=0)
     largest_quant = max((p.numel for p in tb.params if p.quantizable), default=0)
-    dequant = largest_quant * torch.tensor([], dtype=spec.dtype).element_size() if settings.bits else 0
+    # 4-bit: backward dequantizes one weight at a time into the compute dtype (on CUDA forward too; on CPU
+    # the forward kernel is fused). 8-bit is emulated inside the trace.
+    dequant = largest_quant * torch.tensor([], dtype=spec.dtype).element_size() if settings.bits == 4 else 0
 
     tokens = mb * spec.seq_len
     logits_keep = min(1.0, CHUNK_TOKENS / tokens) if settings.chunked_loss else 1.0
@@ -201,7 +205,7 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
             act -= moved
             offloaded = max(offloaded, moved)
         windows[name] = {**params, "gradients": grads, "activations": act, "logits_and_loss": logits,
-                         "other": dequant}
+                         "other": dequant if name == "backward" or spec.device == "cuda" else 0}
     windows["optimizer"] = {**params, "gradients": grads_total, "activations": 0.0, "logits_and_loss": 0.0,
                             "other": _STEP_TEMPORARIES.get(settings.optimizer, 2) * largest_trained}
     if spec.device == "cuda":

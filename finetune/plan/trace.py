@@ -54,6 +54,29 @@ def _meta_kernels(device: str) -> Iterator[None]:
         masking.find_packed_sequence_indices = original_packed
 
 
+class _Int8LikeLinear(torch.autograd.Function):
+    """What bitsandbytes' 8-bit matmul holds: the input kept for backward (even for a frozen weight) and a
+    dequantized copy of the weight while it multiplies, in forward and again in backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.x = x
+        ctx.save_for_backward(weight)
+        return torch.nn.functional.linear(x, weight.clone())
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        return grad @ weight.clone(), None
+
+
+def _int8_forward(module: torch.nn.Linear):
+    def forward(x):
+        out = _Int8LikeLinear.apply(x, module.weight)
+        return out if module.bias is None else out + module.bias
+    return forward
+
+
 @dataclass(frozen=True)
 class ParamInfo:
     """One parameter of the traced model: how the memory model prices it."""
@@ -73,6 +96,12 @@ class Trace:
     params: tuple[ParamInfo, ...]
 
 
+def _quantizable(name: str, module: torch.nn.Module) -> bool:
+    """Decoder-layer Linear layers that bitsandbytes replaces (not adapters, not the LM head)."""
+    return (isinstance(module, torch.nn.Linear) and ".layers." in f".{name}." and "lora_" not in name
+            and not module.weight.requires_grad)
+
+
 def _param_infos(model: torch.nn.Module) -> tuple[ParamInfo, ...]:
     infos = []
     seen: set[int] = set()
@@ -81,8 +110,7 @@ def _param_infos(model: torch.nn.Module) -> tuple[ParamInfo, ...]:
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            quantizable = (isinstance(module, torch.nn.Linear) and pname == "weight" and ".layers." in f".{name}."
-                           and not p.requires_grad and "lora_" not in name)
+            quantizable = pname == "weight" and _quantizable(name, module)
             out = p.shape[0] if p.dim() == 2 else p.numel()
             infos.append(ParamInfo(p.numel(), out, p.element_size(), p.requires_grad, quantizable))
     return tuple(infos)
@@ -90,7 +118,7 @@ def _param_infos(model: torch.nn.Module) -> tuple[ParamInfo, ...]:
 
 @functools.lru_cache(maxsize=512)
 def _trace_cached(config_json: str, model_type: str, adapter_json: str, dtype: str, attn: str, device: str,
-                  micro_batch: int, seq_len: int, layers: int, checkpoint_every: int) -> Trace:
+                  micro_batch: int, seq_len: int, layers: int, checkpoint_every: int, int8: bool) -> Trace:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(model_type, **json.loads(config_json))
@@ -101,6 +129,10 @@ def _trace_cached(config_json: str, model_type: str, adapter_json: str, dtype: s
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
         model = apply_adapter(model, adapter)
         ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
+    if int8:
+        for name, module in model.named_modules():
+            if _quantizable(name, module):
+                module.forward = _int8_forward(module)
     enable_checkpointing(model, checkpoint_every > 0, max(checkpoint_every, 1))
     model.train()
     tracker = MemoryTracker(vocab_size=config.get_text_config().vocab_size)
@@ -114,12 +146,15 @@ def _trace_cached(config_json: str, model_type: str, adapter_json: str, dtype: s
 
 
 def trace_step(config: Any, adapter: AdapterConfig, dtype: torch.dtype, attn: str, device: str, micro_batch: int,
-               seq_len: int, layers: int, checkpoint_every: int) -> Trace:
-    """Trace one forward+backward of `config` cut to `layers` layers (checkpoint_every 0 = no checkpointing)."""
+               seq_len: int, layers: int, checkpoint_every: int, int8: bool = False) -> Trace:
+    """Trace one forward+backward of `config` cut to `layers` layers (checkpoint_every 0 = no checkpointing).
+
+    int8: frozen decoder Linear layers behave like bitsandbytes LLM.int8 layers (see `_Int8LikeLinear`).
+    """
     data = config.to_dict()
     model_type = data.pop("model_type")
     for key in ("transformers_version", "architectures", "_name_or_path"):
         data.pop(key, None)
     return _trace_cached(json.dumps(data, sort_keys=True, default=str), model_type,
                          adapter.model_dump_json(), str(dtype).removeprefix("torch."), attn, device,
-                         micro_batch, seq_len, layers, checkpoint_every)
+                         micro_batch, seq_len, layers, checkpoint_every, int8)
