@@ -170,7 +170,9 @@ def test_jsonl_csv_parquet_save_to_disk_and_json_object_load_the_same(tmp_path, 
     pd.DataFrame(records).to_csv(tmp_path / "data.csv", index=False)
     pd.DataFrame(records).to_parquet(tmp_path / "data.parquet")
     datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "saved"))
-    paths += [tmp_path / "data.csv", tmp_path / "data.parquet", tmp_path / "saved"]
+    jsonl_named_json = tmp_path / "lines.json"
+    jsonl_named_json.write_text(paths[1].read_text())
+    paths += [tmp_path / "data.csv", tmp_path / "data.parquet", tmp_path / "saved", jsonl_named_json]
     reference = rows(build(paths[0], tiny_tokenizer).train)
     assert len(reference) == 3
     for path in paths[1:]:
@@ -260,6 +262,9 @@ def test_missing_path_and_unknown_suffix(tmp_path, tiny_tokenizer):
     (tmp_path / "folder").mkdir()
     with pytest.raises(DataError, match="not one written by datasets' save_to_disk"):
         build(tmp_path / "folder", tiny_tokenizer)
+    (tmp_path / "bad.jsonl").write_text("{oops\nnot json\n")
+    with pytest.raises(DataError, match=r"has no valid JSON Lines record\n  - .*bad.jsonl:1: not valid JSON"):
+        build(tmp_path / "bad.jsonl", tiny_tokenizer)
 
 
 def test_bad_chat_template(tmp_path, tiny_tokenizer):
