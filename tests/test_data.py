@@ -253,6 +253,16 @@ def test_files_that_are_not_datasets(tmp_path, tiny_tokenizer, content, problem)
         build(path, tiny_tokenizer)
 
 
+@pytest.mark.parametrize(("suffix", "problem"), [
+    (".jsonl", "not a UTF-8 text file"), (".csv", "not a UTF-8 text file"), (".parquet", "not a readable Parquet file"),
+])
+def test_binary_file_with_a_dataset_suffix(tmp_path, tiny_tokenizer, suffix, problem):
+    path = tmp_path / f"image{suffix}"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe" * 4)
+    with pytest.raises(DataError, match=problem):
+        build(path, tiny_tokenizer)
+
+
 def test_missing_path_and_unknown_suffix(tmp_path, tiny_tokenizer):
     with pytest.raises(DataError, match="does not exist"):
         build(tmp_path / "nope.json", tiny_tokenizer)
