@@ -58,9 +58,10 @@ def model_dirs(tmp_path_factory):
     return dirs
 
 
-def _recipe(path, seq, mb, adapter, r, ckpt, every, bits, opt) -> Recipe:
+def _recipe(arch, path, seq, mb, adapter, r, ckpt, every, bits, opt) -> Recipe:
+    attn = "eager" if arch == "gemma2" else "auto"  # transformers runs Gemma-2 with eager attention only
     return Recipe.model_validate({
-        "model": {"path": str(path)}, "data": {"path": "unused.jsonl", "max_seq_len": seq},
+        "model": {"path": str(path), "attn_implementation": attn}, "data": {"path": "unused.jsonl", "max_seq_len": seq},
         "adapter": {"type": adapter, "r": r}, "quantization": {"bits": bits},
         "training": {"micro_batch_size": mb},
         "memory": {"activation_checkpointing": ckpt, "checkpoint_every_n_layers": every},
@@ -88,8 +89,8 @@ def test_predicted_peak_matches_measured(model_dirs):
 def _check(model_dirs, matrix):
     rows, failures = [], []
     for arch, seq, mb, adapter, r, ckpt, every, bits, opt in matrix:
-        recipe = _recipe(model_dirs[arch], seq, mb, adapter, r, ckpt, every, bits, opt)
-        measured = measure(recipe, steps=2, device="cpu")
+        recipe = _recipe(arch, model_dirs[arch], seq, mb, adapter, r, ckpt, every, bits, opt)
+        measured = measure(recipe, steps=2)
         spec = model_spec(recipe, load_model_config(recipe.model.path), "cpu")
         pred = predict_memory(spec, Settings(mb, 1, ckpt, every, "none", False, bits, opt))
         err = pred.peak_bytes / measured["peak_bytes"] - 1

@@ -12,41 +12,9 @@ from typing import Any
 
 import torch
 
-from finetune.errors import FinetuneError, ModelLoadError
-from finetune.memory.tracker import MemoryTracker
-from finetune.recipe.schema import AdapterConfig, OptimizerConfig, Recipe
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def compute_dtype(recipe: Recipe, device: str) -> torch.dtype:
-    """model.dtype: auto = bf16 on CUDA, fp32 on CPU."""
-    if recipe.model.dtype == "auto":
-        return torch.bfloat16 if device == "cuda" else torch.float32
-    return _DTYPES[recipe.model.dtype]
-
-
-def attn_implementation(recipe: Recipe, model_type: str) -> str:
-    """auto = sdpa, except for architectures transformers runs only with eager attention (Gemma-2)."""
-    if recipe.model.attn_implementation != "auto":
-        return recipe.model.attn_implementation
-    return "eager" if model_type == "gemma2" else "sdpa"
-
-
-def apply_adapter(model: torch.nn.Module, adapter: AdapterConfig) -> torch.nn.Module:
-    """LoRA/DoRA through peft (all-linear = every Linear except the LM head), or all weights trainable."""
-    if adapter.type == "full":
-        for p in model.parameters():
-            p.requires_grad_(True)
-        return model
-    from peft import LoraConfig, get_peft_model
-
-    config = LoraConfig(
-        r=adapter.r, lora_alpha=adapter.alpha, lora_dropout=adapter.dropout, target_modules=adapter.target_modules,
-        use_rslora=adapter.rslora, use_dora=adapter.type == "dora", modules_to_save=adapter.modules_to_save,
-        task_type="CAUSAL_LM",
-    )
-    return get_peft_model(model, config)
+from finetune.errors import FinetuneError
+from finetune.memory.tracker import MemoryTracker, measure_step
+from finetune.recipe.schema import OptimizerConfig, Recipe
 
 
 def enable_checkpointing(model: torch.nn.Module, enabled: bool, every_n: int) -> None:
@@ -77,8 +45,8 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, lr: float) -> 
 
 
 def training_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer | None,
-                  accumulation: int, tracker: MemoryTracker | None = None) -> None:
-    """One optimizer step over `accumulation` micro-batches; windows named forward/backward/optimizer."""
+                  accumulation: int, tracker: MemoryTracker | None = None, backward_window: str = "backward") -> None:
+    """One optimizer step over `accumulation` micro-batches; tracker windows forward/backward/optimizer."""
     from contextlib import nullcontext
 
     def window(name: str):
@@ -87,7 +55,7 @@ def training_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], optimi
     for _ in range(accumulation):
         with window("forward"):
             loss = model(**batch).loss / accumulation
-        with window("backward"):
+        with window(backward_window):
             loss.backward()
         del loss
     if optimizer is not None:
@@ -96,35 +64,7 @@ def training_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], optimi
         optimizer.zero_grad(set_to_none=True)
 
 
-def _load_model(recipe: Recipe, device: str) -> tuple[torch.nn.Module, int]:
-    """Load the model for measurement (transformers directly; swap for finetune.model once it exists)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
-
-    dtype = compute_dtype(recipe, device)
-    try:
-        config = AutoConfig.from_pretrained(recipe.model.path, trust_remote_code=recipe.model.trust_remote_code)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read the model config at {recipe.model.path}: {exc}") from None
-    quant = None
-    bits = recipe.quantization.bits
-    if bits == 4:
-        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=recipe.quantization.quant_type,
-                                   bnb_4bit_use_double_quant=recipe.quantization.double_quant,
-                                   bnb_4bit_compute_dtype=dtype)
-    elif bits == 8:
-        quant = BitsAndBytesConfig(load_in_8bit=True)
-    model = AutoModelForCausalLM.from_pretrained(
-        recipe.model.path, dtype=dtype, quantization_config=quant, device_map={"": device} if quant else None,
-        attn_implementation=attn_implementation(recipe, config.model_type))
-    if quant is None:
-        model.to(device)
-    for module in model.modules():  # see docs/techniques: AVX512-BF16 repacking zeroes 4-bit gradients
-        if hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
-    return model, config.vocab_size
-
-
-def measure(recipe: Recipe, steps: int = 2, device: str | None = None) -> dict[str, Any]:
+def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
     """Run `steps` optimizer steps at the recipe's micro-batch and max_seq_len; return the tracker result."""
     for key, value in (("training.micro_batch_size", recipe.training.micro_batch_size),
                        ("training.gradient_accumulation_steps", recipe.training.gradient_accumulation_steps),
@@ -133,10 +73,15 @@ def measure(recipe: Recipe, steps: int = 2, device: str | None = None) -> dict[s
         if value == "auto":
             raise FinetuneError(f"{key} is auto; `finetune measure` needs concrete settings",
                                 hint="run `finetune plan` first and measure its plan (Plan.apply(recipe))")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, vocab = _load_model(recipe, device)
-    model = apply_adapter(model, recipe.adapter)
-    enable_checkpointing(model, bool(recipe.memory.activation_checkpointing), recipe.memory.checkpoint_every_n_layers)
+    from finetune.model.adapter import apply_adapter
+    from finetune.model.load import load_model
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, _tokenizer, _path = load_model(recipe.model, recipe.quantization)
+    vocab = model.config.get_text_config().vocab_size
+    checkpointing = bool(recipe.memory.activation_checkpointing)
+    model = apply_adapter(model, recipe.adapter, checkpointing=checkpointing)
+    enable_checkpointing(model, checkpointing, recipe.memory.checkpoint_every_n_layers)
     model.train()
     optimizer = build_optimizer(model, recipe.optimizer, recipe.training.learning_rate)
     gen = torch.Generator().manual_seed(recipe.training.seed)
@@ -146,8 +91,6 @@ def measure(recipe: Recipe, steps: int = 2, device: str | None = None) -> dict[s
     def run(tracker: MemoryTracker) -> None:
         for _ in range(steps):
             training_step(model, batch, optimizer, recipe.training.gradient_accumulation_steps, tracker)
-
-    from finetune.memory.tracker import measure_step
 
     result = measure_step(run, model=model, optimizer=optimizer, vocab_size=vocab, device=device)
     result["steps"] = steps

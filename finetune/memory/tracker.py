@@ -157,12 +157,17 @@ class MemoryTracker(TorchDispatchMode):
             handle.remove()
         self._hooks.clear()
 
+    def switch_window(self, name: str) -> None:
+        """From now on, record the peak (and its breakdown) under `name` as well."""
+        self._window = name
+        if name not in self.windows or self.current > self.windows[name][0]:
+            self.windows[name] = (self.current, dict(self._totals))
+
     @contextmanager
     def window(self, name: str):
         """Also record the peak (and its breakdown) reached inside this named phase, e.g. 'backward'."""
-        previous, self._window = self._window, name
-        if name not in self.windows or self.current > self.windows[name][0]:
-            self.windows[name] = (self.current, dict(self._totals))
+        previous = self._window
+        self.switch_window(name)
         try:
             yield
         finally:

@@ -3,9 +3,10 @@
 How the prediction is put together (docs/planner.md has the long form):
 
 1. Activations, logits/loss and gradients as they evolve through forward and backward come from `trace.py`:
-   the real training step run on the `meta` device for a model cut to one and two repeating blocks of
+   the real training step run on the `meta` device for a model cut to two and three repeating blocks of
    layers (a block = `checkpoint_every_n_layers` layers, or one layer without checkpointing), at
-   micro-batch 1. Each phase's peak (forward, backward) is extrapolated linearly to the real layer count,
+   micro-batch 1. Each phase's peak (forward; backward through the head, the top layer, the bottom layer)
+   is extrapolated linearly to the real layer count,
    and its activation and logits parts are multiplied by the micro-batch (every such tensor has the batch
    as a dimension).
 2. Weights are priced per parameter: compute dtype, NF4 (0.5 B/element + one absmax per 64-element block:
@@ -15,7 +16,7 @@ How the prediction is put together (docs/planner.md has the long form):
    the largest one is added. LLM.int8 layers are emulated in the trace (they keep their input for backward).
 3. Optimizer state per trained parameter (`optimizer_state_bytes`), present in every phase from step 2 on.
    The optimizer phase holds weights + gradients + state + a per-parameter temporary.
-4. Chunked loss keeps `CHUNK_TOKENS` tokens of logits instead of all; offload removes checkpointed inputs
+4. Chunked loss keeps `chunk_tokens(vocab)` tokens of logits instead of all; offload removes checkpointed inputs
    (all but the last layer's) or, without checkpointing, every saved tensor >= offload_min_size of every
    layer but the last.
 5. CUDA fixed costs (context, cuBLAS workspace, allocator rounding) are the constants below.
@@ -32,8 +33,15 @@ import torch
 from finetune.plan.trace import ParamInfo, Trace, trace_step
 from finetune.recipe.schema import AdapterConfig
 
-# Tokens per chunk of the chunked LM-head + loss (must match finetune.memory's chunked loss).
-CHUNK_TOKENS = 1024
+# The chunked LM head + loss holds this many bytes of fp32 logits per chunk; same rule as
+# finetune.memory.chunked_loss.default_chunk_size (offload branch): 64 MiB, 64 to 8192 tokens.
+CHUNK_LOGITS_BYTES = 64 << 20
+
+
+def chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk of the chunked loss."""
+    return max(64, min(8192, CHUNK_LOGITS_BYTES // (4 * vocab_size)))
+
 # CUDA fixed costs. The context is outside torch's allocator, so it is added to the peak; the budget is
 # measured as free memory before the process creates its context. Values for CUDA 12 with lazy module
 # loading on Ampere/Ada/Hopper; cuBLAS keeps one 32 MiB workspace (Hopper) per stream/handle.
@@ -144,8 +152,10 @@ def _block(settings: Settings) -> int:
 
 
 def _traces(spec: ModelSpec, settings: Settings) -> tuple[Trace, Trace, int, int]:
-    n = min(_block(settings), spec.num_layers)
-    small, large = n, min(2 * n, spec.num_layers)
+    n = _block(settings)
+    # Two and three blocks: the first layer (whose input needs no gradient under LoRA) and the last (next to
+    # the head) are both present and distinct; a model that small is traced whole.
+    small, large = (2 * n, 3 * n) if 3 * n < spec.num_layers else (spec.num_layers, spec.num_layers)
     every = settings.checkpoint_every_n_layers if settings.activation_checkpointing else 0
     args = (spec.config, spec.adapter, spec.dtype, spec.attn, spec.device, 1, spec.seq_len)
     int8 = settings.bits == 8
@@ -182,11 +192,13 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
     dequant = largest_quant * torch.tensor([], dtype=spec.dtype).element_size() if settings.bits == 4 else 0
 
     tokens = mb * spec.seq_len
-    logits_keep = min(1.0, CHUNK_TOKENS / tokens) if settings.chunked_loss else 1.0
+    vocab = spec.config.get_text_config().vocab_size
+    logits_keep = min(1.0, chunk_tokens(vocab) / tokens) if settings.chunked_loss else 1.0
     hidden_bytes = tokens * spec.hidden_size * torch.tensor([], dtype=spec.dtype).element_size()
     windows: dict[str, dict[str, float]] = {}
     offloaded = 0.0
-    for name in ("forward", "backward"):
+    phases = [w for w in ("forward", "bwd_head", "bwd_top", "bwd_bottom") if w in ta.windows and w in tb.windows]
+    for name in phases:
         wa, wb = ta.windows[name][1], tb.windows[name][1]
         act = _lerp(wa["activations"], wb["activations"], la, lb, L) * mb
         act_per_block = (wb["activations"] - wa["activations"]) * mb if lb != la else 0.0
@@ -205,7 +217,7 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
             act -= moved
             offloaded = max(offloaded, moved)
         windows[name] = {**params, "gradients": grads, "activations": act, "logits_and_loss": logits,
-                         "other": dequant if name == "backward" or spec.device == "cuda" else 0}
+                         "other": dequant if name != "forward" or spec.device == "cuda" else 0}
     windows["optimizer"] = {**params, "gradients": grads_total, "activations": 0.0, "logits_and_loss": 0.0,
                             "other": _STEP_TEMPORARIES.get(settings.optimizer, 2) * largest_trained}
     if spec.device == "cuda":

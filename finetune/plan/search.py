@@ -11,10 +11,9 @@ from typing import Any
 import torch
 
 from finetune.errors import FinetuneError
-from finetune.memory.measure import attn_implementation, compute_dtype
 from finetune.plan.cost_model import tokens_per_second
 from finetune.plan.memory_model import ModelSpec, Settings, predict_memory
-from finetune.plan.shapes import ModelShapes, load_model_config, model_shapes
+from finetune.plan.shapes import ModelShapes, attn_implementation, load_model_config, model_shapes, target_dtype
 from finetune.recipe.schema import Recipe, format_bytes
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -118,8 +117,8 @@ def _choices(recipe: Recipe, spec: ModelSpec) -> list[Settings]:
 def model_spec(recipe: Recipe, config: Any, device: str) -> ModelSpec:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return ModelSpec(
-        config=config, adapter=recipe.adapter, dtype=compute_dtype(recipe, device),
-        attn=attn_implementation(recipe, text.model_type), device=device, seq_len=recipe.data.max_seq_len,
+        config=config, adapter=recipe.adapter, dtype=target_dtype(recipe, device),
+        attn=attn_implementation(recipe), device=device, seq_len=recipe.data.max_seq_len,
         num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
         double_quant=recipe.quantization.double_quant, optimizer_rank=recipe.optimizer.rank,
         momentum=recipe.optimizer.momentum, offload_min_size=recipe.memory.offload_min_size)

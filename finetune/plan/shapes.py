@@ -15,7 +15,24 @@ from typing import Any
 import torch
 
 from finetune.errors import ModelLoadError
-from finetune.recipe.schema import AdapterConfig
+from finetune.recipe.schema import AdapterConfig, Recipe
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def target_dtype(recipe: Recipe, device: str) -> torch.dtype:
+    """The compute dtype on the device planned for (model.dtype auto: bf16 on CUDA, fp32 on CPU).
+
+    Same rule as finetune.model.load.compute_dtype, but for a target device rather than this machine's.
+    """
+    if recipe.model.dtype == "auto":
+        return torch.bfloat16 if device == "cuda" else torch.float32
+    return _DTYPES[recipe.model.dtype]
+
+
+def attn_implementation(recipe: Recipe) -> str:
+    """model.attn_implementation, auto = sdpa (as finetune.model.load does)."""
+    return "sdpa" if recipe.model.attn_implementation == "auto" else recipe.model.attn_implementation
 
 
 def load_model_config(path: str, trust_remote_code: bool = False) -> Any:
@@ -96,9 +113,9 @@ def model_shapes(config: Any, adapter: AdapterConfig | None = None) -> ModelShap
     outside = sum(all_params.values()) - layer_total
     lora = 0
     if adapter is not None and adapter.type in ("lora", "dora"):
-        from finetune.memory.measure import apply_adapter
+        from finetune.model.adapter import apply_adapter
 
-        peft_model = apply_adapter(model, adapter)
+        peft_model = apply_adapter(model, adapter, checkpointing=False)
         lora = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return ModelShapes(

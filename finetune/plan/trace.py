@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from finetune.memory.measure import apply_adapter, enable_checkpointing, training_step
+from finetune.memory.measure import enable_checkpointing, training_step
+from finetune.model.adapter import apply_adapter
 from finetune.memory.tracker import MemoryTracker
 from finetune.plan.shapes import with_layers
 from finetune.recipe.schema import AdapterConfig
@@ -116,6 +117,25 @@ def _param_infos(model: torch.nn.Module) -> tuple[ParamInfo, ...]:
     return tuple(infos)
 
 
+def _layer_windows(model: torch.nn.Module, tracker: MemoryTracker) -> list:
+    """Split the backward window at decoder-layer boundaries: bwd_head (LM head and loss), bwd_top (last
+    layer), bwd_mid, bwd_bottom (first layer and embeddings). The peak moves from the top to the bottom as
+    activations are freed and gradients appear; each end extrapolates linearly with the layer count."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    names = ["bwd_bottom", *["bwd_mid"] * (len(layers) - 2), "bwd_top"] if len(layers) > 1 else ["bwd_top"]
+
+    def hook_for(name: str):
+        def forward_hook(_module, _args, output):
+            out = output[0] if isinstance(output, tuple) else output
+            if torch.is_grad_enabled() and out.requires_grad and tracker._window == "forward":
+                out.register_hook(lambda grad: tracker.switch_window(name))
+        return forward_hook
+
+    return [layer.register_forward_hook(hook_for(name)) for layer, name in zip(layers, names, strict=True)]
+
+
 @functools.lru_cache(maxsize=512)
 def _trace_cached(config_json: str, model_type: str, adapter_json: str, dtype: str, attn: str, device: str,
                   micro_batch: int, seq_len: int, layers: int, checkpoint_every: int, int8: bool) -> Trace:
@@ -127,7 +147,7 @@ def _trace_cached(config_json: str, model_type: str, adapter_json: str, dtype: s
     adapter = AdapterConfig.model_validate_json(adapter_json)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-        model = apply_adapter(model, adapter)
+        model = apply_adapter(model, adapter, checkpointing=checkpoint_every > 0)
         ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
     if int8:
         for name, module in model.named_modules():
@@ -137,11 +157,14 @@ def _trace_cached(config_json: str, model_type: str, adapter_json: str, dtype: s
     model.train()
     tracker = MemoryTracker(vocab_size=config.get_text_config().vocab_size)
     tracker.register_model(model)
+    handles = _layer_windows(model, tracker)
     try:
         with _meta_kernels(device), tracker:
-            training_step(model, {"input_ids": ids, "labels": ids}, None, 1, tracker)
+            training_step(model, {"input_ids": ids, "labels": ids}, None, 1, tracker, backward_window="bwd_head")
     finally:
         tracker.remove_hooks()
+        for handle in handles:
+            handle.remove()
     return Trace(windows=dict(tracker.windows), params=_param_infos(model))
 
 
