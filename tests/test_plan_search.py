@@ -96,3 +96,23 @@ def test_70b_config_under_two_seconds():
     plan = predict(recipe, gpu_memory="48GiB")
     assert time.perf_counter() - start < 2.0
     assert 35 * 2**30 < plan.breakdown["weights"] < 45 * 2**30  # 70B in NF4 ~ 0.53 B/param + bf16 embeddings
+
+
+def test_plan_and_measure_commands_print_json(tiny_dir, capsys):
+    import json
+
+    from finetune.memory.measure import measure_command
+    from finetune.plan import plan_command
+
+    recipe = _recipe(tiny_dir, seq=64)
+    assert plan_command(recipe, "64MiB", as_json=True, device="cpu") == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] and plan["budget_bytes"] == 64 * 2**20
+    assert set(plan["breakdown"]) == {"weights", "trainable_weights", "gradients", "optimizer_state",
+                                      "activations", "logits_and_loss", "other"}
+    assert plan_command(recipe, "1MiB", as_json=False, device="cpu") == 1
+    assert "Smallest budget that works" in capsys.readouterr().out
+    chosen = predict(recipe, gpu_memory="64MiB", device="cpu").apply(recipe)
+    assert measure_command(chosen, steps=1, as_json=True) == 0
+    measured = json.loads(capsys.readouterr().out)
+    assert measured["device"] == "cpu" and measured["peak_bytes"] == sum(measured["breakdown"].values())

@@ -20,8 +20,7 @@ from finetune.recipe.schema import OptimizerConfig, Recipe
 def enable_checkpointing(model: torch.nn.Module, enabled: bool, every_n: int) -> None:
     """Non-reentrant checkpointing of one decoder layer in every `every_n`."""
     if enabled:
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=every_n)
+        model.activation_checkpointing_enable({"use_reentrant": False}, every_n_layers=every_n)
     model.config.use_cache = False
 
 

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from finetune.memory.measure import enable_checkpointing, training_step
-from finetune.model.adapter import apply_adapter
 from finetune.memory.tracker import MemoryTracker
+from finetune.model.adapter import apply_adapter
 from finetune.plan.shapes import with_layers
 from finetune.recipe.schema import AdapterConfig
 
