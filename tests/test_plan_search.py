@@ -81,7 +81,7 @@ def test_published_configs_plan_fast(name):
     for gib in (8, 12, 16, 24):
         start = time.perf_counter()
         plans.append(predict(recipe, gpu_memory=f"{gib}GiB"))
-        assert time.perf_counter() - start < 2.0 * (3 if gib == 8 else 1), f"{name} {gib} GiB too slow"
+        assert time.perf_counter() - start < 2.0, f"{name} {gib} GiB too slow"
     assert all(p.device == "cuda" for p in plans)
     budgets = [p.budget_bytes for p in plans]
     assert budgets == sorted(budgets)

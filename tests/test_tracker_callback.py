@@ -7,7 +7,7 @@ import torch
 
 def test_trainer_logs_peak_memory(tiny_model_dir, tmp_path):
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     from finetune.memory.tracker_callback import PeakMemoryCallback
 
@@ -17,9 +17,16 @@ def test_trainer_logs_peak_memory(tiny_model_dir, tmp_path):
     callback = PeakMemoryCallback(predicted_peak_bytes=1)  # any real peak is above 1 byte: must warn
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, logging_steps=1,
                              report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True)
-    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    captured: list[dict] = []
+
+    class MetricsWriter(TrainerCallback):  # stands for the metrics.jsonl writer, which runs after ours
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if "loss" in logs:
+                captured.append(dict(logs))
+
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback, MetricsWriter()])
     trainer.train()
-    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    logs = captured
     assert len(logs) == 2
     first = logs[0]
     params = sum(p.numel() * 4 for p in model.parameters())

@@ -141,7 +141,8 @@ class MemoryTracker(TorchDispatchMode):
             self.tag(buffer, "weights")
 
     def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Tag the optimizer's state tensors after every step."""
+        """Tag the optimizer's state tensors after every step (accelerate's wrapper: its inner optimizer)."""
+        optimizer = getattr(optimizer, "optimizer", optimizer)
         self._hooks.append(optimizer.register_step_post_hook(lambda opt, _a, _k: self._tag_optimizer_state(opt)))
         self._tag_optimizer_state(optimizer)
 
