@@ -95,7 +95,11 @@ def quantized_weight_bytes(numel: int, out_features: int, bits: int | None, doub
 
 
 def optimizer_state_bytes(name: str, params: list[ParamInfo], rank: int | None = None) -> int:
-    """Optimizer state for the trained parameters (swap for finetune.optim.optimizer_state_bytes when it lands)."""
+    """Optimizer state for the trained parameters.
+
+    Swap for finetune.optim.optimizer_state_bytes(name, [(p.name, p.shape, dtype) ...], recipe.optimizer) once
+    the optimizers branch is on main: it knows each preset's ranks and which weights get projected.
+    """
     total = 0
     for p in params:
         if not p.trainable:
@@ -145,6 +149,7 @@ class ModelSpec:
     optimizer_rank: int | None = None
     momentum: float = 0.0
     offload_min_size: int = 1 << 20
+    layerwise: bool = False  # optimizer.layerwise: each gradient is consumed (and freed) as soon as it exists
 
 
 def _block(settings: Settings) -> int:
@@ -184,8 +189,8 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
     L, mb = spec.num_layers, settings.micro_batch_size
     pa, pb = _param_parts(ta, spec, settings), _param_parts(tb, spec, settings)
     params = {k: _lerp(pa[k], pb[k], la, lb, L) for k in pa}
-    grads_total = params["trainable_weights"]
     largest_trained = max((p.numel * p.bytes_per_elem for p in tb.params if p.trainable), default=0)
+    grads_total = largest_trained if spec.layerwise else params["trainable_weights"]
     largest_quant = max((p.numel for p in tb.params if p.quantizable), default=0)
     # 4-bit: backward dequantizes one weight at a time into the compute dtype (on CUDA forward too; on CPU
     # the forward kernel is fused). 8-bit is emulated inside the trace.
@@ -204,7 +209,9 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
         act_per_block = (wb["activations"] - wa["activations"]) * mb if lb != la else 0.0
         logits = _lerp(wa["logits_and_loss"], wb["logits_and_loss"], la, lb, L) * mb * logits_keep
         grads = _lerp(wa["gradients"], wb["gradients"], la, lb, L)
-        if settings.gradient_accumulation_steps > 1:
+        if spec.layerwise:
+            grads = min(grads, largest_trained)
+        elif settings.gradient_accumulation_steps > 1:
             grads = max(grads, grads_total)
         moved = 0.0
         if settings.offload != "none":

@@ -127,7 +127,8 @@ def model_spec(recipe: Recipe, config: Any, device: str) -> ModelSpec:
         attn=attn_implementation(recipe, config), device=device, seq_len=recipe.data.max_seq_len,
         num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
         double_quant=recipe.quantization.double_quant, optimizer_rank=recipe.optimizer.rank,
-        momentum=recipe.optimizer.momentum, offload_min_size=recipe.memory.offload_min_size)
+        momentum=recipe.optimizer.momentum, offload_min_size=recipe.memory.offload_min_size,
+        layerwise=recipe.optimizer.layerwise)
 
 
 def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, host_ram: int | None = None) -> Candidate:

@@ -82,6 +82,8 @@ def _int8_forward(module: torch.nn.Linear):
 class ParamInfo:
     """One parameter of the traced model: how the memory model prices it."""
 
+    name: str
+    shape: tuple[int, ...]
     numel: int
     out_features: int
     bytes_per_elem: int
@@ -113,7 +115,8 @@ def _param_infos(model: torch.nn.Module) -> tuple[ParamInfo, ...]:
             seen.add(id(p))
             quantizable = pname == "weight" and _quantizable(name, module)
             out = p.shape[0] if p.dim() == 2 else p.numel()
-            infos.append(ParamInfo(p.numel(), out, p.element_size(), p.requires_grad, quantizable))
+            infos.append(ParamInfo(f"{name}.{pname}".lstrip("."), tuple(p.shape), p.numel(), out, p.element_size(),
+                                   p.requires_grad, quantizable))
     return tuple(infos)
 
 
