@@ -67,7 +67,8 @@ class Plan:
         data["memory"]["checkpoint_every_n_layers"] = s["checkpoint_every_n_layers"]
         data["memory"]["offload"] = s["offload"]
         data["memory"]["chunked_loss"] = s["chunked_loss"]
-        data["memory"]["gpu_memory"] = self.budget_bytes
+        if data["memory"]["gpu_memory"] == "auto":
+            data["memory"]["gpu_memory"] = self.budget_bytes + recipe.memory.gpu_memory_margin
         data["quantization"]["bits"] = s["bits"]
         data["optimizer"]["name"] = s["optimizer"]
         return Recipe.model_validate(data)
