@@ -1,0 +1,126 @@
+"""Which trained weight gets which treatment, and the preset low-rank settings: from names and shapes only.
+
+Works on `(name, shape, dtype)` triples so the planner can ask about a meta-device model and
+`build_optimizer` about a real one, and both get the same answer.
+
+Presets (why they differ from Hugging Face and LLaMA-Factory): both tools use a FIXED rank (HF 128,
+LLaMA-Factory 16) whatever the model width, so the same recipe keeps 1/32 of a 4096-wide 7B but 1/7 of a
+896-wide 0.5B model. We set the rank relative to the width of the projected weights, at the ratios the
+papers validated: GaLore rank = width/4 with scale 0.25 (GaLore paper, LLaMA 1B: rank 512 of 2048,
+alpha 0.25; HF's scale, not LLaMA-Factory's 2.0 which was paired with rank 16), APOLLO rank = width/8 with
+channel-wise scaling and scale 1 (APOLLO paper/repo: rank 256 of 2048), APOLLO-Mini rank 1 with
+tensor-wise scaling and scale 128 (APOLLO paper). All refresh the projection every 200 steps (all three
+sources agree). `width` is the largest short side among the projected weights: the hidden size for full
+fine-tuning, adapter.r for LoRA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from finetune.errors import FinetuneError
+from finetune.recipe.schema import OptimizerConfig
+
+ParamSpec = tuple[str, tuple[int, ...], torch.dtype]
+
+LOW_RANK = ("apollo", "apollo_mini", "galore", "galore_8bit")
+# Names of weights kept out of the low-rank treatment by default: the papers project only the attention
+# and MLP matrices; embeddings and the LM head (vocab x hidden) keep exact AdamW.
+_NOT_PROJECTED_BY_DEFAULT = ("embed", "lm_head", "wte", "wpe")
+
+
+@dataclass(frozen=True)
+class LowRankSettings:
+    """The resolved projection settings of one APOLLO/GaLore optimizer."""
+
+    method: str  # "apollo" or "galore"
+    rank: int
+    update_proj_gap: int
+    scale: float
+    proj_type: str
+    scale_type: str | None  # APOLLO only: "channel" or "tensor"
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    """The trained parameters split by treatment, each list in model order."""
+
+    projected: list[ParamSpec]
+    decayed: list[ParamSpec]  # >= 2-D weights not projected: plain AdamW (or the base optimizer) with decay
+    undecayed: list[ParamSpec]  # 1-D (biases, norms): no weight decay
+    low_rank: LowRankSettings | None
+
+
+def _targeted(name: str, targets: str | list[str] | None) -> bool:
+    module = name.rsplit(".", 1)[0]
+    if targets is None or targets == "all-linear":
+        return not any(word in module for word in _NOT_PROJECTED_BY_DEFAULT)
+    targets = [targets] if isinstance(targets, str) else targets
+    return any(t in module for t in targets)
+
+
+def plan_params(name: str, specs: list[ParamSpec], opt: OptimizerConfig) -> ParamPlan:
+    """Split trained parameters into projected / decayed / undecayed and resolve the low-rank settings.
+
+    Raises FinetuneError when a low-rank optimizer would save nothing (no targeted weight wider than the
+    rank, e.g. GaLore rank >= LoRA r) or when target_modules matches no trained 2-D weight.
+    """
+    if name == "auto":
+        raise FinetuneError("optimizer.name is auto: the planner must resolve it before the optimizer is built")
+    matrices = [s for s in specs if len(s[1]) >= 2]
+    undecayed = [s for s in specs if len(s[1]) < 2]
+    if name not in LOW_RANK:
+        return ParamPlan([], matrices, undecayed, None)
+    targeted = [s for s in matrices if _targeted(s[0], opt.target_modules)]
+    if not targeted:
+        where = f"optimizer.target_modules={opt.target_modules!r}" if opt.target_modules else "the default targets"
+        raise FinetuneError(
+            f"optimizer {name}: {where} match no trained 2-D weight, so nothing would get the low-rank treatment",
+            hint="Name module-name parts of trained weights (e.g. [q_proj, v_proj], attn, mlp) or use adamw.")
+    width = max(min(s[1][-2:]) for s in targeted)
+    low_rank = _resolve(name, opt, width)
+    projected = [s for s in targeted if min(s[1][-2:]) > low_rank.rank]
+    if not projected:
+        narrow = min(targeted, key=lambda s: min(s[1][-2:]))
+        raise FinetuneError(
+            f"optimizer {name} with rank {low_rank.rank}: no trained weight is wider than the rank (e.g. "
+            f"{narrow[0]} is {' x '.join(map(str, narrow[1]))}), so the projected gradient and optimizer state "
+            "would be as large as the weight itself: no memory saving",
+            hint="With LoRA the trained matrices are only adapter.r wide: set optimizer.rank below adapter.r "
+                 "(or leave it null for the preset), or use adamw / adamw_8bit for adapters.")
+    chosen = {s[0] for s in projected}
+    rest = [s for s in matrices if s[0] not in chosen]
+    return ParamPlan(projected, rest, undecayed, low_rank)
+
+
+def _resolve(name: str, opt: OptimizerConfig, width: int) -> LowRankSettings:
+    if name == "apollo_mini":
+        preset = LowRankSettings("apollo", 1, 200, 128.0, "std", "tensor")
+    elif name == "apollo":
+        preset = LowRankSettings("apollo", max(1, width // 8), 200, 1.0, "std", "channel")
+    else:
+        preset = LowRankSettings("galore", max(1, width // 4), 200, 0.25, "std", None)
+    return LowRankSettings(
+        method=preset.method,
+        rank=opt.rank if opt.rank is not None else preset.rank,
+        update_proj_gap=opt.update_proj_gap if opt.update_proj_gap is not None else preset.update_proj_gap,
+        scale=opt.scale if opt.scale is not None else preset.scale,
+        proj_type=opt.proj_type if opt.proj_type is not None else preset.proj_type,
+        scale_type=opt.scale_type if opt.scale_type is not None else preset.scale_type,
+    )
+
+
+def projected_shape(shape: tuple[int, ...], settings: LowRankSettings) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(low-rank gradient shape, projection matrix shape) for a weight, as the upstream projectors choose.
+
+    std projects the longer side away (right projection when rows >= cols), reverse_std the shorter.
+    """
+    m, n = shape
+    r = settings.rank
+    side = settings.proj_type
+    if side in ("std", "reverse_std"):
+        right = (m >= n) == (side == "std")
+        side = "right" if right else "left"
+    return ((m, r), (r, n)) if side == "right" else ((r, n), (m, r))
