@@ -3,8 +3,10 @@
 The update math is the upstream `galore_torch.GaLoreAdamW` / `apollo_torch.APOLLOAdamW` step, line for line
 (tests/test_optim_lowrank.py checks bit-equality with both). We own the step so that layer-wise training can
 feed it a gradient that was accumulated in projected form (`accumulate`), which the upstream step cannot
-take, and so that every projection matrix owns its storage (upstream GaLore keeps a slice of the full SVD
-factor, so the whole min(m,n) x n matrix stays alive for fp32 weights).
+take, and to keep less state than upstream: APOLLO's random projection is regenerated from its seed at each
+step instead of being stored (the APOLLO paper's point: it costs a randn, not rank x width memory), and
+GaLore's projection owns its storage (upstream keeps a slice of the full SVD factor, so the whole
+min(m,n) x n matrix stays alive for fp32 weights).
 
 Param groups without a "method" key are plain AdamW with the same bias correction and decoupled decay as
 upstream, so embeddings, norms and biases share the optimizer.
@@ -17,6 +19,8 @@ import math
 import torch
 from apollo_torch.random_projector import GradientProjector
 from galore_torch.galore_projector import GaLoreProjector
+
+from finetune.optim.presets import projection_side
 
 
 class LowRankAdamW(torch.optim.Optimizer):
@@ -52,11 +56,16 @@ class LowRankAdamW(torch.optim.Optimizer):
     def _project(self, group: dict, state: dict, grad: torch.Tensor, refresh: bool) -> torch.Tensor:
         """Project with the current matrix; `refresh` lets upstream renew it when the step is due."""
         projector = self._projector(group, state)
+        if group["method"] == "apollo" and projector.ortho_matrix is None and "proj_seed" in state:
+            side = projection_side(tuple(grad.shape), group["proj_type"])
+            projector.ortho_matrix = projector.get_orthogonal_matrix(grad, group["rank"], side, state["proj_seed"])
         if refresh:
-            before = projector.ortho_matrix
+            before, seed = projector.ortho_matrix, getattr(projector, "seed", None)
             low = projector.project(grad, state.setdefault("step", 0))
             if projector.ortho_matrix is not before:
                 projector.ortho_matrix = _owning(projector.ortho_matrix)
+                if seed is not None:
+                    state["proj_seed"] = seed  # the seed this matrix was drawn with
             return low
         gap = projector.update_proj_gap
         projector.update_proj_gap = math.inf  # 1 % inf != 0: upstream keeps the matrix it has
@@ -97,6 +106,15 @@ class LowRankAdamW(torch.optim.Optimizer):
         """Sum of squared norms of the pending projected accumulators."""
         return sum(float(s["grad_acc"].double().pow(2).sum()) for s in self.state.values() if "grad_acc" in s)
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As torch's, and also move GaLore projections (inside projector objects, which torch does not
+        visit) to their parameter's device: the HF Trainer loads optimizer state with map_location="cpu"."""
+        super().load_state_dict(state_dict)
+        for p, state in self.state.items():
+            projector = state.get("projector")
+            if projector is not None and projector.ortho_matrix is not None:
+                projector.ortho_matrix = projector.ortho_matrix.to(p.device)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
@@ -133,6 +151,7 @@ class LowRankAdamW(torch.optim.Optimizer):
             norm_grad = state["projector"].project_back(norm_grad)
         elif method == "apollo":
             norm_grad = _apollo_scaled(p.grad, grad, norm_grad, group, state)
+            state["projector"].ortho_matrix = None  # regenerated from proj_seed next step
         p.add_(norm_grad, alpha=-step_size)
         if group["weight_decay"] > 0.0:
             p.add_(p, alpha=-group["lr"] * group["weight_decay"])

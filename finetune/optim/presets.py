@@ -12,6 +12,13 @@ channel-wise scaling and scale 1 (APOLLO paper/repo: rank 256 of 2048), APOLLO-M
 tensor-wise scaling and scale 128 (APOLLO paper). All refresh the projection every 200 steps (all three
 sources agree). `width` is the largest short side among the projected weights: the hidden size for full
 fine-tuning, adapter.r for LoRA.
+
+Targets: every trained 2-D weight, embeddings and LM head included (HF and LLaMA-Factory project only the
+block linears). Embeddings and head are 5-30% of a small model's weights (Qwen2-0.5B: 27%); left on AdamW
+they would hold most of the state and APOLLO-Mini could never get near SGD-level memory. APOLLO's update is
+the gradient scaled per row (or per tensor), so embedding rows of tokens absent from a batch stay as they
+are. Weights whose short side is not above the rank (nothing to save) fall back to AdamW, as do 1-D
+parameters. Exclude embeddings with `target_modules: [self_attn, mlp]`.
 """
 
 from __future__ import annotations
@@ -26,9 +33,6 @@ from finetune.recipe.schema import OptimizerConfig
 ParamSpec = tuple[str, tuple[int, ...], torch.dtype]
 
 LOW_RANK = ("apollo", "apollo_mini", "galore", "galore_8bit")
-# Names of weights kept out of the low-rank treatment by default: the papers project only the attention
-# and MLP matrices; embeddings and the LM head (vocab x hidden) keep exact AdamW.
-_NOT_PROJECTED_BY_DEFAULT = ("embed", "lm_head", "wte", "wpe")
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,7 @@ class ParamPlan:
 def _targeted(name: str, targets: str | list[str] | None) -> bool:
     module = name.rsplit(".", 1)[0]
     if targets is None or targets == "all-linear":
-        return not any(word in module for word in _NOT_PROJECTED_BY_DEFAULT)
+        return True
     targets = [targets] if isinstance(targets, str) else targets
     return any(t in module for t in targets)
 
@@ -119,8 +123,11 @@ def projected_shape(shape: tuple[int, ...], settings: LowRankSettings) -> tuple[
     """
     m, n = shape
     r = settings.rank
-    side = settings.proj_type
-    if side in ("std", "reverse_std"):
-        right = (m >= n) == (side == "std")
-        side = "right" if right else "left"
-    return ((m, r), (r, n)) if side == "right" else ((r, n), (m, r))
+    return ((m, r), (r, n)) if projection_side(shape, settings.proj_type) == "right" else ((r, n), (m, r))
+
+
+def projection_side(shape: tuple[int, ...], proj_type: str) -> str:
+    """"right" (gradient @ P.T, P is rank x cols) or "left" (P.T @ gradient, P is rows x rank)."""
+    if proj_type in ("std", "reverse_std"):
+        return "right" if (shape[0] >= shape[1]) == (proj_type == "std") else "left"
+    return proj_type

@@ -69,7 +69,8 @@ def optimizer_state_bytes(name: str, trained_params: list[ParamSpec], opt: Optim
     for _, shape, dtype in plan.projected:
         low, matrix = projected_shape(shape, plan.low_rank)
         size = _size(dtype)
-        total += _numel(matrix) * size  # the projection matrix
+        if plan.low_rank.method == "galore":
+            total += _numel(matrix) * size  # the SVD projection (APOLLO regenerates its random one)
         if name == "galore_8bit":
             nbytes, uses_maps = _bnb(_numel(low), size)
             total += nbytes
