@@ -221,3 +221,12 @@ def test_presets_scale_rank_with_width(tiny_model_dir):
     plan = plan_params("galore", specs, config("galore"))
     assert [s[0] for s in plan.projected] == [s[0] for s in specs if len(s[1]) == 2]  # embeddings included
     assert plan.undecayed and all(len(s[1]) == 1 for s in plan.undecayed)
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw_8bit", "apollo", "galore", "adafactor"])
+def test_state_bytes_prediction_holds_for_bf16_weights(tiny_model_dir, name):
+    model = load_model(tiny_model_dir).to(torch.bfloat16)
+    optimizer = build_optimizer(model, config(name), 1e-3)
+    train(model, optimizer, [examples()])
+    specs, _ = trained_specs(model)
+    assert measured_state_bytes(optimizer) == optimizer_state_bytes(name, specs, config(name))

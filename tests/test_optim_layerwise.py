@@ -183,3 +183,18 @@ def test_layerwise_overfits_with_accumulation(tiny_model_dir):
     (ids,) = examples()
     losses = train(model, optimizer, [[ids, ids]] * 40)
     assert losses[-1] < 0.5 < 5.5 < losses[0]
+
+
+@pytest.mark.parametrize("steps_per_update", [1, ACCUMULATION])
+def test_layerwise_works_under_activation_checkpointing(tiny_model_dir, steps_per_update):
+    """Non-reentrant checkpointing (what the Trainer uses) fires each gradient hook once per backward."""
+    micro = examples(steps_per_update, seed=6)
+    normal_model, lw_model = load_model(tiny_model_dir), load_model(tiny_model_dir)
+    for model in (normal_model, lw_model):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    normal = build_optimizer(normal_model, config("apollo"), 1e-2)
+    layerwise = build_optimizer(lw_model, config("apollo", layerwise=True), 1e-2, steps_per_update=steps_per_update)
+    train(normal_model, normal, [micro])
+    _layerwise_step(lw_model, layerwise, micro)
+    _assert_same_weights(normal_model, lw_model)
