@@ -119,7 +119,8 @@ def _resolve(name: str, opt: OptimizerConfig, width: int) -> LowRankSettings:
 def projected_shape(shape: tuple[int, ...], settings: LowRankSettings) -> tuple[tuple[int, int], tuple[int, int]]:
     """(low-rank gradient shape, projection matrix shape) for a weight, as the upstream projectors choose.
 
-    std projects the longer side away (right projection when rows >= cols), reverse_std the shorter.
+    std compresses the shorter side (right projection when rows >= cols: state rows x rank, projection
+    rank x cols), reverse_std the longer one.
     """
     m, n = shape
     r = settings.rank

@@ -162,13 +162,15 @@ class OptimizerConfig(Section):
     scale: float | None = Field(
         None, gt=0, description="APOLLO/GaLore update scale; null: the preset's (galore 0.25, apollo 1, apollo_mini 128).")
     proj_type: Literal["std", "left", "right", "reverse_std"] | None = Field(
-        None, description="Which side is projected: std = the longer one (the preset), reverse_std, left, right. "
+        None, description="Which side is compressed: std (preset) the shorter one, so the projection matrix is the "
+        "small one; reverse_std the longer; left; right. "
         "APOLLO's projection is always random, GaLore's from an SVD.")
     scale_type: Literal["channel", "tensor"] | None = Field(
         None, description="APOLLO only: scaling per channel (apollo preset) or per tensor (apollo_mini preset).")
     target_modules: str | list[str] | None = Field(
         None, description="Weights given the low-rank treatment: module-name parts such as [attn, mlp] or "
-        "[q_proj, v_proj]; null: every trained 2-D weight except embeddings and lm_head. The rest use AdamW.")
+        "[q_proj, v_proj]; null: every trained 2-D weight, embeddings and lm_head included (they hold most of "
+        "a small model's AdamW state). The rest (1-D, too narrow for the rank) use AdamW.")
     layerwise: bool = Field(
         False, description="Update each weight from its backward hook and free its gradient (works with "
         "gradient accumulation; GaLore then accumulates in projected form).")
