@@ -230,3 +230,19 @@ def test_state_bytes_prediction_holds_for_bf16_weights(tiny_model_dir, name):
     train(model, optimizer, [examples()])
     specs, _ = trained_specs(model)
     assert measured_state_bytes(optimizer) == optimizer_state_bytes(name, specs, config(name))
+
+
+def test_recipe_problems_name_the_keys():
+    from finetune.optim.presets import recipe_problems
+    from finetune.recipe.schema import Recipe
+
+    def recipe(**sections):
+        return Recipe.model_validate({"model": {"path": "m"}, "data": {"path": "d.jsonl"}, **sections})
+
+    assert recipe_problems(recipe(optimizer={"name": "galore"})) == []
+    (problem,) = recipe_problems(recipe(optimizer={"name": "galore", "rank": 16}, adapter={"r": 16}))
+    assert "optimizer.rank=16 >= adapter.r=16" in problem
+    assert recipe_problems(recipe(optimizer={"name": "galore", "rank": 64}, adapter={"type": "full"},
+                                  quantization={"bits": None})) == []
+    (problem,) = recipe_problems(recipe(optimizer={"name": "adamw", "layerwise": True}, model={"path": "m", "dtype": "fp16"}))
+    assert "optimizer.layerwise" in problem and "fp16" in problem

@@ -132,3 +132,22 @@ def projection_side(shape: tuple[int, ...], proj_type: str) -> str:
     if proj_type in ("std", "reverse_std"):
         return "right" if (shape[0] >= shape[1]) == (proj_type == "std") else "left"
     return proj_type
+
+
+def recipe_problems(recipe) -> list[str]:
+    """Optimizer settings that make no sense with the rest of a recipe, one line each (for Recipe validation).
+
+    Checked here, before any model is loaded: what needs shapes is checked again by `plan_params`.
+    """
+    opt, adapter = recipe.optimizer, recipe.adapter
+    problems = []
+    if opt.name in LOW_RANK and opt.rank is not None and adapter.type != "full" and opt.rank >= adapter.r:
+        problems.append(
+            f"optimizer.rank={opt.rank} >= adapter.r={adapter.r}: the LoRA matrices are only {adapter.r} wide, "
+            f"so a rank-{opt.rank} {opt.name} projection keeps them whole and saves no memory; set optimizer.rank "
+            "below adapter.r, leave it null for the preset, or use adamw")
+    if opt.layerwise and recipe.model.dtype == "fp16":
+        problems.append(
+            "optimizer.layerwise with model.dtype=fp16: fp16 training scales the loss, and layer-wise updates "
+            "happen inside backward before the scale can be removed; use bf16 or fp32")
+    return problems
