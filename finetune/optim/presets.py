@@ -8,9 +8,10 @@ LLaMA-Factory 16) whatever the model width, so the same recipe keeps 1/32 of a 4
 896-wide 0.5B model. We set the rank relative to the width of the projected weights, at the ratios the
 papers validated: GaLore rank = width/4 with scale 0.25 (GaLore paper, LLaMA 1B: rank 512 of 2048,
 alpha 0.25; HF's scale, not LLaMA-Factory's 2.0 which was paired with rank 16), APOLLO rank = width/8 with
-channel-wise scaling and scale 1 (APOLLO paper/repo: rank 256 of 2048), APOLLO-Mini rank 1 with
-tensor-wise scaling and scale 128 (APOLLO paper). All refresh the projection every 200 steps (all three
-sources agree). `width` is the largest short side among the projected weights: the hidden size for full
+channel-wise scaling and scale 1 (the APOLLO repo pre-trains at about width/4, e.g. rank 256 for the
+1024-wide 350M; we halve it for fine-tuning, whose updates are lower-rank, which puts APOLLO's state near
+1/8 of AdamW's), APOLLO-Mini rank 1 with tensor-wise scaling and scale 128 (APOLLO repo, 1B script).
+All refresh the projection every 200 steps (all three sources agree). `width` is the largest short side among the projected weights: the hidden size for full
 fine-tuning, adapter.r for LoRA.
 
 Targets: every trained 2-D weight, embeddings and LM head included (HF and LLaMA-Factory project only the
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from finetune.errors import FinetuneError
-from finetune.recipe.schema import OptimizerConfig
+from finetune.recipe.schema import OptimizerConfig, Recipe
 
 ParamSpec = tuple[str, tuple[int, ...], torch.dtype]
 
@@ -134,7 +135,7 @@ def projection_side(shape: tuple[int, ...], proj_type: str) -> str:
     return proj_type
 
 
-def recipe_problems(recipe) -> list[str]:
+def recipe_problems(recipe: Recipe) -> list[str]:
     """Optimizer settings that make no sense with the rest of a recipe, one line each (for Recipe validation).
 
     Checked here, before any model is loaded: what needs shapes is checked again by `plan_params`.
