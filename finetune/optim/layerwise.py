@@ -58,7 +58,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 self.inner[p] = factory([{"params": [p], **settings}], seed_offset=index)
                 index += 1
         super().__init__([g for o in self.inner.values() for g in o.param_groups], {})
-        self._sq_norm = 0.0  # immediate mode: squared norms of the gradients already applied this step
+        self._norms: list[torch.Tensor] = []  # immediate mode: norms of the gradients applied this step
         self._fresh = False  # a backward hook ran since the last step()
         self._norm: float | None = None  # the last completed step's norm
         self._prev_norm: float | None = None  # immediate mode: the norm used to clip the current step
@@ -75,26 +75,25 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             if self._compressed(p):
                 self.inner[p].accumulate(p)
             return
-        self._sq_norm += float(p.grad.double().pow(2).sum())
+        self._norms.append(torch.linalg.vector_norm(p.grad))  # stays on the device: no sync per weight
         if self.max_grad_norm is not None and self._prev_norm is not None:
             p.grad.mul_(min(1.0, self.max_grad_norm / (self._prev_norm + CLIP_EPS)))
         self.inner[p].step()
         p.grad = None
 
-    def _pending_sq_norm(self) -> float:
-        total = 0.0
-        for p, opt in self.inner.items():
-            if p.grad is not None:
-                total += float(p.grad.double().pow(2).sum())
+    def _pending_norms(self) -> list[torch.Tensor]:
+        norms = [torch.linalg.vector_norm(p.grad) for p in self.inner if p.grad is not None]
+        for opt in self.inner.values():
             if isinstance(opt, LowRankAdamW):
-                total += opt.accumulated_sq_norm()
-        return total
+                norms += opt.accumulated_norms()
+        return norms
 
     def grad_norm(self) -> float:
         """Global gradient norm of the current step (pending or just applied) before clipping."""
         if not self._fresh:
             return self._norm or 0.0
-        return math.sqrt(self._sq_norm if self.steps_per_update == 1 else self._pending_sq_norm())
+        norms = self._norms if self.steps_per_update == 1 else self._pending_norms()
+        return math.sqrt(sum(float(n) ** 2 for n in norms))  # per-weight norms combined, as clip_grad_norm_
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -113,7 +112,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                         opt.scale_accumulated_(factor)
                 opt.step()
                 p.grad = None
-        self._norm, self._prev_norm, self._sq_norm, self._fresh = norm, norm, 0.0, False
+        self._norm, self._prev_norm, self._norms, self._fresh = norm, norm, [], False
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

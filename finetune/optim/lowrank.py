@@ -102,9 +102,9 @@ class LowRankAdamW(torch.optim.Optimizer):
             if "grad_acc" in state:
                 state["grad_acc"].mul_(factor)
 
-    def accumulated_sq_norm(self) -> float:
-        """Sum of squared norms of the pending projected accumulators."""
-        return sum(float(s["grad_acc"].double().pow(2).sum()) for s in self.state.values() if "grad_acc" in s)
+    def accumulated_norms(self) -> list[torch.Tensor]:
+        """Norms of the pending projected accumulators."""
+        return [torch.linalg.vector_norm(s["grad_acc"]) for s in self.state.values() if "grad_acc" in s]
 
     def load_state_dict(self, state_dict: dict) -> None:
         """As torch's, and also move GaLore projections (inside projector objects, which torch does not

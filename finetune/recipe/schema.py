@@ -172,8 +172,9 @@ class OptimizerConfig(Section):
         "[q_proj, v_proj]; null: every trained 2-D weight, embeddings and lm_head included (they hold most of "
         "a small model's AdamW state). The rest (1-D, too narrow for the rank) use AdamW.")
     layerwise: bool = Field(
-        False, description="Update each weight from its backward hook and free its gradient (works with "
-        "gradient accumulation; GaLore then accumulates in projected form).")
+        False, description="Update each weight from its backward hook and free its gradient. Works with "
+        "gradient accumulation (GaLore then accumulates in projected form; clipping is exact); without "
+        "accumulation only one gradient is ever resident and clipping uses the previous step's norm.")
 
     @model_validator(mode="after")
     def _keys_fit_name(self) -> OptimizerConfig:
