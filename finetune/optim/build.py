@@ -30,11 +30,11 @@ def param_groups(plan: ParamPlan, params: dict[str, torch.nn.Parameter], opt: Op
     """Groups in a fixed order (projected, decayed, undecayed); empty groups are left out."""
     groups = []
     if plan.projected:
-        lr_settings = plan.low_rank
+        low_rank = plan.low_rank
         groups.append({
             "params": [params[s[0]] for s in plan.projected], "weight_decay": opt.weight_decay,
-            "method": lr_settings.method, "rank": lr_settings.rank, "update_proj_gap": lr_settings.update_proj_gap,
-            "scale": lr_settings.scale, "proj_type": lr_settings.proj_type, "scale_type": lr_settings.scale_type,
+            "method": low_rank.method, "rank": low_rank.rank, "update_proj_gap": low_rank.update_proj_gap,
+            "scale": low_rank.scale, "proj_type": low_rank.proj_type, "scale_type": low_rank.scale_type,
         })
     if plan.decayed:
         groups.append({"params": [params[s[0]] for s in plan.decayed], "weight_decay": opt.weight_decay})
