@@ -118,7 +118,8 @@ def test_cli_run_directory_generate_and_export(tmp_path, tiny_model_dir):
     assert proc.returncode == 0, err
     run_dir = tmp_path / "run"
     for name in ("recipe.yaml", "metrics.jsonl", "env.json", "status.json", "results.json", "train.log",
-                 "adapter/adapter_config.json", "adapter/adapter_model.safetensors", "adapter/tokenizer.json"):
+                 "adapter/adapter_config.json", "adapter/adapter_model.safetensors", "adapter/tokenizer.json",
+                 "loss.png"):
         assert (run_dir / name).is_file(), name
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["checkpoint-4"]  # keep the last K=1
     rows = read_jsonl(run_dir / "metrics.jsonl")
