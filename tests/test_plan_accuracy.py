@@ -12,7 +12,7 @@ from finetune.recipe.schema import Recipe
 
 DIMS = {"hidden_size": 128, "intermediate_size": 320, "num_hidden_layers": 4}
 
-# arch, seq, micro-batch, adapter, r, checkpointing, every_n, bits, optimizer
+# arch, seq, micro-batch, adapter, r, checkpointing, every_n, bits, optimizer (sgd with momentum 0.9)
 MATRIX = [
     ("llama", 64, 1, "lora", 4, False, 1, None, "adamw"),
     ("llama", 256, 2, "lora", 8, False, 1, None, "adamw"),
@@ -46,6 +46,10 @@ MATRIX = [
     ("phi3", 1024, 1, "lora", 4, True, 1, 4, "adamw"),
     ("qwen2", 256, 2, "lora", 8, False, 1, 8, "sgd"),
     ("mistral", 128, 1, "full", 8, True, 2, None, "adamw_8bit"),
+    ("llama", 128, 2, "full", 8, False, 1, None, "apollo"),
+    ("qwen2", 128, 1, "full", 8, True, 1, None, "apollo_mini"),
+    ("mistral", 128, 1, "full", 8, False, 1, None, "galore"),
+    ("phi3", 128, 2, "lora", 16, False, 1, 4, "paged_adamw_8bit"),
 ]
 
 

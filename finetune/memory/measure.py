@@ -14,7 +14,7 @@ import torch
 
 from finetune.errors import FinetuneError
 from finetune.memory.tracker import MemoryTracker, measure_step
-from finetune.recipe.schema import OptimizerConfig, Recipe
+from finetune.recipe.schema import Recipe
 
 
 def enable_checkpointing(model: torch.nn.Module, enabled: bool, every_n: int) -> None:
@@ -22,25 +22,6 @@ def enable_checkpointing(model: torch.nn.Module, enabled: bool, every_n: int) ->
     if enabled:
         model.activation_checkpointing_enable({"use_reentrant": False}, every_n_layers=every_n)
     model.config.use_cache = False
-
-
-def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, lr: float) -> torch.optim.Optimizer:
-    """A minimal optimizer factory for measurement until `finetune.optim.build_optimizer` lands on main."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if cfg.name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    if cfg.name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    if cfg.name in ("adamw_8bit", "paged_adamw_8bit"):
-        import bitsandbytes as bnb
-
-        return bnb.optim.AdamW8bit(params, lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    if cfg.name == "adafactor":
-        from transformers.optimization import Adafactor
-
-        return Adafactor(params, lr=lr, relative_step=False, scale_parameter=False, warmup_init=False)
-    raise FinetuneError(f"optimizer.name={cfg.name} is not supported by `finetune measure` yet",
-                        hint="use adamw, adamw_8bit, sgd or adafactor until finetune.optim lands")
 
 
 def training_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer | None,
@@ -82,7 +63,11 @@ def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
     model = apply_adapter(model, recipe.adapter, checkpointing=checkpointing)
     enable_checkpointing(model, checkpointing, recipe.memory.checkpoint_every_n_layers)
     model.train()
-    optimizer = build_optimizer(model, recipe.optimizer, recipe.training.learning_rate)
+    from finetune.optim import build_optimizer
+
+    optimizer = build_optimizer(model, recipe.optimizer, recipe.training.learning_rate,
+                                steps_per_update=recipe.training.gradient_accumulation_steps,
+                                max_grad_norm=recipe.training.max_grad_norm)
     gen = torch.Generator().manual_seed(recipe.training.seed)
     ids = torch.randint(0, vocab, (recipe.training.micro_batch_size, recipe.data.max_seq_len), generator=gen)
     batch = {"input_ids": ids.to(device), "labels": ids.to(device)}

@@ -14,7 +14,8 @@ How the prediction is put together (docs/planner.md has the long form):
    fp32 scale per row); embeddings, norms and the LM head stay unquantized as bitsandbytes leaves them.
    4-bit layers dequantize one weight at a time into the compute dtype in backward (and forward on CUDA):
    the largest one is added. LLM.int8 layers are emulated in the trace (they keep their input for backward).
-3. Optimizer state per trained parameter (`optimizer_state_bytes`), present in every phase from step 2 on.
+3. Optimizer state and resident gradients from `finetune.optim` (`optimizer_state_bytes`, `gradient_bytes`:
+   per preset, low-rank projections, 8-bit blocks, layer-wise), state present in every phase from step 2 on.
    The optimizer phase holds weights + gradients + state + a per-parameter temporary.
 4. Chunked loss keeps `chunk_tokens(vocab)` tokens of logits instead of all; offload removes checkpointed inputs
    (all but the last layer's) or, without checkpointing, every saved tensor >= offload_min_size of every
@@ -30,8 +31,9 @@ from typing import Any
 
 import torch
 
-from finetune.plan.trace import ParamInfo, Trace, trace_step
-from finetune.recipe.schema import AdapterConfig
+from finetune.optim import gradient_bytes, optimizer_state_bytes
+from finetune.plan.trace import Trace, trace_step
+from finetune.recipe.schema import AdapterConfig, OptimizerConfig
 
 # The chunked LM head + loss holds this many bytes of fp32 logits per chunk; same rule as
 # finetune.memory.chunked_loss.default_chunk_size (offload branch): 64 MiB, 64 to 8192 tokens.
@@ -55,8 +57,6 @@ _STEP_TEMPORARIES = {"adamw": 2, "adamw_8bit": 1, "paged_adamw_8bit": 1, "sgd": 
                      "apollo": 3, "apollo_mini": 3, "galore": 3, "galore_8bit": 3}
 NF4_BLOCK = 64
 DOUBLE_QUANT_BLOCK = 256
-BNB_8BIT_MIN_SIZE = 4096  # bitsandbytes keeps 32-bit state for tensors smaller than this
-BNB_8BIT_BLOCK = 256
 
 
 @dataclass(frozen=True)
@@ -94,45 +94,6 @@ def quantized_weight_bytes(numel: int, out_features: int, bits: int | None, doub
     return numel * bytes_per_elem
 
 
-def optimizer_state_bytes(name: str, params: list[ParamInfo], rank: int | None = None) -> int:
-    """Optimizer state for the trained parameters.
-
-    Swap for finetune.optim.optimizer_state_bytes(name, [(p.name, p.shape, dtype) ...], recipe.optimizer) once
-    the optimizers branch is on main: it knows each preset's ranks and which weights get projected.
-    """
-    total = 0
-    for p in params:
-        if not p.trainable:
-            continue
-        n, b = p.numel, p.bytes_per_elem
-        step = 4  # AdamW's per-parameter step counter
-        if name == "adamw":
-            total += 2 * n * b + step
-        elif name in ("adamw_8bit", "paged_adamw_8bit"):
-            total += 2 * n * 4 + step if n < BNB_8BIT_MIN_SIZE else 2 * (n + math.ceil(n / BNB_8BIT_BLOCK) * 4) + step
-        elif name == "sgd":
-            total += 0
-        elif name == "adafactor":
-            cols = n // p.out_features
-            total += (p.out_features + cols) * 4 if cols > 1 else n * 4
-        elif name in ("apollo", "apollo_mini", "galore", "galore_8bit"):
-            cols = n // p.out_features
-            r = 1 if name == "apollo_mini" else (rank or 128)
-            if cols > 1:
-                r = min(r, p.out_features, cols)
-                proj = min(p.out_features, cols)
-                total += 2 * r * max(p.out_features, cols) * 4 + (proj * r * 4 if name.startswith("galore") else 0)
-            else:
-                total += 2 * n * 4
-        else:
-            raise ValueError(f"no state-size model for optimizer {name}")
-    return total
-
-
-def _with_momentum(name: str, momentum: float, params: list[ParamInfo]) -> int:
-    return sum(p.numel * p.bytes_per_elem for p in params if p.trainable) if name == "sgd" and momentum > 0 else 0
-
-
 @dataclass(frozen=True)
 class ModelSpec:
     """What the memory model needs to know about the model and the run besides `Settings`."""
@@ -145,11 +106,9 @@ class ModelSpec:
     seq_len: int
     num_layers: int
     hidden_size: int
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     double_quant: bool = True
-    optimizer_rank: int | None = None
-    momentum: float = 0.0
     offload_min_size: int = 1 << 20
-    layerwise: bool = False  # optimizer.layerwise: each gradient is consumed (and freed) as soon as it exists
 
 
 def _block(settings: Settings) -> int:
@@ -177,10 +136,11 @@ def _param_parts(trace: Trace, spec: ModelSpec, settings: Settings) -> dict[str,
     params = list(trace.params)
     frozen = sum(quantized_weight_bytes(p.numel, p.out_features, settings.bits if p.quantizable else None,
                                         spec.double_quant, p.bytes_per_elem) for p in params if not p.trainable)
-    trainable = sum(p.numel * p.bytes_per_elem for p in params if p.trainable)
-    state = optimizer_state_bytes(settings.optimizer, params, spec.optimizer_rank) + _with_momentum(
-        settings.optimizer, spec.momentum, params)
-    return {"weights": frozen, "trainable_weights": trainable, "optimizer_state": state}
+    trained = [(p.name, p.shape, p.dtype) for p in params if p.trainable]
+    opt = spec.optimizer.model_copy(update={"name": settings.optimizer})
+    return {"weights": frozen, "trainable_weights": sum(p.numel * p.bytes_per_elem for p in params if p.trainable),
+            "optimizer_state": optimizer_state_bytes(settings.optimizer, trained, opt),
+            "grads": gradient_bytes(trained, opt, settings.gradient_accumulation_steps)}
 
 
 def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
@@ -189,8 +149,8 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
     L, mb = spec.num_layers, settings.micro_batch_size
     pa, pb = _param_parts(ta, spec, settings), _param_parts(tb, spec, settings)
     params = {k: _lerp(pa[k], pb[k], la, lb, L) for k in pa}
+    grads_total = params.pop("grads")
     largest_trained = max((p.numel * p.bytes_per_elem for p in tb.params if p.trainable), default=0)
-    grads_total = largest_trained if spec.layerwise else params["trainable_weights"]
     largest_quant = max((p.numel for p in tb.params if p.quantizable), default=0)
     # 4-bit: backward dequantizes one weight at a time into the compute dtype (on CUDA forward too; on CPU
     # the forward kernel is fused). 8-bit is emulated inside the trace.
@@ -209,8 +169,8 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
         act_per_block = (wb["activations"] - wa["activations"]) * mb if lb != la else 0.0
         logits = _lerp(wa["logits_and_loss"], wb["logits_and_loss"], la, lb, L) * mb * logits_keep
         grads = _lerp(wa["gradients"], wb["gradients"], la, lb, L)
-        if spec.layerwise:
-            grads = min(grads, largest_trained)
+        if spec.optimizer.layerwise:  # each gradient is consumed (and freed) as soon as it exists
+            grads = min(grads, grads_total)
         elif settings.gradient_accumulation_steps > 1:
             grads = max(grads, grads_total)
         moved = 0.0

@@ -127,9 +127,8 @@ def model_spec(recipe: Recipe, config: Any, device: str) -> ModelSpec:
         config=config, adapter=recipe.adapter, dtype=target_dtype(recipe, device),
         attn=attn_implementation(recipe, config), device=device, seq_len=recipe.data.max_seq_len,
         num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
-        double_quant=recipe.quantization.double_quant, optimizer_rank=recipe.optimizer.rank,
-        momentum=recipe.optimizer.momentum, offload_min_size=recipe.memory.offload_min_size,
-        layerwise=recipe.optimizer.layerwise)
+        optimizer=recipe.optimizer, double_quant=recipe.quantization.double_quant,
+        offload_min_size=recipe.memory.offload_min_size)
 
 
 def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, host_ram: int | None = None) -> Candidate:

@@ -84,6 +84,7 @@ class ParamInfo:
 
     name: str
     shape: tuple[int, ...]
+    dtype: torch.dtype
     numel: int
     out_features: int
     bytes_per_elem: int
@@ -115,8 +116,8 @@ def _param_infos(model: torch.nn.Module) -> tuple[ParamInfo, ...]:
             seen.add(id(p))
             quantizable = pname == "weight" and _quantizable(name, module)
             out = p.shape[0] if p.dim() == 2 else p.numel()
-            infos.append(ParamInfo(f"{name}.{pname}".lstrip("."), tuple(p.shape), p.numel(), out, p.element_size(),
-                                   p.requires_grad, quantizable))
+            infos.append(ParamInfo(f"{name}.{pname}".lstrip("."), tuple(p.shape), p.dtype, p.numel(), out,
+                                   p.element_size(), p.requires_grad, quantizable))
     return tuple(infos)
 
 
