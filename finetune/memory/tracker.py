@@ -149,8 +149,11 @@ class MemoryTracker(TorchDispatchMode):
     def _tag_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
         flat, _ = tree_flatten([dict(s) for s in optimizer.state.values()])
         for value in flat:
-            if isinstance(value, torch.Tensor):
-                self.tag(value, "optimizer_state")
+            # GaLore/APOLLO keep their projection matrices inside projector objects
+            inner = [value] if isinstance(value, torch.Tensor) else list(getattr(value, "__dict__", {}).values())
+            for tensor in inner:
+                if isinstance(tensor, torch.Tensor):
+                    self.tag(tensor, "optimizer_state")
 
     def remove_hooks(self) -> None:
         """Detach the gradient and optimizer hooks (the model and optimizer outlive the tracker)."""

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from finetune.optim import gradient_bytes, optimizer_state_bytes
-from finetune.plan.trace import Trace, trace_step
+from finetune.plan.trace import Trace, param_table, trace_step
 from finetune.recipe.schema import AdapterConfig, OptimizerConfig
 
 # The chunked LM head + loss holds this many bytes of fp32 logits per chunk; same rule as
@@ -115,43 +115,66 @@ def _block(settings: Settings) -> int:
     return settings.checkpoint_every_n_layers if settings.activation_checkpointing else 1
 
 
-def _traces(spec: ModelSpec, settings: Settings) -> tuple[Trace, Trace, int, int]:
+def _layer_counts(spec: ModelSpec, settings: Settings) -> tuple[int, int]:
+    """Two and three blocks: the first layer (whose input needs no gradient under LoRA) and the last (next to
+    the head) are both present and distinct; a model that small is used whole."""
     n = _block(settings)
-    # Two and three blocks: the first layer (whose input needs no gradient under LoRA) and the last (next to
-    # the head) are both present and distinct; a model that small is traced whole.
-    small, large = (2 * n, 3 * n) if 3 * n < spec.num_layers else (spec.num_layers, spec.num_layers)
+    return (2 * n, 3 * n) if 3 * n < spec.num_layers else (spec.num_layers, spec.num_layers)
+
+
+def _traces(spec: ModelSpec, settings: Settings) -> tuple[Trace, Trace]:
+    la, lb = _layer_counts(spec, settings)
     every = settings.checkpoint_every_n_layers if settings.activation_checkpointing else 0
     args = (spec.config, spec.adapter, spec.dtype, spec.attn, spec.device, 1, spec.seq_len)
     int8 = settings.bits == 8
-    a = trace_step(*args, small, every, int8)
-    b = trace_step(*args, large, every, int8) if large != small else a
-    return a, b, small, large
+    return trace_step(*args, la, every, int8), trace_step(*args, lb, every, int8)
 
 
 def _lerp(a: float, b: float, xa: int, xb: int, x: int) -> float:
     return a if xa == xb else a + (b - a) * (x - xa) / (xb - xa)
 
 
-def _param_parts(trace: Trace, spec: ModelSpec, settings: Settings) -> dict[str, float]:
-    params = list(trace.params)
-    frozen = sum(quantized_weight_bytes(p.numel, p.out_features, settings.bits if p.quantizable else None,
-                                        spec.double_quant, p.bytes_per_elem) for p in params if not p.trainable)
-    trained = [(p.name, p.shape, p.dtype) for p in params if p.trainable]
-    opt = spec.optimizer.model_copy(update={"name": settings.optimizer})
-    return {"weights": frozen, "trainable_weights": sum(p.numel * p.bytes_per_elem for p in params if p.trainable),
+def _param_parts(spec: ModelSpec, settings: Settings) -> tuple[dict[str, float], int, int]:
+    """Weights, trained weights, optimizer state and resident gradients of the whole model (extrapolated from
+    two cut copies), the largest trained parameter's bytes and the largest quantized weight's elements."""
+    la, lb = _layer_counts(spec, settings)
+    parts = []
+    for layers in (la, lb):
+        params = param_table(spec.config, spec.adapter, spec.dtype, layers)
+        frozen = sum(quantized_weight_bytes(p.numel, p.out_features, settings.bits if p.quantizable else None,
+                                            spec.double_quant, p.bytes_per_elem) for p in params if not p.trainable)
+        trained = [(p.name, p.shape, p.dtype) for p in params if p.trainable]
+        opt = spec.optimizer.model_copy(update={"name": settings.optimizer})
+        parts.append({
+            "weights": frozen, "trainable_weights": sum(p.numel * p.bytes_per_elem for p in params if p.trainable),
             "optimizer_state": optimizer_state_bytes(settings.optimizer, trained, opt),
-            "grads": gradient_bytes(trained, opt, settings.gradient_accumulation_steps)}
+            "grads": gradient_bytes(trained, opt, settings.gradient_accumulation_steps)})
+    largest_trained = max((p.numel * p.bytes_per_elem for p in params if p.trainable), default=0)
+    largest_quant = max((p.numel for p in params if p.quantizable), default=0)
+    return {k: _lerp(parts[0][k], parts[1][k], la, lb, spec.num_layers) for k in parts[0]}, largest_trained, largest_quant
+
+
+def _fixed_costs(spec: ModelSpec, dynamic: float) -> float:
+    if spec.device != "cuda":
+        return 0.0
+    return CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + ALLOCATOR_OVERHEAD * dynamic
+
+
+def memory_floor(spec: ModelSpec, settings: Settings) -> int:
+    """A lower bound of the peak without tracing: weights, trained weights, optimizer state, fixed costs."""
+    params, _, _ = _param_parts(spec, settings)
+    params.pop("grads")
+    static = sum(params.values())
+    return int(static + _fixed_costs(spec, static))
 
 
 def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
     """Peak bytes and breakdown of a training step (steady state: optimizer state already allocated)."""
-    ta, tb, la, lb = _traces(spec, settings)
+    ta, tb = _traces(spec, settings)
+    la, lb = _layer_counts(spec, settings)
     L, mb = spec.num_layers, settings.micro_batch_size
-    pa, pb = _param_parts(ta, spec, settings), _param_parts(tb, spec, settings)
-    params = {k: _lerp(pa[k], pb[k], la, lb, L) for k in pa}
+    params, largest_trained, largest_quant = _param_parts(spec, settings)
     grads_total = params.pop("grads")
-    largest_trained = max((p.numel * p.bytes_per_elem for p in tb.params if p.trainable), default=0)
-    largest_quant = max((p.numel for p in tb.params if p.quantizable), default=0)
     # 4-bit: backward dequantizes one weight at a time into the compute dtype (on CUDA forward too; on CPU
     # the forward kernel is fused). 8-bit is emulated inside the trace.
     dequant = largest_quant * torch.tensor([], dtype=spec.dtype).element_size() if settings.bits == 4 else 0
@@ -174,7 +197,7 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
         elif settings.gradient_accumulation_steps > 1:
             grads = max(grads, grads_total)
         moved = 0.0
-        if settings.offload != "none":
+        if settings.offload != "none" and name != "bwd_bottom":  # at the bottom they are all back or freed
             if settings.activation_checkpointing:
                 n_ckpt = math.ceil(L / settings.checkpoint_every_n_layers)
                 moved = max(0, n_ckpt - 1) * hidden_bytes
@@ -183,14 +206,13 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
             moved = min(moved, act)
             act -= moved
             offloaded = max(offloaded, moved)
+        in_layers = name in ("bwd_top", "bwd_bottom") or (name == "forward" and spec.device == "cuda")
         windows[name] = {**params, "gradients": grads, "activations": act, "logits_and_loss": logits,
-                         "other": dequant if name != "forward" or spec.device == "cuda" else 0}
+                         "other": dequant if in_layers else 0}
     windows["optimizer"] = {**params, "gradients": grads_total, "activations": 0.0, "logits_and_loss": 0.0,
                             "other": _STEP_TEMPORARIES.get(settings.optimizer, 2) * largest_trained}
-    if spec.device == "cuda":
-        for w in windows.values():
-            dynamic = sum(w.values())
-            w["other"] += CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + ALLOCATOR_OVERHEAD * dynamic
+    for w in windows.values():
+        w["other"] += _fixed_costs(spec, sum(w.values()))
     phase = max(windows, key=lambda k: sum(windows[k].values()))
     breakdown = {k: int(round(v)) for k, v in windows[phase].items()}
     return Prediction(peak_bytes=sum(breakdown.values()), breakdown=breakdown, phase=phase,

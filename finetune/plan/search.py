@@ -12,7 +12,7 @@ import torch
 
 from finetune.errors import FinetuneError
 from finetune.plan.cost_model import tokens_per_second
-from finetune.plan.memory_model import ModelSpec, Settings, predict_memory
+from finetune.plan.memory_model import ModelSpec, Settings, memory_floor, predict_memory
 from finetune.plan.shapes import (
     ModelShapes,
     attn_implementation,
@@ -156,20 +156,38 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
     budget = _budget(recipe, gpu_memory, "cuda" if torch.cuda.is_available() and device == "cuda" else "cpu")
     host_ram = _free_memory("cpu") if device == "cuda" else None
     shapes = model_shapes(config)
-    candidates = [evaluate(spec, shapes, s, host_ram) for s in _choices(recipe, spec)]
+    # Cheap lower bounds first: a configuration whose weights and optimizer state alone exceed the budget is
+    # rejected without tracing its activations.
+    floors = sorted(((memory_floor(spec, st), i, st) for i, st in enumerate(_choices(recipe, spec))),
+                    key=lambda x: (x[0], x[1]))
+    candidates, pruned = [], []
+    for floor, _, st in floors:
+        if floor > budget:
+            pruned.append((floor, st))
+        else:
+            candidates.append(evaluate(spec, shapes, st, host_ram))
     for c in candidates:
         if c.reason is None and c.peak_bytes > budget:
             c.reason = f"needs {format_bytes(c.peak_bytes)}, budget {format_bytes(budget)}"
     ok = sorted((c for c in candidates if c.reason is None), key=lambda c: -_score(c))
+    leanest = min(candidates, key=lambda c: c.peak_bytes, default=None)
+    while not ok and pruned and (leanest is None or pruned[0][0] < leanest.peak_bytes):
+        # Nothing fits: find the leanest configuration (branch and bound on the lower bounds).
+        _floor, st = pruned.pop(0)
+        cand = evaluate(spec, shapes, st, host_ram)
+        cand.reason = cand.reason or f"needs {format_bytes(cand.peak_bytes)}, budget {format_bytes(budget)}"
+        candidates.append(cand)
+        leanest = cand if leanest is None or cand.peak_bytes < leanest.peak_bytes else leanest
     rejected = sorted((c for c in candidates if c.reason is not None), key=lambda c: c.peak_bytes)
+    rejected += [Candidate(asdict(st), floor, {}, 0.0, f"needs at least {format_bytes(floor)}, budget "
+                           f"{format_bytes(budget)}") for floor, st in pruned]
     if ok:
         best = ok[0]
         return Plan(device, best.settings, best.peak_bytes, best.breakdown, budget, True, best.tokens_per_s,
                     alternatives=ok[1:4], rejected=rejected)
-    smallest = rejected[0]
-    return Plan(device, smallest.settings, smallest.peak_bytes, smallest.breakdown, budget, False,
-                smallest.tokens_per_s, rejected=rejected,
-                min_budget_bytes=smallest.peak_bytes + recipe.memory.gpu_memory_margin)
+    return Plan(device, leanest.settings, leanest.peak_bytes, leanest.breakdown, budget, False,
+                leanest.tokens_per_s, rejected=rejected,
+                min_budget_bytes=leanest.peak_bytes + recipe.memory.gpu_memory_margin)
 
 
 def _score(c: Candidate) -> float:

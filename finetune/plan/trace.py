@@ -94,10 +94,9 @@ class ParamInfo:
 
 @dataclass(frozen=True)
 class Trace:
-    """Window peaks (total, breakdown) of one traced step, and the traced model's parameters."""
+    """Window peaks (total, breakdown) of one traced step."""
 
     windows: dict[str, tuple[int, dict[str, int]]]
-    params: tuple[ParamInfo, ...]
 
 
 def _quantizable(name: str, module: torch.nn.Module) -> bool:
@@ -140,9 +139,8 @@ def _layer_windows(model: torch.nn.Module, tracker: MemoryTracker) -> list:
     return [layer.register_forward_hook(hook_for(name)) for layer, name in zip(layers, names, strict=True)]
 
 
-@functools.lru_cache(maxsize=512)
-def _trace_cached(config_json: str, model_type: str, adapter_json: str, dtype: str, attn: str, device: str,
-                  micro_batch: int, seq_len: int, layers: int, checkpoint_every: int, int8: bool) -> Trace:
+def _meta_model(config_json: str, model_type: str, adapter_json: str, dtype: str, attn: str, layers: int,
+                checkpointing: bool) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(model_type, **json.loads(config_json))
@@ -151,8 +149,20 @@ def _trace_cached(config_json: str, model_type: str, adapter_json: str, dtype: s
     adapter = AdapterConfig.model_validate_json(adapter_json)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-        model = apply_adapter(model, adapter, checkpointing=checkpoint_every > 0)
-        ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
+        return apply_adapter(model, adapter, checkpointing=checkpointing)
+
+
+@functools.lru_cache(maxsize=512)
+def _params_cached(config_json: str, model_type: str, adapter_json: str, dtype: str, layers: int):
+    return _param_infos(_meta_model(config_json, model_type, adapter_json, dtype, "eager", layers, False))
+
+
+@functools.lru_cache(maxsize=512)
+def _trace_cached(config_json: str, model_type: str, adapter_json: str, dtype: str, attn: str, device: str,
+                  micro_batch: int, seq_len: int, layers: int, checkpoint_every: int, int8: bool) -> Trace:
+    model = _meta_model(config_json, model_type, adapter_json, dtype, attn, layers, checkpoint_every > 0)
+    config = model.config
+    ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
     if int8:
         for name, module in model.named_modules():
             if _quantizable(name, module):
@@ -169,7 +179,16 @@ def _trace_cached(config_json: str, model_type: str, adapter_json: str, dtype: s
         tracker.remove_hooks()
         for handle in handles:
             handle.remove()
-    return Trace(windows=dict(tracker.windows), params=_param_infos(model))
+    return Trace(windows=dict(tracker.windows))
+
+
+def _key(config: Any, adapter: AdapterConfig, dtype: torch.dtype) -> tuple[str, str, str, str]:
+    data = config.to_dict()
+    model_type = data.pop("model_type")
+    for key in ("transformers_version", "architectures", "_name_or_path"):
+        data.pop(key, None)
+    return (json.dumps(data, sort_keys=True, default=str), model_type, adapter.model_dump_json(),
+            str(dtype).removeprefix("torch."))
 
 
 def trace_step(config: Any, adapter: AdapterConfig, dtype: torch.dtype, attn: str, device: str, micro_batch: int,
@@ -178,10 +197,10 @@ def trace_step(config: Any, adapter: AdapterConfig, dtype: torch.dtype, attn: st
 
     int8: frozen decoder Linear layers behave like bitsandbytes LLM.int8 layers (see `_Int8LikeLinear`).
     """
-    data = config.to_dict()
-    model_type = data.pop("model_type")
-    for key in ("transformers_version", "architectures", "_name_or_path"):
-        data.pop(key, None)
-    return _trace_cached(json.dumps(data, sort_keys=True, default=str), model_type,
-                         adapter.model_dump_json(), str(dtype).removeprefix("torch."), attn, device,
-                         micro_batch, seq_len, layers, checkpoint_every, int8)
+    return _trace_cached(*_key(config, adapter, dtype), attn, device, micro_batch, seq_len, layers,
+                         checkpoint_every, int8)
+
+
+def param_table(config: Any, adapter: AdapterConfig, dtype: torch.dtype, layers: int) -> tuple[ParamInfo, ...]:
+    """The parameters of `config` cut to `layers` layers, adapter applied (no forward: milliseconds)."""
+    return _params_cached(*_key(config, adapter, dtype), layers)
