@@ -1,0 +1,113 @@
+"""Turn run-directory contents and planner output into what the page shows (markdown, HTML, tables)."""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+from finetune.recipe.schema import format_bytes
+from ui import rundir
+from ui.runs import RunManager
+
+
+def _size(n: Any) -> str:
+    return format_bytes(n) if isinstance(n, (int, float)) else "n/a"
+
+
+def _duration(seconds: Any) -> str:
+    if not isinstance(seconds, (int, float)):
+        return "n/a"
+    s = int(seconds)
+    return f"{s // 3600}h {s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m {s % 60:02d}s"
+
+
+def status_html(run_dir: Path, state: str) -> str:
+    """Progress bar, step, ETA, tokens/s and measured against predicted memory for one run."""
+    status = rundir.read_status(run_dir)
+    rows = rundir.read_metrics(run_dir)
+    step = status.get("step") or rundir.last_value(rows, "step") or 0
+    max_steps = status.get("max_steps") or 0
+    pct = 100.0 * step / max_steps if max_steps else 0.0
+    peaks = [r["peak_memory_bytes"] for r in rows if r.get("peak_memory_bytes")]
+    plan = rundir.read_plan(run_dir) or {}
+    items = {
+        "state": state,
+        "step": f"{step} / {max_steps or '?'}",
+        "ETA": _duration(status.get("eta_s")) if state == "running" else "-",
+        "loss": f"{rundir.last_value(rows, 'loss'):.4f}" if rundir.last_value(rows, "loss") is not None else "n/a",
+        "tokens/s": f"{rundir.last_value(rows, 'tokens_per_second') or 0:,.0f}",
+        "peak memory, measured": _size(max(peaks) if peaks else None),
+        "peak memory, predicted": _size(plan.get("peak_bytes")),
+    }
+    cells = "".join(f"<div><small>{html.escape(k)}</small><br><b>{html.escape(str(v))}</b></div>"
+                    for k, v in items.items())
+    error = status.get("error")
+    err = f"<pre style='color:#b00020;white-space:pre-wrap'>{html.escape(str(error))}</pre>" if error else ""
+    return (f"<div id='run-status' data-state='{html.escape(state)}' data-step='{step}'>"
+            f"<div><code>{html.escape(str(run_dir))}</code></div>"
+            f"<progress value='{pct:.1f}' max='100' style='width:100%'></progress>"
+            f"<div style='display:flex;gap:1.5em;flex-wrap:wrap'>{cells}</div>{err}</div>")
+
+
+def plan_bars(plan: dict[str, Any]) -> list[tuple[str, dict[str, float]]]:
+    """(label, breakdown) for the chosen plan and every alternative that has a breakdown."""
+    bars = [("chosen plan", plan.get("breakdown") or {})]
+    for i, alt in enumerate(plan.get("alternatives") or [], 1):
+        if isinstance(alt, dict) and isinstance(alt.get("breakdown"), dict):
+            bars.append((alt.get("name") or f"alternative {i}", alt["breakdown"]))
+    return bars
+
+
+def plan_markdown(plan: dict[str, Any]) -> str:
+    """Whether the recipe fits, the peak against the budget, and the settings the planner chose."""
+    fits = plan.get("fits")
+    verdict = "fits" if fits else "does NOT fit"
+    lines = [f"### {'✅' if fits else '❌'} The recipe {verdict}: peak {_size(plan.get('peak_bytes'))} "
+             f"of a {_size(plan.get('budget_bytes'))} budget"]
+    settings = plan.get("settings") or {}
+    if settings:
+        lines.append("**Chosen settings:** " + ", ".join(f"`{k}={v}`" for k, v in settings.items()))
+    breakdown = plan.get("breakdown") or {}
+    if breakdown:
+        lines.append("| part | predicted |\n|---|---|\n" + "\n".join(
+            f"| {k.replace('_', ' ')} | {_size(v)} |" for k, v in breakdown.items()))
+    return "\n\n".join(lines)
+
+
+def option_rows(plan: dict[str, Any]) -> list[list[str]]:
+    """Alternatives and rejected options as table rows: kind, peak, fits, settings or reason."""
+    rows = []
+    for kind in ("alternatives", "rejected"):
+        for opt in plan.get(kind) or []:
+            if not isinstance(opt, dict):
+                rows.append([kind, "", "", str(opt)])
+                continue
+            detail = opt.get("reason") or opt.get("settings") or {k: v for k, v in opt.items() if k != "breakdown"}
+            rows.append([kind, _size(opt.get("peak_bytes")), str(opt.get("fits", "")),
+                         detail if isinstance(detail, str) else json.dumps(detail, default=str)])
+    return rows
+
+
+def history_rows(run_dirs: list[str]) -> list[list[Any]]:
+    """One row per run: name, state, progress and its final metrics."""
+    rows = []
+    for d in run_dirs:
+        s = rundir.summary(Path(d))
+        rows.append([d, s["state"], f"{s['step'] or 0} / {s['max_steps'] or '?'}",
+                     _fmt(s["loss"]), _fmt(s["eval_loss"]), _fmt(s["tokens_per_second"], ".0f"),
+                     _size(s["peak_memory_bytes"])])
+    return rows
+
+
+def _fmt(value: Any, spec: str = ".4f") -> str:
+    return format(value, spec) if isinstance(value, (int, float)) else ""
+
+
+def queue_markdown(manager: RunManager) -> str:
+    """The running job and the queue behind it."""
+    jobs = [j for j in manager.jobs() if j.state in ("running", "queued")]
+    if not jobs:
+        return "GPU free: no run is going and none is queued."
+    return "\n".join(f"- **{j.state}**{' (resume)' if j.resume else ''}: `{j.run_dir}`" for j in jobs)
