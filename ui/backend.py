@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from finetune.errors import FinetuneError, RecipeError
+from finetune.errors import DataError, FinetuneError, RecipeError
 from finetune.recipe.load import recipe_to_yaml, validate_recipe
 from finetune.recipe.schema import Recipe
 from ui import form, rundir
@@ -129,16 +129,22 @@ class Backend:
         return plan_fn(recipe).to_json()
 
     # -- data ----------------------------------------------------------------------------------------
-    def preview(self, values: list[Any], n: int = 3) -> tuple[list[list[tuple[str, bool]]], str]:
-        """Examples as the model sees them, (token text, carries loss) pairs, and the detected format."""
+    def preview(self, values: list[Any], n: int = 3) -> tuple[list[dict[str, Any]], list[str]]:
+        """The first n examples as the model sees them (dicts with `tokens`: (text, carries loss) pairs,
+        `format`, `where`), and the records the reader could not parse (as the CLI reports them)."""
         recipe = self.recipe(values)
         allowed_path(recipe.data.path, self.settings.roots, "data.path", must_exist=True)
-        preview_fn = api_function("preview_data")
-        if preview_fn is None:
-            raise FinetuneError("data previews are not available in this build (finetune.api.preview_data is missing)")
-        result = preview_fn(recipe.data, recipe.model.path, n=n)
-        examples, detected = result if isinstance(result, tuple) else (result, recipe.data.format)
-        return examples, str(detected)
+        from finetune.data import preview
+        from finetune.data.read import read_records
+        from finetune.model.load import load_tokenizer
+        from finetune.model.source import resolve_model_path
+
+        tokenizer = load_tokenizer(resolve_model_path(recipe.model.path, recipe.model.revision), recipe.model)
+        examples = preview(recipe.data, tokenizer, n=n)
+        if not examples:
+            raise DataError(f"{recipe.data.path}: no usable record among those read",
+                            read_records(recipe.data.path).problems[:10])
+        return examples, read_records(recipe.data.path).problems
 
     # -- training ------------------------------------------------------------------------------------
     def start(self, values: list[Any]) -> Path:
@@ -183,9 +189,9 @@ class Backend:
         path = allowed_path(run_dir, self.settings.roots, "run", must_exist=True)
         if not (path / "adapter").is_dir():
             raise FinetuneError(f"{path} has no adapter yet: chat once the run has saved one")
-        generate = api_function("generate")
-        tuned = generate(path, prompt, max_new_tokens=max_new_tokens, use_adapter=True)
-        base = generate(path, prompt, max_new_tokens=max_new_tokens, use_adapter=False)
+        from finetune import api
+
+        base, tuned = api.compare(path, prompt, max_new_tokens=max_new_tokens)
         return tuned, base
 
     def export(self, run_dir: str, out_dir: str, timeout: float = 3600) -> str:

@@ -89,7 +89,7 @@ def field_spec(key: str, field: FieldInfo) -> FieldSpec:
         values = ([True, False] if bool in bases else []) + literals + ([None] if nullable else [])
         return FieldSpec(kind="dropdown", choices=tuple((_show(v), v) for v in values), custom=int in bases,
                          integer=int in bases, **common)
-    if bases in ({int}, {float}) and not literals:
+    if bases in ({int}, {float}) and not literals and not nullable:  # a Number widget cannot be empty
         return FieldSpec(kind="number", integer=bases == {int}, **common)
     if bases == {str} and not literals:
         return FieldSpec(kind="text", **common)

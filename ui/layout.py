@@ -75,10 +75,11 @@ def build_app(backend: Backend) -> gr.Blocks:
             with gr.Tab("Recipe", id="recipe"):
                 with gr.Row():
                     recipe_upload = gr.File(label="Load a recipe YAML", file_types=[".yaml", ".yml"],
-                                            elem_id="recipe-upload", scale=2)
+                                            elem_id="recipe-upload", scale=2, height=140)
                     with gr.Column(scale=1):
                         save_btn = gr.Button("Save form as recipe YAML", elem_id="save-recipe")
-                        recipe_file = gr.File(label="recipe.yaml", interactive=False, elem_id="recipe-file")
+                        recipe_file = gr.File(label="recipe.yaml", interactive=False, elem_id="recipe-file",
+                                              height=90)
                 recipe_msg = gr.Markdown(elem_id="recipe-problems")
                 widgets = _form(backend)
                 recipe_yaml = gr.Code(language="yaml", label="Recipe YAML: exactly what `finetune run` reads",
@@ -176,11 +177,10 @@ def build_app(backend: Backend) -> gr.Blocks:
             return values
 
         def show_preview(values) -> tuple:
-            found, detected = backend.preview(values)
-            shown = [[(tok, "loss" if loss else None) for tok, loss in ex] for ex in found]
+            found, bad = backend.preview(values)
+            shown = [[(tok, "loss" if loss else None) for tok, loss in ex["tokens"]] for ex in found]
             shown += [[]] * (3 - len(shown))
-            return (f"Detected format: **{detected}**; {len(found)} example(s) shown, loss tokens highlighted.",
-                    *shown[:3])
+            return (views.preview_markdown(found, bad), *shown[:3])
 
         @_reported(5)
         def use_server_file(path, *values):
@@ -295,4 +295,5 @@ def build_app(backend: Backend) -> gr.Blocks:
             return (gr.update(choices=dirs, value=current), *history_view())
 
         demo.load(on_load, None, [run_sel, history, compare, recipe_run, chat_run], api_visibility="private")
+        demo.load(show_yaml, widgets, [recipe_msg, recipe_yaml], api_visibility="private")
     return demo

@@ -111,3 +111,16 @@ def queue_markdown(manager: RunManager) -> str:
     if not jobs:
         return "GPU free: no run is going and none is queued."
     return "\n".join(f"- **{j.state}**{' (resume)' if j.resume else ''}: `{j.run_dir}`" for j in jobs)
+
+
+def preview_markdown(examples: list[dict[str, Any]], bad: list[str]) -> str:
+    """Detected format, where the shown examples come from, and the records that could not be read."""
+    fmt = examples[0].get("format", "?") if examples else "?"
+    lines = [f"Detected format: **{fmt}**. {len(examples)} example(s) below as the model sees them; "
+             "tokens that carry loss are highlighted."]
+    lines += [f"- example {i}: {ex.get('where', '')}{' (truncated to max_seq_len)' if ex.get('truncated') else ''}"
+              for i, ex in enumerate(examples, 1)]
+    if bad:
+        lines.append(f"\n**{len(bad)} bad record(s)** (a run stops on them unless data.on_bad_record is skip):")
+        lines += [f"- {p}" for p in bad[:10]] + ([f"- … and {len(bad) - 10} more"] if len(bad) > 10 else [])
+    return "\n".join(lines)
