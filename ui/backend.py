@@ -172,8 +172,11 @@ class Backend:
         return self.manager.stop(allowed_path(run_dir, self.settings.roots, "run"))
 
     def run_dirs(self) -> list[str]:
-        extra = [Path(j.run_dir) for j in self.manager.jobs()]
-        return [str(p) for p in rundir.find_run_dirs(self.settings.runs_dir, extra)]
+        """Runs the page can show, newest first: queued or starting ones (no files yet), then on disk."""
+        jobs = self.manager.jobs()
+        found = [str(p) for p in rundir.find_run_dirs(self.settings.runs_dir, [Path(j.run_dir) for j in jobs])]
+        pending = [j.run_dir for j in reversed(jobs) if j.state in ("queued", "running") and j.run_dir not in found]
+        return pending + found
 
     def current_run(self) -> str | None:
         """The run a freshly opened page should show: the running one, else the newest."""

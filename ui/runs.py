@@ -143,7 +143,10 @@ class RunManager:
         if job and job.state == "queued":
             return f"queued (position {self.queue_position(job)})"
         if job and job.state == "running":
-            return status.get("state", "starting") if status.get("pid") in (None, job.pid) else "starting"
+            if status.get("pid") not in (None, job.pid):  # status.json of an earlier process
+                return "starting"
+            state = status.get("state", "starting")
+            return f"{state}, process exiting" if state in ("stopped", "completed", "failed") else state
         state = status.get("state", "unknown")
         if job and job.state == "exited" and state == "running":
             return f"failed (process exited with code {job.returncode})"
