@@ -1,0 +1,35 @@
+"""Starting the UI: loopback by default, refused on a network address without a password."""
+
+from __future__ import annotations
+
+import pytest
+
+from ui.app import AUTH_ENV, is_loopback, main, parse_auth
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "localhost", "::1", "[::1]"])
+def test_loopback_hosts(host):
+    assert is_loopback(host)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.20", "::", "example.com"])
+def test_network_hosts(host):
+    assert not is_loopback(host)
+
+
+def test_network_host_without_auth_refuses_to_start(monkeypatch, capsys):
+    monkeypatch.delenv(AUTH_ENV, raising=False)
+    assert main(["--host", "0.0.0.0", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "refusing to listen on 0.0.0.0 without authentication" in err and "--auth user:password" in err
+
+
+def test_malformed_auth_is_a_usage_error(monkeypatch, capsys):
+    monkeypatch.setenv(AUTH_ENV, "justauser")
+    assert main(["--host", "0.0.0.0"]) == 2
+    assert "user:password" in capsys.readouterr().err
+
+
+def test_auth_from_the_environment():
+    assert parse_auth("alice:s3:cret") == ("alice", "s3:cret")
+    assert parse_auth(None) is None
