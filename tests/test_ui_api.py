@@ -119,6 +119,13 @@ def test_train_stop_resume_and_chat(work):
     rows = client.predict(api_name="/history")[0]
     assert any(row[0] == str(run_dir) and row[1] == "completed" for row in rows["data"])
 
+    overlay = client.predict([str(run_dir)], api_name="/overlay")
+    assert overlay and overlay.get("type") == "matplotlib"
+    merged = workdir / "merged"
+    assert "merged model saved" in client.predict(str(run_dir), str(merged), api_name="/export")
+    assert (merged / "config.json").is_file() and list(merged.glob("*.safetensors"))
+    assert "outside the allowed folders" in client.predict(str(run_dir), "/root/merged", api_name="/export")
+
     _, tuned, base, err = client.predict(str(run_dir), "What is 3 plus 3?", 16, [], [], api_name="/chat")
     assert err == ""
     assert [m["role"] for m in tuned] == ["user", "assistant"] == [m["role"] for m in base]

@@ -117,7 +117,8 @@ def build_app(backend: Backend) -> gr.Blocks:
                 with gr.Row():
                     loss_plot = gr.Plot(label="Loss", elem_id="loss-plot")
                     lr_plot = gr.Plot(label="Learning rate", elem_id="lr-plot")
-                log_box = gr.Textbox(label="Log tail", lines=10, max_lines=10, interactive=False, elem_id="log-tail")
+                log_box = gr.Textbox(label="Log tail (newest last)", lines=14, max_lines=14, interactive=False,
+                                     autoscroll=True, elem_id="log-tail")
                 queue_md = gr.Markdown(elem_id="queue")
                 seen = gr.State(None)
             with gr.Tab("Runs", id="runs"):
@@ -248,7 +249,7 @@ def build_app(backend: Backend) -> gr.Blocks:
                 return "<div id='run-status'>No run yet: start one above.</div>", gr.skip(), gr.skip(), "", queue, last
             path = Path(run_dir)
             state = backend.manager.run_state(path)
-            log = rundir.tail(path / "train.log", 30) or backend.manager.process_log(path, 30)
+            log = rundir.tail(path / "train.log", 12) or backend.manager.process_log(path, 12)
             if state.startswith("failed"):
                 log += "\n--- process output ---\n" + backend.manager.process_log(path, 30)
             rows = rundir.read_metrics(path)
