@@ -7,6 +7,8 @@ Kept free of layout so the same logic serves the page, the Gradio API and the te
 from __future__ import annotations
 
 import importlib
+import inspect
+import json
 import subprocess
 import sys
 import tempfile
@@ -123,10 +125,16 @@ class Backend:
         if plan_fn is None:
             raise FinetuneError("the memory planner is not available in this build (finetune.api.plan is missing)",
                                 hint="training still works; the plan shows here once the planner is installed")
-        if gpu in CARDS and recipe.memory.gpu_memory == "auto":
-            recipe = recipe.model_copy(update={"memory": recipe.memory.model_copy(
-                update={"gpu_memory": CARDS[gpu] * 2**30})})
-        return plan_fn(recipe).to_json()
+        kwargs: dict[str, Any] = {}
+        if gpu in CARDS and recipe.memory.gpu_memory == "auto":  # a budget written in the recipe wins
+            if "gpu_memory" in inspect.signature(plan_fn).parameters:
+                kwargs["gpu_memory"] = CARDS[gpu] * 2**30  # also tells the planner to plan for a GPU
+            else:
+                recipe = recipe.model_copy(update={"memory": recipe.memory.model_copy(
+                    update={"gpu_memory": CARDS[gpu] * 2**30})})
+        result = plan_fn(recipe, **kwargs)
+        data = result.to_json() if hasattr(result, "to_json") else result
+        return json.loads(data) if isinstance(data, str) else data
 
     # -- data ----------------------------------------------------------------------------------------
     def preview(self, values: list[Any], n: int = 3) -> tuple[list[dict[str, Any]], list[str]]:

@@ -51,12 +51,18 @@ def status_html(run_dir: Path, state: str) -> str:
             f"<div style='display:flex;gap:1.5em;flex-wrap:wrap'>{cells}</div>{err}</div>")
 
 
-def plan_bars(plan: dict[str, Any]) -> list[tuple[str, dict[str, float]]]:
-    """(label, breakdown) for the chosen plan and every alternative that has a breakdown."""
+def plan_bars(plan: dict[str, Any], limit: int = 5) -> list[tuple[str, dict[str, float]]]:
+    """(label, breakdown) for the chosen plan and the first `limit` alternatives that have a breakdown.
+
+    An alternative is labelled by the settings in which it differs from the chosen plan.
+    """
+    chosen = plan.get("settings") or {}
     bars = [("chosen plan", plan.get("breakdown") or {})]
     for i, alt in enumerate(plan.get("alternatives") or [], 1):
-        if isinstance(alt, dict) and isinstance(alt.get("breakdown"), dict):
-            bars.append((alt.get("name") or f"alternative {i}", alt["breakdown"]))
+        if isinstance(alt, dict) and isinstance(alt.get("breakdown"), dict) and len(bars) <= limit:
+            diff = {k: v for k, v in (alt.get("settings") or {}).items() if chosen.get(k) != v}
+            label = alt.get("name") or ", ".join(f"{k}={v}" for k, v in diff.items()) or f"alternative {i}"
+            bars.append((label, alt["breakdown"]))
     return bars
 
 
@@ -66,6 +72,10 @@ def plan_markdown(plan: dict[str, Any]) -> str:
     verdict = "fits" if fits else "does NOT fit"
     lines = [f"### {'✅' if fits else '❌'} The recipe {verdict}: peak {_size(plan.get('peak_bytes'))} "
              f"of a {_size(plan.get('budget_bytes'))} budget"]
+    if plan.get("tokens_per_s"):
+        lines.append(f"Predicted speed: **{plan['tokens_per_s']:,.0f} tokens/s** on {plan.get('device', 'the device')}.")
+    if not fits and plan.get("min_budget_bytes"):
+        lines.append(f"The smallest budget any option fits: {_size(plan['min_budget_bytes'])}.")
     settings = plan.get("settings") or {}
     if settings:
         lines.append("**Chosen settings:** " + ", ".join(f"`{k}={v}`" for k, v in settings.items()))
