@@ -95,7 +95,7 @@ def build_app(backend: Backend) -> gr.Blocks:
                 preview_btn = gr.Button("Preview data", elem_id="preview-data")
                 data_msg = gr.Markdown(elem_id="data-message")
                 examples = [gr.HighlightedText(label=f"example {i + 1}", color_map={"loss": "#f4a261"},
-                                               show_legend=i == 0, combine_adjacent=True,
+                                               show_legend=True, show_inline_category=False, combine_adjacent=True,
                                                elem_id=f"example-{i}") for i in range(3)]
             with gr.Tab("Memory", id="memory"):
                 with gr.Row():

@@ -91,7 +91,14 @@ def test_form_train_reload_and_chat_in_a_browser(page, tmp_path, tiny_model_dir)
         sync_api.expect(yaml_view).to_contain_text(str(run_dir))
         _shot(page, "01-form")
 
-        # 2. The memory view (the plan when the planner is installed, otherwise it says so).
+        # 2. The data as the model sees it, loss tokens highlighted.
+        page.get_by_role("tab", name="Data").click()
+        page.locator("#preview-data").click()
+        sync_api.expect(page.locator("#data-message")).to_contain_text("Detected format: messages", timeout=60_000)
+        sync_api.expect(page.locator("#example-0")).to_contain_text("0 plus 0 is 0.")
+        _shot(page, "02-data")
+
+        # 3. The memory view (the plan when the planner is installed, otherwise it says so).
         page.get_by_role("tab", name="Memory").click()
         from finetune import api
 
@@ -100,34 +107,34 @@ def test_form_train_reload_and_chat_in_a_browser(page, tmp_path, tiny_model_dir)
             sync_api.expect(page.locator("#plan-message")).to_contain_text("budget")
         else:
             sync_api.expect(page.locator("#plan-message")).to_contain_text("memory planner is not available")
-        _shot(page, "02-memory")
+        _shot(page, "03-memory")
 
-        # 3. Train and watch the loss curve grow.
+        # 4. Train and watch the loss curve grow.
         page.get_by_role("tab", name="Train").click()
         page.locator("#start").click()
         sync_api.expect(page.locator("#train-message")).to_contain_text("Queued")
         page.wait_for_function("() => +document.querySelector('#run-status')?.dataset.step >= 2", timeout=180_000)
         sync_api.expect(page.locator("#loss-plot img")).to_be_visible()
         first = _plot_src(page, "loss-plot")
-        _shot(page, "03-training")
+        _shot(page, "04-training")
         page.wait_for_function(
             "(s) => { const i = document.querySelector('#loss-plot img'); return i && i.src !== s; }",
             arg=first, timeout=120_000)
         state, step = _status(page)
         assert state == "running" and step >= 2
 
-        # 4. Reload mid-run: the same run and its curve come back, read from the run directory.
+        # 5. Reload mid-run: the same run and its curve come back, read from the run directory.
         page.reload()
         page.get_by_role("tab", name="Train").click()
         sync_api.expect(page.locator("#loss-plot img")).to_be_visible(timeout=30_000)
         state, step_after = _status(page)
         assert str(run_dir) in page.locator("#run-status").inner_text() and step_after >= step
-        _shot(page, "04-reloaded")
+        _shot(page, "05-reloaded")
         page.wait_for_function("() => document.querySelector('#run-status')?.dataset.state === 'completed'",
                                timeout=240_000)
-        _shot(page, "05-completed")
+        _shot(page, "06-completed")
 
-        # 5. Chat with the result beside the base model.
+        # 6. Chat with the result beside the base model.
         page.get_by_role("tab", name="Chat").click()
         run_box = page.locator("#chat-run input").first
         run_box.click()
@@ -139,4 +146,4 @@ def test_form_train_reload_and_chat_in_a_browser(page, tmp_path, tiny_model_dir)
             sync_api.expect(page.locator(bot).get_by_text("What is 3 plus 3?")).to_be_visible(timeout=120_000)
         page.wait_for_function("() => document.querySelectorAll('#chat-tuned .bot, #chat-tuned [data-testid=bot]')"
                                ".length > 0", timeout=120_000)
-        _shot(page, "06-chat")
+        _shot(page, "07-chat")
