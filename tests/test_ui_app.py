@@ -33,3 +33,23 @@ def test_malformed_auth_is_a_usage_error(monkeypatch, capsys):
 def test_auth_from_the_environment():
     assert parse_auth("alice:s3:cret") == ("alice", "s3:cret")
     assert parse_auth(None) is None
+
+
+def test_auth_protects_the_page_and_its_api(tmp_path):
+    import httpx
+    from gradio_client import Client
+
+    from tests.ui_support import free_port
+    from ui.app import launch
+
+    demo = launch(port=free_port(), auth=("alice", "s3cret"), allow_dirs=[tmp_path], runs_dir=tmp_path / "runs",
+                  block=False)
+    try:
+        assert httpx.get(demo.local_url + "config").status_code == 401
+        with pytest.raises(Exception, match="(?i)login|auth|401"):
+            Client(demo.local_url, verbose=False)
+        client = Client(demo.local_url, auth=("alice", "s3cret"), verbose=False)
+        assert client.predict(api_name="/history")[0]["headers"][:2] == ["run", "state"]
+    finally:
+        demo.run_manager.close()
+        demo.close()
