@@ -169,7 +169,7 @@ class Backend:
 
     def resume(self, run_dir: str) -> Path:
         """Queue the continuation of a stopped run from its newest checkpoint."""
-        path = allowed_path(run_dir, self.settings.roots, "run", must_exist=True)
+        path = self.run_path(run_dir)
         recipe = path / "recipe.yaml"
         if not recipe.is_file():
             raise FinetuneError(f"{path} has no recipe.yaml, so it cannot be resumed")
@@ -177,7 +177,16 @@ class Backend:
         return path
 
     def stop(self, run_dir: str) -> str:
-        return self.manager.stop(allowed_path(run_dir, self.settings.roots, "run"))
+        return self.manager.stop(self.run_path(run_dir, must_exist=False))
+
+    def run_path(self, run_dir: str | None, must_exist: bool = True) -> Path:
+        """A run directory named by the page, refused outside the allowed folders."""
+        return allowed_path(run_dir or "", self.settings.roots, "run", must_exist=must_exist)
+
+    def run_recipe(self, run_dir: str | None) -> str:
+        """A run's resolved recipe.yaml ('' while it has none)."""
+        recipe = self.run_path(run_dir) / "recipe.yaml"
+        return recipe.read_text() if recipe.is_file() else ""
 
     def run_dirs(self) -> list[str]:
         """Runs the page can show, newest first: queued or starting ones (no files yet), then on disk."""
@@ -197,7 +206,7 @@ class Backend:
     # -- results -------------------------------------------------------------------------------------
     def chat(self, run_dir: str, prompt: str, max_new_tokens: int) -> tuple[str, str]:
         """The same prompt answered by the run's adapter and by the base model alone."""
-        path = allowed_path(run_dir, self.settings.roots, "run", must_exist=True)
+        path = self.run_path(run_dir)
         if not (path / "adapter").is_dir():
             raise FinetuneError(f"{path} has no adapter yet: chat once the run has saved one")
         from finetune import api
@@ -207,7 +216,7 @@ class Backend:
 
     def export(self, run_dir: str, out_dir: str, timeout: float = 3600) -> str:
         """Merge and save through `finetune export` in a separate process (it loads the full model)."""
-        run = allowed_path(run_dir, self.settings.roots, "run", must_exist=True)
+        run = self.run_path(run_dir)
         out = allowed_path(out_dir, self.settings.roots, "export folder")
         proc = subprocess.run([sys.executable, "-m", "finetune", "export", str(run), "--out", str(out)],
                               capture_output=True, text=True, timeout=timeout, env=self.manager.child_env(),

@@ -7,6 +7,7 @@ is re-read from its run directory, so a reload or a second browser sees the same
 from __future__ import annotations
 
 import functools
+import html
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -247,7 +248,10 @@ def build_app(backend: Backend) -> gr.Blocks:
             queue = views.queue_markdown(backend.manager)
             if not run_dir:
                 return "<div id='run-status'>No run yet: start one above.</div>", gr.skip(), gr.skip(), "", queue, last
-            path = Path(run_dir)
+            try:
+                path = backend.run_path(run_dir, must_exist=False)
+            except FinetuneError as exc:
+                return f"<div id='run-status'>{html.escape(str(exc))}</div>", gr.skip(), gr.skip(), "", queue, last
             state = backend.manager.run_state(path)
             log = rundir.tail(path / "train.log", 12) or backend.manager.process_log(path, 12)
             if state.startswith("failed"):
@@ -270,11 +274,12 @@ def build_app(backend: Backend) -> gr.Blocks:
                     gr.update(choices=dirs))
 
         refresh_btn.click(history_view, None, [history, compare, recipe_run, chat_run], api_name="history")
-        compare.change(lambda sel: charts.loss_figure({Path(d).name: rundir.read_metrics(Path(d)) for d in sel or []},
-                                                      "loss of the selected runs"),
-                       compare, overlay, api_name="overlay")
-        recipe_run.change(lambda d: (Path(d) / "recipe.yaml").read_text() if d and (Path(d) / "recipe.yaml").is_file()
-                          else "", recipe_run, run_recipe, api_visibility="private")
+        def overlay_view(selected):
+            paths = [backend.run_path(d) for d in selected or []]
+            return charts.loss_figure({p.name: rundir.read_metrics(p) for p in paths}, "loss of the selected runs")
+
+        compare.change(overlay_view, compare, overlay, api_name="overlay")
+        recipe_run.change(_reported(1)(backend.run_recipe), recipe_run, run_recipe, api_visibility="private")
         export_btn.click(_reported(1)(backend.export), [recipe_run, export_dir], export_msg, api_name="export")
 
         @_reported(4, message_at=3)
