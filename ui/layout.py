@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import html
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from ui.paths import allowed_path, data_files, store_upload
 
 REFRESH_S = 2.0
 HISTORY_HEADERS = ["run", "state", "step", "loss", "eval loss", "tokens/s", "peak memory"]
-CSS = ".loss-token { font-weight: 600 } #run-status progress { height: 1.2em }"
+CSS = "#run-status progress { height: 1.2em }"
 
 
 def _reported(n_outputs: int, message_at: int = 0) -> Callable:
@@ -53,9 +54,9 @@ def _widget(spec: FieldSpec, value: Any) -> gr.components.Component:
 
 
 def _form(backend: Backend) -> list[gr.components.Component]:
-    """One accordion per recipe section, one widget per key, in schema order, showing the defaults."""
-    defaults = dict(zip(backend.specs, backend.load_yaml("model: {path: ''}\ndata: {path: ''}", "defaults"),
-                        strict=True))
+    """One accordion per recipe section, one widget per key, in schema order; defaults shown, output.dir in runs."""
+    initial = {"model": {"path": ""}, "data": {"path": ""}, "output": {"dir": str(backend.settings.runs_dir / "run")}}
+    defaults = dict(zip(backend.specs, backend.load_yaml(json.dumps(initial), "defaults"), strict=True))
     widgets = []
     for section, description in sections():
         specs = [s for s in backend.specs if s.section == section]
@@ -92,7 +93,8 @@ def build_app(backend: Backend) -> gr.Blocks:
                     server_file = gr.Dropdown(choices=data_files(backend.settings.allow_dirs), allow_custom_value=True,
                                               label="Server file", elem_id="server-file", scale=3)
                     use_file_btn = gr.Button("Use this file", elem_id="use-file", scale=1)
-                data_upload = gr.File(label="Upload a dataset (.json, .jsonl, .csv, .parquet)", elem_id="data-upload")
+                data_upload = gr.File(label="Upload a dataset (.json, .jsonl, .csv, .parquet)", elem_id="data-upload",
+                                      height=140)
                 preview_btn = gr.Button("Preview data", elem_id="preview-data")
                 data_msg = gr.Markdown(elem_id="data-message")
                 examples = [gr.HighlightedText(label=f"example {i + 1}", color_map={"loss": "#f4a261"},
