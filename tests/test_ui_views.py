@@ -36,10 +36,10 @@ def test_memory_chart_stacks_the_breakdown_against_the_budget():
 
 def test_plan_text_and_option_rows():
     text = views.plan_markdown(PLAN)
-    assert "fits" in text and "7.00 GiB" in text and "8.00 GiB" in text and "`micro_batch_size=2`" in text
+    assert "FITS" in text and "7.00 GiB" in text and "8.00 GiB" in text and "`micro_batch_size=2`" in text
     rows = views.option_rows(PLAN)
-    assert rows[0][0] == "alternatives" and rows[1] == ["rejected", "11.00 GiB", "False",
-                                                        "peak 11 GiB exceeds the 8 GiB budget"]
+    assert rows == [["alternative", "5.00 GiB", "", "activation_checkpointing=False", ""],
+                    ["rejected", "11.00 GiB", "", "micro_batch_size=8", "peak 11 GiB exceeds the 8 GiB budget"]]
 
 
 def test_run_dir_reader_skips_a_torn_line_and_summarises(tmp_path):

@@ -107,7 +107,7 @@ def build_app(backend: Backend) -> gr.Blocks:
                     plan_btn = gr.Button("Plan", elem_id="plan", scale=1)
                 plan_msg = gr.Markdown(elem_id="plan-message")
                 plan_plot = gr.Plot(label="Predicted memory against the budget", elem_id="plan-plot")
-                plan_table = gr.Dataframe(headers=["option", "peak", "fits", "settings / reason"],
+                plan_table = gr.Dataframe(headers=views.OPTION_HEADERS,
                                           label="Alternatives and rejected options", interactive=False)
             with gr.Tab("Train", id="train"):
                 with gr.Row():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import html
-import json
 from pathlib import Path
 from typing import Any
 
@@ -51,52 +50,49 @@ def status_html(run_dir: Path, state: str) -> str:
             f"<div style='display:flex;gap:1.5em;flex-wrap:wrap'>{cells}</div>{err}</div>")
 
 
-def plan_bars(plan: dict[str, Any], limit: int = 5) -> list[tuple[str, dict[str, float]]]:
-    """(label, breakdown) for the chosen plan and the first `limit` alternatives that have a breakdown.
-
-    An alternative is labelled by the settings in which it differs from the chosen plan.
-    """
+def _differences(plan: dict[str, Any], option: dict[str, Any]) -> str:
+    """The settings in which an option differs from the chosen plan, as `key=value, ...`."""
     chosen = plan.get("settings") or {}
+    diff = {k: v for k, v in (option.get("settings") or {}).items() if chosen.get(k) != v}
+    return ", ".join(f"{k}={v}" for k, v in diff.items())
+
+
+def plan_bars(plan: dict[str, Any], limit: int = 5) -> list[tuple[str, dict[str, float]]]:
+    """(label, breakdown) for the chosen plan and the first `limit` alternatives that have a breakdown,
+    each alternative labelled by the settings in which it differs from the chosen plan."""
     bars = [("chosen plan", plan.get("breakdown") or {})]
     for i, alt in enumerate(plan.get("alternatives") or [], 1):
         if isinstance(alt, dict) and isinstance(alt.get("breakdown"), dict) and len(bars) <= limit:
-            diff = {k: v for k, v in (alt.get("settings") or {}).items() if chosen.get(k) != v}
-            label = alt.get("name") or ", ".join(f"{k}={v}" for k, v in diff.items()) or f"alternative {i}"
-            bars.append((label, alt["breakdown"]))
+            bars.append((alt.get("name") or _differences(plan, alt) or f"alternative {i}", alt["breakdown"]))
     return bars
 
 
 def plan_markdown(plan: dict[str, Any]) -> str:
     """Whether the recipe fits, the peak against the budget, and the settings the planner chose."""
-    fits = plan.get("fits")
-    verdict = "fits" if fits else "does NOT fit"
-    lines = [f"### {'✅' if fits else '❌'} The recipe {verdict}: peak {_size(plan.get('peak_bytes'))} "
-             f"of a {_size(plan.get('budget_bytes'))} budget"]
+    verdict = "FITS" if plan.get("fits") else "DOES NOT FIT"
+    lines = [f"### {verdict}: predicted peak {_size(plan.get('peak_bytes'))} of a {_size(plan.get('budget_bytes'))} "
+             "budget"]
     if plan.get("tokens_per_s"):
         lines.append(f"Predicted speed: **{plan['tokens_per_s']:,.0f} tokens/s** on {plan.get('device', 'the device')}.")
-    if not fits and plan.get("min_budget_bytes"):
+    if not plan.get("fits") and plan.get("min_budget_bytes"):
         lines.append(f"The smallest budget any option fits: {_size(plan['min_budget_bytes'])}.")
     settings = plan.get("settings") or {}
     if settings:
         lines.append("**Chosen settings:** " + ", ".join(f"`{k}={v}`" for k, v in settings.items()))
-    breakdown = plan.get("breakdown") or {}
-    if breakdown:
-        lines.append("| part | predicted |\n|---|---|\n" + "\n".join(
-            f"| {k.replace('_', ' ')} | {_size(v)} |" for k, v in breakdown.items()))
     return "\n\n".join(lines)
 
 
+OPTION_HEADERS = ["option", "predicted peak", "tokens/s", "differs from the chosen plan in", "why rejected"]
+
+
 def option_rows(plan: dict[str, Any]) -> list[list[str]]:
-    """Alternatives and rejected options as table rows: kind, peak, fits, settings or reason."""
+    """Alternatives and rejected options: kind, peak, speed, how they differ, and why rejected."""
     rows = []
     for kind in ("alternatives", "rejected"):
         for opt in plan.get(kind) or []:
-            if not isinstance(opt, dict):
-                rows.append([kind, "", "", str(opt)])
-                continue
-            detail = opt.get("reason") or opt.get("settings") or {k: v for k, v in opt.items() if k != "breakdown"}
-            rows.append([kind, _size(opt.get("peak_bytes")), str(opt.get("fits", "")),
-                         detail if isinstance(detail, str) else json.dumps(detail, default=str)])
+            if isinstance(opt, dict):
+                rows.append([kind.rstrip("s"), _size(opt.get("peak_bytes")), _fmt(opt.get("tokens_per_s"), ",.0f"),
+                             _differences(plan, opt), str(opt.get("reason") or "")])
     return rows
 
 
