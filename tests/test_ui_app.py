@@ -53,3 +53,14 @@ def test_auth_protects_the_page_and_its_api(tmp_path):
     finally:
         demo.run_manager.close()
         demo.close()
+
+
+def test_a_taken_port_is_reported_without_a_traceback(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["--port", str(port), "--runs-dir", str(tmp_path / "runs")]) == 2
+    assert f"cannot serve on 127.0.0.1:{port}" in capsys.readouterr().err

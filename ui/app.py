@@ -58,6 +58,7 @@ def launch(host: str = "127.0.0.1", port: int = 7860, auth: tuple[str, str] | No
            allow_dirs: list[str | Path] | None = None, runs_dir: str | Path = "runs", block: bool = True):
     """Build and serve the UI; with block=False return the running gradio Blocks (for tests)."""
     check_exposure(host, auth)
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # offline machines: no usage pings
     from ui.backend import Backend, UISettings
     from ui.layout import CSS, build_app
     from ui.runs import RunManager
@@ -91,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     except FinetuneError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:  # e.g. the port is taken
+        print(f"error: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     return 0
 
 
