@@ -27,15 +27,16 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[flo
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def loss_figure(runs: dict[str, list[dict[str, Any]]], title: str = "loss") -> Figure:
-    """Training loss (lines) and eval loss (markers) over optimizer steps, one colour per run."""
+def loss_figure(runs: dict[str, list[dict[str, Any]]], title: str = "loss", by_run: bool = False) -> Figure:
+    """Training loss (lines) and eval loss (markers) over optimizer steps, one colour per run;
+    `by_run` names each curve after its run (for comparisons) instead of "train"/"eval"."""
     fig, ax = _figure()
     for i, (name, rows) in enumerate(runs.items()):
         color = f"C{i % 10}"
-        ax.plot(*_series(rows, "loss"), color=color, label=name if len(runs) > 1 else "train loss")
+        ax.plot(*_series(rows, "loss"), color=color, label=name if by_run else "train loss")
         steps, evals = _series(rows, "eval_loss")
         if evals:
-            ax.plot(steps, evals, "o--", color=color, label=f"{name} eval" if len(runs) > 1 else "eval loss")
+            ax.plot(steps, evals, "o--", color=color, label=f"{name} eval" if by_run else "eval loss")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(title)

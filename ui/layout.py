@@ -134,7 +134,7 @@ def build_app(backend: Backend) -> gr.Blocks:
                     export_dir = gr.Textbox(label="Export merged model to", elem_id="export-dir")
                     export_btn = gr.Button("Export (merge and save)", elem_id="export")
                 export_msg = gr.Markdown(elem_id="export-message")
-                run_recipe = gr.Code(language="yaml", label="The run's resolved recipe", interactive=False)
+                run_recipe = gr.Code(language="yaml", label="The run's resolved recipe", interactive=False, max_lines=30)
             with gr.Tab("Chat", id="chat"):
                 with gr.Row():
                     chat_run = gr.Dropdown(label="Run (adapter)", allow_custom_value=True, elem_id="chat-run", scale=3)
@@ -278,7 +278,7 @@ def build_app(backend: Backend) -> gr.Blocks:
         refresh_btn.click(history_view, None, [history, compare, recipe_run, chat_run], api_name="history")
         def overlay_view(selected):
             paths = [backend.run_path(d) for d in selected or []]
-            return charts.loss_figure({p.name: rundir.read_metrics(p) for p in paths}, "loss of the selected runs")
+            return charts.loss_figure({p.name: rundir.read_metrics(p) for p in paths}, "loss of the selected runs", by_run=True)
 
         compare.change(overlay_view, compare, overlay, api_name="overlay")
         recipe_run.change(_reported(1)(backend.run_recipe), recipe_run, run_recipe, api_visibility="private")
