@@ -100,7 +100,7 @@ def build_app(backend: Backend) -> gr.Blocks:
                 examples = [gr.HighlightedText(label=f"example {i + 1}", color_map={"loss": "#f4a261"},
                                                show_legend=True, show_inline_category=False, combine_adjacent=True,
                                                elem_id=f"example-{i}") for i in range(3)]
-            with gr.Tab("Memory", id="memory"):
+            with gr.Tab("Memory", id="memory") as memory_tab:
                 with gr.Row():
                     gpus = backend.gpu_choices()
                     gpu = gr.Dropdown(choices=gpus, value=gpus[0], label="GPU", elem_id="gpu", scale=3)
@@ -223,7 +223,7 @@ def build_app(backend: Backend) -> gr.Blocks:
                     views.option_rows(result))
 
         plan_btn.click(plan, [*widgets, gpu], [plan_msg, plan_plot, plan_table], api_name="plan")
-        gr.on([gpu.change, *[w.change for w in widgets]], plan, [*widgets, gpu], [plan_msg, plan_plot, plan_table],
+        gr.on([memory_tab.select, gpu.change, *[w.change for w in widgets]], plan, [*widgets, gpu], [plan_msg, plan_plot, plan_table],
               trigger_mode="always_last", api_visibility="private")
 
         # -- train ---------------------------------------------------------------------------------------
@@ -300,8 +300,10 @@ def build_app(backend: Backend) -> gr.Blocks:
         def on_load():
             current = backend.current_run()
             dirs = backend.run_dirs()
-            return (gr.update(choices=dirs, value=current), *history_view())
+            return (gr.update(choices=dirs, value=current), *history_view(),
+                    gr.update(choices=data_files(backend.settings.allow_dirs)))
 
-        demo.load(on_load, None, [run_sel, history, compare, recipe_run, chat_run], api_visibility="private")
+        demo.load(on_load, None, [run_sel, history, compare, recipe_run, chat_run, server_file],
+                  api_visibility="private")
         demo.load(show_yaml, widgets, [recipe_msg, recipe_yaml], api_visibility="private")
     return demo
