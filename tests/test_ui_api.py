@@ -1,7 +1,8 @@
 """The UI driven through its Gradio API (gradio_client) against the app launched on a loopback port.
 
-One tiny real run goes through the real CLI in a separate process: start, metrics arrive, stop (a
-checkpoint is saved), resume to the end, then chat with the adapter beside the base model.
+Real tiny runs go through the real CLI in separate processes: a long one is started, stopped (a checkpoint
+is saved), resumed and stopped again; a short one runs to the end, is exported, and answers beside the
+base model in the chat.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.ui_support import running_app, status_of, tiny_recipe, wait_for, write_dataset, write_recipe
+from ui import rundir
 
 gradio_client = pytest.importorskip("gradio_client", reason="gradio_client comes with the [ui] extra")
 
@@ -92,35 +94,51 @@ def test_upload_of_a_dataset_previews_loss_tokens(work):
     assert "0 plus 0 is 0." in loss_text and "What is 0 plus 0?" in other_text  # assistant-only loss
 
 
-def test_train_stop_resume_and_chat(work):
-    workdir, data, client, model = work
-    run_dir = (workdir / "runs" / "tiny").resolve()
-    _, values = _load(client, write_recipe(workdir / "train.yaml", tiny_recipe(model, data, run_dir, max_steps=8)))
+def _start(client, workdir: Path, name: str, recipe: dict):
+    """Load `recipe` into the form and press Start; returns a function giving (state, step) of the run."""
+    run_dir = Path(recipe["output"]["dir"])
+    _, values = _load(client, write_recipe(workdir / f"{name}.yaml", recipe))
     msg, selected = client.predict(*values, api_name="/start")
     assert msg.startswith("Queued") and selected["value"] == str(run_dir) and [str(run_dir)] * 2 in selected["choices"]
+    return lambda: status_of(client.predict(str(run_dir), api_name="/refresh")[0])
 
-    def status():
-        return status_of(client.predict(str(run_dir), api_name="/refresh")[0])
 
+def test_train_stop_and_resume(work):
+    """A long run (it never finishes within the test, however fast the machine): stop, resume, stop."""
+    workdir, data, client, model = work
+    run_dir = (workdir / "runs" / "long").resolve()
+    status = _start(client, workdir, "long", tiny_recipe(model, data, run_dir, max_steps=100_000))
     state, step = wait_for(lambda: (s := status())[1] >= 1 and s, 180, "the first logged step")
     assert state == "running"
     assert "asked" in client.predict(str(run_dir), api_name="/stop")
     state, stopped_at = wait_for(lambda: (s := status())[0] == "stopped" and s, 120, "the run to stop")
-    assert 1 <= stopped_at < 8
-    assert list((run_dir / "checkpoints").glob("checkpoint-*")), "stopping saves a checkpoint"
+    assert stopped_at >= 1
+    assert (run_dir / "checkpoints" / f"checkpoint-{stopped_at}").is_dir(), "stopping saves a checkpoint"
 
     msg, _ = client.predict(str(run_dir), api_name="/resume")
     assert msg.startswith("Resuming")
-    state, step = wait_for(lambda: (s := status())[0] == "completed" and s, 240, "the resumed run to finish")
-    assert step == 8
+    wait_for(lambda: (s := status())[0] == "running" and s[1] > stopped_at, 180, "the resumed run to go on")
+    assert f"resume from {run_dir}/checkpoints/checkpoint-{stopped_at}" in (run_dir / "train.log").read_text()
+    client.predict(str(run_dir), api_name="/stop")
+    state, step = wait_for(lambda: (s := status())[0] == "stopped" and s, 120, "the resumed run to stop")
+    steps = [r["step"] for r in rundir.read_metrics(run_dir) if "loss" in r]
+    assert steps == list(range(1, step + 1)), "each step logged once across stop and resume"
+
+
+def test_finished_run_history_export_and_chat(work):
+    workdir, data, client, model = work
+    run_dir = (workdir / "runs" / "short").resolve()
+    status = _start(client, workdir, "short", tiny_recipe(model, data, run_dir, max_steps=6))
+    state, step = wait_for(lambda: (s := status())[0] == "completed" and s, 240, "the run to finish")
+    assert step == 6
     html, loss_plot, lr_plot, log, queue = client.predict(str(run_dir), api_name="/refresh")
-    assert "run completed at step 8" in log and "GPU free" in queue
+    assert "run completed at step 6" in log and "GPU free" in queue
 
     rows = client.predict(api_name="/history")[0]
     assert any(row[0] == str(run_dir) and row[1] == "completed" for row in rows["data"])
-
     overlay = client.predict([str(run_dir)], api_name="/overlay")
     assert overlay and overlay.get("type") == "matplotlib"
+
     merged = workdir / "merged"
     assert "merged model saved" in client.predict(str(run_dir), str(merged), api_name="/export")
     assert (merged / "config.json").is_file() and list(merged.glob("*.safetensors"))
@@ -132,4 +150,3 @@ def test_train_stop_resume_and_chat(work):
     answer = [m for m in tuned if m["role"] == "assistant"][0]["content"]
     base_answer = [m for m in base if m["role"] == "assistant"][0]["content"]
     assert answer != base_answer, "the adapter changes the answer"
-

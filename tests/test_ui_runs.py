@@ -12,7 +12,7 @@ from ui.runs import RunManager
 def test_queue_survives_a_restart_and_runs_one_at_a_time(tmp_path, tiny_model_dir):
     data = write_dataset(tmp_path / "data.jsonl")
     runs = tmp_path / "runs"
-    long_run = write_recipe(tmp_path / "a.yaml", tiny_recipe(tiny_model_dir, data, runs / "a", max_steps=500))
+    long_run = write_recipe(tmp_path / "a.yaml", tiny_recipe(tiny_model_dir, data, runs / "a", max_steps=100_000))
     broken = tiny_recipe(tiny_model_dir, data, runs / "b")
     broken["model"]["path"] = str(tmp_path / "no-such-model")
     broken = write_recipe(tmp_path / "b.yaml", broken)

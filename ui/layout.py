@@ -147,6 +147,7 @@ def build_app(backend: Backend) -> gr.Blocks:
                     send_btn = gr.Button("Send to both", variant="primary", scale=1, elem_id="chat-send")
                 chat_msg = gr.Markdown(elem_id="chat-message")
         timer = gr.Timer(REFRESH_S)
+        saved_form = gr.BrowserState(None, storage_key="finetune-form")  # the form survives a page reload
 
         # -- recipe --------------------------------------------------------------------------------------
         def load_file(path: str | None):
@@ -164,6 +165,18 @@ def build_app(backend: Backend) -> gr.Blocks:
 
         gr.on([w.change for w in widgets], show_yaml, widgets, [recipe_msg, recipe_yaml], trigger_mode="always_last",
               api_visibility="private")
+
+        def remember(*values):
+            return dict(zip(keys, values, strict=True))
+
+        def restore(saved):
+            if not isinstance(saved, dict) or set(saved) != set(keys):  # nothing saved, or another schema
+                return [gr.skip()] * len(widgets)
+            return [saved[k] for k in keys]
+
+        gr.on([w.change for w in widgets], remember, widgets, saved_form, trigger_mode="always_last",
+              api_visibility="private")
+        demo.load(restore, saved_form, widgets, api_visibility="private")
 
         @_reported(2)
         def save(*values):

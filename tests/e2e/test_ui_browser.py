@@ -69,14 +69,15 @@ def _status(page) -> tuple[str, int]:
 
 def test_form_train_reload_and_chat_in_a_browser(page, tmp_path, tiny_model_dir):
     data = write_dataset(tmp_path / "data.jsonl")
-    run_dir = (tmp_path / "runs" / "browser").resolve()
+    run_dir = (tmp_path / "runs" / "browser").resolve()  # long: stopped from the page
+    short_dir = (tmp_path / "runs" / "short").resolve()  # runs to the end, then we chat with it
     with running_app(tmp_path, [tmp_path, tiny_model_dir]) as demo:
         page.goto(demo.local_url)
         # 1. Fill the form by clicking and typing.
         _type(page, "model.path", str(tiny_model_dir))
         _type(page, "data.path", str(data))
         _type(page, "data.max_seq_len", "64")
-        _type(page, "training.max_steps", "30")
+        _type(page, "training.max_steps", "100000")
         _type(page, "training.learning_rate", "0.01")
         _open_section(page, "quantization")
         _choose(page, "quantization.bits", "null")
@@ -86,7 +87,7 @@ def test_form_train_reload_and_chat_in_a_browser(page, tmp_path, tiny_model_dir)
         _type(page, "output.dir", str(run_dir))
         yaml_view = page.locator("#recipe-yaml")
         yaml_view.scroll_into_view_if_needed()
-        sync_api.expect(yaml_view).to_contain_text("max_steps: 30")
+        sync_api.expect(yaml_view).to_contain_text("max_steps: 100000")
         sync_api.expect(yaml_view).to_contain_text("bits: null")
         sync_api.expect(yaml_view).to_contain_text(str(run_dir))
         _shot(page, "01-form")
@@ -130,15 +131,30 @@ def test_form_train_reload_and_chat_in_a_browser(page, tmp_path, tiny_model_dir)
         state, step_after = _status(page)
         assert str(run_dir) in page.locator("#run-status").inner_text() and step_after >= step
         _shot(page, "05-reloaded")
+        page.locator("#stop").click()
+        page.wait_for_function("() => document.querySelector('#run-status')?.dataset.state === 'stopped'",
+                               timeout=120_000)
+        _shot(page, "06-stopped")
+
+        # 6. A short second run from the same form, to the end (it waits in the queue if the GPU is busy).
+        page.get_by_role("tab", name="Recipe").click()
+        sync_api.expect(yaml_view).to_contain_text(str(run_dir))  # the form, too, survived the reload
+        _type(page, "training.max_steps", "6")
+        _open_section(page, "output")  # the reload closed the section
+        _type(page, "output.dir", str(short_dir))
+        sync_api.expect(yaml_view).to_contain_text(str(short_dir))
+        page.get_by_role("tab", name="Train").click()
+        page.locator("#start").click()
+        sync_api.expect(page.locator("#run-status")).to_contain_text(str(short_dir), timeout=30_000)
         page.wait_for_function("() => document.querySelector('#run-status')?.dataset.state === 'completed'",
                                timeout=240_000)
-        _shot(page, "06-completed")
+        _shot(page, "07-completed")
 
-        # 6. Chat with the result beside the base model.
+        # 7. Chat with the result beside the base model.
         page.get_by_role("tab", name="Chat").click()
         run_box = page.locator("#chat-run input").first
         run_box.click()
-        run_box.fill(str(run_dir))
+        run_box.fill(str(short_dir))
         run_box.press("Enter")
         page.locator("#chat-prompt textarea").fill("What is 3 plus 3?")
         page.locator("#chat-send").click()
@@ -146,4 +162,4 @@ def test_form_train_reload_and_chat_in_a_browser(page, tmp_path, tiny_model_dir)
             sync_api.expect(page.locator(bot).get_by_text("What is 3 plus 3?")).to_be_visible(timeout=120_000)
         page.wait_for_function("() => document.querySelectorAll('#chat-tuned .bot, #chat-tuned [data-testid=bot]')"
                                ".length > 0", timeout=120_000)
-        _shot(page, "07-chat")
+        _shot(page, "08-chat")
