@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import FormatStrFormatter
 
 from finetune.recipe.schema import format_bytes
 
@@ -54,7 +55,7 @@ def lr_figure(rows: list[dict[str, Any]]) -> Figure:
     ax.plot(*_series(rows, "learning_rate"), color="C2")
     ax.set_xlabel("step")
     ax.set_ylabel("learning rate")
-    ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%.1e"))  # an offset label would be clipped
     ax.grid(alpha=0.3)
     return fig
 

@@ -268,7 +268,7 @@ def build_app(backend: Backend) -> gr.Blocks:
             except FinetuneError as exc:
                 return f"<div id='run-status'>{html.escape(str(exc))}</div>", gr.skip(), gr.skip(), "", queue, last
             state = backend.manager.run_state(path)
-            log = rundir.tail(path / "train.log", 12) or backend.manager.process_log(path, 12)
+            log = rundir.tail(path / "train.log", 8) or backend.manager.process_log(path, 8)
             if state.startswith("failed"):
                 log += "\n--- process output ---\n" + backend.manager.process_log(path, 30)
             rows = rundir.read_metrics(path)
