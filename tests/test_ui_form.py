@@ -47,7 +47,7 @@ def test_form_round_trip_keeps_every_value():
         "training": {"max_steps": 30, "micro_batch_size": "auto", "gradient_accumulation_steps": 4,
                      "effective_batch_size": 16, "eval_steps": 10, "max_grad_norm": None},
         "memory": {"gpu_memory": "12GiB", "offload": "disk", "chunked_loss": True},
-        "optimizer": {"name": "apollo_mini", "betas": [0.9, 0.95], "rank": 1, "proj_type": "random"},
+        "optimizer": {"name": "apollo_mini", "betas": [0.9, 0.95], "rank": 1, "proj_type": "left"},
         "output": {"dir": "runs/x"},
     }
     expected = validate_recipe(recipe)
