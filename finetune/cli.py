@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the measurement as JSON")
     p.set_defaults(func=cmd_measure)
 
+    # `finetune ui ...` is handed to ui.app.main as is (see main); listed here for --help.
+    sub.add_parser("ui", help="start the web UI on 127.0.0.1:7860 (finetune ui --help for its options)")
+
     p = sub.add_parser("keys", help="list every recipe key with its type, default and description")
     p.add_argument("section", nargs="?", help="only this section, e.g. training")
     p.add_argument("--markdown", action="store_true", help="print the Markdown reference (docs/recipe.md)")
@@ -135,6 +138,11 @@ def cmd_export(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["ui"]:
+        from ui.app import main as ui_main
+
+        return ui_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command not in ("validate", "keys"):  # those two never import torch: keep them instant
         from finetune.console import quiet_libraries
