@@ -12,8 +12,10 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from finetune.console import console
 from finetune.errors import FinetuneError
+from finetune.memory.tracker_callback import PeakMemoryCallback
+from finetune.plan import Plan, plot_breakdown, predict
 from finetune.recipe.load import recipe_to_yaml
-from finetune.recipe.schema import Recipe
+from finetune.recipe.schema import Recipe, format_bytes
 from finetune.train.callbacks import MetricsCallback, ProgressCallback, StopOnSignal
 from finetune.train.plots import plot_loss_curve
 from finetune.train.rundir import (
@@ -56,12 +58,44 @@ def _prepare_run_dir(recipe: Recipe, resume: bool, overwrite: bool) -> tuple[Run
     return run, None
 
 
+def _plan(recipe: Recipe) -> tuple[Plan | None, Recipe]:
+    """Plan the memory before loading anything; `auto` settings become the planner's choice.
+
+    Without `auto` values the plan only predicts (a failure to predict an unusual model is reported, not fatal).
+    """
+    auto = _unresolved_auto(recipe)
+    try:
+        plan = predict(recipe)
+    except FinetuneError:
+        raise
+    except Exception as exc:
+        if set(auto) - {"memory.chunked_loss"}:
+            raise FinetuneError(f"cannot plan {', '.join(auto)} = auto: {type(exc).__name__}: {exc}",
+                                hint="set those keys to explicit values") from None
+        # Only the default chunked_loss=auto is open: the plain loss is always correct, so train without a plan.
+        console.print(f"[yellow]memory plan unavailable ({type(exc).__name__}: {exc}); training without it "
+                      "(memory.chunked_loss: auto -> false)")
+        return None, recipe.model_copy(update={"memory": recipe.memory.model_copy(update={"chunked_loss": False})})
+    budget = f"{format_bytes(plan.peak_bytes)} predicted peak, budget {format_bytes(plan.budget_bytes)}"
+    if not plan.fits:
+        needed = f"; the leanest plan needs a budget of {format_bytes(plan.min_budget_bytes)}" \
+            if plan.min_budget_bytes else ""
+        if auto:
+            raise FinetuneError(f"no settings fit the memory budget: {budget}{needed}",
+                                hint="run `finetune plan RECIPE` to see what was tried and why it was rejected")
+        console.print(f"[yellow]warning: this recipe is predicted not to fit: {budget}{needed}")
+    else:
+        console.print(f"memory plan: {budget}" + (f"; chose {', '.join(auto)} automatically" if auto else ""))
+    return plan, plan.apply(recipe) if auto else recipe
+
+
 def _unresolved_auto(recipe: Recipe) -> list[str]:
     fields = {
         "training.micro_batch_size": recipe.training.micro_batch_size,
         "training.gradient_accumulation_steps": recipe.training.gradient_accumulation_steps,
         "memory.activation_checkpointing": recipe.memory.activation_checkpointing,
         "memory.offload": recipe.memory.offload,
+        "memory.chunked_loss": recipe.memory.chunked_loss,
         "quantization.bits": recipe.quantization.bits,
         "optimizer.name": recipe.optimizer.name,
     }
@@ -74,11 +108,11 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> Run
     from finetune.model.adapter import apply_adapter, count_parameters
     from finetune.model.load import load_model
 
-    auto = _unresolved_auto(recipe)
-    if auto:
-        raise FinetuneError(f"these recipe keys are auto but the memory planner is not available: {', '.join(auto)}",
-                            hint="set them to explicit values")
     run_dir, checkpoint = _prepare_run_dir(recipe, resume, overwrite)
+    plan, recipe = _plan(recipe)
+    if plan is not None:
+        atomic_write_text(run_dir.plan, plan.to_json())
+        plot_breakdown(plan, run_dir.root / "plan.png")
     atomic_write_text(run_dir.recipe, recipe_to_yaml(recipe))
     atomic_write_json(run_dir.env, environment_summary())
     run_dir.write_status("loading")
@@ -102,10 +136,11 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> Run
         if checkpoint:
             run_dir.truncate_metrics(int(Path(checkpoint).name.split("-")[-1]))
         metrics = MetricsCallback(run_dir, steps)
+        peak = PeakMemoryCallback(plan.peak_bytes if plan is not None else None)
         trainer = FinetuneTrainer(
             model=model, args=training_arguments(recipe, run_dir.checkpoints, steps, data.eval is not None),
             train_dataset=data.train, eval_dataset=data.eval, data_collator=data.collator,
-            processing_class=tokenizer, callbacks=[metrics, ProgressCallback(steps), stopper], recipe=recipe,
+            processing_class=tokenizer, callbacks=[peak, metrics, ProgressCallback(steps), stopper], recipe=recipe,
         )
         trainer.remove_callback(PrinterCallback)  # our progress bar and metrics.jsonl replace its prints
         start = time.time()
