@@ -1,0 +1,234 @@
+"""Activation offload: move the tensors autograd saves in forward to RAM or disk, bring them back in backward.
+
+Built on `torch.autograd.graph.saved_tensors_hooks`. What is offloaded:
+
+- with activation checkpointing (non-reentrant, as HF's `gradient_checkpointing_enable` with
+  `use_reentrant=False` sets it up) only the checkpointed decoder layers' inputs reach these hooks -- the
+  checkpoint's own hooks take everything saved inside a layer -- so exactly those inputs are offloaded;
+- without checkpointing, every tensor a decoder layer saves that is at least `offload_min_size` bytes.
+
+Never offloaded: parameters and views of them (quantized weights included), tensors of the last decoder
+layer and everything saved outside the decoder layers (embeddings, final norm, LM head, loss): backward
+needs those first. In backward the next layer's tensors are fetched while the current one computes.
+
+Use one `ActivationOffload` for the whole run and enter it around each training step (forward AND
+backward); `close()` it at the end. Leaving the block always deletes the step's files, also on errors.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from finetune.memory.offload_cpu import CudaMover, HostTier, Mover
+from finetune.memory.offload_disk import DiskTier, check_offload_dir
+from finetune.recipe.schema import MemoryConfig
+
+__all__ = ["ActivationOffload", "activation_offload", "check_offload_dir", "decoder_layers",
+           "offload_dir_for"]
+
+PREFETCH_LAYERS = {"cpu": 1, "disk": 2}  # layers fetched ahead of need during backward
+
+
+def offload_dir_for(memory_cfg: MemoryConfig, run_dir: str | Path) -> Path:
+    """Where the disk tier writes: `memory.offload_dir`, or `<run_dir>/offload` when unset."""
+    return Path(memory_cfg.offload_dir).expanduser() if memory_cfg.offload_dir else Path(run_dir) / "offload"
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated decoder blocks, in forward order (works through peft wrappers)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    best: list[nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > len(best):
+            if all(isinstance(m, GradientCheckpointingLayer) for m in module):
+                best = list(module)
+    if not best:
+        raise ValueError(f"activation offload: no decoder layers found in {type(model).__name__}")
+    return best
+
+
+def _dense_layout(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor giving the layout a copy of `t` gets: `t`'s strides when dense, contiguous otherwise.
+
+    Keeping the strides keeps backward kernels (and so the gradients) bit-identical.
+    """
+    return torch.empty_like(t, device="meta")
+
+
+class _Handle:
+    """What autograd holds instead of an offloaded tensor; frees the copy when autograd drops it."""
+
+    __slots__ = ("item", "layer", "__weakref__")
+
+    def __init__(self, item: Any, layer: int):
+        self.item = item
+        self.layer = layer
+
+    def __del__(self) -> None:
+        self.item.release()
+
+
+class ActivationOffload:
+    """Saved-tensor hooks that offload decoder-layer activations to `tier` (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, tier: str, min_size: int, offload_dir: Path | None = None,
+                 cpu_limit: int | None = None, mover: Mover | None = None):
+        if tier not in ("cpu", "disk"):
+            raise ValueError(f"activation offload tier must be cpu or disk, got {tier!r}")
+        self.model = model
+        self.tier_name = tier
+        self.min_size = min_size
+        self.prefetch_layers = PREFETCH_LAYERS[tier]
+        layers = decoder_layers(model)
+        self.num_layers = len(layers)
+        if mover is None:
+            device = next(model.parameters()).device
+            mover = CudaMover(device) if device.type == "cuda" else None
+        self.mover = mover
+        need_disk = tier == "disk" or cpu_limit is not None
+        if need_disk and offload_dir is None:
+            raise ValueError("activation offload to disk needs an offload_dir")
+        self.host = HostTier(mover, cpu_limit) if tier == "cpu" else None
+        self.disk = DiskTier(offload_dir, mover) if need_disk else None
+        self._hooks = []
+        for index, layer in enumerate(layers):
+            self._hooks.append(layer.register_forward_pre_hook(self._enter_layer(index)))
+            self._hooks.append(layer.register_forward_hook(self._leave_layer))
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._lock = threading.RLock()
+        self._active = False
+        self._reset()
+        self.stats = {"offloaded_tensors": 0, "offloaded_bytes": 0, "spilled_bytes": 0}
+
+    # -- per-step state ------------------------------------------------------------------------------
+    def _reset(self) -> None:
+        self._layer: int | None = None
+        self._param_storages: set[int] = set()
+        self._by_layer: dict[int, list[weakref.ref]] = {}
+        self._seen: dict[int, tuple[weakref.ref, int, _Handle]] = {}
+        self._backward = False
+        self._next_fetch: int | None = None
+
+    def _enter_layer(self, index: int):
+        def hook(module, args):
+            self._layer = index
+        return hook
+
+    def _leave_layer(self, module, args, output) -> None:
+        self._layer = None
+
+    def __enter__(self) -> ActivationOffload:
+        if self._active:
+            raise RuntimeError("activation offload: this context is already active (it is not re-entrant)")
+        self._reset()
+        self._param_storages = {t.untyped_storage().data_ptr()
+                                for t in (*self.model.parameters(), *self.model.buffers())}
+        self._active = True
+        self._saved_hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._saved_hooks.__exit__(*exc)
+        self._active = False
+        with self._lock:
+            handles = [ref() for refs in self._by_layer.values() for ref in refs]
+        for handle in handles:
+            if handle is not None:
+                handle.item.release()
+        if self.disk is not None:
+            self.disk.cleanup()
+        self._reset()
+
+    def close(self) -> None:
+        """End of training: remove the module hooks and stop the disk threads."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self.disk is not None:
+            self.disk.close()
+
+    # -- pack / unpack -------------------------------------------------------------------------------
+    def _offloadable(self, t: torch.Tensor) -> bool:
+        layer = self._layer
+        if layer is None or layer >= self.num_layers - 1:
+            return False
+        if type(t) is not torch.Tensor or t.layout != torch.strided or t.device.type == "meta":
+            return False
+        if t.numel() * t.element_size() < self.min_size:
+            return False
+        return t.untyped_storage().data_ptr() not in self._param_storages
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if not self._offloadable(t):
+            return t
+        key = id(t)
+        seen = self._seen.get(key)
+        if seen is not None and seen[0]() is t and seen[1] == t._version:
+            return seen[2]  # the same activation saved by several ops is offloaded once
+        with torch.no_grad():
+            layout = _dense_layout(t)
+            nbytes = t.numel() * t.element_size()
+            item = self.host.store(t, layout, nbytes) if self.host is not None else None
+            if item is None:
+                item = self.disk.store(t, layout, nbytes)
+                if self.host is not None:
+                    self.stats["spilled_bytes"] += nbytes
+        handle = _Handle(item, self._layer)
+        self.stats["offloaded_tensors"] += 1
+        self.stats["offloaded_bytes"] += nbytes
+        with self._lock:
+            self._by_layer.setdefault(handle.layer, []).append(weakref.ref(handle))
+        self._seen[key] = (weakref.ref(t, lambda _ref, key=key: self._seen.pop(key, None)), t._version, handle)
+        return handle
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            if not self._backward:
+                self._start_backward()
+            return packed
+        if not self._backward:
+            self._start_backward()
+        self._prefetch_below(packed.layer)
+        return packed.item.get()
+
+    def _start_backward(self) -> None:
+        with self._lock:
+            self._backward = True
+            self._seen.clear()
+            top = max(self._by_layer, default=None)
+            if top is not None:
+                self._next_fetch = top
+                self._prefetch_below(top + 1)
+
+    def _prefetch_below(self, layer: int) -> None:
+        """Fetch the offloaded tensors of the `prefetch_layers` layers backward reaches after `layer`."""
+        with self._lock:
+            while self._next_fetch is not None and self._next_fetch >= layer - self.prefetch_layers:
+                for ref in reversed(self._by_layer.get(self._next_fetch, [])):
+                    handle = ref()
+                    if handle is not None:
+                        handle.item.fetch()
+                below = [i for i in self._by_layer if i < self._next_fetch]
+                self._next_fetch = max(below, default=None)
+
+
+def activation_offload(model: nn.Module, memory_cfg: MemoryConfig, run_dir: str | Path,
+                       mover: Mover | None = None) -> ActivationOffload | None:
+    """The run's offload context per `memory_cfg`, or None when `memory.offload` is none.
+
+    Call `check_offload_dir` first (disk tier or a cpu limit) so a bad directory fails before step one.
+    """
+    if memory_cfg.offload == "auto":
+        raise ValueError("memory.offload=auto must be resolved by the planner before building the offload")
+    if memory_cfg.offload == "none":
+        return None
+    return ActivationOffload(
+        model, memory_cfg.offload, memory_cfg.offload_min_size,
+        offload_dir=offload_dir_for(memory_cfg, run_dir), cpu_limit=memory_cfg.offload_cpu_limit, mover=mover)

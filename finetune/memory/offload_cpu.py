@@ -1,0 +1,188 @@
+"""The RAM tier of activation offload: device <-> host copies that never stall the compute stream.
+
+All device-specific work goes through a `Mover` (streams, events, pinned buffers). `CudaMover` is the real
+one; tests drive the same tier logic with a thread-backed mover on CPU. On a CPU-only run the tensors already
+live in RAM, so the tier keeps them as they are (it still counts them for `offload_cpu_limit`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from typing import Any, Protocol
+
+import torch
+
+
+class Mover(Protocol):
+    """Asynchronous copies between the training device and host memory.
+
+    An event is whatever the mover uses to mark the end of an enqueued copy (None: already done).
+    """
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """A new uint8 host buffer (page-locked on CUDA) of `nbytes`."""
+
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
+        """Enqueue src -> dst after the work already queued on the compute stream; src stays valid until done."""
+
+    def to_device(self, src: torch.Tensor, after: Any) -> tuple[torch.Tensor, Any]:
+        """Enqueue a copy of host `src` into a new device tensor of the same layout, once `after` is done."""
+
+    def ready(self, tensor: torch.Tensor, event: Any) -> torch.Tensor:
+        """Make the compute stream wait for `event` (no host sync) and hand `tensor` to it."""
+
+    def wait_host(self, event: Any) -> None:
+        """Block the calling thread until `event` is done (only before a host buffer is reused)."""
+
+
+class CudaMover:
+    """Copies on two side streams (one per direction) ordered with CUDA events."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.d2h = torch.cuda.Stream(device)
+        self.h2d = torch.cuda.Stream(device)
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> torch.cuda.Event:
+        self.d2h.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.d2h):
+            dst.copy_(src, non_blocking=True)
+        # The caching allocator must not hand src's memory out again before the copy has read it.
+        src.record_stream(self.d2h)
+        event = torch.cuda.Event()
+        event.record(self.d2h)
+        return event
+
+    def to_device(self, src: torch.Tensor, after: Any) -> tuple[torch.Tensor, torch.cuda.Event]:
+        if after is not None:
+            self.h2d.wait_event(after)
+        with torch.cuda.stream(self.h2d):
+            dst = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device=self.device)
+            dst.copy_(src, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(self.h2d)
+        return dst, event
+
+    def ready(self, tensor: torch.Tensor, event: Any) -> torch.Tensor:
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_event(event)
+        # Allocated on the side stream, used and freed on the compute stream.
+        tensor.record_stream(compute)
+        return tensor
+
+    def wait_host(self, event: Any) -> None:
+        if event is not None:
+            event.synchronize()
+
+
+def host_view(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`buffer`'s bytes seen as a tensor with `like`'s dtype, shape and strides (offset 0)."""
+    return torch.empty(0, dtype=like.dtype).set_(buffer.untyped_storage(), 0, like.shape, like.stride())
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """All bytes of `tensor`'s storage as uint8 (works for bf16 and bool, which numpy cannot hold)."""
+    return torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
+
+
+class HostPool:
+    """Reusable host buffers keyed by exact size (activation sizes repeat every layer and every step).
+
+    A released buffer remembers the last copy that touched it; it is waited for only when handed out again.
+    """
+
+    def __init__(self, mover: Mover):
+        self.mover = mover
+        self._free: dict[int, list[tuple[torch.Tensor, Any]]] = defaultdict(list)
+        self._lock = threading.Lock()
+        self.allocated = 0  # buffers ever created: stays flat across steps once the pool is warm
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            free = self._free[nbytes]
+            entry = free.pop() if free else None
+            if entry is None:
+                self.allocated += 1
+        if entry is None:
+            return self.mover.host_buffer(nbytes)
+        buffer, event = entry
+        self.mover.wait_host(event)
+        return buffer
+
+    def release(self, buffer: torch.Tensor, event: Any = None) -> None:
+        with self._lock:
+            self._free[buffer.numel()].append((buffer, event))
+
+
+class HostCopy:
+    """One activation held in host memory: copied out at pack time, copied back (prefetched) in backward."""
+
+    def __init__(self, tier: HostTier, tensor: torch.Tensor, layout: torch.Tensor, nbytes: int):
+        self.tier = tier
+        self.nbytes = nbytes
+        self._device_copy: tuple[torch.Tensor, Any] | None = None
+        mover = tier.mover
+        if mover is None:  # the device is the host: keep the tensor itself
+            self.buffer = None
+            self.host = tensor
+            self._event = None
+            return
+        self.buffer = tier.pool.acquire(nbytes)
+        self.host = host_view(self.buffer, layout)
+        self._event = mover.to_host(tensor, self.host)
+
+    def fetch(self) -> None:
+        """Start the copy back to the device (no-op when already started or on a CPU run)."""
+        mover = self.tier.mover
+        if mover is not None and self._device_copy is None and self.host is not None:
+            self._device_copy = mover.to_device(self.host, self._event)
+            self._event = self._device_copy[1]
+
+    def get(self) -> torch.Tensor:
+        if self.host is None:
+            raise RuntimeError("activation offload: a saved tensor was used after its offload step ended; "
+                               "run backward inside the `with activation_offload(...)` block")
+        mover = self.tier.mover
+        if mover is None:
+            return self.host
+        self.fetch()
+        tensor, event = self._device_copy
+        # The handle keeps only the host copy (a second backward with retain_graph copies again).
+        self._device_copy = None
+        return mover.ready(tensor, event)
+
+    def release(self) -> None:
+        if self.host is None:
+            return
+        self.host = None
+        self._device_copy = None
+        self.tier.give_back(self.nbytes)
+        if self.buffer is not None:
+            self.tier.pool.release(self.buffer, self._event)
+            self.buffer = None
+
+
+class HostTier:
+    """Holds offloaded activations in RAM up to `limit` bytes; `store` returns None once the limit is hit."""
+
+    def __init__(self, mover: Mover | None, limit: int | None):
+        self.mover = mover
+        self.pool = HostPool(mover) if mover is not None else None
+        self.limit = limit
+        self.held = 0
+        self._lock = threading.Lock()
+
+    def store(self, tensor: torch.Tensor, layout: torch.Tensor, nbytes: int) -> HostCopy | None:
+        with self._lock:
+            if self.limit is not None and self.held + nbytes > self.limit:
+                return None
+            self.held += nbytes
+        return HostCopy(self, tensor, layout, nbytes)
+
+    def give_back(self, nbytes: int) -> None:
+        with self._lock:
+            self.held -= nbytes
