@@ -54,16 +54,12 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return best
 
 
-def _dense_layout(t: torch.Tensor) -> torch.Tensor:
-    """A meta tensor giving the layout a copy of `t` gets: `t`'s strides when dense, contiguous otherwise.
-
-    Keeping the strides keeps backward kernels (and so the gradients) bit-identical.
-    """
-    return torch.empty_like(t, device="meta")
+def _flat_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
 
-class _Handle:
-    """What autograd holds instead of an offloaded tensor; frees the copy when autograd drops it."""
+class _Stored:
+    """One offloaded copy, shared by every handle saved from it; released when the last handle goes."""
 
     __slots__ = ("item", "layer", "__weakref__")
 
@@ -73,6 +69,27 @@ class _Handle:
 
     def __del__(self) -> None:
         self.item.release()
+
+
+class _Handle:
+    """What autograd holds instead of a tensor: the stored copy plus how to view it.
+
+    `view` is None when the copy already has the tensor's layout, else (dtype, shape, stride, offset)
+    into the copied storage bytes.
+    """
+
+    __slots__ = ("stored", "view")
+
+    def __init__(self, stored: _Stored, view: tuple | None):
+        self.stored = stored
+        self.view = view
+
+    def unpack(self) -> torch.Tensor:
+        data = self.stored.item.get()
+        if self.view is None:
+            return data
+        dtype, shape, stride, offset = self.view
+        return torch.empty(0, dtype=dtype, device=data.device).set_(data.untyped_storage(), offset, shape, stride)
 
 
 class ActivationOffload:
@@ -112,7 +129,7 @@ class ActivationOffload:
         self._layer: int | None = None
         self._param_storages: set[int] = set()
         self._by_layer: dict[int, list[weakref.ref]] = {}
-        self._seen: dict[int, tuple[weakref.ref, int, _Handle]] = {}
+        self._seen: dict[int, tuple[weakref.ref, int, weakref.ref]] = {}
         self._backward = False
         self._next_fetch: int | None = None
 
@@ -138,10 +155,10 @@ class ActivationOffload:
         self._saved_hooks.__exit__(*exc)
         self._active = False
         with self._lock:
-            handles = [ref() for refs in self._by_layer.values() for ref in refs]
-        for handle in handles:
-            if handle is not None:
-                handle.item.release()
+            stored = [ref() for refs in self._by_layer.values() for ref in refs]
+        for item in stored:
+            if item is not None:
+                item.item.release()
         if self.disk is not None:
             self.disk.cleanup()
         self._reset()
@@ -168,25 +185,37 @@ class ActivationOffload:
     def _pack(self, t: torch.Tensor) -> Any:
         if not self._offloadable(t):
             return t
-        key = id(t)
+        storage = t.untyped_storage()
+        nbytes = t.numel() * t.element_size()
+        if storage.nbytes() != nbytes:
+            # A view into a larger storage: copy just its elements, densely (strides kept when dense).
+            return _Handle(self._store(t, torch.empty_like(t, device="meta"), nbytes), None)
+        # The tensor spans its whole storage: offload the storage once for all the views saved from it
+        # (hidden states reach several ops as different views) and rebuild each view in backward.
+        view = (t.dtype, t.shape, t.stride(), t.storage_offset())
+        key = storage.data_ptr()
         seen = self._seen.get(key)
-        if seen is not None and seen[0]() is t and seen[1] == t._version:
-            return seen[2]  # the same activation saved by several ops is offloaded once
+        if seen is not None and seen[0]() is storage and seen[1] == t._version and seen[2]() is not None:
+            return _Handle(seen[2](), view)
+        flat = _flat_bytes(storage, t.device)
+        stored = self._store(flat, torch.empty_like(flat, device="meta"), nbytes)
+        self._seen[key] = (weakref.ref(storage, lambda _ref, key=key: self._seen.pop(key, None)),
+                           t._version, weakref.ref(stored))
+        return _Handle(stored, view)
+
+    def _store(self, t: torch.Tensor, layout: torch.Tensor, nbytes: int) -> _Stored:
         with torch.no_grad():
-            layout = _dense_layout(t)
-            nbytes = t.numel() * t.element_size()
             item = self.host.store(t, layout, nbytes) if self.host is not None else None
             if item is None:
                 item = self.disk.store(t, layout, nbytes)
                 if self.host is not None:
                     self.stats["spilled_bytes"] += nbytes
-        handle = _Handle(item, self._layer)
+        stored = _Stored(item, self._layer)
         self.stats["offloaded_tensors"] += 1
         self.stats["offloaded_bytes"] += nbytes
         with self._lock:
-            self._by_layer.setdefault(handle.layer, []).append(weakref.ref(handle))
-        self._seen[key] = (weakref.ref(t, lambda _ref, key=key: self._seen.pop(key, None)), t._version, handle)
-        return handle
+            self._by_layer.setdefault(stored.layer, []).append(weakref.ref(stored))
+        return stored
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
@@ -195,8 +224,8 @@ class ActivationOffload:
             return packed
         if not self._backward:
             self._start_backward()
-        self._prefetch_below(packed.layer)
-        return packed.item.get()
+        self._prefetch_below(packed.stored.layer)
+        return packed.unpack()
 
     def _start_backward(self) -> None:
         with self._lock:
@@ -212,9 +241,9 @@ class ActivationOffload:
         with self._lock:
             while self._next_fetch is not None and self._next_fetch >= layer - self.prefetch_layers:
                 for ref in reversed(self._by_layer.get(self._next_fetch, [])):
-                    handle = ref()
-                    if handle is not None:
-                        handle.item.fetch()
+                    stored = ref()
+                    if stored is not None:
+                        stored.item.fetch()
                 below = [i for i in self._by_layer if i < self._next_fetch]
                 self._next_fetch = max(below, default=None)
 

@@ -8,10 +8,14 @@ live in RAM, so the tier keeps them as they are (it still counts them for `offlo
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import defaultdict
 from typing import Any, Protocol
 
 import torch
+
+STEP_ENDED = ("activation offload: a saved tensor was used after its offload step ended; "
+              "run backward inside the `with activation_offload(...)` block")
 
 
 class Mover(Protocol):
@@ -118,51 +122,72 @@ class HostPool:
             self._free[buffer.numel()].append((buffer, event))
 
 
+class DeviceCopy:
+    """The device-side copy of a host tensor: started ahead of need, shared by all views unpacked from it
+    while any of them lives, made again only if needed again afterwards (a second backward)."""
+
+    def __init__(self, mover: Mover):
+        self.mover = mover
+        self.event: Any = None  # the last copy reading the host buffer
+        self._pending: tuple[torch.Tensor, Any] | None = None
+        self._storage: weakref.ref | None = None
+
+    def _alive(self) -> torch.UntypedStorage | None:
+        return self._storage() if self._storage is not None else None
+
+    def start(self, host: torch.Tensor, after: Any = None) -> None:
+        if self._pending is None and self._alive() is None:
+            self._pending = self.mover.to_device(host, after)
+            self.event = self._pending[1]
+
+    def get(self, host: torch.Tensor, after: Any = None) -> torch.Tensor:
+        storage = self._alive()
+        if storage is not None:
+            return torch.empty(0, dtype=host.dtype, device=storage.device).set_(
+                storage, 0, host.shape, host.stride())
+        self.start(host, after)
+        tensor, event = self._pending
+        self._pending = None  # the handle keeps no device memory once autograd has the tensor
+        tensor = self.mover.ready(tensor, event)
+        self._storage = weakref.ref(tensor.untyped_storage())
+        return tensor
+
+
 class HostCopy:
     """One activation held in host memory: copied out at pack time, copied back (prefetched) in backward."""
 
     def __init__(self, tier: HostTier, tensor: torch.Tensor, layout: torch.Tensor, nbytes: int):
         self.tier = tier
         self.nbytes = nbytes
-        self._device_copy: tuple[torch.Tensor, Any] | None = None
         mover = tier.mover
         if mover is None:  # the device is the host: keep the tensor itself
             self.buffer = None
             self.host = tensor
-            self._event = None
             return
         self.buffer = tier.pool.acquire(nbytes)
         self.host = host_view(self.buffer, layout)
-        self._event = mover.to_host(tensor, self.host)
+        self._stored_event = mover.to_host(tensor, self.host)
+        self.device = DeviceCopy(mover)
 
     def fetch(self) -> None:
         """Start the copy back to the device (no-op when already started or on a CPU run)."""
-        mover = self.tier.mover
-        if mover is not None and self._device_copy is None and self.host is not None:
-            self._device_copy = mover.to_device(self.host, self._event)
-            self._event = self._device_copy[1]
+        if self.buffer is not None:
+            self.device.start(self.host, self._stored_event)
 
     def get(self) -> torch.Tensor:
         if self.host is None:
-            raise RuntimeError("activation offload: a saved tensor was used after its offload step ended; "
-                               "run backward inside the `with activation_offload(...)` block")
-        mover = self.tier.mover
-        if mover is None:
+            raise RuntimeError(STEP_ENDED)
+        if self.buffer is None:
             return self.host
-        self.fetch()
-        tensor, event = self._device_copy
-        # The handle keeps only the host copy (a second backward with retain_graph copies again).
-        self._device_copy = None
-        return mover.ready(tensor, event)
+        return self.device.get(self.host, self._stored_event)
 
     def release(self) -> None:
         if self.host is None:
             return
         self.host = None
-        self._device_copy = None
         self.tier.give_back(self.nbytes)
         if self.buffer is not None:
-            self.tier.pool.release(self.buffer, self._event)
+            self.tier.pool.release(self.buffer, self.device.event or self._stored_event)
             self.buffer = None
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from finetune.errors import FinetuneError
-from finetune.memory.offload_cpu import HostPool, Mover, byte_view, host_view
+from finetune.memory.offload_cpu import STEP_ENDED, DeviceCopy, HostPool, Mover, byte_view, host_view
 from finetune.recipe.schema import format_bytes
 
 FILE_PREFIX = "ft-act-"
@@ -59,7 +59,7 @@ def check_offload_dir(path: str | Path, needed_bytes: int) -> Path:
     return path
 
 
-def _write_all(path: Path, data: torch.Tensor) -> None:
+def write_tensor_file(path: Path, data: torch.Tensor) -> None:
     view = memoryview(byte_view(data).numpy())
     with open(path, "wb", buffering=0) as f:
         done = 0
@@ -67,7 +67,7 @@ def _write_all(path: Path, data: torch.Tensor) -> None:
             done += f.write(view[done:])
 
 
-def _read_all(path: Path, into: torch.Tensor) -> None:
+def read_tensor_file(path: Path, into: torch.Tensor) -> None:
     view = memoryview(byte_view(into).numpy())
     with open(path, "rb", buffering=0) as f:
         done = 0
@@ -79,7 +79,11 @@ def _read_all(path: Path, into: torch.Tensor) -> None:
 
 
 class DiskFile:
-    """One activation on disk: written in the background, read back ahead of need, then deleted."""
+    """One activation on disk: written in the background, read back ahead of need, then deleted.
+
+    After the read the bytes stay in host memory (the device copy is made from them) until autograd drops
+    the handle, which it does right after use unless the graph is retained for another backward.
+    """
 
     def __init__(self, tier: DiskTier, tensor: torch.Tensor, layout: torch.Tensor, nbytes: int):
         self.tier = tier
@@ -87,15 +91,17 @@ class DiskFile:
         self.nbytes = nbytes
         self.path = tier.new_path()
         self._read: Future | None = None
-        self._loaded: torch.Tensor | None = None
+        self._host: torch.Tensor | None = None
         self._released = False
         self._staging = None
-        if tier.mover is not None:  # stage through a pinned buffer, the copy ordered by an event
+        mover = tier.mover
+        self.device = DeviceCopy(mover) if mover is not None else None
+        if mover is not None:  # stage through a pinned buffer, the copy ordered by an event
             self._staging = tier.pool.acquire(nbytes)
             source = host_view(self._staging, layout)
-            event = tier.mover.to_host(tensor, source)
+            event = mover.to_host(tensor, source)
         else:
-            # Write straight from the activation when it owns exactly its storage, else from a dense copy
+            # Write straight from the activation when it is exactly its storage, else from a dense copy
             # (a view would drag its whole base along).
             event = None
             owns = (tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == nbytes
@@ -106,50 +112,44 @@ class DiskFile:
     def _do_write(self, source: torch.Tensor, event: Any) -> None:
         if event is not None:
             self.tier.mover.wait_host(event)
-        _write_all(self.path, source)
+        write_tensor_file(self.path, source)
         if self._staging is not None:
             self.tier.pool.release(self._staging)
             self._staging = None
 
     def fetch(self) -> None:
         """Start reading the file back (read-ahead); the destination is allocated by the caller's thread."""
-        if self._read is not None or self._loaded is not None or self._released:
+        if self._read is not None or self._host is not None or self._released:
             return
         pool = self.tier.pool
         buffer = pool.acquire(self.nbytes) if pool is not None else torch.empty(self.nbytes, dtype=torch.uint8)
         self._read = self.tier.submit_read(self._do_read, buffer)
 
-    def _do_read(self, buffer: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def _do_read(self, buffer: torch.Tensor) -> torch.Tensor:
         self._write.result()
-        _read_all(self.path, buffer)
+        read_tensor_file(self.path, buffer)
         self.tier.remove(self.path)
         host = host_view(buffer, self.layout)
-        mover = self.tier.mover
-        if mover is None:
-            return host, None
-        tensor, event = mover.to_device(host, None)
-        self.tier.pool.release(buffer, event)
-        return tensor, event
+        if self.device is not None:
+            self.device.start(host)  # the device copy overlaps with the compute thread too
+        return host
 
     def get(self) -> torch.Tensor:
         if self._released:
-            raise RuntimeError("activation offload: a saved tensor was used after its offload step ended; "
-                               "run backward inside the `with activation_offload(...)` block")
-        if self._loaded is None:
+            raise RuntimeError(STEP_ENDED)
+        if self._host is None:
             self.fetch()
-            tensor, event = self._read.result()
+            self._host = self._read.result()
             self._read = None
-            if self.tier.mover is not None:
-                return self.tier.mover.ready(tensor, event)
-            # Kept for a second backward (retain_graph); dropped with the handle after the first otherwise.
-            self._loaded = tensor
-        return self._loaded
+        return self._host if self.device is None else self.device.get(self._host)
 
     def release(self) -> None:
         if self._released:
             return
         self._released = True
-        self._loaded = None
+        if self._host is not None and self.tier.pool is not None:
+            self.tier.pool.release(byte_view(self._host), self.device.event)
+        self._host = None
         if self._write.cancel():
             self.tier.end_write()
         self.tier.forget(self)
