@@ -50,7 +50,7 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
-    path: str = Field(description="Local Hugging Face folder, a hub id (when online), or a .gguf file.")
+    path: str = Field(description="Local Hugging Face folder, a hub id (when online), a .gguf file, or pkg:PACKAGE/FILE inside an installed package.")
     trust_remote_code: bool = Field(False, description="Run model code shipped with the checkpoint; off unless you trust it.")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) when path is a hub id.")
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(

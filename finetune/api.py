@@ -1,0 +1,57 @@
+"""The Python API. The CLI and the web UI call these functions and hold no logic of their own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from finetune.recipe.load import load_recipe as _load_recipe
+from finetune.recipe.load import validate_recipe
+from finetune.recipe.schema import Recipe
+
+if TYPE_CHECKING:  # torch and transformers load only when a command needs them
+    from finetune.train.run import RunResult
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Read and validate a recipe file; raises RecipeError with one message per problem."""
+    return _load_recipe(path, overrides)
+
+
+def validate(data: dict, source: str = "recipe") -> Recipe:
+    """Validate a recipe given as a mapping (the UI form)."""
+    return validate_recipe(data, source)
+
+
+def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> RunResult:
+    """Fine-tune; blocks until done or stopped (Ctrl-C / SIGTERM save a checkpoint first)."""
+    from finetune.train.run import run as _run
+
+    return _run(recipe, resume=resume, overwrite=overwrite)
+
+
+def generate(run_dir: str | Path, prompt: str, *, max_new_tokens: int = 128, use_adapter: bool = True) -> str:
+    """Answer `prompt` with the run's model (or its base model with use_adapter=False)."""
+    from finetune.model.trained import generate as _generate
+    from finetune.model.trained import load_trained
+
+    model, tokenizer = load_trained(run_dir, use_adapter=use_adapter)
+    return _generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens)
+
+
+def compare(run_dir: str | Path, prompt: str, *, max_new_tokens: int = 128) -> tuple[str, str]:
+    """(base model's answer, fine-tuned answer) to the same prompt; the model is loaded once."""
+    from finetune.model.trained import generate as _generate
+    from finetune.model.trained import load_trained
+
+    model, tokenizer = load_trained(run_dir)
+    with model.disable_adapter():
+        base = _generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens)
+    return base, _generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens)
+
+
+def export(run_dir: str | Path, out_dir: str | Path) -> Path:
+    """Merge the run's adapter into its base model and save it as safetensors."""
+    from finetune.model.trained import export_merged
+
+    return export_merged(run_dir, out_dir)

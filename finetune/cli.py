@@ -1,0 +1,119 @@
+"""`finetune` command line: a thin shell over finetune.api. User mistakes print a message, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from finetune.console import console
+from finetune.errors import FinetuneError
+
+SET_HELP = "override a recipe key, e.g. --set training.max_steps=10 (repeatable; `finetune keys` lists keys)"
+
+
+def _add_recipe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", help="recipe YAML file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="finetune", description="Fine-tune open LLMs on one GPU, memory planned first.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="fine-tune as a recipe says")
+    _add_recipe_args(p)
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output.dir")
+    p.add_argument("--overwrite", action="store_true", help="delete a previous run in output.dir and start over")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("validate", help="check a recipe without loading anything")
+    _add_recipe_args(p)
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("keys", help="list every recipe key with its type, default and description")
+    p.add_argument("section", nargs="?", help="only this section, e.g. training")
+    p.add_argument("--markdown", action="store_true", help="print the Markdown reference (docs/recipe.md)")
+    p.set_defaults(func=cmd_keys)
+
+    p = sub.add_parser("generate", help="answer a prompt with a trained run (base + adapter)")
+    p.add_argument("run_dir", help="a run directory (output.dir of a finished run)")
+    p.add_argument("--prompt", required=True, help="user message; the chat template is applied")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="length limit of the answer")
+    p.add_argument("--no-adapter", action="store_true", help="answer with the base model alone")
+    p.add_argument("--compare", action="store_true", help="print the base model's answer next to the fine-tuned one")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("export", help="merge the adapter into the base and save safetensors")
+    p.add_argument("run_dir", help="a run directory")
+    p.add_argument("--out", required=True, help="folder to write the merged model to")
+    p.set_defaults(func=cmd_export)
+    return parser
+
+
+def cmd_run(args) -> int:
+    from finetune import api
+
+    recipe = api.load_recipe(args.recipe, args.overrides)
+    result = api.run(recipe, resume=args.resume, overwrite=args.overwrite)
+    if result.state == "stopped":
+        console.print(f"[yellow]stopped at step {result.steps}; continue with: finetune run {args.recipe} --resume")
+        return 130
+    loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "n/a"
+    console.print(f"[green]done[/green]: {result.steps} steps, final loss {loss}; adapter in {result.run_dir}/adapter")
+    return 0
+
+
+def cmd_validate(args) -> int:
+    from finetune import api
+
+    recipe = api.load_recipe(args.recipe, args.overrides)
+    console.print(f"[green]ok[/green]: {args.recipe} is a valid recipe "
+                  f"(model {recipe.model.path}, data {recipe.data.path}, adapter {recipe.adapter.type})")
+    return 0
+
+
+def cmd_keys(args) -> int:
+    from rich.table import Table
+
+    from finetune.recipe.docs import reference_markdown, reference_rows
+
+    if args.markdown:
+        sys.stdout.write(reference_markdown())
+        return 0
+    table = Table("key", "type", "default", "description", show_lines=False)
+    for row in reference_rows(args.section):
+        table.add_row(*row)
+    console.print(table)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from finetune import api
+
+    if args.compare:
+        base, tuned = api.compare(args.run_dir, args.prompt, max_new_tokens=args.max_new_tokens)
+        print(f"prompt:     {args.prompt}\nbase model: {base}\nfine-tuned: {tuned}")
+        return 0
+    print(api.generate(args.run_dir, args.prompt, max_new_tokens=args.max_new_tokens, use_adapter=not args.no_adapter))
+    return 0
+
+
+def cmd_export(args) -> int:
+    from finetune import api
+
+    out = api.export(args.run_dir, args.out)
+    console.print(f"[green]exported[/green] merged model to {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except FinetuneError as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/yellow]")
+        return 130
+

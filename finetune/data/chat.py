@@ -1,0 +1,170 @@
+"""Chat templates, tokenization and loss masks.
+
+Which template: `data.chat_template` (a Jinja string, or a path to a .jinja file), else the tokenizer's own,
+else `DEFAULT_CHAT_TEMPLATE`, plain ChatML (`<|im_start|>{role}\\n{content}<|im_end|>\\n` per message,
+`<|im_start|>assistant\\n` as generation prompt).
+
+How assistant-only loss is marked: the conversation is rendered to text once and tokenized once with the fast
+tokenizer's offset mapping; a token gets loss when its characters overlap an assistant span. Assistant
+message i spans from the end of `render(messages[:i], add_generation_prompt=True)` to the end of
+`render(messages[:i + 1])`, minus trailing whitespace (so ChatML trains on `answer<|im_end|>` but not on the
+newline after it, as `{% generation %}` blocks do). Why this and not transformers'
+`return_assistant_tokens_mask`: that needs `{% generation %}` markers, which most real templates lack; the
+prefix renders work with any template that is prefix-stable (rendering a conversation cut before an assistant
+turn gives a prefix of the full rendering), cost microseconds, and the single tokenization of the full text
+gives exactly the token boundaries the model sees. Records whose rendering is not prefix-stable (templates that
+rewrite earlier turns) raise a RecordError naming the turn. As with `apply_chat_template`, control-token
+strings inside message text are tokenized as control tokens. Labels at position 0 are always -100: no token
+predicts the first one (this also keeps packed examples from predicting across their boundary).
+
+Tools: when the template uses a `tools` variable, a record's tools go to it, and sharegpt function_call turns
+whose text is a JSON object `{"name", "arguments"}` become structured `tool_calls` if the template reads
+`tool_calls`. Otherwise the tools are appended to the system message (one is added if there is none) as
+`TOOLS_PREAMBLE` followed by the JSON list of schemas, and calls stay the JSON text of the data.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from finetune.data.formats import CALL, Chat, RecordError
+from finetune.errors import DataError
+from finetune.testing import CHATML_TEMPLATE
+
+IGNORE_INDEX = -100
+DEFAULT_CHAT_TEMPLATE = CHATML_TEMPLATE
+TOOLS_PREAMBLE = (
+    "You can call the tools below. To call one, reply with only a JSON object "
+    '{"name": <tool name>, "arguments": <arguments object>}; its result comes back in a tool message.\n\n'
+    "Tools:\n"
+)
+
+Encoded = tuple[list[int], list[int]]  # input_ids, labels
+
+
+def resolve_template(chat_template: str | None, tokenizer: Any) -> str:
+    """The chat template to use: the recipe's (string or .jinja path), the tokenizer's, or ChatML."""
+    if chat_template:
+        path = Path(chat_template)
+        if "{" not in chat_template and (path.suffix in (".jinja", ".j2") or path.is_file()):
+            if not path.is_file():
+                raise DataError(f"data.chat_template file {chat_template!r} does not exist",
+                                hint="give a path to a .jinja file or the template text itself")
+            return path.read_text(encoding="utf-8")
+        return chat_template
+    own = getattr(tokenizer, "chat_template", None)
+    if isinstance(own, dict):  # named templates: take the default one
+        own = own.get("default") or next(iter(own.values()), None)
+    return own or DEFAULT_CHAT_TEMPLATE
+
+
+class ChatEncoder:
+    """Renders chats with one template and tokenizes them into input_ids and labels."""
+
+    def __init__(self, tokenizer: Any, template: str, assistant_only_loss: bool = True):
+        import jinja2
+
+        if not getattr(tokenizer, "is_fast", False):
+            raise DataError(f"the tokenizer ({type(tokenizer).__name__}) is not a fast tokenizer",
+                            hint="loss masks need character offsets; load the tokenizer with use_fast=True")
+        self.tokenizer = tokenizer
+        self.template = template
+        self.assistant_only_loss = assistant_only_loss
+        self.native_tools = re.search(r"\btools\b", template) is not None
+        self.native_calls = self.native_tools and re.search(r"\btool_calls\b", template) is not None
+        try:
+            self._render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}])
+        except jinja2.TemplateSyntaxError as exc:
+            raise DataError(f"the chat template is not valid Jinja (line {exc.lineno}: {exc.message})",
+                            hint="fix data.chat_template or leave it empty to use the tokenizer's") from exc
+
+    def _render(self, messages: list[dict], tools: list[dict] | None = None, generation: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools, chat_template=self.template, tokenize=False, add_generation_prompt=generation)
+
+    def _prepare(self, chat: Chat) -> tuple[list[dict], list[dict] | None]:
+        messages = [_native_call(m) if self.native_calls and m.get(CALL) else
+                    {k: v for k, v in m.items() if k != CALL} for m in chat.messages]
+        if not chat.tools or self.native_tools:
+            return messages, chat.tools
+        tools_text = TOOLS_PREAMBLE + json.dumps(chat.tools, ensure_ascii=False, indent=2)
+        if messages[0]["role"] == "system":
+            messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{tools_text}"}
+        else:
+            messages.insert(0, {"role": "system", "content": tools_text})
+        return messages, None
+
+    def render(self, chat: Chat) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered text and the character spans that get loss; RecordError if the template refuses it."""
+        import jinja2
+
+        messages, tools = self._prepare(chat)
+        try:
+            text = self._render(messages, tools)
+            if not self.assistant_only_loss:
+                return text, [(0, len(text))]
+            spans = []
+            for i, message in enumerate(messages):
+                if message["role"] != "assistant":
+                    continue
+                prompt = self._render(messages[:i], tools, generation=True)
+                end = self._render(messages[: i + 1], tools)
+                if not (text.startswith(prompt) and text.startswith(end) and len(prompt) <= len(end)):
+                    raise RecordError(
+                        f"the chat template renders the conversation differently when it is cut before "
+                        f"turn {i} (assistant), so its loss span cannot be found; use a template that does not "
+                        "rewrite earlier turns (data.chat_template)")
+                spans.append((len(prompt), len(end.rstrip())))
+        except jinja2.TemplateError as exc:
+            raise RecordError(f"the chat template rejects this conversation: {exc}") from None
+        return text, spans
+
+    def encode(self, rendered: Sequence[tuple[str, list[tuple[int, int]]]]) -> list[Encoded]:
+        """Tokenize rendered chats in one batch; labels are -100 outside the spans."""
+        if not rendered:
+            return []
+        batch = self.tokenizer([text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
+        out = []
+        for ids, offsets, (_, spans) in zip(batch["input_ids"], batch["offset_mapping"], rendered, strict=True):
+            labels = [tok if _overlaps(s, e, spans) else IGNORE_INDEX for tok, (s, e) in zip(ids, offsets, strict=True)]
+            out.append(_mask_first(ids, labels))
+        return out
+
+
+def encode_text(tokenizer: Any, texts: Sequence[str]) -> list[Encoded]:
+    """Tokenize raw texts (with the tokenizer's own special tokens, e.g. BOS), append EOS, loss everywhere."""
+    if not texts:
+        return []
+    eos = tokenizer.eos_token_id
+    out = []
+    for ids in tokenizer(list(texts), add_special_tokens=True)["input_ids"]:
+        if eos is not None and (not ids or ids[-1] != eos):
+            ids = [*ids, eos]
+        out.append(_mask_first(ids, list(ids)))
+    return out
+
+
+def _overlaps(start: int, end: int, spans: list[tuple[int, int]]) -> bool:
+    return end > start and any(start < b and end > a for a, b in spans)
+
+
+def _mask_first(ids: list[int], labels: list[int]) -> Encoded:
+    if labels:
+        labels[0] = IGNORE_INDEX
+    return ids, labels
+
+
+def _native_call(message: dict) -> dict:
+    """A function_call turn as an OpenAI-style tool call, when its text is a JSON call; else unchanged text."""
+    try:
+        call = json.loads(message["content"])
+    except json.JSONDecodeError:
+        call = None
+    if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+        return {"role": "assistant", "content": message["content"]}
+    function = {"name": call["name"], "arguments": call.get("arguments", {})}
+    return {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": function}]}

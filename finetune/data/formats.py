@@ -1,0 +1,227 @@
+"""Record formats: detect them and normalise every record to chat messages or plain text.
+
+Mapping to chat messages (`{"role", "content"}` with roles system, user, assistant, tool):
+
+- alpaca `{"instruction", "input"?, "output", "system"?, "history"?}`: `system` becomes a system message;
+  `history` (a list of `[question, answer]` pairs) becomes earlier user/assistant turns; the user turn is
+  `instruction`, followed by a newline and `input` when `input` is not empty (LLaMA-Factory's convention);
+  `output` is the assistant turn.
+- messages `{"messages": [{"role", "content"}...], "system"?, "tools"?}` (OpenAI style; the list may also be
+  under `conversations`): roles system, user, assistant, tool are kept; other keys of a message (`tool_calls`,
+  `name`, ...) are passed to the chat template unchanged.
+- sharegpt `{"conversations": [{"from", "value"}...], "system"?, "tools"?}` (the list may also be under
+  `messages`): human/user -> user, gpt/assistant -> assistant, system -> system, observation/tool -> tool
+  (a tool result: no loss), function_call -> an assistant turn (trained on) whose content is the call as
+  written in the data (see `finetune.data.chat` for templates with native tool calls).
+- text `{"text"}`: raw text for continued pre-training.
+
+`tools` is a list of tool schemas, or a JSON string holding one (as in glaive_toolcall); an empty string or
+list means no tools. In CSV and Parquet files the message list and tools may be JSON strings; they are parsed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+FORMATS = ("alpaca", "messages", "sharegpt", "text")
+DETECT_WINDOW = 10  # auto-detection looks at this many records from the start of the file
+
+_EXPECT = {
+    "alpaca": '{"instruction": str, "input": str (optional), "output": str}',
+    "messages": '{"messages": [{"role": "user" | "assistant" | "system" | "tool", "content": str}, ...]}',
+    "sharegpt": '{"conversations": [{"from": "human" | "gpt" | "system" | "function_call" | "observation", '
+                '"value": str}, ...], "tools": JSON string or list (optional)}',
+    "text": '{"text": str}',
+}
+MESSAGE_ROLES = ("system", "user", "assistant", "tool")
+SHAREGPT_ROLES = {
+    "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+    "function_call": "function_call", "observation": "tool", "tool": "tool",
+}
+
+
+CALL = "_function_call"  # marks sharegpt function_call turns; removed before the chat template sees them
+
+
+class RecordError(ValueError):
+    """A record does not match its format; the message says what is wrong and what was expected."""
+
+
+@dataclass
+class Chat:
+    """A normalised conversation. Assistant messages that are tool calls carry `CALL: True`."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+
+
+Example = Chat | str
+
+
+def _signature(record: Any) -> str | None:
+    """The format one record looks like, or None."""
+    if not isinstance(record, dict):
+        return None
+    for key in ("messages", "conversations"):
+        turns = _maybe_json(record.get(key))
+        if isinstance(turns, list) and turns and isinstance(turns[0], dict):
+            return "sharegpt" if "from" in turns[0] or "value" in turns[0] else "messages"
+    if "instruction" in record and "output" in record:
+        return "alpaca"
+    if "text" in record:
+        return "text"
+    return None
+
+
+def detect_format(records: Sequence[Any]) -> str:
+    """Return the format most of the first records match: alpaca, messages, sharegpt or text.
+
+    Raises RecordError when none of them matches any format.
+    """
+    votes = Counter(s for s in map(_signature, records[:DETECT_WINDOW]) if s)
+    if not votes:
+        first = records[0] if records else None
+        keys = sorted(first) if isinstance(first, dict) else type(first).__name__
+        raise RecordError(
+            f"cannot detect the record format: the first record has {keys}; expected one of "
+            + "; ".join(f"{name} {shape}" for name, shape in _EXPECT.items()))
+    return votes.most_common(1)[0][0]
+
+
+def normalize(record: Any, fmt: str, system_prompt: str | None = None) -> Example:
+    """Turn one raw record of format `fmt` into a Chat or a text string; RecordError if malformed."""
+    if not isinstance(record, dict):
+        raise RecordError(f"is a {type(record).__name__}, not an object; expected {_EXPECT[fmt]}")
+    try:
+        example = _NORMALIZERS[fmt](record)
+    except RecordError as exc:
+        raise RecordError(f"{exc}; expected {fmt} {_EXPECT[fmt]}") from None
+    if isinstance(example, Chat) and system_prompt and not any(m["role"] == "system" for m in example.messages):
+        example.messages.insert(0, {"role": "system", "content": system_prompt})
+    return example
+
+
+def _maybe_json(value: Any) -> Any:
+    """Parse JSON-looking strings (lists and tools stored as text in CSV/Parquet); leave the rest alone."""
+    if isinstance(value, str) and value.lstrip().startswith(("[", "{")):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
+def _string(record: dict, key: str, optional: bool = False, where: str = "") -> str:
+    value = record.get(key)
+    if value is None and optional:
+        return ""
+    if key not in record:
+        raise RecordError(f"{where}missing {key!r}")
+    if not isinstance(value, str):
+        raise RecordError(f"{where}{key!r} is a {type(value).__name__}, not a string")
+    return value
+
+
+def _tools(record: dict) -> list[dict] | None:
+    raw = record.get("tools")
+    if raw is None or raw == "" or raw == []:
+        return None
+    tools = raw
+    if isinstance(raw, str):
+        try:
+            tools = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise RecordError(f"'tools' is a string but not valid JSON ({exc.msg})") from None
+    if isinstance(tools, dict):
+        tools = [tools]
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise RecordError("'tools' must be a list of tool schemas (objects) or a JSON string holding one")
+    return tools or None
+
+
+def _with_system(record: dict, messages: list[dict]) -> list[dict]:
+    system = _string(record, "system", optional=True)
+    return ([{"role": "system", "content": system}] if system else []) + messages
+
+
+def _alpaca(record: dict) -> Chat:
+    instruction = _string(record, "instruction")
+    output = _string(record, "output")
+    extra = _string(record, "input", optional=True)
+    if not output.strip():
+        raise RecordError("'output' is empty")
+    if not (instruction.strip() or extra.strip()):
+        raise RecordError("'instruction' and 'input' are both empty")
+    messages = []
+    history = record.get("history") or []
+    if not isinstance(history, list):
+        raise RecordError(f"'history' is a {type(history).__name__}, not a list of [question, answer] pairs")
+    for i, pair in enumerate(history):
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(p, str) for p in pair)):
+            raise RecordError(f"history[{i}] is not a [question, answer] pair of strings")
+        messages += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+    prompt = f"{instruction}\n{extra}" if instruction and extra else instruction or extra
+    messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}]
+    return Chat(_with_system(record, messages))
+
+
+def _turns(record: dict) -> tuple[str, list]:
+    for key in ("messages", "conversations"):
+        if key in record:
+            turns = _maybe_json(record[key])
+            if not isinstance(turns, list):
+                raise RecordError(f"{key!r} is a {type(turns).__name__}, not a list of turns")
+            if not turns:
+                raise RecordError(f"{key!r} is empty")
+            return key, turns
+    raise RecordError("missing 'messages' (or 'conversations')")
+
+
+def _messages(record: dict) -> Chat:
+    key, turns = _turns(record)
+    messages = []
+    for i, turn in enumerate(turns):
+        where = f"{key}[{i}]: "
+        if not isinstance(turn, dict):
+            raise RecordError(f"{where}is a {type(turn).__name__}, not an object")
+        role = _string(turn, "role", where=where)
+        if role not in MESSAGE_ROLES:
+            raise RecordError(f"{where}unknown role {role!r} (roles: {', '.join(MESSAGE_ROLES)})")
+        if turn.get("content") is None and role == "assistant" and turn.get("tool_calls"):
+            turn = {**turn, "content": ""}
+        _string(turn, "content", where=where)
+        messages.append(dict(turn))
+    return Chat(_with_system(record, messages), _tools(record))
+
+
+def _sharegpt(record: dict) -> Chat:
+    key, turns = _turns(record)
+    messages = []
+    for i, turn in enumerate(turns):
+        where = f"{key}[{i}]: "
+        if not isinstance(turn, dict):
+            raise RecordError(f"{where}is a {type(turn).__name__}, not an object")
+        source = _string(turn, "from", where=where)
+        if source not in SHAREGPT_ROLES:
+            raise RecordError(f"{where}unknown role {source!r} (roles: {', '.join(SHAREGPT_ROLES)})")
+        message = {"role": SHAREGPT_ROLES[source], "content": _string(turn, "value", where=where)}
+        if message["role"] == "function_call":
+            message.update(role="assistant", **{CALL: True})
+        messages.append(message)
+    return Chat(_with_system(record, messages), _tools(record))
+
+
+def _text(record: dict) -> str:
+    text = _string(record, "text")
+    if not text.strip():
+        raise RecordError("'text' is empty")
+    return text
+
+
+_NORMALIZERS: dict[str, Callable[[dict], Example]] = {
+    "alpaca": _alpaca, "messages": _messages, "sharegpt": _sharegpt, "text": _text,
+}

@@ -1,0 +1,65 @@
+"""Packing and batch collation.
+
+Packing uses TRL's `pack_dataset` (Best Fit Decreasing: whole examples are binned into rows of at most
+max_seq_len tokens, never split). Each packed row gets `position_ids` that restart at 0 for every example.
+Batches of packed rows are collated padding-free by TRL's `DataCollatorForLanguageModeling`: the rows are
+concatenated into one sequence with `position_ids` and no `attention_mask`. transformers 5 then detects the
+packed sequences from the position_ids (`masking_utils.find_packed_sequence_indices`) and builds a
+block-diagonal causal mask for sdpa and eager attention (flash-attention uses the `cu_seq_lens_*` the collator
+adds). That detection is skipped when a KV cache exists, and models create one in training when
+`config.use_cache` is true, so packed batches also carry `use_cache=False`.
+Unpacked batches are padded on the right: `input_ids` with the pad token, `labels` with -100, plus
+`attention_mask`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+
+def pack(dataset: Any, max_seq_len: int) -> Any:
+    """Pack a dataset of input_ids/labels into rows of <= max_seq_len tokens with restarting position_ids."""
+    from trl import pack_dataset
+
+    packed = pack_dataset(dataset, seq_length=max_seq_len, strategy="bfd")
+    return packed.map(
+        lambda row: {"position_ids": [p for n in row["seq_lengths"] for p in range(n)]},
+        remove_columns=["seq_lengths"],
+    )
+
+
+@dataclass
+class PackedCollator(DataCollatorForLanguageModeling):
+    """TRL's padding-free collator fed with our `position_ids` column (TRL expects `seq_lengths`).
+
+    Trainer drops dataset columns the model's forward does not take, so `position_ids` (a forward argument)
+    survives where `seq_lengths` would not; the example boundaries are recovered from where positions restart.
+    """
+
+    padding_free: bool = True
+
+    def torch_call(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        rows = [
+            {"input_ids": e["input_ids"], "labels": e["labels"], "seq_lengths": _seq_lengths(e["position_ids"])}
+            for e in examples
+        ]
+        batch = super().torch_call(rows)
+        batch["use_cache"] = False
+        return batch
+
+
+def _seq_lengths(position_ids: list[int]) -> list[int]:
+    starts = [i for i, p in enumerate(position_ids) if p == 0] + [len(position_ids)]
+    return [b - a for a, b in itertools.pairwise(starts)]
+
+
+def make_collator(tokenizer: Any, packed: bool) -> DataCollatorForLanguageModeling:
+    """The collator for this data: padding-free for packed rows, right-padding with attention_mask otherwise."""
+    pad = tokenizer.pad_token_id
+    if pad is None:
+        pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    return PackedCollator(pad_token_id=pad) if packed else DataCollatorForLanguageModeling(pad_token_id=pad)

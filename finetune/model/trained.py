@@ -1,0 +1,80 @@
+"""Use a finished run: load base + adapter, generate text, export a merged safetensors model."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from finetune.errors import FinetuneError
+from finetune.model.load import load_model, load_tokenizer
+from finetune.recipe.load import load_recipe
+from finetune.recipe.schema import Recipe
+from finetune.train.rundir import RunDir, replace_dir
+
+
+def load_run(run_dir: str | Path) -> tuple[Recipe, RunDir]:
+    run = RunDir(Path(run_dir))
+    if not run.recipe.is_file():
+        raise FinetuneError(f"{run.root} is not a run directory (no recipe.yaml)")
+    if not (run.adapter / "adapter_config.json").is_file() and not (run.adapter / "config.json").is_file():
+        raise FinetuneError(f"{run.root} has no trained adapter yet (adapter/ is missing)",
+                            hint="finish the run first, or resume it with finetune run RECIPE --resume")
+    return load_recipe(run.recipe), run
+
+
+def load_trained(run_dir: str | Path, *, use_adapter: bool = True, quantize: bool = True):
+    """(model, tokenizer) for a run: the base as trained (quantized if it was) with the adapter applied."""
+    recipe, run = load_run(run_dir)
+    if recipe.adapter.type == "full":
+        if not use_adapter:
+            model, tokenizer, _ = load_model(recipe.model, recipe.quantization, quantize=False)
+            return model.eval(), tokenizer
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(run.adapter, dtype="auto", use_safetensors=True)
+        return model.eval(), load_tokenizer(run.adapter, recipe.model)
+    model, tokenizer, _ = load_model(recipe.model, recipe.quantization, quantize=quantize)
+    tokenizer = load_tokenizer(run.adapter, recipe.model)  # carries the chat template used in training
+    if use_adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, run.adapter)
+    return model.eval(), tokenizer
+
+
+def generate(model, tokenizer, prompt: str, *, max_new_tokens: int = 128, system: str | None = None) -> str:
+    """Greedy answer to one user prompt, through the chat template when the tokenizer has one."""
+    if tokenizer.chat_template:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:
+        text = prompt
+    inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(model.device)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
+def export_merged(run_dir: str | Path, out_dir: str | Path) -> Path:
+    """Merge the LoRA adapter into the base and save safetensors (QLoRA: into the dequantized base)."""
+    recipe, run = load_run(run_dir)
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if recipe.adapter.type == "full":
+        shutil.copytree(run.adapter, tmp)
+    else:
+        from peft import PeftModel
+
+        model, tokenizer, _ = load_model(recipe.model, recipe.quantization)
+        if recipe.quantization.bits in (4, 8):
+            # The adapter learned against the quantized weights: merge into exactly those, dequantized.
+            model = model.dequantize()
+        model = PeftModel.from_pretrained(model, run.adapter).merge_and_unload()
+        model.save_pretrained(tmp, safe_serialization=True)
+        load_tokenizer(run.adapter, recipe.model).save_pretrained(tmp)
+    replace_dir(tmp, out)
+    return out

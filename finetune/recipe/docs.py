@@ -1,0 +1,60 @@
+"""Recipe reference generated from the schema: `finetune keys` and docs/recipe.md share this text."""
+
+from __future__ import annotations
+
+import typing
+
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+from finetune.recipe.load import iter_fields
+
+
+def type_text(annotation) -> str:
+    """A short human spelling of a field type: `int | auto`, `lora | dora | full`."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return " | ".join("null" if a is None else str(a) for a in typing.get_args(annotation))
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return " | ".join(type_text(a) for a in typing.get_args(annotation))
+    if origin is typing.Annotated:
+        return "size (e.g. 12GiB)"
+    if origin in (list, tuple):
+        return f"{origin.__name__}[{', '.join(type_text(a) for a in typing.get_args(annotation) if a is not ...)}]"
+    if annotation is type(None):
+        return "null"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def default_text(field: FieldInfo) -> str:
+    if field.default is PydanticUndefined and field.default_factory is None:
+        return "(required)"
+    value = field.get_default(call_default_factory=True)
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def reference_rows(section: str | None = None) -> list[tuple[str, str, str, str]]:
+    """(key, type, default, description) for every leaf key, optionally within one section."""
+    rows = []
+    for key, field, is_section in iter_fields():
+        if is_section or (section and not key.startswith(section + ".")):
+            continue
+        annotation = field.annotation
+        if field.metadata and any(type(m).__name__ == "BeforeValidator" for m in field.metadata):
+            annotation = typing.Annotated[int, "size"]
+        rows.append((key, type_text(annotation), default_text(field), field.description or ""))
+    return rows
+
+
+def reference_markdown() -> str:
+    lines = ["# Recipe reference", "",
+             "Generated from `finetune/recipe/schema.py` by `finetune keys --markdown`; do not edit by hand.", "",
+             "| key | type | default | description |", "| --- | --- | --- | --- |"]
+    for key, typ, default, desc in reference_rows():
+        cells = [f"`{key}`", typ, f"`{default}`", desc]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines) + "\n"

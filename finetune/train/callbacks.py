@@ -1,0 +1,139 @@
+"""Trainer callbacks: metrics.jsonl and status.json, a terminal progress bar, and a clean stop on Ctrl-C."""
+
+from __future__ import annotations
+
+import resource
+import signal
+import time
+
+import torch
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from transformers import TrainerCallback
+
+from finetune.console import console
+from finetune.train.rundir import RunDir
+
+
+def peak_memory_bytes() -> int:
+    """CUDA's allocator peak on a GPU; on CPU the process high-water mark (RSS)."""
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class MetricsCallback(TrainerCallback):
+    """One JSON line per logged step (and per evaluation) in metrics.jsonl; live status in status.json."""
+
+    def __init__(self, run: RunDir, max_steps: int):
+        self.run = run
+        self.max_steps = max_steps
+        self.start = time.time()
+        self._last_time = self.start
+        self._last_tokens = 0
+        self._first_step: int | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._first_step = state.global_step
+        self._last_tokens = state.num_input_tokens_seen
+        self._last_time = self.start = time.time()
+        self.run.write_status("running", step=state.global_step, max_steps=self.max_steps)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = logs or {}
+        now = time.time()
+        row = {"step": state.global_step, "epoch": round(state.epoch or 0.0, 4), "elapsed_s": round(now - self.start, 3)}
+        if "eval_loss" in logs:
+            row.update({k: v for k, v in logs.items() if k.startswith("eval_")})
+        elif "loss" in logs:
+            tokens = state.num_input_tokens_seen
+            dt = max(now - self._last_time, 1e-9)
+            row.update(
+                loss=logs["loss"], learning_rate=logs.get("learning_rate"), grad_norm=logs.get("grad_norm"),
+                tokens_per_second=round((tokens - self._last_tokens) / dt, 2), tokens_seen=int(tokens),
+                peak_memory_bytes=peak_memory_bytes(),
+            )
+            self._last_time, self._last_tokens = now, tokens
+        else:
+            return  # the end-of-training summary goes to results.json instead
+        self.run.append_metrics(row)
+        self.run.log_line(" ".join(f"{k}={v}" for k, v in row.items()))
+        self.run.write_status("running", step=state.global_step, max_steps=self.max_steps, eta_s=self._eta(state))
+
+    def _eta(self, state) -> float | None:
+        done = state.global_step - (self._first_step or 0)
+        if done <= 0:
+            return None
+        return round((time.time() - self.start) / done * (self.max_steps - state.global_step), 1)
+
+
+class ProgressCallback(TrainerCallback):
+    """A rich progress bar: step, loss, tokens/s and ETA."""
+
+    def __init__(self, max_steps: int):
+        self.max_steps = max_steps
+        self.progress: Progress | None = None
+        self.task = None
+        self._tokens_per_s = 0.0
+        self._last = (time.time(), 0)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console, transient=False,
+        )
+        self.progress.start()
+        self.task = self.progress.add_task("train", total=self.max_steps, completed=state.global_step, info="")
+        self._last = (time.time(), state.num_input_tokens_seen)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.progress is not None:
+            self.progress.update(self.task, completed=state.global_step)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.progress is None or not logs or "loss" not in logs:
+            return
+        now, tokens = time.time(), state.num_input_tokens_seen
+        self._tokens_per_s = (tokens - self._last[1]) / max(now - self._last[0], 1e-9)
+        self._last = (now, tokens)
+        info = f"loss {logs['loss']:.4f}  {self._tokens_per_s:,.0f} tok/s"
+        self.progress.update(self.task, info=info)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+
+class StopOnSignal(TrainerCallback):
+    """First Ctrl-C (or SIGTERM): save a checkpoint at the end of the current step and stop. Second: abort."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        console.print("[yellow]stop requested: saving a checkpoint after this step (again to abort)[/yellow]")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.requested:
+            control.should_save = True
+            control.should_training_stop = True

@@ -1,0 +1,142 @@
+"""One fine-tuning run: recipe -> build (model, data) -> train -> run directory."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import PrinterCallback, set_seed
+from transformers.trainer_utils import get_last_checkpoint
+
+from finetune.console import console
+from finetune.errors import FinetuneError
+from finetune.recipe.load import recipe_to_yaml
+from finetune.recipe.schema import Recipe
+from finetune.train.callbacks import MetricsCallback, ProgressCallback, StopOnSignal
+from finetune.train.rundir import (
+    RunDir,
+    atomic_write_json,
+    atomic_write_text,
+    environment_summary,
+    replace_dir,
+)
+from finetune.train.trainer import FinetuneTrainer, total_steps, training_arguments
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    state: str  # completed | stopped
+    steps: int
+    final_loss: float | None
+    eval_loss: float | None
+
+
+def _prepare_run_dir(recipe: Recipe, resume: bool, overwrite: bool) -> tuple[RunDir, str | None]:
+    """Check the run directory against --resume / --overwrite; return it and the checkpoint to resume from."""
+    run = RunDir(Path(recipe.output.dir))
+    if overwrite and not resume and run.root.exists():
+        if not (run.recipe.exists() or run.status.exists()):
+            raise FinetuneError(f"--overwrite: {run.root} does not look like a run directory; not deleting it")
+        shutil.rmtree(run.root)
+    last = get_last_checkpoint(str(run.checkpoints)) if run.checkpoints.is_dir() else None
+    if resume:
+        if last is None:
+            raise FinetuneError(f"--resume: no checkpoint in {run.checkpoints}",
+                                hint="start the run without --resume (checkpoints are saved every output.save_steps)")
+        return run, last
+    if run.status.exists() or last is not None:
+        raise FinetuneError(
+            f"output.dir {run.root} already holds a run",
+            hint="pass --resume to continue it, --overwrite to start over, or --set output.dir=runs/NEW")
+    run.root.mkdir(parents=True, exist_ok=True)
+    return run, None
+
+
+def _unresolved_auto(recipe: Recipe) -> list[str]:
+    fields = {
+        "training.micro_batch_size": recipe.training.micro_batch_size,
+        "training.gradient_accumulation_steps": recipe.training.gradient_accumulation_steps,
+        "memory.activation_checkpointing": recipe.memory.activation_checkpointing,
+        "memory.offload": recipe.memory.offload,
+        "quantization.bits": recipe.quantization.bits,
+        "optimizer.name": recipe.optimizer.name,
+    }
+    return [k for k, v in fields.items() if v == "auto"]
+
+
+def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> RunResult:
+    """Fine-tune as the recipe says and fill the run directory. Ctrl-C saves a checkpoint and stops."""
+    from finetune.data import build_datasets
+    from finetune.model.adapter import apply_adapter, count_parameters
+    from finetune.model.load import load_model
+
+    auto = _unresolved_auto(recipe)
+    if auto:
+        raise FinetuneError(f"these recipe keys are auto but the memory planner is not available: {', '.join(auto)}",
+                            hint="set them to explicit values")
+    run_dir, checkpoint = _prepare_run_dir(recipe, resume, overwrite)
+    atomic_write_text(run_dir.recipe, recipe_to_yaml(recipe))
+    atomic_write_json(run_dir.env, environment_summary())
+    run_dir.write_status("loading")
+    run_dir.log_line(f"run started (resume from {checkpoint})" if checkpoint else "run started")
+
+    stopper = StopOnSignal()
+    stopper.install()
+    try:
+        set_seed(recipe.training.seed)  # adapter initialisation is random: make it reproducible
+        model, tokenizer, _ = load_model(recipe.model, recipe.quantization)
+        checkpointing = bool(recipe.memory.activation_checkpointing)
+        model = apply_adapter(model, recipe.adapter, checkpointing=checkpointing)
+        trainable, total = count_parameters(model)
+        console.print(f"model: {recipe.model.path}  trainable {trainable:,} of {total:,} parameters "
+                      f"({100 * trainable / max(total, 1):.2f}%)")
+        data = build_datasets(recipe.data, tokenizer, recipe.training.seed)
+        console.print("data: " + ", ".join(f"{k} {v}" for k, v in data.stats.items()))
+        run_dir.log_line(f"data stats: {data.stats}")
+
+        steps = total_steps(recipe, len(data.train))
+        if checkpoint:
+            run_dir.truncate_metrics(int(Path(checkpoint).name.split("-")[-1]))
+        metrics = MetricsCallback(run_dir, steps)
+        trainer = FinetuneTrainer(
+            model=model, args=training_arguments(recipe, run_dir.checkpoints, steps, data.eval is not None),
+            train_dataset=data.train, eval_dataset=data.eval, data_collator=data.collator,
+            processing_class=tokenizer, callbacks=[metrics, ProgressCallback(steps), stopper], recipe=recipe,
+        )
+        trainer.remove_callback(PrinterCallback)  # our progress bar and metrics.jsonl replace its prints
+        start = time.time()
+        output = trainer.train(resume_from_checkpoint=checkpoint)
+        eval_loss = None
+        if data.eval is not None:
+            eval_loss = trainer.evaluate().get("eval_loss")
+        state = "stopped" if stopper.requested else "completed"
+        if state == "completed":
+            _save_result(trainer, tokenizer, run_dir)
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        result = RunResult(run_dir.root, state, trainer.state.global_step, losses[-1] if losses else None, eval_loss)
+        atomic_write_json(run_dir.results, {
+            "state": state, "steps": result.steps, "final_loss": result.final_loss, "eval_loss": eval_loss,
+            "train_runtime_s": round(time.time() - start, 2), "train_metrics": output.metrics, "data": data.stats,
+            "trainable_parameters": trainable, "total_parameters": total})
+        run_dir.write_status(state, step=result.steps, max_steps=steps)
+        run_dir.log_line(f"run {state} at step {result.steps}")
+        return result
+    except BaseException as exc:
+        state = "stopped" if isinstance(exc, KeyboardInterrupt) else "failed"
+        run_dir.write_status(state, error=f"{type(exc).__name__}: {exc}")
+        run_dir.log_line(f"run {state}: {type(exc).__name__}: {exc}")
+        raise
+    finally:
+        stopper.uninstall()
+
+
+def _save_result(trainer: FinetuneTrainer, tokenizer, run_dir: RunDir) -> None:
+    """Save the adapter (or the full model) with its tokenizer, atomically, to run/adapter."""
+    tmp = run_dir.root / ".adapter.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    trainer.model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    replace_dir(tmp, run_dir.adapter)

@@ -1,0 +1,143 @@
+"""The run directory: every file written atomically, so a crash never leaves half a file behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write to a temp file in the same folder, fsync, then rename over the target."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: Path, data: Any) -> None:
+    atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
+
+
+def replace_dir(tmp: Path, target: Path) -> None:
+    """Swap a fully written folder into place (the old one is removed only after the new one exists)."""
+    old = target.with_name(target.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        target.rename(old)
+    tmp.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Read metrics; a torn last line (crash mid-write) is ignored."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Paths of one run; see docs/run-directory in the README."""
+
+    root: Path
+
+    @property
+    def recipe(self) -> Path:
+        return self.root / "recipe.yaml"
+
+    @property
+    def plan(self) -> Path:
+        return self.root / "plan.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def status(self) -> Path:
+        return self.root / "status.json"
+
+    @property
+    def log(self) -> Path:
+        return self.root / "train.log"
+
+    @property
+    def env(self) -> Path:
+        return self.root / "env.json"
+
+    @property
+    def adapter(self) -> Path:
+        return self.root / "adapter"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def results(self) -> Path:
+        return self.root / "results.json"
+
+    def append_metrics(self, row: dict) -> None:
+        with self.metrics.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def truncate_metrics(self, after_step: int) -> None:
+        """On resume, drop rows logged after the checkpoint so each step appears once."""
+        rows = [r for r in read_jsonl(self.metrics) if r.get("step", 0) <= after_step]
+        atomic_write_text(self.metrics, "".join(json.dumps(r) + "\n" for r in rows))
+
+    def write_status(self, state: str, **fields: Any) -> None:
+        data = {"state": state, "pid": os.getpid(), "updated": time.time(), **fields}
+        atomic_write_json(self.status, data)
+
+    def read_status(self) -> dict:
+        try:
+            return json.loads(self.status.read_text())
+        except (OSError, json.JSONDecodeError):
+            return {}
+
+    def log_line(self, text: str) -> None:
+        with self.log.open("a") as f:
+            f.write(time.strftime("%H:%M:%S ") + text + "\n")
+
+
+def environment_summary() -> dict:
+    """Versions and device, so a result can be reproduced and compared."""
+    import importlib.metadata as md
+
+    import torch
+
+    versions = {}
+    for pkg in ("finetune", "torch", "transformers", "peft", "trl", "accelerate", "datasets", "bitsandbytes"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            versions[pkg] = None
+    env = {"python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
+           "packages": versions, "cuda": torch.version.cuda, "device": "cpu"}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env.update(device="cuda", gpu=props.name, gpu_memory_bytes=props.total_memory)
+    return env

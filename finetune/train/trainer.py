@@ -1,0 +1,80 @@
+"""The Hugging Face Trainer, configured from a recipe; the hooks where memory techniques plug in."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+from finetune.recipe.schema import Recipe
+
+_SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup",
+               "wsd": "warmup_stable_decay"}
+
+
+def total_steps(recipe: Recipe, train_examples: int) -> int:
+    """Optimizer steps for the run: max_steps, or epochs over the data (last partial batch included)."""
+    t = recipe.training
+    if t.max_steps is not None:
+        return t.max_steps
+    per_epoch = math.ceil(train_examples / (int(t.micro_batch_size) * int(t.gradient_accumulation_steps)))
+    return max(1, math.ceil(per_epoch * t.epochs))
+
+
+def training_arguments(recipe: Recipe, output_dir: Path, steps: int, has_eval: bool) -> TrainingArguments:
+    """Translate the (fully resolved, no `auto`) recipe into TrainingArguments."""
+    t, m, o = recipe.training, recipe.memory, recipe.optimizer
+    dtype = recipe.model.dtype
+    cuda = torch.cuda.is_available()
+    if has_eval:
+        eval_kwargs = dict(eval_strategy="steps", eval_steps=t.eval_steps or steps)
+    else:
+        eval_kwargs = dict(eval_strategy="no")
+    scheduler_kwargs = {}
+    if t.lr_scheduler == "wsd":
+        scheduler_kwargs = {"num_decay_steps": max(1, round(t.decay_ratio * steps))}
+    checkpointing = bool(m.activation_checkpointing)
+    return TrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=steps,
+        per_device_train_batch_size=int(t.micro_batch_size),
+        per_device_eval_batch_size=int(t.micro_batch_size),
+        gradient_accumulation_steps=int(t.gradient_accumulation_steps),
+        learning_rate=t.learning_rate,
+        lr_scheduler_type=_SCHEDULERS[t.lr_scheduler],
+        lr_scheduler_kwargs=scheduler_kwargs,
+        warmup_steps=round(t.warmup_ratio * steps),
+        weight_decay=o.weight_decay,
+        adam_beta1=o.betas[0],
+        adam_beta2=o.betas[1],
+        adam_epsilon=o.eps,
+        max_grad_norm=t.max_grad_norm if t.max_grad_norm is not None else 0.0,
+        seed=t.seed,
+        data_seed=t.seed,
+        logging_steps=t.logging_steps,
+        save_strategy="steps",
+        save_steps=recipe.output.save_steps,
+        save_total_limit=recipe.output.save_total_limit,
+        activation_checkpointing=checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": False, "every_n_layers": m.checkpoint_every_n_layers}
+        if checkpointing else None,
+        bf16=cuda and dtype in ("auto", "bf16") and torch.cuda.is_bf16_supported(),
+        fp16=cuda and (dtype == "fp16" or (dtype == "auto" and not torch.cuda.is_bf16_supported())),
+        use_cpu=not cuda,
+        report_to="none",
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        include_num_input_tokens_seen="non_padding",
+        dataloader_num_workers=0,
+        **eval_kwargs,
+    )
+
+
+class FinetuneTrainer(Trainer):
+    """Trainer with the recipe at hand, so memory techniques (optimizers, offload, chunked loss) can plug in."""
+
+    def __init__(self, *args, recipe: Recipe, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.recipe = recipe
