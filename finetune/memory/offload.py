@@ -7,7 +7,8 @@ Built on `torch.autograd.graph.saved_tensors_hooks`. What is offloaded:
   checkpoint's own hooks take everything saved inside a layer -- so exactly those inputs are offloaded;
 - without checkpointing, every tensor a decoder layer saves that is at least `offload_min_size` bytes.
 
-Never offloaded: parameters and views of them (quantized weights included), tensors of the last decoder
+Never offloaded: parameters and views of them (quantized weights included), leaves that require grad
+(autograd holds them anyway, e.g. the embedding output under LoRA with checkpointing), tensors of the last decoder
 layer and everything saved outside the decoder layers (embeddings, final norm, LM head, loss): backward
 needs those first. In backward the next layer's tensors are fetched while the current one computes.
 
@@ -71,6 +72,15 @@ class _Stored:
         self.item.release()
 
 
+class _LastLayer:
+    """A tensor of the last decoder layer, kept as is: backward reaching it starts fetching the layers below."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
 class _Handle:
     """What autograd holds instead of a tensor: the stored copy plus how to view it.
 
@@ -130,7 +140,7 @@ class ActivationOffload:
         self._param_storages: set[int] = set()
         self._by_layer: dict[int, list[weakref.ref]] = {}
         self._seen: dict[int, tuple[weakref.ref, int, weakref.ref]] = {}
-        self._backward = False
+        self._fetching = False
         self._next_fetch: int | None = None
 
     def _enter_layer(self, index: int):
@@ -174,17 +184,20 @@ class ActivationOffload:
     # -- pack / unpack -------------------------------------------------------------------------------
     def _offloadable(self, t: torch.Tensor) -> bool:
         layer = self._layer
-        if layer is None or layer >= self.num_layers - 1:
+        if layer is None or layer == self.num_layers - 1:
             return False
         if type(t) is not torch.Tensor or t.layout != torch.strided or t.device.type == "meta":
             return False
         if t.numel() * t.element_size() < self.min_size:
             return False
+        if t.is_leaf and t.requires_grad:  # autograd keeps leaves alive anyway (e.g. LoRA's embedding output)
+            return False
         return t.untyped_storage().data_ptr() not in self._param_storages
 
     def _pack(self, t: torch.Tensor) -> Any:
         if not self._offloadable(t):
-            return t
+            # The last layer's tensors stay, but their use in backward starts the read-ahead.
+            return _LastLayer(t) if self._layer == self.num_layers - 1 else t
         storage = t.untyped_storage()
         nbytes = t.numel() * t.element_size()
         if storage.nbytes() != nbytes:
@@ -219,33 +232,25 @@ class ActivationOffload:
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
-            if not self._backward:
-                self._start_backward()
             return packed
-        if not self._backward:
-            self._start_backward()
+        if isinstance(packed, _LastLayer):
+            self._prefetch_below(self.num_layers - 1)
+            return packed.tensor
         self._prefetch_below(packed.stored.layer)
         return packed.unpack()
 
-    def _start_backward(self) -> None:
-        with self._lock:
-            self._backward = True
-            self._seen.clear()
-            top = max(self._by_layer, default=None)
-            if top is not None:
-                self._next_fetch = top
-                self._prefetch_below(top + 1)
-
     def _prefetch_below(self, layer: int) -> None:
-        """Fetch the offloaded tensors of the `prefetch_layers` layers backward reaches after `layer`."""
+        """Backward has reached `layer`: fetch what the next `prefetch_layers` layers below it offloaded."""
         with self._lock:
+            if not self._fetching:
+                self._fetching = True
+                self._next_fetch = max((i for i in self._by_layer if i <= layer), default=None)
             while self._next_fetch is not None and self._next_fetch >= layer - self.prefetch_layers:
                 for ref in reversed(self._by_layer.get(self._next_fetch, [])):
                     stored = ref()
                     if stored is not None:
                         stored.item.fetch()
-                below = [i for i in self._by_layer if i < self._next_fetch]
-                self._next_fetch = max(below, default=None)
+                self._next_fetch = max((i for i in self._by_layer if i < self._next_fetch), default=None)
 
 
 def activation_offload(model: nn.Module, memory_cfg: MemoryConfig, run_dir: str | Path,

@@ -128,7 +128,7 @@ class DiskFile:
     def _do_read(self, buffer: torch.Tensor) -> torch.Tensor:
         self._write.result()
         read_tensor_file(self.path, buffer)
-        self.tier.remove(self.path)
+        self.tier.remove(self.path, read=self.nbytes)
         host = host_view(buffer, self.layout)
         if self.device is not None:
             self.device.start(host)  # the device copy overlaps with the compute thread too
@@ -171,6 +171,7 @@ class DiskTier:
         self._live: set[DiskFile] = set()
         self._paths: set[Path] = set()
         self.bytes_written = 0
+        self.bytes_read = 0
 
     def new_path(self) -> Path:
         path = self.directory / f"{self._prefix}{next(self._counter)}.bin"
@@ -205,13 +206,11 @@ class DiskTier:
     def submit_read(self, fn, *args) -> Future:
         return self._readers.submit(fn, *args)
 
-    def remove(self, path: Path) -> None:
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
+    def remove(self, path: Path, read: int = 0) -> None:
+        path.unlink(missing_ok=True)
         with self._lock:
             self._paths.discard(path)
+            self.bytes_read += read
 
     def forget(self, item: DiskFile) -> None:
         with self._lock:
