@@ -132,6 +132,7 @@ class ActivationOffload:
         self._lock = threading.RLock()
         self._active = False
         self._reset()
+        # Totals since creation (all steps): tensors and bytes offloaded, bytes the RAM tier spilled to disk.
         self.stats = {"offloaded_tensors": 0, "offloaded_bytes": 0, "spilled_bytes": 0}
 
     # -- per-step state ------------------------------------------------------------------------------
@@ -209,7 +210,12 @@ class ActivationOffload:
         key = storage.data_ptr()
         seen = self._seen.get(key)
         if seen is not None and seen[0]() is storage and seen[1] == t._version and seen[2]() is not None:
-            return _Handle(seen[2](), view)
+            stored = seen[2]()
+            if self._layer not in self._by_layer or self._by_layer[self._layer][-1]() is not stored:
+                # Shared by several layers (rotary cos/sin): fetch it when backward reaches the last of them.
+                with self._lock:
+                    self._by_layer.setdefault(self._layer, []).append(weakref.ref(stored))
+            return _Handle(stored, view)
         flat = _flat_bytes(storage, t.device)
         stored = self._store(flat, torch.empty_like(flat, device="meta"), nbytes)
         self._seen[key] = (weakref.ref(storage, lambda _ref, key=key: self._seen.pop(key, None)),

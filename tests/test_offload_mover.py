@@ -1,0 +1,121 @@
+"""The CUDA path's logic on CPU: the tiers drive a `Mover`; here a fake one plays the side stream.
+
+`ThreadMover` runs every copy on one worker thread in submission order (a stream), after a short delay so
+that copies really are in flight when the compute thread moves on; events are `threading.Event`s. The
+compute thread only ever blocks in `ready` (where a tensor is needed) or on a buffer still being copied.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from test_offload_support import LAYERS, load, make_model_dir, step
+
+from finetune.memory.offload import ActivationOffload
+
+model_dir = pytest.fixture(scope="module")(make_model_dir)
+
+
+class ThreadMover:
+    """A fake device: copies on a worker thread (the side stream), a log of what the compute thread did."""
+
+    def __init__(self, delay: float = 0.002):
+        self.delay = delay
+        self.stream = ThreadPoolExecutor(1, thread_name_prefix="fake-stream")
+        self.log: list[tuple[str, int]] = []
+        self.buffers = 0
+        self.blocked_in_forward = 0
+        self.forward = True
+
+    def _enqueue(self, copy, after=None) -> threading.Event:
+        done = threading.Event()
+
+        def run():
+            if after is not None:
+                after.wait()
+            time.sleep(self.delay)
+            copy()
+            done.set()
+        self.stream.submit(run)
+        return done
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        self.buffers += 1
+        return torch.full((nbytes,), 0xAB, dtype=torch.uint8)  # garbage if a copy were skipped
+
+    def to_host(self, src, dst):
+        return self._enqueue(lambda: dst.copy_(src))
+
+    def to_device(self, src, after):
+        dst = torch.full_like(src, float("nan")) if src.is_floating_point() else torch.empty_like(src)
+        event = self._enqueue(lambda: dst.copy_(src), after)
+        self.log.append(("h2d", src.untyped_storage().data_ptr()))
+        return dst, event
+
+    def ready(self, tensor, event):
+        self.log.append(("ready", 0))
+        event.wait()
+        return tensor
+
+    def wait_host(self, event):
+        compute_thread = threading.current_thread() is threading.main_thread()
+        if event is not None and not event.is_set() and self.forward and compute_thread:
+            self.blocked_in_forward += 1
+        if event is not None:
+            event.wait()
+
+
+def run_step(model, offload, mover) -> list[torch.Tensor]:
+    """One step; the mover learns when backward starts (the LM head's gradient is computed first)."""
+    mover.forward = True
+
+    def backward_starts(module, grad_output):
+        mover.forward = False
+    hook = model.get_output_embeddings().register_full_backward_pre_hook(backward_starts)
+    try:
+        return step(model, offload)
+    finally:
+        hook.remove()
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["no-ckpt", "ckpt"])
+@pytest.mark.parametrize("tier", ["cpu", "disk"])
+def test_mover_path_exact_and_prefetched(model_dir, tmp_path, tier, checkpointing):
+    model = load(model_dir, "full", checkpointing)
+    reference = step(model)
+    mover = ThreadMover()
+    offload = ActivationOffload(model, tier, min_size=1024, offload_dir=tmp_path, mover=mover)
+    try:
+        grads = run_step(model, offload, mover)
+        assert all(torch.equal(g, r) for g, r in zip(grads, reference, strict=True))
+        buffers_after_first_step = mover.buffers
+        mover.log.clear()
+        for _ in range(2):
+            grads = run_step(model, offload, mover)
+            assert all(torch.equal(g, r) for g, r in zip(grads, reference, strict=True))
+    finally:
+        offload.close()
+        mover.stream.shutdown()
+    # The pinned pool is reused from step to step instead of growing: exactly for the RAM tier (each copy
+    # holds its buffer for the step), nearly for the disk tier (how many writes and reads overlap varies).
+    per_step = offload.stats["offloaded_tensors"] / 3
+    if tier == "cpu":
+        assert mover.buffers == buffers_after_first_step
+    else:
+        assert mover.buffers - buffers_after_first_step <= 0.1 * 2 * per_step
+    # Forward never waits for a copy: out-copies are fire-and-forget (the disk tier's bounded queue aside).
+    assert mover.blocked_in_forward == 0
+    if tier == "cpu" and checkpointing:
+        # One input per offloaded layer (layer L-1 stays): copy-backs are issued a layer ahead of use.
+        log = [kind for kind, _ in mover.log[: len(mover.log) // 2]]
+        assert LAYERS == 4 and log == ["h2d", "h2d", "ready", "h2d", "ready", "ready"]
+    else:
+        # Every copy back is issued before the compute thread asks for it.
+        issued = 0
+        for kind, _ in mover.log:
+            issued += kind == "h2d"
+            assert kind != "ready" or issued > 0
