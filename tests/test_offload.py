@@ -37,14 +37,18 @@ def test_gradients_bit_identical(model_dir, tmp_path, adapter, checkpointing):
             assert torch.equal(got, want), f"{name}: gradients differ"
 
 
-def test_checkpointing_offloads_exactly_the_layer_inputs(model_dir, tmp_path):
-    """With checkpointing only the inputs of layers 0..L-2 leave; the predicted byte count matches."""
-    model = load(model_dir, "full", checkpointing=True)
+@pytest.mark.parametrize("adapter", ["full", "lora"])
+def test_checkpointing_offloads_exactly_the_layer_inputs(model_dir, tmp_path, adapter):
+    """With checkpointing only layer inputs leave (not the last layer's; not layer 0's under LoRA, a leaf);
+    `offload_bytes_per_step`, the planner's formula, predicts the bytes exactly."""
+    model = load(model_dir, adapter, checkpointing=True)
     offload = ActivationOffload(model, "disk", min_size=1024, offload_dir=tmp_path)
     step(model, offload)
     offload.close()
-    assert offload.stats["offloaded_tensors"] == LAYERS - 1
+    frozen = adapter == "lora"
+    assert offload.stats["offloaded_tensors"] == LAYERS - 1 - frozen
     hidden = model.config.hidden_size
     assert offload.stats["offloaded_bytes"] == offload_bytes_per_step(
-        LAYERS, hidden, BATCH, SEQ, dtype_bytes=4, min_size=1024, checkpoint_every_n_layers=1)
+        LAYERS, hidden, BATCH, SEQ, dtype_bytes=4, min_size=1024, checkpoint_every_n_layers=1,
+        frozen_embeddings=frozen)
     assert offload_bytes_per_step(LAYERS, hidden, BATCH, SEQ, 4, min_size=10**9, checkpoint_every_n_layers=1) == 0

@@ -12,13 +12,16 @@ import torch
 from test_offload_support import LAYERS, batch, files, load, make_model_dir
 
 from finetune.errors import FinetuneError
+from finetune.memory.bandwidth import offload_bytes_per_step
 from finetune.memory.offload import (
     ActivationOffload,
     activation_offload,
     check_offload_dir,
     decoder_layers,
     offload_dir_for,
+    preflight_offload,
 )
+from finetune.memory.offload_disk import OffloadDirError
 from finetune.recipe.schema import MemoryConfig
 
 model_dir = pytest.fixture(scope="module")(make_model_dir)
@@ -146,3 +149,38 @@ def test_activation_offload_from_recipe(model_dir, tmp_path):
         assert offload.min_size == 1024 and offload.disk.directory == tmp_path / "offload"
     finally:
         offload.close()
+
+
+def test_preflight_from_recipe_runs_before_training(model_dir, tmp_path):
+    """What the run calls before step one: predicted disk bytes, or the documented error."""
+    model = load(model_dir, "full", checkpointing=True)
+    cfg = MemoryConfig(offload="disk", offload_dir=str(tmp_path / "offload"), offload_min_size="1KiB")
+    predicted = preflight_offload(model, cfg, tmp_path, micro_batch=2, seq_len=32)
+    assert predicted == offload_bytes_per_step(LAYERS, model.config.hidden_size, 2, 32, 4, 1024, 1)
+    assert files(tmp_path / "offload") == []
+    with pytest.raises(OffloadDirError, match="free but disk offload needs"):
+        preflight_offload(model, cfg, tmp_path, micro_batch=10**6, seq_len=10**6)
+    (tmp_path / "file").write_text("x")
+    unwritable = cfg.model_copy(update={"offload_dir": str(tmp_path / "file" / "offload")})
+    with pytest.raises(OffloadDirError, match="not writable"):
+        preflight_offload(model, unwritable, tmp_path, micro_batch=2, seq_len=32)
+    # RAM tier without a limit never touches the disk; with a limit only the excess goes there.
+    assert preflight_offload(model, MemoryConfig(offload="cpu"), tmp_path / "none", 2, 32) == 0
+    spill = cfg.model_copy(update={"offload": "cpu", "offload_cpu_limit": 4096})
+    assert preflight_offload(model, spill, tmp_path, 2, 32) == predicted - 4096
+    assert not (tmp_path / "none").exists()
+
+
+def test_disk_bandwidth_measured_once_and_cached(tmp_path, monkeypatch):
+    from finetune.memory import bandwidth
+
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
+    measured = bandwidth.measure_disk(tmp_path / "probe", nbytes=4 << 20)
+    assert measured["write"] > 0 and measured["read"] > 0
+    assert files(tmp_path / "probe") == []
+    monkeypatch.setattr(bandwidth, "measure_disk", lambda directory: {"write": 1.0, "read": 2.0})
+    first = bandwidth.disk_bandwidth(tmp_path / "probe")
+    assert first == {"write": 1.0, "read": 2.0}
+    assert bandwidth.cache_path() == tmp_path / "cache" / "bandwidth.json"
+    monkeypatch.setattr(bandwidth, "measure_disk", lambda directory: pytest.fail("measured twice"))
+    assert bandwidth.disk_bandwidth(tmp_path) == first  # same filesystem, from the cache

@@ -112,21 +112,23 @@ def host_device_bandwidth(device: torch.device, refresh: bool = False) -> dict[s
 
 def offload_bytes_per_step(num_layers: int, hidden_size: int, micro_batch: int, seq_len: int,
                            dtype_bytes: int, min_size: int, checkpoint_every_n_layers: int | None,
-                           layer_saved_bytes: int = 0) -> int:
+                           layer_saved_bytes: int = 0, frozen_embeddings: bool = False) -> int:
     """Bytes `ActivationOffload` moves out (and back) per micro-batch: exactly what its hooks offload.
 
     Layers 0 .. num_layers-2 are offloaded (the last stays on the device). A checkpointed layer (index
     divisible by `checkpoint_every_n_layers`; None = no checkpointing) offloads its input hidden states,
-    micro_batch * seq_len * hidden_size * dtype_bytes, when that is >= min_size. Any other layer offloads
-    `layer_saved_bytes`: the planner's sum over the distinct tensors one layer saves for backward that are
-    each >= min_size (parameters excluded). The same bytes are written to and read from disk for the disk
-    tier; for the cpu tier with offload_cpu_limit, what exceeds the limit goes to disk.
+    micro_batch * seq_len * hidden_size * dtype_bytes, when that is >= min_size -- except layer 0 when the
+    embeddings are frozen (LoRA/QLoRA): its input is then a leaf that autograd keeps anyway, so it stays.
+    Any other layer offloads `layer_saved_bytes`: the sum over the distinct storages one layer saves for
+    backward that are each >= min_size (parameters and leaves excluded). The disk tier writes and reads
+    these bytes; the cpu tier with offload_cpu_limit sends what exceeds the limit to disk.
     """
     layer_input = micro_batch * seq_len * hidden_size * dtype_bytes
     total = 0
     for index in range(num_layers - 1):
         if checkpoint_every_n_layers is not None and index % checkpoint_every_n_layers == 0:
-            total += layer_input if layer_input >= min_size else 0
+            offloaded = layer_input >= min_size and not (index == 0 and frozen_embeddings)
+            total += layer_input if offloaded else 0
         else:
             total += layer_saved_bytes
     return total

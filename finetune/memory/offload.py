@@ -26,12 +26,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from finetune.memory.bandwidth import offload_bytes_per_step
 from finetune.memory.offload_cpu import CudaMover, HostTier, Mover
 from finetune.memory.offload_disk import DiskTier, check_offload_dir
 from finetune.recipe.schema import MemoryConfig
 
 __all__ = ["ActivationOffload", "activation_offload", "check_offload_dir", "decoder_layers",
-           "offload_dir_for"]
+           "offload_dir_for", "preflight_offload"]
 
 PREFETCH_LAYERS = {"cpu": 1, "disk": 2}  # layers fetched ahead of need during backward
 
@@ -272,3 +273,40 @@ def activation_offload(model: nn.Module, memory_cfg: MemoryConfig, run_dir: str 
     return ActivationOffload(
         model, memory_cfg.offload, memory_cfg.offload_min_size,
         offload_dir=offload_dir_for(memory_cfg, run_dir), cpu_limit=memory_cfg.offload_cpu_limit, mover=mover)
+
+
+def _layer_saved_bytes_estimate(config: Any, micro_batch: int, seq_len: int, dtype_bytes: int) -> int:
+    """Bytes one transformer layer saves for backward without checkpointing: sbh(34 + 5as/h) in 16-bit
+    (Korthikanti et al. 2022), scaled to the dtype; the s^2 attention term only for eager attention."""
+    s, b, h = seq_len, micro_batch, config.hidden_size
+    attention = 5 * config.num_attention_heads * s / h if config._attn_implementation == "eager" else 0
+    return int(s * b * h * (34 + attention) * dtype_bytes / 2)
+
+
+def preflight_offload(model: nn.Module, memory_cfg: MemoryConfig, run_dir: str | Path, micro_batch: int,
+                      seq_len: int) -> int:
+    """Before training: make sure the disk tier's directory is writable and big enough for one step.
+
+    Returns the predicted bytes the step writes to disk (0 when the run does not use the disk). Exact for
+    checkpointed layers; estimated for the others. Raises `OffloadDirError` (a FinetuneError) otherwise.
+    """
+    uses_disk = memory_cfg.offload == "disk" or (
+        memory_cfg.offload == "cpu" and memory_cfg.offload_cpu_limit is not None)
+    if not uses_disk:
+        return 0
+    layers = decoder_layers(model)
+    every = None
+    if getattr(layers[0], "gradient_checkpointing", False):
+        flags = [bool(getattr(layer, "gradient_checkpointing", False)) for layer in layers]
+        every = flags.index(True, 1) if True in flags[1:] else len(layers)
+    config = model.config.get_text_config()
+    dtype_bytes = next(p for p in model.parameters() if p.is_floating_point()).element_size()
+    total = offload_bytes_per_step(
+        len(layers), config.hidden_size, micro_batch, seq_len, dtype_bytes, memory_cfg.offload_min_size, every,
+        layer_saved_bytes=_layer_saved_bytes_estimate(config, micro_batch, seq_len, dtype_bytes),
+        frozen_embeddings=not model.get_input_embeddings().weight.requires_grad)
+    if memory_cfg.offload == "cpu":
+        total = max(0, total - memory_cfg.offload_cpu_limit)
+    if total:
+        check_offload_dir(offload_dir_for(memory_cfg, run_dir), total)
+    return total
