@@ -101,12 +101,13 @@ def test_mover_path_exact_and_prefetched(model_dir, tmp_path, tier, checkpointin
         offload.close()
         mover.stream.shutdown()
     # The pinned pool is reused from step to step instead of growing: exactly for the RAM tier (each copy
-    # holds its buffer for the step), nearly for the disk tier (how many writes and reads overlap varies).
+    # holds its buffer for the step); for the disk tier a tensor holds at most a staging buffer and a read
+    # buffer at a time, so reuse keeps three steps within one step's worst case (no reuse: 6 per tensor).
     per_step = offload.stats["offloaded_tensors"] / 3
     if tier == "cpu":
         assert mover.buffers == buffers_after_first_step
     else:
-        assert mover.buffers - buffers_after_first_step <= 0.1 * 2 * per_step
+        assert mover.buffers <= 2 * per_step
     # Forward never waits for a copy: out-copies are fire-and-forget (the disk tier's bounded queue aside).
     assert mover.blocked_in_forward == 0
     if tier == "cpu" and checkpointing:

@@ -107,7 +107,7 @@ class DiskFile:
             owns = (tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == nbytes
                     and tensor.stride() == layout.stride())
             source = tensor if owns else host_view(torch.empty(nbytes, dtype=torch.uint8), layout).copy_(tensor)
-        self._write = tier.submit_write(self._do_write, source, event)
+        self._write = tier.submit_write(nbytes, self._do_write, source, event)
 
     def _do_write(self, source: torch.Tensor, event: Any) -> None:
         if event is not None:
@@ -151,20 +151,24 @@ class DiskFile:
             self.tier.pool.release(byte_view(self._host), self.device.event)
         self._host = None
         if self._write.cancel():
-            self.tier.end_write()
+            self.tier.end_write(self.nbytes)
         self.tier.forget(self)
 
 
 class DiskTier:
-    """Files under `directory`, two writer and two reader threads, at most `max_pending` unwritten files."""
+    """Files under `directory`, two writer and two reader threads, at most `max_pending` unwritten bytes
+    (always at least one tensor)."""
 
-    def __init__(self, directory: str | Path, mover: Mover | None, max_pending: int = 8, threads: int = 2):
+    def __init__(self, directory: str | Path, mover: Mover | None, max_pending: int = 256 << 20,
+                 threads: int = 2):
         self.directory = Path(directory)
         self.mover = mover
         self.pool = HostPool(mover) if mover is not None else None
         self._writers = ThreadPoolExecutor(threads, thread_name_prefix="ft-offload-write")
         self._readers = ThreadPoolExecutor(threads, thread_name_prefix="ft-offload-read")
-        self._pending = threading.BoundedSemaphore(max_pending)
+        self.max_pending = max_pending
+        self._pending = 0
+        self._written = threading.Condition()
         self._prefix = f"{FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}-"
         self._counter = itertools.count()
         self._lock = threading.Lock()
@@ -181,27 +185,32 @@ class DiskTier:
 
     def store(self, tensor: torch.Tensor, layout: torch.Tensor, nbytes: int) -> DiskFile:
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._pending.acquire()  # the bounded queue: wait while too many writes are outstanding
+        with self._written:  # the bounded queue: wait while too many bytes are still to be written
+            self._written.wait_for(lambda: self._pending == 0 or self._pending + nbytes <= self.max_pending)
+            self._pending += nbytes
         try:
             item = DiskFile(self, tensor, layout, nbytes)
         except BaseException:
-            self._pending.release()
+            self.end_write(nbytes)
             raise
         with self._lock:
             self._live.add(item)
             self.bytes_written += nbytes
         return item
 
-    def submit_write(self, fn, *args) -> Future:
+    def submit_write(self, nbytes: int, fn, *args) -> Future:
+        """Run fn(*args) on a writer thread; its `nbytes` leave the bounded queue when it ends."""
         def run():
             try:
                 fn(*args)
             finally:
-                self.end_write()
+                self.end_write(nbytes)
         return self._writers.submit(run)
 
-    def end_write(self) -> None:
-        self._pending.release()
+    def end_write(self, nbytes: int) -> None:
+        with self._written:
+            self._pending -= nbytes
+            self._written.notify_all()
 
     def submit_read(self, fn, *args) -> Future:
         return self._readers.submit(fn, *args)
