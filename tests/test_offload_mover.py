@@ -16,6 +16,7 @@ import torch
 from test_offload_support import LAYERS, load, make_model_dir, step
 
 from finetune.memory.offload import ActivationOffload
+from finetune.memory.offload_cpu import HostPool, bucket
 
 model_dir = pytest.fixture(scope="module")(make_model_dir)
 
@@ -120,3 +121,21 @@ def test_mover_path_exact_and_prefetched(model_dir, tmp_path, tier, checkpointin
         for kind, _ in mover.log:
             issued += kind == "h2d"
             assert kind != "ready" or issued > 0
+
+
+def test_pool_size_classes_survive_changing_sequence_lengths():
+    for n in (1, 4096, 4097, 10**6, 123_456_789):
+        assert n <= bucket(n) <= max(4096, n * 1.125)
+    mover = ThreadMover()
+    pool = HostPool(mover)
+    for _ in range(3):  # batches of slightly different lengths share one size class
+        held = [pool.acquire(n) for n in (1_000_000, 1_010_000, 990_000)]
+        assert all(b.numel() >= 1_010_000 for b in held)
+        for b in held:
+            pool.release(b)
+    assert mover.buffers == 3
+    small = pool.acquire(5000)
+    pool.release(small)
+    # Idle buffers never exceed the most bytes ever in use at once.
+    assert pool.idle <= pool.peak_in_use
+    mover.stream.shutdown()

@@ -89,14 +89,26 @@ def host_view(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
-    """All bytes of `tensor`'s storage as uint8 (works for bf16 and bool, which numpy cannot hold)."""
-    return torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
+    """The bytes of a dense tensor that starts its storage, as uint8 (bf16 and bool included, which numpy
+    cannot hold); a pooled buffer may be longer than the tensor, so the length comes from the tensor."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage(), 0, (nbytes,), (1,))
+
+
+def bucket(nbytes: int) -> int:
+    """Pool size class: rounded up to 1/8 of a power of two (at most 12.5% unused), so that sequence
+    lengths that change from batch to batch still reuse buffers."""
+    if nbytes <= 4096:
+        return 4096
+    step = 1 << max(0, nbytes.bit_length() - 4)
+    return -(-nbytes // step) * step
 
 
 class HostPool:
-    """Reusable host buffers keyed by exact size (activation sizes repeat every layer and every step).
+    """Reusable host buffers by size class (page-locked ones are slow to allocate).
 
     A released buffer remembers the last copy that touched it; it is waited for only when handed out again.
+    Idle buffers are kept up to the most bytes ever in use at once, so the pool cannot grow without bound.
     """
 
     def __init__(self, mover: Mover):
@@ -104,22 +116,32 @@ class HostPool:
         self._free: dict[int, list[tuple[torch.Tensor, Any]]] = defaultdict(list)
         self._lock = threading.Lock()
         self.allocated = 0  # buffers ever created: stays flat across steps once the pool is warm
+        self.in_use = self.peak_in_use = self.idle = 0
 
     def acquire(self, nbytes: int) -> torch.Tensor:
+        size = bucket(nbytes)
         with self._lock:
-            free = self._free[nbytes]
+            free = self._free[size]
             entry = free.pop() if free else None
             if entry is None:
                 self.allocated += 1
+            else:
+                self.idle -= size
+            self.in_use += size
+            self.peak_in_use = max(self.peak_in_use, self.in_use)
         if entry is None:
-            return self.mover.host_buffer(nbytes)
+            return self.mover.host_buffer(size)
         buffer, event = entry
         self.mover.wait_host(event)
         return buffer
 
     def release(self, buffer: torch.Tensor, event: Any = None) -> None:
+        size = buffer.numel()
         with self._lock:
-            self._free[buffer.numel()].append((buffer, event))
+            self.in_use -= size
+            if self.idle + size <= self.peak_in_use:
+                self._free[size].append((buffer, event))
+                self.idle += size
 
 
 class DeviceCopy:

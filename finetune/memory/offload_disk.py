@@ -93,7 +93,7 @@ class DiskFile:
         self._read: Future | None = None
         self._host: torch.Tensor | None = None
         self._released = False
-        self._staging = None
+        self._staging = self._buffer = None
         mover = tier.mover
         self.device = DeviceCopy(mover) if mover is not None else None
         if mover is not None:  # stage through a pinned buffer, the copy ordered by an event
@@ -123,11 +123,12 @@ class DiskFile:
             return
         pool = self.tier.pool
         buffer = pool.acquire(self.nbytes) if pool is not None else torch.empty(self.nbytes, dtype=torch.uint8)
+        self._buffer = buffer
         self._read = self.tier.submit_read(self._do_read, buffer)
 
     def _do_read(self, buffer: torch.Tensor) -> torch.Tensor:
         self._write.result()
-        read_tensor_file(self.path, buffer)
+        read_tensor_file(self.path, buffer[:self.nbytes])
         self.tier.remove(self.path, read=self.nbytes)
         host = host_view(buffer, self.layout)
         if self.device is not None:
@@ -148,7 +149,7 @@ class DiskFile:
             return
         self._released = True
         if self._host is not None and self.tier.pool is not None:
-            self.tier.pool.release(byte_view(self._host), self.device.event)
+            self.tier.pool.release(self._buffer, self.device.event)
         self._host = None
         if self._write.cancel():
             self.tier.end_write(self.nbytes)
