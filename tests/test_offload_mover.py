@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from test_offload_support import LAYERS, load, make_model_dir, step
+from test_offload_support import LAYERS, batch, load, make_model_dir, step
 
 from finetune.memory.offload import ActivationOffload
 from finetune.memory.offload_cpu import HostPool, bucket
@@ -31,6 +31,7 @@ class ThreadMover:
         self.buffers = 0
         self.blocked_in_forward = 0
         self.forward = True
+        self._origin: dict[int, int] = {}  # device copy -> host buffer it came from
 
     def _enqueue(self, copy, after=None) -> threading.Event:
         done = threading.Event()
@@ -55,10 +56,11 @@ class ThreadMover:
         dst = torch.full_like(src, float("nan")) if src.is_floating_point() else torch.empty_like(src)
         event = self._enqueue(lambda: dst.copy_(src), after)
         self.log.append(("h2d", src.untyped_storage().data_ptr()))
+        self._origin[dst.untyped_storage().data_ptr()] = src.untyped_storage().data_ptr()
         return dst, event
 
     def ready(self, tensor, event):
-        self.log.append(("ready", 0))
+        self.log.append(("ready", self._origin.get(tensor.untyped_storage().data_ptr(), 0)))
         event.wait()
         return tensor
 
@@ -116,11 +118,13 @@ def test_mover_path_exact_and_prefetched(model_dir, tmp_path, tier, checkpointin
         log = [kind for kind, _ in mover.log[: len(mover.log) // 2]]
         assert LAYERS == 4 and log == ["h2d", "h2d", "ready", "h2d", "ready", "ready"]
     else:
-        # Every copy back is issued before the compute thread asks for it.
-        issued = 0
+        # Copies back are issued before the compute thread asks for them, and only a layer ahead: never more
+        # outstanding than two layers' worth (a tensor shared by all layers, like rotary cos/sin, included).
+        issued = used = 0
         for kind, _ in mover.log:
             issued += kind == "h2d"
-            assert kind != "ready" or issued > 0
+            used += kind == "ready"
+            assert used <= issued
 
 
 def test_pool_size_classes_survive_changing_sequence_lengths():
@@ -139,3 +143,28 @@ def test_pool_size_classes_survive_changing_sequence_lengths():
     # Idle buffers never exceed the most bytes ever in use at once.
     assert pool.idle <= pool.peak_in_use
     mover.stream.shutdown()
+
+
+def test_read_ahead_stays_within_prefetch_layers(model_dir, tmp_path):
+    """Whenever backward uses a tensor of layer l, copies back were issued only for layers >= l - 1
+    (prefetch_layers = 1 for the RAM tier), also with rotary cos/sin shared by every layer."""
+    model = load(model_dir, "full", checkpointing=False)
+    mover = ThreadMover()
+    offload = ActivationOffload(model, "cpu", min_size=1024, mover=mover)
+    layers_of: dict[int, set[int]] = {}  # host buffer -> the layers that saved it
+    with offload:
+        loss = model(**batch()).loss
+        for layer, refs in offload._by_layer.items():
+            for ref in refs:
+                layers_of.setdefault(ref().item.buffer.data_ptr(), set()).add(layer)
+        loss.backward()
+    offload.close()
+    mover.stream.shutdown()
+    assert offload.prefetch_layers == 1
+    assert any(len(layers) == LAYERS - 1 for layers in layers_of.values())  # cos/sin: in every offloaded layer
+    lowest_issued = LAYERS
+    for kind, ptr in mover.log:
+        if kind == "h2d":  # a shared tensor is fetched for the highest layer that saved it
+            lowest_issued = min(lowest_issued, max(layers_of[ptr]))
+        elif len(layers_of[ptr]) == 1:
+            assert lowest_issued >= min(layers_of[ptr]) - offload.prefetch_layers

@@ -83,17 +83,18 @@ class _LastLayer:
 
 
 class _Handle:
-    """What autograd holds instead of a tensor: the stored copy plus how to view it.
+    """What autograd holds instead of a tensor: the stored copy, how to view it, the layer that saved it.
 
     `view` is None when the copy already has the tensor's layout, else (dtype, shape, stride, offset)
     into the copied storage bytes.
     """
 
-    __slots__ = ("stored", "view")
+    __slots__ = ("stored", "view", "layer")
 
-    def __init__(self, stored: _Stored, view: tuple | None):
+    def __init__(self, stored: _Stored, view: tuple | None, layer: int):
         self.stored = stored
         self.view = view
+        self.layer = layer
 
     def unpack(self) -> torch.Tensor:
         data = self.stored.item.get()
@@ -204,7 +205,7 @@ class ActivationOffload:
         nbytes = t.numel() * t.element_size()
         if storage.nbytes() != nbytes:
             # A view into a larger storage: copy just its elements, densely (strides kept when dense).
-            return _Handle(self._store(t, torch.empty_like(t, device="meta"), nbytes), None)
+            return _Handle(self._store(t, torch.empty_like(t, device="meta"), nbytes), None, self._layer)
         # The tensor spans its whole storage: offload the storage once for all the views saved from it
         # (hidden states reach several ops as different views) and rebuild each view in backward.
         view = (t.dtype, t.shape, t.stride(), t.storage_offset())
@@ -216,12 +217,12 @@ class ActivationOffload:
                 # Shared by several layers (rotary cos/sin): fetch it when backward reaches the last of them.
                 with self._lock:
                     self._by_layer.setdefault(self._layer, []).append(weakref.ref(stored))
-            return _Handle(stored, view)
+            return _Handle(stored, view, self._layer)
         flat = _flat_bytes(storage, t.device)
         stored = self._store(flat, torch.empty_like(flat, device="meta"), nbytes)
         self._seen[key] = (weakref.ref(storage, lambda _ref, key=key: self._seen.pop(key, None)),
                            t._version, weakref.ref(stored))
-        return _Handle(stored, view)
+        return _Handle(stored, view, self._layer)
 
     def _store(self, t: torch.Tensor, layout: torch.Tensor, nbytes: int) -> _Stored:
         with torch.no_grad():
@@ -243,7 +244,7 @@ class ActivationOffload:
         if isinstance(packed, _LastLayer):
             self._prefetch_below(self.num_layers - 1)
             return packed.tensor
-        self._prefetch_below(packed.stored.layer)
+        self._prefetch_below(packed.layer)
         return packed.unpack()
 
     def _prefetch_below(self, layer: int) -> None:
