@@ -153,11 +153,14 @@ def test_activation_offload_from_recipe(model_dir, tmp_path):
 
 def test_preflight_from_recipe_runs_before_training(model_dir, tmp_path):
     """What the run calls before step one: predicted disk bytes, or the documented error."""
-    model = load(model_dir, "full", checkpointing=True)
-    cfg = MemoryConfig(offload="disk", offload_dir=str(tmp_path / "offload"), offload_min_size="1KiB")
+    model = load(model_dir, "full", checkpointing=False)  # the Trainer switches it on later, in train()
+    cfg = MemoryConfig(offload="disk", offload_dir=str(tmp_path / "offload"), offload_min_size="1KiB",
+                       activation_checkpointing=True)
     predicted = preflight_offload(model, cfg, tmp_path, micro_batch=2, seq_len=32)
     assert predicted == offload_bytes_per_step(LAYERS, model.config.hidden_size, 2, 32, 4, 1024, 1)
     assert files(tmp_path / "offload") == []
+    without_checkpointing = cfg.model_copy(update={"activation_checkpointing": False})
+    assert preflight_offload(model, without_checkpointing, tmp_path, micro_batch=2, seq_len=32) > 10 * predicted
     with pytest.raises(OffloadDirError, match="free but disk offload needs"):
         preflight_offload(model, cfg, tmp_path, micro_batch=10**6, seq_len=10**6)
     (tmp_path / "file").write_text("x")

@@ -288,18 +288,17 @@ def preflight_offload(model: nn.Module, memory_cfg: MemoryConfig, run_dir: str |
                       seq_len: int) -> int:
     """Before training: make sure the disk tier's directory is writable and big enough for one step.
 
-    Returns the predicted bytes the step writes to disk (0 when the run does not use the disk). Exact for
-    checkpointed layers; estimated for the others. Raises `OffloadDirError` (a FinetuneError) otherwise.
+    Call it once the model (with adapters) is built and the recipe resolved (no `auto`), before the Trainer.
+    Returns the predicted bytes a micro-batch writes to disk (0 when the run does not use the disk): exact
+    for checkpointed layers, estimated for the others. Raises `OffloadDirError` (a FinetuneError) otherwise.
     """
     uses_disk = memory_cfg.offload == "disk" or (
         memory_cfg.offload == "cpu" and memory_cfg.offload_cpu_limit is not None)
     if not uses_disk:
         return 0
     layers = decoder_layers(model)
-    every = None
-    if getattr(layers[0], "gradient_checkpointing", False):
-        flags = [bool(getattr(layer, "gradient_checkpointing", False)) for layer in layers]
-        every = flags.index(True, 1) if True in flags[1:] else len(layers)
+    # From the recipe, not the layers: the Trainer only switches checkpointing on inside train().
+    every = memory_cfg.checkpoint_every_n_layers if memory_cfg.activation_checkpointing is True else None
     config = model.config.get_text_config()
     dtype_bytes = next(p for p in model.parameters() if p.is_floating_point()).element_size()
     total = offload_bytes_per_step(
