@@ -187,3 +187,19 @@ def test_disk_bandwidth_measured_once_and_cached(tmp_path, monkeypatch):
     assert bandwidth.cache_path() == tmp_path / "cache" / "bandwidth.json"
     monkeypatch.setattr(bandwidth, "measure_disk", lambda directory: pytest.fail("measured twice"))
     assert bandwidth.disk_bandwidth(tmp_path) == first  # same filesystem, from the cache
+
+
+def test_disk_full_mid_step_is_a_clear_error(model_dir, tmp_path, monkeypatch):
+    import finetune.memory.offload_disk as offload_disk
+
+    def no_space(path, data):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(offload_disk, "write_tensor_file", no_space)
+    model = load(model_dir, "full", checkpointing=True)
+    offload = ActivationOffload(model, "disk", min_size=1024, offload_dir=tmp_path)
+    with pytest.raises(FinetuneError, match="No space left") as info:
+        with offload:
+            model(**batch()).loss.backward()
+    offload.close()
+    assert str(tmp_path) in str(info.value) and "memory.offload_dir" in info.value.hint
+    assert files(tmp_path) == []

@@ -28,6 +28,10 @@ DISK_MARGIN = 0.10  # free space asked for on top of the predicted bytes
 DISK_MARGIN_MIN = 256 << 20
 
 
+OFFLOAD_DIR_HINT = ("Set memory.offload_dir to a folder on a disk with enough free space (ideally an NVMe "
+                    "SSD), raise memory.offload_cpu_limit, or use memory.offload: cpu or none.")
+
+
 class OffloadDirError(FinetuneError):
     """`memory.offload_dir` cannot hold the offloaded activations."""
 
@@ -39,8 +43,7 @@ def check_offload_dir(path: str | Path, needed_bytes: int) -> Path:
     directory, how much is needed and free, and how to fix it.
     """
     path = Path(path).expanduser().resolve()
-    hint = ("Set memory.offload_dir to a folder on a disk with enough free space (ideally an NVMe SSD), "
-            "raise memory.offload_cpu_limit, or use memory.offload: cpu or none.")
+    hint = OFFLOAD_DIR_HINT
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".{FILE_PREFIX}probe-{uuid.uuid4().hex}"
@@ -99,7 +102,7 @@ class DiskFile:
         if mover is not None:  # stage through a pinned buffer, the copy ordered by an event
             self._staging = tier.pool.acquire(nbytes)
             source = host_view(self._staging, layout)
-            event = mover.to_host(tensor, source)
+            event = self._staged = mover.to_host(tensor, source)
         else:
             # Write straight from the activation when it is exactly its storage, else from a dense copy
             # (a view would drag its whole base along).
@@ -140,7 +143,11 @@ class DiskFile:
             raise RuntimeError(STEP_ENDED)
         if self._host is None:
             self.fetch()
-            self._host = self._read.result()
+            try:
+                self._host = self._read.result()
+            except OSError as exc:  # e.g. the disk filled up after the preflight check
+                raise OffloadDirError(f"activation offload to {self.tier.directory} failed: {exc}",
+                                      hint=OFFLOAD_DIR_HINT) from exc
             self._read = None
         return self._host if self.device is None else self.device.get(self._host)
 
@@ -148,11 +155,17 @@ class DiskFile:
         if self._released:
             return
         self._released = True
-        if self._host is not None and self.tier.pool is not None:
-            self.tier.pool.release(self._buffer, self.device.event)
+        pool = self.tier.pool
+        if pool is not None:  # hand pinned buffers back once the copies touching them are done
+            if self._host is not None:
+                pool.release(self._buffer, self.device.event)
+            elif self._read is not None:
+                self._read.add_done_callback(lambda _: pool.release(self._buffer, self.device.event))
         self._host = None
         if self._write.cancel():
             self.tier.end_write(self.nbytes)
+            if self._staging is not None:
+                pool.release(self._staging, self._staged)
         self.tier.forget(self)
 
 
