@@ -18,6 +18,8 @@ model_dir = pytest.fixture(scope="module")(make_model_dir)
 def test_gradients_bit_identical(model_dir, tmp_path, adapter, checkpointing):
     model = load(model_dir, adapter, checkpointing)
     reference = step(model)
+    # Gradients reach every layer (LoRA: B matrices; A gets none while B is still zero).
+    assert sum(bool(g.any()) for g in reference) >= len(reference) // 2
     tiers = {
         "cpu": dict(tier="cpu"),
         "disk": dict(tier="disk", offload_dir=tmp_path / "disk"),
