@@ -45,9 +45,12 @@ def compare(run_dir: str | Path, prompt: str, *, max_new_tokens: int = 128) -> t
     from finetune.model.trained import load_trained
 
     model, tokenizer = load_trained(run_dir)
-    with model.disable_adapter():
-        base = _generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens)
-    return base, _generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens)
+    tuned = _generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens)
+    if hasattr(model, "disable_adapter"):  # LoRA: the base is the same weights with the adapter switched off
+        with model.disable_adapter():
+            return _generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens), tuned
+    base, base_tokenizer = load_trained(run_dir, use_adapter=False)  # full fine-tune: load the original
+    return _generate(base, base_tokenizer, prompt, max_new_tokens=max_new_tokens), tuned
 
 
 def export(run_dir: str | Path, out_dir: str | Path) -> Path:

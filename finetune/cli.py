@@ -108,6 +108,10 @@ def cmd_export(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command not in ("validate", "keys"):  # those two never import torch: keep them instant
+        from finetune.console import quiet_libraries
+
+        quiet_libraries()
     try:
         return args.func(args)
     except FinetuneError as exc:

@@ -1,5 +1,23 @@
 """One rich console for the whole package, so progress bars and messages do not fight."""
 
+import logging
+import os
+import warnings
+
 from rich.console import Console
 
-console = Console(stderr=True)
+# soft_wrap: messages are not broken at 80 columns when stderr is a file or a pipe (logs, the UI, tests).
+console = Console(stderr=True, soft_wrap=True)
+
+
+def quiet_libraries() -> None:
+    """Silence library chatter that says nothing actionable, so our progress and messages stay readable."""
+    # bitsandbytes warns on every import on AVX512-BF16 CPUs that an optional hub kernel is missing; we must not
+    # install it (it downloads from the hub) and the built-in path works.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated", category=FutureWarning)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()

@@ -57,14 +57,19 @@ def make_tokenizer(vocab_size: int = 512):
 
 
 def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides):
-    """A config of the given architecture family at toy size (override any field)."""
+    """A config of the given architecture family at toy size (override any field).
+
+    initializer_range is 0.2, not the usual 0.02: a trained model's LM head produces confident logits, but a
+    64-wide RMS-normalised hidden state times a 0.02-scale head caps every logit near 1.3, so a LoRA-only
+    fine-tune of such a toy could never fit anything and tests of learning would measure nothing.
+    """
     import transformers
 
     cls_name, extra = ARCHITECTURES[arch]
     kwargs = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        tie_word_embeddings=False, pad_token_id=3, eos_token_id=2, bos_token_id=None,
+        tie_word_embeddings=False, pad_token_id=3, eos_token_id=2, bos_token_id=None, initializer_range=0.2,
     )
     kwargs.update(extra)
     kwargs.update(overrides)

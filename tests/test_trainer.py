@@ -32,6 +32,8 @@ def _recipe(tmp_path, model_dir, **training):
         "training": {"max_steps": 1, "learning_rate": 1.0, "warmup_ratio": 0.0, "lr_scheduler": "constant",
                      "max_grad_norm": None, **training},
         "memory": {"activation_checkpointing": False}, "output": {"dir": str(tmp_path / "run")},
+        # with SGD at lr 1 the update IS the accumulated gradient (Adam would hide its scale)
+        "optimizer": {"name": "sgd"},
     })
 
 
@@ -40,7 +42,6 @@ def _one_sgd_step(tmp_path, model_dir, tokenizer, micro: int, accum: int) -> dic
     model, _, _ = load_model(recipe.model, recipe.quantization)
     model = apply_adapter(model, recipe.adapter, checkpointing=False)
     args = training_arguments(recipe, tmp_path / f"ckpt-{micro}x{accum}", steps=1, has_eval=False)
-    args.optim = "sgd"  # with SGD at lr 1 the update IS the accumulated gradient (Adam would hide its scale)
     args.save_strategy = "no"
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer = FinetuneTrainer(model=model, args=args, train_dataset=_examples(), recipe=recipe,

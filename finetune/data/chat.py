@@ -81,6 +81,8 @@ class ChatEncoder:
         except jinja2.TemplateSyntaxError as exc:
             raise DataError(f"the chat template is not valid Jinja (line {exc.lineno}: {exc.message})",
                             hint="fix data.chat_template or leave it empty to use the tokenizer's") from exc
+        except jinja2.TemplateError:
+            pass  # the template refuses this probe conversation; records report their own refusals
 
     def _render(self, messages: list[dict], tools: list[dict] | None = None, generation: bool = False) -> str:
         return self.tokenizer.apply_chat_template(

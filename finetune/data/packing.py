@@ -23,13 +23,20 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 def pack(dataset: Any, max_seq_len: int) -> Any:
     """Pack a dataset of input_ids/labels into rows of <= max_seq_len tokens with restarting position_ids."""
+    import datasets
     from trl import pack_dataset
 
-    packed = pack_dataset(dataset, seq_length=max_seq_len, strategy="bfd")
-    return packed.map(
-        lambda row: {"position_ids": [p for n in row["seq_lengths"] for p in range(n)]},
-        remove_columns=["seq_lengths"],
-    )
+    bars_were_on = datasets.is_progress_bar_enabled()  # in-memory maps take milliseconds: no progress bars
+    datasets.disable_progress_bars()
+    try:
+        packed = pack_dataset(dataset, seq_length=max_seq_len, strategy="bfd")
+        return packed.map(
+            lambda row: {"position_ids": [p for n in row["seq_lengths"] for p in range(n)]},
+            remove_columns=["seq_lengths"],
+        )
+    finally:
+        if bars_were_on:
+            datasets.enable_progress_bars()
 
 
 @dataclass

@@ -106,8 +106,9 @@ def _parse_jsonl(path: Path, text: str) -> ReadResult:
         except json.JSONDecodeError as exc:
             problems.append(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno}); "
                             "expected one JSON object per line")
-    if not records and problems and not text.lstrip().startswith(("{", "[")):
-        raise DataError(f"{path} is not a JSON Lines file: {problems[0]}", hint=_EXPECTED)
+    if not records and problems:
+        listed = problems[:3] + ([f"... and {len(problems) - 3} more"] if len(problems) > 3 else [])
+        raise DataError(f"{path} has no valid JSON Lines record", problems=listed, hint=_EXPECTED)
     return ReadResult(records, problems)
 
 

@@ -143,20 +143,52 @@ OptimizerName = Literal[
 
 
 class OptimizerConfig(Section):
-    name: OptimizerName = Field("adamw", description="Optimizer; auto lets the planner choose.")
-    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
+    """Presets (finetune/optim/presets.py says why): rank relative to the projected weights' width, not the
+    fixed 128 (Hugging Face) or 16 (LLaMA-Factory): galore width/4, scale 0.25; apollo width/8, channel
+    scaling, scale 1; apollo_mini rank 1, tensor scaling, scale 128; projection renewed every 200 steps."""
+
+    name: OptimizerName = Field(
+        "adamw", description="Optimizer: adamw, adamw_8bit, paged_adamw_8bit (bitsandbytes), apollo, apollo_mini, "
+        "galore, galore_8bit (GPU only), adafactor, sgd; auto lets the planner choose.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (not applied to biases and norms).")
     betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas (beta1, beta2).")
     eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
-    momentum: float = Field(0.0, ge=0, lt=1, description="sgd only: momentum.")
-    rank: int | None = Field(None, ge=1, description="APOLLO/GaLore projection rank; null: the preset's.")
-    update_proj_gap: int | None = Field(None, ge=1, description="Steps between projection refreshes; null: the preset's.")
-    scale: float | None = Field(None, gt=0, description="APOLLO/GaLore update scale; null: the preset's.")
-    proj_type: Literal["std", "left", "right", "reverse_std", "random"] | None = Field(
-        None, description="Projection side/type; null: the preset's.")
-    scale_type: Literal["channel", "tensor"] | None = Field(None, description="APOLLO scaling granularity; null: the preset's.")
+    momentum: float = Field(0.0, ge=0, lt=1, description="sgd only: momentum (adds one state tensor per weight when > 0).")
+    rank: int | None = Field(
+        None, ge=1, description="APOLLO/GaLore projection rank; null: the preset's (galore width/4, apollo width/8, "
+        "apollo_mini 1, width = the projected weights' short side: hidden size, or adapter.r with LoRA).")
+    update_proj_gap: int | None = Field(
+        None, ge=1, description="Optimizer steps between projection refreshes; null: the preset's 200.")
+    scale: float | None = Field(
+        None, gt=0, description="APOLLO/GaLore update scale; null: the preset's (galore 0.25, apollo 1, apollo_mini 128).")
+    proj_type: Literal["std", "left", "right", "reverse_std"] | None = Field(
+        None, description="Which side is compressed: std (preset) the shorter one, so the projection matrix is the "
+        "small one; reverse_std the longer; left; right. "
+        "APOLLO's projection is always random, GaLore's from an SVD.")
+    scale_type: Literal["channel", "tensor"] | None = Field(
+        None, description="APOLLO only: scaling per channel (apollo preset) or per tensor (apollo_mini preset).")
     target_modules: str | list[str] | None = Field(
-        None, description="Weights given the low-rank treatment (default: all trained 2-D weights); the rest use AdamW.")
-    layerwise: bool = Field(False, description="Update each weight as soon as its gradient is ready, freeing it.")
+        None, description="Weights given the low-rank treatment: module-name parts such as [attn, mlp] or "
+        "[q_proj, v_proj]; null: every trained 2-D weight, embeddings and lm_head included (they hold most of "
+        "a small model's AdamW state). The rest (1-D, too narrow for the rank) use AdamW.")
+    layerwise: bool = Field(
+        False, description="Update each weight from its backward hook and free its gradient. Works with "
+        "gradient accumulation (GaLore then accumulates in projected form; clipping is exact); without "
+        "accumulation only one gradient is ever resident and clipping uses the previous step's norm.")
+
+    @model_validator(mode="after")
+    def _keys_fit_name(self) -> OptimizerConfig:
+        low_rank = ("apollo", "apollo_mini", "galore", "galore_8bit", "auto")
+        keys = ("rank", "update_proj_gap", "scale", "proj_type", "scale_type", "target_modules")
+        misplaced = [k for k in keys if getattr(self, k) is not None] if self.name not in low_rank else []
+        if misplaced:
+            raise ValueError(f"optimizer.{', optimizer.'.join(misplaced)}: apply only to apollo, apollo_mini, "
+                             f"galore and galore_8bit, not {self.name}; remove them or change optimizer.name")
+        if self.scale_type is not None and self.name in ("galore", "galore_8bit"):
+            raise ValueError(f"optimizer.scale_type only applies to APOLLO, not {self.name}; remove it")
+        if self.momentum and self.name not in ("sgd", "auto"):
+            raise ValueError(f"optimizer.momentum only applies to sgd, not {self.name}; Adam-type optimizers use betas")
+        return self
 
 
 class OutputConfig(Section):

@@ -15,6 +15,7 @@ from finetune.errors import FinetuneError
 from finetune.recipe.load import recipe_to_yaml
 from finetune.recipe.schema import Recipe
 from finetune.train.callbacks import MetricsCallback, ProgressCallback, StopOnSignal
+from finetune.train.plots import plot_loss_curve
 from finetune.train.rundir import (
     RunDir,
     atomic_write_json,
@@ -121,6 +122,7 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> Run
             "state": state, "steps": result.steps, "final_loss": result.final_loss, "eval_loss": eval_loss,
             "train_runtime_s": round(time.time() - start, 2), "train_metrics": output.metrics, "data": data.stats,
             "trainable_parameters": trainable, "total_parameters": total})
+        plot_loss_curve(run_dir.metrics, run_dir.root / "loss.png")
         run_dir.write_status(state, step=result.steps, max_steps=steps)
         run_dir.log_line(f"run {state} at step {result.steps}")
         return result

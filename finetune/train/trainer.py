@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from transformers import Trainer, TrainingArguments
 
+from finetune.optim import build_optimizer, layerwise_of, register_safe_globals
 from finetune.recipe.schema import Recipe
 
 _SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup",
@@ -25,7 +26,7 @@ def total_steps(recipe: Recipe, train_examples: int) -> int:
 
 def training_arguments(recipe: Recipe, output_dir: Path, steps: int, has_eval: bool) -> TrainingArguments:
     """Translate the (fully resolved, no `auto`) recipe into TrainingArguments."""
-    t, m, o = recipe.training, recipe.memory, recipe.optimizer
+    t, m = recipe.training, recipe.memory
     dtype = recipe.model.dtype
     cuda = torch.cuda.is_available()
     if has_eval:
@@ -46,10 +47,6 @@ def training_arguments(recipe: Recipe, output_dir: Path, steps: int, has_eval: b
         lr_scheduler_type=_SCHEDULERS[t.lr_scheduler],
         lr_scheduler_kwargs=scheduler_kwargs,
         warmup_steps=round(t.warmup_ratio * steps),
-        weight_decay=o.weight_decay,
-        adam_beta1=o.betas[0],
-        adam_beta2=o.betas[1],
-        adam_epsilon=o.eps,
         max_grad_norm=t.max_grad_norm if t.max_grad_norm is not None else 0.0,
         seed=t.seed,
         data_seed=t.seed,
@@ -76,5 +73,23 @@ class FinetuneTrainer(Trainer):
     """Trainer with the recipe at hand, so memory techniques (optimizers, offload, chunked loss) can plug in."""
 
     def __init__(self, *args, recipe: Recipe, **kwargs):
-        super().__init__(*args, **kwargs)
         self.recipe = recipe
+        register_safe_globals()  # checkpoints hold GaLore/APOLLO projectors; resume loads with weights_only
+        super().__init__(*args, **kwargs)
+
+    def create_optimizer(self, model=None):
+        """Every optimizer of the recipe (APOLLO, GaLore, 8-bit, layer-wise...) comes from finetune.optim."""
+        if self.optimizer is None:
+            self.optimizer = build_optimizer(
+                self.model, self.recipe.optimizer, self.args.learning_rate,
+                steps_per_update=self.args.gradient_accumulation_steps, max_grad_norm=self.args.max_grad_norm)
+        return self.optimizer
+
+    def _clip_grad_norm(self, model):
+        # Layer-wise updates clip and measure inside the optimizer: the full gradient is never resident.
+        layerwise = layerwise_of(self.optimizer)
+        return layerwise.grad_norm() if layerwise else super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        layerwise = layerwise_of(self.optimizer)
+        return layerwise.grad_norm() if layerwise else super()._get_grad_norm(model, grad_norm)

@@ -1,0 +1,100 @@
+"""Build the optimizer named in the recipe for the trainable parameters of a model.
+
+Every name gets one torch optimizer with param groups: low-rank weights (APOLLO/GaLore), other matrices
+(with weight decay) and 1-D parameters (biases, norms: no decay). `layerwise: true` wraps one such
+optimizer per parameter in a `LayerwiseOptimizer` (finetune/optim/layerwise.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from finetune.errors import FinetuneError
+from finetune.optim.presets import ParamPlan, ParamSpec, plan_params
+from finetune.recipe.schema import OptimizerConfig
+
+BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps smaller tensors' state in fp32
+
+
+def trained_specs(model: torch.nn.Module) -> tuple[list[ParamSpec], dict[str, torch.nn.Parameter]]:
+    """(name, shape, dtype) of each parameter with requires_grad, in model order, and name -> parameter."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if not params:
+        raise FinetuneError("the model has no trainable parameters; nothing for the optimizer to update")
+    return [(n, tuple(p.shape), p.dtype) for n, p in params.items()], params
+
+
+def param_groups(plan: ParamPlan, params: dict[str, torch.nn.Parameter], opt: OptimizerConfig) -> list[dict]:
+    """Groups in a fixed order (projected, decayed, undecayed); empty groups are left out."""
+    groups = []
+    if plan.projected:
+        low_rank = plan.low_rank
+        groups.append({
+            "params": [params[s[0]] for s in plan.projected], "weight_decay": opt.weight_decay,
+            "method": low_rank.method, "rank": low_rank.rank, "update_proj_gap": low_rank.update_proj_gap,
+            "scale": low_rank.scale, "proj_type": low_rank.proj_type, "scale_type": low_rank.scale_type,
+        })
+    if plan.decayed:
+        groups.append({"params": [params[s[0]] for s in plan.decayed], "weight_decay": opt.weight_decay})
+    if plan.undecayed:
+        groups.append({"params": [params[s[0]] for s in plan.undecayed], "weight_decay": 0.0})
+    return groups
+
+
+def optimizer_factory(name: str, opt: OptimizerConfig, learning_rate: float) -> Callable[..., torch.optim.Optimizer]:
+    """A function (groups, seed_offset=0) -> optimizer for `name`; the one place names map to classes."""
+    betas, eps = tuple(opt.betas), opt.eps
+    if name == "adamw":
+        return lambda groups, seed_offset=0: torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps)
+    if name == "sgd":
+        return lambda groups, seed_offset=0: torch.optim.SGD(groups, lr=learning_rate, momentum=opt.momentum)
+    if name == "adafactor":
+        return lambda groups, seed_offset=0: torch.optim.Adafactor(groups, lr=learning_rate)
+    if name in ("adamw_8bit", "paged_adamw_8bit"):
+        import bitsandbytes as bnb
+
+        cls = bnb.optim.PagedAdamW8bit if name == "paged_adamw_8bit" else bnb.optim.AdamW8bit
+        return lambda groups, seed_offset=0: cls(groups, lr=learning_rate, betas=betas, eps=eps,
+                                                 min_8bit_size=BNB_MIN_8BIT_SIZE)
+    if name == "galore_8bit":
+        from galore_torch import GaLoreAdamW8bit
+
+        return lambda groups, seed_offset=0: GaLoreAdamW8bit(groups, lr=learning_rate, betas=betas, eps=eps,
+                                                             min_8bit_size=BNB_MIN_8BIT_SIZE)
+    from finetune.optim.lowrank import LowRankAdamW
+
+    return lambda groups, seed_offset=0: LowRankAdamW(groups, lr=learning_rate, betas=betas, eps=eps,
+                                                      seed_offset=seed_offset)
+
+
+def build_optimizer(model: torch.nn.Module, opt: OptimizerConfig, learning_rate: float, *,
+                    steps_per_update: int = 1, max_grad_norm: float | None = None) -> torch.optim.Optimizer:
+    """The optimizer for `model`'s trainable parameters (LoRA adapters or all weights).
+
+    `steps_per_update` (gradient accumulation) and `max_grad_norm` only matter with `opt.layerwise`, where
+    the returned LayerwiseOptimizer updates weights from backward hooks and clips by itself.
+    """
+    specs, params = trained_specs(model)
+    plan = plan_params(opt.name, specs, opt)
+    if opt.name == "galore_8bit" and any(not p.is_cuda for p in params.values()):
+        raise FinetuneError(
+            "optimizer galore_8bit needs a CUDA GPU: galore-torch's 8-bit step calls torch.cuda.synchronize(), "
+            "which fails on CPU", hint="Use galore (32-bit state) on CPU, or run on a GPU.")
+    factory = optimizer_factory(opt.name, opt, learning_rate)
+    groups = param_groups(plan, params, opt)
+    if opt.layerwise:
+        from finetune.optim.layerwise import LayerwiseOptimizer
+
+        return LayerwiseOptimizer(groups, factory, steps_per_update=steps_per_update, max_grad_norm=max_grad_norm)
+    return factory(groups)
+
+
+def register_safe_globals() -> None:
+    """Let torch.load(weights_only=True) (as the HF Trainer resumes) read GaLore/APOLLO optimizer state."""
+    from apollo_torch.random_projector import GradientProjector
+    from apollo_torch.svd_projector import GaLoreProjector as ApolloSVDProjector
+    from galore_torch.galore_projector import GaLoreProjector
+
+    torch.serialization.add_safe_globals([GradientProjector, ApolloSVDProjector, GaLoreProjector])

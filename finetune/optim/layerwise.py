@@ -1,0 +1,145 @@
+"""Layer-wise updates: weights stepped from backward hooks so the model's gradients are never all resident.
+
+One inner optimizer per parameter (same class and settings as the normal optimizer; APOLLO seeds numbered
+as in the normal optimizer), driven by `Tensor.register_post_accumulate_grad_hook`. Two modes, chosen by
+`steps_per_update` (gradient accumulation):
+
+* steps_per_update == 1 (immediate): each weight is updated inside backward as soon as its gradient is
+  complete, then its .grad is freed: at most ONE weight's gradient is resident. The update is identical to
+  the normal optimizer's. Clipping cannot see this step's global norm before the first weights move, so it
+  uses the PREVIOUS step's norm: coefficient min(1, max_grad_norm / (norm_{t-1} + 1e-6)) (the first step is
+  not clipped). Guarantee: the applied gradient's norm is <= max_grad_norm * norm_t / norm_{t-1}.
+* steps_per_update > 1 (accumulate): GaLore-projected weights project each micro-batch gradient with the
+  step's projection (renewed, when due, from the FIRST micro-batch's gradient rather than the sum) and free
+  it in the hook, so only rank x width accumulators persist between micro-batches. Every other weight
+  accumulates in .grad as autograd does: APOLLO multiplies the full gradient by its channel factors and
+  AdamW/8-bit/Adafactor/SGD need every element, so an exact update needs the full sum; it costs no more than
+  normal accumulation. `step()` (the Trainer's optimizer.step() after the last backward) then clips with
+  the exact global norm, as torch.nn.utils.clip_grad_norm_ does, and updates every weight. The update equals
+  the normal optimizer's (tests/test_optim_layerwise.py), except at GaLore refresh steps where the subspace
+  comes from micro-batch 0.
+
+`grad_norm()` is the global pre-clip norm of the step's gradient: every full gradient, and for
+GaLore-accumulated weights the norm of the projected sum (the part GaLore uses; the rest is discarded by
+GaLore and never touches the weights).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from finetune.optim.lowrank import LowRankAdamW
+
+CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
+
+
+class LayerwiseOptimizer(torch.optim.Optimizer):
+    """An Optimizer facade over per-parameter optimizers updated from backward hooks.
+
+    `param_groups` are the inner optimizers' own group dicts, so an LR scheduler built on this object
+    drives them. `step()` finishes the optimizer step (see the module docstring); `zero_grad()` clears
+    pending gradients. state_dict() holds each inner optimizer's state, in parameter order.
+    """
+
+    def __init__(self, groups: list[dict], factory: Callable[..., torch.optim.Optimizer], *,
+                 steps_per_update: int = 1, max_grad_norm: float | None = None):
+        if steps_per_update < 1:
+            raise ValueError(f"steps_per_update must be >= 1, got {steps_per_update}")
+        self.steps_per_update = steps_per_update
+        self.max_grad_norm = max_grad_norm if max_grad_norm and max_grad_norm > 0 else None
+        self.inner: dict[torch.Tensor, torch.optim.Optimizer] = {}
+        index = 0
+        for group in groups:
+            settings = {k: v for k, v in group.items() if k != "params"}
+            for p in group["params"]:
+                self.inner[p] = factory([{"params": [p], **settings}], seed_offset=index)
+                index += 1
+        super().__init__([g for o in self.inner.values() for g in o.param_groups], {})
+        self._norms: list[torch.Tensor] = []  # immediate mode: norms of the gradients applied this step
+        self._fresh = False  # a backward hook ran since the last step()
+        self._norm: float | None = None  # the last completed step's norm
+        self._prev_norm: float | None = None  # immediate mode: the norm used to clip the current step
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.inner]
+
+    def _compressed(self, p: torch.Tensor) -> bool:
+        opt = self.inner[p]
+        return isinstance(opt, LowRankAdamW) and opt.param_groups[0].get("method") == "galore"
+
+    @torch.no_grad()
+    def _hook(self, p: torch.Tensor) -> None:
+        self._fresh = True
+        if self.steps_per_update > 1:
+            if self._compressed(p):
+                self.inner[p].accumulate(p)
+            return
+        self._norms.append(torch.linalg.vector_norm(p.grad))  # stays on the device: no sync per weight
+        if self.max_grad_norm is not None and self._prev_norm is not None:
+            p.grad.mul_(min(1.0, self.max_grad_norm / (self._prev_norm + CLIP_EPS)))
+        self.inner[p].step()
+        p.grad = None
+
+    def _pending_norms(self) -> list[torch.Tensor]:
+        norms = [torch.linalg.vector_norm(p.grad) for p in self.inner if p.grad is not None]
+        for opt in self.inner.values():
+            if isinstance(opt, LowRankAdamW):
+                norms += opt.accumulated_norms()
+        return norms
+
+    def grad_norm(self) -> float:
+        """Global gradient norm of the current step (pending or just applied) before clipping."""
+        if not self._fresh:
+            return self._norm or 0.0
+        norms = self._norms if self.steps_per_update == 1 else self._pending_norms()
+        return math.sqrt(sum(float(n) ** 2 for n in norms))  # per-weight norms combined, as clip_grad_norm_
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Finish the optimizer step: in accumulate mode clip and update every weight; record the norm."""
+        loss = closure() if closure is not None else None
+        norm = self.grad_norm()
+        if self.steps_per_update > 1:
+            factor = 1.0
+            if self.max_grad_norm is not None:
+                factor = min(1.0, self.max_grad_norm / (norm + CLIP_EPS))
+            for p, opt in self.inner.items():
+                if factor != 1.0:
+                    if p.grad is not None:
+                        p.grad.mul_(factor)
+                    if isinstance(opt, LowRankAdamW):
+                        opt.scale_accumulated_(factor)
+                opt.step()
+                p.grad = None
+        self._norm, self._prev_norm, self._norms, self._fresh = norm, norm, [], False
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.inner:
+            p.grad = None
+
+    def remove_hooks(self) -> None:
+        """Detach from the model (the optimizer stops updating in backward)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def state_dict(self) -> dict:
+        return {"inner": [opt.state_dict() for opt in self.inner.values()], "prev_norm": self._prev_norm}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        inner = state_dict["inner"]
+        if len(inner) != len(self.inner):
+            raise ValueError(f"layer-wise optimizer state has {len(inner)} parameters, this model trains {len(self.inner)}")
+        for opt, sd in zip(self.inner.values(), inner, strict=True):
+            opt.load_state_dict(sd)
+        self._prev_norm = state_dict["prev_norm"]
+        self._norm = self._prev_norm
+
+
+def layerwise_of(optimizer: object) -> LayerwiseOptimizer | None:
+    """The LayerwiseOptimizer behind `optimizer` (unwrapping accelerate's AcceleratedOptimizer), else None."""
+    while optimizer is not None and not isinstance(optimizer, LayerwiseOptimizer):
+        optimizer = getattr(optimizer, "optimizer", None)
+    return optimizer

@@ -1,0 +1,154 @@
+"""Which trained weight gets which treatment, and the preset low-rank settings: from names and shapes only.
+
+Works on `(name, shape, dtype)` triples so the planner can ask about a meta-device model and
+`build_optimizer` about a real one, and both get the same answer.
+
+Presets (why they differ from Hugging Face and LLaMA-Factory): both tools use a FIXED rank (HF 128,
+LLaMA-Factory 16) whatever the model width, so the same recipe keeps 1/32 of a 4096-wide 7B but 1/7 of a
+896-wide 0.5B model. We set the rank relative to the width of the projected weights, at the ratios the
+papers validated: GaLore rank = width/4 with scale 0.25 (GaLore paper, LLaMA 1B: rank 512 of 2048,
+alpha 0.25; HF's scale, not LLaMA-Factory's 2.0 which was paired with rank 16), APOLLO rank = width/8 with
+channel-wise scaling and scale 1 (the APOLLO repo pre-trains at about width/4, e.g. rank 256 for the
+1024-wide 350M; we halve it for fine-tuning, whose updates are lower-rank, which puts APOLLO's state near
+1/8 of AdamW's), APOLLO-Mini rank 1 with tensor-wise scaling and scale 128 (APOLLO repo, 1B script).
+All refresh the projection every 200 steps (all three sources agree). `width` is the largest short side among the projected weights: the hidden size for full
+fine-tuning, adapter.r for LoRA.
+
+Targets: every trained 2-D weight, embeddings and LM head included (HF and LLaMA-Factory project only the
+block linears). Embeddings and head are 5-30% of a small model's weights (Qwen2-0.5B: 27%); left on AdamW
+they would hold most of the state and APOLLO-Mini could never get near SGD-level memory. APOLLO's update is
+the gradient scaled per row (or per tensor), so embedding rows of tokens absent from a batch stay as they
+are. Weights whose short side is not above the rank (nothing to save) fall back to AdamW, as do 1-D
+parameters. Exclude embeddings with `target_modules: [self_attn, mlp]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from finetune.errors import FinetuneError
+from finetune.recipe.schema import OptimizerConfig, Recipe
+
+ParamSpec = tuple[str, tuple[int, ...], torch.dtype]
+
+LOW_RANK = ("apollo", "apollo_mini", "galore", "galore_8bit")
+
+
+@dataclass(frozen=True)
+class LowRankSettings:
+    """The resolved projection settings of one APOLLO/GaLore optimizer."""
+
+    method: str  # "apollo" or "galore"
+    rank: int
+    update_proj_gap: int
+    scale: float
+    proj_type: str
+    scale_type: str | None  # APOLLO only: "channel" or "tensor"
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    """The trained parameters split by treatment, each list in model order."""
+
+    projected: list[ParamSpec]
+    decayed: list[ParamSpec]  # >= 2-D weights not projected: plain AdamW (or the base optimizer) with decay
+    undecayed: list[ParamSpec]  # 1-D (biases, norms): no weight decay
+    low_rank: LowRankSettings | None
+
+
+def _targeted(name: str, targets: str | list[str] | None) -> bool:
+    module = name.rsplit(".", 1)[0]
+    if targets is None or targets == "all-linear":
+        return True
+    targets = [targets] if isinstance(targets, str) else targets
+    return any(t in module for t in targets)
+
+
+def plan_params(name: str, specs: list[ParamSpec], opt: OptimizerConfig) -> ParamPlan:
+    """Split trained parameters into projected / decayed / undecayed and resolve the low-rank settings.
+
+    Raises FinetuneError when a low-rank optimizer would save nothing (no targeted weight wider than the
+    rank, e.g. GaLore rank >= LoRA r) or when target_modules matches no trained 2-D weight.
+    """
+    if name == "auto":
+        raise FinetuneError("optimizer.name is auto: the planner must resolve it before the optimizer is built")
+    matrices = [s for s in specs if len(s[1]) >= 2]
+    undecayed = [s for s in specs if len(s[1]) < 2]
+    if name not in LOW_RANK:
+        return ParamPlan([], matrices, undecayed, None)
+    targeted = [s for s in matrices if _targeted(s[0], opt.target_modules)]
+    if not targeted:
+        where = f"optimizer.target_modules={opt.target_modules!r}" if opt.target_modules else "the default targets"
+        raise FinetuneError(
+            f"optimizer {name}: {where} match no trained 2-D weight, so nothing would get the low-rank treatment",
+            hint="Name module-name parts of trained weights (e.g. [q_proj, v_proj], attn, mlp) or use adamw.")
+    width = max(min(s[1][-2:]) for s in targeted)
+    low_rank = _resolve(name, opt, width)
+    projected = [s for s in targeted if min(s[1][-2:]) > low_rank.rank]
+    if not projected:
+        narrow = min(targeted, key=lambda s: min(s[1][-2:]))
+        raise FinetuneError(
+            f"optimizer {name} with rank {low_rank.rank}: no trained weight is wider than the rank (e.g. "
+            f"{narrow[0]} is {' x '.join(map(str, narrow[1]))}), so the projected gradient and optimizer state "
+            "would be as large as the weight itself: no memory saving",
+            hint="With LoRA the trained matrices are only adapter.r wide: set optimizer.rank below adapter.r "
+                 "(or leave it null for the preset), or use adamw / adamw_8bit for adapters.")
+    chosen = {s[0] for s in projected}
+    rest = [s for s in matrices if s[0] not in chosen]
+    return ParamPlan(projected, rest, undecayed, low_rank)
+
+
+def _resolve(name: str, opt: OptimizerConfig, width: int) -> LowRankSettings:
+    if name == "apollo_mini":
+        preset = LowRankSettings("apollo", 1, 200, 128.0, "std", "tensor")
+    elif name == "apollo":
+        preset = LowRankSettings("apollo", max(1, width // 8), 200, 1.0, "std", "channel")
+    else:
+        preset = LowRankSettings("galore", max(1, width // 4), 200, 0.25, "std", None)
+    return LowRankSettings(
+        method=preset.method,
+        rank=opt.rank if opt.rank is not None else preset.rank,
+        update_proj_gap=opt.update_proj_gap if opt.update_proj_gap is not None else preset.update_proj_gap,
+        scale=opt.scale if opt.scale is not None else preset.scale,
+        proj_type=opt.proj_type if opt.proj_type is not None else preset.proj_type,
+        scale_type=opt.scale_type if opt.scale_type is not None else preset.scale_type,
+    )
+
+
+def projected_shape(shape: tuple[int, ...], settings: LowRankSettings) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(low-rank gradient shape, projection matrix shape) for a weight, as the upstream projectors choose.
+
+    std compresses the shorter side (right projection when rows >= cols: state rows x rank, projection
+    rank x cols), reverse_std the longer one.
+    """
+    m, n = shape
+    r = settings.rank
+    return ((m, r), (r, n)) if projection_side(shape, settings.proj_type) == "right" else ((r, n), (m, r))
+
+
+def projection_side(shape: tuple[int, ...], proj_type: str) -> str:
+    """"right" (gradient @ P.T, P is rank x cols) or "left" (P.T @ gradient, P is rows x rank)."""
+    if proj_type in ("std", "reverse_std"):
+        return "right" if (shape[0] >= shape[1]) == (proj_type == "std") else "left"
+    return proj_type
+
+
+def recipe_problems(recipe: Recipe) -> list[str]:
+    """Optimizer settings that make no sense with the rest of a recipe, one line each (for Recipe validation).
+
+    Checked here, before any model is loaded: what needs shapes is checked again by `plan_params`.
+    """
+    opt, adapter = recipe.optimizer, recipe.adapter
+    problems = []
+    if opt.name in LOW_RANK and opt.rank is not None and adapter.type != "full" and opt.rank >= adapter.r:
+        problems.append(
+            f"optimizer.rank={opt.rank} >= adapter.r={adapter.r}: the LoRA matrices are only {adapter.r} wide, "
+            f"so a rank-{opt.rank} {opt.name} projection keeps them whole and saves no memory; set optimizer.rank "
+            "below adapter.r, leave it null for the preset, or use adamw")
+    if opt.layerwise and recipe.model.dtype == "fp16":
+        problems.append(
+            "optimizer.layerwise with model.dtype=fp16: fp16 training scales the loss, and layer-wise updates "
+            "happen inside backward before the scale can be removed; use bf16 or fp32")
+    return problems

@@ -1,0 +1,58 @@
+"""Predicted tokens/s of a configuration: a roofline-style model, used only to rank candidates.
+
+step time = compute / (peak FLOPs x utilisation) + dequantization + exposed transfer time.
+- compute: 2 FLOPs per weight per token forward, the same again backward for the input gradient, once more
+  for weight gradients of trained weights (full fine-tuning), plus attention (4 s h per token per layer
+  forward); checkpointed layers run their forward twice (recompute).
+- utilisation grows with tokens per micro-batch: u = t / (t + UTIL_HALF_TOKENS) (small batches starve the GPU).
+- 4-bit/8-bit: every quantized weight is dequantized in forward, backward and recompute (reads its packed
+  bytes, writes compute-dtype bytes) at memory bandwidth.
+- offload: 2 x offloaded bytes (out and back) per micro-batch over PCIe (cpu) or disk; overlapped with
+  compute, so only the part longer than the compute time counts.
+"""
+
+from __future__ import annotations
+
+from finetune.plan.memory_model import Settings
+
+DEVICE = {
+    # peak dense FLOP/s, memory bandwidth B/s: a consumer GPU (RTX 4090 class, bf16) and a desktop CPU.
+    "cuda": {"flops": 165e12, "mem_bw": 1.0e12},
+    "cpu": {"flops": 0.2e12, "mem_bw": 50e9},
+}
+PCIE_BYTES_PER_S = 20e9  # PCIe 4.0 x16, pinned memory, achieved
+DISK_BYTES_PER_S = 3e9  # NVMe SSD sequential
+UTIL_HALF_TOKENS = 1024  # tokens per micro-batch at which utilisation reaches half of peak
+CHUNKED_LOSS_OVERHEAD = 0.01  # relative cost of running the LM head in chunks
+# Relative cost of offload bookkeeping (hooks, copy launches, files) even when transfers hide behind compute;
+# torchtune measured 0.1% for CPU offload, SSDTrain "negligible"; disk pays for threads and files.
+OFFLOAD_OVERHEAD = {"none": 0.0, "cpu": 0.01, "disk": 0.03}
+
+
+def tokens_per_second(settings: Settings, *, device: str, params: int, trainable_full: bool, num_layers: int,
+                      hidden: int, seq_len: int, quantized_params: int, offloaded_bytes: int, dtype_bytes: int) -> float:
+    """Tokens per second of one optimizer step under `settings` (see module docstring)."""
+    dev = DEVICE[device]
+    tokens = settings.micro_batch_size * seq_len
+    fwd = 2 * params * tokens + 4 * seq_len * hidden * num_layers * tokens
+    passes = 2 + (1 if trainable_full else 0)
+    recompute = 0.0
+    if settings.activation_checkpointing:
+        recompute = fwd / settings.checkpoint_every_n_layers
+    util = tokens / (tokens + UTIL_HALF_TOKENS)
+    compute = (fwd * passes + recompute) / (dev["flops"] * util)
+    if settings.chunked_loss:
+        compute *= 1 + CHUNKED_LOSS_OVERHEAD
+    dequant = 0.0
+    if settings.bits:
+        per_pass = quantized_params * (settings.bits / 8 + dtype_bytes) / dev["mem_bw"]
+        dequant = per_pass * (2 + (1 if settings.activation_checkpointing else 0))
+    transfer = 0.0
+    if settings.offload != "none":
+        bw = PCIE_BYTES_PER_S if settings.offload == "cpu" else DISK_BYTES_PER_S
+        if device == "cpu":
+            bw = DISK_BYTES_PER_S if settings.offload == "disk" else dev["mem_bw"]
+        transfer = max(0.0, 2 * offloaded_bytes / bw - compute)
+    step = (compute * (1 + OFFLOAD_OVERHEAD[settings.offload]) + dequant + transfer) * \
+        settings.gradient_accumulation_steps
+    return tokens * settings.gradient_accumulation_steps / step

@@ -1,0 +1,219 @@
+"""Peak memory per component for one set of concrete settings.
+
+How the prediction is put together (docs/planner.md has the long form):
+
+1. Activations, logits/loss and gradients as they evolve through forward and backward come from `trace.py`:
+   the real training step run on the `meta` device for a model cut to two and three repeating blocks of
+   layers (a block = `checkpoint_every_n_layers` layers, or one layer without checkpointing), at
+   micro-batch 1. Each phase's peak (forward; backward through the head, the top layer, the bottom layer)
+   is extrapolated linearly to the real layer count,
+   and its activation and logits parts are multiplied by the micro-batch (every such tensor has the batch
+   as a dimension).
+2. Weights are priced per parameter: compute dtype, NF4 (0.5 B/element + one absmax per 64-element block:
+   fp32, or with double quantization uint8 plus one fp32 per 256 blocks), LLM.int8 (1 B/element + one
+   fp32 scale per row); embeddings, norms and the LM head stay unquantized as bitsandbytes leaves them.
+   4-bit layers dequantize one weight at a time into the compute dtype in backward (and forward on CUDA):
+   the largest one is added. LLM.int8 layers are emulated in the trace (they keep their input for backward).
+3. Optimizer state and resident gradients from `finetune.optim` (`optimizer_state_bytes`, `gradient_bytes`:
+   per preset, low-rank projections, 8-bit blocks, layer-wise), state present in every phase from step 2 on.
+   The optimizer phase holds weights + gradients + state + a per-parameter temporary.
+4. Chunked loss keeps `chunk_tokens(vocab)` tokens of logits instead of all; offload removes checkpointed inputs
+   (all but the last layer's) or, without checkpointing, every saved tensor >= offload_min_size of every
+   layer but the last.
+5. CUDA fixed costs (context, cuBLAS workspace, allocator rounding) are the constants below.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from finetune.optim import gradient_bytes, optimizer_state_bytes
+from finetune.plan.trace import Trace, param_table, trace_step
+from finetune.recipe.schema import AdapterConfig, OptimizerConfig
+
+# The chunked LM head + loss holds this many bytes of fp32 logits per chunk; same rule as
+# finetune.memory.chunked_loss.default_chunk_size (offload branch): 64 MiB, 64 to 8192 tokens.
+CHUNK_LOGITS_BYTES = 64 << 20
+
+
+def chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk of the chunked loss."""
+    return max(64, min(8192, CHUNK_LOGITS_BYTES // (4 * vocab_size)))
+
+# CUDA fixed costs. The context is outside torch's allocator, so it is added to the peak; the budget is
+# measured as free memory before the process creates its context. Values for CUDA 12 with lazy module
+# loading on Ampere/Ada/Hopper; cuBLAS keeps one 32 MiB workspace (Hopper) per stream/handle.
+CUDA_CONTEXT_BYTES = 500 * 2**20
+CUBLAS_WORKSPACE_BYTES = 32 * 2**20
+# The caching allocator rounds blocks (to 512 B, and large ones to 2 MiB segments) and fragments; reserved
+# memory runs this fraction above allocated memory in our CUDA runs of LoRA/QLoRA training steps.
+ALLOCATOR_OVERHEAD = 0.05
+# Temporaries of one optimizer update, in multiples of the largest trained parameter's bytes.
+_STEP_TEMPORARIES = {"adamw": 2, "adamw_8bit": 1, "paged_adamw_8bit": 1, "sgd": 1, "adafactor": 3,
+                     "apollo": 3, "apollo_mini": 3, "galore": 3, "galore_8bit": 3}
+NF4_BLOCK = 64
+DOUBLE_QUANT_BLOCK = 256
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One concrete configuration the planner can evaluate."""
+
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    activation_checkpointing: bool
+    checkpoint_every_n_layers: int
+    offload: str  # none | cpu | disk
+    chunked_loss: bool
+    bits: int | None
+    optimizer: str
+
+
+@dataclass
+class Prediction:
+    peak_bytes: int
+    breakdown: dict[str, int]
+    phase: str
+    offloaded_bytes: int = 0  # activation bytes moved off the device per micro-batch
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def quantized_weight_bytes(numel: int, out_features: int, bits: int | None, double_quant: bool,
+                           bytes_per_elem: int) -> int:
+    """Bytes of one frozen Linear weight under bitsandbytes quantization (None = unquantized)."""
+    if bits == 4:
+        blocks = math.ceil(numel / NF4_BLOCK)
+        scales = blocks + math.ceil(blocks / DOUBLE_QUANT_BLOCK) * 4 if double_quant else blocks * 4
+        return math.ceil(numel / 2) + scales
+    if bits == 8:
+        return numel + out_features * 4
+    return numel * bytes_per_elem
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the memory model needs to know about the model and the run besides `Settings`."""
+
+    config: Any
+    adapter: AdapterConfig
+    dtype: torch.dtype
+    attn: str
+    device: str  # cpu | cuda: the device trained on
+    seq_len: int
+    num_layers: int
+    hidden_size: int
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    double_quant: bool = True
+    offload_min_size: int = 1 << 20
+
+
+def _block(settings: Settings) -> int:
+    return settings.checkpoint_every_n_layers if settings.activation_checkpointing else 1
+
+
+def _layer_counts(spec: ModelSpec, settings: Settings) -> tuple[int, int]:
+    """Two and three blocks: the first layer (whose input needs no gradient under LoRA) and the last (next to
+    the head) are both present and distinct; a model that small is used whole."""
+    n = _block(settings)
+    return (2 * n, 3 * n) if 3 * n < spec.num_layers else (spec.num_layers, spec.num_layers)
+
+
+def _traces(spec: ModelSpec, settings: Settings) -> tuple[Trace, Trace]:
+    la, lb = _layer_counts(spec, settings)
+    every = settings.checkpoint_every_n_layers if settings.activation_checkpointing else 0
+    args = (spec.config, spec.adapter, spec.dtype, spec.attn, spec.device, 1, spec.seq_len)
+    int8 = settings.bits == 8
+    return trace_step(*args, la, every, int8), trace_step(*args, lb, every, int8)
+
+
+def _lerp(a: float, b: float, xa: int, xb: int, x: int) -> float:
+    return a if xa == xb else a + (b - a) * (x - xa) / (xb - xa)
+
+
+def _param_parts(spec: ModelSpec, settings: Settings) -> tuple[dict[str, float], int, int]:
+    """Weights, trained weights, optimizer state and resident gradients of the whole model (extrapolated from
+    two cut copies), the largest trained parameter's bytes and the largest quantized weight's elements."""
+    la, lb = _layer_counts(spec, settings)
+    parts = []
+    for layers in (la, lb):
+        params = param_table(spec.config, spec.adapter, spec.dtype, layers)
+        frozen = sum(quantized_weight_bytes(p.numel, p.out_features, settings.bits if p.quantizable else None,
+                                            spec.double_quant, p.bytes_per_elem) for p in params if not p.trainable)
+        trained = [(p.name, p.shape, p.dtype) for p in params if p.trainable]
+        opt = spec.optimizer.model_copy(update={"name": settings.optimizer})
+        parts.append({
+            "weights": frozen, "trainable_weights": sum(p.numel * p.bytes_per_elem for p in params if p.trainable),
+            "optimizer_state": optimizer_state_bytes(settings.optimizer, trained, opt),
+            "grads": gradient_bytes(trained, opt, settings.gradient_accumulation_steps)})
+    largest_trained = max((p.numel * p.bytes_per_elem for p in params if p.trainable), default=0)
+    largest_quant = max((p.numel for p in params if p.quantizable), default=0)
+    return {k: _lerp(parts[0][k], parts[1][k], la, lb, spec.num_layers) for k in parts[0]}, largest_trained, largest_quant
+
+
+def _fixed_costs(spec: ModelSpec, dynamic: float) -> float:
+    if spec.device != "cuda":
+        return 0.0
+    return CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + ALLOCATOR_OVERHEAD * dynamic
+
+
+def memory_floor(spec: ModelSpec, settings: Settings) -> int:
+    """A lower bound of the peak without tracing: weights, trained weights, optimizer state, fixed costs."""
+    params, _, _ = _param_parts(spec, settings)
+    params.pop("grads")
+    static = sum(params.values())
+    return int(static + _fixed_costs(spec, static))
+
+
+def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
+    """Peak bytes and breakdown of a training step (steady state: optimizer state already allocated)."""
+    ta, tb = _traces(spec, settings)
+    la, lb = _layer_counts(spec, settings)
+    L, mb = spec.num_layers, settings.micro_batch_size
+    params, largest_trained, largest_quant = _param_parts(spec, settings)
+    grads_total = params.pop("grads")
+    # 4-bit: backward dequantizes one weight at a time into the compute dtype (on CUDA forward too; on CPU
+    # the forward kernel is fused). 8-bit is emulated inside the trace.
+    dequant = largest_quant * torch.tensor([], dtype=spec.dtype).element_size() if settings.bits == 4 else 0
+
+    tokens = mb * spec.seq_len
+    vocab = spec.config.get_text_config().vocab_size
+    logits_keep = min(1.0, chunk_tokens(vocab) / tokens) if settings.chunked_loss else 1.0
+    hidden_bytes = tokens * spec.hidden_size * torch.tensor([], dtype=spec.dtype).element_size()
+    windows: dict[str, dict[str, float]] = {}
+    offloaded = 0.0
+    phases = [w for w in ("forward", "bwd_head", "bwd_top", "bwd_bottom") if w in ta.windows and w in tb.windows]
+    for name in phases:
+        wa, wb = ta.windows[name][1], tb.windows[name][1]
+        act = _lerp(wa["activations"], wb["activations"], la, lb, L) * mb
+        act_per_block = (wb["activations"] - wa["activations"]) * mb if lb != la else 0.0
+        logits = _lerp(wa["logits_and_loss"], wb["logits_and_loss"], la, lb, L) * mb * logits_keep
+        grads = _lerp(wa["gradients"], wb["gradients"], la, lb, L)
+        if spec.optimizer.layerwise:  # each gradient is consumed (and freed) as soon as it exists
+            grads = min(grads, grads_total)
+        elif settings.gradient_accumulation_steps > 1:
+            grads = max(grads, grads_total)
+        moved = 0.0
+        if settings.offload != "none" and name != "bwd_bottom":  # at the bottom they are all back or freed
+            if settings.activation_checkpointing:
+                n_ckpt = math.ceil(L / settings.checkpoint_every_n_layers)
+                moved = max(0, n_ckpt - 1) * hidden_bytes
+            elif hidden_bytes >= spec.offload_min_size:
+                moved = max(0.0, act_per_block * (L - 1))
+            moved = min(moved, act)
+            act -= moved
+            offloaded = max(offloaded, moved)
+        in_layers = name in ("bwd_top", "bwd_bottom") or (name == "forward" and spec.device == "cuda")
+        windows[name] = {**params, "gradients": grads, "activations": act, "logits_and_loss": logits,
+                         "other": dequant if in_layers else 0}
+    windows["optimizer"] = {**params, "gradients": grads_total, "activations": 0.0, "logits_and_loss": 0.0,
+                            "other": _STEP_TEMPORARIES.get(settings.optimizer, 2) * largest_trained}
+    for w in windows.values():
+        w["other"] += _fixed_costs(spec, sum(w.values()))
+    phase = max(windows, key=lambda k: sum(windows[k].values()))
+    breakdown = {k: int(round(v)) for k, v in windows[phase].items()}
+    return Prediction(peak_bytes=sum(breakdown.values()), breakdown=breakdown, phase=phase,
+                      offloaded_bytes=int(offloaded))

@@ -1,0 +1,194 @@
+"""Enumerate the `auto` settings of a recipe, drop what does not fit the budget, rank the rest by tokens/s."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from finetune.errors import FinetuneError
+from finetune.plan.cost_model import tokens_per_second
+from finetune.plan.memory_model import ModelSpec, Settings, memory_floor, predict_memory
+from finetune.plan.shapes import (
+    ModelShapes,
+    attn_implementation,
+    load_model_config,
+    model_shapes,
+    target_dtype,
+)
+from finetune.recipe.schema import Recipe, format_bytes
+
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+# Optimizers `auto` may pick, best first; the factor is a preference (update quality), not a speed.
+AUTO_OPTIMIZERS = {"adamw": 1.0, "adamw_8bit": 0.99, "apollo_mini": 0.95}
+
+
+@dataclass
+class Candidate:
+    settings: dict[str, Any]
+    peak_bytes: int
+    breakdown: dict[str, int]
+    tokens_per_s: float
+    reason: str | None = None
+
+
+@dataclass
+class Plan:
+    """The planner's answer: chosen settings, predicted peak and breakdown, budget, alternatives."""
+
+    device: str
+    settings: dict[str, Any]
+    peak_bytes: int
+    breakdown: dict[str, int]
+    budget_bytes: int
+    fits: bool
+    tokens_per_s: float
+    alternatives: list[Candidate] = field(default_factory=list)
+    rejected: list[Candidate] = field(default_factory=list)
+    min_budget_bytes: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def apply(self, recipe: Recipe) -> Recipe:
+        """A copy of `recipe` with every `auto` the planner decides replaced by the chosen value."""
+        s = self.settings
+        data = recipe.model_dump()
+        data["training"]["micro_batch_size"] = s["micro_batch_size"]
+        data["training"]["gradient_accumulation_steps"] = s["gradient_accumulation_steps"]
+        data["memory"]["activation_checkpointing"] = s["activation_checkpointing"]
+        data["memory"]["checkpoint_every_n_layers"] = s["checkpoint_every_n_layers"]
+        data["memory"]["offload"] = s["offload"]
+        data["memory"]["chunked_loss"] = s["chunked_loss"]
+        if data["memory"]["gpu_memory"] == "auto":
+            data["memory"]["gpu_memory"] = self.budget_bytes + recipe.memory.gpu_memory_margin
+        data["quantization"]["bits"] = s["bits"]
+        data["optimizer"]["name"] = s["optimizer"]
+        return Recipe.model_validate(data)
+
+
+def _free_memory(device: str) -> int:
+    if device == "cuda":
+        free, _total = torch.cuda.mem_get_info()
+        return free
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def _budget(recipe: Recipe, gpu_memory: int | str | None, device: str) -> int:
+    from finetune.recipe.schema import parse_bytes
+
+    value = gpu_memory if gpu_memory is not None else recipe.memory.gpu_memory
+    try:
+        value = parse_bytes(value)
+    except ValueError as exc:
+        raise FinetuneError(f"bad --gpu-memory {gpu_memory!r}: {exc}") from None
+    if value == "auto":
+        return _free_memory(device) - recipe.memory.gpu_memory_margin
+    return int(value) - recipe.memory.gpu_memory_margin
+
+
+def _choices(recipe: Recipe, spec: ModelSpec) -> list[Settings]:
+    t, m = recipe.training, recipe.memory
+    mbs = [b for b in MICRO_BATCHES if not t.effective_batch_size or b <= t.effective_batch_size] \
+        if t.micro_batch_size == "auto" else [t.micro_batch_size]
+    ckpts = [(False, 1), (True, 1)] if m.activation_checkpointing == "auto" else \
+        [(bool(m.activation_checkpointing), m.checkpoint_every_n_layers)]
+    offloads = ["none", "cpu", "disk"] if m.offload == "auto" else [m.offload]
+    chunked = [False, True] if m.chunked_loss == "auto" else [bool(m.chunked_loss)]
+    if recipe.quantization.bits == "auto":
+        bits = [None] if recipe.adapter.type == "full" else [None, 8, 4]
+    else:
+        bits = [recipe.quantization.bits]
+    opts = list(AUTO_OPTIMIZERS) if recipe.optimizer.name == "auto" else [recipe.optimizer.name]
+    out = []
+    for mb, (ck, every), off, ch, q, opt in itertools.product(mbs, ckpts, offloads, chunked, bits, opts):
+        if off != "none" and spec.num_layers < 2:
+            continue
+        if t.gradient_accumulation_steps == "auto":
+            accum = math.ceil(t.effective_batch_size / mb) if t.effective_batch_size else 1
+        else:
+            accum = t.gradient_accumulation_steps
+        out.append(Settings(mb, accum, ck, every, off, ch, q, opt))
+    return out
+
+
+def model_spec(recipe: Recipe, config: Any, device: str) -> ModelSpec:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return ModelSpec(
+        config=config, adapter=recipe.adapter, dtype=target_dtype(recipe, device),
+        attn=attn_implementation(recipe, config), device=device, seq_len=recipe.data.max_seq_len,
+        num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
+        optimizer=recipe.optimizer, double_quant=recipe.quantization.double_quant,
+        offload_min_size=recipe.memory.offload_min_size)
+
+
+def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, host_ram: int | None = None) -> Candidate:
+    """Predict memory and speed of one configuration."""
+    pred = predict_memory(spec, settings)
+    params = shapes.total
+    quantized = shapes.num_layers * shapes.layer_linear if settings.bits else 0
+    tps = tokens_per_second(
+        settings, device=spec.device, params=params, trainable_full=spec.adapter.type == "full",
+        num_layers=spec.num_layers, hidden=spec.hidden_size, seq_len=spec.seq_len, quantized_params=quantized,
+        offloaded_bytes=pred.offloaded_bytes, dtype_bytes=torch.tensor([], dtype=spec.dtype).element_size())
+    cand = Candidate(asdict(settings), pred.peak_bytes, pred.breakdown, tps)
+    if settings.offload == "cpu" and host_ram is not None and pred.offloaded_bytes > host_ram:
+        cand.reason = f"cpu offload needs {format_bytes(pred.offloaded_bytes)} of RAM, {format_bytes(host_ram)} free"
+    return cand
+
+
+def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str | None = None,
+            device: str | None = None) -> Plan:
+    """Plan a run without loading weights: resolve `auto` settings to the fastest configuration that fits."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() or gpu_memory not in (None, "auto") else "cpu"
+    config = model_config or load_model_config(recipe.model.path, recipe.model.trust_remote_code)
+    spec = model_spec(recipe, config, device)
+    budget = _budget(recipe, gpu_memory, "cuda" if torch.cuda.is_available() and device == "cuda" else "cpu")
+    host_ram = _free_memory("cpu") if device == "cuda" else None
+    shapes = model_shapes(config)
+    # Cheap lower bounds first: a configuration whose weights and optimizer state alone exceed the budget is
+    # rejected without tracing its activations.
+    floors = sorted(((memory_floor(spec, st), i, st) for i, st in enumerate(_choices(recipe, spec))),
+                    key=lambda x: (x[0], x[1]))
+    candidates, pruned = [], []
+    for floor, _, st in floors:
+        if floor > budget:
+            pruned.append((floor, st))
+        else:
+            candidates.append(evaluate(spec, shapes, st, host_ram))
+    for c in candidates:
+        if c.reason is None and c.peak_bytes > budget:
+            c.reason = f"needs {format_bytes(c.peak_bytes)}, budget {format_bytes(budget)}"
+    ok = sorted((c for c in candidates if c.reason is None), key=lambda c: -_score(c))
+    leanest = min(candidates, key=lambda c: c.peak_bytes, default=None)
+    while not ok and pruned and (leanest is None or pruned[0][0] < leanest.peak_bytes):
+        # Nothing fits: find the leanest configuration (branch and bound on the lower bounds).
+        _floor, st = pruned.pop(0)
+        cand = evaluate(spec, shapes, st, host_ram)
+        cand.reason = cand.reason or f"needs {format_bytes(cand.peak_bytes)}, budget {format_bytes(budget)}"
+        candidates.append(cand)
+        leanest = cand if leanest is None or cand.peak_bytes < leanest.peak_bytes else leanest
+    rejected = sorted((c for c in candidates if c.reason is not None), key=lambda c: c.peak_bytes)
+    rejected += [Candidate(asdict(st), floor, {}, 0.0, f"needs at least {format_bytes(floor)}, budget "
+                           f"{format_bytes(budget)}") for floor, st in pruned]
+    if ok:
+        best = ok[0]
+        return Plan(device, best.settings, best.peak_bytes, best.breakdown, budget, True, best.tokens_per_s,
+                    alternatives=ok[1:4], rejected=rejected)
+    return Plan(device, leanest.settings, leanest.peak_bytes, leanest.breakdown, budget, False,
+                leanest.tokens_per_s, rejected=rejected,
+                min_budget_bytes=leanest.peak_bytes + recipe.memory.gpu_memory_margin)
+
+
+def _score(c: Candidate) -> float:
+    return c.tokens_per_s * AUTO_OPTIMIZERS.get(c.settings["optimizer"], 1.0)

@@ -1,0 +1,206 @@
+"""Count a training step's memory on the `meta` device: exact tensor sizes, no memory, no weights.
+
+Why: activation memory depends on every detail of an architecture's forward (GQA handled by the kernel or by
+repeating K/V, rotary tables, dropout masks, soft-capping, fused projections, the attention kernel's saved
+log-sum-exp, upcasts in norms and in the loss). Writing that as a formula per family drifts with every
+transformers release. Running the same training step as `finetune measure` on meta tensors, under the same
+tracker, gives the byte count of every saved tensor in ~0.1 s. We run it on copies with 1-2 repeating
+blocks of layers and two micro-batch sizes and extrapolate linearly (activations are linear in micro-batch
+and in the number of layers), see `memory_model.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from finetune.memory.measure import enable_checkpointing, training_step
+from finetune.memory.tracker import MemoryTracker
+from finetune.model.adapter import apply_adapter
+from finetune.plan.shapes import with_layers
+from finetune.recipe.schema import AdapterConfig
+
+
+@contextlib.contextmanager
+def _meta_kernels(device: str) -> Iterator[None]:
+    """On meta, torch picks the math SDPA (which stores s x s probabilities); use the fused kernel's shapes.
+
+    The fused CPU kernel saves what CUDA's flash/efficient kernels save (q, k, v, output, log-sum-exp). Also
+    skip transformers' packed-sequence check, which reads position_ids values (plain batches are not packed).
+    """
+    import transformers.masking_utils as masking
+
+    original_sdpa = torch.nn.functional.scaled_dot_product_attention
+    original_packed = masking.find_packed_sequence_indices
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if q.device.type != "meta":
+            return original_sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                 scale=scale, enable_gqa=enable_gqa)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+    torch.nn.functional.scaled_dot_product_attention = sdpa
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original_sdpa
+        masking.find_packed_sequence_indices = original_packed
+
+
+class _Int8LikeLinear(torch.autograd.Function):
+    """What bitsandbytes' 8-bit matmul holds: the input kept for backward (even for a frozen weight) and a
+    dequantized copy of the weight while it multiplies, in forward and again in backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.x = x
+        ctx.save_for_backward(weight)
+        return torch.nn.functional.linear(x, weight.clone())
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        return grad @ weight.clone(), None
+
+
+def _int8_forward(module: torch.nn.Linear):
+    def forward(x):
+        out = _Int8LikeLinear.apply(x, module.weight)
+        return out if module.bias is None else out + module.bias
+    return forward
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter of the traced model: how the memory model prices it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    numel: int
+    out_features: int
+    bytes_per_elem: int
+    trainable: bool
+    quantizable: bool  # a decoder-layer Linear weight that bitsandbytes would quantize
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Window peaks (total, breakdown) of one traced step."""
+
+    windows: dict[str, tuple[int, dict[str, int]]]
+
+
+def _quantizable(name: str, module: torch.nn.Module) -> bool:
+    """Decoder-layer Linear layers that bitsandbytes replaces (not adapters, not the LM head)."""
+    return (isinstance(module, torch.nn.Linear) and ".layers." in f".{name}." and "lora_" not in name
+            and not module.weight.requires_grad)
+
+
+def _param_infos(model: torch.nn.Module) -> tuple[ParamInfo, ...]:
+    infos = []
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            quantizable = pname == "weight" and _quantizable(name, module)
+            out = p.shape[0] if p.dim() == 2 else p.numel()
+            infos.append(ParamInfo(f"{name}.{pname}".lstrip("."), tuple(p.shape), p.dtype, p.numel(), out,
+                                   p.element_size(), p.requires_grad, quantizable))
+    return tuple(infos)
+
+
+def _layer_windows(model: torch.nn.Module, tracker: MemoryTracker) -> list:
+    """Split the backward window at decoder-layer boundaries: bwd_head (LM head and loss), bwd_top (last
+    layer), bwd_mid, bwd_bottom (first layer and embeddings). The peak moves from the top to the bottom as
+    activations are freed and gradients appear; each end extrapolates linearly with the layer count."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    names = ["bwd_bottom", *["bwd_mid"] * (len(layers) - 2), "bwd_top"] if len(layers) > 1 else ["bwd_top"]
+
+    def hook_for(name: str):
+        def forward_hook(_module, _args, output):
+            out = output[0] if isinstance(output, tuple) else output
+            if torch.is_grad_enabled() and out.requires_grad and tracker._window == "forward":
+                out.register_hook(lambda grad: tracker.switch_window(name))
+        return forward_hook
+
+    return [layer.register_forward_hook(hook_for(name)) for layer, name in zip(layers, names, strict=True)]
+
+
+def _meta_model(config_json: str, model_type: str, adapter_json: str, dtype: str, attn: str, layers: int,
+                checkpointing: bool) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **json.loads(config_json))
+    config = with_layers(config, layers)
+    config._attn_implementation = attn
+    adapter = AdapterConfig.model_validate_json(adapter_json)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+        return apply_adapter(model, adapter, checkpointing=checkpointing)
+
+
+@functools.lru_cache(maxsize=512)
+def _params_cached(config_json: str, model_type: str, adapter_json: str, dtype: str, layers: int):
+    return _param_infos(_meta_model(config_json, model_type, adapter_json, dtype, "eager", layers, False))
+
+
+@functools.lru_cache(maxsize=512)
+def _trace_cached(config_json: str, model_type: str, adapter_json: str, dtype: str, attn: str, device: str,
+                  micro_batch: int, seq_len: int, layers: int, checkpoint_every: int, int8: bool) -> Trace:
+    model = _meta_model(config_json, model_type, adapter_json, dtype, attn, layers, checkpoint_every > 0)
+    config = model.config
+    ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
+    if int8:
+        for name, module in model.named_modules():
+            if _quantizable(name, module):
+                module.forward = _int8_forward(module)
+    enable_checkpointing(model, checkpoint_every > 0, max(checkpoint_every, 1))
+    model.train()
+    tracker = MemoryTracker(vocab_size=config.get_text_config().vocab_size)
+    tracker.register_model(model)
+    handles = _layer_windows(model, tracker)
+    try:
+        with _meta_kernels(device), tracker:
+            training_step(model, {"input_ids": ids, "labels": ids}, None, 1, tracker, backward_window="bwd_head")
+    finally:
+        tracker.remove_hooks()
+        for handle in handles:
+            handle.remove()
+    return Trace(windows=dict(tracker.windows))
+
+
+def _key(config: Any, adapter: AdapterConfig, dtype: torch.dtype) -> tuple[str, str, str, str]:
+    data = config.to_dict()
+    model_type = data.pop("model_type")
+    for key in ("transformers_version", "architectures", "_name_or_path"):
+        data.pop(key, None)
+    return (json.dumps(data, sort_keys=True, default=str), model_type, adapter.model_dump_json(),
+            str(dtype).removeprefix("torch."))
+
+
+def trace_step(config: Any, adapter: AdapterConfig, dtype: torch.dtype, attn: str, device: str, micro_batch: int,
+               seq_len: int, layers: int, checkpoint_every: int, int8: bool = False) -> Trace:
+    """Trace one forward+backward of `config` cut to `layers` layers (checkpoint_every 0 = no checkpointing).
+
+    int8: frozen decoder Linear layers behave like bitsandbytes LLM.int8 layers (see `_Int8LikeLinear`).
+    """
+    return _trace_cached(*_key(config, adapter, dtype), attn, device, micro_batch, seq_len, layers,
+                         checkpoint_every, int8)
+
+
+def param_table(config: Any, adapter: AdapterConfig, dtype: torch.dtype, layers: int) -> tuple[ParamInfo, ...]:
+    """The parameters of `config` cut to `layers` layers, adapter applied (no forward: milliseconds)."""
+    return _params_cached(*_key(config, adapter, dtype), layers)

@@ -1,0 +1,40 @@
+"""Plots people would rather see than read: the loss and learning-rate curves of a run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from finetune.train.rundir import read_jsonl
+
+
+def plot_loss_curve(metrics_path: Path, out_path: Path) -> Path | None:
+    """Write loss (and eval loss) against step, with the learning rate on a second axis; None if no data."""
+    rows = read_jsonl(metrics_path)
+    train = [r for r in rows if "loss" in r]
+    if not train:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", color="tab:blue")
+    evals = [r for r in rows if "eval_loss" in r]
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss", color="tab:orange")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    lr_ax = ax.twinx()
+    lr_ax.plot([r["step"] for r in train], [r.get("learning_rate") or 0 for r in train], color="tab:gray",
+               alpha=0.5, linestyle="--", label="learning rate")
+    lr_ax.set_ylabel("learning rate")
+    lines = ax.get_legend_handles_labels()[0] + lr_ax.get_legend_handles_labels()[0]
+    ax.legend(lines, [line.get_label() for line in lines], loc="upper right")
+    ax.set_title(metrics_path.parent.name)
+    fig.tight_layout()
+    tmp = out_path.with_name(f".{out_path.name}.tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    tmp.replace(out_path)
+    return out_path

@@ -1,0 +1,99 @@
+"""Predicted peak (meta-device plan) vs measured peak (tracker on real CPU training steps)."""
+
+from __future__ import annotations
+
+import pytest
+
+from finetune.memory.measure import measure
+from finetune.plan.memory_model import Settings, predict_memory
+from finetune.plan.search import model_spec
+from finetune.plan.shapes import load_model_config
+from finetune.recipe.schema import Recipe
+
+DIMS = {"hidden_size": 128, "intermediate_size": 320, "num_hidden_layers": 4}
+
+# arch, seq, micro-batch, adapter, r, checkpointing, every_n, bits, optimizer (sgd with momentum 0.9)
+MATRIX = [
+    ("llama", 64, 1, "lora", 4, False, 1, None, "adamw"),
+    ("llama", 256, 2, "lora", 8, False, 1, None, "adamw"),
+    ("llama", 128, 1, "full", 8, False, 1, None, "adamw"),
+    ("llama", 128, 4, "full", 8, True, 1, None, "sgd"),
+    ("llama", 512, 1, "lora", 64, True, 1, 4, "adamw"),
+    ("llama", 1024, 1, "lora", 8, True, 2, 4, "adamw"),
+    ("llama", 128, 8, "lora", 16, True, 2, None, "adamw_8bit"),
+    ("llama", 256, 2, "lora", 16, False, 1, 4, "sgd"),
+    ("llama", 128, 2, "lora", 8, False, 1, 8, "adamw"),
+    ("qwen2", 64, 1, "lora", 4, False, 1, None, "adamw"),
+    ("qwen2", 256, 2, "lora", 16, True, 1, None, "sgd"),
+    ("qwen2", 128, 4, "full", 8, False, 1, None, "adamw"),
+    ("qwen2", 512, 1, "lora", 32, True, 2, 4, "adamw"),
+    ("qwen2", 128, 8, "lora", 8, False, 1, 4, "adamw_8bit"),
+    ("qwen2", 256, 1, "full", 8, True, 2, None, "adafactor"),
+    ("mistral", 512, 1, "lora", 8, True, 2, 4, "adamw"),
+    ("mistral", 128, 2, "lora", 4, False, 1, None, "adamw"),
+    ("mistral", 256, 4, "full", 8, True, 1, None, "adamw"),
+    ("mistral", 64, 8, "lora", 64, False, 1, None, "sgd"),
+    ("mistral", 1024, 1, "lora", 16, True, 1, None, "adamw_8bit"),
+    ("gemma2", 128, 2, "lora", 8, False, 1, None, "adamw"),
+    ("gemma2", 256, 1, "lora", 16, True, 1, 4, "adamw"),
+    ("gemma2", 64, 4, "full", 8, False, 1, None, "sgd"),
+    ("gemma2", 512, 1, "lora", 8, True, 2, None, "adamw"),
+    ("gemma2", 128, 8, "lora", 32, True, 1, None, "adamw_8bit"),
+    ("phi3", 256, 4, "lora", 32, False, 1, 4, "adamw_8bit"),
+    ("phi3", 128, 1, "lora", 8, False, 1, None, "adamw"),
+    ("phi3", 128, 2, "full", 8, True, 1, None, "adamw"),
+    ("phi3", 512, 2, "lora", 16, True, 2, None, "sgd"),
+    ("phi3", 1024, 1, "lora", 4, True, 1, 4, "adamw"),
+    ("qwen2", 256, 2, "lora", 8, False, 1, 8, "sgd"),
+    ("mistral", 128, 1, "full", 8, True, 2, None, "adamw_8bit"),
+    ("llama", 128, 2, "full", 8, False, 1, None, "apollo"),
+    ("qwen2", 128, 1, "full", 8, True, 1, None, "apollo_mini"),
+    ("mistral", 128, 1, "full", 8, False, 1, None, "galore"),
+    ("phi3", 128, 2, "lora", 16, False, 1, 4, "paged_adamw_8bit"),
+]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    from finetune.testing import make_tiny_model_dir
+
+    dirs = {}
+    for arch in sorted({row[0] for row in MATRIX}):
+        extra = {"head_dim": 32} if arch == "gemma2" else {}
+        dirs[arch] = make_tiny_model_dir(tmp_path_factory.mktemp(arch), arch, **DIMS, **extra)
+    return dirs
+
+
+def _recipe(arch, path, seq, mb, adapter, r, ckpt, every, bits, opt) -> Recipe:
+    attn = "eager" if arch == "gemma2" else "auto"  # transformers runs Gemma-2 with eager attention only
+    return Recipe.model_validate({
+        "model": {"path": str(path), "attn_implementation": attn}, "data": {"path": "unused.jsonl", "max_seq_len": seq},
+        "adapter": {"type": adapter, "r": r}, "quantization": {"bits": bits},
+        "training": {"micro_batch_size": mb},
+        "memory": {"activation_checkpointing": ckpt, "checkpoint_every_n_layers": every},
+        "optimizer": {"name": opt, "momentum": 0.9 if opt == "sgd" else 0.0}})
+
+
+def test_predicted_peak_matches_measured(model_dirs):
+    _check(model_dirs, MATRIX)
+    assert len(MATRIX) >= 30
+
+
+def _check(model_dirs, matrix):
+    rows, failures = [], []
+    for arch, seq, mb, adapter, r, ckpt, every, bits, opt in matrix:
+        recipe = _recipe(arch, model_dirs[arch], seq, mb, adapter, r, ckpt, every, bits, opt)
+        measured = measure(recipe, steps=2)
+        spec = model_spec(recipe, load_model_config(recipe.model.path), "cpu")
+        pred = predict_memory(spec, Settings(mb, 1, ckpt, every, "none", False, bits, opt))
+        err = pred.peak_bytes / measured["peak_bytes"] - 1
+        name = f"{arch} s={seq} mb={mb} {adapter} r={r} ckpt={ckpt}/{every} bits={bits} {opt}"
+        rows.append(f"{name:60s} measured={measured['peak_bytes']:>10d} predicted={pred.peak_bytes:>10d} {err:+.1%}")
+        bad = [] if abs(err) <= 0.05 else ["total"]
+        for key, value in measured["breakdown"].items():
+            if value > 0.05 * measured["peak_bytes"] and abs(pred.breakdown[key] / value - 1) > 0.10:
+                bad.append(f"{key} {value} vs {pred.breakdown[key]}")
+        if bad:
+            failures.append(f"{name}: {', '.join(bad)}")
+    print("\n".join(rows))
+    assert not failures, "\n".join(failures + ["", *rows])

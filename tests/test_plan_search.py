@@ -1,0 +1,126 @@
+"""The planner chooses settings that fit a budget, says when nothing fits, and is fast on real configs."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from finetune.memory.measure import measure
+from finetune.plan import Plan, plot_breakdown, predict
+from finetune.recipe.schema import Recipe
+
+CONFIGS = Path(__file__).parent / "fixtures" / "configs"
+AUTO = {"training": {"micro_batch_size": "auto"},
+        "memory": {"activation_checkpointing": "auto", "chunked_loss": "auto", "gpu_memory_margin": 0}}
+
+
+def _recipe(path, seq=256, **sections) -> Recipe:
+    data = {"model": {"path": str(path)}, "data": {"path": "unused.jsonl", "max_seq_len": seq},
+            "quantization": {"bits": None}, **AUTO}
+    for key, value in sections.items():
+        data[key] = {**data.get(key, {}), **value}
+    return Recipe.model_validate(data)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from finetune.testing import make_tiny_model_dir
+
+    return make_tiny_model_dir(tmp_path_factory.mktemp("m"), "llama", hidden_size=128, intermediate_size=320,
+                               num_hidden_layers=4)
+
+
+@pytest.mark.parametrize("budget", [12 * 2**20, 20 * 2**20, 40 * 2**20])
+def test_measured_peak_stays_under_budget(tiny_dir, budget):
+    recipe = _recipe(tiny_dir)
+    plan = predict(recipe, gpu_memory=budget, device="cpu")
+    assert plan.fits and plan.peak_bytes <= budget
+    chosen = plan.apply(recipe)
+    assert chosen.training.micro_batch_size == plan.settings["micro_batch_size"]
+    measured = measure(chosen, steps=2)
+    assert measured["peak_bytes"] <= budget
+    # a bigger budget never buys a smaller micro-batch
+    assert plan.settings["micro_batch_size"] >= 1
+
+
+def test_bigger_budget_allows_bigger_micro_batch(tiny_dir):
+    small = predict(_recipe(tiny_dir), gpu_memory=12 * 2**20, device="cpu")
+    large = predict(_recipe(tiny_dir), gpu_memory=200 * 2**20, device="cpu")
+    assert large.settings["micro_batch_size"] > small.settings["micro_batch_size"]
+
+
+def test_impossible_budget_reports_smallest_budget(tiny_dir, tmp_path):
+    plan = predict(_recipe(tiny_dir), gpu_memory=2 * 2**20, device="cpu")
+    assert not plan.fits
+    assert plan.min_budget_bytes == min(c.peak_bytes for c in plan.rejected)
+    assert all("budget" in c.reason for c in plan.rejected)
+    again = predict(_recipe(tiny_dir), gpu_memory=plan.min_budget_bytes, device="cpu")
+    assert again.fits
+    plot_breakdown(plan, tmp_path / "plan.png")
+    assert (tmp_path / "plan.png").stat().st_size > 0
+    assert '"fits": false' in plan.to_json()
+
+
+def test_effective_batch_kept_through_accumulation(tiny_dir):
+    recipe = _recipe(tiny_dir, training={"micro_batch_size": "auto", "gradient_accumulation_steps": "auto",
+                                         "effective_batch_size": 8})
+    plan = predict(recipe, gpu_memory=14 * 2**20, device="cpu")
+    s = plan.settings
+    assert s["micro_batch_size"] * s["gradient_accumulation_steps"] >= 8
+    assert s["micro_batch_size"] <= 8
+
+
+def _warm_imports(config_name: str) -> None:
+    """Import the architecture's modeling code once (a one-time cost per process, not part of a plan)."""
+    from finetune.plan.shapes import load_model_config, model_shapes
+
+    model_shapes(load_model_config(str(CONFIGS / f"{config_name}.json")))
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b", "llama-3.1-8b", "qwen2.5-7b", "mistral-7b-v0.3", "gemma-2-9b"])
+def test_published_configs_plan_fast(name):
+    predict(_recipe(CONFIGS / "qwen2.5-0.5b.json", seq=2048), gpu_memory="8GiB")  # warm peft/trace code
+    _warm_imports(name)
+    recipe = _recipe(CONFIGS / f"{name}.json", seq=2048, quantization={"bits": "auto"},
+                     memory={"offload": "auto", "gpu_memory_margin": 512 * 2**20})
+    plans: list[Plan] = []
+    for gib in (8, 12, 16, 24):
+        start = time.perf_counter()
+        plans.append(predict(recipe, gpu_memory=f"{gib}GiB"))
+        assert time.perf_counter() - start < 2.0, f"{name} {gib} GiB too slow"
+    assert all(p.device == "cuda" for p in plans)
+    budgets = [p.budget_bytes for p in plans]
+    assert budgets == sorted(budgets)
+    assert any(p.fits for p in plans)
+
+
+def test_70b_config_under_two_seconds():
+    predict(_recipe(CONFIGS / "qwen2.5-0.5b.json", seq=2048), gpu_memory="8GiB")  # warm peft/trace code
+    recipe = _recipe(CONFIGS / "llama-3.1-70b.json", seq=2048, quantization={"bits": 4},
+                     training={"micro_batch_size": 1}, memory={"activation_checkpointing": True})
+    start = time.perf_counter()
+    plan = predict(recipe, gpu_memory="48GiB")
+    assert time.perf_counter() - start < 2.0
+    assert 35 * 2**30 < plan.breakdown["weights"] < 45 * 2**30  # 70B in NF4 ~ 0.53 B/param + bf16 embeddings
+
+
+def test_plan_and_measure_commands_print_json(tiny_dir, capsys):
+    import json
+
+    from finetune.memory.measure import measure_command
+    from finetune.plan import plan_command
+
+    recipe = _recipe(tiny_dir, seq=64)
+    assert plan_command(recipe, "64MiB", as_json=True, device="cpu") == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] and plan["budget_bytes"] == 64 * 2**20
+    assert set(plan["breakdown"]) == {"weights", "trainable_weights", "gradients", "optimizer_state",
+                                      "activations", "logits_and_loss", "other"}
+    assert plan_command(recipe, "1MiB", as_json=False, device="cpu") == 1
+    assert "Smallest budget that works" in capsys.readouterr().out
+    chosen = predict(recipe, gpu_memory="64MiB", device="cpu").apply(recipe)
+    assert measure_command(chosen, steps=1, as_json=True) == 0
+    measured = json.loads(capsys.readouterr().out)
+    assert measured["device"] == "cpu" and measured["peak_bytes"] == sum(measured["breakdown"].values())

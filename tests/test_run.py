@@ -1,0 +1,176 @@
+"""End to end through the real pipeline: overfitting, stop + resume, the CLI and the run directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from finetune.cli import main
+from finetune.recipe import validate_recipe
+from finetune.train.run import run
+from finetune.train.rundir import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = {"messages": [{"role": "user", "content": "What is the capital of France?"},
+                        {"role": "assistant", "content": "The capital of France is Paris."}]}
+
+
+def _data(tmp_path: Path, n: int = 8, varied: bool = False) -> Path:
+    path = tmp_path / "data.jsonl"
+    rows = []
+    for i in range(n):
+        row = json.loads(json.dumps(EXAMPLE))
+        if varied:
+            row["messages"][0]["content"] += f" ({i})"
+            row["messages"][1]["content"] += " " + "fox " * (i % 4)
+        rows.append(json.dumps(row))
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def _recipe_dict(tmp_path: Path, model_dir: Path, **sections) -> dict:
+    recipe = {
+        "model": {"path": str(model_dir)},
+        "quantization": {"bits": None},
+        "adapter": {"type": "lora", "r": 8, "alpha": 16, "dropout": 0.0},
+        "data": {"path": str(_data(tmp_path)), "max_seq_len": 64},
+        "training": {"max_steps": 30, "micro_batch_size": 2, "learning_rate": 1e-2, "warmup_ratio": 0.0},
+        "memory": {"activation_checkpointing": True},
+        "output": {"dir": str(tmp_path / "run"), "save_steps": 100},
+    }
+    for section, values in sections.items():
+        recipe[section] = {**recipe.get(section, {}), **values}
+    return recipe
+
+
+@pytest.mark.parametrize("variant", [
+    pytest.param({}, id="lora"),
+    pytest.param({"quantization": {"bits": 4}}, id="qlora"),
+    pytest.param({"adapter": {"type": "full"}, "training": {"learning_rate": 2e-3}}, id="full"),
+])
+def test_overfits_one_repeated_example(tmp_path, tiny_model_dir, variant):
+    result = run(validate_recipe(_recipe_dict(tmp_path, tiny_model_dir, **variant)))
+    losses = [r["loss"] for r in read_jsonl(result.run_dir / "metrics.jsonl") if "loss" in r]
+    assert result.state == "completed" and len(losses) == 30
+    assert losses[0] > 3.0, f"a random model should start near ln(vocab); got {losses[0]}"
+    assert losses[-1] < 0.3, f"did not overfit: {losses[0]:.3f} -> {losses[-1]:.3f}"
+
+
+def _cli(args: list[str], **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "finetune", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def _write_recipe(tmp_path: Path, data: dict, name: str) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_ctrl_c_saves_and_resume_matches_uninterrupted(tmp_path, tiny_model_dir):
+    base = _recipe_dict(tmp_path, tiny_model_dir, data={"path": str(_data(tmp_path, 16, varied=True))},
+                        training={"max_steps": 16, "learning_rate": 3e-3}, adapter={"dropout": 0.1},
+                        output={"save_steps": 50})
+    straight = run(validate_recipe({**base, "output": {"dir": str(tmp_path / "straight"), "save_steps": 50}}))
+    reference = {r["step"]: r["loss"] for r in read_jsonl(straight.run_dir / "metrics.jsonl") if "loss" in r}
+
+    recipe_path = _write_recipe(tmp_path, {**base, "output": {"dir": str(tmp_path / "stopped"), "save_steps": 50}},
+                                "stopped")
+    proc = _cli(["run", str(recipe_path)])
+    metrics = tmp_path / "stopped" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not any(r.get("step", 0) >= 3 for r in read_jsonl(metrics)):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 130, err
+    assert "--resume" in err and "Traceback" not in err
+    status = json.loads((tmp_path / "stopped" / "status.json").read_text())
+    assert status["state"] == "stopped"
+    stopped_at = status["step"]
+    assert 3 <= stopped_at < 16
+    assert (tmp_path / "stopped" / "checkpoints" / f"checkpoint-{stopped_at}").is_dir()
+
+    assert main(["run", str(recipe_path), "--resume"]) == 0
+    resumed = {r["step"]: r["loss"] for r in read_jsonl(metrics) if "loss" in r}
+    assert sorted(resumed) == list(range(1, 17)), "each step logged exactly once"
+    for step in range(stopped_at + 1, 17):
+        assert resumed[step] == pytest.approx(reference[step], rel=1e-5), f"step {step}"
+
+
+def test_cli_run_directory_generate_and_export(tmp_path, tiny_model_dir):
+    recipe_path = _write_recipe(tmp_path, _recipe_dict(
+        tmp_path, tiny_model_dir, training={"max_steps": 4}, data={"validation_split": 0.25},
+        output={"save_steps": 2, "save_total_limit": 1}), "smoke")
+    proc = _cli(["run", str(recipe_path)])
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    run_dir = tmp_path / "run"
+    for name in ("recipe.yaml", "metrics.jsonl", "env.json", "status.json", "results.json", "train.log",
+                 "adapter/adapter_config.json", "adapter/adapter_model.safetensors", "adapter/tokenizer.json",
+                 "loss.png"):
+        assert (run_dir / name).is_file(), name
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["checkpoint-4"]  # keep the last K=1
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == [1, 2, 3, 4]
+    for key in ("loss", "learning_rate", "grad_norm", "tokens_per_second", "peak_memory_bytes"):
+        assert all(isinstance(r[key], (int, float)) for r in train_rows), key
+    assert any("eval_loss" in r for r in rows)
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "completed"
+    assert yaml.safe_load((run_dir / "recipe.yaml").read_text())["training"]["max_steps"] == 4
+
+    proc = _cli(["generate", str(run_dir), "--prompt", "What is the capital of France?", "--compare",
+                 "--max-new-tokens", "8"])
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert "base model:" in out and "fine-tuned:" in out
+
+    # Exported merged weights reproduce base + adapter.
+    from transformers import AutoModelForCausalLM
+
+    from finetune.model.trained import load_trained
+
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "merged")]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    peft_model, _ = load_trained(run_dir)
+    ids = torch.randint(4, 400, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, peft_model(input_ids=ids).logits,
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_existing_run_dir_needs_resume_or_overwrite(tmp_path, tiny_model_dir, capsys):
+    recipe_path = _write_recipe(tmp_path, _recipe_dict(tmp_path, tiny_model_dir, training={"max_steps": 1}), "r")
+    assert main(["run", str(recipe_path), "--resume"]) == 1
+    assert "no checkpoint" in capsys.readouterr().err
+    assert main(["run", str(recipe_path)]) == 0
+    assert main(["run", str(recipe_path)]) == 1
+    assert "already holds a run" in capsys.readouterr().err
+    assert main(["run", str(recipe_path), "--overwrite"]) == 0
+
+
+@pytest.mark.parametrize("optimizer", [
+    pytest.param({"name": "apollo_mini", "layerwise": True}, id="apollo_mini-layerwise"),
+    pytest.param({"name": "galore", "rank": 4}, id="galore"),
+    pytest.param({"name": "adamw_8bit"}, id="adamw_8bit"),
+])
+def test_recipe_optimizers_train_through_the_pipeline(tmp_path, tiny_model_dir, optimizer):
+    """The recipe's optimizer section reaches the Trainer: loss falls and a real grad norm is logged."""
+    recipe = _recipe_dict(tmp_path, tiny_model_dir, optimizer=optimizer,
+                          training={"max_steps": 12, "gradient_accumulation_steps": 2})
+    result = run(validate_recipe(recipe))
+    rows = [r for r in read_jsonl(result.run_dir / "metrics.jsonl") if "loss" in r]
+    assert all(r["grad_norm"] > 0 for r in rows)
+    assert rows[-1]["loss"] < 0.7 * rows[0]["loss"]
