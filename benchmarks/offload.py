@@ -5,7 +5,8 @@ same batch for every configuration: checkpointing alone, + CPU offload, + disk o
 same without checkpointing, where far more bytes move. Two synchronous disk offloads to compare the disk
 tier with: "naive hooks" is the plain saved_tensors_hooks one writes first (torch.save every saved tensor
 of at least offload_min_size in pack, torch.load it in unpack, on the compute thread); "sync, same tensors"
-plugs synchronous raw I/O into our hooks, so only the overlap differs.
+plugs synchronous raw I/O into our hooks, so only the overlap differs. On a CPU-only machine the cpu tier
+keeps tensors where they are (RAM is the training device's memory): its row measures the hooks' overhead.
 
 Timing: configurations run round-robin in this process (best of the rounds, so load on the shared machine
 hits all of them alike). Peak memory: on CUDA `max_memory_allocated`; on CPU a child process measures each
@@ -245,7 +246,7 @@ def main() -> int:
             if round_:
                 times[name].append(time.perf_counter() - start)
     steps = args.rounds + 1
-    moved = {name: off.stats["offloaded_bytes"] / steps / 2**20 for name, off in offloads.items()
+    moved = {name: f"{off.stats['offloaded_bytes'] / steps / 2**20:.1f}" for name, off in offloads.items()
              if isinstance(off, ActivationOffload)}
     close(offloads)
     peaks = measure_peaks(args)
@@ -257,12 +258,12 @@ def main() -> int:
           f" {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; LoRA r=16 on Llama hidden 256 x 4 layers,"
           f" vocab 32000, micro-batch 1 x {args.seq} tokens, offload_min_size {MIN_SIZE >> 10} KiB")
     print("# tokens/s: best of the rounds; peak MiB: above the memory live before the step; "
-          "offloaded: by our hooks per step")
+          "offloaded MiB: per step, by our hooks")
     print(f"{'configuration':<30}{'tokens/s':>10}{'vs ref':>8}{'peak MiB':>10}{'vs ref':>8}{'offloaded MiB':>15}")
     for name in CONFIGS:
         ref = "no ckpt" if name.startswith("no ckpt") else "ckpt"
         print(f"{name:<30}{speed[name]:>10.0f}{speed[name] / speed[ref]:>7.2f}x"
-              f"{peaks[name]:>10.1f}{peaks[name] / peaks[ref]:>7.2f}x{moved.get(name, 0):>15.1f}")
+              f"{peaks[name]:>10.1f}{peaks[name] / peaks[ref]:>7.2f}x{moved.get(name, '-'):>15}")
     ok = True
     for mode in ("ckpt", "no ckpt"):
         ratio = speed[f"{mode} + disk offload"] / speed[f"{mode} + naive hooks"]
