@@ -12,6 +12,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from finetune.console import console
 from finetune.errors import FinetuneError
+from finetune.memory.offload import activation_offload, preflight_offload
 from finetune.memory.tracker_callback import PeakMemoryCallback
 from finetune.plan import Plan, plot_breakdown, predict
 from finetune.recipe.load import recipe_to_yaml
@@ -147,14 +148,22 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     if checkpoint:
         run_dir.truncate_metrics(int(Path(checkpoint).name.split("-")[-1]))
     peak = PeakMemoryCallback(plan.peak_bytes if plan is not None else None)
+    # A bad offload_dir fails here, before the first step and before anything is written there.
+    preflight_offload(model, recipe.memory, run_dir.root, int(recipe.training.micro_batch_size), recipe.data.max_seq_len)
+    offload = activation_offload(model, recipe.memory, run_dir.root)
     trainer = FinetuneTrainer(
         model=model, args=training_arguments(recipe, run_dir.checkpoints, steps, data.eval is not None),
         train_dataset=data.train, eval_dataset=data.eval, data_collator=data.collator, processing_class=tokenizer,
         callbacks=[peak, MetricsCallback(run_dir, steps), ProgressCallback(steps), stopper], recipe=recipe,
+        offload=offload,
     )
     trainer.remove_callback(PrinterCallback)  # our progress bar and metrics.jsonl replace its prints
     start = time.time()
-    output = trainer.train(resume_from_checkpoint=checkpoint)
+    try:
+        output = trainer.train(resume_from_checkpoint=checkpoint)
+    finally:
+        if offload is not None:
+            offload.close()  # removes every file the disk tier still holds, also after an error
     eval_loss = trainer.evaluate().get("eval_loss") if data.eval is not None else None
     state = "stopped" if stopper.requested else "completed"
     if state == "completed":
@@ -164,7 +173,8 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     atomic_write_json(run_dir.results, {
         "state": state, "steps": result.steps, "final_loss": result.final_loss, "eval_loss": eval_loss,
         "train_runtime_s": round(time.time() - start, 2), "train_metrics": output.metrics, "data": data.stats,
-        "trainable_parameters": trainable, "total_parameters": total})
+        "trainable_parameters": trainable, "total_parameters": total,
+        "offload": dict(offload.stats, tier=recipe.memory.offload) if offload is not None else None})
     plot_loss_curve(run_dir.metrics, run_dir.root / "loss.png")
     run_dir.write_status(state, step=result.steps, max_steps=steps)
     run_dir.log_line(f"run {state} at step {result.steps}")
