@@ -195,3 +195,28 @@ def test_auto_settings_are_planned_and_saved(tmp_path, tiny_model_dir):
     assert saved["memory"]["activation_checkpointing"] in (True, False)
     peaks = [r["peak_memory_bytes"] for r in read_jsonl(result.run_dir / "metrics.jsonl") if "loss" in r]
     assert max(peaks) <= plan["budget_bytes"]
+
+
+def test_offload_and_chunked_loss_through_the_pipeline_change_nothing_but_memory(tmp_path):
+    """Same losses with memory.offload cpu/disk and memory.chunked_loss; the disk folder is empty afterwards."""
+    from finetune.testing import make_tiny_model_dir
+
+    # Four layers: the last layer's inputs stay on the device and the first's is the (LoRA-frozen) embedding
+    # output, so two layers would leave nothing to offload.
+    model_dir = make_tiny_model_dir(tmp_path / "model", num_hidden_layers=4)
+
+    def losses(name: str, **memory) -> list[float]:
+        recipe = _recipe_dict(tmp_path, model_dir, training={"max_steps": 4},
+                              memory={"chunked_loss": False, "offload_min_size": 0, **memory},
+                              output={"dir": str(tmp_path / name)})
+        result = run(validate_recipe(recipe))
+        offloaded = json.loads((result.run_dir / "results.json").read_text())["offload"]
+        assert (offloaded is not None and offloaded["offloaded_bytes"] > 0) == (memory.get("offload") is not None)
+        return [r["loss"] for r in read_jsonl(result.run_dir / "metrics.jsonl") if "loss" in r]
+
+    reference = losses("plain")
+    assert losses("cpu", offload="cpu") == pytest.approx(reference, rel=1e-6)
+    offload_dir = tmp_path / "offload-files"
+    assert losses("disk", offload="disk", offload_dir=str(offload_dir)) == pytest.approx(reference, rel=1e-6)
+    assert not offload_dir.exists() or not any(offload_dir.rglob("*.*")), "disk offload left files behind"
+    assert losses("chunked", chunked_loss=True) == pytest.approx(reference, rel=1e-5)
