@@ -64,13 +64,14 @@ def model_dirs(tmp_path_factory):
     return dirs
 
 
-def _recipe(arch, path, seq, mb, adapter, r, ckpt, every, bits, opt) -> Recipe:
+def _recipe(arch, path, seq, mb, adapter, r, ckpt, every, bits, opt, **memory) -> Recipe:
     attn = "eager" if arch == "gemma2" else "auto"  # transformers runs Gemma-2 with eager attention only
     return Recipe.model_validate({
         "model": {"path": str(path), "attn_implementation": attn}, "data": {"path": "unused.jsonl", "max_seq_len": seq},
         "adapter": {"type": adapter, "r": r}, "quantization": {"bits": bits},
         "training": {"micro_batch_size": mb},
-        "memory": {"activation_checkpointing": ckpt, "checkpoint_every_n_layers": every},
+        "memory": {"activation_checkpointing": ckpt, "checkpoint_every_n_layers": every, "chunked_loss": False,
+                   **memory},
         "optimizer": {"name": opt, "momentum": 0.9 if opt == "sgd" else 0.0}})
 
 
@@ -79,15 +80,38 @@ def test_predicted_peak_matches_measured(model_dirs):
     assert len(MATRIX) >= 30
 
 
+def test_chunked_loss_and_offload(tmp_path):
+    """The real chunked loss (a vocabulary big enough to chunk) and the disk offload tier, 6 layers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from finetune.testing import make_tokenizer, tiny_config
+
+    torch.manual_seed(0)
+    big_vocab = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=50000, **DIMS))
+    big_vocab.save_pretrained(tmp_path / "big")
+    make_tokenizer().save_pretrained(tmp_path / "big")
+    deep = AutoModelForCausalLM.from_config(tiny_config("llama", **{**DIMS, "num_hidden_layers": 6}))
+    deep.save_pretrained(tmp_path / "deep")
+    make_tokenizer().save_pretrained(tmp_path / "deep")
+    dirs = {"big": tmp_path / "big", "deep": tmp_path / "deep"}
+    _check(dirs, [("big", 512, 2, "lora", 8, True, 1, None, "adamw", {"chunked_loss": True}),
+                  ("big", 512, 2, "lora", 8, True, 1, None, "adamw", {"chunked_loss": False}),
+                  ("deep", 512, 2, "lora", 8, True, 1, None, "adamw", {"offload": "disk", "offload_min_size": 1024}),
+                  ("deep", 512, 2, "lora", 8, False, 1, None, "adamw", {"offload": "disk", "offload_min_size": 1024})])
+
+
 def _check(model_dirs, matrix):
     rows, failures = [], []
-    for arch, seq, mb, adapter, r, ckpt, every, bits, opt in matrix:
-        recipe = _recipe(arch, model_dirs[arch], seq, mb, adapter, r, ckpt, every, bits, opt)
+    for arch, seq, mb, adapter, r, ckpt, every, bits, opt, *memory in matrix:
+        memory = memory[0] if memory else {}
+        recipe = _recipe(arch, model_dirs[arch], seq, mb, adapter, r, ckpt, every, bits, opt, **memory)
         measured = measure(recipe, steps=2)
         spec = model_spec(recipe, load_model_config(recipe.model.path), "cpu")
-        pred = predict_memory(spec, Settings(mb, 1, ckpt, every, "none", False, bits, opt))
+        m = recipe.memory
+        pred = predict_memory(spec, Settings(mb, 1, ckpt, every, m.offload, m.chunked_loss, bits, opt))
         err = pred.peak_bytes / measured["peak_bytes"] - 1
-        name = f"{arch} s={seq} mb={mb} {adapter} r={r} ckpt={ckpt}/{every} bits={bits} {opt}"
+        name = f"{arch} s={seq} mb={mb} {adapter} r={r} ckpt={ckpt}/{every} bits={bits} {opt} {memory or ''}"
         rows.append(f"{name:60s} measured={measured['peak_bytes']:>10d} predicted={pred.peak_bytes:>10d} {err:+.1%}")
         bad = [] if abs(err) <= 0.05 else ["total"]
         for key, value in measured["breakdown"].items():

@@ -8,11 +8,13 @@ the same code path. Swap `training_step` for the Trainer's step once that exists
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from finetune.errors import FinetuneError
+from finetune.memory.chunked_loss import causal_lm_loss
 from finetune.memory.tracker import MemoryTracker, measure_step
 from finetune.recipe.schema import Recipe
 
@@ -25,34 +27,48 @@ def enable_checkpointing(model: torch.nn.Module, enabled: bool, every_n: int) ->
 
 
 def training_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer | None,
-                  accumulation: int, tracker: MemoryTracker | None = None, backward_window: str = "backward") -> None:
-    """One optimizer step over `accumulation` micro-batches; tracker windows forward/backward/optimizer."""
+                  accumulation: int, tracker: MemoryTracker | None = None, backward_window: str = "backward",
+                  chunked_loss: bool = False, offload: Any = None) -> None:
+    """One optimizer step over `accumulation` micro-batches; tracker windows forward/backward/optimizer.
+
+    offload: an ActivationOffload entered around each micro-batch's forward and backward, as the Trainer does.
+    """
     from contextlib import nullcontext
 
     def window(name: str):
         return tracker.window(name) if tracker is not None else nullcontext()
 
     for _ in range(accumulation):
-        with window("forward"):
-            loss = model(**batch).loss / accumulation
-        with window(backward_window):
-            loss.backward()
-        del loss
+        with offload if offload is not None else nullcontext():
+            _forward_backward(model, batch, accumulation, window, backward_window, chunked_loss)
     if optimizer is not None:
         with window("optimizer"), (tracker.optimizer_step() if tracker is not None else nullcontext()):
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
 
+def _forward_backward(model, batch, accumulation, window, backward_window, chunked_loss) -> None:
+    with window("forward"):
+        loss = (causal_lm_loss(model, batch) if chunked_loss else model(**batch).loss) / accumulation
+    with window(backward_window):
+        loss.backward()
+
+
+def _has_auto(recipe: Recipe) -> bool:
+    return "auto" in (recipe.training.micro_batch_size, recipe.training.gradient_accumulation_steps,
+                      recipe.memory.activation_checkpointing, recipe.memory.offload, recipe.memory.chunked_loss,
+                      recipe.quantization.bits, recipe.optimizer.name)
+
+
 def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
-    """Run `steps` optimizer steps at the recipe's micro-batch and max_seq_len; return the tracker result."""
-    for key, value in (("training.micro_batch_size", recipe.training.micro_batch_size),
-                       ("training.gradient_accumulation_steps", recipe.training.gradient_accumulation_steps),
-                       ("memory.activation_checkpointing", recipe.memory.activation_checkpointing),
-                       ("quantization.bits", recipe.quantization.bits), ("optimizer.name", recipe.optimizer.name)):
-        if value == "auto":
-            raise FinetuneError(f"{key} is auto; `finetune measure` needs concrete settings",
-                                hint="run `finetune plan` first and measure its plan (Plan.apply(recipe))")
+    """Run `steps` optimizer steps at the recipe's micro-batch and max_seq_len; return the tracker result.
+
+    `auto` settings are resolved by the planner first.
+    """
+    if _has_auto(recipe):  # measure what `finetune run` would train: the planner's choice
+        from finetune.plan import predict
+
+        recipe = predict(recipe).apply(recipe)
     from finetune.model.adapter import apply_adapter
     from finetune.model.load import load_model
 
@@ -72,12 +88,26 @@ def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
     ids = torch.randint(0, vocab, (recipe.training.micro_batch_size, recipe.data.max_seq_len), generator=gen)
     batch = {"input_ids": ids.to(device), "labels": ids.to(device)}
 
-    def run(tracker: MemoryTracker) -> None:
-        for _ in range(steps):
-            training_step(model, batch, optimizer, recipe.training.gradient_accumulation_steps, tracker)
+    with tempfile.TemporaryDirectory(prefix="finetune-measure-") as scratch:
+        offload = None
+        if recipe.memory.offload != "none":
+            from finetune.memory.offload import ActivationOffload
 
-    result = measure_step(run, model=model, optimizer=optimizer, vocab_size=vocab, device=device)
+            offload = ActivationOffload(model, recipe.memory.offload, recipe.memory.offload_min_size,
+                                        offload_dir=Path(recipe.memory.offload_dir or scratch),
+                                        cpu_limit=recipe.memory.offload_cpu_limit)
+
+        def run(tracker: MemoryTracker) -> None:
+            for _ in range(steps):
+                training_step(model, batch, optimizer, recipe.training.gradient_accumulation_steps, tracker,
+                              chunked_loss=bool(recipe.memory.chunked_loss), offload=offload)
+
+        result = measure_step(run, model=model, optimizer=optimizer, vocab_size=vocab, device=device)
     result["steps"] = steps
+    result["settings"] = {"micro_batch_size": recipe.training.micro_batch_size,
+                          "activation_checkpointing": recipe.memory.activation_checkpointing,
+                          "chunked_loss": recipe.memory.chunked_loss, "offload": recipe.memory.offload,
+                          "bits": recipe.quantization.bits, "optimizer": recipe.optimizer.name}
     return result
 
 

@@ -17,9 +17,9 @@ How the prediction is put together (docs/planner.md has the long form):
 3. Optimizer state and resident gradients from `finetune.optim` (`optimizer_state_bytes`, `gradient_bytes`:
    per preset, low-rank projections, 8-bit blocks, layer-wise), state present in every phase from step 2 on.
    The optimizer phase holds weights + gradients + state + a per-parameter temporary.
-4. Chunked loss keeps `chunk_tokens(vocab)` tokens of logits instead of all; offload removes checkpointed inputs
-   (all but the last layer's) or, without checkpointing, every saved tensor >= offload_min_size of every
-   layer but the last.
+4. Chunked loss keeps `default_chunk_size(vocab)` tokens of logits instead of all; offload removes
+   checkpointed inputs (all but the first and the last, less the layers fetched ahead in backward) or,
+   without checkpointing, the saved tensors of every layer but the last (less the prefetched ones).
 5. CUDA fixed costs (context, cuBLAS workspace, allocator rounding) are the constants below.
 """
 
@@ -31,18 +31,11 @@ from typing import Any
 
 import torch
 
+from finetune.memory.chunked_loss import default_chunk_size
+from finetune.memory.offload import PREFETCH_LAYERS
 from finetune.optim import gradient_bytes, optimizer_state_bytes
 from finetune.plan.trace import Trace, param_table, trace_step
 from finetune.recipe.schema import AdapterConfig, OptimizerConfig
-
-# The chunked LM head + loss holds this many bytes of fp32 logits per chunk; same rule as
-# finetune.memory.chunked_loss.default_chunk_size (offload branch): 64 MiB, 64 to 8192 tokens.
-CHUNK_LOGITS_BYTES = 64 << 20
-
-
-def chunk_tokens(vocab_size: int) -> int:
-    """Tokens per chunk of the chunked loss."""
-    return max(64, min(8192, CHUNK_LOGITS_BYTES // (4 * vocab_size)))
 
 # CUDA fixed costs. The context is outside torch's allocator, so it is added to the peak; the budget is
 # measured as free memory before the process creates its context. Values for CUDA 12 with lazy module
@@ -181,7 +174,7 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
 
     tokens = mb * spec.seq_len
     vocab = spec.config.get_text_config().vocab_size
-    logits_keep = min(1.0, chunk_tokens(vocab) / tokens) if settings.chunked_loss else 1.0
+    logits_keep = min(1.0, default_chunk_size(vocab) / tokens) if settings.chunked_loss else 1.0
     hidden_bytes = tokens * spec.hidden_size * torch.tensor([], dtype=spec.dtype).element_size()
     windows: dict[str, dict[str, float]] = {}
     offloaded = 0.0
@@ -198,11 +191,14 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
             grads = max(grads, grads_total)
         moved = 0.0
         if settings.offload != "none" and name != "bwd_bottom":  # at the bottom they are all back or freed
+            # finetune.memory.offload keeps the first checkpointed input (a leaf that requires grad) and the last
+            # layer on the device, and fetches PREFETCH_LAYERS layers ahead once backward reaches the layers.
+            ahead = PREFETCH_LAYERS[settings.offload] if name == "bwd_top" else 0
             if settings.activation_checkpointing:
                 n_ckpt = math.ceil(L / settings.checkpoint_every_n_layers)
-                moved = max(0, n_ckpt - 1) * hidden_bytes
-            elif hidden_bytes >= spec.offload_min_size:
-                moved = max(0.0, act_per_block * (L - 1))
+                moved = max(0, n_ckpt - 2 - ahead) * hidden_bytes
+            else:
+                moved = max(0.0, act_per_block * (L - 1 - ahead))
             moved = min(moved, act)
             act -= moved
             offloaded = max(offloaded, moved)
