@@ -190,7 +190,8 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
         elif settings.gradient_accumulation_steps > 1:
             grads = max(grads, grads_total)
         moved = 0.0
-        if settings.offload != "none" and name != "bwd_bottom":  # at the bottom they are all back or freed
+        leaves_device = settings.offload == "disk" or (settings.offload == "cpu" and spec.device == "cuda")
+        if leaves_device and name != "bwd_bottom":  # at the bottom they are all back or freed
             # finetune.memory.offload keeps the first checkpointed input (a leaf that requires grad) and the last
             # layer on the device, and fetches PREFETCH_LAYERS layers ahead once backward reaches the layers.
             ahead = PREFETCH_LAYERS[settings.offload] if name == "bwd_top" else 0

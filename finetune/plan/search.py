@@ -102,7 +102,9 @@ def _choices(recipe: Recipe, spec: ModelSpec) -> list[Settings]:
         if t.micro_batch_size == "auto" else [t.micro_batch_size]
     ckpts = [(False, 1), (True, 1)] if m.activation_checkpointing == "auto" else \
         [(bool(m.activation_checkpointing), m.checkpoint_every_n_layers)]
-    offloads = ["none", "cpu", "disk"] if m.offload == "auto" else [m.offload]
+    # Training on the CPU, the cpu tier frees nothing: only disk is an option there.
+    offloads = (["none", "cpu", "disk"] if spec.device == "cuda" else ["none", "disk"]) if m.offload == "auto" \
+        else [m.offload]
     chunked = [False, True] if m.chunked_loss == "auto" else [bool(m.chunked_loss)]
     if recipe.quantization.bits == "auto":
         bits = [None] if recipe.adapter.type == "full" else [None, 8, 4]
