@@ -1,0 +1,165 @@
+"""The UI in a real browser (Playwright + Debian's Chromium): fill the form by clicking and typing, see the
+memory view, train, watch the loss curve grow, reload mid-run and see it again, chat with the result.
+
+Screenshots of each stage go to test-artifacts/ui/ (kept by CI as artifacts).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.ui_support import running_app, write_dataset
+
+CHROMIUM = Path(os.environ.get("FINETUNE_CHROMIUM", "/usr/bin/chromium"))
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+        "--disable-sync", "--no-first-run"]
+SHOTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "ui"
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed (pip install playwright)")
+if not CHROMIUM.is_file():
+    pytest.skip(f"Chromium not found at {CHROMIUM} (apt-get install chromium, or set FINETUNE_CHROMIUM)",
+                allow_module_level=True)
+
+
+@pytest.fixture
+def page():
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=ARGS)
+        pg = browser.new_page(viewport={"width": 1400, "height": 1000})
+        pg.set_default_timeout(30_000)
+        yield pg
+        browser.close()
+
+
+def _shot(page, name: str) -> None:
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+
+
+def _type(page, key: str, text: str) -> None:
+    box = page.locator(f"#field-{key.replace('.', '-')}").locator("input, textarea").first
+    box.click()
+    box.fill(text)
+    box.press("Tab")
+
+
+def _choose(page, key: str, option: str) -> None:
+    page.locator(f"#field-{key.replace('.', '-')}").locator("input").first.click()
+    page.get_by_role("option", name=option, exact=True).click()
+
+
+def _open_section(page, section: str) -> None:
+    page.locator(f"#section-{section}").get_by_role("button").first.click()
+
+
+def _plot_src(page, elem_id: str) -> str | None:
+    img = page.locator(f"#{elem_id} img")
+    return img.first.get_attribute("src") if img.count() else None
+
+
+def _status(page) -> tuple[str, int]:
+    node = page.locator("#run-status")
+    if not node.count() or node.get_attribute("data-state") is None:
+        return "", 0
+    return node.get_attribute("data-state"), int(node.get_attribute("data-step") or 0)
+
+
+def test_form_train_reload_and_chat_in_a_browser(page, tmp_path, tiny_model_dir):
+    data = write_dataset(tmp_path / "data.jsonl")
+    run_dir = (tmp_path / "runs" / "browser").resolve()  # long: stopped from the page
+    short_dir = (tmp_path / "runs" / "short").resolve()  # runs to the end, then we chat with it
+    with running_app(tmp_path, [tmp_path, tiny_model_dir]) as demo:
+        page.goto(demo.local_url)
+        # 1. Fill the form by clicking and typing.
+        _type(page, "model.path", str(tiny_model_dir))
+        _type(page, "data.path", str(data))
+        _type(page, "data.max_seq_len", "64")
+        _type(page, "training.max_steps", "100000")
+        _type(page, "training.learning_rate", "0.01")
+        _open_section(page, "quantization")
+        _choose(page, "quantization.bits", "null")
+        _open_section(page, "memory")
+        _choose(page, "memory.activation_checkpointing", "false")
+        _open_section(page, "output")
+        _type(page, "output.dir", str(run_dir))
+        yaml_view = page.locator("#recipe-yaml")
+        yaml_view.scroll_into_view_if_needed()
+        sync_api.expect(yaml_view).to_contain_text("max_steps: 100000")
+        sync_api.expect(yaml_view).to_contain_text("bits: null")
+        sync_api.expect(yaml_view).to_contain_text(str(run_dir))
+        _shot(page, "01-form")
+
+        # 2. The data as the model sees it, loss tokens highlighted.
+        page.get_by_role("tab", name="Data").click()
+        page.locator("#preview-data").click()
+        sync_api.expect(page.locator("#data-message")).to_contain_text("Detected format: messages", timeout=60_000)
+        sync_api.expect(page.locator("#example-0")).to_contain_text("0 plus 0 is 0.")
+        _shot(page, "02-data")
+
+        # 3. The memory view (the plan when the planner is installed, otherwise it says so).
+        page.get_by_role("tab", name="Memory").click()
+        from finetune import api
+
+        if hasattr(api, "plan"):
+            sync_api.expect(page.locator("#plan-plot img")).to_be_visible(timeout=60_000)
+            sync_api.expect(page.locator("#plan-message")).to_contain_text("budget")
+        else:
+            sync_api.expect(page.locator("#plan-message")).to_contain_text("memory planner is not available")
+        _shot(page, "03-memory")
+
+        # 4. Train and watch the loss curve grow.
+        page.get_by_role("tab", name="Train").click()
+        page.locator("#start").click()
+        sync_api.expect(page.locator("#train-message")).to_contain_text("Queued")
+        page.wait_for_function("() => +document.querySelector('#run-status')?.dataset.step >= 2", timeout=180_000)
+        sync_api.expect(page.locator("#loss-plot img")).to_be_visible()
+        first = _plot_src(page, "loss-plot")
+        _shot(page, "04-training")
+        page.wait_for_function(
+            "(s) => { const i = document.querySelector('#loss-plot img'); return i && i.src !== s; }",
+            arg=first, timeout=120_000)
+        state, step = _status(page)
+        assert state == "running" and step >= 2
+
+        # 5. Reload mid-run: the same run and its curve come back, read from the run directory.
+        page.reload()
+        page.get_by_role("tab", name="Train").click()
+        sync_api.expect(page.locator("#loss-plot img")).to_be_visible(timeout=30_000)
+        state, step_after = _status(page)
+        assert str(run_dir) in page.locator("#run-status").inner_text() and step_after >= step
+        _shot(page, "05-reloaded")
+        page.locator("#stop").click()
+        page.wait_for_function("() => document.querySelector('#run-status')?.dataset.state === 'stopped'",
+                               timeout=120_000)
+        _shot(page, "06-stopped")
+
+        # 6. A short second run from the same form, to the end (it waits in the queue if the GPU is busy).
+        page.get_by_role("tab", name="Recipe").click()
+        sync_api.expect(yaml_view).to_contain_text(str(run_dir))  # the form, too, survived the reload
+        _type(page, "training.max_steps", "6")
+        _open_section(page, "output")  # the reload closed the section
+        _type(page, "output.dir", str(short_dir))
+        sync_api.expect(yaml_view).to_contain_text(str(short_dir))
+        page.get_by_role("tab", name="Train").click()
+        page.locator("#start").click()
+        sync_api.expect(page.locator("#run-status")).to_contain_text(str(short_dir), timeout=30_000)
+        page.wait_for_function("() => document.querySelector('#run-status')?.dataset.state === 'completed'",
+                               timeout=240_000)
+        _shot(page, "07-completed")
+
+        # 7. Chat with the result beside the base model.
+        page.get_by_role("tab", name="Chat").click()
+        run_box = page.locator("#chat-run input").first
+        run_box.click()
+        run_box.fill(str(short_dir))
+        run_box.press("Enter")
+        page.locator("#chat-prompt textarea").fill("What is 3 plus 3?")
+        page.locator("#chat-send").click()
+        for bot in ("#chat-tuned", "#chat-base"):
+            sync_api.expect(page.locator(bot).get_by_text("What is 3 plus 3?")).to_be_visible(timeout=120_000)
+        page.wait_for_function("() => document.querySelectorAll('#chat-tuned .bot, #chat-tuned [data-testid=bot]')"
+                               ".length > 0", timeout=120_000)
+        _shot(page, "08-chat")

@@ -1,0 +1,152 @@
+"""The UI driven through its Gradio API (gradio_client) against the app launched on a loopback port.
+
+Real tiny runs go through the real CLI in separate processes: a long one is started, stopped (a checkpoint
+is saved), resumed and stopped again; a short one runs to the end, is exported, and answers beside the
+base model in the chat.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.ui_support import running_app, status_of, tiny_recipe, wait_for, write_dataset, write_recipe
+from ui import rundir
+
+gradio_client = pytest.importorskip("gradio_client", reason="gradio_client comes with the [ui] extra")
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, tiny_model_dir):
+    workdir = tmp_path_factory.mktemp("ui-api")
+    data = write_dataset(workdir / "data.jsonl")
+    with running_app(workdir, [workdir, tiny_model_dir]) as demo:
+        client = gradio_client.Client(demo.local_url, verbose=False)
+        yield workdir, data, client, tiny_model_dir
+
+
+def _load(client, recipe_path: Path) -> tuple[str, list]:
+    msg, *values = client.predict(gradio_client.handle_file(str(recipe_path)), api_name="/load_recipe")
+    return msg, values
+
+
+def test_load_recipe_fills_the_form_and_plans(work):
+    workdir, data, client, model = work
+    recipe = tiny_recipe(model, data, workdir / "runs" / "plan-only", micro_batch_size=2)
+    msg, values = _load(client, write_recipe(workdir / "plan.yaml", recipe))
+    assert "Loaded plan.yaml" in msg
+    assert str(model) in values and str(data) in values and "2" in values  # micro_batch_size as shown
+    plan_msg, _, _ = client.predict(*values, "12 GB card (RTX 3060)", api_name="/plan")
+    from finetune import api
+
+    if hasattr(api, "plan"):
+        assert "budget" in plan_msg and "12" in plan_msg
+    else:  # the planner has not landed in this build: the page says so instead of failing
+        assert "memory planner is not available" in plan_msg
+
+
+def test_invalid_recipe_lists_each_bad_key(work):
+    workdir, data, client, model = work
+    recipe = tiny_recipe(model, data, workdir / "runs" / "bad")
+    recipe["training"]["learning_rate"] = -1
+    recipe["adapter"]["alpah"] = 4
+    msg, values = _load(client, write_recipe(workdir / "bad.yaml", recipe))
+    assert "training.learning_rate" in msg and "did you mean adapter.alpha" in msg
+    assert all(v == {'__type__': 'update'} for v in values)  # the form is left as it was
+
+
+def test_path_outside_allowed_folders_is_refused(work):
+    workdir, data, client, model = work
+    _, values = _load(client, write_recipe(workdir / "o.yaml", tiny_recipe(model, data, workdir / "x")))
+    msg, *_ = client.predict("/etc/passwd", *values, api_name="/use_server_file")
+    assert "outside the allowed folders" in msg
+    msg, path, ex1, _, _ = client.predict(str(data), *values, api_name="/use_server_file")
+    assert "Detected format" in msg and path == str(data)
+    outside = tiny_recipe(model, data, Path("/tmp/elsewhere/run"))
+    _, values = _load(client, write_recipe(workdir / "out.yaml", outside))
+    msg, _ = client.predict(*values, api_name="/start")
+    assert "output.dir /tmp/elsewhere/run is outside the allowed folders" in msg
+
+
+def test_upload_that_is_not_a_dataset_is_refused(work):
+    workdir, _, client, model = work
+    _, values = _load(client, write_recipe(workdir / "u.yaml", tiny_recipe(model, workdir / "data.jsonl", workdir / "x")))
+    png = workdir / "picture.png"
+    png.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64))
+    msg, *_ = client.predict(gradio_client.handle_file(str(png)), *values, api_name="/upload_data")
+    assert "not a dataset file" in msg
+    garbage = workdir / "notes.jsonl"
+    garbage.write_text("this is not json\nnor is this\n")
+    msg, *_ = client.predict(gradio_client.handle_file(str(garbage)), *values, api_name="/upload_data")
+    assert "was refused" in msg and "notes.jsonl" in msg
+    assert not (workdir / "runs" / "uploads" / "notes.jsonl").exists()
+
+
+def test_upload_of_a_dataset_previews_loss_tokens(work):
+    workdir, data, client, model = work
+    _, values = _load(client, write_recipe(workdir / "p.yaml", tiny_recipe(model, data, workdir / "x")))
+    msg, path, ex1, _, _ = client.predict(gradio_client.handle_file(str(data)), *values, api_name="/upload_data")
+    assert "Detected format: **messages**" in msg
+    assert Path(path).parent == (workdir / "runs" / "uploads").resolve()
+    loss_text = "".join(tok["token"] for tok in ex1 if tok["class_or_confidence"] == "loss")
+    other_text = "".join(tok["token"] for tok in ex1 if tok["class_or_confidence"] != "loss")
+    assert "0 plus 0 is 0." in loss_text and "What is 0 plus 0?" in other_text  # assistant-only loss
+
+
+def _start(client, workdir: Path, name: str, recipe: dict):
+    """Load `recipe` into the form and press Start; returns a function giving (state, step) of the run."""
+    run_dir = Path(recipe["output"]["dir"])
+    _, values = _load(client, write_recipe(workdir / f"{name}.yaml", recipe))
+    msg, selected = client.predict(*values, api_name="/start")
+    assert msg.startswith("Queued") and selected["value"] == str(run_dir) and [str(run_dir)] * 2 in selected["choices"]
+    return lambda: status_of(client.predict(str(run_dir), api_name="/refresh")[0])
+
+
+def test_train_stop_and_resume(work):
+    """A long run (it never finishes within the test, however fast the machine): stop, resume, stop."""
+    workdir, data, client, model = work
+    run_dir = (workdir / "runs" / "long").resolve()
+    status = _start(client, workdir, "long", tiny_recipe(model, data, run_dir, max_steps=100_000))
+    state, step = wait_for(lambda: (s := status())[1] >= 1 and s, 180, "the first logged step")
+    assert state == "running"
+    assert "asked" in client.predict(str(run_dir), api_name="/stop")
+    state, stopped_at = wait_for(lambda: (s := status())[0] == "stopped" and s, 120, "the run to stop")
+    assert stopped_at >= 1
+    assert (run_dir / "checkpoints" / f"checkpoint-{stopped_at}").is_dir(), "stopping saves a checkpoint"
+
+    msg, _ = client.predict(str(run_dir), api_name="/resume")
+    assert msg.startswith("Resuming")
+    wait_for(lambda: (s := status())[0] == "running" and s[1] > stopped_at, 180, "the resumed run to go on")
+    assert f"resume from {run_dir}/checkpoints/checkpoint-{stopped_at}" in (run_dir / "train.log").read_text()
+    client.predict(str(run_dir), api_name="/stop")
+    state, step = wait_for(lambda: (s := status())[0] == "stopped" and s, 120, "the resumed run to stop")
+    steps = [r["step"] for r in rundir.read_metrics(run_dir) if "loss" in r]
+    assert steps == list(range(1, step + 1)), "each step logged once across stop and resume"
+
+
+def test_finished_run_history_export_and_chat(work):
+    workdir, data, client, model = work
+    run_dir = (workdir / "runs" / "short").resolve()
+    status = _start(client, workdir, "short", tiny_recipe(model, data, run_dir, max_steps=6))
+    state, step = wait_for(lambda: (s := status())[0] == "completed" and s, 240, "the run to finish")
+    assert step == 6
+    html, loss_plot, lr_plot, log, queue = client.predict(str(run_dir), api_name="/refresh")
+    assert "run completed at step 6" in log and "GPU free" in queue
+
+    rows = client.predict(api_name="/history")[0]
+    assert any(row[0] == str(run_dir) and row[1] == "completed" for row in rows["data"])
+    overlay = client.predict([str(run_dir)], api_name="/overlay")
+    assert overlay and overlay.get("type") == "matplotlib"
+
+    merged = workdir / "merged"
+    assert "merged model saved" in client.predict(str(run_dir), str(merged), api_name="/export")
+    assert (merged / "config.json").is_file() and list(merged.glob("*.safetensors"))
+    assert "outside the allowed folders" in client.predict(str(run_dir), "/root/merged", api_name="/export")
+
+    _, tuned, base, err = client.predict(str(run_dir), "What is 3 plus 3?", 16, [], [], api_name="/chat")
+    assert err == ""
+    assert [m["role"] for m in tuned] == ["user", "assistant"] == [m["role"] for m in base]
+    answer = [m for m in tuned if m["role"] == "assistant"][0]["content"]
+    base_answer = [m for m in base if m["role"] == "assistant"][0]["content"]
+    assert answer != base_answer, "the adapter changes the answer"

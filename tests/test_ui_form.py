@@ -1,0 +1,86 @@
+"""The recipe form is generated from the schema and reads back exactly the recipe it shows."""
+
+from __future__ import annotations
+
+import pytest
+
+from finetune.errors import RecipeError
+from finetune.recipe import validate_recipe
+from finetune.recipe.load import iter_fields
+from ui.form import dict_to_values, form_specs, from_widget, values_to_dict
+
+SPECS = form_specs()
+BY_KEY = {s.key: s for s in SPECS}
+
+
+def _values(recipe: dict) -> list:
+    return dict_to_values(SPECS, validate_recipe(recipe).model_dump(mode="python"))
+
+
+def test_every_schema_key_has_a_widget_with_its_description():
+    keys = [key for key, _, is_section in iter_fields() if not is_section]
+    assert [s.key for s in SPECS] == keys
+    assert all(s.description for s in SPECS)
+
+
+@pytest.mark.parametrize(("key", "kind"), [
+    ("model.dtype", "dropdown"), ("model.trust_remote_code", "checkbox"), ("adapter.r", "number"),
+    ("training.micro_batch_size", "dropdown"), ("memory.activation_checkpointing", "dropdown"),
+    ("memory.gpu_memory", "bytes"), ("adapter.target_modules", "yaml"), ("training.max_steps", "yaml"),
+    ("data.chat_template", "text"), ("training.eval_steps", "yaml")])
+def test_widget_kinds_follow_the_types(key, kind):
+    assert BY_KEY[key].kind == kind
+
+
+def test_choices_include_auto_and_null_where_the_schema_allows_them():
+    assert [c for c, _ in BY_KEY["quantization.bits"].choices] == ["4", "8", "auto", "null"]
+    assert BY_KEY["training.micro_batch_size"].custom  # an int may be typed beside "auto"
+    assert [c for c, _ in BY_KEY["memory.chunked_loss"].choices] == ["true", "false", "auto"]
+
+
+def test_form_round_trip_keeps_every_value():
+    recipe = {
+        "model": {"path": "models/x", "dtype": "bf16"},
+        "quantization": {"bits": None},
+        "adapter": {"type": "dora", "r": 8, "target_modules": ["q_proj", "v_proj"], "modules_to_save": ["lm_head"]},
+        "data": {"path": "d.jsonl", "validation_split": 0.1, "chat_template": "{{ messages }}", "max_samples": 50},
+        "training": {"max_steps": 30, "micro_batch_size": "auto", "gradient_accumulation_steps": 4,
+                     "effective_batch_size": 16, "eval_steps": 10, "max_grad_norm": None},
+        "memory": {"gpu_memory": "12GiB", "offload": "disk", "chunked_loss": True},
+        "optimizer": {"name": "apollo_mini", "betas": [0.9, 0.95], "rank": 1, "proj_type": "left"},
+        "output": {"dir": "runs/x"},
+    }
+    expected = validate_recipe(recipe)
+    values = _values(recipe)
+    assert values[[s.key for s in SPECS].index("memory.gpu_memory")] == "12GiB"
+    assert validate_recipe(values_to_dict(SPECS, values)) == expected
+
+
+def test_empty_widgets_mean_null_or_default_and_required_keys_are_named():
+    values = _values({"model": {"path": "m"}, "data": {"path": "d.jsonl"}, "training": {"max_steps": 5}})
+    keys = [s.key for s in SPECS]
+    values[keys.index("training.max_steps")] = ""
+    values[keys.index("model.path")] = "  "
+    data = values_to_dict(SPECS, values)
+    assert data["training"]["max_steps"] is None  # empty nullable field: null
+    assert "path" not in data["model"]
+    with pytest.raises(RecipeError) as err:
+        validate_recipe(data, "form")
+    assert any("missing required key model.path" in p for p in err.value.problems)
+
+
+def test_bad_values_are_reported_per_key():
+    values = _values({"model": {"path": "m"}, "data": {"path": "d.jsonl"}})
+    keys = [s.key for s in SPECS]
+    values[keys.index("training.micro_batch_size")] = "zero"
+    values[keys.index("memory.gpu_memory")] = "12 bananas"
+    with pytest.raises(RecipeError) as err:
+        validate_recipe(values_to_dict(SPECS, values), "form")
+    text = "\n".join(err.value.problems)
+    assert "training.micro_batch_size" in text and "memory.gpu_memory" in text
+
+
+def test_typed_values_in_a_dropdown_are_read_as_yaml():
+    assert from_widget(BY_KEY["training.micro_batch_size"], "8") == 8
+    assert from_widget(BY_KEY["quantization.bits"], "null") is None
+    assert from_widget(BY_KEY["memory.activation_checkpointing"], "false") is False

@@ -1,0 +1,59 @@
+"""The run queue: one training process at a time, the rest queued, and a restarted UI still knows them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.ui_support import tiny_recipe, wait_for, write_dataset, write_recipe
+from ui import rundir
+from ui.runs import RunManager
+
+
+def test_queue_survives_a_restart_and_runs_one_at_a_time(tmp_path, tiny_model_dir):
+    data = write_dataset(tmp_path / "data.jsonl")
+    runs = tmp_path / "runs"
+    long_run = write_recipe(tmp_path / "a.yaml", tiny_recipe(tiny_model_dir, data, runs / "a", max_steps=100_000))
+    broken = tiny_recipe(tiny_model_dir, data, runs / "b")
+    broken["model"]["path"] = str(tmp_path / "no-such-model")
+    broken = write_recipe(tmp_path / "b.yaml", broken)
+
+    first = RunManager(runs, poll_s=0.3).start()
+    a = first.submit(long_run, runs / "a")
+    b = first.submit(broken, runs / "b")
+    c = first.submit(broken, runs / "c")
+    assert [j.state for j in first.jobs()] == ["running", "queued", "queued"]
+    assert first.run_state(runs / "b") == "queued (position 1)"
+    assert "removed" in first.stop(runs / "c")
+    wait_for(lambda: rundir.read_metrics(runs / "a"), 180, "the first run's first metrics")
+    first.close()  # the UI goes away; its training process does not
+
+    second = RunManager(runs, poll_s=0.3)  # a restarted UI reads the queue file
+    states = {j.id: j.state for j in second.jobs()}
+    assert states == {a.id: "running", b.id: "queued", c.id: "cancelled"}
+    second.poll()
+    assert second.job_for(runs / "a").state == "running", "the adopted process is still alive"
+    assert second.run_state(runs / "a") == "running"
+    second.stop(runs / "a")
+    second.start()
+    wait_for(lambda: second.job_for(runs / "b").state == "exited", 180, "the queued run to start and end")
+    assert rundir.read_status(runs / "a")["state"] == "stopped"
+    assert list((runs / "a" / "checkpoints").glob("checkpoint-*"))
+    assert second.run_state(runs / "b") == "failed"
+    assert "no-such-model" in rundir.read_status(runs / "b")["error"] + second.process_log(runs / "b")
+    assert not (runs / "c").exists()
+    second.close()
+
+
+def test_a_run_that_dies_without_updating_its_status_shows_as_failed(tmp_path):
+    run = tmp_path / "runs" / "x"
+    run.mkdir(parents=True)
+    (run / "status.json").write_text('{"state": "running", "pid": 1, "step": 3}')
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("not: a recipe\n")
+    manager = RunManager(tmp_path / "runs", poll_s=0.2).start()
+    manager.submit(recipe, run, resume=True)  # the CLI exits at once: the recipe is invalid
+    wait_for(lambda: manager.job_for(run).state == "exited", 60, "the process to exit")
+    assert manager.run_state(run).startswith("failed (process exited with code 2")
+    assert "not a valid recipe" in manager.process_log(run)
+    assert Path(manager.job_for(run).log).is_file()
+    manager.close()

@@ -1,0 +1,102 @@
+"""`finetune ui`: start the web UI, on loopback unless told otherwise, and never open to a network unguarded.
+
+Any host other than loopback needs `--auth user:password` (or FINETUNE_UI_AUTH): the UI can start
+processes and read files inside the allowed folders, so it must not be reachable by anyone without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+from pathlib import Path
+
+from finetune.errors import FinetuneError
+
+AUTH_ENV = "FINETUNE_UI_AUTH"
+EXIT_USAGE = 2
+
+
+class UIConfigError(FinetuneError):
+    """The UI was asked to start in an unsafe or malformed way."""
+
+    exit_code = EXIT_USAGE
+
+
+def is_loopback(host: str) -> bool:
+    """True for localhost and loopback addresses (127.0.0.0/8, ::1); hostnames other than localhost are not."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def parse_auth(value: str | None) -> tuple[str, str] | None:
+    """'user:password' -> (user, password); None stays None."""
+    if not value:
+        return None
+    user, sep, password = value.partition(":")
+    if not sep or not user or not password:
+        raise UIConfigError("--auth must look like user:password (both non-empty)",
+                            hint=f"e.g. --auth alice:s3cret, or set {AUTH_ENV}=alice:s3cret")
+    return user, password
+
+
+def check_exposure(host: str, auth: tuple[str, str] | None) -> None:
+    """Refuse to serve a non-loopback address without a password."""
+    if not is_loopback(host) and auth is None:
+        raise UIConfigError(
+            f"refusing to listen on {host} without authentication: anyone who can reach it could start "
+            "training runs and read files in the allowed folders",
+            hint=f"pass --auth user:password (or set {AUTH_ENV}), or listen on 127.0.0.1")
+
+
+def launch(host: str = "127.0.0.1", port: int = 7860, auth: tuple[str, str] | None = None,
+           allow_dirs: list[str | Path] | None = None, runs_dir: str | Path = "runs", block: bool = True):
+    """Build and serve the UI; with block=False return the running gradio Blocks (for tests)."""
+    check_exposure(host, auth)
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # offline machines: no usage pings
+    from ui.backend import Backend, UISettings
+    from ui.layout import CSS, build_app
+    from ui.runs import RunManager
+
+    settings = UISettings(allow_dirs=[Path(p) for p in (allow_dirs or [Path.cwd()])], runs_dir=Path(runs_dir))
+    manager = RunManager(settings.runs_dir).start()
+    demo = build_app(Backend(settings, manager))
+    demo.run_manager = manager  # tests stop its runs when they close the app
+    demo.launch(server_name=host, server_port=port, auth=auth, prevent_thread_lock=not block, css=CSS,
+                allowed_paths=[str(settings.runs_dir)], quiet=not block, footer_links=[])
+    return demo
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="finetune ui", description="Web UI: recipe form, memory plan, training, chat.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on; anything but loopback needs --auth")
+    p.add_argument("--port", type=int, default=7860, help="port (default 7860)")
+    p.add_argument("--auth", default=os.environ.get(AUTH_ENV), metavar="USER:PASSWORD",
+                   help=f"require this login (default: ${AUTH_ENV})")
+    p.add_argument("--allow-dir", dest="allow_dirs", action="append", default=None, metavar="FOLDER",
+                   help="folder whose files the UI may use (repeatable; default: the working directory)")
+    p.add_argument("--runs-dir", default="runs", help="folder of run directories and the run queue (default runs)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `finetune ui`; returns the exit code (2 for a refused or malformed start)."""
+    args = build_parser().parse_args(argv)
+    try:
+        launch(args.host, args.port, parse_auth(args.auth), args.allow_dirs, args.runs_dir)
+    except FinetuneError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except OSError as exc:  # e.g. the port is taken
+        print(f"error: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,226 @@
+"""What each button and timer of the UI does, as plain functions over the recipe, the run queue and run dirs.
+
+Kept free of layout so the same logic serves the page, the Gradio API and the tests; anything heavy
+(training, export) runs in a separate process through the same CLI a user would type.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from finetune.errors import DataError, FinetuneError, RecipeError
+from finetune.recipe.load import recipe_to_yaml, validate_recipe
+from finetune.recipe.schema import Recipe
+from ui import form, rundir
+from ui.paths import allowed_path, is_inside
+from ui.runs import RunManager
+
+CARDS = {"8 GB card (RTX 4060)": 8, "12 GB card (RTX 3060)": 12, "16 GB card (RTX 4080)": 16,
+         "24 GB card (RTX 4090)": 24}
+
+
+@dataclass
+class UISettings:
+    """Where the UI may read and write, and where runs go."""
+
+    allow_dirs: list[Path] = field(default_factory=lambda: [Path.cwd()])
+    runs_dir: Path = Path("runs")
+
+    def __post_init__(self) -> None:
+        self.allow_dirs = [Path(p).expanduser().resolve() for p in self.allow_dirs]
+        self.runs_dir = Path(self.runs_dir).expanduser().resolve()
+
+    @property
+    def roots(self) -> list[Path]:
+        """Folders the page may point at: the allowed ones and the runs folder."""
+        return [*self.allow_dirs, self.runs_dir]
+
+
+def api_function(name: str) -> Any | None:
+    """`finetune.api.<name>` if this build of the core has it (the planner and previews land later)."""
+    try:
+        return getattr(importlib.import_module("finetune.api"), name, None)
+    except ImportError:
+        return None
+
+
+def problems_markdown(exc: FinetuneError) -> str:
+    lines = [f"**{exc.message}**", *(f"- {p}" for p in exc.problems)]
+    if exc.hint:
+        lines.append(f"\n{exc.hint}")
+    return "\n".join(lines)
+
+
+class Backend:
+    """The UI's behaviour, bound to one runs folder and set of allowed folders."""
+
+    def __init__(self, settings: UISettings, manager: RunManager):
+        self.settings = settings
+        self.manager = manager
+        self.specs = form.form_specs()
+        self._downloads = Path(tempfile.mkdtemp(prefix="finetune-ui-"))
+
+    # -- recipe --------------------------------------------------------------------------------------
+    def recipe(self, values: list[Any]) -> Recipe:
+        """The form as a validated recipe; RecipeError lists one problem per bad key."""
+        try:
+            data = form.values_to_dict(self.specs, list(values))
+        except (TypeError, ValueError) as exc:
+            raise RecipeError("the form has a value of the wrong type", [str(exc)]) from None
+        return validate_recipe(data, "form")
+
+    def load_yaml(self, text: str, source: str) -> list[Any]:
+        """A recipe YAML's values for the form (every key, defaults filled in)."""
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise RecipeError(f"{source} is not valid YAML: {exc}") from None
+        recipe = validate_recipe(data, source, text)
+        return form.dict_to_values(self.specs, recipe.model_dump(mode="python"))
+
+    def recipe_file(self, values: list[Any]) -> tuple[Path, str]:
+        """Write the form as a recipe YAML to download; returns (path, text)."""
+        text = recipe_to_yaml(self.recipe(values))
+        path = self._downloads / "recipe.yaml"
+        path.write_text(text)
+        return path, text
+
+    def check_paths(self, recipe: Recipe) -> Path:
+        """Refuse recipes that read or write outside the allowed folders; returns the run directory."""
+        roots = self.settings.roots
+        allowed_path(recipe.data.path, roots, "data.path")
+        model = Path(recipe.model.path).expanduser()
+        if model.exists() and not is_inside(model, roots):  # a hub id (no such local path) is fine
+            allowed_path(recipe.model.path, roots, "model.path")
+        return allowed_path(recipe.output.dir, roots, "output.dir")
+
+    # -- memory --------------------------------------------------------------------------------------
+    def gpu_choices(self) -> list[str]:
+        """The detected GPU first (when CUDA works), then common cards."""
+        detected = []
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                props = torch.cuda.get_device_properties(0)
+                detected = [f"detected: {props.name} ({props.total_memory / 2**30:.0f} GiB)"]
+        except Exception:  # noqa: BLE001 - a broken CUDA install must not stop the UI
+            detected = []
+        return detected + list(CARDS)
+
+    def plan(self, values: list[Any], gpu: str) -> dict[str, Any]:
+        """The planner's JSON for the form's recipe on the chosen GPU (a card's size when memory is auto)."""
+        recipe = self.recipe(values)
+        plan_fn = api_function("plan")
+        if plan_fn is None:
+            raise FinetuneError("the memory planner is not available in this build (finetune.api.plan is missing)",
+                                hint="training still works; the plan shows here once the planner is installed")
+        kwargs: dict[str, Any] = {}
+        if gpu in CARDS and recipe.memory.gpu_memory == "auto":  # a budget written in the recipe wins
+            if "gpu_memory" in inspect.signature(plan_fn).parameters:
+                kwargs["gpu_memory"] = CARDS[gpu] * 2**30  # also tells the planner to plan for a GPU
+            else:
+                recipe = recipe.model_copy(update={"memory": recipe.memory.model_copy(
+                    update={"gpu_memory": CARDS[gpu] * 2**30})})
+        result = plan_fn(recipe, **kwargs)
+        data = result.to_json() if hasattr(result, "to_json") else result
+        return json.loads(data) if isinstance(data, str) else data
+
+    # -- data ----------------------------------------------------------------------------------------
+    def preview(self, values: list[Any], n: int = 3) -> tuple[list[dict[str, Any]], list[str]]:
+        """The first n examples as the model sees them (dicts with `tokens`: (text, carries loss) pairs,
+        `format`, `where`), and the records the reader could not parse (as the CLI reports them)."""
+        recipe = self.recipe(values)
+        allowed_path(recipe.data.path, self.settings.roots, "data.path", must_exist=True)
+        from finetune.data import preview
+        from finetune.data.read import read_records
+        from finetune.model.load import load_tokenizer
+        from finetune.model.source import resolve_model_path
+
+        tokenizer = load_tokenizer(resolve_model_path(recipe.model.path, recipe.model.revision), recipe.model)
+        examples = preview(recipe.data, tokenizer, n=n)
+        if not examples:
+            raise DataError(f"{recipe.data.path}: no usable record among those read",
+                            read_records(recipe.data.path).problems[:10])
+        return examples, read_records(recipe.data.path).problems
+
+    # -- training ------------------------------------------------------------------------------------
+    def start(self, values: list[Any]) -> Path:
+        """Queue a new run of the form's recipe; returns its run directory."""
+        recipe = self.recipe(values)
+        run_dir = self.check_paths(recipe)
+        if rundir.is_run_dir(run_dir):
+            raise FinetuneError(f"output.dir {run_dir} already holds a run",
+                                hint="resume it from the run list, or change output.dir for a new run")
+        path = self.manager.new_recipe_path()
+        path.write_text(recipe_to_yaml(recipe))
+        self.manager.submit(path, run_dir)
+        return run_dir
+
+    def resume(self, run_dir: str) -> Path:
+        """Queue the continuation of a stopped run from its newest checkpoint."""
+        path = self.run_path(run_dir)
+        recipe = path / "recipe.yaml"
+        if not recipe.is_file():
+            raise FinetuneError(f"{path} has no recipe.yaml, so it cannot be resumed")
+        self.manager.submit(recipe, path, resume=True)
+        return path
+
+    def stop(self, run_dir: str) -> str:
+        return self.manager.stop(self.run_path(run_dir, must_exist=False))
+
+    def run_path(self, run_dir: str | None, must_exist: bool = True) -> Path:
+        """A run directory named by the page, refused outside the allowed folders."""
+        return allowed_path(run_dir or "", self.settings.roots, "run", must_exist=must_exist)
+
+    def run_recipe(self, run_dir: str | None) -> str:
+        """A run's resolved recipe.yaml ('' while it has none)."""
+        recipe = self.run_path(run_dir) / "recipe.yaml"
+        return recipe.read_text() if recipe.is_file() else ""
+
+    def run_dirs(self) -> list[str]:
+        """Runs the page can show, newest first: queued or starting ones (no files yet), then on disk."""
+        jobs = self.manager.jobs()
+        found = [str(p) for p in rundir.find_run_dirs(self.settings.runs_dir, [Path(j.run_dir) for j in jobs])]
+        pending = [j.run_dir for j in reversed(jobs) if j.state in ("queued", "running") and j.run_dir not in found]
+        return pending + found
+
+    def current_run(self) -> str | None:
+        """The run a freshly opened page should show: the running one, else the newest."""
+        for job in reversed(self.manager.jobs()):
+            if job.state in ("running", "queued"):
+                return job.run_dir
+        dirs = self.run_dirs()
+        return dirs[0] if dirs else None
+
+    # -- results -------------------------------------------------------------------------------------
+    def chat(self, run_dir: str, prompt: str, max_new_tokens: int) -> tuple[str, str]:
+        """The same prompt answered by the run's adapter and by the base model alone."""
+        path = self.run_path(run_dir)
+        if not (path / "adapter").is_dir():
+            raise FinetuneError(f"{path} has no adapter yet: chat once the run has saved one")
+        from finetune import api
+
+        base, tuned = api.compare(path, prompt, max_new_tokens=max_new_tokens)
+        return tuned, base
+
+    def export(self, run_dir: str, out_dir: str, timeout: float = 3600) -> str:
+        """Merge and save through `finetune export` in a separate process (it loads the full model)."""
+        run = self.run_path(run_dir)
+        out = allowed_path(out_dir, self.settings.roots, "export folder")
+        proc = subprocess.run([sys.executable, "-m", "finetune", "export", str(run), "--out", str(out)],
+                              capture_output=True, text=True, timeout=timeout, env=self.manager.child_env(),
+                              cwd=self.manager.cwd)
+        if proc.returncode != 0:
+            raise FinetuneError(f"export failed (exit code {proc.returncode})", [rundir.last_lines(proc.stdout + proc.stderr)])
+        return f"merged model saved to {out}"

@@ -1,0 +1,132 @@
+"""Turn run-directory contents and planner output into what the page shows (markdown, HTML, tables)."""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+from typing import Any
+
+from finetune.recipe.schema import format_bytes
+from ui import rundir
+from ui.runs import RunManager
+
+
+def _size(n: Any) -> str:
+    return format_bytes(n) if isinstance(n, (int, float)) else "n/a"
+
+
+def _duration(seconds: Any) -> str:
+    if not isinstance(seconds, (int, float)):
+        return "n/a"
+    s = int(seconds)
+    return f"{s // 3600}h {s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m {s % 60:02d}s"
+
+
+def status_html(run_dir: Path, state: str) -> str:
+    """Progress bar, step, ETA, tokens/s and measured against predicted memory for one run."""
+    status = rundir.read_status(run_dir)
+    rows = rundir.read_metrics(run_dir)
+    step = status.get("step") or rundir.last_value(rows, "step") or 0
+    max_steps = status.get("max_steps") or 0
+    pct = 100.0 * step / max_steps if max_steps else 0.0
+    peaks = [r["peak_memory_bytes"] for r in rows if r.get("peak_memory_bytes")]
+    plan = rundir.read_plan(run_dir) or {}
+    items = {
+        "state": state,
+        "step": f"{step} / {max_steps or '?'}",
+        "ETA": _duration(status.get("eta_s")) if state == "running" else "-",
+        "loss": f"{rundir.last_value(rows, 'loss'):.4f}" if rundir.last_value(rows, "loss") is not None else "n/a",
+        "tokens/s": f"{rundir.last_value(rows, 'tokens_per_second') or 0:,.0f}",
+        "peak memory, measured": _size(max(peaks) if peaks else None),
+        "peak memory, predicted": _size(plan.get("peak_bytes")),
+    }
+    cells = "".join(f"<div><small>{html.escape(k)}</small><br><b>{html.escape(str(v))}</b></div>"
+                    for k, v in items.items())
+    error = status.get("error")
+    err = f"<pre style='color:#b00020;white-space:pre-wrap'>{html.escape(str(error))}</pre>" if error else ""
+    return (f"<div id='run-status' data-state='{html.escape(state)}' data-step='{step}'>"
+            f"<div><code>{html.escape(str(run_dir))}</code></div>"
+            f"<progress value='{pct:.1f}' max='100' style='width:100%'></progress>"
+            f"<div style='display:flex;gap:1.5em;flex-wrap:wrap'>{cells}</div>{err}</div>")
+
+
+def _differences(plan: dict[str, Any], option: dict[str, Any]) -> str:
+    """The settings in which an option differs from the chosen plan, as `key=value, ...`."""
+    chosen = plan.get("settings") or {}
+    diff = {k: v for k, v in (option.get("settings") or {}).items() if chosen.get(k) != v}
+    return ", ".join(f"{k}={v}" for k, v in diff.items())
+
+
+def plan_bars(plan: dict[str, Any], limit: int = 5) -> list[tuple[str, dict[str, float]]]:
+    """(label, breakdown) for the chosen plan and the first `limit` alternatives that have a breakdown,
+    each alternative labelled by the settings in which it differs from the chosen plan."""
+    bars = [("chosen plan", plan.get("breakdown") or {})]
+    for i, alt in enumerate(plan.get("alternatives") or [], 1):
+        if isinstance(alt, dict) and isinstance(alt.get("breakdown"), dict) and len(bars) <= limit:
+            bars.append((alt.get("name") or _differences(plan, alt) or f"alternative {i}", alt["breakdown"]))
+    return bars
+
+
+def plan_markdown(plan: dict[str, Any]) -> str:
+    """Whether the recipe fits, the peak against the budget, and the settings the planner chose."""
+    verdict = "FITS" if plan.get("fits") else "DOES NOT FIT"
+    lines = [f"### {verdict}: predicted peak {_size(plan.get('peak_bytes'))} of a {_size(plan.get('budget_bytes'))} "
+             "budget"]
+    if plan.get("tokens_per_s"):
+        lines.append(f"Predicted speed: **{plan['tokens_per_s']:,.0f} tokens/s** on {plan.get('device', 'the device')}.")
+    if not plan.get("fits") and plan.get("min_budget_bytes"):
+        lines.append(f"The smallest budget any option fits: {_size(plan['min_budget_bytes'])}.")
+    settings = plan.get("settings") or {}
+    if settings:
+        lines.append("**Chosen settings:** " + ", ".join(f"`{k}={v}`" for k, v in settings.items()))
+    return "\n\n".join(lines)
+
+
+OPTION_HEADERS = ["option", "predicted peak", "tokens/s", "differs from the chosen plan in", "why rejected"]
+
+
+def option_rows(plan: dict[str, Any]) -> list[list[str]]:
+    """Alternatives and rejected options: kind, peak, speed, how they differ, and why rejected."""
+    rows = []
+    for kind in ("alternatives", "rejected"):
+        for opt in plan.get(kind) or []:
+            if isinstance(opt, dict):
+                rows.append([kind.rstrip("s"), _size(opt.get("peak_bytes")), _fmt(opt.get("tokens_per_s"), ",.0f"),
+                             _differences(plan, opt), str(opt.get("reason") or "")])
+    return rows
+
+
+def history_rows(run_dirs: list[str]) -> list[list[Any]]:
+    """One row per run: name, state, progress and its final metrics."""
+    rows = []
+    for d in run_dirs:
+        s = rundir.summary(Path(d))
+        rows.append([d, s["state"], f"{s['step'] or 0} / {s['max_steps'] or '?'}",
+                     _fmt(s["loss"]), _fmt(s["eval_loss"]), _fmt(s["tokens_per_second"], ".0f"),
+                     _size(s["peak_memory_bytes"])])
+    return rows
+
+
+def _fmt(value: Any, spec: str = ".4f") -> str:
+    return format(value, spec) if isinstance(value, (int, float)) else ""
+
+
+def queue_markdown(manager: RunManager) -> str:
+    """The running job and the queue behind it."""
+    jobs = [j for j in manager.jobs() if j.state in ("running", "queued")]
+    if not jobs:
+        return "GPU free: no run is going and none is queued."
+    return "\n".join(f"- **{j.state}**{' (resume)' if j.resume else ''}: `{j.run_dir}`" for j in jobs)
+
+
+def preview_markdown(examples: list[dict[str, Any]], bad: list[str]) -> str:
+    """Detected format, where the shown examples come from, and the records that could not be read."""
+    fmt = examples[0].get("format", "?") if examples else "?"
+    lines = [f"Detected format: **{fmt}**. {len(examples)} example(s) below as the model sees them; "
+             "tokens that carry loss are highlighted."]
+    lines += [f"- example {i}: {ex.get('where', '')}{' (truncated to max_seq_len)' if ex.get('truncated') else ''}"
+              for i, ex in enumerate(examples, 1)]
+    if bad:
+        lines.append(f"\n**{len(bad)} bad record(s)** (a run stops on them unless data.on_bad_record is skip):")
+        lines += [f"- {p}" for p in bad[:10]] + ([f"- … and {len(bad) - 10} more"] if len(bad) > 10 else [])
+    return "\n".join(lines)
