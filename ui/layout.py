@@ -236,8 +236,11 @@ def build_app(backend: Backend) -> gr.Blocks:
                     views.option_rows(result))
 
         plan_btn.click(plan, [*widgets, gpu], [plan_msg, plan_plot, plan_table], api_name="plan")
-        gr.on([memory_tab.select, gpu.change, *[w.change for w in widgets]], plan, [*widgets, gpu], [plan_msg, plan_plot, plan_table],
+        # The form lives on another tab: planning when this tab opens shows the current settings, without
+        # re-planning on every keystroke.
+        gr.on([memory_tab.select, gpu.change], plan, [*widgets, gpu], [plan_msg, plan_plot, plan_table],
               trigger_mode="always_last", api_visibility="private")
+
 
         # -- train ---------------------------------------------------------------------------------------
         def run_choices(selected: str | None = None):
