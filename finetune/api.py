@@ -10,6 +10,7 @@ from finetune.recipe.load import validate_recipe
 from finetune.recipe.schema import Recipe
 
 if TYPE_CHECKING:  # torch and transformers load only when a command needs them
+    from finetune.plan import Plan
     from finetune.train.run import RunResult
 
 
@@ -21,6 +22,13 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
 def validate(data: dict, source: str = "recipe") -> Recipe:
     """Validate a recipe given as a mapping (the UI form)."""
     return validate_recipe(data, source)
+
+
+def plan(recipe: Recipe, *, gpu_memory: str | int | None = None, device: str | None = None) -> Plan:
+    """Predict peak memory per component (no weights loaded) and resolve `auto` settings to the fastest fit."""
+    from finetune.plan import predict
+
+    return predict(recipe, gpu_memory=gpu_memory, device=device)
 
 
 def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> RunResult:

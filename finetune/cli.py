@@ -30,6 +30,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe_args(p)
     p.set_defaults(func=cmd_validate)
 
+    p = sub.add_parser("plan", help="predict peak memory per component and pick the fastest settings that fit")
+    _add_recipe_args(p)
+    p.add_argument("--gpu-memory", help="budget such as 12GiB, or auto (free memory of this GPU); default: recipe")
+    p.add_argument("--device", choices=["cuda", "cpu"], help="plan for this device (default: cuda if present or "
+                   "a GPU size is given, else cpu)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("measure", help="run N real training steps and report the measured peak and breakdown")
+    _add_recipe_args(p)
+    p.add_argument("--steps", type=int, default=2, help="training steps to run")
+    p.add_argument("--json", action="store_true", help="print the measurement as JSON")
+    p.set_defaults(func=cmd_measure)
+
+    # `finetune ui ...` is handed to ui.app.main as is (see main); listed here for --help.
+    sub.add_parser("ui", help="start the web UI on 127.0.0.1:7860 (finetune ui --help for its options)")
+
     p = sub.add_parser("keys", help="list every recipe key with its type, default and description")
     p.add_argument("section", nargs="?", help="only this section, e.g. training")
     p.add_argument("--markdown", action="store_true", help="print the Markdown reference (docs/recipe.md)")
@@ -72,6 +89,20 @@ def cmd_validate(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from finetune import api
+    from finetune.plan import plan_command
+
+    return plan_command(api.load_recipe(args.recipe, args.overrides), args.gpu_memory, args.json, device=args.device)
+
+
+def cmd_measure(args) -> int:
+    from finetune import api
+    from finetune.memory.measure import measure_command
+
+    return measure_command(api.load_recipe(args.recipe, args.overrides), args.steps, args.json)
+
+
 def cmd_keys(args) -> int:
     from rich.table import Table
 
@@ -107,6 +138,11 @@ def cmd_export(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["ui"]:
+        from ui.app import main as ui_main
+
+        return ui_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command not in ("validate", "keys"):  # those two never import torch: keep them instant
         from finetune.console import quiet_libraries

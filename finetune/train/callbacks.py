@@ -57,11 +57,16 @@ class MetricsCallback(TrainerCallback):
             row.update(
                 loss=logs["loss"], learning_rate=logs.get("learning_rate"), grad_norm=logs.get("grad_norm"),
                 tokens_per_second=round((tokens - self._last_tokens) / dt, 2), tokens_seen=int(tokens),
-                peak_memory_bytes=peak_memory_bytes(),
+                peak_memory_bytes=logs.get("peak_memory_bytes", peak_memory_bytes()),
             )
             self._last_time, self._last_tokens = now, tokens
         else:
             return  # the end-of-training summary goes to results.json instead
+        if "peak_memory_breakdown" in logs:  # the CPU tensor tracker splits the peak by component
+            row["peak_memory_breakdown"] = logs["peak_memory_breakdown"]
+        if "memory_warning" in logs:
+            row["memory_warning"] = logs["memory_warning"]
+            console.print(f"[yellow]warning: {logs['memory_warning']}")
         self.run.append_metrics(row)
         self.run.log_line(" ".join(f"{k}={v}" for k, v in row.items()))
         self.run.write_status("running", step=state.global_step, max_steps=self.max_steps, eta_s=self._eta(state))

@@ -12,8 +12,11 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from finetune.console import console
 from finetune.errors import FinetuneError
+from finetune.memory.offload import activation_offload, preflight_offload
+from finetune.memory.tracker_callback import PeakMemoryCallback
+from finetune.plan import Plan, plot_breakdown, predict
 from finetune.recipe.load import recipe_to_yaml
-from finetune.recipe.schema import Recipe
+from finetune.recipe.schema import Recipe, format_bytes
 from finetune.train.callbacks import MetricsCallback, ProgressCallback, StopOnSignal
 from finetune.train.plots import plot_loss_curve
 from finetune.train.rundir import (
@@ -56,12 +59,44 @@ def _prepare_run_dir(recipe: Recipe, resume: bool, overwrite: bool) -> tuple[Run
     return run, None
 
 
+def _plan(recipe: Recipe) -> tuple[Plan | None, Recipe]:
+    """Plan the memory before loading anything; `auto` settings become the planner's choice.
+
+    Without `auto` values the plan only predicts (a failure to predict an unusual model is reported, not fatal).
+    """
+    auto = _unresolved_auto(recipe)
+    try:
+        plan = predict(recipe)
+    except FinetuneError:
+        raise
+    except Exception as exc:
+        if set(auto) - {"memory.chunked_loss"}:
+            raise FinetuneError(f"cannot plan {', '.join(auto)} = auto: {type(exc).__name__}: {exc}",
+                                hint="set those keys to explicit values") from None
+        # Only the default chunked_loss=auto is open: the plain loss is always correct, so train without a plan.
+        console.print(f"[yellow]memory plan unavailable ({type(exc).__name__}: {exc}); training without it "
+                      "(memory.chunked_loss: auto -> false)")
+        return None, recipe.model_copy(update={"memory": recipe.memory.model_copy(update={"chunked_loss": False})})
+    budget = f"{format_bytes(plan.peak_bytes)} predicted peak, budget {format_bytes(plan.budget_bytes)}"
+    if not plan.fits:
+        needed = f"; the leanest plan needs a budget of {format_bytes(plan.min_budget_bytes)}" \
+            if plan.min_budget_bytes else ""
+        if auto:
+            raise FinetuneError(f"no settings fit the memory budget: {budget}{needed}",
+                                hint="run `finetune plan RECIPE` to see what was tried and why it was rejected")
+        console.print(f"[yellow]warning: this recipe is predicted not to fit: {budget}{needed}")
+    else:
+        console.print(f"memory plan: {budget}" + (f"; chose {', '.join(auto)} automatically" if auto else ""))
+    return plan, plan.apply(recipe) if auto else recipe
+
+
 def _unresolved_auto(recipe: Recipe) -> list[str]:
     fields = {
         "training.micro_batch_size": recipe.training.micro_batch_size,
         "training.gradient_accumulation_steps": recipe.training.gradient_accumulation_steps,
         "memory.activation_checkpointing": recipe.memory.activation_checkpointing,
         "memory.offload": recipe.memory.offload,
+        "memory.chunked_loss": recipe.memory.chunked_loss,
         "quantization.bits": recipe.quantization.bits,
         "optimizer.name": recipe.optimizer.name,
     }
@@ -70,62 +105,13 @@ def _unresolved_auto(recipe: Recipe) -> list[str]:
 
 def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> RunResult:
     """Fine-tune as the recipe says and fill the run directory. Ctrl-C saves a checkpoint and stops."""
-    from finetune.data import build_datasets
-    from finetune.model.adapter import apply_adapter, count_parameters
-    from finetune.model.load import load_model
-
-    auto = _unresolved_auto(recipe)
-    if auto:
-        raise FinetuneError(f"these recipe keys are auto but the memory planner is not available: {', '.join(auto)}",
-                            hint="set them to explicit values")
     run_dir, checkpoint = _prepare_run_dir(recipe, resume, overwrite)
-    atomic_write_text(run_dir.recipe, recipe_to_yaml(recipe))
-    atomic_write_json(run_dir.env, environment_summary())
-    run_dir.write_status("loading")
+    run_dir.write_status("planning")
     run_dir.log_line(f"run started (resume from {checkpoint})" if checkpoint else "run started")
-
     stopper = StopOnSignal()
     stopper.install()
     try:
-        set_seed(recipe.training.seed)  # adapter initialisation is random: make it reproducible
-        model, tokenizer, _ = load_model(recipe.model, recipe.quantization)
-        checkpointing = bool(recipe.memory.activation_checkpointing)
-        model = apply_adapter(model, recipe.adapter, checkpointing=checkpointing)
-        trainable, total = count_parameters(model)
-        console.print(f"model: {recipe.model.path}  trainable {trainable:,} of {total:,} parameters "
-                      f"({100 * trainable / max(total, 1):.2f}%)")
-        data = build_datasets(recipe.data, tokenizer, recipe.training.seed)
-        console.print("data: " + ", ".join(f"{k} {v}" for k, v in data.stats.items()))
-        run_dir.log_line(f"data stats: {data.stats}")
-
-        steps = total_steps(recipe, len(data.train))
-        if checkpoint:
-            run_dir.truncate_metrics(int(Path(checkpoint).name.split("-")[-1]))
-        metrics = MetricsCallback(run_dir, steps)
-        trainer = FinetuneTrainer(
-            model=model, args=training_arguments(recipe, run_dir.checkpoints, steps, data.eval is not None),
-            train_dataset=data.train, eval_dataset=data.eval, data_collator=data.collator,
-            processing_class=tokenizer, callbacks=[metrics, ProgressCallback(steps), stopper], recipe=recipe,
-        )
-        trainer.remove_callback(PrinterCallback)  # our progress bar and metrics.jsonl replace its prints
-        start = time.time()
-        output = trainer.train(resume_from_checkpoint=checkpoint)
-        eval_loss = None
-        if data.eval is not None:
-            eval_loss = trainer.evaluate().get("eval_loss")
-        state = "stopped" if stopper.requested else "completed"
-        if state == "completed":
-            _save_result(trainer, tokenizer, run_dir)
-        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        result = RunResult(run_dir.root, state, trainer.state.global_step, losses[-1] if losses else None, eval_loss)
-        atomic_write_json(run_dir.results, {
-            "state": state, "steps": result.steps, "final_loss": result.final_loss, "eval_loss": eval_loss,
-            "train_runtime_s": round(time.time() - start, 2), "train_metrics": output.metrics, "data": data.stats,
-            "trainable_parameters": trainable, "total_parameters": total})
-        plot_loss_curve(run_dir.metrics, run_dir.root / "loss.png")
-        run_dir.write_status(state, step=result.steps, max_steps=steps)
-        run_dir.log_line(f"run {state} at step {result.steps}")
-        return result
+        return _plan_build_train(recipe, run_dir, checkpoint, stopper)
     except BaseException as exc:
         state = "stopped" if isinstance(exc, KeyboardInterrupt) else "failed"
         run_dir.write_status(state, error=f"{type(exc).__name__}: {exc}")
@@ -133,6 +119,66 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> Run
         raise
     finally:
         stopper.uninstall()
+
+
+def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, stopper: StopOnSignal) -> RunResult:
+    from finetune.data import build_datasets
+    from finetune.model.adapter import apply_adapter, count_parameters
+    from finetune.model.load import load_model
+
+    plan, recipe = _plan(recipe)
+    if plan is not None:
+        atomic_write_text(run_dir.plan, plan.to_json())
+        plot_breakdown(plan, run_dir.root / "plan.png")
+    atomic_write_text(run_dir.recipe, recipe_to_yaml(recipe))
+    atomic_write_json(run_dir.env, environment_summary())
+    run_dir.write_status("loading")
+
+    set_seed(recipe.training.seed)  # adapter initialisation is random: make it reproducible
+    model, tokenizer, _ = load_model(recipe.model, recipe.quantization)
+    model = apply_adapter(model, recipe.adapter, checkpointing=bool(recipe.memory.activation_checkpointing))
+    trainable, total = count_parameters(model)
+    console.print(f"model: {recipe.model.path}  trainable {trainable:,} of {total:,} parameters "
+                  f"({100 * trainable / max(total, 1):.2f}%)")
+    data = build_datasets(recipe.data, tokenizer, recipe.training.seed)
+    console.print("data: " + ", ".join(f"{k} {v}" for k, v in data.stats.items()))
+    run_dir.log_line(f"data stats: {data.stats}")
+
+    steps = total_steps(recipe, len(data.train))
+    if checkpoint:
+        run_dir.truncate_metrics(int(Path(checkpoint).name.split("-")[-1]))
+    peak = PeakMemoryCallback(plan.peak_bytes if plan is not None else None)
+    # A bad offload_dir fails here, before the first step and before anything is written there.
+    preflight_offload(model, recipe.memory, run_dir.root, int(recipe.training.micro_batch_size), recipe.data.max_seq_len)
+    offload = activation_offload(model, recipe.memory, run_dir.root)
+    trainer = FinetuneTrainer(
+        model=model, args=training_arguments(recipe, run_dir.checkpoints, steps, data.eval is not None),
+        train_dataset=data.train, eval_dataset=data.eval, data_collator=data.collator, processing_class=tokenizer,
+        callbacks=[peak, MetricsCallback(run_dir, steps), ProgressCallback(steps), stopper], recipe=recipe,
+        offload=offload,
+    )
+    trainer.remove_callback(PrinterCallback)  # our progress bar and metrics.jsonl replace its prints
+    start = time.time()
+    try:
+        output = trainer.train(resume_from_checkpoint=checkpoint)
+    finally:
+        if offload is not None:
+            offload.close()  # removes every file the disk tier still holds, also after an error
+    eval_loss = trainer.evaluate().get("eval_loss") if data.eval is not None else None
+    state = "stopped" if stopper.requested else "completed"
+    if state == "completed":
+        _save_result(trainer, tokenizer, run_dir)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    result = RunResult(run_dir.root, state, trainer.state.global_step, losses[-1] if losses else None, eval_loss)
+    atomic_write_json(run_dir.results, {
+        "state": state, "steps": result.steps, "final_loss": result.final_loss, "eval_loss": eval_loss,
+        "train_runtime_s": round(time.time() - start, 2), "train_metrics": output.metrics, "data": data.stats,
+        "trainable_parameters": trainable, "total_parameters": total,
+        "offload": dict(offload.stats, tier=recipe.memory.offload) if offload is not None else None})
+    plot_loss_curve(run_dir.metrics, run_dir.root / "loss.png")
+    run_dir.write_status(state, step=result.steps, max_steps=steps)
+    run_dir.log_line(f"run {state} at step {result.steps}")
+    return result
 
 
 def _save_result(trainer: FinetuneTrainer, tokenizer, run_dir: RunDir) -> None:

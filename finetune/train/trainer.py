@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 from transformers import Trainer, TrainingArguments
 
+from finetune.memory.chunked_loss import causal_lm_loss
+from finetune.memory.offload import ActivationOffload
 from finetune.optim import build_optimizer, layerwise_of, register_safe_globals
 from finetune.recipe.schema import Recipe
 
@@ -72,10 +74,24 @@ def training_arguments(recipe: Recipe, output_dir: Path, steps: int, has_eval: b
 class FinetuneTrainer(Trainer):
     """Trainer with the recipe at hand, so memory techniques (optimizers, offload, chunked loss) can plug in."""
 
-    def __init__(self, *args, recipe: Recipe, **kwargs):
+    def __init__(self, *args, recipe: Recipe, offload: ActivationOffload | None = None, **kwargs):
         self.recipe = recipe
+        self.offload = offload
         register_safe_globals()  # checkpoints hold GaLore/APOLLO projectors; resume loads with weights_only
         super().__init__(*args, **kwargs)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """One forward + backward; with memory.offload the saved activations leave the device in between."""
+        if self.offload is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        with self.offload:
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """memory.chunked_loss: LM head + cross-entropy in chunks, so the full logits tensor never exists."""
+        if self.recipe.memory.chunked_loss is True and not return_outputs:
+            return causal_lm_loss(model, inputs, num_items_in_batch)
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     def create_optimizer(self, model=None):
         """Every optimizer of the recipe (APOLLO, GaLore, 8-bit, layer-wise...) comes from finetune.optim."""

@@ -1,0 +1,134 @@
+"""Inputs of the planner's offload speed and memory model: measured bandwidths and bytes moved per step.
+
+Bandwidths are measured once per disk (filesystem device) and per GPU model and cached as JSON in
+`$FINETUNE_CACHE/bandwidth.json` (default `~/.cache/finetune`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from finetune.memory.offload_disk import FILE_PREFIX, read_tensor_file, write_tensor_file
+
+PROBE_BYTES = 256 << 20
+PROBE_CHUNK = 16 << 20  # written as separate files, like activations
+
+
+def cache_path() -> Path:
+    """The JSON cache of measured bandwidths."""
+    root = os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune"
+    return Path(root) / "bandwidth.json"
+
+
+def _load_cache() -> dict:
+    try:
+        return json.loads(cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _store_cache(key: str, value: dict) -> None:
+    path = cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cache = _load_cache()
+    cache[key] = value
+    tmp = path.with_suffix(f".{uuid.uuid4().hex}.tmp")
+    tmp.write_text(json.dumps(cache, indent=2, sort_keys=True))
+    tmp.replace(path)
+
+
+def measure_disk(directory: str | Path, nbytes: int = PROBE_BYTES) -> dict[str, float]:
+    """Write then read `nbytes` in 16 MiB files under `directory`, fsynced and out of the page cache.
+
+    Returns bytes/s for `write` and `read`; the files are removed whatever happens.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    chunk = torch.randint(0, 256, (min(nbytes, PROBE_CHUNK),), dtype=torch.uint8)
+    paths = [directory / f"{FILE_PREFIX}bw-{uuid.uuid4().hex}" for _ in range(max(1, nbytes // chunk.numel()))]
+    try:
+        start = time.perf_counter()
+        for path in paths:
+            write_tensor_file(path, chunk)
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+                if hasattr(os, "posix_fadvise"):  # so the read below comes from the disk, not the cache
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        write = len(paths) * chunk.numel() / (time.perf_counter() - start)
+        start = time.perf_counter()
+        for path in paths:
+            read_tensor_file(path, chunk)
+        read = len(paths) * chunk.numel() / (time.perf_counter() - start)
+    finally:
+        for path in paths:
+            path.unlink(missing_ok=True)
+    return {"write": write, "read": read}
+
+
+def measure_host_device(device: torch.device, nbytes: int = PROBE_BYTES) -> dict[str, float]:
+    """Pinned host <-> CUDA device copy bandwidth in bytes/s (`d2h`, `h2d`)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    result = {}
+    for name, dst, src in (("d2h", host, dev), ("h2d", dev, host)):
+        dst.copy_(src, non_blocking=True)  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        result[name] = 3 * nbytes / (start.elapsed_time(end) / 1000)
+    return result
+
+
+def disk_bandwidth(directory: str | Path, refresh: bool = False) -> dict[str, float]:
+    """Cached `measure_disk` for the filesystem holding `directory` (measured on first use)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    key = f"disk:{os.stat(directory).st_dev}"
+    cached = _load_cache().get(key)
+    if cached is None or refresh:
+        cached = measure_disk(directory)
+        _store_cache(key, cached)
+    return cached
+
+
+def host_device_bandwidth(device: torch.device, refresh: bool = False) -> dict[str, float]:
+    """Cached `measure_host_device` for this GPU model."""
+    key = f"cuda:{torch.cuda.get_device_name(device)}"
+    cached = _load_cache().get(key)
+    if cached is None or refresh:
+        cached = measure_host_device(device)
+        _store_cache(key, cached)
+    return cached
+
+
+def offload_bytes_per_step(num_layers: int, hidden_size: int, micro_batch: int, seq_len: int,
+                           dtype_bytes: int, min_size: int, checkpoint_every_n_layers: int | None,
+                           layer_saved_bytes: int = 0, frozen_embeddings: bool = False) -> int:
+    """Bytes `ActivationOffload` moves out (and back) per micro-batch: exactly what its hooks offload.
+
+    Layers 0 .. num_layers-2 are offloaded (the last stays on the device). A checkpointed layer (index
+    divisible by `checkpoint_every_n_layers`; None = no checkpointing) offloads its input hidden states,
+    micro_batch * seq_len * hidden_size * dtype_bytes, when that is >= min_size -- except layer 0 when the
+    embeddings are frozen (LoRA/QLoRA): its input is then a leaf that autograd keeps anyway, so it stays.
+    Any other layer offloads `layer_saved_bytes`: the sum over the distinct storages one layer saves for
+    backward that are each >= min_size (parameters and leaves excluded). The disk tier writes and reads
+    these bytes; the cpu tier with offload_cpu_limit sends what exceeds the limit to disk.
+    """
+    layer_input = micro_batch * seq_len * hidden_size * dtype_bytes
+    total = 0
+    for index in range(num_layers - 1):
+        if checkpoint_every_n_layers is not None and index % checkpoint_every_n_layers == 0:
+            offloaded = layer_input >= min_size and not (index == 0 and frozen_embeddings)
+            total += layer_input if offloaded else 0
+        else:
+            total += layer_saved_bytes
+    return total

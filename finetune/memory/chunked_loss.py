@@ -1,0 +1,97 @@
+"""Causal-LM loss computed in chunks of tokens so the full (tokens x vocab) logits never exist.
+
+Each chunk runs LM head -> (soft-cap) -> fp32 cross-entropy under a non-reentrant checkpoint: its logits are
+freed as soon as its loss is known and recomputed in backward, one chunk at a time. Only tokens with a label
+are sent through the head. Loss and gradients match transformers' `ForCausalLMLoss` (label shift,
+ignore_index=-100, mean or `num_items_in_batch` normalisation, Gemma-2 final logit soft-capping) up to
+floating-point summation order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from finetune.errors import FinetuneError
+
+IGNORE_INDEX = -100
+CHUNK_LOGITS_BYTES = 64 << 20  # fp32 logits of one chunk when chunk_size is not given
+# Config fields of heads that rescale logits in ways this loss does not reproduce (Cohere, Granite).
+UNSUPPORTED_HEAD_FIELDS = ("logit_scale", "logits_scaling")
+
+
+def default_chunk_size(vocab_size: int) -> int:
+    """Tokens per chunk so one chunk's fp32 logits take about 64 MiB (a power of two in 64..8192)."""
+    tokens = max(64, min(8192, CHUNK_LOGITS_BYTES // (4 * vocab_size)))
+    return 1 << (tokens.bit_length() - 1)
+
+
+def _chunk_loss_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
+                    softcap: float | None) -> torch.Tensor:
+    logits = head(hidden)
+    if softcap is not None:  # the same ops, in the same dtype, as Gemma-2's forward
+        logits = torch.tanh(logits / softcap) * softcap
+    return F.cross_entropy(logits.float(), labels, reduction="sum")
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor,
+                          num_items_in_batch: torch.Tensor | int | None = None, chunk_size: int | None = None,
+                          softcap: float | None = None, vocab_size: int | None = None) -> torch.Tensor:
+    """Cross-entropy of `head(hidden)` against `labels` (already aligned: position i predicts labels[i]).
+
+    Mean over labelled tokens, or sum / `num_items_in_batch` when given (HF Trainer's exact gradient
+    accumulation). `chunk_size` tokens go through the head at a time (default: from `vocab_size`).
+    """
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    labels = labels.reshape(-1).to(hidden.device)
+    keep = (labels != IGNORE_INDEX).nonzero().squeeze(1)  # one host sync per step
+    hidden, labels = hidden.index_select(0, keep), labels.index_select(0, keep)
+    if chunk_size is None:
+        chunk_size = default_chunk_size(vocab_size or getattr(head, "out_features", 32000))
+    total = hidden.sum() * 0.0  # keeps the graph (and dtype promotion) when no token has a label
+    total = total.float()
+    for start in range(0, hidden.shape[0], chunk_size):
+        total = total + checkpoint(_chunk_loss_sum, head, hidden[start:start + chunk_size],
+                                   labels[start:start + chunk_size], softcap, use_reentrant=False)
+    if num_items_in_batch is None:
+        return total / keep.numel()
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model under a peft wrapper (LoRA layers stay injected in it)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def causal_lm_loss(model: nn.Module, inputs: Mapping[str, Any], num_items_in_batch: torch.Tensor | int | None = None,
+                   chunk_size: int | None = None) -> torch.Tensor:
+    """The causal-LM training loss of `model` on a batch, without materialising the logits.
+
+    `inputs` is the Trainer's batch (input_ids, attention_mask, labels, optionally position_ids or
+    shift_labels); works for plain and peft-wrapped models (LoRA on lm_head or lm_head in modules_to_save).
+    """
+    base = _unwrap(model)
+    inputs = dict(inputs)
+    labels = inputs.pop("labels")
+    shift_labels = inputs.pop("shift_labels", None)
+    if shift_labels is None:  # position i predicts token i+1, exactly as ForCausalLMLoss shifts
+        shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    inputs.setdefault("use_cache", False)
+    hidden = base.get_decoder()(**inputs)[0]
+    head = base.get_output_embeddings()
+    config = base.config.get_text_config()
+    scaled = [f for f in UNSUPPORTED_HEAD_FIELDS if getattr(config, f, None) not in (None, 1, 1.0)]
+    if scaled:
+        raise FinetuneError(
+            f"memory.chunked_loss does not support {type(base).__name__}: its LM head applies {scaled[0]}",
+            hint="Set memory.chunked_loss: false for this model.")
+    return chunked_cross_entropy(
+        hidden, head, shift_labels, num_items_in_batch, chunk_size,
+        softcap=getattr(config, "final_logit_softcapping", None), vocab_size=config.vocab_size)

@@ -1,0 +1,264 @@
+"""The disk tier of activation offload: background writes, reverse-order read-ahead, no file left behind.
+
+Each offloaded activation becomes one file in `offload_dir`. Writes run on background threads behind a
+bounded queue (the forward blocks only when the disk falls that far behind); reads are started ahead of
+need during backward and delete the file as soon as its bytes are in memory. `DiskTier.cleanup` removes
+every file of the step (exceptions, Ctrl-C, a backward that never ran), after the threads have let go.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import threading
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from finetune.errors import FinetuneError
+from finetune.memory.offload_cpu import STEP_ENDED, DeviceCopy, HostPool, Mover, byte_view, host_view
+from finetune.recipe.schema import format_bytes
+
+FILE_PREFIX = "ft-act-"
+DISK_MARGIN = 0.10  # free space asked for on top of the predicted bytes
+DISK_MARGIN_MIN = 256 << 20
+
+
+OFFLOAD_DIR_HINT = ("Set memory.offload_dir to a folder on a disk with enough free space (ideally an NVMe "
+                    "SSD), raise memory.offload_cpu_limit, or use memory.offload: cpu or none.")
+
+
+class OffloadDirError(FinetuneError):
+    """`memory.offload_dir` cannot hold the offloaded activations."""
+
+
+def check_offload_dir(path: str | Path, needed_bytes: int) -> Path:
+    """Before training: `path` must be a writable directory with `needed_bytes` plus a margin free.
+
+    Creates the directory if missing; otherwise touches nothing. Raises `OffloadDirError` saying which
+    directory, how much is needed and free, and how to fix it.
+    """
+    path = Path(path).expanduser().resolve()
+    hint = OFFLOAD_DIR_HINT
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".{FILE_PREFIX}probe-{uuid.uuid4().hex}"
+        probe.write_bytes(b"\0" * 4096)
+        probe.unlink()
+    except OSError as exc:
+        raise OffloadDirError(f"memory.offload_dir {path} is not writable: {exc.strerror or exc}",
+                              hint=hint) from None
+    needed = int(needed_bytes + max(DISK_MARGIN * needed_bytes, DISK_MARGIN_MIN))
+    free = shutil.disk_usage(path).free
+    if free < needed:
+        raise OffloadDirError(
+            f"memory.offload_dir {path} has {format_bytes(free)} free but disk offload needs "
+            f"{format_bytes(needed)} ({format_bytes(needed_bytes)} of activations per step plus a margin)",
+            hint=hint)
+    return path
+
+
+def write_tensor_file(path: Path, data: torch.Tensor) -> None:
+    view = memoryview(byte_view(data).numpy())
+    with open(path, "wb", buffering=0) as f:
+        done = 0
+        while done < len(view):
+            done += f.write(view[done:])
+
+
+def read_tensor_file(path: Path, into: torch.Tensor) -> None:
+    view = memoryview(byte_view(into).numpy())
+    with open(path, "rb", buffering=0) as f:
+        done = 0
+        while done < len(view):
+            n = f.readinto(view[done:])
+            if not n:
+                raise OSError(f"activation offload file {path} is truncated")
+            done += n
+
+
+class DiskFile:
+    """One activation on disk: written in the background, read back ahead of need, then deleted.
+
+    After the read the bytes stay in host memory (the device copy is made from them) until autograd drops
+    the handle, which it does right after use unless the graph is retained for another backward.
+    """
+
+    def __init__(self, tier: DiskTier, tensor: torch.Tensor, layout: torch.Tensor, nbytes: int):
+        self.tier = tier
+        self.layout = layout
+        self.nbytes = nbytes
+        self.path = tier.new_path()
+        self._read: Future | None = None
+        self._host: torch.Tensor | None = None
+        self._released = False
+        self._staging = self._buffer = None
+        mover = tier.mover
+        self.device = DeviceCopy(mover) if mover is not None else None
+        if mover is not None:  # stage through a pinned buffer, the copy ordered by an event
+            self._staging = tier.pool.acquire(nbytes)
+            source = host_view(self._staging, layout)
+            event = self._staged = mover.to_host(tensor, source)
+        else:
+            # Write straight from the activation when it is exactly its storage, else from a dense copy
+            # (a view would drag its whole base along).
+            event = None
+            owns = (tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == nbytes
+                    and tensor.stride() == layout.stride())
+            source = tensor if owns else host_view(torch.empty(nbytes, dtype=torch.uint8), layout).copy_(tensor)
+        self._write = tier.submit_write(nbytes, self._do_write, source, event)
+
+    def _do_write(self, source: torch.Tensor, event: Any) -> None:
+        if event is not None:
+            self.tier.mover.wait_host(event)
+        write_tensor_file(self.path, source)
+        if self._staging is not None:
+            self.tier.pool.release(self._staging)
+            self._staging = None
+
+    def fetch(self) -> None:
+        """Start reading the file back (read-ahead); the destination is allocated by the caller's thread."""
+        if self._read is not None or self._host is not None or self._released:
+            return
+        pool = self.tier.pool
+        buffer = pool.acquire(self.nbytes) if pool is not None else torch.empty(self.nbytes, dtype=torch.uint8)
+        self._buffer = buffer
+        self._read = self.tier.submit_read(self._do_read, buffer)
+
+    def _do_read(self, buffer: torch.Tensor) -> torch.Tensor:
+        self._write.result()
+        read_tensor_file(self.path, buffer[:self.nbytes])
+        self.tier.remove(self.path, read=self.nbytes)
+        host = host_view(buffer, self.layout)
+        if self.device is not None:
+            self.device.start(host)  # the device copy overlaps with the compute thread too
+        return host
+
+    def get(self) -> torch.Tensor:
+        if self._released:
+            raise RuntimeError(STEP_ENDED)
+        if self._host is None:
+            self.fetch()
+            try:
+                self._host = self._read.result()
+            except OSError as exc:  # e.g. the disk filled up after the preflight check
+                raise OffloadDirError(f"activation offload to {self.tier.directory} failed: {exc}",
+                                      hint=OFFLOAD_DIR_HINT) from exc
+            self._read = None
+        return self._host if self.device is None else self.device.get(self._host)
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        pool = self.tier.pool
+        if pool is not None:  # hand pinned buffers back once the copies touching them are done
+            if self._host is not None:
+                pool.release(self._buffer, self.device.event)
+            elif self._read is not None:
+                self._read.add_done_callback(lambda _: pool.release(self._buffer, self.device.event))
+        self._host = None
+        if self._write.cancel():
+            self.tier.end_write(self.nbytes)
+            if self._staging is not None:
+                pool.release(self._staging, self._staged)
+        self.tier.forget(self)
+
+
+class DiskTier:
+    """Files under `directory`, two writer and two reader threads, at most `max_pending` unwritten bytes
+    (always at least one tensor)."""
+
+    def __init__(self, directory: str | Path, mover: Mover | None, max_pending: int = 256 << 20,
+                 threads: int = 2):
+        self.directory = Path(directory)
+        self.mover = mover
+        self.pool = HostPool(mover) if mover is not None else None
+        self._writers = ThreadPoolExecutor(threads, thread_name_prefix="ft-offload-write")
+        self._readers = ThreadPoolExecutor(threads, thread_name_prefix="ft-offload-read")
+        self.max_pending = max_pending
+        self._pending = 0
+        self._written = threading.Condition()
+        self._prefix = f"{FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}-"
+        self._counter = itertools.count()
+        self._lock = threading.Lock()
+        self._live: set[DiskFile] = set()
+        self._paths: set[Path] = set()
+        self.bytes_written = 0
+        self.bytes_read = 0
+
+    def new_path(self) -> Path:
+        path = self.directory / f"{self._prefix}{next(self._counter)}.bin"
+        with self._lock:
+            self._paths.add(path)
+        return path
+
+    def store(self, tensor: torch.Tensor, layout: torch.Tensor, nbytes: int) -> DiskFile:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with self._written:  # the bounded queue: wait while too many bytes are still to be written
+            self._written.wait_for(lambda: self._pending == 0 or self._pending + nbytes <= self.max_pending)
+            self._pending += nbytes
+        try:
+            item = DiskFile(self, tensor, layout, nbytes)
+        except BaseException:
+            self.end_write(nbytes)
+            raise
+        with self._lock:
+            self._live.add(item)
+            self.bytes_written += nbytes
+        return item
+
+    def submit_write(self, nbytes: int, fn, *args) -> Future:
+        """Run fn(*args) on a writer thread; its `nbytes` leave the bounded queue when it ends."""
+        def run():
+            try:
+                fn(*args)
+            finally:
+                self.end_write(nbytes)
+        return self._writers.submit(run)
+
+    def end_write(self, nbytes: int) -> None:
+        with self._written:
+            self._pending -= nbytes
+            self._written.notify_all()
+
+    def submit_read(self, fn, *args) -> Future:
+        return self._readers.submit(fn, *args)
+
+    def remove(self, path: Path, read: int = 0) -> None:
+        path.unlink(missing_ok=True)
+        with self._lock:
+            self._paths.discard(path)
+            self.bytes_read += read
+
+    def forget(self, item: DiskFile) -> None:
+        with self._lock:
+            self._live.discard(item)
+        # A file whose write is still running is removed by cleanup (or by its reader), not here.
+        if item._write.done():
+            self.remove(item.path)
+
+    def cleanup(self) -> None:
+        """End of a step (normal or not): cancel queued writes, wait for running ones, delete every file."""
+        with self._lock:
+            live = list(self._live)
+        for item in live:
+            item.release()
+        for item in live:
+            if not item._write.cancelled():
+                item._write.exception()  # wait; an error here must not hide the step's own exception
+            if item._read is not None:
+                item._read.cancel() or item._read.exception()
+        with self._lock:
+            paths = list(self._paths)
+        for path in paths:
+            self.remove(path)
+
+    def close(self) -> None:
+        self.cleanup()
+        self._writers.shutdown(wait=True, cancel_futures=True)
+        self._readers.shutdown(wait=True, cancel_futures=True)
