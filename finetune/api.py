@@ -24,6 +24,23 @@ def validate(data: dict, source: str = "recipe") -> Recipe:
     return validate_recipe(data, source)
 
 
+def preview_data(recipe: Recipe, n: int = 3) -> tuple[list[dict], list[str]]:
+    """The first n examples as the model will see them (token texts with a has-loss flag) and the records
+    that could not be read, reported as the CLI reports them."""
+    from finetune.data import preview
+    from finetune.data.read import read_records
+    from finetune.errors import DataError
+    from finetune.model.load import load_tokenizer
+    from finetune.model.source import resolve_model_path
+
+    tokenizer = load_tokenizer(resolve_model_path(recipe.model.path, recipe.model.revision), recipe.model)
+    examples = preview(recipe.data, tokenizer, n=n)
+    problems = read_records(recipe.data.path).problems
+    if not examples:
+        raise DataError(f"{recipe.data.path}: no usable record among those read", problems[:10])
+    return examples, problems
+
+
 def plan(recipe: Recipe, *, gpu_memory: str | int | None = None, device: str | None = None) -> Plan:
     """Predict peak memory per component (no weights loaded) and resolve `auto` settings to the fastest fit."""
     from finetune.plan import predict

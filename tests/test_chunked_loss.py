@@ -44,7 +44,7 @@ def assert_same(model, inputs, num_items_in_batch=None):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
     assert len(got_grads) == len(want_grads) > 0
     for g, w in zip(got_grads, want_grads, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)  # fp32, summed over chunks in another order
     return got
 
 

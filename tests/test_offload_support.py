@@ -1,10 +1,13 @@
-"""Shared pieces of the offload tests: the tiny models (full, LoRA, QLoRA), one step, the files on disk."""
+"""Shared pieces of the offload tests: the tiny models (full, LoRA, QLoRA), one step, a live-bytes counter."""
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from finetune.memory.offload import ActivationOffload
 
@@ -59,6 +62,33 @@ def step(model: torch.nn.Module, offload: ActivationOffload | None = None) -> li
         with offload:
             model(**batch()).loss.backward()
     return [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts the bytes of live tensor storages that ops return while active (not the model's), and the peak."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.current = self.peak = 0
+        self._refs: dict[int, weakref.ref] = {}
+        self._model = {id(t.untyped_storage()) for t in (*model.parameters(), *model.buffers())}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                storage = t.untyped_storage()
+                key = id(storage)
+                if key not in self._refs and key not in self._model and storage.nbytes():
+                    nbytes = storage.nbytes()
+                    self._refs[key] = weakref.ref(storage, lambda _r, k=key, n=nbytes: self._free(k, n))
+                    self.current += nbytes
+                    self.peak = max(self.peak, self.current)
+        return out
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._refs.pop(key, None)
+        self.current -= nbytes
 
 
 def files(path: Path) -> list[str]:

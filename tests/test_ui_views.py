@@ -53,3 +53,13 @@ def test_run_dir_reader_skips_a_torn_line_and_summarises(tmp_path):
     assert (s["state"], s["loss"], s["eval_loss"], s["peak_memory_bytes"]) == ("running", 1.5, 1.7, 300)
     html = views.status_html(tmp_path, "running")
     assert "data-step='2'" in html and "2 / 4" in html and "1m 15s" in html and "value='50.0'" in html
+
+
+def test_measured_memory_is_set_beside_the_prediction(tmp_path):
+    (tmp_path / "plan.json").write_text(json.dumps(PLAN))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(
+        {"step": 1, "loss": 1.0, "peak_memory_breakdown": {"weights": 3 * GIB, "activations": 3 * GIB}}) + "\n")
+    bars, budget = views.measured_bars(tmp_path)
+    assert [name for name, _ in bars] == ["predicted", "measured"] and budget == 8 * GIB
+    assert sum(bars[1][1].values()) == 6 * GIB
+

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from finetune.errors import DataError, FinetuneError, RecipeError
+from finetune.errors import FinetuneError, RecipeError
 from finetune.recipe.load import recipe_to_yaml, validate_recipe
 from finetune.recipe.schema import Recipe
 from ui import form, rundir
@@ -142,17 +142,9 @@ class Backend:
         `format`, `where`), and the records the reader could not parse (as the CLI reports them)."""
         recipe = self.recipe(values)
         allowed_path(recipe.data.path, self.settings.roots, "data.path", must_exist=True)
-        from finetune.data import preview
-        from finetune.data.read import read_records
-        from finetune.model.load import load_tokenizer
-        from finetune.model.source import resolve_model_path
+        from finetune import api
 
-        tokenizer = load_tokenizer(resolve_model_path(recipe.model.path, recipe.model.revision), recipe.model)
-        examples = preview(recipe.data, tokenizer, n=n)
-        if not examples:
-            raise DataError(f"{recipe.data.path}: no usable record among those read",
-                            read_records(recipe.data.path).problems[:10])
-        return examples, read_records(recipe.data.path).problems
+        return api.preview_data(recipe, n)
 
     # -- training ------------------------------------------------------------------------------------
     def start(self, values: list[Any]) -> Path:

@@ -61,24 +61,24 @@ def lr_figure(rows: list[dict[str, Any]]) -> Figure:
 
 
 def memory_figure(bars: list[tuple[str, dict[str, float]]], budget: float | None,
-                  measured: float | None = None) -> Figure:
-    """Stacked bars of predicted memory per component for each option, against the budget line."""
+                  title: str = "predicted peak memory") -> Figure:
+    """Stacked bars of memory per component for each option, against the budget line (GiB or MiB)."""
     fig, ax = _figure(height=3.6)
     labels = [name for name, _ in bars]
+    totals = [sum(float(v or 0) for k, v in b.items() if k in BREAKDOWN) for _, b in bars]
+    unit, scale = ("GiB", GIB) if max([*totals, budget or 0]) >= GIB else ("MiB", 1 << 20)
     bottoms = [0.0] * len(bars)
     for part, color in zip(BREAKDOWN, _COLORS, strict=True):
-        heights = [float(b.get(part) or 0) / GIB for _, b in bars]
+        heights = [float(b.get(part) or 0) / scale for _, b in bars]
         if any(heights):
             ax.bar(labels, heights, bottom=bottoms, color=color, label=part.replace("_", " "))
             bottoms = [lo + h for lo, h in zip(bottoms, heights, strict=True)]
     for x, total in enumerate(bottoms):
-        ax.annotate(format_bytes(total * GIB), (x, total), ha="center", va="bottom", fontsize=8)
+        ax.annotate(format_bytes(total * scale), (x, total), ha="center", va="bottom", fontsize=8)
     if budget:
-        ax.axhline(budget / GIB, color="black", linestyle="--", linewidth=1.2, label=f"budget {format_bytes(budget)}")
-    if measured:
-        ax.axhline(measured / GIB, color="red", linestyle=":", linewidth=1.2, label=f"measured {format_bytes(measured)}")
-    ax.set_ylabel("GiB")
-    ax.set_title("predicted peak memory")
+        ax.axhline(budget / scale, color="black", linestyle="--", linewidth=1.2, label=f"budget {format_bytes(budget)}")
+    ax.set_ylabel(unit)
+    ax.set_title(title)
     ax.tick_params(axis="x", labelsize=8, labelrotation=10)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
     return fig

@@ -120,6 +120,7 @@ def build_app(backend: Backend) -> gr.Blocks:
                 with gr.Row():
                     loss_plot = gr.Plot(label="Loss", elem_id="loss-plot")
                     lr_plot = gr.Plot(label="Learning rate", elem_id="lr-plot")
+                mem_plot = gr.Plot(label="Peak memory: measured against predicted", elem_id="memory-plot")
                 log_box = gr.Textbox(label="Log tail (newest last)", lines=14, max_lines=14, interactive=False,
                                      autoscroll=True, elem_id="log-tail")
                 queue_md = gr.Markdown(elem_id="queue")
@@ -236,8 +237,11 @@ def build_app(backend: Backend) -> gr.Blocks:
                     views.option_rows(result))
 
         plan_btn.click(plan, [*widgets, gpu], [plan_msg, plan_plot, plan_table], api_name="plan")
-        gr.on([memory_tab.select, gpu.change, *[w.change for w in widgets]], plan, [*widgets, gpu], [plan_msg, plan_plot, plan_table],
+        # The form lives on another tab: planning when this tab opens shows the current settings, without
+        # re-planning on every keystroke.
+        gr.on([memory_tab.select, gpu.change], plan, [*widgets, gpu], [plan_msg, plan_plot, plan_table],
               trigger_mode="always_last", api_visibility="private")
+
 
         # -- train ---------------------------------------------------------------------------------------
         def run_choices(selected: str | None = None):
@@ -262,24 +266,29 @@ def build_app(backend: Backend) -> gr.Blocks:
         def refresh(run_dir, last):
             queue = views.queue_markdown(backend.manager)
             if not run_dir:
-                return "<div id='run-status'>No run yet: start one above.</div>", gr.skip(), gr.skip(), "", queue, last
+                return "<div id='run-status'>No run yet: start one above.</div>", *(gr.skip(),) * 3, "", queue, last
             try:
                 path = backend.run_path(run_dir, must_exist=False)
             except FinetuneError as exc:
-                return f"<div id='run-status'>{html.escape(str(exc))}</div>", gr.skip(), gr.skip(), "", queue, last
+                return f"<div id='run-status'>{html.escape(str(exc))}</div>", *(gr.skip(),) * 3, "", queue, last
             state = backend.manager.run_state(path)
             log = rundir.tail(path / "train.log", 8) or backend.manager.process_log(path, 8)
             if state.startswith("failed"):
                 log += "\n--- process output ---\n" + backend.manager.process_log(path, 30)
             rows = rundir.read_metrics(path)
             sig = (run_dir, len(rows))
-            plots = (gr.skip(), gr.skip()) if sig == last else (charts.loss_figure({path.name: rows}),
-                                                               charts.lr_figure(rows))
+            if sig == last:
+                plots = (gr.skip(),) * 3
+            else:
+                bars, budget = views.measured_bars(path)
+                plots = (charts.loss_figure({path.name: rows}), charts.lr_figure(rows),
+                         charts.memory_figure(bars, None, title=f"peak memory (budget {views.size(budget)})")
+                         if bars else None)  # a budget line would flatten the bars the page compares
             return views.status_html(path, state), *plots, log, queue, sig
 
-        timer.tick(refresh, [run_sel, seen], [status, loss_plot, lr_plot, log_box, queue_md, seen],
+        timer.tick(refresh, [run_sel, seen], [status, loss_plot, lr_plot, mem_plot, log_box, queue_md, seen],
                    api_name="refresh", show_progress="hidden")
-        run_sel.change(refresh, [run_sel, gr.State(None)], [status, loss_plot, lr_plot, log_box, queue_md, seen],
+        run_sel.change(refresh, [run_sel, gr.State(None)], [status, loss_plot, lr_plot, mem_plot, log_box, queue_md, seen],
                        show_progress="hidden", api_visibility="private")
 
         # -- runs, export, chat ----------------------------------------------------------------------------

@@ -11,7 +11,8 @@ from ui import rundir
 from ui.runs import RunManager
 
 
-def _size(n: Any) -> str:
+def size(n: Any) -> str:
+    """A byte count for people, or n/a."""
     return format_bytes(n) if isinstance(n, (int, float)) else "n/a"
 
 
@@ -37,8 +38,8 @@ def status_html(run_dir: Path, state: str) -> str:
         "ETA": _duration(status.get("eta_s")) if state == "running" else "-",
         "loss": f"{rundir.last_value(rows, 'loss'):.4f}" if rundir.last_value(rows, "loss") is not None else "n/a",
         "tokens/s": f"{rundir.last_value(rows, 'tokens_per_second') or 0:,.0f}",
-        "peak memory, measured": _size(max(peaks) if peaks else None),
-        "peak memory, predicted": _size(plan.get("peak_bytes")),
+        "peak memory, measured": size(max(peaks) if peaks else None),
+        "peak memory, predicted": size(plan.get("peak_bytes")),
     }
     cells = "".join(f"<div><small>{html.escape(k)}</small><br><b>{html.escape(str(v))}</b></div>"
                     for k, v in items.items())
@@ -70,12 +71,12 @@ def plan_bars(plan: dict[str, Any], limit: int = 5) -> list[tuple[str, dict[str,
 def plan_markdown(plan: dict[str, Any]) -> str:
     """Whether the recipe fits, the peak against the budget, and the settings the planner chose."""
     verdict = "FITS" if plan.get("fits") else "DOES NOT FIT"
-    lines = [f"### {verdict}: predicted peak {_size(plan.get('peak_bytes'))} of a {_size(plan.get('budget_bytes'))} "
+    lines = [f"### {verdict}: predicted peak {size(plan.get('peak_bytes'))} of a {size(plan.get('budget_bytes'))} "
              "budget"]
     if plan.get("tokens_per_s"):
         lines.append(f"Predicted speed: **{plan['tokens_per_s']:,.0f} tokens/s** on {plan.get('device', 'the device')}.")
     if not plan.get("fits") and plan.get("min_budget_bytes"):
-        lines.append(f"The smallest budget any option fits: {_size(plan['min_budget_bytes'])}.")
+        lines.append(f"The smallest budget any option fits: {size(plan['min_budget_bytes'])}.")
     settings = plan.get("settings") or {}
     if settings:
         lines.append("**Chosen settings:** " + ", ".join(f"`{k}={v}`" for k, v in settings.items()))
@@ -91,7 +92,7 @@ def option_rows(plan: dict[str, Any]) -> list[list[str]]:
     for kind in ("alternatives", "rejected"):
         for opt in plan.get(kind) or []:
             if isinstance(opt, dict):
-                rows.append([kind.rstrip("s"), _size(opt.get("peak_bytes")), _fmt(opt.get("tokens_per_s"), ",.0f"),
+                rows.append([kind.rstrip("s"), size(opt.get("peak_bytes")), _fmt(opt.get("tokens_per_s"), ",.0f"),
                              _differences(plan, opt), str(opt.get("reason") or "")])
     return rows
 
@@ -103,7 +104,7 @@ def history_rows(run_dirs: list[str]) -> list[list[Any]]:
         s = rundir.summary(Path(d))
         rows.append([d, s["state"], f"{s['step'] or 0} / {s['max_steps'] or '?'}",
                      _fmt(s["loss"]), _fmt(s["eval_loss"]), _fmt(s["tokens_per_second"], ".0f"),
-                     _size(s["peak_memory_bytes"])])
+                     size(s["peak_memory_bytes"])])
     return rows
 
 
@@ -130,3 +131,14 @@ def preview_markdown(examples: list[dict[str, Any]], bad: list[str]) -> str:
         lines.append(f"\n**{len(bad)} bad record(s)** (a run stops on them unless data.on_bad_record is skip):")
         lines += [f"- {p}" for p in bad[:10]] + ([f"- … and {len(bad) - 10} more"] if len(bad) > 10 else [])
     return "\n".join(lines)
+
+
+def measured_bars(run_dir: Path) -> tuple[list[tuple[str, dict[str, float]]], float | None]:
+    """Predicted (plan.json) and measured (the latest logged peak breakdown) memory, and the budget."""
+    plan = rundir.read_plan(run_dir) or {}
+    bars = [("predicted", plan["breakdown"])] if isinstance(plan.get("breakdown"), dict) else []
+    measured = rundir.last_value(rundir.read_metrics(run_dir), "peak_memory_breakdown")
+    if isinstance(measured, dict):
+        bars.append(("measured", measured))
+    return bars, plan.get("budget_bytes")
+

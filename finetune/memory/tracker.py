@@ -191,7 +191,8 @@ class MemoryTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         flat, _ = tree_flatten(out)
         for t in flat:
-            if isinstance(t, torch.Tensor) and self._on_device(t) and not t.is_sparse:
+            # Meta tensors hold no memory (activation offload keeps meta "layout" tensors in place of data).
+            if isinstance(t, torch.Tensor) and not t.is_meta and self._on_device(t) and not t.is_sparse:
                 vocab_like = self.vocab_size is not None and t.dim() > 0 and t.shape[-1] == self.vocab_size
                 category = "logits_and_loss" if vocab_like and self._phase == "activations" else self._phase
                 self._add(t.untyped_storage(), category)

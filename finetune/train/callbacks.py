@@ -68,7 +68,7 @@ class MetricsCallback(TrainerCallback):
             row["memory_warning"] = logs["memory_warning"]
             console.print(f"[yellow]warning: {logs['memory_warning']}")
         self.run.append_metrics(row)
-        self.run.log_line(" ".join(f"{k}={v}" for k, v in row.items()))
+        self.run.log_line(" ".join(f"{k}={v}" for k, v in row.items() if not isinstance(v, dict)))
         self.run.write_status("running", step=state.global_step, max_steps=self.max_steps, eta_s=self._eta(state))
 
     def _eta(self, state) -> float | None:

@@ -89,8 +89,11 @@ class FinetuneTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """memory.chunked_loss: LM head + cross-entropy in chunks, so the full logits tensor never exists."""
-        if self.recipe.memory.chunked_loss is True and not return_outputs:
-            return causal_lm_loss(model, inputs, num_items_in_batch)
+        if self.recipe.memory.chunked_loss is True and not return_outputs and "labels" in inputs:
+            # Calling submodules directly bypasses accelerate's autocast forward wrapper; the scaling for
+            # accumulation must match what the Trainer assumes (normalised by num_items only if it passes it).
+            with self.accelerator.autocast():
+                return causal_lm_loss(model, inputs, num_items_in_batch if self.model_accepts_loss_kwargs else None)
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     def create_optimizer(self, model=None):

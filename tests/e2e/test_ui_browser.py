@@ -106,6 +106,12 @@ def test_form_train_reload_and_chat_in_a_browser(page, tmp_path, tiny_model_dir)
         if hasattr(api, "plan"):
             sync_api.expect(page.locator("#plan-plot img")).to_be_visible(timeout=60_000)
             sync_api.expect(page.locator("#plan-message")).to_contain_text("budget")
+            before = page.locator("#plan-message").inner_text()
+            page.get_by_role("tab", name="Recipe").click()  # a setting changes: the plan follows
+            _type(page, "data.max_seq_len", "1024")
+            sync_api.expect(yaml_view).to_contain_text("max_seq_len: 1024")
+            page.get_by_role("tab", name="Memory").click()
+            sync_api.expect(page.locator("#plan-message")).not_to_have_text(before, timeout=60_000)
         else:
             sync_api.expect(page.locator("#plan-message")).to_contain_text("memory planner is not available")
         _shot(page, "03-memory")
