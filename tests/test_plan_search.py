@@ -87,9 +87,9 @@ def test_published_configs_plan_fast(name):
                      memory={"offload": "auto", "gpu_memory_margin": 512 * 2**20})
     plans: list[Plan] = []
     for gib in (8, 12, 16, 24):
-        start = time.perf_counter()
+        start = time.process_time()  # CPU time: the test machine is shared, wall time depends on neighbours
         plans.append(predict(recipe, gpu_memory=f"{gib}GiB"))
-        assert time.perf_counter() - start < 2.0, f"{name} {gib} GiB too slow"
+        assert time.process_time() - start < 2.0, f"{name} {gib} GiB too slow"
     assert all(p.device == "cuda" for p in plans)
     budgets = [p.budget_bytes for p in plans]
     assert budgets == sorted(budgets)
@@ -100,9 +100,9 @@ def test_70b_config_under_two_seconds():
     predict(_recipe(CONFIGS / "qwen2.5-0.5b.json", seq=2048), gpu_memory="8GiB")  # warm peft/trace code
     recipe = _recipe(CONFIGS / "llama-3.1-70b.json", seq=2048, quantization={"bits": 4},
                      training={"micro_batch_size": 1}, memory={"activation_checkpointing": True})
-    start = time.perf_counter()
+    start = time.process_time()
     plan = predict(recipe, gpu_memory="48GiB")
-    assert time.perf_counter() - start < 2.0
+    assert time.process_time() - start < 2.0
     assert 35 * 2**30 < plan.breakdown["weights"] < 45 * 2**30  # 70B in NF4 ~ 0.53 B/param + bf16 embeddings
 
 

@@ -52,9 +52,13 @@ class MemoryTracker(TorchDispatchMode):
         tracker.result()
     """
 
-    def __init__(self, vocab_size: int | None = None, device: str | torch.device | None = None):
+    def __init__(self, vocab_size: int | None = None, device: str | torch.device | None = None,
+                 count_meta: bool = False):
+        """count_meta: count `meta` tensors as if they held memory (the planner's shape-only trace); off for real
+        runs, where activation offload leaves meta placeholders in place of data."""
         super().__init__()
         self.vocab_size = vocab_size
+        self.count_meta = count_meta
         self.device = torch.device(device) if device is not None else None
         self._live: dict[int, list] = {}  # storage id -> [nbytes, category, seq]
         self._refs: dict[int, weakref.ref] = {}
@@ -192,7 +196,8 @@ class MemoryTracker(TorchDispatchMode):
         flat, _ = tree_flatten(out)
         for t in flat:
             # Meta tensors hold no memory (activation offload keeps meta "layout" tensors in place of data).
-            if isinstance(t, torch.Tensor) and not t.is_meta and self._on_device(t) and not t.is_sparse:
+            if isinstance(t, torch.Tensor) and (self.count_meta or not t.is_meta) and self._on_device(t) \
+                    and not t.is_sparse:
                 vocab_like = self.vocab_size is not None and t.dim() > 0 and t.shape[-1] == self.vocab_size
                 category = "logits_and_loss" if vocab_like and self._phase == "activations" else self._phase
                 self._add(t.untyped_storage(), category)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -163,11 +163,20 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
     floors = sorted(((memory_floor(spec, st), i, st) for i, st in enumerate(_choices(recipe, spec))),
                     key=lambda x: (x[0], x[1]))
     candidates, pruned = [], []
-    for floor, _, st in floors:
+    over: dict[Settings, int] = {}  # checkpointed configurations already over budget, by settings
+    for floor, _, st in sorted(floors, key=lambda x: not x[2].activation_checkpointing):
+        with_ckpt = replace(st, activation_checkpointing=True, checkpoint_every_n_layers=1)
         if floor > budget:
             pruned.append((floor, st))
+        elif not st.activation_checkpointing and with_ckpt in over:
+            # Dominance: without checkpointing every layer keeps what a checkpointed run recomputes for one.
+            pruned.append((over[with_ckpt], st))
         else:
-            candidates.append(evaluate(spec, shapes, st, host_ram))
+            cand = evaluate(spec, shapes, st, host_ram)
+            candidates.append(cand)
+            if st.activation_checkpointing and cand.peak_bytes > budget:
+                over[st] = cand.peak_bytes
+    pruned.sort(key=lambda x: x[0])
     for c in candidates:
         if c.reason is None and c.peak_bytes > budget:
             c.reason = f"needs {format_bytes(c.peak_bytes)}, budget {format_bytes(budget)}"
