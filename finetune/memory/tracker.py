@@ -71,6 +71,8 @@ class MemoryTracker(TorchDispatchMode):
 
     # -- bookkeeping -------------------------------------------------------------------------------------
     def _on_device(self, t: torch.Tensor) -> bool:
+        if t.is_meta:  # only a planner trace on `meta` counts them; offload's meta placeholders hold nothing
+            return self.device is not None and self.device.type == "meta"
         return self.device is None or t.device.type == self.device.type
 
     def _add(self, storage: torch.UntypedStorage, category: str) -> None:
@@ -191,8 +193,7 @@ class MemoryTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         flat, _ = tree_flatten(out)
         for t in flat:
-            # Meta tensors hold no memory (activation offload keeps meta "layout" tensors in place of data).
-            if isinstance(t, torch.Tensor) and not t.is_meta and self._on_device(t) and not t.is_sparse:
+            if isinstance(t, torch.Tensor) and self._on_device(t) and not t.is_sparse:
                 vocab_like = self.vocab_size is not None and t.dim() > 0 and t.shape[-1] == self.vocab_size
                 category = "logits_and_loss" if vocab_like and self._phase == "activations" else self._phase
                 self._add(t.untyped_storage(), category)
