@@ -1,4 +1,4 @@
-"""The wiring the FinetuneTrainer needs, shown on a plain transformers.Trainer subclass.
+"""FinetuneTrainer's optimizer wiring.
 
 create_optimizer -> build_optimizer; in layer-wise mode the optimizer clips and measures the norm itself, so
 _clip_grad_norm/_get_grad_norm return its grad_norm(). Checks: a logged non-zero grad norm, and resume from
@@ -9,32 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Trainer, TrainingArguments, default_data_collator
+from transformers import TrainingArguments, default_data_collator
 
-from finetune.optim import build_optimizer, layerwise_of, register_safe_globals
+from finetune.recipe import validate_recipe
+from finetune.train.trainer import FinetuneTrainer
 from tests.test_optim import _one_thread, config, examples, load_model  # noqa: F401
-
-
-class WiredTrainer(Trainer):
-    def __init__(self, *args, optimizer_config, **kwargs):
-        self.optimizer_config = optimizer_config
-        register_safe_globals()  # before any resume: the Trainer loads optimizer.pt with weights_only=True
-        super().__init__(*args, **kwargs)
-
-    def create_optimizer(self, model=None):
-        if self.optimizer is None:
-            self.optimizer = build_optimizer(
-                self.model, self.optimizer_config, self.args.learning_rate,
-                steps_per_update=self.args.gradient_accumulation_steps, max_grad_norm=self.args.max_grad_norm)
-        return self.optimizer
-
-    def _clip_grad_norm(self, model):
-        layerwise = layerwise_of(self.optimizer)
-        return layerwise.grad_norm() if layerwise else super()._clip_grad_norm(model)
-
-    def _get_grad_norm(self, model, grad_norm=None):
-        layerwise = layerwise_of(self.optimizer)
-        return layerwise.grad_norm() if layerwise else super()._get_grad_norm(model, grad_norm)
 
 
 def _run(model_dir, out, opt, accumulation, resume=None):
@@ -45,8 +24,10 @@ def _run(model_dir, out, opt, accumulation, resume=None):
         learning_rate=1e-2, lr_scheduler_type="linear", max_grad_norm=1.0, save_strategy="steps", save_steps=2,
         logging_steps=1, use_cpu=True, report_to="none", disable_tqdm=True, seed=0, data_seed=0,
         dataloader_num_workers=0)
-    trainer = WiredTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator,
-                           optimizer_config=opt)
+    recipe = validate_recipe({"model": {"path": str(model_dir)}, "data": {"path": "unused.jsonl"},
+                              "optimizer": opt.model_dump()})
+    trainer = FinetuneTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator,
+                              recipe=recipe)
     trainer.train(resume_from_checkpoint=resume)
     return model, trainer
 

@@ -56,6 +56,9 @@ def _recipe_dict(tmp_path: Path, model_dir: Path, **sections) -> dict:
     pytest.param({}, id="lora"),
     pytest.param({"quantization": {"bits": 4}}, id="qlora"),
     pytest.param({"adapter": {"type": "full"}, "training": {"learning_rate": 2e-3}}, id="full"),
+    pytest.param({"adapter": {"type": "dora"}}, id="dora"),
+    pytest.param({"adapter": {"rslora": True, "alpha": 4}}, id="rslora"),
+    pytest.param({"quantization": {"bits": 8}}, id="lora-int8"),
 ])
 def test_overfits_one_repeated_example(tmp_path, tiny_model_dir, variant):
     result = run(validate_recipe(_recipe_dict(tmp_path, tiny_model_dir, **variant)))

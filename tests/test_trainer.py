@@ -83,3 +83,27 @@ def test_checkpointing_gives_same_loss_and_grads(tiny_model_dir, adapter):
     assert g0.keys() == g1.keys() and g0
     for name in g0:
         torch.testing.assert_close(g1[name], g0[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant", "wsd"])
+def test_learning_rate_schedules(tmp_path, tiny_model_dir, schedule):
+    """Linear warmup to the peak, then the recipe's shape: cosine/linear decay to 0, constant, WSD's late decay."""
+    recipe = _recipe(tmp_path, tiny_model_dir, lr_scheduler=schedule, warmup_ratio=0.2, decay_ratio=0.3,
+                     learning_rate=1e-3)
+    model, _, _ = load_model(recipe.model, recipe.quantization)
+    trainer = FinetuneTrainer(model=model, args=training_arguments(recipe, tmp_path / "s", 10, False),
+                              train_dataset=_examples(), recipe=recipe)
+    trainer.create_optimizer_and_scheduler(num_training_steps=10)
+    lrs = []
+    for _ in range(10):
+        lrs.append(trainer.lr_scheduler.get_last_lr()[0])
+        trainer.optimizer.step()
+        trainer.lr_scheduler.step()
+    assert lrs[0] == 0 and lrs[1] == pytest.approx(5e-4) and lrs[2] == pytest.approx(1e-3)  # 2 warmup steps
+    after = lrs[2:]
+    if schedule == "constant":
+        assert after == pytest.approx([1e-3] * 8)
+    elif schedule == "wsd":  # stable until the last 3 steps (decay_ratio 0.3), then decays
+        assert after[:5] == pytest.approx([1e-3] * 5) and after[5] > after[6] > after[7]
+    else:
+        assert all(a > b for a, b in zip(after[:-1], after[1:], strict=True)) and after[-1] < 2e-4

@@ -181,16 +181,22 @@ def _turns(record: dict) -> tuple[str, list]:
     raise RecordError("missing 'messages' (or 'conversations')")
 
 
+def _turn_role(key: str, i: int, turn: Any, field: str, roles) -> tuple[str, str]:
+    """Check that turn i is an object whose `field` names a known role; returns (error prefix, role)."""
+    where = f"{key}[{i}]: "
+    if not isinstance(turn, dict):
+        raise RecordError(f"{where}is a {type(turn).__name__}, not an object")
+    role = _string(turn, field, where=where)
+    if role not in roles:
+        raise RecordError(f"{where}unknown role {role!r} (roles: {', '.join(roles)})")
+    return where, role
+
+
 def _messages(record: dict) -> Chat:
     key, turns = _turns(record)
     messages = []
     for i, turn in enumerate(turns):
-        where = f"{key}[{i}]: "
-        if not isinstance(turn, dict):
-            raise RecordError(f"{where}is a {type(turn).__name__}, not an object")
-        role = _string(turn, "role", where=where)
-        if role not in MESSAGE_ROLES:
-            raise RecordError(f"{where}unknown role {role!r} (roles: {', '.join(MESSAGE_ROLES)})")
+        where, role = _turn_role(key, i, turn, "role", MESSAGE_ROLES)
         if turn.get("content") is None and role == "assistant" and turn.get("tool_calls"):
             turn = {**turn, "content": ""}
         _string(turn, "content", where=where)
@@ -202,12 +208,7 @@ def _sharegpt(record: dict) -> Chat:
     key, turns = _turns(record)
     messages = []
     for i, turn in enumerate(turns):
-        where = f"{key}[{i}]: "
-        if not isinstance(turn, dict):
-            raise RecordError(f"{where}is a {type(turn).__name__}, not an object")
-        source = _string(turn, "from", where=where)
-        if source not in SHAREGPT_ROLES:
-            raise RecordError(f"{where}unknown role {source!r} (roles: {', '.join(SHAREGPT_ROLES)})")
+        where, source = _turn_role(key, i, turn, "from", SHAREGPT_ROLES)
         message = {"role": SHAREGPT_ROLES[source], "content": _string(turn, "value", where=where)}
         if message["role"] == "function_call":
             message.update(role="assistant", **{CALL: True})

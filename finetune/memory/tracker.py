@@ -52,13 +52,9 @@ class MemoryTracker(TorchDispatchMode):
         tracker.result()
     """
 
-    def __init__(self, vocab_size: int | None = None, device: str | torch.device | None = None,
-                 count_meta: bool = False):
-        """count_meta: count `meta` tensors as if they held memory (the planner's shape-only trace); off for real
-        runs, where activation offload leaves meta placeholders in place of data."""
+    def __init__(self, vocab_size: int | None = None, device: str | torch.device | None = None):
         super().__init__()
         self.vocab_size = vocab_size
-        self.count_meta = count_meta
         self.device = torch.device(device) if device is not None else None
         self._live: dict[int, list] = {}  # storage id -> [nbytes, category, seq]
         self._refs: dict[int, weakref.ref] = {}
@@ -75,6 +71,8 @@ class MemoryTracker(TorchDispatchMode):
 
     # -- bookkeeping -------------------------------------------------------------------------------------
     def _on_device(self, t: torch.Tensor) -> bool:
+        if t.is_meta:  # only a planner trace on `meta` counts them; offload's meta placeholders hold nothing
+            return self.device is not None and self.device.type == "meta"
         return self.device is None or t.device.type == self.device.type
 
     def _add(self, storage: torch.UntypedStorage, category: str) -> None:
@@ -195,9 +193,7 @@ class MemoryTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         flat, _ = tree_flatten(out)
         for t in flat:
-            # Meta tensors hold no memory (activation offload keeps meta "layout" tensors in place of data).
-            if isinstance(t, torch.Tensor) and (self.count_meta or not t.is_meta) and self._on_device(t) \
-                    and not t.is_sparse:
+            if isinstance(t, torch.Tensor) and self._on_device(t) and not t.is_sparse:
                 vocab_like = self.vocab_size is not None and t.dim() > 0 and t.shape[-1] == self.vocab_size
                 category = "logits_and_loss" if vocab_like and self._phase == "activations" else self._phase
                 self._add(t.untyped_storage(), category)

@@ -45,9 +45,11 @@ def load_model_config(path: str, trust_remote_code: bool = False) -> Any:
     """A transformers config from a folder holding config.json, a config.json file, or a .gguf file."""
     from transformers import AutoConfig
 
-    p = Path(path)
+    from finetune.model.source import package_file
+
+    p = package_file(path) if path.startswith("pkg:") else Path(path)
     try:
-        if p.suffix == ".gguf":
+        if p.suffix == ".gguf":  # the metadata alone: no conversion of the weights to plan
             return AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
         if p.is_file() and p.suffix == ".json":
             import json
@@ -57,7 +59,7 @@ def load_model_config(path: str, trust_remote_code: bool = False) -> Any:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot read a model config from {path}: {exc}",
-                             hint="model.path must be a folder with config.json, a config.json, or a .gguf file") from None
+                             hint="model.path must be a folder with config.json, a config.json, a .gguf file or pkg:PACKAGE/FILE") from None
 
 
 def with_layers(config: Any, layers: int) -> Any:

@@ -169,7 +169,7 @@ def _trace_cached(config_json: str, model_type: str, adapter_json: str, dtype: s
                 module.forward = _int8_forward(module)
     enable_checkpointing(model, checkpoint_every > 0, max(checkpoint_every, 1))
     model.train()
-    tracker = MemoryTracker(vocab_size=config.get_text_config().vocab_size, count_meta=True)
+    tracker = MemoryTracker(vocab_size=config.get_text_config().vocab_size, device="meta")
     tracker.register_model(model)
     handles = _layer_windows(model, tracker)
     try:
