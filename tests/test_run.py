@@ -223,3 +223,15 @@ def test_offload_and_chunked_loss_through_the_pipeline_change_nothing_but_memory
     assert losses("disk", offload="disk", offload_dir=str(offload_dir)) == pytest.approx(reference, rel=1e-6)
     assert not offload_dir.exists() or not any(offload_dir.rglob("*.*")), "disk offload left files behind"
     assert losses("chunked", chunked_loss=True) == pytest.approx(reference, rel=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "gemma2", "phi3"])
+def test_other_architectures_train(tmp_path, arch):
+    """Each family the planner models also trains (Gemma-2 gets eager attention: sdpa does not support it)."""
+    from finetune.testing import make_tiny_model_dir
+
+    model_dir = make_tiny_model_dir(tmp_path / arch, arch=arch)
+    result = run(validate_recipe(_recipe_dict(tmp_path, model_dir, training={"max_steps": 6},
+                                              quantization={"bits": 4})))
+    losses = [r["loss"] for r in read_jsonl(result.run_dir / "metrics.jsonl") if "loss" in r]
+    assert result.state == "completed" and losses[-1] < losses[0]

@@ -22,6 +22,17 @@ def compute_dtype(model_cfg: ModelConfig) -> torch.dtype:
     return torch.float32
 
 
+def attn_implementation(choice: str, config) -> str:
+    """model.attn_implementation; auto = sdpa where transformers supports it for the architecture, else eager
+    (Gemma-2 runs eager only, because of its attention soft-capping)."""
+    if choice != "auto":
+        return choice
+    from transformers import AutoModelForCausalLM
+
+    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    return "sdpa" if model_class is None or model_class._supports_sdpa else "eager"
+
+
 def quantization_config(quant: QuantizationConfig, dtype: torch.dtype):
     """The transformers BitsAndBytesConfig for the recipe, or None."""
     if quant.bits in (None, "auto"):
@@ -72,7 +83,10 @@ def load_model(model_cfg: ModelConfig, quant: QuantizationConfig, *, quantize: b
     path = resolve_model_path(model_cfg.path, model_cfg.revision)
     dtype = compute_dtype(model_cfg)
     qconfig = quantization_config(quant, dtype) if quantize else None
-    attn = "sdpa" if model_cfg.attn_implementation == "auto" else model_cfg.attn_implementation
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
+    attn = attn_implementation(model_cfg.attn_implementation, config)
     kwargs = dict(dtype=dtype, attn_implementation=attn, use_safetensors=True,
                   trust_remote_code=model_cfg.trust_remote_code)
     if qconfig is not None:

@@ -11,11 +11,11 @@ from typing import Any
 import torch
 
 from finetune.errors import FinetuneError
+from finetune.model.load import attn_implementation
 from finetune.plan.cost_model import tokens_per_second
 from finetune.plan.memory_model import ModelSpec, Settings, memory_floor, predict_memory
 from finetune.plan.shapes import (
     ModelShapes,
-    attn_implementation,
     load_model_config,
     model_shapes,
     target_dtype,
@@ -127,7 +127,7 @@ def model_spec(recipe: Recipe, config: Any, device: str) -> ModelSpec:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return ModelSpec(
         config=config, adapter=recipe.adapter, dtype=target_dtype(recipe, device),
-        attn=attn_implementation(recipe, config), device=device, seq_len=recipe.data.max_seq_len,
+        attn=attn_implementation(recipe.model.attn_implementation, config), device=device, seq_len=recipe.data.max_seq_len,
         num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
         optimizer=recipe.optimizer, double_quant=recipe.quantization.double_quant,
         offload_min_size=recipe.memory.offload_min_size)

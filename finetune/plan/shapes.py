@@ -30,17 +30,6 @@ def target_dtype(recipe: Recipe, device: str) -> torch.dtype:
     return _DTYPES[recipe.model.dtype]
 
 
-def attn_implementation(recipe: Recipe, config: Any) -> str:
-    """model.attn_implementation; auto = sdpa where transformers supports it for the architecture, else eager
-    (Gemma-2 runs eager only because of attention soft-capping)."""
-    if recipe.model.attn_implementation != "auto":
-        return recipe.model.attn_implementation
-    from transformers import AutoModelForCausalLM
-
-    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
-    return "sdpa" if model_class is None or model_class._supports_sdpa else "eager"
-
-
 def load_model_config(path: str, trust_remote_code: bool = False) -> Any:
     """A transformers config from a folder holding config.json, a config.json file, or a .gguf file."""
     from transformers import AutoConfig
