@@ -124,3 +124,26 @@ def test_plan_and_measure_commands_print_json(tiny_dir, capsys):
     assert measure_command(chosen, steps=1, as_json=True) == 0
     measured = json.loads(capsys.readouterr().out)
     assert measured["device"] == "cpu" and measured["peak_bytes"] == sum(measured["breakdown"].values())
+
+
+def test_offload_speed_uses_the_measured_bandwidth_once(tmp_path, monkeypatch):
+    """Disk offload is priced at this machine's measured (and cached) disk speed: a slow disk ranks it lower."""
+    import finetune.memory.bandwidth as bandwidth
+
+    calls = []
+
+    def fake_measure(directory, nbytes=0):
+        calls.append(directory)
+        return {"write": speed, "read": speed}
+
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(bandwidth, "measure_disk", fake_measure)
+    recipe = _recipe(CONFIGS / "llama-3.1-8b.json", seq=16384, memory={"offload": "disk"},
+                     output={"dir": str(tmp_path / "run")})
+    speed = 10e9
+    fast = predict(recipe, gpu_memory="24GiB").tokens_per_s
+    assert predict(recipe, gpu_memory="24GiB").tokens_per_s == fast and len(calls) == 1, "measured once, cached"
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "other-cache"))
+    speed = 50e6  # a slow USB disk
+    assert predict(recipe, gpu_memory="24GiB").tokens_per_s < 0.5 * fast
+    assert not (tmp_path / "run").exists(), "planning creates no folders"

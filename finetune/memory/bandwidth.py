@@ -110,6 +110,18 @@ def host_device_bandwidth(device: torch.device, refresh: bool = False) -> dict[s
     return cached
 
 
+def transfer_bandwidth(offload_dir: str | Path, cuda: bool) -> dict[str, float]:
+    """Bytes/s each offload tier moves at on this machine (slower direction), measured once and cached:
+    `disk` for the filesystem that will hold `offload_dir`, `cpu` for pinned host<->GPU copies on a GPU."""
+    probe = Path(offload_dir).resolve()
+    while not probe.exists():  # measure where the folder will be, without creating it
+        probe = probe.parent
+    result = {"disk": min(disk_bandwidth(probe).values())}
+    if cuda:
+        result["cpu"] = min(host_device_bandwidth(torch.device("cuda")).values())
+    return result
+
+
 def offload_bytes_per_step(num_layers: int, hidden_size: int, micro_batch: int, seq_len: int,
                            dtype_bytes: int, min_size: int, checkpoint_every_n_layers: int | None,
                            layer_saved_bytes: int = 0, frozen_embeddings: bool = False) -> int:

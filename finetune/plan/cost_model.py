@@ -7,8 +7,9 @@ step time = compute / (peak FLOPs x utilisation) + dequantization + exposed tran
 - utilisation grows with tokens per micro-batch: u = t / (t + UTIL_HALF_TOKENS) (small batches starve the GPU).
 - 4-bit/8-bit: every quantized weight is dequantized in forward, backward and recompute (reads its packed
   bytes, writes compute-dtype bytes) at memory bandwidth.
-- offload: 2 x offloaded bytes (out and back) per micro-batch over PCIe (cpu) or disk; overlapped with
-  compute, so only the part longer than the compute time counts.
+- offload: 2 x offloaded bytes (out and back) per micro-batch over PCIe (cpu) or disk, at the bandwidths
+  measured once on this machine and cached; overlapped with compute, so only the part longer than the
+  compute time counts.
 """
 
 from __future__ import annotations
@@ -30,8 +31,13 @@ OFFLOAD_OVERHEAD = {"none": 0.0, "cpu": 0.01, "disk": 0.03}
 
 
 def tokens_per_second(settings: Settings, *, device: str, params: int, trainable_full: bool, num_layers: int,
-                      hidden: int, seq_len: int, quantized_params: int, offloaded_bytes: int, dtype_bytes: int) -> float:
-    """Tokens per second of one optimizer step under `settings` (see module docstring)."""
+                      hidden: int, seq_len: int, quantized_params: int, offloaded_bytes: int, dtype_bytes: int,
+                      bandwidth: dict[str, float] | None = None) -> float:
+    """Tokens per second of one optimizer step under `settings` (see module docstring).
+
+    `bandwidth`: measured bytes/s per offload tier (finetune.memory.bandwidth.transfer_bandwidth); the
+    constants above stand in for what was not measured.
+    """
     dev = DEVICE[device]
     tokens = settings.micro_batch_size * seq_len
     fwd = 2 * params * tokens + 4 * seq_len * hidden * num_layers * tokens
@@ -49,9 +55,11 @@ def tokens_per_second(settings: Settings, *, device: str, params: int, trainable
         dequant = per_pass * (2 + (1 if settings.activation_checkpointing else 0))
     transfer = 0.0
     if settings.offload != "none":
-        bw = PCIE_BYTES_PER_S if settings.offload == "cpu" else DISK_BYTES_PER_S
-        if device == "cpu":
-            bw = DISK_BYTES_PER_S if settings.offload == "disk" else dev["mem_bw"]
+        measured = bandwidth or {}
+        if settings.offload == "disk":
+            bw = measured.get("disk", DISK_BYTES_PER_S)
+        else:
+            bw = measured.get("cpu", PCIE_BYTES_PER_S) if device == "cuda" else dev["mem_bw"]
         transfer = max(0.0, 2 * offloaded_bytes / bw - compute)
     step = (compute * (1 + OFFLOAD_OVERHEAD[settings.offload]) + dequant + transfer) * \
         settings.gradient_accumulation_steps

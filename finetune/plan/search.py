@@ -11,6 +11,8 @@ from typing import Any
 import torch
 
 from finetune.errors import FinetuneError
+from finetune.memory.bandwidth import transfer_bandwidth
+from finetune.memory.offload import offload_dir_for
 from finetune.model.load import attn_implementation
 from finetune.plan.cost_model import tokens_per_second
 from finetune.plan.memory_model import ModelSpec, Settings, memory_floor, predict_memory
@@ -133,7 +135,8 @@ def model_spec(recipe: Recipe, config: Any, device: str) -> ModelSpec:
         offload_min_size=recipe.memory.offload_min_size)
 
 
-def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, host_ram: int | None = None) -> Candidate:
+def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, host_ram: int | None = None,
+             bandwidth: dict[str, float] | None = None) -> Candidate:
     """Predict memory and speed of one configuration."""
     pred = predict_memory(spec, settings)
     params = shapes.total
@@ -141,7 +144,8 @@ def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, host_ram:
     tps = tokens_per_second(
         settings, device=spec.device, params=params, trainable_full=spec.adapter.type == "full",
         num_layers=spec.num_layers, hidden=spec.hidden_size, seq_len=spec.seq_len, quantized_params=quantized,
-        offloaded_bytes=pred.offloaded_bytes, dtype_bytes=torch.tensor([], dtype=spec.dtype).element_size())
+        offloaded_bytes=pred.offloaded_bytes, dtype_bytes=torch.tensor([], dtype=spec.dtype).element_size(),
+        bandwidth=bandwidth)
     cand = Candidate(asdict(settings), pred.peak_bytes, pred.breakdown, tps)
     if settings.offload == "cpu" and host_ram is not None and pred.offloaded_bytes > host_ram:
         cand.reason = f"cpu offload needs {format_bytes(pred.offloaded_bytes)} of RAM, {format_bytes(host_ram)} free"
@@ -158,9 +162,14 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
     budget = _budget(recipe, gpu_memory, "cuda" if torch.cuda.is_available() and device == "cuda" else "cpu")
     host_ram = _free_memory("cpu") if device == "cuda" else None
     shapes = model_shapes(config)
+    choices = _choices(recipe, spec)
+    bandwidth = None
+    if any(st.offload != "none" for st in choices):  # measured once per machine, then read from the cache
+        bandwidth = transfer_bandwidth(offload_dir_for(recipe.memory, recipe.output.dir),
+                                       cuda=device == "cuda" and torch.cuda.is_available())
     # Cheap lower bounds first: a configuration whose weights and optimizer state alone exceed the budget is
     # rejected without tracing its activations.
-    floors = sorted(((memory_floor(spec, st), i, st) for i, st in enumerate(_choices(recipe, spec))),
+    floors = sorted(((memory_floor(spec, st), i, st) for i, st in enumerate(choices)),
                     key=lambda x: (x[0], x[1]))
     candidates, pruned = [], []
     over: dict[Settings, int] = {}  # checkpointed configurations already over budget, by settings
@@ -172,7 +181,7 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
             # Dominance: without checkpointing every layer keeps what a checkpointed run recomputes for one.
             pruned.append((over[with_ckpt], st))
         else:
-            cand = evaluate(spec, shapes, st, host_ram)
+            cand = evaluate(spec, shapes, st, host_ram, bandwidth)
             candidates.append(cand)
             if st.activation_checkpointing and cand.peak_bytes > budget:
                 over[st] = cand.peak_bytes
@@ -185,7 +194,7 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
     while not ok and pruned and (leanest is None or pruned[0][0] < leanest.peak_bytes):
         # Nothing fits: find the leanest configuration (branch and bound on the lower bounds).
         _floor, st = pruned.pop(0)
-        cand = evaluate(spec, shapes, st, host_ram)
+        cand = evaluate(spec, shapes, st, host_ram, bandwidth)
         cand.reason = cand.reason or f"needs {format_bytes(cand.peak_bytes)}, budget {format_bytes(budget)}"
         candidates.append(cand)
         leanest = cand if leanest is None or cand.peak_bytes < leanest.peak_bytes else leanest
