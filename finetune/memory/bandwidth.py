@@ -10,6 +10,7 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -88,26 +89,24 @@ def measure_host_device(device: torch.device, nbytes: int = PROBE_BYTES) -> dict
     return result
 
 
+def _cached(key: str, measure: Callable[[], dict[str, float]], refresh: bool) -> dict[str, float]:
+    cached = _load_cache().get(key)
+    if cached is None or refresh:
+        cached = measure()
+        _store_cache(key, cached)
+    return cached
+
+
 def disk_bandwidth(directory: str | Path, refresh: bool = False) -> dict[str, float]:
     """Cached `measure_disk` for the filesystem holding `directory` (measured on first use)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    key = f"disk:{os.stat(directory).st_dev}"
-    cached = _load_cache().get(key)
-    if cached is None or refresh:
-        cached = measure_disk(directory)
-        _store_cache(key, cached)
-    return cached
+    return _cached(f"disk:{os.stat(directory).st_dev}", lambda: measure_disk(directory), refresh)
 
 
 def host_device_bandwidth(device: torch.device, refresh: bool = False) -> dict[str, float]:
     """Cached `measure_host_device` for this GPU model."""
-    key = f"cuda:{torch.cuda.get_device_name(device)}"
-    cached = _load_cache().get(key)
-    if cached is None or refresh:
-        cached = measure_host_device(device)
-        _store_cache(key, cached)
-    return cached
+    return _cached(f"cuda:{torch.cuda.get_device_name(device)}", lambda: measure_host_device(device), refresh)
 
 
 def transfer_bandwidth(offload_dir: str | Path, cuda: bool) -> dict[str, float]:
