@@ -235,3 +235,15 @@ def test_other_architectures_train(tmp_path, arch):
                                               quantization={"bits": 4})))
     losses = [r["loss"] for r in read_jsonl(result.run_dir / "metrics.jsonl") if "loss" in r]
     assert result.state == "completed" and losses[-1] < losses[0]
+
+
+def test_resume_keeps_what_the_planner_chose(tmp_path, tiny_model_dir):
+    from finetune.train.run import keep_resolved
+
+    given = validate_recipe(_recipe_dict(tmp_path, tiny_model_dir, training={"micro_batch_size": "auto",
+                                                                             "max_steps": 50}))
+    saved = validate_recipe(_recipe_dict(tmp_path, tiny_model_dir, training={"micro_batch_size": 3,
+                                                                             "max_steps": 30}))
+    resumed = keep_resolved(given, saved)
+    assert resumed.training.micro_batch_size == 3  # the interrupted run's choice, not a new plan
+    assert resumed.training.max_steps == 50  # keys set now still apply

@@ -15,7 +15,7 @@ from finetune.errors import FinetuneError
 from finetune.memory.offload import activation_offload, preflight_offload
 from finetune.memory.tracker_callback import PeakMemoryCallback
 from finetune.plan import Plan, plot_breakdown, predict
-from finetune.recipe.load import recipe_to_yaml
+from finetune.recipe.load import load_recipe, recipe_to_yaml
 from finetune.recipe.schema import Recipe, format_bytes
 from finetune.train.callbacks import MetricsCallback, ProgressCallback, StopOnSignal
 from finetune.train.plots import plot_loss_curve
@@ -90,6 +90,17 @@ def _plan(recipe: Recipe) -> tuple[Plan | None, Recipe]:
     return plan, plan.apply(recipe) if auto else recipe
 
 
+def keep_resolved(recipe: Recipe, saved: Recipe) -> Recipe:
+    """On resume, `auto` keys take the values the interrupted run chose (saved in its recipe.yaml), so the
+    checkpoint continues with the same micro-batch, accumulation and memory settings; other keys (a longer
+    max_steps, say) still come from the recipe given now."""
+    data, old = recipe.model_dump(), saved.model_dump()
+    for key in _unresolved_auto(recipe):
+        section, name = key.split(".")
+        data[section][name] = old[section][name]
+    return Recipe.model_validate(data)
+
+
 def _unresolved_auto(recipe: Recipe) -> list[str]:
     fields = {
         "training.micro_batch_size": recipe.training.micro_batch_size,
@@ -126,6 +137,8 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     from finetune.model.adapter import apply_adapter, count_parameters
     from finetune.model.load import load_model
 
+    if checkpoint and run_dir.recipe.is_file():
+        recipe = keep_resolved(recipe, load_recipe(run_dir.recipe))
     plan, recipe = _plan(recipe)
     if plan is not None:
         atomic_write_text(run_dir.plan, plan.to_json())
