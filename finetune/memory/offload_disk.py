@@ -226,6 +226,11 @@ class DiskTier:
             self._pending -= nbytes
             self._written.notify_all()
 
+    def drain(self) -> None:
+        """Block until every submitted write has finished or been cancelled."""
+        with self._written:
+            self._written.wait_for(lambda: self._pending == 0)
+
     def submit_read(self, fn, *args) -> Future:
         return self._readers.submit(fn, *args)
 
@@ -248,9 +253,10 @@ class DiskTier:
             live = list(self._live)
         for item in live:
             item.release()
+        # Wait for every write, also of items released while still writing (no longer live): a path deleted
+        # before its writer created the file would leave that file behind.
+        self.drain()
         for item in live:
-            if not item._write.cancelled():
-                item._write.exception()  # wait; an error here must not hide the step's own exception
             if item._read is not None:
                 item._read.cancel() or item._read.exception()
         with self._lock:
