@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import resource
 import signal
 import time
 
-import torch
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -19,13 +17,6 @@ from transformers import TrainerCallback
 
 from finetune.console import console
 from finetune.train.rundir import RunDir
-
-
-def peak_memory_bytes() -> int:
-    """CUDA's allocator peak on a GPU; on CPU the process high-water mark (RSS)."""
-    if torch.cuda.is_available():
-        return int(torch.cuda.max_memory_allocated())
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 class MetricsCallback(TrainerCallback):
@@ -57,7 +48,8 @@ class MetricsCallback(TrainerCallback):
             row.update(
                 loss=logs["loss"], learning_rate=logs.get("learning_rate"), grad_norm=logs.get("grad_norm"),
                 tokens_per_second=round((tokens - self._last_tokens) / dt, 2), tokens_seen=int(tokens),
-                peak_memory_bytes=logs.get("peak_memory_bytes", peak_memory_bytes()),
+                # PeakMemoryCallback runs first: CUDA's allocator peak, or the CPU tensor tracker's.
+                peak_memory_bytes=logs.get("peak_memory_bytes"),
             )
             self._last_time, self._last_tokens = now, tokens
         else:
