@@ -64,15 +64,20 @@ def model_dirs(tmp_path_factory):
     return dirs
 
 
-def _recipe(arch, path, seq, mb, adapter, r, ckpt, every, bits, opt, **memory) -> Recipe:
+def _recipe(arch, path, seq, mb, adapter, r, ckpt, every, bits, opt, extra) -> Recipe:
+    """`extra`: more keys as {"section.key": value}."""
     attn = "eager" if arch == "gemma2" else "auto"  # transformers runs Gemma-2 with eager attention only
-    return Recipe.model_validate({
+    data = {
         "model": {"path": str(path), "attn_implementation": attn}, "data": {"path": "unused.jsonl", "max_seq_len": seq},
         "adapter": {"type": adapter, "r": r}, "quantization": {"bits": bits},
         "training": {"micro_batch_size": mb},
         "memory": {"activation_checkpointing": ckpt, "checkpoint_every_n_layers": every, "chunked_loss": False,
-                   **memory},
-        "optimizer": {"name": opt, "momentum": 0.9 if opt == "sgd" else 0.0}})
+                   "tiled_mlp": False},
+        "optimizer": {"name": opt, "momentum": 0.9 if opt == "sgd" else 0.0}}
+    for key, value in extra.items():
+        section, name = key.split(".")
+        data[section][name] = value
+    return Recipe.model_validate(data)
 
 
 def test_predicted_peak_matches_measured(model_dirs):
@@ -95,23 +100,44 @@ def test_chunked_loss_and_offload(tmp_path):
     deep.save_pretrained(tmp_path / "deep")
     make_tokenizer().save_pretrained(tmp_path / "deep")
     dirs = {"big": tmp_path / "big", "deep": tmp_path / "deep"}
-    _check(dirs, [("big", 512, 2, "lora", 8, True, 1, None, "adamw", {"chunked_loss": True}),
-                  ("big", 512, 2, "lora", 8, True, 1, None, "adamw", {"chunked_loss": False}),
-                  ("deep", 512, 2, "lora", 8, True, 1, None, "adamw", {"offload": "disk", "offload_min_size": 1024}),
-                  ("deep", 512, 2, "lora", 8, False, 1, None, "adamw", {"offload": "disk", "offload_min_size": 1024})])
+    disk = {"memory.offload": "disk", "memory.offload_min_size": 1024}
+    _check(dirs, [("big", 512, 2, "lora", 8, True, 1, None, "adamw", {"memory.chunked_loss": True}),
+                  ("big", 512, 2, "lora", 8, True, 1, None, "adamw", {"memory.chunked_loss": False}),
+                  ("deep", 512, 2, "lora", 8, True, 1, None, "adamw", disk),
+                  ("deep", 512, 2, "lora", 8, False, 1, None, "adamw", disk),
+                  ("deep", 1024, 1, "lora", 8, True, 1, None, "adamw", {**disk, **TILED})])
+
+
+TILED = {"memory.tiled_mlp": True, "memory.tiled_mlp_tokens": 128}
+BF16 = {"model.dtype": "bf16"}
+
+
+def test_tiled_mlp_recomputed_norms_and_bf16_adapters(model_dirs):
+    """The long-context techniques (tiled MLP; norms without fp32 copies, on by default; LoRA matmuls in bf16
+    with fp32 master weights) as the planner predicts them, with and without checkpointing."""
+    _check(model_dirs, [
+        ("llama", 1024, 1, "lora", 8, True, 1, None, "adamw", TILED),
+        ("llama", 1024, 2, "lora", 16, True, 1, None, "adamw", {**TILED, **BF16}),
+        ("qwen2", 512, 2, "full", 8, True, 2, None, "adamw", TILED),
+        ("mistral", 1024, 1, "lora", 8, False, 1, None, "sgd", {**TILED, **BF16}),
+        ("gemma2", 512, 2, "lora", 8, True, 1, None, "adamw", {**TILED, **BF16}),
+        ("phi3", 1024, 1, "lora", 8, True, 1, 4, "adamw", TILED),
+        ("llama", 512, 2, "lora", 8, True, 1, None, "adamw", {**BF16, "adapter.fp32_compute": True}),
+        ("qwen2", 512, 1, "lora", 8, False, 1, None, "adamw", {**BF16, "memory.recompute_norms": False}),
+    ])
 
 
 def _check(model_dirs, matrix):
     rows, failures = [], []
-    for arch, seq, mb, adapter, r, ckpt, every, bits, opt, *memory in matrix:
-        memory = memory[0] if memory else {}
-        recipe = _recipe(arch, model_dirs[arch], seq, mb, adapter, r, ckpt, every, bits, opt, **memory)
+    for arch, seq, mb, adapter, r, ckpt, every, bits, opt, *extra in matrix:
+        extra = extra[0] if extra else {}
+        recipe = _recipe(arch, model_dirs[arch], seq, mb, adapter, r, ckpt, every, bits, opt, extra)
         measured = measure(recipe, steps=2)
         spec = model_spec(recipe, load_model_config(recipe.model.path), "cpu")
         m = recipe.memory
-        pred = predict_memory(spec, Settings(mb, 1, ckpt, every, m.offload, m.chunked_loss, bits, opt))
+        pred = predict_memory(spec, Settings(mb, 1, ckpt, every, m.offload, m.chunked_loss, bits, opt, m.tiled_mlp))
         err = pred.peak_bytes / measured["peak_bytes"] - 1
-        name = f"{arch} s={seq} mb={mb} {adapter} r={r} ckpt={ckpt}/{every} bits={bits} {opt} {memory or ''}"
+        name = f"{arch} s={seq} mb={mb} {adapter} r={r} ckpt={ckpt}/{every} bits={bits} {opt} {extra or ''}"
         rows.append(f"{name:60s} measured={measured['peak_bytes']:>10d} predicted={pred.peak_bytes:>10d} {err:+.1%}")
         bad = [] if abs(err) <= 0.05 else ["total"]
         for key, value in measured["breakdown"].items():

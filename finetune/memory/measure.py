@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from finetune.memory.chunked_loss import causal_lm_loss
+from finetune.memory.layer_recompute import apply_layer_recompute
 from finetune.memory.tracker import MemoryTracker, measure_step
 from finetune.recipe.schema import Recipe
 
@@ -54,18 +55,12 @@ def _forward_backward(model, batch, accumulation, window, backward_window, chunk
         loss.backward()
 
 
-def _has_auto(recipe: Recipe) -> bool:
-    return "auto" in (recipe.training.micro_batch_size, recipe.training.gradient_accumulation_steps,
-                      recipe.memory.activation_checkpointing, recipe.memory.offload, recipe.memory.chunked_loss,
-                      recipe.quantization.bits, recipe.optimizer.name)
-
-
 def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
     """Run `steps` optimizer steps at the recipe's micro-batch and max_seq_len; return the tracker result.
 
     `auto` settings are resolved by the planner first.
     """
-    if _has_auto(recipe):  # measure what `finetune run` would train: the planner's choice
+    if recipe.auto_keys():  # measure what `finetune run` would train: the planner's choice
         from finetune.plan import predict
 
         recipe = predict(recipe).apply(recipe)
@@ -77,6 +72,8 @@ def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
     vocab = model.config.get_text_config().vocab_size
     checkpointing = bool(recipe.memory.activation_checkpointing)
     model = apply_adapter(model, recipe.adapter, checkpointing=checkpointing)
+    apply_layer_recompute(model, recipe.memory.recompute_norms, recipe.memory.tiled_mlp_tokens
+                          if recipe.memory.tiled_mlp is True else None)
     enable_checkpointing(model, checkpointing, recipe.memory.checkpoint_every_n_layers)
     model.train()
     from finetune.optim import build_optimizer
@@ -107,6 +104,7 @@ def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
     result["settings"] = {"micro_batch_size": recipe.training.micro_batch_size,
                           "activation_checkpointing": recipe.memory.activation_checkpointing,
                           "chunked_loss": recipe.memory.chunked_loss, "offload": recipe.memory.offload,
+                          "tiled_mlp": recipe.memory.tiled_mlp,
                           "bits": recipe.quantization.bits, "optimizer": recipe.optimizer.name}
     return result
 

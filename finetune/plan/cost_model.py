@@ -3,10 +3,12 @@
 step time = compute / (peak FLOPs x utilisation) + dequantization + exposed transfer time.
 - compute: 2 FLOPs per weight per token forward, the same again backward for the input gradient, once more
   for weight gradients of trained weights (full fine-tuning), plus attention (4 s h per token per layer
-  forward); checkpointed layers run their forward twice (recompute).
+  forward); checkpointed layers run their forward twice (recompute); a tiled MLP runs its MLP forward once
+  more in backward (recomputed chunk by chunk). Recomputed norms are not counted (memory-bound, <1%).
 - utilisation grows with tokens per micro-batch: u = t / (t + UTIL_HALF_TOKENS) (small batches starve the GPU).
 - 4-bit/8-bit: every quantized weight is dequantized in forward, backward and recompute (reads its packed
-  bytes, writes compute-dtype bytes) at memory bandwidth.
+  bytes, writes compute-dtype bytes) at memory bandwidth; a tiled MLP dequantizes its weights once per chunk
+  in each of those passes, plus once per chunk for its recompute.
 - offload: 2 x offloaded bytes (out and back) per micro-batch over PCIe (cpu) or disk, at the bandwidths
   measured once on this machine and cached; overlapped with compute, so only the part longer than the
   compute time counts.
@@ -32,9 +34,11 @@ OFFLOAD_OVERHEAD = {"none": 0.0, "cpu": 0.01, "disk": 0.03}
 
 def tokens_per_second(settings: Settings, *, device: str, params: int, trainable_full: bool, num_layers: int,
                       hidden: int, seq_len: int, quantized_params: int, offloaded_bytes: int, dtype_bytes: int,
+                      mlp_params: int = 0, mlp_chunk_tokens: int = 1024,
                       bandwidth: dict[str, float] | None = None) -> float:
     """Tokens per second of one optimizer step under `settings` (see module docstring).
 
+    `mlp_params`: weight elements of all layers' MLPs (recomputed once more with a tiled MLP).
     `bandwidth`: measured bytes/s per offload tier (finetune.memory.bandwidth.transfer_bandwidth); the
     constants above stand in for what was not measured.
     """
@@ -45,6 +49,8 @@ def tokens_per_second(settings: Settings, *, device: str, params: int, trainable
     recompute = 0.0
     if settings.activation_checkpointing:
         recompute = fwd / settings.checkpoint_every_n_layers
+    if settings.tiled_mlp:
+        recompute += 2 * mlp_params * tokens
     util = tokens / (tokens + UTIL_HALF_TOKENS)
     compute = (fwd * passes + recompute) / (dev["flops"] * util)
     if settings.chunked_loss:
@@ -52,7 +58,12 @@ def tokens_per_second(settings: Settings, *, device: str, params: int, trainable
     dequant = 0.0
     if settings.bits:
         per_pass = quantized_params * (settings.bits / 8 + dtype_bytes) / dev["mem_bw"]
-        dequant = per_pass * (2 + (1 if settings.activation_checkpointing else 0))
+        dq_passes = 2 + (1 if settings.activation_checkpointing else 0)
+        dequant = per_pass * dq_passes
+        if settings.tiled_mlp:
+            chunks = -(-seq_len // mlp_chunk_tokens)
+            mlp_pass = per_pass * mlp_params / max(quantized_params, 1)
+            dequant += mlp_pass * (chunks * (dq_passes + 1) - dq_passes)
     transfer = 0.0
     if settings.offload != "none":
         measured = bandwidth or {}

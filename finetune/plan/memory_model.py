@@ -64,6 +64,7 @@ class Settings:
     chunked_loss: bool
     bits: int | None
     optimizer: str
+    tiled_mlp: bool = False
 
 
 @dataclass
@@ -102,6 +103,8 @@ class ModelSpec:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     double_quant: bool = True
     offload_min_size: int = 1 << 20
+    recompute_norms: bool = True
+    tiled_mlp_tokens: int = 1024
 
 
 def _block(settings: Settings) -> int:
@@ -119,8 +122,8 @@ def _traces(spec: ModelSpec, settings: Settings) -> tuple[Trace, Trace]:
     la, lb = _layer_counts(spec, settings)
     every = settings.checkpoint_every_n_layers if settings.activation_checkpointing else 0
     args = (spec.config, spec.adapter, spec.dtype, spec.attn, spec.device, 1, spec.seq_len)
-    int8 = settings.bits == 8
-    return trace_step(*args, la, every, int8), trace_step(*args, lb, every, int8)
+    layer = (settings.bits == 8, spec.recompute_norms, spec.tiled_mlp_tokens if settings.tiled_mlp else 0)
+    return trace_step(*args, la, every, *layer), trace_step(*args, lb, every, *layer)
 
 
 def _lerp(a: float, b: float, xa: int, xb: int, x: int) -> float:

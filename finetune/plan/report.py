@@ -12,14 +12,12 @@ from finetune.memory.tracker import CATEGORIES
 from finetune.plan.search import Plan
 from finetune.recipe.schema import format_bytes
 
-_SETTING_KEYS = ("micro_batch_size", "gradient_accumulation_steps", "activation_checkpointing",
-                 "checkpoint_every_n_layers", "offload", "chunked_loss", "bits", "optimizer")
-
 
 def _short(settings: dict[str, Any]) -> str:
     ck = f"ckpt/{settings['checkpoint_every_n_layers']}" if settings["activation_checkpointing"] else "no-ckpt"
     return (f"mb={settings['micro_batch_size']} ga={settings['gradient_accumulation_steps']} {ck} "
-            f"offload={settings['offload']} chunked={settings['chunked_loss']} bits={settings['bits']} "
+            f"offload={settings['offload']} chunked={settings['chunked_loss']} tiled={settings['tiled_mlp']} "
+            f"bits={settings['bits']} "
             f"{settings['optimizer']}")
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import shutil
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -69,6 +71,7 @@ class Plan:
         data["memory"]["checkpoint_every_n_layers"] = s["checkpoint_every_n_layers"]
         data["memory"]["offload"] = s["offload"]
         data["memory"]["chunked_loss"] = s["chunked_loss"]
+        data["memory"]["tiled_mlp"] = s["tiled_mlp"]
         if data["memory"]["gpu_memory"] == "auto":
             data["memory"]["gpu_memory"] = self.budget_bytes + recipe.memory.gpu_memory_margin
         data["quantization"]["bits"] = s["bits"]
@@ -108,20 +111,23 @@ def _choices(recipe: Recipe, spec: ModelSpec) -> list[Settings]:
     offloads = (["none", "cpu", "disk"] if spec.device == "cuda" else ["none", "disk"]) if m.offload == "auto" \
         else [m.offload]
     chunked = [False, True] if m.chunked_loss == "auto" else [bool(m.chunked_loss)]
+    tiled = [False, True] if m.tiled_mlp == "auto" else [bool(m.tiled_mlp)]
     if recipe.quantization.bits == "auto":
         bits = [None] if recipe.adapter.type == "full" else [None, 8, 4]
     else:
         bits = [recipe.quantization.bits]
     opts = list(AUTO_OPTIMIZERS) if recipe.optimizer.name == "auto" else [recipe.optimizer.name]
     out = []
-    for mb, (ck, every), off, ch, q, opt in itertools.product(mbs, ckpts, offloads, chunked, bits, opts):
+    for mb, (ck, every), off, ch, q, opt, tile in itertools.product(mbs, ckpts, offloads, chunked, bits, opts, tiled):
+        if tile and spec.seq_len <= spec.tiled_mlp_tokens:  # one chunk: the plain MLP
+            continue
         if off != "none" and spec.num_layers < 2:
             continue
         if t.gradient_accumulation_steps == "auto":
             accum = math.ceil(t.effective_batch_size / mb) if t.effective_batch_size else 1
         else:
             accum = t.gradient_accumulation_steps
-        out.append(Settings(mb, accum, ck, every, off, ch, q, opt))
+        out.append(Settings(mb, accum, ck, every, off, ch, q, opt, tile))
     return out
 
 
@@ -132,23 +138,39 @@ def model_spec(recipe: Recipe, config: Any, device: str) -> ModelSpec:
         attn=attn_implementation(recipe.model.attn_implementation, config), device=device, seq_len=recipe.data.max_seq_len,
         num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
         optimizer=recipe.optimizer, double_quant=recipe.quantization.double_quant,
-        offload_min_size=recipe.memory.offload_min_size)
+        offload_min_size=recipe.memory.offload_min_size, recompute_norms=recipe.memory.recompute_norms,
+        tiled_mlp_tokens=recipe.memory.tiled_mlp_tokens)
+
+
+def free_disk_bytes(path: Path) -> int:
+    """Free bytes on the disk that holds `path` (or would: its nearest existing parent)."""
+    path = path.expanduser().resolve()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def _speed(spec: ModelSpec, shapes: ModelShapes, settings: Settings, offloaded_bytes: int,
+           bandwidth: dict[str, float] | None) -> float:
+    quantized = shapes.num_layers * shapes.layer_linear if settings.bits else 0
+    return tokens_per_second(
+        settings, device=spec.device, params=shapes.total, trainable_full=spec.adapter.type == "full",
+        num_layers=spec.num_layers, hidden=spec.hidden_size, seq_len=spec.seq_len, quantized_params=quantized,
+        offloaded_bytes=offloaded_bytes, dtype_bytes=torch.tensor([], dtype=spec.dtype).element_size(),
+        mlp_params=shapes.num_layers * shapes.mlp_linear, mlp_chunk_tokens=spec.tiled_mlp_tokens, bandwidth=bandwidth)
 
 
 def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, host_ram: int | None = None,
-             bandwidth: dict[str, float] | None = None) -> Candidate:
-    """Predict memory and speed of one configuration."""
+             bandwidth: dict[str, float] | None = None, disk_free: int | None = None) -> Candidate:
+    """Predict memory and speed of one configuration; cpu/disk offload beyond free RAM/disk is rejected."""
     pred = predict_memory(spec, settings)
-    params = shapes.total
-    quantized = shapes.num_layers * shapes.layer_linear if settings.bits else 0
-    tps = tokens_per_second(
-        settings, device=spec.device, params=params, trainable_full=spec.adapter.type == "full",
-        num_layers=spec.num_layers, hidden=spec.hidden_size, seq_len=spec.seq_len, quantized_params=quantized,
-        offloaded_bytes=pred.offloaded_bytes, dtype_bytes=torch.tensor([], dtype=spec.dtype).element_size(),
-        bandwidth=bandwidth)
+    tps = _speed(spec, shapes, settings, pred.offloaded_bytes, bandwidth)
     cand = Candidate(asdict(settings), pred.peak_bytes, pred.breakdown, tps)
     if settings.offload == "cpu" and host_ram is not None and pred.offloaded_bytes > host_ram:
         cand.reason = f"cpu offload needs {format_bytes(pred.offloaded_bytes)} of RAM, {format_bytes(host_ram)} free"
+    if settings.offload == "disk" and disk_free is not None and pred.offloaded_bytes > disk_free:
+        cand.reason = (f"disk offload needs {format_bytes(pred.offloaded_bytes)} in memory.offload_dir, "
+                       f"{format_bytes(disk_free)} free")
     return cand
 
 
@@ -163,28 +185,40 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
     host_ram = _free_memory("cpu") if device == "cuda" else None
     shapes = model_shapes(config)
     choices = _choices(recipe, spec)
-    bandwidth = None
+    bandwidth, disk_free = None, None
     if any(st.offload != "none" for st in choices):  # measured once per machine, then read from the cache
-        bandwidth = transfer_bandwidth(offload_dir_for(recipe.memory, recipe.output.dir),
-                                       cuda=device == "cuda" and torch.cuda.is_available())
+        offload_dir = offload_dir_for(recipe.memory, recipe.output.dir)
+        bandwidth = transfer_bandwidth(offload_dir, cuda=device == "cuda" and torch.cuda.is_available())
+        disk_free = free_disk_bytes(offload_dir)
     # Cheap lower bounds first: a configuration whose weights and optimizer state alone exceed the budget is
     # rejected without tracing its activations.
     floors = sorted(((memory_floor(spec, st), i, st) for i, st in enumerate(choices)),
                     key=lambda x: (x[0], x[1]))
     candidates, pruned = [], []
     over: dict[Settings, int] = {}  # checkpointed configurations already over budget, by settings
-    for floor, _, st in sorted(floors, key=lambda x: not x[2].activation_checkpointing):
+    fits_untiled: set[Settings] = set()
+    best_score = 0.0  # of the fitting configurations so far
+    order = sorted(floors, key=lambda x: (x[2].tiled_mlp, not x[2].activation_checkpointing))
+    for floor, _, st in order:
         with_ckpt = replace(st, activation_checkpointing=True, checkpoint_every_n_layers=1)
         if floor > budget:
             pruned.append((floor, st))
         elif not st.activation_checkpointing and with_ckpt in over:
             # Dominance: without checkpointing every layer keeps what a checkpointed run recomputes for one.
             pruned.append((over[with_ckpt], st))
+        elif st.tiled_mlp and (replace(st, tiled_mlp=False) in fits_untiled
+                               or _score_of(st.optimizer, _speed(spec, shapes, st, 0, bandwidth)) <= best_score):
+            # Tiling only buys memory: skip it (and its traces) where the plain MLP fits, or where even with
+            # free transfers it cannot beat a configuration that already fits.
+            continue
         else:
-            cand = evaluate(spec, shapes, st, host_ram, bandwidth)
+            cand = evaluate(spec, shapes, st, host_ram, bandwidth, disk_free)
             candidates.append(cand)
             if st.activation_checkpointing and cand.peak_bytes > budget:
                 over[st] = cand.peak_bytes
+            if cand.reason is None and cand.peak_bytes <= budget:
+                fits_untiled.add(st)
+                best_score = max(best_score, _score(cand))
     pruned.sort(key=lambda x: x[0])
     for c in candidates:
         if c.reason is None and c.peak_bytes > budget:
@@ -194,7 +228,7 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
     while not ok and pruned and (leanest is None or pruned[0][0] < leanest.peak_bytes):
         # Nothing fits: find the leanest configuration (branch and bound on the lower bounds).
         _floor, st = pruned.pop(0)
-        cand = evaluate(spec, shapes, st, host_ram, bandwidth)
+        cand = evaluate(spec, shapes, st, host_ram, bandwidth, disk_free)
         cand.reason = cand.reason or f"needs {format_bytes(cand.peak_bytes)}, budget {format_bytes(budget)}"
         candidates.append(cand)
         leanest = cand if leanest is None or cand.peak_bytes < leanest.peak_bytes else leanest
@@ -211,4 +245,8 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
 
 
 def _score(c: Candidate) -> float:
-    return c.tokens_per_s * AUTO_OPTIMIZERS.get(c.settings["optimizer"], 1.0)
+    return _score_of(c.settings["optimizer"], c.tokens_per_s)
+
+
+def _score_of(optimizer: str, tokens_per_s: float) -> float:
+    return tokens_per_s * AUTO_OPTIMIZERS.get(optimizer, 1.0)

@@ -73,6 +73,7 @@ class ModelShapes:
     outside: int  # embeddings, final norm, lm_head (counted once if tied)
     lora_per_layer: int = 0  # trainable adapter elements per layer
     tie_word_embeddings: bool = False
+    mlp_linear: int = 0  # elements of the Linear weights in ONE decoder layer's MLP (what tiled_mlp recomputes)
     extra: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -105,6 +106,8 @@ def model_shapes(config: Any, adapter: AdapterConfig | None = None) -> ModelShap
     layers_attr = model.model.layers
     layer = layers_attr[0]
     linear = [(m.out_features, m.in_features) for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    mlp = getattr(layer, "mlp", None)
+    mlp_linear = sum(m.weight.numel() for m in mlp.modules() if isinstance(m, torch.nn.Linear)) if mlp else 0
     layer_total = sum(p.numel() for p in layer.parameters())
     all_params = {id(p): p.numel() for p in model.parameters()}
     outside = sum(all_params.values()) - layer_total
@@ -120,4 +123,5 @@ def model_shapes(config: Any, adapter: AdapterConfig | None = None) -> ModelShap
         num_layers=text.num_hidden_layers, linear_shapes=linear,
         layer_other=layer_total - sum(o * i for o, i in linear),
         outside=outside, lora_per_layer=lora, tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
+        mlp_linear=mlp_linear,
     )

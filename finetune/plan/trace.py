@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from finetune.memory.layer_recompute import apply_layer_recompute
 from finetune.memory.measure import enable_checkpointing, training_step
 from finetune.memory.tracker import MemoryTracker
 from finetune.model.adapter import apply_adapter
@@ -140,7 +141,7 @@ def _layer_windows(model: torch.nn.Module, tracker: MemoryTracker) -> list:
 
 
 def _meta_model(config_json: str, model_type: str, adapter_json: str, dtype: str, attn: str, layers: int,
-                checkpointing: bool) -> torch.nn.Module:
+                checkpointing: bool, recompute_norms: bool = False, mlp_tokens: int = 0) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(model_type, **json.loads(config_json))
@@ -149,7 +150,9 @@ def _meta_model(config_json: str, model_type: str, adapter_json: str, dtype: str
     adapter = AdapterConfig.model_validate_json(adapter_json)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-        return apply_adapter(model, adapter, checkpointing=checkpointing)
+        model = apply_adapter(model, adapter, checkpointing=checkpointing)
+        apply_layer_recompute(model, recompute_norms, mlp_tokens)
+        return model
 
 
 @functools.lru_cache(maxsize=512)
@@ -159,8 +162,10 @@ def _params_cached(config_json: str, model_type: str, adapter_json: str, dtype: 
 
 @functools.lru_cache(maxsize=512)
 def _trace_cached(config_json: str, model_type: str, adapter_json: str, dtype: str, attn: str, device: str,
-                  micro_batch: int, seq_len: int, layers: int, checkpoint_every: int, int8: bool) -> Trace:
-    model = _meta_model(config_json, model_type, adapter_json, dtype, attn, layers, checkpoint_every > 0)
+                  micro_batch: int, seq_len: int, layers: int, checkpoint_every: int, int8: bool, recompute_norms: bool,
+                  mlp_tokens: int) -> Trace:
+    model = _meta_model(config_json, model_type, adapter_json, dtype, attn, layers, checkpoint_every > 0,
+                        recompute_norms, mlp_tokens)
     config = model.config
     ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
     if int8:
@@ -192,13 +197,15 @@ def _key(config: Any, adapter: AdapterConfig, dtype: torch.dtype) -> tuple[str, 
 
 
 def trace_step(config: Any, adapter: AdapterConfig, dtype: torch.dtype, attn: str, device: str, micro_batch: int,
-               seq_len: int, layers: int, checkpoint_every: int, int8: bool = False) -> Trace:
+               seq_len: int, layers: int, checkpoint_every: int, int8: bool = False, recompute_norms: bool = False,
+               mlp_tokens: int = 0) -> Trace:
     """Trace one forward+backward of `config` cut to `layers` layers (checkpoint_every 0 = no checkpointing).
 
     int8: frozen decoder Linear layers behave like bitsandbytes LLM.int8 layers (see `_Int8LikeLinear`).
+    recompute_norms, mlp_tokens: `finetune.memory.layer_recompute` as the run applies it (0 = no tiled MLP).
     """
     return _trace_cached(*_key(config, adapter, dtype), attn, device, micro_batch, seq_len, layers,
-                         checkpoint_every, int8)
+                         checkpoint_every, int8, recompute_norms, mlp_tokens)
 
 
 def param_table(config: Any, adapter: AdapterConfig, dtype: torch.dtype, layers: int) -> tuple[ParamInfo, ...]:

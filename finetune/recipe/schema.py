@@ -6,7 +6,7 @@ Every field has a default or is required, and a one-line description. Sections m
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
@@ -75,6 +75,9 @@ class AdapterConfig(Section):
         "all-linear", description="Modules to adapt: all-linear or a list of module-name suffixes such as [q_proj, v_proj].")
     rslora: bool = Field(False, description="Rank-stabilised LoRA scaling alpha / sqrt(r).")
     modules_to_save: list[str] | None = Field(None, description="Extra modules trained in full and saved with the adapter.")
+    fp32_compute: bool = Field(
+        False, description="Run LoRA matmuls in fp32 as peft does (a fp32 copy of every adapted layer's input is kept "
+        "for backward); false: in the model's dtype with fp32 weights and gradients, like mixed precision.")
 
 
 class DataConfig(Section):
@@ -132,6 +135,13 @@ class MemoryConfig(Section):
         None, description="RAM the cpu tier may hold before tensors spill to disk; null: no limit.")
     chunked_loss: bool | Auto = Field(
         "auto", description="Compute the LM head and loss in chunks so full logits never exist; auto: planner.")
+    recompute_norms: bool = Field(
+        True, description="Norms inside decoder layers keep only their input for backward and redo their fp32 "
+        "math there, instead of keeping fp32 copies (negligible compute).")
+    tiled_mlp: bool | Auto = Field(
+        "auto", description="Run each layer's MLP over the sequence in chunks of tiled_mlp_tokens and recompute it "
+        "chunk by chunk in backward (one extra MLP forward; for long sequences); auto: planner.")
+    tiled_mlp_tokens: int = Field(1024, ge=16, description="Sequence positions per MLP chunk with tiled_mlp.")
     gpu_memory: ByteSize | Auto = Field("auto", description="Memory budget, e.g. 12GiB; auto reads the GPU's free memory.")
     gpu_memory_margin: ByteSize = Field(512 << 20, description="Head-room kept free below the budget.")
 
@@ -208,6 +218,15 @@ class Recipe(Section):
     memory: MemoryConfig = Field(default_factory=MemoryConfig, description="Activation memory and the budget.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer and its state.")
     output: OutputConfig = Field(default_factory=OutputConfig, description="Where results go.")
+
+    # Keys the planner decides when they are `auto`.
+    PLANNED_KEYS: ClassVar[tuple[str, ...]] = ("training.micro_batch_size", "training.gradient_accumulation_steps",
+                    "memory.activation_checkpointing", "memory.offload", "memory.chunked_loss", "memory.tiled_mlp",
+                    "quantization.bits", "optimizer.name")
+
+    def auto_keys(self) -> list[str]:
+        """The planned keys still set to `auto` ("section.key")."""
+        return [k for k in self.PLANNED_KEYS if getattr(getattr(self, k.split(".")[0]), k.split(".")[1]) == "auto"]
 
     @model_validator(mode="after")
     def _coherent(self) -> Recipe:

@@ -64,19 +64,22 @@ def _plan(recipe: Recipe) -> tuple[Plan | None, Recipe]:
 
     Without `auto` values the plan only predicts (a failure to predict an unusual model is reported, not fatal).
     """
-    auto = _unresolved_auto(recipe)
+    auto = recipe.auto_keys()
     try:
         plan = predict(recipe)
     except FinetuneError:
         raise
     except Exception as exc:
-        if set(auto) - {"memory.chunked_loss"}:
+        optional = {"memory.chunked_loss", "memory.tiled_mlp"}
+        if set(auto) - optional:
             raise FinetuneError(f"cannot plan {', '.join(auto)} = auto: {type(exc).__name__}: {exc}",
                                 hint="set those keys to explicit values") from None
-        # Only the default chunked_loss=auto is open: the plain loss is always correct, so train without a plan.
+        # Only the defaults chunked_loss/tiled_mlp=auto are open: the plain layers and loss are always correct,
+        # so train without a plan.
         console.print(f"[yellow]memory plan unavailable ({type(exc).__name__}: {exc}); training without it "
-                      "(memory.chunked_loss: auto -> false)")
-        return None, recipe.model_copy(update={"memory": recipe.memory.model_copy(update={"chunked_loss": False})})
+                      f"({', '.join(f'{k}: auto -> false' for k in auto)})")
+        off = {k.split(".")[1]: False for k in auto}
+        return None, recipe.model_copy(update={"memory": recipe.memory.model_copy(update=off)})
     budget = f"{format_bytes(plan.peak_bytes)} predicted peak, budget {format_bytes(plan.budget_bytes)}"
     if not plan.fits:
         needed = f"; the leanest plan needs a budget of {format_bytes(plan.min_budget_bytes)}" \
@@ -95,23 +98,10 @@ def keep_resolved(recipe: Recipe, saved: Recipe) -> Recipe:
     checkpoint continues with the same micro-batch, accumulation and memory settings; other keys (a longer
     max_steps, say) still come from the recipe given now."""
     data, old = recipe.model_dump(), saved.model_dump()
-    for key in _unresolved_auto(recipe):
+    for key in recipe.auto_keys():
         section, name = key.split(".")
         data[section][name] = old[section][name]
     return Recipe.model_validate(data)
-
-
-def _unresolved_auto(recipe: Recipe) -> list[str]:
-    fields = {
-        "training.micro_batch_size": recipe.training.micro_batch_size,
-        "training.gradient_accumulation_steps": recipe.training.gradient_accumulation_steps,
-        "memory.activation_checkpointing": recipe.memory.activation_checkpointing,
-        "memory.offload": recipe.memory.offload,
-        "memory.chunked_loss": recipe.memory.chunked_loss,
-        "quantization.bits": recipe.quantization.bits,
-        "optimizer.name": recipe.optimizer.name,
-    }
-    return [k for k, v in fields.items() if v == "auto"]
 
 
 def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> RunResult:
@@ -134,6 +124,7 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> Run
 
 def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, stopper: StopOnSignal) -> RunResult:
     from finetune.data import build_datasets
+    from finetune.memory.layer_recompute import apply_layer_recompute
     from finetune.model.adapter import apply_adapter, count_parameters
     from finetune.model.load import load_model
 
@@ -150,6 +141,8 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     set_seed(recipe.training.seed)  # adapter initialisation is random: make it reproducible
     model, tokenizer, _ = load_model(recipe.model, recipe.quantization)
     model = apply_adapter(model, recipe.adapter, checkpointing=bool(recipe.memory.activation_checkpointing))
+    apply_layer_recompute(model, recipe.memory.recompute_norms, recipe.memory.tiled_mlp_tokens
+                          if recipe.memory.tiled_mlp is True else None)
     trainable, total = count_parameters(model)
     console.print(f"model: {recipe.model.path}  trainable {trainable:,} of {total:,} parameters "
                   f"({100 * trainable / max(total, 1):.2f}%)")

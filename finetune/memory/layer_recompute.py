@@ -1,0 +1,142 @@
+"""Recompute inside a decoder layer: norms that keep no fp32 copies, and a sequence-tiled MLP.
+
+Why: with activation checkpointing, the peak of a long-context step is the one layer being recomputed in
+backward (see docs/planner.md). Two things dominate it:
+
+- RMSNorm upcasts its input to fp32: autograd keeps fp32 copies (two norms per layer), and the norm's
+  backward makes five more fp32 temporaries of the whole sequence at once. `recompute_norms` runs each norm
+  like the tiled MLP below, in chunks of NORM_TOKENS positions: only its input (already alive) is kept and
+  the fp32 work is redone in backward one chunk at a time: negligible compute.
+- The MLP's intermediates (gate, up, activation, product: 4 x intermediate_size per token, ~3.5x the hidden
+  size each in Llama) dwarf everything else. `tile_mlps` runs the MLP over the sequence in chunks of
+  `tokens` (as ALST's TiledMLP, arXiv 2506.13996): forward keeps only the input, backward recomputes one chunk
+  at a time and backpropagates it, so the intermediates of one chunk exist at once. Costs one extra MLP
+  forward per layer; the planner picks it only when it is needed to fit (`memory.tiled_mlp: auto`).
+
+Both change only where memory goes, not the math: gradients match the plain layer (tests/test_layer_recompute.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from finetune.memory.offload import decoder_layers
+
+NORM_TOKENS = 1024
+
+
+def _is_norm(module: torch.nn.Module) -> bool:
+    return isinstance(module, torch.nn.LayerNorm) or type(module).__name__.endswith("RMSNorm")
+
+
+def recompute_norms(model: torch.nn.Module, tokens: int) -> int:
+    """Make every norm inside a decoder layer keep only its input for backward; returns how many."""
+    count = 0
+    for layer in decoder_layers(model):
+        for norm in layer.modules():
+            if _is_norm(norm) and not hasattr(norm, "_finetune_tiling"):
+                _wrap(norm, tokens, min_chunks=1)
+                count += 1
+    return count
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+@contextlib.contextmanager
+def _restored_rng(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device):
+    """Replay the random stream of the forward (LoRA dropout masks) without disturbing the caller's."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+        yield
+
+
+class _Tiled(torch.autograd.Function):
+    """y = fn(x) for a position-wise fn, computed in sequence chunks; backward recomputes chunk by chunk.
+
+    The trained parameters of `fn` are inputs, so their gradients are summed over the chunks here and reach
+    autograd once (gradient hooks, e.g. layer-wise optimizers, fire once per backward, as without tiling).
+    """
+
+    @staticmethod
+    def forward(ctx, fn, tokens, x, *params):
+        ctx.fn, ctx.tokens = fn, tokens
+        ctx.rng = _rng_state(x.device)
+        ctx.save_for_backward(x, *params)
+        with torch.no_grad():
+            return torch.cat([fn(piece) for piece in x.split(tokens, dim=1)], dim=1)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, *params = ctx.saved_tensors
+        grad_x = torch.empty_like(x) if ctx.needs_input_grad[2] else None
+        grads: list[torch.Tensor | None] = [None] * len(params)
+        # Our activation offload's pack hooks are active around backward too: the chunks' own saved tensors
+        # are short-lived, keep them where they are (the innermost hooks win).
+        keep = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        with _restored_rng(ctx.rng, x.device), torch.enable_grad(), keep:
+            for start in range(0, x.shape[1], ctx.tokens):
+                piece = x[:, start:start + ctx.tokens].detach().requires_grad_(grad_x is not None)
+                out = ctx.fn(piece)
+                wanted = ([piece] if grad_x is not None else []) + list(params)
+                got = list(torch.autograd.grad(out, wanted, grad_out[:, start:start + ctx.tokens], allow_unused=True))
+                if grad_x is not None:
+                    grad_x[:, start:start + ctx.tokens] = got.pop(0)
+                for i, g in enumerate(got):
+                    if g is not None:
+                        grads[i] = g if grads[i] is None else grads[i].add_(g)
+        return (None, None, grad_x, *grads)
+
+
+def tile_mlps(model: torch.nn.Module, tokens: int) -> int:
+    """Run every decoder layer's dense MLP in chunks of `tokens` positions (see module docstring)."""
+    count = 0
+    for layer in decoder_layers(model):
+        mlp = getattr(layer, "mlp", None)
+        # Dense, position-wise MLPs only (LlamaMLP, Qwen2MLP, Gemma2MLP, Phi3MLP...); MoE blocks route tokens.
+        if mlp is None or not type(mlp).__name__.endswith("MLP") or hasattr(mlp, "_finetune_tiling"):
+            continue
+        _wrap(mlp, tokens, min_chunks=2)
+        count += 1
+    return count
+
+
+def _wrap(module: torch.nn.Module, tokens: int, min_chunks: int) -> None:
+    """Route `module`'s forward through `_Tiled` when grads are needed and the input has >= min_chunks chunks.
+
+    A norm gains from one chunk (its fp32 copies are not kept); an MLP only from two or more. The module's
+    class becomes a subclass (not a patched bound forward), so deepcopy and state dicts behave as before.
+    """
+    cls = type(module)
+    if cls not in _TILED_CLASSES:
+        _TILED_CLASSES[cls] = type(f"Tiled{cls.__name__}", (cls,), {"forward": _tiled_forward})
+    module.__class__ = _TILED_CLASSES[cls]
+    module._finetune_tiling = (cls, tokens, min_chunks)
+
+
+_TILED_CLASSES: dict[type, type] = {}
+
+
+def _tiled_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    plain_cls, tokens, min_chunks = self._finetune_tiling
+    params = [p for p in self.parameters() if p.requires_grad]
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or bool(params))
+    if x.dim() < 3 or -(-x.shape[1] // tokens) < min_chunks or not needs_grad:
+        return plain_cls.forward(self, x)
+    return _Tiled.apply(functools.partial(plain_cls.forward, self), tokens, x, *params)
+
+
+def apply_layer_recompute(model: torch.nn.Module, norms: bool, mlp_tokens: int | None) -> None:
+    """The recipe's `memory.recompute_norms` and `memory.tiled_mlp` (chunk `mlp_tokens`; None = off)."""
+    if norms:
+        recompute_norms(model, NORM_TOKENS)
+    if mlp_tokens:
+        tile_mlps(model, mlp_tokens)
