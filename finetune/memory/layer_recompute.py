@@ -24,6 +24,7 @@ import functools
 import torch
 
 from finetune.memory.offload import decoder_layers
+from finetune.recipe.schema import MemoryConfig
 
 NORM_TOKENS = 1024
 
@@ -140,3 +141,8 @@ def apply_layer_recompute(model: torch.nn.Module, norms: bool, mlp_tokens: int |
         recompute_norms(model, NORM_TOKENS)
     if mlp_tokens:
         tile_mlps(model, mlp_tokens)
+
+
+def apply_memory_config(model: torch.nn.Module, memory: MemoryConfig) -> None:
+    """`apply_layer_recompute` as a resolved recipe's memory section says (tiled_mlp no longer auto)."""
+    apply_layer_recompute(model, memory.recompute_norms, memory.tiled_mlp_tokens if memory.tiled_mlp is True else None)

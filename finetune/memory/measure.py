@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from finetune.memory.chunked_loss import causal_lm_loss
-from finetune.memory.layer_recompute import apply_layer_recompute
+from finetune.memory.layer_recompute import apply_memory_config
 from finetune.memory.tracker import MemoryTracker, measure_step
 from finetune.recipe.schema import Recipe
 
@@ -72,8 +72,7 @@ def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
     vocab = model.config.get_text_config().vocab_size
     checkpointing = bool(recipe.memory.activation_checkpointing)
     model = apply_adapter(model, recipe.adapter, checkpointing=checkpointing)
-    apply_layer_recompute(model, recipe.memory.recompute_norms, recipe.memory.tiled_mlp_tokens
-                          if recipe.memory.tiled_mlp is True else None)
+    apply_memory_config(model, recipe.memory)
     enable_checkpointing(model, checkpointing, recipe.memory.checkpoint_every_n_layers)
     model.train()
     from finetune.optim import build_optimizer

@@ -124,7 +124,7 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> Run
 
 def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, stopper: StopOnSignal) -> RunResult:
     from finetune.data import build_datasets
-    from finetune.memory.layer_recompute import apply_layer_recompute
+    from finetune.memory.layer_recompute import apply_memory_config
     from finetune.model.adapter import apply_adapter, count_parameters
     from finetune.model.load import load_model
 
@@ -141,8 +141,7 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     set_seed(recipe.training.seed)  # adapter initialisation is random: make it reproducible
     model, tokenizer, _ = load_model(recipe.model, recipe.quantization)
     model = apply_adapter(model, recipe.adapter, checkpointing=bool(recipe.memory.activation_checkpointing))
-    apply_layer_recompute(model, recipe.memory.recompute_norms, recipe.memory.tiled_mlp_tokens
-                          if recipe.memory.tiled_mlp is True else None)
+    apply_memory_config(model, recipe.memory)
     trainable, total = count_parameters(model)
     console.print(f"model: {recipe.model.path}  trainable {trainable:,} of {total:,} parameters "
                   f"({100 * trainable / max(total, 1):.2f}%)")
