@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from finetune.recipe.schema import format_bytes
 from finetune.train.rundir import atomic_write_json, atomic_write_text
 
 STAGES = {
@@ -17,10 +18,10 @@ STAGES = {
     "d": "Unsloth side by side",
 }
 COLUMNS = {
-    "a": ["name", "status", "fits", "predicted_bytes", "measured_reserved_bytes", "measured_allocated_bytes",
+    "a": ["name", "max_seq_len", "status", "fits", "predicted_bytes", "measured_reserved_bytes", "measured_allocated_bytes",
           "error_reserved", "error_allocated", "seconds"],
     "b": ["name", "unsloth_tokens", "predicted_max_tokens", "trained_max_tokens", "vs_unsloth", "probes", "seconds"],
-    "c": ["name", "finetune_tokens_per_s", "hf_peft_tokens_per_s", "trl_tokens_per_s", "vs_hf_peft", "vs_trl",
+    "c": ["name", "max_seq_len", "finetune_tokens_per_s", "hf_peft_tokens_per_s", "trl_tokens_per_s", "vs_hf_peft", "vs_trl",
           "overhead", "seconds"],
     "d": ["name", "status"],
 }
@@ -60,12 +61,13 @@ def _cell(key: str, value: Any) -> str:
         return "-"
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
-    if key.endswith("_bytes"):
-        return f"{value / 2**30:.2f} GiB"
-    if key.startswith(("error", "overhead")):
-        return f"{value:+.1%}"
-    if key.startswith("vs_"):
-        return f"{value:.2f}x"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if key.endswith("_bytes"):
+            return format_bytes(value)
+        if key.startswith(("error", "overhead", "worst overhead", "median |error|", "max |error|")):
+            return f"{value:+.1%}"
+        if key.startswith(("vs_", "lowest speed ratio")):
+            return f"{value:.2f}x"
     if isinstance(value, float):
         return f"{value:,.1f}"
     if isinstance(value, int) and not isinstance(value, bool):

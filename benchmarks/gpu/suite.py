@@ -37,7 +37,7 @@ SHRINK = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "
           "num_key_value_heads": 2, "head_dim": 16}
 CPU_SEQ_DIVISOR = 32
 # --cpu: budgets for stage b, in bytes, standing for the GPU sizes (the toy model's memory is in MiB).
-CPU_BUDGETS = {8: 18 << 20, 16: 24 << 20}
+CPU_BUDGETS = {8: 6 << 20}
 CPU_KEYS = {"memory.offload_min_size": 1024, "memory.tiled_mlp_tokens": 32, "memory.gpu_memory_margin": 0}
 
 
@@ -62,15 +62,17 @@ class Suite:
             tokenizer = make_tokenizer()
             config = json.loads((FIXTURES / f"{name}.json").read_text())
             if self.cpu:
-                config.update(SHRINK, vocab_size=len(tokenizer), max_position_embeddings=1 << 16)
+                config.update(SHRINK, vocab_size=len(tokenizer), max_position_embeddings=1 << 16, bos_token_id=None,
+                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
                 config.pop("layer_types", None)
             folder.mkdir(parents=True)
             (folder / "config.json").write_text(json.dumps(config))
             tokenizer.save_pretrained(folder)
         return folder
 
-    def seq(self, seq: int) -> int:
-        return max(16, seq // CPU_SEQ_DIVISOR) if self.cpu else seq
+    def seq(self, cfg: dict) -> int:
+        """max_seq_len: the configuration's, divided by CPU_SEQ_DIVISOR on toy models (real data: as is)."""
+        return max(16, cfg["seq"] // CPU_SEQ_DIVISOR) if self.cpu and not cfg.get("real") else cfg["seq"]
 
     def text_data(self, seq: int, records: int) -> Path:
         """JSONL text records of seq+16 words each: at least one token per word, so every record is cut to
@@ -86,7 +88,7 @@ class Suite:
         return path
 
     def recipe(self, cfg: dict, steps: int, run_dir: Path, **more: Any) -> Recipe:
-        seq = self.seq(cfg["seq"])
+        seq = self.seq(cfg)
         records = cfg["mb"] * cfg["acc"] * steps
         data: dict[str, dict[str, Any]] = {
             "model": {"path": f"random:{self.model_dir(cfg['model'])}"},
@@ -164,13 +166,13 @@ class Suite:
     # --- stages ----------------------------------------------------------------------------------------
     def stage_a(self) -> None:
         cfgs = configs.stage_a_cpu() if self.cpu else configs.stage_a()
-        cfgs = cfgs + [{"name": "Qwen2.5-0.5B QLoRA real data (alpaca sample)", "model": configs.QWEN05, "seq": 512,
+        cfgs = cfgs + [{"name": "Qwen2.5-0.5B QLoRA real data (alpaca sample)", "model": configs.QWEN05, "seq": 256,
                         "mb": 2, "acc": 1, "keys": {**configs.QLORA, **configs.PLAIN}, "real": True}]
         by_name = {c["name"]: c for c in cfgs}
         for name in self.each("a", list(by_name)):
             cfg = by_name[name]
             more = {"data.path": str(REAL_SAMPLE), "data.format": "auto"} if cfg.get("real") else {}
-            row = {"name": name, **self.train(self.recipe(cfg, 3, self.work / "run", **more))}
+            row = {"name": name, "max_seq_len": self.seq(cfg), **self.train(self.recipe(cfg, 3, self.work / "run", **more))}
             for kind in ("reserved", "allocated"):
                 measured = row.get(f"measured_{kind}_bytes")
                 if measured and row.get("predicted_bytes") and row["status"] == "completed":
@@ -193,8 +195,7 @@ class Suite:
         from finetune.plan import predict
 
         cfg = {"name": "b", "model": configs.LLAMA, "seq": 0, "mb": 1, "acc": 1, "keys": configs.STAGE_B_RECIPE}
-        step = 1024 // CPU_SEQ_DIVISOR if self.cpu else 1024
-        cap = 4096 if self.cpu else 1 << 18
+        step, cap = (64, 1024) if self.cpu else (1024, 1 << 18)
         budget = CPU_BUDGETS[gb] if self.cpu else gb << 30
         started, probes = time.time(), {}
 
@@ -225,7 +226,7 @@ class Suite:
         cfgs = {c["name"]: c for c in speed + overheads}
         for name in self.each("c", list(cfgs)):
             cfg = cfgs[name]
-            row = {"name": name}
+            row = {"name": name, "max_seq_len": self.seq(cfg)}
             ours = self.train(self.recipe(cfg, steps, self.work / "run"))
             row.update(status=ours["status"], finetune_tokens_per_s=ours["tokens_per_s"], seconds=ours["seconds"])
             if cfg in speed:
