@@ -24,6 +24,9 @@ class StepRate(TrainerCallback):
         self.rates: list[float] = []
         self._last: tuple[float, int] | None = None
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._last = (time.time(), state.num_input_tokens_seen)
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or "loss" not in logs:
             return

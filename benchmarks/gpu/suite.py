@@ -124,7 +124,8 @@ class Suite:
         except torch.OutOfMemoryError:
             out["status"] = "OOM"
         except Exception as exc:  # one broken configuration must not stop the suite: it is reported
-            out["status"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+            first = str(exc).splitlines()[0][:200] if str(exc) else ""
+            out["status"] = "OOM" if "out of memory" in str(exc).lower() else f"error: {type(exc).__name__}: {first}"
         finally:
             if CUDA:
                 torch.cuda.synchronize()
@@ -155,7 +156,7 @@ class Suite:
         """Yield the names not measured yet while time is left; set the stage's status."""
         self.results.set_stage(stage, "running")
         for name in names:
-            if self.results.row(stage, name) is not None:
+            if (self.results.row(stage, name) or {}).get("status", "partial") != "partial":
                 continue
             if not self.time_left():
                 self.results.set_stage(stage, "partial: time limit reached, call again with the same OUT_DIR")
@@ -183,21 +184,25 @@ class Suite:
     def stage_b(self, budgets: list[int]) -> None:
         names = {f"{gb} GB": gb for gb in budgets}
         for name in self.each("b", list(names)):
-            self.results.put("b", {"name": name, **self._max_context(names[name])})
-        rows = self.results.data["stages"]["b"]["rows"]
+            self.results.put("b", {"name": name, "status": "done", **self._max_context(name, names[name])})
+        rows = [r for r in self.results.data["stages"]["b"]["rows"] if r.get("status") == "done"]
         self.results.set_stage("b", self.results.data["stages"]["b"]["status"], {
-            "goal: trained >= 1.5x Unsloth at every size": bool(rows) and all(r["vs_unsloth"] >= 1.5 for r in rows),
+            "goal: trained >= 1.5x Unsloth at every size": len(rows) == len(budgets)
+            and all(r["vs_unsloth"] >= 1.5 for r in rows),
             "note": "--cpu: toy model, budgets in MiB; the Unsloth ratio means nothing there" if self.cpu else ""})
 
-    def _max_context(self, gb: int) -> dict[str, Any]:
+    def _max_context(self, name: str, gb: int) -> dict[str, Any]:
         """The planner's longest fitting sequence, and the longest that really trains 2 steps within the budget
-        (the planner's settings for that length; CUDA capped to the budget, CPU: tracked peak <= budget)."""
+        (the planner's settings for that length; CUDA capped to the budget, CPU: tracked peak <= budget).
+
+        Every probe is saved as it ends (a partial row), and a later call reuses those probes."""
         from finetune.plan import predict
 
         cfg = {"name": "b", "model": configs.LLAMA, "seq": 0, "mb": 1, "acc": 1, "keys": configs.STAGE_B_RECIPE}
         step, cap = (64, 1024) if self.cpu else (1024, 1 << 18)
         budget = CPU_BUDGETS[gb] if self.cpu else gb << 30
-        started, probes = time.time(), {}
+        started = time.time()
+        probes = {int(k): v for k, v in ((self.results.row("b", name) or {}).get("probes") or {}).items()}
 
         def planned(seq: int):
             r = self.recipe({**cfg, "seq": seq * (CPU_SEQ_DIVISOR if self.cpu else 1)}, 2, self.work / "run",
@@ -205,16 +210,20 @@ class Suite:
             return predict(r, device="cuda" if CUDA else "cpu"), r
 
         def trains(seq: int) -> bool:
-            plan, r = planned(seq)
-            out = self.train(plan.apply(r), memory_cap=budget if CUDA else None)
-            probes[seq] = out["status"] == "completed" and (CUDA or out.get("measured_allocated_bytes", 0) <= budget)
+            if seq not in probes:
+                plan, r = planned(seq)
+                out = self.train(plan.apply(r), memory_cap=budget if CUDA else None)
+                probes[seq] = out["status"] == "completed" and \
+                    (CUDA or out.get("measured_allocated_bytes", 0) <= budget)
+                self.results.put("b", {"name": name, "status": "partial", "predicted_max_tokens": predicted,
+                                       "probes": dict(sorted(probes.items()))})
             return probes[seq]
 
         predicted = _search(lambda seq: planned(seq)[0].fits, step, cap)
         trained = _search(trains, step, cap, start=predicted or step)
         theirs = configs.UNSLOTH_MAX_CONTEXT[gb]
         return {"budget_bytes": budget, "unsloth_tokens": theirs, "predicted_max_tokens": predicted,
-                "trained_max_tokens": trained, "vs_unsloth": trained / theirs, "probes": probes,
+                "trained_max_tokens": trained, "vs_unsloth": trained / theirs, "probes": dict(sorted(probes.items())),
                 "seconds": round(time.time() - started, 1)}
 
     def stage_c(self) -> None:
@@ -276,18 +285,20 @@ class Suite:
 def _search(ok, step: int, cap: int, start: int | None = None) -> int:
     """Largest multiple of `step` in [step, cap] with ok(x), ok being true up to some point; 0 if none.
 
-    From `start` (a prediction) it brackets by factors of 1.25 up or 0.6 down, then bisects: few probes near
-    the answer, each of which may be a real training run.
+    Without `start`, plain bisection. From `start` (a prediction) it brackets by steps of 10% up or down, then bisects: few probes when the
+    prediction is close, each of which may be a real training run.
     """
     def snap(x: float) -> int:
         return min(cap, max(step, int(x) // step * step))
 
     lo, hi = 0, cap + step  # lo: largest known to pass (0: none yet), hi: smallest known to fail
-    x = snap(start or cap // 2)
-    if ok(x):
+    x = snap(start or step)
+    if start is None:  # no prediction to start from: plain bisection
+        pass
+    elif ok(x):
         lo = x
         while lo < cap:
-            x = snap(lo * 1.25 + step)
+            x = snap(lo * 1.1 + step)
             if not ok(x):
                 hi = x
                 break
@@ -295,7 +306,7 @@ def _search(ok, step: int, cap: int, start: int | None = None) -> int:
     else:
         hi = x
         while lo == 0:
-            x = snap(hi * 0.6)
+            x = snap(hi * 0.9)
             if x >= hi:
                 return 0
             if ok(x):

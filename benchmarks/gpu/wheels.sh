@@ -4,9 +4,12 @@
 #
 #   benchmarks/gpu/wheels.sh [--unsloth] [DIR]        (DIR defaults to .whl, ignored by git)
 #
-# The target machine already has torch 2.11 (CUDA 13), transformers, peft, accelerate, safetensors,
-# tokenizers, numpy, pandas, pyarrow, psutil, matplotlib, pyyaml, rich, xxhash, fsspec: those are NOT
-# fetched (a second version of one would shadow the machine's and break the install).
+# The target machine already has torch 2.11 (CUDA 13), accelerate, safetensors, tokenizers, huggingface_hub,
+# numpy, pandas, pyarrow, psutil, matplotlib, pyyaml, rich, xxhash, fsspec: those are NOT fetched.
+# transformers and peft are, although the machine has them: its transformers 5.17 lacks the
+# activation_checkpointing API this project uses (TrainingArguments.activation_checkpointing and
+# PreTrainedModel.activation_checkpointing_enable arrived after 5.17), so the versions this project is tested
+# with go first on PYTHONPATH (run.sh); their own needs (hub >= 1.31, tokenizers 0.23) are met there.
 # --unsloth also fetches unsloth and unsloth_zoo for stage d (their own dependencies are not resolved).
 set -euo pipefail
 
@@ -18,6 +21,7 @@ mkdir -p "$DIR"
 
 PACKAGES=(
   bitsandbytes==0.50.2   # trimmed below
+  transformers==5.23.0 peft==0.21.2
   trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
   pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5
   apollo-torch==1.0.3 galore-torch==1.0 gguf==0.19.0
