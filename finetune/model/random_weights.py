@@ -44,4 +44,6 @@ def random_state_dict(config: Any, dtype: torch.dtype, device: str | int) -> dic
         else:
             value = torch.ones(tensor.shape, dtype=tensor.dtype, device=device)
         out[name] = value.cpu()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # hand the draws' blocks back: a real load would not have cached them
     return out
