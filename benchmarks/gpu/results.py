@@ -19,7 +19,7 @@ STAGES = {
 }
 COLUMNS = {
     "a": ["name", "max_seq_len", "status", "fits", "predicted_bytes", "measured_reserved_bytes", "measured_allocated_bytes",
-          "error_reserved", "error_allocated", "seconds"],
+          "error_reserved", "error_allocated", "allocated_before_bytes", "seconds"],
     "b": ["name", "unsloth_tokens", "predicted_max_tokens", "trained_max_tokens", "vs_unsloth", "probes", "seconds"],
     "c": ["name", "max_seq_len", "finetune_tokens_per_s", "hf_peft_tokens_per_s", "trl_tokens_per_s", "vs_hf_peft", "vs_trl",
           "overhead", "seconds"],

@@ -26,4 +26,16 @@ export PYTHONPATH="$REPO${SITE:+:$SITE}${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export FINETUNE_CACHE="${FINETUNE_CACHE:-$(mktemp -d /tmp/finetune-cache.XXXXXX)}"
 cd "$REPO"
+# Preflight: every package the suite imports, with its version and where it comes from (the carried wheels
+# or the machine), so a missing or clashing package shows here and not in the middle of a stage.
+"$PY" - <<'PY'
+import importlib, importlib.metadata as md
+for name in ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "trl", "datasets", "pydantic",
+             "typing_extensions", "tokenizers", "huggingface_hub", "apollo_torch", "galore_torch", "gguf"):
+    module = importlib.import_module(name)
+    dist = {"apollo_torch": "apollo-torch", "galore_torch": "galore-torch"}.get(name, name)
+    print(f"{name:18s} {md.version(dist):14s} {module.__file__}")
+import torch
+print("cuda:", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+PY
 "$PY" -m benchmarks.gpu.suite "$OUT" "${CPU[@]}" "$@"

@@ -117,6 +117,8 @@ class Suite:
             outside = total - free - torch.cuda.memory_reserved()  # context, cuBLAS workspace, other processes
             torch.cuda.set_per_process_memory_fraction(max(memory_cap - outside, 1) / total)
         out: dict[str, Any] = {"status": "completed"}
+        if CUDA:  # what earlier configurations left allocated (should stay ~0: a leak would inflate every peak)
+            out["allocated_before_bytes"] = int(torch.cuda.memory_allocated())
         started = time.time()
         try:
             result = run(recipe, overwrite=True)
