@@ -37,4 +37,7 @@ if [[ $UNSLOTH == 1 ]]; then PACKAGES+=(unsloth==2026.10.9 unsloth_zoo==2026.10.
 "$PY" "$(dirname "$0")/trim_wheel.py" "$DIR" bitsandbytes 'libbitsandbytes_(?!cpu\.so|cuda130\.so)' 1cu130
 
 ls -l "$DIR"
-du -ch "$DIR"/*.whl | tail -1 | sed 's/total/total wheels/'
+wheels=$(cat "$DIR"/*.whl | wc -c)
+ROOT="$(git -C "$(dirname "$0")" rev-parse --show-toplevel)"
+tree=$(cd "$ROOT" && git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1)
+echo "wheels: $((wheels / 1048576)) MiB; with the repository's tracked files: $(((wheels + tree) / 1048576)) MiB (limit 60 MiB)"
