@@ -71,8 +71,10 @@ def test_max_context_and_speed_rows(dry_run):
 
 
 def test_second_call_resumes(dry_run):
+    from benchmarks.gpu.suite import main
+
     before = json.loads((dry_run / "results.json").read_text())
-    _run_kit(dry_run, "--stage", "a,d")
+    assert main([str(dry_run), "--cpu", "--stage", "a,d"]) == 0
     after = json.loads((dry_run / "results.json").read_text())
     assert after["runs"] == before["runs"] + 1
     assert after["stages"]["a"]["rows"] == before["stages"]["a"]["rows"]  # nothing measured twice
