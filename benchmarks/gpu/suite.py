@@ -41,6 +41,10 @@ CPU_BUDGETS = {8: 6 << 20}
 CPU_KEYS = {"memory.offload_min_size": 1024, "memory.tiled_mlp_tokens": 32, "memory.gpu_memory_margin": 0}
 
 
+class TimeUp(Exception):
+    """The next probe would end after --time-limit: stop here, a later call goes on."""
+
+
 class Suite:
     def __init__(self, out: Path, cpu: bool, time_limit: float, work: Path):
         self.cpu, self.time_limit, self.work = cpu, time_limit, work
@@ -186,7 +190,11 @@ class Suite:
     def stage_b(self, budgets: list[int]) -> None:
         names = {f"{gb} GB": gb for gb in budgets}
         for name in self.each("b", list(names)):
-            self.results.put("b", {"name": name, "status": "done", **self._max_context(name, names[name])})
+            try:
+                self.results.put("b", {"name": name, "status": "done", **self._max_context(name, names[name])})
+            except TimeUp:
+                self.results.set_stage("b", "partial: time limit reached, call again with the same OUT_DIR")
+                break
         rows = [r for r in self.results.data["stages"]["b"]["rows"] if r.get("status") == "done"]
         self.results.set_stage("b", self.results.data["stages"]["b"]["status"], {
             "goal: trained >= 1.5x Unsloth at every size": len(rows) == len(budgets)
@@ -212,6 +220,8 @@ class Suite:
             return predict(r, device="cuda" if CUDA else "cpu"), r
 
         def trains(seq: int) -> bool:
+            if seq not in probes and not self.time_left():
+                raise TimeUp
             if seq not in probes:
                 plan, r = planned(seq)
                 out = self.train(plan.apply(r), memory_cap=budget if CUDA else None)
