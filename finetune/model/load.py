@@ -78,7 +78,6 @@ def load_tokenizer(path: Path, model_cfg: ModelConfig):
 
 def load_model(model_cfg: ModelConfig, quant: QuantizationConfig, *, quantize: bool = True):
     """Return (model, tokenizer, local_path). `quantize=False` loads full precision (used by export)."""
-    from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(model_cfg.path, model_cfg.revision)
     dtype = compute_dtype(model_cfg)
@@ -93,7 +92,7 @@ def load_model(model_cfg: ModelConfig, quant: QuantizationConfig, *, quantize: b
         kwargs["quantization_config"] = qconfig
         kwargs["device_map"] = {"": _device_index()}
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model = _from_pretrained(model_cfg.path, path, config, kwargs)
     except ValueError as exc:
         if "trust_remote_code" in str(exc):
             raise ModelLoadError(
@@ -105,6 +104,20 @@ def load_model(model_cfg: ModelConfig, quant: QuantizationConfig, *, quantize: b
     disable_cpu_4bit_repack(model)
     model.config.use_cache = False
     return model, load_tokenizer(path, model_cfg), path
+
+
+def _from_pretrained(model_path: str, folder: Path, config, kwargs: dict):
+    """from_pretrained on the folder's weights, or (random:FOLDER) on random weights quantized the same way."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune.model.random_weights import random_folder, random_state_dict
+
+    if random_folder(model_path) is None:
+        return AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    state = random_state_dict(config, kwargs["dtype"], "cuda" if torch.cuda.is_available() else "cpu")
+    kwargs = {k: v for k, v in kwargs.items() if k != "use_safetensors"}
+    return AutoModelForCausalLM._model_mapping[type(config)].from_pretrained(None, config=config, state_dict=state,
+                                                                             **kwargs)
 
 
 def _device_index():

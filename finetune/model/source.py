@@ -1,5 +1,6 @@
 """Resolve `model.path` to a local Hugging Face folder: a folder as is, a hub id from the cache or the hub,
-a .gguf file converted once to a cached safetensors folder (so the second run starts fast)."""
+a .gguf file converted once to a cached safetensors folder (so the second run starts fast), random:FOLDER
+(config and tokenizer only, random weights: finetune.model.random_weights)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,13 @@ def cache_dir() -> Path:
 
 def resolve_model_path(path: str, revision: str | None = None) -> Path:
     """Return a local folder holding config, tokenizer and safetensors weights for `path`."""
+    from finetune.model.random_weights import random_folder
+
+    if (folder := random_folder(path)) is not None:
+        if not (folder / "config.json").is_file():
+            raise ModelLoadError(f"model.path: {path}: {folder} has no config.json",
+                                 hint="random:FOLDER needs a folder with config.json and a tokenizer")
+        return folder
     p = package_file(path) if path.startswith("pkg:") else Path(path).expanduser()
     if p.suffix == ".gguf":
         if not p.is_file():

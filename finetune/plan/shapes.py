@@ -34,9 +34,11 @@ def load_model_config(path: str, trust_remote_code: bool = False) -> Any:
     """A transformers config from a folder holding config.json, a config.json file, or a .gguf file."""
     from transformers import AutoConfig
 
+    from finetune.model.random_weights import random_folder
     from finetune.model.source import package_file
 
-    p = package_file(path) if path.startswith("pkg:") else Path(path)
+    p = package_file(path) if path.startswith("pkg:") else random_folder(path) or Path(path)
+    path = str(p)
     try:
         if p.suffix == ".gguf":  # the metadata alone: no conversion of the weights to plan
             return AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)

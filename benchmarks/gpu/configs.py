@@ -1,0 +1,84 @@
+"""What the GPU suite measures: the configurations of every stage, at full size (GPU) or shrunk (--cpu).
+
+A configuration is a name and recipe overrides ({"section.key": value}); `suite.recipe_for` turns it into a
+recipe on a random-weight model (model.path random:FOLDER) and synthetic text of at least max_seq_len tokens.
+"""
+
+from __future__ import annotations
+
+QLORA = {"quantization.bits": 4, "adapter.type": "lora", "adapter.r": 16, "adapter.dropout": 0.0}
+LORA_BF16 = {"quantization.bits": None, "adapter.type": "lora", "adapter.r": 16, "model.dtype": "bf16"}
+FULL = {"quantization.bits": None, "adapter.type": "full"}
+PLAIN = {"memory.offload": "none", "memory.chunked_loss": False, "memory.tiled_mlp": False}
+CHUNKED = {**PLAIN, "memory.chunked_loss": True}
+TILED = {**PLAIN, "memory.tiled_mlp": True}
+OFFLOAD_CPU = {**PLAIN, "memory.offload": "cpu"}
+OFFLOAD_DISK = {**PLAIN, "memory.offload": "disk"}
+LLAMA, QWEN7, QWEN05, MISTRAL, GEMMA = "llama-3.1-8b", "qwen2.5-7b", "qwen2.5-0.5b", "mistral-7b-v0.3", "gemma-2-9b"
+MODELS = (LLAMA, QWEN7, QWEN05, MISTRAL, GEMMA)
+
+
+def _cfg(name: str, model: str, seq: int, mb: int = 1, acc: int = 1, **keys) -> dict:
+    return {"name": name, "model": model, "seq": seq, "mb": mb, "acc": acc, "keys": keys}
+
+
+def _k(*parts: dict, **more) -> dict:
+    out: dict = {}
+    for p in parts:
+        out.update(p)
+    out.update({k.replace("__", "."): v for k, v in more.items()})
+    return out
+
+
+def stage_a() -> list[dict]:
+    """Planner vs CUDA: >= 20 configurations through `finetune run`, 3 steps each."""
+    opt = "optimizer.name"
+    return [
+        _cfg("Llama-3.1-8B QLoRA 2k", LLAMA, 2048, **_k(QLORA, PLAIN)),
+        _cfg("Llama-3.1-8B QLoRA 8k", LLAMA, 8192, **_k(QLORA, PLAIN)),
+        _cfg("Llama-3.1-8B QLoRA 32k chunked+tiled", LLAMA, 32768, **_k(QLORA, CHUNKED, TILED)),
+        _cfg("Llama-3.1-8B QLoRA 8k offload cpu", LLAMA, 8192, **_k(QLORA, OFFLOAD_CPU)),
+        _cfg("Llama-3.1-8B QLoRA 8k offload disk", LLAMA, 8192, **_k(QLORA, OFFLOAD_DISK)),
+        _cfg("Llama-3.1-8B QLoRA 8k tiled MLP", LLAMA, 8192, **_k(QLORA, TILED)),
+        _cfg("Llama-3.1-8B QLoRA 8k chunked loss", LLAMA, 8192, **_k(QLORA, CHUNKED)),
+        _cfg("Llama-3.1-8B QLoRA 2k mb4", LLAMA, 2048, mb=4, **_k(QLORA, PLAIN)),
+        _cfg("Llama-3.1-8B QLoRA 1k mb8", LLAMA, 1024, mb=8, **_k(QLORA, PLAIN)),
+        _cfg("Llama-3.1-8B QLoRA 2k mb2 acc4", LLAMA, 2048, mb=2, acc=4, **_k(QLORA, PLAIN)),
+        _cfg("Qwen2.5-7B LoRA bf16 2k", QWEN7, 2048, **_k(LORA_BF16, PLAIN)),
+        _cfg("Qwen2.5-7B QLoRA 16k chunked", QWEN7, 16384, **_k(QLORA, CHUNKED)),
+        _cfg("Gemma-2-9B QLoRA 2k", GEMMA, 2048, **_k(QLORA, PLAIN, model__attn_implementation="eager")),
+        _cfg("Mistral-7B DoRA 2k", MISTRAL, 2048, **_k(QLORA, PLAIN, adapter__type="dora")),
+        _cfg("Mistral-7B QLoRA 4k mb2", MISTRAL, 4096, mb=2, **_k(QLORA, PLAIN)),
+        *[_cfg(f"Qwen2.5-0.5B full {o}", QWEN05, 2048, mb=2, **_k(FULL, PLAIN, {opt: o}))
+          for o in ("adamw", "adamw_8bit", "paged_adamw_8bit", "apollo_mini", "galore")],
+        _cfg("Qwen2.5-0.5B full adamw layer-wise", QWEN05, 2048, mb=2,
+             **_k(FULL, PLAIN, {opt: "adamw", "optimizer.layerwise": True})),
+        _cfg("Qwen2.5-0.5B LoRA mb4 acc2", QWEN05, 1024, mb=4, acc=2, **_k(LORA_BF16, PLAIN)),
+    ]
+
+
+def stage_a_cpu() -> list[dict]:
+    """The stage-a code paths on shrunk models, one configuration each: QLoRA with accumulation, offload cpu
+    and disk, tiled MLP, chunked loss, Gemma-2 (eager), DoRA, a low-rank and a layer-wise full fine-tune."""
+    keep = ("Llama-3.1-8B QLoRA 2k mb2 acc4", "Llama-3.1-8B QLoRA 8k offload cpu", "Llama-3.1-8B QLoRA 8k offload disk",
+            "Llama-3.1-8B QLoRA 8k tiled MLP", "Llama-3.1-8B QLoRA 8k chunked loss", "Gemma-2-9B QLoRA 2k",
+            "Mistral-7B DoRA 2k", "Qwen2.5-0.5B full apollo_mini", "Qwen2.5-0.5B full adamw layer-wise")
+    return [c for c in stage_a() if c["name"] in keep]
+
+
+# Unsloth's published maximum context for Llama-3.1-8B QLoRA (GB of GPU memory: tokens).
+UNSLOTH_MAX_CONTEXT = {8: 2972, 12: 21848, 16: 40724, 24: 78475}
+STAGE_B_RECIPE = _k(QLORA, {"memory.offload": "auto", "memory.chunked_loss": "auto", "memory.tiled_mlp": "auto"})
+
+
+def stage_c_speed() -> list[dict]:
+    """finetune run vs HF Trainer + PEFT vs TRL SFTTrainer, identical configuration."""
+    return [_cfg(f"Llama-3.1-8B QLoRA 2k mb{mb}", LLAMA, 2048, mb=mb, **_k(QLORA, PLAIN)) for mb in (1, 4)]
+
+
+def stage_c_overheads(seqs: tuple[int, ...] = (8192, 32768)) -> list[dict]:
+    """Each memory technique vs checkpointing alone, at long context."""
+    variants = {"checkpointing alone": PLAIN, "offload cpu": OFFLOAD_CPU, "offload disk": OFFLOAD_DISK,
+                "tiled MLP": TILED, "chunked loss": CHUNKED}
+    return [_cfg(f"{seq // 1024}k {label}", LLAMA, seq, **_k(QLORA, keys)) for seq in seqs
+            for label, keys in variants.items()]

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Run the GPU suite: install the carried wheels (if any) into a temporary site folder, offline, then measure.
+#
+#   benchmarks/gpu/run.sh [--cpu] OUT_DIR [suite options: --stage a,b --budgets 8,12 --time-limit 540]
+#
+# OUT_DIR/results.md and results.json are rewritten after every configuration; calling again with an OUT_DIR
+# that holds a results.json goes on where it stopped (see docs/gpu.md for splitting across 10-minute calls).
+# WHEELS (default .whl at the repository root) is the folder benchmarks/gpu/wheels.sh filled.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "$0")/../.." && pwd)"
+CPU=()
+if [[ "${1:-}" == "--cpu" ]]; then CPU=(--cpu); shift; fi
+if [[ $# -lt 1 ]]; then echo "usage: benchmarks/gpu/run.sh [--cpu] OUT_DIR [suite options]" >&2; exit 2; fi
+OUT="$(realpath -m "$1")"; shift
+PY="${PYTHON:-python3}"
+WHEELS="${WHEELS:-$REPO/.whl}"
+
+SITE=""
+if compgen -G "$WHEELS/*.whl" > /dev/null; then
+  SITE="$(mktemp -d /tmp/finetune-site.XXXXXX)"
+  trap 'rm -rf "$SITE"' EXIT
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl
+fi
+export PYTHONPATH="$REPO${SITE:+:$SITE}${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export FINETUNE_CACHE="${FINETUNE_CACHE:-$(mktemp -d /tmp/finetune-cache.XXXXXX)}"
+cd "$REPO"
+# Preflight: every package the suite imports, with its version and where it comes from (the carried wheels
+# or the machine), so a missing or clashing package shows here and not in the middle of a stage.
+"$PY" - <<'PY'
+import importlib, importlib.metadata as md
+for name in ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "trl", "datasets", "pydantic",
+             "typing_extensions", "tokenizers", "huggingface_hub", "apollo_torch", "galore_torch", "gguf"):
+    module = importlib.import_module(name)
+    dist = {"apollo_torch": "apollo-torch", "galore_torch": "galore-torch"}.get(name, name)
+    print(f"{name:18s} {md.version(dist):14s} {module.__file__}")
+import torch
+print("cuda:", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+PY
+"$PY" -m benchmarks.gpu.suite "$OUT" "${CPU[@]}" "$@"

@@ -1,0 +1,398 @@
+"""The GPU suite: every GPU claim measured through the real `finetune run` path, stage by stage.
+
+    python -m benchmarks.gpu.suite OUT_DIR [--cpu] [--stage a,b,c,d] [--time-limit 540]
+
+Models: the tests/fixtures/configs/*.json at full size (--cpu: shrunk to toy width and 2 layers) with random
+weights (model.path random:FOLDER, quantized on load as the recipe says); data: synthetic text truncated to
+exactly max_seq_len tokens. OUT_DIR/results.json and results.md are rewritten after every configuration; a
+second call with the same OUT_DIR skips what is already there, so the suite can be split across calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.gpu import configs
+from benchmarks.gpu.results import Results
+from finetune.recipe.schema import Recipe
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests" / "fixtures" / "configs"
+REAL_SAMPLE = Path(__file__).resolve().parent / "data" / "alpaca_sample.json"
+CUDA = torch.cuda.is_available()
+SHRINK = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 16}
+CPU_SEQ_DIVISOR = 32
+# --cpu: budgets for stage b, in bytes, standing for the GPU sizes (the toy model's memory is in MiB).
+CPU_BUDGETS = {8: 6 << 20}
+CPU_KEYS = {"memory.offload_min_size": 1024, "memory.tiled_mlp_tokens": 32, "memory.gpu_memory_margin": 0}
+
+
+class TimeUp(Exception):
+    """The next probe would end after --time-limit: stop here, a later call goes on."""
+
+
+class Suite:
+    def __init__(self, out: Path, cpu: bool, time_limit: float, work: Path):
+        self.cpu, self.time_limit, self.work = cpu, time_limit, work
+        self.start = time.time()
+        self.longest = 0.0  # the slowest configuration so far: no new one starts unless it would still fit
+        self.results = Results(out, _header(cpu))
+        self.results.save()
+
+    # --- building blocks -------------------------------------------------------------------------------
+    def time_left(self) -> bool:
+        return time.time() - self.start + self.longest < self.time_limit
+
+    def model_dir(self, name: str) -> Path:
+        """A random:FOLDER model: the fixture's config.json (shrunk with --cpu) and the toy tokenizer."""
+        folder = self.work / "models" / name
+        if not (folder / "config.json").is_file():
+            from finetune.testing import make_tokenizer
+
+            tokenizer = make_tokenizer()
+            config = json.loads((FIXTURES / f"{name}.json").read_text())
+            if self.cpu:
+                config.update(SHRINK, vocab_size=len(tokenizer), max_position_embeddings=1 << 16, bos_token_id=None,
+                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                config.pop("layer_types", None)
+            folder.mkdir(parents=True)
+            (folder / "config.json").write_text(json.dumps(config))
+            tokenizer.save_pretrained(folder)
+        return folder
+
+    def seq(self, cfg: dict) -> int:
+        """max_seq_len: the configuration's, divided by CPU_SEQ_DIVISOR on toy models (real data: as is)."""
+        return max(16, cfg["seq"] // CPU_SEQ_DIVISOR) if self.cpu and not cfg.get("real") else cfg["seq"]
+
+    def text_data(self, seq: int, records: int) -> Path:
+        """JSONL text records of seq+16 words each: at least one token per word, so every record is cut to
+        exactly max_seq_len tokens."""
+        path = self.work / "data" / f"text-{seq}-{records}.jsonl"
+        if not path.is_file():
+            words = "the quick brown fox jumps over lazy dog memory model answer question capital".split()
+            rng = random.Random(seq)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("w") as f:
+                for _ in range(records):
+                    f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(seq + 16))}) + "\n")
+        return path
+
+    def recipe(self, cfg: dict, steps: int, run_dir: Path, **more: Any) -> Recipe:
+        seq = self.seq(cfg)
+        records = cfg["mb"] * cfg["acc"] * steps
+        data: dict[str, dict[str, Any]] = {
+            "model": {"path": f"random:{self.model_dir(cfg['model'])}"},
+            "data": {"path": str(self.text_data(seq, records)), "format": "text", "max_seq_len": seq},
+            "training": {"max_steps": steps, "micro_batch_size": cfg["mb"], "gradient_accumulation_steps": cfg["acc"],
+                         "logging_steps": 1, "warmup_ratio": 0.0},
+            "memory": {"activation_checkpointing": True}, "adapter": {}, "quantization": {}, "optimizer": {},
+            "output": {"dir": str(run_dir), "save_steps": 10_000}}
+        for key, value in {**cfg["keys"], **(CPU_KEYS if self.cpu else {}), **more}.items():
+            section, name = key.split(".")
+            data[section][name] = value
+        return Recipe.model_validate(data)
+
+    def train(self, recipe: Recipe, memory_cap: int | None = None) -> dict[str, Any]:
+        """`finetune run` (finetune.train.run.run) on the recipe; the plan it made, the measured peaks, tokens/s.
+
+        memory_cap: on CUDA, torch.cuda.set_per_process_memory_fraction so that the allocator plus what the
+        CUDA context holds outside it stays within memory_cap bytes, as on a GPU of that size.
+        """
+        from finetune.train.run import run
+
+        _release()
+        if CUDA and memory_cap:
+            total = torch.cuda.get_device_properties(0).total_memory
+            free, _ = torch.cuda.mem_get_info()
+            outside = total - free - torch.cuda.memory_reserved()  # context, cuBLAS workspace, other processes
+            torch.cuda.set_per_process_memory_fraction(max(memory_cap - outside, 1) / total)
+        out: dict[str, Any] = {"status": "completed"}
+        if CUDA:  # what earlier configurations left allocated (should stay ~0: a leak would inflate every peak)
+            out["allocated_before_bytes"] = int(torch.cuda.memory_allocated())
+        started = time.time()
+        try:
+            result = run(recipe, overwrite=True)
+            out["status"] = result.state
+        except torch.OutOfMemoryError:
+            out["status"] = "OOM"
+        except Exception as exc:  # one broken configuration must not stop the suite: it is reported
+            first = str(exc).splitlines()[0][:200] if str(exc) else ""
+            out["status"] = "OOM" if "out of memory" in str(exc).lower() else f"error: {type(exc).__name__}: {first}"
+        finally:
+            if CUDA:
+                torch.cuda.synchronize()
+                out["measured_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
+                out["measured_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
+                torch.cuda.set_per_process_memory_fraction(1.0)
+            _release()
+        out["seconds"] = round(time.time() - started, 1)
+        run_dir = Path(recipe.output.dir)
+        if (run_dir / "plan.json").is_file():
+            plan = json.loads((run_dir / "plan.json").read_text())
+            out.update(predicted_bytes=plan["peak_bytes"], fits=plan["fits"], settings=plan["settings"])
+        metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] \
+            if (run_dir / "metrics.jsonl").is_file() else []
+        rates = [m["tokens_per_second"] for m in metrics if "tokens_per_second" in m]
+        from benchmarks.gpu.baselines import steady_tokens_per_s
+
+        out["tokens_per_s"] = steady_tokens_per_s(rates)
+        if not CUDA and metrics and out["status"] == "completed":  # the CPU tensor tracker's peak
+            out["measured_allocated_bytes"] = max(m.get("peak_memory_bytes") or 0 for m in metrics)
+        if (run_dir / "results.json").is_file():
+            out["data"] = json.loads((run_dir / "results.json").read_text()).get("data")
+        shutil.rmtree(run_dir, ignore_errors=True)
+        self.longest = max(self.longest, out["seconds"])
+        return out
+
+    def each(self, stage: str, names: list[str]):
+        """Yield the names not measured yet while time is left; set the stage's status."""
+        self.results.set_stage(stage, "running")
+        for name in names:
+            if (self.results.row(stage, name) or {}).get("status", "partial") != "partial":
+                continue
+            if not self.time_left():
+                self.results.set_stage(stage, "partial: time limit reached, call again with the same OUT_DIR")
+                return
+            yield name
+        self.results.set_stage(stage, "done")
+
+    # --- stages ----------------------------------------------------------------------------------------
+    def stage_a(self) -> None:
+        cfgs = configs.stage_a_cpu() if self.cpu else configs.stage_a()
+        cfgs = cfgs + [{"name": "Qwen2.5-0.5B QLoRA real data (alpaca sample)", "model": configs.QWEN05, "seq": 256,
+                        "mb": 2, "acc": 1, "keys": {**configs.QLORA, **configs.PLAIN}, "real": True}]
+        by_name = {c["name"]: c for c in cfgs}
+        for name in self.each("a", list(by_name)):
+            cfg = by_name[name]
+            more = {"data.path": str(REAL_SAMPLE), "data.format": "auto"} if cfg.get("real") else {}
+            row = {"name": name, "max_seq_len": self.seq(cfg), **self.train(self.recipe(cfg, 3, self.work / "run", **more))}
+            for kind in ("reserved", "allocated"):
+                measured = row.get(f"measured_{kind}_bytes")
+                if measured and row.get("predicted_bytes") and row["status"] == "completed":
+                    row[f"error_{kind}"] = row["predicted_bytes"] / measured - 1
+            self.results.put("a", row)
+        self.results.set_stage("a", self.results.data["stages"]["a"]["status"], _summary_a(self.results))
+
+    def stage_b(self, budgets: list[int]) -> None:
+        names = {f"{gb} GB": gb for gb in budgets}
+        for name in self.each("b", list(names)):
+            try:
+                self.results.put("b", {"name": name, "status": "done", **self._max_context(name, names[name])})
+            except TimeUp:
+                self.results.set_stage("b", "partial: time limit reached, call again with the same OUT_DIR")
+                break
+        rows = [r for r in self.results.data["stages"]["b"]["rows"] if r.get("status") == "done"]
+        self.results.set_stage("b", self.results.data["stages"]["b"]["status"], {
+            "goal: trained >= 1.5x Unsloth at every size": len(rows) == len(budgets)
+            and all(r["vs_unsloth"] >= 1.5 for r in rows),
+            "note": "--cpu: toy model, budgets in MiB; the Unsloth ratio means nothing there" if self.cpu else ""})
+
+    def _max_context(self, name: str, gb: int) -> dict[str, Any]:
+        """The planner's longest fitting sequence, and the longest that really trains 2 steps within the budget
+        (the planner's settings for that length; CUDA capped to the budget, CPU: tracked peak <= budget).
+
+        Every probe is saved as it ends (a partial row), and a later call reuses those probes."""
+        from finetune.plan import predict
+
+        cfg = {"name": "b", "model": configs.LLAMA, "seq": 0, "mb": 1, "acc": 1, "keys": configs.STAGE_B_RECIPE}
+        step, cap = (64, 1024) if self.cpu else (1024, 1 << 18)
+        budget = CPU_BUDGETS[gb] if self.cpu else gb << 30
+        started = time.time()
+        probes = {int(k): v for k, v in ((self.results.row("b", name) or {}).get("probes") or {}).items()}
+
+        def planned(seq: int):
+            r = self.recipe({**cfg, "seq": seq * (CPU_SEQ_DIVISOR if self.cpu else 1)}, 2, self.work / "run",
+                            **{"memory.gpu_memory": budget})
+            return predict(r, device="cuda" if CUDA else "cpu"), r
+
+        def trains(seq: int) -> bool:
+            if seq not in probes and not self.time_left():
+                raise TimeUp
+            if seq not in probes:
+                plan, r = planned(seq)
+                out = self.train(plan.apply(r), memory_cap=budget if CUDA else None)
+                probes[seq] = out["status"] == "completed" and \
+                    (CUDA or out.get("measured_allocated_bytes", 0) <= budget)
+                self.results.put("b", {"name": name, "status": "partial", "predicted_max_tokens": predicted,
+                                       "probes": dict(sorted(probes.items()))})
+            return probes[seq]
+
+        predicted = _search(lambda seq: planned(seq)[0].fits, step, cap)
+        trained = _search(trains, step, cap, start=predicted or step)
+        theirs = configs.UNSLOTH_MAX_CONTEXT[gb]
+        return {"budget_bytes": budget, "unsloth_tokens": theirs, "predicted_max_tokens": predicted,
+                "trained_max_tokens": trained, "vs_unsloth": trained / theirs, "probes": dict(sorted(probes.items())),
+                "seconds": round(time.time() - started, 1)}
+
+    def stage_c(self) -> None:
+        from benchmarks.gpu.baselines import baseline_tokens_per_s
+
+        steps = 3 if self.cpu else 8
+        speed = configs.stage_c_speed()[:1] if self.cpu else configs.stage_c_speed()
+        overheads = configs.stage_c_overheads((8192,) if self.cpu else (8192, 32768))
+        cfgs = {c["name"]: c for c in speed + overheads}
+        for name in self.each("c", list(cfgs)):
+            cfg = cfgs[name]
+            row = {"name": name, "max_seq_len": self.seq(cfg)}
+            ours = self.train(self.recipe(cfg, steps, self.work / "run"))
+            row.update(status=ours["status"], finetune_tokens_per_s=ours["tokens_per_s"], seconds=ours["seconds"])
+            if cfg in speed:
+                for framework in ("hf_peft", "trl"):
+                    started = time.time()
+                    _release()
+                    try:
+                        theirs = baseline_tokens_per_s(self.recipe(cfg, steps, self.work / framework), framework,
+                                                       self.work / framework)
+                    except Exception as exc:  # reported in the table, the suite goes on
+                        theirs, row[f"{framework}_error"] = None, f"{type(exc).__name__}: {exc}"[:200]
+                    _release()
+                    row[f"{framework}_tokens_per_s"] = theirs
+                    if theirs and ours["tokens_per_s"]:
+                        row[f"vs_{framework}"] = ours["tokens_per_s"] / theirs
+                    row["seconds"] += round(time.time() - started, 1)
+                    shutil.rmtree(self.work / framework, ignore_errors=True)
+            else:
+                base = self.results.row("c", f"{name.split()[0]} checkpointing alone")
+                if base and base.get("finetune_tokens_per_s") and ours["tokens_per_s"]:
+                    row["overhead"] = 1 - ours["tokens_per_s"] / base["finetune_tokens_per_s"]
+            self.results.put("c", row)
+        rows = self.results.data["stages"]["c"]["rows"]
+        ratios = [r[k] for r in rows for k in ("vs_hf_peft", "vs_trl") if r.get(k)]
+        over = {kind: max((r["overhead"] for r in rows if kind in r["name"] and "overhead" in r), default=None)
+                for kind in ("offload cpu", "offload disk", "tiled MLP", "chunked loss")}
+        self.results.set_stage("c", self.results.data["stages"]["c"]["status"], {
+            "lowest speed ratio vs HF/TRL (goal >= 1.0x)": min(ratios) if ratios else None,
+            **{f"worst overhead {k}": v for k, v in over.items()},
+            "goal: offload cpu <= 5%, disk <= 15%": None if over["offload cpu"] is None else
+            bool(over["offload cpu"] <= 0.05 and (over["offload disk"] or 0) <= 0.15)})
+
+    def stage_d(self) -> None:
+        import importlib.util
+
+        if importlib.util.find_spec("unsloth") is None:
+            self.results.put("d", {"name": "Unsloth max context at 16 GB and tokens/s at the stage-c configuration",
+                                   "status": "not run: unsloth wheels absent (benchmarks/gpu/wheels.sh --unsloth)"})
+            self.results.set_stage("d", "not run: wheels absent")
+            return
+        self.results.put("d", {"name": "Unsloth max context at 16 GB and tokens/s at the stage-c configuration",
+                               "status": "not run: unsloth is importable but the side-by-side runner is not "
+                                         "written yet (it needs a weights folder; see docs/gpu.md)"})
+        self.results.set_stage("d", "not run: runner missing")
+
+
+def _search(ok, step: int, cap: int, start: int | None = None) -> int:
+    """Largest multiple of `step` in [step, cap] with ok(x), ok being true up to some point; 0 if none.
+
+    Without `start`, plain bisection. From `start` (a prediction) it brackets by steps of 10% up or down, then bisects: few probes when the
+    prediction is close, each of which may be a real training run.
+    """
+    def snap(x: float) -> int:
+        return min(cap, max(step, int(x) // step * step))
+
+    lo, hi = 0, cap + step  # lo: largest known to pass (0: none yet), hi: smallest known to fail
+    x = snap(start or step)
+    if start is None:  # no prediction to start from: plain bisection
+        pass
+    elif ok(x):
+        lo = x
+        while lo < cap:
+            x = snap(lo * 1.1 + step)
+            if not ok(x):
+                hi = x
+                break
+            lo = x
+    else:
+        hi = x
+        while lo == 0:
+            x = snap(hi * 0.9)
+            if x >= hi:
+                return 0
+            if ok(x):
+                lo = x
+            else:
+                hi = x
+    while hi - lo > step:
+        mid = snap((lo + hi) // 2)
+        if mid <= lo or mid >= hi:
+            break
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def _summary_a(results: Results) -> dict[str, Any]:
+    rows = results.data["stages"]["a"]["rows"]
+    errors = [abs(r["error_reserved"]) for r in rows if r.get("error_reserved") is not None] or \
+        [abs(r["error_allocated"]) for r in rows if r.get("error_allocated") is not None]
+    fits_but_failed = [r["name"] for r in rows if r.get("fits") and r["status"] != "completed"]
+    return {"configurations": len(rows), "completed": sum(r["status"] == "completed" for r in rows),
+            "median |error|": statistics.median(errors) if errors else None,
+            "max |error|": max(errors) if errors else None,
+            "within 7%": sum(e <= 0.07 for e in errors),
+            "plans that fit but OOMed or failed": ", ".join(fits_but_failed) or "none",
+            "error measured against": "max_memory_reserved" if CUDA else "CPU tensor tracker (no allocator)"}
+
+
+def _release() -> None:
+    gc.collect()
+    if CUDA:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _header(cpu: bool) -> dict[str, Any]:
+    import importlib.metadata as md
+
+    versions = {}
+    for name in ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "trl", "datasets", "unsloth"):
+        try:
+            versions[name] = md.version(name)
+        except md.PackageNotFoundError:
+            versions[name] = "absent"
+    device = torch.cuda.get_device_name(0) if CUDA else "CPU dry run (toy models)" if cpu else "CPU"
+    return {"device": device, "command": " ".join(["python -m benchmarks.gpu.suite", *sys.argv[1:]]),
+            "started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "versions": versions,
+            "cpu_dry_run": cpu}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--cpu", action="store_true", help="tiny configurations on the CPU (the kit's own test)")
+    parser.add_argument("--stage", default="a,b,c,d", help="comma-separated stages to run (a,b,c,d)")
+    parser.add_argument("--budgets", default="8,12,16,24", help="stage b: GPU sizes in GB")
+    parser.add_argument("--time-limit", type=float, default=540,
+                        help="seconds; no configuration starts that would end after this (the device allows 600)")
+    args = parser.parse_args(argv)
+    if not CUDA and not args.cpu:
+        parser.error("no CUDA GPU here: pass --cpu for the dry run")
+    budgets = [int(b) for b in args.budgets.split(",")]
+    if args.cpu:
+        budgets = [b for b in budgets if b in CPU_BUDGETS] or list(CPU_BUDGETS)
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="finetune-gpu-suite-"))
+    try:
+        suite = Suite(args.out, args.cpu, args.time_limit, work)
+        for stage in args.stage.split(","):
+            {"a": suite.stage_a, "b": lambda: suite.stage_b(budgets), "c": suite.stage_c, "d": suite.stage_d}[stage]()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"results: {args.out / 'results.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

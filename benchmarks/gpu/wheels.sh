@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Download (here, online) the wheels an offline CUDA machine lacks to run the GPU kit, and trim bitsandbytes
+# to its CUDA-13 library; print the total size. The versions are this project's venv's.
+#
+#   benchmarks/gpu/wheels.sh [--unsloth] [DIR]        (DIR defaults to .whl, ignored by git)
+#
+# The target machine already has torch 2.11 (CUDA 13), accelerate, safetensors, tokenizers, huggingface_hub,
+# numpy, pandas, pyarrow, psutil, matplotlib, pyyaml, rich, xxhash, fsspec: those are NOT fetched.
+# transformers and peft are, although the machine has them: its transformers 5.17 lacks the
+# activation_checkpointing API this project uses (TrainingArguments.activation_checkpointing and
+# PreTrainedModel.activation_checkpointing_enable arrived after 5.17), so the versions this project is tested
+# with go first on PYTHONPATH (run.sh); their own needs (hub >= 1.31, tokenizers 0.23) are met there.
+# --unsloth also fetches unsloth and unsloth_zoo for stage d (their own dependencies are not resolved).
+set -euo pipefail
+
+UNSLOTH=0
+if [[ "${1:-}" == "--unsloth" ]]; then UNSLOTH=1; shift; fi
+DIR="${1:-.whl}"
+PY="${PYTHON:-python3}"
+mkdir -p "$DIR"
+
+PACKAGES=(
+  bitsandbytes==0.50.2   # trimmed below
+  transformers==5.23.0 peft==0.21.2
+  trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+  pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5
+  apollo-torch==1.0.3 galore-torch==1.0 gguf==0.19.0
+)
+if [[ $UNSLOTH == 1 ]]; then PACKAGES+=(unsloth==2026.10.9 unsloth_zoo==2026.10.9); fi
+
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
+  -d "$DIR" "${PACKAGES[@]}"
+
+# bitsandbytes ships one native library per CUDA/ROCm/XPU version (43 MB); keep the CUDA 13.0 and CPU ones.
+"$PY" "$(dirname "$0")/trim_wheel.py" "$DIR" bitsandbytes 'libbitsandbytes_(?!cpu\.so|cuda130\.so)' 1cu130
+
+ls -l "$DIR"
+wheels=$(cat "$DIR"/*.whl | wc -c)
+ROOT="$(git -C "$(dirname "$0")" rev-parse --show-toplevel)"
+tree=$(cd "$ROOT" && git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1)
+echo "wheels: $((wheels / 1048576)) MiB; with the repository's tracked files: $(((wheels + tree) / 1048576)) MiB (limit 60 MiB)"
