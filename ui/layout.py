@@ -154,8 +154,8 @@ def build_app(backend: Backend) -> gr.Blocks:
         def load_file(path: str | None):
             if not path:
                 return (gr.skip(), *[gr.skip()] * len(widgets))
-            values = backend.load_yaml(Path(path).read_text(), Path(path).name)
-            return (f"Loaded {Path(path).name}.", *values)
+            name, values = backend.load_upload(path)
+            return (f"Loaded {name}.", *values)
 
         recipe_upload.upload(_reported(1 + len(widgets))(load_file), recipe_upload, [recipe_msg, *widgets],
                              api_name="load_recipe")
