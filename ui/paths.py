@@ -30,7 +30,7 @@ PATH_KEYS = {
     "memory.offload_dir": "path",
     "output.dir": "path",
 }
-NOT_PATHS = ("model.revision", "adapter.target_modules", "data.system_prompt", "optimizer.target_modules")
+NOT_PATHS = ("model.revision", "adapter.target_modules", "adapter.modules_to_save", "data.system_prompt", "optimizer.target_modules")
 
 
 class PathNotAllowed(FinetuneError):
