@@ -193,13 +193,17 @@ def test_upload_handlers_take_files_only_from_the_upload_cache(backend, tmp_path
     assert name == "r.yaml" and SECRET in values
 
 
-def test_a_binary_recipe_upload_is_a_message(backend, tmp_path):
+def test_a_binary_or_huge_recipe_upload_is_a_message(backend, tmp_path):
     from finetune.errors import RecipeError
 
     upload = tmp_path / "gradio" / "abc" / "bin.yaml"
     upload.write_bytes(b"model:\n  path: \xff\xfe\n")
     with pytest.raises(RecipeError, match=r"bin.yaml is not a text file \(byte 15 is not UTF-8\)"):
         backend.load_upload(str(upload))
+    big = tmp_path / "gradio" / "abc" / "big.yaml"
+    big.write_text("# padding\n" * 200_000)
+    with pytest.raises(RecipeError, match=r"big.yaml is 2,000,000 bytes: a recipe is at most 1,048,576"):
+        backend.load_upload(str(big))
 
 
 @pytest.mark.skip(reason="needs YAML limits in finetune.recipe.load (recipe engineer's part of issue 11); "

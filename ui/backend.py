@@ -86,7 +86,9 @@ class Backend:
     def load_upload(self, uploaded: str) -> tuple[str, list[Any]]:
         """(file name, form values) of a recipe YAML uploaded through the page (never a server path)."""
         path = uploaded_file(uploaded, RECIPE_SUFFIXES, "recipe YAML")
-        raw = path.read_bytes()[:MAX_BYTES + 1]
+        if path.stat().st_size > MAX_BYTES:  # refused before it is read into memory
+            raise RecipeError(f"{path.name} is {path.stat().st_size:,} bytes: a recipe is at most {MAX_BYTES:,}")
+        raw = path.read_bytes()
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
