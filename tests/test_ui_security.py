@@ -287,10 +287,10 @@ def test_share_link_without_auth_refuses_to_start(monkeypatch, capsys, tmp_path,
     monkeypatch.delenv(AUTH_ENV, raising=False)
     monkeypatch.setenv("GRADIO_SHARE", value)
 
-    def no_tunnel(*args, **kwargs):  # if the refusal ever regresses, fail fast instead of waiting on a tunnel
-        raise AssertionError("the UI tried to open a public share link")
+    def no_launch(*args, **kwargs):  # if the refusal ever regresses, fail fast instead of serving forever
+        raise AssertionError("the UI started serving with a share link and no login")
 
-    monkeypatch.setattr("gradio.networking.setup_tunnel", no_tunnel)
+    monkeypatch.setattr("gradio.Blocks.launch", no_launch)
     assert main(["--port", "1", "--runs-dir", str(tmp_path / "runs")]) == 2
     assert "refusing to publish the UI through a Gradio share link (GRADIO_SHARE)" in capsys.readouterr().err
 
