@@ -71,9 +71,11 @@ def launch(host: str = "127.0.0.1", port: int = 7860, auth: tuple[str, str] | No
     share = share_requested()
     check_exposure(host, auth, share)
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # offline machines: no usage pings
+    from starlette.middleware import Middleware
+
     from ui.backend import Backend, UISettings
     from ui.layout import CSS, build_app
-    from ui.login import LoginGuard
+    from ui.login import ClientAddress, LoginGuard
     from ui.runs import RunManager
 
     settings = UISettings(allow_dirs=[Path(p) for p in (allow_dirs or [Path.cwd()])], runs_dir=Path(runs_dir))
@@ -82,7 +84,7 @@ def launch(host: str = "127.0.0.1", port: int = 7860, auth: tuple[str, str] | No
     demo.run_manager = manager  # tests stop its runs when they close the app
     demo.login_guard = LoginGuard(*auth) if auth else None
     demo.launch(server_name=host, server_port=port, auth=demo.login_guard, share=share,
-                prevent_thread_lock=not block, css=CSS,
+                app_kwargs={"middleware": [Middleware(ClientAddress)]}, prevent_thread_lock=not block, css=CSS,
                 allowed_paths=[str(settings.runs_dir)], quiet=not block, footer_links=[])
     return demo
 
