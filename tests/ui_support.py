@@ -78,3 +78,29 @@ def status_of(html: str) -> tuple[str, int]:
     state = re.search(r"data-state='([^']*)'", html)
     step = re.search(r"data-step='(\d+)'", html)
     return (state.group(1) if state else ""), int(step.group(1)) if step else 0
+
+
+def form_values(recipe: dict[str, Any]) -> list[Any]:
+    """The form's widget values for `recipe`, as the page would send them (no upload round trip)."""
+    from finetune.recipe.load import validate_recipe
+    from ui import form
+
+    return form.dict_to_values(form.form_specs(), validate_recipe(recipe).model_dump(mode="python"))
+
+
+def set_value(values: list[Any], key: str, value: Any) -> list[Any]:
+    """`values` with the widget of recipe key `key` set to `value`."""
+    from ui import form
+
+    out = list(values)
+    out[[s.key for s in form.form_specs()].index(key)] = value
+    return out
+
+
+def call_raw(url: str, api_name: str, data: list[Any], timeout: float = 30) -> str:
+    """POST an API call the way any HTTP client could (gradio_client would upload local files itself),
+    and return the event stream's text."""
+    import httpx
+
+    event = httpx.post(f"{url}gradio_api/call/{api_name}", json={"data": data}, timeout=timeout).json()["event_id"]
+    return httpx.get(f"{url}gradio_api/call/{api_name}/{event}", timeout=timeout).text

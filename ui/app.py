@@ -1,7 +1,8 @@
 """`finetune ui`: start the web UI, on loopback unless told otherwise, and never open to a network unguarded.
 
-Any host other than loopback needs `--auth user:password` (or FINETUNE_UI_AUTH): the UI can start
-processes and read files inside the allowed folders, so it must not be reachable by anyone without it.
+Any host other than loopback, and a Gradio share link (GRADIO_SHARE=true), needs `--auth user:password`
+(or FINETUNE_UI_AUTH): the UI can start processes and read files inside the allowed folders, so it must
+not be reachable by anyone without it. Wrong passwords are rate limited (ui.login).
 """
 
 from __future__ import annotations
@@ -45,8 +46,18 @@ def parse_auth(value: str | None) -> tuple[str, str] | None:
     return user, password
 
 
-def check_exposure(host: str, auth: tuple[str, str] | None) -> None:
-    """Refuse to serve a non-loopback address without a password."""
+def share_requested() -> bool:
+    """Whether the environment asks Gradio for a public share link (GRADIO_SHARE, as gradio reads it)."""
+    return os.environ.get("GRADIO_SHARE", "").strip().lower() in ("true", "1", "yes")
+
+
+def check_exposure(host: str, auth: tuple[str, str] | None, share: bool = False) -> None:
+    """Refuse to serve a non-loopback address, or a public share link, without a password."""
+    if share and auth is None:
+        raise UIConfigError(
+            "refusing to publish the UI through a Gradio share link (GRADIO_SHARE) without authentication: "
+            "anyone with the link could start training runs and read files in the allowed folders",
+            hint=f"pass --auth user:password (or set {AUTH_ENV}), or unset GRADIO_SHARE")
     if not is_loopback(host) and auth is None:
         raise UIConfigError(
             f"refusing to listen on {host} without authentication: anyone who can reach it could start "
@@ -57,17 +68,23 @@ def check_exposure(host: str, auth: tuple[str, str] | None) -> None:
 def launch(host: str = "127.0.0.1", port: int = 7860, auth: tuple[str, str] | None = None,
            allow_dirs: list[str | Path] | None = None, runs_dir: str | Path = "runs", block: bool = True):
     """Build and serve the UI; with block=False return the running gradio Blocks (for tests)."""
-    check_exposure(host, auth)
+    share = share_requested()
+    check_exposure(host, auth, share)
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # offline machines: no usage pings
+    from starlette.middleware import Middleware
+
     from ui.backend import Backend, UISettings
     from ui.layout import CSS, build_app
+    from ui.login import ClientAddress, LoginGuard
     from ui.runs import RunManager
 
     settings = UISettings(allow_dirs=[Path(p) for p in (allow_dirs or [Path.cwd()])], runs_dir=Path(runs_dir))
     manager = RunManager(settings.runs_dir).start()
     demo = build_app(Backend(settings, manager))
     demo.run_manager = manager  # tests stop its runs when they close the app
-    demo.launch(server_name=host, server_port=port, auth=auth, prevent_thread_lock=not block, css=CSS,
+    demo.login_guard = LoginGuard(*auth) if auth else None
+    demo.launch(server_name=host, server_port=port, auth=demo.login_guard, share=share,
+                app_kwargs={"middleware": [Middleware(ClientAddress)]}, prevent_thread_lock=not block, css=CSS,
                 allowed_paths=[str(settings.runs_dir)], quiet=not block, footer_links=[])
     return demo
 

@@ -16,14 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from finetune.errors import FinetuneError, RecipeError
 from finetune.recipe.load import recipe_to_yaml, validate_recipe
 from finetune.recipe.schema import Recipe
 from ui import form, rundir
-from ui.paths import allowed_path, is_inside
+from ui.paths import RECIPE_SUFFIXES, allowed_path, check_recipe_paths, uploaded_file
 from ui.runs import RunManager
+from ui.yamltext import MAX_BYTES, parse_yaml
 
 CARDS = {"8 GB card (RTX 4060)": 8, "12 GB card (RTX 3060)": 12, "16 GB card (RTX 4080)": 16,
          "24 GB card (RTX 4090)": 24}
@@ -81,12 +80,21 @@ class Backend:
 
     def load_yaml(self, text: str, source: str) -> list[Any]:
         """A recipe YAML's values for the form (every key, defaults filled in)."""
-        try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as exc:
-            raise RecipeError(f"{source} is not valid YAML: {exc}") from None
-        recipe = validate_recipe(data, source, text)
+        recipe = validate_recipe(parse_yaml(text, source) or {}, source, text)
         return form.dict_to_values(self.specs, recipe.model_dump(mode="python"))
+
+    def load_upload(self, uploaded: str) -> tuple[str, list[Any]]:
+        """(file name, form values) of a recipe YAML uploaded through the page (never a server path)."""
+        path = uploaded_file(uploaded, RECIPE_SUFFIXES, "recipe YAML")
+        if path.stat().st_size > MAX_BYTES:  # refused before it is read into memory
+            raise RecipeError(f"{path.name} is {path.stat().st_size:,} bytes: a recipe is at most {MAX_BYTES:,}")
+        raw = path.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RecipeError(f"{path.name} is not a text file (byte {exc.start} is not UTF-8)",
+                              hint="save the recipe as UTF-8 text") from None
+        return path.name, self.load_yaml(text, path.name)
 
     def recipe_file(self, values: list[Any]) -> tuple[Path, str]:
         """Write the form as a recipe YAML to download; returns (path, text)."""
@@ -95,14 +103,11 @@ class Backend:
         path.write_text(text)
         return path, text
 
-    def check_paths(self, recipe: Recipe) -> Path:
-        """Refuse recipes that read or write outside the allowed folders; returns the run directory."""
-        roots = self.settings.roots
-        allowed_path(recipe.data.path, roots, "data.path")
-        model = Path(recipe.model.path).expanduser()
-        if model.exists() and not is_inside(model, roots):  # a hub id (no such local path) is fine
-            allowed_path(recipe.model.path, roots, "model.path")
-        return allowed_path(recipe.output.dir, roots, "output.dir")
+    def checked_recipe(self, values: list[Any]) -> Recipe:
+        """The form's recipe, refused if any of its paths leads outside the allowed folders."""
+        recipe = self.recipe(values)
+        check_recipe_paths(recipe, self.settings.roots)
+        return recipe
 
     # -- memory --------------------------------------------------------------------------------------
     def gpu_choices(self) -> list[str]:
@@ -120,7 +125,7 @@ class Backend:
 
     def plan(self, values: list[Any], gpu: str) -> dict[str, Any]:
         """The planner's JSON for the form's recipe on the chosen GPU (a card's size when memory is auto)."""
-        recipe = self.recipe(values)
+        recipe = self.checked_recipe(values)
         plan_fn = api_function("plan")
         if plan_fn is None:
             raise FinetuneError("the memory planner is not available in this build (finetune.api.plan is missing)",
@@ -140,7 +145,7 @@ class Backend:
     def preview(self, values: list[Any], n: int = 3) -> tuple[list[dict[str, Any]], list[str]]:
         """The first n examples as the model sees them (dicts with `tokens`: (text, carries loss) pairs,
         `format`, `where`), and the records the reader could not parse (as the CLI reports them)."""
-        recipe = self.recipe(values)
+        recipe = self.checked_recipe(values)
         allowed_path(recipe.data.path, self.settings.roots, "data.path", must_exist=True)
         from finetune import api
 
@@ -149,8 +154,8 @@ class Backend:
     # -- training ------------------------------------------------------------------------------------
     def start(self, values: list[Any]) -> Path:
         """Queue a new run of the form's recipe; returns its run directory."""
-        recipe = self.recipe(values)
-        run_dir = self.check_paths(recipe)
+        recipe = self.checked_recipe(values)
+        run_dir = allowed_path(recipe.output.dir, self.settings.roots, "output.dir")
         if rundir.is_run_dir(run_dir):
             raise FinetuneError(f"output.dir {run_dir} already holds a run",
                                 hint="resume it from the run list, or change output.dir for a new run")
@@ -161,7 +166,7 @@ class Backend:
 
     def resume(self, run_dir: str) -> Path:
         """Queue the continuation of a stopped run from its newest checkpoint."""
-        path = self.run_path(run_dir)
+        path = self.checked_run(run_dir)
         recipe = path / "recipe.yaml"
         if not recipe.is_file():
             raise FinetuneError(f"{path} has no recipe.yaml, so it cannot be resumed")
@@ -174,6 +179,16 @@ class Backend:
     def run_path(self, run_dir: str | None, must_exist: bool = True) -> Path:
         """A run directory named by the page, refused outside the allowed folders."""
         return allowed_path(run_dir or "", self.settings.roots, "run", must_exist=must_exist)
+
+    def checked_run(self, run_dir: str | None) -> Path:
+        """A run directory whose recipe (read again by resume, chat and export) stays in the allowed folders."""
+        path = self.run_path(run_dir)
+        recipe = path / "recipe.yaml"
+        if recipe.is_file():
+            text = recipe.read_text(encoding="utf-8", errors="replace")
+            check_recipe_paths(validate_recipe(parse_yaml(text, str(recipe)) or {}, str(recipe), text),
+                               self.settings.roots)
+        return path
 
     def run_recipe(self, run_dir: str | None) -> str:
         """A run's resolved recipe.yaml ('' while it has none)."""
@@ -198,7 +213,7 @@ class Backend:
     # -- results -------------------------------------------------------------------------------------
     def chat(self, run_dir: str, prompt: str, max_new_tokens: int) -> tuple[str, str]:
         """The same prompt answered by the run's adapter and by the base model alone."""
-        path = self.run_path(run_dir)
+        path = self.checked_run(run_dir)
         if not (path / "adapter").is_dir():
             raise FinetuneError(f"{path} has no adapter yet: chat once the run has saved one")
         from finetune import api
@@ -208,7 +223,7 @@ class Backend:
 
     def export(self, run_dir: str, out_dir: str, timeout: float = 3600) -> str:
         """Merge and save through `finetune export` in a separate process (it loads the full model)."""
-        run = self.run_path(run_dir)
+        run = self.checked_run(run_dir)
         out = allowed_path(out_dir, self.settings.roots, "export folder")
         proc = subprocess.run([sys.executable, "-m", "finetune", "export", str(run), "--out", str(out)],
                               capture_output=True, text=True, timeout=timeout, env=self.manager.child_env(),

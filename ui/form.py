@@ -15,7 +15,9 @@ import yaml
 from pydantic import BeforeValidator
 from pydantic.fields import FieldInfo
 
+from finetune.errors import RecipeError
 from finetune.recipe.load import iter_fields
+from ui.yamltext import parse_yaml
 
 Kind = Literal["checkbox", "number", "dropdown", "text", "bytes", "yaml"]
 NULL = "null"
@@ -132,8 +134,8 @@ def from_widget(spec: FieldSpec, raw: Any) -> Any:
 
 def _parse_yaml(text: str) -> Any:
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
+        return parse_yaml(text, "a form field")
+    except RecipeError:
         return text  # the schema then names the key and says what it expected
 
 

@@ -154,8 +154,8 @@ def build_app(backend: Backend) -> gr.Blocks:
         def load_file(path: str | None):
             if not path:
                 return (gr.skip(), *[gr.skip()] * len(widgets))
-            values = backend.load_yaml(Path(path).read_text(), Path(path).name)
-            return (f"Loaded {Path(path).name}.", *values)
+            name, values = backend.load_upload(path)
+            return (f"Loaded {name}.", *values)
 
         recipe_upload.upload(_reported(1 + len(widgets))(load_file), recipe_upload, [recipe_msg, *widgets],
                              api_name="load_recipe")
@@ -299,7 +299,10 @@ def build_app(backend: Backend) -> gr.Blocks:
 
         refresh_btn.click(history_view, None, [history, compare, recipe_run, chat_run], api_name="history")
         def overlay_view(selected):
-            paths = [backend.run_path(d) for d in selected or []]
+            try:
+                paths = [backend.run_path(d) for d in selected or []]
+            except FinetuneError as exc:  # the output is a plot: the message goes to the page as an alert
+                raise gr.Error(str(exc)) from None
             return charts.loss_figure({p.name: rundir.read_metrics(p) for p in paths}, "loss of the selected runs", by_run=True)
 
         compare.change(overlay_view, compare, overlay, api_name="overlay")

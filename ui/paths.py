@@ -1,26 +1,55 @@
-"""Which server files the UI may read or write: only inside the folders allowed with `--allow-dir`.
+"""Which server files the UI may read or write: only inside the folders allowed with `--allow-dir` (and
+the runs folder), and uploads only from Gradio's own upload cache.
 
 A web page must not become a way to read `/etc/shadow` or write over a home folder, so every path that
-comes from the page (a data file, a model folder, an output dir, an export target) is checked here.
+comes from the page (a data file, a model folder, a chat template, an offload or output dir, an export
+target, a run, an upload) is resolved (symlinks and `..`) and checked here.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
 from finetune.errors import FinetuneError
+from finetune.recipe.schema import Recipe
 
 DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
+RECIPE_SUFFIXES = (".yaml", ".yml")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+# Every recipe key that names a server file or folder, and how its value is read. The schema has no
+# marker for "this string is a path", so tests/test_ui_security.py checks that each string key of the
+# schema is either here or in NOT_PATHS: a new path key cannot slip past unchecked.
+PATH_KEYS = {
+    "model.path": "model",  # a local folder or .gguf, a hub id, or pkg:PACKAGE/FILE
+    "data.path": "path",
+    "data.chat_template": "template",  # template text, or a path to one (as finetune.data.chat reads it)
+    "memory.offload_dir": "path",
+    "output.dir": "path",
+}
+NOT_PATHS = ("model.revision", "adapter.target_modules", "adapter.modules_to_save", "data.system_prompt", "optimizer.target_modules")
 
 
 class PathNotAllowed(FinetuneError):
     """A path from the page lies outside the allowed folders."""
 
 
+def _resolve(raw: str, what: str) -> Path:
+    try:
+        return Path(raw).expanduser().resolve()
+    except (ValueError, OSError, RuntimeError) as exc:  # NUL byte, symlink loop, name too long
+        raise FinetuneError(f"{what} {raw!r} is not a usable path: {exc}") from None
+
+
 def is_inside(path: Path, roots: Iterable[Path]) -> bool:
-    path = path.resolve()
+    """True if `path`, symlinks and `..` resolved, is one of `roots` or lies below one."""
+    try:
+        path = path.resolve()
+    except (ValueError, OSError, RuntimeError):
+        return False
     return any(path == root or root in path.parents for root in roots)
 
 
@@ -28,7 +57,7 @@ def allowed_path(raw: str, roots: list[Path], what: str, must_exist: bool = Fals
     """`raw` resolved (relative to the working directory); refused unless inside one of `roots`."""
     if not raw or not str(raw).strip():
         raise FinetuneError(f"no {what} given")
-    path = Path(str(raw).strip()).expanduser().resolve()
+    path = _resolve(str(raw).strip(), what)
     if not is_inside(path, roots):
         raise PathNotAllowed(
             f"{what} {path} is outside the allowed folders ({', '.join(map(str, roots))})",
@@ -38,24 +67,74 @@ def allowed_path(raw: str, roots: list[Path], what: str, must_exist: bool = Fals
     return path
 
 
+def _check_model(raw: str, roots: list[Path]) -> None:
+    """A local model must be inside the allowed folders; `pkg:` must stay inside its installed package;
+    a hub id (owner/name with no such local folder) is read from the Hugging Face cache or the hub."""
+    if raw.startswith("pkg:"):
+        from finetune.model.source import package_file
+
+        package = raw.removeprefix("pkg:").partition("/")[0]
+        home = package_file(f"pkg:{package}/").resolve()  # a clear error if the package is not installed
+        if not is_inside(package_file(raw), [home]):
+            raise PathNotAllowed(f"model.path {raw} leaves the folder of package {package}",
+                                 hint="use pkg:PACKAGE/FILE with FILE inside the package")
+        return
+    if HUB_ID.fullmatch(raw) and ".." not in raw and not Path(raw).exists():
+        return
+    allowed_path(raw, roots, "model.path")
+
+
+def check_recipe_paths(recipe: Recipe, roots: list[Path]) -> None:
+    """Refuse a recipe that would read or write any file outside `roots` (every key in PATH_KEYS)."""
+    for key, kind in PATH_KEYS.items():
+        section, name = key.split(".")
+        value = getattr(getattr(recipe, section), name)
+        if value is None or value == "":
+            continue
+        if kind == "model":
+            _check_model(value, roots)
+        elif kind == "template" and "{" in value:  # Jinja text, not a file name
+            continue
+        else:
+            allowed_path(value, roots, key)
+
+
 def data_files(roots: list[Path], limit: int = 300) -> list[str]:
     """Dataset files found under the allowed folders (three levels deep), for the file picker."""
     found: list[str] = []
     for root in roots:
         for depth in ("*", "*/*", "*/*/*"):
             for path in sorted(root.glob(depth)):
-                if path.suffix in DATA_SUFFIXES and path.is_file() and ".ui" not in path.parts:
+                if path.suffix in DATA_SUFFIXES and path.is_file() and ".ui" not in path.parts \
+                        and is_inside(path, roots):
                     found.append(str(path))
                     if len(found) >= limit:
                         return found
     return found
 
 
+def upload_folder() -> Path:
+    """Where Gradio stores files uploaded through the page (GRADIO_TEMP_DIR, else <tmp>/gradio)."""
+    from gradio.utils import get_upload_folder
+
+    return Path(get_upload_folder()).resolve()
+
+
+def uploaded_file(raw: str | Path, suffixes: tuple[str, ...], what: str) -> Path:
+    """An upload as Gradio handed it over: a regular file inside its upload cache, with one of `suffixes`.
+    A server path sent as if it were an upload is refused, so the API cannot read files it names."""
+    path = _resolve(str(raw), what)
+    if not is_inside(path, [upload_folder()]) or not path.is_file():
+        raise PathNotAllowed(f"{what} {Path(str(raw)).name} was not uploaded through the page",
+                             hint="upload the file with the page's upload box; server files are picked by path")
+    if path.suffix.lower() not in suffixes:
+        raise FinetuneError(f"{path.name} is not a {what}: expected one of {', '.join(suffixes)}")
+    return path
+
+
 def store_upload(uploaded: str | Path, uploads_dir: Path) -> Path:
-    """Copy an uploaded file (in Gradio's temp folder) to `uploads_dir`, where a run process can read it."""
-    src = Path(uploaded)
-    if src.suffix.lower() not in DATA_SUFFIXES:
-        raise FinetuneError(f"{src.name} is not a dataset file: expected one of {', '.join(DATA_SUFFIXES)}")
+    """Copy an uploaded dataset (in Gradio's upload cache) to `uploads_dir`, where a run process can read it."""
+    src = uploaded_file(uploaded, DATA_SUFFIXES, "dataset file")
     uploads_dir.mkdir(parents=True, exist_ok=True)
     dest = uploads_dir / src.name
     shutil.copyfile(src, dest)
