@@ -13,12 +13,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from finetune.data.chat import IGNORE_INDEX, ChatEncoder, Encoded, encode_text, resolve_template
-from finetune.data.formats import FORMATS, Chat, Example, RecordError, detect_format, normalize
+from finetune.data.formats import (
+    FORMATS,
+    Chat,
+    Example,
+    RecordError,
+    detect_format,
+    normalize,
+    unicode_problem,
+)
 from finetune.data.read import Record, read_records
 from finetune.errors import DataError
 from finetune.recipe.schema import DataConfig
 
 MAX_LISTED_PROBLEMS = 10
+NAMED_IN_STATS = 3  # locations of skipped and no-loss records named in the data summary
 
 
 @dataclass
@@ -52,18 +61,26 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int) -> DataBundle:
         _raise_bad(cfg.path, fmt, problems)
     if not prepared:
         raise DataError(f"{cfg.path}: no usable records ({len(problems)} malformed were skipped)",
-                        problems=problems[:MAX_LISTED_PROBLEMS])
+                        problems=_listed(problems))
     train_part, eval_part = _split(prepared, cfg.validation_split, seed)
     stats: dict[str, Any] = {
         "format": fmt, "records": len(read.records) + len(read.problems), "records_used": len(records),
-        "bad_records_skipped": len(problems), "truncated": 0, "dropped_overlong": 0, "dropped_no_loss": 0,
+        "bad_records_skipped": len(problems), "bad_records_at": [_where(p) for p in problems[:NAMED_IN_STATS]],
+        "truncated": 0, "dropped_overlong": 0, "dropped_no_loss": 0,
     }
-    train = _fit(_tokenize(train_part, tokenizer, encoder), cfg, stats)
-    evaluation = _fit(_tokenize(eval_part, tokenizer, encoder), cfg, stats)
+    no_loss: list[str] = []
+    train = _fit(train_part, _tokenize(train_part, tokenizer, encoder, cfg.max_seq_len), cfg, stats, no_loss)
+    evaluation = _fit(eval_part, _tokenize(eval_part, tokenizer, encoder, cfg.max_seq_len), cfg, stats, no_loss)
+    stats["no_loss_at"] = [_where(p) for p in no_loss[:NAMED_IN_STATS]]
+    if no_loss and cfg.on_bad_record == "error":
+        raise DataError(f"{cfg.path}: {len(no_loss)} record(s) have no tokens to train on",
+                        problems=_listed(no_loss),
+                        hint="give them an answer within data.max_seq_len (or raise it), or set "
+                             "data.on_bad_record: skip to drop and count them")
     if not train:
         raise DataError(
             f"{cfg.path}: no training examples left: {stats['dropped_overlong']} longer than data.max_seq_len="
-            f"{cfg.max_seq_len} were dropped, {stats['dropped_no_loss']} had no tokens to train on",
+            f"{cfg.max_seq_len} were dropped, {stats['dropped_no_loss']} had no tokens to train on", problems=_listed(no_loss),
             hint="raise data.max_seq_len, use data.overlong: truncate, or check that records have answers")
     stats.update(
         train_examples=len(train), eval_examples=len(evaluation),
@@ -92,7 +109,7 @@ def preview(cfg: DataConfig, tokenizer: Any, n: int = 3) -> list[dict[str, Any]]
         prepared, _ = _prepare([record], fmt, cfg, encoder)
         if not prepared:
             continue
-        (ids, labels), = _tokenize(prepared, tokenizer, encoder)
+        (ids, labels), = _tokenize(prepared, tokenizer, encoder, cfg.max_seq_len)
         cut = len(ids) > cfg.max_seq_len
         ids, labels = ids[: cfg.max_seq_len], labels[: cfg.max_seq_len]
         tokens = [(tokenizer.decode([tok]), label != IGNORE_INDEX) for tok, label in zip(ids, labels, strict=True)]
@@ -133,20 +150,33 @@ def _prepare(records: Sequence[Record], fmt: str, cfg: DataConfig,
             example: Example = normalize(record.value, fmt, cfg.system_prompt)
             if isinstance(example, Chat):
                 assert encoder is not None
-                prepared.append(_Prepared(record.where, chat=encoder.render(example)))
+                item = _Prepared(record.where, chat=encoder.render(example))
             else:
-                prepared.append(_Prepared(record.where, text=example))
+                item = _Prepared(record.where, text=example)
+            problem = unicode_problem(item.text if item.chat is None else item.chat[0])
+            if problem:
+                raise RecordError(problem)
+            prepared.append(item)
         except RecordError as exc:
             problems.append(f"{record.where}: {exc}")
     return prepared, problems
 
 
 def _raise_bad(path: str, fmt: str, problems: list[str]) -> None:
+    raise DataError(f"{path}: {len(problems)} malformed record(s) for format {fmt}", problems=_listed(problems),
+                    hint="fix them, or set data.on_bad_record: skip to skip and count them")
+
+
+def _listed(problems: list[str]) -> list[str]:
     listed = problems[:MAX_LISTED_PROBLEMS]
     if len(problems) > len(listed):
         listed.append(f"... and {len(problems) - len(listed)} more")
-    raise DataError(f"{path}: {len(problems)} malformed record(s) for format {fmt}", problems=listed,
-                    hint="fix them, or set data.on_bad_record: skip to skip and count them")
+    return listed
+
+
+def _where(problem: str) -> str:
+    """The location that starts a problem line (`data.jsonl:3: ...` -> `data.jsonl:3`)."""
+    return problem.split(": ", 1)[0]
 
 
 def _split(items: list[_Prepared], fraction: float, seed: int) -> tuple[list[_Prepared], list[_Prepared]]:
@@ -161,20 +191,21 @@ def _split(items: list[_Prepared], fraction: float, seed: int) -> tuple[list[_Pr
     return ([x for i, x in enumerate(items) if i not in held], [x for i, x in enumerate(items) if i in held])
 
 
-def _tokenize(items: list[_Prepared], tokenizer: Any, encoder: ChatEncoder | None) -> list[Encoded]:
+def _tokenize(items: list[_Prepared], tokenizer: Any, encoder: ChatEncoder | None, max_seq_len: int) -> list[Encoded]:
     if encoder is None:
-        return encode_text(tokenizer, [x.text for x in items])
-    return encoder.encode([x.chat for x in items])
+        return encode_text(tokenizer, [x.text for x in items], max_seq_len)
+    return encoder.encode([x.chat for x in items], max_seq_len)
 
 
 def _loss_count(labels: list[int]) -> int:
     return sum(label != IGNORE_INDEX for label in labels)
 
 
-def _fit(examples: list[Encoded], cfg: DataConfig, stats: dict[str, Any]) -> list[Encoded]:
-    """Apply data.overlong and drop examples without loss tokens, counting both in stats."""
+def _fit(items: list[_Prepared], examples: list[Encoded], cfg: DataConfig, stats: dict[str, Any],
+         no_loss: list[str]) -> list[Encoded]:
+    """Apply data.overlong and drop examples without loss tokens, counting both; no_loss gets each one's problem."""
     kept = []
-    for ids, labels in examples:
+    for item, (ids, labels) in zip(items, examples, strict=True):
         cut = len(ids) > cfg.max_seq_len
         if cut and cfg.overlong == "drop":
             stats["dropped_overlong"] += 1
@@ -182,6 +213,10 @@ def _fit(examples: list[Encoded], cfg: DataConfig, stats: dict[str, Any]) -> lis
         ids, labels = ids[: cfg.max_seq_len], labels[: cfg.max_seq_len]
         if not _loss_count(labels):
             stats["dropped_no_loss"] += 1
+            no_loss.append(f"{item.where}: " + (
+                f"nothing to train on in its first data.max_seq_len={cfg.max_seq_len} tokens" if cut else
+                "nothing to train on (no assistant turn with text)" if item.chat is not None else
+                "too short to train on (one token)"))
             continue
         stats["truncated"] += cut
         kept.append((ids, labels))

@@ -100,9 +100,31 @@ def normalize(record: Any, fmt: str, system_prompt: str | None = None) -> Exampl
         example = _NORMALIZERS[fmt](record)
     except RecordError as exc:
         raise RecordError(f"{exc}; expected {fmt} {_EXPECT[fmt]}") from None
-    if isinstance(example, Chat) and system_prompt and not any(m["role"] == "system" for m in example.messages):
-        example.messages.insert(0, {"role": "system", "content": system_prompt})
+    if isinstance(example, Chat):
+        _check_turn_order(example.messages)
+        if system_prompt and not any(m["role"] == "system" for m in example.messages):
+            example.messages.insert(0, {"role": "system", "content": system_prompt})
     return example
+
+
+def _check_turn_order(messages: list[dict[str, Any]]) -> None:
+    """An assistant turn must answer something: a conversation may not open with one."""
+    first = next((i for i, m in enumerate(messages) if m["role"] != "system"), None)
+    if first is not None and messages[first]["role"] == "assistant":
+        raise RecordError(f"turn {first} is from the assistant but nothing comes before it; a conversation "
+                          "starts with a user turn (after any system message)")
+
+
+def unicode_problem(text: str) -> str | None:
+    """Why `text` cannot be tokenized (a lone surrogate: a bad byte in the file or an unpaired \\u escape)."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as exc:
+        char = text[exc.start]
+        what = (f"byte 0x{ord(char) - 0xDC00:02X} that is not UTF-8" if 0xDC80 <= ord(char) <= 0xDCFF
+                else f"an unpaired surrogate \\u{ord(char):04x} escape")
+        return f"contains {what}; fix the text or save the file as UTF-8"
 
 
 def _maybe_json(value: Any) -> Any:
@@ -199,7 +221,9 @@ def _messages(record: dict) -> Chat:
         where, role = _turn_role(key, i, turn, "role", MESSAGE_ROLES)
         if turn.get("content") is None and role == "assistant" and turn.get("tool_calls"):
             turn = {**turn, "content": ""}
-        _string(turn, "content", where=where)
+        content = _string(turn, "content", where=where)
+        if role == "assistant" and not content.strip() and not turn.get("tool_calls"):
+            raise RecordError(f"{where}the assistant's 'content' is empty")
         messages.append(dict(turn))
     return Chat(_with_system(record, messages), _tools(record))
 
@@ -210,6 +234,8 @@ def _sharegpt(record: dict) -> Chat:
     for i, turn in enumerate(turns):
         where, source = _turn_role(key, i, turn, "from", SHAREGPT_ROLES)
         message = {"role": SHAREGPT_ROLES[source], "content": _string(turn, "value", where=where)}
+        if message["role"] in ("assistant", "function_call") and not message["content"].strip():
+            raise RecordError(f"{where}the {source!r} turn's 'value' is empty")
         if message["role"] == "function_call":
             message.update(role="assistant", **{CALL: True})
         messages.append(message)
