@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from finetune.data.chat import IGNORE_INDEX, ChatEncoder, Encoded, encode_text, resolve_template
@@ -63,24 +63,25 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int) -> DataBundle:
         raise DataError(f"{cfg.path}: no usable records ({len(problems)} malformed were skipped)",
                         problems=_listed(problems))
     train_part, eval_part = _split(prepared, cfg.validation_split, seed)
+    dropped = _Dropped()
+    train = _fit(train_part, _tokenize(train_part, tokenizer, encoder, cfg.max_seq_len), cfg, dropped)
+    evaluation = _fit(eval_part, _tokenize(eval_part, tokenizer, encoder, cfg.max_seq_len), cfg, dropped)
     stats: dict[str, Any] = {
         "format": fmt, "records": len(read.records) + len(read.problems), "records_used": len(records),
         "bad_records_skipped": len(problems), "bad_records_at": [_where(p) for p in problems[:NAMED_IN_STATS]],
-        "truncated": 0, "dropped_overlong": 0, "dropped_no_loss": 0,
+        "truncated": dropped.truncated, "dropped_overlong": len(dropped.overlong),
+        "dropped_no_loss": len(dropped.no_loss), "no_loss_at": [_where(p) for p in dropped.no_loss[:NAMED_IN_STATS]],
     }
-    no_loss: list[str] = []
-    train = _fit(train_part, _tokenize(train_part, tokenizer, encoder, cfg.max_seq_len), cfg, stats, no_loss)
-    evaluation = _fit(eval_part, _tokenize(eval_part, tokenizer, encoder, cfg.max_seq_len), cfg, stats, no_loss)
-    stats["no_loss_at"] = [_where(p) for p in no_loss[:NAMED_IN_STATS]]
-    if no_loss and cfg.on_bad_record == "error":
-        raise DataError(f"{cfg.path}: {len(no_loss)} record(s) have no tokens to train on",
-                        problems=_listed(no_loss),
+    if dropped.no_loss and cfg.on_bad_record == "error":
+        raise DataError(f"{cfg.path}: {len(dropped.no_loss)} record(s) have no tokens to train on",
+                        problems=_listed(dropped.no_loss),
                         hint="give them an answer within data.max_seq_len (or raise it), or set "
                              "data.on_bad_record: skip to drop and count them")
     if not train:
         raise DataError(
             f"{cfg.path}: no training examples left: {stats['dropped_overlong']} longer than data.max_seq_len="
-            f"{cfg.max_seq_len} were dropped, {stats['dropped_no_loss']} had no tokens to train on", problems=_listed(no_loss),
+            f"{cfg.max_seq_len} were dropped, {stats['dropped_no_loss']} had no tokens to train on",
+            problems=_listed(dropped.no_loss + dropped.overlong),
             hint="raise data.max_seq_len, use data.overlong: truncate, or check that records have answers")
     stats.update(
         train_examples=len(train), eval_examples=len(evaluation),
@@ -125,7 +126,8 @@ def _format(cfg: DataConfig, records: Sequence[Record]) -> str:
     try:
         return detect_format([r.value for r in records])
     except RecordError as exc:
-        raise DataError(f"{cfg.path}: {exc}", hint=f"or set data.format to one of {', '.join(FORMATS)}") from None
+        where = records[0].where if records else cfg.path
+        raise DataError(f"{where}: {exc}", hint=f"or set data.format to one of {', '.join(FORMATS)}") from None
 
 
 def _encoder(cfg: DataConfig, tokenizer: Any, fmt: str) -> ChatEncoder | None:
@@ -201,24 +203,31 @@ def _loss_count(labels: list[int]) -> int:
     return sum(label != IGNORE_INDEX for label in labels)
 
 
-def _fit(items: list[_Prepared], examples: list[Encoded], cfg: DataConfig, stats: dict[str, Any],
-         no_loss: list[str]) -> list[Encoded]:
-    """Apply data.overlong and drop examples without loss tokens, counting both; no_loss gets each one's problem."""
+@dataclass
+class _Dropped:
+    """What fitting to max_seq_len did: how many were cut, and a problem line per dropped record."""
+
+    truncated: int = 0
+    overlong: list[str] = field(default_factory=list)
+    no_loss: list[str] = field(default_factory=list)
+
+
+def _fit(items: list[_Prepared], examples: list[Encoded], cfg: DataConfig, dropped: _Dropped) -> list[Encoded]:
+    """Apply data.overlong and drop examples without loss tokens, recording both in `dropped`."""
     kept = []
     for item, (ids, labels) in zip(items, examples, strict=True):
         cut = len(ids) > cfg.max_seq_len
         if cut and cfg.overlong == "drop":
-            stats["dropped_overlong"] += 1
+            dropped.overlong.append(f"{item.where}: longer than data.max_seq_len={cfg.max_seq_len} tokens")
             continue
         ids, labels = ids[: cfg.max_seq_len], labels[: cfg.max_seq_len]
         if not _loss_count(labels):
-            stats["dropped_no_loss"] += 1
-            no_loss.append(f"{item.where}: " + (
+            dropped.no_loss.append(f"{item.where}: " + (
                 f"nothing to train on in its first data.max_seq_len={cfg.max_seq_len} tokens" if cut else
                 "nothing to train on (no assistant turn with text)" if item.chat is not None else
                 "too short to train on (one token)"))
             continue
-        stats["truncated"] += cut
+        dropped.truncated += cut
         kept.append((ids, labels))
     return kept
 
