@@ -62,7 +62,7 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int) -> DataBundle:
     if not prepared:
         raise DataError(f"{cfg.path}: no usable records ({len(problems)} malformed were skipped)",
                         problems=_listed(problems))
-    train_part, eval_part = _split(prepared, cfg.validation_split, seed)
+    train_part, eval_part = _split(cfg.path, prepared, cfg.validation_split, seed)
     dropped = _Dropped()
     train = _fit(train_part, _tokenize(train_part, tokenizer, encoder, cfg.max_seq_len), cfg, dropped)
     evaluation = _fit(eval_part, _tokenize(eval_part, tokenizer, encoder, cfg.max_seq_len), cfg, dropped)
@@ -181,13 +181,13 @@ def _where(problem: str) -> str:
     return problem.split(": ", 1)[0]
 
 
-def _split(items: list[_Prepared], fraction: float, seed: int) -> tuple[list[_Prepared], list[_Prepared]]:
+def _split(path: str, items: list[_Prepared], fraction: float, seed: int) -> tuple[list[_Prepared], list[_Prepared]]:
     """A seeded split of records; at least one eval record when fraction > 0, at least one train record."""
     if fraction == 0:
         return items, []
     n_eval = max(1, round(len(items) * fraction))
     if n_eval >= len(items):
-        raise DataError(f"data.validation_split={fraction} leaves no training records out of {len(items)}",
+        raise DataError(f"{path}: data.validation_split={fraction} leaves no training records out of {len(items)}",
                         hint="lower data.validation_split or add records")
     held = set(random.Random(f"{seed}:validation_split").sample(range(len(items)), n_eval))
     return ([x for i, x in enumerate(items) if i not in held], [x for i, x in enumerate(items) if i in held])

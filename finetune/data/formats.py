@@ -77,12 +77,19 @@ def _signature(record: Any) -> str | None:
     return None
 
 
+def _safe_signature(record: Any) -> str | None:
+    try:
+        return _signature(record)
+    except RecordError:  # unreadable JSON text in a field: the record shows no format
+        return None
+
+
 def detect_format(records: Sequence[Any]) -> str:
     """Return the format most of the first records match: alpaca, messages, sharegpt or text.
 
     Raises RecordError when none of them matches any format.
     """
-    votes = Counter(s for s in map(_signature, records[:DETECT_WINDOW]) if s)
+    votes = Counter(s for s in map(_safe_signature, records[:DETECT_WINDOW]) if s)
     if not votes:
         first = records[0] if records else None
         keys = sorted(first) if isinstance(first, dict) else type(first).__name__
@@ -131,10 +138,21 @@ def _maybe_json(value: Any) -> Any:
     """Parse JSON-looking strings (lists and tools stored as text in CSV/Parquet); leave the rest alone."""
     if isinstance(value, str) and value.lstrip().startswith(("[", "{")):
         try:
-            return json.loads(value)
+            return _json_text(value)
         except json.JSONDecodeError:
             return value
     return value
+
+
+def _json_text(text: str) -> Any:
+    """json.loads; JSON that Python cannot hold (a 5,000-digit number, nesting past the recursion limit) is a
+    RecordError, not a ValueError or RecursionError from deep inside."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise
+    except (ValueError, RecursionError):
+        raise RecordError("holds JSON text that cannot be read (nested too deeply or a number too long)") from None
 
 
 def _string(record: dict, key: str, optional: bool = False, where: str = "") -> str:
@@ -155,7 +173,7 @@ def _tools(record: dict) -> list[dict] | None:
     tools = raw
     if isinstance(raw, str):
         try:
-            tools = json.loads(raw)
+            tools = _json_text(raw)
         except json.JSONDecodeError as exc:
             raise RecordError(f"'tools' is a string but not valid JSON ({exc.msg})") from None
     if isinstance(tools, dict):

@@ -174,15 +174,33 @@ def _parse_jsonl(path: Path, text: str) -> ReadResult:
 
 
 def _read_csv(path: Path) -> ReadResult:
-    import pandas as pd
+    """CSV with a header row, every cell text; a row with the wrong number of cells is a problem of its line.
 
-    _text(path)  # a clear error for binary files before pandas guesses
+    Python's csv module, not pandas: pandas re-encodes the text and so cannot carry a bad byte to its record.
+    """
+    import csv
+    import io
+
+    csv.field_size_limit(2**31 - 1)  # the default 128 KiB limit refuses long answers
+    reader = csv.reader(io.StringIO(_text(path), newline=""))
+    records, problems = [], []
     try:
-        frame = pd.read_csv(path, dtype=str, keep_default_na=False, encoding="utf-8-sig",
-                            encoding_errors="surrogateescape")
-    except (pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
-        raise DataError(f"{path}: not a readable CSV file ({exc})", hint="CSV needs a header row naming the fields") from exc
-    return ReadResult([Record(f"{path} record {i}", row) for i, row in enumerate(frame.to_dict("records"))], [])
+        header = next(reader, None)
+        if header is not None and len(set(header)) < len(header):
+            twice = sorted({name for name in header if header.count(name) > 1})
+            raise DataError(f"{path}:1: the header row names column(s) {twice} more than once",
+                            hint="CSV needs a header row naming each field once")
+        rows = (row for row in reader if any(cell.strip() for cell in row))  # blank lines are not records
+        for i, row in enumerate(rows):
+            if len(row) != len(header):
+                problems.append(f"{path} record {i} (line {reader.line_num}): {len(row)} cells where the header "
+                                f"has {len(header)}")
+            else:
+                records.append(Record(f"{path} record {i}", dict(zip(header, row, strict=True))))
+    except csv.Error as exc:
+        raise DataError(f"{path}:{reader.line_num}: not a readable CSV file ({exc})",
+                        hint="CSV needs a header row naming the fields") from exc
+    return ReadResult(records, problems)
 
 
 def _read_parquet(path: Path) -> ReadResult:
