@@ -233,7 +233,7 @@ def _serialise(rng: random.Random, container: str, records: list[Any]) -> bytes:
 
 
 def _file_level(rng: random.Random, data: bytes, mutations: list[str]) -> bytes:
-    choice = rng.choice(["none", "none", "bad_byte", "bad_byte", "truncate", "bom", "crlf", "blank_lines",
+    choice = rng.choice(["none", "none", "none", "bad_byte", "bad_byte", "truncate", "bom", "crlf", "blank_lines",
                          "empty", "whitespace", "duplicate_line"])
     mutations.append(choice)
     if choice == "bad_byte":
@@ -309,7 +309,7 @@ def make_case(rng: random.Random, name: str, fmt: str, seeds: list[dict[str, Any
         target.write_bytes(_file_level(rng, _serialise(rng, container, records), mutations))
     settings = {
         "on_bad_record": rng.choice(["error", "skip"]), "overlong": rng.choice(["truncate", "drop"]),
-        "max_seq_len": rng.choice([8, 16, 64, 256, 1024]),
+        "max_seq_len": rng.choice([16, 64, 256, 1024]),
         "format": fmt if rng.random() < 0.25 else "auto",
         "validation_split": rng.choice([0.0, 0.0, 0.0, 0.3]),
     }

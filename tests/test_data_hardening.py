@@ -191,3 +191,21 @@ def test_cut_tokenization_equals_whole_tokenization(tmp_path, tiny_tokenizer, fm
             assert cut.stats["truncated"] == 1
             assert cut.train["input_ids"] == [ids[:max_seq_len] for ids in whole.train["input_ids"]]
             assert cut.train["labels"] == [labels[:max_seq_len] for labels in whole.train["labels"]]
+
+
+def test_cli_reports_a_bad_record_with_its_line_and_exit_code_3(tmp_path, tiny_model_dir, capsys):
+    import yaml
+
+    from finetune.cli import main
+
+    bad = json.dumps({"messages": [USER, {"role": "[/red]", "content": "x"}]}).encode()
+    path = jsonl_with_bad_line_3(tmp_path, bad, MESSAGES_GOOD)
+    recipe = {"model": {"path": str(tiny_model_dir)}, "quantization": {"bits": None},
+              "data": {"path": str(path), "max_seq_len": 64}, "training": {"max_steps": 1},
+              "output": {"dir": str(tmp_path / "run")}}
+    recipe_path = tmp_path / "recipe.yaml"
+    recipe_path.write_text(yaml.safe_dump(recipe))
+    assert main(["run", str(recipe_path)]) == 3
+    err = capsys.readouterr().err
+    assert f"{path}:3: messages[1]: unknown role '[/red]'" in err.replace("\n", "")
+    assert "Traceback" not in err
