@@ -46,6 +46,7 @@ MESSAGES_GOOD = {"messages": [USER, ASSISTANT]}
 @pytest.mark.parametrize(("bad", "good", "problem"), [
     (b'{"instruction": "a\\ud800", "output": "b"}', GOOD, r"contains an unpaired surrogate \\ud800 escape"),
     (b'{"instruction": "a", "output": "\\udcff"}', GOOD, "contains byte 0xFF that is not UTF-8"),
+    (b'{"instruction": "a\x00", "output": "b"}', GOOD, "not valid JSON \\(Invalid control character"),
     (b'{"instruction": "a", "output": "b", "n": ' + b"7" * 5000 + b"}", GOOD, "a number too long to read"),
     (b'{"instruction": "a", "output": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", GOOD, "nested too deeply"),
     (b'{"instruction": ["a"], "output": "b"}', GOOD, "'instruction' is a list, not a string"),

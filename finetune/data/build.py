@@ -3,6 +3,10 @@
 Order matters for reproducibility: `max_samples` takes a seeded shuffle of the records in the file, the
 validation split is a seeded split of the surviving records (never of tokens), and only then are examples
 tokenized, cut or dropped for length (`overlong`), so the split does not depend on max_seq_len.
+
+Malformed records (each problem names its file and line or record) stop the build with on_bad_record: error,
+or are skipped and counted. So are records left with no loss token (no assistant turn, or an answer that
+starts after max_seq_len): they would train on nothing. The stats name the first few of both.
 """
 
 from __future__ import annotations

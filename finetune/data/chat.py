@@ -16,6 +16,8 @@ gives exactly the token boundaries the model sees. Records whose rendering is no
 rewrite earlier turns) raise a RecordError naming the turn. As with `apply_chat_template`, control-token
 strings inside message text are tokenized as control tokens. Labels at position 0 are always -100: no token
 predicts the first one (this also keeps packed examples from predicting across their boundary).
+Texts are tokenized only as far as the first max_seq_len + 1 tokens (`tokenize_prefixes`), so a 20 MB record
+costs what a max_seq_len one does; the kept tokens and the overlong decision are those of the whole text.
 
 Tools: when the template uses a `tools` variable, a record's tools go to it, and sharegpt function_call turns
 whose text is a JSON object `{"name", "arguments"}` become structured `tool_calls` if the template reads

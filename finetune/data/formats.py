@@ -15,6 +15,9 @@ Mapping to chat messages (`{"role", "content"}` with roles system, user, assista
   written in the data (see `finetune.data.chat` for templates with native tool calls).
 - text `{"text"}`: raw text for continued pre-training.
 
+A conversation may not open with an assistant turn (after any system message), and an assistant turn may not
+be empty (unless it carries tool_calls): both are malformed records.
+
 `tools` is a list of tool schemas, or a JSON string holding one (as in glaive_toolcall); an empty string or
 list means no tools. In CSV and Parquet files the message list and tools may be JSON strings; they are parsed.
 """

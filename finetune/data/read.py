@@ -11,7 +11,7 @@ that does not parse is returned as a problem, not raised, so that `on_bad_record
 
 Text is decoded as UTF-8 with `surrogateescape`: a bad byte inside a record does not refuse the whole file but
 becomes a lone surrogate that `formats.unicode_problem` reports for that record only. A file that starts with
-bytes that are not UTF-8 text, or holds a NUL byte near its start, is refused as binary. Values JSON itself
+bytes that are not UTF-8 text, or holds a NUL byte in its first line, is refused as binary. Values JSON itself
 cannot hold in Python (integers over the int-str conversion limit, nesting past the recursion limit) are
 reported with their line.
 """
@@ -27,7 +27,7 @@ from typing import Any
 from finetune.errors import DataError
 
 SUFFIXES = (".json", ".jsonl", ".ndjson", ".csv", ".parquet")
-_BINARY_PROBE = 1024  # a NUL byte in the first KiB marks a binary file
+_BINARY_PROBE = 1024  # a NUL byte in the first line of the first KiB marks a binary file
 _LONGEST_INT = 4301  # digits: one more than Python's default int-str conversion limit
 _DEEPEST = 200  # nesting a record never needs; deeper JSON is where the reader's recursion limit is hit
 _EXPECTED = "expected a .json, .jsonl, .csv or .parquet file, or a folder written by datasets' save_to_disk"
@@ -76,7 +76,7 @@ def _text(path: Path) -> str:
     head = data[:_BINARY_PROBE]
     try:
         head[:4].decode("utf-8")
-        binary = b"\x00" in head
+        binary = b"\x00" in head.split(b"\n", 1)[0]  # UTF-16 and most binary formats; later NULs are a line's
     except UnicodeDecodeError as exc:
         binary = exc.reason != "unexpected end of data"  # not a character cut by the 4-byte probe
     if binary:
