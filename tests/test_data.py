@@ -273,7 +273,7 @@ def test_missing_path_and_unknown_suffix(tmp_path, tiny_tokenizer):
     with pytest.raises(DataError, match="not one written by datasets' save_to_disk"):
         build(tmp_path / "folder", tiny_tokenizer)
     (tmp_path / "bad.jsonl").write_text("{oops\nnot json\n")
-    with pytest.raises(DataError, match=r"has no valid JSON Lines record\n  - .*bad.jsonl:1: not valid JSON"):
+    with pytest.raises(DataError, match=r"has no readable record\n  - .*bad.jsonl:1: not valid JSON"):
         build(tmp_path / "bad.jsonl", tiny_tokenizer)
 
 

@@ -125,6 +125,8 @@ def save_to_disk(tmp_path: Path) -> Path:
     (lambda p: (p / "state.json").write_text("{oops"), "damaged"),
     (lambda p: (p / "state.json").write_text("[]"), "damaged"),
     (lambda p: (p / "dataset_info.json").write_text("{oops"), "damaged"),
+    (lambda p: (p / "state.json").write_text(json.dumps(
+        {**json.loads((p / "state.json").read_text()), "_data_files": []})), "damaged"),
 ])
 def test_a_damaged_save_to_disk_folder_is_named(tmp_path, tiny_tokenizer, damage, problem):
     path = save_to_disk(tmp_path)

@@ -67,6 +67,9 @@ def read_records(path: str | Path) -> ReadResult:
         result = reader(path)
     if not result.records and not result.problems:
         raise DataError(f"{path} contains no records", hint=_EXPECTED)
+    if not result.records:
+        listed = result.problems[:3] + ([f"... and {len(result.problems) - 3} more"] if len(result.problems) > 3 else [])
+        raise DataError(f"{path} has no readable record", problems=listed, hint=_EXPECTED)
     return result
 
 
@@ -76,7 +79,7 @@ def _text(path: Path) -> str:
     head = data[:_BINARY_PROBE]
     try:
         head[:4].decode("utf-8")
-        binary = b"\x00" in head.split(b"\n", 1)[0]  # UTF-16 and most binary formats; later NULs are a line's
+        binary = b"\x00" in head.split(b"\n", 1)[0]  # UTF-16, most binary formats; a later NUL is a line's
     except UnicodeDecodeError as exc:
         binary = exc.reason != "unexpected end of data"  # not a character cut by the 4-byte probe
     if binary:
@@ -102,7 +105,7 @@ class _Unparsable(ValueError):
     """Valid JSON syntax that Python cannot turn into values."""
 
 
-_JSON_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[{]|[\]}]|\n|\d{' + str(_LONGEST_INT) + ',}')
+_JSON_TOKENS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[{]|[\]}]|\n|\d{' + str(_LONGEST_INT) + ',}')
 
 
 def _line_of(text: str) -> int:
@@ -167,9 +170,6 @@ def _parse_jsonl(path: Path, text: str) -> ReadResult:
                             "expected one JSON object per line")
         except _Unparsable as exc:
             problems.append(f"{path}:{lineno}: {exc}")
-    if not records and problems:
-        listed = problems[:3] + ([f"... and {len(problems) - 3} more"] if len(problems) > 3 else [])
-        raise DataError(f"{path} has no valid JSON Lines record", problems=listed, hint=_EXPECTED)
     return ReadResult(records, problems)
 
 
@@ -219,7 +219,7 @@ def _read_saved_dataset(path: Path) -> ReadResult:
     import datasets
     import pyarrow as pa
 
-    damaged = (OSError, ValueError, TypeError, KeyError, pa.ArrowException)  # what datasets lets through
+    damaged = (OSError, ValueError, TypeError, LookupError, pa.ArrowException)  # what datasets lets through
     try:
         data = datasets.load_from_disk(str(path))
     except FileNotFoundError as exc:
