@@ -212,3 +212,13 @@ def test_cli_reports_a_bad_record_with_its_line_and_exit_code_3(tmp_path, tiny_m
     err = capsys.readouterr().err
     assert f"{path}:3: messages[1]: unknown role '[/red]'" in err.replace("\n", "")
     assert "Traceback" not in err
+
+
+def test_a_template_that_rewrites_earlier_turns_or_fails_names_the_record(tmp_path, tiny_tokenizer):
+    path = jsonl_with_bad_line_3(tmp_path, json.dumps(MESSAGES_GOOD).encode(), MESSAGES_GOOD)
+    rewriting = "{% for m in messages %}{{ m['content'] }}{{ messages | length }}{% endfor %}"
+    with pytest.raises(DataError, match=rf"{path}:1: the chat template renders the conversation differently"):
+        build(path, tiny_tokenizer, chat_template=rewriting)
+    failing = "{% for m in messages %}{{ m['content'] + 1 }}{% endfor %}"
+    with pytest.raises(DataError, match=rf"{path}:1: the chat template fails on this conversation \(TypeError"):
+        build(path, tiny_tokenizer, chat_template=failing)

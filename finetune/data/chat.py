@@ -86,8 +86,8 @@ class ChatEncoder:
         except jinja2.TemplateSyntaxError as exc:
             raise DataError(f"the chat template is not valid Jinja (line {exc.lineno}: {exc.message})",
                             hint="fix data.chat_template or leave it empty to use the tokenizer's") from exc
-        except jinja2.TemplateError:
-            pass  # the template refuses this probe conversation; records report their own refusals
+        except Exception:  # noqa: BLE001 - the template refuses this probe; records report their own refusals
+            pass
 
     def _render(self, messages: list[dict], tools: list[dict] | None = None, generation: bool = False) -> str:
         return self.tokenizer.apply_chat_template(
@@ -126,6 +126,8 @@ class ChatEncoder:
                         f"turn {i} (assistant), so its loss span cannot be found; use a template that does not "
                         "rewrite earlier turns (data.chat_template)")
                 spans.append((len(prompt), len(end.rstrip())))
+        except RecordError:
+            raise
         except jinja2.TemplateError as exc:
             raise RecordError(f"the chat template rejects this conversation: {exc}") from None
         except RecursionError:
