@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rich.markup import escape
+
 from finetune.console import console
 from finetune.errors import FinetuneError
 
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except FinetuneError as exc:
-        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)  # data text may hold [tags]
         return exc.exit_code
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/yellow]")

@@ -273,7 +273,7 @@ def test_missing_path_and_unknown_suffix(tmp_path, tiny_tokenizer):
     with pytest.raises(DataError, match="not one written by datasets' save_to_disk"):
         build(tmp_path / "folder", tiny_tokenizer)
     (tmp_path / "bad.jsonl").write_text("{oops\nnot json\n")
-    with pytest.raises(DataError, match=r"has no valid JSON Lines record\n  - .*bad.jsonl:1: not valid JSON"):
+    with pytest.raises(DataError, match=r"has no readable record\n  - .*bad.jsonl:1: not valid JSON"):
         build(tmp_path / "bad.jsonl", tiny_tokenizer)
 
 
@@ -293,10 +293,14 @@ def test_overlong_truncate_and_drop_are_counted(tmp_path, tiny_tokenizer):
     long_prompt = {"instruction": "The quick brown fox jumps over the lazy dog. " * 20, "output": "ok"}
     path = write_json(tmp_path, [ALPACA[0], long_answer, long_prompt])
     full = rows(build(path, tiny_tokenizer, max_seq_len=4096).train)
-    bundle = build(path, tiny_tokenizer, max_seq_len=64)
+    with pytest.raises(DataError, match=rf"1 record\(s\) have no tokens to train on\n  - {path} record 2: nothing to "
+                                         "train on in its first data.max_seq_len=64 tokens"):
+        build(path, tiny_tokenizer, max_seq_len=64)
+    bundle = build(path, tiny_tokenizer, max_seq_len=64, on_bad_record="skip")
     assert rows(bundle.train) == [full[0], (full[1][0][:64], full[1][1][:64])]
     counts = {k: bundle.stats[k] for k in ("truncated", "dropped_no_loss", "dropped_overlong", "train_examples")}
     assert counts == {"truncated": 1, "dropped_no_loss": 1, "dropped_overlong": 0, "train_examples": 2}
+    assert bundle.stats["no_loss_at"] == [f"{path} record 2"]
     dropped = build(path, tiny_tokenizer, max_seq_len=64, overlong="drop")
     assert rows(dropped.train) == [full[0]]
     assert dropped.stats["dropped_overlong"] == 2 and dropped.stats["truncated"] == 0

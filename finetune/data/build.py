@@ -3,22 +3,35 @@
 Order matters for reproducibility: `max_samples` takes a seeded shuffle of the records in the file, the
 validation split is a seeded split of the surviving records (never of tokens), and only then are examples
 tokenized, cut or dropped for length (`overlong`), so the split does not depend on max_seq_len.
+
+Malformed records (each problem names its file and line or record) stop the build with on_bad_record: error,
+or are skipped and counted. So are records left with no loss token (no assistant turn, or an answer that
+starts after max_seq_len): they would train on nothing. The stats name the first few of both.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from finetune.data.chat import IGNORE_INDEX, ChatEncoder, Encoded, encode_text, resolve_template
-from finetune.data.formats import FORMATS, Chat, Example, RecordError, detect_format, normalize
+from finetune.data.formats import (
+    FORMATS,
+    Chat,
+    Example,
+    RecordError,
+    detect_format,
+    normalize,
+    unicode_problem,
+)
 from finetune.data.read import Record, read_records
 from finetune.errors import DataError
 from finetune.recipe.schema import DataConfig
 
 MAX_LISTED_PROBLEMS = 10
+NAMED_IN_STATS = 3  # locations of skipped and no-loss records named in the data summary
 
 
 @dataclass
@@ -52,18 +65,27 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int) -> DataBundle:
         _raise_bad(cfg.path, fmt, problems)
     if not prepared:
         raise DataError(f"{cfg.path}: no usable records ({len(problems)} malformed were skipped)",
-                        problems=problems[:MAX_LISTED_PROBLEMS])
-    train_part, eval_part = _split(prepared, cfg.validation_split, seed)
+                        problems=_listed(problems))
+    train_part, eval_part = _split(cfg.path, prepared, cfg.validation_split, seed)
+    dropped = _Dropped()
+    train = _fit(train_part, _tokenize(train_part, tokenizer, encoder, cfg.max_seq_len), cfg, dropped)
+    evaluation = _fit(eval_part, _tokenize(eval_part, tokenizer, encoder, cfg.max_seq_len), cfg, dropped)
     stats: dict[str, Any] = {
         "format": fmt, "records": len(read.records) + len(read.problems), "records_used": len(records),
-        "bad_records_skipped": len(problems), "truncated": 0, "dropped_overlong": 0, "dropped_no_loss": 0,
+        "bad_records_skipped": len(problems), "bad_records_at": [_where(p) for p in problems[:NAMED_IN_STATS]],
+        "truncated": dropped.truncated, "dropped_overlong": len(dropped.overlong),
+        "dropped_no_loss": len(dropped.no_loss), "no_loss_at": [_where(p) for p in dropped.no_loss[:NAMED_IN_STATS]],
     }
-    train = _fit(_tokenize(train_part, tokenizer, encoder), cfg, stats)
-    evaluation = _fit(_tokenize(eval_part, tokenizer, encoder), cfg, stats)
+    if dropped.no_loss and cfg.on_bad_record == "error":
+        raise DataError(f"{cfg.path}: {len(dropped.no_loss)} record(s) have no tokens to train on",
+                        problems=_listed(dropped.no_loss),
+                        hint="give them an answer within data.max_seq_len (or raise it), or set "
+                             "data.on_bad_record: skip to drop and count them")
     if not train:
         raise DataError(
             f"{cfg.path}: no training examples left: {stats['dropped_overlong']} longer than data.max_seq_len="
             f"{cfg.max_seq_len} were dropped, {stats['dropped_no_loss']} had no tokens to train on",
+            problems=_listed(dropped.no_loss + dropped.overlong),
             hint="raise data.max_seq_len, use data.overlong: truncate, or check that records have answers")
     stats.update(
         train_examples=len(train), eval_examples=len(evaluation),
@@ -92,7 +114,7 @@ def preview(cfg: DataConfig, tokenizer: Any, n: int = 3) -> list[dict[str, Any]]
         prepared, _ = _prepare([record], fmt, cfg, encoder)
         if not prepared:
             continue
-        (ids, labels), = _tokenize(prepared, tokenizer, encoder)
+        (ids, labels), = _tokenize(prepared, tokenizer, encoder, cfg.max_seq_len)
         cut = len(ids) > cfg.max_seq_len
         ids, labels = ids[: cfg.max_seq_len], labels[: cfg.max_seq_len]
         tokens = [(tokenizer.decode([tok]), label != IGNORE_INDEX) for tok, label in zip(ids, labels, strict=True)]
@@ -108,7 +130,8 @@ def _format(cfg: DataConfig, records: Sequence[Record]) -> str:
     try:
         return detect_format([r.value for r in records])
     except RecordError as exc:
-        raise DataError(f"{cfg.path}: {exc}", hint=f"or set data.format to one of {', '.join(FORMATS)}") from None
+        where = records[0].where if records else cfg.path
+        raise DataError(f"{where}: {exc}", hint=f"or set data.format to one of {', '.join(FORMATS)}") from None
 
 
 def _encoder(cfg: DataConfig, tokenizer: Any, fmt: str) -> ChatEncoder | None:
@@ -133,57 +156,82 @@ def _prepare(records: Sequence[Record], fmt: str, cfg: DataConfig,
             example: Example = normalize(record.value, fmt, cfg.system_prompt)
             if isinstance(example, Chat):
                 assert encoder is not None
-                prepared.append(_Prepared(record.where, chat=encoder.render(example)))
+                item = _Prepared(record.where, chat=encoder.render(example))
             else:
-                prepared.append(_Prepared(record.where, text=example))
+                item = _Prepared(record.where, text=example)
+            problem = unicode_problem(item.text if item.chat is None else item.chat[0])
+            if problem:
+                raise RecordError(problem)
+            prepared.append(item)
         except RecordError as exc:
             problems.append(f"{record.where}: {exc}")
     return prepared, problems
 
 
 def _raise_bad(path: str, fmt: str, problems: list[str]) -> None:
-    listed = problems[:MAX_LISTED_PROBLEMS]
-    if len(problems) > len(listed):
-        listed.append(f"... and {len(problems) - len(listed)} more")
-    raise DataError(f"{path}: {len(problems)} malformed record(s) for format {fmt}", problems=listed,
+    raise DataError(f"{path}: {len(problems)} malformed record(s) for format {fmt}", problems=_listed(problems),
                     hint="fix them, or set data.on_bad_record: skip to skip and count them")
 
 
-def _split(items: list[_Prepared], fraction: float, seed: int) -> tuple[list[_Prepared], list[_Prepared]]:
+def _listed(problems: list[str]) -> list[str]:
+    listed = problems[:MAX_LISTED_PROBLEMS]
+    if len(problems) > len(listed):
+        listed.append(f"... and {len(problems) - len(listed)} more")
+    return listed
+
+
+def _where(problem: str) -> str:
+    """The location that starts a problem line (`data.jsonl:3: ...` -> `data.jsonl:3`)."""
+    return problem.split(": ", 1)[0]
+
+
+def _split(path: str, items: list[_Prepared], fraction: float, seed: int) -> tuple[list[_Prepared], list[_Prepared]]:
     """A seeded split of records; at least one eval record when fraction > 0, at least one train record."""
     if fraction == 0:
         return items, []
     n_eval = max(1, round(len(items) * fraction))
     if n_eval >= len(items):
-        raise DataError(f"data.validation_split={fraction} leaves no training records out of {len(items)}",
+        raise DataError(f"{path}: data.validation_split={fraction} leaves no training records out of {len(items)}",
                         hint="lower data.validation_split or add records")
     held = set(random.Random(f"{seed}:validation_split").sample(range(len(items)), n_eval))
     return ([x for i, x in enumerate(items) if i not in held], [x for i, x in enumerate(items) if i in held])
 
 
-def _tokenize(items: list[_Prepared], tokenizer: Any, encoder: ChatEncoder | None) -> list[Encoded]:
+def _tokenize(items: list[_Prepared], tokenizer: Any, encoder: ChatEncoder | None, max_seq_len: int) -> list[Encoded]:
     if encoder is None:
-        return encode_text(tokenizer, [x.text for x in items])
-    return encoder.encode([x.chat for x in items])
+        return encode_text(tokenizer, [x.text for x in items], max_seq_len)
+    return encoder.encode([x.chat for x in items], max_seq_len)
 
 
 def _loss_count(labels: list[int]) -> int:
     return sum(label != IGNORE_INDEX for label in labels)
 
 
-def _fit(examples: list[Encoded], cfg: DataConfig, stats: dict[str, Any]) -> list[Encoded]:
-    """Apply data.overlong and drop examples without loss tokens, counting both in stats."""
+@dataclass
+class _Dropped:
+    """What fitting to max_seq_len did: how many were cut, and a problem line per dropped record."""
+
+    truncated: int = 0
+    overlong: list[str] = field(default_factory=list)
+    no_loss: list[str] = field(default_factory=list)
+
+
+def _fit(items: list[_Prepared], examples: list[Encoded], cfg: DataConfig, dropped: _Dropped) -> list[Encoded]:
+    """Apply data.overlong and drop examples without loss tokens, recording both in `dropped`."""
     kept = []
-    for ids, labels in examples:
+    for item, (ids, labels) in zip(items, examples, strict=True):
         cut = len(ids) > cfg.max_seq_len
         if cut and cfg.overlong == "drop":
-            stats["dropped_overlong"] += 1
+            dropped.overlong.append(f"{item.where}: longer than data.max_seq_len={cfg.max_seq_len} tokens")
             continue
         ids, labels = ids[: cfg.max_seq_len], labels[: cfg.max_seq_len]
         if not _loss_count(labels):
-            stats["dropped_no_loss"] += 1
+            dropped.no_loss.append(f"{item.where}: " + (
+                f"nothing to train on in its first data.max_seq_len={cfg.max_seq_len} tokens" if cut else
+                "nothing to train on (no assistant turn with text)" if item.chat is not None else
+                "too short to train on (one token)"))
             continue
-        stats["truncated"] += cut
+        dropped.truncated += cut
         kept.append((ids, labels))
     return kept
 

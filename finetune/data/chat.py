@@ -16,6 +16,8 @@ gives exactly the token boundaries the model sees. Records whose rendering is no
 rewrite earlier turns) raise a RecordError naming the turn. As with `apply_chat_template`, control-token
 strings inside message text are tokenized as control tokens. Labels at position 0 are always -100: no token
 predicts the first one (this also keeps packed examples from predicting across their boundary).
+Texts are tokenized only as far as the first max_seq_len + 1 tokens (`tokenize_prefixes`), so a 20 MB record
+costs what a max_seq_len one does; the kept tokens and the overlong decision are those of the whole text.
 
 Tools: when the template uses a `tools` variable, a record's tools go to it, and sharegpt function_call turns
 whose text is a JSON object `{"name", "arguments"}` become structured `tool_calls` if the template reads
@@ -44,6 +46,9 @@ TOOLS_PREAMBLE = (
 )
 
 Encoded = tuple[list[int], list[int]]  # input_ids, labels
+Prefix = tuple[list[int], list[tuple[int, int]], bool]  # input_ids, character offsets, cut short
+PREFIX_CHARS_PER_TOKEN = 16  # generous: real tokenizers average 3-5 characters per token
+PREFIX_MARGIN = 1024  # characters before a cut within which tokens may differ from the whole text's
 
 
 def resolve_template(chat_template: str | None, tokenizer: Any) -> str:
@@ -81,8 +86,8 @@ class ChatEncoder:
         except jinja2.TemplateSyntaxError as exc:
             raise DataError(f"the chat template is not valid Jinja (line {exc.lineno}: {exc.message})",
                             hint="fix data.chat_template or leave it empty to use the tokenizer's") from exc
-        except jinja2.TemplateError:
-            pass  # the template refuses this probe conversation; records report their own refusals
+        except Exception:  # noqa: BLE001 - the template refuses this probe; records report their own refusals
+            pass
 
     def _render(self, messages: list[dict], tools: list[dict] | None = None, generation: bool = False) -> str:
         return self.tokenizer.apply_chat_template(
@@ -104,8 +109,8 @@ class ChatEncoder:
         """The rendered text and the character spans that get loss; RecordError if the template refuses it."""
         import jinja2
 
-        messages, tools = self._prepare(chat)
         try:
+            messages, tools = self._prepare(chat)
             text = self._render(messages, tools)
             if not self.assistant_only_loss:
                 return text, [(0, len(text))]
@@ -121,33 +126,85 @@ class ChatEncoder:
                         f"turn {i} (assistant), so its loss span cannot be found; use a template that does not "
                         "rewrite earlier turns (data.chat_template)")
                 spans.append((len(prompt), len(end.rstrip())))
+        except RecordError:
+            raise
         except jinja2.TemplateError as exc:
             raise RecordError(f"the chat template rejects this conversation: {exc}") from None
+        except RecursionError:
+            raise RecordError("a value is nested too deeply to render (tools or tool_calls)") from None
+        except Exception as exc:  # the template is code run on the record's values: any error is this record's
+            raise RecordError(f"the chat template fails on this conversation ({type(exc).__name__}: {exc})") from None
         return text, spans
 
-    def encode(self, rendered: Sequence[tuple[str, list[tuple[int, int]]]]) -> list[Encoded]:
-        """Tokenize rendered chats in one batch; labels are -100 outside the spans."""
-        if not rendered:
-            return []
-        batch = self.tokenizer([text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
+    def encode(self, rendered: Sequence[tuple[str, list[tuple[int, int]]]], max_tokens: int) -> list[Encoded]:
+        """Tokenize rendered chats in one batch; labels are -100 outside the spans.
+
+        Only the first max_tokens + 1 tokens are guaranteed (see `tokenize_prefixes`): enough to cut or drop.
+        """
         out = []
-        for ids, offsets, (_, spans) in zip(batch["input_ids"], batch["offset_mapping"], rendered, strict=True):
+        for (ids, offsets, _), (_, spans) in zip(
+                tokenize_prefixes(self.tokenizer, [text for text, _ in rendered], max_tokens,
+                                  add_special_tokens=False), rendered, strict=True):
             labels = [tok if _overlaps(s, e, spans) else IGNORE_INDEX for tok, (s, e) in zip(ids, offsets, strict=True)]
             out.append(_mask_first(ids, labels))
         return out
 
 
-def encode_text(tokenizer: Any, texts: Sequence[str]) -> list[Encoded]:
-    """Tokenize raw texts (with the tokenizer's own special tokens, e.g. BOS), append EOS, loss everywhere."""
-    if not texts:
-        return []
+def encode_text(tokenizer: Any, texts: Sequence[str], max_tokens: int) -> list[Encoded]:
+    """Tokenize raw texts (with the tokenizer's own special tokens, e.g. BOS), append EOS, loss everywhere.
+
+    A text cut by `tokenize_prefixes` gets no EOS: it is longer than max_tokens and ends there anyway.
+    """
     eos = tokenizer.eos_token_id
     out = []
-    for ids in tokenizer(list(texts), add_special_tokens=True)["input_ids"]:
-        if eos is not None and (not ids or ids[-1] != eos):
+    for ids, _, cut in tokenize_prefixes(tokenizer, texts, max_tokens, add_special_tokens=True):
+        if eos is not None and not cut and (not ids or ids[-1] != eos):
             ids = [*ids, eos]
         out.append(_mask_first(ids, list(ids)))
     return out
+
+
+def tokenize_prefixes(tokenizer: Any, texts: Sequence[str], max_tokens: int,
+                      **kwargs: Any) -> list[Prefix]:
+    """Token ids, character offsets and whether it was cut, for each text: its first max_tokens + 1 tokens exactly.
+
+    A 20 MB record must not be tokenized whole when only max_seq_len tokens survive: that took gigabytes and
+    tens of seconds. Each text is cut to `PREFIX_CHARS_PER_TOKEN` characters per needed token first; the cut is
+    accepted when max_tokens + 1 tokens end `PREFIX_MARGIN` characters before it (tokens next to a cut can merge
+    differently than in the whole text), else that text is tried again with an 8 times longer cut, up to whole.
+    So the kept tokens, and whether a text is longer than max_tokens, are those of the whole text. Slow
+    tokenizers (no offsets) get the whole text.
+    """
+    if not texts:
+        return []
+    need = max_tokens + 1
+    cap = need * PREFIX_CHARS_PER_TOKEN + PREFIX_MARGIN if getattr(tokenizer, "is_fast", False) else None
+    if cap is None:
+        return [(ids, [], False) for ids in tokenizer(list(texts), **kwargs)["input_ids"]]
+    out: list[Prefix | None] = [None] * len(texts)
+    pending = list(range(len(texts)))
+    while pending:
+        batch = tokenizer([texts[i][:cap] for i in pending], return_offsets_mapping=True, **kwargs)
+        retry = []
+        for i, ids, offsets in zip(pending, batch["input_ids"], batch["offset_mapping"], strict=True):
+            if len(texts[i]) <= cap:
+                out[i] = (ids, offsets, False)
+            elif _ends_before(offsets, cap - PREFIX_MARGIN) >= need:
+                out[i] = (ids[:need], offsets[:need], True)
+            else:
+                retry.append(i)
+        pending, cap = retry, cap * 8
+    return out  # type: ignore[return-value]
+
+
+def _ends_before(offsets: Sequence[tuple[int, int]], limit: int) -> int:
+    """How many leading tokens end at or before character `limit`."""
+    count = 0
+    for _, end in offsets:
+        if end > limit:
+            break
+        count += 1
+    return count
 
 
 def _overlaps(start: int, end: int, spans: list[tuple[int, int]]) -> bool:

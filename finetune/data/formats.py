@@ -15,6 +15,9 @@ Mapping to chat messages (`{"role", "content"}` with roles system, user, assista
   written in the data (see `finetune.data.chat` for templates with native tool calls).
 - text `{"text"}`: raw text for continued pre-training.
 
+A conversation may not open with an assistant turn (after any system message), and an assistant turn may not
+be empty (unless it carries tool_calls): both are malformed records.
+
 `tools` is a list of tool schemas, or a JSON string holding one (as in glaive_toolcall); an empty string or
 list means no tools. In CSV and Parquet files the message list and tools may be JSON strings; they are parsed.
 """
@@ -77,12 +80,19 @@ def _signature(record: Any) -> str | None:
     return None
 
 
+def _safe_signature(record: Any) -> str | None:
+    try:
+        return _signature(record)
+    except RecordError:  # unreadable JSON text in a field: the record shows no format
+        return None
+
+
 def detect_format(records: Sequence[Any]) -> str:
     """Return the format most of the first records match: alpaca, messages, sharegpt or text.
 
     Raises RecordError when none of them matches any format.
     """
-    votes = Counter(s for s in map(_signature, records[:DETECT_WINDOW]) if s)
+    votes = Counter(s for s in map(_safe_signature, records[:DETECT_WINDOW]) if s)
     if not votes:
         first = records[0] if records else None
         keys = sorted(first) if isinstance(first, dict) else type(first).__name__
@@ -100,19 +110,52 @@ def normalize(record: Any, fmt: str, system_prompt: str | None = None) -> Exampl
         example = _NORMALIZERS[fmt](record)
     except RecordError as exc:
         raise RecordError(f"{exc}; expected {fmt} {_EXPECT[fmt]}") from None
-    if isinstance(example, Chat) and system_prompt and not any(m["role"] == "system" for m in example.messages):
-        example.messages.insert(0, {"role": "system", "content": system_prompt})
+    if isinstance(example, Chat):
+        _check_turn_order(example.messages)
+        if system_prompt and not any(m["role"] == "system" for m in example.messages):
+            example.messages.insert(0, {"role": "system", "content": system_prompt})
     return example
+
+
+def _check_turn_order(messages: list[dict[str, Any]]) -> None:
+    """An assistant turn must answer something: a conversation may not open with one."""
+    first = next((i for i, m in enumerate(messages) if m["role"] != "system"), None)
+    if first is not None and messages[first]["role"] == "assistant":
+        raise RecordError(f"turn {first} is from the assistant but nothing comes before it; a conversation "
+                          "starts with a user turn (after any system message)")
+
+
+def unicode_problem(text: str) -> str | None:
+    """Why `text` cannot be tokenized (a lone surrogate: a bad byte in the file or an unpaired \\u escape)."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as exc:
+        char = text[exc.start]
+        what = (f"byte 0x{ord(char) - 0xDC00:02X} that is not UTF-8" if 0xDC80 <= ord(char) <= 0xDCFF
+                else f"an unpaired surrogate \\u{ord(char):04x} escape")
+        return f"contains {what}; fix the text or save the file as UTF-8"
 
 
 def _maybe_json(value: Any) -> Any:
     """Parse JSON-looking strings (lists and tools stored as text in CSV/Parquet); leave the rest alone."""
     if isinstance(value, str) and value.lstrip().startswith(("[", "{")):
         try:
-            return json.loads(value)
+            return _json_text(value)
         except json.JSONDecodeError:
             return value
     return value
+
+
+def _json_text(text: str) -> Any:
+    """json.loads; JSON that Python cannot hold (a 5,000-digit number, nesting past the recursion limit) is a
+    RecordError, not a ValueError or RecursionError from deep inside."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise
+    except (ValueError, RecursionError):
+        raise RecordError("holds JSON text that cannot be read (nested too deeply or a number too long)") from None
 
 
 def _string(record: dict, key: str, optional: bool = False, where: str = "") -> str:
@@ -133,7 +176,7 @@ def _tools(record: dict) -> list[dict] | None:
     tools = raw
     if isinstance(raw, str):
         try:
-            tools = json.loads(raw)
+            tools = _json_text(raw)
         except json.JSONDecodeError as exc:
             raise RecordError(f"'tools' is a string but not valid JSON ({exc.msg})") from None
     if isinstance(tools, dict):
@@ -199,7 +242,9 @@ def _messages(record: dict) -> Chat:
         where, role = _turn_role(key, i, turn, "role", MESSAGE_ROLES)
         if turn.get("content") is None and role == "assistant" and turn.get("tool_calls"):
             turn = {**turn, "content": ""}
-        _string(turn, "content", where=where)
+        content = _string(turn, "content", where=where)
+        if role == "assistant" and not content.strip() and not turn.get("tool_calls"):
+            raise RecordError(f"{where}the assistant's 'content' is empty")
         messages.append(dict(turn))
     return Chat(_with_system(record, messages), _tools(record))
 
@@ -210,6 +255,8 @@ def _sharegpt(record: dict) -> Chat:
     for i, turn in enumerate(turns):
         where, source = _turn_role(key, i, turn, "from", SHAREGPT_ROLES)
         message = {"role": SHAREGPT_ROLES[source], "content": _string(turn, "value", where=where)}
+        if message["role"] in ("assistant", "function_call") and not message["content"].strip():
+            raise RecordError(f"{where}the {source!r} turn's 'value' is empty")
         if message["role"] == "function_call":
             message.update(role="assistant", **{CALL: True})
         messages.append(message)

@@ -8,11 +8,18 @@ folder written by `datasets.Dataset.save_to_disk` (a `DatasetDict` must have a `
 Every record carries `where`, a location for error messages: `data.jsonl:17` (1-based line number) for JSON
 Lines and `data.json record 5` (0-based index, as in `records[5]`) for everything else. A JSON Lines line
 that does not parse is returned as a problem, not raised, so that `on_bad_record: skip` can skip it.
+
+Text is decoded as UTF-8 with `surrogateescape`: a bad byte inside a record does not refuse the whole file but
+becomes a lone surrogate that `formats.unicode_problem` reports for that record only. A file that starts with
+bytes that are not UTF-8 text, or holds a NUL byte in its first line, is refused as binary. Values JSON itself
+cannot hold in Python (integers over the int-str conversion limit, nesting past the recursion limit) are
+reported with their line.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +27,9 @@ from typing import Any
 from finetune.errors import DataError
 
 SUFFIXES = (".json", ".jsonl", ".ndjson", ".csv", ".parquet")
+_BINARY_PROBE = 1024  # a NUL byte in the first line of the first KiB marks a binary file
+_LONGEST_INT = 4301  # digits: one more than Python's default int-str conversion limit
+_DEEPEST = 200  # nesting a record never needs; deeper JSON is where the reader's recursion limit is hit
 _EXPECTED = "expected a .json, .jsonl, .csv or .parquet file, or a folder written by datasets' save_to_disk"
 
 
@@ -57,26 +67,78 @@ def read_records(path: str | Path) -> ReadResult:
         result = reader(path)
     if not result.records and not result.problems:
         raise DataError(f"{path} contains no records", hint=_EXPECTED)
+    if not result.records:
+        listed = result.problems[:3] + ([f"... and {len(result.problems) - 3} more"] if len(result.problems) > 3 else [])
+        raise DataError(f"{path} has no readable record", problems=listed, hint=_EXPECTED)
     return result
 
 
 def _text(path: Path) -> str:
+    """The file's text; bytes that are not UTF-8 become lone surrogates (reported per record), BOM removed."""
+    data = path.read_bytes()
+    head = data[:_BINARY_PROBE]
     try:
-        return path.read_text(encoding="utf-8-sig")
+        head[:4].decode("utf-8")
+        binary = b"\x00" in head.split(b"\n", 1)[0]  # UTF-16, most binary formats; a later NUL is a line's
     except UnicodeDecodeError as exc:
-        head = path.read_bytes()[:8]
-        raise DataError(f"{path} is not a UTF-8 text file (it starts with bytes {head!r})", hint=_EXPECTED) from exc
+        binary = exc.reason != "unexpected end of data"  # not a character cut by the 4-byte probe
+    if binary:
+        raise DataError(f"{path}:1: not a UTF-8 text file (it starts with bytes {data[:8]!r})",
+                        hint=f"save it as UTF-8 text; {_EXPECTED}")
+    return data.decode("utf-8", errors="surrogateescape").removeprefix("\ufeff")
+
+
+def _loads(text: str) -> Any:
+    """json.loads, with values Python cannot hold raised as _Unparsable instead of crashing later."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise _Unparsable("nested too deeply to read (lists or objects inside each other hundreds of levels deep)"
+                          ) from None
+    except json.JSONDecodeError:
+        raise
+    except ValueError as exc:  # an integer literal over sys.get_int_max_str_digits() digits
+        raise _Unparsable(f"a number too long to read ({str(exc).split(':')[0]})") from None
+
+
+class _Unparsable(ValueError):
+    """Valid JSON syntax that Python cannot turn into values."""
+
+
+_JSON_TOKENS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[{]|[\]}]|\n|\d{' + str(_LONGEST_INT) + ',}')
+
+
+def _line_of(text: str) -> int:
+    """The 1-based line of the first too-long number or of the first bracket nested past the reader's limit."""
+    depth, line = 0, 1
+    for match in _JSON_TOKENS.finditer(text):
+        token = match.group()
+        if token == "\n":
+            line += 1
+        elif token in "[{":
+            depth += 1
+            if depth > _DEEPEST:
+                return line
+        elif token in "]}":
+            depth -= 1
+        elif token[0] != '"':
+            return line
+    return line
 
 
 def _read_json(path: Path) -> ReadResult:
     text = _text(path)
     try:
-        data = json.loads(text)
+        data = _loads(text)
     except json.JSONDecodeError as exc:
         if exc.msg == "Extra data":  # several JSON values: the file is JSON Lines with a .json name
             return _parse_jsonl(path, text)
         raise DataError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg} at column {exc.colno})",
                         hint="a .json dataset is an array of records, e.g. [{\"text\": \"...\"}]") from exc
+    except _Unparsable as exc:
+        raise DataError(f"{path}:{_line_of(text)}: {exc}",
+                        hint="fix that value, or store the dataset as JSON Lines to skip such records "
+                             "with data.on_bad_record: skip") from None
     if isinstance(data, dict):
         values = list(data.values())
         if len(values) == 1 and isinstance(values[0], list):  # {"data": [...]} or {"train": [...]}
@@ -102,25 +164,43 @@ def _parse_jsonl(path: Path, text: str) -> ReadResult:
         if not line.strip():
             continue
         try:
-            records.append(Record(f"{path}:{lineno}", json.loads(line)))
+            records.append(Record(f"{path}:{lineno}", _loads(line)))
         except json.JSONDecodeError as exc:
             problems.append(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno}); "
                             "expected one JSON object per line")
-    if not records and problems:
-        listed = problems[:3] + ([f"... and {len(problems) - 3} more"] if len(problems) > 3 else [])
-        raise DataError(f"{path} has no valid JSON Lines record", problems=listed, hint=_EXPECTED)
+        except _Unparsable as exc:
+            problems.append(f"{path}:{lineno}: {exc}")
     return ReadResult(records, problems)
 
 
 def _read_csv(path: Path) -> ReadResult:
-    import pandas as pd
+    """CSV with a header row, every cell text; a row with the wrong number of cells is a problem of its line.
 
-    _text(path)  # a clear error for binary files before pandas guesses
+    Python's csv module, not pandas: pandas re-encodes the text and so cannot carry a bad byte to its record.
+    """
+    import csv
+    import io
+
+    csv.field_size_limit(2**31 - 1)  # the default 128 KiB limit refuses long answers
+    reader = csv.reader(io.StringIO(_text(path), newline=""))
+    records, problems = [], []
     try:
-        frame = pd.read_csv(path, dtype=str, keep_default_na=False)
-    except (pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
-        raise DataError(f"{path}: not a readable CSV file ({exc})", hint="CSV needs a header row naming the fields") from exc
-    return ReadResult([Record(f"{path} record {i}", row) for i, row in enumerate(frame.to_dict("records"))], [])
+        header = next(reader, None)
+        if header is not None and len(set(header)) < len(header):
+            twice = sorted({name for name in header if header.count(name) > 1})
+            raise DataError(f"{path}:1: the header row names column(s) {twice} more than once",
+                            hint="CSV needs a header row naming each field once")
+        rows = (row for row in reader if any(cell.strip() for cell in row))  # blank lines are not records
+        for i, row in enumerate(rows):
+            if len(row) != len(header):
+                problems.append(f"{path} record {i} (line {reader.line_num}): {len(row)} cells where the header "
+                                f"has {len(header)}")
+            else:
+                records.append(Record(f"{path} record {i}", dict(zip(header, row, strict=True))))
+    except csv.Error as exc:
+        raise DataError(f"{path}:{reader.line_num}: not a readable CSV file ({exc})",
+                        hint="CSV needs a header row naming the fields") from exc
+    return ReadResult(records, problems)
 
 
 def _read_parquet(path: Path) -> ReadResult:
@@ -129,22 +209,37 @@ def _read_parquet(path: Path) -> ReadResult:
 
     try:
         rows = pq.read_table(path).to_pylist()
-    except (pa.ArrowInvalid, OSError) as exc:
+    except (pa.ArrowException, OSError, ValueError) as exc:
         raise DataError(f"{path} is not a readable Parquet file ({exc})", hint=_EXPECTED) from exc
     return ReadResult([Record(f"{path} record {i}", row) for i, row in enumerate(rows)], [])
 
 
 def _read_saved_dataset(path: Path) -> ReadResult:
+    """Rows of a save_to_disk folder; a damaged folder (missing or cut shard, bad JSON metadata) is named."""
     import datasets
+    import pyarrow as pa
 
+    damaged = (OSError, ValueError, TypeError, LookupError, pa.ArrowException)  # what datasets lets through
     try:
         data = datasets.load_from_disk(str(path))
     except FileNotFoundError as exc:
-        raise DataError(f"{path} is a folder but not one written by datasets' save_to_disk ({exc})",
+        raise DataError(f"{path} is a folder but not one written by datasets' save_to_disk, or one with files "
+                        f"missing ({exc})",
                         hint=_EXPECTED) from exc
+    except damaged as exc:
+        raise DataError(f"{path}: a damaged save_to_disk folder ({type(exc).__name__}: {exc})",
+                        hint="save the dataset again, or export it to JSONL or Parquet") from exc
     if isinstance(data, datasets.DatasetDict):
         if "train" not in data:
             raise DataError(f"{path} holds splits {sorted(data)} but no 'train' split",
                             hint="save the training split, or a DatasetDict with a 'train' split")
         data = data["train"]
-    return ReadResult([Record(f"{path} record {i}", row) for i, row in enumerate(data)], [])
+    records = []
+    try:
+        for i, row in enumerate(data):
+            records.append(Record(f"{path} record {i}", row))
+    except damaged as exc:
+        raise DataError(f"{path} record {len(records)}: cannot be read from this save_to_disk folder "
+                        f"({type(exc).__name__}: {exc})",
+                        hint="save the dataset again, or export it to JSONL or Parquet") from exc
+    return ReadResult(records, [])
