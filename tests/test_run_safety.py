@@ -137,6 +137,34 @@ def test_disk_full_during_checkpoint_fails_cleanly_and_keeps_the_previous(tmp_pa
     assert _status(run_dir)["state"] == "completed" and sorted(_losses(run_dir)) == list(range(1, 7))
 
 
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real 448 KiB filesystem: room for the run files and one checkpoint of the tiny model, not two."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=448k", "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root (the fault-injection test above covers the same path)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_real_full_disk_during_checkpoint(tmp_path, tiny_model_dir, small_tmpfs, capsys):
+    recipe = _checkpoint_recipe(tmp_path, tiny_model_dir, "unused")
+    recipe["output"]["dir"] = str(small_tmpfs / "run")
+    recipe_path = _write_recipe(tmp_path, recipe, "tmpfs")
+    code = main(["run", str(recipe_path)])
+    err = capsys.readouterr().err
+    assert code != 0 and "Traceback" not in err and "No space left on device" in err, err
+    assert _status(small_tmpfs / "run")["state"] == "failed"
+    assert [p.name for p in (small_tmpfs / "run" / "checkpoints").iterdir()] == ["checkpoint-2"]
+    subprocess.run(["mount", "-o", "remount,size=4m", str(small_tmpfs)], check=True)  # space freed
+    assert main(["run", str(recipe_path), "--resume"]) == 0
+    assert _status(small_tmpfs / "run")["state"] == "completed"
+
+
 class _Exploit:
     """Unpickling this runs os.mkdir: proof of code execution if it ever happens."""
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -83,6 +85,21 @@ def training_arguments(recipe: Recipe, output_dir: Path, steps: int, has_eval: b
     )
 
 
+def _write_failure(exc: Exception, folder: Path) -> str | None:
+    """Why a save failed, if it is the disk's fault; None for an error that is not about writing.
+
+    torch.save reports a full disk as a RuntimeError from its C++ stream writer, not as an OSError.
+    """
+    if isinstance(exc, OSError):
+        return f"{exc.strerror or exc} ({exc.filename})" if exc.filename else str(exc.strerror or exc)
+    if not any(s in str(exc) for s in ("iostream", "PytorchStreamWriter", "unexpected pos", "file write failed")):
+        return None
+    free = shutil.disk_usage(folder).free
+    if free < 1 << 20:
+        return f"{os.strerror(errno.ENOSPC)} ({free // 1024} KiB free)"
+    return f"torch could not write the file ({str(exc).splitlines()[0]})"
+
+
 class FinetuneTrainer(Trainer):
     """Trainer with the recipe at hand, so memory techniques (optimizers, offload, chunked loss) can plug in."""
 
@@ -158,13 +175,15 @@ class FinetuneTrainer(Trainer):
             super()._save_checkpoint(model, trial)
             name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             publish(staging / name, root / name)
-        except OSError as exc:
+        except (OSError, RuntimeError) as exc:
+            reason = _write_failure(exc, root)
+            if reason is None:
+                raise
             shutil.rmtree(staging, ignore_errors=True)  # give the space back for status.json
             last = numbered(root)
             kept = f"{last[0].name} is kept and can be resumed" if last else "no earlier checkpoint exists"
             raise CheckpointWriteError(
-                f"cannot write checkpoint {self.state.global_step}: {exc.strerror or exc} "
-                f"({exc.filename or root}); {kept}",
+                f"cannot write checkpoint {self.state.global_step} in {root}: {reason}; {kept}",
                 hint="free disk space or fix the folder's permissions, then run again with --resume") from None
         finally:
             self.args.output_dir, self.args.save_total_limit = output_dir, limit
