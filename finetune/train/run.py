@@ -47,7 +47,7 @@ def _prepare_run_dir(recipe: Recipe, resume: bool, overwrite: bool) -> tuple[Run
         found = find_resumable(run.checkpoints)
         report_skipped(found.skipped)
         if found.newest is None:
-            raise FinetuneError(f"--resume: no complete checkpoint in {run.checkpoints}",
+            raise FinetuneError(f"--resume: no checkpoint to resume from in {run.checkpoints}",
                                 hint="start the run without --resume (checkpoints are saved every output.save_steps)")
         console.print(f"resuming from {found.newest}")
         return run, str(found.newest)
