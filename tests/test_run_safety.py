@@ -202,7 +202,7 @@ def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, t
     code = main(["run", str(_write_recipe(tmp_path, recipe, "diverge"))])
     err = capsys.readouterr().err
     assert code != 0 and "Traceback" not in err
-    assert "training diverged at step" in err and "learning_rate" in err, err
+    assert "training diverged at step 2: the training loss is NaN or inf" in err and "learning_rate" in err, err
     run_dir = tmp_path / "run"
     status = _status(run_dir)
     assert status["state"] == "failed" and "diverged" in status["error"]

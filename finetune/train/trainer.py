@@ -85,6 +85,15 @@ def training_arguments(recipe: Recipe, output_dir: Path, steps: int, has_eval: b
     )
 
 
+def _all_finite(params) -> bool:
+    """Check in 16M-element slices, so a full fine-tune's largest matrix needs no full-size temporary."""
+    for p in params:
+        for part in p.detach().reshape(-1).split(1 << 24):
+            if not bool(torch.isfinite(part).all()):
+                return False
+    return True
+
+
 def _write_failure(exc: Exception, folder: Path) -> str | None:
     """Why a save failed, if it is the disk's fault; None for an error that is not about writing.
 
@@ -149,7 +158,7 @@ class FinetuneTrainer(Trainer):
         norm = layerwise.grad_norm() if layerwise else super()._get_grad_norm(model, grad_norm)
         loss_finite, self._loss_finite = self._loss_finite, None
         if loss_finite is not None and not bool(loss_finite):
-            self._diverged("the loss is NaN/inf")
+            self._diverged("the training loss is NaN or inf")
         if norm is not None and not math.isfinite(float(norm)):
             self._diverged(f"the gradient norm is {float(norm)}")
         return norm
@@ -165,7 +174,7 @@ class FinetuneTrainer(Trainer):
     def _save_checkpoint(self, model, trial) -> None:
         """Write checkpoint-N in a staging folder and rename it when complete (a kill or a full disk never
         leaves a half checkpoint where --resume looks); weights that are already NaN/inf are never saved."""
-        if any(not torch.isfinite(p).all() for p in self.model.parameters() if p.requires_grad):
+        if not _all_finite(p for p in self.model.parameters() if p.requires_grad):
             self._diverged("the trained weights hold NaN/inf")
         root = Path(self._get_output_dir(trial))
         staging = stage(root)
