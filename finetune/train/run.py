@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import shutil
 import time
 from dataclasses import dataclass
@@ -27,6 +28,9 @@ from finetune.train.rundir import (
     replace_dir,
 )
 from finetune.train.trainer import FinetuneTrainer, total_steps, training_arguments
+
+# Disk full, quota, permissions, read-only folder: the user's to fix, so a message instead of a traceback.
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EFBIG}
 
 
 @dataclass
@@ -107,13 +111,16 @@ def keep_resolved(recipe: Recipe, saved: Recipe) -> Recipe:
 def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> RunResult:
     """Fine-tune as the recipe says and fill the run directory. Ctrl-C saves a checkpoint and stops."""
     run_dir, checkpoint = _prepare_run_dir(recipe, resume, overwrite)
-    run_dir.write_status("planning")
-    run_dir.log_line(f"run started (resume from {checkpoint})" if checkpoint else "run started")
     stopper = StopOnSignal()
     stopper.install()
     try:
+        run_dir.write_status("planning")
+        run_dir.log_line(f"run started (resume from {checkpoint})" if checkpoint else "run started")
         return _plan_build_train(recipe, run_dir, checkpoint, stopper)
-    except OSError as exc:  # disk full, permissions, read-only folder: say so, no traceback
+    except OSError as exc:
+        if exc.errno not in _WRITE_ERRNOS:
+            _record_end(run_dir, "failed", exc)
+            raise
         error = FinetuneError(f"cannot write {exc.filename or run_dir.root}: {exc.strerror or exc}",
                               hint="free disk space or fix the folder's permissions, then run again with --resume")
         _record_end(run_dir, "failed", error)

@@ -108,9 +108,13 @@ class RunDir:
     def create(self) -> None:
         """Make the folder a run directory: marked only if the tool created it or found it empty, so a
         folder that already held the user's files can never later be deleted by --overwrite."""
-        if not self.root.exists() or not any(self.root.iterdir()):
-            self.root.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(self.marker, "created by finetune; `finetune run --overwrite` may delete this folder\n")
+        try:
+            if not self.root.exists() or not any(self.root.iterdir()):
+                self.root.mkdir(parents=True, exist_ok=True)
+                atomic_write_text(self.marker, "created by finetune; `finetune run --overwrite` may delete it\n")
+        except OSError as exc:
+            raise FinetuneError(f"output.dir: cannot create the run directory {self.root}: {exc.strerror or exc}",
+                                hint="choose a folder you can write to, e.g. --set output.dir=runs/NEW") from None
 
     def remove(self) -> None:
         """--overwrite: delete the run directory, only if it carries the marker and is no folder that holds
