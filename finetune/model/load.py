@@ -66,10 +66,22 @@ def disable_cpu_4bit_repack(model: torch.nn.Module) -> int:
     return count
 
 
+def _load_error(what: str, model_cfg: ModelConfig, exc: Exception) -> ModelLoadError:
+    """One message for any part of the model folder that cannot load; custom code gets its own hint."""
+    if "trust_remote_code" in str(exc):
+        return ModelLoadError(
+            f"model.path: the {what} of {model_cfg.path} needs custom code (auto_map) to load",
+            hint="set model.trust_remote_code: true only if you trust the checkpoint's author")
+    return ModelLoadError(f"model.path: cannot load the {what} of {model_cfg.path}: {exc}")
+
+
 def load_tokenizer(path: Path, model_cfg: ModelConfig):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
+    except (ValueError, OSError) as exc:
+        raise _load_error("tokenizer", model_cfg, exc) from None
     if tokenizer.pad_token is None:
         # Padding never carries loss (labels are -100 there), so reusing EOS as pad is safe.
         tokenizer.pad_token = tokenizer.eos_token
@@ -84,7 +96,10 @@ def load_model(model_cfg: ModelConfig, quant: QuantizationConfig, *, quantize: b
     qconfig = quantization_config(quant, dtype) if quantize else None
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
+    except ValueError as exc:
+        raise _load_error("config", model_cfg, exc) from None
     attn = attn_implementation(model_cfg.attn_implementation, config)
     kwargs = dict(dtype=dtype, attn_implementation=attn, use_safetensors=True,
                   trust_remote_code=model_cfg.trust_remote_code)
@@ -94,11 +109,7 @@ def load_model(model_cfg: ModelConfig, quant: QuantizationConfig, *, quantize: b
     try:
         model = _from_pretrained(model_cfg.path, path, config, kwargs)
     except ValueError as exc:
-        if "trust_remote_code" in str(exc):
-            raise ModelLoadError(
-                f"model.path: {model_cfg.path} needs custom code to load",
-                hint="set model.trust_remote_code: true only if you trust the checkpoint's author") from None
-        raise ModelLoadError(f"model.path: cannot load {model_cfg.path}: {exc}") from None
+        raise _load_error("model", model_cfg, exc) from None
     if qconfig is None and torch.cuda.is_available():
         model.to("cuda")
     disable_cpu_4bit_repack(model)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from transformers import PrinterCallback, set_seed
-from transformers.trainer_utils import get_last_checkpoint
 
 from finetune.console import console
 from finetune.errors import FinetuneError
@@ -18,6 +18,7 @@ from finetune.plan import Plan, plot_breakdown, predict
 from finetune.recipe.load import load_recipe, recipe_to_yaml
 from finetune.recipe.schema import Recipe, format_bytes
 from finetune.train.callbacks import MetricsCallback, ProgressCallback, StopOnSignal
+from finetune.train.checkpoints import find_resumable, numbered, report_skipped, step_of
 from finetune.train.plots import plot_loss_curve
 from finetune.train.rundir import (
     RunDir,
@@ -27,6 +28,9 @@ from finetune.train.rundir import (
     replace_dir,
 )
 from finetune.train.trainer import FinetuneTrainer, total_steps, training_arguments
+
+# Disk full, quota, permissions, read-only folder: the user's to fix, so a message instead of a traceback.
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EFBIG}
 
 
 @dataclass
@@ -40,22 +44,22 @@ class RunResult:
 
 def _prepare_run_dir(recipe: Recipe, resume: bool, overwrite: bool) -> tuple[RunDir, str | None]:
     """Check the run directory against --resume / --overwrite; return it and the checkpoint to resume from."""
-    run = RunDir(Path(recipe.output.dir))
+    run = RunDir(Path(recipe.output.dir or "."))
     if overwrite and not resume and run.root.exists():
-        if not (run.recipe.exists() or run.status.exists()):
-            raise FinetuneError(f"--overwrite: {run.root} does not look like a run directory; not deleting it")
-        shutil.rmtree(run.root)
-    last = get_last_checkpoint(str(run.checkpoints)) if run.checkpoints.is_dir() else None
+        run.remove()
     if resume:
-        if last is None:
-            raise FinetuneError(f"--resume: no checkpoint in {run.checkpoints}",
+        found = find_resumable(run.checkpoints)
+        report_skipped(found.skipped)
+        if found.newest is None:
+            raise FinetuneError(f"--resume: no checkpoint to resume from in {run.checkpoints}",
                                 hint="start the run without --resume (checkpoints are saved every output.save_steps)")
-        return run, last
-    if run.status.exists() or last is not None:
+        console.print(f"resuming from {found.newest}")
+        return run, str(found.newest)
+    if run.status.exists() or numbered(run.checkpoints):
         raise FinetuneError(
             f"output.dir {run.root} already holds a run",
             hint="pass --resume to continue it, --overwrite to start over, or --set output.dir=runs/NEW")
-    run.root.mkdir(parents=True, exist_ok=True)
+    run.create()
     return run, None
 
 
@@ -107,19 +111,34 @@ def keep_resolved(recipe: Recipe, saved: Recipe) -> Recipe:
 def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> RunResult:
     """Fine-tune as the recipe says and fill the run directory. Ctrl-C saves a checkpoint and stops."""
     run_dir, checkpoint = _prepare_run_dir(recipe, resume, overwrite)
-    run_dir.write_status("planning")
-    run_dir.log_line(f"run started (resume from {checkpoint})" if checkpoint else "run started")
     stopper = StopOnSignal()
     stopper.install()
     try:
+        run_dir.write_status("planning")
+        run_dir.log_line(f"run started (resume from {checkpoint})" if checkpoint else "run started")
         return _plan_build_train(recipe, run_dir, checkpoint, stopper)
+    except OSError as exc:
+        if exc.errno not in _WRITE_ERRNOS:
+            _record_end(run_dir, "failed", exc)
+            raise
+        error = FinetuneError(f"cannot write {exc.filename or run_dir.root}: {exc.strerror or exc}",
+                              hint="free disk space or fix the folder's permissions, then run again with --resume")
+        _record_end(run_dir, "failed", error)
+        raise error from None
     except BaseException as exc:
-        state = "stopped" if isinstance(exc, KeyboardInterrupt) else "failed"
-        run_dir.write_status(state, error=f"{type(exc).__name__}: {exc}")
-        run_dir.log_line(f"run {state}: {type(exc).__name__}: {exc}")
+        _record_end(run_dir, "stopped" if isinstance(exc, KeyboardInterrupt) else "failed", exc)
         raise
     finally:
         stopper.uninstall()
+
+
+def _record_end(run_dir: RunDir, state: str, exc: BaseException) -> None:
+    """status.json and train.log say how the run ended; if even that cannot be written, say so on screen."""
+    try:
+        run_dir.write_status(state, error=f"{type(exc).__name__}: {exc}")
+        run_dir.log_line(f"run {state}: {type(exc).__name__}: {exc}")
+    except OSError as write_error:
+        console.print(f"[red]could not record the end of the run in {run_dir.status}: {write_error.strerror}")
 
 
 def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, stopper: StopOnSignal) -> RunResult:
@@ -151,7 +170,7 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
 
     steps = total_steps(recipe, len(data.train))
     if checkpoint:
-        run_dir.truncate_metrics(int(Path(checkpoint).name.split("-")[-1]))
+        run_dir.truncate_metrics(step_of(checkpoint))
     peak = PeakMemoryCallback(plan.peak_bytes if plan is not None else None)
     # A bad offload_dir fails here, before the first step and before anything is written there.
     preflight_offload(model, recipe.memory, run_dir.root, int(recipe.training.micro_batch_size), recipe.data.max_seq_len)

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from finetune.errors import FinetuneError
+
+MARKER = ".finetune-run"  # written into a run directory the tool created; --overwrite deletes nothing else
+
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write to a temp file in the same folder, fsync, then rename over the target."""
@@ -96,6 +100,41 @@ class RunDir:
     @property
     def results(self) -> Path:
         return self.root / "results.json"
+
+    @property
+    def marker(self) -> Path:
+        return self.root / MARKER
+
+    def create(self) -> None:
+        """Make the folder a run directory: marked only if the tool created it or found it empty, so a
+        folder that already held the user's files can never later be deleted by --overwrite."""
+        try:
+            if not self.root.exists() or not any(self.root.iterdir()):
+                self.root.mkdir(parents=True, exist_ok=True)
+                atomic_write_text(self.marker, "created by finetune; `finetune run --overwrite` may delete it\n")
+        except OSError as exc:
+            raise FinetuneError(f"output.dir: cannot create the run directory {self.root}: {exc.strerror or exc}",
+                                hint="choose a folder you can write to, e.g. --set output.dir=runs/NEW") from None
+
+    def remove(self) -> None:
+        """--overwrite: delete the run directory, only if it carries the marker and is no folder that holds
+        the user's work (the working directory or a parent of it, home, /, a mount point)."""
+        target = self.root.resolve()
+        cwd, home = Path.cwd().resolve(), Path.home().resolve()
+        why = None
+        if cwd == target or cwd.is_relative_to(target):
+            why = "it is the working directory or a parent of it"
+        elif target == home or home.is_relative_to(target):
+            why = "it is the home folder or a parent of it"
+        elif os.path.ismount(target):
+            why = "it is a mount point"
+        elif not self.marker.is_file():
+            why = f"it is not a run directory created by finetune (no {MARKER} file)"
+        if why:
+            raise FinetuneError(f"--overwrite: refusing to delete output.dir {self.root} ({target}): {why}",
+                                hint="set output.dir to a new folder (e.g. --set output.dir=runs/NEW), or "
+                                     "delete the folder yourself if you are sure")
+        shutil.rmtree(target)
 
     def append_metrics(self, row: dict) -> None:
         with self.metrics.open("a") as f:

@@ -2,19 +2,33 @@
 
 from __future__ import annotations
 
+import errno
 import math
+import os
+import shutil
 from pathlib import Path
 
 import torch
 from transformers import Trainer, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from finetune.errors import FinetuneError
 from finetune.memory.chunked_loss import causal_lm_loss
 from finetune.memory.offload import ActivationOffload
 from finetune.optim import build_optimizer, layerwise_of, register_safe_globals
 from finetune.recipe.schema import Recipe
+from finetune.train.checkpoints import checkpoint_fault, numbered, publish, stage
 
 _SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup",
                "wsd": "warmup_stable_decay"}
+
+
+class TrainingDiverged(FinetuneError):
+    """Loss, gradient norm or weights became NaN/inf: the run stops before that state is applied or saved."""
+
+
+class CheckpointWriteError(FinetuneError):
+    """A checkpoint could not be written (disk full, permissions); the previous one is untouched."""
 
 
 def total_steps(recipe: Recipe, train_examples: int) -> int:
@@ -71,21 +85,50 @@ def training_arguments(recipe: Recipe, output_dir: Path, steps: int, has_eval: b
     )
 
 
+def _all_finite(params) -> bool:
+    """Check in 16M-element slices, so a full fine-tune's largest matrix needs no full-size temporary."""
+    for p in params:
+        for part in p.detach().reshape(-1).split(1 << 24):
+            if not bool(torch.isfinite(part).all()):
+                return False
+    return True
+
+
+def _write_failure(exc: Exception, folder: Path) -> str | None:
+    """Why a save failed, if it is the disk's fault; None for an error that is not about writing.
+
+    torch.save reports a full disk as a RuntimeError from its C++ stream writer, not as an OSError.
+    """
+    if isinstance(exc, OSError):
+        return f"{exc.strerror or exc} ({exc.filename})" if exc.filename else str(exc.strerror or exc)
+    if not any(s in str(exc) for s in ("iostream", "PytorchStreamWriter", "unexpected pos", "file write failed")):
+        return None
+    free = shutil.disk_usage(folder).free
+    if free < 1 << 20:
+        return f"{os.strerror(errno.ENOSPC)} ({free // 1024} KiB free)"
+    return f"torch could not write the file ({str(exc).splitlines()[0]})"
+
+
 class FinetuneTrainer(Trainer):
     """Trainer with the recipe at hand, so memory techniques (optimizers, offload, chunked loss) can plug in."""
 
     def __init__(self, *args, recipe: Recipe, offload: ActivationOffload | None = None, **kwargs):
         self.recipe = recipe
         self.offload = offload
+        self._loss_finite: torch.Tensor | None = None  # all micro-batch losses of this step finite (no sync)
         register_safe_globals()  # checkpoints hold GaLore/APOLLO projectors; resume loads with weights_only
         super().__init__(*args, **kwargs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """One forward + backward; with memory.offload the saved activations leave the device in between."""
         if self.offload is None:
-            return super().training_step(model, inputs, num_items_in_batch)
-        with self.offload:
-            return super().training_step(model, inputs, num_items_in_batch)
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        else:
+            with self.offload:
+                loss = super().training_step(model, inputs, num_items_in_batch)
+        finite = torch.isfinite(loss.detach()).all()
+        self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
+        return loss
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """memory.chunked_loss: LM head + cross-entropy in chunks, so the full logits tensor never exists."""
@@ -110,5 +153,53 @@ class FinetuneTrainer(Trainer):
         return layerwise.grad_norm() if layerwise else super()._clip_grad_norm(model)
 
     def _get_grad_norm(self, model, grad_norm=None):
+        """Also the divergence guard: runs once per optimizer step, before the update is applied."""
         layerwise = layerwise_of(self.optimizer)
-        return layerwise.grad_norm() if layerwise else super()._get_grad_norm(model, grad_norm)
+        norm = layerwise.grad_norm() if layerwise else super()._get_grad_norm(model, grad_norm)
+        loss_finite, self._loss_finite = self._loss_finite, None
+        if loss_finite is not None and not bool(loss_finite):
+            self._diverged("the training loss is NaN or inf")
+        if norm is not None and not math.isfinite(float(norm)):
+            self._diverged(f"the gradient norm is {float(norm)}")
+        return norm
+
+    def _diverged(self, what: str) -> None:
+        last = numbered(Path(self.args.output_dir))
+        kept = f"the last checkpoint, {last[0].name}, is kept" if last else "no checkpoint was saved before it"
+        raise TrainingDiverged(
+            f"training diverged at step {self.state.global_step + 1}: {what}; stopped ({kept})",
+            hint=f"lower training.learning_rate (now {self.args.learning_rate:g}), keep training.max_grad_norm "
+                 "on, or check the data for broken examples")
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Write checkpoint-N in a staging folder and rename it when complete (a kill or a full disk never
+        leaves a half checkpoint where --resume looks); weights that are already NaN/inf are never saved."""
+        if not _all_finite(p for p in self.model.parameters() if p.requires_grad):
+            self._diverged("the trained weights hold NaN/inf")
+        root = Path(self._get_output_dir(trial))
+        staging = stage(root)
+        output_dir, limit = self.args.output_dir, self.args.save_total_limit
+        self.args.output_dir, self.args.save_total_limit = str(staging), None  # rotate only once published
+        try:
+            super()._save_checkpoint(model, trial)
+            name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            publish(staging / name, root / name)
+        except (OSError, RuntimeError) as exc:
+            reason = _write_failure(exc, root)
+            if reason is None:
+                raise
+            shutil.rmtree(staging, ignore_errors=True)  # give the space back for status.json
+            last = numbered(root)
+            kept = f"{last[0].name} is kept and can be resumed" if last else "no earlier checkpoint exists"
+            raise CheckpointWriteError(
+                f"cannot write checkpoint {self.state.global_step} in {root}: {reason}; {kept}",
+                hint="free disk space or fix the folder's permissions, then run again with --resume") from None
+        finally:
+            self.args.output_dir, self.args.save_total_limit = output_dir, limit
+        shutil.rmtree(staging, ignore_errors=True)
+        rotate_checkpoints(output_dir=str(root), save_total_limit=limit,
+                           best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+    def _save_rng_state(self, output_dir) -> None:
+        checkpoint_fault(Path(output_dir), self.state.global_step)  # test hook; a no-op unless its env var is set
+        super()._save_rng_state(output_dir)

@@ -1,0 +1,143 @@
+"""Checkpoints that are either complete or ignored: written in a staging folder, marked, then renamed.
+
+A kill or a full disk during a save leaves at most `checkpoints/.staging/`, which `--resume` removes; a
+`checkpoint-N` folder counts only with its completeness marker (or, written before the marker existed,
+with the trainer_state.json the Trainer writes last). Before resuming, every pickled file of the chosen
+checkpoint is read with torch's weights-only loader, so a damaged or hostile file is named and skipped.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from finetune.console import console
+
+COMPLETE = ".complete"  # written last inside a checkpoint folder, before the rename that publishes it
+STAGING = ".staging"
+FAULT_ENV = "FINETUNE_FAULT_CHECKPOINT"  # test hook, see checkpoint_fault()
+_NAME = re.compile(r"checkpoint-(\d+)$")
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    """What `--resume` found: the checkpoint to continue from, and what it passed over (with reasons)."""
+
+    newest: Path | None
+    skipped: list[str]
+
+
+def is_complete(folder: Path) -> bool:
+    return (folder / COMPLETE).is_file() or (folder / "trainer_state.json").is_file()
+
+
+def numbered(root: Path) -> list[Path]:
+    """checkpoint-N folders, highest step first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name)]
+    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)), reverse=True)
+
+
+def step_of(folder: str | Path) -> int:
+    return int(_NAME.match(Path(folder).name).group(1))
+
+
+def unreadable_file(folder: Path) -> str | None:
+    """The first pickled file torch's weights-only loader refuses (why, in a few words), or None."""
+    import torch
+    from transformers.trainer_pt_utils import safe_globals
+
+    from finetune.optim import register_safe_globals
+
+    # Exactly what the Trainer allows when it resumes: numpy RNG state and GaLore/APOLLO projectors.
+    register_safe_globals()
+    for path in sorted(folder.glob("*.pt*")):
+        try:
+            with safe_globals():
+                torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:  # noqa: BLE001 - any failure makes the file unusable; the reason is reported
+            reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+            return f"{path.name}: {reason}"
+    return None
+
+
+def find_resumable(root: Path) -> Checkpoints:
+    """The newest complete, readable checkpoint; partial staging folders are removed, bad ones passed over."""
+    skipped = []
+    staging = root / STAGING
+    if staging.exists():
+        for partial in sorted(staging.iterdir()):
+            skipped.append(f"{partial.name} (partial: interrupted while being written; removed)")
+        shutil.rmtree(staging, ignore_errors=True)
+    for folder in numbered(root):
+        if not is_complete(folder):
+            skipped.append(f"{folder.name} (partial: no {COMPLETE} marker)")
+            continue
+        bad = unreadable_file(folder)
+        if bad:
+            skipped.append(f"{folder.name} (refused to load {bad})")
+            continue
+        return Checkpoints(folder, skipped)
+    return Checkpoints(None, skipped)
+
+
+def stage(root: Path) -> Path:
+    """An empty staging folder for the next save (a leftover of an interrupted save is removed)."""
+    staging = root / STAGING
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def publish(staged: Path, final: Path) -> None:
+    """Mark the staged checkpoint complete, make it durable, and rename it into place."""
+    marker = staged / COMPLETE
+    with marker.open("w") as f:
+        f.write(f"{time.time()}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    for path in staged.iterdir():
+        if path.is_file():
+            _fsync(path)
+    if final.exists():  # a Ctrl-C save at the step of a periodic save: the new one replaces it
+        shutil.rmtree(final)
+    staged.rename(final)
+    _fsync(final.parent)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def checkpoint_fault(staged: Path, step: int) -> None:
+    """Fault injection for tests: FINETUNE_FAULT_CHECKPOINT=hang@N or enospc@N acts at step N's save,
+    after the weights and optimizer state are written and before the trainer state and the marker.
+
+    `hang` creates `FAULT_HANG` in the staging folder and sleeps (a test kills the process there);
+    `enospc` raises the OSError a full disk raises. Unset in normal use.
+    """
+    spec = os.environ.get(FAULT_ENV, "")
+    kind, _, at = spec.partition("@")
+    if not kind or (at and int(at) != step):
+        return
+    if kind == "hang":
+        (staged / "FAULT_HANG").touch()
+        while True:
+            time.sleep(1)
+    if kind == "enospc":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(staged / "rng_state.pth"))
+
+
+def report_skipped(skipped: list[str]) -> None:
+    for line in skipped:
+        console.print(f"[yellow]--resume: skipped checkpoint {line}")
