@@ -179,13 +179,12 @@ class TrainingConfig(Section):
     logging_steps: int = Field(1, ge=1, le=MAX_COUNT, description="Log metrics every this many optimizer steps.")
     eval_steps: int | None = Field(None, ge=1, le=MAX_COUNT, description="Evaluate every this many steps (needs validation_split); null: at the end.")
 
-    @model_validator(mode="after")
-    def _positive_ints(self) -> TrainingConfig:
-        for key in ("micro_batch_size", "gradient_accumulation_steps"):
-            value = getattr(self, key)
-            if value != "auto" and not 1 <= value <= MAX_COUNT:
-                raise ValueError(f"{key} must be a positive integer or auto, got {value}")
-        return self
+    @field_validator("micro_batch_size", "gradient_accumulation_steps")
+    @classmethod
+    def _positive_count(cls, value: int | str) -> int | str:
+        if value != "auto" and not 1 <= value <= MAX_COUNT:
+            raise ValueError(f"must be a positive integer (at most {MAX_COUNT}) or auto")
+        return value
 
 
 class MemoryConfig(Section):
