@@ -176,12 +176,12 @@ def parse_override(item: str) -> tuple[list[str], Any, Locations]:
     """`training.max_steps=10` -> (['training', 'max_steps'], 10, locations); the value is read as YAML with the
     recipe's limits."""
     if "=" not in item:
-        raise RecipeError(f"bad --set {_clip(item)}",
+        raise RecipeError(f"--set {_clip(item)}: expected KEY=VALUE",
                           hint="use --set section.key=value, e.g. --set training.max_steps=10")
     key, raw = item.split("=", 1)
     path = [p for p in key.strip().split(".") if p]
     if not path:
-        raise RecipeError(f"bad --set {_clip(item)}: empty key")
+        raise RecipeError(f"--set {_clip(item)}: empty key; use --set section.key=value")
     bad = [p for p in path if not (p.isascii() and p.isidentifier())]
     if bad:
         raise RecipeError(f"--set {_clip(key)}: {_clip(bad[0])} is not a recipe key; keys are names of letters, "
@@ -249,10 +249,15 @@ def describe_errors(exc: ValidationError, source: str, locations: Locations) -> 
                 msg += f"; valid keys here: {', '.join(choices)}"
         elif err["type"] == "missing":
             msg = f"missing required key {dotted}"
+        elif err["type"] == "model_type":  # pydantic says "a valid dictionary or instance of ModelConfig"
+            msg = f"expected a section, its keys indented below it (see `finetune keys {dotted}`)"
+            given[keys] = err.get("input")
         else:
             msg = err["msg"].removeprefix("Value error, ")
             if not isinstance(err.get("input"), dict):
                 given[keys] = err.get("input")
+            elif keys:  # a mapping where a value goes, or a section-wide check: the message still names the key
+                msg = f"{dotted}: {msg}"
         by_key.setdefault(keys, [])
         if msg not in by_key[keys]:
             by_key[keys].append(msg)
