@@ -193,7 +193,7 @@ def overrides(rng: random.Random, text: str) -> Case:
 
 def documents(rng: random.Random, text: str) -> Case:
     return rng.choice([text + "---\n" + text, "---\n" + text, "", "\n", "# only a comment\n", "~", "[]", "42",
-                       "'a string'", "!!set {a}", "!!omap [a: 1]"]).encode(), []
+                       "'a string'", "!!set {a}", "!!omap [a: 1]", "model: [", "{", ":", "- -", "\t"]).encode(), []
 
 
 MUTATORS: list[Callable[[random.Random, str], Case]] = [

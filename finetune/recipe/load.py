@@ -35,10 +35,10 @@ class _SafeLoader(_Loader):  # type: ignore[misc, valid-type]
 Locations = dict[tuple[str, ...], str]
 
 
-def _yaml_error(exc: yaml.YAMLError, source: str, text: str) -> RecipeError:
-    """One line: where the YAML broke and what the parser says."""
+def _yaml_error(exc: yaml.YAMLError, source: str, text: str, numbered: bool) -> RecipeError:
+    """One line: where the YAML broke (the line when `numbered`: not for a --set value) and what the parser says."""
     mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
-    if "\n" not in text.strip():  # a --set value: one line, no line number to give
+    if not numbered:
         line = None
     elif mark is not None:
         line = mark.line + 1
@@ -134,10 +134,11 @@ class _Checker:
         return total
 
 
-def _load_yaml(text: str, source: str, prefix: tuple[str, ...] = (), where: str | None = None
-               ) -> tuple[Any, Locations]:
-    """Parse YAML with limits (size, depth, alias expansion, key names, no duplicates); the data and the
-    location of every key. Raises only RecipeError."""
+def load_yaml(text: str, source: str, prefix: tuple[str, ...] = (), where: str | None = None
+              ) -> tuple[Any, Locations]:
+    """Parse YAML with limits (size, depth, alias expansion, key names, no duplicates): the data, and the
+    location of every key ("file:line", or `where` for text that is not a file, such as a --set value, whose
+    keys sit under `prefix`). Raises only RecipeError, whatever the text holds."""
     if len(text) > MAX_FILE_BYTES:
         raise RecipeError(f"{source}: {len(text)} characters; a recipe is at most {MAX_FILE_BYTES} bytes")
     checker = _Checker(source, where)
@@ -155,14 +156,14 @@ def _load_yaml(text: str, source: str, prefix: tuple[str, ...] = (), where: str 
         finally:
             loader.dispose()
     except yaml.YAMLError as exc:
-        raise _yaml_error(exc, source, text) from None
+        raise _yaml_error(exc, source, text, numbered=where is None) from None
     return data, checker.locations
 
 
 def load_recipe_text(text: str, source: str = "recipe", overrides: list[str] | None = None) -> Recipe:
     """Parse, override and validate recipe YAML given as text (the UI's upload, a file's contents) with the
     same limits as a file; raises only RecipeError."""
-    data, locations = _load_yaml(text, source)
+    data, locations = load_yaml(text, source)
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -187,7 +188,7 @@ def parse_override(item: str) -> tuple[list[str], Any, Locations]:
         raise RecipeError(f"--set {_clip(key)}: {_clip(bad[0])} is not a recipe key; keys are names of letters, "
                           "digits and _ (see `finetune keys`)")
     where = "--set"
-    value, locations = _load_yaml(raw, f"--set {'.'.join(path)}", tuple(path), where) if raw.strip() else (None, {})
+    value, locations = load_yaml(raw, f"--set {'.'.join(path)}", tuple(path), where) if raw.strip() else (None, {})
     locations[tuple(path)] = where
     return path, value, locations
 
@@ -213,7 +214,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], locations: Locat
 def _key_lines(text: str, source: str) -> Locations:
     """Each key path's location in the YAML text, for error messages ({} if the text does not parse)."""
     try:
-        return _load_yaml(text, source)[1]
+        return load_yaml(text, source)[1]
     except RecipeError:
         return {}
 
