@@ -139,6 +139,12 @@ def cmd_export(args) -> int:
     return 0
 
 
+def error_text(exc: FinetuneError) -> str:
+    """The message as rich markup that prints as written: a user's `[/x]` is text, not a tag that makes rich
+    raise, and a lone surrogate from a badly encoded argument prints as an escape instead of failing to encode."""
+    return escape(str(exc).encode("utf-8", "backslashreplace").decode("utf-8"))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["ui"]:
@@ -153,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except FinetuneError as exc:
-        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)  # data text may hold [tags]
+        console.print(f"[red]error:[/red] {error_text(exc)}", highlight=False)
         return exc.exit_code
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/yellow]")

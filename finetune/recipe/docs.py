@@ -18,7 +18,9 @@ def type_text(annotation) -> str:
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         return " | ".join(type_text(a) for a in typing.get_args(annotation))
     if origin is typing.Annotated:
-        return "size (e.g. 12GiB)"
+        base, *metadata = typing.get_args(annotation)
+        sized = any(type(m).__name__ == "BeforeValidator" for m in metadata) or "size" in metadata
+        return "size (e.g. 12GiB)" if sized else type_text(base)
     if origin in (list, tuple):
         return f"{origin.__name__}[{', '.join(type_text(a) for a in typing.get_args(annotation) if a is not ...)}]"
     if annotation is type(None):

@@ -12,25 +12,192 @@ from pydantic import BaseModel, ValidationError
 from finetune.errors import RecipeError
 from finetune.recipe.schema import Recipe
 
+MAX_FILE_BYTES = 1 << 20  # a recipe is a few kilobytes; this bounds parse time and memory
+MAX_DEPTH = 16  # sections hold keys hold lists: 4 levels are used, the rest is room
+MAX_VALUES = 10_000  # YAML values after alias expansion: a recipe has ~100; refuses "billion laughs" bombs
 
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """`training.max_steps=10` -> (['training', 'max_steps'], 10); the value is read as YAML."""
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_MERGE = "tag:yaml.org,2002:merge"
+_STR = "tag:yaml.org,2002:str"
+
+
+class _SafeLoader(_Loader):  # type: ignore[misc, valid-type]
+    """SafeLoader whose value errors (a 13th month, a 5,000-digit int) carry the line like any YAML error."""
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise yaml.constructor.ConstructorError(None, None, f"cannot read this value ({exc})",
+                                                    node.start_mark) from None
+
+
+Locations = dict[tuple[str, ...], str]
+
+
+def _yaml_error(exc: yaml.YAMLError, source: str, text: str, numbered: bool) -> RecipeError:
+    """One line: where the YAML broke (the line when `numbered`: not for a --set value) and what the parser says."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    if not numbered:
+        line = None
+    elif mark is not None:
+        line = mark.line + 1
+    elif isinstance(exc, yaml.reader.ReaderError):
+        line = text[:exc.position].count("\n") + 1
+    else:
+        line = None
+    what = getattr(exc, "problem", None) or getattr(exc, "reason", None) or str(exc).splitlines()[0]
+    where = f"{source}:{line}" if line else source
+    hint = None if isinstance(exc, yaml.constructor.ConstructorError) else (
+        "check the indentation and quoting on that line (YAML needs `key: value`)")
+    return RecipeError(f"{where}: not valid YAML: {_clip(what)}", hint=hint)
+
+
+def _clip(value: Any, n: int = 80) -> str:
+    """A user's value made printable (repr) and short for a one-line message."""
+    text = repr(value)
+    return text[:n] + "..." if len(text) > n else text
+
+
+def _check_events(text: str, source: str) -> None:
+    """Refuse deep nesting and oversized documents from the parser's event stream, before anything is built
+    (composing recurses once per level, and aliases would be expanded by construction)."""
+    depth = events = 0
+    for event in yaml.parse(text, Loader=_SafeLoader):
+        events += 1
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise RecipeError(f"{source}:{event.start_mark.line + 1}: nested more than {MAX_DEPTH} levels deep; "
+                                  "a recipe is sections of keys (see `finetune keys`)")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+        if events > MAX_VALUES:
+            raise RecipeError(f"{source}:{event.start_mark.line + 1}: more than {MAX_VALUES} YAML values; "
+                              "a recipe is sections of keys (see `finetune keys`)")
+
+
+class _Checker:
+    """Walk the composed node graph once, aliases shared not expanded: key names, duplicates, alias expansion,
+    and the line of every key for error messages."""
+
+    def __init__(self, source: str, where: str | None = None):
+        self.source, self.where = source, where
+        self.locations: Locations = {}
+        self.problems: list[str] = []
+        self.sizes: dict[int, int] = {}
+
+    def at(self, node: yaml.Node) -> str:
+        return self.where or f"{self.source}:{node.start_mark.line + 1}"
+
+    def size(self, node: yaml.Node, path: tuple[str, ...]) -> int:
+        """Values under `node` once aliases are expanded (each shared node is walked once)."""
+        if id(node) in self.sizes:
+            if self.sizes[id(node)] < 0:
+                raise RecipeError(f"{self.at(node)}: {'.'.join(path) or '(recipe)'}: an alias refers to itself; "
+                                  "write the value out")
+            return self.sizes[id(node)]
+        self.sizes[id(node)] = -1
+        total = 1
+        if isinstance(node, yaml.SequenceNode):
+            total += sum(self.size(item, path) for item in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            total += self.mapping(node, path)
+        self.sizes[id(node)] = total
+        if total > MAX_VALUES:
+            raise RecipeError(f"{self.at(node)}: {'.'.join(path) or '(recipe)'}: YAML aliases expand to more than "
+                              f"{MAX_VALUES} values; a recipe needs no aliases, write the values out")
+        return total
+
+    def mapping(self, node: yaml.MappingNode, path: tuple[str, ...]) -> int:
+        seen: dict[str, int] = {}
+        total = 0
+        for key_node, value_node in node.value:
+            line = key_node.start_mark.line + 1
+            if key_node.tag == _MERGE:
+                total += self.size(value_node, path)
+                continue
+            name = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            if key_node.tag != _STR or not (name and name.isascii() and name.isidentifier()):
+                shown = _clip(name) if isinstance(name, str) else f"a {type(key_node).__name__[:-4].lower()}"
+                self.problems.append(f"{self.at(key_node)}: {'.'.join(path) or '(recipe)'}: key {shown} is not a "
+                                     "recipe key; keys are names of letters, digits and _ (see `finetune keys`)")
+                total += self.size(value_node, path)
+                continue
+            key = (*path, name)
+            if name in seen:
+                self.problems.append(f"{self.at(key_node)}: {'.'.join(key)}: duplicate key (also on line "
+                                     f"{seen[name]}); the recipe must give it once")
+            seen[name] = line
+            self.locations[key] = self.at(key_node)
+            total += self.size(value_node, key)
+        return total
+
+
+def load_yaml(text: str, source: str, prefix: tuple[str, ...] = (), where: str | None = None
+              ) -> tuple[Any, Locations]:
+    """Parse YAML with limits (size, depth, alias expansion, key names, no duplicates): the data, and the
+    location of every key ("file:line", or `where` for text that is not a file, such as a --set value, whose
+    keys sit under `prefix`). Raises only RecipeError, whatever the text holds."""
+    if len(text) > MAX_FILE_BYTES:
+        raise RecipeError(f"{source}: {len(text)} characters; a recipe is at most {MAX_FILE_BYTES} bytes")
+    checker = _Checker(source, where)
+    try:
+        _check_events(text, source)
+        loader = _SafeLoader(text)
+        try:
+            node = loader.get_single_node()
+            if node is not None:
+                checker.size(node, prefix)
+                if checker.problems:
+                    raise RecipeError(f"{source} is not a valid recipe ({len(checker.problems)} problem(s)):",
+                                      checker.problems[:20])
+            data = loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
+    except yaml.YAMLError as exc:
+        raise _yaml_error(exc, source, text, numbered=where is None) from None
+    return data, checker.locations
+
+
+def load_recipe_text(text: str, source: str = "recipe", overrides: list[str] | None = None) -> Recipe:
+    """Parse, override and validate recipe YAML given as text (the UI's upload, a file's contents) with the
+    same limits as a file; raises only RecipeError."""
+    data, locations = load_yaml(text, source)
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"{source}:1: the recipe must be a mapping of sections (model:, data:, ...), "
+                          f"not a {type(data).__name__}", hint="see `finetune keys` or recipes/*.yaml")
+    apply_overrides(data, overrides or [], locations)
+    return validate_recipe(data, source, locations=locations)
+
+
+def parse_override(item: str) -> tuple[list[str], Any, Locations]:
+    """`training.max_steps=10` -> (['training', 'max_steps'], 10, locations); the value is read as YAML with the
+    recipe's limits."""
     if "=" not in item:
-        raise RecipeError(f"bad --set {item!r}", hint="use --set section.key=value, e.g. --set training.max_steps=10")
+        raise RecipeError(f"--set {_clip(item)}: expected KEY=VALUE",
+                          hint="use --set section.key=value, e.g. --set training.max_steps=10")
     key, raw = item.split("=", 1)
     path = [p for p in key.strip().split(".") if p]
     if not path:
-        raise RecipeError(f"bad --set {item!r}: empty key")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as exc:
-        raise RecipeError(f"bad --set {item!r}: value is not valid YAML ({exc})") from None
-    return path, value
+        raise RecipeError(f"--set {_clip(item)}: empty key; use --set section.key=value")
+    bad = [p for p in path if not (p.isascii() and p.isidentifier())]
+    if bad:
+        raise RecipeError(f"--set {_clip(key)}: {_clip(bad[0])} is not a recipe key; keys are names of letters, "
+                          "digits and _ (see `finetune keys`)")
+    where = "--set"
+    value, locations = load_yaml(raw, f"--set {'.'.join(path)}", tuple(path), where) if raw.strip() else (None, {})
+    locations[tuple(path)] = where
+    return path, value, locations
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+def apply_overrides(data: dict[str, Any], overrides: list[str], locations: Locations | None = None
+                    ) -> dict[str, Any]:
+    """Set each `section.key=value` in `data`; their keys' locations become the --set that gave them."""
     for item in overrides:
-        path, value = parse_override(item)
+        path, value, where = parse_override(item)
         node = data
         for part in path[:-1]:
             child = node.get(part)
@@ -39,27 +206,17 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 node[part] = child
             node = child
         node[path[-1]] = value
+        if locations is not None:
+            locations.update(where)
     return data
 
 
-def _key_lines(text: str) -> dict[tuple[str, ...], int]:
-    """Map each key path in the YAML to its 1-based line number, for error messages."""
-    lines: dict[tuple[str, ...], int] = {}
-
-    def walk(node: yaml.Node, prefix: tuple[str, ...]) -> None:
-        if isinstance(node, yaml.MappingNode):
-            for key_node, value_node in node.value:
-                path = (*prefix, str(key_node.value))
-                lines[path] = key_node.start_mark.line + 1
-                walk(value_node, path)
-
+def _key_lines(text: str, source: str) -> Locations:
+    """Each key path's location in the YAML text, for error messages ({} if the text does not parse)."""
     try:
-        root = yaml.compose(text)
-    except yaml.YAMLError:
-        return lines
-    if root is not None:
-        walk(root, ())
-    return lines
+        return load_yaml(text, source)[1]
+    except RecipeError:
+        return {}
 
 
 def _submodel(model: type[BaseModel], path: tuple[str, ...]) -> type[BaseModel] | None:
@@ -73,7 +230,7 @@ def _submodel(model: type[BaseModel], path: tuple[str, ...]) -> type[BaseModel] 
     return model
 
 
-def describe_errors(exc: ValidationError, source: str, key_lines: dict[tuple[str, ...], int]) -> list[str]:
+def describe_errors(exc: ValidationError, source: str, locations: Locations) -> list[str]:
     """One readable line per bad key: where, what was wrong, and what to write instead."""
     by_key: dict[tuple[str, ...], list[str]] = {}
     given: dict[tuple[str, ...], Any] = {}
@@ -93,19 +250,23 @@ def describe_errors(exc: ValidationError, source: str, key_lines: dict[tuple[str
                 msg += f"; valid keys here: {', '.join(choices)}"
         elif err["type"] == "missing":
             msg = f"missing required key {dotted}"
+        elif err["type"] == "model_type":  # pydantic says "a valid dictionary or instance of ModelConfig"
+            msg = f"expected a section, its keys indented below it (see `finetune keys {dotted}`)"
+            given[keys] = err.get("input")
         else:
             msg = err["msg"].removeprefix("Value error, ")
             if not isinstance(err.get("input"), dict):
                 given[keys] = err.get("input")
+            elif keys:  # a mapping where a value goes, or a section-wide check: the message still names the key
+                msg = f"{dotted}: {msg}"
         by_key.setdefault(keys, [])
         if msg not in by_key[keys]:
             by_key[keys].append(msg)
     problems = []
     for keys, msgs in by_key.items():
-        line = key_lines.get(keys)
-        where = f"{source}:{line}: " if line else f"{source}: "
+        where = f"{locations.get(keys, source)}: "
         if keys in given:  # a bad value: union types give one message per branch, joined with "or"
-            text = f"{'.'.join(keys) or '(recipe)'}: {' or '.join(msgs)} (got {given[keys]!r})"
+            text = f"{'.'.join(keys) or '(recipe)'}: {' or '.join(msgs)} (got {_clip(given[keys])})"
             problems.append(where + text)
         else:
             problems.extend(where + m for m in msgs)
@@ -117,14 +278,19 @@ def _is_key(part: str) -> bool:
         "int", "str", "float", "bool", "list", "none", "tuple", "dict", "constrained-int", "constrained-float"}
 
 
-def validate_recipe(data: Any, source: str = "recipe", text: str | None = None) -> Recipe:
-    """Validate a recipe mapping, raising RecipeError with one message per problem."""
+def validate_recipe(data: Any, source: str = "recipe", text: str | None = None,
+                    locations: Locations | None = None) -> Recipe:
+    """Validate a recipe mapping, raising RecipeError with one message per problem.
+
+    `locations` (or the YAML `text`, parsed again) put the file line of each bad key in its message."""
     if not isinstance(data, dict):
         raise RecipeError(f"{source}: a recipe must be a YAML mapping of sections, got {type(data).__name__}")
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:
-        problems = describe_errors(exc, source, _key_lines(text or ""))
+        if locations is None:
+            locations = _key_lines(text or "", source)
+        problems = describe_errors(exc, source, locations)
         raise RecipeError(f"{source} is not a valid recipe ({len(problems)} problem(s)):", problems) from None
     from finetune.optim.presets import recipe_problems  # combinations only the optimizer package understands
 
@@ -135,18 +301,24 @@ def validate_recipe(data: Any, source: str = "recipe", text: str | None = None) 
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
-    """Read, override and validate a recipe file."""
+    """Read, override and validate a recipe file; raises only RecipeError, whatever the file holds."""
     path = Path(path)
-    if not path.is_file():
-        raise RecipeError(f"recipe file not found: {path}")
-    text = path.read_text()
     try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise RecipeError(f"{path} is not valid YAML: {exc}") from None
-    if isinstance(data, dict):
-        apply_overrides(data, overrides or [])
-    return validate_recipe(data, str(path), text)
+        if not path.is_file():
+            raise RecipeError(f"recipe file not found: {path}")
+        with path.open("rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise RecipeError(f"{path}: cannot read the recipe ({exc.strerror or exc})") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise RecipeError(f"{path}: larger than {MAX_FILE_BYTES} bytes; a recipe is a small YAML file")
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise RecipeError(f"{path}:{line}: not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start}); "
+                          "a recipe is a YAML text file saved as UTF-8") from None
+    return load_recipe_text(text, str(path), overrides)
 
 
 def recipe_to_yaml(recipe: Recipe) -> str:

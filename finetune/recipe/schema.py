@@ -5,10 +5,21 @@ Every field has a default or is required, and a one-line description. Sections m
 
 from __future__ import annotations
 
+import math
 import re
+import types
+import typing
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 _UNITS = {
     "": 1, "b": 1,
@@ -18,16 +29,31 @@ _UNITS = {
 }
 
 
+MAX_SIZE = 2**50  # 1 PiB: far above any machine, low enough that arithmetic on it stays exact
+MAX_COUNT = 2**31 - 1  # steps, sizes in tokens, ranks: what torch and the Trainer keep in 32-bit ints
+
+
 def parse_bytes(value: Any) -> Any:
-    """Turn '12GiB', '12GB', '512M' or an int into a byte count; leave 'auto' and None alone."""
-    if value is None or isinstance(value, int) or value == "auto":
+    """Turn '12GiB', '12GB', '512M' or an int into a byte count; leave 'auto' and None alone.
+
+    Raises only ValueError (the planner's --gpu-memory relies on it), for .inf, NaN, negative and garbage."""
+    if value is None or value == "auto":
         return value
-    if isinstance(value, float):
-        return int(value)
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"expected a size such as 12GiB, 512MiB or a number of bytes, got {value!r}")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if isinstance(value, bool):
+        raise ValueError("expected a size such as 12GiB, not true/false")
+    if isinstance(value, int | float):
+        number, unit = float(value), ""
+    else:
+        match = re.fullmatch(r"\s*([0-9]{0,30}\.?[0-9]{1,30})\s*([a-zA-Z]{0,3})\s*", str(value)[:100])
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ValueError("expected a size such as 12GiB, 512MiB or a number of bytes")
+        number, unit = float(match.group(1)), match.group(2).lower()
+    if not math.isfinite(number) or number < 0:
+        raise ValueError("a size must be a finite number of bytes, 0 or more")
+    size = number * _UNITS[unit]
+    if size > MAX_SIZE:
+        raise ValueError("a size must be at most 1 PiB")
+    return value if isinstance(value, int) else int(size)
 
 
 def format_bytes(n: float) -> str:
@@ -39,14 +65,53 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-ByteSize = Annotated[int, BeforeValidator(parse_bytes)]
+ByteSize = Annotated[int, BeforeValidator(parse_bytes), Field(ge=0, le=MAX_SIZE)]
+PositiveByteSize = Annotated[int, BeforeValidator(parse_bytes), Field(gt=0, le=MAX_SIZE)]
+Fraction = Annotated[float, Field(ge=0, lt=1)]
 Auto = Literal["auto"]
 
 
 class Section(BaseModel):
-    """Base for recipe sections: unknown keys are errors, assignments are validated."""
+    """Base for recipe sections: unknown keys are errors, assignments are validated, numbers are finite."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=False,
+                              allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _plain_values(cls, value: Any, info: ValidationInfo) -> Any:
+        """Refuse what pydantic's lax mode would let through: true for a number, .inf, "", NUL, []."""
+        field = cls.model_fields[info.field_name]
+        _check_value(value, bool in _leaf_types(field.annotation))
+        return value
+
+
+def _leaf_types(annotation: Any) -> set[Any]:
+    """Every type or literal value a field annotation admits (bool for a `bool` field)."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return {type(a) if isinstance(a, bool) else a for a in typing.get_args(annotation)}
+    if origin in (typing.Union, types.UnionType, typing.Annotated):
+        args = typing.get_args(annotation)
+        return set().union(*(_leaf_types(a) for a in (args[:1] if origin is typing.Annotated else args)))
+    return {annotation}
+
+
+def _check_value(value: Any, bool_ok: bool) -> None:
+    if isinstance(value, bool) and not bool_ok:
+        raise ValueError(f"expected a number or a name here, not {str(value).lower()}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"must be a finite number, not {value}")
+    if isinstance(value, str):
+        if not value.strip():
+            raise ValueError("must not be empty; remove the key (or write null) for the default")
+        if "\x00" in value:
+            raise ValueError("must not contain a NUL character")
+    if isinstance(value, list | tuple):
+        if not value:
+            raise ValueError("must not be an empty list; remove the key for the default")
+        for item in value:
+            _check_value(item, bool_ok=False)
 
 
 class ModelConfig(Section):
@@ -69,7 +134,7 @@ class QuantizationConfig(Section):
 class AdapterConfig(Section):
     type: Literal["lora", "dora", "full"] = Field("lora", description="lora, dora (weight-decomposed LoRA) or full fine-tuning.")
     r: int = Field(16, ge=1, le=1024, description="LoRA rank.")
-    alpha: float = Field(32, gt=0, description="LoRA scaling numerator (scale = alpha / r, or alpha / sqrt(r) with rslora).")
+    alpha: float = Field(32, gt=0, le=1e6, description="LoRA scaling numerator (scale = alpha / r, or alpha / sqrt(r) with rslora).")
     dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
     target_modules: str | list[str] = Field(
         "all-linear", description="Modules to adapt: all-linear or a list of module-name suffixes such as [q_proj, v_proj].")
@@ -84,7 +149,7 @@ class DataConfig(Section):
     path: str = Field(description="JSON, JSONL, CSV, Parquet file, or a datasets save_to_disk folder.")
     format: Literal["auto", "alpaca", "messages", "sharegpt", "text"] = Field(
         "auto", description="Record format; auto detects it from the first records.")
-    max_seq_len: int = Field(1024, ge=8, description="Longest sequence in tokens; the memory plan is made for it.")
+    max_seq_len: int = Field(1024, ge=8, le=2**20, description="Longest sequence in tokens; the memory plan is made for it.")
     validation_split: float = Field(0.0, ge=0, lt=1, description="Fraction of records held out for evaluation.")
     overlong: Literal["truncate", "drop"] = Field("truncate", description="What to do with examples longer than max_seq_len.")
     on_bad_record: Literal["error", "skip"] = Field("error", description="Stop on a malformed record, or skip and count it.")
@@ -93,40 +158,39 @@ class DataConfig(Section):
     chat_template: str | None = Field(
         None, description="Jinja chat template (or a path to one); default: the tokenizer's, else a ChatML template.")
     system_prompt: str | None = Field(None, description="System message added to chat records that have none.")
-    max_samples: int | None = Field(None, ge=1, description="Use at most this many records (after shuffling with the seed).")
+    max_samples: int | None = Field(None, ge=1, le=MAX_COUNT, description="Use at most this many records (after shuffling with the seed).")
 
 
 class TrainingConfig(Section):
-    max_steps: int | None = Field(None, ge=1, description="Optimizer steps to run; null trains for `epochs`.")
-    epochs: float = Field(1, gt=0, description="Passes over the training data when max_steps is null.")
+    max_steps: int | None = Field(None, ge=1, le=MAX_COUNT, description="Optimizer steps to run; null trains for `epochs`.")
+    epochs: float = Field(1, gt=0, le=1e6, description="Passes over the training data when max_steps is null.")
     micro_batch_size: int | Auto = Field(1, description="Sequences per forward pass; auto lets the planner choose.")
     gradient_accumulation_steps: int | Auto = Field(
         1, description="Micro-batches per optimizer step; auto keeps effective_batch_size with the planner's micro-batch.")
     effective_batch_size: int | None = Field(
-        None, ge=1, description="Target sequences per optimizer step when micro-batch or accumulation is auto.")
-    learning_rate: float = Field(2.0e-4, gt=0, description="Peak learning rate.")
+        None, ge=1, le=MAX_COUNT, description="Target sequences per optimizer step when micro-batch or accumulation is auto.")
+    learning_rate: float = Field(2.0e-4, gt=0, le=1, description="Peak learning rate.")
     lr_scheduler: Literal["cosine", "linear", "constant", "wsd"] = Field(
         "cosine", description="Schedule after warmup; wsd = warmup, stable, then decay over decay_ratio.")
     warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Fraction of steps spent warming up linearly.")
     decay_ratio: float = Field(0.1, gt=0, le=1, description="wsd only: fraction of steps spent decaying to zero.")
-    max_grad_norm: float | None = Field(1.0, description="Clip the global gradient norm to this; null disables clipping.")
-    seed: int = Field(42, description="Seed for data order, initialisation and dropout.")
-    logging_steps: int = Field(1, ge=1, description="Log metrics every this many optimizer steps.")
-    eval_steps: int | None = Field(None, ge=1, description="Evaluate every this many steps (needs validation_split); null: at the end.")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this; null disables clipping.")
+    seed: int = Field(42, ge=0, le=2**32 - 1, description="Seed for data order, initialisation and dropout.")
+    logging_steps: int = Field(1, ge=1, le=MAX_COUNT, description="Log metrics every this many optimizer steps.")
+    eval_steps: int | None = Field(None, ge=1, le=MAX_COUNT, description="Evaluate every this many steps (needs validation_split); null: at the end.")
 
-    @model_validator(mode="after")
-    def _positive_ints(self) -> TrainingConfig:
-        for key in ("micro_batch_size", "gradient_accumulation_steps"):
-            value = getattr(self, key)
-            if value != "auto" and value < 1:
-                raise ValueError(f"{key} must be a positive integer or auto, got {value}")
-        return self
+    @field_validator("micro_batch_size", "gradient_accumulation_steps")
+    @classmethod
+    def _positive_count(cls, value: int | str) -> int | str:
+        if value != "auto" and not 1 <= value <= MAX_COUNT:
+            raise ValueError(f"must be a positive integer (at most {MAX_COUNT}) or auto")
+        return value
 
 
 class MemoryConfig(Section):
     activation_checkpointing: bool | Auto = Field(
         True, description="Recompute activations in backward instead of storing them (non-reentrant); auto: planner.")
-    checkpoint_every_n_layers: int = Field(1, ge=1, description="Checkpoint one decoder layer in every n (1 = all layers).")
+    checkpoint_every_n_layers: int = Field(1, ge=1, le=MAX_COUNT, description="Checkpoint one decoder layer in every n (1 = all layers).")
     offload: Literal["none", "cpu", "disk", "auto"] = Field(
         "none", description="Where saved activations go during forward: none, cpu (RAM), disk (SSD), auto: planner.")
     offload_dir: str | None = Field(None, description="Folder for disk offload; default <output.dir>/offload.")
@@ -141,8 +205,8 @@ class MemoryConfig(Section):
     tiled_mlp: bool | Auto = Field(
         "auto", description="Run each layer's MLP over the sequence in chunks of tiled_mlp_tokens and recompute it "
         "chunk by chunk in backward (one extra MLP forward; for long sequences); auto: planner.")
-    tiled_mlp_tokens: int = Field(1024, ge=16, description="Sequence positions per MLP chunk with tiled_mlp.")
-    gpu_memory: ByteSize | Auto = Field("auto", description="Memory budget, e.g. 12GiB; auto reads the GPU's free memory.")
+    tiled_mlp_tokens: int = Field(1024, ge=16, le=MAX_COUNT, description="Sequence positions per MLP chunk with tiled_mlp.")
+    gpu_memory: PositiveByteSize | Auto = Field("auto", description="Memory budget, e.g. 12GiB; auto reads the GPU's free memory.")
     gpu_memory_margin: ByteSize = Field(512 << 20, description="Head-room kept free below the budget.")
 
 
@@ -160,17 +224,17 @@ class OptimizerConfig(Section):
     name: OptimizerName = Field(
         "adamw", description="Optimizer: adamw, adamw_8bit, paged_adamw_8bit (bitsandbytes), apollo, apollo_mini, "
         "galore, galore_8bit (GPU only), adafactor, sgd; auto lets the planner choose.")
-    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (not applied to biases and norms).")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas (beta1, beta2).")
-    eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
+    weight_decay: float = Field(0.0, ge=0, le=1, description="Decoupled weight decay (not applied to biases and norms).")
+    betas: tuple[Fraction, Fraction] = Field((0.9, 0.999), description="Adam betas (beta1, beta2), each in [0, 1).")
+    eps: float = Field(1e-8, gt=0, lt=1, description="Adam epsilon.")
     momentum: float = Field(0.0, ge=0, lt=1, description="sgd only: momentum (adds one state tensor per weight when > 0).")
     rank: int | None = Field(
-        None, ge=1, description="APOLLO/GaLore projection rank; null: the preset's (galore width/4, apollo width/8, "
+        None, ge=1, le=MAX_COUNT, description="APOLLO/GaLore projection rank; null: the preset's (galore width/4, apollo width/8, "
         "apollo_mini 1, width = the projected weights' short side: hidden size, or adapter.r with LoRA).")
     update_proj_gap: int | None = Field(
-        None, ge=1, description="Optimizer steps between projection refreshes; null: the preset's 200.")
+        None, ge=1, le=MAX_COUNT, description="Optimizer steps between projection refreshes; null: the preset's 200.")
     scale: float | None = Field(
-        None, gt=0, description="APOLLO/GaLore update scale; null: the preset's (galore 0.25, apollo 1, apollo_mini 128).")
+        None, gt=0, le=1e6, description="APOLLO/GaLore update scale; null: the preset's (galore 0.25, apollo 1, apollo_mini 128).")
     proj_type: Literal["std", "left", "right", "reverse_std"] | None = Field(
         None, description="Which side is compressed: std (preset) the shorter one, so the projection matrix is the "
         "small one; reverse_std the longer; left; right. "
@@ -203,8 +267,8 @@ class OptimizerConfig(Section):
 
 class OutputConfig(Section):
     dir: str = Field("runs/run", description="Run directory: recipe, plan, metrics, checkpoints and the adapter.")
-    save_steps: int = Field(100, ge=1, description="Save a checkpoint every this many optimizer steps.")
-    save_total_limit: int = Field(2, ge=1, description="Keep only the newest this many checkpoints.")
+    save_steps: int = Field(100, ge=1, le=MAX_COUNT, description="Save a checkpoint every this many optimizer steps.")
+    save_total_limit: int = Field(2, ge=1, le=MAX_COUNT, description="Keep only the newest this many checkpoints.")
 
 
 class Recipe(Section):
