@@ -4,6 +4,7 @@ checkpoints survive kill -9 and a full disk, a hostile pickle is refused, diverg
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import signal
@@ -195,9 +196,23 @@ def test_resume_refuses_a_malicious_pickle_and_falls_back(tmp_path, tiny_model_d
 
 # -- divergence ------------------------------------------------------------------------------------------
 
-def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, tiny_model_dir, capsys):
-    # A real cause: a learning rate so large the first update overflows the LoRA product to inf.
-    recipe = _recipe_dict(tmp_path, tiny_model_dir, training={"max_steps": 6, "learning_rate": 1e30},
+def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, tiny_model_dir, capsys,
+                                                                      monkeypatch):
+    # The schema refuses the learning rates that overflow a tiny model for real (learning_rate <= 1), so the
+    # overflow is made here: from the second optimizer step on, the loss is scaled by inf, as an fp16/bf16
+    # overflow would make it, and its backward fills the gradients with NaN.
+    from finetune.train.trainer import FinetuneTrainer
+
+    plain = FinetuneTrainer.compute_loss
+
+    def overflowing(self, *args, **kwargs):
+        loss = plain(self, *args, **kwargs)
+        if self.state.global_step >= 1:
+            loss = (loss[0] * math.inf, *loss[1:]) if isinstance(loss, tuple) else loss * math.inf
+        return loss
+
+    monkeypatch.setattr(FinetuneTrainer, "compute_loss", overflowing)
+    recipe = _recipe_dict(tmp_path, tiny_model_dir, training={"max_steps": 6},
                           output={"save_steps": 1, "save_total_limit": 5})
     code = main(["run", str(_write_recipe(tmp_path, recipe, "diverge"))])
     err = capsys.readouterr().err

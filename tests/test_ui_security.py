@@ -206,8 +206,6 @@ def test_a_binary_or_huge_recipe_upload_is_a_message(backend, tmp_path):
         backend.load_upload(str(big))
 
 
-@pytest.mark.skip(reason="needs YAML limits in finetune.recipe.load (recipe engineer's part of issue 11); "
-                         "ui/yamltext.parse_yaml then calls them and this test runs")
 def test_a_yaml_alias_bomb_upload_is_refused_fast(backend, tmp_path):
     from finetune.errors import RecipeError
 

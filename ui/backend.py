@@ -17,12 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from finetune.errors import FinetuneError, RecipeError
-from finetune.recipe.load import recipe_to_yaml, validate_recipe
+from finetune.recipe.load import MAX_FILE_BYTES, load_recipe_text, recipe_to_yaml, validate_recipe
 from finetune.recipe.schema import Recipe
 from ui import form, rundir
 from ui.paths import RECIPE_SUFFIXES, allowed_path, check_recipe_paths, uploaded_file
 from ui.runs import RunManager
-from ui.yamltext import MAX_BYTES, parse_yaml
 
 CARDS = {"8 GB card (RTX 4060)": 8, "12 GB card (RTX 3060)": 12, "16 GB card (RTX 4080)": 16,
          "24 GB card (RTX 4090)": 24}
@@ -80,14 +79,14 @@ class Backend:
 
     def load_yaml(self, text: str, source: str) -> list[Any]:
         """A recipe YAML's values for the form (every key, defaults filled in)."""
-        recipe = validate_recipe(parse_yaml(text, source) or {}, source, text)
+        recipe = load_recipe_text(text, source)
         return form.dict_to_values(self.specs, recipe.model_dump(mode="python"))
 
     def load_upload(self, uploaded: str) -> tuple[str, list[Any]]:
         """(file name, form values) of a recipe YAML uploaded through the page (never a server path)."""
         path = uploaded_file(uploaded, RECIPE_SUFFIXES, "recipe YAML")
-        if path.stat().st_size > MAX_BYTES:  # refused before it is read into memory
-            raise RecipeError(f"{path.name} is {path.stat().st_size:,} bytes: a recipe is at most {MAX_BYTES:,}")
+        if path.stat().st_size > MAX_FILE_BYTES:  # refused before it is read into memory
+            raise RecipeError(f"{path.name} is {path.stat().st_size:,} bytes: a recipe is at most {MAX_FILE_BYTES:,}")
         raw = path.read_bytes()
         try:
             text = raw.decode("utf-8")
@@ -186,8 +185,7 @@ class Backend:
         recipe = path / "recipe.yaml"
         if recipe.is_file():
             text = recipe.read_text(encoding="utf-8", errors="replace")
-            check_recipe_paths(validate_recipe(parse_yaml(text, str(recipe)) or {}, str(recipe), text),
-                               self.settings.roots)
+            check_recipe_paths(load_recipe_text(text, str(recipe)), self.settings.roots)
         return path
 
     def run_recipe(self, run_dir: str | None) -> str:

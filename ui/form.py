@@ -16,8 +16,7 @@ from pydantic import BeforeValidator
 from pydantic.fields import FieldInfo
 
 from finetune.errors import RecipeError
-from finetune.recipe.load import iter_fields
-from ui.yamltext import parse_yaml
+from finetune.recipe.load import iter_fields, load_yaml
 
 Kind = Literal["checkbox", "number", "dropdown", "text", "bytes", "yaml"]
 NULL = "null"
@@ -134,7 +133,7 @@ def from_widget(spec: FieldSpec, raw: Any) -> Any:
 
 def _parse_yaml(text: str) -> Any:
     try:
-        return parse_yaml(text, "a form field")
+        return load_yaml(text, "a form field")[0]
     except RecipeError:
         return text  # the schema then names the key and says what it expected
 
