@@ -44,7 +44,7 @@ class RunResult:
 
 def _prepare_run_dir(recipe: Recipe, resume: bool, overwrite: bool) -> tuple[RunDir, str | None]:
     """Check the run directory against --resume / --overwrite; return it and the checkpoint to resume from."""
-    run = RunDir(Path(recipe.output.dir or "."))
+    run = RunDir(Path(recipe.output.dir))
     if overwrite and not resume and run.root.exists():
         run.remove()
     if resume:
