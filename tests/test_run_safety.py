@@ -267,6 +267,8 @@ def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, t
     status = _status(run_dir)
     assert status["state"] == "failed" and "diverged" in status["error"]
     assert not (run_dir / "adapter").exists() and not (run_dir / "results.json").exists()
+    # The CPU memory tracker's dispatch mode is left behind an error too (else it tracks the process's later ops).
+    assert torch.utils._python_dispatch._get_current_dispatch_mode() is None
     for folder in (run_dir / "checkpoints").glob("checkpoint-*"):  # every saved state is finite
         weights = load_file(folder / "adapter_model.safetensors")
         assert all(torch.isfinite(t).all() for t in weights.values()), folder.name
