@@ -159,6 +159,20 @@ def test_cli_run_directory_generate_and_export(tmp_path, tiny_model_dir):
         torch.testing.assert_close(merged(input_ids=ids).logits, peft_model(input_ids=ids).logits,
                                    rtol=1e-4, atol=1e-4)
 
+    # Export replaces only an earlier export; a folder of the user's (and folders named like our temporaries
+    # beside the target) are never touched.
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+    for sibling in ("merged.tmp", "merged.old"):
+        (tmp_path / sibling).mkdir()
+        (tmp_path / sibling / "keep.txt").write_text("keep")
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "merged")]) == 0  # an earlier export: replaced
+    assert main(["export", str(run_dir), "--out", str(user)]) == 1
+    assert (user / "notes.txt").read_text() == "mine" and sorted(p.name for p in user.iterdir()) == ["notes.txt"]
+    assert all((tmp_path / s / "keep.txt").read_text() == "keep" for s in ("merged.tmp", "merged.old"))
+    assert not list(tmp_path.glob(".merged.*"))  # no temporary folder left behind
+
 
 def test_existing_run_dir_needs_resume_or_overwrite(tmp_path, tiny_model_dir, capsys):
     recipe_path = _write_recipe(tmp_path, _recipe_dict(tmp_path, tiny_model_dir, training={"max_steps": 1}), "r")

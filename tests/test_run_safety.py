@@ -20,7 +20,7 @@ from test_run import ROOT, _recipe_dict, _write_recipe
 
 from finetune.cli import main
 from finetune.errors import ModelLoadError
-from finetune.train.checkpoints import COMPLETE, FAULT_ENV, STAGING, unreadable_file
+from finetune.train.checkpoints import COMPLETE, FAULT_ENV, STAGING, find_resumable, unreadable_file
 from finetune.train.rundir import MARKER, read_jsonl
 
 
@@ -36,28 +36,40 @@ def _status(run_dir: Path) -> dict:
 
 def _user_folder(folder: Path) -> dict[str, str]:
     """A folder that holds the user's work, recipe included (what `output.dir: .` used to delete)."""
-    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sub").mkdir(parents=True, exist_ok=True)
     files = {"recipe.yaml": "model: {path: x}\n", "notes.txt": "mine\n", "status.json": "{}\n"}
     for name, text in files.items():
         (folder / name).write_text(text)
     return files
 
 
-@pytest.mark.parametrize("where", [".", "", "home", "not-a-run"])
-def test_overwrite_refuses_folders_the_tool_did_not_create(tmp_path, tiny_model_dir, monkeypatch, capsys, where):
+@pytest.mark.parametrize("where, reason", [
+    (".", "the working directory or a parent of it"),
+    ("..", "the working directory or a parent of it"),
+    ("home", "the home folder or a parent of it"),
+    ("not-a-run", "not a run directory created by finetune"),
+])
+def test_overwrite_refuses_folders_the_tool_did_not_create(tmp_path, tiny_model_dir, monkeypatch, capsys, where,
+                                                           reason):
     work = tmp_path / "work"
     files = _user_folder(work)
-    monkeypatch.chdir(work)
+    # Each case reaches its own reason: only "." and ".." run from inside the user's folder.
+    monkeypatch.chdir(work / "sub" if where == ".." else work if where == "." else tmp_path)
     monkeypatch.setenv("HOME", str(work if where == "home" else tmp_path / "elsewhere"))
-    out_dir = {"home": str(work), "not-a-run": str(work)}.get(where, where)
+    out_dir = where if where in (".", "..") else str(work)
     recipe_path = _write_recipe(tmp_path, _recipe_dict(tmp_path, tiny_model_dir, output={"dir": out_dir}), "r")
 
     code = main(["run", str(recipe_path), "--overwrite"])
     err = capsys.readouterr().err
     assert code != 0 and "Traceback" not in err
-    if where != "":  # an empty output.dir may already be refused by the schema; either way nothing is deleted
-        assert "refusing to delete" in err, err
+    assert "refusing to delete" in err and reason in " ".join(err.split()), err
     assert {p.name: p.read_text() for p in work.iterdir() if p.name in files} == files
+
+
+def test_empty_output_dir_is_refused_by_the_schema(tmp_path, tiny_model_dir, capsys):
+    recipe_path = _write_recipe(tmp_path, _recipe_dict(tmp_path, tiny_model_dir, output={"dir": ""}), "r")
+    assert main(["run", str(recipe_path), "--overwrite"]) == 2
+    assert "output.dir" in capsys.readouterr().err
 
 
 def test_overwrite_removes_a_marked_run_directory(tmp_path, tiny_model_dir, capsys):
@@ -194,6 +206,39 @@ def test_resume_refuses_a_malicious_pickle_and_falls_back(tmp_path, tiny_model_d
     assert not unreadable_file(checkpoints / "checkpoint-4")  # rewritten by the resumed run
 
 
+def test_resume_skips_every_damaged_file_and_publishes_a_staged_complete_checkpoint(tmp_path):
+    """Each file the resume loads is checked (pickles weights-only, safetensors headers, the trainer state);
+    training_args.bin, which the resume never loads, is not opened; a complete checkpoint killed just
+    before its rename is published instead of removed."""
+    from safetensors.torch import save_file
+
+    def checkpoint(folder: Path) -> Path:
+        folder.mkdir(parents=True)
+        save_file({"w": torch.zeros(2)}, folder / "adapter_model.safetensors")
+        torch.save({"state": {}}, folder / "optimizer.pt")
+        (folder / "trainer_state.json").write_text("{}")
+        (folder / "training_args.bin").write_bytes(pickle.dumps(_Exploit(tmp_path / "pwned")))
+        (folder / COMPLETE).write_text("")
+        return folder
+
+    root = tmp_path / "checkpoints"
+    checkpoint(root / "checkpoint-2")
+    (checkpoint(root / "checkpoint-4") / "adapter_model.safetensors").write_bytes(b"\x08\x00garbage")
+    (checkpoint(root / "checkpoint-6") / "trainer_state.json").write_text('{"global_step": 6')
+    (checkpoint(root / "checkpoint-8") / "adapter_model.bin").write_bytes(pickle.dumps(_Exploit(tmp_path / "pwned")))
+    found = find_resumable(root)
+    assert found.newest == root / "checkpoint-2" and not (tmp_path / "pwned").exists()
+    assert [line.split(" ")[0] for line in found.skipped] == ["checkpoint-8", "checkpoint-6", "checkpoint-4"]
+    assert "adapter_model.bin" in found.skipped[0] and "trainer_state.json" in found.skipped[1]
+    assert "adapter_model.safetensors" in found.skipped[2]
+
+    checkpoint(root / STAGING / "checkpoint-10")  # complete, killed between its marker and its rename
+    (root / STAGING / "checkpoint-12").mkdir()  # partial
+    found = find_resumable(root)
+    assert found.newest == root / "checkpoint-10" and not (root / STAGING).exists()
+    assert found.skipped[0].startswith("checkpoint-12 (partial")
+
+
 # -- divergence ------------------------------------------------------------------------------------------
 
 def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, tiny_model_dir, capsys,
@@ -222,6 +267,8 @@ def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, t
     status = _status(run_dir)
     assert status["state"] == "failed" and "diverged" in status["error"]
     assert not (run_dir / "adapter").exists() and not (run_dir / "results.json").exists()
+    # The CPU memory tracker's dispatch mode is left behind an error too (else it tracks the process's later ops).
+    assert torch.utils._python_dispatch._get_current_dispatch_mode() is None
     for folder in (run_dir / "checkpoints").glob("checkpoint-*"):  # every saved state is finite
         weights = load_file(folder / "adapter_model.safetensors")
         assert all(torch.isfinite(t).all() for t in weights.values()), folder.name

@@ -220,7 +220,8 @@ def test_a_yaml_alias_bomb_upload_is_refused_fast(backend, tmp_path):
 
 
 def test_model_sources_that_are_not_server_paths(tmp_path):
-    """A hub id and a pkg: file inside its package are allowed; a pkg: path leaving its package is not."""
+    """A hub id, a pkg: file inside its package and a random: folder inside the allowed ones are allowed; a pkg:
+    path leaving its package and a random: folder outside are not."""
     from finetune.errors import FinetuneError
     from finetune.recipe.load import validate_recipe
     from ui.paths import PathNotAllowed, check_recipe_paths
@@ -233,10 +234,12 @@ def test_model_sources_that_are_not_server_paths(tmp_path):
 
     check("Qwen/Qwen2.5-0.5B")
     check("pkg:json/decoder.py")
-    for bad in ("pkg:json/../../../../etc/passwd", "pkg:json//etc/passwd", "/etc", "../../etc"):
+    check(f"random:{tmp_path / 'config-only'}")
+    for bad in ("pkg:json/../../../../etc/passwd", "pkg:json//etc/passwd", "/etc", "../../etc", "random:/etc",
+                f"random:{tmp_path}/../../etc"):
         with pytest.raises(PathNotAllowed):
             check(bad)
-    with pytest.raises(FinetuneError, match="not a usable path"):
+    with pytest.raises(FinetuneError, match="NUL"):  # refused by the schema before any path is resolved
         check(str(tmp_path / "a\0b"))
 
 

@@ -54,9 +54,12 @@ def _widget(spec: FieldSpec, value: Any) -> gr.components.Component:
 
 
 def _form(backend: Backend) -> list[gr.components.Component]:
-    """One accordion per recipe section, one widget per key, in schema order; defaults shown, output.dir in runs."""
-    initial = {"model": {"path": ""}, "data": {"path": ""}, "output": {"dir": str(backend.settings.runs_dir / "run")}}
-    defaults = dict(zip(backend.specs, backend.load_yaml(json.dumps(initial), "defaults"), strict=True))
+    """One accordion per recipe section, one widget per key, in schema order; defaults shown, output.dir in runs,
+    required keys (which have no default) empty."""
+    initial = {"model": {"path": "required"}, "data": {"path": "required"},
+               "output": {"dir": str(backend.settings.runs_dir / "run")}}
+    values = backend.load_yaml(json.dumps(initial), "defaults")
+    defaults = {s: "" if s.required else v for s, v in zip(backend.specs, values, strict=True)}
     widgets = []
     for section, description in sections():
         specs = [s for s in backend.specs if s.section == section]

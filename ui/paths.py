@@ -68,8 +68,8 @@ def allowed_path(raw: str, roots: list[Path], what: str, must_exist: bool = Fals
 
 
 def _check_model(raw: str, roots: list[Path]) -> None:
-    """A local model must be inside the allowed folders; `pkg:` must stay inside its installed package;
-    a hub id (owner/name with no such local folder) is read from the Hugging Face cache or the hub."""
+    """A local model (or the folder of `random:FOLDER`) must be inside the allowed folders; `pkg:` must stay
+    inside its installed package; a hub id (owner/name, no such local folder) comes from the HF cache or hub."""
     if raw.startswith("pkg:"):
         from finetune.model.source import package_file
 
@@ -78,6 +78,12 @@ def _check_model(raw: str, roots: list[Path]) -> None:
         if not is_inside(package_file(raw), [home]):
             raise PathNotAllowed(f"model.path {raw} leaves the folder of package {package}",
                                  hint="use pkg:PACKAGE/FILE with FILE inside the package")
+        return
+    from finetune.model.random_weights import random_folder
+
+    folder = random_folder(raw)
+    if folder is not None:  # random weights, but config.json and the tokenizer are read from FOLDER
+        allowed_path(str(folder), roots, "model.path (random:)")
         return
     if HUB_ID.fullmatch(raw) and ".." not in raw and not Path(raw).exists():
         return

@@ -26,6 +26,7 @@ class PeakMemoryCallback(TrainerCallback):
         self.tolerance = tolerance
         self.tracker: MemoryTracker | None = None
         self.warned = False
+        self.closed = False
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if torch.cuda.is_available():
@@ -33,15 +34,23 @@ class PeakMemoryCallback(TrainerCallback):
             return
         vocab = model.config.get_text_config().vocab_size if model is not None else None
         self.tracker = MemoryTracker(vocab_size=vocab)
+        self.closed = False
         self.tracker.register_model(model)
         if optimizer is not None:
             self.tracker.register_optimizer(optimizer)
         self.tracker.__enter__()
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.tracker is not None:
+        self.close()
+
+    def close(self) -> None:
+        """Leave the tracker's dispatch mode. The Trainer calls on_train_end only when training ends normally,
+        so the run also calls this after an error: a mode left active would track every later tensor op of
+        the process (the UI's, the next run's)."""
+        if self.tracker is not None and not self.closed:
             self.tracker.__exit__(None, None, None)
             self.tracker.remove_hooks()
+        self.closed = True
 
     def peak(self) -> dict[str, Any]:
         if self.tracker is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -58,14 +59,38 @@ def generate(model, tokenizer, prompt: str, *, max_new_tokens: int = 128, system
     return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
 
 
+EXPORT_MARKER = ".finetune-export"  # an export folder that a later export may replace
+
+
+def _check_export_target(out: Path) -> None:
+    """Replace only an empty folder or an earlier export: never a folder holding other files (the allowed
+    folder itself, a home, a project), whatever --out names."""
+    if not out.exists():
+        return
+    if not out.is_dir() or (any(out.iterdir()) and not (out / EXPORT_MARKER).is_file()):
+        raise FinetuneError(f"export: {out} already exists and holds files that finetune export did not write; "
+                            "not replacing it", hint="choose a new --out folder, or delete that one yourself")
+
+
 def export_merged(run_dir: str | Path, out_dir: str | Path) -> Path:
     """Merge the LoRA adapter into the base and save safetensors (QLoRA: into the dequantized base)."""
     recipe, run = load_run(run_dir)
     out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    _check_export_target(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        _write_merged(recipe, run, tmp)
+        (tmp / EXPORT_MARKER).touch()
+        replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_merged(recipe: Recipe, run: RunDir, tmp: Path) -> None:
     if recipe.adapter.type == "full":
-        shutil.copytree(run.adapter, tmp)
+        shutil.copytree(run.adapter, tmp, dirs_exist_ok=True)
     else:
         from peft import PeftModel
 
@@ -76,5 +101,3 @@ def export_merged(run_dir: str | Path, out_dir: str | Path) -> Path:
         model = PeftModel.from_pretrained(model, run.adapter).merge_and_unload()
         model.save_pretrained(tmp, safe_serialization=True)
         load_tokenizer(run.adapter, recipe.model).save_pretrained(tmp)
-    replace_dir(tmp, out)
-    return out

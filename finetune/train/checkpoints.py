@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.console import console
+from finetune.train.rundir import replace_dir
 
 COMPLETE = ".complete"  # written last inside a checkpoint folder, before the rename that publishes it
 STAGING = ".staging"
@@ -49,18 +50,28 @@ def step_of(folder: str | Path) -> int:
 
 
 def unreadable_file(folder: Path) -> str | None:
-    """The first pickled file torch's weights-only loader refuses (why, in a few words), or None."""
+    """The first file of a checkpoint that cannot be read safely (why, in a few words), or None: pickles
+    through torch's weights-only loader, safetensors through their header, the trainer state as JSON."""
+    import json
+
     import torch
+    from safetensors import safe_open
     from transformers.trainer_pt_utils import safe_globals
 
     from finetune.optim import register_safe_globals
 
     # Exactly what the Trainer allows when it resumes: numpy RNG state and GaLore/APOLLO projectors.
     register_safe_globals()
-    for path in sorted(folder.glob("*.pt*")):
+    for path in sorted(folder.iterdir()):
         try:
-            with safe_globals():
-                torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            if path.suffix in (".pt", ".pth", ".bin") and path.name != "training_args.bin":  # never loaded
+                with safe_globals():
+                    torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            elif path.suffix == ".safetensors":
+                with safe_open(path, framework="pt") as f:
+                    f.keys()
+            elif path.name == "trainer_state.json":
+                json.loads(path.read_text())
         except Exception as exc:  # noqa: BLE001 - any failure makes the file unusable; the reason is reported
             reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
             return f"{path.name}: {reason}"
@@ -73,6 +84,9 @@ def find_resumable(root: Path) -> Checkpoints:
     staging = root / STAGING
     if staging.exists():
         for partial in sorted(staging.iterdir()):
+            if (partial / COMPLETE).is_file() and not (root / partial.name).exists():
+                partial.rename(root / partial.name)  # complete, killed just before its rename: publish it
+                continue
             skipped.append(f"{partial.name} (partial: interrupted while being written; removed)")
         shutil.rmtree(staging, ignore_errors=True)
     for folder in numbered(root):
@@ -106,8 +120,9 @@ def publish(staged: Path, final: Path) -> None:
         if path.is_file():
             _fsync(path)
     if final.exists():  # a Ctrl-C save at the step of a periodic save: the new one replaces it
-        shutil.rmtree(final)
-    staged.rename(final)
+        replace_dir(staged, final)  # the old one stays until the new one is in place
+    else:
+        staged.rename(final)
     _fsync(final.parent)
 
 

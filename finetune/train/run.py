@@ -44,7 +44,7 @@ class RunResult:
 
 def _prepare_run_dir(recipe: Recipe, resume: bool, overwrite: bool) -> tuple[RunDir, str | None]:
     """Check the run directory against --resume / --overwrite; return it and the checkpoint to resume from."""
-    run = RunDir(Path(recipe.output.dir or "."))
+    run = RunDir(Path(recipe.output.dir))
     if overwrite and not resume and run.root.exists():
         run.remove()
     if resume:
@@ -186,6 +186,7 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     try:
         output = trainer.train(resume_from_checkpoint=checkpoint)
     finally:
+        peak.close()  # also after an error, when the Trainer never calls on_train_end
         if offload is not None:
             offload.close()  # removes every file the disk tier still holds, also after an error
     eval_loss = trainer.evaluate().get("eval_loss") if data.eval is not None else None

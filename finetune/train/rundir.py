@@ -37,13 +37,15 @@ def atomic_write_json(path: Path, data: Any) -> None:
 
 
 def replace_dir(tmp: Path, target: Path) -> None:
-    """Swap a fully written folder into place (the old one is removed only after the new one exists)."""
-    old = target.with_name(target.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if target.exists():
+    """Swap a fully written folder into place (the old one is removed only after the new one exists).
+
+    The old one is moved aside under a name no user folder has, so nothing beside `target` is touched."""
+    old = target.with_name(f".{target.name}.old-{os.getpid()}-{time.time_ns()}") if target.exists() else None
+    if old is not None:
         target.rename(old)
     tmp.rename(target)
-    shutil.rmtree(old, ignore_errors=True)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def read_jsonl(path: Path) -> list[dict]:
