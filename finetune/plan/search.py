@@ -96,9 +96,13 @@ def _budget(recipe: Recipe, gpu_memory: int | str | None, device: str) -> int:
         value = parse_bytes(value)
     except ValueError as exc:
         raise FinetuneError(f"bad --gpu-memory {gpu_memory!r}: {exc}") from None
-    if value == "auto":
-        return _free_memory(device) - recipe.memory.gpu_memory_margin
-    return int(value) - recipe.memory.gpu_memory_margin
+    total = _free_memory(device) if value == "auto" else int(value)
+    budget = total - recipe.memory.gpu_memory_margin
+    if budget <= 0:
+        raise FinetuneError(f"--gpu-memory {format_bytes(total)} leaves no budget after memory.gpu_memory_margin "
+                            f"{format_bytes(recipe.memory.gpu_memory_margin)}",
+                            hint="give the GPU's memory, e.g. --gpu-memory 12GiB, or lower memory.gpu_memory_margin")
+    return budget
 
 
 def _choices(recipe: Recipe, spec: ModelSpec) -> list[Settings]:
