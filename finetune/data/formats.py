@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from finetune.data.read import UnparsableJSON, loads_json
+
 FORMATS = ("alpaca", "messages", "sharegpt", "text")
 DETECT_WINDOW = 10  # auto-detection looks at this many records from the start of the file
 
@@ -148,14 +150,11 @@ def _maybe_json(value: Any) -> Any:
 
 
 def _json_text(text: str) -> Any:
-    """json.loads; JSON that Python cannot hold (a 5,000-digit number, nesting past the recursion limit) is a
-    RecordError, not a ValueError or RecursionError from deep inside."""
+    """loads_json, JSON that Python cannot hold reported as this record's problem."""
     try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        raise
-    except (ValueError, RecursionError):
-        raise RecordError("holds JSON text that cannot be read (nested too deeply or a number too long)") from None
+        return loads_json(text)
+    except UnparsableJSON as exc:
+        raise RecordError(f"holds JSON text that cannot be read: {exc}") from None
 
 
 def _string(record: dict, key: str, optional: bool = False, where: str = "") -> str:

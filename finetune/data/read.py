@@ -88,20 +88,21 @@ def _text(path: Path) -> str:
     return data.decode("utf-8", errors="surrogateescape").removeprefix("\ufeff")
 
 
-def _loads(text: str) -> Any:
-    """json.loads, with values Python cannot hold raised as _Unparsable instead of crashing later."""
+def loads_json(text: str) -> Any:
+    """json.loads, with values Python cannot hold (a 5,000-digit number, nesting past the recursion limit)
+    raised as UnparsableJSON instead of a ValueError or RecursionError from deep inside."""
     try:
         return json.loads(text)
     except RecursionError:
-        raise _Unparsable("nested too deeply to read (lists or objects inside each other hundreds of levels deep)"
+        raise UnparsableJSON("nested too deeply to read (lists or objects inside each other hundreds of levels deep)"
                           ) from None
     except json.JSONDecodeError:
         raise
     except ValueError as exc:  # an integer literal over sys.get_int_max_str_digits() digits
-        raise _Unparsable(f"a number too long to read ({str(exc).split(':')[0]})") from None
+        raise UnparsableJSON(f"a number too long to read ({str(exc).split(':')[0]})") from None
 
 
-class _Unparsable(ValueError):
+class UnparsableJSON(ValueError):
     """Valid JSON syntax that Python cannot turn into values."""
 
 
@@ -129,13 +130,13 @@ def _line_of(text: str) -> int:
 def _read_json(path: Path) -> ReadResult:
     text = _text(path)
     try:
-        data = _loads(text)
+        data = loads_json(text)
     except json.JSONDecodeError as exc:
         if exc.msg == "Extra data":  # several JSON values: the file is JSON Lines with a .json name
             return _parse_jsonl(path, text)
         raise DataError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg} at column {exc.colno})",
                         hint="a .json dataset is an array of records, e.g. [{\"text\": \"...\"}]") from exc
-    except _Unparsable as exc:
+    except UnparsableJSON as exc:
         raise DataError(f"{path}:{_line_of(text)}: {exc}",
                         hint="fix that value, or store the dataset as JSON Lines to skip such records "
                              "with data.on_bad_record: skip") from None
@@ -164,11 +165,11 @@ def _parse_jsonl(path: Path, text: str) -> ReadResult:
         if not line.strip():
             continue
         try:
-            records.append(Record(f"{path}:{lineno}", _loads(line)))
+            records.append(Record(f"{path}:{lineno}", loads_json(line)))
         except json.JSONDecodeError as exc:
             problems.append(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno}); "
                             "expected one JSON object per line")
-        except _Unparsable as exc:
+        except UnparsableJSON as exc:
             problems.append(f"{path}:{lineno}: {exc}")
     return ReadResult(records, problems)
 
