@@ -13,7 +13,7 @@ from finetune.optim import build_optimizer, measured_state_bytes, optimizer_stat
 from finetune.optim.build import trained_specs
 from finetune.recipe.schema import OptimizerConfig
 
-ALL = ["adamw", "adamw_8bit", "paged_adamw_8bit", "apollo", "apollo_mini", "galore", "adafactor", "sgd"]
+ALL = ["adamw", "adamw_8bit", "paged_adamw_8bit", "apollo", "apollo_mini", "galore", "adafactor", "sgd", "muon"]
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 
 
@@ -145,7 +145,7 @@ def test_resume_gives_the_same_later_losses(tiny_model_dir, tmp_path, name, laye
 
 
 CASES = [(n, lora, False) for n in ALL for lora in (False, True)] + [
-    (n, False, True) for n in ("adamw", "adamw_8bit", "apollo", "galore", "adafactor")]
+    (n, False, True) for n in ("adamw", "adamw_8bit", "apollo", "galore", "adafactor", "muon")]
 
 
 @pytest.mark.parametrize(("name", "lora", "layerwise"), CASES)
@@ -219,7 +219,7 @@ def test_presets_scale_rank_with_width(tiny_model_dir):
     assert (ranks["apollo"].rank, ranks["apollo"].scale_type) == (8, "channel")
     assert (ranks["apollo_mini"].rank, ranks["apollo_mini"].scale_type, ranks["apollo_mini"].scale) == (1, "tensor", 128)
     plan = plan_params("galore", specs, config("galore"))
-    assert [s[0] for s in plan.projected] == [s[0] for s in specs if len(s[1]) == 2]  # embeddings included
+    assert [s[0] for s in plan.own] == [s[0] for s in specs if len(s[1]) == 2]  # embeddings included
     assert plan.undecayed and all(len(s[1]) == 1 for s in plan.undecayed)
 
 
@@ -232,17 +232,33 @@ def test_state_bytes_prediction_holds_for_bf16_weights(tiny_model_dir, name):
     assert measured_state_bytes(optimizer) == optimizer_state_bytes(name, specs, config(name))
 
 
-def test_recipe_problems_name_the_keys():
-    from finetune.optim.presets import recipe_problems
+def test_recipe_checks_from_the_registry_name_the_keys():
+    from pydantic import ValidationError
+
     from finetune.recipe.schema import Recipe
 
     def recipe(**sections):
         return Recipe.model_validate({"model": {"path": "m"}, "data": {"path": "d.jsonl"}, **sections})
 
-    assert recipe_problems(recipe(optimizer={"name": "galore"})) == []
-    (problem,) = recipe_problems(recipe(optimizer={"name": "galore", "rank": 16}, adapter={"r": 16}))
-    assert "optimizer.rank=16 >= adapter.r=16" in problem
-    assert recipe_problems(recipe(optimizer={"name": "galore", "rank": 64}, adapter={"type": "full"},
-                                  quantization={"bits": None})) == []
-    (problem,) = recipe_problems(recipe(optimizer={"name": "adamw", "layerwise": True}, model={"path": "m", "dtype": "fp16"}))
-    assert "optimizer.layerwise" in problem and "fp16" in problem
+    recipe(optimizer={"name": "galore"})
+    with pytest.raises(ValidationError, match="optimizer.rank=16 >= adapter.r=16"):
+        recipe(optimizer={"name": "galore", "rank": 16}, adapter={"r": 16})
+    recipe(optimizer={"name": "galore", "rank": 64}, adapter={"type": "full"}, quantization={"bits": None})
+    with pytest.raises(ValidationError, match="optimizer.layerwise with model.dtype=fp16"):
+        recipe(optimizer={"name": "adamw", "layerwise": True}, model={"path": "m", "dtype": "fp16"})
+
+
+def test_muon_orthogonalizes_hidden_matrices_and_leaves_the_rest_to_adamw(tiny_model_dir):
+    """Embeddings, the LM head (and LoRA adapters on it) and norms go to AdamW; 2-D hidden weights to Muon."""
+    for lora in (False, True):
+        model = load_model(tiny_model_dir, lora)
+        optimizer = build_optimizer(model, config("muon"), 1e-3)
+        muon, adamw = optimizer.parts
+        assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+        names = {id(p): n for n, p in model.named_parameters()}
+        in_muon = {names[id(p)] for g in muon.param_groups for p in g["params"]}
+        in_adamw = {names[id(p)] for g in adamw.param_groups for p in g["params"]}
+        trained = {n for n, p in model.named_parameters() if p.requires_grad}
+        assert in_muon | in_adamw == trained and not in_muon & in_adamw
+        assert in_muon and all(".layers." in n and model.get_parameter(n).dim() == 2 for n in in_muon)
+        assert any("lm_head" in n for n in in_adamw) and all("embed" not in n and "lm_head" not in n for n in in_muon)

@@ -40,7 +40,8 @@ def _assert_same_weights(a, b, atol=1e-6):
 
 @pytest.mark.parametrize(("name", "lora"), [
     ("adamw", False), ("adamw", True), ("apollo", False), ("apollo_mini", False), ("apollo", True),
-    ("galore", False), ("galore", True), ("adamw_8bit", False), ("adafactor", False), ("sgd", False)])
+    ("galore", False), ("galore", True), ("adamw_8bit", False), ("adafactor", False), ("sgd", False),
+    ("muon", False), ("muon", True)])
 def test_layerwise_with_accumulation_equals_normal_accumulation(tiny_model_dir, name, lora):
     """One step of 4 micro-batches (after a 1-micro-batch step, so GaLore's projection is set alike)."""
     micro = examples(ACCUMULATION, seed=1)

@@ -9,12 +9,12 @@ Wiring into a transformers.Trainer subclass (tests/test_optim_trainer_wiring.py 
   own scheduler, optimizer.step() and zero_grad() calls stay as they are;
 * layer-wise mode (`layerwise_of(self.optimizer)` is not None): the optimizer clips and measures the norm
   itself, so `_clip_grad_norm` and `_get_grad_norm` return `layerwise_of(self.optimizer).grad_norm()`.
-* `recipe_problems(recipe)` lists optimizer settings that contradict the rest of the recipe (for validation).
+
+Which names exist, and what each is built from and costs, is the registry: finetune/recipe/optimizers.py.
 """
 
 from finetune.optim.build import build_optimizer, register_safe_globals
 from finetune.optim.layerwise import LayerwiseOptimizer, layerwise_of
-from finetune.optim.presets import recipe_problems
 from finetune.optim.state_size import gradient_bytes, measured_state_bytes, optimizer_state_bytes
 
 __all__ = [
@@ -24,6 +24,5 @@ __all__ = [
     "layerwise_of",
     "measured_state_bytes",
     "optimizer_state_bytes",
-    "recipe_problems",
     "register_safe_globals",
 ]

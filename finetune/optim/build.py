@@ -1,8 +1,9 @@
 """Build the optimizer named in the recipe for the trainable parameters of a model.
 
-Every name gets one torch optimizer with param groups: low-rank weights (APOLLO/GaLore), other matrices
-(with weight decay) and 1-D parameters (biases, norms: no decay). `layerwise: true` wraps one such
-optimizer per parameter in a `LayerwiseOptimizer` (finetune/optim/layerwise.py).
+Every name gets the optimizer its registry spec's factory makes (finetune/recipe/optimizers.py), with param
+groups: weights given the optimizer's own update (APOLLO/GaLore projection, Muon), other matrices (with
+weight decay) and 1-D parameters (biases, norms: no decay). `layerwise: true` wraps one such optimizer per
+parameter in a `LayerwiseOptimizer` (finetune/optim/layerwise.py).
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ import torch
 
 from finetune.errors import FinetuneError
 from finetune.optim.presets import ParamPlan, ParamSpec, plan_params
+from finetune.recipe.optimizers import optimizer_spec, resolve
 from finetune.recipe.schema import OptimizerConfig
-
-BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps smaller tensors' state in fp32
 
 
 def trained_specs(model: torch.nn.Module) -> tuple[list[ParamSpec], dict[str, torch.nn.Parameter]]:
@@ -27,15 +27,17 @@ def trained_specs(model: torch.nn.Module) -> tuple[list[ParamSpec], dict[str, to
 
 
 def param_groups(plan: ParamPlan, params: dict[str, torch.nn.Parameter], opt: OptimizerConfig) -> list[dict]:
-    """Groups in a fixed order (projected, decayed, undecayed); empty groups are left out."""
+    """Groups in a fixed order (own, decayed, undecayed); empty groups are left out.
+
+    The own group carries "method": the low-rank method with its settings, else the optimizer's name."""
     groups = []
-    if plan.projected:
+    if plan.own:
+        group = {"params": [params[s[0]] for s in plan.own], "weight_decay": opt.weight_decay, "method": opt.name}
         low_rank = plan.low_rank
-        groups.append({
-            "params": [params[s[0]] for s in plan.projected], "weight_decay": opt.weight_decay,
-            "method": low_rank.method, "rank": low_rank.rank, "update_proj_gap": low_rank.update_proj_gap,
-            "scale": low_rank.scale, "proj_type": low_rank.proj_type, "scale_type": low_rank.scale_type,
-        })
+        if low_rank:
+            group.update(method=low_rank.method, rank=low_rank.rank, update_proj_gap=low_rank.update_proj_gap,
+                         scale=low_rank.scale, proj_type=low_rank.proj_type, scale_type=low_rank.scale_type)
+        groups.append(group)
     if plan.decayed:
         groups.append({"params": [params[s[0]] for s in plan.decayed], "weight_decay": opt.weight_decay})
     if plan.undecayed:
@@ -43,30 +45,9 @@ def param_groups(plan: ParamPlan, params: dict[str, torch.nn.Parameter], opt: Op
     return groups
 
 
-def optimizer_factory(name: str, opt: OptimizerConfig, learning_rate: float) -> Callable[..., torch.optim.Optimizer]:
-    """A function (groups, seed_offset=0) -> optimizer for `name`; the one place names map to classes."""
-    betas, eps = tuple(opt.betas), opt.eps
-    if name == "adamw":
-        return lambda groups, seed_offset=0: torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps)
-    if name == "sgd":
-        return lambda groups, seed_offset=0: torch.optim.SGD(groups, lr=learning_rate, momentum=opt.momentum)
-    if name == "adafactor":
-        return lambda groups, seed_offset=0: torch.optim.Adafactor(groups, lr=learning_rate)
-    if name in ("adamw_8bit", "paged_adamw_8bit"):
-        import bitsandbytes as bnb
-
-        cls = bnb.optim.PagedAdamW8bit if name == "paged_adamw_8bit" else bnb.optim.AdamW8bit
-        return lambda groups, seed_offset=0: cls(groups, lr=learning_rate, betas=betas, eps=eps,
-                                                 min_8bit_size=BNB_MIN_8BIT_SIZE)
-    if name == "galore_8bit":
-        from galore_torch import GaLoreAdamW8bit
-
-        return lambda groups, seed_offset=0: GaLoreAdamW8bit(groups, lr=learning_rate, betas=betas, eps=eps,
-                                                             min_8bit_size=BNB_MIN_8BIT_SIZE)
-    from finetune.optim.lowrank import LowRankAdamW
-
-    return lambda groups, seed_offset=0: LowRankAdamW(groups, lr=learning_rate, betas=betas, eps=eps,
-                                                      seed_offset=seed_offset)
+def optimizer_factory(opt: OptimizerConfig, learning_rate: float) -> Callable[..., torch.optim.Optimizer]:
+    """A function (groups, seed_offset=0) -> optimizer for `opt.name`, made by its registry spec's factory."""
+    return resolve(optimizer_spec(opt.name).factory)(opt, learning_rate)
 
 
 def build_optimizer(model: torch.nn.Module, opt: OptimizerConfig, learning_rate: float, *,
@@ -78,11 +59,10 @@ def build_optimizer(model: torch.nn.Module, opt: OptimizerConfig, learning_rate:
     """
     specs, params = trained_specs(model)
     plan = plan_params(opt.name, specs, opt)
-    if opt.name == "galore_8bit" and any(not p.is_cuda for p in params.values()):
-        raise FinetuneError(
-            "optimizer galore_8bit needs a CUDA GPU: galore-torch's 8-bit step calls torch.cuda.synchronize(), "
-            "which fails on CPU", hint="Use galore (32-bit state) on CPU, or run on a GPU.")
-    factory = optimizer_factory(opt.name, opt, learning_rate)
+    cuda_only = optimizer_spec(opt.name).cuda_only
+    if cuda_only and any(not p.is_cuda for p in params.values()):
+        raise FinetuneError(f"optimizer {opt.name} needs a CUDA GPU: {cuda_only}")
+    factory = optimizer_factory(opt, learning_rate)
     groups = param_groups(plan, params, opt)
     if opt.layerwise:
         from finetune.optim.layerwise import LayerwiseOptimizer

@@ -29,11 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from finetune.errors import FinetuneError
-from finetune.recipe.schema import OptimizerConfig, Recipe
+from finetune.recipe.optimizers import LowRankPreset, optimizer_spec, resolve
+from finetune.recipe.schema import OptimizerConfig
 
 ParamSpec = tuple[str, tuple[int, ...], torch.dtype]
-
-LOW_RANK = ("apollo", "apollo_mini", "galore", "galore_8bit")
 
 
 @dataclass(frozen=True)
@@ -52,8 +51,8 @@ class LowRankSettings:
 class ParamPlan:
     """The trained parameters split by treatment, each list in model order."""
 
-    projected: list[ParamSpec]
-    decayed: list[ParamSpec]  # >= 2-D weights not projected: plain AdamW (or the base optimizer) with decay
+    own: list[ParamSpec]  # given the optimizer's own update: low-rank projection (APOLLO/GaLore), Muon, ...
+    decayed: list[ParamSpec]  # other >= 2-D weights: plain AdamW (or the base optimizer) with decay
     undecayed: list[ParamSpec]  # 1-D (biases, norms): no weight decay
     low_rank: LowRankSettings | None
 
@@ -67,17 +66,23 @@ def _targeted(name: str, targets: str | list[str] | None) -> bool:
 
 
 def plan_params(name: str, specs: list[ParamSpec], opt: OptimizerConfig) -> ParamPlan:
-    """Split trained parameters into projected / decayed / undecayed and resolve the low-rank settings.
+    """Split trained parameters into own / decayed / undecayed and resolve the low-rank settings.
+
+    `own` is what the registry spec selects: the targeted weights wider than the rank for a low-rank
+    optimizer, the weights its `own_params` function picks otherwise (none for plain optimizers).
 
     Raises FinetuneError when a low-rank optimizer would save nothing (no targeted weight wider than the
     rank, e.g. GaLore rank >= LoRA r) or when target_modules matches no trained 2-D weight.
     """
     if name == "auto":
         raise FinetuneError("optimizer.name is auto: the planner must resolve it before the optimizer is built")
+    spec = optimizer_spec(name)
     matrices = [s for s in specs if len(s[1]) >= 2]
     undecayed = [s for s in specs if len(s[1]) < 2]
-    if name not in LOW_RANK:
-        return ParamPlan([], matrices, undecayed, None)
+    if spec.low_rank is None:
+        picks = resolve(spec.own_params) if spec.own_params else None
+        own = [s for s in matrices if picks and picks(s[0], s[1])]
+        return ParamPlan(own, [s for s in matrices if s not in own], undecayed, None)
     targeted = [s for s in matrices if _targeted(s[0], opt.target_modules)]
     if not targeted:
         where = f"optimizer.target_modules={opt.target_modules!r}" if opt.target_modules else "the default targets"
@@ -85,7 +90,7 @@ def plan_params(name: str, specs: list[ParamSpec], opt: OptimizerConfig) -> Para
             f"optimizer {name}: {where} match no trained 2-D weight, so nothing would get the low-rank treatment",
             hint="Name module-name parts of trained weights (e.g. [q_proj, v_proj], attn, mlp) or use adamw.")
     width = max(min(s[1][-2:]) for s in targeted)
-    low_rank = _resolve(name, opt, width)
+    low_rank = _resolve(spec.low_rank, opt, width)
     projected = [s for s in targeted if min(s[1][-2:]) > low_rank.rank]
     if not projected:
         narrow = min(targeted, key=lambda s: min(s[1][-2:]))
@@ -100,16 +105,11 @@ def plan_params(name: str, specs: list[ParamSpec], opt: OptimizerConfig) -> Para
     return ParamPlan(projected, rest, undecayed, low_rank)
 
 
-def _resolve(name: str, opt: OptimizerConfig, width: int) -> LowRankSettings:
-    if name == "apollo_mini":
-        preset = LowRankSettings("apollo", 1, 200, 128.0, "std", "tensor")
-    elif name == "apollo":
-        preset = LowRankSettings("apollo", max(1, width // 8), 200, 1.0, "std", "channel")
-    else:
-        preset = LowRankSettings("galore", max(1, width // 4), 200, 0.25, "std", None)
+def _resolve(preset: LowRankPreset, opt: OptimizerConfig, width: int) -> LowRankSettings:
+    """The registry's preset with the rank for `width`, overridden by every key the recipe sets."""
     return LowRankSettings(
         method=preset.method,
-        rank=opt.rank if opt.rank is not None else preset.rank,
+        rank=opt.rank if opt.rank is not None else preset.rank(width),
         update_proj_gap=opt.update_proj_gap if opt.update_proj_gap is not None else preset.update_proj_gap,
         scale=opt.scale if opt.scale is not None else preset.scale,
         proj_type=opt.proj_type if opt.proj_type is not None else preset.proj_type,
@@ -133,22 +133,3 @@ def projection_side(shape: tuple[int, ...], proj_type: str) -> str:
     if proj_type in ("std", "reverse_std"):
         return "right" if (shape[0] >= shape[1]) == (proj_type == "std") else "left"
     return proj_type
-
-
-def recipe_problems(recipe: Recipe) -> list[str]:
-    """Optimizer settings that make no sense with the rest of a recipe, one line each (for Recipe validation).
-
-    Checked here, before any model is loaded: what needs shapes is checked again by `plan_params`.
-    """
-    opt, adapter = recipe.optimizer, recipe.adapter
-    problems = []
-    if opt.name in LOW_RANK and opt.rank is not None and adapter.type != "full" and opt.rank >= adapter.r:
-        problems.append(
-            f"optimizer.rank={opt.rank} >= adapter.r={adapter.r}: the LoRA matrices are only {adapter.r} wide, "
-            f"so a rank-{opt.rank} {opt.name} projection keeps them whole and saves no memory; set optimizer.rank "
-            "below adapter.r, leave it null for the preset, or use adamw")
-    if opt.layerwise and recipe.model.dtype == "fp16":
-        problems.append(
-            "optimizer.layerwise with model.dtype=fp16: fp16 training scales the loss, and layer-wise updates "
-            "happen inside backward before the scale can be removed; use bf16 or fp32")
-    return problems

@@ -12,9 +12,12 @@ import math
 
 import torch
 
-from finetune.optim.build import BNB_MIN_8BIT_SIZE
+from finetune.optim.factories import BNB_MIN_8BIT_SIZE
 from finetune.optim.presets import ParamSpec, plan_params, projected_shape
+from finetune.recipe.optimizers import optimizer_spec, resolve
 from finetune.recipe.schema import OptimizerConfig
+
+StateBytes = tuple[int, bool]  # (bytes, uses bitsandbytes' quantisation maps)
 
 _STEP_TENSOR = 4  # torch AdamW / Adafactor keep `step` as a float32 scalar tensor
 _BNB_QMAPS = 2 * 256 * 4  # bitsandbytes: the signed and unsigned dynamic maps, 256 float32 each
@@ -29,56 +32,61 @@ def _numel(shape: tuple[int, ...]) -> int:
     return math.prod(shape)
 
 
-def _bnb(numel: int, itemsize: int) -> tuple[int, bool]:
-    """(state bytes, uses the 8-bit maps) of one bitsandbytes Adam state for `numel` elements."""
+def adamw_state(shape: tuple[int, ...], itemsize: int, opt: OptimizerConfig, own: bool) -> StateBytes:
+    """torch AdamW: exp_avg, exp_avg_sq and the step tensor."""
+    return 2 * _numel(shape) * itemsize + _STEP_TENSOR, False
+
+
+def low_rank_state(shape: tuple[int, ...], itemsize: int, opt: OptimizerConfig, own: bool) -> StateBytes:
+    """LowRankAdamW: exp_avg, exp_avg_sq (of the projected gradient for own weights); a python-int step."""
+    return 2 * _numel(shape) * itemsize, False
+
+
+def bnb_state(shape: tuple[int, ...], itemsize: int, opt: OptimizerConfig, own: bool) -> StateBytes:
+    """bitsandbytes 8-bit Adam: two uint8 states plus one fp32 absmax per block; fp32 for small tensors."""
+    numel = _numel(shape)
     if numel < BNB_MIN_8BIT_SIZE:
         return 2 * numel * 4, False
     blocks = -(-numel // _BNB_BLOCK)
     return 2 * numel + 2 * blocks * 4, True
 
 
-def _full_state(name: str, shape: tuple[int, ...], dtype: torch.dtype, opt: OptimizerConfig) -> tuple[int, bool]:
-    """(bytes, uses bnb maps) of one non-projected parameter's state under optimizer `name`."""
-    n, size = _numel(shape), _size(dtype)
-    if name == "adamw":
-        return 2 * n * size + _STEP_TENSOR, False
-    if name == "sgd":
-        return (n * size if opt.momentum else 0), False
-    if name == "adafactor":
-        if len(shape) >= 2:
-            return _STEP_TENSOR + (n // shape[-1] + n // shape[-2]) * size, False
-        return _STEP_TENSOR + n * size, False
-    if name in ("adamw_8bit", "paged_adamw_8bit", "galore_8bit"):
-        return _bnb(n, size)
-    return 2 * n * size, False  # LowRankAdamW fallback AdamW: exp_avg, exp_avg_sq; python-int step
+def adafactor_state(shape: tuple[int, ...], itemsize: int, opt: OptimizerConfig, own: bool) -> StateBytes:
+    """torch Adafactor: row and column factors of matrices, a full second moment for vectors; step tensor."""
+    n = _numel(shape)
+    if len(shape) >= 2:
+        return _STEP_TENSOR + (n // shape[-1] + n // shape[-2]) * itemsize, False
+    return _STEP_TENSOR + n * itemsize, False
+
+
+def sgd_state(shape: tuple[int, ...], itemsize: int, opt: OptimizerConfig, own: bool) -> StateBytes:
+    """torch SGD: a momentum buffer only when momentum > 0."""
+    return (_numel(shape) * itemsize if opt.momentum else 0), False
 
 
 def optimizer_state_bytes(name: str, trained_params: list[ParamSpec], opt: OptimizerConfig, *,
                           layerwise: bool | None = None) -> int:
     """Bytes of optimizer state after the first step for `trained_params` = [(name, shape, dtype)].
 
+    Each parameter is sized by its registry spec's `state` rule; a low-rank weight by the same rule applied
+    to its projected gradient's shape, plus GaLore's stored projection or APOLLO's norm-limiter scalar.
     `layerwise` defaults to opt.layerwise (it only changes bitsandbytes' per-object maps).
     """
     layerwise = opt.layerwise if layerwise is None else layerwise
+    state = resolve(optimizer_spec(name).state)
     plan = plan_params(name, trained_params, opt)
     total, maps = 0, 0
-    for _, shape, dtype in plan.decayed + plan.undecayed:
-        nbytes, uses_maps = _full_state(name, shape, dtype, opt)
+    for (_, shape, dtype), own in [(s, True) for s in plan.own] + [(s, False) for s in plan.decayed + plan.undecayed]:
+        size = _size(dtype)
+        if own and plan.low_rank:
+            low, matrix = projected_shape(shape, plan.low_rank)
+            nbytes, uses_maps = state(low, size, opt, own)
+            # GaLore keeps its SVD projection; APOLLO regenerates its random one and keeps a Fira scalar
+            nbytes += _numel(matrix) * size if plan.low_rank.method == "galore" else size
+        else:
+            nbytes, uses_maps = state(shape, size, opt, own)
         total += nbytes
         maps += uses_maps
-    for _, shape, dtype in plan.projected:
-        low, matrix = projected_shape(shape, plan.low_rank)
-        size = _size(dtype)
-        if plan.low_rank.method == "galore":
-            total += _numel(matrix) * size  # the SVD projection (APOLLO regenerates its random one)
-        if name == "galore_8bit":
-            nbytes, uses_maps = _bnb(_numel(low), size)
-            total += nbytes
-            maps += uses_maps
-        else:
-            total += 2 * _numel(low) * size
-            if plan.low_rank.method == "apollo":
-                total += size  # Fira norm-limiter scalar
     objects_with_maps = maps if layerwise else min(maps, 1)
     return total + objects_with_maps * _BNB_QMAPS
 
@@ -96,7 +104,9 @@ def gradient_bytes(trained_params: list[ParamSpec], opt: OptimizerConfig, steps_
     if steps_per_update == 1:
         return max(full.values())
     plan = plan_params(opt.name, trained_params, opt)
-    compressed = plan.projected if opt.name == "galore" else []
+    # GaLore weights of LowRankAdamW accumulate projected (layerwise.py); galore_8bit is upstream's optimizer
+    spec = optimizer_spec(opt.name)
+    compressed = plan.own if spec.family == "low_rank" and plan.low_rank.method == "galore" else []
     names = {s[0] for s in compressed}
     accumulators = sum(_numel(projected_shape(s[1], plan.low_rank)[0]) * 4 for s in compressed)
     transient = max((full[n] for n in names), default=0)

@@ -16,7 +16,8 @@ How the prediction is put together (docs/planner.md has the long form):
    the largest one is added. LLM.int8 layers are emulated in the trace (they keep their input for backward).
 3. Optimizer state and resident gradients from `finetune.optim` (`optimizer_state_bytes`, `gradient_bytes`:
    per preset, low-rank projections, 8-bit blocks, layer-wise), state present in every phase from step 2 on.
-   The optimizer phase holds weights + gradients + state + a per-parameter temporary.
+   The optimizer phase holds weights + gradients + state + the update's temporaries (the registry spec's
+   `step_temporaries` times the largest trained parameter).
 4. Chunked loss keeps `default_chunk_size(vocab)` tokens of logits instead of all; offload removes
    checkpointed inputs (all but the first and the last, less the layers fetched ahead in backward) or,
    without checkpointing, the saved tensors of every layer but the last (less the prefetched ones).
@@ -35,6 +36,7 @@ from finetune.memory.chunked_loss import default_chunk_size
 from finetune.memory.offload import PREFETCH_LAYERS
 from finetune.optim import gradient_bytes, optimizer_state_bytes
 from finetune.plan.trace import Trace, param_table, trace_step
+from finetune.recipe.optimizers import optimizer_spec
 from finetune.recipe.schema import AdapterConfig, OptimizerConfig
 
 # CUDA fixed costs. The context is outside torch's allocator, so it is added to the peak; the budget is
@@ -45,9 +47,6 @@ CUBLAS_WORKSPACE_BYTES = 32 * 2**20
 # The caching allocator rounds blocks (to 512 B, and large ones to 2 MiB segments) and fragments; reserved
 # memory runs this fraction above allocated memory in our CUDA runs of LoRA/QLoRA training steps.
 ALLOCATOR_OVERHEAD = 0.05
-# Temporaries of one optimizer update, in multiples of the largest trained parameter's bytes.
-_STEP_TEMPORARIES = {"adamw": 2, "adamw_8bit": 1, "paged_adamw_8bit": 1, "sgd": 1, "adafactor": 3,
-                     "apollo": 3, "apollo_mini": 3, "galore": 3, "galore_8bit": 3}
 NF4_BLOCK = 64
 DOUBLE_QUANT_BLOCK = 256
 
@@ -210,7 +209,7 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
         windows[name] = {**params, "gradients": grads, "activations": act, "logits_and_loss": logits,
                          "other": dequant if in_layers else 0}
     windows["optimizer"] = {**params, "gradients": grads_total, "activations": 0.0, "logits_and_loss": 0.0,
-                            "other": _STEP_TEMPORARIES.get(settings.optimizer, 2) * largest_trained}
+                            "other": optimizer_spec(settings.optimizer).step_temporaries * largest_trained}
     for w in windows.values():
         w["other"] += _fixed_costs(spec, sum(w.values()))
     phase = max(windows, key=lambda k: sum(windows[k].values()))

@@ -24,11 +24,13 @@ from finetune.plan.shapes import (
     model_shapes,
     target_dtype,
 )
+from finetune.recipe.optimizers import auto_preferences
 from finetune.recipe.schema import Recipe, format_bytes
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
-# Optimizers `auto` may pick, best first; the factor is a preference (update quality), not a speed.
-AUTO_OPTIMIZERS = {"adamw": 1.0, "adamw_8bit": 0.99, "apollo_mini": 0.95}
+# Optimizers `auto` may pick (the registry's auto_preference); the factor is a preference (update quality),
+# not a speed.
+AUTO_OPTIMIZERS = auto_preferences()
 
 
 @dataclass

@@ -21,6 +21,8 @@ from pydantic import (
     model_validator,
 )
 
+from finetune.recipe.optimizers import SPECS, names_with_key, optimizer_names, optimizer_spec, specific_keys
+
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -210,10 +212,11 @@ class MemoryConfig(Section):
     gpu_memory_margin: ByteSize = Field(512 << 20, description="Head-room kept free below the budget.")
 
 
-OptimizerName = Literal[
-    "adamw", "adamw_8bit", "paged_adamw_8bit", "apollo", "apollo_mini",
-    "galore", "galore_8bit", "adafactor", "sgd", "auto",
-]
+OptimizerName = Literal[(*optimizer_names(), "auto")]  # type: ignore[valid-type]  # from the registry
+
+
+def _optimizer_names_text() -> str:
+    return ", ".join(f"{s.name} ({s.summary})" for s in SPECS)
 
 
 class OptimizerConfig(Section):
@@ -222,8 +225,7 @@ class OptimizerConfig(Section):
     scaling, scale 1; apollo_mini rank 1, tensor scaling, scale 128; projection renewed every 200 steps."""
 
     name: OptimizerName = Field(
-        "adamw", description="Optimizer: adamw, adamw_8bit, paged_adamw_8bit (bitsandbytes), apollo, apollo_mini, "
-        "galore, galore_8bit (GPU only), adafactor, sgd; auto lets the planner choose.")
+        "adamw", description=f"Optimizer: {_optimizer_names_text()}; auto lets the planner choose.")
     weight_decay: float = Field(0.0, ge=0, le=1, description="Decoupled weight decay (not applied to biases and norms).")
     betas: tuple[Fraction, Fraction] = Field((0.9, 0.999), description="Adam betas (beta1, beta2), each in [0, 1).")
     eps: float = Field(1e-8, gt=0, lt=1, description="Adam epsilon.")
@@ -252,17 +254,46 @@ class OptimizerConfig(Section):
 
     @model_validator(mode="after")
     def _keys_fit_name(self) -> OptimizerConfig:
-        low_rank = ("apollo", "apollo_mini", "galore", "galore_8bit", "auto")
-        keys = ("rank", "update_proj_gap", "scale", "proj_type", "scale_type", "target_modules")
-        misplaced = [k for k in keys if getattr(self, k) is not None] if self.name not in low_rank else []
+        """Optimizer-specific keys (the registry's `keys`) set for an optimizer they do not apply to."""
+        if self.name == "auto":  # the planner may pick any optimizer
+            return self
+        misplaced: dict[tuple[str, ...], list[str]] = {}
+        for key in specific_keys():
+            if key not in optimizer_spec(self.name).keys and getattr(self, key) != type(self).model_fields[key].default:
+                misplaced.setdefault(names_with_key(key), []).append(f"optimizer.{key}")
         if misplaced:
-            raise ValueError(f"optimizer.{', optimizer.'.join(misplaced)}: apply only to apollo, apollo_mini, "
-                             f"galore and galore_8bit, not {self.name}; remove them or change optimizer.name")
-        if self.scale_type is not None and self.name in ("galore", "galore_8bit"):
-            raise ValueError(f"optimizer.scale_type only applies to APOLLO, not {self.name}; remove it")
-        if self.momentum and self.name not in ("sgd", "auto"):
-            raise ValueError(f"optimizer.momentum only applies to sgd, not {self.name}; Adam-type optimizers use betas")
+            raise ValueError("; ".join(
+                f"{', '.join(keys)}: {'apply' if len(keys) > 1 else 'applies'} only to {_and(names)}, not "
+                f"{self.name}; remove {'them' if len(keys) > 1 else 'it'} or change optimizer.name"
+                for names, keys in misplaced.items()))
         return self
+
+    def problems_with(self, recipe: Recipe) -> list[str]:
+        """Settings of this optimizer (from its registry spec) that contradict the rest of `recipe`."""
+        problems = []
+        if self.layerwise and recipe.model.dtype == "fp16":
+            problems.append(
+                "optimizer.layerwise with model.dtype=fp16: fp16 training scales the loss, and layer-wise updates "
+                "happen inside backward before the scale can be removed; use bf16 or fp32")
+        if self.name == "auto":
+            return problems
+        spec, adapter = optimizer_spec(self.name), recipe.adapter
+        if adapter.type not in spec.adapters:
+            problems.append(f"optimizer {self.name} trains only adapter.type {_and(spec.adapters, 'or')}, not "
+                            f"{adapter.type}; change adapter.type or optimizer.name")
+        if self.layerwise and not spec.layerwise:
+            problems.append(f"optimizer.layerwise: {self.name} has no layer-wise mode; set optimizer.layerwise: "
+                            "false or change optimizer.name")
+        if spec.low_rank and self.rank is not None and adapter.type != "full" and self.rank >= adapter.r:
+            problems.append(
+                f"optimizer.rank={self.rank} >= adapter.r={adapter.r}: the LoRA matrices are only {adapter.r} wide, "
+                f"so a rank-{self.rank} {self.name} projection keeps them whole and saves no memory; set "
+                "optimizer.rank below adapter.r, leave it null for the preset, or use adamw")
+        return problems
+
+
+def _and(names: tuple[str, ...], word: str = "and") -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} {word} {names[-1]}"
 
 
 class OutputConfig(Section):
@@ -300,4 +331,7 @@ class Recipe(Section):
                 "weights cannot be trained; set quantization.bits: null or use adapter.type: lora")
         if self.training.eval_steps is not None and self.data.validation_split == 0:
             raise ValueError("training.eval_steps needs data.validation_split > 0")
+        problems = self.optimizer.problems_with(self)
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
