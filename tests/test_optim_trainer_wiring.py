@@ -34,8 +34,9 @@ def _run(model_dir, out, opt, accumulation, resume=None):
 
 @pytest.mark.parametrize(("opt", "accumulation"), [
     (config("galore", update_proj_gap=2), 2), (config("apollo", layerwise=True), 2),
-    (config("galore", layerwise=True, update_proj_gap=2), 2), (config("apollo_mini", layerwise=True), 1)],
-    ids=["galore", "apollo-layerwise", "galore-layerwise", "apollo_mini-layerwise-no-accumulation"])
+    (config("galore", layerwise=True, update_proj_gap=2), 2), (config("apollo_mini", layerwise=True), 1),
+    (config("muon"), 2)],
+    ids=["galore", "apollo-layerwise", "galore-layerwise", "apollo_mini-layerwise-no-accumulation", "muon-hybrid"])
 def test_trainer_logs_grad_norm_and_resumes_exactly(tiny_model_dir, tmp_path, opt, accumulation):
     full, trainer = _run(tiny_model_dir, tmp_path / "a", opt, accumulation)
     norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]

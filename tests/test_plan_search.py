@@ -182,3 +182,17 @@ def test_offload_speed_uses_the_measured_bandwidth_once(tmp_path, monkeypatch):
     speed = 50e6  # a slow USB disk
     assert predict(recipe, gpu_memory="24GiB").tokens_per_s < 0.5 * fast
     assert not (tmp_path / "run").exists(), "planning creates no folders"
+
+
+@pytest.mark.parametrize("adapter", ["full", "lora"])
+def test_muon_is_priced_from_the_registry_and_matches_a_real_step(tiny_dir, adapter):
+    """optimizer.name: muon plans (Muon's momentum for hidden matrices, AdamW for the rest) and the predicted
+    state equals what a real step allocates; it is smaller than AdamW's."""
+    fixed = {"training": {"micro_batch_size": 1}, "memory": {"activation_checkpointing": True, "chunked_loss": False}}
+    recipes = {name: _recipe(tiny_dir, seq=64, optimizer={"name": name}, adapter={"type": adapter}, **fixed)
+               for name in ("muon", "adamw")}
+    plans = {name: predict(r, gpu_memory="64MiB", device="cpu") for name, r in recipes.items()}
+    assert plans["muon"].fits and plans["muon"].settings["optimizer"] == "muon"
+    assert plans["muon"].breakdown["optimizer_state"] < plans["adamw"].breakdown["optimizer_state"]
+    measured = measure(plans["muon"].apply(recipes["muon"]), steps=2)
+    assert measured["breakdown"]["optimizer_state"] == plans["muon"].breakdown["optimizer_state"]
