@@ -223,7 +223,7 @@ def test_presets_scale_rank_with_width(tiny_model_dir):
     assert plan.undecayed and all(len(s[1]) == 1 for s in plan.undecayed)
 
 
-@pytest.mark.parametrize("name", ["adamw", "adamw_8bit", "apollo", "galore", "adafactor"])
+@pytest.mark.parametrize("name", ["adamw", "adamw_8bit", "apollo", "galore", "adafactor", "muon"])
 def test_state_bytes_prediction_holds_for_bf16_weights(tiny_model_dir, name):
     model = load_model(tiny_model_dir).to(torch.bfloat16)
     optimizer = build_optimizer(model, config(name), 1e-3)
