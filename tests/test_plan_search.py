@@ -187,12 +187,10 @@ def test_offload_speed_uses_the_measured_bandwidth_once(tmp_path, monkeypatch):
 @pytest.mark.parametrize("adapter", ["full", "lora"])
 def test_muon_is_priced_from_the_registry_and_matches_a_real_step(tiny_dir, adapter):
     """optimizer.name: muon plans (Muon's momentum for hidden matrices, AdamW for the rest) and the predicted
-    state equals what a real step allocates; it is smaller than AdamW's."""
+    state equals what a real step allocates."""
     fixed = {"training": {"micro_batch_size": 1}, "memory": {"activation_checkpointing": True, "chunked_loss": False}}
-    recipes = {name: _recipe(tiny_dir, seq=64, optimizer={"name": name}, adapter={"type": adapter}, **fixed)
-               for name in ("muon", "adamw")}
-    plans = {name: predict(r, gpu_memory="64MiB", device="cpu") for name, r in recipes.items()}
-    assert plans["muon"].fits and plans["muon"].settings["optimizer"] == "muon"
-    assert plans["muon"].breakdown["optimizer_state"] < plans["adamw"].breakdown["optimizer_state"]
-    measured = measure(plans["muon"].apply(recipes["muon"]), steps=2)
-    assert measured["breakdown"]["optimizer_state"] == plans["muon"].breakdown["optimizer_state"]
+    recipe = _recipe(tiny_dir, seq=64, optimizer={"name": "muon"}, adapter={"type": adapter}, **fixed)
+    plan = predict(recipe, gpu_memory="64MiB", device="cpu")
+    assert plan.fits and plan.settings["optimizer"] == "muon"
+    measured = measure(plan.apply(recipe), steps=2)
+    assert measured["breakdown"]["optimizer_state"] == plan.breakdown["optimizer_state"] > 0
