@@ -202,3 +202,20 @@ def test_layerwise_immediate_updates_cannot_be_discarded_once_a_hook_ran():
     assert accumulate.discard_pending()
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+
+
+def test_out_of_memory_outside_the_step_is_a_clear_error(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """An optimizer update or evaluation that runs out of memory cannot be redone: a message, no traceback."""
+    import finetune.train.run as run_module
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(run_module, "_plan_build_train", oom)
+    path = tmp_path / "outside.yaml"
+    path.write_text(yaml.safe_dump(_recipe(tmp_path, tiny_model_dir, "outside")))
+    assert main(["run", str(path)]) != 0
+    err = capsys.readouterr().err
+    assert "out of memory outside the forward/backward" in err and "Tried to allocate 2.00 GiB" in err
+    assert "Traceback" not in err
+    assert json.loads((tmp_path / "outside" / "status.json").read_text())["state"] == "failed"

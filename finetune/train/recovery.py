@@ -167,8 +167,9 @@ class RecoveringTrainer(FinetuneTrainer):
     directory can record it; run_root is where a newly turned-on disk offload keeps its files.
     """
 
-    def __init__(self, *args, run_root: Path, on_recovery: Callable[[dict, Recipe], None], **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args, data_collator: Callable[[list], dict], run_root: Path,
+                 on_recovery: Callable[[dict, Recipe], None], **kwargs):
+        super().__init__(*args, data_collator=SplittableCollator(data_collator), **kwargs)
         self.run_root = run_root
         self.on_recovery = on_recovery
         self.splits = 1
@@ -209,16 +210,15 @@ class RecoveringTrainer(FinetuneTrainer):
         return loss
 
     def _split_step(self, model, inputs: dict, num_items_in_batch) -> torch.Tensor:
-        rows = inputs[ROWS].rows if ROWS in inputs else None
         last = inputs is self._update[-1]
-        if self.splits == 1 or rows is None:
+        if self.splits == 1:
             with self._fault(model, last):
                 return super().training_step(model, inputs, num_items_in_batch)
         size = self.args.per_device_train_batch_size // self.splits
+        rows = inputs[ROWS].rows
         parts = [rows[i:i + size] for i in range(0, len(rows), size)]
         # Without num_items_in_batch the Trainer divides each loss by this: the update's micro-batch count.
-        self.current_gradient_accumulation_steps = sum(
-            -(-len(b[ROWS].rows) // size) if ROWS in b else 1 for b in self._update)
+        self.current_gradient_accumulation_steps = sum(-(-len(b[ROWS].rows) // size) for b in self._update)
         total = None
         for i, part in enumerate(parts):
             with self._fault(model, last and i == len(parts) - 1):

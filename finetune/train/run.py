@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from transformers import PrinterCallback, set_seed
 
 from finetune.console import console
@@ -20,7 +21,7 @@ from finetune.recipe.schema import Recipe, format_bytes
 from finetune.train.callbacks import MetricsCallback, ProgressCallback, StopOnSignal
 from finetune.train.checkpoints import find_resumable, numbered, report_skipped, step_of
 from finetune.train.plots import plot_loss_curve
-from finetune.train.recovery import RecoveringTrainer, SplittableCollator, keep_recovered, record_recovery
+from finetune.train.recovery import RecoveringTrainer, keep_recovered, record_recovery
 from finetune.train.rundir import (
     RunDir,
     atomic_write_json,
@@ -118,6 +119,14 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> Run
         run_dir.write_status("planning")
         run_dir.log_line(f"run started (resume from {checkpoint})" if checkpoint else "run started")
         return _plan_build_train(recipe, run_dir, checkpoint, stopper)
+    except torch.OutOfMemoryError as exc:  # outside a step's forward/backward: the optimizer update, evaluation
+        error = FinetuneError(
+            "out of memory outside the forward/backward that recovery redoes (loading the model, the optimizer "
+            f"update or evaluation): {str(exc).strip().splitlines()[0] if str(exc).strip() else 'no details'}",
+            hint="free GPU memory or set memory.gpu_memory lower, then run again (with --resume if a checkpoint "
+                 "was saved)")
+        _record_end(run_dir, "failed", error)
+        raise error from None
     except OSError as exc:
         if exc.errno not in _WRITE_ERRNOS:
             _record_end(run_dir, "failed", exc)
@@ -179,7 +188,7 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     offload = activation_offload(model, recipe.memory, run_dir.root)
     trainer = RecoveringTrainer(
         model=model, args=training_arguments(recipe, run_dir.checkpoints, steps, data.eval is not None),
-        train_dataset=data.train, eval_dataset=data.eval, data_collator=SplittableCollator(data.collator),
+        train_dataset=data.train, eval_dataset=data.eval, data_collator=data.collator,
         processing_class=tokenizer, callbacks=[peak, MetricsCallback(run_dir, steps), ProgressCallback(steps), stopper],
         recipe=recipe, offload=offload, run_root=run_dir.root, on_recovery=record_recovery(run_dir, steps),
     )
