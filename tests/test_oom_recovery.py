@@ -219,3 +219,36 @@ def test_out_of_memory_outside_the_step_is_a_clear_error(tmp_path, tiny_model_di
     assert "out of memory outside the forward/backward" in err and "Tried to allocate 2.00 GiB" in err
     assert "Traceback" not in err
     assert json.loads((tmp_path / "outside" / "status.json").read_text())["state"] == "failed"
+
+
+def test_layerwise_oom_after_weights_moved_stops_clearly_and_resume_continues_cheaper(
+        tmp_path, tmp_path_factory, tiny_model_dir, monkeypatch, capsys):
+    """A real OOM in the middle of a layer-wise (immediate) backward: weights already updated cannot be
+    restored, so the run stops with a message; --resume redoes the step from checkpoint-1, cheaper."""
+    sections = dict(training={"micro_batch_size": 2, "gradient_accumulation_steps": 1, "max_grad_norm": None},
+                    optimizer={"layerwise": True})
+    path = tmp_path / "lw.yaml"
+    path.write_text(yaml.safe_dump(_recipe(tmp_path, tiny_model_dir, "lw", output={"save_steps": 1}, **sections)))
+    hook, calls = LayerwiseOptimizer._hook, []
+
+    def failing_hook(self, p):
+        calls.append(p)
+        if len(calls) == len(self.inner) + 2:  # step 2, after its first weight was updated
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated inside backward)")
+        hook(self, p)
+
+    monkeypatch.setattr(LayerwiseOptimizer, "_hook", failing_hook)
+    assert main(["run", str(path)]) != 0
+    err = capsys.readouterr().err
+    assert "layer-wise optimizer had already updated" in err and "--resume" in err and "Traceback" not in err
+    monkeypatch.setattr(LayerwiseOptimizer, "_hook", hook)
+    assert not (tmp_path / "lw" / "checkpoints" / "checkpoint-2").exists()
+
+    assert main(["run", str(path), "--resume"]) == 0
+    losses = _losses(read_jsonl(tmp_path / "lw" / "metrics.jsonl"))
+    reference = _reference(tmp_path_factory, tiny_model_dir, monkeypatch,
+                           **{**sections, "training": {**sections["training"], "micro_batch_size": 1,
+                                                       "gradient_accumulation_steps": 2}})
+    assert sorted(losses) == [1, 2, 3, 4]
+    for s in losses:
+        assert losses[s] == pytest.approx(reference[s], rel=REL), f"step {s}"

@@ -238,12 +238,7 @@ class RecoveringTrainer(FinetuneTrainer):
         """Drop the failed step, free its memory and switch to the next cheaper plan (or give up)."""
         step = self.state.global_step + 1
         layerwise = layerwise_of(self.optimizer)
-        if layerwise is not None and not layerwise.discard_pending():
-            raise FinetuneError(
-                f"out of memory at step {step} ({failure}) after the layer-wise optimizer had already updated "
-                "some weights inside backward; that cannot be undone, so the run stops without saving them",
-                hint="run again with --resume (from the last checkpoint), with a smaller "
-                     "training.micro_batch_size or optimizer.layerwise with gradient_accumulation_steps > 1")
+        undone = layerwise is None or layerwise.discard_pending()
         model.zero_grad(set_to_none=True)
         self.optimizer.zero_grad(set_to_none=True)
         self._loss_finite = None
@@ -256,12 +251,18 @@ class RecoveringTrainer(FinetuneTrainer):
         if choice.recipe is None:
             self._give_up(model, step, failure, choice.min_budget_bytes, budget)
         before, after = settings_of(self.recipe), settings_of(choice.recipe)
-        self._switch(model, choice)
-        event = {"event": "oom_recovered", "step": step, "error": failure,
+        event = {"event": "oom_recovered" if undone else "oom_unrecoverable", "step": step, "error": failure,
                  "from": {k: v for k, v in before.items() if after[k] != v},
                  "to": {k: v for k, v in after.items() if before[k] != v}}
         if budget is not None:
             event["gpu_memory_bytes"] = budget
+        if not undone:  # the cheaper settings are recorded for --resume, which restarts from the checkpoint
+            self.on_recovery(event, choice.recipe)
+            raise FinetuneError(
+                f"out of memory at step {step} ({failure}) after the layer-wise optimizer had already updated "
+                "some weights inside backward; that cannot be undone, so the run stops without saving them",
+                hint=f"run again with --resume: it continues from the last checkpoint with {_changes(event)}")
+        self._switch(model, choice)
         self.on_recovery(event, self.recipe)
 
     def _switch(self, model, choice: Cheaper) -> None:
@@ -345,11 +346,11 @@ def record_recovery(run_dir, max_steps: int) -> Callable[[dict, Recipe], None]:
 
     def record(event: dict, recipe: Recipe) -> None:
         run_dir.append_metrics(event)
-        if event["event"] == "oom_gave_up":
+        if "to" not in event:
             run_dir.log_line(f"out of memory at step {event['step']}: no cheaper plan left")
             return
-        change = ", ".join(f"{k} {event['from'][k]} -> {v}" for k, v in event["to"].items())
-        line = f"out of memory at step {event['step']}; retrying the step with {change}"
+        done = "retrying the step" if event["event"] == "oom_recovered" else "stopping; --resume continues"
+        line = f"out of memory at step {event['step']}; {done} with {_changes(event)}"
         run_dir.log_line(line)
         console.print(f"[yellow]{line}")
         atomic_write_text(run_dir.recipe, recipe_to_yaml(recipe))
@@ -359,6 +360,10 @@ def record_recovery(run_dir, max_steps: int) -> Callable[[dict, Recipe], None]:
         run_dir.write_status("running", step=event["step"] - 1, max_steps=max_steps, oom_recovered=event)
 
     return record
+
+
+def _changes(event: dict) -> str:
+    return ", ".join(f"{k} {event['from'][k]} -> {v}" for k, v in event["to"].items())
 
 
 def recovered_settings(run_root: Path) -> dict[str, Any]:
