@@ -253,3 +253,31 @@ def test_layerwise_oom_after_weights_moved_stops_clearly_and_resume_continues_ch
     assert sorted(losses) == [1, 2, 3, 4]
     for s in losses:
         assert losses[s] == pytest.approx(reference[s], rel=REL), f"step {s}"
+
+
+def test_the_ladder_keeps_the_effective_batch_and_skips_what_is_on_or_predicted_not_to_fit(tmp_path, tiny_model_dir):
+    from types import SimpleNamespace
+
+    from finetune.train.recovery import _rungs, cheaper, settings_of
+
+    recipe = validate_recipe(_recipe(tmp_path, tiny_model_dir, "ladder-unit",
+                                     training={"micro_batch_size": 6, "gradient_accumulation_steps": 3}))
+    fits = lambda r: SimpleNamespace(fits=True)  # noqa: E731
+    seen = []
+    for splits in (1, 2):  # 6 -> 3 (k=2) -> 1 (k=6): the next divisor of 6, effective batch 18 throughout
+        step = cheaper(recipe, 6, 3, splits, fits)
+        t = step.recipe.training
+        seen.append((step.splits, t.micro_batch_size, t.gradient_accumulation_steps))
+    assert seen == [(2, 3, 6), (6, 1, 18)]
+
+    on_cuda = [list(r.items())[0] for r in _rungs(recipe, cuda=True)]
+    assert on_cuda == [("memory.activation_checkpointing", True), ("memory.offload", "cpu"),
+                       ("memory.offload", "disk"), ("memory.chunked_loss", True)]  # 64 tokens: tiling is a no-op
+    # At micro-batch 1 a rung the planner says does not fit is passed over; the next one is taken with it.
+    one = validate_recipe(_recipe(tmp_path, tiny_model_dir, "ladder-unit", training={"micro_batch_size": 1}))
+    predicted = lambda r: SimpleNamespace(fits=r.memory.offload == "disk")  # noqa: E731
+    step = cheaper(one, 1, 1, 1, predicted)
+    assert {k: v for k, v in settings_of(step.recipe).items() if settings_of(one)[k] != v} == {
+        "memory.activation_checkpointing": True, "memory.offload": "disk"}
+    never = lambda r: SimpleNamespace(fits=False, min_budget_bytes=123 << 20, peak_bytes=0)  # noqa: E731
+    assert cheaper(one, 1, 1, 1, never).recipe is None and cheaper(one, 1, 1, 1, never).min_budget_bytes == 123 << 20
