@@ -16,12 +16,18 @@ offload, chunked loss, tiled MLP; each is kept only when the planner predicts it
 now. When nothing is left the run saves a checkpoint of the last completed step and stops with the
 smallest budget the planner says would work.
 
+Layer-wise optimizers: with accumulation > 1 they apply nothing before optimizer.step(), so the retry is
+exact (GaLore's pending projected sums are dropped too). With accumulation 1 weights move inside backward:
+an OOM before the first hook ran is retried (in accumulate mode, as the accumulation doubles); one after
+cannot be undone, so the run stops with a message and records the cheaper settings for --resume.
+
 `FINETUNE_FAULT_OOM_AT_STEP=N[,M...]` (tests): raise torch.OutOfMemoryError inside the forward of the
 last micro-batch of optimizer step N, once per listed N (list N twice to fail its retry too).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -35,12 +41,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from finetune.console import console
 from finetune.errors import FinetuneError
 from finetune.memory.layer_recompute import apply_layer_recompute
 from finetune.memory.offload import activation_offload, decoder_layers, preflight_offload
 from finetune.optim import layerwise_of
+from finetune.plan import predict
+from finetune.recipe.load import recipe_to_yaml
 from finetune.recipe.schema import Recipe, format_bytes
 from finetune.train.checkpoints import numbered
+from finetune.train.rundir import RunDir, atomic_write_json, atomic_write_text
 from finetune.train.trainer import FinetuneTrainer
 
 FAULT_ENV = "FINETUNE_FAULT_OOM_AT_STEP"
@@ -125,7 +135,7 @@ class Cheaper:
 
 
 def cheaper(recipe: Recipe, loader_batch: int, loader_accumulation: int, splits: int,
-            predict: Callable[[Recipe], Any]) -> Cheaper:
+            plan_for: Callable[[Recipe], Any]) -> Cheaper:
     """The next plan after an out-of-memory error at `splits` sub-micro-batches per loader batch."""
     nxt = next((k for k in range(splits + 1, loader_batch + 1) if loader_batch % k == 0 and k % splits == 0), None)
     if nxt is not None:
@@ -135,12 +145,12 @@ def cheaper(recipe: Recipe, loader_batch: int, loader_accumulation: int, splits:
     for rung in _rungs(recipe, torch.cuda.is_available()):
         recipe = with_settings(recipe, rung)
         try:
-            if predict(recipe).fits:
+            if plan_for(recipe).fits:
                 return Cheaper(recipe, splits)
         except Exception:  # noqa: BLE001 - no prediction (a model the planner cannot trace): try it for real
             return Cheaper(recipe, splits)
     try:  # nothing left: what the leanest settings need, by the planner
-        plan = predict(recipe)
+        plan = plan_for(recipe)
     except Exception:  # noqa: BLE001 - no prediction for this model; the error says so
         return Cheaper(None, splits)
     return Cheaper(None, splits, plan.min_budget_bytes or plan.peak_bytes + recipe.memory.gpu_memory_margin)
@@ -230,7 +240,7 @@ class RecoveringTrainer(FinetuneTrainer):
         """FINETUNE_FAULT_OOM_AT_STEP: a one-shot hook that raises in the last decoder layer's forward."""
         step = self.state.global_step + 1
         if not last or not self._faults.get(step):
-            return _NoFault()
+            return contextlib.nullcontext()
         self._faults[step] -= 1
         return _FaultHook(decoder_layers(model)[-1], step)
 
@@ -247,7 +257,7 @@ class RecoveringTrainer(FinetuneTrainer):
             torch.cuda.empty_cache()
         budget = measured_gpu_memory()
         choice = cheaper(self.recipe, self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps,
-                         self.splits, lambda r: _predict(r, budget))
+                         self.splits, lambda r: predict(r, gpu_memory=budget))
         if choice.recipe is None:
             self._give_up(model, step, failure, choice.min_budget_bytes, budget)
         before, after = settings_of(self.recipe), settings_of(choice.recipe)
@@ -305,20 +315,6 @@ class RecoveringTrainer(FinetuneTrainer):
                  "4, then run again with --resume")
 
 
-def _predict(recipe: Recipe, budget: int | None):
-    from finetune.plan import predict
-
-    return predict(recipe, gpu_memory=budget)
-
-
-class _NoFault:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-
 class _FaultHook:
     """Raises torch.OutOfMemoryError from `layer`'s forward, once (a checkpointed recompute is not hit)."""
 
@@ -337,13 +333,9 @@ class _FaultHook:
         self.handle.remove()
 
 
-def record_recovery(run_dir, max_steps: int) -> Callable[[dict, Recipe], None]:
+def record_recovery(run_dir: RunDir, max_steps: int) -> Callable[[dict, Recipe], None]:
     """on_recovery for a run directory: metrics.jsonl row, train.log, status.json, the console, and the new
     settings in recipe.yaml and oom_recovery.json (which --resume keeps, even for keys that were not auto)."""
-    from finetune.console import console
-    from finetune.recipe.load import recipe_to_yaml
-    from finetune.train.rundir import atomic_write_json, atomic_write_text
-
     def record(event: dict, recipe: Recipe) -> None:
         run_dir.append_metrics(event)
         if "to" not in event:
