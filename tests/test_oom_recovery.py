@@ -269,7 +269,7 @@ def test_layerwise_oom_after_weights_moved_stops_clearly_and_resume_continues_ch
 def test_the_ladder_keeps_the_effective_batch_and_skips_what_is_on_or_predicted_not_to_fit(tmp_path, tiny_model_dir):
     from types import SimpleNamespace
 
-    from finetune.train.recovery import _rungs, cheaper, settings_of
+    from finetune.train.oom_ladder import cheaper, rungs, settings_of
 
     recipe = validate_recipe(_recipe(tmp_path, tiny_model_dir, "ladder-unit",
                                      training={"micro_batch_size": 6, "gradient_accumulation_steps": 3}))
@@ -281,7 +281,7 @@ def test_the_ladder_keeps_the_effective_batch_and_skips_what_is_on_or_predicted_
         seen.append((step.splits, t.micro_batch_size, t.gradient_accumulation_steps))
     assert seen == [(2, 3, 6), (6, 1, 18)]
 
-    on_cuda = [list(r.items())[0] for r in _rungs(recipe, cuda=True)]
+    on_cuda = [list(r.items())[0] for r in rungs(recipe, cuda=True)]
     assert on_cuda == [("memory.activation_checkpointing", True), ("memory.offload", "cpu"),
                        ("memory.offload", "disk"), ("memory.chunked_loss", True)]  # 64 tokens: tiling is a no-op
     # At micro-batch 1 a rung the planner says does not fit is passed over; the next one is taken with it.

@@ -10,11 +10,9 @@ is divided by the update's sub-batch count, as a run at micro-batch B/k does. So
 optimizer state, the examples and their order continue as if the run had used micro-batch B/k and k
 times the accumulation from the start (tests/test_oom_recovery.py checks this against such a run).
 
-The ladder (`cheaper`): halve the micro-batch (B/k, k doubles; the next divisor of B when B is odd) down to
-1, then turn on, one at a time and cumulatively: activation checkpointing, cpu offload (CUDA only), disk
-offload, chunked loss, tiled MLP; each is kept only when the planner predicts it fits the GPU memory free
-now. When nothing is left the run saves a checkpoint of the last completed step and stops with the
-smallest budget the planner says would work.
+The next plan comes from finetune.train.oom_ladder: half the micro-batch down to 1, then checkpointing,
+offload, chunked loss, tiled MLP. When nothing is left the run saves a checkpoint of the last completed
+step and stops with the smallest budget the planner says would work.
 
 Layer-wise optimizers: with accumulation > 1 they apply nothing before optimizer.step(), so the retry is
 exact (GaLore's pending projected sums are dropped too). With accumulation 1 weights move inside backward:
@@ -34,7 +32,6 @@ import os
 import random
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,17 +47,13 @@ from finetune.plan import predict
 from finetune.recipe.load import recipe_to_yaml
 from finetune.recipe.schema import Recipe, format_bytes
 from finetune.train.checkpoints import numbered
+from finetune.train.oom_ladder import Cheaper, cheaper, measured_gpu_memory, settings_of, with_settings
 from finetune.train.rundir import RunDir, atomic_write_json, atomic_write_text
 from finetune.train.trainer import FinetuneTrainer
 
 FAULT_ENV = "FINETUNE_FAULT_OOM_AT_STEP"
 ROWS = "finetune_rows"  # batch key holding the loader batch's example rows; never reaches the model
 RECOVERED_FILE = "oom_recovery.json"  # in the run directory: the settings recoveries set, for --resume
-# What a recovery may change, as recipe keys.
-KEYS = ("training.micro_batch_size", "training.gradient_accumulation_steps", "memory.activation_checkpointing",
-        "memory.offload", "memory.chunked_loss", "memory.tiled_mlp")
-
-
 class _Rows:
     """The rows of one loader batch; opaque to accelerate's device transfer (no `.to`, not a container)."""
 
@@ -90,70 +83,6 @@ def fault_steps() -> Counter:
     except ValueError:
         raise FinetuneError(f"{FAULT_ENV}={spec!r} is not a comma-separated list of step numbers",
                             hint=f"e.g. {FAULT_ENV}=3 or {FAULT_ENV}=3,3,7; unset it for normal runs") from None
-
-
-def settings_of(recipe: Recipe) -> dict[str, Any]:
-    return {k: getattr(getattr(recipe, k.split(".")[0]), k.split(".")[1]) for k in KEYS}
-
-
-def with_settings(recipe: Recipe, settings: dict[str, Any]) -> Recipe:
-    data = recipe.model_dump()
-    for key, value in settings.items():
-        section, name = key.split(".")
-        data[section][name] = value
-    return Recipe.model_validate(data)
-
-
-def _rungs(recipe: Recipe, cuda: bool) -> list[dict[str, Any]]:
-    """The alternatives at micro-batch 1, cheapest change first; each adds to the ones before it."""
-    m = recipe.memory
-    rungs = [{"memory.activation_checkpointing": True}] if m.activation_checkpointing is not True else []
-    if cuda and m.offload == "none":
-        rungs.append({"memory.offload": "cpu"})
-    if m.offload != "disk":
-        rungs.append({"memory.offload": "disk"})
-    if m.chunked_loss is not True:
-        rungs.append({"memory.chunked_loss": True})
-    if m.tiled_mlp is not True and recipe.data.max_seq_len > m.tiled_mlp_tokens:
-        rungs.append({"memory.tiled_mlp": True})
-    return rungs
-
-
-def measured_gpu_memory() -> int | None:
-    """What this process could use now: free device memory plus what its own allocator holds (None on CPU)."""
-    if not torch.cuda.is_available():
-        return None
-    free, _total = torch.cuda.mem_get_info()
-    return free + torch.cuda.memory_reserved()
-
-
-@dataclass
-class Cheaper:
-    recipe: Recipe | None  # the next plan, or None when nothing is left
-    splits: int  # sub-micro-batches per loader batch
-    min_budget_bytes: int | None = None  # when nothing is left: the planner's smallest working budget
-
-
-def cheaper(recipe: Recipe, loader_batch: int, loader_accumulation: int, splits: int,
-            plan_for: Callable[[Recipe], Any]) -> Cheaper:
-    """The next plan after an out-of-memory error at `splits` sub-micro-batches per loader batch."""
-    nxt = next((k for k in range(splits + 1, loader_batch + 1) if loader_batch % k == 0 and k % splits == 0), None)
-    if nxt is not None:
-        return Cheaper(with_settings(recipe, {"training.micro_batch_size": loader_batch // nxt,
-                                              "training.gradient_accumulation_steps": loader_accumulation * nxt}),
-                       nxt)
-    for rung in _rungs(recipe, torch.cuda.is_available()):
-        recipe = with_settings(recipe, rung)
-        try:
-            if plan_for(recipe).fits:
-                return Cheaper(recipe, splits)
-        except Exception:  # noqa: BLE001 - no prediction (a model the planner cannot trace): try it for real
-            return Cheaper(recipe, splits)
-    try:  # nothing left: what the leanest settings need, by the planner
-        plan = plan_for(recipe)
-    except Exception:  # noqa: BLE001 - no prediction for this model; the error says so
-        return Cheaper(None, splits)
-    return Cheaper(None, splits, plan.min_budget_bytes or plan.peak_bytes + recipe.memory.gpu_memory_margin)
 
 
 def _rng_state() -> tuple:
