@@ -195,6 +195,13 @@ def test_at_micro_batch_1_the_alternatives_come_in_order_then_a_clear_error_and_
     assert json.loads((run_dir / "status.json").read_text())["state"] == "failed"
     assert not any(p.is_file() for p in (run_dir / "offload").rglob("*")), "offload files left"
 
+    monkeypatch.delenv(FAULT_ENV)  # more memory now: --resume continues from checkpoint-1 with the leanest plan
+    assert main(["run", str(path), "--resume"]) == 0
+    saved = yaml.safe_load((run_dir / "recipe.yaml").read_text())["memory"]
+    assert (saved["activation_checkpointing"], saved["offload"], saved["chunked_loss"], saved["tiled_mlp"]) == (
+        True, "disk", True, True)
+    assert sorted(_losses(read_jsonl(run_dir / "metrics.jsonl"))) == [1, 2, 3, 4]
+
 
 def test_layerwise_immediate_updates_cannot_be_discarded_once_a_hook_ran():
     """Why the recovery refuses (with a message) an OOM that hits a layer-wise backward mid-way: the hooks
