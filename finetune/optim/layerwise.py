@@ -119,6 +119,18 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         for p in self.inner:
             p.grad = None
 
+    def discard_pending(self) -> bool:
+        """Forget the current step's gradients (an out-of-memory retry redoes the step). False when that
+        cannot undo it: in immediate mode a hook that ran has already updated its weight."""
+        if self.steps_per_update == 1 and self._fresh:
+            return False
+        self.zero_grad()
+        for opt in self.inner.values():
+            for state in opt.state.values():
+                state.pop("grad_acc", None)  # GaLore's projected accumulators
+        self._norms, self._fresh = [], False
+        return True
+
     def remove_hooks(self) -> None:
         """Detach from the model (the optimizer stops updating in backward)."""
         for handle in self._handles:

@@ -208,8 +208,11 @@ class MemoryConfig(Section):
         "auto", description="Run each layer's MLP over the sequence in chunks of tiled_mlp_tokens and recompute it "
         "chunk by chunk in backward (one extra MLP forward; for long sequences); auto: planner.")
     tiled_mlp_tokens: int = Field(1024, ge=16, le=MAX_COUNT, description="Sequence positions per MLP chunk with tiled_mlp.")
-    gpu_memory: PositiveByteSize | Auto = Field("auto", description="Memory budget, e.g. 12GiB; auto reads the GPU's free memory.")
-    gpu_memory_margin: ByteSize = Field(512 << 20, description="Head-room kept free below the budget.")
+    gpu_memory: PositiveByteSize | Auto = Field("auto", description="Memory budget, e.g. 12GiB; auto: the GPU memory free when the run starts "
+        "(torch.cuda.mem_get_info), so what other processes hold then is excluded; gpu_memory_margin stays free "
+        "below it for what they (and the CUDA context, allocator fragmentation) may take later.")
+    gpu_memory_margin: ByteSize = Field(512 << 20, description="Head-room kept free below the budget; if a step "
+        "still runs out of memory, `finetune run` redoes it with a cheaper plan (see the README, OOM recovery).")
 
 
 OptimizerName = Literal[(*optimizer_names(), "auto")]  # type: ignore[valid-type]  # from the registry

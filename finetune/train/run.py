@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from transformers import PrinterCallback, set_seed
 
 from finetune.console import console
@@ -20,6 +21,7 @@ from finetune.recipe.schema import Recipe, format_bytes
 from finetune.train.callbacks import MetricsCallback, ProgressCallback, StopOnSignal
 from finetune.train.checkpoints import find_resumable, numbered, report_skipped, step_of
 from finetune.train.plots import plot_loss_curve
+from finetune.train.recovery import RecoveringTrainer, keep_recovered, record_recovery
 from finetune.train.rundir import (
     RunDir,
     atomic_write_json,
@@ -117,6 +119,14 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> Run
         run_dir.write_status("planning")
         run_dir.log_line(f"run started (resume from {checkpoint})" if checkpoint else "run started")
         return _plan_build_train(recipe, run_dir, checkpoint, stopper)
+    except torch.OutOfMemoryError as exc:  # outside a step's forward/backward: the optimizer update, evaluation
+        error = FinetuneError(
+            "out of memory outside the forward/backward that recovery redoes (loading the model, the optimizer "
+            f"update or evaluation): {str(exc).strip().splitlines()[0] if str(exc).strip() else 'no details'}",
+            hint="free GPU memory or set memory.gpu_memory lower, then run again (with --resume if a checkpoint "
+                 "was saved)")
+        _record_end(run_dir, "failed", error)
+        raise error from None
     except OSError as exc:
         if exc.errno not in _WRITE_ERRNOS:
             _record_end(run_dir, "failed", exc)
@@ -148,7 +158,8 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     from finetune.model.load import load_model
 
     if checkpoint and run_dir.recipe.is_file():
-        recipe = keep_resolved(recipe, load_recipe(run_dir.recipe))
+        saved = load_recipe(run_dir.recipe)
+        recipe = keep_recovered(keep_resolved(recipe, saved), saved, run_dir.root)
     plan, recipe = _plan(recipe)
     if plan is not None:
         atomic_write_text(run_dir.plan, plan.to_json())
@@ -175,11 +186,11 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     # A bad offload_dir fails here, before the first step and before anything is written there.
     preflight_offload(model, recipe.memory, run_dir.root, int(recipe.training.micro_batch_size), recipe.data.max_seq_len)
     offload = activation_offload(model, recipe.memory, run_dir.root)
-    trainer = FinetuneTrainer(
+    trainer = RecoveringTrainer(
         model=model, args=training_arguments(recipe, run_dir.checkpoints, steps, data.eval is not None),
-        train_dataset=data.train, eval_dataset=data.eval, data_collator=data.collator, processing_class=tokenizer,
-        callbacks=[peak, MetricsCallback(run_dir, steps), ProgressCallback(steps), stopper], recipe=recipe,
-        offload=offload,
+        train_dataset=data.train, eval_dataset=data.eval, data_collator=data.collator,
+        processing_class=tokenizer, callbacks=[peak, MetricsCallback(run_dir, steps), ProgressCallback(steps), stopper],
+        recipe=recipe, offload=offload, run_root=run_dir.root, on_recovery=record_recovery(run_dir, steps),
     )
     trainer.remove_callback(PrinterCallback)  # our progress bar and metrics.jsonl replace its prints
     start = time.time()
@@ -187,8 +198,8 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
         output = trainer.train(resume_from_checkpoint=checkpoint)
     finally:
         peak.close()  # also after an error, when the Trainer never calls on_train_end
-        if offload is not None:
-            offload.close()  # removes every file the disk tier still holds, also after an error
+        if trainer.offload is not None:  # an out-of-memory recovery may have turned it on or changed it
+            trainer.offload.close()  # removes every file the disk tier still holds, also after an error
     eval_loss = trainer.evaluate().get("eval_loss") if data.eval is not None else None
     state = "stopped" if stopper.requested else "completed"
     if state == "completed":
@@ -199,7 +210,8 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
         "state": state, "steps": result.steps, "final_loss": result.final_loss, "eval_loss": eval_loss,
         "train_runtime_s": round(time.time() - start, 2), "train_metrics": output.metrics, "data": data.stats,
         "trainable_parameters": trainable, "total_parameters": total,
-        "offload": dict(offload.stats, tier=recipe.memory.offload) if offload is not None else None})
+        "offload": dict(trainer.offload.stats, tier=trainer.recipe.memory.offload) if trainer.offload is not None
+        else None})
     plot_loss_curve(run_dir.metrics, run_dir.root / "loss.png")
     run_dir.write_status(state, step=result.steps, max_steps=steps)
     run_dir.log_line(f"run {state} at step {result.steps}")

@@ -1,0 +1,301 @@
+"""Out-of-memory recovery in `finetune run`, driven by FINETUNE_FAULT_OOM_AT_STEP on the CPU.
+
+Exactness claim: a run that runs out of memory at step N and retries it with micro-batch B/2 and twice the
+accumulation logs the same losses as a run that used B/2 from the start (the same examples in each step,
+the same sum); only float summation order differs, so losses agree to rel 1e-5.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from finetune.cli import main
+from finetune.optim.layerwise import LayerwiseOptimizer
+from finetune.recipe import validate_recipe
+from finetune.train.checkpoints import FAULT_ENV as CHECKPOINT_FAULT_ENV
+from finetune.train.recovery import FAULT_ENV, RECOVERED_FILE
+from finetune.train.run import run
+from finetune.train.rundir import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+REL = 1e-5  # float summation order only (see the module docstring)
+
+
+def _data(tmp_path: Path, n: int = 16, varied: bool = True) -> Path:
+    path = tmp_path / ("oom-data.jsonl" if varied else "oom-data-uniform.jsonl")
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?" if varied else "What is 2 plus 2?"},
+                          {"role": "assistant", "content": f"It is {2 * i}." + " yes" * (i % 5) if varied
+                           else "It is 4."}]}
+            for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _recipe(tmp_path: Path, model_dir: Path, name: str, **sections) -> dict:
+    recipe = {
+        "model": {"path": str(model_dir)},
+        "quantization": {"bits": None},
+        "adapter": {"type": "lora", "r": 8, "alpha": 16, "dropout": 0.0},
+        "data": {"path": str(_data(tmp_path)), "max_seq_len": 64},
+        "training": {"max_steps": 4, "learning_rate": 1e-2, "warmup_ratio": 0.0},
+        "memory": {"activation_checkpointing": False, "chunked_loss": False, "tiled_mlp": False},
+        "output": {"dir": str(tmp_path / name), "save_steps": 100},
+    }
+    for section, values in sections.items():
+        recipe[section] = {**recipe.get(section, {}), **values}
+    return recipe
+
+
+def _run(monkeypatch, recipe: dict, fault: str | None = None):
+    if fault:
+        monkeypatch.setenv(FAULT_ENV, fault)
+    else:
+        monkeypatch.delenv(FAULT_ENV, raising=False)
+    result = run(validate_recipe(recipe))
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+    return result, read_jsonl(result.run_dir / "metrics.jsonl")
+
+
+def _losses(rows: list[dict]) -> dict[int, float]:
+    steps = [r["step"] for r in rows if "loss" in r]
+    assert len(steps) == len(set(steps)), f"a step was logged twice: {steps}"
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+_REFERENCES: dict[str, dict[int, float]] = {}
+
+
+def _reference(tmp_path_factory, model_dir: Path, monkeypatch, **sections) -> dict[int, float]:
+    """Losses of an uninterrupted run at the smaller micro-batch (cached: several tests compare with it)."""
+    key = json.dumps(sections, sort_keys=True)
+    sections.pop("tag", None)  # only tells cached references apart
+    if key not in _REFERENCES:
+        tmp = tmp_path_factory.mktemp("reference")
+        _, rows = _run(monkeypatch, _recipe(tmp, model_dir, "reference", **sections))
+        _REFERENCES[key] = _losses(rows)
+    return _REFERENCES[key]
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(dict(training={"micro_batch_size": 4, "gradient_accumulation_steps": 1}, fault="3",
+                      smaller={"micro_batch_size": 2, "gradient_accumulation_steps": 2}), id="accumulation-1"),
+    # accumulation > 1 (the earlier micro-batch's partial gradients are dropped) with disk offload, for a
+    # model that takes no loss kwargs: the Trainer divides each micro-batch mean by the micro-batch count.
+    # A mean over 2 examples weighs tokens unlike 2 single-example means, so the data is uniform here.
+    pytest.param(dict(training={"micro_batch_size": 2, "gradient_accumulation_steps": 2}, fault="2",
+                      memory={"offload": "disk", "offload_min_size": 0}, no_loss_kwargs=True,
+                      smaller={"micro_batch_size": 1, "gradient_accumulation_steps": 4}), id="accumulation-2-disk"),
+    # layer-wise: immediate updates in backward before the OOM, accumulate mode after (no clipping, so the
+    # two modes apply the same update and the reference is comparable from step 1)
+    pytest.param(dict(training={"micro_batch_size": 2, "gradient_accumulation_steps": 1, "max_grad_norm": None},
+                      optimizer={"layerwise": True}, fault="2",
+                      smaller={"micro_batch_size": 1, "gradient_accumulation_steps": 2}), id="layerwise"),
+])
+def test_recovered_run_equals_a_run_at_the_smaller_micro_batch(tmp_path, tmp_path_factory, tiny_model_dir,
+                                                               monkeypatch, case):
+    sections = {k: v for k, v in case.items() if k not in ("fault", "smaller", "no_loss_kwargs")}
+    if case.get("no_loss_kwargs"):
+        from finetune.train.recovery import RecoveringTrainer
+
+        monkeypatch.setattr(RecoveringTrainer, "model_accepts_loss_kwargs",
+                            property(lambda self: False, lambda self, value: None), raising=False)
+        sections["data"] = {"path": str(_data(tmp_path, varied=False))}
+    result, rows = _run(monkeypatch, _recipe(tmp_path, tiny_model_dir, "oom", **sections), case["fault"])
+    assert result.state == "completed" and result.steps == 4
+
+    events = [r for r in rows if r.get("event") == "oom_recovered"]
+    step = int(case["fault"])
+    smaller = case["smaller"]
+    assert [e["step"] for e in events] == [step]
+    assert events[0]["to"] == {f"training.{k}": v for k, v in smaller.items()}
+    saved = yaml.safe_load((result.run_dir / "recipe.yaml").read_text())
+    assert {k: saved["training"][k] for k in smaller} == smaller
+    assert "out of memory at step" in (result.run_dir / "train.log").read_text()
+    offload_dir = result.run_dir / "offload"
+    assert not offload_dir.exists() or not any(p.is_file() for p in offload_dir.rglob("*")), "offload files left"
+
+    reference = _reference(tmp_path_factory, tiny_model_dir, monkeypatch,
+                           **{**sections, "training": {**sections["training"], **smaller}},
+                           **({"tag": {"no_loss_kwargs": True}} if case.get("no_loss_kwargs") else {}))
+    losses = _losses(rows)
+    assert sorted(losses) == [1, 2, 3, 4]
+    for s in losses:
+        assert losses[s] == pytest.approx(reference[s], rel=REL), f"step {s}"
+
+
+def test_kill_right_after_a_recovery_then_resume_continues_with_the_recovered_settings(tmp_path, tiny_model_dir,
+                                                                                         monkeypatch):
+    """The recipe says micro-batch 4 (not auto); the recovery's 2 x 2 must win on --resume. With dropout on,
+    the resumed steps 3-4 (a loader at micro-batch 2, RNG from checkpoint-2) equal the ones the killed run
+    logged after its in-process recovery: the same examples, and the RNG put back to the step's start."""
+    recipe = _recipe(tmp_path, tiny_model_dir, "killed", adapter={"dropout": 0.1},
+                     training={"micro_batch_size": 4, "gradient_accumulation_steps": 1},
+                     output={"save_steps": 2})
+    path = tmp_path / "killed.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", FAULT_ENV: "3",
+           CHECKPOINT_FAULT_ENV: "hang@4"}
+    proc = subprocess.Popen([sys.executable, "-m", "finetune", "run", str(path)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    hang = tmp_path / "killed" / "checkpoints" / ".staging" / "checkpoint-4" / "FAULT_HANG"
+    deadline = time.time() + 240
+    while not hang.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert json.loads((tmp_path / "killed" / RECOVERED_FILE).read_text())["settings"] == {
+        "training.micro_batch_size": 2, "training.gradient_accumulation_steps": 2}
+    before_kill = _losses(read_jsonl(tmp_path / "killed" / "metrics.jsonl"))
+    assert sorted(before_kill) == [1, 2, 3, 4]
+
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+    assert main(["run", str(path), "--resume"]) == 0  # resumes from checkpoint-2
+    saved = yaml.safe_load((tmp_path / "killed" / "recipe.yaml").read_text())
+    assert (saved["training"]["micro_batch_size"], saved["training"]["gradient_accumulation_steps"]) == (2, 2)
+    resumed = _losses(read_jsonl(tmp_path / "killed" / "metrics.jsonl"))
+    assert sorted(resumed) == [1, 2, 3, 4]
+    for s in resumed:
+        assert resumed[s] == pytest.approx(before_kill[s], rel=REL), f"step {s}"
+
+
+def test_at_micro_batch_1_the_alternatives_come_in_order_then_a_clear_error_and_a_checkpoint(
+        tmp_path, tiny_model_dir, monkeypatch, capsys):
+    recipe = _recipe(tmp_path, tiny_model_dir, "ladder",
+                     training={"micro_batch_size": 1, "gradient_accumulation_steps": 2},
+                     memory={"tiled_mlp_tokens": 16, "offload_min_size": 0})
+    path = tmp_path / "ladder.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    monkeypatch.setenv(FAULT_ENV, "2,2,2,2,2")  # step 2 fails five times: four alternatives, then none left
+    code = main(["run", str(path)])
+    out = capsys.readouterr()
+    assert code != 0
+    assert "Traceback" not in out.out + out.err
+    assert "out of memory at step 2" in out.err and "need a budget of" in out.err and "checkpoint-1" in out.err
+
+    run_dir = tmp_path / "ladder"
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    changes = [r["to"] for r in rows if r.get("event") == "oom_recovered"]
+    assert changes == [{"memory.activation_checkpointing": True}, {"memory.offload": "disk"},
+                       {"memory.chunked_loss": True}, {"memory.tiled_mlp": True}]
+    assert [r["event"] for r in rows if "event" in r][-1] == "oom_gave_up"
+    assert sorted(_losses(rows)) == [1]
+    assert (run_dir / "checkpoints" / "checkpoint-1").is_dir()
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "failed"
+    assert not any(p.is_file() for p in (run_dir / "offload").rglob("*")), "offload files left"
+
+    monkeypatch.delenv(FAULT_ENV)  # more memory now: --resume continues from checkpoint-1 with the leanest plan
+    assert main(["run", str(path), "--resume"]) == 0
+    saved = yaml.safe_load((run_dir / "recipe.yaml").read_text())["memory"]
+    assert (saved["activation_checkpointing"], saved["offload"], saved["chunked_loss"], saved["tiled_mlp"]) == (
+        True, "disk", True, True)
+    assert sorted(_losses(read_jsonl(run_dir / "metrics.jsonl"))) == [1, 2, 3, 4]
+
+
+def test_layerwise_immediate_updates_cannot_be_discarded_once_a_hook_ran():
+    """Why the recovery refuses (with a message) an OOM that hits a layer-wise backward mid-way: the hooks
+    that already ran updated their weights. Before any hook ran, or in accumulate mode, it can retry."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    params = [{"params": list(model.parameters())}]
+    opt = LayerwiseOptimizer(params, lambda groups, seed_offset: torch.optim.SGD(groups, lr=0.1))
+    assert opt.discard_pending()  # nothing ran yet
+    model(torch.ones(2, 4)).sum().backward()
+    assert not opt.discard_pending()  # weights moved inside backward
+    opt.remove_hooks()
+
+    accumulate = LayerwiseOptimizer([{"params": list(model.parameters())}],
+                                    lambda groups, seed_offset: torch.optim.SGD(groups, lr=0.1), steps_per_update=2)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.ones(2, 4)).sum().backward()
+    assert accumulate.discard_pending()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+
+
+def test_out_of_memory_outside_the_step_is_a_clear_error(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """An optimizer update or evaluation that runs out of memory cannot be redone: a message, no traceback."""
+    import finetune.train.run as run_module
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(run_module, "_plan_build_train", oom)
+    path = tmp_path / "outside.yaml"
+    path.write_text(yaml.safe_dump(_recipe(tmp_path, tiny_model_dir, "outside")))
+    assert main(["run", str(path)]) != 0
+    err = capsys.readouterr().err
+    assert "out of memory outside the forward/backward" in err and "Tried to allocate 2.00 GiB" in err
+    assert "Traceback" not in err
+    assert json.loads((tmp_path / "outside" / "status.json").read_text())["state"] == "failed"
+
+
+def test_layerwise_oom_after_weights_moved_stops_clearly_and_resume_continues_cheaper(
+        tmp_path, tmp_path_factory, tiny_model_dir, monkeypatch, capsys):
+    """A real OOM in the middle of a layer-wise (immediate) backward: weights already updated cannot be
+    restored, so the run stops with a message; --resume redoes the step from checkpoint-1, cheaper."""
+    sections = dict(training={"micro_batch_size": 2, "gradient_accumulation_steps": 1, "max_grad_norm": None},
+                    optimizer={"layerwise": True})
+    path = tmp_path / "lw.yaml"
+    path.write_text(yaml.safe_dump(_recipe(tmp_path, tiny_model_dir, "lw", output={"save_steps": 1}, **sections)))
+    hook, calls = LayerwiseOptimizer._hook, []
+
+    def failing_hook(self, p):
+        calls.append(p)
+        if len(calls) == len(self.inner) + 2:  # step 2, after its first weight was updated
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated inside backward)")
+        hook(self, p)
+
+    monkeypatch.setattr(LayerwiseOptimizer, "_hook", failing_hook)
+    assert main(["run", str(path)]) != 0
+    err = capsys.readouterr().err
+    assert "layer-wise optimizer had already updated" in err and "--resume" in err and "Traceback" not in err
+    monkeypatch.setattr(LayerwiseOptimizer, "_hook", hook)
+    assert not (tmp_path / "lw" / "checkpoints" / "checkpoint-2").exists()
+
+    assert main(["run", str(path), "--resume"]) == 0
+    losses = _losses(read_jsonl(tmp_path / "lw" / "metrics.jsonl"))
+    reference = _reference(tmp_path_factory, tiny_model_dir, monkeypatch,
+                           **{**sections, "training": {**sections["training"], "micro_batch_size": 1,
+                                                       "gradient_accumulation_steps": 2}})
+    assert sorted(losses) == [1, 2, 3, 4]
+    for s in losses:
+        assert losses[s] == pytest.approx(reference[s], rel=REL), f"step {s}"
+
+
+def test_the_ladder_keeps_the_effective_batch_and_skips_what_is_on_or_predicted_not_to_fit(tmp_path, tiny_model_dir):
+    from types import SimpleNamespace
+
+    from finetune.train.oom_ladder import cheaper, rungs, settings_of
+
+    recipe = validate_recipe(_recipe(tmp_path, tiny_model_dir, "ladder-unit",
+                                     training={"micro_batch_size": 6, "gradient_accumulation_steps": 3}))
+    fits = lambda r: SimpleNamespace(fits=True)  # noqa: E731
+    seen = []
+    for splits in (1, 2):  # 6 -> 3 (k=2) -> 1 (k=6): the next divisor of 6, effective batch 18 throughout
+        step = cheaper(recipe, 6, 3, splits, fits)
+        t = step.recipe.training
+        seen.append((step.splits, t.micro_batch_size, t.gradient_accumulation_steps))
+    assert seen == [(2, 3, 6), (6, 1, 18)]
+
+    on_cuda = [list(r.items())[0] for r in rungs(recipe, cuda=True)]
+    assert on_cuda == [("memory.activation_checkpointing", True), ("memory.offload", "cpu"),
+                       ("memory.offload", "disk"), ("memory.chunked_loss", True)]  # 64 tokens: tiling is a no-op
+    # At micro-batch 1 a rung the planner says does not fit is passed over; the next one is taken with it.
+    one = validate_recipe(_recipe(tmp_path, tiny_model_dir, "ladder-unit", training={"micro_batch_size": 1}))
+    predicted = lambda r: SimpleNamespace(fits=r.memory.offload == "disk")  # noqa: E731
+    step = cheaper(one, 1, 1, 1, predicted)
+    assert {k: v for k, v in settings_of(step.recipe).items() if settings_of(one)[k] != v} == {
+        "memory.activation_checkpointing": True, "memory.offload": "disk"}
+    never = lambda r: SimpleNamespace(fits=False, min_budget_bytes=123 << 20, peak_bytes=0)  # noqa: E731
+    assert cheaper(one, 1, 1, 1, never).recipe is None and cheaper(one, 1, 1, 1, never).min_budget_bytes == 123 << 20
