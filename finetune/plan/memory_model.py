@@ -173,12 +173,12 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
     grads_total = params.pop("grads")
     # 4-bit: backward dequantizes one weight at a time into the compute dtype (on CUDA forward too; on CPU
     # the forward kernel is fused). 8-bit is emulated inside the trace.
-    dequant = largest_quant * torch.tensor([], dtype=spec.dtype).element_size() if settings.bits == 4 else 0
+    dequant = largest_quant * spec.dtype.itemsize if settings.bits == 4 else 0
 
     tokens = mb * spec.seq_len
     vocab = spec.config.get_text_config().vocab_size
     logits_keep = min(1.0, default_chunk_size(vocab) / tokens) if settings.chunked_loss else 1.0
-    hidden_bytes = tokens * spec.hidden_size * torch.tensor([], dtype=spec.dtype).element_size()
+    hidden_bytes = tokens * spec.hidden_size * spec.dtype.itemsize
     windows: dict[str, dict[str, float]] = {}
     offloaded = 0.0
     phases = [w for w in ("forward", "bwd_head", "bwd_top", "bwd_bottom") if w in ta.windows and w in tb.windows]

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from finetune.memory.tracker import CATEGORIES
 from finetune.plan.search import Plan
-from finetune.recipe.schema import format_bytes
+from finetune.units import format_bytes
 
 
 def _short(settings: dict[str, Any]) -> str:

@@ -24,7 +24,8 @@ from finetune.plan.shapes import (
     model_shapes,
     target_dtype,
 )
-from finetune.recipe.schema import Recipe, format_bytes
+from finetune.recipe.schema import Recipe
+from finetune.units import format_bytes, parse_bytes
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 # Optimizers `auto` may pick, best first; the factor is a preference (update quality), not a speed.
@@ -89,8 +90,6 @@ def _free_memory(device: str) -> int:
 
 
 def _budget(recipe: Recipe, gpu_memory: int | str | None, device: str) -> int:
-    from finetune.recipe.schema import parse_bytes
-
     value = gpu_memory if gpu_memory is not None else recipe.memory.gpu_memory
     try:
         value = parse_bytes(value)
@@ -160,7 +159,7 @@ def _speed(spec: ModelSpec, shapes: ModelShapes, settings: Settings, offloaded_b
     return tokens_per_second(
         settings, device=spec.device, params=shapes.total, trainable_full=spec.adapter.type == "full",
         num_layers=spec.num_layers, hidden=spec.hidden_size, seq_len=spec.seq_len, quantized_params=quantized,
-        offloaded_bytes=offloaded_bytes, dtype_bytes=torch.tensor([], dtype=spec.dtype).element_size(),
+        offloaded_bytes=offloaded_bytes, dtype_bytes=spec.dtype.itemsize,
         mlp_params=shapes.num_layers * shapes.mlp_linear, mlp_chunk_tokens=spec.tiled_mlp_tokens, bandwidth=bandwidth)
 
 

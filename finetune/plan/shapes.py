@@ -16,18 +16,12 @@ import torch
 
 from finetune.errors import ModelLoadError
 from finetune.recipe.schema import AdapterConfig, Recipe
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from finetune.units import dtype_name, torch_dtype
 
 
 def target_dtype(recipe: Recipe, device: str) -> torch.dtype:
-    """The compute dtype on the device planned for (model.dtype auto: bf16 on CUDA, fp32 on CPU).
-
-    Same rule as finetune.model.load.compute_dtype, but for a target device rather than this machine's.
-    """
-    if recipe.model.dtype == "auto":
-        return torch.bfloat16 if device == "cuda" else torch.float32
-    return _DTYPES[recipe.model.dtype]
+    """The compute dtype on the device planned for (a GPU planned for is assumed to support bf16)."""
+    return torch_dtype(dtype_name(recipe.model.dtype, device))
 
 
 def load_model_config(path: str, trust_remote_code: bool = False) -> Any:

@@ -16,7 +16,7 @@ from finetune.memory.offload import activation_offload, preflight_offload
 from finetune.memory.tracker_callback import PeakMemoryCallback
 from finetune.plan import Plan, plot_breakdown, predict
 from finetune.recipe.load import load_recipe, recipe_to_yaml
-from finetune.recipe.schema import Recipe, format_bytes
+from finetune.recipe.schema import Recipe
 from finetune.train.callbacks import MetricsCallback, ProgressCallback, StopOnSignal
 from finetune.train.checkpoints import find_resumable, numbered, report_skipped, step_of
 from finetune.train.plots import plot_loss_curve
@@ -28,6 +28,7 @@ from finetune.train.rundir import (
     replace_dir,
 )
 from finetune.train.trainer import FinetuneTrainer, total_steps, training_arguments
+from finetune.units import format_bytes
 
 # Disk full, quota, permissions, read-only folder: the user's to fix, so a message instead of a traceback.
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EFBIG}
