@@ -36,6 +36,7 @@ from finetune.memory.offload import PREFETCH_LAYERS
 from finetune.optim import gradient_bytes, optimizer_state_bytes
 from finetune.plan.trace import Trace, param_table, trace_step
 from finetune.recipe.schema import AdapterConfig, OptimizerConfig
+from finetune.recipe.settings import Settings
 
 # CUDA fixed costs. The context is outside torch's allocator, so it is added to the peak; the budget is
 # measured as free memory before the process creates its context. Values for CUDA 12 with lazy module
@@ -52,28 +53,11 @@ NF4_BLOCK = 64
 DOUBLE_QUANT_BLOCK = 256
 
 
-@dataclass(frozen=True)
-class Settings:
-    """One concrete configuration the planner can evaluate."""
-
-    micro_batch_size: int
-    gradient_accumulation_steps: int
-    activation_checkpointing: bool
-    checkpoint_every_n_layers: int
-    offload: str  # none | cpu | disk
-    chunked_loss: bool
-    bits: int | None
-    optimizer: str
-    tiled_mlp: bool = False
-
-
 @dataclass
 class Prediction:
     peak_bytes: int
     breakdown: dict[str, int]
-    phase: str
     offloaded_bytes: int = 0  # activation bytes moved off the device per micro-batch
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def quantized_weight_bytes(numel: int, out_features: int, bits: int | None, double_quant: bool,
@@ -215,5 +199,4 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
         w["other"] += _fixed_costs(spec, sum(w.values()))
     phase = max(windows, key=lambda k: sum(windows[k].values()))
     breakdown = {k: int(round(v)) for k, v in windows[phase].items()}
-    return Prediction(peak_bytes=sum(breakdown.values()), breakdown=breakdown, phase=phase,
-                      offloaded_bytes=int(offloaded))
+    return Prediction(peak_bytes=sum(breakdown.values()), breakdown=breakdown, offloaded_bytes=int(offloaded))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import types
 import typing
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -20,6 +20,7 @@ from pydantic import (
     model_validator,
 )
 
+from finetune.recipe import settings
 from finetune.units import MAX_SIZE, parse_bytes
 
 MAX_COUNT = 2**31 - 1  # steps, sizes in tokens, ranks: what torch and the Trainer keep in 32-bit ints
@@ -243,14 +244,9 @@ class Recipe(Section):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer and its state.")
     output: OutputConfig = Field(default_factory=OutputConfig, description="Where results go.")
 
-    # Keys the planner decides when they are `auto`.
-    PLANNED_KEYS: ClassVar[tuple[str, ...]] = ("training.micro_batch_size", "training.gradient_accumulation_steps",
-                    "memory.activation_checkpointing", "memory.offload", "memory.chunked_loss", "memory.tiled_mlp",
-                    "quantization.bits", "optimizer.name")
-
     def auto_keys(self) -> list[str]:
-        """The planned keys still set to `auto` ("section.key")."""
-        return [k for k in self.PLANNED_KEYS if getattr(getattr(self, k.split(".")[0]), k.split(".")[1]) == "auto"]
+        """The keys ("section.key") still `auto` that the planner decides (finetune.recipe.settings lists them)."""
+        return settings.auto_keys(self)
 
     @model_validator(mode="after")
     def _coherent(self) -> Recipe:
