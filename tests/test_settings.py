@@ -164,3 +164,20 @@ def test_one_cache_folder(monkeypatch, tmp_path):
     assert cache_dir() == tmp_path and cache_path().parent == tmp_path
     monkeypatch.setenv("FINETUNE_CACHE", "")  # empty: the default, not the working directory
     assert cache_dir().name == "finetune" and cache_dir().is_absolute()
+
+
+def test_without_a_plan_only_settings_with_a_safe_fallback_may_stay_auto(monkeypatch):
+    """A model the planner cannot price still trains when only chunked_loss/tiled_mlp are auto (their plain
+    value is always correct); any other auto key needs the plan and is a clear error."""
+    from finetune.errors import FinetuneError
+    from finetune.train import run as run_module
+
+    def unplannable(recipe):
+        raise RuntimeError("unknown architecture")
+
+    monkeypatch.setattr(run_module, "predict", unplannable)
+    plan, resolved = run_module._plan(_recipe(memory={"chunked_loss": "auto", "tiled_mlp": "auto"}))
+    assert plan is None and resolved.auto_keys() == []
+    assert (resolved.memory.chunked_loss, resolved.memory.tiled_mlp) == (False, False)
+    with pytest.raises(FinetuneError, match="training.micro_batch_size"):
+        run_module._plan(_recipe(training={"micro_batch_size": "auto"}))
