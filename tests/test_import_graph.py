@@ -6,6 +6,7 @@ Every module of finetune/ and ui/ is parsed (not imported), so lazy imports insi
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,6 +71,7 @@ def _resolve(importer: str, node: ast.ImportFrom | ast.Import) -> list[str]:
     return sorted({n for n in names if n.split(".")[0] in PACKAGES})
 
 
+@functools.cache
 def project_imports() -> list[tuple[str, int, str]]:
     """(importer, line, target) for every import of a project module, module level or inside functions."""
     found = []
