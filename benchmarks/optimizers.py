@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from finetune.optim import build_optimizer, gradient_bytes, measured_state_bytes, optimizer_state_bytes  # noqa: E402
 from finetune.optim.build import trained_specs  # noqa: E402
-from finetune.recipe.schema import OptimizerConfig, format_bytes  # noqa: E402
+from finetune.recipe.schema import OptimizerConfig  # noqa: E402
+from finetune.units import format_bytes  # noqa: E402
 
 # (label, config, learning rate, micro-batches per optimizer step)
 RUNS = [

@@ -176,7 +176,7 @@ def test_duplicate_keys_and_sections_name_both_lines(tmp_path):
                                    "9" * 5000, "true", "2000TiB", "1" * 40 + "GiB"])
 def test_parse_bytes_raises_only_value_error(value):
     """The planner's --gpu-memory relies on ValueError only (OverflowError was a traceback for .inf)."""
-    from finetune.recipe.schema import parse_bytes
+    from finetune.units import parse_bytes
 
     with pytest.raises(ValueError):
         parse_bytes(yaml_value(value))
@@ -189,7 +189,7 @@ def yaml_value(text: str):
 
 
 def test_parse_bytes_reads_units():
-    from finetune.recipe.schema import parse_bytes
+    from finetune.units import parse_bytes
 
     assert parse_bytes("12GiB") == 12 * 2**30 and parse_bytes("512 MB") == 512 * 10**6 and parse_bytes(1.5) == 1
     assert parse_bytes("auto") == "auto" and parse_bytes(0) == 0

@@ -11,7 +11,7 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.ticker import FormatStrFormatter
 
-from finetune.recipe.schema import format_bytes
+from finetune.units import format_bytes
 
 GIB = 1 << 30
 BREAKDOWN = ("weights", "trainable_weights", "gradients", "optimizer_state", "activations", "logits_and_loss", "other")

@@ -6,7 +6,7 @@ import html
 from pathlib import Path
 from typing import Any
 
-from finetune.recipe.schema import format_bytes
+from finetune.units import format_bytes
 from ui import rundir
 from ui.runs import RunManager
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from finetune.memory.offload_disk import FILE_PREFIX, read_tensor_file, write_tensor_file
+from finetune.units import cache_dir
 
 PROBE_BYTES = 256 << 20
 PROBE_CHUNK = 16 << 20  # written as separate files, like activations
@@ -23,8 +24,7 @@ PROBE_CHUNK = 16 << 20  # written as separate files, like activations
 
 def cache_path() -> Path:
     """The JSON cache of measured bandwidths."""
-    root = os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune"
-    return Path(root) / "bandwidth.json"
+    return cache_dir() / "bandwidth.json"
 
 
 def _load_cache() -> dict:

@@ -2,7 +2,7 @@
 
 The training step here is deliberately minimal (forward with labels, backward, optimizer step) and lives in
 `training_step`, which the planner also runs on the `meta` device, so predictions and measurements follow
-the same code path. Swap `training_step` for the Trainer's step once that exists on main.
+the same code path; `finetune run` steps through FinetuneTrainer (issue #12 makes the three one step).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from finetune.memory.chunked_loss import causal_lm_loss
 from finetune.memory.layer_recompute import apply_memory_config
 from finetune.memory.tracker import MemoryTracker, measure_step
 from finetune.recipe.schema import Recipe
+from finetune.recipe.settings import read_settings
 
 
 def enable_checkpointing(model: torch.nn.Module, enabled: bool, every_n: int) -> None:
@@ -100,11 +101,7 @@ def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
 
         result = measure_step(run, model=model, optimizer=optimizer, vocab_size=vocab, device=device)
     result["steps"] = steps
-    result["settings"] = {"micro_batch_size": recipe.training.micro_batch_size,
-                          "activation_checkpointing": recipe.memory.activation_checkpointing,
-                          "chunked_loss": recipe.memory.chunked_loss, "offload": recipe.memory.offload,
-                          "tiled_mlp": recipe.memory.tiled_mlp,
-                          "bits": recipe.quantization.bits, "optimizer": recipe.optimizer.name}
+    result["settings"] = read_settings(recipe)
     return result
 
 

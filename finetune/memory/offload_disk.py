@@ -21,7 +21,7 @@ import torch
 
 from finetune.errors import FinetuneError
 from finetune.memory.offload_cpu import STEP_ENDED, DeviceCopy, HostPool, Mover, byte_view, host_view
-from finetune.recipe.schema import format_bytes
+from finetune.units import format_bytes
 
 FILE_PREFIX = "ft-act-"
 DISK_MARGIN = 0.10  # free space asked for on top of the predicted bytes

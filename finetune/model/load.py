@@ -9,17 +9,13 @@ import torch
 from finetune.errors import ModelLoadError
 from finetune.model.source import resolve_model_path
 from finetune.recipe.schema import ModelConfig, QuantizationConfig
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from finetune.units import dtype_name, torch_dtype
 
 
 def compute_dtype(model_cfg: ModelConfig) -> torch.dtype:
-    """bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU (CPU bf16 matmuls are slow and lossy)."""
-    if model_cfg.dtype != "auto":
-        return _DTYPES[model_cfg.dtype]
-    if torch.cuda.is_available():
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
+    """model.dtype on this machine: auto is bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU."""
+    cuda = torch.cuda.is_available()
+    return torch_dtype(dtype_name(model_cfg.dtype, "cuda" if cuda else "cpu", cuda and torch.cuda.is_bf16_supported()))
 
 
 def attn_implementation(choice: str, config) -> str:

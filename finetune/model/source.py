@@ -10,11 +10,7 @@ import shutil
 from pathlib import Path
 
 from finetune.errors import ModelLoadError
-
-
-def cache_dir() -> Path:
-    """Where converted models and measured bandwidths are cached (FINETUNE_CACHE, else ~/.cache/finetune)."""
-    return Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune"))
+from finetune.units import cache_dir
 
 
 def resolve_model_path(path: str, revision: str | None = None) -> Path:

@@ -38,6 +38,7 @@ from finetune.optim import gradient_bytes, optimizer_state_bytes
 from finetune.plan.trace import Trace, param_table, trace_step
 from finetune.recipe.optimizers import optimizer_spec
 from finetune.recipe.schema import AdapterConfig, OptimizerConfig
+from finetune.recipe.settings import Settings
 
 # CUDA fixed costs. The context is outside torch's allocator, so it is added to the peak; the budget is
 # measured as free memory before the process creates its context. Values for CUDA 12 with lazy module
@@ -51,28 +52,11 @@ NF4_BLOCK = 64
 DOUBLE_QUANT_BLOCK = 256
 
 
-@dataclass(frozen=True)
-class Settings:
-    """One concrete configuration the planner can evaluate."""
-
-    micro_batch_size: int
-    gradient_accumulation_steps: int
-    activation_checkpointing: bool
-    checkpoint_every_n_layers: int
-    offload: str  # none | cpu | disk
-    chunked_loss: bool
-    bits: int | None
-    optimizer: str
-    tiled_mlp: bool = False
-
-
 @dataclass
 class Prediction:
     peak_bytes: int
     breakdown: dict[str, int]
-    phase: str
     offloaded_bytes: int = 0  # activation bytes moved off the device per micro-batch
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def quantized_weight_bytes(numel: int, out_features: int, bits: int | None, double_quant: bool,
@@ -172,12 +156,12 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
     grads_total = params.pop("grads")
     # 4-bit: backward dequantizes one weight at a time into the compute dtype (on CUDA forward too; on CPU
     # the forward kernel is fused). 8-bit is emulated inside the trace.
-    dequant = largest_quant * torch.tensor([], dtype=spec.dtype).element_size() if settings.bits == 4 else 0
+    dequant = largest_quant * spec.dtype.itemsize if settings.bits == 4 else 0
 
     tokens = mb * spec.seq_len
     vocab = spec.config.get_text_config().vocab_size
     logits_keep = min(1.0, default_chunk_size(vocab) / tokens) if settings.chunked_loss else 1.0
-    hidden_bytes = tokens * spec.hidden_size * torch.tensor([], dtype=spec.dtype).element_size()
+    hidden_bytes = tokens * spec.hidden_size * spec.dtype.itemsize
     windows: dict[str, dict[str, float]] = {}
     offloaded = 0.0
     phases = [w for w in ("forward", "bwd_head", "bwd_top", "bwd_bottom") if w in ta.windows and w in tb.windows]
@@ -214,5 +198,4 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
         w["other"] += _fixed_costs(spec, sum(w.values()))
     phase = max(windows, key=lambda k: sum(windows[k].values()))
     breakdown = {k: int(round(v)) for k, v in windows[phase].items()}
-    return Prediction(peak_bytes=sum(breakdown.values()), breakdown=breakdown, phase=phase,
-                      offloaded_bytes=int(offloaded))
+    return Prediction(peak_bytes=sum(breakdown.values()), breakdown=breakdown, offloaded_bytes=int(offloaded))

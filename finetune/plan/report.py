@@ -10,15 +10,12 @@ from rich.table import Table
 
 from finetune.memory.tracker import CATEGORIES
 from finetune.plan.search import Plan
-from finetune.recipe.schema import format_bytes
+from finetune.recipe.settings import table as settings_table
+from finetune.units import format_bytes
 
 
 def _short(settings: dict[str, Any]) -> str:
-    ck = f"ckpt/{settings['checkpoint_every_n_layers']}" if settings["activation_checkpointing"] else "no-ckpt"
-    return (f"mb={settings['micro_batch_size']} ga={settings['gradient_accumulation_steps']} {ck} "
-            f"offload={settings['offload']} chunked={settings['chunked_loss']} tiled={settings['tiled_mlp']} "
-            f"bits={settings['bits']} "
-            f"{settings['optimizer']}")
+    return " ".join(f"{s.label}={settings[s.name]}" for s in settings_table() if s.name in settings)
 
 
 def breakdown_table(title: str, breakdown: dict[str, int], peak: int, budget: int | None = None) -> Table:

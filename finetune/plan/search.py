@@ -17,7 +17,7 @@ from finetune.memory.bandwidth import transfer_bandwidth
 from finetune.memory.offload import offload_dir_for
 from finetune.model.load import attn_implementation
 from finetune.plan.cost_model import tokens_per_second
-from finetune.plan.memory_model import ModelSpec, Settings, memory_floor, predict_memory
+from finetune.plan.memory_model import ModelSpec, memory_floor, predict_memory
 from finetune.plan.shapes import (
     ModelShapes,
     load_model_config,
@@ -25,7 +25,9 @@ from finetune.plan.shapes import (
     target_dtype,
 )
 from finetune.recipe.optimizers import auto_preferences
-from finetune.recipe.schema import Recipe, format_bytes
+from finetune.recipe.schema import Recipe
+from finetune.recipe.settings import Settings, read_settings, write_settings
+from finetune.units import format_bytes, parse_bytes
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 # Optimizers `auto` may pick (the registry's auto_preference); the factor is a preference (update quality),
@@ -65,20 +67,10 @@ class Plan:
 
     def apply(self, recipe: Recipe) -> Recipe:
         """A copy of `recipe` with every `auto` the planner decides replaced by the chosen value."""
-        s = self.settings
-        data = recipe.model_dump()
-        data["training"]["micro_batch_size"] = s["micro_batch_size"]
-        data["training"]["gradient_accumulation_steps"] = s["gradient_accumulation_steps"]
-        data["memory"]["activation_checkpointing"] = s["activation_checkpointing"]
-        data["memory"]["checkpoint_every_n_layers"] = s["checkpoint_every_n_layers"]
-        data["memory"]["offload"] = s["offload"]
-        data["memory"]["chunked_loss"] = s["chunked_loss"]
-        data["memory"]["tiled_mlp"] = s["tiled_mlp"]
-        if data["memory"]["gpu_memory"] == "auto":
-            data["memory"]["gpu_memory"] = self.budget_bytes + recipe.memory.gpu_memory_margin
-        data["quantization"]["bits"] = s["bits"]
-        data["optimizer"]["name"] = s["optimizer"]
-        return Recipe.model_validate(data)
+        chosen = write_settings(recipe, self.settings)
+        if chosen.memory.gpu_memory == "auto":  # the budget planned for (a fresh copy: assigning is safe)
+            chosen.memory.gpu_memory = self.budget_bytes + recipe.memory.gpu_memory_margin
+        return chosen
 
 
 def _free_memory(device: str) -> int:
@@ -91,8 +83,6 @@ def _free_memory(device: str) -> int:
 
 
 def _budget(recipe: Recipe, gpu_memory: int | str | None, device: str) -> int:
-    from finetune.recipe.schema import parse_bytes
-
     value = gpu_memory if gpu_memory is not None else recipe.memory.gpu_memory
     try:
         value = parse_bytes(value)
@@ -107,33 +97,40 @@ def _budget(recipe: Recipe, gpu_memory: int | str | None, device: str) -> int:
     return budget
 
 
+def auto_values(recipe: Recipe, device: str) -> dict[str, list[Any]]:
+    """What each searched setting (finetune.recipe.settings) may become where the recipe says `auto`;
+    gradient_accumulation_steps follows the micro-batch instead (`_choices`)."""
+    effective = recipe.training.effective_batch_size
+    return {
+        "micro_batch_size": [b for b in MICRO_BATCHES if not effective or b <= effective],
+        "activation_checkpointing": [False, True],
+        # Training on the CPU, the cpu tier frees nothing: only disk is an option there.
+        "offload": ["none", "cpu", "disk"] if device == "cuda" else ["none", "disk"],
+        "chunked_loss": [False, True],
+        "bits": [None] if recipe.adapter.type == "full" else [None, 8, 4],
+        "optimizer": list(AUTO_OPTIMIZERS),
+        "tiled_mlp": [False, True],
+    }
+
+
 def _choices(recipe: Recipe, spec: ModelSpec) -> list[Settings]:
-    t, m = recipe.training, recipe.memory
-    mbs = [b for b in MICRO_BATCHES if not t.effective_batch_size or b <= t.effective_batch_size] \
-        if t.micro_batch_size == "auto" else [t.micro_batch_size]
-    ckpts = [(False, 1), (True, 1)] if m.activation_checkpointing == "auto" else \
-        [(bool(m.activation_checkpointing), m.checkpoint_every_n_layers)]
-    # Training on the CPU, the cpu tier frees nothing: only disk is an option there.
-    offloads = (["none", "cpu", "disk"] if spec.device == "cuda" else ["none", "disk"]) if m.offload == "auto" \
-        else [m.offload]
-    chunked = [False, True] if m.chunked_loss == "auto" else [bool(m.chunked_loss)]
-    tiled = [False, True] if m.tiled_mlp == "auto" else [bool(m.tiled_mlp)]
-    if recipe.quantization.bits == "auto":
-        bits = [None] if recipe.adapter.type == "full" else [None, 8, 4]
-    else:
-        bits = [recipe.quantization.bits]
-    opts = list(AUTO_OPTIMIZERS) if recipe.optimizer.name == "auto" else [recipe.optimizer.name]
+    """Every combination of the recipe's settings, each `auto` one taking its `auto_values`."""
+    given = read_settings(recipe)
+    if given["activation_checkpointing"] == "auto":
+        given["checkpoint_every_n_layers"] = 1
+    auto = auto_values(recipe, spec.device)
+    axes = {name: auto.get(name, [value]) if value == "auto" else [value] for name, value in given.items()}
+    effective = recipe.training.effective_batch_size
     out = []
-    for mb, (ck, every), off, ch, q, opt, tile in itertools.product(mbs, ckpts, offloads, chunked, bits, opts, tiled):
-        if tile and spec.seq_len <= spec.tiled_mlp_tokens:  # one chunk: the plain MLP
+    for values in itertools.product(*axes.values()):
+        st = dict(zip(axes, values, strict=True))
+        if st["tiled_mlp"] and spec.seq_len <= spec.tiled_mlp_tokens:  # one chunk: the plain MLP
             continue
-        if off != "none" and spec.num_layers < 2:
+        if st["offload"] != "none" and spec.num_layers < 2:
             continue
-        if t.gradient_accumulation_steps == "auto":
-            accum = math.ceil(t.effective_batch_size / mb) if t.effective_batch_size else 1
-        else:
-            accum = t.gradient_accumulation_steps
-        out.append(Settings(mb, accum, ck, every, off, ch, q, opt, tile))
+        if st["gradient_accumulation_steps"] == "auto":  # keep training.effective_batch_size
+            st["gradient_accumulation_steps"] = math.ceil(effective / st["micro_batch_size"]) if effective else 1
+        out.append(Settings(**st))
     return out
 
 
@@ -162,7 +159,7 @@ def _speed(spec: ModelSpec, shapes: ModelShapes, settings: Settings, offloaded_b
     return tokens_per_second(
         settings, device=spec.device, params=shapes.total, trainable_full=spec.adapter.type == "full",
         num_layers=spec.num_layers, hidden=spec.hidden_size, seq_len=spec.seq_len, quantized_params=quantized,
-        offloaded_bytes=offloaded_bytes, dtype_bytes=torch.tensor([], dtype=spec.dtype).element_size(),
+        offloaded_bytes=offloaded_bytes, dtype_bytes=spec.dtype.itemsize,
         mlp_params=shapes.num_layers * shapes.mlp_linear, mlp_chunk_tokens=spec.tiled_mlp_tokens, bandwidth=bandwidth)
 
 

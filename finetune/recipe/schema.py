@@ -6,10 +6,9 @@ Every field has a default or is required, and a one-line description. Sections m
 from __future__ import annotations
 
 import math
-import re
 import types
 import typing
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -21,50 +20,11 @@ from pydantic import (
     model_validator,
 )
 
+from finetune.recipe import settings
 from finetune.recipe.optimizers import SPECS, names_with_key, optimizer_names, optimizer_spec, specific_keys
+from finetune.units import MAX_SIZE, parse_bytes
 
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-
-
-MAX_SIZE = 2**50  # 1 PiB: far above any machine, low enough that arithmetic on it stays exact
 MAX_COUNT = 2**31 - 1  # steps, sizes in tokens, ranks: what torch and the Trainer keep in 32-bit ints
-
-
-def parse_bytes(value: Any) -> Any:
-    """Turn '12GiB', '12GB', '512M' or an int into a byte count; leave 'auto' and None alone.
-
-    Raises only ValueError (the planner's --gpu-memory relies on it), for .inf, NaN, negative and garbage."""
-    if value is None or value == "auto":
-        return value
-    if isinstance(value, bool):
-        raise ValueError("expected a size such as 12GiB, not true/false")
-    if isinstance(value, int | float):
-        number, unit = float(value), ""
-    else:
-        match = re.fullmatch(r"\s*([0-9]{0,30}\.?[0-9]{1,30})\s*([a-zA-Z]{0,3})\s*", str(value)[:100])
-        if not match or match.group(2).lower() not in _UNITS:
-            raise ValueError("expected a size such as 12GiB, 512MiB or a number of bytes")
-        number, unit = float(match.group(1)), match.group(2).lower()
-    if not math.isfinite(number) or number < 0:
-        raise ValueError("a size must be a finite number of bytes, 0 or more")
-    size = number * _UNITS[unit]
-    if size > MAX_SIZE:
-        raise ValueError("a size must be at most 1 PiB")
-    return value if isinstance(value, int) else int(size)
-
-
-def format_bytes(n: float) -> str:
-    """Human-readable binary size, e.g. 1.50 GiB."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 ByteSize = Annotated[int, BeforeValidator(parse_bytes), Field(ge=0, le=MAX_SIZE)]
@@ -317,14 +277,9 @@ class Recipe(Section):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer and its state.")
     output: OutputConfig = Field(default_factory=OutputConfig, description="Where results go.")
 
-    # Keys the planner decides when they are `auto`.
-    PLANNED_KEYS: ClassVar[tuple[str, ...]] = ("training.micro_batch_size", "training.gradient_accumulation_steps",
-                    "memory.activation_checkpointing", "memory.offload", "memory.chunked_loss", "memory.tiled_mlp",
-                    "quantization.bits", "optimizer.name")
-
     def auto_keys(self) -> list[str]:
-        """The planned keys still set to `auto` ("section.key")."""
-        return [k for k in self.PLANNED_KEYS if getattr(getattr(self, k.split(".")[0]), k.split(".")[1]) == "auto"]
+        """The keys ("section.key") still `auto` that the planner decides (finetune.recipe.settings lists them)."""
+        return settings.auto_keys(self)
 
     @model_validator(mode="after")
     def _coherent(self) -> Recipe:

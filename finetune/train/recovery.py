@@ -45,7 +45,8 @@ from finetune.memory.offload import activation_offload, decoder_layers, prefligh
 from finetune.optim import layerwise_of
 from finetune.plan import predict
 from finetune.recipe.load import recipe_to_yaml
-from finetune.recipe.schema import Recipe, format_bytes
+from finetune.recipe.schema import Recipe
+from finetune.units import format_bytes
 from finetune.train.checkpoints import numbered
 from finetune.train.oom_ladder import Cheaper, cheaper, measured_gpu_memory, settings_of, with_settings
 from finetune.train.rundir import RunDir, atomic_write_json, atomic_write_text

@@ -17,7 +17,9 @@ from finetune.memory.offload import activation_offload, preflight_offload
 from finetune.memory.tracker_callback import PeakMemoryCallback
 from finetune.plan import Plan, plot_breakdown, predict
 from finetune.recipe.load import load_recipe, recipe_to_yaml
-from finetune.recipe.schema import Recipe, format_bytes
+from finetune.recipe.schema import Recipe
+from finetune.recipe.settings import auto_settings, read_settings, write_settings
+from finetune.recipe.settings import table as settings_table
 from finetune.train.callbacks import MetricsCallback, ProgressCallback, StopOnSignal
 from finetune.train.checkpoints import find_resumable, numbered, report_skipped, step_of
 from finetune.train.plots import plot_loss_curve
@@ -30,6 +32,7 @@ from finetune.train.rundir import (
     replace_dir,
 )
 from finetune.train.trainer import FinetuneTrainer, total_steps, training_arguments
+from finetune.units import format_bytes
 
 # Disk full, quota, permissions, read-only folder: the user's to fix, so a message instead of a traceback.
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EFBIG}
@@ -76,16 +79,15 @@ def _plan(recipe: Recipe) -> tuple[Plan | None, Recipe]:
     except FinetuneError:
         raise
     except Exception as exc:
-        optional = {"memory.chunked_loss", "memory.tiled_mlp"}
-        if set(auto) - optional:
+        open_settings = [s for s in settings_table() if s.key in auto]
+        if any(s.fallback is None for s in open_settings):
             raise FinetuneError(f"cannot plan {', '.join(auto)} = auto: {type(exc).__name__}: {exc}",
                                 hint="set those keys to explicit values") from None
-        # Only the defaults chunked_loss/tiled_mlp=auto are open: the plain layers and loss are always correct,
-        # so train without a plan.
+        # Only settings whose plain value is always correct (chunked_loss, tiled_mlp: false) are open, so
+        # train without a plan.
         console.print(f"[yellow]memory plan unavailable ({type(exc).__name__}: {exc}); training without it "
-                      f"({', '.join(f'{k}: auto -> false' for k in auto)})")
-        off = {k.split(".")[1]: False for k in auto}
-        return None, recipe.model_copy(update={"memory": recipe.memory.model_copy(update=off)})
+                      f"({', '.join(f'{s.key}: auto -> {str(s.fallback).lower()}' for s in open_settings)})")
+        return None, write_settings(recipe, {s.name: s.fallback for s in open_settings})
     budget = f"{format_bytes(plan.peak_bytes)} predicted peak, budget {format_bytes(plan.budget_bytes)}"
     if not plan.fits:
         needed = f"; the leanest plan needs a budget of {format_bytes(plan.min_budget_bytes)}" \
@@ -103,11 +105,8 @@ def keep_resolved(recipe: Recipe, saved: Recipe) -> Recipe:
     """On resume, `auto` keys take the values the interrupted run chose (saved in its recipe.yaml), so the
     checkpoint continues with the same micro-batch, accumulation and memory settings; other keys (a longer
     max_steps, say) still come from the recipe given now."""
-    data, old = recipe.model_dump(), saved.model_dump()
-    for key in recipe.auto_keys():
-        section, name = key.split(".")
-        data[section][name] = old[section][name]
-    return Recipe.model_validate(data)
+    chosen = read_settings(saved)
+    return write_settings(recipe, {name: chosen[name] for name in auto_settings(recipe)})
 
 
 def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> RunResult:

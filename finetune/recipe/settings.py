@@ -1,0 +1,82 @@
+"""The settings the planner decides, each tied to its recipe key in one typed table: the `Settings` fields.
+
+The schema's `auto` keys, the planner's search, `Plan.apply`, `finetune measure` and resume
+(`finetune.train.run.keep_resolved`) all read and write recipes through this table, so a new searched
+setting is one field here (then its choices in plan/search.py and its price in plan/memory_model.py and
+plan/cost_model.py). Torch-free: the schema imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from finetune.recipe.schema import Recipe
+
+
+def _setting(key: str, label: str, *, fallback: Any = None, default: Any = dataclasses.MISSING) -> Any:
+    """A `Settings` field stored at recipe `key` ("section.field"), shown as `label` in plan tables.
+
+    fallback: the value `auto` takes when the model cannot be planned; only for settings whose plain value
+    is always correct (None: a plan is needed to resolve `auto`)."""
+    return dataclasses.field(default=default, metadata={"key": key, "label": label, "fallback": fallback})
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """One concrete configuration the planner can evaluate (no `auto` left)."""
+
+    micro_batch_size: int = _setting("training.micro_batch_size", "mb")
+    gradient_accumulation_steps: int = _setting("training.gradient_accumulation_steps", "ga")
+    activation_checkpointing: bool = _setting("memory.activation_checkpointing", "ckpt")
+    checkpoint_every_n_layers: int = _setting("memory.checkpoint_every_n_layers", "every")
+    offload: str = _setting("memory.offload", "offload")  # none | cpu | disk
+    chunked_loss: bool = _setting("memory.chunked_loss", "chunked", fallback=False)
+    bits: int | None = _setting("quantization.bits", "bits")
+    optimizer: str = _setting("optimizer.name", "optimizer")
+    tiled_mlp: bool = _setting("memory.tiled_mlp", "tiled", fallback=False, default=False)
+
+
+class Setting(NamedTuple):
+    name: str  # the Settings field, also the key in a plan's `settings`
+    key: str  # where the recipe holds it: "section.field"
+    label: str
+    fallback: Any
+
+
+def table() -> list[Setting]:
+    """The rows of the table, in field order."""
+    return [Setting(f.name, f.metadata["key"], f.metadata["label"], f.metadata["fallback"])
+            for f in dataclasses.fields(Settings)]
+
+
+def read_settings(recipe: Recipe) -> dict[str, Any]:
+    """Each setting's value in `recipe` by name, `auto` included."""
+    out = {}
+    for s in table():
+        section, field = s.key.split(".")
+        out[s.name] = getattr(getattr(recipe, section), field)
+    return out
+
+
+def write_settings(recipe: Recipe, values: Mapping[str, Any]) -> Recipe:
+    """A validated copy of `recipe` with `values` (by setting name; names not given stay) at their keys."""
+    data = recipe.model_dump()
+    for s in table():
+        if s.name in values:
+            section, field = s.key.split(".")
+            data[section][field] = values[s.name]
+    return recipe.model_validate(data)
+
+
+def auto_settings(recipe: Recipe) -> list[str]:
+    """The names of the settings `recipe` leaves to the planner."""
+    return [name for name, value in read_settings(recipe).items() if value == "auto"]
+
+
+def auto_keys(recipe: Recipe) -> list[str]:
+    """The recipe keys ("section.field") left to the planner."""
+    keys = {s.name: s.key for s in table()}
+    return [keys[name] for name in auto_settings(recipe)]

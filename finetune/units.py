@@ -1,0 +1,88 @@
+"""Units every layer shares: byte sizes (parse and print), compute dtypes, and the cache folder.
+
+At the bottom of the import graph and torch-free, so the recipe schema, the UI and the planner read the same
+facts; `torch_dtype` imports torch only when called.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+MAX_SIZE = 2**50  # 1 PiB: far above any machine, low enough that arithmetic on it stays exact
+
+
+def parse_bytes(value: Any) -> Any:
+    """Turn '12GiB', '12GB', '512M' or an int into a byte count; leave 'auto' and None alone.
+
+    Raises only ValueError (the planner's --gpu-memory relies on it), for .inf, NaN, negative and garbage."""
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, bool):
+        raise ValueError("expected a size such as 12GiB, not true/false")
+    if isinstance(value, int | float):
+        number, unit = float(value), ""
+    else:
+        match = re.fullmatch(r"\s*([0-9]{0,30}\.?[0-9]{1,30})\s*([a-zA-Z]{0,3})\s*", str(value)[:100])
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ValueError("expected a size such as 12GiB, 512MiB or a number of bytes")
+        number, unit = float(match.group(1)), match.group(2).lower()
+    if not math.isfinite(number) or number < 0:
+        raise ValueError("a size must be a finite number of bytes, 0 or more")
+    size = number * _UNITS[unit]
+    if size > MAX_SIZE:
+        raise ValueError("a size must be at most 1 PiB")
+    return value if isinstance(value, int) else int(size)
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size, e.g. 1.50 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+class DType(NamedTuple):
+    torch_name: str  # attribute of the torch module
+    bytes: int  # per element
+
+
+# model.dtype's names (the schema's choices besides auto).
+DTYPES: dict[str, DType] = {"bf16": DType("bfloat16", 2), "fp16": DType("float16", 2), "fp32": DType("float32", 4)}
+
+
+def dtype_name(choice: str, device: str, bf16_supported: bool = True) -> str:
+    """model.dtype resolved for `device`: auto is bf16 on CUDA (fp16 on GPUs without bf16) and fp32 on CPU,
+    where bf16 matmuls are slow and lossy."""
+    if choice != "auto":
+        return choice
+    if device != "cuda":
+        return "fp32"
+    return "bf16" if bf16_supported else "fp16"
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a name in DTYPES."""
+    import torch
+
+    return getattr(torch, DTYPES[name].torch_name)
+
+
+def cache_dir() -> Path:
+    """The folder (not created here) of everything computed once per machine and kept: converted models,
+    measured bandwidths. $FINETUNE_CACHE, else ~/.cache/finetune."""
+    return Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune")
