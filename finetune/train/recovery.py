@@ -46,11 +46,11 @@ from finetune.optim import layerwise_of
 from finetune.plan import predict
 from finetune.recipe.load import recipe_to_yaml
 from finetune.recipe.schema import Recipe
-from finetune.units import format_bytes
 from finetune.train.checkpoints import numbered
 from finetune.train.oom_ladder import Cheaper, cheaper, measured_gpu_memory, settings_of, with_settings
 from finetune.train.rundir import RunDir, atomic_write_json, atomic_write_text
 from finetune.train.trainer import FinetuneTrainer
+from finetune.units import format_bytes
 
 FAULT_ENV = "FINETUNE_FAULT_OOM_AT_STEP"
 ROWS = "finetune_rows"  # batch key holding the loader batch's example rows; never reaches the model
