@@ -10,9 +10,12 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import defaultdict
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from finetune.memory.offload_tier import TierSetup
 
 STEP_ENDED = ("activation offload: a saved tensor was used after its offload step ended; "
               "run backward inside the `with activation_offload(...)` block")
@@ -214,12 +217,13 @@ class HostCopy:
 
 
 class HostTier:
-    """Holds offloaded activations in RAM up to `limit` bytes; `store` returns None once the limit is hit."""
+    """The `cpu` offload tier (an `OffloadTier`): holds offloaded activations in RAM up to `setup.limit`
+    bytes; `store` returns None once the limit is hit, so the spill chain hands the tensor on."""
 
-    def __init__(self, mover: Mover | None, limit: int | None):
-        self.mover = mover
-        self.pool = HostPool(mover) if mover is not None else None
-        self.limit = limit
+    def __init__(self, setup: TierSetup):
+        self.mover: Mover | None = setup.mover
+        self.pool = HostPool(self.mover) if self.mover is not None else None
+        self.limit = setup.limit
         self.held = 0
         self._lock = threading.Lock()
 
@@ -233,3 +237,9 @@ class HostTier:
     def give_back(self, nbytes: int) -> None:
         with self._lock:
             self.held -= nbytes
+
+    def drain(self) -> None:
+        """Nothing to wait for: a released copy has handed its buffer back, ordered by the copy's event."""
+
+    def close(self) -> None:
+        """Nothing runs in the background: copies still held are memory, freed with their handles."""
