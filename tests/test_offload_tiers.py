@@ -9,10 +9,11 @@ from offload_fake import RecordingTier, register, tier_entry
 from test_offload_support import batch, load, make_model_dir, step
 
 from finetune.memory.offload import ActivationOffload, activation_offload, tier_limits
-from finetune.memory.offload_tier import SpillChain, TierSetup
+from finetune.memory.offload_tier import OffloadTier, SpillChain, StoredTensor, TierSetup, build_chain
 from finetune.plan import predict
-from finetune.plan.cost_model import tokens_per_second
+from finetune.plan.cost_model import LINK_BYTES_PER_S, tokens_per_second
 from finetune.plan.memory_model import Settings
+from finetune.recipe import offload_tiers
 from finetune.recipe.offload_tiers import chain_names
 from finetune.recipe.schema import MemoryConfig, Recipe
 
@@ -107,6 +108,34 @@ def test_unknown_tier_and_recipe_values_come_from_the_table(model_dir, monkeypat
         assert offload.chain.tier("fake").limit == 4096
     finally:
         offload.close()
+
+
+@pytest.mark.parametrize("name", list(offload_tiers.tier_names()))
+def test_every_table_entry_builds_a_tier_that_keeps_the_contract(name, tmp_path):
+    """Each real entry is complete (known link and store, a known tier to spill to) and its class honours the
+    protocol on its own: the bytes come back exactly, and nothing is left after drain and close."""
+    spec = offload_tiers.tier_spec(name)
+    assert spec.link in LINK_BYTES_PER_S and spec.holds_in in offload_tiers.STORES and spec.prefetch_layers >= 0
+    assert spec.spill_to is None or (spec.spill_to in offload_tiers.tier_names() and spec.limit_key)
+    chain = build_chain(name, None, tmp_path / "dir", {name: 1 << 20})
+    tier = chain.tier(name)
+    assert isinstance(tier, OffloadTier)
+    tensor = torch.randn(64, 32).t()  # not contiguous: the copy keeps its strides
+    item = tier.store(tensor, torch.empty_like(tensor, device="meta"), tensor.numel() * 4)
+    assert isinstance(item, StoredTensor)
+    item.fetch()
+    back = item.get()
+    assert torch.equal(back, tensor) and back.stride() == tensor.stride()
+    if spec.limit_key:  # over its limit: full, the chain moves on
+        assert tier.store(tensor, torch.empty_like(tensor, device="meta"), 2 << 20) is None
+    del back
+    item.release()
+    tier.drain()
+    kept = tier.store(tensor, torch.empty_like(tensor, device="meta"), tensor.numel() * 4)
+    chain.close()  # releases what is still held
+    with pytest.raises(RuntimeError, match="offload step ended"):
+        kept.get()
+    assert not (tmp_path / "dir").exists() or list((tmp_path / "dir").iterdir()) == []
 
 
 # -- the planner reads the table only ----------------------------------------------------------------------

@@ -210,7 +210,7 @@ class HostCopy:
         if self.host is None:
             return
         self.host = None
-        self.tier.give_back(self.nbytes)
+        self.tier.give_back(self)
         if self.buffer is not None:
             self.tier.pool.release(self.buffer, self.device.event or self._stored_event)
             self.buffer = None
@@ -225,6 +225,7 @@ class HostTier:
         self.pool = HostPool(self.mover) if self.mover is not None else None
         self.limit = setup.limit
         self.held = 0
+        self._live: set[HostCopy] = set()
         self._lock = threading.Lock()
 
     def store(self, tensor: torch.Tensor, layout: torch.Tensor, nbytes: int) -> HostCopy | None:
@@ -232,14 +233,27 @@ class HostTier:
             if self.limit is not None and self.held + nbytes > self.limit:
                 return None
             self.held += nbytes
-        return HostCopy(self, tensor, layout, nbytes)
-
-    def give_back(self, nbytes: int) -> None:
+        try:
+            copy = HostCopy(self, tensor, layout, nbytes)
+        except BaseException:
+            with self._lock:
+                self.held -= nbytes
+            raise
         with self._lock:
-            self.held -= nbytes
+            self._live.add(copy)
+        return copy
+
+    def give_back(self, copy: HostCopy) -> None:
+        with self._lock:
+            self.held -= copy.nbytes
+            self._live.discard(copy)
 
     def drain(self) -> None:
         """Nothing to wait for: a released copy has handed its buffer back, ordered by the copy's event."""
 
     def close(self) -> None:
-        """Nothing runs in the background: copies still held are memory, freed with their handles."""
+        """End of training: release the copies still held (nothing runs in the background)."""
+        with self._lock:
+            live = list(self._live)
+        for copy in live:
+            copy.release()

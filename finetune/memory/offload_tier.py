@@ -16,7 +16,7 @@ import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from finetune.recipe.offload_tiers import chain_names, tier_spec
 
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from finetune.memory.offload_cpu import Mover
 
 
+@runtime_checkable
 class StoredTensor(Protocol):
     """One offloaded tensor, as a tier holds it."""
 
@@ -39,6 +40,7 @@ class StoredTensor(Protocol):
         """Drop it (idempotent): the tier frees its bytes; `get` afterwards raises."""
 
 
+@runtime_checkable
 class OffloadTier(Protocol):
     """Somewhere saved activations wait between forward and backward (RAM, disk, ...)."""
 

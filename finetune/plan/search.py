@@ -24,7 +24,7 @@ from finetune.plan.shapes import (
     model_shapes,
     target_dtype,
 )
-from finetune.recipe.offload_tiers import tier_names, tier_spec
+from finetune.recipe.offload_tiers import STORES, tier_names, tier_spec
 from finetune.recipe.schema import Recipe, format_bytes
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -165,10 +165,6 @@ def _speed(spec: ModelSpec, shapes: ModelShapes, settings: Settings, offloaded_b
         mlp_params=shapes.num_layers * shapes.mlp_linear, mlp_chunk_tokens=spec.tiled_mlp_tokens, bandwidth=bandwidth)
 
 
-# How a rejection names the space an offload tier's bytes must fit in (the tier table's `holds_in`).
-_STORE_TEXT = {"host_ram": "of RAM", "offload_dir": "in memory.offload_dir"}
-
-
 def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, free: dict[str, int] | None = None,
              bandwidth: dict[str, float] | None = None) -> Candidate:
     """Predict memory and speed of one configuration; offload beyond the free space its tier's bytes live in
@@ -181,7 +177,7 @@ def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, free: dic
         available = (free or {}).get(holds_in)
         if available is not None and pred.offloaded_bytes > available:
             cand.reason = (f"{settings.offload} offload needs {format_bytes(pred.offloaded_bytes)} "
-                           f"{_STORE_TEXT[holds_in]}, {format_bytes(available)} free")
+                           f"{STORES[holds_in]}, {format_bytes(available)} free")
     return cand
 
 

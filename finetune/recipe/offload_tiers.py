@@ -14,11 +14,13 @@ How to add an offload tier: append one `TierSpec` to `TIERS` below and write its
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
-# Bandwidths the planner measures once per machine (finetune.memory.bandwidth.transfer_bandwidth).
-LINKS = ("host_device", "disk")
-# Free space the planner checks a tier's bytes against: RAM, or the disk holding memory.offload_dir.
-STORES = ("host_ram", "offload_dir")
+# Bandwidths the planner measures once per machine (finetune.memory.bandwidth.transfer_bandwidth) and
+# prices a tier's transfers by.
+Link = Literal["host_device", "disk"]
+# Free space the planner checks a tier's bytes against, and how its rejection names it.
+STORES = {"host_ram": "of RAM", "offload_dir": "in memory.offload_dir"}
 
 
 @dataclass(frozen=True)
@@ -30,8 +32,8 @@ class TierSpec:
     factory: str  # "module:Class": Class(TierSetup) -> an OffloadTier
     prefetch_layers: int  # decoder layers whose tensors backward fetches ahead of need
     frees_device_on: tuple[str, ...]  # training devices (cpu, cuda) whose memory a stored tensor leaves
-    link: str  # one of LINKS: the measured bandwidth that prices its transfers (out and back)
-    holds_in: str  # one of STORES: whose free space its bytes must fit in
+    link: Link  # the measured bandwidth that prices its transfers (out and back)
+    holds_in: str  # a key of STORES: whose free space its bytes must fit in
     overhead: float  # bookkeeping (hooks, copy launches, files) relative to compute, even when hidden
     limit_key: str | None = None  # memory.* key capping the bytes it holds; what exceeds it goes to spill_to
     spill_to: str | None = None  # the next tier of its spill chain
