@@ -44,9 +44,11 @@ def test_the_fake_sees_store_fetch_get_release_drain_close_in_order(model_dir, m
 
 def test_a_full_tier_spills_into_the_next_one_of_its_chain(model_dir, monkeypatch):
     """`fake` holds 8 KiB then hands over to `fake_b`: gradients stay bit-identical, every byte is counted."""
-    register(monkeypatch, tier_entry(spill_to="fake_b"), tier_entry("fake_b"))
+    register(monkeypatch, tier_entry(spill_to="fake_b"), tier_entry("fake_b"), tier_entry("loop", spill_to="loop"))
     assert chain_names("fake", {}) == ["fake"]  # without a limit it never fills up
     assert chain_names("fake", {"fake": 1}) == ["fake", "fake_b"]
+    with pytest.raises(ValueError, match="spills back into its own chain"):
+        chain_names("loop", {"loop": 1})
     model = load(model_dir, "lora", checkpointing=False)
     reference = step(model)
     offload = ActivationOffload(model, "fake", min_size=1024, limits={"fake": 8192})
@@ -76,7 +78,7 @@ def test_when_every_tier_is_full_tensors_stay_on_the_device(model_dir, monkeypat
     assert all(torch.equal(g, r) for g, r in zip(grads, reference, strict=True))
 
 
-def test_chain_drains_and_closes_every_tier_even_after_an_error(monkeypatch):
+def test_chain_drains_and_closes_every_tier_even_after_an_error():
     class Failing:
         def drain(self):
             raise KeyboardInterrupt
