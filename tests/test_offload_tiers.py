@@ -186,7 +186,9 @@ def test_cost_model_prices_a_tier_by_its_link_and_overhead(monkeypatch):
     measured = {"disk": 1e8, "host_device": 1e12}
 
     def speed(tier: str, device: str = "cuda") -> float:
-        settings = Settings(1, 1, False, 1, tier, False, None, "adamw")
+        settings = Settings(micro_batch_size=1, gradient_accumulation_steps=1, activation_checkpointing=False,
+                            checkpoint_every_n_layers=1, offload=tier, chunked_loss=False, bits=None,
+                            optimizer="adamw")
         return tokens_per_second(settings, device=device, params=10**9, trainable_full=False, num_layers=16,
                                  hidden=2048, seq_len=4096, quantized_params=0, offloaded_bytes=8 << 30,
                                  dtype_bytes=2, bandwidth=measured)
