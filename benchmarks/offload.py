@@ -34,6 +34,7 @@ import torch
 from finetune.memory.chunked_loss import causal_lm_loss
 from finetune.memory.offload import ActivationOffload, decoder_layers
 from finetune.memory.offload_disk import read_tensor_file, write_tensor_file
+from finetune.memory.offload_tier import SpillChain
 from finetune.testing import tiny_config
 
 MIN_SIZE = 64 << 10
@@ -90,7 +91,7 @@ class _SyncFile:
 
 
 class SyncDisk:
-    """Stands in for DiskTier."""
+    """Stands in for DiskTier (an OffloadTier)."""
 
     def __init__(self, directory: Path):
         self.directory, self.count = directory, itertools.count()
@@ -99,18 +100,18 @@ class SyncDisk:
     def store(self, tensor, layout, nbytes) -> _SyncFile:
         return _SyncFile(self.directory / f"sync-{next(self.count)}.bin", tensor, layout, nbytes)
 
-    def cleanup(self) -> None:
+    def drain(self) -> None:
         for path in self.directory.glob("sync-*.bin"):
             path.unlink()
 
     def close(self) -> None:
-        self.cleanup()
+        self.drain()
 
 
 def sync_offload(model, directory: Path) -> ActivationOffload:
     offload = ActivationOffload(model, "disk", MIN_SIZE, offload_dir=directory)
-    offload.disk.close()
-    offload.disk = SyncDisk(directory)
+    offload.chain.close()
+    offload.chain = SpillChain([("sync", SyncDisk(directory))])
     return offload
 
 

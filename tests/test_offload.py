@@ -23,7 +23,7 @@ def test_gradients_bit_identical(model_dir, tmp_path, adapter, checkpointing):
     tiers = {
         "cpu": dict(tier="cpu"),
         "disk": dict(tier="disk", offload_dir=tmp_path / "disk"),
-        "cpu-spilling-to-disk": dict(tier="cpu", cpu_limit=4096, offload_dir=tmp_path / "spill"),
+        "cpu-spilling-to-disk": dict(tier="cpu", limits={"cpu": 4096}, offload_dir=tmp_path / "spill"),
     }
     for name, kwargs in tiers.items():
         offload = ActivationOffload(model, min_size=1024, **kwargs)

@@ -56,7 +56,7 @@ def test_disk_tier_writes_during_forward_and_deletes_as_it_reads(model_dir, tmp_
         for hook in hooks:
             hook.remove()
         offload.close()
-    assert offload.disk.bytes_read == offload.disk.bytes_written == offload.stats["offloaded_bytes"]
+    assert offload.chain.tier("disk").bytes_read == offload.chain.tier("disk").bytes_written == offload.stats["offloaded_bytes"]
     # Backward reaches layer outputs last to first: files are still there when it starts (read ahead only a
     # couple of layers) and disappear as layers are done.
     assert len(counts) == LAYERS and counts[0] > 0
@@ -146,7 +146,7 @@ def test_activation_offload_from_recipe(model_dir, tmp_path):
     assert offload_dir_for(cfg, tmp_path) == tmp_path / "offload"
     offload = activation_offload(model, cfg, tmp_path)
     try:
-        assert offload.min_size == 1024 and offload.disk.directory == tmp_path / "offload"
+        assert offload.min_size == 1024 and offload.chain.tier("disk").directory == tmp_path / "offload"
     finally:
         offload.close()
 

@@ -20,7 +20,7 @@ def live_after_forward(model, offload: ActivationOffload | None, tmp_path) -> in
         else:
             offload.__enter__()
             loss = model(**batch()).loss
-            offload.disk.drain()  # a tensor being written is still held by its writer
+            offload.chain.tier("disk").drain()  # a tensor being written is still held by its writer
         gc.collect()
         at_loss = live.current
         loss.backward()

@@ -10,7 +10,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
@@ -109,15 +109,19 @@ def host_device_bandwidth(device: torch.device, refresh: bool = False) -> dict[s
     return _cached(f"cuda:{torch.cuda.get_device_name(device)}", lambda: measure_host_device(device), refresh)
 
 
-def transfer_bandwidth(offload_dir: str | Path, cuda: bool) -> dict[str, float]:
-    """Bytes/s each offload tier moves at on this machine (slower direction), measured once and cached:
-    `disk` for the filesystem that will hold `offload_dir`, `cpu` for pinned host<->GPU copies on a GPU."""
-    probe = Path(offload_dir).resolve()
-    while not probe.exists():  # measure where the folder will be, without creating it
-        probe = probe.parent
-    result = {"disk": min(disk_bandwidth(probe).values())}
-    if cuda:
-        result["cpu"] = min(host_device_bandwidth(torch.device("cuda")).values())
+def transfer_bandwidth(offload_dir: str | Path, cuda: bool,
+                       links: Collection[str] = ("host_device", "disk")) -> dict[str, float]:
+    """Bytes/s each offload link in `links` moves at on this machine (slower direction), measured once and
+    cached: `disk` for the filesystem that will hold `offload_dir`, `host_device` for pinned host<->GPU copies
+    (on a GPU only). The tier table (finetune.recipe.offload_tiers) says which link prices which tier."""
+    result = {}
+    if "disk" in links:
+        probe = Path(offload_dir).resolve()
+        while not probe.exists():  # measure where the folder will be, without creating it
+            probe = probe.parent
+        result["disk"] = min(disk_bandwidth(probe).values())
+    if cuda and "host_device" in links:
+        result["host_device"] = min(host_device_bandwidth(torch.device("cuda")).values())
     return result
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -86,13 +85,9 @@ def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
     batch = {"input_ids": ids.to(device), "labels": ids.to(device)}
 
     with tempfile.TemporaryDirectory(prefix="finetune-measure-") as scratch:
-        offload = None
-        if recipe.memory.offload != "none":
-            from finetune.memory.offload import ActivationOffload
+        from finetune.memory.offload import activation_offload
 
-            offload = ActivationOffload(model, recipe.memory.offload, recipe.memory.offload_min_size,
-                                        offload_dir=Path(recipe.memory.offload_dir or scratch),
-                                        cpu_limit=recipe.memory.offload_cpu_limit)
+        offload = activation_offload(model, recipe.memory, scratch)  # files under offload_dir or scratch
 
         def run(tracker: MemoryTracker) -> None:
             for _ in range(steps):

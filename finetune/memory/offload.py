@@ -1,6 +1,7 @@
 """Activation offload: move the tensors autograd saves in forward to RAM or disk, bring them back in backward.
 
-Built on `torch.autograd.graph.saved_tensors_hooks`. What is offloaded:
+Built on `torch.autograd.graph.saved_tensors_hooks`; where the tensors go is a spill chain of offload tiers
+(`finetune.memory.offload_tier`, built from the table in `finetune.recipe.offload_tiers`). What is offloaded:
 
 - with activation checkpointing (non-reentrant, as HF's `gradient_checkpointing_enable` with
   `use_reentrant=False` sets it up) only the checkpointed decoder layers' inputs reach these hooks -- the
@@ -27,19 +28,26 @@ import torch
 from torch import nn
 
 from finetune.memory.bandwidth import offload_bytes_per_step
-from finetune.memory.offload_cpu import CudaMover, HostTier, Mover
-from finetune.memory.offload_disk import DiskTier, check_offload_dir
+from finetune.memory.offload_cpu import CudaMover, Mover
+from finetune.memory.offload_disk import check_offload_dir
+from finetune.memory.offload_tier import StoredTensor, build_chain
+from finetune.recipe.offload_tiers import chain_names, tier_names, tier_spec
 from finetune.recipe.schema import MemoryConfig
 
 __all__ = ["ActivationOffload", "activation_offload", "check_offload_dir", "decoder_layers",
-           "offload_dir_for", "preflight_offload"]
-
-PREFETCH_LAYERS = {"cpu": 1, "disk": 2}  # layers fetched ahead of need during backward
+           "offload_dir_for", "preflight_offload", "tier_limits"]
 
 
 def offload_dir_for(memory_cfg: MemoryConfig, run_dir: str | Path) -> Path:
     """Where the disk tier writes: `memory.offload_dir`, or `<run_dir>/offload` when unset."""
     return Path(memory_cfg.offload_dir).expanduser() if memory_cfg.offload_dir else Path(run_dir) / "offload"
+
+
+def tier_limits(memory_cfg: MemoryConfig) -> dict[str, int]:
+    """Bytes each tier may hold, by tier name, from the recipe keys the tier table names (unset: no limit)."""
+    keys = {name: tier_spec(name).limit_key for name in tier_names()}
+    limits = {name: getattr(memory_cfg, key) for name, key in keys.items() if key is not None}
+    return {name: limit for name, limit in limits.items() if limit is not None}
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -65,7 +73,7 @@ class _Stored:
 
     __slots__ = ("item", "layer", "__weakref__")
 
-    def __init__(self, item: Any, layer: int):
+    def __init__(self, item: StoredTensor, layer: int):
         self.item = item
         self.layer = layer
 
@@ -105,27 +113,30 @@ class _Handle:
 
 
 class ActivationOffload:
-    """Saved-tensor hooks that offload decoder-layer activations to `tier` (see the module docstring)."""
+    """Saved-tensor hooks that offload decoder-layer activations to `tier` (see the module docstring).
+
+    `tier` names an entry of the tier table (finetune.recipe.offload_tiers); with a limit in `limits` (bytes
+    by tier name) a full tier spills into the next one of its chain (`chain`). `offload_dir`: where tiers
+    that write files write them.
+    """
 
     def __init__(self, model: nn.Module, tier: str, min_size: int, offload_dir: Path | None = None,
-                 cpu_limit: int | None = None, mover: Mover | None = None):
-        if tier not in ("cpu", "disk"):
-            raise ValueError(f"activation offload tier must be cpu or disk, got {tier!r}")
+                 limits: dict[str, int] | None = None, mover: Mover | None = None):
+        try:
+            spec = tier_spec(tier)
+        except KeyError as exc:
+            raise ValueError(f"activation offload: {exc.args[0]}") from None
         self.model = model
         self.tier_name = tier
         self.min_size = min_size
-        self.prefetch_layers = PREFETCH_LAYERS[tier]
+        self.prefetch_layers = spec.prefetch_layers
         layers = decoder_layers(model)
         self.num_layers = len(layers)
         if mover is None:
             device = next(model.parameters()).device
             mover = CudaMover(device) if device.type == "cuda" else None
         self.mover = mover
-        need_disk = tier == "disk" or cpu_limit is not None
-        if need_disk and offload_dir is None:
-            raise ValueError("activation offload to disk needs an offload_dir")
-        self.host = HostTier(mover, cpu_limit) if tier == "cpu" else None
-        self.disk = DiskTier(offload_dir, mover) if need_disk else None
+        self.chain = build_chain(tier, mover, offload_dir, limits)
         self._hooks = []
         for index, layer in enumerate(layers):
             self._hooks.append(layer.register_forward_pre_hook(self._enter_layer(index)))
@@ -134,7 +145,7 @@ class ActivationOffload:
         self._lock = threading.RLock()
         self._active = False
         self._reset()
-        # Totals since creation (all steps): tensors and bytes offloaded, bytes the RAM tier spilled to disk.
+        # Totals since creation (all steps): tensors and bytes offloaded, bytes spilled past the first tier.
         self.stats = {"offloaded_tensors": 0, "offloaded_bytes": 0, "spilled_bytes": 0}
 
     # -- per-step state ------------------------------------------------------------------------------
@@ -172,17 +183,15 @@ class ActivationOffload:
         for item in stored:
             if item is not None:
                 item.item.release()
-        if self.disk is not None:
-            self.disk.cleanup()
+        self.chain.drain()
         self._reset()
 
     def close(self) -> None:
-        """End of training: remove the module hooks and stop the disk threads."""
+        """End of training: remove the module hooks and close the tiers (files deleted, threads stopped)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        if self.disk is not None:
-            self.disk.close()
+        self.chain.close()
 
     # -- pack / unpack -------------------------------------------------------------------------------
     def _offloadable(self, t: torch.Tensor) -> bool:
@@ -205,7 +214,8 @@ class ActivationOffload:
         nbytes = t.numel() * t.element_size()
         if storage.nbytes() != nbytes:
             # A view into a larger storage: copy just its elements, densely (strides kept when dense).
-            return _Handle(self._store(t, torch.empty_like(t, device="meta"), nbytes), None, self._layer)
+            stored = self._store(t, torch.empty_like(t, device="meta"), nbytes)
+            return t if stored is None else _Handle(stored, None, self._layer)
         # The tensor spans its whole storage: offload the storage once for all the views saved from it
         # (hidden states reach several ops as different views) and rebuild each view in backward.
         view = (t.dtype, t.shape, t.stride(), t.storage_offset())
@@ -220,17 +230,19 @@ class ActivationOffload:
             return _Handle(stored, view, self._layer)
         flat = _flat_bytes(storage, t.device)
         stored = self._store(flat, torch.empty_like(flat, device="meta"), nbytes)
+        if stored is None:
+            return t
         self._seen[key] = (weakref.ref(storage, lambda _ref, key=key: self._seen.pop(key, None)),
                            t._version, weakref.ref(stored))
         return _Handle(stored, view, self._layer)
 
-    def _store(self, t: torch.Tensor, layout: torch.Tensor, nbytes: int) -> _Stored:
+    def _store(self, t: torch.Tensor, layout: torch.Tensor, nbytes: int) -> _Stored | None:
+        """Hand `t` to the spill chain; None when every tier is full (then it stays where it is)."""
         with torch.no_grad():
-            item = self.host.store(t, layout, nbytes) if self.host is not None else None
-            if item is None:
-                item = self.disk.store(t, layout, nbytes)
-                if self.host is not None:
-                    self.stats["spilled_bytes"] += nbytes
+            item = self.chain.store(t, layout, nbytes)
+        if item is None:
+            return None
+        self.stats["spilled_bytes"] = self.chain.spilled_bytes
         stored = _Stored(item, self._layer)
         self.stats["offloaded_tensors"] += 1
         self.stats["offloaded_bytes"] += nbytes
@@ -265,7 +277,7 @@ def activation_offload(model: nn.Module, memory_cfg: MemoryConfig, run_dir: str 
                        mover: Mover | None = None) -> ActivationOffload | None:
     """The run's offload context per `memory_cfg`, or None when `memory.offload` is none.
 
-    Call `check_offload_dir` first (disk tier or a cpu limit) so a bad directory fails before step one.
+    Call `preflight_offload` first so a bad directory fails before step one.
     """
     if memory_cfg.offload == "auto":
         raise ValueError("memory.offload=auto must be resolved by the planner before building the offload")
@@ -273,7 +285,7 @@ def activation_offload(model: nn.Module, memory_cfg: MemoryConfig, run_dir: str 
         return None
     return ActivationOffload(
         model, memory_cfg.offload, memory_cfg.offload_min_size,
-        offload_dir=offload_dir_for(memory_cfg, run_dir), cpu_limit=memory_cfg.offload_cpu_limit, mover=mover)
+        offload_dir=offload_dir_for(memory_cfg, run_dir), limits=tier_limits(memory_cfg), mover=mover)
 
 
 def _layer_saved_bytes_estimate(config: Any, micro_batch: int, seq_len: int, dtype_bytes: int) -> int:
@@ -292,9 +304,12 @@ def preflight_offload(model: nn.Module, memory_cfg: MemoryConfig, run_dir: str |
     Returns the predicted bytes a micro-batch writes to disk (0 when the run does not use the disk): exact
     for checkpointed layers, estimated for the others. Raises `OffloadDirError` (a FinetuneError) otherwise.
     """
-    uses_disk = memory_cfg.offload == "disk" or (
-        memory_cfg.offload == "cpu" and memory_cfg.offload_cpu_limit is not None)
-    if not uses_disk:
+    if memory_cfg.offload in ("none", "auto"):
+        return 0
+    limits = tier_limits(memory_cfg)
+    chain = chain_names(memory_cfg.offload, limits)
+    on_disk = [i for i, name in enumerate(chain) if tier_spec(name).holds_in == "offload_dir"]
+    if not on_disk:
         return 0
     layers = decoder_layers(model)
     # From the recipe, not the layers: the Trainer only switches checkpointing on inside train().
@@ -305,8 +320,8 @@ def preflight_offload(model: nn.Module, memory_cfg: MemoryConfig, run_dir: str |
         len(layers), config.hidden_size, micro_batch, seq_len, dtype_bytes, memory_cfg.offload_min_size, every,
         layer_saved_bytes=_layer_saved_bytes_estimate(config, micro_batch, seq_len, dtype_bytes),
         frozen_embeddings=not model.get_input_embeddings().weight.requires_grad)
-    if memory_cfg.offload == "cpu":
-        total = max(0, total - memory_cfg.offload_cpu_limit)
+    # The tiers before the first one on disk spill into it once their limits are full.
+    total = max(0, total - sum(limits[name] for name in chain[:on_disk[0]]))
     if total:
         check_offload_dir(offload_dir_for(memory_cfg, run_dir), total)
     return total

@@ -10,9 +10,12 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import defaultdict
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from finetune.memory.offload_tier import TierSetup
 
 STEP_ENDED = ("activation offload: a saved tensor was used after its offload step ended; "
               "run backward inside the `with activation_offload(...)` block")
@@ -207,20 +210,22 @@ class HostCopy:
         if self.host is None:
             return
         self.host = None
-        self.tier.give_back(self.nbytes)
+        self.tier.give_back(self)
         if self.buffer is not None:
             self.tier.pool.release(self.buffer, self.device.event or self._stored_event)
             self.buffer = None
 
 
 class HostTier:
-    """Holds offloaded activations in RAM up to `limit` bytes; `store` returns None once the limit is hit."""
+    """The `cpu` offload tier (an `OffloadTier`): holds offloaded activations in RAM up to `setup.limit`
+    bytes; `store` returns None once the limit is hit, so the spill chain hands the tensor on."""
 
-    def __init__(self, mover: Mover | None, limit: int | None):
-        self.mover = mover
-        self.pool = HostPool(mover) if mover is not None else None
-        self.limit = limit
+    def __init__(self, setup: TierSetup):
+        self.mover: Mover | None = setup.mover
+        self.pool = HostPool(self.mover) if self.mover is not None else None
+        self.limit = setup.limit
         self.held = 0
+        self._live: set[HostCopy] = set()
         self._lock = threading.Lock()
 
     def store(self, tensor: torch.Tensor, layout: torch.Tensor, nbytes: int) -> HostCopy | None:
@@ -228,8 +233,27 @@ class HostTier:
             if self.limit is not None and self.held + nbytes > self.limit:
                 return None
             self.held += nbytes
-        return HostCopy(self, tensor, layout, nbytes)
-
-    def give_back(self, nbytes: int) -> None:
+        try:
+            copy = HostCopy(self, tensor, layout, nbytes)
+        except BaseException:
+            with self._lock:
+                self.held -= nbytes
+            raise
         with self._lock:
-            self.held -= nbytes
+            self._live.add(copy)
+        return copy
+
+    def give_back(self, copy: HostCopy) -> None:
+        with self._lock:
+            self.held -= copy.nbytes
+            self._live.discard(copy)
+
+    def drain(self) -> None:
+        """Nothing to wait for: a released copy has handed its buffer back, ordered by the copy's event."""
+
+    def close(self) -> None:
+        """End of training: release the copies still held (nothing runs in the background)."""
+        with self._lock:
+            live = list(self._live)
+        for copy in live:
+            copy.release()

@@ -2,8 +2,9 @@
 
 Each offloaded activation becomes one file in `offload_dir`. Writes run on background threads behind a
 bounded queue (the forward blocks only when the disk falls that far behind); reads are started ahead of
-need during backward and delete the file as soon as its bytes are in memory. `DiskTier.cleanup` removes
-every file of the step (exceptions, Ctrl-C, a backward that never ran), after the threads have let go.
+need during backward and delete the file as soon as its bytes are in memory. `DiskTier.drain` at the end of
+a step removes every file of it (exceptions, Ctrl-C, a backward that never ran), after the threads have let
+go.
 """
 
 from __future__ import annotations
@@ -15,13 +16,16 @@ import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from finetune.errors import FinetuneError
 from finetune.memory.offload_cpu import STEP_ENDED, DeviceCopy, HostPool, Mover, byte_view, host_view
 from finetune.units import format_bytes
+
+if TYPE_CHECKING:
+    from finetune.memory.offload_tier import TierSetup
 
 FILE_PREFIX = "ft-act-"
 DISK_MARGIN = 0.10  # free space asked for on top of the predicted bytes
@@ -170,14 +174,15 @@ class DiskFile:
 
 
 class DiskTier:
-    """Files under `directory`, two writer and two reader threads, at most `max_pending` unwritten bytes
-    (always at least one tensor)."""
+    """The `disk` offload tier (an `OffloadTier`): files under `setup.directory`, two writer and two reader
+    threads, at most `max_pending` unwritten bytes (always at least one tensor)."""
 
-    def __init__(self, directory: str | Path, mover: Mover | None, max_pending: int = 256 << 20,
-                 threads: int = 2):
-        self.directory = Path(directory)
-        self.mover = mover
-        self.pool = HostPool(mover) if mover is not None else None
+    def __init__(self, setup: TierSetup, max_pending: int = 256 << 20, threads: int = 2):
+        if setup.directory is None:
+            raise ValueError("activation offload to disk needs an offload_dir")
+        self.directory = Path(setup.directory)
+        self.mover: Mover | None = setup.mover
+        self.pool = HostPool(self.mover) if self.mover is not None else None
         self._writers = ThreadPoolExecutor(threads, thread_name_prefix="ft-offload-write")
         self._readers = ThreadPoolExecutor(threads, thread_name_prefix="ft-offload-read")
         self.max_pending = max_pending
@@ -187,6 +192,7 @@ class DiskTier:
         self._counter = itertools.count()
         self._lock = threading.Lock()
         self._live: set[DiskFile] = set()
+        self._reading: set[DiskFile] = set()  # released while a read-ahead may still run
         self._paths: set[Path] = set()
         self.bytes_written = 0
         self.bytes_read = 0
@@ -226,7 +232,7 @@ class DiskTier:
             self._pending -= nbytes
             self._written.notify_all()
 
-    def drain(self) -> None:
+    def _wait_writes(self) -> None:
         """Block until every submitted write has finished or been cancelled."""
         with self._written:
             self._written.wait_for(lambda: self._pending == 0)
@@ -241,30 +247,40 @@ class DiskTier:
             self.bytes_read += read
 
     def forget(self, item: DiskFile) -> None:
+        """`item` was released: delete its file now if no thread can still touch it, else at `drain`."""
         with self._lock:
             self._live.discard(item)
-        # A file whose write is still running is removed by cleanup (or by its reader), not here.
+            if item._read is not None:
+                self._reading.add(item)
+        # A file whose write is still running is removed by drain (or by its reader), not here.
         if item._write.done():
             self.remove(item.path)
 
-    def cleanup(self) -> None:
-        """End of a step (normal or not): cancel queued writes, wait for running ones, delete every file."""
+    def drain(self) -> None:
+        """Wait for every write, and for the reads of released files; delete every file no live copy needs.
+
+        Mid-step this only waits (live copies keep their files); at the end of a step (normal or not, every
+        copy released) the directory is left as found.
+        """
+        # Wait for every write, also of items released while still writing: a path deleted before its
+        # writer created the file would leave that file behind.
+        self._wait_writes()
+        with self._lock:
+            reading, self._reading = self._reading, set()
+        for item in reading:
+            item._read.cancel() or item._read.exception()
+        with self._lock:
+            needed = {item.path for item in self._live}
+            stale = [path for path in self._paths if path not in needed]
+        for path in stale:
+            self.remove(path)
+
+    def close(self) -> None:
+        """End of training: release what is still held, delete every file, stop the threads."""
         with self._lock:
             live = list(self._live)
         for item in live:
             item.release()
-        # Wait for every write, also of items released while still writing (no longer live): a path deleted
-        # before its writer created the file would leave that file behind.
         self.drain()
-        for item in live:
-            if item._read is not None:
-                item._read.cancel() or item._read.exception()
-        with self._lock:
-            paths = list(self._paths)
-        for path in paths:
-            self.remove(path)
-
-    def close(self) -> None:
-        self.cleanup()
         self._writers.shutdown(wait=True, cancel_futures=True)
         self._readers.shutdown(wait=True, cancel_futures=True)

@@ -9,27 +9,27 @@ step time = compute / (peak FLOPs x utilisation) + dequantization + exposed tran
 - 4-bit/8-bit: every quantized weight is dequantized in forward, backward and recompute (reads its packed
   bytes, writes compute-dtype bytes) at memory bandwidth; a tiled MLP dequantizes its weights once per chunk
   in each of those passes, plus once per chunk for its recompute.
-- offload: 2 x offloaded bytes (out and back) per micro-batch over PCIe (cpu) or disk, at the bandwidths
-  measured once on this machine and cached; overlapped with compute, so only the part longer than the
-  compute time counts.
+- offload: 2 x offloaded bytes (out and back) per micro-batch over the tier's link (its entry in
+  finetune.recipe.offload_tiers: host<->device over PCIe, or disk), at the bandwidths measured once on this
+  machine and cached; overlapped with compute, so only the part longer than the compute time counts; plus
+  the tier's bookkeeping overhead.
 """
 
 from __future__ import annotations
 
 from finetune.plan.memory_model import Settings
+from finetune.recipe.offload_tiers import tier_spec
 
 DEVICE = {
     # peak dense FLOP/s, memory bandwidth B/s: a consumer GPU (RTX 4090 class, bf16) and a desktop CPU.
     "cuda": {"flops": 165e12, "mem_bw": 1.0e12},
     "cpu": {"flops": 0.2e12, "mem_bw": 50e9},
 }
-PCIE_BYTES_PER_S = 20e9  # PCIe 4.0 x16, pinned memory, achieved
-DISK_BYTES_PER_S = 3e9  # NVMe SSD sequential
+# Bytes/s of each offload link where it was not measured: PCIe 4.0 x16 with pinned memory, achieved; an NVMe
+# SSD, sequential. Host<->device on a CPU run is a memory copy (the device's mem_bw).
+LINK_BYTES_PER_S = {"host_device": 20e9, "disk": 3e9}
 UTIL_HALF_TOKENS = 1024  # tokens per micro-batch at which utilisation reaches half of peak
 CHUNKED_LOSS_OVERHEAD = 0.01  # relative cost of running the LM head in chunks
-# Relative cost of offload bookkeeping (hooks, copy launches, files) even when transfers hide behind compute;
-# torchtune measured 0.1% for CPU offload, SSDTrain "negligible"; disk pays for threads and files.
-OFFLOAD_OVERHEAD = {"none": 0.0, "cpu": 0.01, "disk": 0.03}
 
 
 def tokens_per_second(settings: Settings, *, device: str, params: int, trainable_full: bool, num_layers: int,
@@ -39,7 +39,7 @@ def tokens_per_second(settings: Settings, *, device: str, params: int, trainable
     """Tokens per second of one optimizer step under `settings` (see module docstring).
 
     `mlp_params`: weight elements of all layers' MLPs (recomputed once more with a tiled MLP).
-    `bandwidth`: measured bytes/s per offload tier (finetune.memory.bandwidth.transfer_bandwidth); the
+    `bandwidth`: measured bytes/s per offload link (finetune.memory.bandwidth.transfer_bandwidth); the
     constants above stand in for what was not measured.
     """
     dev = DEVICE[device]
@@ -64,14 +64,17 @@ def tokens_per_second(settings: Settings, *, device: str, params: int, trainable
             chunks = -(-seq_len // mlp_chunk_tokens)
             mlp_pass = per_pass * mlp_params / max(quantized_params, 1)
             dequant += mlp_pass * (chunks * (dq_passes + 1) - dq_passes)
-    transfer = 0.0
+    transfer = overhead = 0.0
     if settings.offload != "none":
-        measured = bandwidth or {}
-        if settings.offload == "disk":
-            bw = measured.get("disk", DISK_BYTES_PER_S)
-        else:
-            bw = measured.get("cpu", PCIE_BYTES_PER_S) if device == "cuda" else dev["mem_bw"]
+        tier = tier_spec(settings.offload)
+        bw = _link_bytes_per_s(tier.link, device, bandwidth or {})
         transfer = max(0.0, 2 * offloaded_bytes / bw - compute)
-    step = (compute * (1 + OFFLOAD_OVERHEAD[settings.offload]) + dequant + transfer) * \
-        settings.gradient_accumulation_steps
+        overhead = tier.overhead
+    step = (compute * (1 + overhead) + dequant + transfer) * settings.gradient_accumulation_steps
     return tokens * settings.gradient_accumulation_steps / step
+
+
+def _link_bytes_per_s(link: str, device: str, measured: dict[str, float]) -> float:
+    if link == "host_device" and device != "cuda":
+        return DEVICE[device]["mem_bw"]
+    return measured.get(link, LINK_BYTES_PER_S[link])

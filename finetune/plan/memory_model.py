@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from finetune.memory.chunked_loss import default_chunk_size
-from finetune.memory.offload import PREFETCH_LAYERS
 from finetune.optim import gradient_bytes, optimizer_state_bytes
 from finetune.plan.trace import Trace, param_table, trace_step
+from finetune.recipe.offload_tiers import tier_spec
 from finetune.recipe.optimizers import optimizer_spec
 from finetune.recipe.schema import AdapterConfig, OptimizerConfig
 from finetune.recipe.settings import Settings
@@ -176,11 +176,12 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
         elif settings.gradient_accumulation_steps > 1:
             grads = max(grads, grads_total)
         moved = 0.0
-        leaves_device = settings.offload == "disk" or (settings.offload == "cpu" and spec.device == "cuda")
-        if leaves_device and name != "bwd_bottom":  # at the bottom they are all back or freed
-            # finetune.memory.offload keeps the first checkpointed input (a leaf that requires grad) and the last
-            # layer on the device, and fetches PREFETCH_LAYERS layers ahead once backward reaches the layers.
-            ahead = PREFETCH_LAYERS[settings.offload] if name == "bwd_top" else 0
+        tier = tier_spec(settings.offload) if settings.offload != "none" else None
+        if tier is not None and tier.frees_device(spec.device) and name != "bwd_bottom":  # at the bottom they
+            # are all back or freed. finetune.memory.offload keeps the first checkpointed input (a leaf that
+            # requires grad) and the last layer on the device, and fetches the tier's prefetch_layers layers
+            # ahead once backward reaches the layers.
+            ahead = tier.prefetch_layers if name == "bwd_top" else 0
             if settings.activation_checkpointing:
                 n_ckpt = math.ceil(L / settings.checkpoint_every_n_layers)
                 moved = max(0, n_ckpt - 2 - ahead) * hidden_bytes

@@ -24,6 +24,7 @@ from finetune.plan.shapes import (
     model_shapes,
     target_dtype,
 )
+from finetune.recipe.offload_tiers import STORES, tier_names, tier_spec
 from finetune.recipe.optimizers import auto_preferences
 from finetune.recipe.schema import Recipe
 from finetune.recipe.settings import Settings, read_settings, write_settings
@@ -104,8 +105,8 @@ def auto_values(recipe: Recipe, device: str) -> dict[str, list[Any]]:
     return {
         "micro_batch_size": [b for b in MICRO_BATCHES if not effective or b <= effective],
         "activation_checkpointing": [False, True],
-        # Training on the CPU, the cpu tier frees nothing: only disk is an option there.
-        "offload": ["none", "cpu", "disk"] if device == "cuda" else ["none", "disk"],
+        # Only tiers that free the training device's memory are worth trying (on a CPU run RAM is that memory).
+        "offload": ["none", *(t for t in tier_names() if tier_spec(t).frees_device(device))],
         "chunked_loss": [False, True],
         "bits": [None] if recipe.adapter.type == "full" else [None, 8, 4],
         "optimizer": list(AUTO_OPTIMIZERS),
@@ -163,17 +164,19 @@ def _speed(spec: ModelSpec, shapes: ModelShapes, settings: Settings, offloaded_b
         mlp_params=shapes.num_layers * shapes.mlp_linear, mlp_chunk_tokens=spec.tiled_mlp_tokens, bandwidth=bandwidth)
 
 
-def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, host_ram: int | None = None,
-             bandwidth: dict[str, float] | None = None, disk_free: int | None = None) -> Candidate:
-    """Predict memory and speed of one configuration; cpu/disk offload beyond free RAM/disk is rejected."""
+def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, free: dict[str, int] | None = None,
+             bandwidth: dict[str, float] | None = None) -> Candidate:
+    """Predict memory and speed of one configuration; offload beyond the free space its tier's bytes live in
+    (`free`, bytes by the tier table's `holds_in`; absent: not checked) is rejected."""
     pred = predict_memory(spec, settings)
     tps = _speed(spec, shapes, settings, pred.offloaded_bytes, bandwidth)
     cand = Candidate(asdict(settings), pred.peak_bytes, pred.breakdown, tps)
-    if settings.offload == "cpu" and host_ram is not None and pred.offloaded_bytes > host_ram:
-        cand.reason = f"cpu offload needs {format_bytes(pred.offloaded_bytes)} of RAM, {format_bytes(host_ram)} free"
-    if settings.offload == "disk" and disk_free is not None and pred.offloaded_bytes > disk_free:
-        cand.reason = (f"disk offload needs {format_bytes(pred.offloaded_bytes)} in memory.offload_dir, "
-                       f"{format_bytes(disk_free)} free")
+    if settings.offload != "none":
+        holds_in = tier_spec(settings.offload).holds_in
+        available = (free or {}).get(holds_in)
+        if available is not None and pred.offloaded_bytes > available:
+            cand.reason = (f"{settings.offload} offload needs {format_bytes(pred.offloaded_bytes)} "
+                           f"{STORES[holds_in]}, {format_bytes(available)} free")
     return cand
 
 
@@ -185,14 +188,9 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
     config = model_config or load_model_config(recipe.model.path, recipe.model.trust_remote_code)
     spec = model_spec(recipe, config, device)
     budget = _budget(recipe, gpu_memory, "cuda" if torch.cuda.is_available() and device == "cuda" else "cpu")
-    host_ram = _free_memory("cpu") if device == "cuda" else None
     shapes = model_shapes(config)
     choices = _choices(recipe, spec)
-    bandwidth, disk_free = None, None
-    if any(st.offload != "none" for st in choices):  # measured once per machine, then read from the cache
-        offload_dir = offload_dir_for(recipe.memory, recipe.output.dir)
-        bandwidth = transfer_bandwidth(offload_dir, cuda=device == "cuda" and torch.cuda.is_available())
-        disk_free = free_disk_bytes(offload_dir)
+    bandwidth, free = _offload_resources(recipe, device, {st.offload for st in choices} - {"none"})
     # Cheap lower bounds first: a configuration whose weights and optimizer state alone exceed the budget is
     # rejected without tracing its activations.
     floors = sorted(((memory_floor(spec, st), i, st) for i, st in enumerate(choices)),
@@ -215,7 +213,7 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
             # free transfers it cannot beat a configuration that already fits.
             continue
         else:
-            cand = evaluate(spec, shapes, st, host_ram, bandwidth, disk_free)
+            cand = evaluate(spec, shapes, st, free, bandwidth)
             candidates.append(cand)
             if st.activation_checkpointing and cand.peak_bytes > budget:
                 over[st] = cand.peak_bytes
@@ -231,7 +229,7 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
     while not ok and pruned and (leanest is None or pruned[0][0] < leanest.peak_bytes):
         # Nothing fits: find the leanest configuration (branch and bound on the lower bounds).
         _floor, st = pruned.pop(0)
-        cand = evaluate(spec, shapes, st, host_ram, bandwidth, disk_free)
+        cand = evaluate(spec, shapes, st, free, bandwidth)
         cand.reason = cand.reason or f"needs {format_bytes(cand.peak_bytes)}, budget {format_bytes(budget)}"
         candidates.append(cand)
         leanest = cand if leanest is None or cand.peak_bytes < leanest.peak_bytes else leanest
@@ -245,6 +243,22 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
     return Plan(device, leanest.settings, leanest.peak_bytes, leanest.breakdown, budget, False,
                 leanest.tokens_per_s, rejected=rejected,
                 min_budget_bytes=leanest.peak_bytes + recipe.memory.gpu_memory_margin)
+
+
+def _offload_resources(recipe: Recipe, device: str, tiers: set[str]) -> tuple[dict[str, float], dict[str, int]]:
+    """For the offload tiers among the choices: the measured bandwidth of their links (measured once per
+    machine, then read from the cache) and the free bytes where they hold tensors."""
+    specs = [tier_spec(name) for name in tiers]
+    offload_dir = offload_dir_for(recipe.memory, recipe.output.dir)
+    bandwidth = transfer_bandwidth(offload_dir, cuda=device == "cuda" and torch.cuda.is_available(),
+                                   links={s.link for s in specs}) if specs else {}
+    stores = {s.holds_in for s in specs}
+    free = {}
+    if "host_ram" in stores and device == "cuda":  # on a CPU run RAM is the budgeted device memory
+        free["host_ram"] = _free_memory("cpu")
+    if "offload_dir" in stores:
+        free["offload_dir"] = free_disk_bytes(offload_dir)
+    return bandwidth, free
 
 
 def _score(c: Candidate) -> float:

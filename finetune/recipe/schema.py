@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from finetune.recipe import settings
+from finetune.recipe.offload_tiers import offload_description, tier_names
 from finetune.recipe.optimizers import SPECS, names_with_key, optimizer_names, optimizer_spec, specific_keys
 from finetune.units import MAX_SIZE, parse_bytes
 
@@ -153,8 +154,8 @@ class MemoryConfig(Section):
     activation_checkpointing: bool | Auto = Field(
         True, description="Recompute activations in backward instead of storing them (non-reentrant); auto: planner.")
     checkpoint_every_n_layers: int = Field(1, ge=1, le=MAX_COUNT, description="Checkpoint one decoder layer in every n (1 = all layers).")
-    offload: Literal["none", "cpu", "disk", "auto"] = Field(
-        "none", description="Where saved activations go during forward: none, cpu (RAM), disk (SSD), auto: planner.")
+    offload: Literal[("none", *tier_names(), "auto")] = Field(  # type: ignore[valid-type]  # from the tier table
+        "none", description=offload_description())
     offload_dir: str | None = Field(None, description="Folder for disk offload; default <output.dir>/offload.")
     offload_min_size: ByteSize = Field(1 << 20, description="Only tensors at least this big are offloaded.")
     offload_cpu_limit: ByteSize | None = Field(

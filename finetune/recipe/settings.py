@@ -32,7 +32,7 @@ class Settings:
     gradient_accumulation_steps: int = _setting("training.gradient_accumulation_steps", "ga")
     activation_checkpointing: bool = _setting("memory.activation_checkpointing", "ckpt")
     checkpoint_every_n_layers: int = _setting("memory.checkpoint_every_n_layers", "every")
-    offload: str = _setting("memory.offload", "offload")  # none | cpu | disk
+    offload: str = _setting("memory.offload", "offload")  # none or a tier of finetune.recipe.offload_tiers
     chunked_loss: bool = _setting("memory.chunked_loss", "chunked", fallback=False)
     bits: int | None = _setting("quantization.bits", "bits")
     optimizer: str = _setting("optimizer.name", "optimizer")
