@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.recipe.schema import format_bytes
-from finetune.train.rundir import atomic_write_json, atomic_write_text
+from finetune.rundir import atomic_write_json, atomic_write_text
 
 STAGES = {
     "a": "Planner vs measured peak (3 steps of `finetune run`)",

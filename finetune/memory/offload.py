@@ -30,6 +30,7 @@ from finetune.memory.bandwidth import offload_bytes_per_step
 from finetune.memory.offload_cpu import CudaMover, HostTier, Mover
 from finetune.memory.offload_disk import DiskTier, check_offload_dir
 from finetune.recipe.schema import MemoryConfig
+from finetune.rundir import RunDir
 
 __all__ = ["ActivationOffload", "activation_offload", "check_offload_dir", "decoder_layers",
            "offload_dir_for", "preflight_offload"]
@@ -39,7 +40,7 @@ PREFETCH_LAYERS = {"cpu": 1, "disk": 2}  # layers fetched ahead of need during b
 
 def offload_dir_for(memory_cfg: MemoryConfig, run_dir: str | Path) -> Path:
     """Where the disk tier writes: `memory.offload_dir`, or `<run_dir>/offload` when unset."""
-    return Path(memory_cfg.offload_dir).expanduser() if memory_cfg.offload_dir else Path(run_dir) / "offload"
+    return Path(memory_cfg.offload_dir).expanduser() if memory_cfg.offload_dir else RunDir(run_dir).offload
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
