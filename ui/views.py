@@ -38,7 +38,6 @@ def summary(run_dir: Path) -> dict[str, Any]:
     rows = run.read_metrics()
     peaks = [r["peak_memory_bytes"] for r in rows if r.get("peak_memory_bytes")]
     return {
-        "run": str(run_dir),
         "state": status.get("state", "unknown"),
         "step": status.get("step", last_value(rows, "step")),
         "max_steps": status.get("max_steps"),
