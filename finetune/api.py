@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from finetune.recipe.load import load_recipe as _load_recipe
 from finetune.recipe.load import validate_recipe
@@ -46,6 +46,14 @@ def plan(recipe: Recipe, *, gpu_memory: str | int | None = None, device: str | N
     from finetune.plan import predict
 
     return predict(recipe, gpu_memory=gpu_memory, device=device)
+
+
+def measure(recipe: Recipe, *, steps: int = 2) -> dict[str, Any]:
+    """Run `steps` real training steps under the memory tracker; the measured peak and its breakdown by
+    component (`auto` settings resolved by the planner first, as `run` would)."""
+    from finetune.memory.measure import measure as _measure
+
+    return _measure(recipe, steps)
 
 
 def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> RunResult:

@@ -92,17 +92,32 @@ def cmd_validate(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    """Print the plan (JSON or tables); exit 0 if it fits, 1 if nothing fits."""
     from finetune import api
-    from finetune.plan import plan_command
+    from finetune.cli_tables import render_plan
 
-    return plan_command(api.load_recipe(args.recipe, args.overrides), args.gpu_memory, args.json, device=args.device)
+    recipe = api.load_recipe(args.recipe, args.overrides)
+    plan = api.plan(recipe, gpu_memory=args.gpu_memory, device=args.device)
+    if args.json:
+        print(plan.to_json())
+    else:
+        render_plan(plan)
+    return 0 if plan.fits else 1
 
 
 def cmd_measure(args) -> int:
-    from finetune import api
-    from finetune.memory.measure import measure_command
+    """Print the measured peak and its breakdown (JSON or a table)."""
+    import json
 
-    return measure_command(api.load_recipe(args.recipe, args.overrides), args.steps, args.json)
+    from finetune import api
+    from finetune.cli_tables import render_measurement
+
+    result = api.measure(api.load_recipe(args.recipe, args.overrides), steps=args.steps)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        render_measurement(result)
+    return 0
 
 
 def cmd_keys(args) -> int:

@@ -26,8 +26,6 @@ LAYERS: list[tuple[str, ...]] = [
 # Up-pointing imports that other engineers' moves of issue #13 remove; the lead empties this list at merge.
 # (importer, target) by module name.
 KNOWN_UP: set[tuple[str, str]] = {
-    # #13 point 4: the run directory contract moves to the bottom layer (finetune/rundir.py).
-    ("finetune.model.trained", "finetune.train.rundir"),
     # #12 point 2 (one training step): measure moves next to training; the planner's trace then imports
     # the step from where it lands.
     ("finetune.memory.measure", "finetune.plan"),

@@ -22,10 +22,10 @@ import yaml
 from finetune.cli import main
 from finetune.optim.layerwise import LayerwiseOptimizer
 from finetune.recipe import validate_recipe
+from finetune.rundir import RunDir, read_jsonl
 from finetune.train.checkpoints import FAULT_ENV as CHECKPOINT_FAULT_ENV
-from finetune.train.recovery import FAULT_ENV, RECOVERED_FILE
+from finetune.train.recovery import FAULT_ENV
 from finetune.train.run import run
-from finetune.train.rundir import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 REL = 1e-5  # float summation order only (see the module docstring)
@@ -155,7 +155,7 @@ def test_kill_right_after_a_recovery_then_resume_continues_with_the_recovered_se
         time.sleep(0.2)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
-    assert json.loads((tmp_path / "killed" / RECOVERED_FILE).read_text())["settings"] == {
+    assert json.loads(RunDir(tmp_path / "killed").recovered.read_text())["settings"] == {
         "training.micro_batch_size": 2, "training.gradient_accumulation_steps": 2}
     before_kill = _losses(read_jsonl(tmp_path / "killed" / "metrics.jsonl"))
     assert sorted(before_kill) == [1, 2, 3, 4]

@@ -141,22 +141,23 @@ def test_70b_config_under_two_seconds():
     assert 35 * 2**30 < plan.breakdown["weights"] < 45 * 2**30  # 70B in NF4 ~ 0.53 B/param + bf16 embeddings
 
 
-def test_plan_and_measure_commands_print_json(tiny_dir, capsys):
+def test_plan_and_measure_commands_print_json(tiny_dir, tmp_path, capsys):
     import json
 
-    from finetune.memory.measure import measure_command
-    from finetune.plan import plan_command
+    from finetune.cli import main
+    from finetune.recipe.load import recipe_to_yaml
 
-    recipe = _recipe(tiny_dir, seq=64)
-    assert plan_command(recipe, "64MiB", as_json=True, device="cpu") == 0
+    recipe, path = _recipe(tiny_dir, seq=64), tmp_path / "recipe.yaml"
+    path.write_text(recipe_to_yaml(recipe))
+    assert main(["plan", str(path), "--gpu-memory", "64MiB", "--device", "cpu", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["fits"] and plan["budget_bytes"] == 64 * 2**20
     assert set(plan["breakdown"]) == {"weights", "trainable_weights", "gradients", "optimizer_state",
                                       "activations", "logits_and_loss", "other"}
-    assert plan_command(recipe, "1MiB", as_json=False, device="cpu") == 1
+    assert main(["plan", str(path), "--gpu-memory", "1MiB", "--device", "cpu"]) == 1
     assert "Smallest budget that works" in capsys.readouterr().out
-    chosen = predict(recipe, gpu_memory="64MiB", device="cpu").apply(recipe)
-    assert measure_command(chosen, steps=1, as_json=True) == 0
+    path.write_text(recipe_to_yaml(predict(recipe, gpu_memory="64MiB", device="cpu").apply(recipe)))
+    assert main(["measure", str(path), "--steps", "1", "--json"]) == 0
     measured = json.loads(capsys.readouterr().out)
     assert measured["device"] == "cpu" and measured["peak_bytes"] == sum(measured["breakdown"].values())
 

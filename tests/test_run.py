@@ -16,8 +16,8 @@ import yaml
 
 from finetune.cli import main
 from finetune.recipe import validate_recipe
+from finetune.rundir import read_jsonl
 from finetune.train.run import run
-from finetune.train.rundir import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = {"messages": [{"role": "user", "content": "What is the capital of France?"},

@@ -20,8 +20,8 @@ from test_run import ROOT, _recipe_dict, _write_recipe
 
 from finetune.cli import main
 from finetune.errors import ModelLoadError
+from finetune.rundir import MARKER, read_jsonl
 from finetune.train.checkpoints import COMPLETE, FAULT_ENV, STAGING, find_resumable, unreadable_file
-from finetune.train.rundir import MARKER, read_jsonl
 
 
 def _losses(run_dir: Path) -> dict[int, float]:

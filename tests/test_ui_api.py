@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from finetune.rundir import RunDir
 from tests.ui_support import running_app, status_of, tiny_recipe, wait_for, write_dataset, write_recipe
-from ui import rundir
 
 gradio_client = pytest.importorskip("gradio_client", reason="gradio_client comes with the [ui] extra")
 
@@ -121,7 +121,7 @@ def test_train_stop_and_resume(work):
     assert f"resume from {run_dir}/checkpoints/checkpoint-{stopped_at}" in (run_dir / "train.log").read_text()
     client.predict(str(run_dir), api_name="/stop")
     state, step = wait_for(lambda: (s := status())[0] == "stopped" and s, 120, "the resumed run to stop")
-    steps = [r["step"] for r in rundir.read_metrics(run_dir) if "loss" in r]
+    steps = [r["step"] for r in RunDir(run_dir).read_metrics() if "loss" in r]
     assert steps == list(range(1, step + 1)), "each step logged once across stop and resume"
 
 

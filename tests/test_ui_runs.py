@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from finetune.rundir import RunDir
 from tests.ui_support import tiny_recipe, wait_for, write_dataset, write_recipe
-from ui import rundir
 from ui.runs import RunManager
 
 
@@ -24,7 +24,7 @@ def test_queue_survives_a_restart_and_runs_one_at_a_time(tmp_path, tiny_model_di
     assert [j.state for j in first.jobs()] == ["running", "queued", "queued"]
     assert first.run_state(runs / "b") == "queued (position 1)"
     assert "removed" in first.stop(runs / "c")
-    wait_for(lambda: rundir.read_metrics(runs / "a"), 180, "the first run's first metrics")
+    wait_for(lambda: RunDir(runs / "a").read_metrics(), 180, "the first run's first metrics")
     first.close()  # the UI goes away; its training process does not
 
     second = RunManager(runs, poll_s=0.3)  # a restarted UI reads the queue file
@@ -36,10 +36,10 @@ def test_queue_survives_a_restart_and_runs_one_at_a_time(tmp_path, tiny_model_di
     second.stop(runs / "a")
     second.start()
     wait_for(lambda: second.job_for(runs / "b").state == "exited", 180, "the queued run to start and end")
-    assert rundir.read_status(runs / "a")["state"] == "stopped"
+    assert RunDir(runs / "a").read_status()["state"] == "stopped"
     assert list((runs / "a" / "checkpoints").glob("checkpoint-*"))
     assert second.run_state(runs / "b") == "failed"
-    assert "no-such-model" in rundir.read_status(runs / "b")["error"] + second.process_log(runs / "b")
+    assert "no-such-model" in RunDir(runs / "b").read_status()["error"] + second.process_log(runs / "b")
     assert not (runs / "c").exists()
     second.close()
 

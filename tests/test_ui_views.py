@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from ui import charts, rundir, views
+from finetune.rundir import RunDir
+from ui import charts, views
 
 GIB = 1 << 30
 PLAN = {
@@ -48,8 +49,8 @@ def test_run_dir_reader_skips_a_torn_line_and_summarises(tmp_path):
             {"step": 2, "eval_loss": 1.7}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "lo')
     (tmp_path / "status.json").write_text(json.dumps({"state": "running", "step": 2, "max_steps": 4, "eta_s": 75}))
-    assert len(rundir.read_metrics(tmp_path)) == 3
-    s = rundir.summary(tmp_path)
+    assert len(RunDir(tmp_path).read_metrics()) == 3
+    s = views.summary(tmp_path)
     assert (s["state"], s["loss"], s["eval_loss"], s["peak_memory_bytes"]) == ("running", 1.5, 1.7, 300)
     html = views.status_html(tmp_path, "running")
     assert "data-step='2'" in html and "2 / 4" in html and "1m 15s" in html and "value='50.0'" in html

@@ -6,8 +6,6 @@ Kept free of layout so the same logic serves the page, the Gradio API and the te
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import json
 import subprocess
 import sys
@@ -19,7 +17,8 @@ from typing import Any
 from finetune.errors import FinetuneError, RecipeError
 from finetune.recipe.load import MAX_FILE_BYTES, load_recipe_text, recipe_to_yaml, validate_recipe
 from finetune.recipe.schema import Recipe
-from ui import form, rundir
+from finetune.rundir import RECIPE, RunDir, find_runs
+from ui import form
 from ui.paths import RECIPE_SUFFIXES, allowed_path, check_recipe_paths, uploaded_file
 from ui.runs import RunManager
 
@@ -42,21 +41,6 @@ class UISettings:
     def roots(self) -> list[Path]:
         """Folders the page may point at: the allowed ones and the runs folder."""
         return [*self.allow_dirs, self.runs_dir]
-
-
-def api_function(name: str) -> Any | None:
-    """`finetune.api.<name>` if this build of the core has it (the planner and previews land later)."""
-    try:
-        return getattr(importlib.import_module("finetune.api"), name, None)
-    except ImportError:
-        return None
-
-
-def problems_markdown(exc: FinetuneError) -> str:
-    lines = [f"**{exc.message}**", *(f"- {p}" for p in exc.problems)]
-    if exc.hint:
-        lines.append(f"\n{exc.hint}")
-    return "\n".join(lines)
 
 
 class Backend:
@@ -98,7 +82,7 @@ class Backend:
     def recipe_file(self, values: list[Any]) -> tuple[Path, str]:
         """Write the form as a recipe YAML to download; returns (path, text)."""
         text = recipe_to_yaml(self.recipe(values))
-        path = self._downloads / "recipe.yaml"
+        path = self._downloads / RECIPE
         path.write_text(text)
         return path, text
 
@@ -125,20 +109,11 @@ class Backend:
     def plan(self, values: list[Any], gpu: str) -> dict[str, Any]:
         """The planner's JSON for the form's recipe on the chosen GPU (a card's size when memory is auto)."""
         recipe = self.checked_recipe(values)
-        plan_fn = api_function("plan")
-        if plan_fn is None:
-            raise FinetuneError("the memory planner is not available in this build (finetune.api.plan is missing)",
-                                hint="training still works; the plan shows here once the planner is installed")
-        kwargs: dict[str, Any] = {}
-        if gpu in CARDS and recipe.memory.gpu_memory == "auto":  # a budget written in the recipe wins
-            if "gpu_memory" in inspect.signature(plan_fn).parameters:
-                kwargs["gpu_memory"] = CARDS[gpu] * 2**30  # also tells the planner to plan for a GPU
-            else:
-                recipe = recipe.model_copy(update={"memory": recipe.memory.model_copy(
-                    update={"gpu_memory": CARDS[gpu] * 2**30})})
-        result = plan_fn(recipe, **kwargs)
-        data = result.to_json() if hasattr(result, "to_json") else result
-        return json.loads(data) if isinstance(data, str) else data
+        from finetune import api
+
+        # A budget written in the recipe wins; a card's size also tells the planner to plan for a GPU.
+        card = CARDS[gpu] * 2**30 if gpu in CARDS and recipe.memory.gpu_memory == "auto" else None
+        return json.loads(api.plan(recipe, gpu_memory=card).to_json())
 
     # -- data ----------------------------------------------------------------------------------------
     def preview(self, values: list[Any], n: int = 3) -> tuple[list[dict[str, Any]], list[str]]:
@@ -155,7 +130,7 @@ class Backend:
         """Queue a new run of the form's recipe; returns its run directory."""
         recipe = self.checked_recipe(values)
         run_dir = allowed_path(recipe.output.dir, self.settings.roots, "output.dir")
-        if rundir.is_run_dir(run_dir):
+        if RunDir(run_dir).exists():
             raise FinetuneError(f"output.dir {run_dir} already holds a run",
                                 hint="resume it from the run list, or change output.dir for a new run")
         path = self.manager.new_recipe_path()
@@ -166,9 +141,9 @@ class Backend:
     def resume(self, run_dir: str) -> Path:
         """Queue the continuation of a stopped run from its newest checkpoint."""
         path = self.checked_run(run_dir)
-        recipe = path / "recipe.yaml"
+        recipe = RunDir(path).recipe
         if not recipe.is_file():
-            raise FinetuneError(f"{path} has no recipe.yaml, so it cannot be resumed")
+            raise FinetuneError(f"{path} has no {recipe.name}, so it cannot be resumed")
         self.manager.submit(recipe, path, resume=True)
         return path
 
@@ -182,7 +157,7 @@ class Backend:
     def checked_run(self, run_dir: str | None) -> Path:
         """A run directory whose recipe (read again by resume, chat and export) stays in the allowed folders."""
         path = self.run_path(run_dir)
-        recipe = path / "recipe.yaml"
+        recipe = RunDir(path).recipe
         if recipe.is_file():
             text = recipe.read_text(encoding="utf-8", errors="replace")
             check_recipe_paths(load_recipe_text(text, str(recipe)), self.settings.roots)
@@ -190,13 +165,13 @@ class Backend:
 
     def run_recipe(self, run_dir: str | None) -> str:
         """A run's resolved recipe.yaml ('' while it has none)."""
-        recipe = self.run_path(run_dir) / "recipe.yaml"
+        recipe = RunDir(self.run_path(run_dir)).recipe
         return recipe.read_text() if recipe.is_file() else ""
 
     def run_dirs(self) -> list[str]:
         """Runs the page can show, newest first: queued or starting ones (no files yet), then on disk."""
         jobs = self.manager.jobs()
-        found = [str(p) for p in rundir.find_run_dirs(self.settings.runs_dir, [Path(j.run_dir) for j in jobs])]
+        found = [str(p) for p in find_runs(self.settings.runs_dir, [Path(j.run_dir) for j in jobs])]
         pending = [j.run_dir for j in reversed(jobs) if j.state in ("queued", "running") and j.run_dir not in found]
         return pending + found
 
@@ -212,7 +187,7 @@ class Backend:
     def chat(self, run_dir: str, prompt: str, max_new_tokens: int) -> tuple[str, str]:
         """The same prompt answered by the run's adapter and by the base model alone."""
         path = self.checked_run(run_dir)
-        if not (path / "adapter").is_dir():
+        if not RunDir(path).has_adapter():
             raise FinetuneError(f"{path} has no adapter yet: chat once the run has saved one")
         from finetune import api
 
@@ -227,5 +202,6 @@ class Backend:
                               capture_output=True, text=True, timeout=timeout, env=self.manager.child_env(),
                               cwd=self.manager.cwd)
         if proc.returncode != 0:
-            raise FinetuneError(f"export failed (exit code {proc.returncode})", [rundir.last_lines(proc.stdout + proc.stderr)])
+            output = (proc.stdout + proc.stderr).splitlines()
+            raise FinetuneError(f"export failed (exit code {proc.returncode})", ["\n".join(output[-40:])])
         return f"merged model saved to {out}"

@@ -24,7 +24,7 @@ import psutil
 
 import finetune
 from finetune.errors import FinetuneError
-from ui.rundir import read_status, tail
+from finetune.rundir import RunDir, tail
 
 JobState = Literal["queued", "running", "exited", "cancelled"]
 
@@ -139,7 +139,7 @@ class RunManager:
     def run_state(self, run_dir: str | Path) -> str:
         """What a run is doing, combining the job (queued, process alive) with the core's status.json."""
         job = self.job_for(run_dir)
-        status = read_status(Path(run_dir))
+        status = RunDir(run_dir).read_status()
         if job and job.state == "queued":
             return f"queued (position {self.queue_position(job)})"
         if job and job.state == "running":

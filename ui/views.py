@@ -6,8 +6,8 @@ import html
 from pathlib import Path
 from typing import Any
 
+from finetune.rundir import RunDir
 from finetune.units import format_bytes
-from ui import rundir
 from ui.runs import RunManager
 
 
@@ -23,21 +23,47 @@ def _duration(seconds: Any) -> str:
     return f"{s // 3600}h {s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m {s % 60:02d}s"
 
 
+def last_value(rows: list[dict[str, Any]], key: str) -> Any:
+    """The most recent logged value of `key` (metrics rows mix train and eval lines)."""
+    for row in reversed(rows):
+        if row.get(key) is not None:
+            return row[key]
+    return None
+
+
+def summary(run_dir: Path) -> dict[str, Any]:
+    """One row of the run history: state, progress and final metrics."""
+    run = RunDir(run_dir)
+    status = run.read_status()
+    rows = run.read_metrics()
+    peaks = [r["peak_memory_bytes"] for r in rows if r.get("peak_memory_bytes")]
+    return {
+        "state": status.get("state", "unknown"),
+        "step": status.get("step", last_value(rows, "step")),
+        "max_steps": status.get("max_steps"),
+        "loss": last_value(rows, "loss"),
+        "eval_loss": last_value(rows, "eval_loss"),
+        "tokens_per_second": last_value(rows, "tokens_per_second"),
+        "peak_memory_bytes": max(peaks) if peaks else None,
+    }
+
+
 def status_html(run_dir: Path, state: str) -> str:
     """Progress bar, step, ETA, tokens/s and measured against predicted memory for one run."""
-    status = rundir.read_status(run_dir)
-    rows = rundir.read_metrics(run_dir)
-    step = status.get("step") or rundir.last_value(rows, "step") or 0
+    run = RunDir(run_dir)
+    status = run.read_status()
+    rows = run.read_metrics()
+    step = status.get("step") or last_value(rows, "step") or 0
     max_steps = status.get("max_steps") or 0
     pct = 100.0 * step / max_steps if max_steps else 0.0
     peaks = [r["peak_memory_bytes"] for r in rows if r.get("peak_memory_bytes")]
-    plan = rundir.read_plan(run_dir) or {}
+    plan = run.read_plan() or {}
     items = {
         "state": state,
         "step": f"{step} / {max_steps or '?'}",
         "ETA": _duration(status.get("eta_s")) if state == "running" else "-",
-        "loss": f"{rundir.last_value(rows, 'loss'):.4f}" if rundir.last_value(rows, "loss") is not None else "n/a",
-        "tokens/s": f"{rundir.last_value(rows, 'tokens_per_second') or 0:,.0f}",
+        "loss": _fmt(last_value(rows, "loss")) or "n/a",
+        "tokens/s": f"{last_value(rows, 'tokens_per_second') or 0:,.0f}",
         "peak memory, measured": size(max(peaks) if peaks else None),
         "peak memory, predicted": size(plan.get("peak_bytes")),
     }
@@ -101,7 +127,7 @@ def history_rows(run_dirs: list[str]) -> list[list[Any]]:
     """One row per run: name, state, progress and its final metrics."""
     rows = []
     for d in run_dirs:
-        s = rundir.summary(Path(d))
+        s = summary(Path(d))
         rows.append([d, s["state"], f"{s['step'] or 0} / {s['max_steps'] or '?'}",
                      _fmt(s["loss"]), _fmt(s["eval_loss"]), _fmt(s["tokens_per_second"], ".0f"),
                      size(s["peak_memory_bytes"])])
@@ -135,9 +161,10 @@ def preview_markdown(examples: list[dict[str, Any]], bad: list[str]) -> str:
 
 def measured_bars(run_dir: Path) -> tuple[list[tuple[str, dict[str, float]]], float | None]:
     """Predicted (plan.json) and measured (the latest logged peak breakdown) memory, and the budget."""
-    plan = rundir.read_plan(run_dir) or {}
+    run = RunDir(run_dir)
+    plan = run.read_plan() or {}
     bars = [("predicted", plan["breakdown"])] if isinstance(plan.get("breakdown"), dict) else []
-    measured = rundir.last_value(rundir.read_metrics(run_dir), "peak_memory_breakdown")
+    measured = last_value(run.read_metrics(), "peak_memory_breakdown")
     if isinstance(measured, dict):
         bars.append(("measured", measured))
     return bars, plan.get("budget_bytes")

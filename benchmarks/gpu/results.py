@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from finetune.train.rundir import atomic_write_json, atomic_write_text
+from finetune.rundir import atomic_write_json, atomic_write_text
 from finetune.units import format_bytes
 
 STAGES = {

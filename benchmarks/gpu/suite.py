@@ -28,6 +28,7 @@ import torch
 from benchmarks.gpu import configs
 from benchmarks.gpu.results import Results
 from finetune.recipe.schema import Recipe
+from finetune.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "configs"
@@ -140,21 +141,21 @@ class Suite:
                 torch.cuda.set_per_process_memory_fraction(1.0)
             _release()
         out["seconds"] = round(time.time() - started, 1)
-        run_dir = Path(recipe.output.dir)
-        if (run_dir / "plan.json").is_file():
-            plan = json.loads((run_dir / "plan.json").read_text())
+        run_dir = RunDir(Path(recipe.output.dir))
+        plan = run_dir.read_plan()
+        if plan is not None:
             out.update(predicted_bytes=plan["peak_bytes"], fits=plan["fits"], settings=plan["settings"])
-        metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] \
-            if (run_dir / "metrics.jsonl").is_file() else []
+        metrics = run_dir.read_metrics()
         rates = [m["tokens_per_second"] for m in metrics if "tokens_per_second" in m]
         from benchmarks.gpu.baselines import steady_tokens_per_s
 
         out["tokens_per_s"] = steady_tokens_per_s(rates)
         if not CUDA and metrics and out["status"] == "completed":  # the CPU tensor tracker's peak
             out["measured_allocated_bytes"] = max(m.get("peak_memory_bytes") or 0 for m in metrics)
-        if (run_dir / "results.json").is_file():
-            out["data"] = json.loads((run_dir / "results.json").read_text()).get("data")
-        shutil.rmtree(run_dir, ignore_errors=True)
+        results = run_dir.read_results()
+        if results is not None:
+            out["data"] = results.get("data")
+        shutil.rmtree(run_dir.root, ignore_errors=True)
         self.longest = max(self.longest, out["seconds"])
         return out
 

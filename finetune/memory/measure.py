@@ -7,7 +7,6 @@ the same code path; `finetune run` steps through FinetuneTrainer (issue #12 make
 
 from __future__ import annotations
 
-import json
 import tempfile
 from typing import Any
 
@@ -99,14 +98,3 @@ def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
     result["settings"] = read_settings(recipe)
     return result
 
-
-def measure_command(recipe: Recipe, steps: int, as_json: bool) -> int:
-    """CLI body of `finetune measure`: print the measured peak (JSON or a table); exit code 0."""
-    result = measure(recipe, steps)
-    if as_json:
-        print(json.dumps(result, indent=2))
-    else:
-        from finetune.plan.report import render_measurement
-
-        render_measurement(result)
-    return 0

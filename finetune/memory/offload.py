@@ -33,6 +33,7 @@ from finetune.memory.offload_disk import check_offload_dir
 from finetune.memory.offload_tier import StoredTensor, build_chain
 from finetune.recipe.offload_tiers import chain_names, tier_names, tier_spec
 from finetune.recipe.schema import MemoryConfig
+from finetune.rundir import RunDir
 
 __all__ = ["ActivationOffload", "activation_offload", "check_offload_dir", "decoder_layers",
            "offload_dir_for", "preflight_offload", "tier_limits"]
@@ -40,7 +41,7 @@ __all__ = ["ActivationOffload", "activation_offload", "check_offload_dir", "deco
 
 def offload_dir_for(memory_cfg: MemoryConfig, run_dir: str | Path) -> Path:
     """Where the disk tier writes: `memory.offload_dir`, or `<run_dir>/offload` when unset."""
-    return Path(memory_cfg.offload_dir).expanduser() if memory_cfg.offload_dir else Path(run_dir) / "offload"
+    return Path(memory_cfg.offload_dir).expanduser() if memory_cfg.offload_dir else RunDir(run_dir).offload
 
 
 def tier_limits(memory_cfg: MemoryConfig) -> dict[str, int]:

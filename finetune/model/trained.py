@@ -12,15 +12,16 @@ from finetune.errors import FinetuneError
 from finetune.model.load import load_model, load_tokenizer
 from finetune.recipe.load import load_recipe
 from finetune.recipe.schema import Recipe
-from finetune.train.rundir import RunDir, replace_dir
+from finetune.rundir import EXPORT_MARKER, RunDir, replace_dir
 
 
 def load_run(run_dir: str | Path) -> tuple[Recipe, RunDir]:
+    """The recipe a finished run trained with, and its run directory; a clear error if it has no adapter yet."""
     run = RunDir(Path(run_dir))
     if not run.recipe.is_file():
-        raise FinetuneError(f"{run.root} is not a run directory (no recipe.yaml)")
-    if not (run.adapter / "adapter_config.json").is_file() and not (run.adapter / "config.json").is_file():
-        raise FinetuneError(f"{run.root} has no trained adapter yet (adapter/ is missing)",
+        raise FinetuneError(f"{run.root} is not a run directory (no {run.recipe.name})")
+    if not run.has_adapter():
+        raise FinetuneError(f"{run.root} has no trained adapter yet ({run.adapter.name}/ is missing)",
                             hint="finish the run first, or resume it with finetune run RECIPE --resume")
     return load_recipe(run.recipe), run
 
@@ -57,9 +58,6 @@ def generate(model, tokenizer, prompt: str, *, max_new_tokens: int = 128, system
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
-
-
-EXPORT_MARKER = ".finetune-export"  # an export folder that a later export may replace
 
 
 def _check_export_target(out: Path) -> None:

@@ -1,67 +1,11 @@
-"""Rich tables and a matplotlib bar for plans and measurements."""
+"""The matplotlib bar of a plan that a run saves next to plan.json."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-from rich.console import Console
-from rich.table import Table
 
 from finetune.memory.tracker import CATEGORIES
 from finetune.plan.search import Plan
-from finetune.recipe.settings import table as settings_table
-from finetune.units import format_bytes
-
-
-def _short(settings: dict[str, Any]) -> str:
-    return " ".join(f"{s.label}={settings[s.name]}" for s in settings_table() if s.name in settings)
-
-
-def breakdown_table(title: str, breakdown: dict[str, int], peak: int, budget: int | None = None) -> Table:
-    table = Table(title=title)
-    table.add_column("component")
-    table.add_column("bytes", justify="right")
-    table.add_column("share", justify="right")
-    for key in CATEGORIES:
-        value = breakdown.get(key, 0)
-        table.add_row(key, format_bytes(value), f"{100 * value / max(peak, 1):.1f}%")
-    table.add_row("[bold]peak[/bold]", f"[bold]{format_bytes(peak)}[/bold]", "")
-    if budget is not None:
-        table.add_row("budget", format_bytes(budget), f"{100 * peak / max(budget, 1):.0f}% used")
-    return table
-
-
-def render_plan(plan: Plan, console: Console | None = None) -> None:
-    """The chosen plan against the budget, the next best, and why others were rejected."""
-    console = console or Console()
-    status = "fits" if plan.fits else "[red]does not fit[/red]"
-    console.print(f"Plan for {plan.device}: {status}, {plan.tokens_per_s:,.0f} tokens/s predicted")
-    console.print("  " + _short(plan.settings))
-    console.print(breakdown_table("predicted peak", plan.breakdown, plan.peak_bytes, plan.budget_bytes))
-    if plan.alternatives:
-        alt = Table(title="next best")
-        alt.add_column("settings")
-        alt.add_column("peak", justify="right")
-        alt.add_column("tokens/s", justify="right")
-        for c in plan.alternatives:
-            alt.add_row(_short(c.settings), format_bytes(c.peak_bytes), f"{c.tokens_per_s:,.0f}")
-        console.print(alt)
-    if plan.rejected:
-        rej = Table(title=f"rejected ({len(plan.rejected)}, smallest first)")
-        rej.add_column("settings")
-        rej.add_column("why")
-        for c in plan.rejected[:5]:
-            rej.add_row(_short(c.settings), c.reason or "")
-        console.print(rej)
-    if not plan.fits:
-        console.print(f"[red]Nothing fits.[/red] Smallest budget that works: {format_bytes(plan.min_budget_bytes)} "
-                      "(set memory.gpu_memory or free GPU memory).")
-
-
-def render_measurement(result: dict[str, Any], console: Console | None = None) -> None:
-    console = console or Console()
-    console.print(breakdown_table(f"measured peak on {result['device']}", result["breakdown"], result["peak_bytes"]))
 
 
 def plot_breakdown(plan: Plan, path: str | Path) -> None:

@@ -16,7 +16,7 @@ from rich.progress import (
 from transformers import TrainerCallback
 
 from finetune.console import console
-from finetune.train.rundir import RunDir
+from finetune.rundir import RunDir
 
 
 class MetricsCallback(TrainerCallback):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.console import console
-from finetune.train.rundir import replace_dir
+from finetune.rundir import replace_dir
 
 COMPLETE = ".complete"  # written last inside a checkpoint folder, before the rename that publishes it
 STAGING = ".staging"

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from finetune.train.rundir import read_jsonl
+from finetune.rundir import RunDir
 
 
-def plot_loss_curve(metrics_path: Path, out_path: Path) -> Path | None:
-    """Write loss (and eval loss) against step, with the learning rate on a second axis; None if no data."""
-    rows = read_jsonl(metrics_path)
+def plot_loss_curve(run: RunDir) -> Path | None:
+    """Write the run's loss.png: loss (and eval loss) against step, the learning rate on a second axis; None
+    if no loss was logged."""
+    rows = run.read_metrics()
     train = [r for r in rows if "loss" in r]
     if not train:
         return None
@@ -31,8 +32,9 @@ def plot_loss_curve(metrics_path: Path, out_path: Path) -> Path | None:
     lr_ax.set_ylabel("learning rate")
     lines = ax.get_legend_handles_labels()[0] + lr_ax.get_legend_handles_labels()[0]
     ax.legend(lines, [line.get_label() for line in lines], loc="upper right")
-    ax.set_title(metrics_path.parent.name)
+    ax.set_title(run.root.name)
     fig.tight_layout()
+    out_path = run.loss_plot
     tmp = out_path.with_name(f".{out_path.name}.tmp.png")
     fig.savefig(tmp)
     plt.close(fig)

@@ -46,15 +46,14 @@ from finetune.optim import layerwise_of
 from finetune.plan import predict
 from finetune.recipe.load import recipe_to_yaml
 from finetune.recipe.schema import Recipe
+from finetune.rundir import RunDir, atomic_write_json, atomic_write_text
 from finetune.train.checkpoints import numbered
 from finetune.train.oom_ladder import Cheaper, cheaper, measured_gpu_memory, settings_of, with_settings
-from finetune.train.rundir import RunDir, atomic_write_json, atomic_write_text
 from finetune.train.trainer import FinetuneTrainer
 from finetune.units import format_bytes
 
 FAULT_ENV = "FINETUNE_FAULT_OOM_AT_STEP"
 ROWS = "finetune_rows"  # batch key holding the loader batch's example rows; never reaches the model
-RECOVERED_FILE = "oom_recovery.json"  # in the run directory: the settings recoveries set, for --resume
 class _Rows:
     """The rows of one loader batch; opaque to accelerate's device transfer (no `.to`, not a container)."""
 
@@ -278,7 +277,7 @@ def record_recovery(run_dir: RunDir, max_steps: int) -> Callable[[dict, Recipe],
         atomic_write_text(run_dir.recipe, recipe_to_yaml(recipe))
         saved = recovered_settings(run_dir.root)
         saved.update(event["to"])
-        atomic_write_json(run_dir.root / RECOVERED_FILE, {"settings": saved})
+        atomic_write_json(run_dir.recovered, {"settings": saved})
         run_dir.write_status("running", step=event["step"] - 1, max_steps=max_steps, oom_recovered=event)
 
     return record
@@ -290,7 +289,7 @@ def _changes(event: dict) -> str:
 
 def recovered_settings(run_root: Path) -> dict[str, Any]:
     """The settings earlier out-of-memory recoveries of this run chose ({} when none)."""
-    path = Path(run_root) / RECOVERED_FILE
+    path = RunDir(run_root).recovered
     if not path.is_file():
         return {}
     return dict(json.loads(path.read_text()).get("settings", {}))

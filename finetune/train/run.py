@@ -20,17 +20,12 @@ from finetune.recipe.load import load_recipe, recipe_to_yaml
 from finetune.recipe.schema import Recipe
 from finetune.recipe.settings import auto_settings, read_settings, write_settings
 from finetune.recipe.settings import table as settings_table
+from finetune.rundir import RunDir, atomic_write_json, atomic_write_text, replace_dir
 from finetune.train.callbacks import MetricsCallback, ProgressCallback, StopOnSignal
 from finetune.train.checkpoints import find_resumable, numbered, report_skipped, step_of
+from finetune.train.environment import environment_summary
 from finetune.train.plots import plot_loss_curve
 from finetune.train.recovery import RecoveringTrainer, keep_recovered, record_recovery
-from finetune.train.rundir import (
-    RunDir,
-    atomic_write_json,
-    atomic_write_text,
-    environment_summary,
-    replace_dir,
-)
 from finetune.train.trainer import FinetuneTrainer, total_steps, training_arguments
 from finetune.units import format_bytes
 
@@ -162,7 +157,7 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     plan, recipe = _plan(recipe)
     if plan is not None:
         atomic_write_text(run_dir.plan, plan.to_json())
-        plot_breakdown(plan, run_dir.root / "plan.png")
+        plot_breakdown(plan, run_dir.plan_plot)
     atomic_write_text(run_dir.recipe, recipe_to_yaml(recipe))
     atomic_write_json(run_dir.env, environment_summary())
     run_dir.write_status("loading")
@@ -211,7 +206,7 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
         "trainable_parameters": trainable, "total_parameters": total,
         "offload": dict(trainer.offload.stats, tier=trainer.recipe.memory.offload) if trainer.offload is not None
         else None})
-    plot_loss_curve(run_dir.metrics, run_dir.root / "loss.png")
+    plot_loss_curve(run_dir)
     run_dir.write_status(state, step=result.steps, max_steps=steps)
     run_dir.log_line(f"run {state} at step {result.steps}")
     return result
@@ -219,7 +214,7 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
 
 def _save_result(trainer: FinetuneTrainer, tokenizer, run_dir: RunDir) -> None:
     """Save the adapter (or the full model) with its tokenizer, atomically, to run/adapter."""
-    tmp = run_dir.root / ".adapter.tmp"
+    tmp = run_dir.adapter_staging
     shutil.rmtree(tmp, ignore_errors=True)
     trainer.model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)

@@ -1,0 +1,156 @@
+"""The run directory contract: readers accept what a live or crashed run leaves, and only finetune/rundir.py
+names a run's files."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from finetune.rundir import EXPORT_MARKER, MARKER, RunDir, find_runs, read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_metrics_reader_skips_a_torn_last_line_and_rows_that_are_not_objects(tmp_path):
+    run = RunDir(tmp_path)
+    run.append_metrics({"step": 1, "loss": 2.0})
+    run.append_metrics({"step": 2, "loss": 1.5})
+    with run.metrics.open("a") as f:
+        f.write('[1, 2]\n{"step": 3, "lo')  # a JSON line that is no row, then a crash mid-write
+    assert run.read_metrics() == [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}]
+
+
+def test_resume_truncation_keeps_complete_rows_up_to_the_checkpoint(tmp_path):
+    run = RunDir(tmp_path)
+    for step in (1, 2, 3, 4):
+        run.append_metrics({"step": step, "loss": 1.0 / step})
+    with run.metrics.open("a") as f:
+        f.write('{"step": 5, "lo')
+    run.truncate_metrics(after_step=2)
+    assert [r["step"] for r in run.read_metrics()] == [1, 2]
+    assert run.metrics.read_text().endswith("\n"), "the next appended row starts on its own line"
+
+
+def test_readers_of_a_run_that_wrote_nothing_yet(tmp_path):
+    run = RunDir(tmp_path / "never-started")
+    assert run.read_status() == {} and run.read_metrics() == []
+    assert run.read_plan() is None and run.read_results() is None and run.log_tail() == ""
+    assert not run.exists() and not run.has_adapter()
+    assert read_jsonl(tmp_path / "missing.jsonl") == []
+
+
+def test_a_half_written_or_foreign_json_file_reads_as_absent(tmp_path):
+    run = RunDir(tmp_path)
+    run.status.write_text('{"state": "runn')
+    run.results.write_text("[1, 2, 3]")
+    assert run.read_status() == {} and run.read_results() is None
+    run.write_status("running", step=3, max_steps=10)
+    status = run.read_status()
+    assert (status["state"], status["step"], status["pid"]) == ("running", 3, os.getpid())
+
+
+def test_log_tail_returns_the_newest_lines(tmp_path):
+    run = RunDir(tmp_path)
+    for i in range(50):
+        run.log_line(f"line {i}")
+    tail = run.log_tail(3).splitlines()
+    assert [line.split(" ", 1)[1] for line in tail] == ["line 47", "line 48", "line 49"]
+
+
+def test_find_runs_lists_run_directories_newest_first(tmp_path):
+    old, new, nested = tmp_path / "old", tmp_path / "new", tmp_path / "group" / "inner"
+    RunDir(old).write_status("completed")
+    RunDir(new).write_status("running")
+    nested.mkdir(parents=True)
+    RunDir(nested).append_metrics({"step": 1})
+    os.utime(RunDir(old).status, (1, 1))
+    (tmp_path / "not-a-run").mkdir()
+    RunDir(tmp_path / ".hidden").write_status("running")
+    extra = tmp_path.parent / f"{tmp_path.name}-elsewhere"
+    RunDir(extra).write_status("queued")
+    found = find_runs(tmp_path, [extra, tmp_path / "not-a-run"])
+    assert set(found) == {old.resolve(), new.resolve(), nested.resolve(), extra.resolve()}
+    assert found[-1] == old.resolve()
+
+
+def _run_file_names() -> tuple[set[str], set[str]]:
+    """(file names, folder names) of a run, read from the contract itself so a new file is covered at once."""
+    run = RunDir(Path("run"))
+    paths = [getattr(run, name) for name, attr in vars(RunDir).items() if isinstance(attr, property)]
+    names = {p.name for p in paths} | {MARKER, EXPORT_MARKER}
+    folders = {"adapter", "checkpoints", "offload"}
+    assert folders <= names, "the folders this test checks are named by the contract"
+    return names - folders, folders
+
+
+def test_only_the_contract_spells_a_run_file_name():
+    """A run file's name in a string anywhere else (or a run folder joined with `/`) is a second copy that
+    drifts: read and write through finetune.rundir instead."""
+    files, folders = _run_file_names()
+    offenders = []
+    sources = [p for d in ("finetune", "ui") for p in sorted((ROOT / d).rglob("*.py"))]
+    assert len(sources) > 20
+    for path in sources:
+        if path == ROOT / "finetune" / "rundir.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and node.value in files:
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
+            if (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and isinstance(node.right, ast.Constant)
+                    and node.right.value in folders):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: / {node.right.value!r}")
+    assert not offenders, "run file names outside finetune/rundir.py:\n" + "\n".join(offenders)
+
+
+@pytest.fixture
+def recipe_file(tmp_path) -> Path:
+    path = tmp_path / "r.yaml"
+    path.write_text(json.dumps({"model": {"path": "some/model"}, "data": {"path": "data.jsonl"},
+                                "output": {"dir": str(tmp_path / "run")}}))
+    return path
+
+
+def test_cli_plan_asks_finetune_api_and_prints_its_answer(monkeypatch, recipe_file, capsys):
+    from finetune import api
+    from finetune.cli import main
+
+    calls = []
+
+    class FakePlan:
+        fits = False
+
+        def to_json(self) -> str:
+            return '{"fits": false, "from": "api"}'
+
+    def fake_plan(recipe, *, gpu_memory=None, device=None):
+        calls.append((recipe.training.max_steps, gpu_memory, device))
+        return FakePlan()
+
+    monkeypatch.setattr(api, "plan", fake_plan)
+    args = ["plan", str(recipe_file), "--set", "training.max_steps=7", "--gpu-memory", "8GiB", "--device", "cpu"]
+    assert main([*args, "--json"]) == 1, "nothing fits: exit code 1"
+    assert calls == [(7, "8GiB", "cpu")]
+    assert json.loads(capsys.readouterr().out) == {"fits": False, "from": "api"}
+
+
+def test_cli_measure_asks_finetune_api_and_prints_its_answer(monkeypatch, recipe_file, capsys):
+    from finetune import api
+    from finetune.cli import main
+
+    calls = []
+
+    def fake_measure(recipe, *, steps=2):
+        calls.append((recipe.model.path, steps))
+        return {"device": "cpu", "peak_bytes": 3 * 2**20, "breakdown": {"weights": 2 * 2**20, "activations": 2**20}}
+
+    monkeypatch.setattr(api, "measure", fake_measure)
+    assert main(["measure", str(recipe_file), "--steps", "3"]) == 0
+    assert calls == [("some/model", 3)]
+    out = capsys.readouterr().out
+    assert "measured peak on cpu" in out and "3.00 MiB" in out
+    assert main(["measure", str(recipe_file), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["peak_bytes"] == 3 * 2**20 and calls[-1] == ("some/model", 2)

@@ -1,0 +1,76 @@
+"""Data tab: pick a server file or upload a dataset, and preview examples as the model sees them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gradio as gr
+
+from finetune.errors import FinetuneError
+from ui import views
+from ui.backend import Backend
+from ui.paths import allowed_path, data_files, store_upload
+from ui.tabs.messages import problems_markdown, reported
+
+EXAMPLES = 3  # examples previewed
+
+
+def build(backend: Backend, widgets: list[gr.components.Component]) -> gr.Dropdown:
+    """The Data tab over the form `widgets` (it fills data.path); returns the server file picker."""
+    keys = [s.key for s in backend.specs]
+    with gr.Tab("Data", id="data"):
+        gr.Markdown("Pick a dataset on the server (inside the allowed folders) or upload one; the "
+                    "preview tokenizes with the recipe's model and highlights tokens that carry loss.")
+        with gr.Row():
+            server_file = gr.Dropdown(choices=data_files(backend.settings.allow_dirs), allow_custom_value=True,
+                                      label="Server file", elem_id="server-file", scale=3)
+            use_file_btn = gr.Button("Use this file", elem_id="use-file", scale=1)
+        data_upload = gr.File(label="Upload a dataset (.json, .jsonl, .csv, .parquet)", elem_id="data-upload",
+                              height=140)
+        preview_btn = gr.Button("Preview data", elem_id="preview-data")
+        data_msg = gr.Markdown(elem_id="data-message")
+        examples = [gr.HighlightedText(label=f"example {i + 1}", color_map={"loss": "#f4a261"},
+                                       show_legend=True, show_inline_category=False, combine_adjacent=True,
+                                       elem_id=f"example-{i}") for i in range(EXAMPLES)]
+    data_path = widgets[keys.index("data.path")]
+
+    def with_data_path(values, path):
+        values = list(values)
+        values[keys.index("data.path")] = str(path)
+        return values
+
+    def show_preview(values) -> tuple:
+        found, bad = backend.preview(values, EXAMPLES)
+        shown = [[(tok, "loss" if loss else None) for tok, loss in ex["tokens"]] for ex in found]
+        shown += [[]] * (EXAMPLES - len(shown))
+        return (views.preview_markdown(found, bad), *shown[:EXAMPLES])
+
+    @reported(2 + EXAMPLES)
+    def use_server_file(path, *values):
+        chosen = allowed_path(path, backend.settings.allow_dirs, "data file", must_exist=True)
+        try:
+            msg, *shown = show_preview(with_data_path(values, chosen))
+        except FinetuneError as exc:
+            msg, shown = problems_markdown(exc), [gr.skip()] * EXAMPLES
+        return (msg, str(chosen), *shown)
+
+    use_file_btn.click(use_server_file, [server_file, *widgets], [data_msg, data_path, *examples],
+                       api_name="use_server_file")
+
+    @reported(2 + EXAMPLES)
+    def uploaded(path, *values):
+        if not path:
+            return (gr.skip(),) * (2 + EXAMPLES)
+        stored = store_upload(path, backend.settings.runs_dir / "uploads")
+        try:
+            msg, *shown = show_preview(with_data_path(values, stored))
+        except FinetuneError as exc:
+            stored.unlink(missing_ok=True)
+            raise FinetuneError(f"{Path(path).name} was refused: it is not a dataset this recipe can read",
+                                [str(exc)]) from None
+        return (msg, str(stored), *shown)
+
+    data_upload.upload(uploaded, [data_upload, *widgets], [data_msg, data_path, *examples], api_name="upload_data")
+    preview_btn.click(reported(1 + EXAMPLES)(lambda *v: show_preview(v)), widgets, [data_msg, *examples],
+                      api_name="preview_data")
+    return server_file

@@ -1,0 +1,53 @@
+"""Runs tab: the history of run directories, their loss curves overlaid, a run's recipe, and export."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gradio as gr
+
+from finetune.errors import FinetuneError
+from finetune.rundir import RunDir
+from ui import charts
+from ui.backend import Backend
+from ui.tabs.messages import reported
+
+HISTORY_HEADERS = ["run", "state", "step", "loss", "eval loss", "tokens/s", "peak memory"]
+
+
+@dataclass
+class RunsTab:
+    """The parts the page refreshes with the list of runs."""
+
+    refresh_btn: gr.Button
+    history: gr.Dataframe
+    compare: gr.CheckboxGroup
+    recipe_run: gr.Dropdown
+
+
+def build(backend: Backend) -> RunsTab:
+    """The Runs tab; its refresh button is wired by the page, which also updates the Chat tab's run list."""
+    with gr.Tab("Runs", id="runs"):
+        refresh_btn = gr.Button("Refresh", elem_id="refresh-runs")
+        history = gr.Dataframe(headers=HISTORY_HEADERS, interactive=False, elem_id="history")
+        compare = gr.CheckboxGroup(label="Overlay loss curves", elem_id="compare")
+        overlay = gr.Plot(label="Loss of the selected runs", elem_id="overlay-plot")
+        with gr.Row():
+            recipe_run = gr.Dropdown(label="Run", allow_custom_value=True, elem_id="history-run")
+            export_dir = gr.Textbox(label="Export merged model to", elem_id="export-dir")
+            export_btn = gr.Button("Export (merge and save)", elem_id="export")
+        export_msg = gr.Markdown(elem_id="export-message")
+        run_recipe = gr.Code(language="yaml", label="The run's resolved recipe", interactive=False, max_lines=30)
+
+    def overlay_view(selected):
+        try:
+            paths = [backend.run_path(d) for d in selected or []]
+        except FinetuneError as exc:  # the output is a plot: the message goes to the page as an alert
+            raise gr.Error(str(exc)) from None
+        return charts.loss_figure({p.name: RunDir(p).read_metrics() for p in paths}, "loss of the selected runs",
+                                  by_run=True)
+
+    compare.change(overlay_view, compare, overlay, api_name="overlay")
+    recipe_run.change(reported(1)(backend.run_recipe), recipe_run, run_recipe, api_visibility="private")
+    export_btn.click(reported(1)(backend.export), [recipe_run, export_dir], export_msg, api_name="export")
+    return RunsTab(refresh_btn, history, compare, recipe_run)

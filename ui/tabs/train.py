@@ -1,0 +1,85 @@
+"""Train tab: start, stop and resume runs, and a live view of one run re-read from its run directory."""
+
+from __future__ import annotations
+
+import html
+
+import gradio as gr
+
+from finetune.errors import FinetuneError
+from finetune.rundir import RunDir
+from ui import charts, views
+from ui.backend import Backend
+from ui.tabs.messages import reported
+
+LOG_LINES = 8  # lines of train.log shown
+FAILED_LOG_LINES = 30  # lines of the process output added when a run failed
+
+
+def build(backend: Backend, widgets: list[gr.components.Component], timer: gr.Timer) -> gr.Dropdown:
+    """The Train tab: queue the form's recipe; every `timer` tick refresh the selected run. Returns the run picker."""
+    with gr.Tab("Train", id="train"):
+        with gr.Row():
+            start_btn = gr.Button("Start training", variant="primary", elem_id="start")
+            stop_btn = gr.Button("Stop (saves a checkpoint)", variant="stop", elem_id="stop")
+            resume_btn = gr.Button("Resume", elem_id="resume")
+        run_sel = gr.Dropdown(label="Run", allow_custom_value=True, elem_id="run-select")
+        train_msg = gr.Markdown(elem_id="train-message")
+        status = gr.HTML(elem_id="status")
+        with gr.Row():
+            loss_plot = gr.Plot(label="Loss", elem_id="loss-plot")
+            lr_plot = gr.Plot(label="Learning rate", elem_id="lr-plot")
+        mem_plot = gr.Plot(label="Peak memory: measured against predicted", elem_id="memory-plot")
+        log_box = gr.Textbox(label="Log tail (newest last)", lines=14, max_lines=14, interactive=False,
+                             autoscroll=True, elem_id="log-tail")
+        queue_md = gr.Markdown(elem_id="queue")
+        seen = gr.State(None)  # (run, rows) last drawn: plots are redrawn only when that changes
+        unseen = gr.State(None)  # a run picked anew is drawn at once
+
+    def run_choices(selected: str | None = None):
+        dirs = backend.run_dirs()
+        return gr.update(choices=dirs, value=selected or backend.current_run())
+
+    @reported(2)
+    def start(*values):
+        run_dir = backend.start(values)
+        return f"Queued {run_dir}.", run_choices(str(run_dir))
+
+    start_btn.click(start, widgets, [train_msg, run_sel], api_name="start")
+
+    @reported(2)
+    def resume(run_dir):
+        path = backend.resume(run_dir)
+        return f"Resuming {path} from its newest checkpoint.", run_choices(str(path))
+
+    resume_btn.click(resume, run_sel, [train_msg, run_sel], api_name="resume")
+    stop_btn.click(reported(1)(backend.stop), run_sel, train_msg, api_name="stop")
+
+    def refresh(run_dir, last):
+        queue = views.queue_markdown(backend.manager)
+        if not run_dir:
+            return "<div id='run-status'>No run yet: start one above.</div>", *(gr.skip(),) * 3, "", queue, last
+        try:
+            path = backend.run_path(run_dir, must_exist=False)
+        except FinetuneError as exc:
+            return f"<div id='run-status'>{html.escape(str(exc))}</div>", *(gr.skip(),) * 3, "", queue, last
+        state = backend.manager.run_state(path)
+        run = RunDir(path)
+        log = run.log_tail(LOG_LINES) or backend.manager.process_log(path, LOG_LINES)
+        if state.startswith("failed"):
+            log += "\n--- process output ---\n" + backend.manager.process_log(path, FAILED_LOG_LINES)
+        rows = run.read_metrics()
+        sig = (run_dir, len(rows))
+        if sig == last:
+            plots = (gr.skip(),) * 3
+        else:
+            bars, budget = views.measured_bars(path)
+            plots = (charts.loss_figure({path.name: rows}), charts.lr_figure(rows),
+                     charts.memory_figure(bars, None, title=f"peak memory (budget {views.size(budget)})")
+                     if bars else None)  # a budget line would flatten the bars the page compares
+        return views.status_html(path, state), *plots, log, queue, sig
+
+    outputs = [status, loss_plot, lr_plot, mem_plot, log_box, queue_md, seen]
+    timer.tick(refresh, [run_sel, seen], outputs, api_name="refresh", show_progress="hidden")
+    run_sel.change(refresh, [run_sel, unseen], outputs, show_progress="hidden", api_visibility="private")
+    return run_sel
