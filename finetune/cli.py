@@ -100,7 +100,7 @@ def cmd_plan(args) -> int:
 
 def cmd_measure(args) -> int:
     from finetune import api
-    from finetune.memory.measure import measure_command
+    from finetune.train.measure import measure_command
 
     return measure_command(api.load_recipe(args.recipe, args.overrides), args.steps, args.json)
 

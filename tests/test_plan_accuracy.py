@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from finetune.memory.measure import measure
+from finetune.train.measure import measure
 from finetune.plan.memory_model import Settings, predict_memory
 from finetune.plan.search import model_spec
 from finetune.plan.shapes import load_model_config

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.memory.measure import measure
+from finetune.train.measure import measure
 from finetune.plan import Plan, plot_breakdown, predict
 from finetune.recipe.schema import Recipe
 
@@ -144,7 +144,7 @@ def test_70b_config_under_two_seconds():
 def test_plan_and_measure_commands_print_json(tiny_dir, capsys):
     import json
 
-    from finetune.memory.measure import measure_command
+    from finetune.train.measure import measure_command
     from finetune.plan import plan_command
 
     recipe = _recipe(tiny_dir, seq=64)
