@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from finetune.train.measure import measure
 from finetune.plan.memory_model import Settings, predict_memory
 from finetune.plan.search import model_spec
 from finetune.plan.shapes import load_model_config
 from finetune.recipe.schema import Recipe
+from finetune.train.measure import measure
 
 DIMS = {"hidden_size": 128, "intermediate_size": 320, "num_hidden_layers": 4}
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from finetune.train.measure import measure
 from finetune.plan import Plan, plot_breakdown, predict
 from finetune.recipe.schema import Recipe
+from finetune.train.measure import measure
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 AUTO = {"training": {"micro_batch_size": "auto"},
@@ -144,8 +144,8 @@ def test_70b_config_under_two_seconds():
 def test_plan_and_measure_commands_print_json(tiny_dir, capsys):
     import json
 
-    from finetune.train.measure import measure_command
     from finetune.plan import plan_command
+    from finetune.train.measure import measure_command
 
     recipe = _recipe(tiny_dir, seq=64)
     assert plan_command(recipe, "64MiB", as_json=True, device="cpu") == 0

@@ -25,6 +25,7 @@ How the prediction is put together (docs/planner.md has the long form):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,6 +131,20 @@ def _lerp(a: float, b: float, xa: int, xb: int, x: int) -> float:
     return a if xa == xb else a + (b - a) * (x - xa) / (xb - xa)
 
 
+@functools.lru_cache(maxsize=4096)
+def _param_sums(params: tuple, bits: int | None, double_quant: bool, optimizer: str, optimizer_json: str,
+                accumulation: int) -> dict[str, float]:
+    """Weights, trained weights, optimizer state and gradients of one cut model (memoised: a plan with every
+    key on auto asks for the same few combinations hundreds of times)."""
+    frozen = sum(quantized_weight_bytes(p.numel, p.out_features, bits if p.quantizable else None, double_quant,
+                                        p.bytes_per_elem) for p in params if not p.trainable)
+    trained = [(p.name, p.shape, p.dtype) for p in params if p.trainable]
+    opt = OptimizerConfig.model_validate_json(optimizer_json).model_copy(update={"name": optimizer})
+    return {"weights": frozen, "trainable_weights": sum(p.numel * p.bytes_per_elem for p in params if p.trainable),
+            "optimizer_state": optimizer_state_bytes(optimizer, trained, opt),
+            "grads": gradient_bytes(trained, opt, accumulation)}
+
+
 def _param_parts(spec: ModelSpec, settings: Settings) -> tuple[dict[str, float], int, int]:
     """Weights, trained weights, optimizer state and resident gradients of the whole model (extrapolated from
     two cut copies), the largest trained parameter's bytes and the largest quantized weight's elements."""
@@ -137,14 +152,8 @@ def _param_parts(spec: ModelSpec, settings: Settings) -> tuple[dict[str, float],
     parts = []
     for layers in (la, lb):
         params = param_table(spec.config, spec.adapter, spec.dtype, layers)
-        frozen = sum(quantized_weight_bytes(p.numel, p.out_features, settings.bits if p.quantizable else None,
-                                            spec.double_quant, p.bytes_per_elem) for p in params if not p.trainable)
-        trained = [(p.name, p.shape, p.dtype) for p in params if p.trainable]
-        opt = spec.optimizer.model_copy(update={"name": settings.optimizer})
-        parts.append({
-            "weights": frozen, "trainable_weights": sum(p.numel * p.bytes_per_elem for p in params if p.trainable),
-            "optimizer_state": optimizer_state_bytes(settings.optimizer, trained, opt),
-            "grads": gradient_bytes(trained, opt, settings.gradient_accumulation_steps)})
+        parts.append(_param_sums(params, settings.bits, spec.double_quant, settings.optimizer,
+                                 spec.optimizer.model_dump_json(), settings.gradient_accumulation_steps))
     largest_trained = max((p.numel * p.bytes_per_elem for p in params if p.trainable), default=0)
     largest_quant = max((p.numel for p in params if p.quantizable), default=0)
     return {k: _lerp(parts[0][k], parts[1][k], la, lb, spec.num_layers) for k in parts[0]}, largest_trained, largest_quant
