@@ -26,7 +26,7 @@ from finetune.memory.step import enable_checkpointing, forward_backward
 from finetune.memory.tracker import MemoryTracker
 from finetune.model.adapter import apply_adapter
 from finetune.plan import trace_cache
-from finetune.plan.shapes import with_layers
+from finetune.plan.shapes import ModelShapes, model_shapes, with_layers
 from finetune.recipe.schema import AdapterConfig
 
 
@@ -246,8 +246,28 @@ def _config_key(config: Any) -> tuple[str, str]:
     return value
 
 
-def _key(config: Any, adapter: AdapterConfig, dtype: torch.dtype) -> tuple[str, str, str, str]:
+def model_key(config: Any, adapter: AdapterConfig, dtype: torch.dtype) -> tuple[str, str, str, str]:
+    """What identifies a traced model: config, adapter and dtype, as hashable strings."""
     return (*_config_key(config), adapter.model_dump_json(), str(dtype).removeprefix("torch."))
+
+def model_facts(config: Any, attn_choice: str) -> tuple[ModelShapes, str]:
+    """The model's shapes and the attention kernel `auto` resolves to, from the disk cache when known: both
+    need the architecture's modeling code, whose import alone takes longer than a warm plan."""
+    from dataclasses import asdict
+
+    from finetune.model.load import attn_implementation
+
+    def compute() -> tuple[ModelShapes, str]:
+        return model_shapes(config), attn_implementation(attn_choice, config)
+
+    def decode(value: Any) -> tuple[ModelShapes, str]:
+        shapes = dict(value[0])
+        shapes["linear_shapes"] = [tuple(s) for s in shapes["linear_shapes"]]
+        return ModelShapes(**shapes), str(value[1])
+
+    return trace_cache.cached("model", [*_config_key(config), attn_choice], compute,
+                              lambda v: [asdict(v[0]), v[1]], decode)
+
 
 def trace_step(config: Any, adapter: AdapterConfig, dtype: torch.dtype, attn: str, device: str, micro_batch: int,
                seq_len: int, layers: int, checkpoint_every: int, int8: bool = False, recompute_norms: bool = False,
@@ -257,10 +277,11 @@ def trace_step(config: Any, adapter: AdapterConfig, dtype: torch.dtype, attn: st
     int8: frozen decoder Linear layers behave like bitsandbytes LLM.int8 layers (see `_Int8LikeLinear`).
     recompute_norms, mlp_tokens: `finetune.memory.layer_recompute` as the run applies it (0 = no tiled MLP).
     """
-    return _trace_cached(*_key(config, adapter, dtype), attn, device, micro_batch, seq_len, layers,
+    return _trace_cached(*model_key(config, adapter, dtype), attn, device, micro_batch, seq_len, layers,
                          checkpoint_every, int8, recompute_norms, mlp_tokens)
 
 
-def param_table(config: Any, adapter: AdapterConfig, dtype: torch.dtype, layers: int) -> tuple[ParamInfo, ...]:
-    """The parameters of `config` cut to `layers` layers, adapter applied (no forward: milliseconds)."""
-    return _params_cached(*_key(config, adapter, dtype), layers)
+def param_table_of(key: tuple[str, str, str, str], layers: int) -> tuple[ParamInfo, ...]:
+    """The parameters of the model `key` (see model_key) cut to `layers` layers, adapter applied (no forward:
+    milliseconds, then from the cache)."""
+    return _params_cached(*key, layers)
