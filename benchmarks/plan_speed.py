@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 CONFIGS = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "configs"
-CASES = [("llama-3.1-8b.json", 4096), ("qwen2.5-7b.json", 4096), ("llama-3.1-8b.json", 32768)]
+CASES = [("llama-3.1-8b.json", 4096), ("qwen2.5-7b.json", 4096), ("llama-3.1-8b.json", 32768),
+         ("llama-3.1-8b.json", 131072)]
 
 
 def recipe(config: str, seq: int):
