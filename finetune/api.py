@@ -51,7 +51,7 @@ def plan(recipe: Recipe, *, gpu_memory: str | int | None = None, device: str | N
 def measure(recipe: Recipe, *, steps: int = 2) -> dict[str, Any]:
     """Run `steps` real training steps under the memory tracker; the measured peak and its breakdown by
     component (`auto` settings resolved by the planner first, as `run` would)."""
-    from finetune.memory.measure import measure as _measure
+    from finetune.train.measure import measure as _measure
 
     return _measure(recipe, steps)
 

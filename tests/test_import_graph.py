@@ -23,13 +23,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("finetune.cli", "finetune.cli_tables", "finetune.__main__", "ui"),
 ]
 
-# Up-pointing imports that other engineers' moves of issue #13 remove; the lead empties this list at merge.
-# (importer, target) by module name.
-KNOWN_UP: set[tuple[str, str]] = {
-    # #12 point 2 (one training step): measure moves next to training; the planner's trace then imports
-    # the step from where it lands.
-    ("finetune.memory.measure", "finetune.plan"),
-}
+# Up-pointing imports tolerated while the issue named beside each removes them: (importer, target) by module
+# name. Empty now; the test fails when an entry is no longer needed, so the list cannot go stale.
+KNOWN_UP: set[tuple[str, str]] = set()
 
 
 def module_name(path: Path) -> str:

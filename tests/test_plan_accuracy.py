@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from finetune.memory.measure import measure
 from finetune.plan.memory_model import Settings, predict_memory
 from finetune.plan.search import model_spec
 from finetune.plan.shapes import load_model_config
 from finetune.recipe.schema import Recipe
+from finetune.train.measure import measure
 
 DIMS = {"hidden_size": 128, "intermediate_size": 320, "num_hidden_layers": 4}
 
@@ -76,7 +76,7 @@ def _recipe(arch, path, seq, mb, adapter, r, ckpt, every, bits, opt, extra) -> R
         "optimizer": {"name": opt, "momentum": 0.9 if opt == "sgd" else 0.0}}
     for key, value in extra.items():
         section, name = key.split(".")
-        data[section][name] = value
+        data.setdefault(section, {})[name] = value
     return Recipe.model_validate(data)
 
 
@@ -147,3 +147,40 @@ def _check(model_dirs, matrix):
             failures.append(f"{name}: {', '.join(bad)}")
     print("\n".join(rows))
     assert not failures, "\n".join(failures + ["", *rows])
+
+
+ARCHS = ("llama", "qwen2", "mistral", "gemma2", "phi3")
+# Four configurations per architecture, 5 architectures: `finetune run` itself against its own plan.json.
+_RUNNABLE = [row for row in MATRIX if row[7] != 8 and "paged" not in row[8]]
+RUN_ROWS = [row for arch in ARCHS for row in [r for r in _RUNNABLE if r[0] == arch][:4]]
+
+
+def test_plan_matches_the_real_run(model_dirs, tmp_path):
+    """`finetune run` (2 steps at full sequence length: every record is longer than max_seq_len and cut to it)
+    peaks where plan.json said: median error within 3%, worst within 5%."""
+    import json
+    import statistics
+
+    from finetune.rundir import read_jsonl
+    from finetune.train.run import run
+
+    data = tmp_path / "long.jsonl"
+    data.write_text("\n".join(json.dumps({"text": f"record {i}: " + "the quick brown fox jumps over the lazy dog " * 400})
+                              for i in range(16)) + "\n")
+    assert len({row[0] for row in RUN_ROWS}) >= 5 and len(RUN_ROWS) >= 20
+    rows, errors = [], []
+    for i, (arch, seq, mb, adapter, r, ckpt, every, bits, opt) in enumerate(RUN_ROWS):
+        recipe = _recipe(arch, model_dirs[arch], seq, mb, adapter, r, ckpt, every, bits, opt, {
+            "data.path": str(data), "data.format": "text", "training.max_steps": 2, "training.logging_steps": 1,
+            "output.dir": str(tmp_path / f"run{i}"), "output.save_steps": 100})
+        run(recipe)
+        planned = json.loads((tmp_path / f"run{i}" / "plan.json").read_text())["peak_bytes"]
+        measured = max(row["peak_memory_bytes"] for row in read_jsonl(tmp_path / f"run{i}" / "metrics.jsonl")
+                       if "peak_memory_bytes" in row)
+        errors.append(planned / measured - 1)
+        rows.append(f"{arch} s={seq} mb={mb} {adapter} ckpt={ckpt}/{every} bits={bits} {opt}: run {measured} "
+                    f"plan {planned} {errors[-1]:+.1%}")
+    report = "\n".join(rows)
+    print(report)
+    assert statistics.median(abs(e) for e in errors) <= 0.03, report
+    assert max(abs(e) for e in errors) <= 0.05, report

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from finetune.memory.measure import measure
 from finetune.plan import Plan, plot_breakdown, predict
 from finetune.recipe.schema import Recipe
+from finetune.train.measure import measure
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 AUTO = {"training": {"micro_batch_size": "auto"},

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from finetune.memory.offload_disk import FILE_PREFIX, read_tensor_file, write_tensor_file
+from finetune.rundir import atomic_write_text
 from finetune.units import cache_dir
 
 PROBE_BYTES = 256 << 20
@@ -35,13 +36,9 @@ def _load_cache() -> dict:
 
 
 def _store_cache(key: str, value: dict) -> None:
-    path = cache_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
     cache = _load_cache()
     cache[key] = value
-    tmp = path.with_suffix(f".{uuid.uuid4().hex}.tmp")
-    tmp.write_text(json.dumps(cache, indent=2, sort_keys=True))
-    tmp.replace(path)
+    atomic_write_text(cache_path(), json.dumps(cache, indent=2, sort_keys=True))
 
 
 def measure_disk(directory: str | Path, nbytes: int = PROBE_BYTES) -> dict[str, float]:

@@ -26,6 +26,7 @@ How the prediction is put together (docs/planner.md has the long form):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +35,7 @@ import torch
 
 from finetune.memory.chunked_loss import default_chunk_size
 from finetune.optim import gradient_bytes, optimizer_state_bytes
-from finetune.plan.trace import Trace, param_table, trace_step
+from finetune.plan.trace import Trace, model_key, param_table_of, trace_step
 from finetune.recipe.offload_tiers import tier_spec
 from finetune.recipe.optimizers import optimizer_spec
 from finetune.recipe.schema import AdapterConfig, OptimizerConfig
@@ -113,24 +114,35 @@ def _lerp(a: float, b: float, xa: int, xb: int, x: int) -> float:
     return a if xa == xb else a + (b - a) * (x - xa) / (xb - xa)
 
 
+@functools.lru_cache(maxsize=4096)
+def _param_sums(key: tuple[str, ...], layers: int, bits: int | None, double_quant: bool, optimizer: str,
+                optimizer_json: str, accumulation: int) -> tuple[dict[str, float], int, int]:
+    """Weights, trained weights, optimizer state and gradients of one cut model, its largest trained
+    parameter's bytes and largest quantized weight's elements (memoised: a plan with every key on auto asks
+    for the same few combinations hundreds of times)."""
+    params = param_table_of(key, layers)
+    frozen = sum(quantized_weight_bytes(p.numel, p.out_features, bits if p.quantizable else None, double_quant,
+                                        p.bytes_per_elem) for p in params if not p.trainable)
+    trained = [(p.name, p.shape, p.dtype) for p in params if p.trainable]
+    opt = OptimizerConfig.model_validate_json(optimizer_json).model_copy(update={"name": optimizer})
+    sums = {"weights": frozen, "trainable_weights": sum(p.numel * p.bytes_per_elem for p in params if p.trainable),
+            "optimizer_state": optimizer_state_bytes(optimizer, trained, opt),
+            "grads": gradient_bytes(trained, opt, accumulation)}
+    largest_trained = max((p.numel * p.bytes_per_elem for p in params if p.trainable), default=0)
+    largest_quant = max((p.numel for p in params if p.quantizable), default=0)
+    return sums, largest_trained, largest_quant
+
+
 def _param_parts(spec: ModelSpec, settings: Settings) -> tuple[dict[str, float], int, int]:
     """Weights, trained weights, optimizer state and resident gradients of the whole model (extrapolated from
     two cut copies), the largest trained parameter's bytes and the largest quantized weight's elements."""
     la, lb = _layer_counts(spec, settings)
-    parts = []
-    for layers in (la, lb):
-        params = param_table(spec.config, spec.adapter, spec.dtype, layers)
-        frozen = sum(quantized_weight_bytes(p.numel, p.out_features, settings.bits if p.quantizable else None,
-                                            spec.double_quant, p.bytes_per_elem) for p in params if not p.trainable)
-        trained = [(p.name, p.shape, p.dtype) for p in params if p.trainable]
-        opt = spec.optimizer.model_copy(update={"name": settings.optimizer})
-        parts.append({
-            "weights": frozen, "trainable_weights": sum(p.numel * p.bytes_per_elem for p in params if p.trainable),
-            "optimizer_state": optimizer_state_bytes(settings.optimizer, trained, opt),
-            "grads": gradient_bytes(trained, opt, settings.gradient_accumulation_steps)})
-    largest_trained = max((p.numel * p.bytes_per_elem for p in params if p.trainable), default=0)
-    largest_quant = max((p.numel for p in params if p.quantizable), default=0)
-    return {k: _lerp(parts[0][k], parts[1][k], la, lb, spec.num_layers) for k in parts[0]}, largest_trained, largest_quant
+    key = model_key(spec.config, spec.adapter, spec.dtype)
+    opt = spec.optimizer.model_dump_json()
+    (pa, _, _), (pb, largest_trained, largest_quant) = (
+        _param_sums(key, layers, settings.bits, spec.double_quant, settings.optimizer, opt,
+                    settings.gradient_accumulation_steps) for layers in (la, lb))
+    return {k: _lerp(pa[k], pb[k], la, lb, spec.num_layers) for k in pa}, largest_trained, largest_quant
 
 
 def _fixed_costs(spec: ModelSpec, dynamic: float) -> float:

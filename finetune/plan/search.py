@@ -15,15 +15,14 @@ import torch
 from finetune.errors import FinetuneError
 from finetune.memory.bandwidth import transfer_bandwidth
 from finetune.memory.offload import offload_dir_for
-from finetune.model.load import attn_implementation
 from finetune.plan.cost_model import tokens_per_second
 from finetune.plan.memory_model import ModelSpec, memory_floor, predict_memory
 from finetune.plan.shapes import (
     ModelShapes,
     load_model_config,
-    model_shapes,
     target_dtype,
 )
+from finetune.plan.trace import model_facts
 from finetune.recipe.offload_tiers import STORES, tier_names, tier_spec
 from finetune.recipe.optimizers import auto_preferences
 from finetune.recipe.schema import Recipe
@@ -139,7 +138,7 @@ def model_spec(recipe: Recipe, config: Any, device: str) -> ModelSpec:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return ModelSpec(
         config=config, adapter=recipe.adapter, dtype=target_dtype(recipe, device),
-        attn=attn_implementation(recipe.model.attn_implementation, config), device=device, seq_len=recipe.data.max_seq_len,
+        attn=model_facts(config, recipe.model.attn_implementation)[1], device=device, seq_len=recipe.data.max_seq_len,
         num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
         optimizer=recipe.optimizer, double_quant=recipe.quantization.double_quant,
         offload_min_size=recipe.memory.offload_min_size, recompute_norms=recipe.memory.recompute_norms,
@@ -188,7 +187,7 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
     config = model_config or load_model_config(recipe.model.path, recipe.model.trust_remote_code)
     spec = model_spec(recipe, config, device)
     budget = _budget(recipe, gpu_memory, "cuda" if torch.cuda.is_available() and device == "cuda" else "cpu")
-    shapes = model_shapes(config)
+    shapes = model_facts(config, recipe.model.attn_implementation)[0]
     choices = _choices(recipe, spec)
     bandwidth, free = _offload_resources(recipe, device, {st.offload for st in choices} - {"none"})
     # Cheap lower bounds first: a configuration whose weights and optimizer state alone exceed the budget is

@@ -3,57 +3,64 @@
 Why: activation memory depends on every detail of an architecture's forward (GQA handled by the kernel or by
 repeating K/V, rotary tables, dropout masks, soft-capping, fused projections, the attention kernel's saved
 log-sum-exp, upcasts in norms and in the loss). Writing that as a formula per family drifts with every
-transformers release. Running the same training step as `finetune measure` on meta tensors, under the same
-tracker, gives the byte count of every saved tensor in ~0.1 s. We run it on copies with 1-2 repeating
-blocks of layers and two micro-batch sizes and extrapolate linearly (activations are linear in micro-batch
-and in the number of layers), see `memory_model.py`.
+transformers release. Running the training step itself (`finetune.memory.step.forward_backward`, what `finetune run`
+and `finetune measure` run) on meta tensors, under the same tracker, gives the byte count of every saved
+tensor in ~0.1 s. We run it on copies with 2-3 repeating blocks of layers at micro-batch 1 and extrapolate
+linearly (activations are linear in micro-batch and in the number of layers), see `memory_model.py`. Results are cached on disk (`trace_cache.py`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
-from collections.abc import Iterator
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from finetune.memory.layer_recompute import apply_layer_recompute
-from finetune.memory.measure import enable_checkpointing, training_step
+from finetune.memory.step import enable_checkpointing, forward_backward
 from finetune.memory.tracker import MemoryTracker
 from finetune.model.adapter import apply_adapter
-from finetune.plan.shapes import with_layers
+from finetune.plan import trace_cache
+from finetune.plan.shapes import ModelShapes, model_shapes, with_layers
 from finetune.recipe.schema import AdapterConfig
 
 
-@contextlib.contextmanager
-def _meta_kernels(device: str) -> Iterator[None]:
+class _MetaKernels(TorchFunctionMode):
     """On meta, torch picks the math SDPA (which stores s x s probabilities); use the fused kernel's shapes.
 
     The fused CPU kernel saves what CUDA's flash/efficient kernels save (q, k, v, output, log-sum-exp). Also
-    skip transformers' packed-sequence check, which reads position_ids values (plain batches are not packed).
+    answer transformers' packed-sequence check (find_packed_sequence_indices asks whether every row is one
+    sequence: it is, for the traced batch), the one place the step reads a tensor's value.
+    A function mode is thread-local and sees only the tracing thread's calls: nothing process-wide is patched,
+    so concurrent plans (UI handlers) and a training running in the same process are unaffected.
     """
-    import transformers.masking_utils as masking
 
-    original_sdpa = torch.nn.functional.scaled_dot_product_attention
-    original_packed = masking.find_packed_sequence_indices
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention and args[0].is_meta:
+            return _meta_sdpa(*args, **kwargs)
+        if func is torch.Tensor.__bool__ and args[0].is_meta:
+            return True
+        return func(*args, **kwargs)
 
-    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if q.device.type != "meta":
-            return original_sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                 scale=scale, enable_gqa=enable_gqa)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
-    torch.nn.functional.scaled_dot_product_attention = sdpa
-    masking.find_packed_sequence_indices = lambda position_ids: None
-    try:
-        yield
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = original_sdpa
-        masking.find_packed_sequence_indices = original_packed
+def _backward(loss: torch.Tensor) -> None:
+    """loss.backward() without entering torch's function dispatch: a mode is off inside its own handler, and
+    the checkpointed layers' forward that backward recomputes must see it."""
+    from torch.autograd.graph import _engine_run_backward
+
+    _engine_run_backward((loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True,
+                         accumulate_grad=True)
+
+
+def _meta_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
 
 class _Int8LikeLinear(torch.autograd.Function):
@@ -155,17 +162,10 @@ def _meta_model(config_json: str, model_type: str, adapter_json: str, dtype: str
         return model
 
 
-@functools.lru_cache(maxsize=512)
-def _params_cached(config_json: str, model_type: str, adapter_json: str, dtype: str, layers: int):
-    return _param_infos(_meta_model(config_json, model_type, adapter_json, dtype, "eager", layers, False))
-
-
-@functools.lru_cache(maxsize=512)
-def _trace_cached(config_json: str, model_type: str, adapter_json: str, dtype: str, attn: str, device: str,
-                  micro_batch: int, seq_len: int, layers: int, checkpoint_every: int, int8: bool, recompute_norms: bool,
-                  mlp_tokens: int) -> Trace:
-    model = _meta_model(config_json, model_type, adapter_json, dtype, attn, layers, checkpoint_every > 0,
-                        recompute_norms, mlp_tokens)
+def _direct_trace(key: tuple[str, str, str, str], attn: str, micro_batch: int, seq_len: int, layers: int,
+                  checkpoint_every: int, int8: bool, recompute_norms: bool, mlp_tokens: int) -> Trace:
+    """Run the training step's forward_backward on a meta model under the tracker."""
+    model = _meta_model(*key, attn, layers, checkpoint_every > 0, recompute_norms, mlp_tokens)
     config = model.config
     ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
     if int8:
@@ -178,8 +178,9 @@ def _trace_cached(config_json: str, model_type: str, adapter_json: str, dtype: s
     tracker.register_model(model)
     handles = _layer_windows(model, tracker)
     try:
-        with _meta_kernels(device), tracker:
-            training_step(model, {"input_ids": ids, "labels": ids}, None, 1, tracker, backward_window="bwd_head")
+        with _MetaKernels(), tracker:
+            forward_backward(model, {"input_ids": ids, "labels": ids}, backward=_backward, tracker=tracker,
+                             backward_window="bwd_head")
     finally:
         tracker.remove_hooks()
         for handle in handles:
@@ -187,13 +188,85 @@ def _trace_cached(config_json: str, model_type: str, adapter_json: str, dtype: s
     return Trace(windows=dict(tracker.windows))
 
 
-def _key(config: Any, adapter: AdapterConfig, dtype: torch.dtype) -> tuple[str, str, str, str]:
+def _encode_trace(trace: Trace) -> Any:
+    return {name: [total, parts] for name, (total, parts) in trace.windows.items()}
+
+
+def _decode_trace(value: Any) -> Trace:
+    return Trace(windows={name: (int(total), {k: int(v) for k, v in parts.items()})
+                          for name, (total, parts) in value.items()})
+
+
+def _encode_params(params: tuple[ParamInfo, ...]) -> Any:
+    return [[p.name, list(p.shape), str(p.dtype).removeprefix("torch."), p.numel, p.out_features,
+             p.bytes_per_elem, p.trainable, p.quantizable] for p in params]
+
+
+def _decode_params(value: Any) -> tuple[ParamInfo, ...]:
+    return tuple(ParamInfo(name, tuple(shape), getattr(torch, dtype), numel, out, size, trainable, quantizable)
+                 for name, shape, dtype, numel, out, size, trainable, quantizable in value)
+
+
+@functools.lru_cache(maxsize=512)
+def _params_cached(config_json: str, model_type: str, adapter_json: str, dtype: str, layers: int):
+    key = (config_json, model_type, adapter_json, dtype)
+    return trace_cache.cached(
+        "params", [*key, layers],
+        lambda: _param_infos(_meta_model(*key, "eager", layers, False)), _encode_params, _decode_params)
+
+
+@functools.lru_cache(maxsize=512)
+def _trace_cached(config_json: str, model_type: str, adapter_json: str, dtype: str, attn: str, device: str,
+                  micro_batch: int, seq_len: int, layers: int, checkpoint_every: int, int8: bool, recompute_norms: bool,
+                  mlp_tokens: int) -> Trace:
+    key = (config_json, model_type, adapter_json, dtype)
+    args = (attn, micro_batch, seq_len, layers, checkpoint_every, int8, recompute_norms, mlp_tokens)
+    return trace_cache.cached("trace", [*key, device, *args], lambda: _direct_trace(key, *args), _encode_trace,
+                              _decode_trace)
+
+
+_KEYS: dict[int, tuple[weakref.ref, tuple[str, str]]] = {}
+_KEYS_LOCK = threading.Lock()
+
+
+def _config_key(config: Any) -> tuple[str, str]:
+    """The config as JSON (without fields that do not change the model), computed once per config object."""
+    with _KEYS_LOCK:
+        hit = _KEYS.get(id(config))
+        if hit is not None and hit[0]() is config:
+            return hit[1]
     data = config.to_dict()
     model_type = data.pop("model_type")
     for key in ("transformers_version", "architectures", "_name_or_path"):
         data.pop(key, None)
-    return (json.dumps(data, sort_keys=True, default=str), model_type, adapter.model_dump_json(),
-            str(dtype).removeprefix("torch."))
+    value = (json.dumps(data, sort_keys=True, default=str), model_type)
+    ident = id(config)
+    with _KEYS_LOCK:
+        _KEYS[ident] = (weakref.ref(config, lambda _r: _KEYS.pop(ident, None)), value)
+    return value
+
+
+def model_key(config: Any, adapter: AdapterConfig, dtype: torch.dtype) -> tuple[str, str, str, str]:
+    """What identifies a traced model: config, adapter and dtype, as hashable strings."""
+    return (*_config_key(config), adapter.model_dump_json(), str(dtype).removeprefix("torch."))
+
+def model_facts(config: Any, attn_choice: str) -> tuple[ModelShapes, str]:
+    """The model's shapes and the attention kernel `auto` resolves to, from the disk cache when known: both
+    need the architecture's modeling code, whose import alone takes longer than a warm plan."""
+    from dataclasses import asdict
+
+    from finetune.model.load import attn_implementation
+
+    def compute() -> tuple[ModelShapes, str]:
+        return model_shapes(config), attn_implementation(attn_choice, config)
+
+    def decode(value: Any) -> tuple[ModelShapes, str]:
+        shapes = dict(value[0])
+        shapes["linear_shapes"] = [tuple(s) for s in shapes["linear_shapes"]]
+        return ModelShapes(**shapes), str(value[1])
+
+    return trace_cache.cached("model", [*_config_key(config), attn_choice], compute,
+                              lambda v: [asdict(v[0]), v[1]], decode)
 
 
 def trace_step(config: Any, adapter: AdapterConfig, dtype: torch.dtype, attn: str, device: str, micro_batch: int,
@@ -204,10 +277,11 @@ def trace_step(config: Any, adapter: AdapterConfig, dtype: torch.dtype, attn: st
     int8: frozen decoder Linear layers behave like bitsandbytes LLM.int8 layers (see `_Int8LikeLinear`).
     recompute_norms, mlp_tokens: `finetune.memory.layer_recompute` as the run applies it (0 = no tiled MLP).
     """
-    return _trace_cached(*_key(config, adapter, dtype), attn, device, micro_batch, seq_len, layers,
+    return _trace_cached(*model_key(config, adapter, dtype), attn, device, micro_batch, seq_len, layers,
                          checkpoint_every, int8, recompute_norms, mlp_tokens)
 
 
-def param_table(config: Any, adapter: AdapterConfig, dtype: torch.dtype, layers: int) -> tuple[ParamInfo, ...]:
-    """The parameters of `config` cut to `layers` layers, adapter applied (no forward: milliseconds)."""
-    return _params_cached(*_key(config, adapter, dtype), layers)
+def param_table_of(key: tuple[str, str, str, str], layers: int) -> tuple[ParamInfo, ...]:
+    """The parameters of the model `key` (see model_key) cut to `layers` layers, adapter applied (no forward:
+    milliseconds, then from the cache)."""
+    return _params_cached(*key, layers)

@@ -13,8 +13,8 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from finetune.errors import FinetuneError
-from finetune.memory.chunked_loss import causal_lm_loss
 from finetune.memory.offload import ActivationOffload
+from finetune.memory.step import forward_backward, mixed_precision
 from finetune.optim import build_optimizer, layerwise_of, register_safe_globals
 from finetune.recipe.schema import Recipe
 from finetune.train.checkpoints import checkpoint_fault, numbered, publish, stage
@@ -73,8 +73,8 @@ def training_arguments(recipe: Recipe, output_dir: Path, steps: int, has_eval: b
         activation_checkpointing=checkpointing,
         activation_checkpointing_kwargs={"use_reentrant": False, "every_n_layers": m.checkpoint_every_n_layers}
         if checkpointing else None,
-        bf16=cuda and dtype in ("auto", "bf16") and torch.cuda.is_bf16_supported(),
-        fp16=cuda and (dtype == "fp16" or (dtype == "auto" and not torch.cuda.is_bf16_supported())),
+        bf16=mixed_precision(dtype, cuda) == "bf16",
+        fp16=mixed_precision(dtype, cuda) == "fp16",
         use_cpu=not cuda,
         report_to="none",
         disable_tqdm=True,
@@ -120,24 +120,19 @@ class FinetuneTrainer(Trainer):
         super().__init__(*args, **kwargs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        """One forward + backward; with memory.offload the saved activations leave the device in between."""
-        if self.offload is None:
-            loss = super().training_step(model, inputs, num_items_in_batch)
-        else:
-            with self.offload:
-                loss = super().training_step(model, inputs, num_items_in_batch)
-        finite = torch.isfinite(loss.detach()).all()
+        """One forward + backward: finetune.memory.step.forward_backward, the step the planner traces and
+        `finetune measure` runs (loss scaling, autocast, offload and chunked loss as configured here)."""
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        loss = forward_backward(
+            model, self._prepare_inputs(inputs), accumulation=self.current_gradient_accumulation_steps,
+            num_items_in_batch=num_items_in_batch if self.model_accepts_loss_kwargs else None,
+            chunked_loss=self.recipe.memory.chunked_loss is True and "labels" in inputs, autocast=self.accelerator.autocast, offload=self.offload,
+            backward=self.accelerator.backward)
+        finite = torch.isfinite(loss).all()
         self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
         return loss
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """memory.chunked_loss: LM head + cross-entropy in chunks, so the full logits tensor never exists."""
-        if self.recipe.memory.chunked_loss is True and not return_outputs and "labels" in inputs:
-            # Calling submodules directly bypasses accelerate's autocast forward wrapper; the scaling for
-            # accumulation must match what the Trainer assumes (normalised by num_items only if it passes it).
-            with self.accelerator.autocast():
-                return causal_lm_loss(model, inputs, num_items_in_batch if self.model_accepts_loss_kwargs else None)
-        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     def create_optimizer(self, model=None):
         """Every optimizer of the recipe (APOLLO, GaLore, 8-bit, layer-wise...) comes from finetune.optim."""

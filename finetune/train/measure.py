@@ -1,8 +1,8 @@
 """`finetune measure`: run N real training steps under the tracker and report the peak and its breakdown.
 
-The training step here is deliberately minimal (forward with labels, backward, optimizer step) and lives in
-`training_step`, which the planner also runs on the `meta` device, so predictions and measurements follow
-the same code path; `finetune run` steps through FinetuneTrainer (issue #12 makes the three one step).
+The steps are `finetune.memory.step.training_step`: the micro-batch forward + backward the Trainer runs in
+`finetune run` and the planner traces on `meta`, then the Trainer's optimizer update. It lives next to
+training (not under memory/) because it calls the planner for `auto` settings.
 """
 
 from __future__ import annotations
@@ -12,46 +12,11 @@ from typing import Any
 
 import torch
 
-from finetune.memory.chunked_loss import causal_lm_loss
 from finetune.memory.layer_recompute import apply_memory_config
+from finetune.memory.step import autocast_for, enable_checkpointing, mixed_precision, training_step
 from finetune.memory.tracker import MemoryTracker, measure_step
 from finetune.recipe.schema import Recipe
 from finetune.recipe.settings import read_settings
-
-
-def enable_checkpointing(model: torch.nn.Module, enabled: bool, every_n: int) -> None:
-    """Non-reentrant checkpointing of one decoder layer in every `every_n`."""
-    if enabled:
-        model.activation_checkpointing_enable({"use_reentrant": False}, every_n_layers=every_n)
-    model.config.use_cache = False
-
-
-def training_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer | None,
-                  accumulation: int, tracker: MemoryTracker | None = None, backward_window: str = "backward",
-                  chunked_loss: bool = False, offload: Any = None) -> None:
-    """One optimizer step over `accumulation` micro-batches; tracker windows forward/backward/optimizer.
-
-    offload: an ActivationOffload entered around each micro-batch's forward and backward, as the Trainer does.
-    """
-    from contextlib import nullcontext
-
-    def window(name: str):
-        return tracker.window(name) if tracker is not None else nullcontext()
-
-    for _ in range(accumulation):
-        with offload if offload is not None else nullcontext():
-            _forward_backward(model, batch, accumulation, window, backward_window, chunked_loss)
-    if optimizer is not None:
-        with window("optimizer"), (tracker.optimizer_step() if tracker is not None else nullcontext()):
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-
-def _forward_backward(model, batch, accumulation, window, backward_window, chunked_loss) -> None:
-    with window("forward"):
-        loss = (causal_lm_loss(model, batch) if chunked_loss else model(**batch).loss) / accumulation
-    with window(backward_window):
-        loss.backward()
 
 
 def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
@@ -88,10 +53,14 @@ def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
 
         offload = activation_offload(model, recipe.memory, scratch)  # files under offload_dir or scratch
 
+        accumulation = recipe.training.gradient_accumulation_steps
+        autocast = autocast_for(mixed_precision(recipe.model.dtype, device == "cuda"))
+
         def run(tracker: MemoryTracker) -> None:
             for _ in range(steps):
-                training_step(model, batch, optimizer, recipe.training.gradient_accumulation_steps, tracker,
-                              chunked_loss=bool(recipe.memory.chunked_loss), offload=offload)
+                training_step(model, [batch] * accumulation, optimizer, max_grad_norm=recipe.training.max_grad_norm,
+                              chunked_loss=bool(recipe.memory.chunked_loss), autocast=autocast, offload=offload,
+                              tracker=tracker)
 
         result = measure_step(run, model=model, optimizer=optimizer, vocab_size=vocab, device=device)
     result["steps"] = steps

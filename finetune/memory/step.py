@@ -1,0 +1,126 @@
+"""The training step: one micro-batch forward + backward, and one optimizer update.
+
+Why one module: `finetune run` (FinetuneTrainer.training_step delegates here), `finetune measure` and the
+planner's trace on the `meta` device all call `forward_backward`, so "the plan traces the real step" holds by
+construction. `optimizer_update` is the update of the Trainer's loop (clip or measure the gradient norm,
+optimizer step, scheduler step, zero_grad) for the callers that drive their own loop (measure, tests); the
+planner prices the update by formula (see plan/memory_model.py) and traces no optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from finetune.memory.chunked_loss import causal_lm_loss
+from finetune.memory.tracker import MemoryTracker
+from finetune.optim import layerwise_of
+
+_NULL = contextlib.nullcontext
+
+
+def enable_checkpointing(model: torch.nn.Module, enabled: bool, every_n: int) -> None:
+    """Non-reentrant checkpointing of one decoder layer in every `every_n` (what TrainingArguments asks for)."""
+    if enabled:
+        model.activation_checkpointing_enable({"use_reentrant": False}, every_n_layers=every_n)
+    model.config.use_cache = False
+
+
+def mixed_precision(dtype: str, cuda: bool) -> str | None:
+    """bf16 / fp16 autocast the run uses for model.dtype `dtype` (auto: bf16 where supported); None on CPU."""
+    if not cuda:
+        return None
+    bf16 = torch.cuda.is_bf16_supported()
+    if dtype in ("auto", "bf16") and bf16:
+        return "bf16"
+    if dtype == "fp16" or (dtype == "auto" and not bf16):
+        return "fp16"
+    return None
+
+
+def autocast_for(precision: str | None) -> Callable[[], contextlib.AbstractContextManager]:
+    """The autocast context of mixed precision `precision` (accelerate's, without an Accelerator)."""
+    if precision is None:
+        return _NULL
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return lambda: torch.autocast("cuda", dtype=dtype)
+
+
+def compute_loss(model: torch.nn.Module, inputs: Mapping[str, Any], num_items_in_batch: Any = None,
+                 chunked_loss: bool = False) -> torch.Tensor:
+    """The causal-LM loss of one micro-batch: the model's own, or chunked so full logits never exist.
+
+    num_items_in_batch: labelled tokens of the whole accumulated batch (the loss is then a sum over this
+    micro-batch divided by it, as the Trainer passes it), or None for a per-micro-batch mean.
+    """
+    if chunked_loss:
+        return causal_lm_loss(model, inputs, num_items_in_batch)
+    if num_items_in_batch is not None:
+        inputs = {**inputs, "num_items_in_batch": num_items_in_batch}
+    return model(**inputs).loss
+
+
+def _window(tracker: MemoryTracker | None, name: str) -> contextlib.AbstractContextManager:
+    return tracker.window(name) if tracker is not None else _NULL()
+
+
+def forward_backward(model: torch.nn.Module, inputs: Mapping[str, Any], *, accumulation: int = 1,
+                     num_items_in_batch: Any = None, chunked_loss: bool = False,
+                     autocast: Callable[[], contextlib.AbstractContextManager] = _NULL, offload: Any = None,
+                     backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
+                     tracker: MemoryTracker | None = None, backward_window: str = "backward") -> torch.Tensor:
+    """One micro-batch of a training step, exactly as `finetune run` trains it; returns the detached loss.
+
+    The loss is scaled for `accumulation` micro-batches the way the Trainer scales it: divided by
+    `num_items_in_batch` when given (the model normalises the summed loss), else by `accumulation`.
+    autocast: the mixed-precision context (the Trainer's accelerator.autocast); offload: an ActivationOffload
+    entered around forward and backward; backward: the Trainer's accelerator.backward (fp16 loss scaling);
+    tracker: record the forward and `backward_window` phases (measure, the planner's trace).
+    """
+    with offload if offload is not None else _NULL():
+        with _window(tracker, "forward"):
+            with autocast():
+                loss = compute_loss(model, inputs, num_items_in_batch, chunked_loss)
+            if num_items_in_batch is None:
+                loss = loss / accumulation
+        with _window(tracker, backward_window):
+            backward(loss)
+    return loss.detach()
+
+
+def grad_norm(model: torch.nn.Module, optimizer: Any, max_grad_norm: float | None) -> float | torch.Tensor:
+    """Clip to `max_grad_norm` (None or 0: only measure) and return the norm before clipping.
+
+    Layer-wise optimizers clip and measure inside the optimizer: the full gradient is never resident.
+    """
+    layerwise = layerwise_of(optimizer)
+    if layerwise is not None:
+        return layerwise.grad_norm()
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf"))
+
+
+def optimizer_update(model: torch.nn.Module, optimizer: Any, scheduler: Any = None,
+                     max_grad_norm: float | None = None, tracker: MemoryTracker | None = None) -> float | torch.Tensor:
+    """The update after the micro-batches of a step, in the Trainer's order: gradient norm (clipped when
+    max_grad_norm is set), optimizer step, scheduler step, gradients freed. Returns the gradient norm."""
+    norm = grad_norm(model, optimizer, max_grad_norm)
+    with _window(tracker, "optimizer"), (tracker.optimizer_step() if tracker is not None else _NULL()):
+        optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    model.zero_grad(set_to_none=True)
+    return norm
+
+
+def training_step(model: torch.nn.Module, micro_batches: list[Mapping[str, Any]], optimizer: Any = None, *,
+                  scheduler: Any = None, max_grad_norm: float | None = None, **step: Any) -> list[torch.Tensor]:
+    """One optimizer step over `micro_batches` (forward_backward each, then optimizer_update if an optimizer
+    is given); `step`: forward_backward's keywords. Returns the micro-batch losses."""
+    step.setdefault("accumulation", len(micro_batches))
+    losses = [forward_backward(model, batch, **step) for batch in micro_batches]
+    if optimizer is not None:
+        optimizer_update(model, optimizer, scheduler, max_grad_norm, step.get("tracker"))
+    return losses
