@@ -12,6 +12,8 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["HF_HOME"] = _HF_HOME
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("FINETUNE_CACHE", str(Path(_HF_HOME) / "finetune-cache"))
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `-n auto`: one worker per core, so one torch thread per worker
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -105,39 +104,25 @@ def test_effective_batch_kept_through_accumulation(tiny_dir):
     assert s["micro_batch_size"] <= 8
 
 
-def _warm_imports(config_name: str) -> None:
-    """Import the architecture's modeling code once (a one-time cost per process, not part of a plan)."""
-    from finetune.plan.shapes import load_model_config, model_shapes
-
-    model_shapes(load_model_config(str(CONFIGS / f"{config_name}.json")))
-
-
 @pytest.mark.parametrize("name", ["qwen2.5-0.5b", "llama-3.1-8b", "qwen2.5-7b", "mistral-7b-v0.3", "gemma-2-9b"])
-def test_published_configs_plan_fast(name):
-    predict(_recipe(CONFIGS / "qwen2.5-0.5b.json", seq=2048), gpu_memory="8GiB")  # warm peft/trace code
-    _warm_imports(name)
+def test_published_configs_plan_for_every_card(name):
+    """Every key auto, four cards: a plan each, budgets in order, something fits. (Planning speed is measured
+    side by side in benchmarks/plan_speed.py, not timed here.)"""
     recipe = _recipe(CONFIGS / f"{name}.json", seq=2048, quantization={"bits": "auto"},
                      memory={"offload": "auto", "gpu_memory_margin": 512 * 2**20})
     plans: list[Plan] = []
     for gib in (8, 12, 16, 24):
-        start = time.process_time()  # CPU time: the test machine is shared, wall time depends on neighbours
         plans.append(predict(recipe, gpu_memory=f"{gib}GiB"))
-        # Every key auto: up to 16 traced models (checkpointing x LLM.int8 x tiled MLP, 2 depths each), ~0.2-0.5 s
-        # each on meta; a fixed recipe traces 2-4 (the 70B test below holds that to 2 s).
-        assert time.process_time() - start < 8.0, f"{name} {gib} GiB too slow"
     assert all(p.device == "cuda" for p in plans)
     budgets = [p.budget_bytes for p in plans]
     assert budgets == sorted(budgets)
     assert any(p.fits for p in plans)
 
 
-def test_70b_config_under_two_seconds():
-    predict(_recipe(CONFIGS / "qwen2.5-0.5b.json", seq=2048), gpu_memory="8GiB")  # warm peft/trace code
+def test_70b_config_plans_from_its_config_alone():
     recipe = _recipe(CONFIGS / "llama-3.1-70b.json", seq=2048, quantization={"bits": 4},
                      training={"micro_batch_size": 1}, memory={"activation_checkpointing": True})
-    start = time.process_time()
     plan = predict(recipe, gpu_memory="48GiB")
-    assert time.process_time() - start < 2.0
     assert 35 * 2**30 < plan.breakdown["weights"] < 45 * 2**30  # 70B in NF4 ~ 0.53 B/param + bf16 embeddings
 
 

@@ -244,19 +244,19 @@ def test_resume_skips_every_damaged_file_and_publishes_a_staged_complete_checkpo
 def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, tiny_model_dir, capsys,
                                                                       monkeypatch):
     # The schema refuses the learning rates that overflow a tiny model for real (learning_rate <= 1), so the
-    # overflow is made here: from the second optimizer step on, the loss is scaled by inf, as an fp16/bf16
-    # overflow would make it, and its backward fills the gradients with NaN.
-    from finetune.train.trainer import FinetuneTrainer
+    # overflow is made here: from the second optimizer step on (one micro-batch per step), the loss of the one
+    # training step (finetune.memory.step) is scaled by inf, as an fp16/bf16 overflow would make it, and its
+    # backward fills the gradients with NaN.
+    from finetune.memory import step
 
-    plain = FinetuneTrainer.compute_loss
+    plain, calls = step.compute_loss, []
 
-    def overflowing(self, *args, **kwargs):
-        loss = plain(self, *args, **kwargs)
-        if self.state.global_step >= 1:
-            loss = (loss[0] * math.inf, *loss[1:]) if isinstance(loss, tuple) else loss * math.inf
-        return loss
+    def overflowing(model, inputs, *args, **kwargs):
+        calls.append(inputs["input_ids"].device.type != "meta")  # the planner traces this step on meta too
+        loss = plain(model, inputs, *args, **kwargs)
+        return loss * math.inf if sum(calls) >= 2 else loss
 
-    monkeypatch.setattr(FinetuneTrainer, "compute_loss", overflowing)
+    monkeypatch.setattr(step, "compute_loss", overflowing)
     recipe = _recipe_dict(tmp_path, tiny_model_dir, training={"max_steps": 6},
                           output={"save_steps": 1, "save_total_limit": 5})
     code = main(["run", str(_write_recipe(tmp_path, recipe, "diverge"))])
