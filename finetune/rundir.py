@@ -262,4 +262,12 @@ def find_runs(folder: Path, extra: Iterable[Path] = ()) -> list[Path]:
 
 
 def _last_written(path: Path) -> float:
-    return max((f.stat().st_mtime for f in path.iterdir() if f.is_file()), default=path.stat().st_mtime)
+    """The newest mtime of the run's files; a live run renames temporaries away meanwhile, so a file that is
+    gone by the time it is looked at is passed over."""
+    times = [path.stat().st_mtime]
+    for f in path.iterdir():
+        try:
+            times.append(f.stat().st_mtime)
+        except OSError:
+            continue
+    return max(times)

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from finetune.errors import RecipeError
 from finetune.recipe import optimizers as registry
 from finetune.recipe.load import load_recipe_text
+from finetune.recipe.reference import resolve
 from finetune.recipe.schema import OptimizerConfig, Recipe
 
 RECIPE = "model:\n  path: m\ndata:\n  path: d.jsonl\n"
@@ -35,8 +36,8 @@ def test_a_misspelled_name_lists_the_valid_ones():
 
 def test_every_reference_resolves_and_every_low_rank_preset_gives_a_rank():
     for spec in registry.SPECS:
-        assert callable(registry.resolve(spec.factory)) and callable(registry.resolve(spec.state)), spec.name
-        assert spec.own_params is None or callable(registry.resolve(spec.own_params))
+        assert callable(resolve(spec.factory)) and callable(resolve(spec.state)), spec.name
+        assert spec.own_params is None or callable(resolve(spec.own_params))
         assert spec.low_rank is None or spec.low_rank.rank(4096) >= 1
     with pytest.raises(ValueError, match="valid names: adamw, adamw_8bit"):
         registry.optimizer_spec("adam")

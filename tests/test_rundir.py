@@ -87,6 +87,26 @@ def _run_file_names() -> tuple[set[str], set[str]]:
     return names - folders, folders
 
 
+def test_find_runs_passes_over_a_file_that_vanishes_while_listing(tmp_path, monkeypatch):
+    # A live run renames its temporaries away between listing the folder and stat()-ing each file.
+    run = RunDir(tmp_path / "live")
+    run.create()
+    run.write_status("running")
+    temporary = run.root / ".status.json.tmp123"
+    temporary.write_text("{}")
+    plain_stat, seen = Path.stat, []
+
+    def racing_stat(self, *args, **kwargs):
+        if self == temporary:
+            seen.append(1)
+            if len(seen) > 1:  # listed (and checked) first, renamed away before its mtime is read
+                raise FileNotFoundError(2, "No such file or directory", str(self))
+        return plain_stat(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", racing_stat)
+    assert find_runs(tmp_path) == [run.root.resolve()]
+
+
 def test_only_the_contract_spells_a_run_file_name():
     """A run file's name in a string anywhere else (or a run folder joined with `/`) is a second copy that
     drifts: read and write through finetune.rundir instead."""

@@ -174,3 +174,22 @@ def test_trace_from_the_disk_cache_equals_a_fresh_trace(tmp_path, monkeypatch, f
     trace._trace_cached.cache_clear()
     monkeypatch.setattr(trace, "_direct_trace", lambda *a: pytest.fail("traced again despite the disk cache"))
     assert trace.trace_step(*args) == first
+
+
+def test_model_facts_come_from_the_disk_cache(monkeypatch, fresh_traces):
+    """A warm plan must not build the model (nor import its modeling code) to learn its shapes."""
+    from finetune.testing import tiny_config
+
+    first = trace.model_facts(tiny_config("llama"), "auto")
+    monkeypatch.setattr(trace, "model_shapes", lambda *a: pytest.fail("shapes computed again despite the cache"))
+    assert trace.model_facts(tiny_config("llama"), "auto") == first
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_mixed_precision_follows_the_dtype_table(monkeypatch, bf16):
+    """run and measure autocast as model.dtype resolves (finetune.units.dtype_name); CPU never autocasts."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+    got = {d: step.mixed_precision(d, cuda=True) for d in ("auto", "bf16", "fp16", "fp32")}
+    assert got == {"auto": "bf16" if bf16 else "fp16", "bf16": "bf16" if bf16 else None, "fp16": "fp16",
+                   "fp32": None}
+    assert step.mixed_precision("auto", cuda=False) is None

@@ -12,13 +12,13 @@ backward; `drain` once every copy of the step is released (so a tier ends each s
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from finetune.recipe.offload_tiers import chain_names, tier_spec
+from finetune.recipe.reference import resolve
 
 if TYPE_CHECKING:
     import torch
@@ -121,16 +121,10 @@ def build_chain(name: str, mover: Mover | None, directory: Path | None,
     tiers: list[tuple[str, OffloadTier]] = []
     try:
         for tier_name in chain_names(name, limits):
-            factory = _resolve(tier_spec(tier_name).factory)
+            factory = resolve(tier_spec(tier_name).factory)
             tiers.append((tier_name, factory(TierSetup(mover, directory, limits.get(tier_name)))))
     except BaseException:
         if tiers:  # stop the threads of the tiers already built
             SpillChain(tiers).close()
         raise
     return SpillChain(tiers)
-
-
-def _resolve(reference: str) -> Any:
-    """ "module:attribute" -> the attribute (the table names factories without importing them)."""
-    module, _, attribute = reference.partition(":")
-    return getattr(importlib.import_module(module), attribute)

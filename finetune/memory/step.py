@@ -18,6 +18,7 @@ import torch
 from finetune.memory.chunked_loss import causal_lm_loss
 from finetune.memory.tracker import MemoryTracker
 from finetune.optim import layerwise_of
+from finetune.units import dtype_name, torch_dtype
 
 _NULL = contextlib.nullcontext
 
@@ -34,18 +35,15 @@ def mixed_precision(dtype: str, cuda: bool) -> str | None:
     if not cuda:
         return None
     bf16 = torch.cuda.is_bf16_supported()
-    if dtype in ("auto", "bf16") and bf16:
-        return "bf16"
-    if dtype == "fp16" or (dtype == "auto" and not bf16):
-        return "fp16"
-    return None
+    name = dtype_name(dtype, "cuda", bf16)
+    return name if name == "fp16" or (name == "bf16" and bf16) else None
 
 
 def autocast_for(precision: str | None) -> Callable[[], contextlib.AbstractContextManager]:
     """The autocast context of mixed precision `precision` (accelerate's, without an Accelerator)."""
     if precision is None:
         return _NULL
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    dtype = torch_dtype(precision)
     return lambda: torch.autocast("cuda", dtype=dtype)
 
 

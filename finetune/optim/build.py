@@ -14,7 +14,8 @@ import torch
 
 from finetune.errors import FinetuneError
 from finetune.optim.presets import ParamPlan, ParamSpec, plan_params
-from finetune.recipe.optimizers import optimizer_spec, resolve
+from finetune.recipe.optimizers import optimizer_spec
+from finetune.recipe.reference import resolve
 from finetune.recipe.schema import OptimizerConfig
 
 

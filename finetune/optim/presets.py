@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from finetune.errors import FinetuneError
-from finetune.recipe.optimizers import LowRankPreset, optimizer_spec, resolve
+from finetune.recipe.optimizers import LowRankPreset, optimizer_spec
+from finetune.recipe.reference import resolve
 from finetune.recipe.schema import OptimizerConfig
 
 ParamSpec = tuple[str, tuple[int, ...], torch.dtype]

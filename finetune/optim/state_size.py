@@ -14,7 +14,8 @@ import torch
 
 from finetune.optim.factories import BNB_MIN_8BIT_SIZE
 from finetune.optim.presets import ParamSpec, plan_params, projected_shape
-from finetune.recipe.optimizers import optimizer_spec, resolve
+from finetune.recipe.optimizers import optimizer_spec
+from finetune.recipe.reference import resolve
 from finetune.recipe.schema import OptimizerConfig
 
 StateBytes = tuple[int, bool]  # (bytes, uses bitsandbytes' quantisation maps)

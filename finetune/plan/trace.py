@@ -261,9 +261,7 @@ def model_facts(config: Any, attn_choice: str) -> tuple[ModelShapes, str]:
         return model_shapes(config), attn_implementation(attn_choice, config)
 
     def decode(value: Any) -> tuple[ModelShapes, str]:
-        shapes = dict(value[0])
-        shapes["linear_shapes"] = [tuple(s) for s in shapes["linear_shapes"]]
-        return ModelShapes(**shapes), str(value[1])
+        return ModelShapes(**value[0]), str(value[1])
 
     return trace_cache.cached("model", [*_config_key(config), attn_choice], compute,
                               lambda v: [asdict(v[0]), v[1]], decode)

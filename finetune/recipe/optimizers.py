@@ -15,10 +15,8 @@ for one parameter after its first step (tests/test_optim.py compares it byte for
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 ADAPTER_TYPES = ("lora", "dora", "full")
 LOW_RANK_KEYS = ("rank", "update_proj_gap", "scale", "proj_type", "target_modules")
@@ -119,9 +117,3 @@ def names_with_key(key: str) -> tuple[str, ...]:
 def specific_keys() -> tuple[str, ...]:
     """Every optimizer-specific key, in first-use order."""
     return tuple(dict.fromkeys(k for s in SPECS for k in s.keys))
-
-
-def resolve(reference: str) -> Any:
-    """The object a "module:function" reference names (imported now, not when the registry is)."""
-    module, _, attr = reference.partition(":")
-    return getattr(importlib.import_module(module), attr)

@@ -62,7 +62,11 @@ def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
                               chunked_loss=bool(recipe.memory.chunked_loss), autocast=autocast, offload=offload,
                               tracker=tracker)
 
-        result = measure_step(run, model=model, optimizer=optimizer, vocab_size=vocab, device=device)
+        try:
+            result = measure_step(run, model=model, optimizer=optimizer, vocab_size=vocab, device=device)
+        finally:
+            if offload is not None:
+                offload.close()  # the disk tier's threads and files go before the scratch folder does
     result["steps"] = steps
     result["settings"] = read_settings(recipe)
     return result
