@@ -60,6 +60,21 @@ def _restored_rng(state: tuple[torch.Tensor, torch.Tensor | None], device: torch
         yield
 
 
+def _chunks_to_run(x: torch.Tensor, n: int) -> range | set[int]:
+    """Which of `n` chunks to compute: all, except in the planner's trace on `meta`, the first three and the
+    last two.
+
+    Why: tracing cost grows with the number of chunks (128 per norm and MLP at 128k tokens), their memory does
+    not vary. Every full chunk has the same shapes, so the same allocations; on `meta` there are no values.
+    Forward keeps each chunk's output until the concatenation: a skipped chunk allocates an output like the
+    first one, and the peak (at the last full chunk or the shorter last one) is that of the full loop. In
+    backward the previous iteration's output and gradients are alive until rebound, the parameters' gradient
+    sums exist from the first chunk: iterations 0 and 1 differ, from 2 on the state repeats, so running 0-2
+    and the last two gives the full loop's peak (tests/test_plan_speedups.py checks it against the full trace).
+    """
+    return {0, 1, 2, n - 2, n - 1} if x.is_meta else range(n)
+
+
 class _Tiled(torch.autograd.Function):
     """y = fn(x) for a position-wise fn, computed in sequence chunks; backward recomputes chunk by chunk.
 
@@ -72,8 +87,13 @@ class _Tiled(torch.autograd.Function):
         ctx.fn, ctx.tokens = fn, tokens
         ctx.rng = _rng_state(x.device)
         ctx.save_for_backward(x, *params)
+        pieces = x.split(tokens, dim=1)
+        run = _chunks_to_run(x, len(pieces))
+        outs: list[torch.Tensor] = []
         with torch.no_grad():
-            return torch.cat([fn(piece) for piece in x.split(tokens, dim=1)], dim=1)
+            for i, piece in enumerate(pieces):
+                outs.append(fn(piece) if i in run else torch.empty_like(outs[0]))
+            return torch.cat(outs, dim=1)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -84,7 +104,9 @@ class _Tiled(torch.autograd.Function):
         # are short-lived, keep them where they are (the innermost hooks win).
         keep = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
         with _restored_rng(ctx.rng, x.device), torch.enable_grad(), keep:
-            for start in range(0, x.shape[1], ctx.tokens):
+            starts = range(0, x.shape[1], ctx.tokens)
+            run = _chunks_to_run(x, len(starts))
+            for start in (s for i, s in enumerate(starts) if i in run):
                 piece = x[:, start:start + ctx.tokens].detach().requires_grad_(grad_x is not None)
                 out = ctx.fn(piece)
                 wanted = ([piece] if grad_x is not None else []) + list(params)

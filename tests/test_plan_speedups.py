@@ -1,0 +1,69 @@
+"""The planner's shortcuts change its speed, never its answer: each is checked against the slow path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from finetune.memory import layer_recompute
+from finetune.plan import trace
+from finetune.recipe.schema import AdapterConfig, Recipe
+from finetune.testing import tiny_config
+
+ARCHS = ["llama", "qwen2", "mistral", "gemma2", "phi3"]  # those of tests/test_plan_accuracy.py's MATRIX
+CHUNK = 16
+SEQ = 9 * CHUNK + 5  # nine full chunks and a shorter last one
+
+
+@pytest.fixture
+def all_chunks(monkeypatch):
+    """Run (by calling it) with the meta shortcut off: every chunk computed, as on a real device."""
+    def run(fn, *args, **kwargs):
+        with monkeypatch.context() as m:
+            m.setattr(layer_recompute, "_chunks_to_run", lambda _x, n: range(n))
+            return fn(*args, **kwargs)
+    return run
+
+
+@pytest.fixture
+def fresh(tmp_path, monkeypatch):
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(layer_recompute, "NORM_TOKENS", CHUNK)  # many norm chunks at a small sequence
+    trace._trace_cached.cache_clear()
+    trace._params_cached.cache_clear()
+    yield
+    trace._trace_cached.cache_clear()
+    trace._params_cached.cache_clear()
+
+
+CASES = [(arch, 1, True, "lora") for arch in ARCHS] + [
+    (arch, every, False, adapter) for arch in ("llama", "phi3") for every, adapter in ((0, "lora"), (1, "full"))]
+
+
+@pytest.mark.parametrize("arch,checkpoint_every,int8,adapter", CASES)
+def test_skipped_chunks_trace_like_all_chunks(arch, checkpoint_every, int8, adapter, fresh, all_chunks):
+    """Every window's peak and breakdown of a trace with tiled MLPs and recomputed norms (ten chunks each)."""
+    config = tiny_config(arch, num_hidden_layers=3, **({"head_dim": 32} if arch == "gemma2" else {}))
+    attn = "eager" if arch == "gemma2" else "sdpa"
+    key = trace.model_key(config, AdapterConfig(type=adapter, r=8), torch.float32)
+    args = (key, attn, 2, SEQ, 3, checkpoint_every, int8, True, CHUNK)
+    assert trace._direct_trace(*args) == all_chunks(trace._direct_trace, *args)
+
+
+def test_plan_with_every_key_auto_is_unchanged(tiny_model_dir, tmp_path, fresh, all_chunks, monkeypatch):
+    """A whole predict() (every planned key auto, a budget that needs tiling) equals the all-chunks one."""
+    from finetune.plan import predict
+
+    auto = "auto"
+    recipe = Recipe.model_validate({
+        "model": {"path": str(tiny_model_dir)}, "data": {"path": "unused", "max_seq_len": SEQ},
+        "quantization": {"bits": auto}, "optimizer": {"name": auto},
+        "training": {"micro_batch_size": auto, "gradient_accumulation_steps": auto, "effective_batch_size": 8},
+        "memory": {"activation_checkpointing": auto, "offload": auto, "chunked_loss": auto, "tiled_mlp": auto,
+                   "tiled_mlp_tokens": CHUNK, "gpu_memory_margin": 0}})
+    fast = predict(recipe, gpu_memory="2MiB", device="cpu").to_dict()
+    trace._trace_cached.cache_clear()
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "slow"))
+    assert fast == all_chunks(predict, recipe, gpu_memory="2MiB", device="cpu").to_dict()
+    evaluated = [fast, *fast["alternatives"], *(c for c in fast["rejected"] if c["breakdown"])]
+    assert any(c["settings"]["tiled_mlp"] for c in evaluated)  # the budget makes the planner trace tiling
