@@ -110,14 +110,36 @@ def test_recovered_run_equals_a_run_at_the_smaller_micro_batch(tmp_path, tmp_pat
         monkeypatch.setattr(RecoveringTrainer, "model_accepts_loss_kwargs",
                             property(lambda self: False, lambda self, value: None), raising=False)
         sections["data"] = {"path": str(_data(tmp_path, varied=False))}
+    from finetune.memory.tracker_callback import PeakMemoryCallback
+    from finetune.train.recovery import RecoveringTrainer
+
+    switch, restart, seen = RecoveringTrainer._switch, PeakMemoryCallback.restart, {}
+
+    def spy_switch(self, model, choice):
+        switch(self, model, choice)
+        seen["eval_batch"] = self.args.per_device_eval_batch_size
+
+    def spy_restart(self, predicted):
+        restart(self, predicted)
+        seen["predicted"], seen["warned"] = self.predicted, self.warned
+
+    monkeypatch.setattr(RecoveringTrainer, "_switch", spy_switch)
+    monkeypatch.setattr(PeakMemoryCallback, "restart", spy_restart)
     result, rows = _run(monkeypatch, _recipe(tmp_path, tiny_model_dir, "oom", **sections), case["fault"])
     assert result.state == "completed" and result.steps == 4
 
     events = [r for r in rows if r.get("event") == "oom_recovered"]
     step = int(case["fault"])
     smaller = case["smaller"]
-    assert [e["step"] for e in events] == [step]
+    # the row carries the last completed step (what a resume keeps), oom_step the failed one
+    assert [(e["step"], e["oom_step"]) for e in events] == [(step - 1, step)]
     assert events[0]["to"] == {f"training.{k}": v for k, v in smaller.items()}
+    assert seen["eval_batch"] == smaller["micro_batch_size"]  # evaluation follows the new micro-batch
+    plan = json.loads((result.run_dir / "plan.json").read_text())  # re-planned for the new settings
+    assert plan["settings"]["micro_batch_size"] == smaller["micro_batch_size"]
+    assert seen["predicted"] == plan["peak_bytes"] and seen["warned"] is False
+    status = json.loads((result.run_dir / "status.json").read_text())
+    assert status["state"] == "completed" and status["oom_recovered"]["step"] == step  # not overwritten
     saved = yaml.safe_load((result.run_dir / "recipe.yaml").read_text())
     assert {k: saved["training"][k] for k in smaller} == smaller
     assert "out of memory at step" in (result.run_dir / "train.log").read_text()
@@ -200,7 +222,52 @@ def test_at_micro_batch_1_the_alternatives_come_in_order_then_a_clear_error_and_
     saved = yaml.safe_load((run_dir / "recipe.yaml").read_text())["memory"]
     assert (saved["activation_checkpointing"], saved["offload"], saved["chunked_loss"], saved["tiled_mlp"]) == (
         True, "disk", True, True)
-    assert sorted(_losses(read_jsonl(run_dir / "metrics.jsonl"))) == [1, 2, 3, 4]
+    resumed = read_jsonl(run_dir / "metrics.jsonl")
+    assert sorted(_losses(resumed)) == [1, 2, 3, 4]
+    # the events of the interrupted run (logged at the checkpoint's step 1) survive the resume's truncation
+    assert [r["event"] for r in resumed if "event" in r] == [r["event"] for r in rows if "event" in r]
+
+
+def test_oom_in_the_optimizer_update_saves_the_last_step_and_names_the_smallest_budget(
+        tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """FINETUNE_FAULT_OOM_AT_STEP=2:optimizer: optimizer.step() of step 2 runs out of memory before it
+    changed anything, so checkpoint-1 is saved, the message names a budget, and the event row survives."""
+    path = tmp_path / "update.yaml"
+    path.write_text(yaml.safe_dump(_recipe(tmp_path, tiny_model_dir, "update", training={"max_steps": 2})))
+    monkeypatch.setenv(FAULT_ENV, "2:optimizer")
+    assert main(["run", str(path)]) != 0
+    err = capsys.readouterr().err
+    assert "out of memory at step 2" in err and "optimizer update" in err and "need a budget of" in err
+    assert "checkpoint-1" in err and "Traceback" not in err
+    run_dir = tmp_path / "update"
+    assert (run_dir / "checkpoints" / "checkpoint-1").is_dir()
+    events = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "event" in r]
+    assert [(e["event"], e["step"], e["oom_step"]) for e in events] == [("oom_gave_up", 1, 2)]
+
+
+def test_an_adamw_step_that_runs_out_of_memory_while_allocating_its_state_changed_nothing(monkeypatch):
+    """AdamW creates its state (step 0) in _init_group before updating any weight; an OOM there leaves the
+    weights untouched, and the lazily created state is dropped. A finished step counts as applied."""
+    from finetune.train.recovery import _step_counts, _undo_lazy_state
+
+    model = torch.nn.Linear(4, 2)
+    model(torch.ones(3, 4)).sum().backward()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, foreach=True)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("simulated: the update's temporaries do not fit")
+
+    monkeypatch.setattr(sys.modules["torch.optim.adam"], "adam", oom)  # AdamW.step is Adam.step: _init_group, then adam()
+    counts = _step_counts(opt)
+    with pytest.raises(torch.OutOfMemoryError):
+        opt.step()
+    assert len(opt.state) == 2  # the state was allocated before the update
+    assert not _undo_lazy_state(opt, counts) and not opt.state
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    monkeypatch.undo()
+    opt.step()
+    assert _undo_lazy_state(opt, counts)
 
 
 def test_layerwise_immediate_updates_cannot_be_discarded_once_a_hook_ran():
