@@ -133,7 +133,7 @@ def test_recovered_run_equals_a_run_at_the_smaller_micro_batch(tmp_path, tmp_pat
     smaller = case["smaller"]
     # the row carries the last completed step (what a resume keeps), oom_step the failed one
     assert [(e["step"], e["oom_step"]) for e in events] == [(step - 1, step)]
-    assert events[0]["to"] == {f"training.{k}": v for k, v in smaller.items()}
+    assert events[0]["to"] == smaller  # by the settings table's names
     assert seen["eval_batch"] == smaller["micro_batch_size"]  # evaluation follows the new micro-batch
     plan = json.loads((result.run_dir / "plan.json").read_text())  # re-planned for the new settings
     assert plan["settings"]["micro_batch_size"] == smaller["micro_batch_size"]
@@ -178,7 +178,7 @@ def test_kill_right_after_a_recovery_then_resume_continues_with_the_recovered_se
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
     assert json.loads(RunDir(tmp_path / "killed").recovered.read_text())["settings"] == {
-        "training.micro_batch_size": 2, "training.gradient_accumulation_steps": 2}
+        "micro_batch_size": 2, "gradient_accumulation_steps": 2}
     before_kill = _losses(read_jsonl(tmp_path / "killed" / "metrics.jsonl"))
     assert sorted(before_kill) == [1, 2, 3, 4]
 
@@ -209,8 +209,8 @@ def test_at_micro_batch_1_the_alternatives_come_in_order_then_a_clear_error_and_
     run_dir = tmp_path / "ladder"
     rows = read_jsonl(run_dir / "metrics.jsonl")
     changes = [r["to"] for r in rows if r.get("event") == "oom_recovered"]
-    assert changes == [{"memory.activation_checkpointing": True}, {"memory.offload": "disk"},
-                       {"memory.chunked_loss": True}, {"memory.tiled_mlp": True}]
+    assert changes == [{"activation_checkpointing": True}, {"offload": "disk"},
+                       {"chunked_loss": True}, {"tiled_mlp": True}]
     assert [r["event"] for r in rows if "event" in r][-1] == "oom_gave_up"
     assert sorted(_losses(rows)) == [1]
     assert (run_dir / "checkpoints" / "checkpoint-1").is_dir()
@@ -243,6 +243,23 @@ def test_oom_in_the_optimizer_update_saves_the_last_step_and_names_the_smallest_
     assert (run_dir / "checkpoints" / "checkpoint-1").is_dir()
     events = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "event" in r]
     assert [(e["event"], e["step"], e["oom_step"]) for e in events] == [("oom_gave_up", 1, 2)]
+
+
+def test_an_offload_tier_whose_preflight_fails_mid_recovery_is_passed_over(tmp_path, tiny_model_dir, monkeypatch):
+    """The disk rung's offload_dir check fails (full disk, say): the recovery takes the next rung instead."""
+    import finetune.train.recovery as recovery
+    from finetune.memory.offload_disk import OffloadDirError
+
+    def full(model, memory, *args, **kwargs):
+        if memory.offload == "disk":
+            raise OffloadDirError("memory.offload_dir: 0 bytes free (simulated)")
+
+    monkeypatch.setattr(recovery, "preflight_offload", full)
+    result, rows = _run(monkeypatch, _recipe(tmp_path, tiny_model_dir, "preflight", training={
+        "max_steps": 2, "micro_batch_size": 1, "gradient_accumulation_steps": 1}), "2,2")
+    assert result.state == "completed" and result.steps == 2
+    assert [r["to"] for r in rows if r.get("event") == "oom_recovered"] == [
+        {"activation_checkpointing": True}, {"chunked_loss": True}]
 
 
 def test_an_adamw_step_that_runs_out_of_memory_while_allocating_its_state_changed_nothing(monkeypatch):
@@ -355,14 +372,16 @@ def test_the_ladder_keeps_the_effective_batch_and_skips_what_is_on_or_predicted_
         seen.append((step.splits, t.micro_batch_size, t.gradient_accumulation_steps))
     assert seen == [(2, 3, 6), (6, 1, 18)]
 
-    on_cuda = [list(r.items())[0] for r in rungs(recipe, cuda=True)]
-    assert on_cuda == [("memory.activation_checkpointing", True), ("memory.offload", "cpu"),
-                       ("memory.offload", "disk"), ("memory.chunked_loss", True)]  # 64 tokens: tiling is a no-op
+    on_cuda = [list(r.items())[0] for r in rungs(recipe, "cuda")]  # the tier table's order
+    assert on_cuda == [("activation_checkpointing", True), ("offload", "cpu"),
+                       ("offload", "disk"), ("chunked_loss", True)]  # 64 tokens: tiling is a no-op
+    assert ("offload", "cpu") not in [list(r.items())[0] for r in rungs(recipe, "cpu")]  # RAM is the device
+    assert ("offload", "disk") not in [list(r.items())[0] for r in rungs(recipe, "cuda", frozenset({"disk"}))]
     # At micro-batch 1 a rung the planner says does not fit is passed over; the next one is taken with it.
     one = validate_recipe(_recipe(tmp_path, tiny_model_dir, "ladder-unit", training={"micro_batch_size": 1}))
     predicted = lambda r: SimpleNamespace(fits=r.memory.offload == "disk")  # noqa: E731
     step = cheaper(one, 1, 1, 1, predicted)
     assert {k: v for k, v in settings_of(step.recipe).items() if settings_of(one)[k] != v} == {
-        "memory.activation_checkpointing": True, "memory.offload": "disk"}
+        "activation_checkpointing": True, "offload": "disk"}
     never = lambda r: SimpleNamespace(fits=False, min_budget_bytes=123 << 20, peak_bytes=0)  # noqa: E731
     assert cheaper(one, 1, 1, 1, never).recipe is None and cheaper(one, 1, 1, 1, never).min_budget_bytes == 123 << 20

@@ -49,15 +49,18 @@ from finetune.console import console
 from finetune.errors import FinetuneError
 from finetune.memory.layer_recompute import apply_layer_recompute
 from finetune.memory.offload import activation_offload, decoder_layers, preflight_offload
+from finetune.memory.offload_disk import OffloadDirError
 from finetune.memory.tracker_callback import PeakMemoryCallback
 from finetune.optim import layerwise_of
 from finetune.plan import predict
 from finetune.recipe.load import recipe_to_yaml
 from finetune.recipe.schema import Recipe
+from finetune.recipe.settings import read_settings, write_settings
+from finetune.recipe.settings import table as settings_table
 from finetune.rundir import RunDir, atomic_write_json, atomic_write_text
 from finetune.train.callbacks import MetricsCallback
 from finetune.train.checkpoints import numbered
-from finetune.train.oom_ladder import Cheaper, cheaper, measured_gpu_memory, settings_of, with_settings
+from finetune.train.oom_ladder import Cheaper, cheaper, measured_gpu_memory, settings_of
 from finetune.train.plan_files import save_plan
 from finetune.train.trainer import FinetuneTrainer
 from finetune.units import format_bytes
@@ -255,8 +258,7 @@ class RecoveringTrainer(FinetuneTrainer):
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         budget = measured_gpu_memory()
-        choice = cheaper(self.recipe, self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps,
-                         self.splits, lambda r: predict(r, gpu_memory=budget))
+        choice = self._next_plan(model, budget)
         if choice.recipe is None:
             self._give_up(model, step, failure, choice.min_budget_bytes, budget)
         before, after = settings_of(self.recipe), settings_of(choice.recipe)
@@ -274,6 +276,25 @@ class RecoveringTrainer(FinetuneTrainer):
         self._switch(model, choice)
         self.on_recovery(event, self.recipe)
 
+    def _next_plan(self, model, budget: int | None) -> Cheaper:
+        """The next rung; one that turns on an offload tier whose preflight fails (a full or unwritable
+        offload_dir) is passed over, with the tier left out of the rest of the ladder."""
+        unusable: set[str] = set()
+        while True:
+            choice = cheaper(self.recipe, self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps,
+                             self.splits, lambda r: predict(r, gpu_memory=budget), frozenset(unusable))
+            new = choice.recipe
+            if new is None or new.memory.offload == self.recipe.memory.offload:
+                return choice
+            try:
+                preflight_offload(model, new.memory, self.run_root,
+                                  self.args.per_device_train_batch_size // choice.splits, new.data.max_seq_len)
+                return choice
+            except OffloadDirError as exc:
+                console.print(f"[yellow]out-of-memory recovery: offload {new.memory.offload} is unusable "
+                              f"({exc.message}); trying the next alternative")
+                unusable.add(new.memory.offload)
+
     def _switch(self, model, choice: Cheaper) -> None:
         old, new = self.recipe.memory, choice.recipe.memory
         if new.activation_checkpointing is True and old.activation_checkpointing is not True:
@@ -287,8 +308,6 @@ class RecoveringTrainer(FinetuneTrainer):
         if new.offload != old.offload:
             if self.offload is not None:
                 self.offload.close()
-            preflight_offload(model, new, self.run_root, self.args.per_device_train_batch_size // choice.splits,
-                              self.recipe.data.max_seq_len)
             self.offload = activation_offload(model, new, self.run_root)
         if new.tiled_mlp is True and old.tiled_mlp is not True:
             apply_layer_recompute(model, False, new.tiled_mlp_tokens)
@@ -426,14 +445,17 @@ def _changes(event: dict) -> str:
 
 
 def recovered_settings(run_root: Path) -> dict[str, Any]:
-    """The settings earlier out-of-memory recoveries of this run chose ({} when none)."""
+    """The settings earlier out-of-memory recoveries of this run chose, by setting name ({} when none;
+    files of earlier versions, keyed by recipe key, are read too)."""
     path = RunDir(run_root).recovered
     if not path.is_file():
         return {}
-    return dict(json.loads(path.read_text()).get("settings", {}))
+    by_key = {s.key: s.name for s in settings_table()}
+    return {by_key.get(k, k): v for k, v in json.loads(path.read_text()).get("settings", {}).items()}
 
 
 def keep_recovered(recipe: Recipe, saved: Recipe, run_root: Path) -> Recipe:
     """On resume, what a recovery set wins over the recipe given now (which would run out of memory again)."""
     keys = recovered_settings(run_root)
-    return with_settings(recipe, {k: settings_of(saved)[k] for k in keys}) if keys else recipe
+    chosen = read_settings(saved)
+    return write_settings(recipe, {name: chosen[name] for name in keys if name in chosen}) if keys else recipe
