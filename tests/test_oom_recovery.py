@@ -262,6 +262,41 @@ def test_an_offload_tier_whose_preflight_fails_mid_recovery_is_passed_over(tmp_p
         {"activation_checkpointing": True}, {"chunked_loss": True}]
 
 
+def test_out_of_memory_in_evaluation_is_a_clear_error_with_the_completed_step_saved(
+        tmp_path, tiny_model_dir, monkeypatch, capsys):
+    import transformers
+
+    def oom(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (simulated in evaluation)")
+
+    monkeypatch.setattr(transformers.Trainer, "evaluate", oom)
+    path = tmp_path / "eval.yaml"
+    path.write_text(yaml.safe_dump(_recipe(tmp_path, tiny_model_dir, "eval", training={"max_steps": 1},
+                                           data={"validation_split": 0.25})))
+    assert main(["run", str(path)]) != 0
+    err = capsys.readouterr().err
+    assert "out of memory in evaluation after step 1 at eval micro-batch" in err and "Traceback" not in err
+    assert (tmp_path / "eval" / "checkpoints" / "checkpoint-1").is_dir()
+
+
+def test_the_cpu_tracker_peak_restarts_after_a_recovery():
+    """PeakMemoryCallback.restart: the failed attempt's high-water mark does not stay the run's peak."""
+    from finetune.memory.tracker import MemoryTracker
+    from finetune.memory.tracker_callback import PeakMemoryCallback
+
+    callback = PeakMemoryCallback(predicted_peak_bytes=10)
+    callback.tracker, callback.warned = MemoryTracker(), True
+    with callback.tracker:
+        big = torch.ones(1 << 16)
+        del big
+        kept = torch.ones(16)
+        high = callback.peak()["peak_bytes"]
+        callback.restart(predicted_peak_bytes=1234)
+        low = callback.peak()["peak_bytes"]
+    assert high >= (1 << 16) * 4 > low >= kept.numel() * 4
+    assert (callback.predicted, callback.warned) == (1234, False)
+
+
 def test_an_adamw_step_that_runs_out_of_memory_while_allocating_its_state_changed_nothing(monkeypatch):
     """AdamW creates its state (step 0) in _init_group before updating any weight; an OOM there leaves the
     weights untouched, and the lazily created state is dropped. A finished step counts as applied."""
