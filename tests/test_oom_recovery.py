@@ -228,13 +228,26 @@ def test_at_micro_batch_1_the_alternatives_come_in_order_then_a_clear_error_and_
     assert [r["event"] for r in resumed if "event" in r] == [r["event"] for r in rows if "event" in r]
 
 
+@pytest.mark.parametrize("where", ["optimizer", "clip"])
 def test_oom_in_the_optimizer_update_saves_the_last_step_and_names_the_smallest_budget(
-        tmp_path, tiny_model_dir, monkeypatch, capsys):
-    """FINETUNE_FAULT_OOM_AT_STEP=2:optimizer: optimizer.step() of step 2 runs out of memory before it
-    changed anything, so checkpoint-1 is saved, the message names a budget, and the event row survives."""
+        tmp_path, tiny_model_dir, monkeypatch, capsys, where):
+    """FINETUNE_FAULT_OOM_AT_STEP=2:optimizer (or gradient clipping running out of memory): the update of
+    step 2 changed nothing, so checkpoint-1 is saved, the message names a budget, and the event row survives."""
     path = tmp_path / "update.yaml"
     path.write_text(yaml.safe_dump(_recipe(tmp_path, tiny_model_dir, "update", training={"max_steps": 2})))
-    monkeypatch.setenv(FAULT_ENV, "2:optimizer")
+    if where == "optimizer":
+        monkeypatch.setenv(FAULT_ENV, "2:optimizer")
+    else:
+        import transformers
+
+        clip = transformers.Trainer._clip_grad_norm
+
+        def failing_clip(self, model):
+            if self.state.global_step == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated in clipping)")
+            return clip(self, model)
+
+        monkeypatch.setattr(transformers.Trainer, "_clip_grad_norm", failing_clip)
     assert main(["run", str(path)]) != 0
     err = capsys.readouterr().err
     assert "out of memory at step 2" in err and "optimizer update" in err and "need a budget of" in err
@@ -295,6 +308,14 @@ def test_the_cpu_tracker_peak_restarts_after_a_recovery():
         low = callback.peak()["peak_bytes"]
     assert high >= (1 << 16) * 4 > low >= kept.numel() * 4
     assert (callback.predicted, callback.warned) == (1234, False)
+
+
+def test_oom_recovery_json_of_earlier_versions_keyed_by_recipe_key_is_still_read(tmp_path):
+    from finetune.train.recovery import recovered_settings
+
+    RunDir(tmp_path).recovered.write_text(json.dumps({"settings": {"training.micro_batch_size": 2,
+                                                                    "memory.offload": "disk"}}))
+    assert recovered_settings(tmp_path) == {"micro_batch_size": 2, "offload": "disk"}
 
 
 def test_an_adamw_step_that_runs_out_of_memory_while_allocating_its_state_changed_nothing(monkeypatch):
