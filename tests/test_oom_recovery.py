@@ -110,14 +110,36 @@ def test_recovered_run_equals_a_run_at_the_smaller_micro_batch(tmp_path, tmp_pat
         monkeypatch.setattr(RecoveringTrainer, "model_accepts_loss_kwargs",
                             property(lambda self: False, lambda self, value: None), raising=False)
         sections["data"] = {"path": str(_data(tmp_path, varied=False))}
+    from finetune.memory.tracker_callback import PeakMemoryCallback
+    from finetune.train.recovery import RecoveringTrainer
+
+    switch, restart, seen = RecoveringTrainer._switch, PeakMemoryCallback.restart, {}
+
+    def spy_switch(self, model, choice):
+        switch(self, model, choice)
+        seen["eval_batch"] = self.args.per_device_eval_batch_size
+
+    def spy_restart(self, predicted):
+        restart(self, predicted)
+        seen["predicted"], seen["warned"] = self.predicted, self.warned
+
+    monkeypatch.setattr(RecoveringTrainer, "_switch", spy_switch)
+    monkeypatch.setattr(PeakMemoryCallback, "restart", spy_restart)
     result, rows = _run(monkeypatch, _recipe(tmp_path, tiny_model_dir, "oom", **sections), case["fault"])
     assert result.state == "completed" and result.steps == 4
 
     events = [r for r in rows if r.get("event") == "oom_recovered"]
     step = int(case["fault"])
     smaller = case["smaller"]
-    assert [e["step"] for e in events] == [step]
-    assert events[0]["to"] == {f"training.{k}": v for k, v in smaller.items()}
+    # the row carries the last completed step (what a resume keeps), oom_step the failed one
+    assert [(e["step"], e["oom_step"]) for e in events] == [(step - 1, step)]
+    assert events[0]["to"] == smaller  # by the settings table's names
+    assert seen["eval_batch"] == smaller["micro_batch_size"]  # evaluation follows the new micro-batch
+    plan = json.loads((result.run_dir / "plan.json").read_text())  # re-planned for the new settings
+    assert plan["settings"]["micro_batch_size"] == smaller["micro_batch_size"]
+    assert seen["predicted"] == plan["peak_bytes"] and seen["warned"] is False
+    status = json.loads((result.run_dir / "status.json").read_text())
+    assert status["state"] == "completed" and status["oom_recovered"]["step"] == step  # not overwritten
     saved = yaml.safe_load((result.run_dir / "recipe.yaml").read_text())
     assert {k: saved["training"][k] for k in smaller} == smaller
     assert "out of memory at step" in (result.run_dir / "train.log").read_text()
@@ -156,7 +178,7 @@ def test_kill_right_after_a_recovery_then_resume_continues_with_the_recovered_se
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
     assert json.loads(RunDir(tmp_path / "killed").recovered.read_text())["settings"] == {
-        "training.micro_batch_size": 2, "training.gradient_accumulation_steps": 2}
+        "micro_batch_size": 2, "gradient_accumulation_steps": 2}
     before_kill = _losses(read_jsonl(tmp_path / "killed" / "metrics.jsonl"))
     assert sorted(before_kill) == [1, 2, 3, 4]
 
@@ -187,8 +209,8 @@ def test_at_micro_batch_1_the_alternatives_come_in_order_then_a_clear_error_and_
     run_dir = tmp_path / "ladder"
     rows = read_jsonl(run_dir / "metrics.jsonl")
     changes = [r["to"] for r in rows if r.get("event") == "oom_recovered"]
-    assert changes == [{"memory.activation_checkpointing": True}, {"memory.offload": "disk"},
-                       {"memory.chunked_loss": True}, {"memory.tiled_mlp": True}]
+    assert changes == [{"activation_checkpointing": True}, {"offload": "disk"},
+                       {"chunked_loss": True}, {"tiled_mlp": True}]
     assert [r["event"] for r in rows if "event" in r][-1] == "oom_gave_up"
     assert sorted(_losses(rows)) == [1]
     assert (run_dir / "checkpoints" / "checkpoint-1").is_dir()
@@ -200,7 +222,125 @@ def test_at_micro_batch_1_the_alternatives_come_in_order_then_a_clear_error_and_
     saved = yaml.safe_load((run_dir / "recipe.yaml").read_text())["memory"]
     assert (saved["activation_checkpointing"], saved["offload"], saved["chunked_loss"], saved["tiled_mlp"]) == (
         True, "disk", True, True)
-    assert sorted(_losses(read_jsonl(run_dir / "metrics.jsonl"))) == [1, 2, 3, 4]
+    resumed = read_jsonl(run_dir / "metrics.jsonl")
+    assert sorted(_losses(resumed)) == [1, 2, 3, 4]
+    # the events of the interrupted run (logged at the checkpoint's step 1) survive the resume's truncation
+    assert [r["event"] for r in resumed if "event" in r] == [r["event"] for r in rows if "event" in r]
+
+
+@pytest.mark.parametrize("where", ["optimizer", "clip"])
+def test_oom_in_the_optimizer_update_saves_the_last_step_and_names_the_smallest_budget(
+        tmp_path, tiny_model_dir, monkeypatch, capsys, where):
+    """FINETUNE_FAULT_OOM_AT_STEP=2:optimizer (or gradient clipping running out of memory): the update of
+    step 2 changed nothing, so checkpoint-1 is saved, the message names a budget, and the event row survives."""
+    path = tmp_path / "update.yaml"
+    path.write_text(yaml.safe_dump(_recipe(tmp_path, tiny_model_dir, "update", training={"max_steps": 2})))
+    if where == "optimizer":
+        monkeypatch.setenv(FAULT_ENV, "2:optimizer")
+    else:
+        import transformers
+
+        clip = transformers.Trainer._clip_grad_norm
+
+        def failing_clip(self, model):
+            if self.state.global_step == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated in clipping)")
+            return clip(self, model)
+
+        monkeypatch.setattr(transformers.Trainer, "_clip_grad_norm", failing_clip)
+    assert main(["run", str(path)]) != 0
+    err = capsys.readouterr().err
+    assert "out of memory at step 2" in err and "optimizer update" in err and "need a budget of" in err
+    assert "checkpoint-1" in err and "Traceback" not in err
+    run_dir = tmp_path / "update"
+    assert (run_dir / "checkpoints" / "checkpoint-1").is_dir()
+    events = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "event" in r]
+    assert [(e["event"], e["step"], e["oom_step"]) for e in events] == [("oom_gave_up", 1, 2)]
+
+
+def test_an_offload_tier_whose_preflight_fails_mid_recovery_is_passed_over(tmp_path, tiny_model_dir, monkeypatch):
+    """The disk rung's offload_dir check fails (full disk, say): the recovery takes the next rung instead."""
+    import finetune.train.recovery as recovery
+    from finetune.memory.offload_disk import OffloadDirError
+
+    def full(model, memory, *args, **kwargs):
+        if memory.offload == "disk":
+            raise OffloadDirError("memory.offload_dir: 0 bytes free (simulated)")
+
+    monkeypatch.setattr(recovery, "preflight_offload", full)
+    result, rows = _run(monkeypatch, _recipe(tmp_path, tiny_model_dir, "preflight", training={
+        "max_steps": 2, "micro_batch_size": 1, "gradient_accumulation_steps": 1}), "2,2")
+    assert result.state == "completed" and result.steps == 2
+    assert [r["to"] for r in rows if r.get("event") == "oom_recovered"] == [
+        {"activation_checkpointing": True}, {"chunked_loss": True}]
+
+
+def test_out_of_memory_in_evaluation_is_a_clear_error_with_the_completed_step_saved(
+        tmp_path, tiny_model_dir, monkeypatch, capsys):
+    import transformers
+
+    def oom(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (simulated in evaluation)")
+
+    monkeypatch.setattr(transformers.Trainer, "evaluate", oom)
+    path = tmp_path / "eval.yaml"
+    path.write_text(yaml.safe_dump(_recipe(tmp_path, tiny_model_dir, "eval", training={"max_steps": 1},
+                                           data={"validation_split": 0.25})))
+    assert main(["run", str(path)]) != 0
+    err = capsys.readouterr().err
+    assert "out of memory in evaluation after step 1 at eval micro-batch" in err and "Traceback" not in err
+    assert (tmp_path / "eval" / "checkpoints" / "checkpoint-1").is_dir()
+
+
+def test_the_cpu_tracker_peak_restarts_after_a_recovery():
+    """PeakMemoryCallback.restart: the failed attempt's high-water mark does not stay the run's peak."""
+    from finetune.memory.tracker import MemoryTracker
+    from finetune.memory.tracker_callback import PeakMemoryCallback
+
+    callback = PeakMemoryCallback(predicted_peak_bytes=10)
+    callback.tracker, callback.warned = MemoryTracker(), True
+    with callback.tracker:
+        big = torch.ones(1 << 16)
+        del big
+        kept = torch.ones(16)
+        high = callback.peak()["peak_bytes"]
+        callback.restart(predicted_peak_bytes=1234)
+        low = callback.peak()["peak_bytes"]
+    assert high >= (1 << 16) * 4 > low >= kept.numel() * 4
+    assert (callback.predicted, callback.warned) == (1234, False)
+
+
+def test_oom_recovery_json_of_earlier_versions_keyed_by_recipe_key_is_still_read(tmp_path):
+    from finetune.train.recovery import recovered_settings
+
+    RunDir(tmp_path).recovered.write_text(json.dumps({"settings": {"training.micro_batch_size": 2,
+                                                                    "memory.offload": "disk"}}))
+    assert recovered_settings(tmp_path) == {"micro_batch_size": 2, "offload": "disk"}
+
+
+def test_an_adamw_step_that_runs_out_of_memory_while_allocating_its_state_changed_nothing(monkeypatch):
+    """AdamW creates its state (step 0) in _init_group before updating any weight; an OOM there leaves the
+    weights untouched, and the lazily created state is dropped. A finished step counts as applied."""
+    from finetune.train.recovery import _step_counts, _undo_lazy_state
+
+    model = torch.nn.Linear(4, 2)
+    model(torch.ones(3, 4)).sum().backward()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, foreach=True)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("simulated: the update's temporaries do not fit")
+
+    monkeypatch.setattr(sys.modules["torch.optim.adam"], "adam", oom)  # AdamW.step is Adam.step: _init_group, then adam()
+    counts = _step_counts(opt)
+    with pytest.raises(torch.OutOfMemoryError):
+        opt.step()
+    assert len(opt.state) == 2  # the state was allocated before the update
+    assert not _undo_lazy_state(opt, counts) and not opt.state
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    monkeypatch.undo()
+    opt.step()
+    assert _undo_lazy_state(opt, counts)
 
 
 def test_layerwise_immediate_updates_cannot_be_discarded_once_a_hook_ran():
@@ -288,14 +428,16 @@ def test_the_ladder_keeps_the_effective_batch_and_skips_what_is_on_or_predicted_
         seen.append((step.splits, t.micro_batch_size, t.gradient_accumulation_steps))
     assert seen == [(2, 3, 6), (6, 1, 18)]
 
-    on_cuda = [list(r.items())[0] for r in rungs(recipe, cuda=True)]
-    assert on_cuda == [("memory.activation_checkpointing", True), ("memory.offload", "cpu"),
-                       ("memory.offload", "disk"), ("memory.chunked_loss", True)]  # 64 tokens: tiling is a no-op
+    on_cuda = [list(r.items())[0] for r in rungs(recipe, "cuda")]  # the tier table's order
+    assert on_cuda == [("activation_checkpointing", True), ("offload", "cpu"),
+                       ("offload", "disk"), ("chunked_loss", True)]  # 64 tokens: tiling is a no-op
+    assert ("offload", "cpu") not in [list(r.items())[0] for r in rungs(recipe, "cpu")]  # RAM is the device
+    assert ("offload", "disk") not in [list(r.items())[0] for r in rungs(recipe, "cuda", frozenset({"disk"}))]
     # At micro-batch 1 a rung the planner says does not fit is passed over; the next one is taken with it.
     one = validate_recipe(_recipe(tmp_path, tiny_model_dir, "ladder-unit", training={"micro_batch_size": 1}))
     predicted = lambda r: SimpleNamespace(fits=r.memory.offload == "disk")  # noqa: E731
     step = cheaper(one, 1, 1, 1, predicted)
     assert {k: v for k, v in settings_of(step.recipe).items() if settings_of(one)[k] != v} == {
-        "memory.activation_checkpointing": True, "memory.offload": "disk"}
+        "activation_checkpointing": True, "offload": "disk"}
     never = lambda r: SimpleNamespace(fits=False, min_budget_bytes=123 << 20, peak_bytes=0)  # noqa: E731
     assert cheaper(one, 1, 1, 1, never).recipe is None and cheaper(one, 1, 1, 1, never).min_budget_bytes == 123 << 20

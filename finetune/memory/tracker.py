@@ -110,6 +110,12 @@ class MemoryTracker(TorchDispatchMode):
             self.peak_breakdown = dict(self._totals)
             self._peak_seq = self._seq
 
+    def reset_peak(self) -> None:
+        """From now on the peak is the highest point after this call (what is live now counts)."""
+        self.peak = self.current
+        self.peak_breakdown = dict(self._totals)
+        self._peak_seq = self._seq
+
     def tag(self, tensor: torch.Tensor, category: str) -> None:
         """Move a tensor's storage to `category` (also in the peak breakdown if it was live at the peak)."""
         if not isinstance(tensor, torch.Tensor) or not self._on_device(tensor):

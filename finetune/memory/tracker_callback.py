@@ -40,6 +40,14 @@ class PeakMemoryCallback(TrainerCallback):
             self.tracker.register_optimizer(optimizer)
         self.tracker.__enter__()
 
+    def restart(self, predicted_peak_bytes: int | None) -> None:
+        """After an OOM recovery: measure the peak afresh (not the failed attempt's) against the new plan."""
+        self.predicted, self.warned = predicted_peak_bytes, False
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        elif self.tracker is not None:
+            self.tracker.reset_peak()
+
     def on_train_end(self, args, state, control, **kwargs):
         self.close()
 

@@ -29,12 +29,13 @@ class MetricsCallback(TrainerCallback):
         self._last_time = self.start
         self._last_tokens = 0
         self._first_step: int | None = None
+        self.status_fields: dict = {}  # kept in every status.json write, e.g. the last OOM recovery
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._first_step = state.global_step
         self._last_tokens = state.num_input_tokens_seen
         self._last_time = self.start = time.time()
-        self.run.write_status("running", step=state.global_step, max_steps=self.max_steps)
+        self.run.write_status("running", step=state.global_step, max_steps=self.max_steps, **self.status_fields)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}
@@ -61,7 +62,8 @@ class MetricsCallback(TrainerCallback):
             console.print(f"[yellow]warning: {logs['memory_warning']}")
         self.run.append_metrics(row)
         self.run.log_line(" ".join(f"{k}={v}" for k, v in row.items() if not isinstance(v, dict)))
-        self.run.write_status("running", step=state.global_step, max_steps=self.max_steps, eta_s=self._eta(state))
+        self.run.write_status("running", step=state.global_step, max_steps=self.max_steps, eta_s=self._eta(state),
+                              **self.status_fields)
 
     def _eta(self, state) -> float | None:
         done = state.global_step - (self._first_step or 0)

@@ -2,8 +2,10 @@
 
 Halve the micro-batch at the same effective batch (the next divisor of the loader's micro-batch B when it
 is odd) down to 1; then turn on, one at a time and keeping the earlier ones, activation checkpointing,
-cpu offload (CUDA only), disk offload, chunked loss and tiled MLP, each only when the planner predicts it
-fits the memory free now. Pure recipe logic: the trainer applies what it returns.
+each offload tier after the current one that frees the training device (finetune.recipe.offload_tiers
+order: cpu on CUDA, then disk), chunked loss and tiled MLP, each only when the planner predicts it fits the
+memory free now. Settings are the planner's table (finetune.recipe.settings), by name. Pure recipe logic:
+the trainer applies what it returns.
 """
 
 from __future__ import annotations
@@ -14,39 +16,33 @@ from typing import Any
 
 import torch
 
+from finetune.recipe.offload_tiers import TIERS
 from finetune.recipe.schema import Recipe
+from finetune.recipe.settings import read_settings, write_settings
 
-# What a recovery may change, as recipe keys.
-KEYS = ("training.micro_batch_size", "training.gradient_accumulation_steps", "memory.activation_checkpointing",
-        "memory.offload", "memory.chunked_loss", "memory.tiled_mlp")
+# The settings (names in finetune.recipe.settings' table) a recovery may change.
+NAMES = ("micro_batch_size", "gradient_accumulation_steps", "activation_checkpointing", "offload", "chunked_loss",
+         "tiled_mlp")
 
 
 def settings_of(recipe: Recipe) -> dict[str, Any]:
-    """The recipe's values of KEYS (what an out-of-memory event reports as from/to)."""
-    return {k: getattr(getattr(recipe, k.split(".")[0]), k.split(".")[1]) for k in KEYS}
+    """The recipe's values of NAMES (what an out-of-memory event reports as from/to)."""
+    values = read_settings(recipe)
+    return {name: values[name] for name in NAMES}
 
 
-def with_settings(recipe: Recipe, settings: dict[str, Any]) -> Recipe:
-    """A validated copy of `recipe` with {"section.key": value} replaced."""
-    data = recipe.model_dump()
-    for key, value in settings.items():
-        section, name = key.split(".")
-        data[section][name] = value
-    return Recipe.model_validate(data)
-
-
-def rungs(recipe: Recipe, cuda: bool) -> list[dict[str, Any]]:
-    """The alternatives at micro-batch 1, cheapest change first; each adds to the ones before it."""
+def rungs(recipe: Recipe, device: str, unusable: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+    """The alternatives at micro-batch 1, cheapest change first; each adds to the ones before it.
+    `unusable`: offload tiers whose preflight failed in this run."""
     m = recipe.memory
-    rungs = [{"memory.activation_checkpointing": True}] if m.activation_checkpointing is not True else []
-    if cuda and m.offload == "none":
-        rungs.append({"memory.offload": "cpu"})
-    if m.offload != "disk":
-        rungs.append({"memory.offload": "disk"})
+    rungs = [{"activation_checkpointing": True}] if m.activation_checkpointing is not True else []
+    names = [t.name for t in TIERS]
+    later = TIERS[names.index(m.offload) + 1:] if m.offload in names else TIERS
+    rungs += [{"offload": t.name} for t in later if t.frees_device(device) and t.name not in unusable]
     if m.chunked_loss is not True:
-        rungs.append({"memory.chunked_loss": True})
+        rungs.append({"chunked_loss": True})
     if m.tiled_mlp is not True and recipe.data.max_seq_len > m.tiled_mlp_tokens:
-        rungs.append({"memory.tiled_mlp": True})
+        rungs.append({"tiled_mlp": True})
     return rungs
 
 
@@ -66,15 +62,14 @@ class Cheaper:
 
 
 def cheaper(recipe: Recipe, loader_batch: int, loader_accumulation: int, splits: int,
-            plan_for: Callable[[Recipe], Any]) -> Cheaper:
+            plan_for: Callable[[Recipe], Any], unusable: frozenset[str] = frozenset()) -> Cheaper:
     """The next plan after an out-of-memory error at `splits` sub-micro-batches per loader batch."""
     nxt = next((k for k in range(splits + 1, loader_batch + 1) if loader_batch % k == 0 and k % splits == 0), None)
     if nxt is not None:
-        return Cheaper(with_settings(recipe, {"training.micro_batch_size": loader_batch // nxt,
-                                              "training.gradient_accumulation_steps": loader_accumulation * nxt}),
-                       nxt)
-    for rung in rungs(recipe, torch.cuda.is_available()):
-        recipe = with_settings(recipe, rung)
+        return Cheaper(write_settings(recipe, {"micro_batch_size": loader_batch // nxt,
+                                               "gradient_accumulation_steps": loader_accumulation * nxt}), nxt)
+    for rung in rungs(recipe, "cuda" if torch.cuda.is_available() else "cpu", unusable):
+        recipe = write_settings(recipe, rung)
         try:
             if plan_for(recipe).fits:
                 return Cheaper(recipe, splits)

@@ -19,8 +19,14 @@ exact (GaLore's pending projected sums are dropped too). With accumulation 1 wei
 an OOM before the first hook ran is retried (in accumulate mode, as the accumulation doubles); one after
 cannot be undone, so the run stops with a message and records the cheaper settings for --resume.
 
+An OOM in the update itself (gradient clipping, optimizer.step(), e.g. AdamW allocating its state on step 1)
+is not retried: the run stops with the smallest budget. When the optimizer changed nothing yet (no state's
+`step` counter moved; the lazily created state is dropped again) it first saves a checkpoint of the last
+completed step; otherwise the last saved checkpoint is what --resume continues from.
+
 `FINETUNE_FAULT_OOM_AT_STEP=N[,M...]` (tests): raise torch.OutOfMemoryError inside the forward of the
-last micro-batch of optimizer step N, once per listed N (list N twice to fail its retry too).
+last micro-batch of optimizer step N, once per listed N (list N twice to fail its retry too); `N:optimizer`
+raises it in optimizer step N's optimizer.step() instead, before the optimizer runs.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import gc
 import json
 import os
 import random
+import types
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -42,13 +49,19 @@ from finetune.console import console
 from finetune.errors import FinetuneError
 from finetune.memory.layer_recompute import apply_layer_recompute
 from finetune.memory.offload import activation_offload, decoder_layers, preflight_offload
+from finetune.memory.offload_disk import OffloadDirError
+from finetune.memory.tracker_callback import PeakMemoryCallback
 from finetune.optim import layerwise_of
 from finetune.plan import predict
 from finetune.recipe.load import recipe_to_yaml
 from finetune.recipe.schema import Recipe
+from finetune.recipe.settings import read_settings, write_settings
+from finetune.recipe.settings import table as settings_table
 from finetune.rundir import RunDir, atomic_write_json, atomic_write_text
+from finetune.train.callbacks import MetricsCallback
 from finetune.train.checkpoints import numbered
-from finetune.train.oom_ladder import Cheaper, cheaper, measured_gpu_memory, settings_of, with_settings
+from finetune.train.oom_ladder import Cheaper, cheaper, measured_gpu_memory, settings_of
+from finetune.train.plan_files import save_plan
 from finetune.train.trainer import FinetuneTrainer
 from finetune.units import format_bytes
 
@@ -76,13 +89,21 @@ class SplittableCollator:
 
 
 def fault_steps() -> Counter:
-    """FINETUNE_FAULT_OOM_AT_STEP as a count of injected failures per optimizer step (empty when unset)."""
+    """FINETUNE_FAULT_OOM_AT_STEP as a count of injected failures per (optimizer step, "forward"|"optimizer")."""
     spec = os.environ.get(FAULT_ENV, "").strip()
-    try:
-        return Counter(int(s) for s in spec.split(",") if s.strip())
-    except ValueError:
-        raise FinetuneError(f"{FAULT_ENV}={spec!r} is not a comma-separated list of step numbers",
-                            hint=f"e.g. {FAULT_ENV}=3 or {FAULT_ENV}=3,3,7; unset it for normal runs") from None
+    faults: Counter = Counter()
+    for item in (s.strip() for s in spec.split(",") if s.strip()):
+        step, _, where = item.partition(":")
+        if not step.isdigit() or where not in ("", "optimizer"):
+            raise FinetuneError(f"{FAULT_ENV}={spec!r}: {item!r} is not a step number or STEP:optimizer",
+                                hint=f"e.g. {FAULT_ENV}=3, {FAULT_ENV}=3,3,7 or {FAULT_ENV}=2:optimizer; "
+                                     "unset it for normal runs")
+        faults[(int(step), where or "forward")] += 1
+    return faults
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
 
 
 def _rng_state() -> tuple:
@@ -141,7 +162,7 @@ class RecoveringTrainer(FinetuneTrainer):
                 loss = self._split_step(model, inputs, num_items_in_batch)
                 break
             except torch.OutOfMemoryError as exc:
-                failure = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
+                failure = _first_line(exc)
             # Outside the except block: the error's traceback (and the tensors its frames hold) is gone.
             self._recover(model, failure)
             retry = True
@@ -168,10 +189,62 @@ class RecoveringTrainer(FinetuneTrainer):
     def _fault(self, model, last: bool):
         """FINETUNE_FAULT_OOM_AT_STEP: a one-shot hook that raises in the last decoder layer's forward."""
         step = self.state.global_step + 1
-        if not last or not self._faults.get(step):
+        if not last or not self._faults.get((step, "forward")):
             return contextlib.nullcontext()
-        self._faults[step] -= 1
+        self._faults[(step, "forward")] -= 1
         return _FaultHook(decoder_layers(model)[-1], step)
+
+    def create_optimizer(self, model=None):
+        """Also route an OOM inside optimizer.step() to the give-up path (the Trainer calls step() bare)."""
+        fresh = self.optimizer is None
+        optimizer = super().create_optimizer(model)
+        if fresh:
+            update = optimizer.step
+
+            def guarded(opt, *args, **kwargs):
+                return self._guarded_update(opt, update, *args, **kwargs)
+
+            # A bound method: torch's LR scheduler re-wraps optimizer.step through its __func__.
+            optimizer.step = types.MethodType(guarded, optimizer)
+        return optimizer
+
+    def _clip_grad_norm(self, model):
+        try:
+            return super()._clip_grad_norm(model)
+        except torch.OutOfMemoryError as exc:
+            failure = _first_line(exc)
+        self._update_failed(model, failure, applied=False)  # clipping only scales gradients
+
+    def _guarded_update(self, optimizer, update, *args, **kwargs):
+        step = self.state.global_step + 1
+        counts = _step_counts(optimizer)
+        try:
+            if self._faults.get((step, "optimizer")):
+                self._faults[(step, "optimizer")] -= 1
+                raise torch.OutOfMemoryError(f"{FAULT_ENV}: injected out-of-memory error in optimizer step {step}")
+            return update(*args, **kwargs)
+        except torch.OutOfMemoryError as exc:
+            failure = _first_line(exc)
+        applied = _undo_lazy_state(optimizer, counts)
+        self._update_failed(self.model_wrapped, failure, applied=applied)
+
+    def _update_failed(self, model, failure: str, applied: bool) -> None:
+        """An OOM in the update: no retry (the gradients are gone once freed); stop with the smallest budget."""
+        model.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        budget = measured_gpu_memory()
+        recipe, splits = self.recipe, self.splits
+        while True:  # the leanest rung's budget, by the planner
+            choice = cheaper(recipe, self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps,
+                             splits, lambda r: predict(r, gpu_memory=budget))
+            if choice.recipe is None:
+                break
+            recipe, splits = choice.recipe, choice.splits
+        self._give_up(model, self.state.global_step + 1, failure, choice.min_budget_bytes, budget,
+                      save=not applied, where="in the optimizer update, which is not retried")
 
     def _recover(self, model, failure: str) -> None:
         """Drop the failed step, free its memory and switch to the next cheaper plan (or give up)."""
@@ -185,8 +258,7 @@ class RecoveringTrainer(FinetuneTrainer):
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         budget = measured_gpu_memory()
-        choice = cheaper(self.recipe, self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps,
-                         self.splits, lambda r: predict(r, gpu_memory=budget))
+        choice = self._next_plan(model, budget)
         if choice.recipe is None:
             self._give_up(model, step, failure, choice.min_budget_bytes, budget)
         before, after = settings_of(self.recipe), settings_of(choice.recipe)
@@ -204,6 +276,25 @@ class RecoveringTrainer(FinetuneTrainer):
         self._switch(model, choice)
         self.on_recovery(event, self.recipe)
 
+    def _next_plan(self, model, budget: int | None) -> Cheaper:
+        """The next rung; one that turns on an offload tier whose preflight fails (a full or unwritable
+        offload_dir) is passed over, with the tier left out of the rest of the ladder."""
+        unusable: set[str] = set()
+        while True:
+            choice = cheaper(self.recipe, self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps,
+                             self.splits, lambda r: predict(r, gpu_memory=budget), frozenset(unusable))
+            new = choice.recipe
+            if new is None or new.memory.offload == self.recipe.memory.offload:
+                return choice
+            try:
+                preflight_offload(model, new.memory, self.run_root,
+                                  self.args.per_device_train_batch_size // choice.splits, new.data.max_seq_len)
+                return choice
+            except OffloadDirError as exc:
+                console.print(f"[yellow]out-of-memory recovery: offload {new.memory.offload} is unusable "
+                              f"({exc.message}); trying the next alternative")
+                unusable.add(new.memory.offload)
+
     def _switch(self, model, choice: Cheaper) -> None:
         old, new = self.recipe.memory, choice.recipe.memory
         if new.activation_checkpointing is True and old.activation_checkpointing is not True:
@@ -211,11 +302,12 @@ class RecoveringTrainer(FinetuneTrainer):
                                                   every_n_layers=new.checkpoint_every_n_layers)
             if self.recipe.adapter.type != "full":
                 self.model.enable_input_require_grads()  # a frozen base: see finetune.model.adapter.apply_adapter
+        self.args.per_device_eval_batch_size = self.args.per_device_train_batch_size // choice.splits
+        if hasattr(self, "_eval_dataloaders"):  # cached (persistent workers) at the old micro-batch
+            del self._eval_dataloaders
         if new.offload != old.offload:
             if self.offload is not None:
                 self.offload.close()
-            preflight_offload(model, new, self.run_root, self.args.per_device_train_batch_size // choice.splits,
-                              self.recipe.data.max_seq_len)
             self.offload = activation_offload(model, new, self.run_root)
         if new.tiled_mlp is True and old.tiled_mlp is not True:
             apply_layer_recompute(model, False, new.tiled_mlp_tokens)
@@ -224,10 +316,15 @@ class RecoveringTrainer(FinetuneTrainer):
             layerwise.steps_per_update = self.args.gradient_accumulation_steps * choice.splits
         self.recipe, self.splits = choice.recipe, choice.splits
 
-    def _give_up(self, model, step: int, failure: str, needed: int | None, budget: int | None) -> None:
-        """No cheaper plan: save the last completed step (nothing of this one was applied) and stop."""
+    def _give_up(self, model, step: int, failure: str, needed: int | None, budget: int | None,
+                 save: bool = True, where: str = "with the leanest settings left") -> None:
+        """No cheaper plan: save the last completed step (when nothing of this one was applied) and stop."""
         _set_rng_state(self._rng)
-        if self.state.global_step > 0:
+        if not save:
+            last = numbered(Path(self.args.output_dir))
+            kept = ("the optimizer had already changed part of the model, so nothing is saved now; "
+                    + (f"{last[0].name} is the last checkpoint" if last else "no checkpoint was saved before"))
+        elif self.state.global_step > 0:
             self._save_checkpoint(model, trial=None)
             last = numbered(Path(self.args.output_dir))
             kept = f"{last[0].name} holds step {self.state.global_step}" if last else "no checkpoint"
@@ -239,9 +336,51 @@ class RecoveringTrainer(FinetuneTrainer):
         need = f"the planner's leanest settings need a budget of {format_bytes(needed)}" if needed \
             else "the planner could not name a budget that works"
         raise FinetuneError(
-            f"out of memory at step {step} with the leanest settings left{free}: {need}; {kept}",
+            f"out of memory at step {step} {where}{free}: {need}; {kept}",
             hint="free GPU memory (close other programs on the GPU), or use a smaller model or quantization.bits: "
                  "4, then run again with --resume")
+
+
+    def evaluate(self, *args, **kwargs):
+        """An OOM in evaluation: a clear message (and the completed step saved), not a traceback."""
+        try:
+            return super().evaluate(*args, **kwargs)
+        except torch.OutOfMemoryError as exc:
+            failure = _first_line(exc)
+        step = self.state.global_step
+        kept = "no step had completed"
+        if step > 0:
+            if not (Path(self.args.output_dir) / f"checkpoint-{step}").is_dir():
+                self._save_checkpoint(self.model_wrapped, trial=None)
+            kept = f"checkpoint-{step} holds step {step}"
+        raise FinetuneError(
+            f"out of memory in evaluation after step {step} at eval micro-batch "
+            f"{self.args.per_device_eval_batch_size} ({failure}); {kept}",
+            hint="lower training.micro_batch_size (evaluation uses it too) or free GPU memory, then run again "
+                 "with --resume")
+
+
+def _step_counts(optimizer: torch.optim.Optimizer) -> dict[int, float | None]:
+    """Each parameter state's `step` counter (None without one), to tell whether an update began."""
+    return {id(p): float(s["step"]) if "step" in s else None for p, s in optimizer.state.items()}
+
+
+def _undo_lazy_state(optimizer: torch.optim.Optimizer, before: dict[int, float | None]) -> bool:
+    """After an OOM in optimizer.step(): True when it may have changed something. Torch optimizers count
+    `step` before they touch a weight, so unchanged counters mean nothing was applied; the state created
+    lazily for the first step (counter 0) is dropped again so a checkpoint holds the state before it."""
+    applied = False
+    for p in list(optimizer.state):
+        state = optimizer.state[p]
+        count = float(state["step"]) if "step" in state else None
+        if id(p) not in before:
+            if count == 0:
+                del optimizer.state[p]
+            else:
+                applied = True
+        elif count is None or count != before[id(p)]:
+            applied = True
+    return applied
 
 
 class _FaultHook:
@@ -262,11 +401,15 @@ class _FaultHook:
         self.handle.remove()
 
 
-def record_recovery(run_dir: RunDir, max_steps: int) -> Callable[[dict, Recipe], None]:
+def record_recovery(run_dir: RunDir, max_steps: int, peak: PeakMemoryCallback,
+                    metrics: MetricsCallback) -> Callable[[dict, Recipe], None]:
     """on_recovery for a run directory: metrics.jsonl row, train.log, status.json, the console, and the new
-    settings in recipe.yaml and oom_recovery.json (which --resume keeps, even for keys that were not auto)."""
+    settings in recipe.yaml and oom_recovery.json (which --resume keeps, even for keys that were not auto).
+    A recovery also re-plans: plan.json/plan.png and the peak check follow the new settings."""
     def record(event: dict, recipe: Recipe) -> None:
-        run_dir.append_metrics(event)
+        # The row carries the last completed step (what a resume's checkpoint holds, so the row survives
+        # its truncation); oom_step is the step that ran out of memory.
+        run_dir.append_metrics({**event, "step": event["step"] - 1, "oom_step": event["step"]})
         if "to" not in event:
             run_dir.log_line(f"out of memory at step {event['step']}: no cheaper plan left")
             return
@@ -278,9 +421,23 @@ def record_recovery(run_dir: RunDir, max_steps: int) -> Callable[[dict, Recipe],
         saved = recovered_settings(run_dir.root)
         saved.update(event["to"])
         atomic_write_json(run_dir.recovered, {"settings": saved})
-        run_dir.write_status("running", step=event["step"] - 1, max_steps=max_steps, oom_recovered=event)
+        metrics.status_fields["oom_recovered"] = event  # kept in every later status.json
+        run_dir.write_status("running", step=event["step"] - 1, max_steps=max_steps, **metrics.status_fields)
+        if event["event"] == "oom_recovered":
+            peak.restart(_replan(run_dir, recipe))
 
     return record
+
+
+def _replan(run_dir: RunDir, recipe: Recipe) -> int | None:
+    """The plan of the recovered settings, saved over the run's plan; its predicted peak (None without one)."""
+    try:
+        plan = predict(recipe)
+    except Exception as exc:  # noqa: BLE001 - a model the planner cannot trace: train on without a plan
+        run_dir.log_line(f"no memory plan for the recovered settings: {type(exc).__name__}: {exc}")
+        return None
+    save_plan(run_dir, plan)
+    return plan.peak_bytes
 
 
 def _changes(event: dict) -> str:
@@ -288,14 +445,17 @@ def _changes(event: dict) -> str:
 
 
 def recovered_settings(run_root: Path) -> dict[str, Any]:
-    """The settings earlier out-of-memory recoveries of this run chose ({} when none)."""
+    """The settings earlier out-of-memory recoveries of this run chose, by setting name ({} when none;
+    files of earlier versions, keyed by recipe key, are read too)."""
     path = RunDir(run_root).recovered
     if not path.is_file():
         return {}
-    return dict(json.loads(path.read_text()).get("settings", {}))
+    by_key = {s.key: s.name for s in settings_table()}
+    return {by_key.get(k, k): v for k, v in json.loads(path.read_text()).get("settings", {}).items()}
 
 
 def keep_recovered(recipe: Recipe, saved: Recipe, run_root: Path) -> Recipe:
     """On resume, what a recovery set wins over the recipe given now (which would run out of memory again)."""
     keys = recovered_settings(run_root)
-    return with_settings(recipe, {k: settings_of(saved)[k] for k in keys}) if keys else recipe
+    chosen = read_settings(saved)
+    return write_settings(recipe, {name: chosen[name] for name in keys if name in chosen}) if keys else recipe

@@ -15,7 +15,7 @@ from finetune.console import console
 from finetune.errors import FinetuneError
 from finetune.memory.offload import activation_offload, preflight_offload
 from finetune.memory.tracker_callback import PeakMemoryCallback
-from finetune.plan import Plan, plot_breakdown, predict
+from finetune.plan import Plan, predict
 from finetune.recipe.load import load_recipe, recipe_to_yaml
 from finetune.recipe.schema import Recipe
 from finetune.recipe.settings import auto_settings, read_settings, write_settings
@@ -24,6 +24,7 @@ from finetune.rundir import RunDir, atomic_write_json, atomic_write_text, replac
 from finetune.train.callbacks import MetricsCallback, ProgressCallback, StopOnSignal
 from finetune.train.checkpoints import find_resumable, numbered, report_skipped, step_of
 from finetune.train.environment import environment_summary
+from finetune.train.plan_files import save_plan
 from finetune.train.plots import plot_loss_curve
 from finetune.train.recovery import RecoveringTrainer, keep_recovered, record_recovery
 from finetune.train.trainer import FinetuneTrainer, total_steps, training_arguments
@@ -156,8 +157,7 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
         recipe = keep_recovered(keep_resolved(recipe, saved), saved, run_dir.root)
     plan, recipe = _plan(recipe)
     if plan is not None:
-        atomic_write_text(run_dir.plan, plan.to_json())
-        plot_breakdown(plan, run_dir.plan_plot)
+        save_plan(run_dir, plan)
     atomic_write_text(run_dir.recipe, recipe_to_yaml(recipe))
     atomic_write_json(run_dir.env, environment_summary())
     run_dir.write_status("loading")
@@ -177,14 +177,15 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     if checkpoint:
         run_dir.truncate_metrics(step_of(checkpoint))
     peak = PeakMemoryCallback(plan.peak_bytes if plan is not None else None)
+    metrics = MetricsCallback(run_dir, steps)
     # A bad offload_dir fails here, before the first step and before anything is written there.
     preflight_offload(model, recipe.memory, run_dir.root, int(recipe.training.micro_batch_size), recipe.data.max_seq_len)
     offload = activation_offload(model, recipe.memory, run_dir.root)
     trainer = RecoveringTrainer(
         model=model, args=training_arguments(recipe, run_dir.checkpoints, steps, data.eval is not None),
         train_dataset=data.train, eval_dataset=data.eval, data_collator=data.collator,
-        processing_class=tokenizer, callbacks=[peak, MetricsCallback(run_dir, steps), ProgressCallback(steps), stopper],
-        recipe=recipe, offload=offload, run_root=run_dir.root, on_recovery=record_recovery(run_dir, steps),
+        processing_class=tokenizer, callbacks=[peak, metrics, ProgressCallback(steps), stopper],
+        recipe=recipe, offload=offload, run_root=run_dir.root, on_recovery=record_recovery(run_dir, steps, peak, metrics),
     )
     trainer.remove_callback(PrinterCallback)  # our progress bar and metrics.jsonl replace its prints
     start = time.time()
@@ -207,7 +208,7 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
         "offload": dict(trainer.offload.stats, tier=trainer.recipe.memory.offload) if trainer.offload is not None
         else None})
     plot_loss_curve(run_dir)
-    run_dir.write_status(state, step=result.steps, max_steps=steps)
+    run_dir.write_status(state, step=result.steps, max_steps=steps, **metrics.status_fields)
     run_dir.log_line(f"run {state} at step {result.steps}")
     return result
 
