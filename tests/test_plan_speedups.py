@@ -17,10 +17,13 @@ SEQ = 9 * CHUNK + 5  # nine full chunks and a shorter last one
 
 @pytest.fixture
 def all_chunks(monkeypatch):
-    """Run (by calling it) with the meta shortcut off: every chunk computed, as on a real device."""
+    """Run (by calling it) with the meta shortcuts off: every chunk computed, as on a real device, and every
+    meta kernel run (no memoised outputs)."""
     def run(fn, *args, **kwargs):
         with monkeypatch.context() as m:
             m.setattr(layer_recompute, "_chunks_to_run", lambda _x, n: range(n))
+            m.setattr(trace._MetaMemo, "__torch_dispatch__",
+                      lambda _self, func, _types, args=(), kwargs=None: func(*args, **(kwargs or {})))
             return fn(*args, **kwargs)
     return run
 
@@ -31,6 +34,7 @@ def fresh(tmp_path, monkeypatch):
     monkeypatch.setattr(layer_recompute, "NORM_TOKENS", CHUNK)  # many norm chunks at a small sequence
     trace._trace_cached.cache_clear()
     trace._params_cached.cache_clear()
+    trace._MEMO.clear()
     yield
     trace._trace_cached.cache_clear()
     trace._params_cached.cache_clear()
@@ -42,12 +46,15 @@ CASES = [(arch, 1, True, "lora") for arch in ARCHS] + [
 
 @pytest.mark.parametrize("arch,checkpoint_every,int8,adapter", CASES)
 def test_skipped_chunks_trace_like_all_chunks(arch, checkpoint_every, int8, adapter, fresh, all_chunks):
-    """Every window's peak and breakdown of a trace with tiled MLPs and recomputed norms (ten chunks each)."""
+    """Every window's peak and breakdown of a trace with tiled MLPs and recomputed norms (ten chunks each),
+    and with memoised meta kernels (traced twice: the second trace is nearly all memo hits)."""
     config = tiny_config(arch, num_hidden_layers=3, **({"head_dim": 32} if arch == "gemma2" else {}))
     attn = "eager" if arch == "gemma2" else "sdpa"
     key = trace.model_key(config, AdapterConfig(type=adapter, r=8), torch.float32)
     args = (key, attn, 2, SEQ, 3, checkpoint_every, int8, True, CHUNK)
-    assert trace._direct_trace(*args) == all_chunks(trace._direct_trace, *args)
+    slow = all_chunks(trace._direct_trace, *args)
+    assert trace._direct_trace(*args) == slow
+    assert trace._MEMO and trace._direct_trace(*args) == slow
 
 
 def test_plan_with_every_key_auto_is_unchanged(tiny_model_dir, tmp_path, fresh, all_chunks, monkeypatch):

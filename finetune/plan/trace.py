@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from finetune.memory.layer_recompute import apply_layer_recompute
 from finetune.memory.step import enable_checkpointing, forward_backward
@@ -47,6 +48,108 @@ class _MetaKernels(TorchFunctionMode):
         if func is torch.Tensor.__bool__ and args[0].is_meta:
             return True
         return func(*args, **kwargs)
+
+
+class _Uncacheable(Exception):
+    pass
+
+
+_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+_FUNCTIONAL: dict[Any, bool] = {}  # op -> its schema neither mutates nor aliases an argument
+_MEMO: dict[tuple, Any] = {}  # (op, inputs' metadata) -> outputs' metadata, or None: not memoisable
+_MEMO_LIMIT = 200_000
+
+
+def _signature(x: Any) -> Any:
+    """What a meta kernel's result can depend on: a tensor's metadata, a scalar's type and value."""
+    if isinstance(x, torch.Tensor):
+        if not x.is_meta or x.layout != torch.strided:
+            raise _Uncacheable
+        return (x.shape, x.stride(), x.dtype, x.storage_offset())
+    if isinstance(x, (list, tuple)):
+        return (type(x), *map(_signature, x))
+    if isinstance(x, _SCALARS):
+        return (type(x), x)  # 1, 1.0 and True hash alike but promote differently
+    raise _Uncacheable
+
+
+def _functional(func: Any) -> bool:
+    known = _FUNCTIONAL.get(func)
+    if known is None:
+        schema = func._schema
+        known = _FUNCTIONAL[func] = not schema.is_mutable and all(
+            a.alias_info is None for a in (*schema.arguments, *schema.returns))
+    return known
+
+
+def _describe(out: Any, args: Any, kwargs: dict) -> Any:
+    """The outputs' metadata (storage size, sharing between outputs), or None where an output is not a fresh
+    meta tensor (it aliases an input, or is not a tensor)."""
+    from torch.utils._pytree import tree_leaves
+
+    inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    storages: list[int] = []
+    single = isinstance(out, torch.Tensor)
+    specs = []
+    for t in (out,) if single else out if isinstance(out, (tuple, list)) else [object()]:
+        if t is None:
+            specs.append(None)
+            continue
+        if not isinstance(t, torch.Tensor) or type(t) is not torch.Tensor or not t.is_meta:
+            return None
+        storage = t.untyped_storage()
+        if storage._cdata in inputs:
+            return None
+        if storage._cdata not in storages:
+            storages.append(storage._cdata)
+        specs.append((tuple(t.shape), t.stride(), t.dtype, t.storage_offset(), storage.nbytes(),
+                      storages.index(storage._cdata)))
+    return single, type(out), specs
+
+
+def _rebuild(memo: Any) -> Any:
+    single, kind, specs = memo
+    storages: dict[int, torch.UntypedStorage] = {}
+    out = []
+    for spec in specs:
+        if spec is None:
+            out.append(None)
+            continue
+        shape, stride, dtype, offset, nbytes, index = spec
+        storage = storages.get(index)
+        if storage is None:
+            storage = storages[index] = torch.UntypedStorage(nbytes, device="meta")
+        out.append(torch.empty(0, dtype=dtype, device="meta").set_(storage, offset, shape, stride))
+    return out[0] if single else kind(out)
+
+
+class _MetaMemo(TorchDispatchMode):
+    """Memoise meta kernels: an op that neither mutates nor aliases its arguments gives, on `meta`, outputs
+    whose shapes, strides, dtypes and storage sizes depend only on its inputs' metadata and its other
+    arguments. Most of a trace's time is torch's Python meta kernels, and the same ops recur with the same
+    shapes in every layer, every recomputation and every traced family: compute each once per process.
+    Sits below the tracker (entered first), which counts the rebuilt outputs as fresh allocations like the
+    kernel's own (tests/test_plan_speedups.py compares traces with and without it)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        key = None
+        if _functional(func):
+            try:
+                key = (func, torch.get_default_dtype(), _signature(args),
+                       _signature(tuple(kwargs.items())) if kwargs else ())
+            except _Uncacheable:
+                key = None
+        if key is not None:
+            memo = _MEMO.get(key, _MEMO)
+            if memo is not _MEMO and memo is not None:
+                return _rebuild(memo)
+        out = func(*args, **kwargs)
+        if key is not None and key not in _MEMO:
+            if len(_MEMO) > _MEMO_LIMIT:
+                _MEMO.clear()
+            _MEMO[key] = _describe(out, args, kwargs)
+        return out
 
 
 def _backward(loss: torch.Tensor) -> None:
@@ -178,7 +281,7 @@ def _direct_trace(key: tuple[str, str, str, str], attn: str, micro_batch: int, s
     tracker.register_model(model)
     handles = _layer_windows(model, tracker)
     try:
-        with _MetaKernels(), tracker:
+        with _MetaKernels(), _MetaMemo(), tracker:
             forward_backward(model, {"input_ids": ids, "labels": ids}, backward=_backward, tracker=tracker,
                              backward_window="bwd_head")
     finally:
