@@ -66,8 +66,9 @@ def _chunks_to_run(x: torch.Tensor, n: int) -> range | set[int]:
 
     Why: tracing cost grows with the number of chunks (128 per norm and MLP at 128k tokens), their memory does
     not vary. Every full chunk has the same shapes, so the same allocations; on `meta` there are no values.
-    Forward keeps each chunk's output until the concatenation: a skipped chunk allocates an output like the
-    first one, and the peak (at the last full chunk or the shorter last one) is that of the full loop. In
+    Forward keeps each chunk's output until the concatenation: the skipped chunks allocate one output block as
+    large as theirs where the first of them begins, and the peak (at the last full chunk or the shorter last
+    one) is that of the full loop. In
     backward the previous iteration's output and gradients are alive until rebound, the parameters' gradient
     sums exist from the first chunk: iterations 0 and 1 differ, from 2 on the state repeats, so running 0-2
     and the last two gives the full loop's peak (tests/test_plan_speedups.py checks it against the full trace).
@@ -87,12 +88,16 @@ class _Tiled(torch.autograd.Function):
         ctx.fn, ctx.tokens = fn, tokens
         ctx.rng = _rng_state(x.device)
         ctx.save_for_backward(x, *params)
-        pieces = x.split(tokens, dim=1)
-        run = _chunks_to_run(x, len(pieces))
+        run = _chunks_to_run(x, -(-x.shape[1] // tokens))
         outs: list[torch.Tensor] = []
+        done = 0  # chunks produced so far
         with torch.no_grad():
-            for i, piece in enumerate(pieces):
-                outs.append(fn(piece) if i in run else torch.empty_like(outs[0]))
+            for i in sorted(run):
+                if i > done:  # skipped (full) chunks: one output block as large as theirs, where they begin
+                    first = outs[0]
+                    outs.append(first.new_empty((first.shape[0], (i - done) * first.shape[1], *first.shape[2:])))
+                outs.append(fn(x[:, i * tokens:(i + 1) * tokens]))
+                done = i + 1
             return torch.cat(outs, dim=1)
 
     @staticmethod
