@@ -74,3 +74,32 @@ def test_plan_with_every_key_auto_is_unchanged(tiny_model_dir, tmp_path, fresh, 
     assert fast == all_chunks(predict, recipe, gpu_memory="2MiB", device="cpu").to_dict()
     evaluated = [fast, *fast["alternatives"], *(c for c in fast["rejected"] if c["breakdown"])]
     assert any(c["settings"]["tiled_mlp"] for c in evaluated)  # the budget makes the planner trace tiling
+
+
+def test_warm_plan_loads_no_model_config(tiny_model_dir, tmp_path, fresh, monkeypatch):
+    """Once the config's facts are in the disk cache a plan reads them there, equal to the plan from the
+    transformers config, without loading it (importing its class is most of a warm plan); an edited
+    config.json is a miss."""
+    import json
+    import shutil
+
+    from finetune.plan import predict
+    from finetune.plan.shapes import load_model_config
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    recipe = Recipe.model_validate({
+        "model": {"path": str(model)}, "data": {"path": "unused", "max_seq_len": 64},
+        "quantization": {"bits": "auto"}, "training": {"micro_batch_size": "auto"},
+        "memory": {"activation_checkpointing": "auto", "gpu_memory_margin": 0}})
+    reference = predict(recipe, model_config=load_model_config(str(model)), gpu_memory="8MiB", device="cpu")
+    assert predict(recipe, gpu_memory="8MiB", device="cpu") == reference  # cold: facts computed and stored
+    with monkeypatch.context() as m:
+        m.setattr(trace, "load_model_config", lambda *a, **k: pytest.fail("config loaded despite the cache"))
+        assert predict(recipe, gpu_memory="8MiB", device="cpu") == reference
+        config = trace.planned_config(str(model))
+        assert isinstance(config, trace.CachedConfig) and config.get_text_config().num_hidden_layers == 2
+    data = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**data, "num_hidden_layers": 3}))
+    assert trace.planned_config(str(model)).get_text_config().num_hidden_layers == 3
+    assert trace.planned_config(str(model)).rms_norm_eps == data["rms_norm_eps"]  # the rest: the real config

@@ -17,12 +17,8 @@ from finetune.memory.bandwidth import transfer_bandwidth
 from finetune.memory.offload import offload_dir_for
 from finetune.plan.cost_model import tokens_per_second
 from finetune.plan.memory_model import ModelSpec, memory_floor, predict_memory
-from finetune.plan.shapes import (
-    ModelShapes,
-    load_model_config,
-    target_dtype,
-)
-from finetune.plan.trace import model_facts
+from finetune.plan.shapes import ModelShapes, target_dtype
+from finetune.plan.trace import model_facts, planned_config
 from finetune.recipe.offload_tiers import STORES, tier_names, tier_spec
 from finetune.recipe.optimizers import auto_preferences
 from finetune.recipe.schema import Recipe
@@ -184,7 +180,7 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
     """Plan a run without loading weights: resolve `auto` settings to the fastest configuration that fits."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() or gpu_memory not in (None, "auto") else "cpu"
-    config = model_config or load_model_config(recipe.model.path, recipe.model.trust_remote_code)
+    config = model_config or planned_config(recipe.model.path, recipe.model.trust_remote_code)
     spec = model_spec(recipe, config, device)
     budget = _budget(recipe, gpu_memory, "cuda" if torch.cuda.is_available() and device == "cuda" else "cpu")
     shapes = model_facts(config, recipe.model.attn_implementation)[0]

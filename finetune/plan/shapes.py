@@ -24,14 +24,19 @@ def target_dtype(recipe: Recipe, device: str) -> torch.dtype:
     return torch_dtype(dtype_name(recipe.model.dtype, device))
 
 
+def config_location(path: str) -> Path:
+    """The file or folder a config is read from, for a recipe's model.path."""
+    from finetune.model.random_weights import random_folder
+    from finetune.model.source import package_file
+
+    return package_file(path) if path.startswith("pkg:") else random_folder(path) or Path(path)
+
+
 def load_model_config(path: str, trust_remote_code: bool = False) -> Any:
     """A transformers config from a folder holding config.json, a config.json file, or a .gguf file."""
     from transformers import AutoConfig
 
-    from finetune.model.random_weights import random_folder
-    from finetune.model.source import package_file
-
-    p = package_file(path) if path.startswith("pkg:") else random_folder(path) or Path(path)
+    p = config_location(path)
     path = str(p)
     try:
         if p.suffix == ".gguf":  # the metadata alone: no conversion of the weights to plan

@@ -22,12 +22,13 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from finetune.errors import FinetuneError
 from finetune.memory.layer_recompute import apply_layer_recompute
 from finetune.memory.step import enable_checkpointing, forward_backward
 from finetune.memory.tracker import MemoryTracker
 from finetune.model.adapter import apply_adapter
 from finetune.plan import trace_cache
-from finetune.plan.shapes import ModelShapes, model_shapes, with_layers
+from finetune.plan.shapes import ModelShapes, config_location, load_model_config, model_shapes, with_layers
 from finetune.recipe.schema import AdapterConfig
 
 
@@ -334,6 +335,8 @@ _KEYS_LOCK = threading.Lock()
 
 def _config_key(config: Any) -> tuple[str, str]:
     """The config as JSON (without fields that do not change the model), computed once per config object."""
+    if isinstance(config, CachedConfig):
+        return config._key
     with _KEYS_LOCK:
         hit = _KEYS.get(id(config))
         if hit is not None and hit[0]() is config:
@@ -349,6 +352,93 @@ def _config_key(config: Any) -> tuple[str, str]:
     return value
 
 
+class CachedConfig:
+    """A model config as the planner reads it, from the disk cache: its key (`_config_key`) and the text
+    model's dimensions, without importing transformers' config classes (that import alone takes about half a
+    second, most of a warm plan). Any other attribute loads the real config once and reads it there."""
+
+    def __init__(self, key: tuple[str, str], text: dict[str, Any], load: Any, real: Any = None):
+        self._key, self._text, self._load, self._real = key, text, load, real
+
+    def real(self) -> Any:
+        """The transformers config (loaded on first use)."""
+        if self._real is None:
+            self._real = self._load()
+        return self._real
+
+    def get_text_config(self, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            return self.real().get_text_config(*args, **kwargs)
+        return _TextFacts(self)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or "_load" not in self.__dict__:  # copy/pickle probes, half-built objects
+            raise AttributeError(name)
+        return getattr(self.real(), name)
+
+
+class _TextFacts:
+    """The text config's dimensions the planner reads; anything else from the real text config."""
+
+    def __init__(self, owner: CachedConfig):
+        self.__dict__.update(owner._text)
+        self._owner = owner
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or "_owner" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self._owner.real().get_text_config(), name)
+
+
+TEXT_FACTS = ("num_hidden_layers", "hidden_size", "vocab_size")
+
+
+def _source_fingerprint(path: str, trust_remote_code: bool) -> list | None:
+    """What a config read from `path` depends on besides library versions: the config file's bytes (a .gguf:
+    its size and mtime); None where that is not known (a hub name, remote code)."""
+    if trust_remote_code:
+        return None
+    try:
+        p = config_location(path)
+        if p.is_file() and p.suffix == ".gguf":
+            stat = p.stat()
+            return ["gguf", str(p.resolve()), stat.st_size, stat.st_mtime_ns]
+        file = p / "config.json" if p.is_dir() else p
+        if file.is_file() and file.suffix == ".json":
+            import hashlib
+
+            return ["json", hashlib.sha256(file.read_bytes()).hexdigest()]
+    except (OSError, FinetuneError):
+        return None
+    return None
+
+
+def planned_config(path: str, trust_remote_code: bool = False) -> Any:
+    """The config of model.path for planning: a `CachedConfig` where its facts are in the disk cache (or were
+    just computed), else the transformers config (shapes.load_model_config)."""
+    def load() -> Any:
+        return load_model_config(path, trust_remote_code)
+
+    fingerprint = _source_fingerprint(path, trust_remote_code)
+    if fingerprint is None:
+        return load()
+    loaded: list[Any] = []
+
+    def compute() -> tuple[tuple[str, str], dict[str, Any]]:
+        config = load()
+        loaded.append(config)
+        text = config.get_text_config()
+        return _config_key(config), {name: getattr(text, name) for name in TEXT_FACTS}
+
+    key, text = trace_cache.cached("config", fingerprint, compute, lambda v: [list(v[0]), v[1]],
+                                   lambda v: ((str(v[0][0]), str(v[0][1])), dict(v[1])))
+    return CachedConfig(key, text, load, loaded[0] if loaded else None)
+
+
+def _real_config(config: Any) -> Any:
+    return config.real() if isinstance(config, CachedConfig) else config
+
+
 def model_key(config: Any, adapter: AdapterConfig, dtype: torch.dtype) -> tuple[str, str, str, str]:
     """What identifies a traced model: config, adapter and dtype, as hashable strings."""
     return (*_config_key(config), adapter.model_dump_json(), str(dtype).removeprefix("torch."))
@@ -361,7 +451,8 @@ def model_facts(config: Any, attn_choice: str) -> tuple[ModelShapes, str]:
     from finetune.model.load import attn_implementation
 
     def compute() -> tuple[ModelShapes, str]:
-        return model_shapes(config), attn_implementation(attn_choice, config)
+        real = _real_config(config)
+        return model_shapes(real), attn_implementation(attn_choice, real)
 
     def decode(value: Any) -> tuple[ModelShapes, str]:
         return ModelShapes(**value[0]), str(value[1])
