@@ -17,13 +17,15 @@ SEQ = 9 * CHUNK + 5  # nine full chunks and a shorter last one
 
 @pytest.fixture
 def all_chunks(monkeypatch):
-    """Run (by calling it) with the meta shortcuts off: every chunk computed, as on a real device, and every
-    meta kernel run (no memoised outputs)."""
+    """Run (by calling it) with the meta shortcuts off: every chunk computed, as on a real device, every
+    meta kernel run (no memoised outputs), a model built for every trace."""
     def run(fn, *args, **kwargs):
         with monkeypatch.context() as m:
             m.setattr(layer_recompute, "_chunks_to_run", lambda _x, n: range(n))
             m.setattr(trace._MetaMemo, "__torch_dispatch__",
                       lambda _self, func, _types, args=(), kwargs=None: func(*args, **(kwargs or {})))
+            m.setattr(trace, "_take_model", trace._build_model)
+            m.setattr(trace, "_return_model", lambda built, model: None)
             return fn(*args, **kwargs)
     return run
 
@@ -35,6 +37,7 @@ def fresh(tmp_path, monkeypatch):
     trace._trace_cached.cache_clear()
     trace._params_cached.cache_clear()
     trace._MEMO.clear()
+    trace._MODELS.clear()
     yield
     trace._trace_cached.cache_clear()
     trace._params_cached.cache_clear()
@@ -55,6 +58,17 @@ def test_skipped_chunks_trace_like_all_chunks(arch, checkpoint_every, int8, adap
     slow = all_chunks(trace._direct_trace, *args)
     assert trace._direct_trace(*args) == slow
     assert trace._MEMO and trace._direct_trace(*args) == slow
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_reused_models_trace_like_fresh_ones(arch, fresh, all_chunks):
+    """A model traced before (int8 layers restored, gradients dropped) traces like a freshly built one."""
+    config = tiny_config(arch, num_hidden_layers=3, **({"head_dim": 32} if arch == "gemma2" else {}))
+    key = trace.model_key(config, AdapterConfig(r=8), torch.float32)
+    for every, int8 in ((1, True), (1, False), (0, False), (0, True)):
+        args = (key, "eager", 2, 48, 3, every, int8, True, 0)
+        assert trace._direct_trace(*args) == all_chunks(trace._direct_trace, *args)
+    assert sorted(len(models) for models in trace._MODELS.values()) == [1, 1]  # one per checkpointing
 
 
 def test_plan_with_every_key_auto_is_unchanged(tiny_model_dir, tmp_path, fresh, all_chunks, monkeypatch):

@@ -269,15 +269,13 @@ def _meta_model(config_json: str, model_type: str, adapter_json: str, dtype: str
 def _direct_trace(key: tuple[str, str, str, str], attn: str, micro_batch: int, seq_len: int, layers: int,
                   checkpoint_every: int, int8: bool, recompute_norms: bool, mlp_tokens: int) -> Trace:
     """Run the training step's forward_backward on a meta model under the tracker."""
-    model = _meta_model(*key, attn, layers, checkpoint_every > 0, recompute_norms, mlp_tokens)
+    built = (key, attn, layers, checkpoint_every, recompute_norms, mlp_tokens)
+    model = _take_model(built)
     config = model.config
     ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
-    if int8:
-        for name, module in model.named_modules():
-            if _quantizable(name, module):
-                module.forward = _int8_forward(module)
-    enable_checkpointing(model, checkpoint_every > 0, max(checkpoint_every, 1))
-    model.train()
+    int8_layers = [module for name, module in model.named_modules() if int8 and _quantizable(name, module)]
+    for module in int8_layers:
+        module.forward = _int8_forward(module)
     tracker = MemoryTracker(vocab_size=config.get_text_config().vocab_size, device="meta")
     tracker.register_model(model)
     handles = _layer_windows(model, tracker)
@@ -289,7 +287,44 @@ def _direct_trace(key: tuple[str, str, str, str], attn: str, micro_batch: int, s
         tracker.remove_hooks()
         for handle in handles:
             handle.remove()
+    for module in int8_layers:
+        del module.forward  # the class's forward again
+    _return_model(built, model)
     return Trace(windows=dict(tracker.windows))
+
+
+# Meta models built for tracing, by everything that shapes them (model key, attention, layers, checkpointing,
+# recomputed norms, tiled MLP): building one (transformers + peft on `meta`) costs about as much as tracing
+# it, and the int8 and plain families trace the same model. A model is taken out while one thread traces it.
+_MODELS: dict[tuple, list[torch.nn.Module]] = {}
+_MODELS_LOCK = threading.Lock()
+_MODELS_KEPT = 16
+
+
+def _take_model(built: tuple) -> torch.nn.Module:
+    with _MODELS_LOCK:
+        free = _MODELS.get(built)
+        if free:
+            return free.pop()
+    return _build_model(built)
+
+
+def _build_model(built: tuple) -> torch.nn.Module:
+    key, attn, layers, checkpoint_every, recompute_norms, mlp_tokens = built
+    model = _meta_model(*key, attn, layers, checkpoint_every > 0, recompute_norms, mlp_tokens)
+    enable_checkpointing(model, checkpoint_every > 0, max(checkpoint_every, 1))
+    model.train()
+    return model
+
+
+def _return_model(built: tuple, model: torch.nn.Module) -> None:
+    """Back to the pool as built: no gradients (a trace leaves them on the trained parameters)."""
+    for p in model.parameters():
+        p.grad = None
+    with _MODELS_LOCK:
+        _MODELS.setdefault(built, []).append(model)
+        while len(_MODELS) > _MODELS_KEPT:
+            del _MODELS[next(iter(_MODELS))]
 
 
 def _encode_trace(trace: Trace) -> Any:
