@@ -100,8 +100,10 @@ def main(compare: str | None) -> None:
                 answers.append((cold["settings"], cold["peak"], warm["settings"], warm["peak"]))
                 print(_row(label, config, seq, cold, warm))
                 sys.stdout.flush()
-            same = all(a == answers[0] for a in answers) and answers[0][:2] == answers[0][2:]
-            print(f"{'':>9} same plan (settings and peak) cold, warm{' and both codes' if compare else ''}: {same}")
+            plans = {json.dumps(p, sort_keys=True) for a in answers for p in (a[:2], a[2:])}
+            print(f"{'':>9} same plan (settings and peak) cold, warm{' and both codes' if compare else ''}: "
+                  f"{len(plans) == 1}{'' if len(plans) == 1 else ': '}"
+                  f"{'' if len(plans) == 1 else '; '.join(sorted(plans))}")
 
 
 if __name__ == "__main__":
