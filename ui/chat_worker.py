@@ -66,8 +66,9 @@ class ChatWorker:
             yield from waiting
             with self._lock:
                 for column, request in enumerate(requests):
-                    for event in self._ask({"op": "chat", **request}):
-                        yield {**event, "column": column}
+                    with contextlib.closing(self._ask({"op": "chat", **request})) as events:
+                        for event in events:
+                            yield {**event, "column": column}
 
     def stats(self) -> dict[str, Any]:
         """The worker's counters (model loads), starting it if needed."""
