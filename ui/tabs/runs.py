@@ -70,6 +70,8 @@ def build(backend: Backend) -> RunsTab:
 
     compare.change(overlay_view, compare, overlay, api_name="overlay")
     recipe_run.change(reported(1)(backend.run_recipe), recipe_run, run_recipe, api_visibility="private")
-    export_btn.click(lambda run, out: export_view(backend, run, out), [recipe_run, export_dir], export_msg,
-                     api_name="export")
+    def export(run_dir, out_dir):  # a generator function, so the page streams the progress
+        yield from export_view(backend, run_dir, out_dir)
+
+    export_btn.click(export, [recipe_run, export_dir], export_msg, api_name="export")
     return RunsTab(refresh_btn, history, compare, recipe_run)
