@@ -80,6 +80,7 @@ def test_chat_tab_three_turns_side_by_side_and_clear_mistakes(ui):
     assert "choose a fine-tuned run first" in message(None)
     assert "type a message first" in message(str(run), text="  ")
     assert "outside the allowed folders" in message("/etc")
+    assert "outside the allowed folders" in message(str(run), second_run="/etc")
     half = work / "runs" / "half"
     half.mkdir()
     (half / "recipe.yaml").write_text((run / "recipe.yaml").read_text())
