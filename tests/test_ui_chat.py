@@ -57,6 +57,13 @@ def test_the_worker_loads_the_model_once_for_several_messages(ui):
     assert pid and pid != os.getpid(), "the model lives in the worker process, not the UI's"
     assert backend.chat_worker.stats()["loads"] == 1
 
+    long = backend.chat([{**_request(run, history[:-1]), "max_new_tokens": 1000}])  # Stop pressed mid-answer:
+    while next(long)["event"] != "text":
+        pass
+    long.close()  # the answer is cancelled and its remaining events are drained, so the next is clean
+    after = _chat(backend, [_request(run, history[:-1])])
+    assert [e["event"] for e in after].count("done") == 1 and after[-1]["text"] == done[0]["text"]
+
 
 def test_chat_tab_three_turns_side_by_side_and_clear_mistakes(ui):
     backend, (run, second), work = ui
