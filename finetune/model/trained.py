@@ -117,6 +117,6 @@ def _write_merged(recipe: Recipe, run: RunDir, tmp: Path, step: Callable[[int, s
             # The adapter learned against the quantized weights: merge into exactly those, dequantized.
             model = model.dequantize()
         model = PeftModel.from_pretrained(model, run.adapter).merge_and_unload()
-        step(2, str(tmp))
+        step(2, f"{tmp} (a temporary folder, renamed when complete)")
         model.save_pretrained(tmp, safe_serialization=True)
         load_tokenizer(run.adapter, recipe.model).save_pretrained(tmp)

@@ -8,6 +8,7 @@ training run holds the GPU.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,7 @@ def respond(backend: Backend, run: str | None, second: str | None, show_base: bo
 def _stream(events: Iterator[dict[str, Any]], columns: list[tuple[int, str, bool]],
             histories: list[list[dict[str, str]]]) -> Iterator[tuple[Any, ...]]:
     """The chat worker's events as updates of the page: answers grow, the status says what is going on."""
-    status, problems = "", []
+    status, problems, started = "", [], time.monotonic()
     for event in events:
         kind = event["event"]
         index = columns[event["column"]][0] if "column" in event else None
@@ -87,6 +88,8 @@ def _stream(events: Iterator[dict[str, Any]], columns: list[tuple[int, str, bool
             problems.append(f"{COLUMNS[index]}: {event['message']}{hint}")
             status = "**The chat worker could not answer**\n" + "\n".join(f"- {p}" for p in problems)
         yield gr.skip(), *histories, status
+    if not problems:
+        yield gr.skip(), *histories, f"Answered in {time.monotonic() - started:.1f} s."
 
 
 def build(backend: Backend) -> gr.Dropdown:
