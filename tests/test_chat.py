@@ -95,6 +95,21 @@ def test_models_load_once_and_base_shares_the_fine_tuned_weights(run_dir):
     assert answers[False] == stream_reply(base_model, base_tokenizer, HISTORY[:1], max_new_tokens=12)
 
 
+def test_two_runs_on_one_base_share_it_and_answer_as_if_alone(run_dir, tiny_model_dir, tmp_path):
+    other = fake_run(tmp_path / "other", tiny_model_dir, seed=1)
+    models = ChatModels(CountingLoader())
+    answers = {}
+    for run, adapter in ((run_dir, True), (other, True), (run_dir, False), (run_dir, True), (other, True)):
+        with models.use(run, adapter) as (model, tokenizer):
+            answer = stream_reply(model, tokenizer, HISTORY[:1], max_new_tokens=12)
+        assert answers.setdefault((run, adapter), answer) == answer
+    assert (models.loads, models.adapter_loads) == (1, 1)
+    for run, adapter in answers:
+        model, tokenizer = load_trained(run, use_adapter=adapter)
+        assert answers[run, adapter] == stream_reply(model, tokenizer, HISTORY[:1], max_new_tokens=12), run
+    assert len(set(answers.values())) == 3
+
+
 def test_worker_protocol_counts_loads_and_reports_bad_requests(run_dir, tmp_path):
     requests = [{"op": "chat", "id": i, "run": str(run_dir), "messages": HISTORY[:1], "max_new_tokens": 6}
                 for i in (1, 2, 3)]
@@ -111,7 +126,7 @@ def test_worker_protocol_counts_loads_and_reports_bad_requests(run_dir, tmp_path
     errors = {e["id"]: e["message"] for e in events if e["event"] == "error"}
     assert "is not a run directory" in errors[4]
     assert "must end with a user message" in errors[5]
-    assert events[-1] == {"id": 6, "event": "stats", "loads": 1}
+    assert events[-1] == {"id": 6, "event": "stats", "loads": 1, "adapter_loads": 0}
 
 
 def test_a_run_without_adapter_is_a_clear_error(run_dir, tmp_path):

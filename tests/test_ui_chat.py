@@ -79,7 +79,8 @@ def test_chat_tab_three_turns_side_by_side_and_clear_mistakes(ui):
         assert [m["role"] for m in history] == ["user", "assistant"] * 3
         assert [m["content"] for m in history[::2]] == ["My name is Ada.", "I like foxes.", "What is my name?"]
     assert tuned[1::2] != base[1::2] and tuned[1::2] != other[1::2], "each column answers with its own model"
-    assert backend.chat_worker.stats()["loads"] == 2, "two runs: two loads for nine answers"
+    stats = backend.chat_worker.stats()
+    assert (stats["loads"], stats["adapter_loads"]) == (1, 1), "nine answers, one model, the second run's adapter"
 
     def message(run_dir, text="hi", show_base=False, second_run=None):
         return list(respond(backend, run_dir, second_run, show_base, "", *settings, text, [], [], []))[-1][-1]

@@ -24,6 +24,7 @@ from typing import Any, TextIO
 import torch
 
 from finetune.errors import FinetuneError
+from finetune.model.load import load_tokenizer
 from finetune.model.trained import load_run, load_trained
 
 Message = dict[str, str]
@@ -100,37 +101,55 @@ def stream_reply(model, tokenizer, messages: list[Message], *, system: str | Non
 
 
 class ChatModels:
-    """Models kept loaded for chat, one per run directory: a LoRA run's base model is the same weights with
-    the adapter switched off, so base and fine-tuned side by side cost one load; `loads` counts loads."""
+    """Models kept loaded for chat. LoRA runs on the same base model (path and quantization) share one
+    copy of it, each run's adapter loaded beside the others under its own name, and a run's base model is
+    those weights with the adapters switched off: base, fine-tuned and a second run side by side cost one
+    load. A full fine-tune is its own model. `loads` counts model loads, `adapter_loads` added adapters."""
 
     def __init__(self, loader: Callable = load_trained):
         self._loader = loader
-        self._models: dict[tuple[str, bool], tuple[Any, Any]] = {}
+        self._runs: dict[tuple[str, bool], tuple[Any, Any, str | None]] = {}  # -> (model, tokenizer, adapter)
+        self._shared: dict[str, Any] = {}  # base model's identity -> the PeftModel holding its runs' adapters
         self.loads = 0
+        self.adapter_loads = 0
 
-    def _choose(self, run: str | Path, adapter: bool) -> tuple[tuple[str, bool], bool]:
-        """(which model to use: (run, with adapter), whether to switch its adapter off) for a request."""
+    def _key(self, run: str | Path, adapter: bool) -> tuple[tuple[str, bool], bool]:
+        """(which entry answers: (run, loaded with its adapter), whether to switch the adapters off)."""
         path = str(Path(run).resolve())
-        if adapter or (path, False) in self._models:
+        if adapter or (path, False) in self._runs:
             return (path, adapter), False
-        tuned = self._models.get((path, True))
-        if tuned is not None:
-            return ((path, True), True) if hasattr(tuned[0], "disable_adapter") else ((path, False), False)
         recipe, _ = load_run(path)
         return ((path, False), False) if recipe.adapter.type == "full" else ((path, True), True)
 
     def needs_load(self, run: str | Path, adapter: bool = True) -> bool:
-        return self._choose(run, adapter)[0] not in self._models
+        return self._key(run, adapter)[0] not in self._runs
+
+    def _load(self, key: tuple[str, bool]) -> tuple[Any, Any, str | None]:
+        recipe, run = load_run(key[0])
+        if recipe.adapter.type == "full" or not key[1]:
+            self.loads += 1
+            return (*self._loader(key[0], use_adapter=key[1]), None)
+        base = json.dumps([recipe.model.model_dump(mode="json"), recipe.quantization.model_dump(mode="json")])
+        model = self._shared.get(base)
+        if model is None:
+            model, tokenizer = self._loader(key[0], use_adapter=True)
+            self.loads += 1
+            self._shared[base] = model
+            return model, tokenizer, model.active_adapter
+        name = f"run{self.adapter_loads + 1}"
+        model.load_adapter(str(run.adapter), adapter_name=name, is_trainable=False)
+        self.adapter_loads += 1
+        return model, load_tokenizer(run.adapter, recipe.model), name
 
     @contextlib.contextmanager
     def use(self, run: str | Path, adapter: bool = True) -> Iterator[tuple[Any, Any]]:
         """(model, tokenizer) for the run, or for its base model with adapter=False; loaded on first use."""
-        key, switch_off = self._choose(run, adapter)
-        if key not in self._models:
-            load_run(key[0])  # a clear error for a folder that is not a finished run
-            self._models[key] = self._loader(key[0], use_adapter=key[1])
-            self.loads += 1
-        model, tokenizer = self._models[key]
+        key, switch_off = self._key(run, adapter)
+        if key not in self._runs:
+            self._runs[key] = self._load(key)
+        model, tokenizer, name = self._runs[key]
+        if name is not None:
+            model.set_adapter(name)
         with model.disable_adapter() if switch_off else contextlib.nullcontext():
             yield model, tokenizer
 
@@ -169,7 +188,7 @@ def serve(requests: TextIO, replies: TextIO, models: ChatModels | None = None) -
     while (request := pending.get()) is not None:
         op, rid = request.get("op"), request.get("id")
         if op == "stats":
-            send(id=rid, event="stats", loads=models.loads)
+            send(id=rid, event="stats", loads=models.loads, adapter_loads=models.adapter_loads)
         elif op != "chat":
             send(id=rid, event="error", message=f"unknown request {op!r}")
         else:
