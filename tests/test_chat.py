@@ -138,3 +138,13 @@ def test_a_run_without_adapter_is_a_clear_error(run_dir, tmp_path):
     with pytest.raises(FinetuneError, match="has no trained adapter yet"):
         with ChatModels().use(half):
             pass
+
+
+def test_without_a_chat_template_a_lone_prompt_is_continued_and_a_conversation_is_a_transcript(tiny_tokenizer):
+    import copy
+
+    plain = copy.deepcopy(tiny_tokenizer)
+    plain.chat_template = None
+    assert build_prompt(plain, HISTORY[:1]) == "My name is Ada."
+    assert build_prompt(plain, HISTORY[:3], "Be brief.") == (
+        "system: Be brief.\nuser: My name is Ada.\nassistant: Hello Ada.\nuser: I like foxes.\nassistant: ")

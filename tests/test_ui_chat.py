@@ -85,6 +85,10 @@ def test_chat_tab_three_turns_side_by_side_and_clear_mistakes(ui):
     def message(run_dir, text="hi", show_base=False, second_run=None):
         return list(respond(backend, run_dir, second_run, show_base, "", *settings, text, [], [], []))[-1][-1]
 
+    *_, (_, tuned_after, base_after, _, status) = respond(backend, str(run), None, True, "", -1, 1.0, 8, "Hi",
+                                                          tuned, base, [])
+    assert "could not answer" in status and "fine-tuned: temperature -1.0 is out of range" in status
+    assert (tuned_after, base_after) == (tuned, base), "a turn with no answer is taken back"
     assert "choose a fine-tuned run first" in message(None)
     assert "type a message first" in message(str(run), text="  ")
     assert "outside the allowed folders" in message("/etc")

@@ -32,10 +32,13 @@ Message = dict[str, str]
 
 def build_prompt(tokenizer, messages: list[Message], system: str | None = None) -> str:
     """The text the model continues: the whole history (and the system prompt) through the chat template,
-    ending where the assistant's next turn starts; a plain transcript when the tokenizer has no template."""
+    ending where the assistant's next turn starts. Without a template (a base model): a lone prompt is
+    continued as it is, a conversation as a plain transcript."""
     turns = ([{"role": "system", "content": system}] if system else []) + list(messages)
     if tokenizer.chat_template:
         return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    if len(turns) == 1:
+        return turns[0]["content"]
     return "".join(f"{m['role']}: {m['content']}\n" for m in turns) + "assistant: "
 
 

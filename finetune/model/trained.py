@@ -7,8 +7,6 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from finetune.errors import FinetuneError
 from finetune.model.load import load_model, load_tokenizer
 from finetune.recipe.load import load_recipe
@@ -49,17 +47,11 @@ def load_trained(run_dir: str | Path, *, use_adapter: bool = True, quantize: boo
 
 
 def generate(model, tokenizer, prompt: str, *, max_new_tokens: int = 128, system: str | None = None) -> str:
-    """Greedy answer to one user prompt, through the chat template when the tokenizer has one."""
-    if tokenizer.chat_template:
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    else:
-        text = prompt
-    inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(model.device)
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    """Greedy answer to one user prompt: a one-turn chat (finetune.model.chat)."""
+    from finetune.model.chat import stream_reply
+
+    return stream_reply(model, tokenizer, [{"role": "user", "content": prompt}], system=system,
+                        max_new_tokens=max_new_tokens)
 
 
 def _check_export_target(out: Path) -> None:

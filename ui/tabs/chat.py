@@ -83,7 +83,7 @@ def _stream(events: Iterator[dict[str, Any]], columns: list[tuple[int, str, bool
         elif kind == "done":
             histories[index][-1]["content"] = event["text"] or histories[index][-1]["content"]
         elif kind == "error":
-            histories[index].pop()  # no answer from this column
+            del histories[index][-2:]  # no answer: the turn is taken back in this column (send it again)
             hint = f" ({event['hint']})" if event.get("hint") else ""
             problems.append(f"{COLUMNS[index]}: {event['message']}{hint}")
             status = "**The chat worker could not answer**\n" + "\n".join(f"- {p}" for p in problems)
