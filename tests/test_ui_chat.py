@@ -115,13 +115,15 @@ def test_chat_waits_while_training_runs_and_a_starting_run_frees_the_gpu(ui, mon
     wait_for(lambda: manager.job_for(tmp_path / "run-a").state == "running", 30, "the fake run to start")
     assert backend.chat_worker.pid is None, "a starting run stops the chat worker: the GPU is the run's"
 
-    events = backend.chat([_request(run, [{"role": "user", "content": "hi"}])])
-    waiting = next(events)
-    assert waiting == {"event": "waiting", "run": first.run_dir}
-    assert next(events)["event"] == "waiting" and backend.chat_worker.pid is None, "still queued, nothing loaded"
+    page = respond(backend, str(run), None, False, "", 0.0, 1.0, 8, "hi", [], [], [])  # the Chat tab's Send
+    assert next(page)[0] == "", "the message is taken"
+    for _ in range(2):
+        status = next(page)[-1]
+        assert status.startswith(f"Waiting for training to finish ({Path(first.run_dir).name} holds the GPU)")
+        assert backend.chat_worker.pid is None, "queued: nothing loaded while the run trains"
     gate.touch()  # the run ends
-    rest = list(events)
-    assert rest[-1]["event"] == "done" and "loading" in [e["event"] for e in rest]
+    *_, (_, tuned, _, _, status) = page
+    assert status.startswith("Answered in") and [m["role"] for m in tuned] == ["user", "assistant"]
 
     gate.unlink()
     held = backend.chat([_request(run, [{"role": "user", "content": "hi"}])])
