@@ -5,9 +5,9 @@ and answers with JSON lines on stdout, so the model lives in its own process (ne
 and reused for every message, and is freed by ending the process (stdin closed) when training needs the GPU.
 
 Requests: {"op": "chat", "id", "run", "adapter", "messages", "system", "temperature", "top_p",
-"max_new_tokens"}, {"op": "cancel"} (ends the reply being generated), {"op": "stats"}. A chat answers with
-events {"id", "event": "loading" | "text" | "done" | "error", ...}; "done" carries the whole reply and the
-number of model loads so far.
+"max_new_tokens"}, {"op": "cancel", "id"} (ends that reply early), {"op": "stats"} (model and adapter loads
+so far). A chat answers with events {"id", "event": "loading" | "text" | "done" | "error", ...}; "done"
+carries the whole reply and the number of model loads so far.
 """
 
 from __future__ import annotations
@@ -225,6 +225,9 @@ def _answer(request: dict, models: ChatModels, send: Callable[..., None], cancel
         send(id=rid, event="done", text=reply, loads=models.loads, cancelled=cancel.is_set())
     except FinetuneError as exc:
         send(id=rid, event="error", message=exc.message, hint=exc.hint)
+    except torch.OutOfMemoryError:
+        send(id=rid, event="error", message="the GPU ran out of memory",
+             hint="ask fewer columns at once, lower max new tokens, or stop what else uses the GPU")
     except Exception as exc:  # noqa: BLE001 - the worker must answer, not die, on one bad request
         send(id=rid, event="error", message=f"{type(exc).__name__}: {exc}")
 
