@@ -20,6 +20,7 @@ from ui.backend import Backend
 from ui.tabs.messages import problems_markdown
 
 COLUMNS = ("fine-tuned", "base model", "second run")
+STREAM_EVERY_S = 0.1  # the page is updated at most this often while answers stream in
 
 
 def text_of(content: Any) -> str:
@@ -68,7 +69,7 @@ def respond(backend: Backend, run: str | None, second: str | None, show_base: bo
 def _stream(events: Iterator[dict[str, Any]], columns: list[tuple[int, str, bool]],
             histories: list[list[dict[str, str]]]) -> Iterator[tuple[Any, ...]]:
     """The chat worker's events as updates of the page: answers grow, the status says what is going on."""
-    status, problems, started = "", [], time.monotonic()
+    status, problems, started, shown = "", [], time.monotonic(), 0.0
     for event in events:
         kind = event["event"]
         index = columns[event["column"]][0] if "column" in event else None
@@ -80,6 +81,8 @@ def _stream(events: Iterator[dict[str, Any]], columns: list[tuple[int, str, bool
         elif kind == "text":
             status = ""
             histories[index][-1]["content"] += event["text"]
+            if time.monotonic() - shown < STREAM_EVERY_S:
+                continue  # a small model writes faster than a browser redraws: send the page what is new
         elif kind == "done":
             histories[index][-1]["content"] = event["text"] or histories[index][-1]["content"]
         elif kind == "error":
@@ -87,6 +90,7 @@ def _stream(events: Iterator[dict[str, Any]], columns: list[tuple[int, str, bool
             hint = f" ({event['hint']})" if event.get("hint") else ""
             problems.append(f"{COLUMNS[index]}: {event['message']}{hint}")
             status = "**The chat worker could not answer**\n" + "\n".join(f"- {p}" for p in problems)
+        shown = time.monotonic()
         yield gr.skip(), *histories, status
     if not problems:
         yield gr.skip(), *histories, f"Answered in {time.monotonic() - started:.1f} s."
