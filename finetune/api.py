@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -86,8 +87,9 @@ def compare(run_dir: str | Path, prompt: str, *, max_new_tokens: int = 128) -> t
     return _generate(base, base_tokenizer, prompt, max_new_tokens=max_new_tokens), tuned
 
 
-def export(run_dir: str | Path, out_dir: str | Path) -> Path:
-    """Merge the run's adapter into its base model and save it as safetensors."""
+def export(run_dir: str | Path, out_dir: str | Path, progress: Callable[[str], None] = lambda line: None) -> Path:
+    """Merge the run's adapter into its base model and save it as safetensors; `progress` gets one line per
+    step ("[1/4] loading the base model: ...")."""
     from finetune.model.trained import export_merged
 
-    return export_merged(run_dir, out_dir)
+    return export_merged(run_dir, out_dir, progress)

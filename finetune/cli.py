@@ -149,7 +149,8 @@ def cmd_generate(args) -> int:
 def cmd_export(args) -> int:
     from finetune import api
 
-    out = api.export(args.run_dir, args.out)
+    # One line per step, printed as it starts (the UI reads them to show the export's progress).
+    out = api.export(args.run_dir, args.out, lambda line: print(f"export {line}", flush=True))
     console.print(f"[green]exported[/green] merged model to {out}")
     return 0
 

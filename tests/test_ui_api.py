@@ -142,12 +142,17 @@ def test_finished_run_history_export_and_chat(work):
     assert overlay and overlay.get("type") == "matplotlib"
 
     merged = workdir / "merged"
-    assert "merged model saved" in client.predict(str(run_dir), str(merged), api_name="/export")
+    export = client.submit(str(run_dir), str(merged), api_name="/export")
+    final = export.result()
+    assert any("now: [1/4] loading the base model" in update for update in export.outputs()), "progress shown"
+    assert final.startswith(f"**merged model saved to {merged}**") and "done: [3/4] saving safetensors" in final
     assert (merged / "config.json").is_file() and list(merged.glob("*.safetensors"))
     assert "outside the allowed folders" in client.predict(str(run_dir), "/root/merged", api_name="/export")
 
-    _, tuned, base, err = client.predict(str(run_dir), "What is 3 plus 3?", 16, [], [], api_name="/chat")
-    assert err == ""
+    # run, second run, ask the base model too, system prompt, temperature, top-p, max new tokens, message, histories
+    chat = client.submit(str(run_dir), None, True, "", 0, 1, 16, "What is 3 plus 3?", [], [], [], api_name="/chat")
+    prompt, tuned, base, second, err = chat.result()
+    assert err.startswith("Answered in") and second == [] and len(chat.outputs()) > 2, "the answers stream in"
     assert [m["role"] for m in tuned] == ["user", "assistant"] == [m["role"] for m in base]
     answer = [m for m in tuned if m["role"] == "assistant"][0]["content"]
     base_answer = [m for m in base if m["role"] == "assistant"][0]["content"]

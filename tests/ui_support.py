@@ -59,6 +59,7 @@ def running_app(workdir: Path, allow_dirs: list[Path]) -> Iterator[Any]:
         yield demo
     finally:
         demo.run_manager.close(stop_runs=True)
+        demo.chat_worker.stop()
         demo.close()
 
 

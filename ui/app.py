@@ -80,8 +80,10 @@ def launch(host: str = "127.0.0.1", port: int = 7860, auth: tuple[str, str] | No
 
     settings = UISettings(allow_dirs=[Path(p) for p in (allow_dirs or [Path.cwd()])], runs_dir=Path(runs_dir))
     manager = RunManager(settings.runs_dir).start()
-    demo = build_app(Backend(settings, manager))
+    backend = Backend(settings, manager)
+    demo = build_app(backend)
     demo.run_manager = manager  # tests stop its runs when they close the app
+    demo.chat_worker = backend.chat_worker  # and its chat worker (which also ends by itself with this process)
     demo.login_guard = LoginGuard(*auth) if auth else None
     demo.launch(server_name=host, server_port=port, auth=demo.login_guard, share=share,
                 app_kwargs={"middleware": [Middleware(ClientAddress)]}, prevent_thread_lock=not block, css=CSS,

@@ -1,7 +1,8 @@
 """What each button and timer of the UI does, as plain functions over the recipe, the run queue and run dirs.
 
 Kept free of layout so the same logic serves the page, the Gradio API and the tests; anything heavy
-(training, export) runs in a separate process through the same CLI a user would type.
+(training, export) runs in a separate process through the same CLI a user would type, and chat models live
+in the chat worker process (ui.chat_worker).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import json
 import subprocess
 import sys
 import tempfile
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,7 @@ from finetune.recipe.load import MAX_FILE_BYTES, load_recipe_text, recipe_to_yam
 from finetune.recipe.schema import Recipe
 from finetune.rundir import RECIPE, RunDir, find_runs
 from ui import form
+from ui.chat_worker import ChatWorker
 from ui.paths import RECIPE_SUFFIXES, allowed_path, check_recipe_paths, uploaded_file
 from ui.runs import RunManager
 
@@ -51,6 +55,7 @@ class Backend:
         self.manager = manager
         self.specs = form.form_specs()
         self._downloads = Path(tempfile.mkdtemp(prefix="finetune-ui-"))
+        self.chat_worker = ChatWorker(manager)
 
     # -- recipe --------------------------------------------------------------------------------------
     def recipe(self, values: list[Any]) -> Recipe:
@@ -184,24 +189,38 @@ class Backend:
         return dirs[0] if dirs else None
 
     # -- results -------------------------------------------------------------------------------------
-    def chat(self, run_dir: str, prompt: str, max_new_tokens: int) -> tuple[str, str]:
-        """The same prompt answered by the run's adapter and by the base model alone."""
+    def chat_run(self, run_dir: str | None, what: str) -> str:
+        """A run the chat may load: chosen, inside the allowed folders, with a saved adapter."""
+        if not run_dir:
+            raise FinetuneError(f"choose a {what} first", hint="runs appear here once they have saved an adapter")
         path = self.checked_run(run_dir)
         if not RunDir(path).has_adapter():
             raise FinetuneError(f"{path} has no adapter yet: chat once the run has saved one")
-        from finetune import api
+        return str(path)
 
-        base, tuned = api.compare(path, prompt, max_new_tokens=max_new_tokens)
-        return tuned, base
+    def chat(self, requests: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        """Stream the chat worker's answers to `requests` (one per column), queued behind training."""
+        return self.chat_worker.chat(requests)
 
-    def export(self, run_dir: str, out_dir: str, timeout: float = 3600) -> str:
-        """Merge and save through `finetune export` in a separate process (it loads the full model)."""
+    def export(self, run_dir: str, out_dir: str, timeout: float = 3600) -> Iterator[str]:
+        """Merge and save through `finetune export` in a separate process (it loads the full model) once no
+        training run holds the GPU, with the chat worker stopped; yields each step's line as it starts."""
         run = self.checked_run(run_dir)
         out = allowed_path(out_dir, self.settings.roots, "export folder")
-        proc = subprocess.run([sys.executable, "-m", "finetune", "export", str(run), "--out", str(out)],
-                              capture_output=True, text=True, timeout=timeout, env=self.manager.child_env(),
-                              cwd=self.manager.cwd)
+        with self.chat_worker.gpu() as waiting:
+            for event in waiting:
+                yield f"waiting for the training run {event['run']} to finish"
+            self.chat_worker.release()
+            cmd = [sys.executable, "-m", "finetune", "export", str(run), "--out", str(out)]
+            with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  env=self.manager.child_env(), cwd=self.manager.cwd) as proc:
+                timer = threading.Timer(timeout, proc.kill)
+                timer.start()
+                output = []
+                for line in proc.stdout:
+                    output.append(line.rstrip("\n"))
+                    if line.startswith("export ["):
+                        yield line.removeprefix("export ").strip()
+                timer.cancel()
         if proc.returncode != 0:
-            output = (proc.stdout + proc.stderr).splitlines()
             raise FinetuneError(f"export failed (exit code {proc.returncode})", ["\n".join(output[-40:])])
-        return f"merged model saved to {out}"

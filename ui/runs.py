@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -69,6 +70,8 @@ class RunManager:
         self._poll_s = poll_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._gpu_holders = 0  # chats and exports using the GPU: no run starts meanwhile
+        self._launch_hooks: list[Callable[[], None]] = []
 
     # -- persistence ---------------------------------------------------------------------------------
     def _load(self) -> list[Job]:
@@ -122,6 +125,25 @@ class RunManager:
                     return f"asked {run_dir} to stop: it saves a checkpoint, then exits"
         raise FinetuneError(f"no queued or running run for {run_dir}")
 
+    def on_launch(self, hook: Callable[[], None]) -> None:
+        """Call `hook` just before a run starts (the chat worker frees the GPU)."""
+        self._launch_hooks.append(hook)
+
+    def hold_gpu(self) -> Job | None:
+        """Claim the GPU for work other than training (chat, export): None when claimed (then call
+        release_gpu when done; queued runs wait until then), else the running job to wait for."""
+        with self._lock:
+            self.poll()
+            running = next((j for j in self._jobs if j.state == "running"), None)
+            if running is None:
+                self._gpu_holders += 1
+            return running
+
+    def release_gpu(self) -> None:
+        with self._lock:
+            self._gpu_holders -= 1
+        self.poll()
+
     def jobs(self) -> list[Job]:
         with self._lock:
             return [Job(**asdict(j)) for j in self._jobs]
@@ -166,7 +188,7 @@ class RunManager:
                     job.returncode = proc.returncode if proc else None
                     job.state = "exited"
                     changed = True
-            if not any(j.state == "running" for j in self._jobs):
+            if not any(j.state == "running" for j in self._jobs) and not self._gpu_holders:
                 nxt = next((j for j in self._jobs if j.state == "queued"), None)
                 if nxt:
                     self._launch(nxt)
@@ -222,6 +244,8 @@ class RunManager:
         return env
 
     def _launch(self, job: Job) -> None:
+        for hook in self._launch_hooks:
+            hook()
         with open(job.log, "ab") as log:
             # A new session: Ctrl-C in the UI's terminal must not interrupt the training run.
             proc = subprocess.Popen(job.command(), cwd=self.cwd, env=self.child_env(), stdout=log,

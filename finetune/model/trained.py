@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-
-import torch
 
 from finetune.errors import FinetuneError
 from finetune.model.load import load_model, load_tokenizer
 from finetune.recipe.load import load_recipe
 from finetune.recipe.schema import Recipe
 from finetune.rundir import EXPORT_MARKER, RunDir, replace_dir
+from finetune.units import format_bytes
 
 
 def load_run(run_dir: str | Path) -> tuple[Recipe, RunDir]:
@@ -47,17 +47,11 @@ def load_trained(run_dir: str | Path, *, use_adapter: bool = True, quantize: boo
 
 
 def generate(model, tokenizer, prompt: str, *, max_new_tokens: int = 128, system: str | None = None) -> str:
-    """Greedy answer to one user prompt, through the chat template when the tokenizer has one."""
-    if tokenizer.chat_template:
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    else:
-        text = prompt
-    inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(model.device)
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    """Greedy answer to one user prompt: a one-turn chat (finetune.model.chat)."""
+    from finetune.model.chat import stream_reply
+
+    return stream_reply(model, tokenizer, [{"role": "user", "content": prompt}], system=system,
+                        max_new_tokens=max_new_tokens)
 
 
 def _check_export_target(out: Path) -> None:
@@ -70,32 +64,51 @@ def _check_export_target(out: Path) -> None:
                             "not replacing it", hint="choose a new --out folder, or delete that one yourself")
 
 
-def export_merged(run_dir: str | Path, out_dir: str | Path) -> Path:
-    """Merge the LoRA adapter into the base and save safetensors (QLoRA: into the dequantized base)."""
+EXPORT_STEPS = ("loading the base model", "merging the adapter into it", "saving safetensors shards",
+                "moving the merged model into place")
+
+
+def _export_step(progress: Callable[[str], None]) -> Callable[[int, str], None]:
+    return lambda i, detail: progress(f"[{i + 1}/{len(EXPORT_STEPS)}] {EXPORT_STEPS[i]}: {detail}")
+
+
+def export_merged(run_dir: str | Path, out_dir: str | Path,
+                  progress: Callable[[str], None] = lambda line: None) -> Path:
+    """Merge the LoRA adapter into the base and save safetensors (QLoRA: into the dequantized base).
+    `progress` gets a line "[2/4] merging the adapter into it: DETAIL" as each of EXPORT_STEPS starts (a large
+    model's merge takes minutes, and the page shows where it is)."""
     recipe, run = load_run(run_dir)
+    step = _export_step(progress)
     out = Path(out_dir)
     _check_export_target(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
-        _write_merged(recipe, run, tmp)
+        _write_merged(recipe, run, tmp, step)
         (tmp / EXPORT_MARKER).touch()
+        shards = sorted(tmp.glob("*.safetensors"))
+        size = format_bytes(sum(p.stat().st_size for p in shards))
+        step(3, f"{len(shards)} safetensors file(s), {size} -> {out}")
         replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
-def _write_merged(recipe: Recipe, run: RunDir, tmp: Path) -> None:
+def _write_merged(recipe: Recipe, run: RunDir, tmp: Path, step: Callable[[int, str], None]) -> None:
     if recipe.adapter.type == "full":
+        step(0, f"full fine-tune: copying {run.adapter}")
         shutil.copytree(run.adapter, tmp, dirs_exist_ok=True)
     else:
         from peft import PeftModel
 
+        step(0, recipe.model.path)
         model, tokenizer, _ = load_model(recipe.model, recipe.quantization)
+        step(1, f"{recipe.adapter.type} adapter from {run.adapter}")
         if recipe.quantization.bits in (4, 8):
             # The adapter learned against the quantized weights: merge into exactly those, dequantized.
             model = model.dequantize()
         model = PeftModel.from_pretrained(model, run.adapter).merge_and_unload()
+        step(2, f"{tmp} (a temporary folder, renamed when complete)")
         model.save_pretrained(tmp, safe_serialization=True)
         load_tokenizer(run.adapter, recipe.model).save_pretrained(tmp)

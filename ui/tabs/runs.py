@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import gradio as gr
@@ -10,7 +11,7 @@ from finetune.errors import FinetuneError
 from finetune.rundir import RunDir
 from ui import charts
 from ui.backend import Backend
-from ui.tabs.messages import reported
+from ui.tabs.messages import problems_markdown, reported
 
 HISTORY_HEADERS = ["run", "state", "step", "loss", "eval loss", "tokens/s", "peak memory"]
 
@@ -23,6 +24,26 @@ class RunsTab:
     history: gr.Dataframe
     compare: gr.CheckboxGroup
     recipe_run: gr.Dropdown
+
+
+def export_view(backend: Backend, run_dir: str, out_dir: str) -> Iterator[str]:
+    """The export's progress as a checklist (a step is ticked when the next one starts), then where the
+    merged model went."""
+    steps: list[str] = []
+    try:
+        for line in backend.export(run_dir, out_dir):
+            if line.startswith("waiting"):
+                yield f"Export queued: {line}."
+                continue
+            steps.append(line)
+            yield "**Exporting...**\n" + "\n".join(f"- {'done' if i < len(steps) - 1 else 'now'}: {s}"
+                                                      for i, s in enumerate(steps))
+    except FinetuneError as exc:
+        yield problems_markdown(exc)
+        return
+    out = backend.run_path(out_dir, must_exist=True)
+    yield (f"**merged model saved to {out}**\n" + "\n".join(f"- done: {s}" for s in steps)
+           + f"\n\nLoad it with `AutoModelForCausalLM.from_pretrained(\"{out}\")`.")
 
 
 def build(backend: Backend) -> RunsTab:
@@ -49,5 +70,8 @@ def build(backend: Backend) -> RunsTab:
 
     compare.change(overlay_view, compare, overlay, api_name="overlay")
     recipe_run.change(reported(1)(backend.run_recipe), recipe_run, run_recipe, api_visibility="private")
-    export_btn.click(reported(1)(backend.export), [recipe_run, export_dir], export_msg, api_name="export")
+    def export(run_dir, out_dir):  # a generator function, so the page streams the progress
+        yield from export_view(backend, run_dir, out_dir)
+
+    export_btn.click(export, [recipe_run, export_dir], export_msg, api_name="export")
     return RunsTab(refresh_btn, history, compare, recipe_run)

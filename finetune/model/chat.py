@@ -1,0 +1,244 @@
+"""Chat with trained runs: multi-turn prompts, streamed sampling, and a process that keeps models loaded.
+
+`python -m finetune.model.chat` is the chat worker the UI starts: it reads one JSON request per line on stdin
+and answers with JSON lines on stdout, so the model lives in its own process (never the UI's), is loaded once
+and reused for every message, and is freed by ending the process (stdin closed) when training needs the GPU.
+
+Requests: {"op": "chat", "id", "run", "adapter", "messages", "system", "temperature", "top_p",
+"max_new_tokens"}, {"op": "cancel", "id"} (ends that reply early), {"op": "stats"} (model and adapter loads
+so far). A chat answers with events {"id", "event": "loading" | "text" | "done" | "error", ...}; "done"
+carries the whole reply and the number of model loads so far.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import queue
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from finetune.errors import FinetuneError
+from finetune.model.load import load_tokenizer
+from finetune.model.trained import load_run, load_trained
+
+Message = dict[str, str]
+
+
+def build_prompt(tokenizer, messages: list[Message], system: str | None = None) -> str:
+    """The text the model continues: the whole history (and the system prompt) through the chat template,
+    ending where the assistant's next turn starts. Without a template (a base model): a lone prompt is
+    continued as it is, a conversation as a plain transcript."""
+    turns = ([{"role": "system", "content": system}] if system else []) + list(messages)
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    if len(turns) == 1:
+        return turns[0]["content"]
+    return "".join(f"{m['role']}: {m['content']}\n" for m in turns) + "assistant: "
+
+
+def sampling_kwargs(temperature: float, top_p: float) -> dict[str, Any]:
+    """generate() arguments: temperature 0 is greedy (deterministic), above 0 samples with top-p."""
+    if not 0 <= temperature <= 5:
+        raise FinetuneError(f"temperature {temperature} is out of range", hint="use 0 (greedy) to 5")
+    if not 0 < top_p <= 1:
+        raise FinetuneError(f"top_p {top_p} is out of range", hint="use a value in (0, 1]")
+    if temperature == 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": float(temperature), "top_p": float(top_p)}
+
+
+class _TextStreamer:
+    """A generate() streamer that hands on the new text after every token (held back while a multi-byte
+    character is incomplete) and stops generation when `cancel` is set."""
+
+    def __init__(self, tokenizer, on_text: Callable[[str], None], cancel: threading.Event):
+        self.tokenizer, self.on_text, self.cancel = tokenizer, on_text, cancel
+        self.ids: list[int] = []
+        self.sent = 0
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:  # generate() first passes the prompt
+            self._prompt_seen = True
+            return
+        self.ids.extend(value.reshape(-1).tolist())
+        self._flush(final=False)
+
+    def end(self) -> None:
+        self._flush(final=True)
+
+    def _flush(self, final: bool) -> None:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if (final or not text.endswith("\ufffd")) and len(text) > self.sent:
+            self.on_text(text[self.sent:])
+            self.sent = len(text)
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:  # a StoppingCriteria
+        return torch.full((input_ids.shape[0],), self.cancel.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+def stream_reply(model, tokenizer, messages: list[Message], *, system: str | None = None, temperature: float = 0.0,
+                 top_p: float = 1.0, max_new_tokens: int = 256, on_text: Callable[[str], None] = lambda t: None,
+                 cancel: threading.Event | None = None) -> str:
+    """The assistant's next turn after `messages`, passed to `on_text` piece by piece as it is generated;
+    returns the whole reply. Setting `cancel` ends it early (what was generated so far is kept)."""
+    from transformers import StoppingCriteriaList
+
+    if not messages or messages[-1].get("role") != "user":
+        raise FinetuneError("the chat history must end with a user message")
+    kwargs = sampling_kwargs(temperature, top_p)
+    text = build_prompt(tokenizer, messages, system)
+    inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(model.device)
+    streamer = _TextStreamer(tokenizer, on_text, cancel or threading.Event())
+    with torch.no_grad():
+        model.generate(**inputs, max_new_tokens=int(max_new_tokens), streamer=streamer, use_cache=True,
+                       stopping_criteria=StoppingCriteriaList([streamer]), pad_token_id=tokenizer.pad_token_id,
+                       eos_token_id=tokenizer.eos_token_id, **kwargs)
+    return tokenizer.decode(streamer.ids, skip_special_tokens=True).strip()
+
+
+class ChatModels:
+    """Models kept loaded for chat. LoRA runs on the same base model (path and quantization) share one
+    copy of it, each run's adapter loaded beside the others under its own name, and a run's base model is
+    those weights with the adapters switched off: base, fine-tuned and a second run side by side cost one
+    load. A full fine-tune is its own model. `loads` counts model loads, `adapter_loads` added adapters."""
+
+    def __init__(self, loader: Callable = load_trained):
+        self._loader = loader
+        self._runs: dict[tuple[str, bool], tuple[Any, Any, str | None]] = {}  # -> (model, tokenizer, adapter)
+        self._shared: dict[str, Any] = {}  # base model's identity -> the PeftModel holding its runs' adapters
+        self.loads = 0
+        self.adapter_loads = 0
+
+    def _key(self, run: str | Path, adapter: bool) -> tuple[tuple[str, bool], bool]:
+        """(which entry answers: (run, loaded with its adapter), whether to switch the adapters off)."""
+        path = str(Path(run).resolve())
+        if adapter or (path, False) in self._runs:
+            return (path, adapter), False
+        recipe, _ = load_run(path)
+        return ((path, False), False) if recipe.adapter.type == "full" else ((path, True), True)
+
+    def needs_load(self, run: str | Path, adapter: bool = True) -> bool:
+        return self._key(run, adapter)[0] not in self._runs
+
+    def _load(self, key: tuple[str, bool]) -> tuple[Any, Any, str | None]:
+        recipe, run = load_run(key[0])
+        if recipe.adapter.type == "full" or not key[1]:
+            self.loads += 1
+            return (*self._loader(key[0], use_adapter=key[1]), None)
+        base = json.dumps([recipe.model.model_dump(mode="json"), recipe.quantization.model_dump(mode="json")])
+        model = self._shared.get(base)
+        if model is None:
+            model, tokenizer = self._loader(key[0], use_adapter=True)
+            self.loads += 1
+            self._shared[base] = model
+            return model, tokenizer, model.active_adapter
+        name = f"run{self.adapter_loads + 1}"
+        model.load_adapter(str(run.adapter), adapter_name=name, is_trainable=False)
+        self.adapter_loads += 1
+        return model, load_tokenizer(run.adapter, recipe.model), name
+
+    @contextlib.contextmanager
+    def use(self, run: str | Path, adapter: bool = True) -> Iterator[tuple[Any, Any]]:
+        """(model, tokenizer) for the run, or for its base model with adapter=False; loaded on first use."""
+        key, switch_off = self._key(run, adapter)
+        if key not in self._runs:
+            self._runs[key] = self._load(key)
+        model, tokenizer, name = self._runs[key]
+        if name is not None:
+            model.set_adapter(name)
+        with model.disable_adapter() if switch_off else contextlib.nullcontext():
+            yield model, tokenizer
+
+
+def serve(requests: TextIO, replies: TextIO, models: ChatModels | None = None) -> None:
+    """The worker loop: answer chat requests one at a time until `requests` ends."""
+    models = models or ChatModels()
+    pending: queue.Queue[dict | None] = queue.Queue()
+    lock = threading.Lock()
+    current: dict[Any, threading.Event] = {}  # the request being answered -> its cancel flag
+    cancelled: set[Any] = set()  # cancels that arrived before their request started
+
+    def send(**event: Any) -> None:
+        with lock:
+            replies.write(json.dumps(event) + "\n")
+            replies.flush()
+
+    def read() -> None:  # a thread, so a cancel arrives while a reply is being generated
+        for line in requests:
+            try:
+                request = json.loads(line)
+            except ValueError:
+                send(event="error", message=f"not a JSON request: {line[:80]!r}")
+                continue
+            if request.get("op") != "cancel":
+                pending.put(request)
+                continue
+            with lock:
+                if request.get("id") in current:
+                    current[request.get("id")].set()
+                else:
+                    cancelled.add(request.get("id"))
+        pending.put(None)
+
+    threading.Thread(target=read, name="chat-requests", daemon=True).start()
+    while (request := pending.get()) is not None:
+        op, rid = request.get("op"), request.get("id")
+        if op == "stats":
+            send(id=rid, event="stats", loads=models.loads, adapter_loads=models.adapter_loads)
+        elif op != "chat":
+            send(id=rid, event="error", message=f"unknown request {op!r}")
+        else:
+            with lock:
+                cancel = current.setdefault(rid, threading.Event())
+                if rid in cancelled:
+                    cancel.set()
+            try:
+                _answer(request, models, send, cancel)
+            finally:
+                with lock:
+                    current.pop(rid, None)
+                    cancelled.discard(rid)
+
+
+def _answer(request: dict, models: ChatModels, send: Callable[..., None], cancel: threading.Event) -> None:
+    rid, adapter = request.get("id"), bool(request.get("adapter", True))
+    try:
+        if cancel.is_set():
+            send(id=rid, event="done", text="", loads=models.loads, cancelled=True)
+            return
+        load_run(request["run"])  # a folder that is not a finished run: an error before any loading
+        if models.needs_load(request["run"], adapter):
+            send(id=rid, event="loading")
+        with models.use(request["run"], adapter) as (model, tokenizer):
+            reply = stream_reply(model, tokenizer, request["messages"], system=request.get("system") or None,
+                                 temperature=float(request.get("temperature", 0.0)),
+                                 top_p=float(request.get("top_p", 1.0)),
+                                 max_new_tokens=int(request.get("max_new_tokens", 256)),
+                                 on_text=lambda piece: send(id=rid, event="text", text=piece), cancel=cancel)
+        send(id=rid, event="done", text=reply, loads=models.loads, cancelled=cancel.is_set())
+    except FinetuneError as exc:
+        send(id=rid, event="error", message=exc.message, hint=exc.hint)
+    except torch.OutOfMemoryError:
+        send(id=rid, event="error", message="the GPU ran out of memory",
+             hint="ask fewer columns at once, lower max new tokens, or stop what else uses the GPU")
+    except Exception as exc:  # noqa: BLE001 - the worker must answer, not die, on one bad request
+        send(id=rid, event="error", message=f"{type(exc).__name__}: {exc}")
+
+
+def main() -> int:
+    """Entry point: stdout carries only the protocol; anything libraries print goes to stderr."""
+    replies = sys.stdout
+    sys.stdout = sys.stderr
+    serve(sys.stdin, replies)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

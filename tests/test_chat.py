@@ -1,0 +1,150 @@
+"""Chat with a run (finetune.model.chat): the whole history and the system prompt reach the model, replies
+stream piece by piece, sampling settings reach generate(), models load once, mistakes are clear messages."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+
+import pytest
+
+from finetune.errors import FinetuneError
+from finetune.model.chat import ChatModels, build_prompt, serve, stream_reply
+from finetune.model.trained import load_trained
+from tests.chat_support import fake_run
+
+HISTORY = [{"role": "user", "content": "My name is Ada."},
+           {"role": "assistant", "content": "Hello Ada."},
+           {"role": "user", "content": "I like foxes."},
+           {"role": "assistant", "content": "Foxes are quick."},
+           {"role": "user", "content": "What is my name?"}]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, tiny_model_dir):
+    return fake_run(tmp_path_factory.mktemp("chat") / "run", tiny_model_dir)
+
+
+class CountingLoader:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, run, use_adapter=True):
+        self.calls.append((run, use_adapter))
+        return load_trained(run, use_adapter=use_adapter)
+
+
+def test_three_turn_history_and_system_prompt_reach_the_model_and_the_reply_streams(run_dir):
+    model, tokenizer = load_trained(run_dir)
+    seen = {}
+    generate = model.generate
+
+    def spy(**kwargs):
+        seen.update(kwargs)
+        return generate(**kwargs)
+
+    model.generate = spy
+    pieces = []
+    reply = stream_reply(model, tokenizer, HISTORY, system="Answer in French.", max_new_tokens=24,
+                         on_text=pieces.append)
+    prompt = tokenizer.decode(seen["input_ids"][0])
+    assert prompt == build_prompt(tokenizer, HISTORY, "Answer in French.")
+    for turn in ("Answer in French.", "My name is Ada.", "Hello Ada.", "I like foxes.", "What is my name?"):
+        assert turn in prompt
+    assert prompt.endswith("<|im_start|>assistant\n"), "the model continues as the assistant"
+    assert len(pieces) > 1, "the reply arrives in pieces as it is generated"
+    assert "".join(pieces).strip() == reply
+    assert seen["do_sample"] is False and "temperature" not in seen, "temperature 0 is greedy"
+
+    seen.clear()
+    stream_reply(model, tokenizer, HISTORY, temperature=0.7, top_p=0.85, max_new_tokens=5)
+    assert (seen["do_sample"], seen["temperature"], seen["top_p"], seen["max_new_tokens"]) == (True, 0.7, 0.85, 5)
+
+
+def test_a_cancelled_reply_stops_early(run_dir):
+    model, tokenizer = load_trained(run_dir)
+    cancel = threading.Event()
+    pieces = []
+
+    def on_text(piece):
+        pieces.append(piece)
+        cancel.set()
+
+    stream_reply(model, tokenizer, HISTORY, max_new_tokens=64, on_text=on_text, cancel=cancel)
+    assert len(pieces) <= 2
+
+
+@pytest.mark.parametrize("temperature, top_p, where", [(-1, 1.0, "temperature"), (0.7, 0.0, "top_p")])
+def test_out_of_range_sampling_is_a_clear_error(run_dir, temperature, top_p, where):
+    model, tokenizer = load_trained(run_dir)
+    with pytest.raises(FinetuneError, match=where):
+        stream_reply(model, tokenizer, HISTORY, temperature=temperature, top_p=top_p)
+
+
+def test_models_load_once_and_base_shares_the_fine_tuned_weights(run_dir):
+    loader = CountingLoader()
+    models = ChatModels(loader)
+    answers = {}
+    for adapter in (True, False, True, False):
+        with models.use(run_dir, adapter) as (model, tokenizer):
+            answers.setdefault(adapter, stream_reply(model, tokenizer, HISTORY[:1], max_new_tokens=12))
+    assert models.loads == 1 and loader.calls == [(str(run_dir.resolve()), True)]
+    assert answers[True] != answers[False], "the base answer has the adapter switched off"
+    base_model, base_tokenizer = load_trained(run_dir, use_adapter=False)
+    assert answers[False] == stream_reply(base_model, base_tokenizer, HISTORY[:1], max_new_tokens=12)
+
+
+def test_two_runs_on_one_base_share_it_and_answer_as_if_alone(run_dir, tiny_model_dir, tmp_path):
+    other = fake_run(tmp_path / "other", tiny_model_dir, seed=1)
+    models = ChatModels(CountingLoader())
+    answers = {}
+    for run, adapter in ((run_dir, True), (other, True), (run_dir, False), (run_dir, True), (other, True)):
+        with models.use(run, adapter) as (model, tokenizer):
+            answer = stream_reply(model, tokenizer, HISTORY[:1], max_new_tokens=12)
+        assert answers.setdefault((run, adapter), answer) == answer
+    assert (models.loads, models.adapter_loads) == (1, 1)
+    for run, adapter in answers:
+        model, tokenizer = load_trained(run, use_adapter=adapter)
+        assert answers[run, adapter] == stream_reply(model, tokenizer, HISTORY[:1], max_new_tokens=12), run
+    assert len(set(answers.values())) == 3
+
+
+def test_worker_protocol_counts_loads_and_reports_bad_requests(run_dir, tmp_path):
+    requests = [{"op": "chat", "id": i, "run": str(run_dir), "messages": HISTORY[:1], "max_new_tokens": 6}
+                for i in (1, 2, 3)]
+    requests += [{"op": "chat", "id": 4, "run": str(tmp_path / "nowhere"), "messages": HISTORY[:1]},
+                 {"op": "chat", "id": 5, "run": str(run_dir), "messages": []}, {"op": "stats", "id": 6}]
+    out = io.StringIO()
+    serve(io.StringIO("".join(json.dumps(r) + "\n" for r in requests)), out)
+    events = [json.loads(line) for line in out.getvalue().splitlines()]
+    done = [e for e in events if e["event"] == "done"]
+    assert [e["id"] for e in done] == [1, 2, 3] and [e["loads"] for e in done] == [1, 1, 1]
+    assert [e["id"] for e in events if e["event"] == "loading"] == [1]
+    assert all(e["text"] == "".join(t["text"] for t in events if t["event"] == "text" and t["id"] == e["id"])
+               .strip() for e in done)
+    errors = {e["id"]: e["message"] for e in events if e["event"] == "error"}
+    assert "is not a run directory" in errors[4]
+    assert "must end with a user message" in errors[5]
+    assert events[-1] == {"id": 6, "event": "stats", "loads": 1, "adapter_loads": 0}
+
+
+def test_a_run_without_adapter_is_a_clear_error(run_dir, tmp_path):
+    import shutil
+
+    half = tmp_path / "half"
+    half.mkdir()
+    shutil.copy(run_dir / "recipe.yaml", half / "recipe.yaml")
+    with pytest.raises(FinetuneError, match="has no trained adapter yet"):
+        with ChatModels().use(half):
+            pass
+
+
+def test_without_a_chat_template_a_lone_prompt_is_continued_and_a_conversation_is_a_transcript(tiny_tokenizer):
+    import copy
+
+    plain = copy.deepcopy(tiny_tokenizer)
+    plain.chat_template = None
+    assert build_prompt(plain, HISTORY[:1]) == "My name is Ada."
+    assert build_prompt(plain, HISTORY[:3], "Be brief.") == (
+        "system: Be brief.\nuser: My name is Ada.\nassistant: Hello Ada.\nuser: I like foxes.\nassistant: ")
