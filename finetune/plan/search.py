@@ -25,8 +25,7 @@ from finetune.plan.shapes import (
 from finetune.plan.trace import model_facts
 from finetune.recipe.offload_tiers import STORES, tier_names, tier_spec
 from finetune.recipe.optimizers import auto_preferences
-from finetune.recipe.schema import Recipe
-from finetune.recipe.schema import SHARDED_STRATEGIES, STRATEGIES, strategy_problems
+from finetune.recipe.schema import SHARDED_STRATEGIES, STRATEGIES, Recipe, strategy_problems
 from finetune.recipe.settings import Settings, inactive_settings, read_settings, write_settings
 from finetune.units import format_bytes, parse_bytes
 

@@ -21,8 +21,8 @@ from finetune.recipe.schema import Recipe
 from finetune.recipe.settings import auto_settings, read_settings, write_settings
 from finetune.recipe.settings import table as settings_table
 from finetune.rundir import RunDir, atomic_write_json, atomic_write_text, replace_dir
-from finetune.train.callbacks import MetricsCallback, ProgressCallback, StopOnSignal
 from finetune.train import distributed
+from finetune.train.callbacks import MetricsCallback, ProgressCallback, StopOnSignal
 from finetune.train.checkpoints import find_resumable, numbered, report_skipped, step_of
 from finetune.train.environment import environment_summary
 from finetune.train.plan_files import save_plan
@@ -274,5 +274,7 @@ def _save_result(trainer: FinetuneTrainer, tokenizer, run_dir: RunDir, main: boo
         distributed.barrier()
         trainer.save_model(str(tmp))  # the Trainer gathers the state dict as accelerate does; rank 0 writes
         distributed.barrier()
+        if main:
+            (tmp / "training_args.bin").unlink(missing_ok=True)  # a pickle the adapter folder does not need
     if main:
         replace_dir(tmp, run_dir.adapter)
