@@ -61,6 +61,7 @@ class Prediction:
     peak_bytes: int
     breakdown: dict[str, int]
     offloaded_bytes: int = 0  # activation bytes moved off the device per micro-batch
+    communication_bytes: int = 0  # several processes: the strategy's buffers, counted in `other`
 
 
 def quantized_weight_bytes(numel: int, out_features: int, bits: int | None, double_quant: bool,
@@ -209,8 +210,9 @@ def distributed_parts(spec: ModelSpec, settings: Settings, whole: dict[str, floa
     - ddp: everything replicated; the reducer's flat buckets hold a copy of every trained gradient
       (gradient_as_bucket_view is off in accelerate's default), so `communication` = the gradients.
     - fsdp (FSDP2, one unit per decoder layer, the rest in the root unit): weights, trained weights,
-      gradients and optimizer state / N; the unit being computed and the one prefetched are gathered whole
-      (2 x the largest unit's weights) and one unit's gradients wait for their reduce-scatter. With gradient
+      gradients and optimizer state / N; the root unit (embeddings, head, final norm) stays gathered from
+      forward to backward, the layer being computed and the one prefetched are gathered whole (2 x a
+      layer's weights), and one layer's gradients wait for their reduce-scatter. With gradient
       accumulation accelerate's no_sync keeps unsharded gradients until the last micro-batch: whole grads.
     - zero2 / zero3: gradients and optimizer state / N (zero3: weights too); DeepSpeed keeps an fp32 master
       copy of 16-bit trained weights in its optimizer partition; its buckets are hidden^2 elements each
@@ -219,18 +221,18 @@ def distributed_parts(spec: ModelSpec, settings: Settings, whole: dict[str, floa
     n, kind = spec.world_size, strategy_key(spec, settings.strategy)
     parts = {k: v / n if k in SHARDS[kind] else v for k, v in whole.items()}
     comm = 0.0
-    unit_weights = max(per_layer["weights"] + per_layer["trainable_weights"],
-                       whole["weights"] + whole["trainable_weights"]
-                       - spec.num_layers * (per_layer["weights"] + per_layer["trainable_weights"]))
+    layer_weights = per_layer["weights"] + per_layer["trainable_weights"]
+    root_weights = max(0.0, whole["weights"] + whole["trainable_weights"] - spec.num_layers * layer_weights)
+    gathered = root_weights + 2 * layer_weights
     if kind == "ddp" and n > 1:
         comm = whole["grads"]
     elif kind == "fsdp":
-        comm = 2 * unit_weights + per_layer["grads"]
+        comm = gathered + per_layer["grads"]
         if settings.gradient_accumulation_steps > 1:
             parts["grads"] = whole["grads"]
     elif kind in ("zero2", "zero3"):
         hidden_sq = spec.hidden_size ** 2
-        comm = 2 * hidden_sq * 4 + (2 * unit_weights if kind == "zero3" else 0)
+        comm = 2 * hidden_sq * 4 + (gathered if kind == "zero3" else 0)
         if spec.dtype.itemsize < 4:  # fp32 master weights of 16-bit trained weights, in the partition
             parts["optimizer_state"] += whole["trainable_weights"] / spec.dtype.itemsize * 4 / n
         if spec.deepspeed_offload != "none":
@@ -308,4 +310,5 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
         w["other"] += _fixed_costs(spec, sum(w.values()))
     phase = max(windows, key=lambda k: sum(windows[k].values()))
     breakdown = {k: int(round(v)) for k, v in windows[phase].items()}
-    return Prediction(peak_bytes=sum(breakdown.values()), breakdown=breakdown, offloaded_bytes=int(offloaded))
+    return Prediction(peak_bytes=sum(breakdown.values()), breakdown=breakdown, offloaded_bytes=int(offloaded),
+                      communication_bytes=int(communication))

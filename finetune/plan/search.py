@@ -25,7 +25,7 @@ from finetune.plan.shapes import (
 from finetune.plan.trace import model_facts
 from finetune.recipe.offload_tiers import STORES, tier_names, tier_spec
 from finetune.recipe.optimizers import auto_preferences
-from finetune.recipe.schema import SHARDED_STRATEGIES, STRATEGIES, Recipe, strategy_problems
+from finetune.recipe.schema import SHARDED_STRATEGIES, STRATEGIES, Recipe
 from finetune.recipe.settings import Settings, inactive_settings, read_settings, write_settings
 from finetune.units import format_bytes, parse_bytes
 
@@ -42,6 +42,7 @@ class Candidate:
     breakdown: dict[str, int]
     tokens_per_s: float
     reason: str | None = None
+    communication_bytes: int = 0  # of the peak: the strategy's communication buffers (in breakdown["other"])
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Plan:
     rejected: list[Candidate] = field(default_factory=list)
     min_budget_bytes: int | None = None
     world_size: int = 1  # the plan is per device; tokens_per_s is the whole job's
+    communication_bytes: int = 0  # of the peak: the strategy's communication buffers (in breakdown["other"])
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -153,7 +155,11 @@ def _refused(recipe: Recipe, st: dict[str, Any]) -> bool:
     """A combination the strategy cannot run (the schema's strategy_problems), skipped by the search."""
     if st["strategy"] not in SHARDED_STRATEGIES and not recipe.optimizer.layerwise:
         return False
-    return bool(strategy_problems(write_settings(recipe, {**st, "strategy": st["strategy"]}), st["strategy"]))
+    try:  # validating the combination as a recipe runs the same checks (the schema's strategy_problems)
+        write_settings(recipe, {k: v for k, v in st.items() if v != "auto"})
+    except ValueError:
+        return True
+    return False
 
 
 def model_spec(recipe: Recipe, config: Any, device: str) -> ModelSpec:
@@ -193,7 +199,8 @@ def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, free: dic
     (`free`, bytes by the tier table's `holds_in`; absent: not checked) is rejected."""
     pred = predict_memory(spec, settings)
     tps = _speed(spec, shapes, settings, pred.offloaded_bytes, bandwidth)
-    cand = Candidate(asdict(settings), pred.peak_bytes, pred.breakdown, tps)
+    cand = Candidate(asdict(settings), pred.peak_bytes, pred.breakdown, tps,
+                     communication_bytes=pred.communication_bytes)
     if settings.offload != "none":
         holds_in = tier_spec(settings.offload).holds_in
         available = (free or {}).get(holds_in)
@@ -262,10 +269,12 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
     if ok:
         best = ok[0]
         return Plan(device, best.settings, best.peak_bytes, best.breakdown, budget, True, best.tokens_per_s,
-                    alternatives=ok[1:4], rejected=rejected, world_size=spec.world_size)
+                    alternatives=ok[1:4], rejected=rejected, world_size=spec.world_size,
+                    communication_bytes=best.communication_bytes)
     return Plan(device, leanest.settings, leanest.peak_bytes, leanest.breakdown, budget, False,
                 leanest.tokens_per_s, rejected=rejected,
-                min_budget_bytes=leanest.peak_bytes + recipe.memory.gpu_memory_margin, world_size=spec.world_size)
+                min_budget_bytes=leanest.peak_bytes + recipe.memory.gpu_memory_margin, world_size=spec.world_size,
+                communication_bytes=leanest.communication_bytes)
 
 
 def _offload_resources(recipe: Recipe, device: str, tiers: set[str]) -> tuple[dict[str, float], dict[str, int]]:
