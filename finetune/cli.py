@@ -96,10 +96,10 @@ def cmd_run(args) -> int:
     gpus = args.gpus or world
     overrides = [*args.overrides, f"distributed.gpus={gpus}"] if gpus else args.overrides
     recipe = api.load_recipe(args.recipe, overrides)  # checked here, before any process starts
-    if args.gpus is not None and args.gpus > 1:
+    if world is None and recipe.distributed.gpus > 1:  # --gpus N, or distributed.gpus in the recipe (the UI)
         argv = ["run", args.recipe, *(f"--set={o}" for o in args.overrides),
                 *(["--resume"] if args.resume else []), *(["--overwrite"] if args.overwrite else [])]
-        return api.launch(recipe, argv, args.gpus)
+        return api.launch(recipe, argv, recipe.distributed.gpus)
     result = api.run(recipe, resume=args.resume, overwrite=args.overwrite)
     if result.state == "stopped":
         console.print(f"[yellow]stopped at step {result.steps}; continue with: finetune run {args.recipe} --resume")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 from typing import Any
@@ -125,7 +126,14 @@ def launch(argv: list[str], gpus: int) -> int:
     without --gpus); each joins the world from the environment. Returns torchrun's exit code."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
                "-m", "finetune", *argv]
+    # In its own session, so that Ctrl-C reaches the ranks once: this process (Ctrl-C, or the UI's stop)
+    # passes SIGINT/SIGTERM to torchrun, which passes it to every rank; each saves its part of a checkpoint
+    # and stops, as one process does (torchrun kills ranks still running 30 s later).
+    child = subprocess.Popen(command, start_new_session=True)
+    previous = {sig: signal.signal(sig, lambda signum, frame: child.send_signal(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return subprocess.run(command, check=False).returncode
-    except KeyboardInterrupt:  # torchrun forwards the signal; the ranks save a checkpoint and stop
-        return 130
+        return child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
