@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import DistributedType
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
@@ -139,11 +140,19 @@ class FinetuneTrainer(Trainer):
             model, self._prepare_inputs(inputs), accumulation=self.current_gradient_accumulation_steps,
             num_items_in_batch=num_items,
             chunked_loss=self.recipe.memory.chunked_loss is True and "labels" in inputs, autocast=self.accelerator.autocast, offload=self.offload,
-            backward=self.accelerator.backward if scale == 1 else lambda loss: self.accelerator.backward(loss * scale))
+            backward=lambda loss: self._backward(loss * scale if scale != 1 else loss))
         loss = loss * scale if scale != 1 else loss
         finite = torch.isfinite(loss).all()
         self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
         return loss
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """accelerator.backward as Trainer.training_step calls it: DeepSpeed must not divide the loss by the
+        accumulation again (forward_backward already did)."""
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            self.accelerator.backward(loss, scale_wrt_gas=False)
+        else:
+            self.accelerator.backward(loss)
 
     def create_optimizer(self, model=None):
         """Every optimizer of the recipe (APOLLO, GaLore, 8-bit, layer-wise...) comes from finetune.optim."""
