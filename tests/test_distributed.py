@@ -146,6 +146,18 @@ def test_full_fsdp2_on_two_processes_trains_as_one_and_resumes_at_two_and_one(tm
     _assert_same(_losses(single), reference)
 
 
+def test_fsdp_qlora_on_two_processes_trains_as_one(tmp_path, tiny_model_dir):
+    """FSDP-QLoRA: NF4 weights stored in the compute dtype are sharded with the rest; the losses are those of
+    one process training QLoRA with uint8 storage."""
+    two = _recipe(tmp_path, tiny_model_dir, "two", quantization={"bits": 4}, distributed={"strategy": "fsdp"})
+    done = _torchrun("run", str(_write(tmp_path, two)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert run(validate_recipe(_recipe(tmp_path, tiny_model_dir, "one", quantization={"bits": 4}))).state == \
+        "completed"
+    _assert_same(_losses(tmp_path / "two"), _losses(tmp_path / "one"))
+    assert RunDir(tmp_path / "two").has_adapter()
+
+
 @pytest.mark.parametrize(("sections", "words"), [
     ({"optimizer": {"layerwise": True}, "distributed": {"strategy": "ddp"}}, "optimizer.layerwise with"),
     ({"optimizer": {"name": "galore"}, "distributed": {"strategy": "fsdp"}}, "optimizer galore with"),
