@@ -63,13 +63,16 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> Run
     return _run(recipe, resume=resume, overwrite=overwrite)
 
 
-def launch(recipe: Recipe, argv: list[str], gpus: int) -> int:
-    """`finetune run --gpus N`: after the checks no process can make alone (an engine that is not installed),
-    start N local processes (torchrun) that each run `finetune` with `argv`; returns their exit code."""
+def launch(recipe: Recipe, argv: list[str], gpus: int, *, resume: bool = False, overwrite: bool = False) -> int:
+    """`finetune run --gpus N`: after the checks that need no process (an engine that is not installed, a
+    folder that already holds a run), start N local processes (torchrun) that each run `finetune` with
+    `argv`; returns their exit code."""
     from finetune.train.distributed import check_available
     from finetune.train.distributed import launch as _launch
+    from finetune.train.run import check_output_dir
 
     check_available(recipe)
+    check_output_dir(recipe, resume, overwrite)
     return _launch(argv, gpus)
 
 

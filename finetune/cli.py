@@ -99,7 +99,7 @@ def cmd_run(args) -> int:
     if world is None and recipe.distributed.gpus > 1:  # --gpus N, or distributed.gpus in the recipe (the UI)
         argv = ["run", args.recipe, *(f"--set={o}" for o in args.overrides),
                 *(["--resume"] if args.resume else []), *(["--overwrite"] if args.overwrite else [])]
-        return api.launch(recipe, argv, recipe.distributed.gpus)
+        return api.launch(recipe, argv, recipe.distributed.gpus, resume=args.resume, overwrite=args.overwrite)
     result = api.run(recipe, resume=args.resume, overwrite=args.overwrite)
     if result.state == "stopped":
         console.print(f"[yellow]stopped at step {result.steps}; continue with: finetune run {args.recipe} --resume")

@@ -132,6 +132,7 @@ def test_full_fsdp2_on_two_processes_trains_as_one_and_resumes_at_two_and_one(tm
     env_before = dict(os.environ)
     code = main(["run", str(path), "--gpus", "2"])
     assert code == 0 and dict(os.environ) == env_before
+    assert main(["run", str(path), "--gpus", "2"]) == 1  # refused before any process starts: it holds a run
     assert run(validate_recipe(_recipe(tmp_path, tiny_model_dir, "one", **full))).state == "completed"
     reference = _losses(tmp_path / "one")
     _assert_same(_losses(tmp_path / "two"), reference)

@@ -13,7 +13,8 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -21,6 +22,7 @@ from finetune.errors import FinetuneError
 from finetune.recipe.schema import Recipe
 
 WORLD_ENV = "WORLD_SIZE"
+T = TypeVar("T")
 
 
 def world_size() -> int:
@@ -73,12 +75,23 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
-def from_main(value: Any) -> Any:
-    """Rank 0's `value` on every process (a path, or an error to raise everywhere)."""
+def on_main(make: Callable[[], T]) -> T:
+    """`make()` run by rank 0 alone, its result given to every process (the other ranks raise rank 0's
+    FinetuneError, so all stop with its message): preparing the run directory, and the plan, which must
+    be one for all (each rank's own free GPU memory could otherwise choose another micro-batch)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return value
-    box = [value]
+        return make()
+    box: list[Any] = [None]
+    if is_main():
+        try:
+            box[0] = make()
+        except FinetuneError as exc:
+            box[0] = exc
+            torch.distributed.broadcast_object_list(box, src=0)
+            raise
     torch.distributed.broadcast_object_list(box, src=0)
+    if isinstance(box[0], FinetuneError):
+        raise box[0]
     return box[0]
 
 

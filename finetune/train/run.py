@@ -57,12 +57,19 @@ def _prepare_run_dir(recipe: Recipe, resume: bool, overwrite: bool) -> tuple[Run
                                 hint="start the run without --resume (checkpoints are saved every output.save_steps)")
         console.print(f"resuming from {found.newest}")
         return run, str(found.newest)
-    if run.status.exists() or numbered(run.checkpoints):
+    check_output_dir(recipe, resume, overwrite)
+    run.create()
+    return run, None
+
+
+def check_output_dir(recipe: Recipe, resume: bool, overwrite: bool) -> None:
+    """A new run must not start in a folder that holds one (checked again by `finetune run --gpus N` before
+    it starts any process)."""
+    run = RunDir(Path(recipe.output.dir))
+    if not resume and not overwrite and (run.status.exists() or numbered(run.checkpoints)):
         raise FinetuneError(
             f"output.dir {run.root} already holds a run",
             hint="pass --resume to continue it, --overwrite to start over, or --set output.dir=runs/NEW")
-    run.create()
-    return run, None
 
 
 def _plan(recipe: Recipe) -> tuple[Plan | None, Recipe]:
@@ -127,15 +134,7 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> Run
     Under torchrun / accelerate launch every process runs this; rank 0 alone writes the run directory."""
     distributed.join(recipe)
     main = distributed.is_main()
-    prepared: tuple[RunDir, str | None] | FinetuneError
-    try:
-        prepared = _prepare_run_dir(recipe, resume, overwrite) if main else None
-    except FinetuneError as exc:
-        prepared = exc
-    prepared = distributed.from_main(prepared)  # the other ranks stop with rank 0's error, or follow it
-    if isinstance(prepared, FinetuneError):
-        raise prepared
-    run_dir, checkpoint = prepared
+    run_dir, checkpoint = distributed.on_main(lambda: _prepare_run_dir(recipe, resume, overwrite))
     stopper = StopOnSignal()
     stopper.install()
     if not main:
@@ -189,7 +188,7 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     if checkpoint and run_dir.recipe.is_file():
         saved = load_recipe(run_dir.recipe)
         recipe = keep_recovered(keep_resolved(recipe, saved), saved, run_dir.root)
-    plan, recipe = _plan(recipe)
+    plan, recipe = distributed.on_main(lambda: _plan(recipe))  # one plan for all processes
     if main:
         if plan is not None:
             save_plan(run_dir, plan)
