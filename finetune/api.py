@@ -64,6 +64,19 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> Run
     return _run(recipe, resume=resume, overwrite=overwrite)
 
 
+def launch(recipe: Recipe, argv: list[str], gpus: int, *, resume: bool = False, overwrite: bool = False) -> int:
+    """`finetune run --gpus N`: after the checks that need no process (an engine that is not installed, a
+    folder that already holds a run), start N local processes (torchrun) that each run `finetune` with
+    `argv`; returns their exit code."""
+    from finetune.train.distributed import check_available
+    from finetune.train.distributed import launch as _launch
+    from finetune.train.run import check_output_dir
+
+    check_available(recipe)
+    check_output_dir(recipe, resume, overwrite)
+    return _launch(argv, gpus)
+
+
 def generate(run_dir: str | Path, prompt: str, *, max_new_tokens: int = 128, use_adapter: bool = True) -> str:
     """Answer `prompt` with the run's model (or its base model with use_adapter=False)."""
     from finetune.model.trained import generate as _generate

@@ -18,6 +18,16 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, not {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="finetune", description="Fine-tune open LLMs on one GPU, memory planned first.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -26,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe_args(p)
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output.dir")
     p.add_argument("--overwrite", action="store_true", help="delete a previous run in output.dir and start over")
+    p.add_argument("--gpus", type=_positive_int, metavar="N", help="train on N GPUs of this machine (N processes "
+                   "started with torchrun; on a machine without CUDA, N CPU processes over gloo); under torchrun "
+                   "or accelerate launch leave it out: the launcher's WORLD_SIZE is used")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("validate", help="check a recipe without loading anything")
@@ -37,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory", help="budget such as 12GiB, or auto (free memory of this GPU); default: recipe")
     p.add_argument("--device", choices=["cuda", "cpu"], help="plan for this device (default: cuda if present or "
                    "a GPU size is given, else cpu)")
+    p.add_argument("--gpus", type=_positive_int, metavar="N", help="plan per device for N GPUs "
+                   "(distributed.gpus; default: the recipe's)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)
 
@@ -70,9 +85,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_run(args) -> int:
+    import os
+
     from finetune import api
 
-    recipe = api.load_recipe(args.recipe, args.overrides)
+    world = os.environ.get("WORLD_SIZE")  # started by torchrun / accelerate launch: one of its processes
+    if world is not None and args.gpus is not None:
+        raise FinetuneError("--gpus is for starting processes; under torchrun or accelerate launch the world "
+                            f"size ({world}) comes from the launcher", hint="leave out --gpus")
+    gpus = args.gpus or world
+    overrides = [*args.overrides, f"distributed.gpus={gpus}"] if gpus else args.overrides
+    recipe = api.load_recipe(args.recipe, overrides)  # checked here, before any process starts
+    if world is None and recipe.distributed.gpus > 1:  # --gpus N, or distributed.gpus in the recipe (the UI)
+        argv = ["run", args.recipe, *(f"--set={o}" for o in args.overrides),
+                *(["--resume"] if args.resume else []), *(["--overwrite"] if args.overwrite else [])]
+        return api.launch(recipe, argv, recipe.distributed.gpus, resume=args.resume, overwrite=args.overwrite)
     result = api.run(recipe, resume=args.resume, overwrite=args.overwrite)
     if result.state == "stopped":
         console.print(f"[yellow]stopped at step {result.steps}; continue with: finetune run {args.recipe} --resume")
@@ -96,7 +123,8 @@ def cmd_plan(args) -> int:
     from finetune import api
     from finetune.cli_tables import render_plan
 
-    recipe = api.load_recipe(args.recipe, args.overrides)
+    overrides = [*args.overrides, f"distributed.gpus={args.gpus}"] if args.gpus else args.overrides
+    recipe = api.load_recipe(args.recipe, overrides)
     plan = api.plan(recipe, gpu_memory=args.gpu_memory, device=args.device)
     if args.json:
         print(plan.to_json())

@@ -31,11 +31,32 @@ def breakdown_table(title: str, breakdown: dict[str, int], peak: int, budget: in
     return table
 
 
+def strategy_line(plan: Plan) -> str:
+    """What the chosen strategy splits across the devices, what each keeps whole, and its buffers."""
+    from finetune.plan.memory_model import SHARDS
+
+    strategy = plan.settings.get("strategy", "ddp")
+    buffers = f"communication buffers {format_bytes(plan.communication_bytes)} (in other)"
+    if strategy == "deepspeed":
+        return f"strategy deepspeed: ZeRO-2 splits gradients and optimizer state, ZeRO-3 also weights; {buffers}"
+    label = {"weights": "frozen weights", "trainable_weights": "trained weights", "grads": "gradients",
+             "optimizer_state": "optimizer state"}
+    split = [label[k] for k in label if k in SHARDS[strategy]]
+    whole = [label[k] for k in label if k not in SHARDS[strategy]] + ["activations"]
+    return (f"strategy {strategy}: " + (f"1/{plan.world_size} of {', '.join(split)} per device; " if split else "")
+            + f"whole on each: {', '.join(whole)}; {buffers}")
+
+
 def render_plan(plan: Plan, console: Console | None = None) -> None:
     """The chosen plan against the budget, the next best, and why others were rejected."""
     console = console or Console()
     status = "fits" if plan.fits else "[red]does not fit[/red]"
-    console.print(f"Plan for {plan.device}: {status}, {plan.tokens_per_s:,.0f} tokens/s predicted")
+    if plan.world_size == 1:
+        console.print(f"Plan for {plan.device}: {status}, {plan.tokens_per_s:,.0f} tokens/s predicted")
+    else:
+        console.print(f"Plan per device for {plan.world_size} x {plan.device}: {status} on each, "
+                      f"{plan.tokens_per_s:,.0f} tokens/s predicted for all {plan.world_size}")
+        console.print("  " + strategy_line(plan))
     console.print("  " + _short(plan.settings))
     console.print(breakdown_table("predicted peak", plan.breakdown, plan.peak_bytes, plan.budget_bytes))
     if plan.alternatives:

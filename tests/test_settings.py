@@ -63,6 +63,7 @@ def test_every_auto_key_of_the_schema_is_planned_or_said_to_be_someone_elses():
     for key in planned:
         section, name = key.split(".")
         sections.setdefault(section, {})[name] = "auto"
+    sections["distributed"]["gpus"] = 2  # distributed.strategy is planned only with several processes
     everything_auto = _recipe(**sections)
     assert set(everything_auto.auto_keys()) == planned == set(auto_keys(everything_auto))
 
@@ -142,7 +143,7 @@ def test_plan_apply_fills_the_budget_and_keeps_what_the_planner_does_not_decide(
     chosen = dataclasses.asdict(Settings(2, 4, False, 1, "cpu", True, None, "sgd", True))
     recipe = _recipe(training={"micro_batch_size": "auto", "learning_rate": 0.01}, memory={"gpu_memory_margin": 0})
     applied = _fake_plan(chosen).apply(recipe)
-    assert read_settings(applied) == chosen
+    assert read_settings(applied) == {**chosen, "strategy": "auto"}  # one process: no strategy is written
     assert applied.memory.gpu_memory == 2**30 and applied.training.learning_rate == 0.01
     explicit = recipe.model_copy(update={"memory": recipe.memory.model_copy(update={"gpu_memory": 5 * 2**30})})
     assert _fake_plan(chosen).apply(explicit).memory.gpu_memory == 5 * 2**30

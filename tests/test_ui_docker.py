@@ -43,6 +43,7 @@ def test_compose_reserves_the_gpu_and_keeps_the_port_on_loopback():
     svc = compose["services"]["finetune"]
     devices = svc["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    assert devices[0]["count"] == "${FINETUNE_GPUS:-1}"  # one GPU unless FINETUNE_GPUS asks for more
     assert all(str(p).startswith("127.0.0.1:") for p in svc["ports"]), svc["ports"]
     mounts = [_mount(v) for v in svc["volumes"]]
     targets = {target for _, target in mounts}

@@ -29,8 +29,11 @@ def attn_implementation(choice: str, config) -> str:
     return "sdpa" if model_class is None or model_class._supports_sdpa else "eager"
 
 
-def quantization_config(quant: QuantizationConfig, dtype: torch.dtype):
-    """The transformers BitsAndBytesConfig for the recipe, or None."""
+def quantization_config(quant: QuantizationConfig, dtype: torch.dtype, *, sharded: bool = False):
+    """The transformers BitsAndBytesConfig for the recipe, or None.
+
+    sharded (FSDP): 4-bit weights are stored in the compute dtype instead of uint8, so FSDP can flatten and
+    shard them with the other weights (FSDP-QLoRA); the packed bytes are the same."""
     if quant.bits in (None, "auto"):
         return None
     from transformers import BitsAndBytesConfig
@@ -40,7 +43,7 @@ def quantization_config(quant: QuantizationConfig, dtype: torch.dtype):
     return BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type=quant.quant_type,
         bnb_4bit_use_double_quant=quant.double_quant, bnb_4bit_compute_dtype=dtype,
-        bnb_4bit_quant_storage=torch.uint8,
+        bnb_4bit_quant_storage=dtype if sharded else torch.uint8,
     )
 
 
@@ -84,12 +87,13 @@ def load_tokenizer(path: Path, model_cfg: ModelConfig):
     return tokenizer
 
 
-def load_model(model_cfg: ModelConfig, quant: QuantizationConfig, *, quantize: bool = True):
-    """Return (model, tokenizer, local_path). `quantize=False` loads full precision (used by export)."""
+def load_model(model_cfg: ModelConfig, quant: QuantizationConfig, *, quantize: bool = True, sharded: bool = False):
+    """Return (model, tokenizer, local_path). `quantize=False` loads full precision (used by export);
+    `sharded`: the weights will be sharded by FSDP (see quantization_config)."""
 
     path = resolve_model_path(model_cfg.path, model_cfg.revision)
     dtype = compute_dtype(model_cfg)
-    qconfig = quantization_config(quant, dtype) if quantize else None
+    qconfig = quantization_config(quant, dtype, sharded=sharded) if quantize else None
     from transformers import AutoConfig
 
     try:

@@ -9,6 +9,9 @@ step time = compute / (peak FLOPs x utilisation) + dequantization + exposed tran
 - 4-bit/8-bit: every quantized weight is dequantized in forward, backward and recompute (reads its packed
   bytes, writes compute-dtype bytes) at memory bandwidth; a tiled MLP dequantizes its weights once per chunk
   in each of those passes, plus once per chunk for its recompute.
+- several processes: the bytes each device sends per step (plan/memory_model.py `traffic_bytes`) over the
+  interconnect (distributed.interconnect_bandwidth), overlapped with the backward two thirds of the compute;
+  deepspeed offload's host traffic at the host link's speed; tokens/s is then that of all devices together.
 - offload: 2 x offloaded bytes (out and back) per micro-batch over the tier's link (its entry in
   finetune.recipe.offload_tiers: host<->device over PCIe, or disk), at the bandwidths measured once on this
   machine and cached; overlapped with compute, so only the part longer than the compute time counts; plus
@@ -35,7 +38,8 @@ CHUNKED_LOSS_OVERHEAD = 0.01  # relative cost of running the LM head in chunks
 def tokens_per_second(settings: Settings, *, device: str, params: int, trainable_full: bool, num_layers: int,
                       hidden: int, seq_len: int, quantized_params: int, offloaded_bytes: int, dtype_bytes: int,
                       mlp_params: int = 0, mlp_chunk_tokens: int = 1024,
-                      bandwidth: dict[str, float] | None = None) -> float:
+                      bandwidth: dict[str, float] | None = None, world_size: int = 1,
+                      traffic: tuple[float, float] = (0.0, 0.0), interconnect: float = 20e9) -> float:
     """Tokens per second of one optimizer step under `settings` (see module docstring).
 
     `mlp_params`: weight elements of all layers' MLPs (recomputed once more with a tiled MLP).
@@ -71,7 +75,10 @@ def tokens_per_second(settings: Settings, *, device: str, params: int, trainable
         transfer = max(0.0, 2 * offloaded_bytes / bw - compute)
         overhead = tier.overhead
     step = (compute * (1 + overhead) + dequant + transfer) * settings.gradient_accumulation_steps
-    return tokens * settings.gradient_accumulation_steps / step
+    link, host = traffic
+    step += max(0.0, link / interconnect - 2 / 3 * compute * settings.gradient_accumulation_steps)
+    step += host / _link_bytes_per_s("host_device", device, bandwidth or {})
+    return world_size * tokens * settings.gradient_accumulation_steps / step
 
 
 def _link_bytes_per_s(link: str, device: str, measured: dict[str, float]) -> float:

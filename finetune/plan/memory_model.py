@@ -22,6 +22,9 @@ How the prediction is put together (docs/planner.md has the long form):
    checkpointed inputs (all but the first and the last, less the layers fetched ahead in backward) or,
    without checkpointing, the saved tensors of every layer but the last (less the prefetched ones).
 5. CUDA fixed costs (context, cuBLAS workspace, allocator rounding) are the constants below.
+6. Several processes (`ModelSpec.world_size` > 1) are planned per device (`distributed_parts`): what the
+   strategy shards is divided by the world size, what it replicates stays, and its communication buffers
+   are added to `other`.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class Prediction:
     peak_bytes: int
     breakdown: dict[str, int]
     offloaded_bytes: int = 0  # activation bytes moved off the device per micro-batch
+    communication_bytes: int = 0  # several processes: the strategy's buffers, counted in `other`
 
 
 def quantized_weight_bytes(numel: int, out_features: int, bits: int | None, double_quant: bool,
@@ -89,6 +93,10 @@ class ModelSpec:
     offload_min_size: int = 1 << 20
     recompute_norms: bool = True
     tiled_mlp_tokens: int = 1024
+    world_size: int = 1  # processes (GPUs) the run is spread over; the plan is per device
+    interconnect_bandwidth: float = 20e9  # bytes/s between GPUs (the speed model's communication time)
+    zero_stage: int = 3  # deepspeed only
+    deepspeed_offload: str = "none"  # deepspeed only: none | cpu | nvme (optimizer state off the device)
 
 
 def _block(settings: Settings) -> int:
@@ -133,16 +141,104 @@ def _param_sums(key: tuple[str, ...], layers: int, bits: int | None, double_quan
     return sums, largest_trained, largest_quant
 
 
-def _param_parts(spec: ModelSpec, settings: Settings) -> tuple[dict[str, float], int, int]:
-    """Weights, trained weights, optimizer state and resident gradients of the whole model (extrapolated from
-    two cut copies), the largest trained parameter's bytes and the largest quantized weight's elements."""
+def _whole_parts(spec: ModelSpec, settings: Settings) -> tuple[dict[str, float], dict[str, float], int, int]:
+    """Weights, trained weights, optimizer state and resident gradients of the whole model and of one layer
+    (extrapolated from two cut copies), the largest trained parameter's bytes and the largest quantized
+    weight's elements."""
     la, lb = _layer_counts(spec, settings)
     key = model_key(spec.config, spec.adapter, spec.dtype)
     opt = spec.optimizer.model_dump_json()
     (pa, _, _), (pb, largest_trained, largest_quant) = (
         _param_sums(key, layers, settings.bits, spec.double_quant, settings.optimizer, opt,
                     settings.gradient_accumulation_steps) for layers in (la, lb))
-    return {k: _lerp(pa[k], pb[k], la, lb, spec.num_layers) for k in pa}, largest_trained, largest_quant
+    whole = {k: _lerp(pa[k], pb[k], la, lb, spec.num_layers) for k in pa}
+    per_layer = {k: (pb[k] - pa[k]) / (lb - la) if lb != la else pb[k] / max(lb, 1) for k in pa}
+    return whole, per_layer, largest_trained, largest_quant
+
+
+def _param_parts(spec: ModelSpec, settings: Settings) -> tuple[dict[str, float], int, int]:
+    """`_whole_parts` as one device holds them under the strategy (`distributed_parts`)."""
+    whole, per_layer, largest_trained, largest_quant = _whole_parts(spec, settings)
+    return distributed_parts(spec, settings, whole, per_layer), largest_trained, largest_quant
+
+
+def traffic_bytes(spec: ModelSpec, settings: Settings) -> tuple[float, float]:
+    """Bytes one device sends per optimizer step between GPUs, and over its host link (deepspeed offload).
+
+    Ring collectives move (N-1)/N of the tensor: ddp all-reduces the gradients (2x); fsdp and zero3 gather
+    the weights in forward and again in backward for every micro-batch and reduce-scatter the gradients
+    once per step (no_sync during accumulation); zero2 reduce-scatters gradients and gathers the updated
+    trained weights."""
+    n, kind = spec.world_size, strategy_key(spec, settings.strategy)
+    if n == 1:
+        return 0.0, 0.0
+    whole, _, _, _ = _whole_parts(spec, settings)
+    ring = (n - 1) / n
+    weights, trained, grads = whole["weights"] + whole["trainable_weights"], whole["trainable_weights"], whole["grads"]
+    if kind == "ddp":
+        link = 2 * ring * grads
+    elif kind in ("fsdp", "zero3"):
+        link = settings.gradient_accumulation_steps * 2 * ring * weights + ring * grads
+    else:
+        link = ring * grads + ring * trained
+    host = 2 * trained / spec.dtype.itemsize * 4 / n if kind.startswith("zero") and spec.deepspeed_offload != "none" \
+        else 0.0
+    return link, host
+
+
+# What each strategy splits across the N processes (the rest is replicated on every device).
+SHARDS = {
+    "ddp": (),
+    "fsdp": ("weights", "trainable_weights", "optimizer_state", "grads"),
+    "zero2": ("optimizer_state", "grads"),
+    "zero3": ("weights", "trainable_weights", "optimizer_state", "grads"),
+}
+
+
+def strategy_key(spec: ModelSpec, strategy: str) -> str:
+    """The SHARDS row of a strategy: deepspeed is split by ZeRO stage; one process shards nothing."""
+    if spec.world_size == 1:
+        return "ddp"
+    return f"zero{spec.zero_stage}" if strategy == "deepspeed" else strategy
+
+
+def distributed_parts(spec: ModelSpec, settings: Settings, whole: dict[str, float],
+                      per_layer: dict[str, float]) -> dict[str, float]:
+    """One device's share of the parameter parts of `whole` under the strategy, plus `communication`: the
+    buffers the strategy needs besides its shards (docs/planner.md, "Several GPUs").
+
+    - ddp: everything replicated; the reducer's flat buckets hold a copy of every trained gradient
+      (gradient_as_bucket_view is off in accelerate's default), so `communication` = the gradients.
+    - fsdp (FSDP2, one unit per decoder layer, the rest in the root unit): weights, trained weights,
+      gradients and optimizer state / N; the root unit (embeddings, head, final norm) stays gathered from
+      forward to backward, the layer being computed and the one prefetched are gathered whole (2 x a
+      layer's weights), and one layer's gradients wait for their reduce-scatter. With gradient
+      accumulation accelerate's no_sync keeps unsharded gradients until the last micro-batch: whole grads.
+    - zero2 / zero3: gradients and optimizer state / N (zero3: weights too); DeepSpeed keeps an fp32 master
+      copy of 16-bit trained weights in its optimizer partition; its buckets are hidden^2 elements each
+      (accelerate's `auto`). deepspeed_offload moves the state and master copy to CPU RAM or NVMe.
+    """
+    n, kind = spec.world_size, strategy_key(spec, settings.strategy)
+    parts = {k: v / n if k in SHARDS[kind] else v for k, v in whole.items()}
+    comm = 0.0
+    layer_weights = per_layer["weights"] + per_layer["trainable_weights"]
+    root_weights = max(0.0, whole["weights"] + whole["trainable_weights"] - spec.num_layers * layer_weights)
+    gathered = root_weights + 2 * layer_weights
+    if kind == "ddp" and n > 1:
+        comm = whole["grads"]
+    elif kind == "fsdp":
+        comm = gathered + per_layer["grads"]
+        if settings.gradient_accumulation_steps > 1:
+            parts["grads"] = whole["grads"]
+    elif kind in ("zero2", "zero3"):
+        hidden_sq = spec.hidden_size ** 2
+        comm = 2 * hidden_sq * 4 + (gathered if kind == "zero3" else 0)
+        if spec.dtype.itemsize < 4:  # fp32 master weights of 16-bit trained weights, in the partition
+            parts["optimizer_state"] += whole["trainable_weights"] / spec.dtype.itemsize * 4 / n
+        if spec.deepspeed_offload != "none":
+            parts["optimizer_state"] = 0.0
+    parts["communication"] = comm
+    return parts
 
 
 def _fixed_costs(spec: ModelSpec, dynamic: float) -> float:
@@ -155,7 +251,7 @@ def memory_floor(spec: ModelSpec, settings: Settings) -> int:
     """A lower bound of the peak without tracing: weights, trained weights, optimizer state, fixed costs."""
     params, _, _ = _param_parts(spec, settings)
     params.pop("grads")
-    static = sum(params.values())
+    static = sum(params.values())  # communication buffers included
     return int(static + _fixed_costs(spec, static))
 
 
@@ -166,6 +262,8 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
     L, mb = spec.num_layers, settings.micro_batch_size
     params, largest_trained, largest_quant = _param_parts(spec, settings)
     grads_total = params.pop("grads")
+    communication = params.pop("communication")
+    shard = 1 / spec.world_size if "grads" in SHARDS[strategy_key(spec, settings.strategy)] else 1.0
     # 4-bit: backward dequantizes one weight at a time into the compute dtype (on CUDA forward too; on CPU
     # the forward kernel is fused). 8-bit is emulated inside the trace.
     dequant = largest_quant * spec.dtype.itemsize if settings.bits == 4 else 0
@@ -182,7 +280,7 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
         act = _lerp(wa["activations"], wb["activations"], la, lb, L) * mb
         act_per_block = (wb["activations"] - wa["activations"]) * mb if lb != la else 0.0
         logits = _lerp(wa["logits_and_loss"], wb["logits_and_loss"], la, lb, L) * mb * logits_keep
-        grads = _lerp(wa["gradients"], wb["gradients"], la, lb, L)
+        grads = _lerp(wa["gradients"], wb["gradients"], la, lb, L) * shard
         if spec.optimizer.layerwise:  # each gradient is consumed (and freed) as soon as it exists
             grads = min(grads, grads_total)
         elif settings.gradient_accumulation_steps > 1:
@@ -204,11 +302,13 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
             offloaded = max(offloaded, moved)
         in_layers = name in ("bwd_top", "bwd_bottom") or (name == "forward" and spec.device == "cuda")
         windows[name] = {**params, "gradients": grads, "activations": act, "logits_and_loss": logits,
-                         "other": dequant if in_layers else 0}
+                         "other": (dequant if in_layers else 0) + communication}
     windows["optimizer"] = {**params, "gradients": grads_total, "activations": 0.0, "logits_and_loss": 0.0,
-                            "other": optimizer_spec(settings.optimizer).step_temporaries * largest_trained}
+                            "other": optimizer_spec(settings.optimizer).step_temporaries * largest_trained * shard
+                            + communication}
     for w in windows.values():
         w["other"] += _fixed_costs(spec, sum(w.values()))
     phase = max(windows, key=lambda k: sum(windows[k].values()))
     breakdown = {k: int(round(v)) for k, v in windows[phase].items()}
-    return Prediction(peak_bytes=sum(breakdown.values()), breakdown=breakdown, offloaded_bytes=int(offloaded))
+    return Prediction(peak_bytes=sum(breakdown.values()), breakdown=breakdown, offloaded_bytes=int(offloaded),
+                      communication_bytes=int(communication))

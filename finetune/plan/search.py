@@ -16,13 +16,13 @@ from finetune.errors import FinetuneError
 from finetune.memory.bandwidth import transfer_bandwidth
 from finetune.memory.offload import offload_dir_for
 from finetune.plan.cost_model import tokens_per_second
-from finetune.plan.memory_model import ModelSpec, memory_floor, predict_memory
+from finetune.plan.memory_model import ModelSpec, memory_floor, predict_memory, traffic_bytes
 from finetune.plan.shapes import ModelShapes, target_dtype
 from finetune.plan.trace import model_facts, planned_config
 from finetune.recipe.offload_tiers import STORES, tier_names, tier_spec
 from finetune.recipe.optimizers import auto_preferences
-from finetune.recipe.schema import Recipe
-from finetune.recipe.settings import Settings, read_settings, write_settings
+from finetune.recipe.schema import SHARDED_STRATEGIES, STRATEGIES, Recipe
+from finetune.recipe.settings import Settings, inactive_settings, read_settings, write_settings
 from finetune.units import format_bytes, parse_bytes
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -38,6 +38,7 @@ class Candidate:
     breakdown: dict[str, int]
     tokens_per_s: float
     reason: str | None = None
+    communication_bytes: int = 0  # of the peak: the strategy's communication buffers (in breakdown["other"])
 
 
 @dataclass
@@ -54,6 +55,8 @@ class Plan:
     alternatives: list[Candidate] = field(default_factory=list)
     rejected: list[Candidate] = field(default_factory=list)
     min_budget_bytes: int | None = None
+    world_size: int = 1  # the plan is per device; tokens_per_s is the whole job's
+    communication_bytes: int = 0  # of the peak: the strategy's communication buffers (in breakdown["other"])
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -63,7 +66,8 @@ class Plan:
 
     def apply(self, recipe: Recipe) -> Recipe:
         """A copy of `recipe` with every `auto` the planner decides replaced by the chosen value."""
-        chosen = write_settings(recipe, self.settings)
+        inactive = inactive_settings(recipe)  # e.g. distributed.strategy with one process stays as written
+        chosen = write_settings(recipe, {k: v for k, v in self.settings.items() if k not in inactive})
         if chosen.memory.gpu_memory == "auto":  # the budget planned for (a fresh copy: assigning is safe)
             chosen.memory.gpu_memory = self.budget_bytes + recipe.memory.gpu_memory_margin
         return chosen
@@ -106,7 +110,16 @@ def auto_values(recipe: Recipe, device: str) -> dict[str, list[Any]]:
         "bits": [None] if recipe.adapter.type == "full" else [None, 8, 4],
         "optimizer": list(AUTO_OPTIMIZERS),
         "tiled_mlp": [False, True],
+        # deepspeed is an optional dependency: `auto` considers it only where it is installed.
+        "strategy": [s for s in STRATEGIES if s != "deepspeed" or deepspeed_installed()]
+        if recipe.distributed.gpus > 1 else ["ddp"],
     }
+
+
+def deepspeed_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
 
 
 def _choices(recipe: Recipe, spec: ModelSpec) -> list[Settings]:
@@ -117,6 +130,7 @@ def _choices(recipe: Recipe, spec: ModelSpec) -> list[Settings]:
     auto = auto_values(recipe, spec.device)
     axes = {name: auto.get(name, [value]) if value == "auto" else [value] for name, value in given.items()}
     effective = recipe.training.effective_batch_size
+    world = recipe.distributed.gpus
     out = []
     for values in itertools.product(*axes.values()):
         st = dict(zip(axes, values, strict=True))
@@ -124,10 +138,24 @@ def _choices(recipe: Recipe, spec: ModelSpec) -> list[Settings]:
             continue
         if st["offload"] != "none" and spec.num_layers < 2:
             continue
-        if st["gradient_accumulation_steps"] == "auto":  # keep training.effective_batch_size
-            st["gradient_accumulation_steps"] = math.ceil(effective / st["micro_batch_size"]) if effective else 1
+        if world > 1 and given["strategy"] == "auto" and _refused(recipe, st):
+            continue
+        if st["gradient_accumulation_steps"] == "auto":  # keep training.effective_batch_size over all devices
+            st["gradient_accumulation_steps"] = max(1, math.ceil(effective / (st["micro_batch_size"] * world))) \
+                if effective else 1
         out.append(Settings(**st))
     return out
+
+
+def _refused(recipe: Recipe, st: dict[str, Any]) -> bool:
+    """A combination the strategy cannot run (the schema's strategy_problems), skipped by the search."""
+    if st["strategy"] not in SHARDED_STRATEGIES and not recipe.optimizer.layerwise:
+        return False
+    try:  # validating the combination as a recipe runs the same checks (the schema's strategy_problems)
+        write_settings(recipe, {k: v for k, v in st.items() if v != "auto"})
+    except ValueError:
+        return True
+    return False
 
 
 def model_spec(recipe: Recipe, config: Any, device: str) -> ModelSpec:
@@ -138,7 +166,8 @@ def model_spec(recipe: Recipe, config: Any, device: str) -> ModelSpec:
         num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
         optimizer=recipe.optimizer, double_quant=recipe.quantization.double_quant,
         offload_min_size=recipe.memory.offload_min_size, recompute_norms=recipe.memory.recompute_norms,
-        tiled_mlp_tokens=recipe.memory.tiled_mlp_tokens)
+        tiled_mlp_tokens=recipe.memory.tiled_mlp_tokens, world_size=recipe.distributed.gpus,
+        interconnect_bandwidth=recipe.distributed.interconnect_bandwidth, zero_stage=recipe.distributed.zero_stage, deepspeed_offload=recipe.distributed.deepspeed_offload)
 
 
 def free_disk_bytes(path: Path) -> int:
@@ -156,7 +185,8 @@ def _speed(spec: ModelSpec, shapes: ModelShapes, settings: Settings, offloaded_b
         settings, device=spec.device, params=shapes.total, trainable_full=spec.adapter.type == "full",
         num_layers=spec.num_layers, hidden=spec.hidden_size, seq_len=spec.seq_len, quantized_params=quantized,
         offloaded_bytes=offloaded_bytes, dtype_bytes=spec.dtype.itemsize,
-        mlp_params=shapes.num_layers * shapes.mlp_linear, mlp_chunk_tokens=spec.tiled_mlp_tokens, bandwidth=bandwidth)
+        mlp_params=shapes.num_layers * shapes.mlp_linear, mlp_chunk_tokens=spec.tiled_mlp_tokens, bandwidth=bandwidth,
+        world_size=spec.world_size, traffic=traffic_bytes(spec, settings), interconnect=spec.interconnect_bandwidth)
 
 
 def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, free: dict[str, int] | None = None,
@@ -165,7 +195,8 @@ def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, free: dic
     (`free`, bytes by the tier table's `holds_in`; absent: not checked) is rejected."""
     pred = predict_memory(spec, settings)
     tps = _speed(spec, shapes, settings, pred.offloaded_bytes, bandwidth)
-    cand = Candidate(asdict(settings), pred.peak_bytes, pred.breakdown, tps)
+    cand = Candidate(asdict(settings), pred.peak_bytes, pred.breakdown, tps,
+                     communication_bytes=pred.communication_bytes)
     if settings.offload != "none":
         holds_in = tier_spec(settings.offload).holds_in
         available = (free or {}).get(holds_in)
@@ -234,10 +265,12 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
     if ok:
         best = ok[0]
         return Plan(device, best.settings, best.peak_bytes, best.breakdown, budget, True, best.tokens_per_s,
-                    alternatives=ok[1:4], rejected=rejected)
+                    alternatives=ok[1:4], rejected=rejected, world_size=spec.world_size,
+                    communication_bytes=best.communication_bytes)
     return Plan(device, leanest.settings, leanest.peak_bytes, leanest.breakdown, budget, False,
                 leanest.tokens_per_s, rejected=rejected,
-                min_budget_bytes=leanest.peak_bytes + recipe.memory.gpu_memory_margin)
+                min_budget_bytes=leanest.peak_bytes + recipe.memory.gpu_memory_margin, world_size=spec.world_size,
+                communication_bytes=leanest.communication_bytes)
 
 
 def _offload_resources(recipe: Recipe, device: str, tiers: set[str]) -> tuple[dict[str, float], dict[str, int]]:

@@ -52,6 +52,7 @@ class OptimizerSpec:
     auto_preference: float | None = None  # `optimizer.name: auto` may pick it; factor on tokens/s (quality)
     adapters: tuple[str, ...] = ADAPTER_TYPES  # adapter.type values it can train
     layerwise: bool = True  # works with optimizer.layerwise (one inner optimizer per weight)
+    sharded_states: bool = False  # its update is elementwise, so it works on FSDP / ZeRO shards of each weight
 
 
 _ADAMW_STATE = "finetune.optim.state_size:adamw_state"
@@ -62,7 +63,7 @@ _APOLLO_KEYS = (*LOW_RANK_KEYS, "scale_type")
 
 SPECS: tuple[OptimizerSpec, ...] = (
     OptimizerSpec("adamw", "adamw", "torch AdamW", "finetune.optim.factories:adamw", _ADAMW_STATE, 2,
-                  auto_preference=1.0),
+                  auto_preference=1.0, sharded_states=True),
     OptimizerSpec("adamw_8bit", "adamw_8bit", "bitsandbytes 8-bit AdamW", "finetune.optim.factories:adamw_8bit",
                   _BNB_STATE, 1, auto_preference=0.99),
     OptimizerSpec("paged_adamw_8bit", "adamw_8bit", "bitsandbytes 8-bit AdamW, paged state",
@@ -82,7 +83,7 @@ SPECS: tuple[OptimizerSpec, ...] = (
     OptimizerSpec("adafactor", "adafactor", "torch Adafactor", "finetune.optim.factories:adafactor",
                   "finetune.optim.state_size:adafactor_state", 3),
     OptimizerSpec("sgd", "sgd", "torch SGD", "finetune.optim.factories:sgd", "finetune.optim.state_size:sgd_state", 1,
-                  keys=("momentum",)),
+                  keys=("momentum",), sharded_states=True),
     OptimizerSpec("muon", "muon", "torch Muon on 2-D hidden weights, AdamW on the rest",
                   "finetune.optim.muon:factory", "finetune.optim.muon:state", 3,
                   own_params="finetune.optim.muon:is_hidden_matrix"),

@@ -266,6 +266,72 @@ class OutputConfig(Section):
     save_total_limit: int = Field(2, ge=1, le=MAX_COUNT, description="Keep only the newest this many checkpoints.")
 
 
+# -- distributed (issue 16): several GPUs / nodes through accelerate -------------------------------------
+STRATEGIES = ("ddp", "fsdp", "deepspeed")  # "auto": the planner picks the fastest that fits each GPU
+SHARDED_STRATEGIES = ("fsdp", "deepspeed")  # optimizer state (and more) split across processes
+
+
+class DistributedConfig(Section):
+    gpus: int = Field(1, ge=1, le=65536, description="Processes (one per GPU) in the whole job, the world size the "
+        "plan divides by; `finetune run --gpus N` sets it and starts N local processes, and under torchrun or "
+        "`accelerate launch` it is the launcher's WORLD_SIZE.")
+    strategy: Literal[("auto", *STRATEGIES)] = Field(  # type: ignore[valid-type]
+        "auto", description="ddp (replicate, all-reduce gradients), fsdp (FSDP2: shard parameters, gradients "
+        "and optimizer state), deepspeed (ZeRO via accelerate, optional dependency) or auto (the planner picks "
+        "the fastest that fits each GPU); ignored with one process.")
+    zero_stage: Literal[2, 3] = Field(3, description="deepspeed only: ZeRO-2 shards gradients and optimizer state, "
+        "ZeRO-3 also parameters.")
+    deepspeed_offload: Literal["none", "cpu", "nvme"] = Field(
+        "none", description="deepspeed only: where ZeRO keeps the optimizer state (and updates it): on the GPU, "
+        "in CPU RAM, or on an NVMe folder (deepspeed_nvme_path).")
+    deepspeed_nvme_path: str | None = Field(None, description="deepspeed_offload: nvme only: a folder on a fast SSD.")
+    interconnect_bandwidth: PositiveByteSize = Field(
+        20 * 10**9, description="Bytes/s between GPUs the planner assumes for gradient and parameter traffic "
+        "(20GB: PCIe 4.0 x16; NVLink is 10x that).")
+
+    @model_validator(mode="after")
+    def _keys_fit_strategy(self) -> DistributedConfig:
+        ds_keys = [k for k in ("zero_stage", "deepspeed_offload", "deepspeed_nvme_path")
+                   if getattr(self, k) != type(self).model_fields[k].default]
+        if ds_keys and self.strategy not in ("deepspeed", "auto"):
+            raise ValueError(f"distributed.{', distributed.'.join(ds_keys)} apply only to strategy deepspeed, not "
+                             f"{self.strategy}; remove them or set distributed.strategy: deepspeed")
+        if (self.deepspeed_offload == "nvme") != (self.deepspeed_nvme_path is not None):
+            raise ValueError("distributed.deepspeed_offload: nvme and distributed.deepspeed_nvme_path go together; "
+                             "set both (or neither)")
+        return self
+
+    def problems_with(self, recipe: Recipe) -> list[str]:
+        """Memory techniques that do not work under the chosen strategy (only with more than one process)."""
+        if self.gpus == 1 or self.strategy == "auto":  # auto: the planner only picks combinations that work
+            return []
+        return strategy_problems(recipe, self.strategy)
+
+
+def strategy_problems(recipe: Recipe, strategy: str) -> list[str]:
+    """Why `recipe` cannot run under `strategy` with several processes (empty: it can)."""
+    where = f"distributed.strategy={strategy} with {recipe.distributed.gpus} processes"
+    problems = []
+    if recipe.optimizer.layerwise:
+        problems.append(f"optimizer.layerwise with {where}: layer-wise updates step each weight inside backward, "
+                        "before the gradient is averaged across processes; set optimizer.layerwise: false")
+    if recipe.memory.offload != "none" and strategy in SHARDED_STRATEGIES:
+        problems.append(f"memory.offload={recipe.memory.offload} with {where}: the offload hooks would move the "
+                        "gathered (unsharded) weights that backward saves; use strategy ddp or memory.offload: none")
+    name = recipe.optimizer.name
+    if strategy in SHARDED_STRATEGIES and name != "auto" and not optimizer_spec(name).sharded_states:
+        problems.append(f"optimizer {name} with {where}: its state is computed over whole weights (projected, "
+                        "factored, orthogonalized or block-quantized), and each process holds only a shard; use "
+                        "adamw or sgd, or strategy ddp")
+    if recipe.quantization.bits == 8 and strategy in SHARDED_STRATEGIES:
+        problems.append(f"quantization.bits=8 with {where}: LLM.int8 weights cannot be sharded; use bits 4 "
+                        "(FSDP-QLoRA) or null, or strategy ddp")
+    if recipe.quantization.bits == 4 and strategy == "deepspeed":
+        problems.append(f"quantization.bits=4 with {where}: use strategy fsdp for QLoRA on sharded weights "
+                        "(FSDP-QLoRA), or ddp")
+    return problems
+
+
 class Recipe(Section):
     """A whole fine-tuning recipe."""
 
@@ -277,6 +343,8 @@ class Recipe(Section):
     memory: MemoryConfig = Field(default_factory=MemoryConfig, description="Activation memory and the budget.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer and its state.")
     output: OutputConfig = Field(default_factory=OutputConfig, description="Where results go.")
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig,
+                                           description="Several GPUs or nodes (DDP, FSDP2, DeepSpeed ZeRO).")
 
     def auto_keys(self) -> list[str]:
         """The keys ("section.key") still `auto` that the planner decides (finetune.recipe.settings lists them)."""
@@ -290,7 +358,7 @@ class Recipe(Section):
                 "weights cannot be trained; set quantization.bits: null or use adapter.type: lora")
         if self.training.eval_steps is not None and self.data.validation_split == 0:
             raise ValueError("training.eval_steps needs data.validation_split > 0")
-        problems = self.optimizer.problems_with(self)
+        problems = self.optimizer.problems_with(self) + self.distributed.problems_with(self)
         if problems:
             raise ValueError("; ".join(problems))
         return self

@@ -9,19 +9,26 @@ plan/cost_model.py). Torch-free: the schema imports it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from finetune.recipe.schema import Recipe
 
 
-def _setting(key: str, label: str, *, fallback: Any = None, default: Any = dataclasses.MISSING) -> Any:
+def _setting(key: str, label: str, *, fallback: Any = None, default: Any = dataclasses.MISSING,
+             active: Callable[[Recipe], bool] | None = None) -> Any:
     """A `Settings` field stored at recipe `key` ("section.field"), shown as `label` in plan tables.
 
     fallback: the value `auto` takes when the model cannot be planned; only for settings whose plain value
-    is always correct (None: a plan is needed to resolve `auto`)."""
-    return dataclasses.field(default=default, metadata={"key": key, "label": label, "fallback": fallback})
+    is always correct (None: a plan is needed to resolve `auto`). active: whether the setting matters for a
+    recipe (None: always); an inactive one is neither planned nor written (its `default` stands for it)."""
+    return dataclasses.field(default=default, metadata={"key": key, "label": label, "fallback": fallback,
+                                                        "active": active})
+
+
+def _several_processes(recipe: Recipe) -> bool:
+    return recipe.distributed.gpus > 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +44,8 @@ class Settings:
     bits: int | None = _setting("quantization.bits", "bits")
     optimizer: str = _setting("optimizer.name", "optimizer")
     tiled_mlp: bool = _setting("memory.tiled_mlp", "tiled", fallback=False, default=False)
+    strategy: str = _setting("distributed.strategy", "strategy", fallback="ddp", default="ddp",
+                             active=_several_processes)  # with one process there is nothing to distribute
 
 
 class Setting(NamedTuple):
@@ -44,12 +53,22 @@ class Setting(NamedTuple):
     key: str  # where the recipe holds it: "section.field"
     label: str
     fallback: Any
+    active: Callable[[Recipe], bool] | None = None
+
+    def applies(self, recipe: Recipe) -> bool:
+        """Whether the setting matters for `recipe` (distributed.strategy only with several processes)."""
+        return self.active is None or self.active(recipe)
 
 
 def table() -> list[Setting]:
     """The rows of the table, in field order."""
-    return [Setting(f.name, f.metadata["key"], f.metadata["label"], f.metadata["fallback"])
+    return [Setting(f.name, f.metadata["key"], f.metadata["label"], f.metadata["fallback"], f.metadata["active"])
             for f in dataclasses.fields(Settings)]
+
+
+def inactive_settings(recipe: Recipe) -> set[str]:
+    """Names of the settings that do not matter for `recipe`: not planned, not written by Plan.apply."""
+    return {s.name for s in table() if not s.applies(recipe)}
 
 
 def read_settings(recipe: Recipe) -> dict[str, Any]:
@@ -73,7 +92,8 @@ def write_settings(recipe: Recipe, values: Mapping[str, Any]) -> Recipe:
 
 def auto_settings(recipe: Recipe) -> list[str]:
     """The names of the settings `recipe` leaves to the planner."""
-    return [name for name, value in read_settings(recipe).items() if value == "auto"]
+    inactive = inactive_settings(recipe)
+    return [name for name, value in read_settings(recipe).items() if value == "auto" and name not in inactive]
 
 
 def auto_keys(recipe: Recipe) -> list[str]:

@@ -35,9 +35,13 @@ class MetricsCallback(TrainerCallback):
         self._first_step = state.global_step
         self._last_tokens = state.num_input_tokens_seen
         self._last_time = self.start = time.time()
+        if not state.is_world_process_zero:  # several processes: rank 0 alone writes the run directory
+            return
         self.run.write_status("running", step=state.global_step, max_steps=self.max_steps, **self.status_fields)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero:
+            return
         logs = logs or {}
         now = time.time()
         row = {"step": state.global_step, "epoch": round(state.epoch or 0.0, 4), "elapsed_s": round(now - self.start, 3)}
@@ -83,6 +87,8 @@ class ProgressCallback(TrainerCallback):
         self._last = (time.time(), 0)
 
     def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:  # one progress bar, not one per process
+            return
         self.progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
             TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console, transient=False,

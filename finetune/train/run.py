@@ -21,6 +21,7 @@ from finetune.recipe.schema import Recipe
 from finetune.recipe.settings import auto_settings, read_settings, write_settings
 from finetune.recipe.settings import table as settings_table
 from finetune.rundir import RunDir, atomic_write_json, atomic_write_text, replace_dir
+from finetune.train import distributed
 from finetune.train.callbacks import MetricsCallback, ProgressCallback, StopOnSignal
 from finetune.train.checkpoints import find_resumable, numbered, report_skipped, step_of
 from finetune.train.environment import environment_summary
@@ -56,12 +57,19 @@ def _prepare_run_dir(recipe: Recipe, resume: bool, overwrite: bool) -> tuple[Run
                                 hint="start the run without --resume (checkpoints are saved every output.save_steps)")
         console.print(f"resuming from {found.newest}")
         return run, str(found.newest)
-    if run.status.exists() or numbered(run.checkpoints):
+    check_output_dir(recipe, resume, overwrite)
+    run.create()
+    return run, None
+
+
+def check_output_dir(recipe: Recipe, resume: bool, overwrite: bool) -> None:
+    """A new run must not start in a folder that holds one (checked again by `finetune run --gpus N` before
+    it starts any process)."""
+    run = RunDir(Path(recipe.output.dir))
+    if not resume and not overwrite and (run.status.exists() or numbered(run.checkpoints)):
         raise FinetuneError(
             f"output.dir {run.root} already holds a run",
             hint="pass --resume to continue it, --overwrite to start over, or --set output.dir=runs/NEW")
-    run.create()
-    return run, None
 
 
 def _plan(recipe: Recipe) -> tuple[Plan | None, Recipe]:
@@ -100,16 +108,40 @@ def _plan(recipe: Recipe) -> tuple[Plan | None, Recipe]:
 def keep_resolved(recipe: Recipe, saved: Recipe) -> Recipe:
     """On resume, `auto` keys take the values the interrupted run chose (saved in its recipe.yaml), so the
     checkpoint continues with the same micro-batch, accumulation and memory settings; other keys (a longer
-    max_steps, say) still come from the recipe given now."""
+    max_steps, say) still come from the recipe given now.
+
+    At another world size the strategy is planned again and an `auto` accumulation is rescaled so the
+    effective batch (micro-batch x accumulation x processes) stays the interrupted run's."""
     chosen = read_settings(saved)
-    return write_settings(recipe, {name: chosen[name] for name in auto_settings(recipe)})
+    names = auto_settings(recipe)
+    if saved.distributed.gpus != recipe.distributed.gpus:
+        names = [n for n in names if n != "strategy"]
+        if "gradient_accumulation_steps" in names:
+            batch = int(chosen["micro_batch_size"]) * int(chosen["gradient_accumulation_steps"]) * saved.distributed.gpus
+            per_step = int(chosen["micro_batch_size"]) * recipe.distributed.gpus
+            if batch % per_step:
+                raise FinetuneError(
+                    f"--resume with {recipe.distributed.gpus} processes: the run's effective batch {batch} is not a "
+                    f"multiple of micro-batch {chosen['micro_batch_size']} x {recipe.distributed.gpus} processes",
+                    hint="resume with a number of processes that divides it")
+            chosen = {**chosen, "gradient_accumulation_steps": batch // per_step}
+    return write_settings(recipe, {name: chosen[name] for name in names})
 
 
 def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> RunResult:
-    """Fine-tune as the recipe says and fill the run directory. Ctrl-C saves a checkpoint and stops."""
-    run_dir, checkpoint = _prepare_run_dir(recipe, resume, overwrite)
+    """Fine-tune as the recipe says and fill the run directory. Ctrl-C saves a checkpoint and stops.
+
+    Under torchrun / accelerate launch every process runs this; rank 0 alone writes the run directory."""
+    distributed.join(recipe)
+    main = distributed.is_main()
+    run_dir, checkpoint = distributed.on_main(lambda: _prepare_run_dir(recipe, resume, overwrite))
     stopper = StopOnSignal()
     stopper.install()
+    if not main:
+        try:
+            return _plan_build_train(recipe, run_dir, checkpoint, stopper, main=False)
+        finally:
+            stopper.uninstall()
     try:
         run_dir.write_status("planning")
         run_dir.log_line(f"run started (resume from {checkpoint})" if checkpoint else "run started")
@@ -146,7 +178,8 @@ def _record_end(run_dir: RunDir, state: str, exc: BaseException) -> None:
         console.print(f"[red]could not record the end of the run in {run_dir.status}: {write_error.strerror}")
 
 
-def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, stopper: StopOnSignal) -> RunResult:
+def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, stopper: StopOnSignal,
+                      main: bool = True) -> RunResult:
     from finetune.data import build_datasets
     from finetune.memory.layer_recompute import apply_memory_config
     from finetune.model.adapter import apply_adapter, count_parameters
@@ -155,15 +188,20 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     if checkpoint and run_dir.recipe.is_file():
         saved = load_recipe(run_dir.recipe)
         recipe = keep_recovered(keep_resolved(recipe, saved), saved, run_dir.root)
-    plan, recipe = _plan(recipe)
-    if plan is not None:
-        save_plan(run_dir, plan)
-    atomic_write_text(run_dir.recipe, recipe_to_yaml(recipe))
-    atomic_write_json(run_dir.env, environment_summary())
-    run_dir.write_status("loading")
+    plan, recipe = distributed.on_main(lambda: _plan(recipe))  # one plan for all processes
+    if main:
+        if plan is not None:
+            save_plan(run_dir, plan)
+        atomic_write_text(run_dir.recipe, recipe_to_yaml(recipe))
+        atomic_write_json(run_dir.env, environment_summary())
+        run_dir.write_status("loading")
+    several = recipe.distributed.gpus > 1
+    if several:
+        console.print(f"distributed: {recipe.distributed.gpus} processes, strategy {recipe.distributed.strategy}")
 
-    set_seed(recipe.training.seed)  # adapter initialisation is random: make it reproducible
-    model, tokenizer, _ = load_model(recipe.model, recipe.quantization)
+    set_seed(recipe.training.seed)  # adapter initialisation is random: make it reproducible (same on all ranks)
+    model, tokenizer, _ = load_model(recipe.model, recipe.quantization,
+                                     sharded=several and recipe.distributed.strategy == "fsdp")
     model = apply_adapter(model, recipe.adapter, checkpointing=bool(recipe.memory.activation_checkpointing))
     apply_memory_config(model, recipe.memory)
     trainable, total = count_parameters(model)
@@ -171,22 +209,27 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
                   f"({100 * trainable / max(total, 1):.2f}%)")
     data = build_datasets(recipe.data, tokenizer, recipe.training.seed)
     console.print("data: " + ", ".join(f"{k} {v}" for k, v in data.stats.items()))
-    run_dir.log_line(f"data stats: {data.stats}")
+    if main:
+        run_dir.log_line(f"data stats: {data.stats}")
 
     steps = total_steps(recipe, len(data.train))
-    if checkpoint:
+    if checkpoint and main:
         run_dir.truncate_metrics(step_of(checkpoint))
     peak = PeakMemoryCallback(plan.peak_bytes if plan is not None else None)
     metrics = MetricsCallback(run_dir, steps)
     # A bad offload_dir fails here, before the first step and before anything is written there.
     preflight_offload(model, recipe.memory, run_dir.root, int(recipe.training.micro_batch_size), recipe.data.max_seq_len)
     offload = activation_offload(model, recipe.memory, run_dir.root)
-    trainer = RecoveringTrainer(
-        model=model, args=training_arguments(recipe, run_dir.checkpoints, steps, data.eval is not None),
-        train_dataset=data.train, eval_dataset=data.eval, data_collator=data.collator,
-        processing_class=tokenizer, callbacks=[peak, metrics, ProgressCallback(steps), stopper],
-        recipe=recipe, offload=offload, run_root=run_dir.root, on_recovery=record_recovery(run_dir, steps, peak, metrics),
-    )
+    args = training_arguments(recipe, run_dir.checkpoints, steps, data.eval is not None,
+                              **distributed.training_kwargs(recipe, model))
+    common = dict(model=model, args=args, train_dataset=data.train, eval_dataset=data.eval,
+                  processing_class=tokenizer, callbacks=[peak, metrics, ProgressCallback(steps), stopper],
+                  recipe=recipe, offload=offload)
+    if several:  # redoing a step on one process would leave the others waiting in a collective
+        trainer = FinetuneTrainer(data_collator=data.collator, **common)
+    else:
+        trainer = RecoveringTrainer(data_collator=data.collator, run_root=run_dir.root,
+                                    on_recovery=record_recovery(run_dir, steps, peak, metrics), **common)
     trainer.remove_callback(PrinterCallback)  # our progress bar and metrics.jsonl replace its prints
     start = time.time()
     try:
@@ -198,9 +241,11 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     eval_loss = trainer.evaluate().get("eval_loss") if data.eval is not None else None
     state = "stopped" if stopper.requested else "completed"
     if state == "completed":
-        _save_result(trainer, tokenizer, run_dir)
+        _save_result(trainer, tokenizer, run_dir, main)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     result = RunResult(run_dir.root, state, trainer.state.global_step, losses[-1] if losses else None, eval_loss)
+    if not main:
+        return result
     atomic_write_json(run_dir.results, {
         "state": state, "steps": result.steps, "final_loss": result.final_loss, "eval_loss": eval_loss,
         "train_runtime_s": round(time.time() - start, 2), "train_metrics": output.metrics, "data": data.stats,
@@ -213,10 +258,22 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     return result
 
 
-def _save_result(trainer: FinetuneTrainer, tokenizer, run_dir: RunDir) -> None:
-    """Save the adapter (or the full model) with its tokenizer, atomically, to run/adapter."""
+def _save_result(trainer: FinetuneTrainer, tokenizer, run_dir: RunDir, main: bool = True) -> None:
+    """Save the adapter (or the full model) with its tokenizer, atomically, to run/adapter.
+
+    Several processes: every rank takes part in gathering the weights (FSDP, ZeRO-3), rank 0 writes."""
     tmp = run_dir.adapter_staging
-    shutil.rmtree(tmp, ignore_errors=True)
-    trainer.model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    replace_dir(tmp, run_dir.adapter)
+    if trainer.args.world_size == 1:
+        shutil.rmtree(tmp, ignore_errors=True)
+        trainer.model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+    else:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        distributed.barrier()
+        trainer.save_model(str(tmp))  # the Trainer gathers the state dict as accelerate does; rank 0 writes
+        distributed.barrier()
+        if main:
+            (tmp / "training_args.bin").unlink(missing_ok=True)  # a pickle the adapter folder does not need
+    if main:
+        replace_dir(tmp, run_dir.adapter)

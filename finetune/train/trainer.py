@@ -7,8 +7,10 @@ import math
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
+from accelerate.utils import DistributedType
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
@@ -17,7 +19,7 @@ from finetune.memory.offload import ActivationOffload
 from finetune.memory.step import forward_backward, mixed_precision
 from finetune.optim import build_optimizer, layerwise_of, register_safe_globals
 from finetune.recipe.schema import Recipe
-from finetune.train.checkpoints import checkpoint_fault, numbered, publish, stage
+from finetune.train.checkpoints import STAGING, checkpoint_fault, numbered, publish, stage
 
 _SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup",
                "wsd": "warmup_stable_decay"}
@@ -36,12 +38,15 @@ def total_steps(recipe: Recipe, train_examples: int) -> int:
     t = recipe.training
     if t.max_steps is not None:
         return t.max_steps
-    per_epoch = math.ceil(train_examples / (int(t.micro_batch_size) * int(t.gradient_accumulation_steps)))
+    per_epoch = math.ceil(train_examples / (int(t.micro_batch_size) * int(t.gradient_accumulation_steps)
+                                            * recipe.distributed.gpus))
     return max(1, math.ceil(per_epoch * t.epochs))
 
 
-def training_arguments(recipe: Recipe, output_dir: Path, steps: int, has_eval: bool) -> TrainingArguments:
-    """Translate the (fully resolved, no `auto`) recipe into TrainingArguments."""
+def training_arguments(recipe: Recipe, output_dir: Path, steps: int, has_eval: bool,
+                       **distributed: Any) -> TrainingArguments:
+    """Translate the (fully resolved, no `auto`) recipe into TrainingArguments; `distributed`: the strategy's
+    own arguments (finetune.train.distributed.training_kwargs)."""
     t, m = recipe.training, recipe.memory
     dtype = recipe.model.dtype
     cuda = torch.cuda.is_available()
@@ -82,6 +87,7 @@ def training_arguments(recipe: Recipe, output_dir: Path, steps: int, has_eval: b
         include_num_input_tokens_seen="non_padding",
         dataloader_num_workers=0,
         **eval_kwargs,
+        **distributed,
     )
 
 
@@ -125,14 +131,28 @@ class FinetuneTrainer(Trainer):
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
+        num_items = num_items_in_batch if self.model_accepts_loss_kwargs else None
+        # Several processes: the loss is normalised by the labelled tokens of all of them and DDP/FSDP average
+        # the gradients, so it is multiplied by their number, as Trainer.compute_loss does (one process: 1).
+        scale = self.accelerator.num_processes \
+            if num_items is not None and self.args.average_tokens_across_devices else 1
         loss = forward_backward(
             model, self._prepare_inputs(inputs), accumulation=self.current_gradient_accumulation_steps,
-            num_items_in_batch=num_items_in_batch if self.model_accepts_loss_kwargs else None,
+            num_items_in_batch=num_items,
             chunked_loss=self.recipe.memory.chunked_loss is True and "labels" in inputs, autocast=self.accelerator.autocast, offload=self.offload,
-            backward=self.accelerator.backward)
+            backward=lambda loss: self._backward(loss * scale if scale != 1 else loss))
+        loss = loss * scale if scale != 1 else loss
         finite = torch.isfinite(loss).all()
         self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
         return loss
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """accelerator.backward as Trainer.training_step calls it: DeepSpeed must not divide the loss by the
+        accumulation again (forward_backward already did)."""
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            self.accelerator.backward(loss, scale_wrt_gas=False)
+        else:
+            self.accelerator.backward(loss)
 
     def create_optimizer(self, model=None):
         """Every optimizer of the recipe (APOLLO, GaLore, 8-bit, layer-wise...) comes from finetune.optim."""
@@ -169,16 +189,23 @@ class FinetuneTrainer(Trainer):
     def _save_checkpoint(self, model, trial) -> None:
         """Write checkpoint-N in a staging folder and rename it when complete (a kill or a full disk never
         leaves a half checkpoint where --resume looks); weights that are already NaN/inf are never saved."""
-        if not _all_finite(p for p in self.model.parameters() if p.requires_grad):
+        if not self._weights_finite():
             self._diverged("the trained weights hold NaN/inf")
         root = Path(self._get_output_dir(trial))
-        staging = stage(root)
+        # Several processes: rank 0 prepares and publishes the staging folder; every rank writes its part
+        # (its RNG state, FSDP/ZeRO gathering) in between.
+        main = self.args.process_index == 0
+        staging = stage(root) if main else root / STAGING
+        self.accelerator.wait_for_everyone()
         output_dir, limit = self.args.output_dir, self.args.save_total_limit
         self.args.output_dir, self.args.save_total_limit = str(staging), None  # rotate only once published
         try:
             super()._save_checkpoint(model, trial)
             name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            publish(staging / name, root / name)
+            self.accelerator.wait_for_everyone()
+            if main:
+                publish(staging / name, root / name)
+            self.accelerator.wait_for_everyone()
         except (OSError, RuntimeError) as exc:
             reason = _write_failure(exc, root)
             if reason is None:
@@ -191,9 +218,21 @@ class FinetuneTrainer(Trainer):
                 hint="free disk space or fix the folder's permissions, then run again with --resume") from None
         finally:
             self.args.output_dir, self.args.save_total_limit = output_dir, limit
+        if not main:
+            return
         shutil.rmtree(staging, ignore_errors=True)
         rotate_checkpoints(output_dir=str(root), save_total_limit=limit,
                            best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+    def _weights_finite(self) -> bool:
+        """All trained weights finite, on every process (FSDP/ZeRO: each checks its shard, all agree)."""
+        local = _all_finite(p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()
+                            if p.requires_grad)
+        if self.accelerator.num_processes == 1:
+            return local
+        flag = torch.tensor(float(local), device=self.accelerator.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        return bool(flag.item())
 
     def _save_rng_state(self, output_dir) -> None:
         checkpoint_fault(Path(output_dir), self.state.global_step)  # test hook; a no-op unless its env var is set
