@@ -132,9 +132,10 @@ def test_finished_run_history_export_and_chat(work):
     state, step = wait_for(lambda: (s := status())[0] == "completed" and s, 240, "the run to finish")
     assert step == 6
     fresh = gradio_client.Client(client.src, verbose=False)  # a new page: nothing drawn yet in this session
-    html, loss_plot, lr_plot, memory_plot, log, queue = fresh.predict(str(run_dir), api_name="/refresh")
+    html, _, loss_plot, timeline, lr_plot, memory_plot, log, queue = fresh.predict(str(run_dir),
+                                                                                   api_name="/refresh")
     assert "run completed at step 6" in log and "GPU free" in queue
-    assert loss_plot["type"] == lr_plot["type"] == memory_plot["type"] == "matplotlib"  # predicted vs measured
+    assert loss_plot["type"] == timeline["type"] == lr_plot["type"] == memory_plot["type"] == "matplotlib"  # predicted vs measured
 
     rows = client.predict(api_name="/history")[0]
     assert any(row[0] == str(run_dir) and row[1] == "completed" for row in rows["data"])
