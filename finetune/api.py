@@ -66,9 +66,10 @@ def apply_goal(recipe: Recipe, goal: str) -> Recipe:
 
 
 def recipe_gallery(folder: str | Path = "recipes") -> list[dict[str, str]]:
-    """The ready recipes in `folder`: name, path, title and description (the file's leading comment lines)."""
+    """The ready recipes in `folder` (the quickstart first): name, path, title and description (the file's
+    leading comment lines)."""
     out = []
-    for path in sorted(Path(folder).glob("*.yaml")):
+    for path in sorted(Path(folder).glob("*.yaml"), key=lambda p: (p.stem != "quickstart", p.stem)):
         lines = []
         for line in path.read_text(encoding="utf-8").splitlines():
             if not line.startswith("#"):

@@ -111,7 +111,8 @@ def timeline_figure(rows: list[dict[str, Any]], planned_peak: float | None,
                     events: list[tuple[int, str, str]] = (), seen_peak: float | None = None) -> Figure:
     """Tokens/s and the measured peak memory per logged step against the plan's peak (and the plan at the
     longest sequence seen), with the run's events marked."""
-    fig, (speed, mem) = Figure(figsize=(7, 4.2), dpi=100, layout="constrained").subplots(2, 1, sharex=True)
+    fig = Figure(figsize=(7, 4.2), dpi=100, layout="constrained")
+    speed, mem = fig.subplots(2, 1, sharex=True)
     speed.plot(*_series(rows, "tokens_per_second"), color="C0", marker=".", label="tokens/s")
     speed.set_ylabel("tokens/s")
     speed.grid(alpha=0.3)
@@ -141,7 +142,8 @@ def timeline_figure(rows: list[dict[str, Any]], planned_peak: float | None,
 def context_figure(sweep: dict[str, Any], chosen_gb: int | None, chosen_micro_batch: int | None = None) -> Figure:
     """Per GPU size: the longest trainable context and the largest micro-batch at the recipe's max_seq_len,
     the chosen GPU's bars highlighted and the chosen plan (max_seq_len, its micro-batch) starred."""
-    fig, (ctx, mbs) = Figure(figsize=(9, 3.4), dpi=100, layout="constrained").subplots(1, 2)
+    fig = Figure(figsize=(9, 3.4), dpi=100, layout="constrained")
+    ctx, mbs = fig.subplots(1, 2)
     rows = sweep["sizes"]
     labels = [f"{r['gpu_gb']} GB" for r in rows]
     colors = ["#dd8452" if r["gpu_gb"] == chosen_gb else "#4c72b0" for r in rows]

@@ -32,6 +32,13 @@ GOALS: dict[str, dict[str, Any]] = {
 }
 
 
+SUMMARIES = {  # one line each, for the UI's goal picker
+    "quick test": "minutes on a 200-record sample, 512 tokens, 30 steps",
+    "best quality": "the whole data for 3 epochs, a 5% eval split, a rank-64 adapter",
+    "longest context": "32k tokens, one sequence per micro-batch, memory savings left to the planner",
+}
+
+
 def goal_values(goal: str) -> dict[str, Any]:
     """The recipe keys ("section.field") and values of `goal`; KeyError names the known goals."""
     if goal not in GOALS:

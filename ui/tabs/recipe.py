@@ -8,18 +8,19 @@ from typing import Any
 
 import gradio as gr
 
-from finetune.recipe.goals import GOALS
+from finetune.recipe.goals import GOALS, SUMMARIES
 from finetune.rundir import RECIPE
 from ui.backend import Backend
 from ui.form import FieldSpec, sections
 from ui.tabs.messages import reported
 
-BASIC_KEYS = ("model.path", "data.path")  # shown in the basic form; every other key is under Advanced
+BASIC_KEYS = {"model.path": "Model (model.path)", "data.path": "Data file (data.path)"}  # the basic form's
+# keys and their labels; every other key is under Advanced
 KEEP = "keep the recipe's values"
 
 
-def _widget(spec: FieldSpec, value: Any) -> gr.components.Component:
-    common = dict(value=value, label=spec.name, info=spec.info, elem_id=spec.elem_id, interactive=True)
+def _widget(spec: FieldSpec, value: Any, label: str | None = None) -> gr.components.Component:
+    common = dict(value=value, label=label or spec.name, info=spec.info, elem_id=spec.elem_id, interactive=True)
     if spec.kind == "checkbox":
         return gr.Checkbox(**common)
     if spec.kind == "number":
@@ -61,7 +62,7 @@ def build(demo: gr.Blocks, backend: Backend) -> tuple[list[gr.components.Compone
     with gr.Tab("Recipe", id="recipe"):
         gr.Markdown("**Start from something**: a ready recipe, a recipe file, or a previous run. Then set the "
                     "basics; everything else has a sensible default under *Advanced*.")
-        with gr.Row(equal_height=True):
+        with gr.Row():
             with gr.Column(scale=3, elem_id="gallery"):
                 pick = gr.Radio(choices=[(r["title"], r["path"]) for r in gallery], label="Ready recipes",
                                 elem_id="gallery-pick")
@@ -77,15 +78,15 @@ def build(demo: gr.Blocks, backend: Backend) -> tuple[list[gr.components.Compone
         with gr.Group(elem_id="basics"):
             gr.Markdown("### Basics")
             with gr.Row():
-                basic = {k: _widget(by_key[k], defaults[k]) for k in BASIC_KEYS}
+                basic = {k: _widget(by_key[k], defaults[k], label) for k, label in BASIC_KEYS.items()}
             with gr.Row():
                 gpus = backend.gpu_choices()
                 gpu = gr.Dropdown(choices=gpus, value=gpus[0], label="GPU",
                                   info="The card the Memory tab plans for; a run uses the GPU's free memory "
                                        "(memory.gpu_memory).", elem_id="basic-gpu")
                 goal = gr.Dropdown(choices=[KEEP, *GOALS], value=KEEP, label="Goal",
-                                   info="Sets a few keys to values for that goal (shown under Advanced): "
-                                        + "; ".join(f"{g}: {', '.join(v)}" for g, v in GOALS.items()) + ".",
+                                   info="Sets the few keys a goal is about (shown under Advanced): "
+                                        + "; ".join(f"{g}: {text}" for g, text in SUMMARIES.items()) + ".",
                                    elem_id="goal")
         advanced = _advanced(backend, defaults)
         widgets = [{**basic, **advanced}[k] for k in keys]
