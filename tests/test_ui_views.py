@@ -73,14 +73,15 @@ def test_run_events_become_labelled_markers_on_the_curves():
             {"event": "oom_recovered", "step": 5, "oom_step": 6, "from": {"activation_checkpointing": False},
              "to": {"activation_checkpointing": True}}]
     events = views.run_events(rows)
-    assert events == [(2, "checkpoint saved", "checkpoint"),
-                      (3, "OOM recovered: batch changed (micro_batch_size 4→2)", "batch"),
-                      (6, "OOM recovered (activation_checkpointing False→True)", "oom")]
-    assert "step 3: OOM recovered: batch changed" in views.events_markdown(events)
+    assert events == [(2, "checkpoint", "checkpoint", "checkpoint saved"),
+                      (3, "OOM recovered, batch changed", "batch",
+                       "OOM recovered, batch changed (micro_batch_size 4→2)"),
+                      (6, "OOM recovered", "oom", "OOM recovered (activation_checkpointing False→True)")]
+    assert "step 3: OOM recovered, batch changed (micro_batch_size 4→2)" in views.events_markdown(events)
     for fig in (charts.loss_figure({"run": rows}, events=events), charts.timeline_figure(rows, 5 * GIB, events)):
         for ax in fig.axes:
             assert [line.get_xdata()[0] for line in ax.get_lines() if line.get_linestyle() == ":"] == [2, 3, 6]
-            assert {t.get_text() for t in ax.texts} >= {label for _, label, _ in events}
+            assert {t.get_text() for t in ax.texts} >= {label for _, label, _, _ in events}
 
 
 def test_timeline_shows_speed_and_memory_against_the_plan():

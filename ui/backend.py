@@ -166,13 +166,15 @@ class Backend:
 
     def plan(self, values: list[Any], gpu: str) -> dict[str, Any]:
         """The planner's JSON for the form's recipe on the chosen GPU (a card's size when memory is auto), with
-        `speed`: the estimate as a person should read it (finetune.api.speed_estimate)."""
+        `speed` (in the plan and each option): the estimate as a person should read it (api.speed_estimate)."""
         recipe = self.checked_recipe(values)
         from finetune import api
 
         # A budget written in the recipe wins; a card's size also tells the planner to plan for a GPU.
         card = CARDS[gpu] * 2**30 if gpu in CARDS and recipe.memory.gpu_memory == "auto" else None
         plan = json.loads(api.plan(recipe, gpu_memory=card).to_json())
+        for option in (plan.get("alternatives") or []) + (plan.get("rejected") or []):
+            option["speed"] = api.speed_estimate({**option, "device": plan.get("device")})
         return {**plan, "speed": api.speed_estimate(plan)}
 
     def gpu_sweep(self, values: list[Any]) -> dict[str, Any]:

@@ -31,9 +31,9 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[flo
 EVENT_COLORS = {"checkpoint": "#55a868", "oom": "#c44e52", "batch": "#8172b2"}
 
 
-def mark_events(ax: Any, events: list[tuple[int, str, str]]) -> None:
-    """A dotted vertical line per run event (step, label, kind) with its label at the top of the axes."""
-    for step, label, kind in events:
+def mark_events(ax: Any, events: list[tuple[int, str, str, str]]) -> None:
+    """A dotted vertical line per run event (step, label, kind, detail) with its label at the top of the axes."""
+    for step, label, kind, _ in events:
         color = EVENT_COLORS.get(kind, "#8c8c8c")
         ax.axvline(step, color=color, linestyle=":", linewidth=1.3)
         ax.annotate(label, (step, 1), xycoords=("data", "axes fraction"), xytext=(2, -2), textcoords="offset points",
@@ -41,7 +41,7 @@ def mark_events(ax: Any, events: list[tuple[int, str, str]]) -> None:
 
 
 def loss_figure(runs: dict[str, list[dict[str, Any]]], title: str = "loss", by_run: bool = False,
-                events: list[tuple[int, str, str]] = ()) -> Figure:
+                events: list[tuple[int, str, str, str]] = ()) -> Figure:
     """Training loss (lines) and eval loss (markers) over optimizer steps, one colour per run;
     `by_run` names each curve after its run (for comparisons) instead of "train"/"eval"; `events` (step,
     label, kind) are drawn as marked vertical lines."""
@@ -108,7 +108,7 @@ def memory_figure(bars: list[tuple[str, dict[str, float]]], budget: float | None
 
 
 def timeline_figure(rows: list[dict[str, Any]], planned_peak: float | None,
-                    events: list[tuple[int, str, str]] = (), seen_peak: float | None = None) -> Figure:
+                    events: list[tuple[int, str, str, str]] = (), seen_peak: float | None = None) -> Figure:
     """Tokens/s and the measured peak memory per logged step against the plan's peak (and the plan at the
     longest sequence seen), with the run's events marked."""
     fig = Figure(figsize=(7, 4.2), dpi=100, layout="constrained")
@@ -152,16 +152,16 @@ def context_figure(sweep: dict[str, Any], chosen_gb: int | None, chosen_micro_ba
     for x, value in enumerate(contexts):
         ctx.annotate(f"{value:,}" if value else "none", (x, max(value, 1)), ha="center", va="bottom", fontsize=7)
     ctx.set_yscale("log", base=2)
-    ctx.set_ylim(bottom=128, top=max([*contexts, 256]) * 4)
+    ctx.set_ylim(bottom=min(128, sweep["max_seq_len"] / 2), top=max([*contexts, sweep["max_seq_len"], 256]) * 16)
     ctx.axhline(sweep["max_seq_len"], color="black", linestyle="--", linewidth=1,
                 label=f"recipe max_seq_len {sweep['max_seq_len']:,}")
-    ctx.set_title("longest trainable context (tokens, micro-batch 1)", fontsize=9)
+    ctx.set_title("longest context (tokens, micro-batch 1)", fontsize=9, loc="right")
     batches = [r["largest_micro_batch"] or 0 for r in rows]
     mbs.bar(labels, batches, color=colors)
     for x, value in enumerate(batches):
         mbs.annotate(str(value) if value else "none", (x, value), ha="center", va="bottom", fontsize=7)
-    mbs.set_title(f"largest micro-batch at {sweep['max_seq_len']:,} tokens", fontsize=9)
-    mbs.set_ylim(top=max([*batches, 1]) * 1.25)
+    mbs.set_title(f"largest micro-batch at {sweep['max_seq_len']:,} tokens", fontsize=9, loc="right")
+    mbs.set_ylim(top=max([*batches, 1]) * 1.4)
     if chosen_gb in [r["gpu_gb"] for r in rows]:
         x = [r["gpu_gb"] for r in rows].index(chosen_gb)
         ctx.plot([x], [sweep["max_seq_len"]], marker="*", markersize=14, color="#c44e52", linestyle="none",
@@ -169,8 +169,8 @@ def context_figure(sweep: dict[str, Any], chosen_gb: int | None, chosen_micro_ba
         if chosen_micro_batch:
             mbs.plot([x], [chosen_micro_batch], marker="*", markersize=14, color="#c44e52", linestyle="none",
                      label=f"chosen plan (micro-batch {chosen_micro_batch})")
-            mbs.legend(loc="upper left", fontsize=7)
-    ctx.legend(loc="upper left", fontsize=7)
+            mbs.legend(loc="upper right", fontsize=7)
+    ctx.legend(loc="upper right", fontsize=7)
     for ax in (ctx, mbs):
         ax.tick_params(axis="x", labelsize=8)
         ax.set_xlabel("GPU memory")

@@ -119,7 +119,8 @@ def option_rows(plan: dict[str, Any]) -> list[list[str]]:
     for kind in ("alternatives", "rejected"):
         for opt in plan.get(kind) or []:
             if isinstance(opt, dict):
-                rows.append([kind.rstrip("s"), size(opt.get("peak_bytes")), _fmt(opt.get("tokens_per_s"), ",.0f"),
+                speed = (opt.get("speed") or {}).get("text") or _fmt(opt.get("tokens_per_s"), ",.0f")
+                rows.append([kind.rstrip("s"), size(opt.get("peak_bytes")), speed,
                              _differences(plan, opt), str(opt.get("reason") or "")])
     return rows
 
@@ -176,24 +177,27 @@ def measured_bars(run_dir: Path, seen: dict[str, Any] | None = None
 
 
 
-def run_events(rows: list[dict[str, Any]]) -> list[tuple[int, str, str]]:
-    """The events a run recorded in metrics.jsonl as (step, label, kind) chart markers: checkpoints saved,
-    out-of-memory recoveries (a changed micro-batch or accumulation is called a batch change) and give-ups."""
+def run_events(rows: list[dict[str, Any]]) -> list[tuple[int, str, str, str]]:
+    """The events a run recorded in metrics.jsonl as (step, short label, kind, detail) chart markers:
+    checkpoints saved, out-of-memory recoveries (one that changed the micro-batch or accumulation is a batch
+    change) and give-ups."""
     out = []
     for row in rows:
         event, step = row.get("event"), row.get("oom_step", row.get("step"))  # at the step that failed
         if not isinstance(event, str) or not isinstance(step, int):
             continue
         if event == "checkpoint_saved":
-            out.append((step, "checkpoint saved", "checkpoint"))
+            out.append((step, "checkpoint", "checkpoint", "checkpoint saved"))
             continue
-        changes = ", ".join(f"{k} {row.get('from', {}).get(k)}→{v}" for k, v in (row.get("to") or {}).items())
-        batch = any(k in (row.get("to") or {}) for k in ("micro_batch_size", "gradient_accumulation_steps"))
+        to = row.get("to") or {}
+        changes = ", ".join(f"{k} {(row.get('from') or {}).get(k)}→{v}" for k, v in to.items())
+        batch = any(k in to for k in ("micro_batch_size", "gradient_accumulation_steps"))
         if event == "oom_recovered":
-            out.append((step, f"OOM recovered{': batch changed' if batch else ''} ({changes})",
-                        "batch" if batch else "oom"))
+            label = "OOM recovered, batch changed" if batch else "OOM recovered"
+            out.append((step, label, "batch" if batch else "oom", f"{label} ({changes})"))
         else:
-            out.append((step, f"out of memory ({event.removeprefix('oom_').replace('_', ' ')})", "oom"))
+            detail = f"out of memory ({event.removeprefix('oom_').replace('_', ' ')})"
+            out.append((step, "out of memory", "oom", detail))
     return out
 
 
@@ -223,8 +227,8 @@ def sweep_markdown(sweep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def events_markdown(events: list[tuple[int, str, str]]) -> str:
+def events_markdown(events: list[tuple[int, str, str, str]]) -> str:
     """The run's events in words, beside the markers on the curves."""
     if not events:
         return ""
-    return "**Events**: " + "; ".join(f"step {step}: {label}" for step, label, _ in events) + "."
+    return "**Events**: " + "; ".join(f"step {step}: {detail}" for step, _, _, detail in events) + "."
