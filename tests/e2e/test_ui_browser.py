@@ -167,9 +167,18 @@ def test_gallery_memory_train_events_reload_export_and_chat_in_a_browser(page, t
                                timeout=120_000)
         _shot(page, "08-stopped")
 
-        # 7. A short second run from the same form, to the end (it waits in the queue if the GPU is busy).
+        # 7. A short second run from the stopped run's recipe, to the end (it waits in the queue if the GPU is
+        # busy).
         page.get_by_role("tab", name="Recipe").click()
         sync_api.expect(yaml_view).to_contain_text(str(run_dir))  # the form, too, survived the reload
+        previous = page.locator("#previous-run input").first
+        previous.click()
+        previous.fill(str(run_dir))
+        previous.press("Enter")
+        page.locator("#previous-run-load").click()
+        sync_api.expect(page.locator("#recipe-problems")).to_contain_text(f"Loaded the recipe of {run_dir}")
+        sync_api.expect(yaml_view).to_contain_text(f"{run_dir}-2")  # a fresh output.dir
+        sync_api.expect(yaml_view).to_contain_text("micro_batch_size: 2")  # as the recovery left it
         _open_section(page, "training")  # the reload closed the sections
         _type(page, "training.max_steps", "6")
         _open_section(page, "output")
