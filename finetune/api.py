@@ -155,8 +155,8 @@ def plan_gpu_sizes(recipe: Recipe, sizes_gb: tuple[int, ...] = GPU_SIZES_GB,
 
 def speed_estimate(plan: dict[str, Any]) -> dict[str, Any]:
     """The plan's predicted tokens/s as a person should read it: rounded to two figures, with the hardware
-    figures it rests on, and capped where a roofline estimate stops being believable (`text`, `basis`,
-    `tokens_per_s`: the rounded figure or None)."""
+    figures it rests on, and capped where a roofline estimate stops being believable (`text`, `short` for a
+    table cell, `basis`, `tokens_per_s`: the rounded figure or None)."""
     from finetune.plan.cost_model import DEVICE, DEVICE_BASIS
 
     device = plan.get("device") or "cuda"
@@ -166,14 +166,15 @@ def speed_estimate(plan: dict[str, Any]) -> dict[str, Any]:
              "memory size; real runs are usually slower")
     tps = plan.get("tokens_per_s")
     if not isinstance(tps, (int, float)) or tps <= 0:
-        return {"tokens_per_s": None, "text": "no speed estimate", "basis": basis}
+        return {"tokens_per_s": None, "text": "no speed estimate", "short": "", "basis": basis}
     ceiling = SPEED_CEILING.get(device, SPEED_CEILING["cuda"])
     if tps > ceiling:
-        return {"tokens_per_s": None, "basis": basis,
+        return {"tokens_per_s": None, "basis": basis, "short": f"over {ceiling:,}",
                 "text": f"over {ceiling:,} tokens/s (too small a model for the estimate: per-step overheads, "
                         "which it leaves out, decide the speed)"}
     rounded = float(f"{tps:.2g}")
-    return {"tokens_per_s": rounded, "text": f"about {rounded:,.0f} tokens/s", "basis": basis}
+    return {"tokens_per_s": rounded, "text": f"about {rounded:,.0f} tokens/s", "short": f"~{rounded:,.0f}",
+            "basis": basis}
 
 
 def plan_at_seen_length(run_dir: str | Path) -> dict[str, Any] | None:

@@ -102,7 +102,7 @@ def test_gpu_sizes_sweep_grows_with_the_gpu_and_agrees_with_the_planner(tmp_path
 
 def test_speed_estimate_is_rounded_names_its_basis_and_is_never_absurd():
     est = api.speed_estimate({"device": "cuda", "tokens_per_s": 1559.55})
-    assert est["tokens_per_s"] == 1600 and est["text"] == "about 1,600 tokens/s"
+    assert est["tokens_per_s"] == 1600 and est["text"] == "about 1,600 tokens/s" and est["short"] == "~1,600"
     assert "RTX 4090" in est["basis"] and "TFLOP/s" in est["basis"]
     tiny = api.speed_estimate({"device": "cuda", "tokens_per_s": 3.2e8})
     assert tiny["tokens_per_s"] is None and "over 100,000 tokens/s" in tiny["text"]

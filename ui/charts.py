@@ -142,7 +142,8 @@ def timeline_figure(rows: list[dict[str, Any]], planned_peak: float | None,
 def context_figure(sweep: dict[str, Any], chosen_gb: int | None, chosen_micro_batch: int | None = None) -> Figure:
     """Per GPU size: the longest trainable context and the largest micro-batch at the recipe's max_seq_len,
     the chosen GPU's bars highlighted and the chosen plan (max_seq_len, its micro-batch) starred."""
-    fig = Figure(figsize=(9, 3.4), dpi=100, layout="constrained")
+    fig = Figure(figsize=(9, 3.6), dpi=100, layout="constrained")
+    fig.suptitle("what fits on each GPU size", fontsize=10)  # centred: clear of the page's label
     ctx, mbs = fig.subplots(1, 2)
     rows = sweep["sizes"]
     labels = [f"{r['gpu_gb']} GB" for r in rows]
@@ -155,12 +156,12 @@ def context_figure(sweep: dict[str, Any], chosen_gb: int | None, chosen_micro_ba
     ctx.set_ylim(bottom=min(128, sweep["max_seq_len"] / 2), top=max([*contexts, sweep["max_seq_len"], 256]) * 16)
     ctx.axhline(sweep["max_seq_len"], color="black", linestyle="--", linewidth=1,
                 label=f"recipe max_seq_len {sweep['max_seq_len']:,}")
-    ctx.set_title("longest context (tokens, micro-batch 1)", fontsize=9, loc="right")
+    ctx.set_title("longest context (tokens, micro-batch 1)", fontsize=9)
     batches = [r["largest_micro_batch"] or 0 for r in rows]
     mbs.bar(labels, batches, color=colors)
     for x, value in enumerate(batches):
         mbs.annotate(str(value) if value else "none", (x, value), ha="center", va="bottom", fontsize=7)
-    mbs.set_title(f"largest micro-batch at {sweep['max_seq_len']:,} tokens", fontsize=9, loc="right")
+    mbs.set_title(f"largest micro-batch at {sweep['max_seq_len']:,} tokens", fontsize=9)
     mbs.set_ylim(top=max([*batches, 1]) * 1.4)
     if chosen_gb in [r["gpu_gb"] for r in rows]:
         x = [r["gpu_gb"] for r in rows].index(chosen_gb)

@@ -110,7 +110,8 @@ def plan_markdown(plan: dict[str, Any]) -> str:
     return "\n\n".join(lines)
 
 
-OPTION_HEADERS = ["option", "predicted peak", "tokens/s", "differs from the chosen plan in", "why rejected"]
+OPTION_HEADERS = ["option", "predicted peak", "tokens/s (estimate)", "differs from the chosen plan in",
+                  "why rejected"]
 
 
 def option_rows(plan: dict[str, Any]) -> list[list[str]]:
@@ -119,7 +120,7 @@ def option_rows(plan: dict[str, Any]) -> list[list[str]]:
     for kind in ("alternatives", "rejected"):
         for opt in plan.get(kind) or []:
             if isinstance(opt, dict):
-                speed = (opt.get("speed") or {}).get("text") or _fmt(opt.get("tokens_per_s"), ",.0f")
+                speed = (opt.get("speed") or {}).get("short") or _fmt(opt.get("tokens_per_s"), ",.0f")
                 rows.append([kind.rstrip("s"), size(opt.get("peak_bytes")), speed,
                              _differences(plan, opt), str(opt.get("reason") or "")])
     return rows
