@@ -8,6 +8,7 @@ from typing import Any
 
 import gradio as gr
 
+from finetune.errors import RecipeError
 from finetune.recipe.goals import GOALS, SUMMARIES
 from finetune.rundir import RECIPE
 from ui.backend import Backend
@@ -133,7 +134,12 @@ def build(demo: gr.Blocks, backend: Backend) -> tuple[list[gr.components.Compone
 
     @reported(2)
     def show_yaml(*values):
-        return "", backend.recipe_file(values)[1]
+        try:
+            return "", backend.recipe_file(values)[1]
+        except RecipeError as exc:  # a fresh page: no model or data yet is a next step, not an error
+            if exc.problems and all("missing required key" in p for p in exc.problems):
+                return "Choose a ready recipe above, or give the model and the data file in the basics.", ""
+            raise
 
     gr.on([w.change for w in widgets], show_yaml, widgets, [recipe_msg, recipe_yaml], trigger_mode="always_last",
           api_visibility="private")

@@ -80,7 +80,7 @@ def build(backend: Backend, widgets: list[gr.components.Component], timer: gr.Ti
             seen_plan = backend.seen_length_plan(path)
             bars, budget = views.measured_bars(path, seen_plan)
             events = views.run_events(rows)
-            measured = max((r["peak_memory_bytes"] for r in rows if r.get("peak_memory_bytes")), default=None)
+            measured = views.last_value(rows, "peak_memory_bytes")  # since the last re-plan (OOM recovery)
             planned = (run.read_plan() or {}).get("peak_bytes")
             explained = [views.events_markdown(events), views.seen_length_markdown(seen_plan, measured)]
             plots = ("\n\n".join(t for t in explained if t),
