@@ -39,8 +39,8 @@ def test_plan_text_and_option_rows():
     text = views.plan_markdown(PLAN)
     assert "FITS" in text and "7.00 GiB" in text and "8.00 GiB" in text and "`micro_batch_size=2`" in text
     rows = views.option_rows(PLAN)
-    assert rows == [["alternative", "5.00 GiB", "", "activation_checkpointing=False", ""],
-                    ["rejected", "11.00 GiB", "", "micro_batch_size=8", "peak 11 GiB exceeds the 8 GiB budget"]]
+    assert rows == [["alternative", "5.00 GiB", "", "", "activation_checkpointing=False"],
+                    ["rejected", "11.00 GiB", "", "peak 11 GiB exceeds the 8 GiB budget", "micro_batch_size=8"]]
 
 
 def test_run_dir_reader_skips_a_torn_line_and_summarises(tmp_path):

