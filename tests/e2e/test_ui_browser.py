@@ -32,6 +32,7 @@ def page():
         browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=ARGS)
         pg = browser.new_page(viewport={"width": 1280, "height": 800})  # a laptop screen
         pg.set_default_timeout(30_000)
+        sync_api.expect.set_options(timeout=30_000)  # a loaded 2-core CI machine: form updates take seconds
         yield pg
         browser.close()
 
