@@ -6,6 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from finetune.recipe.goals import goal_values
 from finetune.recipe.load import load_recipe as _load_recipe
 from finetune.recipe.load import validate_recipe
 from finetune.recipe.schema import Recipe
@@ -47,6 +48,157 @@ def plan(recipe: Recipe, *, gpu_memory: str | int | None = None, device: str | N
     from finetune.plan import predict
 
     return predict(recipe, gpu_memory=gpu_memory, device=device)
+
+
+GPU_SIZES_GB = (8, 12, 16, 24, 48, 80)  # the cards a newcomer is likely to have or rent
+CONTEXT_LADDER = tuple(256 << 2 * i for i in range(7))  # 256 .. 1M tokens (the schema's max_seq_len limit)
+# Above these the roofline estimate is not believable: per-step overheads it leaves out dominate small models.
+SPEED_CEILING = {"cuda": 100_000, "cpu": 10_000}
+
+
+def apply_goal(recipe: Recipe, goal: str) -> Recipe:
+    """`recipe` with the values of a newcomer's goal (finetune/recipe/goals.py: quick test, best quality,
+    longest context) written over it."""
+    data = recipe.model_dump(mode="python")
+    for key, value in goal_values(goal).items():
+        section, field = key.split(".")
+        data[section][field] = value
+    return validate_recipe(data, f"goal {goal!r}")
+
+
+def recipe_gallery(folder: str | Path = "recipes") -> list[dict[str, str]]:
+    """The ready recipes in `folder` (the quickstart first): name, path, title and description (the file's
+    leading comment lines)."""
+    out = []
+    for path in sorted(Path(folder).glob("*.yaml"), key=lambda p: (p.stem != "quickstart", p.stem)):
+        lines = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if not line.startswith("#"):
+                break
+            lines.append(line.lstrip("#").strip())
+        out.append({"name": path.stem, "path": str(path), "title": lines[0] if lines else path.stem,
+                    "description": " ".join(lines[1:])})
+    return out
+
+
+def plan_gpu_sizes(recipe: Recipe, sizes_gb: tuple[int, ...] = GPU_SIZES_GB,
+                   ladder: tuple[int, ...] = CONTEXT_LADDER) -> dict[str, Any]:
+    """What fits on each GPU size (GiB): the longest context it trains (the recipe's other settings kept,
+    its `auto` ones chosen by the planner; at most the model's max_position_embeddings) and the largest
+    micro-batch at the recipe's max_seq_len.
+
+    One leanest-plan query per sequence length (the smallest memory any allowed configuration needs) answers
+    every size at once; the model config is read once and the planner's trace cache keeps repeats cheap.
+    Between two lengths of the ladder the boundary is interpolated and the interpolated length checked by
+    the planner, so every reported length is one the planner says fits. Returns `sizes` (one row per GPU:
+    gpu_gb, longest_context, largest_micro_batch, recipe_fits) and the bytes needed per length and micro-batch."""
+    from finetune.plan import predict
+    from finetune.plan.search import MICRO_BATCHES
+    from finetune.plan.shapes import load_model_config
+
+    config = load_model_config(recipe.model.path, recipe.model.trust_remote_code)
+    margin = recipe.memory.gpu_memory_margin
+    cache: dict[tuple[str, int], int] = {}
+
+    def need(key: str, value: int) -> int:
+        """Total GPU memory (margin included) the leanest configuration needs with `key` set to `value`."""
+        if (key, value) not in cache:
+            data = recipe.model_dump(mode="python")
+            if key == "seq":  # the longest context is that of one sequence per micro-batch
+                data["data"]["max_seq_len"] = value
+                if data["training"]["micro_batch_size"] == "auto":
+                    data["training"].update(micro_batch_size=1, gradient_accumulation_steps=1,
+                                            effective_batch_size=None)
+            else:
+                data["training"].update(micro_batch_size=value, gradient_accumulation_steps=1,
+                                        effective_batch_size=None)
+            plan = predict(validate_recipe(data, "plan_gpu_sizes"), model_config=config, gpu_memory=margin + 1,
+                           device="cuda")
+            # Only configurations rejected for the budget alone count (an offload that would not find enough
+            # free RAM or disk does not make a length trainable); without one, the planner's own minimum.
+            over = [c.peak_bytes for c in plan.rejected if c.breakdown and str(c.reason).startswith("needs ")]
+            cache[key, value] = min(over) + margin if over else plan.min_budget_bytes or plan.peak_bytes + margin
+        return cache[key, value]
+
+    largest = max(sizes_gb) << 30
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None) or max(ladder)  # no use training past it
+    context_need = {}
+    for seq in sorted({s for s in ladder if s < limit} | {min(limit, max(ladder))}):
+        context_need[seq] = need("seq", seq)
+        if context_need[seq] > largest:
+            break
+    batch_need = {}
+    for mb in MICRO_BATCHES:
+        batch_need[mb] = need("mb", mb)
+        if batch_need[mb] > largest:
+            break
+    rows = []
+    for gb in sizes_gb:
+        total = gb << 30
+        fit = [s for s, n in context_need.items() if n <= total]
+        longest = max(fit) if fit else None
+        above = [s for s in context_need if longest is not None and s > longest]
+        if above:  # between two ladder points: interpolate, then ask the planner
+            lo, hi = context_need[longest], context_need[above[0]]
+            guess = longest + int((above[0] - longest) * (total - lo) / max(hi - lo, 1)) // 256 * 256
+            for tried in (guess, (longest + guess) // 512 * 256):  # and once more halfway, if that was too long
+                if tried > longest and need("seq", tried) <= total:
+                    longest = tried
+                    break
+        batches = [mb for mb, n in batch_need.items() if n <= total]
+        rows.append({"gpu_gb": gb, "longest_context": longest, "largest_micro_batch": max(batches) if batches else None,
+                     "recipe_fits": need("seq", recipe.data.max_seq_len) <= total})
+    return {"max_seq_len": recipe.data.max_seq_len, "model_max_context": limit, "sizes": rows,
+            "context_need_bytes": {s: n for (k, s), n in sorted(cache.items()) if k == "seq"},
+            "micro_batch_need_bytes": batch_need}
+
+
+def speed_estimate(plan: dict[str, Any]) -> dict[str, Any]:
+    """The plan's predicted tokens/s as a person should read it: rounded to two figures, with the hardware
+    figures it rests on, and capped where a roofline estimate stops being believable (`text`, `short` for a
+    table cell, `basis`, `tokens_per_s`: the rounded figure or None)."""
+    from finetune.plan.cost_model import DEVICE, DEVICE_BASIS
+
+    device = plan.get("device") or "cuda"
+    figures = DEVICE.get(device, DEVICE["cuda"])
+    basis = (f"roofline model with the figures of {DEVICE_BASIS.get(device, device)} "
+             f"({figures['flops'] / 1e12:.1f} TFLOP/s, {figures['mem_bw'] / 1e9:,.0f} GB/s), whatever the card's "
+             "memory size; real runs are usually slower")
+    tps = plan.get("tokens_per_s")
+    if not isinstance(tps, (int, float)) or tps <= 0:
+        return {"tokens_per_s": None, "text": "no speed estimate", "short": "", "basis": basis}
+    ceiling = SPEED_CEILING.get(device, SPEED_CEILING["cuda"])
+    if tps > ceiling:
+        return {"tokens_per_s": None, "basis": basis, "short": f"over {ceiling:,}",
+                "text": f"over {ceiling:,} tokens/s (too small a model for the estimate: per-step overheads, "
+                        "which it leaves out, decide the speed)"}
+    rounded = float(f"{tps:.2g}")
+    return {"tokens_per_s": rounded, "text": f"about {rounded:,.0f} tokens/s", "short": f"~{rounded:,.0f}",
+            "basis": basis}
+
+
+def plan_at_seen_length(run_dir: str | Path) -> dict[str, Any] | None:
+    """When a run's longest sequence is shorter than data.max_seq_len, its plan re-evaluated at that length
+    (what the measured peak should be compared with); None while the run has not said, or when it is not shorter.
+
+    Keys: longest (tokens), max_seq_len, peak_bytes and breakdown at the longest, planned_peak_bytes."""
+    from finetune.plan import predict
+    from finetune.rundir import RunDir
+
+    run = RunDir(Path(run_dir))
+    longest = run.read_status().get("longest_sequence_tokens")
+    plan = run.read_plan() or {}
+    if not isinstance(longest, int) or not run.recipe.is_file():
+        return None
+    recipe = _load_recipe(run.recipe)
+    if longest >= recipe.data.max_seq_len:
+        return None
+    data = recipe.model_dump(mode="python")
+    data["data"]["max_seq_len"] = max(longest, 8)
+    at = predict(validate_recipe(data, str(run.recipe)), device=plan.get("device"))
+    return {"longest": longest, "max_seq_len": recipe.data.max_seq_len, "peak_bytes": at.peak_bytes,
+            "breakdown": at.breakdown, "planned_peak_bytes": plan.get("peak_bytes")}
 
 
 def measure(recipe: Recipe, *, steps: int = 2) -> dict[str, Any]:

@@ -137,7 +137,17 @@ def test_cli_run_directory_generate_and_export(tmp_path, tiny_model_dir):
     assert sum(measured["peak_memory_breakdown"].values()) == measured["peak_memory_bytes"]
     # The plan is for max_seq_len (64) while these examples are ~26 tokens: the measured peak stays below it.
     assert 0 < measured["peak_memory_bytes"] <= plan["peak_bytes"] * 1.05
-    assert json.loads((run_dir / "status.json").read_text())["state"] == "completed"
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "completed"
+    # ... which the run records (the longest sequence it trains on) and the API re-plans at, for the UI.
+    assert 8 < status["longest_sequence_tokens"] < 64
+    from finetune.api import plan_at_seen_length
+
+    seen = plan_at_seen_length(run_dir)
+    assert seen["longest"] == status["longest_sequence_tokens"] and seen["max_seq_len"] == 64
+    assert measured["peak_memory_bytes"] <= seen["peak_bytes"] * 1.25 and seen["peak_bytes"] < plan["peak_bytes"]
+    # Checkpoints are events on the curves.
+    assert [r["step"] for r in rows if r.get("event") == "checkpoint_saved"] == [2, 4]
     assert yaml.safe_load((run_dir / "recipe.yaml").read_text())["training"]["max_steps"] == 4
 
     proc = _cli(["generate", str(run_dir), "--prompt", "What is the capital of France?", "--compare",

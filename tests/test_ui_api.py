@@ -41,9 +41,31 @@ def test_load_recipe_fills_the_form_and_plans(work):
     from finetune import api
 
     if hasattr(api, "plan"):
-        assert "budget" in plan_msg and "12" in plan_msg
+        assert "11.50 GiB budget" in plan_msg  # the 12 GB card less memory.gpu_memory_margin
+        assert "an estimate" in plan_msg and "RTX 4090-class" in plan_msg  # the speed, with its basis
     else:  # the planner has not landed in this build: the page says so instead of failing
         assert "memory planner is not available" in plan_msg
+
+
+def test_gallery_recipe_goal_and_what_fits_per_gpu_size(work):
+    from finetune.api import recipe_gallery
+    from ui.backend import default_recipes_dir
+    from ui.form import form_specs
+
+    workdir, data, client, model = work
+    keys = [s.key for s in form_specs()]
+    quickstart = next(r["path"] for r in recipe_gallery(default_recipes_dir()) if r["name"] == "quickstart")
+    msg, *values = client.predict(quickstart, api_name="/use_gallery_recipe")
+    assert "Loaded the ready recipe: Quickstart" in msg
+    assert values[keys.index("output.dir")] == str(workdir / "runs" / "quickstart")  # runs go to the runs folder
+    goal = client.predict("quick test", api_name="/apply_goal")
+    assert goal[keys.index("data.max_seq_len")] == 512 and goal[keys.index("training.max_steps")] == "30"
+    assert goal[keys.index("model.path")] == {"__type__": "update"}  # keys the goal is not about are kept
+    values[keys.index("model.path")], values[keys.index("data.path")] = str(model), str(data)
+    _, table = client.predict(*values, "24 GB card (RTX 4090)", api_name="/gpu_sizes")
+    assert "| 8 GB |" in table and "| 80 GB |" in table and "max_position_embeddings" in table
+    msg, *_ = client.predict(str(workdir / "runs" / "none"), api_name="/use_run_recipe")
+    assert "does not exist" in msg  # a previous run must be one
 
 
 def test_invalid_recipe_lists_each_bad_key(work):
@@ -132,9 +154,10 @@ def test_finished_run_history_export_and_chat(work):
     state, step = wait_for(lambda: (s := status())[0] == "completed" and s, 240, "the run to finish")
     assert step == 6
     fresh = gradio_client.Client(client.src, verbose=False)  # a new page: nothing drawn yet in this session
-    html, loss_plot, lr_plot, memory_plot, log, queue = fresh.predict(str(run_dir), api_name="/refresh")
+    html, _, loss_plot, timeline, lr_plot, memory_plot, log, queue = fresh.predict(str(run_dir),
+                                                                                   api_name="/refresh")
     assert "run completed at step 6" in log and "GPU free" in queue
-    assert loss_plot["type"] == lr_plot["type"] == memory_plot["type"] == "matplotlib"  # predicted vs measured
+    assert loss_plot["type"] == timeline["type"] == lr_plot["type"] == memory_plot["type"] == "matplotlib"  # predicted vs measured
 
     rows = client.predict(api_name="/history")[0]
     assert any(row[0] == str(run_dir) and row[1] == "completed" for row in rows["data"])

@@ -84,3 +84,15 @@ def test_typed_values_in_a_dropdown_are_read_as_yaml():
     assert from_widget(BY_KEY["training.micro_batch_size"], "8") == 8
     assert from_widget(BY_KEY["quantization.bits"], "null") is None
     assert from_widget(BY_KEY["memory.activation_checkpointing"], "false") is False
+
+
+def test_every_field_shows_its_default_and_whether_the_planner_decides_it():
+    from finetune.recipe.settings import table
+
+    planned = {s.key for s in table()}
+    for spec in SPECS:
+        assert "Default: " in spec.info, spec.key
+        assert ("Planner-decided when auto" in spec.info) == (spec.key in planned), spec.key
+    assert BY_KEY["memory.chunked_loss"].info.endswith("Default: auto. Planner-decided when auto (the default).")
+    assert "Default: 512MiB." in BY_KEY["memory.gpu_memory_margin"].info
+    assert "Default: none (required)." in BY_KEY["model.path"].info

@@ -39,8 +39,8 @@ def test_plan_text_and_option_rows():
     text = views.plan_markdown(PLAN)
     assert "FITS" in text and "7.00 GiB" in text and "8.00 GiB" in text and "`micro_batch_size=2`" in text
     rows = views.option_rows(PLAN)
-    assert rows == [["alternative", "5.00 GiB", "", "activation_checkpointing=False", ""],
-                    ["rejected", "11.00 GiB", "", "micro_batch_size=8", "peak 11 GiB exceeds the 8 GiB budget"]]
+    assert rows == [["alternative", "5.00 GiB", "", "", "activation_checkpointing=False"],
+                    ["rejected", "11.00 GiB", "", "peak 11 GiB exceeds the 8 GiB budget", "micro_batch_size=8"]]
 
 
 def test_run_dir_reader_skips_a_torn_line_and_summarises(tmp_path):
@@ -64,3 +64,72 @@ def test_measured_memory_is_set_beside_the_prediction(tmp_path):
     assert [name for name, _ in bars] == ["predicted", "measured"] and budget == 8 * GIB
     assert sum(bars[1][1].values()) == 6 * GIB
 
+
+
+def test_run_events_become_labelled_markers_on_the_curves():
+    rows = [{"step": 1, "loss": 2.0}, {"event": "checkpoint_saved", "step": 2},
+            {"event": "oom_recovered", "step": 2, "oom_step": 3, "from": {"micro_batch_size": 4},
+             "to": {"micro_batch_size": 2}},
+            {"event": "oom_recovered", "step": 5, "oom_step": 6, "from": {"activation_checkpointing": False},
+             "to": {"activation_checkpointing": True}}]
+    events = views.run_events(rows)
+    assert events == [(2, "checkpoint", "checkpoint", "checkpoint saved"),
+                      (3, "OOM recovered, batch changed", "batch",
+                       "OOM recovered, batch changed (micro_batch_size 4→2)"),
+                      (6, "OOM recovered", "oom", "OOM recovered (activation_checkpointing False→True)")]
+    assert "step 3: OOM recovered, batch changed (micro_batch_size 4→2)" in views.events_markdown(events)
+    for fig in (charts.loss_figure({"run": rows}, events=events), charts.timeline_figure(rows, 5 * GIB, events)):
+        for ax in fig.axes:
+            assert [line.get_xdata()[0] for line in ax.get_lines() if line.get_linestyle() == ":"] == [2, 3, 6]
+            assert {t.get_text() for t in ax.texts} >= {label for _, label, _, _ in events}
+
+
+def test_timeline_shows_speed_and_memory_against_the_plan():
+    rows = [{"step": s, "tokens_per_second": 100.0 * s, "peak_memory_bytes": GIB + s} for s in (1, 2, 3)]
+    fig = charts.timeline_figure(rows, 2 * GIB, seen_peak=1.5 * GIB)
+    speed, mem = fig.axes
+    assert list(speed.get_lines()[0].get_ydata()) == [100.0, 200.0, 300.0]
+    levels = sorted(line.get_ydata()[0] for line in mem.get_lines())
+    assert levels[-2:] == [1.5, 2.0]  # the plan at the longest sequence seen, and at max_seq_len (GiB)
+
+
+def test_seen_length_explains_a_measured_peak_far_below_the_plan():
+    text = views.seen_length_markdown({"longest": 26, "max_seq_len": 1024, "peak_bytes": 2 << 20,
+                                       "planned_peak_bytes": 20 << 20, "breakdown": {}}, 1.6 * (1 << 20))
+    assert "shorter than max_seq_len" in text and "26 tokens" in text and "1,024" in text
+    assert "20.00 MiB" in text and "2.00 MiB" in text and "1.60 MiB" in text
+    assert views.seen_length_markdown(None, 1) == ""
+
+
+def test_memory_bars_label_each_component_with_its_size():
+    fig = charts.memory_figure(views.plan_bars(PLAN), PLAN["budget_bytes"])
+    texts = {t.get_text() for t in fig.axes[0].texts}
+    assert {"3.00 GiB", "2.00 GiB"} <= texts  # weights and activations segments of the chosen plan
+
+
+SWEEP = {"max_seq_len": 4096, "model_max_context": 131072, "sizes": [
+    {"gpu_gb": 8, "longest_context": 5120, "largest_micro_batch": 1, "recipe_fits": True},
+    {"gpu_gb": 16, "longest_context": 92928, "largest_micro_batch": 16, "recipe_fits": True},
+    {"gpu_gb": 80, "longest_context": None, "largest_micro_batch": None, "recipe_fits": False}]}
+
+
+def test_context_chart_marks_the_chosen_gpu_and_plan():
+    fig = charts.context_figure(SWEEP, 16, chosen_micro_batch=8)
+    ctx, mbs = fig.axes
+    assert [round(p.get_height()) for p in ctx.patches] == [5120, 92928, 0]
+    colors = [p.get_facecolor() for p in ctx.patches]
+    assert colors[1] != colors[0] == colors[2]  # the chosen GPU stands out
+    stars = [line for line in ctx.get_lines() + mbs.get_lines() if line.get_marker() == "*"]
+    assert [(s.get_xdata()[0], s.get_ydata()[0]) for s in stars] == [(1, 4096), (1, 8)]
+    assert {"5,120", "92,928", "none"} <= {t.get_text() for t in ctx.texts}
+    text = views.sweep_markdown(SWEEP)
+    assert "| 16 GB | 92,928 | 16 | yes |" in text and "| 80 GB | none | none | no |" in text
+    assert "131,072" in text
+
+
+def test_plan_text_gives_the_speed_as_an_estimate_with_its_basis():
+    from finetune.api import speed_estimate
+
+    plan = {**PLAN, "device": "cuda", "tokens_per_s": 3.0e8}
+    text = views.plan_markdown({**plan, "speed": speed_estimate(plan)})
+    assert "over 100,000 tokens/s" in text and "RTX 4090" in text and "300,000,000" not in text

@@ -8,6 +8,7 @@ in the chat worker process (ui.chat_worker).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -27,7 +28,14 @@ from ui.paths import RECIPE_SUFFIXES, allowed_path, check_recipe_paths, uploaded
 from ui.runs import RunManager
 
 CARDS = {"8 GB card (RTX 4060)": 8, "12 GB card (RTX 3060)": 12, "16 GB card (RTX 4080)": 16,
-         "24 GB card (RTX 4090)": 24}
+         "24 GB card (RTX 4090)": 24, "48 GB card (RTX 6000 Ada)": 48, "80 GB card (H100)": 80}
+CACHED = 16  # GPU-size sweeps and seen-length plans kept per UI process
+
+
+def default_recipes_dir() -> Path:
+    """The ready recipes: ./recipes when the UI runs in a checkout, else the repository's."""
+    here = Path.cwd() / "recipes"
+    return here if here.is_dir() else Path(__file__).resolve().parents[1] / "recipes"
 
 
 @dataclass
@@ -36,10 +44,12 @@ class UISettings:
 
     allow_dirs: list[Path] = field(default_factory=lambda: [Path.cwd()])
     runs_dir: Path = Path("runs")
+    recipes_dir: Path = field(default_factory=default_recipes_dir)
 
     def __post_init__(self) -> None:
         self.allow_dirs = [Path(p).expanduser().resolve() for p in self.allow_dirs]
         self.runs_dir = Path(self.runs_dir).expanduser().resolve()
+        self.recipes_dir = Path(self.recipes_dir).expanduser().resolve()
 
     @property
     def roots(self) -> list[Path]:
@@ -56,6 +66,8 @@ class Backend:
         self.specs = form.form_specs()
         self._downloads = Path(tempfile.mkdtemp(prefix="finetune-ui-"))
         self.chat_worker = ChatWorker(manager)
+        self._sweeps: dict[str, dict[str, Any]] = {}  # recipe JSON -> api.plan_gpu_sizes
+        self._seen: dict[tuple[str, Any, Any], dict[str, Any] | None] = {}  # (run, longest, plan) -> plan there
 
     # -- recipe --------------------------------------------------------------------------------------
     def recipe(self, values: list[Any]) -> Recipe:
@@ -84,6 +96,44 @@ class Backend:
                               hint="save the recipe as UTF-8 text") from None
         return path.name, self.load_yaml(text, path.name)
 
+    def gallery(self) -> list[dict[str, str]]:
+        """The ready recipes (name, path, title, description)."""
+        from finetune import api
+
+        return api.recipe_gallery(self.settings.recipes_dir)
+
+    def load_gallery(self, path: str) -> tuple[str, list[Any]]:
+        """(title, form values) of a ready recipe; its run goes to the runs folder under the recipe's name."""
+        chosen = {r["path"]: r for r in self.gallery()}.get(path)
+        if chosen is None:
+            raise FinetuneError("pick one of the ready recipes first")
+        return chosen["title"], self._with_new_run_dir(Path(path).read_text(encoding="utf-8"), chosen["name"],
+                                                       chosen["name"])
+
+    def load_run_recipe(self, run_dir: str | None) -> tuple[str, list[Any]]:
+        """(run, form values) of a previous run's resolved recipe, with a fresh output.dir for the new run."""
+        path = self.run_path(run_dir)
+        text = self.run_recipe(str(path))
+        if not text:
+            raise FinetuneError(f"{path} has no {RECIPE} yet", hint="pick a run that has started")
+        return str(path), self._with_new_run_dir(text, str(path), path.name)
+
+    def _with_new_run_dir(self, text: str, source: str, name: str) -> list[Any]:
+        recipe = load_recipe_text(text, source)
+        n, target = 1, self.settings.runs_dir / name
+        while RunDir(target).exists() or target.exists():
+            n += 1
+            target = self.settings.runs_dir / f"{name}-{n}"
+        recipe.output.dir = str(target)
+        return form.dict_to_values(self.specs, recipe.model_dump(mode="python"))
+
+    def goal_updates(self, goal: str) -> dict[int, Any]:
+        """Widget index -> value for the keys a goal sets (finetune/recipe/goals.py)."""
+        from finetune.recipe.goals import goal_values
+
+        keys = [s.key for s in self.specs]
+        return {keys.index(k): form.to_widget(self.specs[keys.index(k)], v) for k, v in goal_values(goal).items()}
+
     def recipe_file(self, values: list[Any]) -> tuple[Path, str]:
         """Write the form as a recipe YAML to download; returns (path, text)."""
         text = recipe_to_yaml(self.recipe(values))
@@ -111,14 +161,57 @@ class Backend:
             detected = []
         return detected + list(CARDS)
 
+    @staticmethod
+    def gpu_gb(gpu: str) -> int | None:
+        """The memory size (GiB) of a GPU choice: a common card, or the detected GPU's."""
+        if gpu in CARDS:
+            return CARDS[gpu]
+        found = re.search(r"\((\d+) GiB\)$", gpu or "")
+        return int(found.group(1)) if found else None
+
     def plan(self, values: list[Any], gpu: str) -> dict[str, Any]:
-        """The planner's JSON for the form's recipe on the chosen GPU (a card's size when memory is auto)."""
+        """The planner's JSON for the form's recipe on the chosen GPU (a card's size when memory is auto), with
+        `speed` (in the plan and each option): the estimate as a person should read it (api.speed_estimate)."""
         recipe = self.checked_recipe(values)
         from finetune import api
 
         # A budget written in the recipe wins; a card's size also tells the planner to plan for a GPU.
         card = CARDS[gpu] * 2**30 if gpu in CARDS and recipe.memory.gpu_memory == "auto" else None
-        return json.loads(api.plan(recipe, gpu_memory=card).to_json())
+        plan = json.loads(api.plan(recipe, gpu_memory=card).to_json())
+        for option in (plan.get("alternatives") or []) + (plan.get("rejected") or []):
+            option["speed"] = api.speed_estimate({**option, "device": plan.get("device")})
+        return {**plan, "speed": api.speed_estimate(plan)}
+
+    def gpu_sweep(self, values: list[Any]) -> dict[str, Any]:
+        """What fits on each common GPU size (finetune.api.plan_gpu_sizes), kept for the same recipe."""
+        recipe = self.checked_recipe(values)
+        key = recipe.model_dump_json(exclude={"output"})
+        if key not in self._sweeps:
+            from finetune import api
+
+            if len(self._sweeps) >= CACHED:
+                self._sweeps.pop(next(iter(self._sweeps)))
+            self._sweeps[key] = api.plan_gpu_sizes(recipe)
+        return self._sweeps[key]
+
+    def seen_length_plan(self, run_dir: Path) -> dict[str, Any] | None:
+        """The run's plan at the longest sequence it has (finetune.api.plan_at_seen_length), computed once
+        per run, length and plan; None when there is nothing to explain or the planner cannot say."""
+        run = RunDir(run_dir)
+        plan = run.read_plan() or {}
+        key = (str(run_dir), run.read_status().get("longest_sequence_tokens"), plan.get("peak_bytes"))
+        if key[1] is None:
+            return None
+        if key not in self._seen:
+            from finetune import api
+
+            if len(self._seen) >= CACHED:
+                self._seen.pop(next(iter(self._seen)))
+            try:
+                self._seen[key] = api.plan_at_seen_length(run_dir)
+            except Exception:  # noqa: BLE001 - a model the planner cannot trace: the view goes without it
+                self._seen[key] = None
+        return self._seen[key]
 
     # -- data ----------------------------------------------------------------------------------------
     def preview(self, values: list[Any], n: int = 3) -> tuple[list[dict[str, Any]], list[str]]:

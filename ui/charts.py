@@ -28,10 +28,25 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[flo
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def loss_figure(runs: dict[str, list[dict[str, Any]]], title: str = "loss", by_run: bool = False) -> Figure:
+EVENT_COLORS = {"checkpoint": "#55a868", "oom": "#c44e52", "batch": "#8172b2"}
+
+
+def mark_events(ax: Any, events: list[tuple[int, str, str, str]]) -> None:
+    """A dotted vertical line per run event (step, label, kind, detail) with its label at the top of the axes."""
+    for step, label, kind, _ in events:
+        color = EVENT_COLORS.get(kind, "#8c8c8c")
+        ax.axvline(step, color=color, linestyle=":", linewidth=1.3)
+        ax.annotate(label, (step, 1), xycoords=("data", "axes fraction"), xytext=(2, -2), textcoords="offset points",
+                    rotation=90, va="top", ha="left", fontsize=7, color=color)
+
+
+def loss_figure(runs: dict[str, list[dict[str, Any]]], title: str = "loss", by_run: bool = False,
+                events: list[tuple[int, str, str, str]] = ()) -> Figure:
     """Training loss (lines) and eval loss (markers) over optimizer steps, one colour per run;
-    `by_run` names each curve after its run (for comparisons) instead of "train"/"eval"."""
+    `by_run` names each curve after its run (for comparisons) instead of "train"/"eval"; `events` (step,
+    label, kind) are drawn as marked vertical lines."""
     fig, ax = _figure()
+    mark_events(ax, events)
     for i, (name, rows) in enumerate(runs.items()):
         color = f"C{i % 10}"
         ax.plot(*_series(rows, "loss"), color=color, label=name if by_run else "train loss")
@@ -73,6 +88,14 @@ def memory_figure(bars: list[tuple[str, dict[str, float]]], budget: float | None
         if any(heights):
             ax.bar(labels, heights, bottom=bottoms, color=color, label=part.replace("_", " "))
             bottoms = [lo + h for lo, h in zip(bottoms, heights, strict=True)]
+    top = max([*bottoms, (budget or 0) / scale]) or 1
+    for part in BREAKDOWN:  # each segment tall enough to hold it carries its size
+        for x, (_, b) in enumerate(bars):
+            size = float(b.get(part) or 0)
+            below = sum(float(b.get(p) or 0) for p in BREAKDOWN[:BREAKDOWN.index(part)])
+            if size / scale >= 0.07 * top:
+                ax.annotate(format_bytes(size), (x, (below + size / 2) / scale), ha="center", va="center",
+                            fontsize=7, color="white")
     for x, total in enumerate(bottoms):
         ax.annotate(format_bytes(total * scale), (x, total), ha="center", va="bottom", fontsize=8)
     if budget:
@@ -81,4 +104,75 @@ def memory_figure(bars: list[tuple[str, dict[str, float]]], budget: float | None
     ax.set_title(title)
     ax.tick_params(axis="x", labelsize=8, labelrotation=10)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    return fig
+
+
+def timeline_figure(rows: list[dict[str, Any]], planned_peak: float | None,
+                    events: list[tuple[int, str, str, str]] = (), seen_peak: float | None = None) -> Figure:
+    """Tokens/s and the measured peak memory per logged step against the plan's peak (and the plan at the
+    longest sequence seen), with the run's events marked."""
+    fig = Figure(figsize=(7, 4.2), dpi=100, layout="constrained")
+    speed, mem = fig.subplots(2, 1, sharex=True)
+    speed.plot(*_series(rows, "tokens_per_second"), color="C0", marker=".", label="tokens/s")
+    speed.set_ylabel("tokens/s")
+    speed.grid(alpha=0.3)
+    steps, peaks = _series(rows, "peak_memory_bytes")
+    values = [*peaks, planned_peak or 0, seen_peak or 0]
+    unit, scale = ("GiB", GIB) if max(values, default=0) >= GIB else ("MiB", 1 << 20)
+    mem.plot(steps, [p / scale for p in peaks], color="C3", marker=".", label="measured peak")
+    if planned_peak:
+        mem.axhline(planned_peak / scale, color="black", linestyle="--", linewidth=1.1,
+                    label=f"predicted at max_seq_len ({format_bytes(planned_peak)})")
+    if seen_peak:
+        mem.axhline(seen_peak / scale, color="C1", linestyle="-.", linewidth=1.1,
+                    label=f"predicted at the longest sequence seen ({format_bytes(seen_peak)})")
+    mem.set_ylabel(f"memory ({unit})")
+    mem.set_xlabel("step")
+    mem.grid(alpha=0.3)
+    mem.set_ylim(bottom=0)
+    for ax in (speed, mem):
+        mark_events(ax, events)
+    if steps or planned_peak:
+        mem.legend(loc="lower right", fontsize=7)
+    else:
+        speed.text(0.5, 0.5, "no metrics yet", ha="center", va="center", transform=speed.transAxes, color="gray")
+    return fig
+
+
+def context_figure(sweep: dict[str, Any], chosen_gb: int | None, chosen_micro_batch: int | None = None) -> Figure:
+    """Per GPU size: the longest trainable context and the largest micro-batch at the recipe's max_seq_len,
+    the chosen GPU's bars highlighted and the chosen plan (max_seq_len, its micro-batch) starred."""
+    fig = Figure(figsize=(9, 3.6), dpi=100, layout="constrained")
+    fig.suptitle("what fits on each GPU size", fontsize=10)  # centred: clear of the page's label
+    ctx, mbs = fig.subplots(1, 2)
+    rows = sweep["sizes"]
+    labels = [f"{r['gpu_gb']} GB" for r in rows]
+    colors = ["#dd8452" if r["gpu_gb"] == chosen_gb else "#4c72b0" for r in rows]
+    contexts = [r["longest_context"] or 0 for r in rows]
+    ctx.bar(labels, contexts, color=colors)
+    for x, value in enumerate(contexts):
+        ctx.annotate(f"{value:,}" if value else "none", (x, max(value, 1)), ha="center", va="bottom", fontsize=7)
+    ctx.set_yscale("log", base=2)
+    ctx.set_ylim(bottom=min(128, sweep["max_seq_len"] / 2), top=max([*contexts, sweep["max_seq_len"], 256]) * 16)
+    ctx.axhline(sweep["max_seq_len"], color="black", linestyle="--", linewidth=1,
+                label=f"recipe max_seq_len {sweep['max_seq_len']:,}")
+    ctx.set_title("longest context (tokens, micro-batch 1)", fontsize=9)
+    batches = [r["largest_micro_batch"] or 0 for r in rows]
+    mbs.bar(labels, batches, color=colors)
+    for x, value in enumerate(batches):
+        mbs.annotate(str(value) if value else "none", (x, value), ha="center", va="bottom", fontsize=7)
+    mbs.set_title(f"largest micro-batch at {sweep['max_seq_len']:,} tokens", fontsize=9)
+    mbs.set_ylim(top=max([*batches, 1]) * 1.4)
+    if chosen_gb in [r["gpu_gb"] for r in rows]:
+        x = [r["gpu_gb"] for r in rows].index(chosen_gb)
+        ctx.plot([x], [sweep["max_seq_len"]], marker="*", markersize=14, color="#c44e52", linestyle="none",
+                 label="chosen plan")
+        if chosen_micro_batch:
+            mbs.plot([x], [chosen_micro_batch], marker="*", markersize=14, color="#c44e52", linestyle="none",
+                     label=f"chosen plan (micro-batch {chosen_micro_batch})")
+            mbs.legend(loc="upper right", fontsize=7)
+    ctx.legend(loc="upper right", fontsize=7)
+    for ax in (ctx, mbs):
+        ax.tick_params(axis="x", labelsize=8)
+        ax.set_xlabel("GPU memory")
     return fig

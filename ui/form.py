@@ -17,6 +17,7 @@ from pydantic.fields import FieldInfo
 
 from finetune.errors import RecipeError
 from finetune.recipe.load import iter_fields, load_yaml
+from finetune.recipe.settings import table
 
 Kind = Literal["checkbox", "number", "dropdown", "text", "bytes", "yaml"]
 NULL = "null"
@@ -35,6 +36,8 @@ class FieldSpec:
     integer: bool = False
     choices: tuple[tuple[str, Any], ...] = ()  # (shown text, recipe value) for dropdowns
     custom: bool = False  # dropdown also accepts a typed value (an int where `auto` is a choice)
+    default: Any = None  # the schema's default (None for a required key)
+    planned: bool = False  # the planner decides it when it is `auto` (finetune/recipe/settings.py)
 
     @property
     def section(self) -> str:
@@ -47,6 +50,17 @@ class FieldSpec:
     @property
     def elem_id(self) -> str:
         return "field-" + self.key.replace(".", "-")
+
+    @property
+    def info(self) -> str:
+        """The hint under the widget: what the key does, its default, and whether the planner picks it."""
+        default = "none (required)" if self.required else _show(self.default)
+        if self.kind == "bytes" and isinstance(self.default, int):
+            default = format_size(self.default)
+        text = f"{self.description} Default: {default}."
+        if self.planned:
+            text += " Planner-decided when auto" + (" (the default)." if self.default == "auto" else ".")
+        return text
 
 
 def _flatten(annotation: Any) -> list[Any]:
@@ -81,7 +95,10 @@ def field_spec(key: str, field: FieldInfo) -> FieldSpec:
     literals = [m[1] for m in members if isinstance(m, tuple)]
     bases = {m for m in members if not isinstance(m, tuple) and m is not type(None)}
     nullable = type(None) in members
-    common = dict(key=key, description=field.description or "", nullable=nullable, required=field.is_required())
+    default = None if field.is_required() else field.get_default(call_default_factory=True)
+    common = dict(key=key, description=field.description or "", nullable=nullable, required=field.is_required(),
+                  default=list(default) if isinstance(default, tuple) else default,
+                  planned=key in {s.key for s in table()})
     if _is_bytes(field.annotation, field):
         return FieldSpec(kind="bytes", **common)
     if bases == {bool} and not literals:

@@ -23,21 +23,21 @@ def build_app(backend: Backend) -> gr.Blocks:
         gr.Markdown("# finetune\nBuild a recipe, check it fits your GPU, train, watch, and chat with the result.")
         timer = gr.Timer(REFRESH_S)
         with gr.Tabs():
-            widgets = recipe.build(demo, backend)
+            widgets, basic_gpu, prev_run = recipe.build(demo, backend)
             server_file = data.build(backend, widgets)
-            memory.build(backend, widgets)
+            memory.build(backend, widgets, basic_gpu)
             run_sel = train.build(backend, widgets, timer)
             runs_tab = runs.build(backend)
             chat_run = chat.build(backend)
-        _wire_run_lists(demo, backend, run_sel, runs_tab, chat_run, server_file)
+        _wire_run_lists(demo, backend, run_sel, runs_tab, [chat_run, prev_run], server_file)
     return demo
 
 
 def _wire_run_lists(demo: gr.Blocks, backend: Backend, run_sel: gr.Dropdown, runs_tab: runs.RunsTab,
-                    chat_run: gr.Dropdown, server_file: gr.Dropdown) -> None:
-    """The lists that span tabs: runs (history, overlay, export and chat pickers) and server data files, filled
-    when the page opens and when the Runs tab's refresh button is pressed."""
-    pickers = [runs_tab.compare, runs_tab.recipe_run, chat_run]
+                    run_pickers: list[gr.Dropdown], server_file: gr.Dropdown) -> None:
+    """The lists that span tabs: runs (history, overlay, export, chat and previous-run pickers) and server data
+    files, filled when the page opens and when the Runs tab's refresh button is pressed."""
+    pickers = [runs_tab.compare, runs_tab.recipe_run, *run_pickers]
 
     def history_view():
         dirs = backend.run_dirs()

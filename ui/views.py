@@ -99,8 +99,9 @@ def plan_markdown(plan: dict[str, Any]) -> str:
     verdict = "FITS" if plan.get("fits") else "DOES NOT FIT"
     lines = [f"### {verdict}: predicted peak {size(plan.get('peak_bytes'))} of a {size(plan.get('budget_bytes'))} "
              "budget"]
-    if plan.get("tokens_per_s"):
-        lines.append(f"Predicted speed: **{plan['tokens_per_s']:,.0f} tokens/s** on {plan.get('device', 'the device')}.")
+    speed = plan.get("speed")
+    if speed:
+        lines.append(f"Predicted speed: **{speed['text']}** — an estimate: {speed['basis']}.")
     if not plan.get("fits") and plan.get("min_budget_bytes"):
         lines.append(f"The smallest budget any option fits: {size(plan['min_budget_bytes'])}.")
     settings = plan.get("settings") or {}
@@ -109,17 +110,19 @@ def plan_markdown(plan: dict[str, Any]) -> str:
     return "\n\n".join(lines)
 
 
-OPTION_HEADERS = ["option", "predicted peak", "tokens/s", "differs from the chosen plan in", "why rejected"]
+OPTION_HEADERS = ["option", "predicted peak", "tokens/s (estimate)", "why rejected",
+                  "differs from the chosen plan in"]
 
 
 def option_rows(plan: dict[str, Any]) -> list[list[str]]:
-    """Alternatives and rejected options: kind, peak, speed, how they differ, and why rejected."""
+    """Alternatives and rejected options: kind, peak, speed, why rejected, and how they differ (last: long)."""
     rows = []
     for kind in ("alternatives", "rejected"):
         for opt in plan.get(kind) or []:
             if isinstance(opt, dict):
-                rows.append([kind.rstrip("s"), size(opt.get("peak_bytes")), _fmt(opt.get("tokens_per_s"), ",.0f"),
-                             _differences(plan, opt), str(opt.get("reason") or "")])
+                speed = (opt.get("speed") or {}).get("short") or _fmt(opt.get("tokens_per_s"), ",.0f")
+                rows.append([kind.rstrip("s"), size(opt.get("peak_bytes")), speed, str(opt.get("reason") or ""),
+                             _differences(plan, opt)])
     return rows
 
 
@@ -159,13 +162,74 @@ def preview_markdown(examples: list[dict[str, Any]], bad: list[str]) -> str:
     return "\n".join(lines)
 
 
-def measured_bars(run_dir: Path) -> tuple[list[tuple[str, dict[str, float]]], float | None]:
-    """Predicted (plan.json) and measured (the latest logged peak breakdown) memory, and the budget."""
+def measured_bars(run_dir: Path, seen: dict[str, Any] | None = None
+                  ) -> tuple[list[tuple[str, dict[str, float]]], float | None]:
+    """Predicted (plan.json; and at the longest sequence seen, `seen`) and measured (the latest logged peak
+    breakdown) memory, and the budget."""
     run = RunDir(run_dir)
     plan = run.read_plan() or {}
     bars = [("predicted", plan["breakdown"])] if isinstance(plan.get("breakdown"), dict) else []
+    if seen and isinstance(seen.get("breakdown"), dict):
+        bars.append((f"predicted at {seen['longest']:,} tokens", seen["breakdown"]))
     measured = last_value(run.read_metrics(), "peak_memory_breakdown")
     if isinstance(measured, dict):
         bars.append(("measured", measured))
     return bars, plan.get("budget_bytes")
 
+
+
+def run_events(rows: list[dict[str, Any]]) -> list[tuple[int, str, str, str]]:
+    """The events a run recorded in metrics.jsonl as (step, short label, kind, detail) chart markers:
+    checkpoints saved, out-of-memory recoveries (one that changed the micro-batch or accumulation is a batch
+    change) and give-ups."""
+    out = []
+    for row in rows:
+        event, step = row.get("event"), row.get("oom_step", row.get("step"))  # at the step that failed
+        if not isinstance(event, str) or not isinstance(step, int):
+            continue
+        if event == "checkpoint_saved":
+            out.append((step, "checkpoint", "checkpoint", "checkpoint saved"))
+            continue
+        to = row.get("to") or {}
+        changes = ", ".join(f"{k} {(row.get('from') or {}).get(k)}→{v}" for k, v in to.items())
+        batch = any(k in to for k in ("micro_batch_size", "gradient_accumulation_steps"))
+        if event == "oom_recovered":
+            label = "OOM recovered, batch changed" if batch else "OOM recovered"
+            out.append((step, label, "batch" if batch else "oom", f"{label} ({changes})"))
+        else:
+            detail = f"out of memory ({event.removeprefix('oom_').replace('_', ' ')})"
+            out.append((step, "out of memory", "oom", detail))
+    return out
+
+
+def seen_length_markdown(seen: dict[str, Any] | None, measured: Any) -> str:
+    """Why measured memory can sit far below the prediction: the data is shorter than max_seq_len."""
+    if not seen:
+        return ""
+    return (f"**The examples are shorter than max_seq_len**: the longest sequence in the data is "
+            f"{seen['longest']:,} tokens, max_seq_len is {seen['max_seq_len']:,}. The plan was made for "
+            f"{seen['max_seq_len']:,} tokens (predicted peak {size(seen.get('planned_peak_bytes'))}); "
+            f"re-evaluated at {seen['longest']:,} tokens it predicts **{size(seen['peak_bytes'])}**, "
+            f"which is what the measured peak ({size(measured)}) should be compared with. Lower "
+            "data.max_seq_len (or turn on data.packing) to plan for what the data really holds.")
+
+
+def sweep_markdown(sweep: dict[str, Any]) -> str:
+    """The GPU-size chart's numbers in words (and a table a screen reader can read)."""
+    lines = ["| GPU | longest context (micro-batch 1) | largest micro-batch at "
+             f"{sweep['max_seq_len']:,} tokens | this recipe fits |", "|---|---|---|---|"]
+    for r in sweep["sizes"]:
+        ctx = f"{r['longest_context']:,}" if r["longest_context"] else "none"
+        lines.append(f"| {r['gpu_gb']} GB | {ctx} | {r['largest_micro_batch'] or 'none'} | "
+                     f"{'yes' if r['recipe_fits'] else 'no'} |")
+    limit = sweep.get("model_max_context")
+    if limit:
+        lines.append(f"\nContexts stop at the model's own limit, {limit:,} tokens (max_position_embeddings).")
+    return "\n".join(lines)
+
+
+def events_markdown(events: list[tuple[int, str, str, str]]) -> str:
+    """The run's events in words, beside the markers on the curves."""
+    if not events:
+        return ""
+    return "**Events**: " + "; ".join(f"step {step}: {detail}" for step, _, _, detail in events) + "."

@@ -28,6 +28,7 @@ DEVICE = {
     "cuda": {"flops": 165e12, "mem_bw": 1.0e12},
     "cpu": {"flops": 0.2e12, "mem_bw": 50e9},
 }
+DEVICE_BASIS = {"cuda": "an RTX 4090-class GPU in bf16", "cpu": "a desktop CPU"}  # whose figures DEVICE holds
 # Bytes/s of each offload link where it was not measured: PCIe 4.0 x16 with pinned memory, achieved; an NVMe
 # SSD, sequential. Host<->device on a CPU run is a memory copy (the device's mem_bw).
 LINK_BYTES_PER_S = {"host_device": 20e9, "disk": 3e9}

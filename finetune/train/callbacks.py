@@ -69,6 +69,10 @@ class MetricsCallback(TrainerCallback):
         self.run.write_status("running", step=state.global_step, max_steps=self.max_steps, eta_s=self._eta(state),
                               **self.status_fields)
 
+    def on_save(self, args, state, control, **kwargs):
+        """An event row, so the curves can mark where a checkpoint was saved."""
+        self.run.append_metrics({"event": "checkpoint_saved", "step": state.global_step})
+
     def _eta(self, state) -> float | None:
         done = state.global_step - (self._first_step or 0)
         if done <= 0:

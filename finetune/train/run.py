@@ -217,6 +217,9 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
         run_dir.truncate_metrics(step_of(checkpoint))
     peak = PeakMemoryCallback(plan.peak_bytes if plan is not None else None)
     metrics = MetricsCallback(run_dir, steps)
+    # The plan is made for max_seq_len; the UI re-plans at the longest sequence the data really has.
+    metrics.status_fields["longest_sequence_tokens"] = (
+        recipe.data.max_seq_len if recipe.data.packing else data.stats["max_example_tokens"])
     # A bad offload_dir fails here, before the first step and before anything is written there.
     preflight_offload(model, recipe.memory, run_dir.root, int(recipe.training.micro_batch_size), recipe.data.max_seq_len)
     offload = activation_offload(model, recipe.memory, run_dir.root)

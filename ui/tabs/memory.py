@@ -1,4 +1,5 @@
-"""Memory tab: the planner's verdict for the form's recipe on a chosen GPU, as bars and a table of options."""
+"""Memory tab: what fits at a glance (longest context and largest micro-batch per GPU size), then the
+planner's verdict for the form's recipe on the chosen GPU: bars by component, speed estimate, options."""
 
 from __future__ import annotations
 
@@ -9,26 +10,44 @@ from ui.backend import Backend
 from ui.tabs.messages import reported
 
 
-def build(backend: Backend, widgets: list[gr.components.Component]) -> None:
-    """The Memory tab over the form `widgets`; it plans again whenever it opens or the GPU changes."""
+def build(backend: Backend, widgets: list[gr.components.Component], basic_gpu: gr.Dropdown) -> gr.Dropdown:
+    """The Memory tab over the form `widgets`; it plans again whenever it opens or the GPU changes (here or
+    in the Recipe tab's basics, `basic_gpu`, which it keeps in step). Returns its GPU picker."""
     with gr.Tab("Memory", id="memory") as memory_tab:
         with gr.Row():
             gpus = backend.gpu_choices()
-            gpu = gr.Dropdown(choices=gpus, value=gpus[0], label="GPU", elem_id="gpu", scale=3)
+            gpu = gr.Dropdown(choices=gpus, value=gpus[0], label="GPU to plan for", elem_id="gpu", scale=3)
             plan_btn = gr.Button("Plan", elem_id="plan", scale=1)
         plan_msg = gr.Markdown(elem_id="plan-message")
-        plan_plot = gr.Plot(label="Predicted memory against the budget", elem_id="plan-plot")
-        plan_table = gr.Dataframe(headers=views.OPTION_HEADERS,
-                                  label="Alternatives and rejected options", interactive=False)
+        context_plot = gr.Plot(label="What fits on each GPU size: longest context and largest micro-batch",
+                               elem_id="context-plot")
+        context_msg = gr.Markdown(elem_id="context-message")
+        plan_plot = gr.Plot(label="Predicted memory by component against the budget", elem_id="plan-plot")
+        plan_table = gr.Dataframe(headers=views.OPTION_HEADERS, label="Alternatives and rejected options, with why",
+                                  interactive=False, elem_id="plan-options")
+        last_plan = gr.State(None)  # the chosen plan's micro-batch, starred on the context chart
 
-    @reported(3)
+    @reported(4)
     def plan(*args):
         result = backend.plan(args[:-1], args[-1])
+        mb = (result.get("settings") or {}).get("micro_batch_size")
         return (views.plan_markdown(result), charts.memory_figure(views.plan_bars(result), result.get("budget_bytes")),
-                views.option_rows(result))
+                views.option_rows(result), mb)
 
-    plan_btn.click(plan, [*widgets, gpu], [plan_msg, plan_plot, plan_table], api_name="plan")
+    @reported(2, message_at=1)
+    def sweep(*args):
+        *values, choice, mb = args
+        result = backend.gpu_sweep(values)
+        return charts.context_figure(result, backend.gpu_gb(choice), mb), views.sweep_markdown(result)
+
+    plan_out = [plan_msg, plan_plot, plan_table, last_plan]
+    plan_btn.click(plan, [*widgets, gpu], plan_out, api_name="plan").then(
+        sweep, [*widgets, gpu, last_plan], [context_plot, context_msg], api_name="gpu_sizes")
     # The form lives on another tab: planning when this tab opens shows the current settings, without
-    # re-planning on every keystroke.
-    gr.on([memory_tab.select, gpu.change], plan, [*widgets, gpu], [plan_msg, plan_plot, plan_table],
-          trigger_mode="always_last", api_visibility="private")
+    # re-planning on every keystroke. The sweep over GPU sizes follows the plan (it takes longer, once).
+    gr.on([memory_tab.select, gpu.change], plan, [*widgets, gpu], plan_out, trigger_mode="always_last",
+          api_visibility="private").then(sweep, [*widgets, gpu, last_plan], [context_plot, context_msg],
+                                          api_visibility="private")
+    basic_gpu.input(lambda g: g, basic_gpu, gpu, api_visibility="private")
+    gpu.input(lambda g: g, gpu, basic_gpu, api_visibility="private")
+    return gpu

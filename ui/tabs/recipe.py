@@ -1,4 +1,5 @@
-"""Recipe tab: the form (one widget per recipe key), load and save a recipe YAML, and the YAML it makes."""
+"""Recipe tab: start from something (a ready recipe, a recipe file, a previous run), a short basic form
+(model, data, GPU, goal) and every other key under "Advanced" sections generated from the schema."""
 
 from __future__ import annotations
 
@@ -7,14 +8,20 @@ from typing import Any
 
 import gradio as gr
 
+from finetune.errors import RecipeError
+from finetune.recipe.goals import GOALS, SUMMARIES
 from finetune.rundir import RECIPE
 from ui.backend import Backend
 from ui.form import FieldSpec, sections
 from ui.tabs.messages import reported
 
+BASIC_KEYS = {"model.path": "Model (model.path)", "data.path": "Data file (data.path)"}  # the basic form's
+# keys and their labels; every other key is under Advanced
+KEEP = "keep the recipe's values"
 
-def _widget(spec: FieldSpec, value: Any) -> gr.components.Component:
-    common = dict(value=value, label=spec.name, info=spec.description, elem_id=spec.elem_id, interactive=True)
+
+def _widget(spec: FieldSpec, value: Any, label: str | None = None) -> gr.components.Component:
+    common = dict(value=value, label=label or spec.name, info=spec.info, elem_id=spec.elem_id, interactive=True)
     if spec.kind == "checkbox":
         return gr.Checkbox(**common)
     if spec.kind == "number":
@@ -25,39 +32,88 @@ def _widget(spec: FieldSpec, value: Any) -> gr.components.Component:
     return gr.Textbox(placeholder=placeholder, max_lines=1, **common)
 
 
-def _form(backend: Backend) -> list[gr.components.Component]:
-    """One accordion per recipe section, one widget per key, in schema order; defaults shown, output.dir in runs,
-    required keys (which have no default) empty."""
+def _defaults(backend: Backend) -> dict[str, Any]:
+    """Widget values of the schema's defaults, output.dir in runs, required keys (no default) empty."""
     initial = {"model": {"path": "required"}, "data": {"path": "required"},
                "output": {"dir": str(backend.settings.runs_dir / "run")}}
     values = backend.load_yaml(json.dumps(initial), "defaults")
-    defaults = {s: "" if s.required else v for s, v in zip(backend.specs, values, strict=True)}
-    widgets = []
+    return {s.key: "" if s.required else v for s, v in zip(backend.specs, values, strict=True)}
+
+
+def _advanced(backend: Backend, defaults: dict[str, Any]) -> dict[str, gr.components.Component]:
+    """One closed accordion per recipe section, one widget per key in schema order (basic keys left out)."""
+    out = {}
     for section, description in sections():
-        specs = [s for s in backend.specs if s.section == section]
-        with gr.Accordion(f"{section} — {description}" if description else section,
-                          open=section in ("model", "data", "training"), elem_id=f"section-{section}"):
+        specs = [s for s in backend.specs if s.section == section and s.key not in BASIC_KEYS]
+        title = f"Advanced: {section} — {description}" if description else f"Advanced: {section}"
+        with gr.Accordion(title, open=False, elem_id=f"section-{section}"):
             for start in range(0, len(specs), 3):
                 with gr.Row():
-                    widgets.extend(_widget(s, defaults[s]) for s in specs[start:start + 3])
-    return widgets
+                    for s in specs[start:start + 3]:
+                        out[s.key] = _widget(s, defaults[s.key])
+    return out
 
 
-def build(demo: gr.Blocks, backend: Backend) -> list[gr.components.Component]:
-    """The Recipe tab; returns the form's widgets (in spec order), which the other tabs read."""
+def build(demo: gr.Blocks, backend: Backend) -> tuple[list[gr.components.Component], gr.Dropdown, gr.Dropdown]:
+    """The Recipe tab; returns the form's widgets (in spec order, which the other tabs read), the basic form's
+    GPU picker (kept in step with the Memory tab's) and the previous-run picker (filled with the runs)."""
     keys = [s.key for s in backend.specs]
+    by_key = {s.key: s for s in backend.specs}
+    gallery = backend.gallery()
     with gr.Tab("Recipe", id="recipe"):
+        gr.Markdown("**Start from something**: a ready recipe, a recipe file, or a previous run. Then set the "
+                    "basics; everything else has a sensible default under *Advanced*.")
         with gr.Row():
-            recipe_upload = gr.File(label="Load a recipe YAML", file_types=[".yaml", ".yml"],
-                                    elem_id="recipe-upload", scale=2, height=140)
-            with gr.Column(scale=1):
-                save_btn = gr.Button("Save form as recipe YAML", elem_id="save-recipe")
-                recipe_file = gr.File(label=RECIPE, interactive=False, elem_id="recipe-file", height=90)
+            with gr.Column(scale=3, elem_id="gallery"):
+                pick = gr.Radio(choices=[(r["title"], r["path"]) for r in gallery], label="Ready recipes",
+                                elem_id="gallery-pick")
+                pick_info = gr.Markdown(elem_id="gallery-info")
+                use_btn = gr.Button("Use this recipe", variant="primary", elem_id="gallery-use")
+            with gr.Column(scale=2):
+                recipe_upload = gr.File(label="Open a recipe file (YAML)", file_types=[".yaml", ".yml"],
+                                        elem_id="recipe-upload", height=110)
+                prev_run = gr.Dropdown(label="From a previous run", allow_custom_value=True, elem_id="previous-run")
+                prev_btn = gr.Button("Load that run's recipe", elem_id="previous-run-load")
         recipe_msg = gr.Markdown(elem_id="recipe-problems")
-        widgets = _form(backend)
+        defaults = _defaults(backend)
+        with gr.Group(elem_id="basics"):
+            gr.Markdown("### Basics")
+            with gr.Row():
+                basic = {k: _widget(by_key[k], defaults[k], label) for k, label in BASIC_KEYS.items()}
+            with gr.Row():
+                gpus = backend.gpu_choices()
+                gpu = gr.Dropdown(choices=gpus, value=gpus[0], label="GPU",
+                                  info="The card the Memory tab plans for; a run uses the GPU's free memory "
+                                       "(memory.gpu_memory).", elem_id="basic-gpu")
+                goal = gr.Dropdown(choices=[KEEP, *GOALS], value=KEEP, label="Goal",
+                                   info="Sets the few keys a goal is about (shown under Advanced): "
+                                        + "; ".join(f"{g}: {text}" for g, text in SUMMARIES.items()) + ".",
+                                   elem_id="goal")
+        advanced = _advanced(backend, defaults)
+        widgets = [{**basic, **advanced}[k] for k in keys]
+        with gr.Row():
+            save_btn = gr.Button("Save form as recipe YAML", elem_id="save-recipe", scale=1)
+            recipe_file = gr.File(label=RECIPE, interactive=False, elem_id="recipe-file", height=70, scale=2)
         recipe_yaml = gr.Code(language="yaml", label="Recipe YAML: exactly what `finetune run` reads",
                               interactive=False, elem_id="recipe-yaml")
         saved_form = gr.BrowserState(None, storage_key="finetune-form")  # the form survives a page reload
+
+    descriptions = {r["path"]: r["description"] for r in gallery}
+    pick.change(lambda p: descriptions.get(p, ""), pick, pick_info, api_visibility="private")
+
+    @reported(1 + len(widgets))
+    def use_gallery(path):
+        title, values = backend.load_gallery(path)
+        return (f"Loaded the ready recipe: {title}", *values)
+
+    use_btn.click(use_gallery, pick, [recipe_msg, *widgets], api_name="use_gallery_recipe")
+
+    @reported(1 + len(widgets))
+    def use_run(run_dir):
+        run, values = backend.load_run_recipe(run_dir)
+        return (f"Loaded the recipe of {run}, with a new output.dir for the new run.", *values)
+
+    prev_btn.click(use_run, prev_run, [recipe_msg, *widgets], api_name="use_run_recipe")
 
     def load_file(path: str | None):
         if not path:
@@ -68,9 +124,22 @@ def build(demo: gr.Blocks, backend: Backend) -> list[gr.components.Component]:
     recipe_upload.upload(reported(1 + len(widgets))(load_file), recipe_upload, [recipe_msg, *widgets],
                          api_name="load_recipe")
 
+    def apply_goal(chosen):
+        if chosen not in GOALS:
+            return [gr.skip()] * len(widgets)
+        updates = backend.goal_updates(chosen)
+        return [updates.get(i, gr.skip()) for i in range(len(widgets))]
+
+    goal.input(apply_goal, goal, widgets, api_name="apply_goal")
+
     @reported(2)
     def show_yaml(*values):
-        return "", backend.recipe_file(values)[1]
+        try:
+            return "", backend.recipe_file(values)[1]
+        except RecipeError as exc:  # a fresh page: no model or data yet is a next step, not an error
+            if exc.problems and all("missing required key" in p for p in exc.problems):
+                return "Choose a ready recipe above, or give the model and the data file in the basics.", ""
+            raise
 
     gr.on([w.change for w in widgets], show_yaml, widgets, [recipe_msg, recipe_yaml], trigger_mode="always_last",
           api_visibility="private")
@@ -94,4 +163,4 @@ def build(demo: gr.Blocks, backend: Backend) -> list[gr.components.Component]:
 
     save_btn.click(save, widgets, [recipe_msg, recipe_file], api_name="save_recipe")
     demo.load(show_yaml, widgets, [recipe_msg, recipe_yaml], api_visibility="private")
-    return widgets
+    return widgets, gpu, prev_run

@@ -26,10 +26,14 @@ def build(backend: Backend, widgets: list[gr.components.Component], timer: gr.Ti
         run_sel = gr.Dropdown(label="Run", allow_custom_value=True, elem_id="run-select")
         train_msg = gr.Markdown(elem_id="train-message")
         status = gr.HTML(elem_id="status")
+        seen_md = gr.Markdown(elem_id="seen-length")
         with gr.Row():
-            loss_plot = gr.Plot(label="Loss", elem_id="loss-plot")
+            loss_plot = gr.Plot(label="Loss, with the run's events marked", elem_id="loss-plot")
+            timeline_plot = gr.Plot(label="Tokens/s and memory over time: measured against the plan",
+                                    elem_id="timeline-plot")
+        with gr.Row():
+            mem_plot = gr.Plot(label="Peak memory by component: measured against predicted", elem_id="memory-plot")
             lr_plot = gr.Plot(label="Learning rate", elem_id="lr-plot")
-        mem_plot = gr.Plot(label="Peak memory: measured against predicted", elem_id="memory-plot")
         log_box = gr.Textbox(label="Log tail (newest last)", lines=14, max_lines=14, interactive=False,
                              autoscroll=True, elem_id="log-tail")
         queue_md = gr.Markdown(elem_id="queue")
@@ -58,11 +62,11 @@ def build(backend: Backend, widgets: list[gr.components.Component], timer: gr.Ti
     def refresh(run_dir, last):
         queue = views.queue_markdown(backend.manager)
         if not run_dir:
-            return "<div id='run-status'>No run yet: start one above.</div>", *(gr.skip(),) * 3, "", queue, last
+            return "<div id='run-status'>No run yet: start one above.</div>", *(gr.skip(),) * 5, "", queue, last
         try:
             path = backend.run_path(run_dir, must_exist=False)
         except FinetuneError as exc:
-            return f"<div id='run-status'>{html.escape(str(exc))}</div>", *(gr.skip(),) * 3, "", queue, last
+            return f"<div id='run-status'>{html.escape(str(exc))}</div>", *(gr.skip(),) * 5, "", queue, last
         state = backend.manager.run_state(path)
         run = RunDir(path)
         log = run.log_tail(LOG_LINES) or backend.manager.process_log(path, LOG_LINES)
@@ -71,15 +75,23 @@ def build(backend: Backend, widgets: list[gr.components.Component], timer: gr.Ti
         rows = run.read_metrics()
         sig = (run_dir, len(rows))
         if sig == last:
-            plots = (gr.skip(),) * 3
+            plots = (gr.skip(),) * 5
         else:
-            bars, budget = views.measured_bars(path)
-            plots = (charts.loss_figure({path.name: rows}), charts.lr_figure(rows),
+            seen_plan = backend.seen_length_plan(path)
+            bars, budget = views.measured_bars(path, seen_plan)
+            events = views.run_events(rows)
+            measured = views.last_value(rows, "peak_memory_bytes")  # since the last re-plan (OOM recovery)
+            planned = (run.read_plan() or {}).get("peak_bytes")
+            explained = [views.events_markdown(events), views.seen_length_markdown(seen_plan, measured)]
+            plots = ("\n\n".join(t for t in explained if t),
+                     charts.loss_figure({path.name: rows}, events=events),
+                     charts.timeline_figure(rows, planned, events, seen_plan and seen_plan["peak_bytes"]),
+                     charts.lr_figure(rows),
                      charts.memory_figure(bars, None, title=f"peak memory (budget {views.size(budget)})")
                      if bars else None)  # a budget line would flatten the bars the page compares
         return views.status_html(path, state), *plots, log, queue, sig
 
-    outputs = [status, loss_plot, lr_plot, mem_plot, log_box, queue_md, seen]
+    outputs = [status, seen_md, loss_plot, timeline_plot, lr_plot, mem_plot, log_box, queue_md, seen]
     timer.tick(refresh, [run_sel, seen], outputs, api_name="refresh", show_progress="hidden")
     run_sel.change(refresh, [run_sel, unseen], outputs, show_progress="hidden", api_visibility="private")
     return run_sel
