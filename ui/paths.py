@@ -29,6 +29,7 @@ PATH_KEYS = {
     "data.chat_template": "template",  # template text, or a path to one (as finetune.data.chat reads it)
     "memory.offload_dir": "path",
     "output.dir": "path",
+    "distributed.deepspeed_nvme_path": "path",  # DeepSpeed writes optimizer state there
 }
 NOT_PATHS = ("model.revision", "adapter.target_modules", "adapter.modules_to_save", "data.system_prompt", "optimizer.target_modules")
 
