@@ -1,7 +1,8 @@
 """The UI in a real browser (Playwright + Debian's Chromium) at 1280x800: start from a ready recipe, fill the
 basics and Advanced sections by clicking and typing, see what fits per GPU size and switch the GPU, train
 through an out-of-memory recovery (fault switch) and see its marker, watch the loss curve grow, reload
-mid-run and see it again, export and chat with the result.
+mid-run and see it again, export (its progress shown) and hold a three-turn chat with the result
+whose third answer depends on the first turn.
 
 Screenshots of each stage go to test-artifacts/ui/ (kept by CI as artifacts); docs/ui.md shows the key ones.
 """
@@ -46,11 +47,10 @@ UNLABELLED = """() => [...document.querySelectorAll(
   .map(el => el.outerHTML.slice(0, 120))"""
 
 
-def _shot(page, name: str, labelled: bool = True) -> None:
-    """A screenshot of the stage, after checking every visible control is labelled (unless `labelled` is
-    False) and nothing overflows the 1280-pixel width."""
-    if labelled:
-        assert page.evaluate(UNLABELLED) == [], name
+def _shot(page, name: str) -> None:
+    """A screenshot of the stage, after checking every visible control is labelled and nothing overflows the
+    1280-pixel width."""
+    assert page.evaluate(UNLABELLED) == [], name
     assert page.evaluate("() => document.documentElement.scrollWidth") <= 1280, name
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
@@ -85,6 +85,26 @@ def _status(page) -> tuple[str, int]:
     if not node.count() or node.get_attribute("data-state") is None:
         return "", 0
     return node.get_attribute("data-state"), int(node.get_attribute("data-step") or 0)
+
+
+# Records every text the element shows (`window.seenTexts`), however briefly, from now on.
+SEEN = """(id) => { window.seenTexts = [];
+  const node = document.getElementById(id);
+  new MutationObserver(() => window.seenTexts.push(node.innerText))
+    .observe(node, {childList: true, subtree: true, characterData: true}); }"""
+COLUMNS = ("#chat-tuned", "#chat-base")
+
+
+def _chat(page, turns: list[str]) -> dict[str, str]:
+    """Send the turns one by one, each after the previous answers are complete; the last answer per column."""
+    for n, text in enumerate(turns, 1):
+        page.locator("#chat-prompt textarea").fill(text)
+        page.locator("#chat-send").click()
+        for column in COLUMNS:  # the new turn comes with an empty status, so "Answered in" is this turn's
+            sync_api.expect(page.locator(f"{column} [data-testid=user]")).to_have_count(n, timeout=120_000)
+            sync_api.expect(page.locator(f"{column} [data-testid=bot]")).to_have_count(n, timeout=120_000)
+        sync_api.expect(page.locator("#chat-message")).to_contain_text("Answered in", timeout=120_000)
+    return {column: page.locator(f"{column} [data-testid=bot]").last.inner_text() for column in COLUMNS}
 
 
 def test_gallery_memory_train_events_reload_export_and_chat_in_a_browser(page, tmp_path, tiny_model_dir,
@@ -219,25 +239,37 @@ def test_gallery_memory_train_events_reload_export_and_chat_in_a_browser(page, t
         run_box.fill(str(short_dir))
         run_box.press("Enter")
         page.locator("#export-dir textarea, #export-dir input").first.fill(str(tmp_path / "merged"))
+        page.evaluate(SEEN, "export-message")  # the tiny model's steps pass faster than a check could poll
         page.locator("#export").click()
-        sync_api.expect(page.locator("#export-message")).to_contain_text("merged model saved", timeout=120_000)
+        sync_api.expect(page.locator("#export-message")).to_contain_text(
+            f"merged model saved to {tmp_path / 'merged'}", timeout=120_000)
+        seen = page.evaluate("() => window.seenTexts")
+        assert any("now: [1/4] loading the base model" in text for text in seen), seen  # progress as it went
+        sync_api.expect(page.locator("#export-message")).to_contain_text("done: [4/4]")
         _shot(page, "10-exported")
 
-        # 9. Chat with the result beside the base model.
-        # TODO(lead, after merging wt-chat / issue 15 point 4): replace this single prompt with the three-turn
-        # chat whose third answer depends on the first turn (streaming, model kept loaded in the worker), and
-        # check the export progress shown by the new export UI in step 8.
+        # 9. A three-turn chat with the result beside the base model, greedy (deterministic) and short. The
+        # third answer depends on the first turn: without it (a new chat of turns 2 and 3 only) the same
+        # greedy third turn gets another answer, in both columns. The model is loaded once, in the worker.
         page.get_by_role("tab", name="Chat").click()
         run_box = page.locator("#chat-run input").first
         run_box.click()
         run_box.fill(str(short_dir))
         run_box.press("Enter")
-        page.locator("#chat-prompt textarea").fill("What is 3 plus 3?")
-        page.locator("#chat-send").click()
-        for bot in ("#chat-tuned", "#chat-base"):
-            sync_api.expect(page.locator(bot).get_by_text("What is 3 plus 3?")).to_be_visible(timeout=120_000)
-        page.wait_for_function("() => document.querySelectorAll('#chat-tuned .bot, #chat-tuned [data-testid=bot]')"
-                               ".length > 0", timeout=120_000)
-        # gradio's Chatbot draws icon buttons with an empty aria-label (the chat tab is being rebuilt in
-        # wt-chat): the label check applies again once that tab labels them.
-        _shot(page, "11-chat", labelled=False)
+        page.locator("#chat-settings").get_by_role("button").first.click()
+        for slider, value in (("temperature", "0"), ("max-new", "16")):
+            number = page.locator(f"#chat-{slider} input[type=number]")
+            number.fill(value)
+            number.press("Tab")
+            sync_api.expect(page.locator(f"#chat-{slider} input[type=range]")).to_have_value(value)
+        page.locator("#chat-system textarea").fill("You are a concise assistant.")
+        turns = ["My name is Ada and my favourite number is 7.", "What is 2 plus 2?", "What is my name?"]
+        third = _chat(page, turns)
+        _shot(page, "11-chat")
+        page.locator("#chat-clear").click()
+        sync_api.expect(page.locator("#chat-tuned [data-testid=user]")).to_have_count(0)
+        without_first = _chat(page, turns[1:])
+        for column in COLUMNS:
+            assert third[column] and without_first[column], (third, without_first)
+            assert third[column] != without_first[column], column  # only the history differs
+        assert demo.chat_worker.stats()["loads"] == 1  # ten answers, base and fine-tuned, from one model load

@@ -21,6 +21,8 @@ from ui.tabs.messages import problems_markdown
 
 COLUMNS = ("fine-tuned", "base model", "second run")
 STREAM_EVERY_S = 0.1  # the page is updated at most this often while answers stream in
+# Copy buttons only: Gradio's default "share" (to Hugging Face Spaces discussions) is an icon without a label.
+CHATBOT_BUTTONS = ["copy", "copy_all"]
 
 
 def text_of(content: Any) -> str:
@@ -114,9 +116,12 @@ def build(backend: Backend) -> gr.Dropdown:
                 top_p = gr.Slider(0.05, 1, value=0.9, step=0.05, label="Top-p", elem_id="chat-top-p")
                 max_new = gr.Slider(8, 1024, value=256, step=8, label="Max new tokens", elem_id="chat-max-new")
         with gr.Row():
-            tuned_bot = gr.Chatbot(label="fine-tuned (base + adapter)", height=360, elem_id="chat-tuned")
-            base_bot = gr.Chatbot(label="base model", height=360, elem_id="chat-base")
-            second_bot = gr.Chatbot(label="second run", height=360, elem_id="chat-second", visible=False)
+            tuned_bot = gr.Chatbot(label="fine-tuned (base + adapter)", height=360, buttons=CHATBOT_BUTTONS,
+                                   elem_id="chat-tuned")
+            base_bot = gr.Chatbot(label="base model", height=360, buttons=CHATBOT_BUTTONS,
+                                  elem_id="chat-base")
+            second_bot = gr.Chatbot(label="second run", height=360, buttons=CHATBOT_BUTTONS,
+                                    elem_id="chat-second", visible=False)
         with gr.Row():
             prompt = gr.Textbox(label="Message", scale=5, elem_id="chat-prompt",
                                 placeholder="Enter sends; the conversation so far goes with it")
