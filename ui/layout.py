@@ -36,7 +36,7 @@ def build_app(backend: Backend) -> gr.Blocks:
 def _wire_run_lists(demo: gr.Blocks, backend: Backend, run_sel: gr.Dropdown, runs_tab: runs.RunsTab,
                     run_pickers: list[gr.Dropdown], server_file: gr.Dropdown) -> None:
     """The lists that span tabs: runs (history, overlay, export, chat and previous-run pickers) and server data
-    files, filled when the page opens and when the Runs tab's refresh button is pressed."""
+    files, filled when the page opens, when the Runs tab opens and when its refresh button is pressed."""
     pickers = [runs_tab.compare, runs_tab.recipe_run, *run_pickers]
 
     def history_view():
@@ -44,6 +44,7 @@ def _wire_run_lists(demo: gr.Blocks, backend: Backend, run_sel: gr.Dropdown, run
         return (views.history_rows(dirs), *(gr.update(choices=dirs) for _ in pickers))
 
     runs_tab.refresh_btn.click(history_view, None, [runs_tab.history, *pickers], api_name="history")
+    runs_tab.tab.select(history_view, None, [runs_tab.history, *pickers], api_visibility="private")
 
     def on_load():
         current = backend.current_run()

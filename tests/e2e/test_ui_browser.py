@@ -234,6 +234,8 @@ def test_gallery_memory_train_events_reload_export_and_chat_in_a_browser(page, t
 
         # 8. Export the merged model from the Runs tab.
         page.get_by_role("tab", name="Runs").click()
+        # opening the tab lists the runs afresh: the short run, finished, is in the history table
+        sync_api.expect(page.locator("#history")).to_contain_text(str(short_dir), timeout=30_000)
         run_box = page.locator("#history-run input").first
         run_box.click()
         run_box.fill(str(short_dir))

@@ -18,8 +18,9 @@ HISTORY_HEADERS = ["run", "state", "step", "loss", "eval loss", "tokens/s", "pea
 
 @dataclass
 class RunsTab:
-    """The parts the page refreshes with the list of runs."""
+    """The parts the page refreshes with the list of runs (when the tab opens or Refresh is pressed)."""
 
+    tab: gr.Tab
     refresh_btn: gr.Button
     history: gr.Dataframe
     compare: gr.CheckboxGroup
@@ -48,7 +49,7 @@ def export_view(backend: Backend, run_dir: str, out_dir: str) -> Iterator[str]:
 
 def build(backend: Backend) -> RunsTab:
     """The Runs tab; its refresh button is wired by the page, which also updates the Chat tab's run list."""
-    with gr.Tab("Runs", id="runs"):
+    with gr.Tab("Runs", id="runs") as tab:
         refresh_btn = gr.Button("Refresh", elem_id="refresh-runs")
         history = gr.Dataframe(headers=HISTORY_HEADERS, interactive=False, elem_id="history")
         compare = gr.CheckboxGroup(label="Overlay loss curves", elem_id="compare")
@@ -74,4 +75,4 @@ def build(backend: Backend) -> RunsTab:
         yield from export_view(backend, run_dir, out_dir)
 
     export_btn.click(export, [recipe_run, export_dir], export_msg, api_name="export")
-    return RunsTab(refresh_btn, history, compare, recipe_run)
+    return RunsTab(tab, refresh_btn, history, compare, recipe_run)
