@@ -141,6 +141,11 @@ class TrainingConfig(Section):
     seed: int = Field(42, ge=0, le=2**32 - 1, description="Seed for data order, initialisation and dropout.")
     logging_steps: int = Field(1, ge=1, le=MAX_COUNT, description="Log metrics every this many optimizer steps.")
     eval_steps: int | None = Field(None, ge=1, le=MAX_COUNT, description="Evaluate every this many steps (needs validation_split); null: at the end.")
+    # The batch-size engine (README "Batch size from the gradient noise scale").
+    noise_scale: bool = Field(True, description="Measure the gradient noise scale (gns, grad_sq, trace_sigma in "
+        "metrics.jsonl; labelled tokens) from per-micro-batch gradient norms; no gradient copy.")
+    noise_scale_split_every: int = Field(10, ge=1, le=MAX_COUNT, description="Without accumulation: run every "
+        "this many steps' micro-batch as two halves (same gradient) so the noise scale can still be measured.")
 
     @field_validator("micro_batch_size", "gradient_accumulation_steps")
     @classmethod

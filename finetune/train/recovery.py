@@ -169,12 +169,25 @@ class RecoveringTrainer(FinetuneTrainer):
         self._done += 1
         return loss
 
+    def _noise_split_due(self) -> bool:
+        """An update of a single micro-batch runs as two halves (the same gradient) every
+        training.noise_scale_split_every steps, so the noise-scale probe sees two batch sizes
+        (finetune/train/noise_scale.py). Not with a layer-wise optimizer in immediate mode: it would step on
+        each half."""
+        layerwise = layerwise_of(self.optimizer)
+        return not (self.noise_probe is None or len(self._update) > 1 or len(self._update[0][ROWS].rows) < 2
+                    or (layerwise is not None and layerwise.steps_per_update == 1)
+                    or (self.state.global_step + 1) % self.recipe.training.noise_scale_split_every)
+
     def _split_step(self, model, inputs: dict, num_items_in_batch) -> torch.Tensor:
         last = inputs is self._update[-1]
-        if self.splits == 1:
+        if self.splits > 1:
+            size = self.args.per_device_train_batch_size // self.splits
+        elif self._noise_split_due():
+            size = -(-len(inputs[ROWS].rows) // 2)
+        else:
             with self._fault(model, last):
                 return super().training_step(model, inputs, num_items_in_batch)
-        size = self.args.per_device_train_batch_size // self.splits
         rows = inputs[ROWS].rows
         parts = [rows[i:i + size] for i in range(0, len(rows), size)]
         # Without num_items_in_batch the Trainer divides each loss by this: the update's micro-batch count.
@@ -254,6 +267,8 @@ class RecoveringTrainer(FinetuneTrainer):
         model.zero_grad(set_to_none=True)
         self.optimizer.zero_grad(set_to_none=True)
         self._loss_finite = None
+        if self.noise_probe is not None:
+            self.noise_probe.discard()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
