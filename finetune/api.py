@@ -11,6 +11,7 @@ from finetune.recipe.schema import Recipe
 
 if TYPE_CHECKING:  # torch and transformers load only when a command needs them
     from finetune.plan import Plan
+    from finetune.recipe.batch_rules import BatchRule
     from finetune.train.run import RunResult
 
 
@@ -46,6 +47,13 @@ def plan(recipe: Recipe, *, gpu_memory: str | int | None = None, device: str | N
     from finetune.plan import predict
 
     return predict(recipe, gpu_memory=gpu_memory, device=device)
+
+
+def batch_rule(recipe: Recipe, plan: Plan) -> BatchRule | None:
+    """How `run` rescales the learning rate and beta2 for the plan's effective batch (None: it does not)."""
+    from finetune.recipe.batch_rules import apply_batch_rules, reference_batch
+
+    return apply_batch_rules(plan.apply(recipe), reference_batch(recipe))[1]
 
 
 def measure(recipe: Recipe, *, steps: int = 2) -> dict[str, Any]:

@@ -102,6 +102,9 @@ def cmd_plan(args) -> int:
         print(plan.to_json())
     else:
         render_plan(plan)
+        rule = api.batch_rule(recipe, plan)
+        if rule is not None:
+            print(f"batch rules: {rule.describe()}")
     return 0 if plan.fits else 1
 
 

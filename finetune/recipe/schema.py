@@ -130,8 +130,10 @@ class TrainingConfig(Section):
     micro_batch_size: int | Auto = Field(1, description="Sequences per forward pass; auto lets the planner choose.")
     gradient_accumulation_steps: int | Auto = Field(
         1, description="Micro-batches per optimizer step; auto keeps effective_batch_size with the planner's micro-batch.")
-    effective_batch_size: int | None = Field(
-        None, ge=1, le=MAX_COUNT, description="Target sequences per optimizer step when micro-batch or accumulation is auto.")
+    effective_batch_size: int | Auto | None = Field(
+        None, description="Target sequences per optimizer step when micro-batch or accumulation is auto; auto: "
+        "chosen during the run from the measured gradient noise scale (accumulation ramps up, learning rate "
+        "and beta2 follow the batch rules).")
     learning_rate: float = Field(2.0e-4, gt=0, le=1, description="Peak learning rate.")
     lr_scheduler: Literal["cosine", "linear", "constant", "wsd"] = Field(
         "cosine", description="Schedule after warmup; wsd = warmup, stable, then decay over decay_ratio.")
@@ -146,11 +148,14 @@ class TrainingConfig(Section):
         "metrics.jsonl; labelled tokens) from per-micro-batch gradient norms; no gradient copy.")
     noise_scale_split_every: int = Field(10, ge=1, le=MAX_COUNT, description="Without accumulation: run every "
         "this many steps' micro-batch as two halves (same gradient) so the noise scale can still be measured.")
+    reference_batch_size: int | None = Field(None, ge=1, le=MAX_COUNT, description="Sequences per step that "
+        "learning_rate and optimizer.betas were tuned for; a different effective batch rescales them (sqrt or "
+        "linear rule by optimizer, capped; beta2 ** (batch / reference)). null: the recipe's effective batch.")
 
-    @field_validator("micro_batch_size", "gradient_accumulation_steps")
+    @field_validator("micro_batch_size", "gradient_accumulation_steps", "effective_batch_size")
     @classmethod
-    def _positive_count(cls, value: int | str) -> int | str:
-        if value != "auto" and not 1 <= value <= MAX_COUNT:
+    def _positive_count(cls, value: int | str | None) -> int | str | None:
+        if value is not None and value != "auto" and not 1 <= value <= MAX_COUNT:
             raise ValueError(f"must be a positive integer (at most {MAX_COUNT}) or auto")
         return value
 

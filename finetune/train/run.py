@@ -16,6 +16,7 @@ from finetune.errors import FinetuneError
 from finetune.memory.offload import activation_offload, preflight_offload
 from finetune.memory.tracker_callback import PeakMemoryCallback
 from finetune.plan import Plan, predict
+from finetune.recipe.batch_rules import apply_batch_rules, reference_batch
 from finetune.recipe.load import load_recipe, recipe_to_yaml
 from finetune.recipe.schema import Recipe
 from finetune.recipe.settings import auto_settings, read_settings, write_settings
@@ -152,10 +153,15 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     from finetune.model.adapter import apply_adapter, count_parameters
     from finetune.model.load import load_model
 
+    reference = reference_batch(recipe)  # before a resume fills in the batch the interrupted run used
     if checkpoint and run_dir.recipe.is_file():
         saved = load_recipe(run_dir.recipe)
         recipe = keep_recovered(keep_resolved(recipe, saved), saved, run_dir.root)
     plan, recipe = _plan(recipe)
+    recipe, rule = apply_batch_rules(recipe, reference)
+    if rule is not None:
+        console.print(f"batch rules: {rule.describe()}")
+        run_dir.log_line(f"batch rules: {rule.describe()}")
     if plan is not None:
         save_plan(run_dir, plan)
     atomic_write_text(run_dir.recipe, recipe_to_yaml(recipe))
