@@ -159,6 +159,18 @@ class TrainingConfig(Section):
             raise ValueError(f"must be a positive integer (at most {MAX_COUNT}) or auto")
         return value
 
+    @model_validator(mode="after")
+    def _auto_batch(self) -> TrainingConfig:
+        """effective_batch_size auto: the run sets the accumulation from the measured noise scale."""
+        if self.effective_batch_size == "auto":
+            if self.gradient_accumulation_steps not in (1, "auto"):
+                raise ValueError("effective_batch_size auto chooses the accumulation during the run; set "
+                                 "gradient_accumulation_steps to auto (or 1), or give effective_batch_size a number")
+            if not self.noise_scale:
+                raise ValueError("effective_batch_size auto needs noise_scale: true (it follows the measured "
+                                 "noise scale)")
+        return self
+
 
 class MemoryConfig(Section):
     activation_checkpointing: bool | Auto = Field(

@@ -136,12 +136,13 @@ class RecoveringTrainer(FinetuneTrainer):
         self._faults = fault_steps()
         self._update: list[dict] = []
         self._done = 0  # loader batches of the current update already run
+        self._items: dict[int, Any] = {}  # num_items_in_batch of earlier loader batches not of this Trainer step
         self._rng: tuple | None = None
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """Keep the update's loader batches: a retry runs them all again."""
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self._update, self._done = batches, 0
+        self._update, self._done, self._items = batches, 0, {}
         return batches, num_items
 
     def _prepare_inputs(self, inputs):
@@ -158,7 +159,7 @@ class RecoveringTrainer(FinetuneTrainer):
                 if retry:
                     _set_rng_state(self._rng)
                     for earlier in self._update[:self._done]:  # their losses were already counted
-                        self._split_step(model, earlier, num_items_in_batch)
+                        self._split_step(model, earlier, self._items.get(id(earlier), num_items_in_batch))
                 loss = self._split_step(model, inputs, num_items_in_batch)
                 break
             except torch.OutOfMemoryError as exc:

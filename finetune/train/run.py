@@ -22,12 +22,13 @@ from finetune.recipe.schema import Recipe
 from finetune.recipe.settings import auto_settings, read_settings, write_settings
 from finetune.recipe.settings import table as settings_table
 from finetune.rundir import RunDir, atomic_write_json, atomic_write_text, replace_dir
+from finetune.train.batch_engine import BatchEngineTrainer, record_batch_change
 from finetune.train.callbacks import MetricsCallback, ProgressCallback, StopOnSignal
 from finetune.train.checkpoints import find_resumable, numbered, report_skipped, step_of
 from finetune.train.environment import environment_summary
 from finetune.train.plan_files import save_plan
 from finetune.train.plots import plot_loss_curve
-from finetune.train.recovery import RecoveringTrainer, keep_recovered, record_recovery
+from finetune.train.recovery import keep_recovered, record_recovery
 from finetune.train.trainer import FinetuneTrainer, total_steps, training_arguments
 from finetune.units import format_bytes
 
@@ -187,11 +188,12 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     # A bad offload_dir fails here, before the first step and before anything is written there.
     preflight_offload(model, recipe.memory, run_dir.root, int(recipe.training.micro_batch_size), recipe.data.max_seq_len)
     offload = activation_offload(model, recipe.memory, run_dir.root)
-    trainer = RecoveringTrainer(
+    trainer = BatchEngineTrainer(
         model=model, args=training_arguments(recipe, run_dir.checkpoints, steps, data.eval is not None),
         train_dataset=data.train, eval_dataset=data.eval, data_collator=data.collator,
         processing_class=tokenizer, callbacks=[peak, metrics, ProgressCallback(steps), stopper],
         recipe=recipe, offload=offload, run_root=run_dir.root, on_recovery=record_recovery(run_dir, steps, peak, metrics),
+        on_batch_change=record_batch_change(run_dir, metrics),
     )
     trainer.remove_callback(PrinterCallback)  # our progress bar and metrics.jsonl replace its prints
     start = time.time()
