@@ -56,6 +56,23 @@ def batch_rule(recipe: Recipe, plan: Plan) -> BatchRule | None:
     return apply_batch_rules(plan.apply(recipe), reference_batch(recipe))[1]
 
 
+def run_advice(run_dir: str | Path) -> tuple[list[str], str]:
+    """The batch, learning rate and betas a finished run advises for the next one (results.json, from its
+    measured noise scale) as `--set` overrides, and why. FinetuneError when the run has no advice."""
+    import json
+
+    from finetune.errors import FinetuneError
+    from finetune.rundir import RunDir
+
+    results = RunDir(Path(run_dir)).read_results()
+    advice = (results or {}).get("advice")
+    if not advice or "settings" not in advice:
+        why = advice["reason"] if advice else "it has no results.json with advice (not finished, or an older version)"
+        raise FinetuneError(f"--advice {run_dir}: no batch advice: {why}",
+                            hint="give a finished run directory of this version, or plan without --advice")
+    return [f"{k}={json.dumps(v)}" for k, v in advice["settings"].items()], advice["reason"]
+
+
 def measure(recipe: Recipe, *, steps: int = 2) -> dict[str, Any]:
     """Run `steps` real training steps under the memory tracker; the measured peak and its breakdown by
     component (`auto` settings resolved by the planner first, as `run` would)."""

@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cuda", "cpu"], help="plan for this device (default: cuda if present or "
                    "a GPU size is given, else cpu)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--advice", metavar="RUN_DIR", help="use the batch, learning rate and betas a finished run "
+                   "advises from its measured noise scale (results.json); --set still wins")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("measure", help="run N real training steps and report the measured peak and breakdown")
@@ -96,7 +98,13 @@ def cmd_plan(args) -> int:
     from finetune import api
     from finetune.cli_tables import render_plan
 
-    recipe = api.load_recipe(args.recipe, args.overrides)
+    overrides = args.overrides
+    if args.advice:
+        advised, why = api.run_advice(args.advice)
+        overrides = advised + overrides
+        if not args.json:
+            print(f"advice from {args.advice}: {why}\n  " + "  ".join(f"--set {o}" for o in advised))
+    recipe = api.load_recipe(args.recipe, overrides)
     plan = api.plan(recipe, gpu_memory=args.gpu_memory, device=args.device)
     if args.json:
         print(plan.to_json())

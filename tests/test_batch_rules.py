@@ -7,7 +7,13 @@ import math
 import pytest
 
 from finetune.recipe import validate_recipe
-from finetune.recipe.batch_rules import MAX_LR_FACTOR, apply_batch_rules, reference_batch, scale_for_batch
+from finetune.recipe.batch_rules import (
+    MAX_LR_FACTOR,
+    advise,
+    apply_batch_rules,
+    reference_batch,
+    scale_for_batch,
+)
 from finetune.recipe.optimizers import SPECS
 
 
@@ -75,3 +81,34 @@ def test_finetune_plan_shows_the_rescaling(tiny_model_dir, tmp_path, capsys):
     assert main(["plan", str(path), "--gpu-memory", "2GiB", "--device", "cpu"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "batch rules: batch 16 vs reference 4 sequences: learning rate 0.0001 -> 0.0002 (sqrt rule)" in out
+
+
+def test_advice_is_the_largest_power_of_two_batch_within_the_useful_fraction_of_the_noise_scale():
+    advice = advise(3200.0, 20.0, batch_used=2, learning_rate=1e-3, betas=(0.9, 0.999), optimizer="adamw")
+    # 0.1 x 3200 tokens = 320 tokens = 16 sequences of 20 labelled tokens
+    assert advice["settings"]["training.effective_batch_size"] == 16
+    assert advice["settings"]["training.learning_rate"] == pytest.approx(1e-3 * math.sqrt(8), rel=1e-3)
+    assert advice["settings"]["optimizer.betas"][1] == pytest.approx(0.999 ** 8, rel=1e-6)
+    assert "160 sequences" in advice["reason"]
+    assert "settings" not in advise(None, 20.0, 2, 1e-3, (0.9, 0.999), "adamw")
+
+
+def test_finetune_plan_takes_the_advice_of_a_finished_run(tiny_model_dir, tmp_path, capsys):
+    from finetune.cli import main
+    from finetune.recipe.load import recipe_to_yaml
+    from finetune.rundir import RunDir, atomic_write_json
+
+    previous = RunDir(tmp_path / "previous")
+    previous.root.mkdir()
+    atomic_write_json(previous.results, {"state": "completed", "advice": advise(
+        3200.0, 20.0, batch_used=2, learning_rate=1e-3, betas=(0.9, 0.999), optimizer="adamw")})
+    recipe = validate_recipe({"model": {"path": str(tiny_model_dir)}, "data": {"path": "d.jsonl", "max_seq_len": 64},
+                              "quantization": {"bits": None}, "training": {"micro_batch_size": 4}})
+    path = tmp_path / "recipe.yaml"
+    path.write_text(recipe_to_yaml(recipe))
+    assert main(["plan", str(path), "--gpu-memory", "2GiB", "--device", "cpu", "--advice", str(previous.root)]) == 0
+    out = capsys.readouterr().out
+    assert "advice from" in out and "--set training.effective_batch_size=16" in out
+    assert "mb=4 ga=4" in out  # 16 sequences at the recipe's micro-batch
+    assert main(["plan", str(path), "--device", "cpu", "--advice", str(tmp_path)]) == 1  # no results.json there
+    assert "no batch advice" in capsys.readouterr().err

@@ -123,6 +123,11 @@ def test_a_run_logs_the_noise_scale_and_plots_it(tmp_path, tiny_model_dir, train
     assert all(r["trace_sigma"] > 0 and r["gns"] == pytest.approx(r["trace_sigma"] / r["grad_sq"], rel=1e-4)
                for r in measured if "gns" in r)
     assert (result.run_dir / "loss.png").is_file()
+    results = json.loads((result.run_dir / "results.json").read_text())  # the batch used, gns over time, advice
+    used = training["micro_batch_size"] * training["gradient_accumulation_steps"]
+    assert results["batch"]["effective_batch_size"] == used and results["batch"]["changes"] == []
+    assert [s for s, _ in results["noise_scale"]["series"]] == [r["step"] for r in measured if "gns" in r]
+    assert "settings" in results["advice"] or "no noise scale" in results["advice"]["reason"]
 
 
 def test_the_ui_loss_chart_shows_the_noise_scale_on_its_own_axis():

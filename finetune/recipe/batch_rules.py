@@ -21,6 +21,10 @@ from finetune.recipe.optimizers import optimizer_spec
 from finetune.recipe.schema import Recipe
 
 MAX_LR_FACTOR = 4.0  # at most 4x the tuned learning rate (16x the batch under the square-root rule)
+# The largest batch worth its tokens: McCandlish et al. price a batch B at E_min (1 + B / B_noise) tokens and
+# S_min (1 + B_noise / B) steps, so B <= TOKEN_WASTE x B_noise costs at most ~10% more tokens than the
+# smallest batch for the same loss while most of the steps are saved.
+TOKEN_WASTE = 0.1
 
 
 @dataclass(frozen=True)
@@ -90,3 +94,23 @@ def apply_batch_rules(recipe: Recipe, reference: int | None) -> tuple[Recipe, Ba
     if rule.new_betas is not None:
         out.optimizer.betas = rule.new_betas
     return out, rule
+
+
+def advise(gns_tokens: float | None, tokens_per_sequence: float, batch_used: int, learning_rate: float,
+           betas: tuple[float, float], optimizer: str) -> dict:
+    """What to use next time, from a run's final noise scale (labelled tokens): the largest power-of-two batch
+    of sequences within TOKEN_WASTE x the noise scale, and the learning rate and betas the rules give it
+    from the ones used at `batch_used`. As recipe keys, so `finetune plan --advice RUN_DIR` can apply them."""
+    if not gns_tokens or tokens_per_sequence <= 0:
+        return {"reason": "no noise scale was measured (too few steps, or micro-batch 1 without accumulation)"}
+    batch = 1
+    while 2 * batch * tokens_per_sequence <= TOKEN_WASTE * gns_tokens:
+        batch *= 2
+    rule = scale_for_batch(learning_rate, betas, optimizer, batch_used, batch)
+    settings = {"training.effective_batch_size": batch, "training.gradient_accumulation_steps": "auto",
+                "training.reference_batch_size": batch, "training.learning_rate": float(f"{rule.new_learning_rate:.4g}")}
+    if rule.new_betas is not None:
+        settings["optimizer.betas"] = [rule.new_betas[0], float(f"{rule.new_betas[1]:.6g}")]
+    return {"settings": settings, "reason": (
+        f"measured noise scale {gns_tokens:.4g} labelled tokens = {gns_tokens / tokens_per_sequence:.3g} sequences; "
+        f"batches up to {TOKEN_WASTE:g}x that waste few tokens: {batch} sequences; " + rule.describe())}

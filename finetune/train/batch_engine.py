@@ -32,13 +32,12 @@ from pathlib import Path
 import torch
 
 from finetune.console import console
-from finetune.recipe.batch_rules import scale_for_batch
+from finetune.recipe.batch_rules import TOKEN_WASTE, advise, scale_for_batch
 from finetune.rundir import RunDir, atomic_write_json
 from finetune.train.callbacks import MetricsCallback
 from finetune.train.noise_scale import labelled_tokens
 from finetune.train.recovery import RecoveringTrainer
 
-TOKEN_WASTE = 0.1  # the batch stays <= this fraction of the noise scale: <= ~10% more tokens than batch -> 0
 MAX_ACCUMULATION = 64
 MIN_OBSERVATIONS = 5  # fresh noise-scale observations between two changes
 ENGINE_FILE = "batch_engine.json"  # in each checkpoint folder
@@ -227,3 +226,27 @@ def record_batch_change(run_dir: RunDir, metrics: MetricsCallback) -> Callable[[
         metrics.status_fields["batch_changed"] = event
 
     return record
+
+
+def batch_summary(trainer: BatchEngineTrainer, rows: list[dict], stats: dict) -> dict:
+    """results.json's account of the batch: what was used (and every change), the noise scale over time and
+    the advice for the next run (finetune.recipe.batch_rules.advise; `finetune plan --advice` applies it)."""
+    micro = trainer.args.per_device_train_batch_size // trainer.splits
+    accumulation = (trainer.accumulation if trainer.engine_on else trainer.args.gradient_accumulation_steps) \
+        * trainer.splits
+    series = [[r["step"], r["gns"]] for r in rows if r.get("gns")]
+    values = trainer.noise_scale.values() or {}
+    scheduler = getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)
+    betas = next((tuple(g["betas"]) for g in trainer.optimizer.param_groups if "betas" in g),
+                 tuple(trainer.recipe.optimizer.betas))
+    tokens_per_sequence = stats.get("loss_tokens", 0) / max(stats.get("train_sequences") or 1, 1)
+    return {
+        "batch": {"micro_batch_size": micro, "gradient_accumulation_steps": accumulation,
+                  "effective_batch_size": micro * accumulation, "auto": trainer.engine_on,
+                  "changes": [r for r in rows if r.get("event") == "batch_changed"]},
+        "noise_scale": {"unit": "labelled tokens", "final": values.get("gns"), "grad_sq": values.get("grad_sq"),
+                        "trace_sigma": values.get("trace_sigma"), "tokens_per_sequence": round(tokens_per_sequence, 2),
+                        "series": series[:: max(1, len(series) // 200)]},
+        "advice": advise(values.get("gns"), tokens_per_sequence, micro * accumulation, float(scheduler.base_lrs[0]),
+                         betas, trainer.recipe.optimizer.name),
+    }

@@ -22,7 +22,7 @@ from finetune.recipe.schema import Recipe
 from finetune.recipe.settings import auto_settings, read_settings, write_settings
 from finetune.recipe.settings import table as settings_table
 from finetune.rundir import RunDir, atomic_write_json, atomic_write_text, replace_dir
-from finetune.train.batch_engine import BatchEngineTrainer, record_batch_change
+from finetune.train.batch_engine import BatchEngineTrainer, batch_summary, record_batch_change
 from finetune.train.callbacks import MetricsCallback, ProgressCallback, StopOnSignal
 from finetune.train.checkpoints import find_resumable, numbered, report_skipped, step_of
 from finetune.train.environment import environment_summary
@@ -214,7 +214,7 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
         "train_runtime_s": round(time.time() - start, 2), "train_metrics": output.metrics, "data": data.stats,
         "trainable_parameters": trainable, "total_parameters": total,
         "offload": dict(trainer.offload.stats, tier=trainer.recipe.memory.offload) if trainer.offload is not None
-        else None})
+        else None, **batch_summary(trainer, run_dir.read_metrics(), data.stats)})
     plot_loss_curve(run_dir)
     run_dir.write_status(state, step=result.steps, max_steps=steps, **metrics.status_fields)
     run_dir.log_line(f"run {state} at step {result.steps}")
