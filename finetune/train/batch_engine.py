@@ -63,7 +63,8 @@ class BatchEngineTrainer(RecoveringTrainer):
         super().__init__(*args, **kwargs)
         self.engine_on = self.recipe.training.effective_batch_size == "auto"
         self.on_batch_change = on_batch_change
-        self.accumulation = 1
+        # A micro-batch of one sequence cannot be split: start at 2 so the noise scale can be measured.
+        self.accumulation = 2 if self.engine_on and self.args.per_device_train_batch_size == 1 else 1
         self._group: list[tuple[dict, object]] = []  # this group's earlier loader batches, for an OOM retry
         self._stash: dict[torch.Tensor, torch.Tensor] = {}
         self._observations_at_change = 0
@@ -129,6 +130,8 @@ class BatchEngineTrainer(RecoveringTrainer):
             update = optimizer.step
 
             def grouped(opt, *args, **kwargs):
+                if self._base is None and self.accumulation > 1:  # the starting batch is already larger
+                    self._apply_rules(self.accumulation * self.args.per_device_train_batch_size)
                 for batch, _ in self._current:  # counted here, after a resume has restored the count
                     if "labels" in batch:
                         self._tokens += labelled_tokens(batch)
@@ -156,7 +159,7 @@ class BatchEngineTrainer(RecoveringTrainer):
             return
         old, self.accumulation, self._observations_at_change = self.accumulation, new, observed
         micro = self.args.per_device_train_batch_size
-        lr, beta2 = self._apply_rules(micro, micro * new)
+        lr, beta2 = self._apply_rules(micro * new)
         event = {"event": "batch_changed", "step": self.state.global_step + 1,
                  "from": {"gradient_accumulation_steps": old, "effective_batch_size": old * micro},
                  "to": {"gradient_accumulation_steps": new, "effective_batch_size": new * micro},
@@ -164,8 +167,10 @@ class BatchEngineTrainer(RecoveringTrainer):
         if self.on_batch_change is not None:
             self.on_batch_change(event)
 
-    def _apply_rules(self, reference: int, batch: int) -> tuple[float, float | None]:
-        """Peak learning rate and beta2 for `batch` sequences, from the starting values at `reference`."""
+    def _apply_rules(self, batch: int) -> tuple[float, float | None]:
+        """Peak learning rate and beta2 for `batch` sequences, from the recipe's values, which are for its
+        reference_batch_size (the micro-batch when the recipe names none)."""
+        reference = self.recipe.training.reference_batch_size or self.args.per_device_train_batch_size
         groups = self.optimizer.param_groups
         scheduler = getattr(self.lr_scheduler, "scheduler", self.lr_scheduler)  # accelerate may wrap it
         if self._base is None:
