@@ -102,3 +102,25 @@ def test_resume_mid_ramp_reproduces_the_uninterrupted_losses(tmp_path, tiny_mode
         assert again[step] == pytest.approx(losses[step], rel=1e-6), f"step {step}"
     assert [e["step"] for e in rows if e.get("event") == "batch_changed"] == \
         [e["step"] for e in read_jsonl(whole.run_dir / "metrics.jsonl") if e.get("event") == "batch_changed"]
+
+
+def test_a_layerwise_optimizer_accumulates_over_the_group(tmp_path, tiny_model_dir, forced_ramp, monkeypatch):
+    """It would update inside each backward: the engine starts it at accumulation 2 (so the step can be
+    measured) and keeps its steps_per_update equal to the group, ramping to 4."""
+    from finetune.optim import layerwise_of
+    from finetune.train.batch_engine import BatchEngineTrainer
+
+    seen = []
+    decide = BatchEngineTrainer._decide
+
+    def spy(self):
+        decide(self)
+        seen.append((self.accumulation, layerwise_of(self.optimizer).steps_per_update))
+
+    monkeypatch.setattr(BatchEngineTrainer, "_decide", spy)
+    recipe = _recipe(tmp_path, tiny_model_dir, "layerwise", effective_batch_size="auto", max_steps=12)
+    result = run(validate_recipe({**recipe, "optimizer": {"layerwise": True}}))
+    assert result.state == "completed" and seen[0] == (2, 2) and seen[-1] == (4, 4)
+    assert all(accumulation == steps for accumulation, steps in seen)
+    events = [r for r in read_jsonl(result.run_dir / "metrics.jsonl") if r.get("event") == "batch_changed"]
+    assert [e["to"]["gradient_accumulation_steps"] for e in events] == [4]

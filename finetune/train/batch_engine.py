@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from finetune.console import console
+from finetune.optim import layerwise_of
 from finetune.recipe.batch_rules import TOKEN_WASTE, advise, scale_for_batch
 from finetune.rundir import RunDir, atomic_write_json
 from finetune.train.callbacks import MetricsCallback
@@ -63,8 +64,10 @@ class BatchEngineTrainer(RecoveringTrainer):
         super().__init__(*args, **kwargs)
         self.engine_on = self.recipe.training.effective_batch_size == "auto"
         self.on_batch_change = on_batch_change
-        # A micro-batch of one sequence cannot be split: start at 2 so the noise scale can be measured.
-        self.accumulation = 2 if self.engine_on and self.args.per_device_train_batch_size == 1 else 1
+        # A step that cannot be split (one sequence, or a layer-wise optimizer updating inside backward)
+        # starts at accumulation 2, so the noise scale can be measured.
+        unsplittable = self.args.per_device_train_batch_size == 1 or self.recipe.optimizer.layerwise
+        self.accumulation = 2 if self.engine_on and unsplittable else 1
         self._group: list[tuple[dict, object]] = []  # this group's earlier loader batches, for an OOM retry
         self._stash: dict[torch.Tensor, torch.Tensor] = {}
         self._observations_at_change = 0
@@ -123,10 +126,17 @@ class BatchEngineTrainer(RecoveringTrainer):
                     p.grad.div_(size)
             self._meaned = True
 
+    def _sync_layerwise(self) -> None:
+        """A layer-wise optimizer accumulates over the whole group (it would step inside each backward)."""
+        layerwise = layerwise_of(self.optimizer)
+        if layerwise is not None:
+            layerwise.steps_per_update = self.args.gradient_accumulation_steps * self.splits * self.accumulation
+
     def create_optimizer(self, model=None):
         fresh = self.optimizer is None
         optimizer = super().create_optimizer(model)
         if fresh and self.engine_on:
+            self._sync_layerwise()
             update = optimizer.step
 
             def grouped(opt, *args, **kwargs):
@@ -158,6 +168,7 @@ class BatchEngineTrainer(RecoveringTrainer):
         if new == self.accumulation:
             return
         old, self.accumulation, self._observations_at_change = self.accumulation, new, observed
+        self._sync_layerwise()
         micro = self.args.per_device_train_batch_size
         lr, beta2 = self._apply_rules(micro * new)
         event = {"event": "batch_changed", "step": self.state.global_step + 1,
@@ -211,6 +222,7 @@ class BatchEngineTrainer(RecoveringTrainer):
         if self.engine_on and path is not None and path.is_file():
             saved = json.loads(path.read_text())
             self.accumulation = saved["accumulation"]
+            self._sync_layerwise()
             self._observations_at_change = saved["observations_at_change"]
             self._tokens, self._batches = saved["tokens"], saved["batches"]
             if saved["base"]:

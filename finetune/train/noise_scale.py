@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 DEFAULT_DECAY = 0.95  # EMA of |G|^2 and tr(Sigma): about 20 steps of memory
+SLICE = 1 << 24  # elements per fp32 slice of a gradient norm
 MIN_STEPS = 5  # fewer observations than this: no estimate is reported (the EMA is still mostly one step)
 
 
@@ -136,7 +137,9 @@ class GradNormProbe:
 
     @staticmethod
     def _sq(t: torch.Tensor) -> torch.Tensor:
-        return torch.linalg.vector_norm(t, dtype=torch.float32).square()
+        """|t|^2 in fp32, in slices of 16M elements: a bf16 embedding's gradient gets no full fp32 copy."""
+        parts = t.reshape(-1).split(SLICE)
+        return torch.stack([torch.linalg.vector_norm(part, dtype=torch.float32) for part in parts]).square().sum()
 
     @torch.no_grad()
     def _contribution(self, grad: torch.Tensor) -> None:
