@@ -13,9 +13,10 @@ sequences of 64 tokens packed from the documents; 10% of the sequences are held 
     bias removed. Taken after a short warm-up training so the weights are not at initialisation.
 (b) Held-out loss against tokens for fixed batches of 1, 4, 16 and 64 sequences (AdamW, 3 learning rates per
     batch around the square-root rule, beta2 by the rule from 0.99 at 16, linear warmup 5% and decay to 0
-    over the same token budget) and for `auto`: micro-batch 4, accumulation from
+    over the same token budget) and for `auto`: accumulation from
     finetune.train.batch_engine.next_accumulation on the measured noise scale, learning rate and beta2 from
-    finetune.recipe.batch_rules, one untuned learning rate (the middle one of batch 16). The same sequences
+    finetune.recipe.batch_rules, one untuned learning rate (the middle one of batch 16); once at micro-batch
+    4 and once at micro-batch 1 (which starts at accumulation 2, as the engine does). The same sequences
     in the same order for every run. The auto loop here drives the engine's functions directly (no Trainer)
     so 13 runs fit the time; tests/test_batch_engine.py checks the Trainer integration.
 
@@ -42,7 +43,7 @@ DATA = Path("/work/shared/datasets/c4_demo.jsonl")
 RESULTS = Path(__file__).resolve().parent / "results"
 SEQ, VOCAB, REF_BATCH, REF_BETA2, REF_LR = 64, 2048, 16, 0.99, 3e-3
 BATCHES = (1, 4, 16, 64)
-AUTO_MICRO = 4
+AUTO_MICROS = (4, 1)  # auto at a micro-batch of 4 sequences, and at 1 (where it starts at accumulation 2)
 
 
 def build_data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,13 +147,14 @@ def lr_at(step_tokens: int, total_tokens: int, peak: float) -> float:
 
 
 def train_run(train: torch.Tensor, evals: torch.Tensor, total_seqs: int, eval_every: int, *, batch: int | None,
-              lr: float, log: list) -> list[tuple[int, float]]:
-    """Train on the first total_seqs sequences; batch None = auto. Returns (tokens, held-out loss) points."""
+              lr: float, log: list, auto_micro: int = 4) -> list[tuple[int, float]]:
+    """Train on the first total_seqs sequences; batch None = auto at micro-batch `auto_micro`. Returns
+    (tokens, held-out loss) points."""
     model = build_model()
     params = [p for p in model.parameters() if p.requires_grad]
     auto = batch is None
-    micro = AUTO_MICRO if auto else min(batch, 16)
-    accumulation = 1 if auto else batch // micro
+    micro = auto_micro if auto else min(batch, 16)
+    accumulation = (2 if micro == 1 else 1) if auto else batch // micro  # as BatchEngineTrainer starts
     rule = scale_for_batch(lr, (0.9, REF_BETA2), "adamw", REF_BATCH, micro * accumulation)
     opt = torch.optim.AdamW(params, lr=rule.new_learning_rate, betas=rule.new_betas)
     peak = rule.new_learning_rate
@@ -169,7 +171,7 @@ def train_run(train: torch.Tensor, evals: torch.Tensor, total_seqs: int, eval_ev
                 break
             parts.append(train[seen:seen + micro])
             seen += len(parts[-1])
-        split = auto and len(parts) == 1 and step % 5 == 0  # the engine's split without accumulation
+        split = auto and len(parts) == 1 and micro > 1 and step % 5 == 0  # the engine's split at accumulation 1
         if split:
             parts = [parts[0][: micro // 2], parts[0][micro // 2:]]
         tokens = sum(p.numel() - len(p) for p in parts)
@@ -236,14 +238,16 @@ def main() -> None:
                   flush=True)
             if batch not in best or points[-1][1] < best[batch][1]:
                 best[batch] = (f"B={batch} lr={lr:.2g}", points[-1][1])
-    ramp: list = []
-    t0 = time.time()
-    curves["auto"] = auto_points = train_run(train, evals, total_seqs, total_seqs // 8, batch=None, lr=REF_LR,
-                                             log=ramp)
-    print(f"(b) auto: held-out {auto_points[-1][1]:.4f} ({time.time() - t0:.0f}s); ramp {ramp}", flush=True)
+    ramps: dict[str, list] = {}
+    for micro in AUTO_MICROS:
+        t0 = time.time()
+        name = f"auto mb={micro}"
+        ramps[name] = []
+        curves[name] = points = train_run(train, evals, total_seqs, total_seqs // 8, batch=None, lr=REF_LR,
+                                          log=ramps[name], auto_micro=micro)
+        print(f"(b) {name}: held-out {points[-1][1]:.4f} ({time.time() - t0:.0f}s); ramp {ramps[name]}", flush=True)
 
     best_fixed = min(best.values(), key=lambda v: v[1])
-    gap = auto_points[-1][1] / best_fixed[1] - 1
     lines = [
         f"benchmarks/batch_size.py{' --quick' if quick else ''}: tiny Llama (hidden 128, 2 layers, vocab {VOCAB}) "
         f"from scratch on c4_demo, {SEQ}-token sequences, {total_seqs} training sequences "
@@ -262,9 +266,12 @@ def main() -> None:
     ]
     for name, points in curves.items():
         lines.append(f"  {name:18s} {points[-1][1]:.4f}")
-    lines += [f"  best fixed: {best_fixed[0]} {best_fixed[1]:.4f}; auto {auto_points[-1][1]:.4f}: "
-              f"{100 * gap:+.2f}% ({'within' if gap <= 0.02 else 'NOT within'} 2%)",
-              f"  auto's batch changes: {ramp if ramp else 'none (the noise scale never justified accumulation)'}"]
+    lines.append(f"  best fixed: {best_fixed[0]} {best_fixed[1]:.4f}")
+    for name in ramps:
+        gap = curves[name][-1][1] / best_fixed[1] - 1
+        lines += [f"  {name}: {curves[name][-1][1]:.4f}, {100 * gap:+.2f}% vs best fixed "
+                  f"({'within' if gap <= 0.02 else 'NOT within'} 2%); batch changes: "
+                  f"{ramps[name] or 'none (the noise scale never justified accumulation)'}"]
     text = "\n".join(lines) + "\n"
     print(text)
     RESULTS.mkdir(exist_ok=True)
@@ -281,7 +288,8 @@ def plot(curves: dict, est: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
     for i, (name, points) in enumerate(curves.items()):
-        style = dict(color="black", linewidth=2.5) if name == "auto" else dict(color=f"C{i // 3}", alpha=0.4 + 0.2 * (i % 3))
+        style = dict(color="black", linewidth=2.5, linestyle="-" if "4" in name else "--") \
+            if name.startswith("auto") else dict(color=f"C{i // 3}", alpha=0.4 + 0.2 * (i % 3))
         ax.plot([t for t, _ in points], [v for _, v in points], label=name, **style)
     ax.set_xlabel("labelled tokens")
     ax.set_ylabel("held-out loss")

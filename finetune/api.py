@@ -11,7 +11,6 @@ from finetune.recipe.schema import Recipe
 
 if TYPE_CHECKING:  # torch and transformers load only when a command needs them
     from finetune.plan import Plan
-    from finetune.recipe.batch_rules import BatchRule
     from finetune.train.run import RunResult
 
 
@@ -49,11 +48,18 @@ def plan(recipe: Recipe, *, gpu_memory: str | int | None = None, device: str | N
     return predict(recipe, gpu_memory=gpu_memory, device=device)
 
 
-def batch_rule(recipe: Recipe, plan: Plan) -> BatchRule | None:
-    """How `run` rescales the learning rate and beta2 for the plan's effective batch (None: it does not)."""
-    from finetune.recipe.batch_rules import apply_batch_rules, reference_batch
+def batch_plan(recipe: Recipe, plan: Plan) -> list[str]:
+    """How `run` rescales the learning rate and beta2 for the plan's batch, and the schedule of
+    `effective_batch_size: auto`, as lines for `finetune plan` (none when neither applies)."""
+    from finetune.recipe.batch_rules import apply_batch_rules, auto_schedule, reference_batch
+    from finetune.train.batch_engine import MAX_ACCUMULATION
 
-    return apply_batch_rules(plan.apply(recipe), reference_batch(recipe))[1]
+    resolved, rule = apply_batch_rules(plan.apply(recipe), reference_batch(recipe))
+    lines = [f"batch rules: {rule.describe()}"] if rule is not None else []
+    if recipe.training.effective_batch_size == "auto":
+        lines.append(auto_schedule(int(resolved.training.micro_batch_size), resolved.optimizer.name,
+                                   resolved.optimizer.layerwise, MAX_ACCUMULATION))
+    return lines
 
 
 def run_advice(run_dir: str | Path) -> tuple[list[str], str]:

@@ -110,9 +110,8 @@ def cmd_plan(args) -> int:
         print(plan.to_json())
     else:
         render_plan(plan)
-        rule = api.batch_rule(recipe, plan)
-        if rule is not None:
-            print(f"batch rules: {rule.describe()}")
+        for line in api.batch_plan(recipe, plan):
+            print(line)
     return 0 if plan.fits else 1
 
 

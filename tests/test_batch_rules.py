@@ -112,3 +112,18 @@ def test_finetune_plan_takes_the_advice_of_a_finished_run(tiny_model_dir, tmp_pa
     assert "mb=4 ga=4" in out  # 16 sequences at the recipe's micro-batch
     assert main(["plan", str(path), "--device", "cpu", "--advice", str(tmp_path)]) == 1  # no results.json there
     assert "no batch advice" in capsys.readouterr().err
+
+
+def test_finetune_plan_shows_what_auto_will_do(tiny_model_dir, tmp_path, capsys):
+    from finetune.cli import main
+    from finetune.recipe.load import recipe_to_yaml
+
+    recipe = validate_recipe({"model": {"path": str(tiny_model_dir)}, "data": {"path": "d.jsonl", "max_seq_len": 64},
+                              "quantization": {"bits": None},
+                              "training": {"micro_batch_size": 4, "effective_batch_size": "auto"}})
+    path = tmp_path / "recipe.yaml"
+    path.write_text(recipe_to_yaml(recipe))
+    assert main(["plan", str(path), "--gpu-memory", "2GiB", "--device", "cpu"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "effective batch auto: starts at 4 sequences (micro-batch 4 x 1)" in out
+    assert "up to 256; learning rate x sqrt of the batch ratio (capped at 4x), beta2 ** ratio" in out

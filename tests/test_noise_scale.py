@@ -46,10 +46,10 @@ def _regression_steps(steps: int, sizes: list[int], token_weighted: bool, seed: 
     return ema
 
 
-@pytest.mark.parametrize(("sizes", "token_weighted"), [([4, 4, 4, 4], True), ([2, 6, 3, 5], True),
-                                                       ([3, 5, 4, 4], False)])
-def test_recovers_known_noise_scale_of_linear_regression(sizes, token_weighted):
-    values = _regression_steps(3000, sizes, token_weighted).values()
+def test_recovers_known_noise_scale_of_linear_regression():
+    """Unequal micro-batches weighted by their tokens, through the hooks; 1200 steps (seeds 0-4 land within
+    8%; the mean-loss weighting is checked exactly below and through the Trainer in the run tests)."""
+    values = _regression_steps(1200, [2, 6, 3, 5], token_weighted=True).values()
     truth = _linear_regression_truth()
     assert values["gns"] == pytest.approx(truth, rel=0.10)
     assert values["grad_sq"] == pytest.approx(DELTA_SQ, rel=0.10)
@@ -63,6 +63,10 @@ def test_two_batch_solves_the_expected_norms_exactly():
     # Unequal micro-batches weighted by tokens: 1/b averaged as the loss weights them.
     parts = [(w**2 * (g2 + trace / b), b, w) for b, w in [(10, 0.25), (30, 0.75)]]
     obs = step_observation(parts, g2 + trace / 40)
+    assert obs.grad_sq == pytest.approx(g2) and obs.trace_sigma == pytest.approx(trace)
+    # The same micro-batches as per-micro-batch means (weight 1/2 each, as without num_items_in_batch).
+    means = [(0.25 * (g2 + trace / b), b, 0.5) for b in (10, 30)]
+    obs = step_observation(means, g2 + trace * 0.25 * (1 / 10 + 1 / 30))
     assert obs.grad_sq == pytest.approx(g2) and obs.trace_sigma == pytest.approx(trace)
     assert step_observation(parts[:1], 1.0) is None  # one micro-batch: no small norm to compare
 

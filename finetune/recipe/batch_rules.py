@@ -96,6 +96,18 @@ def apply_batch_rules(recipe: Recipe, reference: int | None) -> tuple[Recipe, Ba
     return out, rule
 
 
+def auto_schedule(micro_batch: int, optimizer: str, layerwise: bool, max_accumulation: int) -> str:
+    """What `effective_batch_size: auto` will do, for `finetune plan` (the run decides from measurements)."""
+    start = 2 if micro_batch == 1 or layerwise else 1
+    spec = optimizer_spec(optimizer)
+    follows = "learning rate x " + ("sqrt" if spec.lr_batch_scaling == "sqrt" else "linear") + " of the batch ratio" \
+        + (f" (capped at {MAX_LR_FACTOR:g}x)" if spec.lr_batch_scaling == "sqrt" else "") \
+        + (", beta2 ** ratio" if spec.uses_beta2 else "")
+    return (f"effective batch auto: starts at {micro_batch * start} sequences (micro-batch {micro_batch} x "
+            f"{start}); the accumulation doubles while the batch stays within {TOKEN_WASTE:g} x the measured "
+            f"noise scale, up to {micro_batch * max_accumulation}; {follows}")
+
+
 def advise(gns_tokens: float | None, tokens_per_sequence: float, batch_used: int, learning_rate: float,
            betas: tuple[float, float], optimizer: str) -> dict:
     """What to use next time, from a run's final noise scale (labelled tokens): the largest power-of-two batch
