@@ -1,6 +1,6 @@
 """The batch-size engine on real text: the online noise scale vs brute force, and fixed batches vs `auto`.
 
-    nice -n 10 python benchmarks/batch_size.py --quick      # ~10 min on 2 busy CPU cores
+    nice -n 10 python benchmarks/batch_size.py --quick      # ~10 min on a free core (24 min on a busy one)
     nice -n 10 python benchmarks/batch_size.py              # the full run (under an hour on 2 cores)
 
 Model: a small Llama trained from scratch on /work/shared/datasets/c4_demo.jsonl (pre-training-like, where
