@@ -71,22 +71,27 @@ def test_two_batch_solves_the_expected_norms_exactly():
     assert step_observation(parts[:1], 1.0) is None  # one micro-batch: no small norm to compare
 
 
-def test_probe_sees_gradients_a_hook_frees():
-    """A layer-wise optimizer steps and frees .grad in its own post-accumulate hook at the step's last
-    backward; the probe, installed first, still measures every contribution and the accumulated gradient."""
+def test_probe_measures_each_contribution_and_refuses_a_sum_it_cannot_see():
+    """Each micro-batch's own gradient comes from a hook before autograd adds it to .grad; the accumulated
+    one from .grad at the step's end. A gradient freed before then (GaLore's layer-wise accumulation frees
+    each micro-batch's) gives no observation rather than a wrong one."""
     w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
     probe = GradNormProbe([w])
-    last = False
-    w.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None) if last else None)
-    probe.micro_batch(1, 0.5)
-    (0.5 * (w * torch.tensor([1.0, 0.0])).sum()).backward()  # contribution [0.5, 0]
-    last = True
-    probe.micro_batch(1, 0.5)
-    (0.5 * (w * torch.tensor([0.0, 1.0])).sum()).backward()  # contribution [0, 0.5], then .grad is freed
-    assert w.grad is None
-    # small: mean of |c_i / w_i|^2 = 1 over b = 1; big: |[0.5, 0.5]|^2 = 0.5 over b = 2
-    obs, expected = probe.finish(), two_batch(1.0, 1.0, 0.5, 0.5)
-    assert (obs.grad_sq, obs.trace_sigma) == pytest.approx((expected.grad_sq, expected.trace_sigma), abs=1e-6)
+    free = False
+    w.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None) if free else None)
+    for freed in (False, True):
+        free = freed
+        probe.micro_batch(1, 0.5)
+        (0.5 * (w * torch.tensor([1.0, 0.0])).sum()).backward()  # contribution [0.5, 0]
+        probe.micro_batch(1, 0.5)
+        (0.5 * (w * torch.tensor([0.0, 1.0])).sum()).backward()  # contribution [0, 0.5]
+        obs = probe.finish()
+        w.grad = None
+        if freed:
+            assert obs is None
+        else:  # small: mean of |c_i / w_i|^2 = 1 over b = 1; big: |[0.5, 0.5]|^2 = 0.5 over b = 2
+            expected = two_batch(1.0, 1.0, 0.5, 0.5)
+            assert (obs.grad_sq, obs.trace_sigma) == pytest.approx((expected.grad_sq, expected.trace_sigma), abs=1e-6)
     assert probe.finish() is None  # rearmed: nothing measured since
 
 

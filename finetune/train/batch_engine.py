@@ -106,12 +106,14 @@ class BatchEngineTrainer(RecoveringTrainer):
     def _clip_grad_norm(self, model):
         if self._deferring():
             return None
+        self._observe_noise()  # of the group's sum, before its mean and clipping
         self._group_mean()
         return super()._clip_grad_norm(model)
 
     def _get_grad_norm(self, model, grad_norm=None):
         if self._deferring():
             return self._last_norm
+        self._observe_noise()
         self._group_mean()
         self._last_norm = super()._get_grad_norm(model, grad_norm)
         return self._last_norm

@@ -13,12 +13,11 @@ and the accumulated gradient ("big"). Solving the two equations gives unbiased, 
 With unequal micro-batches (packing, variable lengths) 1/b is averaged the way the loss weights each part.
 
 Cost: no gradient copy at all. A tensor hook on each trained parameter sees the micro-batch's gradient
-contribution before autograd adds it to .grad and adds its squared norm to one scalar on the device; a
-post-accumulate hook keeps |.grad|^2 per parameter (overwritten each micro-batch, so after the last one it
-is the accumulated gradient's). Both run inside backward, before a layer-wise optimizer's own hooks (the
-probe is installed before the optimizer is built), so gradients freed early are still seen. Nothing is
-synchronised with the host until the optimizer step. (GaLore in layer-wise accumulate mode projects and frees
-each micro-batch's gradient, so its accumulated norm is not seen: that combination logs no noise scale.)
+contribution before autograd adds it to .grad and keeps its squared norm (a device scalar); the accumulated
+gradient's norm is taken once per step, before clipping. Nothing is synchronised with the host until the
+optimizer step. The hooks are installed before the optimizer is built, so they run before a layer-wise
+optimizer's own; a layer-wise optimizer keeps .grad until its step when it accumulates, except GaLore, which
+projects and frees each micro-batch's gradient: that combination logs no noise scale.
 
 With no accumulation the step has one micro-batch and no "small" norm: every `split_every` steps the trainer
 runs the micro-batch as two halves (finetune/train/recovery.py re-collates a loader batch exactly), which
@@ -28,6 +27,7 @@ logs no noise scale (say so, do not guess).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -117,40 +117,36 @@ def labelled_tokens(inputs: dict) -> int:
 
 
 class GradNormProbe:
-    """Per-micro-batch and accumulated squared gradient norms from hooks (see the module docstring).
+    """Per-micro-batch squared gradient norms from hooks, and the accumulated one (see the module docstring).
 
-    Call `micro_batch(tokens, weight)` before each micro-batch's backward, then `finish()` after the
-    step's last backward: it returns the step's Observation (or None) and rearms for the next step.
-    `discard()` forgets a step in progress (an out-of-memory retry redoes it).
+    Call `micro_batch(tokens, weight)` before each micro-batch's backward, then `finish()` after the step's
+    last backward and before anything scales the gradients (clipping, an accumulation mean): it returns the
+    step's Observation (or None) and rearms for the next step. `discard()` forgets a step in progress (an
+    out-of-memory retry redoes it).
     """
 
     def __init__(self, params: Iterable[torch.Tensor]):
         self.params = [p for p in params if p.requires_grad]
-        self._parts: list[tuple[torch.Tensor, float, float]] = []
-        self._current: torch.Tensor | None = None
-        self._big: dict[int, torch.Tensor] = {}  # per parameter: |.grad|^2 after its latest accumulation
+        self._parts: list[tuple[list[torch.Tensor], float, float]] = []
+        self._current: list[torch.Tensor] = []  # this micro-batch's per-parameter |contribution|^2
+        self._touched: dict[int, torch.Tensor] = {}  # parameters that received a gradient this step
         self._meta: tuple[float, float] | None = None
-        self._handles = []
-        for p in self.params:
-            self._handles.append(p.register_hook(self._contribution))
-            self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
+        self._handles = [p.register_hook(functools.partial(self._contribution, p)) for p in self.params]
 
     @staticmethod
     def _sq(t: torch.Tensor) -> torch.Tensor:
         """|t|^2 in fp32, in slices of 16M elements: a bf16 embedding's gradient gets no full fp32 copy."""
-        parts = t.reshape(-1).split(SLICE)
-        return torch.stack([torch.linalg.vector_norm(part, dtype=torch.float32) for part in parts]).square().sum()
+        flat = t.reshape(-1)
+        if flat.numel() <= SLICE:
+            return torch.linalg.vector_norm(flat, dtype=torch.float32).square()
+        return torch.stack([torch.linalg.vector_norm(part, dtype=torch.float32) for part in flat.split(SLICE)]
+                           ).square().sum()
 
     @torch.no_grad()
-    def _contribution(self, grad: torch.Tensor) -> None:
+    def _contribution(self, p: torch.Tensor, grad: torch.Tensor) -> None:
         if self._meta is not None:
-            sq = self._sq(grad)
-            self._current = sq if self._current is None else self._current + sq.to(self._current.device)
-
-    @torch.no_grad()
-    def _accumulated(self, p: torch.Tensor) -> None:
-        if self._meta is not None and p.grad is not None:
-            self._big[id(p)] = self._sq(p.grad)
+            self._current.append(self._sq(grad))
+            self._touched[id(p)] = p
 
     def micro_batch(self, tokens: float, weight: float) -> None:
         """The next backward is one micro-batch of `tokens` labelled tokens whose loss is scaled so that its
@@ -159,25 +155,29 @@ class GradNormProbe:
         self._meta = (float(tokens), float(weight))
 
     def _close_part(self) -> None:
-        if self._meta is not None and self._current is not None:
+        if self._meta is not None and self._current:
             self._parts.append((self._current, *self._meta))
-        self._current, self._meta = None, None
+        self._current, self._meta = [], None
 
     def finish(self) -> Observation | None:
-        """The step's observation (one host sync), then reset for the next step."""
+        """The step's observation (one host sync), then reset for the next step. None with fewer than two
+        micro-batches, or when a gradient was freed before the step's end (GaLore's layer-wise accumulation
+        projects and frees each micro-batch's): an unknown accumulated norm gives no estimate, not a wrong one."""
         self._close_part()
-        parts, big = self._parts, list(self._big.values())
+        parts, touched = self._parts, list(self._touched.values())
         self.discard()
-        if not big or len(parts) < 2:
+        if len(parts) < 2 or any(p.grad is None for p in touched):
             return None
-        device = big[0].device
-        values = torch.stack([sq.to(device) for sq, _, _ in parts] + [torch.stack([b.to(device) for b in big]).sum()]).tolist()
+        device = parts[0][0][0].device
+        sums = [torch.stack([sq.to(device) for sq in sqs]).sum() for sqs, _, _ in parts]
+        big = torch.stack([self._sq(p.grad).to(device) for p in touched]).sum()
+        values = torch.stack([*sums, big]).tolist()
         if not all(math.isfinite(v) for v in values):
             return None
         return step_observation([(v, b, w) for v, (_, b, w) in zip(values[:-1], parts, strict=True)], values[-1])
 
     def discard(self) -> None:
-        self._parts, self._current, self._big, self._meta = [], None, {}, None
+        self._parts, self._current, self._touched, self._meta = [], [], {}, None
 
     def remove(self) -> None:
         for handle in self._handles:

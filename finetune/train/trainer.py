@@ -155,7 +155,16 @@ class FinetuneTrainer(Trainer):
                 steps_per_update=self.args.gradient_accumulation_steps, max_grad_norm=self.args.max_grad_norm)
         return self.optimizer
 
+    def _observe_noise(self) -> None:
+        """The step's noise-scale observation, from the gradients as accumulated (before clipping); the
+        second call of a step finds nothing new."""
+        if self.noise_probe is not None:
+            observation = self.noise_probe.finish()
+            if observation is not None:
+                self.noise_scale.update(observation)
+
     def _clip_grad_norm(self, model):
+        self._observe_noise()
         # Layer-wise updates clip and measure inside the optimizer: the full gradient is never resident.
         layerwise = layerwise_of(self.optimizer)
         return layerwise.grad_norm() if layerwise else super()._clip_grad_norm(model)
@@ -163,10 +172,7 @@ class FinetuneTrainer(Trainer):
     def _get_grad_norm(self, model, grad_norm=None):
         """Also the divergence guard and the noise-scale observation: runs once per optimizer step, after the
         last backward and before the update is applied."""
-        if self.noise_probe is not None:
-            observation = self.noise_probe.finish()
-            if observation is not None:
-                self.noise_scale.update(observation)
+        self._observe_noise()
         layerwise = layerwise_of(self.optimizer)
         norm = layerwise.grad_norm() if layerwise else super()._get_grad_norm(model, grad_norm)
         loss_finite, self._loss_finite = self._loss_finite, None
