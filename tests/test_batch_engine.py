@@ -118,3 +118,23 @@ def test_a_layerwise_optimizer_accumulates_over_the_group(tmp_path, tiny_model_d
     assert all(accumulation == steps for accumulation, steps in seen)
     events = [r for r in read_jsonl(result.run_dir / "metrics.jsonl") if r.get("event") == "batch_changed"]
     assert [e["to"]["gradient_accumulation_steps"] for e in events] == [4]
+
+
+def test_out_of_memory_inside_a_group_redoes_the_whole_group(tmp_path, tiny_model_dir, forced_ramp, monkeypatch):
+    """The group's earlier loader batches are run again with the cheaper settings: the losses stay those of
+    the run that never ran out of memory."""
+    from finetune.train.recovery import FAULT_ENV
+
+    recipe = _recipe(tmp_path, tiny_model_dir, "plain", effective_batch_size="auto", max_steps=10)
+    plain = run(validate_recipe(recipe))
+    monkeypatch.setenv(FAULT_ENV, "8")  # accumulation is 4 from step 7 on: step 8 is inside a group
+    recovered = run(validate_recipe({**recipe, "output": {**recipe["output"], "dir": str(tmp_path / "oom")}}))
+    monkeypatch.delenv(FAULT_ENV)
+    rows = read_jsonl(recovered.run_dir / "metrics.jsonl")
+    assert [r["to"] for r in rows if r.get("event") == "oom_recovered"] == \
+        [{"micro_batch_size": 1, "gradient_accumulation_steps": 2}]
+    expected = {r["step"]: r["loss"] for r in read_jsonl(plain.run_dir / "metrics.jsonl") if "loss" in r}
+    got = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    assert sorted(got) == sorted(expected)
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], rel=1e-5), f"step {step}"

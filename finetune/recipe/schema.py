@@ -161,14 +161,10 @@ class TrainingConfig(Section):
 
     @model_validator(mode="after")
     def _auto_batch(self) -> TrainingConfig:
-        """effective_batch_size auto: the run sets the accumulation from the measured noise scale."""
-        if self.effective_batch_size == "auto":
-            if self.gradient_accumulation_steps not in (1, "auto"):
-                raise ValueError("effective_batch_size auto chooses the accumulation during the run; set "
-                                 "gradient_accumulation_steps to auto (or 1), or give effective_batch_size a number")
-            if not self.noise_scale:
-                raise ValueError("effective_batch_size auto needs noise_scale: true (it follows the measured "
-                                 "noise scale)")
+        """effective_batch_size auto: the run multiplies the accumulation (normally 1; an out-of-memory recovery
+        may have doubled it) by what the measured noise scale supports."""
+        if self.effective_batch_size == "auto" and not self.noise_scale:
+            raise ValueError("effective_batch_size auto needs noise_scale: true (it follows the measured noise scale)")
         return self
 
 

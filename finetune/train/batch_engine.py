@@ -66,7 +66,8 @@ class BatchEngineTrainer(RecoveringTrainer):
         self.on_batch_change = on_batch_change
         # A step that cannot be split (one sequence, or a layer-wise optimizer updating inside backward)
         # starts at accumulation 2, so the noise scale can be measured.
-        unsplittable = self.args.per_device_train_batch_size == 1 or self.recipe.optimizer.layerwise
+        unsplittable = self.args.gradient_accumulation_steps == 1 and (
+            self.args.per_device_train_batch_size == 1 or self.recipe.optimizer.layerwise)
         self.accumulation = 2 if self.engine_on and unsplittable else 1
         self._group: list[tuple[dict, object]] = []  # this group's earlier loader batches, for an OOM retry
         self._stash: dict[torch.Tensor, torch.Tensor] = {}
@@ -143,7 +144,7 @@ class BatchEngineTrainer(RecoveringTrainer):
 
             def grouped(opt, *args, **kwargs):
                 if self._base is None and self.accumulation > 1:  # the starting batch is already larger
-                    self._apply_rules(self.accumulation * self.args.per_device_train_batch_size)
+                    self._apply_rules(self.accumulation * self._step_batch())
                 for batch, _ in self._current:  # counted here, after a resume has restored the count
                     if "labels" in batch:
                         self._tokens += labelled_tokens(batch)
@@ -160,18 +161,29 @@ class BatchEngineTrainer(RecoveringTrainer):
             optimizer.step = types.MethodType(grouped, optimizer)  # bound, as the LR scheduler expects
         return optimizer
 
+    def _step_batch(self) -> int:
+        """Sequences per Trainer step (micro-batch x the Trainer's accumulation, which an out-of-memory
+        recovery may have traded for a smaller micro-batch): the unit the engine multiplies."""
+        return self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
+
+    def _switch(self, model, choice) -> None:
+        super()._switch(model, choice)
+        if self.engine_on:
+            self._sync_layerwise()
+
     # -- the decision ---------------------------------------------------------------------------------
     def _decide(self) -> None:
         observed = self.noise_scale.steps
         if observed - self._observations_at_change < MIN_OBSERVATIONS or not self._batches:
             return
         values = self.noise_scale.values() or {}
-        new = next_accumulation(self.accumulation, values.get("gns"), self._tokens / self._batches)
+        new = next_accumulation(self.accumulation, values.get("gns"),
+                                self._tokens / self._batches * self.args.gradient_accumulation_steps)
         if new == self.accumulation:
             return
         old, self.accumulation, self._observations_at_change = self.accumulation, new, observed
         self._sync_layerwise()
-        micro = self.args.per_device_train_batch_size
+        micro = self._step_batch()
         lr, beta2 = self._apply_rules(micro * new)
         event = {"event": "batch_changed", "step": self.state.global_step + 1,
                  "from": {"gradient_accumulation_steps": old, "effective_batch_size": old * micro},
@@ -182,8 +194,8 @@ class BatchEngineTrainer(RecoveringTrainer):
 
     def _apply_rules(self, batch: int) -> tuple[float, float | None]:
         """Peak learning rate and beta2 for `batch` sequences, from the recipe's values, which are for its
-        reference_batch_size (the micro-batch when the recipe names none)."""
-        reference = self.recipe.training.reference_batch_size or self.args.per_device_train_batch_size
+        reference_batch_size (one Trainer step's batch when the recipe names none)."""
+        reference = self.recipe.training.reference_batch_size or self._step_batch()
         groups = self.optimizer.param_groups
         scheduler = getattr(self.lr_scheduler, "scheduler", self.lr_scheduler)  # accelerate may wrap it
         if self._base is None:
@@ -251,7 +263,7 @@ def batch_summary(trainer: BatchEngineTrainer, rows: list[dict], stats: dict) ->
     """results.json's account of the batch: what was used (and every change), the noise scale over time and
     the advice for the next run (finetune.recipe.batch_rules.advise; `finetune plan --advice` applies it)."""
     micro = trainer.args.per_device_train_batch_size // trainer.splits
-    accumulation = (trainer.accumulation if trainer.engine_on else trainer.args.gradient_accumulation_steps) \
+    accumulation = (trainer.accumulation if trainer.engine_on else 1) * trainer.args.gradient_accumulation_steps \
         * trainer.splits
     series = [[r["step"], r["gns"]] for r in rows if r.get("gns")]
     values = trainer.noise_scale.values() or {}
