@@ -201,6 +201,37 @@ def plan_at_seen_length(run_dir: str | Path) -> dict[str, Any] | None:
             "breakdown": at.breakdown, "planned_peak_bytes": plan.get("peak_bytes")}
 
 
+def batch_plan(recipe: Recipe, plan: Plan) -> list[str]:
+    """How `run` rescales the learning rate and beta2 for the plan's batch, and the schedule of
+    `effective_batch_size: auto`, as lines for `finetune plan` (none when neither applies)."""
+    from finetune.recipe.batch_rules import apply_batch_rules, auto_schedule, reference_batch
+    from finetune.train.batch_engine import MAX_ACCUMULATION
+
+    resolved, rule = apply_batch_rules(plan.apply(recipe), reference_batch(recipe))
+    lines = [f"batch rules: {rule.describe()}"] if rule is not None else []
+    if recipe.training.effective_batch_size == "auto":
+        lines.append(auto_schedule(int(resolved.training.micro_batch_size), resolved.optimizer.name,
+                                   resolved.optimizer.layerwise, MAX_ACCUMULATION))
+    return lines
+
+
+def run_advice(run_dir: str | Path) -> tuple[list[str], str]:
+    """The batch, learning rate and betas a finished run advises for the next one (results.json, from its
+    measured noise scale) as `--set` overrides, and why. FinetuneError when the run has no advice."""
+    import json
+
+    from finetune.errors import FinetuneError
+    from finetune.rundir import RunDir
+
+    results = RunDir(Path(run_dir)).read_results()
+    advice = (results or {}).get("advice")
+    if not advice or "settings" not in advice:
+        why = advice["reason"] if advice else "it has no results.json with advice (not finished, or an older version)"
+        raise FinetuneError(f"--advice {run_dir}: no batch advice: {why}",
+                            hint="give a finished run directory of this version, or plan without --advice")
+    return [f"{k}={json.dumps(v)}" for k, v in advice["settings"].items()], advice["reason"]
+
+
 def measure(recipe: Recipe, *, steps: int = 2) -> dict[str, Any]:
     """Run `steps` real training steps under the memory tracker; the measured peak and its breakdown by
     component (`auto` settings resolved by the planner first, as `run` would)."""

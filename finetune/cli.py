@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=_positive_int, metavar="N", help="plan per device for N GPUs "
                    "(distributed.gpus; default: the recipe's)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--advice", metavar="RUN_DIR", help="use the batch, learning rate and betas a finished run "
+                   "advises from its measured noise scale (results.json); --set still wins")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("measure", help="run N real training steps and report the measured peak and breakdown")
@@ -124,12 +126,19 @@ def cmd_plan(args) -> int:
     from finetune.cli_tables import render_plan
 
     overrides = [*args.overrides, f"distributed.gpus={args.gpus}"] if args.gpus else args.overrides
+    if args.advice:
+        advised, why = api.run_advice(args.advice)
+        overrides = advised + overrides
+        if not args.json:
+            print(f"advice from {args.advice}: {why}\n  " + "  ".join(f"--set {o}" for o in advised))
     recipe = api.load_recipe(args.recipe, overrides)
     plan = api.plan(recipe, gpu_memory=args.gpu_memory, device=args.device)
     if args.json:
         print(plan.to_json())
     else:
         render_plan(plan)
+        for line in api.batch_plan(recipe, plan):
+            print(line)
     return 0 if plan.fits else 1
 
 

@@ -21,6 +21,7 @@ NOT_PLANNED = {
     "model.attn_implementation": "the loader, from the architecture",
     "data.format": "the reader, from the first records",
     "memory.gpu_memory": "the budget: the GPU's free memory",
+    "training.effective_batch_size": "the run, from the measured noise scale (finetune.train.batch_engine)",
 }
 # Follows the micro-batch (keeps training.effective_batch_size) instead of being searched.
 FOLLOWS = {"gradient_accumulation_steps"}

@@ -53,6 +53,14 @@ def loss_figure(runs: dict[str, list[dict[str, Any]]], title: str = "loss", by_r
         steps, evals = _series(rows, "eval_loss")
         if evals:
             ax.plot(steps, evals, "o--", color=color, label=f"{name} eval" if by_run else "eval loss")
+    noise = {name: _series(rows, "gns") for name, rows in runs.items()}
+    if any(values for _, values in noise.values()):  # gradient noise scale, on its own log axis
+        gns_ax = ax.twinx()
+        for i, (steps, values) in enumerate(noise.values()):
+            gns_ax.plot(steps, values, ":", color=f"C{i % 10}", alpha=0.7)
+        gns_ax.set_yscale("log")
+        gns_ax.set_ylabel("noise scale (tokens)")
+        ax.plot([], [], ":", color="gray", label="noise scale (right axis)")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(title)

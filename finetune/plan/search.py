@@ -97,10 +97,17 @@ def _budget(recipe: Recipe, gpu_memory: int | str | None, device: str) -> int:
     return budget
 
 
+def fixed_effective_batch(recipe: Recipe) -> int | None:
+    """training.effective_batch_size when a number (auto: the run chooses it from the noise scale and starts
+    without accumulation)."""
+    effective = recipe.training.effective_batch_size
+    return effective if isinstance(effective, int) else None
+
+
 def auto_values(recipe: Recipe, device: str) -> dict[str, list[Any]]:
     """What each searched setting (finetune.recipe.settings) may become where the recipe says `auto`;
     gradient_accumulation_steps follows the micro-batch instead (`_choices`)."""
-    effective = recipe.training.effective_batch_size
+    effective = fixed_effective_batch(recipe)
     return {
         "micro_batch_size": [b for b in MICRO_BATCHES if not effective or b <= effective],
         "activation_checkpointing": [False, True],
@@ -129,7 +136,7 @@ def _choices(recipe: Recipe, spec: ModelSpec) -> list[Settings]:
         given["checkpoint_every_n_layers"] = 1
     auto = auto_values(recipe, spec.device)
     axes = {name: auto.get(name, [value]) if value == "auto" else [value] for name, value in given.items()}
-    effective = recipe.training.effective_batch_size
+    effective = fixed_effective_batch(recipe)
     world = recipe.distributed.gpus
     out = []
     for values in itertools.product(*axes.values()):

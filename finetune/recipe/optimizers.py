@@ -53,6 +53,11 @@ class OptimizerSpec:
     adapters: tuple[str, ...] = ADAPTER_TYPES  # adapter.type values it can train
     layerwise: bool = True  # works with optimizer.layerwise (one inner optimizer per weight)
     sharded_states: bool = False  # its update is elementwise, so it works on FSDP / ZeRO shards of each weight
+    # How the tuned learning rate follows the batch (finetune/recipe/batch_rules.py): "sqrt" for Adam-style
+    # updates (normalised by a second moment), "linear" for SGD; uses_beta2: optimizer.betas[1] is its
+    # second-moment decay, kept at a fixed half-life in tokens when the batch changes.
+    lr_batch_scaling: str = "sqrt"
+    uses_beta2: bool = True
 
 
 _ADAMW_STATE = "finetune.optim.state_size:adamw_state"
@@ -81,9 +86,9 @@ SPECS: tuple[OptimizerSpec, ...] = (
                   cuda_only="galore-torch's 8-bit step calls torch.cuda.synchronize(), which fails on CPU; use "
                             "galore (32-bit state) on CPU, or run on a GPU"),
     OptimizerSpec("adafactor", "adafactor", "torch Adafactor", "finetune.optim.factories:adafactor",
-                  "finetune.optim.state_size:adafactor_state", 3),
+                  "finetune.optim.state_size:adafactor_state", 3, uses_beta2=False),
     OptimizerSpec("sgd", "sgd", "torch SGD", "finetune.optim.factories:sgd", "finetune.optim.state_size:sgd_state", 1,
-                  keys=("momentum",), sharded_states=True),
+                  keys=("momentum",), sharded_states=True, lr_batch_scaling="linear", uses_beta2=False),
     OptimizerSpec("muon", "muon", "torch Muon on 2-D hidden weights, AdamW on the rest",
                   "finetune.optim.muon:factory", "finetune.optim.muon:state", 3,
                   own_params="finetune.optim.muon:is_hidden_matrix"),

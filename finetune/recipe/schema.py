@@ -130,8 +130,10 @@ class TrainingConfig(Section):
     micro_batch_size: int | Auto = Field(1, description="Sequences per forward pass; auto lets the planner choose.")
     gradient_accumulation_steps: int | Auto = Field(
         1, description="Micro-batches per optimizer step; auto keeps effective_batch_size with the planner's micro-batch.")
-    effective_batch_size: int | None = Field(
-        None, ge=1, le=MAX_COUNT, description="Target sequences per optimizer step when micro-batch or accumulation is auto.")
+    effective_batch_size: int | Auto | None = Field(
+        None, description="Target sequences per optimizer step when micro-batch or accumulation is auto; auto: "
+        "chosen during the run from the measured gradient noise scale (accumulation ramps up, learning rate "
+        "and beta2 follow the batch rules).")
     learning_rate: float = Field(2.0e-4, gt=0, le=1, description="Peak learning rate.")
     lr_scheduler: Literal["cosine", "linear", "constant", "wsd"] = Field(
         "cosine", description="Schedule after warmup; wsd = warmup, stable, then decay over decay_ratio.")
@@ -141,13 +143,29 @@ class TrainingConfig(Section):
     seed: int = Field(42, ge=0, le=2**32 - 1, description="Seed for data order, initialisation and dropout.")
     logging_steps: int = Field(1, ge=1, le=MAX_COUNT, description="Log metrics every this many optimizer steps.")
     eval_steps: int | None = Field(None, ge=1, le=MAX_COUNT, description="Evaluate every this many steps (needs validation_split); null: at the end.")
+    # The batch-size engine (README "Batch size from the gradient noise scale").
+    noise_scale: bool = Field(True, description="Measure the gradient noise scale (gns, grad_sq, trace_sigma in "
+        "metrics.jsonl; labelled tokens) from per-micro-batch gradient norms; no gradient copy.")
+    noise_scale_split_every: int = Field(10, ge=1, le=MAX_COUNT, description="Without accumulation: run every "
+        "this many steps' micro-batch as two halves (same gradient) so the noise scale can still be measured.")
+    reference_batch_size: int | None = Field(None, ge=1, le=MAX_COUNT, description="Sequences per step that "
+        "learning_rate and optimizer.betas were tuned for; a different effective batch rescales them (sqrt or "
+        "linear rule by optimizer, capped; beta2 ** (batch / reference)). null: the recipe's effective batch.")
 
-    @field_validator("micro_batch_size", "gradient_accumulation_steps")
+    @field_validator("micro_batch_size", "gradient_accumulation_steps", "effective_batch_size")
     @classmethod
-    def _positive_count(cls, value: int | str) -> int | str:
-        if value != "auto" and not 1 <= value <= MAX_COUNT:
+    def _positive_count(cls, value: int | str | None) -> int | str | None:
+        if value is not None and value != "auto" and not 1 <= value <= MAX_COUNT:
             raise ValueError(f"must be a positive integer (at most {MAX_COUNT}) or auto")
         return value
+
+    @model_validator(mode="after")
+    def _auto_batch(self) -> TrainingConfig:
+        """effective_batch_size auto: the run multiplies the accumulation (normally 1; an out-of-memory recovery
+        may have doubled it) by what the measured noise scale supports."""
+        if self.effective_batch_size == "auto" and not self.noise_scale:
+            raise ValueError("effective_batch_size auto needs noise_scale: true (it follows the measured noise scale)")
+        return self
 
 
 class MemoryConfig(Section):
@@ -303,9 +321,15 @@ class DistributedConfig(Section):
 
     def problems_with(self, recipe: Recipe) -> list[str]:
         """Memory techniques that do not work under the chosen strategy (only with more than one process)."""
-        if self.gpus == 1 or self.strategy == "auto":  # auto: the planner only picks combinations that work
+        if self.gpus == 1:
             return []
-        return strategy_problems(recipe, self.strategy)
+        problems = []
+        if recipe.training.effective_batch_size == "auto":  # under every strategy
+            problems.append(f"training.effective_batch_size=auto with {self.gpus} processes: the noise scale is "
+                            "measured on one process only for now; give a number (e.g. a one-GPU run's advice)")
+        if self.strategy == "auto":  # auto: the planner only picks combinations that work
+            return problems
+        return problems + strategy_problems(recipe, self.strategy)
 
 
 def strategy_problems(recipe: Recipe, strategy: str) -> list[str]:

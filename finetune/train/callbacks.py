@@ -18,6 +18,8 @@ from transformers import TrainerCallback
 from finetune.console import console
 from finetune.rundir import RunDir
 
+NOISE_SCALE_KEYS = ("gns", "grad_sq", "trace_sigma")
+
 
 class MetricsCallback(TrainerCallback):
     """One JSON line per logged step (and per evaluation) in metrics.jsonl; live status in status.json."""
@@ -56,6 +58,8 @@ class MetricsCallback(TrainerCallback):
                 # PeakMemoryCallback runs first: CUDA's allocator peak, or the CPU tensor tracker's.
                 peak_memory_bytes=logs.get("peak_memory_bytes"),
             )
+            # The gradient noise scale (finetune/train/noise_scale.py), once the trainer has an estimate.
+            row.update({k: logs[k] for k in NOISE_SCALE_KEYS if k in logs})
             self._last_time, self._last_tokens = now, tokens
         else:
             return  # the end-of-training summary goes to results.json instead

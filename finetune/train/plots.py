@@ -8,8 +8,8 @@ from finetune.rundir import RunDir
 
 
 def plot_loss_curve(run: RunDir) -> Path | None:
-    """Write the run's loss.png: loss (and eval loss) against step, the learning rate on a second axis; None
-    if no loss was logged."""
+    """Write the run's loss.png: loss (and eval loss) against step, the learning rate on a second axis, and
+    below it the gradient noise scale when one was measured; None if no loss was logged."""
     rows = run.read_metrics()
     train = [r for r in rows if "loss" in r]
     if not train:
@@ -19,7 +19,16 @@ def plot_loss_curve(run: RunDir) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    noise = [r for r in train if r.get("gns")]
+    if noise:
+        fig, (ax, gns_ax) = plt.subplots(2, 1, figsize=(7, 6), dpi=100, sharex=True, height_ratios=(2, 1))
+        gns_ax.plot([r["step"] for r in noise], [r["gns"] for r in noise], color="tab:green")
+        gns_ax.set_yscale("log")
+        gns_ax.set_ylabel("noise scale (tokens)")
+        gns_ax.set_xlabel("step")
+        gns_ax.grid(alpha=0.3)
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", color="tab:blue")
     evals = [r for r in rows if "eval_loss" in r]
     if evals:

@@ -136,12 +136,13 @@ class RecoveringTrainer(FinetuneTrainer):
         self._faults = fault_steps()
         self._update: list[dict] = []
         self._done = 0  # loader batches of the current update already run
+        self._items: dict[int, Any] = {}  # num_items_in_batch of earlier loader batches not of this Trainer step
         self._rng: tuple | None = None
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """Keep the update's loader batches: a retry runs them all again."""
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self._update, self._done = batches, 0
+        self._update, self._done, self._items = batches, 0, {}
         return batches, num_items
 
     def _prepare_inputs(self, inputs):
@@ -158,7 +159,7 @@ class RecoveringTrainer(FinetuneTrainer):
                 if retry:
                     _set_rng_state(self._rng)
                     for earlier in self._update[:self._done]:  # their losses were already counted
-                        self._split_step(model, earlier, num_items_in_batch)
+                        self._split_step(model, earlier, self._items.get(id(earlier), num_items_in_batch))
                 loss = self._split_step(model, inputs, num_items_in_batch)
                 break
             except torch.OutOfMemoryError as exc:
@@ -169,12 +170,25 @@ class RecoveringTrainer(FinetuneTrainer):
         self._done += 1
         return loss
 
+    def _noise_split_due(self) -> bool:
+        """An update of a single micro-batch runs as two halves (the same gradient) every
+        training.noise_scale_split_every steps, so the noise-scale probe sees two batch sizes
+        (finetune/train/noise_scale.py). Not with a layer-wise optimizer in immediate mode: it would step on
+        each half."""
+        layerwise = layerwise_of(self.optimizer)
+        return not (self.noise_probe is None or len(self._update) > 1 or len(self._update[0][ROWS].rows) < 2
+                    or (layerwise is not None and layerwise.steps_per_update == 1)
+                    or (self.state.global_step + 1) % self.recipe.training.noise_scale_split_every)
+
     def _split_step(self, model, inputs: dict, num_items_in_batch) -> torch.Tensor:
         last = inputs is self._update[-1]
-        if self.splits == 1:
+        if self.splits > 1:
+            size = self.args.per_device_train_batch_size // self.splits
+        elif self._noise_split_due():
+            size = -(-len(inputs[ROWS].rows) // 2)
+        else:
             with self._fault(model, last):
                 return super().training_step(model, inputs, num_items_in_batch)
-        size = self.args.per_device_train_batch_size // self.splits
         rows = inputs[ROWS].rows
         parts = [rows[i:i + size] for i in range(0, len(rows), size)]
         # Without num_items_in_batch the Trainer divides each loss by this: the update's micro-batch count.
@@ -254,6 +268,8 @@ class RecoveringTrainer(FinetuneTrainer):
         model.zero_grad(set_to_none=True)
         self.optimizer.zero_grad(set_to_none=True)
         self._loss_finite = None
+        if self.noise_probe is not None:
+            self.noise_probe.discard()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

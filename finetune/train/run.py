@@ -16,18 +16,20 @@ from finetune.errors import FinetuneError
 from finetune.memory.offload import activation_offload, preflight_offload
 from finetune.memory.tracker_callback import PeakMemoryCallback
 from finetune.plan import Plan, predict
+from finetune.recipe.batch_rules import apply_batch_rules, reference_batch
 from finetune.recipe.load import load_recipe, recipe_to_yaml
 from finetune.recipe.schema import Recipe
 from finetune.recipe.settings import auto_settings, read_settings, write_settings
 from finetune.recipe.settings import table as settings_table
 from finetune.rundir import RunDir, atomic_write_json, atomic_write_text, replace_dir
 from finetune.train import distributed
+from finetune.train.batch_engine import BatchEngineTrainer, batch_summary, record_batch_change
 from finetune.train.callbacks import MetricsCallback, ProgressCallback, StopOnSignal
 from finetune.train.checkpoints import find_resumable, numbered, report_skipped, step_of
 from finetune.train.environment import environment_summary
 from finetune.train.plan_files import save_plan
 from finetune.train.plots import plot_loss_curve
-from finetune.train.recovery import RecoveringTrainer, keep_recovered, record_recovery
+from finetune.train.recovery import keep_recovered, record_recovery
 from finetune.train.trainer import FinetuneTrainer, total_steps, training_arguments
 from finetune.units import format_bytes
 
@@ -185,11 +187,16 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     from finetune.model.adapter import apply_adapter, count_parameters
     from finetune.model.load import load_model
 
+    reference = reference_batch(recipe)  # before a resume fills in the batch the interrupted run used
     if checkpoint and run_dir.recipe.is_file():
         saved = load_recipe(run_dir.recipe)
         recipe = keep_recovered(keep_resolved(recipe, saved), saved, run_dir.root)
     plan, recipe = distributed.on_main(lambda: _plan(recipe))  # one plan for all processes
+    recipe, rule = apply_batch_rules(recipe, reference)
     if main:
+        if rule is not None:
+            console.print(f"batch rules: {rule.describe()}")
+            run_dir.log_line(f"batch rules: {rule.describe()}")
         if plan is not None:
             save_plan(run_dir, plan)
         atomic_write_text(run_dir.recipe, recipe_to_yaml(recipe))
@@ -231,8 +238,9 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     if several:  # redoing a step on one process would leave the others waiting in a collective
         trainer = FinetuneTrainer(data_collator=data.collator, **common)
     else:
-        trainer = RecoveringTrainer(data_collator=data.collator, run_root=run_dir.root,
-                                    on_recovery=record_recovery(run_dir, steps, peak, metrics), **common)
+        trainer = BatchEngineTrainer(data_collator=data.collator, run_root=run_dir.root,
+                                     on_recovery=record_recovery(run_dir, steps, peak, metrics),
+                                     on_batch_change=record_batch_change(run_dir, metrics), **common)
     trainer.remove_callback(PrinterCallback)  # our progress bar and metrics.jsonl replace its prints
     start = time.time()
     try:
@@ -254,7 +262,9 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
         "train_runtime_s": round(time.time() - start, 2), "train_metrics": output.metrics, "data": data.stats,
         "trainable_parameters": trainable, "total_parameters": total,
         "offload": dict(trainer.offload.stats, tier=trainer.recipe.memory.offload) if trainer.offload is not None
-        else None})
+        else None,
+        **(batch_summary(trainer, run_dir.read_metrics(), data.stats) if isinstance(trainer, BatchEngineTrainer)
+           else {})})
     plot_loss_curve(run_dir)
     run_dir.write_status(state, step=result.steps, max_steps=steps, **metrics.status_fields)
     run_dir.log_line(f"run {state} at step {result.steps}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import math
 import os
 import shutil
@@ -19,8 +20,11 @@ from finetune.memory.offload import ActivationOffload
 from finetune.memory.step import forward_backward, mixed_precision
 from finetune.optim import build_optimizer, layerwise_of, register_safe_globals
 from finetune.recipe.schema import Recipe
+from finetune.rundir import atomic_write_json
 from finetune.train.checkpoints import STAGING, checkpoint_fault, numbered, publish, stage
+from finetune.train.noise_scale import GradNormProbe, NoiseScaleEMA, labelled_tokens
 
+NOISE_SCALE_FILE = "noise_scale.json"  # in each checkpoint folder: the smoothed estimate, for an exact --resume
 _SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup",
                "wsd": "warmup_stable_decay"}
 
@@ -124,6 +128,11 @@ class FinetuneTrainer(Trainer):
         self._loss_finite: torch.Tensor | None = None  # all micro-batch losses of this step finite (no sync)
         register_safe_globals()  # checkpoints hold GaLore/APOLLO projectors; resume loads with weights_only
         super().__init__(*args, **kwargs)
+        # Installed before the optimizer exists, so its hooks run before a layer-wise optimizer frees .grad.
+        # One process only: with several, each process's hooks see its local gradients, not the batch's.
+        self.noise_scale = NoiseScaleEMA()
+        measure = recipe.training.noise_scale and self.accelerator.num_processes == 1
+        self.noise_probe = GradNormProbe(self.model.parameters()) if measure else None
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """One forward + backward: finetune.memory.step.forward_backward, the step the planner traces and
@@ -136,6 +145,10 @@ class FinetuneTrainer(Trainer):
         # the gradients, so it is multiplied by their number, as Trainer.compute_loss does (one process: 1).
         scale = self.accelerator.num_processes \
             if num_items is not None and self.args.average_tokens_across_devices else 1
+        if self.noise_probe is not None and "labels" in inputs:
+            tokens = labelled_tokens(inputs)
+            self.noise_probe.micro_batch(tokens, tokens / float(num_items) if num_items
+                                         else 1 / self.current_gradient_accumulation_steps)
         loss = forward_backward(
             model, self._prepare_inputs(inputs), accumulation=self.current_gradient_accumulation_steps,
             num_items_in_batch=num_items,
@@ -162,13 +175,24 @@ class FinetuneTrainer(Trainer):
                 steps_per_update=self.args.gradient_accumulation_steps, max_grad_norm=self.args.max_grad_norm)
         return self.optimizer
 
+    def _observe_noise(self) -> None:
+        """The step's noise-scale observation, from the gradients as accumulated (before clipping); the
+        second call of a step finds nothing new."""
+        if self.noise_probe is not None:
+            observation = self.noise_probe.finish()
+            if observation is not None:
+                self.noise_scale.update(observation)
+
     def _clip_grad_norm(self, model):
+        self._observe_noise()
         # Layer-wise updates clip and measure inside the optimizer: the full gradient is never resident.
         layerwise = layerwise_of(self.optimizer)
         return layerwise.grad_norm() if layerwise else super()._clip_grad_norm(model)
 
     def _get_grad_norm(self, model, grad_norm=None):
-        """Also the divergence guard: runs once per optimizer step, before the update is applied."""
+        """Also the divergence guard and the noise-scale observation: runs once per optimizer step, after the
+        last backward and before the update is applied."""
+        self._observe_noise()
         layerwise = layerwise_of(self.optimizer)
         norm = layerwise.grad_norm() if layerwise else super()._get_grad_norm(model, grad_norm)
         loss_finite, self._loss_finite = self._loss_finite, None
@@ -234,6 +258,19 @@ class FinetuneTrainer(Trainer):
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
         return bool(flag.item())
 
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Training log rows also carry the smoothed noise scale (gns, grad_sq, trace_sigma) once known."""
+        if "loss" in logs and (values := self.noise_scale.values()) is not None:
+            logs = {**logs, **{k: float(f"{v:.6g}") for k, v in values.items()}}
+        super().log(logs, start_time)
+
     def _save_rng_state(self, output_dir) -> None:
         checkpoint_fault(Path(output_dir), self.state.global_step)  # test hook; a no-op unless its env var is set
         super()._save_rng_state(output_dir)
+        atomic_write_json(Path(output_dir) / NOISE_SCALE_FILE, self.noise_scale.state_dict())
+
+    def _load_rng_state(self, checkpoint) -> None:
+        super()._load_rng_state(checkpoint)
+        path = Path(checkpoint) / NOISE_SCALE_FILE if checkpoint else None
+        if path is not None and path.is_file():  # absent in checkpoints of earlier versions: start afresh
+            self.noise_scale.load_state_dict(json.loads(path.read_text()))

@@ -1,0 +1,307 @@
+"""The batch-size engine on real text: the online noise scale vs brute force, and fixed batches vs `auto`.
+
+    nice -n 10 python benchmarks/batch_size.py --quick      # ~10 min on a free core (24 min on a busy one)
+    nice -n 10 python benchmarks/batch_size.py              # the full run (under an hour on 2 cores)
+
+Model: a small Llama trained from scratch on /work/shared/datasets/c4_demo.jsonl (pre-training-like, where
+the critical batch matters most): hidden 128, 2 layers, BPE vocabulary of 2048 trained on the same text,
+sequences of 64 tokens packed from the documents; 10% of the sequences are held out. fp32, CPU, 1 thread.
+
+(a) The online estimate (finetune.train.noise_scale: GradNormProbe hooks + NoiseScaleEMA, micro-batches of
+    4 sequences accumulated 4 at a time) against a brute-force one at the same frozen weights: gradients of
+    many independent batches of 4 sequences, tr(Sigma) from their spread and |G|^2 from their mean with the
+    bias removed. Taken after a short warm-up training so the weights are not at initialisation.
+(b) Held-out loss against tokens for fixed batches of 1, 4, 16 and 64 sequences (AdamW, 3 learning rates per
+    batch around the square-root rule, beta2 by the rule from 0.99 at 16, linear warmup 5% and decay to 0
+    over the same token budget) and for `auto`: accumulation from
+    finetune.train.batch_engine.next_accumulation on the measured noise scale, learning rate and beta2 from
+    finetune.recipe.batch_rules, one untuned learning rate (the middle one of batch 16); once at micro-batch
+    4 and once at micro-batch 1 (which starts at accumulation 2, as the engine does). The same sequences
+    in the same order for every run. The auto loop here drives the engine's functions directly (no Trainer)
+    so 13 runs fit the time; tests/test_batch_engine.py checks the Trainer integration.
+
+Writes benchmarks/results/batch_size[-quick].txt and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from finetune.recipe.batch_rules import scale_for_batch  # noqa: E402
+from finetune.train.batch_engine import next_accumulation  # noqa: E402
+from finetune.train.noise_scale import GradNormProbe, NoiseScaleEMA  # noqa: E402
+
+DATA = Path("/work/shared/datasets/c4_demo.jsonl")
+RESULTS = Path(__file__).resolve().parent / "results"
+SEQ, VOCAB, REF_BATCH, REF_BETA2, REF_LR = 64, 2048, 16, 0.99, 3e-3
+BATCHES = (1, 4, 16, 64)
+AUTO_MICROS = (4, 1)  # auto at a micro-batch of 4 sequences, and at 1 (where it starts at accumulation 2)
+
+
+def build_data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Train and held-out sequences of SEQ tokens packed from c4_demo, tokenised by a BPE trained on it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    texts = [json.loads(line)["text"] for line in DATA.read_text().splitlines() if line.strip()]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<eos>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                       show_progress=False))
+    eos = tok.token_to_id("<eos>")
+    ids = [t for enc in tok.encode_batch(texts) for t in (*enc.ids, eos)]
+    seqs = torch.tensor(ids[: len(ids) // SEQ * SEQ]).view(-1, SEQ)
+    seqs = seqs[torch.randperm(len(seqs), generator=torch.Generator().manual_seed(seed))]
+    held = len(seqs) // 10
+    return seqs[held:], seqs[:held]
+
+
+def build_model(seed: int = 0) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ,
+                         tie_word_embeddings=True)
+    return LlamaForCausalLM(config)
+
+
+def loss_sum(model: torch.nn.Module, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Summed next-token loss of `batch` and its token count (every position but the first has a label)."""
+    logits = model(input_ids=batch).logits[:, :-1].float()
+    target = batch[:, 1:]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1), reduction="sum"), \
+        target.numel()
+
+
+@torch.no_grad()
+def held_out(model: torch.nn.Module, seqs: torch.Tensor) -> float:
+    model.eval()
+    total, count = 0.0, 0
+    for part in seqs.split(64):
+        s, n = loss_sum(model, part)
+        total, count = total + float(s), count + n
+    model.train()
+    return total / count
+
+
+# -- (a) online vs brute force -------------------------------------------------------------------------
+def compare_estimates(train: torch.Tensor, warmup_steps: int, online_steps: int, brute_batches: int) -> dict:
+    model = build_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=REF_LR, betas=(0.9, REF_BETA2))
+    for i in range(warmup_steps):  # move off the initialisation
+        s, n = loss_sum(model, train[i * 16:(i + 1) * 16])
+        (s / n).backward()
+        opt.step()
+        opt.zero_grad()
+    params = [p for p in model.parameters() if p.requires_grad]
+    pool = train[warmup_steps * 16:]
+    gen = torch.Generator().manual_seed(1)
+
+    probe, ema = GradNormProbe(params), NoiseScaleEMA(decay=1 - 1 / online_steps)
+    t0 = time.time()
+    for _ in range(online_steps):  # the run's own estimator: 4 micro-batches of 4 sequences per step
+        idx = torch.randint(len(pool), (16,), generator=gen)
+        parts = [pool[idx[j:j + 4]] for j in range(0, 16, 4)]
+        total = 16 * (SEQ - 1)
+        for part in parts:
+            probe.micro_batch(part.numel() - len(part), (part.numel() - len(part)) / total)
+            s, _ = loss_sum(model, part)
+            (s / total).backward()
+        ema.update(probe.finish())
+        model.zero_grad(set_to_none=True)
+    online_s = time.time() - t0
+    probe.remove()
+    online = ema.values()
+
+    grads = []
+    for _ in range(brute_batches):  # independent batches of 4 sequences, each gradient kept (flattened)
+        idx = torch.randint(len(pool), (4,), generator=gen)
+        s, n = loss_sum(model, pool[idx])
+        (s / n).backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in params]))
+        model.zero_grad(set_to_none=True)
+    g = torch.stack(grads).double()
+    b = 4 * (SEQ - 1)  # tokens per batch
+    mean = g.mean(0)
+    trace = b * (g - mean).square().sum(1).mean() * len(g) / (len(g) - 1)  # tr(Sigma) per token
+    grad_sq = mean.square().sum() - trace / (b * len(g))  # |mean|^2 is biased up by tr(Sigma) / (b n)
+    brute = {"gns": float(trace / grad_sq), "grad_sq": float(grad_sq), "trace_sigma": float(trace)}
+    return {"online": online, "brute": brute, "online_steps": online_steps, "brute_batches": brute_batches,
+            "online_seconds": round(online_s, 1)}
+
+
+# -- (b) fixed batches vs auto ------------------------------------------------------------------------
+def lr_at(step_tokens: int, total_tokens: int, peak: float) -> float:
+    """Linear warmup over the first 5% of the tokens, then linear decay to 0 at the end (in tokens)."""
+    warm = 0.05 * total_tokens
+    return peak * (step_tokens / warm if step_tokens < warm else max(0.0, (total_tokens - step_tokens) / (total_tokens - warm)))
+
+
+def train_run(train: torch.Tensor, evals: torch.Tensor, total_seqs: int, eval_every: int, *, batch: int | None,
+              lr: float, log: list, auto_micro: int = 4) -> list[tuple[int, float]]:
+    """Train on the first total_seqs sequences; batch None = auto at micro-batch `auto_micro`. Returns
+    (tokens, held-out loss) points."""
+    model = build_model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    auto = batch is None
+    micro = auto_micro if auto else min(batch, 16)
+    accumulation = (2 if micro == 1 else 1) if auto else batch // micro  # as BatchEngineTrainer starts
+    rule = scale_for_batch(lr, (0.9, REF_BETA2), "adamw", REF_BATCH, micro * accumulation)
+    opt = torch.optim.AdamW(params, lr=rule.new_learning_rate, betas=rule.new_betas)
+    peak = rule.new_learning_rate
+    probe, ema = (GradNormProbe(params), NoiseScaleEMA()) if auto else (None, None)
+    seen, step, points, next_eval, observed_at_change = 0, 0, [], 0, 0
+    total_tokens = total_seqs * (SEQ - 1)
+    while seen < total_seqs:
+        if seen >= next_eval:
+            points.append((seen * (SEQ - 1), held_out(model, evals)))
+            next_eval += eval_every
+        parts = []
+        for _ in range(accumulation):
+            if seen >= total_seqs:
+                break
+            parts.append(train[seen:seen + micro])
+            seen += len(parts[-1])
+        split = auto and len(parts) == 1 and micro > 1 and step % 5 == 0  # the engine's split at accumulation 1
+        if split:
+            parts = [parts[0][: micro // 2], parts[0][micro // 2:]]
+        tokens = sum(p.numel() - len(p) for p in parts)
+        for part in parts:
+            if probe is not None:
+                n = part.numel() - len(part)
+                probe.micro_batch(n, n / tokens)
+            s, _ = loss_sum(model, part)
+            (s / tokens).backward()
+        if probe is not None:
+            obs = probe.finish()
+            if obs is not None:
+                ema.update(obs)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(seen * (SEQ - 1), total_tokens, peak)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        if auto and ema.steps - observed_at_change >= 5:
+            values = ema.values() or {}
+            new = next_accumulation(accumulation, values.get("gns"), micro * (SEQ - 1))
+            if new != accumulation:
+                accumulation, observed_at_change = new, ema.steps
+                rule = scale_for_batch(lr, (0.9, REF_BETA2), "adamw", REF_BATCH, micro * accumulation)
+                peak = rule.new_learning_rate
+                for group in opt.param_groups:
+                    group["betas"] = rule.new_betas
+                log.append({"tokens": seen * (SEQ - 1), "batch": micro * accumulation, "gns": values.get("gns"),
+                            "lr": peak, "beta2": rule.new_betas[1]})
+    points.append((seen * (SEQ - 1), held_out(model, evals)))
+    if probe is not None:
+        probe.remove()
+    return points
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer tokens and estimates (~10 min)")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    quick = args.quick
+    total_seqs = 1024 if quick else 2560
+    start = time.time()
+    train, evals = build_data()
+    evals = evals[: 128 if quick else 256]
+    print(f"data: {len(train)} train / {len(evals)} held-out sequences of {SEQ} tokens", flush=True)
+
+    est = compare_estimates(train, warmup_steps=20, online_steps=150 if quick else 400,
+                            brute_batches=300 if quick else 800)
+    ratio = est["online"]["gns"] / est["brute"]["gns"]
+    print(f"(a) online gns {est['online']['gns']:.4g} vs brute force {est['brute']['gns']:.4g} tokens "
+          f"(ratio {ratio:.3f})", flush=True)
+
+    curves, best = {}, {}
+    for batch in BATCHES:
+        for factor in (0.5, 1.0, 2.0):
+            lr = REF_LR * factor
+            t0 = time.time()
+            points = train_run(train, evals, total_seqs, total_seqs // 8, batch=batch, lr=lr, log=[])
+            curves[f"B={batch} lr={lr:.2g}"] = points
+            print(f"(b) batch {batch:3d} lr(ref) {lr:.2g}: held-out {points[-1][1]:.4f} ({time.time() - t0:.0f}s)",
+                  flush=True)
+            if batch not in best or points[-1][1] < best[batch][1]:
+                best[batch] = (f"B={batch} lr={lr:.2g}", points[-1][1])
+    ramps: dict[str, list] = {}
+    for micro in AUTO_MICROS:
+        t0 = time.time()
+        name = f"auto mb={micro}"
+        ramps[name] = []
+        curves[name] = points = train_run(train, evals, total_seqs, total_seqs // 8, batch=None, lr=REF_LR,
+                                          log=ramps[name], auto_micro=micro)
+        print(f"(b) {name}: held-out {points[-1][1]:.4f} ({time.time() - t0:.0f}s); ramp {ramps[name]}", flush=True)
+
+    best_fixed = min(best.values(), key=lambda v: v[1])
+    lines = [
+        f"benchmarks/batch_size.py{' --quick' if quick else ''}: tiny Llama (hidden 128, 2 layers, vocab {VOCAB}) "
+        f"from scratch on c4_demo, {SEQ}-token sequences, {total_seqs} training sequences "
+        f"({total_seqs * (SEQ - 1):,} labelled tokens), {len(evals)} held out; CPU, {args.threads} thread(s); "
+        f"{time.time() - start:.0f}s",
+        "",
+        "(a) noise scale at frozen weights (after 20 warm-up steps), in labelled tokens",
+        f"  online (hooks, 4 x 4 sequences per step, {est['online_steps']} steps): gns {est['online']['gns']:.4g}  "
+        f"|G|^2 {est['online']['grad_sq']:.4g}  tr(Sigma) {est['online']['trace_sigma']:.4g}",
+        f"  brute force ({est['brute_batches']} independent batches of 4): gns {est['brute']['gns']:.4g}  "
+        f"|G|^2 {est['brute']['grad_sq']:.4g}  tr(Sigma) {est['brute']['trace_sigma']:.4g}",
+        f"  ratio online / brute force: {ratio:.3f}  ({'within' if abs(ratio - 1) <= 0.25 else 'NOT within'} 25%)",
+        "",
+        "(b) final held-out loss at equal tokens (lr(ref) is the learning rate at batch 16; each batch's own is",
+        "    lr(ref) x sqrt(B/16), beta2 = 0.99 ** (B/16))",
+    ]
+    for name, points in curves.items():
+        lines.append(f"  {name:18s} {points[-1][1]:.4f}")
+    lines.append(f"  best fixed: {best_fixed[0]} {best_fixed[1]:.4f}")
+    for name in ramps:
+        gap = curves[name][-1][1] / best_fixed[1] - 1
+        lines += [f"  {name}: {curves[name][-1][1]:.4f}, {100 * gap:+.2f}% vs best fixed "
+                  f"({'within' if gap <= 0.02 else 'NOT within'} 2%); batch changes: "
+                  f"{ramps[name] or 'none (the noise scale never justified accumulation)'}"]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    RESULTS.mkdir(exist_ok=True)
+    stem = "batch_size-quick" if quick else "batch_size"
+    (RESULTS / f"{stem}.txt").write_text(text)
+    plot(curves, est, RESULTS / f"{stem}.png")
+
+
+def plot(curves: dict, est: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+    for i, (name, points) in enumerate(curves.items()):
+        style = dict(color="black", linewidth=2.5, linestyle="-" if "4" in name else "--") \
+            if name.startswith("auto") else dict(color=f"C{i // 3}", alpha=0.4 + 0.2 * (i % 3))
+        ax.plot([t for t, _ in points], [v for _, v in points], label=name, **style)
+    ax.set_xlabel("labelled tokens")
+    ax.set_ylabel("held-out loss")
+    ax.set_ylim(top=min(max(v for pts in curves.values() for _, v in pts[1:]) + 0.2, 8.0))
+    ax.set_title(f"batch size on c4_demo; gns online {est['online']['gns']:.3g} vs brute force "
+                 f"{est['brute']['gns']:.3g} tokens")
+    ax.legend(fontsize=7, ncol=3)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

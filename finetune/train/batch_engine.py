@@ -1,0 +1,283 @@
+"""`training.effective_batch_size: auto`: the batch grows with the measured gradient noise scale.
+
+The micro-batch stays the planner's fastest fit and the Trainer keeps one loader batch per Trainer step, so
+`max_steps`, the data order, the LR schedule and the run length stay defined in loader batches (fixed
+tokens): a ramp never changes which examples are seen or how many. The engine accumulates A consecutive
+Trainer steps into one optimizer update: on the first A-1 of a group the optimizer update is deferred (the
+gradients are set aside by reference, no copy, and handed back to autograd before the next backward;
+clipping waits), and the last one applies the mean of the group's loader-batch gradients. The scheduler
+still steps every Trainer step, so the learning rate follows the schedule in tokens.
+
+When to accumulate (McCandlish et al.: a batch B costs S_min (1 + B_noise / B) steps and E_min (1 + B /
+B_noise) tokens): a batch of at most TOKEN_WASTE x the noise scale needs at most ~10% more tokens than the
+smallest batch for the same loss and saves most steps; nothing larger is chosen. At the end of a group,
+once the noise scale has MIN_OBSERVATIONS fresh observations since the last change, the accumulation
+doubles while the batch in labelled tokens stays under TOKEN_WASTE x gns (up to MAX_ACCUMULATION). It only
+ramps up: the critical batch grows during training (Critical Batch Size Revisited). Each change rescales
+the learning rate and beta2 by finetune/recipe/batch_rules.py against the starting batch and is recorded
+(`on_change`: a `batch_changed` row in metrics.jsonl, shaped like the out-of-memory events).
+
+Checkpoints fall on group boundaries only (a save or stop asked for mid-group waits for the group's last
+step), and hold the accumulation in batch_engine.json, so `--resume` continues exactly. An out-of-memory
+retry inside a group re-runs the group's earlier loader batches too (finetune/train/recovery.py).
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from finetune.console import console
+from finetune.optim import layerwise_of
+from finetune.recipe.batch_rules import TOKEN_WASTE, advise, scale_for_batch
+from finetune.rundir import RunDir, atomic_write_json
+from finetune.train.callbacks import MetricsCallback
+from finetune.train.noise_scale import labelled_tokens
+from finetune.train.recovery import RecoveringTrainer
+
+MAX_ACCUMULATION = 64
+MIN_OBSERVATIONS = 5  # fresh noise-scale observations between two changes
+ENGINE_FILE = "batch_engine.json"  # in each checkpoint folder
+
+
+def next_accumulation(current: int, gns_tokens: float | None, tokens_per_loader_batch: float,
+                      limit: int = MAX_ACCUMULATION) -> int:
+    """The accumulation for the next group: `current` doubled while the batch (in labelled tokens) stays
+    within TOKEN_WASTE x the noise scale and `limit`; never smaller than `current`."""
+    if not gns_tokens or tokens_per_loader_batch <= 0:
+        return current
+    out = current
+    while out * 2 <= limit and out * 2 * tokens_per_loader_batch <= TOKEN_WASTE * gns_tokens:
+        out *= 2
+    return out
+
+
+class BatchEngineTrainer(RecoveringTrainer):
+    """RecoveringTrainer whose accumulation follows the noise scale when effective_batch_size is auto
+    (see the module docstring); with a fixed batch it behaves exactly as RecoveringTrainer."""
+
+    def __init__(self, *args, on_batch_change: Callable[[dict], None] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.engine_on = self.recipe.training.effective_batch_size == "auto"
+        self.on_batch_change = on_batch_change
+        # A step that cannot be split (one sequence, or a layer-wise optimizer updating inside backward)
+        # starts at accumulation 2, so the noise scale can be measured.
+        unsplittable = self.args.gradient_accumulation_steps == 1 and (
+            self.args.per_device_train_batch_size == 1 or self.recipe.optimizer.layerwise)
+        self.accumulation = 2 if self.engine_on and unsplittable else 1
+        self._group: list[tuple[dict, object]] = []  # this group's earlier loader batches, for an OOM retry
+        self._stash: dict[torch.Tensor, torch.Tensor] = {}
+        self._observations_at_change = 0
+        self._tokens, self._batches = 0, 0  # labelled tokens per loader batch, on average
+        self._pending_save = self._pending_stop = False
+        self._base: tuple[list[float], tuple[float, float]] | None = None  # starting LRs and betas
+        self._last_norm = None
+        self._current: list[tuple[dict, object]] = []
+        self._meaned = False
+
+    # -- grouping ---------------------------------------------------------------------------------
+    def _deferring(self) -> bool:
+        """This Trainer step ends without an optimizer update (the group goes on)."""
+        return (self.engine_on and len(self._group) + 1 < self.accumulation
+                and self.state.global_step + 1 < self.state.max_steps)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self.engine_on and self._group:  # an OOM retry re-runs the group's earlier batches too
+            self._items = {id(b): n for b, n in self._group}
+            self._update, self._done = [b for b, _ in self._group] + batches, len(self._group)
+        self._current = [(b, num_items) for b in batches]
+        return batches, num_items
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self._stash:  # hand the group's gradients back to autograd before this backward
+            for p, grad in self._stash.items():
+                p.grad = grad
+            self._stash = {}
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def _recover(self, model, failure: str) -> None:
+        self._stash = {}  # dropped with the rest: the retry re-runs the whole group
+        super()._recover(model, failure)
+
+    def _clip_grad_norm(self, model):
+        if self._deferring():
+            return None
+        self._observe_noise()  # of the group's sum, before its mean and clipping
+        self._group_mean()
+        return super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if self._deferring():
+            return self._last_norm
+        self._observe_noise()
+        self._group_mean()
+        self._last_norm = super()._get_grad_norm(model, grad_norm)
+        return self._last_norm
+
+    @torch.no_grad()
+    def _group_mean(self) -> None:
+        """The group's update is the mean of its loader batches' gradients (each already a token mean)."""
+        size = len(self._group) + 1
+        if self.engine_on and size > 1 and not self._meaned:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(size)
+            self._meaned = True
+
+    def _sync_layerwise(self) -> None:
+        """A layer-wise optimizer accumulates over the whole group (it would step inside each backward)."""
+        layerwise = layerwise_of(self.optimizer)
+        if layerwise is not None:
+            layerwise.steps_per_update = self.args.gradient_accumulation_steps * self.splits * self.accumulation
+
+    def create_optimizer(self, model=None):
+        fresh = self.optimizer is None
+        optimizer = super().create_optimizer(model)
+        if fresh and self.engine_on:
+            self._sync_layerwise()
+            update = optimizer.step
+
+            def grouped(opt, *args, **kwargs):
+                if self._base is None and self.accumulation > 1:  # the starting batch is already larger
+                    self._apply_rules(self.accumulation * self._step_batch())
+                for batch, _ in self._current:  # counted here, after a resume has restored the count
+                    if "labels" in batch:
+                        self._tokens += labelled_tokens(batch)
+                        self._batches += 1
+                if self._deferring():
+                    self._group.extend(self._current)
+                    self._stash = {p: p.grad for p in self.model.parameters() if p.grad is not None}
+                    return None
+                result = update(*args, **kwargs)
+                self._group, self._meaned = [], False
+                self._decide()
+                return result
+
+            optimizer.step = types.MethodType(grouped, optimizer)  # bound, as the LR scheduler expects
+        return optimizer
+
+    def _step_batch(self) -> int:
+        """Sequences per Trainer step (micro-batch x the Trainer's accumulation, which an out-of-memory
+        recovery may have traded for a smaller micro-batch): the unit the engine multiplies."""
+        return self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
+
+    def _switch(self, model, choice) -> None:
+        super()._switch(model, choice)
+        if self.engine_on:
+            self._sync_layerwise()
+
+    # -- the decision ---------------------------------------------------------------------------------
+    def _decide(self) -> None:
+        observed = self.noise_scale.steps
+        if observed - self._observations_at_change < MIN_OBSERVATIONS or not self._batches:
+            return
+        values = self.noise_scale.values() or {}
+        new = next_accumulation(self.accumulation, values.get("gns"),
+                                self._tokens / self._batches * self.args.gradient_accumulation_steps)
+        if new == self.accumulation:
+            return
+        old, self.accumulation, self._observations_at_change = self.accumulation, new, observed
+        self._sync_layerwise()
+        micro = self._step_batch()
+        lr, beta2 = self._apply_rules(micro * new)
+        event = {"event": "batch_changed", "step": self.state.global_step + 1,
+                 "from": {"gradient_accumulation_steps": old, "effective_batch_size": old * micro},
+                 "to": {"gradient_accumulation_steps": new, "effective_batch_size": new * micro},
+                 "gns": values.get("gns"), "learning_rate": lr, "beta2": beta2}
+        if self.on_batch_change is not None:
+            self.on_batch_change(event)
+
+    def _apply_rules(self, batch: int) -> tuple[float, float | None]:
+        """Peak learning rate and beta2 for `batch` sequences, from the recipe's values, which are for its
+        reference_batch_size (one Trainer step's batch when the recipe names none)."""
+        reference = self.recipe.training.reference_batch_size or self._step_batch()
+        groups = self.optimizer.param_groups
+        scheduler = getattr(self.lr_scheduler, "scheduler", self.lr_scheduler)  # accelerate may wrap it
+        if self._base is None:
+            self._base = (list(scheduler.base_lrs), tuple(self.recipe.optimizer.betas))
+        base_lrs, betas = self._base
+        rule = scale_for_batch(1.0, betas, self.recipe.optimizer.name, reference, batch)
+        scheduler.base_lrs = [lr * rule.new_learning_rate for lr in base_lrs]
+        if rule.new_betas is not None:
+            for group in groups:
+                if "betas" in group:
+                    group["betas"] = (group["betas"][0], rule.new_betas[1])
+        return base_lrs[0] * rule.new_learning_rate, rule.new_betas[1] if rule.new_betas else None
+
+    # -- checkpoints on group boundaries --------------------------------------------------------------
+    def _maybe_log_save_evaluate(self, *args, **kwargs):
+        if self.engine_on:
+            if self._group:  # mid-group: a save or a stop waits for the group's last step
+                self._pending_save |= self.control.should_save
+                self._pending_stop |= self.control.should_training_stop
+                self.control.should_save = self.control.should_training_stop = False
+            elif self._pending_save or self._pending_stop:
+                self.control.should_save |= self._pending_save
+                self.control.should_training_stop |= self._pending_stop
+                self._pending_save = self._pending_stop = False
+        return super()._maybe_log_save_evaluate(*args, **kwargs)
+
+    def _save_rng_state(self, output_dir) -> None:
+        super()._save_rng_state(output_dir)
+        if self.engine_on:
+            atomic_write_json(Path(output_dir) / ENGINE_FILE, {
+                "accumulation": self.accumulation, "observations_at_change": self._observations_at_change,
+                "tokens": self._tokens, "batches": self._batches,
+                "base": self._base and {"lrs": self._base[0], "betas": list(self._base[1])}})
+
+    def _load_rng_state(self, checkpoint) -> None:
+        super()._load_rng_state(checkpoint)
+        path = Path(checkpoint) / ENGINE_FILE if checkpoint else None
+        if self.engine_on and path is not None and path.is_file():
+            saved = json.loads(path.read_text())
+            self.accumulation = saved["accumulation"]
+            self._sync_layerwise()
+            self._observations_at_change = saved["observations_at_change"]
+            self._tokens, self._batches = saved["tokens"], saved["batches"]
+            if saved["base"]:
+                self._base = (saved["base"]["lrs"], tuple(saved["base"]["betas"]))
+
+
+def record_batch_change(run_dir: RunDir, metrics: MetricsCallback) -> Callable[[dict], None]:
+    """on_batch_change for a run directory: a metrics.jsonl event row (the UI marks "batch changed"),
+    train.log, the console, and the batch in every later status.json."""
+    def record(event: dict) -> None:
+        run_dir.append_metrics(event)
+        gns = f" (noise scale {event['gns']:.4g} tokens)" if event["gns"] else ""
+        line = (f"batch changed after step {event['step']}: effective batch {event['from']['effective_batch_size']} "
+                f"-> {event['to']['effective_batch_size']}{gns}, learning rate {event['learning_rate']:.3g}"
+                + (f", beta2 {event['beta2']:.6g}" if event["beta2"] else ""))
+        run_dir.log_line(line)
+        console.print(line)
+        metrics.status_fields["batch_changed"] = event
+
+    return record
+
+
+def batch_summary(trainer: BatchEngineTrainer, rows: list[dict], stats: dict) -> dict:
+    """results.json's account of the batch: what was used (and every change), the noise scale over time and
+    the advice for the next run (finetune.recipe.batch_rules.advise; `finetune plan --advice` applies it)."""
+    micro = trainer.args.per_device_train_batch_size // trainer.splits
+    accumulation = (trainer.accumulation if trainer.engine_on else 1) * trainer.args.gradient_accumulation_steps \
+        * trainer.splits
+    series = [[r["step"], r["gns"]] for r in rows if r.get("gns")]
+    values = trainer.noise_scale.values() or {}
+    scheduler = getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)
+    betas = next((tuple(g["betas"]) for g in trainer.optimizer.param_groups if "betas" in g),
+                 tuple(trainer.recipe.optimizer.betas))
+    tokens_per_sequence = stats.get("loss_tokens", 0) / max(stats.get("train_sequences") or 1, 1)
+    return {
+        "batch": {"micro_batch_size": micro, "gradient_accumulation_steps": accumulation,
+                  "effective_batch_size": micro * accumulation, "auto": trainer.engine_on,
+                  "changes": [r for r in rows if r.get("event") == "batch_changed"]},
+        "noise_scale": {"unit": "labelled tokens", "final": values.get("gns"), "grad_sq": values.get("grad_sq"),
+                        "trace_sigma": values.get("trace_sigma"), "tokens_per_sequence": round(tokens_per_sequence, 2),
+                        "series": series[:: max(1, len(series) // 200)]},
+        "advice": advise(values.get("gns"), tokens_per_sequence, micro * accumulation, float(scheduler.base_lrs[0]),
+                         betas, trainer.recipe.optimizer.name),
+    }

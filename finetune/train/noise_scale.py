@@ -1,0 +1,185 @@
+"""The gradient noise scale, measured in every run: how large a batch is still worth its tokens.
+
+B_simple = tr(Sigma) / |G|^2 (McCandlish et al., "An Empirical Model of Large-Batch Training", 2018): Sigma is
+the covariance of one token's gradient, G the true gradient. Batches much smaller than B_simple waste steps
+(each update is mostly noise), much larger ones waste tokens. The unit here is LABELLED TOKENS (labels !=
+-100), so packed and unpacked data, and sequences of different lengths, are counted alike; divide by the
+labelled tokens per sequence for a batch in sequences.
+
+Estimator (their Appendix A, the two-batch form): a mean gradient over b tokens has E|G_b|^2 = |G|^2 +
+tr(Sigma)/b. Each optimizer step gives two such norms for free: each micro-batch's own gradient ("small")
+and the accumulated gradient ("big"). Solving the two equations gives unbiased, very noisy estimates of
+|G|^2 and tr(Sigma); each is smoothed with a bias-corrected EMA and only the smoothed values are divided.
+With unequal micro-batches (packing, variable lengths) 1/b is averaged the way the loss weights each part.
+
+Cost: no gradient copy at all. A tensor hook on each trained parameter sees the micro-batch's gradient
+contribution before autograd adds it to .grad and keeps its squared norm (a device scalar); the accumulated
+gradient's norm is taken once per step, before clipping. Nothing is synchronised with the host until the
+optimizer step. The hooks are installed before the optimizer is built, so they run before a layer-wise
+optimizer's own; a layer-wise optimizer keeps .grad until its step when it accumulates, except GaLore, which
+projects and frees each micro-batch's gradient: that combination logs no noise scale.
+
+With no accumulation the step has one micro-batch and no "small" norm: every `split_every` steps the trainer
+runs the micro-batch as two halves (finetune/train/recovery.py re-collates a loader batch exactly), which
+gives both sizes at the same total gradient. A micro-batch of one sequence cannot be split; the run then
+logs no noise scale (say so, do not guess).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_DECAY = 0.95  # EMA of |G|^2 and tr(Sigma): about 20 steps of memory
+SLICE = 1 << 24  # elements per fp32 slice of a gradient norm
+MIN_STEPS = 5  # fewer observations than this: no estimate is reported (the EMA is still mostly one step)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One optimizer step's unbiased estimates (each may be negative: they are noisy)."""
+
+    grad_sq: float  # |G|^2
+    trace_sigma: float  # tr(Sigma), per labelled token
+
+
+def two_batch(small_sq: float, inv_small: float, big_sq: float, inv_big: float) -> Observation:
+    """Solve E|G_b|^2 = |G|^2 + tr(Sigma) / b for the two batches; inv_*: 1/b of each (in tokens)."""
+    if not inv_small > inv_big:
+        raise ValueError(f"the small batch must be smaller: 1/b_small {inv_small} <= 1/b_big {inv_big}")
+    trace = (small_sq - big_sq) / (inv_small - inv_big)
+    return Observation(grad_sq=big_sq - trace * inv_big, trace_sigma=trace)
+
+
+def step_observation(parts: list[tuple[float, float, float]], big_sq: float) -> Observation | None:
+    """The step's observation from its micro-batches: parts are (|c_i|^2, tokens b_i, weight w_i) where c_i
+    is micro-batch i's contribution to the accumulated gradient, c_i = w_i * (mean gradient of its tokens);
+    big_sq is |sum c_i|^2. None when the step has fewer than two non-empty micro-batches."""
+    parts = [p for p in parts if p[1] > 0 and p[2] > 0]
+    if len(parts) < 2:
+        return None
+    total = sum(w for _, _, w in parts)
+    small_sq = sum(sq / w**2 for sq, _, w in parts) / len(parts)
+    inv_small = sum(1 / b for _, b, _ in parts) / len(parts)
+    inv_big = sum(w**2 / b for _, b, w in parts) / total**2
+    return two_batch(small_sq, inv_small, big_sq / total**2, inv_big)
+
+
+class NoiseScaleEMA:
+    """Bias-corrected EMAs of |G|^2 and tr(Sigma) (smoothed separately, divided only when read)."""
+
+    def __init__(self, decay: float = DEFAULT_DECAY):
+        self.decay = decay
+        self.grad_sq = 0.0
+        self.trace_sigma = 0.0
+        self.weight = 0.0  # 1 - decay**steps: the bias correction
+        self.steps = 0
+
+    def update(self, obs: Observation) -> None:
+        d = self.decay
+        self.grad_sq = d * self.grad_sq + (1 - d) * obs.grad_sq
+        self.trace_sigma = d * self.trace_sigma + (1 - d) * obs.trace_sigma
+        self.weight = d * self.weight + (1 - d)
+        self.steps += 1
+
+    def values(self) -> dict[str, float] | None:
+        """{"gns", "grad_sq", "trace_sigma"}; gns in labelled tokens. None until MIN_STEPS observations, or
+        while the smoothed |G|^2 is not positive (the gradient is all noise: no finite noise scale)."""
+        if self.steps < MIN_STEPS:
+            return None
+        g2, trace = self.grad_sq / self.weight, self.trace_sigma / self.weight
+        out = {"grad_sq": g2, "trace_sigma": trace}
+        if g2 > 0 and trace > 0:
+            out["gns"] = trace / g2
+        return out
+
+    def state_dict(self) -> dict[str, float]:
+        return {"decay": self.decay, "grad_sq": self.grad_sq, "trace_sigma": self.trace_sigma,
+                "weight": self.weight, "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.decay = float(state["decay"])
+        self.grad_sq, self.trace_sigma = float(state["grad_sq"]), float(state["trace_sigma"])
+        self.weight, self.steps = float(state["weight"]), int(state["steps"])
+
+
+def labelled_tokens(inputs: dict) -> int:
+    """Tokens of a micro-batch that carry a loss, counted as the Trainer's num_items_in_batch counts them
+    (labels shifted by one for a causal LM)."""
+    labels = inputs.get("shift_labels")
+    if labels is None:
+        labels = inputs["labels"][..., 1:]
+    return int(labels.ne(-100).sum())
+
+
+class GradNormProbe:
+    """Per-micro-batch squared gradient norms from hooks, and the accumulated one (see the module docstring).
+
+    Call `micro_batch(tokens, weight)` before each micro-batch's backward, then `finish()` after the step's
+    last backward and before anything scales the gradients (clipping, an accumulation mean): it returns the
+    step's Observation (or None) and rearms for the next step. `discard()` forgets a step in progress (an
+    out-of-memory retry redoes it).
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor]):
+        self.params = [p for p in params if p.requires_grad]
+        self._parts: list[tuple[list[torch.Tensor], float, float]] = []
+        self._current: list[torch.Tensor] = []  # this micro-batch's per-parameter |contribution|^2
+        self._touched: dict[int, torch.Tensor] = {}  # parameters that received a gradient this step
+        self._meta: tuple[float, float] | None = None
+        self._handles = [p.register_hook(functools.partial(self._contribution, p)) for p in self.params]
+
+    @staticmethod
+    def _sq(t: torch.Tensor) -> torch.Tensor:
+        """|t|^2 in fp32, in slices of 16M elements: a bf16 embedding's gradient gets no full fp32 copy."""
+        flat = t.reshape(-1)
+        if flat.numel() <= SLICE:
+            return torch.linalg.vector_norm(flat, dtype=torch.float32).square()
+        return torch.stack([torch.linalg.vector_norm(part, dtype=torch.float32) for part in flat.split(SLICE)]
+                           ).square().sum()
+
+    @torch.no_grad()
+    def _contribution(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        if self._meta is not None:
+            self._current.append(self._sq(grad))
+            self._touched[id(p)] = p
+
+    def micro_batch(self, tokens: float, weight: float) -> None:
+        """The next backward is one micro-batch of `tokens` labelled tokens whose loss is scaled so that its
+        gradient enters the sum with `weight` (tokens / step tokens, or 1 / micro-batches for mean losses)."""
+        self._close_part()
+        self._meta = (float(tokens), float(weight))
+
+    def _close_part(self) -> None:
+        if self._meta is not None and self._current:
+            self._parts.append((self._current, *self._meta))
+        self._current, self._meta = [], None
+
+    def finish(self) -> Observation | None:
+        """The step's observation (one host sync), then reset for the next step. None with fewer than two
+        micro-batches, or when a gradient was freed before the step's end (GaLore's layer-wise accumulation
+        projects and frees each micro-batch's): an unknown accumulated norm gives no estimate, not a wrong one."""
+        self._close_part()
+        parts, touched = self._parts, list(self._touched.values())
+        self.discard()
+        if len(parts) < 2 or any(p.grad is None for p in touched):
+            return None
+        device = parts[0][0][0].device
+        sums = [torch.stack([sq.to(device) for sq in sqs]).sum() for sqs, _, _ in parts]
+        big = torch.stack([self._sq(p.grad).to(device) for p in touched]).sum()
+        values = torch.stack([*sums, big]).tolist()
+        if not all(math.isfinite(v) for v in values):
+            return None
+        return step_observation([(v, b, w) for v, (_, b, w) in zip(values[:-1], parts, strict=True)], values[-1])
+
+    def discard(self) -> None:
+        self._parts, self._current, self._touched, self._meta = [], [], {}, None
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

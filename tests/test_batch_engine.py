@@ -1,0 +1,140 @@
+"""effective_batch_size: auto (finetune/train/batch_engine.py): the accumulation ramps with the noise scale
+without dropping or repeating examples, learning rate and beta2 follow the rules, --resume is exact."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from finetune.recipe import validate_recipe
+from finetune.rundir import read_jsonl
+from finetune.train import batch_engine
+from finetune.train.batch_engine import MAX_ACCUMULATION, TOKEN_WASTE, next_accumulation
+from finetune.train.recovery import ROWS, RecoveringTrainer
+from finetune.train.run import run
+
+
+def test_accumulation_doubles_while_the_batch_stays_a_small_fraction_of_the_noise_scale():
+    assert next_accumulation(1, None, 100) == 1  # nothing measured yet
+    assert next_accumulation(1, 1000, 100) == 1  # 2 x 100 tokens > 0.1 x 1000
+    assert next_accumulation(1, 4000 / TOKEN_WASTE, 1000) == 4
+    assert next_accumulation(8, 10.0, 100) == 8  # never down
+    assert next_accumulation(1, 1e12, 1) == MAX_ACCUMULATION
+
+
+def _recipe(tmp_path, model_dir, name: str, **training) -> dict:
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
+                          {"role": "assistant", "content": f"It is {2 * i}." + " yes" * (i % 5)}]} for i in range(40)]
+    data = tmp_path / "engine-data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {
+        "model": {"path": str(model_dir)}, "quantization": {"bits": None},
+        "adapter": {"type": "lora", "r": 8, "alpha": 16, "dropout": 0.0},
+        "data": {"path": str(data), "max_seq_len": 64},
+        "training": {"max_steps": 14, "learning_rate": 1e-3, "warmup_ratio": 0.0, "lr_scheduler": "linear",
+                     "micro_batch_size": 2, "gradient_accumulation_steps": 1, "noise_scale_split_every": 1,
+                     **training},
+        "memory": {"activation_checkpointing": False, "chunked_loss": False, "tiled_mlp": False},
+        "output": {"dir": str(tmp_path / name), "save_steps": 3, "save_total_limit": 20},
+    }
+
+
+@pytest.fixture
+def forced_ramp(monkeypatch):
+    """Double the accumulation at every decision (up to 4) and decide after 2 observations, whatever the
+    tiny model's noise scale is; record every loader batch's examples and every optimizer update."""
+    monkeypatch.setattr(batch_engine, "next_accumulation", lambda current, gns, tokens, limit=4: min(2 * current, limit))
+    monkeypatch.setattr(batch_engine, "MIN_OBSERVATIONS", 2)
+    seen = {"rows": [], "updates": 0}
+    step = RecoveringTrainer.training_step
+
+    def spy(self, model, inputs, num_items_in_batch=None):
+        seen["rows"].append([tuple(r["input_ids"]) for r in inputs[ROWS].rows])
+        return step(self, model, inputs, num_items_in_batch)
+
+    monkeypatch.setattr(RecoveringTrainer, "training_step", spy)
+    return seen
+
+
+def test_a_ramp_changes_the_accumulation_without_dropping_or_repeating_examples_and_resumes_exactly(
+        tmp_path, tiny_model_dir, forced_ramp):
+    fixed = run(validate_recipe(_recipe(tmp_path, tiny_model_dir, "fixed")))
+    fixed_rows, forced_ramp["rows"] = forced_ramp["rows"], []
+    recipe = _recipe(tmp_path, tiny_model_dir, "auto", effective_batch_size="auto")
+    auto = run(validate_recipe(recipe))
+    assert forced_ramp["rows"] == fixed_rows and len(fixed_rows) == 14  # the same examples, in the same order
+    assert auto.steps == fixed.steps == 14
+    rows = read_jsonl(auto.run_dir / "metrics.jsonl")
+    events = [r for r in rows if r.get("event") == "batch_changed"]
+    assert [(e["from"]["gradient_accumulation_steps"], e["to"]["gradient_accumulation_steps"]) for e in events] \
+        == [(1, 2), (2, 4)]
+    assert [e["to"]["effective_batch_size"] for e in events] == [4, 8]
+    # learning rate x sqrt(batch ratio), beta2 ** ratio, against the starting batch of 2
+    assert events[1]["learning_rate"] == pytest.approx(1e-3 * 2) and events[1]["beta2"] == pytest.approx(0.999 ** 4)
+    lrs = {r["step"]: r["learning_rate"] for r in rows if "loss" in r}
+    assert lrs[14] == pytest.approx(2 * 1e-3 / 14, rel=1e-3)  # the linear schedule in loader batches, scaled x2
+    results = json.loads((auto.run_dir / "results.json").read_text())
+    assert results["batch"]["effective_batch_size"] == 8 and len(results["batch"]["changes"]) == 2
+
+    # --resume from a checkpoint taken at accumulation 2 (mid-ramp), as if the run had been killed after it
+    losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    folder = auto.run_dir / "checkpoints"
+    mid = next(p for p in sorted(folder.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+               if json.loads((p / "batch_engine.json").read_text())["accumulation"] == 2)
+    copy = tmp_path / "resumed"
+    shutil.copytree(auto.run_dir, copy)
+    for p in (copy / "checkpoints").glob("checkpoint-*"):
+        if int(p.name.split("-")[1]) > int(mid.name.split("-")[1]):
+            shutil.rmtree(p)
+    resumed = run(validate_recipe({**recipe, "output": {**recipe["output"], "dir": str(copy)}}), resume=True)
+    assert resumed.steps == 14
+    again_rows = read_jsonl(copy / "metrics.jsonl")
+    again = {r["step"]: r["loss"] for r in again_rows if "loss" in r}
+    assert sorted(again) == sorted(losses)
+    for step in losses:
+        assert again[step] == pytest.approx(losses[step], rel=1e-6), f"step {step}"
+    assert [e["step"] for e in again_rows if e.get("event") == "batch_changed"] == [e["step"] for e in events]
+
+
+def test_a_layerwise_optimizer_accumulates_over_the_group(tmp_path, tiny_model_dir, forced_ramp, monkeypatch):
+    """It would update inside each backward: the engine starts it at accumulation 2 (so the step can be
+    measured) and keeps its steps_per_update equal to the group, ramping to 4."""
+    from finetune.optim import layerwise_of
+    from finetune.train.batch_engine import BatchEngineTrainer
+
+    seen = []
+    decide = BatchEngineTrainer._decide
+
+    def spy(self):
+        decide(self)
+        seen.append((self.accumulation, layerwise_of(self.optimizer).steps_per_update))
+
+    monkeypatch.setattr(BatchEngineTrainer, "_decide", spy)
+    recipe = _recipe(tmp_path, tiny_model_dir, "layerwise", effective_batch_size="auto", max_steps=12)
+    result = run(validate_recipe({**recipe, "optimizer": {"layerwise": True}}))
+    assert result.state == "completed" and seen[0] == (2, 2) and seen[-1] == (4, 4)
+    assert all(accumulation == steps for accumulation, steps in seen)
+    events = [r for r in read_jsonl(result.run_dir / "metrics.jsonl") if r.get("event") == "batch_changed"]
+    assert [e["to"]["gradient_accumulation_steps"] for e in events] == [4]
+
+
+def test_out_of_memory_inside_a_group_redoes_the_whole_group(tmp_path, tiny_model_dir, forced_ramp, monkeypatch):
+    """The group's earlier loader batches are run again with the cheaper settings: the losses stay those of
+    the run that never ran out of memory."""
+    from finetune.train.recovery import FAULT_ENV
+
+    recipe = _recipe(tmp_path, tiny_model_dir, "plain", effective_batch_size="auto", max_steps=10)
+    plain = run(validate_recipe(recipe))
+    monkeypatch.setenv(FAULT_ENV, "8")  # accumulation is 4 from step 7 on: step 8 is inside a group
+    recovered = run(validate_recipe({**recipe, "output": {**recipe["output"], "dir": str(tmp_path / "oom")}}))
+    monkeypatch.delenv(FAULT_ENV)
+    rows = read_jsonl(recovered.run_dir / "metrics.jsonl")
+    assert [r["to"] for r in rows if r.get("event") == "oom_recovered"] == \
+        [{"micro_batch_size": 1, "gradient_accumulation_steps": 2}]
+    expected = {r["step"]: r["loss"] for r in read_jsonl(plain.run_dir / "metrics.jsonl") if "loss" in r}
+    got = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    assert sorted(got) == sorted(expected)
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], rel=1e-5), f"step {step}"
