@@ -92,7 +92,9 @@ def _only_rank_zero_wrote(run_dir: Path, processes: int) -> None:
     rd = RunDir(run_dir)
     log = rd.log.read_text()
     assert log.count("run started") == 1 and log.count("run completed") == 1
-    assert [r["step"] for r in rd.read_metrics()] == [1, 2, 3, 4]  # one row per step, not one per process
+    rows = rd.read_metrics()
+    assert [r["step"] for r in rows if "event" not in r] == [1, 2, 3, 4]  # one row per step, not per process
+    assert [r["step"] for r in rows if r.get("event") == "checkpoint_saved"] == [2, 4]  # one per checkpoint
     assert rd.read_status()["state"] == "completed"
     assert rd.has_adapter() and not (rd.adapter / "training_args.bin").exists()
     assert yaml.safe_load(rd.recipe.read_text())["distributed"]["gpus"] == processes

@@ -8,8 +8,8 @@ The rules (README "Batch size from the gradient noise scale"; sources in docs/ba
 - beta2_new = beta2 ** (B / B_ref): the second moment's half-life stays fixed in tokens (Marek et al.,
   "Small Batch Size Training for Language Models").
 
-B counts sequences per optimizer step (micro_batch_size x gradient_accumulation_steps). Torch-free: the
-schema's checks, `finetune plan` and `finetune run` use the same function.
+B counts sequences per optimizer step (micro_batch_size x gradient_accumulation_steps x distributed.gpus).
+Torch-free: the schema's checks, `finetune plan` and `finetune run` use the same function.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def reference_batch(recipe: Recipe) -> int | None:
     if isinstance(t.effective_batch_size, int):
         return t.effective_batch_size
     if isinstance(t.micro_batch_size, int) and isinstance(t.gradient_accumulation_steps, int):
-        return t.micro_batch_size * t.gradient_accumulation_steps
+        return t.micro_batch_size * t.gradient_accumulation_steps * recipe.distributed.gpus
     return None
 
 
@@ -84,7 +84,7 @@ def apply_batch_rules(recipe: Recipe, reference: int | None) -> tuple[Recipe, Ba
     effective batch, tuned at `reference` (reference_batch(recipe) before the planner resolved it). The copy
     names its own batch as reference_batch_size, so its recipe.yaml is rescaled only once."""
     t = recipe.training
-    batch = int(t.micro_batch_size) * int(t.gradient_accumulation_steps)
+    batch = int(t.micro_batch_size) * int(t.gradient_accumulation_steps) * recipe.distributed.gpus
     if reference is None or reference == batch:
         return recipe, None
     rule = scale_for_batch(t.learning_rate, recipe.optimizer.betas, recipe.optimizer.name, reference, batch)

@@ -74,8 +74,9 @@ class MetricsCallback(TrainerCallback):
                               **self.status_fields)
 
     def on_save(self, args, state, control, **kwargs):
-        """An event row, so the curves can mark where a checkpoint was saved."""
-        self.run.append_metrics({"event": "checkpoint_saved", "step": state.global_step})
+        """An event row, so the curves can mark where a checkpoint was saved (rank 0 alone writes)."""
+        if state.is_world_process_zero:
+            self.run.append_metrics({"event": "checkpoint_saved", "step": state.global_step})
 
     def _eta(self, state) -> float | None:
         done = state.global_step - (self._first_step or 0)
