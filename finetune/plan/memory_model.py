@@ -89,6 +89,8 @@ class ModelSpec:
     offload_min_size: int = 1 << 20
     recompute_norms: bool = True
     tiled_mlp_tokens: int = 1024
+    objective: str = "sft"  # or a preference method (finetune.memory.preference.PreferenceLoss.objective)
+    rows_per_example: int = 1  # sequences per example: 2 for chosen + rejected pairs
 
 
 def _block(settings: Settings) -> int:
@@ -106,7 +108,8 @@ def _traces(spec: ModelSpec, settings: Settings) -> tuple[Trace, Trace]:
     la, lb = _layer_counts(spec, settings)
     every = settings.checkpoint_every_n_layers if settings.activation_checkpointing else 0
     args = (spec.config, spec.adapter, spec.dtype, spec.attn, spec.device, 1, spec.seq_len)
-    layer = (settings.bits == 8, spec.recompute_norms, spec.tiled_mlp_tokens if settings.tiled_mlp else 0)
+    layer = (settings.bits == 8, spec.recompute_norms, spec.tiled_mlp_tokens if settings.tiled_mlp else 0,
+             spec.objective)
     return trace_step(*args, la, every, *layer), trace_step(*args, lb, every, *layer)
 
 
@@ -170,7 +173,7 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
     # the forward kernel is fused). 8-bit is emulated inside the trace.
     dequant = largest_quant * spec.dtype.itemsize if settings.bits == 4 else 0
 
-    tokens = mb * spec.seq_len
+    tokens = mb * spec.seq_len * spec.rows_per_example
     vocab = spec.config.get_text_config().vocab_size
     logits_keep = min(1.0, default_chunk_size(vocab) / tokens) if settings.chunked_loss else 1.0
     hidden_bytes = tokens * spec.hidden_size * spec.dtype.itemsize

@@ -15,6 +15,7 @@ import torch
 from finetune.errors import FinetuneError
 from finetune.memory.bandwidth import transfer_bandwidth
 from finetune.memory.offload import offload_dir_for
+from finetune.memory.preference import PreferenceLoss
 from finetune.plan.cost_model import tokens_per_second
 from finetune.plan.memory_model import ModelSpec, memory_floor, predict_memory
 from finetune.plan.shapes import (
@@ -136,13 +137,15 @@ def _choices(recipe: Recipe, spec: ModelSpec) -> list[Settings]:
 
 def model_spec(recipe: Recipe, config: Any, device: str) -> ModelSpec:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    loss = PreferenceLoss.of(recipe.training)
     return ModelSpec(
         config=config, adapter=recipe.adapter, dtype=target_dtype(recipe, device),
         attn=model_facts(config, recipe.model.attn_implementation)[1], device=device, seq_len=recipe.data.max_seq_len,
         num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
         optimizer=recipe.optimizer, double_quant=recipe.quantization.double_quant,
         offload_min_size=recipe.memory.offload_min_size, recompute_norms=recipe.memory.recompute_norms,
-        tiled_mlp_tokens=recipe.memory.tiled_mlp_tokens)
+        tiled_mlp_tokens=recipe.memory.tiled_mlp_tokens, objective="sft" if loss is None else loss.objective,
+        rows_per_example=1 if loss is None else loss.rows_per_example)
 
 
 def free_disk_bytes(path: Path) -> int:

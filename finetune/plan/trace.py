@@ -22,6 +22,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from finetune.memory.layer_recompute import apply_layer_recompute
+from finetune.memory.preference import PreferenceLoss, synthetic_batch
 from finetune.memory.step import enable_checkpointing, forward_backward
 from finetune.memory.tracker import MemoryTracker
 from finetune.model.adapter import apply_adapter
@@ -163,11 +164,13 @@ def _meta_model(config_json: str, model_type: str, adapter_json: str, dtype: str
 
 
 def _direct_trace(key: tuple[str, str, str, str], attn: str, micro_batch: int, seq_len: int, layers: int,
-                  checkpoint_every: int, int8: bool, recompute_norms: bool, mlp_tokens: int) -> Trace:
+                  checkpoint_every: int, int8: bool, recompute_norms: bool, mlp_tokens: int,
+                  objective: str = "sft") -> Trace:
     """Run the training step's forward_backward on a meta model under the tracker."""
     model = _meta_model(*key, attn, layers, checkpoint_every > 0, recompute_norms, mlp_tokens)
     config = model.config
-    ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
+    preference = PreferenceLoss.of_objective(objective)
+    batch = synthetic_batch(preference, micro_batch, seq_len, config.get_text_config().vocab_size, "meta")
     if int8:
         for name, module in model.named_modules():
             if _quantizable(name, module):
@@ -179,8 +182,8 @@ def _direct_trace(key: tuple[str, str, str, str], attn: str, micro_batch: int, s
     handles = _layer_windows(model, tracker)
     try:
         with _MetaKernels(), tracker:
-            forward_backward(model, {"input_ids": ids, "labels": ids}, backward=_backward, tracker=tracker,
-                             backward_window="bwd_head")
+            forward_backward(model, batch, backward=_backward, tracker=tracker, backward_window="bwd_head",
+                             preference=preference)
     finally:
         tracker.remove_hooks()
         for handle in handles:
@@ -218,9 +221,11 @@ def _params_cached(config_json: str, model_type: str, adapter_json: str, dtype: 
 @functools.lru_cache(maxsize=512)
 def _trace_cached(config_json: str, model_type: str, adapter_json: str, dtype: str, attn: str, device: str,
                   micro_batch: int, seq_len: int, layers: int, checkpoint_every: int, int8: bool, recompute_norms: bool,
-                  mlp_tokens: int) -> Trace:
+                  mlp_tokens: int, objective: str) -> Trace:
     key = (config_json, model_type, adapter_json, dtype)
     args = (attn, micro_batch, seq_len, layers, checkpoint_every, int8, recompute_norms, mlp_tokens)
+    if objective != "sft":  # sft traces keep their cache key
+        args = (*args, objective)
     return trace_cache.cached("trace", [*key, device, *args], lambda: _direct_trace(key, *args), _encode_trace,
                               _decode_trace)
 
@@ -269,14 +274,15 @@ def model_facts(config: Any, attn_choice: str) -> tuple[ModelShapes, str]:
 
 def trace_step(config: Any, adapter: AdapterConfig, dtype: torch.dtype, attn: str, device: str, micro_batch: int,
                seq_len: int, layers: int, checkpoint_every: int, int8: bool = False, recompute_norms: bool = False,
-               mlp_tokens: int = 0) -> Trace:
+               mlp_tokens: int = 0, objective: str = "sft") -> Trace:
     """Trace one forward+backward of `config` cut to `layers` layers (checkpoint_every 0 = no checkpointing).
 
     int8: frozen decoder Linear layers behave like bitsandbytes LLM.int8 layers (see `_Int8LikeLinear`).
     recompute_norms, mlp_tokens: `finetune.memory.layer_recompute` as the run applies it (0 = no tiled MLP).
+    objective: sft, or a preference loss's `objective` (micro_batch then counts examples: pairs for dpo/orpo).
     """
     return _trace_cached(*model_key(config, adapter, dtype), attn, device, micro_batch, seq_len, layers,
-                         checkpoint_every, int8, recompute_norms, mlp_tokens)
+                         checkpoint_every, int8, recompute_norms, mlp_tokens, objective)
 
 
 def param_table_of(key: tuple[str, str, str, str], layers: int) -> tuple[ParamInfo, ...]:

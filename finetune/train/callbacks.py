@@ -16,6 +16,7 @@ from rich.progress import (
 from transformers import TrainerCallback
 
 from finetune.console import console
+from finetune.memory.preference import METRIC_PREFIXES
 from finetune.rundir import RunDir
 
 
@@ -52,6 +53,7 @@ class MetricsCallback(TrainerCallback):
                 # PeakMemoryCallback runs first: CUDA's allocator peak, or the CPU tensor tracker's.
                 peak_memory_bytes=logs.get("peak_memory_bytes"),
             )
+            row.update({k: v for k, v in logs.items() if k.startswith(METRIC_PREFIXES)})  # preference methods
             self._last_time, self._last_tokens = now, tokens
         else:
             return  # the end-of-training summary goes to results.json instead

@@ -1,4 +1,5 @@
-"""Plots people would rather see than read: the loss and learning-rate curves of a run."""
+"""Plots people would rather see than read: the loss and learning-rate curves of a run, and for preference
+methods (dpo, orpo, kto) the reward margin and accuracy of chosen over rejected below them."""
 
 from __future__ import annotations
 
@@ -19,7 +20,12 @@ def plot_loss_curve(run: RunDir) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    rewards = [r for r in rows if "rewards/margins" in r or "eval_rewards/margins" in r]
+    if rewards:
+        fig, (ax, reward_ax) = plt.subplots(2, 1, figsize=(7, 7), dpi=100, sharex=True)
+        _plot_rewards(reward_ax, rewards)
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", color="tab:blue")
     evals = [r for r in rows if "eval_loss" in r]
     if evals:
@@ -40,3 +46,23 @@ def plot_loss_curve(run: RunDir) -> Path | None:
     plt.close(fig)
     tmp.replace(out_path)
     return out_path
+
+
+def _plot_rewards(ax, rows: list[dict]) -> None:
+    """Reward margin (chosen minus rejected) and accuracy (chosen above rejected), train and eval."""
+    for prefix, style, color in (("", "-", "tab:green"), ("eval_", "o-", "tab:red")):
+        points = [r for r in rows if f"{prefix}rewards/margins" in r]
+        if points:
+            ax.plot([r["step"] for r in points], [r[f"{prefix}rewards/margins"] for r in points], style, color=color,
+                    label=f"{prefix or 'train '}reward margin".replace("_", " "))
+    ax.axhline(0, color="black", linewidth=0.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward margin")
+    accuracy = [r for r in rows if "rewards/accuracies" in r]
+    if accuracy:
+        acc_ax = ax.twinx()
+        acc_ax.plot([r["step"] for r in accuracy], [r["rewards/accuracies"] for r in accuracy], color="tab:gray",
+                    alpha=0.5, linestyle="--", label="accuracy")
+        acc_ax.set_ylim(0, 1)
+        acc_ax.set_ylabel("chosen > rejected")
+    ax.legend(loc="upper left")

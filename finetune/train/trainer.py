@@ -14,7 +14,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from finetune.errors import FinetuneError
 from finetune.memory.offload import ActivationOffload
-from finetune.memory.step import forward_backward, mixed_precision
+from finetune.memory.preference import PreferenceLoss, metric_means
+from finetune.memory.step import compute_loss, forward_backward, mixed_precision
 from finetune.optim import build_optimizer, layerwise_of, register_safe_globals
 from finetune.recipe.schema import Recipe
 from finetune.train.checkpoints import checkpoint_fault, numbered, publish, stage
@@ -115,6 +116,8 @@ class FinetuneTrainer(Trainer):
     def __init__(self, *args, recipe: Recipe, offload: ActivationOffload | None = None, **kwargs):
         self.recipe = recipe
         self.offload = offload
+        self.preference = PreferenceLoss.of(recipe.training)  # None for sft
+        self._preference_metrics: dict[str, dict] = {"train": {}, "eval": {}}  # summed until logged
         self._loss_finite: torch.Tensor | None = None  # all micro-batch losses of this step finite (no sync)
         register_safe_globals()  # checkpoints hold GaLore/APOLLO projectors; resume loads with weights_only
         super().__init__(*args, **kwargs)
@@ -129,10 +132,35 @@ class FinetuneTrainer(Trainer):
             model, self._prepare_inputs(inputs), accumulation=self.current_gradient_accumulation_steps,
             num_items_in_batch=num_items_in_batch if self.model_accepts_loss_kwargs else None,
             chunked_loss=self.recipe.memory.chunked_loss is True and "labels" in inputs, autocast=self.accelerator.autocast, offload=self.offload,
-            backward=self.accelerator.backward)
+            backward=self.accelerator.backward, preference=self.preference,
+            metrics=self._preference_metrics["train"])
         finite = torch.isfinite(loss).all()
         self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
         return loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Evaluation of a preference method: its loss, with rewards and margins kept for the eval log."""
+        if self.preference is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        with torch.no_grad(), self.accelerator.autocast():
+            loss = compute_loss(model, self._prepare_inputs(inputs), chunked_loss=self.recipe.memory.chunked_loss is True,
+                                preference=self.preference, metrics=self._preference_metrics["eval"])
+        return loss.detach(), None, None
+
+    def evaluation_loop(self, *args, metric_key_prefix: str = "eval", **kwargs):
+        """Preference runs: the evaluation's rewards, margins and accuracy join its metrics (and its log)."""
+        output = super().evaluation_loop(*args, metric_key_prefix=metric_key_prefix, **kwargs)
+        if self.preference is not None:
+            output.metrics.update(metric_means(self._preference_metrics["eval"], f"{metric_key_prefix}_"))
+            self._preference_metrics["eval"] = {}
+        return output
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Preference runs also log rewards, margins and accuracy (means since the last training log)."""
+        if self.preference is not None and "loss" in logs:
+            logs = {**logs, **metric_means(self._preference_metrics["train"])}
+            self._preference_metrics["train"] = {}
+        super().log(logs, start_time)
 
     def create_optimizer(self, model=None):
         """Every optimizer of the recipe (APOLLO, GaLore, 8-bit, layer-wise...) comes from finetune.optim."""
