@@ -115,7 +115,10 @@ def sequence_logps(model: torch.nn.Module, inputs: Mapping[str, Any],
         return logps.sum(-1), counts
     decoder, head, softcap, vocab = head_of(model)
     hidden = decoder(**inputs)[0]
-    flat = mask.reshape(-1).nonzero().squeeze(1)  # answer tokens only: one host sync per step
+    if mask.is_meta:  # the planner's trace: every position of its full-length batch is an answer token
+        flat = torch.arange(mask.numel(), device=mask.device)
+    else:
+        flat = mask.reshape(-1).nonzero().squeeze(1)  # answer tokens only: one host sync per step
     rows = flat // labels.shape[-1]
     hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat)
     targets = labels.reshape(-1).index_select(0, flat)

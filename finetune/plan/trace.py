@@ -165,7 +165,7 @@ def _meta_model(config_json: str, model_type: str, adapter_json: str, dtype: str
 
 def _direct_trace(key: tuple[str, str, str, str], attn: str, micro_batch: int, seq_len: int, layers: int,
                   checkpoint_every: int, int8: bool, recompute_norms: bool, mlp_tokens: int,
-                  objective: str = "sft") -> Trace:
+                  objective: str = "sft", chunked_loss: bool = False) -> Trace:
     """Run the training step's forward_backward on a meta model under the tracker."""
     model = _meta_model(*key, attn, layers, checkpoint_every > 0, recompute_norms, mlp_tokens)
     config = model.config
@@ -183,7 +183,7 @@ def _direct_trace(key: tuple[str, str, str, str], attn: str, micro_batch: int, s
     try:
         with _MetaKernels(), tracker:
             forward_backward(model, batch, backward=_backward, tracker=tracker, backward_window="bwd_head",
-                             preference=preference)
+                             preference=preference, chunked_loss=chunked_loss)
     finally:
         tracker.remove_hooks()
         for handle in handles:
@@ -221,11 +221,11 @@ def _params_cached(config_json: str, model_type: str, adapter_json: str, dtype: 
 @functools.lru_cache(maxsize=512)
 def _trace_cached(config_json: str, model_type: str, adapter_json: str, dtype: str, attn: str, device: str,
                   micro_batch: int, seq_len: int, layers: int, checkpoint_every: int, int8: bool, recompute_norms: bool,
-                  mlp_tokens: int, objective: str) -> Trace:
+                  mlp_tokens: int, objective: str, chunked_loss: bool) -> Trace:
     key = (config_json, model_type, adapter_json, dtype)
     args = (attn, micro_batch, seq_len, layers, checkpoint_every, int8, recompute_norms, mlp_tokens)
     if objective != "sft":  # sft traces keep their cache key
-        args = (*args, objective)
+        args = (*args, objective, chunked_loss)
     return trace_cache.cached("trace", [*key, device, *args], lambda: _direct_trace(key, *args), _encode_trace,
                               _decode_trace)
 
@@ -274,15 +274,18 @@ def model_facts(config: Any, attn_choice: str) -> tuple[ModelShapes, str]:
 
 def trace_step(config: Any, adapter: AdapterConfig, dtype: torch.dtype, attn: str, device: str, micro_batch: int,
                seq_len: int, layers: int, checkpoint_every: int, int8: bool = False, recompute_norms: bool = False,
-               mlp_tokens: int = 0, objective: str = "sft") -> Trace:
+               mlp_tokens: int = 0, objective: str = "sft", chunked_loss: bool = False) -> Trace:
     """Trace one forward+backward of `config` cut to `layers` layers (checkpoint_every 0 = no checkpointing).
 
     int8: frozen decoder Linear layers behave like bitsandbytes LLM.int8 layers (see `_Int8LikeLinear`).
     recompute_norms, mlp_tokens: `finetune.memory.layer_recompute` as the run applies it (0 = no tiled MLP).
-    objective: sft, or a preference loss's `objective` (micro_batch then counts examples: pairs for dpo/orpo).
+    objective: sft, or a preference loss's `objective` (micro_batch then counts examples: pairs for dpo/orpo);
+    a preference step is traced with its real chunked log-probabilities (chunked_loss), an sft step always
+    with full logits (the memory model scales them for chunked loss).
     """
     return _trace_cached(*model_key(config, adapter, dtype), attn, device, micro_batch, seq_len, layers,
-                         checkpoint_every, int8, recompute_norms, mlp_tokens, objective)
+                         checkpoint_every, int8, recompute_norms, mlp_tokens, objective,
+                         chunked_loss and objective != "sft")
 
 
 def param_table_of(key: tuple[str, str, str, str], layers: int) -> tuple[ParamInfo, ...]:
