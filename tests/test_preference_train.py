@@ -132,3 +132,26 @@ def test_resume_is_exact(tmp_path, tiny_model_dir):
     for step in range(4, 7):
         for key in ("loss", "rewards/margins"):
             assert rows[step][key] == pytest.approx(reference[step][key], rel=1e-5, abs=1e-7), (step, key)
+
+
+def test_generate_compare_shows_base_sft_and_dpo_side_by_side(tmp_path, tiny_model_dir, capsys):
+    from finetune import api
+    from finetune.cli import main
+
+    sft_data = tmp_path / "sft.jsonl"
+    sft_data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"Say {c}."},
+                                                           {"role": "assistant", "content": f"{c}!"}]})
+                                  for c in COLOURS) + "\n")
+    sft = run(_recipe(tmp_path, tiny_model_dir, "sft", training={"method": "sft", "max_steps": 3},
+                      data={"path": str(sft_data), "validation_split": 0.0}))
+    dpo = run(_recipe(tmp_path, tiny_model_dir, "dpo", training={"max_steps": 3}, data={"validation_split": 0.0}))
+    answers = api.compare_runs([sft.run_dir, dpo.run_dir], "Say red.", max_new_tokens=6)
+    assert [name for name, _ in answers] == ["base model", "sft", "dpo"]
+    assert answers[0][1] == api.generate(dpo.run_dir, "Say red.", max_new_tokens=6, use_adapter=False)
+    assert answers[1][1] == api.generate(sft.run_dir, "Say red.", max_new_tokens=6)
+    assert answers[2][1] == api.generate(dpo.run_dir, "Say red.", max_new_tokens=6)
+    capsys.readouterr()
+    assert main(["generate", str(dpo.run_dir), "--compare", str(sft.run_dir), "--prompt", "Say red.",
+                 "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "base model" in out and "sft" in out and "dpo" in out
