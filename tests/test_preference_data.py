@@ -138,3 +138,15 @@ def test_preview_shows_chosen_and_rejected_loss_tokens(tmp_path, tiny_tokenizer)
     assert "".join(t for t, loss in shown["tokens"] if loss).startswith("An apple.")
     assert "".join(t for t, loss in shown["rejected_tokens"] if loss).startswith("A chair.")
     assert not any(loss for t, loss in shown["tokens"] if "fruit" in t)
+
+
+def test_ui_preview_colours_chosen_and_rejected_loss_tokens(tmp_path, tiny_tokenizer):
+    from ui.tabs.data import CHOSEN, GOOD, REJECTED, highlighted
+
+    pair, = preview(DataConfig(path=str(_jsonl(tmp_path, [STRING_PAIR]))), tiny_tokenizer, n=1)
+    shown = highlighted(pair)
+    assert "".join(t for t, c in shown if c == CHOSEN).startswith("An apple.")
+    assert "".join(t for t, c in shown if c == REJECTED).startswith("A chair.")
+    assert [c for _, c in shown].index(REJECTED) > [t for t, _ in shown].index("\n\n── rejected ──\n\n")
+    good, = preview(DataConfig(path=str(_jsonl(tmp_path, KTO[:1], "k.jsonl"))), tiny_tokenizer, n=1)
+    assert "".join(t for t, c in highlighted(good) if c == GOOD).startswith("4")
