@@ -103,7 +103,6 @@ def test_dpo_raises_the_held_out_margin_and_logs_rewards(tmp_path, tiny_model_di
 @pytest.mark.parametrize("training", [
     pytest.param({"method": "orpo", "beta": 0.5}, id="orpo"),
     pytest.param({"method": "kto"}, id="kto-from-pairs"),
-    pytest.param({"method": "dpo", "loss_type": "ipo"}, id="ipo"),
 ])
 def test_other_methods_train_with_layerwise_optimizer(tmp_path, tiny_model_dir, training):
     """Checkpointing and a layer-wise optimizer (updates inside backward) with each preference loss."""
@@ -155,3 +154,22 @@ def test_generate_compare_shows_base_sft_and_dpo_side_by_side(tmp_path, tiny_mod
                  "--max-new-tokens", "6"]) == 0
     out = capsys.readouterr().out
     assert "base model" in out and "sft" in out and "dpo" in out
+
+
+def test_orpo_term_matches_trl():
+    from types import SimpleNamespace
+
+    from trl.experimental.orpo.orpo_trainer import ORPOTrainer
+
+    from finetune.memory.preference import PreferenceLoss, _orpo
+
+    torch.manual_seed(0)
+    counts_c, counts_r = torch.tensor([5, 9, 3]), torch.tensor([7, 2, 4])
+    pc, pr = -torch.rand(3) * counts_c, -torch.rand(3) * 2 * counts_r
+    fake = SimpleNamespace(beta=0.3, accelerator=SimpleNamespace(device="cpu"))
+    terms, chosen, rejected, *_ = ORPOTrainer.odds_ratio_loss(fake, pc / counts_c, pr / counts_r)
+    loss, stats = _orpo(PreferenceLoss("orpo", beta=0.3), pc, pr, None, None, counts_c, counts_r)
+    nll = -pc.sum() / counts_c.sum()
+    torch.testing.assert_close(loss, nll - terms.mean())
+    torch.testing.assert_close(stats["rewards/chosen"][0], chosen.sum())
+    torch.testing.assert_close(stats["rewards/rejected"][0], rejected.sum())
