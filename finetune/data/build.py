@@ -68,7 +68,7 @@ class _Prepared:
         return [self.text] if self.chat is None else [self.chat[0]] + ([self.rejected[0]] if self.rejected else [])
 
 
-Example_ = list[Encoded]  # an example's sequences: one, or chosen and rejected
+Sequences = list[Encoded]  # an example's sequences: one, or chosen and rejected
 
 
 def data_kind(method: str) -> str:
@@ -150,7 +150,7 @@ def _unpair(items: list[_Prepared]) -> list[_Prepared]:
             for chat, good in ((p.chat, True), (p.rejected, False))]
 
 
-def _tokens(fitted: list[tuple[_Prepared, Example_]]) -> int:
+def _tokens(fitted: list[tuple[_Prepared, Sequences]]) -> int:
     return sum(len(ids) for _, parts in fitted for ids, _ in parts)
 
 
@@ -263,7 +263,7 @@ def _split(path: str, items: list[_Prepared], fraction: float, seed: int) -> tup
     return ([x for i, x in enumerate(items) if i not in held], [x for i, x in enumerate(items) if i in held])
 
 
-def _tokenize(items: list[_Prepared], tokenizer: Any, encoder: ChatEncoder | None, max_seq_len: int) -> list[Example_]:
+def _tokenize(items: list[_Prepared], tokenizer: Any, encoder: ChatEncoder | None, max_seq_len: int) -> list[Sequences]:
     """Each item's sequences (one, or chosen and rejected), tokenized in one batch."""
     if encoder is None:
         return [[e] for e in encode_text(tokenizer, [x.text for x in items], max_seq_len)]
@@ -285,8 +285,8 @@ class _Dropped:
     no_loss: list[str] = field(default_factory=list)
 
 
-def _fit(items: list[_Prepared], examples: list[Example_], cfg: DataConfig,
-         dropped: _Dropped) -> list[tuple[_Prepared, Example_]]:
+def _fit(items: list[_Prepared], examples: list[Sequences], cfg: DataConfig,
+         dropped: _Dropped) -> list[tuple[_Prepared, Sequences]]:
     """Apply data.overlong and drop examples without loss tokens, recording both in `dropped`; a preference
     pair is cut, dropped or kept whole."""
     kept = []
@@ -307,7 +307,7 @@ def _fit(items: list[_Prepared], examples: list[Example_], cfg: DataConfig,
     return kept
 
 
-def _dataset(fitted: list[tuple[_Prepared, Example_]], cfg: DataConfig, kind: str) -> Any:
+def _dataset(fitted: list[tuple[_Prepared, Sequences]], cfg: DataConfig, kind: str) -> Any:
     import datasets
 
     from finetune.data.packing import pack
