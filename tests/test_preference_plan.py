@@ -84,12 +84,12 @@ def test_plan_matches_the_real_run(model_dirs, tmp_path):
     from finetune.train.run import run
 
     data = tmp_path / "pairs.jsonl"
-    long = "the quick brown fox jumps over the lazy dog " * 30
+    long = "the quick brown fox jumps over the lazy dog " * 60
     data.write_text("\n".join(json.dumps({"prompt": f"q{i}", "chosen": long, "rejected": long[::-1]})
                               for i in range(8)) + "\n")
     errors = []
     for i, (method, chunked) in enumerate([("dpo", True), ("orpo", False), ("kto", True)]):
-        recipe = _recipe(model_dirs["big"], method, 128, 2, True, chunked, {
+        recipe = _recipe(model_dirs["big"], method, 256, 2, True, chunked, {
             "data.path": str(data), "training.max_steps": 2, "output.dir": str(tmp_path / f"run{i}")})
         run(recipe)
         planned = json.loads((tmp_path / f"run{i}" / "plan.json").read_text())["peak_bytes"]
