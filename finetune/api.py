@@ -283,6 +283,22 @@ def compare(run_dir: str | Path, prompt: str, *, max_new_tokens: int = 128) -> t
     return _generate(base, base_tokenizer, prompt, max_new_tokens=max_new_tokens), tuned
 
 
+def compare_runs(run_dirs: list[str | Path], prompt: str, *,
+                 max_new_tokens: int = 128) -> list[tuple[str, str]]:
+    """[(name, answer)]: the base model's answer, then each run's (named by its folder; e.g. an SFT run, then a
+    DPO run trained after it), all from one loaded base with the runs' LoRA adapters switched in turn."""
+    from finetune.model.trained import generate as _generate
+    from finetune.model.trained import load_adapters
+
+    model, tokenizer, names = load_adapters(list(run_dirs))
+    with model.disable_adapter():
+        answers = [("base model", _generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens))]
+    for name, run_dir in zip(names, run_dirs, strict=True):
+        model.set_adapter(name)
+        answers.append((Path(run_dir).name, _generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens)))
+    return answers
+
+
 def export(run_dir: str | Path, out_dir: str | Path, progress: Callable[[str], None] = lambda line: None) -> Path:
     """Merge the run's adapter into its base model and save it as safetensors; `progress` gets one line per
     step ("[1/4] loading the base model: ...")."""

@@ -76,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True, help="user message; the chat template is applied")
     p.add_argument("--max-new-tokens", type=int, default=128, help="length limit of the answer")
     p.add_argument("--no-adapter", action="store_true", help="answer with the base model alone")
-    p.add_argument("--compare", action="store_true", help="print the base model's answer next to the fine-tuned one")
+    p.add_argument("--compare", nargs="*", metavar="OTHER_RUN", default=None,
+                   help="print the base model's answer next to the fine-tuned one; with other run directories "
+                        "(e.g. the SFT run a DPO run started from), their answers too, side by side")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("export", help="merge the adapter into the base and save safetensors")
@@ -175,7 +177,16 @@ def cmd_keys(args) -> int:
 def cmd_generate(args) -> int:
     from finetune import api
 
-    if args.compare:
+    if args.compare:  # other runs: base, each of them, then this run, side by side
+        answers = api.compare_runs([*args.compare, args.run_dir], args.prompt, max_new_tokens=args.max_new_tokens)
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(*(name for name, _ in answers), title=f"prompt: {escape(args.prompt)}", show_lines=True)
+        table.add_row(*(escape(answer) for _, answer in answers))
+        Console().print(table)  # the answers are the command's output: stdout
+        return 0
+    if args.compare is not None:
         base, tuned = api.compare(args.run_dir, args.prompt, max_new_tokens=args.max_new_tokens)
         print(f"prompt:     {args.prompt}\nbase model: {base}\nfine-tuned: {tuned}")
         return 0

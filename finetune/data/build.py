@@ -7,6 +7,12 @@ tokenized, cut or dropped for length (`overlong`), so the split does not depend 
 Malformed records (each problem names its file and line or record) stop the build with on_bad_record: error,
 or are skipped and counted. So are records left with no loss token (no assistant turn, or an answer that
 starts after max_seq_len): they would train on nothing. The stats name the first few of both.
+
+Preference data (training.method dpo, orpo, kto): each record becomes one example of two sequences (chosen,
+rejected; columns `chosen_input_ids`, `chosen_labels`, `rejected_*`) or of one sequence with a `kto_label`;
+only the answers carry loss. A pair is cut or dropped whole when either sequence is longer than max_seq_len,
+and dropped when either keeps no loss token. For kto, pairs are split into a good and a bad example (as TRL
+does).
 """
 
 from __future__ import annotations
@@ -19,8 +25,11 @@ from typing import Any
 from finetune.data.chat import IGNORE_INDEX, ChatEncoder, Encoded, encode_text, resolve_template
 from finetune.data.formats import (
     FORMATS,
+    PAIR_FORMATS,
+    PREFERENCE_FORMATS,
     Chat,
     Example,
+    Preference,
     RecordError,
     detect_format,
     normalize,
@@ -38,7 +47,7 @@ NAMED_IN_STATS = 3  # locations of skipped and no-loss records named in the data
 class DataBundle:
     """What training needs from the data: datasets, a collator and counts for logs and the planner."""
 
-    train: Any  # datasets.Dataset: input_ids, labels (+ position_ids when packed)
+    train: Any  # datasets.Dataset: input_ids, labels (+ position_ids when packed; preference: see above)
     eval: Any | None
     stats: dict[str, Any]
     collator: Callable[[list[dict[str, Any]]], dict[str, Any]]
@@ -46,17 +55,33 @@ class DataBundle:
 
 @dataclass
 class _Prepared:
-    """A record ready to tokenize: rendered chat (text, loss spans) or raw text."""
+    """A record ready to tokenize: rendered chat (text, loss spans) or raw text; a preference record has a
+    second rendered chat (`rejected`) or a `label` (kto)."""
 
     where: str
     chat: tuple[str, list[tuple[int, int]]] | None = None
     text: str | None = None
+    rejected: tuple[str, list[tuple[int, int]]] | None = None
+    label: bool | None = None
+
+    def texts(self) -> list[str]:
+        return [self.text] if self.chat is None else [self.chat[0]] + ([self.rejected[0]] if self.rejected else [])
 
 
-def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int) -> DataBundle:
-    """Read, check, tokenize, mask, split and optionally pack the dataset described by `cfg`."""
+Sequences = list[Encoded]  # an example's sequences: one, or chosen and rejected
+
+
+def data_kind(method: str) -> str:
+    """What examples a training method needs: sft (sequences), pair (chosen + rejected), kto (labelled)."""
+    return {"dpo": "pair", "orpo": "pair", "kto": "kto"}.get(method, "sft")
+
+
+def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sft") -> DataBundle:
+    """Read, check, tokenize, mask, split and optionally pack the dataset described by `cfg`, for training
+    method `method` (sft, or a preference method: dpo, orpo, kto)."""
     read = read_records(cfg.path)
     fmt = _format(cfg, read.records)
+    _check_method(cfg, fmt, method)
     records = _sample(read.records, cfg.max_samples, seed)
     encoder = _encoder(cfg, tokenizer, fmt)
     prepared, problems = _prepare(records, fmt, cfg, encoder)
@@ -67,6 +92,8 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int) -> DataBundle:
         raise DataError(f"{cfg.path}: no usable records ({len(problems)} malformed were skipped)",
                         problems=_listed(problems))
     train_part, eval_part = _split(cfg.path, prepared, cfg.validation_split, seed)
+    if data_kind(method) == "kto" and fmt in PAIR_FORMATS:  # split by record, then unpair
+        train_part, eval_part = _unpair(train_part), _unpair(eval_part)
     dropped = _Dropped()
     train = _fit(train_part, _tokenize(train_part, tokenizer, encoder, cfg.max_seq_len), cfg, dropped)
     evaluation = _fit(eval_part, _tokenize(eval_part, tokenizer, encoder, cfg.max_seq_len), cfg, dropped)
@@ -89,22 +116,50 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int) -> DataBundle:
             hint="raise data.max_seq_len, use data.overlong: truncate, or check that records have answers")
     stats.update(
         train_examples=len(train), eval_examples=len(evaluation),
-        train_tokens=sum(len(ids) for ids, _ in train), eval_tokens=sum(len(ids) for ids, _ in evaluation),
-        loss_tokens=sum(_loss_count(labels) for _, labels in train),
-        max_example_tokens=max(len(ids) for ids, _ in train),
+        train_tokens=_tokens(train), eval_tokens=_tokens(evaluation),
+        loss_tokens=sum(_loss_count(labels) for _, parts in train for _, labels in parts),
+        max_example_tokens=max(len(ids) for _, parts in train for ids, _ in parts),
     )
-    train_ds, eval_ds = _dataset(train, cfg), _dataset(evaluation, cfg) if evaluation else None
+    kind = data_kind(method)
+    train_ds = _dataset(train, cfg, kind)
+    eval_ds = _dataset(evaluation, cfg, kind) if evaluation else None
     stats.update(train_sequences=len(train_ds), eval_sequences=len(eval_ds) if eval_ds is not None else 0)
     from finetune.data.packing import make_collator  # imports TRL's trainer stack: only when building
 
-    return DataBundle(train_ds, eval_ds, stats, make_collator(tokenizer, cfg.packing))
+    return DataBundle(train_ds, eval_ds, stats, make_collator(tokenizer, cfg.packing, kind))
+
+
+def _check_method(cfg: DataConfig, fmt: str, method: str) -> None:
+    """Preference methods need preference data (dpo and orpo: pairs; kto: labelled answers, or pairs)."""
+    kind = data_kind(method)
+    if kind == "sft" and fmt in PREFERENCE_FORMATS:
+        raise DataError(f"{cfg.path}: the records are preference data (format {fmt}), but training.method is sft",
+                        hint="set training.method: dpo, orpo or kto to train on them")
+    if kind != "sft" and fmt not in PREFERENCE_FORMATS:
+        raise DataError(f"{cfg.path}: training.method {method} needs preference data, but the records are {fmt}",
+                        hint=f"give records with prompt/chosen/rejected{' or prompt/completion/label' if kind == 'kto' else ''}"
+                             " (see data.format in docs/recipe.md), or set training.method: sft")
+    if kind == "pair" and fmt not in PAIR_FORMATS:
+        raise DataError(f"{cfg.path}: training.method {method} needs chosen/rejected pairs, but the records are "
+                        f"{fmt} (one answer with a label)", hint="use training.method: kto for labelled answers")
+
+
+def _unpair(items: list[_Prepared]) -> list[_Prepared]:
+    """A pair as two kto examples: the chosen answer good, the rejected one bad."""
+    return [_Prepared(p.where, chat=chat, label=good) for p in items
+            for chat, good in ((p.chat, True), (p.rejected, False))]
+
+
+def _tokens(fitted: list[tuple[_Prepared, Sequences]]) -> int:
+    return sum(len(ids) for _, parts in fitted for ids, _ in parts)
 
 
 def preview(cfg: DataConfig, tokenizer: Any, n: int = 3) -> list[dict[str, Any]]:
     """The first n usable records as the model sees them: `tokens` is a list of (token text, has_loss).
 
-    Each dict also has `where` (file and record/line) and `truncated` (cut to data.max_seq_len). Malformed
-    records are skipped here whatever on_bad_record says, so the UI can show something.
+    Each dict also has `where` (file and record/line) and `truncated` (cut to data.max_seq_len). Preference
+    pairs add `rejected_tokens` (the rejected sequence; `tokens` is the chosen one), kto records `label`.
+    Malformed records are skipped here whatever on_bad_record says, so the UI can show something.
     """
     read = read_records(cfg.path)
     fmt = _format(cfg, read.records)
@@ -114,11 +169,17 @@ def preview(cfg: DataConfig, tokenizer: Any, n: int = 3) -> list[dict[str, Any]]
         prepared, _ = _prepare([record], fmt, cfg, encoder)
         if not prepared:
             continue
-        (ids, labels), = _tokenize(prepared, tokenizer, encoder, cfg.max_seq_len)
-        cut = len(ids) > cfg.max_seq_len
-        ids, labels = ids[: cfg.max_seq_len], labels[: cfg.max_seq_len]
-        tokens = [(tokenizer.decode([tok]), label != IGNORE_INDEX) for tok, label in zip(ids, labels, strict=True)]
-        out.append({"where": record.where, "format": fmt, "tokens": tokens, "truncated": cut})
+        parts, = _tokenize(prepared, tokenizer, encoder, cfg.max_seq_len)
+        cut = any(len(ids) > cfg.max_seq_len for ids, _ in parts)
+        shown = [[(tokenizer.decode([tok]), label != IGNORE_INDEX)
+                  for tok, label in zip(ids[: cfg.max_seq_len], labels[: cfg.max_seq_len], strict=True)]
+                 for ids, labels in parts]
+        item = {"where": record.where, "format": fmt, "tokens": shown[0], "truncated": cut}
+        if len(shown) > 1:
+            item["rejected_tokens"] = shown[1]
+        if prepared[0].label is not None:
+            item["label"] = prepared[0].label
+        out.append(item)
         if len(out) == n:
             break
     return out
@@ -154,12 +215,17 @@ def _prepare(records: Sequence[Record], fmt: str, cfg: DataConfig,
     for record in records:
         try:
             example: Example = normalize(record.value, fmt, cfg.system_prompt)
-            if isinstance(example, Chat):
+            if isinstance(example, Preference):
+                assert encoder is not None
+                rendered = [encoder.render(chat, first) for chat, first in example.chats()]
+                item = _Prepared(record.where, chat=rendered[0], rejected=rendered[1] if len(rendered) > 1 else None,
+                                 label=example.label)
+            elif isinstance(example, Chat):
                 assert encoder is not None
                 item = _Prepared(record.where, chat=encoder.render(example))
             else:
                 item = _Prepared(record.where, text=example)
-            problem = unicode_problem(item.text if item.chat is None else item.chat[0])
+            problem = next(filter(None, map(unicode_problem, item.texts())), None)
             if problem:
                 raise RecordError(problem)
             prepared.append(item)
@@ -197,10 +263,13 @@ def _split(path: str, items: list[_Prepared], fraction: float, seed: int) -> tup
     return ([x for i, x in enumerate(items) if i not in held], [x for i, x in enumerate(items) if i in held])
 
 
-def _tokenize(items: list[_Prepared], tokenizer: Any, encoder: ChatEncoder | None, max_seq_len: int) -> list[Encoded]:
+def _tokenize(items: list[_Prepared], tokenizer: Any, encoder: ChatEncoder | None, max_seq_len: int) -> list[Sequences]:
+    """Each item's sequences (one, or chosen and rejected), tokenized in one batch."""
     if encoder is None:
-        return encode_text(tokenizer, [x.text for x in items], max_seq_len)
-    return encoder.encode([x.chat for x in items], max_seq_len)
+        return [[e] for e in encode_text(tokenizer, [x.text for x in items], max_seq_len)]
+    chats = [c for x in items for c in (x.chat, x.rejected) if c is not None]
+    encoded = iter(encoder.encode(chats, max_seq_len))
+    return [[next(encoded) for _ in range(1 + (x.rejected is not None))] for x in items]
 
 
 def _loss_count(labels: list[int]) -> int:
@@ -216,31 +285,40 @@ class _Dropped:
     no_loss: list[str] = field(default_factory=list)
 
 
-def _fit(items: list[_Prepared], examples: list[Encoded], cfg: DataConfig, dropped: _Dropped) -> list[Encoded]:
-    """Apply data.overlong and drop examples without loss tokens, recording both in `dropped`."""
+def _fit(items: list[_Prepared], examples: list[Sequences], cfg: DataConfig,
+         dropped: _Dropped) -> list[tuple[_Prepared, Sequences]]:
+    """Apply data.overlong and drop examples without loss tokens, recording both in `dropped`; a preference
+    pair is cut, dropped or kept whole."""
     kept = []
-    for item, (ids, labels) in zip(items, examples, strict=True):
-        cut = len(ids) > cfg.max_seq_len
+    for item, parts in zip(items, examples, strict=True):
+        cut = any(len(ids) > cfg.max_seq_len for ids, _ in parts)
         if cut and cfg.overlong == "drop":
             dropped.overlong.append(f"{item.where}: longer than data.max_seq_len={cfg.max_seq_len} tokens")
             continue
-        ids, labels = ids[: cfg.max_seq_len], labels[: cfg.max_seq_len]
-        if not _loss_count(labels):
+        parts = [(ids[: cfg.max_seq_len], labels[: cfg.max_seq_len]) for ids, labels in parts]
+        if not all(_loss_count(labels) for _, labels in parts):
             dropped.no_loss.append(f"{item.where}: " + (
                 f"nothing to train on in its first data.max_seq_len={cfg.max_seq_len} tokens" if cut else
                 "nothing to train on (no assistant turn with text)" if item.chat is not None else
                 "too short to train on (one token)"))
             continue
         dropped.truncated += cut
-        kept.append((ids, labels))
+        kept.append((item, parts))
     return kept
 
 
-def _dataset(examples: list[Encoded], cfg: DataConfig) -> Any:
+def _dataset(fitted: list[tuple[_Prepared, Sequences]], cfg: DataConfig, kind: str) -> Any:
     import datasets
 
     from finetune.data.packing import pack
 
-    data = datasets.Dataset.from_dict({"input_ids": [ids for ids, _ in examples],
-                                       "labels": [labels for _, labels in examples]})
+    items, examples = [item for item, _ in fitted], [parts for _, parts in fitted]
+    columns: dict[str, list] = {}
+    prefixes = ("chosen_", "rejected_") if kind == "pair" else ("",)
+    for i, prefix in enumerate(prefixes):
+        columns[f"{prefix}input_ids"] = [parts[i][0] for parts in examples]
+        columns[f"{prefix}labels"] = [parts[i][1] for parts in examples]
+    if kind == "kto":
+        columns["kto_label"] = [item.label for item in items]
+    data = datasets.Dataset.from_dict(columns)
     return pack(data, cfg.max_seq_len) if cfg.packing else data

@@ -105,18 +105,21 @@ class ChatEncoder:
             messages.insert(0, {"role": "system", "content": tools_text})
         return messages, None
 
-    def render(self, chat: Chat) -> tuple[str, list[tuple[int, int]]]:
-        """The rendered text and the character spans that get loss; RecordError if the template refuses it."""
+    def render(self, chat: Chat, from_turn: int = 0) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered text and the character spans that get loss; RecordError if the template refuses it.
+
+        from_turn: only assistant turns from this message on get loss (a preference answer after its prompt).
+        """
         import jinja2
 
         try:
             messages, tools = self._prepare(chat)
             text = self._render(messages, tools)
-            if not self.assistant_only_loss:
+            if not self.assistant_only_loss and not from_turn:
                 return text, [(0, len(text))]
             spans = []
             for i, message in enumerate(messages):
-                if message["role"] != "assistant":
+                if message["role"] != "assistant" or i < from_turn:
                     continue
                 prompt = self._render(messages[:i], tools, generation=True)
                 end = self._render(messages[: i + 1], tools)

@@ -15,6 +15,16 @@ Mapping to chat messages (`{"role", "content"}` with roles system, user, assista
   written in the data (see `finetune.data.chat` for templates with native tool calls).
 - text `{"text"}`: raw text for continued pre-training.
 
+Preference formats (training.method dpo, orpo, kto) normalise to a `Preference`: prompt messages, then the
+answer(s) whose assistant turns carry the loss:
+
+- preference `{"prompt", "chosen", "rejected", "system"?}` (TRL): strings (a user prompt, assistant answers)
+  or message lists (`[{"role", "content"}...]`).
+- sharegpt_preference `{"conversations": [{"from", "value"}...], "chosen": {"from", "value"}, "rejected":
+  {...}, "system"?, "tools"?}` (LLaMA-Factory): the conversation is the prompt; chosen and rejected are one
+  turn each (or a list of turns).
+- kto `{"prompt", "completion", "label": bool}` (TRL's unpaired preference): one answer, good or bad.
+
 A conversation may not open with an assistant turn (after any system message), and an assistant turn may not
 be empty (unless it carries tool_calls): both are malformed records.
 
@@ -32,7 +42,9 @@ from typing import Any
 
 from finetune.data.read import UnparsableJSON, loads_json
 
-FORMATS = ("alpaca", "messages", "sharegpt", "text")
+FORMATS = ("alpaca", "messages", "sharegpt", "text", "preference", "sharegpt_preference", "kto")
+PAIR_FORMATS = ("preference", "sharegpt_preference")  # chosen and rejected answers
+PREFERENCE_FORMATS = (*PAIR_FORMATS, "kto")
 DETECT_WINDOW = 10  # auto-detection looks at this many records from the start of the file
 
 _EXPECT = {
@@ -41,6 +53,10 @@ _EXPECT = {
     "sharegpt": '{"conversations": [{"from": "human" | "gpt" | "system" | "function_call" | "observation", '
                 '"value": str}, ...], "tools": JSON string or list (optional)}',
     "text": '{"text": str}',
+    "preference": '{"prompt": str or messages, "chosen": str or messages, "rejected": str or messages}',
+    "sharegpt_preference": '{"conversations": [{"from": "human", "value": str}, ...], '
+                           '"chosen": {"from": "gpt", "value": str}, "rejected": {"from": "gpt", "value": str}}',
+    "kto": '{"prompt": str or messages, "completion": str or messages, "label": true | false}',
 }
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {
@@ -64,13 +80,34 @@ class Chat:
     tools: list[dict[str, Any]] | None = None
 
 
-Example = Chat | str
+@dataclass
+class Preference:
+    """A prompt and its answer(s): chosen and rejected (pairs), or one `chosen` answer with a good/bad `label`
+    (kto). Only the answers' assistant turns carry loss."""
+
+    prompt: list[dict[str, Any]]
+    chosen: list[dict[str, Any]]
+    rejected: list[dict[str, Any]] | None = None
+    label: bool | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    def chats(self) -> list[tuple[Chat, int]]:
+        """Each answer as a whole conversation, with the index of its first answer turn."""
+        answers = [self.chosen] if self.rejected is None else [self.chosen, self.rejected]
+        return [(Chat(self.prompt + answer, self.tools), len(self.prompt)) for answer in answers]
+
+
+Example = Chat | str | Preference
 
 
 def _signature(record: Any) -> str | None:
     """The format one record looks like, or None."""
     if not isinstance(record, dict):
         return None
+    if "chosen" in record and "rejected" in record:
+        return "preference" if "prompt" in record else "sharegpt_preference"
+    if "completion" in record and "label" in record:
+        return "kto"
     for key in ("messages", "conversations"):
         turns = _maybe_json(record.get(key))
         if isinstance(turns, list) and turns and isinstance(turns[0], dict):
@@ -112,10 +149,12 @@ def normalize(record: Any, fmt: str, system_prompt: str | None = None) -> Exampl
         example = _NORMALIZERS[fmt](record)
     except RecordError as exc:
         raise RecordError(f"{exc}; expected {fmt} {_EXPECT[fmt]}") from None
-    if isinstance(example, Chat):
-        _check_turn_order(example.messages)
-        if system_prompt and not any(m["role"] == "system" for m in example.messages):
-            example.messages.insert(0, {"role": "system", "content": system_prompt})
+    messages = example.prompt if isinstance(example, Preference) else example.messages \
+        if isinstance(example, Chat) else None
+    if messages is not None:
+        _check_turn_order(messages)
+        if system_prompt and not any(m["role"] == "system" for m in messages):
+            messages.insert(0, {"role": "system", "content": system_prompt})
     return example
 
 
@@ -236,6 +275,10 @@ def _turn_role(key: str, i: int, turn: Any, field: str, roles) -> tuple[str, str
 
 def _messages(record: dict) -> Chat:
     key, turns = _turns(record)
+    return Chat(_with_system(record, _message_turns(key, turns)), _tools(record))
+
+
+def _message_turns(key: str, turns: list) -> list[dict]:
     messages = []
     for i, turn in enumerate(turns):
         where, role = _turn_role(key, i, turn, "role", MESSAGE_ROLES)
@@ -245,11 +288,15 @@ def _messages(record: dict) -> Chat:
         if role == "assistant" and not content.strip() and not turn.get("tool_calls"):
             raise RecordError(f"{where}the assistant's 'content' is empty")
         messages.append(dict(turn))
-    return Chat(_with_system(record, messages), _tools(record))
+    return messages
 
 
 def _sharegpt(record: dict) -> Chat:
     key, turns = _turns(record)
+    return Chat(_with_system(record, _sharegpt_turns(key, turns)), _tools(record))
+
+
+def _sharegpt_turns(key: str, turns: list) -> list[dict]:
     messages = []
     for i, turn in enumerate(turns):
         where, source = _turn_role(key, i, turn, "from", SHAREGPT_ROLES)
@@ -259,7 +306,54 @@ def _sharegpt(record: dict) -> Chat:
         if message["role"] == "function_call":
             message.update(role="assistant", **{CALL: True})
         messages.append(message)
-    return Chat(_with_system(record, messages), _tools(record))
+    return messages
+
+
+def _prompt(record: dict) -> list[dict]:
+    """`prompt`: a string (one user turn) or a message list."""
+    value = _maybe_json(record.get("prompt"))
+    if isinstance(value, list) and value:
+        return _with_system(record, _message_turns("prompt", value))
+    text = _string(record, "prompt")
+    if not text.strip():
+        raise RecordError("'prompt' is empty")
+    return _with_system(record, [{"role": "user", "content": text}])
+
+
+def _answer(record: dict, key: str, sharegpt: bool = False) -> list[dict]:
+    """An answer: a string (one assistant turn), a message list, or (sharegpt) one turn or a list of turns."""
+    value = _maybe_json(record.get(key))
+    if sharegpt and isinstance(value, dict):
+        value = [value]
+    if isinstance(value, list) and value:
+        answer = _sharegpt_turns(key, value) if sharegpt else _message_turns(key, value)
+    else:
+        if key in record and not isinstance(value, str):
+            raise RecordError(f"{key!r} is a {type(value).__name__}, not " + (
+                "a turn or a list of turns" if sharegpt else "a string or a list of messages"))
+        answer = [{"role": "assistant", "content": _string(record, key)}]
+    if not any(m["role"] == "assistant" and (m["content"].strip() or m.get("tool_calls")) for m in answer):
+        raise RecordError(f"{key!r} has no assistant answer with text")
+    return answer
+
+
+def _preference(record: dict) -> Preference:
+    return Preference(_prompt(record), _answer(record, "chosen"), _answer(record, "rejected"), tools=_tools(record))
+
+
+def _sharegpt_preference(record: dict) -> Preference:
+    chat = _sharegpt(record)
+    return Preference(chat.messages, _answer(record, "chosen", sharegpt=True),
+                      _answer(record, "rejected", sharegpt=True), tools=chat.tools)
+
+
+def _kto(record: dict) -> Preference:
+    label = record.get("label")
+    if isinstance(label, str) and label.strip().lower() in ("true", "false"):  # CSV cells are text
+        label = label.strip().lower() == "true"
+    if not isinstance(label, bool):
+        raise RecordError(f"'label' is {label!r}, not true or false" if "label" in record else "missing 'label'")
+    return Preference(_prompt(record), _answer(record, "completion"), label=label, tools=_tools(record))
 
 
 def _text(record: dict) -> str:
@@ -271,4 +365,5 @@ def _text(record: dict) -> str:
 
 _NORMALIZERS: dict[str, Callable[[dict], Example]] = {
     "alpaca": _alpaca, "messages": _messages, "sharegpt": _sharegpt, "text": _text,
+    "preference": _preference, "sharegpt_preference": _sharegpt_preference, "kto": _kto,
 }

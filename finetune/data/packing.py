@@ -64,9 +64,31 @@ def _seq_lengths(position_ids: list[int]) -> list[int]:
     return [b - a for a, b in itertools.pairwise(starts)]
 
 
-def make_collator(tokenizer: Any, packed: bool) -> DataCollatorForLanguageModeling:
-    """The collator for this data: padding-free for packed rows, right-padding with attention_mask otherwise."""
+@dataclass
+class PreferenceCollator(DataCollatorForLanguageModeling):
+    """Preference examples as one right-padded batch: for pairs, the chosen sequences then the rejected ones
+    (2 x micro-batch rows, one forward for both, as `finetune.memory.preference` expects); for kto, the
+    sequences and a boolean `kto_label` per row."""
+
+    pairs: bool = True
+
+    def torch_call(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        import torch
+
+        prefixes = ("chosen_", "rejected_") if self.pairs else ("",)
+        rows = [{"input_ids": e[f"{p}input_ids"], "labels": e[f"{p}labels"]} for p in prefixes for e in examples]
+        batch = super().torch_call(rows)
+        if not self.pairs:
+            batch["kto_label"] = torch.tensor([bool(e["kto_label"]) for e in examples])
+        return batch
+
+
+def make_collator(tokenizer: Any, packed: bool, kind: str = "sft") -> DataCollatorForLanguageModeling:
+    """The collator for this data: padding-free for packed rows, right-padding with attention_mask otherwise;
+    kind pair or kto (finetune.data.build.data_kind): preference batches."""
     pad = tokenizer.pad_token_id
     if pad is None:
         pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    if kind != "sft":
+        return PreferenceCollator(pad_token_id=pad, pairs=kind == "pair")
     return PackedCollator(pad_token_id=pad) if packed else DataCollatorForLanguageModeling(pad_token_id=pad)

@@ -31,12 +31,17 @@ def default_chunk_size(vocab_size: int) -> int:
     return 1 << (tokens.bit_length() - 1)
 
 
-def _chunk_loss_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
-                    softcap: float | None) -> torch.Tensor:
+def head_logits(head: nn.Module, hidden: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """The LM head's logits as the model computes them (Gemma-2's final soft-capping included)."""
     logits = head(hidden)
     if softcap is not None:  # the same ops, in the same dtype, as Gemma-2's forward
         logits = torch.tanh(logits / softcap) * softcap
-    return F.cross_entropy(logits.float(), labels, reduction="sum")
+    return logits
+
+
+def _chunk_loss_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
+                    softcap: float | None) -> torch.Tensor:
+    return F.cross_entropy(head_logits(head, hidden, softcap).float(), labels, reduction="sum")
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor,
@@ -70,6 +75,20 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def head_of(model: nn.Module) -> tuple[nn.Module, nn.Module, float | None, int]:
+    """The decoder, LM head, final soft-cap and vocabulary size of a (peft-wrapped) causal LM; refuses heads
+    whose logit scaling these chunked computations do not reproduce."""
+    base = _unwrap(model)
+    config = base.config.get_text_config()
+    scaled = [f for f in UNSUPPORTED_HEAD_FIELDS if getattr(config, f, None) not in (None, 1, 1.0)]
+    if scaled:
+        raise FinetuneError(
+            f"memory.chunked_loss does not support {type(base).__name__}: its LM head applies {scaled[0]}",
+            hint="Set memory.chunked_loss: false for this model.")
+    return base.get_decoder(), base.get_output_embeddings(), getattr(config, "final_logit_softcapping", None), \
+        config.vocab_size
+
+
 def causal_lm_loss(model: nn.Module, inputs: Mapping[str, Any], num_items_in_batch: torch.Tensor | int | None = None,
                    chunk_size: int | None = None) -> torch.Tensor:
     """The causal-LM training loss of `model` on a batch, without materialising the logits.
@@ -77,21 +96,18 @@ def causal_lm_loss(model: nn.Module, inputs: Mapping[str, Any], num_items_in_bat
     `inputs` is the Trainer's batch (input_ids, attention_mask, labels, optionally position_ids or
     shift_labels); works for plain and peft-wrapped models (LoRA on lm_head or lm_head in modules_to_save).
     """
-    base = _unwrap(model)
+    decoder, head, softcap, vocab = head_of(model)
     inputs = dict(inputs)
     labels = inputs.pop("labels")
     shift_labels = inputs.pop("shift_labels", None)
     if shift_labels is None:  # position i predicts token i+1, exactly as ForCausalLMLoss shifts
-        shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+        shift_labels = shift(labels)
     inputs.setdefault("use_cache", False)
-    hidden = base.get_decoder()(**inputs)[0]
-    head = base.get_output_embeddings()
-    config = base.config.get_text_config()
-    scaled = [f for f in UNSUPPORTED_HEAD_FIELDS if getattr(config, f, None) not in (None, 1, 1.0)]
-    if scaled:
-        raise FinetuneError(
-            f"memory.chunked_loss does not support {type(base).__name__}: its LM head applies {scaled[0]}",
-            hint="Set memory.chunked_loss: false for this model.")
-    return chunked_cross_entropy(
-        hidden, head, shift_labels, num_items_in_batch, chunk_size,
-        softcap=getattr(config, "final_logit_softcapping", None), vocab_size=config.vocab_size)
+    hidden = decoder(**inputs)[0]
+    return chunked_cross_entropy(hidden, head, shift_labels, num_items_in_batch, chunk_size, softcap=softcap,
+                                 vocab_size=vocab)
+
+
+def shift(labels: torch.Tensor) -> torch.Tensor:
+    """Labels aligned with the positions that predict them (position i predicts token i+1)."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from finetune.memory.chunked_loss import causal_lm_loss
+from finetune.memory.preference import Metrics, PreferenceLoss, preference_loss
 from finetune.memory.tracker import MemoryTracker
 from finetune.optim import layerwise_of
 from finetune.units import dtype_name, torch_dtype
@@ -48,12 +49,16 @@ def autocast_for(precision: str | None) -> Callable[[], contextlib.AbstractConte
 
 
 def compute_loss(model: torch.nn.Module, inputs: Mapping[str, Any], num_items_in_batch: Any = None,
-                 chunked_loss: bool = False) -> torch.Tensor:
-    """The causal-LM loss of one micro-batch: the model's own, or chunked so full logits never exist.
+                 chunked_loss: bool = False, preference: PreferenceLoss | None = None,
+                 metrics: Metrics | None = None) -> torch.Tensor:
+    """The loss of one micro-batch: the model's causal-LM loss, or chunked so full logits never exist, or the
+    preference loss (`finetune.memory.preference`; its rewards and margins are added to `metrics`).
 
     num_items_in_batch: labelled tokens of the whole accumulated batch (the loss is then a sum over this
     micro-batch divided by it, as the Trainer passes it), or None for a per-micro-batch mean.
     """
+    if preference is not None:
+        return preference_loss(model, inputs, preference, chunked_loss, metrics)
     if chunked_loss:
         return causal_lm_loss(model, inputs, num_items_in_batch)
     if num_items_in_batch is not None:
@@ -69,20 +74,22 @@ def forward_backward(model: torch.nn.Module, inputs: Mapping[str, Any], *, accum
                      num_items_in_batch: Any = None, chunked_loss: bool = False,
                      autocast: Callable[[], contextlib.AbstractContextManager] = _NULL, offload: Any = None,
                      backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
-                     tracker: MemoryTracker | None = None, backward_window: str = "backward") -> torch.Tensor:
+                     tracker: MemoryTracker | None = None, backward_window: str = "backward",
+                     preference: PreferenceLoss | None = None, metrics: Metrics | None = None) -> torch.Tensor:
     """One micro-batch of a training step, exactly as `finetune run` trains it; returns the detached loss.
 
     The loss is scaled for `accumulation` micro-batches the way the Trainer scales it: divided by
     `num_items_in_batch` when given (the model normalises the summed loss), else by `accumulation`.
     autocast: the mixed-precision context (the Trainer's accelerator.autocast); offload: an ActivationOffload
     entered around forward and backward; backward: the Trainer's accelerator.backward (fp16 loss scaling);
-    tracker: record the forward and `backward_window` phases (measure, the planner's trace).
+    tracker: record the forward and `backward_window` phases (measure, the planner's trace); preference: the
+    DPO/ORPO/KTO loss instead of the causal-LM loss (its reference forward is part of the forward phase).
     """
     with offload if offload is not None else _NULL():
         with _window(tracker, "forward"):
             with autocast():
-                loss = compute_loss(model, inputs, num_items_in_batch, chunked_loss)
-            if num_items_in_batch is None:
+                loss = compute_loss(model, inputs, num_items_in_batch, chunked_loss, preference, metrics)
+            if num_items_in_batch is None or preference is not None:
                 loss = loss / accumulation
         with _window(tracker, backward_window):
             backward(loss)

@@ -46,6 +46,32 @@ def load_trained(run_dir: str | Path, *, use_adapter: bool = True, quantize: boo
     return model.eval(), tokenizer
 
 
+def load_adapters(run_dirs: list[str | Path], *, quantize: bool = True):
+    """(model, tokenizer, adapter names): one base model with the LoRA adapters of several runs loaded side by
+    side (an SFT run and a DPO run on top of it, say), so each answer comes from the same base weights.
+
+    The runs must share the base model and its quantization; select one with `model.set_adapter(name)`, the
+    base alone with `model.disable_adapter()`."""
+    loaded = [load_run(d) for d in run_dirs]
+    first = loaded[0][0]
+    for recipe, run in loaded:
+        if recipe.adapter.type == "full":
+            raise FinetuneError(f"{run.root} is a full fine-tune, not an adapter: it cannot share a base model",
+                                hint="compare LoRA runs, or compare a full fine-tune with its base alone")
+        if (recipe.model.path, recipe.quantization) != (first.model.path, first.quantization):
+            raise FinetuneError(f"{run.root} trained on {recipe.model.path} ({recipe.quantization.bits} bits), "
+                                f"{loaded[0][1].root} on {first.model.path} ({first.quantization.bits} bits)",
+                                hint="compare runs trained on the same base model and quantization")
+    from peft import PeftModel
+
+    model, _, _ = load_model(first.model, first.quantization, quantize=quantize)
+    names = [f"run{i}" for i in range(len(loaded))]
+    model = PeftModel.from_pretrained(model, loaded[0][1].adapter, adapter_name=names[0])
+    for name, (_, run) in zip(names[1:], loaded[1:], strict=True):
+        model.load_adapter(run.adapter, adapter_name=name)
+    return model.eval(), load_tokenizer(loaded[-1][1].adapter, first.model), names
+
+
 def generate(model, tokenizer, prompt: str, *, max_new_tokens: int = 128, system: str | None = None) -> str:
     """Greedy answer to one user prompt: a one-turn chat (finetune.model.chat)."""
     from finetune.model.chat import stream_reply

@@ -18,7 +18,8 @@ How the prediction is put together (docs/planner.md has the long form):
    per preset, low-rank projections, 8-bit blocks, layer-wise), state present in every phase from step 2 on.
    The optimizer phase holds weights + gradients + state + the update's temporaries (the registry spec's
    `step_temporaries` times the largest trained parameter).
-4. Chunked loss keeps `default_chunk_size(vocab)` tokens of logits instead of all; offload removes
+4. Chunked loss keeps `default_chunk_size(vocab)` tokens of logits instead of all (preference methods: the trace
+   runs the chunked log-probabilities itself, see trace.py); offload removes
    checkpointed inputs (all but the first and the last, less the layers fetched ahead in backward) or,
    without checkpointing, the saved tensors of every layer but the last (less the prefetched ones).
 5. CUDA fixed costs (context, cuBLAS workspace, allocator rounding) are the constants below.
@@ -97,6 +98,8 @@ class ModelSpec:
     interconnect_bandwidth: float = 20e9  # bytes/s between GPUs (the speed model's communication time)
     zero_stage: int = 3  # deepspeed only
     deepspeed_offload: str = "none"  # deepspeed only: none | cpu | nvme (optimizer state off the device)
+    objective: str = "sft"  # or a preference method (finetune.memory.preference.PreferenceLoss.objective)
+    rows_per_example: int = 1  # sequences per example: 2 for chosen + rejected pairs
 
 
 def _block(settings: Settings) -> int:
@@ -114,7 +117,8 @@ def _traces(spec: ModelSpec, settings: Settings) -> tuple[Trace, Trace]:
     la, lb = _layer_counts(spec, settings)
     every = settings.checkpoint_every_n_layers if settings.activation_checkpointing else 0
     args = (spec.config, spec.adapter, spec.dtype, spec.attn, spec.device, 1, spec.seq_len)
-    layer = (settings.bits == 8, spec.recompute_norms, spec.tiled_mlp_tokens if settings.tiled_mlp else 0)
+    layer = (settings.bits == 8, spec.recompute_norms, spec.tiled_mlp_tokens if settings.tiled_mlp else 0,
+             spec.objective, bool(settings.chunked_loss))
     return trace_step(*args, la, every, *layer), trace_step(*args, lb, every, *layer)
 
 
@@ -268,9 +272,16 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
     # the forward kernel is fused). 8-bit is emulated inside the trace.
     dequant = largest_quant * spec.dtype.itemsize if settings.bits == 4 else 0
 
-    tokens = mb * spec.seq_len
+    tokens = mb * spec.seq_len * spec.rows_per_example
     vocab = spec.config.get_text_config().vocab_size
-    logits_keep = min(1.0, default_chunk_size(vocab) / tokens) if settings.chunked_loss else 1.0
+    # sft traces keep full logits and scale them here. Preference traces ran the chunked log-probabilities,
+    # whose logits are one chunk, not one per example: they grow with the micro-batch only up to a chunk.
+    chunk = default_chunk_size(vocab)
+    if settings.chunked_loss and spec.objective != "sft":
+        traced_tokens = spec.seq_len * spec.rows_per_example
+        logits_scale = min(tokens, chunk) / min(traced_tokens, chunk)
+    else:
+        logits_scale = mb * (min(1.0, chunk / tokens) if settings.chunked_loss else 1.0)
     hidden_bytes = tokens * spec.hidden_size * spec.dtype.itemsize
     windows: dict[str, dict[str, float]] = {}
     offloaded = 0.0
@@ -279,7 +290,7 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
         wa, wb = ta.windows[name][1], tb.windows[name][1]
         act = _lerp(wa["activations"], wb["activations"], la, lb, L) * mb
         act_per_block = (wb["activations"] - wa["activations"]) * mb if lb != la else 0.0
-        logits = _lerp(wa["logits_and_loss"], wb["logits_and_loss"], la, lb, L) * mb * logits_keep
+        logits = _lerp(wa["logits_and_loss"], wb["logits_and_loss"], la, lb, L) * logits_scale
         grads = _lerp(wa["gradients"], wb["gradients"], la, lb, L) * shard
         if spec.optimizer.layerwise:  # each gradient is consumed (and freed) as soon as it exists
             grads = min(grads, grads_total)

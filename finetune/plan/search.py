@@ -15,6 +15,7 @@ import torch
 from finetune.errors import FinetuneError
 from finetune.memory.bandwidth import transfer_bandwidth
 from finetune.memory.offload import offload_dir_for
+from finetune.memory.preference import PreferenceLoss
 from finetune.plan.cost_model import tokens_per_second
 from finetune.plan.memory_model import ModelSpec, memory_floor, predict_memory, traffic_bytes
 from finetune.plan.shapes import ModelShapes, target_dtype
@@ -167,6 +168,7 @@ def _refused(recipe: Recipe, st: dict[str, Any]) -> bool:
 
 def model_spec(recipe: Recipe, config: Any, device: str) -> ModelSpec:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    loss = PreferenceLoss.of(recipe.training)
     return ModelSpec(
         config=config, adapter=recipe.adapter, dtype=target_dtype(recipe, device),
         attn=model_facts(config, recipe.model.attn_implementation)[1], device=device, seq_len=recipe.data.max_seq_len,
@@ -174,7 +176,9 @@ def model_spec(recipe: Recipe, config: Any, device: str) -> ModelSpec:
         optimizer=recipe.optimizer, double_quant=recipe.quantization.double_quant,
         offload_min_size=recipe.memory.offload_min_size, recompute_norms=recipe.memory.recompute_norms,
         tiled_mlp_tokens=recipe.memory.tiled_mlp_tokens, world_size=recipe.distributed.gpus,
-        interconnect_bandwidth=recipe.distributed.interconnect_bandwidth, zero_stage=recipe.distributed.zero_stage, deepspeed_offload=recipe.distributed.deepspeed_offload)
+        interconnect_bandwidth=recipe.distributed.interconnect_bandwidth, zero_stage=recipe.distributed.zero_stage,
+        deepspeed_offload=recipe.distributed.deepspeed_offload, objective="sft" if loss is None else loss.objective,
+        rows_per_example=1 if loss is None else loss.rows_per_example)
 
 
 def free_disk_bytes(path: Path) -> int:

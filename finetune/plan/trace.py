@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from finetune.errors import FinetuneError
 from finetune.memory.layer_recompute import apply_layer_recompute
+from finetune.memory.preference import PreferenceLoss, synthetic_batch
 from finetune.memory.step import enable_checkpointing, forward_backward
 from finetune.memory.tracker import MemoryTracker
 from finetune.model.adapter import apply_adapter
@@ -267,12 +268,14 @@ def _meta_model(config_json: str, model_type: str, adapter_json: str, dtype: str
 
 
 def _direct_trace(key: tuple[str, str, str, str], attn: str, micro_batch: int, seq_len: int, layers: int,
-                  checkpoint_every: int, int8: bool, recompute_norms: bool, mlp_tokens: int) -> Trace:
+                  checkpoint_every: int, int8: bool, recompute_norms: bool, mlp_tokens: int,
+                  objective: str = "sft", chunked_loss: bool = False) -> Trace:
     """Run the training step's forward_backward on a meta model under the tracker."""
     built = (key, attn, layers, checkpoint_every, recompute_norms, mlp_tokens)
     model = _take_model(built)
     config = model.config
-    ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
+    preference = PreferenceLoss.of_objective(objective)
+    batch = synthetic_batch(preference, micro_batch, seq_len, config.get_text_config().vocab_size, "meta")
     int8_layers = [module for name, module in model.named_modules() if int8 and _quantizable(name, module)]
     for module in int8_layers:
         module.forward = _int8_forward(module)
@@ -281,8 +284,8 @@ def _direct_trace(key: tuple[str, str, str, str], attn: str, micro_batch: int, s
     handles = _layer_windows(model, tracker)
     try:
         with _MetaKernels(), _MetaMemo(), tracker:
-            forward_backward(model, {"input_ids": ids, "labels": ids}, backward=_backward, tracker=tracker,
-                             backward_window="bwd_head")
+            forward_backward(model, batch, backward=_backward, tracker=tracker, backward_window="bwd_head",
+                             preference=preference, chunked_loss=chunked_loss)
     finally:
         tracker.remove_hooks()
         for handle in handles:
@@ -357,9 +360,11 @@ def _params_cached(config_json: str, model_type: str, adapter_json: str, dtype: 
 @functools.lru_cache(maxsize=512)
 def _trace_cached(config_json: str, model_type: str, adapter_json: str, dtype: str, attn: str, device: str,
                   micro_batch: int, seq_len: int, layers: int, checkpoint_every: int, int8: bool, recompute_norms: bool,
-                  mlp_tokens: int) -> Trace:
+                  mlp_tokens: int, objective: str, chunked_loss: bool) -> Trace:
     key = (config_json, model_type, adapter_json, dtype)
     args = (attn, micro_batch, seq_len, layers, checkpoint_every, int8, recompute_norms, mlp_tokens)
+    if objective != "sft":  # sft traces keep their cache key
+        args = (*args, objective, chunked_loss)
     return trace_cache.cached("trace", [*key, device, *args], lambda: _direct_trace(key, *args), _encode_trace,
                               _decode_trace)
 
@@ -498,14 +503,18 @@ def model_facts(config: Any, attn_choice: str) -> tuple[ModelShapes, str]:
 
 def trace_step(config: Any, adapter: AdapterConfig, dtype: torch.dtype, attn: str, device: str, micro_batch: int,
                seq_len: int, layers: int, checkpoint_every: int, int8: bool = False, recompute_norms: bool = False,
-               mlp_tokens: int = 0) -> Trace:
+               mlp_tokens: int = 0, objective: str = "sft", chunked_loss: bool = False) -> Trace:
     """Trace one forward+backward of `config` cut to `layers` layers (checkpoint_every 0 = no checkpointing).
 
     int8: frozen decoder Linear layers behave like bitsandbytes LLM.int8 layers (see `_Int8LikeLinear`).
     recompute_norms, mlp_tokens: `finetune.memory.layer_recompute` as the run applies it (0 = no tiled MLP).
+    objective: sft, or a preference loss's `objective` (micro_batch then counts examples: pairs for dpo/orpo);
+    a preference step is traced with its real chunked log-probabilities (chunked_loss), an sft step always
+    with full logits (the memory model scales them for chunked loss).
     """
     return _trace_cached(*model_key(config, adapter, dtype), attn, device, micro_batch, seq_len, layers,
-                         checkpoint_every, int8, recompute_norms, mlp_tokens)
+                         checkpoint_every, int8, recompute_norms, mlp_tokens, objective,
+                         chunked_loss and objective != "sft")
 
 
 def param_table_of(key: tuple[str, str, str, str], layers: int) -> tuple[ParamInfo, ...]:

@@ -110,8 +110,10 @@ class AdapterConfig(Section):
 
 class DataConfig(Section):
     path: str = Field(description="JSON, JSONL, CSV, Parquet file, or a datasets save_to_disk folder.")
-    format: Literal["auto", "alpaca", "messages", "sharegpt", "text"] = Field(
-        "auto", description="Record format; auto detects it from the first records.")
+    format: Literal["auto", "alpaca", "messages", "sharegpt", "text", "preference", "sharegpt_preference", "kto"] = Field(
+        "auto", description="Record format; auto detects it from the first records. preference: prompt/chosen/"
+        "rejected (strings or message lists); sharegpt_preference: conversations + chosen + rejected turns; kto: "
+        "prompt/completion + boolean label.")
     max_seq_len: int = Field(1024, ge=8, le=2**20, description="Longest sequence in tokens; the memory plan is made for it.")
     validation_split: float = Field(0.0, ge=0, lt=1, description="Fraction of records held out for evaluation.")
     overlong: Literal["truncate", "drop"] = Field("truncate", description="What to do with examples longer than max_seq_len.")
@@ -151,6 +153,22 @@ class TrainingConfig(Section):
     reference_batch_size: int | None = Field(None, ge=1, le=MAX_COUNT, description="Sequences per step that "
         "learning_rate and optimizer.betas were tuned for; a different effective batch rescales them (sqrt or "
         "linear rule by optimizer, capped; beta2 ** (batch / reference)). null: the recipe's effective batch.")
+    # Preference tuning (finetune/memory/preference.py): the method and its knobs; METHOD_KEYS says which
+    # knob applies to which method.
+    method: Literal["sft", "dpo", "orpo", "kto"] = Field(
+        "sft", description="sft (supervised), or preference tuning on chosen/rejected pairs: dpo, orpo "
+        "(reference-free, adds the NLL of the chosen answer), kto (single answers labelled good or bad).")
+    beta: float = Field(0.1, gt=0, le=1e3, description="dpo, kto: strength of the pull towards the reference model "
+                        "(the reward scale); orpo: weight of the odds-ratio term.")
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = Field(
+        "sigmoid", description="dpo only: sigmoid (DPO), ipo (squared loss around 1/(2 beta)), hinge (SLiC).")
+    reference_free: bool = Field(
+        False, description="dpo only: compare against a uniform reference instead of the base model (no "
+        "reference forward).")
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5, description="dpo sigmoid only: assumed fraction of flipped labels (conservative DPO).")
+    desirable_weight: float = Field(1.0, gt=0, le=1e3, description="kto only: loss weight of good answers.")
+    undesirable_weight: float = Field(1.0, gt=0, le=1e3, description="kto only: loss weight of bad answers.")
 
     @field_validator("micro_batch_size", "gradient_accumulation_steps", "effective_batch_size")
     @classmethod
@@ -166,6 +184,34 @@ class TrainingConfig(Section):
         if self.effective_batch_size == "auto" and not self.noise_scale:
             raise ValueError("effective_batch_size auto needs noise_scale: true (it follows the measured noise scale)")
         return self
+
+    @model_validator(mode="after")
+    def _keys_fit_method(self) -> TrainingConfig:
+        """A preference knob set for a method it does not apply to (as optimizer-specific keys are checked)."""
+        misplaced: dict[tuple[str, ...], list[str]] = {}
+        for key, methods in METHOD_KEYS.items():
+            if self.method not in methods and getattr(self, key) != type(self).model_fields[key].default:
+                misplaced.setdefault(methods, []).append(f"training.{key}")
+        problems = [f"{', '.join(keys)}: {'apply' if len(keys) > 1 else 'applies'} only to {_and(methods, 'or')}, "
+                    f"not {self.method}; remove {'them' if len(keys) > 1 else 'it'} or change training.method"
+                    for methods, keys in misplaced.items()]
+        if self.method == "dpo" and self.label_smoothing and self.loss_type != "sigmoid":
+            problems.append(f"training.label_smoothing: applies only to loss_type sigmoid, not {self.loss_type}; "
+                            "remove it or set training.loss_type: sigmoid")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the loss compares against the reference model (the base, adapter switched off)."""
+        return self.method == "kto" or (self.method == "dpo" and not self.reference_free)
+
+
+METHOD_KEYS: dict[str, tuple[str, ...]] = {
+    "beta": ("dpo", "orpo", "kto"), "loss_type": ("dpo",), "reference_free": ("dpo",),
+    "label_smoothing": ("dpo",), "desirable_weight": ("kto",), "undesirable_weight": ("kto",),
+}
 
 
 class MemoryConfig(Section):
@@ -382,6 +428,14 @@ class Recipe(Section):
                 "weights cannot be trained; set quantization.bits: null or use adapter.type: lora")
         if self.training.eval_steps is not None and self.data.validation_split == 0:
             raise ValueError("training.eval_steps needs data.validation_split > 0")
+        if self.training.method != "sft" and self.data.packing:
+            raise ValueError(f"data.packing cannot be used with training.method={self.training.method}: preference "
+                             "losses compare whole answers; set data.packing: false")
+        if self.training.uses_reference and self.adapter.type == "full":
+            raise ValueError(
+                f"training.method={self.training.method} with adapter.type=full: the reference model is the base "
+                "with the adapter switched off, and a full fine-tune has no adapter; use adapter.type: lora, "
+                "training.method: orpo, or (dpo) training.reference_free: true")
         problems = self.optimizer.problems_with(self) + self.distributed.problems_with(self)
         if problems:
             raise ValueError("; ".join(problems))

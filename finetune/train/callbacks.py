@@ -16,6 +16,7 @@ from rich.progress import (
 from transformers import TrainerCallback
 
 from finetune.console import console
+from finetune.memory.preference import METRIC_PREFIXES
 from finetune.rundir import RunDir
 
 NOISE_SCALE_KEYS = ("gns", "grad_sq", "trace_sigma")
@@ -60,6 +61,7 @@ class MetricsCallback(TrainerCallback):
             )
             # The gradient noise scale (finetune/train/noise_scale.py), once the trainer has an estimate.
             row.update({k: logs[k] for k in NOISE_SCALE_KEYS if k in logs})
+            row.update({k: v for k, v in logs.items() if k.startswith(METRIC_PREFIXES)})  # preference methods
             self._last_time, self._last_tokens = now, tokens
         else:
             return  # the end-of-training summary goes to results.json instead

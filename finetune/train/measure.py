@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from finetune.memory.layer_recompute import apply_memory_config
+from finetune.memory.preference import PreferenceLoss, synthetic_batch
 from finetune.memory.step import autocast_for, enable_checkpointing, mixed_precision, training_step
 from finetune.memory.tracker import MemoryTracker, measure_step
 from finetune.recipe.schema import Recipe
@@ -45,8 +46,8 @@ def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
                                 steps_per_update=recipe.training.gradient_accumulation_steps,
                                 max_grad_norm=recipe.training.max_grad_norm)
     gen = torch.Generator().manual_seed(recipe.training.seed)
-    ids = torch.randint(0, vocab, (recipe.training.micro_batch_size, recipe.data.max_seq_len), generator=gen)
-    batch = {"input_ids": ids.to(device), "labels": ids.to(device)}
+    preference = PreferenceLoss.of(recipe.training)
+    batch = synthetic_batch(preference, recipe.training.micro_batch_size, recipe.data.max_seq_len, vocab, device, gen)
 
     with tempfile.TemporaryDirectory(prefix="finetune-measure-") as scratch:
         from finetune.memory.offload import activation_offload
@@ -60,7 +61,7 @@ def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
             for _ in range(steps):
                 training_step(model, [batch] * accumulation, optimizer, max_grad_norm=recipe.training.max_grad_norm,
                               chunked_loss=bool(recipe.memory.chunked_loss), autocast=autocast, offload=offload,
-                              tracker=tracker)
+                              tracker=tracker, preference=preference)
 
         try:
             result = measure_step(run, model=model, optimizer=optimizer, vocab_size=vocab, device=device)

@@ -1,4 +1,5 @@
-"""Plots people would rather see than read: the loss and learning-rate curves of a run."""
+"""Plots people would rather see than read: the loss and learning-rate curves of a run, and for preference
+methods (dpo, orpo, kto) the reward margin and accuracy of chosen over rejected below them."""
 
 from __future__ import annotations
 
@@ -20,13 +21,21 @@ def plot_loss_curve(run: RunDir) -> Path | None:
     import matplotlib.pyplot as plt
 
     noise = [r for r in train if r.get("gns")]
-    if noise:
-        fig, (ax, gns_ax) = plt.subplots(2, 1, figsize=(7, 6), dpi=100, sharex=True, height_ratios=(2, 1))
-        gns_ax.plot([r["step"] for r in noise], [r["gns"] for r in noise], color="tab:green")
-        gns_ax.set_yscale("log")
-        gns_ax.set_ylabel("noise scale (tokens)")
-        gns_ax.set_xlabel("step")
-        gns_ax.grid(alpha=0.3)
+    rewards = [r for r in rows if "rewards/margins" in r or "eval_rewards/margins" in r]
+    if noise or rewards:  # panels below the loss: reward margins (preference methods), the noise scale
+        panels = 1 + bool(rewards) + bool(noise)
+        fig, axes = plt.subplots(panels, 1, figsize=(7, 3 + 2 * panels), dpi=100, sharex=True,
+                                 height_ratios=(2, *[1] * (panels - 1)))
+        ax, below = axes[0], list(axes[1:])
+        if rewards:
+            _plot_rewards(below.pop(0), rewards)
+        if noise:
+            gns_ax = below.pop(0)
+            gns_ax.plot([r["step"] for r in noise], [r["gns"] for r in noise], color="tab:green")
+            gns_ax.set_yscale("log")
+            gns_ax.set_ylabel("noise scale (tokens)")
+            gns_ax.set_xlabel("step")
+            gns_ax.grid(alpha=0.3)
     else:
         fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", color="tab:blue")
@@ -49,3 +58,23 @@ def plot_loss_curve(run: RunDir) -> Path | None:
     plt.close(fig)
     tmp.replace(out_path)
     return out_path
+
+
+def _plot_rewards(ax, rows: list[dict]) -> None:
+    """Reward margin (chosen minus rejected) and accuracy (chosen above rejected), train and eval."""
+    for prefix, style, color in (("", "-", "tab:green"), ("eval_", "o-", "tab:red")):
+        points = [r for r in rows if f"{prefix}rewards/margins" in r]
+        if points:
+            ax.plot([r["step"] for r in points], [r[f"{prefix}rewards/margins"] for r in points], style, color=color,
+                    label=f"{prefix or 'train '}reward margin".replace("_", " "))
+    ax.axhline(0, color="black", linewidth=0.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward margin")
+    accuracy = [r for r in rows if "rewards/accuracies" in r]
+    if accuracy:
+        acc_ax = ax.twinx()
+        acc_ax.plot([r["step"] for r in accuracy], [r["rewards/accuracies"] for r in accuracy], color="tab:gray",
+                    alpha=0.5, linestyle="--", label="accuracy")
+        acc_ax.set_ylim(0, 1)
+        acc_ax.set_ylabel("chosen > rejected")
+    ax.legend(loc="upper left")

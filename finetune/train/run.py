@@ -214,7 +214,7 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     trainable, total = count_parameters(model)
     console.print(f"model: {recipe.model.path}  trainable {trainable:,} of {total:,} parameters "
                   f"({100 * trainable / max(total, 1):.2f}%)")
-    data = build_datasets(recipe.data, tokenizer, recipe.training.seed)
+    data = build_datasets(recipe.data, tokenizer, recipe.training.seed, recipe.training.method)
     console.print("data: " + ", ".join(f"{k} {v}" for k, v in data.stats.items()))
     if main:
         run_dir.log_line(f"data stats: {data.stats}")
@@ -242,6 +242,9 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
                                      on_recovery=record_recovery(run_dir, steps, peak, metrics),
                                      on_batch_change=record_batch_change(run_dir, metrics), **common)
     trainer.remove_callback(PrinterCallback)  # our progress bar and metrics.jsonl replace its prints
+    # Preference methods: the held-out rewards before training, so results.json shows what training changed.
+    before = trainer.evaluate() if data.eval is not None and trainer.preference is not None and not checkpoint \
+        else None
     start = time.time()
     try:
         output = trainer.train(resume_from_checkpoint=checkpoint)
@@ -249,7 +252,8 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
         peak.close()  # also after an error, when the Trainer never calls on_train_end
         if trainer.offload is not None:  # an out-of-memory recovery may have turned it on or changed it
             trainer.offload.close()  # removes every file the disk tier still holds, also after an error
-    eval_loss = trainer.evaluate().get("eval_loss") if data.eval is not None else None
+    after = trainer.evaluate() if data.eval is not None else {}
+    eval_loss = after.get("eval_loss")
     state = "stopped" if stopper.requested else "completed"
     if state == "completed":
         _save_result(trainer, tokenizer, run_dir, main)
@@ -261,6 +265,7 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
         "state": state, "steps": result.steps, "final_loss": result.final_loss, "eval_loss": eval_loss,
         "train_runtime_s": round(time.time() - start, 2), "train_metrics": output.metrics, "data": data.stats,
         "trainable_parameters": trainable, "total_parameters": total,
+        **({"eval_before": before, "eval_after": after} if before is not None else {}),
         "offload": dict(trainer.offload.stats, tier=trainer.recipe.memory.offload) if trainer.offload is not None
         else None,
         **(batch_summary(trainer, run_dir.read_metrics(), data.stats) if isinstance(trainer, BatchEngineTrainer)

@@ -17,7 +17,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from finetune.errors import FinetuneError
 from finetune.memory.offload import ActivationOffload
-from finetune.memory.step import forward_backward, mixed_precision
+from finetune.memory.preference import PreferenceLoss, metric_means
+from finetune.memory.step import compute_loss, forward_backward, mixed_precision
 from finetune.optim import build_optimizer, layerwise_of, register_safe_globals
 from finetune.recipe.schema import Recipe
 from finetune.rundir import atomic_write_json
@@ -125,6 +126,8 @@ class FinetuneTrainer(Trainer):
     def __init__(self, *args, recipe: Recipe, offload: ActivationOffload | None = None, **kwargs):
         self.recipe = recipe
         self.offload = offload
+        self.preference = PreferenceLoss.of(recipe.training)  # None for sft
+        self._preference_metrics: dict[str, dict] = {"train": {}, "eval": {}}  # summed until logged
         self._loss_finite: torch.Tensor | None = None  # all micro-batch losses of this step finite (no sync)
         register_safe_globals()  # checkpoints hold GaLore/APOLLO projectors; resume loads with weights_only
         super().__init__(*args, **kwargs)
@@ -153,7 +156,8 @@ class FinetuneTrainer(Trainer):
             model, self._prepare_inputs(inputs), accumulation=self.current_gradient_accumulation_steps,
             num_items_in_batch=num_items,
             chunked_loss=self.recipe.memory.chunked_loss is True and "labels" in inputs, autocast=self.accelerator.autocast, offload=self.offload,
-            backward=lambda loss: self._backward(loss * scale if scale != 1 else loss))
+            backward=lambda loss: self._backward(loss * scale if scale != 1 else loss),
+            preference=self.preference, metrics=self._preference_metrics["train"])
         loss = loss * scale if scale != 1 else loss
         finite = torch.isfinite(loss).all()
         self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
@@ -166,6 +170,24 @@ class FinetuneTrainer(Trainer):
             self.accelerator.backward(loss, scale_wrt_gas=False)
         else:
             self.accelerator.backward(loss)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Evaluation of a preference method: its loss, with rewards and margins kept for the eval log."""
+        if self.preference is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        with torch.no_grad(), self.accelerator.autocast():
+            loss = compute_loss(model, self._prepare_inputs(inputs), chunked_loss=self.recipe.memory.chunked_loss is True,
+                                preference=self.preference, metrics=self._preference_metrics["eval"])
+        return loss.detach(), None, None
+
+    def evaluation_loop(self, *args, metric_key_prefix: str = "eval", **kwargs):
+        """Preference runs: the evaluation's rewards, margins and accuracy join its metrics (and its log)."""
+        output = super().evaluation_loop(*args, metric_key_prefix=metric_key_prefix, **kwargs)
+        if self.preference is not None:
+            output.metrics.update(metric_means(self._preference_metrics["eval"], f"{metric_key_prefix}_"))
+            self._preference_metrics["eval"] = {}
+        return output
+
 
     def create_optimizer(self, model=None):
         """Every optimizer of the recipe (APOLLO, GaLore, 8-bit, layer-wise...) comes from finetune.optim."""
@@ -259,9 +281,13 @@ class FinetuneTrainer(Trainer):
         return bool(flag.item())
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Training log rows also carry the smoothed noise scale (gns, grad_sq, trace_sigma) once known."""
+        """Training log rows also carry the smoothed noise scale (gns, grad_sq, trace_sigma) once known, and
+        for preference methods the rewards, margins and accuracy (means since the last training log)."""
         if "loss" in logs and (values := self.noise_scale.values()) is not None:
             logs = {**logs, **{k: float(f"{v:.6g}") for k, v in values.items()}}
+        if self.preference is not None and "loss" in logs:
+            logs = {**logs, **metric_means(self._preference_metrics["train"])}
+            self._preference_metrics["train"] = {}
         super().log(logs, start_time)
 
     def _save_rng_state(self, output_dir) -> None:

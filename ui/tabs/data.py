@@ -13,6 +13,21 @@ from ui.paths import allowed_path, data_files, store_upload
 from ui.tabs.messages import problems_markdown, reported
 
 EXAMPLES = 3  # examples previewed
+# Categories of highlighted tokens: loss tokens of SFT data, and of each answer of preference data.
+CHOSEN, REJECTED, GOOD, BAD = "chosen answer (loss)", "rejected answer (loss)", "good answer (loss)", "bad answer (loss)"
+COLORS = {"loss": "#f4a261", CHOSEN: "#2a9d8f", REJECTED: "#e76f51", GOOD: "#2a9d8f", BAD: "#e76f51"}
+
+
+def highlighted(example: dict) -> list[tuple[str, str | None]]:
+    """An example's tokens as (text, category): loss tokens of SFT data; a preference pair's chosen sequence,
+    then its rejected one (below a divider), each answer's loss tokens in its own colour; a kto answer as good
+    or bad."""
+    if "rejected_tokens" in example:
+        return ([(tok, CHOSEN if loss else None) for tok, loss in example["tokens"]]
+                + [("\n\n── rejected ──\n\n", None)]
+                + [(tok, REJECTED if loss else None) for tok, loss in example["rejected_tokens"]])
+    category = "loss" if "label" not in example else GOOD if example["label"] else BAD
+    return [(tok, category if loss else None) for tok, loss in example["tokens"]]
 
 
 def build(backend: Backend, widgets: list[gr.components.Component]) -> gr.Dropdown:
@@ -20,7 +35,8 @@ def build(backend: Backend, widgets: list[gr.components.Component]) -> gr.Dropdo
     keys = [s.key for s in backend.specs]
     with gr.Tab("Data", id="data"):
         gr.Markdown("Pick a dataset on the server (inside the allowed folders) or upload one; the "
-                    "preview tokenizes with the recipe's model and highlights tokens that carry loss.")
+                    "preview tokenizes with the recipe's model and highlights tokens that carry loss "
+                    "(preference data: the chosen answer, then the rejected one).")
         with gr.Row():
             server_file = gr.Dropdown(choices=data_files(backend.settings.allow_dirs), allow_custom_value=True,
                                       label="Server file", elem_id="server-file", scale=3)
@@ -29,7 +45,7 @@ def build(backend: Backend, widgets: list[gr.components.Component]) -> gr.Dropdo
                               height=140)
         preview_btn = gr.Button("Preview data", elem_id="preview-data")
         data_msg = gr.Markdown(elem_id="data-message")
-        examples = [gr.HighlightedText(label=f"example {i + 1}", color_map={"loss": "#f4a261"},
+        examples = [gr.HighlightedText(label=f"example {i + 1}", color_map=COLORS,
                                        show_legend=True, show_inline_category=False, combine_adjacent=True,
                                        elem_id=f"example-{i}") for i in range(EXAMPLES)]
     data_path = widgets[keys.index("data.path")]
@@ -41,7 +57,7 @@ def build(backend: Backend, widgets: list[gr.components.Component]) -> gr.Dropdo
 
     def show_preview(values) -> tuple:
         found, bad = backend.preview(values, EXAMPLES)
-        shown = [[(tok, "loss" if loss else None) for tok, loss in ex["tokens"]] for ex in found]
+        shown = [highlighted(ex) for ex in found]
         shown += [[]] * (EXAMPLES - len(shown))
         return (views.preview_markdown(found, bad), *shown[:EXAMPLES])
 

@@ -1,0 +1,230 @@
+"""Preference losses (DPO, ORPO, KTO) as part of the one training step (`finetune.memory.step`).
+
+Why our own and not TRL's trainers: TRL's DPOTrainer (and ORPO/KTO, which trl 1.x moved to
+`trl.experimental`) own the training step, the data pipeline and the reference model, so they would bypass
+the step that `finetune run`, `finetune measure` and the planner's meta trace share (layer-wise optimizers,
+offload, chunked loss, OOM recovery). The formulas below follow TRL's (`DPOTrainer.dpo_loss`,
+`ORPOTrainer.odds_ratio_loss`, `KTOTrainer.kto_loss`).
+
+Batch layout (`finetune.data.packing.PreferenceCollator`): pairs are 2 x B rows, the chosen answers first,
+then the rejected ones, so one forward serves both (TRL's "concatenated forward"); kto batches are B rows
+with a boolean `kto_label`. Labels are -100 outside the answers.
+
+Reference model: the base, i.e. the same model with its adapter switched off (peft's `disable_adapter`),
+run under `no_grad` before the policy forward, so it keeps no activations and costs no second copy of the
+weights. KTO's reference point z0 (the KL between policy and reference) is estimated from the batch's own
+answers (detached, clamped at 0), not from TRL's extra forward over mismatched prompt/answer pairs.
+
+Sequence log-probabilities sum log p(token) over each row's answer tokens. With memory.chunked_loss the LM
+head runs over chunks of answer tokens under a checkpoint, so full logits never exist (as for SFT).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from finetune.errors import FinetuneError
+from finetune.memory.chunked_loss import IGNORE_INDEX, default_chunk_size, head_logits, head_of, shift
+from finetune.recipe.schema import TrainingConfig
+
+Metrics = dict[str, list[float]]  # name -> [sum, count], added over micro-batches
+METRIC_PREFIXES = ("rewards/", "logps/", "nll_loss", "log_odds_ratio", "kl")  # logged keys (metrics.jsonl)
+
+
+@dataclass(frozen=True)
+class PreferenceLoss:
+    """A preference method and its knobs (the recipe's training.method, beta, ...)."""
+
+    method: str  # dpo | orpo | kto
+    beta: float = 0.1
+    loss_type: str = "sigmoid"
+    reference_free: bool = False
+    label_smoothing: float = 0.0
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+
+    @classmethod
+    def of(cls, training: TrainingConfig) -> PreferenceLoss | None:
+        """The loss of a recipe's training section; None for sft."""
+        if training.method == "sft":
+            return None
+        return cls(training.method, training.beta, training.loss_type, training.reference_free,
+                   training.label_smoothing, training.desirable_weight, training.undesirable_weight)
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.method == "kto" or (self.method == "dpo" and not self.reference_free)
+
+    @property
+    def rows_per_example(self) -> int:
+        """Sequences per example in a batch: chosen and rejected, or one (kto)."""
+        return 1 if self.method == "kto" else 2
+
+    @property
+    def objective(self) -> str:
+        """What decides the step's memory (not beta and the other numbers): `dpo`, `dpo:reference_free`,
+        `orpo`, `kto`; the planner's trace key, turned back into a loss by `of_objective`."""
+        return self.method + (":reference_free" if self.method == "dpo" and self.reference_free else "")
+
+    @classmethod
+    def of_objective(cls, objective: str) -> PreferenceLoss | None:
+        if objective == "sft":
+            return None
+        method, _, flag = objective.partition(":")
+        return cls(method, reference_free=flag == "reference_free")
+
+
+def synthetic_batch(loss: PreferenceLoss | None, rows: int, seq_len: int, vocab: int, device: Any,
+                    generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    """A batch of `rows` examples at full length, laid out as the collator lays them out (what `finetune
+    measure` and the planner's trace run): every token an input and a label."""
+    n = rows * (loss.rows_per_example if loss is not None else 1)
+    if device == "meta" or str(device) == "meta":
+        ids = torch.zeros(n, seq_len, dtype=torch.long, device="meta")
+    else:
+        ids = torch.randint(0, vocab, (n, seq_len), generator=generator).to(device)
+    batch = {"input_ids": ids, "labels": ids}
+    if loss is not None and loss.method == "kto":
+        batch["kto_label"] = (torch.arange(n) % 2 == 0).to(ids.device)
+    return batch
+
+
+def _token_logps(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
+                 softcap: float | None) -> torch.Tensor:
+    return -F.cross_entropy(head_logits(head, hidden, softcap).float(), labels, reduction="none")
+
+
+def sequence_logps(model: torch.nn.Module, inputs: Mapping[str, Any],
+                   chunked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: the sum of log p(label) over labelled tokens, and how many there are (both shape [rows])."""
+    inputs = dict(inputs)
+    labels = shift(inputs.pop("labels"))
+    inputs.setdefault("use_cache", False)
+    mask = labels != IGNORE_INDEX
+    counts = mask.sum(-1)
+    if not chunked:
+        logits = model(**inputs).logits
+        logps = -F.cross_entropy(logits.float().transpose(1, 2), labels, reduction="none",
+                                 ignore_index=IGNORE_INDEX)
+        return logps.sum(-1), counts
+    decoder, head, softcap, vocab = head_of(model)
+    hidden = decoder(**inputs)[0]
+    if mask.is_meta:  # the planner's trace: every position of its full-length batch is an answer token
+        flat = torch.arange(mask.numel(), device=mask.device)
+    else:
+        flat = mask.reshape(-1).nonzero().squeeze(1)  # answer tokens only: one host sync per step
+    rows = flat // labels.shape[-1]
+    hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat)
+    targets = labels.reshape(-1).index_select(0, flat)
+    size = default_chunk_size(vocab)
+    parts = [checkpoint(_token_logps, head, hidden[i:i + size], targets[i:i + size], softcap, use_reentrant=False)
+             for i in range(0, hidden.shape[0], size)]
+    per_token = torch.cat(parts) if parts else hidden.sum(-1) * 0.0
+    sums = torch.zeros(labels.shape[0], dtype=per_token.dtype, device=per_token.device)
+    return sums.index_add(0, rows, per_token) + hidden.sum() * 0.0, counts
+
+
+def reference_logps(model: torch.nn.Module, inputs: Mapping[str, Any], chunked: bool = False) -> torch.Tensor:
+    """Sequence log-probabilities of the reference model: the base with the adapter off, no graph kept."""
+    if not hasattr(model, "disable_adapter"):
+        raise FinetuneError("the reference model is the base with the adapter switched off, but this model has "
+                            "no adapter", hint="use adapter.type: lora, or a reference-free method")
+    was_training = model.training
+    model.eval()  # no dropout in the reference
+    try:
+        with torch.no_grad(), model.disable_adapter():
+            return sequence_logps(model, inputs, chunked)[0]
+    finally:
+        model.train(was_training)
+
+
+def preference_loss(model: torch.nn.Module, inputs: Mapping[str, Any], loss: PreferenceLoss, chunked: bool = False,
+                    metrics: Metrics | None = None) -> torch.Tensor:
+    """The micro-batch's mean preference loss; adds its rewards, margins and accuracy to `metrics`."""
+    inputs = dict(inputs)
+    kto_label = inputs.pop("kto_label", None)
+    ref = reference_logps(model, inputs, chunked) if loss.uses_reference else None
+    logps, counts = sequence_logps(model, inputs, chunked)
+    ref = ref if ref is not None else torch.zeros_like(logps)
+    if loss.method == "kto":
+        value, stats = _kto(loss, logps, ref, kto_label)
+    else:
+        n = logps.shape[0] // 2
+        pc, pr, rc, rr, cc, cr = logps[:n], logps[n:], ref[:n], ref[n:], counts[:n], counts[n:]
+        value, stats = (_orpo if loss.method == "orpo" else _dpo)(loss, pc, pr, rc, rr, cc, cr)
+    if metrics is not None:
+        for name, (total, count) in stats.items():
+            entry = metrics.setdefault(name, [0.0, 0.0])
+            entry[0] += float(total)
+            entry[1] += float(count)
+    return value
+
+
+def _pair_stats(chosen: torch.Tensor, rejected: torch.Tensor, pc: torch.Tensor, pr: torch.Tensor) -> dict:
+    n = chosen.numel()
+    return {"rewards/chosen": (chosen.sum(), n), "rewards/rejected": (rejected.sum(), n),
+            "rewards/margins": ((chosen - rejected).sum(), n), "rewards/accuracies": ((chosen > rejected).sum(), n),
+            "logps/chosen": (pc.detach().sum(), n), "logps/rejected": (pr.detach().sum(), n)}
+
+
+def _dpo(loss: PreferenceLoss, pc, pr, rc, rr, cc, cr) -> tuple[torch.Tensor, dict]:
+    if loss.loss_type == "ipo":  # IPO compares length-averaged log-probabilities (TRL does the same)
+        logits = (pc / cc - pr / cr) - (rc / cc - rr / cr)
+        losses = (logits - 1 / (2 * loss.beta)) ** 2
+    else:
+        logits = (pc - pr) - (rc - rr)
+        if loss.loss_type == "hinge":
+            losses = torch.relu(1 - loss.beta * logits)
+        else:
+            losses = (-F.logsigmoid(loss.beta * logits) * (1 - loss.label_smoothing)
+                      - F.logsigmoid(-loss.beta * logits) * loss.label_smoothing)
+    chosen, rejected = loss.beta * (pc - rc).detach(), loss.beta * (pr - rr).detach()
+    return losses.mean(), _pair_stats(chosen, rejected, pc, pr)
+
+
+def _log1m_exp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0 (a mean log-probability), finite at x = 0."""
+    return torch.log(torch.clamp(-torch.expm1(x), min=torch.finfo(x.dtype).tiny))
+
+
+def _orpo(loss: PreferenceLoss, pc, pr, rc, rr, cc, cr) -> tuple[torch.Tensor, dict]:
+    ac, ar = pc / cc.clamp(min=1), pr / cr.clamp(min=1)
+    log_odds = (ac - ar) - (_log1m_exp(ac) - _log1m_exp(ar))
+    ratio = F.logsigmoid(log_odds)
+    nll = -pc.sum() / cc.sum().clamp(min=1)  # the SFT loss on the chosen answers
+    stats = _pair_stats(loss.beta * ac.detach(), loss.beta * ar.detach(), pc, pr)
+    n = pc.numel()
+    stats.update({"nll_loss": (nll.detach() * n, n), "log_odds_ratio": (ratio.detach().sum(), n)})
+    return nll - loss.beta * ratio.mean(), stats
+
+
+def _kto(loss: PreferenceLoss, logps, ref, good) -> tuple[torch.Tensor, dict]:
+    if good is None:
+        raise FinetuneError("training.method kto needs batches with kto_label (labelled answers)")
+    good = good.to(torch.bool).to(logps.device)
+    ratio = logps - ref
+    kl = ratio.detach().mean().clamp(min=0)
+    losses = torch.where(good, loss.desirable_weight * (1 - torch.sigmoid(loss.beta * (ratio - kl))),
+                         loss.undesirable_weight * (1 - torch.sigmoid(loss.beta * (kl - ratio))))
+    rewards = loss.beta * ratio.detach()
+    n_good, n_bad = good.sum(), (~good).sum()
+    stats = {"rewards/chosen": (torch.where(good, rewards, 0).sum(), n_good),
+             "rewards/rejected": (torch.where(good, 0, rewards).sum(), n_bad),
+             "kl": (kl * logps.numel(), logps.numel())}
+    return losses.mean(), stats
+
+
+def metric_means(metrics: Metrics, prefix: str = "") -> dict[str, float]:
+    """The logged values: each metric's mean over what was added; margins of kto from the two means."""
+    out = {f"{prefix}{k}": total / count for k, (total, count) in metrics.items() if count}
+    chosen, rejected = out.get(f"{prefix}rewards/chosen"), out.get(f"{prefix}rewards/rejected")
+    if f"{prefix}rewards/margins" not in out and chosen is not None and rejected is not None:
+        out[f"{prefix}rewards/margins"] = chosen - rejected
+    return out
+

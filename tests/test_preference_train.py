@@ -1,0 +1,175 @@
+"""Preference training (training.method dpo, orpo, kto) through `finetune run`: the reference is the base with
+the adapter off, DPO raises the held-out reward margin, metrics reach metrics.jsonl, resume is exact."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from finetune.memory.preference import reference_logps, sequence_logps
+from finetune.recipe.schema import Recipe
+from finetune.rundir import read_jsonl
+from finetune.train.run import run
+
+COLOURS = ["red", "blue", "green", "black", "white", "pink", "grey", "gold"]
+
+
+def _pairs(path, n=24, seed=0):
+    """A learnable preference: the chosen answer names the colour asked about, the rejected one another."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        colour, other = rng.sample(COLOURS, 2)
+        rows.append({"prompt": f"Say {colour}.", "chosen": f"{colour} {colour}.", "rejected": f"{other} {other}."})
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def _recipe(tmp_path, model_dir, name="run", **sections) -> Recipe:
+    data = {
+        "model": {"path": str(model_dir)}, "quantization": {"bits": None},
+        "adapter": {"type": "lora", "r": 8, "alpha": 16, "dropout": 0.0},
+        "data": {"path": str(_pairs(tmp_path / "pairs.jsonl")), "max_seq_len": 64, "validation_split": 0.25},
+        "training": {"method": "dpo", "max_steps": 12, "micro_batch_size": 2, "learning_rate": 1e-2,
+                     "warmup_ratio": 0.0},
+        "memory": {"activation_checkpointing": True},
+        "output": {"dir": str(tmp_path / name), "save_steps": 100},
+    }
+    for section, values in sections.items():
+        data[section] = {**data.get(section, {}), **values}
+    return Recipe.model_validate(data)
+
+
+def test_knob_of_another_method_is_refused_naming_the_key():
+    base = {"model": {"path": "m"}, "data": {"path": "d.jsonl"}}
+    with pytest.raises(ValidationError, match=r"training.loss_type: applies only to dpo, not kto"):
+        Recipe.model_validate({**base, "training": {"method": "kto", "loss_type": "ipo"}})
+    with pytest.raises(ValidationError, match=r"training.desirable_weight: applies only to kto, not sft"):
+        Recipe.model_validate({**base, "training": {"desirable_weight": 2.0}})
+    with pytest.raises(ValidationError, match=r"training.label_smoothing: applies only to loss_type sigmoid"):
+        Recipe.model_validate({**base, "training": {"method": "dpo", "loss_type": "hinge", "label_smoothing": 0.1}})
+    with pytest.raises(ValidationError, match=r"adapter.type=full: the reference model is the base"):
+        Recipe.model_validate({**base, "training": {"method": "dpo"}, "adapter": {"type": "full"},
+                               "quantization": {"bits": None}})
+    Recipe.model_validate({**base, "training": {"method": "orpo", "beta": 0.2}, "adapter": {"type": "full"},
+                           "quantization": {"bits": None}})
+
+
+def test_reference_is_the_base_model_with_the_adapter_off(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from finetune.model.adapter import apply_adapter
+    from finetune.recipe.schema import AdapterConfig
+
+    torch.manual_seed(0)
+    model = apply_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), AdapterConfig(r=4, dropout=0.1),
+                          checkpointing=False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.5)  # an adapter that changes the answers
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    ids = torch.randint(4, 400, (4, 24))
+    labels = ids.clone()
+    labels[:, :8] = -100
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
+    model.train()
+    reference = reference_logps(model, batch)
+    assert model.training  # back in training mode
+    expected = sequence_logps(base.eval(), batch)[0]
+    torch.testing.assert_close(reference, expected, rtol=1e-5, atol=1e-5)
+    for chunked in (False, True):
+        policy = sequence_logps(model.eval(), batch, chunked)[0]
+        assert (policy - expected).abs().max() > 1e-2  # the adapter is on outside the reference
+    torch.testing.assert_close(sequence_logps(model, batch, True)[0], sequence_logps(model, batch)[0])
+
+
+def test_dpo_raises_the_held_out_margin_and_logs_rewards(tmp_path, tiny_model_dir):
+    result = run(_recipe(tmp_path, tiny_model_dir, memory={"chunked_loss": True}))
+    results = json.loads((result.run_dir / "results.json").read_text())
+    before, after = results["eval_before"], results["eval_after"]
+    assert before["eval_rewards/margins"] == pytest.approx(0.0, abs=1e-6)  # LoRA starts as the reference
+    assert after["eval_rewards/margins"] > 0.5 and after["eval_rewards/accuracies"] > 0.5
+    rows = [r for r in read_jsonl(result.run_dir / "metrics.jsonl") if "loss" in r]
+    assert {"rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"} <= set(rows[-1])
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert (result.run_dir / "loss.png").is_file()
+
+
+@pytest.mark.parametrize("training", [
+    pytest.param({"method": "orpo", "beta": 0.5}, id="orpo"),
+    pytest.param({"method": "kto"}, id="kto-from-pairs"),
+])
+def test_other_methods_train_with_layerwise_optimizer(tmp_path, tiny_model_dir, training):
+    """Checkpointing and a layer-wise optimizer (updates inside backward) with each preference loss."""
+    result = run(_recipe(tmp_path, tiny_model_dir, training={**training, "max_steps": 8},
+                         optimizer={"name": "adamw", "layerwise": True}))
+    after = json.loads((result.run_dir / "results.json").read_text())["eval_after"]
+    assert after["eval_rewards/margins"] > 0
+    rows = [r for r in read_jsonl(result.run_dir / "metrics.jsonl") if "loss" in r]
+    assert len(rows) == 8 and all(r["grad_norm"] > 0 for r in rows)
+
+
+def test_resume_is_exact(tmp_path, tiny_model_dir):
+    """3 steps, then --resume to 6 (constant schedule: max_steps changes), equal to 6 straight steps."""
+    constant = {"lr_scheduler": "constant"}
+    straight = run(_recipe(tmp_path, tiny_model_dir, "straight", training={"max_steps": 6, **constant},
+                           adapter={"dropout": 0.1}, data={"validation_split": 0.0}))
+    reference = {r["step"]: r for r in read_jsonl(straight.run_dir / "metrics.jsonl") if "loss" in r}
+    first = _recipe(tmp_path, tiny_model_dir, "resumed", training={"max_steps": 3, **constant},
+                    adapter={"dropout": 0.1},
+                    data={"validation_split": 0.0}, output={"save_steps": 3})
+    run(first)
+    resumed = run(first.model_copy(update={"training": first.training.model_copy(update={"max_steps": 6})}),
+                  resume=True)
+    rows = {r["step"]: r for r in read_jsonl(resumed.run_dir / "metrics.jsonl") if "loss" in r}
+    assert sorted(rows) == list(range(1, 7))
+    for step in range(4, 7):
+        for key in ("loss", "rewards/margins"):
+            assert rows[step][key] == pytest.approx(reference[step][key], rel=1e-5, abs=1e-7), (step, key)
+
+
+def test_generate_compare_shows_base_sft_and_dpo_side_by_side(tmp_path, tiny_model_dir, capsys):
+    from finetune import api
+    from finetune.cli import main
+
+    sft_data = tmp_path / "sft.jsonl"
+    sft_data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"Say {c}."},
+                                                           {"role": "assistant", "content": f"{c}!"}]})
+                                  for c in COLOURS) + "\n")
+    sft = run(_recipe(tmp_path, tiny_model_dir, "sft", training={"method": "sft", "max_steps": 3},
+                      data={"path": str(sft_data), "validation_split": 0.0}))
+    dpo = run(_recipe(tmp_path, tiny_model_dir, "dpo", training={"max_steps": 3}, data={"validation_split": 0.0}))
+    answers = api.compare_runs([sft.run_dir, dpo.run_dir], "Say red.", max_new_tokens=6)
+    assert [name for name, _ in answers] == ["base model", "sft", "dpo"]
+    assert answers[0][1] == api.generate(dpo.run_dir, "Say red.", max_new_tokens=6, use_adapter=False)
+    assert answers[1][1] == api.generate(sft.run_dir, "Say red.", max_new_tokens=6)
+    assert answers[2][1] == api.generate(dpo.run_dir, "Say red.", max_new_tokens=6)
+    capsys.readouterr()
+    assert main(["generate", str(dpo.run_dir), "--compare", str(sft.run_dir), "--prompt", "Say red.",
+                 "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "base model" in out and "sft" in out and "dpo" in out
+
+
+def test_orpo_term_matches_trl():
+    from types import SimpleNamespace
+
+    from trl.experimental.orpo.orpo_trainer import ORPOTrainer
+
+    from finetune.memory.preference import PreferenceLoss, _orpo
+
+    torch.manual_seed(0)
+    counts_c, counts_r = torch.tensor([5, 9, 3]), torch.tensor([7, 2, 4])
+    pc, pr = -torch.rand(3) * counts_c, -torch.rand(3) * 2 * counts_r
+    fake = SimpleNamespace(beta=0.3, accelerator=SimpleNamespace(device="cpu"))
+    terms, chosen, rejected, *_ = ORPOTrainer.odds_ratio_loss(fake, pc / counts_c, pr / counts_r)
+    loss, stats = _orpo(PreferenceLoss("orpo", beta=0.3), pc, pr, None, None, counts_c, counts_r)
+    nll = -pc.sum() / counts_c.sum()
+    torch.testing.assert_close(loss, nll - terms.mean())
+    torch.testing.assert_close(stats["rewards/chosen"][0], chosen.sum())
+    torch.testing.assert_close(stats["rewards/rejected"][0], rejected.sum())
