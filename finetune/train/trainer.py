@@ -108,16 +108,18 @@ def _all_finite(params) -> bool:
 def _write_failure(exc: Exception, folder: Path) -> str | None:
     """Why a save failed, if it is the disk's fault; None for an error that is not about writing.
 
-    torch.save reports a full disk as a RuntimeError from its C++ stream writer, not as an OSError.
+    torch.save reports a full disk as a RuntimeError from its C++ stream writer, and the tokenizers library
+    (Rust) as a plain Exception ending in "(os error 28)": neither is an OSError.
     """
     if isinstance(exc, OSError):
         return f"{exc.strerror or exc} ({exc.filename})" if exc.filename else str(exc.strerror or exc)
-    if not any(s in str(exc) for s in ("iostream", "PytorchStreamWriter", "unexpected pos", "file write failed")):
+    if not any(s in str(exc) for s in ("iostream", "PytorchStreamWriter", "unexpected pos", "file write failed",
+                                        "(os error ")):
         return None
     free = shutil.disk_usage(folder).free
     if free < 1 << 20:
         return f"{os.strerror(errno.ENOSPC)} ({free // 1024} KiB free)"
-    return f"torch could not write the file ({str(exc).splitlines()[0]})"
+    return f"could not write the file ({str(exc).splitlines()[0]})"
 
 
 class FinetuneTrainer(Trainer):
@@ -252,7 +254,7 @@ class FinetuneTrainer(Trainer):
             if main:
                 publish(staging / name, root / name)
             self.accelerator.wait_for_everyone()
-        except (OSError, RuntimeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - only a write failure is reported; anything else is raised again
             reason = _write_failure(exc, root)
             if reason is None:
                 raise
