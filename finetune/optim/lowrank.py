@@ -17,8 +17,6 @@ from __future__ import annotations
 import math
 
 import torch
-from apollo_torch.random_projector import GradientProjector
-from galore_torch.galore_projector import GaLoreProjector
 
 from finetune.optim.presets import projection_side
 
@@ -42,6 +40,10 @@ class LowRankAdamW(torch.optim.Optimizer):
                     self.state[p]["seed"] = index
 
     def _projector(self, group: dict, state: dict):
+        # imported here: apollo_torch pulls in bitsandbytes (~1 s), which planning and the CLI never need
+        from apollo_torch.random_projector import GradientProjector
+        from galore_torch.galore_projector import GaLoreProjector
+
         if "projector" not in state:
             if group["method"] == "apollo":
                 state["projector"] = GradientProjector(
