@@ -94,9 +94,9 @@ def plan_gpu_sizes(recipe: Recipe, sizes_gb: tuple[int, ...] = GPU_SIZES_GB,
     gpu_gb, longest_context, largest_micro_batch, recipe_fits) and the bytes needed per length and micro-batch."""
     from finetune.plan import predict
     from finetune.plan.search import MICRO_BATCHES
-    from finetune.plan.shapes import load_model_config
+    from finetune.plan.trace import planned_config
 
-    config = load_model_config(recipe.model.path, recipe.model.trust_remote_code)
+    config = planned_config(recipe.model.path, recipe.model.trust_remote_code)
     margin = recipe.memory.gpu_memory_margin
     cache: dict[tuple[str, int], int] = {}
 

@@ -113,6 +113,7 @@ def test_warm_plan_loads_no_model_config(tiny_model_dir, tmp_path, fresh, monkey
         assert predict(recipe, gpu_memory="8MiB", device="cpu") == reference
         config = trace.planned_config(str(model))
         assert isinstance(config, trace.CachedConfig) and config.get_text_config().num_hidden_layers == 2
+        assert config.get_text_config().max_position_embeddings == 2048  # the GPU-size sweep's context limit
     data = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**data, "num_hidden_layers": 3}))
     assert trace.planned_config(str(model)).get_text_config().num_hidden_layers == 3

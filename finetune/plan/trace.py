@@ -430,7 +430,7 @@ class _TextFacts:
         return getattr(self._owner.real().get_text_config(), name)
 
 
-TEXT_FACTS = ("num_hidden_layers", "hidden_size", "vocab_size")
+TEXT_FACTS = ("num_hidden_layers", "hidden_size", "vocab_size", "max_position_embeddings")
 
 
 def _source_fingerprint(path: str, trust_remote_code: bool) -> list | None:
@@ -468,7 +468,7 @@ def planned_config(path: str, trust_remote_code: bool = False) -> Any:
         config = load()
         loaded.append(config)
         text = config.get_text_config()
-        return _config_key(config), {name: getattr(text, name) for name in TEXT_FACTS}
+        return _config_key(config), {name: getattr(text, name, None) for name in TEXT_FACTS}
 
     key, text = trace_cache.cached("config", fingerprint, compute, lambda v: [list(v[0]), v[1]],
                                    lambda v: ((str(v[0][0]), str(v[0][1])), dict(v[1])))
