@@ -130,7 +130,9 @@ def test_cli_run_directory_generate_and_export(tmp_path, tiny_model_dir):
     assert [r["step"] for r in train_rows] == [1, 2, 3, 4]
     for key in ("loss", "learning_rate", "grad_norm", "tokens_per_second", "peak_memory_bytes"):
         assert all(isinstance(r[key], (int, float)) for r in train_rows), key
-    assert any("eval_loss" in r for r in rows)
+    evals = [r for r in rows if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [4], "one evaluation row at the end, not two"
+    assert json.loads((run_dir / "results.json").read_text())["eval_loss"] == evals[0]["eval_loss"]
     # On CPU the peak comes from the tensor tracker, split by component, next to the planner's prediction.
     plan = json.loads((run_dir / "plan.json").read_text())
     measured = train_rows[-1]

@@ -252,7 +252,7 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
         peak.close()  # also after an error, when the Trainer never calls on_train_end
         if trainer.offload is not None:  # an out-of-memory recovery may have turned it on or changed it
             trainer.offload.close()  # removes every file the disk tier still holds, also after an error
-    after = trainer.evaluate() if data.eval is not None else {}
+    after = _final_evaluation(trainer) if data.eval is not None else {}
     eval_loss = after.get("eval_loss")
     state = "stopped" if stopper.requested else "completed"
     if state == "completed":
@@ -274,6 +274,15 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     run_dir.write_status(state, step=result.steps, max_steps=steps, **metrics.status_fields)
     run_dir.log_line(f"run {state} at step {result.steps}")
     return result
+
+
+def _final_evaluation(trainer: FinetuneTrainer) -> dict[str, float]:
+    """The evaluation at the last step: the Trainer's own when it ran one there (evaluating again would log
+    a second row for the same step in metrics.jsonl), else a new one."""
+    last = next((row for row in reversed(trainer.state.log_history) if "eval_loss" in row), None)
+    if last is not None and last.get("step") == trainer.state.global_step:
+        return {k: v for k, v in last.items() if k != "step"}
+    return trainer.evaluate()
 
 
 def _save_result(trainer: FinetuneTrainer, tokenizer, run_dir: RunDir, main: bool = True) -> None:
