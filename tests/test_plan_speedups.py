@@ -118,3 +118,25 @@ def test_warm_plan_loads_no_model_config(tiny_model_dir, tmp_path, fresh, monkey
     (model / "config.json").write_text(json.dumps({**data, "num_hidden_layers": 3}))
     assert trace.planned_config(str(model)).get_text_config().num_hidden_layers == 3
     assert trace.planned_config(str(model)).rms_norm_eps == data["rms_norm_eps"]  # the rest: the real config
+
+
+def test_trace_cache_keeps_the_most_recently_used_entries(tmp_path, monkeypatch):
+    """Old entries (orphaned by an upgrade) are dropped once the folder is full; a hit counts as a use."""
+    import os
+
+    from finetune.plan import trace_cache
+
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(trace_cache, "MAX_ENTRIES", 3)
+
+    def put(key: int) -> int:
+        return trace_cache.cached("test", key, lambda: key * 10, lambda v: v, int)
+
+    for key in range(3):
+        put(key)
+        path = trace_cache.entry_path("test", key)
+        os.utime(path, ns=(key * 10**9, key * 10**9))  # entry k used at second k
+    assert put(0) == 0  # a hit: entry 0 becomes the most recent
+    put(3)  # the folder is full: the least recently used (entry 1) goes
+    kept = {k for k in range(4) if trace_cache.entry_path("test", k).is_file()}
+    assert kept == {0, 2, 3}

@@ -8,7 +8,8 @@ source (a changed step, tracker or layer wrapper invalidates every entry).
 
 One JSON file per entry under `<cache dir>/traces/`, written to a temporary file and renamed over the
 target, so concurrent writers (UI handlers, several CLIs) never leave a half file; an unreadable or corrupt
-file is a miss and is rewritten.
+file is a miss and is rewritten. Every finetune upgrade orphans the old entries, so the folder keeps the
+MAX_ENTRIES most recently used (a hit refreshes an entry's mtime) and drops the rest when it writes.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -26,6 +28,7 @@ from finetune.rundir import atomic_write_text
 
 T = TypeVar("T")
 FORMAT = 1  # bump when the stored layout changes
+MAX_ENTRIES = 4096  # ~5 KB each: at most ~20 MB of cache
 
 
 @functools.lru_cache(maxsize=1)
@@ -62,7 +65,9 @@ def entry_path(kind: str, key: Any) -> Path:
 
 def _read(path: Path) -> Any:
     try:
-        return json.loads(path.read_text())["value"]
+        value = json.loads(path.read_text())["value"]
+        os.utime(path)  # recently used: kept by _evict
+        return value
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -71,8 +76,19 @@ def _write(path: Path, value: Any) -> None:
     """Atomic (a reader sees all or nothing); a read-only or full cache folder only costs speed."""
     try:
         atomic_write_text(path, json.dumps({"value": value}))
+        _evict(path.parent, MAX_ENTRIES)
     except OSError:
         pass
+
+
+def _evict(folder: Path, keep: int) -> None:
+    """Delete all but the `keep` most recently used entries (another process may delete one first)."""
+    entries = [e for e in os.scandir(folder) if e.name.endswith(".json") and e.is_file()]
+    if len(entries) <= keep:
+        return
+    entries.sort(key=lambda e: e.stat().st_mtime_ns, reverse=True)
+    for entry in entries[keep:]:
+        Path(entry.path).unlink(missing_ok=True)
 
 
 def cached(kind: str, key: Any, compute: Callable[[], T], encode: Callable[[T], Any],
