@@ -270,7 +270,7 @@ def run_batch_report(run_dir: str | Path) -> dict[str, Any] | None:
             batch["gradient_accumulation_steps"], "gpus": gpus, "sequences": sequences, "auto": bool(batch.get("auto")),
             "tokens_per_sequence": per_sequence, "tokens": round(sequences * per_sequence) if per_sequence else None,
             "noise_scale": noise.get("final"),
-            "noise_series": [(r["step"], r["gns"]) for r in rows if r.get("gns") and "step" in r],
+            "noise_series": [(r["step"], r["gns"]) for r in rows if r.get("gns") and "step" in r and "event" not in r],
             "changes": [r for r in rows if r.get("event") == "batch_changed"], "advice": results.get("advice") or {}}
 
 
