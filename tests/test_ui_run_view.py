@@ -89,6 +89,11 @@ def test_the_batch_panel_says_the_batch_used_the_noise_scale_the_changes_and_the
 
 
 def test_the_batch_panel_is_shown_only_for_a_run_that_accounted_for_its_batch(tmp_path):
+    kto = _run(tmp_path, "kto", [{"step": 1, "loss": 0.5, "rewards/chosen": 0.2, "rewards/rejected": -0.1,
+                                  "rewards/margins": 0.3, "kl": 0.0}], None, method="kto")
+    accuracy = charts.reward_figure(api.run_reward_report(kto.root)).axes[1]
+    assert not accuracy.get_lines() and "no accuracy" in accuracy.texts[0].get_text()
+
     going = _run(tmp_path, "going", [{"step": 1, "loss": 1.0, "gns": 50.0}], None)  # no results.json yet
     several = _run(tmp_path, "several", [{"step": 1, "loss": 1.0}], {"state": "completed", "steps": 1})
     for run in (going, several):
@@ -182,6 +187,11 @@ def test_a_preference_run_shows_its_reward_curves_and_the_held_out_rewards_befor
     assert "| loss | 0.6931 | 0.4100 |" in text
     updates = run_panel.updates(run.root)
     assert updates[4]["visible"] is True and updates[6] == text
+
+    kto = _run(tmp_path, "kto", [{"step": 1, "loss": 0.5, "rewards/chosen": 0.2, "rewards/rejected": -0.1,
+                                  "rewards/margins": 0.3, "kl": 0.0}], None, method="kto")
+    accuracy = charts.reward_figure(api.run_reward_report(kto.root)).axes[1]
+    assert not accuracy.get_lines() and "no accuracy" in accuracy.texts[0].get_text()
 
     going = _run(tmp_path, "going", [r for r in run.read_metrics() if r["step"] <= 2], None, method="dpo")
     assert views.rewards_markdown(api.run_reward_report(going.root)) == ""  # curves while it runs, no table yet

@@ -238,6 +238,9 @@ def reward_figure(report: dict[str, Any]) -> Figure:
     rewards.axhline(0, color="black", linewidth=0.6)
     rewards.set_ylabel("reward")
     rewards.set_title("rewards of chosen and rejected answers")
+    if not accuracy.get_lines():  # kto: its answers are not paired
+        accuracy.text(0.5, 0.5, "no accuracy: this method's answers are not paired", ha="center", va="center",
+                      transform=accuracy.transAxes, color="gray")
     accuracy.set_ylim(-0.05, 1.05)
     accuracy.set_ylabel("chosen > rejected")
     accuracy.set_xlabel("step")
