@@ -98,8 +98,8 @@ def test_the_batch_panel_is_shown_only_for_a_run_that_accounted_for_its_batch(tm
     several = _run(tmp_path, "several", [{"step": 1, "loss": 1.0}], {"state": "completed", "steps": 1})
     for run in (going, several):
         assert api.run_batch_report(run.root) is None
-        box, text, plot, button, *_ = run_panel.updates(run.root)
-        assert box["visible"] is False and button["visible"] is False and text == "" and plot is None
+        box, text, plot, button, message, *_ = run_panel.updates(run.root)
+        assert box["visible"] is False and message == "" and button["visible"] is False and text == "" and plot is None
     shown = run_panel.updates(_auto_run(tmp_path).root)
     assert shown[0]["visible"] is True and shown[3]["visible"] is True and "Batch used" in shown[1]
 
@@ -186,7 +186,7 @@ def test_a_preference_run_shows_its_reward_curves_and_the_held_out_rewards_befor
     assert "| reward margin | +0.000 | +0.600 |" in text and "| accuracy (chosen > rejected) | 0% | 50% |" in text
     assert "| loss | 0.6931 | 0.4100 |" in text
     updates = run_panel.updates(run.root)
-    assert updates[4]["visible"] is True and updates[6] == text
+    assert updates[5]["visible"] is True and updates[7] == text
 
     kto = _run(tmp_path, "kto", [{"step": 1, "loss": 0.5, "rewards/chosen": 0.2, "rewards/rejected": -0.1,
                                   "rewards/margins": 0.3, "kl": 0.0}], None, method="kto")
@@ -197,4 +197,4 @@ def test_a_preference_run_shows_its_reward_curves_and_the_held_out_rewards_befor
     assert views.rewards_markdown(api.run_reward_report(going.root)) == ""  # curves while it runs, no table yet
     sft = _run(tmp_path, "sft", [{"step": 1, "loss": 1.0, "eval_loss": 1.1}], {"state": "completed"})
     assert api.run_reward_report(sft.root) is None
-    assert run_panel.updates(sft.root)[4:] == ({"visible": False, "__type__": "update"}, None, "")
+    assert run_panel.updates(sft.root)[5:] == ({"visible": False, "__type__": "update"}, None, "")

@@ -32,8 +32,8 @@ class RunPanel:
 
     @property
     def outputs(self) -> list[gr.components.Component]:
-        return [self.batch_box, self.batch_md, self.noise_plot, self.advice_btn, self.rewards_box, self.reward_plot,
-                self.rewards_md]
+        return [self.batch_box, self.batch_md, self.noise_plot, self.advice_btn, self.advice_msg, self.rewards_box,
+                self.reward_plot, self.rewards_md]
 
 
 def build(prefix: str) -> RunPanel:
@@ -58,11 +58,11 @@ def updates(path: Path | None) -> tuple[Any, ...]:
     batch = api.run_batch_report(path) if path else None
     rewards = api.run_reward_report(path) if path else None
     if batch is None:
-        batch_out = (gr.update(visible=False), "", None, gr.update(visible=False))
+        batch_out = (gr.update(visible=False), "", None, gr.update(visible=False), "")
     else:
-        batch_out = (gr.update(visible=True), views.batch_markdown(batch, str(path)),
-                     charts.noise_figure(batch, [e for e in views.run_events(RunDir(path).read_metrics()) if e[2] == "batch"]),
-                     gr.update(visible=bool(batch["advice"].get("settings"))))
+        events = [e for e in views.run_events(RunDir(path).read_metrics()) if e[2] == "batch"]
+        batch_out = (gr.update(visible=True), views.batch_markdown(batch, str(path)), charts.noise_figure(batch, events),
+                     gr.update(visible=bool(batch["advice"].get("settings"))), "")  # a message of another run goes
     if rewards is None:
         return *batch_out, gr.update(visible=False), None, ""
     return *batch_out, gr.update(visible=True), charts.reward_figure(rewards), views.rewards_markdown(rewards)

@@ -85,6 +85,7 @@ def build(backend: Backend, widgets: list[gr.components.Component]) -> RunsTab:
 
     recipe_run.change(run_view, recipe_run, panel.outputs, api_name="run_view")
     run_panel.wire_advice(panel, backend, recipe_run, widgets)
+
     def export(run_dir, out_dir):  # a generator function, so the page streams the progress
         yield from export_view(backend, run_dir, out_dir)
 

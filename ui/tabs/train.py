@@ -39,7 +39,7 @@ def build(backend: Backend, widgets: list[gr.components.Component], timer: gr.Ti
         log_box = gr.Textbox(label="Log tail (newest last)", lines=14, max_lines=14, interactive=False,
                              autoscroll=True, elem_id="log-tail")
         queue_md = gr.Markdown(elem_id="queue")
-        seen = gr.State(None)  # (run, rows) last drawn: plots are redrawn only when that changes
+        seen = gr.State(None)  # (run, rows, results) last drawn: plots are redrawn only when that changes
         unseen = gr.State(None)  # a run picked anew is drawn at once
 
     def run_choices(selected: str | None = None):
