@@ -239,7 +239,12 @@ def apply_advice(recipe: Recipe, run_dir: str | Path) -> tuple[Recipe, list[str]
 
     advised, why = run_advice(run_dir)
     data = apply_overrides(recipe.model_dump(mode="python"), advised)
-    return validate_recipe(data, f"the recipe with the advice of {run_dir}"), advised, why
+    new = validate_recipe(data, f"the recipe with the advice of {run_dir}")
+    batch, micro = new.training.effective_batch_size, new.training.micro_batch_size
+    if isinstance(batch, int) and isinstance(micro, int) and micro > batch:  # the run would use micro x 1
+        why += (f". Note: the recipe's training.micro_batch_size {micro} is above the advised batch of {batch} and "
+                "would win; set it to auto (or at most the batch) to follow the advice")
+    return new, advised, why
 
 
 # What a preference run (training.method dpo, orpo, kto) logs per step in metrics.jsonl, as loss.png plots it

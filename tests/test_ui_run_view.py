@@ -139,6 +139,11 @@ def test_the_advice_goes_into_the_form_as_plan_advice_applies_it(tmp_path):
 
     from finetune.errors import FinetuneError, RecipeError
 
+    # a micro-batch pinned above the advised batch would win over the advice: said, not hidden
+    pinned = api.load_recipe(recipe_file, ["training.micro_batch_size=16"])
+    assert "training.micro_batch_size 16 is above the advised batch of 8" in api.apply_advice(pinned, run.root)[2]
+    assert "micro_batch_size" not in why
+
     with pytest.raises(RecipeError, match="must hold a valid recipe") as empty:
         backend.apply_advice([""] * len(values), str(run.root))  # a fresh page: no model, no data
     assert "From a previous run" in empty.value.hint

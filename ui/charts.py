@@ -212,6 +212,7 @@ def noise_figure(report: dict[str, Any], events: list[tuple[int, str, str, str]]
                        label=f"advised for next time ({advised} seq.)")
     mark_events(ax, events)
     ax.set_yscale("log")
+    ax.margins(y=0.15)  # the advised batch is often the lowest line: keep it off the frame
     for axis_formatter in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
         axis_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))  # 30, not 3x10^1
     ax.set_xlabel("step")
