@@ -291,7 +291,7 @@ def run_reward_report(run_dir: str | Path) -> dict[str, Any] | None:
     for key in REWARD_KEYS:
         train = [(r["step"], r[key]) for r in rows if r.get(key) is not None and "step" in r]
         evals = {r["step"]: r[EVAL_PREFIX + key] for r in rows if r.get(EVAL_PREFIX + key) is not None and "step" in r}
-        curves[key] = {"train": train, "eval": sorted(evals.items())}  # the final evaluation is logged twice
+        curves[key] = {"train": train, "eval": sorted(evals.items())}  # one per step: run.py may log the last twice
     if not any(c["train"] or c["eval"] for c in curves.values()):
         return None
     results = run.read_results() or {}
