@@ -30,6 +30,13 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[flo
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def _log_axis(ax: Any) -> None:
+    """A logarithmic y axis labelled with plain numbers (30, not 3x10^1), also between powers of ten."""
+    ax.set_yscale("log")
+    for set_formatter in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+        set_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+
+
 EVENT_COLORS = {"checkpoint": "#55a868", "oom": "#c44e52", "batch": "#8172b2"}
 
 
@@ -60,7 +67,7 @@ def loss_figure(runs: dict[str, list[dict[str, Any]]], title: str = "loss", by_r
         gns_ax = ax.twinx()
         for i, (steps, values) in enumerate(noise.values()):
             gns_ax.plot(steps, values, ":", color=f"C{i % 10}", alpha=0.7)
-        gns_ax.set_yscale("log")
+        _log_axis(gns_ax)
         gns_ax.set_ylabel("noise scale (tokens)")
         ax.plot([], [], ":", color="gray", label="noise scale (right axis)")
     ax.set_xlabel("step")
@@ -211,10 +218,8 @@ def noise_figure(report: dict[str, Any], events: list[tuple[int, str, str, str]]
             ax.axhline(advised * per, color="C1", linestyle="--", linewidth=1.1,
                        label=f"advised for next time ({advised} seq.)")
     mark_events(ax, events)
-    ax.set_yscale("log")
+    _log_axis(ax)
     ax.margins(y=0.15)  # the advised batch is often the lowest line: keep it off the frame
-    for axis_formatter in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
-        axis_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))  # 30, not 3x10^1
     ax.set_xlabel("step")
     ax.set_ylabel("labelled tokens")
     ax.set_title("noise scale and batch")
