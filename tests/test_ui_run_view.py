@@ -8,7 +8,6 @@ import pytest
 
 from finetune import api
 from finetune.recipe import validate_recipe
-from finetune.recipe.batch_rules import advise
 from finetune.recipe.load import recipe_to_yaml
 from finetune.rundir import RunDir, atomic_write_json, atomic_write_text
 from ui import charts, views
@@ -18,6 +17,9 @@ from ui.tabs import run_panel
 
 GNS = [(3, 400.0), (4, 900.0), (5, 1600.0), (6, 2400.0), (7, 3000.0)]  # (step, labelled tokens)
 PER_SEQUENCE = 25.0  # labelled tokens per sequence
+# The settings of results.json's "advice", as finetune.recipe.batch_rules.advise writes them (recipe keys)
+ADVISED = {"training.effective_batch_size": 8, "training.gradient_accumulation_steps": "auto",
+           "training.reference_batch_size": 8, "training.learning_rate": 0.001414, "optimizer.betas": [0.9, 0.998]}
 
 
 def _recipe(tmp_path, name: str, **training) -> dict:
@@ -47,7 +49,8 @@ def _auto_run(tmp_path) -> RunDir:
               "gns": 1600.0, "learning_rate": 1.414e-3, "beta2": 0.998}
     rows = [{"step": s, "loss": 2.0 / s, "gns": g, "grad_sq": 1.0, "trace_sigma": g} for s, g in GNS[:2]]
     rows += [change] + [{"step": s, "loss": 2.0 / s, "gns": g, "grad_sq": 1.0, "trace_sigma": g} for s, g in GNS[2:]]
-    advice = advise(GNS[-1][1], PER_SEQUENCE, 8, 1.414e-3, (0.9, 0.998), "adamw")
+    advice = {"settings": ADVISED, "reason": "measured noise scale 3000 labelled tokens = 120 sequences: 8 "
+              "sequences per update; batch 8 vs reference 8 sequences: learning rate and beta2 unchanged"}
     results = {"state": "completed", "steps": 7,
                "batch": {"micro_batch_size": 2, "gradient_accumulation_steps": 4, "effective_batch_size": 8,
                          "auto": True, "changes": [change]},
@@ -63,15 +66,15 @@ def test_the_batch_panel_says_the_batch_used_the_noise_scale_the_changes_and_the
     assert (report["sequences"], report["tokens"], report["gpus"], report["auto"]) == (8, 200, 1, True)
     assert report["noise_series"] == GNS and [c["step"] for c in report["changes"]] == [5]
     settings = report["advice"]["settings"]
-    assert settings["training.effective_batch_size"] == 8  # 0.1 x 3000 tokens / 25 per sequence: 8 sequences
+    assert settings == ADVISED
 
     text = views.batch_markdown(report, str(run.root))
     assert "2 per micro-batch × 4 accumulation × 1 GPU = **8 sequences per optimizer step**" in text
     assert "about 200 labelled tokens (25 per sequence)" in text and "effective_batch_size: auto" in text
     assert "3000 labelled tokens ≈ 120 sequences" in text  # the final noise scale, in tokens and sequences
     assert "step 5: 4 → 8 sequences (noise scale 1600 tokens), learning rate 0.00141, beta2 0.998" in text
-    assert f"**Next time**: an effective batch of **8 sequences** (about 200 labelled tokens), learning rate " \
-           f"**{settings['training.learning_rate']:g}**" in text
+    assert "**Next time**: an effective batch of **8 sequences** (about 200 labelled tokens), learning rate " \
+           "**0.001414**, betas **[0.9, 0.998]**" in text
     assert report["advice"]["reason"] in text  # the rule's own account of why
     assert "`training.effective_batch_size=8`" in text and f"--advice {run.root}" in text
 
