@@ -232,6 +232,86 @@ def run_advice(run_dir: str | Path) -> tuple[list[str], str]:
     return [f"{k}={json.dumps(v)}" for k, v in advice["settings"].items()], advice["reason"]
 
 
+def apply_advice(recipe: Recipe, run_dir: str | Path) -> tuple[Recipe, list[str], str]:
+    """`recipe` with a finished run's advice written over it, as `finetune plan --advice RUN_DIR` does (the
+    UI's "use the advice" button): (the new recipe, the `key=value` overrides applied, why)."""
+    from finetune.recipe.load import apply_overrides
+
+    advised, why = run_advice(run_dir)
+    data = apply_overrides(recipe.model_dump(mode="python"), advised)
+    new = validate_recipe(data, f"the recipe with the advice of {run_dir}")
+    batch, micro = new.training.effective_batch_size, new.training.micro_batch_size
+    if isinstance(batch, int) and isinstance(micro, int) and micro > batch:  # the run would use micro x 1
+        why += (f". Note: the recipe's training.micro_batch_size {micro} is above the advised batch of {batch} and "
+                "would win; set it to auto (or at most the batch) to follow the advice")
+    return new, advised, why
+
+
+# What a preference run (training.method dpo, orpo, kto) logs per step in metrics.jsonl, as loss.png plots it
+# (finetune/train/plots.py); eval rows carry the same keys behind EVAL_PREFIX.
+REWARD_KEYS = {"rewards/chosen": "chosen reward", "rewards/rejected": "rejected reward",
+               "rewards/margins": "reward margin", "rewards/accuracies": "accuracy (chosen > rejected)"}
+EVAL_PREFIX = "eval_"
+
+
+def run_batch_report(run_dir: str | Path) -> dict[str, Any] | None:
+    """What a finished run says about its batch (results.json, metrics.jsonl, its recipe), for the run view:
+    the batch used (micro x accumulation x gpus, in sequences and labelled tokens), the noise scale over time
+    (metrics.jsonl `gns`, as (step, labelled tokens)), the batch changes (`batch_changed` rows) and the advice
+    for next time (`settings` as recipe keys and a `reason`, or only a reason). None when results.json has
+    no account of the batch (a run still going, or one from an older version)."""
+    from finetune.rundir import RunDir
+
+    run = RunDir(Path(run_dir))
+    results = run.read_results() or {}
+    batch, noise = results.get("batch"), results.get("noise_scale") or {}
+    if not isinstance(batch, dict):
+        return None
+    gpus = batch.get("gpus") or _recipe_gpus(run.recipe)
+    sequences = batch["micro_batch_size"] * batch["gradient_accumulation_steps"] * gpus
+    per_sequence = noise.get("tokens_per_sequence")
+    rows = run.read_metrics()
+    return {"micro_batch_size": batch["micro_batch_size"], "gradient_accumulation_steps":
+            batch["gradient_accumulation_steps"], "gpus": gpus, "sequences": sequences, "auto": bool(batch.get("auto")),
+            "tokens_per_sequence": per_sequence, "tokens": round(sequences * per_sequence) if per_sequence else None,
+            "noise_scale": noise.get("final"),
+            "noise_series": [(r["step"], r["gns"]) for r in rows if r.get("gns") and "step" in r and "event" not in r],
+            "changes": [r for r in rows if r.get("event") == "batch_changed"], "advice": results.get("advice") or {}}
+
+
+def run_reward_report(run_dir: str | Path) -> dict[str, Any] | None:
+    """A preference run's rewards, for the run view: `curves` (each REWARD_KEYS key -> `train` and `eval` lists
+    of (step, value) from metrics.jsonl, one eval point per step) and the held-out values `before` and `after`
+    training (results.json; empty while the run goes). None for a run that logged no rewards (sft)."""
+    from finetune.rundir import RunDir
+
+    run = RunDir(Path(run_dir))
+    rows = run.read_metrics()
+    curves = {}
+    for key in REWARD_KEYS:
+        train = [(r["step"], r[key]) for r in rows if r.get(key) is not None and "step" in r]
+        evals = {r["step"]: r[EVAL_PREFIX + key] for r in rows if r.get(EVAL_PREFIX + key) is not None and "step" in r}
+        curves[key] = {"train": train, "eval": sorted(evals.items())}  # one per step: run.py may log the last twice
+    if not any(c["train"] or c["eval"] for c in curves.values()):
+        return None
+    results = run.read_results() or {}
+    held_out = {when: {key: (results.get(f"eval_{when}") or {}).get(EVAL_PREFIX + key)
+                       for key in (*REWARD_KEYS, "loss")} for when in ("before", "after")}
+    return {"curves": curves, **{when: values for when, values in held_out.items()
+                                 if any(v is not None for v in values.values())}}
+
+
+def _recipe_gpus(path: Path) -> int:
+    """distributed.gpus of a run's resolved recipe.yaml (1 when it cannot be read)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        return int(data["distributed"]["gpus"])
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError):
+        return 1
+
+
 def measure(recipe: Recipe, *, steps: int = 2) -> dict[str, Any]:
     """Run `steps` real training steps under the memory tracker; the measured peak and its breakdown by
     component (`auto` settings resolved by the planner first, as `run` would)."""

@@ -150,14 +150,27 @@ def test_train_stop_and_resume(work):
 def test_finished_run_history_export_and_chat(work):
     workdir, data, client, model = work
     run_dir = (workdir / "runs" / "short").resolve()
-    status = _start(client, workdir, "short", tiny_recipe(model, data, run_dir, max_steps=6))
+    recipe = tiny_recipe(model, data, run_dir, max_steps=6, micro_batch_size=2, noise_scale_split_every=1)
+    status = _start(client, workdir, "short", recipe)
     state, step = wait_for(lambda: (s := status())[0] == "completed" and s, 240, "the run to finish")
     assert step == 6
     fresh = gradio_client.Client(client.src, verbose=False)  # a new page: nothing drawn yet in this session
-    html, _, loss_plot, timeline, lr_plot, memory_plot, log, queue = fresh.predict(str(run_dir),
-                                                                                   api_name="/refresh")
+    (html, _, loss_plot, timeline, lr_plot, memory_plot, batch_text, noise_plot, advice_msg, reward_plot, rewards_text,
+     log, queue) = fresh.predict(str(run_dir), api_name="/refresh")
     assert "run completed at step 6" in log and "GPU free" in queue
     assert loss_plot["type"] == timeline["type"] == lr_plot["type"] == memory_plot["type"] == "matplotlib"  # predicted vs measured
+    # at the end: the batch panel (an sft run has no reward panel), and its advice written into the form
+    assert "**2 sequences per optimizer step**" in batch_text and noise_plot["type"] == "matplotlib"
+    assert reward_plot is None and rewards_text == "" == advice_msg
+    advice = RunDir(run_dir).read_results()["advice"]["settings"]
+    assert f"effective batch of **{advice['training.effective_batch_size']} sequence" in batch_text
+    _, values = _load(client, run_dir / "recipe.yaml")
+    msg, *advised = client.predict(str(run_dir), *values, api_name="/use_advice")
+    assert msg.startswith("Wrote the advice of short into the recipe form")
+    from ui.form import form_specs
+
+    keys = [s.key for s in form_specs()]
+    assert advised[keys.index("training.learning_rate")] == advice["training.learning_rate"]
 
     rows = client.predict(api_name="/history")[0]
     assert any(row[0] == str(run_dir) and row[1] == "completed" for row in rows["data"])

@@ -40,7 +40,10 @@ def _outside_tree(outside: Path, model_dir: Path) -> None:
     run = outside / "run"
     (run / "adapter").mkdir(parents=True)
     (run / "status.json").write_text(json.dumps({"state": SECRET, "step": 1}))
-    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0, "rewards/margins": 0.5}) + "\n")
+    (run / "results.json").write_text(json.dumps({  # the run view's batch panel and its advice
+        "batch": {"micro_batch_size": 1, "gradient_accumulation_steps": 1, "effective_batch_size": 1},
+        "advice": {"settings": {"training.learning_rate": 1e-3}, "reason": SECRET}}))
     write_recipe(run / "recipe.yaml", tiny_recipe(model_dir, outside / "secret.jsonl", run))
     write_recipe(outside / "secret.yaml", tiny_recipe(outside / "model", outside / "secret.jsonl", outside / "r"))
 
@@ -124,6 +127,9 @@ def test_run_views_refuse_a_run_outside(site, form):
         client.predict([run], api_name="/overlay")
     _refused(client.predict(run, str(site["allowed"] / "merged"), api_name="/export"))
     _refused(client.predict(run, None, True, "", 0, 1, 8, "hello", [], [], [], api_name="/chat"), where=4)
+    _refused(client.predict(run, *site["values"], api_name="/use_advice"))
+    panels = client.predict(run, api_name="/run_view")  # the batch and rewards panels stay empty
+    assert SECRET not in json.dumps(panels) and all(p in ("", None) for p in panels)
     _nothing_queued(site)
     assert not (site["allowed"] / "merged").exists()
 

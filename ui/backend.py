@@ -282,6 +282,29 @@ class Backend:
         return dirs[0] if dirs else None
 
     # -- results -------------------------------------------------------------------------------------
+    def apply_advice(self, values: list[Any], run_dir: str | None) -> tuple[str, dict[int, Any]]:
+        """A finished run's batch advice written over the form's recipe, as `finetune plan --advice RUN_DIR`
+        does (finetune.api.apply_advice): a message naming the keys it set, and widget index -> new value."""
+        from finetune import api
+
+        path = self.run_path(run_dir)
+        try:
+            recipe = self.recipe(values)
+        except RecipeError as exc:
+            raise RecipeError(f"the recipe form must hold a valid recipe to take the advice of {path.name}",
+                              exc.problems, hint="load one first in the Recipe tab (for example this run's, "
+                                                 "under 'From a previous run'), then press the button again") from None
+        advised, keys_set, why = api.apply_advice(recipe, path)
+        data = advised.model_dump(mode="python")
+        index = {s.key: i for i, s in enumerate(self.specs)}
+        changed = {}
+        for key in (item.split("=", 1)[0] for item in keys_set):
+            section, name = key.split(".")
+            changed[index[key]] = form.to_widget(self.specs[index[key]], data[section][name])
+        shown = ", ".join(f"`{self.specs[i].key}={v}`" for i, v in changed.items())
+        return (f"Wrote the advice of {path.name} into the recipe form (Recipe tab): {shown}. Why: {why}. "
+                "Check the plan in the Memory tab before starting."), changed
+
     def chat_run(self, run_dir: str | None, what: str) -> str:
         """A run the chat may load: chosen, inside the allowed folders, with a saved adapter."""
         if not run_dir:

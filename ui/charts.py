@@ -1,4 +1,5 @@
-"""Matplotlib figures for the UI: loss and learning-rate curves, and the memory plan as stacked bars.
+"""Matplotlib figures for the UI: loss and learning-rate curves, the memory plan as stacked bars, and a
+finished run's noise scale against its batch and a preference run's rewards.
 
 Figures are built with `matplotlib.figure.Figure` (not pyplot), so nothing global accumulates while a
 timer redraws them every few seconds.
@@ -9,8 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from matplotlib.figure import Figure
-from matplotlib.ticker import FormatStrFormatter
+from matplotlib.ticker import FormatStrFormatter, LogFormatter
 
+from finetune.api import REWARD_KEYS
 from finetune.units import format_bytes
 
 GIB = 1 << 30
@@ -26,6 +28,13 @@ def _figure(width: float = 7, height: float = 3.2) -> tuple[Figure, Any]:
 def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
     pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None and r.get("step") is not None]
     return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _log_axis(ax: Any) -> None:
+    """A logarithmic y axis labelled with plain numbers (30, not 3x10^1), also between powers of ten."""
+    ax.set_yscale("log")
+    for set_formatter in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+        set_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
 
 
 EVENT_COLORS = {"checkpoint": "#55a868", "oom": "#c44e52", "batch": "#8172b2"}
@@ -58,7 +67,7 @@ def loss_figure(runs: dict[str, list[dict[str, Any]]], title: str = "loss", by_r
         gns_ax = ax.twinx()
         for i, (steps, values) in enumerate(noise.values()):
             gns_ax.plot(steps, values, ":", color=f"C{i % 10}", alpha=0.7)
-        gns_ax.set_yscale("log")
+        _log_axis(gns_ax)
         gns_ax.set_ylabel("noise scale (tokens)")
         ax.plot([], [], ":", color="gray", label="noise scale (right axis)")
     ax.set_xlabel("step")
@@ -183,4 +192,66 @@ def context_figure(sweep: dict[str, Any], chosen_gb: int | None, chosen_micro_ba
     for ax in (ctx, mbs):
         ax.tick_params(axis="x", labelsize=8)
         ax.set_xlabel("GPU memory")
+    return fig
+
+
+def noise_figure(report: dict[str, Any], events: list[tuple[int, str, str, str]] = ()) -> Figure:
+    """The measured noise scale over steps (finetune.api.run_batch_report, labelled tokens, log axis) beside
+    the batch the run used, in the same unit (a step line through its batch changes), the batch advised for
+    next time dashed, and the batch changes marked."""
+    fig, ax = _figure(height=3.0)
+    steps = [s for s, _ in report["noise_series"]]
+    ax.plot(steps, [v for _, v in report["noise_series"]], color="C2", marker=".", label="measured noise scale")
+    per = report["tokens_per_sequence"]
+    if per:
+        scale = per * report["gpus"]
+        batches = [(c["step"], (c.get("to") or {}).get("effective_batch_size")) for c in report["changes"]]
+        start = (report["changes"][0].get("from") or {}).get("effective_batch_size") if batches \
+            else report["sequences"] / report["gpus"]
+        last = max([*steps, *[s for s, _ in batches], 1])
+        xs, ys = [0], [start * scale]
+        for step, batch in batches:
+            xs, ys = [*xs, step, step], [*ys, ys[-1], batch * scale]
+        ax.plot([*xs, last], [*ys, ys[-1]], color="C0", label="batch used")
+        advised = (report["advice"].get("settings") or {}).get("training.effective_batch_size")
+        if isinstance(advised, int):
+            ax.axhline(advised * per, color="C1", linestyle="--", linewidth=1.1,
+                       label=f"advised for next time ({advised} seq.)")
+    mark_events(ax, events)
+    _log_axis(ax)
+    ax.margins(y=0.15)  # the advised batch is often the lowest line: keep it off the frame
+    ax.set_xlabel("step")
+    ax.set_ylabel("labelled tokens")
+    ax.set_title("noise scale and batch")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    return fig
+
+
+def reward_figure(report: dict[str, Any]) -> Figure:
+    """A preference run's rewards (finetune.api.run_reward_report): chosen, rejected and their margin over
+    steps above, the accuracy of chosen over rejected below; training lines, held-out evaluations as markers."""
+    fig = Figure(figsize=(7, 4.2), dpi=100, layout="constrained")
+    rewards, accuracy = fig.subplots(2, 1, sharex=True, height_ratios=(2, 1))
+    colors = dict(zip(REWARD_KEYS, ("C0", "C3", "C2", "C4"), strict=True))
+    for key, label in REWARD_KEYS.items():
+        ax = accuracy if key.endswith("accuracies") else rewards
+        curve = report["curves"][key]
+        for kind, style, name in (("train", "-", label), ("eval", "o--", f"{label}, held-out")):
+            if curve[kind]:
+                ax.plot([s for s, _ in curve[kind]], [v for _, v in curve[kind]], style, color=colors[key],
+                        label=name, alpha=0.8 if kind == "train" else 1.0)
+    rewards.axhline(0, color="black", linewidth=0.6)
+    rewards.set_ylabel("reward")
+    rewards.set_title("rewards of chosen and rejected answers")
+    if not accuracy.get_lines():  # kto: its answers are not paired
+        accuracy.text(0.5, 0.5, "no accuracy: this method's answers are not paired", ha="center", va="center",
+                      transform=accuracy.transAxes, color="gray")
+    accuracy.set_ylim(-0.05, 1.05)
+    accuracy.set_ylabel("chosen > rejected")
+    accuracy.set_xlabel("step")
+    for ax in (rewards, accuracy):
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="best", fontsize=7, ncols=2)
     return fig

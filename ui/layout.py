@@ -27,7 +27,7 @@ def build_app(backend: Backend) -> gr.Blocks:
             server_file = data.build(backend, widgets)
             memory.build(backend, widgets, basic_gpu)
             run_sel = train.build(backend, widgets, timer)
-            runs_tab = runs.build(backend)
+            runs_tab = runs.build(backend, widgets)
             chat_run = chat.build(backend)
         _wire_run_lists(demo, backend, run_sel, runs_tab, [chat_run, prev_run], server_file)
     return demo

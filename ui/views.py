@@ -6,6 +6,7 @@ import html
 from pathlib import Path
 from typing import Any
 
+from finetune.api import REWARD_KEYS
 from finetune.rundir import RunDir
 from finetune.units import format_bytes
 from ui.runs import RunManager
@@ -180,8 +181,8 @@ def measured_bars(run_dir: Path, seen: dict[str, Any] | None = None
 
 def run_events(rows: list[dict[str, Any]]) -> list[tuple[int, str, str, str]]:
     """The events a run recorded in metrics.jsonl as (step, short label, kind, detail) chart markers:
-    checkpoints saved, out-of-memory recoveries (one that changed the micro-batch or accumulation is a batch
-    change) and give-ups."""
+    checkpoints saved, batch changes of `effective_batch_size: auto`, out-of-memory recoveries (one that
+    changed the micro-batch or accumulation is a batch change too) and give-ups."""
     out = []
     for row in rows:
         event, step = row.get("event"), row.get("oom_step", row.get("step"))  # at the step that failed
@@ -192,6 +193,10 @@ def run_events(rows: list[dict[str, Any]]) -> list[tuple[int, str, str, str]]:
             continue
         to = row.get("to") or {}
         changes = ", ".join(f"{k} {(row.get('from') or {}).get(k)}→{v}" for k, v in to.items())
+        if event == "batch_changed":  # effective_batch_size: auto ramped up (finetune/train/batch_engine.py)
+            batch = f"{(row.get('from') or {}).get('effective_batch_size')}→{to.get('effective_batch_size')}"
+            out.append((step, f"batch {batch}", "batch", f"batch changed ({changes})"))
+            continue
         batch = any(k in to for k in ("micro_batch_size", "gradient_accumulation_steps"))
         if event == "oom_recovered":
             label = "OOM recovered, batch changed" if batch else "OOM recovered"
@@ -233,3 +238,67 @@ def events_markdown(events: list[tuple[int, str, str, str]]) -> str:
     if not events:
         return ""
     return "**Events**: " + "; ".join(f"step {step}: {detail}" for step, _, _, detail in events) + "."
+
+
+def _figures(value: Any, spec: str = ".3g") -> str:
+    return format(value, spec) if isinstance(value, (int, float)) else "n/a"
+
+
+def _sequences(n: Any) -> str:
+    return f"{n} sequence{'' if n == 1 else 's'}"
+
+
+def batch_markdown(report: dict[str, Any], run_dir: str = "RUN_DIR") -> str:
+    """The batch panel of a finished run (finetune.api.run_batch_report) in words: the batch used, the noise
+    scale it measured, every batch change, and what to use next time (with the command that applies it)."""
+    per = report["tokens_per_sequence"]
+    tokens = f", about {report['tokens']:,} labelled tokens ({per:.3g} per sequence)" if report["tokens"] else ""
+    lines = [f"**Batch used**: {report['micro_batch_size']} per micro-batch × {report['gradient_accumulation_steps']} "
+             f"accumulation × {report['gpus']} GPU{'s' if report['gpus'] > 1 else ''} = "
+             f"**{_sequences(report['sequences'])} per optimizer step**{tokens}"
+             + (" (effective_batch_size: auto; this is where it ended)." if report["auto"] else ".")]
+    gns = report["noise_scale"]
+    if gns:
+        in_sequences = f" ≈ {gns / per:.3g} sequences" if per else ""
+        lines.append(f"**Measured noise scale** at the end: {gns:.4g} labelled tokens{in_sequences} (batches well "
+                     "below it use every token; far above it, extra sequences per step mostly repeat what the "
+                     "others say).")
+    else:
+        lines.append("**Measured noise scale**: none (too few steps, or micro-batch 1 without accumulation).")
+    if report["changes"]:
+        lines.append("**Batch changes**: " + "; ".join(
+            f"step {c['step']}: {(c.get('from') or {}).get('effective_batch_size')} → "
+            f"{_sequences((c.get('to') or {}).get('effective_batch_size'))}"
+            + (f" (noise scale {c['gns']:.4g} tokens)" if c.get("gns") else "")
+            + f", learning rate {_figures(c.get('learning_rate'))}"
+            + (f", beta2 {c['beta2']:.6g}" if c.get("beta2") else "") for c in report["changes"]) + ".")
+    advice = report["advice"]
+    settings = advice.get("settings")
+    if settings:
+        batch = settings.get("training.effective_batch_size")
+        about = f" (about {round(batch * per):,} labelled tokens)" if per and isinstance(batch, int) else ""
+        extra = [f"learning rate **{settings['training.learning_rate']:g}**"] \
+            if "training.learning_rate" in settings else []
+        if "optimizer.betas" in settings:
+            extra.append(f"betas **{settings['optimizer.betas']}**")
+        lines.append(f"**Next time**: an effective batch of **{_sequences(batch)}**{about}, " + ", ".join(extra)
+                     + f". Why: {advice.get('reason', '')}.")
+        lines.append("As recipe keys: " + ", ".join(f"`{k}={v}`" for k, v in settings.items()) + ". The button "
+                     f"below writes them into the Recipe tab's form; from a terminal: `finetune plan RECIPE "
+                     f"--advice {run_dir}`.")
+    else:
+        lines.append(f"**Next time**: no advice: {advice.get('reason') or 'the run gave none'}.")
+    return "\n\n".join(lines)
+
+
+def rewards_markdown(report: dict[str, Any]) -> str:
+    """A preference run's held-out rewards before and after training (finetune.api.run_reward_report) as a
+    table; '' while the run has not written them."""
+    before, after = report.get("before") or {}, report.get("after") or {}
+    if not before and not after:
+        return ""
+    lines = ["**Held-out pairs, before and after training**", "", "| | before | after |", "|---|---|---|"]
+    for key, label in {**REWARD_KEYS, "loss": "loss"}.items():
+        fmt = ".0%" if key.endswith("accuracies") else "+.3f" if key.startswith("rewards/") else ".4f"
+        lines.append(f"| {label} | {_fmt(before.get(key), fmt) or 'n/a'} | {_fmt(after.get(key), fmt) or 'n/a'} |")
+    return "\n".join(lines)

@@ -230,6 +230,8 @@ def test_gallery_memory_train_events_reload_export_and_chat_in_a_browser(page, t
         sync_api.expect(page.locator("#run-status")).to_contain_text(str(short_dir), timeout=30_000)
         page.wait_for_function("() => document.querySelector('#run-status')?.dataset.state === 'completed'",
                                timeout=240_000)
+        # at the end, the run's batch and what to use next time (results.json)
+        sync_api.expect(page.locator("#train-batch-summary")).to_contain_text("Batch used", timeout=30_000)
         _shot(page, "09-completed")
 
         # 8. Export the merged model from the Runs tab.
@@ -240,6 +242,7 @@ def test_gallery_memory_train_events_reload_export_and_chat_in_a_browser(page, t
         run_box.click()
         run_box.fill(str(short_dir))
         run_box.press("Enter")
+        sync_api.expect(page.locator("#runs-batch-summary")).to_contain_text("sequences per optimizer step")
         page.locator("#export-dir textarea, #export-dir input").first.fill(str(tmp_path / "merged"))
         page.evaluate(SEEN, "export-message")  # the tiny model's steps pass faster than a check could poll
         page.locator("#export").click()

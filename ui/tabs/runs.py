@@ -1,4 +1,5 @@
-"""Runs tab: the history of run directories, their loss curves overlaid, a run's recipe, and export."""
+"""Runs tab: the history of run directories, their loss curves overlaid, and one run's view: its batch and
+the advice for next time, its rewards (preference runs), its recipe, and export."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from finetune.errors import FinetuneError
 from finetune.rundir import RunDir
 from ui import charts
 from ui.backend import Backend
+from ui.tabs import run_panel
 from ui.tabs.messages import problems_markdown, reported
 
 HISTORY_HEADERS = ["run", "state", "step", "loss", "eval loss", "tokens/s", "peak memory"]
@@ -47,8 +49,9 @@ def export_view(backend: Backend, run_dir: str, out_dir: str) -> Iterator[str]:
            + f"\n\nLoad it with `AutoModelForCausalLM.from_pretrained(\"{out}\")`.")
 
 
-def build(backend: Backend) -> RunsTab:
-    """The Runs tab; its refresh button is wired by the page, which also updates the Chat tab's run list."""
+def build(backend: Backend, widgets: list[gr.components.Component]) -> RunsTab:
+    """The Runs tab; its refresh button is wired by the page, which also updates the Chat tab's run list.
+    `widgets`: the recipe form, which the advice button writes into."""
     with gr.Tab("Runs", id="runs") as tab:
         refresh_btn = gr.Button("Refresh", elem_id="refresh-runs")
         history = gr.Dataframe(headers=HISTORY_HEADERS, interactive=False, elem_id="history")
@@ -59,6 +62,7 @@ def build(backend: Backend) -> RunsTab:
             export_dir = gr.Textbox(label="Export merged model to", elem_id="export-dir")
             export_btn = gr.Button("Export (merge and save)", elem_id="export")
         export_msg = gr.Markdown(elem_id="export-message")
+        panel = run_panel.build("runs")
         run_recipe = gr.Code(language="yaml", label="The run's resolved recipe", interactive=False, max_lines=30)
 
     def overlay_view(selected):
@@ -71,6 +75,17 @@ def build(backend: Backend) -> RunsTab:
 
     compare.change(overlay_view, compare, overlay, api_name="overlay")
     recipe_run.change(reported(1)(backend.run_recipe), recipe_run, run_recipe, api_visibility="private")
+
+    def run_view(run_dir):
+        try:
+            path = backend.run_path(run_dir) if run_dir else None
+        except FinetuneError:  # the recipe view beside it says why
+            path = None
+        return run_panel.updates(path)
+
+    recipe_run.change(run_view, recipe_run, panel.outputs, api_name="run_view")
+    run_panel.wire_advice(panel, backend, recipe_run, widgets)
+
     def export(run_dir, out_dir):  # a generator function, so the page streams the progress
         yield from export_view(backend, run_dir, out_dir)
 

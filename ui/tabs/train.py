@@ -10,6 +10,7 @@ from finetune.errors import FinetuneError
 from finetune.rundir import RunDir
 from ui import charts, views
 from ui.backend import Backend
+from ui.tabs import run_panel
 from ui.tabs.messages import reported
 
 LOG_LINES = 8  # lines of train.log shown
@@ -34,10 +35,11 @@ def build(backend: Backend, widgets: list[gr.components.Component], timer: gr.Ti
         with gr.Row():
             mem_plot = gr.Plot(label="Peak memory by component: measured against predicted", elem_id="memory-plot")
             lr_plot = gr.Plot(label="Learning rate", elem_id="lr-plot")
+        panel = run_panel.build("train")  # shown once the run has written results.json (and rewards)
         log_box = gr.Textbox(label="Log tail (newest last)", lines=14, max_lines=14, interactive=False,
                              autoscroll=True, elem_id="log-tail")
         queue_md = gr.Markdown(elem_id="queue")
-        seen = gr.State(None)  # (run, rows) last drawn: plots are redrawn only when that changes
+        seen = gr.State(None)  # (run, rows, results) last drawn: plots are redrawn only when that changes
         unseen = gr.State(None)  # a run picked anew is drawn at once
 
     def run_choices(selected: str | None = None):
@@ -59,23 +61,25 @@ def build(backend: Backend, widgets: list[gr.components.Component], timer: gr.Ti
     resume_btn.click(resume, run_sel, [train_msg, run_sel], api_name="resume")
     stop_btn.click(reported(1)(backend.stop), run_sel, train_msg, api_name="stop")
 
+    skipped = (gr.skip(),) * (5 + len(panel.outputs))
+
     def refresh(run_dir, last):
         queue = views.queue_markdown(backend.manager)
         if not run_dir:
-            return "<div id='run-status'>No run yet: start one above.</div>", *(gr.skip(),) * 5, "", queue, last
+            return "<div id='run-status'>No run yet: start one above.</div>", *skipped, "", queue, last
         try:
             path = backend.run_path(run_dir, must_exist=False)
         except FinetuneError as exc:
-            return f"<div id='run-status'>{html.escape(str(exc))}</div>", *(gr.skip(),) * 5, "", queue, last
+            return f"<div id='run-status'>{html.escape(str(exc))}</div>", *skipped, "", queue, last
         state = backend.manager.run_state(path)
         run = RunDir(path)
         log = run.log_tail(LOG_LINES) or backend.manager.process_log(path, LOG_LINES)
         if state.startswith("failed"):
             log += "\n--- process output ---\n" + backend.manager.process_log(path, FAILED_LOG_LINES)
         rows = run.read_metrics()
-        sig = (run_dir, len(rows))
+        sig = (run_dir, len(rows), run.results.is_file())  # results.json comes last: the batch panel
         if sig == last:
-            plots = (gr.skip(),) * 5
+            plots = skipped
         else:
             seen_plan = backend.seen_length_plan(path)
             bars, budget = views.measured_bars(path, seen_plan)
@@ -88,10 +92,12 @@ def build(backend: Backend, widgets: list[gr.components.Component], timer: gr.Ti
                      charts.timeline_figure(rows, planned, events, seen_plan and seen_plan["peak_bytes"]),
                      charts.lr_figure(rows),
                      charts.memory_figure(bars, None, title=f"peak memory (budget {views.size(budget)})")
-                     if bars else None)  # a budget line would flatten the bars the page compares
+                     if bars else None,  # a budget line would flatten the bars the page compares
+                     *run_panel.updates(path))
         return views.status_html(path, state), *plots, log, queue, sig
 
-    outputs = [status, seen_md, loss_plot, timeline_plot, lr_plot, mem_plot, log_box, queue_md, seen]
+    outputs = [status, seen_md, loss_plot, timeline_plot, lr_plot, mem_plot, *panel.outputs, log_box, queue_md, seen]
     timer.tick(refresh, [run_sel, seen], outputs, api_name="refresh", show_progress="hidden")
     run_sel.change(refresh, [run_sel, unseen], outputs, show_progress="hidden", api_visibility="private")
+    run_panel.wire_advice(panel, backend, run_sel, widgets, api_name="use_advice")
     return run_sel

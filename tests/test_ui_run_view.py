@@ -1,0 +1,208 @@
+"""The run view's panels after a run (Train and Runs tabs): the batch used, the noise scale over time and the
+advice for next time (issue #14 point 4), and a preference run's reward curves (issue #17 point 4), built from
+run directories written with the run's own writers."""
+
+from __future__ import annotations
+
+import pytest
+
+from finetune import api
+from finetune.recipe import validate_recipe
+from finetune.recipe.load import recipe_to_yaml
+from finetune.rundir import RunDir, atomic_write_json, atomic_write_text
+from ui import charts, views
+from ui.backend import Backend, UISettings
+from ui.runs import RunManager
+from ui.tabs import run_panel
+
+GNS = [(3, 400.0), (4, 900.0), (5, 1600.0), (6, 2400.0), (7, 3000.0)]  # (step, labelled tokens)
+PER_SEQUENCE = 25.0  # labelled tokens per sequence
+# The settings of results.json's "advice", as finetune.recipe.batch_rules.advise writes them (recipe keys)
+ADVISED = {"training.effective_batch_size": 8, "training.gradient_accumulation_steps": "auto",
+           "training.reference_batch_size": 8, "training.learning_rate": 0.001414, "optimizer.betas": [0.9, 0.998]}
+
+
+def _recipe(tmp_path, name: str, **training) -> dict:
+    return {"model": {"path": str(tmp_path / "model")}, "data": {"path": str(tmp_path / "data.jsonl")},
+            "training": {"micro_batch_size": 2, "learning_rate": 1e-3, **training},
+            "output": {"dir": str(tmp_path / name)}}
+
+
+def _run(tmp_path, name: str, rows: list[dict], results: dict | None, **training) -> RunDir:
+    """A run directory as `finetune run` leaves it: recipe.yaml, metrics.jsonl rows, results.json."""
+    run = RunDir(tmp_path / name)
+    run.create()
+    atomic_write_text(run.recipe, recipe_to_yaml(validate_recipe(_recipe(tmp_path, name, **training))))
+    for row in rows:
+        run.append_metrics(row)
+    if results is not None:
+        atomic_write_json(run.results, results)
+    return run
+
+
+def _auto_run(tmp_path) -> RunDir:
+    """An `effective_batch_size: auto` run whose accumulation went 2 -> 4 at step 5 (micro-batch 2), with the
+    noise scale logged at every step and results.json's batch account and advice (batch_engine.batch_summary)."""
+    change = {"event": "batch_changed", "step": 5,
+              "from": {"gradient_accumulation_steps": 2, "effective_batch_size": 4},
+              "to": {"gradient_accumulation_steps": 4, "effective_batch_size": 8},
+              "gns": 1600.0, "learning_rate": 1.414e-3, "beta2": 0.998}
+    rows = [{"step": s, "loss": 2.0 / s, "gns": g, "grad_sq": 1.0, "trace_sigma": g} for s, g in GNS[:2]]
+    rows += [change] + [{"step": s, "loss": 2.0 / s, "gns": g, "grad_sq": 1.0, "trace_sigma": g} for s, g in GNS[2:]]
+    advice = {"settings": ADVISED, "reason": "measured noise scale 3000 labelled tokens = 120 sequences: 8 "
+              "sequences per update; batch 8 vs reference 8 sequences: learning rate and beta2 unchanged"}
+    results = {"state": "completed", "steps": 7,
+               "batch": {"micro_batch_size": 2, "gradient_accumulation_steps": 4, "effective_batch_size": 8,
+                         "auto": True, "changes": [change]},
+               "noise_scale": {"unit": "labelled tokens", "final": GNS[-1][1], "tokens_per_sequence": PER_SEQUENCE,
+                               "series": [list(p) for p in GNS]},
+               "advice": advice}
+    return _run(tmp_path, "auto", rows, results, effective_batch_size="auto")
+
+
+def test_the_batch_panel_says_the_batch_used_the_noise_scale_the_changes_and_the_advice(tmp_path):
+    run = _auto_run(tmp_path)
+    report = api.run_batch_report(run.root)
+    assert (report["sequences"], report["tokens"], report["gpus"], report["auto"]) == (8, 200, 1, True)
+    assert report["noise_series"] == GNS and [c["step"] for c in report["changes"]] == [5]
+    settings = report["advice"]["settings"]
+    assert settings == ADVISED
+
+    text = views.batch_markdown(report, str(run.root))
+    assert "2 per micro-batch × 4 accumulation × 1 GPU = **8 sequences per optimizer step**" in text
+    assert "about 200 labelled tokens (25 per sequence)" in text and "effective_batch_size: auto" in text
+    assert "3000 labelled tokens ≈ 120 sequences" in text  # the final noise scale, in tokens and sequences
+    assert "step 5: 4 → 8 sequences (noise scale 1600 tokens), learning rate 0.00141, beta2 0.998" in text
+    assert "**Next time**: an effective batch of **8 sequences** (about 200 labelled tokens), learning rate " \
+           "**0.001414**, betas **[0.9, 0.998]**" in text
+    assert report["advice"]["reason"] in text  # the rule's own account of why
+    assert "`training.effective_batch_size=8`" in text and f"--advice {run.root}" in text
+
+    events = [e for e in views.run_events(run.read_metrics()) if e[2] == "batch"]
+    assert events == [(5, "batch 4→8", "batch", "batch changed (gradient_accumulation_steps 2→4, "
+                                                 "effective_batch_size 4→8)")]
+    ax = charts.noise_figure(report, events).axes[0]
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    noise, batch = lines["measured noise scale"], lines["batch used"]
+    assert list(noise.get_xdata()) == [s for s, _ in GNS] and list(noise.get_ydata()) == [g for _, g in GNS]
+    assert list(zip(batch.get_xdata(), batch.get_ydata(), strict=True)) == [(0, 100), (5, 100), (5, 200), (7, 200)]
+    assert lines["advised for next time (8 seq.)"].get_ydata()[0] == 200  # in tokens, like the noise scale
+    assert [line.get_xdata()[0] for line in ax.get_lines() if line.get_linestyle() == ":"] == [5]
+    assert {t.get_text() for t in ax.texts} == {"batch 4→8"}
+
+
+def test_the_batch_panel_is_shown_only_for_a_run_that_accounted_for_its_batch(tmp_path):
+    kto = _run(tmp_path, "kto", [{"step": 1, "loss": 0.5, "rewards/chosen": 0.2, "rewards/rejected": -0.1,
+                                  "rewards/margins": 0.3, "kl": 0.0}], None, method="kto")
+    accuracy = charts.reward_figure(api.run_reward_report(kto.root)).axes[1]
+    assert not accuracy.get_lines() and "no accuracy" in accuracy.texts[0].get_text()
+
+    going = _run(tmp_path, "going", [{"step": 1, "loss": 1.0, "gns": 50.0}], None)  # no results.json yet
+    several = _run(tmp_path, "several", [{"step": 1, "loss": 1.0}], {"state": "completed", "steps": 1})
+    for run in (going, several):
+        assert api.run_batch_report(run.root) is None
+        box, text, plot, button, message, *_ = run_panel.updates(run.root)
+        assert box["visible"] is False and message == "" and button["visible"] is False and text == "" and plot is None
+    shown = run_panel.updates(_auto_run(tmp_path).root)
+    assert shown[0]["visible"] is True and shown[3]["visible"] is True and "Batch used" in shown[1]
+
+    no_advice = {"reason": "no noise scale was measured (too few steps, or micro-batch 1 without accumulation)"}
+    results = {"batch": {"micro_batch_size": 1, "gradient_accumulation_steps": 1, "effective_batch_size": 1,
+                         "auto": False, "changes": []},
+               "noise_scale": {"final": None, "tokens_per_sequence": 30.0, "series": []}, "advice": no_advice}
+    run = _run(tmp_path, "short", [{"step": 1, "loss": 1.0}], results)
+    box, text, _, button, *_ = run_panel.updates(run.root)
+    assert box["visible"] is True and button["visible"] is False  # nothing to apply
+    assert "**Measured noise scale**: none" in text and f"no advice: {no_advice['reason']}" in text
+
+
+def test_the_advice_goes_into_the_form_as_plan_advice_applies_it(tmp_path):
+    run = _auto_run(tmp_path)
+    settings = api.run_batch_report(run.root)["advice"]["settings"]
+    recipe_file = tmp_path / "next.yaml"
+    atomic_write_text(recipe_file, recipe_to_yaml(validate_recipe(_recipe(tmp_path, "next", micro_batch_size=4))))
+    recipe = api.load_recipe(recipe_file)
+    advised, keys_set, why = api.apply_advice(recipe, run.root)
+    assert advised == api.load_recipe(recipe_file, api.run_advice(run.root)[0])  # what `plan --advice` reads
+    assert advised.training.effective_batch_size == 8 and advised.training.micro_batch_size == 4
+    assert advised.training.learning_rate == settings["training.learning_rate"] and why in views.batch_markdown(
+        api.run_batch_report(run.root))
+
+    backend = Backend(UISettings([tmp_path], tmp_path / "runs"), RunManager(tmp_path / "runs"))
+    keys = [s.key for s in backend.specs]
+    values = backend.load_yaml(recipe_file.read_text(), "next.yaml")
+    message, changed = backend.apply_advice(values, str(run.root))
+    assert {keys[i]: v for i, v in changed.items()} == {
+        "training.effective_batch_size": "8", "training.gradient_accumulation_steps": "auto",
+        "training.reference_batch_size": "8", "training.learning_rate": settings["training.learning_rate"],
+        "optimizer.betas": "[0.9, " + str(settings["optimizer.betas"][1]) + "]"}
+    assert "`training.effective_batch_size=8`" in message and why in message
+    new_values = [changed.get(i, v) for i, v in enumerate(values)]
+    assert backend.recipe(new_values) == advised.model_copy()  # the form now holds the advised recipe
+
+    from finetune.errors import FinetuneError, RecipeError
+
+    # a micro-batch pinned above the advised batch would win over the advice: said, not hidden
+    pinned = api.load_recipe(recipe_file, ["training.micro_batch_size=16"])
+    assert "training.micro_batch_size 16 is above the advised batch of 8" in api.apply_advice(pinned, run.root)[2]
+    assert "micro_batch_size" not in why
+
+    with pytest.raises(RecipeError, match="must hold a valid recipe") as empty:
+        backend.apply_advice([""] * len(values), str(run.root))  # a fresh page: no model, no data
+    assert "From a previous run" in empty.value.hint
+    with pytest.raises(FinetuneError, match="no batch advice"):
+        backend.apply_advice(values, str(_run(tmp_path, "old", [], {"state": "completed"}).root))
+
+
+PAIRS = {"rewards/chosen": 0.1, "rewards/rejected": -0.2, "rewards/margins": 0.3, "rewards/accuracies": 0.25}
+
+
+def _preference_run(tmp_path) -> RunDir:
+    """A dpo run as finetune/memory/preference.py logs it: train rows with rewards, eval rows (the last one
+    twice, as run.py evaluates again after the Trainer), and results.json's eval before and after."""
+    before = {"eval_loss": 0.6931, **{f"eval_{k}": 0.0 for k in PAIRS}}
+    after = {"eval_loss": 0.41, **{f"eval_{k}": 2 * v for k, v in PAIRS.items()}}
+    rows = [{"step": 0, **before}]
+    for step in (1, 2, 3, 4):
+        rows.append({"step": step, "loss": 0.7 - 0.05 * step, **{k: v * step for k, v in PAIRS.items()},
+                     "logps/chosen": -60.0, "gns": 10.0})
+        if step == 2:
+            rows.append({"step": 2, "eval_loss": 0.5, **{f"eval_{k}": v for k, v in PAIRS.items()}})
+    rows += [{"step": 4, **after}, {"step": 4, **after}]
+    return _run(tmp_path, "dpo", rows, {"state": "completed", "eval_before": before, "eval_after": after},
+                method="dpo")
+
+
+def test_a_preference_run_shows_its_reward_curves_and_the_held_out_rewards_before_and_after(tmp_path):
+    run = _preference_run(tmp_path)
+    report = api.run_reward_report(run.root)
+    margins = report["curves"]["rewards/margins"]
+    assert margins["train"] == [(s, pytest.approx(0.3 * s)) for s in (1, 2, 3, 4)]
+    assert margins["eval"] == [(0, 0.0), (2, 0.3), (4, 0.6)]  # one held-out point per step
+    assert report["before"]["rewards/margins"] == 0.0 and report["after"]["rewards/accuracies"] == 0.5
+
+    fig = charts.reward_figure(report)
+    rewards, accuracy = fig.axes
+    lines = {line.get_label(): line for ax in fig.axes for line in ax.get_lines()}
+    for key, label in api.REWARD_KEYS.items():
+        assert list(lines[label].get_ydata()) == pytest.approx([PAIRS[key] * s for s in (1, 2, 3, 4)])
+        assert list(lines[f"{label}, held-out"].get_xdata()) == [0, 2, 4]
+    assert {line.get_label() for line in accuracy.get_lines()} == {"accuracy (chosen > rejected)",
+                                                                   "accuracy (chosen > rejected), held-out"}
+
+    text = views.rewards_markdown(report)
+    assert "| reward margin | +0.000 | +0.600 |" in text and "| accuracy (chosen > rejected) | 0% | 50% |" in text
+    assert "| loss | 0.6931 | 0.4100 |" in text
+    updates = run_panel.updates(run.root)
+    assert updates[5]["visible"] is True and updates[7] == text
+
+    kto = _run(tmp_path, "kto", [{"step": 1, "loss": 0.5, "rewards/chosen": 0.2, "rewards/rejected": -0.1,
+                                  "rewards/margins": 0.3, "kl": 0.0}], None, method="kto")
+    accuracy = charts.reward_figure(api.run_reward_report(kto.root)).axes[1]
+    assert not accuracy.get_lines() and "no accuracy" in accuracy.texts[0].get_text()
+
+    going = _run(tmp_path, "going", [r for r in run.read_metrics() if r["step"] <= 2], None, method="dpo")
+    assert views.rewards_markdown(api.run_reward_report(going.root)) == ""  # curves while it runs, no table yet
+    sft = _run(tmp_path, "sft", [{"step": 1, "loss": 1.0, "eval_loss": 1.1}], {"state": "completed"})
+    assert api.run_reward_report(sft.root) is None
+    assert run_panel.updates(sft.root)[5:] == ({"visible": False, "__type__": "update"}, None, "")

@@ -1,0 +1,80 @@
+"""The after-the-run panels of a run view (Train and Runs tabs): the batch used, the measured noise scale
+over time and the advice for next time, with a button that writes the advice into the recipe form; and for a
+preference run (dpo, orpo, kto) its reward curves and held-out rewards before and after training."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+
+from finetune import api
+from finetune.rundir import RunDir
+from ui import charts, views
+from ui.backend import Backend
+from ui.tabs.messages import reported
+
+
+@dataclass
+class RunPanel:
+    """The components of one run view's panels; `outputs` in the order `updates` returns them."""
+
+    batch_box: gr.Column
+    batch_md: gr.Markdown
+    noise_plot: gr.Plot
+    advice_btn: gr.Button
+    advice_msg: gr.Markdown
+    rewards_box: gr.Column
+    reward_plot: gr.Plot
+    rewards_md: gr.Markdown
+
+    @property
+    def outputs(self) -> list[gr.components.Component]:
+        return [self.batch_box, self.batch_md, self.noise_plot, self.advice_btn, self.advice_msg, self.rewards_box,
+                self.reward_plot, self.rewards_md]
+
+
+def build(prefix: str) -> RunPanel:
+    """The panels, hidden until a run has something to show; `prefix` keeps element ids unique per tab."""
+    with gr.Column(visible=False, elem_id=f"{prefix}-batch-panel") as batch_box:
+        gr.Markdown("### Batch: what the run used and what to use next time")
+        batch_md = gr.Markdown(elem_id=f"{prefix}-batch-summary")
+        noise_plot = gr.Plot(label="Measured noise scale and the batch used (labelled tokens)",
+                             elem_id=f"{prefix}-noise-plot")
+        advice_btn = gr.Button("Use this advice in the recipe form", elem_id=f"{prefix}-use-advice")
+        advice_msg = gr.Markdown(elem_id=f"{prefix}-advice-message")
+    with gr.Column(visible=False, elem_id=f"{prefix}-rewards-panel") as rewards_box:
+        gr.Markdown("### Preference rewards: chosen against rejected")
+        reward_plot = gr.Plot(label="Rewards, margin and accuracy over steps (lines: training; dots: held-out)",
+                              elem_id=f"{prefix}-reward-plot")
+        rewards_md = gr.Markdown(elem_id=f"{prefix}-rewards-summary")
+    return RunPanel(batch_box, batch_md, noise_plot, advice_btn, advice_msg, rewards_box, reward_plot, rewards_md)
+
+
+def updates(path: Path | None) -> tuple[Any, ...]:
+    """What the panels show for a run directory (RunPanel.outputs order); hidden where it has nothing."""
+    batch = api.run_batch_report(path) if path else None
+    rewards = api.run_reward_report(path) if path else None
+    if batch is None:
+        batch_out = (gr.update(visible=False), "", None, gr.update(visible=False), "")
+    else:
+        events = [e for e in views.run_events(RunDir(path).read_metrics()) if e[2] == "batch"]
+        batch_out = (gr.update(visible=True), views.batch_markdown(batch, str(path)), charts.noise_figure(batch, events),
+                     gr.update(visible=bool(batch["advice"].get("settings"))), "")  # a message of another run goes
+    if rewards is None:
+        return *batch_out, gr.update(visible=False), None, ""
+    return *batch_out, gr.update(visible=True), charts.reward_figure(rewards), views.rewards_markdown(rewards)
+
+
+def wire_advice(panel: RunPanel, backend: Backend, run: gr.Dropdown, widgets: list[gr.components.Component],
+                api_name: str | None = None) -> None:
+    """The advice button: the run's advice written over the recipe form (Backend.apply_advice)."""
+    @reported(1 + len(widgets))
+    def use_advice(run_dir, *values):
+        message, changed = backend.apply_advice(list(values), run_dir)
+        return (message, *[changed.get(i, gr.skip()) for i in range(len(widgets))])
+
+    panel.advice_btn.click(use_advice, [run, *widgets], [panel.advice_msg, *widgets], api_name=api_name,
+                           api_visibility="public" if api_name else "private")
