@@ -48,25 +48,32 @@ def _batch():
     return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
 
 
-def test_start_adapter_weights_and_reference_are_the_sft_model(tmp_path, tiny_model_dir, sft_run):
-    """Before any step the trained adapter and the reference equal base + SFT adapter loaded by peft; a DPO
-    step changes the trained adapter only, and the reference stays frozen."""
+@pytest.mark.parametrize("bits, reference", [pytest.param(None, True, id="dpo"), pytest.param(4, True, id="qlora-dpo"),
+                                             pytest.param(None, False, id="sft-continued")])
+def test_start_adapter_weights_and_reference_are_the_sft_model(tmp_path, tiny_model_dir, sft_run, bits, reference):
+    """Before any step the trained adapter and the reference equal base + SFT adapter loaded by peft (on the
+    same, possibly 4-bit, base); a DPO step changes the trained adapter only, and the reference stays frozen."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
     from finetune.model.adapter import REFERENCE_ADAPTER, apply_adapter
+    from finetune.model.load import load_model
+    from finetune.recipe.schema import ModelConfig, QuantizationConfig
+
+    def base():
+        return load_model(ModelConfig(path=str(tiny_model_dir)), QuantizationConfig(bits=bits))[0]
 
     recipe = resolve_init_from(_dpo(tmp_path, tiny_model_dir, sft_run, adapter={"dropout": 0.1}))
     assert (recipe.adapter.r, recipe.adapter.alpha, recipe.adapter.target_modules) == (4, 8, ["q_proj", "v_proj"])
     assert recipe.adapter.dropout == 0.1  # a training knob: the recipe's
-    model = apply_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), recipe.adapter,
-                          checkpointing=False, reference=True)
-    sft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), sft_run / "adapter").eval()
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    model = apply_adapter(base(), recipe.adapter, checkpointing=False, reference=reference)
+    sft = PeftModel.from_pretrained(base(), sft_run / "adapter").eval()
     batch = _batch()
     expected = sequence_logps(sft, batch)[0]
-    assert (expected - sequence_logps(base, batch)[0]).abs().max() > 1e-3  # the SFT adapter changes the answers
+    assert (expected - sequence_logps(base().eval(), batch)[0]).abs().max() > 1e-3  # the SFT adapter matters
     torch.testing.assert_close(sequence_logps(model.eval(), batch)[0], expected)  # trained adapter = SFT at start
+    if not reference:  # sft (or orpo): training goes on from the adapter, no reference copy
+        assert list(model.peft_config) == ["default"]
+        return
     model.train()
     torch.testing.assert_close(reference_logps(model, batch), expected)  # reference = base + SFT adapter
     assert model.training and model.active_adapter == "default"
