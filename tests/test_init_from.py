@@ -127,6 +127,10 @@ def test_dpo_after_sft_run_and_generate_compare_shows_base_sft_dpo(tmp_path, tin
     out = capsys.readouterr().out
     assert "base model" in out and "sft (start of dpo)" in out and "dpo" in out
 
+    from ui.tabs.chat import start_of  # the UI chat fills its second column with the start run
+
+    assert start_of(str(result.run_dir)) == str(sft_run.resolve()) and start_of(str(sft_run)) is None
+
 
 def test_resume_with_init_from_is_exact(tmp_path, tiny_model_dir, sft_run):
     """3 steps, then --resume to 5, equal to 5 straight steps (the reference comes back from init_from)."""
