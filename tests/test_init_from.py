@@ -189,6 +189,9 @@ def test_bad_init_from_is_refused_naming_the_key(tmp_path, tiny_model_dir, sft_r
     wrong_size = _peft_folder(tmp_path / "wrong-size", other)  # a plain folder: caught when the weights load
     refused({"init_from": str(wrong_size)}, r"adapter.init_from: .*wrong-size does not fit this base model: "
             r".*size mismatch", error=FinetuneError)
+    (wrong_size / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    refused({"init_from": str(wrong_size)}, r"adapter.init_from: cannot read .*wrong-size", error=FinetuneError,
+            output={"dir": str(tmp_path / "bad2")})
 
     recipe_file = tmp_path / "bad.yaml"
     recipe_file.write_text(json.dumps(_recipe(tmp_path, tiny_model_dir, "bad", adapter={

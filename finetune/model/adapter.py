@@ -66,9 +66,14 @@ def load_adapter_weights(model: torch.nn.Module, weights: Path, name: str) -> No
     a file that does not fit the model (another base model, other layers) is a ModelLoadError naming
     adapter.init_from."""
     from peft import set_peft_model_state_dict
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    state = load_file(weights)
+    try:
+        state = load_file(weights)
+    except (SafetensorError, OSError) as exc:  # a truncated or foreign file
+        raise ModelLoadError(f"{KEY}: cannot read {weights}: {exc}",
+                             hint="save the start adapter again (save_pretrained, safe_serialization=True)") from None
     try:
         result = set_peft_model_state_dict(model, state, adapter_name=name)
     except RuntimeError as exc:  # size mismatch: an adapter of a model with other dimensions
