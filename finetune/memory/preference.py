@@ -13,8 +13,9 @@ with a boolean `kto_label`. Labels are -100 outside the answers.
 Reference model: the base, i.e. the same model with its adapter switched off (peft's `disable_adapter`),
 run under `no_grad` before the policy forward, so it keeps no activations and costs no second copy of the
 weights. A run started from an adapter (adapter.init_from, e.g. DPO after SFT) has that adapter loaded twice,
-trained and frozen; the reference is the frozen one (one extra adapter's memory). KTO's reference point z0 (the KL between policy and reference) is estimated from the batch's own
-answers (detached, clamped at 0), not from TRL's extra forward over mismatched prompt/answer pairs.
+trained and frozen; the reference is the frozen one (one extra adapter's memory). KTO's reference point z0
+(the KL between policy and reference) is estimated from the batch's own answers (detached, clamped at 0), not
+from TRL's extra forward over mismatched prompt/answer pairs.
 
 Sequence log-probabilities sum log p(token) over each row's answer tokens. With memory.chunked_loss the LM
 head runs over chunks of answer tokens under a checkpoint, so full logits never exist (as for SFT).
