@@ -157,8 +157,8 @@ def _peft_folder(path, model_dir, **config):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
-                           LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj"], **config))
+    config = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], **config}
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(**config))
     model.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -212,3 +212,25 @@ def test_plan_counts_the_frozen_reference_adapter(tmp_path, tiny_model_dir, sft_
     assert with_ref["trainable_weights"] == without["trainable_weights"] > 0
     assert with_ref["weights"] - without["weights"] == without["trainable_weights"]  # one more adapter
     assert continued["weights"] == without["weights"]  # sft from an adapter: no reference copy
+
+
+def test_planned_peak_with_reference_adapter_matches_the_tracker(tmp_path):
+    """DPO from a large adapter (r=64 on every linear layer: its frozen copy is several % of the peak): the
+    plan, which adds that copy to the weights, within 5% of `finetune measure`'s tracked step."""
+    from finetune.plan import predict
+    from finetune.recipe.schema import Recipe
+    from finetune.testing import make_tiny_model_dir
+    from finetune.train.measure import measure
+    from tests.test_preference_plan import DIMS
+
+    model_dir = make_tiny_model_dir(tmp_path / "model", **DIMS)
+    start = _peft_folder(tmp_path / "start", model_dir, r=64, lora_alpha=64, target_modules="all-linear")
+    recipe = Recipe.model_validate({
+        "model": {"path": str(model_dir)}, "data": {"path": "unused.jsonl", "max_seq_len": 256},
+        "adapter": {"init_from": str(start)}, "quantization": {"bits": None},
+        "training": {"method": "dpo", "micro_batch_size": 1},
+        "memory": {"activation_checkpointing": True, "chunked_loss": False, "tiled_mlp": False}})
+    measured = measure(recipe, steps=2)["peak_bytes"]
+    plan = predict(recipe, device="cpu")
+    assert plan.breakdown["trainable_weights"] > 0.05 * measured  # leaving the frozen copy out would show
+    assert abs(plan.peak_bytes / measured - 1) <= 0.05, (plan.peak_bytes, measured, plan.breakdown)
