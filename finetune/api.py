@@ -363,19 +363,30 @@ def compare(run_dir: str | Path, prompt: str, *, max_new_tokens: int = 128) -> t
     return _generate(base, base_tokenizer, prompt, max_new_tokens=max_new_tokens), tuned
 
 
-def compare_runs(run_dirs: list[str | Path], prompt: str, *,
-                 max_new_tokens: int = 128) -> list[tuple[str, str]]:
-    """[(name, answer)]: the base model's answer, then each run's (named by its folder; e.g. an SFT run, then a
-    DPO run trained after it), all from one loaded base with the runs' LoRA adapters switched in turn."""
+def lineage(run_dirs: list[str | Path]) -> list[tuple[Path, str]]:
+    """[(run directory, label)]: the runs with, before each, the runs its adapter started from
+    (adapter.init_from: the SFT run of a DPO run), oldest first; see finetune.model.trained.lineage."""
+    from finetune.model.trained import lineage as _lineage
+
+    return _lineage(list(run_dirs))
+
+
+def compare_runs(run_dirs: list[str | Path], prompt: str, *, max_new_tokens: int = 128,
+                 parents: bool = True) -> list[tuple[str, str]]:
+    """[(label, answer)]: the base model's answer, then each run's (labelled by its folder; e.g. an SFT run, then
+    a DPO run trained after it), all from one loaded base with the runs' LoRA adapters switched in turn.
+    `parents`: a run started from another run's adapter (adapter.init_from) brings that run in before it,
+    labelled "NAME (start of CHILD)", so a DPO run alone shows base, SFT and DPO."""
     from finetune.model.trained import generate as _generate
     from finetune.model.trained import load_adapters
 
-    model, tokenizer, names = load_adapters(list(run_dirs))
+    runs = lineage(run_dirs) if parents else [(Path(d), Path(d).name) for d in run_dirs]
+    model, tokenizer, names = load_adapters([run for run, _ in runs])
     with model.disable_adapter():
         answers = [("base model", _generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens))]
-    for name, run_dir in zip(names, run_dirs, strict=True):
+    for name, (_, label) in zip(names, runs, strict=True):
         model.set_adapter(name)
-        answers.append((Path(run_dir).name, _generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens)))
+        answers.append((label, _generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens)))
     return answers
 
 

@@ -77,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128, help="length limit of the answer")
     p.add_argument("--no-adapter", action="store_true", help="answer with the base model alone")
     p.add_argument("--compare", nargs="*", metavar="OTHER_RUN", default=None,
-                   help="print the base model's answer next to the fine-tuned one; with other run directories "
-                        "(e.g. the SFT run a DPO run started from), their answers too, side by side")
+                   help="print the base model's answer next to the fine-tuned one; with other run directories, "
+                        "their answers too, side by side; a run started from another run's adapter "
+                        "(adapter.init_from, e.g. DPO after SFT) shows that run's answer too")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("export", help="merge the adapter into the base and save safetensors")
@@ -177,7 +178,8 @@ def cmd_keys(args) -> int:
 def cmd_generate(args) -> int:
     from finetune import api
 
-    if args.compare:  # other runs: base, each of them, then this run, side by side
+    # Other runs, or the runs this one started from (adapter.init_from): base, each of them, then this run.
+    if args.compare or (args.compare is not None and len(api.lineage([args.run_dir])) > 1):
         answers = api.compare_runs([*args.compare, args.run_dir], args.prompt, max_new_tokens=args.max_new_tokens)
         from rich.console import Console
         from rich.table import Table

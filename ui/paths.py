@@ -26,6 +26,7 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 PATH_KEYS = {
     "model.path": "model",  # a local folder or .gguf, a hub id, or pkg:PACKAGE/FILE
     "data.path": "path",
+    "adapter.init_from": "path",  # a run directory or adapter folder whose weights are read
     "data.chat_template": "template",  # template text, or a path to one (as finetune.data.chat reads it)
     "memory.offload_dir": "path",
     "output.dir": "path",

@@ -12,8 +12,10 @@ with a boolean `kto_label`. Labels are -100 outside the answers.
 
 Reference model: the base, i.e. the same model with its adapter switched off (peft's `disable_adapter`),
 run under `no_grad` before the policy forward, so it keeps no activations and costs no second copy of the
-weights. KTO's reference point z0 (the KL between policy and reference) is estimated from the batch's own
-answers (detached, clamped at 0), not from TRL's extra forward over mismatched prompt/answer pairs.
+weights. A run started from an adapter (adapter.init_from, e.g. DPO after SFT) has that adapter loaded twice,
+trained and frozen; the reference is the frozen one (one extra adapter's memory). KTO's reference point z0
+(the KL between policy and reference) is estimated from the batch's own answers (detached, clamped at 0), not
+from TRL's extra forward over mismatched prompt/answer pairs.
 
 Sequence log-probabilities sum log p(token) over each row's answer tokens. With memory.chunked_loss the LM
 head runs over chunks of answer tokens under a checkpoint, so full logits never exist (as for SFT).
@@ -21,7 +23,8 @@ head runs over chunks of answer tokens under a checkpoint, so full logits never 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from finetune.errors import FinetuneError
 from finetune.memory.chunked_loss import IGNORE_INDEX, default_chunk_size, head_logits, head_of, shift
+from finetune.model.adapter import REFERENCE_ADAPTER
 from finetune.recipe.schema import TrainingConfig
 
 Metrics = dict[str, list[float]]  # name -> [sum, count], added over micro-batches
@@ -131,17 +135,34 @@ def sequence_logps(model: torch.nn.Module, inputs: Mapping[str, Any],
 
 
 def reference_logps(model: torch.nn.Module, inputs: Mapping[str, Any], chunked: bool = False) -> torch.Tensor:
-    """Sequence log-probabilities of the reference model: the base with the adapter off, no graph kept."""
+    """Sequence log-probabilities of the reference model, no graph kept: the frozen REFERENCE_ADAPTER when the
+    run started from an adapter (adapter.init_from: the SFT model), else the base with the adapter off."""
     if not hasattr(model, "disable_adapter"):
         raise FinetuneError("the reference model is the base with the adapter switched off, but this model has "
                             "no adapter", hint="use adapter.type: lora, or a reference-free method")
     was_training = model.training
     model.eval()  # no dropout in the reference
     try:
-        with torch.no_grad(), model.disable_adapter():
+        with torch.no_grad(), _reference_weights(model):
             return sequence_logps(model, inputs, chunked)[0]
     finally:
         model.train(was_training)
+
+
+@contextmanager
+def _reference_weights(model: torch.nn.Module) -> Iterator[None]:
+    """Switch the peft model to its reference: the frozen reference adapter if it has one (TRL's
+    ref_adapter_name), else no adapter. Switching back makes the trained adapter trainable again, as before."""
+    if REFERENCE_ADAPTER not in getattr(model, "peft_config", {}):
+        with model.disable_adapter():
+            yield
+        return
+    trained = model.active_adapter
+    model.set_adapter(REFERENCE_ADAPTER, inference_mode=True)
+    try:
+        yield
+    finally:
+        model.set_adapter(trained)
 
 
 def preference_loss(model: torch.nn.Module, inputs: Mapping[str, Any], loss: PreferenceLoss, chunked: bool = False,

@@ -2,23 +2,37 @@
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import torch
 
+from finetune.errors import ModelLoadError
+from finetune.recipe.init_from import KEY, start_adapter
 from finetune.recipe.schema import AdapterConfig
 
+TRAINED_ADAPTER = "default"  # peft's name for the adapter get_peft_model creates: the one trained and saved
+REFERENCE_ADAPTER = "reference"  # adapter.init_from with dpo/kto: a frozen copy of the start adapter
 
-def lora_config(cfg: AdapterConfig):
+
+def lora_config(cfg: AdapterConfig, inference_mode: bool = False):
     from peft import LoraConfig, TaskType
 
     return LoraConfig(
         task_type=TaskType.CAUSAL_LM, r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
         target_modules=cfg.target_modules, use_dora=cfg.type == "dora", use_rslora=cfg.rslora,
-        modules_to_save=cfg.modules_to_save,
+        modules_to_save=cfg.modules_to_save, inference_mode=inference_mode,
     )
 
 
-def apply_adapter(model: torch.nn.Module, cfg: AdapterConfig, *, checkpointing: bool) -> torch.nn.Module:
-    """Wrap the model for training; the base stays frozen unless adapter.type is full."""
+def apply_adapter(model: torch.nn.Module, cfg: AdapterConfig, *, checkpointing: bool,
+                  reference: bool = False) -> torch.nn.Module:
+    """Wrap the model for training; the base stays frozen unless adapter.type is full.
+
+    adapter.init_from (resolved by `finetune.recipe.init_from.resolve_init_from`): the trained adapter starts
+    from those weights; `reference` (dpo/kto) also loads them as a frozen adapter named REFERENCE_ADAPTER, the
+    reference model that `finetune.memory.preference.reference_logps` switches to (TRL's ref_adapter_name:
+    one base, one extra adapter). Only the trained adapter is saved."""
     if cfg.type == "full":
         for p in model.parameters():
             p.requires_grad_(True)
@@ -32,9 +46,47 @@ def apply_adapter(model: torch.nn.Module, cfg: AdapterConfig, *, checkpointing: 
         # requires grad. This hook makes the embedding output require grad (cheap, no extra memory).
         model.enable_input_require_grads()
     model = get_peft_model(model, lora_config(cfg))
+    if cfg.init_from is not None:
+        start = start_adapter(cfg.init_from)
+        load_adapter_weights(model, start.weights, TRAINED_ADAPTER)
+        if reference:
+            model.add_adapter(REFERENCE_ADAPTER, lora_config(cfg, inference_mode=True))
+            load_adapter_weights(model, start.weights, REFERENCE_ADAPTER)
+            model.set_adapter(TRAINED_ADAPTER)  # trainable again; the reference stays frozen
+            # save_pretrained (the Trainer's checkpoints, the run's adapter/) writes only the trained adapter:
+            # the reference is init_from itself, rebuilt from there on resume.
+            model.save_pretrained = functools.partial(model.save_pretrained, selected_adapters=[TRAINED_ADAPTER])
     if not cfg.fp32_compute:
         adapters_in_input_dtype(model)
     return model
+
+
+def load_adapter_weights(model: torch.nn.Module, weights: Path, name: str) -> None:
+    """Load a saved adapter's safetensors into the adapter `name` of a peft model built with the same shape;
+    a file that does not fit the model (another base model, other layers) is a ModelLoadError naming
+    adapter.init_from."""
+    from peft import set_peft_model_state_dict
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        state = load_file(weights)
+    except (SafetensorError, OSError) as exc:  # a truncated or foreign file
+        raise ModelLoadError(f"{KEY}: cannot read {weights}: {exc}",
+                             hint="save the start adapter again (save_pretrained, safe_serialization=True)") from None
+    try:
+        result = set_peft_model_state_dict(model, state, adapter_name=name)
+    except RuntimeError as exc:  # size mismatch: an adapter of a model with other dimensions
+        first = next((line.strip() for line in str(exc).splitlines() if "size mismatch" in line), str(exc)[:300])
+        raise ModelLoadError(f"{KEY}: {weights.parent} does not fit this base model: {first}",
+                             hint="start from an adapter trained on the recipe's model.path") from None
+    unused = [k for k in result.unexpected_keys if "lora_" in k or "modules_to_save" in k]
+    missing = [k for k in result.missing_keys if f".{name}." in k or k.endswith(f".{name}")]
+    if unused or missing or not state:
+        names = (unused or missing or ["(the file holds no tensors)"])[:3]
+        raise ModelLoadError(f"{KEY}: {weights.parent} does not fit this base model: "
+                             f"{'weights for layers it lacks' if unused else 'no weights for'} {', '.join(names)}",
+                             hint="start from an adapter trained on the recipe's model.path")
 
 
 def adapters_in_input_dtype(model: torch.nn.Module) -> int:

@@ -46,6 +46,29 @@ def load_trained(run_dir: str | Path, *, use_adapter: bool = True, quantize: boo
     return model.eval(), tokenizer
 
 
+def lineage(run_dirs: list[str | Path]) -> list[tuple[Path, str]]:
+    """[(run directory, label)]: each run preceded by the runs its adapter started from (adapter.init_from,
+    followed back while it names a run directory with an adapter), oldest first, each run once. A run added
+    this way is labelled "NAME (start of CHILD)", the runs given by their folder name."""
+    out: list[tuple[Path, str]] = []
+    seen: set[Path] = set()
+    for run_dir in run_dirs:
+        chain = [(Path(run_dir), Path(run_dir).name)]
+        while True:
+            parent = load_run(chain[-1][0])[0].adapter.init_from
+            if parent is None or not RunDir(Path(parent)).has_adapter() or not RunDir(Path(parent)).recipe.is_file():
+                break
+            parent = Path(parent)
+            if parent.resolve() in seen | {run.resolve() for run, _ in chain}:
+                break
+            chain.append((parent, f"{parent.name} (start of {chain[-1][0].name})"))
+        for run, label in reversed(chain):
+            if run.resolve() not in seen:
+                seen.add(run.resolve())
+                out.append((run, label))
+    return out
+
+
 def load_adapters(run_dirs: list[str | Path], *, quantize: bool = True):
     """(model, tokenizer, adapter names): one base model with the LoRA adapters of several runs loaded side by
     side (an SFT run and a DPO run on top of it, say), so each answer comes from the same base weights.

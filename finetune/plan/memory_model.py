@@ -100,6 +100,7 @@ class ModelSpec:
     deepspeed_offload: str = "none"  # deepspeed only: none | cpu | nvme (optimizer state off the device)
     objective: str = "sft"  # or a preference method (finetune.memory.preference.PreferenceLoss.objective)
     rows_per_example: int = 1  # sequences per example: 2 for chosen + rejected pairs
+    reference_adapter: bool = False  # adapter.init_from with dpo/kto: a frozen copy of the adapter is the reference
 
 
 def _block(settings: Settings) -> int:
@@ -157,6 +158,9 @@ def _whole_parts(spec: ModelSpec, settings: Settings) -> tuple[dict[str, float],
                     settings.gradient_accumulation_steps) for layers in (la, lb))
     whole = {k: _lerp(pa[k], pb[k], la, lb, spec.num_layers) for k in pa}
     per_layer = {k: (pb[k] - pa[k]) / (lb - la) if lb != la else pb[k] / max(lb, 1) for k in pa}
+    if spec.reference_adapter:  # frozen weights, as many bytes as the trained adapter (peft keeps both fp32)
+        for part in (whole, per_layer):
+            part["weights"] += part["trainable_weights"]
     return whole, per_layer, largest_trained, largest_quant
 
 

@@ -20,6 +20,7 @@ from finetune.plan.cost_model import tokens_per_second
 from finetune.plan.memory_model import ModelSpec, memory_floor, predict_memory, traffic_bytes
 from finetune.plan.shapes import ModelShapes, target_dtype
 from finetune.plan.trace import model_facts, planned_config
+from finetune.recipe.init_from import resolve_init_from
 from finetune.recipe.offload_tiers import STORES, tier_names, tier_spec
 from finetune.recipe.optimizers import auto_preferences
 from finetune.recipe.schema import SHARDED_STRATEGIES, STRATEGIES, Recipe
@@ -178,7 +179,8 @@ def model_spec(recipe: Recipe, config: Any, device: str) -> ModelSpec:
         tiled_mlp_tokens=recipe.memory.tiled_mlp_tokens, world_size=recipe.distributed.gpus,
         interconnect_bandwidth=recipe.distributed.interconnect_bandwidth, zero_stage=recipe.distributed.zero_stage,
         deepspeed_offload=recipe.distributed.deepspeed_offload, objective="sft" if loss is None else loss.objective,
-        rows_per_example=1 if loss is None else loss.rows_per_example)
+        rows_per_example=1 if loss is None else loss.rows_per_example,
+        reference_adapter=recipe.adapter.init_from is not None and loss is not None and loss.uses_reference)
 
 
 def free_disk_bytes(path: Path) -> int:
@@ -222,6 +224,7 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
     """Plan a run without loading weights: resolve `auto` settings to the fastest configuration that fits."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() or gpu_memory not in (None, "auto") else "cpu"
+    recipe = resolve_init_from(recipe)  # adapter.init_from: price the adapter's own shape
     config = model_config or planned_config(recipe.model.path, recipe.model.trust_remote_code)
     spec = model_spec(recipe, config, device)
     budget = _budget(recipe, gpu_memory, "cuda" if torch.cuda.is_available() and device == "cuda" else "cpu")

@@ -481,7 +481,9 @@ def _real_config(config: Any) -> Any:
 
 def model_key(config: Any, adapter: AdapterConfig, dtype: torch.dtype) -> tuple[str, str, str, str]:
     """What identifies a traced model: config, adapter and dtype, as hashable strings."""
-    return (*_config_key(config), adapter.model_dump_json(), str(dtype).removeprefix("torch."))
+    # Not init_from: where the start weights come from changes neither shapes nor the trace (the meta model
+    # never loads them); the frozen reference adapter it adds is priced in memory_model.
+    return (*_config_key(config), adapter.model_dump_json(exclude={"init_from"}), str(dtype).removeprefix("torch."))
 
 def model_facts(config: Any, attn_choice: str) -> tuple[ModelShapes, str]:
     """The model's shapes and the attention kernel `auto` resolves to, from the disk cache when known: both

@@ -106,6 +106,11 @@ class AdapterConfig(Section):
     fp32_compute: bool = Field(
         False, description="Run LoRA matmuls in fp32 as peft does (a fp32 copy of every adapted layer's input is kept "
         "for backward); false: in the model's dtype with fp32 weights and gradients, like mixed precision.")
+    init_from: str | None = Field(
+        None, description="Start from an earlier LoRA/DoRA adapter of the same base model: a run directory (its "
+        "adapter/) or an adapter folder (safetensors). Its type, r, alpha, rslora, target_modules and "
+        "modules_to_save are used (a recipe value that differs is an error); dropout and fp32_compute stay the "
+        "recipe's. dpo/kto: the reference model is this adapter (a frozen copy), not the bare base.")
 
 
 class DataConfig(Section):
@@ -436,6 +441,9 @@ class Recipe(Section):
                 f"training.method={self.training.method} with adapter.type=full: the reference model is the base "
                 "with the adapter switched off, and a full fine-tune has no adapter; use adapter.type: lora, "
                 "training.method: orpo, or (dpo) training.reference_free: true")
+        if self.adapter.init_from is not None and self.adapter.type == "full":
+            raise ValueError("adapter.init_from starts from a LoRA/DoRA adapter; it cannot be used with "
+                             "adapter.type=full")
         problems = self.optimizer.problems_with(self) + self.distributed.problems_with(self)
         if problems:
             raise ValueError("; ".join(problems))

@@ -25,6 +25,9 @@ def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
 
     `auto` settings are resolved by the planner first.
     """
+    from finetune.recipe.init_from import resolve_init_from
+
+    recipe = resolve_init_from(recipe)  # the adapter shape of adapter.init_from, as `finetune run` trains it
     if recipe.auto_keys():  # measure what `finetune run` would train: the planner's choice
         from finetune.plan import predict
 
@@ -36,7 +39,7 @@ def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
     model, _tokenizer, _path = load_model(recipe.model, recipe.quantization)
     vocab = model.config.get_text_config().vocab_size
     checkpointing = bool(recipe.memory.activation_checkpointing)
-    model = apply_adapter(model, recipe.adapter, checkpointing=checkpointing)
+    model = apply_adapter(model, recipe.adapter, checkpointing=checkpointing, reference=recipe.training.uses_reference)
     apply_memory_config(model, recipe.memory)
     enable_checkpointing(model, checkpointing, recipe.memory.checkpoint_every_n_layers)
     model.train()

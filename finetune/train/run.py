@@ -17,6 +17,7 @@ from finetune.memory.offload import activation_offload, preflight_offload
 from finetune.memory.tracker_callback import PeakMemoryCallback
 from finetune.plan import Plan, predict
 from finetune.recipe.batch_rules import apply_batch_rules, reference_batch
+from finetune.recipe.init_from import init_from_record, resolve_init_from
 from finetune.recipe.load import load_recipe, recipe_to_yaml
 from finetune.recipe.schema import Recipe
 from finetune.recipe.settings import auto_settings, read_settings, write_settings
@@ -134,6 +135,7 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> Run
     """Fine-tune as the recipe says and fill the run directory. Ctrl-C saves a checkpoint and stops.
 
     Under torchrun / accelerate launch every process runs this; rank 0 alone writes the run directory."""
+    recipe = resolve_init_from(recipe)  # before the run directory exists: a bad adapter.init_from writes nothing
     distributed.join(recipe)
     main = distributed.is_main()
     run_dir, checkpoint = distributed.on_main(lambda: _prepare_run_dir(recipe, resume, overwrite))
@@ -209,7 +211,11 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     set_seed(recipe.training.seed)  # adapter initialisation is random: make it reproducible (same on all ranks)
     model, tokenizer, _ = load_model(recipe.model, recipe.quantization,
                                      sharded=several and recipe.distributed.strategy == "fsdp")
-    model = apply_adapter(model, recipe.adapter, checkpointing=bool(recipe.memory.activation_checkpointing))
+    model = apply_adapter(model, recipe.adapter, checkpointing=bool(recipe.memory.activation_checkpointing),
+                          reference=recipe.training.uses_reference)
+    started = init_from_record(recipe.adapter.init_from) if recipe.adapter.init_from is not None else None
+    if started is not None and main:
+        run_dir.log_line(f"adapter.init_from: started from {started['adapter']} (sha256 {started['sha256']})")
     apply_memory_config(model, recipe.memory)
     trainable, total = count_parameters(model)
     console.print(f"model: {recipe.model.path}  trainable {trainable:,} of {total:,} parameters "
@@ -265,6 +271,7 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
         "state": state, "steps": result.steps, "final_loss": result.final_loss, "eval_loss": eval_loss,
         "train_runtime_s": round(time.time() - start, 2), "train_metrics": output.metrics, "data": data.stats,
         "trainable_parameters": trainable, "total_parameters": total,
+        **({"init_from": started} if started is not None else {}),
         **({"eval_before": before, "eval_after": after} if before is not None else {}),
         "offload": dict(trainer.offload.stats, tier=trainer.recipe.memory.offload) if trainer.offload is not None
         else None,

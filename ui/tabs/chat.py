@@ -39,6 +39,17 @@ def plain(history: list[dict[str, Any]]) -> list[dict[str, str]]:
     return [{"role": m["role"], "content": text_of(m["content"])} for m in history or []]
 
 
+def start_of(run: str | None) -> str | None:
+    """The run whose adapter `run` started from (adapter.init_from: the SFT run of a DPO run), if any."""
+    from finetune import api
+
+    try:
+        runs = api.lineage([run]) if run else []
+    except FinetuneError:
+        return None
+    return str(runs[-2][0]) if len(runs) > 1 else None
+
+
 def respond(backend: Backend, run: str | None, second: str | None, show_base: bool, system: str,
             temperature: float, top_p: float, max_new_tokens: int, text: str,
             *histories: list[dict[str, Any]]) -> Iterator[tuple[Any, ...]]:
@@ -155,6 +166,10 @@ def build(backend: Backend) -> gr.Dropdown:
     chat_run.change(lambda run: gr.update(label=f"fine-tuned: {Path(run).name}" if run
                                           else "fine-tuned (base + adapter)"), chat_run, tuned_bot,
                     api_visibility="private")
+    # A run started from another run's adapter (DPO after SFT): that run becomes the second column, so the
+    # page shows base, SFT and DPO side by side (unless a second run is already chosen).
+    chat_run.change(lambda run, second: (None if second else start_of(run)) or gr.skip(),
+                    [chat_run, second_run], second_run, api_visibility="private")
     def run_lists():  # runs finish while the page is open: list them again when the tab is opened
         dirs = backend.run_dirs()
         return gr.update(choices=dirs), gr.update(choices=dirs)
