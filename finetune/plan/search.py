@@ -197,7 +197,13 @@ def _speed(spec: ModelSpec, shapes: ModelShapes, settings: Settings, offloaded_b
         num_layers=spec.num_layers, hidden=spec.hidden_size, seq_len=spec.seq_len, quantized_params=quantized,
         offloaded_bytes=offloaded_bytes, dtype_bytes=spec.dtype.itemsize,
         mlp_params=shapes.num_layers * shapes.mlp_linear, mlp_chunk_tokens=spec.tiled_mlp_tokens, bandwidth=bandwidth,
-        world_size=spec.world_size, traffic=traffic_bytes(spec, settings), interconnect=spec.interconnect_bandwidth)
+        world_size=spec.world_size, traffic=traffic_bytes(spec, settings), interconnect=spec.interconnect_bandwidth,
+        rows_per_example=spec.rows_per_example, reference_forward=_reference_in_step(spec.objective))
+
+
+def _reference_in_step(objective: str) -> bool:
+    loss = PreferenceLoss.of_objective(objective)
+    return loss is not None and loss.reference_in_step
 
 
 def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, free: dict[str, int] | None = None,

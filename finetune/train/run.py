@@ -14,6 +14,7 @@ from transformers import PrinterCallback, set_seed
 from finetune.console import console
 from finetune.errors import FinetuneError
 from finetune.memory.offload import activation_offload, preflight_offload
+from finetune.memory.step import autocast_for, mixed_precision
 from finetune.memory.tracker_callback import PeakMemoryCallback
 from finetune.plan import Plan, predict
 from finetune.recipe.batch_rules import apply_batch_rules, reference_batch
@@ -218,6 +219,11 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     console.print("data: " + ", ".join(f"{k} {v}" for k, v in data.stats.items()))
     if main:
         run_dir.log_line(f"data stats: {data.stats}")
+    if recipe.training.precompute_reference:  # before the Trainer: no optimizer state or gradients yet
+        from finetune.train.reference_pass import attach_reference
+
+        data = attach_reference(model, data, recipe, run_dir,
+                                autocast_for(mixed_precision(recipe.model.dtype, torch.cuda.is_available())))
 
     steps = total_steps(recipe, len(data.train))
     if checkpoint and main:
