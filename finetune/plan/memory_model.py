@@ -66,6 +66,7 @@ class Prediction:
     breakdown: dict[str, int]
     offloaded_bytes: int = 0  # activation bytes moved off the device per micro-batch
     communication_bytes: int = 0  # several processes: the strategy's buffers, counted in `other`
+    reference_pass_bytes: int = 0  # training.precompute_reference: the peak of the pass before training
 
 
 def quantized_weight_bytes(numel: int, out_features: int, bits: int | None, double_quant: bool,
@@ -334,4 +335,5 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
     phase = max(windows, key=lambda k: sum(windows[k].values()))
     breakdown = {k: int(round(v)) for k, v in windows[phase].items()}
     return Prediction(peak_bytes=sum(breakdown.values()), breakdown=breakdown, offloaded_bytes=int(offloaded),
-                      communication_bytes=int(communication))
+                      communication_bytes=int(communication),
+                      reference_pass_bytes=int(round(sum(windows.get("reference_pass", {}).values()))))
