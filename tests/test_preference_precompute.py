@@ -83,15 +83,16 @@ def test_run_with_precompute_trains_like_one_without_and_resume_reads_the_file(t
     """Same losses and rewards as the reference forward in each step; the steps run no reference forward;
     --resume reads the stored values (no pass) and continues exactly."""
     constant = {"lr_scheduler": "constant", "max_steps": 4}
-    plain = run(_recipe(tmp_path, tiny_model_dir, "plain", training=constant, data={"validation_split": 0.0}))
+    plain = run(_recipe(tmp_path, tiny_model_dir, "plain", training=constant))
     calls = _counting_reference(monkeypatch)
     recipe = _recipe(tmp_path, tiny_model_dir, "pre", training={**constant, "precompute_reference": True,
-                                                                 "max_steps": 2},
-                     data={"validation_split": 0.0}, output={"save_steps": 2})
+                                                                 "max_steps": 2}, output={"save_steps": 2})
     first = run(recipe)
     stored = json.loads((first.run_dir / "reference_logps.json").read_text())
-    assert len(stored["train"]) == 24 and all(len(v) == 2 for v in stored["train"]) and stored["eval"] == []
-    assert sum(calls) == 2 * 24  # one pass over the data (both sequences of each pair), none in the steps
+    assert len(stored["train"]) == 18 and len(stored["eval"]) == 6 and all(len(v) == 2 for v in stored["train"])
+    assert sum(calls) == 2 * 24  # one pass over the data (both sequences of each pair), none in steps or evals
+    before = json.loads((first.run_dir / "results.json").read_text())["eval_before"]
+    assert before["eval_rewards/margins"] == pytest.approx(0.0, abs=1e-6)  # LoRA starts as the reference
     written = (first.run_dir / "reference_logps.json").stat().st_mtime_ns
     calls.clear()
     resumed = run(recipe.model_copy(update={"training": recipe.training.model_copy(update={"max_steps": 4})}),
@@ -104,6 +105,10 @@ def test_run_with_precompute_trains_like_one_without_and_resume_reads_the_file(t
     for step, row in rows.items():
         for key in ("loss", "rewards/margins", "rewards/chosen"):
             assert row[key] == pytest.approx(expected[step][key], rel=1e-4, abs=1e-6), (step, key)
+    after = [r for r in read_jsonl(resumed.run_dir / "metrics.jsonl") if "eval_loss" in r][-1]
+    plain_after = [r for r in read_jsonl(plain.run_dir / "metrics.jsonl") if "eval_loss" in r][-1]
+    for key in ("eval_loss", "eval_rewards/margins", "eval_rewards/accuracies"):
+        assert after[key] == pytest.approx(plain_after[key], rel=1e-4, abs=1e-6), key
 
 
 def test_other_data_computes_the_values_again(tmp_path, tiny_model_dir):
