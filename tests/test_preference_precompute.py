@@ -111,21 +111,32 @@ def test_run_with_precompute_trains_like_one_without_and_resume_reads_the_file(t
         assert after[key] == pytest.approx(plain_after[key], rel=1e-4, abs=1e-6), key
 
 
-def test_other_data_computes_the_values_again(tmp_path, tiny_model_dir):
-    """The stored values name the data they belong to: a run over other data does not reuse them."""
+def test_stored_values_belong_to_their_data_and_a_stopped_pass_writes_nothing(tmp_path, tiny_model_dir):
+    """The stored values name the data they belong to: other data computes them again; Ctrl-C during the pass
+    stops it with nothing written."""
     from finetune.data import build_datasets
+    from finetune.model.adapter import apply_adapter
     from finetune.model.load import load_model
     from finetune.rundir import RunDir
-    from finetune.train.reference_pass import fingerprint
+    from finetune.train.reference_pass import attach_reference
 
     recipe = _recipe(tmp_path, tiny_model_dir, training={"method": "kto", "precompute_reference": True})
-    _model, tokenizer, _ = load_model(recipe.model, recipe.quantization)
+    model, tokenizer, _ = load_model(recipe.model, recipe.quantization)
+    model = apply_adapter(model, recipe.adapter, checkpointing=False)
+    run_dir = RunDir(tmp_path / "run")
     data = build_datasets(recipe.data, tokenizer, 0, "kto")
-    other_file = _pairs(tmp_path / "other.jsonl", seed=1)
-    other = build_datasets(recipe.data.model_copy(update={"path": str(other_file)}), tokenizer, 0, "kto")
-    assert fingerprint(recipe, data) == fingerprint(recipe, build_datasets(recipe.data, tokenizer, 0, "kto"))
-    assert fingerprint(recipe, data) != fingerprint(recipe, other)
-    assert RunDir(tmp_path).reference_logps.name == "reference_logps.json"
+    with pytest.raises(KeyboardInterrupt):
+        attach_reference(model, data, recipe, run_dir, should_stop=lambda: True)
+    assert not run_dir.reference_logps.exists()
+    first = attach_reference(model, data, recipe, run_dir)
+    assert len(first.train) == len(data.train) and len(first.train[0]["ref_logps"]) == 1  # kto: one answer
+    stored = run_dir.reference_logps.read_text()
+    again = attach_reference(model, build_datasets(recipe.data, tokenizer, 0, "kto"), recipe, run_dir)
+    assert again.train["ref_logps"] == first.train["ref_logps"] and run_dir.reference_logps.read_text() == stored
+    assert run_dir.log.read_text().count("values read from the run directory") == 1
+    other = recipe.data.model_copy(update={"path": str(_pairs(tmp_path / "other.jsonl", seed=1))})
+    attach_reference(model, build_datasets(other, tokenizer, 0, "kto"), recipe, run_dir)
+    assert run_dir.reference_logps.read_text() != stored
 
 
 def test_traced_step_has_no_reference_forward(tiny_model_dir, monkeypatch):

@@ -73,9 +73,11 @@ def compute_reference(model: torch.nn.Module, dataset: Any, collator: Callable[[
 
 
 def attach_reference(model: torch.nn.Module, data: DataBundle, recipe: Recipe, run_dir: RunDir,
-                     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> DataBundle:
+                     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                     should_stop: Callable[[], bool] = lambda: False) -> DataBundle:
     """The datasets with their `ref_logps` column: read from the run directory when it holds the values of
-    this data and model, else computed (with a progress bar) and written there atomically."""
+    this data and model, else computed (with a progress bar) and written there atomically. `should_stop`
+    (a Ctrl-C) is asked after each batch: the pass then stops with KeyboardInterrupt, nothing written."""
     loss = PreferenceLoss.of(recipe.training)
     key = fingerprint(recipe, data)
     stored = read_json(run_dir.reference_logps)
@@ -91,10 +93,18 @@ def attach_reference(model: torch.nn.Module, data: DataBundle, recipe: Recipe, r
         with Progress(TextColumn("[bold]reference pass"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       TextColumn("eta"), TimeRemainingColumn(), console=console, transient=False) as bar:
             task = bar.add_task("reference", total=total)
+
+            def advance(n: int) -> None:
+                bar.update(task, advance=n)
+                if should_stop():
+                    console.print("[yellow]stopped during the reference pass: nothing saved, the next run "
+                                  "computes it again[/yellow]")
+                    raise KeyboardInterrupt
+
             for name, ds in splits.items():
                 values[name] = [] if ds is None else compute_reference(
                     model, ds, data.collator, loss, int(recipe.training.micro_batch_size),
-                    recipe.memory.chunked_loss is True, autocast, lambda n: bar.update(task, advance=n))
+                    recipe.memory.chunked_loss is True, autocast, advance)
         atomic_write_text(run_dir.reference_logps, json.dumps(values, separators=(",", ":")) + "\n")
         run_dir.log_line(f"reference pass: {total} examples in {time.time() - start:.1f} s, "
                          f"saved to {run_dir.reference_logps.name}")

@@ -151,8 +151,8 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> Run
         return _plan_build_train(recipe, run_dir, checkpoint, stopper)
     except torch.OutOfMemoryError as exc:  # outside a step's forward/backward: the optimizer update, evaluation
         error = FinetuneError(
-            "out of memory outside the forward/backward that recovery redoes (loading the model, the optimizer "
-            f"update or evaluation): {str(exc).strip().splitlines()[0] if str(exc).strip() else 'no details'}",
+            "out of memory outside the forward/backward that recovery redoes (loading the model, the reference "
+            f"pass, the optimizer update or evaluation): {str(exc).strip().splitlines()[0] if str(exc).strip() else 'no details'}",
             hint="free GPU memory or set memory.gpu_memory lower, then run again (with --resume if a checkpoint "
                  "was saved)")
         _record_end(run_dir, "failed", error)
@@ -223,7 +223,8 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
         from finetune.train.reference_pass import attach_reference
 
         data = attach_reference(model, data, recipe, run_dir,
-                                autocast_for(mixed_precision(recipe.model.dtype, torch.cuda.is_available())))
+                                autocast_for(mixed_precision(recipe.model.dtype, torch.cuda.is_available())),
+                                lambda: stopper.requested)
 
     steps = total_steps(recipe, len(data.train))
     if checkpoint and main:
