@@ -82,7 +82,9 @@ def attach_reference(model: torch.nn.Module, data: DataBundle, recipe: Recipe, r
     key = fingerprint(recipe, data)
     stored = read_json(run_dir.reference_logps)
     splits = {"train": data.train, "eval": data.eval}
-    if stored is not None and stored.get("fingerprint") == key:
+    if stored is not None and stored.get("fingerprint") == key and all(
+            isinstance(stored.get(name), list) and len(stored[name]) == (len(ds) if ds is not None else 0)
+            for name, ds in splits.items()):  # a damaged or edited file is computed again
         values = stored
         console.print(f"reference log-probabilities: read from {run_dir.reference_logps}")
         run_dir.log_line("reference pass: values read from the run directory")
