@@ -130,6 +130,12 @@ def test_stored_values_belong_to_their_data_and_a_stopped_pass_writes_nothing(tm
     assert not run_dir.reference_logps.exists()
     first = attach_reference(model, data, recipe, run_dir)
     assert len(first.train) == len(data.train) and len(first.train[0]["ref_logps"]) == 1  # kto: one answer
+    rows = [first.train[i] for i in range(4)]
+    kto = PreferenceLoss("kto", precompute_reference=True)
+    with torch.no_grad():  # the kto loss from the stored values equals the one with a reference forward
+        torch.testing.assert_close(preference.preference_loss(model, data.collator(rows), kto),
+                                   preference.preference_loss(model, data.collator([
+                                       {k: v for k, v in r.items() if k != "ref_logps"} for r in rows]), kto))
     stored = run_dir.reference_logps.read_text()
     again = attach_reference(model, build_datasets(recipe.data, tokenizer, 0, "kto"), recipe, run_dir)
     assert again.train["ref_logps"] == first.train["ref_logps"] and run_dir.reference_logps.read_text() == stored
