@@ -59,6 +59,9 @@ def render_plan(plan: Plan, console: Console | None = None) -> None:
         console.print("  " + strategy_line(plan))
     console.print("  " + _short(plan.settings))
     console.print(breakdown_table("predicted peak", plan.breakdown, plan.peak_bytes, plan.budget_bytes))
+    if plan.reference_pass_bytes:
+        console.print(f"  reference pass before training (training.precompute_reference): peak "
+                      f"{format_bytes(plan.reference_pass_bytes)}, no reference forward in the steps")
     if plan.alternatives:
         alt = Table(title="next best")
         alt.add_column("settings")

@@ -167,6 +167,11 @@ class RunDir:
         return self.root / "offload"
 
     @property
+    def reference_logps(self) -> Path:
+        """training.precompute_reference: the reference log-probabilities of every example (--resume reads them)."""
+        return self.root / "reference_logps.json"
+
+    @property
     def marker(self) -> Path:
         return self.root / MARKER
 

@@ -28,6 +28,9 @@ MATRIX = [
     ("big", "orpo", 512, 1, False, True, {}),
     ("big", "kto", 512, 2, True, True, {}),
     ("big", "dpo", 512, 1, True, True, {"memory.offload": "disk", "memory.offload_min_size": 1024}),
+    # no reference forward in the step; measure runs the pass before the steps, as a run does
+    ("small", "dpo", 256, 2, True, False, {"training.precompute_reference": True}),
+    ("big", "kto", 256, 2, True, True, {"training.precompute_reference": True}),
 ]
 
 
@@ -76,6 +79,19 @@ def test_predicted_peak_matches_the_tracker(model_dirs):
     assert {row[1] for row in MATRIX} == {"dpo", "orpo", "kto"}
     print("\n".join(rows))
     assert not failures, "\n".join(failures + ["", *rows])
+
+
+@pytest.mark.parametrize("name, method, seq, mb, chunked", [("small", "dpo", 256, 2, False),
+                                                          ("big", "kto", 512, 4, False), ("big", "dpo", 256, 2, True)])
+def test_precomputed_reference_pass_peak_matches_the_tracker(model_dirs, name, method, seq, mb, chunked):
+    """training.precompute_reference: the pass over the data before training (weights and one forward under
+    no_grad) is priced on its own; measure with 0 steps runs only that pass."""
+    recipe = _recipe(model_dirs[name], method, seq, mb, True, chunked, {"training.precompute_reference": True})
+    measured = measure(recipe, steps=0)["peak_bytes"]
+    spec = model_spec(recipe, load_model_config(recipe.model.path), "cpu")
+    prediction = predict_memory(spec, Settings(mb, 1, True, 1, "none", chunked, None, recipe.optimizer.name, False))
+    assert prediction.reference_pass_bytes == pytest.approx(measured, rel=0.05)
+    assert prediction.peak_bytes >= prediction.reference_pass_bytes  # the plan's peak is the larger
 
 
 def test_plan_matches_the_real_run(model_dirs, tmp_path):

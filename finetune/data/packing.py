@@ -68,7 +68,8 @@ def _seq_lengths(position_ids: list[int]) -> list[int]:
 class PreferenceCollator(DataCollatorForLanguageModeling):
     """Preference examples as one right-padded batch: for pairs, the chosen sequences then the rejected ones
     (2 x micro-batch rows, one forward for both, as `finetune.memory.preference` expects); for kto, the
-    sequences and a boolean `kto_label` per row."""
+    sequences and a boolean `kto_label` per row. Examples with a `ref_logps` column (precomputed reference
+    log-probabilities, one per sequence of the example) give `ref_logps` per row, in the same order."""
 
     pairs: bool = True
 
@@ -80,6 +81,9 @@ class PreferenceCollator(DataCollatorForLanguageModeling):
         batch = super().torch_call(rows)
         if not self.pairs:
             batch["kto_label"] = torch.tensor([bool(e["kto_label"]) for e in examples])
+        if examples and "ref_logps" in examples[0]:
+            batch["ref_logps"] = torch.tensor([e["ref_logps"][i] for i in range(len(prefixes)) for e in examples],
+                                              dtype=torch.float32)
         return batch
 
 

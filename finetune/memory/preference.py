@@ -13,9 +13,11 @@ with a boolean `kto_label`. Labels are -100 outside the answers.
 Reference model: the base, i.e. the same model with its adapter switched off (peft's `disable_adapter`),
 run under `no_grad` before the policy forward, so it keeps no activations and costs no second copy of the
 weights. A run started from an adapter (adapter.init_from, e.g. DPO after SFT) has that adapter loaded twice,
-trained and frozen; the reference is the frozen one (one extra adapter's memory). KTO's reference point z0
-(the KL between policy and reference) is estimated from the batch's own answers (detached, clamped at 0), not
-from TRL's extra forward over mismatched prompt/answer pairs.
+trained and frozen; the reference is the frozen one (one extra adapter's memory). With
+training.precompute_reference the reference values come with the batch instead (`ref_logps`, one per row,
+computed once before training by `reference_values`), and the step runs no reference forward.
+KTO's reference point z0 (the KL between policy and reference) is estimated from the batch's own
+answers (detached, clamped at 0), not from TRL's extra forward over mismatched prompt/answer pairs.
 
 Sequence log-probabilities sum log p(token) over each row's answer tokens. With memory.chunked_loss the LM
 head runs over chunks of answer tokens under a checkpoint, so full logits never exist (as for SFT).
@@ -52,6 +54,7 @@ class PreferenceLoss:
     label_smoothing: float = 0.0
     desirable_weight: float = 1.0
     undesirable_weight: float = 1.0
+    precompute_reference: bool = False  # the reference values come with the batch (`ref_logps`)
 
     @classmethod
     def of(cls, training: TrainingConfig) -> PreferenceLoss | None:
@@ -59,11 +62,17 @@ class PreferenceLoss:
         if training.method == "sft":
             return None
         return cls(training.method, training.beta, training.loss_type, training.reference_free,
-                   training.label_smoothing, training.desirable_weight, training.undesirable_weight)
+                   training.label_smoothing, training.desirable_weight, training.undesirable_weight,
+                   training.precompute_reference)
 
     @property
     def uses_reference(self) -> bool:
         return self.method == "kto" or (self.method == "dpo" and not self.reference_free)
+
+    @property
+    def reference_in_step(self) -> bool:
+        """Whether each step runs the reference forward (not when its values were precomputed)."""
+        return self.uses_reference and not self.precompute_reference
 
     @property
     def rows_per_example(self) -> int:
@@ -73,21 +82,27 @@ class PreferenceLoss:
     @property
     def objective(self) -> str:
         """What decides the step's memory (not beta and the other numbers): `dpo`, `dpo:reference_free`,
-        `orpo`, `kto`; the planner's trace key, turned back into a loss by `of_objective`."""
-        return self.method + (":reference_free" if self.method == "dpo" and self.reference_free else "")
+        `dpo:precompute_reference`, `orpo`, `kto`, `kto:precompute_reference`; the planner's trace key, turned
+        back into a loss by `of_objective`."""
+        flags = ["reference_free"] if self.method == "dpo" and self.reference_free else []
+        if self.precompute_reference and self.uses_reference:
+            flags.append("precompute_reference")
+        return ":".join([self.method, *flags])
 
     @classmethod
     def of_objective(cls, objective: str) -> PreferenceLoss | None:
         if objective == "sft":
             return None
-        method, _, flag = objective.partition(":")
-        return cls(method, reference_free=flag == "reference_free")
+        method, *flags = objective.split(":")
+        return cls(method, reference_free="reference_free" in flags,
+                   precompute_reference="precompute_reference" in flags)
 
 
 def synthetic_batch(loss: PreferenceLoss | None, rows: int, seq_len: int, vocab: int, device: Any,
                     generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
     """A batch of `rows` examples at full length, laid out as the collator lays them out (what `finetune
-    measure` and the planner's trace run): every token an input and a label."""
+    measure` and the planner's trace run): every token an input and a label; with a precomputed reference,
+    its values (`ref_logps`, zeros) as the collator adds them."""
     n = rows * (loss.rows_per_example if loss is not None else 1)
     if device == "meta" or str(device) == "meta":
         ids = torch.zeros(n, seq_len, dtype=torch.long, device="meta")
@@ -96,6 +111,8 @@ def synthetic_batch(loss: PreferenceLoss | None, rows: int, seq_len: int, vocab:
     batch = {"input_ids": ids, "labels": ids}
     if loss is not None and loss.method == "kto":
         batch["kto_label"] = (torch.arange(n) % 2 == 0).to(ids.device)
+    if loss is not None and loss.precompute_reference and loss.uses_reference:
+        batch["ref_logps"] = torch.zeros(n, device=ids.device)
     return batch
 
 
@@ -165,12 +182,28 @@ def _reference_weights(model: torch.nn.Module) -> Iterator[None]:
         model.set_adapter(trained)
 
 
+def batch_reference_logps(model: torch.nn.Module, batch: Mapping[str, Any], chunked: bool = False) -> torch.Tensor:
+    """`reference_logps` of a collated batch (what the precomputed pass runs, and the planner traces)."""
+    return reference_logps(model, {k: v for k, v in batch.items() if k not in ("kto_label", "ref_logps")}, chunked)
+
+
+def reference_values(model: torch.nn.Module, batch: Mapping[str, Any], loss: PreferenceLoss,
+                     chunked: bool = False) -> list[list[float]]:
+    """The reference log-probabilities of a collated batch, per example in the collator's row order (pairs:
+    [chosen, rejected]; kto: [answer]): what a precomputed reference pass stores as the `ref_logps` column."""
+    ref = batch_reference_logps(model, batch, chunked).float().cpu()
+    return ref.reshape(loss.rows_per_example, -1).t().tolist()
+
+
 def preference_loss(model: torch.nn.Module, inputs: Mapping[str, Any], loss: PreferenceLoss, chunked: bool = False,
                     metrics: Metrics | None = None) -> torch.Tensor:
-    """The micro-batch's mean preference loss; adds its rewards, margins and accuracy to `metrics`."""
+    """The micro-batch's mean preference loss; adds its rewards, margins and accuracy to `metrics`. The
+    reference values are the batch's `ref_logps` when it has them (precomputed), else a reference forward."""
     inputs = dict(inputs)
     kto_label = inputs.pop("kto_label", None)
-    ref = reference_logps(model, inputs, chunked) if loss.uses_reference else None
+    ref = inputs.pop("ref_logps", None)
+    if ref is None and loss.uses_reference:
+        ref = reference_logps(model, inputs, chunked)
     logps, counts = sequence_logps(model, inputs, chunked)
     ref = ref if ref is not None else torch.zeros_like(logps)
     if loss.method == "kto":

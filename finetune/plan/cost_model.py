@@ -12,6 +12,11 @@ step time = compute / (peak FLOPs x utilisation) + dequantization + exposed tran
 - several processes: the bytes each device sends per step (plan/memory_model.py `traffic_bytes`) over the
   interconnect (distributed.interconnect_bandwidth), overlapped with the backward two thirds of the compute;
   deepspeed offload's host traffic at the host link's speed; tokens/s is then that of all devices together.
+- preference methods: an example is `rows_per_example` sequences (dpo/orpo pairs: chosen and rejected) and
+  tokens/s counts each example's max_seq_len once, so a pair costs twice an SFT sequence; a reference forward
+  in the step (dpo, kto) adds one forward without backward or recompute (and one more dequantization pass);
+  a precomputed reference (training.precompute_reference) adds nothing per step (its one pass over the data
+  before training is not counted). The run's measured tokens/s counts every row's tokens (both of a pair).
 - offload: 2 x offloaded bytes (out and back) per micro-batch over the tier's link (its entry in
   finetune.recipe.offload_tiers: host<->device over PCIe, or disk), at the bandwidths measured once on this
   machine and cached; overlapped with compute, so only the part longer than the compute time counts; plus
@@ -40,30 +45,34 @@ def tokens_per_second(settings: Settings, *, device: str, params: int, trainable
                       hidden: int, seq_len: int, quantized_params: int, offloaded_bytes: int, dtype_bytes: int,
                       mlp_params: int = 0, mlp_chunk_tokens: int = 1024,
                       bandwidth: dict[str, float] | None = None, world_size: int = 1,
-                      traffic: tuple[float, float] = (0.0, 0.0), interconnect: float = 20e9) -> float:
+                      traffic: tuple[float, float] = (0.0, 0.0), interconnect: float = 20e9,
+                      rows_per_example: int = 1, reference_forward: bool = False) -> float:
     """Tokens per second of one optimizer step under `settings` (see module docstring).
 
     `mlp_params`: weight elements of all layers' MLPs (recomputed once more with a tiled MLP).
     `bandwidth`: measured bytes/s per offload link (finetune.memory.bandwidth.transfer_bandwidth); the
     constants above stand in for what was not measured.
+    `rows_per_example`, `reference_forward`: preference methods (sequences per example; a reference forward
+    in every step).
     """
     dev = DEVICE[device]
-    tokens = settings.micro_batch_size * seq_len
-    fwd = 2 * params * tokens + 4 * seq_len * hidden * num_layers * tokens
+    tokens = settings.micro_batch_size * seq_len  # counted in tokens/s
+    rows = tokens * rows_per_example  # computed: chosen and rejected of a pair
+    fwd = 2 * params * rows + 4 * seq_len * hidden * num_layers * rows
     passes = 2 + (1 if trainable_full else 0)
     recompute = 0.0
     if settings.activation_checkpointing:
         recompute = fwd / settings.checkpoint_every_n_layers
     if settings.tiled_mlp:
-        recompute += 2 * mlp_params * tokens
-    util = tokens / (tokens + UTIL_HALF_TOKENS)
-    compute = (fwd * passes + recompute) / (dev["flops"] * util)
+        recompute += 2 * mlp_params * rows
+    util = rows / (rows + UTIL_HALF_TOKENS)
+    compute = (fwd * (passes + (1 if reference_forward else 0)) + recompute) / (dev["flops"] * util)
     if settings.chunked_loss:
         compute *= 1 + CHUNKED_LOSS_OVERHEAD
     dequant = 0.0
     if settings.bits:
         per_pass = quantized_params * (settings.bits / 8 + dtype_bytes) / dev["mem_bw"]
-        dq_passes = 2 + (1 if settings.activation_checkpointing else 0)
+        dq_passes = 2 + (1 if settings.activation_checkpointing else 0) + (1 if reference_forward else 0)
         dequant = per_pass * dq_passes
         if settings.tiled_mlp:
             chunks = -(-seq_len // mlp_chunk_tokens)

@@ -18,12 +18,15 @@ How the prediction is put together (docs/planner.md has the long form):
    per preset, low-rank projections, 8-bit blocks, layer-wise), state present in every phase from step 2 on.
    The optimizer phase holds weights + gradients + state + the update's temporaries (the registry spec's
    `step_temporaries` times the largest trained parameter).
-4. Chunked loss keeps `default_chunk_size(vocab)` tokens of logits instead of all (preference methods: the trace
+4. A precomputed reference (training.precompute_reference) takes the reference forward out of the step;
+   its pass over the data before training is a window of its own (weights and one forward's transients,
+   no gradients or optimizer state yet), and the peak is the larger of the two.
+5. Chunked loss keeps `default_chunk_size(vocab)` tokens of logits instead of all (preference methods: the trace
    runs the chunked log-probabilities itself, see trace.py); offload removes
    checkpointed inputs (all but the first and the last, less the layers fetched ahead in backward) or,
    without checkpointing, the saved tensors of every layer but the last (less the prefetched ones).
-5. CUDA fixed costs (context, cuBLAS workspace, allocator rounding) are the constants below.
-6. Several processes (`ModelSpec.world_size` > 1) are planned per device (`distributed_parts`): what the
+6. CUDA fixed costs (context, cuBLAS workspace, allocator rounding) are the constants below.
+7. Several processes (`ModelSpec.world_size` > 1) are planned per device (`distributed_parts`): what the
    strategy shards is divided by the world size, what it replicates stays, and its communication buffers
    are added to `other`.
 """
@@ -63,6 +66,7 @@ class Prediction:
     breakdown: dict[str, int]
     offloaded_bytes: int = 0  # activation bytes moved off the device per micro-batch
     communication_bytes: int = 0  # several processes: the strategy's buffers, counted in `other`
+    reference_pass_bytes: int = 0  # training.precompute_reference: the peak of the pass before training
 
 
 def quantized_weight_bytes(numel: int, out_features: int, bits: int | None, double_quant: bool,
@@ -318,6 +322,15 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
         in_layers = name in ("bwd_top", "bwd_bottom") or (name == "forward" and spec.device == "cuda")
         windows[name] = {**params, "gradients": grads, "activations": act, "logits_and_loss": logits,
                          "other": (dequant if in_layers else 0) + communication}
+    if "reference_pass" in ta.windows and "reference_pass" in tb.windows:
+        # training.precompute_reference: the forward over the data before training (no gradients, no
+        # optimizer state yet, nothing kept for backward); the step itself was traced without it.
+        wa, wb = ta.windows["reference_pass"][1], tb.windows["reference_pass"][1]
+        windows["reference_pass"] = {
+            **params, "optimizer_state": 0.0, "gradients": 0.0,
+            "activations": _lerp(wa["activations"], wb["activations"], la, lb, L) * mb,
+            "logits_and_loss": _lerp(wa["logits_and_loss"], wb["logits_and_loss"], la, lb, L) * logits_scale,
+            "other": (dequant if spec.device == "cuda" else 0) + communication}
     windows["optimizer"] = {**params, "gradients": grads_total, "activations": 0.0, "logits_and_loss": 0.0,
                             "other": optimizer_spec(settings.optimizer).step_temporaries * largest_trained * shard
                             + communication}
@@ -326,4 +339,5 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
     phase = max(windows, key=lambda k: sum(windows[k].values()))
     breakdown = {k: int(round(v)) for k, v in windows[phase].items()}
     return Prediction(peak_bytes=sum(breakdown.values()), breakdown=breakdown, offloaded_bytes=int(offloaded),
-                      communication_bytes=int(communication))
+                      communication_bytes=int(communication),
+                      reference_pass_bytes=int(round(sum(windows.get("reference_pass", {}).values()))))

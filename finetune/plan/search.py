@@ -41,6 +41,7 @@ class Candidate:
     tokens_per_s: float
     reason: str | None = None
     communication_bytes: int = 0  # of the peak: the strategy's communication buffers (in breakdown["other"])
+    reference_pass_bytes: int = 0  # training.precompute_reference: peak of the pass before training
 
 
 @dataclass
@@ -59,6 +60,8 @@ class Plan:
     min_budget_bytes: int | None = None
     world_size: int = 1  # the plan is per device; tokens_per_s is the whole job's
     communication_bytes: int = 0  # of the peak: the strategy's communication buffers (in breakdown["other"])
+    reference_pass_bytes: int = 0  # training.precompute_reference: peak of the pass before training (in peak_bytes
+    # when it is the larger)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -199,7 +202,13 @@ def _speed(spec: ModelSpec, shapes: ModelShapes, settings: Settings, offloaded_b
         num_layers=spec.num_layers, hidden=spec.hidden_size, seq_len=spec.seq_len, quantized_params=quantized,
         offloaded_bytes=offloaded_bytes, dtype_bytes=spec.dtype.itemsize,
         mlp_params=shapes.num_layers * shapes.mlp_linear, mlp_chunk_tokens=spec.tiled_mlp_tokens, bandwidth=bandwidth,
-        world_size=spec.world_size, traffic=traffic_bytes(spec, settings), interconnect=spec.interconnect_bandwidth)
+        world_size=spec.world_size, traffic=traffic_bytes(spec, settings), interconnect=spec.interconnect_bandwidth,
+        rows_per_example=spec.rows_per_example, reference_forward=_reference_in_step(spec.objective))
+
+
+def _reference_in_step(objective: str) -> bool:
+    loss = PreferenceLoss.of_objective(objective)
+    return loss is not None and loss.reference_in_step
 
 
 def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, free: dict[str, int] | None = None,
@@ -209,7 +218,7 @@ def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, free: dic
     pred = predict_memory(spec, settings)
     tps = _speed(spec, shapes, settings, pred.offloaded_bytes, bandwidth)
     cand = Candidate(asdict(settings), pred.peak_bytes, pred.breakdown, tps,
-                     communication_bytes=pred.communication_bytes)
+                     communication_bytes=pred.communication_bytes, reference_pass_bytes=pred.reference_pass_bytes)
     if settings.offload != "none":
         holds_in = tier_spec(settings.offload).holds_in
         available = (free or {}).get(holds_in)
@@ -280,11 +289,11 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
         best = ok[0]
         return Plan(device, best.settings, best.peak_bytes, best.breakdown, budget, True, best.tokens_per_s,
                     alternatives=ok[1:4], rejected=rejected, world_size=spec.world_size,
-                    communication_bytes=best.communication_bytes)
+                    communication_bytes=best.communication_bytes, reference_pass_bytes=best.reference_pass_bytes)
     return Plan(device, leanest.settings, leanest.peak_bytes, leanest.breakdown, budget, False,
                 leanest.tokens_per_s, rejected=rejected,
                 min_budget_bytes=leanest.peak_bytes + recipe.memory.gpu_memory_margin, world_size=spec.world_size,
-                communication_bytes=leanest.communication_bytes)
+                communication_bytes=leanest.communication_bytes, reference_pass_bytes=leanest.reference_pass_bytes)
 
 
 def _offload_resources(recipe: Recipe, device: str, tiers: set[str]) -> tuple[dict[str, float], dict[str, int]]:

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from finetune.errors import FinetuneError
 from finetune.memory.layer_recompute import apply_layer_recompute
-from finetune.memory.preference import PreferenceLoss, synthetic_batch
+from finetune.memory.preference import PreferenceLoss, batch_reference_logps, synthetic_batch
 from finetune.memory.step import enable_checkpointing, forward_backward
 from finetune.memory.tracker import MemoryTracker
 from finetune.model.adapter import apply_adapter
@@ -284,6 +284,9 @@ def _direct_trace(key: tuple[str, str, str, str], attn: str, micro_batch: int, s
     handles = _layer_windows(model, tracker)
     try:
         with _MetaKernels(), _MetaMemo(), tracker:
+            if preference is not None and preference.precompute_reference and preference.uses_reference:
+                with tracker.window("reference_pass"):  # the pass before training: no gradients exist yet
+                    batch_reference_logps(model, batch, chunked_loss)
             forward_backward(model, batch, backward=_backward, tracker=tracker, backward_window="bwd_head",
                              preference=preference, chunked_loss=chunked_loss)
     finally:
@@ -512,7 +515,9 @@ def trace_step(config: Any, adapter: AdapterConfig, dtype: torch.dtype, attn: st
     recompute_norms, mlp_tokens: `finetune.memory.layer_recompute` as the run applies it (0 = no tiled MLP).
     objective: sft, or a preference loss's `objective` (micro_batch then counts examples: pairs for dpo/orpo);
     a preference step is traced with its real chunked log-probabilities (chunked_loss), an sft step always
-    with full logits (the memory model scales them for chunked loss).
+    with full logits (the memory model scales them for chunked loss). A precomputed reference
+    (`...:precompute_reference`) traces the step without a reference forward and, in window `reference_pass`,
+    the pass over the data that precedes training.
     """
     return _trace_cached(*model_key(config, adapter, dtype), attn, device, micro_batch, seq_len, layers,
                          checkpoint_every, int8, recompute_norms, mlp_tokens, objective,

@@ -174,6 +174,11 @@ class TrainingConfig(Section):
         0.0, ge=0, lt=0.5, description="dpo sigmoid only: assumed fraction of flipped labels (conservative DPO).")
     desirable_weight: float = Field(1.0, gt=0, le=1e3, description="kto only: loss weight of good answers.")
     undesirable_weight: float = Field(1.0, gt=0, le=1e3, description="kto only: loss weight of bad answers.")
+    precompute_reference: bool = Field(
+        False, description="dpo, kto (with a reference): compute the reference model's log-probabilities of "
+        "the training and eval data once, before training (one forward pass over the data, saved in the run "
+        "directory for --resume), instead of a reference forward in every step: steps about a quarter faster, "
+        "which repays the pass after about one epoch; the planner prices the pass's own peak too.")
 
     @field_validator("micro_batch_size", "gradient_accumulation_steps", "effective_batch_size")
     @classmethod
@@ -200,6 +205,9 @@ class TrainingConfig(Section):
         problems = [f"{', '.join(keys)}: {'apply' if len(keys) > 1 else 'applies'} only to {_and(methods, 'or')}, "
                     f"not {self.method}; remove {'them' if len(keys) > 1 else 'it'} or change training.method"
                     for methods, keys in misplaced.items()]
+        if self.precompute_reference and self.method == "dpo" and self.reference_free:
+            problems.append("training.precompute_reference: reference_free dpo has no reference to precompute; "
+                            "remove one of the two")
         if self.method == "dpo" and self.label_smoothing and self.loss_type != "sigmoid":
             problems.append(f"training.label_smoothing: applies only to loss_type sigmoid, not {self.loss_type}; "
                             "remove it or set training.loss_type: sigmoid")
@@ -216,6 +224,7 @@ class TrainingConfig(Section):
 METHOD_KEYS: dict[str, tuple[str, ...]] = {
     "beta": ("dpo", "orpo", "kto"), "loss_type": ("dpo",), "reference_free": ("dpo",),
     "label_smoothing": ("dpo",), "desirable_weight": ("kto",), "undesirable_weight": ("kto",),
+    "precompute_reference": ("dpo", "kto"),
 }
 
 
@@ -378,6 +387,9 @@ class DistributedConfig(Section):
         if recipe.training.effective_batch_size == "auto":  # under every strategy
             problems.append(f"training.effective_batch_size=auto with {self.gpus} processes: the noise scale is "
                             "measured on one process only for now; give a number (e.g. a one-GPU run's advice)")
+        if recipe.training.precompute_reference:
+            problems.append(f"training.precompute_reference with {self.gpus} processes: the reference pass runs on one "
+                            "process only for now; set it to false (the reference forward then runs in each step)")
         if self.strategy == "auto":  # auto: the planner only picks combinations that work
             return problems
         return problems + strategy_problems(recipe, self.strategy)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from finetune.memory.layer_recompute import apply_memory_config
-from finetune.memory.preference import PreferenceLoss, synthetic_batch
+from finetune.memory.preference import PreferenceLoss, batch_reference_logps, synthetic_batch
 from finetune.memory.step import autocast_for, enable_checkpointing, mixed_precision, training_step
 from finetune.memory.tracker import MemoryTracker, measure_step
 from finetune.recipe.schema import Recipe
@@ -21,7 +21,8 @@ from finetune.recipe.settings import read_settings
 
 
 def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
-    """Run `steps` optimizer steps at the recipe's micro-batch and max_seq_len; return the tracker result.
+    """Run `steps` optimizer steps at the recipe's micro-batch and max_seq_len; return the tracker result
+    (with training.precompute_reference, the reference pass over one micro-batch first, as a run does).
 
     `auto` settings are resolved by the planner first.
     """
@@ -61,6 +62,9 @@ def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
         autocast = autocast_for(mixed_precision(recipe.model.dtype, device == "cuda"))
 
         def run(tracker: MemoryTracker) -> None:
+            if preference is not None and preference.precompute_reference and preference.uses_reference:
+                with tracker.window("reference_pass"), autocast():  # the pass before training, as `run` does
+                    batch_reference_logps(model, batch, bool(recipe.memory.chunked_loss))
             for _ in range(steps):
                 training_step(model, [batch] * accumulation, optimizer, max_grad_norm=recipe.training.max_grad_norm,
                               chunked_loss=bool(recipe.memory.chunked_loss), autocast=autocast, offload=offload,

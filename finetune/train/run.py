@@ -14,6 +14,7 @@ from transformers import PrinterCallback, set_seed
 from finetune.console import console
 from finetune.errors import FinetuneError
 from finetune.memory.offload import activation_offload, preflight_offload
+from finetune.memory.step import autocast_for, mixed_precision
 from finetune.memory.tracker_callback import PeakMemoryCallback
 from finetune.plan import Plan, predict
 from finetune.recipe.batch_rules import apply_batch_rules, reference_batch
@@ -152,8 +153,8 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> Run
         return _plan_build_train(recipe, run_dir, checkpoint, stopper)
     except torch.OutOfMemoryError as exc:  # outside a step's forward/backward: the optimizer update, evaluation
         error = FinetuneError(
-            "out of memory outside the forward/backward that recovery redoes (loading the model, the optimizer "
-            f"update or evaluation): {str(exc).strip().splitlines()[0] if str(exc).strip() else 'no details'}",
+            "out of memory outside the forward/backward that recovery redoes (loading the model, the reference "
+            f"pass, the optimizer update or evaluation): {str(exc).strip().splitlines()[0] if str(exc).strip() else 'no details'}",
             hint="free GPU memory or set memory.gpu_memory lower, then run again (with --resume if a checkpoint "
                  "was saved)")
         _record_end(run_dir, "failed", error)
@@ -224,6 +225,12 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     console.print("data: " + ", ".join(f"{k} {v}" for k, v in data.stats.items()))
     if main:
         run_dir.log_line(f"data stats: {data.stats}")
+    if recipe.training.precompute_reference:  # before the Trainer: no optimizer state or gradients yet
+        from finetune.train.reference_pass import attach_reference
+
+        data = attach_reference(model, data, recipe, run_dir,
+                                autocast_for(mixed_precision(recipe.model.dtype, torch.cuda.is_available())),
+                                lambda: stopper.requested)
 
     steps = total_steps(recipe, len(data.train))
     if checkpoint and main:
