@@ -19,7 +19,7 @@ GIB = 2**30
 def _recipe(name: str, gpus: int, strategy: str, **sections) -> Recipe:
     data = {"model": {"path": str(CONFIGS / f"{name}.json")}, "data": {"path": "unused.jsonl", "max_seq_len": 2048},
             "quantization": {"bits": None}, "adapter": {"type": "full"},
-            "training": {"micro_batch_size": 1}, "memory": {"chunked_loss": True, "tiled_mlp": False, "gpu_memory_margin": 0},
+            "training": {"micro_batch_size": 1}, "memory": {"chunked_loss": False, "tiled_mlp": False, "gpu_memory_margin": 0},
             "distributed": {"gpus": gpus, "strategy": strategy}}
     for key, value in sections.items():
         data[key] = {**data.get(key, {}), **value}
@@ -69,8 +69,10 @@ def test_zero3_shards_like_fsdp_and_keeps_an_fp32_master_copy_in_the_optimizer_p
 
 
 def test_zero2_shards_gradients_and_optimizer_state_only():
-    one = predict(_recipe("qwen2.5-0.5b", 1, "ddp"), gpu_memory="80GiB")
-    zero2 = predict(_recipe("qwen2.5-0.5b", 2, "deepspeed", distributed={"zero_stage": 2}), gpu_memory="80GiB")
+    short = {"data": {"path": "unused.jsonl", "max_seq_len": 256}}  # the peak in backward, not at the logits
+    one = predict(_recipe("qwen2.5-0.5b", 1, "ddp", **short), gpu_memory="80GiB")
+    zero2 = predict(_recipe("qwen2.5-0.5b", 2, "deepspeed", distributed={"zero_stage": 2}, **short),
+                    gpu_memory="80GiB")
     assert zero2.breakdown["trainable_weights"] == pytest.approx(one.breakdown["trainable_weights"], rel=1e-6)
     assert zero2.breakdown["gradients"] < one.breakdown["gradients"]
 
@@ -103,3 +105,15 @@ def test_auto_strategy_skips_what_would_be_refused_and_one_process_writes_none()
     assert "distributed.strategy" not in single.auto_keys()  # one process: nothing to distribute
     plan = predict(single, gpu_memory="24GiB")
     assert plan.apply(single).distributed.strategy == "auto" and plan.world_size == 1
+
+
+def test_chunked_loss_is_refused_and_never_chosen_with_several_processes():
+    """The chunked loss runs the decoder and LM head outside the DDP wrapper's forward, so the gradients would
+    not be synchronised (a real 2-process run failed on it): refused when asked for, never chosen by auto."""
+    with pytest.raises(ValueError, match=r"memory.chunked_loss: true with 2 processes"):
+        _recipe("qwen2.5-0.5b", 2, "ddp", adapter={"type": "lora"}, memory={"chunked_loss": True})
+    assert _recipe("qwen2.5-0.5b", 1, "ddp", memory={"chunked_loss": True}).memory.chunked_loss is True
+    tight = {"adapter": {"type": "lora"}, "data": {"path": "unused.jsonl", "max_seq_len": 8192},
+             "memory": {"chunked_loss": "auto", "gpu_memory_margin": 0}}
+    assert predict(_recipe("qwen2.5-0.5b", 1, "ddp", **tight), gpu_memory="6GiB").settings["chunked_loss"] is True
+    assert predict(_recipe("qwen2.5-0.5b", 2, "ddp", **tight), gpu_memory="6GiB").settings["chunked_loss"] is False

@@ -59,7 +59,7 @@ def test_knob_of_another_method_is_refused_naming_the_key():
                            "quantization": {"bits": None}})
 
 
-def test_reference_is_the_base_model_with_the_adapter_off(tiny_model_dir):
+def test_reference_is_the_base_model_with_the_adapter_off(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from finetune.model.adapter import apply_adapter
@@ -82,6 +82,14 @@ def test_reference_is_the_base_model_with_the_adapter_off(tiny_model_dir):
     assert model.training  # back in training mode
     expected = sequence_logps(base.eval(), batch)[0]
     torch.testing.assert_close(reference, expected, rtol=1e-5, atol=1e-5)
+    # Several processes: the Trainer hands the step a DDP-wrapped model, which has no adapter switch itself.
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        torch.testing.assert_close(reference_logps(wrapped, batch), expected, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.distributed.destroy_process_group()
     for chunked in (False, True):
         policy = sequence_logps(model.eval(), batch, chunked)[0]
         assert (policy - expected).abs().max() > 1e-2  # the adapter is on outside the reference

@@ -153,7 +153,12 @@ def sequence_logps(model: torch.nn.Module, inputs: Mapping[str, Any],
 
 def reference_logps(model: torch.nn.Module, inputs: Mapping[str, Any], chunked: bool = False) -> torch.Tensor:
     """Sequence log-probabilities of the reference model, no graph kept: the frozen REFERENCE_ADAPTER when the
-    run started from an adapter (adapter.init_from: the SFT model), else the base with the adapter off."""
+    run started from an adapter (adapter.init_from: the SFT model), else the base with the adapter off. Under
+    DDP or DeepSpeed the peft model inside the wrapper runs it: the wrapper has no adapter switch, and a
+    forward without gradients needs none of its synchronisation."""
+    from accelerate.utils import extract_model_from_parallel
+
+    model = extract_model_from_parallel(model)
     if not hasattr(model, "disable_adapter"):
         raise FinetuneError("the reference model is the base with the adapter switched off, but this model has "
                             "no adapter", hint="use adapter.type: lora, or a reference-free method")

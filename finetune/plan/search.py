@@ -118,7 +118,8 @@ def auto_values(recipe: Recipe, device: str) -> dict[str, list[Any]]:
         "activation_checkpointing": [False, True],
         # Only tiers that free the training device's memory are worth trying (on a CPU run RAM is that memory).
         "offload": ["none", *(t for t in tier_names() if tier_spec(t).frees_device(device))],
-        "chunked_loss": [False, True],
+        # several processes: the chunked loss would bypass the wrapper's forward (DistributedConfig.problems_with)
+        "chunked_loss": [False, True] if recipe.distributed.gpus == 1 else [False],
         "bits": [None] if recipe.adapter.type == "full" else [None, 8, 4],
         "optimizer": list(AUTO_OPTIMIZERS),
         "tiled_mlp": [False, True],

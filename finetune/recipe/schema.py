@@ -390,6 +390,10 @@ class DistributedConfig(Section):
         if recipe.training.precompute_reference:
             problems.append(f"training.precompute_reference with {self.gpus} processes: the reference pass runs on one "
                             "process only for now; set it to false (the reference forward then runs in each step)")
+        if recipe.memory.chunked_loss is True:
+            problems.append(f"memory.chunked_loss: true with {self.gpus} processes: the chunked loss runs the decoder "
+                            "and LM head itself, outside the DDP/FSDP/DeepSpeed wrapper that synchronises them; "
+                            "set it to false or auto (auto then chooses false)")
         if self.strategy == "auto":  # auto: the planner only picks combinations that work
             return problems
         return problems + strategy_problems(recipe, self.strategy)
