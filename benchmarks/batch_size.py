@@ -43,7 +43,8 @@ DATA = Path("/work/shared/datasets/c4_demo.jsonl")
 RESULTS = Path(__file__).resolve().parent / "results"
 SEQ, VOCAB, REF_BATCH, REF_BETA2, REF_LR = 64, 2048, 16, 0.99, 3e-3
 BATCHES = (1, 4, 16, 64)
-AUTO_MICROS = (4, 1)  # auto at a micro-batch of 4 sequences, and at 1 (where it starts at accumulation 2)
+AUTO_MICROS = (4, 1)
+MAX_EXTEND = 2  # extra learning rates per batch when the best of the 3 is at an edge  # auto at a micro-batch of 4 sequences, and at 1 (where it starts at accumulation 2)
 
 
 def build_data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,36 +209,94 @@ def train_run(train: torch.Tensor, evals: torch.Tensor, total_seqs: int, eval_ev
     return points
 
 
+CACHE_VERSION = 1  # bump when train_run's fixed-batch path or the data/model change
+
+
+def _cached(path: Path, key: dict, compute):
+    """compute() once per key: fixed-batch runs and the estimate comparison do not depend on the auto rule,
+    so they are kept as JSON (benchmarks/results/batch_size[-quick]-cache/) and reused by later invocations."""
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if saved.get("key") == key:
+            return saved["value"]
+    value = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, "value": value}, indent=1))
+    tmp.replace(path)
+    return value
+
+
+def sweep(batch: int, run_one) -> tuple[dict[float, float], list[str]]:
+    """Final held-out loss per lr(ref) for `batch`: 3 points a factor 2 apart around REF_LR, then, while the
+    best is at an edge, one more point beyond that edge (at most MAX_EXTEND), so the optimum is bracketed."""
+    losses = {REF_LR * f: run_one(REF_LR * f) for f in (0.5, 1.0, 2.0)}
+    notes = []
+    for _ in range(MAX_EXTEND):
+        best = min(losses, key=losses.get)
+        lrs = sorted(losses)
+        if best not in (lrs[0], lrs[-1]):
+            break
+        new = best * 2 if best == lrs[-1] else best / 2
+        notes.append(f"optimum at the {'top' if best == lrs[-1] else 'bottom'} edge ({best:.3g}): added {new:.3g}")
+        losses[new] = run_one(new)
+    best = min(losses, key=losses.get)
+    if best in (min(losses), max(losses)):
+        notes.append(f"still at an edge after {MAX_EXTEND} extensions: NOT bracketed")
+    return losses, notes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer tokens and estimates (~10 min)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--only", choices=("fixed", "auto"), help="fixed: (a) and the fixed-batch sweep only "
+                        "(cached, no report); auto: the auto rows, reading (a) and the fixed runs from the cache "
+                        "(running what is missing)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     quick = args.quick
+    stem = "batch_size-quick" if quick else "batch_size"
+    cache = RESULTS / f"{stem}-cache"
     total_seqs = 1024 if quick else 2560
+    n_evals = 128 if quick else 256
     start = time.time()
     train, evals = build_data()
-    evals = evals[: 128 if quick else 256]
+    evals = evals[:n_evals]
     print(f"data: {len(train)} train / {len(evals)} held-out sequences of {SEQ} tokens", flush=True)
+    base_key = {"version": CACHE_VERSION, "total_seqs": total_seqs, "evals": n_evals, "seq": SEQ, "vocab": VOCAB,
+                "ref_batch": REF_BATCH, "ref_beta2": REF_BETA2, "threads": args.threads}
 
-    est = compare_estimates(train, warmup_steps=20, online_steps=150 if quick else 400,
-                            brute_batches=300 if quick else 800)
+    def estimates() -> dict:
+        out = compare_estimates(train, warmup_steps=20, online_steps=150 if quick else 400,
+                                brute_batches=300 if quick else 800)
+        print(f"(a) online gns {out['online']['gns']:.4g} vs brute force {out['brute']['gns']:.4g} tokens", flush=True)
+        return out
+
+    est = _cached(cache / "estimates.json", base_key, estimates)
     ratio = est["online"]["gns"] / est["brute"]["gns"]
-    print(f"(a) online gns {est['online']['gns']:.4g} vs brute force {est['brute']['gns']:.4g} tokens "
-          f"(ratio {ratio:.3f})", flush=True)
 
-    curves, best = {}, {}
+    curves, best, notes, seconds = {}, {}, {}, {}
     for batch in BATCHES:
-        for factor in (0.5, 1.0, 2.0):
-            lr = REF_LR * factor
-            t0 = time.time()
-            points = train_run(train, evals, total_seqs, total_seqs // 8, batch=batch, lr=lr, log=[])
-            curves[f"B={batch} lr={lr:.2g}"] = points
-            print(f"(b) batch {batch:3d} lr(ref) {lr:.2g}: held-out {points[-1][1]:.4f} ({time.time() - t0:.0f}s)",
-                  flush=True)
-            if batch not in best or points[-1][1] < best[batch][1]:
-                best[batch] = (f"B={batch} lr={lr:.2g}", points[-1][1])
+        def run_one(lr: float, batch: int = batch) -> float:
+            def compute() -> dict:
+                t0 = time.time()
+                points = train_run(train, evals, total_seqs, total_seqs // 8, batch=batch, lr=lr, log=[])
+                print(f"(b) batch {batch:3d} lr(ref) {lr:.3g}: held-out {points[-1][1]:.4f} "
+                      f"({time.time() - t0:.0f}s)", flush=True)
+                return {"points": points, "seconds": round(time.time() - t0, 1)}
+
+            value = _cached(cache / f"B{batch}-lr{lr:.6g}.json", {**base_key, "batch": batch, "lr": lr}, compute)
+            curves[f"B={batch} lr={lr:.3g}"] = value["points"]
+            seconds[f"B={batch} lr={lr:.3g}"] = value["seconds"]
+            return value["points"][-1][1]
+
+        losses, notes[batch] = sweep(batch, run_one)
+        lr = min(losses, key=losses.get)
+        best[batch] = (f"B={batch} lr={lr:.3g}", losses[lr])
+    if args.only == "fixed":
+        print(f"fixed runs done ({time.time() - start:.0f}s); cache in {cache}")
+        return
     ramps: dict[str, list] = {}
     for micro in AUTO_MICROS:
         t0 = time.time()
