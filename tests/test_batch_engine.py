@@ -155,15 +155,18 @@ def test_a_cheap_optimizer_step_keeps_micro_batch_one_without_accumulation(tmp_p
 
 
 def test_an_expensive_optimizer_step_ramps_the_accumulation_by_the_formula(tmp_path, tiny_model_dir, monkeypatch):
-    calls = _timed(monkeypatch, t_micro=0.01, t_opt=50.0)
+    """An update that costs 40 micro-batches (a large model's full fine-tuning with a slow optimizer): the
+    accumulation becomes k* = sqrt(t_opt x gns / (t_micro x tokens per micro-batch)), rounded the better way."""
+    calls = _timed(monkeypatch, t_micro=0.01, t_opt=0.4)
     auto = run(validate_recipe(_recipe(tmp_path, tiny_model_dir, "costly", effective_batch_size="auto",
                                        max_steps=20)))
     events = [r for r in read_jsonl(auto.run_dir / "metrics.jsonl") if r.get("event") == "batch_changed"]
-    assert events and events[0]["t_opt"] == 50.0 and events[0]["t_micro"] == 0.01
+    assert events and events[0]["t_opt"] == 0.4 and events[0]["t_micro"] == 0.01
     (gns, tokens, t_micro, t_opt), kwargs, first = next(c for c in calls if c[2] > 1)
     assert first == events[0]["to"]["gradient_accumulation_steps"] and gns == events[0]["gns"]
     k_star = math.sqrt(t_opt * gns / (t_micro * tokens))
-    assert first in (math.floor(k_star), math.ceil(k_star)) or first == kwargs["limit"]
+    assert 1 < first < kwargs["limit"] and first in (math.floor(k_star), math.ceil(k_star))
+    assert events[0]["learning_rate"] == pytest.approx(1e-3 * min(math.sqrt(first), 4.0))  # the rules follow
 
 
 def test_out_of_memory_inside_a_group_redoes_the_whole_group(tmp_path, tiny_model_dir, forced_ramp, monkeypatch):
