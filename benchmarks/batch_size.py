@@ -1,7 +1,8 @@
 """The batch-size engine on real text: the online noise scale vs brute force, and fixed batches vs `auto`.
 
     nice -n 10 python benchmarks/batch_size.py --quick      # ~10 min on a free core (24 min on a busy one)
-    nice -n 10 python benchmarks/batch_size.py              # the full run (under an hour on 2 cores)
+    nice -n 10 python benchmarks/batch_size.py              # the full run (under an hour on a free core)
+    nice -n 10 python benchmarks/batch_size.py --only fixed # (a) and the fixed batches, cached, no report
 
 Model: a small Llama trained from scratch on /work/shared/datasets/c4_demo.jsonl (pre-training-like, where
 the critical batch matters most): hidden 128, 2 layers, BPE vocabulary of 2048 trained on the same text,
@@ -11,14 +12,22 @@ sequences of 64 tokens packed from the documents; 10% of the sequences are held 
     4 sequences accumulated 4 at a time) against a brute-force one at the same frozen weights: gradients of
     many independent batches of 4 sequences, tr(Sigma) from their spread and |G|^2 from their mean with the
     bias removed. Taken after a short warm-up training so the weights are not at initialisation.
-(b) Held-out loss against tokens for fixed batches of 1, 4, 16 and 64 sequences (AdamW, 3 learning rates per
-    batch around the square-root rule, beta2 by the rule from 0.99 at 16, linear warmup 5% and decay to 0
-    over the same token budget) and for `auto`: accumulation from
-    finetune.train.batch_engine.next_accumulation on the measured noise scale, learning rate and beta2 from
-    finetune.recipe.batch_rules, one untuned learning rate (the middle one of batch 16); once at micro-batch
-    4 and once at micro-batch 1 (which starts at accumulation 2, as the engine does). The same sequences
-    in the same order for every run. The auto loop here drives the engine's functions directly (no Trainer)
-    so 13 runs fit the time; tests/test_batch_engine.py checks the Trainer integration.
+(b) Held-out loss against tokens for fixed batches of 1, 4, 16 and 64 sequences (AdamW, learning rates a
+    factor 2 apart around the square-root rule, 3 per batch plus one more beyond an edge while the best is at
+    that edge, at most MAX_EXTEND; beta2 by the rule from 0.99 at 16; linear warmup 5% and decay to 0 over the
+    same token budget) and for `auto` with no tuning (lr(ref) = the middle one of batch 16): auto_run mirrors
+    BatchEngineTrainer (finetune/train/batch_engine.py) step for step - no accumulation to start, the noise
+    scale from the probe (a split every SPLIT_EVERY loader batches, or at micro-batch 1 a pair of loader
+    batches in one update), forward-backward and update timed, the accumulation from
+    finetune.recipe.batch_rules.best_accumulation, learning rate and beta2 from the rules - at the planner's
+    fastest micro-batch on this machine (32) and at 4 and 1. The same sequences in the same order for every run.
+    The loops drive the engine's functions directly (no Trainer) so the runs fit the time;
+    tests/test_batch_engine.py checks the Trainer integration. The fitted critical batch: the tokens each
+    batch's best curve needs to reach a common loss, E(B) = E_min (1 + B / B_crit).
+
+    The fixed runs and (a) do not depend on the auto rule: each is cached as JSON under
+    benchmarks/results/batch_size[-quick]-cache/ (keyed by its settings), so `--only fixed` can run them ahead
+    and `--only auto` (or a plain rerun) only runs what is missing plus the auto rows.
 
 Writes benchmarks/results/batch_size[-quick].txt and .png.
 """
