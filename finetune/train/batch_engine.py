@@ -20,8 +20,10 @@ rate and beta2 by the same module's rules against the starting batch and is reco
 `batch_changed` row in metrics.jsonl, shaped like the out-of-memory events).
 
 A step that cannot be split in two for the noise-scale probe (one sequence, or a layer-wise optimizer that
-updates inside backward) is measured by taking two loader batches into one update every
-training.noise_scale_split_every updates while the accumulation is 1, instead of accumulating all the time.
+updates inside backward) is measured by taking two loader batches into one update once every
+training.noise_scale_split_every loader batches while the accumulation is 1, instead of accumulating all the
+time (the pair keeps the learning rate and beta2 of one loader batch). Splitting one sequence by tokens would
+not do: the halves of a sequence are correlated, and the two-batch estimator assumes independent parts.
 
 Checkpoints fall on group boundaries only (a save or stop asked for mid-group waits for the group's last
 step), and hold the accumulation in batch_engine.json, so `--resume` continues exactly. An out-of-memory
@@ -80,7 +82,7 @@ class BatchEngineTrainer(RecoveringTrainer):
         self.engine_on = self.recipe.training.effective_batch_size == "auto"
         self.on_batch_change = on_batch_change
         # A step that cannot be split (one sequence, or a layer-wise optimizer updating inside backward) is
-        # measured by a two-batch group every noise_scale_split_every updates (module docstring).
+        # measured by a two-batch group every noise_scale_split_every loader batches (module docstring).
         self._unsplittable = self.args.gradient_accumulation_steps == 1 and (
             self.args.per_device_train_batch_size == 1 or self.recipe.optimizer.layerwise)
         self.accumulation = 1
