@@ -324,10 +324,11 @@ def main() -> None:
                 "ref_batch": REF_BATCH, "ref_beta2": REF_BETA2, "threads": args.threads}
 
     def estimates() -> dict:
+        t0 = time.time()
         out = compare_estimates(train, warmup_steps=20, online_steps=150 if quick else 400,
                                 brute_batches=300 if quick else 800)
         print(f"(a) online gns {out['online']['gns']:.4g} vs brute force {out['brute']['gns']:.4g} tokens", flush=True)
-        return out
+        return {**out, "seconds": round(time.time() - t0, 1)}
 
     est = _cached(cache / "estimates.json", base_key, estimates)
     ratio = est["online"]["gns"] / est["brute"]["gns"]
@@ -369,7 +370,8 @@ def main() -> None:
         f"benchmarks/batch_size.py{' --quick' if quick else ''}: tiny Llama (hidden 128, 2 layers, vocab {VOCAB}) "
         f"from scratch on c4_demo, {SEQ}-token sequences, {total_seqs} training sequences "
         f"({total_seqs * (SEQ - 1):,} labelled tokens), {len(evals)} held out; CPU, {args.threads} thread(s); "
-        f"{time.time() - start:.0f}s",
+        f"{time.time() - start:.0f}s this invocation; the runs took {sum(seconds.values()) + est.get('seconds', 0):.0f}s "
+        f"in all (fixed runs and (a) may come from the cache; wall times on a shared machine)",
         "",
         "(a) noise scale at frozen weights (after 20 warm-up steps), in labelled tokens",
         f"  online (hooks, 4 x 4 sequences per step, {est['online_steps']} steps): gns {est['online']['gns']:.4g}  "

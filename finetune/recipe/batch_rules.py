@@ -127,15 +127,17 @@ def best_accumulation(gns_tokens: float | None, tokens_per_micro: float, t_micro
 
 class StepTimes:
     """Measured seconds per Trainer step, split into forward-backward and the rest of the step (clipping, the
-    update): t_micro is a forward-backward (of a step that only accumulated, where there are such steps: a
-    layer-wise optimizer updates inside the last backward), t_opt what an updating step costs beyond it.
-    Medians over the last TIMING_WINDOW steps of each kind, so a busy machine's outliers do not decide."""
+    update): t_micro is a forward-backward, t_opt the rest of an updating step. A layer-wise optimizer updates
+    inside the last backward (`update_in_backward`): its t_micro comes from the steps that only accumulated
+    and its t_opt is what an updating step costs beyond that. Medians over the last TIMING_WINDOW steps of
+    each kind, so a busy machine's outliers do not decide."""
 
-    def __init__(self) -> None:
+    def __init__(self, update_in_backward: bool = False) -> None:
+        self.update_in_backward = update_in_backward
         self.seen = 0
         self.deferred: list[float] = []  # forward-backward of steps without an update
         self.forward: list[float] = []  # forward-backward of updating steps
-        self.total: list[float] = []  # whole updating steps
+        self.rest: list[float] = []  # the rest of updating steps
 
     def add(self, forward_backward: float, rest: float, updated: bool) -> None:
         self.seen += 1
@@ -143,23 +145,29 @@ class StepTimes:
             return
         if updated:
             self.forward = [*self.forward, forward_backward][-TIMING_WINDOW:]
-            self.total = [*self.total, forward_backward + rest][-TIMING_WINDOW:]
+            self.rest = [*self.rest, rest][-TIMING_WINDOW:]
         else:
             self.deferred = [*self.deferred, forward_backward][-TIMING_WINDOW:]
 
     def estimate(self) -> tuple[float, float] | None:
-        """(t_micro, t_opt) in seconds, or None before three updating steps were timed."""
-        if len(self.total) < 3:
+        """(t_micro, t_opt) in seconds, or None before three updating steps (and, for an update inside
+        backward, three steps without one) were timed."""
+        if len(self.rest) < 3:
             return None
-        t_micro = statistics.median(self.deferred if len(self.deferred) >= 3 else self.forward)
-        return t_micro, max(0.0, statistics.median(self.total) - t_micro)
+        if not self.update_in_backward:
+            return statistics.median(self.forward + self.deferred), statistics.median(self.rest)
+        if len(self.deferred) < 3:
+            return None
+        t_micro = statistics.median(self.deferred)
+        total = statistics.median([f + r for f, r in zip(self.forward, self.rest, strict=True)])
+        return t_micro, max(0.0, total - t_micro)
 
     def state_dict(self) -> dict:
-        return {"seen": self.seen, "deferred": self.deferred, "forward": self.forward, "total": self.total}
+        return {"seen": self.seen, "deferred": self.deferred, "forward": self.forward, "rest": self.rest}
 
     def load_state_dict(self, state: dict) -> None:
         self.seen, self.deferred = state["seen"], list(state["deferred"])
-        self.forward, self.total = list(state["forward"]), list(state["total"])
+        self.forward, self.rest = list(state["forward"]), list(state["rest"])
 
 
 def auto_schedule(micro_batch: int, optimizer: str, layerwise: bool, max_accumulation: int,

@@ -87,7 +87,7 @@ class BatchEngineTrainer(RecoveringTrainer):
             self.args.per_device_train_batch_size == 1 or self.recipe.optimizer.layerwise)
         self.accumulation = 1
         self._size = 1  # loader batches of the group in progress (accumulation, or 2 for a measuring pair)
-        self.times = StepTimes()
+        self.times = StepTimes(update_in_backward=self.recipe.optimizer.layerwise)
         self._clock = _Clock(self.args.device)
         self._marks: list = []  # [start, forward-backward end] of this Trainer step
         self._timed: list[tuple] = []  # (start, forward-backward end, end, updated), resolved when deciding
