@@ -396,8 +396,9 @@ def main() -> None:
         t = timing[name]
         lines += [f"  {name:18s} {curves[name][-1][1]:.4f}   ({seconds[name]:.0f}s)  {100 * gap:+.2f}% vs best fixed "
                   f"({'within' if gap <= 0.02 else 'NOT within'} 2%)",
-                  f"    measured: t_micro {1000 * t[0]:.3g} ms, t_opt {1000 * t[1]:.3g} ms (medians), final gns "
-                  f"{ramps[name][-1]['final_gns'] or float('nan'):.4g} tokens" if t else "    measured: no step times",
+                  (f"    measured: t_micro {1000 * t[0]:.3g} ms, t_opt {1000 * t[1]:.3g} ms (medians), final gns "
+                   + (f"{gns:.4g} tokens" if (gns := ramps[name][-1]["final_gns"]) else "not measured (too few "
+                      "observations)")) if t else "    measured: no step times",
                   f"    batch changes: {changes or 'none (k* rounds to 1: the optimizer step is too cheap to pay for tokens)'}"]
     text = "\n".join(lines) + "\n"
     print(text)
