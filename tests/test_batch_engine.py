@@ -78,6 +78,8 @@ def test_a_ramp_changes_the_accumulation_without_dropping_or_repeating_examples_
     folder = auto.run_dir / "checkpoints"
     mid = next(p for p in sorted(folder.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
                if json.loads((p / "batch_engine.json").read_text())["accumulation"] == 2)
+    times = json.loads((mid / "batch_engine.json").read_text())["times"]  # the run's own step times, kept
+    assert times["rest"] and all(t >= 0 for t in times["rest"] + times["forward"] + times["deferred"])
     copy = tmp_path / "resumed"
     shutil.copytree(auto.run_dir, copy)
     for p in (copy / "checkpoints").glob("checkpoint-*"):
