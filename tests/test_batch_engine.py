@@ -143,12 +143,10 @@ def test_a_cheap_optimizer_step_keeps_micro_batch_one_without_accumulation(tmp_p
     updates = []
     monkeypatch.setattr(BatchEngineTrainer, "_time", lambda self, updated: (updates.append(updated), self._marks.clear()))
     calls = _timed(monkeypatch, t_micro=0.05, t_opt=0.0005)
-    fixed = run(validate_recipe(_recipe(tmp_path, tiny_model_dir, "fixed1", micro_batch_size=1, max_steps=24)))
-    fixed_rows, seen[:], updates[:] = list(seen), [], []
     auto = run(validate_recipe(_recipe(tmp_path, tiny_model_dir, "auto1", micro_batch_size=1, max_steps=24,
                                        effective_batch_size="auto", noise_scale_split_every=3)))
-    assert seen == fixed_rows and len(seen) == 24  # no example dropped or repeated
-    assert auto.steps == fixed.steps == 24
+    assert auto.steps == 24 and len(seen) == 24 and all(len(rows) == 1 for rows in seen)
+    assert len(set(map(tuple, seen))) == 24  # 24 different examples: none dropped or repeated
     rows = read_jsonl(auto.run_dir / "metrics.jsonl")
     assert not [r for r in rows if r.get("event") == "batch_changed"]
     assert any(r.get("gns") for r in rows)  # measured from the pairs

@@ -181,7 +181,7 @@ class BatchEngineTrainer(RecoveringTrainer):
             update = optimizer.step
 
             def grouped(opt, *args, **kwargs):
-                for batch, _ in self._current:  # counted here, after a resume has restored the count
+                for batch, _ in self._current if self.engine_on else ():  # after a resume restored the count
                     if "labels" in batch:
                         self._tokens += labelled_tokens(batch)
                         self._batches += 1
