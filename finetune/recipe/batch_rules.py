@@ -177,7 +177,7 @@ def auto_schedule(micro_batch: int, optimizer: str, layerwise: bool, max_accumul
     follows = "learning rate x " + ("sqrt" if spec.lr_batch_scaling == "sqrt" else "linear") + " of the batch ratio" \
         + (f" (capped at {MAX_LR_FACTOR:g}x)" if spec.lr_batch_scaling == "sqrt" else "") \
         + (", beta2 ** ratio" if spec.uses_beta2 else "")
-    measure = (f"; to measure the noise scale every {split_every}th update takes two micro-batches"
+    measure = (f"; to measure the noise scale, once every {split_every} micro-batches two share one update"
                if micro_batch == 1 or layerwise else "")
     return (f"effective batch auto: starts at micro-batch {micro_batch} without accumulation{measure}; the run "
             f"times its micro-batches (t_micro) and optimizer steps (t_opt) and accumulates k = "
