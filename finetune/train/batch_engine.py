@@ -294,8 +294,10 @@ class BatchEngineTrainer(RecoveringTrainer):
         path = Path(checkpoint) / ENGINE_FILE if checkpoint else None
         if self.engine_on and path is not None and path.is_file():
             saved = json.loads(path.read_text())
-            self.accumulation, self._size = saved["accumulation"], saved["size"]
-            self.times.load_state_dict(saved["times"])
+            self.accumulation = saved["accumulation"]
+            self._size = saved.get("size", self.accumulation)  # a checkpoint of an older version has neither
+            if "times" in saved:
+                self.times.load_state_dict(saved["times"])
             self._sync_layerwise()
             self._observations_at_change = saved["observations_at_change"]
             self._tokens, self._batches = saved["tokens"], saved["batches"]
