@@ -115,7 +115,7 @@ def best_accumulation(gns_tokens: float | None, tokens_per_micro: float, t_micro
     """The accumulation that minimises wall_time, never below `current` (the critical batch grows during
     training, Critical Batch Size Revisited) nor above `limit`, and only where it saves MIN_GAIN of the time;
     `current` while the noise scale or a step time is not measured yet."""
-    if not gns_tokens or not t_micro or t_opt is None or tokens_per_micro <= 0:
+    if not gns_tokens or gns_tokens <= 0 or not t_micro or t_opt is None or tokens_per_micro <= 0:
         return current
     best = math.sqrt(max(t_opt, 0.0) * gns_tokens / (t_micro * tokens_per_micro))  # k*, the continuous optimum
     candidates = {min(max(k, current), limit) for k in (math.floor(best), math.ceil(best))}
