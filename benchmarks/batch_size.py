@@ -1,7 +1,7 @@
 """The batch-size engine on real text: the online noise scale vs brute force, and fixed batches vs `auto`.
 
-    nice -n 10 python benchmarks/batch_size.py --quick      # ~10 min on a free core (24 min on a busy one)
-    nice -n 10 python benchmarks/batch_size.py              # the full run (under an hour on a free core)
+    nice -n 10 python benchmarks/batch_size.py --quick      # ~15 min on the busy shared 2-core machine
+    nice -n 10 python benchmarks/batch_size.py              # the full run: ~30 min there (1,640 s fixed + auto)
     nice -n 10 python benchmarks/batch_size.py --only fixed # (a) and the fixed batches, cached, no report
 
 Model: a small Llama trained from scratch on /work/shared/datasets/c4_demo.jsonl (pre-training-like, where
