@@ -211,7 +211,8 @@ def batch_plan(recipe: Recipe, plan: Plan) -> list[str]:
     lines = [f"batch rules: {rule.describe()}"] if rule is not None else []
     if recipe.training.effective_batch_size == "auto":
         lines.append(auto_schedule(int(resolved.training.micro_batch_size), resolved.optimizer.name,
-                                   resolved.optimizer.layerwise, MAX_ACCUMULATION))
+                                   resolved.optimizer.layerwise, MAX_ACCUMULATION,
+                                   resolved.training.noise_scale_split_every))
     return lines
 
 

@@ -4,24 +4,18 @@ without dropping or repeating examples, learning rate and beta2 follow the rules
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
 
 from finetune.recipe import validate_recipe
+from finetune.recipe.batch_rules import best_accumulation
 from finetune.rundir import read_jsonl
 from finetune.train import batch_engine
-from finetune.train.batch_engine import MAX_ACCUMULATION, TOKEN_WASTE, next_accumulation
+from finetune.train.batch_engine import BatchEngineTrainer
 from finetune.train.recovery import ROWS, RecoveringTrainer
 from finetune.train.run import run
-
-
-def test_accumulation_doubles_while_the_batch_stays_a_small_fraction_of_the_noise_scale():
-    assert next_accumulation(1, None, 100) == 1  # nothing measured yet
-    assert next_accumulation(1, 1000, 100) == 1  # 2 x 100 tokens > 0.1 x 1000
-    assert next_accumulation(1, 4000 / TOKEN_WASTE, 1000) == 4
-    assert next_accumulation(8, 10.0, 100) == 8  # never down
-    assert next_accumulation(1, 1e12, 1) == MAX_ACCUMULATION
 
 
 def _recipe(tmp_path, model_dir, name: str, **training) -> dict:
@@ -45,7 +39,8 @@ def _recipe(tmp_path, model_dir, name: str, **training) -> dict:
 def forced_ramp(monkeypatch):
     """Double the accumulation at every decision (up to 4) and decide after 2 observations, whatever the
     tiny model's noise scale is; record every loader batch's examples and every optimizer update."""
-    monkeypatch.setattr(batch_engine, "next_accumulation", lambda current, gns, tokens, limit=4: min(2 * current, limit))
+    monkeypatch.setattr(batch_engine, "best_accumulation",
+                        lambda gns, tokens, t_micro, t_opt, current, limit: min(2 * current, 4))
     monkeypatch.setattr(batch_engine, "MIN_OBSERVATIONS", 2)
     seen = {"rows": [], "updates": 0}
     step = RecoveringTrainer.training_step
@@ -83,6 +78,8 @@ def test_a_ramp_changes_the_accumulation_without_dropping_or_repeating_examples_
     folder = auto.run_dir / "checkpoints"
     mid = next(p for p in sorted(folder.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
                if json.loads((p / "batch_engine.json").read_text())["accumulation"] == 2)
+    times = json.loads((mid / "batch_engine.json").read_text())["times"]  # the run's own step times, kept
+    assert times["rest"] and all(t >= 0 for t in times["rest"] + times["forward"] + times["deferred"])
     copy = tmp_path / "resumed"
     shutil.copytree(auto.run_dir, copy)
     for p in (copy / "checkpoints").glob("checkpoint-*"):
@@ -99,25 +96,77 @@ def test_a_ramp_changes_the_accumulation_without_dropping_or_repeating_examples_
 
 
 def test_a_layerwise_optimizer_accumulates_over_the_group(tmp_path, tiny_model_dir, forced_ramp, monkeypatch):
-    """It would update inside each backward: the engine starts it at accumulation 2 (so the step can be
-    measured) and keeps its steps_per_update equal to the group, ramping to 4."""
+    """It would update inside each backward: at accumulation 1 the engine measures it with a two-batch group
+    every noise_scale_split_every loader batches, and keeps its steps_per_update equal to each group, ramping to 4."""
     from finetune.optim import layerwise_of
-    from finetune.train.batch_engine import BatchEngineTrainer
 
     seen = []
     decide = BatchEngineTrainer._decide
 
     def spy(self):
+        seen.append((self._size, layerwise_of(self.optimizer).steps_per_update))  # the group just updated
         decide(self)
-        seen.append((self.accumulation, layerwise_of(self.optimizer).steps_per_update))
 
     monkeypatch.setattr(BatchEngineTrainer, "_decide", spy)
-    recipe = _recipe(tmp_path, tiny_model_dir, "layerwise", effective_batch_size="auto", max_steps=12)
+    recipe = _recipe(tmp_path, tiny_model_dir, "layerwise", effective_batch_size="auto", max_steps=16,
+                     noise_scale_split_every=3)
     result = run(validate_recipe({**recipe, "optimizer": {"layerwise": True}}))
-    assert result.state == "completed" and seen[0] == (2, 2) and seen[-1] == (4, 4)
-    assert all(accumulation == steps for accumulation, steps in seen)
+    assert result.state == "completed"
+    assert all(size == steps for size, steps in seen)
+    assert [size for size, _ in seen[:3]] == [1, 2, 1]  # at accumulation 1, a measuring pair every 3 batches
+    assert seen[-1] == (4, 4)
     events = [r for r in read_jsonl(result.run_dir / "metrics.jsonl") if r.get("event") == "batch_changed"]
-    assert [e["to"]["gradient_accumulation_steps"] for e in events] == [4]
+    assert [e["to"]["gradient_accumulation_steps"] for e in events] == [2, 4]
+
+
+def _timed(monkeypatch, t_micro: float, t_opt: float) -> list:
+    """The engine's measured step times replaced by (t_micro, t_opt) (wall-clock times are not for tests);
+    returns the arguments and result of every decision."""
+    monkeypatch.setattr(BatchEngineTrainer, "step_times", lambda self: (t_micro, t_opt))
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append((args, kwargs, best_accumulation(*args, **kwargs)))
+        return calls[-1][2]
+
+    monkeypatch.setattr(batch_engine, "best_accumulation", spy)
+    return calls
+
+
+def test_a_cheap_optimizer_step_keeps_micro_batch_one_without_accumulation(tmp_path, tiny_model_dir, monkeypatch):
+    """Micro-batch 1 is measured by a pair of loader batches every noise_scale_split_every updates (not by
+    accumulating all the time); with a cheap update the batch never grows, and every example is seen once."""
+    seen = []
+    step = RecoveringTrainer.training_step
+    monkeypatch.setattr(RecoveringTrainer, "training_step", lambda self, model, inputs, n=None: (
+        seen.append([tuple(r["input_ids"]) for r in inputs[ROWS].rows]), step(self, model, inputs, n))[1])
+    updates = []
+    monkeypatch.setattr(BatchEngineTrainer, "_time", lambda self, updated: (updates.append(updated), self._marks.clear()))
+    calls = _timed(monkeypatch, t_micro=0.05, t_opt=0.0005)
+    auto = run(validate_recipe(_recipe(tmp_path, tiny_model_dir, "auto1", micro_batch_size=1, max_steps=24,
+                                       effective_batch_size="auto", noise_scale_split_every=3)))
+    assert auto.steps == 24 and len(seen) == 24 and all(len(rows) == 1 for rows in seen)
+    assert len(set(map(tuple, seen))) == 24  # 24 different examples: none dropped or repeated
+    rows = read_jsonl(auto.run_dir / "metrics.jsonl")
+    assert not [r for r in rows if r.get("event") == "batch_changed"]
+    assert any(r.get("gns") for r in rows)  # measured from the pairs
+    assert updates.count(False) == 8  # one pair every 3 updates: 8 of the 24 loader batches deferred
+    assert calls and all(result == 1 for _, _, result in calls)
+
+
+def test_an_expensive_optimizer_step_ramps_the_accumulation_by_the_formula(tmp_path, tiny_model_dir, monkeypatch):
+    """An update that costs 40 micro-batches (a large model's full fine-tuning with a slow optimizer): the
+    accumulation becomes k* = sqrt(t_opt x gns / (t_micro x tokens per micro-batch)), rounded the better way."""
+    calls = _timed(monkeypatch, t_micro=0.01, t_opt=0.4)
+    auto = run(validate_recipe(_recipe(tmp_path, tiny_model_dir, "costly", effective_batch_size="auto",
+                                       max_steps=20)))
+    events = [r for r in read_jsonl(auto.run_dir / "metrics.jsonl") if r.get("event") == "batch_changed"]
+    assert events and events[0]["t_opt"] == 0.4 and events[0]["t_micro"] == 0.01
+    (gns, tokens, t_micro, t_opt), kwargs, first = next(c for c in calls if c[2] > 1)
+    assert first == events[0]["to"]["gradient_accumulation_steps"] and gns == events[0]["gns"]
+    k_star = math.sqrt(t_opt * gns / (t_micro * tokens))
+    assert 1 < first < kwargs["limit"] and first in (math.floor(k_star), math.ceil(k_star))
+    assert events[0]["learning_rate"] == pytest.approx(1e-3 * min(math.sqrt(first), 4.0))  # the rules follow
 
 
 def test_out_of_memory_inside_a_group_redoes_the_whole_group(tmp_path, tiny_model_dir, forced_ramp, monkeypatch):

@@ -9,10 +9,15 @@ import pytest
 from finetune.recipe import validate_recipe
 from finetune.recipe.batch_rules import (
     MAX_LR_FACTOR,
+    MIN_GAIN,
+    TIMING_SKIP,
+    StepTimes,
     advise,
     apply_batch_rules,
+    best_accumulation,
     reference_batch,
     scale_for_batch,
+    wall_time,
 )
 from finetune.recipe.optimizers import SPECS
 
@@ -89,14 +94,69 @@ def test_finetune_plan_shows_the_rescaling(tiny_model_dir, tmp_path, capsys):
     assert "batch rules: batch 16 vs reference 4 sequences: learning rate 0.0001 -> 0.0002 (sqrt rule)" in out
 
 
-def test_advice_is_the_largest_power_of_two_batch_within_the_useful_fraction_of_the_noise_scale():
-    advice = advise(3200.0, 20.0, batch_used=2, learning_rate=1e-3, betas=(0.9, 0.999), optimizer="adamw")
-    # 0.1 x 3200 tokens = 320 tokens = 16 sequences of 20 labelled tokens
-    assert advice["settings"]["training.effective_batch_size"] == 16
-    assert advice["settings"]["training.learning_rate"] == pytest.approx(1e-3 * math.sqrt(8), rel=1e-3)
-    assert advice["settings"]["optimizer.betas"][1] == pytest.approx(0.999 ** 8, rel=1e-6)
-    assert "160 sequences" in advice["reason"]
-    assert "settings" not in advise(None, 20.0, 2, 1e-3, (0.9, 0.999), "adamw")
+def test_a_cheap_optimizer_step_never_accumulates_whatever_the_noise_scale():
+    """LoRA / small models: the update costs little next to a micro-batch, so a larger batch only costs tokens."""
+    assert best_accumulation(1e6, 500.0, t_micro=0.2, t_opt=0.001) == 1  # k* = sqrt(0.001 x 1e6 / 100) = 1.4
+    assert best_accumulation(1e5, 500.0, t_micro=0.2, t_opt=0.0) == 1
+    assert best_accumulation(None, 500.0, t_micro=0.2, t_opt=5.0) == 1  # nothing measured yet
+    assert best_accumulation(1e6, 500.0, t_micro=None, t_opt=None) == 1
+
+
+def test_an_expensive_optimizer_step_accumulates_more_as_the_noise_scale_grows():
+    """Full fine-tuning with an expensive step: k* = sqrt(t_opt x gns / (t_micro x b)) grows with the noise scale,
+    and the chosen integer is the better of floor(k*) and ceil(k*) under the wall-time model."""
+    b, t_micro, t_opt = 1000.0, 0.1, 0.4
+    ks = [best_accumulation(gns, b, t_micro, t_opt, limit=1024) for gns in (500.0, 4e3, 1.6e4, 6.4e4, 1e6)]
+    assert ks == sorted(ks) and ks[0] == 1 and ks[-1] > 50
+    for gns in (4e3, 1.6e4, 6.4e4, 3.3e4, 1e6):
+        k_star = math.sqrt(t_opt * gns / (t_micro * b))
+        k = best_accumulation(gns, b, t_micro, t_opt, limit=1024)
+        assert k in (math.floor(k_star), math.ceil(k_star)), (gns, k_star, k)
+        for other in (k - 1, k + 1):  # an integer minimum of the convex wall time
+            if other >= 1:
+                assert wall_time(k, b, gns, t_micro, t_opt) <= wall_time(other, b, gns, t_micro, t_opt)
+    assert best_accumulation(1.6e4, b, t_micro, t_opt) == 8  # k* = sqrt(0.4 x 16000 / 100) = 8 exactly
+    assert best_accumulation(1e9, b, t_micro, t_opt, limit=64) == 64
+
+
+def test_the_accumulation_only_ramps_up_and_only_for_a_real_saving():
+    b, t_micro, t_opt = 1000.0, 0.1, 0.4
+    assert best_accumulation(500.0, b, t_micro, t_opt, current=8) == 8  # k* = 1.4 now: never down
+    # k* = 8.9 from 8: ceil(8.9) = 9 saves far less than MIN_GAIN of the time, so no change
+    assert best_accumulation(2e4, b, t_micro, t_opt, current=8) == 8
+    assert 1 - wall_time(9, b, 2e4, t_micro, t_opt) / wall_time(8, b, 2e4, t_micro, t_opt) < MIN_GAIN
+
+
+def test_step_times_split_a_step_into_forward_backward_and_the_update():
+    times = StepTimes()
+    for _ in range(TIMING_SKIP):  # warm-up steps (allocation) are not counted
+        times.add(100.0, 100.0, updated=True)
+    assert times.estimate() is None
+    for i in range(6):  # an ordinary optimizer: the update follows the last backward
+        times.add(0.2, 0.05 if i % 2 else 0.0, updated=i % 2 == 1)
+    assert times.estimate() == pytest.approx((0.2, 0.05))
+    layerwise = StepTimes(update_in_backward=True)  # t_opt: what an updating step costs beyond a deferred one
+    for i in range(TIMING_SKIP + 12):
+        layerwise.add(0.2 if i % 2 else 0.5, 0.0, updated=i % 2 == 0)
+    assert layerwise.estimate() == pytest.approx((0.2, 0.3))
+    again = StepTimes(update_in_backward=True)
+    again.load_state_dict(layerwise.state_dict())
+    assert again.estimate() == layerwise.estimate()
+
+
+def test_advice_is_the_micro_batch_times_the_accumulation_that_minimises_the_time_to_a_loss():
+    # 20 labelled tokens per sequence, micro-batch 2 = 40 tokens; k* = sqrt(0.02 x 3200 / (0.01 x 40)) = 12.6
+    advice = advise(3200.0, 20.0, 2, batch_used=2, learning_rate=1e-3, betas=(0.9, 0.999), optimizer="adamw",
+                    times=(0.01, 0.02))
+    assert advice["settings"]["training.effective_batch_size"] == 26  # 2 x 13
+    assert advice["settings"]["training.learning_rate"] == pytest.approx(1e-3 * math.sqrt(13), rel=1e-3)
+    assert advice["settings"]["optimizer.betas"][1] == pytest.approx(0.999 ** 13, rel=1e-6)
+    assert "160 sequences" in advice["reason"] and "13 micro-batch(es) per update" in advice["reason"]
+    cheap = advise(3200.0, 20.0, 2, batch_used=8, learning_rate=1e-3, betas=(0.9, 0.999), optimizer="adamw",
+                   times=(0.01, 0.0001))
+    assert cheap["settings"]["training.effective_batch_size"] == 2  # below the batch used: no accumulation
+    assert "settings" not in advise(None, 20.0, 2, 2, 1e-3, (0.9, 0.999), "adamw", (0.01, 0.02))
+    assert "settings" not in advise(3200.0, 20.0, 2, 2, 1e-3, (0.9, 0.999), "adamw", None)
 
 
 def test_finetune_plan_takes_the_advice_of_a_finished_run(tiny_model_dir, tmp_path, capsys):
@@ -107,7 +167,8 @@ def test_finetune_plan_takes_the_advice_of_a_finished_run(tiny_model_dir, tmp_pa
     previous = RunDir(tmp_path / "previous")
     previous.root.mkdir()
     atomic_write_json(previous.results, {"state": "completed", "advice": advise(
-        3200.0, 20.0, batch_used=2, learning_rate=1e-3, betas=(0.9, 0.999), optimizer="adamw")})
+        3200.0, 20.0, 4, batch_used=4, learning_rate=1e-3, betas=(0.9, 0.999), optimizer="adamw",
+        times=(0.01, 0.004))})  # k* = sqrt(0.004 x 3200 / (0.01 x 80)) = 4: 16 sequences
     recipe = validate_recipe({"model": {"path": str(tiny_model_dir)}, "data": {"path": "d.jsonl", "max_seq_len": 64},
                               "quantization": {"bits": None}, "training": {"micro_batch_size": 4}})
     path = tmp_path / "recipe.yaml"
@@ -131,5 +192,5 @@ def test_finetune_plan_shows_what_auto_will_do(tiny_model_dir, tmp_path, capsys)
     path.write_text(recipe_to_yaml(recipe))
     assert main(["plan", str(path), "--gpu-memory", "2GiB", "--device", "cpu"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "effective batch auto: starts at 4 sequences (micro-batch 4 x 1)" in out
-    assert "up to 256; learning rate x sqrt of the batch ratio (capped at 4x), beta2 ** ratio" in out
+    assert "effective batch auto: starts at micro-batch 4 without accumulation; the run times" in out
+    assert "at most 256 sequences; learning rate x sqrt of the batch ratio (capped at 4x), beta2 ** ratio" in out

@@ -15,16 +15,24 @@ Torch-free: the schema's checks, `finetune plan` and `finetune run` use the same
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
 from finetune.recipe.optimizers import optimizer_spec
 from finetune.recipe.schema import Recipe
 
 MAX_LR_FACTOR = 4.0  # at most 4x the tuned learning rate (16x the batch under the square-root rule)
-# The largest batch worth its tokens: McCandlish et al. price a batch B at E_min (1 + B / B_noise) tokens and
-# S_min (1 + B_noise / B) steps, so B <= TOKEN_WASTE x B_noise costs at most ~10% more tokens than the
-# smallest batch for the same loss while most of the steps are saved.
-TOKEN_WASTE = 0.1
+# When to accumulate. On one device accumulation does not raise throughput: it only spreads each optimizer
+# step's fixed cost (t_opt: clipping, the update, the noise-scale read) over more micro-batches (t_micro each).
+# McCandlish et al. price a batch of B tokens at E_min (1 + B / B_noise) tokens to reach a given loss, so with
+# b tokens per micro-batch and k micro-batches per step the wall time to that loss is proportional to
+#     cost(k) = (1 + k b / B_noise) (t_micro + t_opt / k),
+# which is convex in k with its minimum at k* = sqrt(t_opt B_noise / (t_micro b)): accumulation grows with the
+# noise scale, and stays 1 where the optimizer step is cheap next to a micro-batch (LoRA, small models), as the
+# small-batch results say (Marek et al.).
+MIN_GAIN = 0.02  # a larger accumulation must cut the predicted time to a loss by 2%: no churn on noisy estimates
+TIMING_WINDOW = 64  # step times kept (the median of each kind is used)
+TIMING_SKIP = 2  # first Trainer steps not timed (allocation, lazy optimizer state)
 
 
 @dataclass(frozen=True)
@@ -96,33 +104,107 @@ def apply_batch_rules(recipe: Recipe, reference: int | None) -> tuple[Recipe, Ba
     return out, rule
 
 
-def auto_schedule(micro_batch: int, optimizer: str, layerwise: bool, max_accumulation: int) -> str:
+def wall_time(accumulation: int, tokens_per_micro: float, gns_tokens: float, t_micro: float, t_opt: float) -> float:
+    """Seconds per E_min token to reach a loss with `accumulation` micro-batches of `tokens_per_micro`
+    labelled tokens per optimizer step (the cost(k) above, divided by the micro-batch's tokens)."""
+    return (1 + accumulation * tokens_per_micro / gns_tokens) * (t_micro + t_opt / accumulation) / tokens_per_micro
+
+
+def best_accumulation(gns_tokens: float | None, tokens_per_micro: float, t_micro: float | None,
+                      t_opt: float | None, current: int = 1, limit: int = 64) -> int:
+    """The accumulation that minimises wall_time, never below `current` (the critical batch grows during
+    training, Critical Batch Size Revisited) nor above `limit`, and only where it saves MIN_GAIN of the time;
+    `current` while the noise scale or a step time is not measured yet."""
+    if not gns_tokens or gns_tokens <= 0 or not t_micro or t_opt is None or tokens_per_micro <= 0:
+        return current
+    best = math.sqrt(max(t_opt, 0.0) * gns_tokens / (t_micro * tokens_per_micro))  # k*, the continuous optimum
+    candidates = {min(max(k, current), limit) for k in (math.floor(best), math.ceil(best))}
+    new = min(candidates, key=lambda k: wall_time(k, tokens_per_micro, gns_tokens, t_micro, t_opt))
+    saved = 1 - wall_time(new, tokens_per_micro, gns_tokens, t_micro, t_opt) \
+        / wall_time(current, tokens_per_micro, gns_tokens, t_micro, t_opt)
+    return new if new > current and saved >= MIN_GAIN else current
+
+
+class StepTimes:
+    """Measured seconds per Trainer step, split into forward-backward and the rest of the step (clipping, the
+    update): t_micro is a forward-backward, t_opt the rest of an updating step. A layer-wise optimizer updates
+    inside the last backward (`update_in_backward`): its t_micro comes from the steps that only accumulated
+    and its t_opt is what an updating step costs beyond that. Medians over the last TIMING_WINDOW steps of
+    each kind, so a busy machine's outliers do not decide."""
+
+    def __init__(self, update_in_backward: bool = False) -> None:
+        self.update_in_backward = update_in_backward
+        self.seen = 0
+        self.deferred: list[float] = []  # forward-backward of steps without an update
+        self.forward: list[float] = []  # forward-backward of updating steps
+        self.rest: list[float] = []  # the rest of updating steps
+
+    def add(self, forward_backward: float, rest: float, updated: bool) -> None:
+        self.seen += 1
+        if self.seen <= TIMING_SKIP:
+            return
+        if updated:
+            self.forward = [*self.forward, forward_backward][-TIMING_WINDOW:]
+            self.rest = [*self.rest, rest][-TIMING_WINDOW:]
+        else:
+            self.deferred = [*self.deferred, forward_backward][-TIMING_WINDOW:]
+
+    def estimate(self) -> tuple[float, float] | None:
+        """(t_micro, t_opt) in seconds, or None before three updating steps (and, for an update inside
+        backward, three steps without one) were timed."""
+        if len(self.rest) < 3:
+            return None
+        if not self.update_in_backward:
+            return statistics.median(self.forward + self.deferred), statistics.median(self.rest)
+        if len(self.deferred) < 3:
+            return None
+        t_micro = statistics.median(self.deferred)
+        total = statistics.median([f + r for f, r in zip(self.forward, self.rest, strict=True)])
+        return t_micro, max(0.0, total - t_micro)
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen, "deferred": self.deferred, "forward": self.forward, "rest": self.rest}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen, self.deferred = state["seen"], list(state["deferred"])
+        self.forward, self.rest = list(state["forward"]), list(state["rest"])
+
+
+def auto_schedule(micro_batch: int, optimizer: str, layerwise: bool, max_accumulation: int,
+                  split_every: int) -> str:
     """What `effective_batch_size: auto` will do, for `finetune plan` (the run decides from measurements)."""
-    start = 2 if micro_batch == 1 or layerwise else 1
     spec = optimizer_spec(optimizer)
     follows = "learning rate x " + ("sqrt" if spec.lr_batch_scaling == "sqrt" else "linear") + " of the batch ratio" \
         + (f" (capped at {MAX_LR_FACTOR:g}x)" if spec.lr_batch_scaling == "sqrt" else "") \
         + (", beta2 ** ratio" if spec.uses_beta2 else "")
-    return (f"effective batch auto: starts at {micro_batch * start} sequences (micro-batch {micro_batch} x "
-            f"{start}); the accumulation doubles while the batch stays within {TOKEN_WASTE:g} x the measured "
-            f"noise scale, up to {micro_batch * max_accumulation}; {follows}")
+    measure = (f"; to measure the noise scale, once every {split_every} micro-batches two share one update"
+               if micro_batch == 1 or layerwise else "")
+    return (f"effective batch auto: starts at micro-batch {micro_batch} without accumulation{measure}; the run "
+            f"times its micro-batches (t_micro) and optimizer steps (t_opt) and accumulates k = "
+            f"sqrt(t_opt x noise scale / (t_micro x micro-batch tokens)) micro-batches where that saves "
+            f">= {100 * MIN_GAIN:g}% of the predicted time to a loss, ramping up only, at most "
+            f"{micro_batch * max_accumulation} sequences; {follows}")
 
 
-def advise(gns_tokens: float | None, tokens_per_sequence: float, batch_used: int, learning_rate: float,
-           betas: tuple[float, float], optimizer: str) -> dict:
-    """What to use next time, from a run's final noise scale (labelled tokens): the largest power-of-two batch
-    of sequences within TOKEN_WASTE x the noise scale, and the learning rate and betas the rules give it
+def advise(gns_tokens: float | None, tokens_per_sequence: float, micro_batch: int, batch_used: int,
+           learning_rate: float, betas: tuple[float, float], optimizer: str,
+           times: tuple[float, float] | None) -> dict:
+    """What to use next time, from a run's final noise scale (labelled tokens) and step times (t_micro,
+    t_opt): the micro-batch x best_accumulation, and the learning rate and betas the rules give that batch
     from the ones used at `batch_used`. As recipe keys, so `finetune plan --advice RUN_DIR` can apply them."""
     if not gns_tokens or tokens_per_sequence <= 0:
         return {"reason": "no noise scale was measured (too few steps, or micro-batch 1 without accumulation)"}
-    batch = 1
-    while 2 * batch * tokens_per_sequence <= TOKEN_WASTE * gns_tokens:
-        batch *= 2
+    if times is None:
+        return {"reason": "the step times were not measured (too few optimizer steps)"}
+    t_micro, t_opt = times
+    accumulation = best_accumulation(gns_tokens, micro_batch * tokens_per_sequence, t_micro, t_opt, 1, 1 << 20)
+    batch = micro_batch * accumulation
     rule = scale_for_batch(learning_rate, betas, optimizer, batch_used, batch)
     settings = {"training.effective_batch_size": batch, "training.gradient_accumulation_steps": "auto",
                 "training.reference_batch_size": batch, "training.learning_rate": float(f"{rule.new_learning_rate:.4g}")}
     if rule.new_betas is not None:
         settings["optimizer.betas"] = [rule.new_betas[0], float(f"{rule.new_betas[1]:.6g}")]
     return {"settings": settings, "reason": (
-        f"measured noise scale {gns_tokens:.4g} labelled tokens = {gns_tokens / tokens_per_sequence:.3g} sequences; "
-        f"batches up to {TOKEN_WASTE:g}x that waste few tokens: {batch} sequences; " + rule.describe())}
+        f"measured noise scale {gns_tokens:.4g} labelled tokens = {gns_tokens / tokens_per_sequence:.3g} sequences, "
+        f"micro-batch {micro_batch} step {1000 * t_micro:.3g} ms, optimizer step {1000 * t_opt:.3g} ms: "
+        f"{accumulation} micro-batch(es) per update minimise the time to a loss; " + rule.describe())}

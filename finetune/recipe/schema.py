@@ -154,7 +154,8 @@ class TrainingConfig(Section):
     noise_scale: bool = Field(True, description="Measure the gradient noise scale (gns, grad_sq, trace_sigma in "
         "metrics.jsonl; labelled tokens) from per-micro-batch gradient norms; no gradient copy.")
     noise_scale_split_every: int = Field(10, ge=1, le=MAX_COUNT, description="Without accumulation: run every "
-        "this many steps' micro-batch as two halves (same gradient) so the noise scale can still be measured.")
+        "this many steps' micro-batch as two halves (same gradient) so the noise scale can still be measured; "
+        "with effective_batch_size auto at micro-batch 1 or a layer-wise optimizer, two steps share one update.")
     reference_batch_size: int | None = Field(None, ge=1, le=MAX_COUNT, description="Sequences per step that "
         "learning_rate and optimizer.betas were tuned for; a different effective batch rescales them (sqrt or "
         "linear rule by optimizer, capped; beta2 ** (batch / reference)). null: the recipe's effective batch.")

@@ -8,14 +8,22 @@ gradients are set aside by reference, no copy, and handed back to autograd befor
 clipping waits), and the last one applies the mean of the group's loader-batch gradients. The scheduler
 still steps every Trainer step, so the learning rate follows the schedule in tokens.
 
-When to accumulate (McCandlish et al.: a batch B costs S_min (1 + B_noise / B) steps and E_min (1 + B /
-B_noise) tokens): a batch of at most TOKEN_WASTE x the noise scale needs at most ~10% more tokens than the
-smallest batch for the same loss and saves most steps; nothing larger is chosen. At the end of a group,
-once the noise scale has MIN_OBSERVATIONS fresh observations since the last change, the accumulation
-doubles while the batch in labelled tokens stays under TOKEN_WASTE x gns (up to MAX_ACCUMULATION). It only
-ramps up: the critical batch grows during training (Critical Batch Size Revisited). Each change rescales
-the learning rate and beta2 by finetune/recipe/batch_rules.py against the starting batch and is recorded
-(`on_change`: a `batch_changed` row in metrics.jsonl, shaped like the out-of-memory events).
+When to accumulate: finetune/recipe/batch_rules.py (best_accumulation). On one device accumulation buys no
+throughput; it only spreads the optimizer step's fixed cost over more micro-batches, and McCandlish et al.'s
+model prices the larger batch in tokens, so the engine times its own steps (StepTimes: forward-backward and
+the rest of an updating step, on the device's timeline: CUDA events, no host sync) and, at the end of a group
+once the noise scale has MIN_OBSERVATIONS fresh observations since the last change, accumulates the k that
+minimises the predicted wall time to a loss, k* = sqrt(t_opt x gns / (t_micro x tokens per micro-batch)),
+ramping up only (the critical batch grows during training, Critical Batch Size Revisited), up to
+MAX_ACCUMULATION. A cheap optimizer step (LoRA, small models) keeps k = 1. Each change rescales the learning
+rate and beta2 by the same module's rules against the starting batch and is recorded (`on_change`: a
+`batch_changed` row in metrics.jsonl, shaped like the out-of-memory events).
+
+A step that cannot be split in two for the noise-scale probe (one sequence, or a layer-wise optimizer that
+updates inside backward) is measured by taking two loader batches into one update once every
+training.noise_scale_split_every loader batches while the accumulation is 1, instead of accumulating all the
+time (the pair keeps the learning rate and beta2 of one loader batch). Splitting one sequence by tokens would
+not do: the halves of a sequence are correlated, and the two-batch estimator assumes independent parts.
 
 Checkpoints fall on group boundaries only (a save or stop asked for mid-group waits for the group's last
 step), and hold the accumulation in batch_engine.json, so `--resume` continues exactly. An out-of-memory
@@ -25,6 +33,7 @@ retry inside a group re-runs the group's earlier loader batches too (finetune/tr
 from __future__ import annotations
 
 import json
+import time
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +42,7 @@ import torch
 
 from finetune.console import console
 from finetune.optim import layerwise_of
-from finetune.recipe.batch_rules import TOKEN_WASTE, advise, scale_for_batch
+from finetune.recipe.batch_rules import StepTimes, advise, best_accumulation, scale_for_batch
 from finetune.rundir import RunDir, atomic_write_json
 from finetune.train.callbacks import MetricsCallback
 from finetune.train.noise_scale import labelled_tokens
@@ -44,16 +53,24 @@ MIN_OBSERVATIONS = 5  # fresh noise-scale observations between two changes
 ENGINE_FILE = "batch_engine.json"  # in each checkpoint folder
 
 
-def next_accumulation(current: int, gns_tokens: float | None, tokens_per_loader_batch: float,
-                      limit: int = MAX_ACCUMULATION) -> int:
-    """The accumulation for the next group: `current` doubled while the batch (in labelled tokens) stays
-    within TOKEN_WASTE x the noise scale and `limit`; never smaller than `current`."""
-    if not gns_tokens or tokens_per_loader_batch <= 0:
-        return current
-    out = current
-    while out * 2 <= limit and out * 2 * tokens_per_loader_batch <= TOKEN_WASTE * gns_tokens:
-        out *= 2
-    return out
+class _Clock:
+    """Marks on the device's timeline: CUDA events (resolved later, no host sync per step) or the host clock."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start, end) -> float:
+        if not self.cuda:
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1000
 
 
 class BatchEngineTrainer(RecoveringTrainer):
@@ -64,11 +81,16 @@ class BatchEngineTrainer(RecoveringTrainer):
         super().__init__(*args, **kwargs)
         self.engine_on = self.recipe.training.effective_batch_size == "auto"
         self.on_batch_change = on_batch_change
-        # A step that cannot be split (one sequence, or a layer-wise optimizer updating inside backward)
-        # starts at accumulation 2, so the noise scale can be measured.
-        unsplittable = self.args.gradient_accumulation_steps == 1 and (
+        # A step that cannot be split (one sequence, or a layer-wise optimizer updating inside backward) is
+        # measured by a two-batch group every noise_scale_split_every loader batches (module docstring).
+        self._unsplittable = self.args.gradient_accumulation_steps == 1 and (
             self.args.per_device_train_batch_size == 1 or self.recipe.optimizer.layerwise)
-        self.accumulation = 2 if self.engine_on and unsplittable else 1
+        self.accumulation = 1
+        self._size = 1  # loader batches of the group in progress (accumulation, or 2 for a measuring pair)
+        self.times = StepTimes(update_in_backward=self.recipe.optimizer.layerwise)
+        self._clock = _Clock(self.args.device)
+        self._marks: list = []  # [start, forward-backward end] of this Trainer step
+        self._timed: list[tuple] = []  # (start, forward-backward end, end, updated), resolved when deciding
         self._group: list[tuple[dict, object]] = []  # this group's earlier loader batches, for an OOM retry
         self._stash: dict[torch.Tensor, torch.Tensor] = {}
         self._observations_at_change = 0
@@ -82,10 +104,22 @@ class BatchEngineTrainer(RecoveringTrainer):
     # -- grouping ---------------------------------------------------------------------------------
     def _deferring(self) -> bool:
         """This Trainer step ends without an optimizer update (the group goes on)."""
-        return (self.engine_on and len(self._group) + 1 < self.accumulation
+        return (self.engine_on and len(self._group) + 1 < self._size
                 and self.state.global_step + 1 < self.state.max_steps)
 
+    def _group_size(self) -> int:
+        """Loader batches of the group starting now: the accumulation, or a measuring pair (module docstring)."""
+        every = self.recipe.training.noise_scale_split_every
+        pair = (self.accumulation == 1 and self._unsplittable and self.noise_probe is not None
+                and (self.state.global_step // every) != (self.state.global_step + 2) // every)
+        return 2 if pair else self.accumulation
+
     def get_batch_samples(self, epoch_iterator, num_batches, device):
+        self._marks = [self._clock.mark()]
+        if self.engine_on:
+            if not self._group and self._size != (size := self._group_size()):
+                self._size = size
+                self._sync_layerwise()
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
         if self.engine_on and self._group:  # an OOM retry re-runs the group's earlier batches too
             self._items = {id(b): n for b, n in self._group}
@@ -98,10 +132,13 @@ class BatchEngineTrainer(RecoveringTrainer):
             for p, grad in self._stash.items():
                 p.grad = grad
             self._stash = {}
-        return super().training_step(model, inputs, num_items_in_batch)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._marks[1:] = [self._clock.mark()]
+        return loss
 
     def _recover(self, model, failure: str) -> None:
         self._stash = {}  # dropped with the rest: the retry re-runs the whole group
+        self._marks = []  # a step with a retry is not timed
         super()._recover(model, failure)
 
     def _clip_grad_norm(self, model):
@@ -133,29 +170,31 @@ class BatchEngineTrainer(RecoveringTrainer):
         """A layer-wise optimizer accumulates over the whole group (it would step inside each backward)."""
         layerwise = layerwise_of(self.optimizer)
         if layerwise is not None:
-            layerwise.steps_per_update = self.args.gradient_accumulation_steps * self.splits * self.accumulation
+            layerwise.steps_per_update = self.args.gradient_accumulation_steps * self.splits * self._size
 
     def create_optimizer(self, model=None):
         fresh = self.optimizer is None
         optimizer = super().create_optimizer(model)
-        if fresh and self.engine_on:
-            self._sync_layerwise()
+        if fresh:  # every run times its steps (the advice in results.json uses them); auto also groups
+            if self.engine_on:
+                self._sync_layerwise()
             update = optimizer.step
 
             def grouped(opt, *args, **kwargs):
-                if self._base is None and self.accumulation > 1:  # the starting batch is already larger
-                    self._apply_rules(self.accumulation * self._step_batch())
-                for batch, _ in self._current:  # counted here, after a resume has restored the count
+                for batch, _ in self._current if self.engine_on else ():  # after a resume restored the count
                     if "labels" in batch:
                         self._tokens += labelled_tokens(batch)
                         self._batches += 1
                 if self._deferring():
                     self._group.extend(self._current)
                     self._stash = {p: p.grad for p in self.model.parameters() if p.grad is not None}
+                    self._time(updated=False)
                     return None
                 result = update(*args, **kwargs)
                 self._group, self._meaned = [], False
-                self._decide()
+                self._time(updated=True)
+                if self.engine_on:
+                    self._decide()
                 return result
 
             optimizer.step = types.MethodType(grouped, optimizer)  # bound, as the LR scheduler expects
@@ -172,23 +211,42 @@ class BatchEngineTrainer(RecoveringTrainer):
             self._sync_layerwise()
 
     # -- the decision ---------------------------------------------------------------------------------
+    def _time(self, updated: bool) -> None:
+        if len(self._marks) == 2:
+            self._timed.append((*self._marks, self._clock.mark(), updated))
+        self._marks = []
+        if len(self._timed) >= 256:  # a run that seldom decides: resolve the older events now
+            self.step_times()
+
+    def step_times(self) -> tuple[float, float] | None:
+        """(t_micro, t_opt) in seconds from this run's steps so far (see StepTimes)."""
+        for start, middle, end, updated in self._timed:
+            self.times.add(self._clock.seconds(start, middle), self._clock.seconds(middle, end), updated)
+        self._timed = []
+        return self.times.estimate()
+
+    def _times_state(self) -> dict:
+        self.step_times()  # the pending marks first
+        return self.times.state_dict()
+
     def _decide(self) -> None:
         observed = self.noise_scale.steps
         if observed - self._observations_at_change < MIN_OBSERVATIONS or not self._batches:
             return
         values = self.noise_scale.values() or {}
-        new = next_accumulation(self.accumulation, values.get("gns"),
-                                self._tokens / self._batches * self.args.gradient_accumulation_steps)
+        times = self.step_times()
+        new = best_accumulation(values.get("gns"), self._tokens / self._batches * self.args.gradient_accumulation_steps,
+                                *(times or (None, None)), current=self.accumulation, limit=MAX_ACCUMULATION)
         if new == self.accumulation:
             return
         old, self.accumulation, self._observations_at_change = self.accumulation, new, observed
-        self._sync_layerwise()
         micro = self._step_batch()
         lr, beta2 = self._apply_rules(micro * new)
         event = {"event": "batch_changed", "step": self.state.global_step + 1,
                  "from": {"gradient_accumulation_steps": old, "effective_batch_size": old * micro},
                  "to": {"gradient_accumulation_steps": new, "effective_batch_size": new * micro},
-                 "gns": values.get("gns"), "learning_rate": lr, "beta2": beta2}
+                 "gns": values.get("gns"), "learning_rate": lr, "beta2": beta2,
+                 "t_micro": times and times[0], "t_opt": times and times[1]}
         if self.on_batch_change is not None:
             self.on_batch_change(event)
 
@@ -227,7 +285,8 @@ class BatchEngineTrainer(RecoveringTrainer):
         if self.engine_on:
             atomic_write_json(Path(output_dir) / ENGINE_FILE, {
                 "accumulation": self.accumulation, "observations_at_change": self._observations_at_change,
-                "tokens": self._tokens, "batches": self._batches,
+                "tokens": self._tokens, "batches": self._batches, "size": self._size,
+                "times": self._times_state(),
                 "base": self._base and {"lrs": self._base[0], "betas": list(self._base[1])}})
 
     def _load_rng_state(self, checkpoint) -> None:
@@ -236,6 +295,9 @@ class BatchEngineTrainer(RecoveringTrainer):
         if self.engine_on and path is not None and path.is_file():
             saved = json.loads(path.read_text())
             self.accumulation = saved["accumulation"]
+            self._size = saved.get("size", self.accumulation)  # a checkpoint of an older version has neither
+            if "times" in saved:
+                self.times.load_state_dict(saved["times"])
             self._sync_layerwise()
             self._observations_at_change = saved["observations_at_change"]
             self._tokens, self._batches = saved["tokens"], saved["batches"]
@@ -267,6 +329,7 @@ def batch_summary(trainer: BatchEngineTrainer, rows: list[dict], stats: dict) ->
         * trainer.splits
     series = [[r["step"], r["gns"]] for r in rows if r.get("gns")]
     values = trainer.noise_scale.values() or {}
+    times = trainer.step_times()  # per Trainer step: its forward-backwards are that many loader batches
     scheduler = getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)
     betas = next((tuple(g["betas"]) for g in trainer.optimizer.param_groups if "betas" in g),
                  tuple(trainer.recipe.optimizer.betas))
@@ -278,6 +341,7 @@ def batch_summary(trainer: BatchEngineTrainer, rows: list[dict], stats: dict) ->
         "noise_scale": {"unit": "labelled tokens", "final": values.get("gns"), "grad_sq": values.get("grad_sq"),
                         "trace_sigma": values.get("trace_sigma"), "tokens_per_sequence": round(tokens_per_sequence, 2),
                         "series": series[:: max(1, len(series) // 200)]},
-        "advice": advise(values.get("gns"), tokens_per_sequence, micro * accumulation, float(scheduler.base_lrs[0]),
-                         betas, trainer.recipe.optimizer.name),
+        "advice": advise(values.get("gns"), tokens_per_sequence, trainer.args.per_device_train_batch_size,
+                         micro * accumulation, float(scheduler.base_lrs[0]), betas, trainer.recipe.optimizer.name,
+                         times and (times[0] / trainer.args.gradient_accumulation_steps, times[1])),
     }
