@@ -22,9 +22,9 @@ One repeat runs every variant once, in alternating order (ABC, CBA, ...), after 
 ratios are medians over repeats of the paired ratios to `off`. Without accumulation the run's cost is
 per = ((N - 1) x hooks + split) / (N x off) with N = 10. On CUDA every timing is synchronised.
 
-Memory: every tensor the probe allocates (in its hooks and in finish) is counted by
-finetune.memory.tracker.MemoryTracker entered around its calls: `probe peak` is the most of them alive at
-once over a step (what it holds plus its largest temporary), against the bytes of the trainable gradients.
+Memory: the allocations inside the probe's calls (its hooks and finish) are read from the profiler: `held`
+is what its hooks keep until the step's end, `temporary` its largest single allocation; the probe adds at most
+their sum to the peak, against the bytes of the trainable gradients.
 """
 
 from __future__ import annotations
@@ -33,12 +33,10 @@ import argparse
 import statistics
 import sys
 import time
-import weakref
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -51,47 +49,40 @@ SPLIT_EVERY = 10  # training.noise_scale_split_every's default
 VARIANTS = ("off", "hooks", "split")
 
 
-class AllocatedBytes(TorchDispatchMode):
-    """Bytes of the tensor storages that the operators run inside create (views of their inputs are not new
-    memory): alive now, and the most alive at once. Storages are freed when their last tensor goes."""
-
-    def __init__(self):
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.current = self.peak = 0
-
-    def _free(self, key: int) -> None:
-        self.current -= self.live.pop(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key and key not in inputs and key not in self.live:
-                    self.live[key] = storage.nbytes()
-                    self.current += storage.nbytes()
-                    self.peak = max(self.peak, self.current)
-                    weakref.finalize(storage, self._free, key)
-        return out
-
-
 class CountedProbe(GradNormProbe):
-    """The probe with the memory it allocates counted (its hooks and finish run inside AllocatedBytes)."""
-
-    def __init__(self, params):
-        self.allocated = AllocatedBytes()
-        super().__init__(params)
+    """The probe with its hooks and finish() inside profiler ranges, so that probe_memory can attribute
+    allocations to it (also those inside an operator, such as the fp32 copy a norm of a 16-bit tensor makes
+    on CPU, which a TorchDispatchMode does not see)."""
 
     def _contribution(self, p, grad):
-        with self.allocated:
+        with record_function("noise_probe.hook"):
             super()._contribution(p, grad)
 
     def finish(self):
-        with self.allocated:
+        with record_function("noise_probe.finish"):
             return super().finish()
+
+
+def probe_memory(run_step) -> tuple[int, int]:
+    """Run `run_step` (one step with a CountedProbe) under the profiler: (bytes its hooks leave allocated
+    until finish(), the largest single allocation inside any of its calls). What the probe adds to the peak
+    is at most their sum."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, profile_memory=True) as prof:
+        run_step()
+
+    def usage(event) -> int:
+        return event.cpu_memory_usage + getattr(event, "device_memory_usage", 0)
+
+    def allocations(event):
+        for child in event.cpu_children:
+            if child.name.startswith("aten::empty") and usage(child) > 0:
+                yield usage(child)
+            yield from allocations(child)
+
+    ranges = [e for e in prof.events() if e.name.startswith("noise_probe.")]
+    held = sum(usage(e) for e in ranges if e.name == "noise_probe.hook")
+    return held, max((size for e in ranges for size in allocations(e)), default=0)
 
 
 class TimedProbe(GradNormProbe):
@@ -214,11 +205,12 @@ def measure(label: str, model, rows: list, collator, micro: int, accumulation: i
         ratio["run"] = ((SPLIT_EVERY - 1) * ratio["hooks"] + ratio["split"]) / SPLIT_EVERY
 
     probe = CountedProbe(params)  # memory: one step with the probe counted (a split one without accumulation)
-    step(model, optimizer, rows[:per_step], collator, accumulation, probe, split=accumulation == 1)
+    held, largest = probe_memory(lambda: step(model, optimizer, rows[:per_step], collator, accumulation, probe,
+                                              split=accumulation == 1))
     probe.remove()
     grads = sum(p.numel() * p.element_size() for p in params)
     return {"label": label, "off_s": statistics.median(times["off"]), "ratio": ratio,
-            "inside": statistics.median(inside) if inside else None, "probe_peak": probe.allocated.peak,
+            "inside": statistics.median(inside) if inside else None, "held": held, "temporary": largest,
             "grads": grads, "largest_grad": max(p.numel() * p.element_size() for p in params)}
 
 
@@ -227,20 +219,22 @@ def report(results: list[dict], args, device: str) -> str:
              f"without accumulation one step in {SPLIT_EVERY} is split",
              "",
              f"{'configuration':46s} {'off s/step':>10s} {'hooks':>7s} {'split':>7s} {'run':>7s} {'inside':>7s} "
-             f"{'probe peak':>11s} {'grads':>10s} {'largest grad':>12s}"]
+             f"{'held':>9s} {'temporary':>10s} {'grads':>10s} {'largest grad':>12s}"]
     for r in results:
         ratio = r["ratio"]
         cell = {k: f"{100 * (ratio[k] - 1):+6.1f}%" if k in ratio else f"{'-':>7s}" for k in ("hooks", "split")}
         run = ratio.get("run", ratio["hooks"])
         inside = f"{100 * r['inside']:6.2f}%" if r["inside"] is not None else f"{'-':>7s}"
         lines.append(f"{r['label']:46s} {r['off_s']:10.3f} {cell['hooks']} {cell['split']} {100 * (run - 1):+6.1f}% {inside} "
-                     f"{format_bytes(r['probe_peak']):>11s} {format_bytes(r['grads']):>10s} "
+                     f"{format_bytes(r['held']):>9s} {format_bytes(r['temporary']):>10s} {format_bytes(r['grads']):>10s} "
                      f"{format_bytes(r['largest_grad']):>12s}")
     lines += ["", "hooks/split: step time with the probe vs without, on a step that is not / is split; run: the",
               "run's average (without accumulation (9 x hooks + split) / 10, with accumulation = hooks).",
               "inside: CPU time spent inside the probe's own calls on a `hooks` step, as a share of that step",
               "(CPU only; the noise-free part of `hooks`: what the A/B ratio measures plus the machine's noise).",
-              "probe peak: most bytes of tensors allocated by the probe alive at once during a step."]
+              "held: bytes the probe's hooks keep until the step's end; temporary: its largest single allocation",
+              "(profiler); what the probe adds to the memory peak is at most their sum. grads: the trainable",
+              "gradients' bytes; largest grad: the largest one's."]
     return "\n".join(lines)
 
 

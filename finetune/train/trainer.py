@@ -15,6 +15,7 @@ from accelerate.utils import DistributedType
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from finetune.console import console
 from finetune.errors import FinetuneError
 from finetune.memory.offload import ActivationOffload
 from finetune.memory.preference import PreferenceLoss, metric_means
@@ -136,9 +137,11 @@ class FinetuneTrainer(Trainer):
         # Installed before the optimizer exists, so its hooks run before a layer-wise optimizer frees .grad.
         # Several processes: DDP only (FSDP and DeepSpeed replace the parameters the hooks would sit on).
         self.noise_scale = NoiseScaleEMA()
-        measure = recipe.training.noise_scale and not (self.is_fsdp_enabled or self.is_deepspeed_enabled)
+        sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
+        if recipe.training.noise_scale and sharded and self.args.process_index == 0:
+            console.print("noise scale: not measured with FSDP or DeepSpeed (distributed.strategy ddp measures it)")
         self.noise_probe = GradNormProbe(self.model.parameters(), world=self.accelerator.num_processes) \
-            if measure else None
+            if recipe.training.noise_scale and not sharded else None
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """One forward + backward: finetune.memory.step.forward_backward, the step the planner traces and
