@@ -23,7 +23,7 @@ ratios are medians over repeats of the paired ratios to `off`. Without accumulat
 per = ((N - 1) x hooks + split) / (N x off) with N = 10. On CUDA every timing is synchronised.
 
 Memory: the allocations inside the probe's calls (its hooks and finish) are read from the profiler: `held`
-is what its hooks keep until the step's end, `temporary` its largest single allocation; the probe adds at most
+is what its calls keep until the step's end, `temporary` its largest single allocation; the probe adds at most
 their sum to the peak, against the bytes of the trainable gradients.
 """
 
@@ -40,17 +40,19 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from finetune.memory.step import enable_checkpointing, forward_backward  # noqa: E402
+from finetune.memory.step import autocast_for, enable_checkpointing, forward_backward, mixed_precision  # noqa: E402
 from finetune.train.noise_scale import GradNormProbe, labelled_tokens  # noqa: E402
 from finetune.units import format_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SPLIT_EVERY = 10  # training.noise_scale_split_every's default
 VARIANTS = ("off", "hooks", "split")
+# The Trainer's mixed precision (bf16 autocast on a CUDA GPU that has it; none on CPU)
+AUTOCAST = autocast_for(mixed_precision("auto", torch.cuda.is_available()))
 
 
 class CountedProbe(GradNormProbe):
-    """The probe with its hooks and finish() inside profiler ranges, so that probe_memory can attribute
+    """The probe with each of its calls inside a profiler range, so that probe_memory can attribute
     allocations to it (also those inside an operator, such as the fp32 copy a norm of a 16-bit tensor makes
     on CPU, which a TorchDispatchMode does not see)."""
 
@@ -58,14 +60,18 @@ class CountedProbe(GradNormProbe):
         with record_function("noise_probe.hook"):
             super()._contribution(p, grad)
 
+    def micro_batch(self, tokens, weight):
+        with record_function("noise_probe.micro_batch"):
+            super().micro_batch(tokens, weight)
+
     def finish(self):
         with record_function("noise_probe.finish"):
             return super().finish()
 
 
 def probe_memory(run_step) -> tuple[int, int]:
-    """Run `run_step` (one step with a CountedProbe) under the profiler: (bytes its hooks leave allocated
-    until finish(), the largest single allocation inside any of its calls). What the probe adds to the peak
+    """Run `run_step` (one step with a CountedProbe) under the profiler: (bytes its hooks and micro_batch()
+    leave allocated until finish(), the largest single allocation inside any of its calls). What the probe adds to the peak
     is at most their sum."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities, profile_memory=True) as prof:
@@ -81,7 +87,7 @@ def probe_memory(run_step) -> tuple[int, int]:
             yield from allocations(child)
 
     ranges = [e for e in prof.events() if e.name.startswith("noise_probe.")]
-    held = sum(usage(e) for e in ranges if e.name == "noise_probe.hook")
+    held = sum(usage(e) for e in ranges if e.name != "noise_probe.finish")
     return held, max((size for e in ranges for size in allocations(e)), default=0)
 
 
@@ -172,7 +178,8 @@ def step(model, optimizer, rows: list, collator, accumulation: int, probe: GradN
         if probe is not None:
             tokens = labelled_tokens(batch)
             probe.micro_batch(tokens, tokens / num_items)
-        forward_backward(model, batch, accumulation=len(batches), num_items_in_batch=torch.tensor(num_items))
+        forward_backward(model, batch, accumulation=len(batches), num_items_in_batch=torch.tensor(num_items),
+                         autocast=AUTOCAST)
     if probe is not None:
         probe.finish()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -232,7 +239,7 @@ def report(results: list[dict], args, device: str) -> str:
               "run's average (without accumulation (9 x hooks + split) / 10, with accumulation = hooks).",
               "inside: CPU time spent inside the probe's own calls on a `hooks` step, as a share of that step",
               "(CPU only; the noise-free part of `hooks`: what the A/B ratio measures plus the machine's noise).",
-              "held: bytes the probe's hooks keep until the step's end; temporary: its largest single allocation",
+              "held: bytes the probe's calls keep until the step's end; temporary: its largest single allocation",
               "(profiler); what the probe adds to the memory peak is at most their sum. grads: the trainable",
               "gradients' bytes; largest grad: the largest one's."]
     return "\n".join(lines)

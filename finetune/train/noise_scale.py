@@ -13,8 +13,10 @@ and the accumulated gradient ("big"). Solving the two equations gives unbiased, 
 With unequal micro-batches (packing, variable lengths) 1/b is averaged the way the loss weights each part.
 
 Cost: no gradient copy at all. A tensor hook on each trained parameter sees the micro-batch's gradient
-contribution before autograd adds it to .grad and keeps its norm (a device scalar, one kernel); the
-accumulated gradient's norm is taken once per step, before clipping, in one fused foreach call. Nothing is
+contribution before autograd adds it to .grad and keeps its norm (a device scalar, one kernel). The first
+micro-batch of a step needs no hooks: its contribution is all .grad holds when the second one begins, read
+then in one fused foreach call; so a step of one micro-batch (no accumulation, not split) costs nothing.
+The accumulated gradient's norm is taken once per step, before clipping, in one foreach call. Nothing is
 synchronised with the host until the optimizer step. benchmarks/noise_probe_overhead.py measures the cost. The hooks are installed before the optimizer is built, so they run before a layer-wise
 optimizer's own; a layer-wise optimizer keeps .grad until its step when it accumulates, except GaLore, which
 projects and frees each micro-batch's gradient: that combination logs no noise scale.
@@ -147,10 +149,11 @@ class GradNormProbe:
     def __init__(self, params: Iterable[torch.Tensor], world: int = 1):
         self.params = [p for p in params if p.requires_grad]
         self.world = world
-        self._parts: list[tuple[list[torch.Tensor], float, float]] = []
+        self._parts: list[tuple[torch.Tensor, float, float]] = []  # (per-parameter norms, tokens, weight)
         self._current: list[torch.Tensor] = []  # this micro-batch's per-parameter |contribution|
         self._touched: dict[int, torch.Tensor] = {}  # parameters that received a gradient this step
-        self._meta: tuple[float, float] | None = None
+        self._meta: tuple[float, float] | None = None  # the micro-batch the hooks measure now
+        self._first: tuple[float, float] | None = None  # the step's first micro-batch, read from .grad later
         self._armed = False  # micro_batch() was called since the last finish()/discard(): on every process
         self._handles = [p.register_hook(functools.partial(self._contribution, p)) for p in self.params]
 
@@ -189,12 +192,22 @@ class GradNormProbe:
         gradient enters the sum with `weight` (tokens / step tokens, or 1 / micro-batches for mean losses;
         with several processes, as this process's hooks see it, before DDP averages)."""
         self._close_part()
-        self._meta = (float(tokens), float(weight))
-        self._armed = True
+        meta = (float(tokens), float(weight))
+        if self.world == 1 and not self._armed:  # the step's first: .grad will hold it alone (see above)
+            self._first, self._armed = meta, True
+            return
+        if self._first is not None:  # the second: the first one's contribution is what .grad holds now
+            with torch.no_grad():
+                held = [p for p in self.params if p.grad is not None]
+                if held:
+                    self._parts.append((self._norms([p.grad for p in held]), *self._first))
+                    self._touched.update((id(p), p) for p in held)
+            self._first = None
+        self._meta, self._armed = meta, True
 
     def _close_part(self) -> None:
         if self._meta is not None and self._current:
-            self._parts.append((self._current, *self._meta))
+            self._parts.append((torch.stack(self._current), *self._meta))
         self._current, self._meta = [], None
 
     def finish(self) -> Observation | None:
@@ -210,7 +223,7 @@ class GradNormProbe:
         usable = bool(touched) and all(p.grad is not None for p in touched) and (self.world > 1 or len(parts) > 1)
         values = []
         if usable:
-            sums = [torch.stack(norms).square().sum() for norms, _, _ in parts]
+            sums = [norms.square().sum() for norms, _, _ in parts]
             big = self._norms([p.grad for p in touched]).square().sum()
             values = torch.stack([*(x.to(big.device) for x in sums), big]).tolist()
             usable = all(math.isfinite(v) for v in values)
@@ -229,7 +242,8 @@ class GradNormProbe:
         return observation_of_sums(sums, values[-1] * self.world**2)
 
     def discard(self) -> None:
-        self._parts, self._current, self._touched, self._meta, self._armed = [], [], {}, None, False
+        self._parts, self._current, self._touched, self._meta, self._first = [], [], {}, None, None
+        self._armed = False
 
     def remove(self) -> None:
         for handle in self._handles:
