@@ -17,9 +17,10 @@ contribution before autograd adds it to .grad and keeps its norm (a device scala
 micro-batch of a step needs no hooks: its contribution is all .grad holds when the second one begins, read
 then in one fused foreach call; so a step of one micro-batch (no accumulation, not split) costs nothing.
 The accumulated gradient's norm is taken once per step, before clipping, in one foreach call. Nothing is
-synchronised with the host until the optimizer step. benchmarks/noise_probe_overhead.py measures the cost. The hooks are installed before the optimizer is built, so they run before a layer-wise
-optimizer's own; a layer-wise optimizer keeps .grad until its step when it accumulates, except GaLore, which
-projects and frees each micro-batch's gradient: that combination logs no noise scale.
+synchronised with the host until the optimizer step (benchmarks/noise_probe_overhead.py measures the
+cost). The hooks are installed before the optimizer is built, so they run before a layer-wise optimizer's
+own; a layer-wise optimizer keeps .grad until its step when it accumulates, except GaLore, which projects
+and frees each micro-batch's gradient: that combination logs no noise scale.
 
 With no accumulation the step has one micro-batch and no "small" norm: every `split_every` steps the trainer
 runs the micro-batch as two halves (finetune/train/recovery.py re-collates a loader batch exactly), which
@@ -220,7 +221,8 @@ class GradNormProbe:
         self._close_part()
         parts, touched = self._parts, list(self._touched.values())
         self.discard()
-        usable = bool(touched) and all(p.grad is not None for p in touched) and (self.world > 1 or len(parts) > 1)
+        usable = bool(touched) and all(p.grad is not None for p in touched) \
+            and (self.world > 1 or len(parts) > 1)
         values = []
         if usable:
             sums = [norms.square().sum() for norms, _, _ in parts]
