@@ -1,6 +1,6 @@
 """What the gradient-noise-scale probe costs: the same training steps with it on and off, in one run.
 
-    nice -n 10 python benchmarks/noise_probe_overhead.py [--repeats 7] [--threads 1] [--model PATH]
+    nice -n 10 python benchmarks/noise_probe_overhead.py [--repeats 12] [--threads 1] [--model PATH]
 
 The target (issue #14): at most 3% of step time; for LoRA at most one extra copy of the trainable gradients,
 for full fine-tuning no full-size extra buffer.
@@ -18,8 +18,9 @@ and finished before clipping, clip_grad_norm_, AdamW. Variants, run on the same 
   hooks   the probe on a step that is not split: its only cost with accumulation
   split   the probe on a step whose micro-batch runs as two halves (finetune/train/recovery.py); without
           accumulation one step in training.noise_scale_split_every (10) is such a step
-One repeat runs every variant once, in alternating order (ABC, CBA, ...), after two warm-up repeats; the
-ratios are medians over repeats of the paired ratios to `off`. Without accumulation the run's cost is
+One repeat runs every variant once, the repeats going through every order of the variants (ABC, ACB, BAC,
+...: each variant as often first, last and after each other one, since a step after one of other shapes is
+slower), after two warm-up repeats; the ratios are medians over repeats of the paired ratios to `off`. Without accumulation the run's cost is
 per = ((N - 1) x hooks + split) / (N x off) with N = 10. On CUDA every timing is synchronised.
 
 Memory: the allocations inside the probe's calls (its hooks and finish) are read from the profiler: `held`
@@ -30,6 +31,7 @@ their sum to the peak, against the bytes of the trainable gradients.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -194,11 +196,12 @@ def measure(label: str, model, rows: list, collator, micro: int, accumulation: i
     optimizer = torch.optim.AdamW(params, lr=1e-6)  # small: the weights barely move between the variants
     per_step = micro * accumulation
     variants = VARIANTS if accumulation == 1 else VARIANTS[:2]
+    orders = list(itertools.permutations(variants))  # each variant in each place and after each other alike
     times: dict[str, list[float]] = {v: [] for v in variants}
     inside: list[float] = []  # fraction of an unsplit step's time spent inside the probe's calls (CPU)
     for r in range(repeats + 2):
         batch = [rows[(r * per_step + i) % len(rows)] for i in range(per_step)]
-        for v in (variants if r % 2 == 0 else variants[::-1]):
+        for v in orders[r % len(orders)]:
             cpu = not torch.cuda.is_available()
             probe = (TimedProbe(params) if cpu else GradNormProbe(params)) if v != "off" else None
             start = clock()
@@ -249,7 +252,7 @@ def report(results: list[dict], args, device: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=12, help="a multiple of 6 keeps the orders balanced")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--full-layers", type=int, default=4, help="decoder layers of the fully trained model")
     parser.add_argument("--only", choices=("lora", "full"), default=None)
