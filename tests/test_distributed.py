@@ -149,6 +149,28 @@ def test_full_fsdp2_on_two_processes_trains_as_one_and_resumes_at_two_and_one(tm
     _assert_same(_losses(single), reference)
 
 
+def test_ddp_on_two_processes_measures_the_noise_scale_of_one(tmp_path, tiny_model_dir):
+    """The gradient noise scale with 2 processes (finetune/train/noise_scale.py): each process's micro-batch
+    is a small batch, the all-reduced gradient the big one. Without accumulation and without splitting any
+    step, it equals 1 process accumulating the same 2 micro-batches (a two-batch estimate is a difference of
+    two norms, so float32 summation order weighs more: relative 1e-3)."""
+    longer = {"training": {"max_steps": 6}, "output": {"save_steps": 100}}
+    two = _recipe(tmp_path, tiny_model_dir, "two", distributed={"strategy": "ddp"}, **longer)
+    done = _torchrun("run", str(_write(tmp_path, two)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert run(validate_recipe(_recipe(tmp_path, tiny_model_dir, "one", **longer))).state == "completed"
+    keys = ("grad_sq", "trace_sigma", "gns")
+
+    def noise(run_dir: Path) -> list[tuple]:
+        return [(r["step"], *(r.get(k) for k in keys)) for r in RunDir(run_dir).read_metrics() if "grad_sq" in r]
+
+    got, want = noise(tmp_path / "two"), noise(tmp_path / "one")
+    assert [s for s, *_ in got] == [s for s, *_ in want] == [5, 6]  # from noise_scale.MIN_STEPS observations
+    for (step, *values), (_, *reference) in zip(got, want, strict=True):
+        assert reference[0] > 0 and reference[1] > 0, step
+        assert values == pytest.approx(reference, rel=1e-3), step
+
+
 def test_fsdp_qlora_on_two_processes_trains_as_one(tmp_path, tiny_model_dir):
     """FSDP-QLoRA: NF4 weights stored in the compute dtype are sharded with the rest; the losses are those of
     one process training QLoRA with uint8 storage."""

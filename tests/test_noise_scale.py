@@ -6,9 +6,11 @@ import json
 
 import pytest
 import torch
+import transformers
 
 from finetune.recipe import validate_recipe
 from finetune.rundir import read_jsonl
+from finetune.train import noise_scale
 from finetune.train.noise_scale import GradNormProbe, NoiseScaleEMA, step_observation, two_batch
 from finetune.train.run import run
 
@@ -93,6 +95,44 @@ def test_probe_measures_each_contribution_and_refuses_a_sum_it_cannot_see():
             expected = two_batch(1.0, 1.0, 0.5, 0.5)
             assert (obs.grad_sq, obs.trace_sigma) == pytest.approx((expected.grad_sq, expected.trace_sigma), abs=1e-6)
     assert probe.finish() is None  # rearmed: nothing measured since
+
+
+def _full_fine_tune_step(slice_elements: int, monkeypatch) -> tuple:
+    """One step of 2 micro-batches, every weight of a bf16 toy Llama trained, with gradient norms in slices
+    of `slice_elements`; the probe's allocations read from the profiler (benchmarks/noise_probe_overhead.py).
+    Returns (observation, bytes its hooks hold, its largest single allocation, parameters)."""
+    from benchmarks.noise_probe_overhead import CountedProbe, probe_memory
+    from finetune.testing import tiny_config
+
+    monkeypatch.setattr(noise_scale, "SLICE", slice_elements)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(tiny_config()).to(torch.bfloat16)
+    params = list(model.parameters())
+    probe = CountedProbe(params)
+    observed = []
+
+    def step():
+        for _ in range(2):
+            ids = torch.randint(0, 512, (2, 16))
+            probe.micro_batch(2 * 15, 0.5)
+            (0.5 * model(input_ids=ids, labels=ids).loss).backward()
+        observed.append(probe.finish())
+
+    held, largest = probe_memory(step)
+    probe.remove()
+    return observed[0], held, largest, params
+
+
+def test_a_full_fine_tune_gets_no_full_size_buffer_from_the_probe(monkeypatch):
+    """Issue #14's memory bound: the probe copies no gradient; it holds one fp32 scalar per parameter and
+    micro-batch, and a 16-bit gradient on CPU (where a norm in fp32 copies its input) is read in slices."""
+    full, _, full_largest, params = _full_fine_tune_step(1 << 30, monkeypatch)  # no slicing
+    sliced, held, largest, _ = _full_fine_tune_step(1024, monkeypatch)
+    biggest = max(p.numel() for p in params)  # the embedding's 32768 elements
+    assert full_largest >= 4 * biggest  # the profiler sees a full-size fp32 copy where there is one
+    assert largest <= 4 * 1024 and held <= 2 * 64 * len(params)  # a slice; a scalar (64-byte block) each
+    # the same estimate (a difference of two norms: summation order shows at 1e-5)
+    assert (sliced.grad_sq, sliced.trace_sigma) == pytest.approx((full.grad_sq, full.trace_sigma), rel=1e-3)
 
 
 def test_ema_reports_nothing_until_enough_steps_and_round_trips():

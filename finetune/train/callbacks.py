@@ -18,8 +18,7 @@ from transformers import TrainerCallback
 from finetune.console import console
 from finetune.memory.preference import METRIC_PREFIXES
 from finetune.rundir import RunDir
-
-NOISE_SCALE_KEYS = ("gns", "grad_sq", "trace_sigma")
+from finetune.train.noise_scale import KEYS as NOISE_SCALE_KEYS
 
 
 class MetricsCallback(TrainerCallback):

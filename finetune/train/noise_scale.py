@@ -13,16 +13,26 @@ and the accumulated gradient ("big"). Solving the two equations gives unbiased, 
 With unequal micro-batches (packing, variable lengths) 1/b is averaged the way the loss weights each part.
 
 Cost: no gradient copy at all. A tensor hook on each trained parameter sees the micro-batch's gradient
-contribution before autograd adds it to .grad and keeps its squared norm (a device scalar); the accumulated
-gradient's norm is taken once per step, before clipping. Nothing is synchronised with the host until the
-optimizer step. The hooks are installed before the optimizer is built, so they run before a layer-wise
-optimizer's own; a layer-wise optimizer keeps .grad until its step when it accumulates, except GaLore, which
-projects and frees each micro-batch's gradient: that combination logs no noise scale.
+contribution before autograd adds it to .grad and keeps its norm (a device scalar, one kernel). The first
+micro-batch of a step needs no hooks: its contribution is all .grad holds when the second one begins, read
+then in one fused foreach call; so a step of one micro-batch (no accumulation, not split) costs nothing.
+The accumulated gradient's norm is taken once per step, before clipping, in one foreach call. Nothing is
+synchronised with the host until the optimizer step (benchmarks/noise_probe_overhead.py measures the
+cost). The hooks are installed before the optimizer is built, so they run before a layer-wise optimizer's
+own; a layer-wise optimizer keeps .grad until its step when it accumulates, except GaLore, which projects
+and frees each micro-batch's gradient: that combination logs no noise scale.
 
 With no accumulation the step has one micro-batch and no "small" norm: every `split_every` steps the trainer
 runs the micro-batch as two halves (finetune/train/recovery.py re-collates a loader batch exactly), which
 gives both sizes at the same total gradient. A micro-batch of one sequence cannot be split; the run then
 logs no noise scale (say so, do not guess).
+
+Several processes (DDP): each process's hooks see its own micro-batches' gradients, before DDP averages
+them, and .grad holds the average over processes at the step's end. So every micro-batch of every process is
+a small batch and the averaged gradient the big one: the per-micro-batch sums are all-reduced (five numbers,
+one collective per step) and the big norm is that of the averaged .grad, the same on every process. Without
+accumulation each step still has one micro-batch per process, so no split is needed. FSDP and DeepSpeed
+shard the gradients and replace the parameters the hooks sit on: no noise scale is measured there.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ import torch
 DEFAULT_DECAY = 0.95  # EMA of |G|^2 and tr(Sigma): about 20 steps of memory
 SLICE = 1 << 24  # elements per fp32 slice of a gradient norm
 MIN_STEPS = 5  # fewer observations than this: no estimate is reported (the EMA is still mostly one step)
+KEYS = ("gns", "grad_sq", "trace_sigma")  # what NoiseScaleEMA.values() reports, as metrics.jsonl names them
 
 
 @dataclass(frozen=True)
@@ -55,18 +66,27 @@ def two_batch(small_sq: float, inv_small: float, big_sq: float, inv_big: float) 
     return Observation(grad_sq=big_sq - trace * inv_big, trace_sigma=trace)
 
 
+def part_sums(parts: list[tuple[float, float, float]]) -> list[float]:
+    """What step_observation needs of the micro-batches, as sums (so several processes can add theirs):
+    [sum |c_i / w_i|^2, count, sum 1/b_i, sum w_i^2 / b_i, sum w_i] over the non-empty parts."""
+    parts = [p for p in parts if p[1] > 0 and p[2] > 0]
+    return [sum(sq / w**2 for sq, _, w in parts), float(len(parts)), sum(1 / b for _, b, _ in parts),
+            sum(w**2 / b for _, b, w in parts), sum(w for _, _, w in parts)]
+
+
+def observation_of_sums(sums: list[float], big_sq: float) -> Observation | None:
+    """step_observation from part_sums (added over processes); None with fewer than two micro-batches."""
+    small_sum, count, inv_small_sum, inv_big_sum, total = sums
+    if count < 2:
+        return None
+    return two_batch(small_sum / count, inv_small_sum / count, big_sq / total**2, inv_big_sum / total**2)
+
+
 def step_observation(parts: list[tuple[float, float, float]], big_sq: float) -> Observation | None:
     """The step's observation from its micro-batches: parts are (|c_i|^2, tokens b_i, weight w_i) where c_i
     is micro-batch i's contribution to the accumulated gradient, c_i = w_i * (mean gradient of its tokens);
     big_sq is |sum c_i|^2. None when the step has fewer than two non-empty micro-batches."""
-    parts = [p for p in parts if p[1] > 0 and p[2] > 0]
-    if len(parts) < 2:
-        return None
-    total = sum(w for _, _, w in parts)
-    small_sq = sum(sq / w**2 for sq, _, w in parts) / len(parts)
-    inv_small = sum(1 / b for _, b, _ in parts) / len(parts)
-    inv_big = sum(w**2 / b for _, b, w in parts) / total**2
-    return two_batch(small_sq, inv_small, big_sq / total**2, inv_big)
+    return observation_of_sums(part_sums(parts), big_sq)
 
 
 class NoiseScaleEMA:
@@ -92,9 +112,10 @@ class NoiseScaleEMA:
         if self.steps < MIN_STEPS:
             return None
         g2, trace = self.grad_sq / self.weight, self.trace_sigma / self.weight
-        out = {"grad_sq": g2, "trace_sigma": trace}
+        gns, grad_sq, trace_sigma = KEYS
+        out = {grad_sq: g2, trace_sigma: trace}
         if g2 > 0 and trace > 0:
-            out["gns"] = trace / g2
+            out[gns] = trace / g2
         return out
 
     def state_dict(self) -> dict[str, float]:
@@ -117,67 +138,114 @@ def labelled_tokens(inputs: dict) -> int:
 
 
 class GradNormProbe:
-    """Per-micro-batch squared gradient norms from hooks, and the accumulated one (see the module docstring).
+    """Per-micro-batch gradient norms from hooks, and the accumulated one (see the module docstring).
 
     Call `micro_batch(tokens, weight)` before each micro-batch's backward, then `finish()` after the step's
     last backward and before anything scales the gradients (clipping, an accumulation mean): it returns the
     step's Observation (or None) and rearms for the next step. `discard()` forgets a step in progress (an
-    out-of-memory retry redoes it).
+    out-of-memory retry redoes it). world > 1: DDP over `world` processes (.grad is the average of their
+    hooked sums); every process must then call finish() at the same steps (it runs one collective).
     """
 
-    def __init__(self, params: Iterable[torch.Tensor]):
+    def __init__(self, params: Iterable[torch.Tensor], world: int = 1):
         self.params = [p for p in params if p.requires_grad]
-        self._parts: list[tuple[list[torch.Tensor], float, float]] = []
-        self._current: list[torch.Tensor] = []  # this micro-batch's per-parameter |contribution|^2
+        self.world = world
+        self._parts: list[tuple[torch.Tensor, float, float]] = []  # (per-parameter norms, tokens, weight)
+        self._current: list[torch.Tensor] = []  # this micro-batch's per-parameter |contribution|
         self._touched: dict[int, torch.Tensor] = {}  # parameters that received a gradient this step
-        self._meta: tuple[float, float] | None = None
+        self._meta: tuple[float, float] | None = None  # the micro-batch the hooks measure now
+        self._first: tuple[float, float] | None = None  # the step's first micro-batch, read from .grad later
+        self._armed = False  # micro_batch() was called since the last finish()/discard(): on every process
         self._handles = [p.register_hook(functools.partial(self._contribution, p)) for p in self.params]
 
     @staticmethod
-    def _sq(t: torch.Tensor) -> torch.Tensor:
-        """|t|^2 in fp32, in slices of 16M elements: a bf16 embedding's gradient gets no full fp32 copy."""
-        flat = t.reshape(-1)
-        if flat.numel() <= SLICE:
-            return torch.linalg.vector_norm(flat, dtype=torch.float32).square()
-        return torch.stack([torch.linalg.vector_norm(part, dtype=torch.float32) for part in flat.split(SLICE)]
-                           ).square().sum()
+    def _whole(t: torch.Tensor) -> bool:
+        """|t| in fp32 needs no fp32 copy of t: it is fp32, or on CUDA (its reductions read 16-bit inputs
+        directly), or a copy is at most one slice."""
+        return t.dtype == torch.float32 or t.is_cuda or t.numel() <= SLICE
+
+    @classmethod
+    def _norm(cls, t: torch.Tensor) -> torch.Tensor:
+        """|t| in fp32; a 16-bit gradient on CPU (an embedding's) in slices of 16M elements, no full copy."""
+        if cls._whole(t):
+            return torch.linalg.vector_norm(t, dtype=torch.float32)
+        parts = t.reshape(-1).split(SLICE)
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x, dtype=torch.float32)
+                                                     for x in parts]))
+
+    @classmethod
+    def _norms(cls, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The norms of `tensors` in one fused foreach call (per device and dtype) where that makes no
+        full-size copy, the rest one by one; a 1-d tensor."""
+        whole = [t for t in tensors if cls._whole(t)]
+        norms = list(torch._foreach_norm(whole, 2, dtype=torch.float32)) if whole else []
+        norms += [cls._norm(t) for t in tensors if not cls._whole(t)]
+        return torch.stack(norms)
 
     @torch.no_grad()
     def _contribution(self, p: torch.Tensor, grad: torch.Tensor) -> None:
         if self._meta is not None:
-            self._current.append(self._sq(grad))
+            self._current.append(self._norm(grad))
             self._touched[id(p)] = p
 
     def micro_batch(self, tokens: float, weight: float) -> None:
         """The next backward is one micro-batch of `tokens` labelled tokens whose loss is scaled so that its
-        gradient enters the sum with `weight` (tokens / step tokens, or 1 / micro-batches for mean losses)."""
+        gradient enters the sum with `weight` (tokens / step tokens, or 1 / micro-batches for mean losses;
+        with several processes, as this process's hooks see it, before DDP averages)."""
         self._close_part()
-        self._meta = (float(tokens), float(weight))
+        meta = (float(tokens), float(weight))
+        if self.world == 1 and not self._armed:  # the step's first: .grad will hold it alone (see above)
+            self._first, self._armed = meta, True
+            return
+        if self._first is not None:  # the second: the first one's contribution is what .grad holds now
+            with torch.no_grad():
+                held = [p for p in self.params if p.grad is not None]
+                if held:
+                    self._parts.append((self._norms([p.grad for p in held]), *self._first))
+                    self._touched.update((id(p), p) for p in held)
+            self._first = None
+        self._meta, self._armed = meta, True
 
     def _close_part(self) -> None:
         if self._meta is not None and self._current:
-            self._parts.append((self._current, *self._meta))
+            self._parts.append((torch.stack(self._current), *self._meta))
         self._current, self._meta = [], None
 
     def finish(self) -> Observation | None:
         """The step's observation (one host sync), then reset for the next step. None with fewer than two
-        micro-batches, or when a gradient was freed before the step's end (GaLore's layer-wise accumulation
-        projects and frees each micro-batch's): an unknown accumulated norm gives no estimate, not a wrong one."""
+        micro-batches (over all processes), or when a gradient was freed before the step's end (GaLore's
+        layer-wise accumulation projects and frees each micro-batch's): an unknown accumulated norm gives no
+        estimate, not a wrong one."""
+        if not self._armed:  # nothing measured since the last finish (the step's second call)
+            return None
         self._close_part()
         parts, touched = self._parts, list(self._touched.values())
         self.discard()
-        if len(parts) < 2 or any(p.grad is None for p in touched):
+        usable = bool(touched) and all(p.grad is not None for p in touched) \
+            and (self.world > 1 or len(parts) > 1)
+        values = []
+        if usable:
+            sums = [norms.square().sum() for norms, _, _ in parts]
+            big = self._norms([p.grad for p in touched]).square().sum()
+            values = torch.stack([*(x.to(big.device) for x in sums), big]).tolist()
+            usable = all(math.isfinite(v) for v in values)
+        if self.world == 1:
+            return step_observation([(v, b, w) for v, (_, b, w) in zip(values[:-1], parts, strict=True)],
+                                    values[-1]) if usable else None
+        # .grad is the average of the processes' hooked sums: their sum's norm is world x its norm.
+        local = part_sums([(v, b, w) for v, (_, b, w) in zip(values[:-1], parts, strict=True)]) if usable \
+            else [0.0] * 5
+        device = self.params[0].device if self.params else torch.device("cpu")
+        reduced = torch.tensor([*local, float(not usable)], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(reduced)
+        *sums, unusable = reduced.tolist()
+        if unusable:  # one process could not measure: no estimate on any (they stay the same)
             return None
-        device = parts[0][0][0].device
-        sums = [torch.stack([sq.to(device) for sq in sqs]).sum() for sqs, _, _ in parts]
-        big = torch.stack([self._sq(p.grad).to(device) for p in touched]).sum()
-        values = torch.stack([*sums, big]).tolist()
-        if not all(math.isfinite(v) for v in values):
-            return None
-        return step_observation([(v, b, w) for v, (_, b, w) in zip(values[:-1], parts, strict=True)], values[-1])
+        return observation_of_sums(sums, values[-1] * self.world**2)
 
     def discard(self) -> None:
-        self._parts, self._current, self._touched, self._meta = [], [], {}, None
+        self._parts, self._current, self._touched, self._meta, self._first = [], [], {}, None, None
+        self._armed = False
 
     def remove(self) -> None:
         for handle in self._handles:

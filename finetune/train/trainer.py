@@ -15,6 +15,7 @@ from accelerate.utils import DistributedType
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from finetune.console import console
 from finetune.errors import FinetuneError
 from finetune.memory.offload import ActivationOffload
 from finetune.memory.preference import PreferenceLoss, metric_means
@@ -134,10 +135,13 @@ class FinetuneTrainer(Trainer):
         register_safe_globals()  # checkpoints hold GaLore/APOLLO projectors; resume loads with weights_only
         super().__init__(*args, **kwargs)
         # Installed before the optimizer exists, so its hooks run before a layer-wise optimizer frees .grad.
-        # One process only: with several, each process's hooks see its local gradients, not the batch's.
+        # Several processes: DDP only (FSDP and DeepSpeed replace the parameters the hooks would sit on).
         self.noise_scale = NoiseScaleEMA()
-        measure = recipe.training.noise_scale and self.accelerator.num_processes == 1
-        self.noise_probe = GradNormProbe(self.model.parameters()) if measure else None
+        sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
+        if recipe.training.noise_scale and sharded and self.args.process_index == 0:
+            console.print("noise scale: not measured with FSDP or DeepSpeed (distributed.strategy ddp measures it)")
+        self.noise_probe = GradNormProbe(self.model.parameters(), world=self.accelerator.num_processes) \
+            if recipe.training.noise_scale and not sharded else None
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """One forward + backward: finetune.memory.step.forward_backward, the step the planner traces and
@@ -152,7 +156,7 @@ class FinetuneTrainer(Trainer):
             if num_items is not None and self.args.average_tokens_across_devices else 1
         if self.noise_probe is not None and "labels" in inputs:
             tokens = labelled_tokens(inputs)
-            self.noise_probe.micro_batch(tokens, tokens / float(num_items) if num_items
+            self.noise_probe.micro_batch(tokens, scale * tokens / float(num_items) if num_items
                                          else 1 / self.current_gradient_accumulation_steps)
         loss = forward_backward(
             model, self._prepare_inputs(inputs), accumulation=self.current_gradient_accumulation_steps,
