@@ -5,9 +5,25 @@ import os
 import warnings
 
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 # soft_wrap: messages are not broken at 80 columns when stderr is a file or a pipe (logs, the UI, tests).
 console = Console(stderr=True, soft_wrap=True)
+
+
+def progress_bar(label: str, info: bool = False) -> Progress:
+    """The bar long work shows (training, the reference pass): count, elapsed time and ETA; `info` adds a
+    per-task `info` field (tokens/s, loss)."""
+    extra = (TextColumn("{task.fields[info]}"),) if info else ()
+    return Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), *extra, TimeElapsedColumn(),
+                    TextColumn("eta"), TimeRemainingColumn(), console=console, transient=False)
 
 
 def quiet_libraries() -> None:

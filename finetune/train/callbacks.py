@@ -5,17 +5,10 @@ from __future__ import annotations
 import signal
 import time
 
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
+from rich.progress import Progress
 from transformers import TrainerCallback
 
-from finetune.console import console
+from finetune.console import console, progress_bar
 from finetune.memory.preference import METRIC_PREFIXES
 from finetune.rundir import RunDir
 from finetune.train.noise_scale import KEYS as NOISE_SCALE_KEYS
@@ -99,10 +92,7 @@ class ProgressCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:  # one progress bar, not one per process
             return
-        self.progress = Progress(
-            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console, transient=False,
-        )
+        self.progress = progress_bar("train", info=True)
         self.progress.start()
         self.task = self.progress.add_task("train", total=self.max_steps, completed=state.global_step, info="")
         self._last = (time.time(), state.num_input_tokens_seen)

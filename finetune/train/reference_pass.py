@@ -19,16 +19,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 
-from finetune.console import console
+from finetune.console import console, progress_bar
 from finetune.data.build import DataBundle
 from finetune.memory.preference import PreferenceLoss, reference_values
 from finetune.recipe.schema import Recipe
@@ -92,8 +84,7 @@ def attach_reference(model: torch.nn.Module, data: DataBundle, recipe: Recipe, r
         values = {"fingerprint": key}
         total = sum(len(ds) for ds in splits.values() if ds is not None)
         start = time.time()
-        with Progress(TextColumn("[bold]reference pass"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      TextColumn("eta"), TimeRemainingColumn(), console=console, transient=False) as bar:
+        with progress_bar("reference pass") as bar:
             task = bar.add_task("reference", total=total)
 
             def advance(n: int) -> None:
