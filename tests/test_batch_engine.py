@@ -16,23 +16,14 @@ from finetune.train import batch_engine
 from finetune.train.batch_engine import BatchEngineTrainer
 from finetune.train.recovery import ROWS, RecoveringTrainer
 from finetune.train.run import run
+from tests.run_support import sums_data, tiny_lora_recipe
 
 
 def _recipe(tmp_path, model_dir, name: str, **training) -> dict:
-    rows = [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
-                          {"role": "assistant", "content": f"It is {2 * i}." + " yes" * (i % 5)}]} for i in range(40)]
-    data = tmp_path / "engine-data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return {
-        "model": {"path": str(model_dir)}, "quantization": {"bits": None},
-        "adapter": {"type": "lora", "r": 8, "alpha": 16, "dropout": 0.0},
-        "data": {"path": str(data), "max_seq_len": 64},
-        "training": {"max_steps": 14, "learning_rate": 1e-3, "warmup_ratio": 0.0, "lr_scheduler": "linear",
-                     "micro_batch_size": 2, "gradient_accumulation_steps": 1, "noise_scale_split_every": 1,
-                     **training},
-        "memory": {"activation_checkpointing": False, "chunked_loss": False, "tiled_mlp": False},
-        "output": {"dir": str(tmp_path / name), "save_steps": 3, "save_total_limit": 20},
-    }
+    return tiny_lora_recipe(model_dir, sums_data(tmp_path / "engine-data.jsonl", 40), tmp_path / name, {
+        "training": {"max_steps": 14, "learning_rate": 1e-3, "lr_scheduler": "linear", "micro_batch_size": 2,
+                     "gradient_accumulation_steps": 1, "noise_scale_split_every": 1, **training},
+        "output": {"save_steps": 3, "save_total_limit": 20}})
 
 
 @pytest.fixture

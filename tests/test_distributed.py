@@ -22,6 +22,7 @@ from finetune.cli import main
 from finetune.recipe import validate_recipe
 from finetune.rundir import RunDir
 from finetune.train.run import run
+from tests.run_support import tiny_lora_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-5
@@ -37,20 +38,11 @@ def _data(tmp_path: Path, n: int = 16) -> Path:
 
 
 def _recipe(tmp_path: Path, model_dir: Path, out: str, **sections) -> dict:
-    recipe = {
-        "model": {"path": str(model_dir)},
-        "quantization": {"bits": None},
-        "adapter": {"type": "lora", "r": 8, "alpha": 16, "dropout": 0.0},
-        "data": {"path": str(_data(tmp_path)), "max_seq_len": 64},
+    return tiny_lora_recipe(model_dir, _data(tmp_path), tmp_path / out, {
         # effective batch 4 = micro-batch 2 x accumulation 2 (1 process) or x 2 processes (accumulation 1)
         "training": {"max_steps": 4, "micro_batch_size": 2, "gradient_accumulation_steps": "auto",
-                     "effective_batch_size": 4, "learning_rate": 1e-2, "warmup_ratio": 0.0},
-        "memory": {"activation_checkpointing": True, "chunked_loss": False, "tiled_mlp": False},
-        "output": {"dir": str(tmp_path / out), "save_steps": 2},
-    }
-    for section, values in sections.items():
-        recipe[section] = {**recipe.get(section, {}), **values}
-    return recipe
+                     "effective_batch_size": 4, "learning_rate": 1e-2},
+        "memory": {"activation_checkpointing": True}, "output": {"save_steps": 2}}, sections)
 
 
 def _write(tmp_path: Path, recipe: dict, name: str = "recipe.yaml") -> Path:

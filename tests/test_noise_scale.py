@@ -13,6 +13,7 @@ from finetune.rundir import read_jsonl
 from finetune.train import noise_scale
 from finetune.train.noise_scale import GradNormProbe, NoiseScaleEMA, step_observation, two_batch
 from finetune.train.run import run
+from tests.run_support import sums_data, tiny_lora_recipe
 
 DIM, DELTA_SQ, NOISE_VAR = 10, 1.0, 4.0
 
@@ -148,18 +149,8 @@ def test_ema_reports_nothing_until_enough_steps_and_round_trips():
 
 
 def _run_recipe(tmp_path, model_dir, name: str, **training) -> dict:
-    rows = [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
-                          {"role": "assistant", "content": f"It is {2 * i}." + " yes" * (i % 5)}]} for i in range(24)]
-    data = tmp_path / "gns-data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return {
-        "model": {"path": str(model_dir)}, "quantization": {"bits": None},
-        "adapter": {"type": "lora", "r": 8, "alpha": 16, "dropout": 0.0},
-        "data": {"path": str(data), "max_seq_len": 64},
-        "training": {"max_steps": 8, "learning_rate": 1e-3, "warmup_ratio": 0.0, **training},
-        "memory": {"activation_checkpointing": False, "chunked_loss": False, "tiled_mlp": False},
-        "output": {"dir": str(tmp_path / name), "save_steps": 100},
-    }
+    return tiny_lora_recipe(model_dir, sums_data(tmp_path / "gns-data.jsonl", 24), tmp_path / name,
+                            {"training": {"max_steps": 8, "learning_rate": 1e-3, **training}})
 
 
 @pytest.mark.parametrize("training", [{"micro_batch_size": 2, "gradient_accumulation_steps": 2},

@@ -26,6 +26,7 @@ from finetune.rundir import RunDir, read_jsonl
 from finetune.train.checkpoints import FAULT_ENV as CHECKPOINT_FAULT_ENV
 from finetune.train.recovery import FAULT_ENV
 from finetune.train.run import run
+from tests.run_support import tiny_lora_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 REL = 1e-5  # float summation order only (see the module docstring)
@@ -42,18 +43,8 @@ def _data(tmp_path: Path, n: int = 16, varied: bool = True) -> Path:
 
 
 def _recipe(tmp_path: Path, model_dir: Path, name: str, **sections) -> dict:
-    recipe = {
-        "model": {"path": str(model_dir)},
-        "quantization": {"bits": None},
-        "adapter": {"type": "lora", "r": 8, "alpha": 16, "dropout": 0.0},
-        "data": {"path": str(_data(tmp_path)), "max_seq_len": 64},
-        "training": {"max_steps": 4, "learning_rate": 1e-2, "warmup_ratio": 0.0},
-        "memory": {"activation_checkpointing": False, "chunked_loss": False, "tiled_mlp": False},
-        "output": {"dir": str(tmp_path / name), "save_steps": 100},
-    }
-    for section, values in sections.items():
-        recipe[section] = {**recipe.get(section, {}), **values}
-    return recipe
+    return tiny_lora_recipe(model_dir, _data(tmp_path), tmp_path / name,
+                            {"training": {"max_steps": 4, "learning_rate": 1e-2}}, sections)
 
 
 def _run(monkeypatch, recipe: dict, fault: str | None = None):

@@ -1,0 +1,32 @@
+"""Helpers shared by tests that train the tiny model through `finetune run`: a chat dataset and a small
+LoRA recipe, so each test file states only what it changes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def sums_data(path: Path, n: int) -> Path:
+    """`n` chat records "What is i plus i?" -> "It is 2i." with answers of varied length (messages format)."""
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
+                          {"role": "assistant", "content": f"It is {2 * i}." + " yes" * (i % 5)}]} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def tiny_lora_recipe(model_dir: Path, data: Path, out_dir: Path, *overrides: dict) -> dict:
+    """A LoRA recipe for the tiny model with every memory technique off; each override ({section: {key:
+    value}}) is merged in order, section by section."""
+    recipe = {
+        "model": {"path": str(model_dir)}, "quantization": {"bits": None},
+        "adapter": {"type": "lora", "r": 8, "alpha": 16, "dropout": 0.0},
+        "data": {"path": str(data), "max_seq_len": 64},
+        "training": {"warmup_ratio": 0.0},
+        "memory": {"activation_checkpointing": False, "chunked_loss": False, "tiled_mlp": False},
+        "output": {"dir": str(out_dir), "save_steps": 100},
+    }
+    for sections in overrides:
+        for section, values in sections.items():
+            recipe[section] = {**recipe.get(section, {}), **values}
+    return recipe
