@@ -130,6 +130,16 @@ def test_dpo_after_sft_run_and_generate_compare_shows_base_sft_dpo(tmp_path, tin
     from ui.tabs.chat import start_of  # the UI chat fills its second column with the start run
 
     assert start_of(str(result.run_dir)) == str(sft_run.resolve()) and start_of(str(sft_run)) is None
+    from ui.backend import Backend, UISettings
+    from ui.runs import RunManager
+    from ui.tabs.chat import start_column
+
+    def column(*roots):
+        return start_column(Backend(UISettings(list(roots), tmp_path / "runs"), RunManager(tmp_path / "runs")),
+                            str(result.run_dir), None)
+
+    assert column(tmp_path, sft_run.parent) == str(sft_run.resolve())
+    assert not isinstance(column(tmp_path), str)  # the start run is outside the allowed folders: not shown
 
 
 def test_resume_with_init_from_is_exact(tmp_path, tiny_model_dir, sft_run):

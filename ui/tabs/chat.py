@@ -50,6 +50,17 @@ def start_of(run: str | None) -> str | None:
     return str(runs[-2][0]) if len(runs) > 1 else None
 
 
+def start_column(backend: Backend, run: str | None, second: str | None) -> Any:
+    """The second column for `run`: its start run when none is chosen and both are in the allowed folders."""
+    if second or not run:
+        return gr.skip()
+    try:
+        parent = start_of(str(backend.run_path(run)))
+        return str(backend.run_path(parent)) if parent else gr.skip()
+    except FinetuneError:  # outside the allowed folders (or gone): no lineage shown
+        return gr.skip()
+
+
 def respond(backend: Backend, run: str | None, second: str | None, show_base: bool, system: str,
             temperature: float, top_p: float, max_new_tokens: int, text: str,
             *histories: list[dict[str, Any]]) -> Iterator[tuple[Any, ...]]:
@@ -168,8 +179,8 @@ def build(backend: Backend) -> gr.Dropdown:
                     api_visibility="private")
     # A run started from another run's adapter (DPO after SFT): that run becomes the second column, so the
     # page shows base, SFT and DPO side by side (unless a second run is already chosen).
-    chat_run.change(lambda run, second: (None if second else start_of(run)) or gr.skip(),
-                    [chat_run, second_run], second_run, api_visibility="private")
+    chat_run.change(lambda run, second: start_column(backend, run, second), [chat_run, second_run], second_run,
+                    api_visibility="private")
     def run_lists():  # runs finish while the page is open: list them again when the tab is opened
         dirs = backend.run_dirs()
         return gr.update(choices=dirs), gr.update(choices=dirs)
