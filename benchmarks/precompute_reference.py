@@ -25,8 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from finetune.memory.preference import PreferenceLoss, batch_reference_logps, synthetic_batch  # noqa: E402
-from finetune.memory.step import enable_checkpointing, training_step  # noqa: E402
+from finetune.memory.step import training_step  # noqa: E402
 from finetune.recipe.load import load_recipe  # noqa: E402
+from finetune.train.measure import step_setup  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -37,24 +38,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed steps per variant (after one warm-up each)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    recipe = load_recipe(Path(args.recipe))
-    if recipe.auto_keys():
-        from finetune.plan import predict
-
-        recipe = predict(recipe, gpu_memory="24GiB", device="cpu").apply(recipe)
-    from finetune.memory.layer_recompute import apply_memory_config
-    from finetune.model.adapter import apply_adapter
-    from finetune.model.load import load_model
-    from finetune.optim import build_optimizer
-
-    model, _tokenizer, _ = load_model(recipe.model, recipe.quantization)
-    checkpointing = bool(recipe.memory.activation_checkpointing)
-    model = apply_adapter(model, recipe.adapter, checkpointing=checkpointing)
-    apply_memory_config(model, recipe.memory)
-    enable_checkpointing(model, checkpointing, recipe.memory.checkpoint_every_n_layers)
-    model.train()
-    optimizer = build_optimizer(model, recipe.optimizer, recipe.training.learning_rate)
-    vocab = model.config.get_text_config().vocab_size
+    recipe, model, optimizer, vocab = step_setup(load_recipe(Path(args.recipe)), gpu_memory="24GiB", device="cpu")
     mb, seq, chunked = int(recipe.training.micro_batch_size), recipe.data.max_seq_len, recipe.memory.chunked_loss is True
     in_step = PreferenceLoss.of(recipe.training.model_copy(update={"precompute_reference": False}))
     precomputed = PreferenceLoss.of(recipe.training.model_copy(update={"precompute_reference": True}))
@@ -79,7 +63,7 @@ def main() -> None:
     slow, fast = (statistics.median(times[name]) for name in variants)
     lines = [f"recipe {args.recipe}: model {recipe.model.path}, quantization.bits {recipe.quantization.bits}, "
              f"adapter {recipe.adapter.type} r={recipe.adapter.r}, method {recipe.training.method}, micro-batch {mb} "
-             f"pairs of {seq} tokens, checkpointing {checkpointing}, chunked_loss {chunked}; CPU, 1 thread, CPU "
+             f"pairs of {seq} tokens, checkpointing {bool(recipe.memory.activation_checkpointing)}, chunked_loss {chunked}; CPU, 1 thread, CPU "
              f"seconds, median of {args.steps} steps (alternating)",
              *(f"  {name}: {statistics.median(ts):.2f} s/step (min {min(ts):.2f}, max {max(ts):.2f})"
                for name, ts in times.items()),

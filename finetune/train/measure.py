@@ -20,23 +20,20 @@ from finetune.recipe.schema import Recipe
 from finetune.recipe.settings import read_settings
 
 
-def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
-    """Run `steps` optimizer steps at the recipe's micro-batch and max_seq_len; return the tracker result
-    (with training.precompute_reference, the reference pass over one micro-batch first, as a run does).
-
-    `auto` settings are resolved by the planner first.
-    """
-    from finetune.recipe.init_from import resolve_init_from
-
-    recipe = resolve_init_from(recipe)  # the adapter shape of adapter.init_from, as `finetune run` trains it
-    if recipe.auto_keys():  # measure what `finetune run` would train: the planner's choice
-        from finetune.plan import predict
-
-        recipe = predict(recipe).apply(recipe)
+def step_setup(recipe: Recipe, **plan_kwargs: Any) -> tuple[Recipe, torch.nn.Module, torch.optim.Optimizer, int]:
+    """The recipe as `finetune run` trains it (adapter.init_from's shape, `auto` keys resolved by the planner
+    with `plan_kwargs`), its model with adapter and memory settings in training mode, its optimizer and the
+    vocabulary size: what measuring a real step needs (measure, benchmarks)."""
     from finetune.model.adapter import apply_adapter
     from finetune.model.load import load_model
+    from finetune.optim import build_optimizer
+    from finetune.recipe.init_from import resolve_init_from
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    recipe = resolve_init_from(recipe)
+    if recipe.auto_keys():
+        from finetune.plan import predict
+
+        recipe = predict(recipe, **plan_kwargs).apply(recipe)
     model, _tokenizer, _path = load_model(recipe.model, recipe.quantization)
     vocab = model.config.get_text_config().vocab_size
     checkpointing = bool(recipe.memory.activation_checkpointing)
@@ -44,11 +41,20 @@ def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
     apply_memory_config(model, recipe.memory)
     enable_checkpointing(model, checkpointing, recipe.memory.checkpoint_every_n_layers)
     model.train()
-    from finetune.optim import build_optimizer
-
     optimizer = build_optimizer(model, recipe.optimizer, recipe.training.learning_rate,
                                 steps_per_update=recipe.training.gradient_accumulation_steps,
                                 max_grad_norm=recipe.training.max_grad_norm)
+    return recipe, model, optimizer, vocab
+
+
+def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
+    """Run `steps` optimizer steps at the recipe's micro-batch and max_seq_len; return the tracker result
+    (with training.precompute_reference, the reference pass over one micro-batch first, as a run does).
+
+    `auto` settings are resolved by the planner first.
+    """
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    recipe, model, optimizer, vocab = step_setup(recipe)
     gen = torch.Generator().manual_seed(recipe.training.seed)
     preference = PreferenceLoss.of(recipe.training)
     batch = synthetic_batch(preference, recipe.training.micro_batch_size, recipe.data.max_seq_len, vocab, device, gen)
