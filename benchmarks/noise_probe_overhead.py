@@ -182,7 +182,7 @@ def step(model, optimizer, rows: list, collator, accumulation: int, probe: GradN
         if probe is not None:
             tokens = labelled_tokens(batch)
             probe.micro_batch(tokens, tokens / num_items)
-        forward_backward(model, batch, accumulation=len(batches), num_items_in_batch=torch.tensor(num_items),
+        forward_backward(model, batch, accumulation=len(batches), num_items_in_batch=num_items,
                          autocast=AUTOCAST)
     if probe is not None:
         probe.finish()

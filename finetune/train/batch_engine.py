@@ -66,6 +66,10 @@ class _Clock:
         event.record()
         return event
 
+    def done(self, end) -> bool:
+        """Whether the device has reached mark `end` (reading it then waits for nothing)."""
+        return not self.cuda or end.query()
+
     def seconds(self, start, end) -> float:
         if not self.cuda:
             return end - start
@@ -183,7 +187,7 @@ class BatchEngineTrainer(RecoveringTrainer):
             def grouped(opt, *args, **kwargs):
                 for batch, _ in self._current if self.engine_on else ():  # after a resume restored the count
                     if "labels" in batch:
-                        self._tokens += labelled_tokens(batch)
+                        self._tokens += int(labelled_tokens(batch))
                         self._batches += 1
                 if self._deferring():
                     self._group.extend(self._current)
@@ -216,17 +220,26 @@ class BatchEngineTrainer(RecoveringTrainer):
             self._timed.append((*self._marks, self._clock.mark(), updated))
         self._marks = []
         if len(self._timed) >= 256:  # a run that seldom decides: resolve the older events now
-            self.step_times()
+            self._resolve_marks(wait=True)
 
     def step_times(self) -> tuple[float, float] | None:
-        """(t_micro, t_opt) in seconds from this run's steps so far (see StepTimes)."""
-        for start, middle, end, updated in self._timed:
-            self.times.add(self._clock.seconds(start, middle), self._clock.seconds(middle, end), updated)
-        self._timed = []
+        """(t_micro, t_opt) in seconds from the steps the device has finished (see StepTimes); a decision does
+        not stall the GPU on the step just launched."""
+        self._resolve_marks(wait=False)
         return self.times.estimate()
 
+    def _resolve_marks(self, wait: bool) -> None:
+        """Turn the finished steps' marks (with `wait`, all of them) into StepTimes samples."""
+        pending = []
+        for start, middle, end, updated in self._timed:
+            if wait or self._clock.done(end):
+                self.times.add(self._clock.seconds(start, middle), self._clock.seconds(middle, end), updated)
+            else:
+                pending.append((start, middle, end, updated))
+        self._timed = pending
+
     def _times_state(self) -> dict:
-        self.step_times()  # the pending marks first
+        self._resolve_marks(wait=True)
         return self.times.state_dict()
 
     def _decide(self) -> None:
@@ -329,7 +342,8 @@ def batch_summary(trainer: BatchEngineTrainer, rows: list[dict], stats: dict) ->
         * trainer.splits
     series = [[r["step"], r["gns"]] for r in rows if r.get("gns")]
     values = trainer.noise_scale.values() or {}
-    times = trainer.step_times()  # per Trainer step: its forward-backwards are that many loader batches
+    trainer._resolve_marks(wait=True)  # the run is over: every step's marks
+    times = trainer.times.estimate()  # per Trainer step: its forward-backwards are that many loader batches
     scheduler = getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)
     betas = next((tuple(g["betas"]) for g in trainer.optimizer.param_groups if "betas" in g),
                  tuple(trainer.recipe.optimizer.betas))

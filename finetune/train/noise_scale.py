@@ -44,6 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
+from finetune.memory.chunked_loss import IGNORE_INDEX
+
 DEFAULT_DECAY = 0.95  # EMA of |G|^2 and tr(Sigma): about 20 steps of memory
 SLICE = 1 << 24  # elements per fp32 slice of a gradient norm
 MIN_STEPS = 5  # fewer observations than this: no estimate is reported (the EMA is still mostly one step)
@@ -128,13 +130,13 @@ class NoiseScaleEMA:
         self.weight, self.steps = float(state["weight"]), int(state["steps"])
 
 
-def labelled_tokens(inputs: dict) -> int:
+def labelled_tokens(inputs: dict) -> torch.Tensor:
     """Tokens of a micro-batch that carry a loss, counted as the Trainer's num_items_in_batch counts them
-    (labels shifted by one for a causal LM)."""
+    (labels shifted by one for a causal LM): a 0-d tensor on the labels' device, so counting waits for nothing."""
     labels = inputs.get("shift_labels")
     if labels is None:
         labels = inputs["labels"][..., 1:]
-    return int(labels.ne(-100).sum())
+    return labels.ne(IGNORE_INDEX).sum()
 
 
 class GradNormProbe:
@@ -188,12 +190,13 @@ class GradNormProbe:
             self._current.append(self._norm(grad))
             self._touched[id(p)] = p
 
-    def micro_batch(self, tokens: float, weight: float) -> None:
+    def micro_batch(self, tokens: float | torch.Tensor, weight: float | torch.Tensor) -> None:
         """The next backward is one micro-batch of `tokens` labelled tokens whose loss is scaled so that its
         gradient enters the sum with `weight` (tokens / step tokens, or 1 / micro-batches for mean losses;
-        with several processes, as this process's hooks see it, before DDP averages)."""
+        with several processes, as this process's hooks see it, before DDP averages). Numbers or device
+        scalars: they are read in `finish`'s one host sync."""
         self._close_part()
-        meta = (float(tokens), float(weight))
+        meta = (tokens, weight)
         if self.world == 1 and not self._armed:  # the step's first: .grad will hold it alone (see above)
             self._first, self._armed = meta, True
             return
@@ -223,25 +226,24 @@ class GradNormProbe:
         self.discard()
         usable = bool(touched) and all(p.grad is not None for p in touched) \
             and (self.world > 1 or len(parts) > 1)
-        values = []
+        measured, big_sq = [], 0.0
         if usable:
-            sums = [norms.square().sum() for norms, _, _ in parts]
             big = self._norms([p.grad for p in touched]).square().sum()
-            values = torch.stack([*(x.to(big.device) for x in sums), big]).tolist()
+            flat = [x for norms, b, w in parts for x in (norms.square().sum(), b, w)] + [big]
+            values = torch.stack([torch.as_tensor(x, device=big.device).double() for x in flat]).tolist()
             usable = all(math.isfinite(v) for v in values)
+            measured, big_sq = [tuple(values[i:i + 3]) for i in range(0, len(values) - 1, 3)], values[-1]
         if self.world == 1:
-            return step_observation([(v, b, w) for v, (_, b, w) in zip(values[:-1], parts, strict=True)],
-                                    values[-1]) if usable else None
+            return step_observation(measured, big_sq) if usable else None
         # .grad is the average of the processes' hooked sums: their sum's norm is world x its norm.
-        local = part_sums([(v, b, w) for v, (_, b, w) in zip(values[:-1], parts, strict=True)]) if usable \
-            else [0.0] * 5
+        local = part_sums(measured) if usable else [0.0] * 5
         device = self.params[0].device if self.params else torch.device("cpu")
         reduced = torch.tensor([*local, float(not usable)], dtype=torch.float64, device=device)
         torch.distributed.all_reduce(reduced)
         *sums, unusable = reduced.tolist()
         if unusable:  # one process could not measure: no estimate on any (they stay the same)
             return None
-        return observation_of_sums(sums, values[-1] * self.world**2)
+        return observation_of_sums(sums, big_sq * self.world**2)
 
     def discard(self) -> None:
         self._parts, self._current, self._touched, self._meta, self._first = [], [], {}, None, None

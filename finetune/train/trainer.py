@@ -155,8 +155,8 @@ class FinetuneTrainer(Trainer):
         scale = self.accelerator.num_processes \
             if num_items is not None and self.args.average_tokens_across_devices else 1
         if self.noise_probe is not None and "labels" in inputs:
-            tokens = labelled_tokens(inputs)
-            self.noise_probe.micro_batch(tokens, scale * tokens / float(num_items) if num_items
+            tokens = labelled_tokens(inputs)  # device scalars: the probe reads them at the step's end
+            self.noise_probe.micro_batch(tokens, scale * tokens / num_items if num_items is not None
                                          else 1 / self.current_gradient_accumulation_steps)
         loss = forward_backward(
             model, self._prepare_inputs(inputs), accumulation=self.current_gradient_accumulation_steps,
