@@ -44,8 +44,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from finetune.recipe.batch_rules import StepTimes, best_accumulation, scale_for_batch  # noqa: E402
-from finetune.train.batch_engine import MAX_ACCUMULATION, MIN_OBSERVATIONS  # noqa: E402
+from finetune.recipe.batch_rules import (  # noqa: E402
+    MAX_ACCUMULATION,  # noqa: E402
+    StepTimes,
+    best_accumulation,
+    scale_for_batch,
+)
+from finetune.train.batch_engine import MIN_OBSERVATIONS  # noqa: E402
 from finetune.train.noise_scale import GradNormProbe, NoiseScaleEMA  # noqa: E402
 
 DATA = Path("/work/shared/datasets/c4_demo.jsonl")

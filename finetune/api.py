@@ -204,8 +204,12 @@ def plan_at_seen_length(run_dir: str | Path) -> dict[str, Any] | None:
 def batch_plan(recipe: Recipe, plan: Plan) -> list[str]:
     """How `run` rescales the learning rate and beta2 for the plan's batch, and the schedule of
     `effective_batch_size: auto`, as lines for `finetune plan` (none when neither applies)."""
-    from finetune.recipe.batch_rules import apply_batch_rules, auto_schedule, reference_batch
-    from finetune.train.batch_engine import MAX_ACCUMULATION
+    from finetune.recipe.batch_rules import (
+        MAX_ACCUMULATION,
+        apply_batch_rules,
+        auto_schedule,
+        reference_batch,
+    )
 
     resolved, rule = apply_batch_rules(plan.apply(recipe), reference_batch(recipe))
     lines = [f"batch rules: {rule.describe()}"] if rule is not None else []
@@ -332,9 +336,9 @@ def launch(recipe: Recipe, argv: list[str], gpus: int, *, resume: bool = False, 
     """`finetune run --gpus N`: after the checks that need no process (an engine that is not installed, a
     folder that already holds a run), start N local processes (torchrun) that each run `finetune` with
     `argv`; returns their exit code."""
+    from finetune.train.checkpoints import check_output_dir
     from finetune.train.distributed import check_available
     from finetune.train.distributed import launch as _launch
-    from finetune.train.run import check_output_dir
 
     check_available(recipe)
     check_output_dir(recipe, resume, overwrite)

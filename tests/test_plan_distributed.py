@@ -117,3 +117,10 @@ def test_chunked_loss_is_refused_and_never_chosen_with_several_processes():
              "memory": {"chunked_loss": "auto", "gpu_memory_margin": 0}}
     assert predict(_recipe("qwen2.5-0.5b", 1, "ddp", **tight), gpu_memory="6GiB").settings["chunked_loss"] is True
     assert predict(_recipe("qwen2.5-0.5b", 2, "ddp", **tight), gpu_memory="6GiB").settings["chunked_loss"] is False
+
+
+def test_layerwise_with_several_processes_is_refused_also_when_the_strategy_is_auto():
+    """No strategy can run layer-wise updates with several processes: `auto` is refused at validation (the
+    search used to find no combination at all and fail with an AttributeError)."""
+    with pytest.raises(ValueError, match=r"optimizer.layerwise with distributed.strategy=auto with 2 processes"):
+        _recipe("qwen2.5-0.5b", 2, "auto", adapter={"type": "lora"}, optimizer={"layerwise": True})

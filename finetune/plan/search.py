@@ -162,7 +162,7 @@ def _choices(recipe: Recipe, spec: ModelSpec) -> list[Settings]:
 
 def _refused(recipe: Recipe, st: dict[str, Any]) -> bool:
     """A combination the strategy cannot run (the schema's strategy_problems), skipped by the search."""
-    if st["strategy"] not in SHARDED_STRATEGIES and not recipe.optimizer.layerwise:
+    if st["strategy"] not in SHARDED_STRATEGIES:
         return False
     try:  # validating the combination as a recipe runs the same checks (the schema's strategy_problems)
         write_settings(recipe, {k: v for k, v in st.items() if v != "auto"})

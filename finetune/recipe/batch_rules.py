@@ -30,6 +30,7 @@ MAX_LR_FACTOR = 4.0  # at most 4x the tuned learning rate (16x the batch under t
 # which is convex in k with its minimum at k* = sqrt(t_opt B_noise / (t_micro b)): accumulation grows with the
 # noise scale, and stays 1 where the optimizer step is cheap next to a micro-batch (LoRA, small models), as the
 # small-batch results say (Marek et al.).
+MAX_ACCUMULATION = 64  # the most micro-batches `effective_batch_size: auto` puts in one update
 MIN_GAIN = 0.02  # a larger accumulation must cut the predicted time to a loss by 2%: no churn on noisy estimates
 TIMING_WINDOW = 64  # step times kept (the median of each kind is used)
 TIMING_SKIP = 2  # first Trainer steps not timed (allocation, lazy optimizer state)

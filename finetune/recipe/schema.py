@@ -391,6 +391,10 @@ class DistributedConfig(Section):
         if recipe.training.precompute_reference:
             problems.append(f"training.precompute_reference with {self.gpus} processes: the reference pass runs on one "
                             "process only for now; set it to false (the reference forward then runs in each step)")
+        if recipe.optimizer.layerwise:  # under every strategy (auto too: none of them can run it)
+            problems.append(f"optimizer.layerwise with distributed.strategy={self.strategy} with {self.gpus} "
+                            "processes: layer-wise updates step each weight inside backward, before the gradient "
+                            "is averaged across processes; set optimizer.layerwise: false")
         if recipe.memory.chunked_loss is True:
             problems.append(f"memory.chunked_loss: true with {self.gpus} processes: the chunked loss runs the decoder "
                             "and LM head itself, outside the DDP/FSDP/DeepSpeed wrapper that synchronises them; "
@@ -404,9 +408,6 @@ def strategy_problems(recipe: Recipe, strategy: str) -> list[str]:
     """Why `recipe` cannot run under `strategy` with several processes (empty: it can)."""
     where = f"distributed.strategy={strategy} with {recipe.distributed.gpus} processes"
     problems = []
-    if recipe.optimizer.layerwise:
-        problems.append(f"optimizer.layerwise with {where}: layer-wise updates step each weight inside backward, "
-                        "before the gradient is averaged across processes; set optimizer.layerwise: false")
     if recipe.memory.offload != "none" and strategy in SHARDED_STRATEGIES:
         problems.append(f"memory.offload={recipe.memory.offload} with {where}: the offload hooks would move the "
                         "gathered (unsharded) weights that backward saves; use strategy ddp or memory.offload: none")

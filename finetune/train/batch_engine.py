@@ -42,13 +42,18 @@ import torch
 
 from finetune.console import console
 from finetune.optim import layerwise_of
-from finetune.recipe.batch_rules import StepTimes, advise, best_accumulation, scale_for_batch
+from finetune.recipe.batch_rules import (
+    MAX_ACCUMULATION,
+    StepTimes,
+    advise,
+    best_accumulation,
+    scale_for_batch,
+)
 from finetune.rundir import RunDir, atomic_write_json
 from finetune.train.callbacks import MetricsCallback
 from finetune.train.noise_scale import labelled_tokens
 from finetune.train.recovery import RecoveringTrainer
 
-MAX_ACCUMULATION = 64
 MIN_OBSERVATIONS = 5  # fresh noise-scale observations between two changes
 ENGINE_FILE = "batch_engine.json"  # in each checkpoint folder
 

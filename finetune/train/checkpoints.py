@@ -15,9 +15,14 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from finetune.console import console
-from finetune.rundir import replace_dir
+from finetune.errors import FinetuneError
+from finetune.rundir import RunDir, replace_dir
+
+if TYPE_CHECKING:
+    from finetune.recipe.schema import Recipe
 
 COMPLETE = ".complete"  # written last inside a checkpoint folder, before the rename that publishes it
 STAGING = ".staging"
@@ -156,3 +161,13 @@ def checkpoint_fault(staged: Path, step: int) -> None:
 def report_skipped(skipped: list[str]) -> None:
     for line in skipped:
         console.print(f"[yellow]--resume: skipped checkpoint {line}")
+
+
+def check_output_dir(recipe: Recipe, resume: bool, overwrite: bool) -> None:
+    """A new run must not start in a folder that holds one (checked again by `finetune run --gpus N` before
+    it starts any process)."""
+    run = RunDir(Path(recipe.output.dir))
+    if not resume and not overwrite and (run.status.exists() or numbered(run.checkpoints)):
+        raise FinetuneError(
+            f"output.dir {run.root} already holds a run",
+            hint="pass --resume to continue it, --overwrite to start over, or --set output.dir=runs/NEW")

@@ -27,7 +27,7 @@ from finetune.rundir import RunDir, atomic_write_json, atomic_write_text, replac
 from finetune.train import distributed
 from finetune.train.batch_engine import BatchEngineTrainer, batch_summary, record_batch_change
 from finetune.train.callbacks import MetricsCallback, ProgressCallback, StopOnSignal
-from finetune.train.checkpoints import find_resumable, numbered, report_skipped, step_of
+from finetune.train.checkpoints import check_output_dir, find_resumable, report_skipped, step_of
 from finetune.train.environment import environment_summary
 from finetune.train.plan_files import save_plan
 from finetune.train.plots import plot_loss_curve
@@ -64,16 +64,6 @@ def _prepare_run_dir(recipe: Recipe, resume: bool, overwrite: bool) -> tuple[Run
     check_output_dir(recipe, resume, overwrite)
     run.create()
     return run, None
-
-
-def check_output_dir(recipe: Recipe, resume: bool, overwrite: bool) -> None:
-    """A new run must not start in a folder that holds one (checked again by `finetune run --gpus N` before
-    it starts any process)."""
-    run = RunDir(Path(recipe.output.dir))
-    if not resume and not overwrite and (run.status.exists() or numbered(run.checkpoints)):
-        raise FinetuneError(
-            f"output.dir {run.root} already holds a run",
-            hint="pass --resume to continue it, --overwrite to start over, or --set output.dir=runs/NEW")
 
 
 def _plan(recipe: Recipe) -> tuple[Plan | None, Recipe]:
