@@ -75,6 +75,11 @@ class PreferenceLoss:
         return self.uses_reference and not self.precompute_reference
 
     @property
+    def reference_precomputed(self) -> bool:
+        """Whether the reference values come with the batch, from the pass before training."""
+        return self.uses_reference and self.precompute_reference
+
+    @property
     def rows_per_example(self) -> int:
         """Sequences per example in a batch: chosen and rejected, or one (kto)."""
         return 1 if self.method == "kto" else 2
@@ -85,7 +90,7 @@ class PreferenceLoss:
         `dpo:precompute_reference`, `orpo`, `kto`, `kto:precompute_reference`; the planner's trace key, turned
         back into a loss by `of_objective`."""
         flags = ["reference_free"] if self.method == "dpo" and self.reference_free else []
-        if self.precompute_reference and self.uses_reference:
+        if self.reference_precomputed:
             flags.append("precompute_reference")
         return ":".join([self.method, *flags])
 
@@ -111,7 +116,7 @@ def synthetic_batch(loss: PreferenceLoss | None, rows: int, seq_len: int, vocab:
     batch = {"input_ids": ids, "labels": ids}
     if loss is not None and loss.method == "kto":
         batch["kto_label"] = (torch.arange(n) % 2 == 0).to(ids.device)
-    if loss is not None and loss.precompute_reference and loss.uses_reference:
+    if loss is not None and loss.reference_precomputed:
         batch["ref_logps"] = torch.zeros(n, device=ids.device)
     return batch
 

@@ -40,11 +40,11 @@ class LowRankAdamW(torch.optim.Optimizer):
                     self.state[p]["seed"] = index
 
     def _projector(self, group: dict, state: dict):
-        # imported here: apollo_torch pulls in bitsandbytes (~1 s), which planning and the CLI never need
-        from apollo_torch.random_projector import GradientProjector
-        from galore_torch.galore_projector import GaLoreProjector
-
         if "projector" not in state:
+            # imported here: apollo_torch pulls in bitsandbytes (~1 s), which planning and the CLI never need
+            from apollo_torch.random_projector import GradientProjector
+            from galore_torch.galore_projector import GaLoreProjector
+
             if group["method"] == "apollo":
                 state["projector"] = GradientProjector(
                     group["rank"], update_proj_gap=group["update_proj_gap"], scale=group["scale"],

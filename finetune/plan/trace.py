@@ -284,7 +284,7 @@ def _direct_trace(key: tuple[str, str, str, str], attn: str, micro_batch: int, s
     handles = _layer_windows(model, tracker)
     try:
         with _MetaKernels(), _MetaMemo(), tracker:
-            if preference is not None and preference.precompute_reference and preference.uses_reference:
+            if preference is not None and preference.reference_precomputed:
                 with tracker.window("reference_pass"):  # the pass before training: no gradients exist yet
                     batch_reference_logps(model, batch, chunked_loss)
             forward_backward(model, batch, backward=_backward, tracker=tracker, backward_window="bwd_head",

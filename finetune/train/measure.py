@@ -68,7 +68,7 @@ def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
         autocast = autocast_for(mixed_precision(recipe.model.dtype, device == "cuda"))
 
         def run(tracker: MemoryTracker) -> None:
-            if preference is not None and preference.precompute_reference and preference.uses_reference:
+            if preference is not None and preference.reference_precomputed:
                 with tracker.window("reference_pass"), autocast():  # the pass before training, as `run` does
                     batch_reference_logps(model, batch, bool(recipe.memory.chunked_loss))
             for _ in range(steps):
