@@ -45,22 +45,23 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from finetune.recipe.batch_rules import (  # noqa: E402
-    MAX_ACCUMULATION,  # noqa: E402
+    MAX_ACCUMULATION,
     StepTimes,
     best_accumulation,
     scale_for_batch,
 )
+from finetune.recipe.schema import TrainingConfig  # noqa: E402
 from finetune.train.batch_engine import MIN_OBSERVATIONS  # noqa: E402
 from finetune.train.noise_scale import GradNormProbe, NoiseScaleEMA  # noqa: E402
 
-DATA = Path("/work/shared/datasets/c4_demo.jsonl")
+DATA = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "c4_demo.jsonl"  # ../shared beside the checkout
 RESULTS = Path(__file__).resolve().parent / "results"
 SEQ, VOCAB, REF_BATCH, REF_BETA2, REF_LR = 64, 2048, 16, 0.99, 3e-3
 BATCHES = (1, 4, 16, 64)
 MAX_EXTEND = 2  # extra learning rates per batch when the best of the 3 is at an edge
 # auto at the planner's fastest fit here (its speed model, utilisation tokens / (tokens + 1024) and no per-step
 # cost, rises with the micro-batch and everything fits in RAM: the largest it searches, 32), and at 4 and 1
-SPLIT_EVERY = 10  # training.noise_scale_split_every's default
+SPLIT_EVERY = TrainingConfig.model_fields["noise_scale_split_every"].default  # as the Trainer splits
 AUTO_MICROS = (32, 4, 1)
 
 
@@ -408,7 +409,6 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     RESULTS.mkdir(exist_ok=True)
-    stem = "batch_size-quick" if quick else "batch_size"
     (RESULTS / f"{stem}.txt").write_text(text)
     plot(curves, {name for name, _ in best.values()}, est, RESULTS / f"{stem}.png")
 

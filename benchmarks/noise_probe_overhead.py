@@ -43,11 +43,12 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from finetune.memory.step import autocast_for, enable_checkpointing, forward_backward, mixed_precision  # noqa: E402
+from finetune.recipe.schema import TrainingConfig  # noqa: E402
 from finetune.train.noise_scale import GradNormProbe, labelled_tokens  # noqa: E402
 from finetune.units import format_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-SPLIT_EVERY = 10  # training.noise_scale_split_every's default
+SPLIT_EVERY = TrainingConfig.model_fields["noise_scale_split_every"].default  # as the Trainer splits
 VARIANTS = ("off", "hooks", "split")
 # The Trainer's mixed precision (bf16 autocast on a CUDA GPU that has it; none on CPU)
 AUTOCAST = autocast_for(mixed_precision("auto", torch.cuda.is_available()))

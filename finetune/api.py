@@ -260,9 +260,9 @@ EVAL_PREFIX = "eval_"
 
 
 def run_batch_report(run_dir: str | Path) -> dict[str, Any] | None:
-    """What a finished run says about its batch (results.json, metrics.jsonl, its recipe), for the run view:
-    the batch used (micro x accumulation x gpus, in sequences and labelled tokens), the noise scale over time
-    (metrics.jsonl `gns`, as (step, labelled tokens)), the batch changes (`batch_changed` rows) and the advice
+    """What a finished run says about its batch (results.json and its recipe), for the run view: the batch
+    used (micro x accumulation x gpus, in sequences and labelled tokens), the noise scale over time (as (step,
+    labelled tokens)), the batch changes (metrics.jsonl's `batch_changed` rows) and the advice
     for next time (`settings` as recipe keys and a `reason`, or only a reason). None when results.json has
     no account of the batch (a run still going, or one from an older version)."""
     from finetune.rundir import RunDir
@@ -272,16 +272,15 @@ def run_batch_report(run_dir: str | Path) -> dict[str, Any] | None:
     batch, noise = results.get("batch"), results.get("noise_scale") or {}
     if not isinstance(batch, dict):
         return None
-    gpus = batch.get("gpus") or _recipe_gpus(run.recipe)
+    gpus = _recipe_gpus(run.recipe)
     sequences = batch["micro_batch_size"] * batch["gradient_accumulation_steps"] * gpus
     per_sequence = noise.get("tokens_per_sequence")
-    rows = run.read_metrics()
     return {"micro_batch_size": batch["micro_batch_size"], "gradient_accumulation_steps":
             batch["gradient_accumulation_steps"], "gpus": gpus, "sequences": sequences, "auto": bool(batch.get("auto")),
             "tokens_per_sequence": per_sequence, "tokens": round(sequences * per_sequence) if per_sequence else None,
             "noise_scale": noise.get("final"),
-            "noise_series": [(r["step"], r["gns"]) for r in rows if r.get("gns") and "step" in r and "event" not in r],
-            "changes": [r for r in rows if r.get("event") == "batch_changed"], "advice": results.get("advice") or {}}
+            "noise_series": [tuple(p) for p in noise.get("series") or []], "changes": batch.get("changes") or [],
+            "advice": results.get("advice") or {}}
 
 
 def run_reward_report(run_dir: str | Path) -> dict[str, Any] | None:

@@ -121,7 +121,7 @@ class Backend:
     def _with_new_run_dir(self, text: str, source: str, name: str) -> list[Any]:
         recipe = load_recipe_text(text, source)
         n, target = 1, self.settings.runs_dir / name
-        while RunDir(target).exists() or target.exists():
+        while target.exists():
             n += 1
             target = self.settings.runs_dir / f"{name}-{n}"
         recipe.output.dir = str(target)

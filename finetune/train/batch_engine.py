@@ -345,7 +345,7 @@ def batch_summary(trainer: BatchEngineTrainer, rows: list[dict], stats: dict) ->
     micro = trainer.args.per_device_train_batch_size // trainer.splits
     accumulation = (trainer.accumulation if trainer.engine_on else 1) * trainer.args.gradient_accumulation_steps \
         * trainer.splits
-    series = [[r["step"], r["gns"]] for r in rows if r.get("gns")]
+    series = [[r["step"], r["gns"]] for r in rows if r.get("gns") and "event" not in r]
     values = trainer.noise_scale.values() or {}
     trainer._resolve_marks(wait=True)  # the run is over: every step's marks
     times = trainer.times.estimate()  # per Trainer step: its forward-backwards are that many loader batches

@@ -10,9 +10,9 @@ from ui.backend import Backend
 from ui.tabs.messages import reported
 
 
-def build(backend: Backend, widgets: list[gr.components.Component], basic_gpu: gr.Dropdown) -> gr.Dropdown:
+def build(backend: Backend, widgets: list[gr.components.Component], basic_gpu: gr.Dropdown) -> None:
     """The Memory tab over the form `widgets`; it plans again whenever it opens or the GPU changes (here or
-    in the Recipe tab's basics, `basic_gpu`, which it keeps in step). Returns its GPU picker."""
+    in the Recipe tab's basics, `basic_gpu`, which it keeps in step)."""
     with gr.Tab("Memory", id="memory") as memory_tab:
         with gr.Row():
             gpus = backend.gpu_choices()
@@ -50,4 +50,3 @@ def build(backend: Backend, widgets: list[gr.components.Component], basic_gpu: g
                                           api_visibility="private")
     basic_gpu.input(lambda g: g, basic_gpu, gpu, api_visibility="private")
     gpu.input(lambda g: g, gpu, basic_gpu, api_visibility="private")
-    return gpu

@@ -41,10 +41,10 @@ def export_view(backend: Backend, run_dir: str, out_dir: str) -> Iterator[str]:
             steps.append(line)
             yield "**Exporting...**\n" + "\n".join(f"- {'done' if i < len(steps) - 1 else 'now'}: {s}"
                                                       for i, s in enumerate(steps))
+        out = backend.run_path(out_dir, must_exist=True)
     except FinetuneError as exc:
         yield problems_markdown(exc)
         return
-    out = backend.run_path(out_dir, must_exist=True)
     yield (f"**merged model saved to {out}**\n" + "\n".join(f"- done: {s}" for s in steps)
            + f"\n\nLoad it with `AutoModelForCausalLM.from_pretrained(\"{out}\")`.")
 
