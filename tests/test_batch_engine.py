@@ -147,8 +147,19 @@ def test_a_cheap_optimizer_step_keeps_micro_batch_one_without_accumulation(tmp_p
 
 def test_an_expensive_optimizer_step_ramps_the_accumulation_by_the_formula(tmp_path, tiny_model_dir, monkeypatch):
     """An update that costs 40 micro-batches (a large model's full fine-tuning with a slow optimizer): the
-    accumulation becomes k* = sqrt(t_opt x gns / (t_micro x tokens per micro-batch)), rounded the better way."""
+    accumulation becomes k* = sqrt(t_opt x gns / (t_micro x tokens per micro-batch)), rounded the better way,
+    where the token slack allows it. The tiny model's noise scale is a few micro-batches, so with the default
+    slack the cap holds the batch (k* > 1, no change); with the slack lifted the formula decides."""
+    from finetune.recipe import batch_rules
+
     calls = _timed(monkeypatch, t_micro=0.01, t_opt=0.4)
+    held = run(validate_recipe(_recipe(tmp_path, tiny_model_dir, "held", effective_batch_size="auto", max_steps=20)))
+    assert not [r for r in read_jsonl(held.run_dir / "metrics.jsonl") if r.get("event") == "batch_changed"]
+    assert calls and all(result == 1 for _, _, result in calls)
+    assert any(math.sqrt(t_opt * gns / (t_micro * tokens)) >= 2 and batch_rules.token_cap(gns, tokens) == 1
+               for (gns, tokens, t_micro, t_opt), _, _ in calls)  # the cap, not the formula, kept k = 1
+    calls.clear()
+    monkeypatch.setattr(batch_rules, "TOKEN_SLACK", 100.0)
     auto = run(validate_recipe(_recipe(tmp_path, tiny_model_dir, "costly", effective_batch_size="auto",
                                        max_steps=20)))
     events = [r for r in read_jsonl(auto.run_dir / "metrics.jsonl") if r.get("event") == "batch_changed"]

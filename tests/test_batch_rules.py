@@ -11,12 +11,14 @@ from finetune.recipe.batch_rules import (
     MAX_LR_FACTOR,
     MIN_GAIN,
     TIMING_SKIP,
+    TOKEN_SLACK,
     StepTimes,
     advise,
     apply_batch_rules,
     best_accumulation,
     reference_batch,
     scale_for_batch,
+    token_cap,
     wall_time,
 )
 from finetune.recipe.optimizers import SPECS
@@ -104,19 +106,34 @@ def test_a_cheap_optimizer_step_never_accumulates_whatever_the_noise_scale():
 
 def test_an_expensive_optimizer_step_accumulates_more_as_the_noise_scale_grows():
     """Full fine-tuning with an expensive step: k* = sqrt(t_opt x gns / (t_micro x b)) grows with the noise scale,
-    and the chosen integer is the better of floor(k*) and ceil(k*) under the wall-time model."""
+    and the chosen integer is the better of floor(k*) and ceil(k*) under the wall-time model where the token cap
+    does not bind (a noise scale far above the batch)."""
     b, t_micro, t_opt = 1000.0, 0.1, 0.4
-    ks = [best_accumulation(gns, b, t_micro, t_opt, limit=1024) for gns in (500.0, 4e3, 1.6e4, 6.4e4, 1e6)]
-    assert ks == sorted(ks) and ks[0] == 1 and ks[-1] > 50
-    for gns in (4e3, 1.6e4, 6.4e4, 3.3e4, 1e6):
+    ks = [best_accumulation(gns, b, t_micro, t_opt, limit=1024) for gns in (500.0, 4e4, 4e5, 4e6, 1.6e7)]
+    assert ks == sorted(ks) and ks[0] == 1 and ks[-1] > 200
+    for gns in (1.6e7, 3.3e7):
         k_star = math.sqrt(t_opt * gns / (t_micro * b))
+        assert k_star < token_cap(gns, b)
         k = best_accumulation(gns, b, t_micro, t_opt, limit=1024)
         assert k in (math.floor(k_star), math.ceil(k_star)), (gns, k_star, k)
         for other in (k - 1, k + 1):  # an integer minimum of the convex wall time
-            if other >= 1:
-                assert wall_time(k, b, gns, t_micro, t_opt) <= wall_time(other, b, gns, t_micro, t_opt)
-    assert best_accumulation(1.6e4, b, t_micro, t_opt) == 8  # k* = sqrt(0.4 x 16000 / 100) = 8 exactly
-    assert best_accumulation(1e9, b, t_micro, t_opt, limit=64) == 64
+            assert wall_time(k, b, gns, t_micro, t_opt) <= wall_time(other, b, gns, t_micro, t_opt)
+    assert best_accumulation(1.6e7, b, t_micro, t_opt) == 64  # the limit
+    assert best_accumulation(1.6e7, b, t_micro, t_opt, limit=10**4) == 253  # k* = sqrt(0.4 x 1.6e7 / 100) = 253
+
+
+def test_accumulation_never_costs_more_than_the_token_slack():
+    """The run's length is fixed in tokens: where the wall-time optimum k* would buy speed with more than
+    TOKEN_SLACK extra tokens (McCandlish's E = E_min (1 + B / B_noise)), the batch stops at the cap."""
+    b, t_micro, t_opt = 1000.0, 0.1, 0.4
+    for gns in (4e4, 4e5, 4e6):
+        k_star = math.sqrt(t_opt * gns / (t_micro * b))
+        k = best_accumulation(gns, b, t_micro, t_opt, limit=1024)
+        cap = token_cap(gns, b)
+        assert k_star > cap and k == cap > 1 or cap == 1 and k == 1, (gns, k_star, cap, k)
+        overhead = (1 + k * b / gns) / (1 + b / gns) - 1
+        assert overhead <= TOKEN_SLACK < (1 + (k + 1) * b / gns) / (1 + b / gns) - 1
+    assert best_accumulation(1.6e4, b, t_micro, t_opt) == 1  # k* = 8, but batch 2 would cost 6% more tokens
 
 
 def test_the_accumulation_only_ramps_up_and_only_for_a_real_saving():
@@ -145,18 +162,34 @@ def test_step_times_split_a_step_into_forward_backward_and_the_update():
 
 
 def test_advice_is_the_micro_batch_times_the_accumulation_that_minimises_the_time_to_a_loss():
-    # 20 labelled tokens per sequence, micro-batch 2 = 40 tokens; k* = sqrt(0.02 x 3200 / (0.01 x 40)) = 12.6
-    advice = advise(3200.0, 20.0, 2, batch_used=2, learning_rate=1e-3, betas=(0.9, 0.999), optimizer="adamw",
-                    times=(0.01, 0.02))
-    assert advice["settings"]["training.effective_batch_size"] == 26  # 2 x 13
-    assert advice["settings"]["training.learning_rate"] == pytest.approx(1e-3 * math.sqrt(13), rel=1e-3)
-    assert advice["settings"]["optimizer.betas"][1] == pytest.approx(0.999 ** 13, rel=1e-6)
-    assert "160 sequences" in advice["reason"] and "13 micro-batch(es) per update" in advice["reason"]
+    # 20 labelled tokens per sequence, micro-batch 2 = 40 tokens; k* = sqrt(0.01 x 144000 / (0.01 x 40)) = 60,
+    # below the token cap (145 sequences = 72 micro-batches)
+    advice = advise(1.44e5, 20.0, 2, batch_used=2, learning_rate=1e-3, betas=(0.9, 0.999), optimizer="adamw",
+                    times=(0.01, 0.01))
+    assert advice["settings"]["training.effective_batch_size"] == 120  # 2 x 60
+    assert advice["settings"]["training.learning_rate"] == pytest.approx(1e-3 * MAX_LR_FACTOR)  # sqrt(60), capped
+    assert advice["settings"]["optimizer.betas"][1] == pytest.approx(0.999 ** 60, rel=1e-6)
+    assert "7.2e+03 sequences" in advice["reason"] and "60 micro-batch(es) per update" in advice["reason"]
+    assert "training.micro_batch_size" not in advice["settings"]
+    capped = advise(3200.0, 20.0, 2, batch_used=2, learning_rate=1e-3, betas=(0.9, 0.999), optimizer="adamw",
+                    times=(0.01, 0.02))  # k* = 12.6, but at most 4 sequences stay within the token slack
+    assert capped["settings"]["training.effective_batch_size"] == 4
     cheap = advise(3200.0, 20.0, 2, batch_used=8, learning_rate=1e-3, betas=(0.9, 0.999), optimizer="adamw",
                    times=(0.01, 0.0001))
     assert cheap["settings"]["training.effective_batch_size"] == 2  # below the batch used: no accumulation
     assert "settings" not in advise(None, 20.0, 2, 2, 1e-3, (0.9, 0.999), "adamw", (0.01, 0.02))
     assert "settings" not in advise(3200.0, 20.0, 2, 2, 1e-3, (0.9, 0.999), "adamw", None)
+
+
+def test_a_micro_batch_past_the_noise_scale_is_advised_down_and_left_to_the_planner():
+    """At a noise scale of 160 sequences a micro-batch of 8 costs 4.4% more tokens than one sequence: the advice
+    is the largest power of two within the slack (4: 1.9%), and the micro-batch becomes the planner's again."""
+    advice = advise(3200.0, 20.0, 8, batch_used=8, learning_rate=1e-3, betas=(0.9, 0.999), optimizer="adamw",
+                    times=(0.01, 0.02))
+    assert advice["settings"]["training.effective_batch_size"] == 4
+    assert advice["settings"]["training.micro_batch_size"] == "auto"
+    assert advice["settings"]["training.learning_rate"] == pytest.approx(1e-3 * math.sqrt(0.5), rel=1e-3)
+    assert "micro-batch 8 costs 4.35% more tokens" in advice["reason"]
 
 
 def test_finetune_plan_takes_the_advice_of_a_finished_run(tiny_model_dir, tmp_path, capsys):
@@ -167,8 +200,8 @@ def test_finetune_plan_takes_the_advice_of_a_finished_run(tiny_model_dir, tmp_pa
     previous = RunDir(tmp_path / "previous")
     previous.root.mkdir()
     atomic_write_json(previous.results, {"state": "completed", "advice": advise(
-        3200.0, 20.0, 4, batch_used=4, learning_rate=1e-3, betas=(0.9, 0.999), optimizer="adamw",
-        times=(0.01, 0.004))})  # k* = sqrt(0.004 x 3200 / (0.01 x 80)) = 4: 16 sequences
+        16000.0, 20.0, 4, batch_used=4, learning_rate=1e-3, betas=(0.9, 0.999), optimizer="adamw",
+        times=(0.01, 0.0008))})  # k* = sqrt(0.0008 x 16000 / (0.01 x 80)) = 4: 16 sequences (cap 17)
     recipe = validate_recipe({"model": {"path": str(tiny_model_dir)}, "data": {"path": "d.jsonl", "max_seq_len": 64},
                               "quantization": {"bits": None}, "training": {"micro_batch_size": 4}})
     path = tmp_path / "recipe.yaml"

@@ -30,7 +30,13 @@ MAX_LR_FACTOR = 4.0  # at most 4x the tuned learning rate (16x the batch under t
 # which is convex in k with its minimum at k* = sqrt(t_opt B_noise / (t_micro b)): accumulation grows with the
 # noise scale, and stays 1 where the optimizer step is cheap next to a micro-batch (LoRA, small models), as the
 # small-batch results say (Marek et al.).
+# But a run's length is fixed in tokens (epochs over the user's data), so tokens a larger batch wastes are loss
+# the run never gets back: the batch may grow only while the model's token price stays within TOKEN_SLACK of
+# the micro-batch's, (1 + k b / B_noise) / (1 + b / B_noise) <= 1 + TOKEN_SLACK ("saves steps without wasting
+# tokens"). The slack is small because the measured B_noise (B_simple) overestimates the critical batch:
+# 4-40x in benchmarks/results/batch_size.txt, as McCandlish et al. warn for an ill-conditioned Hessian.
 MAX_ACCUMULATION = 64  # the most micro-batches `effective_batch_size: auto` puts in one update
+TOKEN_SLACK = 0.02  # the most extra tokens (predicted) a larger batch may cost next to one micro-batch
 MIN_GAIN = 0.02  # a larger accumulation must cut the predicted time to a loss by 2%: no churn on noisy estimates
 TIMING_WINDOW = 64  # step times kept (the median of each kind is used)
 TIMING_SKIP = 2  # first Trainer steps not timed (allocation, lazy optimizer state)
@@ -111,13 +117,24 @@ def wall_time(accumulation: int, tokens_per_micro: float, gns_tokens: float, t_m
     return (1 + accumulation * tokens_per_micro / gns_tokens) * (t_micro + t_opt / accumulation) / tokens_per_micro
 
 
+def token_overhead(batch: float, gns: float) -> float:
+    """The extra tokens to a loss of `batch` units next to one unit, at noise scale `gns` in those units."""
+    return (1 + batch / gns) / (1 + 1 / gns) - 1
+
+
+def token_cap(gns_tokens: float, tokens_per_micro: float) -> int:
+    """The most micro-batches per update whose token_overhead stays within TOKEN_SLACK of one micro-batch's."""
+    return max(1, math.floor(1 + TOKEN_SLACK * (gns_tokens + tokens_per_micro) / tokens_per_micro + 1e-9))
+
+
 def best_accumulation(gns_tokens: float | None, tokens_per_micro: float, t_micro: float | None,
                       t_opt: float | None, current: int = 1, limit: int = 64) -> int:
-    """The accumulation that minimises wall_time, never below `current` (the critical batch grows during
-    training, Critical Batch Size Revisited) nor above `limit`, and only where it saves MIN_GAIN of the time;
-    `current` while the noise scale or a step time is not measured yet."""
+    """The accumulation that minimises wall_time within the token_cap, never below `current` (the critical
+    batch grows during training, Critical Batch Size Revisited) nor above `limit`, and only where it saves
+    MIN_GAIN of the time; `current` while the noise scale or a step time is not measured yet."""
     if not gns_tokens or gns_tokens <= 0 or not t_micro or t_opt is None or tokens_per_micro <= 0:
         return current
+    limit = min(limit, token_cap(gns_tokens, tokens_per_micro))
     best = math.sqrt(max(t_opt, 0.0) * gns_tokens / (t_micro * tokens_per_micro))  # k*, the continuous optimum
     candidates = {min(max(k, current), limit) for k in (math.floor(best), math.ceil(best))}
     new = min(candidates, key=lambda k: wall_time(k, tokens_per_micro, gns_tokens, t_micro, t_opt))
@@ -183,7 +200,8 @@ def auto_schedule(micro_batch: int, optimizer: str, layerwise: bool, max_accumul
     return (f"effective batch auto: starts at micro-batch {micro_batch} without accumulation{measure}; the run "
             f"times its micro-batches (t_micro) and optimizer steps (t_opt) and accumulates k = "
             f"sqrt(t_opt x noise scale / (t_micro x micro-batch tokens)) micro-batches where that saves "
-            f">= {100 * MIN_GAIN:g}% of the predicted time to a loss, ramping up only, at most "
+            f">= {100 * MIN_GAIN:g}% of the predicted time to a loss and costs at most {100 * TOKEN_SLACK:g}% more "
+            f"tokens than one micro-batch (the run's length is fixed in tokens), ramping up only, at most "
             f"{micro_batch * max_accumulation} sequences; {follows}")
 
 
@@ -191,21 +209,37 @@ def advise(gns_tokens: float | None, tokens_per_sequence: float, micro_batch: in
            learning_rate: float, betas: tuple[float, float], optimizer: str,
            times: tuple[float, float] | None) -> dict:
     """What to use next time, from a run's final noise scale (labelled tokens) and step times (t_micro,
-    t_opt): the micro-batch x best_accumulation, and the learning rate and betas the rules give that batch
-    from the ones used at `batch_used`. As recipe keys, so `finetune plan --advice RUN_DIR` can apply them."""
+    t_opt): the micro-batch x best_accumulation, or, where the micro-batch alone already costs more than
+    TOKEN_SLACK extra tokens next to one sequence, a smaller batch with the micro-batch left to the planner;
+    and the learning rate and betas the rules give that batch from the ones used at `batch_used`. As recipe
+    keys, so `finetune plan --advice RUN_DIR` can apply them."""
     if not gns_tokens or tokens_per_sequence <= 0:
         return {"reason": "no noise scale was measured (too few steps, or micro-batch 1 without accumulation)"}
     if times is None:
         return {"reason": "the step times were not measured (too few optimizer steps)"}
     t_micro, t_opt = times
-    accumulation = best_accumulation(gns_tokens, micro_batch * tokens_per_sequence, t_micro, t_opt, 1, 1 << 20)
-    batch = micro_batch * accumulation
+    measured = (f"measured noise scale {gns_tokens:.4g} labelled tokens = {gns_tokens / tokens_per_sequence:.3g} "
+                f"sequences, micro-batch {micro_batch} step {1000 * t_micro:.3g} ms, optimizer step "
+                f"{1000 * t_opt:.3g} ms: ")
+    settings: dict = {}
+    largest = token_cap(gns_tokens, tokens_per_sequence)  # sequences per update within the slack of one
+    if micro_batch > largest:  # a power of two, so the planner's micro-batches divide it
+        batch = 1 << (largest.bit_length() - 1)
+        settings["training.micro_batch_size"] = "auto"
+        why = (f"micro-batch {micro_batch} costs {100 * token_overhead(micro_batch, gns_tokens / tokens_per_sequence):.3g}% "
+               f"more tokens to a loss than one sequence; {batch} sequence(s) per update stay within "
+               f"{100 * TOKEN_SLACK:g}% (a smaller micro-batch runs slower per token but wastes none of the run's "
+               f"data); ")
+    else:
+        accumulation = best_accumulation(gns_tokens, micro_batch * tokens_per_sequence, t_micro, t_opt, 1,
+                                         max(1, largest // micro_batch))
+        batch = micro_batch * accumulation
+        why = (f"{accumulation} micro-batch(es) per update minimise the time to a loss within "
+               f"{100 * TOKEN_SLACK:g}% extra tokens; ")
     rule = scale_for_batch(learning_rate, betas, optimizer, batch_used, batch)
-    settings = {"training.effective_batch_size": batch, "training.gradient_accumulation_steps": "auto",
-                "training.reference_batch_size": batch, "training.learning_rate": float(f"{rule.new_learning_rate:.4g}")}
+    settings |= {"training.effective_batch_size": batch, "training.gradient_accumulation_steps": "auto",
+                 "training.reference_batch_size": batch,
+                 "training.learning_rate": float(f"{rule.new_learning_rate:.4g}")}
     if rule.new_betas is not None:
         settings["optimizer.betas"] = [rule.new_betas[0], float(f"{rule.new_betas[1]:.6g}")]
-    return {"settings": settings, "reason": (
-        f"measured noise scale {gns_tokens:.4g} labelled tokens = {gns_tokens / tokens_per_sequence:.3g} sequences, "
-        f"micro-batch {micro_batch} step {1000 * t_micro:.3g} ms, optimizer step {1000 * t_opt:.3g} ms: "
-        f"{accumulation} micro-batch(es) per update minimise the time to a loss; " + rule.describe())}
+    return {"settings": settings, "reason": measured + why + rule.describe()}

@@ -102,8 +102,9 @@ class BatchEngineTrainer(RecoveringTrainer):
         self._timed: list[tuple] = []  # (start, forward-backward end, end, updated), resolved when deciding
         self._group: list[tuple[dict, object]] = []  # this group's earlier loader batches, for an OOM retry
         self._stash: dict[torch.Tensor, torch.Tensor] = {}
-        self._observations_at_change = 0
-        self._tokens, self._batches = 0, 0  # labelled tokens per loader batch, on average
+        self._observations_at_change = self._decided_at = 0
+        # labelled tokens per loader batch, on average: a device scalar until a decision reads it (no sync per batch)
+        self._tokens, self._batches = 0, 0
         self._pending_save = self._pending_stop = False
         self._base: tuple[list[float], tuple[float, float]] | None = None  # starting LRs and betas
         self._last_norm = None
@@ -192,7 +193,7 @@ class BatchEngineTrainer(RecoveringTrainer):
             def grouped(opt, *args, **kwargs):
                 for batch, _ in self._current if self.engine_on else ():  # after a resume restored the count
                     if "labels" in batch:
-                        self._tokens += int(labelled_tokens(batch))
+                        self._tokens = self._tokens + labelled_tokens(batch)
                         self._batches += 1
                 if self._deferring():
                     self._group.extend(self._current)
@@ -249,11 +250,13 @@ class BatchEngineTrainer(RecoveringTrainer):
 
     def _decide(self) -> None:
         observed = self.noise_scale.steps
-        if observed - self._observations_at_change < MIN_OBSERVATIONS or not self._batches:
+        if observed - self._observations_at_change < MIN_OBSERVATIONS or not self._batches \
+                or observed == self._decided_at:  # decide only on a new observation (its step synced anyway)
             return
+        self._decided_at = observed
         values = self.noise_scale.values() or {}
         times = self.step_times()
-        new = best_accumulation(values.get("gns"), self._tokens / self._batches * self.args.gradient_accumulation_steps,
+        new = best_accumulation(values.get("gns"), float(self._tokens) / self._batches * self.args.gradient_accumulation_steps,
                                 *(times or (None, None)), current=self.accumulation, limit=MAX_ACCUMULATION)
         if new == self.accumulation:
             return
@@ -303,7 +306,8 @@ class BatchEngineTrainer(RecoveringTrainer):
         if self.engine_on:
             atomic_write_json(Path(output_dir) / ENGINE_FILE, {
                 "accumulation": self.accumulation, "observations_at_change": self._observations_at_change,
-                "tokens": self._tokens, "batches": self._batches, "size": self._size,
+                "decided_at": self._decided_at,
+                "tokens": int(self._tokens), "batches": self._batches, "size": self._size,
                 "times": self._times_state(),
                 "base": self._base and {"lrs": self._base[0], "betas": list(self._base[1])}})
 
@@ -318,6 +322,7 @@ class BatchEngineTrainer(RecoveringTrainer):
                 self.times.load_state_dict(saved["times"])
             self._sync_layerwise()
             self._observations_at_change = saved["observations_at_change"]
+            self._decided_at = saved.get("decided_at", 0)  # a checkpoint of an older version has none
             self._tokens, self._batches = saved["tokens"], saved["batches"]
             if saved["base"]:
                 self._base = (saved["base"]["lrs"], tuple(saved["base"]["betas"]))
