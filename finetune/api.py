@@ -11,7 +11,7 @@ from finetune.recipe.goals import goal_values
 from finetune.recipe.load import load_recipe as _load_recipe
 from finetune.recipe.load import load_recipe_text, validate_recipe
 from finetune.recipe.schema import Recipe
-from finetune.rundir import RunDir
+from finetune.rundir import EVAL_PREFIX, REWARD_KEYS, RunDir
 
 if TYPE_CHECKING:  # torch and transformers load only when a command needs them
     from finetune.plan import Plan
@@ -294,13 +294,6 @@ def apply_advice(recipe: Recipe, run_dir: str | Path) -> tuple[Recipe, list[str]
         why += (f". Note: the recipe's training.micro_batch_size {micro} is above the advised batch of {batch} and "
                 "would win; set it to auto (or at most the batch) to follow the advice")
     return new, advised, why
-
-
-# What a preference run (training.method dpo, orpo, kto) logs per step in metrics.jsonl, as loss.png plots it
-# (finetune/train/plots.py); eval rows carry the same keys behind EVAL_PREFIX.
-REWARD_KEYS = {"rewards/chosen": "chosen reward", "rewards/rejected": "rejected reward",
-               "rewards/margins": "reward margin", "rewards/accuracies": "accuracy (chosen > rejected)"}
-EVAL_PREFIX = "eval_"
 
 
 def run_batch_report(run: str | Path | RunFiles) -> dict[str, Any] | None:

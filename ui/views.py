@@ -6,8 +6,8 @@ import html
 from pathlib import Path
 from typing import Any
 
-from finetune.api import REWARD_KEYS, RunFiles, run_files
-from finetune.rundir import RunDir
+from finetune.api import RunFiles, run_files
+from finetune.rundir import REWARD_ACCURACY, REWARD_KEYS, RunDir
 from finetune.units import format_bytes
 from ui.runs import RunManager
 
@@ -298,6 +298,6 @@ def rewards_markdown(report: dict[str, Any]) -> str:
         return ""
     lines = ["**Held-out pairs, before and after training**", "", "| | before | after |", "|---|---|---|"]
     for key, label in {**REWARD_KEYS, "loss": "loss"}.items():
-        fmt = ".0%" if key.endswith("accuracies") else "+.3f" if key.startswith("rewards/") else ".4f"
+        fmt = ".0%" if key == REWARD_ACCURACY else "+.3f" if key in REWARD_KEYS else ".4f"
         lines.append(f"| {label} | {_fmt(before.get(key), fmt) or 'n/a'} | {_fmt(after.get(key), fmt) or 'n/a'} |")
     return "\n".join(lines)
