@@ -97,7 +97,9 @@ def plan_gpu_sizes(recipe: Recipe, sizes_gb: tuple[int, ...] = GPU_SIZES_GB,
     from finetune.plan import predict
     from finetune.plan.search import MICRO_BATCHES
     from finetune.plan.trace import planned_config
+    from finetune.recipe.init_from import resolve_init_from
 
+    recipe = resolve_init_from(recipe)  # the adapter's shape written out: the copies below set every key
     config = planned_config(recipe.model.path, recipe.model.trust_remote_code)
     margin = recipe.memory.gpu_memory_margin
     cache: dict[tuple[str, int], int] = {}

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from finetune import api
 from finetune.errors import RecipeError
 from finetune.recipe import validate_recipe
 from finetune.recipe.init_from import resolve_init_from
-from finetune.recipe.load import iter_fields
+from finetune.recipe.load import iter_fields, load_recipe_text
 from ui.form import dict_to_values, form_specs, from_widget, values_to_dict
 
 SPECS = form_specs()
@@ -116,7 +117,8 @@ def _adapter_run(folder, model_dir, **shape) -> None:
     (run.adapter / "adapter_model.safetensors").write_bytes(b"")
 
 
-def test_a_form_starting_from_an_adapter_takes_its_shape_unless_the_user_set_one(tmp_path, tiny_model_dir):
+def test_a_form_starting_from_an_adapter_takes_its_shape_unless_the_user_set_one(tmp_path, tiny_model_dir,
+                                                                               monkeypatch):
     """adapter.init_from: the form's untouched defaults (r 16, alpha 32, lora, all-linear...) are not sent, so the
     adapter's own shape (r 8 here) is planned; a shape key the user changed is sent and refused if it differs."""
     from tests.ui_support import form_values, set_value
@@ -133,6 +135,14 @@ def test_a_form_starting_from_an_adapter_takes_its_shape_unless_the_user_set_one
     assert (adapter.type, adapter.r, adapter.alpha, adapter.target_modules) == ("dora", 8, 8.0, ["q_proj", "v_proj"])
     plan = backend.plan(values, "8 GB card (RTX 4060)")
     assert plan["fits"] and plan["breakdown"]["trainable_weights"] > 0
+    # what fits per GPU size re-plans copies of the recipe (one GPU size that fits nothing: two plans)
+    assert api.plan_gpu_sizes(backend.checked_recipe(values), sizes_gb=(0,), ladder=(256,))["sizes"][0][
+        "longest_context"] is None
+    queued = []  # Start writes the recipe a `finetune run` process reads; so does the download button
+    monkeypatch.setattr(backend.manager, "submit", lambda recipe, run_dir: queued.append(recipe))
+    backend.start(values)
+    for text in (queued[0].read_text(), backend.recipe_file(values)[1]):
+        assert resolve_init_from(load_recipe_text(text)).adapter.r == 8
 
     changed = set_value(values, "adapter.r", 4)  # the user's own value is the user's: refused, naming the key
     with pytest.raises(RecipeError) as err:
