@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetune.recipe.goals import goal_values
 from finetune.recipe.load import load_recipe as _load_recipe
-from finetune.recipe.load import validate_recipe
+from finetune.recipe.load import load_recipe_text, validate_recipe
 from finetune.recipe.schema import Recipe
+from finetune.rundir import EVAL_PREFIX, REWARD_KEYS, RunDir
 
 if TYPE_CHECKING:  # torch and transformers load only when a command needs them
     from finetune.plan import Plan
@@ -95,7 +97,9 @@ def plan_gpu_sizes(recipe: Recipe, sizes_gb: tuple[int, ...] = GPU_SIZES_GB,
     from finetune.plan import predict
     from finetune.plan.search import MICRO_BATCHES
     from finetune.plan.trace import planned_config
+    from finetune.recipe.init_from import resolve_init_from
 
+    recipe = resolve_init_from(recipe)  # the adapter's shape written out: the copies below set every key
     config = planned_config(recipe.model.path, recipe.model.trust_remote_code)
     margin = recipe.memory.gpu_memory_margin
     cache: dict[tuple[str, int], int] = {}
@@ -178,25 +182,67 @@ def speed_estimate(plan: dict[str, Any]) -> dict[str, Any]:
             "basis": basis}
 
 
-def plan_at_seen_length(run_dir: str | Path) -> dict[str, Any] | None:
+class RunFiles:
+    """One look at a run directory: each of its files read at most once, when first asked for. A view of a run
+    builds one and hands it to every report and view it draws (the UI's Train tab redraws on every timer tick),
+    so metrics.jsonl or plan.json is read once however many of them show it; the run-report functions below
+    take one or a run directory (read afresh)."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run = RunDir(Path(run_dir))
+
+    @property
+    def root(self) -> Path:
+        return self.run.root
+
+    @cached_property
+    def status(self) -> dict[str, Any]:
+        return self.run.read_status()
+
+    @cached_property
+    def metrics(self) -> list[dict[str, Any]]:
+        return self.run.read_metrics()
+
+    @cached_property
+    def plan(self) -> dict[str, Any] | None:
+        return self.run.read_plan()
+
+    @cached_property
+    def results(self) -> dict[str, Any] | None:
+        return self.run.read_results()
+
+    @cached_property
+    def recipe_text(self) -> str | None:
+        """The resolved recipe.yaml's text, None while the run has none."""
+        try:
+            return self.run.recipe.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            return None
+
+
+def run_files(run: str | Path | RunFiles) -> RunFiles:
+    """`run` as RunFiles: itself when it is one (what it has read stays read), else a fresh look."""
+    return run if isinstance(run, RunFiles) else RunFiles(run)
+
+
+def plan_at_seen_length(run: str | Path | RunFiles) -> dict[str, Any] | None:
     """When a run's longest sequence is shorter than data.max_seq_len, its plan re-evaluated at that length
     (what the measured peak should be compared with); None while the run has not said, or when it is not shorter.
 
     Keys: longest (tokens), max_seq_len, peak_bytes and breakdown at the longest, planned_peak_bytes."""
     from finetune.plan import predict
-    from finetune.rundir import RunDir
 
-    run = RunDir(Path(run_dir))
-    longest = run.read_status().get("longest_sequence_tokens")
-    plan = run.read_plan() or {}
-    if not isinstance(longest, int) or not run.recipe.is_file():
+    files = run_files(run)
+    longest = files.status.get("longest_sequence_tokens")
+    plan = files.plan or {}
+    if not isinstance(longest, int) or files.recipe_text is None:
         return None
-    recipe = _load_recipe(run.recipe)
+    recipe = load_recipe_text(files.recipe_text, str(files.run.recipe))
     if longest >= recipe.data.max_seq_len:
         return None
     data = recipe.model_dump(mode="python")
     data["data"]["max_seq_len"] = max(longest, 8)
-    at = predict(validate_recipe(data, str(run.recipe)), device=plan.get("device"))
+    at = predict(validate_recipe(data, str(files.run.recipe)), device=plan.get("device"))
     return {"longest": longest, "max_seq_len": recipe.data.max_seq_len, "peak_bytes": at.peak_bytes,
             "breakdown": at.breakdown, "planned_peak_bytes": plan.get("peak_bytes")}
 
@@ -252,27 +298,18 @@ def apply_advice(recipe: Recipe, run_dir: str | Path) -> tuple[Recipe, list[str]
     return new, advised, why
 
 
-# What a preference run (training.method dpo, orpo, kto) logs per step in metrics.jsonl, as loss.png plots it
-# (finetune/train/plots.py); eval rows carry the same keys behind EVAL_PREFIX.
-REWARD_KEYS = {"rewards/chosen": "chosen reward", "rewards/rejected": "rejected reward",
-               "rewards/margins": "reward margin", "rewards/accuracies": "accuracy (chosen > rejected)"}
-EVAL_PREFIX = "eval_"
-
-
-def run_batch_report(run_dir: str | Path) -> dict[str, Any] | None:
+def run_batch_report(run: str | Path | RunFiles) -> dict[str, Any] | None:
     """What a finished run says about its batch (results.json and its recipe), for the run view: the batch
     used (micro x accumulation x gpus, in sequences and labelled tokens), the noise scale over time (as (step,
     labelled tokens)), the batch changes (metrics.jsonl's `batch_changed` rows) and the advice
     for next time (`settings` as recipe keys and a `reason`, or only a reason). None when results.json has
     no account of the batch (a run still going, or one from an older version)."""
-    from finetune.rundir import RunDir
-
-    run = RunDir(Path(run_dir))
-    results = run.read_results() or {}
+    files = run_files(run)
+    results = files.results or {}
     batch, noise = results.get("batch"), results.get("noise_scale") or {}
     if not isinstance(batch, dict):
         return None
-    gpus = _recipe_gpus(run.recipe)
+    gpus = _recipe_gpus(files.recipe_text)
     sequences = batch["micro_batch_size"] * batch["gradient_accumulation_steps"] * gpus
     per_sequence = noise.get("tokens_per_sequence")
     return {"micro_batch_size": batch["micro_batch_size"], "gradient_accumulation_steps":
@@ -283,14 +320,12 @@ def run_batch_report(run_dir: str | Path) -> dict[str, Any] | None:
             "advice": results.get("advice") or {}}
 
 
-def run_reward_report(run_dir: str | Path) -> dict[str, Any] | None:
+def run_reward_report(run: str | Path | RunFiles) -> dict[str, Any] | None:
     """A preference run's rewards, for the run view: `curves` (each REWARD_KEYS key -> `train` and `eval` lists
     of (step, value) from metrics.jsonl, one eval point per step) and the held-out values `before` and `after`
     training (results.json; empty while the run goes). None for a run that logged no rewards (sft)."""
-    from finetune.rundir import RunDir
-
-    run = RunDir(Path(run_dir))
-    rows = run.read_metrics()
+    files = run_files(run)
+    rows = files.metrics
     curves = {}
     for key in REWARD_KEYS:
         train = [(r["step"], r[key]) for r in rows if r.get(key) is not None and "step" in r]
@@ -298,21 +333,21 @@ def run_reward_report(run_dir: str | Path) -> dict[str, Any] | None:
         curves[key] = {"train": train, "eval": sorted(evals.items())}  # one per step: run.py may log the last twice
     if not any(c["train"] or c["eval"] for c in curves.values()):
         return None
-    results = run.read_results() or {}
+    results = files.results or {}
     held_out = {when: {key: (results.get(f"eval_{when}") or {}).get(EVAL_PREFIX + key)
                        for key in (*REWARD_KEYS, "loss")} for when in ("before", "after")}
     return {"curves": curves, **{when: values for when, values in held_out.items()
                                  if any(v is not None for v in values.values())}}
 
 
-def _recipe_gpus(path: Path) -> int:
-    """distributed.gpus of a run's resolved recipe.yaml (1 when it cannot be read)."""
+def _recipe_gpus(text: str | None) -> int:
+    """distributed.gpus of a run's resolved recipe.yaml text (1 when there is none or it cannot be read)."""
     import yaml
 
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.safe_load(text or "")
         return int(data["distributed"]["gpus"])
-    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError):
+    except (yaml.YAMLError, KeyError, TypeError, ValueError):
         return 1
 
 

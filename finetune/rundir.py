@@ -26,6 +26,15 @@ MARKER = ".finetune-run"  # written into a run directory the tool created; --ove
 EXPORT_MARKER = ".finetune-export"  # written into an export folder: a later export may replace only such a folder
 TAIL_BYTES = 65536  # a log tail reads at most this much from the end of the file
 
+# metrics.jsonl keys of a preference run (training.method dpo, orpo, kto; kto logs no accuracy), each with the
+# name plots give it: finetune/memory/preference.py logs them, loss.png (finetune/train/plots.py) and the UI
+# (finetune.api.run_reward_report) draw them. Evaluation rows carry the same keys behind EVAL_PREFIX.
+REWARD_CHOSEN, REWARD_REJECTED = "rewards/chosen", "rewards/rejected"
+REWARD_MARGIN, REWARD_ACCURACY = "rewards/margins", "rewards/accuracies"
+REWARD_KEYS = {REWARD_CHOSEN: "chosen reward", REWARD_REJECTED: "rejected reward", REWARD_MARGIN: "reward margin",
+               REWARD_ACCURACY: "accuracy (chosen > rejected)"}
+EVAL_PREFIX = "eval_"  # the Trainer's evaluation prefix (metric_key_prefix "eval")
+
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write to a temp file in the same folder, fsync, then rename over the target."""

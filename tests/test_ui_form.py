@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from finetune import api
 from finetune.errors import RecipeError
 from finetune.recipe import validate_recipe
-from finetune.recipe.load import iter_fields
+from finetune.recipe.init_from import resolve_init_from
+from finetune.recipe.load import iter_fields, load_recipe_text
 from ui.form import dict_to_values, form_specs, from_widget, values_to_dict
 
 SPECS = form_specs()
@@ -96,3 +98,53 @@ def test_every_field_shows_its_default_and_whether_the_planner_decides_it():
     assert BY_KEY["memory.chunked_loss"].info.endswith("Default: auto. Planner-decided when auto (the default).")
     assert "Default: 512MiB." in BY_KEY["memory.gpu_memory_margin"].info
     assert "Default: none (required)." in BY_KEY["model.path"].info
+
+
+def _adapter_run(folder, model_dir, **shape) -> None:
+    """A finished run directory whose adapter/ has `shape` (LoRA config keys); weights are not read by the plan."""
+    import json
+
+    from finetune.recipe.load import recipe_to_yaml
+    from finetune.rundir import RunDir, atomic_write_text
+
+    run = RunDir(folder)
+    run.create()
+    atomic_write_text(run.recipe, recipe_to_yaml(validate_recipe(
+        {"model": {"path": str(model_dir)}, "data": {"path": "d.jsonl"}, "output": {"dir": str(folder)}})))
+    run.adapter.mkdir()
+    config = {"peft_type": "LORA", "r": 16, "lora_alpha": 32, "target_modules": ["q_proj", "v_proj"], **shape}
+    (run.adapter / "adapter_config.json").write_text(json.dumps(config))
+    (run.adapter / "adapter_model.safetensors").write_bytes(b"")
+
+
+def test_a_form_starting_from_an_adapter_takes_its_shape_unless_the_user_set_one(tmp_path, tiny_model_dir,
+                                                                               monkeypatch):
+    """adapter.init_from: the form's untouched defaults (r 16, alpha 32, lora, all-linear...) are not sent, so the
+    adapter's own shape (r 8 here) is planned; a shape key the user changed is sent and refused if it differs."""
+    from tests.ui_support import form_values, set_value
+    from ui.backend import Backend, UISettings
+    from ui.runs import RunManager
+
+    _adapter_run(tmp_path / "sft", tiny_model_dir, r=8, lora_alpha=8, use_dora=True)
+    backend = Backend(UISettings([tmp_path, tiny_model_dir], tmp_path / "runs"), RunManager(tmp_path / "runs"))
+    values = form_values({"model": {"path": str(tiny_model_dir)}, "data": {"path": str(tmp_path / "d.jsonl")},
+                          "training": {"method": "sft", "max_steps": 5}, "output": {"dir": str(tmp_path / "next")}})
+    assert backend.recipe(values).adapter.r == 16  # the form shows the schema's defaults
+    values = set_value(values, "adapter.init_from", str(tmp_path / "sft"))
+    adapter = resolve_init_from(backend.recipe(values)).adapter
+    assert (adapter.type, adapter.r, adapter.alpha, adapter.target_modules) == ("dora", 8, 8.0, ["q_proj", "v_proj"])
+    plan = backend.plan(values, "8 GB card (RTX 4060)")
+    assert plan["fits"] and plan["breakdown"]["trainable_weights"] > 0
+    # what fits per GPU size re-plans copies of the recipe (one GPU size that fits nothing: two plans)
+    assert api.plan_gpu_sizes(backend.checked_recipe(values), sizes_gb=(0,), ladder=(256,))["sizes"][0][
+        "longest_context"] is None
+    queued = []  # Start writes the recipe a `finetune run` process reads; so does the download button
+    monkeypatch.setattr(backend.manager, "submit", lambda recipe, run_dir: queued.append(recipe))
+    backend.start(values)
+    for text in (queued[0].read_text(), backend.recipe_file(values)[1]):
+        assert resolve_init_from(load_recipe_text(text)).adapter.r == 8
+
+    changed = set_value(values, "adapter.r", 4)  # the user's own value is the user's: refused, naming the key
+    with pytest.raises(RecipeError) as err:
+        resolve_init_from(backend.recipe(changed))
+    assert any("adapter.r: the recipe sets 4, the adapter has 8" in p for p in err.value.problems)

@@ -206,3 +206,70 @@ def test_a_preference_run_shows_its_reward_curves_and_the_held_out_rewards_befor
     sft = _run(tmp_path, "sft", [{"step": 1, "loss": 1.0, "eval_loss": 1.1}], {"state": "completed"})
     assert api.run_reward_report(sft.root) is None
     assert run_panel.updates(sft.root)[5:] == ({"visible": False, "__type__": "update"}, None, "")
+
+
+def _count_reads(monkeypatch, folder) -> dict[str, int]:
+    """File name -> times a file of `folder` is opened from now on (Path.read_text/read_bytes/open and open())."""
+    import builtins
+    import collections
+    import os
+    from pathlib import Path
+
+    opened: dict[str, int] = collections.Counter()
+    path_open, plain_open = Path.open, builtins.open
+
+    def counted(file) -> None:
+        if isinstance(file, (str, os.PathLike)) and Path(file).parent == folder:
+            opened[Path(file).name] += 1
+
+    def open_path(self, *args, **kwargs):
+        counted(self)
+        return path_open(self, *args, **kwargs)
+
+    def open_plain(file, *args, **kwargs):
+        counted(file)
+        return plain_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", open_path)
+    monkeypatch.setattr(builtins, "open", open_plain)
+    return opened
+
+
+def test_one_redraw_of_the_train_tab_reads_each_run_file_once(tmp_path, monkeypatch):
+    """Every timer tick redraws the selected run: status line, curves, memory bars, the seen-length note and the
+    batch and reward panels all come from one reading of each run file (they used to read metrics.jsonl up to
+    six times and plan.json four)."""
+    from types import SimpleNamespace
+
+    import finetune.plan
+    from ui.tabs import train
+
+    results = {**_auto_run(tmp_path).read_results(), **_preference_run(tmp_path).read_results()}
+    rows = _preference_run(tmp_path / "again").read_metrics()
+    rows[-1]["peak_memory_breakdown"] = {"weights": 3 << 20, "activations": 1 << 20}
+    run = _run(tmp_path, "live", rows, results, method="dpo")
+    atomic_write_json(run.plan, {"peak_bytes": 8 << 20, "budget_bytes": 16 << 20, "device": "cpu",
+                                 "breakdown": {"weights": 3 << 20, "activations": 5 << 20}})
+    run.write_status("running", step=4, max_steps=8, longest_sequence_tokens=26)
+    run.log_line("step 4")
+    # the re-plan at the longest sequence seen is the planner's business; here only whether its input is read
+    monkeypatch.setattr(finetune.plan, "predict", lambda recipe, **_: SimpleNamespace(
+        peak_bytes=5 << 20, breakdown={"weights": 3 << 20, "activations": 2 << 20}))
+    backend = Backend(UISettings([tmp_path], tmp_path / "runs"), RunManager(tmp_path / "runs"))
+
+    opened = _count_reads(monkeypatch, run.root)
+    status, plots, log, _, seen = train.redraw(backend, str(run.root), None)
+    assert dict(opened) == {name: 1 for name in ("status.json", "metrics.jsonl", "plan.json", "results.json",
+                                                 "recipe.yaml", "train.log")}
+    explained, loss, timeline, lr, memory, batch_box, batch_md, noise, *_, rewards_box, reward_plot, rewards_md = plots
+    assert "data-step='4'" in status and "8.00 MiB" in status and "step 4" in log  # predicted peak
+    assert "longest sequence in the data is 26 tokens" in explained and "5.00 MiB" in explained
+    assert [t.get_text() for t in memory.axes[0].get_xticklabels()] == ["predicted", "predicted at 26 tokens",
+                                                                         "measured"]
+    assert batch_box["visible"] and "Batch used" in batch_md and rewards_box["visible"]
+    assert "| reward margin | +0.000 | +0.600 |" in rewards_md
+
+    opened.clear()  # the next tick, nothing new: the status line is drawn again, the plots are kept
+    status, plots, *_ = train.redraw(backend, str(run.root), seen)
+    assert plots is None and dict(opened) == {name: 1 for name in ("status.json", "metrics.jsonl", "plan.json",
+                                                                   "train.log")}

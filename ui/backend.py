@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from finetune import api
+from finetune.api import RunFiles
 from finetune.errors import FinetuneError, RecipeError
 from finetune.recipe.load import MAX_FILE_BYTES, load_recipe_text, recipe_to_yaml, validate_recipe
 from finetune.recipe.schema import Recipe
@@ -98,8 +100,6 @@ class Backend:
 
     def gallery(self) -> list[dict[str, str]]:
         """The ready recipes (name, path, title, description)."""
-        from finetune import api
-
         return api.recipe_gallery(self.settings.recipes_dir)
 
     def load_gallery(self, path: str) -> tuple[str, list[Any]]:
@@ -173,8 +173,6 @@ class Backend:
         """The planner's JSON for the form's recipe on the chosen GPU (a card's size when memory is auto), with
         `speed` (in the plan and each option): the estimate as a person should read it (api.speed_estimate)."""
         recipe = self.checked_recipe(values)
-        from finetune import api
-
         # A budget written in the recipe wins; a card's size also tells the planner to plan for a GPU.
         card = CARDS[gpu] * 2**30 if gpu in CARDS and recipe.memory.gpu_memory == "auto" else None
         plan = json.loads(api.plan(recipe, gpu_memory=card).to_json())
@@ -187,28 +185,23 @@ class Backend:
         recipe = self.checked_recipe(values)
         key = recipe.model_dump_json(exclude={"output"})
         if key not in self._sweeps:
-            from finetune import api
-
             if len(self._sweeps) >= CACHED:
                 self._sweeps.pop(next(iter(self._sweeps)))
             self._sweeps[key] = api.plan_gpu_sizes(recipe)
         return self._sweeps[key]
 
-    def seen_length_plan(self, run_dir: Path) -> dict[str, Any] | None:
+    def seen_length_plan(self, run: Path | RunFiles) -> dict[str, Any] | None:
         """The run's plan at the longest sequence it has (finetune.api.plan_at_seen_length), computed once
         per run, length and plan; None when there is nothing to explain or the planner cannot say."""
-        run = RunDir(run_dir)
-        plan = run.read_plan() or {}
-        key = (str(run_dir), run.read_status().get("longest_sequence_tokens"), plan.get("peak_bytes"))
+        files = api.run_files(run)
+        key = (str(files.root), files.status.get("longest_sequence_tokens"), (files.plan or {}).get("peak_bytes"))
         if key[1] is None:
             return None
         if key not in self._seen:
-            from finetune import api
-
             if len(self._seen) >= CACHED:
                 self._seen.pop(next(iter(self._seen)))
             try:
-                self._seen[key] = api.plan_at_seen_length(run_dir)
+                self._seen[key] = api.plan_at_seen_length(files)
             except Exception:  # noqa: BLE001 - a model the planner cannot trace: the view goes without it
                 self._seen[key] = None
         return self._seen[key]
@@ -219,8 +212,6 @@ class Backend:
         `format`, `where`), and the records the reader could not parse (as the CLI reports them)."""
         recipe = self.checked_recipe(values)
         allowed_path(recipe.data.path, self.settings.roots, "data.path", must_exist=True)
-        from finetune import api
-
         return api.preview_data(recipe, n)
 
     # -- training ------------------------------------------------------------------------------------
@@ -285,8 +276,6 @@ class Backend:
     def apply_advice(self, values: list[Any], run_dir: str | None) -> tuple[str, dict[int, Any]]:
         """A finished run's batch advice written over the form's recipe, as `finetune plan --advice RUN_DIR`
         does (finetune.api.apply_advice): a message naming the keys it set, and widget index -> new value."""
-        from finetune import api
-
         path = self.run_path(run_dir)
         try:
             recipe = self.recipe(values)

@@ -12,7 +12,7 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.ticker import FormatStrFormatter, LogFormatter
 
-from finetune.api import REWARD_KEYS
+from finetune.rundir import REWARD_ACCURACY, REWARD_KEYS
 from finetune.units import format_bytes
 
 GIB = 1 << 30
@@ -235,7 +235,7 @@ def reward_figure(report: dict[str, Any]) -> Figure:
     rewards, accuracy = fig.subplots(2, 1, sharex=True, height_ratios=(2, 1))
     colors = dict(zip(REWARD_KEYS, ("C0", "C3", "C2", "C4"), strict=True))
     for key, label in REWARD_KEYS.items():
-        ax = accuracy if key.endswith("accuracies") else rewards
+        ax = accuracy if key == REWARD_ACCURACY else rewards
         curve = report["curves"][key]
         for kind, style, name in (("train", "-", label), ("eval", "o--", f"{label}, held-out")):
             if curve[kind]:

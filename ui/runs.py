@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import psutil
 
@@ -158,10 +158,11 @@ class RunManager:
         queued = [j.id for j in self.jobs() if j.state == "queued"]
         return queued.index(job.id) + 1 if job.id in queued else 0
 
-    def run_state(self, run_dir: str | Path) -> str:
-        """What a run is doing, combining the job (queued, process alive) with the core's status.json."""
+    def run_state(self, run_dir: str | Path, status: dict[str, Any] | None = None) -> str:
+        """What a run is doing, combining the job (queued, process alive) with the core's status.json (`status`:
+        its content when the caller has read it already)."""
         job = self.job_for(run_dir)
-        status = RunDir(run_dir).read_status()
+        status = RunDir(run_dir).read_status() if status is None else status
         if job and job.state == "queued":
             return f"queued (position {self.queue_position(job)})"
         if job and job.state == "running":

@@ -6,8 +6,8 @@ import html
 from pathlib import Path
 from typing import Any
 
-from finetune.api import REWARD_KEYS
-from finetune.rundir import RunDir
+from finetune.api import RunFiles, run_files
+from finetune.rundir import REWARD_ACCURACY, REWARD_KEYS, RunDir
 from finetune.units import format_bytes
 from ui.runs import RunManager
 
@@ -49,16 +49,15 @@ def summary(run_dir: Path) -> dict[str, Any]:
     }
 
 
-def status_html(run_dir: Path, state: str) -> str:
+def status_html(run: Path | RunFiles, state: str) -> str:
     """Progress bar, step, ETA, tokens/s and measured against predicted memory for one run."""
-    run = RunDir(run_dir)
-    status = run.read_status()
-    rows = run.read_metrics()
+    files = run_files(run)
+    status, rows = files.status, files.metrics
     step = status.get("step") or last_value(rows, "step") or 0
     max_steps = status.get("max_steps") or 0
     pct = 100.0 * step / max_steps if max_steps else 0.0
     peaks = [r["peak_memory_bytes"] for r in rows if r.get("peak_memory_bytes")]
-    plan = run.read_plan() or {}
+    plan = files.plan or {}
     items = {
         "state": state,
         "step": f"{step} / {max_steps or '?'}",
@@ -73,7 +72,7 @@ def status_html(run_dir: Path, state: str) -> str:
     error = status.get("error")
     err = f"<pre style='color:#b00020;white-space:pre-wrap'>{html.escape(str(error))}</pre>" if error else ""
     return (f"<div id='run-status' data-state='{html.escape(state)}' data-step='{step}'>"
-            f"<div><code>{html.escape(str(run_dir))}</code></div>"
+            f"<div><code>{html.escape(str(files.root))}</code></div>"
             f"<progress value='{pct:.1f}' max='100' style='width:100%'></progress>"
             f"<div style='display:flex;gap:1.5em;flex-wrap:wrap'>{cells}</div>{err}</div>")
 
@@ -163,16 +162,16 @@ def preview_markdown(examples: list[dict[str, Any]], bad: list[str]) -> str:
     return "\n".join(lines)
 
 
-def measured_bars(run_dir: Path, seen: dict[str, Any] | None = None
+def measured_bars(run: Path | RunFiles, seen: dict[str, Any] | None = None
                   ) -> tuple[list[tuple[str, dict[str, float]]], float | None]:
     """Predicted (plan.json; and at the longest sequence seen, `seen`) and measured (the latest logged peak
     breakdown) memory, and the budget."""
-    run = RunDir(run_dir)
-    plan = run.read_plan() or {}
+    files = run_files(run)
+    plan = files.plan or {}
     bars = [("predicted", plan["breakdown"])] if isinstance(plan.get("breakdown"), dict) else []
     if seen and isinstance(seen.get("breakdown"), dict):
         bars.append((f"predicted at {seen['longest']:,} tokens", seen["breakdown"]))
-    measured = last_value(run.read_metrics(), "peak_memory_breakdown")
+    measured = last_value(files.metrics, "peak_memory_breakdown")
     if isinstance(measured, dict):
         bars.append(("measured", measured))
     return bars, plan.get("budget_bytes")
@@ -299,6 +298,6 @@ def rewards_markdown(report: dict[str, Any]) -> str:
         return ""
     lines = ["**Held-out pairs, before and after training**", "", "| | before | after |", "|---|---|---|"]
     for key, label in {**REWARD_KEYS, "loss": "loss"}.items():
-        fmt = ".0%" if key.endswith("accuracies") else "+.3f" if key.startswith("rewards/") else ".4f"
+        fmt = ".0%" if key == REWARD_ACCURACY else "+.3f" if key in REWARD_KEYS else ".4f"
         lines.append(f"| {label} | {_fmt(before.get(key), fmt) or 'n/a'} | {_fmt(after.get(key), fmt) or 'n/a'} |")
     return "\n".join(lines)

@@ -38,9 +38,10 @@ from finetune.errors import FinetuneError
 from finetune.memory.chunked_loss import IGNORE_INDEX, default_chunk_size, head_logits, head_of, shift
 from finetune.model.adapter import REFERENCE_ADAPTER
 from finetune.recipe.schema import TrainingConfig
+from finetune.rundir import REWARD_ACCURACY, REWARD_CHOSEN, REWARD_KEYS, REWARD_MARGIN, REWARD_REJECTED
 
 Metrics = dict[str, list[float]]  # name -> [sum, count], added over micro-batches
-METRIC_PREFIXES = ("rewards/", "logps/", "nll_loss", "log_odds_ratio", "kl")  # logged keys (metrics.jsonl)
+METRIC_PREFIXES = (*REWARD_KEYS, "logps/", "nll_loss", "log_odds_ratio", "kl")  # logged keys (metrics.jsonl)
 
 
 @dataclass(frozen=True)
@@ -232,8 +233,8 @@ def preference_loss(model: torch.nn.Module, inputs: Mapping[str, Any], loss: Pre
 
 def _pair_stats(chosen: torch.Tensor, rejected: torch.Tensor, pc: torch.Tensor, pr: torch.Tensor) -> dict:
     n = chosen.numel()
-    return {"rewards/chosen": (chosen.sum(), n), "rewards/rejected": (rejected.sum(), n),
-            "rewards/margins": ((chosen - rejected).sum(), n), "rewards/accuracies": ((chosen > rejected).sum(), n),
+    return {REWARD_CHOSEN: (chosen.sum(), n), REWARD_REJECTED: (rejected.sum(), n),
+            REWARD_MARGIN: ((chosen - rejected).sum(), n), REWARD_ACCURACY: ((chosen > rejected).sum(), n),
             "logps/chosen": (pc.detach().sum(), n), "logps/rejected": (pr.detach().sum(), n)}
 
 
@@ -278,8 +279,8 @@ def _kto(loss: PreferenceLoss, logps, ref, good) -> tuple[torch.Tensor, dict]:
                          loss.undesirable_weight * (1 - torch.sigmoid(loss.beta * (kl - ratio))))
     rewards = loss.beta * ratio.detach()
     n_good, n_bad = good.sum(), (~good).sum()
-    stats = {"rewards/chosen": (torch.where(good, rewards, 0).sum(), n_good),
-             "rewards/rejected": (torch.where(good, 0, rewards).sum(), n_bad),
+    stats = {REWARD_CHOSEN: (torch.where(good, rewards, 0).sum(), n_good),
+             REWARD_REJECTED: (torch.where(good, 0, rewards).sum(), n_bad),
              "kl": (kl * logps.numel(), logps.numel())}
     return losses.mean(), stats
 
@@ -287,8 +288,8 @@ def _kto(loss: PreferenceLoss, logps, ref, good) -> tuple[torch.Tensor, dict]:
 def metric_means(metrics: Metrics, prefix: str = "") -> dict[str, float]:
     """The logged values: each metric's mean over what was added; margins of kto from the two means."""
     out = {f"{prefix}{k}": total / count for k, (total, count) in metrics.items() if count}
-    chosen, rejected = out.get(f"{prefix}rewards/chosen"), out.get(f"{prefix}rewards/rejected")
-    if f"{prefix}rewards/margins" not in out and chosen is not None and rejected is not None:
-        out[f"{prefix}rewards/margins"] = chosen - rejected
+    chosen, rejected = out.get(prefix + REWARD_CHOSEN), out.get(prefix + REWARD_REJECTED)
+    if prefix + REWARD_MARGIN not in out and chosen is not None and rejected is not None:
+        out[prefix + REWARD_MARGIN] = chosen - rejected
     return out
 

@@ -316,8 +316,12 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
 
 
 def recipe_to_yaml(recipe: Recipe) -> str:
-    """The fully resolved recipe as YAML (every key, defaults included)."""
-    data = recipe.model_dump(mode="json")
+    """The fully resolved recipe as YAML (every key, defaults included), except, with adapter.init_from, the
+    adapter shape keys the recipe leaves to the saved adapter: written as defaults they would contradict it."""
+    from finetune.recipe.init_from import SHAPE_KEYS
+
+    unset = set(SHAPE_KEYS) - recipe.adapter.model_fields_set if recipe.adapter.init_from else set()
+    data = recipe.model_dump(mode="json", exclude={"adapter": unset})
     return yaml.safe_dump(data, sort_keys=False)
 
 

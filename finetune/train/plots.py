@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from finetune.rundir import RunDir
+from finetune.rundir import EVAL_PREFIX, REWARD_ACCURACY, REWARD_KEYS, REWARD_MARGIN, RunDir
 
 
 def plot_loss_curve(run: RunDir) -> Path | None:
@@ -21,7 +21,7 @@ def plot_loss_curve(run: RunDir) -> Path | None:
     import matplotlib.pyplot as plt
 
     noise = [r for r in train if r.get("gns")]
-    rewards = [r for r in rows if "rewards/margins" in r or "eval_rewards/margins" in r]
+    rewards = [r for r in rows if REWARD_MARGIN in r or EVAL_PREFIX + REWARD_MARGIN in r]
     if noise or rewards:  # panels below the loss: reward margins (preference methods), the noise scale
         panels = 1 + bool(rewards) + bool(noise)
         fig, axes = plt.subplots(panels, 1, figsize=(7, 3 + 2 * panels), dpi=100, sharex=True,
@@ -61,20 +61,24 @@ def plot_loss_curve(run: RunDir) -> Path | None:
 
 
 def _plot_rewards(ax, rows: list[dict]) -> None:
-    """Reward margin (chosen minus rejected) and accuracy (chosen above rejected), train and eval."""
-    for prefix, style, color in (("", "-", "tab:green"), ("eval_", "o-", "tab:red")):
-        points = [r for r in rows if f"{prefix}rewards/margins" in r]
-        if points:
-            ax.plot([r["step"] for r in points], [r[f"{prefix}rewards/margins"] for r in points], style, color=color,
-                    label=f"{prefix or 'train '}reward margin".replace("_", " "))
+    """Reward margin (chosen minus rejected) and accuracy (chosen above rejected), training and held-out."""
+    acc_ax = None
+    for prefix, style, color, what in (("", "", "tab:green", "train"), (EVAL_PREFIX, "o", "tab:red", "held-out")):
+        margins = [r for r in rows if prefix + REWARD_MARGIN in r]
+        if margins:
+            ax.plot([r["step"] for r in margins], [r[prefix + REWARD_MARGIN] for r in margins], style + "-", color=color,
+                    label=f"{what} {REWARD_KEYS[REWARD_MARGIN]}")
+        accuracy = [r for r in rows if prefix + REWARD_ACCURACY in r]
+        if accuracy:  # not kto: its answers are not paired
+            acc_ax = acc_ax or ax.twinx()
+            acc_ax.plot([r["step"] for r in accuracy], [r[prefix + REWARD_ACCURACY] for r in accuracy],
+                        style + "--", color=color, alpha=0.4, label=f"{what} {REWARD_KEYS[REWARD_ACCURACY]}")
     ax.axhline(0, color="black", linewidth=0.5)
     ax.set_xlabel("step")
     ax.set_ylabel("reward margin")
-    accuracy = [r for r in rows if "rewards/accuracies" in r]
-    if accuracy:
-        acc_ax = ax.twinx()
-        acc_ax.plot([r["step"] for r in accuracy], [r["rewards/accuracies"] for r in accuracy], color="tab:gray",
-                    alpha=0.5, linestyle="--", label="accuracy")
+    lines = ax.get_legend_handles_labels()[0]
+    if acc_ax is not None:
         acc_ax.set_ylim(0, 1)
         acc_ax.set_ylabel("chosen > rejected")
-    ax.legend(loc="upper left")
+        lines += acc_ax.get_legend_handles_labels()[0]
+    ax.legend(lines, [line.get_label() for line in lines], loc="upper left", fontsize=7)

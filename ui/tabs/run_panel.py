@@ -11,7 +11,6 @@ from typing import Any
 import gradio as gr
 
 from finetune import api
-from finetune.rundir import RunDir
 from ui import charts, views
 from ui.backend import Backend
 from ui.tabs.messages import reported
@@ -53,15 +52,17 @@ def build(prefix: str) -> RunPanel:
     return RunPanel(batch_box, batch_md, noise_plot, advice_btn, advice_msg, rewards_box, reward_plot, rewards_md)
 
 
-def updates(path: Path | None) -> tuple[Any, ...]:
+def updates(run: Path | api.RunFiles | None) -> tuple[Any, ...]:
     """What the panels show for a run directory (RunPanel.outputs order); hidden where it has nothing."""
-    batch = api.run_batch_report(path) if path else None
-    rewards = api.run_reward_report(path) if path else None
+    files = api.run_files(run) if run else None
+    batch = api.run_batch_report(files) if files else None
+    rewards = api.run_reward_report(files) if files else None
     if batch is None:
         batch_out = (gr.update(visible=False), "", None, gr.update(visible=False), "")
     else:
-        events = [e for e in views.run_events(RunDir(path).read_metrics()) if e[2] == "batch"]
-        batch_out = (gr.update(visible=True), views.batch_markdown(batch, str(path)), charts.noise_figure(batch, events),
+        events = [e for e in views.run_events(files.metrics) if e[2] == "batch"]
+        batch_out = (gr.update(visible=True), views.batch_markdown(batch, str(files.root)),
+                     charts.noise_figure(batch, events),
                      gr.update(visible=bool(batch["advice"].get("settings"))), "")  # a message of another run goes
     if rewards is None:
         return *batch_out, gr.update(visible=False), None, ""

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import html
+from typing import Any
 
 import gradio as gr
 
+from finetune import api
 from finetune.errors import FinetuneError
-from finetune.rundir import RunDir
 from ui import charts, views
 from ui.backend import Backend
 from ui.tabs import run_panel
@@ -64,40 +65,48 @@ def build(backend: Backend, widgets: list[gr.components.Component], timer: gr.Ti
     skipped = (gr.skip(),) * (5 + len(panel.outputs))
 
     def refresh(run_dir, last):
-        queue = views.queue_markdown(backend.manager)
-        if not run_dir:
-            return "<div id='run-status'>No run yet: start one above.</div>", *skipped, "", queue, last
-        try:
-            path = backend.run_path(run_dir, must_exist=False)
-        except FinetuneError as exc:
-            return f"<div id='run-status'>{html.escape(str(exc))}</div>", *skipped, "", queue, last
-        state = backend.manager.run_state(path)
-        run = RunDir(path)
-        log = run.log_tail(LOG_LINES) or backend.manager.process_log(path, LOG_LINES)
-        if state.startswith("failed"):
-            log += "\n--- process output ---\n" + backend.manager.process_log(path, FAILED_LOG_LINES)
-        rows = run.read_metrics()
-        sig = (run_dir, len(rows), run.results.is_file())  # results.json comes last: the batch panel
-        if sig == last:
-            plots = skipped
-        else:
-            seen_plan = backend.seen_length_plan(path)
-            bars, budget = views.measured_bars(path, seen_plan)
-            events = views.run_events(rows)
-            measured = views.last_value(rows, "peak_memory_bytes")  # since the last re-plan (OOM recovery)
-            planned = (run.read_plan() or {}).get("peak_bytes")
-            explained = [views.events_markdown(events), views.seen_length_markdown(seen_plan, measured)]
-            plots = ("\n\n".join(t for t in explained if t),
-                     charts.loss_figure({path.name: rows}, events=events),
-                     charts.timeline_figure(rows, planned, events, seen_plan and seen_plan["peak_bytes"]),
-                     charts.lr_figure(rows),
-                     charts.memory_figure(bars, None, title=f"peak memory (budget {views.size(budget)})")
-                     if bars else None,  # a budget line would flatten the bars the page compares
-                     *run_panel.updates(path))
-        return views.status_html(path, state), *plots, log, queue, sig
+        status_view, plots, log, queue, sig = redraw(backend, run_dir, last)
+        return status_view, *(plots or skipped), log, queue, sig
 
     outputs = [status, seen_md, loss_plot, timeline_plot, lr_plot, mem_plot, *panel.outputs, log_box, queue_md, seen]
     timer.tick(refresh, [run_sel, seen], outputs, api_name="refresh", show_progress="hidden")
     run_sel.change(refresh, [run_sel, unseen], outputs, show_progress="hidden", api_visibility="private")
     run_panel.wire_advice(panel, backend, run_sel, widgets, api_name="use_advice")
     return run_sel
+
+
+def redraw(backend: Backend, run_dir: str | None, last: tuple | None
+           ) -> tuple[str, tuple[Any, ...] | None, str, str, tuple | None]:
+    """One refresh of the selected run: (status HTML, the explanations, plots and run panels or None when the run
+    has logged nothing new since `last`, log tail, queue, the signature to pass as `last` next time). Each run
+    file is read once (api.RunFiles), however many views show it."""
+    queue = views.queue_markdown(backend.manager)
+    if not run_dir:
+        return "<div id='run-status'>No run yet: start one above.</div>", None, "", queue, last
+    try:
+        path = backend.run_path(run_dir, must_exist=False)
+    except FinetuneError as exc:
+        return f"<div id='run-status'>{html.escape(str(exc))}</div>", None, "", queue, last
+    files = api.RunFiles(path)
+    state = backend.manager.run_state(path, files.status)
+    log = files.run.log_tail(LOG_LINES) or backend.manager.process_log(path, LOG_LINES)
+    if state.startswith("failed"):
+        log += "\n--- process output ---\n" + backend.manager.process_log(path, FAILED_LOG_LINES)
+    rows = files.metrics
+    sig = (run_dir, len(rows), files.run.results.is_file())  # results.json comes last: the batch panel
+    plots = None
+    if sig != last:
+        seen_plan = backend.seen_length_plan(files)
+        bars, budget = views.measured_bars(files, seen_plan)
+        events = views.run_events(rows)
+        measured = views.last_value(rows, "peak_memory_bytes")  # since the last re-plan (OOM recovery)
+        explained = [views.events_markdown(events), views.seen_length_markdown(seen_plan, measured)]
+        plots = ("\n\n".join(t for t in explained if t),
+                 charts.loss_figure({path.name: rows}, events=events),
+                 charts.timeline_figure(rows, (files.plan or {}).get("peak_bytes"), events,
+                                        seen_plan and seen_plan["peak_bytes"]),
+                 charts.lr_figure(rows),
+                 charts.memory_figure(bars, None, title=f"peak memory (budget {views.size(budget)})")
+                 if bars else None,  # a budget line would flatten the bars the page compares
+                 *run_panel.updates(files))
+    return views.status_html(files, state), plots, log, queue, sig
