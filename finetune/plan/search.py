@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, RecipeError
 from finetune.memory.bandwidth import transfer_bandwidth
 from finetune.memory.offload import offload_dir_for
 from finetune.memory.preference import PreferenceLoss
@@ -23,7 +24,7 @@ from finetune.plan.trace import model_facts, planned_config
 from finetune.recipe.init_from import resolve_init_from
 from finetune.recipe.offload_tiers import STORES, tier_names, tier_spec
 from finetune.recipe.optimizers import auto_preferences
-from finetune.recipe.schema import SHARDED_STRATEGIES, STRATEGIES, Recipe
+from finetune.recipe.schema import SHARDED_STRATEGIES, STRATEGIES, Recipe, strategy_problems
 from finetune.recipe.settings import Settings, inactive_settings, read_settings, write_settings
 from finetune.units import format_bytes, parse_bytes
 
@@ -121,12 +122,32 @@ def auto_values(recipe: Recipe, device: str) -> dict[str, list[Any]]:
         # several processes: the chunked loss would bypass the wrapper's forward (DistributedConfig.problems_with)
         "chunked_loss": [False, True] if recipe.distributed.gpus == 1 else [False],
         "bits": [None] if recipe.adapter.type == "full" else [None, 8, 4],
-        "optimizer": list(AUTO_OPTIMIZERS),
+        "optimizer": _auto_optimizers(recipe),
         "tiled_mlp": [False, True],
         # deepspeed is an optional dependency: `auto` considers it only where it is installed.
         "strategy": [s for s in STRATEGIES if s != "deepspeed" or deepspeed_installed()]
         if recipe.distributed.gpus > 1 else ["ddp"],
     }
+
+
+def _auto_optimizers(recipe: Recipe) -> list[str]:
+    """The optimizers `optimizer.name: auto` may pick that the rest of `recipe` allows: optimizer-specific keys
+    (optimizer.rank takes a low-rank one), optimizer.rank below adapter.r, the adapter type, layer-wise mode."""
+    if recipe.optimizer.name != "auto":
+        return list(AUTO_OPTIMIZERS)
+    allowed, why = [], []
+    for name in AUTO_OPTIMIZERS:
+        try:
+            write_settings(recipe, {"optimizer": name})
+        except ValidationError as exc:
+            why.append(f"{name}: " + "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors()))
+        else:
+            allowed.append(name)
+    if not allowed:
+        raise RecipeError("optimizer.name auto: none of the optimizers it may pick fits the rest of the recipe",
+                          problems=why, hint="name the optimizer in optimizer.name, or remove the optimizer.* keys "
+                                             "that rule the others out")
+    return allowed
 
 
 def deepspeed_installed() -> bool:
@@ -161,14 +182,14 @@ def _choices(recipe: Recipe, spec: ModelSpec) -> list[Settings]:
 
 
 def _refused(recipe: Recipe, st: dict[str, Any]) -> bool:
-    """A combination the strategy cannot run (the schema's strategy_problems), skipped by the search."""
+    """A combination the strategy cannot run (the schema's strategy_problems), skipped by the search.
+
+    The same verdict as validating the combination as a recipe: the rest of that validation does not depend on
+    the combination, once each optimizer `auto` may pick has been checked alone (`_auto_optimizers`)."""
     if st["strategy"] not in SHARDED_STRATEGIES:
         return False
-    try:  # validating the combination as a recipe runs the same checks (the schema's strategy_problems)
-        write_settings(recipe, {k: v for k, v in st.items() if v != "auto"})
-    except ValueError:
-        return True
-    return False
+    combined = write_settings(recipe, {k: v for k, v in st.items() if v != "auto"}, validate=False)
+    return bool(strategy_problems(combined, st["strategy"]))
 
 
 def model_spec(recipe: Recipe, config: Any, device: str) -> ModelSpec:
