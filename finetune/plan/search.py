@@ -114,8 +114,12 @@ def auto_values(recipe: Recipe, device: str) -> dict[str, list[Any]]:
     """What each searched setting (finetune.recipe.settings) may become where the recipe says `auto`;
     gradient_accumulation_steps follows the micro-batch instead (`_choices`)."""
     effective = fixed_effective_batch(recipe)
+    micro = [b for b in MICRO_BATCHES if not effective or b <= effective]
+    world = recipe.distributed.gpus
     return {
-        "micro_batch_size": [b for b in MICRO_BATCHES if not effective or b <= effective],
+        # those that divide the batch over the devices, so the accumulation keeps it exactly (an advised batch
+        # of 6 trains at 2 x 3, not 4 x 2 = 8); where none does, every micro-batch up to the batch
+        "micro_batch_size": [b for b in micro if effective and effective % (b * world) == 0] or micro,
         "activation_checkpointing": [False, True],
         # Only tiers that free the training device's memory are worth trying (on a CPU run RAM is that memory).
         "offload": ["none", *(t for t in tier_names() if tier_spec(t).frees_device(device))],
