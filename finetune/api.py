@@ -239,10 +239,10 @@ def run_advice(run_dir: str | Path) -> tuple[list[str], str]:
 
 def apply_advice(recipe: Recipe | str | Path, run_dir: str | Path, overrides: list[str] | None = None
                  ) -> tuple[Recipe, list[str], str]:
-    """`recipe` (a Recipe, or a recipe file read as `load_recipe` reads it) with a finished run's advice written
-    over it, then `overrides` (the command line's --set, which win): what `finetune plan --advice RUN_DIR`
-    plans and the UI's "use the advice" button writes into the form. Returns (the new recipe, the `key=value`
-    settings the advice applied, why).
+    """`recipe` (a Recipe, or a recipe file read as `load_recipe` reads it) with a finished run's advice
+    written over it, then `overrides` (the command line's --set, which win): what `finetune plan --advice
+    RUN_DIR` plans and the UI's "use the advice" button writes into the form. Returns (the new recipe, the
+    `key=value` settings the advice applied, why).
 
     A micro-batch pinned above the advised batch would make the run train at that micro-batch (the learning
     rate rescaled to it, the advised batch unused): the advice releases it to auto, so the planner picks one
@@ -261,17 +261,18 @@ def apply_advice(recipe: Recipe | str | Path, run_dir: str | Path, overrides: li
         return _load_recipe(recipe, items)
 
     new = build(advised + overrides)
-    batch, micro, gpus = new.training.effective_batch_size, new.training.micro_batch_size, new.distributed.gpus
-    if isinstance(batch, int) and isinstance(micro, int) and micro * gpus > batch:  # the run would use micro x 1
+    t, gpus = new.training, new.distributed.gpus
+    batch, micro = t.effective_batch_size, t.micro_batch_size
+    if isinstance(batch, int) and isinstance(micro, int) and micro * gpus > batch:  # it trains micro x gpus
         pinned = f"training.micro_batch_size {micro}" + (f" x {gpus} processes" if gpus > 1 else "")
         if any(parse_override(item)[0] == ["training", "micro_batch_size"] for item in overrides):
-            why += (f". Note: --set {pinned} is above the advised batch of {batch} and wins; leave it out (or set "
-                    "at most the batch) to follow the advice")
+            why += (f". Note: --set {pinned} is above the advised batch of {batch} and wins; leave it out "
+                    "(or set at most the batch) to follow the advice")
         else:
             advised = [*advised, f"training.micro_batch_size={json.dumps('auto')}"]
             new = build(advised + overrides)
-            why += (f". The recipe's {pinned} is above the advised batch of {batch}: the advice released it to "
-                    "auto, so the planner picks a micro-batch that fits the batch")
+            why += (f". The recipe's {pinned} is above the advised batch of {batch}: the advice released it "
+                    "to auto, so the planner picks a micro-batch that fits the batch")
     return new, advised, why
 
 

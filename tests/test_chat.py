@@ -168,7 +168,8 @@ SAME_BASE = {
 
 
 @pytest.mark.parametrize("change, same", SAME_BASE.values(), ids=SAME_BASE)
-def test_chat_and_compare_agree_on_which_runs_share_a_base_model(run_dir, tiny_model_dir, tmp_path, change, same):
+def test_chat_and_compare_agree_on_which_runs_share_a_base_model(run_dir, tiny_model_dir, tmp_path, change,
+                                                                 same):
     import shutil
 
     import yaml
@@ -199,5 +200,5 @@ def test_chat_and_compare_agree_on_which_runs_share_a_base_model(run_dir, tiny_m
     if same:
         assert len(load_adapters([run_dir, other])[2]) == 2
     else:
-        with pytest.raises(FinetuneError, match="(?s)trained on .*compare runs trained on the same base model"):
+        with pytest.raises(FinetuneError, match="(?s)trained on .*compare runs trained on the same base"):
             load_adapters([run_dir, other])

@@ -25,8 +25,9 @@ def advised_2(tmp_path):
 
 
 def _recipe_file(tmp_path, model_dir, micro_batch_size: int):
-    recipe = validate_recipe({"model": {"path": str(model_dir)}, "data": {"path": "d.jsonl", "max_seq_len": 64},
-                              "quantization": {"bits": None}, "training": {"micro_batch_size": micro_batch_size}})
+    recipe = validate_recipe({"model": {"path": str(model_dir)}, "quantization": {"bits": None},
+                              "data": {"path": "d.jsonl", "max_seq_len": 64},
+                              "training": {"micro_batch_size": micro_batch_size}})
     path = tmp_path / "recipe.yaml"
     path.write_text(recipe_to_yaml(recipe))
     return path
@@ -37,9 +38,11 @@ def test_a_pinned_micro_batch_above_the_advised_batch_is_released_and_the_plan_u
     from finetune.cli import main
 
     path = _recipe_file(tmp_path, tiny_model_dir, micro_batch_size=8)
-    assert main(["plan", str(path), "--gpu-memory", "2GiB", "--device", "cpu", "--advice", str(advised_2)]) == 0
+    assert main(["plan", str(path), "--gpu-memory", "2GiB", "--device", "cpu", "--advice", str(advised_2)]) \
+        == 0
     out = capsys.readouterr().out
-    assert "training.micro_batch_size 8 is above the advised batch of 2: the advice released it to auto" in out
+    assert "training.micro_batch_size 8 is above the advised batch of 2: the advice released it to auto" \
+        in out
     assert '--set training.micro_batch_size="auto"' in out
     assert "mb=2 ga=1" in out  # the advised batch, not micro-batch 8 x 1
 
@@ -66,8 +69,8 @@ def test_a_micro_batch_pinned_on_the_command_line_wins_over_the_advice_with_a_no
 
 def test_an_advised_batch_trains_exactly_at_a_micro_batch_that_divides_it(tiny_model_dir, tmp_path):
     """micro-batch auto with an effective batch of 6: 2 x 3 or 1 x 6, never 4 x 2 = 8."""
-    recipe = validate_recipe({"model": {"path": str(tiny_model_dir)}, "data": {"path": "d.jsonl", "max_seq_len": 64},
-                              "quantization": {"bits": None},
+    recipe = validate_recipe({"model": {"path": str(tiny_model_dir)}, "quantization": {"bits": None},
+                              "data": {"path": "d.jsonl", "max_seq_len": 64},
                               "training": {"micro_batch_size": "auto", "gradient_accumulation_steps": "auto",
                                            "effective_batch_size": 6}})
     settings = api.plan(recipe, gpu_memory="2GiB", device="cpu").settings

@@ -128,7 +128,8 @@ def test_layerwise_with_several_processes_is_refused_also_when_the_strategy_is_a
 
 REFUSAL_CASES = {
     "everything auto, lora": {"adapter": {"type": "lora"}, "quantization": {"bits": "auto"},
-                              "optimizer": {"name": "auto"}, "memory": {"offload": "auto", "tiled_mlp": "auto"}},
+                              "optimizer": {"name": "auto"},
+                              "memory": {"offload": "auto", "tiled_mlp": "auto"}},
     "full, optimizer and offload auto": {"optimizer": {"name": "auto"}, "memory": {"offload": "auto"}},
     "int8 pinned": {"adapter": {"type": "lora"}, "quantization": {"bits": 8}, "optimizer": {"name": "auto"}},
     # optimizer.rank fits only the low-rank optimizers: validating (fsdp, adamw) refused it for the key, which
@@ -170,4 +171,5 @@ def test_the_strategy_check_refuses_what_validating_the_whole_combination_refuse
     spec = SimpleNamespace(device="cuda", seq_len=2048, tiled_mlp_tokens=1024, num_layers=24)
     kept = search._choices(recipe, spec)
     assert len(kept) == sum(not refused for _, refused in verdicts)
-    assert any(refused for _, refused in verdicts) and all(not refused for s, refused in verdicts if s == "ddp")
+    assert any(refused for _, refused in verdicts)
+    assert all(not refused for strategy, refused in verdicts if strategy == "ddp")

@@ -184,8 +184,8 @@ def test_muon_is_priced_from_the_registry_and_matches_a_real_step(tiny_dir, adap
 
 def test_auto_optimizer_picks_only_what_the_optimizer_keys_fit(tiny_dir, capsys):
     """optimizer.rank with optimizer.name auto: the plan used to pick adamw, which Plan.apply then refused
-    (rank applies only to the low-rank optimizers); now auto picks among the optimizers the keys fit, and a key
-    none of them takes is a recipe error naming it."""
+    (rank applies only to the low-rank optimizers); now auto picks among the optimizers the keys fit, and a
+    key none of them takes is a recipe error naming it."""
     from finetune import cli
 
     recipe = _recipe(tiny_dir, adapter={"type": "lora", "r": 16}, optimizer={"name": "auto", "rank": 4})

@@ -158,7 +158,8 @@ def test_a_full_trace_cache_scans_its_folder_once_per_batch_of_writes(tmp_path, 
 
     def put(key: int) -> None:
         trace_cache.cached("test", key, lambda: key, lambda v: v, int)
-        os.utime(trace_cache.entry_path("test", key), ns=(key * 10**9, key * 10**9))  # entry k used at second k
+        used = key * 10**9  # entry k used at second k
+        os.utime(trace_cache.entry_path("test", key), ns=(used, used))
 
     for key in range(64):
         put(key)

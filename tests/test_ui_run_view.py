@@ -146,8 +146,9 @@ def test_the_advice_goes_into_the_form_as_plan_advice_applies_it(tmp_path):
     pinned = api.load_recipe(recipe_file, ["training.micro_batch_size=16"])
     released, _, why_pinned = api.apply_advice(pinned, run.root)
     assert released.training.micro_batch_size == "auto"
-    assert "training.micro_batch_size 16 is above the advised batch of 8: the advice released it" in why_pinned
-    message, changed = backend.apply_advice(backend.load_yaml(recipe_to_yaml(pinned), "pinned.yaml"), str(run.root))
+    assert "training.micro_batch_size 16 is above the advised batch of 8: the advice released" in why_pinned
+    pinned_values = backend.load_yaml(recipe_to_yaml(pinned), "pinned.yaml")
+    message, changed = backend.apply_advice(pinned_values, str(run.root))
     assert changed[keys.index("training.micro_batch_size")] == "auto" and "released it to auto" in message
     assert "micro_batch_size" not in why
 

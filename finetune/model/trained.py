@@ -96,9 +96,10 @@ def load_adapters(run_dirs: list[str | Path], *, quantize: bool = True):
             raise FinetuneError(f"{run.root} is a full fine-tune, not an adapter: it cannot share a base model",
                                 hint="compare LoRA runs, or compare a full fine-tune with its base alone")
         if base_model_key(recipe) != base_model_key(first):
-            raise FinetuneError(f"{run.root} trained on {_describe_base(recipe)}, {loaded[0][1].root} on "
-                                f"{_describe_base(first)}", hint="compare runs trained on the same base model, "
-                                "revision, dtype and quantization")
+            raise FinetuneError(
+                f"{run.root} trained on {_describe_base(recipe)}, {loaded[0][1].root} on "
+                f"{_describe_base(first)}",
+                hint="compare runs trained on the same base model, revision, dtype and quantization")
     from peft import PeftModel
 
     model, _, _ = load_model(first.model, first.quantization, quantize=quantize)
@@ -113,7 +114,7 @@ def _describe_base(recipe: Recipe) -> str:
     model, quant = recipe.model, recipe.quantization
     revision = f"@{model.revision}" if model.revision else ""
     dtype = str(compute_dtype(model)).removeprefix("torch.")
-    bits = f"{quant.bits}-bit {quant.quant_type}" if quant.bits == 4 else f"{quant.bits}-bit" if quant.bits else "not quantized"
+    bits = {4: f"4-bit {quant.quant_type}", 8: "8-bit"}.get(quant.bits, "not quantized")
     return f"{model.path}{revision} ({dtype}, {bits}{', remote code' if model.trust_remote_code else ''})"
 
 

@@ -135,8 +135,8 @@ def auto_values(recipe: Recipe, device: str) -> dict[str, list[Any]]:
 
 
 def _auto_optimizers(recipe: Recipe) -> list[str]:
-    """The optimizers `optimizer.name: auto` may pick that the rest of `recipe` allows: optimizer-specific keys
-    (optimizer.rank takes a low-rank one), optimizer.rank below adapter.r, the adapter type, layer-wise mode."""
+    """The optimizers `optimizer.name: auto` may pick that the rest of `recipe` allows (optimizer-specific
+    keys: optimizer.rank takes a low-rank one; optimizer.rank below adapter.r; adapter type; layer-wise)."""
     if recipe.optimizer.name != "auto":
         return list(AUTO_OPTIMIZERS)
     allowed, why = [], []
@@ -148,9 +148,9 @@ def _auto_optimizers(recipe: Recipe) -> list[str]:
         else:
             allowed.append(name)
     if not allowed:
-        raise RecipeError("optimizer.name auto: none of the optimizers it may pick fits the rest of the recipe",
-                          problems=why, hint="name the optimizer in optimizer.name, or remove the optimizer.* keys "
-                                             "that rule the others out")
+        raise RecipeError("optimizer.name auto: none of the optimizers it may pick fits the rest of the "
+                          "recipe", problems=why, hint="name the optimizer in optimizer.name, or remove the "
+                                                       "optimizer.* keys that rule the others out")
     return allowed
 
 

@@ -75,7 +75,7 @@ def _read(path: Path) -> Any:
         return None
 
 
-_room: dict[Path, int] = {}  # by folder: entries this process may still write before it scans the folder again
+_room: dict[Path, int] = {}  # by folder: entries this process may still write before it scans it again
 
 
 def _write(path: Path, value: Any) -> None:
