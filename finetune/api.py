@@ -283,18 +283,42 @@ def run_advice(run_dir: str | Path) -> tuple[list[str], str]:
     return [f"{k}={json.dumps(v)}" for k, v in advice["settings"].items()], advice["reason"]
 
 
-def apply_advice(recipe: Recipe, run_dir: str | Path) -> tuple[Recipe, list[str], str]:
-    """`recipe` with a finished run's advice written over it, as `finetune plan --advice RUN_DIR` does (the
-    UI's "use the advice" button): (the new recipe, the `key=value` overrides applied, why)."""
-    from finetune.recipe.load import apply_overrides
+def apply_advice(recipe: Recipe | str | Path, run_dir: str | Path, overrides: list[str] | None = None
+                 ) -> tuple[Recipe, list[str], str]:
+    """`recipe` (a Recipe, or a recipe file read as `load_recipe` reads it) with a finished run's advice
+    written over it, then `overrides` (the command line's --set, which win): what `finetune plan --advice
+    RUN_DIR` plans and the UI's "use the advice" button writes into the form. Returns (the new recipe, the
+    `key=value` settings the advice applied, why).
+
+    A micro-batch pinned above the advised batch would make the run train at that micro-batch (the learning
+    rate rescaled to it, the advised batch unused): the advice releases it to auto, so the planner picks one
+    that fits the batch, and `why` says so. A micro-batch the overrides pin stays, with a note."""
+    import json
+
+    from finetune.recipe.load import apply_overrides, parse_override
 
     advised, why = run_advice(run_dir)
-    data = apply_overrides(recipe.model_dump(mode="python"), advised)
-    new = validate_recipe(data, f"the recipe with the advice of {run_dir}")
-    batch, micro = new.training.effective_batch_size, new.training.micro_batch_size
-    if isinstance(batch, int) and isinstance(micro, int) and micro > batch:  # the run would use micro x 1
-        why += (f". Note: the recipe's training.micro_batch_size {micro} is above the advised batch of {batch} and "
-                "would win; set it to auto (or at most the batch) to follow the advice")
+    overrides = list(overrides or [])
+
+    def build(items: list[str]) -> Recipe:
+        if isinstance(recipe, Recipe):
+            return validate_recipe(apply_overrides(recipe.model_dump(mode="python"), items),
+                                   f"the recipe with the advice of {run_dir}")
+        return _load_recipe(recipe, items)
+
+    new = build(advised + overrides)
+    t, gpus = new.training, new.distributed.gpus
+    batch, micro = t.effective_batch_size, t.micro_batch_size
+    if isinstance(batch, int) and isinstance(micro, int) and micro * gpus > batch:  # it trains micro x gpus
+        pinned = f"training.micro_batch_size {micro}" + (f" x {gpus} processes" if gpus > 1 else "")
+        if any(parse_override(item)[0] == ["training", "micro_batch_size"] for item in overrides):
+            why += (f". Note: --set {pinned} is above the advised batch of {batch} and wins; leave it out "
+                    "(or set at most the batch) to follow the advice")
+        else:
+            advised = [*advised, f"training.micro_batch_size={json.dumps('auto')}"]
+            new = build(advised + overrides)
+            why += (f". The recipe's {pinned} is above the advised batch of {batch}: the advice released it "
+                    "to auto, so the planner picks a micro-batch that fits the batch")
     return new, advised, why
 
 

@@ -130,11 +130,11 @@ def cmd_plan(args) -> int:
 
     overrides = [*args.overrides, f"distributed.gpus={args.gpus}"] if args.gpus else args.overrides
     if args.advice:
-        advised, why = api.run_advice(args.advice)
-        overrides = advised + overrides
+        recipe, advised, why = api.apply_advice(args.recipe, args.advice, overrides)
         if not args.json:
             print(f"advice from {args.advice}: {why}\n  " + "  ".join(f"--set {o}" for o in advised))
-    recipe = api.load_recipe(args.recipe, overrides)
+    else:
+        recipe = api.load_recipe(args.recipe, overrides)
     plan = api.plan(recipe, gpu_memory=args.gpu_memory, device=args.device)
     if args.json:
         print(plan.to_json())

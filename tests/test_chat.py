@@ -8,6 +8,7 @@ import json
 import threading
 
 import pytest
+import torch
 
 from finetune.errors import FinetuneError
 from finetune.model.chat import ChatModels, build_prompt, serve, stream_reply
@@ -148,3 +149,56 @@ def test_without_a_chat_template_a_lone_prompt_is_continued_and_a_conversation_i
     assert build_prompt(plain, HISTORY[:1]) == "My name is Ada."
     assert build_prompt(plain, HISTORY[:3], "Be brief.") == (
         "system: Be brief.\nuser: My name is Ada.\nassistant: Hello Ada.\nuser: I like foxes.\nassistant: ")
+
+
+# A change to a second run's recipe -> whether it still trains the same base model (finetune.model.trained.
+# base_model_key, the one rule of chat and compare_runs). The old rules: chat compared the whole model and
+# quantization sections as written, compare_runs (load_adapters) model.path and the quantization section.
+SAME_BASE = {
+    # both said "different": the same folder spelled another way, 4-bit options without 4 bits
+    "folder through a symlink": ({"model": {"path": "LINK"}}, True),
+    "4-bit options without 4 bits": ({"quantization": {"quant_type": "fp4", "double_quant": False}}, True),
+    # chat said "different", compare_runs "same": the attention kernel (the weights are the same) ...
+    "attention kernel": ({"model": {"attn_implementation": "eager"}}, True),
+    # ... and other weights or code (compare_runs put the second adapter on the first run's base)
+    "revision": ({"model": {"revision": "v2"}}, False),
+    "dtype": ({"model": {"dtype": "OTHER"}}, False),
+    "remote code": ({"model": {"trust_remote_code": True}}, False),
+}
+
+
+@pytest.mark.parametrize("change, same", SAME_BASE.values(), ids=SAME_BASE)
+def test_chat_and_compare_agree_on_which_runs_share_a_base_model(run_dir, tiny_model_dir, tmp_path, change,
+                                                                 same):
+    import shutil
+
+    import yaml
+
+    from finetune.model.load import compute_dtype
+    from finetune.model.trained import base_model_key, load_adapters, load_run
+    from finetune.recipe.schema import ModelConfig
+
+    other = tmp_path / "other"
+    shutil.copytree(run_dir, other)
+    (tmp_path / "link").symlink_to(tiny_model_dir, target_is_directory=True)
+    recipe = yaml.safe_load((other / "recipe.yaml").read_text())
+    for section, values in change.items():
+        recipe[section].update(values)
+    if recipe["model"]["path"] == "LINK":
+        recipe["model"]["path"] = str(tmp_path / "link")
+    if recipe["model"]["dtype"] == "OTHER":  # a dtype other than the one auto loads in on this machine
+        auto = compute_dtype(ModelConfig(path="x"))
+        recipe["model"]["dtype"] = "fp32" if auto != torch.float32 else "bf16"
+    (other / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+
+    assert (base_model_key(load_run(run_dir)[0]) == base_model_key(load_run(other)[0])) is same
+    models = ChatModels(CountingLoader())
+    for run in (run_dir, other):
+        with models.use(run):
+            pass
+    assert (models.loads, models.adapter_loads) == ((1, 1) if same else (2, 0))
+    if same:
+        assert len(load_adapters([run_dir, other])[2]) == 2
+    else:
+        with pytest.raises(FinetuneError, match="(?s)trained on .*compare runs trained on the same base"):
+            load_adapters([run_dir, other])

@@ -124,3 +124,52 @@ def test_layerwise_with_several_processes_is_refused_also_when_the_strategy_is_a
     search used to find no combination at all and fail with an AttributeError)."""
     with pytest.raises(ValueError, match=r"optimizer.layerwise with distributed.strategy=auto with 2 processes"):
         _recipe("qwen2.5-0.5b", 2, "auto", adapter={"type": "lora"}, optimizer={"layerwise": True})
+
+
+REFUSAL_CASES = {
+    "everything auto, lora": {"adapter": {"type": "lora"}, "quantization": {"bits": "auto"},
+                              "optimizer": {"name": "auto"},
+                              "memory": {"offload": "auto", "tiled_mlp": "auto"}},
+    "full, optimizer and offload auto": {"optimizer": {"name": "auto"}, "memory": {"offload": "auto"}},
+    "int8 pinned": {"adapter": {"type": "lora"}, "quantization": {"bits": 8}, "optimizer": {"name": "auto"}},
+    # optimizer.rank fits only the low-rank optimizers: validating (fsdp, adamw) refused it for the key, which
+    # the strategy check alone would not; the search now offers `auto` only optimizers the keys fit
+    "optimizer.rank with auto": {"adapter": {"type": "lora"}, "optimizer": {"name": "auto", "rank": 4},
+                                 "quantization": {"bits": "auto"}},
+}
+
+
+@pytest.mark.parametrize("sections", REFUSAL_CASES.values(), ids=REFUSAL_CASES)
+def test_the_strategy_check_refuses_what_validating_the_whole_combination_refuses(sections, monkeypatch):
+    """The search checks each sharded combination with the schema's strategy_problems on an unchecked copy
+    instead of validating it as a recipe: the same combinations are refused, for the same reasons."""
+    from types import SimpleNamespace
+
+    from finetune.plan import search
+    from finetune.recipe.schema import strategy_problems
+    from finetune.recipe.settings import write_settings
+
+    recipe = _recipe("qwen2.5-0.5b", 2, "auto", **sections)
+    verdicts = []
+
+    def compared(recipe: Recipe, st: dict) -> bool:
+        refused = real(recipe, st)
+        values = {k: v for k, v in st.items() if v != "auto"}
+        try:
+            write_settings(recipe, values)
+            full = ""
+        except ValueError as exc:
+            full = str(exc)
+        assert refused == bool(full), (st, full)
+        for problem in strategy_problems(write_settings(recipe, values, validate=False), st["strategy"]):
+            assert problem in full
+        verdicts.append((st["strategy"], refused))
+        return refused
+
+    real = search._refused
+    monkeypatch.setattr(search, "_refused", compared)
+    spec = SimpleNamespace(device="cuda", seq_len=2048, tiled_mlp_tokens=1024, num_layers=24)
+    kept = search._choices(recipe, spec)
+    assert len(kept) == sum(not refused for _, refused in verdicts)
+    assert any(refused for _, refused in verdicts)
+    assert all(not refused for strategy, refused in verdicts if strategy == "ddp")

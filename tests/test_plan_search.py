@@ -180,3 +180,22 @@ def test_muon_is_priced_from_the_registry_and_matches_a_real_step(tiny_dir, adap
     assert plan.fits and plan.settings["optimizer"] == "muon"
     measured = measure(plan.apply(recipe), steps=2)
     assert measured["breakdown"]["optimizer_state"] == plan.breakdown["optimizer_state"] > 0
+
+
+def test_auto_optimizer_picks_only_what_the_optimizer_keys_fit(tiny_dir, capsys):
+    """optimizer.rank with optimizer.name auto: the plan used to pick adamw, which Plan.apply then refused
+    (rank applies only to the low-rank optimizers); now auto picks among the optimizers the keys fit, and a
+    key none of them takes is a recipe error naming it."""
+    from finetune import cli
+
+    recipe = _recipe(tiny_dir, adapter={"type": "lora", "r": 16}, optimizer={"name": "auto", "rank": 4})
+    plan = predict(recipe, gpu_memory=200 * 2**20, device="cpu")
+    assert plan.settings["optimizer"] == "apollo_mini"
+    assert plan.apply(recipe).optimizer.name == "apollo_mini"
+    path = tiny_dir.parent / "momentum.yaml"
+    path.write_text(f"model: {{path: {tiny_dir}}}\ndata: {{path: unused.jsonl}}\n"
+                    "optimizer: {name: auto, momentum: 0.5}\n")
+    assert cli.main(["plan", str(path), "--gpu-memory", "1GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "optimizer.name auto" in err and "optimizer.momentum: applies only to sgd" in err
+    assert "Traceback" not in err

@@ -140,3 +140,35 @@ def test_trace_cache_keeps_the_most_recently_used_entries(tmp_path, monkeypatch)
     put(3)  # the folder is full: the least recently used (entry 1) goes
     kept = {k for k in range(4) if trace_cache.entry_path("test", k).is_file()}
     assert kept == {0, 2, 3}
+
+
+def test_a_full_trace_cache_scans_its_folder_once_per_batch_of_writes(tmp_path, monkeypatch):
+    """Once full, a write drops the least recent entries down to MAX_ENTRIES - MAX_ENTRIES // 8, so writes to
+    a full cache scan the folder once per MAX_ENTRIES // 8 of them (it used to scan on every write); the most
+    recently used entries survive."""
+    import os
+
+    from finetune.plan import trace_cache
+
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(trace_cache, "MAX_ENTRIES", 64)  # batches of 8
+    scans = []
+    real_scandir = os.scandir
+    monkeypatch.setattr(os, "scandir", lambda path=".": scans.append(path) or real_scandir(path))
+
+    def put(key: int) -> None:
+        trace_cache.cached("test", key, lambda: key, lambda v: v, int)
+        used = key * 10**9  # entry k used at second k
+        os.utime(trace_cache.entry_path("test", key), ns=(used, used))
+
+    for key in range(64):
+        put(key)
+    assert len(scans) == 1  # the process's first write; then it counts its writes
+    scans.clear()
+    writes = 80
+    for key in range(64, 64 + writes):
+        put(key)
+    assert 1 <= len(scans) <= writes // 8 + 1
+    kept = {k for k in range(64 + writes) if trace_cache.entry_path("test", k).is_file()}
+    assert len(kept) <= 64 and set(range(64 + writes - 56, 64 + writes)) <= kept  # the newest survive
+    assert min(kept) >= 64 + writes - 64  # and only they: the least recent went

@@ -142,9 +142,14 @@ def test_the_advice_goes_into_the_form_as_plan_advice_applies_it(tmp_path):
 
     from finetune.errors import FinetuneError, RecipeError
 
-    # a micro-batch pinned above the advised batch would win over the advice: said, not hidden
+    # a micro-batch pinned above the advised batch would win over the advice: released to auto, and said
     pinned = api.load_recipe(recipe_file, ["training.micro_batch_size=16"])
-    assert "training.micro_batch_size 16 is above the advised batch of 8" in api.apply_advice(pinned, run.root)[2]
+    released, _, why_pinned = api.apply_advice(pinned, run.root)
+    assert released.training.micro_batch_size == "auto"
+    assert "training.micro_batch_size 16 is above the advised batch of 8: the advice released" in why_pinned
+    pinned_values = backend.load_yaml(recipe_to_yaml(pinned), "pinned.yaml")
+    message, changed = backend.apply_advice(pinned_values, str(run.root))
+    assert changed[keys.index("training.micro_batch_size")] == "auto" and "released it to auto" in message
     assert "micro_batch_size" not in why
 
     with pytest.raises(RecipeError, match="must hold a valid recipe") as empty:

@@ -25,7 +25,7 @@ import torch
 
 from finetune.errors import FinetuneError
 from finetune.model.load import load_tokenizer
-from finetune.model.trained import load_run, load_trained
+from finetune.model.trained import base_model_key, load_run, load_trained
 
 Message = dict[str, str]
 
@@ -104,7 +104,7 @@ def stream_reply(model, tokenizer, messages: list[Message], *, system: str | Non
 
 
 class ChatModels:
-    """Models kept loaded for chat. LoRA runs on the same base model (path and quantization) share one
+    """Models kept loaded for chat. LoRA runs on the same base model (`base_model_key`) share one
     copy of it, each run's adapter loaded beside the others under its own name, and a run's base model is
     those weights with the adapters switched off: base, fine-tuned and a second run side by side cost one
     load. A full fine-tune is its own model. `loads` counts model loads, `adapter_loads` added adapters."""
@@ -112,7 +112,7 @@ class ChatModels:
     def __init__(self, loader: Callable = load_trained):
         self._loader = loader
         self._runs: dict[tuple[str, bool], tuple[Any, Any, str | None]] = {}  # -> (model, tokenizer, adapter)
-        self._shared: dict[str, Any] = {}  # base model's identity -> the PeftModel holding its runs' adapters
+        self._shared: dict[tuple, Any] = {}  # base_model_key -> the PeftModel holding its runs' adapters
         self.loads = 0
         self.adapter_loads = 0
 
@@ -132,7 +132,7 @@ class ChatModels:
         if recipe.adapter.type == "full" or not key[1]:
             self.loads += 1
             return (*self._loader(key[0], use_adapter=key[1]), None)
-        base = json.dumps([recipe.model.model_dump(mode="json"), recipe.quantization.model_dump(mode="json")])
+        base = base_model_key(recipe)
         model = self._shared.get(base)
         if model is None:
             model, tokenizer = self._loader(key[0], use_adapter=True)

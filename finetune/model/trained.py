@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from finetune.errors import FinetuneError
-from finetune.model.load import load_model, load_tokenizer
+from finetune.model.load import compute_dtype, load_model, load_tokenizer
 from finetune.recipe.load import load_recipe
 from finetune.recipe.schema import Recipe
 from finetune.rundir import EXPORT_MARKER, RunDir, replace_dir
@@ -24,6 +24,20 @@ def load_run(run_dir: str | Path) -> tuple[Recipe, RunDir]:
         raise FinetuneError(f"{run.root} has no trained adapter yet ({run.adapter.name}/ is missing)",
                             hint="finish the run first, or resume it with finetune run RECIPE --resume")
     return load_recipe(run.recipe), run
+
+
+def base_model_key(recipe: Recipe) -> tuple:
+    """Which loaded base model a run's adapter goes on, as a value to compare: the model (its folder resolved
+    where it is one, so two spellings of a folder agree; the revision; trust_remote_code, which may swap the
+    modelling code), the dtype it loads in on this machine and the quantization (its 4-bit options only with 4
+    bits). Runs with equal keys share one loaded base: in chat (ChatModels) and in compare_runs
+    (load_adapters), the one definition of "the same base model". The attention kernel is not part of it: it
+    changes how the weights are used, not which."""
+    model, quant = recipe.model, recipe.quantization
+    folder = Path(model.path).expanduser()
+    path = str(folder.resolve()) if folder.exists() else model.path
+    bits = (quant.bits, quant.quant_type, quant.double_quant) if quant.bits == 4 else (quant.bits,)
+    return path, model.revision, model.trust_remote_code, str(compute_dtype(model)), bits
 
 
 def load_trained(run_dir: str | Path, *, use_adapter: bool = True, quantize: bool = True):
@@ -73,7 +87,7 @@ def load_adapters(run_dirs: list[str | Path], *, quantize: bool = True):
     """(model, tokenizer, adapter names): one base model with the LoRA adapters of several runs loaded side by
     side (an SFT run and a DPO run on top of it, say), so each answer comes from the same base weights.
 
-    The runs must share the base model and its quantization; select one with `model.set_adapter(name)`, the
+    The runs must share the base model (`base_model_key`); select one with `model.set_adapter(name)`, the
     base alone with `model.disable_adapter()`."""
     loaded = [load_run(d) for d in run_dirs]
     first = loaded[0][0]
@@ -81,10 +95,11 @@ def load_adapters(run_dirs: list[str | Path], *, quantize: bool = True):
         if recipe.adapter.type == "full":
             raise FinetuneError(f"{run.root} is a full fine-tune, not an adapter: it cannot share a base model",
                                 hint="compare LoRA runs, or compare a full fine-tune with its base alone")
-        if (recipe.model.path, recipe.quantization) != (first.model.path, first.quantization):
-            raise FinetuneError(f"{run.root} trained on {recipe.model.path} ({recipe.quantization.bits} bits), "
-                                f"{loaded[0][1].root} on {first.model.path} ({first.quantization.bits} bits)",
-                                hint="compare runs trained on the same base model and quantization")
+        if base_model_key(recipe) != base_model_key(first):
+            raise FinetuneError(
+                f"{run.root} trained on {_describe_base(recipe)}, {loaded[0][1].root} on "
+                f"{_describe_base(first)}",
+                hint="compare runs trained on the same base model, revision, dtype and quantization")
     from peft import PeftModel
 
     model, _, _ = load_model(first.model, first.quantization, quantize=quantize)
@@ -93,6 +108,14 @@ def load_adapters(run_dirs: list[str | Path], *, quantize: bool = True):
     for name, (_, run) in zip(names[1:], loaded[1:], strict=True):
         model.load_adapter(run.adapter, adapter_name=name)
     return model.eval(), load_tokenizer(loaded[-1][1].adapter, first.model), names
+
+
+def _describe_base(recipe: Recipe) -> str:
+    model, quant = recipe.model, recipe.quantization
+    revision = f"@{model.revision}" if model.revision else ""
+    dtype = str(compute_dtype(model)).removeprefix("torch.")
+    bits = {4: f"4-bit {quant.quant_type}", 8: "8-bit"}.get(quant.bits, "not quantized")
+    return f"{model.path}{revision} ({dtype}, {bits}{', remote code' if model.trust_remote_code else ''})"
 
 
 def generate(model, tokenizer, prompt: str, *, max_new_tokens: int = 128, system: str | None = None) -> str:

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, RecipeError
 from finetune.memory.bandwidth import transfer_bandwidth
 from finetune.memory.offload import offload_dir_for
 from finetune.memory.preference import PreferenceLoss
@@ -23,7 +24,7 @@ from finetune.plan.trace import model_facts, planned_config
 from finetune.recipe.init_from import resolve_init_from
 from finetune.recipe.offload_tiers import STORES, tier_names, tier_spec
 from finetune.recipe.optimizers import auto_preferences
-from finetune.recipe.schema import SHARDED_STRATEGIES, STRATEGIES, Recipe
+from finetune.recipe.schema import SHARDED_STRATEGIES, STRATEGIES, Recipe, strategy_problems
 from finetune.recipe.settings import Settings, inactive_settings, read_settings, write_settings
 from finetune.units import format_bytes, parse_bytes
 
@@ -113,20 +114,44 @@ def auto_values(recipe: Recipe, device: str) -> dict[str, list[Any]]:
     """What each searched setting (finetune.recipe.settings) may become where the recipe says `auto`;
     gradient_accumulation_steps follows the micro-batch instead (`_choices`)."""
     effective = fixed_effective_batch(recipe)
+    micro = [b for b in MICRO_BATCHES if not effective or b <= effective]
+    world = recipe.distributed.gpus
     return {
-        "micro_batch_size": [b for b in MICRO_BATCHES if not effective or b <= effective],
+        # those that divide the batch over the devices, so the accumulation keeps it exactly (an advised batch
+        # of 6 trains at 2 x 3, not 4 x 2 = 8); where none does, every micro-batch up to the batch
+        "micro_batch_size": [b for b in micro if effective and effective % (b * world) == 0] or micro,
         "activation_checkpointing": [False, True],
         # Only tiers that free the training device's memory are worth trying (on a CPU run RAM is that memory).
         "offload": ["none", *(t for t in tier_names() if tier_spec(t).frees_device(device))],
         # several processes: the chunked loss would bypass the wrapper's forward (DistributedConfig.problems_with)
         "chunked_loss": [False, True] if recipe.distributed.gpus == 1 else [False],
         "bits": [None] if recipe.adapter.type == "full" else [None, 8, 4],
-        "optimizer": list(AUTO_OPTIMIZERS),
+        "optimizer": _auto_optimizers(recipe),
         "tiled_mlp": [False, True],
         # deepspeed is an optional dependency: `auto` considers it only where it is installed.
         "strategy": [s for s in STRATEGIES if s != "deepspeed" or deepspeed_installed()]
         if recipe.distributed.gpus > 1 else ["ddp"],
     }
+
+
+def _auto_optimizers(recipe: Recipe) -> list[str]:
+    """The optimizers `optimizer.name: auto` may pick that the rest of `recipe` allows (optimizer-specific
+    keys: optimizer.rank takes a low-rank one; optimizer.rank below adapter.r; adapter type; layer-wise)."""
+    if recipe.optimizer.name != "auto":
+        return list(AUTO_OPTIMIZERS)
+    allowed, why = [], []
+    for name in AUTO_OPTIMIZERS:
+        try:
+            write_settings(recipe, {"optimizer": name})
+        except ValidationError as exc:
+            why.append(f"{name}: " + "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors()))
+        else:
+            allowed.append(name)
+    if not allowed:
+        raise RecipeError("optimizer.name auto: none of the optimizers it may pick fits the rest of the "
+                          "recipe", problems=why, hint="name the optimizer in optimizer.name, or remove the "
+                                                       "optimizer.* keys that rule the others out")
+    return allowed
 
 
 def deepspeed_installed() -> bool:
@@ -161,14 +186,14 @@ def _choices(recipe: Recipe, spec: ModelSpec) -> list[Settings]:
 
 
 def _refused(recipe: Recipe, st: dict[str, Any]) -> bool:
-    """A combination the strategy cannot run (the schema's strategy_problems), skipped by the search."""
+    """A combination the strategy cannot run (the schema's strategy_problems), skipped by the search.
+
+    The same verdict as validating the combination as a recipe: the rest of that validation does not depend on
+    the combination, once each optimizer `auto` may pick has been checked alone (`_auto_optimizers`)."""
     if st["strategy"] not in SHARDED_STRATEGIES:
         return False
-    try:  # validating the combination as a recipe runs the same checks (the schema's strategy_problems)
-        write_settings(recipe, {k: v for k, v in st.items() if v != "auto"})
-    except ValueError:
-        return True
-    return False
+    combined = write_settings(recipe, {k: v for k, v in st.items() if v != "auto"}, validate=False)
+    return bool(strategy_problems(combined, st["strategy"]))
 
 
 def model_spec(recipe: Recipe, config: Any, device: str) -> ModelSpec:

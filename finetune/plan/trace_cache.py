@@ -8,8 +8,11 @@ source (a changed step, tracker or layer wrapper invalidates every entry).
 
 One JSON file per entry under `<cache dir>/traces/`, written to a temporary file and renamed over the
 target, so concurrent writers (UI handlers, several CLIs) never leave a half file; an unreadable or corrupt
-file is a miss and is rewritten. Every finetune upgrade orphans the old entries, so the folder keeps the
-MAX_ENTRIES most recently used (a hit refreshes an entry's mtime) and drops the rest when it writes.
+file is a miss and is rewritten. Every finetune upgrade orphans the old entries, so the folder keeps at most
+MAX_ENTRIES, the most recently used (a hit refreshes an entry's mtime): a writer that may have filled it
+scans it and drops the least recent down to MAX_ENTRIES - MAX_ENTRIES // 8, so a full cache costs one scan
+per MAX_ENTRIES // 8 writes, not one per write (each process counts its own writes; several writing at once
+may overshoot the limit by their counts until the next scan).
 """
 
 from __future__ import annotations
@@ -72,23 +75,32 @@ def _read(path: Path) -> Any:
         return None
 
 
+_room: dict[Path, int] = {}  # by folder: entries this process may still write before it scans it again
+
+
 def _write(path: Path, value: Any) -> None:
     """Atomic (a reader sees all or nothing); a read-only or full cache folder only costs speed."""
     try:
         atomic_write_text(path, json.dumps({"value": value}))
-        _evict(path.parent, MAX_ENTRIES)
+        folder = path.parent
+        room = _room.get(folder, 0) - 1  # a process's first write scans: it knows nothing of the folder yet
+        if room < 0:
+            room = MAX_ENTRIES - _evict(folder, MAX_ENTRIES, MAX_ENTRIES - MAX_ENTRIES // 8)
+        _room[folder] = room
     except OSError:
         pass
 
 
-def _evict(folder: Path, keep: int) -> None:
-    """Delete all but the `keep` most recently used entries (another process may delete one first)."""
+def _evict(folder: Path, limit: int, keep: int) -> int:
+    """Over `limit` entries: delete all but the `keep` most recently used (another process may delete one
+    first). Returns how many entries are left."""
     entries = [e for e in os.scandir(folder) if e.name.endswith(".json") and e.is_file()]
-    if len(entries) <= keep:
-        return
+    if len(entries) <= limit:
+        return len(entries)
     entries.sort(key=lambda e: e.stat().st_mtime_ns, reverse=True)
     for entry in entries[keep:]:
         Path(entry.path).unlink(missing_ok=True)
+    return keep
 
 
 def cached(kind: str, key: Any, compute: Callable[[], T], encode: Callable[[T], Any],
