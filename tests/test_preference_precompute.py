@@ -69,10 +69,10 @@ def _counting_reference(monkeypatch) -> list[int]:
     calls = []
     original = preference.reference_logps
 
-    def counted(model, inputs, chunked=False):
+    def counted(model, inputs, *args):
         if not inputs["input_ids"].is_meta:  # not the planner's trace
             calls.append(inputs["input_ids"].shape[0])
-        return original(model, inputs, chunked)
+        return original(model, inputs, *args)
 
     monkeypatch.setattr(preference, "reference_logps", counted)
     return calls
@@ -161,9 +161,9 @@ def test_traced_step_has_no_reference_forward(tiny_model_dir, monkeypatch):
         trackers.append(real_tracker(*args, **kwargs))
         return trackers[-1]
 
-    def spied(model, inputs, chunked=False):
+    def spied(model, inputs, *args):
         seen.append(trackers[-1]._window)
-        return original(model, inputs, chunked)
+        return original(model, inputs, *args)
 
     monkeypatch.setattr(preference, "reference_logps", spied)
     monkeypatch.setattr(trace, "MemoryTracker", tracker)
