@@ -358,9 +358,11 @@ def test_init_from_files_are_read_again_only_when_they_change(tmp_path, tiny_mod
         resolve_init_from(recipe)
 
 
-def test_planned_peak_with_reference_adapter_matches_the_tracker(tmp_path):
+@pytest.mark.parametrize("precompute", [False, True], ids=["in-step", "precomputed"])
+def test_planned_peak_with_reference_adapter_matches_the_tracker(tmp_path, precompute):
     """DPO from a large adapter (r=64 on every linear layer: its frozen copy is several % of the peak): the
-    plan, which adds that copy to the weights, within 5% of `finetune measure`'s tracked step."""
+    plan, which adds that copy to the weights, within 5% of `finetune measure`'s tracked step; with a
+    precomputed reference neither has the copy (the pass and the steps run the trained adapter)."""
     from finetune.plan import predict
     from finetune.recipe.schema import Recipe
     from finetune.testing import make_tiny_model_dir
@@ -372,7 +374,7 @@ def test_planned_peak_with_reference_adapter_matches_the_tracker(tmp_path):
     recipe = Recipe.model_validate({
         "model": {"path": str(model_dir)}, "data": {"path": "unused.jsonl", "max_seq_len": 256},
         "adapter": {"init_from": str(start)}, "quantization": {"bits": None},
-        "training": {"method": "dpo", "micro_batch_size": 1},
+        "training": {"method": "dpo", "micro_batch_size": 1, "precompute_reference": precompute},
         "memory": {"activation_checkpointing": True, "chunked_loss": False, "tiled_mlp": False}})
     measured = measure(recipe, steps=2)["peak_bytes"]
     plan = predict(recipe, device="cpu")
