@@ -12,7 +12,7 @@ from finetune.recipe.init_from import KEY, StartAdapter, read_weights, start_ada
 from finetune.recipe.schema import AdapterConfig
 
 TRAINED_ADAPTER = "default"  # peft's name for the adapter get_peft_model creates: the one trained and saved
-REFERENCE_ADAPTER = "reference"  # adapter.init_from with dpo/kto: a frozen copy of the start adapter
+REFERENCE_ADAPTER = "reference"  # adapter.init_from, reference forward in each step: a frozen copy of it
 
 
 def lora_config(cfg: AdapterConfig, inference_mode: bool = False):
