@@ -38,7 +38,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed steps per variant (after one warm-up each)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    recipe, model, optimizer, vocab = step_setup(load_recipe(Path(args.recipe)), gpu_memory="24GiB", device="cpu")
+    given = load_recipe(Path(args.recipe))
+    # Built for the in-step variant (with adapter.init_from: the frozen copy of the start adapter loaded)
+    training = given.training.model_copy(update={"precompute_reference": False})
+    recipe, model, optimizer, vocab = step_setup(given.model_copy(update={"training": training}),
+                                                 gpu_memory="24GiB", device="cpu")
     mb, seq, chunked = int(recipe.training.micro_batch_size), recipe.data.max_seq_len, recipe.memory.chunked_loss is True
     in_step = PreferenceLoss.of(recipe.training.model_copy(update={"precompute_reference": False}))
     precomputed = PreferenceLoss.of(recipe.training.model_copy(update={"precompute_reference": True}))

@@ -213,20 +213,156 @@ def test_bad_init_from_is_refused_naming_the_key(tmp_path, tiny_model_dir, sft_r
 
 
 def test_plan_counts_the_frozen_reference_adapter(tmp_path, tiny_model_dir, sft_run):
+    """The frozen copy is priced when each step runs the reference forward; with a precomputed reference
+    there is none, neither in the step nor in the pass before training (it runs the trained adapter)."""
     from finetune.plan import predict
+
+    def training(recipe, **update):
+        return recipe.model_copy(update={"training": recipe.training.model_copy(update=update)})
 
     dpo = resolve_init_from(_dpo(tmp_path, tiny_model_dir, sft_run))
     plain = dpo.model_copy(update={"adapter": dpo.adapter.model_copy(update={"init_from": None})})
-    sft = dpo.model_copy(update={"training": dpo.training.model_copy(update={"method": "sft"})})
+    sft = training(dpo, method="sft")
     with_ref, without, continued = (predict(r, device="cpu").breakdown for r in (dpo, plain, sft))
     assert with_ref["trainable_weights"] == without["trainable_weights"] > 0
     assert with_ref["weights"] - without["weights"] == without["trainable_weights"]  # one more adapter
     assert continued["weights"] == without["weights"]  # sft from an adapter: no reference copy
+    precomputed, precomputed_plain = (predict(training(r, precompute_reference=True), device="cpu")
+                                      for r in (dpo, plain))
+    assert precomputed.breakdown["weights"] == without["weights"]  # the training step holds no copy
+    assert precomputed.breakdown == precomputed_plain.breakdown
+    assert precomputed.reference_pass_bytes == precomputed_plain.reference_pass_bytes > 0  # nor does the pass
 
 
-def test_planned_peak_with_reference_adapter_matches_the_tracker(tmp_path):
+def _build_spies(monkeypatch, start_weights):
+    """Counters of what a build does with the start adapter's file: opens (a read of its bytes, or hashing
+    it) and safetensors loads (from bytes, or from the file itself)."""
+    import pathlib
+
+    import safetensors.torch
+
+    counts = {"open": 0, "load": 0}
+    real_open, real_load, real_load_file = pathlib.Path.open, safetensors.torch.load, safetensors.torch.load_file
+
+    def open_(path, *args, **kwargs):
+        counts["open"] += path == start_weights
+        return real_open(path, *args, **kwargs)
+
+    def load(data, *args, **kwargs):
+        counts["load"] += 1
+        return real_load(data, *args, **kwargs)
+
+    def load_file(path, *args, **kwargs):
+        counts["load"] += pathlib.Path(path) == start_weights
+        return real_load_file(path, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "open", open_)
+    monkeypatch.setattr(safetensors.torch, "load", load)
+    monkeypatch.setattr(safetensors.torch, "load_file", load_file)
+    return counts
+
+
+def test_precompute_from_an_adapter_keeps_no_reference_copy_and_trains_like_the_in_step_reference(
+        tmp_path, tiny_model_dir, sft_run, monkeypatch):
+    """DPO from the SFT run with a precomputed reference: the pass runs the trained adapter (the SFT weights
+    before the first step), no frozen copy exists during the pass or training, the losses equal those of the
+    in-step reference (the frozen copy), and --resume with the stored values loads no reference either.
+    Every build reads the start adapter's safetensors once and results.json hashes those very bytes."""
+    import hashlib
+
+    from finetune.memory import preference
+    from finetune.train import reference_pass
+
+    start_weights = (sft_run / "adapter" / "adapter_model.safetensors").resolve()
+    sha = hashlib.sha256(start_weights.read_bytes()).hexdigest()
+    counts = _build_spies(monkeypatch, start_weights)
+    adapters: dict[str, set] = {"pass": set(), "step": set()}  # the model's adapters at each forward
+    phase = ["step"]
+    real_compute, real_logps = reference_pass.compute_reference, preference.sequence_logps
+
+    def compute(*args, **kwargs):
+        phase[0] = "pass"
+        try:
+            return real_compute(*args, **kwargs)
+        finally:
+            phase[0] = "step"
+
+    def logps(model, inputs, *args, **kwargs):
+        if not inputs["input_ids"].is_meta:  # not the planner's trace
+            adapters[phase[0]].add(tuple(model.peft_config))
+        return real_logps(model, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(reference_pass, "compute_reference", compute)
+    monkeypatch.setattr(preference, "sequence_logps", logps)
+
+    def build(name, resume=False, **training):
+        recipe = _dpo(tmp_path, tiny_model_dir, sft_run, name, output={"save_steps": 2},
+                      training={"lr_scheduler": "constant", **training})
+        counts.update(open=0, load=0)
+        adapters["pass"].clear(), adapters["step"].clear()
+        result = run(recipe, resume=resume)
+        assert counts == {"open": 1, "load": 1}, (name, counts)  # one read, hashed from the bytes read
+        assert json.loads((result.run_dir / "results.json").read_text())["init_from"]["sha256"] == sha
+        return result
+
+    in_step = build("in-step", max_steps=4)
+    assert adapters == {"pass": set(), "step": {("default", "reference")}}
+    build("pre", max_steps=2, precompute_reference=True)
+    assert adapters == {"pass": {("default",)}, "step": {("default",)}}
+    resumed = build("pre", resume=True, max_steps=4, precompute_reference=True)
+    assert adapters == {"pass": set(), "step": {("default",)}}  # the stored values: no pass, no reference
+    expected = {r["step"]: r for r in read_jsonl(in_step.run_dir / "metrics.jsonl") if "loss" in r}
+    rows = {r["step"]: r for r in read_jsonl(resumed.run_dir / "metrics.jsonl") if "loss" in r}
+    assert sorted(rows) == [1, 2, 3, 4]
+    for step, row in rows.items():
+        for key in ("loss", "rewards/margins", "rewards/chosen"):
+            assert row[key] == pytest.approx(expected[step][key], rel=1e-4, abs=1e-6), (step, key)
+
+
+def test_init_from_files_are_read_again_only_when_they_change(tmp_path, tiny_model_dir, sft_run, monkeypatch):
+    """Planning twice reads the parent's adapter_config.json and recipe.yaml once; an edited file is read
+    again (a changed adapter shape is planned, a changed parent model refused)."""
+    import os
+    import pathlib
+    import shutil
+
+    from finetune.errors import RecipeError
+    from finetune.plan import predict
+
+    parent = tmp_path / "parent"
+    shutil.copytree(sft_run, parent, ignore=shutil.ignore_patterns("checkpoints"))  # a new path: not cached
+    opened: list[str] = []
+    real_open = pathlib.Path.open
+
+    def open_(path, *args, **kwargs):
+        if path.name in ("adapter_config.json", "recipe.yaml") and parent in path.parents:
+            opened.append(path.name)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "open", open_)
+    recipe = _dpo(tmp_path, tiny_model_dir, parent)
+    plans = [predict(recipe, device="cpu") for _ in range(2)]
+    assert sorted(opened) == ["adapter_config.json", "recipe.yaml"]  # once each for both plans
+    assert plans[0].breakdown == plans[1].breakdown
+
+    config_file = parent / "adapter" / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "r": 6}))
+    stat = config_file.stat()
+    os.utime(config_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a coarse file-system clock
+    assert resolve_init_from(recipe).adapter.r == 6
+    assert predict(recipe, device="cpu").breakdown["trainable_weights"] > plans[0].breakdown["trainable_weights"]
+    recipe_file = parent / "recipe.yaml"
+    recipe_file.write_text(recipe_file.read_text().replace(str(tiny_model_dir), str(tmp_path / "other-model")))
+    with pytest.raises(RecipeError, match=r"trained on model.path .*other-model"):
+        resolve_init_from(recipe)
+
+
+@pytest.mark.parametrize("precompute", [False, True], ids=["in-step", "precomputed"])
+def test_planned_peak_with_reference_adapter_matches_the_tracker(tmp_path, precompute):
     """DPO from a large adapter (r=64 on every linear layer: its frozen copy is several % of the peak): the
-    plan, which adds that copy to the weights, within 5% of `finetune measure`'s tracked step."""
+    plan, which adds that copy to the weights, within 5% of `finetune measure`'s tracked step; with a
+    precomputed reference neither has the copy (the pass and the steps run the trained adapter)."""
     from finetune.plan import predict
     from finetune.recipe.schema import Recipe
     from finetune.testing import make_tiny_model_dir
@@ -238,7 +374,7 @@ def test_planned_peak_with_reference_adapter_matches_the_tracker(tmp_path):
     recipe = Recipe.model_validate({
         "model": {"path": str(model_dir)}, "data": {"path": "unused.jsonl", "max_seq_len": 256},
         "adapter": {"init_from": str(start)}, "quantization": {"bits": None},
-        "training": {"method": "dpo", "micro_batch_size": 1},
+        "training": {"method": "dpo", "micro_batch_size": 1, "precompute_reference": precompute},
         "memory": {"activation_checkpointing": True, "chunked_loss": False, "tiled_mlp": False}})
     measured = measure(recipe, steps=2)["peak_bytes"]
     plan = predict(recipe, device="cpu")

@@ -69,10 +69,10 @@ def _counting_reference(monkeypatch) -> list[int]:
     calls = []
     original = preference.reference_logps
 
-    def counted(model, inputs, chunked=False):
+    def counted(model, inputs, *args):
         if not inputs["input_ids"].is_meta:  # not the planner's trace
             calls.append(inputs["input_ids"].shape[0])
-        return original(model, inputs, chunked)
+        return original(model, inputs, *args)
 
     monkeypatch.setattr(preference, "reference_logps", counted)
     return calls
@@ -161,9 +161,9 @@ def test_traced_step_has_no_reference_forward(tiny_model_dir, monkeypatch):
         trackers.append(real_tracker(*args, **kwargs))
         return trackers[-1]
 
-    def spied(model, inputs, chunked=False):
+    def spied(model, inputs, *args):
         seen.append(trackers[-1]._window)
-        return original(model, inputs, chunked)
+        return original(model, inputs, *args)
 
     monkeypatch.setattr(preference, "reference_logps", spied)
     monkeypatch.setattr(trace, "MemoryTracker", tracker)
@@ -207,3 +207,40 @@ def test_speed_estimate_counts_the_pairs_and_the_reference_forward(tiny_model_di
     speeds = {name: planned(training) for name, training in (
         ("sft", {}), ("dpo", {"method": "dpo"}), ("precomputed", {"method": "dpo", "precompute_reference": True}))}
     assert speeds["dpo"] < speeds["precomputed"] < speeds["sft"]
+
+
+def test_replan_after_an_oom_prices_the_training_step_without_the_finished_pass(tmp_path, tiny_model_dir,
+                                                                                monkeypatch):
+    """An out-of-memory recovery in a precomputed-reference run re-plans the training step alone: the pass
+    before training is over, so plan.json holds no pass window and its peak is the step's, also when the
+    pass's window would be the larger (here made so by inflating its traced activations)."""
+    from dataclasses import replace
+
+    from finetune.plan import memory_model, predict
+    from finetune.recipe.load import load_recipe
+    from finetune.train.recovery import FAULT_ENV
+
+    monkeypatch.setenv(FAULT_ENV, "1")
+    result = run(_recipe(tmp_path, tiny_model_dir, training={"precompute_reference": True, "max_steps": 2,
+                                                             "micro_batch_size": 2}, data={"validation_split": 0.0}))
+    monkeypatch.delenv(FAULT_ENV)
+    assert any(r.get("event") == "oom_recovered" for r in read_jsonl(result.run_dir / "metrics.jsonl"))
+    recovered = load_recipe(result.run_dir / "recipe.yaml")
+    assert recovered.training.micro_batch_size == 1
+    replanned = json.loads((result.run_dir / "plan.json").read_text())
+    step, with_pass = predict(recovered, training_only=True), predict(recovered)
+    assert replanned["reference_pass_bytes"] == step.reference_pass_bytes == 0 < with_pass.reference_pass_bytes
+    assert replanned["peak_bytes"] == step.peak_bytes
+
+    real = memory_model.trace_step
+
+    def big_pass(*args, **kwargs):
+        trace = real(*args, **kwargs)
+        peak, parts = trace.windows["reference_pass"]
+        return replace(trace, windows={**trace.windows, "reference_pass": (
+            peak, {**parts, "activations": parts["activations"] + 10 * 2**20})})
+
+    monkeypatch.setattr(memory_model, "trace_step", big_pass)
+    inflated, inflated_step = predict(recovered), predict(recovered, training_only=True)
+    assert inflated.peak_bytes == inflated.reference_pass_bytes > step.peak_bytes  # the pass is the peak
+    assert inflated_step.peak_bytes == step.peak_bytes and inflated_step.breakdown == step.breakdown

@@ -15,7 +15,9 @@ run under `no_grad` before the policy forward, so it keeps no activations and co
 weights. A run started from an adapter (adapter.init_from, e.g. DPO after SFT) has that adapter loaded twice,
 trained and frozen; the reference is the frozen one (one extra adapter's memory). With
 training.precompute_reference the reference values come with the batch instead (`ref_logps`, one per row,
-computed once before training by `reference_values`), and the step runs no reference forward.
+computed once before training by `reference_values`), and the step runs no reference forward; a run from an
+adapter then needs no frozen copy either: the pass runs the model as it is (`current`), whose trained adapter
+still holds the start weights before the first step.
 KTO's reference point z0 (the KL between policy and reference) is estimated from the batch's own
 answers (detached, clamped at 0), not from TRL's extra forward over mismatched prompt/answer pairs.
 
@@ -26,7 +28,7 @@ head runs over chunks of answer tokens under a checkpoint, so full logits never 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from finetune.errors import FinetuneError
 from finetune.memory.chunked_loss import IGNORE_INDEX, default_chunk_size, head_logits, head_of, shift
 from finetune.model.adapter import REFERENCE_ADAPTER
-from finetune.recipe.schema import TrainingConfig
+from finetune.recipe.schema import Recipe, TrainingConfig
 from finetune.rundir import REWARD_ACCURACY, REWARD_CHOSEN, REWARD_KEYS, REWARD_MARGIN, REWARD_REJECTED
 
 Metrics = dict[str, list[float]]  # name -> [sum, count], added over micro-batches
@@ -104,6 +106,14 @@ class PreferenceLoss:
                    precompute_reference="precompute_reference" in flags)
 
 
+def loads_reference_adapter(recipe: Recipe) -> bool:
+    """Whether the run loads REFERENCE_ADAPTER, a frozen copy of adapter.init_from: only when each step runs
+    the reference forward (a precomputed reference's pass runs on the trained adapter, before the first
+    step)."""
+    loss = PreferenceLoss.of(recipe.training)
+    return recipe.adapter.init_from is not None and loss is not None and loss.reference_in_step
+
+
 def synthetic_batch(loss: PreferenceLoss | None, rows: int, seq_len: int, vocab: int, device: Any,
                     generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
     """A batch of `rows` examples at full length, laid out as the collator lays them out (what `finetune
@@ -157,21 +167,23 @@ def sequence_logps(model: torch.nn.Module, inputs: Mapping[str, Any],
     return sums.index_add(0, rows, per_token) + hidden.sum() * 0.0, counts
 
 
-def reference_logps(model: torch.nn.Module, inputs: Mapping[str, Any], chunked: bool = False) -> torch.Tensor:
+def reference_logps(model: torch.nn.Module, inputs: Mapping[str, Any], chunked: bool = False,
+                    current: bool = False) -> torch.Tensor:
     """Sequence log-probabilities of the reference model, no graph kept: the frozen REFERENCE_ADAPTER when the
-    run started from an adapter (adapter.init_from: the SFT model), else the base with the adapter off. Under
-    DDP or DeepSpeed the peft model inside the wrapper runs it: the wrapper has no adapter switch, and a
-    forward without gradients needs none of its synchronisation."""
+    run started from an adapter (adapter.init_from: the SFT model), else the base with the adapter off;
+    `current`: the model as it is, adapter on (a run from an adapter before its first step, whose trained
+    adapter is the start adapter). Under DDP or DeepSpeed the peft model inside the wrapper runs it: the
+    wrapper has no adapter switch, and a forward without gradients needs none of its synchronisation."""
     from accelerate.utils import extract_model_from_parallel
 
     model = extract_model_from_parallel(model)
-    if not hasattr(model, "disable_adapter"):
+    if not current and not hasattr(model, "disable_adapter"):
         raise FinetuneError("the reference model is the base with the adapter switched off, but this model has "
                             "no adapter", hint="use adapter.type: lora, or a reference-free method")
     was_training = model.training
     model.eval()  # no dropout in the reference
     try:
-        with torch.no_grad(), _reference_weights(model):
+        with torch.no_grad(), nullcontext() if current else _reference_weights(model):
             return sequence_logps(model, inputs, chunked)[0]
     finally:
         model.train(was_training)
@@ -193,16 +205,18 @@ def _reference_weights(model: torch.nn.Module) -> Iterator[None]:
         model.set_adapter(trained)
 
 
-def batch_reference_logps(model: torch.nn.Module, batch: Mapping[str, Any], chunked: bool = False) -> torch.Tensor:
+def batch_reference_logps(model: torch.nn.Module, batch: Mapping[str, Any], chunked: bool = False,
+                          current: bool = False) -> torch.Tensor:
     """`reference_logps` of a collated batch (what the precomputed pass runs, and the planner traces)."""
-    return reference_logps(model, {k: v for k, v in batch.items() if k not in ("kto_label", "ref_logps")}, chunked)
+    inputs = {k: v for k, v in batch.items() if k not in ("kto_label", "ref_logps")}
+    return reference_logps(model, inputs, chunked, current)
 
 
 def reference_values(model: torch.nn.Module, batch: Mapping[str, Any], loss: PreferenceLoss,
-                     chunked: bool = False) -> list[list[float]]:
+                     chunked: bool = False, current: bool = False) -> list[list[float]]:
     """The reference log-probabilities of a collated batch, per example in the collator's row order (pairs:
     [chosen, rejected]; kto: [answer]): what a precomputed reference pass stores as the `ref_logps` column."""
-    ref = batch_reference_logps(model, batch, chunked).float().cpu()
+    ref = batch_reference_logps(model, batch, chunked, current).float().cpu()
     return ref.reshape(loss.rows_per_example, -1).t().tolist()
 
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import torch
 
 from finetune.errors import ModelLoadError
-from finetune.recipe.init_from import KEY, start_adapter
+from finetune.recipe.init_from import KEY, StartAdapter, read_weights, start_adapter
 from finetune.recipe.schema import AdapterConfig
 
 TRAINED_ADAPTER = "default"  # peft's name for the adapter get_peft_model creates: the one trained and saved
-REFERENCE_ADAPTER = "reference"  # adapter.init_from with dpo/kto: a frozen copy of the start adapter
+REFERENCE_ADAPTER = "reference"  # adapter.init_from, reference forward in each step: a frozen copy of it
 
 
 def lora_config(cfg: AdapterConfig, inference_mode: bool = False):
@@ -26,13 +26,16 @@ def lora_config(cfg: AdapterConfig, inference_mode: bool = False):
 
 
 def apply_adapter(model: torch.nn.Module, cfg: AdapterConfig, *, checkpointing: bool,
-                  reference: bool = False) -> torch.nn.Module:
+                  reference: bool = False, digest: bool = False) -> torch.nn.Module:
     """Wrap the model for training; the base stays frozen unless adapter.type is full.
 
     adapter.init_from (resolved by `finetune.recipe.init_from.resolve_init_from`): the trained adapter starts
-    from those weights; `reference` (dpo/kto) also loads them as a frozen adapter named REFERENCE_ADAPTER, the
-    reference model that `finetune.memory.preference.reference_logps` switches to (TRL's ref_adapter_name:
-    one base, one extra adapter). Only the trained adapter is saved."""
+    from those weights; `reference` (dpo/kto with the reference forward in each step) also loads them as a
+    frozen adapter named REFERENCE_ADAPTER, the reference model that `finetune.memory.preference.
+    reference_logps` switches to (TRL's ref_adapter_name: one base, one extra adapter). A precomputed
+    reference needs no copy: its pass runs before the first step, while the trained adapter still holds the
+    start weights. The file is read once for both; `digest`: its sha256 is taken for results.json
+    (`init_from_record`). Only the trained adapter is saved."""
     if cfg.type == "full":
         for p in model.parameters():
             p.requires_grad_(True)
@@ -48,10 +51,11 @@ def apply_adapter(model: torch.nn.Module, cfg: AdapterConfig, *, checkpointing: 
     model = get_peft_model(model, lora_config(cfg))
     if cfg.init_from is not None:
         start = start_adapter(cfg.init_from)
-        load_adapter_weights(model, start.weights, TRAINED_ADAPTER)
+        state = load_adapter_state(start, digest)
+        load_adapter_weights(model, start.weights, state, TRAINED_ADAPTER)
         if reference:
             model.add_adapter(REFERENCE_ADAPTER, lora_config(cfg, inference_mode=True))
-            load_adapter_weights(model, start.weights, REFERENCE_ADAPTER)
+            load_adapter_weights(model, start.weights, state, REFERENCE_ADAPTER)
             model.set_adapter(TRAINED_ADAPTER)  # trainable again; the reference stays frozen
             # save_pretrained (the Trainer's checkpoints, the run's adapter/) writes only the trained adapter:
             # the reference is init_from itself, rebuilt from there on resume.
@@ -61,19 +65,26 @@ def apply_adapter(model: torch.nn.Module, cfg: AdapterConfig, *, checkpointing: 
     return model
 
 
-def load_adapter_weights(model: torch.nn.Module, weights: Path, name: str) -> None:
-    """Load a saved adapter's safetensors into the adapter `name` of a peft model built with the same shape;
-    a file that does not fit the model (another base model, other layers) is a ModelLoadError naming
-    adapter.init_from."""
-    from peft import set_peft_model_state_dict
+def load_adapter_state(start: StartAdapter, digest: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors of the start adapter's safetensors file, read once (`read_weights`, which hashes it with
+    `digest`); an unreadable, truncated or foreign file is a ModelLoadError naming adapter.init_from."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     try:
-        state = load_file(weights)
-    except (SafetensorError, OSError) as exc:  # a truncated or foreign file
-        raise ModelLoadError(f"{KEY}: cannot read {weights}: {exc}",
+        return load(read_weights(start, digest))
+    except (SafetensorError, OSError) as exc:
+        raise ModelLoadError(f"{KEY}: cannot read {start.weights}: {exc}",
                              hint="save the start adapter again (save_pretrained, safe_serialization=True)") from None
+
+
+def load_adapter_weights(model: torch.nn.Module, weights: Path, state: dict[str, torch.Tensor],
+                         name: str) -> None:
+    """Load a saved adapter's tensors (`state`, from the file `weights`) into the adapter `name` of a peft
+    model built with the same shape; tensors that do not fit the model (another base model, other layers)
+    are a ModelLoadError naming adapter.init_from."""
+    from peft import set_peft_model_state_dict
+
     try:
         result = set_peft_model_state_dict(model, state, adapter_name=name)
     except RuntimeError as exc:  # size mismatch: an adapter of a model with other dimensions

@@ -20,7 +20,8 @@ How the prediction is put together (docs/planner.md has the long form):
    `step_temporaries` times the largest trained parameter).
 4. A precomputed reference (training.precompute_reference) takes the reference forward out of the step;
    its pass over the data before training is a window of its own (weights and one forward's transients,
-   no gradients or optimizer state yet), and the peak is the larger of the two.
+   no gradients or optimizer state yet), and the peak is the larger of the two. A re-plan during training
+   (`ModelSpec.reference_pass` off) prices the step alone: the pass is over.
 5. Chunked loss keeps `default_chunk_size(vocab)` tokens of logits instead of all (preference methods: the trace
    runs the chunked log-probabilities itself, see trace.py); offload removes
    checkpointed inputs (all but the first and the last, less the layers fetched ahead in backward) or,
@@ -104,7 +105,8 @@ class ModelSpec:
     deepspeed_offload: str = "none"  # deepspeed only: none | cpu | nvme (optimizer state off the device)
     objective: str = "sft"  # or a preference method (finetune.memory.preference.PreferenceLoss.objective)
     rows_per_example: int = 1  # sequences per example: 2 for chosen + rejected pairs
-    reference_adapter: bool = False  # adapter.init_from with dpo/kto: a frozen copy of the adapter is the reference
+    reference_adapter: bool = False  # adapter.init_from, reference forward in each step: a frozen copy
+    reference_pass: bool = True  # precompute_reference: price the pass before training (not in a re-plan)
 
 
 def _block(settings: Settings) -> int:
@@ -322,7 +324,7 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
         in_layers = name in ("bwd_top", "bwd_bottom") or (name == "forward" and spec.device == "cuda")
         windows[name] = {**params, "gradients": grads, "activations": act, "logits_and_loss": logits,
                          "other": (dequant if in_layers else 0) + communication}
-    if "reference_pass" in ta.windows and "reference_pass" in tb.windows:
+    if spec.reference_pass and "reference_pass" in ta.windows and "reference_pass" in tb.windows:
         # training.precompute_reference: the forward over the data before training (no gradients, no
         # optimizer state yet, nothing kept for backward); the step itself was traced without it.
         wa, wb = ta.windows["reference_pass"][1], tb.windows["reference_pass"][1]

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from finetune.errors import FinetuneError, RecipeError
 from finetune.memory.bandwidth import transfer_bandwidth
 from finetune.memory.offload import offload_dir_for
-from finetune.memory.preference import PreferenceLoss
+from finetune.memory.preference import PreferenceLoss, loads_reference_adapter
 from finetune.plan.cost_model import tokens_per_second
 from finetune.plan.memory_model import ModelSpec, memory_floor, predict_memory, traffic_bytes
 from finetune.plan.shapes import ModelShapes, target_dtype
@@ -209,7 +209,7 @@ def model_spec(recipe: Recipe, config: Any, device: str) -> ModelSpec:
         interconnect_bandwidth=recipe.distributed.interconnect_bandwidth, zero_stage=recipe.distributed.zero_stage,
         deepspeed_offload=recipe.distributed.deepspeed_offload, objective="sft" if loss is None else loss.objective,
         rows_per_example=1 if loss is None else loss.rows_per_example,
-        reference_adapter=recipe.adapter.init_from is not None and loss is not None and loss.uses_reference)
+        reference_adapter=loads_reference_adapter(recipe))
 
 
 def free_disk_bytes(path: Path) -> int:
@@ -255,13 +255,15 @@ def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, free: dic
 
 
 def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str | None = None,
-            device: str | None = None) -> Plan:
-    """Plan a run without loading weights: resolve `auto` settings to the fastest configuration that fits."""
+            device: str | None = None, training_only: bool = False) -> Plan:
+    """Plan a run without loading weights: resolve `auto` settings to the fastest configuration that fits.
+    `training_only`: price the training step alone, not what precedes it (training.precompute_reference's
+    pass): a re-plan during training, after an out-of-memory error."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() or gpu_memory not in (None, "auto") else "cpu"
     recipe = resolve_init_from(recipe)  # adapter.init_from: price the adapter's own shape
     config = model_config or planned_config(recipe.model.path, recipe.model.trust_remote_code)
-    spec = model_spec(recipe, config, device)
+    spec = replace(model_spec(recipe, config, device), reference_pass=not training_only)
     budget = _budget(recipe, gpu_memory, "cuda" if torch.cuda.is_available() and device == "cuda" else "cpu")
     shapes = model_facts(config, recipe.model.attn_implementation)[0]
     choices = _choices(recipe, spec)

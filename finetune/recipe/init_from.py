@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,9 @@ KEY = "adapter.init_from"
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 SHAPE_KEYS = ("type", "r", "alpha", "rslora", "target_modules", "modules_to_save")
+_CACHE_SIZE = 64  # files kept by _read_cached (a few per start adapter)
+_READS: dict[tuple[str, str], tuple[tuple[int, int], Any]] = {}  # (kind, path) -> ((mtime_ns, size), value)
+_DIGESTS: dict[tuple[str, int, int], str] = {}  # (weights file, mtime_ns, size) -> sha256, from read_weights
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,7 @@ def start_adapter(raw: str) -> StartAdapter:
                           "adapter_model.bin can run code when loaded)",
                           hint="save the adapter with save_pretrained(..., safe_serialization=True)")
     try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
+        config = _read_cached("config", config_file, lambda f: json.loads(f.read_text(encoding="utf-8")))
         shape = _shape(config)
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
         raise RecipeError(f"{KEY}: {config_file} is not a readable LoRA adapter config: {exc!r}") from None
@@ -77,6 +81,36 @@ def start_adapter(raw: str) -> StartAdapter:
         raise RecipeError(f"{KEY}: {folder} uses {', '.join(unsupported)}, which a recipe's adapter section "
                           "cannot express")
     return StartAdapter(folder.resolve(), run.root.resolve() if run is not None else None, shape)
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_mtime_ns, stat.st_size
+
+
+def _read_cached(kind: str, path: Path, read: Callable[[Path], Any]) -> Any:
+    """`read(path)`, read again only when the file's modification time or size changed (the value is shared:
+    callers must not change it)."""
+    stamp, key = _stamp(path), (kind, str(path))
+    hit = _READS.get(key)
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
+    value = read(path)
+    if len(_READS) >= _CACHE_SIZE:
+        _READS.clear()
+    _READS[key] = (stamp, value)
+    return value
+
+
+def _parent_model(recipe_file: Path) -> tuple[str, str | None]:
+    """model.path and model.revision of the run a start adapter comes from (its recipe.yaml)."""
+    from finetune.recipe.load import load_recipe
+
+    def read(path: Path) -> tuple[str, str | None]:
+        parent = load_recipe(path)
+        return parent.model.path, parent.model.revision
+
+    return _read_cached("recipe", recipe_file, read)
 
 
 def _shape(config: dict[str, Any]) -> dict[str, Any]:
@@ -113,11 +147,9 @@ def resolve_init_from(recipe: Recipe) -> Recipe:
         raise RecipeError(f"{KEY}: {raw} is this recipe's own output.dir; a run cannot start from itself",
                           hint="use --resume to continue a run, or give the new run another output.dir")
     if start.run is not None:
-        from finetune.recipe.load import load_recipe
-
-        parent = load_recipe(RunDir(start.run).recipe)
-        if not _same_model(parent.model.path, recipe.model.path) or parent.model.revision != recipe.model.revision:
-            raise RecipeError(f"{KEY}: {start.run} trained on model.path {parent.model.path}, this recipe trains "
+        parent_path, parent_revision = _parent_model(RunDir(start.run).recipe)
+        if not _same_model(parent_path, recipe.model.path) or parent_revision != recipe.model.revision:
+            raise RecipeError(f"{KEY}: {start.run} trained on model.path {parent_path}, this recipe trains "
                               f"{recipe.model.path}; an adapter fits only the base model it was trained on",
                               hint="start from a run of the same base model, or change model.path")
     given = recipe.adapter.model_fields_set
@@ -134,13 +166,30 @@ def resolve_init_from(recipe: Recipe) -> Recipe:
     return recipe.model_copy(update={"adapter": adapter})
 
 
+def read_weights(start: StartAdapter, digest: bool = False) -> bytes:
+    """The start adapter's safetensors file, read once for the whole build (the trained adapter and the
+    frozen reference are both loaded from these bytes). `digest`: hash these very bytes for
+    `init_from_record` (one process of several does it; the others skip the hashing)."""
+    stamp = _stamp(start.weights)
+    data = start.weights.read_bytes()
+    if digest:
+        if len(_DIGESTS) >= _CACHE_SIZE:
+            _DIGESTS.clear()
+        _DIGESTS[(str(start.weights), *stamp)] = hashlib.sha256(data).hexdigest()
+    return data
+
+
 def init_from_record(raw: str) -> dict[str, Any]:
     """What results.json records about the start adapter: its folder, its run and its weights' sha256 (the
-    parent run may be trained again later; the hash says which weights this run started from)."""
+    parent run may be trained again later; the hash says which weights this run started from): the hash
+    `read_weights(digest=True)` took of the bytes it loaded while the file is unchanged, else the file's."""
     start = start_adapter(raw)
-    digest = hashlib.sha256()
-    with start.weights.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+    sha = _DIGESTS.get((str(start.weights), *_stamp(start.weights)))
+    if sha is None:
+        digest = hashlib.sha256()
+        with start.weights.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        sha = digest.hexdigest()
     return {"adapter": str(start.folder), "run": str(start.run) if start.run is not None else None,
-            "sha256": digest.hexdigest()}
+            "sha256": sha}

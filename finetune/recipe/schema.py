@@ -110,7 +110,8 @@ class AdapterConfig(Section):
         None, description="Start from an earlier LoRA/DoRA adapter of the same base model: a run directory (its "
         "adapter/) or an adapter folder (safetensors). Its type, r, alpha, rslora, target_modules and "
         "modules_to_save are used (a recipe value that differs is an error); dropout and fp32_compute stay the "
-        "recipe's. dpo/kto: the reference model is this adapter (a frozen copy), not the bare base.")
+        "recipe's. dpo/kto: the reference model is this adapter (a frozen copy; none with precompute_reference, "
+        "whose pass runs before the first step), not the bare base.")
 
 
 class DataConfig(Section):

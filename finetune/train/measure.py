@@ -13,7 +13,12 @@ from typing import Any
 import torch
 
 from finetune.memory.layer_recompute import apply_memory_config
-from finetune.memory.preference import PreferenceLoss, batch_reference_logps, synthetic_batch
+from finetune.memory.preference import (
+    PreferenceLoss,
+    batch_reference_logps,
+    loads_reference_adapter,
+    synthetic_batch,
+)
 from finetune.memory.step import autocast_for, enable_checkpointing, mixed_precision, training_step
 from finetune.memory.tracker import MemoryTracker, measure_step
 from finetune.recipe.schema import Recipe
@@ -37,7 +42,8 @@ def step_setup(recipe: Recipe, **plan_kwargs: Any) -> tuple[Recipe, torch.nn.Mod
     model, _tokenizer, _path = load_model(recipe.model, recipe.quantization)
     vocab = model.config.get_text_config().vocab_size
     checkpointing = bool(recipe.memory.activation_checkpointing)
-    model = apply_adapter(model, recipe.adapter, checkpointing=checkpointing, reference=recipe.training.uses_reference)
+    model = apply_adapter(model, recipe.adapter, checkpointing=checkpointing,
+                          reference=loads_reference_adapter(recipe))
     apply_memory_config(model, recipe.memory)
     enable_checkpointing(model, checkpointing, recipe.memory.checkpoint_every_n_layers)
     model.train()
@@ -70,7 +76,8 @@ def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
         def run(tracker: MemoryTracker) -> None:
             if preference is not None and preference.reference_precomputed:
                 with tracker.window("reference_pass"), autocast():  # the pass before training, as `run` does
-                    batch_reference_logps(model, batch, bool(recipe.memory.chunked_loss))
+                    batch_reference_logps(model, batch, bool(recipe.memory.chunked_loss),
+                                          current=recipe.adapter.init_from is not None)
             for _ in range(steps):
                 training_step(model, [batch] * accumulation, optimizer, max_grad_norm=recipe.training.max_grad_norm,
                               chunked_loss=bool(recipe.memory.chunked_loss), autocast=autocast, offload=offload,

@@ -253,7 +253,7 @@ class RecoveringTrainer(FinetuneTrainer):
         recipe, splits = self.recipe, self.splits
         while True:  # the leanest rung's budget, by the planner
             choice = cheaper(recipe, self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps,
-                             splits, lambda r: predict(r, gpu_memory=budget))
+                             splits, lambda r: predict(r, gpu_memory=budget, training_only=True))
             if choice.recipe is None:
                 break
             recipe, splits = choice.recipe, choice.splits
@@ -298,7 +298,8 @@ class RecoveringTrainer(FinetuneTrainer):
         unusable: set[str] = set()
         while True:
             choice = cheaper(self.recipe, self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps,
-                             self.splits, lambda r: predict(r, gpu_memory=budget), frozenset(unusable))
+                             self.splits, lambda r: predict(r, gpu_memory=budget, training_only=True),
+                             frozenset(unusable))
             new = choice.recipe
             if new is None or new.memory.offload == self.recipe.memory.offload:
                 return choice
@@ -446,9 +447,10 @@ def record_recovery(run_dir: RunDir, max_steps: int, peak: PeakMemoryCallback,
 
 
 def _replan(run_dir: RunDir, recipe: Recipe) -> int | None:
-    """The plan of the recovered settings, saved over the run's plan; its predicted peak (None without one)."""
+    """The plan of the recovered settings, saved over the run's plan; its predicted peak (None without one).
+    The training step's alone: a precomputed reference's pass is over by now."""
     try:
-        plan = predict(recipe)
+        plan = predict(recipe, training_only=True)
     except Exception as exc:  # noqa: BLE001 - a model the planner cannot trace: train on without a plan
         run_dir.log_line(f"no memory plan for the recovered settings: {type(exc).__name__}: {exc}")
         return None

@@ -2,11 +2,13 @@
 computed once before training, so no step runs a reference forward (`finetune.memory.preference`).
 
 The pass runs before the Trainer exists (no optimizer state, no gradients), under no_grad, one micro-batch
-at a time, and its values join the datasets as a `ref_logps` column that the collator turns into the batch's
-`ref_logps`. They are kept in the run directory: `--resume` reads them back instead of paying the pass again,
-and trains on the very values the interrupted run used. The file names a fingerprint of what the values
-depend on (the tokenized data, the model, quantization, adapter, chunked loss); when it does not match (other
-data, another model), the values are computed again.
+at a time. A run started from an adapter (adapter.init_from) runs it on the model as it is: before the first
+step its trained adapter holds the start weights, so no frozen copy of them is loaded (nor kept through
+training, nor priced by the planner). Its values join the datasets as a `ref_logps` column that the collator
+turns into the batch's `ref_logps`. They are kept in the run directory: `--resume` reads them back instead of
+paying the pass again, and trains on the very values the interrupted run used. The file names a fingerprint
+of what the values depend on (the tokenized data, the model, quantization, adapter, chunked loss); when it
+does not match (other data, another model), the values are computed again.
 """
 
 from __future__ import annotations
@@ -49,16 +51,18 @@ def fingerprint(recipe: Recipe, data: DataBundle) -> str:
 def compute_reference(model: torch.nn.Module, dataset: Any, collator: Callable[[list], dict], loss: PreferenceLoss,
                       micro_batch: int, chunked: bool = False,
                       autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                      progress: Callable[[int], None] | None = None) -> list[list[float]]:
+                      progress: Callable[[int], None] | None = None,
+                      current: bool = False) -> list[list[float]]:
     """The reference values of every example of `dataset` (collated as training collates it, `micro_batch`
-    examples at a time), in its order; `progress` is told how many examples each batch did."""
+    examples at a time), in its order; `progress` is told how many examples each batch did. `current`: the
+    reference is the model as it is (`finetune.memory.preference.reference_logps`)."""
     device = next(model.parameters()).device
     values: list[list[float]] = []
     for start in range(0, len(dataset), micro_batch):
         rows = [dataset[i] for i in range(start, min(start + micro_batch, len(dataset)))]
         batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in collator(rows).items()}
         with autocast():
-            values += reference_values(model, batch, loss, chunked)
+            values += reference_values(model, batch, loss, chunked, current)
         if progress is not None:
             progress(len(rows))
     return values
@@ -69,7 +73,8 @@ def attach_reference(model: torch.nn.Module, data: DataBundle, recipe: Recipe, r
                      should_stop: Callable[[], bool] = lambda: False) -> DataBundle:
     """The datasets with their `ref_logps` column: read from the run directory when it holds the values of
     this data and model, else computed (with a progress bar) and written there atomically. `should_stop`
-    (a Ctrl-C) is asked after each batch: the pass then stops with KeyboardInterrupt, nothing written."""
+    (a Ctrl-C) is asked after each batch: the pass then stops with KeyboardInterrupt, nothing written.
+    Call it before the first training step: with adapter.init_from the model's adapter is the reference."""
     loss = PreferenceLoss.of(recipe.training)
     key = fingerprint(recipe, data)
     stored = read_json(run_dir.reference_logps)
@@ -97,7 +102,8 @@ def attach_reference(model: torch.nn.Module, data: DataBundle, recipe: Recipe, r
             for name, ds in splits.items():
                 values[name] = [] if ds is None else compute_reference(
                     model, ds, data.collator, loss, int(recipe.training.micro_batch_size),
-                    recipe.memory.chunked_loss is True, autocast, advance)
+                    recipe.memory.chunked_loss is True, autocast, advance,
+                    current=recipe.adapter.init_from is not None)
         atomic_write_text(run_dir.reference_logps, json.dumps(values, separators=(",", ":")) + "\n")
         run_dir.log_line(f"reference pass: {total} examples in {time.time() - start:.1f} s, "
                          f"saved to {run_dir.reference_logps.name}")

@@ -14,6 +14,7 @@ from transformers import PrinterCallback, set_seed
 from finetune.console import console
 from finetune.errors import FinetuneError
 from finetune.memory.offload import activation_offload, preflight_offload
+from finetune.memory.preference import loads_reference_adapter
 from finetune.memory.step import autocast_for, mixed_precision
 from finetune.memory.tracker_callback import PeakMemoryCallback
 from finetune.plan import Plan, predict
@@ -203,9 +204,11 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     model, tokenizer, _ = load_model(recipe.model, recipe.quantization,
                                      sharded=several and recipe.distributed.strategy == "fsdp")
     model = apply_adapter(model, recipe.adapter, checkpointing=bool(recipe.memory.activation_checkpointing),
-                          reference=recipe.training.uses_reference)
-    started = init_from_record(recipe.adapter.init_from) if recipe.adapter.init_from is not None else None
-    if started is not None and main:
+                          reference=loads_reference_adapter(recipe), digest=main)
+    # results.json's record of the start adapter: rank 0 writes it, hashing the bytes apply_adapter read.
+    started = init_from_record(recipe.adapter.init_from) if main and recipe.adapter.init_from is not None \
+        else None
+    if started is not None:
         run_dir.log_line(f"adapter.init_from: started from {started['adapter']} (sha256 {started['sha256']})")
     apply_memory_config(model, recipe.memory)
     trainable, total = count_parameters(model)
