@@ -8,6 +8,7 @@ import math
 import shutil
 
 import pytest
+import torch
 
 from finetune.recipe import validate_recipe
 from finetune.recipe.batch_rules import best_accumulation
@@ -189,3 +190,50 @@ def test_out_of_memory_inside_a_group_redoes_the_whole_group(tmp_path, tiny_mode
     assert sorted(got) == sorted(expected)
     for step in expected:
         assert got[step] == pytest.approx(expected[step], rel=1e-5), f"step {step}"
+
+
+# -- the batch-size warmup below the micro-batch (finetune/train/sub_updates.py) --------------------------------
+
+def _forward_spy(monkeypatch) -> list:
+    """Every forward-backward's rows (their real tokens) and loss, in order."""
+    from finetune.train.trainer import FinetuneTrainer
+
+    seen = []
+    step = FinetuneTrainer.training_step
+
+    def spy(self, model, inputs, num_items_in_batch=None):
+        loss = step(self, model, inputs, num_items_in_batch)
+        rows = [tuple(ids[mask.bool()].tolist()) for ids, mask in zip(inputs["input_ids"], inputs["attention_mask"])]
+        seen.append((rows, float(loss)))
+        return loss
+
+    monkeypatch.setattr(FinetuneTrainer, "training_step", spy)
+    return seen
+
+
+def _weights(run_dir) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+
+
+def test_sub_updates_of_one_sequence_train_exactly_as_micro_batch_one(tmp_path, tiny_model_dir, monkeypatch):
+    """The key property: the warmup's updates ARE a smaller batch. Auto at micro-batch 4 held at one sequence
+    per update gives the per-update losses and final weights of a plain run at micro-batch 1 (same data)."""
+    monkeypatch.setattr(batch_engine, "update_batch", lambda gns, per_sequence, current, micro: current)
+    seen = _forward_spy(monkeypatch)
+    constant = {"lr_scheduler": "constant", "noise_scale_split_every": 1000}
+    plain = run(validate_recipe(_recipe(tmp_path, tiny_model_dir, "plain1", micro_batch_size=1, max_steps=12,
+                                        **constant)))
+    plain_seen, seen[:] = list(seen), []
+    auto = run(validate_recipe(_recipe(tmp_path, tiny_model_dir, "sub4", micro_batch_size=4, max_steps=3,
+                                       effective_batch_size="auto", reference_batch_size=1, **constant)))
+    assert plain.steps == 12 and auto.steps == 3
+    assert [rows for rows, _ in seen] == [rows for rows, _ in plain_seen] and len(seen) == 12
+    assert [loss for _, loss in seen] == pytest.approx([loss for _, loss in plain_seen], rel=1e-5)
+    a, b = _weights(plain.run_dir), _weights(auto.run_dir)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.allclose(a[name], b[name], rtol=1e-5, atol=1e-7), name
+    events = [r for r in read_jsonl(auto.run_dir / "metrics.jsonl") if r.get("event") == "batch_changed"]
+    assert [(e["step"], e["from"]["update_batch"], e["to"]["update_batch"]) for e in events] == [(0, 4, 1)]

@@ -127,6 +127,18 @@ def token_cap(gns_tokens: float, tokens_per_micro: float) -> int:
     return max(1, math.floor(1 + TOKEN_SLACK * (gns_tokens + tokens_per_micro) / tokens_per_micro + 1e-9))
 
 
+def update_batch(gns_tokens: float | None, tokens_per_sequence: float, current: int, micro: int) -> int:
+    """Sequences per optimizer update during the batch-size warmup below the micro-batch (the critical batch
+    starts near 0 and grows, Critical Batch Size Revisited): the largest power of two dividing `micro`, or
+    `micro` itself, whose token_overhead next to ONE sequence stays within TOKEN_SLACK (token_cap in
+    sequences); never below `current`, and `current` while no noise scale is measured."""
+    if not gns_tokens or gns_tokens <= 0 or tokens_per_sequence <= 0:
+        return current
+    cap = token_cap(gns_tokens, tokens_per_sequence)
+    sizes = [b for b in (1 << i for i in range(micro.bit_length())) if micro % b == 0] + [micro]
+    return max([current] + [b for b in sizes if b <= cap])
+
+
 def best_accumulation(gns_tokens: float | None, tokens_per_micro: float, t_micro: float | None,
                       t_opt: float | None, current: int = 1, limit: int = 64) -> int:
     """The accumulation that minimises wall_time within the token_cap, never below `current` (the critical
