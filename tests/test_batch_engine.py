@@ -118,6 +118,8 @@ def test_a_layerwise_optimizer_accumulates_over_the_group(tmp_path, tiny_model_d
     assert seen[-1] == (4, 4)
     events = [r for r in read_jsonl(result.run_dir / "metrics.jsonl") if r.get("event") == "batch_changed"]
     assert [e["to"]["gradient_accumulation_steps"] for e in events] == [2, 4]
+    # no warmup below the micro-batch: its updates happen inside backward, so they cannot end mid-batch
+    assert [(e["from"]["update_batch"], e["to"]["update_batch"]) for e in events] == [(2, 2), (2, 2)]
 
 
 def _timed(monkeypatch, t_micro: float, t_opt: float) -> list:
@@ -297,3 +299,32 @@ def test_the_warmup_ramps_the_update_batch_then_accumulates_without_dropping_exa
     for step in losses:
         assert again[step] == pytest.approx(losses[step], rel=1e-6), f"step {step}"
     assert [e["to"] for e in again_rows if e.get("event") == "batch_changed"] == [e["to"] for e in events]
+
+
+def test_out_of_memory_inside_a_sub_updated_step_redoes_only_the_updates_not_applied(
+        tmp_path, tiny_model_dir, monkeypatch):
+    """The failure is in the step's last update: its earlier updates were applied and are not run again; the
+    losses and weights stay those of the run that never ran out of memory."""
+    from finetune.train.recovery import FAULT_ENV
+
+    monkeypatch.setattr(batch_engine, "update_batch", lambda gns, per_sequence, current, micro: current)
+    seen = _forward_spy(monkeypatch)
+    recipe = _recipe(tmp_path, tiny_model_dir, "plain", micro_batch_size=4, max_steps=4,
+                     effective_batch_size="auto", noise_scale_split_every=3)
+    plain = run(validate_recipe(recipe))
+    plain_seen, seen[:] = list(seen), []
+    monkeypatch.setenv(FAULT_ENV, "2")
+    recovered = run(validate_recipe({**recipe, "output": {**recipe["output"], "dir": str(tmp_path / "oom")}}))
+    monkeypatch.delenv(FAULT_ENV)
+    rows = read_jsonl(recovered.run_dir / "metrics.jsonl")
+    assert [r["to"] for r in rows if r.get("event") == "oom_recovered"] == \
+        [{"micro_batch_size": 2, "gradient_accumulation_steps": 2}]
+    # step 2's last update (one chunk of 1) ran twice, nothing else did
+    retried = [i for i in range(1, len(seen)) if seen[i][0] == seen[i - 1][0]]
+    assert len(seen) == len(plain_seen) + 1 and len(retried) == 1
+    kept = seen[:retried[0]] + seen[retried[0] + 1:]
+    assert [rows for rows, _ in kept] == [rows for rows, _ in plain_seen]
+    assert [loss for _, loss in kept] == pytest.approx([loss for _, loss in plain_seen], rel=1e-5)
+    a, b = _weights(plain.run_dir), _weights(recovered.run_dir)
+    for name in a:
+        assert torch.allclose(a[name], b[name], rtol=1e-5, atol=1e-7), name
