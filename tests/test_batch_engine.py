@@ -216,7 +216,8 @@ def _forward_spy(monkeypatch) -> list:
 
     def spy(self, model, inputs, num_items_in_batch=None):
         loss = step(self, model, inputs, num_items_in_batch)
-        rows = [tuple(ids[mask.bool()].tolist()) for ids, mask in zip(inputs["input_ids"], inputs["attention_mask"])]
+        rows = [tuple(ids[mask.bool()].tolist())
+                for ids, mask in zip(inputs["input_ids"], inputs["attention_mask"], strict=True)]
         seen.append((rows, float(loss)))
         return loss
 

@@ -19,6 +19,8 @@ from finetune.recipe.batch_rules import (
     reference_batch,
     scale_for_batch,
     token_cap,
+    token_overhead,
+    update_batch,
     wall_time,
 )
 from finetune.recipe.optimizers import SPECS
@@ -136,6 +138,23 @@ def test_accumulation_never_costs_more_than_the_token_slack():
     assert best_accumulation(1.6e4, b, t_micro, t_opt) == 1  # k* = 8, but batch 2 would cost 6% more tokens
 
 
+def test_the_warmup_update_batch_is_the_largest_power_of_two_within_the_token_slack_of_one_sequence():
+    """Below the micro-batch the update batch grows with the noise scale: the largest power of two dividing the
+    micro-batch (or the micro-batch) within TOKEN_SLACK extra tokens next to one sequence; never down."""
+    per_sequence = 100.0
+    assert update_batch(None, per_sequence, current=1, micro=32) == 1  # nothing measured yet
+    assert update_batch(10 * per_sequence, per_sequence, current=1, micro=32) == 1  # 2 sequences cost 9% more
+    for gns_sequences in (50, 200, 400, 1600, 1e6):
+        u = update_batch(gns_sequences * per_sequence, per_sequence, current=1, micro=32)
+        assert u & (u - 1) == 0 and u <= 32
+        assert token_overhead(u, gns_sequences) <= TOKEN_SLACK + 1e-12
+        assert u == 32 or token_overhead(2 * u, gns_sequences) > TOKEN_SLACK
+    assert update_batch(1e6 * per_sequence, per_sequence, current=1, micro=32) == 32
+    assert update_batch(200 * per_sequence, per_sequence, current=4, micro=32) == 4  # cap 5: only up, by 2^k
+    assert update_batch(200 * per_sequence, per_sequence, current=1, micro=6) == 2  # cap 5; 4 does not divide 6
+    assert update_batch(1e6 * per_sequence, per_sequence, current=1, micro=6) == 6
+
+
 def test_the_accumulation_only_ramps_up_and_only_for_a_real_saving():
     b, t_micro, t_opt = 1000.0, 0.1, 0.4
     assert best_accumulation(500.0, b, t_micro, t_opt, current=8) == 8  # k* = 1.4 now: never down
@@ -225,5 +244,8 @@ def test_finetune_plan_shows_what_auto_will_do(tiny_model_dir, tmp_path, capsys)
     path.write_text(recipe_to_yaml(recipe))
     assert main(["plan", str(path), "--gpu-memory", "2GiB", "--device", "cpu"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "effective batch auto: starts at micro-batch 4 without accumulation; the run times" in out
+    assert "effective batch auto: a batch-size warmup (the critical batch starts near 0 and grows): updates of 1 " \
+        "sequence first, each micro-batch of 4 run as 4 updates in a row" in out
+    assert "until it is the micro-batch (smaller updates run slower per token); then, without accumulation at " \
+        "first, the run times" in out
     assert "at most 256 sequences; learning rate x sqrt of the batch ratio (capped at 4x), beta2 ** ratio" in out

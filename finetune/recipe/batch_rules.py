@@ -207,9 +207,20 @@ def auto_schedule(micro_batch: int, optimizer: str, layerwise: bool, max_accumul
     follows = "learning rate x " + ("sqrt" if spec.lr_batch_scaling == "sqrt" else "linear") + " of the batch ratio" \
         + (f" (capped at {MAX_LR_FACTOR:g}x)" if spec.lr_batch_scaling == "sqrt" else "") \
         + (", beta2 ** ratio" if spec.uses_beta2 else "")
-    measure = (f"; to measure the noise scale, once every {split_every} micro-batches two share one update"
-               if micro_batch == 1 or layerwise else "")
-    return (f"effective batch auto: starts at micro-batch {micro_batch} without accumulation{measure}; the run "
+    if micro_batch > 1 and not layerwise:
+        start = (f"a batch-size warmup (the critical batch starts near 0 and grows): updates of 1 sequence "
+                 f"first, each micro-batch of {micro_batch} run as {micro_batch} updates in a row (once every "
+                 f"{split_every} updates two share one, to measure the noise scale); the update batch grows by "
+                 f"powers of two while it costs at most {100 * TOKEN_SLACK:g}% more tokens than one sequence at "
+                 f"the measured noise scale, until it is the micro-batch (smaller updates run slower per token); "
+                 f"then, without accumulation at first, the run")
+    else:
+        measure = (f"; to measure the noise scale, once every {split_every} micro-batches two share one update"
+                   if micro_batch == 1 or layerwise else "")
+        warmup = (" (no warmup below the micro-batch: a layer-wise optimizer updates inside backward)"
+                  if micro_batch > 1 else "")
+        start = f"starts at micro-batch {micro_batch} without accumulation{warmup}{measure}; the run"
+    return (f"effective batch auto: {start} "
             f"times its micro-batches (t_micro) and optimizer steps (t_opt) and accumulates k = "
             f"sqrt(t_opt x noise scale / (t_micro x micro-batch tokens)) micro-batches where that saves "
             f">= {100 * MIN_GAIN:g}% of the predicted time to a loss and costs at most {100 * TOKEN_SLACK:g}% more "
