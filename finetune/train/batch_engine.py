@@ -1,5 +1,14 @@
 """`training.effective_batch_size: auto`: the batch grows with the measured gradient noise scale.
 
+The warmup first (finetune/train/sub_updates.py): the critical batch starts near 0 and grows (Critical
+Batch Size Revisited), so the run starts with updates of ONE sequence even where the loader batch (the
+micro-batch m) is larger: each Trainer step's loader batch runs as m/u updates of u sequences. u grows to
+the largest power of two dividing m whose predicted token overhead next to one sequence stays within
+TOKEN_SLACK (batch_rules.update_batch), at the same decision points as the accumulation below, until it is m;
+from then on the engine works as described next. Not with a layer-wise optimizer (it updates inside
+backward: an update cannot end inside a loader batch) nor where the Trainer accumulates loader batches (an
+out-of-memory recovery's settings on --resume): those start at u = m, as before.
+
 The micro-batch stays the planner's fastest fit and the Trainer keeps one loader batch per Trainer step, so
 `max_steps`, the data order, the LR schedule and the run length stay defined in loader batches (fixed
 tokens): a ramp never changes which examples are seen or how many. The engine accumulates A consecutive
@@ -25,9 +34,13 @@ training.noise_scale_split_every loader batches while the accumulation is 1, ins
 time (the pair keeps the learning rate and beta2 of one loader batch). Splitting one sequence by tokens would
 not do: the halves of a sequence are correlated, and the two-batch estimator assumes independent parts.
 
+Learning rate and beta2 follow the rules for u x accumulation sequences (the run's first change, to u = 1,
+is recorded at step 0); each batch_changed event names the update batch u in `from` and `to`.
+
 Checkpoints fall on group boundaries only (a save or stop asked for mid-group waits for the group's last
-step), and hold the accumulation in batch_engine.json, so `--resume` continues exactly. An out-of-memory
-retry inside a group re-runs the group's earlier loader batches too (finetune/train/recovery.py).
+step), and hold the accumulation and the update batch in batch_engine.json, so `--resume` continues exactly.
+An out-of-memory retry inside a group re-runs the group's earlier loader batches too
+(finetune/train/recovery.py); one inside a step of several updates re-runs only those not applied yet.
 """
 
 from __future__ import annotations
