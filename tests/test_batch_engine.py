@@ -329,3 +329,30 @@ def test_out_of_memory_inside_a_sub_updated_step_redoes_only_the_updates_not_app
     a, b = _weights(plain.run_dir), _weights(recovered.run_dir)
     for name in a:
         assert torch.allclose(a[name], b[name], rtol=1e-5, atol=1e-7), name
+
+
+def test_a_resume_with_a_recovery_s_accumulation_ends_the_warmup_with_a_recorded_change(
+        tmp_path, tiny_model_dir, monkeypatch):
+    """An out-of-memory recovery's settings (micro-batch 2 x 2 loader batches per Trainer step) leave no
+    room for updates inside a loader batch on --resume: the run goes on with updates of the whole step, says
+    so in a batch_changed row, and its learning rate follows the rules from the next step on."""
+    from finetune.train.recovery import FAULT_ENV
+
+    monkeypatch.setattr(batch_engine, "update_batch", lambda gns, per_sequence, current, micro: current)
+    recipe = _recipe(tmp_path, tiny_model_dir, "warm-oom", micro_batch_size=4, max_steps=6, lr_scheduler="constant",
+                     effective_batch_size="auto")
+    monkeypatch.setenv(FAULT_ENV, "2")
+    first = run(validate_recipe(recipe))
+    monkeypatch.delenv(FAULT_ENV)
+    copy = tmp_path / "warm-oom-resumed"
+    shutil.copytree(first.run_dir, copy)
+    for p in (copy / "checkpoints").glob("checkpoint-*"):
+        if int(p.name.split("-")[1]) > 3:
+            shutil.rmtree(p)
+    resumed = run(validate_recipe({**recipe, "output": {**recipe["output"], "dir": str(copy)}}), resume=True)
+    assert resumed.steps == 6
+    rows = read_jsonl(copy / "metrics.jsonl")
+    events = [r for r in rows if r.get("event") == "batch_changed"]
+    assert [(e["step"], e["from"]["update_batch"], e["to"]["update_batch"]) for e in events] == [(0, 4, 1), (3, 1, 4)]
+    lrs = {r["step"]: r["learning_rate"] for r in rows if "loss" in r}
+    assert lrs[3] == pytest.approx(5e-4) and lrs[5] == lrs[6] == pytest.approx(1e-3)  # sqrt(1/4), then the recipe's

@@ -339,8 +339,11 @@ class BatchEngineTrainer(SubUpdatingTrainer):
         if scheduler is None:  # the optimizer is being created: the scheduler will take these as its base
             for group, lr in zip(groups, base_lrs, strict=True):
                 group["lr"] = lr * rule.new_learning_rate
-        else:
-            scheduler.base_lrs = [lr * rule.new_learning_rate for lr in base_lrs]
+        else:  # the optimizer's learning rates too: a change on resume applies before the scheduler's next step
+            new = [lr * rule.new_learning_rate for lr in base_lrs]
+            for group, old, lr in zip(groups, scheduler.base_lrs, new, strict=True):
+                group["lr"] *= lr / old
+            scheduler.base_lrs = new
         if rule.new_betas is not None:
             for group in groups:
                 if "betas" in group:
@@ -389,6 +392,11 @@ class BatchEngineTrainer(SubUpdatingTrainer):
             self._tokens, self._batches = saved["tokens"], saved["batches"]
             if saved["base"]:
                 self._base = (saved["base"]["lrs"], tuple(saved["base"]["betas"]))
+            if saved.get("update_batch", self.update_batch) < self.update_batch:  # the warmup cannot go on here
+                console.print(f"batch warmup: ended on resume ({self._no_warmup()})")
+                event = self._changed((saved["update_batch"], self.accumulation), None, None, self.state.global_step)
+                if self.on_batch_change is not None:
+                    self.on_batch_change(event)
 
 
 def record_batch_change(run_dir: RunDir, metrics: MetricsCallback) -> Callable[[dict], None]:
