@@ -198,6 +198,9 @@ def test_advice_is_the_micro_batch_times_the_accumulation_that_minimises_the_tim
     assert cheap["settings"]["training.effective_batch_size"] == 2  # below the batch used: no accumulation
     assert "settings" not in advise(None, 20.0, 2, 2, 1e-3, (0.9, 0.999), "adamw", (0.01, 0.02))
     assert "settings" not in advise(3200.0, 20.0, 2, 2, 1e-3, (0.9, 0.999), "adamw", None)
+    # a run that ended in the warmup (no step times) still learns that its micro-batch is too large a batch
+    warm = advise(2000.0, 20.0, 32, batch_used=1, learning_rate=1e-3, betas=(0.9, 0.999), optimizer="adamw", times=None)
+    assert warm["settings"]["training.effective_batch_size"] == 2 and "step" not in warm["reason"].split(":")[0]
 
 
 def test_a_micro_batch_past_the_noise_scale_is_advised_down_and_left_to_the_planner():

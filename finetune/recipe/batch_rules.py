@@ -233,17 +233,15 @@ def advise(gns_tokens: float | None, tokens_per_sequence: float, micro_batch: in
            times: tuple[float, float] | None) -> dict:
     """What to use next time, from a run's final noise scale (labelled tokens) and step times (t_micro,
     t_opt): the micro-batch x best_accumulation, or, where the micro-batch alone already costs more than
-    TOKEN_SLACK extra tokens next to one sequence, a smaller batch with the micro-batch left to the planner;
+    TOKEN_SLACK extra tokens next to one sequence, a smaller batch with the micro-batch left to the planner
+    (which needs no step times: a run that ended in the batch-size warmup timed none);
     and the learning rate and betas the rules give that batch from the ones used at `batch_used`. As recipe
     keys, so `finetune plan --advice RUN_DIR` can apply them."""
     if not gns_tokens or tokens_per_sequence <= 0:
         return {"reason": "no noise scale was measured (too few steps, or micro-batch 1 without accumulation)"}
-    if times is None:
-        return {"reason": "the step times were not measured (too few optimizer steps)"}
-    t_micro, t_opt = times
     measured = (f"measured noise scale {gns_tokens:.4g} labelled tokens = {gns_tokens / tokens_per_sequence:.3g} "
-                f"sequences, micro-batch {micro_batch} step {1000 * t_micro:.3g} ms, optimizer step "
-                f"{1000 * t_opt:.3g} ms: ")
+                f"sequences" + (f", micro-batch {micro_batch} step {1000 * times[0]:.3g} ms, optimizer step "
+                                f"{1000 * times[1]:.3g} ms" if times else "") + ": ")
     settings: dict = {}
     largest = token_cap(gns_tokens, tokens_per_sequence)  # sequences per update within the slack of one
     if micro_batch > largest:  # a power of two, so the planner's micro-batches divide it
@@ -253,7 +251,10 @@ def advise(gns_tokens: float | None, tokens_per_sequence: float, micro_batch: in
                f"more tokens to a loss than one sequence; {batch} sequence(s) per update stay within "
                f"{100 * TOKEN_SLACK:g}% (a smaller micro-batch runs slower per token but wastes none of the run's "
                f"data); ")
+    elif times is None:  # a run still in the batch-size warmup times no step
+        return {"reason": "the step times were not measured (too few optimizer steps after the warmup)"}
     else:
+        t_micro, t_opt = times
         accumulation = best_accumulation(gns_tokens, micro_batch * tokens_per_sequence, t_micro, t_opt, 1,
                                          max(1, largest // micro_batch))
         batch = micro_batch * accumulation
