@@ -15,6 +15,7 @@ from finetune.recipe.batch_rules import (
     StepTimes,
     advise,
     apply_batch_rules,
+    auto_schedule,
     best_accumulation,
     reference_batch,
     scale_for_batch,
@@ -153,6 +154,11 @@ def test_the_warmup_update_batch_is_the_largest_power_of_two_within_the_token_sl
     assert update_batch(200 * per_sequence, per_sequence, current=4, micro=32) == 4  # cap 5: only up, by 2^k
     assert update_batch(200 * per_sequence, per_sequence, current=1, micro=6) == 2  # cap 5; 4 does not divide 6
     assert update_batch(1e6 * per_sequence, per_sequence, current=1, micro=6) == 6
+    # the plan says what the warmup does, and why a layer-wise optimizer has none
+    assert "updates of 1 sequence first, each micro-batch of 8 run as 8 updates" in auto_schedule(8, "adamw", False, 64, 10)
+    assert "no warmup below the micro-batch: a layer-wise optimizer updates inside backward" in \
+        auto_schedule(8, "adamw", True, 64, 10)
+    assert "warmup" not in auto_schedule(1, "adamw", False, 64, 10)
 
 
 def test_the_accumulation_only_ramps_up_and_only_for_a_real_saving():
