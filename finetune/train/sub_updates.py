@@ -12,7 +12,7 @@ rate). Each update's loss is the token mean of its own chunk (num_items_in_batch
 sub-updates of one sequence trains exactly as a run at micro-batch 1 with the learning rate and beta2 the
 rules give one sequence (tests/test_batch_engine.py). The step's logged loss stays the token mean of its
 loader batch. After an out-of-memory recovery (`splits`) each chunk runs in the recovery's smaller parts.
-Steps of several updates are not timed (batch_engine.StepTimes assumes one update per step).
+Steps of several updates are not timed (batch_rules.StepTimes assumes one update per step).
 
 The noise scale at u < m: every training.noise_scale_split_every updates two consecutive chunks share one
 update (two micro-batches for GradNormProbe), as a pair of loader batches measures micro-batch 1; the pair
