@@ -216,7 +216,7 @@ def batch_plan(recipe: Recipe, plan: Plan) -> list[str]:
     if recipe.training.effective_batch_size == "auto":
         lines.append(auto_schedule(int(resolved.training.micro_batch_size), resolved.optimizer.name,
                                    resolved.optimizer.layerwise, MAX_ACCUMULATION,
-                                   resolved.training.noise_scale_split_every))
+                                   resolved.training.noise_scale_split_every, resolved.training.method))
     return lines
 
 

@@ -356,3 +356,14 @@ def test_a_resume_with_a_recovery_s_accumulation_ends_the_warmup_with_a_recorded
     assert [(e["step"], e["from"]["update_batch"], e["to"]["update_batch"]) for e in events] == [(0, 4, 1), (3, 1, 4)]
     lrs = {r["step"]: r["learning_rate"] for r in rows if "loss" in r}
     assert lrs[3] == pytest.approx(5e-4) and lrs[5] == lrs[6] == pytest.approx(1e-3)  # sqrt(1/4), then the recipe's
+
+
+def test_kto_has_no_warmup_below_the_micro_batch(tmp_path, tiny_model_dir):
+    """kto's reference point is the mean of its batch's answers: an update of one answer has no gradient, so
+    the run keeps updates of the whole micro-batch (and records no warmup)."""
+    from tests.test_preference_train import _recipe as preference_recipe
+
+    result = run(preference_recipe(tmp_path, tiny_model_dir, "kto", training={
+        "method": "kto", "micro_batch_size": 4, "effective_batch_size": "auto", "max_steps": 3}))
+    rows = read_jsonl(result.run_dir / "metrics.jsonl")
+    assert result.state == "completed" and not [r for r in rows if r.get("event") == "batch_changed"]

@@ -159,6 +159,7 @@ def test_the_warmup_update_batch_is_the_largest_power_of_two_within_the_token_sl
     assert "no warmup below the micro-batch: a layer-wise optimizer updates inside backward" in \
         auto_schedule(8, "adamw", True, 64, 10)
     assert "warmup" not in auto_schedule(1, "adamw", False, 64, 10)
+    assert "no warmup below the micro-batch: kto's reference point" in auto_schedule(8, "adamw", False, 64, 10, "kto")
 
 
 def test_the_accumulation_only_ramps_up_and_only_for_a_real_saving():

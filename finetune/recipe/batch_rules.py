@@ -201,13 +201,14 @@ class StepTimes:
 
 
 def auto_schedule(micro_batch: int, optimizer: str, layerwise: bool, max_accumulation: int,
-                  split_every: int) -> str:
-    """What `effective_batch_size: auto` will do, for `finetune plan` (the run decides from measurements)."""
+                  split_every: int, method: str = "sft") -> str:
+    """What `effective_batch_size: auto` will do, for `finetune plan` (the run decides from measurements);
+    `method`: training.method (kto has no warmup: BatchEngineTrainer._no_warmup)."""
     spec = optimizer_spec(optimizer)
     follows = "learning rate x " + ("sqrt" if spec.lr_batch_scaling == "sqrt" else "linear") + " of the batch ratio" \
         + (f" (capped at {MAX_LR_FACTOR:g}x)" if spec.lr_batch_scaling == "sqrt" else "") \
         + (", beta2 ** ratio" if spec.uses_beta2 else "")
-    if micro_batch > 1 and not layerwise:
+    if micro_batch > 1 and not layerwise and method != "kto":
         start = (f"a batch-size warmup (the critical batch starts near 0 and grows): updates of 1 sequence "
                  f"first, each micro-batch of {micro_batch} run as {micro_batch} updates in a row (once every "
                  f"{split_every} updates two share one, to measure the noise scale); the update batch grows by "
@@ -217,8 +218,9 @@ def auto_schedule(micro_batch: int, optimizer: str, layerwise: bool, max_accumul
     else:
         measure = (f"; to measure the noise scale, once every {split_every} micro-batches two share one update"
                    if micro_batch == 1 or layerwise else "")
-        warmup = (" (no warmup below the micro-batch: a layer-wise optimizer updates inside backward)"
-                  if micro_batch > 1 else "")
+        why = "a layer-wise optimizer updates inside backward" if layerwise \
+            else "kto's reference point is the mean of its batch's answers"
+        warmup = f" (no warmup below the micro-batch: {why})" if micro_batch > 1 else ""
         start = f"starts at micro-batch {micro_batch} without accumulation{warmup}{measure}; the run"
     return (f"effective batch auto: {start} "
             f"times its micro-batches (t_micro) and optimizer steps (t_opt) and accumulates k = "

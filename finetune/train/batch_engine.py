@@ -6,7 +6,7 @@ micro-batch m) is larger: each Trainer step's loader batch runs as m/u updates o
 the largest power of two dividing m whose predicted token overhead next to one sequence stays within
 TOKEN_SLACK (batch_rules.update_batch), at the same decision points as the accumulation below, until it is m;
 from then on the engine works as described next. Not with a layer-wise optimizer (it updates inside
-backward: an update cannot end inside a loader batch) nor where the Trainer accumulates loader batches (an
+backward: an update cannot end inside a loader batch), nor for kto (its reference point is its batch's mean), nor where the Trainer accumulates loader batches (an
 out-of-memory recovery's settings on --resume): those start at u = m, as before.
 
 The micro-batch stays the planner's fastest fit and the Trainer keeps one loader batch per Trainer step, so
@@ -135,6 +135,8 @@ class BatchEngineTrainer(SubUpdatingTrainer):
         """Why updates smaller than the loader batch cannot run here (None: they can)."""
         if self.recipe.optimizer.layerwise:
             return "a layer-wise optimizer updates inside backward, so an update cannot end inside a micro-batch"
+        if self.recipe.training.method == "kto":
+            return "kto's reference point is the mean of its batch's answers: a batch of one learns nothing"
         if self.args.gradient_accumulation_steps > 1:
             return (f"the Trainer accumulates {self.args.gradient_accumulation_steps} loader batches per step "
                     "(an out-of-memory recovery's settings)")
