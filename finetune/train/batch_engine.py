@@ -6,8 +6,9 @@ micro-batch m) is larger: each Trainer step's loader batch runs as m/u updates o
 the largest power of two dividing m whose predicted token overhead next to one sequence stays within
 TOKEN_SLACK (batch_rules.update_batch), at the same decision points as the accumulation below, until it is m;
 from then on the engine works as described next. Not with a layer-wise optimizer (it updates inside
-backward: an update cannot end inside a loader batch), nor for kto (its reference point is its batch's mean), nor where the Trainer accumulates loader batches (an
-out-of-memory recovery's settings on --resume): those start at u = m, as before.
+backward: an update cannot end inside a loader batch), nor for kto (its reference point is its batch's
+mean), nor where the Trainer accumulates loader batches (an out-of-memory recovery's settings on --resume):
+those start at u = m, as before.
 
 The micro-batch stays the planner's fastest fit and the Trainer keeps one loader batch per Trainer step, so
 `max_steps`, the data order, the LR schedule and the run length stay defined in loader batches (fixed
