@@ -16,8 +16,9 @@ sequences of 64 tokens packed from the documents; 10% of the sequences are held 
     factor 2 apart around the square-root rule, 3 per batch plus one more beyond an edge while the best is at
     that edge, at most MAX_EXTEND; beta2 by the rule from 0.99 at 16; linear warmup 5% and decay to 0 over the
     same token budget) and for `auto` with no tuning (lr(ref) = the middle one of batch 16): auto_run mirrors
-    BatchEngineTrainer (finetune/train/batch_engine.py) step for step - no accumulation to start, the noise
-    scale from the probe (a split every SPLIT_EVERY loader batches, or at micro-batch 1 a pair of loader
+    BatchEngineTrainer (finetune/train/batch_engine.py) step for step - the batch-size warmup first (updates
+    of 1 sequence within each loader batch, the update batch from finetune.recipe.batch_rules.update_batch, up
+    to the micro-batch), then no accumulation to start, the noise scale from the probe (a split every SPLIT_EVERY loader batches, or at micro-batch 1 a pair of loader
     batches in one update), forward-backward and update timed, the accumulation from
     finetune.recipe.batch_rules.best_accumulation, learning rate and beta2 from the rules - at the planner's
     fastest micro-batch on this machine (32) and at 4 and 1. The same sequences in the same order for every run.
@@ -49,6 +50,7 @@ from finetune.recipe.batch_rules import (  # noqa: E402
     StepTimes,
     best_accumulation,
     scale_for_batch,
+    update_batch,
 )
 from finetune.recipe.schema import TrainingConfig  # noqa: E402
 from finetune.train.batch_engine import MIN_OBSERVATIONS  # noqa: E402
@@ -202,23 +204,68 @@ def train_run(train: torch.Tensor, evals: torch.Tensor, total_seqs: int, eval_ev
 
 def auto_run(train: torch.Tensor, evals: torch.Tensor, total_seqs: int, eval_every: int, *, micro: int, lr: float,
              log: list, times: StepTimes) -> list[tuple[int, float]]:
-    """`effective_batch_size: auto` at micro-batch `micro`, as BatchEngineTrainer runs it: no accumulation to
-    start; the noise scale from the probe (a loader batch split in two every SPLIT_EVERY, or at micro-batch 1
-    a pair of loader batches in one update every SPLIT_EVERY); forward-backward and the rest of each step
-    timed into `times`; after MIN_OBSERVATIONS fresh observations, the accumulation from
-    batch_rules.best_accumulation, the learning rate (lr(ref) `lr`, untuned) and beta2 from the rules."""
+    """`effective_batch_size: auto` at micro-batch `micro`, as BatchEngineTrainer runs it: the warmup first
+    (finetune/train/sub_updates.py): updates of u = 1 sequence, each loader batch of `micro` run as micro/u
+    updates (two chunks in one update every SPLIT_EVERY updates, for the noise scale), not timed, u from
+    batch_rules.update_batch after MIN_OBSERVATIONS fresh observations, until it is `micro`; then no
+    accumulation to start; the noise scale from the probe (a loader batch split in two every SPLIT_EVERY, or
+    at micro-batch 1 a pair of loader batches in one update every SPLIT_EVERY); forward-backward and the rest
+    of each step timed into `times`; after MIN_OBSERVATIONS fresh observations, the accumulation from
+    batch_rules.best_accumulation, the learning rate (lr(ref) `lr`, untuned) and beta2 from the rules for
+    u x accumulation sequences."""
     model = build_model()
     params = [p for p in model.parameters() if p.requires_grad]
-    rule = scale_for_batch(lr, (0.9, REF_BETA2), "adamw", REF_BATCH, micro)
+    u = 1
+    rule = scale_for_batch(lr, (0.9, REF_BETA2), "adamw", REF_BATCH, u)
     opt = torch.optim.AdamW(params, lr=rule.new_learning_rate, betas=rule.new_betas)
     peak = rule.new_learning_rate
     probe, ema = GradNormProbe(params), NoiseScaleEMA()
     accumulation, loader_batches, seen, points, next_eval, observed_at_change = 1, 0, 0, [], 0, 0
+    since_pair = 0  # updates since the warmup's last measuring pair of chunks
     total_tokens = total_seqs * (SEQ - 1)
+
+    def update() -> None:  # the update after its backwards, as the Trainer makes it
+        obs = probe.finish()
+        if obs is not None:
+            ema.update(obs)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(seen * (SEQ - 1), total_tokens, peak)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
     while seen < total_seqs:
         if seen >= next_eval:
             points.append((seen * (SEQ - 1), held_out(model, evals)))
             next_eval += eval_every
+        if u < micro:  # the warmup: one loader batch as updates of u sequences
+            chunks = list(train[seen:seen + micro].split(u))
+            seen += sum(len(c) for c in chunks)
+            loader_batches += 1
+            i = 0
+            while i < len(chunks):
+                pair = since_pair >= SPLIT_EVERY - 1 and i + 1 < len(chunks)
+                take = 2 if pair else 1
+                group, since_pair, i = chunks[i:i + take], 0 if pair else since_pair + 1, i + take
+                tokens = sum(c.numel() - len(c) for c in group)
+                for chunk in group:
+                    n = chunk.numel() - len(chunk)
+                    probe.micro_batch(n, n / tokens)
+                    s, _ = loss_sum(model, chunk)
+                    (s / tokens).backward()
+                update()
+            if ema.steps - observed_at_change >= MIN_OBSERVATIONS:
+                values = ema.values() or {}
+                new = update_batch(values.get("gns"), SEQ - 1, u, micro)
+                if new != u:
+                    u, observed_at_change = new, ema.steps
+                    rule = scale_for_batch(lr, (0.9, REF_BETA2), "adamw", REF_BATCH, u)
+                    peak = rule.new_learning_rate
+                    for g in opt.param_groups:
+                        g["betas"] = rule.new_betas
+                    log.append({"tokens": seen * (SEQ - 1), "batch": u, "update_batch": u,
+                                "gns": round(values["gns"]), "lr": round(peak, 6), "beta2": round(rule.new_betas[1], 6)})
+            continue
         pair = accumulation == 1 and micro == 1 and loader_batches // SPLIT_EVERY != (loader_batches + 2) // SPLIT_EVERY
         group = []
         for _ in range(2 if pair else accumulation):
@@ -239,14 +286,7 @@ def auto_run(train: torch.Tensor, evals: torch.Tensor, total_seqs: int, eval_eve
             forward_backward.append(time.perf_counter() - t0)
             loader_batches += 1
         t0 = time.perf_counter()
-        obs = probe.finish()
-        if obs is not None:
-            ema.update(obs)
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(seen * (SEQ - 1), total_tokens, peak)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        update()
         rest = time.perf_counter() - t0
         for fb in forward_backward[:-1]:
             times.add(fb, 0.0, updated=False)
@@ -399,13 +439,15 @@ def main() -> None:
     for name in ramps:
         gap = curves[name][-1][1] / best_fixed[1] - 1
         changes = [r for r in ramps[name] if "batch" in r]
+        none = ("none (k* rounds to 1: the optimizer step is too cheap to pay for tokens)" if name == "auto mb=1"
+                else "none (the warmup kept updates of 1 sequence: 2 would cost more than the token slack)")
         t = timing[name]
         lines += [f"  {name:18s} {curves[name][-1][1]:.4f}   ({seconds[name]:.0f}s)  {100 * gap:+.2f}% vs best fixed "
                   f"({'within' if gap <= 0.02 else 'NOT within'} 2%)",
                   (f"    measured: t_micro {1000 * t[0]:.3g} ms, t_opt {1000 * t[1]:.3g} ms (medians), final gns "
                    + (f"{gns:.4g} tokens" if (gns := ramps[name][-1]["final_gns"]) else "not measured (too few "
                       "observations)")) if t else "    measured: no step times",
-                  f"    batch changes: {changes or 'none (k* rounds to 1: the optimizer step is too cheap to pay for tokens)'}"]
+                  f"    batch changes: {changes or none}"]
     text = "\n".join(lines) + "\n"
     print(text)
     RESULTS.mkdir(exist_ok=True)

@@ -262,7 +262,7 @@ def batch_plan(recipe: Recipe, plan: Plan) -> list[str]:
     if recipe.training.effective_batch_size == "auto":
         lines.append(auto_schedule(int(resolved.training.micro_batch_size), resolved.optimizer.name,
                                    resolved.optimizer.layerwise, MAX_ACCUMULATION,
-                                   resolved.training.noise_scale_split_every))
+                                   resolved.training.noise_scale_split_every, resolved.training.method))
     return lines
 
 
@@ -324,7 +324,8 @@ def apply_advice(recipe: Recipe | str | Path, run_dir: str | Path, overrides: li
 
 def run_batch_report(run: str | Path | RunFiles) -> dict[str, Any] | None:
     """What a finished run says about its batch (results.json and its recipe), for the run view: the batch
-    used (micro x accumulation x gpus, in sequences and labelled tokens), the noise scale over time (as (step,
+    used (micro x accumulation x gpus, in sequences and labelled tokens; `update_batch`: auto's sequences per
+    update, below the micro-batch while its warmup ran), the noise scale over time (as (step,
     labelled tokens)), the batch changes (metrics.jsonl's `batch_changed` rows) and the advice
     for next time (`settings` as recipe keys and a `reason`, or only a reason). None when results.json has
     no account of the batch (a run still going, or one from an older version)."""
@@ -334,10 +335,14 @@ def run_batch_report(run: str | Path | RunFiles) -> dict[str, Any] | None:
     if not isinstance(batch, dict):
         return None
     gpus = _recipe_gpus(files.recipe_text)
-    sequences = batch["micro_batch_size"] * batch["gradient_accumulation_steps"] * gpus
+    # effective_batch_size: per process, and smaller than micro x accumulation while auto's warmup ran updates
+    # of fewer sequences than the micro-batch (finetune/train/sub_updates.py)
+    sequences = batch.get("effective_batch_size", batch["micro_batch_size"] * batch["gradient_accumulation_steps"]) \
+        * gpus
     per_sequence = noise.get("tokens_per_sequence")
     return {"micro_batch_size": batch["micro_batch_size"], "gradient_accumulation_steps":
             batch["gradient_accumulation_steps"], "gpus": gpus, "sequences": sequences, "auto": bool(batch.get("auto")),
+            "update_batch": batch.get("update_batch"),
             "tokens_per_sequence": per_sequence, "tokens": round(sequences * per_sequence) if per_sequence else None,
             "noise_scale": noise.get("final"),
             "noise_series": [tuple(p) for p in noise.get("series") or []], "changes": batch.get("changes") or [],

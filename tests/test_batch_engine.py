@@ -8,6 +8,7 @@ import math
 import shutil
 
 import pytest
+import torch
 
 from finetune.recipe import validate_recipe
 from finetune.recipe.batch_rules import best_accumulation
@@ -27,9 +28,18 @@ def _recipe(tmp_path, model_dir, name: str, **training) -> dict:
 
 
 @pytest.fixture
+def whole_micro_batch(monkeypatch):
+    """No batch-size warmup below the micro-batch (updates of the loader batch from the start, as with a
+    layer-wise optimizer): for the tests of the accumulation that follows it."""
+    monkeypatch.setattr(BatchEngineTrainer, "_no_warmup", lambda self: "a test of the accumulation")
+
+
+@pytest.fixture
 def forced_ramp(monkeypatch):
-    """Double the accumulation at every decision (up to 4) and decide after 2 observations, whatever the
-    tiny model's noise scale is; record every loader batch's examples and every optimizer update."""
+    """Double the update batch (up to the micro-batch), then the accumulation (up to 4), at every decision,
+    and decide after 2 observations, whatever the tiny model's noise scale is; record every loader batch's
+    examples."""
+    monkeypatch.setattr(batch_engine, "update_batch", lambda gns, per_sequence, current, micro: min(2 * current, micro))
     monkeypatch.setattr(batch_engine, "best_accumulation",
                         lambda gns, tokens, t_micro, t_opt, current, limit: min(2 * current, 4))
     monkeypatch.setattr(batch_engine, "MIN_OBSERVATIONS", 2)
@@ -45,7 +55,7 @@ def forced_ramp(monkeypatch):
 
 
 def test_a_ramp_changes_the_accumulation_without_dropping_or_repeating_examples_and_resumes_exactly(
-        tmp_path, tiny_model_dir, forced_ramp):
+        tmp_path, tiny_model_dir, forced_ramp, whole_micro_batch):
     fixed = run(validate_recipe(_recipe(tmp_path, tiny_model_dir, "fixed")))
     fixed_rows, forced_ramp["rows"] = forced_ramp["rows"], []
     recipe = _recipe(tmp_path, tiny_model_dir, "auto", effective_batch_size="auto")
@@ -108,6 +118,8 @@ def test_a_layerwise_optimizer_accumulates_over_the_group(tmp_path, tiny_model_d
     assert seen[-1] == (4, 4)
     events = [r for r in read_jsonl(result.run_dir / "metrics.jsonl") if r.get("event") == "batch_changed"]
     assert [e["to"]["gradient_accumulation_steps"] for e in events] == [2, 4]
+    # no warmup below the micro-batch: its updates happen inside backward, so they cannot end mid-batch
+    assert [(e["from"]["update_batch"], e["to"]["update_batch"]) for e in events] == [(2, 2), (2, 2)]
 
 
 def _timed(monkeypatch, t_micro: float, t_opt: float) -> list:
@@ -145,7 +157,8 @@ def test_a_cheap_optimizer_step_keeps_micro_batch_one_without_accumulation(tmp_p
     assert calls and all(result == 1 for _, _, result in calls)
 
 
-def test_an_expensive_optimizer_step_ramps_the_accumulation_by_the_formula(tmp_path, tiny_model_dir, monkeypatch):
+def test_an_expensive_optimizer_step_ramps_the_accumulation_by_the_formula(tmp_path, tiny_model_dir, monkeypatch,
+                                                                          whole_micro_batch):
     """An update that costs 40 micro-batches (a large model's full fine-tuning with a slow optimizer): the
     accumulation becomes k* = sqrt(t_opt x gns / (t_micro x tokens per micro-batch)), rounded the better way,
     where the token slack allows it. The tiny model's noise scale is a few micro-batches, so with the default
@@ -171,7 +184,8 @@ def test_an_expensive_optimizer_step_ramps_the_accumulation_by_the_formula(tmp_p
     assert events[0]["learning_rate"] == pytest.approx(1e-3 * min(math.sqrt(first), 4.0))  # the rules follow
 
 
-def test_out_of_memory_inside_a_group_redoes_the_whole_group(tmp_path, tiny_model_dir, forced_ramp, monkeypatch):
+def test_out_of_memory_inside_a_group_redoes_the_whole_group(tmp_path, tiny_model_dir, forced_ramp, monkeypatch,
+                                                             whole_micro_batch):
     """The group's earlier loader batches are run again with the cheaper settings: the losses stay those of
     the run that never ran out of memory."""
     from finetune.train.recovery import FAULT_ENV
@@ -189,3 +203,167 @@ def test_out_of_memory_inside_a_group_redoes_the_whole_group(tmp_path, tiny_mode
     assert sorted(got) == sorted(expected)
     for step in expected:
         assert got[step] == pytest.approx(expected[step], rel=1e-5), f"step {step}"
+
+
+# -- the batch-size warmup below the micro-batch (finetune/train/sub_updates.py) --------------------------------
+
+def _forward_spy(monkeypatch) -> list:
+    """Every forward-backward's rows (their real tokens) and loss, in order."""
+    from finetune.train.trainer import FinetuneTrainer
+
+    seen = []
+    step = FinetuneTrainer.training_step
+
+    def spy(self, model, inputs, num_items_in_batch=None):
+        loss = step(self, model, inputs, num_items_in_batch)
+        rows = [tuple(ids[mask.bool()].tolist())
+                for ids, mask in zip(inputs["input_ids"], inputs["attention_mask"], strict=True)]
+        seen.append((rows, float(loss)))
+        return loss
+
+    monkeypatch.setattr(FinetuneTrainer, "training_step", spy)
+    return seen
+
+
+def _weights(run_dir) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+
+
+def test_sub_updates_of_one_sequence_train_exactly_as_micro_batch_one(tmp_path, tiny_model_dir, monkeypatch):
+    """The key property: the warmup's updates ARE a smaller batch. Auto at micro-batch 4 held at one sequence
+    per update gives the per-update losses and final weights of a plain run at micro-batch 1 (same data)."""
+    monkeypatch.setattr(batch_engine, "update_batch", lambda gns, per_sequence, current, micro: current)
+    seen = _forward_spy(monkeypatch)
+    constant = {"lr_scheduler": "constant", "noise_scale_split_every": 1000}
+    plain = run(validate_recipe(_recipe(tmp_path, tiny_model_dir, "plain1", micro_batch_size=1, max_steps=12,
+                                        **constant)))
+    plain_seen, seen[:] = list(seen), []
+    auto = run(validate_recipe(_recipe(tmp_path, tiny_model_dir, "sub4", micro_batch_size=4, max_steps=3,
+                                       effective_batch_size="auto", reference_batch_size=1, **constant)))
+    assert plain.steps == 12 and auto.steps == 3
+    assert [rows for rows, _ in seen] == [rows for rows, _ in plain_seen] and len(seen) == 12
+    assert [loss for _, loss in seen] == pytest.approx([loss for _, loss in plain_seen], rel=1e-5)
+    a, b = _weights(plain.run_dir), _weights(auto.run_dir)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.allclose(a[name], b[name], rtol=1e-5, atol=1e-7), name
+    events = [r for r in read_jsonl(auto.run_dir / "metrics.jsonl") if r.get("event") == "batch_changed"]
+    assert [(e["step"], e["from"]["update_batch"], e["to"]["update_batch"]) for e in events] == [(0, 4, 1)]
+
+
+def test_the_warmup_ramps_the_update_batch_then_accumulates_without_dropping_examples_and_resumes_exactly(
+        tmp_path, tiny_model_dir, forced_ramp, monkeypatch):
+    """Micro-batch 4: updates of 1, 2, then 4 sequences (each change a batch_changed event naming the update
+    batch), then accumulation 2; every example once, in the loader's order; --resume from a checkpoint taken
+    at update batch 2 reproduces the uninterrupted losses."""
+    monkeypatch.setattr(batch_engine, "best_accumulation",
+                        lambda gns, tokens, t_micro, t_opt, current, limit: min(2 * current, 2))
+    seen = _forward_spy(monkeypatch)
+    fixed = run(validate_recipe(_recipe(tmp_path, tiny_model_dir, "fixed4", micro_batch_size=4, max_steps=16,
+                                        noise_scale_split_every=2)))
+    fixed_rows, seen[:] = [row for rows, _ in seen for row in rows], []
+    recipe = _recipe(tmp_path, tiny_model_dir, "warm", micro_batch_size=4, max_steps=16, noise_scale_split_every=2,
+                     effective_batch_size="auto")
+    auto = run(validate_recipe(recipe))
+    assert auto.steps == fixed.steps == 16
+    assert [row for rows, _ in seen for row in rows] == fixed_rows  # the same examples, in the same order
+    assert all(len(rows) == 1 for rows, _ in seen[:4])  # the first loader batch: four chunks of one sequence
+    rows = read_jsonl(auto.run_dir / "metrics.jsonl")
+    events = [r for r in rows if r.get("event") == "batch_changed"]
+    assert [(e["to"]["update_batch"], e["to"]["gradient_accumulation_steps"], e["to"]["effective_batch_size"])
+            for e in events] == [(1, 1, 1), (2, 1, 2), (4, 1, 4), (4, 2, 8)]
+    assert [e["from"]["update_batch"] for e in events] == [4, 1, 2, 4]
+    # learning rate x sqrt(batch / 4): the recipe's learning rate is for one loader batch of 4
+    assert [e["learning_rate"] for e in events] == pytest.approx([5e-4, 1e-3 / math.sqrt(2), 1e-3, 1e-3 * math.sqrt(2)])
+    assert events[0]["step"] == 0 and events[0]["beta2"] == pytest.approx(0.999 ** 0.25)
+    results = json.loads((auto.run_dir / "results.json").read_text())
+    assert results["batch"]["effective_batch_size"] == 8 and results["batch"]["update_batch"] == 4
+
+    losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    folder = auto.run_dir / "checkpoints"
+    mid = next(p for p in sorted(folder.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+               if json.loads((p / "batch_engine.json").read_text())["update_batch"] == 2)
+    copy = tmp_path / "warm-resumed"
+    shutil.copytree(auto.run_dir, copy)
+    for p in (copy / "checkpoints").glob("checkpoint-*"):
+        if int(p.name.split("-")[1]) > int(mid.name.split("-")[1]):
+            shutil.rmtree(p)
+    seen[:] = []
+    resumed = run(validate_recipe({**recipe, "output": {**recipe["output"], "dir": str(copy)}}), resume=True)
+    assert resumed.steps == 16
+    assert [row for rows, _ in seen for row in rows] == fixed_rows[4 * int(mid.name.split("-")[1]):]
+    again_rows = read_jsonl(copy / "metrics.jsonl")
+    again = {r["step"]: r["loss"] for r in again_rows if "loss" in r}
+    assert sorted(again) == sorted(losses)
+    for step in losses:
+        assert again[step] == pytest.approx(losses[step], rel=1e-6), f"step {step}"
+    assert [e["to"] for e in again_rows if e.get("event") == "batch_changed"] == [e["to"] for e in events]
+
+
+def test_out_of_memory_inside_a_sub_updated_step_redoes_only_the_updates_not_applied(
+        tmp_path, tiny_model_dir, monkeypatch):
+    """The failure is in the step's last update: its earlier updates were applied and are not run again; the
+    losses and weights stay those of the run that never ran out of memory."""
+    from finetune.train.recovery import FAULT_ENV
+
+    monkeypatch.setattr(batch_engine, "update_batch", lambda gns, per_sequence, current, micro: current)
+    seen = _forward_spy(monkeypatch)
+    recipe = _recipe(tmp_path, tiny_model_dir, "plain", micro_batch_size=4, max_steps=4,
+                     effective_batch_size="auto", noise_scale_split_every=3)
+    plain = run(validate_recipe(recipe))
+    plain_seen, seen[:] = list(seen), []
+    monkeypatch.setenv(FAULT_ENV, "2")
+    recovered = run(validate_recipe({**recipe, "output": {**recipe["output"], "dir": str(tmp_path / "oom")}}))
+    monkeypatch.delenv(FAULT_ENV)
+    rows = read_jsonl(recovered.run_dir / "metrics.jsonl")
+    assert [r["to"] for r in rows if r.get("event") == "oom_recovered"] == \
+        [{"micro_batch_size": 2, "gradient_accumulation_steps": 2}]
+    # step 2's last update (one chunk of 1) ran twice, nothing else did
+    retried = [i for i in range(1, len(seen)) if seen[i][0] == seen[i - 1][0]]
+    assert len(seen) == len(plain_seen) + 1 and len(retried) == 1
+    kept = seen[:retried[0]] + seen[retried[0] + 1:]
+    assert [rows for rows, _ in kept] == [rows for rows, _ in plain_seen]
+    assert [loss for _, loss in kept] == pytest.approx([loss for _, loss in plain_seen], rel=1e-5)
+    a, b = _weights(plain.run_dir), _weights(recovered.run_dir)
+    for name in a:
+        assert torch.allclose(a[name], b[name], rtol=1e-5, atol=1e-7), name
+
+
+def test_a_resume_with_a_recovery_s_accumulation_ends_the_warmup_with_a_recorded_change(
+        tmp_path, tiny_model_dir, monkeypatch):
+    """An out-of-memory recovery's settings (micro-batch 2 x 2 loader batches per Trainer step) leave no
+    room for updates inside a loader batch on --resume: the run goes on with updates of the whole step, says
+    so in a batch_changed row, and its learning rate follows the rules from the next step on."""
+    from finetune.train.recovery import FAULT_ENV
+
+    monkeypatch.setattr(batch_engine, "update_batch", lambda gns, per_sequence, current, micro: current)
+    recipe = _recipe(tmp_path, tiny_model_dir, "warm-oom", micro_batch_size=4, max_steps=6, lr_scheduler="constant",
+                     effective_batch_size="auto")
+    monkeypatch.setenv(FAULT_ENV, "2")
+    first = run(validate_recipe(recipe))
+    monkeypatch.delenv(FAULT_ENV)
+    copy = tmp_path / "warm-oom-resumed"
+    shutil.copytree(first.run_dir, copy)
+    for p in (copy / "checkpoints").glob("checkpoint-*"):
+        if int(p.name.split("-")[1]) > 3:
+            shutil.rmtree(p)
+    resumed = run(validate_recipe({**recipe, "output": {**recipe["output"], "dir": str(copy)}}), resume=True)
+    assert resumed.steps == 6
+    rows = read_jsonl(copy / "metrics.jsonl")
+    events = [r for r in rows if r.get("event") == "batch_changed"]
+    assert [(e["step"], e["from"]["update_batch"], e["to"]["update_batch"]) for e in events] == [(0, 4, 1), (3, 1, 4)]
+    lrs = {r["step"]: r["learning_rate"] for r in rows if "loss" in r}
+    assert lrs[3] == pytest.approx(5e-4) and lrs[5] == lrs[6] == pytest.approx(1e-3)  # sqrt(1/4), then the recipe's
+
+
+def test_kto_has_no_warmup_below_the_micro_batch(tmp_path, tiny_model_dir):
+    """kto's reference point is the mean of its batch's answers: an update of one answer has no gradient, so
+    the run keeps updates of the whole micro-batch (and records no warmup)."""
+    from tests.test_preference_train import _recipe as preference_recipe
+
+    result = run(preference_recipe(tmp_path, tiny_model_dir, "kto", training={
+        "method": "kto", "micro_batch_size": 4, "effective_batch_size": "auto", "max_steps": 3}))
+    rows = read_jsonl(result.run_dir / "metrics.jsonl")
+    assert result.state == "completed" and not [r for r in rows if r.get("event") == "batch_changed"]

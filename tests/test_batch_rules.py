@@ -15,10 +15,13 @@ from finetune.recipe.batch_rules import (
     StepTimes,
     advise,
     apply_batch_rules,
+    auto_schedule,
     best_accumulation,
     reference_batch,
     scale_for_batch,
     token_cap,
+    token_overhead,
+    update_batch,
     wall_time,
 )
 from finetune.recipe.optimizers import SPECS
@@ -136,6 +139,29 @@ def test_accumulation_never_costs_more_than_the_token_slack():
     assert best_accumulation(1.6e4, b, t_micro, t_opt) == 1  # k* = 8, but batch 2 would cost 6% more tokens
 
 
+def test_the_warmup_update_batch_is_the_largest_power_of_two_within_the_token_slack_of_one_sequence():
+    """Below the micro-batch the update batch grows with the noise scale: the largest power of two dividing the
+    micro-batch (or the micro-batch) within TOKEN_SLACK extra tokens next to one sequence; never down."""
+    per_sequence = 100.0
+    assert update_batch(None, per_sequence, current=1, micro=32) == 1  # nothing measured yet
+    assert update_batch(10 * per_sequence, per_sequence, current=1, micro=32) == 1  # 2 sequences cost 9% more
+    for gns_sequences in (50, 200, 400, 1600, 1e6):
+        u = update_batch(gns_sequences * per_sequence, per_sequence, current=1, micro=32)
+        assert u & (u - 1) == 0 and u <= 32
+        assert token_overhead(u, gns_sequences) <= TOKEN_SLACK + 1e-12
+        assert u == 32 or token_overhead(2 * u, gns_sequences) > TOKEN_SLACK
+    assert update_batch(1e6 * per_sequence, per_sequence, current=1, micro=32) == 32
+    assert update_batch(200 * per_sequence, per_sequence, current=4, micro=32) == 4  # cap 5: only up, by 2^k
+    assert update_batch(200 * per_sequence, per_sequence, current=1, micro=6) == 2  # cap 5; 4 does not divide 6
+    assert update_batch(1e6 * per_sequence, per_sequence, current=1, micro=6) == 6
+    # the plan says what the warmup does, and why a layer-wise optimizer has none
+    assert "updates of 1 sequence first, each micro-batch of 8 run as 8 updates" in auto_schedule(8, "adamw", False, 64, 10)
+    assert "no warmup below the micro-batch: a layer-wise optimizer updates inside backward" in \
+        auto_schedule(8, "adamw", True, 64, 10)
+    assert "warmup" not in auto_schedule(1, "adamw", False, 64, 10)
+    assert "no warmup below the micro-batch: kto's reference point" in auto_schedule(8, "adamw", False, 64, 10, "kto")
+
+
 def test_the_accumulation_only_ramps_up_and_only_for_a_real_saving():
     b, t_micro, t_opt = 1000.0, 0.1, 0.4
     assert best_accumulation(500.0, b, t_micro, t_opt, current=8) == 8  # k* = 1.4 now: never down
@@ -179,6 +205,9 @@ def test_advice_is_the_micro_batch_times_the_accumulation_that_minimises_the_tim
     assert cheap["settings"]["training.effective_batch_size"] == 2  # below the batch used: no accumulation
     assert "settings" not in advise(None, 20.0, 2, 2, 1e-3, (0.9, 0.999), "adamw", (0.01, 0.02))
     assert "settings" not in advise(3200.0, 20.0, 2, 2, 1e-3, (0.9, 0.999), "adamw", None)
+    # a run that ended in the warmup (no step times) still learns that its micro-batch is too large a batch
+    warm = advise(2000.0, 20.0, 32, batch_used=1, learning_rate=1e-3, betas=(0.9, 0.999), optimizer="adamw", times=None)
+    assert warm["settings"]["training.effective_batch_size"] == 2 and "step" not in warm["reason"].split(":")[0]
 
 
 def test_a_micro_batch_past_the_noise_scale_is_advised_down_and_left_to_the_planner():
@@ -225,5 +254,8 @@ def test_finetune_plan_shows_what_auto_will_do(tiny_model_dir, tmp_path, capsys)
     path.write_text(recipe_to_yaml(recipe))
     assert main(["plan", str(path), "--gpu-memory", "2GiB", "--device", "cpu"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "effective batch auto: starts at micro-batch 4 without accumulation; the run times" in out
+    assert "effective batch auto: a batch-size warmup (the critical batch starts near 0 and grows): updates of 1 " \
+        "sequence first, each micro-batch of 4 run as 4 updates in a row" in out
+    assert "until it is the micro-batch (smaller updates run slower per token); then, without accumulation at " \
+        "first, the run times" in out
     assert "at most 256 sequences; learning rate x sqrt of the batch ratio (capped at 4x), beta2 ** ratio" in out

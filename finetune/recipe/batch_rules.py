@@ -127,6 +127,18 @@ def token_cap(gns_tokens: float, tokens_per_micro: float) -> int:
     return max(1, math.floor(1 + TOKEN_SLACK * (gns_tokens + tokens_per_micro) / tokens_per_micro + 1e-9))
 
 
+def update_batch(gns_tokens: float | None, tokens_per_sequence: float, current: int, micro: int) -> int:
+    """Sequences per optimizer update during the batch-size warmup below the micro-batch (the critical batch
+    starts near 0 and grows, Critical Batch Size Revisited): the largest power of two dividing `micro`, or
+    `micro` itself, whose token_overhead next to ONE sequence stays within TOKEN_SLACK (token_cap in
+    sequences); never below `current`, and `current` while no noise scale is measured."""
+    if not gns_tokens or gns_tokens <= 0 or tokens_per_sequence <= 0:
+        return current
+    cap = token_cap(gns_tokens, tokens_per_sequence)
+    sizes = [b for b in (1 << i for i in range(micro.bit_length())) if micro % b == 0] + [micro]
+    return max([current] + [b for b in sizes if b <= cap])
+
+
 def best_accumulation(gns_tokens: float | None, tokens_per_micro: float, t_micro: float | None,
                       t_opt: float | None, current: int = 1, limit: int = 64) -> int:
     """The accumulation that minimises wall_time within the token_cap, never below `current` (the critical
@@ -189,15 +201,28 @@ class StepTimes:
 
 
 def auto_schedule(micro_batch: int, optimizer: str, layerwise: bool, max_accumulation: int,
-                  split_every: int) -> str:
-    """What `effective_batch_size: auto` will do, for `finetune plan` (the run decides from measurements)."""
+                  split_every: int, method: str = "sft") -> str:
+    """What `effective_batch_size: auto` will do, for `finetune plan` (the run decides from measurements);
+    `method`: training.method (kto has no warmup: BatchEngineTrainer._no_warmup)."""
     spec = optimizer_spec(optimizer)
     follows = "learning rate x " + ("sqrt" if spec.lr_batch_scaling == "sqrt" else "linear") + " of the batch ratio" \
         + (f" (capped at {MAX_LR_FACTOR:g}x)" if spec.lr_batch_scaling == "sqrt" else "") \
         + (", beta2 ** ratio" if spec.uses_beta2 else "")
-    measure = (f"; to measure the noise scale, once every {split_every} micro-batches two share one update"
-               if micro_batch == 1 or layerwise else "")
-    return (f"effective batch auto: starts at micro-batch {micro_batch} without accumulation{measure}; the run "
+    if micro_batch > 1 and not layerwise and method != "kto":
+        start = (f"a batch-size warmup (the critical batch starts near 0 and grows): updates of 1 sequence "
+                 f"first, each micro-batch of {micro_batch} run as {micro_batch} updates in a row (once every "
+                 f"{split_every} updates two share one, to measure the noise scale); the update batch grows by "
+                 f"powers of two while it costs at most {100 * TOKEN_SLACK:g}% more tokens than one sequence at "
+                 f"the measured noise scale, until it is the micro-batch (smaller updates run slower per token); "
+                 f"then, without accumulation at first, the run")
+    else:
+        measure = (f"; to measure the noise scale, once every {split_every} micro-batches two share one update"
+                   if micro_batch == 1 or layerwise else "")
+        why = "a layer-wise optimizer updates inside backward" if layerwise \
+            else "kto's reference point is the mean of its batch's answers"
+        warmup = f" (no warmup below the micro-batch: {why})" if micro_batch > 1 else ""
+        start = f"starts at micro-batch {micro_batch} without accumulation{warmup}{measure}; the run"
+    return (f"effective batch auto: {start} "
             f"times its micro-batches (t_micro) and optimizer steps (t_opt) and accumulates k = "
             f"sqrt(t_opt x noise scale / (t_micro x micro-batch tokens)) micro-batches where that saves "
             f">= {100 * MIN_GAIN:g}% of the predicted time to a loss and costs at most {100 * TOKEN_SLACK:g}% more "
@@ -210,17 +235,15 @@ def advise(gns_tokens: float | None, tokens_per_sequence: float, micro_batch: in
            times: tuple[float, float] | None) -> dict:
     """What to use next time, from a run's final noise scale (labelled tokens) and step times (t_micro,
     t_opt): the micro-batch x best_accumulation, or, where the micro-batch alone already costs more than
-    TOKEN_SLACK extra tokens next to one sequence, a smaller batch with the micro-batch left to the planner;
+    TOKEN_SLACK extra tokens next to one sequence, a smaller batch with the micro-batch left to the planner
+    (which needs no step times: a run that ended in the batch-size warmup timed none);
     and the learning rate and betas the rules give that batch from the ones used at `batch_used`. As recipe
     keys, so `finetune plan --advice RUN_DIR` can apply them."""
     if not gns_tokens or tokens_per_sequence <= 0:
         return {"reason": "no noise scale was measured (too few steps, or micro-batch 1 without accumulation)"}
-    if times is None:
-        return {"reason": "the step times were not measured (too few optimizer steps)"}
-    t_micro, t_opt = times
     measured = (f"measured noise scale {gns_tokens:.4g} labelled tokens = {gns_tokens / tokens_per_sequence:.3g} "
-                f"sequences, micro-batch {micro_batch} step {1000 * t_micro:.3g} ms, optimizer step "
-                f"{1000 * t_opt:.3g} ms: ")
+                f"sequences" + (f", micro-batch {micro_batch} step {1000 * times[0]:.3g} ms, optimizer step "
+                                f"{1000 * times[1]:.3g} ms" if times else "") + ": ")
     settings: dict = {}
     largest = token_cap(gns_tokens, tokens_per_sequence)  # sequences per update within the slack of one
     if micro_batch > largest:  # a power of two, so the planner's micro-batches divide it
@@ -230,7 +253,10 @@ def advise(gns_tokens: float | None, tokens_per_sequence: float, micro_batch: in
                f"more tokens to a loss than one sequence; {batch} sequence(s) per update stay within "
                f"{100 * TOKEN_SLACK:g}% (a smaller micro-batch runs slower per token but wastes none of the run's "
                f"data); ")
+    elif times is None:  # a run still in the batch-size warmup times no step
+        return {"reason": "the step times were not measured (too few optimizer steps after the warmup)"}
     else:
+        t_micro, t_opt = times
         accumulation = best_accumulation(gns_tokens, micro_batch * tokens_per_sequence, t_micro, t_opt, 1,
                                          max(1, largest // micro_batch))
         batch = micro_batch * accumulation

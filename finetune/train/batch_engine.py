@@ -1,5 +1,15 @@
 """`training.effective_batch_size: auto`: the batch grows with the measured gradient noise scale.
 
+The warmup first (finetune/train/sub_updates.py): the critical batch starts near 0 and grows (Critical
+Batch Size Revisited), so the run starts with updates of ONE sequence even where the loader batch (the
+micro-batch m) is larger: each Trainer step's loader batch runs as m/u updates of u sequences. u grows to
+the largest power of two dividing m whose predicted token overhead next to one sequence stays within
+TOKEN_SLACK (batch_rules.update_batch), at the same decision points as the accumulation below, until it is m;
+from then on the engine works as described next. Not with a layer-wise optimizer (it updates inside
+backward: an update cannot end inside a loader batch), nor for kto (its reference point is its batch's
+mean), nor where the Trainer accumulates loader batches (an out-of-memory recovery's settings on --resume):
+those start at u = m, as before.
+
 The micro-batch stays the planner's fastest fit and the Trainer keeps one loader batch per Trainer step, so
 `max_steps`, the data order, the LR schedule and the run length stay defined in loader batches (fixed
 tokens): a ramp never changes which examples are seen or how many. The engine accumulates A consecutive
@@ -25,9 +35,13 @@ training.noise_scale_split_every loader batches while the accumulation is 1, ins
 time (the pair keeps the learning rate and beta2 of one loader batch). Splitting one sequence by tokens would
 not do: the halves of a sequence are correlated, and the two-batch estimator assumes independent parts.
 
+Learning rate and beta2 follow the rules for u x accumulation sequences (the run's first change, to u = 1,
+is recorded at step 0); each batch_changed event names the update batch u in `from` and `to`.
+
 Checkpoints fall on group boundaries only (a save or stop asked for mid-group waits for the group's last
-step), and hold the accumulation in batch_engine.json, so `--resume` continues exactly. An out-of-memory
-retry inside a group re-runs the group's earlier loader batches too (finetune/train/recovery.py).
+step), and hold the accumulation and the update batch in batch_engine.json, so `--resume` continues exactly.
+An out-of-memory retry inside a group re-runs the group's earlier loader batches too
+(finetune/train/recovery.py); one inside a step of several updates re-runs only those not applied yet.
 """
 
 from __future__ import annotations
@@ -48,11 +62,12 @@ from finetune.recipe.batch_rules import (
     advise,
     best_accumulation,
     scale_for_batch,
+    update_batch,
 )
 from finetune.rundir import RunDir, atomic_write_json
 from finetune.train.callbacks import MetricsCallback
 from finetune.train.noise_scale import labelled_tokens
-from finetune.train.recovery import RecoveringTrainer
+from finetune.train.sub_updates import SubUpdatingTrainer
 
 MIN_OBSERVATIONS = 5  # fresh noise-scale observations between two changes
 ENGINE_FILE = "batch_engine.json"  # in each checkpoint folder
@@ -82,9 +97,9 @@ class _Clock:
         return start.elapsed_time(end) / 1000
 
 
-class BatchEngineTrainer(RecoveringTrainer):
-    """RecoveringTrainer whose accumulation follows the noise scale when effective_batch_size is auto
-    (see the module docstring); with a fixed batch it behaves exactly as RecoveringTrainer."""
+class BatchEngineTrainer(SubUpdatingTrainer):
+    """RecoveringTrainer whose update batch and accumulation follow the noise scale when effective_batch_size
+    is auto (see the module docstring); with a fixed batch it behaves exactly as RecoveringTrainer."""
 
     def __init__(self, *args, on_batch_change: Callable[[dict], None] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -110,6 +125,25 @@ class BatchEngineTrainer(RecoveringTrainer):
         self._last_norm = None
         self._current: list[tuple[dict, object]] = []
         self._meaned = False
+        self._start_event: dict | None = None  # the warmup's first batch change, recorded at step 0
+        if self.engine_on:  # the warmup starts at one sequence per update where it can (module docstring)
+            why_not = self._no_warmup()
+            self.update_batch = self._step_batch() if why_not else 1
+            if why_not and self._step_batch() > 1:
+                console.print(f"batch warmup: off ({why_not}); updates of the whole micro-batch from the start")
+
+    def _no_warmup(self) -> str | None:
+        """Why updates smaller than the loader batch cannot run here (None: they can)."""
+        if self.recipe.optimizer.layerwise:
+            return "a layer-wise optimizer updates inside backward, so an update cannot end inside a micro-batch"
+        if self.recipe.training.method == "kto":
+            return "kto's reference point is the mean of its batch's answers: a batch of one learns nothing"
+        if self.args.gradient_accumulation_steps > 1:
+            return (f"the Trainer accumulates {self.args.gradient_accumulation_steps} loader batches per step "
+                    "(an out-of-memory recovery's settings)")
+        if self.accelerator.num_processes > 1:
+            return "several processes"
+        return None
 
     # -- grouping ---------------------------------------------------------------------------------
     def _deferring(self) -> bool:
@@ -126,6 +160,10 @@ class BatchEngineTrainer(RecoveringTrainer):
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         self._marks = [self._clock.mark()]
+        if self._start_event is not None:  # a resumed run recorded it at its step 0 already
+            if self.state.global_step == 0 and self.on_batch_change is not None:
+                self.on_batch_change(self._start_event)
+            self._start_event = None
         if self.engine_on:
             if not self._group and self._size != (size := self._group_size()):
                 self._size = size
@@ -188,9 +226,14 @@ class BatchEngineTrainer(RecoveringTrainer):
         if fresh:  # every run times its steps (the advice in results.json uses them); auto also groups
             if self.engine_on:
                 self._sync_layerwise()
+                if self.sub_updating():  # before the scheduler exists: it takes these learning rates as its base
+                    self._base = ([g["lr"] for g in optimizer.param_groups], tuple(self.recipe.optimizer.betas))
+                    self._start_event = self._changed((self._step_batch(), 1), None, None, step=0)
             update = optimizer.step
 
             def grouped(opt, *args, **kwargs):
+                if self._sub_stepping:  # an update inside the Trainer step (sub_updates.py)
+                    return update(*args, **kwargs)
                 for batch, _ in self._current if self.engine_on else ():  # after a resume restored the count
                     if "labels" in batch:
                         self._tokens = self._tokens + labelled_tokens(batch)
@@ -202,6 +245,8 @@ class BatchEngineTrainer(RecoveringTrainer):
                     return None
                 result = update(*args, **kwargs)
                 self._group, self._meaned = [], False
+                if self._updates is not None:  # a step of several updates is not timed (StepTimes: one each)
+                    self._marks = []
                 self._time(updated=True)
                 if self.engine_on:
                     self._decide()
@@ -256,20 +301,33 @@ class BatchEngineTrainer(RecoveringTrainer):
         self._decided_at = observed
         values = self.noise_scale.values() or {}
         times = self.step_times()
-        new = best_accumulation(values.get("gns"), float(self._tokens) / self._batches * self.args.gradient_accumulation_steps,
-                                *(times or (None, None)), current=self.accumulation, limit=MAX_ACCUMULATION)
-        if new == self.accumulation:
+        old = (self.update_batch, self.accumulation)
+        if self.sub_updating():  # the warmup: the update batch grows first, accumulation waits
+            per_sequence = float(self._tokens) / self._batches / self.args.per_device_train_batch_size
+            self.update_batch = update_batch(values.get("gns"), per_sequence, self.update_batch, self._step_batch())
+        else:
+            self.accumulation = best_accumulation(
+                values.get("gns"), float(self._tokens) / self._batches * self.args.gradient_accumulation_steps,
+                *(times or (None, None)), current=self.accumulation, limit=MAX_ACCUMULATION)
+        if (self.update_batch, self.accumulation) == old:
             return
-        old, self.accumulation, self._observations_at_change = self.accumulation, new, observed
-        micro = self._step_batch()
-        lr, beta2 = self._apply_rules(micro * new)
-        event = {"event": "batch_changed", "step": self.state.global_step + 1,
-                 "from": {"gradient_accumulation_steps": old, "effective_batch_size": old * micro},
-                 "to": {"gradient_accumulation_steps": new, "effective_batch_size": new * micro},
-                 "gns": values.get("gns"), "learning_rate": lr, "beta2": beta2,
-                 "t_micro": times and times[0], "t_opt": times and times[1]}
+        self._observations_at_change = observed
+        event = self._changed(old, values.get("gns"), times, step=self.state.global_step + 1)
         if self.on_batch_change is not None:
             self.on_batch_change(event)
+
+    def _changed(self, old: tuple[int, int], gns: float | None, times, step: int) -> dict:
+        """Apply the rules for the batch now chosen; the `batch_changed` event from `old` (update batch,
+        accumulation). The effective batch is update batch x accumulation (the update batch is the loader
+        batch once the warmup reached it)."""
+        def batch(update: int, accumulation: int) -> dict:
+            return {"update_batch": update, "gradient_accumulation_steps": accumulation,
+                    "effective_batch_size": update * accumulation}
+
+        lr, beta2 = self._apply_rules(self.update_batch * self.accumulation)
+        return {"event": "batch_changed", "step": step, "from": batch(*old),
+                "to": batch(self.update_batch, self.accumulation), "gns": gns, "learning_rate": lr, "beta2": beta2,
+                "t_micro": times and times[0], "t_opt": times and times[1]}
 
     def _apply_rules(self, batch: int) -> tuple[float, float | None]:
         """Peak learning rate and beta2 for `batch` sequences, from the recipe's values, which are for its
@@ -281,7 +339,14 @@ class BatchEngineTrainer(RecoveringTrainer):
             self._base = (list(scheduler.base_lrs), tuple(self.recipe.optimizer.betas))
         base_lrs, betas = self._base
         rule = scale_for_batch(1.0, betas, self.recipe.optimizer.name, reference, batch)
-        scheduler.base_lrs = [lr * rule.new_learning_rate for lr in base_lrs]
+        if scheduler is None:  # the optimizer is being created: the scheduler will take these as its base
+            for group, lr in zip(groups, base_lrs, strict=True):
+                group["lr"] = lr * rule.new_learning_rate
+        else:  # the optimizer's learning rates too: a change on resume applies before the scheduler's next step
+            new = [lr * rule.new_learning_rate for lr in base_lrs]
+            for group, old, lr in zip(groups, scheduler.base_lrs, new, strict=True):
+                group["lr"] *= lr / old
+            scheduler.base_lrs = new
         if rule.new_betas is not None:
             for group in groups:
                 if "betas" in group:
@@ -306,6 +371,7 @@ class BatchEngineTrainer(RecoveringTrainer):
         if self.engine_on:
             atomic_write_json(Path(output_dir) / ENGINE_FILE, {
                 "accumulation": self.accumulation, "observations_at_change": self._observations_at_change,
+                "update_batch": self.update_batch, "since_pair": self._since_pair,
                 "decided_at": self._decided_at,
                 "tokens": int(self._tokens), "batches": self._batches, "size": self._size,
                 "times": self._times_state(),
@@ -317,6 +383,9 @@ class BatchEngineTrainer(RecoveringTrainer):
         if self.engine_on and path is not None and path.is_file():
             saved = json.loads(path.read_text())
             self.accumulation = saved["accumulation"]
+            if self.sub_updating():  # a checkpoint of an older version has none: it had no warmup
+                self.update_batch = min(saved.get("update_batch", self._step_batch()), self._step_batch())
+                self._since_pair = saved.get("since_pair", 0)
             self._size = saved.get("size", self.accumulation)  # a checkpoint of an older version has neither
             if "times" in saved:
                 self.times.load_state_dict(saved["times"])
@@ -326,6 +395,11 @@ class BatchEngineTrainer(RecoveringTrainer):
             self._tokens, self._batches = saved["tokens"], saved["batches"]
             if saved["base"]:
                 self._base = (saved["base"]["lrs"], tuple(saved["base"]["betas"]))
+            if saved.get("update_batch", self.update_batch) < self.update_batch:  # the warmup cannot go on here
+                console.print(f"batch warmup: ended on resume ({self._no_warmup()})")
+                event = self._changed((saved["update_batch"], self.accumulation), None, None, self.state.global_step)
+                if self.on_batch_change is not None:
+                    self.on_batch_change(event)
 
 
 def record_batch_change(run_dir: RunDir, metrics: MetricsCallback) -> Callable[[dict], None]:
@@ -358,14 +432,17 @@ def batch_summary(trainer: BatchEngineTrainer, rows: list[dict], stats: dict) ->
     betas = next((tuple(g["betas"]) for g in trainer.optimizer.param_groups if "betas" in g),
                  tuple(trainer.recipe.optimizer.betas))
     tokens_per_sequence = stats.get("loss_tokens", 0) / max(stats.get("train_sequences") or 1, 1)
+    # Still in the warmup: updates of update_batch sequences, each loader batch several of them.
+    used = trainer.update_batch if trainer.engine_on and trainer.sub_updating() else micro * accumulation
     return {
         "batch": {"micro_batch_size": micro, "gradient_accumulation_steps": accumulation,
-                  "effective_batch_size": micro * accumulation, "auto": trainer.engine_on,
+                  "effective_batch_size": used, "auto": trainer.engine_on,
+                  **({"update_batch": trainer.update_batch} if trainer.engine_on else {}),
                   "changes": [r for r in rows if r.get("event") == "batch_changed"]},
         "noise_scale": {"unit": "labelled tokens", "final": values.get("gns"), "grad_sq": values.get("grad_sq"),
                         "trace_sigma": values.get("trace_sigma"), "tokens_per_sequence": round(tokens_per_sequence, 2),
                         "series": series[:: max(1, len(series) // 200)]},
         "advice": advise(values.get("gns"), tokens_per_sequence, trainer.args.per_device_train_batch_size,
-                         micro * accumulation, float(scheduler.base_lrs[0]), betas, trainer.recipe.optimizer.name,
+                         used, float(scheduler.base_lrs[0]), betas, trainer.recipe.optimizer.name,
                          times and (times[0] / trainer.args.gradient_accumulation_steps, times[1])),
     }

@@ -189,10 +189,15 @@ class RecoveringTrainer(FinetuneTrainer):
         else:
             with self._fault(model, last):
                 return super().training_step(model, inputs, num_items_in_batch)
-        rows = inputs[ROWS].rows
-        parts = [rows[i:i + size] for i in range(0, len(rows), size)]
         # Without num_items_in_batch the Trainer divides each loss by this: the update's micro-batch count.
         self.current_gradient_accumulation_steps = sum(-(-len(b[ROWS].rows) // size) for b in self._update)
+        return self._run_parts(model, inputs[ROWS].rows, size, num_items_in_batch, last)
+
+    def _run_parts(self, model, rows: list, size: int, num_items_in_batch, last: bool) -> torch.Tensor:
+        """Forward + backward of `rows` in parts of `size`, each collated as a loader of micro-batch `size`
+        would collate it; the summed loss. `last`: its last part is the update's last micro-batch (the fault
+        hook's place)."""
+        parts = [rows[i:i + size] for i in range(0, len(rows), size)]
         total = None
         for i, part in enumerate(parts):
             with self._fault(model, last and i == len(parts) - 1):
@@ -333,11 +338,16 @@ class RecoveringTrainer(FinetuneTrainer):
             layerwise.steps_per_update = self.args.gradient_accumulation_steps * choice.splits
         self.recipe, self.splits = choice.recipe, choice.splits
 
+    def _applied_in_step(self) -> bool:
+        """Whether the Trainer step in progress already changed the weights (a subclass's updates inside a
+        step): then the last completed step's checkpoint can no longer be written from them."""
+        return False
+
     def _give_up(self, model, step: int, failure: str, needed: int | None, budget: int | None,
                  save: bool = True, where: str = "with the leanest settings left") -> None:
         """No cheaper plan: save the last completed step (when nothing of this one was applied) and stop."""
         _set_rng_state(self._rng)
-        if not save:
+        if not save or self._applied_in_step():
             last = numbered(Path(self.args.output_dir))
             kept = ("the optimizer had already changed part of the model, so nothing is saved now; "
                     + (f"{last[0].name} is the last checkpoint" if last else "no checkpoint was saved before"))
