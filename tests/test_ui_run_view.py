@@ -91,6 +91,22 @@ def test_the_batch_panel_says_the_batch_used_the_noise_scale_the_changes_and_the
     assert {t.get_text() for t in ax.texts} == {"batch 4→8"}
 
 
+def test_the_batch_panel_says_when_the_run_ended_in_the_warmup_below_the_micro_batch(tmp_path):
+    """auto's warmup runs updates of fewer sequences than the micro-batch (finetune/train/sub_updates.py): the
+    panel names the update batch, not micro-batch x accumulation."""
+    results = {"state": "completed", "steps": 7,
+               "batch": {"micro_batch_size": 8, "gradient_accumulation_steps": 1, "effective_batch_size": 2,
+                         "update_batch": 2, "auto": True, "changes": []},
+               "noise_scale": {"unit": "labelled tokens", "final": 900.0, "tokens_per_sequence": PER_SEQUENCE,
+                               "series": []}, "advice": {}}
+    run = _run(tmp_path, "warm", [], results, effective_batch_size="auto")
+    report = api.run_batch_report(run.root)
+    assert (report["sequences"], report["update_batch"]) == (2, 2)
+    text = views.batch_markdown(report, str(run.root))
+    assert "updates of 2 within micro-batches of 8 (the warmup below the micro-batch) × 1 GPU = " \
+           "**2 sequences per optimizer step**" in text
+
+
 def test_the_batch_panel_is_shown_only_for_a_run_that_accounted_for_its_batch(tmp_path):
     kto = _run(tmp_path, "kto", [{"step": 1, "loss": 0.5, "rewards/chosen": 0.2, "rewards/rejected": -0.1,
                                   "rewards/margins": 0.3, "kl": 0.0}], None, method="kto")

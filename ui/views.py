@@ -252,8 +252,11 @@ def batch_markdown(report: dict[str, Any], run_dir: str = "RUN_DIR") -> str:
     scale it measured, every batch change, and what to use next time (with the command that applies it)."""
     per = report["tokens_per_sequence"]
     tokens = f", about {report['tokens']:,} labelled tokens ({per:.3g} per sequence)" if report["tokens"] else ""
-    lines = [f"**Batch used**: {report['micro_batch_size']} per micro-batch × {report['gradient_accumulation_steps']} "
-             f"accumulation × {report['gpus']} GPU{'s' if report['gpus'] > 1 else ''} = "
+    update = report.get("update_batch")
+    layout = (f"updates of {update} within micro-batches of {report['micro_batch_size']} (the warmup below the "
+              f"micro-batch)" if update and update < report["micro_batch_size"] else
+              f"{report['micro_batch_size']} per micro-batch × {report['gradient_accumulation_steps']} accumulation")
+    lines = [f"**Batch used**: {layout} × {report['gpus']} GPU{'s' if report['gpus'] > 1 else ''} = "
              f"**{_sequences(report['sequences'])} per optimizer step**{tokens}"
              + (" (effective_batch_size: auto; this is where it ended)." if report["auto"] else ".")]
     gns = report["noise_scale"]
