@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from finetune.recipe.goals import goal_values
 from finetune.recipe.load import load_recipe as _load_recipe
-from finetune.recipe.load import load_recipe_text, validate_recipe
+from finetune.recipe.load import load_recipe_text, recipe_data, validate_recipe
 from finetune.recipe.schema import Recipe
 from finetune.rundir import EVAL_PREFIX, REWARD_KEYS, RunDir
 
@@ -60,11 +60,15 @@ SPEED_CEILING = {"cuda": 100_000, "cpu": 10_000}
 
 def apply_goal(recipe: Recipe, goal: str) -> Recipe:
     """`recipe` with the values of a newcomer's goal (finetune/recipe/goals.py: quick test, best quality,
-    longest context) written over it."""
-    data = recipe.model_dump(mode="python")
+    longest context) written over it. With adapter.init_from the goal's adapter shape is left out: the saved
+    adapter's shape is the one trained on."""
+    from finetune.recipe.init_from import SHAPE_KEYS
+
+    data = recipe_data(recipe)
     for key, value in goal_values(goal).items():
         section, field = key.split(".")
-        data[section][field] = value
+        if not (section == "adapter" and field in SHAPE_KEYS and recipe.adapter.init_from):
+            data[section][field] = value
     return validate_recipe(data, f"goal {goal!r}")
 
 
@@ -240,7 +244,7 @@ def plan_at_seen_length(run: str | Path | RunFiles) -> dict[str, Any] | None:
     recipe = load_recipe_text(files.recipe_text, str(files.run.recipe))
     if longest >= recipe.data.max_seq_len:
         return None
-    data = recipe.model_dump(mode="python")
+    data = recipe_data(recipe)
     data["data"]["max_seq_len"] = max(longest, 8)
     at = predict(validate_recipe(data, str(files.run.recipe)), device=plan.get("device"))
     return {"longest": longest, "max_seq_len": recipe.data.max_seq_len, "peak_bytes": at.peak_bytes,
@@ -272,7 +276,6 @@ def run_advice(run_dir: str | Path) -> tuple[list[str], str]:
     import json
 
     from finetune.errors import FinetuneError
-    from finetune.rundir import RunDir
 
     results = RunDir(Path(run_dir)).read_results()
     advice = (results or {}).get("advice")
@@ -302,7 +305,7 @@ def apply_advice(recipe: Recipe | str | Path, run_dir: str | Path, overrides: li
 
     def build(items: list[str]) -> Recipe:
         if isinstance(recipe, Recipe):
-            return validate_recipe(apply_overrides(recipe.model_dump(mode="python"), items),
+            return validate_recipe(apply_overrides(recipe_data(recipe), items),
                                    f"the recipe with the advice of {run_dir}")
         return _load_recipe(recipe, items)
 

@@ -75,3 +75,39 @@ def test_an_advised_batch_trains_exactly_at_a_micro_batch_that_divides_it(tiny_m
                                            "effective_batch_size": 6}})
     settings = api.plan(recipe, gpu_memory="2GiB", device="cpu").settings
     assert settings["micro_batch_size"] * settings["gradient_accumulation_steps"] == 6
+
+
+def _started_from_an_r8_adapter(tmp_path, model_dir):
+    """A recipe whose adapter.init_from is a run with an r=8, alpha=8 adapter, its shape keys left unset (the
+    defaults, r 16 and alpha 32, would contradict the adapter if they counted as set)."""
+    import json
+
+    from finetune.recipe.load import load_recipe_text
+    from finetune.rundir import atomic_write_text
+
+    parent = RunDir(tmp_path / "sft")
+    parent.create()
+    atomic_write_text(parent.recipe, recipe_to_yaml(validate_recipe(
+        {"model": {"path": str(model_dir)}, "data": {"path": "d.jsonl"}, "output": {"dir": str(parent.root)}})))
+    parent.adapter.mkdir()
+    (parent.adapter / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 8, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}))
+    (parent.adapter / "adapter_model.safetensors").write_bytes(b"")  # resolving reads only the config
+    return load_recipe_text(f"model: {{path: {model_dir}}}\nquantization: {{bits: null}}\n"
+                            f"data: {{path: d.jsonl, max_seq_len: 64}}\nadapter: {{init_from: {parent.root}}}\n"
+                            f"output: {{dir: {tmp_path / 'next'}}}\n")
+
+
+def test_advice_goal_and_settings_keep_the_shape_of_an_init_from_adapter(tiny_model_dir, tmp_path, advised_2):
+    from finetune.recipe.init_from import resolve_init_from
+    from finetune.recipe.settings import write_settings
+
+    recipe = _started_from_an_r8_adapter(tmp_path, tiny_model_dir)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(recipe_to_yaml(recipe))
+    for changed in (api.apply_advice(recipe, advised_2)[0], api.apply_advice(path, advised_2)[0],
+                    api.apply_goal(recipe, "quick test"), api.apply_goal(recipe, "longest context"),
+                    write_settings(recipe, {"micro_batch_size": 2})):
+        assert changed.adapter.init_from == recipe.adapter.init_from
+        adapter = resolve_init_from(changed).adapter  # not refused: r and alpha are the adapter's, not set
+        assert (adapter.r, adapter.alpha, adapter.target_modules) == (8, 8.0, ["q_proj", "v_proj"])
