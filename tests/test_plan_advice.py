@@ -111,3 +111,46 @@ def test_advice_goal_and_settings_keep_the_shape_of_an_init_from_adapter(tiny_mo
         assert changed.adapter.init_from == recipe.adapter.init_from
         adapter = resolve_init_from(changed).adapter  # not refused: r and alpha are the adapter's, not set
         assert (adapter.r, adapter.alpha, adapter.target_modules) == (8, 8.0, ["q_proj", "v_proj"])
+
+
+def test_a_pinned_micro_batch_that_does_not_divide_the_advised_batch_is_released(tiny_model_dir, tmp_path,
+                                                                                 capsys):
+    """Advice 6 with micro-batch 4 pinned would train 4 x 2 = 8: released to auto, the plan trains 6."""
+    from finetune.cli import main
+
+    previous = RunDir(tmp_path / "previous")
+    previous.root.mkdir()
+    atomic_write_json(previous.results, {"state": "completed", "advice": {"settings": {
+        "training.effective_batch_size": 6, "training.gradient_accumulation_steps": "auto",
+        "training.reference_batch_size": 6}, "reason": "test"}})
+    path = _recipe_file(tmp_path, tiny_model_dir, micro_batch_size=4)
+    recipe, keys_set, why = api.apply_advice(path, previous.root)
+    assert "training.micro_batch_size 4 does not divide the advised batch of 6 (it would train 8): the advice " \
+           "released it to auto" in why and 'training.micro_batch_size="auto"' in keys_set
+    settings = api.plan(recipe, gpu_memory="2GiB", device="cpu").settings
+    assert settings["micro_batch_size"] * settings["gradient_accumulation_steps"] == 6
+
+    # pinned on the command line it wins, and the plan says it trains 8, not the batch of 6
+    assert main(["plan", str(path), "--gpu-memory", "2GiB", "--device", "cpu", "--advice", str(previous.root),
+                 "--set", "training.micro_batch_size=4"]) == 0
+    out = capsys.readouterr().out
+    assert "--set training.micro_batch_size 4 does not divide the advised batch of 6 (it would train 8) and wins" \
+        in out
+    assert "batch: trains 4 x 2 accumulation = 8 sequences per step, not training.effective_batch_size 6" in out
+
+
+def test_the_plan_says_when_no_micro_batch_divides_the_batch_over_the_processes(tiny_model_dir):
+    """A batch of 7 over 2 processes: no micro-batch divides it, the planner falls back to one that does not
+    and the plan output says which batch trains."""
+    recipe = validate_recipe({"model": {"path": str(tiny_model_dir)}, "quantization": {"bits": None},
+                              "data": {"path": "d.jsonl", "max_seq_len": 64},
+                              "training": {"micro_batch_size": "auto", "gradient_accumulation_steps": "auto",
+                                           "effective_batch_size": 7},
+                              "distributed": {"gpus": 2, "strategy": "ddp"}})
+    plan = api.plan(recipe, gpu_memory="2GiB", device="cuda")
+    micro, accumulation = plan.settings["micro_batch_size"], plan.settings["gradient_accumulation_steps"]
+    trained = micro * accumulation * 2
+    assert trained != 7
+    assert (f"batch: trains {micro} x {accumulation} accumulation x 2 processes = {trained} sequences per step, "
+            "not training.effective_batch_size 7: the micro-batch x processes does not divide it") \
+        in "\n".join(api.batch_plan(recipe, plan))
