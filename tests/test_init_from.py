@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from finetune.errors import FinetuneError
 from finetune.memory.preference import PreferenceLoss, preference_loss, reference_logps, sequence_logps
 from finetune.recipe.init_from import resolve_init_from
-from finetune.rundir import read_jsonl
+from finetune.rundir import RunDir, read_jsonl
 from finetune.train.run import run
 from tests.test_preference_train import COLOURS, _recipe
 
@@ -266,7 +266,8 @@ def test_precompute_from_an_adapter_keeps_no_reference_copy_and_trains_like_the_
         tmp_path, tiny_model_dir, sft_run, monkeypatch):
     """DPO from the SFT run with a precomputed reference: the pass runs the trained adapter (the SFT weights
     before the first step), no frozen copy exists during the pass or training, the losses equal those of the
-    in-step reference (the frozen copy), and --resume with the stored values loads no reference either.
+    in-step reference (the frozen copy), and --resume with the stored values loads no reference either; with
+    the file deleted, --resume computes the same values again (from the start weights, not the checkpoint).
     Every build reads the start adapter's safetensors once and results.json hashes those very bytes."""
     import hashlib
 
@@ -307,10 +308,18 @@ def test_precompute_from_an_adapter_keeps_no_reference_copy_and_trains_like_the_
 
     in_step = build("in-step", max_steps=4)
     assert adapters == {"pass": set(), "step": {("default", "reference")}}
-    build("pre", max_steps=2, precompute_reference=True)
+    first = build("pre", max_steps=2, precompute_reference=True)
     assert adapters == {"pass": {("default",)}, "step": {("default",)}}
-    resumed = build("pre", resume=True, max_steps=4, precompute_reference=True)
+    stored = json.loads(RunDir(first.run_dir).reference_logps.read_text())
+    build("pre", resume=True, max_steps=3, precompute_reference=True)
     assert adapters == {"pass": set(), "step": {("default",)}}  # the stored values: no pass, no reference
+    # the file lost: the resumed run computes it again from the start adapter, not from its trained checkpoint
+    RunDir(first.run_dir).reference_logps.unlink()
+    resumed = build("pre", resume=True, max_steps=4, precompute_reference=True)
+    assert adapters == {"pass": {("default",)}, "step": {("default",)}}
+    again = json.loads(RunDir(resumed.run_dir).reference_logps.read_text())
+    for split in ("train", "eval"):
+        assert sum(again[split], []) == pytest.approx(sum(stored[split], []), rel=1e-5, abs=1e-5), split
     expected = {r["step"]: r for r in read_jsonl(in_step.run_dir / "metrics.jsonl") if "loss" in r}
     rows = {r["step"]: r for r in read_jsonl(resumed.run_dir / "metrics.jsonl") if "loss" in r}
     assert sorted(rows) == [1, 2, 3, 4]
