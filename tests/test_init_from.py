@@ -389,3 +389,21 @@ def test_planned_peak_with_reference_adapter_matches_the_tracker(tmp_path, preco
     plan = predict(recipe, device="cpu")
     assert plan.breakdown["trainable_weights"] > 0.05 * measured  # leaving the frozen copy out would show
     assert abs(plan.peak_bytes / measured - 1) <= 0.05, (plan.peak_bytes, measured, plan.breakdown)
+
+
+def test_a_retrained_start_adapter_changes_the_reference_fingerprint(tmp_path, tiny_model_dir):
+    """The stored reference values depend on the start weights: a parent trained again (same folder, other
+    weights) changes the fingerprint, so the values are computed again instead of read back."""
+    from datasets import Dataset
+
+    from finetune.data.build import DataBundle
+    from finetune.train.reference_pass import fingerprint
+
+    folder = _peft_folder(tmp_path / "start", tiny_model_dir)
+    recipe = _dpo(tmp_path, tiny_model_dir, folder)
+    data = DataBundle(Dataset.from_dict({"input_ids": [[1, 2, 3]], "labels": [[-100, 2, 3]]}), None, {}, list)
+    before = fingerprint(recipe, data)
+    assert fingerprint(recipe, data) == before
+    torch.manual_seed(1)
+    _peft_folder(folder, tiny_model_dir)  # trained again: the same folder and shape, other weights
+    assert fingerprint(recipe, data) != before
