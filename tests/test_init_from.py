@@ -407,3 +407,26 @@ def test_a_retrained_start_adapter_changes_the_reference_fingerprint(tmp_path, t
     torch.manual_seed(1)
     _peft_folder(folder, tiny_model_dir)  # trained again: the same folder and shape, other weights
     assert fingerprint(recipe, data) != before
+
+
+def test_a_same_size_atomic_rewrite_of_the_adapter_config_is_read_again(tmp_path, tiny_model_dir, sft_run):
+    """A file renamed over the config (an atomic save) with the same size and modification time (a coarse
+    file-system clock) is read again: the cache keys on the inode and change time too."""
+    import os
+    import shutil
+
+    parent = tmp_path / "parent"
+    shutil.copytree(sft_run, parent, ignore=shutil.ignore_patterns("checkpoints"))  # a new path: not cached
+    config_file = parent / "adapter" / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps(config))
+    recipe = _dpo(tmp_path, tiny_model_dir, parent)
+    assert resolve_init_from(recipe).adapter.r == 4
+    before = config_file.stat()
+    new = config_file.with_name("adapter_config.json.tmp")
+    new.write_text(json.dumps({**config, "r": 6}))  # r 4 -> r 6: the same size
+    os.utime(new, ns=(before.st_atime_ns, before.st_mtime_ns))
+    os.replace(new, config_file)
+    after = config_file.stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    assert resolve_init_from(recipe).adapter.r == 6
