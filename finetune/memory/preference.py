@@ -223,10 +223,16 @@ def reference_values(model: torch.nn.Module, batch: Mapping[str, Any], loss: Pre
 def preference_loss(model: torch.nn.Module, inputs: Mapping[str, Any], loss: PreferenceLoss, chunked: bool = False,
                     metrics: Metrics | None = None) -> torch.Tensor:
     """The micro-batch's mean preference loss; adds its rewards, margins and accuracy to `metrics`. The
-    reference values are the batch's `ref_logps` when it has them (precomputed), else a reference forward."""
+    reference values are the batch's `ref_logps` when it has them (precomputed: FinetuneError without them),
+    else a reference forward."""
     inputs = dict(inputs)
     kto_label = inputs.pop("kto_label", None)
     ref = inputs.pop("ref_logps", None)
+    if ref is None and loss.reference_precomputed:  # a reference forward here would be the wrong reference
+        raise FinetuneError("internal inconsistency: training.precompute_reference is on but the batch has no "
+                            "ref_logps (the precomputed reference values); the loss will not guess a reference",
+                            hint="please report this bug; meanwhile set training.precompute_reference: false "
+                                 "(the reference forward then runs in each step)")
     if ref is None and loss.uses_reference:
         ref = reference_logps(model, inputs, chunked)
     logps, counts = sequence_logps(model, inputs, chunked)
