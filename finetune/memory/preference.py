@@ -114,6 +114,13 @@ def loads_reference_adapter(recipe: Recipe) -> bool:
     return recipe.adapter.init_from is not None and loss is not None and loss.reference_in_step
 
 
+def reference_is_current(recipe: Recipe) -> bool:
+    """Whether the precomputed reference pass runs on the model as it is, adapter on (`reference_logps`'s
+    `current`): a run from an adapter (adapter.init_from), whose trained adapter holds the start weights
+    before the first step; else the reference is the base with the adapter off."""
+    return recipe.adapter.init_from is not None
+
+
 def synthetic_batch(loss: PreferenceLoss | None, rows: int, seq_len: int, vocab: int, device: Any,
                     generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
     """A batch of `rows` examples at full length, laid out as the collator lays them out (what `finetune

@@ -17,6 +17,7 @@ from finetune.memory.preference import (
     PreferenceLoss,
     batch_reference_logps,
     loads_reference_adapter,
+    reference_is_current,
     synthetic_batch,
 )
 from finetune.memory.step import autocast_for, enable_checkpointing, mixed_precision, training_step
@@ -77,7 +78,7 @@ def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
             if preference is not None and preference.reference_precomputed:
                 with tracker.window("reference_pass"), autocast():  # the pass before training, as `run` does
                     batch_reference_logps(model, batch, bool(recipe.memory.chunked_loss),
-                                          current=recipe.adapter.init_from is not None)
+                                          current=reference_is_current(recipe))
             for _ in range(steps):
                 training_step(model, [batch] * accumulation, optimizer, max_grad_norm=recipe.training.max_grad_norm,
                               chunked_loss=bool(recipe.memory.chunked_loss), autocast=autocast, offload=offload,

@@ -25,7 +25,7 @@ import torch
 
 from finetune.console import console, progress_bar
 from finetune.data.build import DataBundle
-from finetune.memory.preference import PreferenceLoss, reference_values
+from finetune.memory.preference import PreferenceLoss, reference_is_current, reference_values
 from finetune.recipe.init_from import init_from_record
 from finetune.recipe.schema import Recipe
 from finetune.rundir import RunDir, atomic_write_text, read_json
@@ -108,7 +108,7 @@ def attach_reference(model: torch.nn.Module, data: DataBundle, recipe: Recipe, r
                 values[name] = [] if ds is None else compute_reference(
                     model, ds, data.collator, loss, int(recipe.training.micro_batch_size),
                     recipe.memory.chunked_loss is True, autocast, advance,
-                    current=recipe.adapter.init_from is not None)
+                    current=reference_is_current(recipe))
         atomic_write_text(run_dir.reference_logps, json.dumps(values, separators=(",", ":")) + "\n")
         run_dir.log_line(f"reference pass: {total} examples in {time.time() - start:.1f} s, "
                          f"saved to {run_dir.reference_logps.name}")
