@@ -371,7 +371,8 @@ def test_init_from_files_are_read_again_only_when_they_change(tmp_path, tiny_mod
 def test_planned_peak_with_reference_adapter_matches_the_tracker(tmp_path, precompute):
     """DPO from a large adapter (r=64 on every linear layer: its frozen copy is several % of the peak): the
     plan, which adds that copy to the weights, within 5% of `finetune measure`'s tracked step; with a
-    precomputed reference neither has the copy (the pass and the steps run the trained adapter)."""
+    precomputed reference neither has the copy (the pass and the steps run the trained adapter), and the
+    planned pass, with that adapter on, matches the tracked one."""
     from finetune.plan import predict
     from finetune.recipe.schema import Recipe
     from finetune.testing import make_tiny_model_dir
@@ -385,10 +386,14 @@ def test_planned_peak_with_reference_adapter_matches_the_tracker(tmp_path, preco
         "adapter": {"init_from": str(start)}, "quantization": {"bits": None},
         "training": {"method": "dpo", "micro_batch_size": 1, "precompute_reference": precompute},
         "memory": {"activation_checkpointing": True, "chunked_loss": False, "tiled_mlp": False}})
-    measured = measure(recipe, steps=2)["peak_bytes"]
+    result = measure(recipe, steps=2)
+    measured = result["peak_bytes"]
     plan = predict(recipe, device="cpu")
     assert plan.breakdown["trainable_weights"] > 0.05 * measured  # leaving the frozen copy out would show
     assert abs(plan.peak_bytes / measured - 1) <= 0.05, (plan.peak_bytes, measured, plan.breakdown)
+    if precompute:  # the pass runs the trained adapter (the start weights), traced with it on (7% more here)
+        assert abs(plan.reference_pass_bytes / result["reference_pass_bytes"] - 1) <= 0.02, \
+            (plan.reference_pass_bytes, result["reference_pass_bytes"])
 
 
 def test_a_retrained_start_adapter_changes_the_reference_fingerprint(tmp_path, tiny_model_dir):

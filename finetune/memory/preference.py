@@ -58,15 +58,17 @@ class PreferenceLoss:
     desirable_weight: float = 1.0
     undesirable_weight: float = 1.0
     precompute_reference: bool = False  # the reference values come with the batch (`ref_logps`)
+    reference_current: bool = False  # the precomputed pass runs the model as it is (`reference_is_current`)
 
     @classmethod
-    def of(cls, training: TrainingConfig) -> PreferenceLoss | None:
-        """The loss of a recipe's training section; None for sft."""
+    def of(cls, training: TrainingConfig, reference_current: bool = False) -> PreferenceLoss | None:
+        """The loss of a recipe's training section; None for sft. `reference_current`: the recipe's
+        `reference_is_current` (what the precomputed pass runs, for the planner's trace)."""
         if training.method == "sft":
             return None
         return cls(training.method, training.beta, training.loss_type, training.reference_free,
                    training.label_smoothing, training.desirable_weight, training.undesirable_weight,
-                   training.precompute_reference)
+                   training.precompute_reference, reference_current)
 
     @property
     def uses_reference(self) -> bool:
@@ -90,11 +92,14 @@ class PreferenceLoss:
     @property
     def objective(self) -> str:
         """What decides the step's memory (not beta and the other numbers): `dpo`, `dpo:reference_free`,
-        `dpo:precompute_reference`, `orpo`, `kto`, `kto:precompute_reference`; the planner's trace key, turned
-        back into a loss by `of_objective`."""
+        `dpo:precompute_reference`, `orpo`, `kto`, `kto:precompute_reference`, a precomputed pass with the
+        adapter on adding `:reference_current`; the planner's trace key, turned back into a loss by
+        `of_objective`."""
         flags = ["reference_free"] if self.method == "dpo" and self.reference_free else []
         if self.reference_precomputed:
             flags.append("precompute_reference")
+            if self.reference_current:
+                flags.append("reference_current")
         return ":".join([self.method, *flags])
 
     @classmethod
@@ -103,7 +108,8 @@ class PreferenceLoss:
             return None
         method, *flags = objective.split(":")
         return cls(method, reference_free="reference_free" in flags,
-                   precompute_reference="precompute_reference" in flags)
+                   precompute_reference="precompute_reference" in flags,
+                   reference_current="reference_current" in flags)
 
 
 def loads_reference_adapter(recipe: Recipe) -> bool:

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from finetune.errors import FinetuneError, RecipeError
 from finetune.memory.bandwidth import transfer_bandwidth
 from finetune.memory.offload import offload_dir_for
-from finetune.memory.preference import PreferenceLoss, loads_reference_adapter
+from finetune.memory.preference import PreferenceLoss, loads_reference_adapter, reference_is_current
 from finetune.plan.cost_model import tokens_per_second
 from finetune.plan.memory_model import ModelSpec, memory_floor, predict_memory, traffic_bytes
 from finetune.plan.shapes import ModelShapes, target_dtype
@@ -215,7 +215,7 @@ def _refused(recipe: Recipe, st: dict[str, Any]) -> bool:
 
 def model_spec(recipe: Recipe, config: Any, device: str) -> ModelSpec:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    loss = PreferenceLoss.of(recipe.training)
+    loss = PreferenceLoss.of(recipe.training, reference_is_current(recipe))
     return ModelSpec(
         config=config, adapter=recipe.adapter, dtype=target_dtype(recipe, device),
         attn=model_facts(config, recipe.model.attn_implementation)[1], device=device, seq_len=recipe.data.max_seq_len,
