@@ -266,11 +266,11 @@ def batch_plan(recipe: Recipe, plan: Plan) -> list[str]:
     effective, t, gpus = recipe.training.effective_batch_size, resolved.training, resolved.distributed.gpus
     trained = int(t.micro_batch_size) * int(t.gradient_accumulation_steps) * gpus
     if isinstance(effective, int) and trained != effective:  # no micro-batch that divides the batch fits
+        processes = f" x {gpus} processes" if gpus > 1 else ""
         lines.append(f"batch: trains {t.micro_batch_size} x {t.gradient_accumulation_steps} accumulation"
-                     + (f" x {gpus} processes" if gpus > 1 else "") + f" = {trained} sequences per step, not "
-                     f"training.effective_batch_size {effective}: the micro-batch" + (" x processes" if gpus > 1 else "")
-                     + " does not divide it; give a batch it divides, or a micro-batch that divides it, to train "
-                     "exactly that batch")
+                     f"{processes} = {trained} sequences per step, not training.effective_batch_size {effective}: the "
+                     f"micro-batch{' x processes' if gpus > 1 else ''} does not divide it; give a batch it "
+                     "divides, or a micro-batch that divides it, to train exactly that batch")
     if recipe.training.effective_batch_size == "auto":
         lines.append(auto_schedule(int(resolved.training.micro_batch_size), resolved.optimizer.name,
                                    resolved.optimizer.layerwise, MAX_ACCUMULATION,
@@ -322,7 +322,7 @@ def apply_advice(recipe: Recipe | str | Path, run_dir: str | Path, overrides: li
     new = build(advised + overrides)
     t, gpus = new.training, new.distributed.gpus
     batch, micro = t.effective_batch_size, t.micro_batch_size
-    if isinstance(batch, int) and isinstance(micro, int) and batch % (micro * gpus):  # it trains another batch
+    if isinstance(batch, int) and isinstance(micro, int) and batch % (micro * gpus):  # trains another batch
         pinned = f"training.micro_batch_size {micro}" + (f" x {gpus} processes" if gpus > 1 else "")
         trained = max(1, math.ceil(batch / (micro * gpus))) * micro * gpus
         problem = (f"is above the advised batch of {batch}" if micro * gpus > batch else
@@ -333,8 +333,8 @@ def apply_advice(recipe: Recipe | str | Path, run_dir: str | Path, overrides: li
         else:
             advised = [*advised, f"training.micro_batch_size={json.dumps('auto')}"]
             new = build(advised + overrides)
-            why += (f". The recipe's {pinned} {problem}: the advice released it to auto, so the planner picks "
-                    "a micro-batch that divides the batch")
+            why += (f". The recipe's {pinned} {problem}: the advice released it to auto, so the planner "
+                    "picks a micro-batch that divides the batch")
     return new, advised, why
 
 

@@ -88,14 +88,15 @@ def _started_from_an_r8_adapter(tmp_path, model_dir):
     parent = RunDir(tmp_path / "sft")
     parent.create()
     atomic_write_text(parent.recipe, recipe_to_yaml(validate_recipe(
-        {"model": {"path": str(model_dir)}, "data": {"path": "d.jsonl"}, "output": {"dir": str(parent.root)}})))
+        {"model": {"path": str(model_dir)}, "data": {"path": "d.jsonl"},
+         "output": {"dir": str(parent.root)}})))
     parent.adapter.mkdir()
     (parent.adapter / "adapter_config.json").write_text(json.dumps(
         {"peft_type": "LORA", "r": 8, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}))
     (parent.adapter / "adapter_model.safetensors").write_bytes(b"")  # resolving reads only the config
     return load_recipe_text(f"model: {{path: {model_dir}}}\nquantization: {{bits: null}}\n"
-                            f"data: {{path: d.jsonl, max_seq_len: 64}}\nadapter: {{init_from: {parent.root}}}\n"
-                            f"output: {{dir: {tmp_path / 'next'}}}\n")
+                            "data: {path: d.jsonl, max_seq_len: 64}\n"
+                            f"adapter: {{init_from: {parent.root}}}\noutput: {{dir: {tmp_path / 'next'}}}\n")
 
 
 def test_advice_goal_and_settings_keep_the_shape_of_an_init_from_adapter(tiny_model_dir, tmp_path, advised_2):
@@ -125,8 +126,8 @@ def test_a_pinned_micro_batch_that_does_not_divide_the_advised_batch_is_released
         "training.reference_batch_size": 6}, "reason": "test"}})
     path = _recipe_file(tmp_path, tiny_model_dir, micro_batch_size=4)
     recipe, keys_set, why = api.apply_advice(path, previous.root)
-    assert "training.micro_batch_size 4 does not divide the advised batch of 6 (it would train 8): the advice " \
-           "released it to auto" in why and 'training.micro_batch_size="auto"' in keys_set
+    assert "training.micro_batch_size 4 does not divide the advised batch of 6 (it would train 8): the " \
+           "advice released it to auto" in why and 'training.micro_batch_size="auto"' in keys_set
     settings = api.plan(recipe, gpu_memory="2GiB", device="cpu").settings
     assert settings["micro_batch_size"] * settings["gradient_accumulation_steps"] == 6
 
@@ -134,9 +135,10 @@ def test_a_pinned_micro_batch_that_does_not_divide_the_advised_batch_is_released
     assert main(["plan", str(path), "--gpu-memory", "2GiB", "--device", "cpu", "--advice", str(previous.root),
                  "--set", "training.micro_batch_size=4"]) == 0
     out = capsys.readouterr().out
-    assert "--set training.micro_batch_size 4 does not divide the advised batch of 6 (it would train 8) and wins" \
+    assert ("--set training.micro_batch_size 4 does not divide the advised batch of 6 (it would train 8) "
+            "and wins") in out
+    assert "batch: trains 4 x 2 accumulation = 8 sequences per step, not training.effective_batch_size 6" \
         in out
-    assert "batch: trains 4 x 2 accumulation = 8 sequences per step, not training.effective_batch_size 6" in out
 
 
 def test_the_plan_says_when_no_micro_batch_divides_the_batch_over_the_processes(tiny_model_dir):
@@ -151,6 +153,6 @@ def test_the_plan_says_when_no_micro_batch_divides_the_batch_over_the_processes(
     micro, accumulation = plan.settings["micro_batch_size"], plan.settings["gradient_accumulation_steps"]
     trained = micro * accumulation * 2
     assert trained != 7
-    assert (f"batch: trains {micro} x {accumulation} accumulation x 2 processes = {trained} sequences per step, "
-            "not training.effective_batch_size 7: the micro-batch x processes does not divide it") \
+    assert (f"batch: trains {micro} x {accumulation} accumulation x 2 processes = {trained} sequences per "
+            "step, not training.effective_batch_size 7: the micro-batch x processes does not divide it") \
         in "\n".join(api.batch_plan(recipe, plan))

@@ -183,8 +183,8 @@ def test_the_strategy_check_refuses_what_validating_the_whole_combination_refuse
 
 def test_a_deepspeed_key_without_deepspeed_installed_is_a_clear_error_not_a_traceback(tmp_path, monkeypatch,
                                                                                         capsys):
-    """strategy auto with zero_stage 2: only deepspeed reads the key; without deepspeed the planner used to pick
-    ddp and applying the plan raised pydantic's ValidationError (a traceback in the CLI)."""
+    """strategy auto with zero_stage 2: only deepspeed reads the key; without deepspeed the planner used to
+    pick ddp and applying the plan raised pydantic's ValidationError (a traceback in the CLI)."""
     from finetune.cli import main
     from finetune.plan import search
     from finetune.recipe.load import recipe_to_yaml

@@ -242,8 +242,9 @@ def preference_loss(model: torch.nn.Module, inputs: Mapping[str, Any], loss: Pre
     kto_label = inputs.pop("kto_label", None)
     ref = inputs.pop("ref_logps", None)
     if ref is None and loss.reference_precomputed:  # a reference forward here would be the wrong reference
-        raise FinetuneError("internal inconsistency: training.precompute_reference is on but the batch has no "
-                            "ref_logps (the precomputed reference values); the loss will not guess a reference",
+        raise FinetuneError("internal inconsistency: training.precompute_reference is on but the batch has "
+                            "no ref_logps (the precomputed reference values); the loss will not guess a "
+                            "reference",
                             hint="please report this bug; meanwhile set training.precompute_reference: false "
                                  "(the reference forward then runs in each step)")
     if ref is None and loss.uses_reference:

@@ -144,8 +144,8 @@ def _auto_strategies(recipe: Recipe) -> list[str]:
         named = "distributed." + ", distributed.".join(keys)
         raise RecipeError(f"{named}: only strategy deepspeed reads {'them' if len(keys) > 1 else 'it'}, and "
                           "deepspeed is not installed, so distributed.strategy auto has no strategy to pick",
-                          hint=f"install deepspeed (pip install deepspeed), or remove {named} to let the planner "
-                               "choose ddp or fsdp")
+                          hint=f"install deepspeed (pip install deepspeed), or remove {named} to let the "
+                               "planner choose ddp or fsdp")
     if keys:
         return ["deepspeed"]
     return [s for s in STRATEGIES if s != "deepspeed" or deepspeed_installed()]

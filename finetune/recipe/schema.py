@@ -349,7 +349,7 @@ class OutputConfig(Section):
 # -- distributed (issue 16): several GPUs / nodes through accelerate -------------------------------------
 STRATEGIES = ("ddp", "fsdp", "deepspeed")  # "auto": the planner picks the fastest that fits each GPU
 SHARDED_STRATEGIES = ("fsdp", "deepspeed")  # optimizer state (and more) split across processes
-DEEPSPEED_KEYS = ("zero_stage", "deepspeed_offload", "deepspeed_nvme_path")  # distributed.* only deepspeed reads
+DEEPSPEED_KEYS = ("zero_stage", "deepspeed_offload", "deepspeed_nvme_path")  # read by deepspeed only
 
 
 class DistributedConfig(Section):
