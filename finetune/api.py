@@ -268,9 +268,9 @@ def batch_plan(recipe: Recipe, plan: Plan) -> list[str]:
     if isinstance(effective, int) and trained != effective:  # no micro-batch that divides the batch fits
         processes = f" x {gpus} processes" if gpus > 1 else ""
         lines.append(f"batch: trains {t.micro_batch_size} x {t.gradient_accumulation_steps} accumulation"
-                     f"{processes} = {trained} sequences per step, not training.effective_batch_size {effective}: the "
-                     f"micro-batch{' x processes' if gpus > 1 else ''} does not divide it; give a batch it "
-                     "divides, or a micro-batch that divides it, to train exactly that batch")
+                     f"{processes} = {trained} sequences per step, not training.effective_batch_size "
+                     f"{effective}: the micro-batch{' x processes' if gpus > 1 else ''} does not divide it; give "
+                     "a batch it divides, or a micro-batch that divides it, to train exactly that batch")
     if recipe.training.effective_batch_size == "auto":
         lines.append(auto_schedule(int(resolved.training.micro_batch_size), resolved.optimizer.name,
                                    resolved.optimizer.layerwise, MAX_ACCUMULATION,
