@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from finetune.recipe.goals import goal_values
 from finetune.recipe.load import load_recipe as _load_recipe
-from finetune.recipe.load import load_recipe_text, validate_recipe
+from finetune.recipe.load import load_recipe_text, recipe_data, validate_recipe
 from finetune.recipe.schema import Recipe
 from finetune.rundir import EVAL_PREFIX, REWARD_KEYS, RunDir
 
@@ -60,11 +60,15 @@ SPEED_CEILING = {"cuda": 100_000, "cpu": 10_000}
 
 def apply_goal(recipe: Recipe, goal: str) -> Recipe:
     """`recipe` with the values of a newcomer's goal (finetune/recipe/goals.py: quick test, best quality,
-    longest context) written over it."""
-    data = recipe.model_dump(mode="python")
+    longest context) written over it. With adapter.init_from the goal's adapter shape is left out: the saved
+    adapter's shape is the one trained on."""
+    from finetune.recipe.init_from import SHAPE_KEYS
+
+    data = recipe_data(recipe)
     for key, value in goal_values(goal).items():
         section, field = key.split(".")
-        data[section][field] = value
+        if not (section == "adapter" and field in SHAPE_KEYS and recipe.adapter.init_from):
+            data[section][field] = value
     return validate_recipe(data, f"goal {goal!r}")
 
 
@@ -240,7 +244,7 @@ def plan_at_seen_length(run: str | Path | RunFiles) -> dict[str, Any] | None:
     recipe = load_recipe_text(files.recipe_text, str(files.run.recipe))
     if longest >= recipe.data.max_seq_len:
         return None
-    data = recipe.model_dump(mode="python")
+    data = recipe_data(recipe)
     data["data"]["max_seq_len"] = max(longest, 8)
     at = predict(validate_recipe(data, str(files.run.recipe)), device=plan.get("device"))
     return {"longest": longest, "max_seq_len": recipe.data.max_seq_len, "peak_bytes": at.peak_bytes,
@@ -259,6 +263,14 @@ def batch_plan(recipe: Recipe, plan: Plan) -> list[str]:
 
     resolved, rule = apply_batch_rules(plan.apply(recipe), reference_batch(recipe))
     lines = [f"batch rules: {rule.describe()}"] if rule is not None else []
+    effective, t, gpus = recipe.training.effective_batch_size, resolved.training, resolved.distributed.gpus
+    trained = int(t.micro_batch_size) * int(t.gradient_accumulation_steps) * gpus
+    if isinstance(effective, int) and trained != effective:  # no micro-batch that divides the batch fits
+        processes = f" x {gpus} processes" if gpus > 1 else ""
+        lines.append(f"batch: trains {t.micro_batch_size} x {t.gradient_accumulation_steps} accumulation"
+                     f"{processes} = {trained} sequences per step, not training.effective_batch_size "
+                     f"{effective}: the micro-batch{' x processes' if gpus > 1 else ''} does not divide it; give "
+                     "a batch it divides, or a micro-batch that divides it, to train exactly that batch")
     if recipe.training.effective_batch_size == "auto":
         lines.append(auto_schedule(int(resolved.training.micro_batch_size), resolved.optimizer.name,
                                    resolved.optimizer.layerwise, MAX_ACCUMULATION,
@@ -272,7 +284,6 @@ def run_advice(run_dir: str | Path) -> tuple[list[str], str]:
     import json
 
     from finetune.errors import FinetuneError
-    from finetune.rundir import RunDir
 
     results = RunDir(Path(run_dir)).read_results()
     advice = (results or {}).get("advice")
@@ -290,10 +301,12 @@ def apply_advice(recipe: Recipe | str | Path, run_dir: str | Path, overrides: li
     RUN_DIR` plans and the UI's "use the advice" button writes into the form. Returns (the new recipe, the
     `key=value` settings the advice applied, why).
 
-    A micro-batch pinned above the advised batch would make the run train at that micro-batch (the learning
-    rate rescaled to it, the advised batch unused): the advice releases it to auto, so the planner picks one
-    that fits the batch, and `why` says so. A micro-batch the overrides pin stays, with a note."""
+    A micro-batch pinned above the advised batch, or one that does not divide it, would make the run train
+    another batch (micro x accumulation: 4 x 2 = 8 for an advice of 6; the learning rate rescaled to it): the
+    advice releases it to auto, so the planner picks one that divides the batch, and `why` says so. A
+    micro-batch the overrides pin stays, with a note."""
     import json
+    import math
 
     from finetune.recipe.load import apply_overrides, parse_override
 
@@ -302,23 +315,26 @@ def apply_advice(recipe: Recipe | str | Path, run_dir: str | Path, overrides: li
 
     def build(items: list[str]) -> Recipe:
         if isinstance(recipe, Recipe):
-            return validate_recipe(apply_overrides(recipe.model_dump(mode="python"), items),
+            return validate_recipe(apply_overrides(recipe_data(recipe), items),
                                    f"the recipe with the advice of {run_dir}")
         return _load_recipe(recipe, items)
 
     new = build(advised + overrides)
     t, gpus = new.training, new.distributed.gpus
     batch, micro = t.effective_batch_size, t.micro_batch_size
-    if isinstance(batch, int) and isinstance(micro, int) and micro * gpus > batch:  # it trains micro x gpus
+    if isinstance(batch, int) and isinstance(micro, int) and batch % (micro * gpus):  # trains another batch
         pinned = f"training.micro_batch_size {micro}" + (f" x {gpus} processes" if gpus > 1 else "")
+        trained = max(1, math.ceil(batch / (micro * gpus))) * micro * gpus
+        problem = (f"is above the advised batch of {batch}" if micro * gpus > batch else
+                   f"does not divide the advised batch of {batch} (it would train {trained})")
         if any(parse_override(item)[0] == ["training", "micro_batch_size"] for item in overrides):
-            why += (f". Note: --set {pinned} is above the advised batch of {batch} and wins; leave it out "
-                    "(or set at most the batch) to follow the advice")
+            why += (f". Note: --set {pinned} {problem} and wins; leave it out (or set one that divides the "
+                    "batch) to follow the advice")
         else:
             advised = [*advised, f"training.micro_batch_size={json.dumps('auto')}"]
             new = build(advised + overrides)
-            why += (f". The recipe's {pinned} is above the advised batch of {batch}: the advice released it "
-                    "to auto, so the planner picks a micro-batch that fits the batch")
+            why += (f". The recipe's {pinned} {problem}: the advice released it to auto, so the planner "
+                    "picks a micro-batch that divides the batch")
     return new, advised, why
 
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from finetune.errors import FinetuneError
 from finetune.memory.preference import PreferenceLoss, preference_loss, reference_logps, sequence_logps
 from finetune.recipe.init_from import resolve_init_from
-from finetune.rundir import read_jsonl
+from finetune.rundir import RunDir, read_jsonl
 from finetune.train.run import run
 from tests.test_preference_train import COLOURS, _recipe
 
@@ -266,7 +266,8 @@ def test_precompute_from_an_adapter_keeps_no_reference_copy_and_trains_like_the_
         tmp_path, tiny_model_dir, sft_run, monkeypatch):
     """DPO from the SFT run with a precomputed reference: the pass runs the trained adapter (the SFT weights
     before the first step), no frozen copy exists during the pass or training, the losses equal those of the
-    in-step reference (the frozen copy), and --resume with the stored values loads no reference either.
+    in-step reference (the frozen copy), and --resume with the stored values loads no reference either; with
+    the file deleted, --resume computes the same values again (from the start weights, not the checkpoint).
     Every build reads the start adapter's safetensors once and results.json hashes those very bytes."""
     import hashlib
 
@@ -307,10 +308,18 @@ def test_precompute_from_an_adapter_keeps_no_reference_copy_and_trains_like_the_
 
     in_step = build("in-step", max_steps=4)
     assert adapters == {"pass": set(), "step": {("default", "reference")}}
-    build("pre", max_steps=2, precompute_reference=True)
+    first = build("pre", max_steps=2, precompute_reference=True)
     assert adapters == {"pass": {("default",)}, "step": {("default",)}}
-    resumed = build("pre", resume=True, max_steps=4, precompute_reference=True)
+    stored = json.loads(RunDir(first.run_dir).reference_logps.read_text())
+    build("pre", resume=True, max_steps=3, precompute_reference=True)
     assert adapters == {"pass": set(), "step": {("default",)}}  # the stored values: no pass, no reference
+    # the file lost: the resumed run computes it again from the start adapter, not from its trained checkpoint
+    RunDir(first.run_dir).reference_logps.unlink()
+    resumed = build("pre", resume=True, max_steps=4, precompute_reference=True)
+    assert adapters == {"pass": {("default",)}, "step": {("default",)}}
+    again = json.loads(RunDir(resumed.run_dir).reference_logps.read_text())
+    for split in ("train", "eval"):
+        assert sum(again[split], []) == pytest.approx(sum(stored[split], []), rel=1e-5, abs=1e-5), split
     expected = {r["step"]: r for r in read_jsonl(in_step.run_dir / "metrics.jsonl") if "loss" in r}
     rows = {r["step"]: r for r in read_jsonl(resumed.run_dir / "metrics.jsonl") if "loss" in r}
     assert sorted(rows) == [1, 2, 3, 4]
@@ -362,7 +371,8 @@ def test_init_from_files_are_read_again_only_when_they_change(tmp_path, tiny_mod
 def test_planned_peak_with_reference_adapter_matches_the_tracker(tmp_path, precompute):
     """DPO from a large adapter (r=64 on every linear layer: its frozen copy is several % of the peak): the
     plan, which adds that copy to the weights, within 5% of `finetune measure`'s tracked step; with a
-    precomputed reference neither has the copy (the pass and the steps run the trained adapter)."""
+    precomputed reference neither has the copy (the pass and the steps run the trained adapter), and the
+    planned pass, with that adapter on, matches the tracked one."""
     from finetune.plan import predict
     from finetune.recipe.schema import Recipe
     from finetune.testing import make_tiny_model_dir
@@ -376,7 +386,52 @@ def test_planned_peak_with_reference_adapter_matches_the_tracker(tmp_path, preco
         "adapter": {"init_from": str(start)}, "quantization": {"bits": None},
         "training": {"method": "dpo", "micro_batch_size": 1, "precompute_reference": precompute},
         "memory": {"activation_checkpointing": True, "chunked_loss": False, "tiled_mlp": False}})
-    measured = measure(recipe, steps=2)["peak_bytes"]
+    result = measure(recipe, steps=2)
+    measured = result["peak_bytes"]
     plan = predict(recipe, device="cpu")
     assert plan.breakdown["trainable_weights"] > 0.05 * measured  # leaving the frozen copy out would show
     assert abs(plan.peak_bytes / measured - 1) <= 0.05, (plan.peak_bytes, measured, plan.breakdown)
+    if precompute:  # the pass runs the trained adapter (the start weights), traced with it on (7% more here)
+        assert abs(plan.reference_pass_bytes / result["reference_pass_bytes"] - 1) <= 0.02, \
+            (plan.reference_pass_bytes, result["reference_pass_bytes"])
+
+
+def test_a_retrained_start_adapter_changes_the_reference_fingerprint(tmp_path, tiny_model_dir):
+    """The stored reference values depend on the start weights: a parent trained again (same folder, other
+    weights) changes the fingerprint, so the values are computed again instead of read back."""
+    from datasets import Dataset
+
+    from finetune.data.build import DataBundle
+    from finetune.train.reference_pass import fingerprint
+
+    folder = _peft_folder(tmp_path / "start", tiny_model_dir)
+    recipe = _dpo(tmp_path, tiny_model_dir, folder)
+    data = DataBundle(Dataset.from_dict({"input_ids": [[1, 2, 3]], "labels": [[-100, 2, 3]]}), None, {}, list)
+    before = fingerprint(recipe, data)
+    assert fingerprint(recipe, data) == before
+    torch.manual_seed(1)
+    _peft_folder(folder, tiny_model_dir)  # trained again: the same folder and shape, other weights
+    assert fingerprint(recipe, data) != before
+
+
+def test_a_same_size_atomic_rewrite_of_the_adapter_config_is_read_again(tmp_path, tiny_model_dir, sft_run):
+    """A file renamed over the config (an atomic save) with the same size and modification time (a coarse
+    file-system clock) is read again: the cache keys on the inode and change time too."""
+    import os
+    import shutil
+
+    parent = tmp_path / "parent"
+    shutil.copytree(sft_run, parent, ignore=shutil.ignore_patterns("checkpoints"))  # a new path: not cached
+    config_file = parent / "adapter" / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps(config))
+    recipe = _dpo(tmp_path, tiny_model_dir, parent)
+    assert resolve_init_from(recipe).adapter.r == 4
+    before = config_file.stat()
+    new = config_file.with_name("adapter_config.json.tmp")
+    new.write_text(json.dumps({**config, "r": 6}))  # r 4 -> r 6: the same size
+    os.utime(new, ns=(before.st_atime_ns, before.st_mtime_ns))
+    os.replace(new, config_file)
+    after = config_file.stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    assert resolve_init_from(recipe).adapter.r == 6

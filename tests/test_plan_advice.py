@@ -75,3 +75,84 @@ def test_an_advised_batch_trains_exactly_at_a_micro_batch_that_divides_it(tiny_m
                                            "effective_batch_size": 6}})
     settings = api.plan(recipe, gpu_memory="2GiB", device="cpu").settings
     assert settings["micro_batch_size"] * settings["gradient_accumulation_steps"] == 6
+
+
+def _started_from_an_r8_adapter(tmp_path, model_dir):
+    """A recipe whose adapter.init_from is a run with an r=8, alpha=8 adapter, its shape keys left unset (the
+    defaults, r 16 and alpha 32, would contradict the adapter if they counted as set)."""
+    import json
+
+    from finetune.recipe.load import load_recipe_text
+    from finetune.rundir import atomic_write_text
+
+    parent = RunDir(tmp_path / "sft")
+    parent.create()
+    atomic_write_text(parent.recipe, recipe_to_yaml(validate_recipe(
+        {"model": {"path": str(model_dir)}, "data": {"path": "d.jsonl"},
+         "output": {"dir": str(parent.root)}})))
+    parent.adapter.mkdir()
+    (parent.adapter / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 8, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}))
+    (parent.adapter / "adapter_model.safetensors").write_bytes(b"")  # resolving reads only the config
+    return load_recipe_text(f"model: {{path: {model_dir}}}\nquantization: {{bits: null}}\n"
+                            "data: {path: d.jsonl, max_seq_len: 64}\n"
+                            f"adapter: {{init_from: {parent.root}}}\noutput: {{dir: {tmp_path / 'next'}}}\n")
+
+
+def test_advice_goal_and_settings_keep_the_shape_of_an_init_from_adapter(tiny_model_dir, tmp_path, advised_2):
+    from finetune.recipe.init_from import resolve_init_from
+    from finetune.recipe.settings import write_settings
+
+    recipe = _started_from_an_r8_adapter(tmp_path, tiny_model_dir)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(recipe_to_yaml(recipe))
+    for changed in (api.apply_advice(recipe, advised_2)[0], api.apply_advice(path, advised_2)[0],
+                    api.apply_goal(recipe, "quick test"), api.apply_goal(recipe, "longest context"),
+                    write_settings(recipe, {"micro_batch_size": 2})):
+        assert changed.adapter.init_from == recipe.adapter.init_from
+        adapter = resolve_init_from(changed).adapter  # not refused: r and alpha are the adapter's, not set
+        assert (adapter.r, adapter.alpha, adapter.target_modules) == (8, 8.0, ["q_proj", "v_proj"])
+
+
+def test_a_pinned_micro_batch_that_does_not_divide_the_advised_batch_is_released(tiny_model_dir, tmp_path,
+                                                                                 capsys):
+    """Advice 6 with micro-batch 4 pinned would train 4 x 2 = 8: released to auto, the plan trains 6."""
+    from finetune.cli import main
+
+    previous = RunDir(tmp_path / "previous")
+    previous.root.mkdir()
+    atomic_write_json(previous.results, {"state": "completed", "advice": {"settings": {
+        "training.effective_batch_size": 6, "training.gradient_accumulation_steps": "auto",
+        "training.reference_batch_size": 6}, "reason": "test"}})
+    path = _recipe_file(tmp_path, tiny_model_dir, micro_batch_size=4)
+    recipe, keys_set, why = api.apply_advice(path, previous.root)
+    assert "training.micro_batch_size 4 does not divide the advised batch of 6 (it would train 8): the " \
+           "advice released it to auto" in why and 'training.micro_batch_size="auto"' in keys_set
+    settings = api.plan(recipe, gpu_memory="2GiB", device="cpu").settings
+    assert settings["micro_batch_size"] * settings["gradient_accumulation_steps"] == 6
+
+    # pinned on the command line it wins, and the plan says it trains 8, not the batch of 6
+    assert main(["plan", str(path), "--gpu-memory", "2GiB", "--device", "cpu", "--advice", str(previous.root),
+                 "--set", "training.micro_batch_size=4"]) == 0
+    out = capsys.readouterr().out
+    assert ("--set training.micro_batch_size 4 does not divide the advised batch of 6 (it would train 8) "
+            "and wins") in out
+    assert "batch: trains 4 x 2 accumulation = 8 sequences per step, not training.effective_batch_size 6" \
+        in out
+
+
+def test_the_plan_says_when_no_micro_batch_divides_the_batch_over_the_processes(tiny_model_dir):
+    """A batch of 7 over 2 processes: no micro-batch divides it, the planner falls back to one that does not
+    and the plan output says which batch trains."""
+    recipe = validate_recipe({"model": {"path": str(tiny_model_dir)}, "quantization": {"bits": None},
+                              "data": {"path": "d.jsonl", "max_seq_len": 64},
+                              "training": {"micro_batch_size": "auto", "gradient_accumulation_steps": "auto",
+                                           "effective_batch_size": 7},
+                              "distributed": {"gpus": 2, "strategy": "ddp"}})
+    plan = api.plan(recipe, gpu_memory="2GiB", device="cuda")
+    micro, accumulation = plan.settings["micro_batch_size"], plan.settings["gradient_accumulation_steps"]
+    trained = micro * accumulation * 2
+    assert trained != 7
+    assert (f"batch: trains {micro} x {accumulation} accumulation x 2 processes = {trained} sequences per "
+            "step, not training.effective_batch_size 7: the micro-batch x processes does not divide it") \
+        in "\n".join(api.batch_plan(recipe, plan))

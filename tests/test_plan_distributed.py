@@ -136,6 +136,9 @@ REFUSAL_CASES = {
     # the strategy check alone would not; the search now offers `auto` only optimizers the keys fit
     "optimizer.rank with auto": {"adapter": {"type": "lora"}, "optimizer": {"name": "auto", "rank": 4},
                                  "quantization": {"bits": "auto"}},
+    # a deepspeed-only key: auto offers deepspeed alone (ddp or fsdp would be refused for the key at apply)
+    "zero_stage with auto": {"adapter": {"type": "lora"}, "quantization": {"bits": "auto"},
+                             "distributed": {"zero_stage": 2}},
 }
 
 
@@ -150,6 +153,7 @@ def test_the_strategy_check_refuses_what_validating_the_whole_combination_refuse
     from finetune.recipe.settings import write_settings
 
     recipe = _recipe("qwen2.5-0.5b", 2, "auto", **sections)
+    monkeypatch.setattr(search, "deepspeed_installed", lambda: True)
     verdicts = []
 
     def compared(recipe: Recipe, st: dict) -> bool:
@@ -172,4 +176,25 @@ def test_the_strategy_check_refuses_what_validating_the_whole_combination_refuse
     kept = search._choices(recipe, spec)
     assert len(kept) == sum(not refused for _, refused in verdicts)
     assert any(refused for _, refused in verdicts)
-    assert all(not refused for strategy, refused in verdicts if strategy == "ddp")
+    ddp = [refused for strategy, refused in verdicts if strategy == "ddp"]
+    assert not any(ddp)  # every ddp combination is accepted, where ddp is offered: not with a deepspeed key
+    assert bool(ddp) != bool(recipe.distributed.deepspeed_keys())
+
+
+def test_a_deepspeed_key_without_deepspeed_installed_is_a_clear_error_not_a_traceback(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """strategy auto with zero_stage 2: only deepspeed reads the key; without deepspeed the planner used to
+    pick ddp and applying the plan raised pydantic's ValidationError (a traceback in the CLI)."""
+    from finetune.cli import main
+    from finetune.plan import search
+    from finetune.recipe.load import recipe_to_yaml
+
+    monkeypatch.setattr(search, "deepspeed_installed", lambda: False)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(recipe_to_yaml(_recipe("qwen2.5-0.5b", 2, "auto", adapter={"type": "lora"},
+                                           distributed={"zero_stage": 2})))
+    assert main(["plan", str(path), "--gpu-memory", "80GiB"]) != 0
+    captured = capsys.readouterr()
+    err = captured.out + captured.err
+    assert "distributed.zero_stage: only strategy deepspeed reads it, and deepspeed is not installed" in err
+    assert "pip install deepspeed" in err and "Traceback" not in err and "ValidationError" not in err

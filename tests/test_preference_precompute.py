@@ -10,6 +10,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from finetune.errors import FinetuneError
 from finetune.memory import preference
 from finetune.memory.preference import PreferenceLoss, reference_logps
 from finetune.recipe.schema import Recipe
@@ -63,6 +64,14 @@ def test_precomputed_values_equal_the_in_step_reference(tiny_model_dir, tiny_tok
     same = compute_reference(model, examples, collator, loss, 4)  # the very batch: the very values
     assert collator([{**e, "ref_logps": v} for e, v in zip(examples, same, strict=True)])["ref_logps"].tolist() \
         == in_step.tolist()
+
+    # the loss takes the batch's values; a batch without them is a bug, not a cue to use another reference
+    with_values = collator([{**e, "ref_logps": v} for e, v in zip(examples, same, strict=True)])
+    torch.testing.assert_close(preference.preference_loss(model, with_values, loss),
+                               preference.preference_loss(model, batch, PreferenceLoss("dpo")))
+    with pytest.raises(FinetuneError, match="internal inconsistency: training.precompute_reference is on but "
+                                            "the batch has no ref_logps"):
+        preference.preference_loss(model, batch, loss)
 
 
 def _counting_reference(monkeypatch) -> list[int]:
@@ -135,7 +144,8 @@ def test_stored_values_belong_to_their_data_and_a_stopped_pass_writes_nothing(tm
     with torch.no_grad():  # the kto loss from the stored values equals the one with a reference forward
         torch.testing.assert_close(preference.preference_loss(model, data.collator(rows), kto),
                                    preference.preference_loss(model, data.collator([
-                                       {k: v for k, v in r.items() if k != "ref_logps"} for r in rows]), kto))
+                                       {k: v for k, v in r.items() if k != "ref_logps"} for r in rows]),
+                                       PreferenceLoss("kto")))
     stored = run_dir.reference_logps.read_text()
     again = attach_reference(model, build_datasets(recipe.data, tokenizer, 0, "kto"), recipe, run_dir)
     assert again.train["ref_logps"] == first.train["ref_logps"] and run_dir.reference_logps.read_text() == stored

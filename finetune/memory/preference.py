@@ -58,15 +58,17 @@ class PreferenceLoss:
     desirable_weight: float = 1.0
     undesirable_weight: float = 1.0
     precompute_reference: bool = False  # the reference values come with the batch (`ref_logps`)
+    reference_current: bool = False  # the precomputed pass runs the model as it is (`reference_is_current`)
 
     @classmethod
-    def of(cls, training: TrainingConfig) -> PreferenceLoss | None:
-        """The loss of a recipe's training section; None for sft."""
+    def of(cls, training: TrainingConfig, reference_current: bool = False) -> PreferenceLoss | None:
+        """The loss of a recipe's training section; None for sft. `reference_current`: the recipe's
+        `reference_is_current` (what the precomputed pass runs, for the planner's trace)."""
         if training.method == "sft":
             return None
         return cls(training.method, training.beta, training.loss_type, training.reference_free,
                    training.label_smoothing, training.desirable_weight, training.undesirable_weight,
-                   training.precompute_reference)
+                   training.precompute_reference, reference_current)
 
     @property
     def uses_reference(self) -> bool:
@@ -90,11 +92,14 @@ class PreferenceLoss:
     @property
     def objective(self) -> str:
         """What decides the step's memory (not beta and the other numbers): `dpo`, `dpo:reference_free`,
-        `dpo:precompute_reference`, `orpo`, `kto`, `kto:precompute_reference`; the planner's trace key, turned
-        back into a loss by `of_objective`."""
+        `dpo:precompute_reference`, `orpo`, `kto`, `kto:precompute_reference`, a precomputed pass with the
+        adapter on adding `:reference_current`; the planner's trace key, turned back into a loss by
+        `of_objective`."""
         flags = ["reference_free"] if self.method == "dpo" and self.reference_free else []
         if self.reference_precomputed:
             flags.append("precompute_reference")
+            if self.reference_current:
+                flags.append("reference_current")
         return ":".join([self.method, *flags])
 
     @classmethod
@@ -103,7 +108,8 @@ class PreferenceLoss:
             return None
         method, *flags = objective.split(":")
         return cls(method, reference_free="reference_free" in flags,
-                   precompute_reference="precompute_reference" in flags)
+                   precompute_reference="precompute_reference" in flags,
+                   reference_current="reference_current" in flags)
 
 
 def loads_reference_adapter(recipe: Recipe) -> bool:
@@ -112,6 +118,13 @@ def loads_reference_adapter(recipe: Recipe) -> bool:
     step)."""
     loss = PreferenceLoss.of(recipe.training)
     return recipe.adapter.init_from is not None and loss is not None and loss.reference_in_step
+
+
+def reference_is_current(recipe: Recipe) -> bool:
+    """Whether the precomputed reference pass runs on the model as it is, adapter on (`reference_logps`'s
+    `current`): a run from an adapter (adapter.init_from), whose trained adapter holds the start weights
+    before the first step; else the reference is the base with the adapter off."""
+    return recipe.adapter.init_from is not None
 
 
 def synthetic_batch(loss: PreferenceLoss | None, rows: int, seq_len: int, vocab: int, device: Any,
@@ -223,10 +236,17 @@ def reference_values(model: torch.nn.Module, batch: Mapping[str, Any], loss: Pre
 def preference_loss(model: torch.nn.Module, inputs: Mapping[str, Any], loss: PreferenceLoss, chunked: bool = False,
                     metrics: Metrics | None = None) -> torch.Tensor:
     """The micro-batch's mean preference loss; adds its rewards, margins and accuracy to `metrics`. The
-    reference values are the batch's `ref_logps` when it has them (precomputed), else a reference forward."""
+    reference values are the batch's `ref_logps` when it has them (precomputed: FinetuneError without them),
+    else a reference forward."""
     inputs = dict(inputs)
     kto_label = inputs.pop("kto_label", None)
     ref = inputs.pop("ref_logps", None)
+    if ref is None and loss.reference_precomputed:  # a reference forward here would be the wrong reference
+        raise FinetuneError("internal inconsistency: training.precompute_reference is on but the batch has "
+                            "no ref_logps (the precomputed reference values); the loss will not guess a "
+                            "reference",
+                            hint="please report this bug; meanwhile set training.precompute_reference: false "
+                                 "(the reference forward then runs in each step)")
     if ref is None and loss.uses_reference:
         ref = reference_logps(model, inputs, chunked)
     logps, counts = sequence_logps(model, inputs, chunked)

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from finetune.errors import FinetuneError, RecipeError
 from finetune.memory.bandwidth import transfer_bandwidth
 from finetune.memory.offload import offload_dir_for
-from finetune.memory.preference import PreferenceLoss, loads_reference_adapter
+from finetune.memory.preference import PreferenceLoss, loads_reference_adapter, reference_is_current
 from finetune.plan.cost_model import tokens_per_second
 from finetune.plan.memory_model import ModelSpec, memory_floor, predict_memory, traffic_bytes
 from finetune.plan.shapes import ModelShapes, target_dtype
@@ -128,10 +128,27 @@ def auto_values(recipe: Recipe, device: str) -> dict[str, list[Any]]:
         "bits": [None] if recipe.adapter.type == "full" else [None, 8, 4],
         "optimizer": _auto_optimizers(recipe),
         "tiled_mlp": [False, True],
-        # deepspeed is an optional dependency: `auto` considers it only where it is installed.
-        "strategy": [s for s in STRATEGIES if s != "deepspeed" or deepspeed_installed()]
-        if recipe.distributed.gpus > 1 else ["ddp"],
+        "strategy": _auto_strategies(recipe),
     }
+
+
+def _auto_strategies(recipe: Recipe) -> list[str]:
+    """The strategies `distributed.strategy: auto` may pick. deepspeed is an optional dependency: considered
+    only where it is installed; a deepspeed-only key (DEEPSPEED_KEYS) set leaves only deepspeed, and a
+    RecipeError naming the key when it is not installed."""
+    dist = recipe.distributed
+    if dist.gpus == 1:
+        return ["ddp"]
+    keys = dist.deepspeed_keys() if dist.strategy == "auto" else []
+    if keys and not deepspeed_installed():
+        named = "distributed." + ", distributed.".join(keys)
+        raise RecipeError(f"{named}: only strategy deepspeed reads {'them' if len(keys) > 1 else 'it'}, and "
+                          "deepspeed is not installed, so distributed.strategy auto has no strategy to pick",
+                          hint=f"install deepspeed (pip install deepspeed), or remove {named} to let the "
+                               "planner choose ddp or fsdp")
+    if keys:
+        return ["deepspeed"]
+    return [s for s in STRATEGIES if s != "deepspeed" or deepspeed_installed()]
 
 
 def _auto_optimizers(recipe: Recipe) -> list[str]:
@@ -198,7 +215,7 @@ def _refused(recipe: Recipe, st: dict[str, Any]) -> bool:
 
 def model_spec(recipe: Recipe, config: Any, device: str) -> ModelSpec:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    loss = PreferenceLoss.of(recipe.training)
+    loss = PreferenceLoss.of(recipe.training, reference_is_current(recipe))
     return ModelSpec(
         config=config, adapter=recipe.adapter, dtype=target_dtype(recipe, device),
         attn=model_facts(config, recipe.model.attn_implementation)[1], device=device, seq_len=recipe.data.max_seq_len,

@@ -286,7 +286,7 @@ def _direct_trace(key: tuple[str, str, str, str], attn: str, micro_batch: int, s
         with _MetaKernels(), _MetaMemo(), tracker:
             if preference is not None and preference.reference_precomputed:
                 with tracker.window("reference_pass"):  # the pass before training: no gradients exist yet
-                    batch_reference_logps(model, batch, chunked_loss)
+                    batch_reference_logps(model, batch, chunked_loss, current=preference.reference_current)
             forward_backward(model, batch, backward=_backward, tracker=tracker, backward_window="bwd_head",
                              preference=preference, chunked_loss=chunked_loss)
     finally:

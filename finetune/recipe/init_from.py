@@ -26,8 +26,8 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 SHAPE_KEYS = ("type", "r", "alpha", "rslora", "target_modules", "modules_to_save")
 _CACHE_SIZE = 64  # files kept by _read_cached (a few per start adapter)
-_READS: dict[tuple[str, str], tuple[tuple[int, int], Any]] = {}  # (kind, path) -> ((mtime_ns, size), value)
-_DIGESTS: dict[tuple[str, int, int], str] = {}  # (weights file, mtime_ns, size) -> sha256, from read_weights
+_READS: dict[tuple[str, str], tuple[tuple[int, ...], Any]] = {}  # (kind, path) -> (_stamp, value)
+_DIGESTS: dict[tuple[str | int, ...], str] = {}  # (weights file, *_stamp) -> sha256, from read_weights
 
 
 @dataclass(frozen=True)
@@ -83,14 +83,16 @@ def start_adapter(raw: str) -> StartAdapter:
     return StartAdapter(folder.resolve(), run.root.resolve() if run is not None else None, shape)
 
 
-def _stamp(path: Path) -> tuple[int, int]:
+def _stamp(path: Path) -> tuple[int, ...]:
+    """Changes whenever the file does: the inode and change time too, so a same-size file renamed over it
+    within the file system's clock tick (an atomic rewrite) counts as changed."""
     stat = path.stat()
-    return stat.st_mtime_ns, stat.st_size
+    return stat.st_mtime_ns, stat.st_size, stat.st_ino, stat.st_ctime_ns
 
 
 def _read_cached(kind: str, path: Path, read: Callable[[Path], Any]) -> Any:
-    """`read(path)`, read again only when the file's modification time or size changed (the value is shared:
-    callers must not change it)."""
+    """`read(path)`, read again only when the file changed (`_stamp`; the value is shared: callers must not
+    change it)."""
     stamp, key = _stamp(path), (kind, str(path))
     hit = _READS.get(key)
     if hit is not None and hit[0] == stamp:

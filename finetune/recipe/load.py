@@ -315,14 +315,19 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     return load_recipe_text(text, str(path), overrides)
 
 
-def recipe_to_yaml(recipe: Recipe) -> str:
-    """The fully resolved recipe as YAML (every key, defaults included), except, with adapter.init_from, the
-    adapter shape keys the recipe leaves to the saved adapter: written as defaults they would contradict it."""
+def recipe_data(recipe: Recipe, mode: str = "python") -> dict[str, Any]:
+    """`recipe` as a dict that validates back to the same recipe (every key, defaults included), except, with
+    adapter.init_from, the adapter shape keys the recipe leaves to the saved adapter: written as defaults they
+    would count as set and contradict it. Use it to change a recipe's values and validate it again."""
     from finetune.recipe.init_from import SHAPE_KEYS
 
     unset = set(SHAPE_KEYS) - recipe.adapter.model_fields_set if recipe.adapter.init_from else set()
-    data = recipe.model_dump(mode="json", exclude={"adapter": unset})
-    return yaml.safe_dump(data, sort_keys=False)
+    return recipe.model_dump(mode=mode, exclude={"adapter": unset})
+
+
+def recipe_to_yaml(recipe: Recipe) -> str:
+    """The fully resolved recipe as YAML (see recipe_data for the adapter shape keys left out)."""
+    return yaml.safe_dump(recipe_data(recipe, "json"), sort_keys=False)
 
 
 def iter_fields(model: type[BaseModel] = Recipe, prefix: str = ""):

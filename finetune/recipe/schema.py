@@ -349,6 +349,7 @@ class OutputConfig(Section):
 # -- distributed (issue 16): several GPUs / nodes through accelerate -------------------------------------
 STRATEGIES = ("ddp", "fsdp", "deepspeed")  # "auto": the planner picks the fastest that fits each GPU
 SHARDED_STRATEGIES = ("fsdp", "deepspeed")  # optimizer state (and more) split across processes
+DEEPSPEED_KEYS = ("zero_stage", "deepspeed_offload", "deepspeed_nvme_path")  # read by deepspeed only
 
 
 class DistributedConfig(Section):
@@ -369,10 +370,13 @@ class DistributedConfig(Section):
         20 * 10**9, description="Bytes/s between GPUs the planner assumes for gradient and parameter traffic "
         "(20GB: PCIe 4.0 x16; NVLink is 10x that).")
 
+    def deepspeed_keys(self) -> list[str]:
+        """The deepspeed-only keys (DEEPSPEED_KEYS) not at their defaults: they need strategy deepspeed."""
+        return [k for k in DEEPSPEED_KEYS if getattr(self, k) != type(self).model_fields[k].default]
+
     @model_validator(mode="after")
     def _keys_fit_strategy(self) -> DistributedConfig:
-        ds_keys = [k for k in ("zero_stage", "deepspeed_offload", "deepspeed_nvme_path")
-                   if getattr(self, k) != type(self).model_fields[k].default]
+        ds_keys = self.deepspeed_keys()
         if ds_keys and self.strategy not in ("deepspeed", "auto"):
             raise ValueError(f"distributed.{', distributed.'.join(ds_keys)} apply only to strategy deepspeed, not "
                              f"{self.strategy}; remove them or set distributed.strategy: deepspeed")

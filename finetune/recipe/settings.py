@@ -93,7 +93,9 @@ def write_settings(recipe: Recipe, values: Mapping[str, Any], *, validate: bool 
     if not validate:
         return recipe.model_copy(update={section: getattr(recipe, section).model_copy(update=fields)
                                          for section, fields in changes.items()})
-    data = recipe.model_dump()
+    from finetune.recipe.load import recipe_data
+
+    data = recipe_data(recipe)
     for section, fields in changes.items():
         data[section].update(fields)
     return recipe.model_validate(data)

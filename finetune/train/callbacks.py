@@ -10,7 +10,7 @@ from transformers import TrainerCallback
 
 from finetune.console import console, progress_bar
 from finetune.memory.preference import METRIC_PREFIXES
-from finetune.rundir import RunDir
+from finetune.rundir import EVAL_PREFIX, RunDir
 from finetune.train.noise_scale import KEYS as NOISE_SCALE_KEYS
 
 
@@ -40,8 +40,8 @@ class MetricsCallback(TrainerCallback):
         logs = logs or {}
         now = time.time()
         row = {"step": state.global_step, "epoch": round(state.epoch or 0.0, 4), "elapsed_s": round(now - self.start, 3)}
-        if "eval_loss" in logs:
-            row.update({k: v for k, v in logs.items() if k.startswith("eval_")})
+        if f"{EVAL_PREFIX}loss" in logs:
+            row.update({k: v for k, v in logs.items() if k.startswith(EVAL_PREFIX)})
         elif "loss" in logs:
             tokens = state.num_input_tokens_seen
             dt = max(now - self._last_time, 1e-9)

@@ -17,6 +17,7 @@ from finetune.memory.preference import (
     PreferenceLoss,
     batch_reference_logps,
     loads_reference_adapter,
+    reference_is_current,
     synthetic_batch,
 )
 from finetune.memory.step import autocast_for, enable_checkpointing, mixed_precision, training_step
@@ -55,7 +56,8 @@ def step_setup(recipe: Recipe, **plan_kwargs: Any) -> tuple[Recipe, torch.nn.Mod
 
 def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
     """Run `steps` optimizer steps at the recipe's micro-batch and max_seq_len; return the tracker result
-    (with training.precompute_reference, the reference pass over one micro-batch first, as a run does).
+    (with training.precompute_reference, the reference pass over one micro-batch first, as a run does, its
+    tracked peak as `reference_pass_bytes`).
 
     `auto` settings are resolved by the planner first.
     """
@@ -73,11 +75,14 @@ def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
         accumulation = recipe.training.gradient_accumulation_steps
         autocast = autocast_for(mixed_precision(recipe.model.dtype, device == "cuda"))
 
+        passes: list[int] = []
+
         def run(tracker: MemoryTracker) -> None:
             if preference is not None and preference.reference_precomputed:
                 with tracker.window("reference_pass"), autocast():  # the pass before training, as `run` does
                     batch_reference_logps(model, batch, bool(recipe.memory.chunked_loss),
-                                          current=recipe.adapter.init_from is not None)
+                                          current=reference_is_current(recipe))
+                passes.append(tracker.windows["reference_pass"][0])
             for _ in range(steps):
                 training_step(model, [batch] * accumulation, optimizer, max_grad_norm=recipe.training.max_grad_norm,
                               chunked_loss=bool(recipe.memory.chunked_loss), autocast=autocast, offload=offload,
@@ -89,6 +94,8 @@ def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
             if offload is not None:
                 offload.close()  # the disk tier's threads and files go before the scratch folder does
     result["steps"] = steps
+    if passes:  # the tracked peak of the pass, next to the plan's reference_pass_bytes
+        result["reference_pass_bytes"] = passes[0]
     result["settings"] = read_settings(recipe)
     return result
 

@@ -7,8 +7,9 @@ step its trained adapter holds the start weights, so no frozen copy of them is l
 training, nor priced by the planner). Its values join the datasets as a `ref_logps` column that the collator
 turns into the batch's `ref_logps`. They are kept in the run directory: `--resume` reads them back instead of
 paying the pass again, and trains on the very values the interrupted run used. The file names a fingerprint
-of what the values depend on (the tokenized data, the model, quantization, adapter, chunked loss); when it
-does not match (other data, another model), the values are computed again.
+of what the values depend on (the tokenized data, the model, quantization, adapter and start weights, chunked
+loss); when it does not match (other data, another model, a retrained start adapter), the values are computed
+again.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import torch
 
 from finetune.console import console, progress_bar
 from finetune.data.build import DataBundle
-from finetune.memory.preference import PreferenceLoss, reference_values
+from finetune.memory.preference import PreferenceLoss, reference_is_current, reference_values
+from finetune.recipe.init_from import init_from_record
 from finetune.recipe.schema import Recipe
 from finetune.rundir import RunDir, atomic_write_text, read_json
 
@@ -32,12 +34,15 @@ FORMAT = 1  # of the file; a different one is computed again
 
 
 def fingerprint(recipe: Recipe, data: DataBundle) -> str:
-    """What the reference values depend on: the model, how it is loaded and adapted, the loss's chunking,
-    and every token and label of the training and eval data (a sha256)."""
+    """What the reference values depend on: the model, how it is loaded and adapted (with adapter.init_from,
+    the start weights' sha256: a parent run trained again keeps its path), the loss's chunking, and every
+    token and label of the training and eval data (a sha256)."""
+    start = init_from_record(recipe.adapter.init_from)["sha256"] if recipe.adapter.init_from else None
     digest = hashlib.sha256()
     digest.update(json.dumps([FORMAT, recipe.model.model_dump(mode="json"),
                               recipe.quantization.model_dump(mode="json"), recipe.adapter.model_dump(mode="json"),
-                              recipe.memory.chunked_loss is True, recipe.training.method], sort_keys=True).encode())
+                              start, recipe.memory.chunked_loss is True, recipe.training.method],
+                             sort_keys=True).encode())
     for split in (data.train, data.eval):
         digest.update(b"|split|")
         if split is None:
@@ -103,7 +108,7 @@ def attach_reference(model: torch.nn.Module, data: DataBundle, recipe: Recipe, r
                 values[name] = [] if ds is None else compute_reference(
                     model, ds, data.collator, loss, int(recipe.training.micro_batch_size),
                     recipe.memory.chunked_loss is True, autocast, advance,
-                    current=recipe.adapter.init_from is not None)
+                    current=reference_is_current(recipe))
         atomic_write_text(run_dir.reference_logps, json.dumps(values, separators=(",", ":")) + "\n")
         run_dir.log_line(f"reference pass: {total} examples in {time.time() - start:.1f} s, "
                          f"saved to {run_dir.reference_logps.name}")
