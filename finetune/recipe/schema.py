@@ -140,8 +140,9 @@ class TrainingConfig(Section):
         1, description="Micro-batches per optimizer step; auto keeps effective_batch_size with the planner's micro-batch.")
     effective_batch_size: int | Auto | None = Field(
         None, description="Target sequences per optimizer step when micro-batch or accumulation is auto; auto: "
-        "chosen during the run from the measured gradient noise scale (accumulation ramps up, learning rate "
-        "and beta2 follow the batch rules).")
+        "chosen during the run from the measured gradient noise scale: updates start at one sequence inside each "
+        "micro-batch and grow, then accumulate, while a larger batch costs at most 2% more tokens; learning rate "
+        "and beta2 follow the batch rules.")
     learning_rate: float = Field(2.0e-4, gt=0, le=1, description="Peak learning rate.")
     lr_scheduler: Literal["cosine", "linear", "constant", "wsd"] = Field(
         "cosine", description="Schedule after warmup; wsd = warmup, stable, then decay over decay_ratio.")
