@@ -6,6 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
+from finetune.rundir import read_jsonl
+
 
 def sums_data(path: Path, n: int) -> Path:
     """`n` chat records "What is i plus i?" -> "It is 2i." with answers of varied length (messages format)."""
@@ -30,3 +34,14 @@ def tiny_lora_recipe(model_dir: Path, data: Path, out_dir: Path, *overrides: dic
         for section, values in sections.items():
             recipe[section] = {**recipe.get(section, {}), **values}
     return recipe
+
+
+def assert_same_steps(run_dir: Path, reference_dir: Path, keys: tuple[str, ...], steps: list[int]) -> None:
+    """metrics.jsonl of `run_dir` has exactly `steps`, each with the `keys` values of the same step in
+    `reference_dir`'s (to float tolerance)."""
+    expected = {r["step"]: r for r in read_jsonl(reference_dir / "metrics.jsonl") if "loss" in r}
+    rows = {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r}
+    assert sorted(rows) == steps
+    for step, row in rows.items():
+        for key in keys:
+            assert row[key] == pytest.approx(expected[step][key], rel=1e-4, abs=1e-6), (step, key)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,25 +76,35 @@ def test_a_ramp_changes_the_accumulation_without_dropping_or_repeating_examples_
     assert results["batch"]["effective_batch_size"] == 8 and len(results["batch"]["changes"]) == 2
 
     # --resume from a checkpoint taken at accumulation 2 (mid-ramp), as if the run had been killed after it
-    losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
-    folder = auto.run_dir / "checkpoints"
-    mid = next(p for p in sorted(folder.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-               if json.loads((p / "batch_engine.json").read_text())["accumulation"] == 2)
+    mid, resumed, again_rows = _resume_mid_ramp(auto.run_dir, recipe, tmp_path / "resumed", "accumulation", 2)
     times = json.loads((mid / "batch_engine.json").read_text())["times"]  # the run's own step times, kept
     assert times["rest"] and all(t >= 0 for t in times["rest"] + times["forward"] + times["deferred"])
-    copy = tmp_path / "resumed"
-    shutil.copytree(auto.run_dir, copy)
+    assert resumed.steps == 14
+    _assert_same_losses(again_rows, rows)
+    assert [e["step"] for e in again_rows if e.get("event") == "batch_changed"] == [e["step"] for e in events]
+
+
+def _resume_mid_ramp(run_dir: Path, recipe: dict, copy: Path, key: str, value: int) -> tuple:
+    """--resume from the first checkpoint whose batch_engine.json has `key` == `value` (mid-ramp), in a copy of
+    the run without the later checkpoints, as if it had been killed after that one: (the checkpoint, the
+    resumed run, its metrics rows)."""
+    mid = next(p for p in sorted((run_dir / "checkpoints").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+               if json.loads((p / "batch_engine.json").read_text())[key] == value)
+    shutil.copytree(run_dir, copy)
     for p in (copy / "checkpoints").glob("checkpoint-*"):
         if int(p.name.split("-")[1]) > int(mid.name.split("-")[1]):
             shutil.rmtree(p)
     resumed = run(validate_recipe({**recipe, "output": {**recipe["output"], "dir": str(copy)}}), resume=True)
-    assert resumed.steps == 14
-    again_rows = read_jsonl(copy / "metrics.jsonl")
-    again = {r["step"]: r["loss"] for r in again_rows if "loss" in r}
+    return mid, resumed, read_jsonl(copy / "metrics.jsonl")
+
+
+def _assert_same_losses(rows: list[dict], reference: list[dict]) -> None:
+    """The same steps with the same losses as the uninterrupted run's metrics rows."""
+    losses = {r["step"]: r["loss"] for r in reference if "loss" in r}
+    again = {r["step"]: r["loss"] for r in rows if "loss" in r}
     assert sorted(again) == sorted(losses)
     for step in losses:
         assert again[step] == pytest.approx(losses[step], rel=1e-6), f"step {step}"
-    assert [e["step"] for e in again_rows if e.get("event") == "batch_changed"] == [e["step"] for e in events]
 
 
 def test_a_layerwise_optimizer_accumulates_over_the_group(tmp_path, tiny_model_dir, forced_ramp, monkeypatch):
@@ -281,24 +292,11 @@ def test_the_warmup_ramps_the_update_batch_then_accumulates_without_dropping_exa
     results = json.loads((auto.run_dir / "results.json").read_text())
     assert results["batch"]["effective_batch_size"] == 8 and results["batch"]["update_batch"] == 4
 
-    losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
-    folder = auto.run_dir / "checkpoints"
-    mid = next(p for p in sorted(folder.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-               if json.loads((p / "batch_engine.json").read_text())["update_batch"] == 2)
-    copy = tmp_path / "warm-resumed"
-    shutil.copytree(auto.run_dir, copy)
-    for p in (copy / "checkpoints").glob("checkpoint-*"):
-        if int(p.name.split("-")[1]) > int(mid.name.split("-")[1]):
-            shutil.rmtree(p)
     seen[:] = []
-    resumed = run(validate_recipe({**recipe, "output": {**recipe["output"], "dir": str(copy)}}), resume=True)
+    mid, resumed, again_rows = _resume_mid_ramp(auto.run_dir, recipe, tmp_path / "warm-resumed", "update_batch", 2)
     assert resumed.steps == 16
     assert [row for rows, _ in seen for row in rows] == fixed_rows[4 * int(mid.name.split("-")[1]):]
-    again_rows = read_jsonl(copy / "metrics.jsonl")
-    again = {r["step"]: r["loss"] for r in again_rows if "loss" in r}
-    assert sorted(again) == sorted(losses)
-    for step in losses:
-        assert again[step] == pytest.approx(losses[step], rel=1e-6), f"step {step}"
+    _assert_same_losses(again_rows, rows)
     assert [e["to"] for e in again_rows if e.get("event") == "batch_changed"] == [e["to"] for e in events]
 
 

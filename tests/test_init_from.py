@@ -15,6 +15,7 @@ from finetune.memory.preference import PreferenceLoss, preference_loss, referenc
 from finetune.recipe.init_from import resolve_init_from
 from finetune.rundir import RunDir, read_jsonl
 from finetune.train.run import run
+from tests.run_support import assert_same_steps
 from tests.test_preference_train import COLOURS, _recipe
 
 
@@ -320,12 +321,7 @@ def test_precompute_from_an_adapter_keeps_no_reference_copy_and_trains_like_the_
     again = json.loads(RunDir(resumed.run_dir).reference_logps.read_text())
     for split in ("train", "eval"):
         assert sum(again[split], []) == pytest.approx(sum(stored[split], []), rel=1e-5, abs=1e-5), split
-    expected = {r["step"]: r for r in read_jsonl(in_step.run_dir / "metrics.jsonl") if "loss" in r}
-    rows = {r["step"]: r for r in read_jsonl(resumed.run_dir / "metrics.jsonl") if "loss" in r}
-    assert sorted(rows) == [1, 2, 3, 4]
-    for step, row in rows.items():
-        for key in ("loss", "rewards/margins", "rewards/chosen"):
-            assert row[key] == pytest.approx(expected[step][key], rel=1e-4, abs=1e-6), (step, key)
+    assert_same_steps(resumed.run_dir, in_step.run_dir, ("loss", "rewards/margins", "rewards/chosen"), [1, 2, 3, 4])
 
 
 def test_init_from_files_are_read_again_only_when_they_change(tmp_path, tiny_model_dir, sft_run, monkeypatch):

@@ -16,6 +16,7 @@ from finetune.memory.preference import PreferenceLoss, reference_logps
 from finetune.recipe.schema import Recipe
 from finetune.rundir import read_jsonl
 from finetune.train.run import run
+from tests.run_support import assert_same_steps
 from tests.test_preference_train import _pairs, _recipe
 
 
@@ -108,12 +109,7 @@ def test_run_with_precompute_trains_like_one_without_and_resume_reads_the_file(t
                   resume=True)
     assert calls == [] and (first.run_dir / "reference_logps.json").stat().st_mtime_ns == written
     assert "values read from the run directory" in (resumed.run_dir / "train.log").read_text()
-    expected = {r["step"]: r for r in read_jsonl(plain.run_dir / "metrics.jsonl") if "loss" in r}
-    rows = {r["step"]: r for r in read_jsonl(resumed.run_dir / "metrics.jsonl") if "loss" in r}
-    assert sorted(rows) == [1, 2, 3, 4]
-    for step, row in rows.items():
-        for key in ("loss", "rewards/margins", "rewards/chosen"):
-            assert row[key] == pytest.approx(expected[step][key], rel=1e-4, abs=1e-6), (step, key)
+    assert_same_steps(resumed.run_dir, plain.run_dir, ("loss", "rewards/margins", "rewards/chosen"), [1, 2, 3, 4])
     after = [r for r in read_jsonl(resumed.run_dir / "metrics.jsonl") if "eval_loss" in r][-1]
     plain_after = [r for r in read_jsonl(plain.run_dir / "metrics.jsonl") if "eval_loss" in r][-1]
     for key in ("eval_loss", "eval_rewards/margins", "eval_rewards/accuracies"):
