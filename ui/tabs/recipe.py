@@ -74,6 +74,8 @@ def build(demo: gr.Blocks, backend: Backend) -> tuple[list[gr.components.Compone
                                         elem_id="recipe-upload", height=110)
                 prev_run = gr.Dropdown(label="From a previous run", allow_custom_value=True, elem_id="previous-run")
                 prev_btn = gr.Button("Load that run's recipe", elem_id="previous-run-load")
+        # Two boxes: what was loaded stays in view while the YAML refresh the load triggers clears the problems
+        notice = gr.Markdown(elem_id="recipe-notice")
         recipe_msg = gr.Markdown(elem_id="recipe-problems")
         defaults = _defaults(backend)
         with gr.Group(elem_id="basics"):
@@ -106,14 +108,14 @@ def build(demo: gr.Blocks, backend: Backend) -> tuple[list[gr.components.Compone
         title, values = backend.load_gallery(path)
         return (f"Loaded the ready recipe: {title}", *values)
 
-    use_btn.click(use_gallery, pick, [recipe_msg, *widgets], api_name="use_gallery_recipe")
+    use_btn.click(use_gallery, pick, [notice, *widgets], api_name="use_gallery_recipe")
 
     @reported(1 + len(widgets))
     def use_run(run_dir):
         run, values = backend.load_run_recipe(run_dir)
         return (f"Loaded the recipe of {run}, with a new output.dir for the new run.", *values)
 
-    prev_btn.click(use_run, prev_run, [recipe_msg, *widgets], api_name="use_run_recipe")
+    prev_btn.click(use_run, prev_run, [notice, *widgets], api_name="use_run_recipe")
 
     def load_file(path: str | None):
         if not path:
@@ -121,7 +123,7 @@ def build(demo: gr.Blocks, backend: Backend) -> tuple[list[gr.components.Compone
         name, values = backend.load_upload(path)
         return (f"Loaded {name}.", *values)
 
-    recipe_upload.upload(reported(1 + len(widgets))(load_file), recipe_upload, [recipe_msg, *widgets],
+    recipe_upload.upload(reported(1 + len(widgets))(load_file), recipe_upload, [notice, *widgets],
                          api_name="load_recipe")
 
     def apply_goal(chosen):
