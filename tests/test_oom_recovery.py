@@ -26,24 +26,22 @@ from finetune.rundir import RunDir, read_jsonl
 from finetune.train.checkpoints import FAULT_ENV as CHECKPOINT_FAULT_ENV
 from finetune.train.recovery import FAULT_ENV
 from finetune.train.run import run
-from tests.run_support import tiny_lora_recipe
+from tests.run_support import sums_data, tiny_lora_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 REL = 1e-5  # float summation order only (see the module docstring)
 
 
-def _data(tmp_path: Path, n: int = 16, varied: bool = True) -> Path:
-    path = tmp_path / ("oom-data.jsonl" if varied else "oom-data-uniform.jsonl")
-    rows = [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?" if varied else "What is 2 plus 2?"},
-                          {"role": "assistant", "content": f"It is {2 * i}." + " yes" * (i % 5) if varied
-                           else "It is 4."}]}
-            for i in range(n)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+def _uniform_data(tmp_path: Path, n: int = 16) -> Path:
+    """`n` records of the same length (no padding)."""
+    path = tmp_path / "oom-data-uniform.jsonl"
+    row = {"messages": [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "It is 4."}]}
+    path.write_text((json.dumps(row) + "\n") * n)
     return path
 
 
 def _recipe(tmp_path: Path, model_dir: Path, name: str, **sections) -> dict:
-    return tiny_lora_recipe(model_dir, _data(tmp_path), tmp_path / name,
+    return tiny_lora_recipe(model_dir, sums_data(tmp_path / "oom-data.jsonl", 16), tmp_path / name,
                             {"training": {"max_steps": 4, "learning_rate": 1e-2}}, sections)
 
 
@@ -105,7 +103,7 @@ def test_recovered_run_equals_a_run_at_the_smaller_micro_batch(tmp_path, tmp_pat
 
         monkeypatch.setattr(RecoveringTrainer, "model_accepts_loss_kwargs",
                             property(lambda self: False, lambda self, value: None), raising=False)
-        sections["data"] = {"path": str(_data(tmp_path, varied=False))}
+        sections["data"] = {"path": str(_uniform_data(tmp_path))}
     from finetune.memory.tracker_callback import PeakMemoryCallback
     from finetune.train.recovery import RecoveringTrainer
 

@@ -239,10 +239,6 @@ def events_markdown(events: list[tuple[int, str, str, str]]) -> str:
     return "**Events**: " + "; ".join(f"step {step}: {detail}" for step, _, _, detail in events) + "."
 
 
-def _figures(value: Any, spec: str = ".3g") -> str:
-    return format(value, spec) if isinstance(value, (int, float)) else "n/a"
-
-
 def _sequences(n: Any) -> str:
     return f"{n} sequence{'' if n == 1 else 's'}"
 
@@ -272,7 +268,7 @@ def batch_markdown(report: dict[str, Any], run_dir: str = "RUN_DIR") -> str:
             f"step {c['step']}: {(c.get('from') or {}).get('effective_batch_size')} → "
             f"{_sequences((c.get('to') or {}).get('effective_batch_size'))}"
             + (f" (noise scale {c['gns']:.4g} tokens)" if c.get("gns") else "")
-            + f", learning rate {_figures(c.get('learning_rate'))}"
+            + f", learning rate {_fmt(c.get('learning_rate'), '.3g') or 'n/a'}"
             + (f", beta2 {c['beta2']:.6g}" if c.get("beta2") else "") for c in report["changes"]) + ".")
     advice = report["advice"]
     settings = advice.get("settings")

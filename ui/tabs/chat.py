@@ -15,6 +15,7 @@ from typing import Any
 
 import gradio as gr
 
+from finetune import api
 from finetune.errors import FinetuneError
 from ui.backend import Backend
 from ui.tabs.messages import problems_markdown
@@ -41,8 +42,6 @@ def plain(history: list[dict[str, Any]]) -> list[dict[str, str]]:
 
 def start_of(run: str | None) -> str | None:
     """The run whose adapter `run` started from (adapter.init_from: the SFT run of a DPO run), if any."""
-    from finetune import api
-
     try:
         runs = api.lineage([run]) if run else []
     except FinetuneError:
