@@ -306,8 +306,8 @@ def apply_advice(recipe: Recipe | str | Path, run_dir: str | Path, overrides: li
     advice releases it to auto, so the planner picks one that divides the batch, and `why` says so. A
     micro-batch the overrides pin stays, with a note."""
     import json
-    import math
 
+    from finetune.recipe.batch_rules import accumulation_for
     from finetune.recipe.load import apply_overrides, parse_override
 
     advised, why = run_advice(run_dir)
@@ -322,9 +322,10 @@ def apply_advice(recipe: Recipe | str | Path, run_dir: str | Path, overrides: li
     new = build(advised + overrides)
     t, gpus = new.training, new.distributed.gpus
     batch, micro = t.effective_batch_size, t.micro_batch_size
-    if isinstance(batch, int) and isinstance(micro, int) and batch % (micro * gpus):  # trains another batch
+    trained = accumulation_for(batch, micro, gpus) * micro * gpus \
+        if isinstance(batch, int) and isinstance(micro, int) else batch
+    if trained != batch:  # the pinned micro-batch trains another batch
         pinned = f"training.micro_batch_size {micro}" + (f" x {gpus} processes" if gpus > 1 else "")
-        trained = max(1, math.ceil(batch / (micro * gpus))) * micro * gpus
         problem = (f"is above the advised batch of {batch}" if micro * gpus > batch else
                    f"does not divide the advised batch of {batch} (it would train {trained})")
         if any(parse_override(item)[0] == ["training", "micro_batch_size"] for item in overrides):

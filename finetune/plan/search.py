@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import shutil
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -21,6 +20,7 @@ from finetune.plan.cost_model import tokens_per_second
 from finetune.plan.memory_model import ModelSpec, memory_floor, predict_memory, traffic_bytes
 from finetune.plan.shapes import ModelShapes, target_dtype
 from finetune.plan.trace import model_facts, planned_config
+from finetune.recipe.batch_rules import accumulation_for
 from finetune.recipe.init_from import resolve_init_from
 from finetune.recipe.offload_tiers import STORES, tier_names, tier_spec
 from finetune.recipe.optimizers import auto_preferences
@@ -119,7 +119,8 @@ def auto_values(recipe: Recipe, device: str) -> dict[str, list[Any]]:
     return {
         # those that divide the batch over the devices, so the accumulation keeps it exactly (an advised batch
         # of 6 trains at 2 x 3, not 4 x 2 = 8); where none does, every micro-batch up to the batch
-        "micro_batch_size": [b for b in micro if effective and effective % (b * world) == 0] or micro,
+        "micro_batch_size": [b for b in micro if effective and accumulation_for(effective, b, world) * b * world == effective]
+        or micro,
         "activation_checkpointing": [False, True],
         # Only tiers that free the training device's memory are worth trying (on a CPU run RAM is that memory).
         "offload": ["none", *(t for t in tier_names() if tier_spec(t).frees_device(device))],
@@ -196,7 +197,7 @@ def _choices(recipe: Recipe, spec: ModelSpec) -> list[Settings]:
         if world > 1 and given["strategy"] == "auto" and _refused(recipe, st):
             continue
         if st["gradient_accumulation_steps"] == "auto":  # keep training.effective_batch_size over all devices
-            st["gradient_accumulation_steps"] = max(1, math.ceil(effective / (st["micro_batch_size"] * world))) \
+            st["gradient_accumulation_steps"] = accumulation_for(effective, st["micro_batch_size"], world) \
                 if effective else 1
         out.append(Settings(**st))
     return out

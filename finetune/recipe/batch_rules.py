@@ -111,6 +111,12 @@ def apply_batch_rules(recipe: Recipe, reference: int | None) -> tuple[Recipe, Ba
     return out, rule
 
 
+def accumulation_for(effective: int, micro: int, processes: int = 1) -> int:
+    """Micro-batches per process and step that keep `effective` sequences per step: the batch rounded up to
+    a multiple of micro x processes where they do not divide it (then it trains micro x processes x this)."""
+    return max(1, math.ceil(effective / (micro * processes)))
+
+
 def wall_time(accumulation: int, tokens_per_micro: float, gns_tokens: float, t_micro: float, t_opt: float) -> float:
     """Seconds per E_min token to reach a loss with `accumulation` micro-batches of `tokens_per_micro`
     labelled tokens per optimizer step (the cost(k) above, divided by the micro-batch's tokens)."""
