@@ -24,7 +24,7 @@ from finetune.recipe.load import load_recipe, recipe_to_yaml
 from finetune.recipe.schema import Recipe
 from finetune.recipe.settings import auto_settings, read_settings, write_settings
 from finetune.recipe.settings import table as settings_table
-from finetune.rundir import RunDir, atomic_write_json, atomic_write_text, replace_dir
+from finetune.rundir import EVAL_PREFIX, RunDir, atomic_write_json, atomic_write_text, replace_dir
 from finetune.train import distributed
 from finetune.train.batch_engine import BatchEngineTrainer, batch_summary, record_batch_change
 from finetune.train.callbacks import MetricsCallback, ProgressCallback, StopOnSignal
@@ -259,7 +259,7 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
         if trainer.offload is not None:  # an out-of-memory recovery may have turned it on or changed it
             trainer.offload.close()  # removes every file the disk tier still holds, also after an error
     after = _final_evaluation(trainer) if data.eval is not None else {}
-    eval_loss = after.get("eval_loss")
+    eval_loss = after.get(f"{EVAL_PREFIX}loss")
     state = "stopped" if stopper.requested else "completed"
     if state == "completed":
         _save_result(trainer, tokenizer, run_dir, main)
@@ -286,7 +286,7 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
 def _final_evaluation(trainer: FinetuneTrainer) -> dict[str, float]:
     """The evaluation at the last step: the Trainer's own when it ran one there (evaluating again would log
     a second row for the same step in metrics.jsonl), else a new one."""
-    last = next((row for row in reversed(trainer.state.log_history) if "eval_loss" in row), None)
+    last = next((row for row in reversed(trainer.state.log_history) if f"{EVAL_PREFIX}loss" in row), None)
     if last is not None and last.get("step") == trainer.state.global_step:
         return {k: v for k, v in last.items() if k != "step"}
     return trainer.evaluate()
