@@ -4,6 +4,8 @@ the published comparison itself (benchmarks/published.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from finetune.plan import predict
@@ -13,7 +15,7 @@ from finetune.plan.trace import planned_config
 from finetune.recipe.schema import Recipe
 from finetune.recipe.settings import Settings
 
-CONFIG_3B = "benchmarks/published/llama-3.2-3b.json"
+CONFIG_3B = str(Path(__file__).parents[1] / "benchmarks/published/llama-3.2-3b.json")
 
 
 def _recipe(path: str, adapter: dict, optimizer: str = "adamw", offload: str = "none", **training) -> Recipe:
@@ -86,3 +88,14 @@ def test_weight_sized_backward_tensors_do_not_scale_with_the_batch(mb):
     many = _predict(_recipe(CONFIG_3B, {"type": "full"}, micro_batch_size=mb))
     assert one.breakdown["activations"] > 3 * 0.7 * 2**30
     assert many.peak_bytes < one.peak_bytes + (mb - 1) * one.breakdown["activations"] - 2**30
+
+
+def test_published_comparison_is_current(capsys):
+    """benchmarks/published.py: every torchtune row is a valid recipe and the committed results are what it
+    prints now (regenerate: python benchmarks/published.py > benchmarks/results/published.txt)."""
+    from benchmarks.published import ROWS, main
+
+    main()
+    printed = capsys.readouterr().out
+    assert printed == (Path(__file__).parents[1] / "benchmarks/results/published.txt").read_text()
+    assert all(label in printed for label, *_ in ROWS) and len(ROWS) == 12
