@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from finetune.plan import predict
 from finetune.plan.memory_model import predict_memory
@@ -99,3 +100,34 @@ def test_published_comparison_is_current(capsys):
     printed = capsys.readouterr().out
     assert printed == (Path(__file__).parents[1] / "benchmarks/results/published.txt").read_text()
     assert all(label in printed for label, *_ in ROWS) and len(ROWS) == 12
+
+
+def test_bf16_adapter_run_learns_and_saves_bf16_and_compile_is_refused_on_cpu(tiny_model_dir, tmp_path, capsys):
+    """`finetune run` end to end: adapter.dtype bf16 trains (the loss falls) and saves a bf16 adapter;
+    training.compile on a CPU run stops before training with exit code 2 and a line naming the key."""
+    import yaml
+    from safetensors.torch import load_file
+
+    from finetune.cli import main
+    from finetune.rundir import RunDir, read_jsonl
+    from tests.run_support import sums_data, tiny_lora_recipe
+
+    data = sums_data(tmp_path / "sums.jsonl", 32)
+    recipe = tiny_lora_recipe(tiny_model_dir, data, tmp_path / "bf16", {"adapter": {"dtype": "bf16"}},
+                              {"training": {"max_steps": 12, "learning_rate": 5e-3, "noise_scale": False}})
+    path = tmp_path / "bf16.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert main(["run", str(path)]) == 0
+    run = RunDir(tmp_path / "bf16")
+    losses = [r["loss"] for r in read_jsonl(run.metrics) if "loss" in r]
+    assert sum(losses[-3:]) < sum(losses[:3])
+    tensors = load_file(next(run.adapter.glob("*.safetensors")))
+    assert tensors and all(t.dtype == torch.bfloat16 for t in tensors.values())
+
+    recipe = tiny_lora_recipe(tiny_model_dir, data, tmp_path / "compiled", {"training": {"compile": True,
+                                                                                          "max_steps": 2}})
+    path.write_text(yaml.safe_dump(recipe))
+    capsys.readouterr()
+    assert main(["run", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "training.compile" in err and "cpu" in err and "Traceback" not in err
