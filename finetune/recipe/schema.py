@@ -105,7 +105,8 @@ class AdapterConfig(Section):
     modules_to_save: list[str] | None = Field(None, description="Extra modules trained in full and saved with the adapter.")
     fp32_compute: bool = Field(
         False, description="Run LoRA matmuls in fp32 as peft does (a fp32 copy of every adapted layer's input is kept "
-        "for backward); false: in the model's dtype with fp32 weights and gradients, like mixed precision.")
+        "for backward); false: in the model's dtype with adapter.dtype weights and gradients (fp32 unless set), like "
+        "mixed precision.")
     dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="LoRA/DoRA only: dtype of the adapter weights, their gradients and their optimizer state; "
         "bf16 halves those (torchtune's default: 0.67 GiB saved at r=64 on a 3B model) at the cost of bf16 "
@@ -479,7 +480,7 @@ class Recipe(Section):
                              "trains the model's own weights in model.dtype: remove adapter.dtype or set model.dtype")
         if self.adapter.dtype != "fp32" and self.adapter.fp32_compute:
             raise ValueError(f"adapter.dtype={self.adapter.dtype} with adapter.fp32_compute: true: fp32 LoRA matmuls "
-                             f"need fp32 adapter weights; set adapter.fp32_compute: false or adapter.dtype: fp32")
+                             "need fp32 adapter weights; set adapter.fp32_compute: false or adapter.dtype: fp32")
         if self.adapter.init_from is not None and self.adapter.type == "full":
             raise ValueError("adapter.init_from starts from a LoRA/DoRA adapter; it cannot be used with "
                              "adapter.type=full")
