@@ -62,6 +62,9 @@ def render_plan(plan: Plan, console: Console | None = None) -> None:
     if plan.reference_pass_bytes:
         console.print(f"  reference pass before training (training.precompute_reference): peak "
                       f"{format_bytes(plan.reference_pass_bytes)}, no reference forward in the steps")
+    if plan.managed_bytes:
+        console.print(f"  optimizer state in CUDA managed memory ({plan.settings['optimizer']}, paged to host RAM "
+                      f"when the GPU is full): {format_bytes(plan.managed_bytes)}, not in the peak")
     if plan.alternatives:
         alt = Table(title="next best")
         alt.add_column("settings")

@@ -94,3 +94,33 @@ def test_dora_keeps_peft_casting(tiny_model_dir):
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
     assert layers and all(m.cast_input_dtype_enabled for m in layers)
     assert not any(isinstance(m, WeightCastLinear) for m in model.modules())
+
+
+def test_bf16_adapter_weights_grads_and_optimizer_state(tiny_model_dir):
+    """adapter.dtype bf16: the build casts what is trained, so gradients and AdamW state are bf16 too."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    model = apply_adapter(model, AdapterConfig(r=8, dropout=0.0, dtype="bf16"), checkpointing=False)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert trained and all(p.dtype == torch.bfloat16 for p in trained)
+    opt = torch.optim.AdamW(trained, lr=1e-3)
+    ids = _ids()
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    assert all(p.grad.dtype == torch.bfloat16 for p in trained)
+    assert all(s["exp_avg"].dtype == torch.bfloat16 and s["exp_avg_sq"].dtype == torch.bfloat16
+               for s in opt.state.values())
+    fp32 = apply_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16),
+                         AdapterConfig(r=8, dropout=0.0), checkpointing=False)
+    assert all(p.dtype == torch.float32 for p in fp32.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize(("adapter", "key"), [({"type": "full", "dtype": "bf16"}, "adapter.dtype=bf16 applies"),
+                                              ({"dtype": "bf16", "fp32_compute": True}, "adapter.fp32_compute")])
+def test_bf16_adapter_refused_where_it_cannot_apply(adapter, key):
+    from pydantic import ValidationError
+
+    from finetune.recipe.schema import Recipe
+
+    with pytest.raises(ValidationError, match=key):
+        Recipe.model_validate({"model": {"path": "m"}, "data": {"path": "d"}, "quantization": {"bits": None},
+                               "adapter": adapter})

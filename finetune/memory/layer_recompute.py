@@ -23,6 +23,7 @@ import functools
 
 import torch
 
+from finetune.errors import RecipeError
 from finetune.memory.offload import decoder_layers
 from finetune.recipe.schema import MemoryConfig
 
@@ -168,6 +169,26 @@ def apply_layer_recompute(model: torch.nn.Module, norms: bool, mlp_tokens: int |
         recompute_norms(model, NORM_TOKENS)
     if mlp_tokens:
         tile_mlps(model, mlp_tokens)
+
+
+COMPILE_DEVICES = ("cuda",)  # where training.compile is supported
+
+
+def compile_layers(model: torch.nn.Module, enabled: bool) -> int:
+    """training.compile: torch.compile each decoder layer in place (`nn.Module.compile`: parameters, hooks and
+    state-dict names stay), after the adapter and the layer changes above, so the graph is the trained one.
+    Refused with a RecipeError on a device outside COMPILE_DEVICES (on CPU inductor needs a C++ toolchain and
+    these models gain nothing). Returns the number of layers compiled."""
+    if not enabled:
+        return 0
+    device = next(model.parameters()).device.type
+    if device not in COMPILE_DEVICES:
+        raise RecipeError(f"training.compile: torch.compile is supported on {', '.join(COMPILE_DEVICES)} GPUs only, "
+                          f"and this run trains on {device}", hint="set training.compile: false")
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.compile()
+    return len(layers)
 
 
 def apply_memory_config(model: torch.nn.Module, memory: MemoryConfig) -> None:

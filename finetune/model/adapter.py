@@ -10,6 +10,7 @@ import torch
 from finetune.errors import ModelLoadError
 from finetune.recipe.init_from import KEY, StartAdapter, read_weights, start_adapter
 from finetune.recipe.schema import AdapterConfig
+from finetune.units import torch_dtype
 
 TRAINED_ADAPTER = "default"  # peft's name for the adapter get_peft_model creates: the one trained and saved
 REFERENCE_ADAPTER = "reference"  # adapter.init_from, reference forward in each step: a frozen copy of it
@@ -60,9 +61,24 @@ def apply_adapter(model: torch.nn.Module, cfg: AdapterConfig, *, checkpointing: 
             # save_pretrained (the Trainer's checkpoints, the run's adapter/) writes only the trained adapter:
             # the reference is init_from itself, rebuilt from there on resume.
             model.save_pretrained = functools.partial(model.save_pretrained, selected_adapters=[TRAINED_ADAPTER])
+    if cfg.dtype != "fp32":
+        adapter_weights_to(model, torch_dtype(cfg.dtype))
     if not cfg.fp32_compute:
         adapters_in_input_dtype(model)
     return model
+
+
+def adapter_weights_to(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """adapter.dtype: cast the trained parameters (LoRA/DoRA matrices, modules_to_save) and a frozen reference
+    adapter to `dtype`, so their gradients and the optimizer state (created like the parameter) follow.
+    peft makes adapters fp32 on a 16-bit base; this undoes that after the start weights are loaded.
+    Returns the number of parameters cast."""
+    count = 0
+    for name, p in model.named_parameters():
+        if (p.requires_grad or f".{REFERENCE_ADAPTER}." in name) and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+            count += 1
+    return count
 
 
 def load_adapter_state(start: StartAdapter, digest: bool = False) -> dict[str, torch.Tensor]:

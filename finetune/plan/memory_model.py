@@ -16,6 +16,8 @@ How the prediction is put together (docs/planner.md has the long form):
    the largest one is added. LLM.int8 layers are emulated in the trace (they keep their input for backward).
 3. Optimizer state and resident gradients from `finetune.optim` (`optimizer_state_bytes`, `gradient_bytes`:
    per preset, low-rank projections, 8-bit blocks, layer-wise), state present in every phase from step 2 on.
+   A paged optimizer keeps its state in CUDA managed memory (the registry's `state_memory`): it is left out
+   of the device peak, reported as `managed_bytes` and priced against host RAM (search.py).
    The optimizer phase holds weights + gradients + state + the update's temporaries (the registry spec's
    `step_temporaries` times the largest trained parameter).
 4. A precomputed reference (training.precompute_reference) takes the reference forward out of the step;
@@ -68,6 +70,7 @@ class Prediction:
     offloaded_bytes: int = 0  # activation bytes moved off the device per micro-batch
     communication_bytes: int = 0  # several processes: the strategy's buffers, counted in `other`
     reference_pass_bytes: int = 0  # training.precompute_reference: the peak of the pass before training
+    managed_bytes: int = 0  # optimizer state in CUDA managed memory (a paged optimizer): not in the peak
 
 
 def quantized_weight_bytes(numel: int, out_features: int, bits: int | None, double_quant: bool,
@@ -120,13 +123,22 @@ def _layer_counts(spec: ModelSpec, settings: Settings) -> tuple[int, int]:
     return (2 * n, 3 * n) if 3 * n < spec.num_layers else (spec.num_layers, spec.num_layers)
 
 
-def _traces(spec: ModelSpec, settings: Settings) -> tuple[Trace, Trace]:
+def _traces(spec: ModelSpec, settings: Settings, micro_batch: int = 1) -> tuple[Trace, Trace]:
     la, lb = _layer_counts(spec, settings)
     every = settings.checkpoint_every_n_layers if settings.activation_checkpointing else 0
-    args = (spec.config, spec.adapter, spec.dtype, spec.attn, spec.device, 1, spec.seq_len)
+    args = (spec.config, spec.adapter, spec.dtype, spec.attn, spec.device, micro_batch, spec.seq_len)
     layer = (settings.bits == 8, spec.recompute_norms, spec.tiled_mlp_tokens if settings.tiled_mlp else 0,
              spec.objective, bool(settings.chunked_loss))
     return trace_step(*args, la, every, *layer), trace_step(*args, lb, every, *layer)
+
+
+def _batch_fixed_activations(spec: ModelSpec, settings: Settings) -> bool:
+    """Whether the backward holds weight-sized tensors among its activations that do not grow with the
+    micro-batch: gradients on their way to a trained weight as large as a layer's activations (a fully
+    trained input embedding's gradient in the bottom layer's window; with tied embeddings the LM head's
+    gradient waits in autograd's buffer from the head to the bottom, and the two are summed there). Then a
+    second trace at micro-batch 2 separates what scales with the batch from what does not."""
+    return settings.micro_batch_size > 1 and (spec.adapter.type == "full" or bool(spec.adapter.modules_to_save))
 
 
 def _lerp(a: float, b: float, xa: int, xb: int, x: int) -> float:
@@ -171,9 +183,22 @@ def _whole_parts(spec: ModelSpec, settings: Settings) -> tuple[dict[str, float],
 
 
 def _param_parts(spec: ModelSpec, settings: Settings) -> tuple[dict[str, float], int, int]:
-    """`_whole_parts` as one device holds them under the strategy (`distributed_parts`)."""
+    """`_whole_parts` as one device holds them under the strategy (`distributed_parts`); the optimizer state
+    of an optimizer that keeps it in CUDA managed memory moves to `managed` (`managed_state`)."""
     whole, per_layer, largest_trained, largest_quant = _whole_parts(spec, settings)
-    return distributed_parts(spec, settings, whole, per_layer), largest_trained, largest_quant
+    parts = distributed_parts(spec, settings, whole, per_layer)
+    if managed_state(spec, settings):
+        parts["managed"], parts["optimizer_state"] = parts["optimizer_state"], 0.0
+    else:
+        parts["managed"] = 0.0
+    return parts, largest_trained, largest_quant
+
+
+def managed_state(spec: ModelSpec, settings: Settings) -> bool:
+    """Whether the optimizer state lives in CUDA managed memory (the registry's `state_memory`, on a GPU):
+    torch's allocator does not count it (its peak is what the budget is checked against) and the driver
+    pages it to host RAM when the device is full, so it is priced against host RAM instead."""
+    return spec.device == "cuda" and optimizer_spec(settings.optimizer).state_memory == "managed"
 
 
 def traffic_bytes(spec: ModelSpec, settings: Settings) -> tuple[float, float]:
@@ -265,6 +290,7 @@ def memory_floor(spec: ModelSpec, settings: Settings) -> int:
     """A lower bound of the peak without tracing: weights, trained weights, optimizer state, fixed costs."""
     params, _, _ = _param_parts(spec, settings)
     params.pop("grads")
+    params.pop("managed")
     static = sum(params.values())  # communication buffers included
     return int(static + _fixed_costs(spec, static))
 
@@ -277,6 +303,7 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
     params, largest_trained, largest_quant = _param_parts(spec, settings)
     grads_total = params.pop("grads")
     communication = params.pop("communication")
+    managed = params.pop("managed")
     shard = 1 / spec.world_size if "grads" in SHARDS[strategy_key(spec, settings.strategy)] else 1.0
     # 4-bit: backward dequantizes one weight at a time into the compute dtype (on CUDA forward too; on CPU
     # the forward kernel is fused). 8-bit is emulated inside the trace.
@@ -296,10 +323,18 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
     windows: dict[str, dict[str, float]] = {}
     offloaded = 0.0
     phases = [w for w in ("forward", "bwd_head", "bwd_top", "bwd_bottom") if w in ta.windows and w in tb.windows]
+    twice = _traces(spec, settings, 2) if _batch_fixed_activations(spec, settings) else None
     for name in phases:
         wa, wb = ta.windows[name][1], tb.windows[name][1]
         act = _lerp(wa["activations"], wb["activations"], la, lb, L) * mb
         act_per_block = (wb["activations"] - wa["activations"]) * mb if lb != la else 0.0
+        if twice is not None and name in twice[0].windows and name in twice[1].windows:
+            a2, b2 = twice[0].windows[name][1]["activations"], twice[1].windows[name][1]["activations"]
+            one, two = _lerp(wa["activations"], wb["activations"], la, lb, L), _lerp(a2, b2, la, lb, L)
+            if two < 2 * one:  # part of it does not grow with the batch: the line through micro-batch 1 and 2
+                act = one + (two - one) * (mb - 1)
+                block = wb["activations"] - wa["activations"]
+                act_per_block = block + ((b2 - a2) - block) * (mb - 1) if lb != la else 0.0
         logits = _lerp(wa["logits_and_loss"], wb["logits_and_loss"], la, lb, L) * logits_scale
         grads = _lerp(wa["gradients"], wb["gradients"], la, lb, L) * shard
         if spec.optimizer.layerwise:  # each gradient is consumed (and freed) as soon as it exists
@@ -341,5 +376,5 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
     phase = max(windows, key=lambda k: sum(windows[k].values()))
     breakdown = {k: int(round(v)) for k, v in windows[phase].items()}
     return Prediction(peak_bytes=sum(breakdown.values()), breakdown=breakdown, offloaded_bytes=int(offloaded),
-                      communication_bytes=int(communication),
+                      communication_bytes=int(communication), managed_bytes=int(managed),
                       reference_pass_bytes=int(round(sum(windows.get("reference_pass", {}).values()))))

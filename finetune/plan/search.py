@@ -17,7 +17,7 @@ from finetune.memory.bandwidth import transfer_bandwidth
 from finetune.memory.offload import offload_dir_for
 from finetune.memory.preference import PreferenceLoss, loads_reference_adapter, reference_is_current
 from finetune.plan.cost_model import tokens_per_second
-from finetune.plan.memory_model import ModelSpec, memory_floor, predict_memory, traffic_bytes
+from finetune.plan.memory_model import ModelSpec, managed_state, memory_floor, predict_memory, traffic_bytes
 from finetune.plan.shapes import ModelShapes, target_dtype
 from finetune.plan.trace import model_facts, planned_config
 from finetune.recipe.batch_rules import accumulation_for
@@ -43,6 +43,7 @@ class Candidate:
     reason: str | None = None
     communication_bytes: int = 0  # of the peak: the strategy's communication buffers (in breakdown["other"])
     reference_pass_bytes: int = 0  # training.precompute_reference: peak of the pass before training
+    managed_bytes: int = 0  # a paged optimizer's state in CUDA managed memory: host RAM, not in the peak
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Plan:
     communication_bytes: int = 0  # of the peak: the strategy's communication buffers (in breakdown["other"])
     reference_pass_bytes: int = 0  # training.precompute_reference: peak of the pass before training (in peak_bytes
     # when it is the larger)
+    managed_bytes: int = 0  # a paged optimizer's state in CUDA managed memory: outside the peak, in host RAM
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -258,17 +260,25 @@ def _reference_in_step(objective: str) -> bool:
 def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, free: dict[str, int] | None = None,
              bandwidth: dict[str, float] | None = None) -> Candidate:
     """Predict memory and speed of one configuration; offload beyond the free space its tier's bytes live in
-    (`free`, bytes by the tier table's `holds_in`; absent: not checked) is rejected."""
+    (`free`, bytes by the tier table's `holds_in`; absent: not checked) is rejected, and so is a paged
+    optimizer's managed state that, with a cpu tier's tensors, exceeds free host RAM."""
     pred = predict_memory(spec, settings)
     tps = _speed(spec, shapes, settings, pred.offloaded_bytes, bandwidth)
     cand = Candidate(asdict(settings), pred.peak_bytes, pred.breakdown, tps,
-                     communication_bytes=pred.communication_bytes, reference_pass_bytes=pred.reference_pass_bytes)
-    if settings.offload != "none":
-        holds_in = tier_spec(settings.offload).holds_in
+                     communication_bytes=pred.communication_bytes, reference_pass_bytes=pred.reference_pass_bytes,
+                     managed_bytes=pred.managed_bytes)
+    holds_in = tier_spec(settings.offload).holds_in if settings.offload != "none" else None
+    if holds_in is not None:
         available = (free or {}).get(holds_in)
         if available is not None and pred.offloaded_bytes > available:
             cand.reason = (f"{settings.offload} offload needs {format_bytes(pred.offloaded_bytes)} "
                            f"{STORES[holds_in]}, {format_bytes(available)} free")
+    ram = (free or {}).get("host_ram")
+    if cand.reason is None and pred.managed_bytes and ram is not None:
+        in_ram = pred.managed_bytes + (pred.offloaded_bytes if holds_in == "host_ram" else 0)
+        if in_ram > ram:
+            cand.reason = (f"{settings.optimizer} keeps {format_bytes(pred.managed_bytes)} of state in managed "
+                           f"memory, paged to host RAM: needs {format_bytes(in_ram)} of RAM, {format_bytes(ram)} free")
     return cand
 
 
@@ -286,6 +296,8 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
     shapes = model_facts(config, recipe.model.attn_implementation)[0]
     choices = _choices(recipe, spec)
     bandwidth, free = _offload_resources(recipe, device, {st.offload for st in choices} - {"none"})
+    if device == "cuda" and any(managed_state(spec, st) for st in choices):
+        free.setdefault("host_ram", _free_memory("cpu"))
     # Cheap lower bounds first: a configuration whose weights and optimizer state alone exceed the budget is
     # rejected without tracing its activations.
     floors = sorted(((memory_floor(spec, st), i, st) for i, st in enumerate(choices)),
@@ -335,11 +347,13 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
         best = ok[0]
         return Plan(device, best.settings, best.peak_bytes, best.breakdown, budget, True, best.tokens_per_s,
                     alternatives=ok[1:4], rejected=rejected, world_size=spec.world_size,
-                    communication_bytes=best.communication_bytes, reference_pass_bytes=best.reference_pass_bytes)
+                    communication_bytes=best.communication_bytes, reference_pass_bytes=best.reference_pass_bytes,
+                    managed_bytes=best.managed_bytes)
     return Plan(device, leanest.settings, leanest.peak_bytes, leanest.breakdown, budget, False,
                 leanest.tokens_per_s, rejected=rejected,
                 min_budget_bytes=leanest.peak_bytes + recipe.memory.gpu_memory_margin, world_size=spec.world_size,
-                communication_bytes=leanest.communication_bytes, reference_pass_bytes=leanest.reference_pass_bytes)
+                communication_bytes=leanest.communication_bytes, reference_pass_bytes=leanest.reference_pass_bytes,
+                managed_bytes=leanest.managed_bytes)
 
 
 def _offload_resources(recipe: Recipe, device: str, tiers: set[str]) -> tuple[dict[str, float], dict[str, int]]:

@@ -58,6 +58,10 @@ class OptimizerSpec:
     # second-moment decay, kept at a fixed half-life in tokens when the batch changes.
     lr_batch_scaling: str = "sqrt"
     uses_beta2: bool = True
+    # Where its state lives on a GPU: "device" (torch's allocator), or "managed": CUDA managed (unified) memory,
+    # which the driver pages out to host RAM under pressure and which torch's allocator neither counts nor
+    # limits; the planner reports it apart from the device peak and checks it against free host RAM.
+    state_memory: str = "device"
 
 
 _ADAMW_STATE = "finetune.optim.state_size:adamw_state"
@@ -72,7 +76,7 @@ SPECS: tuple[OptimizerSpec, ...] = (
     OptimizerSpec("adamw_8bit", "adamw_8bit", "bitsandbytes 8-bit AdamW", "finetune.optim.factories:adamw_8bit",
                   _BNB_STATE, 1, auto_preference=0.99),
     OptimizerSpec("paged_adamw_8bit", "adamw_8bit", "bitsandbytes 8-bit AdamW, paged state",
-                  "finetune.optim.factories:paged_adamw_8bit", _BNB_STATE, 1),
+                  "finetune.optim.factories:paged_adamw_8bit", _BNB_STATE, 1, state_memory="managed"),
     OptimizerSpec("apollo", "low_rank", "APOLLO, rank width/8", _LOW_RANK_FACTORY, _LOW_RANK_STATE, 3,
                   keys=_APOLLO_KEYS, low_rank=LowRankPreset("apollo", lambda width: max(1, width // 8), 1.0, "channel")),
     OptimizerSpec("apollo_mini", "low_rank", "APOLLO-Mini, rank 1", _LOW_RANK_FACTORY, _LOW_RANK_STATE, 3,

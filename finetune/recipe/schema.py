@@ -105,7 +105,12 @@ class AdapterConfig(Section):
     modules_to_save: list[str] | None = Field(None, description="Extra modules trained in full and saved with the adapter.")
     fp32_compute: bool = Field(
         False, description="Run LoRA matmuls in fp32 as peft does (a fp32 copy of every adapted layer's input is kept "
-        "for backward); false: in the model's dtype with fp32 weights and gradients, like mixed precision.")
+        "for backward); false: in the model's dtype with adapter.dtype weights and gradients (fp32 unless set), like "
+        "mixed precision.")
+    dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="LoRA/DoRA only: dtype of the adapter weights, their gradients and their optimizer state; "
+        "bf16 halves those (torchtune's default: 0.67 GiB saved at r=64 on a 3B model) at the cost of bf16 "
+        "rounding in the updates; fp32 keeps fp32 master weights.")
     init_from: str | None = Field(
         None, description="Start from an earlier LoRA/DoRA adapter of the same base model: a run directory (its "
         "adapter/) or an adapter folder (safetensors). Its type, r, alpha, rslora, target_modules and "
@@ -161,6 +166,11 @@ class TrainingConfig(Section):
     reference_batch_size: int | None = Field(None, ge=1, le=MAX_COUNT, description="Sequences per step that "
         "learning_rate and optimizer.betas were tuned for; a different effective batch rescales them (sqrt or "
         "linear rule by optimizer, capped; beta2 ** (batch / reference)). null: the recipe's effective batch.")
+    compile: bool = Field(
+        False, description="torch.compile each decoder layer (one graph reused by every layer, as torchtune does); "
+        "CUDA only, refused on other devices. Planned as uncompiled: its memory effect is a declared estimate "
+        "(none beyond memory.recompute_norms, which prices the largest part of what compile's fusion saves), to be "
+        "measured by the GPU kit.")
     # Preference tuning (finetune/memory/preference.py): the method and its knobs; METHOD_KEYS says which
     # knob applies to which method.
     method: Literal["sft", "dpo", "orpo", "kto"] = Field(
@@ -465,6 +475,12 @@ class Recipe(Section):
                 f"training.method={self.training.method} with adapter.type=full: the reference model is the base "
                 "with the adapter switched off, and a full fine-tune has no adapter; use adapter.type: lora, "
                 "training.method: orpo, or (dpo) training.reference_free: true")
+        if self.adapter.dtype != "fp32" and self.adapter.type == "full":
+            raise ValueError(f"adapter.dtype={self.adapter.dtype} applies to LoRA/DoRA adapters; a full fine-tune "
+                             "trains the model's own weights in model.dtype: remove adapter.dtype or set model.dtype")
+        if self.adapter.dtype != "fp32" and self.adapter.fp32_compute:
+            raise ValueError(f"adapter.dtype={self.adapter.dtype} with adapter.fp32_compute: true: fp32 LoRA matmuls "
+                             "need fp32 adapter weights; set adapter.fp32_compute: false or adapter.dtype: fp32")
         if self.adapter.init_from is not None and self.adapter.type == "full":
             raise ValueError("adapter.init_from starts from a LoRA/DoRA adapter; it cannot be used with "
                              "adapter.type=full")

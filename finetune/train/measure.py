@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from finetune.memory.layer_recompute import apply_memory_config
+from finetune.memory.layer_recompute import apply_memory_config, compile_layers
 from finetune.memory.preference import (
     PreferenceLoss,
     batch_reference_logps,
@@ -46,6 +46,7 @@ def step_setup(recipe: Recipe, **plan_kwargs: Any) -> tuple[Recipe, torch.nn.Mod
     model = apply_adapter(model, recipe.adapter, checkpointing=checkpointing,
                           reference=loads_reference_adapter(recipe))
     apply_memory_config(model, recipe.memory)
+    compile_layers(model, recipe.training.compile)
     enable_checkpointing(model, checkpointing, recipe.memory.checkpoint_every_n_layers)
     model.train()
     optimizer = build_optimizer(model, recipe.optimizer, recipe.training.learning_rate,

@@ -177,7 +177,7 @@ def _record_end(run_dir: RunDir, state: str, exc: BaseException) -> None:
 def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, stopper: StopOnSignal,
                       main: bool = True) -> RunResult:
     from finetune.data import build_datasets
-    from finetune.memory.layer_recompute import apply_memory_config
+    from finetune.memory.layer_recompute import apply_memory_config, compile_layers
     from finetune.model.adapter import apply_adapter, count_parameters
     from finetune.model.load import load_model
 
@@ -211,6 +211,7 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     if started is not None:
         run_dir.log_line(f"adapter.init_from: started from {started['adapter']} (sha256 {started['sha256']})")
     apply_memory_config(model, recipe.memory)
+    compile_layers(model, recipe.training.compile)
     trainable, total = count_parameters(model)
     console.print(f"model: {recipe.model.path}  trainable {trainable:,} of {total:,} parameters "
                   f"({100 * trainable / max(total, 1):.2f}%)")
