@@ -145,6 +145,11 @@ class RunDir:
         return self.root / "oom_recovery.json"
 
     @property
+    def data_fingerprint(self) -> Path:
+        """What decided the run's examples (finetune.data.fingerprint); --resume refuses other data."""
+        return self.root / "data_fingerprint.json"
+
+    @property
     def log(self) -> Path:
         return self.root / "train.log"
 
