@@ -91,7 +91,8 @@ def recover(target: Path, pid: int | None = None) -> None:
     renamed back when the target is missing (a stop between the two renames), else deleted. Without `pid`,
     the leftovers of every process that is no longer running; with it, only that process's."""
     for kind, owner, path in sorted(_leftovers(target), key=lambda item: item[0]):  # "old" before "tmp"
-        if (owner != pid) if pid is not None else _alive(owner):
+        settled = owner == pid if pid is not None else not _alive(owner)
+        if not settled:
             continue
         if kind == "old" and not os.path.lexists(target):
             os.rename(path, target)
