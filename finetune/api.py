@@ -405,11 +405,14 @@ def measure(recipe: Recipe, *, steps: int = 2) -> dict[str, Any]:
     return _measure(recipe, steps)
 
 
-def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> RunResult:
-    """Fine-tune; blocks until done or stopped (Ctrl-C / SIGTERM save a checkpoint first)."""
+def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False,
+        allow_data_change: bool = False) -> RunResult:
+    """Fine-tune; blocks until done or stopped (Ctrl-C / SIGTERM save a checkpoint first). `resume` on data
+    other than the run started on (records, content, order, tokenizer, max_seq_len, ...) raises DataChanged
+    (exit code 2) unless `allow_data_change`."""
     from finetune.train.run import run as _run
 
-    return _run(recipe, resume=resume, overwrite=overwrite)
+    return _run(recipe, resume=resume, overwrite=overwrite, allow_data_change=allow_data_change)
 
 
 def launch(recipe: Recipe, argv: list[str], gpus: int, *, resume: bool = False, overwrite: bool = False) -> int:

@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe_args(p)
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output.dir")
     p.add_argument("--overwrite", action="store_true", help="delete a previous run in output.dir and start over")
+    p.add_argument("--allow-data-change", action="store_true", help="with --resume: continue even though the "
+                   "data differs from what the run started on (records, content, tokenizer, max_seq_len, ...); "
+                   "without it such a resume is refused")
     p.add_argument("--gpus", type=_positive_int, metavar="N", help="train on N GPUs of this machine (N processes "
                    "started with torchrun; on a machine without CUDA, N CPU processes over gloo); under torchrun "
                    "or accelerate launch leave it out: the launcher's WORLD_SIZE is used")
@@ -103,9 +106,10 @@ def cmd_run(args) -> int:
     recipe = api.load_recipe(args.recipe, overrides)  # checked here, before any process starts
     if world is None and recipe.distributed.gpus > 1:  # --gpus N, or distributed.gpus in the recipe (the UI)
         argv = ["run", args.recipe, *(f"--set={o}" for o in args.overrides),
-                *(["--resume"] if args.resume else []), *(["--overwrite"] if args.overwrite else [])]
+                *(["--resume"] if args.resume else []), *(["--overwrite"] if args.overwrite else []),
+                *(["--allow-data-change"] if args.allow_data_change else [])]
         return api.launch(recipe, argv, recipe.distributed.gpus, resume=args.resume, overwrite=args.overwrite)
-    result = api.run(recipe, resume=args.resume, overwrite=args.overwrite)
+    result = api.run(recipe, resume=args.resume, overwrite=args.overwrite, allow_data_change=args.allow_data_change)
     if result.state == "stopped":
         console.print(f"[yellow]stopped at step {result.steps}; continue with: finetune run {args.recipe} --resume")
         return 130

@@ -56,15 +56,11 @@ def atomic_write_json(path: Path, data: Any) -> None:
 
 
 def replace_dir(tmp: Path, target: Path) -> None:
-    """Swap a fully written folder into place (the old one is removed only after the new one exists).
+    """Swap a fully written folder into place (the old one is removed only after the new one exists); the
+    old one is moved aside under a name no user folder has (finetune.publish.swap_in)."""
+    from finetune.publish import swap_in
 
-    The old one is moved aside under a name no user folder has, so nothing beside `target` is touched."""
-    old = target.with_name(f".{target.name}.old-{os.getpid()}-{time.time_ns()}") if target.exists() else None
-    if old is not None:
-        target.rename(old)
-    tmp.rename(target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    swap_in(tmp, target)
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
@@ -147,6 +143,11 @@ class RunDir:
     def recovered(self) -> Path:
         """Settings that OOM recoveries chose (finetune.train.recovery); --resume keeps them."""
         return self.root / "oom_recovery.json"
+
+    @property
+    def data_fingerprint(self) -> Path:
+        """What decided the run's examples (finetune.data.fingerprint); --resume refuses other data."""
+        return self.root / "data_fingerprint.json"
 
     @property
     def log(self) -> Path:

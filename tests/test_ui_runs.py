@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 
 from finetune.rundir import RunDir
 from tests.ui_support import tiny_recipe, wait_for, write_dataset, write_recipe
-from ui.runs import RunManager
+from ui.runs import Job, RunManager
 
 
 def test_queue_survives_a_restart_and_runs_one_at_a_time(tmp_path, tiny_model_dir):
@@ -57,3 +58,13 @@ def test_a_run_that_dies_without_updating_its_status_shows_as_failed(tmp_path):
     assert "not a valid recipe" in manager.process_log(run)
     assert Path(manager.job_for(run).log).is_file()
     manager.close()
+
+
+
+def test_a_resume_allowed_on_changed_data_passes_the_flag():
+    """The Train tab's "Resume even if the data changed" reaches `finetune run --allow-data-change`."""
+    plain = Job(id="a", run_dir="/runs/a", recipe="/runs/a/recipe.yaml", resume=True)
+    allowed = Job(id="b", run_dir="/runs/b", recipe="/runs/b/recipe.yaml", resume=True, allow_data_change=True)
+    assert "--allow-data-change" not in plain.command()
+    assert allowed.command()[-3:] == ["--set", "output.dir=/runs/b", "--allow-data-change"]
+    assert Job(**asdict(allowed)) == allowed, "kept in the queue file"

@@ -292,6 +292,43 @@ def test_wrong_passwords_are_rate_limited(tmp_path, monkeypatch):
         demo.close()
 
 
+# The page, the run-history page and every config/info/schema route gradio serves.
+BEFORE_LOGIN = ("", "?deep_link=x", "gradio_api/runs", "config", "gradio_api/info",
+                "gradio_api/info?all_endpoints=true", "gradio_api/openapi.json", "manifest.json",
+                "gradio_api/startup-events", "gradio_api/user", "gradio_api/token", "gradio_api/app_id")
+
+
+def test_nothing_about_the_servers_files_before_login(tmp_path):
+    """Gradio's login page embeds the API description, whose choices and defaults name the files in the
+    allowed folders, the ready recipes and the runs folder: without a session none of it is shown; after
+    login the page and its config still carry them."""
+    import httpx
+
+    from tests.ui_support import free_port
+    from ui.app import launch
+
+    allowed, runs = tmp_path / "allowed-7c1e", tmp_path / "runs-7c1e"
+    allowed.mkdir()
+    write_dataset(allowed / "private-notes.jsonl")
+    demo = launch(port=free_port(), auth=("alice", "s3cret"), allow_dirs=[allowed], runs_dir=runs, block=False)
+    secrets = [str(allowed), "private-notes", str(runs), str(Path("recipes").resolve()), "quickstart"]
+    try:
+        with httpx.Client(base_url=demo.local_url, timeout=30) as http:
+            for route in BEFORE_LOGIN:
+                text = http.get(route).text
+                leaked = [s for s in secrets if s in text]
+                assert not leaked, f"GET /{route} before login shows {leaked}"
+            assert "auth_required" in http.get("").text, "the login page is still served"
+            assert http.post("login", data={"username": "alice", "password": "s3cret"}).status_code == 200
+            page, config = http.get(""), http.get("config")
+            assert config.status_code == 200 and "components" in config.json()
+            assert str(allowed / "private-notes.jsonl") in page.text, "after login the API description is whole"
+            assert str(Path("recipes").resolve()) in page.text
+    finally:
+        demo.run_manager.close()
+        demo.close()
+
+
 @pytest.mark.parametrize("value", ["True", "true", "1"])
 def test_share_link_without_auth_refuses_to_start(monkeypatch, capsys, tmp_path, value):
     from ui.app import AUTH_ENV, main

@@ -75,7 +75,7 @@ def launch(host: str = "127.0.0.1", port: int = 7860, auth: tuple[str, str] | No
 
     from ui.backend import Backend, UISettings
     from ui.layout import CSS, build_app
-    from ui.login import ClientAddress, LoginGuard
+    from ui.login import ClientAddress, HideBeforeLogin, LoginGuard
     from ui.runs import RunManager
 
     settings = UISettings(allow_dirs=[Path(p) for p in (allow_dirs or [Path.cwd()])], runs_dir=Path(runs_dir))
@@ -85,8 +85,9 @@ def launch(host: str = "127.0.0.1", port: int = 7860, auth: tuple[str, str] | No
     demo.run_manager = manager  # tests stop its runs when they close the app
     demo.chat_worker = backend.chat_worker  # and its chat worker (which also ends by itself with this process)
     demo.login_guard = LoginGuard(*auth) if auth else None
+    middleware = [Middleware(ClientAddress), Middleware(HideBeforeLogin)]
     demo.launch(server_name=host, server_port=port, auth=demo.login_guard, share=share,
-                app_kwargs={"middleware": [Middleware(ClientAddress)]}, prevent_thread_lock=not block, css=CSS,
+                app_kwargs={"middleware": middleware}, prevent_thread_lock=not block, css=CSS,
                 allowed_paths=[str(settings.runs_dir)], quiet=not block, footer_links=[])
     return demo
 

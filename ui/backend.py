@@ -227,13 +227,14 @@ class Backend:
         self.manager.submit(path, run_dir)
         return run_dir
 
-    def resume(self, run_dir: str) -> Path:
-        """Queue the continuation of a stopped run from its newest checkpoint."""
+    def resume(self, run_dir: str, allow_data_change: bool = False) -> Path:
+        """Queue the continuation of a stopped run from its newest checkpoint (refused by the run if its data
+        changed since it started, unless `allow_data_change`)."""
         path = self.checked_run(run_dir)
         recipe = RunDir(path).recipe
         if not recipe.is_file():
             raise FinetuneError(f"{path} has no {recipe.name}, so it cannot be resumed")
-        self.manager.submit(recipe, path, resume=True)
+        self.manager.submit(recipe, path, resume=True, allow_data_change=allow_data_change)
         return path
 
     def stop(self, run_dir: str) -> str:

@@ -6,12 +6,19 @@ FREE_TRIES wrong logins in a row from one address, every attempt from it, right 
 unchecked (HTTP 429, saying how long to wait) until a lockout has passed; the lockout doubles with each
 further failure up to MAX_LOCK_S, and a successful login resets it. A guesser then gets a few tries a
 minute instead of hundreds a second, and does not lock out the owner at another address.
+
+Gradio's login page (what `GET /` serves a visitor without a session) still embeds the API description of
+every event, whose parameter choices and defaults name files in the allowed folders, the ready recipes and
+the runs folder. `HideBeforeLogin` blanks that description on any page that asks for a login, so nothing
+about the server's files is shown before one; after login the page is gradio's own.
 """
 
 from __future__ import annotations
 
 import hmac
+import json
 import math
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -40,6 +47,56 @@ class ClientAddress:
             await self.app(scope, receive, send)
         finally:
             _client.reset(token)
+
+
+_PAGE_CONFIG = re.compile(rb"window\.gradio_config = (.*?);</script>", re.S)
+_API_INFO = re.compile(rb"(window\.gradio_api_info = ).*?(;</script>)", re.S)
+
+
+def hide_api_info(page: bytes) -> bytes:
+    """A gradio HTML page with its embedded API description emptied when the page asks for a login."""
+    config = _PAGE_CONFIG.search(page)
+    try:
+        login_page = config is not None and json.loads(config.group(1)).get("auth_required") is True
+    except ValueError:
+        login_page = False
+    return _API_INFO.sub(rb"\1{}\2", page) if login_page else page
+
+
+class HideBeforeLogin:
+    """ASGI middleware: passes every response on, but an HTML page through `hide_api_info`."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "GET":  # HEAD carries no page
+            await self.app(scope, receive, send)
+            return
+        start: dict | None = None
+        body: list[bytes] = []
+
+        async def filtered_send(message: dict) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start":
+                headers = dict(message.get("headers", []))
+                if not headers.get(b"content-type", b"").startswith(b"text/html"):
+                    await send(message)
+                    return
+                start = message  # held back until the whole page is known
+                return
+            if start is None or message["type"] != "http.response.body":
+                await send(message)
+                return
+            body.append(message.get("body", b""))
+            if message.get("more_body"):
+                return
+            page = hide_api_info(b"".join(body))
+            headers = [(k, v) for k, v in start.get("headers", []) if k != b"content-length"]
+            await send({**start, "headers": [*headers, (b"content-length", str(len(page)).encode())]})
+            await send({"type": "http.response.body", "body": page})
+
+        await self.app(scope, receive, filtered_send)
 
 
 class LoginGuard:

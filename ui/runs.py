@@ -38,6 +38,7 @@ class Job:
     run_dir: str
     recipe: str
     resume: bool = False
+    allow_data_change: bool = False  # resume even though the data changed (finetune run --allow-data-change)
     state: JobState = "queued"
     pid: int | None = None
     returncode: int | None = None
@@ -52,6 +53,8 @@ class Job:
         cmd = [sys.executable, "-m", "finetune", "run", self.recipe]
         if self.resume:
             cmd += ["--resume", "--set", f"output.dir={self.run_dir}"]
+        if self.allow_data_change:
+            cmd.append("--allow-data-change")
         return cmd
 
 
@@ -93,14 +96,16 @@ class RunManager:
         jobs_dir.mkdir(exist_ok=True)
         return jobs_dir / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}.yaml"
 
-    def submit(self, recipe: str | Path, run_dir: str | Path, resume: bool = False) -> Job:
+    def submit(self, recipe: str | Path, run_dir: str | Path, resume: bool = False,
+               allow_data_change: bool = False) -> Job:
         """Queue a run; it starts as soon as no other run holds the GPU."""
         run_dir = str(Path(run_dir).resolve())
         with self._lock:
             if any(j.run_dir == run_dir and j.state in ("queued", "running") for j in self._jobs):
                 raise FinetuneError(f"a run for {run_dir} is already queued or running",
                                     hint="stop it first, or choose another output.dir")
-            job = Job(id=uuid.uuid4().hex[:8], run_dir=run_dir, recipe=str(Path(recipe).resolve()), resume=resume)
+            job = Job(id=uuid.uuid4().hex[:8], run_dir=run_dir, recipe=str(Path(recipe).resolve()), resume=resume,
+                      allow_data_change=allow_data_change)
             self._jobs.append(job)
             self._save()
         self.poll()

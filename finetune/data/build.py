@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from finetune.data.chat import IGNORE_INDEX, ChatEncoder, Encoded, encode_text, resolve_template
+from finetune.data.fingerprint import data_fingerprint
 from finetune.data.formats import (
     FORMATS,
     PAIR_FORMATS,
@@ -51,6 +52,7 @@ class DataBundle:
     eval: Any | None
     stats: dict[str, Any]
     collator: Callable[[list[dict[str, Any]]], dict[str, Any]]
+    fingerprint: dict[str, Any] = field(default_factory=dict)  # what decides the examples (finetune.data.fingerprint); --resume compares it
 
 
 @dataclass
@@ -84,6 +86,7 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
     _check_method(cfg, fmt, method)
     records = _sample(read.records, cfg.max_samples, seed)
     encoder = _encoder(cfg, tokenizer, fmt)
+    fingerprint = data_fingerprint(cfg, read, fmt, tokenizer, encoder.template if encoder else None, seed, method)
     prepared, problems = _prepare(records, fmt, cfg, encoder)
     problems = read.problems + problems
     if problems and cfg.on_bad_record == "error":
@@ -126,7 +129,7 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
     stats.update(train_sequences=len(train_ds), eval_sequences=len(eval_ds) if eval_ds is not None else 0)
     from finetune.data.packing import make_collator  # imports TRL's trainer stack: only when building
 
-    return DataBundle(train_ds, eval_ds, stats, make_collator(tokenizer, cfg.packing, kind))
+    return DataBundle(train_ds, eval_ds, stats, make_collator(tokenizer, cfg.packing, kind), fingerprint)
 
 
 def _check_method(cfg: DataConfig, fmt: str, method: str) -> None:

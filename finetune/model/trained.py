@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from finetune.errors import FinetuneError
 from finetune.model.load import compute_dtype, load_model, load_tokenizer
+from finetune.publish import pause_point, publishing
 from finetune.recipe.load import load_recipe
 from finetune.recipe.schema import Recipe
-from finetune.rundir import EXPORT_MARKER, RunDir, replace_dir
+from finetune.rundir import EXPORT_MARKER, RunDir
 from finetune.units import format_bytes
 
 
@@ -141,29 +141,29 @@ EXPORT_STEPS = ("loading the base model", "merging the adapter into it", "saving
 
 
 def _export_step(progress: Callable[[str], None]) -> Callable[[int, str], None]:
-    return lambda i, detail: progress(f"[{i + 1}/{len(EXPORT_STEPS)}] {EXPORT_STEPS[i]}: {detail}")
+    """Announce step i; FINETUNE_FAULT_PAUSE=export:N (tests) stops the export as step N starts."""
+    def step(i: int, detail: str) -> None:
+        progress(f"[{i + 1}/{len(EXPORT_STEPS)}] {EXPORT_STEPS[i]}: {detail}")
+        pause_point(f"export:{i + 1}")
+    return step
 
 
 def export_merged(run_dir: str | Path, out_dir: str | Path,
                   progress: Callable[[str], None] = lambda line: None) -> Path:
     """Merge the LoRA adapter into the base and save safetensors (QLoRA: into the dequantized base).
     `progress` gets a line "[2/4] merging the adapter into it: DETAIL" as each of EXPORT_STEPS starts (a large
-    model's merge takes minutes, and the page shows where it is)."""
+    model's merge takes minutes, and the page shows where it is). The folder is published whole
+    (finetune.publish): a stop or a kill at any step leaves the earlier export in place and no temporary."""
     recipe, run = load_run(run_dir)
     step = _export_step(progress)
     out = Path(out_dir)
-    _check_export_target(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
+    with publishing(out) as tmp:  # settles what a killed export left before the target is checked
+        _check_export_target(out)
         _write_merged(recipe, run, tmp, step)
         (tmp / EXPORT_MARKER).touch()
         shards = sorted(tmp.glob("*.safetensors"))
         size = format_bytes(sum(p.stat().st_size for p in shards))
         step(3, f"{len(shards)} safetensors file(s), {size} -> {out}")
-        replace_dir(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

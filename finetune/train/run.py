@@ -12,6 +12,7 @@ import torch
 from transformers import PrinterCallback, set_seed
 
 from finetune.console import console
+from finetune.data.fingerprint import check_resumed_data
 from finetune.errors import FinetuneError
 from finetune.memory.offload import activation_offload, preflight_offload
 from finetune.memory.preference import loads_reference_adapter
@@ -24,7 +25,7 @@ from finetune.recipe.load import load_recipe, recipe_to_yaml
 from finetune.recipe.schema import Recipe
 from finetune.recipe.settings import auto_settings, read_settings, write_settings
 from finetune.recipe.settings import table as settings_table
-from finetune.rundir import EVAL_PREFIX, RunDir, atomic_write_json, atomic_write_text, replace_dir
+from finetune.rundir import EVAL_PREFIX, RunDir, atomic_write_json, atomic_write_text, read_json, replace_dir
 from finetune.train import distributed
 from finetune.train.batch_engine import BatchEngineTrainer, batch_summary, record_batch_change
 from finetune.train.callbacks import MetricsCallback, ProgressCallback, StopOnSignal
@@ -123,8 +124,10 @@ def keep_resolved(recipe: Recipe, saved: Recipe) -> Recipe:
     return write_settings(recipe, {name: chosen[name] for name in names})
 
 
-def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> RunResult:
+def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False,
+        allow_data_change: bool = False) -> RunResult:
     """Fine-tune as the recipe says and fill the run directory. Ctrl-C saves a checkpoint and stops.
+    `--resume` refuses data other than the run's (finetune.data.fingerprint) unless `allow_data_change`.
 
     Under torchrun / accelerate launch every process runs this; rank 0 alone writes the run directory."""
     recipe = resolve_init_from(recipe)  # before the run directory exists: a bad adapter.init_from writes nothing
@@ -135,13 +138,13 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> Run
     stopper.install()
     if not main:
         try:
-            return _plan_build_train(recipe, run_dir, checkpoint, stopper, main=False)
+            return _plan_build_train(recipe, run_dir, checkpoint, stopper, allow_data_change, main=False)
         finally:
             stopper.uninstall()
     try:
         run_dir.write_status("planning")
         run_dir.log_line(f"run started (resume from {checkpoint})" if checkpoint else "run started")
-        return _plan_build_train(recipe, run_dir, checkpoint, stopper)
+        return _plan_build_train(recipe, run_dir, checkpoint, stopper, allow_data_change)
     except torch.OutOfMemoryError as exc:  # outside a step's forward/backward: the optimizer update, evaluation
         error = FinetuneError(
             "out of memory outside the forward/backward that recovery redoes (loading the model, the reference "
@@ -175,7 +178,7 @@ def _record_end(run_dir: RunDir, state: str, exc: BaseException) -> None:
 
 
 def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, stopper: StopOnSignal,
-                      main: bool = True) -> RunResult:
+                      allow_data_change: bool = False, main: bool = True) -> RunResult:
     from finetune.data import build_datasets
     from finetune.memory.layer_recompute import apply_memory_config, compile_layers
     from finetune.model.adapter import apply_adapter, count_parameters
@@ -191,10 +194,8 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
         if rule is not None:
             console.print(f"batch rules: {rule.describe()}")
             run_dir.log_line(f"batch rules: {rule.describe()}")
-        if plan is not None:
-            save_plan(run_dir, plan)
-        atomic_write_text(run_dir.recipe, recipe_to_yaml(recipe))
-        atomic_write_json(run_dir.env, environment_summary())
+        if not checkpoint:  # a resume writes them once its data is checked: a refused one leaves them as they were
+            _save_run_files(run_dir, plan, recipe)
         run_dir.write_status("loading")
     several = recipe.distributed.gpus > 1
     if several:
@@ -217,6 +218,9 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
                   f"({100 * trainable / max(total, 1):.2f}%)")
     data = build_datasets(recipe.data, tokenizer, recipe.training.seed, recipe.training.method)
     console.print("data: " + ", ".join(f"{k} {v}" for k, v in data.stats.items()))
+    distributed.on_main(lambda: _record_data(run_dir, data.fingerprint, checkpoint is not None, allow_data_change))
+    if main and checkpoint:
+        _save_run_files(run_dir, plan, recipe)
     if main:
         run_dir.log_line(f"data stats: {data.stats}")
     if recipe.training.precompute_reference:  # before the Trainer: no optimizer state or gradients yet
@@ -282,6 +286,25 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     run_dir.write_status(state, step=result.steps, max_steps=steps, **metrics.status_fields)
     run_dir.log_line(f"run {state} at step {result.steps}")
     return result
+
+
+def _save_run_files(run_dir: RunDir, plan: Plan | None, recipe: Recipe) -> None:
+    """The plan, the recipe as run (`auto` resolved) and the environment."""
+    if plan is not None:
+        save_plan(run_dir, plan)
+    atomic_write_text(run_dir.recipe, recipe_to_yaml(recipe))
+    atomic_write_json(run_dir.env, environment_summary())
+
+
+def _record_data(run_dir: RunDir, fingerprint: dict, resumed: bool, allow_change: bool) -> None:
+    """Save what decided the examples; on resume first compare with what the run saved (DataChanged)."""
+    if resumed:
+        changes = check_resumed_data(read_json(run_dir.data_fingerprint), fingerprint, str(run_dir.root),
+                                     allow_change)
+        if changes:
+            console.print(f"[yellow]--allow-data-change: resuming on changed data: {'; '.join(changes)}")
+            run_dir.log_line(f"resumed on changed data (--allow-data-change): {'; '.join(changes)}")
+    atomic_write_json(run_dir.data_fingerprint, fingerprint)
 
 
 def _final_evaluation(trainer: FinetuneTrainer) -> dict[str, float]:

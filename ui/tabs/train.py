@@ -25,6 +25,8 @@ def build(backend: Backend, widgets: list[gr.components.Component], timer: gr.Ti
             start_btn = gr.Button("Start training", variant="primary", elem_id="start")
             stop_btn = gr.Button("Stop (saves a checkpoint)", variant="stop", elem_id="stop")
             resume_btn = gr.Button("Resume", elem_id="resume")
+            allow_change = gr.Checkbox(False, label="Resume even if the data changed", elem_id="allow-data-change",
+                                       info="otherwise a resume on other records, tokenizer or max_seq_len is refused")
         run_sel = gr.Dropdown(label="Run", allow_custom_value=True, elem_id="run-select")
         train_msg = gr.Markdown(elem_id="train-message")
         status = gr.HTML(elem_id="status")
@@ -55,11 +57,11 @@ def build(backend: Backend, widgets: list[gr.components.Component], timer: gr.Ti
     start_btn.click(start, widgets, [train_msg, run_sel], api_name="start")
 
     @reported(2)
-    def resume(run_dir):
-        path = backend.resume(run_dir)
+    def resume(run_dir, allow_data_change=False):
+        path = backend.resume(run_dir, allow_data_change)
         return f"Resuming {path} from its newest checkpoint.", run_choices(str(path))
 
-    resume_btn.click(resume, run_sel, [train_msg, run_sel], api_name="resume")
+    resume_btn.click(resume, [run_sel, allow_change], [train_msg, run_sel], api_name="resume")
     stop_btn.click(reported(1)(backend.stop), run_sel, train_msg, api_name="stop")
 
     skipped = (gr.skip(),) * (5 + len(panel.outputs))

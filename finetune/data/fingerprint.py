@@ -1,0 +1,94 @@
+"""A fingerprint of what decides a run's examples, so `--resume` can tell that the data changed.
+
+A run saves it in its run directory (finetune.train.run); resuming on other data would mix two datasets in
+one run and make its step count meaningless, so `--resume` compares and refuses, naming what changed, unless
+`--allow-data-change`. What decides the examples: the records as read (their content, in order), their
+number, the tokenizer (its whole definition, not its folder), the chat template used, the format, and the
+recipe keys and seed that sample, split, cut and pack them. The data file's path is shown, not compared: the
+same records moved elsewhere are the same data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from finetune.data.read import ReadResult
+from finetune.errors import FinetuneError
+from finetune.recipe.schema import DataConfig
+
+VERSION = 1
+
+
+class DataChanged(FinetuneError):
+    """`--resume` on data other than the run's: a usage error (exit code 2)."""
+
+    exit_code = 2
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def tokenizer_identity(tokenizer: Any) -> dict[str, str]:
+    """Its name (shown) and a hash of its definition (compared): vocabulary, merges, normalisation, added and
+    special tokens, its own chat template."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    definition = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    extra = json.dumps([type(tokenizer).__name__, tokenizer.special_tokens_map, tokenizer.chat_template],
+                       sort_keys=True, default=str)
+    return {"name": str(getattr(tokenizer, "name_or_path", "")), "sha256": _sha256(definition + extra)}
+
+
+def data_fingerprint(cfg: DataConfig, read: ReadResult, fmt: str, tokenizer: Any, template: str | None,
+                     seed: int, method: str) -> dict[str, Any]:
+    """The fingerprint of one build of the data (build_datasets computes it from what it read)."""
+    records = [_sha256(json.dumps(r.value, sort_keys=True, default=str)) for r in read.records]
+    settings = cfg.model_dump(exclude={"path", "max_seq_len", "format"})
+    settings = {f"data.{k}": v for k, v in settings.items()} | {"training.seed": seed, "training.method": method}
+    return {
+        "version": VERSION, "path": str(cfg.path),
+        "records": len(read.records) + len(read.problems),
+        "content_sha256": _sha256("\n".join(records + read.problems)),
+        "records_sha256_any_order": _sha256("\n".join(sorted(records + read.problems))),
+        "tokenizer": tokenizer_identity(tokenizer), "max_seq_len": cfg.max_seq_len, "format": fmt,
+        "chat_template_sha256": _sha256(template) if template is not None else None,
+        "settings": settings,
+    }
+
+
+def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """What differs between the fingerprint a run saved and the data's now, one phrase each ([] if nothing)."""
+    changes = []
+    if saved.get("records") != now["records"]:
+        changes.append(f"records {saved.get('records')} -> {now['records']}")
+    elif saved.get("content_sha256") != now["content_sha256"]:
+        changes.append("the same records in another order"
+                       if saved.get("records_sha256_any_order") == now["records_sha256_any_order"]
+                       else "record content changed")
+    old_tok, new_tok = saved.get("tokenizer") or {}, now["tokenizer"]
+    if old_tok.get("sha256") != new_tok["sha256"]:
+        changes.append(f"tokenizer changed ({old_tok.get('name') or '?'} -> {new_tok['name']})")
+    if saved.get("max_seq_len") != now["max_seq_len"]:
+        changes.append(f"data.max_seq_len {saved.get('max_seq_len')} -> {now['max_seq_len']}")
+    if saved.get("format") != now["format"]:
+        changes.append(f"format {saved.get('format')} -> {now['format']}")
+    if saved.get("chat_template_sha256") != now["chat_template_sha256"]:
+        changes.append("chat template changed")
+    old_settings = saved.get("settings") or {}
+    changes += [f"{key} {old_settings[key]!r} -> {value!r}" for key, value in now["settings"].items()
+                if key in old_settings and old_settings[key] != value]  # a key added since: not a change
+    return changes
+
+
+def check_resumed_data(saved: dict[str, Any] | None, now: dict[str, Any], where: str, allow: bool) -> list[str]:
+    """`--resume`: the changes from the run's saved fingerprint (none when the run saved none); raises
+    DataChanged if there are any and `allow` (--allow-data-change) is off."""
+    changes = data_changes(saved, now) if saved is not None else []
+    if changes and not allow:
+        raise DataChanged(
+            f"--resume: the data ({now['path']}) differs from what {where} started on: {'; '.join(changes)}",
+            hint="resume with the data the run started on, start a new run (another output.dir, or --overwrite), "
+                 "or pass --allow-data-change to continue on this data anyway")
+    return changes
