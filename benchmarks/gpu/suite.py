@@ -269,7 +269,8 @@ class Suite:
         predicted = _search(lambda seq: planned(seq)[0].fits, step, cap)
         trained = _search(trains, step, cap, start=predicted or step)
         theirs = configs.UNSLOTH_MAX_CONTEXT[gb]
-        return {"budget_bytes": budget, "unsloth_tokens": theirs, "predicted_max_tokens": predicted,
+        failed = "error" in probes.values()  # then a later call probes those lengths again (ATTEMPTS)
+        return {"error_kind": "error" if failed else None, "budget_bytes": budget, "unsloth_tokens": theirs, "predicted_max_tokens": predicted,
                 "trained_max_tokens": trained, "vs_unsloth": trained / theirs, "probes": dict(sorted(probes.items())),
                 "errors": errors, "seconds": round(time.time() - started + old.get("seconds", 0), 1)}
 
@@ -318,10 +319,11 @@ class Suite:
             bool(over["offload cpu"] <= 0.05 and (over["offload disk"] or 0) <= 0.15)})
 
     def stage_env(self) -> None:
+        """Every call (each may be a fresh machine), whatever the time: it takes seconds."""
         from benchmarks.gpu.first_lease import environment_row
 
-        for name in self.each("env", ["environment"]):
-            self.put("env", {"name": name, **environment_row(self.results.data["versions"])})
+        self.put("env", {"name": "environment", **environment_row(self.results.data["versions"])})
+        self.results.set_stage("env", "done")
 
     def stage_d(self) -> None:
         import importlib.util
@@ -436,7 +438,7 @@ def _release() -> None:
 
 
 def empty_host_cache() -> None:
-    X
+    """Release the pinned host buffers torch caches (torch.accelerator's call where this torch has it)."""
     (getattr(torch.accelerator, "empty_host_cache", None) or torch._C._host_emptyCache)()
 
 
