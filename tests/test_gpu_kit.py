@@ -233,3 +233,23 @@ def test_the_wheels_plan_covers_what_the_gpu_image_lacks():
         name = _name(requirement.name)
         if name not in {_name(n) for n in carried} and image[name]:
             assert requirement.specifier.contains(image[name], prereleases=True), (str(requirement), image[name])
+
+
+def test_merge_keeps_rows_a_call_did_not_have():
+    """A call that started from an older copy (its kept file was not merged yet) adds to the kept rows and
+    replaces the ones it measured again; each call is recorded once."""
+    from benchmarks.gpu.results import merge
+
+    def stage(status, *rows):
+        return {"title": "a", "status": status, "summary": {}, "rows": [{"name": n, "status": s} for n, s in rows]}
+
+    one = {"device": "gpu", "seconds": 500.0, "rows": 2}
+    kept = {"runs": 2, "calls": [one], "stages": {"a": stage("partial", ("x", "completed"), ("y", "error"))}}
+    new = {"runs": 2, "calls": [{**one, "seconds": 400.0}], "stages": {
+        "a": stage("done", ("y", "completed"), ("z", "oom")), "b": stage("not run")}}
+    merged = merge(new, kept)
+    assert [(r["name"], r["status"]) for r in merged["stages"]["a"]["rows"]] == [
+        ("x", "completed"), ("y", "completed"), ("z", "oom")]
+    assert merged["stages"]["a"]["status"] == "done" and merged["stages"]["b"]["status"] == "not run"
+    assert [c["seconds"] for c in merged["calls"]] == [500.0, 400.0]
+    assert merge(new, merged)["calls"] == merged["calls"]  # merging the same call twice adds nothing

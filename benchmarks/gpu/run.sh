@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run the GPU suite: install the carried wheels (if any) into a temporary site folder, offline, then measure.
 #
-#   benchmarks/gpu/run.sh [--cpu] OUT_DIR [suite options: --stage a,b --budgets 8,12 --time-limit 540]
+#   benchmarks/gpu/run.sh [--cpu] OUT_DIR [suite options: --first-lease | --stage env,a,b --budgets 8,12 --time-limit 540]
 #
 # OUT_DIR/results.md and results.json are rewritten after every configuration; calling again with an OUT_DIR
 # that holds a results.json goes on where it stopped (see docs/gpu.md for splitting across 10-minute calls).
