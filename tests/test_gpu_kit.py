@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _run_kit(out: Path, *args: str) -> None:
+    """benchmarks/gpu/run.sh --cpu OUT ARGS, as a GPU call runs it (no wheels here)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable, "WHEELS": str(out / "no-wheels")}
     proc = subprocess.run(["bash", str(REPO / "benchmarks/gpu/run.sh"), "--cpu", str(out), *args], env=env,
                           capture_output=True, text=True, timeout=600)
@@ -38,8 +40,9 @@ def dry_run(tmp_path_factory) -> Path:
 def test_dry_run_writes_every_stage(dry_run):
     data = json.loads((dry_run / "results.json").read_text())
     stages = data["stages"]
-    assert set(stages) == {"a", "b", "c", "d"}
-    assert all(stages[k]["status"] == "done" for k in "abc"), {k: v["status"] for k, v in stages.items()}
+    assert set(stages) == {"env", "a", "b", "c", "d"}
+    assert all(stages[k]["status"] == "done" for k in ("env", "a", "b", "c")), {k: v["status"] for k, v in stages.items()}
+    assert stages["env"]["rows"][0]["checks"]["bitsandbytes 4-bit"] == "ok on cpu"
     assert stages["d"]["status"].startswith("not run"), "unsloth is not installed in the test environment"
     md = (dry_run / "results.md").read_text()
     for header in ("predicted_bytes", "measured_reserved_bytes", "measured_allocated_bytes", "error_reserved",
@@ -63,7 +66,7 @@ def test_max_context_and_speed_rows(dry_run):
     stages = json.loads((dry_run / "results.json").read_text())["stages"]
     (b,) = stages["b"]["rows"]
     assert _finite(b["predicted_max_tokens"]) and _finite(b["trained_max_tokens"])
-    assert b["probes"] and b["probes"][str(b["trained_max_tokens"])] is True
+    assert b["probes"] and b["probes"][str(b["trained_max_tokens"])] == "ok"
     speed = stages["c"]["rows"][0]
     assert all(_finite(speed[k]) for k in ("finetune_tokens_per_s", "hf_peft_tokens_per_s", "trl_tokens_per_s"))
     overheads = [r for r in stages["c"]["rows"][1:] if "checkpointing alone" not in r["name"]]
@@ -108,3 +111,145 @@ def test_random_weights_folder_needs_config(tmp_path):
 
     with pytest.raises(ModelLoadError, match="has no config.json"):
         resolve_model_path(f"random:{tmp_path}")
+
+
+def test_first_lease_continues_across_calls_and_merges(tmp_path):
+    """The --first-lease plan split as the device tool splits it: a call stopped by its time limit, its
+    results.json merged into the kept folder, a second call from the kept copy finishing the plan."""
+    from benchmarks.gpu import configs, first_lease
+    from benchmarks.gpu.results import merge_into
+
+    kept, call = tmp_path / "kept", tmp_path / "call"
+    _run_kit(call, "--first-lease", "--time-limit", "1")  # time is up at once: the environment check only
+    first = json.loads((call / "results.json").read_text())
+    assert first["stages"]["env"]["rows"][0]["status"] == "ok"
+    assert all(first["stages"][k]["status"].startswith("partial") for k in "abc"), first["stages"]
+    assert not any(first["stages"][k]["rows"] for k in "abc")
+    merge_into(call / "results.json", kept)
+    call.joinpath("results.json").write_text((kept / "results.json").read_text())  # the next call starts from it
+    _run_kit(call, "--first-lease")
+    merge_into(call / "results.json", kept)
+    data = json.loads((kept / "results.json").read_text())
+    assert len(data["calls"]) == 2 and all(c["seconds"] > 0 for c in data["calls"])
+    stages = data["stages"]
+    toy = {c["name"] for c in configs.stage_a_cpu()}  # the dry run's stage-a rows, in the plan's order
+    assert [r["name"] for r in stages["a"]["rows"]] == [n for n in first_lease.STAGE_A if n in toy]
+    assert all(r["status"] == "completed" for r in stages["a"]["rows"])
+    assert [r["name"] for r in stages["c"]["rows"]] == first_lease.STAGE_C
+    assert stages["b"]["rows"][0]["status"] == "done" and stages["b"]["rows"][0]["trained_max_tokens"] > 0
+    assert all(r["attempts"] == 1 for s in ("env", "a", "c") for r in stages[s]["rows"])  # nothing measured twice
+    assert "| environment | ok |" in (kept / "results.md").read_text()
+
+
+def test_a_recovered_oom_is_reported_as_a_plan_failure(tmp_path, monkeypatch):
+    """finetune's OOM recovery lets the run finish with a cheaper plan and re-plans plan.json: the row still
+    fails (status "oom recovered", the event with its error) and is judged on the plan the run started with."""
+    from benchmarks.gpu import configs, suite
+    from finetune.plan import predict
+    from finetune.train.recovery import FAULT_ENV
+
+    kit = suite.Suite(tmp_path / "out", cpu=True, time_limit=600, work=tmp_path / "work")
+    cfg = next(c for c in configs.stage_a_cpu() if c["name"] == "Llama-3.1-8B QLoRA 2k mb2 acc4")
+    recipe = kit.recipe(cfg, 3, tmp_path / "run")
+    monkeypatch.setenv(FAULT_ENV, "2")
+    row = {"name": cfg["name"], **kit.train(recipe)}
+    assert row["status"] == "oom recovered" and row["error_kind"] == "oom"
+    (event,) = row["oom_events"]
+    assert event["event"] == "oom_recovered" and event["oom_step"] == 2 and "injected" in event["error"]
+    assert event["to"]["micro_batch_size"] == 1
+    assert row["predicted_bytes"] == predict(recipe).peak_bytes and row["fits"] is True  # the plan at mb 2
+    assert row["settings"]["micro_batch_size"] == 2
+    kit.put("a", row)
+    assert cfg["name"] in suite._summary_a(kit.results)["plans that fit but OOMed or failed"]
+
+
+def test_error_kinds_and_retries():
+    import torch
+
+    from benchmarks.gpu.suite import _again, error_record
+    from finetune.errors import FinetuneError
+
+    assert error_record(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))["error_kind"] == "oom"
+    assert error_record(FinetuneError("out of memory at step 2 with the leanest settings left"))["status"] == "oom"
+    bug = error_record(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert bug["status"] == bug["error_kind"] == "error" and "illegal memory access" in bug["error"]
+    assert _again({"status": "error", "error_kind": "error", "attempts": 1})  # a bug may be transient: once more
+    assert not _again({"status": "error", "error_kind": "error", "attempts": 2})
+    assert not _again({"status": "oom", "error_kind": "oom", "attempts": 1})  # an OOM is a result
+    assert _again({"status": "partial"})
+
+
+def test_a_probe_that_fails_with_an_error_is_not_counted_as_oom(tmp_path, monkeypatch):
+    """Stage b: a probe broken by an error (say a CUDA-path bug) is recorded as an error with its text, not
+    as a length that ran out of memory, and a later call probes it again."""
+    from benchmarks.gpu import suite
+
+    kit = suite.Suite(tmp_path / "out", cpu=True, time_limit=600, work=tmp_path / "work")
+    broken = {"status": "error", "error_kind": "error", "error": "RuntimeError: CUDA error: misaligned address",
+              "seconds": 0.1}
+    monkeypatch.setattr(suite.Suite, "train", lambda self, recipe, memory_cap=None: dict(broken))
+    kit.stage_b([8])
+    (row,) = kit.results.data["stages"]["b"]["rows"]
+    assert row["trained_max_tokens"] == 0 and set(row["probes"].values()) == {"error"}
+    assert all("misaligned address" in text for text in row["errors"].values())
+    calls = []
+    monkeypatch.setattr(suite.Suite, "train", lambda self, recipe, memory_cap=None: calls.append(1) or dict(broken))
+    kit.stage_b([8])
+    assert calls, "the errored probes were not tried again"
+    assert kit.results.data["stages"]["b"]["rows"][0]["attempts"] == 2
+    calls.clear()
+    kit.stage_b([8])
+    assert not calls, "tried more than ATTEMPTS times"
+
+
+def _name(requirement: str) -> str:
+    return re.sub(r"[-_.]+", "-", re.split(r"[\s<>=!~;\[(]", requirement.strip(), maxsplit=1)[0]).lower()
+
+
+def test_the_wheels_plan_covers_what_the_gpu_image_lacks():
+    """Every need of the project and of each carried wheel is met by a carried wheel or the image's
+    package list (KINDS.md), carried pins are the versions tested here, and a carried wheel that the image
+    also has is there for a version reason (transformers 5.17 lacks activation_checkpointing)."""
+    import importlib.metadata as md
+
+    from packaging.requirements import Requirement
+
+    script = (REPO / "benchmarks/gpu/wheels.sh").read_text()
+    block = script[script.index("PACKAGES=("):script.index(")", script.index("PACKAGES=("))]
+    carried = dict(re.findall(r"([A-Za-z0-9_.-]+)==([0-9][^\s]*)", block))
+    image = {}
+    for line in (REPO / "benchmarks/gpu/image_packages.txt").read_text().splitlines():
+        if not line.startswith("#"):
+            image.update((_name(w), w.partition("==")[2]) for w in line.split())
+    for name, version in carried.items():
+        assert md.version(name) == version, f"wheels.sh pins {name}=={version}; the project is tested with {md.version(name)}"
+    assert {_name(n) for n in carried} & set(image) == {"transformers", "peft"}
+    project = (REPO / "pyproject.toml").read_text()
+    needs = re.findall(r'^  "([^"]+)"', project[project.index("dependencies = ["):project.index("\n]")], re.M)
+    needs += [r for n in carried for r in md.requires(n) or [] if "extra ==" not in r]
+    missing = sorted({_name(r) for r in needs} - set(image) - {_name(n) for n in carried})
+    assert not missing, f"neither on the GPU image nor carried by wheels.sh: {missing}"
+    for requirement in map(Requirement, needs):  # what the image has, where its version is known, is enough
+        name = _name(requirement.name)
+        if name not in {_name(n) for n in carried} and image[name]:
+            assert requirement.specifier.contains(image[name], prereleases=True), (str(requirement), image[name])
+
+
+def test_merge_keeps_rows_a_call_did_not_have():
+    """A call that started from an older copy (its kept file was not merged yet) adds to the kept rows and
+    replaces the ones it measured again; each call is recorded once."""
+    from benchmarks.gpu.results import merge
+
+    def stage(status, *rows):
+        return {"title": "a", "status": status, "summary": {}, "rows": [{"name": n, "status": s} for n, s in rows]}
+
+    one = {"device": "gpu", "seconds": 500.0, "rows": 2}
+    kept = {"runs": 2, "calls": [one], "stages": {"a": stage("partial", ("x", "completed"), ("y", "error"))}}
+    new = {"runs": 2, "calls": [{**one, "seconds": 400.0}], "stages": {
+        "a": stage("done", ("y", "completed"), ("z", "oom")), "b": stage("not run")}}
+    merged = merge(new, kept)
+    assert [(r["name"], r["status"]) for r in merged["stages"]["a"]["rows"]] == [
+        ("x", "completed"), ("y", "completed"), ("z", "oom")]
+    assert merged["stages"]["a"]["status"] == "done" and merged["stages"]["b"]["status"] == "not run"
+    assert [c["seconds"] for c in merged["calls"]] == [500.0, 400.0]
+    assert merge(new, merged)["calls"] == merged["calls"]  # merging the same call twice adds nothing

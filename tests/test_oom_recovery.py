@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -435,3 +436,37 @@ def test_the_ladder_keeps_the_effective_batch_and_skips_what_is_on_or_predicted_
         "activation_checkpointing": True, "offload": "disk"}
     never = lambda r: SimpleNamespace(fits=False, min_budget_bytes=123 << 20, peak_bytes=0)  # noqa: E731
     assert cheaper(one, 1, 1, 1, never).recipe is None and cheaper(one, 1, 1, 1, never).min_budget_bytes == 123 << 20
+
+
+def _capped_cuda(cap: int) -> types.SimpleNamespace:
+    """A test double of torch.cuda's memory queries: an 80 GiB GPU with 60 GiB free, this process's
+    allocator capped by set_per_process_memory_fraction to `cap` bytes."""
+    total = 80 << 30
+    return types.SimpleNamespace(is_available=lambda: True, mem_get_info=lambda: (60 << 30, total),
+                                 memory_reserved=lambda: 1 << 30, get_per_process_memory_fraction=lambda: cap / total)
+
+
+def test_usable_gpu_memory_respects_a_per_process_cap(monkeypatch):
+    from finetune.train import oom_ladder
+
+    monkeypatch.setattr(oom_ladder, "torch", types.SimpleNamespace(cuda=_capped_cuda(8 << 30)))
+    assert oom_ladder.measured_gpu_memory() == 8 << 30  # not the 61 GiB free + reserved
+    monkeypatch.setattr(oom_ladder, "torch", types.SimpleNamespace(cuda=_capped_cuda(80 << 30)))
+    assert oom_ladder.measured_gpu_memory() == 61 << 30  # no cap: free plus what the allocator holds
+
+
+def test_recovery_under_a_per_process_cap_plans_within_the_cap(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """A cap below what every cheaper plan needs: recovery gives up (as the capped GPU would) instead of
+    re-planning with the whole GPU's free memory and retrying a plan that cannot fit under the cap."""
+    from finetune.train import oom_ladder
+
+    cap = 768 << 20  # the tiny model's leanest plan needs more (on CPU the planner predicts ~0.5 GiB + margin)
+    monkeypatch.setattr(oom_ladder, "torch", types.SimpleNamespace(cuda=_capped_cuda(cap)))
+    recipe = _recipe(tmp_path, tiny_model_dir, "capped", training={"micro_batch_size": 1, "gradient_accumulation_steps": 2})
+    path = tmp_path / "capped.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    monkeypatch.setenv(FAULT_ENV, "2")
+    assert main(["run", str(path)]) != 0
+    assert "768.00 MiB usable now" in capsys.readouterr().err
+    events = [r for r in read_jsonl(tmp_path / "capped" / "metrics.jsonl") if _oom(r)]
+    assert [e["event"] for e in events] == ["oom_gave_up"]

@@ -199,3 +199,32 @@ def test_layerwise_works_under_activation_checkpointing(tiny_model_dir, steps_pe
     train(normal_model, normal, [micro])
     _layerwise_step(lw_model, layerwise, micro)
     _assert_same_weights(normal_model, lw_model)
+
+
+def test_no_live_model_after_a_layerwise_run(tiny_model_dir, tmp_path, monkeypatch):
+    """The gradient hooks sit on the parameters, where the garbage collector cannot see what they hold: a
+    hook holding the optimizer kept the model and the Trainer alive after each run (~3 GB per run on CUDA)."""
+    import gc
+    import weakref
+
+    import finetune.model.load
+    from finetune.recipe.schema import Recipe
+    from finetune.train.run import run
+    from tests.run_support import sums_data, tiny_lora_recipe
+
+    loaded: list[weakref.ref] = []
+    real_load = finetune.model.load.load_model
+
+    def load_and_watch(*args, **kwargs):
+        model, *rest = real_load(*args, **kwargs)
+        loaded.append(weakref.ref(model))
+        return (model, *rest)
+
+    monkeypatch.setattr(finetune.model.load, "load_model", load_and_watch)
+    recipe = tiny_lora_recipe(tiny_model_dir, sums_data(tmp_path / "sums.jsonl", 8), tmp_path / "run",
+                              {"adapter": {"type": "full"}, "optimizer": {"name": "adamw", "layerwise": True},
+                               "training": {"max_steps": 2, "micro_batch_size": 2}})
+    assert run(Recipe.model_validate(recipe), overwrite=True).state == "completed"
+    gc.collect()
+    assert len(loaded) == 1 and loaded[0]() is None, "the layer-wise run's model is still alive"
+

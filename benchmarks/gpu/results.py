@@ -1,5 +1,8 @@
 """The suite's results: one JSON document, rewritten (with its Markdown rendering) after every configuration,
-atomically, so a command stopped at its time limit keeps everything that finished; read back to resume."""
+atomically, so a command stopped at its time limit keeps everything that finished; read back to resume.
+
+    python -m benchmarks.gpu.results merge NEW.json INTO_DIR   (a call's results.json into the kept copy)
+"""
 
 from __future__ import annotations
 
@@ -12,17 +15,20 @@ from finetune.rundir import atomic_write_json, atomic_write_text
 from finetune.units import format_bytes
 
 STAGES = {
+    "env": "Environment check (versions, the GPU, bitsandbytes 4-bit on the device, allocator APIs)",
     "a": "Planner vs measured peak (3 steps of `finetune run`)",
     "b": "Max context, Llama-3.1-8B QLoRA r=16, micro-batch 1",
     "c": "Speed: tokens/s of `finetune run` vs HF Trainer + PEFT and TRL; memory-technique overheads",
     "d": "Unsloth side by side",
 }
 COLUMNS = {
+    "env": ["name", "status", "device", "total_memory_bytes", "python", "torch", "cuda", "checks"],
     "a": ["name", "max_seq_len", "status", "fits", "predicted_bytes", "measured_reserved_bytes", "measured_allocated_bytes",
-          "error_reserved", "error_allocated", "allocated_before_bytes", "seconds"],
-    "b": ["name", "unsloth_tokens", "predicted_max_tokens", "trained_max_tokens", "vs_unsloth", "probes", "seconds"],
-    "c": ["name", "max_seq_len", "finetune_tokens_per_s", "hf_peft_tokens_per_s", "trl_tokens_per_s", "vs_hf_peft", "vs_trl",
-          "overhead", "seconds"],
+          "error_reserved", "error_allocated", "allocated_before_bytes", "oom_events", "error", "seconds"],
+    "b": ["name", "status", "unsloth_tokens", "predicted_max_tokens", "trained_max_tokens", "vs_unsloth", "probes",
+          "errors", "seconds"],
+    "c": ["name", "max_seq_len", "status", "finetune_tokens_per_s", "hf_peft_tokens_per_s", "trl_tokens_per_s", "vs_hf_peft", "vs_trl",
+          "overhead", "oom_events", "error", "seconds"],
     "d": ["name", "status"],
 }
 
@@ -33,9 +39,8 @@ class Results:
     def __init__(self, out_dir: Path, header: dict[str, Any]):
         self.json_path, self.md_path = out_dir / "results.json", out_dir / "results.md"
         old = json.loads(self.json_path.read_text()) if self.json_path.is_file() else {}
-        self.data = {**header, "runs": old.get("runs", 0) + 1,
-                     "stages": old.get("stages") or {k: {"title": v, "rows": [], "summary": {}, "status": "not run"}
-                                                     for k, v in STAGES.items()}}
+        self.data = {**header, "runs": old.get("runs", 0) + 1, "calls": old.get("calls", []),
+                     "stages": {**_empty_stages(), **old.get("stages", {})}}
 
     def row(self, stage: str, name: str) -> dict[str, Any] | None:
         return next((r for r in self.data["stages"][stage]["rows"] if r["name"] == name), None)
@@ -56,6 +61,41 @@ class Results:
         atomic_write_text(self.md_path, render(self.data))
 
 
+def _empty_stages() -> dict[str, dict[str, Any]]:
+    return {k: {"title": v, "rows": [], "summary": {}, "status": "not run"} for k, v in STAGES.items()}
+
+
+def merge(new: dict[str, Any], kept: dict[str, Any]) -> dict[str, Any]:
+    """`kept` (the results kept between calls) updated with a later call's `new`: its rows replace rows of
+    the same stage and name, rows only `kept` has stay, stage status and summary come from the call that
+    ran the stage last; the calls' records are joined (each call's once)."""
+    out = {**kept, **{k: v for k, v in new.items() if k not in ("stages", "calls", "runs")}}
+    out["runs"] = max(kept.get("runs", 0), new.get("runs", 0))
+    seen = {json.dumps(c, sort_keys=True) for c in kept.get("calls", [])}
+    out["calls"] = kept.get("calls", []) + [c for c in new.get("calls", []) if json.dumps(c, sort_keys=True) not in seen]
+    stages = {**_empty_stages(), **kept.get("stages", {})}
+    for key, stage in new.get("stages", {}).items():
+        old = stages.get(key, {"rows": []})
+        names = {r["name"] for r in stage["rows"]}
+        rows = [r for r in old["rows"] if r["name"] not in names] + stage["rows"]
+        ran = stage["status"] != "not run" or not old.get("status")
+        stages[key] = {**(stage if ran else old), "rows": rows}
+    out["stages"] = stages
+    return out
+
+
+def merge_into(new_json: Path, out_dir: Path) -> Path:
+    """Merge a call's results.json into out_dir/results.json (created when absent) and re-render results.md."""
+    new = json.loads(new_json.read_text())
+    target = out_dir / "results.json"
+    kept = json.loads(target.read_text()) if target.is_file() else {}
+    merged = merge(new, kept)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(target, merged)
+    atomic_write_text(out_dir / "results.md", render(merged))
+    return target
+
+
 def _cell(key: str, value: Any) -> str:
     if value is None:
         return "-"
@@ -73,7 +113,10 @@ def _cell(key: str, value: Any) -> str:
     if isinstance(value, int) and not isinstance(value, bool):
         return f"{value:,}"
     if isinstance(value, dict):
-        return " ".join(f"{k}:{'ok' if v else 'oom'}" for k, v in value.items())
+        return " ".join(f"{k}:{v}" for k, v in value.items()).replace("|", "/")
+    if isinstance(value, list):  # out-of-memory events
+        return "; ".join(f"{e.get('event')} at step {e.get('oom_step')}: {e.get('error', '')}"[:160]
+                         for e in value).replace("|", "/")
     return str(value).replace("|", "/")
 
 
@@ -81,7 +124,8 @@ def render(data: dict[str, Any]) -> str:
     """The Markdown report: a header, then per stage its status, summary and table."""
     lines = [f"# GPU suite results: {data.get('device', '?')}", "",
              f"Command: `{data.get('command', '')}`  ", f"Started: {data.get('started', '')}, calls so far: "
-             f"{data.get('runs', 1)}  ", "Versions: " + ", ".join(f"{k} {v}" for k, v in data.get("versions", {}).items()),
+             f"{data.get('runs', 1)}  ", "Device time per call (s): "
+             + ", ".join(str(c.get("seconds")) for c in data.get("calls", [])) + "  ", "Versions: " + ", ".join(f"{k} {v}" for k, v in data.get("versions", {}).items()),
              ""]
     for key, stage in data["stages"].items():
         lines += [f"## {key}. {stage['title']}", "", f"Status: {stage['status']}", ""]
@@ -93,3 +137,19 @@ def render(data: dict[str, Any]) -> str:
             lines += ["| " + " | ".join(_cell(c, r.get(c)) for c in cols) + " |" for r in stage["rows"]]
             lines.append("")
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="merge a call's results.json into the kept results")
+    parser.add_argument("verb", choices=["merge"])
+    parser.add_argument("new", type=Path, help="the results.json a call returned")
+    parser.add_argument("into", type=Path, help="the folder holding the kept results.json (benchmarks/results/...)")
+    args = parser.parse_args(argv)
+    print(f"merged into {merge_into(args.new, args.into)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Run the GPU suite: install the carried wheels (if any) into a temporary site folder, offline, then measure.
 #
-#   benchmarks/gpu/run.sh [--cpu] OUT_DIR [suite options: --stage a,b --budgets 8,12 --time-limit 540]
+#   benchmarks/gpu/run.sh [--cpu] OUT_DIR [suite options: --first-lease | --stage env,a,b --budgets 8,12 --time-limit 540]
 #
 # OUT_DIR/results.md and results.json are rewritten after every configuration; calling again with an OUT_DIR
 # that holds a results.json goes on where it stopped (see docs/gpu.md for splitting across 10-minute calls).
 # WHEELS (default .whl at the repository root) is the folder benchmarks/gpu/wheels.sh filled.
 set -euo pipefail
+T0=$(date +%s)  # the suite's time limit counts from here: the wheels' install is part of the call
 
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
 CPU=()
@@ -16,11 +17,16 @@ OUT="$(realpath -m "$1")"; shift
 PY="${PYTHON:-python3}"
 WHEELS="${WHEELS:-$REPO/.whl}"
 
+# Installed once per machine: a later call on the same (warm) machine with the same wheels reuses the folder.
 SITE=""
 if compgen -G "$WHEELS/*.whl" > /dev/null; then
-  SITE="$(mktemp -d /tmp/finetune-site.XXXXXX)"
-  trap 'rm -rf "$SITE"' EXIT
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl
+  STAMP="$(cd "$WHEELS" && ls -l -- *.whl | md5sum | cut -c1-12)"
+  SITE="/tmp/finetune-site-$STAMP"
+  if [[ ! -f "$SITE/.installed" ]]; then
+    rm -rf "$SITE"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl
+    touch "$SITE/.installed"
+  fi
 fi
 export PYTHONPATH="$REPO${SITE:+:$SITE}${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
@@ -38,4 +44,4 @@ for name in ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "trl
 import torch
 print("cuda:", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
 PY
-"$PY" -m benchmarks.gpu.suite "$OUT" "${CPU[@]}" "$@"
+"$PY" -m benchmarks.gpu.suite "$OUT" "${CPU[@]}" --started-at "$T0" "$@"

@@ -1,11 +1,17 @@
 """The GPU suite: every GPU claim measured through the real `finetune run` path, stage by stage.
 
-    python -m benchmarks.gpu.suite OUT_DIR [--cpu] [--stage a,b,c,d] [--time-limit 540]
+    python -m benchmarks.gpu.suite OUT_DIR [--cpu] [--stage env,a,b,c,d | --first-lease] [--time-limit 540]
 
 Models: the tests/fixtures/configs/*.json at full size (--cpu: shrunk to toy width and 2 layers) with random
 weights (model.path random:FOLDER, quantized on load as the recipe says); data: synthetic text truncated to
 exactly max_seq_len tokens. OUT_DIR/results.json and results.md are rewritten after every configuration; a
-second call with the same OUT_DIR skips what is already there, so the suite can be split across calls.
+second call with the same OUT_DIR skips what is already there (a row that failed with an error other than
+out-of-memory is tried once more), so the suite can be split across calls. --first-lease runs only the
+decisive rows, in their order (benchmarks/gpu/first_lease.py).
+
+Each row records how it ended: status completed, "oom recovered" (the run finished only after finetune's
+out-of-memory recovery switched to a cheaper plan: a plan failure, judged on the plan the run started
+with), oom or error; with error_kind, the error's text and every out-of-memory event of the run.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ CPU_SEQ_DIVISOR = 32
 # --cpu: budgets for stage b, in bytes, standing for the GPU sizes (the toy model's memory is in MiB).
 CPU_BUDGETS = {8: 6 << 20}
 CPU_KEYS = {"memory.offload_min_size": 1024, "memory.tiled_mlp_tokens": 32, "memory.gpu_memory_margin": 0}
+ATTEMPTS = 2  # a row that failed with an error other than out-of-memory is tried again once, in a later call
 
 
 class TimeUp(Exception):
@@ -47,16 +54,27 @@ class TimeUp(Exception):
 
 
 class Suite:
-    def __init__(self, out: Path, cpu: bool, time_limit: float, work: Path):
+    def __init__(self, out: Path, cpu: bool, time_limit: float, work: Path, started_at: float | None = None):
         self.cpu, self.time_limit, self.work = cpu, time_limit, work
-        self.start = time.time()
-        self.longest = 0.0  # the slowest configuration so far: no new one starts unless it would still fit
+        self.start = started_at or time.time()  # run.sh passes its own start: the wheels' install counts
+        self.longest = 0.0  # the slowest training run so far: no new one starts unless it would still fit
         self.results = Results(out, _header(cpu))
+        self.call = {"started": self.results.data["started"], "device": self.results.data["device"], "seconds": 0.0,
+                     "rows": 0}
+        self.results.data["calls"].append(self.call)
+        self.attempts: dict[tuple[str, str], int] = {}
         self.results.save()
 
     # --- building blocks -------------------------------------------------------------------------------
-    def time_left(self) -> bool:
-        return time.time() - self.start + self.longest < self.time_limit
+    def time_left(self, runs: int = 1) -> bool:
+        """Whether `runs` more training runs as slow as the slowest so far end before --time-limit."""
+        return time.time() - self.start + runs * self.longest < self.time_limit
+
+    def put(self, stage: str, row: dict[str, Any]) -> None:
+        """Save a row (with its attempt number) and this call's device time so far."""
+        row["attempts"] = self.attempts.get((stage, row["name"]), 1)
+        self.call.update(seconds=round(time.time() - self.start, 1), rows=self.call["rows"] + (row["status"] != "partial"))
+        self.results.put(stage, row)
 
     def model_dir(self, name: str) -> Path:
         """A random:FOLDER model: the fixture's config.json (shrunk with --cpu) and the toy tokenizer."""
@@ -111,7 +129,8 @@ class Suite:
         """`finetune run` (finetune.train.run.run) on the recipe; the plan it made, the measured peaks, tokens/s.
 
         memory_cap: on CUDA, torch.cuda.set_per_process_memory_fraction so that the allocator plus what the
-        CUDA context holds outside it stays within memory_cap bytes, as on a GPU of that size.
+        CUDA context holds outside it stays within memory_cap bytes, as on a GPU of that size (finetune's
+        out-of-memory recovery then budgets within the cap too).
         """
         from finetune.train.run import run
 
@@ -128,11 +147,8 @@ class Suite:
         try:
             result = run(recipe, overwrite=True)
             out["status"] = result.state
-        except torch.OutOfMemoryError:
-            out["status"] = "OOM"
         except Exception as exc:  # one broken configuration must not stop the suite: it is reported
-            first = str(exc).splitlines()[0][:200] if str(exc) else ""
-            out["status"] = "OOM" if "out of memory" in str(exc).lower() else f"error: {type(exc).__name__}: {first}"
+            out.update(error_record(exc))
         finally:
             if CUDA:
                 torch.cuda.synchronize()
@@ -142,10 +158,16 @@ class Suite:
             _release()
         out["seconds"] = round(time.time() - started, 1)
         run_dir = RunDir(Path(recipe.output.dir))
+        metrics = run_dir.read_metrics()
+        events = [{k: r[k] for k in ("event", "oom_step", "error", "from", "to", "gpu_memory_bytes") if k in r}
+                  for r in metrics if str(r.get("event", "")).startswith("oom")]
         plan = run_dir.read_plan()
+        if events:  # plan.json and the peak statistics now follow the recovered settings; the row judges the
+            out.update(oom_events=events, error_kind="oom")  # plan the run started with, which did not fit
+            out["status"] = "oom recovered" if out["status"] == "completed" else out["status"]
+            plan = _initial_plan(recipe)
         if plan is not None:
             out.update(predicted_bytes=plan["peak_bytes"], fits=plan["fits"], settings=plan["settings"])
-        metrics = run_dir.read_metrics()
         rates = [m["tokens_per_second"] for m in metrics if "tokens_per_second" in m]
         from benchmarks.gpu.baselines import steady_tokens_per_s
 
@@ -159,25 +181,29 @@ class Suite:
         self.longest = max(self.longest, out["seconds"])
         return out
 
-    def each(self, stage: str, names: list[str]):
-        """Yield the names not measured yet while time is left; set the stage's status."""
+    def each(self, stage: str, names: list[str], subset: bool = False, runs=lambda name: 1):
+        """Yield the names not measured yet (or failed with an error, not an OOM, fewer than ATTEMPTS times)
+        while `runs(name)` more training runs fit in the time left; set the stage's status."""
         self.results.set_stage(stage, "running")
         for name in names:
-            if (self.results.row(stage, name) or {}).get("status", "partial") != "partial":
+            row = self.results.row(stage, name)
+            if row is not None and not _again(row):
                 continue
-            if not self.time_left():
+            if not self.time_left(runs(name)):
                 self.results.set_stage(stage, "partial: time limit reached, call again with the same OUT_DIR")
                 return
+            previous = 0 if row is None else row.get("attempts", 1) - (row["status"] == "partial")
+            self.attempts[(stage, name)] = previous + 1
             yield name
-        self.results.set_stage(stage, "done")
+        self.results.set_stage(stage, "done: the --first-lease rows" if subset else "done")
 
     # --- stages ----------------------------------------------------------------------------------------
-    def stage_a(self) -> None:
+    def stage_a(self, only: list[str] | None = None) -> None:
         cfgs = configs.stage_a_cpu() if self.cpu else configs.stage_a()
         cfgs = cfgs + [{"name": "Qwen2.5-0.5B QLoRA real data (alpaca sample)", "model": configs.QWEN05, "seq": 256,
                         "mb": 2, "acc": 1, "keys": {**configs.QLORA, **configs.PLAIN}, "real": True}]
         by_name = {c["name"]: c for c in cfgs}
-        for name in self.each("a", list(by_name)):
+        for name in self.each("a", _pick(by_name, only), only is not None):
             cfg = by_name[name]
             more = {"data.path": str(REAL_SAMPLE), "data.format": "auto"} if cfg.get("real") else {}
             row = {"name": name, "max_seq_len": self.seq(cfg), **self.train(self.recipe(cfg, 3, self.work / "run", **more))}
@@ -185,14 +211,14 @@ class Suite:
                 measured = row.get(f"measured_{kind}_bytes")
                 if measured and row.get("predicted_bytes") and row["status"] == "completed":
                     row[f"error_{kind}"] = row["predicted_bytes"] / measured - 1
-            self.results.put("a", row)
+            self.put("a", row)
         self.results.set_stage("a", self.results.data["stages"]["a"]["status"], _summary_a(self.results))
 
-    def stage_b(self, budgets: list[int]) -> None:
+    def stage_b(self, budgets: list[int], subset: bool = False) -> None:
         names = {f"{gb} GB": gb for gb in budgets}
-        for name in self.each("b", list(names)):
+        for name in self.each("b", list(names), subset):
             try:
-                self.results.put("b", {"name": name, "status": "done", **self._max_context(name, names[name])})
+                self.put("b", {"name": name, "status": "done", **self._max_context(name, names[name])})
             except TimeUp:
                 self.results.set_stage("b", "partial: time limit reached, call again with the same OUT_DIR")
                 break
@@ -210,10 +236,15 @@ class Suite:
         from finetune.plan import predict
 
         cfg = {"name": "b", "model": configs.LLAMA, "seq": 0, "mb": 1, "acc": 1, "keys": configs.STAGE_B_RECIPE}
-        step, cap = (64, 1024) if self.cpu else (1024, 1 << 18)
+        positions = json.loads((FIXTURES / f"{configs.LLAMA}.json").read_text())["max_position_embeddings"]
+        step, cap = (64, 1024) if self.cpu else (1024, min(1 << 18, positions))  # no probe beyond the model
         budget = CPU_BUDGETS[gb] if self.cpu else gb << 30
         started = time.time()
-        probes = {int(k): v for k, v in ((self.results.row("b", name) or {}).get("probes") or {}).items()}
+        old = self.results.row("b", name) or {}
+        # A probe: "ok" (2 steps trained within the budget), "oom", "oom recovered" (trained only after a
+        # cheaper plan than the planner's: fails the length), "over budget" (CPU) or "error" (text in errors).
+        probes = {int(k): v for k, v in (old.get("probes") or {}).items() if v != "error"}  # errors: again
+        errors = dict(old.get("errors") or {})
 
         def planned(seq: int):
             r = self.recipe({**cfg, "seq": seq * (CPU_SEQ_DIVISOR if self.cpu else 1)}, 2, self.work / "run",
@@ -226,31 +257,36 @@ class Suite:
             if seq not in probes:
                 plan, r = planned(seq)
                 out = self.train(plan.apply(r), memory_cap=budget if CUDA else None)
-                probes[seq] = out["status"] == "completed" and \
-                    (CUDA or out.get("measured_allocated_bytes", 0) <= budget)
-                self.results.put("b", {"name": name, "status": "partial", "predicted_max_tokens": predicted,
-                                       "probes": dict(sorted(probes.items()))})
-            return probes[seq]
+                over = not CUDA and out.get("measured_allocated_bytes", 0) > budget
+                probes[seq] = "over budget" if out["status"] == "completed" and over else \
+                    "ok" if out["status"] == "completed" else out["status"]
+                if out.get("error") or out.get("oom_events"):
+                    errors[str(seq)] = out.get("error") or out["oom_events"][0].get("error")
+                self.put("b", {"name": name, "status": "partial", "predicted_max_tokens": predicted,
+                               "probes": dict(sorted(probes.items())), "errors": errors})
+            return probes[seq] == "ok"
 
         predicted = _search(lambda seq: planned(seq)[0].fits, step, cap)
         trained = _search(trains, step, cap, start=predicted or step)
         theirs = configs.UNSLOTH_MAX_CONTEXT[gb]
-        return {"budget_bytes": budget, "unsloth_tokens": theirs, "predicted_max_tokens": predicted,
+        failed = "error" in probes.values()  # then a later call probes those lengths again (ATTEMPTS)
+        return {"error_kind": "error" if failed else None, "budget_bytes": budget, "unsloth_tokens": theirs, "predicted_max_tokens": predicted,
                 "trained_max_tokens": trained, "vs_unsloth": trained / theirs, "probes": dict(sorted(probes.items())),
-                "seconds": round(time.time() - started, 1)}
+                "errors": errors, "seconds": round(time.time() - started + old.get("seconds", 0), 1)}
 
-    def stage_c(self) -> None:
+    def stage_c(self, only: list[str] | None = None) -> None:
         from benchmarks.gpu.baselines import baseline_tokens_per_s
 
         steps = 3 if self.cpu else 8
         speed = configs.stage_c_speed()[:1] if self.cpu else configs.stage_c_speed()
         overheads = configs.stage_c_overheads((8192,) if self.cpu else (8192, 32768))
         cfgs = {c["name"]: c for c in speed + overheads}
-        for name in self.each("c", list(cfgs)):
+        for name in self.each("c", _pick(cfgs, only), only is not None, lambda n: 3 if cfgs[n] in speed else 1):
             cfg = cfgs[name]
             row = {"name": name, "max_seq_len": self.seq(cfg)}
             ours = self.train(self.recipe(cfg, steps, self.work / "run"))
-            row.update(status=ours["status"], finetune_tokens_per_s=ours["tokens_per_s"], seconds=ours["seconds"])
+            row.update({k: ours[k] for k in ("status", "error_kind", "error", "oom_events") if k in ours},
+                       finetune_tokens_per_s=ours["tokens_per_s"], seconds=ours["seconds"])
             if cfg in speed:
                 for framework in ("hf_peft", "trl"):
                     started = time.time()
@@ -259,18 +295,19 @@ class Suite:
                         theirs = baseline_tokens_per_s(self.recipe(cfg, steps, self.work / framework), framework,
                                                        self.work / framework)
                     except Exception as exc:  # reported in the table, the suite goes on
-                        theirs, row[f"{framework}_error"] = None, f"{type(exc).__name__}: {exc}"[:200]
+                        theirs, row[f"{framework}_error"] = None, error_record(exc)
                     _release()
                     row[f"{framework}_tokens_per_s"] = theirs
                     if theirs and ours["tokens_per_s"]:
                         row[f"vs_{framework}"] = ours["tokens_per_s"] / theirs
                     row["seconds"] += round(time.time() - started, 1)
+                    self.longest = max(self.longest, time.time() - started)
                     shutil.rmtree(self.work / framework, ignore_errors=True)
             else:
                 base = self.results.row("c", f"{name.split()[0]} checkpointing alone")
                 if base and base.get("finetune_tokens_per_s") and ours["tokens_per_s"]:
                     row["overhead"] = 1 - ours["tokens_per_s"] / base["finetune_tokens_per_s"]
-            self.results.put("c", row)
+            self.put("c", row)
         rows = self.results.data["stages"]["c"]["rows"]
         ratios = [r[k] for r in rows for k in ("vs_hf_peft", "vs_trl") if r.get(k)]
         over = {kind: max((r["overhead"] for r in rows if kind in r["name"] and "overhead" in r), default=None)
@@ -281,17 +318,24 @@ class Suite:
             "goal: offload cpu <= 5%, disk <= 15%": None if over["offload cpu"] is None else
             bool(over["offload cpu"] <= 0.05 and (over["offload disk"] or 0) <= 0.15)})
 
+    def stage_env(self) -> None:
+        """Every call (each may be a fresh machine), whatever the time: it takes seconds."""
+        from benchmarks.gpu.first_lease import environment_row
+
+        self.put("env", {"name": "environment", **environment_row(self.results.data["versions"])})
+        self.results.set_stage("env", "done")
+
     def stage_d(self) -> None:
         import importlib.util
 
         if importlib.util.find_spec("unsloth") is None:
-            self.results.put("d", {"name": "Unsloth max context at 16 GB and tokens/s at the stage-c configuration",
-                                   "status": "not run: unsloth wheels absent (benchmarks/gpu/wheels.sh --unsloth)"})
+            self.put("d", {"name": "Unsloth max context at 16 GB and tokens/s at the stage-c configuration",
+                           "status": "not run: unsloth wheels absent (benchmarks/gpu/wheels.sh --unsloth)"})
             self.results.set_stage("d", "not run: wheels absent")
             return
-        self.results.put("d", {"name": "Unsloth max context at 16 GB and tokens/s at the stage-c configuration",
-                               "status": "not run: unsloth is importable but the side-by-side runner is not "
-                                         "written yet (it needs a weights folder; see docs/gpu.md)"})
+        self.put("d", {"name": "Unsloth max context at 16 GB and tokens/s at the stage-c configuration",
+                       "status": "not run: unsloth is importable but the side-by-side runner is not "
+                                 "written yet (it needs a weights folder; see docs/gpu.md)"})
         self.results.set_stage("d", "not run: runner missing")
 
 
@@ -326,7 +370,7 @@ def _search(ok, step: int, cap: int, start: int | None = None) -> int:
                 lo = x
             else:
                 hi = x
-    while hi - lo > step:
+    while hi - lo > max(step, lo // 16):  # within ~6% (or one step): a bounded number of probes
         mid = snap((lo + hi) // 2)
         if mid <= lo or mid >= hi:
             break
@@ -338,7 +382,7 @@ def _summary_a(results: Results) -> dict[str, Any]:
     rows = results.data["stages"]["a"]["rows"]
     errors = [abs(r["error_reserved"]) for r in rows if r.get("error_reserved") is not None] or \
         [abs(r["error_allocated"]) for r in rows if r.get("error_allocated") is not None]
-    fits_but_failed = [r["name"] for r in rows if r.get("fits") and r["status"] != "completed"]
+    fits_but_failed = [f"{r['name']} ({r['status']})" for r in rows if r.get("fits") and r["status"] != "completed"]
     return {"configurations": len(rows), "completed": sum(r["status"] == "completed" for r in rows),
             "median |error|": statistics.median(errors) if errors else None,
             "max |error|": max(errors) if errors else None,
@@ -347,11 +391,55 @@ def _summary_a(results: Results) -> dict[str, Any]:
             "error measured against": "max_memory_reserved" if CUDA else "CPU tensor tracker (no allocator)"}
 
 
+def error_record(exc: BaseException) -> dict[str, str]:
+    """How a run failed: status and error_kind "oom" (CUDA's out-of-memory, or finetune's error after its
+    recovery gave up) or "error" (anything else: a bug on the CUDA path must not read as a short context),
+    and the error's text."""
+    text = f"{type(exc).__name__}: {exc}".strip()
+    oom = isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+    kind = "oom" if oom else "error"
+    return {"status": kind, "error_kind": kind, "error": text[:600]}
+
+
+def _again(row: dict[str, Any]) -> bool:
+    """Whether a saved row is measured again: stage b's unfinished search, or an error (not an OOM) that
+    has had fewer than ATTEMPTS tries."""
+    return row["status"] == "partial" or (row.get("error_kind") == "error" and row.get("attempts", 1) < ATTEMPTS)
+
+
+def _pick(by_name: dict[str, Any], only: list[str] | None) -> list[str]:
+    """The names to run: all, or `only` in its order (each must be a configuration of the stage)."""
+    if only is None:
+        return list(by_name)
+    unknown = [n for n in only if n not in by_name]
+    if unknown:
+        raise SystemExit(f"no such configuration: {', '.join(unknown)}")
+    return list(only)
+
+
+def _initial_plan(recipe: Recipe) -> dict[str, Any] | None:
+    """The plan `finetune run` starts from (what plan.json held before an out-of-memory re-plan)."""
+    from finetune.plan import predict
+
+    try:
+        return predict(recipe).to_dict()
+    except Exception:  # noqa: BLE001 - a model the planner cannot trace: the row has no prediction
+        return None
+
+
 def _release() -> None:
+    """Free what the last run left: Python garbage, the allocator's cache and the pinned host buffers
+    (offload's staging), so no run's memory counts in the next one's peak."""
     gc.collect()
     if CUDA:
         torch.cuda.empty_cache()
+        empty_host_cache()
         torch.cuda.reset_peak_memory_stats()
+
+
+def empty_host_cache() -> None:
+    """Release the pinned host buffers torch caches (torch.accelerator's call where this torch has it)."""
+    (getattr(torch.accelerator, "empty_host_cache", None) or torch._C._host_emptyCache)()
 
 
 def _header(cpu: bool) -> dict[str, Any]:
@@ -373,7 +461,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--cpu", action="store_true", help="tiny configurations on the CPU (the kit's own test)")
-    parser.add_argument("--stage", default="a,b,c,d", help="comma-separated stages to run (a,b,c,d)")
+    parser.add_argument("--stage", default="env,a,b,c,d", help="comma-separated stages to run (env,a,b,c,d)")
+    parser.add_argument("--first-lease", action="store_true",
+                        help="only the decisive rows, in order (benchmarks/gpu/first_lease.py); call again to go on")
+    parser.add_argument("--started-at", type=float, help="epoch seconds the call began (run.sh passes its start)")
     parser.add_argument("--budgets", default="8,12,16,24", help="stage b: GPU sizes in GB")
     parser.add_argument("--time-limit", type=float, default=540,
                         help="seconds; no configuration starts that would end after this (the device allows 600)")
@@ -386,9 +477,14 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="finetune-gpu-suite-"))
     try:
-        suite = Suite(args.out, args.cpu, args.time_limit, work)
-        for stage in args.stage.split(","):
-            {"a": suite.stage_a, "b": lambda: suite.stage_b(budgets), "c": suite.stage_c, "d": suite.stage_d}[stage]()
+        suite = Suite(args.out, args.cpu, args.time_limit, work, args.started_at)
+        if args.first_lease:
+            from benchmarks.gpu.first_lease import run_first_lease
+
+            run_first_lease(suite, budgets=list(CPU_BUDGETS) if args.cpu else [8])
+        for stage in [] if args.first_lease else args.stage.split(","):
+            {"env": suite.stage_env, "a": suite.stage_a, "b": lambda: suite.stage_b(budgets), "c": suite.stage_c,
+             "d": suite.stage_d}[stage]()
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"results: {args.out / 'results.md'}")

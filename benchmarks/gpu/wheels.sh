@@ -4,8 +4,10 @@
 #
 #   benchmarks/gpu/wheels.sh [--unsloth] [DIR]        (DIR defaults to .whl, ignored by git)
 #
-# The target machine already has torch 2.11 (CUDA 13), accelerate, safetensors, tokenizers, huggingface_hub,
-# numpy, pandas, pyarrow, psutil, matplotlib, pyyaml, rich, xxhash, fsspec: those are NOT fetched.
+# The target machine (Python 3.12) already has what image_packages.txt lists (torch 2.11 with CUDA 13,
+# accelerate, safetensors, tokenizers, huggingface_hub, numpy, pandas, pyarrow, psutil, matplotlib, pyyaml, rich,
+# xxhash, fsspec, ...): those are NOT fetched. tests/test_gpu_kit.py checks that every need of the project and
+# of these wheels is met by one or the other, and that these pins are the versions the project is tested with.
 # transformers and peft are, although the machine has them: its transformers 5.17 lacks the
 # activation_checkpointing API this project uses (TrainingArguments.activation_checkpointing and
 # PreTrainedModel.activation_checkpointing_enable arrived after 5.17), so the versions this project is tested
@@ -21,9 +23,9 @@ mkdir -p "$DIR"
 
 PACKAGES=(
   bitsandbytes==0.50.2   # trimmed below
-  transformers==5.23.0 peft==0.21.2
+  transformers==5.24.0 peft==0.21.2
   trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
-  pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5
+  pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
   apollo-torch==1.0.3 galore-torch==1.0 gguf==0.19.0
 )
 if [[ $UNSLOTH == 1 ]]; then PACKAGES+=(unsloth==2026.10.9 unsloth_zoo==2026.10.9); fi

@@ -27,6 +27,7 @@ GaLore and never touches the weights).
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -62,7 +63,11 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._fresh = False  # a backward hook ran since the last step()
         self._norm: float | None = None  # the last completed step's norm
         self._prev_norm: float | None = None  # immediate mode: the norm used to clip the current step
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.inner]
+        # The hooks live on the parameters, and autograd does not show Python's garbage collector what a
+        # tensor's hooks hold: a hook bound to this optimizer (which holds the parameters) would make a cycle
+        # the collector cannot see, keeping the model, the Trainer and their memory alive after the run.
+        # The hooks hold the optimizer weakly; once it is gone they do nothing.
+        self._handles = [p.register_post_accumulate_grad_hook(_weak_hook(self)) for p in self.inner]
 
     def _compressed(self, p: torch.Tensor) -> bool:
         opt = self.inner[p]
@@ -148,6 +153,17 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             opt.load_state_dict(sd)
         self._prev_norm = state_dict["prev_norm"]
         self._norm = self._prev_norm
+
+
+def _weak_hook(optimizer: LayerwiseOptimizer) -> Callable[[torch.Tensor], None]:
+    ref = weakref.ref(optimizer)
+
+    def hook(p: torch.Tensor) -> None:
+        owner = ref()
+        if owner is not None:
+            owner._hook(p)
+
+    return hook
 
 
 def layerwise_of(optimizer: object) -> LayerwiseOptimizer | None:
