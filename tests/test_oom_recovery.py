@@ -447,21 +447,23 @@ def _capped_cuda(cap: int) -> types.SimpleNamespace:
 
 
 def test_usable_gpu_memory_respects_a_per_process_cap(monkeypatch):
-    from finetune.train import oom_ladder
+    from finetune.memory import device_memory
+    from finetune.plan import search
 
-    monkeypatch.setattr(oom_ladder, "torch", types.SimpleNamespace(cuda=_capped_cuda(8 << 30)))
-    assert oom_ladder.measured_gpu_memory() == 8 << 30  # not the 61 GiB free + reserved
-    monkeypatch.setattr(oom_ladder, "torch", types.SimpleNamespace(cuda=_capped_cuda(80 << 30)))
-    assert oom_ladder.measured_gpu_memory() == 61 << 30  # no cap: free plus what the allocator holds
+    monkeypatch.setattr(device_memory, "torch", types.SimpleNamespace(cuda=_capped_cuda(8 << 30)))
+    assert device_memory.usable_gpu_memory() == 8 << 30  # not the 61 GiB free + reserved
+    assert search._free_memory("cuda") == 8 << 30  # gpu_memory: auto budgets the same cap
+    monkeypatch.setattr(device_memory, "torch", types.SimpleNamespace(cuda=_capped_cuda(80 << 30)))
+    assert device_memory.usable_gpu_memory() == 61 << 30  # no cap: free plus what the allocator holds
 
 
 def test_recovery_under_a_per_process_cap_plans_within_the_cap(tmp_path, tiny_model_dir, monkeypatch, capsys):
     """A cap below what every cheaper plan needs: recovery gives up (as the capped GPU would) instead of
     re-planning with the whole GPU's free memory and retrying a plan that cannot fit under the cap."""
-    from finetune.train import oom_ladder
+    from finetune.memory import device_memory
 
     cap = 768 << 20  # the tiny model's leanest plan needs more (on CPU the planner predicts ~0.5 GiB + margin)
-    monkeypatch.setattr(oom_ladder, "torch", types.SimpleNamespace(cuda=_capped_cuda(cap)))
+    monkeypatch.setattr(device_memory, "torch", types.SimpleNamespace(cuda=_capped_cuda(cap)))
     recipe = _recipe(tmp_path, tiny_model_dir, "capped", training={"micro_batch_size": 1, "gradient_accumulation_steps": 2})
     path = tmp_path / "capped.yaml"
     path.write_text(yaml.safe_dump(recipe))

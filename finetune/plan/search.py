@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from finetune.errors import FinetuneError, RecipeError
 from finetune.memory.bandwidth import transfer_bandwidth
+from finetune.memory.device_memory import usable_gpu_memory
 from finetune.memory.offload import offload_dir_for
 from finetune.memory.preference import PreferenceLoss, loads_reference_adapter, reference_is_current
 from finetune.plan.cost_model import tokens_per_second
@@ -83,8 +84,7 @@ class Plan:
 
 def _free_memory(device: str) -> int:
     if device == "cuda":
-        free, _total = torch.cuda.mem_get_info()
-        return free
+        return usable_gpu_memory() or 0
     import psutil
 
     return psutil.virtual_memory().available

@@ -47,6 +47,7 @@ import torch
 
 from finetune.console import console
 from finetune.errors import FinetuneError
+from finetune.memory.device_memory import usable_gpu_memory
 from finetune.memory.layer_recompute import apply_layer_recompute
 from finetune.memory.offload import activation_offload, decoder_layers, preflight_offload
 from finetune.memory.offload_disk import OffloadDirError
@@ -60,7 +61,7 @@ from finetune.recipe.settings import table as settings_table
 from finetune.rundir import RunDir, atomic_write_json, atomic_write_text
 from finetune.train.callbacks import MetricsCallback
 from finetune.train.checkpoints import numbered
-from finetune.train.oom_ladder import Cheaper, cheaper, measured_gpu_memory, settings_of
+from finetune.train.oom_ladder import Cheaper, cheaper, settings_of
 from finetune.train.plan_files import save_plan
 from finetune.train.trainer import FinetuneTrainer
 from finetune.units import format_bytes
@@ -254,7 +255,7 @@ class RecoveringTrainer(FinetuneTrainer):
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        budget = measured_gpu_memory()
+        budget = usable_gpu_memory()
         recipe, splits = self.recipe, self.splits
         while True:  # the leanest rung's budget, by the planner
             choice = cheaper(recipe, self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps,
@@ -278,7 +279,7 @@ class RecoveringTrainer(FinetuneTrainer):
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        budget = measured_gpu_memory()
+        budget = usable_gpu_memory()
         choice = self._next_plan(model, budget)
         if choice.recipe is None:
             self._give_up(model, step, failure, choice.min_budget_bytes, budget)
