@@ -46,9 +46,13 @@ def preview_data(recipe: Recipe, n: int = 3) -> tuple[list[dict], list[str]]:
 
 
 def plan(recipe: Recipe, *, gpu_memory: str | int | None = None, device: str | None = None) -> Plan:
-    """Predict peak memory per component (no weights loaded) and resolve `auto` settings to the fastest fit."""
+    """Predict peak memory per component (no weights loaded) and resolve `auto` settings to the fastest fit.
+    A budget in the recipe (memory.gpu_memory: 8GiB) names a GPU as --gpu-memory does: without `device` the
+    plan is for that GPU, not for this machine's CPU (a run plans for the device it trains on)."""
     from finetune.plan import predict
 
+    if device is None and gpu_memory is None and recipe.memory.gpu_memory != "auto":
+        device = "cuda"
     return predict(recipe, gpu_memory=gpu_memory, device=device)
 
 
@@ -283,13 +287,13 @@ def run_advice(run_dir: str | Path) -> tuple[list[str], str]:
     measured noise scale) as `--set` overrides, and why. FinetuneError when the run has no advice."""
     import json
 
-    from finetune.errors import FinetuneError
+    from finetune.errors import UsageError
 
     results = RunDir(Path(run_dir)).read_results()
     advice = (results or {}).get("advice")
     if not advice or "settings" not in advice:
         why = advice["reason"] if advice else "it has no results.json with advice (not finished, or an older version)"
-        raise FinetuneError(f"--advice {run_dir}: no batch advice: {why}",
+        raise UsageError(f"--advice {run_dir}: no batch advice: {why}",
                             hint="give a finished run directory of this version, or plan without --advice")
     return [f"{k}={json.dumps(v)}" for k, v in advice["settings"].items()], advice["reason"]
 
