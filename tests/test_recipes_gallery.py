@@ -47,7 +47,8 @@ def test_the_gallery_lists_every_recipe_with_a_title():
 @pytest.mark.parametrize("entry", GALLERY, ids=[r["name"] for r in GALLERY])
 def test_every_recipe_validates_and_plans_to_fit_its_gpu(entry):
     recipe = _offline(api.load_recipe(entry["path"]))
-    assert Path(ROOT / recipe.data.path).is_file()  # runnable as shipped (from the repository root)
+    data = (ROOT / recipe.data.path).resolve()
+    assert data.is_file() and data.is_relative_to(ROOT)  # runnable as shipped, from the repository alone
     gib = _gpu_gib(entry["title"])
     if gib is None:  # the quickstarts run anywhere: plan them for a 24 GB card
         plan = api.plan(recipe, gpu_memory="24GiB", device="cuda")
