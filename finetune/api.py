@@ -56,6 +56,22 @@ def plan(recipe: Recipe, *, gpu_memory: str | int | None = None, device: str | N
     return predict(recipe, gpu_memory=gpu_memory, device=device)
 
 
+def this_machine() -> dict[str, Any]:
+    """The device a run started here trains on: `device` (cuda, else cpu), a `name` for people and its
+    `memory_bytes` (the GPU's total, else the RAM's), so a page can offer "plan for this machine"
+    (`plan(recipe, device=...)`) beside the common cards."""
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return {"device": "cuda", "name": props.name, "memory_bytes": props.total_memory}
+    import os
+
+    import psutil
+
+    return {"device": "cpu", "name": f"CPU, {os.cpu_count()} cores", "memory_bytes": psutil.virtual_memory().total}
+
+
 GPU_SIZES_GB = (8, 12, 16, 24, 48, 80)  # the cards a newcomer is likely to have or rent
 CONTEXT_LADDER = tuple(256 << 2 * i for i in range(7))  # 256 .. 1M tokens (the schema's max_seq_len limit)
 # Above these the roofline estimate is not believable: per-step overheads it leaves out dominate small models.
