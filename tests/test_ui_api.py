@@ -126,6 +126,8 @@ def test_upload_of_a_dataset_previews_loss_tokens(work):
     _, values = _load(client, write_recipe(workdir / "p.yaml", tiny_recipe(model, data, workdir / "x")))
     msg, path, ex1, _, _ = client.predict(gradio_client.handle_file(str(data)), *values, api_name="/upload_data")
     assert "Detected format: **messages**" in msg
+    assert list(ex1["color_map"]) == ["loss"]  # SFT data: no chosen/rejected/good/bad in the legend
+    ex1 = ex1["value"]
     assert Path(path).parent == (workdir / "runs" / "uploads").resolve()
     loss_text = "".join(tok["token"] for tok in ex1 if tok["class_or_confidence"] == "loss")
     other_text = "".join(tok["token"] for tok in ex1 if tok["class_or_confidence"] != "loss")
