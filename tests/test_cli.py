@@ -112,3 +112,12 @@ def test_a_single_gpu_plan_names_no_distributed_strategy(tiny_recipe, capsys):
     assert all("strategy" not in s and "micro_batch_size" in s for s in every)
     assert main(["plan", str(tiny_recipe), "--gpu-memory", "1GiB"]) == 0
     assert "strategy" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [(["--port", "99999"], "expected a port from 1 to 65535"),
+                                           (["--port", "http"], "expected a port"),
+                                           (["--allow-dir", "/no/such/folder"], "is not a folder")])
+def test_bad_ui_arguments_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["ui", *argv])
+    assert exited.value.code == 2 and message in capsys.readouterr().err
