@@ -29,17 +29,19 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _gpu_memory(text: str) -> int | str:
-    """--gpu-memory: a size with its unit, or auto. A bare number would be bytes, never what was meant."""
+def _gpu_memory(text: str) -> str:
+    """--gpu-memory: a size with its unit, or auto, checked here (the planner reads it as written). A bare
+    number would be bytes, never what was meant."""
     from finetune.units import parse_bytes
 
     units = "give a size with its unit, e.g. 12GiB, 24GB or 512MiB (GiB/MiB: powers of 2; GB/MB: of 10), or auto"
     if text.strip().replace(".", "", 1).isdigit():
         raise argparse.ArgumentTypeError(f"{text!r} has no unit; {units}")
     try:
-        return parse_bytes(text)
+        parse_bytes(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{text!r}: {exc}; {units}") from None
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
