@@ -46,10 +46,30 @@ def preview_data(recipe: Recipe, n: int = 3) -> tuple[list[dict], list[str]]:
 
 
 def plan(recipe: Recipe, *, gpu_memory: str | int | None = None, device: str | None = None) -> Plan:
-    """Predict peak memory per component (no weights loaded) and resolve `auto` settings to the fastest fit."""
+    """Predict peak memory per component (no weights loaded) and resolve `auto` settings to the fastest fit.
+    A budget in the recipe (memory.gpu_memory: 8GiB) names a GPU as --gpu-memory does: without `device` the
+    plan is for that GPU, not for this machine's CPU (a run plans for the device it trains on)."""
     from finetune.plan import predict
 
+    if device is None and gpu_memory is None and recipe.memory.gpu_memory != "auto":
+        device = "cuda"
     return predict(recipe, gpu_memory=gpu_memory, device=device)
+
+
+def this_machine() -> dict[str, Any]:
+    """The device a run started here trains on: `device` (cuda, else cpu), a `name` for people and its
+    `memory_bytes` (the GPU's total, else the RAM's), so a page can offer "plan for this machine"
+    (`plan(recipe, device=...)`) beside the common cards."""
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return {"device": "cuda", "name": props.name, "memory_bytes": props.total_memory}
+    import os
+
+    import psutil
+
+    return {"device": "cpu", "name": f"CPU, {os.cpu_count()} cores", "memory_bytes": psutil.virtual_memory().total}
 
 
 GPU_SIZES_GB = (8, 12, 16, 24, 48, 80)  # the cards a newcomer is likely to have or rent
@@ -283,13 +303,13 @@ def run_advice(run_dir: str | Path) -> tuple[list[str], str]:
     measured noise scale) as `--set` overrides, and why. FinetuneError when the run has no advice."""
     import json
 
-    from finetune.errors import FinetuneError
+    from finetune.errors import UsageError
 
     results = RunDir(Path(run_dir)).read_results()
     advice = (results or {}).get("advice")
     if not advice or "settings" not in advice:
         why = advice["reason"] if advice else "it has no results.json with advice (not finished, or an older version)"
-        raise FinetuneError(f"--advice {run_dir}: no batch advice: {why}",
+        raise UsageError(f"--advice {run_dir}: no batch advice: {why}",
                             hint="give a finished run directory of this version, or plan without --advice")
     return [f"{k}={json.dumps(v)}" for k, v in advice["settings"].items()], advice["reason"]
 

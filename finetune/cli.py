@@ -7,8 +7,9 @@ import sys
 
 from rich.markup import escape
 
+from finetune import __version__
 from finetune.console import console
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, UsageError
 
 SET_HELP = "override a recipe key, e.g. --set training.max_steps=10 (repeatable; `finetune keys` lists keys)"
 
@@ -28,8 +29,24 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _gpu_memory(text: str) -> str:
+    """--gpu-memory: a size with its unit, or auto, checked here (the planner reads it as written). A bare
+    number would be bytes, never what was meant."""
+    from finetune.units import parse_bytes
+
+    units = "give a size with its unit, e.g. 12GiB, 24GB or 512MiB (GiB/MiB: powers of 2; GB/MB: of 10), or auto"
+    if text.strip().replace(".", "", 1).isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} has no unit; {units}")
+    try:
+        parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}; {units}") from None
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="finetune", description="Fine-tune open LLMs on one GPU, memory planned first.")
+    parser.add_argument("--version", action="version", version=f"finetune {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("run", help="fine-tune as a recipe says")
@@ -50,9 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="predict peak memory per component and pick the fastest settings that fit")
     _add_recipe_args(p)
-    p.add_argument("--gpu-memory", help="budget such as 12GiB, or auto (free memory of this GPU); default: recipe")
+    p.add_argument("--gpu-memory", type=_gpu_memory, metavar="SIZE", help="budget such as 12GiB, 24GB or 512MiB, "
+                   "or auto (free memory of this GPU); default: the recipe's memory.gpu_memory")
     p.add_argument("--device", choices=["cuda", "cpu"], help="plan for this device (default: cuda if present or "
-                   "a GPU size is given, else cpu)")
+                   "a GPU size is given here or in memory.gpu_memory, else cpu)")
     p.add_argument("--gpus", type=_positive_int, metavar="N", help="plan per device for N GPUs "
                    "(distributed.gpus; default: the recipe's)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -62,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("measure", help="run N real training steps and report the measured peak and breakdown")
     _add_recipe_args(p)
-    p.add_argument("--steps", type=int, default=2, help="training steps to run")
+    p.add_argument("--steps", type=_positive_int, default=2, metavar="N", help="training steps to run")
     p.add_argument("--json", action="store_true", help="print the measurement as JSON")
     p.set_defaults(func=cmd_measure)
 
@@ -77,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="answer a prompt with a trained run (base + adapter)")
     p.add_argument("run_dir", help="a run directory (output.dir of a finished run)")
     p.add_argument("--prompt", required=True, help="user message; the chat template is applied")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="length limit of the answer")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N",
+                   help="length limit of the answer")
     p.add_argument("--no-adapter", action="store_true", help="answer with the base model alone")
     p.add_argument("--compare", nargs="*", metavar="OTHER_RUN", default=None,
                    help="print the base model's answer next to the fine-tuned one; with other run directories, "
@@ -165,17 +184,15 @@ def cmd_measure(args) -> int:
 
 
 def cmd_keys(args) -> int:
-    from rich.table import Table
+    """The reference on stdout (it is the command's output): plain text, one line per key, or Markdown."""
+    from finetune.recipe.docs import reference_markdown, reference_text
+    from finetune.recipe.load import iter_fields
 
-    from finetune.recipe.docs import reference_markdown, reference_rows
-
-    if args.markdown:
-        sys.stdout.write(reference_markdown())
-        return 0
-    table = Table("key", "type", "default", "description", show_lines=False)
-    for row in reference_rows(args.section):
-        table.add_row(*row)
-    console.print(table)
+    if args.section:
+        sections = [key for key, _, is_section in iter_fields() if is_section]
+        if args.section not in sections:
+            raise UsageError(f"finetune keys: no section {args.section!r}", hint=f"sections: {', '.join(sections)}")
+    sys.stdout.write(reference_markdown() if args.markdown else reference_text(args.section))
     return 0
 
 

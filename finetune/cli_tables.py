@@ -57,7 +57,7 @@ def render_plan(plan: Plan, console: Console | None = None) -> None:
         console.print(f"Plan per device for {plan.world_size} x {plan.device}: {status} on each, "
                       f"{plan.tokens_per_s:,.0f} tokens/s predicted for all {plan.world_size}")
         console.print("  " + strategy_line(plan))
-    console.print("  " + _short(plan.settings))
+    console.print("  " + _short(plan.settings), soft_wrap=True)  # one line, also when piped (80 columns)
     console.print(breakdown_table("predicted peak", plan.breakdown, plan.peak_bytes, plan.budget_bytes))
     if plan.reference_pass_bytes:
         console.print(f"  reference pass before training (training.precompute_reference): peak "

@@ -24,10 +24,15 @@ class FinetuneError(Exception):
         return "\n".join(lines)
 
 
-class RecipeError(FinetuneError):
-    """The recipe does not validate; exit code 2 as for any usage error."""
+class UsageError(FinetuneError):
+    """A command-line argument (or the UI field behind one) that is wrong: a size without a unit, a folder that
+    is not a finished run. Exit code 2, as argparse gives for the arguments it checks itself."""
 
     exit_code = 2
+
+
+class RecipeError(UsageError):
+    """The recipe does not validate; exit code 2 as for any usage error."""
 
 
 class DataError(FinetuneError):

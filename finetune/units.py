@@ -56,6 +56,15 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def size_text(n: int) -> str:
+    """A byte count as a recipe would spell it, in the largest unit it is a whole number of (512 MiB, 20 GB),
+    else format_bytes; parse_bytes reads it back."""
+    for name in ("TiB", "TB", "GiB", "GB", "MiB", "MB", "KiB", "KB"):
+        if n and n % _UNITS[name.lower()] == 0:
+            return f"{n // _UNITS[name.lower()]} {name}"
+    return format_bytes(n)
+
+
 class DType(NamedTuple):
     torch_name: str  # attribute of the torch module
     bytes: int  # per element

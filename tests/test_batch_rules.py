@@ -239,7 +239,7 @@ def test_finetune_plan_takes_the_advice_of_a_finished_run(tiny_model_dir, tmp_pa
     out = capsys.readouterr().out
     assert "advice from" in out and "--set training.effective_batch_size=16" in out
     assert "mb=4 ga=4" in out  # 16 sequences at the recipe's micro-batch
-    assert main(["plan", str(path), "--device", "cpu", "--advice", str(tmp_path)]) == 1  # no results.json there
+    assert main(["plan", str(path), "--device", "cpu", "--advice", str(tmp_path)]) == 2  # no results.json there
     assert "no batch advice" in capsys.readouterr().err
 
 

@@ -62,15 +62,16 @@ def test_impossible_budget_reports_smallest_budget(tiny_dir, tmp_path):
     assert '"fits": false' in plan.to_json()
 
 
-@pytest.mark.parametrize("gpu_memory", ["0", "1MiB"])
+@pytest.mark.parametrize("gpu_memory", ["0GiB", "1MiB"])
 def test_a_budget_eaten_by_the_margin_is_a_clear_error(tiny_dir, capsys, gpu_memory):
-    """--gpu-memory 0 (or less than memory.gpu_memory_margin) used to plan against a negative budget."""
+    """--gpu-memory 0GiB (or less than memory.gpu_memory_margin) used to plan against a negative budget; a bad
+    argument: exit 2."""
     from finetune.cli import main
     from finetune.recipe.load import recipe_to_yaml
 
     recipe = tiny_dir.parent / "margin.yaml"
     recipe.write_text(recipe_to_yaml(_recipe(tiny_dir)))
-    assert main(["plan", str(recipe), "--gpu-memory", gpu_memory, "--set", "memory.gpu_memory_margin=2MiB"]) == 1
+    assert main(["plan", str(recipe), "--gpu-memory", gpu_memory, "--set", "memory.gpu_memory_margin=2MiB"]) == 2
     err = capsys.readouterr().err
     assert "leaves no budget after memory.gpu_memory_margin" in err and "Traceback" not in err
 

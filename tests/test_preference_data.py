@@ -151,3 +151,17 @@ def test_ui_preview_colours_chosen_and_rejected_loss_tokens(tmp_path, tiny_token
     assert [c for _, c in shown].index(REJECTED) > [t for t, _ in shown].index("\n\n── rejected ──\n\n")
     good, = preview(DataConfig(path=str(_jsonl(tmp_path, KTO[:1], "k.jsonl"))), tiny_tokenizer, n=1)
     assert "".join(t for t, c in highlighted(good) if c == GOOD).startswith("4")
+
+
+def test_ui_preview_legend_names_only_the_categories_of_the_data(tmp_path, tiny_tokenizer):
+    """SFT data used to show the chosen/rejected/good/bad legend of preference data beside its loss tokens."""
+    from ui.tabs.data import BAD, CHOSEN, GOOD, REJECTED, example_update
+
+    sft = {"messages": [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "An apple."}]}
+    cases = {"sft.jsonl": ([sft], {"loss"}), "pair.jsonl": ([STRING_PAIR], {CHOSEN, REJECTED}),
+             "kto.jsonl": (KTO, {GOOD, BAD})}
+    for name, (records, legend) in cases.items():
+        examples = preview(DataConfig(path=str(_jsonl(tmp_path, records, name))), tiny_tokenizer, n=len(records))
+        shown = set().union(*(example_update(ex)["color_map"] for ex in examples))
+        assert shown == legend, name
+    assert example_update(None)["color_map"] == {} and example_update(None)["value"] == []

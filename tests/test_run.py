@@ -180,7 +180,7 @@ def test_cli_run_directory_generate_and_export(tmp_path, tiny_model_dir):
         (tmp_path / sibling).mkdir()
         (tmp_path / sibling / "keep.txt").write_text("keep")
     assert main(["export", str(run_dir), "--out", str(tmp_path / "merged")]) == 0  # an earlier export: replaced
-    assert main(["export", str(run_dir), "--out", str(user)]) == 1
+    assert main(["export", str(run_dir), "--out", str(user)]) == 2
     assert (user / "notes.txt").read_text() == "mine" and sorted(p.name for p in user.iterdir()) == ["notes.txt"]
     assert all((tmp_path / s / "keep.txt").read_text() == "keep" for s in ("merged.tmp", "merged.old"))
     assert not list(tmp_path.glob(".merged.*"))  # no temporary folder left behind

@@ -47,6 +47,22 @@ def test_load_recipe_fills_the_form_and_plans(work):
         assert "memory planner is not available" in plan_msg
 
 
+def test_two_sessions_download_their_own_recipe(work):
+    """Two page sessions save their forms through the page's handler (which takes the session from Gradio's
+    request): each gets a file with its own recipe. That the files live apart per session, which one shared
+    file did not, is tests/test_ui_lists.py's."""
+    workdir, data, client, model = work
+    # Without downloading: the answers name the files on the server, read after both saves.
+    me, other = (gradio_client.Client(client.src, verbose=False, download_files=False) for _ in range(2))
+    _, values = _load(client, write_recipe(workdir / "mine.yaml", tiny_recipe(model, data, workdir / "runs" / "a")))
+    _, others = _load(client, write_recipe(workdir / "theirs.yaml", tiny_recipe(model, data, workdir / "runs" / "b")))
+    _, mine = me.predict(*values, api_name="/save_recipe")
+    _, theirs = other.predict(*others, api_name="/save_recipe")
+    mine, theirs = Path(mine["path"]), Path(theirs["path"])
+    assert mine != theirs
+    assert "runs/a" in mine.read_text() and "runs/b" in theirs.read_text()
+
+
 def test_gallery_recipe_goal_and_what_fits_per_gpu_size(work):
     from finetune.api import recipe_gallery
     from ui.backend import default_recipes_dir
@@ -110,6 +126,8 @@ def test_upload_of_a_dataset_previews_loss_tokens(work):
     _, values = _load(client, write_recipe(workdir / "p.yaml", tiny_recipe(model, data, workdir / "x")))
     msg, path, ex1, _, _ = client.predict(gradio_client.handle_file(str(data)), *values, api_name="/upload_data")
     assert "Detected format: **messages**" in msg
+    assert list(ex1["color_map"]) == ["loss"]  # SFT data: no chosen/rejected/good/bad in the legend
+    ex1 = ex1["value"]
     assert Path(path).parent == (workdir / "runs" / "uploads").resolve()
     loss_text = "".join(tok["token"] for tok in ex1 if tok["class_or_confidence"] == "loss")
     other_text = "".join(tok["token"] for tok in ex1 if tok["class_or_confidence"] != "loss")

@@ -141,7 +141,7 @@ def test_a_form_starting_from_an_adapter_takes_its_shape_unless_the_user_set_one
     queued = []  # Start writes the recipe a `finetune run` process reads; so does the download button
     monkeypatch.setattr(backend.manager, "submit", lambda recipe, run_dir: queued.append(recipe))
     backend.start(values)
-    for text in (queued[0].read_text(), backend.recipe_file(values)[1]):
+    for text in (queued[0].read_text(), backend.recipe_text(values)):
         assert resolve_init_from(load_recipe_text(text)).adapter.r == 8
 
     changed = set_value(values, "adapter.r", 4)  # the user's own value is the user's: refused, naming the key

@@ -133,3 +133,45 @@ def test_plan_text_gives_the_speed_as_an_estimate_with_its_basis():
     plan = {**PLAN, "device": "cuda", "tokens_per_s": 3.0e8}
     text = views.plan_markdown({**plan, "speed": speed_estimate(plan)})
     assert "over 100,000 tokens/s" in text and "RTX 4090" in text and "300,000,000" not in text
+
+
+def _shown_labels(fig, ax) -> list[str]:
+    """The y tick labels drawn inside the axis range, major and minor."""
+    fig.canvas.draw()
+    low, high = ax.get_ylim()
+    ticks = [*zip(ax.get_yticks(), ax.get_yticklabels(), strict=True),
+             *zip(ax.get_yticks(minor=True), ax.get_yticklabels(minor=True), strict=True)]
+    return [label.get_text() for value, label in ticks if low <= value <= high and label.get_text()]
+
+
+@pytest.mark.parametrize("low, high", [(52_000, 56_000), (210_000, 240_000), (52_000, 52_600), (1100, 1340)])
+def test_noise_scale_axis_labels_are_distinct(low, high):
+    """A noise scale within one decade above 10,000 used to label every tick 5e+04."""
+    rows = [{"step": s, "loss": 2.0, "gns": low + (high - low) * s / 40} for s in range(1, 41)]
+    report = {"noise_series": [(r["step"], r["gns"]) for r in rows], "tokens_per_sequence": 0, "gpus": 1,
+              "changes": [], "sequences": 8, "advice": {}}
+    for fig in (charts.loss_figure({"run": rows}), charts.noise_figure(report)):
+        labels = _shown_labels(fig, fig.axes[-1])
+        assert len(labels) >= 2 and len(set(labels)) == len(labels), labels
+        assert not any("e+" in label for label in labels), labels
+
+
+def test_tokens_per_second_stay_inside_the_chart():
+    rows = [{"step": s, "tokens_per_second": 436.0 if s == 1 else 300.0, "peak_memory_bytes": GIB} for s in range(1, 7)]
+    speed = charts.timeline_figure(rows, 2 * GIB).axes[0]
+    low, high = speed.get_ylim()
+    assert low == 0 and high > 436 * 1.05  # the fastest point is not drawn on (under) the frame
+
+
+def test_titles_stay_below_the_panel_label_band():
+    """gr.Plot lays its label over the figure's top-left corner: no axes or title may reach into that band."""
+    rows = [{"step": s, "loss": 1.0, "tokens_per_second": 10.0, "peak_memory_bytes": GIB} for s in (1, 2)]
+    for fig in (charts.memory_figure(views.plan_bars(PLAN), PLAN["budget_bytes"], title="peak memory (budget 8 GiB)"),
+                charts.loss_figure({"run": rows}), charts.timeline_figure(rows, GIB)):
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        renderer = FigureCanvasAgg(fig).get_renderer()
+        fig.draw(renderer)
+        band_bottom = fig.bbox.height - charts.LABEL_BAND * fig.dpi
+        for ax in fig.axes:
+            assert ax.get_tightbbox(renderer).y1 <= band_bottom + 1, ax.get_title()

@@ -95,13 +95,27 @@ def launch(host: str = "127.0.0.1", port: int = 7860, auth: tuple[str, str] | No
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="finetune ui", description="Web UI: recipe form, memory plan, training, chat.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on; anything but loopback needs --auth")
-    p.add_argument("--port", type=int, default=7860, help="port (default 7860)")
+    p.add_argument("--port", type=_port, default=7860, help="port (default 7860)")
     p.add_argument("--auth", default=os.environ.get(AUTH_ENV), metavar="USER:PASSWORD",
                    help=f"require this login (default: ${AUTH_ENV})")
-    p.add_argument("--allow-dir", dest="allow_dirs", action="append", default=None, metavar="FOLDER",
+    p.add_argument("--allow-dir", dest="allow_dirs", action="append", default=None, metavar="FOLDER", type=_folder,
                    help="folder whose files the UI may use (repeatable; default: the working directory)")
     p.add_argument("--runs-dir", default="runs", help="folder of run directories and the run queue (default runs)")
     return p
+
+
+def _port(text: str) -> int:
+    """--port: a TCP port, 1 to 65535 (argparse turns the refusal into exit code 2)."""
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port from 1 to 65535, not {text!r}")
+    return int(text)
+
+
+def _folder(text: str) -> str:
+    """--allow-dir: a folder that exists (a typo would silently allow nothing)."""
+    if not Path(text).expanduser().is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a folder")
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ in the chat worker process (ui.chat_worker).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import subprocess
@@ -15,6 +16,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ from ui.runs import RunManager
 
 CARDS = {"8 GB card (RTX 4060)": 8, "12 GB card (RTX 3060)": 12, "16 GB card (RTX 4080)": 16,
          "24 GB card (RTX 4090)": 24, "48 GB card (RTX 6000 Ada)": 48, "80 GB card (H100)": 80}
+THIS_MACHINE = "this machine"  # the GPU choice that plans for the device a run here trains on
 CACHED = 16  # GPU-size sweeps and seen-length plans kept per UI process
 
 
@@ -134,12 +137,21 @@ class Backend:
         keys = [s.key for s in self.specs]
         return {keys.index(k): form.to_widget(self.specs[keys.index(k)], v) for k, v in goal_values(goal).items()}
 
-    def recipe_file(self, values: list[Any]) -> tuple[Path, str]:
-        """Write the form as a recipe YAML to download; returns (path, text)."""
-        text = recipe_to_yaml(self.recipe(values))
-        path = self._downloads / RECIPE
-        path.write_text(text)
-        return path, text
+    def recipe_text(self, values: list[Any]) -> str:
+        """The form as recipe YAML, as `finetune run` reads it."""
+        return recipe_to_yaml(self.recipe(values))
+
+    def recipe_file(self, values: list[Any], session: str | None) -> Path:
+        """Write the form as a recipe YAML to download into the page session's own folder, so no session is
+        handed another's recipe (without a session: a fresh folder)."""
+        if session:
+            folder = self._downloads / hashlib.sha256(session.encode()).hexdigest()[:24]
+            folder.mkdir(exist_ok=True)
+        else:
+            folder = Path(tempfile.mkdtemp(dir=self._downloads))
+        path = folder / RECIPE
+        path.write_text(self.recipe_text(values), encoding="utf-8")
+        return path
 
     def checked_recipe(self, values: list[Any]) -> Recipe:
         """The form's recipe, refused if any of its paths leads outside the allowed folders."""
@@ -148,34 +160,38 @@ class Backend:
         return recipe
 
     # -- memory --------------------------------------------------------------------------------------
-    def gpu_choices(self) -> list[str]:
-        """The detected GPU first (when CUDA works), then common cards."""
-        detected = []
+    @cached_property
+    def machine(self) -> dict[str, Any] | None:
+        """This machine's device (finetune.api.this_machine); None when it cannot be read."""
         try:
-            import torch
-
-            if torch.cuda.is_available():
-                props = torch.cuda.get_device_properties(0)
-                detected = [f"detected: {props.name} ({props.total_memory / 2**30:.0f} GiB)"]
+            return api.this_machine()
         except Exception:  # noqa: BLE001 - a broken CUDA install must not stop the UI
-            detected = []
-        return detected + list(CARDS)
+            return None
 
-    @staticmethod
-    def gpu_gb(gpu: str) -> int | None:
-        """The memory size (GiB) of a GPU choice: a common card, or the detected GPU's."""
+    def gpu_choices(self) -> list[str]:
+        """"This machine" first (its GPU, or its CPU where there is none: a run here trains there), then
+        common cards."""
+        here = self.machine
+        mine = [f"{THIS_MACHINE}: {here['name']} ({here['memory_bytes'] / 2**30:.0f} GiB)"] if here else []
+        return mine + list(CARDS)
+
+    def gpu_gb(self, gpu: str) -> int | None:
+        """The memory size (GiB) of a GPU choice: a common card, or this machine's GPU (None for a CPU)."""
         if gpu in CARDS:
             return CARDS[gpu]
         found = re.search(r"\((\d+) GiB\)$", gpu or "")
-        return int(found.group(1)) if found else None
+        return int(found.group(1)) if found and self.machine and self.machine["device"] == "cuda" else None
 
     def plan(self, values: list[Any], gpu: str) -> dict[str, Any]:
         """The planner's JSON for the form's recipe on the chosen GPU (a card's size when memory is auto), with
         `speed` (in the plan and each option): the estimate as a person should read it (api.speed_estimate)."""
         recipe = self.checked_recipe(values)
-        # A budget written in the recipe wins; a card's size also tells the planner to plan for a GPU.
-        card = CARDS[gpu] * 2**30 if gpu in CARDS and recipe.memory.gpu_memory == "auto" else None
-        plan = json.loads(api.plan(recipe, gpu_memory=card).to_json())
+        if (gpu or "").startswith(THIS_MACHINE) and self.machine:  # its device, with the recipe's budget
+            planned = api.plan(recipe, device=self.machine["device"])
+        else:  # a budget written in the recipe wins; a card's size also tells the planner to plan for a GPU
+            card = CARDS[gpu] * 2**30 if gpu in CARDS and recipe.memory.gpu_memory == "auto" else None
+            planned = api.plan(recipe, gpu_memory=card)
+        plan = json.loads(planned.to_json())
         for option in (plan.get("alternatives") or []) + (plan.get("rejected") or []):
             option["speed"] = api.speed_estimate({**option, "device": plan.get("device")})
         return {**plan, "speed": api.speed_estimate(plan)}
@@ -264,6 +280,10 @@ class Backend:
         found = [str(p) for p in find_runs(self.settings.runs_dir, [Path(j.run_dir) for j in jobs])]
         pending = [j.run_dir for j in reversed(jobs) if j.state in ("queued", "running") and j.run_dir not in found]
         return pending + found
+
+    def chat_runs(self) -> list[str]:
+        """The runs the chat can load, newest first: those with a saved adapter (not failed or unstarted ones)."""
+        return [d for d in self.run_dirs() if RunDir(Path(d)).has_adapter()]
 
     def current_run(self) -> str | None:
         """The run a freshly opened page should show: the running one, else the newest."""

@@ -20,8 +20,18 @@ BREAKDOWN = ("weights", "trainable_weights", "gradients", "optimizer_state", "ac
 _COLORS = ("#4c72b0", "#55a868", "#c44e52", "#8172b2", "#ccb974", "#64b5cd", "#8c8c8c")
 
 
-def _figure(width: float = 7, height: float = 3.2) -> tuple[Figure, Any]:
+LABEL_BAND = 0.4  # inches at the top of every figure left empty: Gradio draws the panel's label over it
+
+
+def ui_figure(width: float, height: float) -> Figure:
+    """A figure whose axes and titles stay below the label Gradio's gr.Plot lays over its top-left corner."""
     fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
+    fig.get_layout_engine().set(rect=(0, 0, 1, 1 - LABEL_BAND / height))
+    return fig
+
+
+def _figure(width: float = 7, height: float = 3.2) -> tuple[Figure, Any]:
+    fig = ui_figure(width, height)
     return fig, fig.add_subplot()
 
 
@@ -30,11 +40,34 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[flo
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def _plain(value: float, decimals: int) -> str:
+    """A tick value as a short plain number: 1100, 30.5, 52k, 52.5k, 2.1M."""
+    scale, suffix = next(((u, x) for u, x in ((1e9, "G"), (1e6, "M"), (1e4, "k")) if abs(value) >= u), (1, ""))
+    if suffix == "k":
+        scale = 1e3
+    text = f"{value / scale:.{decimals}f}"
+    return (text.rstrip("0").rstrip(".") if "." in text else text) + suffix
+
+
+class PlainLogFormatter(LogFormatter):
+    """LogFormatter's choice of which ticks carry a label, each spelled as a plain number with as many
+    decimals as it takes to tell the labels apart (LogFormatter writes 52,000 and 54,000 both as 5e+04)."""
+
+    def format_ticks(self, values: list[float]) -> list[str]:
+        chosen = super().format_ticks(values)
+        for decimals in range(5):
+            labels = [_plain(v, decimals) if text else "" for v, text in zip(values, chosen, strict=True)]
+            shown = [label for label in labels if label]
+            if len(set(shown)) == len(shown):
+                break
+        return labels
+
+
 def _log_axis(ax: Any) -> None:
-    """A logarithmic y axis labelled with plain numbers (30, not 3x10^1), also between powers of ten."""
+    """A logarithmic y axis labelled with distinct plain numbers (30, not 3x10^1), also between powers of ten."""
     ax.set_yscale("log")
     for set_formatter in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
-        set_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+        set_formatter(PlainLogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
 
 
 EVENT_COLORS = {"checkpoint": "#55a868", "oom": "#c44e52", "batch": "#8172b2"}
@@ -115,6 +148,7 @@ def memory_figure(bars: list[tuple[str, dict[str, float]]], budget: float | None
                             fontsize=7, color="white")
     for x, total in enumerate(bottoms):
         ax.annotate(format_bytes(total * scale), (x, total), ha="center", va="bottom", fontsize=8)
+    ax.set_ylim(0, top * 1.1)  # room for the totals above the tallest bar
     if budget:
         ax.axhline(budget / scale, color="black", linestyle="--", linewidth=1.2, label=f"budget {format_bytes(budget)}")
     ax.set_ylabel(unit)
@@ -128,11 +162,13 @@ def timeline_figure(rows: list[dict[str, Any]], planned_peak: float | None,
                     events: list[tuple[int, str, str, str]] = (), seen_peak: float | None = None) -> Figure:
     """Tokens/s and the measured peak memory per logged step against the plan's peak (and the plan at the
     longest sequence seen), with the run's events marked."""
-    fig = Figure(figsize=(7, 4.2), dpi=100, layout="constrained")
+    fig = ui_figure(7, 4.4)
     speed, mem = fig.subplots(2, 1, sharex=True)
-    speed.plot(*_series(rows, "tokens_per_second"), color="C0", marker=".", label="tokens/s")
+    steps, speeds = _series(rows, "tokens_per_second")
+    speed.plot(steps, speeds, color="C0", marker=".", label="tokens/s")
     speed.set_ylabel("tokens/s")
     speed.grid(alpha=0.3)
+    speed.set_ylim(0, max(speeds, default=1) * 1.15)  # from 0, the fastest step's point inside the frame
     steps, peaks = _series(rows, "peak_memory_bytes")
     values = [*peaks, planned_peak or 0, seen_peak or 0]
     unit, scale = ("GiB", GIB) if max(values, default=0) >= GIB else ("MiB", 1 << 20)
@@ -159,8 +195,8 @@ def timeline_figure(rows: list[dict[str, Any]], planned_peak: float | None,
 def context_figure(sweep: dict[str, Any], chosen_gb: int | None, chosen_micro_batch: int | None = None) -> Figure:
     """Per GPU size: the longest trainable context and the largest micro-batch at the recipe's max_seq_len,
     the chosen GPU's bars highlighted and the chosen plan (max_seq_len, its micro-batch) starred."""
-    fig = Figure(figsize=(9, 3.6), dpi=100, layout="constrained")
-    fig.suptitle("what fits on each GPU size", fontsize=10)  # centred: clear of the page's label
+    fig = ui_figure(9, 3.8)
+    fig.suptitle("what fits on each GPU size", fontsize=10)
     ctx, mbs = fig.subplots(1, 2)
     rows = sweep["sizes"]
     labels = [f"{r['gpu_gb']} GB" for r in rows]
@@ -231,7 +267,7 @@ def noise_figure(report: dict[str, Any], events: list[tuple[int, str, str, str]]
 def reward_figure(report: dict[str, Any]) -> Figure:
     """A preference run's rewards (finetune.api.run_reward_report): chosen, rejected and their margin over
     steps above, the accuracy of chosen over rejected below; training lines, held-out evaluations as markers."""
-    fig = Figure(figsize=(7, 4.2), dpi=100, layout="constrained")
+    fig = ui_figure(7, 4.4)
     rewards, accuracy = fig.subplots(2, 1, sharex=True, height_ratios=(2, 1))
     colors = dict(zip(REWARD_KEYS, ("C0", "C3", "C2", "C4"), strict=True))
     for key, label in REWARD_KEYS.items():

@@ -29,22 +29,24 @@ def build_app(backend: Backend) -> gr.Blocks:
             run_sel = train.build(backend, widgets, timer)
             runs_tab = runs.build(backend, widgets)
             chat_run = chat.build(backend)
-        _wire_run_lists(demo, backend, run_sel, runs_tab, [chat_run, prev_run], server_file)
+        _wire_run_lists(demo, backend, run_sel, runs_tab, [prev_run], chat_run, server_file)
     return demo
 
 
 def _wire_run_lists(demo: gr.Blocks, backend: Backend, run_sel: gr.Dropdown, runs_tab: runs.RunsTab,
-                    run_pickers: list[gr.Dropdown], server_file: gr.Dropdown) -> None:
-    """The lists that span tabs: runs (history, overlay, export, chat and previous-run pickers) and server data
-    files, filled when the page opens, when the Runs tab opens and when its refresh button is pressed."""
+                    run_pickers: list[gr.Dropdown], chat_run: gr.Dropdown, server_file: gr.Dropdown) -> None:
+    """The lists that span tabs: runs (history, overlay, export and previous-run pickers; the chat's lists
+    only runs with an adapter) and server data files, filled when the page opens, when the Runs tab opens
+    and when its refresh button is pressed."""
     pickers = [runs_tab.compare, runs_tab.recipe_run, *run_pickers]
 
     def history_view():
         dirs = backend.run_dirs()
-        return (views.history_rows(dirs), *(gr.update(choices=dirs) for _ in pickers))
+        return (views.history_rows(dirs), *(gr.update(choices=dirs) for _ in pickers),
+                gr.update(choices=backend.chat_runs()))
 
-    runs_tab.refresh_btn.click(history_view, None, [runs_tab.history, *pickers], api_name="history")
-    runs_tab.tab.select(history_view, None, [runs_tab.history, *pickers], api_visibility="private")
+    runs_tab.refresh_btn.click(history_view, None, [runs_tab.history, *pickers, chat_run], api_name="history")
+    runs_tab.tab.select(history_view, None, [runs_tab.history, *pickers, chat_run], api_visibility="private")
 
     def on_load():
         current = backend.current_run()
@@ -52,4 +54,4 @@ def _wire_run_lists(demo: gr.Blocks, backend: Backend, run_sel: gr.Dropdown, run
         return (gr.update(choices=dirs, value=current), *history_view(),
                 gr.update(choices=data_files(backend.settings.allow_dirs)))
 
-    demo.load(on_load, None, [run_sel, runs_tab.history, *pickers, server_file], api_visibility="private")
+    demo.load(on_load, None, [run_sel, runs_tab.history, *pickers, chat_run, server_file], api_visibility="private")

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from finetune.errors import FinetuneError
 from finetune.recipe.schema import Recipe
+from finetune.rundir import EXPORT_MARKER, RunDir
+from finetune.rundir import MARKER as RUN_MARKER
 
 DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
 RECIPE_SUFFIXES = (".yaml", ".yml")
@@ -107,14 +109,25 @@ def check_recipe_paths(recipe: Recipe, roots: list[Path]) -> None:
             allowed_path(value, roots, key)
 
 
+def _holds_no_data(folder: Path) -> bool:
+    """A folder whose .json files are a tool's or a model's, not a dataset: a run directory (metrics, plan,
+    status, checkpoints), an export, an adapter or model folder, a hidden or cache folder."""
+    return (folder.name.startswith(".") or folder.name in ("__pycache__", "node_modules") or RunDir(folder).exists()
+            or any((folder / name).is_file() for name in (RUN_MARKER, EXPORT_MARKER, "adapter_config.json",
+                                                           "config.json")))
+
+
 def data_files(roots: list[Path], limit: int = 300) -> list[str]:
-    """Dataset files found under the allowed folders (three levels deep), for the file picker."""
+    """Dataset files found under the allowed folders (three levels deep), for the file picker; run
+    internals (metrics.jsonl, checkpoints/, adapter/) and model files are left out."""
     found: list[str] = []
+    skip: dict[Path, bool] = {}  # folder -> whether it or a folder above it (below the root) holds no data
     for root in roots:
         for depth in ("*", "*/*", "*/*/*"):
             for path in sorted(root.glob(depth)):
-                if path.suffix in DATA_SUFFIXES and path.is_file() and ".ui" not in path.parts \
-                        and is_inside(path, roots):
+                folders = [f for f in path.parents if f != root and root in f.parents]
+                if path.suffix in DATA_SUFFIXES and path.is_file() and is_inside(path, roots) \
+                        and not any(skip.setdefault(f, _holds_no_data(f)) for f in folders):
                     found.append(str(path))
                     if len(found) >= limit:
                         return found

@@ -6,7 +6,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from finetune.errors import FinetuneError
+from finetune.errors import UsageError
 from finetune.model.load import compute_dtype, load_model, load_tokenizer
 from finetune.publish import pause_point, publishing
 from finetune.recipe.load import load_recipe
@@ -19,9 +19,9 @@ def load_run(run_dir: str | Path) -> tuple[Recipe, RunDir]:
     """The recipe a finished run trained with, and its run directory; a clear error if it has no adapter yet."""
     run = RunDir(Path(run_dir))
     if not run.recipe.is_file():
-        raise FinetuneError(f"{run.root} is not a run directory (no {run.recipe.name})")
+        raise UsageError(f"{run.root} is not a run directory (no {run.recipe.name})")
     if not run.has_adapter():
-        raise FinetuneError(f"{run.root} has no trained adapter yet ({run.adapter.name}/ is missing)",
+        raise UsageError(f"{run.root} has no trained adapter yet ({run.adapter.name}/ is missing)",
                             hint="finish the run first, or resume it with finetune run RECIPE --resume")
     return load_recipe(run.recipe), run
 
@@ -93,10 +93,10 @@ def load_adapters(run_dirs: list[str | Path], *, quantize: bool = True):
     first = loaded[0][0]
     for recipe, run in loaded:
         if recipe.adapter.type == "full":
-            raise FinetuneError(f"{run.root} is a full fine-tune, not an adapter: it cannot share a base model",
+            raise UsageError(f"{run.root} is a full fine-tune, not an adapter: it cannot share a base model",
                                 hint="compare LoRA runs, or compare a full fine-tune with its base alone")
         if base_model_key(recipe) != base_model_key(first):
-            raise FinetuneError(
+            raise UsageError(
                 f"{run.root} trained on {_describe_base(recipe)}, {loaded[0][1].root} on "
                 f"{_describe_base(first)}",
                 hint="compare runs trained on the same base model, revision, dtype and quantization")
@@ -132,7 +132,7 @@ def _check_export_target(out: Path) -> None:
     if not out.exists():
         return
     if not out.is_dir() or (any(out.iterdir()) and not (out / EXPORT_MARKER).is_file()):
-        raise FinetuneError(f"export: {out} already exists and holds files that finetune export did not write; "
+        raise UsageError(f"export: {out} already exists and holds files that finetune export did not write; "
                             "not replacing it", hint="choose a new --out folder, or delete that one yourself")
 
 

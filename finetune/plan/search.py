@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from finetune.errors import FinetuneError, RecipeError
+from finetune.errors import RecipeError, UsageError
 from finetune.memory.bandwidth import transfer_bandwidth
 from finetune.memory.device_memory import usable_gpu_memory
 from finetune.memory.offload import offload_dir_for
@@ -95,11 +95,11 @@ def _budget(recipe: Recipe, gpu_memory: int | str | None, device: str) -> int:
     try:
         value = parse_bytes(value)
     except ValueError as exc:
-        raise FinetuneError(f"bad --gpu-memory {gpu_memory!r}: {exc}") from None
+        raise UsageError(f"bad --gpu-memory {gpu_memory!r}: {exc}") from None
     total = _free_memory(device) if value == "auto" else int(value)
     budget = total - recipe.memory.gpu_memory_margin
     if budget <= 0:
-        raise FinetuneError(f"--gpu-memory {format_bytes(total)} leaves no budget after memory.gpu_memory_margin "
+        raise UsageError(f"--gpu-memory {format_bytes(total)} leaves no budget after memory.gpu_memory_margin "
                             f"{format_bytes(recipe.memory.gpu_memory_margin)}",
                             hint="give the GPU's memory, e.g. --gpu-memory 12GiB, or lower memory.gpu_memory_margin")
     return budget
@@ -343,6 +343,9 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
     rejected = sorted((c for c in candidates if c.reason is not None), key=lambda c: c.peak_bytes)
     rejected += [Candidate(asdict(st), floor, {}, 0.0, f"needs at least {format_bytes(floor)}, budget "
                            f"{format_bytes(budget)}") for floor, st in pruned]
+    inactive = inactive_settings(recipe)  # settings that do not matter here (one process: no strategy)
+    for cand in candidates + rejected:
+        cand.settings = {k: v for k, v in cand.settings.items() if k not in inactive}
     if ok:
         best = ok[0]
         return Plan(device, best.settings, best.peak_bytes, best.breakdown, budget, True, best.tokens_per_s,

@@ -1,6 +1,6 @@
 """Learning rate and Adam's beta2 when the batch differs from the one they were tuned for.
 
-The rules (README "Batch size from the gradient noise scale"; sources in docs/batch_size.md):
+The rules (docs/training.md "Batch size from the gradient noise scale"; sources in docs/batch_size.md):
 - learning rate x sqrt(B / B_ref) for Adam-family optimizers (random-matrix analysis of Adam; the square-root
   rule), x (B / B_ref) for SGD (the linear scaling rule); the factor is capped at MAX_LR_FACTOR because
   Adam's optimal learning rate rises and then FALLS past a batch size (the "Surge" phenomenon), so an

@@ -8,6 +8,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from finetune.recipe.load import iter_fields
+from finetune.units import size_text
 
 
 def type_text(annotation) -> str:
@@ -28,7 +29,8 @@ def type_text(annotation) -> str:
     return getattr(annotation, "__name__", str(annotation))
 
 
-def default_text(field: FieldInfo) -> str:
+def default_text(field: FieldInfo, sized: bool = False) -> str:
+    """The default as a recipe would spell it; `sized`: a byte size, in units (512 MiB, not 536870912)."""
     if field.default is PydanticUndefined and field.default_factory is None:
         return "(required)"
     value = field.get_default(call_default_factory=True)
@@ -36,6 +38,8 @@ def default_text(field: FieldInfo) -> str:
         return "null"
     if isinstance(value, bool):
         return str(value).lower()
+    if sized and isinstance(value, int):
+        return size_text(value)
     return str(value)
 
 
@@ -48,7 +52,8 @@ def reference_rows(section: str | None = None) -> list[tuple[str, str, str, str]
         annotation = field.annotation
         if field.metadata and any(type(m).__name__ == "BeforeValidator" for m in field.metadata):
             annotation = typing.Annotated[int, "size"]
-        rows.append((key, type_text(annotation), default_text(field), field.description or ""))
+        typ = type_text(annotation)
+        rows.append((key, typ, default_text(field, sized=typ.startswith("size")), field.description or ""))
     return rows
 
 
@@ -60,3 +65,13 @@ def reference_markdown() -> str:
         cells = [f"`{key}`", typ, f"`{default}`", desc]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def reference_text(section: str | None = None) -> str:
+    """`finetune keys`: one line per key in aligned columns (key, type, default, description), nothing cut or
+    wrapped, so `finetune keys | grep` finds a key with its whole description."""
+    header = ("key", "type", "default", "description")
+    rows = [header, *reference_rows(section)]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    return "".join("  ".join([*(c.ljust(w) for c, w in zip(row[:3], widths, strict=True)), row[3]]).rstrip() + "\n"
+                   for row in rows)

@@ -157,7 +157,7 @@ class TrainingConfig(Section):
     seed: int = Field(42, ge=0, le=2**32 - 1, description="Seed for data order, initialisation and dropout.")
     logging_steps: int = Field(1, ge=1, le=MAX_COUNT, description="Log metrics every this many optimizer steps.")
     eval_steps: int | None = Field(None, ge=1, le=MAX_COUNT, description="Evaluate every this many steps (needs validation_split); null: at the end.")
-    # The batch-size engine (README "Batch size from the gradient noise scale").
+    # The batch-size engine (docs/training.md, "Batch size from the gradient noise scale").
     noise_scale: bool = Field(True, description="Measure the gradient noise scale (gns, grad_sq, trace_sigma in "
         "metrics.jsonl; labelled tokens) from per-micro-batch gradient norms; no gradient copy.")
     noise_scale_split_every: int = Field(10, ge=1, le=MAX_COUNT, description="Without accumulation: run every "
@@ -264,7 +264,7 @@ class MemoryConfig(Section):
         "(torch.cuda.mem_get_info), so what other processes hold then is excluded; gpu_memory_margin stays free "
         "below it for what they (and the CUDA context, allocator fragmentation) may take later.")
     gpu_memory_margin: ByteSize = Field(512 << 20, description="Head-room kept free below the budget; if a step "
-        "still runs out of memory, `finetune run` redoes it with a cheaper plan (see the README, OOM recovery).")
+        "still runs out of memory, `finetune run` redoes it with a cheaper plan (docs/memory.md, out-of-memory recovery).")
 
 
 OptimizerName = Literal[(*optimizer_names(), "auto")]  # type: ignore[valid-type]  # from the registry

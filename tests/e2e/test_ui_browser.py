@@ -168,7 +168,7 @@ def test_gallery_memory_train_events_reload_export_and_chat_in_a_browser(page, t
         sync_api.expect(page.locator("#context-message")).to_contain_text("80 GB")
         chart = _plot_src(page, "context-plot")
         plan_text = page.locator("#plan-message").inner_text()
-        _shot(page, "04-memory-8gb")
+        _shot(page, "04-memory-this-machine")
         page.locator("#gpu input").first.click()
         page.get_by_role("option", name="24 GB card (RTX 4090)").click()
         page.wait_for_function(

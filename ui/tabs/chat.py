@@ -181,7 +181,7 @@ def build(backend: Backend) -> gr.Dropdown:
     chat_run.change(lambda run, second: start_column(backend, run, second), [chat_run, second_run], second_run,
                     api_visibility="private")
     def run_lists():  # runs finish while the page is open: list them again when the tab is opened
-        dirs = backend.run_dirs()
+        dirs = backend.chat_runs()
         return gr.update(choices=dirs), gr.update(choices=dirs)
 
     tab.select(run_lists, None, [chat_run, second_run], api_visibility="private")

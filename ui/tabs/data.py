@@ -30,6 +30,14 @@ def highlighted(example: dict) -> list[tuple[str, str | None]]:
     return [(tok, category if loss else None) for tok, loss in example["tokens"]]
 
 
+def example_update(example: dict | None) -> dict:
+    """One preview box: the highlighted tokens, with a legend of only the categories they use (SFT data shows
+    "loss", not the chosen/rejected colours of preference data)."""
+    tokens = highlighted(example) if example else []
+    used = {category for _, category in tokens if category}
+    return gr.update(value=tokens, color_map={k: color for k, color in COLORS.items() if k in used})
+
+
 def build(backend: Backend, widgets: list[gr.components.Component]) -> gr.Dropdown:
     """The Data tab over the form `widgets` (it fills data.path); returns the server file picker."""
     keys = [s.key for s in backend.specs]
@@ -45,7 +53,7 @@ def build(backend: Backend, widgets: list[gr.components.Component]) -> gr.Dropdo
                               height=140)
         preview_btn = gr.Button("Preview data", elem_id="preview-data")
         data_msg = gr.Markdown(elem_id="data-message")
-        examples = [gr.HighlightedText(label=f"example {i + 1}", color_map=COLORS,
+        examples = [gr.HighlightedText(label=f"example {i + 1}",
                                        show_legend=True, show_inline_category=False, combine_adjacent=True,
                                        elem_id=f"example-{i}") for i in range(EXAMPLES)]
     data_path = widgets[keys.index("data.path")]
@@ -57,9 +65,8 @@ def build(backend: Backend, widgets: list[gr.components.Component]) -> gr.Dropdo
 
     def show_preview(values) -> tuple:
         found, bad = backend.preview(values, EXAMPLES)
-        shown = [highlighted(ex) for ex in found]
-        shown += [[]] * (EXAMPLES - len(shown))
-        return (views.preview_markdown(found, bad), *shown[:EXAMPLES])
+        shown = [example_update(ex) for ex in [*found, *[None] * EXAMPLES][:EXAMPLES]]
+        return (views.preview_markdown(found, bad), *shown)
 
     @reported(2 + EXAMPLES)
     def use_server_file(path, *values):

@@ -25,7 +25,7 @@ def _widget(spec: FieldSpec, value: Any, label: str | None = None) -> gr.compone
     if spec.kind == "checkbox":
         return gr.Checkbox(**common)
     if spec.kind == "number":
-        return gr.Number(precision=0 if spec.integer else None, **common)
+        return gr.Number(precision=0 if spec.integer else None, step=spec.step, **common)
     if spec.kind == "dropdown":
         return gr.Dropdown(choices=[c[0] for c in spec.choices], allow_custom_value=spec.custom, **common)
     placeholder = "required" if spec.required else ("empty = null" if spec.nullable else "empty = default")
@@ -137,7 +137,7 @@ def build(demo: gr.Blocks, backend: Backend) -> tuple[list[gr.components.Compone
     @reported(2)
     def show_yaml(*values):
         try:
-            return "", backend.recipe_file(values)[1]
+            return "", backend.recipe_text(values)
         except RecipeError as exc:  # a fresh page: no model or data yet is a next step, not an error
             if exc.problems and all("missing required key" in p for p in exc.problems):
                 return "Choose a ready recipe above, or give the model and the data file in the basics.", ""
@@ -159,9 +159,8 @@ def build(demo: gr.Blocks, backend: Backend) -> tuple[list[gr.components.Compone
     demo.load(restore, saved_form, widgets, api_visibility="private")
 
     @reported(2)
-    def save(*values):
-        path, text = backend.recipe_file(values)
-        return "", str(path)
+    def save(request: gr.Request, *values):
+        return "", str(backend.recipe_file(values, request.session_hash if request else None))
 
     save_btn.click(save, widgets, [recipe_msg, recipe_file], api_name="save_recipe")
     demo.load(show_yaml, widgets, [recipe_msg, recipe_yaml], api_visibility="private")
