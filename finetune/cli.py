@@ -8,7 +8,7 @@ import sys
 from rich.markup import escape
 
 from finetune.console import console
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, UsageError
 from finetune.export.gguf import TYPES as GGUF_TYPES
 
 SET_HELP = "override a recipe key, e.g. --set training.max_steps=10 (repeatable; `finetune keys` lists keys)"
@@ -215,7 +215,7 @@ def cmd_export(args) -> int:
     from finetune import api
 
     if args.format != "gguf" and (args.ollama or args.type != "f16"):
-        raise FinetuneError("export: --type and --ollama apply to --format gguf", hint="add --format gguf")
+        raise UsageError("export: --type and --ollama apply to --format gguf", hint="add --format gguf")
     gguf = api.GGUFOptions(args.type, args.ollama) if args.format == "gguf" else None
     # One line per step, printed as it starts (the UI reads them to show the export's progress).
     out = api.export(args.run_dir, args.out, lambda line: print(f"export {line}", flush=True), gguf)

@@ -30,6 +30,12 @@ class RecipeError(FinetuneError):
     exit_code = 2
 
 
+class UsageError(FinetuneError):
+    """Command-line options that contradict each other (argparse's own errors exit 2 too)."""
+
+    exit_code = 2
+
+
 class DataError(FinetuneError):
     """A dataset file or record is malformed."""
 

@@ -6,11 +6,12 @@ from typing import Any
 
 from finetune.evaluate.match import KINDS
 
-HEADERS = ["model", "held-out loss", "perplexity", *(f"{kind} match" for kind in KINDS)]
+HEADERS = ["model", "loss", "perplexity", *KINDS]
 
 
 def table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """(headers, rows): loss and perplexity, then each match kind as "3/8" (or "-" where no record applies)."""
+    """(headers, rows): held-out loss and perplexity, then each match kind (exact, contains, numeric) as "3/8"
+    (or "-" where no record applies)."""
     rows = []
     for model in report.get("models", []):
         matches = [f"{m['matched']}/{m['of']}" if (m := model.get(kind)) else "-" for kind in KINDS]
