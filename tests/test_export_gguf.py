@@ -166,18 +166,43 @@ def test_an_untied_gemma2_head_is_refused_naming_the_tensor(tmp_path):
         write_gguf(model, tokenizer, tmp_path / "m.gguf")
 
 
-def test_sentencepiece_style_tokenizers_are_refused_with_the_way_around(tmp_path, llama):
-    import json
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_a_sentencepiece_style_tokenizer_round_trips_with_scores_and_byte_tokens(tmp_path, arch):
+    from finetune.testing import make_spm_tokenizer, tiny_config
 
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
+    tokenizer = make_spm_tokenizer()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, vocab_size=len(tokenizer)), dtype=torch.float32)
+    path = write_gguf(model.eval(), tokenizer, tmp_path / "spm.gguf", qtype="f32")
 
-    model, tokenizer = llama
-    state = json.loads(tokenizer.backend_tokenizer.to_str())
-    state["model"]["byte_fallback"] = True
-    spm = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(state)))
-    with pytest.raises(FinetuneError, match="sentencepiece-style") as err:
-        write_gguf(model, spm, tmp_path / "m.gguf")
+    reader = gguf.GGUFReader(path)
+    assert _field(reader, "tokenizer.ggml.model") == "llama" and "tokenizer.ggml.pre" not in reader.fields
+    assert _field(reader, "tokenizer.ggml.add_space_prefix") is True
+    types, scores = _field(reader, "tokenizer.ggml.token_type"), _field(reader, "tokenizer.ggml.scores")
+    assert types[0] == gguf.TokenType.UNKNOWN and types[3 + 0xC3] == gguf.TokenType.BYTE
+    assert types[tokenizer.convert_tokens_to_ids("<|im_end|>")] == gguf.TokenType.CONTROL
+    first, second = (tokenizer.convert_tokens_to_ids("".join(m.split())) for m in _field(
+        reader, "tokenizer.ggml.merges")[:2])
+    assert scores[first] > scores[second], "earlier merges score higher"
+    text = "What is the capital of France?  The capital of  France is Paris. 0123 ü"  # ü: byte fallback
+    read_tokenizer = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    assert read_tokenizer(text).input_ids == tokenizer(text).input_ids
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert read_tokenizer(chat, add_special_tokens=False).input_ids == tokenizer(
+        chat, add_special_tokens=False).input_ids
+    ids = torch.tensor([tokenizer(text).input_ids])
+    torch.testing.assert_close(_logits(_read_back(path), ids), _logits(model, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_a_sentencepiece_style_tokenizer_that_splits_otherwise_is_refused(tmp_path):
+    from finetune.testing import make_spm_tokenizer, tiny_config
+
+    tokenizer = make_spm_tokenizer()
+    tokenizer.backend_tokenizer.pre_tokenizer = _whitespace()
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer)))
+    with pytest.raises(FinetuneError, match="sentencepiece-style tokenizer with pre-tokenizer") as err:
+        write_gguf(model, tokenizer, tmp_path / "m.gguf")
     assert "convert_hf_to_gguf" in err.value.hint
 
 
