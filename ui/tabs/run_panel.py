@@ -31,12 +31,11 @@ class RunPanel:
     rewards_md: gr.Markdown
     eval_box: gr.Column
     eval_md: gr.Markdown
-    eval_table: gr.Dataframe
 
     @property
     def outputs(self) -> list[gr.components.Component]:
         return [self.batch_box, self.batch_md, self.noise_plot, self.advice_btn, self.advice_msg, self.rewards_box,
-                self.reward_plot, self.rewards_md, self.eval_box, self.eval_md, self.eval_table]
+                self.reward_plot, self.rewards_md, self.eval_box, self.eval_md]
 
 
 def build(prefix: str) -> RunPanel:
@@ -55,10 +54,9 @@ def build(prefix: str) -> RunPanel:
         rewards_md = gr.Markdown(elem_id=f"{prefix}-rewards-summary")
     with gr.Column(visible=False, elem_id=f"{prefix}-eval-panel") as eval_box:
         gr.Markdown("### Held-out evaluation: base model against the fine-tune (`finetune eval`)")
-        eval_md = gr.Markdown(elem_id=f"{prefix}-eval-summary")
-        eval_table = gr.Dataframe(interactive=False, elem_id=f"{prefix}-eval-table")
+        eval_md = gr.Markdown(elem_id=f"{prefix}-eval-table")
     return RunPanel(batch_box, batch_md, noise_plot, advice_btn, advice_msg, rewards_box, reward_plot, rewards_md,
-                    eval_box, eval_md, eval_table)
+                    eval_box, eval_md)
 
 
 def updates(run: Path | api.RunFiles | None) -> tuple[Any, ...]:
@@ -75,17 +73,8 @@ def updates(run: Path | api.RunFiles | None) -> tuple[Any, ...]:
                      gr.update(visible=bool(batch["advice"].get("settings"))), "")  # a message of another run goes
     rewards_out = ((gr.update(visible=False), None, "") if rewards is None else
                    (gr.update(visible=True), charts.reward_figure(rewards), views.rewards_markdown(rewards)))
-    return *batch_out, *rewards_out, *_evaluation(files)
-
-
-def _evaluation(files: api.RunFiles | None) -> tuple[Any, ...]:
-    """The eval panel's (box, summary, table): the latest `finetune eval` of the run, hidden before one ran."""
     evaluation = api.run_evaluation_table(files) if files else None
-    if evaluation is None:
-        return gr.update(visible=False), "", None
-    summary = (f"{evaluation['records']} records of `{evaluation['data']}`, {evaluation['with_expected_answer']} "
-               "with an expected answer (greedy generations; exact, contains and numeric match)")
-    return gr.update(visible=True), summary, gr.update(value=evaluation["rows"], headers=evaluation["headers"])
+    return *batch_out, *rewards_out, gr.update(visible=evaluation is not None), views.evaluation_markdown(evaluation)
 
 
 def wire_advice(panel: RunPanel, backend: Backend, run: gr.Dropdown, widgets: list[gr.components.Component],
