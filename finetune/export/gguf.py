@@ -7,7 +7,6 @@ llama.cpp expects: Llama's rotary q/k rows interleaved per head, and Gemma's nor
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,8 +58,7 @@ def check_exportable(config: Any) -> Arch:
     return arch
 
 
-def write_gguf(model: Any, tokenizer: Any, path: Path, *, qtype: str = "f16", name: str = "model",
-               progress: Callable[[str], None] = lambda line: None) -> Path:
+def write_gguf(model: Any, tokenizer: Any, path: Path, *, qtype: str = "f16", name: str = "model") -> Path:
     """Write `model` (a transformers causal LM, adapters merged) and its tokenizer to the GGUF file `path`.
 
     The caller owns `path`: it is written in place, so publish it atomically (export writes into a temporary
@@ -80,8 +78,7 @@ def write_gguf(model: Any, tokenizer: Any, path: Path, *, qtype: str = "f16", na
     _add_hyperparameters(writer, config)
     add_vocab(writer, vocab)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf_arch], config.num_hidden_layers)
-    state = model.state_dict()
-    for i, (hf_name, tensor) in enumerate(state.items()):
+    for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # a tied head is the embedding; readers infer the tie from output.weight's absence
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -91,8 +88,6 @@ def write_gguf(model: Any, tokenizer: Any, path: Path, *, qtype: str = "f16", na
                                 "embedding)" if hf_name == "lm_head.weight" else ""))
         data = _layout(arch, config, hf_name, tensor.detach().float().cpu().numpy())
         writer.add_tensor(gguf_name, *_encode(data, qtype))
-        if i % 20 == 0:
-            progress(f"{i}/{len(state)} tensors")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
