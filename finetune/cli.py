@@ -88,8 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="folder to write the merged model to")
     p.add_argument("--format", choices=["safetensors", "gguf"], default="safetensors",
                    help="safetensors shards (transformers) or one GGUF file (llama.cpp, Ollama)")
-    p.add_argument("--type", default="f16", choices=list(GGUF_TYPES), help="GGUF weight type (1-D tensors stay f32); "
-                   "for k-quants such as Q4_K_M run llama.cpp's llama-quantize on an f16 file")
+    p.add_argument("--type", default="f16", help=f"GGUF weight type: {', '.join(GGUF_TYPES)} (1-D tensors stay "
+                   "f32); for k-quants such as Q4_K_M run llama.cpp's llama-quantize on an f16 file")
     p.add_argument("--ollama", action="store_true", help="with --format gguf: write an Ollama Modelfile beside it")
     p.set_defaults(func=cmd_export)
 

@@ -90,3 +90,26 @@ def test_eval_compares_base_and_run_on_held_out_records(trained, tmp_path, capsy
 ])
 def test_answer_matching(answer, expected, want):
     assert score(answer, expected) == want
+
+
+def test_a_full_fine_tune_exports_to_gguf_and_evaluates_against_its_base(tmp_path, tiny_model_dir):
+    data = sums_data(tmp_path / "sums.jsonl", 8)
+    run(validate_recipe(tiny_lora_recipe(tiny_model_dir, data, tmp_path / "full", {
+        "adapter": {"type": "full"}, "training": {"max_steps": 12, "micro_batch_size": 4, "learning_rate": 2e-3}})))
+    assert main(["export", str(tmp_path / "full"), "--out", str(tmp_path / "gguf"), "--format", "gguf",
+                 "--type", "f32"]) == 0
+    trained = AutoModelForCausalLM.from_pretrained(RunDir(tmp_path / "full").adapter).eval()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "gguf", gguf_file="full.f32.gguf").eval()
+    ids = torch.randint(4, 400, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, trained(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    assert main(["eval", str(tmp_path / "full"), "--data", str(data), "--compare", "--max-new-tokens", "4"]) == 0
+    base, tuned = RunDir(tmp_path / "full").read_evaluation()["models"]
+    assert base["label"] == "base model" and tuned["loss"] < base["loss"]
+
+
+def test_a_k_quant_type_is_refused_before_loading_with_the_llama_quantize_way(tmp_path, capsys):
+    assert main(["export", str(tmp_path / "no-run"), "--out", str(tmp_path / "x"), "--format", "gguf",
+                 "--type", "q4_k_m"]) == 2
+    err = capsys.readouterr().err
+    assert "--type q4_k_m: not a type this exporter writes" in err and "llama-quantize" in err

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune.export.gguf import write_gguf
+from finetune.export.gguf import check_type, write_gguf
 from finetune.export.gguf_vocab import end_of_turn
 from finetune.export.modelfile import modelfile
 
@@ -21,6 +21,9 @@ class GGUFOptions:
 
     type: str = "f16"
     ollama: bool = False
+
+    def __post_init__(self) -> None:
+        check_type(self.type)
 
 
 def model_name(run_name: str) -> str:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, UsageError
 from finetune.export.gguf_vocab import add_vocab, read_vocab
 
 
@@ -41,6 +41,13 @@ K_QUANT_HINT = ("k-quants (Q4_K_M, Q5_K_M, Q6_K) need llama.cpp's quantizer: exp
                 "llama-quantize MODEL.f16.gguf MODEL.Q4_K_M.gguf Q4_K_M")
 
 
+def check_type(qtype: str) -> None:
+    """Refuse a --type this writer does not produce (before minutes of loading and merging)."""
+    if qtype not in TYPES:
+        raise UsageError(f"export --type {qtype}: not a type this exporter writes (choose from {', '.join(TYPES)})",
+                         hint=K_QUANT_HINT)
+
+
 def check_exportable(config: Any) -> Arch:
     """The Arch a model config is written with, or a one-line refusal naming what is missing."""
     arch = ARCHS.get(config.model_type)
@@ -65,9 +72,7 @@ def write_gguf(model: Any, tokenizer: Any, path: Path, *, qtype: str = "f16", na
     folder that is renamed when complete)."""
     import gguf
 
-    if qtype not in TYPES:
-        raise FinetuneError(f"export --type {qtype}: not a type this exporter writes "
-                            f"(choose from {', '.join(TYPES)})", hint=K_QUANT_HINT)
+    check_type(qtype)
     config = model.config
     arch = check_exportable(config)
     vocab = read_vocab(tokenizer, config.vocab_size)
