@@ -68,16 +68,24 @@ def _roundtrip(data: np.ndarray, qtype: str) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    return _tiny(tmp_path_factory.mktemp("types"), "llama")
+def tiny_models(tmp_path_factory) -> dict:
+    folder = tmp_path_factory.mktemp("types")
+    return {arch: _tiny(folder, arch) for arch in READ_BACK}
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_models):
+    return tiny_models["llama"]
 
 
 @pytest.mark.parametrize("qtype", list(TYPES))
-def test_each_type_stores_exactly_its_rounding_and_stays_within_its_tolerance(tmp_path, llama, qtype):
+@pytest.mark.parametrize("arch", list(READ_BACK))
+def test_each_type_stores_exactly_its_rounding_and_stays_within_its_tolerance(tmp_path, tiny_models, arch, qtype):
     """The file's logits equal those of the model whose 2-D weights went through the type's own rounding (so the
-    layout is right for every type); for 8 bits and more they differ from the original by at most the type's
-    tolerance (this toy's random weights amplify rounding: 4 and 5 bits move its logits by their whole range)."""
-    model, tokenizer = llama
+    layout is right for every architecture and type); for 8 bits and more they differ from the original by at
+    most the type's tolerance (this toy's random weights amplify rounding: 4 and 5 bits move its logits by their
+    whole range)."""
+    model, tokenizer = tiny_models[arch]
     path = write_gguf(model, tokenizer, tmp_path / "m.gguf", qtype=qtype)
     rounded = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32).eval()
     rounded.load_state_dict({k: torch.from_numpy(_roundtrip(v.numpy(), qtype)) if v.ndim == 2 else v

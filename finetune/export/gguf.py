@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.errors import FinetuneError, UsageError
-from finetune.export.gguf_vocab import add_vocab, read_vocab
+from finetune.export.gguf_vocab import CONVERT_HINT, add_vocab, read_vocab
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def check_exportable(config: Any) -> Arch:
     if rope != "default":
         raise FinetuneError(f"export --format gguf: rope scaling {rope!r} ({config.model_type}) is not written "
                             "to GGUF yet (it needs llama.cpp's extra rope tensors)",
-                            hint="export --format safetensors and convert with llama.cpp's convert_hf_to_gguf.py")
+                            hint=CONVERT_HINT)
     if getattr(config, "query_pre_attn_scalar", None) not in (None, _head_dim(config)):
         raise FinetuneError(f"export --format gguf: query_pre_attn_scalar {config.query_pre_attn_scalar} differs "
                             f"from head_dim {_head_dim(config)}; llama.cpp scales attention by head_dim")

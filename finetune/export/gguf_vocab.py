@@ -24,7 +24,7 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _SPLITS = {_LLAMA3_SPLIT: "llama-bpe", _QWEN2_SPLIT: "qwen2"}
 _BYTE = re.compile(r"<0x[0-9A-F]{2}>")  # a sentencepiece byte-fallback token
-_HINT = "export --format safetensors and convert with llama.cpp's convert_hf_to_gguf.py"
+CONVERT_HINT = "export --format safetensors and convert with llama.cpp's convert_hf_to_gguf.py"
 
 
 @dataclass
@@ -54,7 +54,7 @@ def read_vocab(tokenizer: Any, vocab_size: int) -> Vocab:
     model = state["model"]
     if model.get("type") != "BPE":
         raise FinetuneError(f"export --format gguf: the tokenizer is {model.get('type')}; only BPE tokenizers "
-                            "(byte-level or sentencepiece-style) are written to GGUF", hint=_HINT)
+                            "(byte-level or sentencepiece-style) are written to GGUF", hint=CONVERT_HINT)
     spm = bool(model.get("byte_fallback"))
     if len(tokenizer) > vocab_size:
         raise FinetuneError(f"export --format gguf: the tokenizer has {len(tokenizer)} tokens but the model only "
@@ -108,7 +108,7 @@ def _space_prefix(state: dict) -> bool:
         return any(s.get("type") == "Prepend" for s in steps)
     raise FinetuneError(f"export --format gguf: a sentencepiece-style tokenizer with pre-tokenizer "
                         f"{json.dumps(pre)[:200]} and normalizer {json.dumps(norm)[:200]} is not one llama.cpp "
-                        "reproduces (it splits only on spaces, written as ▁)", hint=_HINT)
+                        "reproduces (it splits only on spaces, written as ▁)", hint=CONVERT_HINT)
 
 
 def _pre_tokenizer(pre: dict | None) -> str:
@@ -123,7 +123,7 @@ def _pre_tokenizer(pre: dict | None) -> str:
     if kinds == ["Split", "ByteLevel"] and (name := _SPLITS.get(steps[0].get("pattern", {}).get("Regex"))):
         return name
     raise FinetuneError(f"export --format gguf: the tokenizer's pre-tokenizer {json.dumps(pre)[:300]} is not one "
-                        "llama.cpp knows by name (gpt-2, smollm, llama-bpe, qwen2)", hint=_HINT)
+                        "llama.cpp knows by name (gpt-2, smollm, llama-bpe, qwen2)", hint=CONVERT_HINT)
 
 
 def end_of_turn(tokenizer: Any) -> int | None:
