@@ -7,6 +7,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from finetune.export.files import GGUFOptions
+from finetune.export.files import ollama_command as ollama_command  # re-exported for the CLI and UI
 from finetune.recipe.goals import goal_values
 from finetune.recipe.load import load_recipe as _load_recipe
 from finetune.recipe.load import load_recipe_text, recipe_data, validate_recipe
@@ -236,6 +238,10 @@ class RunFiles:
         return self.run.read_results()
 
     @cached_property
+    def evaluation(self) -> dict[str, Any] | None:
+        return self.run.read_evaluation()
+
+    @cached_property
     def recipe_text(self) -> str | None:
         """The resolved recipe.yaml's text, None while the run has none."""
         try:
@@ -247,6 +253,19 @@ class RunFiles:
 def run_files(run: str | Path | RunFiles) -> RunFiles:
     """`run` as RunFiles: itself when it is one (what it has read stays read), else a fresh look."""
     return run if isinstance(run, RunFiles) else RunFiles(run)
+
+
+def run_evaluation_table(run: str | Path | RunFiles) -> dict[str, Any] | None:
+    """The run's latest `finetune eval` as {"headers", "rows" (one per model), "data", "records",
+    "with_expected_answer"}, or None before one ran."""
+    report = run_files(run).evaluation
+    if not report or not report.get("models"):
+        return None
+    from finetune.evaluate.report import table
+
+    headers, rows = table(report)
+    return {"headers": headers, "rows": rows, "data": report.get("data"), "records": report.get("records"),
+            "with_expected_answer": report.get("with_expected_answer")}
 
 
 def plan_at_seen_length(run: str | Path | RunFiles) -> dict[str, Any] | None:
@@ -498,9 +517,19 @@ def compare_runs(run_dirs: list[str | Path], prompt: str, *, max_new_tokens: int
     return answers
 
 
-def export(run_dir: str | Path, out_dir: str | Path, progress: Callable[[str], None] = lambda line: None) -> Path:
-    """Merge the run's adapter into its base model and save it as safetensors; `progress` gets one line per
-    step ("[1/4] loading the base model: ...")."""
+def export(run_dir: str | Path, out_dir: str | Path, progress: Callable[[str], None] = lambda line: None,
+           gguf: GGUFOptions | None = None) -> Path:
+    """Merge the run's adapter into its base model and save it as safetensors, or with `gguf` as one GGUF file
+    (and an Ollama Modelfile); `progress` gets one line per step ("[1/4] loading the base model: ...")."""
     from finetune.model.trained import export_merged
 
-    return export_merged(run_dir, out_dir, progress)
+    return export_merged(run_dir, out_dir, progress, gguf)
+
+
+def evaluate(run_dir: str | Path, data: str | Path, *, compare: list[str | Path] | None = None,
+             max_new_tokens: int = 64, progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+    """Held-out loss, perplexity and answer matches of the run on `data` (with `compare`: the base model and the
+    runs listed beside it); also saved as the run's evaluation.json (finetune.evaluate.run)."""
+    from finetune.evaluate.run import evaluate as _evaluate
+
+    return _evaluate(run_dir, data, compare=compare, max_new_tokens=max_new_tokens, progress=progress)

@@ -10,6 +10,7 @@ from rich.markup import escape
 from finetune import __version__
 from finetune.console import console
 from finetune.errors import FinetuneError, UsageError
+from finetune.export.gguf import TYPES as GGUF_TYPES
 
 SET_HELP = "override a recipe key, e.g. --set training.max_steps=10 (repeatable; `finetune keys` lists keys)"
 
@@ -104,10 +105,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "(adapter.init_from, e.g. DPO after SFT) shows that run's answer too")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("export", help="merge the adapter into the base and save safetensors")
+    p = sub.add_parser("export", help="merge the adapter into the base and save safetensors or GGUF")
     p.add_argument("run_dir", help="a run directory")
     p.add_argument("--out", required=True, help="folder to write the merged model to")
+    p.add_argument("--format", choices=["safetensors", "gguf"], default="safetensors",
+                   help="safetensors shards (transformers) or one GGUF file (llama.cpp, Ollama)")
+    p.add_argument("--type", default="f16", help=f"GGUF weight type: {', '.join(GGUF_TYPES)} (1-D tensors stay "
+                   "f32); for k-quants such as Q4_K_M run llama.cpp's llama-quantize on an f16 file")
+    p.add_argument("--ollama", action="store_true", help="with --format gguf: write an Ollama Modelfile beside it")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("eval", help="held-out loss, perplexity and answer matches of a run (vs its base model)")
+    p.add_argument("run_dir", help="a run directory")
+    p.add_argument("--data", required=True, help="records the run did not train on (any training data format); "
+                   "a chat record's last answer, or its \"expected\" string, is what a generation is matched to")
+    p.add_argument("--compare", nargs="*", metavar="OTHER_RUN", default=None,
+                   help="also evaluate the base model, and the other run directories given, side by side")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=64, help="length limit of each answer")
+    p.set_defaults(func=cmd_eval)
     return parser
 
 
@@ -220,9 +235,24 @@ def cmd_generate(args) -> int:
 def cmd_export(args) -> int:
     from finetune import api
 
+    if args.format != "gguf" and (args.ollama or args.type != "f16"):
+        raise UsageError("export: --type and --ollama apply to --format gguf", hint="add --format gguf")
+    gguf = api.GGUFOptions(args.type, args.ollama) if args.format == "gguf" else None
     # One line per step, printed as it starts (the UI reads them to show the export's progress).
-    out = api.export(args.run_dir, args.out, lambda line: print(f"export {line}", flush=True))
+    out = api.export(args.run_dir, args.out, lambda line: print(f"export {line}", flush=True), gguf)
     console.print(f"[green]exported[/green] merged model to {out}")
+    if args.ollama:
+        print(f"create the Ollama model with: {api.ollama_command(out)}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from finetune import api
+    from finetune.cli_tables import render_evaluation
+
+    report = api.evaluate(args.run_dir, args.data, compare=args.compare, max_new_tokens=args.max_new_tokens,
+                          progress=lambda line: print(f"eval {line}", flush=True))
+    render_evaluation(report)
     return 0
 
 

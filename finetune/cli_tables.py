@@ -88,3 +88,15 @@ def render_plan(plan: Plan, console: Console | None = None) -> None:
 def render_measurement(result: dict[str, Any], console: Console | None = None) -> None:
     console = console or Console()
     console.print(breakdown_table(f"measured peak on {result['device']}", result["breakdown"], result["peak_bytes"]))
+
+
+def render_evaluation(report: dict[str, Any], console: Console | None = None) -> None:
+    """`finetune eval`: one row per model (base model, other runs, the run), then where it was saved."""
+    from finetune.evaluate.report import table
+
+    headers, rows = table(report)
+    out = Table(*headers, title=f"{report['records']} held-out records ({report['with_expected_answer']} with "
+                "an expected answer)")
+    for row in rows:
+        out.add_row(*row)
+    (console or Console()).print(out)

@@ -182,6 +182,12 @@ class RunDir:
         return self.root / "reference_logps.json"
 
     @property
+    def evaluation(self) -> Path:
+        """`finetune eval`: held-out loss, perplexity and answer matches of the base model, this run and the
+        runs compared with it (finetune.evaluate)."""
+        return self.root / "evaluation.json"
+
+    @property
     def marker(self) -> Path:
         return self.root / MARKER
 
@@ -261,6 +267,10 @@ class RunDir:
     def read_results(self) -> dict[str, Any] | None:
         """The end-of-run summary (state, steps, losses, data stats), or None before the run ended."""
         return read_json(self.results)
+
+    def read_evaluation(self) -> dict[str, Any] | None:
+        """The latest `finetune eval` results, or None before one ran."""
+        return read_json(self.evaluation)
 
     def log_tail(self, lines: int = 40) -> str:
         return tail(self.log, lines)

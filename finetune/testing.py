@@ -56,6 +56,26 @@ def make_tokenizer(vocab_size: int = 512):
     return fast
 
 
+def make_spm_tokenizer(vocab_size: int = 300):
+    """A sentencepiece-style BPE tokenizer (Llama 2, Mistral: "▁" for spaces, <0xXX> byte fallback) with ChatML
+    special tokens, trained offline like make_tokenizer's."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaTokenizer
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.train_from_iterator(_CORPUS * 20, trainer=trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False))
+    trained = json.loads(tok.to_str())["model"]
+    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    pieces += sorted(trained["vocab"], key=trained["vocab"].get)
+    spm = LlamaTokenizer(vocab={p: i for i, p in enumerate(pieces)}, merges=[tuple(m) for m in trained["merges"]])
+    spm.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    spm.chat_template = CHATML_TEMPLATE
+    return spm
+
+
 def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides):
     """A config of the given architecture family at toy size (override any field).
 

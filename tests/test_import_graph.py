@@ -16,9 +16,9 @@ PACKAGES = ("finetune", "ui")
 LAYERS: list[tuple[str, ...]] = [
     ("finetune", "finetune.recipe", "finetune.units", "finetune.errors", "finetune.console",
      "finetune.rundir", "finetune.testing"),
-    ("finetune.model", "finetune.data", "finetune.optim", "finetune.memory"),
+    ("finetune.model", "finetune.data", "finetune.optim", "finetune.memory", "finetune.export"),
     ("finetune.plan",),
-    ("finetune.train",),
+    ("finetune.train", "finetune.evaluate"),
     ("finetune.api",),
     ("finetune.cli", "finetune.cli_tables", "finetune.__main__", "ui"),
 ]
@@ -166,7 +166,7 @@ def test_registry_references_point_to_the_build_layer():
 
     references = [(f"optimizer {s.name}", r) for s in SPECS for r in (s.factory, s.state, s.own_params) if r]
     references += [(f"offload tier {t.name}", t.factory) for t in TIERS]
-    build = LAYERS.index(("finetune.model", "finetune.data", "finetune.optim", "finetune.memory"))
+    build = layer_of("finetune.model")
     wrong = [f"{owner}: {ref}" for owner, ref in references
              if ref.partition(":")[0] not in MODULES or layer_of(ref.partition(":")[0]) != build]
     assert references and not wrong, f"registry references outside the build layer: {wrong}"

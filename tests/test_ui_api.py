@@ -174,12 +174,12 @@ def test_finished_run_history_export_and_chat(work):
     assert step == 6
     fresh = gradio_client.Client(client.src, verbose=False)  # a new page: nothing drawn yet in this session
     (html, _, loss_plot, timeline, lr_plot, memory_plot, batch_text, noise_plot, advice_msg, reward_plot, rewards_text,
-     log, queue) = fresh.predict(str(run_dir), api_name="/refresh")
+     eval_text, log, queue) = fresh.predict(str(run_dir), api_name="/refresh")
     assert "run completed at step 6" in log and "GPU free" in queue
     assert loss_plot["type"] == timeline["type"] == lr_plot["type"] == memory_plot["type"] == "matplotlib"  # predicted vs measured
     # at the end: the batch panel (an sft run has no reward panel), and its advice written into the form
     assert "**2 sequences per optimizer step**" in batch_text and noise_plot["type"] == "matplotlib"
-    assert reward_plot is None and rewards_text == "" == advice_msg
+    assert reward_plot is None and rewards_text == "" == advice_msg == eval_text  # no finetune eval yet
     advice = RunDir(run_dir).read_results()["advice"]["settings"]
     assert f"effective batch of **{advice['training.effective_batch_size']} sequence" in batch_text
     _, values = _load(client, run_dir / "recipe.yaml")
@@ -199,9 +199,14 @@ def test_finished_run_history_export_and_chat(work):
     export = client.submit(str(run_dir), str(merged), api_name="/export")
     final = export.result()
     assert any("now: [1/4] loading the base model" in update for update in export.outputs()), "progress shown"
-    assert final.startswith(f"**merged model saved to {merged}**") and "done: [3/4] saving safetensors" in final
+    assert final.startswith(f"**merged model saved to {merged}**") and "done: [3/4] saving the merged model: safetensors" in final
     assert (merged / "config.json").is_file() and list(merged.glob("*.safetensors"))
     assert "outside the allowed folders" in client.predict(str(run_dir), "/root/merged", api_name="/export")
+    gguf = client.submit(str(run_dir), str(workdir / "gguf"), "gguf q8_0", True, api_name="/export")
+    final = gguf.result()
+    assert any("now: [3/4] saving the merged model: GGUF q8_0" in update for update in gguf.outputs())
+    assert f"ollama create short -f {workdir / 'gguf' / 'Modelfile'}" in final and "llama-cli -m" in final
+    assert (workdir / "gguf" / "short.q8_0.gguf").is_file() and (workdir / "gguf" / "Modelfile").is_file()
 
     # run, second run, ask the base model too, system prompt, temperature, top-p, max new tokens, message, histories
     chat = client.submit(str(run_dir), None, True, "", 0, 1, 16, "What is 3 plus 3?", [], [], [], api_name="/chat")

@@ -226,7 +226,22 @@ def test_a_preference_run_shows_its_reward_curves_and_the_held_out_rewards_befor
     assert views.rewards_markdown(api.run_reward_report(going.root)) == ""  # curves while it runs, no table yet
     sft = _run(tmp_path, "sft", [{"step": 1, "loss": 1.0, "eval_loss": 1.1}], {"state": "completed"})
     assert api.run_reward_report(sft.root) is None
-    assert run_panel.updates(sft.root)[5:] == ({"visible": False, "__type__": "update"}, None, "")
+    assert run_panel.updates(sft.root)[5:8] == ({"visible": False, "__type__": "update"}, None, "")
+
+
+def test_the_latest_finetune_eval_shows_base_and_run_side_by_side(tmp_path):
+    run = _run(tmp_path, "sft", [{"step": 1, "loss": 1.0}], {"state": "completed"})
+    assert run_panel.updates(run.root)[8:] == ({"visible": False, "__type__": "update"}, "")
+    models = [{"label": "base model", "loss": 2.5, "perplexity": 12.18, "loss_tokens": 40,
+               "exact": {"matched": 0, "of": 4}, "contains": {"matched": 1, "of": 4}, "numeric": None},
+              {"label": "sft", "loss": 0.5, "perplexity": 1.65, "loss_tokens": 40,
+               "exact": {"matched": 3, "of": 4}, "contains": {"matched": 4, "of": 4}, "numeric": None}]
+    atomic_write_json(run.evaluation, {"data": "/data/held_out.jsonl", "records": 5, "with_expected_answer": 4,
+                                       "models": models, "answers": []})
+    box, table = run_panel.updates(run.root)[8:]
+    assert box["visible"] is True and "5 records of `/data/held_out.jsonl`, 4 with an expected answer" in table
+    assert "| model | loss | perplexity | exact | contains | numeric |" in table
+    assert "| base model | 2.5000 | 12.18 | 0/4 | 1/4 | - |\n| sft | 0.5000 | 1.65 | 3/4 | 4/4 | - |" in table
 
 
 def _count_reads(monkeypatch, folder) -> dict[str, int]:
@@ -281,8 +296,9 @@ def test_one_redraw_of_the_train_tab_reads_each_run_file_once(tmp_path, monkeypa
     opened = _count_reads(monkeypatch, run.root)
     status, plots, log, _, seen = train.redraw(backend, str(run.root), None)
     assert dict(opened) == {name: 1 for name in ("status.json", "metrics.jsonl", "plan.json", "results.json",
-                                                 "recipe.yaml", "train.log")}
-    explained, loss, timeline, lr, memory, batch_box, batch_md, noise, *_, rewards_box, reward_plot, rewards_md = plots
+                                                 "recipe.yaml", "train.log", "evaluation.json")}
+    explained, loss, timeline, lr, memory, batch_box, batch_md, noise, *_, rewards_box, reward_plot, rewards_md = \
+        plots[:-2]  # the last two: the evaluation panel
     assert "data-step='4'" in status and "8.00 MiB" in status and "step 4" in log  # predicted peak
     assert "longest sequence in the data is 26 tokens" in explained and "5.00 MiB" in explained
     assert [t.get_text() for t in memory.axes[0].get_xticklabels()] == ["predicted", "predicted at 26 tokens",

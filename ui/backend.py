@@ -328,9 +328,11 @@ class Backend:
         """Stream the chat worker's answers to `requests` (one per column), queued behind training."""
         return self.chat_worker.chat(requests)
 
-    def export(self, run_dir: str, out_dir: str, timeout: float = 3600) -> Iterator[str]:
+    def export(self, run_dir: str, out_dir: str, timeout: float = 3600, gguf: api.GGUFOptions | None = None,
+               ) -> Iterator[str]:
         """Merge and save through `finetune export` in a separate process (it loads the full model) once no
-        training run holds the GPU, with the chat worker stopped; yields each step's line as it starts."""
+        training run holds the GPU, with the chat worker stopped; yields each step's line as it starts.
+        `gguf`: one GGUF file of that type (and an Ollama Modelfile) instead of safetensors."""
         run = self.checked_run(run_dir)
         out = allowed_path(out_dir, self.settings.roots, "export folder")
         with self.chat_worker.gpu() as waiting:
@@ -338,6 +340,8 @@ class Backend:
                 yield f"waiting for the training run {event['run']} to finish"
             self.chat_worker.release()
             cmd = [sys.executable, "-m", "finetune", "export", str(run), "--out", str(out)]
+            if gguf is not None:
+                cmd += ["--format", "gguf", "--type", gguf.type, *(["--ollama"] if gguf.ollama else [])]
             with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                   env=self.manager.child_env(), cwd=self.manager.cwd) as proc:
                 timer = threading.Timer(timeout, proc.kill)

@@ -300,3 +300,15 @@ def rewards_markdown(report: dict[str, Any]) -> str:
         fmt = ".0%" if key == REWARD_ACCURACY else "+.3f" if key in REWARD_KEYS else ".4f"
         lines.append(f"| {label} | {_fmt(before.get(key), fmt) or 'n/a'} | {_fmt(after.get(key), fmt) or 'n/a'} |")
     return "\n".join(lines)
+
+
+def evaluation_markdown(evaluation: dict[str, Any] | None) -> str:
+    """A run's latest `finetune eval` (finetune.api.run_evaluation_table) as a table, one row per model; ''
+    before one ran."""
+    if evaluation is None:
+        return ""
+    lines = [f"{evaluation['records']} records of `{evaluation['data']}`, {evaluation['with_expected_answer']} with "
+             "an expected answer (greedy generations; exact, contains and numeric match)", "",
+             "| " + " | ".join(evaluation["headers"]) + " |", "|" + "---|" * len(evaluation["headers"])]
+    lines += ["| " + " | ".join(row) + " |" for row in evaluation["rows"]]
+    return "\n".join(lines)

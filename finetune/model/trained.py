@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from finetune.errors import UsageError
+from finetune.export.files import GGUFOptions, write_gguf_export
 from finetune.model.load import compute_dtype, load_model, load_tokenizer
 from finetune.publish import pause_point, publishing
 from finetune.recipe.load import load_recipe
@@ -136,7 +137,7 @@ def _check_export_target(out: Path) -> None:
                             "not replacing it", hint="choose a new --out folder, or delete that one yourself")
 
 
-EXPORT_STEPS = ("loading the base model", "merging the adapter into it", "saving safetensors shards",
+EXPORT_STEPS = ("loading the base model", "merging the adapter into it", "saving the merged model",
                 "moving the merged model into place")
 
 
@@ -149,21 +150,26 @@ def _export_step(progress: Callable[[str], None]) -> Callable[[int, str], None]:
 
 
 def export_merged(run_dir: str | Path, out_dir: str | Path,
-                  progress: Callable[[str], None] = lambda line: None) -> Path:
-    """Merge the LoRA adapter into the base and save safetensors (QLoRA: into the dequantized base).
-    `progress` gets a line "[2/4] merging the adapter into it: DETAIL" as each of EXPORT_STEPS starts (a large
-    model's merge takes minutes, and the page shows where it is). The folder is published whole
-    (finetune.publish): a stop or a kill at any step leaves the earlier export in place and no temporary."""
+                  progress: Callable[[str], None] = lambda line: None, gguf: GGUFOptions | None = None) -> Path:
+    """Merge the LoRA adapter into the base and save safetensors (QLoRA: into the dequantized base), or with
+    `gguf` one GGUF file (finetune.export). `progress` gets a line "[2/4] merging the adapter into it: DETAIL"
+    as each of EXPORT_STEPS starts (a large model's merge takes minutes, and the page shows where it is). The
+    folder is published whole (finetune.publish): a stop or a kill at any step leaves the earlier export in
+    place and no temporary."""
     recipe, run = load_run(run_dir)
     step = _export_step(progress)
     out = Path(out_dir)
     with publishing(out) as tmp:  # settles what a killed export left before the target is checked
         _check_export_target(out)
-        _write_merged(recipe, run, tmp, step)
+        if gguf is None:
+            _write_merged(recipe, run, tmp, step)
+        else:
+            write_gguf_export(*merged_model(recipe, run, step), tmp, gguf, name=run.root.resolve().name,
+                              system_prompt=recipe.data.system_prompt, step=step)
         (tmp / EXPORT_MARKER).touch()
-        shards = sorted(tmp.glob("*.safetensors"))
-        size = format_bytes(sum(p.stat().st_size for p in shards))
-        step(3, f"{len(shards)} safetensors file(s), {size} -> {out}")
+        files = sorted(tmp.glob("*.safetensors")) + sorted(tmp.glob("*.gguf"))
+        size = format_bytes(sum(p.stat().st_size for p in files))
+        step(3, f"{len(files)} {'GGUF' if gguf else 'safetensors'} file(s), {size} -> {out}")
     return out
 
 
@@ -172,15 +178,27 @@ def _write_merged(recipe: Recipe, run: RunDir, tmp: Path, step: Callable[[int, s
         step(0, f"full fine-tune: copying {run.adapter}")
         shutil.copytree(run.adapter, tmp, dirs_exist_ok=True)
     else:
-        from peft import PeftModel
-
-        step(0, recipe.model.path)
-        model, tokenizer, _ = load_model(recipe.model, recipe.quantization)
-        step(1, f"{recipe.adapter.type} adapter from {run.adapter}")
-        if recipe.quantization.bits in (4, 8):
-            # The adapter learned against the quantized weights: merge into exactly those, dequantized.
-            model = model.dequantize()
-        model = PeftModel.from_pretrained(model, run.adapter).merge_and_unload()
-        step(2, f"{tmp} (a temporary folder, renamed when complete)")
+        model, tokenizer = merged_model(recipe, run, step)
+        step(2, f"safetensors shards in {tmp} (a temporary folder, renamed when complete)")
         model.save_pretrained(tmp, safe_serialization=True)
-        load_tokenizer(run.adapter, recipe.model).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+
+def merged_model(recipe: Recipe, run: RunDir, step: Callable[[int, str], None] = lambda i, detail: None):
+    """(model, tokenizer): the run's adapter merged into its base (a full fine-tune as saved), in memory."""
+    if recipe.adapter.type == "full":
+        from transformers import AutoModelForCausalLM
+
+        step(0, f"full fine-tune from {run.adapter}")
+        model = AutoModelForCausalLM.from_pretrained(run.adapter, dtype="auto", use_safetensors=True)
+        return model, load_tokenizer(run.adapter, recipe.model)
+    from peft import PeftModel
+
+    step(0, recipe.model.path)
+    model, _, _ = load_model(recipe.model, recipe.quantization)
+    step(1, f"{recipe.adapter.type} adapter from {run.adapter}")
+    if recipe.quantization.bits in (4, 8):
+        # The adapter learned against the quantized weights: merge into exactly those, dequantized.
+        model = model.dequantize()
+    model = PeftModel.from_pretrained(model, run.adapter).merge_and_unload()
+    return model, load_tokenizer(run.adapter, recipe.model)  # the tokenizer carries the training chat template

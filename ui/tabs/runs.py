@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 import gradio as gr
 
+from finetune import api
 from finetune.errors import FinetuneError
+from finetune.export.gguf import TYPES as GGUF_TYPES
 from finetune.rundir import RunDir
 from ui import charts
 from ui.backend import Backend
@@ -29,12 +31,17 @@ class RunsTab:
     recipe_run: gr.Dropdown
 
 
-def export_view(backend: Backend, run_dir: str, out_dir: str) -> Iterator[str]:
+EXPORT_FORMATS = ["safetensors", *(f"gguf {t}" for t in GGUF_TYPES)]
+
+
+def export_view(backend: Backend, run_dir: str, out_dir: str, fmt: str = "safetensors",
+                ollama: bool = False) -> Iterator[str]:
     """The export's progress as a checklist (a step is ticked when the next one starts), then where the
-    merged model went."""
+    merged model went. `fmt`: one of EXPORT_FORMATS ("gguf q8_0": one GGUF file of that type)."""
     steps: list[str] = []
+    gguf = api.GGUFOptions(fmt.split()[1], ollama) if fmt.startswith("gguf ") else None
     try:
-        for line in backend.export(run_dir, out_dir):
+        for line in backend.export(run_dir, out_dir, gguf=gguf):
             if line.startswith("waiting"):
                 yield f"Export queued: {line}."
                 continue
@@ -45,8 +52,12 @@ def export_view(backend: Backend, run_dir: str, out_dir: str) -> Iterator[str]:
     except FinetuneError as exc:
         yield problems_markdown(exc)
         return
-    yield (f"**merged model saved to {out}**\n" + "\n".join(f"- done: {s}" for s in steps)
-           + f"\n\nLoad it with `AutoModelForCausalLM.from_pretrained(\"{out}\")`.")
+    if gguf is None:
+        use = f"Load it with `AutoModelForCausalLM.from_pretrained(\"{out}\")`."
+    else:
+        use = f"Run it with `llama-cli -m {next(out.glob('*.gguf'), out)}`" + (
+            f", or make it an Ollama model with `{api.ollama_command(out)}`." if gguf.ollama else ".")
+    yield f"**merged model saved to {out}**\n" + "\n".join(f"- done: {s}" for s in steps) + f"\n\n{use}"
 
 
 def build(backend: Backend, widgets: list[gr.components.Component]) -> RunsTab:
@@ -60,6 +71,9 @@ def build(backend: Backend, widgets: list[gr.components.Component]) -> RunsTab:
         with gr.Row():
             recipe_run = gr.Dropdown(label="Run", allow_custom_value=True, elem_id="history-run")
             export_dir = gr.Textbox(label="Export merged model to", elem_id="export-dir")
+            export_format = gr.Dropdown(EXPORT_FORMATS, value="safetensors", label="Format", elem_id="export-format",
+                                        info="GGUF for llama.cpp and Ollama; k-quants: llama-quantize an f16 file")
+            export_ollama = gr.Checkbox(label="Ollama Modelfile (GGUF)", elem_id="export-ollama")
             export_btn = gr.Button("Export (merge and save)", elem_id="export")
         export_msg = gr.Markdown(elem_id="export-message")
         panel = run_panel.build("runs")
@@ -86,8 +100,8 @@ def build(backend: Backend, widgets: list[gr.components.Component]) -> RunsTab:
     recipe_run.change(run_view, recipe_run, panel.outputs, api_name="run_view")
     run_panel.wire_advice(panel, backend, recipe_run, widgets)
 
-    def export(run_dir, out_dir):  # a generator function, so the page streams the progress
-        yield from export_view(backend, run_dir, out_dir)
+    def export(run_dir, out_dir, fmt="safetensors", ollama=False):  # a generator: the page streams the progress
+        yield from export_view(backend, run_dir, out_dir, fmt, ollama)
 
-    export_btn.click(export, [recipe_run, export_dir], export_msg, api_name="export")
+    export_btn.click(export, [recipe_run, export_dir, export_format, export_ollama], export_msg, api_name="export")
     return RunsTab(tab, refresh_btn, history, compare, recipe_run)

@@ -1,0 +1,117 @@
+"""Evaluate runs on the user's held-out records: loss and perplexity on the tokens a run trains on (the
+assistant turns of chat records, all of a text record), and for records with an expected answer the greedy
+generation scored by finetune.evaluate.match. The base model and every run are measured on the same tokens."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from finetune.data.build import build_datasets
+from finetune.data.formats import Chat, RecordError, detect_format, normalize
+from finetune.data.read import read_records
+from finetune.evaluate.match import KINDS, score
+from finetune.model.chat import stream_reply
+from finetune.model.trained import load_adapters, load_run, load_trained
+from finetune.recipe.schema import Recipe
+from finetune.rundir import RunDir, atomic_write_json
+
+BASE = "base model"
+
+
+def evaluate(run_dir: str | Path, data: str | Path, *, compare: list[str | Path] | None = None,
+             max_new_tokens: int = 64, progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+    """Measure the run (and, with `compare`, the base model and the runs listed, side by side) on the records of
+    `data`; the result is also written to the run's evaluation.json."""
+    recipe, run = load_run(run_dir)
+    runs = [*(compare or []), run_dir]
+    cfg = recipe.data.model_copy(update={"path": str(data), "format": "auto", "validation_split": 0.0,
+                                         "packing": False, "max_samples": None})
+    results: list[dict[str, Any]] = []
+    answers: list[dict[str, Any]] = []
+    examples = prompts = None
+    for label, model, tokenizer in _models(runs, with_base=compare is not None):
+        if examples is None:
+            examples = build_datasets(cfg, tokenizer, recipe.training.seed).train
+            prompts = expected_answers(cfg.path, cfg.system_prompt)
+            answers = [{"where": where, "prompt": messages[-1]["content"], "expected": expected, "answers": {}}
+                       for where, messages, expected in prompts]
+        progress(f"{label}: loss on {len(examples)} examples")
+        loss, tokens = held_out_loss(model, examples)
+        scores = {kind: [] for kind in KINDS}
+        for row, (_, messages, expected) in zip(answers, prompts, strict=True):
+            progress(f"{label}: answering {row['where']}")
+            reply = stream_reply(model, tokenizer, messages, max_new_tokens=max_new_tokens)
+            row["answers"][label] = reply
+            for kind, ok in score(reply, expected).items():
+                if ok is not None:
+                    scores[kind].append(ok)
+        results.append({"label": label, "loss": loss, "perplexity": math.exp(loss), "loss_tokens": tokens,
+                        **{kind: _rate(scores[kind]) for kind in KINDS}})
+    report = {"data": str(Path(data).resolve()), "records": len(examples), "with_expected_answer": len(answers),
+              "max_new_tokens": max_new_tokens, "models": results, "answers": answers}
+    atomic_write_json(RunDir(run.root).evaluation, report)
+    return report
+
+
+def _rate(matches: list[bool]) -> dict[str, int] | None:
+    return {"matched": sum(matches), "of": len(matches)} if matches else None
+
+
+def _models(run_dirs: list[str | Path], *, with_base: bool) -> Iterator[tuple[str, Any, Any]]:
+    """(label, model, tokenizer) in turn: the base model first (with_base), then each run, by folder name.
+    LoRA runs share one loaded base with their adapters switched in turn; a full fine-tune loads alone."""
+    recipes: list[Recipe] = [load_run(d)[0] for d in run_dirs]
+    if all(r.adapter.type != "full" for r in recipes):
+        model, tokenizer, names = load_adapters(run_dirs)
+        if with_base:
+            with model.disable_adapter():
+                yield BASE, model, tokenizer
+        for name, run_dir in zip(names, run_dirs, strict=True):
+            model.set_adapter(name)
+            yield Path(run_dir).name, model, tokenizer
+        return
+    if with_base:
+        yield BASE, *load_trained(run_dirs[-1], use_adapter=False)
+    for run_dir in run_dirs:
+        yield Path(run_dir).name, *load_trained(run_dir)
+
+
+def held_out_loss(model: Any, examples: Any) -> tuple[float, int]:
+    """(mean cross-entropy per loss token, loss tokens) over tokenized examples (input_ids, labels)."""
+    import torch
+    import torch.nn.functional as F
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for example in examples:
+            ids = torch.tensor([example["input_ids"]], device=model.device)
+            labels = torch.tensor(example["labels"][1:], device=model.device)
+            logits = model(input_ids=ids).logits[0, :-1].float()
+            total += F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum").item()
+            count += int((labels != -100).sum())
+    return total / max(count, 1), count
+
+
+def expected_answers(path: str, system_prompt: str | None) -> list[tuple[str, list[dict], str]]:
+    """(where, prompt messages, expected answer) for each chat record that ends with an assistant turn after a
+    user turn: the expected answer is the record's `expected` string where it has one (a short answer to look
+    for, as "Paris"), else that last assistant turn."""
+    records = read_records(path).records
+    fmt = detect_format([r.value for r in records])
+    out = []
+    for record in records:
+        try:
+            example = normalize(record.value, fmt, system_prompt)
+        except RecordError:
+            continue  # build_datasets already reported it (or skips it, as data.on_bad_record says)
+        if not isinstance(example, Chat) or len(example.messages) < 2:
+            continue
+        *prompt, last = example.messages
+        if last["role"] != "assistant" or prompt[-1]["role"] != "user":
+            continue
+        expected = record.value.get("expected")
+        out.append((record.where, prompt, expected if isinstance(expected, str) else last["content"]))
+    return out

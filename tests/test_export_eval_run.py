@@ -1,0 +1,115 @@
+"""A trained run through the commands: `finetune export --format gguf --ollama` writes one GGUF file whose
+logits equal the merged safetensors export's, an interrupted export leaves nothing behind, and `finetune eval`
+measures the run against its base model on held-out records and saves the result in the run directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from finetune.cli import main
+from finetune.evaluate.match import score
+from finetune.recipe import validate_recipe
+from finetune.rundir import EXPORT_MARKER, RunDir
+from finetune.train.run import run
+from tests.run_support import sums_data, tiny_lora_recipe
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_model_dir) -> Path:
+    folder = tmp_path_factory.mktemp("gguf-run")
+    recipe = tiny_lora_recipe(tiny_model_dir, sums_data(folder / "sums.jsonl", 16), folder / "run",
+                              {"training": {"max_steps": 30, "micro_batch_size": 4, "learning_rate": 1e-2}})
+    run(validate_recipe(recipe))
+    return folder / "run"
+
+
+def test_gguf_export_equals_the_merged_safetensors_export(trained, tmp_path, capsys):
+    assert main(["export", str(trained), "--out", str(tmp_path / "merged")]) == 0
+    assert main(["export", str(trained), "--out", str(tmp_path / "gguf"), "--format", "gguf", "--type", "f32",
+                 "--ollama"]) == 0
+    out = capsys.readouterr().out
+    assert "[3/4] saving the merged model: GGUF f32" in out
+    assert f"ollama create run -f {tmp_path / 'gguf' / 'Modelfile'}" in out
+    assert sorted(p.name for p in (tmp_path / "gguf").iterdir()) == sorted([EXPORT_MARKER, "Modelfile", "run.f32.gguf"])
+    assert (tmp_path / "gguf" / "Modelfile").read_text().startswith("FROM ./run.f32.gguf\n")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "gguf", gguf_file="run.f32.gguf").eval()
+    ids = torch.randint(4, 400, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_gguf_options_without_gguf_format_are_a_usage_error(trained, tmp_path, capsys):
+    assert main(["export", str(trained), "--out", str(tmp_path / "x"), "--type", "q8_0"]) == 2
+    assert "apply to --format gguf" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_an_interrupted_gguf_export_leaves_nothing(trained, tmp_path, monkeypatch):
+    import finetune.export.files as files
+
+    def interrupted(model, tokenizer, path, **kwargs):
+        path.write_bytes(b"GGUF half written")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(files, "write_gguf", interrupted)
+    assert main(["export", str(trained), "--out", str(tmp_path / "out"), "--format", "gguf"]) == 130
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_eval_compares_base_and_run_on_held_out_records(trained, tmp_path, capsys):
+    held_out = sums_data(tmp_path / "held_out.jsonl", 20)  # records 16-19 were never trained on
+    lines = held_out.read_text().splitlines()[16:]
+    held_out.write_text("\n".join(lines) + "\n")
+    assert main(["eval", str(trained), "--data", str(held_out), "--compare", "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "base model" in out and "perplexity" in out and "held-out records" in out
+    report = RunDir(trained).read_evaluation()
+    base, tuned = report["models"]
+    assert (base["label"], tuned["label"]) == ("base model", "run")
+    assert tuned["loss"] < base["loss"] * 0.7 and tuned["perplexity"] < base["perplexity"]
+    assert base["loss_tokens"] == tuned["loss_tokens"] > 0
+    assert report["records"] == report["with_expected_answer"] == 4
+    assert all(m["exact"]["of"] == 4 and m["numeric"]["of"] == 4 for m in report["models"])
+    first = report["answers"][0]
+    assert first["prompt"] == "What is 16 plus 16?" and set(first["answers"]) == {"base model", "run"}
+    assert json.loads(RunDir(trained).evaluation.read_text()) == report
+
+
+@pytest.mark.parametrize(("answer", "expected", "want"), [
+    ("Paris.", " paris. ", {"exact": True, "contains": True, "numeric": None}),
+    ("The capital is Paris, of course.", "Paris", {"exact": False, "contains": True, "numeric": None}),
+    ("It is 1,024 bytes.", "1024", {"exact": False, "contains": False, "numeric": True}),
+    ("It is 32.", "It is 34.", {"exact": False, "contains": False, "numeric": False}),
+    ("No idea.", "It is 34.", {"exact": False, "contains": False, "numeric": False}),
+])
+def test_answer_matching(answer, expected, want):
+    assert score(answer, expected) == want
+
+
+def test_a_full_fine_tune_exports_to_gguf_and_evaluates_against_its_base(tmp_path, tiny_model_dir):
+    data = sums_data(tmp_path / "sums.jsonl", 8)
+    run(validate_recipe(tiny_lora_recipe(tiny_model_dir, data, tmp_path / "full", {
+        "adapter": {"type": "full"}, "training": {"max_steps": 12, "micro_batch_size": 4, "learning_rate": 2e-3}})))
+    assert main(["export", str(tmp_path / "full"), "--out", str(tmp_path / "gguf"), "--format", "gguf",
+                 "--type", "f32"]) == 0
+    trained = AutoModelForCausalLM.from_pretrained(RunDir(tmp_path / "full").adapter).eval()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "gguf", gguf_file="full.f32.gguf").eval()
+    ids = torch.randint(4, 400, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, trained(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    assert main(["eval", str(tmp_path / "full"), "--data", str(data), "--compare", "--max-new-tokens", "4"]) == 0
+    base, tuned = RunDir(tmp_path / "full").read_evaluation()["models"]
+    assert base["label"] == "base model" and tuned["loss"] < base["loss"]
+
+
+def test_a_k_quant_type_is_refused_before_loading_with_the_llama_quantize_way(tmp_path, capsys):
+    assert main(["export", str(tmp_path / "no-run"), "--out", str(tmp_path / "x"), "--format", "gguf",
+                 "--type", "q4_k_m"]) == 2
+    err = capsys.readouterr().err
+    assert "--type q4_k_m: not a type this exporter writes" in err and "llama-quantize" in err
