@@ -219,6 +219,29 @@ def test_unreadable_recipes_are_one_line_errors(tmp_path, content, says):
     assert f"{path}{says}" in str(info.value)
 
 
+@pytest.mark.parametrize("stopped_by", ["ours", "pyyaml"])
+def test_nesting_error_names_file_line_and_limit_whichever_parser_stops_first(tmp_path, monkeypatch, stopped_by):
+    """pyyaml >= 6.0.3 (libyaml) refuses deep nesting itself, possibly before our depth check sees an event;
+    either way the user reads the same one line, not a hint about indentation."""
+    import yaml
+
+    if stopped_by == "pyyaml":  # what pyyaml 6.0.4 raises for 100,000 '[' (older ones never do)
+        mark = yaml.Mark("<unicode string>", 0, 4, 7, None, None)
+
+        def parse(*args, **kwargs):
+            raise yaml.scanner.ScannerError("while increasing flow level", mark, "exceeded maximum nesting depth",
+                                            mark)
+            yield  # a generator, like yaml.parse
+
+        monkeypatch.setattr(yaml, "parse", parse)
+    path = write(tmp_path, "model:\n  path: m\n" + "x:\n" + "".join("  " * i + "k:\n" for i in range(1, 40)))
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path)
+    line = 5 if stopped_by == "pyyaml" else 19
+    assert str(info.value) == f"{path}:{line}: nested more than 16 levels deep; a recipe is sections of keys " \
+                              "(see `finetune keys`)"
+
+
 def alias_bomb(levels: int = 9) -> str:
     text = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n'
     for prev, name in itertools.pairwise("abcdefghijklmnop"[:levels]):

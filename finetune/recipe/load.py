@@ -48,6 +48,8 @@ def _yaml_error(exc: yaml.YAMLError, source: str, text: str, numbered: bool) -> 
         line = None
     what = getattr(exc, "problem", None) or getattr(exc, "reason", None) or str(exc).splitlines()[0]
     where = f"{source}:{line}" if line else source
+    if "nesting depth" in str(what):  # pyyaml >= 6.0.3 (libyaml) stops deep nesting itself, maybe before we do
+        return _too_deep(where)
     hint = None if isinstance(exc, yaml.constructor.ConstructorError) else (
         "check the indentation and quoting on that line (YAML needs `key: value`)")
     return RecipeError(f"{where}: not valid YAML: {_clip(what)}", hint=hint)
@@ -59,6 +61,12 @@ def _clip(value: Any, n: int = 80) -> str:
     return text[:n] + "..." if len(text) > n else text
 
 
+def _too_deep(where: str) -> RecipeError:
+    """The one message for nesting too deep, whether our event check or pyyaml's own limit stopped it."""
+    return RecipeError(f"{where}: nested more than {MAX_DEPTH} levels deep; a recipe is sections of keys "
+                       "(see `finetune keys`)")
+
+
 def _check_events(text: str, source: str) -> None:
     """Refuse deep nesting and oversized documents from the parser's event stream, before anything is built
     (composing recurses once per level, and aliases would be expanded by construction)."""
@@ -68,8 +76,7 @@ def _check_events(text: str, source: str) -> None:
         if isinstance(event, yaml.CollectionStartEvent):
             depth += 1
             if depth > MAX_DEPTH:
-                raise RecipeError(f"{source}:{event.start_mark.line + 1}: nested more than {MAX_DEPTH} levels deep; "
-                                  "a recipe is sections of keys (see `finetune keys`)")
+                raise _too_deep(f"{source}:{event.start_mark.line + 1}")
         elif isinstance(event, yaml.CollectionEndEvent):
             depth -= 1
         if events > MAX_VALUES:
