@@ -306,3 +306,41 @@ def test_cli_prints_user_text_that_looks_like_markup(tmp_path, capsys):
     path = write(tmp_path, GOOD + "memory:\n  offload: '[/red]'\n")
     assert main(["validate", str(path)]) == 2
     assert "(got '[/red]')" in capsys.readouterr().err
+
+
+# names pydantic also writes into an error's location (union branches, validators): as keys they are still keys
+COLLIDING_KEYS = ["int", "str", "none", "literal_x", "function-after", "constrained-int", "a b", ""]
+
+
+@pytest.mark.parametrize("key", COLLIDING_KEYS)
+def test_any_unknown_key_is_one_located_line(tmp_path, capsys, key):
+    from finetune import api
+
+    good = {"model": {"path": "m"}, "data": {"path": "d"}}
+    shown = key if key.isidentifier() else repr(key)
+    for data, dotted in (({**good, key: 1}, shown), ({**good, "model": {"path": "m", key: 1}}, f"model.{shown}")):
+        with pytest.raises(RecipeError) as info:
+            api.validate(data)
+        [line] = info.value.problems
+        assert line.startswith(f"recipe: unknown key {dotted}; ")
+    if key.isidentifier():  # what YAML lets through to validation (other names are refused as they are read)
+        path = write(tmp_path, GOOD + f"{key}: 1\n")
+        assert main(["validate", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert f"recipe.yaml:7: unknown key {key}" in err and "Traceback" not in err
+
+
+def test_python_data_nested_past_the_limit_is_one_line(tmp_path):
+    """api.validate takes Python data that no YAML reader bounded: a 2,000-deep list must not recurse."""
+    from finetune import api
+
+    deep: list = []
+    for _ in range(2000):
+        deep = [deep]
+    for section, key in (("training", "learning_rate"), ("data", "path"), ("adapter", "target_modules")):
+        with pytest.raises(RecipeError) as info:
+            api.validate({"model": {"path": "m"}, "data": {"path": "d"}, section: {key: deep}})
+        [line] = info.value.problems
+        assert line.startswith(f"recipe: {section}.{key}: nested more than 16 levels deep") and "(got [[[" in line
+    with pytest.raises(RecipeError, match=r"recipe: training: nested more than 16 levels deep.*\(got \[\[\["):
+        api.validate({"model": {"path": "m"}, "data": {"path": "d"}, "training": deep})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import reprlib
 from pathlib import Path
 from typing import Any
 
@@ -10,10 +11,9 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from finetune.errors import RecipeError
-from finetune.recipe.schema import Recipe
+from finetune.recipe.schema import MAX_DEPTH, Recipe
 
 MAX_FILE_BYTES = 1 << 20  # a recipe is a few kilobytes; this bounds parse time and memory
-MAX_DEPTH = 16  # sections hold keys hold lists: 4 levels are used, the rest is room
 MAX_VALUES = 10_000  # YAML values after alias expansion: a recipe has ~100; refuses "billion laughs" bombs
 
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -56,8 +56,12 @@ def _yaml_error(exc: yaml.YAMLError, source: str, text: str, numbered: bool) -> 
 
 
 def _clip(value: Any, n: int = 80) -> str:
-    """A user's value made printable (repr) and short for a one-line message."""
-    text = repr(value)
+    """A user's value made printable (repr) and short for a one-line message; a value nested too deep for
+    repr (Python data given to api.validate) is shown to a few levels."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        text = reprlib.repr(value)
     return text[:n] + "..." if len(text) > n else text
 
 
@@ -242,9 +246,8 @@ def describe_errors(exc: ValidationError, source: str, locations: Locations) -> 
     by_key: dict[tuple[str, ...], list[str]] = {}
     given: dict[tuple[str, ...], Any] = {}
     for err in exc.errors():
-        # pydantic adds union-branch names such as 'int' or "literal['auto']" to loc; keep only real keys.
-        keys = tuple(str(p) for p in err["loc"] if _is_key(str(p)))
-        dotted = ".".join(keys) or "(recipe)"
+        keys = _recipe_keys(err["loc"])
+        dotted = _dotted(keys)
         if err["type"] == "extra_forbidden":
             parent = _submodel(Recipe, keys[:-1])
             choices = list(parent.model_fields) if parent else []
@@ -273,16 +276,30 @@ def describe_errors(exc: ValidationError, source: str, locations: Locations) -> 
     for keys, msgs in by_key.items():
         where = f"{locations.get(keys, source)}: "
         if keys in given:  # a bad value: union types give one message per branch, joined with "or"
-            text = f"{'.'.join(keys) or '(recipe)'}: {' or '.join(msgs)} (got {_clip(given[keys])})"
+            text = f"{_dotted(keys)}: {' or '.join(msgs)} (got {_clip(given[keys])})"
             problems.append(where + text)
         else:
             problems.extend(where + m for m in msgs)
     return problems
 
 
-def _is_key(part: str) -> bool:
-    return part.isidentifier() and not part.startswith(("literal", "function")) and part not in {
-        "int", "str", "float", "bool", "list", "none", "tuple", "dict", "constrained-int", "constrained-float"}
+def _dotted(keys: tuple[str, ...]) -> str:
+    """A key path as the user reads it: `model.path`, a name that is no identifier quoted (`model.'a b'`)."""
+    return ".".join(k if k.isidentifier() else _clip(k) for k in keys) or "(recipe)"
+
+
+def _recipe_keys(loc: tuple[Any, ...]) -> tuple[str, ...]:
+    """The recipe keys of a pydantic error location: its parts while they name a section or one of its keys,
+    whatever their spelling (a key `int` too); what follows a key is pydantic's (union-branch names such as
+    'int' or "literal['auto']", list indices)."""
+    keys: list[str] = []
+    model: type[BaseModel] | None = Recipe
+    for part in loc:
+        if model is None:
+            break
+        keys.append(str(part))
+        model = _submodel(model, (str(part),))
+    return tuple(keys)
 
 
 def validate_recipe(data: Any, source: str = "recipe", text: str | None = None,
