@@ -9,6 +9,8 @@ replaced, a metrics line still being written.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import shutil
@@ -23,6 +25,8 @@ from finetune.errors import FinetuneError
 
 RECIPE = "recipe.yaml"  # also the name the UI gives a recipe it offers for download
 MARKER = ".finetune-run"  # written into a run directory the tool created; --overwrite deletes nothing else
+LOCK = ".finetune-lock"  # flock'ed by the one process writing the run (RunDir.lock); never deleted while in use
+LOCK_WAIT_S = 0.5  # how long taking the lock waits out a reader's momentary probe (RunDir.locked_by)
 EXPORT_MARKER = ".finetune-export"  # written into an export folder: a later export may replace only such a folder
 TAIL_BYTES = 65536  # a log tail reads at most this much from the end of the file
 
@@ -105,6 +109,39 @@ def tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+class RunLock:
+    """An exclusive flock on a run directory's lock file, held until `release()` or the end of the process:
+    the kernel drops it however the process ends, so a crash or a kill -9 leaves no stale lock."""
+
+    def __init__(self, fd: int | None):
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _in_use(root: Path, holder: str, action: str) -> FinetuneError:
+    return FinetuneError(f"{action}: {root} is in use by {holder}; one process at a time may write a run directory",
+                         hint="wait for it to end or stop it, or choose another folder (--set output.dir=runs/NEW)")
+
+
+def _holder(fd: int) -> str:
+    """What the holder wrote into the lock file after taking it ('pid 123 (finetune run)')."""
+    try:
+        text = os.pread(fd, 200, 0).decode("utf-8", errors="replace").strip()
+    except OSError:
+        text = ""
+    return text or "another process"
+
+
 @dataclass(frozen=True)
 class RunDir:
     """One run directory: the path of each of its files, its writers and its readers."""
@@ -184,6 +221,10 @@ class RunDir:
     def marker(self) -> Path:
         return self.root / MARKER
 
+    @property
+    def lock_file(self) -> Path:
+        return self.root / LOCK
+
     # -- what a run directory is --------------------------------------------------------------------
     def exists(self) -> bool:
         """Whether the folder holds a run (or a run's first file): a new run must not start in it."""
@@ -193,20 +234,75 @@ class RunDir:
         """Whether a trained adapter or full model was saved (generate, chat and export need one)."""
         return (self.adapter / "adapter_config.json").is_file() or (self.adapter / "config.json").is_file()
 
-    def create(self) -> None:
-        """Make the folder a run directory: marked only if the tool created it or found it empty, so a
-        folder that already held the user's files can never later be deleted by --overwrite."""
+    def lock(self, action: str, create: bool = False) -> RunLock:
+        """Become the one process that writes this run directory (a run, a resume, an export), before
+        anything is checked or written in it; refused at once, naming the holder's pid, while another holds
+        it. `create` makes the folder first (a new run); else a missing or read-only folder is not locked
+        (there is nothing a writer could share)."""
         try:
-            if not self.root.exists() or not any(self.root.iterdir()):
+            if create:
+                self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            if create:
+                raise _cannot_create(self.root, exc) from None
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EROFS):
+                return RunLock(None)
+            raise
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    holder = _holder(fd)
+                    os.close(fd)
+                    raise _in_use(self.root, holder, action) from None
+                time.sleep(0.02)
+        try:  # who holds it, for the refusal a second process prints (best effort: a full disk may refuse)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} ({action})\n".encode(), 0)
+        except OSError:
+            pass
+        return RunLock(fd)
+
+    def locked_by(self) -> str | None:
+        """Who holds the run directory ('pid 123 (finetune run)'), or None: the UI and the launcher refuse a
+        start at once. A shared probe, dropped at once (lock() waits such probes out)."""
+        try:
+            fd = os.open(self.lock_file, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return None
+        except BlockingIOError:
+            return _holder(fd)
+        finally:
+            os.close(fd)
+
+    def refuse_if_locked(self, action: str) -> None:
+        """Raise the refusal lock() would give, without taking the lock (the process that will write starts
+        later: the UI's queue, the launcher's torchrun)."""
+        holder = self.locked_by()
+        if holder is not None:
+            raise _in_use(self.root, holder, action)
+
+    def create(self) -> None:
+        """Make the folder a run directory: marked only if the tool created it or found it empty (but for the
+        lock file), so a folder that already held the user's files can never later be deleted by --overwrite."""
+        try:
+            if not self.root.exists() or not any(p.name != LOCK for p in self.root.iterdir()):
                 self.root.mkdir(parents=True, exist_ok=True)
                 atomic_write_text(self.marker, "created by finetune; `finetune run --overwrite` may delete it\n")
         except OSError as exc:
-            raise FinetuneError(f"output.dir: cannot create the run directory {self.root}: {exc.strerror or exc}",
-                                hint="choose a folder you can write to, e.g. --set output.dir=runs/NEW") from None
+            raise _cannot_create(self.root, exc) from None
 
     def remove(self) -> None:
-        """--overwrite: delete the run directory, only if it carries the marker and is no folder that holds
-        the user's work (the working directory or a parent of it, home, /, a mount point)."""
+        """--overwrite: delete the run directory's contents, only if it carries the marker and is no folder that
+        holds the user's work (the working directory or a parent of it, home, /, a mount point). The folder and
+        its lock file stay: the caller holds the lock (a new lock file would let a second process in)."""
         target = self.root.resolve()
         cwd, home = Path.cwd().resolve(), Path.home().resolve()
         why = None
@@ -222,7 +318,13 @@ class RunDir:
             raise FinetuneError(f"--overwrite: refusing to delete output.dir {self.root} ({target}): {why}",
                                 hint="set output.dir to a new folder (e.g. --set output.dir=runs/NEW), or "
                                      "delete the folder yourself if you are sure")
-        shutil.rmtree(target)
+        for path in target.iterdir():
+            if path.name == LOCK:
+                continue
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
 
     # -- writers (training) -------------------------------------------------------------------------
     def append_metrics(self, row: dict) -> None:
@@ -263,6 +365,11 @@ class RunDir:
 
     def log_tail(self, lines: int = 40) -> str:
         return tail(self.log, lines)
+
+
+def _cannot_create(root: Path, exc: OSError) -> FinetuneError:
+    return FinetuneError(f"output.dir: cannot create the run directory {root}: {exc.strerror or exc}",
+                         hint="choose a folder you can write to, e.g. --set output.dir=runs/NEW")
 
 
 def find_runs(folder: Path, extra: Iterable[Path] = ()) -> list[Path]:

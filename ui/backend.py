@@ -219,6 +219,7 @@ class Backend:
         """Queue a new run of the form's recipe; returns its run directory."""
         recipe = self.checked_recipe(values)
         run_dir = allowed_path(recipe.output.dir, self.settings.roots, "output.dir")
+        RunDir(run_dir).refuse_if_locked("start a run")
         if RunDir(run_dir).exists():
             raise FinetuneError(f"output.dir {run_dir} already holds a run",
                                 hint="resume it from the run list, or change output.dir for a new run")
@@ -230,6 +231,7 @@ class Backend:
     def resume(self, run_dir: str) -> Path:
         """Queue the continuation of a stopped run from its newest checkpoint."""
         path = self.checked_run(run_dir)
+        RunDir(path).refuse_if_locked("resume")
         recipe = RunDir(path).recipe
         if not recipe.is_file():
             raise FinetuneError(f"{path} has no {recipe.name}, so it cannot be resumed")
@@ -311,6 +313,7 @@ class Backend:
         """Merge and save through `finetune export` in a separate process (it loads the full model) once no
         training run holds the GPU, with the chat worker stopped; yields each step's line as it starts."""
         run = self.checked_run(run_dir)
+        RunDir(run).refuse_if_locked("export")
         out = allowed_path(out_dir, self.settings.roots, "export folder")
         with self.chat_worker.gpu() as waiting:
             for event in waiting:

@@ -24,7 +24,7 @@ from finetune.recipe.load import load_recipe, recipe_to_yaml
 from finetune.recipe.schema import Recipe
 from finetune.recipe.settings import auto_settings, read_settings, write_settings
 from finetune.recipe.settings import table as settings_table
-from finetune.rundir import EVAL_PREFIX, RunDir, atomic_write_json, atomic_write_text, replace_dir
+from finetune.rundir import EVAL_PREFIX, RunDir, RunLock, atomic_write_json, atomic_write_text, replace_dir
 from finetune.train import distributed
 from finetune.train.batch_engine import BatchEngineTrainer, batch_summary, record_batch_change
 from finetune.train.callbacks import MetricsCallback, ProgressCallback, StopOnSignal
@@ -49,9 +49,12 @@ class RunResult:
     eval_loss: float | None
 
 
-def _prepare_run_dir(recipe: Recipe, resume: bool, overwrite: bool) -> tuple[RunDir, str | None]:
-    """Check the run directory against --resume / --overwrite; return it and the checkpoint to resume from."""
+def _prepare_run_dir(recipe: Recipe, resume: bool, overwrite: bool, held: list[RunLock]
+                     ) -> tuple[RunDir, str | None]:
+    """Lock the run directory (into `held`, released when the run ends), then check it against --resume /
+    --overwrite under the lock; return it and the checkpoint to resume from."""
     run = RunDir(Path(recipe.output.dir))
+    held.append(run.lock("finetune run --resume" if resume else "finetune run", create=not resume))
     if overwrite and not resume and run.root.exists():
         run.remove()
     if resume:
@@ -130,7 +133,13 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> Run
     recipe = resolve_init_from(recipe)  # before the run directory exists: a bad adapter.init_from writes nothing
     distributed.join(recipe)
     main = distributed.is_main()
-    run_dir, checkpoint = distributed.on_main(lambda: _prepare_run_dir(recipe, resume, overwrite))
+    held: list[RunLock] = []  # rank 0's lock on the run directory
+    try:
+        run_dir, checkpoint = distributed.on_main(lambda: _prepare_run_dir(recipe, resume, overwrite, held))
+    except BaseException:
+        for lock in held:
+            lock.release()
+        raise
     stopper = StopOnSignal()
     stopper.install()
     if not main:
@@ -163,6 +172,8 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> Run
         raise
     finally:
         stopper.uninstall()
+        for lock in held:
+            lock.release()
 
 
 def _record_end(run_dir: RunDir, state: str, exc: BaseException) -> None:
