@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,21 +80,62 @@ def read_json(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every object line of a JSON-lines file; a torn line (crash or a write in progress) is skipped."""
+class Rows(list):
+    """Rows read from a JSON-lines file; `skipped` counts the lines that were no usable row (bad bytes, bad
+    JSON, a row of the wrong shape): a damaged file is read for what it still holds, never a traceback."""
+
+    skipped: int = 0
+
+
+def read_jsonl(path: Path, usable: Callable[[dict[str, Any]], bool] = lambda row: True) -> Rows:
+    """Every object line of a JSON-lines file that `usable` accepts; a torn last line (a crash, or a write in
+    progress) is skipped without being counted."""
+    rows = Rows()
     try:
-        lines = path.read_text().splitlines()
+        data = path.read_bytes()
     except OSError:
-        return []
-    rows = []
+        return rows
+    lines = data.split(b"\n")
+    torn = lines.pop()  # b"" after a final newline, else a line still being written
     for line in lines:
+        if not line.strip():
+            continue
         try:
             row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict):
+        except (ValueError, RecursionError):  # bad bytes (UnicodeDecodeError) and bad JSON alike
+            row = None
+        if isinstance(row, dict) and usable(row):
             rows.append(row)
+        else:
+            rows.skipped += 1
+    try:
+        row = json.loads(torn) if torn.strip() else None
+    except (ValueError, RecursionError):
+        row = None
+    if isinstance(row, dict) and usable(row):
+        rows.append(row)
     return rows
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+# metrics.jsonl keys whose values the curves and summaries compute with: a number (or null) or the row is skipped
+METRIC_NUMBERS = ("epoch", "elapsed_s", "loss", "learning_rate", "grad_norm", "tokens_per_second", "tokens_seen",
+                  "peak_memory_bytes", f"{EVAL_PREFIX}loss", *REWARD_KEYS, *(EVAL_PREFIX + k for k in REWARD_KEYS))
+
+
+def metrics_row_usable(row: dict[str, Any]) -> bool:
+    """A metrics.jsonl row readers can use: an integer step, and numbers where numbers are computed with."""
+    step = row.get("step")
+    return isinstance(step, int) and not isinstance(step, bool) and step >= 0 and all(
+        row.get(k) is None or _number(row[k]) for k in METRIC_NUMBERS)
+
+
+# status.json fields readers compute with, and the type each must have (a field of another type is dropped)
+STATUS_TYPES: dict[str, type | tuple[type, ...]] = {
+    "state": str, "step": int, "max_steps": int, "pid": int, "eta_s": (int, float), "error": str}
 
 
 def tail(path: Path, lines: int = 40) -> str:
@@ -333,10 +374,12 @@ class RunDir:
             f.flush()
             os.fsync(f.fileno())
 
-    def truncate_metrics(self, after_step: int) -> None:
-        """On resume, drop rows logged after the checkpoint so each step appears once."""
-        rows = [r for r in self.read_metrics() if r.get("step", 0) <= after_step]
-        atomic_write_text(self.metrics, "".join(json.dumps(r) + "\n" for r in rows))
+    def truncate_metrics(self, after_step: int) -> int:
+        """On resume, drop rows logged after the checkpoint so each step appears once (and the lines that
+        were no usable row: returns how many)."""
+        rows = self.read_metrics()
+        atomic_write_text(self.metrics, "".join(json.dumps(r) + "\n" for r in rows if r["step"] <= after_step))
+        return rows.skipped
 
     def write_status(self, state: str, **fields: Any) -> None:
         data = {"state": state, "pid": os.getpid(), "updated": time.time(), **fields}
@@ -348,12 +391,23 @@ class RunDir:
 
     # -- readers (CLI, UI, benchmarks) --------------------------------------------------------------
     def read_status(self) -> dict[str, Any]:
-        """The live status (state, step, max_steps, eta_s, pid, error); {} before the run wrote one."""
-        return read_json(self.status) or {}
+        """The live status (state, step, max_steps, eta_s, pid, error); {} before the run wrote one. A field of
+        the wrong type (a damaged file) is left out."""
+        data = read_json(self.status) or {}
+        return {k: v for k, v in data.items()
+                if k not in STATUS_TYPES or (isinstance(v, STATUS_TYPES[k]) and not isinstance(v, bool))}
 
-    def read_metrics(self) -> list[dict[str, Any]]:
-        """Every logged row (train and eval rows mixed, in order); a line still being written is skipped."""
-        return read_jsonl(self.metrics)
+    def read_metrics(self) -> Rows:
+        """Every usable logged row (train and eval rows mixed, in order); `.skipped` counts damaged lines (a
+        line still being written is skipped, not counted)."""
+        return read_jsonl(self.metrics, metrics_row_usable)
+
+    def read_recipe_text(self) -> str | None:
+        """recipe.yaml as text for showing (bad bytes replaced), None while the run has none."""
+        try:
+            return self.recipe.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return None
 
     def read_plan(self) -> dict[str, Any] | None:
         """The memory plan as saved by the run (Plan.to_json), or None without one."""

@@ -206,6 +206,28 @@ def test_resume_refuses_a_malicious_pickle_and_falls_back(tmp_path, tiny_model_d
     assert not unreadable_file(checkpoints / "checkpoint-4")  # rewritten by the resumed run
 
 
+def test_resume_falls_back_past_a_damaged_checkpoint_and_reads_damaged_metrics(tmp_path, tiny_model_dir, capsys):
+    """A checkpoint that was complete and lost its trainer_state.json since, and a metrics.jsonl with bad bytes
+    and a row of the wrong shape: --resume says what it passed over and continues from checkpoint-2."""
+    recipe = _checkpoint_recipe(tmp_path, tiny_model_dir, "damaged")
+    recipe["training"]["max_steps"] = 4
+    recipe_path = _write_recipe(tmp_path, recipe, "damaged")
+    assert main(["run", str(recipe_path)]) == 0
+    run_dir = tmp_path / "damaged"
+    (run_dir / "checkpoints" / "checkpoint-4" / "trainer_state.json").unlink()
+    with (run_dir / "metrics.jsonl").open("ab") as f:
+        f.write(b'{"step": 1, "loss": \xff}\n{"step": "x"}\n')
+    capsys.readouterr()
+
+    assert main(["run", str(recipe_path), "--resume", "--set", "training.max_steps=6"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "skipped checkpoint checkpoint-4 (damaged: no trainer_state.json)" in err, err
+    assert "resuming from" in err and "checkpoint-2" in err and "dropped 2 damaged line(s)" in err
+    assert "Traceback" not in err
+    assert sorted(_losses(run_dir)) == list(range(1, 7))
+    assert len([r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]) == 6  # each step once
+
+
 def test_resume_skips_every_damaged_file_and_publishes_a_staged_complete_checkpoint(tmp_path):
     """Each file the resume loads is checked (pickles weights-only, safetensors headers, the trainer state);
     training_args.bin, which the resume never loads, is not opened; a complete checkpoint killed just
@@ -226,8 +248,10 @@ def test_resume_skips_every_damaged_file_and_publishes_a_staged_complete_checkpo
     (checkpoint(root / "checkpoint-4") / "adapter_model.safetensors").write_bytes(b"\x08\x00garbage")
     (checkpoint(root / "checkpoint-6") / "trainer_state.json").write_text('{"global_step": 6')
     (checkpoint(root / "checkpoint-8") / "adapter_model.bin").write_bytes(pickle.dumps(_Exploit(tmp_path / "pwned")))
+    (checkpoint(root / "checkpoint-9") / "trainer_state.json").unlink()  # complete once, damaged since
     found = find_resumable(root)
     assert found.newest == root / "checkpoint-2" and not (tmp_path / "pwned").exists()
+    assert found.skipped.pop(0) == "checkpoint-9 (damaged: no trainer_state.json)"
     assert [line.split(" ")[0] for line in found.skipped] == ["checkpoint-8", "checkpoint-6", "checkpoint-4"]
     assert "adapter_model.bin" in found.skipped[0] and "trainer_state.json" in found.skipped[1]
     assert "adapter_model.safetensors" in found.skipped[2]

@@ -21,7 +21,13 @@ from typing import Any
 from finetune import api
 from finetune.api import RunFiles
 from finetune.errors import FinetuneError, RecipeError
-from finetune.recipe.load import MAX_FILE_BYTES, load_recipe_text, recipe_to_yaml, validate_recipe
+from finetune.recipe.load import (
+    MAX_FILE_BYTES,
+    load_recipe,
+    load_recipe_text,
+    recipe_to_yaml,
+    validate_recipe,
+)
 from finetune.recipe.schema import Recipe
 from finetune.rundir import RECIPE, RunDir, find_runs
 from ui import form
@@ -107,19 +113,17 @@ class Backend:
         chosen = {r["path"]: r for r in self.gallery()}.get(path)
         if chosen is None:
             raise FinetuneError("pick one of the ready recipes first")
-        return chosen["title"], self._with_new_run_dir(Path(path).read_text(encoding="utf-8"), chosen["name"],
-                                                       chosen["name"])
+        return chosen["title"], self._with_new_run_dir(load_recipe(path), chosen["name"])
 
     def load_run_recipe(self, run_dir: str | None) -> tuple[str, list[Any]]:
         """(run, form values) of a previous run's resolved recipe, with a fresh output.dir for the new run."""
         path = self.run_path(run_dir)
-        text = self.run_recipe(str(path))
-        if not text:
+        recipe = RunDir(path).recipe
+        if not recipe.is_file():
             raise FinetuneError(f"{path} has no {RECIPE} yet", hint="pick a run that has started")
-        return str(path), self._with_new_run_dir(text, str(path), path.name)
+        return str(path), self._with_new_run_dir(load_recipe(recipe), path.name)  # a damaged file: one line
 
-    def _with_new_run_dir(self, text: str, source: str, name: str) -> list[Any]:
-        recipe = load_recipe_text(text, source)
+    def _with_new_run_dir(self, recipe: Recipe, name: str) -> list[Any]:
         n, target = 1, self.settings.runs_dir / name
         while target.exists():
             n += 1
@@ -248,16 +252,15 @@ class Backend:
     def checked_run(self, run_dir: str | None) -> Path:
         """A run directory whose recipe (read again by resume, chat and export) stays in the allowed folders."""
         path = self.run_path(run_dir)
-        recipe = RunDir(path).recipe
-        if recipe.is_file():
-            text = recipe.read_text(encoding="utf-8", errors="replace")
-            check_recipe_paths(load_recipe_text(text, str(recipe)), self.settings.roots)
+        run = RunDir(path)
+        text = run.read_recipe_text()
+        if text is not None:
+            check_recipe_paths(load_recipe_text(text, str(run.recipe)), self.settings.roots)
         return path
 
     def run_recipe(self, run_dir: str | None) -> str:
         """A run's resolved recipe.yaml ('' while it has none)."""
-        recipe = RunDir(self.run_path(run_dir)).recipe
-        return recipe.read_text() if recipe.is_file() else ""
+        return RunDir(self.run_path(run_dir)).read_recipe_text() or ""
 
     def run_dirs(self) -> list[str]:
         """Runs the page can show, newest first: queued or starting ones (no files yet), then on disk."""

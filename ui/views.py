@@ -71,10 +71,18 @@ def status_html(run: Path | RunFiles, state: str) -> str:
                     for k, v in items.items())
     error = status.get("error")
     err = f"<pre style='color:#b00020;white-space:pre-wrap'>{html.escape(str(error))}</pre>" if error else ""
+    warnings = "".join(f"<div class='run-warning' style='color:#8a5300'>warning: {html.escape(w)}</div>"
+                       for w in run_warnings(files))
     return (f"<div id='run-status' data-state='{html.escape(state)}' data-step='{step}'>"
             f"<div><code>{html.escape(str(files.root))}</code></div>"
             f"<progress value='{pct:.1f}' max='100' style='width:100%'></progress>"
-            f"<div style='display:flex;gap:1.5em;flex-wrap:wrap'>{cells}</div>{err}</div>")
+            f"<div style='display:flex;gap:1.5em;flex-wrap:wrap'>{cells}</div>{warnings}{err}</div>")
+
+
+def run_warnings(files: RunFiles) -> list[str]:
+    """What the run view warns about: damaged lines of metrics.jsonl that were skipped."""
+    skipped = getattr(files.metrics, "skipped", 0)
+    return [f"{skipped} damaged line(s) of metrics.jsonl skipped"] if skipped else []
 
 
 def _differences(plan: dict[str, Any], option: dict[str, Any]) -> str:

@@ -238,7 +238,9 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
 
     steps = total_steps(recipe, len(data.train))
     if checkpoint and main:
-        run_dir.truncate_metrics(step_of(checkpoint))
+        damaged = run_dir.truncate_metrics(step_of(checkpoint))
+        if damaged:
+            console.print(f"[yellow]--resume: {run_dir.metrics}: dropped {damaged} damaged line(s)")
     peak = PeakMemoryCallback(plan.peak_bytes if plan is not None else None)
     metrics = MetricsCallback(run_dir, steps)
     # The plan is made for max_seq_len; the UI re-plans at the longest sequence the data really has.
