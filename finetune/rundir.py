@@ -55,6 +55,25 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
+def overwrite_in_place(path: Path, text: str) -> bool:
+    """Write a small text over an existing file without a temp copy (a full disk refuses new blocks, not the
+    ones a file holds); False when the file is missing or even that fails. Not atomic: the fallback only."""
+    try:
+        fd = os.open(path, os.O_WRONLY)
+    except OSError:
+        return False
+    try:
+        data = text.encode()
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
+        os.fsync(fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def atomic_write_json(path: Path, data: Any) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
 
@@ -382,8 +401,15 @@ class RunDir:
         return rows.skipped
 
     def write_status(self, state: str, **fields: Any) -> None:
+        """Replace status.json atomically; on a full disk (no room for the temp copy) write over the existing
+        file in place, whose blocks are already allocated, so how the run ended is still recorded."""
         data = {"state": state, "pid": os.getpid(), "updated": time.time(), **fields}
-        atomic_write_json(self.status, data)
+        text = json.dumps(data, indent=2, default=str) + "\n"
+        try:
+            atomic_write_text(self.status, text)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not overwrite_in_place(self.status, text):
+                raise
 
     def log_line(self, text: str) -> None:
         with self.log.open("a") as f:

@@ -150,6 +150,39 @@ def test_disk_full_during_checkpoint_fails_cleanly_and_keeps_the_previous(tmp_pa
     assert _status(run_dir)["state"] == "completed" and sorted(_losses(run_dir)) == list(range(1, 7))
 
 
+def test_disk_full_during_a_step_still_records_the_failed_status(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """The disk fills at step 3: the metrics row, the temp copy of every atomic write and train.log all fail
+    with ENOSPC; status.json is still rewritten (in place) to say the run failed and why."""
+    import errno
+    import tempfile
+
+    from finetune.rundir import RunDir
+
+    full = []
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    append, mkstemp, log_line = RunDir.append_metrics, tempfile.mkstemp, RunDir.log_line
+
+    def append_until_full(self, row):
+        if row.get("step") == 3:
+            full.append(True)
+        if full:
+            no_space()
+        append(self, row)
+    monkeypatch.setattr(RunDir, "append_metrics", append_until_full)
+    monkeypatch.setattr(tempfile, "mkstemp", lambda *a, **k: no_space() if full else mkstemp(*a, **k))
+    monkeypatch.setattr(RunDir, "log_line", lambda self, text: no_space() if full else log_line(self, text))
+    recipe_path = _write_recipe(tmp_path, _checkpoint_recipe(tmp_path, tiny_model_dir, "full"), "full")
+    code = main(["run", str(recipe_path)])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 1 and "Traceback" not in err and "No space left on device" in err, err
+    status = _status(tmp_path / "full")
+    assert status["state"] == "failed" and "No space left on device" in status["error"], status
+    assert "could not record the end of the run in" in err and "train.log" in err  # the log could not be kept
+
+
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A real 448 KiB filesystem: room for the run files and one checkpoint of the tiny model, not two."""

@@ -199,3 +199,20 @@ def test_damaged_run_files_are_read_for_what_they_hold_and_the_damage_counted(tm
     assert run.truncate_metrics(after_step=1) == 5
     assert run.read_metrics() == [{"step": 1, "loss": 2.0}] and run.read_metrics().skipped == 0
     assert read_jsonl(tmp_path / "missing.jsonl") == [] and read_jsonl(tmp_path / "missing.jsonl").skipped == 0
+
+
+def test_status_is_written_in_place_when_the_disk_has_no_room_for_a_temp_copy(tmp_path, monkeypatch):
+    import errno
+    import tempfile
+
+    run = RunDir(tmp_path)
+    run.write_status("running", step=3)
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(tempfile, "mkstemp", no_space)
+    run.write_status("failed", error="OSError: [Errno 28] No space left on device")
+    assert run.read_status()["state"] == "failed" and "No space" in run.read_status()["error"]
+    assert [p.name for p in tmp_path.iterdir()] == ["status.json"]
+    with pytest.raises(OSError):  # nothing to write over: the caller says so on screen
+        RunDir(tmp_path / "new").write_status("failed")

@@ -177,12 +177,14 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> Run
 
 
 def _record_end(run_dir: RunDir, state: str, exc: BaseException) -> None:
-    """status.json and train.log say how the run ended; if even that cannot be written, say so on screen."""
-    try:
-        run_dir.write_status(state, error=f"{type(exc).__name__}: {exc}")
-        run_dir.log_line(f"run {state}: {type(exc).__name__}: {exc}")
-    except OSError as write_error:
-        console.print(f"[red]could not record the end of the run in {run_dir.status}: {write_error.strerror}")
+    """status.json and train.log say how the run ended (status.json even on a full disk, see write_status); if
+    even that cannot be written, say so on screen."""
+    for path, write in ((run_dir.status, lambda: run_dir.write_status(state, error=f"{type(exc).__name__}: {exc}")),
+                        (run_dir.log, lambda: run_dir.log_line(f"run {state}: {type(exc).__name__}: {exc}"))):
+        try:
+            write()
+        except OSError as write_error:
+            console.print(f"[red]could not record the end of the run in {path}: {write_error.strerror}")
 
 
 def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, stopper: StopOnSignal,
