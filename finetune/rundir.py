@@ -38,6 +38,9 @@ REWARD_MARGIN, REWARD_ACCURACY = "rewards/margins", "rewards/accuracies"
 REWARD_KEYS = {REWARD_CHOSEN: "chosen reward", REWARD_REJECTED: "rejected reward", REWARD_MARGIN: "reward margin",
                REWARD_ACCURACY: "accuracy (chosen > rejected)"}
 EVAL_PREFIX = "eval_"  # the Trainer's evaluation prefix (metric_key_prefix "eval")
+# a run that stopped learning (finetune/train/callbacks.py CollapseWatch): the metrics.jsonl event row the curves
+# mark, and the status.json field the run view shows
+COLLAPSED_EVENT, TRAINING_WARNING = "training_collapsed", "training_warning"
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.api import RunFiles, run_files
-from finetune.rundir import REWARD_ACCURACY, REWARD_KEYS, RunDir
+from finetune.rundir import COLLAPSED_EVENT, REWARD_ACCURACY, REWARD_KEYS, TRAINING_WARNING, RunDir
 from finetune.units import format_bytes
 from ui.runs import RunManager
 
@@ -80,9 +80,12 @@ def status_html(run: Path | RunFiles, state: str) -> str:
 
 
 def run_warnings(files: RunFiles) -> list[str]:
-    """What the run view warns about: damaged lines of metrics.jsonl that were skipped."""
+    """What the run view warns about: a run that stopped learning (status.json's training_warning, from
+    finetune.train.callbacks.CollapseWatch) and damaged lines of metrics.jsonl that were skipped."""
+    warning = files.status.get(TRAINING_WARNING)
     skipped = getattr(files.metrics, "skipped", 0)
-    return [f"{skipped} damaged line(s) of metrics.jsonl skipped"] if skipped else []
+    return ([warning] if isinstance(warning, str) else []) + (
+        [f"{skipped} damaged line(s) of metrics.jsonl skipped"] if skipped else [])
 
 
 def _differences(plan: dict[str, Any], option: dict[str, Any]) -> str:
@@ -197,6 +200,9 @@ def run_events(rows: list[dict[str, Any]]) -> list[tuple[int, str, str, str]]:
             continue
         if event == "checkpoint_saved":
             out.append((step, "checkpoint", "checkpoint", "checkpoint saved"))
+            continue
+        if event == COLLAPSED_EVENT:  # finetune.train.callbacks.CollapseWatch
+            out.append((step, "collapsed", "warning", str(row.get("detail") or "training collapsed")))
             continue
         to = row.get("to") or {}
         changes = ", ".join(f"{k} {(row.get('from') or {}).get(k)}→{v}" for k, v in to.items())
