@@ -352,11 +352,15 @@ class RunDir:
         if holder is not None:
             raise _in_use(self.root, holder, action)
 
+    def _empty(self) -> bool:
+        """Whether the folder holds nothing but (maybe) the lock file."""
+        return not any(p.name != LOCK for p in self.root.iterdir())
+
     def create(self) -> None:
         """Make the folder a run directory: marked only if the tool created it or found it empty (but for the
         lock file), so a folder that already held the user's files can never later be deleted by --overwrite."""
         try:
-            if not self.root.exists() or not any(p.name != LOCK for p in self.root.iterdir()):
+            if not self.root.exists() or self._empty():
                 self.root.mkdir(parents=True, exist_ok=True)
                 atomic_write_text(self.marker, "created by finetune; `finetune run --overwrite` may delete it\n")
         except OSError as exc:
@@ -365,7 +369,10 @@ class RunDir:
     def remove(self) -> None:
         """--overwrite: delete the run directory's contents, only if it carries the marker and is no folder that
         holds the user's work (the working directory or a parent of it, home, /, a mount point). The folder and
-        its lock file stay: the caller holds the lock (a new lock file would let a second process in)."""
+        its lock file stay: the caller holds the lock (a new lock file would let a second process in). A folder
+        that holds nothing else (the lock just made it) has nothing to delete."""
+        if self._empty():
+            return
         target = self.root.resolve()
         cwd, home = Path.cwd().resolve(), Path.home().resolve()
         why = None

@@ -140,3 +140,12 @@ def test_ui_refuses_start_resume_and_export_of_a_held_folder(tmp_path, tiny_mode
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     assert backend.manager.jobs() == [] and not (tmp_path / "out").exists()
+
+
+def test_overwrite_of_a_folder_that_does_not_exist_yet_starts_the_run(tmp_path, tiny_model_dir):
+    """The lock makes the folder before --overwrite looks at it: holding only the lock file, it is new."""
+    from finetune.cli import main
+
+    recipe = _write_recipe(tmp_path, _recipe_dict(tmp_path, tiny_model_dir, training={"max_steps": 1}), "r")
+    assert main(["run", str(recipe), "--overwrite"]) == 0
+    assert (tmp_path / "run" / MARKER).is_file() and RunDir(tmp_path / "run").has_adapter()
