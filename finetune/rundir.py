@@ -117,9 +117,8 @@ def read_jsonl(path: Path, usable: Callable[[dict[str, Any]], bool] = lambda row
         data = path.read_bytes()
     except OSError:
         return rows
-    lines = data.split(b"\n")
-    torn = lines.pop()  # b"" after a final newline, else a line still being written
-    for line in lines:
+    lines = data.split(b"\n")  # the last is b"" after a final newline, else a line still being written
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
@@ -128,14 +127,8 @@ def read_jsonl(path: Path, usable: Callable[[dict[str, Any]], bool] = lambda row
             row = None
         if isinstance(row, dict) and usable(row):
             rows.append(row)
-        else:
+        elif number < len(lines):
             rows.skipped += 1
-    try:
-        row = json.loads(torn) if torn.strip() else None
-    except (ValueError, RecursionError):
-        row = None
-    if isinstance(row, dict) and usable(row):
-        rows.append(row)
     return rows
 
 
