@@ -463,6 +463,7 @@ def launch(recipe: Recipe, argv: list[str], gpus: int, *, resume: bool = False, 
     from finetune.train.distributed import launch as _launch
 
     check_available(recipe)
+    RunDir(Path(recipe.output.dir)).refuse_if_locked("finetune run")  # rank 0 takes the lock once started
     check_output_dir(recipe, resume, overwrite)
     return _launch(argv, gpus)
 
@@ -520,10 +521,12 @@ def compare_runs(run_dirs: list[str | Path], prompt: str, *, max_new_tokens: int
 def export(run_dir: str | Path, out_dir: str | Path, progress: Callable[[str], None] = lambda line: None,
            gguf: GGUFOptions | None = None) -> Path:
     """Merge the run's adapter into its base model and save it as safetensors, or with `gguf` as one GGUF file
-    (and an Ollama Modelfile); `progress` gets one line per step ("[1/4] loading the base model: ...")."""
+    (and an Ollama Modelfile); `progress` gets one line per step ("[1/4] loading the base model: ..."). Refused
+    while a run or another export holds the run directory."""
     from finetune.model.trained import export_merged
 
-    return export_merged(run_dir, out_dir, progress, gguf)
+    with RunDir(Path(run_dir)).lock("finetune export"):
+        return export_merged(run_dir, out_dir, progress, gguf)
 
 
 def evaluate(run_dir: str | Path, data: str | Path, *, compare: list[str | Path] | None = None,

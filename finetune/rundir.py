@@ -9,12 +9,14 @@ replaced, a metrics line still being written.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,8 @@ from finetune.errors import FinetuneError
 
 RECIPE = "recipe.yaml"  # also the name the UI gives a recipe it offers for download
 MARKER = ".finetune-run"  # written into a run directory the tool created; --overwrite deletes nothing else
+LOCK = ".finetune-lock"  # flock'ed by the one process writing the run (RunDir.lock); never deleted while in use
+LOCK_WAIT_S = 0.5  # how long taking the lock waits out a reader's momentary probe (RunDir.locked_by)
 EXPORT_MARKER = ".finetune-export"  # written into an export folder: a later export may replace only such a folder
 TAIL_BYTES = 65536  # a log tail reads at most this much from the end of the file
 
@@ -34,6 +38,9 @@ REWARD_MARGIN, REWARD_ACCURACY = "rewards/margins", "rewards/accuracies"
 REWARD_KEYS = {REWARD_CHOSEN: "chosen reward", REWARD_REJECTED: "rejected reward", REWARD_MARGIN: "reward margin",
                REWARD_ACCURACY: "accuracy (chosen > rejected)"}
 EVAL_PREFIX = "eval_"  # the Trainer's evaluation prefix (metric_key_prefix "eval")
+# a run that stopped learning (finetune/train/callbacks.py CollapseWatch): the metrics.jsonl event row the curves
+# mark, and the status.json field the run view shows
+COLLAPSED_EVENT, TRAINING_WARNING = "training_collapsed", "training_warning"
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -49,6 +56,25 @@ def atomic_write_text(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def overwrite_in_place(path: Path, text: str) -> bool:
+    """Write a small text over an existing file without a temp copy (a full disk refuses new blocks, not the
+    ones a file holds); False when the file is missing or even that fails. Not atomic: the fallback only."""
+    try:
+        fd = os.open(path, os.O_WRONLY)
+    except OSError:
+        return False
+    try:
+        data = text.encode()
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
+        os.fsync(fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def atomic_write_json(path: Path, data: Any) -> None:
@@ -72,21 +98,55 @@ def read_json(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every object line of a JSON-lines file; a torn line (crash or a write in progress) is skipped."""
+class Rows(list):
+    """Rows read from a JSON-lines file; `skipped` counts the lines that were no usable row (bad bytes, bad
+    JSON, a row of the wrong shape): a damaged file is read for what it still holds, never a traceback."""
+
+    skipped: int = 0
+
+
+def read_jsonl(path: Path, usable: Callable[[dict[str, Any]], bool] = lambda row: True) -> Rows:
+    """Every object line of a JSON-lines file that `usable` accepts; a torn last line (a crash, or a write in
+    progress) is skipped without being counted."""
+    rows = Rows()
     try:
-        lines = path.read_text().splitlines()
+        data = path.read_bytes()
     except OSError:
-        return []
-    rows = []
-    for line in lines:
+        return rows
+    lines = data.split(b"\n")  # the last is b"" after a final newline, else a line still being written
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
         try:
             row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict):
+        except (ValueError, RecursionError):  # bad bytes (UnicodeDecodeError) and bad JSON alike
+            row = None
+        if isinstance(row, dict) and usable(row):
             rows.append(row)
+        elif number < len(lines):
+            rows.skipped += 1
     return rows
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+# metrics.jsonl keys whose values the curves and summaries compute with: a number (or null) or the row is skipped
+METRIC_NUMBERS = ("epoch", "elapsed_s", "loss", "learning_rate", "grad_norm", "tokens_per_second", "tokens_seen",
+                  "peak_memory_bytes", f"{EVAL_PREFIX}loss", *REWARD_KEYS, *(EVAL_PREFIX + k for k in REWARD_KEYS))
+
+
+def metrics_row_usable(row: dict[str, Any]) -> bool:
+    """A metrics.jsonl row readers can use: an integer step, and numbers where numbers are computed with."""
+    step = row.get("step")
+    return isinstance(step, int) and not isinstance(step, bool) and step >= 0 and all(
+        row.get(k) is None or _number(row[k]) for k in METRIC_NUMBERS)
+
+
+# status.json fields readers compute with, and the type each must have (a field of another type is dropped)
+STATUS_TYPES: dict[str, type | tuple[type, ...]] = {
+    "state": str, "step": int, "max_steps": int, "pid": int, "eta_s": (int, float), "error": str}
 
 
 def tail(path: Path, lines: int = 40) -> str:
@@ -99,6 +159,39 @@ def tail(path: Path, lines: int = 40) -> str:
     except OSError:
         return ""
     return "\n".join(text.splitlines()[-lines:])
+
+
+class RunLock:
+    """An exclusive flock on a run directory's lock file, held until `release()` or the end of the process:
+    the kernel drops it however the process ends, so a crash or a kill -9 leaves no stale lock."""
+
+    def __init__(self, fd: int | None):
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _in_use(root: Path, holder: str, action: str) -> FinetuneError:
+    return FinetuneError(f"{action}: {root} is in use by {holder}; one process at a time may write a run directory",
+                         hint="wait for it to end or stop it, or choose another folder (--set output.dir=runs/NEW)")
+
+
+def _holder(fd: int) -> str:
+    """What the holder wrote into the lock file after taking it ('pid 123 (finetune run)')."""
+    try:
+        text = os.pread(fd, 200, 0).decode("utf-8", errors="replace").strip()
+    except OSError:
+        text = ""
+    return text or "another process"
 
 
 @dataclass(frozen=True)
@@ -191,6 +284,10 @@ class RunDir:
     def marker(self) -> Path:
         return self.root / MARKER
 
+    @property
+    def lock_file(self) -> Path:
+        return self.root / LOCK
+
     # -- what a run directory is --------------------------------------------------------------------
     def exists(self) -> bool:
         """Whether the folder holds a run (or a run's first file): a new run must not start in it."""
@@ -200,20 +297,82 @@ class RunDir:
         """Whether a trained adapter or full model was saved (generate, chat and export need one)."""
         return (self.adapter / "adapter_config.json").is_file() or (self.adapter / "config.json").is_file()
 
-    def create(self) -> None:
-        """Make the folder a run directory: marked only if the tool created it or found it empty, so a
-        folder that already held the user's files can never later be deleted by --overwrite."""
+    def lock(self, action: str, create: bool = False) -> RunLock:
+        """Become the one process that writes this run directory (a run, a resume, an export), before
+        anything is checked or written in it; refused at once, naming the holder's pid, while another holds
+        it. `create` makes the folder first (a new run); else a missing or read-only folder is not locked
+        (there is nothing a writer could share)."""
         try:
-            if not self.root.exists() or not any(self.root.iterdir()):
+            if create:
+                self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            if create:
+                raise _cannot_create(self.root, exc) from None
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EROFS):
+                return RunLock(None)
+            raise
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    holder = _holder(fd)
+                    os.close(fd)
+                    raise _in_use(self.root, holder, action) from None
+                time.sleep(0.02)
+        try:  # who holds it, for the refusal a second process prints (best effort: a full disk may refuse)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} ({action})\n".encode(), 0)
+        except OSError:
+            pass
+        return RunLock(fd)
+
+    def locked_by(self) -> str | None:
+        """Who holds the run directory ('pid 123 (finetune run)'), or None: the UI and the launcher refuse a
+        start at once. A shared probe, dropped at once (lock() waits such probes out)."""
+        try:
+            fd = os.open(self.lock_file, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return None
+        except BlockingIOError:
+            return _holder(fd)
+        finally:
+            os.close(fd)
+
+    def refuse_if_locked(self, action: str) -> None:
+        """Raise the refusal lock() would give, without taking the lock (the process that will write starts
+        later: the UI's queue, the launcher's torchrun)."""
+        holder = self.locked_by()
+        if holder is not None:
+            raise _in_use(self.root, holder, action)
+
+    def _empty(self) -> bool:
+        """Whether the folder holds nothing but (maybe) the lock file."""
+        return not any(p.name != LOCK for p in self.root.iterdir())
+
+    def create(self) -> None:
+        """Make the folder a run directory: marked only if the tool created it or found it empty (but for the
+        lock file), so a folder that already held the user's files can never later be deleted by --overwrite."""
+        try:
+            if not self.root.exists() or self._empty():
                 self.root.mkdir(parents=True, exist_ok=True)
                 atomic_write_text(self.marker, "created by finetune; `finetune run --overwrite` may delete it\n")
         except OSError as exc:
-            raise FinetuneError(f"output.dir: cannot create the run directory {self.root}: {exc.strerror or exc}",
-                                hint="choose a folder you can write to, e.g. --set output.dir=runs/NEW") from None
+            raise _cannot_create(self.root, exc) from None
 
     def remove(self) -> None:
-        """--overwrite: delete the run directory, only if it carries the marker and is no folder that holds
-        the user's work (the working directory or a parent of it, home, /, a mount point)."""
+        """--overwrite: delete the run directory's contents, only if it carries the marker and is no folder that
+        holds the user's work (the working directory or a parent of it, home, /, a mount point). The folder and
+        its lock file stay: the caller holds the lock (a new lock file would let a second process in). A folder
+        that holds nothing else (the lock just made it) has nothing to delete."""
+        if self._empty():
+            return
         target = self.root.resolve()
         cwd, home = Path.cwd().resolve(), Path.home().resolve()
         why = None
@@ -229,7 +388,13 @@ class RunDir:
             raise FinetuneError(f"--overwrite: refusing to delete output.dir {self.root} ({target}): {why}",
                                 hint="set output.dir to a new folder (e.g. --set output.dir=runs/NEW), or "
                                      "delete the folder yourself if you are sure")
-        shutil.rmtree(target)
+        for path in target.iterdir():
+            if path.name == LOCK:
+                continue
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
 
     # -- writers (training) -------------------------------------------------------------------------
     def append_metrics(self, row: dict) -> None:
@@ -238,14 +403,23 @@ class RunDir:
             f.flush()
             os.fsync(f.fileno())
 
-    def truncate_metrics(self, after_step: int) -> None:
-        """On resume, drop rows logged after the checkpoint so each step appears once."""
-        rows = [r for r in self.read_metrics() if r.get("step", 0) <= after_step]
-        atomic_write_text(self.metrics, "".join(json.dumps(r) + "\n" for r in rows))
+    def truncate_metrics(self, after_step: int) -> int:
+        """On resume, drop rows logged after the checkpoint so each step appears once (and the lines that
+        were no usable row: returns how many)."""
+        rows = self.read_metrics()
+        atomic_write_text(self.metrics, "".join(json.dumps(r) + "\n" for r in rows if r["step"] <= after_step))
+        return rows.skipped
 
     def write_status(self, state: str, **fields: Any) -> None:
+        """Replace status.json atomically; on a full disk (no room for the temp copy) write over the existing
+        file in place, whose blocks are already allocated, so how the run ended is still recorded."""
         data = {"state": state, "pid": os.getpid(), "updated": time.time(), **fields}
-        atomic_write_json(self.status, data)
+        text = json.dumps(data, indent=2, default=str) + "\n"
+        try:
+            atomic_write_text(self.status, text)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not overwrite_in_place(self.status, text):
+                raise
 
     def log_line(self, text: str) -> None:
         with self.log.open("a") as f:
@@ -253,12 +427,23 @@ class RunDir:
 
     # -- readers (CLI, UI, benchmarks) --------------------------------------------------------------
     def read_status(self) -> dict[str, Any]:
-        """The live status (state, step, max_steps, eta_s, pid, error); {} before the run wrote one."""
-        return read_json(self.status) or {}
+        """The live status (state, step, max_steps, eta_s, pid, error); {} before the run wrote one. A field of
+        the wrong type (a damaged file) is left out."""
+        data = read_json(self.status) or {}
+        return {k: v for k, v in data.items()
+                if k not in STATUS_TYPES or (isinstance(v, STATUS_TYPES[k]) and not isinstance(v, bool))}
 
-    def read_metrics(self) -> list[dict[str, Any]]:
-        """Every logged row (train and eval rows mixed, in order); a line still being written is skipped."""
-        return read_jsonl(self.metrics)
+    def read_metrics(self) -> Rows:
+        """Every usable logged row (train and eval rows mixed, in order); `.skipped` counts damaged lines (a
+        line still being written is skipped, not counted)."""
+        return read_jsonl(self.metrics, metrics_row_usable)
+
+    def read_recipe_text(self) -> str | None:
+        """recipe.yaml as text for showing (bad bytes replaced), None while the run has none."""
+        try:
+            return self.recipe.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return None
 
     def read_plan(self) -> dict[str, Any] | None:
         """The memory plan as saved by the run (Plan.to_json), or None without one."""
@@ -274,6 +459,11 @@ class RunDir:
 
     def log_tail(self, lines: int = 40) -> str:
         return tail(self.log, lines)
+
+
+def _cannot_create(root: Path, exc: OSError) -> FinetuneError:
+    return FinetuneError(f"output.dir: cannot create the run directory {root}: {exc.strerror or exc}",
+                         hint="choose a folder you can write to, e.g. --set output.dir=runs/NEW")
 
 
 def find_runs(folder: Path, extra: Iterable[Path] = ()) -> list[Path]:

@@ -20,7 +20,7 @@ import yaml
 
 from finetune.cli import main
 from finetune.recipe import validate_recipe
-from finetune.rundir import RunDir
+from finetune.rundir import LOCK, MARKER, RunDir
 from finetune.train.run import run
 from tests.run_support import tiny_lora_recipe
 
@@ -90,7 +90,7 @@ def _only_rank_zero_wrote(run_dir: Path, processes: int) -> None:
     assert rd.read_status()["state"] == "completed"
     assert rd.has_adapter() and not (rd.adapter / "training_args.bin").exists()
     assert yaml.safe_load(rd.recipe.read_text())["distributed"]["gpus"] == processes
-    leftovers = [p.name for p in run_dir.iterdir() if p.name.startswith(".") and p.name != ".finetune-run"]
+    leftovers = [p.name for p in run_dir.iterdir() if p.name.startswith(".") and p.name not in (MARKER, LOCK)]
     assert leftovers == [] and not (rd.checkpoints / ".staging").exists()
     for checkpoint in rd.checkpoints.glob("checkpoint-*"):  # every rank's RNG state, one copy of the rest
         assert {p.name for p in checkpoint.glob("rng_state*")} == {f"rng_state_{r}.pth" for r in range(processes)}

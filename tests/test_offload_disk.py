@@ -181,11 +181,11 @@ def test_disk_bandwidth_measured_once_and_cached(tmp_path, monkeypatch):
     measured = bandwidth.measure_disk(tmp_path / "probe", nbytes=4 << 20)
     assert measured["write"] > 0 and measured["read"] > 0
     assert files(tmp_path / "probe") == []
-    monkeypatch.setattr(bandwidth, "measure_disk", lambda directory: {"write": 1.0, "read": 2.0})
+    monkeypatch.setattr(bandwidth, "measure_disk", lambda directory, nbytes: {"write": 1.0, "read": 2.0})
     first = bandwidth.disk_bandwidth(tmp_path / "probe")
     assert first == {"write": 1.0, "read": 2.0}
     assert bandwidth.cache_path() == tmp_path / "cache" / "bandwidth.json"
-    monkeypatch.setattr(bandwidth, "measure_disk", lambda directory: pytest.fail("measured twice"))
+    monkeypatch.setattr(bandwidth, "measure_disk", lambda directory, nbytes: pytest.fail("measured twice"))
     assert bandwidth.disk_bandwidth(tmp_path) == first  # same filesystem, from the cache
 
 
@@ -203,3 +203,39 @@ def test_disk_full_mid_step_is_a_clear_error(model_dir, tmp_path, monkeypatch):
     offload.close()
     assert str(tmp_path) in str(info.value) and "memory.offload_dir" in info.value.hint
     assert files(tmp_path) == []
+
+
+@pytest.mark.parametrize("free", [0, 6 << 20, None])
+def test_planning_disk_offload_on_a_small_or_full_folder_never_raises(tmp_path, monkeypatch, free):
+    """The bandwidth probe writes at most a quarter of the free space (none below 1 MiB), and a disk that fills
+    while it writes (free None: ENOSPC on the first file) leaves the disk priced at its typical speed."""
+    import errno
+    import shutil
+    from collections import namedtuple
+
+    from finetune import api
+    from finetune.memory import bandwidth
+    from finetune.recipe import validate_recipe
+
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
+    usage = namedtuple("usage", "total used free")
+    real_usage = shutil.disk_usage
+    room = 64 << 20 if free is None else free
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(real_usage(p).total, 0, room))
+    written = []
+    real_write = bandwidth.write_tensor_file
+
+    def write(path, chunk):
+        if free is None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        written.append(chunk.numel())
+        real_write(path, chunk)
+    monkeypatch.setattr(bandwidth, "write_tensor_file", write)
+    config = Path(__file__).parent / "fixtures" / "configs" / "llama-3.1-8b.json"
+    recipe = validate_recipe({"model": {"path": str(config)}, "data": {"path": "d.jsonl"},
+                              "memory": {"offload": "disk", "offload_dir": str(tmp_path / "offload")}})
+    plan = api.plan(recipe, gpu_memory="24GiB")
+    assert sum(written) <= room // 4 and (sum(written) > 0) == (free == 6 << 20)
+    assert not bandwidth.cache_path().exists()  # a partial measurement is not kept for later plans
+    shown = "0 B" if free == 0 else "6.00 MiB" if free else "64.00 MiB"
+    assert not plan.fits and any(f"in memory.offload_dir, {shown} free" in c.reason for c in plan.rejected)

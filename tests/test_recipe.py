@@ -219,6 +219,29 @@ def test_unreadable_recipes_are_one_line_errors(tmp_path, content, says):
     assert f"{path}{says}" in str(info.value)
 
 
+@pytest.mark.parametrize("stopped_by", ["ours", "pyyaml"])
+def test_nesting_error_names_file_line_and_limit_whichever_parser_stops_first(tmp_path, monkeypatch, stopped_by):
+    """pyyaml >= 6.0.3 (libyaml) refuses deep nesting itself, possibly before our depth check sees an event;
+    either way the user reads the same one line, not a hint about indentation."""
+    import yaml
+
+    if stopped_by == "pyyaml":  # what pyyaml 6.0.4 raises for 100,000 '[' (older ones never do)
+        mark = yaml.Mark("<unicode string>", 0, 4, 7, None, None)
+
+        def parse(*args, **kwargs):
+            raise yaml.scanner.ScannerError("while increasing flow level", mark, "exceeded maximum nesting depth",
+                                            mark)
+            yield  # a generator, like yaml.parse
+
+        monkeypatch.setattr(yaml, "parse", parse)
+    path = write(tmp_path, "model:\n  path: m\n" + "x:\n" + "".join("  " * i + "k:\n" for i in range(1, 40)))
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path)
+    line = 5 if stopped_by == "pyyaml" else 19
+    assert str(info.value) == f"{path}:{line}: nested more than 16 levels deep; a recipe is sections of keys " \
+                              "(see `finetune keys`)"
+
+
 def alias_bomb(levels: int = 9) -> str:
     text = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n'
     for prev, name in itertools.pairwise("abcdefghijklmnop"[:levels]):
@@ -283,3 +306,41 @@ def test_cli_prints_user_text_that_looks_like_markup(tmp_path, capsys):
     path = write(tmp_path, GOOD + "memory:\n  offload: '[/red]'\n")
     assert main(["validate", str(path)]) == 2
     assert "(got '[/red]')" in capsys.readouterr().err
+
+
+# names pydantic also writes into an error's location (union branches, validators): as keys they are still keys
+COLLIDING_KEYS = ["int", "str", "none", "literal_x", "function-after", "constrained-int", "a b", ""]
+
+
+@pytest.mark.parametrize("key", COLLIDING_KEYS)
+def test_any_unknown_key_is_one_located_line(tmp_path, capsys, key):
+    from finetune import api
+
+    good = {"model": {"path": "m"}, "data": {"path": "d"}}
+    shown = key if key.isidentifier() else repr(key)
+    for data, dotted in (({**good, key: 1}, shown), ({**good, "model": {"path": "m", key: 1}}, f"model.{shown}")):
+        with pytest.raises(RecipeError) as info:
+            api.validate(data)
+        [line] = info.value.problems
+        assert line.startswith(f"recipe: unknown key {dotted}; ")
+    if key.isidentifier():  # what YAML lets through to validation (other names are refused as they are read)
+        path = write(tmp_path, GOOD + f"{key}: 1\n")
+        assert main(["validate", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert f"recipe.yaml:7: unknown key {key}" in err and "Traceback" not in err
+
+
+def test_python_data_nested_past_the_limit_is_one_line(tmp_path):
+    """api.validate takes Python data that no YAML reader bounded: a 2,000-deep list must not recurse."""
+    from finetune import api
+
+    deep: list = []
+    for _ in range(2000):
+        deep = [deep]
+    for section, key in (("training", "learning_rate"), ("data", "path"), ("adapter", "target_modules")):
+        with pytest.raises(RecipeError) as info:
+            api.validate({"model": {"path": "m"}, "data": {"path": "d"}, section: {key: deep}})
+        [line] = info.value.problems
+        assert line.startswith(f"recipe: {section}.{key}: nested more than 16 levels deep") and "(got [[[" in line
+    with pytest.raises(RecipeError, match=r"recipe: training: nested more than 16 levels deep.*\(got \[\[\["):
+        api.validate({"model": {"path": "m"}, "data": {"path": "d"}, "training": deep})

@@ -150,6 +150,39 @@ def test_disk_full_during_checkpoint_fails_cleanly_and_keeps_the_previous(tmp_pa
     assert _status(run_dir)["state"] == "completed" and sorted(_losses(run_dir)) == list(range(1, 7))
 
 
+def test_disk_full_during_a_step_still_records_the_failed_status(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """The disk fills at step 3: the metrics row, the temp copy of every atomic write and train.log all fail
+    with ENOSPC; status.json is still rewritten (in place) to say the run failed and why."""
+    import errno
+    import tempfile
+
+    from finetune.rundir import RunDir
+
+    full = []
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    append, mkstemp, log_line = RunDir.append_metrics, tempfile.mkstemp, RunDir.log_line
+
+    def append_until_full(self, row):
+        if row.get("step") == 3:
+            full.append(True)
+        if full:
+            no_space()
+        append(self, row)
+    monkeypatch.setattr(RunDir, "append_metrics", append_until_full)
+    monkeypatch.setattr(tempfile, "mkstemp", lambda *a, **k: no_space() if full else mkstemp(*a, **k))
+    monkeypatch.setattr(RunDir, "log_line", lambda self, text: no_space() if full else log_line(self, text))
+    recipe_path = _write_recipe(tmp_path, _checkpoint_recipe(tmp_path, tiny_model_dir, "full"), "full")
+    code = main(["run", str(recipe_path)])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 1 and "Traceback" not in err and "No space left on device" in err, err
+    status = _status(tmp_path / "full")
+    assert status["state"] == "failed" and "No space left on device" in status["error"], status
+    assert "could not record the end of the run in" in err and "train.log" in err  # the log could not be kept
+
+
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A real 448 KiB filesystem: room for the run files and one checkpoint of the tiny model, not two."""
@@ -206,6 +239,28 @@ def test_resume_refuses_a_malicious_pickle_and_falls_back(tmp_path, tiny_model_d
     assert not unreadable_file(checkpoints / "checkpoint-4")  # rewritten by the resumed run
 
 
+def test_resume_falls_back_past_a_damaged_checkpoint_and_reads_damaged_metrics(tmp_path, tiny_model_dir, capsys):
+    """A checkpoint that was complete and lost its trainer_state.json since, and a metrics.jsonl with bad bytes
+    and a row of the wrong shape: --resume says what it passed over and continues from checkpoint-2."""
+    recipe = _checkpoint_recipe(tmp_path, tiny_model_dir, "damaged")
+    recipe["training"]["max_steps"] = 4
+    recipe_path = _write_recipe(tmp_path, recipe, "damaged")
+    assert main(["run", str(recipe_path)]) == 0
+    run_dir = tmp_path / "damaged"
+    (run_dir / "checkpoints" / "checkpoint-4" / "trainer_state.json").unlink()
+    with (run_dir / "metrics.jsonl").open("ab") as f:
+        f.write(b'{"step": 1, "loss": \xff}\n{"step": "x"}\n')
+    capsys.readouterr()
+
+    assert main(["run", str(recipe_path), "--resume", "--set", "training.max_steps=6"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "skipped checkpoint checkpoint-4 (damaged: no trainer_state.json)" in err, err
+    assert "resuming from" in err and "checkpoint-2" in err and "dropped 2 damaged line(s)" in err
+    assert "Traceback" not in err
+    assert sorted(_losses(run_dir)) == list(range(1, 7))
+    assert len([r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]) == 6  # each step once
+
+
 def test_resume_skips_every_damaged_file_and_publishes_a_staged_complete_checkpoint(tmp_path):
     """Each file the resume loads is checked (pickles weights-only, safetensors headers, the trainer state);
     training_args.bin, which the resume never loads, is not opened; a complete checkpoint killed just
@@ -226,8 +281,10 @@ def test_resume_skips_every_damaged_file_and_publishes_a_staged_complete_checkpo
     (checkpoint(root / "checkpoint-4") / "adapter_model.safetensors").write_bytes(b"\x08\x00garbage")
     (checkpoint(root / "checkpoint-6") / "trainer_state.json").write_text('{"global_step": 6')
     (checkpoint(root / "checkpoint-8") / "adapter_model.bin").write_bytes(pickle.dumps(_Exploit(tmp_path / "pwned")))
+    (checkpoint(root / "checkpoint-9") / "trainer_state.json").unlink()  # complete once, damaged since
     found = find_resumable(root)
     assert found.newest == root / "checkpoint-2" and not (tmp_path / "pwned").exists()
+    assert found.skipped.pop(0) == "checkpoint-9 (damaged: no trainer_state.json)"
     assert [line.split(" ")[0] for line in found.skipped] == ["checkpoint-8", "checkpoint-6", "checkpoint-4"]
     assert "adapter_model.bin" in found.skipped[0] and "trainer_state.json" in found.skipped[1]
     assert "adapter_model.safetensors" in found.skipped[2]

@@ -174,3 +174,45 @@ def test_cli_measure_asks_finetune_api_and_prints_its_answer(monkeypatch, recipe
     assert "measured peak on cpu" in out and "3.00 MiB" in out
     assert main(["measure", str(recipe_file), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["peak_bytes"] == 3 * 2**20 and calls[-1] == ("some/model", 2)
+
+
+def _damaged_run(root: Path) -> RunDir:
+    """A run whose files were damaged on disk: bad bytes, a row of the wrong shape, a status of wrong types."""
+    run = RunDir(root)
+    root.mkdir(exist_ok=True)
+    run.append_metrics({"step": 1, "loss": 2.0})
+    with run.metrics.open("ab") as f:
+        f.write(b'{"step": 2, "loss": 1.\xff\xfe}\n')  # bad bytes
+        f.write(b'{"step": "x"}\n{"step": 3, "loss": "high"}\n{"step": true}\n' + b"[" * 5000 + b"\n")
+    run.append_metrics({"step": 4, "loss": 1.0})
+    run.status.write_text(json.dumps({"state": "running", "step": "x", "max_steps": None, "eta_s": "soon"}))
+    run.recipe.write_bytes(b"model:\n  path: caf\xe9\n")
+    return run
+
+
+def test_damaged_run_files_are_read_for_what_they_hold_and_the_damage_counted(tmp_path):
+    run = _damaged_run(tmp_path)
+    rows = run.read_metrics()
+    assert rows == [{"step": 1, "loss": 2.0}, {"step": 4, "loss": 1.0}] and rows.skipped == 5
+    assert run.read_status() == {"state": "running"}
+    assert run.read_recipe_text() == "model:\n  path: caf\ufffd\n"
+    assert run.truncate_metrics(after_step=1) == 5
+    assert run.read_metrics() == [{"step": 1, "loss": 2.0}] and run.read_metrics().skipped == 0
+    assert read_jsonl(tmp_path / "missing.jsonl") == [] and read_jsonl(tmp_path / "missing.jsonl").skipped == 0
+
+
+def test_status_is_written_in_place_when_the_disk_has_no_room_for_a_temp_copy(tmp_path, monkeypatch):
+    import errno
+    import tempfile
+
+    run = RunDir(tmp_path)
+    run.write_status("running", step=3)
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(tempfile, "mkstemp", no_space)
+    run.write_status("failed", error="OSError: [Errno 28] No space left on device")
+    assert run.read_status()["state"] == "failed" and "No space" in run.read_status()["error"]
+    assert [p.name for p in tmp_path.iterdir()] == ["status.json"]
+    with pytest.raises(OSError):  # nothing to write over: the caller says so on screen
+        RunDir(tmp_path / "new").write_status("failed")

@@ -175,3 +175,32 @@ def test_titles_stay_below_the_panel_label_band():
         band_bottom = fig.bbox.height - charts.LABEL_BAND * fig.dpi
         for ax in fig.axes:
             assert ax.get_tightbbox(renderer).y1 <= band_bottom + 1, ax.get_title()
+
+
+def test_one_damaged_run_never_hides_the_others(tmp_path):
+    from tests.test_rundir import _damaged_run
+
+    good = RunDir(tmp_path / "good")
+    good.root.mkdir()
+    good.append_metrics({"step": 1, "loss": 2.0})
+    good.write_status("completed", step=1, max_steps=1)
+    damaged = _damaged_run(tmp_path / "damaged")
+    rows = views.history_rows([str(good.root), str(damaged.root)])
+    assert [r[:3] for r in rows] == [[str(good.root), "completed", "1 / 1"], [str(damaged.root), "running", "4 / ?"]]
+    charts.loss_figure({p.root.name: p.read_metrics() for p in (good, damaged)}, by_run=True)
+    html = views.status_html(damaged.root, "running")
+    assert "data-step='4'" in html and "warning: 5 damaged line(s) of metrics.jsonl skipped" in html
+    assert "warning" not in views.status_html(good.root, "completed")
+
+
+def test_a_run_recipe_with_bad_bytes_is_shown_and_refused_in_one_line(tmp_path):
+    from finetune.errors import RecipeError
+    from tests.test_rundir import _damaged_run
+    from ui.backend import Backend, UISettings
+    from ui.runs import RunManager
+
+    run = _damaged_run(tmp_path / "damaged")
+    backend = Backend(UISettings([tmp_path], tmp_path / "runs"), RunManager(tmp_path / "runs"))
+    assert backend.run_recipe(str(run.root)) == "model:\n  path: caf\ufffd\n"
+    with pytest.raises(RecipeError, match=r"recipe.yaml:2: not UTF-8 text \(byte 0xe9"):
+        backend.load_run_recipe(str(run.root))

@@ -23,7 +23,13 @@ from typing import Any
 from finetune import api
 from finetune.api import RunFiles
 from finetune.errors import FinetuneError, RecipeError
-from finetune.recipe.load import MAX_FILE_BYTES, load_recipe_text, recipe_to_yaml, validate_recipe
+from finetune.recipe.load import (
+    MAX_FILE_BYTES,
+    load_recipe,
+    load_recipe_text,
+    recipe_to_yaml,
+    validate_recipe,
+)
 from finetune.recipe.schema import Recipe
 from finetune.rundir import RECIPE, RunDir, find_runs
 from ui import form
@@ -110,19 +116,17 @@ class Backend:
         chosen = {r["path"]: r for r in self.gallery()}.get(path)
         if chosen is None:
             raise FinetuneError("pick one of the ready recipes first")
-        return chosen["title"], self._with_new_run_dir(Path(path).read_text(encoding="utf-8"), chosen["name"],
-                                                       chosen["name"])
+        return chosen["title"], self._with_new_run_dir(load_recipe(path), chosen["name"])
 
     def load_run_recipe(self, run_dir: str | None) -> tuple[str, list[Any]]:
         """(run, form values) of a previous run's resolved recipe, with a fresh output.dir for the new run."""
         path = self.run_path(run_dir)
-        text = self.run_recipe(str(path))
-        if not text:
+        recipe = RunDir(path).recipe
+        if not recipe.is_file():
             raise FinetuneError(f"{path} has no {RECIPE} yet", hint="pick a run that has started")
-        return str(path), self._with_new_run_dir(text, str(path), path.name)
+        return str(path), self._with_new_run_dir(load_recipe(recipe), path.name)  # a damaged file: one line
 
-    def _with_new_run_dir(self, text: str, source: str, name: str) -> list[Any]:
-        recipe = load_recipe_text(text, source)
+    def _with_new_run_dir(self, recipe: Recipe, name: str) -> list[Any]:
         n, target = 1, self.settings.runs_dir / name
         while target.exists():
             n += 1
@@ -235,6 +239,7 @@ class Backend:
         """Queue a new run of the form's recipe; returns its run directory."""
         recipe = self.checked_recipe(values)
         run_dir = allowed_path(recipe.output.dir, self.settings.roots, "output.dir")
+        RunDir(run_dir).refuse_if_locked("start a run")
         if RunDir(run_dir).exists():
             raise FinetuneError(f"output.dir {run_dir} already holds a run",
                                 hint="resume it from the run list, or change output.dir for a new run")
@@ -247,6 +252,7 @@ class Backend:
         """Queue the continuation of a stopped run from its newest checkpoint (refused by the run if its data
         changed since it started, unless `allow_data_change`)."""
         path = self.checked_run(run_dir)
+        RunDir(path).refuse_if_locked("resume")
         recipe = RunDir(path).recipe
         if not recipe.is_file():
             raise FinetuneError(f"{path} has no {recipe.name}, so it cannot be resumed")
@@ -263,16 +269,15 @@ class Backend:
     def checked_run(self, run_dir: str | None) -> Path:
         """A run directory whose recipe (read again by resume, chat and export) stays in the allowed folders."""
         path = self.run_path(run_dir)
-        recipe = RunDir(path).recipe
-        if recipe.is_file():
-            text = recipe.read_text(encoding="utf-8", errors="replace")
-            check_recipe_paths(load_recipe_text(text, str(recipe)), self.settings.roots)
+        run = RunDir(path)
+        text = run.read_recipe_text()
+        if text is not None:
+            check_recipe_paths(load_recipe_text(text, str(run.recipe)), self.settings.roots)
         return path
 
     def run_recipe(self, run_dir: str | None) -> str:
         """A run's resolved recipe.yaml ('' while it has none)."""
-        recipe = RunDir(self.run_path(run_dir)).recipe
-        return recipe.read_text() if recipe.is_file() else ""
+        return RunDir(self.run_path(run_dir)).read_recipe_text() or ""
 
     def run_dirs(self) -> list[str]:
         """Runs the page can show, newest first: queued or starting ones (no files yet), then on disk."""
@@ -334,6 +339,7 @@ class Backend:
         training run holds the GPU, with the chat worker stopped; yields each step's line as it starts.
         `gguf`: one GGUF file of that type (and an Ollama Modelfile) instead of safetensors."""
         run = self.checked_run(run_dir)
+        RunDir(run).refuse_if_locked("export")
         out = allowed_path(out_dir, self.settings.roots, "export folder")
         with self.chat_worker.gpu() as waiting:
             for event in waiting:

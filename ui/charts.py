@@ -70,7 +70,7 @@ def _log_axis(ax: Any) -> None:
         set_formatter(PlainLogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
 
 
-EVENT_COLORS = {"checkpoint": "#55a868", "oom": "#c44e52", "batch": "#8172b2"}
+EVENT_COLORS = {"checkpoint": "#55a868", "oom": "#c44e52", "batch": "#8172b2", "warning": "#dd8452"}
 
 
 def mark_events(ax: Any, events: list[tuple[int, str, str, str]]) -> None:

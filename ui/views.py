@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.api import RunFiles, run_files
-from finetune.rundir import REWARD_ACCURACY, REWARD_KEYS, RunDir
+from finetune.rundir import COLLAPSED_EVENT, REWARD_ACCURACY, REWARD_KEYS, TRAINING_WARNING, RunDir
 from finetune.units import format_bytes
 from ui.runs import RunManager
 
@@ -71,10 +71,21 @@ def status_html(run: Path | RunFiles, state: str) -> str:
                     for k, v in items.items())
     error = status.get("error")
     err = f"<pre style='color:#b00020;white-space:pre-wrap'>{html.escape(str(error))}</pre>" if error else ""
+    warnings = "".join(f"<div class='run-warning' style='color:#8a5300'>warning: {html.escape(w)}</div>"
+                       for w in run_warnings(files))
     return (f"<div id='run-status' data-state='{html.escape(state)}' data-step='{step}'>"
             f"<div><code>{html.escape(str(files.root))}</code></div>"
             f"<progress value='{pct:.1f}' max='100' style='width:100%'></progress>"
-            f"<div style='display:flex;gap:1.5em;flex-wrap:wrap'>{cells}</div>{err}</div>")
+            f"<div style='display:flex;gap:1.5em;flex-wrap:wrap'>{cells}</div>{warnings}{err}</div>")
+
+
+def run_warnings(files: RunFiles) -> list[str]:
+    """What the run view warns about: a run that stopped learning (status.json's training_warning, from
+    finetune.train.callbacks.CollapseWatch) and damaged lines of metrics.jsonl that were skipped."""
+    warning = files.status.get(TRAINING_WARNING)
+    skipped = getattr(files.metrics, "skipped", 0)
+    return ([warning] if isinstance(warning, str) else []) + (
+        [f"{skipped} damaged line(s) of metrics.jsonl skipped"] if skipped else [])
 
 
 def _differences(plan: dict[str, Any], option: dict[str, Any]) -> str:
@@ -189,6 +200,9 @@ def run_events(rows: list[dict[str, Any]]) -> list[tuple[int, str, str, str]]:
             continue
         if event == "checkpoint_saved":
             out.append((step, "checkpoint", "checkpoint", "checkpoint saved"))
+            continue
+        if event == COLLAPSED_EVENT:  # finetune.train.callbacks.CollapseWatch
+            out.append((step, "collapsed", "warning", str(row.get("detail") or "training collapsed")))
             continue
         to = row.get("to") or {}
         changes = ", ".join(f"{k} {(row.get('from') or {}).get(k)}→{v}" for k, v in to.items())

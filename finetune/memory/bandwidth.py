@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 import uuid
 from collections.abc import Callable, Collection
@@ -21,6 +22,7 @@ from finetune.units import cache_dir
 
 PROBE_BYTES = 256 << 20
 PROBE_CHUNK = 16 << 20  # written as separate files, like activations
+MIN_PROBE_BYTES = 1 << 20  # below this the disk is not measured: the planner prices it at the typical speed
 
 
 def cache_path() -> Path:
@@ -94,11 +96,31 @@ def _cached(key: str, measure: Callable[[], dict[str, float]], refresh: bool) ->
     return cached
 
 
-def disk_bandwidth(directory: str | Path, refresh: bool = False) -> dict[str, float]:
-    """Cached `measure_disk` for the filesystem holding `directory` (measured on first use)."""
+def probe_bytes(directory: Path) -> int:
+    """How much the disk probe writes in `directory`: PROBE_BYTES, or a quarter of the free space where that is
+    less (a small or nearly full folder is never filled by the measurement), 0 below MIN_PROBE_BYTES."""
+    size = min(PROBE_BYTES, shutil.disk_usage(directory).free // 4) // MIN_PROBE_BYTES * MIN_PROBE_BYTES
+    return size if size >= MIN_PROBE_BYTES else 0
+
+
+def disk_bandwidth(directory: str | Path, refresh: bool = False) -> dict[str, float] | None:
+    """Cached `measure_disk` for the filesystem holding `directory` (measured on first use); None where it
+    cannot be measured (too little free space, a read-only or full disk): the planner then uses the typical
+    speed rather than fail. Only a full-size measurement is cached."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    return _cached(f"disk:{os.stat(directory).st_dev}", lambda: measure_disk(directory), refresh)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        key = f"disk:{os.stat(directory).st_dev}"
+        cached = _load_cache().get(key)
+        if cached is not None and not refresh:
+            return cached
+        size = probe_bytes(directory)
+        measured = measure_disk(directory, size) if size else None
+        if size == PROBE_BYTES:
+            _store_cache(key, measured)
+    except OSError:
+        return None
+    return measured
 
 
 def host_device_bandwidth(device: torch.device, refresh: bool = False) -> dict[str, float]:
@@ -110,13 +132,16 @@ def transfer_bandwidth(offload_dir: str | Path, cuda: bool,
                        links: Collection[str] = ("host_device", "disk")) -> dict[str, float]:
     """Bytes/s each offload link in `links` moves at on this machine (slower direction), measured once and
     cached: `disk` for the filesystem that will hold `offload_dir`, `host_device` for pinned host<->GPU copies
-    (on a GPU only). The tier table (finetune.recipe.offload_tiers) says which link prices which tier."""
+    (on a GPU only). The tier table (finetune.recipe.offload_tiers) says which link prices which tier. A disk
+    that cannot be measured is left out (cost_model's typical figure prices it)."""
     result = {}
     if "disk" in links:
         probe = Path(offload_dir).resolve()
         while not probe.exists():  # measure where the folder will be, without creating it
             probe = probe.parent
-        result["disk"] = min(disk_bandwidth(probe).values())
+        measured = disk_bandwidth(probe)
+        if measured is not None:
+            result["disk"] = min(measured.values())
     if cuda and "host_device" in links:
         result["host_device"] = min(host_device_bandwidth(torch.device("cuda")).values())
     return result

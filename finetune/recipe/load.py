@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import reprlib
 from pathlib import Path
 from typing import Any
 
@@ -10,10 +11,9 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from finetune.errors import RecipeError
-from finetune.recipe.schema import Recipe
+from finetune.recipe.schema import MAX_DEPTH, Recipe
 
 MAX_FILE_BYTES = 1 << 20  # a recipe is a few kilobytes; this bounds parse time and memory
-MAX_DEPTH = 16  # sections hold keys hold lists: 4 levels are used, the rest is room
 MAX_VALUES = 10_000  # YAML values after alias expansion: a recipe has ~100; refuses "billion laughs" bombs
 
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -48,15 +48,27 @@ def _yaml_error(exc: yaml.YAMLError, source: str, text: str, numbered: bool) -> 
         line = None
     what = getattr(exc, "problem", None) or getattr(exc, "reason", None) or str(exc).splitlines()[0]
     where = f"{source}:{line}" if line else source
+    if "nesting depth" in str(what):  # pyyaml >= 6.0.3 (libyaml) stops deep nesting itself, maybe before we do
+        return _too_deep(where)
     hint = None if isinstance(exc, yaml.constructor.ConstructorError) else (
         "check the indentation and quoting on that line (YAML needs `key: value`)")
     return RecipeError(f"{where}: not valid YAML: {_clip(what)}", hint=hint)
 
 
 def _clip(value: Any, n: int = 80) -> str:
-    """A user's value made printable (repr) and short for a one-line message."""
-    text = repr(value)
+    """A user's value made printable (repr) and short for a one-line message; a value nested too deep for
+    repr (Python data given to api.validate) is shown to a few levels."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        text = reprlib.repr(value)
     return text[:n] + "..." if len(text) > n else text
+
+
+def _too_deep(where: str) -> RecipeError:
+    """The one message for nesting too deep, whether our event check or pyyaml's own limit stopped it."""
+    return RecipeError(f"{where}: nested more than {MAX_DEPTH} levels deep; a recipe is sections of keys "
+                       "(see `finetune keys`)")
 
 
 def _check_events(text: str, source: str) -> None:
@@ -68,8 +80,7 @@ def _check_events(text: str, source: str) -> None:
         if isinstance(event, yaml.CollectionStartEvent):
             depth += 1
             if depth > MAX_DEPTH:
-                raise RecipeError(f"{source}:{event.start_mark.line + 1}: nested more than {MAX_DEPTH} levels deep; "
-                                  "a recipe is sections of keys (see `finetune keys`)")
+                raise _too_deep(f"{source}:{event.start_mark.line + 1}")
         elif isinstance(event, yaml.CollectionEndEvent):
             depth -= 1
         if events > MAX_VALUES:
@@ -235,9 +246,8 @@ def describe_errors(exc: ValidationError, source: str, locations: Locations) -> 
     by_key: dict[tuple[str, ...], list[str]] = {}
     given: dict[tuple[str, ...], Any] = {}
     for err in exc.errors():
-        # pydantic adds union-branch names such as 'int' or "literal['auto']" to loc; keep only real keys.
-        keys = tuple(str(p) for p in err["loc"] if _is_key(str(p)))
-        dotted = ".".join(keys) or "(recipe)"
+        keys = _recipe_keys(err["loc"])
+        dotted = _dotted(keys)
         if err["type"] == "extra_forbidden":
             parent = _submodel(Recipe, keys[:-1])
             choices = list(parent.model_fields) if parent else []
@@ -266,16 +276,30 @@ def describe_errors(exc: ValidationError, source: str, locations: Locations) -> 
     for keys, msgs in by_key.items():
         where = f"{locations.get(keys, source)}: "
         if keys in given:  # a bad value: union types give one message per branch, joined with "or"
-            text = f"{'.'.join(keys) or '(recipe)'}: {' or '.join(msgs)} (got {_clip(given[keys])})"
+            text = f"{_dotted(keys)}: {' or '.join(msgs)} (got {_clip(given[keys])})"
             problems.append(where + text)
         else:
             problems.extend(where + m for m in msgs)
     return problems
 
 
-def _is_key(part: str) -> bool:
-    return part.isidentifier() and not part.startswith(("literal", "function")) and part not in {
-        "int", "str", "float", "bool", "list", "none", "tuple", "dict", "constrained-int", "constrained-float"}
+def _dotted(keys: tuple[str, ...]) -> str:
+    """A key path as the user reads it: `model.path`, a name that is no identifier quoted (`model.'a b'`)."""
+    return ".".join(k if k.isidentifier() else _clip(k) for k in keys) or "(recipe)"
+
+
+def _recipe_keys(loc: tuple[Any, ...]) -> tuple[str, ...]:
+    """The recipe keys of a pydantic error location: its parts while they name a section or one of its keys,
+    whatever their spelling (a key `int` too); what follows a key is pydantic's (union-branch names such as
+    'int' or "literal['auto']", list indices)."""
+    keys: list[str] = []
+    model: type[BaseModel] | None = Recipe
+    for part in loc:
+        if model is None:
+            break
+        keys.append(str(part))
+        model = _submodel(model, (str(part),))
+    return tuple(keys)
 
 
 def validate_recipe(data: Any, source: str = "recipe", text: str | None = None,

@@ -26,6 +26,7 @@ from finetune.recipe.optimizers import SPECS, names_with_key, optimizer_names, o
 from finetune.units import MAX_SIZE, parse_bytes
 
 MAX_COUNT = 2**31 - 1  # steps, sizes in tokens, ranks: what torch and the Trainer keep in 32-bit ints
+MAX_DEPTH = 16  # sections hold keys hold lists: 4 levels are used, the rest is room (YAML and Python data alike)
 
 
 ByteSize = Annotated[int, BeforeValidator(parse_bytes), Field(ge=0, le=MAX_SIZE)]
@@ -60,7 +61,11 @@ def _leaf_types(annotation: Any) -> set[Any]:
     return {annotation}
 
 
-def _check_value(value: Any, bool_ok: bool) -> None:
+def _check_value(value: Any, bool_ok: bool, depth: int = 2) -> None:
+    """`depth`: the value's level in the recipe (a section's key is 2); a list nested past MAX_DEPTH is refused
+    here, before anything recurses through it (api.validate takes Python data that no YAML reader checked)."""
+    if depth > MAX_DEPTH:
+        raise ValueError(f"nested more than {MAX_DEPTH} levels deep; a recipe is sections of keys")
     if isinstance(value, bool) and not bool_ok:
         raise ValueError(f"expected a number or a name here, not {str(value).lower()}")
     if isinstance(value, float) and not math.isfinite(value):
@@ -74,7 +79,7 @@ def _check_value(value: Any, bool_ok: bool) -> None:
         if not value:
             raise ValueError("must not be an empty list; remove the key for the default")
         for item in value:
-            _check_value(item, bool_ok=False)
+            _check_value(item, bool_ok=False, depth=depth + 1)
 
 
 class ModelConfig(Section):

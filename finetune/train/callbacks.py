@@ -10,8 +10,38 @@ from transformers import TrainerCallback
 
 from finetune.console import console, progress_bar
 from finetune.memory.preference import METRIC_PREFIXES
-from finetune.rundir import EVAL_PREFIX, RunDir
+from finetune.rundir import COLLAPSED_EVENT, EVAL_PREFIX, TRAINING_WARNING, RunDir
 from finetune.train.noise_scale import KEYS as NOISE_SCALE_KEYS
+
+FLAT_STEPS = 3  # logged steps in a row with a zero gradient norm or the same loss: the run has stopped learning
+
+
+class CollapseWatch:
+    """Notices a run that stopped learning (a gradient norm of exactly 0, or the same loss FLAT_STEPS logged
+    steps in a row), which would otherwise end "completed" with weights that learned nothing. A single zero
+    norm is not enough: a layer-wise optimizer logs 0 before it has measured one."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[float | None, float | None]] = []  # (loss, grad_norm) of the last logged steps
+        self.warning: str | None = None
+
+    def observe(self, step: int, loss: float | None, grad_norm: float | None) -> str | None:
+        """The warning, the first time the run looks collapsed at `step`; else None."""
+        if self.warning is not None:
+            return None
+        self.rows = [*self.rows, (loss, grad_norm)][-FLAT_STEPS:]
+        if len(self.rows) < FLAT_STEPS:
+            return None
+        losses = [r[0] for r in self.rows]
+        if all(r[1] == 0 for r in self.rows):
+            why = f"the gradient norm has been 0 for {FLAT_STEPS} logged steps"
+        elif None not in losses and max(losses) - min(losses) <= 1e-6 * max(abs(losses[0]), 1e-12):
+            why = f"the loss has stayed at {losses[0]:.6g} for {FLAT_STEPS} logged steps"
+        else:
+            return None
+        self.warning = (f"training collapsed at step {step}: {why}, so the weights no longer learn; lower "
+                        "training.learning_rate (or adapter.alpha), or keep training.max_grad_norm set")
+        return self.warning
 
 
 class MetricsCallback(TrainerCallback):
@@ -25,6 +55,7 @@ class MetricsCallback(TrainerCallback):
         self._last_tokens = 0
         self._first_step: int | None = None
         self.status_fields: dict = {}  # kept in every status.json write, e.g. the last OOM recovery
+        self.collapse = CollapseWatch()
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._first_step = state.global_step
@@ -39,6 +70,7 @@ class MetricsCallback(TrainerCallback):
             return
         logs = logs or {}
         now = time.time()
+        collapsed = None
         row = {"step": state.global_step, "epoch": round(state.epoch or 0.0, 4), "elapsed_s": round(now - self.start, 3)}
         if f"{EVAL_PREFIX}loss" in logs:
             row.update({k: v for k, v in logs.items() if k.startswith(EVAL_PREFIX)})
@@ -55,6 +87,7 @@ class MetricsCallback(TrainerCallback):
             row.update({k: logs[k] for k in NOISE_SCALE_KEYS if k in logs})
             row.update({k: v for k, v in logs.items() if k.startswith(METRIC_PREFIXES)})  # preference methods
             self._last_time, self._last_tokens = now, tokens
+            collapsed = self.collapse.observe(state.global_step, row["loss"], row["grad_norm"])
         else:
             return  # the end-of-training summary goes to results.json instead
         if "peak_memory_breakdown" in logs:  # the CPU tensor tracker splits the peak by component
@@ -64,6 +97,11 @@ class MetricsCallback(TrainerCallback):
             console.print(f"[yellow]warning: {logs['memory_warning']}")
         self.run.append_metrics(row)
         self.run.log_line(" ".join(f"{k}={v}" for k, v in row.items() if not isinstance(v, dict)))
+        if collapsed is not None:  # said once: on screen, as an event row, in status.json for the UI
+            console.print(f"[yellow]warning: {collapsed}")
+            self.run.append_metrics({"event": COLLAPSED_EVENT, "step": state.global_step, "detail": collapsed})
+            self.run.log_line(f"warning: {collapsed}")
+            self.status_fields[TRAINING_WARNING] = collapsed
         self.run.write_status("running", step=state.global_step, max_steps=self.max_steps, eta_s=self._eta(state),
                               **self.status_fields)
 

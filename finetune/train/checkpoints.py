@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 COMPLETE = ".complete"  # written last inside a checkpoint folder, before the rename that publishes it
 STAGING = ".staging"
+TRAINER_STATE = "trainer_state.json"  # the Trainer resumes its step, schedule and log history from it
 FAULT_ENV = "FINETUNE_FAULT_CHECKPOINT"  # test hook, see checkpoint_fault()
 _NAME = re.compile(r"checkpoint-(\d+)$")
 
@@ -39,7 +40,7 @@ class Checkpoints:
 
 
 def is_complete(folder: Path) -> bool:
-    return (folder / COMPLETE).is_file() or (folder / "trainer_state.json").is_file()
+    return (folder / COMPLETE).is_file() or (folder / TRAINER_STATE).is_file()
 
 
 def numbered(root: Path) -> list[Path]:
@@ -75,7 +76,7 @@ def unreadable_file(folder: Path) -> str | None:
             elif path.suffix == ".safetensors":
                 with safe_open(path, framework="pt") as f:
                     f.keys()
-            elif path.name == "trainer_state.json":
+            elif path.name == TRAINER_STATE:
                 json.loads(path.read_text())
         except Exception as exc:  # noqa: BLE001 - any failure makes the file unusable; the reason is reported
             reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
@@ -84,7 +85,8 @@ def unreadable_file(folder: Path) -> str | None:
 
 
 def find_resumable(root: Path) -> Checkpoints:
-    """The newest complete, readable checkpoint; partial staging folders are removed, bad ones passed over."""
+    """The newest complete, readable checkpoint; partial staging folders are removed, partial or damaged ones
+    passed over (with the reason) so the previous complete one resumes."""
     skipped = []
     staging = root / STAGING
     if staging.exists():
@@ -97,6 +99,9 @@ def find_resumable(root: Path) -> Checkpoints:
     for folder in numbered(root):
         if not is_complete(folder):
             skipped.append(f"{folder.name} (partial: no {COMPLETE} marker)")
+            continue
+        if not (folder / TRAINER_STATE).is_file():  # complete once, damaged since (a file deleted)
+            skipped.append(f"{folder.name} (damaged: no {TRAINER_STATE})")
             continue
         bad = unreadable_file(folder)
         if bad:

@@ -25,7 +25,15 @@ from finetune.recipe.load import load_recipe, recipe_to_yaml
 from finetune.recipe.schema import Recipe
 from finetune.recipe.settings import auto_settings, read_settings, write_settings
 from finetune.recipe.settings import table as settings_table
-from finetune.rundir import EVAL_PREFIX, RunDir, atomic_write_json, atomic_write_text, read_json, replace_dir
+from finetune.rundir import (
+    EVAL_PREFIX,
+    RunDir,
+    RunLock,
+    atomic_write_json,
+    atomic_write_text,
+    read_json,
+    replace_dir,
+)
 from finetune.train import distributed
 from finetune.train.batch_engine import BatchEngineTrainer, batch_summary, record_batch_change
 from finetune.train.callbacks import MetricsCallback, ProgressCallback, StopOnSignal
@@ -50,9 +58,12 @@ class RunResult:
     eval_loss: float | None
 
 
-def _prepare_run_dir(recipe: Recipe, resume: bool, overwrite: bool) -> tuple[RunDir, str | None]:
-    """Check the run directory against --resume / --overwrite; return it and the checkpoint to resume from."""
+def _prepare_run_dir(recipe: Recipe, resume: bool, overwrite: bool, held: list[RunLock]
+                     ) -> tuple[RunDir, str | None]:
+    """Lock the run directory (into `held`, released when the run ends), then check it against --resume /
+    --overwrite under the lock; return it and the checkpoint to resume from."""
     run = RunDir(Path(recipe.output.dir))
+    held.append(run.lock("finetune run --resume" if resume else "finetune run", create=not resume))
     if overwrite and not resume and run.root.exists():
         run.remove()
     if resume:
@@ -133,7 +144,13 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False,
     recipe = resolve_init_from(recipe)  # before the run directory exists: a bad adapter.init_from writes nothing
     distributed.join(recipe)
     main = distributed.is_main()
-    run_dir, checkpoint = distributed.on_main(lambda: _prepare_run_dir(recipe, resume, overwrite))
+    held: list[RunLock] = []  # rank 0's lock on the run directory
+    try:
+        run_dir, checkpoint = distributed.on_main(lambda: _prepare_run_dir(recipe, resume, overwrite, held))
+    except BaseException:
+        for lock in held:
+            lock.release()
+        raise
     stopper = StopOnSignal()
     stopper.install()
     if not main:
@@ -166,15 +183,19 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False,
         raise
     finally:
         stopper.uninstall()
+        for lock in held:
+            lock.release()
 
 
 def _record_end(run_dir: RunDir, state: str, exc: BaseException) -> None:
-    """status.json and train.log say how the run ended; if even that cannot be written, say so on screen."""
-    try:
-        run_dir.write_status(state, error=f"{type(exc).__name__}: {exc}")
-        run_dir.log_line(f"run {state}: {type(exc).__name__}: {exc}")
-    except OSError as write_error:
-        console.print(f"[red]could not record the end of the run in {run_dir.status}: {write_error.strerror}")
+    """status.json and train.log say how the run ended (status.json even on a full disk, see write_status); if
+    even that cannot be written, say so on screen."""
+    for path, write in ((run_dir.status, lambda: run_dir.write_status(state, error=f"{type(exc).__name__}: {exc}")),
+                        (run_dir.log, lambda: run_dir.log_line(f"run {state}: {type(exc).__name__}: {exc}"))):
+        try:
+            write()
+        except OSError as write_error:
+            console.print(f"[red]could not record the end of the run in {path}: {write_error.strerror}")
 
 
 def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, stopper: StopOnSignal,
@@ -232,7 +253,9 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
 
     steps = total_steps(recipe, len(data.train))
     if checkpoint and main:
-        run_dir.truncate_metrics(step_of(checkpoint))
+        damaged = run_dir.truncate_metrics(step_of(checkpoint))
+        if damaged:
+            console.print(f"[yellow]--resume: {run_dir.metrics}: dropped {damaged} damaged line(s)")
     peak = PeakMemoryCallback(plan.peak_bytes if plan is not None else None)
     metrics = MetricsCallback(run_dir, steps)
     # The plan is made for max_seq_len; the UI re-plans at the longest sequence the data really has.
