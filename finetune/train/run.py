@@ -216,8 +216,12 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
                   f"({100 * trainable / max(total, 1):.2f}%)")
     data = build_datasets(recipe.data, tokenizer, recipe.training.seed, recipe.training.method)
     console.print("data: " + ", ".join(f"{k} {v}" for k, v in data.stats.items()))
+    for warning in data.warnings:
+        console.print(f"data: {warning}", style="yellow", markup=False)
     if main:
         run_dir.log_line(f"data stats: {data.stats}")
+        for warning in data.warnings:
+            run_dir.log_line(f"data warning: {warning}")
     if recipe.training.precompute_reference:  # before the Trainer: no optimizer state or gradients yet
         from finetune.train.reference_pass import attach_reference
 
