@@ -9,7 +9,7 @@ import pytest
 
 from finetune.data import build_datasets, detect_format, preview
 from finetune.data.chat import TOOLS_PREAMBLE
-from finetune.errors import DataError
+from finetune.errors import DataError, RecipeError
 from finetune.recipe.schema import DataConfig
 from finetune.testing import CHATML_TEMPLATE
 
@@ -264,7 +264,7 @@ def test_binary_file_with_a_dataset_suffix(tmp_path, tiny_tokenizer, suffix, pro
 
 
 def test_missing_path_and_unknown_suffix(tmp_path, tiny_tokenizer):
-    with pytest.raises(DataError, match="does not exist"):
+    with pytest.raises(RecipeError, match="data.path '.*nope.json' does not exist"):  # exit 2: the recipe's
         build(tmp_path / "nope.json", tiny_tokenizer)
     (tmp_path / "data.txt").write_text("hello")
     with pytest.raises(DataError, match="unsupported file type '.txt'"):
@@ -281,7 +281,7 @@ def test_bad_chat_template(tmp_path, tiny_tokenizer):
     path = write_json(tmp_path, ALPACA)
     with pytest.raises(DataError, match="not valid Jinja"):
         build(path, tiny_tokenizer, chat_template="{% for m in messages %}")
-    with pytest.raises(DataError, match="does not exist"):
+    with pytest.raises(RecipeError, match="data.chat_template file .* does not exist"):
         build(path, tiny_tokenizer, chat_template=str(tmp_path / "missing.jinja"))
     rejecting = "{{ raise_exception('roles must alternate') }}"
     with pytest.raises(DataError, match="record 0: the chat template rejects this conversation: roles must alternate"):

@@ -19,9 +19,10 @@ either keeps no loss token. For kto, pairs are split into a good and a bad examp
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from finetune.data.chat import IGNORE_INDEX, ChatEncoder, Encoded, encode_text, resolve_template
@@ -70,9 +71,6 @@ class _Prepared:
     label: bool | None = None
     source: Source | None = None
 
-    def texts(self) -> list[str]:
-        return [self.text] if self.chat is None else [self.chat[0]] + ([self.rejected[0]] if self.rejected else [])
-
 
 Sequences = list[Encoded]  # an example's sequences: one, or chosen and rejected
 
@@ -92,11 +90,7 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
     encoder = _encoder(cfg, tokenizer, fmt)
     prepared, problems = _prepare(records, fmt, cfg, encoder)
     problems = read.problems + problems
-    if problems and cfg.on_bad_record == "error":
-        _raise_bad(cfg.path, fmt, problems)
-    if not prepared:
-        raise DataError(f"{cfg.path}: no usable records ({len(problems)} malformed were skipped)",
-                        problems=_listed(problems))
+    _refuse_bad(cfg, fmt, problems, len(prepared))
     train_part, eval_part = _split(cfg.path, prepared, cfg.validation_split, seed)
     if data_kind(method) == "kto" and fmt in PAIR_FORMATS:  # split by record, then unpair
         train_part, eval_part = _unpair(train_part), _unpair(eval_part)
@@ -247,7 +241,7 @@ def _prepare(records: Sequence[Record], fmt: str, cfg: DataConfig,
     prepared, problems = [], []
     for record in records:
         try:
-            example: Example = normalize(record.value, fmt, cfg.system_prompt)
+            example = _example(record, fmt, cfg)
             if isinstance(example, Preference):
                 assert encoder is not None
                 rendered = [encoder.render(chat, first) for chat, first in example.chats()]
@@ -258,18 +252,47 @@ def _prepare(records: Sequence[Record], fmt: str, cfg: DataConfig,
                 item = _Prepared(record.where, chat=encoder.render(example), source=[(example, 0)])
             else:
                 item = _Prepared(record.where, text=example)
-            problem = next(filter(None, map(unicode_problem, item.texts())), None)
-            if problem:
-                raise RecordError(problem)
             prepared.append(item)
         except RecordError as exc:
             problems.append(f"{record.where}: {exc}")
     return prepared, problems
 
 
-def _raise_bad(path: str, fmt: str, problems: list[str]) -> None:
-    raise DataError(f"{path}: {len(problems)} malformed record(s) for format {fmt}", problems=_listed(problems),
-                    hint="fix them, or set data.on_bad_record: skip to skip and count them")
+def _example(record: Record, fmt: str, cfg: DataConfig) -> Example:
+    """One record normalised; RecordError if it is malformed or holds text that cannot be tokenized."""
+    example = normalize(record.value, fmt, cfg.system_prompt)
+    text = example if isinstance(example, str) else json.dumps(asdict(example), ensure_ascii=False, default=str)
+    if problem := unicode_problem(text):
+        raise RecordError(problem)
+    return example
+
+
+def check_records(cfg: DataConfig, method: str = "sft") -> dict[str, Any]:
+    """Read and check every record without a tokenizer, in seconds, before a model loads: the file parses,
+    its format is known and suits `method`, each record has its fields. Raises the DataError build_datasets
+    would; returns the format and the counts of records and of malformed ones."""
+    read = read_records(cfg.path)
+    fmt = _format(cfg, read.records)
+    _check_method(cfg, fmt, method)
+    problems = list(read.problems)
+    for record in read.records:
+        try:
+            _example(record, fmt, cfg)
+        except RecordError as exc:
+            problems.append(f"{record.where}: {exc}")
+    _refuse_bad(cfg, fmt, problems, len(read.records) + len(read.problems) - len(problems))
+    return {"format": fmt, "records": len(read.records) + len(read.problems), "bad_records": len(problems)}
+
+
+def _refuse_bad(cfg: DataConfig, fmt: str, problems: list[str], usable: int) -> None:
+    """Stop on malformed records (on_bad_record: error), and when no record is usable."""
+    if problems and cfg.on_bad_record == "error":
+        raise DataError(f"{cfg.path}: {len(problems)} malformed record(s) for format {fmt}",
+                        problems=_listed(problems),
+                        hint="fix them, or set data.on_bad_record: skip to skip and count them")
+    if not usable:
+        raise DataError(f"{cfg.path}: no usable records ({len(problems)} malformed were skipped)",
+                        problems=_listed(problems))
 
 
 def _listed(problems: list[str]) -> list[str]:

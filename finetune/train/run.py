@@ -166,7 +166,11 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False) -> Run
 
 
 def _record_end(run_dir: RunDir, state: str, exc: BaseException) -> None:
-    """status.json and train.log say how the run ended; if even that cannot be written, say so on screen."""
+    """status.json and train.log say how the run ended; if even that cannot be written, say so on screen.
+    A run that trained nothing leaves no folder (RunDir.discard_untrained)."""
+    if run_dir.discard_untrained():
+        console.print(f"nothing was trained; removed {run_dir.root}", markup=False)
+        return
     try:
         run_dir.write_status(state, error=f"{type(exc).__name__}: {exc}")
         run_dir.log_line(f"run {state}: {type(exc).__name__}: {exc}")
