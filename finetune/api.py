@@ -30,6 +30,23 @@ def validate(data: dict, source: str = "recipe") -> Recipe:
     return validate_recipe(data, source)
 
 
+def preflight(recipe: Recipe) -> dict[str, Any]:
+    """What would otherwise fail a minute into `plan` or `run`, checked in seconds before any model loads or
+    run directory is made: every path the recipe reads exists (model.path when it is local, data.path,
+    data.chat_template's file, adapter.init_from) and the data file parses (the record reader, format
+    detection and each record's fields; no tokenizer). Raises the error the run would; returns the data's
+    format and record counts (finetune.data.build.check_records)."""
+    from finetune.data.build import check_records
+    from finetune.data.chat import template_file
+    from finetune.model.source import check_model_path
+    from finetune.recipe.init_from import resolve_init_from
+
+    check_model_path(recipe.model.path)
+    resolve_init_from(recipe)
+    template_file(recipe.data.chat_template)
+    return check_records(recipe.data, recipe.training.method)
+
+
 def preview_data(recipe: Recipe, n: int = 3) -> tuple[list[dict], list[str]]:
     """The first n examples as the model will see them (token texts with a has-loss flag) and the records
     that could not be read, reported as the CLI reports them."""
@@ -449,6 +466,7 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False,
     """Fine-tune; blocks until done or stopped (Ctrl-C / SIGTERM save a checkpoint first). `resume` on data
     other than the run started on (records, content, order, tokenizer, max_seq_len, ...) raises DataChanged
     (exit code 2) unless `allow_data_change`."""
+    preflight(recipe)  # before torch is imported: a missing file is reported in a second, no run directory made
     from finetune.train.run import run as _run
 
     return _run(recipe, resume=resume, overwrite=overwrite, allow_data_change=allow_data_change)
@@ -465,6 +483,7 @@ def launch(recipe: Recipe, argv: list[str], gpus: int, *, resume: bool = False, 
     check_available(recipe)
     RunDir(Path(recipe.output.dir)).refuse_if_locked("finetune run")  # rank 0 takes the lock once started
     check_output_dir(recipe, resume, overwrite)
+    preflight(recipe)
     return _launch(argv, gpus)
 
 

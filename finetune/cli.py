@@ -156,15 +156,17 @@ def cmd_validate(args) -> int:
     from finetune import api
 
     recipe = api.load_recipe(args.recipe, args.overrides)
-    console.print(f"[green]ok[/green]: {args.recipe} is a valid recipe "
-                  f"(model {recipe.model.path}, data {recipe.data.path}, adapter {recipe.adapter.type})")
+    data = api.preflight(recipe)
+    bad = f", {data['bad_records']} malformed to skip" if data["bad_records"] else ""
+    console.print(f"[green]ok[/green]: {escape(args.recipe)} is a valid recipe (model {escape(recipe.model.path)}, "
+                  f"data {escape(recipe.data.path)}: {data['records']} {data['format']} records{bad}, "
+                  f"adapter {recipe.adapter.type})")
     return 0
 
 
 def cmd_plan(args) -> int:
     """Print the plan (JSON or tables); exit 0 if it fits, 1 if nothing fits."""
     from finetune import api
-    from finetune.cli_tables import render_plan
 
     overrides = [*args.overrides, f"distributed.gpus={args.gpus}"] if args.gpus else args.overrides
     if args.advice:
@@ -173,10 +175,13 @@ def cmd_plan(args) -> int:
             print(f"advice from {args.advice}: {why}\n  " + "  ".join(f"--set {o}" for o in advised))
     else:
         recipe = api.load_recipe(args.recipe, overrides)
+    api.preflight(recipe)  # the recipe's files, in seconds; api.plan itself also plans what-ifs without data
     plan = api.plan(recipe, gpu_memory=args.gpu_memory, device=args.device)
     if args.json:
         print(plan.to_json())
     else:
+        from finetune.cli_tables import render_plan  # imports torch: after the plan, so errors come at once
+
         render_plan(plan)
         for line in api.batch_plan(recipe, plan):
             print(line)

@@ -2,6 +2,7 @@
 
 import logging
 import os
+import sys
 import warnings
 
 from rich.console import Console
@@ -33,6 +34,12 @@ def quiet_libraries() -> None:
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated", category=FutureWarning)
+    if not {"transformers", "huggingface_hub"} & sys.modules.keys():
+        # Read when they are first imported: setting them costs nothing, importing transformers here took
+        # seconds, before a command could even report a missing file (finetune.api.preflight).
+        os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+        return
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()

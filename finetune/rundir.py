@@ -396,6 +396,23 @@ class RunDir:
             else:
                 path.unlink()
 
+    def discard_untrained(self) -> bool:
+        """Delete a run directory in which nothing was trained (no metrics row, checkpoint or adapter): a run
+        that failed or was stopped before its first step leaves no folder that blocks the next `finetune run`
+        or shows in the run, chat and resume lists. Only a folder the tool made (`remove`'s rules); returns
+        whether it was deleted."""
+        trained = self.metrics.is_file() and self.metrics.stat().st_size > 0 or self.has_adapter() \
+            or self.checkpoints.is_dir() and any(self.checkpoints.iterdir())
+        if trained or not self.marker.is_file():
+            return False
+        try:
+            self.remove()
+            (self.root / LOCK).unlink(missing_ok=True)  # the run is over: no writer left to keep out
+            self.root.rmdir()
+        except (FinetuneError, OSError):
+            return False
+        return True
+
     # -- writers (training) -------------------------------------------------------------------------
     def append_metrics(self, row: dict) -> None:
         with self.metrics.open("a") as f:

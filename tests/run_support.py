@@ -10,6 +10,9 @@ import pytest
 
 from finetune.rundir import read_jsonl
 
+# A small real data file, for recipes whose data only has to be there (`finetune plan` checks that it parses).
+SAMPLE_DATA = str(Path(__file__).resolve().parents[1] / "recipes" / "data" / "quickstart.jsonl")
+
 
 def sums_data(path: Path, n: int) -> Path:
     """`n` chat records "What is i plus i?" -> "It is 2i." with answers of varied length (messages format)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from run_support import SAMPLE_DATA
 
 from finetune.recipe import validate_recipe
 from finetune.recipe.batch_rules import (
@@ -53,7 +54,7 @@ def test_every_registered_optimizer_names_its_rule():
 
 
 def _recipe(**training) -> object:
-    return validate_recipe({"model": {"path": "m"}, "data": {"path": "d.jsonl"},
+    return validate_recipe({"model": {"path": "m"}, "data": {"path": SAMPLE_DATA},
                             "training": {"learning_rate": 1e-4, **training}})
 
 
@@ -88,7 +89,7 @@ def test_finetune_plan_shows_the_rescaling(tiny_model_dir, tmp_path, capsys):
     from finetune.cli import main
     from finetune.recipe.load import recipe_to_yaml
 
-    recipe = validate_recipe({"model": {"path": str(tiny_model_dir)}, "data": {"path": "d.jsonl", "max_seq_len": 64},
+    recipe = validate_recipe({"model": {"path": str(tiny_model_dir)}, "data": {"path": SAMPLE_DATA, "max_seq_len": 64},
                               "quantization": {"bits": None},
                               "training": {"learning_rate": 1e-4, "micro_batch_size": 2,
                                            "gradient_accumulation_steps": 8, "reference_batch_size": 4}})
@@ -231,7 +232,7 @@ def test_finetune_plan_takes_the_advice_of_a_finished_run(tiny_model_dir, tmp_pa
     atomic_write_json(previous.results, {"state": "completed", "advice": advise(
         16000.0, 20.0, 4, batch_used=4, learning_rate=1e-3, betas=(0.9, 0.999), optimizer="adamw",
         times=(0.01, 0.0008))})  # k* = sqrt(0.0008 x 16000 / (0.01 x 80)) = 4: 16 sequences (cap 17)
-    recipe = validate_recipe({"model": {"path": str(tiny_model_dir)}, "data": {"path": "d.jsonl", "max_seq_len": 64},
+    recipe = validate_recipe({"model": {"path": str(tiny_model_dir)}, "data": {"path": SAMPLE_DATA, "max_seq_len": 64},
                               "quantization": {"bits": None}, "training": {"micro_batch_size": 4}})
     path = tmp_path / "recipe.yaml"
     path.write_text(recipe_to_yaml(recipe))
@@ -247,7 +248,7 @@ def test_finetune_plan_shows_what_auto_will_do(tiny_model_dir, tmp_path, capsys)
     from finetune.cli import main
     from finetune.recipe.load import recipe_to_yaml
 
-    recipe = validate_recipe({"model": {"path": str(tiny_model_dir)}, "data": {"path": "d.jsonl", "max_seq_len": 64},
+    recipe = validate_recipe({"model": {"path": str(tiny_model_dir)}, "data": {"path": SAMPLE_DATA, "max_seq_len": 64},
                               "quantization": {"bits": None},
                               "training": {"micro_batch_size": 4, "effective_batch_size": "auto"}})
     path = tmp_path / "recipe.yaml"

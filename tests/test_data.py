@@ -9,7 +9,7 @@ import pytest
 
 from finetune.data import build_datasets, detect_format, preview
 from finetune.data.chat import TOOLS_PREAMBLE
-from finetune.errors import DataError
+from finetune.errors import DataError, RecipeError
 from finetune.recipe.schema import DataConfig
 from finetune.testing import CHATML_TEMPLATE
 
@@ -264,7 +264,7 @@ def test_binary_file_with_a_dataset_suffix(tmp_path, tiny_tokenizer, suffix, pro
 
 
 def test_missing_path_and_unknown_suffix(tmp_path, tiny_tokenizer):
-    with pytest.raises(DataError, match="does not exist"):
+    with pytest.raises(RecipeError, match="data.path '.*nope.json' does not exist"):  # exit 2: the recipe's
         build(tmp_path / "nope.json", tiny_tokenizer)
     (tmp_path / "data.txt").write_text("hello")
     with pytest.raises(DataError, match="unsupported file type '.txt'"):
@@ -281,31 +281,102 @@ def test_bad_chat_template(tmp_path, tiny_tokenizer):
     path = write_json(tmp_path, ALPACA)
     with pytest.raises(DataError, match="not valid Jinja"):
         build(path, tiny_tokenizer, chat_template="{% for m in messages %}")
-    with pytest.raises(DataError, match="does not exist"):
+    with pytest.raises(RecipeError, match="data.chat_template file .* does not exist"):
         build(path, tiny_tokenizer, chat_template=str(tmp_path / "missing.jinja"))
     rejecting = "{{ raise_exception('roles must alternate') }}"
     with pytest.raises(DataError, match="record 0: the chat template rejects this conversation: roles must alternate"):
         build(path, tiny_tokenizer, chat_template=rejecting)
 
 
-def test_overlong_truncate_and_drop_are_counted(tmp_path, tiny_tokenizer):
-    long_answer = {"instruction": "Say it.", "output": "The quick brown fox jumps over the lazy dog. " * 20}
-    long_prompt = {"instruction": "The quick brown fox jumps over the lazy dog. " * 20, "output": "ok"}
+def answer_tail(ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:
+    """The tokens from the first one with loss to the end: the answer and what follows it."""
+    first = next(i for i, label in enumerate(labels) if label != IGNORE)
+    return ids[first:], labels[first:]
+
+
+FOX = "The quick brown fox jumps over the lazy dog. "
+
+
+def test_overlong_prompts_are_cut_so_the_answer_keeps_its_labels(tmp_path, tiny_tokenizer):
+    long_answer = {"instruction": "Say it.", "output": FOX * 20}
+    long_prompt = {"instruction": FOX * 20 + "Is that a pangram?", "output": "Yes, it is.", "system": "Be brief."}
     path = write_json(tmp_path, [ALPACA[0], long_answer, long_prompt])
     full = rows(build(path, tiny_tokenizer, max_seq_len=4096).train)
-    with pytest.raises(DataError, match=rf"1 record\(s\) have no tokens to train on\n  - {path} record 2: nothing to "
-                                         "train on in its first data.max_seq_len=64 tokens"):
-        build(path, tiny_tokenizer, max_seq_len=64)
-    bundle = build(path, tiny_tokenizer, max_seq_len=64, on_bad_record="skip")
-    assert rows(bundle.train) == [full[0], (full[1][0][:64], full[1][1][:64])]
-    counts = {k: bundle.stats[k] for k in ("truncated", "dropped_no_loss", "dropped_overlong", "train_examples")}
-    assert counts == {"truncated": 1, "dropped_no_loss": 1, "dropped_overlong": 0, "train_examples": 2}
-    assert bundle.stats["no_loss_at"] == [f"{path} record 2"]
+    bundle = build(path, tiny_tokenizer, max_seq_len=64)  # trains with the defaults: nothing refused
+    kept = rows(bundle.train)
+    assert kept[:2] == [full[0], (full[1][0][:64], full[1][1][:64])]  # a long answer: cut at its end
+    ids, labels = kept[2]
+    assert len(ids) <= 64 and answer_tail(ids, labels) == answer_tail(*full[2])  # the whole answer, its labels
+    text = tiny_tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>")  # the system message fits: kept
+    assert "lazy dog. Is that a pangram?<|im_end|>" in text and text.count("fox") < 20  # the end of the question
+    counts = {k: bundle.stats[k] for k in ("truncated", "prompts_cut", "dropped_no_loss", "dropped_overlong")}
+    assert counts == {"truncated": 2, "prompts_cut": 1, "dropped_no_loss": 0, "dropped_overlong": 0}
+    assert bundle.warnings == []
     dropped = build(path, tiny_tokenizer, max_seq_len=64, overlong="drop")
     assert rows(dropped.train) == [full[0]]
     assert dropped.stats["dropped_overlong"] == 2 and dropped.stats["truncated"] == 0
+    assert dropped.warnings == [f"2 record(s) dropped: longer than data.max_seq_len=64 (data.overlong: drop; raise "
+                                f"data.max_seq_len to keep them) (first: {path} record 1, {path} record 2)"]
+    with pytest.raises(DataError, match=rf"2 record\(s\) are longer than data.max_seq_len=64 tokens\n  - {path} "
+                                         r"record 1: .*\n  - .* record 2: .*\nraise data.max_seq_len"):
+        build(path, tiny_tokenizer, max_seq_len=64, overlong="error")
     with pytest.raises(DataError, match="no training examples left"):
         build(write_json(tmp_path, [long_answer], "long.json"), tiny_tokenizer, max_seq_len=16, overlong="drop")
+
+
+def last_answer(ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:
+    """The last run of tokens with loss and what follows it."""
+    end = max(i for i, label in enumerate(labels) if label != IGNORE)
+    start = end
+    while start > 0 and labels[start - 1] != IGNORE:
+        start -= 1
+    return ids[start:], labels[start:]
+
+
+def test_oldest_turns_go_first_and_a_system_message_that_does_not_fit_goes(tmp_path, tiny_tokenizer):
+    exchanges = [m for i in range(6) for m in ({"role": "user", "content": f"Question {i}? {FOX}"},
+                                               {"role": "assistant", "content": f"Answer {i}."})]
+    record = {"messages": [{"role": "system", "content": "Be brief."}, *exchanges]}
+    huge_system = {"messages": [{"role": "system", "content": FOX * 10}, *exchanges[-2:]]}
+    path = write_jsonl(tmp_path, [record, huge_system])
+    full = rows(build(path, tiny_tokenizer, max_seq_len=4096).train)
+    (ids, labels), (ids2, labels2) = rows(build(path, tiny_tokenizer, max_seq_len=96).train)
+    text = tiny_tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nQuestion ")
+    assert "Question 0" not in text and text.endswith(f"Question 5? {FOX}<|im_end|>\n<|im_start|>assistant\n"
+                                                      "Answer 5.<|im_end|>\n")
+    assert last_answer(ids, labels) == last_answer(*full[0])
+    assert not tiny_tokenizer.decode(ids2).startswith("<|im_start|>system")  # 450 characters: no room
+    assert answer_tail(ids2, labels2) == answer_tail(*full[1])
+
+
+NAMED = CHATML_TEMPLATE.replace("message['role'] + '\n'", "message['role'] + (' ' + message.name if message.name else '') + '\n'")
+
+
+def test_records_whose_answer_cannot_fit_are_dropped_counted_and_named(tmp_path, tiny_tokenizer):
+    good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+    # The template writes the user's name, which no prompt cut shortens: the answer cannot start within 64.
+    named = {"messages": [{"role": "user", "content": "Hi", "name": "word " * 60},
+                          {"role": "assistant", "content": "Hello."}]}
+    path = write_jsonl(tmp_path, [good, named, good, named, named, named, good])
+    bundle = build(path, tiny_tokenizer, max_seq_len=64, chat_template=NAMED)
+    assert bundle.stats["train_examples"] == 3 and bundle.stats["dropped_overlong"] == 4
+    assert bundle.stats["overlong_at"] == [f"{path}:2", f"{path}:4", f"{path}:5"]
+    assert bundle.warnings == [f"4 record(s) dropped: no answer token fits in data.max_seq_len=64 even with the "
+                               f"prompt cut (raise data.max_seq_len to keep them) (first: {path}:2, {path}:4, {path}:5)"]
+    with pytest.raises(DataError, match=r"no training examples left: 4 longer than data.max_seq_len=64"):
+        build(write_jsonl(tmp_path, [named] * 4, "named.jsonl"), tiny_tokenizer, max_seq_len=64, chat_template=NAMED)
+
+
+def test_shared_datasets_build_at_max_seq_len_128(shared_datasets, tiny_tokenizer):
+    """The brief's newcomer: the sample datasets at a short max_seq_len train, every answer starting inside."""
+    for name, method in (("alpaca_en_demo.json", "sft"), ("identity.json", "sft"),
+                         ("glaive_toolcall_en_demo.json", "sft"), ("dpo_en_demo.json", "dpo")):
+        bundle = build_datasets(DataConfig(path=str(shared_datasets / name), max_seq_len=128), tiny_tokenizer, 0, method)
+        stats = bundle.stats
+        assert stats["train_examples"] + stats["dropped_overlong"] == stats["records"], name
+        assert stats["dropped_overlong"] <= stats["records"] // 20 and stats["prompts_cut"] > 0, (name, stats)
 
 
 def test_validation_split_and_max_samples_are_seeded_record_splits(tmp_path, tiny_tokenizer):

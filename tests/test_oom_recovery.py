@@ -362,7 +362,8 @@ def test_out_of_memory_outside_the_step_is_a_clear_error(tmp_path, tiny_model_di
     """An optimizer update or evaluation that runs out of memory cannot be redone: a message, no traceback."""
     import finetune.train.run as run_module
 
-    def oom(*args, **kwargs):
+    def oom(recipe, run_dir, *args, **kwargs):
+        run_dir.append_metrics({"step": 1, "loss": 1.0})  # after a step: the folder is kept (none would be)
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     monkeypatch.setattr(run_module, "_plan_build_train", oom)

@@ -4,6 +4,7 @@ micro-batch pinned above the advised batch is released to auto, so the run train
 from __future__ import annotations
 
 import pytest
+from run_support import SAMPLE_DATA
 
 from finetune import api
 from finetune.recipe import validate_recipe
@@ -26,7 +27,7 @@ def advised_2(tmp_path):
 
 def _recipe_file(tmp_path, model_dir, micro_batch_size: int):
     recipe = validate_recipe({"model": {"path": str(model_dir)}, "quantization": {"bits": None},
-                              "data": {"path": "d.jsonl", "max_seq_len": 64},
+                              "data": {"path": SAMPLE_DATA, "max_seq_len": 64},
                               "training": {"micro_batch_size": micro_batch_size}})
     path = tmp_path / "recipe.yaml"
     path.write_text(recipe_to_yaml(recipe))
@@ -70,7 +71,7 @@ def test_a_micro_batch_pinned_on_the_command_line_wins_over_the_advice_with_a_no
 def test_an_advised_batch_trains_exactly_at_a_micro_batch_that_divides_it(tiny_model_dir, tmp_path):
     """micro-batch auto with an effective batch of 6: 2 x 3 or 1 x 6, never 4 x 2 = 8."""
     recipe = validate_recipe({"model": {"path": str(tiny_model_dir)}, "quantization": {"bits": None},
-                              "data": {"path": "d.jsonl", "max_seq_len": 64},
+                              "data": {"path": SAMPLE_DATA, "max_seq_len": 64},
                               "training": {"micro_batch_size": "auto", "gradient_accumulation_steps": "auto",
                                            "effective_batch_size": 6}})
     settings = api.plan(recipe, gpu_memory="2GiB", device="cpu").settings
@@ -88,14 +89,14 @@ def _started_from_an_r8_adapter(tmp_path, model_dir):
     parent = RunDir(tmp_path / "sft")
     parent.create()
     atomic_write_text(parent.recipe, recipe_to_yaml(validate_recipe(
-        {"model": {"path": str(model_dir)}, "data": {"path": "d.jsonl"},
+        {"model": {"path": str(model_dir)}, "data": {"path": SAMPLE_DATA},
          "output": {"dir": str(parent.root)}})))
     parent.adapter.mkdir()
     (parent.adapter / "adapter_config.json").write_text(json.dumps(
         {"peft_type": "LORA", "r": 8, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}))
     (parent.adapter / "adapter_model.safetensors").write_bytes(b"")  # resolving reads only the config
     return load_recipe_text(f"model: {{path: {model_dir}}}\nquantization: {{bits: null}}\n"
-                            "data: {path: d.jsonl, max_seq_len: 64}\n"
+                            f"data: {{path: {SAMPLE_DATA}, max_seq_len: 64}}\n"
                             f"adapter: {{init_from: {parent.root}}}\noutput: {{dir: {tmp_path / 'next'}}}\n")
 
 
@@ -145,7 +146,7 @@ def test_the_plan_says_when_no_micro_batch_divides_the_batch_over_the_processes(
     """A batch of 7 over 2 processes: no micro-batch divides it, the planner falls back to one that does not
     and the plan output says which batch trains."""
     recipe = validate_recipe({"model": {"path": str(tiny_model_dir)}, "quantization": {"bits": None},
-                              "data": {"path": "d.jsonl", "max_seq_len": 64},
+                              "data": {"path": SAMPLE_DATA, "max_seq_len": 64},
                               "training": {"micro_batch_size": "auto", "gradient_accumulation_steps": "auto",
                                            "effective_batch_size": 7},
                               "distributed": {"gpus": 2, "strategy": "ddp"}})

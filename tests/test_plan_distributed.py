@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from run_support import SAMPLE_DATA
 
 from finetune.plan import predict
 from finetune.recipe.schema import Recipe
@@ -17,7 +18,7 @@ GIB = 2**30
 
 
 def _recipe(name: str, gpus: int, strategy: str, **sections) -> Recipe:
-    data = {"model": {"path": str(CONFIGS / f"{name}.json")}, "data": {"path": "unused.jsonl", "max_seq_len": 2048},
+    data = {"model": {"path": str(CONFIGS / f"{name}.json")}, "data": {"path": SAMPLE_DATA, "max_seq_len": 2048},
             "quantization": {"bits": None}, "adapter": {"type": "full"},
             "training": {"micro_batch_size": 1}, "memory": {"chunked_loss": False, "tiled_mlp": False, "gpu_memory_margin": 0},
             "distributed": {"gpus": gpus, "strategy": strategy}}
@@ -69,7 +70,7 @@ def test_zero3_shards_like_fsdp_and_keeps_an_fp32_master_copy_in_the_optimizer_p
 
 
 def test_zero2_shards_gradients_and_optimizer_state_only():
-    short = {"data": {"path": "unused.jsonl", "max_seq_len": 256}}  # the peak in backward, not at the logits
+    short = {"data": {"path": SAMPLE_DATA, "max_seq_len": 256}}  # the peak in backward, not at the logits
     one = predict(_recipe("qwen2.5-0.5b", 1, "ddp", **short), gpu_memory="80GiB")
     zero2 = predict(_recipe("qwen2.5-0.5b", 2, "deepspeed", distributed={"zero_stage": 2}, **short),
                     gpu_memory="80GiB")
@@ -113,7 +114,7 @@ def test_chunked_loss_is_refused_and_never_chosen_with_several_processes():
     with pytest.raises(ValueError, match=r"memory.chunked_loss: true with 2 processes"):
         _recipe("qwen2.5-0.5b", 2, "ddp", adapter={"type": "lora"}, memory={"chunked_loss": True})
     assert _recipe("qwen2.5-0.5b", 1, "ddp", memory={"chunked_loss": True}).memory.chunked_loss is True
-    tight = {"adapter": {"type": "lora"}, "data": {"path": "unused.jsonl", "max_seq_len": 8192},
+    tight = {"adapter": {"type": "lora"}, "data": {"path": SAMPLE_DATA, "max_seq_len": 8192},
              "memory": {"chunked_loss": "auto", "gpu_memory_margin": 0}}
     assert predict(_recipe("qwen2.5-0.5b", 1, "ddp", **tight), gpu_memory="6GiB").settings["chunked_loss"] is True
     assert predict(_recipe("qwen2.5-0.5b", 2, "ddp", **tight), gpu_memory="6GiB").settings["chunked_loss"] is False

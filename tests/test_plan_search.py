@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from run_support import SAMPLE_DATA
 
 from finetune.plan import Plan, plot_breakdown, predict
 from finetune.recipe.schema import Recipe
@@ -16,7 +17,7 @@ AUTO = {"training": {"micro_batch_size": "auto"},
 
 
 def _recipe(path, seq=256, **sections) -> Recipe:
-    data = {"model": {"path": str(path)}, "data": {"path": "unused.jsonl", "max_seq_len": seq},
+    data = {"model": {"path": str(path)}, "data": {"path": SAMPLE_DATA, "max_seq_len": seq},
             "quantization": {"bits": None}, **AUTO}
     for key, value in sections.items():
         data[key] = {**data.get(key, {}), **value}
@@ -194,7 +195,7 @@ def test_auto_optimizer_picks_only_what_the_optimizer_keys_fit(tiny_dir, capsys)
     assert plan.settings["optimizer"] == "apollo_mini"
     assert plan.apply(recipe).optimizer.name == "apollo_mini"
     path = tiny_dir.parent / "momentum.yaml"
-    path.write_text(f"model: {{path: {tiny_dir}}}\ndata: {{path: unused.jsonl}}\n"
+    path.write_text(f"model: {{path: {tiny_dir}}}\ndata: {{path: {SAMPLE_DATA}}}\n"
                     "optimizer: {name: auto, momentum: 0.5}\n")
     assert cli.main(["plan", str(path), "--gpu-memory", "1GiB"]) == 2
     err = capsys.readouterr().err

@@ -70,9 +70,10 @@ def test_shared_sharegpt_sample_parses(shared_datasets, tiny_tokenizer):
     bundle = build_datasets(DataConfig(path=path, max_seq_len=256, on_bad_record="skip"), tiny_tokenizer, seed=0,
                             method="dpo")
     assert bundle.stats["format"] == "sharegpt_preference"
-    # Cut pairs keep their answers' first tokens; pairs whose prompt fills max_seq_len are dropped and counted.
-    assert bundle.stats["truncated"] > 0 and bundle.stats["dropped_no_loss"] > 0
-    assert len(bundle.train) + bundle.stats["dropped_no_loss"] == len(records)
+    # Long prompts are cut so that both answers keep their tokens; nothing is left without loss.
+    assert bundle.stats["truncated"] > 0 and bundle.stats["prompts_cut"] > 0 and bundle.stats["dropped_no_loss"] == 0
+    assert len(bundle.train) + bundle.stats["dropped_overlong"] == len(records)
+    assert bundle.stats["dropped_overlong"] <= 3
 
 
 @pytest.mark.parametrize(("record", "message"), [
@@ -122,6 +123,30 @@ def test_overlong_pairs_are_dropped_or_cut_and_counted(tmp_path, tiny_tokenizer)
     cut = build_datasets(DataConfig(path=str(path), max_seq_len=64), tiny_tokenizer, 0, "dpo")
     assert cut.stats["truncated"] == 1 and len(cut.train) == 2
     assert max(len(ids) for ids in cut.train["rejected_input_ids"]) == 64
+
+
+def test_a_pair_with_a_long_prompt_keeps_both_answers_after_one_shared_prompt(tmp_path, tiny_tokenizer):
+    question = "The quick brown fox jumps over the lazy dog. " * 30 + "Is that a pangram?"
+    pair = {"prompt": question, "chosen": "Yes, every letter is in it.", "rejected": "No."}
+    path = _jsonl(tmp_path, [STRING_PAIR, pair])
+    full = build_datasets(DataConfig(path=str(path), max_seq_len=4096), tiny_tokenizer, 0, "dpo").train
+    cut = build_datasets(DataConfig(path=str(path), max_seq_len=64), tiny_tokenizer, 0, "dpo")
+    assert cut.stats["prompts_cut"] == 1 and len(cut.train) == 2
+    row, whole = cut.train[1], full[1]
+    for side in ("chosen", "rejected"):
+        ids, labels = row[f"{side}_input_ids"], row[f"{side}_labels"]
+        first = next(i for i, label in enumerate(labels) if label != IGNORE_INDEX)
+        n = len(ids) - first  # the answer and its end token, with their labels, as in the uncut pair
+        assert len(ids) <= 64 and ids[-n:] == whole[f"{side}_input_ids"][-n:]
+        assert labels[-n:] == whole[f"{side}_labels"][-n:]
+        assert tiny_tokenizer.decode(ids[:first]).endswith("lazy dog. Is that a pangram?<|im_end|>\n"
+                                                           "<|im_start|>assistant\n")
+    chosen, rejected = row["chosen_labels"], row["rejected_labels"]
+    prompt_len = next(i for i, label in enumerate(chosen) if label != IGNORE_INDEX)
+    assert prompt_len == next(i for i, label in enumerate(rejected) if label != IGNORE_INDEX)
+    assert row["chosen_input_ids"][:prompt_len] == row["rejected_input_ids"][:prompt_len]  # one prompt for both
+    kto = build_datasets(DataConfig(path=str(path), max_seq_len=64), tiny_tokenizer, 0, "kto")
+    assert len(kto.train) == 4 and kto.stats["prompts_cut"] == 2
 
 
 def test_method_and_format_must_agree(tmp_path, tiny_tokenizer):

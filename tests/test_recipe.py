@@ -78,7 +78,11 @@ def test_bad_set_syntax(tmp_path):
         load_recipe(write(tmp_path, GOOD), ["training.max_steps"])
 
 
-def test_validate_cli_exit_codes_without_traceback(tmp_path):
+def test_validate_cli_exit_codes_without_traceback(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # GOOD's paths are relative, and validate checks that they exist
+    (tmp_path / "models" / "my-model").mkdir(parents=True)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text('{"text": "hello"}\n')
     good = write(tmp_path, GOOD)
     assert main(["validate", str(good)]) == 0
     bad = tmp_path / "bad.yaml"

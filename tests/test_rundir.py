@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
+from run_support import SAMPLE_DATA
 
 from finetune.rundir import EXPORT_MARKER, MARKER, RunDir, find_runs, read_jsonl
 
@@ -129,7 +130,7 @@ def test_only_the_contract_spells_a_run_file_name():
 @pytest.fixture
 def recipe_file(tmp_path) -> Path:
     path = tmp_path / "r.yaml"
-    path.write_text(json.dumps({"model": {"path": "some/model"}, "data": {"path": "data.jsonl"},
+    path.write_text(json.dumps({"model": {"path": "some/model"}, "data": {"path": SAMPLE_DATA},  # plan reads it
                                 "output": {"dir": str(tmp_path / "run")}}))
     return path
 

@@ -121,6 +121,8 @@ def test_a_form_starting_from_an_adapter_takes_its_shape_unless_the_user_set_one
                                                                                monkeypatch):
     """adapter.init_from: the form's untouched defaults (r 16, alpha 32, lora, all-linear...) are not sent, so the
     adapter's own shape (r 8 here) is planned; a shape key the user changed is sent and refused if it differs."""
+    from run_support import sums_data
+
     from tests.ui_support import form_values, set_value
     from ui.backend import Backend, UISettings
     from ui.runs import RunManager
@@ -140,6 +142,10 @@ def test_a_form_starting_from_an_adapter_takes_its_shape_unless_the_user_set_one
         "longest_context"] is None
     queued = []  # Start writes the recipe a `finetune run` process reads; so does the download button
     monkeypatch.setattr(backend.manager, "submit", lambda recipe, run_dir: queued.append(recipe))
+    with pytest.raises(RecipeError, match="data.path .*d.jsonl' does not exist"):  # api.preflight: nothing queued
+        backend.start(values)
+    assert queued == []
+    sums_data(tmp_path / "d.jsonl", 4)
     backend.start(values)
     for text in (queued[0].read_text(), backend.recipe_text(values)):
         assert resolve_init_from(load_recipe_text(text)).adapter.r == 8

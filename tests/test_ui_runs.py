@@ -39,8 +39,9 @@ def test_queue_survives_a_restart_and_runs_one_at_a_time(tmp_path, tiny_model_di
     wait_for(lambda: second.job_for(runs / "b").state == "exited", 180, "the queued run to start and end")
     assert RunDir(runs / "a").read_status()["state"] == "stopped"
     assert list((runs / "a" / "checkpoints").glob("checkpoint-*"))
-    assert second.run_state(runs / "b") == "failed"
-    assert "no-such-model" in RunDir(runs / "b").read_status()["error"] + second.process_log(runs / "b")
+    # model.path no-such-model: refused before the run directory is made (finetune.api.preflight)
+    assert second.run_state(runs / "b") == "failed (process exited with code 2)"
+    assert "no-such-model" in second.process_log(runs / "b") and not (runs / "b").exists()
     assert not (runs / "c").exists()
     second.close()
 

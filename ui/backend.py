@@ -240,6 +240,7 @@ class Backend:
         recipe = self.checked_recipe(values)
         run_dir = allowed_path(recipe.output.dir, self.settings.roots, "output.dir")
         RunDir(run_dir).refuse_if_locked("start a run")
+        api.preflight(recipe)  # a missing or broken file is reported here, not after a queued process loads a model
         if RunDir(run_dir).exists():
             raise FinetuneError(f"output.dir {run_dir} already holds a run",
                                 hint="resume it from the run list, or change output.dir for a new run")

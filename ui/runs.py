@@ -176,7 +176,8 @@ class RunManager:
             state = status.get("state", "starting")
             return f"{state}, process exiting" if state in ("stopped", "completed", "failed") else state
         state = status.get("state", "unknown")
-        if job and job.state == "exited" and state == "running":
+        # "unknown": the process failed before it wrote status.json, or it trained nothing and removed its folder
+        if job and job.state == "exited" and (state == "running" or state == "unknown" and job.returncode):
             return f"failed (process exited with code {job.returncode})"
         return state
 

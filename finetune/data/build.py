@@ -5,25 +5,29 @@ validation split is a seeded split of the surviving records (never of tokens), a
 tokenized, cut or dropped for length (`overlong`), so the split does not depend on max_seq_len.
 
 Malformed records (each problem names its file and line or record) stop the build with on_bad_record: error,
-or are skipped and counted. So are records left with no loss token (no assistant turn, or an answer that
-starts after max_seq_len): they would train on nothing. The stats name the first few of both.
+or are skipped and counted. So are records with no loss token (no assistant turn with text): they would
+train on nothing. Records longer than max_seq_len follow data.overlong: truncate cuts the prompt so the answer
+keeps its tokens (`finetune.data.fit`), then the end; one whose answer still cannot start within max_seq_len
+is dropped and counted (drop: every overlong one; error: stop). The stats name the first few of each, and
+`DataBundle.warnings` says what was left out.
 
 Preference data (training.method dpo, orpo, kto): each record becomes one example of two sequences (chosen,
 rejected; columns `chosen_input_ids`, `chosen_labels`, `rejected_*`) or of one sequence with a `kto_label`;
-only the answers carry loss. A pair is cut or dropped whole when either sequence is longer than max_seq_len,
-and dropped when either keeps no loss token. For kto, pairs are split into a good and a bad example (as TRL
-does).
+only the answers carry loss. A pair's prompt is cut once for both answers, and the pair is dropped whole when
+either keeps no loss token. For kto, pairs are split into a good and a bad example (as TRL does).
 """
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from finetune.data.chat import IGNORE_INDEX, ChatEncoder, Encoded, encode_text, resolve_template
 from finetune.data.fingerprint import data_fingerprint
+from finetune.data.fit import Source, cut_prompt
 from finetune.data.formats import (
     FORMATS,
     PAIR_FORMATS,
@@ -41,7 +45,7 @@ from finetune.errors import DataError
 from finetune.recipe.schema import DataConfig
 
 MAX_LISTED_PROBLEMS = 10
-NAMED_IN_STATS = 3  # locations of skipped and no-loss records named in the data summary
+NAMED_IN_STATS = 3  # locations of skipped, no-loss and overlong records named in the data summary
 
 
 @dataclass
@@ -53,21 +57,21 @@ class DataBundle:
     stats: dict[str, Any]
     collator: Callable[[list[dict[str, Any]]], dict[str, Any]]
     fingerprint: dict[str, Any] = field(default_factory=dict)  # what decides the examples (finetune.data.fingerprint); --resume compares it
+    warnings: list[str] = field(default_factory=list)  # records left out, one line each kind, for the run log
 
 
 @dataclass
 class _Prepared:
     """A record ready to tokenize: rendered chat (text, loss spans) or raw text; a preference record has a
-    second rendered chat (`rejected`) or a `label` (kto)."""
+    second rendered chat (`rejected`) or a `label` (kto). `source`: the conversations rendered, for cutting
+    the prompt of an overlong record."""
 
     where: str
     chat: tuple[str, list[tuple[int, int]]] | None = None
     text: str | None = None
     rejected: tuple[str, list[tuple[int, int]]] | None = None
     label: bool | None = None
-
-    def texts(self) -> list[str]:
-        return [self.text] if self.chat is None else [self.chat[0]] + ([self.rejected[0]] if self.rejected else [])
+    source: Source | None = None
 
 
 Sequences = list[Encoded]  # an example's sequences: one, or chosen and rejected
@@ -89,28 +93,21 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
     fingerprint = data_fingerprint(cfg, read, fmt, tokenizer, encoder.template if encoder else None, seed, method)
     prepared, problems = _prepare(records, fmt, cfg, encoder)
     problems = read.problems + problems
-    if problems and cfg.on_bad_record == "error":
-        _raise_bad(cfg.path, fmt, problems)
-    if not prepared:
-        raise DataError(f"{cfg.path}: no usable records ({len(problems)} malformed were skipped)",
-                        problems=_listed(problems))
+    _refuse_bad(cfg, fmt, problems, len(prepared))
     train_part, eval_part = _split(cfg.path, prepared, cfg.validation_split, seed)
     if data_kind(method) == "kto" and fmt in PAIR_FORMATS:  # split by record, then unpair
         train_part, eval_part = _unpair(train_part), _unpair(eval_part)
     dropped = _Dropped()
-    train = _fit(train_part, _tokenize(train_part, tokenizer, encoder, cfg.max_seq_len), cfg, dropped)
-    evaluation = _fit(eval_part, _tokenize(eval_part, tokenizer, encoder, cfg.max_seq_len), cfg, dropped)
+    train = _fit(train_part, _tokenize(train_part, tokenizer, encoder, cfg.max_seq_len), cfg, encoder, dropped)
+    evaluation = _fit(eval_part, _tokenize(eval_part, tokenizer, encoder, cfg.max_seq_len), cfg, encoder, dropped)
     stats: dict[str, Any] = {
         "format": fmt, "records": len(read.records) + len(read.problems), "records_used": len(records),
         "bad_records_skipped": len(problems), "bad_records_at": [_where(p) for p in problems[:NAMED_IN_STATS]],
-        "truncated": dropped.truncated, "dropped_overlong": len(dropped.overlong),
+        "truncated": dropped.truncated, "prompts_cut": dropped.prompts_cut,
+        "dropped_overlong": len(dropped.overlong), "overlong_at": [_where(p) for p in dropped.overlong[:NAMED_IN_STATS]],
         "dropped_no_loss": len(dropped.no_loss), "no_loss_at": [_where(p) for p in dropped.no_loss[:NAMED_IN_STATS]],
     }
-    if dropped.no_loss and cfg.on_bad_record == "error":
-        raise DataError(f"{cfg.path}: {len(dropped.no_loss)} record(s) have no tokens to train on",
-                        problems=_listed(dropped.no_loss),
-                        hint="give them an answer within data.max_seq_len (or raise it), or set "
-                             "data.on_bad_record: skip to drop and count them")
+    _check_dropped(cfg, dropped)
     if not train:
         raise DataError(
             f"{cfg.path}: no training examples left: {stats['dropped_overlong']} longer than data.max_seq_len="
@@ -129,7 +126,37 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
     stats.update(train_sequences=len(train_ds), eval_sequences=len(eval_ds) if eval_ds is not None else 0)
     from finetune.data.packing import make_collator  # imports TRL's trainer stack: only when building
 
-    return DataBundle(train_ds, eval_ds, stats, make_collator(tokenizer, cfg.packing, kind), fingerprint)
+    return DataBundle(train_ds, eval_ds, stats, make_collator(tokenizer, cfg.packing, kind), fingerprint,
+                      _warnings(cfg, len(problems), dropped))
+
+
+def _check_dropped(cfg: DataConfig, dropped: _Dropped) -> None:
+    """Refuse what the user asked to be refused: overlong records (overlong: error), records without an
+    answer (on_bad_record: error)."""
+    if dropped.overlong and cfg.overlong == "error":
+        raise DataError(f"{cfg.path}: {len(dropped.overlong)} record(s) are longer than data.max_seq_len="
+                        f"{cfg.max_seq_len} tokens", problems=_listed(dropped.overlong),
+                        hint="raise data.max_seq_len, or set data.overlong: truncate (cut their prompts) or drop")
+    if dropped.no_loss and cfg.on_bad_record == "error":
+        raise DataError(f"{cfg.path}: {len(dropped.no_loss)} record(s) have no tokens to train on",
+                        problems=_listed(dropped.no_loss),
+                        hint="give them an answer, or set data.on_bad_record: skip to drop and count them")
+
+
+def _warnings(cfg: DataConfig, bad: int, dropped: _Dropped) -> list[str]:
+    """One line per kind of record left out: how many, and where the first few are."""
+    def line(problems: list[str], what: str) -> list[str]:
+        if not problems:
+            return []
+        first = ", ".join(_where(p) for p in problems[:NAMED_IN_STATS])
+        return [f"{len(problems)} record(s) {what} (first: {first})"]
+
+    fix = "raise data.max_seq_len to keep them"
+    overlong = (f"dropped: longer than data.max_seq_len={cfg.max_seq_len} (data.overlong: drop; {fix})"
+                if cfg.overlong == "drop" else
+                f"dropped: no answer token fits in data.max_seq_len={cfg.max_seq_len} even with the prompt cut ({fix})")
+    return ([f"{bad} malformed record(s) skipped (data.on_bad_record: skip)"] if bad else []) + \
+        line(dropped.overlong, overlong) + line(dropped.no_loss, "dropped: nothing to train on")
 
 
 def _check_method(cfg: DataConfig, fmt: str, method: str) -> None:
@@ -149,8 +176,8 @@ def _check_method(cfg: DataConfig, fmt: str, method: str) -> None:
 
 def _unpair(items: list[_Prepared]) -> list[_Prepared]:
     """A pair as two kto examples: the chosen answer good, the rejected one bad."""
-    return [_Prepared(p.where, chat=chat, label=good) for p in items
-            for chat, good in ((p.chat, True), (p.rejected, False))]
+    return [_Prepared(p.where, chat=chat, label=good, source=[source]) for p in items
+            for chat, good, source in ((p.chat, True, p.source[0]), (p.rejected, False, p.source[1]))]
 
 
 def _tokens(fitted: list[tuple[_Prepared, Sequences]]) -> int:
@@ -170,14 +197,14 @@ def preview(cfg: DataConfig, tokenizer: Any, n: int = 3) -> list[dict[str, Any]]
     out = []
     for record in read.records:
         prepared, _ = _prepare([record], fmt, cfg, encoder)
-        if not prepared:
+        dropped = _Dropped()
+        fitted = _fit(prepared, _tokenize(prepared, tokenizer, encoder, cfg.max_seq_len), cfg, encoder, dropped)
+        if not fitted:
             continue
-        parts, = _tokenize(prepared, tokenizer, encoder, cfg.max_seq_len)
-        cut = any(len(ids) > cfg.max_seq_len for ids, _ in parts)
-        shown = [[(tokenizer.decode([tok]), label != IGNORE_INDEX)
-                  for tok, label in zip(ids[: cfg.max_seq_len], labels[: cfg.max_seq_len], strict=True)]
+        (_, parts), = fitted
+        shown = [[(tokenizer.decode([tok]), label != IGNORE_INDEX) for tok, label in zip(ids, labels, strict=True)]
                  for ids, labels in parts]
-        item = {"where": record.where, "format": fmt, "tokens": shown[0], "truncated": cut}
+        item = {"where": record.where, "format": fmt, "tokens": shown[0], "truncated": dropped.truncated > 0}
         if len(shown) > 1:
             item["rejected_tokens"] = shown[1]
         if prepared[0].label is not None:
@@ -217,29 +244,58 @@ def _prepare(records: Sequence[Record], fmt: str, cfg: DataConfig,
     prepared, problems = [], []
     for record in records:
         try:
-            example: Example = normalize(record.value, fmt, cfg.system_prompt)
+            example = _example(record, fmt, cfg)
             if isinstance(example, Preference):
                 assert encoder is not None
                 rendered = [encoder.render(chat, first) for chat, first in example.chats()]
                 item = _Prepared(record.where, chat=rendered[0], rejected=rendered[1] if len(rendered) > 1 else None,
-                                 label=example.label)
+                                 label=example.label, source=example.chats())
             elif isinstance(example, Chat):
                 assert encoder is not None
-                item = _Prepared(record.where, chat=encoder.render(example))
+                item = _Prepared(record.where, chat=encoder.render(example), source=[(example, 0)])
             else:
                 item = _Prepared(record.where, text=example)
-            problem = next(filter(None, map(unicode_problem, item.texts())), None)
-            if problem:
-                raise RecordError(problem)
             prepared.append(item)
         except RecordError as exc:
             problems.append(f"{record.where}: {exc}")
     return prepared, problems
 
 
-def _raise_bad(path: str, fmt: str, problems: list[str]) -> None:
-    raise DataError(f"{path}: {len(problems)} malformed record(s) for format {fmt}", problems=_listed(problems),
-                    hint="fix them, or set data.on_bad_record: skip to skip and count them")
+def _example(record: Record, fmt: str, cfg: DataConfig) -> Example:
+    """One record normalised; RecordError if it is malformed or holds text that cannot be tokenized."""
+    example = normalize(record.value, fmt, cfg.system_prompt)
+    text = example if isinstance(example, str) else json.dumps(asdict(example), ensure_ascii=False, default=str)
+    if problem := unicode_problem(text):
+        raise RecordError(problem)
+    return example
+
+
+def check_records(cfg: DataConfig, method: str = "sft") -> dict[str, Any]:
+    """Read and check every record without a tokenizer, in seconds, before a model loads: the file parses,
+    its format is known and suits `method`, each record has its fields. Raises the DataError build_datasets
+    would; returns the format and the counts of records and of malformed ones."""
+    read = read_records(cfg.path)
+    fmt = _format(cfg, read.records)
+    _check_method(cfg, fmt, method)
+    problems = list(read.problems)
+    for record in read.records:
+        try:
+            _example(record, fmt, cfg)
+        except RecordError as exc:
+            problems.append(f"{record.where}: {exc}")
+    _refuse_bad(cfg, fmt, problems, len(read.records) + len(read.problems) - len(problems))
+    return {"format": fmt, "records": len(read.records) + len(read.problems), "bad_records": len(problems)}
+
+
+def _refuse_bad(cfg: DataConfig, fmt: str, problems: list[str], usable: int) -> None:
+    """Stop on malformed records (on_bad_record: error), and when no record is usable."""
+    if problems and cfg.on_bad_record == "error":
+        raise DataError(f"{cfg.path}: {len(problems)} malformed record(s) for format {fmt}",
+                        problems=_listed(problems),
+                        hint="fix them, or set data.on_bad_record: skip to skip and count them")
+    if not usable:
+        raise DataError(f"{cfg.path}: no usable records ({len(problems)} malformed were skipped)",
+                        problems=_listed(problems))
 
 
 def _listed(problems: list[str]) -> list[str]:
@@ -281,29 +337,41 @@ def _loss_count(labels: list[int]) -> int:
 
 @dataclass
 class _Dropped:
-    """What fitting to max_seq_len did: how many were cut, and a problem line per dropped record."""
+    """What fitting to max_seq_len did: how many were cut (prompts_cut: of them, how many in their prompt),
+    and a problem line per dropped record."""
 
     truncated: int = 0
+    prompts_cut: int = 0
     overlong: list[str] = field(default_factory=list)
     no_loss: list[str] = field(default_factory=list)
 
 
-def _fit(items: list[_Prepared], examples: list[Sequences], cfg: DataConfig,
+def _fit(items: list[_Prepared], examples: list[Sequences], cfg: DataConfig, encoder: ChatEncoder | None,
          dropped: _Dropped) -> list[tuple[_Prepared, Sequences]]:
     """Apply data.overlong and drop examples without loss tokens, recording both in `dropped`; a preference
     pair is cut, dropped or kept whole."""
     kept = []
     for item, parts in zip(items, examples, strict=True):
         cut = any(len(ids) > cfg.max_seq_len for ids, _ in parts)
-        if cut and cfg.overlong == "drop":
+        answered = item.chat is None or all(spans for _, spans in filter(None, (item.chat, item.rejected)))
+        if cut and cfg.overlong != "truncate":
             dropped.overlong.append(f"{item.where}: longer than data.max_seq_len={cfg.max_seq_len} tokens")
             continue
+        if cut and answered and item.source is not None:
+            assert encoder is not None
+            shorter = cut_prompt(item.source, encoder, cfg.max_seq_len)
+            if shorter is not None:
+                parts = shorter
+                dropped.prompts_cut += 1
         parts = [(ids[: cfg.max_seq_len], labels[: cfg.max_seq_len]) for ids, labels in parts]
         if not all(_loss_count(labels) for _, labels in parts):
-            dropped.no_loss.append(f"{item.where}: " + (
-                f"nothing to train on in its first data.max_seq_len={cfg.max_seq_len} tokens" if cut else
-                "nothing to train on (no assistant turn with text)" if item.chat is not None else
-                "too short to train on (one token)"))
+            if cut and answered:
+                dropped.overlong.append(f"{item.where}: no answer token fits in data.max_seq_len="
+                                        f"{cfg.max_seq_len}, even with its prompt cut")
+            else:
+                dropped.no_loss.append(f"{item.where}: " + (
+                    "nothing to train on (no assistant turn with text)" if item.chat is not None else
+                    "too short to train on (one token)"))
             continue
         dropped.truncated += cut
         kept.append((item, parts))

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.data.formats import CALL, Chat, RecordError
-from finetune.errors import DataError
+from finetune.errors import DataError, RecipeError
 from finetune.testing import CHATML_TEMPLATE
 
 IGNORE_INDEX = -100
@@ -51,16 +51,23 @@ PREFIX_CHARS_PER_TOKEN = 16  # generous: real tokenizers average 3-5 characters 
 PREFIX_MARGIN = 1024  # characters before a cut within which tokens may differ from the whole text's
 
 
+def template_file(chat_template: str | None) -> Path | None:
+    """The file data.chat_template names (None for template text or no template); DataError if it names a
+    .jinja file that is not there (a recipe mistake, as any missing path)."""
+    if not chat_template or "{" in chat_template:
+        return None
+    path = Path(chat_template)
+    if path.suffix in (".jinja", ".j2") and not path.is_file():
+        raise RecipeError(f"data.chat_template file {chat_template!r} does not exist",
+                        hint="give a path to a .jinja file or the template text itself")
+    return path if path.is_file() else None
+
+
 def resolve_template(chat_template: str | None, tokenizer: Any) -> str:
     """The chat template to use: the recipe's (string or .jinja path), the tokenizer's, or ChatML."""
     if chat_template:
-        path = Path(chat_template)
-        if "{" not in chat_template and (path.suffix in (".jinja", ".j2") or path.is_file()):
-            if not path.is_file():
-                raise DataError(f"data.chat_template file {chat_template!r} does not exist",
-                                hint="give a path to a .jinja file or the template text itself")
-            return path.read_text(encoding="utf-8")
-        return chat_template
+        path = template_file(chat_template)
+        return path.read_text(encoding="utf-8") if path is not None else chat_template
     own = getattr(tokenizer, "chat_template", None)
     if isinstance(own, dict):  # named templates: take the default one
         own = own.get("default") or next(iter(own.values()), None)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune.errors import DataError
+from finetune.errors import DataError, RecipeError
 
 SUFFIXES = (".json", ".jsonl", ".ndjson", ".csv", ".parquet")
 _BINARY_PROBE = 1024  # a NUL byte in the first line of the first KiB marks a binary file
@@ -53,7 +53,7 @@ def read_records(path: str | Path) -> ReadResult:
     """Read every record of a dataset file or save_to_disk folder; raise DataError if it is not a dataset."""
     path = Path(path)
     if not path.exists():
-        raise DataError(f"data.path {str(path)!r} does not exist", hint=_EXPECTED)
+        raise RecipeError(f"data.path {str(path)!r} does not exist", hint=_EXPECTED)  # the recipe's mistake: exit 2
     if path.is_dir():
         result = _read_saved_dataset(path)
     else:

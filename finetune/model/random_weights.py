@@ -8,9 +8,10 @@ FOLDER holds config.json and a tokenizer, no weights. The random tensors go thro
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # random_folder serves the torch-free path checks (finetune.model.source.check_model_path)
+    import torch
 
 PREFIX = "random:"
 
@@ -26,6 +27,7 @@ def random_state_dict(config: Any, dtype: torch.dtype, device: str | int) -> dic
     Each tensor is drawn on `device` (fast on a GPU) and moved to the CPU at once, so the device never holds
     more than one of them: loading then needs no more device memory than loading real weights does.
     """
+    import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):

@@ -9,31 +9,62 @@ import os
 import shutil
 from pathlib import Path
 
-from finetune.errors import ModelLoadError
+from finetune.errors import ModelLoadError, RecipeError
 from finetune.units import cache_dir
 
 
-def resolve_model_path(path: str, revision: str | None = None) -> Path:
-    """Return a local folder holding config, tokenizer and safetensors weights for `path`."""
+def looks_local(path: str) -> bool:
+    """Whether model.path names a file or folder rather than a hub id (owner/name): it starts with ./, ../, /
+    or ~, holds the OS's own path separator (a backslash on Windows) or more than one '/', or ends with .gguf
+    or .safetensors."""
+    own = {os.sep, os.altsep} - {None, "/"}
+    return (path.startswith(("./", "../", "/", "~")) or any(sep in path for sep in own) or path.count("/") > 1
+            or path.endswith((".gguf", ".safetensors")))
+
+
+def check_model_path(path: str) -> None:
+    """Refuse, in milliseconds and with no hub or network look-up, a model.path that names a local file or
+    folder that is not there: a local-looking path, a pkg: file, a random:FOLDER without config.json, a
+    name that is no path and no hub id."""
     from finetune.model.random_weights import random_folder
 
     if (folder := random_folder(path)) is not None:
         if not (folder / "config.json").is_file():
             raise ModelLoadError(f"model.path: {path}: {folder} has no config.json",
                                  hint="random:FOLDER needs a folder with config.json and a tokenizer")
+        return
+    if path.startswith("pkg:"):
+        if not (file := package_file(path)).exists():
+            raise RecipeError(f"model.path: {path}: {file} does not exist in the installed package",
+                                 hint="check the file name after pkg:PACKAGE/")
+    elif looks_local(path) and not Path(path).expanduser().exists():
+        raise RecipeError(
+            f"model.path: {path!r} does not exist (a local path, looked for at {Path(path).expanduser().absolute()})",
+            hint=f"fix the path (a relative one starts from {Path.cwd()}); a hub model is named owner/name")
+    elif path.count("/") != 1 and not Path(path).exists():
+        raise _not_a_model(path)
+
+
+def _not_a_model(path: str) -> RecipeError:
+    return RecipeError(f"model.path: {path!r} is not a model folder, a .gguf file or a hub id (owner/name)",
+                       hint="point model.path at a folder with config.json and *.safetensors, or at a .gguf file")
+
+
+def resolve_model_path(path: str, revision: str | None = None) -> Path:
+    """Return a local folder holding config, tokenizer and safetensors weights for `path`."""
+    from finetune.model.random_weights import random_folder
+
+    check_model_path(path)
+    if (folder := random_folder(path)) is not None:
         return folder
     p = package_file(path) if path.startswith("pkg:") else Path(path).expanduser()
-    if p.suffix == ".gguf":
-        if not p.is_file():
-            raise ModelLoadError(f"model.path: GGUF file not found: {p}")
+    if p.suffix == ".gguf" and p.is_file():
         return _converted_gguf(p)
     if p.is_dir():
         _require_safetensors(p)
         return p
-    if p.exists() or path.startswith((".", "/", "~")) or path.count("/") != 1:
-        raise ModelLoadError(
-            f"model.path: {path!r} is not a model folder, a .gguf file or a hub id (owner/name)",
-            hint="point model.path at a folder with config.json and *.safetensors, or at a .gguf file")
+    if p.exists():  # a file that is neither (paths that are not there were refused above)
+        raise _not_a_model(path)
     return _from_hub(path, revision)
 
 

@@ -132,7 +132,11 @@ class DataConfig(Section):
         "prompt/completion + boolean label.")
     max_seq_len: int = Field(1024, ge=8, le=2**20, description="Longest sequence in tokens; the memory plan is made for it.")
     validation_split: float = Field(0.0, ge=0, lt=1, description="Fraction of records held out for evaluation.")
-    overlong: Literal["truncate", "drop"] = Field("truncate", description="What to do with examples longer than max_seq_len.")
+    overlong: Literal["truncate", "drop", "error"] = Field(
+        "truncate", description="Examples longer than max_seq_len. truncate: cut the prompt (oldest turns first, "
+        "then the start of the last user message; the system message stays if it fits) so the answer keeps its "
+        "tokens, then cut the end; a record whose answer still cannot start within max_seq_len is dropped and "
+        "counted with a warning. drop: leave them out and count them. error: stop and name them.")
     on_bad_record: Literal["error", "skip"] = Field("error", description="Stop on a malformed record, or skip and count it.")
     packing: bool = Field(False, description="Pack several examples into one sequence (no cross-attention between them).")
     assistant_only_loss: bool = Field(True, description="Chat formats: compute the loss only on assistant turns.")

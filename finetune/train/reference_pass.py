@@ -15,6 +15,7 @@ again.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import time
@@ -114,4 +115,4 @@ def attach_reference(model: torch.nn.Module, data: DataBundle, recipe: Recipe, r
                          f"saved to {run_dir.reference_logps.name}")
     train = data.train.add_column("ref_logps", values["train"])
     evaluation = data.eval.add_column("ref_logps", values["eval"]) if data.eval is not None else None
-    return DataBundle(train, evaluation, data.stats, data.collator, data.fingerprint)
+    return dataclasses.replace(data, train=train, eval=evaluation)

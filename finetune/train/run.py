@@ -189,7 +189,11 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False,
 
 def _record_end(run_dir: RunDir, state: str, exc: BaseException) -> None:
     """status.json and train.log say how the run ended (status.json even on a full disk, see write_status); if
-    even that cannot be written, say so on screen."""
+    even that cannot be written, say so on screen. A run that trained nothing leaves no folder
+    (RunDir.discard_untrained)."""
+    if run_dir.discard_untrained():
+        console.print(f"nothing was trained; removed {run_dir.root}", markup=False)
+        return
     for path, write in ((run_dir.status, lambda: run_dir.write_status(state, error=f"{type(exc).__name__}: {exc}")),
                         (run_dir.log, lambda: run_dir.log_line(f"run {state}: {type(exc).__name__}: {exc}"))):
         try:
@@ -242,8 +246,12 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     distributed.on_main(lambda: _record_data(run_dir, data.fingerprint, checkpoint is not None, allow_data_change))
     if main and checkpoint:
         _save_run_files(run_dir, plan, recipe)
+    for warning in data.warnings:
+        console.print(f"data: {warning}", style="yellow", markup=False)
     if main:
         run_dir.log_line(f"data stats: {data.stats}")
+        for warning in data.warnings:
+            run_dir.log_line(f"data warning: {warning}")
     if recipe.training.precompute_reference:  # before the Trainer: no optimizer state or gradients yet
         from finetune.train.reference_pass import attach_reference
 

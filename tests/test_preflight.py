@@ -1,0 +1,127 @@
+"""Errors in seconds: `validate`, `plan` and `run` check the recipe's paths and parse the data file before any
+model loads (finetune.api.preflight); a run that fails before its first step leaves no run directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from run_support import sums_data, tiny_lora_recipe
+
+from finetune import api
+from finetune.cli import main
+from finetune.errors import FinetuneError, RecipeError
+from finetune.rundir import RunDir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_recipe(tmp_path: Path, model: str | Path, data: Path, *overrides: dict) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(tiny_lora_recipe(model, data, tmp_path / "run", *overrides)))  # model as given
+    return path
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Planning or training fails the test: preflight must have stopped the command before either."""
+    import finetune.plan
+    import finetune.train.run
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("planned or loaded a model before the preflight refused the recipe")
+
+    monkeypatch.setattr(finetune.train.run, "run", loaded)
+    monkeypatch.setattr(finetune.plan, "predict", loaded)
+
+
+def test_a_missing_data_file_is_exit_2_in_seconds_with_no_run_directory(tmp_path, tiny_model_dir):
+    missing = tmp_path / "nowhere" / "train.jsonl"
+    recipe = write_recipe(tmp_path, tiny_model_dir, missing)
+    for command in ("validate", "plan", "run"):
+        start = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "finetune", command, str(recipe)], capture_output=True,
+                              text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        wall = time.monotonic() - start
+        assert proc.returncode == 2, (command, proc.stderr)
+        assert f"data.path '{missing}' does not exist" in proc.stderr.replace("\n", ""), command
+        assert "Traceback" not in proc.stderr
+        assert wall < 3, f"{command} took {wall:.1f} s to report a missing data file"
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_broken_data_line_is_named_before_any_model_loads(tmp_path, tiny_model_dir, no_model, capsys):
+    data = sums_data(tmp_path / "data.jsonl", 6)
+    lines = data.read_text().splitlines()
+    lines[2] = lines[2][:-5]  # cut short: not JSON any more
+    data.write_text("\n".join(lines) + "\n")
+    recipe = write_recipe(tmp_path, tiny_model_dir, data)
+    for command in ("validate", "plan", "run"):
+        assert main([command, str(recipe)]) == 3, command
+        err = capsys.readouterr().err.replace("\n", "")
+        assert f"{data}:3: not valid JSON" in err and "Traceback" not in err, command
+    assert not (tmp_path / "run").exists()
+    # A record of the wrong shape too, and for the method trained: pairs for dpo.
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
+                    + json.dumps({"messages": [{"role": "robot", "content": "hi"}]}) + "\n")
+    with pytest.raises(FinetuneError, match=rf"{data}:2: messages\[0\]: unknown role 'robot'"):
+        api.run(api.load_recipe(recipe))
+    with pytest.raises(FinetuneError, match="training.method dpo needs preference data"):
+        api.preflight(api.load_recipe(recipe, ["training.method=dpo", "data.on_bad_record=skip"]))
+
+
+def test_validate_says_what_the_data_holds(tmp_path, tiny_model_dir, capsys):
+    recipe = write_recipe(tmp_path, tiny_model_dir, sums_data(tmp_path / "data.jsonl", 7))
+    assert main(["validate", str(recipe)]) == 0
+    assert "7 messages records" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", ["./no-such-model", "../no/such-model", "/no/such/model", "~/no-such-model",
+                                  "models/no/such", "no-such-model.gguf", "models/model.safetensors"])
+def test_a_missing_local_model_path_says_so_without_the_network(tmp_path, path, no_model, capsys):
+    recipe = write_recipe(tmp_path, path, sums_data(tmp_path / "data.jsonl", 4))
+    for command in ("validate", "plan", "run"):
+        assert main([command, str(recipe)]) == 2, command
+        err = capsys.readouterr().err.replace("\n", "")
+        assert f"model.path: {path!r} does not exist (a local path" in err, command
+        assert not any(word in err.lower() for word in ("network", "internet", "connection", "download")), err
+    with pytest.raises(RecipeError, match="does not exist"):
+        from finetune.model.source import resolve_model_path
+
+        resolve_model_path(path)
+
+
+def test_hub_ids_and_existing_paths_pass_the_model_check(tmp_path, tiny_model_dir, monkeypatch):
+    from finetune.model.source import check_model_path, looks_local
+
+    assert not looks_local("HuggingFaceTB/SmolLM2-135M-Instruct") and looks_local("a/b/c")
+    check_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")  # the hub's to answer, later
+    check_model_path(str(tiny_model_dir))
+    monkeypatch.chdir(tiny_model_dir.parent)
+    check_model_path(f"./{tiny_model_dir.name}")
+
+
+def test_a_run_that_fails_before_its_first_step_leaves_no_run_directory(tmp_path, tiny_model_dir, monkeypatch):
+    import finetune.model.load
+    import finetune.train.run
+
+    def no_weights(*args, **kwargs):
+        raise FinetuneError("the weights do not load")
+
+    monkeypatch.setattr(finetune.model.load, "load_model", no_weights)
+    recipe = api.load_recipe(write_recipe(tmp_path, tiny_model_dir, sums_data(tmp_path / "data.jsonl", 4)))
+    with pytest.raises(FinetuneError, match="the weights do not load"):
+        api.run(recipe)
+    assert not (tmp_path / "run").exists()  # nothing blocks the next run or shows in the run lists
+    # A folder with something trained in it stays, with its failure recorded.
+    run = RunDir(tmp_path / "run")
+    run.create()
+    run.append_metrics({"step": 1, "loss": 2.0})
+    finetune.train.run._record_end(run, "failed", FinetuneError("later"))
+    assert run.read_status()["state"] == "failed"
