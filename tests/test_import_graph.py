@@ -16,7 +16,7 @@ PACKAGES = ("finetune", "ui")
 LAYERS: list[tuple[str, ...]] = [
     ("finetune", "finetune.recipe", "finetune.units", "finetune.errors", "finetune.console",
      "finetune.rundir", "finetune.testing"),
-    ("finetune.model", "finetune.data", "finetune.optim", "finetune.memory"),
+    ("finetune.model", "finetune.data", "finetune.optim", "finetune.memory", "finetune.rl"),
     ("finetune.plan",),
     ("finetune.train",),
     ("finetune.api",),
@@ -166,7 +166,7 @@ def test_registry_references_point_to_the_build_layer():
 
     references = [(f"optimizer {s.name}", r) for s in SPECS for r in (s.factory, s.state, s.own_params) if r]
     references += [(f"offload tier {t.name}", t.factory) for t in TIERS]
-    build = LAYERS.index(("finetune.model", "finetune.data", "finetune.optim", "finetune.memory"))
+    build = next(i for i, layer in enumerate(LAYERS) if "finetune.model" in layer)
     wrong = [f"{owner}: {ref}" for owner, ref in references
              if ref.partition(":")[0] not in MODULES or layer_of(ref.partition(":")[0]) != build]
     assert references and not wrong, f"registry references outside the build layer: {wrong}"
