@@ -12,6 +12,7 @@ the CLI allows it, a web server passes its own setting so a shared UI refuses un
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import math
 import re
@@ -68,7 +69,7 @@ def load_function(reference: str, base_dir: str | Path, key: str) -> RewardFn:
     path = (Path(base_dir) / file).resolve()
     if not path.is_file():
         raise RewardError(f"{key}.function: {path} does not exist", hint="the file is relative to the recipe's folder")
-    module_name = f"finetune_reward_{abs(hash(str(path)))}"
+    module_name = f"finetune_reward_{hashlib.sha1(str(path).encode()).hexdigest()[:12]}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     sys.modules[module_name] = module
@@ -87,7 +88,8 @@ def score(rewards: Sequence[NamedReward], prompts: Sequence[Any], completions: S
     """The weighted sum per completion (NaN when no reward applies) and each reward's values by key.
 
     `records` and `where` (file:line) are the record each completion answers, aligned with `completions`."""
-    fields = {k: [r.get(k) for r in records] for k in (records[0] if records else {})}
+    keys = dict.fromkeys(k for r in records for k in r)  # a record without a field gets None for it
+    fields = {k: [r.get(k) for r in records] for k in keys}
     per_reward = {r.key: _call(r, prompts, completions, fields, where) for r in rewards}
     totals = []
     for j in range(len(completions)):
