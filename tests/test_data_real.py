@@ -92,3 +92,19 @@ def test_smollm2_template_masks_answers_and_matches_apply_chat_template(shared_d
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
         assert ids == tok.apply_chat_template(messages, tokenize=True, return_dict=False)
         assert loss_runs(tok, ids, labels) == trained_turns(record)
+
+
+def test_smollm2_template_renders_grpo_prompts_as_apply_chat_template(tmp_path, smollm2_tokenizer):
+    """GRPO prompts: SmolLM2's own template with its default system message and the assistant generation prompt."""
+    from finetune.data.prompts import build_prompts
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "What is 6 * 7?", "answer": "42"}) + "\n")
+    example, = build_prompts(DataConfig(path=str(path)), smollm2_tokenizer, seed=0).train
+    expected = smollm2_tokenizer.apply_chat_template([{"role": "user", "content": "What is 6 * 7?"}],
+                                                     add_generation_prompt=True, tokenize=False)
+    assert example.text == expected
+    assert example.text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert example.text.endswith("<|im_start|>user\nWhat is 6 * 7?<|im_end|>\n<|im_start|>assistant\n")
+    assert example.input_ids == smollm2_tokenizer(expected, add_special_tokens=False)["input_ids"]
+    assert example.fields == {"answer": "42"}

@@ -146,6 +146,19 @@ class ChatEncoder:
             raise RecordError(f"the chat template fails on this conversation ({type(exc).__name__}: {exc})") from None
         return text, spans
 
+    def render_prompt(self, chat: Chat) -> str:
+        """The text a model continues to answer `chat` (a conversation ending with the user's turn): the template
+        with its generation prompt, as GRPO's generation and SFT's prompt spans render it."""
+        import jinja2
+
+        try:
+            messages, tools = self._prepare(chat)
+            return self._render(messages, tools, generation=True)
+        except jinja2.TemplateError as exc:
+            raise RecordError(f"the chat template rejects this prompt: {exc}") from None
+        except Exception as exc:  # the template is code run on the record's values: any error is this record's
+            raise RecordError(f"the chat template fails on this prompt ({type(exc).__name__}: {exc})") from None
+
     def encode(self, rendered: Sequence[tuple[str, list[tuple[int, int]]]], max_tokens: int) -> list[Encoded]:
         """Tokenize rendered chats in one batch; labels are -100 outside the spans.
 

@@ -1,0 +1,119 @@
+"""Prompt-only data for reinforcement learning (GRPO): each record is a prompt the model answers, plus the fields
+its rewards read (an `answer`, test cases, ...).
+
+A record is `{"prompt": str or messages, ...}` (TRL's prompt-only format; `system` adds a system message) or
+`{"messages": [...]}` ending with the user's turn. Every other key is a field handed to the reward functions.
+The chat template is applied as for SFT (`data.chat_template`, else the tokenizer's, else ChatML;
+`data.system_prompt` when the record has no system message), with the generation prompt added, and tokenized
+without adding special tokens (the template has them). `max_samples`, the seeded validation split and
+`on_bad_record` work as in `build_datasets`; a prompt longer than `max_prompt_tokens` is dropped and counted
+(cutting it would change the question; TRL cuts from the left instead).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from finetune.data.build import _listed, _raise_bad, _sample, _split
+from finetune.data.chat import ChatEncoder, resolve_template
+from finetune.data.formats import (
+    Chat,
+    RecordError,
+    _check_turn_order,
+    _message_turns,
+    _prompt,
+    _tools,
+    _turns,
+    _with_system,
+    unicode_problem,
+)
+from finetune.data.read import read_records
+from finetune.errors import DataError
+from finetune.recipe.schema import DataConfig
+
+PROMPT_KEYS = ("prompt", "messages", "conversations", "system", "tools")  # what makes the prompt, not a field
+EXPECTED = '{"prompt": str or messages, <fields the rewards read>} or {"messages": [..., user turn], <fields>}'
+
+
+@dataclass
+class PromptExample:
+    """One prompt ready to generate from: where it is, its rendered text and tokens, and the reward fields."""
+
+    where: str
+    text: str
+    input_ids: list[int]
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PromptBundle:
+    """Train and held-out prompts and counts for the logs."""
+
+    train: list[PromptExample]
+    eval: list[PromptExample]
+    stats: dict[str, Any]
+
+
+def prompt_chat(record: Any, system_prompt: str | None = None) -> Chat:
+    """A prompt-only record as the conversation to answer; RecordError if it is not one."""
+    if not isinstance(record, dict):
+        raise RecordError(f"is a {type(record).__name__}, not an object; expected {EXPECTED}")
+    try:
+        if "prompt" in record:
+            messages = _prompt(record)
+        elif "messages" in record or "conversations" in record:
+            key, turns = _turns(record)
+            messages = _with_system(record, _message_turns(key, turns))
+        else:
+            raise RecordError(f"has no 'prompt' or 'messages' (keys: {', '.join(sorted(record)) or 'none'})")
+        _check_turn_order(messages)
+        if messages[-1]["role"] != "user":
+            raise RecordError(f"its last turn is from the {messages[-1]['role']}; a prompt ends with the user's "
+                              "turn (the model writes the answer)")
+        chat = Chat(messages, _tools(record))
+    except RecordError as exc:
+        raise RecordError(f"{exc}; expected {EXPECTED}") from None
+    if system_prompt and not any(m["role"] == "system" for m in chat.messages):
+        chat.messages.insert(0, {"role": "system", "content": system_prompt})
+    return chat
+
+
+def build_prompts(cfg: DataConfig, tokenizer: Any, seed: int, max_prompt_tokens: int | None = None) -> PromptBundle:
+    """Read, check, render and tokenize prompt-only records, split as `build_datasets` splits (see the module)."""
+    limit = max_prompt_tokens or cfg.max_seq_len
+    read = read_records(cfg.path)
+    records = _sample(read.records, cfg.max_samples, seed)
+    encoder = ChatEncoder(tokenizer, resolve_template(cfg.chat_template, tokenizer))
+    prepared, problems = [], list(read.problems)
+    for record in records:
+        try:
+            text = encoder.render_prompt(prompt_chat(record.value, cfg.system_prompt))
+            if problem := unicode_problem(text):
+                raise RecordError(problem)
+        except RecordError as exc:
+            problems.append(f"{record.where}: {exc}")
+            continue
+        fields = {k: v for k, v in record.value.items() if k not in PROMPT_KEYS}
+        prepared.append(PromptExample(record.where, text, [], fields))
+    if problems and cfg.on_bad_record == "error":
+        _raise_bad(cfg.path, "prompt", problems)
+    if not prepared:
+        raise DataError(f"{cfg.path}: no usable prompts ({len(problems)} malformed were skipped)",
+                        problems=_listed(problems))
+    ids = tokenizer([p.text for p in prepared], add_special_tokens=False)["input_ids"]
+    overlong = []
+    for example, tokens in zip(prepared, ids, strict=True):
+        example.input_ids = tokens
+        if len(tokens) > limit:
+            overlong.append(f"{example.where}: prompt of {len(tokens)} tokens, longer than {limit}")
+    kept = [p for p in prepared if len(p.input_ids) <= limit]
+    if not kept:
+        raise DataError(f"{cfg.path}: every prompt is longer than {limit} tokens", problems=_listed(overlong),
+                        hint="raise the prompt length limit or shorten the prompts")
+    train, held_out = _split(cfg.path, kept, cfg.validation_split, seed)
+    stats = {"records": len(read.records) + len(read.problems), "bad_records_skipped": len(problems),
+             "dropped_overlong": len(overlong), "train_prompts": len(train), "eval_prompts": len(held_out),
+             "max_prompt_tokens": max(len(p.input_ids) for p in kept),
+             "fields": sorted({k for p in kept for k in p.fields})}
+    return PromptBundle(train, held_out, stats)
