@@ -144,9 +144,10 @@ def plan_gpu_sizes(recipe: Recipe, sizes_gb: tuple[int, ...] = GPU_SIZES_GB,
                                         effective_batch_size=None)
             plan = predict(validate_recipe(data, "plan_gpu_sizes"), model_config=config, gpu_memory=margin + 1,
                            device="cuda")
-            # Only configurations rejected for the budget alone count (an offload that would not find enough
-            # free RAM or disk does not make a length trainable); without one, the planner's own minimum.
-            over = [c.peak_bytes for c in plan.rejected if c.breakdown and str(c.reason).startswith("needs ")]
+            # Only configurations traced and rejected for the budget alone count (an offload that would not find
+            # enough free RAM or disk does not make a length trainable; a lower bound is no peak); without one,
+            # the planner's own minimum.
+            over = [c.peak_bytes for c in plan.rejected if c.kind == "over_budget"]
             cache[key, value] = min(over) + margin if over else plan.min_budget_bytes or plan.peak_bytes + margin
         return cache[key, value]
 
