@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from finetune.export.files import GGUFOptions
 from finetune.export.files import ollama_command as ollama_command  # re-exported for the CLI and UI
+from finetune.export.progress import ExportStep as ExportStep  # re-exported for the CLI and UI
 from finetune.recipe.goals import goal_values
 from finetune.recipe.load import load_recipe as _load_recipe
 from finetune.recipe.load import load_recipe_text, recipe_data, validate_recipe
@@ -519,10 +520,11 @@ def compare_runs(run_dirs: list[str | Path], prompt: str, *, max_new_tokens: int
     return answers
 
 
-def export(run_dir: str | Path, out_dir: str | Path, progress: Callable[[str], None] = lambda line: None,
+def export(run_dir: str | Path, out_dir: str | Path, progress: Callable[[ExportStep], None] = lambda step: None,
            gguf: GGUFOptions | None = None) -> Path:
     """Merge the run's adapter into its base model and save it as safetensors, or with `gguf` as one GGUF file
-    (and an Ollama Modelfile); `progress` gets one line per step ("[1/4] loading the base model: ..."). Refused
+    (and an Ollama Modelfile); `progress` gets an ExportStep per step (str(): "[1/4] loading the base model:
+    ...", `to_json()` for machines). Refused
     while a run or another export holds the run directory."""
     from finetune.model.trained import export_merged
 
