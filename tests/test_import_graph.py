@@ -16,7 +16,7 @@ PACKAGES = ("finetune", "ui")
 LAYERS: list[tuple[str, ...]] = [
     ("finetune", "finetune.recipe", "finetune.units", "finetune.errors", "finetune.console",
      "finetune.rundir", "finetune.testing"),
-    ("finetune.model", "finetune.data", "finetune.optim", "finetune.memory", "finetune.export"),
+    ("finetune.compat", "finetune.model", "finetune.data", "finetune.optim", "finetune.memory", "finetune.export"),
     ("finetune.plan",),
     ("finetune.train", "finetune.evaluate"),
     ("finetune.api",),

@@ -18,8 +18,16 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from finetune.compat import (
+    TorchDispatchMode,
+    engine_backward,
+    flash_attention_cpu,
+    op_schema,
+    set_attn_implementation,
+    storage_id,
+    tree_leaves,
+)
 from finetune.errors import FinetuneError
 from finetune.memory.layer_recompute import apply_layer_recompute
 from finetune.memory.preference import PreferenceLoss, batch_reference_logps, synthetic_batch
@@ -74,8 +82,8 @@ def _signature(x: Any) -> Any:
 def _functional(func: Any, facts: dict[Any, bool]) -> bool:
     known = facts.get(func)
     if known is None:
-        schema = func._schema
-        known = facts[func] = not schema.is_mutable and all(
+        schema = op_schema(func)
+        known = facts[func] = schema is not None and not schema.is_mutable and all(
             a.alias_info is None for a in (*schema.arguments, *schema.returns))
     return known
 
@@ -83,9 +91,7 @@ def _functional(func: Any, facts: dict[Any, bool]) -> bool:
 def _describe(out: Any, args: Any, kwargs: dict) -> Any:
     """The outputs' metadata (storage size, sharing between outputs), or None where an output is not a fresh
     meta tensor (it aliases an input, or is not a tensor)."""
-    from torch.utils._pytree import tree_leaves
-
-    inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    inputs = {storage_id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
     storages: list[int] = []
     single = isinstance(out, torch.Tensor)
     specs = []
@@ -96,12 +102,12 @@ def _describe(out: Any, args: Any, kwargs: dict) -> Any:
         if not isinstance(t, torch.Tensor) or type(t) is not torch.Tensor or not t.is_meta:
             return None
         storage = t.untyped_storage()
-        if storage._cdata in inputs:
+        if storage_id(storage) in inputs:
             return None
-        if storage._cdata not in storages:
-            storages.append(storage._cdata)
+        if storage_id(storage) not in storages:
+            storages.append(storage_id(storage))
         specs.append((tuple(t.shape), t.stride(), t.dtype, t.storage_offset(), storage.nbytes(),
-                      storages.index(storage._cdata)))
+                      storages.index(storage_id(storage))))
     return single, type(out), specs
 
 
@@ -159,15 +165,11 @@ class _MetaMemo(TorchDispatchMode):
 def _backward(loss: torch.Tensor) -> None:
     """loss.backward() without entering torch's function dispatch: a mode is off inside its own handler, and
     the checkpointed layers' forward that backward recomputes must see it."""
-    from torch.autograd.graph import _engine_run_backward
-
-    _engine_run_backward((loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True,
-                         accumulate_grad=True)
+    engine_backward(loss)
 
 
 def _meta_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+    return flash_attention_cpu(q, k, v, dropout_p, is_causal, attn_mask, scale)
 
 
 class _Int8LikeLinear(torch.autograd.Function):
@@ -260,7 +262,7 @@ def _meta_model(config_json: str, model_type: str, adapter_json: str, dtype: str
 
     config = AutoConfig.for_model(model_type, **json.loads(config_json))
     config = with_layers(config, layers)
-    config._attn_implementation = attn
+    set_attn_implementation(config, attn)
     adapter = AdapterConfig.model_validate_json(adapter_json)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
