@@ -8,6 +8,7 @@ import pytest
 from finetune import api
 from finetune.plan import DEFAULT_PLANNER, Candidate, Plan, Planner, predict, trace_cache
 from finetune.recipe.schema import Recipe
+from finetune.reports import GPUSizeRow, GPUSizes, Machine, SpeedEstimate
 from finetune.units import format_bytes
 
 GIB = 1 << 30
@@ -43,6 +44,7 @@ def test_the_gpu_size_table_counts_only_rejections_of_kind_over_budget(tiny_mode
     plan = Plan("cuda", {}, 9 * GIB, {}, 1, False, 0.0, rejected=rejected, min_budget_bytes=9 * GIB)
     monkeypatch.setattr("finetune.plan.predict", lambda *a, **k: plan)
     sweep = api.plan_gpu_sizes(_recipe(tiny_model_dir), sizes_gb=(4, 6), ladder=(64,))
+    assert set(sweep) == GPUSizes.__required_keys__ and set(sweep["sizes"][0]) == GPUSizeRow.__required_keys__
     assert [row["longest_context"] for row in sweep["sizes"]] == [None, 64]
     assert set(sweep["context_need_bytes"].values()) == {5 * GIB}
     plan.rejected = rejected[::2]  # nothing over the budget: the planner's own minimum
@@ -84,3 +86,9 @@ def test_module_predict_uses_the_default_planner(tiny_model_dir, counted_traces)
     assert len(DEFAULT_PLANNER.traces) == counted_traces.count("trace") > 0
     DEFAULT_PLANNER.clear()
     assert DEFAULT_PLANNER.held() == 0
+
+
+@pytest.mark.parametrize("tps", [None, 1234.5, 1e12])  # no estimate, an estimate, over the ceiling
+def test_reports_have_the_keys_their_typed_dicts_name(tps):
+    assert set(api.speed_estimate({"device": "cuda", "tokens_per_s": tps})) == SpeedEstimate.__required_keys__
+    assert set(api.this_machine()) == Machine.__required_keys__
