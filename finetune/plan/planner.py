@@ -16,7 +16,11 @@ import contextlib
 import contextvars
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from finetune.plan.search import Plan
+    from finetune.recipe.schema import Recipe
 
 T = TypeVar("T")
 
@@ -87,7 +91,7 @@ class Planner:
         finally:
             _CURRENT.reset(token)
 
-    def predict(self, recipe: Any, **kwargs: Any) -> Any:
+    def predict(self, recipe: Recipe, **kwargs: Any) -> Plan:
         """`finetune.plan.predict` with this planner's caches."""
         from finetune.plan.search import predict
 
