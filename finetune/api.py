@@ -9,10 +9,20 @@ from typing import TYPE_CHECKING, Any
 
 from finetune.export.files import GGUFOptions
 from finetune.export.files import ollama_command as ollama_command  # re-exported for the CLI and UI
+from finetune.export.progress import ExportStep as ExportStep  # re-exported for the CLI and UI
 from finetune.recipe.goals import goal_values
 from finetune.recipe.load import load_recipe as _load_recipe
 from finetune.recipe.load import load_recipe_text, recipe_data, validate_recipe
 from finetune.recipe.schema import Recipe
+from finetune.reports import (
+    BatchReport,
+    EvaluationTable,
+    GPUSizes,
+    Machine,
+    RewardReport,
+    SeenLengthPlan,
+    SpeedEstimate,
+)
 from finetune.rundir import EVAL_PREFIX, REWARD_KEYS, RunDir
 
 if TYPE_CHECKING:  # torch and transformers load only when a command needs them
@@ -75,7 +85,7 @@ def plan(recipe: Recipe, *, gpu_memory: str | int | None = None, device: str | N
     return predict(recipe, gpu_memory=gpu_memory, device=device)
 
 
-def this_machine() -> dict[str, Any]:
+def this_machine() -> Machine:
     """The device a run started here trains on: `device` (cuda, else cpu), a `name` for people and its
     `memory_bytes` (the GPU's total, else the RAM's), so a page can offer "plan for this machine"
     (`plan(recipe, device=...)`) beside the common cards."""
@@ -127,7 +137,7 @@ def recipe_gallery(folder: str | Path = "recipes") -> list[dict[str, str]]:
 
 
 def plan_gpu_sizes(recipe: Recipe, sizes_gb: tuple[int, ...] = GPU_SIZES_GB,
-                   ladder: tuple[int, ...] = CONTEXT_LADDER) -> dict[str, Any]:
+                   ladder: tuple[int, ...] = CONTEXT_LADDER) -> GPUSizes:
     """What fits on each GPU size (GiB): the longest context it trains (the recipe's other settings kept,
     its `auto` ones chosen by the planner; at most the model's max_position_embeddings) and the largest
     micro-batch at the recipe's max_seq_len.
@@ -161,9 +171,10 @@ def plan_gpu_sizes(recipe: Recipe, sizes_gb: tuple[int, ...] = GPU_SIZES_GB,
                                         effective_batch_size=None)
             plan = predict(validate_recipe(data, "plan_gpu_sizes"), model_config=config, gpu_memory=margin + 1,
                            device="cuda")
-            # Only configurations rejected for the budget alone count (an offload that would not find enough
-            # free RAM or disk does not make a length trainable); without one, the planner's own minimum.
-            over = [c.peak_bytes for c in plan.rejected if c.breakdown and str(c.reason).startswith("needs ")]
+            # Only configurations traced and rejected for the budget alone count (an offload that would not find
+            # enough free RAM or disk does not make a length trainable; a lower bound is no peak); without one,
+            # the planner's own minimum.
+            over = [c.peak_bytes for c in plan.rejected if c.kind == "over_budget"]
             cache[key, value] = min(over) + margin if over else plan.min_budget_bytes or plan.peak_bytes + margin
         return cache[key, value]
 
@@ -201,7 +212,7 @@ def plan_gpu_sizes(recipe: Recipe, sizes_gb: tuple[int, ...] = GPU_SIZES_GB,
             "micro_batch_need_bytes": batch_need}
 
 
-def speed_estimate(plan: dict[str, Any]) -> dict[str, Any]:
+def speed_estimate(plan: dict[str, Any]) -> SpeedEstimate:
     """The plan's predicted tokens/s as a person should read it: rounded to two figures, with the hardware
     figures it rests on, and capped where a roofline estimate stops being believable (`text`, `short` for a
     table cell, `basis`, `tokens_per_s`: the rounded figure or None)."""
@@ -272,7 +283,7 @@ def run_files(run: str | Path | RunFiles) -> RunFiles:
     return run if isinstance(run, RunFiles) else RunFiles(run)
 
 
-def run_evaluation_table(run: str | Path | RunFiles) -> dict[str, Any] | None:
+def run_evaluation_table(run: str | Path | RunFiles) -> EvaluationTable | None:
     """The run's latest `finetune eval` as {"headers", "rows" (one per model), "data", "records",
     "with_expected_answer"}, or None before one ran."""
     report = run_files(run).evaluation
@@ -285,7 +296,7 @@ def run_evaluation_table(run: str | Path | RunFiles) -> dict[str, Any] | None:
             "with_expected_answer": report.get("with_expected_answer")}
 
 
-def plan_at_seen_length(run: str | Path | RunFiles) -> dict[str, Any] | None:
+def plan_at_seen_length(run: str | Path | RunFiles) -> SeenLengthPlan | None:
     """When a run's longest sequence is shorter than data.max_seq_len, its plan re-evaluated at that length
     (what the measured peak should be compared with); None while the run has not said, or when it is not shorter.
 
@@ -395,7 +406,7 @@ def apply_advice(recipe: Recipe | str | Path, run_dir: str | Path, overrides: li
     return new, advised, why
 
 
-def run_batch_report(run: str | Path | RunFiles) -> dict[str, Any] | None:
+def run_batch_report(run: str | Path | RunFiles) -> BatchReport | None:
     """What a finished run says about its batch (results.json and its recipe), for the run view: the batch
     used (micro x accumulation x gpus, in sequences and labelled tokens; `update_batch`: auto's sequences per
     update, below the micro-batch while its warmup ran), the noise scale over time (as (step,
@@ -422,7 +433,7 @@ def run_batch_report(run: str | Path | RunFiles) -> dict[str, Any] | None:
             "advice": results.get("advice") or {}}
 
 
-def run_reward_report(run: str | Path | RunFiles) -> dict[str, Any] | None:
+def run_reward_report(run: str | Path | RunFiles) -> RewardReport | None:
     """A preference run's rewards, for the run view: `curves` (each REWARD_KEYS key -> `train` and `eval` lists
     of (step, value) from metrics.jsonl, one eval point per step) and the held-out values `before` and `after`
     training (results.json; empty while the run goes). None for a run that logged no rewards (sft)."""
@@ -537,10 +548,11 @@ def compare_runs(run_dirs: list[str | Path], prompt: str, *, max_new_tokens: int
     return answers
 
 
-def export(run_dir: str | Path, out_dir: str | Path, progress: Callable[[str], None] = lambda line: None,
+def export(run_dir: str | Path, out_dir: str | Path, progress: Callable[[ExportStep], None] = lambda step: None,
            gguf: GGUFOptions | None = None) -> Path:
     """Merge the run's adapter into its base model and save it as safetensors, or with `gguf` as one GGUF file
-    (and an Ollama Modelfile); `progress` gets one line per step ("[1/4] loading the base model: ..."). Refused
+    (and an Ollama Modelfile); `progress` gets an ExportStep per step (str(): "[1/4] loading the base model:
+    ...", `to_json()` for machines). Refused
     while a run or another export holds the run directory."""
     from finetune.model.trained import export_merged
 

@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--type", default="f16", help=f"GGUF weight type: {', '.join(GGUF_TYPES)} (1-D tensors stay "
                    "f32); for k-quants such as Q4_K_M run llama.cpp's llama-quantize on an f16 file")
     p.add_argument("--ollama", action="store_true", help="with --format gguf: write an Ollama Modelfile beside it")
+    p.add_argument("--progress", choices=["text", "json"], default="text",
+                   help="stdout: 'export [i/n] step: detail' lines (text), or for programs one JSON object per "
+                        "line: {\"step\", \"of\", \"label\", \"detail\"} per step, then {\"done\": folder} or "
+                        "{\"error\": message, \"exit_code\": n} (json)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("eval", help="held-out loss, perplexity and answer matches of a run (vs its base model)")
@@ -240,13 +244,22 @@ def cmd_generate(args) -> int:
 def cmd_export(args) -> int:
     from finetune import api
 
-    if args.format != "gguf" and (args.ollama or args.type != "f16"):
-        raise UsageError("export: --type and --ollama apply to --format gguf", hint="add --format gguf")
-    gguf = api.GGUFOptions(args.type, args.ollama) if args.format == "gguf" else None
-    # One line per step, printed as it starts (the UI reads them to show the export's progress).
-    out = api.export(args.run_dir, args.out, lambda line: print(f"export {line}", flush=True), gguf)
+    machine = args.progress == "json"
+    try:
+        if args.format != "gguf" and (args.ollama or args.type != "f16"):
+            raise UsageError("export: --type and --ollama apply to --format gguf", hint="add --format gguf")
+        gguf = api.GGUFOptions(args.type, args.ollama) if args.format == "gguf" else None
+        # One line per step, printed as it starts (the UI reads the JSON form to show the export's progress).
+        out = api.export(args.run_dir, args.out,
+                         lambda step: print(step.to_json() if machine else f"export {step}", flush=True), gguf)
+    except FinetuneError as exc:
+        if machine:
+            print(api.ExportStep.error_line(str(exc), exc.exit_code), flush=True)
+        raise
+    if machine:
+        print(api.ExportStep.done_line(out), flush=True)
     console.print(f"[green]exported[/green] merged model to {out}")
-    if args.ollama:
+    if args.ollama and not machine:  # json: stdout holds JSON lines only
         print(f"create the Ollama model with: {api.ollama_command(out)}")
     return 0
 

@@ -2,11 +2,40 @@
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
+# What is wrong with one recipe key, for code that acts on it (the UI); the message says it for people.
+# missing: a required key is not given; unknown_key: no such key (a typo); key_name: a key that is no name;
+# duplicate: a key given twice; section: a value where a section of keys goes; type: a value of the wrong
+# type; value: a value of the right type that is not allowed (a range, a choice, a rule between keys).
+ProblemCode = Literal["missing", "unknown_key", "key_name", "duplicate", "section", "type", "value"]
+
+
+class RecipeProblem(str):
+    """One problem of a recipe: the line shown to people (the string itself, as before it had fields), the
+    recipe `key` it concerns (dotted, "" for the whole recipe) and its `code` (ProblemCode). A str, so every
+    reader of `FinetuneError.problems` (joins, `in`, JSON) keeps working; immutable like one."""
+
+    key: str
+    code: ProblemCode
+
+    def __new__(cls, message: str, key: str, code: ProblemCode) -> RecipeProblem:
+        self = super().__new__(cls, message)
+        object.__setattr__(self, "key", key)
+        object.__setattr__(self, "code", code)
+        return self
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"RecipeProblem is immutable: cannot set {name}")
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickles (gradio queues, multiprocessing) keep the fields
+        return RecipeProblem, (str(self), self.key, self.code)
+
 
 class FinetuneError(Exception):
     """A problem the user can fix (bad recipe, bad data, missing file).
 
-    `problems` holds one line per problem so several can be reported at once.
+    `problems` holds one line per problem so several can be reported at once (a recipe's: `RecipeProblem`s).
     """
 
     exit_code = 1

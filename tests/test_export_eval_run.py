@@ -50,6 +50,24 @@ def test_gguf_options_without_gguf_format_are_a_usage_error(trained, tmp_path, c
     assert not (tmp_path / "x").exists()
 
 
+def test_export_progress_as_json_lines_for_programs(trained, tmp_path, capsys):
+    """--progress json: stdout is one JSON object per line, each step as it starts, then where it went."""
+    from finetune.api import ExportStep
+    from finetune.model.trained import EXPORT_STEPS
+
+    assert main(["export", str(trained), "--out", str(tmp_path / "m"), "--progress", "json"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    objects = [json.loads(line) for line in lines]  # nothing else on stdout
+    assert [(o["step"], o["of"], o["label"]) for o in objects[:-1]] == [(i + 1, 4, s) for i, s in enumerate(EXPORT_STEPS)]
+    assert objects[-1] == {"done": str(tmp_path / "m")}
+    steps = [ExportStep.read(line) for line in lines]
+    assert str(steps[1]) == f"[2/4] merging the adapter into it: {objects[1]['detail']}"  # the text mode's line
+    assert steps[-1] == {"done": str(tmp_path / "m")} and ExportStep.read("Loading weights: 100%") is None
+    assert main(["export", str(trained), "--out", str(tmp_path / "x"), "--type", "q8_0", "--progress", "json"]) == 2
+    error = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert error["exit_code"] == 2 and "--type and --ollama apply to --format gguf" in error["error"]
+
+
 def test_an_interrupted_gguf_export_leaves_nothing(trained, tmp_path, monkeypatch):
     import finetune.export.files as files
 

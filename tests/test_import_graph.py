@@ -16,7 +16,8 @@ PACKAGES = ("finetune", "ui")
 LAYERS: list[tuple[str, ...]] = [
     ("finetune", "finetune.recipe", "finetune.units", "finetune.errors", "finetune.console",
      "finetune.rundir", "finetune.testing"),
-    ("finetune.model", "finetune.data", "finetune.optim", "finetune.memory", "finetune.export", "finetune.rl"),
+    ("finetune.compat", "finetune.model", "finetune.data", "finetune.optim", "finetune.memory", "finetune.export",
+     "finetune.rl"),
     ("finetune.plan",),
     ("finetune.train", "finetune.evaluate"),
     ("finetune.api",),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from finetune.memory import layer_recompute
-from finetune.plan import trace
+from finetune.plan import DEFAULT_PLANNER, trace
 from finetune.recipe.schema import AdapterConfig, Recipe
 from finetune.testing import tiny_config
 
@@ -24,8 +24,8 @@ def all_chunks(monkeypatch):
             m.setattr(layer_recompute, "_chunks_to_run", lambda _x, n: range(n))
             m.setattr(trace._MetaMemo, "__torch_dispatch__",
                       lambda _self, func, _types, args=(), kwargs=None: func(*args, **(kwargs or {})))
-            m.setattr(trace, "_take_model", trace._build_model)
-            m.setattr(trace, "_return_model", lambda built, model: None)
+            m.setattr(trace, "_take_model", lambda _planner, built: trace._build_model(built))
+            m.setattr(trace, "_return_model", lambda _planner, built, model: None)
             return fn(*args, **kwargs)
     return run
 
@@ -34,13 +34,9 @@ def all_chunks(monkeypatch):
 def fresh(tmp_path, monkeypatch):
     monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(layer_recompute, "NORM_TOKENS", CHUNK)  # many norm chunks at a small sequence
-    trace._trace_cached.cache_clear()
-    trace._params_cached.cache_clear()
-    trace._MEMO.clear()
-    trace._MODELS.clear()
+    DEFAULT_PLANNER.clear()
     yield
-    trace._trace_cached.cache_clear()
-    trace._params_cached.cache_clear()
+    DEFAULT_PLANNER.clear()
 
 
 CASES = [(arch, 1, True, "lora") for arch in ARCHS] + [
@@ -57,7 +53,7 @@ def test_skipped_chunks_trace_like_all_chunks(arch, checkpoint_every, int8, adap
     args = (key, attn, 2, SEQ, 3, checkpoint_every, int8, True, CHUNK)
     slow = all_chunks(trace._direct_trace, *args)
     assert trace._direct_trace(*args) == slow
-    assert trace._MEMO and trace._direct_trace(*args) == slow
+    assert DEFAULT_PLANNER.meta_kernels and trace._direct_trace(*args) == slow
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
@@ -68,7 +64,7 @@ def test_reused_models_trace_like_fresh_ones(arch, fresh, all_chunks):
     for every, int8 in ((1, True), (1, False), (0, False), (0, True)):
         args = (key, "eager", 2, 48, 3, every, int8, True, 0)
         assert trace._direct_trace(*args) == all_chunks(trace._direct_trace, *args)
-    assert sorted(len(models) for models in trace._MODELS.values()) == [1, 1]  # one per checkpointing
+    assert sorted(len(models) for models in DEFAULT_PLANNER.models.values()) == [1, 1]  # one per checkpointing
 
 
 def test_plan_with_every_key_auto_is_unchanged(tiny_model_dir, tmp_path, fresh, all_chunks, monkeypatch):
@@ -83,7 +79,7 @@ def test_plan_with_every_key_auto_is_unchanged(tiny_model_dir, tmp_path, fresh, 
         "memory": {"activation_checkpointing": auto, "offload": auto, "chunked_loss": auto, "tiled_mlp": auto,
                    "tiled_mlp_tokens": CHUNK, "gpu_memory_margin": 0}})
     fast = predict(recipe, gpu_memory="2MiB", device="cpu").to_dict()
-    trace._trace_cached.cache_clear()
+    DEFAULT_PLANNER.traces.clear()
     monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "slow"))
     assert fast == all_chunks(predict, recipe, gpu_memory="2MiB", device="cpu").to_dict()
     evaluated = [fast, *fast["alternatives"], *(c for c in fast["rejected"] if c["breakdown"])]

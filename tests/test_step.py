@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import finetune.memory.step as step
-from finetune.plan import trace, trace_cache
+from finetune.plan import DEFAULT_PLANNER, trace, trace_cache
 from finetune.recipe.schema import Recipe
 
 
@@ -31,11 +31,9 @@ def _recipe(model_dir: Path, tmp_path: Path, **memory) -> Recipe:
 def fresh_traces(tmp_path, monkeypatch):
     """An empty trace cache on disk and in memory, so the planner really traces."""
     monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
-    trace._trace_cached.cache_clear()
-    trace._params_cached.cache_clear()
+    DEFAULT_PLANNER.clear()
     yield
-    trace._trace_cached.cache_clear()
-    trace._params_cached.cache_clear()
+    DEFAULT_PLANNER.clear()
 
 
 def test_plan_measure_and_run_use_the_same_step(tiny_model_dir, tmp_path, monkeypatch, fresh_traces):
@@ -122,8 +120,7 @@ def test_concurrent_plans_equal_sequential(tiny_model_dir, tmp_path, fresh_trace
     recipes = [_recipe(tiny_model_dir, tmp_path, activation_checkpointing=ckpt) for ckpt in (True, False)]
     before = (torch.nn.functional.scaled_dot_product_attention, masking.find_packed_sequence_indices)
     sequential = [predict(r, gpu_memory="4GiB", device="cpu").to_dict() for r in recipes]
-    trace._trace_cached.cache_clear()
-    trace._params_cached.cache_clear()
+    DEFAULT_PLANNER.clear()
     trace_cache.cache_folder().rename(tmp_path / "first-cache")
     results: list = [None, None]
     barrier = threading.Barrier(2)
@@ -171,7 +168,7 @@ def test_trace_from_the_disk_cache_equals_a_fresh_trace(tmp_path, monkeypatch, f
     config = tiny_config("qwen2")
     args = (config, AdapterConfig(r=4), torch.float32, "sdpa", "cpu", 1, 64, 2, 1)
     first = trace.trace_step(*args)
-    trace._trace_cached.cache_clear()
+    DEFAULT_PLANNER.traces.clear()
     monkeypatch.setattr(trace, "_direct_trace", lambda *a: pytest.fail("traced again despite the disk cache"))
     assert trace.trace_step(*args) == first
 

@@ -154,3 +154,43 @@ def test_a_form_starting_from_an_adapter_takes_its_shape_unless_the_user_set_one
     with pytest.raises(RecipeError) as err:
         resolve_init_from(backend.recipe(changed))
     assert any("adapter.r: the recipe sets 4, the adapter has 8" in p for p in err.value.problems)
+
+
+def test_recipe_problems_carry_key_and_code_and_read_as_before():
+    """Each problem is its line as before (a str) with the recipe key and a code the UI acts on."""
+    data = {"model": {}, "data": {"path": "d.jsonl", "bogus": 1},
+            "training": {"micro_batch_size": "zero", "learning_rate": -1.0}}
+    with pytest.raises(RecipeError) as err:
+        validate_recipe(data, "form")
+    found = {(p.key, p.code) for p in err.value.problems}
+    assert {("model.path", "missing"), ("data.bogus", "unknown_key"), ("training.learning_rate", "value")} <= found
+    assert ("training.micro_batch_size", "value") in found  # an int or `auto`: one problem, the branches joined
+    missing = next(p for p in err.value.problems if p.code == "missing")
+    assert missing == "form: missing required key model.path" and str(missing) in str(err.value)
+    with pytest.raises(RecipeError) as err:
+        load_recipe_text("model:\n  path: m\n  path: n\ndata:\n  'a b': 1\n", "r.yaml")
+    assert [(p, p.key, p.code) for p in err.value.problems] == [
+        ("r.yaml:3: model.path: duplicate key (also on line 2); the recipe must give it once", "model.path",
+         "duplicate"),
+        ("r.yaml:5: data: key 'a b' is not a recipe key; keys are names of letters, digits and _ (see `finetune "
+         "keys`)", "data", "key_name")]
+
+
+def test_a_fresh_form_shows_the_first_steps_through_the_problem_code(tmp_path):
+    """Only required keys missing: the Recipe tab shows the next step; anything else wrong: the error."""
+    from finetune.errors import RecipeProblem
+    from ui.tabs.recipe import FIRST_STEPS, first_steps
+
+    values = _values({"model": {"path": "m"}, "data": {"path": "d.jsonl"}})
+    keys = [s.key for s in SPECS]
+    values[keys.index("model.path")] = values[keys.index("data.path")] = ""
+    with pytest.raises(RecipeError) as fresh:
+        validate_recipe(values_to_dict(SPECS, values), "form")
+    assert {p.code for p in fresh.value.problems} == {"missing"} and first_steps(fresh.value) == FIRST_STEPS
+    values[keys.index("training.micro_batch_size")] = "zero"
+    with pytest.raises(RecipeError) as wrong:
+        validate_recipe(values_to_dict(SPECS, values), "form")
+    assert first_steps(wrong.value) is None
+    # the code decides, not the words: a value problem that quotes the phrase is still an error to show
+    quoted = RecipeProblem("form: data.path: 'missing required key' is no file", "data.path", "value")
+    assert first_steps(RecipeError("form is not a valid recipe (1 problem(s)):", [quoted])) is None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -69,3 +71,46 @@ def test_a_resume_allowed_on_changed_data_passes_the_flag():
     assert "--allow-data-change" not in plain.command()
     assert allowed.command()[-3:] == ["--set", "output.dir=/runs/b", "--allow-data-change"]
     assert Job(**asdict(allowed)) == allowed, "kept in the queue file"
+
+
+_POPEN = subprocess.Popen
+
+
+def _fake_export(monkeypatch, lines: list[str], code: int) -> list[list[str]]:
+    """`finetune export` replaced by a process that prints `lines` (stdout) and exits with `code`."""
+    import ui.backend
+
+    commands: list[list[str]] = []
+
+    def popen(cmd, **kwargs):
+        commands.append(cmd)
+        script = f"import sys\nfor line in {lines!r}: print(line, flush=True)\nsys.exit({code})"
+        return _POPEN([sys.executable, "-c", script], **kwargs)
+
+    monkeypatch.setattr(ui.backend.subprocess, "Popen", popen)
+    return commands
+
+
+def test_the_runs_tab_shows_the_export_steps_from_its_json_progress(tmp_path, monkeypatch):
+    from finetune.api import ExportStep
+    from ui.backend import Backend, UISettings
+    from ui.tabs.runs import export_view
+
+    backend = Backend(UISettings([tmp_path], tmp_path / "runs"), RunManager(tmp_path / "runs"))
+    run, out = tmp_path / "run", tmp_path / "out"
+    monkeypatch.setattr(backend, "checked_run", lambda run_dir: run)
+    steps = [ExportStep(1, 2, "loading the base model", "m"), ExportStep(2, 2, "saving the merged model", "x")]
+    commands = _fake_export(monkeypatch, ["a library's warning", *(s.to_json() for s in steps),
+                                          ExportStep.done_line(out)], 0)
+    out.mkdir()
+    shown = list(export_view(backend, str(run), str(out)))
+    assert commands[0][-2:] == ["--progress", "json"]
+    assert shown[0] == "**Exporting...**\n- now: [1/2] loading the base model: m"
+    assert shown[1].endswith("- done: [1/2] loading the base model: m\n- now: [2/2] saving the merged model: x")
+    assert shown[-1].startswith(f"**merged model saved to {out}**\n- done: [1/2]") and "warning" not in shown[-1]
+
+    _fake_export(monkeypatch, [steps[0].to_json(), "Traceback-free noise",
+                               ExportStep.error_line("export: out already exists", 2)], 2)
+    failed = list(export_view(backend, str(run), str(out)))[-1]
+    assert "export failed (exit code 2)" in failed and "export: out already exists" in failed
+    assert "noise" not in failed  # the error the export reported, not the stream's last lines

@@ -335,9 +335,10 @@ class Backend:
         return self.chat_worker.chat(requests)
 
     def export(self, run_dir: str, out_dir: str, timeout: float = 3600, gguf: api.GGUFOptions | None = None,
-               ) -> Iterator[str]:
-        """Merge and save through `finetune export` in a separate process (it loads the full model) once no
-        training run holds the GPU, with the chat worker stopped; yields each step's line as it starts.
+               ) -> Iterator[str | api.ExportStep]:
+        """Merge and save through `finetune export --progress json` in a separate process (it loads the full
+        model) once no training run holds the GPU, with the chat worker stopped; yields a line while it waits
+        for the GPU, then each step (`api.ExportStep`, read from the JSON lines) as it starts.
         `gguf`: one GGUF file of that type (and an Ollama Modelfile) instead of safetensors."""
         run = self.checked_run(run_dir)
         RunDir(run).refuse_if_locked("export")
@@ -346,18 +347,23 @@ class Backend:
             for event in waiting:
                 yield f"waiting for the training run {event['run']} to finish"
             self.chat_worker.release()
-            cmd = [sys.executable, "-m", "finetune", "export", str(run), "--out", str(out)]
+            cmd = [sys.executable, "-m", "finetune", "export", str(run), "--out", str(out), "--progress", "json"]
             if gguf is not None:
                 cmd += ["--format", "gguf", "--type", gguf.type, *(["--ollama"] if gguf.ollama else [])]
             with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                   env=self.manager.child_env(), cwd=self.manager.cwd) as proc:
                 timer = threading.Timer(timeout, proc.kill)
                 timer.start()
-                output = []
+                output, error = [], None  # other lines: what a library printed, shown if the export fails
                 for line in proc.stdout:
-                    output.append(line.rstrip("\n"))
-                    if line.startswith("export ["):
-                        yield line.removeprefix("export ").strip()
+                    event = api.ExportStep.read(line)
+                    if isinstance(event, api.ExportStep):
+                        yield event
+                    elif event is not None:
+                        error = event.get("error", error)
+                    else:
+                        output.append(line.rstrip("\n"))
                 timer.cancel()
         if proc.returncode != 0:
-            raise FinetuneError(f"export failed (exit code {proc.returncode})", ["\n".join(output[-40:])])
+            raise FinetuneError(f"export failed (exit code {proc.returncode})",
+                                [error] if error else ["\n".join(output[-40:])])

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from finetune.compat import attn_implementation, tensor_version
 from finetune.memory.bandwidth import offload_bytes_per_step
 from finetune.memory.offload_cpu import CudaMover, Mover
 from finetune.memory.offload_disk import check_offload_dir
@@ -222,7 +223,7 @@ class ActivationOffload:
         view = (t.dtype, t.shape, t.stride(), t.storage_offset())
         key = storage.data_ptr()
         seen = self._seen.get(key)
-        if seen is not None and seen[0]() is storage and seen[1] == t._version and seen[2]() is not None:
+        if seen is not None and seen[0]() is storage and seen[1] == tensor_version(t) and seen[2]() is not None:
             stored = seen[2]()
             if self._layer not in self._by_layer or self._by_layer[self._layer][-1]() is not stored:
                 # Shared by several layers (rotary cos/sin): fetch it when backward reaches the last of them.
@@ -234,7 +235,7 @@ class ActivationOffload:
         if stored is None:
             return t
         self._seen[key] = (weakref.ref(storage, lambda _ref, key=key: self._seen.pop(key, None)),
-                           t._version, weakref.ref(stored))
+                           tensor_version(t), weakref.ref(stored))
         return _Handle(stored, view, self._layer)
 
     def _store(self, t: torch.Tensor, layout: torch.Tensor, nbytes: int) -> _Stored | None:
@@ -293,7 +294,7 @@ def _layer_saved_bytes_estimate(config: Any, micro_batch: int, seq_len: int, dty
     """Bytes one transformer layer saves for backward without checkpointing: sbh(34 + 5as/h) in 16-bit
     (Korthikanti et al. 2022), scaled to the dtype; the s^2 attention term only for eager attention."""
     s, b, h = seq_len, micro_batch, config.hidden_size
-    attention = 5 * config.num_attention_heads * s / h if config._attn_implementation == "eager" else 0
+    attention = 5 * config.num_attention_heads * s / h if attn_implementation(config) == "eager" else 0
     return int(s * b * h * (34 + attention) * dtype_bytes / 2)
 
 

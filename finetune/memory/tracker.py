@@ -19,8 +19,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from finetune.compat import TorchDispatchMode, tree_flatten
 
 CATEGORIES = (
     "weights", "trainable_weights", "gradients", "optimizer_state", "activations", "logits_and_loss", "other",

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from finetune.compat import supports_sdpa
 from finetune.errors import ModelLoadError
 from finetune.model.source import resolve_model_path
 from finetune.recipe.schema import ModelConfig, QuantizationConfig
@@ -23,10 +24,9 @@ def attn_implementation(choice: str, config) -> str:
     (Gemma-2 runs eager only, because of its attention soft-capping)."""
     if choice != "auto":
         return choice
-    from transformers import AutoModelForCausalLM
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
-    return "sdpa" if model_class is None or model_class._supports_sdpa else "eager"
+    return "sdpa" if supports_sdpa(MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)) else "eager"
 
 
 def quantization_config(quant: QuantizationConfig, dtype: torch.dtype, *, sharded: bool = False):
@@ -119,7 +119,7 @@ def load_model(model_cfg: ModelConfig, quant: QuantizationConfig, *, quantize: b
 
 def _from_pretrained(model_path: str, folder: Path, config, kwargs: dict):
     """from_pretrained on the folder's weights, or (random:FOLDER) on random weights quantized the same way."""
-    from transformers import AutoModelForCausalLM
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoModelForCausalLM
 
     from finetune.model.random_weights import random_folder, random_state_dict
 
@@ -127,8 +127,7 @@ def _from_pretrained(model_path: str, folder: Path, config, kwargs: dict):
         return AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     state = random_state_dict(config, kwargs["dtype"], "cuda" if torch.cuda.is_available() else "cpu")
     kwargs = {k: v for k, v in kwargs.items() if k != "use_safetensors"}
-    return AutoModelForCausalLM._model_mapping[type(config)].from_pretrained(None, config=config, state_dict=state,
-                                                                             **kwargs)
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(None, config=config, state_dict=state, **kwargs)
 
 
 def _device_index():

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from finetune.errors import UsageError
 from finetune.export.files import GGUFOptions, write_gguf_export
+from finetune.export.progress import ExportStep
 from finetune.model.load import compute_dtype, load_model, load_tokenizer
 from finetune.publish import pause_point, publishing
 from finetune.recipe.load import load_recipe
@@ -141,19 +142,20 @@ EXPORT_STEPS = ("loading the base model", "merging the adapter into it", "saving
                 "moving the merged model into place")
 
 
-def _export_step(progress: Callable[[str], None]) -> Callable[[int, str], None]:
+def _export_step(progress: Callable[[ExportStep], None]) -> Callable[[int, str], None]:
     """Announce step i; FINETUNE_FAULT_PAUSE=export:N (tests) stops the export as step N starts."""
     def step(i: int, detail: str) -> None:
-        progress(f"[{i + 1}/{len(EXPORT_STEPS)}] {EXPORT_STEPS[i]}: {detail}")
+        progress(ExportStep(i + 1, len(EXPORT_STEPS), EXPORT_STEPS[i], detail))
         pause_point(f"export:{i + 1}")
     return step
 
 
 def export_merged(run_dir: str | Path, out_dir: str | Path,
-                  progress: Callable[[str], None] = lambda line: None, gguf: GGUFOptions | None = None) -> Path:
+                  progress: Callable[[ExportStep], None] = lambda step: None, gguf: GGUFOptions | None = None
+                  ) -> Path:
     """Merge the LoRA adapter into the base and save safetensors (QLoRA: into the dequantized base), or with
-    `gguf` one GGUF file (finetune.export). `progress` gets a line "[2/4] merging the adapter into it: DETAIL"
-    as each of EXPORT_STEPS starts (a large model's merge takes minutes, and the page shows where it is). The
+    `gguf` one GGUF file (finetune.export). `progress` gets an ExportStep ("[2/4] merging the adapter into
+    it: DETAIL") as each of EXPORT_STEPS starts (a large model's merge takes minutes, and the page shows where it is). The
     folder is published whole (finetune.publish): a stop or a kill at any step leaves the earlier export in
     place and no temporary."""
     recipe, run = load_run(run_dir)

@@ -1,8 +1,13 @@
-"""Memory plan: predict the peak per component without loading weights, and choose settings that fit."""
+"""Memory plan: predict the peak per component without loading weights, and choose settings that fit.
 
-from finetune.plan.search import Candidate, Plan, predict
+`predict` plans with the default `Planner` (`DEFAULT_PLANNER`, whose `clear()` drops every cache the planner
+holds in memory); `Planner().predict` plans with caches of its own."""
 
-__all__ = ["Candidate", "Plan", "predict", "plot_breakdown"]
+from finetune.plan.planner import DEFAULT as DEFAULT_PLANNER
+from finetune.plan.planner import Planner
+from finetune.plan.search import Candidate, Plan, RejectionKind, predict
+
+__all__ = ["Candidate", "DEFAULT_PLANNER", "Plan", "Planner", "RejectionKind", "predict", "plot_breakdown"]
 
 
 def plot_breakdown(plan: Plan, path) -> None:

@@ -36,7 +36,6 @@ How the prediction is put together (docs/planner.md has the long form):
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +44,7 @@ import torch
 
 from finetune.memory.chunked_loss import default_chunk_size
 from finetune.optim import gradient_bytes, optimizer_state_bytes
+from finetune.plan.planner import current
 from finetune.plan.trace import Trace, model_key, param_table_of, trace_step
 from finetune.recipe.offload_tiers import tier_spec
 from finetune.recipe.optimizers import optimizer_spec
@@ -145,12 +145,17 @@ def _lerp(a: float, b: float, xa: int, xb: int, x: int) -> float:
     return a if xa == xb else a + (b - a) * (x - xa) / (xb - xa)
 
 
-@functools.lru_cache(maxsize=4096)
 def _param_sums(key: tuple[str, ...], layers: int, bits: int | None, double_quant: bool, optimizer: str,
                 optimizer_json: str, accumulation: int) -> tuple[dict[str, float], int, int]:
     """Weights, trained weights, optimizer state and gradients of one cut model, its largest trained
-    parameter's bytes and largest quantized weight's elements (memoised: a plan with every key on auto asks
-    for the same few combinations hundreds of times)."""
+    parameter's bytes and largest quantized weight's elements (remembered by the planner: a plan with every
+    key on auto asks for the same few combinations hundreds of times)."""
+    args = (key, layers, bits, double_quant, optimizer, optimizer_json, accumulation)
+    return current().param_sums.get_or_compute(args, lambda: _sum_params(*args))
+
+
+def _sum_params(key: tuple[str, ...], layers: int, bits: int | None, double_quant: bool, optimizer: str,
+                optimizer_json: str, accumulation: int) -> tuple[dict[str, float], int, int]:
     params = param_table_of(key, layers)
     frozen = sum(quantized_weight_bytes(p.numel, p.out_features, bits if p.quantizable else None, double_quant,
                                         p.bytes_per_elem) for p in params if not p.trainable)

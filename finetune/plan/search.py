@@ -7,7 +7,7 @@ import json
 import shutil
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import ValidationError
@@ -35,16 +35,28 @@ MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 AUTO_OPTIMIZERS = auto_preferences()
 
 
+# Why a configuration was rejected, for callers that act on it (the text in `reason` is for people):
+# over_budget: its traced peak exceeds the budget; over_budget_floor: its lower bound (weights and optimizer
+# state, no trace) already does; offload_space: its offload tier's folder or RAM lacks the room; host_ram: a
+# paged optimizer's managed state does not fit in free host RAM.
+RejectionKind = Literal["over_budget", "over_budget_floor", "offload_space", "host_ram"]
+
+
 @dataclass
 class Candidate:
     settings: dict[str, Any]
     peak_bytes: int
     breakdown: dict[str, int]
     tokens_per_s: float
-    reason: str | None = None
+    reason: str | None = None  # set together with `kind`: a rejected configuration
+    kind: RejectionKind | None = None
     communication_bytes: int = 0  # of the peak: the strategy's communication buffers (in breakdown["other"])
     reference_pass_bytes: int = 0  # training.precompute_reference: peak of the pass before training
     managed_bytes: int = 0  # a paged optimizer's state in CUDA managed memory: host RAM, not in the peak
+
+    def reject(self, kind: RejectionKind, reason: str) -> None:
+        """Mark this configuration rejected: `kind` for code, `reason` (one line) for people."""
+        self.kind, self.reason = kind, reason
 
 
 @dataclass
@@ -271,14 +283,14 @@ def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, free: dic
     if holds_in is not None:
         available = (free or {}).get(holds_in)
         if available is not None and pred.offloaded_bytes > available:
-            cand.reason = (f"{settings.offload} offload needs {format_bytes(pred.offloaded_bytes)} "
-                           f"{STORES[holds_in]}, {format_bytes(available)} free")
+            cand.reject("offload_space", f"{settings.offload} offload needs {format_bytes(pred.offloaded_bytes)} "
+                        f"{STORES[holds_in]}, {format_bytes(available)} free")
     ram = (free or {}).get("host_ram")
-    if cand.reason is None and pred.managed_bytes and ram is not None:
+    if cand.kind is None and pred.managed_bytes and ram is not None:
         in_ram = pred.managed_bytes + (pred.offloaded_bytes if holds_in == "host_ram" else 0)
         if in_ram > ram:
-            cand.reason = (f"{settings.optimizer} keeps {format_bytes(pred.managed_bytes)} of state in managed "
-                           f"memory, paged to host RAM: needs {format_bytes(in_ram)} of RAM, {format_bytes(ram)} free")
+            cand.reject("host_ram", f"{settings.optimizer} keeps {format_bytes(pred.managed_bytes)} of state in "
+                        f"managed memory, paged to host RAM: needs {format_bytes(in_ram)} of RAM, {format_bytes(ram)} free")
     return cand
 
 
@@ -324,25 +336,26 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
             candidates.append(cand)
             if st.activation_checkpointing and cand.peak_bytes > budget:
                 over[st] = cand.peak_bytes
-            if cand.reason is None and cand.peak_bytes <= budget:
+            if cand.kind is None and cand.peak_bytes <= budget:
                 fits_untiled.add(st)
                 best_score = max(best_score, _score(cand))
     pruned.sort(key=lambda x: x[0])
     for c in candidates:
-        if c.reason is None and c.peak_bytes > budget:
-            c.reason = f"needs {format_bytes(c.peak_bytes)}, budget {format_bytes(budget)}"
-    ok = sorted((c for c in candidates if c.reason is None), key=lambda c: -_score(c))
+        if c.kind is None and c.peak_bytes > budget:
+            c.reject("over_budget", f"needs {format_bytes(c.peak_bytes)}, budget {format_bytes(budget)}")
+    ok = sorted((c for c in candidates if c.kind is None), key=lambda c: -_score(c))
     leanest = min(candidates, key=lambda c: c.peak_bytes, default=None)
     while not ok and pruned and (leanest is None or pruned[0][0] < leanest.peak_bytes):
         # Nothing fits: find the leanest configuration (branch and bound on the lower bounds).
         _floor, st = pruned.pop(0)
         cand = evaluate(spec, shapes, st, free, bandwidth)
-        cand.reason = cand.reason or f"needs {format_bytes(cand.peak_bytes)}, budget {format_bytes(budget)}"
+        if cand.kind is None:
+            cand.reject("over_budget", f"needs {format_bytes(cand.peak_bytes)}, budget {format_bytes(budget)}")
         candidates.append(cand)
         leanest = cand if leanest is None or cand.peak_bytes < leanest.peak_bytes else leanest
-    rejected = sorted((c for c in candidates if c.reason is not None), key=lambda c: c.peak_bytes)
+    rejected = sorted((c for c in candidates if c.kind is not None), key=lambda c: c.peak_bytes)
     rejected += [Candidate(asdict(st), floor, {}, 0.0, f"needs at least {format_bytes(floor)}, budget "
-                           f"{format_bytes(budget)}") for floor, st in pruned]
+                           f"{format_bytes(budget)}", "over_budget_floor") for floor, st in pruned]
     inactive = inactive_settings(recipe)  # settings that do not matter here (one process: no strategy)
     for cand in candidates + rejected:
         cand.settings = {k: v for k, v in cand.settings.items() if k not in inactive}

@@ -11,17 +11,23 @@ linearly (activations are linear in micro-batch and in the number of layers), se
 
 from __future__ import annotations
 
-import functools
 import json
-import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from finetune.compat import (
+    TorchDispatchMode,
+    engine_backward,
+    flash_attention_cpu,
+    op_schema,
+    set_attn_implementation,
+    storage_id,
+    tree_leaves,
+)
 from finetune.errors import FinetuneError
 from finetune.memory.layer_recompute import apply_layer_recompute
 from finetune.memory.preference import PreferenceLoss, batch_reference_logps, synthetic_batch
@@ -29,6 +35,7 @@ from finetune.memory.step import enable_checkpointing, forward_backward
 from finetune.memory.tracker import MemoryTracker
 from finetune.model.adapter import apply_adapter
 from finetune.plan import trace_cache
+from finetune.plan.planner import Planner, current
 from finetune.plan.shapes import ModelShapes, config_location, load_model_config, model_shapes, with_layers
 from finetune.recipe.schema import AdapterConfig
 
@@ -57,9 +64,6 @@ class _Uncacheable(Exception):
 
 
 _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
-_FUNCTIONAL: dict[Any, bool] = {}  # op -> its schema neither mutates nor aliases an argument
-_MEMO: dict[tuple, Any] = {}  # (op, inputs' metadata) -> outputs' metadata, or None: not memoisable
-_MEMO_LIMIT = 200_000
 
 
 def _signature(x: Any) -> Any:
@@ -75,11 +79,11 @@ def _signature(x: Any) -> Any:
     raise _Uncacheable
 
 
-def _functional(func: Any) -> bool:
-    known = _FUNCTIONAL.get(func)
+def _functional(func: Any, facts: dict[Any, bool]) -> bool:
+    known = facts.get(func)
     if known is None:
-        schema = func._schema
-        known = _FUNCTIONAL[func] = not schema.is_mutable and all(
+        schema = op_schema(func)
+        known = facts[func] = schema is not None and not schema.is_mutable and all(
             a.alias_info is None for a in (*schema.arguments, *schema.returns))
     return known
 
@@ -87,9 +91,7 @@ def _functional(func: Any) -> bool:
 def _describe(out: Any, args: Any, kwargs: dict) -> Any:
     """The outputs' metadata (storage size, sharing between outputs), or None where an output is not a fresh
     meta tensor (it aliases an input, or is not a tensor)."""
-    from torch.utils._pytree import tree_leaves
-
-    inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    inputs = {storage_id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
     storages: list[int] = []
     single = isinstance(out, torch.Tensor)
     specs = []
@@ -100,12 +102,12 @@ def _describe(out: Any, args: Any, kwargs: dict) -> Any:
         if not isinstance(t, torch.Tensor) or type(t) is not torch.Tensor or not t.is_meta:
             return None
         storage = t.untyped_storage()
-        if storage._cdata in inputs:
+        if storage_id(storage) in inputs:
             return None
-        if storage._cdata not in storages:
-            storages.append(storage._cdata)
+        if storage_id(storage) not in storages:
+            storages.append(storage_id(storage))
         specs.append((tuple(t.shape), t.stride(), t.dtype, t.storage_offset(), storage.nbytes(),
-                      storages.index(storage._cdata)))
+                      storages.index(storage_id(storage))))
     return single, type(out), specs
 
 
@@ -131,41 +133,43 @@ class _MetaMemo(TorchDispatchMode):
     arguments. Most of a trace's time is torch's Python meta kernels, and the same ops recur with the same
     shapes in every layer, every recomputation and every traced family: compute each once per process.
     Sits below the tracker (entered first), which counts the rebuilt outputs as fresh allocations like the
-    kernel's own (tests/test_plan_speedups.py compares traces with and without it)."""
+    kernel's own (tests/test_plan_speedups.py compares traces with and without it). The memo is the
+    planner's (`Planner.meta_kernels`)."""
+
+    def __init__(self, planner: Planner):
+        super().__init__()
+        self.planner = planner
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         key = None
-        if _functional(func):
+        memo_of = self.planner.meta_kernels
+        if _functional(func, self.planner.functional):
             try:
                 key = (func, torch.get_default_dtype(), _signature(args),
                        _signature(tuple(kwargs.items())) if kwargs else ())
             except _Uncacheable:
                 key = None
         if key is not None:
-            memo = _MEMO.get(key, _MEMO)
-            if memo is not _MEMO and memo is not None:
+            memo = memo_of.get(key, memo_of)
+            if memo is not memo_of and memo is not None:
                 return _rebuild(memo)
         out = func(*args, **kwargs)
-        if key is not None and key not in _MEMO:
-            if len(_MEMO) > _MEMO_LIMIT:
-                _MEMO.clear()
-            _MEMO[key] = _describe(out, args, kwargs)
+        if key is not None and key not in memo_of:
+            if len(memo_of) > Planner.MEMO_LIMIT:
+                memo_of.clear()
+            memo_of[key] = _describe(out, args, kwargs)
         return out
 
 
 def _backward(loss: torch.Tensor) -> None:
     """loss.backward() without entering torch's function dispatch: a mode is off inside its own handler, and
     the checkpointed layers' forward that backward recomputes must see it."""
-    from torch.autograd.graph import _engine_run_backward
-
-    _engine_run_backward((loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True,
-                         accumulate_grad=True)
+    engine_backward(loss)
 
 
 def _meta_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+    return flash_attention_cpu(q, k, v, dropout_p, is_causal, attn_mask, scale)
 
 
 class _Int8LikeLinear(torch.autograd.Function):
@@ -258,7 +262,7 @@ def _meta_model(config_json: str, model_type: str, adapter_json: str, dtype: str
 
     config = AutoConfig.for_model(model_type, **json.loads(config_json))
     config = with_layers(config, layers)
-    config._attn_implementation = attn
+    set_attn_implementation(config, attn)
     adapter = AdapterConfig.model_validate_json(adapter_json)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
@@ -272,7 +276,8 @@ def _direct_trace(key: tuple[str, str, str, str], attn: str, micro_batch: int, s
                   objective: str = "sft", chunked_loss: bool = False) -> Trace:
     """Run the training step's forward_backward on a meta model under the tracker."""
     built = (key, attn, layers, checkpoint_every, recompute_norms, mlp_tokens)
-    model = _take_model(built)
+    planner = current()
+    model = _take_model(planner, built)
     config = model.config
     preference = PreferenceLoss.of_objective(objective)
     batch = synthetic_batch(preference, micro_batch, seq_len, config.get_text_config().vocab_size, "meta")
@@ -283,7 +288,7 @@ def _direct_trace(key: tuple[str, str, str, str], attn: str, micro_batch: int, s
     tracker.register_model(model)
     handles = _layer_windows(model, tracker)
     try:
-        with _MetaKernels(), _MetaMemo(), tracker:
+        with _MetaKernels(), _MetaMemo(planner), tracker:
             if preference is not None and preference.reference_precomputed:
                 with tracker.window("reference_pass"):  # the pass before training: no gradients exist yet
                     batch_reference_logps(model, batch, chunked_loss, current=preference.reference_current)
@@ -295,21 +300,17 @@ def _direct_trace(key: tuple[str, str, str, str], attn: str, micro_batch: int, s
             handle.remove()
     for module in int8_layers:
         del module.forward  # the class's forward again
-    _return_model(built, model)
+    _return_model(planner, built, model)
     return Trace(windows=dict(tracker.windows))
 
 
-# Meta models built for tracing, by everything that shapes them (model key, attention, layers, checkpointing,
-# recomputed norms, tiled MLP): building one (transformers + peft on `meta`) costs about as much as tracing
-# it, and the int8 and plain families trace the same model. A model is taken out while one thread traces it.
-_MODELS: dict[tuple, list[torch.nn.Module]] = {}
-_MODELS_LOCK = threading.Lock()
-_MODELS_KEPT = 16
-
-
-def _take_model(built: tuple) -> torch.nn.Module:
-    with _MODELS_LOCK:
-        free = _MODELS.get(built)
+# Meta models built for tracing are kept in the planner (`Planner.models`), by everything that shapes them
+# (model key, attention, layers, checkpointing, recomputed norms, tiled MLP): building one (transformers +
+# peft on `meta`) costs about as much as tracing it, and the int8 and plain families trace the same model. A
+# model is taken out while one thread traces it.
+def _take_model(planner: Planner, built: tuple) -> torch.nn.Module:
+    with planner.models_lock:
+        free = planner.models.get(built)
         if free:
             return free.pop()
     return _build_model(built)
@@ -323,14 +324,14 @@ def _build_model(built: tuple) -> torch.nn.Module:
     return model
 
 
-def _return_model(built: tuple, model: torch.nn.Module) -> None:
+def _return_model(planner: Planner, built: tuple, model: torch.nn.Module) -> None:
     """Back to the pool as built: no gradients (a trace leaves them on the trained parameters)."""
     for p in model.parameters():
         p.grad = None
-    with _MODELS_LOCK:
-        _MODELS.setdefault(built, []).append(model)
-        while len(_MODELS) > _MODELS_KEPT:
-            del _MODELS[next(iter(_MODELS))]
+    with planner.models_lock:
+        planner.models.setdefault(built, []).append(model)
+        while len(planner.models) > Planner.MODELS_KEPT:
+            del planner.models[next(iter(planner.models))]
 
 
 def _encode_trace(trace: Trace) -> Any:
@@ -352,36 +353,30 @@ def _decode_params(value: Any) -> tuple[ParamInfo, ...]:
                  for name, shape, dtype, numel, out, size, trainable, quantizable in value)
 
 
-@functools.lru_cache(maxsize=512)
-def _params_cached(config_json: str, model_type: str, adapter_json: str, dtype: str, layers: int):
-    key = (config_json, model_type, adapter_json, dtype)
-    return trace_cache.cached(
+def _params_cached(key: tuple[str, str, str, str], layers: int) -> tuple[ParamInfo, ...]:
+    """The planner's memory, then the disk cache, then a meta model."""
+    return current().params.get_or_compute((key, layers), lambda: trace_cache.cached(
         "params", [*key, layers],
-        lambda: _param_infos(_meta_model(*key, "eager", layers, False)), _encode_params, _decode_params)
+        lambda: _param_infos(_meta_model(*key, "eager", layers, False)), _encode_params, _decode_params))
 
 
-@functools.lru_cache(maxsize=512)
-def _trace_cached(config_json: str, model_type: str, adapter_json: str, dtype: str, attn: str, device: str,
-                  micro_batch: int, seq_len: int, layers: int, checkpoint_every: int, int8: bool, recompute_norms: bool,
-                  mlp_tokens: int, objective: str, chunked_loss: bool) -> Trace:
-    key = (config_json, model_type, adapter_json, dtype)
-    args = (attn, micro_batch, seq_len, layers, checkpoint_every, int8, recompute_norms, mlp_tokens)
-    if objective != "sft":  # sft traces keep their cache key
+def _trace_cached(key: tuple[str, str, str, str], device: str, args: tuple, objective: str,
+                  chunked_loss: bool) -> Trace:
+    """The planner's memory, then the disk cache, then a trace."""
+    if objective != "sft":  # sft traces keep their disk cache key
         args = (*args, objective, chunked_loss)
-    return trace_cache.cached("trace", [*key, device, *args], lambda: _direct_trace(key, *args), _encode_trace,
-                              _decode_trace)
-
-
-_KEYS: dict[int, tuple[weakref.ref, tuple[str, str]]] = {}
-_KEYS_LOCK = threading.Lock()
+    return current().traces.get_or_compute((key, device, args), lambda: trace_cache.cached(
+        "trace", [*key, device, *args], lambda: _direct_trace(key, *args), _encode_trace, _decode_trace))
 
 
 def _config_key(config: Any) -> tuple[str, str]:
     """The config as JSON (without fields that do not change the model), computed once per config object."""
     if isinstance(config, CachedConfig):
         return config._key
-    with _KEYS_LOCK:
-        hit = _KEYS.get(id(config))
+    planner = current()
+    keys = planner.config_keys
+    with planner.config_keys_lock:
+        hit = keys.get(id(config))
         if hit is not None and hit[0]() is config:
             return hit[1]
     data = config.to_dict()
@@ -390,8 +385,8 @@ def _config_key(config: Any) -> tuple[str, str]:
         data.pop(key, None)
     value = (json.dumps(data, sort_keys=True, default=str), model_type)
     ident = id(config)
-    with _KEYS_LOCK:
-        _KEYS[ident] = (weakref.ref(config, lambda _r: _KEYS.pop(ident, None)), value)
+    with planner.config_keys_lock:
+        keys[ident] = (weakref.ref(config, lambda _r: keys.pop(ident, None)), value)
     return value
 
 
@@ -519,12 +514,12 @@ def trace_step(config: Any, adapter: AdapterConfig, dtype: torch.dtype, attn: st
     (`...:precompute_reference`) traces the step without a reference forward and, in window `reference_pass`,
     the pass over the data that precedes training.
     """
-    return _trace_cached(*model_key(config, adapter, dtype), attn, device, micro_batch, seq_len, layers,
-                         checkpoint_every, int8, recompute_norms, mlp_tokens, objective,
-                         chunked_loss and objective != "sft")
+    return _trace_cached(model_key(config, adapter, dtype), device,
+                         (attn, micro_batch, seq_len, layers, checkpoint_every, int8, recompute_norms, mlp_tokens),
+                         objective, chunked_loss and objective != "sft")
 
 
 def param_table_of(key: tuple[str, str, str, str], layers: int) -> tuple[ParamInfo, ...]:
     """The parameters of the model `key` (see model_key) cut to `layers` layers, adapter applied (no forward:
     milliseconds, then from the cache)."""
-    return _params_cached(*key, layers)
+    return _params_cached(key, layers)

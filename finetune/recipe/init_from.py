@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune.errors import RecipeError
+from finetune.errors import RecipeError, RecipeProblem
 from finetune.recipe.schema import AdapterConfig, Recipe
 from finetune.rundir import RunDir
 
@@ -155,7 +155,8 @@ def resolve_init_from(recipe: Recipe) -> Recipe:
                               f"{recipe.model.path}; an adapter fits only the base model it was trained on",
                               hint="start from a run of the same base model, or change model.path")
     given = recipe.adapter.model_fields_set
-    problems = [f"adapter.{key}: the recipe sets {getattr(recipe.adapter, key)!r}, the adapter has {value!r}"
+    problems = [RecipeProblem(f"adapter.{key}: the recipe sets {getattr(recipe.adapter, key)!r}, the adapter has "
+                              f"{value!r}", f"adapter.{key}", "value")
                 for key, value in start.shape.items()
                 if key in given and not _same(key, getattr(recipe.adapter, key), value)]
     if problems:

@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from finetune.errors import RecipeError
+from finetune.errors import ProblemCode, RecipeError, RecipeProblem
 from finetune.recipe.schema import MAX_DEPTH, Recipe
 
 MAX_FILE_BYTES = 1 << 20  # a recipe is a few kilobytes; this bounds parse time and memory
@@ -95,7 +95,7 @@ class _Checker:
     def __init__(self, source: str, where: str | None = None):
         self.source, self.where = source, where
         self.locations: Locations = {}
-        self.problems: list[str] = []
+        self.problems: list[RecipeProblem] = []
         self.sizes: dict[int, int] = {}
 
     def at(self, node: yaml.Node) -> str:
@@ -131,14 +131,16 @@ class _Checker:
             name = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
             if key_node.tag != _STR or not (name and name.isascii() and name.isidentifier()):
                 shown = _clip(name) if isinstance(name, str) else f"a {type(key_node).__name__[:-4].lower()}"
-                self.problems.append(f"{self.at(key_node)}: {'.'.join(path) or '(recipe)'}: key {shown} is not a "
-                                     "recipe key; keys are names of letters, digits and _ (see `finetune keys`)")
+                self.problems.append(RecipeProblem(
+                    f"{self.at(key_node)}: {'.'.join(path) or '(recipe)'}: key {shown} is not a recipe key; keys "
+                    "are names of letters, digits and _ (see `finetune keys`)", ".".join(path), "key_name"))
                 total += self.size(value_node, path)
                 continue
             key = (*path, name)
             if name in seen:
-                self.problems.append(f"{self.at(key_node)}: {'.'.join(key)}: duplicate key (also on line "
-                                     f"{seen[name]}); the recipe must give it once")
+                self.problems.append(RecipeProblem(f"{self.at(key_node)}: {'.'.join(key)}: duplicate key (also on "
+                                                   f"line {seen[name]}); the recipe must give it once",
+                                                   ".".join(key), "duplicate"))
             seen[name] = line
             self.locations[key] = self.at(key_node)
             total += self.size(value_node, key)
@@ -241,9 +243,17 @@ def _submodel(model: type[BaseModel], path: tuple[str, ...]) -> type[BaseModel] 
     return model
 
 
-def describe_errors(exc: ValidationError, source: str, locations: Locations) -> list[str]:
+def _code(pydantic_type: str) -> ProblemCode:
+    """A pydantic error type as a ProblemCode."""
+    named: dict[str, ProblemCode] = {"extra_forbidden": "unknown_key", "missing": "missing", "model_type": "section"}
+    if pydantic_type in named:
+        return named[pydantic_type]
+    return "type" if pydantic_type.endswith(("_type", "_parsing")) else "value"
+
+
+def describe_errors(exc: ValidationError, source: str, locations: Locations) -> list[RecipeProblem]:
     """One readable line per bad key: where, what was wrong, and what to write instead."""
-    by_key: dict[tuple[str, ...], list[str]] = {}
+    by_key: dict[tuple[str, ...], dict[str, ProblemCode]] = {}  # messages in order, each with its code
     given: dict[tuple[str, ...], Any] = {}
     for err in exc.errors():
         keys = _recipe_keys(err["loc"])
@@ -269,17 +279,18 @@ def describe_errors(exc: ValidationError, source: str, locations: Locations) -> 
                 given[keys] = err.get("input")
             elif keys:  # a mapping where a value goes, or a section-wide check: the message still names the key
                 msg = f"{dotted}: {msg}"
-        by_key.setdefault(keys, [])
-        if msg not in by_key[keys]:
-            by_key[keys].append(msg)
+        by_key.setdefault(keys, {}).setdefault(msg, _code(err["type"]))
     problems = []
     for keys, msgs in by_key.items():
         where = f"{locations.get(keys, source)}: "
+        key = ".".join(keys)
         if keys in given:  # a bad value: union types give one message per branch, joined with "or"
-            text = f"{_dotted(keys)}: {' or '.join(msgs)} (got {_clip(given[keys])})"
-            problems.append(where + text)
+            codes = set(msgs.values())
+            code: ProblemCode = codes.pop() if len(codes) == 1 else "value"
+            problems.append(RecipeProblem(f"{where}{_dotted(keys)}: {' or '.join(msgs)} (got {_clip(given[keys])})",
+                                          key, code))
         else:
-            problems.extend(where + m for m in msgs)
+            problems.extend(RecipeProblem(where + m, key, c) for m, c in msgs.items())
     return problems
 
 

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from finetune.compat import foreach_norm
 from finetune.memory.chunked_loss import IGNORE_INDEX
 
 DEFAULT_DECAY = 0.95  # EMA of |G|^2 and tr(Sigma): about 20 steps of memory
@@ -180,7 +181,7 @@ class GradNormProbe:
         """The norms of `tensors` in one fused foreach call (per device and dtype) where that makes no
         full-size copy, the rest one by one; a 1-d tensor."""
         whole = [t for t in tensors if cls._whole(t)]
-        norms = list(torch._foreach_norm(whole, 2, dtype=torch.float32)) if whole else []
+        norms = foreach_norm(whole) if whole else []
         norms += [cls._norm(t) for t in tensors if not cls._whole(t)]
         return torch.stack(norms)
 

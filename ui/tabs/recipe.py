@@ -18,6 +18,15 @@ from ui.tabs.messages import reported
 BASIC_KEYS = {"model.path": "Model (model.path)", "data.path": "Data file (data.path)"}  # the basic form's
 # keys and their labels; every other key is under Advanced
 KEEP = "keep the recipe's values"
+FIRST_STEPS = "Choose a ready recipe above, or give the model and the data file in the basics."
+
+
+def first_steps(exc: RecipeError) -> str | None:
+    """What a fresh page shows instead of an error: where every problem is a required key not given yet
+    (problem code `missing`), the next step; None where something given is wrong."""
+    if exc.problems and all(getattr(p, "code", None) == "missing" for p in exc.problems):
+        return FIRST_STEPS
+    return None
 
 
 def _widget(spec: FieldSpec, value: Any, label: str | None = None) -> gr.components.Component:
@@ -139,8 +148,8 @@ def build(demo: gr.Blocks, backend: Backend) -> tuple[list[gr.components.Compone
         try:
             return "", backend.recipe_text(values)
         except RecipeError as exc:  # a fresh page: no model or data yet is a next step, not an error
-            if exc.problems and all("missing required key" in p for p in exc.problems):
-                return "Choose a ready recipe above, or give the model and the data file in the basics.", ""
+            if (notice := first_steps(exc)) is not None:
+                return notice, ""
             raise
 
     gr.on([w.change for w in widgets], show_yaml, widgets, [recipe_msg, recipe_yaml], trigger_mode="always_last",

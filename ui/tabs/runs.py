@@ -41,11 +41,11 @@ def export_view(backend: Backend, run_dir: str, out_dir: str, fmt: str = "safete
     steps: list[str] = []
     gguf = api.GGUFOptions(fmt.split()[1], ollama) if fmt.startswith("gguf ") else None
     try:
-        for line in backend.export(run_dir, out_dir, gguf=gguf):
-            if line.startswith("waiting"):
-                yield f"Export queued: {line}."
+        for event in backend.export(run_dir, out_dir, gguf=gguf):
+            if not isinstance(event, api.ExportStep):  # waiting for the GPU
+                yield f"Export queued: {event}."
                 continue
-            steps.append(line)
+            steps.append(str(event))
             yield "**Exporting...**\n" + "\n".join(f"- {'done' if i < len(steps) - 1 else 'now'}: {s}"
                                                       for i, s in enumerate(steps))
         out = backend.run_path(out_dir, must_exist=True)

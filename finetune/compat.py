@@ -1,0 +1,188 @@
+"""Every private torch / transformers API finetune uses, behind one name each, with the versions it was checked on.
+
+Why: a private name (`torch.utils._pytree`, `config._attn_implementation`) may change in any release without
+notice. Gathered here, an upgrade is checked in one file: each entry of `PRIVATE` names the API, the
+library and the oldest and newest version (major.minor) it was checked on: the newest is the version the
+tests run on; the oldest is pyproject's floor (torch>=2.4, transformers>=5.23), where each API exists. Outside that range the API is
+still tried, with one warning naming it; where it is gone the run stops with one line saying which API,
+which versions work and what to install (exit code 1, no traceback), or a public fallback takes over where
+one exists (`op_schema`, `supports_sdpa`). tests/test_compat.py checks each entry against the installed
+versions and that no other module reaches for these names.
+
+Known and left in place: the private `transformers.Trainer` methods that finetune/train/ overrides
+(`_save_checkpoint`, `_load_rng_state`, `_save_rng_state`, `_get_grad_norm`, `_clip_grad_norm`,
+`_prepare_inputs`, `_maybe_log_save_evaluate` in trainer.py, recovery.py and batch_engine.py) and the
+Trainer's private attributes they read; the training-loop rewrite (issue 27) removes them with the Trainer
+subclass, so they are not wrapped here.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import torch
+
+from finetune.errors import FinetuneError
+
+
+def _minor(text: str) -> tuple[int, int]:
+    """(major, minor) of a version string: "2.13.0+cpu" -> (2, 13)."""
+    parts = (text.split("+")[0].split(".") + ["0"])[:2]
+    return tuple(int("".join(c for c in p if c.isdigit()) or 0) for p in parts)  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class PrivateAPI:
+    """One private API: what finetune uses (`name`, as the library spells it), from which `library`, checked on
+    versions `oldest` to `newest` (major.minor, both included), and what happens outside them."""
+
+    name: str
+    library: str
+    oldest: str
+    newest: str
+    outside: str = "tried, with a warning; an error naming it where it is gone"
+
+    def installed(self) -> str:
+        try:
+            return version(self.library)
+        except PackageNotFoundError:
+            return "none"
+
+    def checked(self, installed: str | None = None) -> bool:
+        """Whether the installed (or given) version lies in the range this API was checked on."""
+        text = installed or self.installed()
+        return text != "none" and _minor(self.oldest) <= _minor(text) <= _minor(self.newest)
+
+    def missing(self) -> FinetuneError:
+        """The error when the API is gone: which one, which versions have it, what to install."""
+        major, minor = _minor(self.newest)
+        return FinetuneError(f"{self.library} {self.installed()} lacks {self.name}, which finetune uses (checked on "
+                             f"{self.library} {self.oldest} to {self.newest})",
+                             hint=f"install {self.library}>={self.oldest},<{major}.{minor + 1} or a finetune that "
+                                  "supports this version")
+
+
+PRIVATE: dict[str, PrivateAPI] = {api.name: api for api in (
+    PrivateAPI("torch.utils._python_dispatch.TorchDispatchMode", "torch", "2.4", "2.13"),
+    PrivateAPI("torch.utils._pytree", "torch", "2.4", "2.13"),
+    PrivateAPI("torch.autograd.graph._engine_run_backward", "torch", "2.4", "2.13"),
+    PrivateAPI("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu", "torch", "2.4", "2.13"),
+    PrivateAPI("torch._foreach_norm", "torch", "2.4", "2.13", "falls back to one torch.linalg.vector_norm per tensor"),
+    PrivateAPI("OpOverload._schema", "torch", "2.4", "2.13", "falls back to no schema: the meta memo is off"),
+    PrivateAPI("UntypedStorage._cdata", "torch", "2.4", "2.13"),
+    PrivateAPI("Tensor._version", "torch", "2.4", "2.13"),
+    PrivateAPI("PretrainedConfig._attn_implementation", "transformers", "5.23", "5.24"),
+    PrivateAPI("PreTrainedModel._supports_sdpa", "transformers", "5.23", "5.24",
+               "falls back to sdpa (what transformers picks when it is not told)"),
+)}
+_seen: set[str] = set()  # entries whose version was compared this process (hot paths call _use per tensor)
+
+
+def _use(name: str) -> PrivateAPI:
+    """The entry of `name`, warning once per process where the installed version was not checked."""
+    api = PRIVATE[name]
+    if name not in _seen:
+        _seen.add(name)
+        if not api.checked():
+            warnings.warn(f"finetune uses {api.name}, checked on {api.library} {api.oldest} to {api.newest}, not "
+                          f"{api.installed()}: {api.outside}", stacklevel=3)
+    return api
+
+
+def check_all() -> list[str]:
+    """Each private API whose library's installed version is outside its checked range, as one line."""
+    return [f"{a.name}: checked on {a.library} {a.oldest} to {a.newest}, installed {a.installed()}"
+            for a in PRIVATE.values() if not a.checked()]
+
+
+try:  # the tracker's and the planner's base class, and the pytree walk over an op's arguments
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten, tree_leaves
+except ImportError:
+    raise PRIVATE["torch.utils._python_dispatch.TorchDispatchMode"].missing() from None
+_use("torch.utils._python_dispatch.TorchDispatchMode")
+_use("torch.utils._pytree")
+__all__ = ["PRIVATE", "PrivateAPI", "TorchDispatchMode", "attn_implementation", "check_all", "engine_backward",
+           "flash_attention_cpu", "foreach_norm", "op_schema", "set_attn_implementation", "storage_id",
+           "supports_sdpa", "tensor_version", "tree_flatten", "tree_leaves"]
+
+
+def engine_backward(loss: torch.Tensor) -> None:
+    """loss.backward() without entering torch's function dispatch (a TorchFunctionMode is off inside its own
+    handler, and the checkpointed layers' forward that backward recomputes must see it)."""
+    api = _use("torch.autograd.graph._engine_run_backward")
+    try:
+        from torch.autograd.graph import _engine_run_backward
+    except ImportError:
+        raise api.missing() from None
+    _engine_run_backward((loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True,
+                         accumulate_grad=True)
+
+
+def flash_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, is_causal: bool,
+                        attn_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+    """The fused attention kernel's output (on `meta`: its shapes, without the s x s probabilities)."""
+    api = _use("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu")
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if op is None:
+        raise api.missing()
+    return op(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+
+def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The 2-norm of each tensor in float32, in one fused call where torch has it."""
+    _use("torch._foreach_norm")
+    fused = getattr(torch, "_foreach_norm", None)
+    if fused is None:
+        return [torch.linalg.vector_norm(t, 2, dtype=torch.float32) for t in tensors]
+    return list(fused(tensors, 2, dtype=torch.float32))
+
+
+def op_schema(func: Any) -> Any:
+    """An aten op's schema (`is_mutable`, arguments' `alias_info`), or None where torch does not give it."""
+    _use("OpOverload._schema")
+    return getattr(func, "_schema", None)
+
+
+def storage_id(storage: torch.UntypedStorage) -> int:
+    """Which storage (identity that outlives the Python object: views of one tensor share it)."""
+    api = _use("UntypedStorage._cdata")
+    try:
+        return storage._cdata
+    except AttributeError:
+        raise api.missing() from None
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place modification counter (changes when its data is written in place)."""
+    api = _use("Tensor._version")
+    try:
+        return tensor._version
+    except AttributeError:
+        raise api.missing() from None
+
+
+def attn_implementation(config: Any) -> str | None:
+    """The attention kernel a transformers config asks for (eager, sdpa, flash_attention_2, ...)."""
+    api = _use("PretrainedConfig._attn_implementation")
+    try:
+        return config._attn_implementation
+    except AttributeError:
+        raise api.missing() from None
+
+
+def set_attn_implementation(config: Any, attn: str) -> None:
+    """Make a config (before its model is built) use the attention kernel `attn`."""
+    api = _use("PretrainedConfig._attn_implementation")
+    if not hasattr(config, "_attn_implementation"):
+        raise api.missing()
+    config._attn_implementation = attn
+
+
+def supports_sdpa(model_class: type | None) -> bool:
+    """Whether a transformers model class runs torch's scaled_dot_product_attention (unknown: yes)."""
+    _use("PreTrainedModel._supports_sdpa")
+    return model_class is None or bool(getattr(model_class, "_supports_sdpa", True))

@@ -1,0 +1,93 @@
+"""The shapes of the reports `finetune.api` returns to the CLI and the UI, as TypedDicts: plain dicts at run
+time (JSON files and callers read them as before), named keys and value types for a reader and a type
+checker. Standard library only, at the bottom layer, so any shell may import them."""
+
+from __future__ import annotations
+
+from typing import Any, NotRequired, TypedDict
+
+
+class Machine(TypedDict):
+    """`api.this_machine()`: where a run started here trains."""
+
+    device: str  # cuda or cpu
+    name: str  # for people: the GPU's name, or "CPU, N cores"
+    memory_bytes: int  # the GPU's total memory, else the RAM's
+
+
+class SpeedEstimate(TypedDict):
+    """`api.speed_estimate(plan)`: the predicted speed as a person should read it."""
+
+    tokens_per_s: float | None  # rounded to two figures; None: no estimate, or over the believable ceiling
+    text: str  # a sentence: "about 1,200 tokens/s"
+    short: str  # a table cell: "~1,200"
+    basis: str  # the hardware figures the estimate rests on
+
+
+class GPUSizeRow(TypedDict):
+    """One GPU size of `api.plan_gpu_sizes`."""
+
+    gpu_gb: int
+    longest_context: int | None  # tokens; None: not even the shortest length fits
+    largest_micro_batch: int | None  # at the recipe's max_seq_len
+    recipe_fits: bool  # the recipe as written (its max_seq_len)
+
+
+class GPUSizes(TypedDict):
+    """`api.plan_gpu_sizes(recipe)`: what fits on each GPU size."""
+
+    max_seq_len: int
+    model_max_context: int
+    sizes: list[GPUSizeRow]
+    context_need_bytes: dict[int, int]  # sequence length -> GPU memory needed (margin included)
+    micro_batch_need_bytes: dict[int, int]  # micro-batch -> GPU memory needed (margin included)
+
+
+class SeenLengthPlan(TypedDict):
+    """`api.plan_at_seen_length(run)`: the run's plan at the longest sequence it trains on."""
+
+    longest: int
+    max_seq_len: int
+    peak_bytes: int
+    breakdown: dict[str, int]
+    planned_peak_bytes: int | None
+
+
+class EvaluationTable(TypedDict):
+    """`api.run_evaluation_table(run)`: the run's latest `finetune eval` as a table."""
+
+    headers: list[str]
+    rows: list[list[Any]]
+    data: str | None
+    records: int | None
+    with_expected_answer: int | None
+
+
+class BatchReport(TypedDict):
+    """`api.run_batch_report(run)`: the batch a finished run used, its noise scale and the advice."""
+
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    gpus: int
+    sequences: int  # per optimizer step, all processes
+    auto: bool  # effective_batch_size: auto
+    update_batch: Any  # auto's sequences per update while its warmup ran (results.json's record)
+    tokens_per_sequence: float | None
+    tokens: int | None  # labelled tokens per optimizer step
+    noise_scale: float | None
+    noise_series: list[tuple[Any, ...]]  # (step, labelled tokens)
+    changes: list[dict[str, Any]]  # metrics.jsonl's batch_changed rows
+    advice: dict[str, Any]  # `settings` (recipe keys) and `reason`, or only a reason; {} when none
+
+
+class RewardCurve(TypedDict):
+    train: list[tuple[int, float]]  # (step, value)
+    eval: list[tuple[int, float]]
+
+
+class RewardReport(TypedDict):
+    """`api.run_reward_report(run)`: a preference run's rewards over steps and held out."""
+
+    curves: dict[str, RewardCurve]  # by REWARD_KEYS key
+    before: NotRequired[dict[str, float | None]]  # held-out values before training (results.json)
+    after: NotRequired[dict[str, float | None]]

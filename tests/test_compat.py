@@ -1,0 +1,122 @@
+"""finetune.compat: every private torch / transformers API in one place, each checked against the versions it
+was verified on, with a clear error (or a public fallback) where a library no longer has it."""
+
+from __future__ import annotations
+
+import ast
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from finetune import compat
+from finetune.errors import FinetuneError
+
+ROOT = Path(__file__).resolve().parent.parent
+LIBRARIES = ("torch", "transformers", "peft", "trl", "accelerate", "bitsandbytes")
+# The private Trainer methods finetune/train/ overrides: listed in compat's docstring, removed by the loop
+# rewrite (issue 27); the modules that hold them may keep reaching into the Trainer until then.
+TRAINER_OVERRIDES = ("_save_checkpoint", "_load_rng_state", "_save_rng_state", "_get_grad_norm", "_clip_grad_norm",
+                     "_prepare_inputs", "_maybe_log_save_evaluate")
+
+
+def test_every_private_api_was_checked_on_the_installed_version():
+    """Fails after an upgrade until each API is checked on the new version and its range widened."""
+    assert compat.check_all() == []
+    assert all(api.checked() for api in compat.PRIVATE.values())
+
+
+@pytest.mark.parametrize(("installed", "checked"), [("2.13.0+cpu", True), ("2.4.1", True), ("2.3.9", False),
+                                                     ("2.14.0.dev20260101", False), ("3.0", False), ("none", False)])
+def test_the_version_range_includes_both_ends_by_major_minor(installed, checked):
+    assert compat.PrivateAPI("x", "torch", "2.4", "2.13").checked(installed) is checked
+
+
+def test_outside_the_range_it_warns_once_naming_the_api(monkeypatch):
+    api = compat.PRIVATE["Tensor._version"]
+    monkeypatch.setattr(compat.PrivateAPI, "installed", lambda self: "9.1")
+    monkeypatch.setattr(compat, "_seen", set())
+    t = torch.zeros(2)
+    with pytest.warns(UserWarning, match=r"Tensor\._version, checked on torch 2\.4 to 2\.13, not 9\.1"):
+        before = compat.tensor_version(t)
+    t.add_(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process
+        assert compat.tensor_version(t) > before
+    assert any(line.startswith(f"{api.name}: checked on torch 2.4 to 2.13, installed 9.1") for line in compat.check_all())
+
+
+def test_a_gone_api_stops_with_one_line_saying_what_to_install(monkeypatch):
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    q = torch.zeros(1, 1, 4, 8, device="meta")
+    with pytest.raises(FinetuneError) as info:
+        compat.flash_attention_cpu(q, q, q, 0.0, True, None, None)
+    text = str(info.value)
+    assert "lacks torch.ops.aten._scaled_dot_product_flash_attention_for_cpu" in text
+    assert "checked on torch 2.4 to 2.13" in text and "install torch>=2.4,<2.14" in text
+
+    class Bare:
+        pass
+
+    with pytest.raises(FinetuneError, match="lacks PretrainedConfig._attn_implementation"):
+        compat.attn_implementation(Bare())
+
+
+def test_the_wrapped_apis_do_what_finetune_relies_on():
+    x = torch.ones(3, requires_grad=True)
+    loss = (x * x).sum()
+    compat.engine_backward(loss)
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
+    q = torch.zeros(2, 4, 16, 8, device="meta")
+    assert compat.flash_attention_cpu(q, q, q, 0.0, True, None, None).shape == (2, 4, 16, 8)
+    norms = compat.foreach_norm([torch.tensor([3.0, 4.0]), torch.ones(4, dtype=torch.bfloat16)])
+    assert [n.item() for n in norms] == [5.0, 2.0] and norms[1].dtype == torch.float32
+    assert not compat.op_schema(torch.ops.aten.add.Tensor).is_mutable
+    assert compat.op_schema(torch.ops.aten.add_.Tensor).is_mutable and compat.op_schema(len) is None
+    base = torch.zeros(4)
+    assert compat.storage_id(base[1:].untyped_storage()) == compat.storage_id(base.untyped_storage())
+    assert compat.storage_id(torch.zeros(4).untyped_storage()) != compat.storage_id(base.untyped_storage())
+    assert isinstance(compat.tree_leaves(([base], {"a": 1})), list) and compat.tree_flatten([1, 2])[0] == [1, 2]
+
+
+def test_fallbacks_where_a_public_way_exists(monkeypatch):
+    from finetune.testing import tiny_config
+
+    config = tiny_config("llama")
+    compat.set_attn_implementation(config, "eager")
+    assert compat.attn_implementation(config) == "eager"
+    from transformers import LlamaForCausalLM
+
+    assert compat.supports_sdpa(LlamaForCausalLM) and compat.supports_sdpa(None)
+    assert compat.supports_sdpa(type("NoFlag", (), {}))  # the attribute gone: sdpa, transformers' own default
+    monkeypatch.delattr(torch, "_foreach_norm")
+    assert [n.item() for n in compat.foreach_norm([torch.tensor([3.0, 4.0])])] == [5.0]
+
+
+def _private_uses(path: Path) -> list[str]:
+    """Imports of private names from the libraries, and attribute reads of the names compat wraps."""
+    wrapped = {name.rsplit(".", 1)[-1] for name in compat.PRIVATE} | {"_model_mapping"}
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in LIBRARIES:
+            parts = (node.module or "").split(".") + [a.name for a in node.names]
+            found += [f"{path.relative_to(ROOT)}:{node.lineno}: from {node.module} import ..."
+                      for _ in [1] if any(p.startswith("_") for p in parts)]
+        elif isinstance(node, ast.Attribute) and node.attr in wrapped:
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
+    return found
+
+
+def test_no_module_but_compat_uses_a_private_library_api():
+    uses = [use for package in ("finetune", "ui") for path in sorted((ROOT / package).rglob("*.py"))
+            if path.name != "compat.py" for use in _private_uses(path)]
+    assert uses == []
+
+
+def test_the_known_trainer_overrides_are_listed_for_the_loop_rewrite():
+    import transformers
+
+    doc = compat.__doc__ or ""
+    assert all(f"`{name}`" in doc for name in TRAINER_OVERRIDES)
+    assert all(hasattr(transformers.Trainer, name) for name in TRAINER_OVERRIDES), "a listed override is gone"
