@@ -302,33 +302,44 @@ class RunDir:
         anything is checked or written in it; refused at once, naming the holder's pid, while another holds
         it. `create` makes the folder first (a new run); else a missing or read-only folder is not locked
         (there is nothing a writer could share)."""
-        try:
-            if create:
-                self.root.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as exc:
-            if create:
-                raise _cannot_create(self.root, exc) from None
-            if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EROFS):
-                return RunLock(None)
-            raise
         deadline = time.monotonic() + LOCK_WAIT_S
         while True:
             try:
+                if create:
+                    self.root.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as exc:
+                if create:
+                    raise _cannot_create(self.root, exc) from None
+                if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EROFS):
+                    return RunLock(None)
+                raise
+            try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
             except BlockingIOError:
                 if time.monotonic() > deadline:
                     holder = _holder(fd)
                     os.close(fd)
                     raise _in_use(self.root, holder, action) from None
+                os.close(fd)
                 time.sleep(0.02)
+                continue
+            if self._holds_lock_file(fd):
+                break
+            os.close(fd)  # the holder deleted the lock file as it ended (discard_untrained): open the new one
         try:  # who holds it, for the refusal a second process prints (best effort: a full disk may refuse)
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"pid {os.getpid()} ({action})\n".encode(), 0)
         except OSError:
             pass
         return RunLock(fd)
+
+    def _holds_lock_file(self, fd: int) -> bool:
+        """Whether `fd` is still the file at lock_file's path (a lock on a deleted one keeps nobody out)."""
+        try:
+            return os.path.samestat(os.fstat(fd), os.stat(self.lock_file))
+        except OSError:
+            return False
 
     def locked_by(self) -> str | None:
         """Who holds the run directory ('pid 123 (finetune run)'), or None: the UI and the launcher refuse a
