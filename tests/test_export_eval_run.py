@@ -113,3 +113,23 @@ def test_a_k_quant_type_is_refused_before_loading_with_the_llama_quantize_way(tm
                  "--type", "q4_k_m"]) == 2
     err = capsys.readouterr().err
     assert "--type q4_k_m: not a type this exporter writes" in err and "llama-quantize" in err
+
+
+def test_eval_checks_its_data_before_any_model_loads(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    import yaml
+
+    import finetune.evaluate.run as evaluate_run
+
+    run = RunDir(tmp_path / "run")
+    run.adapter.mkdir(parents=True)
+    (run.adapter / "adapter_config.json").write_text("{}")
+    run.recipe.write_text(yaml.safe_dump(tiny_lora_recipe(tiny_model_dir, sums_data(tmp_path / "d.jsonl", 4),
+                                                          run.root)))
+    monkeypatch.setattr(evaluate_run, "load_adapters", lambda *a, **k: pytest.fail("a model was loaded"))
+    assert main(["eval", str(run.root), "--data", str(tmp_path / "missing.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert f"eval --data {tmp_path / 'missing.jsonl'}: no such file" in err and "data.path" not in err
+    (tmp_path / "broken.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"nope": 1}\n')
+    assert main(["eval", str(run.root), "--data", str(tmp_path / "broken.jsonl")]) == 3  # DataError
+    assert "broken.jsonl" in capsys.readouterr().err
+    assert not run.evaluation.exists()
