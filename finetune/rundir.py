@@ -128,7 +128,8 @@ def read_jsonl(path: Path, usable: Callable[[dict[str, Any]], bool] = lambda row
     return rows
 
 
-def _number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
+    """A JSON number (int or float, not a bool): what tolerant readers compute with."""
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
@@ -141,7 +142,7 @@ def metrics_row_usable(row: dict[str, Any]) -> bool:
     """A metrics.jsonl row readers can use: an integer step, and numbers where numbers are computed with."""
     step = row.get("step")
     return isinstance(step, int) and not isinstance(step, bool) and step >= 0 and all(
-        row.get(k) is None or _number(row[k]) for k in METRIC_NUMBERS)
+        row.get(k) is None or is_number(row[k]) for k in METRIC_NUMBERS)
 
 
 # status.json fields readers compute with, and the type each must have (a field of another type is dropped)

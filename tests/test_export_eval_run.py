@@ -133,3 +133,15 @@ def test_eval_checks_its_data_before_any_model_loads(tmp_path, tiny_model_dir, m
     assert main(["eval", str(run.root), "--data", str(tmp_path / "broken.jsonl")]) == 3  # DataError
     assert "broken.jsonl" in capsys.readouterr().err
     assert not run.evaluation.exists()
+
+
+def test_a_damaged_evaluation_json_shows_what_it_still_holds(tmp_path):
+    from finetune import api
+
+    run = RunDir(tmp_path)
+    good = {"label": "run", "loss": 0.5, "perplexity": 1.65, "exact": {"matched": 2, "of": 4}, "contains": "x"}
+    run.evaluation.write_text(json.dumps({"records": 4, "models": [good, {"label": "base model", "loss": None}, 7]}))
+    table = api.run_evaluation_table(run.root)
+    assert table["rows"] == [["run", "0.5000", "1.65", "2/4", "-", "-"]]
+    run.evaluation.write_text(json.dumps({"models": {"run": good}}))
+    assert api.run_evaluation_table(run.root)["rows"] == []
