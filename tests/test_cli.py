@@ -90,6 +90,7 @@ BAD = {  # argv (RECIPE: the tiny recipe, DIR: a folder that is not a run) -> wh
     "no new tokens": (["generate", "DIR", "--prompt", "hi", "--max-new-tokens", "0"], "positive whole number"),
     "export from a folder that is not a run": (["export", "DIR", "--out", "DIR/out"], "is not a run directory"),
     "an unknown command": (["trian", "RECIPE"], "invalid choice"),
+    "allow-data-change without resume": (["run", "RECIPE", "--allow-data-change"], "applies to --resume"),
 }
 
 
