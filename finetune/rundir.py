@@ -409,12 +409,12 @@ class RunDir:
                 path.unlink()
 
     def discard_untrained(self) -> bool:
-        """Delete a run directory in which nothing was trained (no metrics row, checkpoint or adapter): a run
-        that failed or was stopped before its first step leaves no folder that blocks the next `finetune run`
-        or shows in the run, chat and resume lists. Only a folder the tool made (`remove`'s rules); returns
-        whether it was deleted."""
+        """Delete a run directory in which nothing was trained (no step in status.json, no metrics row,
+        checkpoint or adapter): a run that failed or was stopped before its first step leaves no folder that
+        blocks the next `finetune run` or shows in the run, chat and resume lists. Only a folder the tool made
+        (`remove`'s rules); returns whether it was deleted."""
         trained = self.metrics.is_file() and self.metrics.stat().st_size > 0 or self.has_adapter() \
-            or self.checkpoints.is_dir() and any(self.checkpoints.iterdir())
+            or self.checkpoints.is_dir() and any(self.checkpoints.iterdir()) or self.read_status().get("step", 0) > 0
         if trained or not self.marker.is_file():
             return False
         try:

@@ -169,3 +169,26 @@ def test_a_lock_file_deleted_by_its_ending_holder_is_not_the_one_a_waiter_gets(t
         assert run.locked_by() == f"pid {os.getpid()} (finetune run --resume)"
         with pytest.raises(FinetuneError, match="is in use by"):
             run.lock("finetune export")
+
+
+def test_a_run_that_failed_after_unlogged_steps_keeps_its_folder(tmp_path, tiny_model_dir, monkeypatch):
+    """With logging_steps 5 a run that fails at step 3 has no metrics row and no checkpoint, but it trained:
+    its folder and its error stay (only a run that trained nothing is removed)."""
+    from finetune.recipe import validate_recipe
+    from finetune.train.run import run
+    from finetune.train.trainer import FinetuneTrainer
+
+    step = FinetuneTrainer.training_step
+
+    def failing(self, *args, **kwargs):
+        if self.state.global_step >= 2:
+            raise RuntimeError("injected failure in step 3")
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(FinetuneTrainer, "training_step", failing)
+    recipe = validate_recipe(_recipe_dict(tmp_path, tiny_model_dir, training={"max_steps": 8, "logging_steps": 5}))
+    with pytest.raises(RuntimeError, match="injected failure"):
+        run(recipe)
+    status = RunDir(tmp_path / "run").read_status()
+    assert status["state"] == "failed" and "injected failure in step 3" in status["error"]
+    assert not (tmp_path / "run" / "metrics.jsonl").is_file() or read_jsonl(tmp_path / "run" / "metrics.jsonl") == []
