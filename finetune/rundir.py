@@ -507,9 +507,12 @@ def find_runs(folder: Path, extra: Iterable[Path] = ()) -> list[Path]:
 
 def _last_written(path: Path) -> float:
     """The newest mtime of the run's files; a live run renames temporaries away meanwhile, so a file that is
-    gone by the time it is looked at is passed over."""
+    gone by the time it is looked at is passed over. The lock file is no run file: an export (which writes its
+    pid there) does not make an old run the newest."""
     times = [path.stat().st_mtime]
     for f in path.iterdir():
+        if f.name == LOCK:
+            continue
         try:
             times.append(f.stat().st_mtime)
         except OSError:
