@@ -135,6 +135,9 @@ def cmd_run(args) -> int:
 
     from finetune import api
 
+    if args.allow_data_change and not args.resume:
+        raise UsageError("--allow-data-change applies to --resume (a new run has no earlier data to differ from)",
+                         hint="add --resume, or leave --allow-data-change out")
     world = os.environ.get("WORLD_SIZE")  # started by torchrun / accelerate launch: one of its processes
     if world is not None and args.gpus is not None:
         raise FinetuneError("--gpus is for starting processes; under torchrun or accelerate launch the world "

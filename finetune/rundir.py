@@ -128,7 +128,8 @@ def read_jsonl(path: Path, usable: Callable[[dict[str, Any]], bool] = lambda row
     return rows
 
 
-def _number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
+    """A JSON number (int or float, not a bool): what tolerant readers compute with."""
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
@@ -141,7 +142,7 @@ def metrics_row_usable(row: dict[str, Any]) -> bool:
     """A metrics.jsonl row readers can use: an integer step, and numbers where numbers are computed with."""
     step = row.get("step")
     return isinstance(step, int) and not isinstance(step, bool) and step >= 0 and all(
-        row.get(k) is None or _number(row[k]) for k in METRIC_NUMBERS)
+        row.get(k) is None or is_number(row[k]) for k in METRIC_NUMBERS)
 
 
 # status.json fields readers compute with, and the type each must have (a field of another type is dropped)
@@ -302,33 +303,44 @@ class RunDir:
         anything is checked or written in it; refused at once, naming the holder's pid, while another holds
         it. `create` makes the folder first (a new run); else a missing or read-only folder is not locked
         (there is nothing a writer could share)."""
-        try:
-            if create:
-                self.root.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as exc:
-            if create:
-                raise _cannot_create(self.root, exc) from None
-            if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EROFS):
-                return RunLock(None)
-            raise
         deadline = time.monotonic() + LOCK_WAIT_S
         while True:
             try:
+                if create:
+                    self.root.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as exc:
+                if create:
+                    raise _cannot_create(self.root, exc) from None
+                if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EROFS):
+                    return RunLock(None)
+                raise
+            try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
             except BlockingIOError:
                 if time.monotonic() > deadline:
                     holder = _holder(fd)
                     os.close(fd)
                     raise _in_use(self.root, holder, action) from None
+                os.close(fd)
                 time.sleep(0.02)
+                continue
+            if self._holds_lock_file(fd):
+                break
+            os.close(fd)  # the holder deleted the lock file as it ended (discard_untrained): open the new one
         try:  # who holds it, for the refusal a second process prints (best effort: a full disk may refuse)
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"pid {os.getpid()} ({action})\n".encode(), 0)
         except OSError:
             pass
         return RunLock(fd)
+
+    def _holds_lock_file(self, fd: int) -> bool:
+        """Whether `fd` is still the file at lock_file's path (a lock on a deleted one keeps nobody out)."""
+        try:
+            return os.path.samestat(os.fstat(fd), os.stat(self.lock_file))
+        except OSError:
+            return False
 
     def locked_by(self) -> str | None:
         """Who holds the run directory ('pid 123 (finetune run)'), or None: the UI and the launcher refuse a
@@ -397,12 +409,12 @@ class RunDir:
                 path.unlink()
 
     def discard_untrained(self) -> bool:
-        """Delete a run directory in which nothing was trained (no metrics row, checkpoint or adapter): a run
-        that failed or was stopped before its first step leaves no folder that blocks the next `finetune run`
-        or shows in the run, chat and resume lists. Only a folder the tool made (`remove`'s rules); returns
-        whether it was deleted."""
+        """Delete a run directory in which nothing was trained (no step in status.json, no metrics row,
+        checkpoint or adapter): a run that failed or was stopped before its first step leaves no folder that
+        blocks the next `finetune run` or shows in the run, chat and resume lists. Only a folder the tool made
+        (`remove`'s rules); returns whether it was deleted."""
         trained = self.metrics.is_file() and self.metrics.stat().st_size > 0 or self.has_adapter() \
-            or self.checkpoints.is_dir() and any(self.checkpoints.iterdir())
+            or self.checkpoints.is_dir() and any(self.checkpoints.iterdir()) or self.read_status().get("step", 0) > 0
         if trained or not self.marker.is_file():
             return False
         try:
@@ -495,9 +507,12 @@ def find_runs(folder: Path, extra: Iterable[Path] = ()) -> list[Path]:
 
 def _last_written(path: Path) -> float:
     """The newest mtime of the run's files; a live run renames temporaries away meanwhile, so a file that is
-    gone by the time it is looked at is passed over."""
+    gone by the time it is looked at is passed over. The lock file is no run file: an export (which writes its
+    pid there) does not make an old run the newest."""
     times = [path.stat().st_mtime]
     for f in path.iterdir():
+        if f.name == LOCK:
+            continue
         try:
             times.append(f.stat().st_mtime)
         except OSError:

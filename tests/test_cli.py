@@ -14,6 +14,7 @@ from finetune import __version__
 from finetune.cli import main
 from finetune.recipe.load import iter_fields, recipe_to_yaml
 from finetune.recipe.schema import Recipe
+from tests.run_support import SAMPLE_DATA
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,7 +68,7 @@ def tiny_recipe(tmp_path_factory) -> Path:
 
     folder = tmp_path_factory.mktemp("cli")
     model = make_tiny_model_dir(folder / "model")
-    recipe = Recipe.model_validate({"model": {"path": str(model)}, "data": {"path": "unused.jsonl", "max_seq_len": 64},
+    recipe = Recipe.model_validate({"model": {"path": str(model)}, "data": {"path": SAMPLE_DATA, "max_seq_len": 64},
                                     "quantization": {"bits": None}, "memory": {"gpu_memory_margin": 0}})
     path = folder / "recipe.yaml"
     path.write_text(recipe_to_yaml(recipe))
@@ -89,6 +90,7 @@ BAD = {  # argv (RECIPE: the tiny recipe, DIR: a folder that is not a run) -> wh
     "no new tokens": (["generate", "DIR", "--prompt", "hi", "--max-new-tokens", "0"], "positive whole number"),
     "export from a folder that is not a run": (["export", "DIR", "--out", "DIR/out"], "is not a run directory"),
     "an unknown command": (["trian", "RECIPE"], "invalid choice"),
+    "allow-data-change without resume": (["run", "RECIPE", "--allow-data-change"], "applies to --resume"),
 }
 
 

@@ -129,3 +129,16 @@ def test_a_run_saved_without_a_fingerprint_resumes_and_gets_one(finished, tmp_pa
     RunDir(tmp_path / "run").data_fingerprint.unlink()
     assert main(["run", str(recipe), "--resume"]) == 0
     assert json.loads(RunDir(tmp_path / "run").data_fingerprint.read_text())["records"] == RECORDS
+
+
+def test_a_refused_resume_leaves_the_run_in_its_state_with_the_reason(finished, tmp_path, capsys):
+    recipe = _copy(finished, tmp_path)
+    _rewrite(tmp_path / "data.jsonl", lambda rows: rows[:10])
+    run = RunDir(tmp_path / "run")
+    before = run.read_status()
+    assert main(["run", str(recipe), "--resume"]) == 2
+    status = run.read_status()
+    assert status["state"] == before["state"] == "completed", "a refused resume is no failed run"
+    assert status["step"] == before["step"] == 2
+    assert status["error"].startswith("resume refused: --resume: the data (") and "records 16 -> 10" in status["error"]
+    assert "resume refused" in run.log.read_text()

@@ -131,3 +131,35 @@ def test_a_k_quant_type_is_refused_before_loading_with_the_llama_quantize_way(tm
                  "--type", "q4_k_m"]) == 2
     err = capsys.readouterr().err
     assert "--type q4_k_m: not a type this exporter writes" in err and "llama-quantize" in err
+
+
+def test_eval_checks_its_data_before_any_model_loads(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    import yaml
+
+    import finetune.evaluate.run as evaluate_run
+
+    run = RunDir(tmp_path / "run")
+    run.adapter.mkdir(parents=True)
+    (run.adapter / "adapter_config.json").write_text("{}")
+    run.recipe.write_text(yaml.safe_dump(tiny_lora_recipe(tiny_model_dir, sums_data(tmp_path / "d.jsonl", 4),
+                                                          run.root)))
+    monkeypatch.setattr(evaluate_run, "load_adapters", lambda *a, **k: pytest.fail("a model was loaded"))
+    assert main(["eval", str(run.root), "--data", str(tmp_path / "missing.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert f"eval --data {tmp_path / 'missing.jsonl'}: no such file" in err and "data.path" not in err
+    (tmp_path / "broken.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"nope": 1}\n')
+    assert main(["eval", str(run.root), "--data", str(tmp_path / "broken.jsonl")]) == 3  # DataError
+    assert "broken.jsonl" in capsys.readouterr().err
+    assert not run.evaluation.exists()
+
+
+def test_a_damaged_evaluation_json_shows_what_it_still_holds(tmp_path):
+    from finetune import api
+
+    run = RunDir(tmp_path)
+    good = {"label": "run", "loss": 0.5, "perplexity": 1.65, "exact": {"matched": 2, "of": 4}, "contains": "x"}
+    run.evaluation.write_text(json.dumps({"records": 4, "models": [good, {"label": "base model", "loss": None}, 7]}))
+    table = api.run_evaluation_table(run.root)
+    assert table["rows"] == [["run", "0.5000", "1.65", "2/4", "-", "-"]]
+    run.evaluation.write_text(json.dumps({"models": {"run": good}}))
+    assert api.run_evaluation_table(run.root)["rows"] == []

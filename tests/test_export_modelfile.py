@@ -109,3 +109,12 @@ def test_go_braces_in_the_chat_text_stay_literal():
     go = ollama_template(tokenizer)
     assert render_go(go, {"Prompt": "Hi", "Response": ""}).startswith(
         "<|im_start|>system\nYou are a helpful AI assistant named {{SmolLM}}")
+
+
+def test_the_ollama_command_keeps_the_dots_of_a_run_name(tmp_path):
+    from finetune.export.files import MODELFILE, model_name, ollama_command
+
+    name = model_name("SmolLM2.v2 chat")
+    assert name == "smollm2.v2-chat"
+    (tmp_path / f"{name}.q8_0.gguf").write_bytes(b"GGUF")
+    assert ollama_command(tmp_path) == f"ollama create smollm2.v2-chat -f {tmp_path / MODELFILE}"

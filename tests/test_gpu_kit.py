@@ -253,3 +253,19 @@ def test_merge_keeps_rows_a_call_did_not_have():
     assert merged["stages"]["a"]["status"] == "done" and merged["stages"]["b"]["status"] == "not run"
     assert [c["seconds"] for c in merged["calls"]] == [500.0, 400.0]
     assert merge(new, merged)["calls"] == merged["calls"]  # merging the same call twice adds nothing
+
+
+def test_a_run_that_fails_before_its_first_step_keeps_its_prediction(tmp_path):
+    """finetune run removes the folder of a run that trained nothing (plan.json with it): the row still carries
+    the plan it was judged on, so a plan that fits but fails on load reads as a plan failure."""
+    from benchmarks.gpu import configs, suite
+    from finetune.plan import predict
+
+    kit = suite.Suite(tmp_path / "out", cpu=True, time_limit=600, work=tmp_path / "work")
+    cfg = next(c for c in configs.stage_a_cpu() if c["name"] == "Llama-3.1-8B QLoRA 2k mb2 acc4")
+    recipe = kit.recipe(cfg, 3, tmp_path / "run")
+    recipe = recipe.model_copy(update={"training": recipe.training.model_copy(update={"compile": True})})
+    row = kit.train(recipe)  # training.compile is refused on CPU once the model is loaded
+    assert row["status"] == "error" and "training.compile" in row["error"]
+    assert not (tmp_path / "run").exists()
+    assert row["predicted_bytes"] == predict(recipe).peak_bytes and row["fits"] is True

@@ -149,3 +149,46 @@ def test_overwrite_of_a_folder_that_does_not_exist_yet_starts_the_run(tmp_path, 
     recipe = _write_recipe(tmp_path, _recipe_dict(tmp_path, tiny_model_dir, training={"max_steps": 1}), "r")
     assert main(["run", str(recipe), "--overwrite"]) == 0
     assert (tmp_path / "run" / MARKER).is_file() and RunDir(tmp_path / "run").has_adapter()
+
+
+def test_a_lock_file_deleted_by_its_ending_holder_is_not_the_one_a_waiter_gets(tmp_path):
+    """discard_untrained deletes the lock file just before its holder releases it: a process waiting on the old
+    file must lock the new one, or a third process could lock that one beside it."""
+    import threading
+
+    run = RunDir(tmp_path / "run")
+    first = run.lock("finetune run", create=True)
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(run.lock("finetune run --resume", create=True)))
+    waiter.start()
+    time.sleep(0.1)  # the waiter holds the old file open and retries its flock
+    run.lock_file.unlink()
+    first.release()
+    waiter.join()
+    with got[0]:
+        assert run.locked_by() == f"pid {os.getpid()} (finetune run --resume)"
+        with pytest.raises(FinetuneError, match="is in use by"):
+            run.lock("finetune export")
+
+
+def test_a_run_that_failed_after_unlogged_steps_keeps_its_folder(tmp_path, tiny_model_dir, monkeypatch):
+    """With logging_steps 5 a run that fails at step 3 has no metrics row and no checkpoint, but it trained:
+    its folder and its error stay (only a run that trained nothing is removed)."""
+    from finetune.recipe import validate_recipe
+    from finetune.train.run import run
+    from finetune.train.trainer import FinetuneTrainer
+
+    step = FinetuneTrainer.training_step
+
+    def failing(self, *args, **kwargs):
+        if self.state.global_step >= 2:
+            raise RuntimeError("injected failure in step 3")
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(FinetuneTrainer, "training_step", failing)
+    recipe = validate_recipe(_recipe_dict(tmp_path, tiny_model_dir, training={"max_steps": 8, "logging_steps": 5}))
+    with pytest.raises(RuntimeError, match="injected failure"):
+        run(recipe)
+    status = RunDir(tmp_path / "run").read_status()
+    assert status["state"] == "failed" and "injected failure in step 3" in status["error"]
+    assert not (tmp_path / "run" / "metrics.jsonl").is_file() or read_jsonl(tmp_path / "run" / "metrics.jsonl") == []

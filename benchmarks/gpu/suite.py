@@ -165,6 +165,7 @@ class Suite:
         if events:  # plan.json and the peak statistics now follow the recovered settings; the row judges the
             out.update(oom_events=events, error_kind="oom")  # plan the run started with, which did not fit
             out["status"] = "oom recovered" if out["status"] == "completed" else out["status"]
+        if events or plan is None:  # None: a run that ended before its first step removed its folder with it
             plan = _initial_plan(recipe)
         if plan is not None:
             out.update(predicted_bytes=plan["peak_bytes"], fits=plan["fits"], settings=plan["settings"])

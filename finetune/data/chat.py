@@ -52,14 +52,14 @@ PREFIX_MARGIN = 1024  # characters before a cut within which tokens may differ f
 
 
 def template_file(chat_template: str | None) -> Path | None:
-    """The file data.chat_template names (None for template text or no template); DataError if it names a
-    .jinja file that is not there (a recipe mistake, as any missing path)."""
+    """The file data.chat_template names (None for template text or no template); RecipeError (exit code 2) if
+    it names a .jinja file that is not there (a recipe mistake, as any missing path)."""
     if not chat_template or "{" in chat_template:
         return None
     path = Path(chat_template)
     if path.suffix in (".jinja", ".j2") and not path.is_file():
         raise RecipeError(f"data.chat_template file {chat_template!r} does not exist",
-                        hint="give a path to a .jinja file or the template text itself")
+                          hint="give a path to a .jinja file or the template text itself")
     return path if path.is_file() else None
 
 

@@ -9,9 +9,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from finetune.data.build import build_datasets
+from finetune.data.build import build_datasets, check_records
 from finetune.data.formats import Chat, RecordError, detect_format, normalize
 from finetune.data.read import read_records
+from finetune.errors import UsageError
 from finetune.evaluate.match import KINDS, score
 from finetune.model.chat import stream_reply
 from finetune.model.trained import load_adapters, load_run, load_trained
@@ -27,8 +28,12 @@ def evaluate(run_dir: str | Path, data: str | Path, *, compare: list[str | Path]
     `data`; the result is also written to the run's evaluation.json."""
     recipe, run = load_run(run_dir)
     runs = [*(compare or []), run_dir]
+    if not Path(data).is_file():
+        raise UsageError(f"eval --data {data}: no such file", hint="give a file of held-out records "
+                         "(.jsonl, .json, .csv or .parquet, in any training data format)")
     cfg = recipe.data.model_copy(update={"path": str(data), "format": "auto", "validation_split": 0.0,
                                          "packing": False, "max_samples": None})
+    check_records(cfg)  # the file parses and its records have their fields: in seconds, before a model loads
     results: list[dict[str, Any]] = []
     answers: list[dict[str, Any]] = []
     examples = prompts = None

@@ -47,5 +47,5 @@ def write_gguf_export(model: Any, tokenizer: Any, folder: Path, options: GGUFOpt
 
 def ollama_command(out: Path) -> str:
     """The one command that makes the exported model an Ollama model."""
-    gguf = next(out.glob("*.gguf"))
-    return f"ollama create {gguf.name.split('.')[0]} -f {out / MODELFILE}"
+    gguf = next(out.glob("*.gguf"))  # NAME.TYPE.gguf, and NAME may hold dots (model_name keeps them)
+    return f"ollama create {gguf.name.rsplit('.', 2)[0]} -f {out / MODELFILE}"

@@ -36,7 +36,7 @@ def check_model_path(path: str) -> None:
     if path.startswith("pkg:"):
         if not (file := package_file(path)).exists():
             raise RecipeError(f"model.path: {path}: {file} does not exist in the installed package",
-                                 hint="check the file name after pkg:PACKAGE/")
+                              hint="check the file name after pkg:PACKAGE/")
     elif looks_local(path) and not Path(path).expanduser().exists():
         raise RecipeError(
             f"model.path: {path!r} does not exist (a local path, looked for at {Path(path).expanduser().absolute()})",

@@ -65,6 +65,12 @@ class MetricsCallback(TrainerCallback):
             return
         self.run.write_status("running", step=state.global_step, max_steps=self.max_steps, **self.status_fields)
 
+    def on_step_end(self, args, state, control, **kwargs):
+        """The first trained step goes to status.json at once, whatever logging_steps says: a run that fails
+        after it is no run that trained nothing (RunDir.discard_untrained keeps its folder and its error)."""
+        if state.is_world_process_zero and state.global_step == (self._first_step or 0) + 1:
+            self.run.write_status("running", step=state.global_step, max_steps=self.max_steps, **self.status_fields)
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero:
             return

@@ -12,7 +12,7 @@ import torch
 from transformers import PrinterCallback, set_seed
 
 from finetune.console import console
-from finetune.data.fingerprint import check_resumed_data
+from finetune.data.fingerprint import DataChanged, check_resumed_data
 from finetune.errors import FinetuneError
 from finetune.memory.offload import activation_offload, preflight_offload
 from finetune.memory.preference import loads_reference_adapter
@@ -158,10 +158,16 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False,
             return _plan_build_train(recipe, run_dir, checkpoint, stopper, allow_data_change, main=False)
         finally:
             stopper.uninstall()
+    before = run_dir.read_status()
     try:
         run_dir.write_status("planning")
         run_dir.log_line(f"run started (resume from {checkpoint})" if checkpoint else "run started")
         return _plan_build_train(recipe, run_dir, checkpoint, stopper, allow_data_change)
+    except DataChanged as exc:  # a refused resume trained nothing: the run keeps its state, with the reason
+        kept = {k: v for k, v in before.items() if k not in ("state", "pid", "updated", "error")}
+        run_dir.write_status(before.get("state", "stopped"), **kept, error=f"resume refused: {exc}")
+        run_dir.log_line(f"resume refused: {exc}")
+        raise
     except torch.OutOfMemoryError as exc:  # outside a step's forward/backward: the optimizer update, evaluation
         error = FinetuneError(
             "out of memory outside the forward/backward that recovery redoes (loading the model, the reference "
