@@ -20,6 +20,7 @@ from finetune.errors import FinetuneError
 from finetune.memory.offload import ActivationOffload
 from finetune.memory.preference import PreferenceLoss, metric_means
 from finetune.memory.step import compute_loss, forward_backward, mixed_precision
+from finetune.memory.tracker_callback import PeakMemoryCallback
 from finetune.optim import build_optimizer, layerwise_of, register_safe_globals
 from finetune.recipe.schema import Recipe
 from finetune.rundir import atomic_write_json
@@ -142,6 +143,15 @@ class FinetuneTrainer(Trainer):
             console.print("noise scale: not measured with FSDP or DeepSpeed (distributed.strategy ddp measures it)")
         self.noise_probe = GradNormProbe(self.model.parameters(), world=self.accelerator.num_processes) \
             if recipe.training.noise_scale and not sharded else None
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The step's loader batches, fetched through the CPU memory tracker, which tracks only the steps that
+        can set a new peak (finetune/memory/tracker_callback.py)."""
+        def fetch():
+            return super(FinetuneTrainer, self).get_batch_samples(epoch_iterator, num_batches, device)
+
+        peak = next((c for c in self.callback_handler.callbacks if isinstance(c, PeakMemoryCallback)), None)
+        return peak.fetch_step(fetch) if peak is not None else fetch()
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """One forward + backward: finetune.memory.step.forward_backward, the step the planner traces and
