@@ -133,3 +133,14 @@ def test_plan_text_gives_the_speed_as_an_estimate_with_its_basis():
     plan = {**PLAN, "device": "cuda", "tokens_per_s": 3.0e8}
     text = views.plan_markdown({**plan, "speed": speed_estimate(plan)})
     assert "over 100,000 tokens/s" in text and "RTX 4090" in text and "300,000,000" not in text
+
+
+def test_the_plan_names_each_value_chosen_automatically_and_a_cpu_estimate_its_measured_figures():
+    from finetune.api import speed_estimate
+
+    plan = {**PLAN, "device": "cpu", "tokens_per_s": 26.4, "figures_measured": True,
+            "device_figures": {"flops": 22e9, "half_tokens": 6.0, "mem_bw": 6.7e9},
+            "chosen_automatically": {"training.micro_batch_size": 2, "memory.chunked_loss": False}}
+    text = views.plan_markdown({**plan, "speed": speed_estimate(plan)})
+    assert "`training.micro_batch_size=2`, `memory.chunked_loss=false`" in text
+    assert "about 26 tokens/s" in text and "measured on this machine's CPU (22 GFLOP/s, 7 GB/s)" in text
