@@ -47,7 +47,7 @@ def one_run(recipe_path: Path, steps: int, variant: str, out: Path) -> dict:
     result = api.run(recipe, overwrite=True)
     run = RunDir(result.run_dir)
     results = run.read_results()
-    peaks = [r["peak_memory_bytes"] for r in run.read_metrics() if "peak_memory_bytes" in r]
+    peaks = [r["peak_memory_bytes"] for r in run.read_metrics() if r.get("peak_memory_bytes")]
     tracked = re.search(r"memory tracker: tracked (\d+) of", run.log.read_text())
     return {"cpu": results["train_cpu_s"], "wall": results["train_runtime_s"], "peak": max(peaks, default=None),
             "tracked": int(tracked.group(1)) if tracked else (steps if variant == "every_step" else 0)}

@@ -93,16 +93,19 @@ def measure_host_device(device: torch.device, nbytes: int = PROBE_BYTES) -> dict
 
 
 def _rate(work: Callable[[], object], units: float, seconds: float, repeats: int = 5) -> float:
-    """`units` per second of `work`: the best of `repeats` timings of about seconds/repeats each, after a
-    warm-up (the best, since other programs on the machine only ever slow a timing down)."""
+    """`units` per second of `work` with the cores to itself: the best of `repeats` timings of about
+    seconds/repeats each, after a warm-up, each timed in this process's CPU time over torch's threads. Other
+    programs on a shared machine stretch the wall clock, and a probe timed by it would leave every later plan
+    pessimistic (the result is cached); they hardly change the CPU time the work takes."""
     work()
+    threads = torch.get_num_threads()
     best = 0.0
     for _ in range(repeats):
-        count, start = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - start) < seconds / repeats or count < 1:
+        count, start, cpu = 0, time.perf_counter(), time.process_time()
+        while time.perf_counter() - start < seconds / repeats or count < 1:
             work()
             count += 1
-        best = max(best, units * count / elapsed)
+        best = max(best, units * count * threads / max(time.process_time() - cpu, 1e-9))
     return best
 
 
