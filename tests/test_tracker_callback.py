@@ -60,8 +60,13 @@ def _step(callback, step: int, *shapes: tuple[int, int]) -> bool:
     seen = []
     loss = callback.micro_batch(lambda: seen.append(_get_current_dispatch_mode() is callback.tracker)
                                 or torch.ones(()))
-    assert _get_current_dispatch_mode() is callback.tracker  # on again for the rest of the step
-    assert id(loss.untyped_storage()) in callback.tracker._live  # the loss the Trainer keeps is counted
+    norm = torch.ones(())  # the gradient norm, made after the micro-batches
+    callback.keep(norm)
+    assert (_get_current_dispatch_mode() is callback.tracker) == seen[0]  # the same to the step's end
+    callback.on_step_end(None, _state(step), None)
+    assert _get_current_dispatch_mode() is callback.tracker  # on between steps
+    for kept in (loss, norm):  # what the Trainer keeps into the next step is counted
+        assert id(kept.untyped_storage()) in callback.tracker._live
     return seen[0]
 
 
@@ -93,8 +98,11 @@ def test_only_steps_that_can_set_a_new_peak_are_tracked():
     callback.fetch_step(lambda: (_batches((2, 4)), None))  # a recovery in the middle of an untracked step
     callback.on_step_begin(None, _state(9), None)
     assert not callback.track_step
+    callback.micro_batch(lambda: torch.ones(()))  # its first micro-batch (then out of memory)
+    assert _get_current_dispatch_mode() is None
     callback.restart(None)
-    assert callback.track_step  # the redone step's micro-batches are tracked
+    assert callback.track_step and _get_current_dispatch_mode() is callback.tracker  # the redone step is tracked
+    callback.on_step_end(None, _state(9), None)
     assert [_step(callback, step, (2, 4)) for step in (10, 11, 12)] == [True, True, False]
     callback.close()
     assert _get_current_dispatch_mode() is None

@@ -2,15 +2,16 @@
 
 On CUDA the allocator's own peak is read, which costs nothing. On CPU the tensor tracker (deterministic, with
 the breakdown) sees every operator through Python, which slowed a whole CPU run by a quarter, so it sees the
-forward and backward passes only of the steps that can set a new peak: the first FIRST_STEPS (the optimizer
+steps (forward, backward, optimizer update) only that can set a new peak: the first FIRST_STEPS (the optimizer
 state appears in the first), a step whose loader batches are not covered by an already tracked step's (another
 number of micro-batches, more rows or longer rows: the longest batch so far, a changed micro-batch or
 accumulation), and the step of an out-of-memory recovery and those after it (`restart`). A step covered by a
-tracked one runs the same operators on at most as much data, so it cannot go higher. The rest of training
-(fetching batches, the optimizer update, logging: few operators) stays tracked, so what one step leaves to the
-next is counted. The Trainer fetches each step's batches through the callback (`fetch_step`) and runs each
-micro-batch through it (`micro_batch`; finetune.train.trainer.FinetuneTrainer); a step not fetched so is
-tracked.
+tracked one runs the same operators on at most as much data, so it cannot go higher. Between steps
+(fetching batches, logging, checkpoints) the tracker stays on, and what an untracked step leaves to the next
+(its loss, its gradient norm) is tagged, so the recorded peak is the one a run tracked throughout records.
+The Trainer fetches each step's batches through the callback (`fetch_step`), runs each micro-batch through it
+(`micro_batch`) and hands it the gradient norm (`keep`; finetune.train.trainer.FinetuneTrainer); a step not
+fetched so is tracked.
 `FINETUNE_MEMORY_TRACKER=every_step` tracks the whole training as before, `off` tracks nothing (benchmarks).
 Every log gets `peak_memory_bytes`; the first log after the peak exceeds the plan's prediction by more than
 `tolerance` also gets a warning line.
@@ -65,6 +66,7 @@ class PeakMemoryCallback(TrainerCallback):
         self.closed = False
         self.active = False  # the tracker's dispatch mode is entered
         self.track_step = True  # the current step can set a new peak
+        self._aside = False  # the tracker stands aside for the rest of this step (micro_batch)
         self.tracked: list[tuple[int, int, int]] = []  # signatures of the steps tracked since the last restart
         self.tracked_steps: list[int] = []  # global steps (0-based) tracked, for tests and benchmarks
         self._first = FIRST_STEPS  # steps still to track whatever their batches
@@ -106,17 +108,30 @@ class PeakMemoryCallback(TrainerCallback):
 
     def micro_batch(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Run one micro-batch's forward and backward (`run`, which returns its loss). In a step that cannot set
-        a new peak the tracker steps aside meanwhile (what it would see is freed by the end, except the
-        gradients, which it tags, and the loss, which the Trainer keeps into the next step: tagged here)."""
+        a new peak the tracker stands aside from here to the step's end (the optimizer update included: on CPU
+        it runs a dozen operators per trained tensor); it still tags the gradients, and the loss, which the
+        Trainer keeps into the next step, is tagged here (the gradient norm in `keep`)."""
         if self.track_step or not self.active:
             return run()
         self._exit()
-        try:
-            loss = run()
-        finally:
-            self._enter()
-        self.tracker.tag(loss, "activations")
+        self._aside = True
+        loss = run()
+        self.keep(loss)
         return loss
+
+    def keep(self, tensor: Any) -> None:
+        """Count `tensor`, made while the tracker stood aside, which the Trainer keeps into the next step (a
+        step's loss, its gradient norm), as a run tracked throughout counts it."""
+        if self._aside and isinstance(tensor, torch.Tensor):
+            self.tracker.tag(tensor, "activations")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._back()
+
+    def _back(self) -> None:
+        if self._aside:
+            self._aside = False
+            self._enter()
 
     def _enter(self) -> None:
         if self.tracker is not None and not self.active and not self.closed:
@@ -137,6 +152,7 @@ class PeakMemoryCallback(TrainerCallback):
         elif self.tracker is not None:
             self.tracker.reset_peak()
             self.tracked, self._first, self.track_step = [], FIRST_STEPS, True
+            self._back()  # the step being redone is tracked
 
     def on_train_end(self, args, state, control, **kwargs):
         self.close()
@@ -148,7 +164,7 @@ class PeakMemoryCallback(TrainerCallback):
         if self.tracker is not None and not self.closed:
             self._exit()
             self.tracker.remove_hooks()
-        self.closed = True
+        self.closed, self._aside = True, False
 
     def peak(self) -> dict[str, Any] | None:
         """The peak so far (None on CPU with mode `off`)."""

@@ -246,6 +246,8 @@ class FinetuneTrainer(Trainer):
             self._diverged("the training loss is NaN or inf")
         if norm is not None and not math.isfinite(float(norm)):
             self._diverged(f"the gradient norm is {float(norm)}")
+        if (peak := self._peak_callback()) is not None:
+            peak.keep(norm)  # the Trainer keeps it into the next step
         return norm
 
     def _diverged(self, what: str) -> None:
