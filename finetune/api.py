@@ -219,10 +219,15 @@ def speed_estimate(plan: dict[str, Any]) -> SpeedEstimate:
     from finetune.plan.cost_model import DEVICE, DEVICE_BASIS
 
     device = plan.get("device") or "cuda"
-    figures = DEVICE.get(device, DEVICE["cuda"])
-    basis = (f"roofline model with the figures of {DEVICE_BASIS.get(device, device)} "
-             f"({figures['flops'] / 1e12:.1f} TFLOP/s, {figures['mem_bw'] / 1e9:,.0f} GB/s), whatever the card's "
-             "memory size; real runs are usually slower")
+    figures = plan.get("device_figures") or DEVICE.get(device, DEVICE["cuda"])
+    flops = f"{figures['flops'] / 1e12:.1f} TFLOP/s" if figures["flops"] >= 1e12 else \
+        f"{figures['flops'] / 1e9:,.0f} GFLOP/s"
+    if plan.get("figures_measured"):
+        whose, caveat = "measured on this machine's CPU", ""
+    else:
+        whose, caveat = f"of {DEVICE_BASIS.get(device, device)}", "whatever the card's memory size; "
+    basis = (f"roofline model with the figures {whose} ({flops}, {figures['mem_bw'] / 1e9:,.0f} GB/s), {caveat}"
+             "real runs are usually slower")
     tps = plan.get("tokens_per_s")
     if not isinstance(tps, (int, float)) or tps <= 0:
         return {"tokens_per_s": None, "text": "no speed estimate", "short": "", "basis": basis}

@@ -45,7 +45,11 @@ def test_measured_peak_stays_under_budget(tiny_dir, budget):
     assert plan.settings["micro_batch_size"] >= 1
 
 
-def test_bigger_budget_allows_bigger_micro_batch(tiny_dir):
+def test_bigger_budget_allows_bigger_micro_batch(tiny_dir, monkeypatch):
+    # A processor whose speed grows with the micro-batch (as a GPU's: half its peak at 1024 tokens); the
+    # planner keeps a smaller micro-batch where a larger one is not predicted faster
+    monkeypatch.setattr("finetune.plan.search.cpu_compute", lambda: {
+        "flops@128": 1e12 * 128 / (128 + 1024), "flops@1024": 1e12 * 1024 / (1024 + 1024), "mem_bw": 1e11})
     small = predict(_recipe(tiny_dir), gpu_memory=12 * 2**20, device="cpu")
     large = predict(_recipe(tiny_dir), gpu_memory=200 * 2**20, device="cpu")
     assert large.settings["micro_batch_size"] > small.settings["micro_batch_size"]
@@ -201,3 +205,53 @@ def test_auto_optimizer_picks_only_what_the_optimizer_keys_fit(tiny_dir, capsys)
     err = capsys.readouterr().err
     assert "optimizer.name auto" in err and "optimizer.momentum: applies only to sgd" in err
     assert "Traceback" not in err
+
+
+def test_cpu_calibration_fits_peak_and_half_tokens_through_the_measured_rates():
+    """rate(t) = peak * t / (t + half): two measured row counts give back peak and half; noise that makes the
+    small matmul faster than the large one gives half 0, not a negative utilisation."""
+    from finetune.plan.cost_model import calibrated
+
+    def rate(t: int, peak: float = 40e9, half: float = 96.0) -> float:
+        return peak * t / (t + half)
+
+    figures = calibrated({"flops@128": rate(128), "flops@1024": rate(1024), "mem_bw": 7e9})
+    assert figures["flops"] == pytest.approx(40e9) and figures["half_tokens"] == pytest.approx(96.0)
+    assert figures["mem_bw"] == 7e9
+    flat = calibrated({"flops@128": 30e9, "flops@1024": 29e9, "mem_bw": 7e9})
+    assert flat["half_tokens"] == 0 and flat["flops"] == pytest.approx(29e9)
+
+
+def test_a_cpu_plan_is_priced_with_the_cpu_measured_once_and_prefers_small_micro_batches(tiny_dir, tmp_path,
+                                                                                         monkeypatch):
+    """On a CPU the speed model uses this machine's measured matmul rate (cached, measured once): half the
+    FLOP/s, half the predicted tokens/s. Where a larger micro-batch is predicted less than 10% faster,
+    `auto` keeps the smaller one; where it is much faster (a slow start, as on a GPU), the larger."""
+    import finetune.memory.bandwidth as bandwidth
+    from finetune.plan.cost_model import calibrated
+
+    calls = []
+    probe = {"flops@128": 20e9, "flops@1024": 20e9, "mem_bw": 5e9}
+
+    def fake_measure():
+        calls.append(1)
+        return dict(probe)
+
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(bandwidth, "measure_cpu", fake_measure)
+    recipe = _recipe(tiny_dir, training={"micro_batch_size": "auto"},
+                     memory={"activation_checkpointing": True, "chunked_loss": False})
+    plan = predict(recipe, gpu_memory="1GiB", device="cpu")
+    assert plan.figures_measured and plan.device_figures == calibrated(probe)
+    assert plan.settings["micro_batch_size"] == 1  # flat: every micro-batch runs at the peak
+    fixed = _recipe(tiny_dir, training={"micro_batch_size": 4}, memory={"activation_checkpointing": True,
+                                                                        "chunked_loss": False})
+    slow = predict(fixed, gpu_memory="1GiB", device="cpu").tokens_per_s
+    assert len(calls) == 1, "measured once, then read from the cache"
+
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "faster-cache"))
+    probe.update({"flops@128": 40e9, "flops@1024": 40e9})
+    assert predict(fixed, gpu_memory="1GiB", device="cpu").tokens_per_s == pytest.approx(2 * slow)
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "slow-start-cache"))
+    probe.update({"flops@128": 40e9 * 128 / (128 + 2048), "flops@1024": 40e9 * 1024 / (1024 + 2048)})
+    assert predict(recipe, gpu_memory="1GiB", device="cpu").settings["micro_batch_size"] == 32

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -211,8 +212,9 @@ def test_recipe_optimizers_train_through_the_pipeline(tmp_path, tiny_model_dir, 
     assert rows[-1]["loss"] < 0.7 * rows[0]["loss"]
 
 
-def test_auto_settings_are_planned_and_saved(tmp_path, tiny_model_dir):
-    """`auto` values are resolved by the planner within the budget; the run directory keeps what was chosen."""
+def test_auto_settings_are_planned_and_saved(tmp_path, tiny_model_dir, capsys):
+    """`auto` values are resolved by the planner within the budget; the run directory keeps what was chosen,
+    and the console names each value chosen automatically."""
     recipe = _recipe_dict(tmp_path, tiny_model_dir, training={"max_steps": 2, "micro_batch_size": "auto",
                                                               "gradient_accumulation_steps": "auto"},
                           memory={"activation_checkpointing": "auto", "gpu_memory": "1.5MiB", "gpu_memory_margin": 0})
@@ -222,6 +224,14 @@ def test_auto_settings_are_planned_and_saved(tmp_path, tiny_model_dir):
     assert plan["fits"] and plan["budget_bytes"] == int(1.5 * 2**20)
     assert saved["training"]["micro_batch_size"] == plan["settings"]["micro_batch_size"] != "auto"
     assert saved["memory"]["activation_checkpointing"] in (True, False)
+    chosen = plan["settings"]
+    line = re.search(r"; chose (.*) automatically", capsys.readouterr().err)
+    items = line.group(1).split(", ") if line else []
+    assert {f"training.micro_batch_size={chosen['micro_batch_size']}",
+            f"training.gradient_accumulation_steps={chosen['gradient_accumulation_steps']}",
+            f"memory.activation_checkpointing={str(chosen['activation_checkpointing']).lower()}",
+            f"memory.chunked_loss={str(chosen['chunked_loss']).lower()}"} <= set(items)
+    assert all(re.fullmatch(r"[a-z_]+\.[a-z_]+=\S+", item) for item in items), items
     peaks = [r["peak_memory_bytes"] for r in read_jsonl(result.run_dir / "metrics.jsonl") if "loss" in r]
     assert max(peaks) <= plan["budget_bytes"]
 

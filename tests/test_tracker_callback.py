@@ -36,3 +36,116 @@ def test_trainer_logs_peak_memory(tiny_model_dir, tmp_path):
     assert sum(breakdown.values()) == first["peak_memory_bytes"]
     assert "memory_warning" in first
     assert torch.utils._python_dispatch._get_current_dispatch_mode() is None  # tracker left after training
+
+
+def _state(step: int):
+    from transformers import TrainerState
+
+    state = TrainerState()
+    state.global_step = step
+    return state
+
+
+def _batches(*shapes: tuple[int, int]) -> list[dict]:
+    return [{"input_ids": torch.zeros(shape, dtype=torch.long)} for shape in shapes]
+
+
+def _step(callback, step: int, *shapes: tuple[int, int]) -> bool:
+    """One step through the callback as FinetuneTrainer runs it; whether its micro-batch ran tracked."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    if shapes:
+        callback.fetch_step(lambda: (_batches(*shapes), None))
+    callback.on_step_begin(None, _state(step), None)
+    seen = []
+    loss = callback.micro_batch(lambda: seen.append(_get_current_dispatch_mode() is callback.tracker)
+                                or torch.ones(()))
+    norm = torch.ones(())  # the gradient norm, made after the micro-batches
+    callback.keep(norm)
+    assert (_get_current_dispatch_mode() is callback.tracker) == seen[0]  # the same to the step's end
+    callback.on_step_end(None, _state(step), None)
+    assert _get_current_dispatch_mode() is callback.tracker  # on between steps
+    for kept in (loss, norm):  # what the Trainer keeps into the next step is counted
+        assert id(kept.untyped_storage()) in callback.tracker._live
+    return seen[0]
+
+
+def _callback():
+    from finetune.memory.tracker import MemoryTracker
+    from finetune.memory.tracker_callback import PeakMemoryCallback
+
+    callback = PeakMemoryCallback(mode="peaks")
+    callback.tracker = MemoryTracker()
+    callback._enter()
+    return callback
+
+
+def test_only_steps_that_can_set_a_new_peak_are_tracked():
+    """The first steps, a step with a longer or wider batch than any tracked one, a step of another shape
+    (more micro-batches) and the steps of and after a recovery run their micro-batches tracked; the others not."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from finetune.memory.tracker_callback import FIRST_STEPS
+
+    callback = _callback()
+    steps = [[(2, 8)], [(2, 8)], [(2, 6)], [(2, 10)], [(2, 9)], [(1, 10)], [(2, 5), (2, 5)], [(2, 4), (1, 5)],
+             [(3, 4)]]
+    tracked = [_step(callback, step, *shapes) for step, shapes in enumerate(steps)]
+    assert FIRST_STEPS == 2
+    assert callback.tracked_steps == [0, 1, 3, 6, 8]
+    assert tracked == [step in callback.tracked_steps for step in range(len(steps))]
+
+    callback.fetch_step(lambda: (_batches((2, 4)), None))  # a recovery in the middle of an untracked step
+    callback.on_step_begin(None, _state(9), None)
+    assert not callback.track_step
+    callback.micro_batch(lambda: torch.ones(()))  # its first micro-batch (then out of memory)
+    assert _get_current_dispatch_mode() is None
+    callback.restart(None)
+    assert callback.track_step and _get_current_dispatch_mode() is callback.tracker  # the redone step is tracked
+    callback.on_step_end(None, _state(9), None)
+    assert [_step(callback, step, (2, 4)) for step in (10, 11, 12)] == [True, True, False]
+    callback.close()
+    assert _get_current_dispatch_mode() is None
+
+
+def test_a_step_nobody_described_is_tracked():
+    callback = _callback()
+    assert all(_step(callback, step) for step in range(4))
+    assert callback.tracked_steps == [0, 1, 2, 3]
+    callback.close()
+
+
+def test_the_recorded_peak_is_the_every_step_peak_when_the_longest_batch_comes_late(tiny_model_dir, tmp_path,
+                                                                                    monkeypatch):
+    """`finetune run` on CPU: tracking only the steps that can set a peak records in metrics.jsonl the peak
+    (and breakdown) that tracking every step records, on data whose longest batch is met late in the run."""
+    import json
+    import re
+
+    from finetune.memory.tracker_callback import MODE_VARIABLE
+    from finetune.recipe import validate_recipe
+    from finetune.rundir import RunDir
+    from finetune.train.run import run
+    from tests.run_support import tiny_lora_recipe
+
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
+                          {"role": "assistant", "content": f"It is {2 * i}." + " yes" * (20 if i == 7 else i % 3)}]}
+            for i in range(12)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    peaks, logs = {}, {}
+    for mode in ("every_step", "peaks"):
+        monkeypatch.setenv(MODE_VARIABLE, mode)
+        recipe = tiny_lora_recipe(tiny_model_dir, data, tmp_path / mode,
+                                  {"training": {"max_steps": 8, "micro_batch_size": 2, "seed": 5}})
+        result = run(validate_recipe(recipe))
+        metrics = RunDir(result.run_dir).read_metrics()
+        best = max((r for r in metrics if "peak_memory_bytes" in r), key=lambda r: r["peak_memory_bytes"])
+        peaks[mode] = (best["peak_memory_bytes"], best["peak_memory_breakdown"], best["step"])
+        logs[mode] = RunDir(result.run_dir).log.read_text()
+    tracked = re.search(r"memory tracker: tracked (\d+) of 8 steps .*: ([\d, ]+)", logs["peaks"])
+    assert tracked is not None and "memory tracker" not in logs["every_step"]
+    steps = [int(s) for s in tracked.group(2).split(", ")]
+    # the first two steps, then untracked steps before the longest batch comes, tracked (at step 5: seed 5)
+    assert steps == [1, 2, 5] and peaks["every_step"][2] == 5  # the peak's first log is that step's
+    assert peaks["peaks"] == peaks["every_step"]  # bytes, breakdown and step

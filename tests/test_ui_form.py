@@ -137,6 +137,7 @@ def test_a_form_starting_from_an_adapter_takes_its_shape_unless_the_user_set_one
     assert (adapter.type, adapter.r, adapter.alpha, adapter.target_modules) == ("dora", 8, 8.0, ["q_proj", "v_proj"])
     plan = backend.plan(values, "8 GB card (RTX 4060)")
     assert plan["fits"] and plan["breakdown"]["trainable_weights"] > 0
+    assert plan["chosen_automatically"]["memory.chunked_loss"] == plan["settings"]["chunked_loss"]  # auto default
     # what fits per GPU size re-plans copies of the recipe (one GPU size that fits nothing: two plans)
     assert api.plan_gpu_sizes(backend.checked_recipe(values), sizes_gb=(0,), ladder=(256,))["sizes"][0][
         "longest_context"] is None

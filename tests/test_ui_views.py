@@ -204,3 +204,14 @@ def test_a_run_recipe_with_bad_bytes_is_shown_and_refused_in_one_line(tmp_path):
     assert backend.run_recipe(str(run.root)) == "model:\n  path: caf\ufffd\n"
     with pytest.raises(RecipeError, match=r"recipe.yaml:2: not UTF-8 text \(byte 0xe9"):
         backend.load_run_recipe(str(run.root))
+
+
+def test_the_plan_names_each_value_chosen_automatically_and_a_cpu_estimate_its_measured_figures():
+    from finetune.api import speed_estimate
+
+    plan = {**PLAN, "device": "cpu", "tokens_per_s": 26.4, "figures_measured": True,
+            "device_figures": {"flops": 22e9, "half_tokens": 6.0, "mem_bw": 6.7e9},
+            "chosen_automatically": {"training.micro_batch_size": 2, "memory.chunked_loss": False}}
+    text = views.plan_markdown({**plan, "speed": speed_estimate(plan)})
+    assert "`training.micro_batch_size=2`, `memory.chunked_loss=false`" in text
+    assert "about 26 tokens/s" in text and "measured on this machine's CPU (22 GFLOP/s, 7 GB/s)" in text

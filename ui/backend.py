@@ -31,6 +31,7 @@ from finetune.recipe.load import (
     validate_recipe,
 )
 from finetune.recipe.schema import Recipe
+from finetune.recipe.settings import auto_choices
 from finetune.rundir import RECIPE, RunDir, find_runs
 from ui import form
 from ui.chat_worker import ChatWorker
@@ -188,7 +189,8 @@ class Backend:
 
     def plan(self, values: list[Any], gpu: str) -> dict[str, Any]:
         """The planner's JSON for the form's recipe on the chosen GPU (a card's size when memory is auto), with
-        `speed` (in the plan and each option): the estimate as a person should read it (api.speed_estimate)."""
+        `speed` (in the plan and each option): the estimate as a person should read it (api.speed_estimate);
+        `chosen_automatically`: the recipe's `auto` keys with the values the plan gives them."""
         recipe = self.checked_recipe(values)
         if (gpu or "").startswith(THIS_MACHINE) and self.machine:  # its device, with the recipe's budget
             planned = api.plan(recipe, device=self.machine["device"])
@@ -197,8 +199,10 @@ class Backend:
             planned = api.plan(recipe, gpu_memory=card)
         plan = json.loads(planned.to_json())
         for option in (plan.get("alternatives") or []) + (plan.get("rejected") or []):
-            option["speed"] = api.speed_estimate({**option, "device": plan.get("device")})
-        return {**plan, "speed": api.speed_estimate(plan)}
+            option["speed"] = api.speed_estimate({**option, **{k: plan.get(k) for k in (
+                "device", "device_figures", "figures_measured")}})
+        return {**plan, "speed": api.speed_estimate(plan),
+                "chosen_automatically": auto_choices(recipe, plan.get("settings") or {})}
 
     def gpu_sweep(self, values: list[Any]) -> dict[str, Any]:
         """What fits on each common GPU size (finetune.api.plan_gpu_sizes), kept for the same recipe."""

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.api import RunFiles, run_files
+from finetune.recipe.settings import format_choices
 from finetune.rundir import COLLAPSED_EVENT, REWARD_ACCURACY, REWARD_KEYS, TRAINING_WARNING, RunDir
 from finetune.units import format_bytes
 from ui.runs import RunManager
@@ -115,6 +116,10 @@ def plan_markdown(plan: dict[str, Any]) -> str:
         lines.append(f"Predicted speed: **{speed['text']}** — an estimate: {speed['basis']}.")
     if not plan.get("fits") and plan.get("min_budget_bytes"):
         lines.append(f"The smallest budget any option fits: {size(plan['min_budget_bytes'])}.")
+    chosen = plan.get("chosen_automatically")
+    if chosen:
+        lines.append("**Chosen automatically** (the recipe's `auto` keys): "
+                     + ", ".join(f"`{item}`" for item in format_choices(chosen)))
     settings = plan.get("settings") or {}
     if settings:
         lines.append("**Chosen settings:** " + ", ".join(f"`{k}={v}`" for k, v in settings.items()))

@@ -1,7 +1,8 @@
-"""Inputs of the planner's offload speed and memory model: measured bandwidths and bytes moved per step.
+"""Inputs of the planner's speed and offload memory model: measured bandwidths, CPU compute, bytes moved.
 
-Bandwidths are measured once per disk (filesystem device) and per GPU model and cached as JSON in
-`$FINETUNE_CACHE/bandwidth.json` (default `~/.cache/finetune`).
+Bandwidths are measured once per disk (filesystem device) and per GPU model, the CPU's matmul throughput
+and memory bandwidth once per thread count, and cached as JSON in `$FINETUNE_CACHE/bandwidth.json`
+(default `~/.cache/finetune`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ from finetune.units import cache_dir
 PROBE_BYTES = 256 << 20
 PROBE_CHUNK = 16 << 20  # written as separate files, like activations
 MIN_PROBE_BYTES = 1 << 20  # below this the disk is not measured: the planner prices it at the typical speed
+# The CPU compute probe: fp32 matmuls of a layer's width at a small and a large row count (tokens), so the
+# planner sees both the peak and how far a small micro-batch falls short of it (plan/cost_model.py).
+MATMUL_WIDTH = 1024
+MATMUL_TOKENS = (128, 1024)
+PROBE_SECONDS = 0.25  # per measurement
 
 
 def cache_path() -> Path:
@@ -86,6 +92,43 @@ def measure_host_device(device: torch.device, nbytes: int = PROBE_BYTES) -> dict
         end.synchronize()
         result[name] = 3 * nbytes / (start.elapsed_time(end) / 1000)
     return result
+
+
+def _rate(work: Callable[[], object], units: float, seconds: float, repeats: int = 5) -> float:
+    """`units` per second of `work` with the cores to itself: the best of `repeats` timings of about
+    seconds/repeats each, after a warm-up, each timed in this process's CPU time over torch's threads. Other
+    programs on a shared machine stretch the wall clock, and a probe timed by it would leave every later plan
+    pessimistic (the result is cached); they hardly change the CPU time the work takes."""
+    work()
+    threads = torch.get_num_threads()
+    best = 0.0
+    for _ in range(repeats):
+        count, start, cpu = 0, time.perf_counter(), time.process_time()
+        while time.perf_counter() - start < seconds / repeats or count < 1:
+            work()
+            count += 1
+        best = max(best, units * count * threads / max(time.process_time() - cpu, 1e-9))
+    return best
+
+
+def measure_cpu(width: int = MATMUL_WIDTH, tokens: tuple[int, ...] = MATMUL_TOKENS,
+                seconds: float = PROBE_SECONDS) -> dict[str, float]:
+    """This CPU's fp32 matmul FLOP/s at each row count in `tokens` (`flops@N`) and its memory copy
+    bandwidth in bytes/s (`mem_bw`), with torch's current thread count."""
+    weight = torch.randn(width, width)
+    result = {}
+    for rows in tokens:
+        x = torch.randn(rows, width)
+        result[f"flops@{rows}"] = _rate(lambda x=x: torch.mm(x, weight), 2 * rows * width * width, seconds)
+    src = torch.ones(PROBE_CHUNK * 4, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    result["mem_bw"] = _rate(lambda: dst.copy_(src), 2 * src.numel(), seconds)  # read + write
+    return result
+
+
+def cpu_compute(refresh: bool = False) -> dict[str, float]:
+    """Cached `measure_cpu` for this machine at torch's current number of threads."""
+    return _cached(f"cpu:{torch.get_num_threads()} threads", measure_cpu, refresh)
 
 
 def _cached(key: str, measure: Callable[[], dict[str, float]], refresh: bool) -> dict[str, float]:

@@ -1,13 +1,27 @@
 """Record the measured peak memory of a Trainer run in its logs (and so in metrics.jsonl).
 
-On CPU the tensor tracker runs for the whole training (deterministic, with the breakdown); on CUDA the
-allocator's own peak is read, which costs nothing. Every log gets `peak_memory_bytes`; the first log after
-the peak exceeds the plan's prediction by more than `tolerance` also gets a warning line.
+On CUDA the allocator's own peak is read, which costs nothing. On CPU the tensor tracker (deterministic, with
+the breakdown) sees every operator through Python, which slowed a whole CPU run by a quarter, so it sees the
+steps (forward, backward, optimizer update) only that can set a new peak: the first FIRST_STEPS (the optimizer
+state appears in the first), a step whose loader batches are not covered by an already tracked step's (another
+number of micro-batches, more rows or longer rows: the longest batch so far, a changed micro-batch or
+accumulation), and the step of an out-of-memory recovery and those after it (`restart`). A step covered by a
+tracked one runs the same operators on at most as much data, so it cannot go higher. Between steps
+(fetching batches, logging, checkpoints) the tracker stays on, and what an untracked step leaves to the next
+(its loss, its gradient norm) is tagged, so the recorded peak is the one a run tracked throughout records.
+The Trainer fetches each step's batches through the callback (`fetch_step`), runs each micro-batch through it
+(`micro_batch`) and hands it the gradient norm (`keep`; finetune.train.trainer.FinetuneTrainer); a step not
+fetched so is tracked.
+`FINETUNE_MEMORY_TRACKER=every_step` tracks the whole training as before, `off` tracks nothing (benchmarks).
+Every log gets `peak_memory_bytes`; the first log after the peak exceeds the plan's prediction by more than
+`tolerance` also gets a warning line.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -17,20 +31,52 @@ from finetune.memory.tracker import MemoryTracker
 
 logger = logging.getLogger(__name__)
 
+MODES = ("peaks", "every_step", "off")
+MODE_VARIABLE = "FINETUNE_MEMORY_TRACKER"
+FIRST_STEPS = 2  # step 1 creates the optimizer state, step 2 is the first to hold it from its start
+
+
+def step_signature(batches: Sequence[Mapping[str, Any]]) -> tuple[int, int, int]:
+    """(micro-batches, most rows, longest row) of one step's loader batches: what its memory grows with."""
+    shapes = [next((v.shape for v in b.values() if isinstance(v, torch.Tensor) and v.dim() == 2), (0, 0))
+              for b in batches]
+    return len(batches), max((s[0] for s in shapes), default=0), max((s[1] for s in shapes), default=0)
+
+
+def covers(tracked: tuple[int, int, int], step: tuple[int, int, int]) -> bool:
+    """Whether a tracked step's signature bounds `step`'s: as many micro-batches, none with more rows or
+    longer rows."""
+    return tracked[0] == step[0] and tracked[1] >= step[1] and tracked[2] >= step[2]
+
 
 class PeakMemoryCallback(TrainerCallback):
-    """Add `peak_memory_bytes` (and on CPU `peak_memory_breakdown`) to every Trainer log."""
+    """Add `peak_memory_bytes` (and on CPU `peak_memory_breakdown`) to every Trainer log.
 
-    def __init__(self, predicted_peak_bytes: int | None = None, tolerance: float = 0.05):
+    `mode` (CPU): `peaks` tracks the steps that can set a new peak (module docstring), `every_step` all of
+    training, `off` none; default: $FINETUNE_MEMORY_TRACKER, else `peaks`."""
+
+    def __init__(self, predicted_peak_bytes: int | None = None, tolerance: float = 0.05, mode: str | None = None):
         self.predicted = predicted_peak_bytes
         self.tolerance = tolerance
+        self.mode = mode or os.environ.get(MODE_VARIABLE) or "peaks"
+        if self.mode not in MODES:
+            raise ValueError(f"{MODE_VARIABLE}={self.mode!r}: expected one of {', '.join(MODES)}")
         self.tracker: MemoryTracker | None = None
         self.warned = False
         self.closed = False
+        self.active = False  # the tracker's dispatch mode is entered
+        self.track_step = True  # the current step can set a new peak
+        self._aside = False  # the tracker stands aside for the rest of this step (micro_batch)
+        self.tracked: list[tuple[int, int, int]] = []  # signatures of the steps tracked since the last restart
+        self.tracked_steps: list[int] = []  # global steps (0-based) tracked, for tests and benchmarks
+        self._first = FIRST_STEPS  # steps still to track whatever their batches
+        self._next: bool | None = None  # whether to track the coming step, once its batches are fetched
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
+            return
+        if self.mode == "off":
             return
         vocab = model.config.get_text_config().vocab_size if model is not None else None
         self.tracker = MemoryTracker(vocab_size=vocab)
@@ -38,15 +84,75 @@ class PeakMemoryCallback(TrainerCallback):
         self.tracker.register_model(model)
         if optimizer is not None:
             self.tracker.register_optimizer(optimizer)
-        self.tracker.__enter__()
+        self._enter()
+
+    def fetch_step(self, fetch: Callable[[], tuple[list, Any]]) -> tuple[list, Any]:
+        """Fetch the coming step's loader batches (`fetch`: the Trainer's get_batch_samples), then decide from
+        them whether the step can set a new peak."""
+        result = fetch()
+        if self.tracker is not None and self.mode == "peaks":
+            signature = step_signature(result[0])
+            self._next = self._first > 0 or not any(covers(t, signature) for t in self.tracked)
+            if self._next:
+                self._first -= 1
+                self.tracked.append(signature)
+        return result
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.tracker is None or self.mode != "peaks":
+            return
+        self.track_step = True if self._next is None else self._next  # a step not fetched so is tracked
+        self._next = None
+        if self.track_step:
+            self.tracked_steps.append(state.global_step)
+
+    def micro_batch(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Run one micro-batch's forward and backward (`run`, which returns its loss). In a step that cannot set
+        a new peak the tracker stands aside from here to the step's end (the optimizer update included: on CPU
+        it runs a dozen operators per trained tensor); it still tags the gradients, and the loss, which the
+        Trainer keeps into the next step, is tagged here (the gradient norm in `keep`)."""
+        if self.track_step or not self.active:
+            return run()
+        self._exit()
+        self._aside = True
+        loss = run()
+        self.keep(loss)
+        return loss
+
+    def keep(self, tensor: Any) -> None:
+        """Count `tensor`, made while the tracker stood aside, which the Trainer keeps into the next step (a
+        step's loss, its gradient norm), as a run tracked throughout counts it."""
+        if self._aside and isinstance(tensor, torch.Tensor):
+            self.tracker.tag(tensor, "activations")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._back()
+
+    def _back(self) -> None:
+        if self._aside:
+            self._aside = False
+            self._enter()
+
+    def _enter(self) -> None:
+        if self.tracker is not None and not self.active and not self.closed:
+            self.tracker.__enter__()
+            self.active = True
+
+    def _exit(self) -> None:
+        if self.active:
+            self.tracker.__exit__(None, None, None)
+            self.active = False
 
     def restart(self, predicted_peak_bytes: int | None) -> None:
-        """After an OOM recovery: measure the peak afresh (not the failed attempt's) against the new plan."""
+        """After an OOM recovery: measure the peak afresh (not the failed attempt's) against the new plan,
+        tracking the step being redone and the steps after it as at the start."""
         self.predicted, self.warned = predicted_peak_bytes, False
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         elif self.tracker is not None:
             self.tracker.reset_peak()
+            self.tracked, self._first, self.track_step = [], FIRST_STEPS, True
+            self._back()  # the step being redone is tracked
 
     def on_train_end(self, args, state, control, **kwargs):
         self.close()
@@ -56,13 +162,16 @@ class PeakMemoryCallback(TrainerCallback):
         so the run also calls this after an error: a mode left active would track every later tensor op of
         the process (the UI's, the next run's)."""
         if self.tracker is not None and not self.closed:
-            self.tracker.__exit__(None, None, None)
+            self._exit()
             self.tracker.remove_hooks()
-        self.closed = True
+        self.closed, self._aside = True, False
 
-    def peak(self) -> dict[str, Any]:
+    def peak(self) -> dict[str, Any] | None:
+        """The peak so far (None on CPU with mode `off`)."""
         if self.tracker is not None:
             return self.tracker.result()
+        if not torch.cuda.is_available():
+            return None
         return {"device": "cuda", "peak_bytes": int(torch.cuda.max_memory_allocated()),
                 "peak_reserved_bytes": int(torch.cuda.max_memory_reserved())}
 
@@ -70,6 +179,8 @@ class PeakMemoryCallback(TrainerCallback):
         if logs is None:
             return
         result = self.peak()
+        if result is None:
+            return
         logs["peak_memory_bytes"] = result["peak_bytes"]
         if "breakdown" in result:
             logs["peak_memory_breakdown"] = result["breakdown"]

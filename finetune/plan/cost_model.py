@@ -5,7 +5,10 @@ step time = compute / (peak FLOPs x utilisation) + dequantization + exposed tran
   for weight gradients of trained weights (full fine-tuning), plus attention (4 s h per token per layer
   forward); checkpointed layers run their forward twice (recompute); a tiled MLP runs its MLP forward once
   more in backward (recomputed chunk by chunk). Recomputed norms are not counted (memory-bound, <1%).
-- utilisation grows with tokens per micro-batch: u = t / (t + UTIL_HALF_TOKENS) (small batches starve the GPU).
+- utilisation grows with tokens per micro-batch: u = t / (t + half_tokens) (small batches starve the GPU).
+- the device's figures (peak FLOP/s, half_tokens, memory bandwidth): on a GPU the constants of DEVICE; on a
+  CPU those measured on this machine (`calibrated`: fp32 matmuls of a layer's width at a small and a large
+  row count, finetune.memory.bandwidth.cpu_compute), fitted to rate(t) = peak * t / (t + half_tokens).
 - 4-bit/8-bit: every quantized weight is dequantized in forward, backward and recompute (reads its packed
   bytes, writes compute-dtype bytes) at memory bandwidth; a tiled MLP dequantizes its weights once per chunk
   in each of those passes, plus once per chunk for its recompute.
@@ -37,8 +40,26 @@ DEVICE_BASIS = {"cuda": "an RTX 4090-class GPU in bf16", "cpu": "a desktop CPU"}
 # Bytes/s of each offload link where it was not measured: PCIe 4.0 x16 with pinned memory, achieved; an NVMe
 # SSD, sequential. Host<->device on a CPU run is a memory copy (the device's mem_bw).
 LINK_BYTES_PER_S = {"host_device": 20e9, "disk": 3e9}
-UTIL_HALF_TOKENS = 1024  # tokens per micro-batch at which utilisation reaches half of peak
+UTIL_HALF_TOKENS = 1024  # tokens per micro-batch at which utilisation reaches half of peak (GPU)
 CHUNKED_LOSS_OVERHEAD = 0.01  # relative cost of running the LM head in chunks
+
+
+def calibrated(probe: dict[str, float]) -> dict[str, float]:
+    """The device figures of a measured CPU (`probe`: finetune.memory.bandwidth.measure_cpu's `flops@N` rates
+    and `mem_bw`): the peak and half_tokens of rate(t) = peak * t / (t + half_tokens) through the smallest and
+    the largest row count measured (1/rate is linear in 1/t), and the memory bandwidth."""
+    points = sorted((int(key.split("@")[1]), rate) for key, rate in probe.items() if key.startswith("flops@"))
+    (t1, r1), (t2, r2) = points[0], points[-1]
+    slope = max(0.0, (1 / r1 - 1 / r2) / (1 / t1 - 1 / t2))  # half_tokens / peak; noise can make it negative
+    peak = 1 / (1 / r2 - slope / t2)
+    return {"flops": peak, "half_tokens": slope * peak, "mem_bw": probe["mem_bw"]}
+
+
+def figures_of(device: str, probe: dict[str, float] | None = None) -> dict[str, float]:
+    """The figures tokens_per_second prices `device` with: measured (`probe`, a CPU) or DEVICE's constants."""
+    if probe is not None:
+        return calibrated(probe)
+    return {**DEVICE[device], "half_tokens": UTIL_HALF_TOKENS}
 
 
 def tokens_per_second(settings: Settings, *, device: str, params: int, trainable_full: bool, num_layers: int,
@@ -46,7 +67,8 @@ def tokens_per_second(settings: Settings, *, device: str, params: int, trainable
                       mlp_params: int = 0, mlp_chunk_tokens: int = 1024,
                       bandwidth: dict[str, float] | None = None, world_size: int = 1,
                       traffic: tuple[float, float] = (0.0, 0.0), interconnect: float = 20e9,
-                      rows_per_example: int = 1, reference_forward: bool = False) -> float:
+                      rows_per_example: int = 1, reference_forward: bool = False,
+                      figures: dict[str, float] | None = None) -> float:
     """Tokens per second of one optimizer step under `settings` (see module docstring).
 
     `mlp_params`: weight elements of all layers' MLPs (recomputed once more with a tiled MLP).
@@ -54,8 +76,9 @@ def tokens_per_second(settings: Settings, *, device: str, params: int, trainable
     constants above stand in for what was not measured.
     `rows_per_example`, `reference_forward`: preference methods (sequences per example; a reference forward
     in every step).
+    `figures`: the device's figures (figures_of); default DEVICE's constants.
     """
-    dev = DEVICE[device]
+    dev = figures or figures_of(device)
     tokens = settings.micro_batch_size * seq_len  # counted in tokens/s
     rows = tokens * rows_per_example  # computed: chosen and rejected of a pair
     fwd = 2 * params * rows + 4 * seq_len * hidden * num_layers * rows
@@ -65,7 +88,7 @@ def tokens_per_second(settings: Settings, *, device: str, params: int, trainable
         recompute = fwd / settings.checkpoint_every_n_layers
     if settings.tiled_mlp:
         recompute += 2 * mlp_params * rows
-    util = rows / (rows + UTIL_HALF_TOKENS)
+    util = rows / (rows + dev["half_tokens"])
     compute = (fwd * (passes + (1 if reference_forward else 0)) + recompute) / (dev["flops"] * util)
     if settings.chunked_loss:
         compute *= 1 + CHUNKED_LOSS_OVERHEAD
@@ -81,17 +104,17 @@ def tokens_per_second(settings: Settings, *, device: str, params: int, trainable
     transfer = overhead = 0.0
     if settings.offload != "none":
         tier = tier_spec(settings.offload)
-        bw = _link_bytes_per_s(tier.link, device, bandwidth or {})
+        bw = _link_bytes_per_s(tier.link, device, dev, bandwidth or {})
         transfer = max(0.0, 2 * offloaded_bytes / bw - compute)
         overhead = tier.overhead
     step = (compute * (1 + overhead) + dequant + transfer) * settings.gradient_accumulation_steps
     link, host = traffic
     step += max(0.0, link / interconnect - 2 / 3 * compute * settings.gradient_accumulation_steps)
-    step += host / _link_bytes_per_s("host_device", device, bandwidth or {})
+    step += host / _link_bytes_per_s("host_device", device, dev, bandwidth or {})
     return world_size * tokens * settings.gradient_accumulation_steps / step
 
 
-def _link_bytes_per_s(link: str, device: str, measured: dict[str, float]) -> float:
+def _link_bytes_per_s(link: str, device: str, dev: dict[str, float], measured: dict[str, float]) -> float:
     if link == "host_device" and device != "cuda":
-        return DEVICE[device]["mem_bw"]
+        return dev["mem_bw"]
     return measured.get(link, LINK_BYTES_PER_S[link])

@@ -13,11 +13,11 @@ import torch
 from pydantic import ValidationError
 
 from finetune.errors import RecipeError, UsageError
-from finetune.memory.bandwidth import transfer_bandwidth
+from finetune.memory.bandwidth import cpu_compute, transfer_bandwidth
 from finetune.memory.device_memory import usable_gpu_memory
 from finetune.memory.offload import offload_dir_for
 from finetune.memory.preference import PreferenceLoss, loads_reference_adapter, reference_is_current
-from finetune.plan.cost_model import tokens_per_second
+from finetune.plan.cost_model import figures_of, tokens_per_second
 from finetune.plan.memory_model import ModelSpec, managed_state, memory_floor, predict_memory, traffic_bytes
 from finetune.plan.shapes import ModelShapes, target_dtype
 from finetune.plan.trace import model_facts, planned_config
@@ -30,6 +30,8 @@ from finetune.recipe.settings import Settings, inactive_settings, read_settings,
 from finetune.units import format_bytes, parse_bytes
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+MICRO_BATCH_GAIN = 0.10  # the predicted speed-up a larger micro-batch must bring to be chosen over a smaller one
+BATCH_KEYS = ("micro_batch_size", "gradient_accumulation_steps")
 # Optimizers `auto` may pick (the registry's auto_preference); the factor is a preference (update quality),
 # not a speed.
 AUTO_OPTIMIZERS = auto_preferences()
@@ -78,6 +80,8 @@ class Plan:
     reference_pass_bytes: int = 0  # training.precompute_reference: peak of the pass before training (in peak_bytes
     # when it is the larger)
     managed_bytes: int = 0  # a paged optimizer's state in CUDA managed memory: outside the peak, in host RAM
+    device_figures: dict[str, float] = field(default_factory=dict)  # what tokens_per_s rests on (figures_of)
+    figures_measured: bool = False  # device_figures were measured on this machine (a CPU), not DEVICE's constants
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -253,7 +257,7 @@ def free_disk_bytes(path: Path) -> int:
 
 
 def _speed(spec: ModelSpec, shapes: ModelShapes, settings: Settings, offloaded_bytes: int,
-           bandwidth: dict[str, float] | None) -> float:
+           bandwidth: dict[str, float] | None, figures: dict[str, float] | None = None) -> float:
     quantized = shapes.num_layers * shapes.layer_linear if settings.bits else 0
     return tokens_per_second(
         settings, device=spec.device, params=shapes.total, trainable_full=spec.adapter.type == "full",
@@ -261,7 +265,8 @@ def _speed(spec: ModelSpec, shapes: ModelShapes, settings: Settings, offloaded_b
         offloaded_bytes=offloaded_bytes, dtype_bytes=spec.dtype.itemsize,
         mlp_params=shapes.num_layers * shapes.mlp_linear, mlp_chunk_tokens=spec.tiled_mlp_tokens, bandwidth=bandwidth,
         world_size=spec.world_size, traffic=traffic_bytes(spec, settings), interconnect=spec.interconnect_bandwidth,
-        rows_per_example=spec.rows_per_example, reference_forward=_reference_in_step(spec.objective))
+        rows_per_example=spec.rows_per_example, reference_forward=_reference_in_step(spec.objective),
+        figures=figures)
 
 
 def _reference_in_step(objective: str) -> bool:
@@ -270,12 +275,13 @@ def _reference_in_step(objective: str) -> bool:
 
 
 def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, free: dict[str, int] | None = None,
-             bandwidth: dict[str, float] | None = None) -> Candidate:
+             bandwidth: dict[str, float] | None = None, figures: dict[str, float] | None = None) -> Candidate:
     """Predict memory and speed of one configuration; offload beyond the free space its tier's bytes live in
     (`free`, bytes by the tier table's `holds_in`; absent: not checked) is rejected, and so is a paged
-    optimizer's managed state that, with a cpu tier's tensors, exceeds free host RAM."""
+    optimizer's managed state that, with a cpu tier's tensors, exceeds free host RAM. `figures`: the device's
+    speed figures (cost_model.figures_of; default its constants)."""
     pred = predict_memory(spec, settings)
-    tps = _speed(spec, shapes, settings, pred.offloaded_bytes, bandwidth)
+    tps = _speed(spec, shapes, settings, pred.offloaded_bytes, bandwidth, figures)
     cand = Candidate(asdict(settings), pred.peak_bytes, pred.breakdown, tps,
                      communication_bytes=pred.communication_bytes, reference_pass_bytes=pred.reference_pass_bytes,
                      managed_bytes=pred.managed_bytes)
@@ -310,6 +316,9 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
     bandwidth, free = _offload_resources(recipe, device, {st.offload for st in choices} - {"none"})
     if device == "cuda" and any(managed_state(spec, st) for st in choices):
         free.setdefault("host_ram", _free_memory("cpu"))
+    # A CPU is priced with what it measured (once per machine and thread count, cached); a GPU with constants.
+    measured = device == "cpu"
+    figures = figures_of(device, cpu_compute() if measured else None)
     # Cheap lower bounds first: a configuration whose weights and optimizer state alone exceed the budget is
     # rejected without tracing its activations.
     floors = sorted(((memory_floor(spec, st), i, st) for i, st in enumerate(choices)),
@@ -327,12 +336,12 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
             # Dominance: without checkpointing every layer keeps what a checkpointed run recomputes for one.
             pruned.append((over[with_ckpt], st))
         elif st.tiled_mlp and (replace(st, tiled_mlp=False) in fits_untiled
-                               or _score_of(st.optimizer, _speed(spec, shapes, st, 0, bandwidth)) <= best_score):
+                               or _score_of(st.optimizer, _speed(spec, shapes, st, 0, bandwidth, figures)) <= best_score):
             # Tiling only buys memory: skip it (and its traces) where the plain MLP fits, or where even with
             # free transfers it cannot beat a configuration that already fits.
             continue
         else:
-            cand = evaluate(spec, shapes, st, free, bandwidth)
+            cand = evaluate(spec, shapes, st, free, bandwidth, figures)
             candidates.append(cand)
             if st.activation_checkpointing and cand.peak_bytes > budget:
                 over[st] = cand.peak_bytes
@@ -343,12 +352,12 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
     for c in candidates:
         if c.kind is None and c.peak_bytes > budget:
             c.reject("over_budget", f"needs {format_bytes(c.peak_bytes)}, budget {format_bytes(budget)}")
-    ok = sorted((c for c in candidates if c.kind is None), key=lambda c: -_score(c))
+    ok = _smallest_batch_first(sorted((c for c in candidates if c.kind is None), key=lambda c: -_score(c)))
     leanest = min(candidates, key=lambda c: c.peak_bytes, default=None)
     while not ok and pruned and (leanest is None or pruned[0][0] < leanest.peak_bytes):
         # Nothing fits: find the leanest configuration (branch and bound on the lower bounds).
         _floor, st = pruned.pop(0)
-        cand = evaluate(spec, shapes, st, free, bandwidth)
+        cand = evaluate(spec, shapes, st, free, bandwidth, figures)
         if cand.kind is None:
             cand.reject("over_budget", f"needs {format_bytes(cand.peak_bytes)}, budget {format_bytes(budget)}")
         candidates.append(cand)
@@ -364,12 +373,12 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
         return Plan(device, best.settings, best.peak_bytes, best.breakdown, budget, True, best.tokens_per_s,
                     alternatives=ok[1:4], rejected=rejected, world_size=spec.world_size,
                     communication_bytes=best.communication_bytes, reference_pass_bytes=best.reference_pass_bytes,
-                    managed_bytes=best.managed_bytes)
+                    managed_bytes=best.managed_bytes, device_figures=figures, figures_measured=measured)
     return Plan(device, leanest.settings, leanest.peak_bytes, leanest.breakdown, budget, False,
                 leanest.tokens_per_s, rejected=rejected,
                 min_budget_bytes=leanest.peak_bytes + recipe.memory.gpu_memory_margin, world_size=spec.world_size,
                 communication_bytes=leanest.communication_bytes, reference_pass_bytes=leanest.reference_pass_bytes,
-                managed_bytes=leanest.managed_bytes)
+                managed_bytes=leanest.managed_bytes, device_figures=figures, figures_measured=measured)
 
 
 def _offload_resources(recipe: Recipe, device: str, tiers: set[str]) -> tuple[dict[str, float], dict[str, int]]:
@@ -386,6 +395,21 @@ def _offload_resources(recipe: Recipe, device: str, tiers: set[str]) -> tuple[di
     if "offload_dir" in stores:
         free["offload_dir"] = free_disk_bytes(offload_dir)
     return bandwidth, free
+
+
+def _smallest_batch_first(ranked: list[Candidate]) -> list[Candidate]:
+    """`ranked` (best first) with the best moved behind a smaller micro-batch of otherwise the same settings
+    that is predicted at most MICRO_BATCH_GAIN slower: a larger micro-batch costs memory and makes each step
+    (the feedback, a checkpoint's distance) longer, which a few percent of predicted speed does not buy. On a
+    CPU, whose matmuls are near their peak at a few hundred tokens, this keeps `auto` at small micro-batches."""
+    if not ranked:
+        return ranked
+    best = ranked[0]
+    same = {k: v for k, v in best.settings.items() if k not in BATCH_KEYS}
+    close = [c for c in ranked if _score(c) * (1 + MICRO_BATCH_GAIN) >= _score(best)
+             and {k: v for k, v in c.settings.items() if k not in BATCH_KEYS} == same]
+    chosen = min(close, key=lambda c: c.settings["micro_batch_size"])
+    return [chosen] + [c for c in ranked if c is not chosen]
 
 
 def _score(c: Candidate) -> float:

@@ -111,3 +111,19 @@ def auto_keys(recipe: Recipe) -> list[str]:
     """The recipe keys ("section.field") left to the planner."""
     keys = {s.name: s.key for s in table()}
     return [keys[name] for name in auto_settings(recipe)]
+
+
+def auto_choices(recipe: Recipe, values: Mapping[str, Any]) -> dict[str, Any]:
+    """The recipe keys ("section.field") `recipe` leaves to the planner, each with the value it got in
+    `values` (by setting name: a plan's `settings`), so what was chosen automatically can be named with its
+    value."""
+    keys = {s.name: s.key for s in table()}
+    return {keys[name]: values[name] for name in auto_settings(recipe) if name in values}
+
+
+def format_choices(choices: Mapping[str, Any]) -> list[str]:
+    """`key=value` per choice, the value as a recipe writes it (true, null)."""
+    def text(value: Any) -> str:
+        return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+    return [f"{key}={text(value)}" for key, value in choices.items()]

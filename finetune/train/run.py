@@ -23,7 +23,13 @@ from finetune.recipe.batch_rules import apply_batch_rules, reference_batch
 from finetune.recipe.init_from import init_from_record, resolve_init_from
 from finetune.recipe.load import load_recipe, recipe_to_yaml
 from finetune.recipe.schema import Recipe
-from finetune.recipe.settings import auto_settings, read_settings, write_settings
+from finetune.recipe.settings import (
+    auto_choices,
+    auto_settings,
+    format_choices,
+    read_settings,
+    write_settings,
+)
 from finetune.recipe.settings import table as settings_table
 from finetune.rundir import (
     EVAL_PREFIX,
@@ -108,7 +114,8 @@ def _plan(recipe: Recipe) -> tuple[Plan | None, Recipe]:
                                 hint="run `finetune plan RECIPE` to see what was tried and why it was rejected")
         console.print(f"[yellow]warning: this recipe is predicted not to fit: {budget}{needed}")
     else:
-        console.print(f"memory plan: {budget}" + (f"; chose {', '.join(auto)} automatically" if auto else ""))
+        chosen = ", ".join(format_choices(auto_choices(recipe, plan.settings)))
+        console.print(f"memory plan: {budget}" + (f"; chose {chosen} automatically" if chosen else ""))
     return plan, plan.apply(recipe) if auto else recipe
 
 
@@ -293,13 +300,16 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     # Preference methods: the held-out rewards before training, so results.json shows what training changed.
     before = trainer.evaluate() if data.eval is not None and trainer.preference is not None and not checkpoint \
         else None
-    start = time.time()
+    start, cpu_start = time.time(), time.process_time()
     try:
         output = trainer.train(resume_from_checkpoint=checkpoint)
     finally:
         peak.close()  # also after an error, when the Trainer never calls on_train_end
         if trainer.offload is not None:  # an out-of-memory recovery may have turned it on or changed it
             trainer.offload.close()  # removes every file the disk tier still holds, also after an error
+    if main and peak.tracked_steps:
+        run_dir.log_line(f"memory tracker: tracked {len(peak.tracked_steps)} of {trainer.state.global_step} steps "
+                         f"(those that could set a new peak): {', '.join(str(s + 1) for s in peak.tracked_steps)}")
     after = _final_evaluation(trainer) if data.eval is not None else {}
     eval_loss = after.get(f"{EVAL_PREFIX}loss")
     state = "stopped" if stopper.requested else "completed"
@@ -311,7 +321,8 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
         return result
     atomic_write_json(run_dir.results, {
         "state": state, "steps": result.steps, "final_loss": result.final_loss, "eval_loss": eval_loss,
-        "train_runtime_s": round(time.time() - start, 2), "train_metrics": output.metrics, "data": data.stats,
+        "train_runtime_s": round(time.time() - start, 2), "train_cpu_s": round(time.process_time() - cpu_start, 2),
+        "train_metrics": output.metrics, "data": data.stats,
         "trainable_parameters": trainable, "total_parameters": total,
         **({"init_from": started} if started is not None else {}),
         **({"eval_before": before, "eval_after": after} if before is not None else {}),

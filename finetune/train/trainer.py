@@ -20,6 +20,7 @@ from finetune.errors import FinetuneError
 from finetune.memory.offload import ActivationOffload
 from finetune.memory.preference import PreferenceLoss, metric_means
 from finetune.memory.step import compute_loss, forward_backward, mixed_precision
+from finetune.memory.tracker_callback import PeakMemoryCallback
 from finetune.optim import build_optimizer, layerwise_of, register_safe_globals
 from finetune.recipe.schema import Recipe
 from finetune.rundir import atomic_write_json
@@ -143,6 +144,18 @@ class FinetuneTrainer(Trainer):
         self.noise_probe = GradNormProbe(self.model.parameters(), world=self.accelerator.num_processes) \
             if recipe.training.noise_scale and not sharded else None
 
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The step's loader batches, fetched through the CPU memory tracker, which tracks only the steps that
+        can set a new peak (finetune/memory/tracker_callback.py)."""
+        def fetch():
+            return super(FinetuneTrainer, self).get_batch_samples(epoch_iterator, num_batches, device)
+
+        peak = self._peak_callback()
+        return peak.fetch_step(fetch) if peak is not None else fetch()
+
+    def _peak_callback(self) -> PeakMemoryCallback | None:
+        return next((c for c in self.callback_handler.callbacks if isinstance(c, PeakMemoryCallback)), None)
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         """One forward + backward: finetune.memory.step.forward_backward, the step the planner traces and
         `finetune measure` runs (loss scaling, autocast, offload and chunked loss as configured here)."""
@@ -158,12 +171,17 @@ class FinetuneTrainer(Trainer):
             tokens = labelled_tokens(inputs)  # device scalars: the probe reads them at the step's end
             self.noise_probe.micro_batch(tokens, scale * tokens / num_items if num_items is not None
                                          else 1 / self.current_gradient_accumulation_steps)
-        loss = forward_backward(
-            model, self._prepare_inputs(inputs), accumulation=self.current_gradient_accumulation_steps,
-            num_items_in_batch=num_items,
-            chunked_loss=self.recipe.memory.chunked_loss is True and "labels" in inputs, autocast=self.accelerator.autocast, offload=self.offload,
-            backward=lambda loss: self._backward(loss * scale if scale != 1 else loss),
-            preference=self.preference, metrics=self._preference_metrics["train"])
+        def run() -> torch.Tensor:
+            return forward_backward(
+                model, self._prepare_inputs(inputs), accumulation=self.current_gradient_accumulation_steps,
+                num_items_in_batch=num_items,
+                chunked_loss=self.recipe.memory.chunked_loss is True and "labels" in inputs,
+                autocast=self.accelerator.autocast, offload=self.offload,
+                backward=lambda loss: self._backward(loss * scale if scale != 1 else loss),
+                preference=self.preference, metrics=self._preference_metrics["train"])
+
+        peak = self._peak_callback()  # the CPU tracker sees only the micro-batches of steps that can set a peak
+        loss = peak.micro_batch(run) if peak is not None else run()
         loss = loss * scale if scale != 1 else loss
         finite = torch.isfinite(loss).all()
         self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
@@ -228,6 +246,8 @@ class FinetuneTrainer(Trainer):
             self._diverged("the training loss is NaN or inf")
         if norm is not None and not math.isfinite(float(norm)):
             self._diverged(f"the gradient norm is {float(norm)}")
+        if (peak := self._peak_callback()) is not None:
+            peak.keep(norm)  # the Trainer keeps it into the next step
         return norm
 
     def _diverged(self, what: str) -> None:
