@@ -78,6 +78,10 @@ def test_plan_with_every_key_auto_is_unchanged(tiny_model_dir, tmp_path, fresh, 
         "training": {"micro_batch_size": auto, "gradient_accumulation_steps": auto, "effective_batch_size": 8},
         "memory": {"activation_checkpointing": auto, "offload": auto, "chunked_loss": auto, "tiled_mlp": auto,
                    "tiled_mlp_tokens": CHUNK, "gpu_memory_margin": 0}})
+    from finetune.plan import search
+
+    measured = search.cpu_compute()  # the CPU's speed is measured once per cache folder: keep one measurement
+    monkeypatch.setattr(search, "cpu_compute", lambda: measured)
     fast = predict(recipe, gpu_memory="2MiB", device="cpu").to_dict()
     DEFAULT_PLANNER.traces.clear()
     monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "slow"))

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from finetune.data.build import _listed, _raise_bad, _sample, _split
+from finetune.data.build import _listed, _refuse_bad, _sample, _split
 from finetune.data.chat import ChatEncoder, resolve_template
 from finetune.data.formats import (
     Chat,
@@ -96,11 +96,7 @@ def build_prompts(cfg: DataConfig, tokenizer: Any, seed: int, max_prompt_tokens:
             continue
         fields = {k: v for k, v in record.value.items() if k not in PROMPT_KEYS}
         prepared.append(PromptExample(record.where, text, [], fields))
-    if problems and cfg.on_bad_record == "error":
-        _raise_bad(cfg.path, "prompt", problems)
-    if not prepared:
-        raise DataError(f"{cfg.path}: no usable prompts ({len(problems)} malformed were skipped)",
-                        problems=_listed(problems))
+    _refuse_bad(cfg, "prompt", problems, len(prepared))
     ids = tokenizer([p.text for p in prepared], add_special_tokens=False)["input_ids"]
     overlong = []
     for example, tokens in zip(prepared, ids, strict=True):
