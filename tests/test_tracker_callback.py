@@ -149,3 +149,47 @@ def test_the_recorded_peak_is_the_every_step_peak_when_the_longest_batch_comes_l
     # the first two steps, then untracked steps before the longest batch comes, tracked (at step 5: seed 5)
     assert steps == [1, 2, 5] and peaks["every_step"][2] == 5  # the peak's first log is that step's
     assert peaks["peaks"] == peaks["every_step"]  # bytes, breakdown and step
+
+
+def test_untracked_steps_do_not_dispatch_through_the_tracker(tiny_model_dir, tmp_path, monkeypatch):
+    """`finetune run` on CPU, steps of one shape: after the first steps, no operator of a step's forward,
+    backward or optimizer update passes through the tracker, only the few before its first micro-batch (the
+    noise probe counting its labelled tokens): a run with the tracker costs its few tracked steps."""
+    import json
+    from collections import Counter
+
+    from finetune.memory.tracker import MemoryTracker
+    from finetune.memory.tracker_callback import MODE_VARIABLE, PeakMemoryCallback
+    from finetune.recipe import validate_recipe
+    from finetune.train.run import run
+    from tests.run_support import tiny_lora_recipe
+
+    row = {"messages": [{"role": "user", "content": "What is one plus one?"}, {"role": "assistant", "content": "Two."}]}
+    data = tmp_path / "data.jsonl"
+    data.write_text((json.dumps(row) + "\n") * 12)
+    phase, dispatched = ["before"], Counter()
+    dispatch, begin, end = (MemoryTracker.__torch_dispatch__, PeakMemoryCallback.on_step_begin,
+                            PeakMemoryCallback.on_step_end)
+
+    def counting_dispatch(self, func, types, args=(), kwargs=None):
+        dispatched[phase[0]] += 1
+        return dispatch(self, func, types, args, kwargs)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        begin(self, args, state, control, **kwargs)
+        phase[0] = f"step {state.global_step + 1} {'tracked' if self.track_step else 'untracked'}"
+
+    def on_step_end(self, args, state, control, **kwargs):
+        phase[0] = "between steps"
+        return end(self, args, state, control, **kwargs)
+
+    monkeypatch.setattr(MemoryTracker, "__torch_dispatch__", counting_dispatch)
+    monkeypatch.setattr(PeakMemoryCallback, "on_step_begin", on_step_begin)
+    monkeypatch.setattr(PeakMemoryCallback, "on_step_end", on_step_end)
+    monkeypatch.setenv(MODE_VARIABLE, "peaks")
+    recipe = tiny_lora_recipe(tiny_model_dir, data, tmp_path / "run",
+                              {"training": {"max_steps": 5, "micro_batch_size": 2}})
+    run(validate_recipe(recipe))
+    tracked = [dispatched[f"step {s} tracked"] for s in (1, 2)]
+    untracked = [dispatched[f"step {s} untracked"] for s in (3, 4, 5)]
+    assert min(tracked) > 1000 and max(untracked) <= 5, dispatched

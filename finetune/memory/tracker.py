@@ -196,14 +196,30 @@ class MemoryTracker(TorchDispatchMode):
 
     # -- dispatch ----------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # Every operator of a tracked step passes here (tens of thousands a step): kept to the fewest Python calls.
         out = func(*args, **(kwargs or {}))
-        flat, _ = tree_flatten(out)
-        for t in flat:
-            if isinstance(t, torch.Tensor) and self._on_device(t) and not t.is_sparse:
-                vocab_like = self.vocab_size is not None and t.dim() > 0 and t.shape[-1] == self.vocab_size
-                category = "logits_and_loss" if vocab_like and self._phase == "activations" else self._phase
-                self._add(t.untyped_storage(), category)
+        if isinstance(out, torch.Tensor):  # most operators: no tree to flatten
+            self._seen(out)
+        else:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self._seen(t)
         return out
+
+    def _seen(self, t: torch.Tensor) -> None:
+        """Count an operator's output: a new storage, or a live one resized in place (a view of a live one:
+        nothing to do)."""
+        if t.is_sparse or not self._on_device(t):
+            return
+        storage = t.untyped_storage()
+        entry = self._live.get(id(storage))
+        if entry is not None and entry[0] == storage.nbytes():
+            return
+        category = self._phase
+        if category == "activations" and self.vocab_size is not None and t.dim() > 0 \
+                and t.shape[-1] == self.vocab_size:
+            category = "logits_and_loss"
+        self._add(storage, category)
 
     def result(self) -> dict[str, Any]:
         """`{"device", "peak_bytes", "breakdown"}` of everything seen so far (CUDA: allocator totals too)."""
