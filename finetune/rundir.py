@@ -25,7 +25,7 @@ from finetune.errors import FinetuneError
 
 RECIPE = "recipe.yaml"  # also the name the UI gives a recipe it offers for download
 MARKER = ".finetune-run"  # written into a run directory the tool created; --overwrite deletes nothing else
-LOCK = ".finetune-lock"  # flock'ed by the one process writing the run (RunDir.lock); never deleted while in use
+LOCK = ".finetune-lock"  # flock'ed by the one process writing the run (RunDir.lock); only its holder deletes it
 LOCK_WAIT_S = 0.5  # how long taking the lock waits out a reader's momentary probe (RunDir.locked_by)
 EXPORT_MARKER = ".finetune-export"  # written into an export folder: a later export may replace only such a folder
 TAIL_BYTES = 65536  # a log tail reads at most this much from the end of the file
@@ -164,15 +164,22 @@ def tail(path: Path, lines: int = 40) -> str:
 
 class RunLock:
     """An exclusive flock on a run directory's lock file, held until `release()` or the end of the process:
-    the kernel drops it however the process ends, so a crash or a kill -9 leaves no stale lock."""
+    the kernel drops it however the process ends, so a crash or a kill -9 leaves no stale lock. `made`: the run
+    directory whose lock file this lock created; released while that folder holds no run (an export or a
+    --resume refused on a folder of the user's), the file goes too, so a refusal leaves the folder as it was."""
 
-    def __init__(self, fd: int | None):
+    def __init__(self, fd: int | None, made: RunDir | None = None):
         self._fd = fd
+        self._made = made
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the descriptor drops the flock
-            self._fd = None
+        if self._fd is None:
+            return
+        made = self._made
+        if made is not None and not made.exists() and made._holds_lock_file(self._fd):
+            made.lock_file.unlink(missing_ok=True)  # still ours: only a holder deletes its file (waiters retry)
+        os.close(self._fd)  # closing the descriptor drops the flock
+        self._fd = None
 
     def __enter__(self) -> RunLock:
         return self
@@ -308,7 +315,7 @@ class RunDir:
             try:
                 if create:
                     self.root.mkdir(parents=True, exist_ok=True)
-                fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                fd, made = self._open_lock_file()
             except OSError as exc:
                 if create:
                     raise _cannot_create(self.root, exc) from None
@@ -333,7 +340,20 @@ class RunDir:
             os.pwrite(fd, f"pid {os.getpid()} ({action})\n".encode(), 0)
         except OSError:
             pass
-        return RunLock(fd)
+        return RunLock(fd, made=self if made else None)
+
+    def _open_lock_file(self) -> tuple[int, bool]:
+        """(descriptor, whether this call created the file): a lock file made here is removed on release
+        while the folder holds no run (RunLock)."""
+        while True:
+            try:
+                return os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644), True
+            except FileExistsError:
+                pass
+            try:
+                return os.open(self.lock_file, os.O_RDWR | os.O_CLOEXEC), False
+            except FileNotFoundError:  # its holder deleted it as it ended: create it
+                continue
 
     def _holds_lock_file(self, fd: int) -> bool:
         """Whether `fd` is still the file at lock_file's path (a lock on a deleted one keeps nobody out)."""

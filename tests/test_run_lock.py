@@ -59,6 +59,42 @@ def test_export_of_a_locked_run_is_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+
+def _listing(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_export_and_resume_refused_on_a_folder_of_the_users_leave_it_as_it_was(tmp_path, tiny_model_dir, capsys):
+    """A refusal must not leave the lock file it took in a folder that holds no run."""
+    from finetune.cli import main
+
+    folder = tmp_path / "mine"
+    (folder / "notes").mkdir(parents=True)
+    (folder / "notes" / "a.txt").write_text("keep")
+    before = _listing(folder)
+    assert main(["export", str(folder), "--out", str(tmp_path / "out")]) == 2
+    assert "is not a run directory" in capsys.readouterr().err
+    assert _listing(folder) == before and not (tmp_path / "out").exists()
+    recipe = _write_recipe(tmp_path, _recipe_dict(tmp_path, tiny_model_dir, output={"dir": str(folder)}), "r")
+    assert main(["run", str(recipe), "--resume"]) == 1
+    assert "no checkpoint to resume from" in capsys.readouterr().err
+    assert _listing(folder) == before
+
+
+def test_a_lock_file_made_for_a_run_stays_and_one_that_was_there_is_kept(tmp_path):
+    """Only the lock file a lock itself made is removed, and only while the folder holds no run."""
+    run = RunDir(tmp_path / "run")
+    with run.lock("finetune run", create=True):
+        run.write_status("planning")
+    assert run.lock_file.is_file()  # a run directory keeps its lock file
+    other = RunDir(tmp_path / "other")
+    other.root.mkdir()
+    other.lock_file.write_text("")
+    with other.lock("finetune export"):
+        pass
+    assert other.lock_file.is_file()  # not made by this lock: left as found
+
+
 def _finetune(args: list[str], **env: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
     return subprocess.Popen([sys.executable, "-m", "finetune", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
