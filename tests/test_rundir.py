@@ -222,8 +222,8 @@ def test_status_is_written_in_place_when_the_disk_has_no_room_for_a_temp_copy(tm
 def test_an_export_does_not_make_an_old_run_the_newest(tmp_path):
     old, new = RunDir(tmp_path / "old"), RunDir(tmp_path / "new")
     for run, when in ((old, 1000), (new, 2000)):
-        run.lock("finetune run", create=True).release()
-        run.write_status("completed")
+        with run.lock("finetune run", create=True):  # a run writes its files while it holds the lock
+            run.write_status("completed")
         for f in run.root.iterdir():
             os.utime(f, (when, when))
         os.utime(run.root, (when, when))
