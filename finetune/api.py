@@ -289,15 +289,16 @@ def run_files(run: str | Path | RunFiles) -> RunFiles:
 
 
 def run_evaluation_table(run: str | Path | RunFiles) -> EvaluationTable | None:
-    """The run's latest `finetune eval` as {"headers", "rows" (one per model), "data", "records",
-    "with_expected_answer"}, or None before one ran."""
+    """The run's latest `finetune eval` as {"headers", "rows" (one per model), "data", "records_read",
+    "examples_kept", "with_expected_answer"}, or None before one ran."""
     report = run_files(run).evaluation
     if not report or not report.get("models"):
         return None
     from finetune.evaluate.report import table
 
     headers, rows = table(report)
-    return {"headers": headers, "rows": rows, "data": report.get("data"), "records": report.get("records"),
+    return {"headers": headers, "rows": rows, "data": report.get("data"), "records_read": report.get("records_read"),
+            "examples_kept": report.get("examples_kept", report.get("records")),  # "records": an older file's name
             "with_expected_answer": report.get("with_expected_answer")}
 
 
@@ -568,7 +569,9 @@ def export(run_dir: str | Path, out_dir: str | Path, progress: Callable[[ExportS
 def evaluate(run_dir: str | Path, data: str | Path, *, compare: list[str | Path] | None = None,
              max_new_tokens: int = 64, progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """Held-out loss, perplexity and answer matches of the run on `data` (with `compare`: the base model and the
-    runs listed beside it); also saved as the run's evaluation.json (finetune.evaluate.run)."""
+    runs listed beside it); also saved as the run's evaluation.json (finetune.evaluate.run). Refused, as export
+    is, while a run, a resume or an export holds the run directory."""
     from finetune.evaluate.run import evaluate as _evaluate
 
-    return _evaluate(run_dir, data, compare=compare, max_new_tokens=max_new_tokens, progress=progress)
+    with RunDir(Path(run_dir)).lock("finetune eval"):
+        return _evaluate(run_dir, data, compare=compare, max_new_tokens=max_new_tokens, progress=progress)

@@ -95,8 +95,8 @@ def render_evaluation(report: dict[str, Any], console: Console | None = None) ->
     from finetune.evaluate.report import table
 
     headers, rows = table(report)
-    out = Table(*headers, title=f"{report['records']} held-out records ({report['with_expected_answer']} with "
-                "an expected answer)")
+    out = Table(*headers, title=f"{report['records_read']} held-out records read, {report['examples_kept']} examples "
+                f"kept ({report['with_expected_answer']} with an expected answer)")
     for row in rows:
         out.add_row(*row)
     (console or Console()).print(out)

@@ -59,7 +59,8 @@ class EvaluationTable(TypedDict):
     headers: list[str]
     rows: list[list[Any]]
     data: str | None
-    records: int | None
+    records_read: int | None  # records in the data file, bad ones included (None: a file of an older version)
+    examples_kept: int | None  # the examples the loss was measured on
     with_expected_answer: int | None
 
 

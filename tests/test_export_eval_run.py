@@ -5,6 +5,7 @@ measures the run against its base model on held-out records and saves the result
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -92,7 +93,7 @@ def test_eval_compares_base_and_run_on_held_out_records(trained, tmp_path, capsy
     assert (base["label"], tuned["label"]) == ("base model", "run")
     assert tuned["loss"] < base["loss"] * 0.7 and tuned["perplexity"] < base["perplexity"]
     assert base["loss_tokens"] == tuned["loss_tokens"] > 0
-    assert report["records"] == report["with_expected_answer"] == 4
+    assert report["records_read"] == report["examples_kept"] == report["with_expected_answer"] == 4
     assert all(m["exact"]["of"] == 4 and m["numeric"]["of"] == 4 for m in report["models"])
     first = report["answers"][0]
     assert first["prompt"] == "What is 16 plus 16?" and set(first["answers"]) == {"base model", "run"}
@@ -134,15 +135,9 @@ def test_a_k_quant_type_is_refused_before_loading_with_the_llama_quantize_way(tm
 
 
 def test_eval_checks_its_data_before_any_model_loads(tmp_path, tiny_model_dir, monkeypatch, capsys):
-    import yaml
-
     import finetune.evaluate.run as evaluate_run
 
-    run = RunDir(tmp_path / "run")
-    run.adapter.mkdir(parents=True)
-    (run.adapter / "adapter_config.json").write_text("{}")
-    run.recipe.write_text(yaml.safe_dump(tiny_lora_recipe(tiny_model_dir, sums_data(tmp_path / "d.jsonl", 4),
-                                                          run.root)))
+    run = _fake_run(tmp_path, tiny_model_dir)
     monkeypatch.setattr(evaluate_run, "load_adapters", lambda *a, **k: pytest.fail("a model was loaded"))
     assert main(["eval", str(run.root), "--data", str(tmp_path / "missing.jsonl")]) == 2
     err = capsys.readouterr().err
@@ -150,6 +145,50 @@ def test_eval_checks_its_data_before_any_model_loads(tmp_path, tiny_model_dir, m
     (tmp_path / "broken.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"nope": 1}\n')
     assert main(["eval", str(run.root), "--data", str(tmp_path / "broken.jsonl")]) == 3  # DataError
     assert "broken.jsonl" in capsys.readouterr().err
+    assert not run.evaluation.exists()
+
+
+def _fake_run(tmp_path: Path, model_dir: Path, *overrides: dict) -> RunDir:
+    """A finished-looking run directory (recipe and an adapter config) for the checks before a model loads."""
+    import yaml
+
+    run = RunDir(tmp_path / "run")
+    run.adapter.mkdir(parents=True)
+    (run.adapter / "adapter_config.json").write_text("{}")
+    run.recipe.write_text(yaml.safe_dump(tiny_lora_recipe(model_dir, sums_data(tmp_path / "d.jsonl", 4), run.root,
+                                                          *overrides)))
+    return run
+
+
+def test_eval_counts_records_read_and_examples_kept_apart(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """A record skipped (data.on_bad_record: skip) is read but not measured: both counts, named for what they are."""
+    from transformers import AutoTokenizer
+
+    import finetune.evaluate.run as evaluate_run
+    from finetune import api
+
+    run = _fake_run(tmp_path, tiny_model_dir, {"data": {"on_bad_record": "skip"}})
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    monkeypatch.setattr(evaluate_run, "_models", lambda runs, with_base: iter([("run", model, tokenizer)]))
+    data = sums_data(tmp_path / "held_out.jsonl", 3)
+    data.write_text(data.read_text() + '{"nope": 1}\n')
+    assert main(["eval", str(run.root), "--data", str(data), "--max-new-tokens", "2"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the table title may wrap
+    assert "4 held-out records read, 3 examples kept (3 with an expected answer)" in out
+    report = run.read_evaluation()
+    assert (report["records_read"], report["examples_kept"], report["with_expected_answer"]) == (4, 3, 3)
+    table = api.run_evaluation_table(run.root)
+    assert (table["records_read"], table["examples_kept"]) == (4, 3)
+
+
+def test_eval_of_a_run_in_use_is_refused_naming_the_holder(tmp_path, tiny_model_dir, capsys):
+    """eval writes evaluation.json into the run directory: not while a run or --resume writes there."""
+    run = _fake_run(tmp_path, tiny_model_dir)
+    with run.lock("finetune run --resume"):
+        assert main(["eval", str(run.root), "--data", str(tmp_path / "d.jsonl")]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"finetune eval: {run.root} is in use by pid {os.getpid()} (finetune run --resume)" in err
     assert not run.evaluation.exists()
 
 

@@ -237,9 +237,13 @@ def test_the_latest_finetune_eval_shows_base_and_run_side_by_side(tmp_path):
               {"label": "sft", "loss": 0.5, "perplexity": 1.65, "loss_tokens": 40,
                "exact": {"matched": 3, "of": 4}, "contains": {"matched": 4, "of": 4}, "numeric": None}]
     atomic_write_json(run.evaluation, {"data": "/data/held_out.jsonl", "records": 5, "with_expected_answer": 4,
-                                       "models": models, "answers": []})
+                                       "models": models, "answers": []})  # an older version's file
+    assert "\n5 examples kept of `/data/held_out.jsonl`, 4 with" in "\n" + run_panel.updates(run.root)[9]
+    atomic_write_json(run.evaluation, {"data": "/data/held_out.jsonl", "records_read": 6, "examples_kept": 5,
+                                       "with_expected_answer": 4, "models": models, "answers": []})
     box, table = run_panel.updates(run.root)[8:]
-    assert box["visible"] is True and "5 records of `/data/held_out.jsonl`, 4 with an expected answer" in table
+    assert box["visible"] is True
+    assert "6 records read, 5 examples kept of `/data/held_out.jsonl`, 4 with an expected answer" in table
     assert "| model | loss | perplexity | exact | contains | numeric |" in table
     assert "| base model | 2.5000 | 12.18 | 0/4 | 1/4 | - |\n| sft | 0.5000 | 1.65 | 3/4 | 4/4 | - |" in table
 

@@ -326,8 +326,10 @@ def evaluation_markdown(evaluation: dict[str, Any] | None) -> str:
     before one ran."""
     if evaluation is None:
         return ""
-    lines = [f"{evaluation['records']} records of `{evaluation['data']}`, {evaluation['with_expected_answer']} with "
-             "an expected answer (greedy generations; exact, contains and numeric match)", "",
+    read = "" if evaluation["records_read"] is None else f"{evaluation['records_read']} records read, "
+    lines = [f"{read}{evaluation['examples_kept']} examples kept of `{evaluation['data']}`, "
+             f"{evaluation['with_expected_answer']} with an expected answer (greedy generations; exact, contains "
+             "and numeric match)", "",
              "| " + " | ".join(evaluation["headers"]) + " |", "|" + "---|" * len(evaluation["headers"])]
     lines += ["| " + " | ".join(row) + " |" for row in evaluation["rows"]]
     return "\n".join(lines)

@@ -25,7 +25,8 @@ BASE = "base model"
 def evaluate(run_dir: str | Path, data: str | Path, *, compare: list[str | Path] | None = None,
              max_new_tokens: int = 64, progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """Measure the run (and, with `compare`, the base model and the runs listed, side by side) on the records of
-    `data`; the result is also written to the run's evaluation.json."""
+    `data`; the result is also written to the run's evaluation.json (the caller holds the run's lock:
+    finetune.api.evaluate)."""
     recipe, run = load_run(run_dir)
     runs = [*(compare or []), run_dir]
     if not Path(data).is_file():
@@ -37,9 +38,11 @@ def evaluate(run_dir: str | Path, data: str | Path, *, compare: list[str | Path]
     results: list[dict[str, Any]] = []
     answers: list[dict[str, Any]] = []
     examples = prompts = None
+    records_read = 0
     for label, model, tokenizer in _models(runs, with_base=compare is not None):
         if examples is None:
-            examples = build_datasets(cfg, tokenizer, recipe.training.seed).train
+            bundle = build_datasets(cfg, tokenizer, recipe.training.seed)
+            examples, records_read = bundle.train, bundle.stats["records"]
             prompts = expected_answers(cfg.path, cfg.system_prompt)
             answers = [{"where": where, "prompt": messages[-1]["content"], "expected": expected, "answers": {}}
                        for where, messages, expected in prompts]
@@ -55,7 +58,10 @@ def evaluate(run_dir: str | Path, data: str | Path, *, compare: list[str | Path]
                     scores[kind].append(ok)
         results.append({"label": label, "loss": loss, "perplexity": math.exp(loss), "loss_tokens": tokens,
                         **{kind: _rate(scores[kind]) for kind in KINDS}})
-    report = {"data": str(Path(data).resolve()), "records": len(examples), "with_expected_answer": len(answers),
+    # records_read: the file's records, bad ones included; examples_kept: those the loss is measured on (a bad
+    # record skipped by data.on_bad_record, one longer than max_seq_len dropped or with no answer tokens is not)
+    report = {"data": str(Path(data).resolve()), "records_read": records_read, "examples_kept": len(examples),
+              "with_expected_answer": len(answers),
               "max_new_tokens": max_new_tokens, "models": results, "answers": answers}
     atomic_write_json(RunDir(run.root).evaluation, report)
     return report
