@@ -84,6 +84,7 @@ def launch(host: str = "127.0.0.1", port: int = 7860, auth: tuple[str, str] | No
     demo = build_app(backend)
     demo.run_manager = manager  # tests stop its runs when they close the app
     demo.chat_worker = backend.chat_worker  # and its chat worker (which also ends by itself with this process)
+    demo.downloads = backend.downloads  # and see a closed page's download folder go
     demo.login_guard = LoginGuard(*auth) if auth else None
     middleware = [Middleware(ClientAddress), Middleware(HideBeforeLogin)]
     demo.launch(server_name=host, server_port=port, auth=demo.login_guard, share=share,

@@ -7,12 +7,10 @@ in the chat worker process (ui.chat_worker).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -35,6 +33,7 @@ from finetune.recipe.settings import auto_choices
 from finetune.rundir import RECIPE, RunDir, find_runs
 from ui import form
 from ui.chat_worker import ChatWorker
+from ui.downloads import Downloads
 from ui.paths import RECIPE_SUFFIXES, allowed_path, check_recipe_paths, uploaded_file
 from ui.runs import RunManager
 
@@ -76,7 +75,7 @@ class Backend:
         self.settings = settings
         self.manager = manager
         self.specs = form.form_specs()
-        self._downloads = Path(tempfile.mkdtemp(prefix="finetune-ui-"))
+        self.downloads = Downloads()
         self.chat_worker = ChatWorker(manager)
         self._sweeps: dict[str, dict[str, Any]] = {}  # recipe JSON -> api.plan_gpu_sizes
         self._seen: dict[tuple[str, Any, Any], dict[str, Any] | None] = {}  # (run, longest, plan) -> plan there
@@ -148,13 +147,8 @@ class Backend:
 
     def recipe_file(self, values: list[Any], session: str | None) -> Path:
         """Write the form as a recipe YAML to download into the page session's own folder, so no session is
-        handed another's recipe (without a session: a fresh folder)."""
-        if session:
-            folder = self._downloads / hashlib.sha256(session.encode()).hexdigest()[:24]
-            folder.mkdir(exist_ok=True)
-        else:
-            folder = Path(tempfile.mkdtemp(dir=self._downloads))
-        path = folder / RECIPE
+        handed another's recipe (without a session: a fresh folder); it goes when the page closes."""
+        path = self.downloads.folder(session) / RECIPE
         path.write_text(self.recipe_text(values), encoding="utf-8")
         return path
 

@@ -30,6 +30,11 @@ def build_app(backend: Backend) -> gr.Blocks:
             runs_tab = runs.build(backend, widgets)
             chat_run = chat.build(backend)
         _wire_run_lists(demo, backend, run_sel, runs_tab, [prev_run], chat_run, server_file)
+
+        def end_session(request: gr.Request) -> None:  # the tab closed or reloaded: its downloads go
+            backend.downloads.forget(request.session_hash)
+
+        demo.unload(end_session)
     return demo
 
 
