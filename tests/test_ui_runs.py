@@ -114,3 +114,53 @@ def test_the_runs_tab_shows_the_export_steps_from_its_json_progress(tmp_path, mo
     failed = list(export_view(backend, str(run), str(out)))[-1]
     assert "export failed (exit code 2)" in failed and "export: out already exists" in failed
     assert "noise" not in failed  # the error the export reported, not the stream's last lines
+
+
+def test_the_ollama_box_follows_the_format_and_is_never_ignored(tmp_path, monkeypatch):
+    """Ticked with safetensors (which writes no GGUF for a Modelfile) the export is refused before any process
+    starts; the page greys the box out for safetensors."""
+    from ui.backend import Backend, UISettings
+    from ui.tabs.runs import export_view, ollama_box
+
+    backend = Backend(UISettings([tmp_path], tmp_path / "runs"), RunManager(tmp_path / "runs"))
+    monkeypatch.setattr(backend, "checked_run", lambda run_dir: tmp_path / "run")
+    commands = _fake_export(monkeypatch, [], 0)
+    shown = list(export_view(backend, str(tmp_path / "run"), str(tmp_path / "out"), "safetensors", True))
+    assert shown == ["**an Ollama Modelfile needs a GGUF file: the format safetensors writes none**\n\n"
+                     "pick a gguf format, or untick Ollama Modelfile"]
+    assert commands == []
+    assert ollama_box("safetensors") == {"__type__": "update", "interactive": False, "value": False}
+    assert ollama_box("gguf q8_0") == {"__type__": "update", "interactive": True}
+
+
+def test_a_queued_run_another_process_holds_shows_as_refused_with_the_locks_message(tmp_path, monkeypatch):
+    """Held when its turn comes: not started, "refused: ... in use by pid N", and the queue moves on. Taken by
+    another process after its start (its process exits refused): the same, not "failed"."""
+    import os
+
+    held, free = tmp_path / "runs" / "held", tmp_path / "runs" / "free"
+    for run in (held, free):
+        run.mkdir(parents=True)
+        (run / "status.json").write_text('{"state": "stopped", "step": 3}')
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("not: a recipe\n")  # a started process exits at once
+    manager = RunManager(tmp_path / "runs", poll_s=0.2)
+    with RunDir(held).lock("finetune run --resume"):
+        manager.submit(recipe, held, resume=True)
+        manager.submit(recipe, free, resume=True)
+        refused, started = manager.job_for(held), manager.job_for(free)
+        assert (refused.state, refused.pid, started.state) == ("refused", None, "running")
+        assert manager.run_state(held) == (f"refused: finetune run --resume: {held} is in use by pid {os.getpid()} "
+                                           "(finetune run --resume); one process at a time may write a run directory")
+    assert manager.job_for(held).refused == refused.refused  # kept in the queue file
+    wait_for(lambda: manager.poll() or manager.job_for(free).state == "exited", 60, "the process to exit")
+
+    slow = tmp_path / "slow.yaml"
+    slow.write_text("")
+    monkeypatch.setattr(Job, "command", lambda job: [sys.executable, "-c", "import time; time.sleep(1); exit(1)"])
+    manager.submit(slow, held, resume=True)
+    assert manager.job_for(held).state == "running"
+    with RunDir(held).lock("finetune export"):  # taken while its process starts: that process is refused
+        wait_for(lambda: manager.poll() or manager.job_for(held).state != "running", 60, "the process to exit")
+        assert manager.run_state(held).startswith(f"refused: finetune run --resume: {held} is in use by pid")
+    manager.close()

@@ -27,7 +27,7 @@ import finetune
 from finetune.errors import FinetuneError
 from finetune.rundir import RunDir, tail
 
-JobState = Literal["queued", "running", "exited", "cancelled"]
+JobState = Literal["queued", "running", "exited", "cancelled", "refused"]  # refused: another process held the run
 
 
 @dataclass
@@ -43,11 +43,20 @@ class Job:
     pid: int | None = None
     returncode: int | None = None
     created: float = field(default_factory=time.time)
+    refused: str = ""  # state "refused": the run lock's message (who held the run directory)
 
     @property
     def log(self) -> str:
         """Where the process's stdout/stderr go (errors before the core's own train.log exists)."""
         return str(Path(self.recipe).with_suffix(".log"))
+
+    def lock_refusal(self) -> str:
+        """The run lock's refusal while another process holds this job's run directory ('' while none does)."""
+        try:
+            RunDir(Path(self.run_dir)).refuse_if_locked("finetune run --resume" if self.resume else "finetune run")
+        except FinetuneError as exc:
+            return exc.message
+        return ""
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "finetune", "run", self.recipe]
@@ -170,6 +179,8 @@ class RunManager:
         status = RunDir(run_dir).read_status() if status is None else status
         if job and job.state == "queued":
             return f"queued (position {self.queue_position(job)})"
+        if job and job.state == "refused":
+            return f"refused: {job.refused}"
         if job and job.state == "running":
             if status.get("pid") not in (None, job.pid):  # status.json of an earlier process
                 return "starting"
@@ -193,13 +204,16 @@ class RunManager:
                 if job.state == "running" and not self._alive(job):
                     proc = self._procs.pop(job.id, None)
                     job.returncode = proc.returncode if proc else None
-                    job.state = "exited"
+                    # its process has gone, so a lock still held is another process's: the one that refused it
+                    job.refused = job.lock_refusal() if job.returncode else ""
+                    job.state = "refused" if job.refused else "exited"
                     changed = True
             if not any(j.state == "running" for j in self._jobs) and not self._gpu_holders:
-                nxt = next((j for j in self._jobs if j.state == "queued"), None)
-                if nxt:
+                for nxt in [j for j in self._jobs if j.state == "queued"]:
                     self._launch(nxt)
                     changed = True
+                    if nxt.state == "running":
+                        break
             if changed:
                 self._save()
 
@@ -251,6 +265,12 @@ class RunManager:
         return env
 
     def _launch(self, job: Job) -> None:
+        """Start the job's process, or mark it refused while another process holds its run directory (a CLI
+        run or export that started after it was queued): the queue moves on to the next."""
+        job.refused = job.lock_refusal()
+        if job.refused:
+            job.state = "refused"
+            return
         for hook in self._launch_hooks:
             hook()
         with open(job.log, "ab") as log:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import gradio as gr
 
 from finetune import api
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, UsageError
 from finetune.export.gguf import TYPES as GGUF_TYPES
 from finetune.rundir import RunDir
 from ui import charts
@@ -41,6 +41,9 @@ def export_view(backend: Backend, run_dir: str, out_dir: str, fmt: str = "safete
     steps: list[str] = []
     gguf = api.GGUFOptions(fmt.split()[1], ollama) if fmt.startswith("gguf ") else None
     try:
+        if ollama and gguf is None:  # as `finetune export --ollama` without --format gguf: said, not ignored
+            raise UsageError(f"an Ollama Modelfile needs a GGUF file: the format {fmt} writes none",
+                             hint="pick a gguf format, or untick Ollama Modelfile")
         for event in backend.export(run_dir, out_dir, gguf=gguf):
             if not isinstance(event, api.ExportStep):  # waiting for the GPU
                 yield f"Export queued: {event}."
@@ -60,6 +63,13 @@ def export_view(backend: Backend, run_dir: str, out_dir: str, fmt: str = "safete
     yield f"**merged model saved to {out}**\n" + "\n".join(f"- done: {s}" for s in steps) + f"\n\n{use}"
 
 
+def ollama_box(fmt: str) -> dict:
+    """The Ollama checkbox follows the format: usable for a GGUF format, unticked and greyed out otherwise."""
+    if fmt.startswith("gguf "):
+        return gr.update(interactive=True)
+    return gr.update(interactive=False, value=False)
+
+
 def build(backend: Backend, widgets: list[gr.components.Component]) -> RunsTab:
     """The Runs tab; its refresh button is wired by the page, which also updates the Chat tab's run list.
     `widgets`: the recipe form, which the advice button writes into."""
@@ -73,7 +83,7 @@ def build(backend: Backend, widgets: list[gr.components.Component]) -> RunsTab:
             export_dir = gr.Textbox(label="Export merged model to", elem_id="export-dir")
             export_format = gr.Dropdown(EXPORT_FORMATS, value="safetensors", label="Format", elem_id="export-format",
                                         info="GGUF for llama.cpp and Ollama; k-quants: llama-quantize an f16 file")
-            export_ollama = gr.Checkbox(label="Ollama Modelfile (GGUF)", elem_id="export-ollama")
+            export_ollama = gr.Checkbox(label="Ollama Modelfile (GGUF)", elem_id="export-ollama", interactive=False)
             export_btn = gr.Button("Export (merge and save)", elem_id="export")
         export_msg = gr.Markdown(elem_id="export-message")
         panel = run_panel.build("runs")
@@ -103,5 +113,6 @@ def build(backend: Backend, widgets: list[gr.components.Component]) -> RunsTab:
     def export(run_dir, out_dir, fmt="safetensors", ollama=False):  # a generator: the page streams the progress
         yield from export_view(backend, run_dir, out_dir, fmt, ollama)
 
+    export_format.change(ollama_box, export_format, export_ollama, api_visibility="private")
     export_btn.click(export, [recipe_run, export_dir, export_format, export_ollama], export_msg, api_name="export")
     return RunsTab(tab, refresh_btn, history, compare, recipe_run)
