@@ -44,13 +44,17 @@ def preflight(recipe: Recipe) -> dict[str, Any]:
     """What would otherwise fail a minute into `plan` or `run`, checked in seconds before any model loads or
     run directory is made: every path the recipe reads exists (model.path when it is local, data.path,
     data.chat_template's file, adapter.init_from) and the data file parses (the record reader, format
-    detection and each record's fields; no tokenizer). Raises the error the run would; returns the data's
-    format and record counts (finetune.data.build.check_records)."""
+    detection and each record's fields; no tokenizer), and training.compile has a CUDA GPU to run on. Raises the
+    error the run would; returns the data's format and record counts (finetune.data.build.check_records)."""
     from finetune.data.build import check_records
     from finetune.data.chat import template_file
     from finetune.model.source import check_model_path
     from finetune.recipe.init_from import resolve_init_from
 
+    if recipe.training.compile:  # imports torch: only then
+        from finetune.memory.layer_recompute import check_compile_device
+
+        check_compile_device()
     check_model_path(recipe.model.path)
     resolve_init_from(recipe)
     template_file(recipe.data.chat_template)

@@ -125,3 +125,22 @@ def test_a_run_that_fails_before_its_first_step_leaves_no_run_directory(tmp_path
     run.append_metrics({"step": 1, "loss": 2.0})
     finetune.train.run._record_end(run, "failed", FinetuneError("later"))
     assert run.read_status()["state"] == "failed"
+
+
+def test_training_compile_without_a_cuda_gpu_is_refused_before_any_model_loads(tmp_path, tiny_model_dir, no_model,
+                                                                               monkeypatch, capsys):
+    """`validate` used to accept it and `run` refused it only once the model had loaded."""
+    import torch
+
+    recipe = write_recipe(tmp_path, tiny_model_dir, sums_data(tmp_path / "d.jsonl", 4), {"training": {"compile": True}})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for command in ("validate", "plan", "run"):
+        start = time.monotonic()
+        assert main([command, str(recipe)]) == 2, command
+        err = " ".join(capsys.readouterr().err.split())
+        assert "training.compile: torch.compile is supported on cuda GPUs only" in err, (command, err)
+        assert "set training.compile: false" in err and "Traceback" not in err
+        assert time.monotonic() - start < 5, command
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with a GPU: the recipe is fine
+    assert main(["validate", str(recipe)]) == 0

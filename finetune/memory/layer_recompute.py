@@ -174,6 +174,19 @@ def apply_layer_recompute(model: torch.nn.Module, norms: bool, mlp_tokens: int |
 COMPILE_DEVICES = ("cuda",)  # where training.compile is supported
 
 
+def check_compile_device() -> None:
+    """training.compile: true refused before any model loads (finetune.api.preflight) on a machine where torch
+    sees no CUDA GPU, so the run would train on the CPU."""
+    if not torch.cuda.is_available():
+        raise _compile_refused("cpu (torch sees no CUDA GPU)")
+
+
+def _compile_refused(device: str) -> RecipeError:
+    return RecipeError(f"training.compile: torch.compile is supported on {', '.join(COMPILE_DEVICES)} GPUs only, "
+                       f"and this run trains on {device}",
+                       hint="set training.compile: false (the memory plan is the same: compile is planned as uncompiled)")
+
+
 def compile_layers(model: torch.nn.Module, enabled: bool) -> int:
     """training.compile: torch.compile each decoder layer in place (`nn.Module.compile`: parameters, hooks and
     state-dict names stay), after the adapter and the layer changes above, so the graph is the trained one.
@@ -183,8 +196,7 @@ def compile_layers(model: torch.nn.Module, enabled: bool) -> int:
         return 0
     device = next(model.parameters()).device.type
     if device not in COMPILE_DEVICES:
-        raise RecipeError(f"training.compile: torch.compile is supported on {', '.join(COMPILE_DEVICES)} GPUs only, "
-                          f"and this run trains on {device}", hint="set training.compile: false")
+        raise _compile_refused(device)
     layers = decoder_layers(model)
     for layer in layers:
         layer.compile()
