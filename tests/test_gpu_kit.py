@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.errors import ModelLoadError
+from finetune.errors import RecipeError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -106,11 +106,19 @@ def test_random_weights_model_loads_quantized(tmp_path):
     assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
 
 
-def test_random_weights_folder_needs_config(tmp_path):
+def test_random_weights_folder_needs_config(tmp_path, capsys):
+    """A user error (exit 2) in one line naming the key and the missing file, from `--set` as from the recipe."""
+    from finetune.cli import main
     from finetune.model.source import resolve_model_path
 
-    with pytest.raises(ModelLoadError, match="has no config.json"):
+    with pytest.raises(RecipeError, match=f"model.path: random:{tmp_path}: {tmp_path / 'config.json'} does not exist"):
         resolve_model_path(f"random:{tmp_path}")
+    recipe = Path(__file__).parents[1] / "recipes" / "quickstart.yaml"
+    for folder, missing in ((tmp_path, tmp_path / "config.json"), (tmp_path / "nowhere", f"the folder {tmp_path}/nowhere")):
+        assert main(["validate", str(recipe), "--set", f"model.path=random:{folder}"]) == 2
+        err = capsys.readouterr().err
+        assert err.splitlines()[0] == f"error: model.path: random:{folder}: {missing} does not exist", err
+        assert "Traceback" not in err
 
 
 def test_first_lease_continues_across_calls_and_merges(tmp_path):

@@ -29,9 +29,11 @@ def check_model_path(path: str) -> None:
     from finetune.model.random_weights import random_folder
 
     if (folder := random_folder(path)) is not None:
-        if not (folder / "config.json").is_file():
-            raise ModelLoadError(f"model.path: {path}: {folder} has no config.json",
-                                 hint="random:FOLDER needs a folder with config.json and a tokenizer")
+        if not (config := folder / "config.json").is_file():
+            missing = config if folder.is_dir() else f"the folder {folder.absolute()}"
+            raise RecipeError(f"model.path: {path}: {missing} does not exist",
+                              hint="random:FOLDER needs a folder with the model's config.json and tokenizer files "
+                                   "(no weights)")
         return
     if path.startswith("pkg:"):
         if not (file := package_file(path)).exists():
