@@ -4,6 +4,7 @@ the published comparison itself (benchmarks/published.py)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,27 @@ def test_bf16_adapter_run_learns_and_saves_bf16_and_compile_is_refused_on_cpu(ti
     assert main(["run", str(path)]) == 2
     err = capsys.readouterr().err
     assert "training.compile" in err and "cpu" in err and "Traceback" not in err
+
+
+def test_prediction_keeps_every_window_and_the_peak_is_the_largest():
+    """benchmarks/published.py prices torchtune's loss in the plan's own windows: they must be the plan's."""
+    pred = _predict(_recipe(CONFIG_3B, {"type": "full"}))
+    assert {"forward", "bwd_head", "bwd_top", "bwd_bottom", "optimizer"} <= set(pred.windows)
+    assert max(sum(parts.values()) for parts in pred.windows.values()) == pred.peak_bytes
+    assert pred.breakdown in pred.windows.values()
+
+
+def test_chunked_loss_prices_the_trained_heads_summed_gradient():
+    """A trained (here tied) LM head gets one gradient per loss chunk, summed in autograd's buffer: one
+    head-sized gradient in the loss's backward (tests/test_plan_accuracy.py measures it on a tiny model);
+    a LoRA run's frozen head has none."""
+    from finetune.plan.memory_model import chunked_head_gradient_bytes
+
+    full = _recipe(CONFIG_3B, {"type": "full"})
+    spec = model_spec(full, planned_config(full.model.path), "cuda")
+    st = Settings(micro_batch_size=2, gradient_accumulation_steps=1, activation_checkpointing=True,
+                  checkpoint_every_n_layers=1, offload="none", chunked_loss=True, bits=None, optimizer="adamw")
+    assert chunked_head_gradient_bytes(spec, st, 2 * 4096) == 128256 * 3072 * 2
+    lora = _recipe(CONFIG_3B, {"type": "lora", "r": 8, "target_modules": ["q_proj"]})
+    assert chunked_head_gradient_bytes(model_spec(lora, planned_config(lora.model.path), "cuda"), st, 8192) == 0
+    assert chunked_head_gradient_bytes(spec, replace(st, chunked_loss=False), 8192) == 0

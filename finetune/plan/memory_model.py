@@ -25,7 +25,9 @@ How the prediction is put together (docs/planner.md has the long form):
    no gradients or optimizer state yet), and the peak is the larger of the two. A re-plan during training
    (`ModelSpec.reference_pass` off) prices the step alone: the pass is over.
 5. Chunked loss keeps `default_chunk_size(vocab)` tokens of logits instead of all (preference methods: the trace
-   runs the chunked log-probabilities itself, see trace.py); offload removes
+   runs the chunked log-probabilities itself, see trace.py); with a trained LM head its weight's gradient is
+   summed over the chunks in autograd's buffer, one head-sized gradient more in the loss's backward than the
+   unchunked trace shows (`chunked_head_gradient_bytes`); offload removes
    checkpointed inputs (all but the first and the last, less the layers fetched ahead in backward) or,
    without checkpointing, the saved tensors of every layer but the last (less the prefetched ones).
 6. CUDA fixed costs (context, cuBLAS workspace, allocator rounding) are the constants below.
@@ -71,6 +73,8 @@ class Prediction:
     communication_bytes: int = 0  # several processes: the strategy's buffers, counted in `other`
     reference_pass_bytes: int = 0  # training.precompute_reference: the peak of the pass before training
     managed_bytes: int = 0  # optimizer state in CUDA managed memory (a paged optimizer): not in the peak
+    windows: dict[str, dict[str, int]] = field(default_factory=dict)  # every window's parts; the peak is the
+    # largest (what benchmarks/published.py reads to price another library's loss at its own window)
 
 
 def quantized_weight_bytes(numel: int, out_features: int, bits: int | None, double_quant: bool,
@@ -285,6 +289,25 @@ def distributed_parts(spec: ModelSpec, settings: Settings, whole: dict[str, floa
     return parts
 
 
+def chunked_head_gradient_bytes(spec: ModelSpec, settings: Settings, tokens: int) -> int:
+    """What the chunked loss's backward holds beyond the unchunked trace (the sft trace keeps full logits,
+    memory_model scales them): every chunk multiplies by the LM head's weight, so a trained head receives one
+    gradient per chunk, summed in autograd's input buffer while the next chunk's is computed: one head-sized
+    gradient more (tests/test_plan_accuracy.py measures it). Nothing with one chunk or a frozen head (LoRA)."""
+    if not settings.chunked_loss or spec.objective != "sft" or tokens <= default_chunk_size(
+            spec.config.get_text_config().vocab_size):
+        return 0
+    la, _ = _layer_counts(spec, settings)
+    params = param_table_of(model_key(spec.config, spec.adapter, spec.dtype), la)
+    text = spec.config.get_text_config()
+    shape = (text.vocab_size, spec.hidden_size)
+    heads = [p for p in params if p.trainable and p.shape == shape]
+    named = [p for p in heads if "lm_head" in p.name]
+    # Tied embeddings: the head is the embedding, listed once under the embedding's name.
+    head = named or (heads if getattr(text, "tie_word_embeddings", False) else [])
+    return head[0].numel * head[0].bytes_per_elem if head else 0
+
+
 def _fixed_costs(spec: ModelSpec, dynamic: float) -> float:
     if spec.device != "cuda":
         return 0.0
@@ -325,6 +348,7 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
     else:
         logits_scale = mb * (min(1.0, chunk / tokens) if settings.chunked_loss else 1.0)
     hidden_bytes = tokens * spec.hidden_size * spec.dtype.itemsize
+    head_gradient = chunked_head_gradient_bytes(spec, settings, tokens)
     windows: dict[str, dict[str, float]] = {}
     offloaded = 0.0
     phases = [w for w in ("forward", "bwd_head", "bwd_top", "bwd_bottom") if w in ta.windows and w in tb.windows]
@@ -362,6 +386,8 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
             act -= moved
             offloaded = max(offloaded, moved)
         in_layers = name in ("bwd_top", "bwd_bottom") or (name == "forward" and spec.device == "cuda")
+        if name == "bwd_head":
+            act += head_gradient
         windows[name] = {**params, "gradients": grads, "activations": act, "logits_and_loss": logits,
                          "other": (dequant if in_layers else 0) + communication}
     if spec.reference_pass and "reference_pass" in ta.windows and "reference_pass" in tb.windows:
@@ -378,8 +404,10 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
                             + communication}
     for w in windows.values():
         w["other"] += _fixed_costs(spec, sum(w.values()))
+    parts = {name: {k: int(round(v)) for k, v in w.items()} for name, w in windows.items()}
     phase = max(windows, key=lambda k: sum(windows[k].values()))
-    breakdown = {k: int(round(v)) for k, v in windows[phase].items()}
+    breakdown = parts[phase]
     return Prediction(peak_bytes=sum(breakdown.values()), breakdown=breakdown, offloaded_bytes=int(offloaded),
                       communication_bytes=int(communication), managed_bytes=int(managed),
-                      reference_pass_bytes=int(round(sum(windows.get("reference_pass", {}).values()))))
+                      reference_pass_bytes=int(round(sum(windows.get("reference_pass", {}).values()))),
+                      windows=parts)
