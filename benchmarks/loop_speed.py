@@ -10,7 +10,7 @@ Every run is its own subprocess with OMP/MKL threads and torch.set_num_threads s
   trl   finetune's own loader (finetune/model/load.py: the .gguf dequantized, 4-bit bitsandbytes) and examples
         (finetune.data.build_datasets: the same input_ids and labels) from this repository, handed to
         trl.SFTTrainer with peft_config=LoraConfig(the recipe's r, alpha, dropout, target_modules) and TRL's
-        own collator (the one finetune uses), AdamW (torch), the same schedule, clipping, seed and
+        own collator (the one finetune uses), AdamW (torch), the same schedule, clipping, seed, mixed precision and
         activation checkpointing; no eval, no saving. TRL casts LoRA weights to bf16 on a quantized model; they
         are cast back to adapter.dtype (fp32) so both sides do the same arithmetic.
 The recipe (default recipes/quickstart.yaml) runs with its micro-batch, accumulation and max_seq_len, its
@@ -97,6 +97,7 @@ def child_trl(cfg: dict) -> dict:
 
     from finetune import api
     from finetune.data import build_datasets
+    from finetune.memory.step import mixed_precision
     from finetune.model.load import load_model
     from finetune.units import torch_dtype
 
@@ -117,6 +118,7 @@ def child_trl(cfg: dict) -> dict:
             if logs and "loss" in logs:
                 losses[state.global_step] = logs["loss"]
 
+    precision = mixed_precision(recipe.model.dtype, torch.cuda.is_available())  # as finetune's Trainer: none on CPU
     args = SFTConfig(
         output_dir=cfg["out"], max_steps=t.max_steps, per_device_train_batch_size=t.micro_batch_size,
         gradient_accumulation_steps=t.gradient_accumulation_steps, learning_rate=t.learning_rate,
@@ -125,8 +127,8 @@ def child_trl(cfg: dict) -> dict:
         adam_beta1=recipe.optimizer.betas[0], adam_beta2=recipe.optimizer.betas[1], adam_epsilon=recipe.optimizer.eps,
         seed=t.seed, data_seed=t.seed, logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none",
         disable_tqdm=True, activation_checkpointing=bool(recipe.memory.activation_checkpointing),
-        activation_checkpointing_kwargs={"use_reentrant": False}, bf16=False, fp16=False,
-        use_cpu=not torch.cuda.is_available(), include_num_input_tokens_seen="non_padding",
+        activation_checkpointing_kwargs={"use_reentrant": False}, bf16=precision == "bf16",
+        fp16=precision == "fp16", use_cpu=not torch.cuda.is_available(), include_num_input_tokens_seen="non_padding",
         max_length=recipe.data.max_seq_len, dataset_kwargs={"skip_prepare_dataset": True}, dataloader_num_workers=0)
     lora = LoraConfig(task_type="CAUSAL_LM", r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout,
                       target_modules=a.target_modules)
