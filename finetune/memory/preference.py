@@ -42,6 +42,7 @@ from finetune.model.adapter import REFERENCE_ADAPTER
 from finetune.recipe.schema import Recipe, TrainingConfig
 from finetune.rundir import REWARD_ACCURACY, REWARD_CHOSEN, REWARD_KEYS, REWARD_MARGIN, REWARD_REJECTED
 
+PREFERENCE_METHODS = ("dpo", "orpo", "kto")
 Metrics = dict[str, list[float]]  # name -> [sum, count], added over micro-batches
 METRIC_PREFIXES = (*REWARD_KEYS, "logps/", "nll_loss", "log_odds_ratio", "kl")  # logged keys (metrics.jsonl)
 
@@ -62,9 +63,10 @@ class PreferenceLoss:
 
     @classmethod
     def of(cls, training: TrainingConfig, reference_current: bool = False) -> PreferenceLoss | None:
-        """The loss of a recipe's training section; None for sft. `reference_current`: the recipe's
-        `reference_is_current` (what the precomputed pass runs, for the planner's trace)."""
-        if training.method == "sft":
+        """The loss of a recipe's training section; None for sft (and grpo, whose loss is finetune.rl's).
+        `reference_current`: the recipe's `reference_is_current` (what the precomputed pass runs, for the
+        planner's trace)."""
+        if training.method not in PREFERENCE_METHODS:
             return None
         return cls(training.method, training.beta, training.loss_type, training.reference_free,
                    training.label_smoothing, training.desirable_weight, training.undesirable_weight,
