@@ -198,14 +198,14 @@ def reference_logps(model: torch.nn.Module, inputs: Mapping[str, Any], chunked: 
     was_training = model.training
     model.eval()  # no dropout in the reference
     try:
-        with torch.no_grad(), nullcontext() if current else _reference_weights(model):
+        with torch.no_grad(), nullcontext() if current else reference_weights(model):
             return sequence_logps(model, inputs, chunked)[0]
     finally:
         model.train(was_training)
 
 
 @contextmanager
-def _reference_weights(model: torch.nn.Module) -> Iterator[None]:
+def reference_weights(model: torch.nn.Module) -> Iterator[None]:
     """Switch the peft model to its reference: the frozen reference adapter if it has one (TRL's
     ref_adapter_name), else no adapter. Switching back makes the trained adapter trainable again, as before."""
     if REFERENCE_ADAPTER not in getattr(model, "peft_config", {}):
