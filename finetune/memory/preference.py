@@ -106,9 +106,9 @@ class PreferenceLoss:
 
     @classmethod
     def of_objective(cls, objective: str) -> PreferenceLoss | None:
-        if objective == "sft":
-            return None
         method, *flags = objective.split(":")
+        if method not in PREFERENCE_METHODS:  # sft, grpo (finetune.rl.step.trace_objective)
+            return None
         return cls(method, reference_free="reference_free" in flags,
                    precompute_reference="precompute_reference" in flags,
                    reference_current="reference_current" in flags)

@@ -34,6 +34,7 @@ import torch
 
 from finetune.data.prompts import PromptExample
 from finetune.memory.preference import reference_weights
+from finetune.memory.tracker import MemoryTracker
 from finetune.recipe.schema import GRPOConfig
 from finetune.rl.grpo_loss import group_advantages, grpo_loss
 from finetune.rl.rewards import NamedReward, score
@@ -216,17 +217,46 @@ class LossMetrics:
 
 def grpo_forward_backward(model: torch.nn.Module, micro: MicroBatch, config: GRPOConfig, *,
                           autocast: Callable[[], contextlib.AbstractContextManager] = _NULL,
-                          backward: Callable[[torch.Tensor], None] = torch.Tensor.backward) -> LossMetrics:
+                          backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
+                          tracker: MemoryTracker | None = None, backward_window: str = "backward") -> LossMetrics:
     """One micro-batch's policy forward (adapter on, the model's mode as the loop set it) and backward of the
     GRPO-family loss, scaled for `micro.accumulation` micro-batches as finetune.rl.grpo_loss scales it (dapo:
-    by the update's completion tokens). `backward`: the run's (fp16 loss scaling), as in
-    finetune.memory.step.forward_backward."""
-    with autocast():
-        logps = completion_logps(model, micro.input_ids, micro.attention_mask, micro.prompt_length,
-                                 config.temperature)
-    result = grpo_loss(logps, micro.old_logps, micro.advantages, micro.completion_mask, loss_type=config.loss_type,
-                       epsilon_low=config.epsilon, epsilon_high=config.epsilon_high, beta=config.beta,
-                       ref_logps=micro.ref_logps, max_completion_length=config.max_completion_length,
-                       window_tokens=micro.window_tokens, accumulation=micro.accumulation)
-    backward(result.loss)
-    return LossMetrics(float(result.loss.detach()), result.kl, result.clip_ratio)
+    by the update's completion tokens). `backward`: the run's (fp16 loss scaling); `tracker`: record the
+    forward and `backward_window` phases (the planner's trace), both as in finetune.memory.step.forward_backward."""
+    with tracker.window("forward") if tracker is not None else _NULL():
+        with autocast():
+            logps = completion_logps(model, micro.input_ids, micro.attention_mask, micro.prompt_length,
+                                     config.temperature)
+        result = grpo_loss(logps, micro.old_logps, micro.advantages, micro.completion_mask,
+                           loss_type=config.loss_type, epsilon_low=config.epsilon, epsilon_high=config.epsilon_high,
+                           beta=config.beta, ref_logps=micro.ref_logps,
+                           max_completion_length=config.max_completion_length, window_tokens=micro.window_tokens,
+                           accumulation=micro.accumulation)
+    with tracker.window(backward_window) if tracker is not None else _NULL():
+        backward(result.loss)
+    loss = result.loss.detach()
+    return LossMetrics(math.nan if loss.is_meta else float(loss), result.kl, result.clip_ratio)
+
+
+def trace_objective(config: GRPOConfig) -> str:
+    """What decides a GRPO step's memory, as the planner's trace key: `grpo:COMPLETION_TOKENS`, plus `:logps`
+    when a no-grad log-prob pass (old policy or reference) runs between generation and training."""
+    logps = config.beta > 0 or config.num_iterations > 1
+    return f"grpo:{config.max_completion_length}" + (":logps" if logps else "")
+
+
+def of_trace_objective(objective: str) -> tuple[int, bool] | None:
+    """(completion tokens, with a log-prob pass) of a `trace_objective`; None for any other objective."""
+    name, *rest = objective.split(":")
+    return (int(rest[0]), "logps" in rest[1:]) if name == "grpo" else None
+
+
+def synthetic_micro_batch(rows: int, prompt_tokens: int, completion_tokens: int, device: Any,
+                          accumulation: int = 1) -> MicroBatch:
+    """A micro-batch of `rows` completions at full length with every completion token in the loss, zeros for
+    ids and advantages (what the planner's trace runs on `meta`)."""
+    width = prompt_tokens + completion_tokens
+    ids = torch.zeros(rows, width, dtype=torch.long, device=device)
+    return MicroBatch(ids, torch.ones_like(ids), torch.ones(rows, completion_tokens, dtype=torch.long, device=device),
+                      prompt_tokens, torch.zeros(rows, device=device), None, None, accumulation,
+                      float(rows * completion_tokens))
