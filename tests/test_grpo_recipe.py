@@ -97,3 +97,15 @@ def test_prompt_records_checked_before_a_model_loads_and_run_refused(tiny_tokeni
         build_datasets(cfg, tiny_tokenizer, seed=0, method="grpo")
     assert err.value.exit_code == 2
     assert "\n" not in str(err.value) and "training.method grpo cannot be trained by this version yet" in str(err.value)
+
+
+def test_grpo_quickstart_validates_with_the_arithmetic_rewards():
+    import yaml
+
+    from finetune.recipe.load import load_recipe
+    from finetune.recipe.rewards import validate_rewards
+
+    recipe = load_recipe(ROOT / "recipes" / "grpo-quickstart.yaml")
+    shipped = validate_rewards(yaml.safe_load((ROOT / "recipes" / "data" / "arithmetic_rewards.yaml").read_text()))
+    assert recipe.training.method == "grpo" and recipe.grpo.rewards == shipped.rewards
+    assert check_records(recipe.data, "grpo")["bad_records"] == 0
