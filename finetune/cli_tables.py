@@ -62,6 +62,9 @@ def render_plan(plan: Plan, console: Console | None = None) -> None:
     if plan.reference_pass_bytes:
         console.print(f"  reference pass before training (training.precompute_reference): peak "
                       f"{format_bytes(plan.reference_pass_bytes)}, no reference forward in the steps")
+    if plan.generation_bytes:
+        console.print(f"  grpo: generation phase {format_bytes(plan.generation_bytes)}, training phase "
+                      f"{format_bytes(plan.training_bytes)}; the peak above is the larger")
     if plan.managed_bytes:
         console.print(f"  optimizer state in CUDA managed memory ({plan.settings['optimizer']}, paged to host RAM "
                       f"when the GPU is full): {format_bytes(plan.managed_bytes)}, not in the peak")

@@ -11,7 +11,8 @@ import pytest
 
 from finetune.plan.search import Plan, _choices, auto_values
 from finetune.recipe import settings as table_module
-from finetune.recipe.schema import Recipe, _leaf_types
+from finetune.recipe.schema import Recipe
+from finetune.recipe.section import _leaf_types
 from finetune.recipe.settings import Settings, auto_keys, read_settings, table, write_settings
 from finetune.units import DTYPES, cache_dir, dtype_name, torch_dtype
 

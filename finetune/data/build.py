@@ -41,7 +41,7 @@ from finetune.data.formats import (
     unicode_problem,
 )
 from finetune.data.read import Record, read_records
-from finetune.errors import DataError
+from finetune.errors import DataError, UsageError
 from finetune.recipe.schema import DataConfig
 
 MAX_LISTED_PROBLEMS = 10
@@ -85,6 +85,8 @@ def data_kind(method: str) -> str:
 def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sft") -> DataBundle:
     """Read, check, tokenize, mask, split and optionally pack the dataset described by `cfg`, for training
     method `method` (sft, or a preference method: dpo, orpo, kto)."""
+    if method == "grpo":
+        refuse_grpo_run()
     read = read_records(cfg.path)
     fmt = _format(cfg, read.records)
     _check_method(cfg, fmt, method)
@@ -128,6 +130,15 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
 
     return DataBundle(train_ds, eval_ds, stats, make_collator(tokenizer, cfg.packing, kind), fingerprint,
                       _warnings(cfg, len(problems), dropped))
+
+
+def refuse_grpo_run() -> None:
+    """training.method grpo trains prompts through finetune.rl.step (generate, score, then the loss), which the
+    training loop does not call yet: `finetune run` stops here, after the checks and the plan, before any
+    data is tokenized. `finetune validate` and `finetune plan` work on such a recipe."""
+    raise UsageError("training.method grpo cannot be trained by this version yet: the training loop does not "
+                     "run GRPO's generate-and-score step; `finetune validate` and `finetune plan` work on the "
+                     "recipe (docs/rl.md)")
 
 
 def _check_dropped(cfg: DataConfig, dropped: _Dropped) -> None:
@@ -274,6 +285,10 @@ def check_records(cfg: DataConfig, method: str = "sft") -> dict[str, Any]:
     """Read and check every record without a tokenizer, in seconds, before a model loads: the file parses,
     its format is known and suits `method`, each record has its fields. Raises the DataError build_datasets
     would; returns the format and the counts of records and of malformed ones."""
+    if method == "grpo":  # prompt-only records (finetune.data.prompts)
+        from finetune.data.prompts import check_prompt_records
+
+        return check_prompt_records(cfg)
     read = read_records(cfg.path)
     fmt = _format(cfg, read.records)
     _check_method(cfg, fmt, method)

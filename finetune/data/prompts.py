@@ -79,20 +79,40 @@ def prompt_chat(record: Any, system_prompt: str | None = None) -> Chat:
     return chat
 
 
+def _chats(cfg: DataConfig, records: list[Any]) -> tuple[list[tuple[Any, Chat]], list[str]]:
+    """Each record with its conversation, and one problem line per record that is not a prompt."""
+    chats, problems = [], []
+    for record in records:
+        try:
+            chats.append((record, prompt_chat(record.value, cfg.system_prompt)))
+        except RecordError as exc:
+            problems.append(f"{record.where}: {exc}")
+    return chats, problems
+
+
+def check_prompt_records(cfg: DataConfig) -> dict[str, Any]:
+    """`check_records` for prompt-only data: every record read and checked as a prompt, no tokenizer (the
+    seconds-long check before a model loads); raises the DataError `build_prompts` would."""
+    read = read_records(cfg.path)
+    chats, problems = _chats(cfg, read.records)
+    problems = list(read.problems) + problems
+    _refuse_bad(cfg, "prompt", problems, len(chats))
+    return {"format": "prompt", "records": len(read.records) + len(read.problems), "bad_records": len(problems)}
+
+
 def build_prompts(cfg: DataConfig, tokenizer: Any, seed: int, max_prompt_tokens: int | None = None) -> PromptBundle:
     """Read, check, render and tokenize prompt-only records, split as `build_datasets` splits (see the module)."""
     limit = max_prompt_tokens or cfg.max_seq_len
     read = read_records(cfg.path)
     records = _sample(read.records, cfg.max_samples, seed)
     encoder = ChatEncoder(tokenizer, resolve_template(cfg.chat_template, tokenizer))
-    prepared, problems = [], list(read.problems)
-    for record in records:
-        try:
-            text = encoder.render_prompt(prompt_chat(record.value, cfg.system_prompt))
-            if problem := unicode_problem(text):
-                raise RecordError(problem)
-        except RecordError as exc:
-            problems.append(f"{record.where}: {exc}")
+    chats, problems = _chats(cfg, records)
+    problems = list(read.problems) + problems
+    prepared = []
+    for record, chat in chats:
+        text = encoder.render_prompt(chat)
+        if problem := unicode_problem(text):
+            problems.append(f"{record.where}: {problem}")
             continue
         fields = {k: v for k, v in record.value.items() if k not in PROMPT_KEYS}
         prepared.append(PromptExample(record.where, text, [], fields))

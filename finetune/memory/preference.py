@@ -42,6 +42,7 @@ from finetune.model.adapter import REFERENCE_ADAPTER
 from finetune.recipe.schema import Recipe, TrainingConfig
 from finetune.rundir import REWARD_ACCURACY, REWARD_CHOSEN, REWARD_KEYS, REWARD_MARGIN, REWARD_REJECTED
 
+PREFERENCE_METHODS = ("dpo", "orpo", "kto")
 Metrics = dict[str, list[float]]  # name -> [sum, count], added over micro-batches
 METRIC_PREFIXES = (*REWARD_KEYS, "logps/", "nll_loss", "log_odds_ratio", "kl")  # logged keys (metrics.jsonl)
 
@@ -62,9 +63,10 @@ class PreferenceLoss:
 
     @classmethod
     def of(cls, training: TrainingConfig, reference_current: bool = False) -> PreferenceLoss | None:
-        """The loss of a recipe's training section; None for sft. `reference_current`: the recipe's
-        `reference_is_current` (what the precomputed pass runs, for the planner's trace)."""
-        if training.method == "sft":
+        """The loss of a recipe's training section; None for sft (and grpo, whose loss is finetune.rl's).
+        `reference_current`: the recipe's `reference_is_current` (what the precomputed pass runs, for the
+        planner's trace)."""
+        if training.method not in PREFERENCE_METHODS:
             return None
         return cls(training.method, training.beta, training.loss_type, training.reference_free,
                    training.label_smoothing, training.desirable_weight, training.undesirable_weight,
@@ -104,9 +106,9 @@ class PreferenceLoss:
 
     @classmethod
     def of_objective(cls, objective: str) -> PreferenceLoss | None:
-        if objective == "sft":
-            return None
         method, *flags = objective.split(":")
+        if method not in PREFERENCE_METHODS:  # sft, grpo (finetune.rl.step.trace_objective)
+            return None
         return cls(method, reference_free="reference_free" in flags,
                    precompute_reference="precompute_reference" in flags,
                    reference_current="reference_current" in flags)
@@ -196,14 +198,14 @@ def reference_logps(model: torch.nn.Module, inputs: Mapping[str, Any], chunked: 
     was_training = model.training
     model.eval()  # no dropout in the reference
     try:
-        with torch.no_grad(), nullcontext() if current else _reference_weights(model):
+        with torch.no_grad(), nullcontext() if current else reference_weights(model):
             return sequence_logps(model, inputs, chunked)[0]
     finally:
         model.train(was_training)
 
 
 @contextmanager
-def _reference_weights(model: torch.nn.Module) -> Iterator[None]:
+def reference_weights(model: torch.nn.Module) -> Iterator[None]:
     """Switch the peft model to its reference: the frozen reference adapter if it has one (TRL's
     ref_adapter_name), else no adapter. Switching back makes the trained adapter trainable again, as before."""
     if REFERENCE_ADAPTER not in getattr(model, "peft_config", {}):

@@ -61,7 +61,7 @@ def generation_memory(config: Any, num_sequences: int, prompt_tokens: int, compl
     d = _dims(config)
     cached = max(prompt_tokens + completion_tokens - 1, 0)
     kv = 2 * d["layers"] * d["kv_heads"] * d["head_dim"] * num_sequences * cached * cache_bytes
-    prefill = num_sequences * prompt_tokens * (3 * d["intermediate"] + PREFILL_HIDDEN_COPIES * d["hidden"]) \
-        * compute_bytes
+    prefill = num_sequences * prompt_tokens * (3 * d["intermediate"] + PREFILL_HIDDEN_COPIES * d["hidden"]
+                                               + cached + 1) * compute_bytes  # + the mask over the whole cache
     logits = LOGITS_COPIES * num_sequences * d["vocab"] * FP32
     return GenerationMemory(kv, prefill, logits)

@@ -46,12 +46,14 @@ import torch
 
 from finetune.memory.chunked_loss import default_chunk_size
 from finetune.optim import gradient_bytes, optimizer_state_bytes
+from finetune.plan.generation import generation_memory
 from finetune.plan.planner import current
 from finetune.plan.trace import Trace, model_key, param_table_of, trace_step
 from finetune.recipe.offload_tiers import tier_spec
 from finetune.recipe.optimizers import optimizer_spec
 from finetune.recipe.schema import AdapterConfig, OptimizerConfig
 from finetune.recipe.settings import Settings
+from finetune.rl.step import of_trace_objective
 
 # CUDA fixed costs. The context is outside torch's allocator, so it is added to the peak; the budget is
 # measured as free memory before the process creates its context. Values for CUDA 12 with lazy module
@@ -75,6 +77,8 @@ class Prediction:
     managed_bytes: int = 0  # optimizer state in CUDA managed memory (a paged optimizer): not in the peak
     windows: dict[str, dict[str, int]] = field(default_factory=dict)  # every window's parts; the peak is the
     # largest (what benchmarks/published.py reads to price another library's loss at its own window)
+    generation_bytes: int = 0  # training.method grpo: the peak of generating a step's completions
+    training_bytes: int = 0  # training.method grpo: the peak of the rest (log-prob pass, forward, backward, update)
 
 
 def quantized_weight_bytes(numel: int, out_features: int, bits: int | None, double_quant: bool,
@@ -114,6 +118,7 @@ class ModelSpec:
     rows_per_example: int = 1  # sequences per example: 2 for chosen + rejected pairs
     reference_adapter: bool = False  # adapter.init_from, reference forward in each step: a frozen copy
     reference_pass: bool = True  # precompute_reference: price the pass before training (not in a re-plan)
+    num_generations: int = 0  # training.method grpo: completions per prompt (objective `grpo:...`)
 
 
 def _block(settings: Settings) -> int:
@@ -399,6 +404,10 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
             "activations": _lerp(wa["activations"], wb["activations"], la, lb, L) * mb,
             "logits_and_loss": _lerp(wa["logits_and_loss"], wb["logits_and_loss"], la, lb, L) * logits_scale,
             "other": (dequant if spec.device == "cuda" else 0) + communication}
+    grpo = of_trace_objective(spec.objective)
+    if grpo is not None:
+        windows.update(_grpo_windows(spec, settings, grpo, params, (ta, tb), logits_scale,
+                                     (dequant if spec.device == "cuda" else 0) + communication))
     windows["optimizer"] = {**params, "gradients": grads_total, "activations": 0.0, "logits_and_loss": 0.0,
                             "other": optimizer_spec(settings.optimizer).step_temporaries * largest_trained * shard
                             + communication}
@@ -407,7 +416,40 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
     parts = {name: {k: int(round(v)) for k, v in w.items()} for name, w in windows.items()}
     phase = max(windows, key=lambda k: sum(windows[k].values()))
     breakdown = parts[phase]
+    totals = {name: int(round(sum(w.values()))) for name, w in windows.items()}
     return Prediction(peak_bytes=sum(breakdown.values()), breakdown=breakdown, offloaded_bytes=int(offloaded),
                       communication_bytes=int(communication), managed_bytes=int(managed),
-                      reference_pass_bytes=int(round(sum(windows.get("reference_pass", {}).values()))),
-                      windows=parts)
+                      reference_pass_bytes=totals.get("reference_pass", 0), windows=parts,
+                      generation_bytes=totals.get("generation", 0),
+                      training_bytes=max(v for k, v in totals.items() if k != "generation") if grpo else 0)
+
+
+def generation_sequences(spec: ModelSpec, settings: Settings) -> int:
+    """training.method grpo: completions generated at once, the step's micro_batch_size x accumulation rounded up
+    to whole groups of num_generations (the prompts of one optimizer step, docs/rl.md)."""
+    wanted = settings.micro_batch_size * settings.gradient_accumulation_steps
+    return -(-wanted // spec.num_generations) * spec.num_generations
+
+
+def _grpo_windows(spec: ModelSpec, settings: Settings, grpo: tuple[int, bool], params: dict[str, float],
+                  traces: tuple[Trace, Trace], logits_scale: float, other: float) -> dict[str, dict[str, float]]:
+    """GRPO's phases besides the step's forward and backward, both after the previous update freed the
+    gradients (the optimizer state stays): generation (finetune.plan.generation: the static KV cache in
+    `activations` with the prefill's transient, or the sampling logits in `logits_and_loss`) and, when the
+    trace ran one, the no-grad log-prob pass over a micro-batch of completions (`logps_pass`)."""
+    completion, _ = grpo
+    la, lb = _layer_counts(spec, settings)
+    gen = generation_memory(spec.config, generation_sequences(spec, settings), spec.seq_len - completion, completion,
+                            cache_bytes=spec.dtype.itemsize, compute_bytes=spec.dtype.itemsize)
+    prefill = gen.prefill >= gen.sampling_logits
+    windows = {"generation": {**params, "gradients": 0.0, "activations": gen.kv_cache + (gen.prefill if prefill else 0),
+                              "logits_and_loss": 0 if prefill else gen.sampling_logits, "other": other}}
+    ta, tb = traces
+    if "logps_pass" in ta.windows and "logps_pass" in tb.windows:
+        wa, wb = ta.windows["logps_pass"][1], tb.windows["logps_pass"][1]
+        windows["logps_pass"] = {
+            **params, "gradients": 0.0,
+            "activations": _lerp(wa["activations"], wb["activations"], la, lb, spec.num_layers) * settings.micro_batch_size,
+            "logits_and_loss": _lerp(wa["logits_and_loss"], wb["logits_and_loss"], la, lb, spec.num_layers) * logits_scale,
+            "other": other}
+    return windows

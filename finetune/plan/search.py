@@ -27,6 +27,7 @@ from finetune.recipe.offload_tiers import STORES, tier_names, tier_spec
 from finetune.recipe.optimizers import auto_preferences
 from finetune.recipe.schema import SHARDED_STRATEGIES, STRATEGIES, Recipe, strategy_problems
 from finetune.recipe.settings import Settings, inactive_settings, read_settings, write_settings
+from finetune.rl.step import trace_objective
 from finetune.units import format_bytes, parse_bytes
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -55,6 +56,8 @@ class Candidate:
     communication_bytes: int = 0  # of the peak: the strategy's communication buffers (in breakdown["other"])
     reference_pass_bytes: int = 0  # training.precompute_reference: peak of the pass before training
     managed_bytes: int = 0  # a paged optimizer's state in CUDA managed memory: host RAM, not in the peak
+    generation_bytes: int = 0  # training.method grpo: generation's peak (the peak is the larger of the two)
+    training_bytes: int = 0  # training.method grpo: the training phase's peak
 
     def reject(self, kind: RejectionKind, reason: str) -> None:
         """Mark this configuration rejected: `kind` for code, `reason` (one line) for people."""
@@ -80,6 +83,8 @@ class Plan:
     reference_pass_bytes: int = 0  # training.precompute_reference: peak of the pass before training (in peak_bytes
     # when it is the larger)
     managed_bytes: int = 0  # a paged optimizer's state in CUDA managed memory: outside the peak, in host RAM
+    generation_bytes: int = 0  # training.method grpo: generation's peak (peak_bytes is the larger of the two)
+    training_bytes: int = 0  # training.method grpo: the training phase's peak
     device_figures: dict[str, float] = field(default_factory=dict)  # what tokens_per_s rests on (figures_of)
     figures_measured: bool = False  # device_figures were measured on this machine (a CPU), not DEVICE's constants
 
@@ -143,7 +148,9 @@ def auto_values(recipe: Recipe, device: str) -> dict[str, list[Any]]:
         # Only tiers that free the training device's memory are worth trying (on a CPU run RAM is that memory).
         "offload": ["none", *(t for t in tier_names() if tier_spec(t).frees_device(device))],
         # several processes: the chunked loss would bypass the wrapper's forward (DistributedConfig.problems_with)
-        "chunked_loss": [False, True] if recipe.distributed.gpus == 1 else [False],
+        # grpo: the completions' log-probs come from their logits directly (finetune.rl.step)
+        "chunked_loss": [False, True] if recipe.distributed.gpus == 1 and recipe.training.method != "grpo"
+        else [False],
         "bits": [None] if recipe.adapter.type == "full" else [None, 8, 4],
         "optimizer": _auto_optimizers(recipe),
         "tiled_mlp": [False, True],
@@ -235,6 +242,8 @@ def _refused(recipe: Recipe, st: dict[str, Any]) -> bool:
 def model_spec(recipe: Recipe, config: Any, device: str) -> ModelSpec:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     loss = PreferenceLoss.of(recipe.training, reference_is_current(recipe))
+    grpo = recipe.training.method == "grpo"
+    objective = trace_objective(recipe.grpo) if grpo else "sft" if loss is None else loss.objective
     return ModelSpec(
         config=config, adapter=recipe.adapter, dtype=target_dtype(recipe, device),
         attn=model_facts(config, recipe.model.attn_implementation)[1], device=device, seq_len=recipe.data.max_seq_len,
@@ -243,9 +252,9 @@ def model_spec(recipe: Recipe, config: Any, device: str) -> ModelSpec:
         offload_min_size=recipe.memory.offload_min_size, recompute_norms=recipe.memory.recompute_norms,
         tiled_mlp_tokens=recipe.memory.tiled_mlp_tokens, world_size=recipe.distributed.gpus,
         interconnect_bandwidth=recipe.distributed.interconnect_bandwidth, zero_stage=recipe.distributed.zero_stage,
-        deepspeed_offload=recipe.distributed.deepspeed_offload, objective="sft" if loss is None else loss.objective,
+        deepspeed_offload=recipe.distributed.deepspeed_offload, objective=objective,
         rows_per_example=1 if loss is None else loss.rows_per_example,
-        reference_adapter=loads_reference_adapter(recipe))
+        reference_adapter=loads_reference_adapter(recipe), num_generations=recipe.grpo.num_generations if grpo else 0)
 
 
 def free_disk_bytes(path: Path) -> int:
@@ -284,7 +293,8 @@ def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, free: dic
     tps = _speed(spec, shapes, settings, pred.offloaded_bytes, bandwidth, figures)
     cand = Candidate(asdict(settings), pred.peak_bytes, pred.breakdown, tps,
                      communication_bytes=pred.communication_bytes, reference_pass_bytes=pred.reference_pass_bytes,
-                     managed_bytes=pred.managed_bytes)
+                     managed_bytes=pred.managed_bytes, generation_bytes=pred.generation_bytes,
+                     training_bytes=pred.training_bytes)
     holds_in = tier_spec(settings.offload).holds_in if settings.offload != "none" else None
     if holds_in is not None:
         available = (free or {}).get(holds_in)
@@ -373,12 +383,14 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
         return Plan(device, best.settings, best.peak_bytes, best.breakdown, budget, True, best.tokens_per_s,
                     alternatives=ok[1:4], rejected=rejected, world_size=spec.world_size,
                     communication_bytes=best.communication_bytes, reference_pass_bytes=best.reference_pass_bytes,
-                    managed_bytes=best.managed_bytes, device_figures=figures, figures_measured=measured)
+                    managed_bytes=best.managed_bytes, generation_bytes=best.generation_bytes,
+                    training_bytes=best.training_bytes, device_figures=figures, figures_measured=measured)
     return Plan(device, leanest.settings, leanest.peak_bytes, leanest.breakdown, budget, False,
                 leanest.tokens_per_s, rejected=rejected,
                 min_budget_bytes=leanest.peak_bytes + recipe.memory.gpu_memory_margin, world_size=spec.world_size,
                 communication_bytes=leanest.communication_bytes, reference_pass_bytes=leanest.reference_pass_bytes,
-                managed_bytes=leanest.managed_bytes, device_figures=figures, figures_measured=measured)
+                managed_bytes=leanest.managed_bytes, generation_bytes=leanest.generation_bytes,
+                training_bytes=leanest.training_bytes, device_figures=figures, figures_measured=measured)
 
 
 def _offload_resources(recipe: Recipe, device: str, tiers: set[str]) -> tuple[dict[str, float], dict[str, int]]:

@@ -37,7 +37,13 @@ from finetune.model.adapter import apply_adapter
 from finetune.plan import trace_cache
 from finetune.plan.planner import Planner, current
 from finetune.plan.shapes import ModelShapes, config_location, load_model_config, model_shapes, with_layers
-from finetune.recipe.schema import AdapterConfig
+from finetune.recipe.schema import AdapterConfig, GRPOConfig
+from finetune.rl.step import (
+    completion_logps,
+    grpo_forward_backward,
+    of_trace_objective,
+    synthetic_micro_batch,
+)
 
 
 class _MetaKernels(TorchFunctionMode):
@@ -287,13 +293,17 @@ def _direct_trace(key: tuple[str, str, str, str], attn: str, micro_batch: int, s
     tracker = MemoryTracker(vocab_size=config.get_text_config().vocab_size, device="meta")
     tracker.register_model(model)
     handles = _layer_windows(model, tracker)
+    grpo = of_trace_objective(objective)
     try:
         with _MetaKernels(), _MetaMemo(planner), tracker:
-            if preference is not None and preference.reference_precomputed:
+            if grpo is not None:
+                _grpo_step(model, tracker, micro_batch, seq_len, *grpo)
+            elif preference is not None and preference.reference_precomputed:
                 with tracker.window("reference_pass"):  # the pass before training: no gradients exist yet
                     batch_reference_logps(model, batch, chunked_loss, current=preference.reference_current)
-            forward_backward(model, batch, backward=_backward, tracker=tracker, backward_window="bwd_head",
-                             preference=preference, chunked_loss=chunked_loss)
+            if grpo is None:
+                forward_backward(model, batch, backward=_backward, tracker=tracker, backward_window="bwd_head",
+                                 preference=preference, chunked_loss=chunked_loss)
     finally:
         tracker.remove_hooks()
         for handle in handles:
@@ -302,6 +312,18 @@ def _direct_trace(key: tuple[str, str, str, str], attn: str, micro_batch: int, s
         del module.forward  # the class's forward again
     _return_model(planner, built, model)
     return Trace(windows=dict(tracker.windows))
+
+
+def _grpo_step(model: torch.nn.Module, tracker: MemoryTracker, rows: int, seq_len: int, completion: int,
+               logps_pass: bool) -> None:
+    """GRPO's training phase (finetune.rl.step): with `logps_pass`, the no-grad log-prob forward over `rows`
+    completions (old policy / reference) in its own window, then the policy's forward and backward."""
+    micro = synthetic_micro_batch(rows, seq_len - completion, completion, "meta")
+    if logps_pass:
+        with tracker.window("logps_pass"), torch.no_grad():
+            completion_logps(model, micro.input_ids, micro.attention_mask, micro.prompt_length)
+    grpo_forward_backward(model, micro, GRPOConfig(max_completion_length=completion, loss_type="grpo"),
+                          backward=_backward, tracker=tracker, backward_window="bwd_head")
 
 
 # Meta models built for tracing are kept in the planner (`Planner.models`), by everything that shapes them

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import difflib
+import re
 import reprlib
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -11,11 +14,13 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from finetune.errors import ProblemCode, RecipeError, RecipeProblem
-from finetune.recipe.schema import MAX_DEPTH, Recipe
+from finetune.recipe.schema import Recipe
+from finetune.recipe.section import MAX_DEPTH
 
 MAX_FILE_BYTES = 1 << 20  # a recipe is a few kilobytes; this bounds parse time and memory
 MAX_VALUES = 10_000  # YAML values after alias expansion: a recipe has ~100; refuses "billion laughs" bombs
 
+_LISTED = re.compile(r"^[A-Za-z_]\w*(\[\d+\])*$")  # a key, or a list key with its item's index (rewards[1])
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _MERGE = "tag:yaml.org,2002:merge"
 _STR = "tag:yaml.org,2002:str"
@@ -282,7 +287,10 @@ def describe_errors(exc: ValidationError, source: str, locations: Locations) -> 
         by_key.setdefault(keys, {}).setdefault(msg, _code(err["type"]))
     problems = []
     for keys, msgs in by_key.items():
-        where = f"{locations.get(keys, source)}: "
+        plain = tuple(k.split("[", 1)[0] for k in keys)  # a list item: the line of its list's key
+        known = keys if keys in locations else next(
+            (plain[:n] for n in range(len(plain), 0, -1) if plain[:n] in locations), keys)
+        where = f"{locations.get(known, source)}: "
         key = ".".join(keys)
         if keys in given:  # a bad value: union types give one message per branch, joined with "or"
             codes = set(msgs.values())
@@ -295,22 +303,55 @@ def describe_errors(exc: ValidationError, source: str, locations: Locations) -> 
 
 
 def _dotted(keys: tuple[str, ...]) -> str:
-    """A key path as the user reads it: `model.path`, a name that is no identifier quoted (`model.'a b'`)."""
-    return ".".join(k if k.isidentifier() else _clip(k) for k in keys) or "(recipe)"
+    """A key path as the user reads it: `model.path`, a name that is no identifier quoted (`model.'a b'`), a
+    list item indexed (`grpo.rewards[1].pattern`)."""
+    return ".".join(k if _LISTED.match(k) else _clip(k) for k in keys) or "(recipe)"
 
 
 def _recipe_keys(loc: tuple[Any, ...]) -> tuple[str, ...]:
     """The recipe keys of a pydantic error location: its parts while they name a section or one of its keys,
     whatever their spelling (a key `int` too); what follows a key is pydantic's (union-branch names such as
-    'int' or "literal['auto']", list indices)."""
+    'int' or "literal['auto']", list indices). A list of sections (grpo.rewards) is followed into its items:
+    `rewards[1]`, then the item's key, pydantic's name of the item's union member left out."""
     keys: list[str] = []
     model: type[BaseModel] | None = Recipe
+    items: list[type[BaseModel]] = []  # the last key is a list of these sections
     for part in loc:
+        if items and isinstance(part, int):
+            keys[-1] += f"[{part}]"
+            continue
+        if items:
+            owner = next((m for m in items if part in m.model_fields), None)
+            if owner is None:  # the union member's tag
+                continue
+            model, items = owner, []
         if model is None:
             break
         keys.append(str(part))
+        field = model.model_fields.get(str(part))
+        items = _item_sections(field.annotation) if field is not None else []
         model = _submodel(model, (str(part),))
     return tuple(keys)
+
+
+def _item_sections(annotation: Any) -> list[type[BaseModel]]:
+    """The sections a list-valued key's items may be (`list[Reward] | None` -> the reward kinds); [] otherwise."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)] \
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType) else [annotation]
+    lists = [a for a in args if typing.get_origin(a) is list]
+    if not lists:
+        return []
+    found: list[type[BaseModel]] = []
+    pending = list(typing.get_args(lists[0]))
+    while pending:
+        item = pending.pop()
+        if isinstance(item, type) and issubclass(item, BaseModel):
+            found.append(item)
+        elif typing.get_origin(item) is typing.Annotated:
+            pending.append(typing.get_args(item)[0])
+        else:
+            pending.extend(typing.get_args(item))
+    return found
 
 
 def validate_recipe(data: Any, source: str = "recipe", text: str | None = None,

@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
 from finetune.errors import RecipeError
-from finetune.recipe.schema import Section
+from finetune.recipe.section import Section
 
 KINDS = ("answer", "format", "length", "python")
 _FUNCTION = re.compile(r"^[^:]+\.py:[A-Za-z_][A-Za-z0-9_]*$")
@@ -110,12 +110,18 @@ class RewardsConfig(Section):
 
     @model_validator(mode="after")
     def _trusted(self) -> RewardsConfig:
-        untrusted = [f"rewards[{i}]" for i, r in enumerate(self.rewards) if isinstance(r, PythonReward)]
-        if untrusted and not self.trust_python_code:
-            raise ValueError(f"{', '.join(untrusted)}: kind python runs code from your files; set "
-                             "trust_python_code: true if you trust it, or use a built-in kind "
-                             f"({', '.join(KINDS[:-1])})")
+        if problem := self.untrusted():
+            raise ValueError(problem)
         return self
+
+    def untrusted(self, prefix: str = "") -> str | None:
+        """Why the kind python rewards may not run (trust_python_code is off), keys prefixed with `prefix`
+        (`grpo.` in a recipe); None when they may."""
+        untrusted = [f"{prefix}rewards[{i}]" for i, r in enumerate(self.rewards or []) if isinstance(r, PythonReward)]
+        if not untrusted or self.trust_python_code:
+            return None
+        return (f"{', '.join(untrusted)}: kind python runs code from your files; set {prefix}trust_python_code: "
+                f"true if you trust it, or use a built-in kind ({', '.join(KINDS[:-1])})")
 
 
 def validate_rewards(data: Any, source: str = "recipe") -> RewardsConfig:

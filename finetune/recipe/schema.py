@@ -5,81 +5,24 @@ Every field has a default or is required, and a one-line description. Sections m
 
 from __future__ import annotations
 
-import math
-import types
-import typing
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from finetune.recipe import settings
 from finetune.recipe.offload_tiers import offload_description, tier_names
 from finetune.recipe.optimizers import SPECS, names_with_key, optimizer_names, optimizer_spec, specific_keys
+from finetune.recipe.rewards import Reward, RewardsConfig
+from finetune.recipe.section import Section
 from finetune.units import MAX_SIZE, parse_bytes
 
 MAX_COUNT = 2**31 - 1  # steps, sizes in tokens, ranks: what torch and the Trainer keep in 32-bit ints
-MAX_DEPTH = 16  # sections hold keys hold lists: 4 levels are used, the rest is room (YAML and Python data alike)
 
 
 ByteSize = Annotated[int, BeforeValidator(parse_bytes), Field(ge=0, le=MAX_SIZE)]
 PositiveByteSize = Annotated[int, BeforeValidator(parse_bytes), Field(gt=0, le=MAX_SIZE)]
 Fraction = Annotated[float, Field(ge=0, lt=1)]
 Auto = Literal["auto"]
-
-
-class Section(BaseModel):
-    """Base for recipe sections: unknown keys are errors, assignments are validated, numbers are finite."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=False,
-                              allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _plain_values(cls, value: Any, info: ValidationInfo) -> Any:
-        """Refuse what pydantic's lax mode would let through: true for a number, .inf, "", NUL, []."""
-        field = cls.model_fields[info.field_name]
-        _check_value(value, bool in _leaf_types(field.annotation))
-        return value
-
-
-def _leaf_types(annotation: Any) -> set[Any]:
-    """Every type or literal value a field annotation admits (bool for a `bool` field)."""
-    origin = typing.get_origin(annotation)
-    if origin is typing.Literal:
-        return {type(a) if isinstance(a, bool) else a for a in typing.get_args(annotation)}
-    if origin in (typing.Union, types.UnionType, typing.Annotated):
-        args = typing.get_args(annotation)
-        return set().union(*(_leaf_types(a) for a in (args[:1] if origin is typing.Annotated else args)))
-    return {annotation}
-
-
-def _check_value(value: Any, bool_ok: bool, depth: int = 2) -> None:
-    """`depth`: the value's level in the recipe (a section's key is 2); a list nested past MAX_DEPTH is refused
-    here, before anything recurses through it (api.validate takes Python data that no YAML reader checked)."""
-    if depth > MAX_DEPTH:
-        raise ValueError(f"nested more than {MAX_DEPTH} levels deep; a recipe is sections of keys")
-    if isinstance(value, bool) and not bool_ok:
-        raise ValueError(f"expected a number or a name here, not {str(value).lower()}")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"must be a finite number, not {value}")
-    if isinstance(value, str):
-        if not value.strip():
-            raise ValueError("must not be empty; remove the key (or write null) for the default")
-        if "\x00" in value:
-            raise ValueError("must not contain a NUL character")
-    if isinstance(value, list | tuple):
-        if not value:
-            raise ValueError("must not be an empty list; remove the key for the default")
-        for item in value:
-            _check_value(item, bool_ok=False, depth=depth + 1)
 
 
 class ModelConfig(Section):
@@ -182,9 +125,11 @@ class TrainingConfig(Section):
         "measured by the GPU kit.")
     # Preference tuning (finetune/memory/preference.py): the method and its knobs; METHOD_KEYS says which
     # knob applies to which method.
-    method: Literal["sft", "dpo", "orpo", "kto"] = Field(
+    method: Literal["sft", "dpo", "orpo", "kto", "grpo"] = Field(
         "sft", description="sft (supervised), or preference tuning on chosen/rejected pairs: dpo, orpo "
-        "(reference-free, adds the NLL of the chosen answer), kto (single answers labelled good or bad).")
+        "(reference-free, adds the NLL of the chosen answer), kto (single answers labelled good or bad), or grpo "
+        "(reinforcement learning from rewards on the model's own answers to prompts; its keys are in the grpo "
+        "section; docs/rl.md).")
     beta: float = Field(0.1, gt=0, le=1e3, description="dpo, kto: strength of the pull towards the reference model "
                         "(the reward scale); orpo: weight of the odds-ratio term.")
     loss_type: Literal["sigmoid", "ipo", "hinge"] = Field(
@@ -248,6 +193,80 @@ METHOD_KEYS: dict[str, tuple[str, ...]] = {
     "label_smoothing": ("dpo",), "desirable_weight": ("kto",), "undesirable_weight": ("kto",),
     "precompute_reference": ("dpo", "kto"),
 }
+
+
+class GRPOConfig(RewardsConfig):
+    """training.method grpo (finetune/rl, docs/rl.md): how completions are sampled and scored and how the
+    GRPO-family loss weighs them. The names and defaults are TRL 1.16's GRPOConfig's."""
+
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = Field(
+        "dapo", description="How token losses become one number: grpo (mean per completion, then over "
+        "completions), bnpo (mean over a micro-batch's tokens), dr_grpo (sum / (completions x "
+        "max_completion_length): no length bias), dapo (sum / the completion tokens of the whole optimizer step).")
+    epsilon: float = Field(0.2, gt=0, lt=1, description="Clip the probability ratio to [1 - epsilon, 1 + "
+                           "epsilon_high].")
+    epsilon_high: float | None = Field(
+        None, gt=0, le=10, description="Upper clip of the ratio (DAPO's clip-higher, e.g. 0.28); null: epsilon.")
+    beta: float = Field(0.0, ge=0, le=1e3, description="Weight of the KL penalty to the reference model (the "
+                        "base, adapter switched off); 0: no reference forward at all.")
+    num_generations: int = Field(8, ge=2, le=1024, description="Completions sampled per prompt; each is judged "
+                                 "against its group's mean reward.")
+    num_iterations: int = Field(1, ge=1, le=1024, description="Optimizer passes over each batch of generated "
+                                "completions (TRL's mu); above 1 the old policy's log-probabilities are kept and "
+                                "the ratio is clipped.")
+    max_completion_length: int = Field(256, ge=1, le=2**20, description="Longest completion in tokens; prompts "
+                                       "get data.max_seq_len minus this (longer prompts are dropped and counted).")
+    temperature: float = Field(1.0, gt=0, le=100, description="Sampling temperature of the completions.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: keep the smallest set of tokens whose "
+                         "probability reaches top_p; 1: all.")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Divide each advantage (reward minus its group's mean) by the standard deviation of "
+        "its group, of the batch, or not at all (Dr. GRPO).")
+    rewards: list[Reward] | None = Field(  # type: ignore[assignment]  # required only under method grpo
+        None, description="The reward functions, summed with their weights (kind answer, format, length, python; "
+        "docs/rl.md); required with training.method grpo.")
+
+    @model_validator(mode="after")
+    def _trusted(self) -> GRPOConfig:
+        """In a recipe the trust check is one of `problems_with`'s, naming the keys with their section."""
+        return self
+
+    @model_validator(mode="after")
+    def _clip_range(self) -> GRPOConfig:
+        if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
+            raise ValueError(f"grpo.epsilon_high {self.epsilon_high} is below grpo.epsilon {self.epsilon}: the "
+                             "upper clip is 1 + epsilon_high; raise it or remove it")
+        return self
+
+    def problems_with(self, recipe: Recipe) -> list[str]:
+        """The grpo keys against the rest of `recipe`: set only for method grpo, rewards given, room for a
+        prompt, a reference to compare against when beta > 0."""
+        method = recipe.training.method
+        if method != "grpo":
+            keys = [f"grpo.{k}" for k, f in type(self).model_fields.items() if getattr(self, k) != f.default]
+            return [f"{', '.join(keys)}: {'apply' if len(keys) > 1 else 'applies'} only to training.method grpo, "
+                    f"not {method}; remove {'them' if len(keys) > 1 else 'it'} or set training.method: grpo"] \
+                if keys else []
+        problems = [problem] if (problem := self.untrusted("grpo.")) else []
+        if not self.rewards:
+            problems.append("grpo.rewards: training.method grpo needs at least one reward (e.g. kind: answer); "
+                            "see docs/rl.md")
+        if self.max_completion_length >= recipe.data.max_seq_len:
+            problems.append(f"grpo.max_completion_length={self.max_completion_length} leaves no room for a prompt "
+                            f"in data.max_seq_len={recipe.data.max_seq_len} (prompt + completion); raise "
+                            "data.max_seq_len or lower grpo.max_completion_length")
+        if recipe.memory.chunked_loss is True:
+            problems.append("memory.chunked_loss: true with training.method grpo: the completions' log-probs are "
+                            "computed from their logits directly; set it to false or auto")
+        if recipe.data.format != "auto":
+            problems.append(f"data.format={recipe.data.format} with training.method grpo: GRPO reads prompt-only "
+                            'records ({"prompt": ..., <reward fields>} or {"messages": [..., user turn]}); remove '
+                            "data.format")
+        if self.beta and recipe.adapter.type == "full":
+            problems.append(f"grpo.beta={self.beta} with adapter.type=full: the reference model is the base with "
+                            "the adapter switched off, and a full fine-tune has no adapter; use adapter.type: lora "
+                            "or grpo.beta: 0")
+        return problems
 
 
 class MemoryConfig(Section):
@@ -463,6 +482,8 @@ class Recipe(Section):
     output: OutputConfig = Field(default_factory=OutputConfig, description="Where results go.")
     distributed: DistributedConfig = Field(default_factory=DistributedConfig,
                                            description="Several GPUs or nodes (DDP, FSDP2, DeepSpeed ZeRO).")
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig,
+                             description="training.method grpo: sampling, rewards and the GRPO-family loss.")
 
     def auto_keys(self) -> list[str]:
         """The keys ("section.key") still `auto` that the planner decides (finetune.recipe.settings lists them)."""
@@ -477,8 +498,10 @@ class Recipe(Section):
         if self.training.eval_steps is not None and self.data.validation_split == 0:
             raise ValueError("training.eval_steps needs data.validation_split > 0")
         if self.training.method != "sft" and self.data.packing:
-            raise ValueError(f"data.packing cannot be used with training.method={self.training.method}: preference "
-                             "losses compare whole answers; set data.packing: false")
+            why = "GRPO generates from one prompt at a time" if self.training.method == "grpo" else \
+                "preference losses compare whole answers"
+            raise ValueError(f"data.packing cannot be used with training.method={self.training.method}: {why}; "
+                             "set data.packing: false")
         if self.training.uses_reference and self.adapter.type == "full":
             raise ValueError(
                 f"training.method={self.training.method} with adapter.type=full: the reference model is the base "
@@ -493,7 +516,14 @@ class Recipe(Section):
         if self.adapter.init_from is not None and self.adapter.type == "full":
             raise ValueError("adapter.init_from starts from a LoRA/DoRA adapter; it cannot be used with "
                              "adapter.type=full")
-        problems = self.optimizer.problems_with(self) + self.distributed.problems_with(self)
+        problems = self.optimizer.problems_with(self) + self.distributed.problems_with(self) + \
+            self.grpo.problems_with(self)
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+
+def max_prompt_tokens(recipe: Recipe) -> int:
+    """training.method grpo: the longest prompt, data.max_seq_len less the completion's grpo.max_completion_length
+    (the sequence the plan is made for is prompt + completion)."""
+    return recipe.data.max_seq_len - recipe.grpo.max_completion_length

@@ -26,6 +26,7 @@ logp detached): the clip matters only when a generation batch is reused for seve
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -114,4 +115,5 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages: t
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    return float((x.detach() * mask).sum() / mask.sum().clamp(min=1.0))
+    mean = (x.detach() * mask).sum() / mask.sum().clamp(min=1.0)
+    return math.nan if mean.is_meta else float(mean)  # the planner's trace runs the loss on `meta` tensors

@@ -1,0 +1,262 @@
+"""GRPO's step as parts a training loop calls: generate and score once, then forward/backward per micro-batch.
+
+    rollout = generate_and_score(model, tokenizer, prompts, config, rewards)
+    for _ in range(config.num_iterations):
+        for micro in rollout.micro_batches(n):
+            grpo_forward_backward(model, micro, config)
+        # the loop's optimizer update (finetune.memory.step.optimizer_update)
+
+Why split: generation (KV cache, sampling) and training (activations, gradients) are separate phases with their
+own memory peaks, and the loop owns the optimizer, the schedule, logging and recovery. No Trainer here.
+
+`generate_and_score`: each prompt (left-padded, `num_generations` times) is answered by HF `generate` with the
+weights as they are (adapter on), in eval mode without gradients, with a static KV cache (what
+finetune.plan.generation prices) and plain sampling at `temperature`/`top_p` (no top-k, as TRL). A completion
+ends at its first EOS (kept in the loss, as TRL); the rewards (finetune.rl.rewards.score) are summed with their
+weights, and the advantages are `group_advantages`. With `num_iterations` > 1 the old policy's per-token
+log-probabilities are computed now (the later passes clip against them; the first pass's ratio is 1), and with
+`beta` > 0 the reference's (the base, adapter switched off, as finetune.memory.preference does for DPO); both
+without gradients, in chunks of `logps_rows` completions. `beta: 0` runs no reference forward.
+
+Per-token log-probabilities are those of the completion tokens under logits divided by the temperature (as TRL),
+with position ids counted from the attention mask, so left-padded rows see the positions `generate` gave them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from finetune.data.prompts import PromptExample
+from finetune.memory.preference import reference_weights
+from finetune.memory.tracker import MemoryTracker
+from finetune.recipe.schema import GRPOConfig
+from finetune.rl.grpo_loss import group_advantages, grpo_loss
+from finetune.rl.rewards import NamedReward, score
+
+_NULL = contextlib.nullcontext
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Some completions of a rollout with what their loss needs; `accumulation` micro-batches make one update,
+    whose completion tokens are `window_tokens` (dapo's normaliser)."""
+
+    input_ids: torch.Tensor  # [rows, prompt + completion]
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor  # [rows, completion]: 1 on completion tokens (to the first EOS included)
+    prompt_length: int
+    advantages: torch.Tensor  # [rows]
+    old_logps: torch.Tensor | None  # [rows, completion]; None: first pass, ratio 1
+    ref_logps: torch.Tensor | None
+    accumulation: int
+    window_tokens: float
+
+
+@dataclass
+class Rollout:
+    """One generation batch: the completions of every prompt, their rewards, advantages and log-probs."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor
+    prompt_length: int
+    rewards: torch.Tensor  # [completions], NaN where no reward applies
+    advantages: torch.Tensor
+    old_logps: torch.Tensor | None
+    ref_logps: torch.Tensor | None
+    metrics: dict[str, float] = field(default_factory=dict)  # reward mean/std (total and per reward), length
+    samples: list[dict[str, Any]] = field(default_factory=list)  # a few (where, prompt, completion, reward)
+
+    def micro_batches(self, n: int) -> list[MicroBatch]:
+        """The completions in `n` micro-batches of (nearly) equal rows, in order; each carries the scaling of
+        an update over all of them."""
+        rows = self.input_ids.shape[0]
+        if not 1 <= n <= rows:
+            raise ValueError(f"cannot split {rows} completions into {n} micro-batches")
+        window = float(self.completion_mask.sum())
+        bounds = [round(i * rows / n) for i in range(n + 1)]
+
+        def part(t: torch.Tensor | None, a: int, b: int) -> torch.Tensor | None:
+            return None if t is None else t[a:b]
+
+        return [MicroBatch(self.input_ids[a:b], self.attention_mask[a:b], self.completion_mask[a:b],
+                           self.prompt_length, self.advantages[a:b], part(self.old_logps, a, b),
+                           part(self.ref_logps, a, b), n, window) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def _left_padded(prompts: Sequence[PromptExample], copies: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p.input_ids) for p in prompts)
+    ids = torch.full((len(prompts) * copies, width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        n = len(p.input_ids)
+        ids[i * copies:(i + 1) * copies, width - n:] = torch.tensor(p.input_ids, dtype=torch.long)
+        mask[i * copies:(i + 1) * copies, width - n:] = 1
+    return ids, mask
+
+
+def _completion_mask(completion: torch.Tensor, eos: int | None) -> torch.Tensor:
+    """1 up to and including each row's first EOS (all of the row without one)."""
+    steps = torch.arange(completion.shape[1], device=completion.device)
+    if eos is None:
+        return torch.ones_like(completion)
+    is_eos = completion == eos
+    first = torch.where(is_eos.any(-1), is_eos.int().argmax(-1), completion.shape[1])
+    return (steps.unsqueeze(0) <= first.unsqueeze(1)).long()
+
+
+def completion_logps(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     prompt_length: int, temperature: float = 1.0) -> torch.Tensor:
+    """Per-token log-probabilities of the completion tokens (every column after `prompt_length`) under the
+    logits divided by `temperature`; the graph is kept when gradients are on."""
+    completion = input_ids.shape[1] - prompt_length
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False,
+                   logits_to_keep=completion + 1).logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    targets = input_ids[:, prompt_length:]
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+
+
+def _no_grad_logps(model: torch.nn.Module, rollout: Rollout, temperature: float, rows: int,
+                   autocast: Callable[[], contextlib.AbstractContextManager]) -> torch.Tensor:
+    parts = []
+    with torch.no_grad(), autocast():
+        for a in range(0, rollout.input_ids.shape[0], rows):
+            parts.append(completion_logps(model, rollout.input_ids[a:a + rows], rollout.attention_mask[a:a + rows],
+                                          rollout.prompt_length, temperature))
+    return torch.cat(parts)
+
+
+@contextlib.contextmanager
+def _evaluating(model: torch.nn.Module):
+    """Eval mode (no dropout) for the block, then the mode the model had."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def generate_and_score(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[PromptExample],
+                       config: GRPOConfig, rewards: Sequence[NamedReward], *, logps_rows: int | None = None,
+                       autocast: Callable[[], contextlib.AbstractContextManager] = _NULL,
+                       samples: int = 4) -> Rollout:
+    """Sample `config.num_generations` completions per prompt, score them, and compute what the loss needs
+    (see the module docstring). `logps_rows`: completions per no-grad log-prob forward (default all);
+    `autocast`: the run's mixed-precision context; `samples`: rows kept for the logs (one per prompt first).
+    A reward that fails raises RewardError naming the record and the reward."""
+    group = config.num_generations
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id
+    device = next(model.parameters()).device
+    ids, mask = (t.to(device) for t in _left_padded(prompts, group, pad))
+    width = ids.shape[1]
+    with _evaluating(model), torch.no_grad(), autocast():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=config.temperature,
+                             top_p=config.top_p, top_k=0, max_new_tokens=config.max_completion_length,
+                             use_cache=True, cache_implementation="static", pad_token_id=pad, eos_token_id=eos)
+    completion = out[:, width:]
+    if completion.shape[1] < config.max_completion_length:  # every row ended early: pad to the full length
+        completion = torch.nn.functional.pad(completion, (0, config.max_completion_length - completion.shape[1]),
+                                             value=pad)
+    completion_mask = _completion_mask(completion, eos)
+    lengths = completion_mask.sum(-1).tolist()
+    texts = tokenizer.batch_decode([row[:n].tolist() for row, n in zip(completion, lengths, strict=True)],
+                                   skip_special_tokens=True)
+    expanded = [p for p in prompts for _ in range(group)]
+    totals, per_reward = score(rewards, [p.text for p in expanded], texts, [p.fields for p in expanded],
+                               [p.where for p in expanded])
+    reward = torch.tensor(totals, dtype=torch.float32)
+    rollout = Rollout(torch.cat([ids, completion], 1), torch.cat([mask, completion_mask], 1), completion_mask,
+                      width, reward, group_advantages(reward, group, config.scale_rewards).to(device), None, None)
+    rows = logps_rows or ids.shape[0]
+    with _evaluating(model):
+        if config.num_iterations > 1:
+            rollout.old_logps = _no_grad_logps(model, rollout, config.temperature, rows, autocast)
+        if config.beta:
+            with reference_weights(model):
+                rollout.ref_logps = _no_grad_logps(model, rollout, config.temperature, rows, autocast)
+    rollout.metrics = _reward_metrics(reward, per_reward, rewards) | {
+        "completion_length": sum(lengths) / len(lengths)}
+    order = sorted(range(len(texts)), key=lambda j: (j % group, j))[:samples]  # one per prompt first
+    rollout.samples = [{"where": expanded[j].where, "prompt": expanded[j].text, "completion": texts[j],
+                        "reward": totals[j]} for j in order]
+    return rollout
+
+
+def _reward_metrics(total: torch.Tensor, per_reward: dict[str, list[float]],
+                    rewards: Sequence[NamedReward]) -> dict[str, float]:
+    """Mean and standard deviation of the summed reward and of each reward (`rewards/answer/mean`), NaNs out."""
+    out = {}
+    named = [("reward", total)] + [(f"rewards/{r.name}", torch.tensor(per_reward[r.key])) for r in rewards]
+    for name, values in named:
+        kept = values[~torch.isnan(values)]
+        out[f"{name}/mean" if name != "reward" else "reward"] = float(kept.mean()) if kept.numel() else math.nan
+        out[f"{name}/std" if name != "reward" else "reward_std"] = float(kept.std()) if kept.numel() > 1 else 0.0
+    return out
+
+
+@dataclass(frozen=True)
+class LossMetrics:
+    """What one micro-batch's loss logs: the loss (as scaled for backward), mean KL (None when beta is 0),
+    and the fraction of completion tokens whose ratio was clipped."""
+
+    loss: float
+    kl: float | None
+    clip_ratio: float
+
+
+def grpo_forward_backward(model: torch.nn.Module, micro: MicroBatch, config: GRPOConfig, *,
+                          autocast: Callable[[], contextlib.AbstractContextManager] = _NULL,
+                          backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
+                          tracker: MemoryTracker | None = None, backward_window: str = "backward") -> LossMetrics:
+    """One micro-batch's policy forward (adapter on, the model's mode as the loop set it) and backward of the
+    GRPO-family loss, scaled for `micro.accumulation` micro-batches as finetune.rl.grpo_loss scales it (dapo:
+    by the update's completion tokens). `backward`: the run's (fp16 loss scaling); `tracker`: record the
+    forward and `backward_window` phases (the planner's trace), both as in finetune.memory.step.forward_backward."""
+    with tracker.window("forward") if tracker is not None else _NULL():
+        with autocast():
+            logps = completion_logps(model, micro.input_ids, micro.attention_mask, micro.prompt_length,
+                                     config.temperature)
+        result = grpo_loss(logps, micro.old_logps, micro.advantages, micro.completion_mask,
+                           loss_type=config.loss_type, epsilon_low=config.epsilon, epsilon_high=config.epsilon_high,
+                           beta=config.beta, ref_logps=micro.ref_logps,
+                           max_completion_length=config.max_completion_length, window_tokens=micro.window_tokens,
+                           accumulation=micro.accumulation)
+    with tracker.window(backward_window) if tracker is not None else _NULL():
+        backward(result.loss)
+    loss = result.loss.detach()
+    return LossMetrics(math.nan if loss.is_meta else float(loss), result.kl, result.clip_ratio)
+
+
+def trace_objective(config: GRPOConfig) -> str:
+    """What decides a GRPO step's memory, as the planner's trace key: `grpo:COMPLETION_TOKENS`, plus `:logps`
+    when a no-grad log-prob pass (old policy or reference) runs between generation and training."""
+    logps = config.beta > 0 or config.num_iterations > 1
+    return f"grpo:{config.max_completion_length}" + (":logps" if logps else "")
+
+
+def of_trace_objective(objective: str) -> tuple[int, bool] | None:
+    """(completion tokens, with a log-prob pass) of a `trace_objective`; None for any other objective."""
+    name, *rest = objective.split(":")
+    return (int(rest[0]), "logps" in rest[1:]) if name == "grpo" else None
+
+
+def synthetic_micro_batch(rows: int, prompt_tokens: int, completion_tokens: int, device: Any,
+                          accumulation: int = 1) -> MicroBatch:
+    """A micro-batch of `rows` completions at full length with every completion token in the loss, zeros for
+    ids and advantages (what the planner's trace runs on `meta`)."""
+    width = prompt_tokens + completion_tokens
+    ids = torch.zeros(rows, width, dtype=torch.long, device=device)
+    return MicroBatch(ids, torch.ones_like(ids), torch.ones(rows, completion_tokens, dtype=torch.long, device=device),
+                      prompt_tokens, torch.zeros(rows, device=device), None, None, accumulation,
+                      float(rows * completion_tokens))
