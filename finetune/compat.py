@@ -7,13 +7,8 @@ tests run on; the oldest is pyproject's floor (torch>=2.4, transformers>=5.23), 
 still tried, with one warning naming it; where it is gone the run stops with one line saying which API,
 which versions work and what to install (exit code 1, no traceback), or a public fallback takes over where
 one exists (`op_schema`, `supports_sdpa`). tests/test_compat.py checks each entry against the installed
-versions and that no other module reaches for these names.
-
-Known and left in place: the private `transformers.Trainer` methods that finetune/train/ overrides
-(`_save_checkpoint`, `_load_rng_state`, `_save_rng_state`, `_get_grad_norm`, `_clip_grad_norm`,
-`_prepare_inputs`, `_maybe_log_save_evaluate` in trainer.py, recovery.py and batch_engine.py) and the
-Trainer's private attributes they read; the training-loop rewrite (issue 27) removes them with the Trainer
-subclass, so they are not wrapped here.
+versions and that no other module reaches for these names. Training runs its own loop
+(finetune/train/loop.py), so no transformers.Trainer method, private or public, is overridden anywhere.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`finetune measure`: run N real training steps under the tracker and report the peak and its breakdown.
 
-The steps are `finetune.memory.step.training_step`: the micro-batch forward + backward the Trainer runs in
-`finetune run` and the planner traces on `meta`, then the Trainer's optimizer update. It lives next to
+The steps are `finetune.memory.step.training_step`: the micro-batch forward + backward the loop runs in
+`finetune run` and the planner traces on `meta`, then the loop's optimizer update. It lives next to
 training (not under memory/) because it calls the planner for `auto` settings.
 """
 
