@@ -99,8 +99,9 @@ def _resume_mid_ramp(run_dir: Path, recipe: dict, copy: Path, key: str, value: i
 
 
 def _engine_state(checkpoint: Path) -> dict:
-    """The batch engine's part of a checkpoint's train state."""
-    return torch.load(checkpoint / "train_state.pt", weights_only=True)["policies"]["BatchEngine"]
+    """The batch engine's part of a checkpoint's train state, with the loop's batch geometry it changes."""
+    state = torch.load(checkpoint / "train_state.pt", weights_only=True)
+    return {**state["geometry"], **state["policies"]["BatchEngine"]}
 
 
 def _assert_same_losses(rows: list[dict], reference: list[dict]) -> None:

@@ -12,6 +12,7 @@ import torch
 from transformers import default_data_collator
 
 from finetune.recipe import validate_recipe
+from finetune.recipe.resolved import resolve
 from finetune.train.setup import simple_loop
 from finetune.train.train_state import load_checkpoint
 from tests.test_optim import _one_thread, config, examples, load_model  # noqa: F401
@@ -25,8 +26,8 @@ def _run(model_dir, out, opt, accumulation, resume=None):
         "training": {"max_steps": 4, "micro_batch_size": 1, "gradient_accumulation_steps": accumulation,
                      "learning_rate": 1e-2, "lr_scheduler": "linear", "warmup_ratio": 0.0, "max_grad_norm": 1.0,
                      "logging_steps": 1, "seed": 0, "noise_scale": False},
-        "memory": {"activation_checkpointing": False}, "output": {"save_steps": 2}})
-    loop = simple_loop(recipe, model, data, default_data_collator, 4, checkpoints=out)
+        "memory": {"activation_checkpointing": False, "chunked_loss": False, "tiled_mlp": False}, "output": {"save_steps": 2}})
+    loop = simple_loop(resolve(recipe), model, data, default_data_collator, 4, checkpoints=out)
     if resume:
         load_checkpoint(loop, resume)
     loop.fit()

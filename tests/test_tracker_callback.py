@@ -10,6 +10,7 @@ def test_the_loop_logs_peak_memory(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, default_data_collator
 
     from finetune.recipe import validate_recipe
+    from finetune.recipe.resolved import resolve
     from finetune.train.peak_memory import PeakMemory
     from finetune.train.policy import Policy
     from finetune.train.setup import simple_loop
@@ -25,12 +26,13 @@ def test_the_loop_logs_peak_memory(tiny_model_dir, tmp_path):
             if "loss" in row:
                 captured.append(dict(row))
 
-    recipe = validate_recipe({"model": {"path": str(tiny_model_dir), "dtype": "float32"}, "adapter": {"type": "full"},
+    recipe = validate_recipe({"model": {"path": str(tiny_model_dir), "dtype": "fp32"}, "adapter": {"type": "full"},
                               "quantization": {"bits": None}, "data": {"path": "unused.jsonl"},
                               "training": {"max_steps": 2, "micro_batch_size": 2, "gradient_accumulation_steps": 1,
                                            "logging_steps": 1, "noise_scale": False},
-                              "memory": {"activation_checkpointing": False}})
-    loop = simple_loop(recipe, model, data, default_data_collator, 2, policies=[callback, MetricsWriter()])
+                              "memory": {"activation_checkpointing": False, "chunked_loss": False,
+                                         "tiled_mlp": False}})
+    loop = simple_loop(resolve(recipe), model, data, default_data_collator, 2, policies=[callback, MetricsWriter()])
     try:
         loop.fit()
     finally:

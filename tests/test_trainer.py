@@ -10,6 +10,7 @@ from transformers import DataCollatorForSeq2Seq
 from finetune.model.adapter import apply_adapter
 from finetune.model.load import load_model
 from finetune.recipe import validate_recipe
+from finetune.recipe.resolved import resolve
 from finetune.train.setup import make_scheduler, simple_loop
 
 
@@ -31,7 +32,7 @@ def _recipe(tmp_path, model_dir, **training):
         "adapter": {"type": "full"}, "data": {"path": "unused.jsonl"},
         "training": {"max_steps": 1, "learning_rate": 1.0, "warmup_ratio": 0.0, "lr_scheduler": "constant",
                      "max_grad_norm": None, **training},
-        "memory": {"activation_checkpointing": False}, "output": {"dir": str(tmp_path / "run")},
+        "memory": {"activation_checkpointing": False, "chunked_loss": False, "tiled_mlp": False}, "output": {"dir": str(tmp_path / "run")},
         # with SGD at lr 1 the update IS the accumulated gradient (Adam would hide its scale)
         "optimizer": {"name": "sgd"},
     })
@@ -42,7 +43,7 @@ def _one_sgd_step(tmp_path, model_dir, tokenizer, micro: int, accum: int) -> dic
     model, _, _ = load_model(recipe.model, recipe.quantization)
     model = apply_adapter(model, recipe.adapter, checkpointing=False)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    simple_loop(recipe, model, _examples(), DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100), 1).fit()
+    simple_loop(resolve(recipe), model, _examples(), DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100), 1).fit()
     return {n: before[n] - p.detach() for n, p in model.named_parameters()}
 
 

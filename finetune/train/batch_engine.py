@@ -60,10 +60,10 @@ from finetune.recipe.batch_rules import (
     scale_for_batch,
     update_batch,
 )
-from finetune.recipe.schema import Recipe
+from finetune.recipe.resolved import RunConfig
 from finetune.rundir import RunDir
 from finetune.train.noise_scale import NoiseScale, labelled_tokens
-from finetune.train.policy import Geometry, Policy, Step, Update
+from finetune.train.policy import Geometry, Part, Policy, Step, Update
 from finetune.train.sub_updates import plan_sub_updates
 
 MIN_OBSERVATIONS = 5  # fresh noise-scale observations between two changes
@@ -97,10 +97,11 @@ class BatchEngine(Policy):
     """The update batch and the accumulation follow the noise scale when effective_batch_size is auto (see
     the module docstring); with a fixed batch it only times the steps (results.json's advice uses them)."""
 
-    def __init__(self, recipe: Recipe, noise: NoiseScale, geometry: Geometry, device: torch.device,
+    def __init__(self, config: RunConfig, noise: NoiseScale, geometry: Geometry, device: torch.device,
                  on_batch_change: Callable[[dict], None] | None = None):
+        recipe = config.recipe
         self.recipe, self.noise = recipe, noise
-        self.engine_on = recipe.training.effective_batch_size == "auto"
+        self.engine_on = config.batch_auto
         self.on_batch_change = on_batch_change
         self.step_batch = geometry.micro_batch * geometry.accumulation  # sequences per loop step
         self.micro_batch, self.loop_accumulation = geometry.micro_batch, geometry.accumulation
@@ -121,10 +122,12 @@ class BatchEngine(Policy):
         self._sub_step = False  # the step in progress runs as several updates (not timed)
         self._loaded = False
         self._warmup_ended: int | None = None  # a resumed run's update batch whose warmup cannot go on
-        self.update_batch: int | None = None
+        self.geometry = geometry  # the loop's; the engine changes it through loop.set_geometry
         why_not = self._no_warmup(geometry) if self.engine_on else None
-        if self.engine_on:  # the warmup starts at one sequence per update where it can (module docstring)
-            self.update_batch = self.step_batch if why_not else 1
+        # the warmup starts at one sequence per update where it can (module docstring)
+        self._start = (self.step_batch if why_not else 1) if self.engine_on else None
+        geometry.update_batch = self._start  # the loop does not exist yet: its starting geometry
+        if self.engine_on:
             if why_not and self.step_batch > 1:
                 console.print(f"batch warmup: off ({why_not}); updates of the whole micro-batch from the start")
 
@@ -140,6 +143,10 @@ class BatchEngine(Policy):
         if geometry.processes > 1:
             return "several processes"
         return None
+
+    @property
+    def update_batch(self) -> int | None:
+        return self.geometry.update_batch
 
     def sub_updating(self) -> bool:
         """Whether steps run as several updates now (the warmup is below the loader batch)."""
@@ -184,7 +191,7 @@ class BatchEngine(Policy):
             self._size = size
             loop.set_geometry(group=size)
 
-    def around_micro_batch(self, loop, inputs: dict, weight, run, last: bool) -> torch.Tensor:
+    def around_micro_batch(self, loop, part: Part, run) -> torch.Tensor:
         loss = run()
         self._marks[1:] = [self._clock.mark()]
         return loss
@@ -259,7 +266,8 @@ class BatchEngine(Policy):
         old = (self.update_batch, self.accumulation)
         if self.sub_updating():  # the warmup: the update batch grows first, accumulation waits
             per_sequence = float(self._tokens) / self._batches / self.micro_batch
-            self.update_batch = update_batch(values.get("gns"), per_sequence, self.update_batch, self.step_batch)
+            loop.set_geometry(update_batch=update_batch(values.get("gns"), per_sequence, self.update_batch,
+                                                        self.step_batch))
         else:
             self.accumulation = best_accumulation(
                 values.get("gns"), float(self._tokens) / self._batches * self.loop_accumulation,
@@ -311,7 +319,7 @@ class BatchEngine(Policy):
     def state_dict(self) -> dict:
         self._resolve_marks(wait=True)
         return {"accumulation": self.accumulation, "observations_at_change": self._observations_at_change,
-                "update_batch": self.update_batch, "since_pair": self._since_pair, "decided_at": self._decided_at,
+                "since_pair": self._since_pair, "decided_at": self._decided_at,
                 "tokens": int(self._tokens), "batches": self._batches, "size": self._size,
                 "times": self.times.state_dict(),
                 "base": self._base and {"lrs": self._base[0], "betas": list(self._base[1])}}
@@ -321,17 +329,20 @@ class BatchEngine(Policy):
             return
         self._loaded = True
         self.accumulation = state["accumulation"]
-        if self.sub_updating():
-            self.update_batch = min(state["update_batch"], self.step_batch)
+        saved = self.geometry.update_batch or self.step_batch  # the loop restored the geometry first
+        if self._start < self.step_batch:  # the warmup can go on
+            self.geometry.update_batch = min(saved, self.step_batch)
             self._since_pair = state["since_pair"]
+        else:
+            self.geometry.update_batch = self._start
+            if saved < self._start:  # the warmup cannot go on here: recorded at the start
+                self._warmup_ended = saved
         self._size = state["size"]
         self.times.load_state_dict(state["times"])
         self._observations_at_change, self._decided_at = state["observations_at_change"], state["decided_at"]
         self._tokens, self._batches = state["tokens"], state["batches"]
         if state["base"]:
             self._base = (state["base"]["lrs"], tuple(state["base"]["betas"]))
-        if state["update_batch"] < self.update_batch:  # the warmup cannot go on here: recorded at the start
-            self._warmup_ended = state["update_batch"]
 
 
 def record_batch_change(run_dir: RunDir, status_fields: dict) -> Callable[[dict], None]:

@@ -33,7 +33,7 @@ from finetune.memory.preference import PreferenceLoss, metric_means
 from finetune.memory.step import compute_loss, forward_backward
 from finetune.optim import layerwise_of
 from finetune.train.noise_scale import labelled_tokens
-from finetune.train.policy import Geometry, Policy, Step, Update
+from finetune.train.policy import Geometry, Part, Policy, Step, Update
 from finetune.train.rng import rng_state, set_rng_state
 
 EVAL_PREFIX = "eval_"
@@ -277,10 +277,7 @@ class TrainLoop:
         # Several processes: the loss is normalised by the labelled tokens of all of them and DDP/FSDP average
         # the gradients, so it is multiplied by their number (one process: 1), as transformers does.
         scale = self.processes if num_items is not None else 1
-        if num_items is not None and "labels" in inputs:
-            weight = scale * labelled_tokens(inputs) / num_items
-        else:
-            weight = 1 / count
+        part = Part(inputs, num_items, count, scale, last)
 
         def run() -> torch.Tensor:
             return forward_backward(
@@ -292,7 +289,7 @@ class TrainLoop:
         self.model.train()
         call = run
         for p in reversed(self.policies):
-            call = _around(p, self, inputs, weight, call, last)
+            call = _around(p, self, part, call)
         loss = call()
         loss = loss * scale if scale != 1 else loss
         finite = torch.isfinite(loss).all()
@@ -499,20 +496,20 @@ class TrainLoop:
                 "policies": {type(p).__name__: p.state_dict() for p in self.policies}}
 
     def load_state_dict(self, state: dict) -> None:
+        """The saved state back; of the geometry, what the run changed while training (the group, the
+        update batch): the micro-batch and accumulation come from the recipe (with a recovery's settings)."""
         self.state.load_state_dict(state["loop"])
         self.scheduler.load_state_dict(state["scheduler"])
-        saved = state.get("policies", {})
+        self.set_geometry(group=state["geometry"]["group"], update_batch=state["geometry"]["update_batch"])
+        saved = state["policies"]
         for p in self.policies:
             if type(p).__name__ in saved:
                 p.load_state_dict(saved[type(p).__name__])
-        group = state.get("geometry", {}).get("group")
-        if group:
-            self.set_geometry(group=group)
 
 
-def _around(policy: Policy, loop: TrainLoop, inputs: dict, weight: Any, inner: Callable[[], torch.Tensor],
-            last: bool) -> Callable[[], torch.Tensor]:
-    return lambda: policy.around_micro_batch(loop, inputs, weight, inner, last)
+def _around(policy: Policy, loop: TrainLoop, part: Part, inner: Callable[[], torch.Tensor]
+            ) -> Callable[[], torch.Tensor]:
+    return lambda: policy.around_micro_batch(loop, part, inner)
 
 
 def _null():

@@ -39,7 +39,7 @@ def step_setup(recipe: Recipe, **plan_kwargs: Any) -> tuple[Recipe, torch.nn.Mod
     if recipe.auto_keys():
         from finetune.plan import predict
 
-        recipe = predict(recipe, **plan_kwargs).apply(recipe)
+        recipe = predict(recipe, **plan_kwargs).apply(recipe).recipe
     model, _tokenizer, _path = load_model(recipe.model, recipe.quantization)
     vocab = model.config.get_text_config().vocab_size
     checkpointing = bool(recipe.memory.activation_checkpointing)

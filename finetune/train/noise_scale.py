@@ -48,7 +48,7 @@ import torch
 from finetune.compat import foreach_norm
 from finetune.memory.chunked_loss import IGNORE_INDEX
 from finetune.optim import layerwise_of
-from finetune.train.policy import Policy, Step, Update
+from finetune.train.policy import Part, Policy, Step, Update
 
 DEFAULT_DECAY = 0.95  # EMA of |G|^2 and tr(Sigma): about 20 steps of memory
 SLICE = 1 << 24  # elements per fp32 slice of a gradient norm
@@ -281,9 +281,10 @@ class NoiseScale(Policy):
         half = -(-len(rows) // 2)
         return [dataclasses.replace(update, micro_batches=[rows[:half], rows[half:]])]
 
-    def around_micro_batch(self, loop, inputs: dict, weight, run, last: bool) -> torch.Tensor:
-        if self.probe is not None and "labels" in inputs:
-            self.probe.micro_batch(labelled_tokens(inputs), weight)  # device scalars: read at the update
+    def around_micro_batch(self, loop, part: Part, run) -> torch.Tensor:
+        if self.probe is not None and "labels" in part.inputs:
+            tokens = labelled_tokens(part.inputs)
+            self.probe.micro_batch(tokens, part.weight(tokens))  # device scalars: read at the update
         return run()
 
     def before_update(self, loop, update: Update) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from finetune.memory.tracker import MemoryTracker
-from finetune.train.policy import Policy, Step
+from finetune.train.policy import Part, Policy, Step
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +103,7 @@ class PeakMemory(Policy):
             self.tracked.append(signature)
             self.tracked_steps.append(completed)
 
-    def around_micro_batch(self, loop, inputs: dict, weight: Any, run: Callable[[], torch.Tensor],
-                           last: bool) -> torch.Tensor:
+    def around_micro_batch(self, loop, part: Part, run: Callable[[], torch.Tensor]) -> torch.Tensor:
         return self.micro_batch(run)
 
     def micro_batch(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:

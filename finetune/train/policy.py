@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -46,15 +46,32 @@ class Step:
 
 
 @dataclass
+class Part:
+    """One forward/backward as the policies see it: its inputs, and how its loss enters the update."""
+
+    inputs: dict
+    num_items: torch.Tensor | None  # labelled tokens of the whole update (all processes), or None: mean losses
+    count: int  # forward/backwards of the update (the divisor of mean losses)
+    scale: int  # processes the loss is multiplied by (their gradients are averaged)
+    last: bool  # the step's last one
+
+    def weight(self, tokens: torch.Tensor) -> torch.Tensor | float:
+        """Its gradient's share of the update, given its labelled `tokens` (a device scalar: no sync)."""
+        return self.scale * tokens / self.num_items if self.num_items is not None else 1 / self.count
+
+
+@dataclass
 class Geometry:
     """The live batch shape, owned by the loop (changed only through `TrainLoop.set_geometry`) and
-    checkpointed. Sequences per update = micro_batch x accumulation x group x processes."""
+    checkpointed. Sequences per update = micro_batch x accumulation x group x processes, or update_batch
+    while that is smaller than the loader batch."""
 
     micro_batch: int  # rows per loader batch (fixed for a run: the data order is in loader batches)
     accumulation: int  # loader batches per loop step
     processes: int = 1
     splits: int = 1  # each loader batch runs in this many parts (an out-of-memory recovery's smaller micro-batch)
     group: int = 1  # loop steps per optimizer update (effective_batch_size: auto)
+    update_batch: int | None = None  # sequences per update inside a loader batch (auto's warmup); None: all
 
     @property
     def part_rows(self) -> int:
@@ -78,10 +95,8 @@ class Policy:
     def on_step_begin(self, loop: TrainLoop, step: Step) -> None:
         """The step's batches are fetched and planned; nothing of it ran."""
 
-    def around_micro_batch(self, loop: TrainLoop, inputs: dict, weight: Any, run: Callable[[], torch.Tensor],
-                           last: bool) -> torch.Tensor:
-        """Run one forward/backward (`run`, returns its loss; `weight`: its gradient's share of the update;
-        `last`: the step's last one), adding what the policy needs around it."""
+    def around_micro_batch(self, loop: TrainLoop, part: Part, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Run one forward/backward (`run`, returns its loss), adding what the policy needs around it."""
         return run()
 
     def defers(self, loop: TrainLoop, step: Step) -> bool:

@@ -48,6 +48,7 @@ from finetune.memory.offload import activation_offload, decoder_layers, prefligh
 from finetune.memory.offload_disk import OffloadDirError
 from finetune.plan import predict
 from finetune.recipe.load import recipe_to_yaml
+from finetune.recipe.resolved import resolve
 from finetune.recipe.schema import Recipe
 from finetune.recipe.settings import read_settings, write_settings
 from finetune.recipe.settings import table as settings_table
@@ -55,7 +56,7 @@ from finetune.rundir import RunDir, atomic_write_json, atomic_write_text
 from finetune.train.oom_ladder import Cheaper, cheaper, settings_of
 from finetune.train.peak_memory import PeakMemory
 from finetune.train.plan_files import save_plan
-from finetune.train.policy import Policy, Step, Update
+from finetune.train.policy import Part, Policy, Step, Update
 from finetune.train.rng import set_rng_state
 from finetune.units import format_bytes
 
@@ -92,11 +93,11 @@ class OOMRecovery(Policy):
         self._faults = fault_steps()
         self._counts: dict[int, float | None] = {}
 
-    def around_micro_batch(self, loop, inputs: dict, weight, run, last: bool) -> torch.Tensor:
+    def around_micro_batch(self, loop, part: Part, run) -> torch.Tensor:
         """FINETUNE_FAULT_OOM_AT_STEP: a one-shot hook that raises in the last decoder layer's forward of the
         step's last micro-batch."""
         step = loop.state.step + 1
-        if not last or not self._faults.get((step, "forward")):
+        if not part.last or not self._faults.get((step, "forward")):
             return run()
         self._faults[(step, "forward")] -= 1
         with _FaultHook(decoder_layers(loop.model)[-1], step):
@@ -172,9 +173,9 @@ class OOMRecovery(Policy):
                 unusable.add(new.memory.offload)
 
     def _switch(self, loop, choice: Cheaper) -> None:
-        old, new = self.recipe.memory, choice.recipe.memory
+        old, new = resolve(self.recipe).settings, resolve(choice.recipe).settings
         model = loop.accelerator.unwrap_model(loop.model)
-        if new.activation_checkpointing is True and old.activation_checkpointing is not True:
+        if new.activation_checkpointing and not old.activation_checkpointing:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
                                                   every_n_layers=new.checkpoint_every_n_layers)
             if self.recipe.adapter.type != "full":
@@ -182,9 +183,9 @@ class OOMRecovery(Policy):
         if new.offload != old.offload:
             if loop.offload is not None:
                 loop.offload.close()
-            loop.offload = activation_offload(loop.model, new, self.run_root)
-        if new.tiled_mlp is True and old.tiled_mlp is not True:
-            apply_layer_recompute(loop.model, False, new.tiled_mlp_tokens)
+            loop.offload = activation_offload(loop.model, choice.recipe.memory, self.run_root)
+        if new.tiled_mlp and not old.tiled_mlp:
+            apply_layer_recompute(loop.model, False, choice.recipe.memory.tiled_mlp_tokens)
         loop.set_geometry(splits=choice.splits)
         self.recipe = choice.recipe
 

@@ -21,6 +21,7 @@ from finetune.plan import Plan, predict
 from finetune.recipe.batch_rules import apply_batch_rules, reference_batch
 from finetune.recipe.init_from import init_from_record, resolve_init_from
 from finetune.recipe.load import load_recipe, recipe_to_yaml
+from finetune.recipe.resolved import resolve
 from finetune.recipe.schema import Recipe
 from finetune.recipe.settings import (
     auto_choices,
@@ -118,7 +119,7 @@ def _plan(recipe: Recipe) -> tuple[Plan | None, Recipe]:
     else:
         chosen = ", ".join(format_choices(auto_choices(recipe, plan.settings)))
         console.print(f"memory plan: {budget}" + (f"; chose {chosen} automatically" if chosen else ""))
-    return plan, plan.apply(recipe) if auto else recipe
+    return plan, plan.apply(recipe).recipe if auto else recipe
 
 
 def keep_resolved(recipe: Recipe, saved: Recipe) -> Recipe:
@@ -230,6 +231,8 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
         recipe = keep_recovered(keep_resolved(recipe, saved), saved, run_dir.root)
     plan, recipe = distributed.on_main(lambda: _plan(recipe))  # one plan for all processes
     recipe, rule = apply_batch_rules(recipe, reference)
+    config = resolve(recipe)  # no `auto` left in the settings the run trains with
+    settings = config.settings
     if main:
         if rule is not None:
             console.print(f"batch rules: {rule.describe()}")
@@ -244,7 +247,7 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     set_seed(recipe.training.seed)  # adapter initialisation is random: make it reproducible (same on all ranks)
     model, tokenizer, _ = load_model(recipe.model, recipe.quantization,
                                      sharded=several and recipe.distributed.strategy == "fsdp")
-    model = apply_adapter(model, recipe.adapter, checkpointing=bool(recipe.memory.activation_checkpointing),
+    model = apply_adapter(model, recipe.adapter, checkpointing=settings.activation_checkpointing,
                           reference=loads_reference_adapter(recipe), digest=main)
     # results.json's record of the start adapter: rank 0 writes it, hashing the bytes apply_adapter read.
     started = init_from_record(recipe.adapter.init_from) if main and recipe.adapter.init_from is not None \
@@ -282,10 +285,10 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     status_fields: dict = {  # kept in every status.json write (the UI re-plans at the longest sequence)
         "longest_sequence_tokens": recipe.data.max_seq_len if recipe.data.packing else data.stats["max_example_tokens"]}
     # A bad offload_dir fails here, before the first step and before anything is written there.
-    preflight_offload(model, recipe.memory, run_dir.root, int(recipe.training.micro_batch_size), recipe.data.max_seq_len)
+    preflight_offload(model, recipe.memory, run_dir.root, settings.micro_batch_size, recipe.data.max_seq_len)
     offload = activation_offload(model, recipe.memory, run_dir.root)
     peak = PeakMemory(plan.peak_bytes if plan is not None else None)
-    loop = build_loop(recipe, model, data, run_dir, steps, offload=offload, peak=peak, status_fields=status_fields,
+    loop = build_loop(config, model, data, run_dir, steps, offload=offload, peak=peak, status_fields=status_fields,
                       should_stop=lambda: stopper.requested, pad_token_id=tokenizer.pad_token_id)
     if checkpoint:
         load_checkpoint(loop, Path(checkpoint))

@@ -16,6 +16,7 @@ from finetune.console import console
 from finetune.memory.preference import PreferenceLoss
 from finetune.memory.step import enable_checkpointing, mixed_precision
 from finetune.optim import build_optimizer
+from finetune.recipe.resolved import RunConfig
 from finetune.recipe.schema import Recipe
 from finetune.rundir import RunDir
 from finetune.train import distributed
@@ -52,11 +53,11 @@ def make_scheduler(recipe: Recipe, optimizer: torch.optim.Optimizer, steps: int)
                          scheduler_specific_kwargs=kwargs)
 
 
-def make_accelerator(recipe: Recipe, model: torch.nn.Module) -> Accelerator:
+def make_accelerator(config: RunConfig, model: torch.nn.Module) -> Accelerator:
     """accelerate's Accelerator for the run: the device, mixed precision (bf16/fp16 autocast on CUDA) and
     the strategy of several processes."""
-    cuda = torch.cuda.is_available()
-    plugins = distributed.accelerator_plugins(recipe, model, int(recipe.training.micro_batch_size))
+    cuda, recipe = torch.cuda.is_available(), config.recipe
+    plugins = distributed.accelerator_plugins(recipe, model, config.settings.micro_batch_size)
     return Accelerator(cpu=not cuda, mixed_precision=mixed_precision(recipe.model.dtype, cuda) or "no", **plugins)
 
 
@@ -69,32 +70,40 @@ def kept_checkpoint(root: Path) -> Callable[[], str]:
     return kept
 
 
-def build_loop(recipe: Recipe, model: torch.nn.Module, data: Any, run_dir: RunDir, steps: int, *,
+def _prepared(config: RunConfig, model: torch.nn.Module, measure_noise: bool
+               ) -> tuple[Accelerator, torch.nn.Module, Any, GradNormProbe | None, Geometry]:
+    """Checkpointing switched on, the accelerator, the noise probe (installed before the optimizer exists,
+    so its hooks run before a layer-wise optimizer frees .grad), the optimizer, both prepared by
+    accelerate, and the batch geometry."""
+    s, t = config.settings, config.recipe.training
+    enable_checkpointing(model, s.activation_checkpointing, s.checkpoint_every_n_layers)
+    accelerator = make_accelerator(config, model)
+    probe = GradNormProbe(model.parameters(), world=accelerator.num_processes) if measure_noise else None
+    optimizer = build_optimizer(model, config.recipe.optimizer, t.learning_rate,
+                                steps_per_update=s.gradient_accumulation_steps, max_grad_norm=t.max_grad_norm)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    geometry = Geometry(micro_batch=s.micro_batch_size, accumulation=s.gradient_accumulation_steps,
+                        processes=accelerator.num_processes)
+    return accelerator, model, optimizer, probe, geometry
+
+
+def build_loop(config: RunConfig, model: torch.nn.Module, data: Any, run_dir: RunDir, steps: int, *,
                offload: Any, peak: PeakMemory, status_fields: dict, should_stop: Callable[[], bool],
                pad_token_id: int | None) -> TrainLoop:
     """The model prepared by accelerate, its optimizer and schedule, and the loop with its policies: the noise
     scale probe, then (one process) the batch engine and out-of-memory recovery, the memory peak, the run
     files and the progress bar, in that order (the order the loop calls their hooks in)."""
-    t = recipe.training
-    enable_checkpointing(model, bool(recipe.memory.activation_checkpointing), recipe.memory.checkpoint_every_n_layers)
-    accelerator = make_accelerator(recipe, model)
-    several = accelerator.num_processes > 1
-    sharded = several and recipe.distributed.strategy != "ddp"
-    if t.noise_scale and sharded and accelerator.is_main_process:
+    recipe, t = config.recipe, config.recipe.training
+    sharded = recipe.distributed.gpus > 1 and config.settings.strategy != "ddp"
+    if t.noise_scale and sharded and distributed.is_main():
         console.print("noise scale: not measured with FSDP or DeepSpeed (distributed.strategy ddp measures it)")
-    # Installed before the optimizer exists, so its hooks run before a layer-wise optimizer frees .grad.
-    probe = GradNormProbe(model.parameters(), world=accelerator.num_processes) \
-        if t.noise_scale and not sharded else None
-    optimizer = build_optimizer(model, recipe.optimizer, t.learning_rate,
-                                steps_per_update=int(t.gradient_accumulation_steps), max_grad_norm=t.max_grad_norm)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    geometry = Geometry(micro_batch=int(t.micro_batch_size), accumulation=int(t.gradient_accumulation_steps),
-                        processes=accelerator.num_processes)
+    accelerator, model, optimizer, probe, geometry = _prepared(config, model, t.noise_scale and not sharded)
+    several = accelerator.num_processes > 1
     noise = NoiseScale(probe, t.noise_scale_split_every)
     policies: list[Policy] = [noise]
     if not several:  # redoing a step on one process would leave the others waiting in a collective
         policies += [
-            BatchEngine(recipe, noise, geometry, accelerator.device, record_batch_change(run_dir, status_fields)),
+            BatchEngine(config, noise, geometry, accelerator.device, record_batch_change(run_dir, status_fields)),
             OOMRecovery(recipe, run_dir.root, record_recovery(run_dir, steps, peak, status_fields))]
     policies += [peak, RunFiles(run_dir, steps, status_fields), ProgressBar(steps)]
     has_eval = data.eval is not None
@@ -104,32 +113,26 @@ def build_loop(recipe: Recipe, model: torch.nn.Module, data: Any, run_dir: RunDi
     return TrainLoop(
         model=model, optimizer=optimizer, scheduler=make_scheduler(recipe, optimizer, steps), accelerator=accelerator,
         train_data=data.train, eval_data=data.eval, collator=data.collator, geometry=geometry, schedule=schedule,
-        policies=policies, preference=PreferenceLoss.of(t), chunked_loss=recipe.memory.chunked_loss is True,
+        policies=policies, preference=PreferenceLoss.of(t), chunked_loss=config.settings.chunked_loss,
         offload=offload, save=lambda loop: save_checkpoint(loop, run_dir.checkpoints, recipe.output.save_total_limit),
         should_stop=should_stop, learning_rate=t.learning_rate, pad_token_id=pad_token_id,
         kept=kept_checkpoint(run_dir.checkpoints))
 
 
-def simple_loop(recipe: Recipe, model: torch.nn.Module, train_data: Any, collator: Callable[[list], dict],
+def simple_loop(config: RunConfig, model: torch.nn.Module, train_data: Any, collator: Callable[[list], dict],
                 steps: int, *, checkpoints: Path | None = None, policies: list[Policy] | None = None) -> TrainLoop:
-    """The loop for `model` as the recipe trains it, without a run directory (tests, benchmarks, the API's
-    callers who bring their own data): its optimizer and schedule, the noise scale if the recipe measures
-    it, checkpoints in `checkpoints` every output.save_steps when given."""
-    t = recipe.training
-    enable_checkpointing(model, bool(recipe.memory.activation_checkpointing), recipe.memory.checkpoint_every_n_layers)
-    accelerator = make_accelerator(recipe, model)
-    probe = GradNormProbe(model.parameters()) if t.noise_scale else None
-    optimizer = build_optimizer(model, recipe.optimizer, t.learning_rate,
-                                steps_per_update=int(t.gradient_accumulation_steps), max_grad_norm=t.max_grad_norm)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    """The loop for `model` as the recipe trains it, without a run directory (tests, benchmarks, callers
+    who bring their own data): its optimizer and schedule, the noise scale if the recipe measures it,
+    checkpoints in `checkpoints` every output.save_steps when given."""
+    recipe, t = config.recipe, config.recipe.training
+    accelerator, model, optimizer, probe, geometry = _prepared(config, model, t.noise_scale)
     save = (lambda loop: save_checkpoint(loop, checkpoints, recipe.output.save_total_limit)) if checkpoints else None
     return TrainLoop(
         model=model, optimizer=optimizer, scheduler=make_scheduler(recipe, optimizer, steps), accelerator=accelerator,
-        train_data=train_data, eval_data=None, collator=collator,
-        geometry=Geometry(micro_batch=int(t.micro_batch_size), accumulation=int(t.gradient_accumulation_steps)),
+        train_data=train_data, eval_data=None, collator=collator, geometry=geometry,
         schedule=Schedule(max_steps=steps, logging_steps=t.logging_steps,
                           save_steps=recipe.output.save_steps if checkpoints else None,
                           max_grad_norm=t.max_grad_norm, seed=t.seed),
         policies=[NoiseScale(probe, t.noise_scale_split_every), *(policies or [])],
-        preference=PreferenceLoss.of(t), chunked_loss=recipe.memory.chunked_loss is True, save=save,
+        preference=PreferenceLoss.of(t), chunked_loss=config.settings.chunked_loss, save=save,
         learning_rate=t.learning_rate)

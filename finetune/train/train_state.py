@@ -30,7 +30,7 @@ from finetune.errors import FinetuneError
 from finetune.optim import register_safe_globals
 from finetune.train.checkpoints import STAGING, TRAIN_STATE, checkpoint_fault, numbered, publish, stage
 from finetune.train.loop import TrainLoop
-from finetune.train.rng import rng_state, set_rng_state
+from finetune.train.rng import rng_state, saveable, set_rng_state
 
 FORMAT = 2  # of train_state.pt; 1 was the transformers.Trainer's layout (trainer_state.json, optimizer.pt)
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
@@ -155,7 +155,7 @@ def save_checkpoint(loop: TrainLoop, root: Path, save_total_limit: int | None = 
             torch.save({"format": FORMAT, "weights": weights, "optimizer": optimizer, "optimizer_by_name": by_name,
                         **loop.state_dict()}, folder / TRAIN_STATE)
         _barrier(loop)
-        torch.save(rng_state(), folder / rng_file(loop.rank))
+        torch.save(saveable(rng_state()), folder / rng_file(loop.rank))
         if main:
             checkpoint_fault(folder, step)  # test hook; a no-op unless its env var is set
         _barrier(loop)
