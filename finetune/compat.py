@@ -72,6 +72,7 @@ PRIVATE: dict[str, PrivateAPI] = {api.name: api for api in (
     PrivateAPI("PretrainedConfig._attn_implementation", "transformers", "5.23", "5.24"),
     PrivateAPI("PreTrainedModel._supports_sdpa", "transformers", "5.23", "5.24",
                "falls back to sdpa (what transformers picks when it is not told)"),
+    PrivateAPI("AcceleratorState._reset_state", "accelerate", "1.5", "1.15"),
 )}
 _seen: set[str] = set()  # entries whose version was compared this process (hot paths call _use per tensor)
 
@@ -181,3 +182,14 @@ def supports_sdpa(model_class: type | None) -> bool:
     """Whether a transformers model class runs torch's scaled_dot_product_attention (unknown: yes)."""
     _use("PreTrainedModel._supports_sdpa")
     return model_class is None or bool(getattr(model_class, "_supports_sdpa", True))
+
+
+def fresh_accelerator_state() -> None:
+    """Forget the mixed precision an earlier Accelerator of this process set (another run, a TRL trainer in
+    the same process), so the next Accelerator takes this run's; the process group (PartialState) stays.
+    accelerate refuses a second Accelerator with other settings otherwise (the transformers Trainer resets it
+    the same way)."""
+    _use("AcceleratorState._reset_state")
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()

@@ -85,7 +85,7 @@ def test_a_ramp_changes_the_accumulation_without_dropping_or_repeating_examples_
 
 
 def _resume_mid_ramp(run_dir: Path, recipe: dict, copy: Path, key: str, value: int) -> tuple:
-    """--resume from the first checkpoint whose batch_engine.json has `key` == `value` (mid-ramp), in a copy of
+    """--resume from the first checkpoint whose engine state has `key` == `value` (mid-ramp), in a copy of
     the run without the later checkpoints, as if it had been killed after that one: (the checkpoint, the
     resumed run, its metrics rows)."""
     mid = next(p for p in sorted((run_dir / "checkpoints").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))

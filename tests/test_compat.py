@@ -148,3 +148,15 @@ def test_no_class_derives_from_the_trainer_and_no_library_method_is_replaced_at_
         assert len(_library_overrides(probe)) == 4  # the check sees each kind
     finally:
         probe.unlink()
+
+
+def test_a_run_s_accelerator_follows_an_earlier_one_with_other_precision():
+    """An Accelerator with bf16 earlier in the process (a TRL trainer, another run) would make accelerate refuse
+    the next run's settings; fresh_accelerator_state lets the next one take its own."""
+    from accelerate import Accelerator
+
+    Accelerator(cpu=True, mixed_precision="bf16")
+    with pytest.raises(ValueError, match="already been initialized"):
+        Accelerator(cpu=True, mixed_precision="no")
+    compat.fresh_accelerator_state()
+    assert Accelerator(cpu=True, mixed_precision="no").mixed_precision == "no"

@@ -38,7 +38,8 @@ Learning rate and beta2 follow the rules for u x accumulation sequences (the run
 is recorded at step 0); each batch_changed event names the update batch u in `from` and `to`.
 
 Checkpoints fall on group boundaries only (a save or stop asked for mid-group waits for the group's last
-step), and hold the accumulation and the update batch in batch_engine.json, so `--resume` continues exactly.
+step), and hold the accumulation (the engine's state) and the update batch (the loop's geometry) in the train
+state, so `--resume` continues exactly.
 An out-of-memory retry inside a group re-runs the group's earlier loader batches too
 (finetune/train/loop.py keeps the group's steps); one inside a step of several updates re-runs only those
 not applied yet.

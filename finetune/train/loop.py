@@ -268,6 +268,8 @@ class TrainLoop:
             inputs = collated if collated is not None else self.collate(rows)
             final = i == len(parts) - 1
             no_sync = self.processes > 1 and not final
+            if self.processes > 1:  # DeepSpeed reduces (and steps) in the backward where this is True
+                self.accelerator.sync_gradients = final
             with self.accelerator.no_sync(self.model) if no_sync else _null():
                 loss = self._forward_backward(inputs, update.num_items, len(parts), last_of_step and final)
             total = loss if total is None else total + loss

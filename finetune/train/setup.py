@@ -12,6 +12,7 @@ import torch
 from accelerate import Accelerator
 from transformers import get_scheduler
 
+from finetune.compat import fresh_accelerator_state
 from finetune.console import console
 from finetune.memory.preference import PreferenceLoss
 from finetune.memory.step import enable_checkpointing, mixed_precision
@@ -57,6 +58,7 @@ def make_accelerator(config: RunConfig, model: torch.nn.Module) -> Accelerator:
     """accelerate's Accelerator for the run: the device, mixed precision (bf16/fp16 autocast on CUDA) and
     the strategy of several processes."""
     cuda, recipe = torch.cuda.is_available(), config.recipe
+    fresh_accelerator_state()
     plugins = distributed.accelerator_plugins(recipe, model, config.settings.micro_batch_size)
     return Accelerator(cpu=not cuda, mixed_precision=mixed_precision(recipe.model.dtype, cuda) or "no", **plugins)
 
