@@ -16,14 +16,14 @@ sequences of 64 tokens packed from the documents; 10% of the sequences are held 
     factor 2 apart around the square-root rule, 3 per batch plus one more beyond an edge while the best is at
     that edge, at most MAX_EXTEND; beta2 by the rule from 0.99 at 16; linear warmup 5% and decay to 0 over the
     same token budget) and for `auto` with no tuning (lr(ref) = the middle one of batch 16): auto_run mirrors
-    BatchEngineTrainer (finetune/train/batch_engine.py) step for step - the batch-size warmup first (updates
+    the BatchEngine policy (finetune/train/batch_engine.py) step for step - the batch-size warmup first (updates
     of 1 sequence within each loader batch, the update batch from finetune.recipe.batch_rules.update_batch, up
     to the micro-batch), then no accumulation to start, the noise scale from the probe (a split every SPLIT_EVERY loader batches, or at micro-batch 1 a pair of loader
     batches in one update), forward-backward and update timed, the accumulation from
     finetune.recipe.batch_rules.best_accumulation, learning rate and beta2 from the rules - at the planner's
     fastest micro-batch on this machine (32) and at 4 and 1. The same sequences in the same order for every run.
-    The loops drive the engine's functions directly (no Trainer) so the runs fit the time;
-    tests/test_batch_engine.py checks the Trainer integration. The fitted critical batch: the tokens each
+    The loops drive the engine's functions directly (no training loop) so the runs fit the time;
+    tests/test_batch_engine.py checks the loop integration. The fitted critical batch: the tokens each
     batch's best curve needs to reach a common loss, E(B) = E_min (1 + B / B_crit).
 
     The fixed runs and (a) do not depend on the auto rule: each is cached as JSON under
@@ -63,7 +63,7 @@ BATCHES = (1, 4, 16, 64)
 MAX_EXTEND = 2  # extra learning rates per batch when the best of the 3 is at an edge
 # auto at the planner's fastest fit here (its speed model, utilisation tokens / (tokens + 1024) and no per-step
 # cost, rises with the micro-batch and everything fits in RAM: the largest it searches, 32), and at 4 and 1
-SPLIT_EVERY = TrainingConfig.model_fields["noise_scale_split_every"].default  # as the Trainer splits
+SPLIT_EVERY = TrainingConfig.model_fields["noise_scale_split_every"].default  # as the loop splits
 AUTO_MICROS = (32, 4, 1)
 
 
@@ -204,7 +204,7 @@ def train_run(train: torch.Tensor, evals: torch.Tensor, total_seqs: int, eval_ev
 
 def auto_run(train: torch.Tensor, evals: torch.Tensor, total_seqs: int, eval_every: int, *, micro: int, lr: float,
              log: list, times: StepTimes) -> list[tuple[int, float]]:
-    """`effective_batch_size: auto` at micro-batch `micro`, as BatchEngineTrainer runs it: the warmup first
+    """`effective_batch_size: auto` at micro-batch `micro`, as the BatchEngine policy runs it: the warmup first
     (finetune/train/sub_updates.py): updates of u = 1 sequence, each loader batch of `micro` run as micro/u
     updates (two chunks in one update every SPLIT_EVERY updates, for the noise scale), not timed, u from
     batch_rules.update_batch after MIN_OBSERVATIONS fresh observations, until it is `micro`; then no
@@ -224,7 +224,7 @@ def auto_run(train: torch.Tensor, evals: torch.Tensor, total_seqs: int, eval_eve
     since_pair = 0  # updates since the warmup's last measuring pair of chunks
     total_tokens = total_seqs * (SEQ - 1)
 
-    def update() -> None:  # the update after its backwards, as the Trainer makes it
+    def update() -> None:  # the update after its backwards, as the loop makes it
         obs = probe.finish()
         if obs is not None:
             ema.update(obs)

@@ -11,7 +11,7 @@ same family: SmolLM2-135M's config cut to --full-layers decoder layers (random w
 the tied 28M-element embedding as in the real model). Data: the quickstart's examples, micro-batch 4 without
 accumulation and micro-batch 2 x accumulation 2 (the same 4 sequences per step).
 
-Each optimizer step is the Trainer's: forward_backward (finetune/memory/step.py) per micro-batch with the
+Each optimizer step is the loop's: forward_backward (finetune/memory/step.py) per micro-batch with the
 loss normalised by the step's labelled tokens, the probe told each micro-batch's share before its backward
 and finished before clipping, clip_grad_norm_, AdamW. Variants, run on the same micro-batches:
   off     no probe (training.noise_scale: false)
@@ -48,9 +48,9 @@ from finetune.train.noise_scale import GradNormProbe, labelled_tokens  # noqa: E
 from finetune.units import format_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-SPLIT_EVERY = TrainingConfig.model_fields["noise_scale_split_every"].default  # as the Trainer splits
+SPLIT_EVERY = TrainingConfig.model_fields["noise_scale_split_every"].default  # as the loop splits
 VARIANTS = ("off", "hooks", "split")
-# The Trainer's mixed precision (bf16 autocast on a CUDA GPU that has it; none on CPU)
+# The loop's mixed precision (bf16 autocast on a CUDA GPU that has it; none on CPU)
 AUTOCAST = autocast_for(mixed_precision("auto", torch.cuda.is_available()))
 
 

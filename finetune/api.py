@@ -338,7 +338,7 @@ def batch_plan(recipe: Recipe, plan: Plan) -> list[str]:
         reference_batch,
     )
 
-    resolved, rule = apply_batch_rules(plan.apply(recipe), reference_batch(recipe))
+    resolved, rule = apply_batch_rules(plan.apply(recipe).recipe, reference_batch(recipe))
     lines = [f"batch rules: {rule.describe()}"] if rule is not None else []
     effective, t, gpus = recipe.training.effective_batch_size, resolved.training, resolved.distributed.gpus
     trained = int(t.micro_batch_size) * int(t.gradient_accumulation_steps) * gpus

@@ -7,13 +7,8 @@ tests run on; the oldest is pyproject's floor (torch>=2.4, transformers>=5.23), 
 still tried, with one warning naming it; where it is gone the run stops with one line saying which API,
 which versions work and what to install (exit code 1, no traceback), or a public fallback takes over where
 one exists (`op_schema`, `supports_sdpa`). tests/test_compat.py checks each entry against the installed
-versions and that no other module reaches for these names.
-
-Known and left in place: the private `transformers.Trainer` methods that finetune/train/ overrides
-(`_save_checkpoint`, `_load_rng_state`, `_save_rng_state`, `_get_grad_norm`, `_clip_grad_norm`,
-`_prepare_inputs`, `_maybe_log_save_evaluate` in trainer.py, recovery.py and batch_engine.py) and the
-Trainer's private attributes they read; the training-loop rewrite (issue 27) removes them with the Trainer
-subclass, so they are not wrapped here.
+versions and that no other module reaches for these names. Training runs its own loop
+(finetune/train/loop.py), so no transformers.Trainer method, private or public, is overridden anywhere.
 """
 
 from __future__ import annotations
@@ -77,6 +72,7 @@ PRIVATE: dict[str, PrivateAPI] = {api.name: api for api in (
     PrivateAPI("PretrainedConfig._attn_implementation", "transformers", "5.23", "5.24"),
     PrivateAPI("PreTrainedModel._supports_sdpa", "transformers", "5.23", "5.24",
                "falls back to sdpa (what transformers picks when it is not told)"),
+    PrivateAPI("AcceleratorState._reset_state", "accelerate", "1.5", "1.15"),
 )}
 _seen: set[str] = set()  # entries whose version was compared this process (hot paths call _use per tensor)
 
@@ -186,3 +182,14 @@ def supports_sdpa(model_class: type | None) -> bool:
     """Whether a transformers model class runs torch's scaled_dot_product_attention (unknown: yes)."""
     _use("PreTrainedModel._supports_sdpa")
     return model_class is None or bool(getattr(model_class, "_supports_sdpa", True))
+
+
+def fresh_accelerator_state() -> None:
+    """Forget the mixed precision an earlier Accelerator of this process set (another run, a TRL trainer in
+    the same process), so the next Accelerator takes this run's; the process group (PartialState) stays.
+    accelerate refuses a second Accelerator with other settings otherwise (the transformers Trainer resets it
+    the same way)."""
+    _use("AcceleratorState._reset_state")
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()

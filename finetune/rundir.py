@@ -37,7 +37,7 @@ REWARD_CHOSEN, REWARD_REJECTED = "rewards/chosen", "rewards/rejected"
 REWARD_MARGIN, REWARD_ACCURACY = "rewards/margins", "rewards/accuracies"
 REWARD_KEYS = {REWARD_CHOSEN: "chosen reward", REWARD_REJECTED: "rejected reward", REWARD_MARGIN: "reward margin",
                REWARD_ACCURACY: "accuracy (chosen > rejected)"}
-EVAL_PREFIX = "eval_"  # the Trainer's evaluation prefix (metric_key_prefix "eval")
+EVAL_PREFIX = "eval_"  # evaluation metrics' prefix in log rows
 # a run that stopped learning (finetune/train/callbacks.py CollapseWatch): the metrics.jsonl event row the curves
 # mark, and the status.json field the run view shows
 COLLAPSED_EVENT, TRAINING_WARNING = "training_collapsed", "training_warning"

@@ -15,8 +15,8 @@ from finetune.recipe import validate_recipe
 from finetune.recipe.batch_rules import best_accumulation
 from finetune.rundir import read_jsonl
 from finetune.train import batch_engine
-from finetune.train.batch_engine import BatchEngineTrainer
-from finetune.train.recovery import ROWS, RecoveringTrainer
+from finetune.train.batch_engine import BatchEngine
+from finetune.train.loop import TrainLoop
 from finetune.train.run import run
 from tests.run_support import sums_data, tiny_lora_recipe
 
@@ -32,7 +32,7 @@ def _recipe(tmp_path, model_dir, name: str, **training) -> dict:
 def whole_micro_batch(monkeypatch):
     """No batch-size warmup below the micro-batch (updates of the loader batch from the start, as with a
     layer-wise optimizer): for the tests of the accumulation that follows it."""
-    monkeypatch.setattr(BatchEngineTrainer, "_no_warmup", lambda self: "a test of the accumulation")
+    monkeypatch.setattr(BatchEngine, "_no_warmup", lambda self, geometry: "a test of the accumulation")
 
 
 @pytest.fixture
@@ -45,13 +45,13 @@ def forced_ramp(monkeypatch):
                         lambda gns, tokens, t_micro, t_opt, current, limit: min(2 * current, 4))
     monkeypatch.setattr(batch_engine, "MIN_OBSERVATIONS", 2)
     seen = {"rows": [], "updates": 0}
-    step = RecoveringTrainer.training_step
+    run_step = TrainLoop.run_step
 
-    def spy(self, model, inputs, num_items_in_batch=None):
-        seen["rows"].append([tuple(r["input_ids"]) for r in inputs[ROWS].rows])
-        return step(self, model, inputs, num_items_in_batch)
+    def spy(self, step):
+        seen["rows"] += [[tuple(r["input_ids"]) for r in rows] for rows in step.batches]
+        return run_step(self, step)
 
-    monkeypatch.setattr(RecoveringTrainer, "training_step", spy)
+    monkeypatch.setattr(TrainLoop, "run_step", spy)
     return seen
 
 
@@ -77,7 +77,7 @@ def test_a_ramp_changes_the_accumulation_without_dropping_or_repeating_examples_
 
     # --resume from a checkpoint taken at accumulation 2 (mid-ramp), as if the run had been killed after it
     mid, resumed, again_rows = _resume_mid_ramp(auto.run_dir, recipe, tmp_path / "resumed", "accumulation", 2)
-    times = json.loads((mid / "batch_engine.json").read_text())["times"]  # the run's own step times, kept
+    times = _engine_state(mid)["times"]  # the run's own step times, kept
     assert times["rest"] and all(t >= 0 for t in times["rest"] + times["forward"] + times["deferred"])
     assert resumed.steps == 14
     _assert_same_losses(again_rows, rows)
@@ -85,17 +85,23 @@ def test_a_ramp_changes_the_accumulation_without_dropping_or_repeating_examples_
 
 
 def _resume_mid_ramp(run_dir: Path, recipe: dict, copy: Path, key: str, value: int) -> tuple:
-    """--resume from the first checkpoint whose batch_engine.json has `key` == `value` (mid-ramp), in a copy of
+    """--resume from the first checkpoint whose engine state has `key` == `value` (mid-ramp), in a copy of
     the run without the later checkpoints, as if it had been killed after that one: (the checkpoint, the
     resumed run, its metrics rows)."""
     mid = next(p for p in sorted((run_dir / "checkpoints").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-               if json.loads((p / "batch_engine.json").read_text())[key] == value)
+               if _engine_state(p)[key] == value)
     shutil.copytree(run_dir, copy)
     for p in (copy / "checkpoints").glob("checkpoint-*"):
         if int(p.name.split("-")[1]) > int(mid.name.split("-")[1]):
             shutil.rmtree(p)
     resumed = run(validate_recipe({**recipe, "output": {**recipe["output"], "dir": str(copy)}}), resume=True)
     return mid, resumed, read_jsonl(copy / "metrics.jsonl")
+
+
+def _engine_state(checkpoint: Path) -> dict:
+    """The batch engine's part of a checkpoint's train state, with the loop's batch geometry it changes."""
+    state = torch.load(checkpoint / "train_state.pt", weights_only=True)
+    return {**state["geometry"], **state["policies"]["BatchEngine"]}
 
 
 def _assert_same_losses(rows: list[dict], reference: list[dict]) -> None:
@@ -113,13 +119,13 @@ def test_a_layerwise_optimizer_accumulates_over_the_group(tmp_path, tiny_model_d
     from finetune.optim import layerwise_of
 
     seen = []
-    decide = BatchEngineTrainer._decide
+    decide = BatchEngine._decide
 
-    def spy(self):
-        seen.append((self._size, layerwise_of(self.optimizer).steps_per_update))  # the group just updated
-        decide(self)
+    def spy(self, loop):
+        seen.append((self._size, layerwise_of(loop.optimizer).steps_per_update))  # the group just updated
+        decide(self, loop)
 
-    monkeypatch.setattr(BatchEngineTrainer, "_decide", spy)
+    monkeypatch.setattr(BatchEngine, "_decide", spy)
     recipe = _recipe(tmp_path, tiny_model_dir, "layerwise", effective_batch_size="auto", max_steps=16,
                      noise_scale_split_every=3)
     result = run(validate_recipe({**recipe, "optimizer": {"layerwise": True}}))
@@ -136,7 +142,7 @@ def test_a_layerwise_optimizer_accumulates_over_the_group(tmp_path, tiny_model_d
 def _timed(monkeypatch, t_micro: float, t_opt: float) -> list:
     """The engine's measured step times replaced by (t_micro, t_opt) (wall-clock times are not for tests);
     returns the arguments and result of every decision."""
-    monkeypatch.setattr(BatchEngineTrainer, "step_times", lambda self: (t_micro, t_opt))
+    monkeypatch.setattr(BatchEngine, "step_times", lambda self: (t_micro, t_opt))
     calls = []
 
     def spy(*args, **kwargs):
@@ -151,11 +157,11 @@ def test_a_cheap_optimizer_step_keeps_micro_batch_one_without_accumulation(tmp_p
     """Micro-batch 1 is measured by a pair of loader batches every noise_scale_split_every updates (not by
     accumulating all the time); with a cheap update the batch never grows, and every example is seen once."""
     seen = []
-    step = RecoveringTrainer.training_step
-    monkeypatch.setattr(RecoveringTrainer, "training_step", lambda self, model, inputs, n=None: (
-        seen.append([tuple(r["input_ids"]) for r in inputs[ROWS].rows]), step(self, model, inputs, n))[1])
+    run_step = TrainLoop.run_step
+    monkeypatch.setattr(TrainLoop, "run_step", lambda self, step: (
+        seen.extend([tuple(r["input_ids"]) for r in rows] for rows in step.batches), run_step(self, step))[1])
     updates = []
-    monkeypatch.setattr(BatchEngineTrainer, "_time", lambda self, updated: (updates.append(updated), self._marks.clear()))
+    monkeypatch.setattr(BatchEngine, "_time", lambda self, updated: (updates.append(updated), self._marks.clear()))
     calls = _timed(monkeypatch, t_micro=0.05, t_opt=0.0005)
     auto = run(validate_recipe(_recipe(tmp_path, tiny_model_dir, "auto1", micro_batch_size=1, max_steps=24,
                                        effective_batch_size="auto", noise_scale_split_every=3)))
@@ -220,19 +226,17 @@ def test_out_of_memory_inside_a_group_redoes_the_whole_group(tmp_path, tiny_mode
 
 def _forward_spy(monkeypatch) -> list:
     """Every forward-backward's rows (their real tokens) and loss, in order."""
-    from finetune.train.trainer import FinetuneTrainer
-
     seen = []
-    step = FinetuneTrainer.training_step
+    step = TrainLoop._forward_backward
 
-    def spy(self, model, inputs, num_items_in_batch=None):
-        loss = step(self, model, inputs, num_items_in_batch)
+    def spy(self, inputs, *args):
+        loss = step(self, inputs, *args)
         rows = [tuple(ids[mask.bool()].tolist())
                 for ids, mask in zip(inputs["input_ids"], inputs["attention_mask"], strict=True)]
         seen.append((rows, float(loss)))
         return loss
 
-    monkeypatch.setattr(FinetuneTrainer, "training_step", spy)
+    monkeypatch.setattr(TrainLoop, "_forward_backward", spy)
     return seen
 
 
@@ -331,7 +335,7 @@ def test_out_of_memory_inside_a_sub_updated_step_redoes_only_the_updates_not_app
 
 def test_a_resume_with_a_recovery_s_accumulation_ends_the_warmup_with_a_recorded_change(
         tmp_path, tiny_model_dir, monkeypatch):
-    """An out-of-memory recovery's settings (micro-batch 2 x 2 loader batches per Trainer step) leave no
+    """An out-of-memory recovery's settings (micro-batch 2 x 2 loader batches per loop step) leave no
     room for updates inside a loader batch on --resume: the run goes on with updates of the whole step, says
     so in a batch_changed row, and its learning rate follows the rules from the next step on."""
     from finetune.train.recovery import FAULT_ENV

@@ -100,26 +100,25 @@ def test_recovered_run_equals_a_run_at_the_smaller_micro_batch(tmp_path, tmp_pat
                                                                monkeypatch, case):
     sections = {k: v for k, v in case.items() if k not in ("fault", "smaller", "no_loss_kwargs")}
     if case.get("no_loss_kwargs"):
-        from finetune.train.recovery import RecoveringTrainer
+        from finetune.train import loop
 
-        monkeypatch.setattr(RecoveringTrainer, "model_accepts_loss_kwargs",
-                            property(lambda self: False, lambda self, value: None), raising=False)
+        monkeypatch.setattr(loop, "accepts_loss_kwargs", lambda model: False)
         sections["data"] = {"path": str(_uniform_data(tmp_path))}
-    from finetune.memory.tracker_callback import PeakMemoryCallback
-    from finetune.train.recovery import RecoveringTrainer
+    from finetune.train.peak_memory import PeakMemory
+    from finetune.train.recovery import OOMRecovery
 
-    switch, restart, seen = RecoveringTrainer._switch, PeakMemoryCallback.restart, {}
+    switch, restart, seen = OOMRecovery._switch, PeakMemory.restart, {}
 
-    def spy_switch(self, model, choice):
-        switch(self, model, choice)
-        seen["eval_batch"] = self.args.per_device_eval_batch_size
+    def spy_switch(self, loop, choice):
+        switch(self, loop, choice)
+        seen["eval_batch"] = loop.geometry.part_rows
 
     def spy_restart(self, predicted):
         restart(self, predicted)
         seen["predicted"], seen["warned"] = self.predicted, self.warned
 
-    monkeypatch.setattr(RecoveringTrainer, "_switch", spy_switch)
-    monkeypatch.setattr(PeakMemoryCallback, "restart", spy_restart)
+    monkeypatch.setattr(OOMRecovery, "_switch", spy_switch)
+    monkeypatch.setattr(PeakMemory, "restart", spy_restart)
     result, rows = _run(monkeypatch, _recipe(tmp_path, tiny_model_dir, "oom", **sections), case["fault"])
     assert result.state == "completed" and result.steps == 4
 
@@ -233,16 +232,16 @@ def test_oom_in_the_optimizer_update_saves_the_last_step_and_names_the_smallest_
     if where == "optimizer":
         monkeypatch.setenv(FAULT_ENV, "2:optimizer")
     else:
-        import transformers
+        from finetune.train.loop import TrainLoop
 
-        clip = transformers.Trainer._clip_grad_norm
+        clip = TrainLoop.grad_norm
 
-        def failing_clip(self, model):
-            if self.state.global_step == 1:
+        def failing_clip(self):
+            if self.state.step == 1:
                 raise torch.OutOfMemoryError("CUDA out of memory (simulated in clipping)")
-            return clip(self, model)
+            return clip(self)
 
-        monkeypatch.setattr(transformers.Trainer, "_clip_grad_norm", failing_clip)
+        monkeypatch.setattr(TrainLoop, "grad_norm", failing_clip)
     assert main(["run", str(path)]) != 0
     err = capsys.readouterr().err
     assert "out of memory at step 2" in err and "optimizer update" in err and "need a budget of" in err
@@ -272,12 +271,12 @@ def test_an_offload_tier_whose_preflight_fails_mid_recovery_is_passed_over(tmp_p
 
 def test_out_of_memory_in_evaluation_is_a_clear_error_with_the_completed_step_saved(
         tmp_path, tiny_model_dir, monkeypatch, capsys):
-    import transformers
+    from finetune.train.loop import TrainLoop
 
     def oom(self, *args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (simulated in evaluation)")
 
-    monkeypatch.setattr(transformers.Trainer, "evaluate", oom)
+    monkeypatch.setattr(TrainLoop, "_evaluate", oom)
     path = tmp_path / "eval.yaml"
     path.write_text(yaml.safe_dump(_recipe(tmp_path, tiny_model_dir, "eval", training={"max_steps": 1},
                                            data={"validation_split": 0.25})))
@@ -288,11 +287,11 @@ def test_out_of_memory_in_evaluation_is_a_clear_error_with_the_completed_step_sa
 
 
 def test_the_cpu_tracker_peak_restarts_after_a_recovery():
-    """PeakMemoryCallback.restart: the failed attempt's high-water mark does not stay the run's peak."""
+    """PeakMemory.restart: the failed attempt's high-water mark does not stay the run's peak."""
     from finetune.memory.tracker import MemoryTracker
-    from finetune.memory.tracker_callback import PeakMemoryCallback
+    from finetune.train.peak_memory import PeakMemory
 
-    callback = PeakMemoryCallback(predicted_peak_bytes=10)
+    callback = PeakMemory(predicted_peak_bytes=10)
     callback.tracker, callback.warned = MemoryTracker(), True
     with callback.tracker:
         big = torch.ones(1 << 16)

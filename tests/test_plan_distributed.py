@@ -105,7 +105,7 @@ def test_auto_strategy_skips_what_would_be_refused_and_one_process_writes_none()
     single = _recipe("qwen2.5-0.5b", 1, "auto", adapter={"type": "lora"})
     assert "distributed.strategy" not in single.auto_keys()  # one process: nothing to distribute
     plan = predict(single, gpu_memory="24GiB")
-    assert plan.apply(single).distributed.strategy == "auto" and plan.world_size == 1
+    assert plan.apply(single).recipe.distributed.strategy == "auto" and plan.world_size == 1
 
 
 def test_chunked_loss_is_refused_and_never_chosen_with_several_processes():

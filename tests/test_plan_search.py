@@ -37,7 +37,7 @@ def test_measured_peak_stays_under_budget(tiny_dir, budget):
     recipe = _recipe(tiny_dir)
     plan = predict(recipe, gpu_memory=budget, device="cpu")
     assert plan.fits and plan.peak_bytes <= budget
-    chosen = plan.apply(recipe)
+    chosen = plan.apply(recipe).recipe
     assert chosen.training.micro_batch_size == plan.settings["micro_batch_size"]
     measured = measure(chosen, steps=2)
     assert measured["peak_bytes"] <= budget
@@ -97,7 +97,7 @@ def test_tiled_mlp_chosen_only_where_it_is_needed(tiny_dir):
     plan = predict(recipe, gpu_memory=budget, device="cpu")
     assert plan.fits and plan.settings["tiled_mlp"] is True
     assert any("budget" in (c.reason or "") and c.settings["tiled_mlp"] is False for c in plan.rejected)
-    assert measure(plan.apply(recipe), steps=1)["peak_bytes"] <= budget
+    assert measure(plan.apply(recipe).recipe, steps=1)["peak_bytes"] <= budget
     assert predict(recipe, gpu_memory=1 << 40, device="cpu").settings["tiled_mlp"] is False
 
 
@@ -147,7 +147,7 @@ def test_plan_and_measure_commands_print_json(tiny_dir, tmp_path, capsys):
                                       "activations", "logits_and_loss", "other"}
     assert main(["plan", str(path), "--gpu-memory", "1MiB", "--device", "cpu"]) == 1
     assert "Smallest budget that works" in capsys.readouterr().out
-    path.write_text(recipe_to_yaml(predict(recipe, gpu_memory="64MiB", device="cpu").apply(recipe)))
+    path.write_text(recipe_to_yaml(predict(recipe, gpu_memory="64MiB", device="cpu").apply(recipe).recipe))
     assert main(["measure", str(path), "--steps", "1", "--json"]) == 0
     measured = json.loads(capsys.readouterr().out)
     assert measured["device"] == "cpu" and measured["peak_bytes"] == sum(measured["breakdown"].values())
@@ -184,7 +184,7 @@ def test_muon_is_priced_from_the_registry_and_matches_a_real_step(tiny_dir, adap
     recipe = _recipe(tiny_dir, seq=64, optimizer={"name": "muon"}, adapter={"type": adapter}, **fixed)
     plan = predict(recipe, gpu_memory="64MiB", device="cpu")
     assert plan.fits and plan.settings["optimizer"] == "muon"
-    measured = measure(plan.apply(recipe), steps=2)
+    measured = measure(plan.apply(recipe).recipe, steps=2)
     assert measured["breakdown"]["optimizer_state"] == plan.breakdown["optimizer_state"] > 0
 
 
@@ -197,7 +197,7 @@ def test_auto_optimizer_picks_only_what_the_optimizer_keys_fit(tiny_dir, capsys)
     recipe = _recipe(tiny_dir, adapter={"type": "lora", "r": 16}, optimizer={"name": "auto", "rank": 4})
     plan = predict(recipe, gpu_memory=200 * 2**20, device="cpu")
     assert plan.settings["optimizer"] == "apollo_mini"
-    assert plan.apply(recipe).optimizer.name == "apollo_mini"
+    assert plan.apply(recipe).recipe.optimizer.name == "apollo_mini"
     path = tiny_dir.parent / "momentum.yaml"
     path.write_text(f"model: {{path: {tiny_dir}}}\ndata: {{path: {SAMPLE_DATA}}}\n"
                     "optimizer: {name: auto, momentum: 0.5}\n")

@@ -1,5 +1,5 @@
 """The rewards a preference run logs are the ones its plots draw: the keys finetune/memory/preference.py
-logs (through the trainer's metrics.jsonl writer) are what loss.png (finetune/train/plots.py) and the UI's
+logs (through the loop's metrics.jsonl writer, RunFiles) are what loss.png (finetune/train/plots.py) and the UI's
 reward panel (finetune.api.run_reward_report, ui/charts.py) read back, for training and held-out rows alike."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from finetune import api
 from finetune.memory.preference import PreferenceLoss, metric_means, preference_loss, synthetic_batch
 from finetune.rundir import RunDir
-from finetune.train.callbacks import MetricsCallback
+from finetune.train.callbacks import RunFiles
 from finetune.train.plots import plot_loss_curve
 from ui import charts
 
@@ -31,15 +31,15 @@ class TinyLM(torch.nn.Module):
 
 
 def _logged_run(tmp_path, method: str) -> RunDir:
-    """Three steps of `method` as the trainer logs them: each step's train row, and an evaluation at each step."""
+    """Three steps of `method` as the loop logs them: each step's train row, and an evaluation at each step."""
     torch.manual_seed(0)
     model, loss = TinyLM(), PreferenceLoss(method, precompute_reference=True)  # no reference forward needed
     run = RunDir(tmp_path / method)
     run.create()
-    callback = MetricsCallback(run, max_steps=3)
+    callback = RunFiles(run, max_steps=3)
     for step in (1, 2, 3):
-        state = SimpleNamespace(global_step=step, epoch=step / 3, num_input_tokens_seen=100 * step,
-                                is_world_process_zero=True)
+        loop = SimpleNamespace(state=SimpleNamespace(step=step))
+        head = {"step": step, "epoch": step / 3}
         for kind in ("train", "eval"):
             metrics: dict = {}
             batch = synthetic_batch(loss, rows=4, seq_len=6, vocab=VOCAB, device="cpu",
@@ -48,9 +48,10 @@ def _logged_run(tmp_path, method: str) -> RunDir:
                 batch["ref_logps"] = torch.randn(batch["ref_logps"].shape) - 10
             with torch.no_grad():
                 value = float(preference_loss(model, batch, loss, metrics=metrics))
-            logs = ({"loss": value, "learning_rate": 1e-3, **metric_means(metrics)} if kind == "train" else
-                    {"eval_loss": value, **metric_means(metrics, "eval_")})  # Trainer.evaluate's prefix
-            callback.on_log(None, state, None, logs=logs)
+            logs = ({**head, "loss": value, "learning_rate": 1e-3, "tokens_seen": 100 * step,
+                     **metric_means(metrics)} if kind == "train" else
+                    {**head, "eval_loss": value, **metric_means(metrics, "eval_")})  # the loop's evaluation rows
+            callback.log(loop, logs)
     return run
 
 

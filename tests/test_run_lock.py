@@ -211,17 +211,17 @@ def test_a_run_that_failed_after_unlogged_steps_keeps_its_folder(tmp_path, tiny_
     """With logging_steps 5 a run that fails at step 3 has no metrics row and no checkpoint, but it trained:
     its folder and its error stay (only a run that trained nothing is removed)."""
     from finetune.recipe import validate_recipe
+    from finetune.train.loop import TrainLoop
     from finetune.train.run import run
-    from finetune.train.trainer import FinetuneTrainer
 
-    step = FinetuneTrainer.training_step
+    step = TrainLoop._forward_backward
 
     def failing(self, *args, **kwargs):
-        if self.state.global_step >= 2:
+        if self.state.step >= 2:
             raise RuntimeError("injected failure in step 3")
         return step(self, *args, **kwargs)
 
-    monkeypatch.setattr(FinetuneTrainer, "training_step", failing)
+    monkeypatch.setattr(TrainLoop, "_forward_backward", failing)
     recipe = validate_recipe(_recipe_dict(tmp_path, tiny_model_dir, training={"max_steps": 8, "logging_steps": 5}))
     with pytest.raises(RuntimeError, match="injected failure"):
         run(recipe)

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -114,7 +115,7 @@ def test_kill_during_checkpoint_write_then_resume_matches_uninterrupted(tmp_path
         time.sleep(0.2)
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=60)
-    assert (checkpoints / STAGING / "checkpoint-4" / "optimizer.pt").is_file()  # killed mid-write
+    assert (checkpoints / STAGING / "checkpoint-4" / "train_state.pt").is_file()  # killed mid-write
     assert (checkpoints / "checkpoint-2" / COMPLETE).is_file() and not (checkpoints / "checkpoint-4").exists()
     # A checkpoint-N folder without its marker (as an older version left after a kill) is passed over too.
     (checkpoints / "checkpoint-5").mkdir()
@@ -240,21 +241,21 @@ def test_resume_refuses_a_malicious_pickle_and_falls_back(tmp_path, tiny_model_d
 
 
 def test_resume_falls_back_past_a_damaged_checkpoint_and_reads_damaged_metrics(tmp_path, tiny_model_dir, capsys):
-    """A checkpoint that was complete and lost its trainer_state.json since, and a metrics.jsonl with bad bytes
+    """A checkpoint that was complete and lost its train_state.pt since, and a metrics.jsonl with bad bytes
     and a row of the wrong shape: --resume says what it passed over and continues from checkpoint-2."""
     recipe = _checkpoint_recipe(tmp_path, tiny_model_dir, "damaged")
     recipe["training"]["max_steps"] = 4
     recipe_path = _write_recipe(tmp_path, recipe, "damaged")
     assert main(["run", str(recipe_path)]) == 0
     run_dir = tmp_path / "damaged"
-    (run_dir / "checkpoints" / "checkpoint-4" / "trainer_state.json").unlink()
+    (run_dir / "checkpoints" / "checkpoint-4" / "train_state.pt").unlink()
     with (run_dir / "metrics.jsonl").open("ab") as f:
         f.write(b'{"step": 1, "loss": \xff}\n{"step": "x"}\n')
     capsys.readouterr()
 
     assert main(["run", str(recipe_path), "--resume", "--set", "training.max_steps=6"]) == 0
     err = " ".join(capsys.readouterr().err.split())
-    assert "skipped checkpoint checkpoint-4 (damaged: no trainer_state.json)" in err, err
+    assert "skipped checkpoint checkpoint-4 (damaged: no train_state.pt)" in err, err
     assert "resuming from" in err and "checkpoint-2" in err and "dropped 2 damaged line(s)" in err
     assert "Traceback" not in err
     assert sorted(_losses(run_dir)) == list(range(1, 7))
@@ -262,32 +263,37 @@ def test_resume_falls_back_past_a_damaged_checkpoint_and_reads_damaged_metrics(t
 
 
 def test_resume_skips_every_damaged_file_and_publishes_a_staged_complete_checkpoint(tmp_path):
-    """Each file the resume loads is checked (pickles weights-only, safetensors headers, the trainer state);
-    training_args.bin, which the resume never loads, is not opened; a complete checkpoint killed just
-    before its rename is published instead of removed."""
+    """Each file the resume loads is checked (pickles weights-only, safetensors headers, the train state); a
+    checkpoint of the transformers.Trainer versions is passed over with that reason; a complete checkpoint
+    killed just before its rename is published instead of removed."""
     from safetensors.torch import save_file
 
     def checkpoint(folder: Path) -> Path:
         folder.mkdir(parents=True)
         save_file({"w": torch.zeros(2)}, folder / "adapter_model.safetensors")
-        torch.save({"state": {}}, folder / "optimizer.pt")
-        (folder / "trainer_state.json").write_text("{}")
-        (folder / "training_args.bin").write_bytes(pickle.dumps(_Exploit(tmp_path / "pwned")))
+        torch.save({"format": 2, "optimizer": {"state": {}}}, folder / "train_state.pt")
+        torch.save({"cpu": torch.zeros(2)}, folder / "rng_state_0.pth")
         (folder / COMPLETE).write_text("")
         return folder
 
     root = tmp_path / "checkpoints"
     checkpoint(root / "checkpoint-2")
     (checkpoint(root / "checkpoint-4") / "adapter_model.safetensors").write_bytes(b"\x08\x00garbage")
-    (checkpoint(root / "checkpoint-6") / "trainer_state.json").write_text('{"global_step": 6')
+    (checkpoint(root / "checkpoint-6") / "train_state.pt").write_bytes(b"PK\x03\x04 torn")
     (checkpoint(root / "checkpoint-8") / "adapter_model.bin").write_bytes(pickle.dumps(_Exploit(tmp_path / "pwned")))
-    (checkpoint(root / "checkpoint-9") / "trainer_state.json").unlink()  # complete once, damaged since
+    (checkpoint(root / "checkpoint-9") / "train_state.pt").unlink()  # complete once, damaged since
+    old = checkpoint(root / "checkpoint-10")  # the transformers.Trainer layout: no train state
+    (old / "train_state.pt").unlink()
+    (old / "trainer_state.json").write_text("{}")
     found = find_resumable(root)
     assert found.newest == root / "checkpoint-2" and not (tmp_path / "pwned").exists()
-    assert found.skipped.pop(0) == "checkpoint-9 (damaged: no trainer_state.json)"
+    assert found.skipped.pop(0).startswith("checkpoint-10 (written by a version of finetune that trained through "
+                                           "transformers.Trainer")
+    assert found.skipped.pop(0) == "checkpoint-9 (damaged: no train_state.pt)"
     assert [line.split(" ")[0] for line in found.skipped] == ["checkpoint-8", "checkpoint-6", "checkpoint-4"]
-    assert "adapter_model.bin" in found.skipped[0] and "trainer_state.json" in found.skipped[1]
+    assert "adapter_model.bin" in found.skipped[0] and "train_state.pt" in found.skipped[1]
     assert "adapter_model.safetensors" in found.skipped[2]
+    shutil.rmtree(old)
 
     checkpoint(root / STAGING / "checkpoint-10")  # complete, killed between its marker and its rename
     (root / STAGING / "checkpoint-12").mkdir()  # partial

@@ -132,23 +132,23 @@ def test_a_new_row_reaches_plan_apply_and_resume(monkeypatch):
     chosen = dataclasses.asdict(Settings(1, 1, True, 1, "none", False, None, "adamw"))
     recipe = _recipe(model={"path": "m", "dtype": "auto"})
     saved = _recipe(model={"path": "m", "dtype": "bf16"})
-    assert _fake_plan({**chosen, "dtype": "fp16"}).apply(recipe).model.dtype == "auto"
+    assert _fake_plan({**chosen, "dtype": "fp16"}).apply(recipe).recipe.model.dtype == "auto"
     assert keep_resolved(recipe, saved).model.dtype == "auto"
 
     monkeypatch.setattr(table_module, "Settings", Wider)
     assert "model.dtype" in recipe.auto_keys()
-    assert _fake_plan({**chosen, "dtype": "fp16"}).apply(recipe).model.dtype == "fp16"
+    assert _fake_plan({**chosen, "dtype": "fp16"}).apply(recipe).recipe.model.dtype == "fp16"
     assert keep_resolved(recipe, saved).model.dtype == "bf16"
 
 
 def test_plan_apply_fills_the_budget_and_keeps_what_the_planner_does_not_decide():
     chosen = dataclasses.asdict(Settings(2, 4, False, 1, "cpu", True, None, "sgd", True))
     recipe = _recipe(training={"micro_batch_size": "auto", "learning_rate": 0.01}, memory={"gpu_memory_margin": 0})
-    applied = _fake_plan(chosen).apply(recipe)
+    applied = _fake_plan(chosen).apply(recipe).recipe
     assert read_settings(applied) == {**chosen, "strategy": "auto"}  # one process: no strategy is written
     assert applied.memory.gpu_memory == 2**30 and applied.training.learning_rate == 0.01
     explicit = recipe.model_copy(update={"memory": recipe.memory.model_copy(update={"gpu_memory": 5 * 2**30})})
-    assert _fake_plan(chosen).apply(explicit).memory.gpu_memory == 5 * 2**30
+    assert _fake_plan(chosen).apply(explicit).recipe.memory.gpu_memory == 5 * 2**30
 
 
 def test_dtype_table_matches_the_schema_and_torch():

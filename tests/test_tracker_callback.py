@@ -1,31 +1,42 @@
-"""The Trainer callback puts the measured peak (CPU: tracker, with breakdown) into every log."""
+"""The PeakMemory policy puts the measured peak (CPU: tracker, with breakdown) into every training log row."""
 
 from __future__ import annotations
 
 import torch
 
 
-def test_trainer_logs_peak_memory(tiny_model_dir, tmp_path):
+def test_the_loop_logs_peak_memory(tiny_model_dir, tmp_path):
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers import AutoModelForCausalLM, default_data_collator
 
-    from finetune.memory.tracker_callback import PeakMemoryCallback
+    from finetune.recipe import validate_recipe
+    from finetune.recipe.resolved import resolve
+    from finetune.train.peak_memory import PeakMemory
+    from finetune.train.policy import Policy
+    from finetune.train.setup import simple_loop
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     ids = torch.randint(0, model.config.vocab_size, (4, 32)).tolist()
     data = Dataset.from_dict({"input_ids": ids, "labels": ids})
-    callback = PeakMemoryCallback(predicted_peak_bytes=1)  # any real peak is above 1 byte: must warn
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, logging_steps=1,
-                             report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True)
+    callback = PeakMemory(predicted_peak_bytes=1)  # any real peak is above 1 byte: must warn
     captured: list[dict] = []
 
-    class MetricsWriter(TrainerCallback):  # stands for the metrics.jsonl writer, which runs after ours
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if "loss" in logs:
-                captured.append(dict(logs))
+    class MetricsWriter(Policy):  # stands for the metrics.jsonl writer, which runs after ours
+        def log(self, loop, row):
+            if "loss" in row:
+                captured.append(dict(row))
 
-    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback, MetricsWriter()])
-    trainer.train()
+    recipe = validate_recipe({"model": {"path": str(tiny_model_dir), "dtype": "fp32"}, "adapter": {"type": "full"},
+                              "quantization": {"bits": None}, "data": {"path": "unused.jsonl"},
+                              "training": {"max_steps": 2, "micro_batch_size": 2, "gradient_accumulation_steps": 1,
+                                           "logging_steps": 1, "noise_scale": False},
+                              "memory": {"activation_checkpointing": False, "chunked_loss": False,
+                                         "tiled_mlp": False}})
+    loop = simple_loop(resolve(recipe), model, data, default_data_collator, 2, policies=[callback, MetricsWriter()])
+    try:
+        loop.fit()
+    finally:
+        callback.close()
     logs = captured
     assert len(logs) == 2
     first = logs[0]
@@ -38,43 +49,33 @@ def test_trainer_logs_peak_memory(tiny_model_dir, tmp_path):
     assert torch.utils._python_dispatch._get_current_dispatch_mode() is None  # tracker left after training
 
 
-def _state(step: int):
-    from transformers import TrainerState
-
-    state = TrainerState()
-    state.global_step = step
-    return state
-
-
 def _batches(*shapes: tuple[int, int]) -> list[dict]:
     return [{"input_ids": torch.zeros(shape, dtype=torch.long)} for shape in shapes]
 
 
 def _step(callback, step: int, *shapes: tuple[int, int]) -> bool:
-    """One step through the callback as FinetuneTrainer runs it; whether its micro-batch ran tracked."""
+    """One step through the policy as the loop runs it; whether its micro-batch ran tracked."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-    if shapes:
-        callback.fetch_step(lambda: (_batches(*shapes), None))
-    callback.on_step_begin(None, _state(step), None)
+    callback.step_begins(_batches(*shapes), step)
     seen = []
     loss = callback.micro_batch(lambda: seen.append(_get_current_dispatch_mode() is callback.tracker)
                                 or torch.ones(()))
     norm = torch.ones(())  # the gradient norm, made after the micro-batches
     callback.keep(norm)
     assert (_get_current_dispatch_mode() is callback.tracker) == seen[0]  # the same to the step's end
-    callback.on_step_end(None, _state(step), None)
+    callback.on_step_end()
     assert _get_current_dispatch_mode() is callback.tracker  # on between steps
-    for kept in (loss, norm):  # what the Trainer keeps into the next step is counted
+    for kept in (loss, norm):  # what the loop keeps into the next step is counted
         assert id(kept.untyped_storage()) in callback.tracker._live
     return seen[0]
 
 
 def _callback():
     from finetune.memory.tracker import MemoryTracker
-    from finetune.memory.tracker_callback import PeakMemoryCallback
+    from finetune.train.peak_memory import PeakMemory
 
-    callback = PeakMemoryCallback(mode="peaks")
+    callback = PeakMemory(mode="peaks")
     callback.tracker = MemoryTracker()
     callback._enter()
     return callback
@@ -85,7 +86,7 @@ def test_only_steps_that_can_set_a_new_peak_are_tracked():
     (more micro-batches) and the steps of and after a recovery run their micro-batches tracked; the others not."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-    from finetune.memory.tracker_callback import FIRST_STEPS
+    from finetune.train.peak_memory import FIRST_STEPS
 
     callback = _callback()
     steps = [[(2, 8)], [(2, 8)], [(2, 6)], [(2, 10)], [(2, 9)], [(1, 10)], [(2, 5), (2, 5)], [(2, 4), (1, 5)],
@@ -95,24 +96,16 @@ def test_only_steps_that_can_set_a_new_peak_are_tracked():
     assert callback.tracked_steps == [0, 1, 3, 6, 8]
     assert tracked == [step in callback.tracked_steps for step in range(len(steps))]
 
-    callback.fetch_step(lambda: (_batches((2, 4)), None))  # a recovery in the middle of an untracked step
-    callback.on_step_begin(None, _state(9), None)
+    callback.step_begins(_batches((2, 4)), 9)  # a recovery in the middle of an untracked step
     assert not callback.track_step
     callback.micro_batch(lambda: torch.ones(()))  # its first micro-batch (then out of memory)
     assert _get_current_dispatch_mode() is None
     callback.restart(None)
     assert callback.track_step and _get_current_dispatch_mode() is callback.tracker  # the redone step is tracked
-    callback.on_step_end(None, _state(9), None)
+    callback.on_step_end()
     assert [_step(callback, step, (2, 4)) for step in (10, 11, 12)] == [True, True, False]
     callback.close()
     assert _get_current_dispatch_mode() is None
-
-
-def test_a_step_nobody_described_is_tracked():
-    callback = _callback()
-    assert all(_step(callback, step) for step in range(4))
-    assert callback.tracked_steps == [0, 1, 2, 3]
-    callback.close()
 
 
 def test_the_recorded_peak_is_the_every_step_peak_when_the_longest_batch_comes_late(tiny_model_dir, tmp_path,
@@ -122,9 +115,9 @@ def test_the_recorded_peak_is_the_every_step_peak_when_the_longest_batch_comes_l
     import json
     import re
 
-    from finetune.memory.tracker_callback import MODE_VARIABLE
     from finetune.recipe import validate_recipe
     from finetune.rundir import RunDir
+    from finetune.train.peak_memory import MODE_VARIABLE
     from finetune.train.run import run
     from tests.run_support import tiny_lora_recipe
 
@@ -159,8 +152,8 @@ def test_untracked_steps_do_not_dispatch_through_the_tracker(tiny_model_dir, tmp
     from collections import Counter
 
     from finetune.memory.tracker import MemoryTracker
-    from finetune.memory.tracker_callback import MODE_VARIABLE, PeakMemoryCallback
     from finetune.recipe import validate_recipe
+    from finetune.train.peak_memory import MODE_VARIABLE, PeakMemory
     from finetune.train.run import run
     from tests.run_support import tiny_lora_recipe
 
@@ -168,24 +161,23 @@ def test_untracked_steps_do_not_dispatch_through_the_tracker(tiny_model_dir, tmp
     data = tmp_path / "data.jsonl"
     data.write_text((json.dumps(row) + "\n") * 12)
     phase, dispatched = ["before"], Counter()
-    dispatch, begin, end = (MemoryTracker.__torch_dispatch__, PeakMemoryCallback.on_step_begin,
-                            PeakMemoryCallback.on_step_end)
+    dispatch, begin, end = MemoryTracker.__torch_dispatch__, PeakMemory.on_step_begin, PeakMemory.on_step_end
 
     def counting_dispatch(self, func, types, args=(), kwargs=None):
         dispatched[phase[0]] += 1
         return dispatch(self, func, types, args, kwargs)
 
-    def on_step_begin(self, args, state, control, **kwargs):
-        begin(self, args, state, control, **kwargs)
-        phase[0] = f"step {state.global_step + 1} {'tracked' if self.track_step else 'untracked'}"
+    def on_step_begin(self, loop, step):
+        begin(self, loop, step)
+        phase[0] = f"step {step.number} {'tracked' if self.track_step else 'untracked'}"
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, loop, step):
         phase[0] = "between steps"
-        return end(self, args, state, control, **kwargs)
+        return end(self, loop, step)
 
     monkeypatch.setattr(MemoryTracker, "__torch_dispatch__", counting_dispatch)
-    monkeypatch.setattr(PeakMemoryCallback, "on_step_begin", on_step_begin)
-    monkeypatch.setattr(PeakMemoryCallback, "on_step_end", on_step_end)
+    monkeypatch.setattr(PeakMemory, "on_step_begin", on_step_begin)
+    monkeypatch.setattr(PeakMemory, "on_step_end", on_step_end)
     monkeypatch.setenv(MODE_VARIABLE, "peaks")
     recipe = tiny_lora_recipe(tiny_model_dir, data, tmp_path / "run",
                               {"training": {"max_steps": 5, "micro_batch_size": 2}})

@@ -1,4 +1,4 @@
-"""The Trainer as configured from a recipe: exact gradient accumulation, checkpointing changes nothing."""
+"""The training loop as configured from a recipe: exact gradient accumulation, checkpointing changes nothing."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from transformers import DataCollatorForSeq2Seq
 from finetune.model.adapter import apply_adapter
 from finetune.model.load import load_model
 from finetune.recipe import validate_recipe
-from finetune.train.trainer import FinetuneTrainer, training_arguments
+from finetune.recipe.resolved import resolve
+from finetune.train.setup import make_scheduler, simple_loop
 
 
 def _examples(n: int = 8) -> Dataset:
@@ -31,7 +32,7 @@ def _recipe(tmp_path, model_dir, **training):
         "adapter": {"type": "full"}, "data": {"path": "unused.jsonl"},
         "training": {"max_steps": 1, "learning_rate": 1.0, "warmup_ratio": 0.0, "lr_scheduler": "constant",
                      "max_grad_norm": None, **training},
-        "memory": {"activation_checkpointing": False}, "output": {"dir": str(tmp_path / "run")},
+        "memory": {"activation_checkpointing": False, "chunked_loss": False, "tiled_mlp": False}, "output": {"dir": str(tmp_path / "run")},
         # with SGD at lr 1 the update IS the accumulated gradient (Adam would hide its scale)
         "optimizer": {"name": "sgd"},
     })
@@ -41,12 +42,8 @@ def _one_sgd_step(tmp_path, model_dir, tokenizer, micro: int, accum: int) -> dic
     recipe = _recipe(tmp_path, model_dir, micro_batch_size=micro, gradient_accumulation_steps=accum)
     model, _, _ = load_model(recipe.model, recipe.quantization)
     model = apply_adapter(model, recipe.adapter, checkpointing=False)
-    args = training_arguments(recipe, tmp_path / f"ckpt-{micro}x{accum}", steps=1, has_eval=False)
-    args.save_strategy = "no"
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    trainer = FinetuneTrainer(model=model, args=args, train_dataset=_examples(), recipe=recipe,
-                              data_collator=DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100))
-    trainer.train()
+    simple_loop(resolve(recipe), model, _examples(), DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100), 1).fit()
     return {n: before[n] - p.detach() for n, p in model.named_parameters()}
 
 
@@ -91,14 +88,13 @@ def test_learning_rate_schedules(tmp_path, tiny_model_dir, schedule):
     recipe = _recipe(tmp_path, tiny_model_dir, lr_scheduler=schedule, warmup_ratio=0.2, decay_ratio=0.3,
                      learning_rate=1e-3)
     model, _, _ = load_model(recipe.model, recipe.quantization)
-    trainer = FinetuneTrainer(model=model, args=training_arguments(recipe, tmp_path / "s", 10, False),
-                              train_dataset=_examples(), recipe=recipe)
-    trainer.create_optimizer_and_scheduler(num_training_steps=10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=recipe.training.learning_rate)
+    scheduler = make_scheduler(recipe, optimizer, 10)
     lrs = []
     for _ in range(10):
-        lrs.append(trainer.lr_scheduler.get_last_lr()[0])
-        trainer.optimizer.step()
-        trainer.lr_scheduler.step()
+        lrs.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
     assert lrs[0] == 0 and lrs[1] == pytest.approx(5e-4) and lrs[2] == pytest.approx(1e-3)  # 2 warmup steps
     after = lrs[2:]
     if schedule == "constant":

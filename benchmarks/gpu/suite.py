@@ -257,7 +257,7 @@ class Suite:
                 raise TimeUp
             if seq not in probes:
                 plan, r = planned(seq)
-                out = self.train(plan.apply(r), memory_cap=budget if CUDA else None)
+                out = self.train(plan.apply(r).recipe, memory_cap=budget if CUDA else None)
                 over = not CUDA and out.get("measured_allocated_bytes", 0) > budget
                 probes[seq] = "over budget" if out["status"] == "completed" and over else \
                     "ok" if out["status"] == "completed" else out["status"]

@@ -302,7 +302,7 @@ def preflight_offload(model: nn.Module, memory_cfg: MemoryConfig, run_dir: str |
                       seq_len: int) -> int:
     """Before training: make sure the disk tier's directory is writable and big enough for one step.
 
-    Call it once the model (with adapters) is built and the recipe resolved (no `auto`), before the Trainer.
+    Call it once the model (with adapters) is built and the recipe resolved (no `auto`), before the loop.
     Returns the predicted bytes a micro-batch writes to disk (0 when the run does not use the disk): exact
     for checkpointed layers, estimated for the others. Raises `OffloadDirError` (a FinetuneError) otherwise.
     """
@@ -314,7 +314,7 @@ def preflight_offload(model: nn.Module, memory_cfg: MemoryConfig, run_dir: str |
     if not on_disk:
         return 0
     layers = decoder_layers(model)
-    # From the recipe, not the layers: the Trainer only switches checkpointing on inside train().
+    # From the recipe, not the layers: checkpointing is switched on when the loop is built.
     every = memory_cfg.checkpoint_every_n_layers if memory_cfg.activation_checkpointing is True else None
     config = model.config.get_text_config()
     dtype_bytes = next(p for p in model.parameters() if p.is_floating_point()).element_size()

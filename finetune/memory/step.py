@@ -1,8 +1,8 @@
 """The training step: one micro-batch forward + backward, and one optimizer update.
 
-Why one module: `finetune run` (FinetuneTrainer.training_step delegates here), `finetune measure` and the
+Why one module: `finetune run` (the training loop, finetune/train/loop.py, calls it), `finetune measure` and the
 planner's trace on the `meta` device all call `forward_backward`, so "the plan traces the real step" holds by
-construction. `optimizer_update` is the update of the Trainer's loop (clip or measure the gradient norm,
+construction. `optimizer_update` is the loop's update (clip or measure the gradient norm,
 optimizer step, scheduler step, zero_grad) for the callers that drive their own loop (measure, tests); the
 planner prices the update by formula (see plan/memory_model.py) and traces no optimizer.
 """
@@ -55,7 +55,7 @@ def compute_loss(model: torch.nn.Module, inputs: Mapping[str, Any], num_items_in
     preference loss (`finetune.memory.preference`; its rewards and margins are added to `metrics`).
 
     num_items_in_batch: labelled tokens of the whole accumulated batch (the loss is then a sum over this
-    micro-batch divided by it, as the Trainer passes it), or None for a per-micro-batch mean.
+    micro-batch divided by it, as the loop passes it), or None for a per-micro-batch mean.
     """
     if preference is not None:
         return preference_loss(model, inputs, preference, chunked_loss, metrics)
@@ -78,10 +78,10 @@ def forward_backward(model: torch.nn.Module, inputs: Mapping[str, Any], *, accum
                      preference: PreferenceLoss | None = None, metrics: Metrics | None = None) -> torch.Tensor:
     """One micro-batch of a training step, exactly as `finetune run` trains it; returns the detached loss.
 
-    The loss is scaled for `accumulation` micro-batches the way the Trainer scales it: divided by
+    The loss is scaled for `accumulation` micro-batches the way the loop scales it: divided by
     `num_items_in_batch` when given (the model normalises the summed loss), else by `accumulation`.
-    autocast: the mixed-precision context (the Trainer's accelerator.autocast); offload: an ActivationOffload
-    entered around forward and backward; backward: the Trainer's accelerator.backward (fp16 loss scaling);
+    autocast: the mixed-precision context (the loop's accelerator.autocast); offload: an ActivationOffload
+    entered around forward and backward; backward: the loop's accelerator.backward (fp16 loss scaling);
     tracker: record the forward and `backward_window` phases (measure, the planner's trace); preference: the
     DPO/ORPO/KTO loss instead of the causal-LM loss (its reference forward is part of the forward phase).
     """
@@ -109,7 +109,7 @@ def grad_norm(model: torch.nn.Module, optimizer: Any, max_grad_norm: float | Non
 
 def optimizer_update(model: torch.nn.Module, optimizer: Any, scheduler: Any = None,
                      max_grad_norm: float | None = None, tracker: MemoryTracker | None = None) -> float | torch.Tensor:
-    """The update after the micro-batches of a step, in the Trainer's order: gradient norm (clipped when
+    """The update after the micro-batches of a step, in the loop's order: gradient norm (clipped when
     max_grad_norm is set), optimizer step, scheduler step, gradients freed. Returns the gradient norm."""
     norm = grad_norm(model, optimizer, max_grad_norm)
     with _window(tracker, "optimizer"), (tracker.optimizer_step() if tracker is not None else _NULL()):

@@ -58,7 +58,7 @@ def apply_adapter(model: torch.nn.Module, cfg: AdapterConfig, *, checkpointing: 
             model.add_adapter(REFERENCE_ADAPTER, lora_config(cfg, inference_mode=True))
             load_adapter_weights(model, start.weights, state, REFERENCE_ADAPTER)
             model.set_adapter(TRAINED_ADAPTER)  # trainable again; the reference stays frozen
-            # save_pretrained (the Trainer's checkpoints, the run's adapter/) writes only the trained adapter:
+            # save_pretrained (the loop's checkpoints, the run's adapter/) writes only the trained adapter:
             # the reference is init_from itself, rebuilt from there on resume.
             model.save_pretrained = functools.partial(model.save_pretrained, selected_adapters=[TRAINED_ADAPTER])
     if cfg.dtype != "fp32":

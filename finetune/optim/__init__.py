@@ -1,14 +1,14 @@
 """Optimizers: presets, low-rank (APOLLO/GaLore), 8-bit, layer-wise updates, and the state-size model.
 
-Wiring into a transformers.Trainer subclass (tests/test_optim_trainer_wiring.py runs exactly this):
+Wiring into the training loop (finetune/train/setup.py; tests/test_optim_trainer_wiring.py runs it):
 
-* in __init__, before training or resuming: `register_safe_globals()` (optimizer.pt is loaded with
-  weights_only=True and holds GaLore/APOLLO projector objects);
-* `create_optimizer`: `self.optimizer = build_optimizer(self.model, recipe.optimizer, args.learning_rate,
-  steps_per_update=args.gradient_accumulation_steps, max_grad_norm=args.max_grad_norm)`; the Trainer's
-  own scheduler, optimizer.step() and zero_grad() calls stay as they are;
-* layer-wise mode (`layerwise_of(self.optimizer)` is not None): the optimizer clips and measures the norm
-  itself, so `_clip_grad_norm` and `_get_grad_norm` return `layerwise_of(self.optimizer).grad_norm()`.
+* before resuming: `register_safe_globals()` (train_state.pt is loaded with weights_only=True and holds
+  GaLore/APOLLO projector objects);
+* `build_optimizer(model, recipe.optimizer, learning_rate, steps_per_update=accumulation,
+  max_grad_norm=...)`, once the model is built; the loop steps it, its scheduler and zero_grad();
+* layer-wise mode (`layerwise_of(optimizer)` is not None): the optimizer clips and measures the norm itself,
+  so the loop's `grad_norm()` returns `layerwise_of(optimizer).grad_norm()`; the loop keeps its
+  `steps_per_update` equal to the backward passes of one update (`TrainLoop.sync_layerwise`).
 
 Which names exist, and what each is built from and costs, is the registry: finetune/recipe/optimizers.py.
 """

@@ -73,7 +73,7 @@ def build_optimizer(model: torch.nn.Module, opt: OptimizerConfig, learning_rate:
 
 
 def register_safe_globals() -> None:
-    """Let torch.load(weights_only=True) (as the HF Trainer resumes) read GaLore/APOLLO optimizer state."""
+    """Let torch.load(weights_only=True) (as a resume loads the train state) read GaLore/APOLLO optimizer state."""
     from apollo_torch.random_projector import GradientProjector
     from apollo_torch.svd_projector import GaLoreProjector as ApolloSVDProjector
     from galore_torch.galore_projector import GaLoreProjector

@@ -1,4 +1,4 @@
-"""Several torch optimizers over disjoint parameters, presented to the Trainer as one optimizer."""
+"""Several torch optimizers over disjoint parameters, presented to the loop as one optimizer."""
 
 from __future__ import annotations
 

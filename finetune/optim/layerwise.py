@@ -14,7 +14,7 @@ as in the normal optimizer), driven by `Tensor.register_post_accumulate_grad_hoo
   it in the hook, so only rank x width accumulators persist between micro-batches. Every other weight
   accumulates in .grad as autograd does: APOLLO multiplies the full gradient by its channel factors and
   AdamW/8-bit/Adafactor/SGD need every element, so an exact update needs the full sum; it costs no more than
-  normal accumulation. `step()` (the Trainer's optimizer.step() after the last backward) then clips with
+  normal accumulation. `step()` (the loop's optimizer.step() after the last backward) then clips with
   the exact global norm, as torch.nn.utils.clip_grad_norm_ does, and updates every weight. The update equals
   the normal optimizer's (tests/test_optim_layerwise.py), except at GaLore refresh steps where the subspace
   comes from micro-batch 0.
@@ -65,7 +65,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._prev_norm: float | None = None  # immediate mode: the norm used to clip the current step
         # The hooks live on the parameters, and autograd does not show Python's garbage collector what a
         # tensor's hooks hold: a hook bound to this optimizer (which holds the parameters) would make a cycle
-        # the collector cannot see, keeping the model, the Trainer and their memory alive after the run.
+        # the collector cannot see, keeping the model, the loop and their memory alive after the run.
         # The hooks hold the optimizer weakly; once it is gone they do nothing.
         self._handles = [p.register_post_accumulate_grad_hook(_weak_hook(self)) for p in self.inner]
 

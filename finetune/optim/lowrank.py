@@ -110,7 +110,7 @@ class LowRankAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """As torch's, and also move GaLore projections (inside projector objects, which torch does not
-        visit) to their parameter's device: the HF Trainer loads optimizer state with map_location="cpu"."""
+        visit) to their parameter's device: a resume loads the train state with map_location="cpu"."""
         super().load_state_dict(state_dict)
         for p, state in self.state.items():
             projector = state.get("projector")

@@ -25,6 +25,7 @@ from finetune.recipe.batch_rules import accumulation_for
 from finetune.recipe.init_from import resolve_init_from
 from finetune.recipe.offload_tiers import STORES, tier_names, tier_spec
 from finetune.recipe.optimizers import auto_preferences
+from finetune.recipe.resolved import RunConfig, resolve
 from finetune.recipe.schema import SHARDED_STRATEGIES, STRATEGIES, Recipe, strategy_problems
 from finetune.recipe.settings import Settings, inactive_settings, read_settings, write_settings
 from finetune.rl.step import trace_objective
@@ -94,13 +95,13 @@ class Plan:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
-    def apply(self, recipe: Recipe) -> Recipe:
-        """A copy of `recipe` with every `auto` the planner decides replaced by the chosen value."""
+    def apply(self, recipe: Recipe) -> RunConfig:
+        """`recipe` resolved: every `auto` the planner decides replaced by the chosen value."""
         inactive = inactive_settings(recipe)  # e.g. distributed.strategy with one process stays as written
         chosen = write_settings(recipe, {k: v for k, v in self.settings.items() if k not in inactive})
         if chosen.memory.gpu_memory == "auto":  # the budget planned for (a fresh copy: assigning is safe)
             chosen.memory.gpu_memory = self.budget_bytes + recipe.memory.gpu_memory_margin
-        return chosen
+        return resolve(chosen)
 
 
 def _free_memory(device: str) -> int:

@@ -39,7 +39,7 @@ MAX_ACCUMULATION = 64  # the most micro-batches `effective_batch_size: auto` put
 TOKEN_SLACK = 0.02  # the most extra tokens (predicted) a larger batch may cost next to one micro-batch
 MIN_GAIN = 0.02  # a larger accumulation must cut the predicted time to a loss by 2%: no churn on noisy estimates
 TIMING_WINDOW = 64  # step times kept (the median of each kind is used)
-TIMING_SKIP = 2  # first Trainer steps not timed (allocation, lazy optimizer state)
+TIMING_SKIP = 2  # first loop steps not timed (allocation, lazy optimizer state)
 
 
 @dataclass(frozen=True)
@@ -162,7 +162,7 @@ def best_accumulation(gns_tokens: float | None, tokens_per_micro: float, t_micro
 
 
 class StepTimes:
-    """Measured seconds per Trainer step, split into forward-backward and the rest of the step (clipping, the
+    """Measured seconds per loop step, split into forward-backward and the rest of the step (clipping, the
     update): t_micro is a forward-backward, t_opt the rest of an updating step. A layer-wise optimizer updates
     inside the last backward (`update_in_backward`): its t_micro comes from the steps that only accumulated
     and its t_opt is what an updating step costs beyond that. Medians over the last TIMING_WINDOW steps of
@@ -209,7 +209,7 @@ class StepTimes:
 def auto_schedule(micro_batch: int, optimizer: str, layerwise: bool, max_accumulation: int,
                   split_every: int, method: str = "sft") -> str:
     """What `effective_batch_size: auto` will do, for `finetune plan` (the run decides from measurements);
-    `method`: training.method (kto has no warmup: BatchEngineTrainer._no_warmup)."""
+    `method`: training.method (kto has no warmup: BatchEngine._no_warmup)."""
     spec = optimizer_spec(optimizer)
     follows = "learning rate x " + ("sqrt" if spec.lr_batch_scaling == "sqrt" else "linear") + " of the batch ratio" \
         + (f" (capped at {MAX_LR_FACTOR:g}x)" if spec.lr_batch_scaling == "sqrt" else "") \

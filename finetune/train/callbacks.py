@@ -1,4 +1,5 @@
-"""Trainer callbacks: metrics.jsonl and status.json, a terminal progress bar, and a clean stop on Ctrl-C."""
+"""The run directory's live files (metrics.jsonl, status.json, train.log) and the terminal progress bar, as
+loop policies; and a clean stop on Ctrl-C."""
 
 from __future__ import annotations
 
@@ -6,12 +7,12 @@ import signal
 import time
 
 from rich.progress import Progress
-from transformers import TrainerCallback
 
 from finetune.console import console, progress_bar
 from finetune.memory.preference import METRIC_PREFIXES
 from finetune.rundir import COLLAPSED_EVENT, EVAL_PREFIX, TRAINING_WARNING, RunDir
 from finetune.train.noise_scale import KEYS as NOISE_SCALE_KEYS
+from finetune.train.policy import Policy
 
 FLAT_STEPS = 3  # logged steps in a row with a zero gradient norm or the same loss: the run has stopped learning
 
@@ -44,58 +45,57 @@ class CollapseWatch:
         return self.warning
 
 
-class MetricsCallback(TrainerCallback):
-    """One JSON line per logged step (and per evaluation) in metrics.jsonl; live status in status.json."""
+class RunFiles(Policy):
+    """One JSON line per logged step (and per evaluation) in metrics.jsonl, train.log; live status in
+    status.json. Several processes: rank 0 alone writes."""
 
-    def __init__(self, run: RunDir, max_steps: int):
+    def __init__(self, run: RunDir, max_steps: int, status_fields: dict | None = None):
         self.run = run
         self.max_steps = max_steps
         self.start = time.time()
         self._last_time = self.start
         self._last_tokens = 0
         self._first_step: int | None = None
-        self.status_fields: dict = {}  # kept in every status.json write, e.g. the last OOM recovery
+        self.status_fields: dict = status_fields if status_fields is not None else {}  # kept in every write
         self.collapse = CollapseWatch()
+        self.main = True
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        self._first_step = state.global_step
-        self._last_tokens = state.num_input_tokens_seen
+    def on_train_begin(self, loop) -> None:
+        self.main = loop.rank == 0
+        self._first_step = loop.state.step
+        self._last_tokens = loop.state.tokens_seen
         self._last_time = self.start = time.time()
-        if not state.is_world_process_zero:  # several processes: rank 0 alone writes the run directory
-            return
-        self.run.write_status("running", step=state.global_step, max_steps=self.max_steps, **self.status_fields)
+        if self.main:
+            self.run.write_status("running", step=loop.state.step, max_steps=self.max_steps, **self.status_fields)
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, loop, step) -> None:
         """The first trained step goes to status.json at once, whatever logging_steps says: a run that fails
         after it is no run that trained nothing (RunDir.discard_untrained keeps its folder and its error)."""
-        if state.is_world_process_zero and state.global_step == (self._first_step or 0) + 1:
-            self.run.write_status("running", step=state.global_step, max_steps=self.max_steps, **self.status_fields)
+        if self.main and loop.state.step == (self._first_step or 0) + 1:
+            self.run.write_status("running", step=loop.state.step, max_steps=self.max_steps, **self.status_fields)
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero:
+    def log(self, loop, logs: dict) -> None:
+        if not self.main:
             return
-        logs = logs or {}
         now = time.time()
         collapsed = None
-        row = {"step": state.global_step, "epoch": round(state.epoch or 0.0, 4), "elapsed_s": round(now - self.start, 3)}
+        row = {"step": logs["step"], "epoch": logs["epoch"], "elapsed_s": round(now - self.start, 3)}
         if f"{EVAL_PREFIX}loss" in logs:
             row.update({k: v for k, v in logs.items() if k.startswith(EVAL_PREFIX)})
-        elif "loss" in logs:
-            tokens = state.num_input_tokens_seen
+        else:
+            tokens = logs["tokens_seen"]
             dt = max(now - self._last_time, 1e-9)
             row.update(
                 loss=logs["loss"], learning_rate=logs.get("learning_rate"), grad_norm=logs.get("grad_norm"),
                 tokens_per_second=round((tokens - self._last_tokens) / dt, 2), tokens_seen=int(tokens),
-                # PeakMemoryCallback runs first: CUDA's allocator peak, or the CPU tensor tracker's.
+                # PeakMemory runs first: CUDA's allocator peak, or the CPU tensor tracker's.
                 peak_memory_bytes=logs.get("peak_memory_bytes"),
             )
-            # The gradient noise scale (finetune/train/noise_scale.py), once the trainer has an estimate.
+            # The gradient noise scale (finetune/train/noise_scale.py), once there is an estimate.
             row.update({k: logs[k] for k in NOISE_SCALE_KEYS if k in logs})
             row.update({k: v for k, v in logs.items() if k.startswith(METRIC_PREFIXES)})  # preference methods
             self._last_time, self._last_tokens = now, tokens
-            collapsed = self.collapse.observe(state.global_step, row["loss"], row["grad_norm"])
-        else:
-            return  # the end-of-training summary goes to results.json instead
+            collapsed = self.collapse.observe(logs["step"], row["loss"], row["grad_norm"])
         if "peak_memory_breakdown" in logs:  # the CPU tensor tracker splits the peak by component
             row["peak_memory_breakdown"] = logs["peak_memory_breakdown"]
         if "memory_warning" in logs:
@@ -105,63 +105,62 @@ class MetricsCallback(TrainerCallback):
         self.run.log_line(" ".join(f"{k}={v}" for k, v in row.items() if not isinstance(v, dict)))
         if collapsed is not None:  # said once: on screen, as an event row, in status.json for the UI
             console.print(f"[yellow]warning: {collapsed}")
-            self.run.append_metrics({"event": COLLAPSED_EVENT, "step": state.global_step, "detail": collapsed})
+            self.run.append_metrics({"event": COLLAPSED_EVENT, "step": logs["step"], "detail": collapsed})
             self.run.log_line(f"warning: {collapsed}")
             self.status_fields[TRAINING_WARNING] = collapsed
-        self.run.write_status("running", step=state.global_step, max_steps=self.max_steps, eta_s=self._eta(state),
-                              **self.status_fields)
+        self.run.write_status("running", step=loop.state.step, max_steps=self.max_steps,
+                              eta_s=self._eta(loop.state.step), **self.status_fields)
 
-    def on_save(self, args, state, control, **kwargs):
-        """An event row, so the curves can mark where a checkpoint was saved (rank 0 alone writes)."""
-        if state.is_world_process_zero:
-            self.run.append_metrics({"event": "checkpoint_saved", "step": state.global_step})
+    def on_save(self, loop, folder: str) -> None:
+        """An event row, so the curves can mark where a checkpoint was saved."""
+        if self.main:
+            self.run.append_metrics({"event": "checkpoint_saved", "step": loop.state.step})
 
-    def _eta(self, state) -> float | None:
-        done = state.global_step - (self._first_step or 0)
+    def _eta(self, step: int) -> float | None:
+        done = step - (self._first_step or 0)
         if done <= 0:
             return None
-        return round((time.time() - self.start) / done * (self.max_steps - state.global_step), 1)
+        return round((time.time() - self.start) / done * (self.max_steps - step), 1)
 
 
-class ProgressCallback(TrainerCallback):
-    """A rich progress bar: step, loss, tokens/s and ETA."""
+class ProgressBar(Policy):
+    """A rich progress bar: step, loss, tokens/s and ETA (rank 0 only)."""
 
     def __init__(self, max_steps: int):
         self.max_steps = max_steps
         self.progress: Progress | None = None
         self.task = None
-        self._tokens_per_s = 0.0
         self._last = (time.time(), 0)
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        if not state.is_world_process_zero:  # one progress bar, not one per process
+    def on_train_begin(self, loop) -> None:
+        if loop.rank != 0:  # one progress bar, not one per process
             return
         self.progress = progress_bar("train", info=True)
         self.progress.start()
-        self.task = self.progress.add_task("train", total=self.max_steps, completed=state.global_step, info="")
-        self._last = (time.time(), state.num_input_tokens_seen)
+        self.task = self.progress.add_task("train", total=self.max_steps, completed=loop.state.step, info="")
+        self._last = (time.time(), loop.state.tokens_seen)
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, loop, step) -> None:
         if self.progress is not None:
-            self.progress.update(self.task, completed=state.global_step)
+            self.progress.update(self.task, completed=loop.state.step)
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if self.progress is None or not logs or "loss" not in logs:
+    def log(self, loop, row: dict) -> None:
+        if self.progress is None or "loss" not in row:
             return
-        now, tokens = time.time(), state.num_input_tokens_seen
-        self._tokens_per_s = (tokens - self._last[1]) / max(now - self._last[0], 1e-9)
+        now, tokens = time.time(), row["tokens_seen"]
+        tokens_per_s = (tokens - self._last[1]) / max(now - self._last[0], 1e-9)
         self._last = (now, tokens)
-        info = f"loss {logs['loss']:.4f}  {self._tokens_per_s:,.0f} tok/s"
-        self.progress.update(self.task, info=info)
+        self.progress.update(self.task, info=f"loss {row['loss']:.4f}  {tokens_per_s:,.0f} tok/s")
 
-    def on_train_end(self, args, state, control, **kwargs):
+    def on_train_end(self, loop) -> None:
         if self.progress is not None:
             self.progress.stop()
             self.progress = None
 
 
-class StopOnSignal(TrainerCallback):
-    """First Ctrl-C (or SIGTERM): save a checkpoint at the end of the current step and stop. Second: abort."""
+class StopOnSignal:
+    """First Ctrl-C (or SIGTERM): save a checkpoint at the end of the current step and stop. Second: abort.
+    The loop asks `requested` after each step."""
 
     def __init__(self):
         self.requested = False
@@ -181,8 +180,3 @@ class StopOnSignal(TrainerCallback):
             raise KeyboardInterrupt
         self.requested = True
         console.print("[yellow]stop requested: saving a checkpoint after this step (again to abort)[/yellow]")
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.requested:
-            control.should_save = True
-            control.should_training_stop = True

@@ -1,9 +1,11 @@
 """Checkpoints that are either complete or ignored: written in a staging folder, marked, then renamed.
 
 A kill or a full disk during a save leaves at most `checkpoints/.staging/`, which `--resume` removes; a
-`checkpoint-N` folder counts only with its completeness marker (or, written before the marker existed,
-with the trainer_state.json the Trainer writes last). Before resuming, every pickled file of the chosen
-checkpoint is read with torch's weights-only loader, so a damaged or hostile file is named and skipped.
+`checkpoint-N` folder counts only with its completeness marker and its train state
+(finetune/train/train_state.py writes both). Before resuming, every pickled file of the chosen checkpoint is
+read with torch's weights-only loader, so a damaged or hostile file is named and skipped. Checkpoints of
+versions that trained through transformers.Trainer (a trainer_state.json, no train state) are passed over
+with that reason.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ if TYPE_CHECKING:
 
 COMPLETE = ".complete"  # written last inside a checkpoint folder, before the rename that publishes it
 STAGING = ".staging"
-TRAINER_STATE = "trainer_state.json"  # the Trainer resumes its step, schedule and log history from it
+TRAIN_STATE = "train_state.pt"  # weights, optimizer, scheduler, loop and policies (train_state.py)
+OLD_FORMAT = "trainer_state.json"  # what checkpoints of the transformers.Trainer versions hold instead
 FAULT_ENV = "FINETUNE_FAULT_CHECKPOINT"  # test hook, see checkpoint_fault()
 _NAME = re.compile(r"checkpoint-(\d+)$")
 
@@ -40,7 +43,7 @@ class Checkpoints:
 
 
 def is_complete(folder: Path) -> bool:
-    return (folder / COMPLETE).is_file() or (folder / TRAINER_STATE).is_file()
+    return (folder / COMPLETE).is_file()
 
 
 def numbered(root: Path) -> list[Path]:
@@ -57,27 +60,20 @@ def step_of(folder: str | Path) -> int:
 
 def unreadable_file(folder: Path) -> str | None:
     """The first file of a checkpoint that cannot be read safely (why, in a few words), or None: pickles
-    through torch's weights-only loader, safetensors through their header, the trainer state as JSON."""
-    import json
-
+    through torch's weights-only loader, safetensors through their header."""
     import torch
     from safetensors import safe_open
-    from transformers.trainer_pt_utils import safe_globals
 
     from finetune.optim import register_safe_globals
 
-    # Exactly what the Trainer allows when it resumes: numpy RNG state and GaLore/APOLLO projectors.
-    register_safe_globals()
+    register_safe_globals()  # exactly what resuming allows: GaLore/APOLLO projectors
     for path in sorted(folder.iterdir()):
         try:
-            if path.suffix in (".pt", ".pth", ".bin") and path.name != "training_args.bin":  # never loaded
-                with safe_globals():
-                    torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            if path.suffix in (".pt", ".pth", ".bin"):
+                torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             elif path.suffix == ".safetensors":
                 with safe_open(path, framework="pt") as f:
                     f.keys()
-            elif path.name == TRAINER_STATE:
-                json.loads(path.read_text())
         except Exception as exc:  # noqa: BLE001 - any failure makes the file unusable; the reason is reported
             reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
             return f"{path.name}: {reason}"
@@ -97,11 +93,15 @@ def find_resumable(root: Path) -> Checkpoints:
             skipped.append(f"{partial.name} (partial: interrupted while being written; removed)")
         shutil.rmtree(staging, ignore_errors=True)
     for folder in numbered(root):
+        if (folder / OLD_FORMAT).is_file() and not (folder / TRAIN_STATE).is_file():
+            skipped.append(f"{folder.name} (written by a version of finetune that trained through "
+                           "transformers.Trainer; resume it with that version, or start again)")
+            continue
         if not is_complete(folder):
             skipped.append(f"{folder.name} (partial: no {COMPLETE} marker)")
             continue
-        if not (folder / TRAINER_STATE).is_file():  # complete once, damaged since (a file deleted)
-            skipped.append(f"{folder.name} (damaged: no {TRAINER_STATE})")
+        if not (folder / TRAIN_STATE).is_file():  # complete once, damaged since (a file deleted)
+            skipped.append(f"{folder.name} (damaged: no {TRAIN_STATE})")
             continue
         bad = unreadable_file(folder)
         if bad:
@@ -146,7 +146,7 @@ def _fsync(path: Path) -> None:
 
 def checkpoint_fault(staged: Path, step: int) -> None:
     """Fault injection for tests: FINETUNE_FAULT_CHECKPOINT=hang@N or enospc@N acts at step N's save,
-    after the weights and optimizer state are written and before the trainer state and the marker.
+    after the train state is written and before the marker.
 
     `hang` creates `FAULT_HANG` in the staging folder and sleeps (a test kills the process there);
     `enospc` raises the OSError a full disk raises. Unset in normal use.

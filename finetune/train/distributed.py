@@ -1,8 +1,8 @@
 """Several processes (GPUs, nodes): the world from the launcher's environment, accelerate's settings for the
 recipe's `distributed.strategy`, rank-0-only writes, and `finetune run --gpus N`.
 
-The engine is accelerate's, driven by the Trainer through TrainingArguments: DDP, FSDP2 (`fsdp_config`
-version 2) or DeepSpeed ZeRO (a config dict, optional dependency). torchrun and `accelerate launch` set
+The engine is accelerate's, driven by the training loop (finetune/train/loop.py) through `Accelerator`:
+DDP, FSDP2 (`FullyShardedDataParallelPlugin` version 2) or DeepSpeed ZeRO (optional dependency). torchrun and `accelerate launch` set
 RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR; with them set, `finetune run` joins that world.
 """
 
@@ -104,34 +104,39 @@ def decoder_layer_classes(model: torch.nn.Module) -> list[str]:
     return sorted(names & present)
 
 
-def training_kwargs(recipe: Recipe, model: torch.nn.Module | None) -> dict[str, Any]:
-    """TrainingArguments for the strategy (nothing with one process).
+def accelerator_plugins(recipe: Recipe, model: torch.nn.Module | None, micro_batch: int) -> dict[str, Any]:
+    """accelerate's plugin for the strategy (nothing with one process or DDP, which is accelerate's default
+    with several).
 
-    fsdp: FSDP2 over each decoder layer, FULL_STATE_DICT so checkpoints and the saved model are whole
-    (resumable at any world size, loadable without FSDP); the Trainer's activation checkpointing is kept
-    (our recompute wrappers live inside the layers). deepspeed: ZeRO stage and optimizer-state offload, the
-    rest `auto` (accelerate fills batch, accumulation, precision and clipping from the Trainer)."""
+    fsdp: FSDP2 over each decoder layer, FULL_STATE_DICT so the saved model is whole (loadable without FSDP;
+    finetune.train.train_state gathers checkpoints whole too, resumable at any world size). deepspeed: ZeRO
+    stage and optimizer-state offload; the loop accumulates itself, so DeepSpeed steps every update with
+    `micro_batch` rows per process (and clips, as accelerate leaves clipping to it)."""
     d = recipe.distributed
-    if d.gpus == 1:
+    if d.gpus == 1 or d.strategy == "ddp":
         return {}
-    cuda = torch.cuda.is_available()
-    kwargs: dict[str, Any] = {"ddp_backend": "nccl" if cuda else "gloo", "ddp_find_unused_parameters": False}
     if d.strategy == "fsdp":
+        from accelerate import FullyShardedDataParallelPlugin
+
         layers = decoder_layer_classes(model) if model is not None else []
-        kwargs.update(fsdp=True, fsdp_config={
-            "version": 2, "reshard_after_forward": True, "state_dict_type": "FULL_STATE_DICT",
-            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "cpu_ram_efficient_loading": False,
-            **({"transformer_layer_cls_to_wrap": layers} if layers else {})})
-    elif d.strategy == "deepspeed":
-        zero: dict[str, Any] = {"stage": d.zero_stage, "overlap_comm": True, "contiguous_gradients": True}
-        if d.deepspeed_offload != "none":
-            zero["offload_optimizer"] = {"device": d.deepspeed_offload, "pin_memory": True,
-                                         **({"nvme_path": d.deepspeed_nvme_path} if d.deepspeed_nvme_path else {})}
-        kwargs["deepspeed"] = {
-            "zero_optimization": zero, "zero_allow_untested_optimizer": True,
-            "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-            "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}
-    return kwargs
+        return {"fsdp_plugin": FullyShardedDataParallelPlugin(
+            fsdp_version=2, reshard_after_forward=True, state_dict_type="FULL_STATE_DICT",
+            auto_wrap_policy="transformer_based_wrap" if layers else "no_wrap", cpu_ram_efficient_loading=False,
+            **({"transformer_cls_names_to_wrap": layers} if layers else {}))}
+    from accelerate import DeepSpeedPlugin
+
+    zero: dict[str, Any] = {"stage": d.zero_stage, "overlap_comm": True, "contiguous_gradients": True}
+    if d.deepspeed_offload != "none":
+        zero["offload_optimizer"] = {"device": d.deepspeed_offload, "pin_memory": True,
+                                     **({"nvme_path": d.deepspeed_nvme_path} if d.deepspeed_nvme_path else {})}
+    from finetune.memory.step import mixed_precision
+
+    precision = mixed_precision(recipe.model.dtype, torch.cuda.is_available())
+    return {"deepspeed_plugin": DeepSpeedPlugin(hf_ds_config={
+        "zero_optimization": zero, "zero_allow_untested_optimizer": True,
+        "train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
+        "gradient_clipping": recipe.training.max_grad_norm or 0.0, "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16"}})}
 
 
 def launch(argv: list[str], gpus: int) -> int:

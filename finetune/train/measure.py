@@ -1,7 +1,7 @@
 """`finetune measure`: run N real training steps under the tracker and report the peak and its breakdown.
 
-The steps are `finetune.memory.step.training_step`: the micro-batch forward + backward the Trainer runs in
-`finetune run` and the planner traces on `meta`, then the Trainer's optimizer update. It lives next to
+The steps are `finetune.memory.step.training_step`: the micro-batch forward + backward the loop runs in
+`finetune run` and the planner traces on `meta`, then the loop's optimizer update. It lives next to
 training (not under memory/) because it calls the planner for `auto` settings.
 """
 
@@ -39,7 +39,7 @@ def step_setup(recipe: Recipe, **plan_kwargs: Any) -> tuple[Recipe, torch.nn.Mod
     if recipe.auto_keys():
         from finetune.plan import predict
 
-        recipe = predict(recipe, **plan_kwargs).apply(recipe)
+        recipe = predict(recipe, **plan_kwargs).apply(recipe).recipe
     model, _tokenizer, _path = load_model(recipe.model, recipe.quantization)
     vocab = model.config.get_text_config().vocab_size
     checkpointing = bool(recipe.memory.activation_checkpointing)

@@ -23,7 +23,7 @@ own; a layer-wise optimizer keeps .grad until its step when it accumulates, exce
 and frees each micro-batch's gradient: that combination logs no noise scale.
 
 With no accumulation the step has one micro-batch and no "small" norm: every `split_every` steps the trainer
-runs the micro-batch as two halves (finetune/train/recovery.py re-collates a loader batch exactly), which
+runs the micro-batch as two halves (the loop re-collates a loader batch's rows exactly), which
 gives both sizes at the same total gradient. A micro-batch of one sequence cannot be split; the run then
 logs no noise scale (say so, do not guess).
 
@@ -37,6 +37,7 @@ shard the gradients and replace the parameters the hooks sit on: no noise scale 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Iterable
@@ -46,6 +47,8 @@ import torch
 
 from finetune.compat import foreach_norm
 from finetune.memory.chunked_loss import IGNORE_INDEX
+from finetune.optim import layerwise_of
+from finetune.train.policy import Part, Policy, Step, Update
 
 DEFAULT_DECAY = 0.95  # EMA of |G|^2 and tr(Sigma): about 20 steps of memory
 SLICE = 1 << 24  # elements per fp32 slice of a gradient norm
@@ -132,7 +135,7 @@ class NoiseScaleEMA:
 
 
 def labelled_tokens(inputs: dict) -> torch.Tensor:
-    """Tokens of a micro-batch that carry a loss, counted as the Trainer's num_items_in_batch counts them
+    """Tokens of a micro-batch that carry a loss, counted as transformers counts num_items_in_batch
     (labels shifted by one for a causal LM): a 0-d tensor on the labels' device, so counting waits for nothing."""
     labels = inputs.get("shift_labels")
     if labels is None:
@@ -254,3 +257,55 @@ class GradNormProbe:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+class NoiseScale(Policy):
+    """The noise-scale measurement as a loop policy: the probe sees each micro-batch, observes each update's
+    gradients before anything scales them, and its smoothed values join the training log rows; every
+    `split_every` steps an update of a single loader batch runs as two halves (the same gradient), so a
+    run without accumulation measures too (module docstring)."""
+
+    def __init__(self, probe: GradNormProbe | None, split_every: int):
+        self.probe, self.split_every = probe, split_every
+        self.ema = NoiseScaleEMA()
+
+    def plan_updates(self, loop, step: Step, updates: list[Update]) -> list[Update]:
+        if self.probe is None or len(updates) != 1 or loop.pending or loop.geometry.splits > 1:
+            return updates
+        (update,) = updates
+        rows = update.micro_batches[0] if len(update.micro_batches) == 1 else []
+        layerwise = layerwise_of(loop.optimizer)
+        if len(rows) < 2 or (layerwise is not None and layerwise.steps_per_update == 1) \
+                or step.number % self.split_every:
+            return updates
+        half = -(-len(rows) // 2)
+        return [dataclasses.replace(update, micro_batches=[rows[:half], rows[half:]])]
+
+    def around_micro_batch(self, loop, part: Part, run) -> torch.Tensor:
+        if self.probe is not None and "labels" in part.inputs:
+            tokens = labelled_tokens(part.inputs)
+            self.probe.micro_batch(tokens, part.weight(tokens))  # device scalars: read at the update
+        return run()
+
+    def before_update(self, loop, update: Update) -> None:
+        if self.probe is not None and (observation := self.probe.finish()) is not None:
+            self.ema.update(observation)
+
+    def on_oom(self, loop, step: Step, failure: str, phase: str) -> bool:
+        if self.probe is not None:
+            self.probe.discard()
+        return False
+
+    def log(self, loop, row: dict) -> None:
+        if "loss" in row and (values := self.ema.values()) is not None:
+            row.update({k: float(f"{v:.6g}") for k, v in values.items()})
+
+    def on_train_end(self, loop) -> None:
+        if self.probe is not None:
+            self.probe.remove()
+
+    def state_dict(self) -> dict:
+        return self.ema.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ema.load_state_dict(state)

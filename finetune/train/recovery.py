@@ -1,11 +1,11 @@
 """Out-of-memory recovery: an optimizer step that runs out of memory is redone, exactly, with a cheaper plan.
 
-How the retry stays exact: the loader keeps the batch size the run started with, and every loader batch
-carries its example rows (`SplittableCollator`). After an out-of-memory error inside update N the step's
-partial gradients are dropped (nothing of it was applied: the optimizer steps only after the last
-micro-batch), the RNG streams are put back to where update N began, and the update's loader batches are
-run again, each split into k sub-micro-batches collated exactly as a loader of micro-batch B/k would
-collate them. With num_items_in_batch the summed loss is the same sum; without it each sub-batch's mean
+How the retry stays exact: the loader keeps the batch size the run started with, and the loop keeps every
+loader batch's example rows. After an out-of-memory error inside update N the step's partial gradients are
+dropped (nothing of it was applied: the optimizer steps only after the last micro-batch), the RNG streams
+are put back to where update N began (finetune/train/loop.py), and the update's loader batches are run
+again, each split into k sub-micro-batches collated exactly as a loader of micro-batch B/k would collate
+them (`Geometry.splits`). With num_items_in_batch the summed loss is the same sum; without it each sub-batch's mean
 is divided by the update's sub-batch count, as a run at micro-batch B/k does. So the LR schedule, the
 optimizer state, the examples and their order continue as if the run had used micro-batch B/k and k
 times the accumulation from the start (tests/test_oom_recovery.py checks this against such a run).
@@ -31,18 +31,13 @@ raises it in optimizer step N's optimizer.step() instead, before the optimizer r
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 import os
-import random
-import types
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from finetune.console import console
@@ -51,42 +46,21 @@ from finetune.memory.device_memory import usable_gpu_memory
 from finetune.memory.layer_recompute import apply_layer_recompute
 from finetune.memory.offload import activation_offload, decoder_layers, preflight_offload
 from finetune.memory.offload_disk import OffloadDirError
-from finetune.memory.tracker_callback import PeakMemoryCallback
-from finetune.optim import layerwise_of
 from finetune.plan import predict
 from finetune.recipe.load import recipe_to_yaml
+from finetune.recipe.resolved import resolve
 from finetune.recipe.schema import Recipe
 from finetune.recipe.settings import read_settings, write_settings
 from finetune.recipe.settings import table as settings_table
 from finetune.rundir import RunDir, atomic_write_json, atomic_write_text
-from finetune.train.callbacks import MetricsCallback
-from finetune.train.checkpoints import numbered
 from finetune.train.oom_ladder import Cheaper, cheaper, settings_of
+from finetune.train.peak_memory import PeakMemory
 from finetune.train.plan_files import save_plan
-from finetune.train.trainer import FinetuneTrainer
+from finetune.train.policy import Part, Policy, Step, Update
+from finetune.train.rng import set_rng_state
 from finetune.units import format_bytes
 
 FAULT_ENV = "FINETUNE_FAULT_OOM_AT_STEP"
-ROWS = "finetune_rows"  # batch key holding the loader batch's example rows; never reaches the model
-class _Rows:
-    """The rows of one loader batch; opaque to accelerate's device transfer (no `.to`, not a container)."""
-
-    __slots__ = ("rows",)
-
-    def __init__(self, rows: list):
-        self.rows = rows
-
-
-class SplittableCollator:
-    """The data's collator, plus the rows each batch was made of, so a batch can be re-collated in parts."""
-
-    def __init__(self, collator: Callable[[list], dict]):
-        self.collator = collator
-
-    def __call__(self, features: list) -> dict:
-        batch = self.collator(features)
-        batch[ROWS] = _Rows(list(features))
-        return batch
 
 
 def fault_steps() -> Counter:
@@ -103,289 +77,144 @@ def fault_steps() -> Counter:
     return faults
 
 
-def _first_line(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
+class OOMRecovery(Policy):
+    """The loop's steps survive running out of memory (see the module docstring).
 
-
-def _rng_state() -> tuple:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
-
-
-def _set_rng_state(state: tuple) -> None:
-    python, numpy_state, cpu, cuda = state
-    random.setstate(python)
-    np.random.set_state(numpy_state)
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
-
-
-class RecoveringTrainer(FinetuneTrainer):
-    """FinetuneTrainer whose optimizer steps survive running out of memory (see the module docstring).
-
+    `recipe`: the run's resolved recipe (the ladder's starting point; the recovered one is `self.recipe`);
     on_recovery(event, recipe) is told each switch to a cheaper plan (and the final give-up) so the run
-    directory can record it; run_root is where a newly turned-on disk offload keeps its files.
+    directory can record it; run_root is where a newly turned-on disk offload keeps its files (the new
+    ActivationOffload becomes `loop.offload`, which the run closes).
     """
 
-    def __init__(self, *args, data_collator: Callable[[list], dict], run_root: Path,
-                 on_recovery: Callable[[dict, Recipe], None], **kwargs):
-        super().__init__(*args, data_collator=SplittableCollator(data_collator), **kwargs)
+    def __init__(self, recipe: Recipe, run_root: Path, on_recovery: Callable[[dict, Recipe], None]):
+        self.recipe = recipe
         self.run_root = run_root
         self.on_recovery = on_recovery
-        self.splits = 1
         self._faults = fault_steps()
-        self._update: list[dict] = []
-        self._done = 0  # loader batches of the current update already run
-        self._items: dict[int, Any] = {}  # num_items_in_batch of earlier loader batches not of this Trainer step
-        self._rng: tuple | None = None
+        self._counts: dict[int, float | None] = {}
 
-    def get_batch_samples(self, epoch_iterator, num_batches, device):
-        """Keep the update's loader batches: a retry runs them all again."""
-        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self._update, self._done, self._items = batches, 0, {}
-        return batches, num_items
-
-    def _prepare_inputs(self, inputs):
-        return super()._prepare_inputs({k: v for k, v in inputs.items() if k != ROWS})
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        """Forward + backward of one loader batch (in `splits` parts); on OOM, redo the update cheaper."""
-        if self._done == 0:
-            self._rng = _rng_state()  # after a resume's RNG reload, which follows get_batch_samples
-        retry = False
-        while True:
-            failure = None
-            try:
-                if retry:
-                    _set_rng_state(self._rng)
-                    for earlier in self._update[:self._done]:  # their losses were already counted
-                        self._split_step(model, earlier, self._items.get(id(earlier), num_items_in_batch))
-                loss = self._split_step(model, inputs, num_items_in_batch)
-                break
-            except torch.OutOfMemoryError as exc:
-                failure = _first_line(exc)
-            # Outside the except block: the error's traceback (and the tensors its frames hold) is gone.
-            self._recover(model, failure)
-            retry = True
-        self._done += 1
-        return loss
-
-    def _noise_split_due(self) -> bool:
-        """An update of a single micro-batch runs as two halves (the same gradient) every
-        training.noise_scale_split_every steps, so the noise-scale probe sees two batch sizes
-        (finetune/train/noise_scale.py). Not with a layer-wise optimizer in immediate mode: it would step on
-        each half."""
-        layerwise = layerwise_of(self.optimizer)
-        return not (self.noise_probe is None or len(self._update) > 1 or len(self._update[0][ROWS].rows) < 2
-                    or (layerwise is not None and layerwise.steps_per_update == 1)
-                    or (self.state.global_step + 1) % self.recipe.training.noise_scale_split_every)
-
-    def _split_step(self, model, inputs: dict, num_items_in_batch) -> torch.Tensor:
-        last = inputs is self._update[-1]
-        if self.splits > 1:
-            size = self.args.per_device_train_batch_size // self.splits
-        elif self._noise_split_due():
-            size = -(-len(inputs[ROWS].rows) // 2)
-        else:
-            with self._fault(model, last):
-                return super().training_step(model, inputs, num_items_in_batch)
-        # Without num_items_in_batch the Trainer divides each loss by this: the update's micro-batch count.
-        self.current_gradient_accumulation_steps = sum(-(-len(b[ROWS].rows) // size) for b in self._update)
-        return self._run_parts(model, inputs[ROWS].rows, size, num_items_in_batch, last)
-
-    def _run_parts(self, model, rows: list, size: int, num_items_in_batch, last: bool) -> torch.Tensor:
-        """Forward + backward of `rows` in parts of `size`, each collated as a loader of micro-batch `size`
-        would collate it; the summed loss. `last`: its last part is the update's last micro-batch (the fault
-        hook's place)."""
-        parts = [rows[i:i + size] for i in range(0, len(rows), size)]
-        total = None
-        for i, part in enumerate(parts):
-            with self._fault(model, last and i == len(parts) - 1):
-                loss = super().training_step(model, self.data_collator.collator(part), num_items_in_batch)
-            total = loss if total is None else total + loss
-        return total
-
-    def _fault(self, model, last: bool):
-        """FINETUNE_FAULT_OOM_AT_STEP: a one-shot hook that raises in the last decoder layer's forward."""
-        step = self.state.global_step + 1
-        if not last or not self._faults.get((step, "forward")):
-            return contextlib.nullcontext()
+    def around_micro_batch(self, loop, part: Part, run) -> torch.Tensor:
+        """FINETUNE_FAULT_OOM_AT_STEP: a one-shot hook that raises in the last decoder layer's forward of the
+        step's last micro-batch."""
+        step = loop.state.step + 1
+        if not part.last or not self._faults.get((step, "forward")):
+            return run()
         self._faults[(step, "forward")] -= 1
-        return _FaultHook(decoder_layers(model)[-1], step)
+        with _FaultHook(decoder_layers(loop.model)[-1], step):
+            return run()
 
-    def create_optimizer(self, model=None):
-        """Also route an OOM inside optimizer.step() to the give-up path (the Trainer calls step() bare)."""
-        fresh = self.optimizer is None
-        optimizer = super().create_optimizer(model)
-        if fresh:
-            update = optimizer.step
+    def before_update(self, loop, update: Update) -> None:
+        self._counts = _step_counts(_raw(loop.optimizer))
+        step = loop.state.step + 1
+        if self._faults.get((step, "optimizer")) and update is loop.current.updates[-1]:
+            self._faults[(step, "optimizer")] -= 1
+            raise torch.OutOfMemoryError(f"{FAULT_ENV}: injected out-of-memory error in optimizer step {step}")
 
-            def guarded(opt, *args, **kwargs):
-                return self._guarded_update(opt, update, *args, **kwargs)
+    def on_oom(self, loop, step: Step, failure: str, phase: str) -> bool:
+        if phase == "update":
+            self._update_failed(loop, step, failure, applied=_undo_lazy_state(_raw(loop.optimizer), self._counts))
+        return self._recover(loop, step, failure)
 
-            # A bound method: torch's LR scheduler re-wraps optimizer.step through its __func__.
-            optimizer.step = types.MethodType(guarded, optimizer)
-        return optimizer
+    def _ladder(self, loop, recipe: Recipe, splits: int, budget: int | None, unusable=frozenset()) -> Cheaper:
+        g = loop.geometry
+        return cheaper(recipe, g.micro_batch, g.accumulation, splits,
+                       lambda r: predict(r, gpu_memory=budget, training_only=True), unusable)
 
-    def _clip_grad_norm(self, model):
-        try:
-            return super()._clip_grad_norm(model)
-        except torch.OutOfMemoryError as exc:
-            failure = _first_line(exc)
-        self._update_failed(model, failure, applied=False)  # clipping only scales gradients
-
-    def _guarded_update(self, optimizer, update, *args, **kwargs):
-        step = self.state.global_step + 1
-        counts = _step_counts(optimizer)
-        try:
-            if self._faults.get((step, "optimizer")):
-                self._faults[(step, "optimizer")] -= 1
-                raise torch.OutOfMemoryError(f"{FAULT_ENV}: injected out-of-memory error in optimizer step {step}")
-            return update(*args, **kwargs)
-        except torch.OutOfMemoryError as exc:
-            failure = _first_line(exc)
-        applied = _undo_lazy_state(optimizer, counts)
-        self._update_failed(self.model_wrapped, failure, applied=applied)
-
-    def _update_failed(self, model, failure: str, applied: bool) -> None:
+    def _update_failed(self, loop, step: Step, failure: str, applied: bool) -> None:
         """An OOM in the update: no retry (the gradients are gone once freed); stop with the smallest budget."""
-        model.zero_grad(set_to_none=True)
-        self.optimizer.zero_grad(set_to_none=True)
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
         budget = usable_gpu_memory()
-        recipe, splits = self.recipe, self.splits
+        recipe, splits = self.recipe, loop.geometry.splits
         while True:  # the leanest rung's budget, by the planner
-            choice = cheaper(recipe, self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps,
-                             splits, lambda r: predict(r, gpu_memory=budget, training_only=True))
+            choice = self._ladder(loop, recipe, splits, budget)
             if choice.recipe is None:
                 break
             recipe, splits = choice.recipe, choice.splits
-        self._give_up(model, self.state.global_step + 1, failure, choice.min_budget_bytes, budget,
-                      save=not applied, where="in the optimizer update, which is not retried")
+        self._give_up(loop, step, failure, choice.min_budget_bytes, budget, save=not applied,
+                      where="in the optimizer update, which is not retried")
 
-    def _recover(self, model, failure: str) -> None:
-        """Drop the failed step, free its memory and switch to the next cheaper plan (or give up)."""
-        step = self.state.global_step + 1
-        layerwise = layerwise_of(self.optimizer)
-        undone = layerwise is None or layerwise.discard_pending()
-        model.zero_grad(set_to_none=True)
-        self.optimizer.zero_grad(set_to_none=True)
-        self._loss_finite = None
-        if self.noise_probe is not None:
-            self.noise_probe.discard()
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    def _recover(self, loop, step: Step, failure: str) -> bool:
+        """Switch to the next cheaper plan (or give up); the loop then runs the step again."""
         budget = usable_gpu_memory()
-        choice = self._next_plan(model, budget)
+        choice = self._next_plan(loop, budget)
         if choice.recipe is None:
-            self._give_up(model, step, failure, choice.min_budget_bytes, budget)
+            self._give_up(loop, step, failure, choice.min_budget_bytes, budget)
         before, after = settings_of(self.recipe), settings_of(choice.recipe)
-        event = {"event": "oom_recovered" if undone else "oom_unrecoverable", "step": step, "error": failure,
-                 "from": {k: v for k, v in before.items() if after[k] != v},
+        event = {"event": "oom_recovered" if loop.undone else "oom_unrecoverable", "step": step.number,
+                 "error": failure, "from": {k: v for k, v in before.items() if after[k] != v},
                  "to": {k: v for k, v in after.items() if before[k] != v}}
         if budget is not None:
             event["gpu_memory_bytes"] = budget
-        if not undone:  # the cheaper settings are recorded for --resume, which restarts from the checkpoint
+        if not loop.undone:  # the cheaper settings are recorded for --resume, which restarts from the checkpoint
             self.on_recovery(event, choice.recipe)
             raise FinetuneError(
-                f"out of memory at step {step} ({failure}) after the layer-wise optimizer had already updated "
-                "some weights inside backward; that cannot be undone, so the run stops without saving them",
+                f"out of memory at step {step.number} ({failure}) after the layer-wise optimizer had already "
+                "updated some weights inside backward; that cannot be undone, so the run stops without saving them",
                 hint=f"run again with --resume: it continues from the last checkpoint with {_changes(event)}")
-        self._switch(model, choice)
+        self._switch(loop, choice)
         self.on_recovery(event, self.recipe)
+        return True
 
-    def _next_plan(self, model, budget: int | None) -> Cheaper:
+    def _next_plan(self, loop, budget: int | None) -> Cheaper:
         """The next rung; one that turns on an offload tier whose preflight fails (a full or unwritable
         offload_dir) is passed over, with the tier left out of the rest of the ladder."""
         unusable: set[str] = set()
         while True:
-            choice = cheaper(self.recipe, self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps,
-                             self.splits, lambda r: predict(r, gpu_memory=budget, training_only=True),
-                             frozenset(unusable))
+            choice = self._ladder(loop, self.recipe, loop.geometry.splits, budget, frozenset(unusable))
             new = choice.recipe
             if new is None or new.memory.offload == self.recipe.memory.offload:
                 return choice
             try:
-                preflight_offload(model, new.memory, self.run_root,
-                                  self.args.per_device_train_batch_size // choice.splits, new.data.max_seq_len)
+                preflight_offload(loop.model, new.memory, self.run_root, loop.geometry.micro_batch // choice.splits,
+                                  new.data.max_seq_len)
                 return choice
             except OffloadDirError as exc:
                 console.print(f"[yellow]out-of-memory recovery: offload {new.memory.offload} is unusable "
                               f"({exc.message}); trying the next alternative")
                 unusable.add(new.memory.offload)
 
-    def _switch(self, model, choice: Cheaper) -> None:
-        old, new = self.recipe.memory, choice.recipe.memory
-        if new.activation_checkpointing is True and old.activation_checkpointing is not True:
-            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
+    def _switch(self, loop, choice: Cheaper) -> None:
+        old, new = resolve(self.recipe).settings, resolve(choice.recipe).settings
+        model = loop.accelerator.unwrap_model(loop.model)
+        if new.activation_checkpointing and not old.activation_checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
                                                   every_n_layers=new.checkpoint_every_n_layers)
             if self.recipe.adapter.type != "full":
-                self.model.enable_input_require_grads()  # a frozen base: see finetune.model.adapter.apply_adapter
-        self.args.per_device_eval_batch_size = self.args.per_device_train_batch_size // choice.splits
-        if hasattr(self, "_eval_dataloaders"):  # cached (persistent workers) at the old micro-batch
-            del self._eval_dataloaders
+                model.enable_input_require_grads()  # a frozen base: see finetune.model.adapter.apply_adapter
         if new.offload != old.offload:
-            if self.offload is not None:
-                self.offload.close()
-            self.offload = activation_offload(model, new, self.run_root)
-        if new.tiled_mlp is True and old.tiled_mlp is not True:
-            apply_layer_recompute(model, False, new.tiled_mlp_tokens)
-        layerwise = layerwise_of(self.optimizer)
-        if layerwise is not None:
-            layerwise.steps_per_update = self.args.gradient_accumulation_steps * choice.splits
-        self.recipe, self.splits = choice.recipe, choice.splits
+            if loop.offload is not None:
+                loop.offload.close()
+            loop.offload = activation_offload(loop.model, choice.recipe.memory, self.run_root)
+        if new.tiled_mlp and not old.tiled_mlp:
+            apply_layer_recompute(loop.model, False, choice.recipe.memory.tiled_mlp_tokens)
+        loop.set_geometry(splits=choice.splits)
+        self.recipe = choice.recipe
 
-    def _applied_in_step(self) -> bool:
-        """Whether the Trainer step in progress already changed the weights (a subclass's updates inside a
-        step): then the last completed step's checkpoint can no longer be written from them."""
-        return False
-
-    def _give_up(self, model, step: int, failure: str, needed: int | None, budget: int | None,
+    def _give_up(self, loop, step: Step, failure: str, needed: int | None, budget: int | None,
                  save: bool = True, where: str = "with the leanest settings left") -> None:
         """No cheaper plan: save the last completed step (when nothing of this one was applied) and stop."""
-        _set_rng_state(self._rng)
-        if not save or self._applied_in_step():
-            last = numbered(Path(self.args.output_dir))
-            kept = ("the optimizer had already changed part of the model, so nothing is saved now; "
-                    + (f"{last[0].name} is the last checkpoint" if last else "no checkpoint was saved before"))
-        elif self.state.global_step > 0:
-            self._save_checkpoint(model, trial=None)
-            last = numbered(Path(self.args.output_dir))
-            kept = f"{last[0].name} holds step {self.state.global_step}" if last else "no checkpoint"
+        first = loop.pending[0] if loop.pending else step
+        if first.rng is not None:
+            set_rng_state(first.rng)
+        if not save or step.applied:
+            kept = "the optimizer had already changed part of the model, so nothing is saved now; " + loop.kept()
+        elif loop.state.step > 0:
+            loop.save_now()
+            kept = loop.kept()
         else:
             kept = "no step had completed, so there is no checkpoint"
-        self.on_recovery({"event": "oom_gave_up", "step": step, "error": failure, "needed_bytes": needed},
+        self.on_recovery({"event": "oom_gave_up", "step": step.number, "error": failure, "needed_bytes": needed},
                          self.recipe)
         free = f" ({format_bytes(budget)} usable now)" if budget is not None else ""
         need = f"the planner's leanest settings need a budget of {format_bytes(needed)}" if needed \
             else "the planner could not name a budget that works"
         raise FinetuneError(
-            f"out of memory at step {step} {where}{free}: {need}; {kept}",
+            f"out of memory at step {step.number} {where}{free}: {need}; {kept}",
             hint="free GPU memory (close other programs on the GPU), or use a smaller model or quantization.bits: "
                  "4, then run again with --resume")
 
 
-    def evaluate(self, *args, **kwargs):
-        """An OOM in evaluation: a clear message (and the completed step saved), not a traceback."""
-        try:
-            return super().evaluate(*args, **kwargs)
-        except torch.OutOfMemoryError as exc:
-            failure = _first_line(exc)
-        step = self.state.global_step
-        kept = "no step had completed"
-        if step > 0:
-            if not (Path(self.args.output_dir) / f"checkpoint-{step}").is_dir():
-                self._save_checkpoint(self.model_wrapped, trial=None)
-            kept = f"checkpoint-{step} holds step {step}"
-        raise FinetuneError(
-            f"out of memory in evaluation after step {step} at eval micro-batch "
-            f"{self.args.per_device_eval_batch_size} ({failure}); {kept}",
-            hint="lower training.micro_batch_size (evaluation uses it too) or free GPU memory, then run again "
-                 "with --resume")
+def _raw(optimizer: Any) -> torch.optim.Optimizer:
+    return getattr(optimizer, "optimizer", optimizer)
 
 
 def _step_counts(optimizer: torch.optim.Optimizer) -> dict[int, float | None]:
@@ -429,8 +258,8 @@ class _FaultHook:
         self.handle.remove()
 
 
-def record_recovery(run_dir: RunDir, max_steps: int, peak: PeakMemoryCallback,
-                    metrics: MetricsCallback) -> Callable[[dict, Recipe], None]:
+def record_recovery(run_dir: RunDir, max_steps: int, peak: PeakMemory,
+                    status_fields: dict) -> Callable[[dict, Recipe], None]:
     """on_recovery for a run directory: metrics.jsonl row, train.log, status.json, the console, and the new
     settings in recipe.yaml and oom_recovery.json (which --resume keeps, even for keys that were not auto).
     A recovery also re-plans: plan.json/plan.png and the peak check follow the new settings."""
@@ -449,8 +278,8 @@ def record_recovery(run_dir: RunDir, max_steps: int, peak: PeakMemoryCallback,
         saved = recovered_settings(run_dir.root)
         saved.update(event["to"])
         atomic_write_json(run_dir.recovered, {"settings": saved})
-        metrics.status_fields["oom_recovered"] = event  # kept in every later status.json
-        run_dir.write_status("running", step=event["step"] - 1, max_steps=max_steps, **metrics.status_fields)
+        status_fields["oom_recovered"] = event  # kept in every later status.json
+        run_dir.write_status("running", step=event["step"] - 1, max_steps=max_steps, **status_fields)
         if event["event"] == "oom_recovered":
             peak.restart(_replan(run_dir, recipe))
 

@@ -1,7 +1,7 @@
 """training.precompute_reference: the reference model's log-probabilities of the training and eval data,
 computed once before training, so no step runs a reference forward (`finetune.memory.preference`).
 
-The pass runs before the Trainer exists (no optimizer state, no gradients), under no_grad, one micro-batch
+The pass runs before the training loop exists (no optimizer state, no gradients), under no_grad, one micro-batch
 at a time. A run started from an adapter (adapter.init_from) runs it on the model as it is: before the first
 step its trained adapter holds the start weights, so no frozen copy of them is loaded (nor kept through
 training, nor priced by the planner). Its values join the datasets as a `ref_logps` column that the collator

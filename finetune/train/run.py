@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import PrinterCallback, set_seed
+from transformers import set_seed
 
 from finetune.console import console
 from finetune.data.fingerprint import DataChanged, check_resumed_data
@@ -17,11 +17,11 @@ from finetune.errors import FinetuneError
 from finetune.memory.offload import activation_offload, preflight_offload
 from finetune.memory.preference import loads_reference_adapter
 from finetune.memory.step import autocast_for, mixed_precision
-from finetune.memory.tracker_callback import PeakMemoryCallback
 from finetune.plan import Plan, predict
 from finetune.recipe.batch_rules import apply_batch_rules, reference_batch
 from finetune.recipe.init_from import init_from_record, resolve_init_from
 from finetune.recipe.load import load_recipe, recipe_to_yaml
+from finetune.recipe.resolved import resolve
 from finetune.recipe.schema import Recipe
 from finetune.recipe.settings import (
     auto_choices,
@@ -41,14 +41,17 @@ from finetune.rundir import (
     replace_dir,
 )
 from finetune.train import distributed
-from finetune.train.batch_engine import BatchEngineTrainer, batch_summary, record_batch_change
-from finetune.train.callbacks import MetricsCallback, ProgressCallback, StopOnSignal
+from finetune.train.batch_engine import BatchEngine, batch_summary
+from finetune.train.callbacks import StopOnSignal
 from finetune.train.checkpoints import check_output_dir, find_resumable, report_skipped, step_of
 from finetune.train.environment import environment_summary
+from finetune.train.loop import TrainLoop
+from finetune.train.peak_memory import PeakMemory
 from finetune.train.plan_files import save_plan
 from finetune.train.plots import plot_loss_curve
-from finetune.train.recovery import keep_recovered, record_recovery
-from finetune.train.trainer import FinetuneTrainer, total_steps, training_arguments
+from finetune.train.recovery import OOMRecovery, keep_recovered
+from finetune.train.setup import build_loop, total_steps
+from finetune.train.train_state import load_checkpoint
 from finetune.units import format_bytes
 
 # Disk full, quota, permissions, read-only folder: the user's to fix, so a message instead of a traceback.
@@ -116,7 +119,7 @@ def _plan(recipe: Recipe) -> tuple[Plan | None, Recipe]:
     else:
         chosen = ", ".join(format_choices(auto_choices(recipe, plan.settings)))
         console.print(f"memory plan: {budget}" + (f"; chose {chosen} automatically" if chosen else ""))
-    return plan, plan.apply(recipe) if auto else recipe
+    return plan, plan.apply(recipe).recipe if auto else recipe
 
 
 def keep_resolved(recipe: Recipe, saved: Recipe) -> Recipe:
@@ -228,6 +231,8 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
         recipe = keep_recovered(keep_resolved(recipe, saved), saved, run_dir.root)
     plan, recipe = distributed.on_main(lambda: _plan(recipe))  # one plan for all processes
     recipe, rule = apply_batch_rules(recipe, reference)
+    config = resolve(recipe)  # no `auto` left in the settings the run trains with
+    settings = config.settings
     if main:
         if rule is not None:
             console.print(f"batch rules: {rule.describe()}")
@@ -242,7 +247,7 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     set_seed(recipe.training.seed)  # adapter initialisation is random: make it reproducible (same on all ranks)
     model, tokenizer, _ = load_model(recipe.model, recipe.quantization,
                                      sharded=several and recipe.distributed.strategy == "fsdp")
-    model = apply_adapter(model, recipe.adapter, checkpointing=bool(recipe.memory.activation_checkpointing),
+    model = apply_adapter(model, recipe.adapter, checkpointing=settings.activation_checkpointing,
                           reference=loads_reference_adapter(recipe), digest=main)
     # results.json's record of the start adapter: rank 0 writes it, hashing the bytes apply_adapter read.
     started = init_from_record(recipe.adapter.init_from) if main and recipe.adapter.init_from is not None \
@@ -265,7 +270,7 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
         run_dir.log_line(f"data stats: {data.stats}")
         for warning in data.warnings:
             run_dir.log_line(f"data warning: {warning}")
-    if recipe.training.precompute_reference:  # before the Trainer: no optimizer state or gradients yet
+    if recipe.training.precompute_reference:  # before the loop: no optimizer state or gradients yet
         from finetune.train.reference_pass import attach_reference
 
         data = attach_reference(model, data, recipe, run_dir,
@@ -277,63 +282,58 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
         damaged = run_dir.truncate_metrics(step_of(checkpoint))
         if damaged:
             console.print(f"[yellow]--resume: {run_dir.metrics}: dropped {damaged} damaged line(s)")
-    peak = PeakMemoryCallback(plan.peak_bytes if plan is not None else None)
-    metrics = MetricsCallback(run_dir, steps)
-    # The plan is made for max_seq_len; the UI re-plans at the longest sequence the data really has.
-    metrics.status_fields["longest_sequence_tokens"] = (
-        recipe.data.max_seq_len if recipe.data.packing else data.stats["max_example_tokens"])
+    status_fields: dict = {  # kept in every status.json write (the UI re-plans at the longest sequence)
+        "longest_sequence_tokens": recipe.data.max_seq_len if recipe.data.packing else data.stats["max_example_tokens"]}
     # A bad offload_dir fails here, before the first step and before anything is written there.
-    preflight_offload(model, recipe.memory, run_dir.root, int(recipe.training.micro_batch_size), recipe.data.max_seq_len)
+    preflight_offload(model, recipe.memory, run_dir.root, settings.micro_batch_size, recipe.data.max_seq_len)
     offload = activation_offload(model, recipe.memory, run_dir.root)
-    args = training_arguments(recipe, run_dir.checkpoints, steps, data.eval is not None,
-                              **distributed.training_kwargs(recipe, model))
-    common = dict(model=model, args=args, train_dataset=data.train, eval_dataset=data.eval,
-                  processing_class=tokenizer, callbacks=[peak, metrics, ProgressCallback(steps), stopper],
-                  recipe=recipe, offload=offload)
-    if several:  # redoing a step on one process would leave the others waiting in a collective
-        trainer = FinetuneTrainer(data_collator=data.collator, **common)
-    else:
-        trainer = BatchEngineTrainer(data_collator=data.collator, run_root=run_dir.root,
-                                     on_recovery=record_recovery(run_dir, steps, peak, metrics),
-                                     on_batch_change=record_batch_change(run_dir, metrics), **common)
-    trainer.remove_callback(PrinterCallback)  # our progress bar and metrics.jsonl replace its prints
+    peak = PeakMemory(plan.peak_bytes if plan is not None else None)
+    loop = build_loop(config, model, data, run_dir, steps, offload=offload, peak=peak, status_fields=status_fields,
+                      should_stop=lambda: stopper.requested, pad_token_id=tokenizer.pad_token_id)
+    if checkpoint:
+        load_checkpoint(loop, Path(checkpoint))
     # Preference methods: the held-out rewards before training, so results.json shows what training changed.
-    before = trainer.evaluate() if data.eval is not None and trainer.preference is not None and not checkpoint \
-        else None
-    start, cpu_start = time.time(), time.process_time()
+    before = loop.evaluate() if data.eval is not None and loop.preference is not None and not checkpoint else None
+    start, cpu_start, first_step = time.time(), time.process_time(), loop.state.step
     try:
-        output = trainer.train(resume_from_checkpoint=checkpoint)
+        loop.fit()
     finally:
-        peak.close()  # also after an error, when the Trainer never calls on_train_end
-        if trainer.offload is not None:  # an out-of-memory recovery may have turned it on or changed it
-            trainer.offload.close()  # removes every file the disk tier still holds, also after an error
+        peak.close()  # also after an error
+        if loop.offload is not None:  # an out-of-memory recovery may have turned it on or changed it
+            loop.offload.close()  # removes every file the disk tier still holds, also after an error
     if main and peak.tracked_steps:
-        run_dir.log_line(f"memory tracker: tracked {len(peak.tracked_steps)} of {trainer.state.global_step} steps "
+        run_dir.log_line(f"memory tracker: tracked {len(peak.tracked_steps)} of {loop.state.step} steps "
                          f"(those that could set a new peak): {', '.join(str(s + 1) for s in peak.tracked_steps)}")
-    after = _final_evaluation(trainer) if data.eval is not None else {}
+    after = _final_evaluation(loop) if data.eval is not None else {}
     eval_loss = after.get(f"{EVAL_PREFIX}loss")
-    state = "stopped" if stopper.requested else "completed"
+    state = "stopped" if loop.stopped else "completed"
     if state == "completed":
-        _save_result(trainer, tokenizer, run_dir, main)
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    result = RunResult(run_dir.root, state, trainer.state.global_step, losses[-1] if losses else None, eval_loss)
+        _save_result(loop, tokenizer, run_dir, main)
+    losses = [h["loss"] for h in loop.state.log_history if "loss" in h]
+    result = RunResult(run_dir.root, state, loop.state.step, losses[-1] if losses else None, eval_loss)
     if not main:
         return result
+    engine = next((p for p in loop.policies if isinstance(p, BatchEngine)), None)
     atomic_write_json(run_dir.results, {
         "state": state, "steps": result.steps, "final_loss": result.final_loss, "eval_loss": eval_loss,
         "train_runtime_s": round(time.time() - start, 2), "train_cpu_s": round(time.process_time() - cpu_start, 2),
-        "train_metrics": output.metrics, "data": data.stats,
+        "train_metrics": loop.train_metrics(time.time() - start, first_step), "data": data.stats,
         "trainable_parameters": trainable, "total_parameters": total,
         **({"init_from": started} if started is not None else {}),
         **({"eval_before": before, "eval_after": after} if before is not None else {}),
-        "offload": dict(trainer.offload.stats, tier=trainer.recipe.memory.offload) if trainer.offload is not None
+        "offload": dict(loop.offload.stats, tier=_memory(loop, recipe).offload) if loop.offload is not None
         else None,
-        **(batch_summary(trainer, run_dir.read_metrics(), data.stats) if isinstance(trainer, BatchEngineTrainer)
-           else {})})
+        **(batch_summary(engine, loop, run_dir.read_metrics(), data.stats) if engine is not None else {})})
     plot_loss_curve(run_dir)
-    run_dir.write_status(state, step=result.steps, max_steps=steps, **metrics.status_fields)
+    run_dir.write_status(state, step=result.steps, max_steps=steps, **status_fields)
     run_dir.log_line(f"run {state} at step {result.steps}")
     return result
+
+
+def _memory(loop: TrainLoop, recipe: Recipe):
+    """The memory settings in use at the end (an out-of-memory recovery may have changed them)."""
+    recovery = next((p for p in loop.policies if isinstance(p, OOMRecovery)), None)
+    return (recovery.recipe if recovery is not None else recipe).memory
 
 
 def _save_run_files(run_dir: RunDir, plan: Plan | None, recipe: Recipe) -> None:
@@ -355,31 +355,25 @@ def _record_data(run_dir: RunDir, fingerprint: dict, resumed: bool, allow_change
     atomic_write_json(run_dir.data_fingerprint, fingerprint)
 
 
-def _final_evaluation(trainer: FinetuneTrainer) -> dict[str, float]:
-    """The evaluation at the last step: the Trainer's own when it ran one there (evaluating again would log
-    a second row for the same step in metrics.jsonl), else a new one."""
-    last = next((row for row in reversed(trainer.state.log_history) if f"{EVAL_PREFIX}loss" in row), None)
-    if last is not None and last.get("step") == trainer.state.global_step:
-        return {k: v for k, v in last.items() if k != "step"}
-    return trainer.evaluate()
+def _final_evaluation(loop: TrainLoop) -> dict[str, float]:
+    """The evaluation at the last step: the loop's own when it ran one there (evaluating again would log a
+    second row for the same step in metrics.jsonl), else a new one."""
+    last = next((row for row in reversed(loop.state.log_history) if f"{EVAL_PREFIX}loss" in row), None)
+    if last is not None and last.get("step") == loop.state.step:
+        return {k: v for k, v in last.items() if k not in ("step", "epoch")}
+    return loop.evaluate()
 
 
-def _save_result(trainer: FinetuneTrainer, tokenizer, run_dir: RunDir, main: bool = True) -> None:
+def _save_result(loop: TrainLoop, tokenizer, run_dir: RunDir, main: bool = True) -> None:
     """Save the adapter (or the full model) with its tokenizer, atomically, to run/adapter.
 
-    Several processes: every rank takes part in gathering the weights (FSDP, ZeRO-3), rank 0 writes."""
+    Several processes: every rank takes part in gathering the weights (FSDP), rank 0 writes."""
     tmp = run_dir.adapter_staging
-    if trainer.args.world_size == 1:
-        shutil.rmtree(tmp, ignore_errors=True)
-        trainer.model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-    else:
-        if main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        distributed.barrier()
-        trainer.save_model(str(tmp))  # the Trainer gathers the state dict as accelerate does; rank 0 writes
-        distributed.barrier()
-        if main:
-            (tmp / "training_args.bin").unlink(missing_ok=True)  # a pickle the adapter folder does not need
+    accelerator = loop.accelerator
+    state_dict = accelerator.get_state_dict(loop.model) if loop.processes > 1 else None
     if main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        accelerator.unwrap_model(loop.model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
         replace_dir(tmp, run_dir.adapter)
+    distributed.barrier()

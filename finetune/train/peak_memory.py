@@ -1,4 +1,4 @@
-"""Record the measured peak memory of a Trainer run in its logs (and so in metrics.jsonl).
+"""Record the measured peak memory of a run in its training log rows (and so in metrics.jsonl): a policy.
 
 On CUDA the allocator's own peak is read, which costs nothing. On CPU the tensor tracker (deterministic, with
 the breakdown) sees every operator through Python, which slowed a whole CPU run by a quarter, so it sees the
@@ -9,9 +9,8 @@ accumulation), and the step of an out-of-memory recovery and those after it (`re
 tracked one runs the same operators on at most as much data, so it cannot go higher. Between steps
 (fetching batches, logging, checkpoints) the tracker stays on, and what an untracked step leaves to the next
 (its loss, its gradient norm) is tagged, so the recorded peak is the one a run tracked throughout records.
-The Trainer fetches each step's batches through the callback (`fetch_step`), runs each micro-batch through it
-(`micro_batch`) and hands it the gradient norm (`keep`; finetune.train.trainer.FinetuneTrainer); a step not
-fetched so is tracked.
+The loop hands it each step's batches (`on_step_begin`), runs each micro-batch through it
+(`around_micro_batch`) and hands it the gradient norm (`after_update`), so it decides per step.
 `FINETUNE_MEMORY_TRACKER=every_step` tracks the whole training as before, `off` tracks nothing (benchmarks).
 Every log gets `peak_memory_bytes`; the first log after the peak exceeds the plan's prediction by more than
 `tolerance` also gets a warning line.
@@ -25,9 +24,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from transformers import TrainerCallback
 
 from finetune.memory.tracker import MemoryTracker
+from finetune.train.policy import Part, Policy, Step
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +48,8 @@ def covers(tracked: tuple[int, int, int], step: tuple[int, int, int]) -> bool:
     return tracked[0] == step[0] and tracked[1] >= step[1] and tracked[2] >= step[2]
 
 
-class PeakMemoryCallback(TrainerCallback):
-    """Add `peak_memory_bytes` (and on CPU `peak_memory_breakdown`) to every Trainer log.
+class PeakMemory(Policy):
+    """Add `peak_memory_bytes` (and on CPU `peak_memory_breakdown`) to every training log row.
 
     `mode` (CPU): `peaks` tracks the steps that can set a new peak (module docstring), `every_step` all of
     training, `off` none; default: $FINETUNE_MEMORY_TRACKER, else `peaks`."""
@@ -70,9 +69,12 @@ class PeakMemoryCallback(TrainerCallback):
         self.tracked: list[tuple[int, int, int]] = []  # signatures of the steps tracked since the last restart
         self.tracked_steps: list[int] = []  # global steps (0-based) tracked, for tests and benchmarks
         self._first = FIRST_STEPS  # steps still to track whatever their batches
-        self._next: bool | None = None  # whether to track the coming step, once its batches are fetched
 
-    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+    def on_train_begin(self, loop) -> None:
+        self.begin(loop.accelerator.unwrap_model(loop.model), loop.optimizer)
+
+    def begin(self, model: torch.nn.Module | None, optimizer: Any = None) -> None:
+        """Start measuring: CUDA's peak from here, or the CPU tracker on `model` and `optimizer`."""
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
             return
@@ -83,34 +85,32 @@ class PeakMemoryCallback(TrainerCallback):
         self.closed = False
         self.tracker.register_model(model)
         if optimizer is not None:
-            self.tracker.register_optimizer(optimizer)
+            self.tracker.register_optimizer(getattr(optimizer, "optimizer", optimizer))
         self._enter()
 
-    def fetch_step(self, fetch: Callable[[], tuple[list, Any]]) -> tuple[list, Any]:
-        """Fetch the coming step's loader batches (`fetch`: the Trainer's get_batch_samples), then decide from
-        them whether the step can set a new peak."""
-        result = fetch()
-        if self.tracker is not None and self.mode == "peaks":
-            signature = step_signature(result[0])
-            self._next = self._first > 0 or not any(covers(t, signature) for t in self.tracked)
-            if self._next:
-                self._first -= 1
-                self.tracked.append(signature)
-        return result
+    def on_step_begin(self, loop, step: Step) -> None:
+        self.step_begins(step.collated, loop.state.step)
 
-    def on_step_begin(self, args, state, control, **kwargs):
+    def step_begins(self, batches: Sequence[Mapping[str, Any]], completed: int) -> None:
+        """A step of these loader batches begins (`completed` steps before it): track it if it can set a new
+        peak."""
         if self.tracker is None or self.mode != "peaks":
             return
-        self.track_step = True if self._next is None else self._next  # a step not fetched so is tracked
-        self._next = None
+        signature = step_signature(batches)
+        self.track_step = self._first > 0 or not any(covers(t, signature) for t in self.tracked)
         if self.track_step:
-            self.tracked_steps.append(state.global_step)
+            self._first -= 1
+            self.tracked.append(signature)
+            self.tracked_steps.append(completed)
+
+    def around_micro_batch(self, loop, part: Part, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        return self.micro_batch(run)
 
     def micro_batch(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Run one micro-batch's forward and backward (`run`, which returns its loss). In a step that cannot set
         a new peak the tracker stands aside from here to the step's end (the optimizer update included: on CPU
         it runs a dozen operators per trained tensor); it still tags the gradients, and the loss, which the
-        Trainer keeps into the next step, is tagged here (the gradient norm in `keep`)."""
+        loop keeps into the next step, is tagged here (the gradient norm in `keep`)."""
         if self.track_step or not self.active:
             return run()
         self._exit()
@@ -120,12 +120,15 @@ class PeakMemoryCallback(TrainerCallback):
         return loss
 
     def keep(self, tensor: Any) -> None:
-        """Count `tensor`, made while the tracker stood aside, which the Trainer keeps into the next step (a
+        """Count `tensor`, made while the tracker stood aside, which the loop keeps into the next step (a
         step's loss, its gradient norm), as a run tracked throughout counts it."""
         if self._aside and isinstance(tensor, torch.Tensor):
             self.tracker.tag(tensor, "activations")
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def after_update(self, loop, update, grad_norm) -> None:
+        self.keep(grad_norm)
+
+    def on_step_end(self, loop=None, step=None) -> None:
         self._back()
 
     def _back(self) -> None:
@@ -154,13 +157,12 @@ class PeakMemoryCallback(TrainerCallback):
             self.tracked, self._first, self.track_step = [], FIRST_STEPS, True
             self._back()  # the step being redone is tracked
 
-    def on_train_end(self, args, state, control, **kwargs):
+    def on_train_end(self, loop=None) -> None:
         self.close()
 
     def close(self) -> None:
-        """Leave the tracker's dispatch mode. The Trainer calls on_train_end only when training ends normally,
-        so the run also calls this after an error: a mode left active would track every later tensor op of
-        the process (the UI's, the next run's)."""
+        """Leave the tracker's dispatch mode (the loop calls on_train_end after an error too): a mode left
+        active would track every later tensor op of the process (the UI's, the next run's)."""
         if self.tracker is not None and not self.closed:
             self._exit()
             self.tracker.remove_hooks()
@@ -175,9 +177,13 @@ class PeakMemoryCallback(TrainerCallback):
         return {"device": "cuda", "peak_bytes": int(torch.cuda.max_memory_allocated()),
                 "peak_reserved_bytes": int(torch.cuda.max_memory_reserved())}
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs is None:
-            return
+    def log(self, loop, row: dict) -> None:
+        if "loss" in row:
+            self.add_peak(row)
+
+    def add_peak(self, logs: dict) -> None:
+        """`peak_memory_bytes` (and the breakdown, and a warning the first time it exceeds the plan) into
+        `logs`."""
         result = self.peak()
         if result is None:
             return

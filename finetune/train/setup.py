@@ -1,0 +1,140 @@
+"""The parts of one run's training loop, from the resolved recipe: accelerator, optimizer and scheduler,
+the policies, and the loop itself (torchtune's recipe split: setup here, the loop in loop.py)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from transformers import get_scheduler
+
+from finetune.compat import fresh_accelerator_state
+from finetune.console import console
+from finetune.memory.preference import PreferenceLoss
+from finetune.memory.step import enable_checkpointing, mixed_precision
+from finetune.optim import build_optimizer
+from finetune.recipe.resolved import RunConfig
+from finetune.recipe.schema import Recipe
+from finetune.rundir import RunDir
+from finetune.train import distributed
+from finetune.train.batch_engine import BatchEngine, record_batch_change
+from finetune.train.callbacks import ProgressBar, RunFiles
+from finetune.train.checkpoints import numbered
+from finetune.train.loop import Schedule, TrainLoop
+from finetune.train.noise_scale import GradNormProbe, NoiseScale
+from finetune.train.peak_memory import PeakMemory
+from finetune.train.policy import Geometry, Policy
+from finetune.train.recovery import OOMRecovery, record_recovery
+from finetune.train.train_state import save_checkpoint
+
+SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup",
+              "wsd": "warmup_stable_decay"}
+
+
+def total_steps(recipe: Recipe, train_examples: int) -> int:
+    """Loop steps for the run: max_steps, or epochs over the data (last partial batch included)."""
+    t = recipe.training
+    if t.max_steps is not None:
+        return t.max_steps
+    per_epoch = math.ceil(train_examples / (int(t.micro_batch_size) * int(t.gradient_accumulation_steps)
+                                            * recipe.distributed.gpus))
+    return max(1, math.ceil(per_epoch * t.epochs))
+
+
+def make_scheduler(recipe: Recipe, optimizer: torch.optim.Optimizer, steps: int) -> Any:
+    """The learning-rate schedule over `steps` loop steps (transformers' schedules by name)."""
+    t = recipe.training
+    kwargs = {"num_decay_steps": max(1, round(t.decay_ratio * steps))} if t.lr_scheduler == "wsd" else None
+    return get_scheduler(SCHEDULERS[t.lr_scheduler], getattr(optimizer, "optimizer", optimizer),
+                         num_warmup_steps=round(t.warmup_ratio * steps), num_training_steps=steps,
+                         scheduler_specific_kwargs=kwargs)
+
+
+def make_accelerator(config: RunConfig, model: torch.nn.Module) -> Accelerator:
+    """accelerate's Accelerator for the run: the device, mixed precision (bf16/fp16 autocast on CUDA) and
+    the strategy of several processes."""
+    cuda, recipe = torch.cuda.is_available(), config.recipe
+    fresh_accelerator_state()
+    plugins = distributed.accelerator_plugins(recipe, model, config.settings.micro_batch_size)
+    return Accelerator(cpu=not cuda, mixed_precision=mixed_precision(recipe.model.dtype, cuda) or "no", **plugins)
+
+
+def kept_checkpoint(root: Path) -> Callable[[], str]:
+    """What a failure leaves to resume from, in words."""
+    def kept() -> str:
+        last = numbered(root)
+        return f"the last checkpoint, {last[0].name}, is kept" if last else "no checkpoint was saved before it"
+
+    return kept
+
+
+def _prepared(config: RunConfig, model: torch.nn.Module, measure_noise: bool
+               ) -> tuple[Accelerator, torch.nn.Module, Any, GradNormProbe | None, Geometry]:
+    """Checkpointing switched on, the accelerator, the noise probe (installed before the optimizer exists,
+    so its hooks run before a layer-wise optimizer frees .grad), the optimizer, both prepared by
+    accelerate, and the batch geometry."""
+    s, t = config.settings, config.recipe.training
+    enable_checkpointing(model, s.activation_checkpointing, s.checkpoint_every_n_layers)
+    accelerator = make_accelerator(config, model)
+    probe = GradNormProbe(model.parameters(), world=accelerator.num_processes) if measure_noise else None
+    optimizer = build_optimizer(model, config.recipe.optimizer, t.learning_rate,
+                                steps_per_update=s.gradient_accumulation_steps, max_grad_norm=t.max_grad_norm)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    geometry = Geometry(micro_batch=s.micro_batch_size, accumulation=s.gradient_accumulation_steps,
+                        processes=accelerator.num_processes)
+    return accelerator, model, optimizer, probe, geometry
+
+
+def build_loop(config: RunConfig, model: torch.nn.Module, data: Any, run_dir: RunDir, steps: int, *,
+               offload: Any, peak: PeakMemory, status_fields: dict, should_stop: Callable[[], bool],
+               pad_token_id: int | None) -> TrainLoop:
+    """The model prepared by accelerate, its optimizer and schedule, and the loop with its policies: the noise
+    scale probe, then (one process) the batch engine and out-of-memory recovery, the memory peak, the run
+    files and the progress bar, in that order (the order the loop calls their hooks in)."""
+    recipe, t = config.recipe, config.recipe.training
+    sharded = recipe.distributed.gpus > 1 and config.settings.strategy != "ddp"
+    if t.noise_scale and sharded and distributed.is_main():
+        console.print("noise scale: not measured with FSDP or DeepSpeed (distributed.strategy ddp measures it)")
+    accelerator, model, optimizer, probe, geometry = _prepared(config, model, t.noise_scale and not sharded)
+    several = accelerator.num_processes > 1
+    noise = NoiseScale(probe, t.noise_scale_split_every)
+    policies: list[Policy] = [noise]
+    if not several:  # redoing a step on one process would leave the others waiting in a collective
+        policies += [
+            BatchEngine(config, noise, geometry, accelerator.device, record_batch_change(run_dir, status_fields)),
+            OOMRecovery(recipe, run_dir.root, record_recovery(run_dir, steps, peak, status_fields))]
+    policies += [peak, RunFiles(run_dir, steps, status_fields), ProgressBar(steps)]
+    has_eval = data.eval is not None
+    schedule = Schedule(max_steps=steps, logging_steps=t.logging_steps,
+                        eval_steps=(t.eval_steps or steps) if has_eval else None,
+                        save_steps=recipe.output.save_steps, max_grad_norm=t.max_grad_norm, seed=t.seed)
+    return TrainLoop(
+        model=model, optimizer=optimizer, scheduler=make_scheduler(recipe, optimizer, steps), accelerator=accelerator,
+        train_data=data.train, eval_data=data.eval, collator=data.collator, geometry=geometry, schedule=schedule,
+        policies=policies, preference=PreferenceLoss.of(t), chunked_loss=config.settings.chunked_loss,
+        offload=offload, save=lambda loop: save_checkpoint(loop, run_dir.checkpoints, recipe.output.save_total_limit),
+        should_stop=should_stop, learning_rate=t.learning_rate, pad_token_id=pad_token_id,
+        kept=kept_checkpoint(run_dir.checkpoints))
+
+
+def simple_loop(config: RunConfig, model: torch.nn.Module, train_data: Any, collator: Callable[[list], dict],
+                steps: int, *, checkpoints: Path | None = None, policies: list[Policy] | None = None) -> TrainLoop:
+    """The loop for `model` as the recipe trains it, without a run directory (tests, benchmarks, callers
+    who bring their own data): its optimizer and schedule, the noise scale if the recipe measures it,
+    checkpoints in `checkpoints` every output.save_steps when given."""
+    recipe, t = config.recipe, config.recipe.training
+    accelerator, model, optimizer, probe, geometry = _prepared(config, model, t.noise_scale)
+    save = (lambda loop: save_checkpoint(loop, checkpoints, recipe.output.save_total_limit)) if checkpoints else None
+    return TrainLoop(
+        model=model, optimizer=optimizer, scheduler=make_scheduler(recipe, optimizer, steps), accelerator=accelerator,
+        train_data=train_data, eval_data=None, collator=collator, geometry=geometry,
+        schedule=Schedule(max_steps=steps, logging_steps=t.logging_steps,
+                          save_steps=recipe.output.save_steps if checkpoints else None,
+                          max_grad_norm=t.max_grad_norm, seed=t.seed),
+        policies=[NoiseScale(probe, t.noise_scale_split_every), *(policies or [])],
+        preference=PreferenceLoss.of(t), chunked_loss=config.settings.chunked_loss, save=save,
+        learning_rate=t.learning_rate)
