@@ -155,6 +155,7 @@ def test_a_run_s_accelerator_follows_an_earlier_one_with_other_precision():
     the next run's settings; fresh_accelerator_state lets the next one take its own."""
     from accelerate import Accelerator
 
+    compat.fresh_accelerator_state()  # an earlier test of this worker may have set another precision
     Accelerator(cpu=True, mixed_precision="bf16")
     with pytest.raises(ValueError, match="already been initialized"):
         Accelerator(cpu=True, mixed_precision="no")
