@@ -192,7 +192,7 @@ def test_layerwise_works_under_activation_checkpointing(tiny_model_dir, steps_pe
     micro = examples(steps_per_update, seed=6)
     normal_model, lw_model = load_model(tiny_model_dir), load_model(tiny_model_dir)
     for model in (normal_model, lw_model):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.train()
     normal = build_optimizer(normal_model, config("apollo"), 1e-2)
     layerwise = build_optimizer(lw_model, config("apollo", layerwise=True), 1e-2, steps_per_update=steps_per_update)
