@@ -18,6 +18,7 @@ from finetune.reports import (
     BatchReport,
     EvaluationTable,
     GPUSizes,
+    GRPOReport,
     Machine,
     RewardReport,
     SeenLengthPlan,
@@ -279,6 +280,10 @@ class RunFiles:
         return self.run.read_evaluation()
 
     @cached_property
+    def completions(self) -> list[dict[str, Any]]:
+        return self.run.read_completions()
+
+    @cached_property
     def recipe_text(self) -> str | None:
         """The resolved recipe.yaml's text, None while the run has none."""
         try:
@@ -461,6 +466,31 @@ def run_reward_report(run: str | Path | RunFiles) -> RewardReport | None:
                        for key in (*REWARD_KEYS, "loss")} for when in ("before", "after")}
     return {"curves": curves, **{when: values for when, values in held_out.items()
                                  if any(v is not None for v in values.values())}}
+
+
+GRPO_CURVES = ("reward", "completion_length", "kl", "clip_ratio")  # metrics.jsonl keys the GRPO view plots
+
+
+def run_grpo_report(run: str | Path | RunFiles) -> GRPOReport | None:
+    """A GRPO run's view: `curves` (each GRPO_CURVES key -> `train` and held-out `eval` lists of (step, value)),
+    the held-out values `before` and `after` training (results.json; empty while the run goes) and the
+    `samples` of the last step that logged some (completions.jsonl). None for a run of another method."""
+    files = run_files(run)
+    rows = files.metrics
+    if not any("reward" in r and "loss" in r for r in rows):
+        return None
+    curves = {}
+    for key in GRPO_CURVES:
+        evals = {r["step"]: r[EVAL_PREFIX + key] for r in rows if r.get(EVAL_PREFIX + key) is not None}
+        curves[key] = {"train": [(r["step"], r[key]) for r in rows if r.get(key) is not None and "loss" in r],
+                       "eval": sorted(evals.items())}
+    results = files.results or {}
+    held_out = {when: {k[len(EVAL_PREFIX):]: v for k, v in (results.get(f"eval_{when}") or {}).items()
+                       if k != f"{EVAL_PREFIX}runtime"} for when in ("before", "after")}
+    samples = files.completions
+    last = samples[-1]["step"] if samples else None
+    return {"curves": curves, **{when: values for when, values in held_out.items() if values},
+            "samples": [s for s in samples if s["step"] == last]}
 
 
 def _recipe_gpus(text: str | None) -> int:

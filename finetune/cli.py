@@ -156,6 +156,9 @@ def cmd_run(args) -> int:
         return 130
     loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "n/a"
     console.print(f"[green]done[/green]: {result.steps} steps, final loss {loss}; adapter in {result.run_dir}/adapter")
+    if result.eval_before and result.eval_after and "eval_reward" in result.eval_after:
+        console.print(f"held-out reward (greedy answers): {result.eval_before['eval_reward']:.3f} before training, "
+                      f"{result.eval_after['eval_reward']:.3f} after")
     return 0
 
 

@@ -86,6 +86,15 @@ class RewardCurve(TypedDict):
     eval: list[tuple[int, float]]
 
 
+class GRPOReport(TypedDict):
+    """`api.run_grpo_report(run)`: a GRPO run's rewards over steps, held out, and its latest sampled answers."""
+
+    curves: dict[str, RewardCurve]  # GRPO_CURVES keys: reward, completion_length, kl, clip_ratio
+    before: NotRequired[dict[str, float | None]]  # held-out (greedy) values before training (results.json)
+    after: NotRequired[dict[str, float | None]]
+    samples: list[dict[str, Any]]  # the last logged step's sampled completions: step, where, completion, reward
+
+
 class RewardReport(TypedDict):
     """`api.run_reward_report(run)`: a preference run's rewards over steps and held out."""
 

@@ -128,6 +128,11 @@ def read_jsonl(path: Path, usable: Callable[[dict[str, Any]], bool] = lambda row
     return rows
 
 
+def is_eval_row(row: dict[str, Any]) -> bool:
+    """A log row of an evaluation (held-out loss, or a GRPO run's held-out rewards), not of training."""
+    return any(k.startswith(EVAL_PREFIX) for k in row)
+
+
 def is_number(value: Any) -> bool:
     """A JSON number (int or float, not a bool): what tolerant readers compute with."""
     return isinstance(value, int | float) and not isinstance(value, bool)
@@ -227,6 +232,11 @@ class RunDir:
     @property
     def metrics(self) -> Path:
         return self.root / "metrics.jsonl"
+
+    @property
+    def completions(self) -> Path:
+        """training.method grpo: a few sampled completions per logged step (prompt, completion, reward)."""
+        return self.root / "completions.jsonl"
 
     @property
     def loss_plot(self) -> Path:
@@ -447,16 +457,19 @@ class RunDir:
 
     # -- writers (training) -------------------------------------------------------------------------
     def append_metrics(self, row: dict) -> None:
-        with self.metrics.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        _append_lines(self.metrics, [row])
+
+    def append_completions(self, rows: list[dict]) -> None:
+        _append_lines(self.completions, rows)
 
     def truncate_metrics(self, after_step: int) -> int:
         """On resume, drop rows logged after the checkpoint so each step appears once (and the lines that
-        were no usable row: returns how many)."""
+        were no usable row: returns how many); the sampled completions likewise."""
         rows = self.read_metrics()
         atomic_write_text(self.metrics, "".join(json.dumps(r) + "\n" for r in rows if r["step"] <= after_step))
+        if self.completions.is_file():
+            kept = self.read_completions()
+            atomic_write_text(self.completions, "".join(json.dumps(r) + "\n" for r in kept if r["step"] <= after_step))
         return rows.skipped
 
     def write_status(self, state: str, **fields: Any) -> None:
@@ -481,6 +494,11 @@ class RunDir:
         data = read_json(self.status) or {}
         return {k: v for k, v in data.items()
                 if k not in STATUS_TYPES or (isinstance(v, STATUS_TYPES[k]) and not isinstance(v, bool))}
+
+    def read_completions(self) -> Rows:
+        """The sampled completions of a GRPO run (rows with an integer step), in order."""
+        return read_jsonl(self.completions, lambda row: isinstance(row.get("step"), int)
+                          and not isinstance(row.get("step"), bool))
 
     def read_metrics(self) -> Rows:
         """Every usable logged row (train and eval rows mixed, in order); `.skipped` counts damaged lines (a
@@ -538,3 +556,11 @@ def _last_written(path: Path) -> float:
         except OSError:
             continue
     return max(times)
+
+
+def _append_lines(path: Path, rows: list[dict]) -> None:
+    """JSON lines appended and synced (a crash loses at most the line being written, which readers skip)."""
+    with path.open("a") as f:
+        f.write("".join(json.dumps(row) + "\n" for row in rows))
+        f.flush()
+        os.fsync(f.fileno())

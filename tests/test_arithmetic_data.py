@@ -1,5 +1,5 @@
 """The GRPO quickstart's prompt set and rewards: current with its script, 200 + 50 prompts, and the rewards pay
-the right number in <answer> tags and nothing for a wrong one."""
+a reply whose last number is right, more when it is short, and nothing but brevity for a wrong one."""
 
 from __future__ import annotations
 
@@ -35,12 +35,12 @@ def test_two_hundred_train_and_fifty_held_out_prompts(tiny_tokenizer):
     assert len(prompts) == 250  # distinct questions
 
 
-def test_rewards_pay_the_right_answer_in_tags():
+def test_rewards_pay_the_right_last_number_and_a_short_reply():
     path = DATA / "arithmetic_rewards.yaml"
     data, _ = load_yaml(path.read_text(), str(path))
     rewards = build_rewards(validate_rewards(data, str(path)), DATA)
-    record = _script().records()[0]  # 49 * 4
-    completions = ["49 * 4 = 196. <answer>196</answer>", "<answer> 196 </answer>", "<answer>195</answer>",
-                   "The answer is 196."]
-    totals, _ = score(rewards, [record["prompt"]] * 4, completions, [record] * 4, ["arithmetic.jsonl:1"] * 4)
-    assert totals == [1.1, 1.1, 0.1, 0.0]
+    record = _script().records()[0]  # 5 + 18
+    assert record["answer"] == "23"
+    completions = ["23", "5 + 18 = 23", "The sum of 5 and 18 is 23.", "22", "The answer is 23, or maybe 24."]
+    totals, _ = score(rewards, [record["prompt"]] * 5, completions, [record] * 5, ["arithmetic.jsonl:1"] * 5)
+    assert totals == [1.2, 1.2, 1.0, 0.2, 0.0]

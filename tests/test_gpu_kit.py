@@ -57,9 +57,12 @@ def test_planner_vs_measured_rows(dry_run):
         assert row["status"] == "completed", row
         assert _finite(row["predicted_bytes"]) and _finite(row["measured_allocated_bytes"]), row
         assert abs(row["error_allocated"]) <= 0.07, row  # the target, on the CPU tracker
-    synthetic = [r for r in rows if "real data" not in r["name"]]
+    text = [r for r in rows if "real data" not in r["name"] and r["data"]["format"] == "text"]
     # Synthetic batches are exactly max_seq_len long: every record was cut to it.
-    assert all(r["data"]["truncated"] == r["data"]["records_used"] for r in synthetic)
+    assert text and all(r["data"]["truncated"] == r["data"]["records_used"] for r in text)
+    grpo, = [r for r in rows if r["data"]["format"] == "prompt"]  # generation and training planned together
+    assert grpo["predicted_bytes"] == max(grpo["predicted_generation_bytes"], grpo["predicted_training_bytes"])
+    assert grpo["generation_tokens_per_s"] > 0 and grpo["tokens_per_s"] > 0
 
 
 def test_max_context_and_speed_rows(dry_run):

@@ -90,13 +90,15 @@ def test_grpo_keys_are_refused_for_other_methods_and_other_methods_keys_for_grpo
     assert any("data.packing cannot be used with training.method=grpo" in p for p in _problems(packed))
 
 
-def test_prompt_records_checked_before_a_model_loads_and_run_refused(tiny_tokenizer):
-    cfg = DataConfig(path=ARITHMETIC)
+def test_prompt_records_checked_before_a_model_loads_then_built_as_prompts(tiny_tokenizer):
+    cfg = DataConfig(path=ARITHMETIC, validation_split=0.2)
     assert check_records(cfg, "grpo") == {"format": "prompt", "records": 250, "bad_records": 0}
-    with pytest.raises(UsageError) as err:
-        build_datasets(cfg, tiny_tokenizer, seed=0, method="grpo")
-    assert err.value.exit_code == 2
-    assert "\n" not in str(err.value) and "training.method grpo cannot be trained by this version yet" in str(err.value)
+    data = build_datasets(cfg, tiny_tokenizer, seed=0, method="grpo", max_prompt_tokens=96)
+    assert (len(data.train), len(data.eval)) == (200, 50) and data.stats["train_prompts"] == 200
+    assert all(len(p.input_ids) <= 96 and "answer" in p.fields for p in data.train)
+    batch = data.collator(data.train[:3])  # left-padded: the prompts end where generation starts
+    assert batch["attention_mask"][:, -1].tolist() == [1, 1, 1]
+    assert data.fingerprint["format"] == "prompt" and data.fingerprint["settings"]["training.method"] == "grpo"
 
 
 def test_grpo_quickstart_validates_with_the_arithmetic_rewards():
@@ -109,3 +111,14 @@ def test_grpo_quickstart_validates_with_the_arithmetic_rewards():
     shipped = validate_rewards(yaml.safe_load((ROOT / "recipes" / "data" / "arithmetic_rewards.yaml").read_text()))
     assert recipe.training.method == "grpo" and recipe.grpo.rewards == shipped.rewards
     assert check_records(recipe.data, "grpo")["bad_records"] == 0
+
+
+def test_an_answer_reward_with_a_pattern_survives_the_resolved_recipe_round_trip():
+    """recipe.yaml and the planner's chosen settings write every key out and validate again: an answer reward
+    with a pattern must not come back with a default tag beside it ("give either tag or pattern")."""
+    text = BASE + 'grpo:\n  rewards:\n    - kind: answer\n      pattern: "-?\\\\d+"\n'
+    recipe = load_recipe_text(text, "r.yaml")
+    again = load_recipe_text(recipe_to_yaml(recipe), "again.yaml")
+    assert again.grpo.rewards[0].pattern == "-?\\d+" and again.grpo.rewards[0].tag is None
+    tagged = load_recipe_text(BASE + REWARDS, "r.yaml")
+    assert load_recipe_text(recipe_to_yaml(tagged), "again.yaml").grpo.rewards == tagged.grpo.rewards

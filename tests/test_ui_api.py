@@ -174,12 +174,12 @@ def test_finished_run_history_export_and_chat(work):
     assert step == 6
     fresh = gradio_client.Client(client.src, verbose=False)  # a new page: nothing drawn yet in this session
     (html, _, loss_plot, timeline, lr_plot, memory_plot, batch_text, noise_plot, advice_msg, reward_plot, rewards_text,
-     eval_text, log, queue) = fresh.predict(str(run_dir), api_name="/refresh")
+     grpo_plot, grpo_text, eval_text, log, queue) = fresh.predict(str(run_dir), api_name="/refresh")
     assert "run completed at step 6" in log and "GPU free" in queue
     assert loss_plot["type"] == timeline["type"] == lr_plot["type"] == memory_plot["type"] == "matplotlib"  # predicted vs measured
     # at the end: the batch panel (an sft run has no reward panel), and its advice written into the form
     assert "**2 sequences per optimizer step**" in batch_text and noise_plot["type"] == "matplotlib"
-    assert reward_plot is None and rewards_text == "" == advice_msg == eval_text  # no finetune eval yet
+    assert reward_plot is None is grpo_plot and rewards_text == "" == grpo_text == advice_msg == eval_text  # no eval yet
     advice = RunDir(run_dir).read_results()["advice"]["settings"]
     assert f"effective batch of **{advice['training.effective_batch_size']} sequence" in batch_text
     _, values = _load(client, run_dir / "recipe.yaml")

@@ -229,19 +229,48 @@ def test_a_preference_run_shows_its_reward_curves_and_the_held_out_rewards_befor
     assert run_panel.updates(sft.root)[5:8] == ({"visible": False, "__type__": "update"}, None, "")
 
 
+def test_a_grpo_run_shows_its_reward_curve_held_out_rewards_and_latest_sampled_answers(tmp_path):
+    """Rows as finetune/train/grpo.py logs them, completions.jsonl as it writes them (some text that would break
+    a markdown table), results.json's held-out rewards before and after."""
+    before, after = {"eval_reward": 0.1, "eval_completion_length": 30.0}, {"eval_reward": 0.7, "eval_completion_length": 12.0}
+    rows = [{"step": 0, **before, "eval_runtime": 1.0}]
+    rows += [{"step": s, "loss": 0.0, "reward": 0.1 * s, "reward_std": 0.2, "completion_length": 30.0 - s,
+              "clip_ratio": 0.0} for s in (1, 2, 3)]
+    rows.append({"step": 3, **after, "eval_runtime": 1.0})
+    run = _run(tmp_path, "grpo", rows, {"state": "completed", "eval_before": before, "eval_after": after})
+    run.append_completions([{"step": 1, "where": "d.jsonl:1", "prompt": "p", "completion": "old", "reward": 0.0}])
+    run.append_completions([{"step": 3, "where": "d.jsonl:4", "prompt": "p", "completion": "a | b\n*c* <x>",
+                             "reward": 1.0}])
+    report = api.run_grpo_report(run.root)
+    assert report["curves"]["reward"]["train"] == [(1, 0.1), (2, 0.2), (3, pytest.approx(0.3))]
+    assert report["curves"]["reward"]["eval"] == [(0, 0.1), (3, 0.7)]
+    assert report["before"] == {"reward": 0.1, "completion_length": 30.0} and report["after"]["reward"] == 0.7
+    assert [s["completion"] for s in report["samples"]] == ["a | b\n*c* <x>"]  # the last logged step's only
+    lines = {line.get_label(): line for ax in charts.grpo_figure(report).axes for line in ax.get_lines()}
+    assert list(lines["mean reward"].get_ydata()) == pytest.approx([0.1, 0.2, 0.3])
+    assert list(lines["mean reward, held-out (greedy)"].get_xdata()) == [0, 3]
+    text = views.grpo_markdown(report)
+    assert "| reward | 0.100 | 0.700 |" in text and "Sampled answers of step 3" in text
+    assert "| d.jsonl:4 | a &#124; b &#42;c&#42; &lt;x&gt; | 1.000 |" in text  # one row, nothing rendered
+    panel = run_panel.updates(run.root)
+    assert panel[8]["visible"] is True and panel[10] == text and panel[5]["visible"] is False  # not preference
+    sft = _run(tmp_path, "sft", [{"step": 1, "loss": 1.0}], {"state": "completed"})
+    assert api.run_grpo_report(sft.root) is None and run_panel.updates(sft.root)[8]["visible"] is False
+
+
 def test_the_latest_finetune_eval_shows_base_and_run_side_by_side(tmp_path):
     run = _run(tmp_path, "sft", [{"step": 1, "loss": 1.0}], {"state": "completed"})
-    assert run_panel.updates(run.root)[8:] == ({"visible": False, "__type__": "update"}, "")
+    assert run_panel.updates(run.root)[11:] == ({"visible": False, "__type__": "update"}, "")
     models = [{"label": "base model", "loss": 2.5, "perplexity": 12.18, "loss_tokens": 40,
                "exact": {"matched": 0, "of": 4}, "contains": {"matched": 1, "of": 4}, "numeric": None},
               {"label": "sft", "loss": 0.5, "perplexity": 1.65, "loss_tokens": 40,
                "exact": {"matched": 3, "of": 4}, "contains": {"matched": 4, "of": 4}, "numeric": None}]
     atomic_write_json(run.evaluation, {"data": "/data/held_out.jsonl", "records": 5, "with_expected_answer": 4,
                                        "models": models, "answers": []})  # an older version's file
-    assert "\n5 examples kept of `/data/held_out.jsonl`, 4 with" in "\n" + run_panel.updates(run.root)[9]
+    assert "\n5 examples kept of `/data/held_out.jsonl`, 4 with" in "\n" + run_panel.updates(run.root)[12]
     atomic_write_json(run.evaluation, {"data": "/data/held_out.jsonl", "records_read": 6, "examples_kept": 5,
                                        "with_expected_answer": 4, "models": models, "answers": []})
-    box, table = run_panel.updates(run.root)[8:]
+    box, table = run_panel.updates(run.root)[11:]
     assert box["visible"] is True
     assert "6 records read, 5 examples kept of `/data/held_out.jsonl`, 4 with an expected answer" in table
     assert "| model | loss | perplexity | exact | contains | numeric |" in table
@@ -302,7 +331,7 @@ def test_one_redraw_of_the_train_tab_reads_each_run_file_once(tmp_path, monkeypa
     assert dict(opened) == {name: 1 for name in ("status.json", "metrics.jsonl", "plan.json", "results.json",
                                                  "recipe.yaml", "train.log", "evaluation.json")}
     explained, loss, timeline, lr, memory, batch_box, batch_md, noise, *_, rewards_box, reward_plot, rewards_md = \
-        plots[:-2]  # the last two: the evaluation panel
+        plots[:-5]  # the last five: the GRPO and the evaluation panels
     assert "data-step='4'" in status and "8.00 MiB" in status and "step 4" in log  # predicted peak
     assert "longest sequence in the data is 26 tokens" in explained and "5.00 MiB" in explained
     assert [t.get_text() for t in memory.axes[0].get_xticklabels()] == ["predicted", "predicted at 26 tokens",

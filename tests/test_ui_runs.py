@@ -164,3 +164,37 @@ def test_a_queued_run_another_process_holds_shows_as_refused_with_the_locks_mess
         wait_for(lambda: manager.poll() or manager.job_for(held).state != "running", 60, "the process to exit")
         assert manager.run_state(held).startswith(f"refused: finetune run --resume: {held} is in use by pid")
     manager.close()
+
+
+def test_python_rewards_are_refused_unless_the_server_allows_them(tmp_path, tiny_model_dir):
+    """A GRPO recipe with a kind python reward (trusted in the recipe) is code run on the server: the UI queues
+    it only when started with --allow-python-rewards; built-in rewards always go."""
+    import pytest
+
+    from finetune.errors import FinetuneError
+    from tests.ui_support import form_values
+    from ui.app import build_parser
+    from ui.backend import Backend, UISettings
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "What is 1 + 1?", "answer": 2}\n' * 4)
+    recipe = {"model": {"path": str(tiny_model_dir)}, "data": {"path": str(data), "max_seq_len": 64},
+              "training": {"method": "grpo", "max_steps": 1}, "output": {"dir": str(tmp_path / "runs" / "g")},
+              "grpo": {"max_completion_length": 8, "trust_python_code": True,
+                       "rewards": [{"kind": "answer"}, {"kind": "python", "function": "r.py:score"}]}}
+    (tmp_path / "r.py").write_text("def score(prompts, completions, **fields):\n    return [0.0] * len(prompts)\n")
+
+    def backend(allowed: bool) -> Backend:
+        manager = RunManager(tmp_path / "runs")
+        manager.submit = lambda *args, **kw: None  # what is queued is not the question here
+        return Backend(UISettings([tmp_path, tiny_model_dir], tmp_path / "runs", allow_python_rewards=allowed), manager)
+
+    with pytest.raises(FinetuneError) as refused:
+        backend(False).start(form_values(recipe))
+    assert "grpo.rewards[1]: kind python runs code from a file on this server" in refused.value.message
+    assert "--allow-python-rewards" in refused.value.hint and not (tmp_path / "runs" / "g").exists()
+    assert backend(True).start(form_values(recipe)) == (tmp_path / "runs" / "g").resolve()
+    built_in = {**recipe, "grpo": {**recipe["grpo"], "rewards": [{"kind": "answer"}]}}
+    assert backend(False).start(form_values({**built_in, "output": {"dir": str(tmp_path / "runs" / "b")}}))
+    assert build_parser().parse_args(["--allow-python-rewards"]).allow_python_rewards is True
+    assert build_parser().parse_args([]).allow_python_rewards is False

@@ -66,7 +66,8 @@ def check_exposure(host: str, auth: tuple[str, str] | None, share: bool = False)
 
 
 def launch(host: str = "127.0.0.1", port: int = 7860, auth: tuple[str, str] | None = None,
-           allow_dirs: list[str | Path] | None = None, runs_dir: str | Path = "runs", block: bool = True):
+           allow_dirs: list[str | Path] | None = None, runs_dir: str | Path = "runs", block: bool = True,
+           allow_python_rewards: bool = False):
     """Build and serve the UI; with block=False return the running gradio Blocks (for tests)."""
     share = share_requested()
     check_exposure(host, auth, share)
@@ -78,7 +79,8 @@ def launch(host: str = "127.0.0.1", port: int = 7860, auth: tuple[str, str] | No
     from ui.login import ClientAddress, HideBeforeLogin, LoginGuard
     from ui.runs import RunManager
 
-    settings = UISettings(allow_dirs=[Path(p) for p in (allow_dirs or [Path.cwd()])], runs_dir=Path(runs_dir))
+    settings = UISettings(allow_dirs=[Path(p) for p in (allow_dirs or [Path.cwd()])], runs_dir=Path(runs_dir),
+                          allow_python_rewards=allow_python_rewards)
     manager = RunManager(settings.runs_dir).start()
     backend = Backend(settings, manager)
     demo = build_app(backend)
@@ -102,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-dir", dest="allow_dirs", action="append", default=None, metavar="FOLDER", type=_folder,
                    help="folder whose files the UI may use (repeatable; default: the working directory)")
     p.add_argument("--runs-dir", default="runs", help="folder of run directories and the run queue (default runs)")
+    p.add_argument("--allow-python-rewards", action="store_true",
+                   help="run GRPO recipes whose rewards are Python files (code on this machine; refused by default)")
     return p
 
 
@@ -123,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `finetune ui`; returns the exit code (2 for a refused or malformed start)."""
     args = build_parser().parse_args(argv)
     try:
-        launch(args.host, args.port, parse_auth(args.auth), args.allow_dirs, args.runs_dir)
+        launch(args.host, args.port, parse_auth(args.auth), args.allow_dirs, args.runs_dir,
+               allow_python_rewards=args.allow_python_rewards)
     except FinetuneError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -56,6 +56,7 @@ class UISettings:
     allow_dirs: list[Path] = field(default_factory=lambda: [Path.cwd()])
     runs_dir: Path = Path("runs")
     recipes_dir: Path = field(default_factory=default_recipes_dir)
+    allow_python_rewards: bool = False  # run recipes whose GRPO rewards are the user's Python (code on this server)
 
     def __post_init__(self) -> None:
         self.allow_dirs = [Path(p).expanduser().resolve() for p in self.allow_dirs]
@@ -236,6 +237,7 @@ class Backend:
     def start(self, values: list[Any]) -> Path:
         """Queue a new run of the form's recipe; returns its run directory."""
         recipe = self.checked_recipe(values)
+        self.refuse_user_code(recipe)
         run_dir = allowed_path(recipe.output.dir, self.settings.roots, "output.dir")
         RunDir(run_dir).refuse_if_locked("start a run")
         api.preflight(recipe)  # a missing or broken file is reported here, not after a queued process loads a model
@@ -255,8 +257,19 @@ class Backend:
         recipe = RunDir(path).recipe
         if not recipe.is_file():
             raise FinetuneError(f"{path} has no {recipe.name}, so it cannot be resumed")
+        self.refuse_user_code(api.load_recipe(recipe))
         self.manager.submit(recipe, path, resume=True, allow_data_change=allow_data_change)
         return path
+
+    def refuse_user_code(self, recipe: Recipe) -> None:
+        """GRPO rewards of kind python run code from files on this server: only when it was started allowing
+        it (`finetune ui --allow-python-rewards`), whatever the recipe's trust key says."""
+        keys = recipe.grpo.python_keys("grpo.")
+        if keys and not self.settings.allow_python_rewards:
+            raise FinetuneError(f"{', '.join(keys)}: kind python runs code from a file on this server, and this web "
+                                "UI was started without allowing that",
+                                hint="use a built-in reward kind (answer, format, length), run the recipe with "
+                                     "`finetune run`, or start the UI with `finetune ui --allow-python-rewards`")
 
     def stop(self, run_dir: str) -> str:
         return self.manager.stop(self.run_path(run_dir, must_exist=False))

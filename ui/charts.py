@@ -291,3 +291,24 @@ def reward_figure(report: dict[str, Any]) -> Figure:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(loc="best", fontsize=7, ncols=2)
     return fig
+
+
+def grpo_figure(report: dict[str, Any]) -> Figure:
+    """A GRPO run's mean reward over steps (held-out greedy answers as markers) above, the completion length
+    below (finetune.api.run_grpo_report)."""
+    fig = ui_figure(7, 4.4)
+    reward, length = fig.subplots(2, 1, sharex=True, height_ratios=(2, 1))
+    for ax, key, label, color in ((reward, "reward", "mean reward", "C0"),
+                                  (length, "completion_length", "completion tokens", "C1")):
+        curve = report["curves"][key]
+        for kind, style, name in (("train", "-", label), ("eval", "o--", f"{label}, held-out (greedy)")):
+            if curve[kind]:
+                ax.plot([s for s, _ in curve[kind]], [v for _, v in curve[kind]], style, color=color, label=name,
+                        alpha=0.8 if kind == "train" else 1.0)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="best", fontsize=7)
+    reward.set_title("rewards of the sampled answers")
+    length.set_xlabel("step")
+    return fig

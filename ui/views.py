@@ -321,6 +321,36 @@ def rewards_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def grpo_markdown(report: dict[str, Any]) -> str:
+    """A GRPO run's held-out rewards before and after training and its latest sampled answers as tables
+    (finetune.api.run_grpo_report)."""
+    before, after = report.get("before") or {}, report.get("after") or {}
+    lines = []
+    if before or after:
+        lines += ["**Held-out prompts, greedy answers, before and after training**", "", "| | before | after |",
+                  "|---|---|---|"]
+        lines += [f"| {key} | {_fmt(before.get(key), '.3f') or 'n/a'} | {_fmt(after.get(key), '.3f') or 'n/a'} |"
+                  for key in dict.fromkeys([*before, *after])]
+        lines.append("")
+    samples = report["samples"]
+    if samples:
+        lines += [f"**Sampled answers of step {samples[0]['step']}**", "", "| record | answer | reward |",
+                  "|---|---|---|"]
+        lines += [f"| {_cell(s.get('where'))} | {_cell(s.get('completion'), 300)} | {_fmt(s.get('reward'), '.3f')} |"
+                  for s in samples]
+    return "\n".join(lines)
+
+
+def _cell(value: Any, limit: int = 80) -> str:
+    """Text safe inside a markdown table cell: one line, pipes and markup escaped, at most `limit` characters."""
+    import html
+
+    text = " ".join(str(value if value is not None else "").split())
+    text = text if len(text) <= limit else text[:limit - 1] + "…"
+    text = html.escape(text, quote=False)  # first: the entities below must stay entities
+    return "".join(f"&#{ord(c)};" if c in "|*_`[]\\#~" else c for c in text)
+
+
 def evaluation_markdown(evaluation: dict[str, Any] | None) -> str:
     """A run's latest `finetune eval` (finetune.api.run_evaluation_table) as a table, one row per model; ''
     before one ran."""

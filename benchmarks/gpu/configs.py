@@ -14,6 +14,10 @@ CHUNKED = {**PLAIN, "memory.chunked_loss": True}
 TILED = {**PLAIN, "memory.tiled_mlp": True}
 OFFLOAD_CPU = {**PLAIN, "memory.offload": "cpu"}
 OFFLOAD_DISK = {**PLAIN, "memory.offload": "disk"}
+# training.method grpo (issue 28): prompt-only data (suite.prompt_data), a built-in reward, 4 answers per prompt.
+GRPO = {"training.method": "grpo", "data.format": "auto", "grpo.num_generations": 4, "grpo.max_completion_length": 256,
+        "grpo.rewards": [{"kind": "length", "max_chars": 400}]}
+GRPO_ROW = "Qwen2.5-0.5B QLoRA GRPO 512+256 mb4 acc2"
 LLAMA, QWEN7, QWEN05, MISTRAL, GEMMA = "llama-3.1-8b", "qwen2.5-7b", "qwen2.5-0.5b", "mistral-7b-v0.3", "gemma-2-9b"
 MODELS = (LLAMA, QWEN7, QWEN05, MISTRAL, GEMMA)
 
@@ -54,15 +58,17 @@ def stage_a() -> list[dict]:
         _cfg("Qwen2.5-0.5B full adamw layer-wise", QWEN05, 2048, mb=2,
              **_k(FULL, PLAIN, {opt: "adamw", "optimizer.layerwise": True})),
         _cfg("Qwen2.5-0.5B LoRA mb4 acc2", QWEN05, 1024, mb=4, acc=2, **_k(LORA_BF16, PLAIN)),
+        # generation (8 answers: 2 prompts x 4) and training priced together, the peak the larger phase
+        {**_cfg(GRPO_ROW, QWEN05, 768, mb=4, acc=2, **_k(QLORA, PLAIN, GRPO)), "prompts": 256},
     ]
 
 
 def stage_a_cpu() -> list[dict]:
     """The stage-a code paths on shrunk models, one configuration each: QLoRA with accumulation, offload cpu
-    and disk, tiled MLP, chunked loss, Gemma-2 (eager), DoRA, a low-rank and a layer-wise full fine-tune."""
+    and disk, tiled MLP, chunked loss, Gemma-2 (eager), DoRA, a low-rank and a layer-wise full fine-tune, GRPO."""
     keep = ("Llama-3.1-8B QLoRA 2k mb2 acc4", "Llama-3.1-8B QLoRA 8k offload cpu", "Llama-3.1-8B QLoRA 8k offload disk",
             "Llama-3.1-8B QLoRA 8k tiled MLP", "Llama-3.1-8B QLoRA 8k chunked loss", "Gemma-2-9B QLoRA 2k",
-            "Mistral-7B DoRA 2k", "Qwen2.5-0.5B full apollo_mini", "Qwen2.5-0.5B full adamw layer-wise")
+            "Mistral-7B DoRA 2k", "Qwen2.5-0.5B full apollo_mini", "Qwen2.5-0.5B full adamw layer-wise", GRPO_ROW)
     return [c for c in stage_a() if c["name"] in keep]
 
 

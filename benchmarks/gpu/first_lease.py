@@ -2,7 +2,8 @@
 questions that matter even if nothing else runs. In this order:
 
 1. the environment check (versions, the GPU, a bitsandbytes 4-bit product on the device, allocator APIs);
-2. planner vs CUDA: the Llama-3.1-8B QLoRA rows, the offload tiers (cpu, disk) right after the first row;
+2. planner vs CUDA: the Llama-3.1-8B QLoRA rows, the offload tiers (cpu, disk) right after the first row, then
+   GRPO (generation and training planned together; tokens/s of both);
 3. tokens/s of `finetune run` vs HF Trainer + PEFT and TRL at 2k, micro-batch 1;
 4. max context at 8 GiB.
 
@@ -18,20 +19,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from benchmarks.gpu import configs
+
 if TYPE_CHECKING:
     from benchmarks.gpu.suite import Suite
 
 STAGE_A = ["Llama-3.1-8B QLoRA 2k", "Llama-3.1-8B QLoRA 8k offload cpu", "Llama-3.1-8B QLoRA 8k offload disk",
            "Llama-3.1-8B QLoRA 8k", "Llama-3.1-8B QLoRA 2k mb4", "Llama-3.1-8B QLoRA 2k mb2 acc4",
            "Llama-3.1-8B QLoRA 8k chunked loss", "Llama-3.1-8B QLoRA 8k tiled MLP",
-           "Llama-3.1-8B QLoRA 1k mb8", "Llama-3.1-8B QLoRA 32k chunked+tiled"]
+           "Llama-3.1-8B QLoRA 1k mb8", "Llama-3.1-8B QLoRA 32k chunked+tiled", configs.GRPO_ROW]
 STAGE_C = ["Llama-3.1-8B QLoRA 2k mb1"]
 
 
 def run_first_lease(suite: Suite, budgets: list[int]) -> None:
     """The decisive rows in order; on CPU (the dry run) the stage-a rows the toy configuration list has."""
-    from benchmarks.gpu import configs
-
     suite.stage_env()
     if suite.cpu:
         cpu_names = {c["name"] for c in configs.stage_a_cpu()}

@@ -110,6 +110,29 @@ class Suite:
                     f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(seq + 16))}) + "\n")
         return path
 
+    def completion(self, cfg: dict) -> int:
+        """A GRPO row's completion tokens (shrunk with the sequence on --cpu)."""
+        return max(8, cfg["keys"]["grpo.max_completion_length"] // (CPU_SEQ_DIVISOR if self.cpu else 1))
+
+    def prompt_data(self, cfg: dict, records: int = 64) -> Path:
+        """Prompt-only JSONL for a GRPO row: each prompt the toy tokenizer's text cut to 12 tokens less than the
+        row's prompt length (the chat template adds its own; a longer prompt would be dropped), with an answer."""
+        from transformers import AutoTokenizer
+
+        prompt_tokens = self.seq(cfg) - self.completion(cfg)
+        path = self.work / "data" / f"prompts-{prompt_tokens}.jsonl"
+        if not path.is_file():
+            tokenizer = AutoTokenizer.from_pretrained(self.model_dir(cfg["model"]))
+            rng = random.Random(prompt_tokens)
+            words = "what is the sum of two and three answer briefly please".split()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("w") as f:
+                for i in range(records):
+                    ids = tokenizer(" ".join(rng.choice(words) for _ in range(prompt_tokens)))["input_ids"]
+                    prompt = tokenizer.decode(ids[:max(2, prompt_tokens - 12)])
+                    f.write(json.dumps({"prompt": prompt, "answer": str(i)}) + "\n")
+        return path
+
     def recipe(self, cfg: dict, steps: int, run_dir: Path, **more: Any) -> Recipe:
         seq = self.seq(cfg)
         records = cfg["mb"] * cfg["acc"] * steps
@@ -119,8 +142,9 @@ class Suite:
             "training": {"max_steps": steps, "micro_batch_size": cfg["mb"], "gradient_accumulation_steps": cfg["acc"],
                          "logging_steps": 1, "warmup_ratio": 0.0},
             "memory": {"activation_checkpointing": True}, "adapter": {}, "quantization": {}, "optimizer": {},
-            "output": {"dir": str(run_dir), "save_steps": 10_000}}
-        for key, value in {**cfg["keys"], **(CPU_KEYS if self.cpu else {}), **more}.items():
+            "output": {"dir": str(run_dir), "save_steps": 10_000}, "grpo": {}}
+        grpo = {"grpo.max_completion_length": self.completion(cfg)} if cfg.get("prompts") else {}
+        for key, value in {**cfg["keys"], **(CPU_KEYS if self.cpu else {}), **grpo, **more}.items():
             section, name = key.split(".")
             data[section][name] = value
         return Recipe.model_validate(data)
@@ -169,10 +193,16 @@ class Suite:
             plan = _initial_plan(recipe)
         if plan is not None:
             out.update(predicted_bytes=plan["peak_bytes"], fits=plan["fits"], settings=plan["settings"])
+            if plan.get("generation_bytes"):  # GRPO: both phases' predictions
+                out.update(predicted_generation_bytes=plan["generation_bytes"],
+                           predicted_training_bytes=plan["training_bytes"])
         rates = [m["tokens_per_second"] for m in metrics if "tokens_per_second" in m]
         from benchmarks.gpu.baselines import steady_tokens_per_s
 
-        out["tokens_per_s"] = steady_tokens_per_s(rates)
+        out["tokens_per_s"] = steady_tokens_per_s(rates)  # GRPO: prompts and completions per second of the step
+        generation = [m["generation_tokens_per_second"] for m in metrics if "generation_tokens_per_second" in m]
+        if generation:
+            out["generation_tokens_per_s"] = steady_tokens_per_s(generation)
         if not CUDA and metrics and out["status"] == "completed":  # the CPU tensor tracker's peak
             out["measured_allocated_bytes"] = max(m.get("peak_memory_bytes") or 0 for m in metrics)
         results = run_dir.read_results()
@@ -206,7 +236,8 @@ class Suite:
         by_name = {c["name"]: c for c in cfgs}
         for name in self.each("a", _pick(by_name, only), only is not None):
             cfg = by_name[name]
-            more = {"data.path": str(REAL_SAMPLE), "data.format": "auto"} if cfg.get("real") else {}
+            more = {"data.path": str(REAL_SAMPLE), "data.format": "auto"} if cfg.get("real") else \
+                {"data.path": str(self.prompt_data(cfg))} if cfg.get("prompts") else {}
             row = {"name": name, "max_seq_len": self.seq(cfg), **self.train(self.recipe(cfg, 3, self.work / "run", **more))}
             for kind in ("reserved", "allocated"):
                 measured = row.get(f"measured_{kind}_bytes")

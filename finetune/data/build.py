@@ -41,7 +41,7 @@ from finetune.data.formats import (
     unicode_problem,
 )
 from finetune.data.read import Record, read_records
-from finetune.errors import DataError, UsageError
+from finetune.errors import DataError
 from finetune.recipe.schema import DataConfig
 
 MAX_LISTED_PROBLEMS = 10
@@ -82,11 +82,15 @@ def data_kind(method: str) -> str:
     return {"dpo": "pair", "orpo": "pair", "kto": "kto"}.get(method, "sft")
 
 
-def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sft") -> DataBundle:
+def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sft",
+                   max_prompt_tokens: int | None = None) -> DataBundle:
     """Read, check, tokenize, mask, split and optionally pack the dataset described by `cfg`, for training
-    method `method` (sft, or a preference method: dpo, orpo, kto)."""
+    method `method` (sft, or a preference method: dpo, orpo, kto); grpo: prompt-only records of at most
+    `max_prompt_tokens` tokens (finetune.data.prompts)."""
     if method == "grpo":
-        refuse_grpo_run()
+        from finetune.data.prompts import build_prompts  # it builds on this module's helpers
+
+        return build_prompts(cfg, tokenizer, seed, max_prompt_tokens)
     read = read_records(cfg.path)
     fmt = _format(cfg, read.records)
     _check_method(cfg, fmt, method)
@@ -130,15 +134,6 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
 
     return DataBundle(train_ds, eval_ds, stats, make_collator(tokenizer, cfg.packing, kind), fingerprint,
                       _warnings(cfg, len(problems), dropped))
-
-
-def refuse_grpo_run() -> None:
-    """training.method grpo trains prompts through finetune.rl.step (generate, score, then the loss), which the
-    training loop does not call yet: `finetune run` stops here, after the checks and the plan, before any
-    data is tokenized. `finetune validate` and `finetune plan` work on such a recipe."""
-    raise UsageError("training.method grpo cannot be trained by this version yet: the training loop does not "
-                     "run GRPO's generate-and-score step; `finetune validate` and `finetune plan` work on the "
-                     "recipe (docs/rl.md)")
 
 
 def _check_dropped(cfg: DataConfig, dropped: _Dropped) -> None:

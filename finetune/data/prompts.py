@@ -15,8 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from finetune.data.build import _listed, _refuse_bad, _sample, _split
+import torch
+
+from finetune.data.build import DataBundle, _listed, _refuse_bad, _sample, _split
 from finetune.data.chat import ChatEncoder, resolve_template
+from finetune.data.fingerprint import data_fingerprint
 from finetune.data.formats import (
     Chat,
     RecordError,
@@ -44,15 +47,6 @@ class PromptExample:
     text: str
     input_ids: list[int]
     fields: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class PromptBundle:
-    """Train and held-out prompts and counts for the logs."""
-
-    train: list[PromptExample]
-    eval: list[PromptExample]
-    stats: dict[str, Any]
 
 
 def prompt_chat(record: Any, system_prompt: str | None = None) -> Chat:
@@ -100,8 +94,9 @@ def check_prompt_records(cfg: DataConfig) -> dict[str, Any]:
     return {"format": "prompt", "records": len(read.records) + len(read.problems), "bad_records": len(problems)}
 
 
-def build_prompts(cfg: DataConfig, tokenizer: Any, seed: int, max_prompt_tokens: int | None = None) -> PromptBundle:
-    """Read, check, render and tokenize prompt-only records, split as `build_datasets` splits (see the module)."""
+def build_prompts(cfg: DataConfig, tokenizer: Any, seed: int, max_prompt_tokens: int | None = None) -> DataBundle:
+    """Read, check, render and tokenize prompt-only records, split as `build_datasets` splits (see the module):
+    train and held-out PromptExamples, a collator of left-padded prompts, counts and the fingerprint."""
     limit = max_prompt_tokens or cfg.max_seq_len
     read = read_records(cfg.path)
     records = _sample(read.records, cfg.max_samples, seed)
@@ -128,8 +123,38 @@ def build_prompts(cfg: DataConfig, tokenizer: Any, seed: int, max_prompt_tokens:
         raise DataError(f"{cfg.path}: every prompt is longer than {limit} tokens", problems=_listed(overlong),
                         hint="raise the prompt length limit or shorten the prompts")
     train, held_out = _split(cfg.path, kept, cfg.validation_split, seed)
-    stats = {"records": len(read.records) + len(read.problems), "bad_records_skipped": len(problems),
-             "dropped_overlong": len(overlong), "train_prompts": len(train), "eval_prompts": len(held_out),
-             "max_prompt_tokens": max(len(p.input_ids) for p in kept),
+    stats = {"format": "prompt", "records": len(read.records) + len(read.problems),
+             "bad_records_skipped": len(problems), "dropped_overlong": len(overlong), "train_prompts": len(train),
+             "eval_prompts": len(held_out), "max_prompt_tokens": max(len(p.input_ids) for p in kept),
              "fields": sorted({k for p in kept for k in p.fields})}
-    return PromptBundle(train, held_out, stats)
+    warnings = ([f"{len(problems)} malformed record(s) skipped (data.on_bad_record: skip)"] if problems else []) + \
+        ([f"{len(overlong)} prompt(s) dropped: longer than {limit} tokens (data.max_seq_len less "
+          f"grpo.max_completion_length; first: {overlong[0]})"] if overlong else [])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return DataBundle(train, held_out or None, stats, PromptCollator(pad),
+                      data_fingerprint(cfg, read, "prompt", tokenizer, encoder.template, seed, "grpo"), warnings)
+
+
+@dataclass(frozen=True)
+class PromptCollator:
+    """A loader batch of prompts as the model would see them, left-padded (the loop counts their tokens; the
+    GRPO policy generates from the PromptExamples themselves)."""
+
+    pad_token_id: int
+
+    def __call__(self, prompts: list[PromptExample]) -> dict[str, torch.Tensor]:
+        ids, mask = left_padded(prompts, 1, self.pad_token_id)
+        return {"input_ids": ids, "attention_mask": mask}
+
+
+def left_padded(prompts: list[PromptExample], copies: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask of the prompts, each `copies` times in a row, padded on the left (where
+    generation continues them)."""
+    width = max(len(p.input_ids) for p in prompts)
+    ids = torch.full((len(prompts) * copies, width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        n = len(p.input_ids)
+        ids[i * copies:(i + 1) * copies, width - n:] = torch.tensor(p.input_ids, dtype=torch.long)
+        mask[i * copies:(i + 1) * copies, width - n:] = 1
+    return ids, mask

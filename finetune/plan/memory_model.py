@@ -53,7 +53,7 @@ from finetune.recipe.offload_tiers import tier_spec
 from finetune.recipe.optimizers import optimizer_spec
 from finetune.recipe.schema import AdapterConfig, OptimizerConfig
 from finetune.recipe.settings import Settings
-from finetune.rl.step import of_trace_objective
+from finetune.rl.step import of_trace_objective, prompts_per_step
 
 # CUDA fixed costs. The context is outside torch's allocator, so it is added to the peak; the budget is
 # measured as free memory before the process creates its context. Values for CUDA 12 with lazy module
@@ -427,8 +427,8 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
 def generation_sequences(spec: ModelSpec, settings: Settings) -> int:
     """training.method grpo: completions generated at once, the step's micro_batch_size x accumulation rounded up
     to whole groups of num_generations (the prompts of one optimizer step, docs/rl.md)."""
-    wanted = settings.micro_batch_size * settings.gradient_accumulation_steps
-    return -(-wanted // spec.num_generations) * spec.num_generations
+    return prompts_per_step(settings.micro_batch_size, settings.gradient_accumulation_steps,
+                            spec.num_generations) * spec.num_generations
 
 
 def _grpo_windows(spec: ModelSpec, settings: Settings, grpo: tuple[int, bool], params: dict[str, float],

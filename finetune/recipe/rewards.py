@@ -43,8 +43,8 @@ class _Reward(Section):
 
 class AnswerReward(_Reward):
     kind: Literal["answer"] = Field(description="The completion's answer against the record's answer field.")
-    tag: str | None = Field("answer", description="The answer is the text inside the last <tag>...</tag>.",
-                            pattern=r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+    tag: str | None = Field(None, description="The answer is the text inside the last <tag>...</tag> (null and no "
+                                              "pattern: answer).", pattern=r"^[A-Za-z_][A-Za-z0-9_.-]*$")
     pattern: str | None = Field(None, description="Instead of a tag: a regular expression whose first group (or "
                                                   "whole match) is the answer; the last match counts.")
     field: str = Field("answer", description="The record's field that holds the right answer.")
@@ -56,7 +56,7 @@ class AnswerReward(_Reward):
 
     @model_validator(mode="after")
     def _one_extractor(self) -> AnswerReward:
-        if self.pattern is not None and "tag" in self.model_fields_set and self.tag is not None:
+        if self.pattern is not None and self.tag is not None:
             raise ValueError("give either tag or pattern, not both")
         return self
 
@@ -114,10 +114,14 @@ class RewardsConfig(Section):
             raise ValueError(problem)
         return self
 
+    def python_keys(self, prefix: str = "") -> list[str]:
+        """The keys of the kind python rewards (`grpo.rewards[1]`): the ones that run the user's code."""
+        return [f"{prefix}rewards[{i}]" for i, r in enumerate(self.rewards or []) if isinstance(r, PythonReward)]
+
     def untrusted(self, prefix: str = "") -> str | None:
         """Why the kind python rewards may not run (trust_python_code is off), keys prefixed with `prefix`
         (`grpo.` in a recipe); None when they may."""
-        untrusted = [f"{prefix}rewards[{i}]" for i, r in enumerate(self.rewards or []) if isinstance(r, PythonReward)]
+        untrusted = self.python_keys(prefix)
         if not untrusted or self.trust_python_code:
             return None
         return (f"{', '.join(untrusted)}: kind python runs code from your files; set {prefix}trust_python_code: "

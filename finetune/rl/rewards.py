@@ -57,7 +57,9 @@ def build_rewards(config: RewardsConfig, base_dir: str | Path = ".", *,
             if not allow_python_code:
                 raise RewardError(f"{key}: kind python ({reward.function}) runs code, and this server does not "
                                   "allow user code; use a built-in reward or run it with the finetune CLI")
-            out.append(NamedReward(key, reward.function, reward.weight, load_function(reward.function, base_dir, key)))
+            file, _, function = reward.function.rpartition(":")
+            name = f"{Path(file).name}:{function}"  # the file's name, not the absolute path load_recipe made
+            out.append(NamedReward(key, name, reward.weight, load_function(reward.function, base_dir, key)))
         else:
             out.append(NamedReward(key, reward.kind, reward.weight, _BUILT_IN[type(reward)](reward)))
     return out

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from finetune.data.prompts import PromptExample
+from finetune.data.prompts import PromptExample, left_padded
 from finetune.memory.preference import reference_weights
 from finetune.memory.tracker import MemoryTracker
 from finetune.recipe.schema import GRPOConfig
@@ -73,13 +73,14 @@ class Rollout:
     metrics: dict[str, float] = field(default_factory=dict)  # reward mean/std (total and per reward), length
     samples: list[dict[str, Any]] = field(default_factory=list)  # a few (where, prompt, completion, reward)
 
-    def micro_batches(self, n: int) -> list[MicroBatch]:
+    def micro_batches(self, n: int, window_tokens: float | None = None) -> list[MicroBatch]:
         """The completions in `n` micro-batches of (nearly) equal rows, in order; each carries the scaling of
-        an update over all of them."""
+        an update over all of them. `window_tokens`: dapo's normaliser when the update spans more than this
+        rollout (several processes); default its completion tokens."""
         rows = self.input_ids.shape[0]
         if not 1 <= n <= rows:
             raise ValueError(f"cannot split {rows} completions into {n} micro-batches")
-        window = float(self.completion_mask.sum())
+        window = float(self.completion_mask.sum()) if window_tokens is None else window_tokens
         bounds = [round(i * rows / n) for i in range(n + 1)]
 
         def part(t: torch.Tensor | None, a: int, b: int) -> torch.Tensor | None:
@@ -90,15 +91,10 @@ class Rollout:
                            part(self.ref_logps, a, b), n, window) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
-def _left_padded(prompts: Sequence[PromptExample], copies: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p.input_ids) for p in prompts)
-    ids = torch.full((len(prompts) * copies, width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        n = len(p.input_ids)
-        ids[i * copies:(i + 1) * copies, width - n:] = torch.tensor(p.input_ids, dtype=torch.long)
-        mask[i * copies:(i + 1) * copies, width - n:] = 1
-    return ids, mask
+def prompts_per_step(micro_batch: int, accumulation: int, num_generations: int) -> int:
+    """Prompts one optimizer step generates for: its micro_batch x accumulation completions, rounded up to whole
+    groups of num_generations (docs/rl.md; as TRL's generation batch)."""
+    return -(-(micro_batch * accumulation) // num_generations)
 
 
 def _completion_mask(completion: torch.Tensor, eos: int | None) -> torch.Tensor:
@@ -146,51 +142,97 @@ def _evaluating(model: torch.nn.Module):
         model.train(was_training)
 
 
-def generate_and_score(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[PromptExample],
-                       config: GRPOConfig, rewards: Sequence[NamedReward], *, logps_rows: int | None = None,
-                       autocast: Callable[[], contextlib.AbstractContextManager] = _NULL,
-                       samples: int = 4) -> Rollout:
-    """Sample `config.num_generations` completions per prompt, score them, and compute what the loss needs
-    (see the module docstring). `logps_rows`: completions per no-grad log-prob forward (default all);
-    `autocast`: the run's mixed-precision context; `samples`: rows kept for the logs (one per prompt first).
-    A reward that fails raises RewardError naming the record and the reward."""
-    group = config.num_generations
+@dataclass
+class _Answers:
+    """Completions of some prompts: prompt ids (left-padded), completion ids and mask, texts, rewards."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    completion: torch.Tensor
+    completion_mask: torch.Tensor
+    texts: list[str]
+    expanded: list[PromptExample]  # the prompt of each completion
+    totals: list[float]
+    per_reward: dict[str, list[float]]
+    generation_s: float
+
+
+def _answer(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[PromptExample], copies: int,
+            config: GRPOConfig, rewards: Sequence[NamedReward], rows: int | None, greedy: bool,
+            autocast: Callable[[], contextlib.AbstractContextManager]) -> _Answers:
+    """`copies` completions of each prompt, generated `rows` at a time (all: None), then scored."""
+    import time
+
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = tokenizer.eos_token_id
     device = next(model.parameters()).device
-    ids, mask = (t.to(device) for t in _left_padded(prompts, group, pad))
-    width = ids.shape[1]
+    ids, mask = (t.to(device) for t in left_padded(list(prompts), copies, pad))
+    width, length = ids.shape[1], config.max_completion_length
+    sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": config.temperature,
+                                                     "top_p": config.top_p, "top_k": 0}
+    parts, start, rows = [], time.perf_counter(), rows or ids.shape[0]
     with _evaluating(model), torch.no_grad(), autocast():
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=config.temperature,
-                             top_p=config.top_p, top_k=0, max_new_tokens=config.max_completion_length,
-                             use_cache=True, cache_implementation="static", pad_token_id=pad, eos_token_id=eos)
-    completion = out[:, width:]
-    if completion.shape[1] < config.max_completion_length:  # every row ended early: pad to the full length
-        completion = torch.nn.functional.pad(completion, (0, config.max_completion_length - completion.shape[1]),
-                                             value=pad)
+        for a in range(0, ids.shape[0], rows):
+            out = model.generate(input_ids=ids[a:a + rows], attention_mask=mask[a:a + rows], **sampling,
+                                 max_new_tokens=length, use_cache=True, cache_implementation="static",
+                                 pad_token_id=pad, eos_token_id=eos)
+            part = out[:, width:]  # every row ended early: pad to the full length
+            parts.append(torch.nn.functional.pad(part, (0, length - part.shape[1]), value=pad))
+    completion = torch.cat(parts)
+    generation_s = time.perf_counter() - start
     completion_mask = _completion_mask(completion, eos)
     lengths = completion_mask.sum(-1).tolist()
     texts = tokenizer.batch_decode([row[:n].tolist() for row, n in zip(completion, lengths, strict=True)],
                                    skip_special_tokens=True)
-    expanded = [p for p in prompts for _ in range(group)]
+    expanded = [p for p in prompts for _ in range(copies)]
     totals, per_reward = score(rewards, [p.text for p in expanded], texts, [p.fields for p in expanded],
                                [p.where for p in expanded])
-    reward = torch.tensor(totals, dtype=torch.float32)
-    rollout = Rollout(torch.cat([ids, completion], 1), torch.cat([mask, completion_mask], 1), completion_mask,
-                      width, reward, group_advantages(reward, group, config.scale_rewards).to(device), None, None)
-    rows = logps_rows or ids.shape[0]
+    return _Answers(ids, mask, completion, completion_mask, texts, expanded, totals, per_reward, generation_s)
+
+
+def generate_and_score(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[PromptExample],
+                       config: GRPOConfig, rewards: Sequence[NamedReward], *, logps_rows: int | None = None,
+                       generation_rows: int | None = None,
+                       autocast: Callable[[], contextlib.AbstractContextManager] = _NULL,
+                       samples: int = 4) -> Rollout:
+    """Sample `config.num_generations` completions per prompt, score them, and compute what the loss needs
+    (see the module docstring). `logps_rows`: completions per no-grad log-prob forward (default all);
+    `generation_rows`: completions per generate call (default all; an out-of-memory recovery lowers it);
+    `autocast`: the run's mixed-precision context; `samples`: rows kept for the logs (one per prompt first).
+    A reward that fails raises RewardError naming the record and the reward."""
+    group = config.num_generations
+    got = _answer(model, tokenizer, prompts, group, config, rewards, generation_rows, False, autocast)
+    device, width = got.ids.device, got.ids.shape[1]
+    reward = torch.tensor(got.totals, dtype=torch.float32)
+    rollout = Rollout(torch.cat([got.ids, got.completion], 1), torch.cat([got.mask, got.completion_mask], 1),
+                      got.completion_mask, width, reward,
+                      group_advantages(reward, group, config.scale_rewards).to(device), None, None)
+    rows = logps_rows or got.ids.shape[0]
     with _evaluating(model):
         if config.num_iterations > 1:
             rollout.old_logps = _no_grad_logps(model, rollout, config.temperature, rows, autocast)
         if config.beta:
             with reference_weights(model):
                 rollout.ref_logps = _no_grad_logps(model, rollout, config.temperature, rows, autocast)
-    rollout.metrics = _reward_metrics(reward, per_reward, rewards) | {
-        "completion_length": sum(lengths) / len(lengths)}
-    order = sorted(range(len(texts)), key=lambda j: (j % group, j))[:samples]  # one per prompt first
-    rollout.samples = [{"where": expanded[j].where, "prompt": expanded[j].text, "completion": texts[j],
-                        "reward": totals[j]} for j in order]
+    tokens = float(got.completion_mask.sum())
+    rollout.metrics = _reward_metrics(reward, got.per_reward, rewards) | {
+        "completion_length": tokens / len(got.texts),
+        "generation_tokens_per_second": tokens / max(got.generation_s, 1e-9)}
+    order = sorted(range(len(got.texts)), key=lambda j: (j % group, j))[:samples]  # one per prompt first
+    rollout.samples = [{"where": got.expanded[j].where, "prompt": got.expanded[j].text,
+                        "completion": got.texts[j], "reward": got.totals[j]} for j in order]
     return rollout
+
+
+def held_out_rewards(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[PromptExample], config: GRPOConfig,
+                     rewards: Sequence[NamedReward], *, rows: int | None = None,
+                     autocast: Callable[[], contextlib.AbstractContextManager] = _NULL) -> dict[str, list[float]]:
+    """The greedy answer to each held-out prompt, scored: the summed reward and each reward's value per prompt
+    (`reward`, `rewards/NAME`) and the completion lengths. Greedy: what the model answers, without the
+    sampling noise, so before and after compare."""
+    got = _answer(model, tokenizer, prompts, 1, config, rewards, rows, True, autocast)
+    return {"reward": got.totals, **{f"rewards/{r.name}": got.per_reward[r.key] for r in rewards},
+            "completion_length": [float(n) for n in got.completion_mask.sum(-1).tolist()]}
 
 
 def _reward_metrics(total: torch.Tensor, per_reward: dict[str, list[float]],

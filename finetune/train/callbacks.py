@@ -10,7 +10,8 @@ from rich.progress import Progress
 
 from finetune.console import console, progress_bar
 from finetune.memory.preference import METRIC_PREFIXES
-from finetune.rundir import COLLAPSED_EVENT, EVAL_PREFIX, TRAINING_WARNING, RunDir
+from finetune.rundir import COLLAPSED_EVENT, EVAL_PREFIX, TRAINING_WARNING, RunDir, is_eval_row
+from finetune.train.grpo import METRIC_PREFIXES as GRPO_METRICS
 from finetune.train.noise_scale import KEYS as NOISE_SCALE_KEYS
 from finetune.train.policy import Policy
 
@@ -80,7 +81,7 @@ class RunFiles(Policy):
         now = time.time()
         collapsed = None
         row = {"step": logs["step"], "epoch": logs["epoch"], "elapsed_s": round(now - self.start, 3)}
-        if f"{EVAL_PREFIX}loss" in logs:
+        if is_eval_row(logs):
             row.update({k: v for k, v in logs.items() if k.startswith(EVAL_PREFIX)})
         else:
             tokens = logs["tokens_seen"]
@@ -93,9 +94,10 @@ class RunFiles(Policy):
             )
             # The gradient noise scale (finetune/train/noise_scale.py), once there is an estimate.
             row.update({k: logs[k] for k in NOISE_SCALE_KEYS if k in logs})
-            row.update({k: v for k, v in logs.items() if k.startswith(METRIC_PREFIXES)})  # preference methods
+            row.update({k: v for k, v in logs.items() if k.startswith(METRIC_PREFIXES + GRPO_METRICS)})
             self._last_time, self._last_tokens = now, tokens
-            collapsed = self.collapse.observe(logs["step"], row["loss"], row["grad_norm"])
+            if "reward" not in logs:  # GRPO's gradient is 0 whenever every group's rewards are equal
+                collapsed = self.collapse.observe(logs["step"], row["loss"], row["grad_norm"])
         if "peak_memory_breakdown" in logs:  # the CPU tensor tracker splits the peak by component
             row["peak_memory_breakdown"] = logs["peak_memory_breakdown"]
         if "memory_warning" in logs:

@@ -33,7 +33,7 @@ from finetune.memory.preference import PreferenceLoss, metric_means
 from finetune.memory.step import compute_loss, forward_backward
 from finetune.optim import layerwise_of
 from finetune.train.noise_scale import labelled_tokens
-from finetune.train.policy import Geometry, Part, Policy, Step, Update
+from finetune.train.policy import Geometry, Objective, Part, Policy, Step, Update
 from finetune.train.rng import rng_state, set_rng_state
 
 EVAL_PREFIX = "eval_"
@@ -96,6 +96,7 @@ class TrainLoop:
                  accelerator: Any, train_data: Sequence, eval_data: Sequence | None,
                  collator: Callable[[list], dict], geometry: Geometry, schedule: Schedule,
                  policies: Sequence[Policy] = (), preference: PreferenceLoss | None = None,
+                 objective: Objective | None = None,
                  chunked_loss: bool = False, offload: Any = None,
                  save: Callable[[TrainLoop], str] | None = None, should_stop: Callable[[], bool] = lambda: False,
                  learning_rate: float = 0.0, pad_token_id: int | None = None,
@@ -106,6 +107,7 @@ class TrainLoop:
         self.geometry, self.schedule = geometry, schedule
         self.policies = list(policies)
         self.preference, self.chunked_loss, self.offload = preference, chunked_loss, offload
+        self.objective = objective  # None: the loss of the collated batches (finetune.memory.step)
         self._save, self.should_stop = save, should_stop
         self.learning_rate, self.pad_token_id, self.kept = learning_rate, pad_token_id, kept
         self.state = LoopState(log_history=[])
@@ -194,8 +196,8 @@ class TrainLoop:
                     break
                 rows = [[self.train_data[i] for i in batch] for batch in indices]
                 step = Step(number=self.state.step + 1, batches=rows, collated=[self.collate(r) for r in rows])
-                self._count_tokens(step)
                 self.run_step(step)
+                self._count_tokens(step)
                 self.state.step, self.state.epoch = step.number, epoch
                 for p in self.policies:
                     p.on_step_end(self, step)
@@ -257,11 +259,12 @@ class TrainLoop:
         self.pending = []
 
     def _run_update(self, step: Step, update: Update, last_of_step: bool) -> torch.Tensor:
-        """Forward/backward of every micro-batch of `update`, in parts of geometry.part_rows rows; the
-        update's loss (a token mean, or the mean of its parts' means)."""
+        """Forward/backward of every micro-batch of `update`, in parts of geometry.part_rows rows (a micro-batch
+        a policy collated runs whole: the policy sized it); the update's loss (a token mean, or the mean of
+        its parts' means)."""
         size = self.geometry.part_rows
         whole = {**{id(rows): c for rows, c in zip(step.batches, step.collated, strict=True)}, **update.collated}
-        parts = [(mb, whole.get(id(mb))) if len(mb) <= size else (mb[i:i + size], None)
+        parts = [(mb, whole.get(id(mb))) if len(mb) <= size or id(mb) in update.collated else (mb[i:i + size], None)
                  for mb in update.micro_batches for i in range(0, len(mb), size)]
         total = None
         for i, (rows, collated) in enumerate(parts):
@@ -282,6 +285,8 @@ class TrainLoop:
         part = Part(inputs, num_items, count, scale, last)
 
         def run() -> torch.Tensor:
+            if self.objective is not None:
+                return self.objective.forward_backward(self, part)
             return forward_backward(
                 self.model, inputs, accumulation=count, num_items_in_batch=num_items,
                 chunked_loss=self.chunked_loss and "labels" in inputs, autocast=self.accelerator.autocast,
@@ -366,6 +371,9 @@ class TrainLoop:
 
     # -- after the step: log, evaluate, save, stop --------------------------------------------------------
     def _count_tokens(self, step: Step) -> None:
+        if step.tokens is not None:
+            self._tokens_since = self._tokens_since + step.tokens
+            return
         for batch in step.collated:
             if "attention_mask" in batch:
                 n = batch["attention_mask"].sum()
@@ -434,8 +442,9 @@ class TrainLoop:
 
     def evaluate(self) -> dict[str, float]:
         """Held-out loss (and a preference method's rewards, margins, accuracy) at the current weights: the
-        mean per example of each micro-batch's loss, over every process; logged as an eval row. Out of
-        memory here is a clear error, with the completed step saved."""
+        mean per example of each micro-batch's loss, over every process; or the objective's held-out metrics
+        (GRPO: rewards). Logged as an eval row. Out of memory here is a clear error, with the completed step
+        saved."""
         try:
             return self._evaluate()
         except torch.OutOfMemoryError as exc:
@@ -454,6 +463,12 @@ class TrainLoop:
 
     def _evaluate(self) -> dict[str, float]:
         start = time.time()
+        metrics = self.objective.evaluate(self) if self.objective is not None else self._held_out_loss()
+        metrics[f"{EVAL_PREFIX}runtime"] = round(time.time() - start, 4)
+        self._record({"step": self.state.step, "epoch": round(self.state.epoch, 4), **metrics})
+        return metrics
+
+    def _held_out_loss(self) -> dict[str, float]:
         self.model.eval()
         losses, counts = [], []
         b = self.geometry.part_rows
@@ -475,12 +490,10 @@ class TrainLoop:
         if self.processes > 1:
             total = self.accelerator.gather(total.reshape(1)).sum()
             count = self.accelerator.gather(count.reshape(1)).sum()
-        metrics = {f"{EVAL_PREFIX}loss": float(total / count.clamp(min=1)),
-                   f"{EVAL_PREFIX}runtime": round(time.time() - start, 4)}
+        metrics = {f"{EVAL_PREFIX}loss": float(total / count.clamp(min=1))}
         if self.preference is not None:
             metrics.update(metric_means(self.preference_metrics["eval"], EVAL_PREFIX))
             self.preference_metrics["eval"] = {}
-        self._record({"step": self.state.step, "epoch": round(self.state.epoch, 4), **metrics})
         return metrics
 
     def train_metrics(self, runtime: float, first_step: int) -> dict[str, float]:

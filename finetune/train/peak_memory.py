@@ -9,7 +9,8 @@ accumulation), and the step of an out-of-memory recovery and those after it (`re
 tracked one runs the same operators on at most as much data, so it cannot go higher. Between steps
 (fetching batches, logging, checkpoints) the tracker stays on, and what an untracked step leaves to the next
 (its loss, its gradient norm) is tagged, so the recorded peak is the one a run tracked throughout records.
-The loop hands it each step's batches (`on_step_begin`), runs each micro-batch through it
+The loop hands it each step's batches before anything of the step runs (`plan_updates`: a GRPO policy after it
+generates there), runs each micro-batch through it
 (`around_micro_batch`) and hands it the gradient norm (`after_update`), so it decides per step.
 `FINETUNE_MEMORY_TRACKER=every_step` tracks the whole training as before, `off` tracks nothing (benchmarks).
 Every log gets `peak_memory_bytes`; the first log after the peak exceeds the plan's prediction by more than
@@ -88,8 +89,13 @@ class PeakMemory(Policy):
             self.tracker.register_optimizer(getattr(optimizer, "optimizer", optimizer))
         self._enter()
 
-    def on_step_begin(self, loop, step: Step) -> None:
+    def plan_updates(self, loop, step: Step, updates: list) -> list:
+        """Decide before anything of the step runs (a GRPO policy after this one generates in its
+        plan_updates) whether it is tracked; if not, the tracker stands aside until the step's end."""
         self.step_begins(step.collated, loop.state.step)
+        if not self.track_step and self.active:
+            self._stand_aside()
+        return updates
 
     def step_begins(self, batches: Sequence[Mapping[str, Any]], completed: int) -> None:
         """A step of these loader batches begins (`completed` steps before it): track it if it can set a new
@@ -111,10 +117,10 @@ class PeakMemory(Policy):
         a new peak the tracker stands aside from here to the step's end (the optimizer update included: on CPU
         it runs a dozen operators per trained tensor); it still tags the gradients, and the loss, which the
         loop keeps into the next step, is tagged here (the gradient norm in `keep`)."""
-        if self.track_step or not self.active:
-            return run()
-        self._exit()
-        self._aside = True
+        if not self._aside:
+            if self.track_step or not self.active:
+                return run()
+            self._stand_aside()
         loss = run()
         self.keep(loss)
         return loss
@@ -130,6 +136,10 @@ class PeakMemory(Policy):
 
     def on_step_end(self, loop=None, step=None) -> None:
         self._back()
+
+    def _stand_aside(self) -> None:
+        self._exit()
+        self._aside = True
 
     def _back(self) -> None:
         if self._aside:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -43,6 +43,7 @@ class Step:
     rng: tuple | None = None  # the RNG streams where the first update not yet applied began
     loss: torch.Tensor | None = None  # the step's loss (its updates' losses weighted by share)
     deferred: bool = False  # its update is kept for the next step (a policy grouped steps)
+    tokens: torch.Tensor | None = None  # non-padding tokens it trained on, when not its batches' (GRPO: completions)
 
 
 @dataclass
@@ -80,6 +81,19 @@ class Geometry:
 
     def state_dict(self) -> dict:
         return dict(self.__dict__)
+
+
+class Objective(Protocol):
+    """A training method that is not a loss over the data's collated batches (GRPO: generate, score, then a
+    loss over the completions): the loop calls it for each forward/backward and for held-out evaluation. It
+    is usually also a policy (its plan_updates makes the completions the updates' micro-batches)."""
+
+    def forward_backward(self, loop: TrainLoop, part: Part) -> torch.Tensor:
+        """Forward and backward of `part.inputs` (what the method's update put in Update.collated); the
+        loss as scaled for backward, detached."""
+
+    def evaluate(self, loop: TrainLoop) -> dict[str, float]:
+        """Held-out metrics at the current weights, named with the `eval_` prefix."""
 
 
 class Policy:

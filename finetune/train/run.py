@@ -22,7 +22,7 @@ from finetune.recipe.batch_rules import apply_batch_rules, reference_batch
 from finetune.recipe.init_from import init_from_record, resolve_init_from
 from finetune.recipe.load import load_recipe, recipe_to_yaml
 from finetune.recipe.resolved import resolve
-from finetune.recipe.schema import Recipe
+from finetune.recipe.schema import Recipe, max_prompt_tokens
 from finetune.recipe.settings import (
     auto_choices,
     auto_settings,
@@ -37,6 +37,7 @@ from finetune.rundir import (
     RunLock,
     atomic_write_json,
     atomic_write_text,
+    is_eval_row,
     read_json,
     replace_dir,
 )
@@ -65,6 +66,8 @@ class RunResult:
     steps: int
     final_loss: float | None
     eval_loss: float | None
+    eval_before: dict | None = None  # held-out metrics before training (preference methods, GRPO)
+    eval_after: dict | None = None
 
 
 def _prepare_run_dir(recipe: Recipe, resume: bool, overwrite: bool, held: list[RunLock]
@@ -259,7 +262,8 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     trainable, total = count_parameters(model)
     console.print(f"model: {recipe.model.path}  trainable {trainable:,} of {total:,} parameters "
                   f"({100 * trainable / max(total, 1):.2f}%)")
-    data = build_datasets(recipe.data, tokenizer, recipe.training.seed, recipe.training.method)
+    data = build_datasets(recipe.data, tokenizer, recipe.training.seed, recipe.training.method,
+                          max_prompt_tokens(recipe) if recipe.training.method == "grpo" else None)
     console.print("data: " + ", ".join(f"{k} {v}" for k, v in data.stats.items()))
     distributed.on_main(lambda: _record_data(run_dir, data.fingerprint, checkpoint is not None, allow_data_change))
     if main and checkpoint:
@@ -283,17 +287,19 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
         if damaged:
             console.print(f"[yellow]--resume: {run_dir.metrics}: dropped {damaged} damaged line(s)")
     status_fields: dict = {  # kept in every status.json write (the UI re-plans at the longest sequence)
-        "longest_sequence_tokens": recipe.data.max_seq_len if recipe.data.packing else data.stats["max_example_tokens"]}
+        "longest_sequence_tokens": data.stats["max_example_tokens"] if "max_example_tokens" in data.stats
+        and not recipe.data.packing else recipe.data.max_seq_len}
     # A bad offload_dir fails here, before the first step and before anything is written there.
     preflight_offload(model, recipe.memory, run_dir.root, settings.micro_batch_size, recipe.data.max_seq_len)
     offload = activation_offload(model, recipe.memory, run_dir.root)
     peak = PeakMemory(plan.peak_bytes if plan is not None else None)
     loop = build_loop(config, model, data, run_dir, steps, offload=offload, peak=peak, status_fields=status_fields,
-                      should_stop=lambda: stopper.requested, pad_token_id=tokenizer.pad_token_id)
+                      should_stop=lambda: stopper.requested, tokenizer=tokenizer)
     if checkpoint:
         load_checkpoint(loop, Path(checkpoint))
-    # Preference methods: the held-out rewards before training, so results.json shows what training changed.
-    before = loop.evaluate() if data.eval is not None and loop.preference is not None and not checkpoint else None
+    # Preference methods and GRPO: the held-out rewards before training, so results.json shows what changed.
+    before = loop.evaluate() if data.eval is not None and (loop.preference is not None or loop.objective is not None) \
+        and not checkpoint else None
     start, cpu_start, first_step = time.time(), time.process_time(), loop.state.step
     try:
         loop.fit()
@@ -310,7 +316,8 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     if state == "completed":
         _save_result(loop, tokenizer, run_dir, main)
     losses = [h["loss"] for h in loop.state.log_history if "loss" in h]
-    result = RunResult(run_dir.root, state, loop.state.step, losses[-1] if losses else None, eval_loss)
+    result = RunResult(run_dir.root, state, loop.state.step, losses[-1] if losses else None, eval_loss, before,
+                       after or None)
     if not main:
         return result
     engine = next((p for p in loop.policies if isinstance(p, BatchEngine)), None)
@@ -358,7 +365,7 @@ def _record_data(run_dir: RunDir, fingerprint: dict, resumed: bool, allow_change
 def _final_evaluation(loop: TrainLoop) -> dict[str, float]:
     """The evaluation at the last step: the loop's own when it ran one there (evaluating again would log a
     second row for the same step in metrics.jsonl), else a new one."""
-    last = next((row for row in reversed(loop.state.log_history) if f"{EVAL_PREFIX}loss" in row), None)
+    last = next((row for row in reversed(loop.state.log_history) if is_eval_row(row)), None)
     if last is not None and last.get("step") == loop.state.step:
         return {k: v for k, v in last.items() if k not in ("step", "epoch")}
     return loop.evaluate()

@@ -19,11 +19,14 @@ from finetune.memory.step import enable_checkpointing, mixed_precision
 from finetune.optim import build_optimizer
 from finetune.recipe.resolved import RunConfig
 from finetune.recipe.schema import Recipe
+from finetune.rl.rewards import build_rewards
+from finetune.rl.step import prompts_per_step
 from finetune.rundir import RunDir
 from finetune.train import distributed
 from finetune.train.batch_engine import BatchEngine, record_batch_change
 from finetune.train.callbacks import ProgressBar, RunFiles
 from finetune.train.checkpoints import numbered
+from finetune.train.grpo import GRPO
 from finetune.train.loop import Schedule, TrainLoop
 from finetune.train.noise_scale import GradNormProbe, NoiseScale
 from finetune.train.peak_memory import PeakMemory
@@ -40,9 +43,17 @@ def total_steps(recipe: Recipe, train_examples: int) -> int:
     t = recipe.training
     if t.max_steps is not None:
         return t.max_steps
-    per_epoch = math.ceil(train_examples / (int(t.micro_batch_size) * int(t.gradient_accumulation_steps)
-                                            * recipe.distributed.gpus))
+    per_step = _step_examples(recipe, int(t.micro_batch_size), int(t.gradient_accumulation_steps))
+    per_epoch = math.ceil(train_examples / (per_step * recipe.distributed.gpus))
     return max(1, math.ceil(per_epoch * t.epochs))
+
+
+def _step_examples(recipe: Recipe, micro_batch: int, accumulation: int) -> int:
+    """Examples one process's loop step reads: micro_batch x accumulation, or (grpo) the prompts whose
+    completions those are."""
+    if recipe.training.method == "grpo":
+        return prompts_per_step(micro_batch, accumulation, recipe.grpo.num_generations)
+    return micro_batch * accumulation
 
 
 def make_scheduler(recipe: Recipe, optimizer: torch.optim.Optimizer, steps: int) -> Any:
@@ -84,30 +95,45 @@ def _prepared(config: RunConfig, model: torch.nn.Module, measure_noise: bool
     optimizer = build_optimizer(model, config.recipe.optimizer, t.learning_rate,
                                 steps_per_update=s.gradient_accumulation_steps, max_grad_norm=t.max_grad_norm)
     model, optimizer = accelerator.prepare(model, optimizer)
-    geometry = Geometry(micro_batch=s.micro_batch_size, accumulation=s.gradient_accumulation_steps,
-                        processes=accelerator.num_processes)
+    if config.recipe.training.method == "grpo":  # a loop step: one loader batch of prompts (finetune.train.grpo)
+        geometry = Geometry(micro_batch=_step_examples(config.recipe, s.micro_batch_size, s.gradient_accumulation_steps),
+                            accumulation=1, processes=accelerator.num_processes)
+    else:
+        geometry = Geometry(micro_batch=s.micro_batch_size, accumulation=s.gradient_accumulation_steps,
+                            processes=accelerator.num_processes)
     return accelerator, model, optimizer, probe, geometry
 
 
 def build_loop(config: RunConfig, model: torch.nn.Module, data: Any, run_dir: RunDir, steps: int, *,
                offload: Any, peak: PeakMemory, status_fields: dict, should_stop: Callable[[], bool],
-               pad_token_id: int | None) -> TrainLoop:
+               tokenizer: Any) -> TrainLoop:
     """The model prepared by accelerate, its optimizer and schedule, and the loop with its policies: the noise
     scale probe, then (one process) the batch engine and out-of-memory recovery, the memory peak, the run
-    files and the progress bar, in that order (the order the loop calls their hooks in)."""
+    files and the progress bar, in that order (the order the loop calls their hooks in). GRPO: the memory
+    peak, then its policy (generation, the loss, its own recovery; finetune.train.grpo), the run files and
+    the progress bar."""
     recipe, t = config.recipe, config.recipe.training
+    grpo = _grpo(config, tokenizer, run_dir) if t.method == "grpo" else None
     sharded = recipe.distributed.gpus > 1 and config.settings.strategy != "ddp"
-    if t.noise_scale and sharded and distributed.is_main():
-        console.print("noise scale: not measured with FSDP or DeepSpeed (distributed.strategy ddp measures it)")
-    accelerator, model, optimizer, probe, geometry = _prepared(config, model, t.noise_scale and not sharded)
+    main = distributed.is_main()
+    if t.noise_scale and main and (sharded or grpo):
+        console.print("noise scale: not measured with " + ("GRPO" if grpo else "FSDP or DeepSpeed (distributed."
+                                                           "strategy ddp measures it)"))
+    accelerator, model, optimizer, probe, geometry = _prepared(config, model, t.noise_scale and not sharded
+                                                               and grpo is None)
     several = accelerator.num_processes > 1
-    noise = NoiseScale(probe, t.noise_scale_split_every)
-    policies: list[Policy] = [noise]
-    if not several:  # redoing a step on one process would leave the others waiting in a collective
-        policies += [
-            BatchEngine(config, noise, geometry, accelerator.device, record_batch_change(run_dir, status_fields)),
-            OOMRecovery(recipe, run_dir.root, record_recovery(run_dir, steps, peak, status_fields))]
-    policies += [peak, RunFiles(run_dir, steps, status_fields), ProgressBar(steps)]
+    policies: list[Policy]
+    if grpo is not None:  # the tracker decides whether to track a step before the GRPO policy generates
+        policies = [peak, grpo]
+    else:
+        noise = NoiseScale(probe, t.noise_scale_split_every)
+        policies = [noise]
+        if not several:  # redoing a step on one process would leave the others waiting in a collective
+            policies += [
+                BatchEngine(config, noise, geometry, accelerator.device, record_batch_change(run_dir, status_fields)),
+                OOMRecovery(recipe, run_dir.root, record_recovery(run_dir, steps, peak, status_fields))]
+        policies.append(peak)
+    policies += [RunFiles(run_dir, steps, status_fields), ProgressBar(steps)]
     has_eval = data.eval is not None
     schedule = Schedule(max_steps=steps, logging_steps=t.logging_steps,
                         eval_steps=(t.eval_steps or steps) if has_eval else None,
@@ -115,10 +141,22 @@ def build_loop(config: RunConfig, model: torch.nn.Module, data: Any, run_dir: Ru
     return TrainLoop(
         model=model, optimizer=optimizer, scheduler=make_scheduler(recipe, optimizer, steps), accelerator=accelerator,
         train_data=data.train, eval_data=data.eval, collator=data.collator, geometry=geometry, schedule=schedule,
-        policies=policies, preference=PreferenceLoss.of(t), chunked_loss=config.settings.chunked_loss,
+        policies=policies, preference=PreferenceLoss.of(t), objective=grpo, chunked_loss=config.settings.chunked_loss,
         offload=offload, save=lambda loop: save_checkpoint(loop, run_dir.checkpoints, recipe.output.save_total_limit),
-        should_stop=should_stop, learning_rate=t.learning_rate, pad_token_id=pad_token_id,
+        should_stop=should_stop, learning_rate=t.learning_rate, pad_token_id=tokenizer.pad_token_id,
         kept=kept_checkpoint(run_dir.checkpoints))
+
+
+def _grpo(config: RunConfig, tokenizer: Any, run_dir: RunDir) -> GRPO:
+    """The GRPO policy with the recipe's rewards; rank 0 writes the sampled completions and recoveries."""
+    main = distributed.is_main()
+
+    def recovered(line: str) -> None:
+        console.print(line, style="yellow", markup=False)
+        run_dir.log_line(line)
+
+    return GRPO(config.recipe.grpo, build_rewards(config.recipe.grpo), tokenizer, config.settings.micro_batch_size,
+                on_samples=run_dir.append_completions if main else None, on_recovery=recovered if main else None)
 
 
 def simple_loop(config: RunConfig, model: torch.nn.Module, train_data: Any, collator: Callable[[list], dict],

@@ -1,7 +1,8 @@
 """The after-the-run panels of a run view (Train and Runs tabs): the batch used, the measured noise scale
 over time and the advice for next time, with a button that writes the advice into the recipe form; and for a
-preference run (dpo, orpo, kto) its reward curves and held-out rewards before and after training; and the
-run's latest `finetune eval` (held-out loss, perplexity, answer matches; base model beside it)."""
+preference run (dpo, orpo, kto) its reward curves and held-out rewards before and after training; for a GRPO
+run its reward and completion-length curves, held-out rewards and the latest sampled answers; and the run's
+latest `finetune eval` (held-out loss, perplexity, answer matches; base model beside it)."""
 
 from __future__ import annotations
 
@@ -29,13 +30,17 @@ class RunPanel:
     rewards_box: gr.Column
     reward_plot: gr.Plot
     rewards_md: gr.Markdown
+    grpo_box: gr.Column
+    grpo_plot: gr.Plot
+    grpo_md: gr.Markdown
     eval_box: gr.Column
     eval_md: gr.Markdown
 
     @property
     def outputs(self) -> list[gr.components.Component]:
         return [self.batch_box, self.batch_md, self.noise_plot, self.advice_btn, self.advice_msg, self.rewards_box,
-                self.reward_plot, self.rewards_md, self.eval_box, self.eval_md]
+                self.reward_plot, self.rewards_md, self.grpo_box, self.grpo_plot, self.grpo_md, self.eval_box,
+                self.eval_md]
 
 
 def build(prefix: str) -> RunPanel:
@@ -52,11 +57,16 @@ def build(prefix: str) -> RunPanel:
         reward_plot = gr.Plot(label="Rewards, margin and accuracy over steps (lines: training; dots: held-out)",
                               elem_id=f"{prefix}-reward-plot")
         rewards_md = gr.Markdown(elem_id=f"{prefix}-rewards-summary")
+    with gr.Column(visible=False, elem_id=f"{prefix}-grpo-panel") as grpo_box:
+        gr.Markdown("### GRPO: rewards of the model's own answers")
+        grpo_plot = gr.Plot(label="Mean reward and completion length over steps (dots: held-out greedy answers)",
+                            elem_id=f"{prefix}-grpo-plot")
+        grpo_md = gr.Markdown(elem_id=f"{prefix}-grpo-samples")
     with gr.Column(visible=False, elem_id=f"{prefix}-eval-panel") as eval_box:
         gr.Markdown("### Held-out evaluation: base model against the fine-tune (`finetune eval`)")
         eval_md = gr.Markdown(elem_id=f"{prefix}-eval-table")
     return RunPanel(batch_box, batch_md, noise_plot, advice_btn, advice_msg, rewards_box, reward_plot, rewards_md,
-                    eval_box, eval_md)
+                    grpo_box, grpo_plot, grpo_md, eval_box, eval_md)
 
 
 def updates(run: Path | api.RunFiles | None) -> tuple[Any, ...]:
@@ -73,8 +83,12 @@ def updates(run: Path | api.RunFiles | None) -> tuple[Any, ...]:
                      gr.update(visible=bool(batch["advice"].get("settings"))), "")  # a message of another run goes
     rewards_out = ((gr.update(visible=False), None, "") if rewards is None else
                    (gr.update(visible=True), charts.reward_figure(rewards), views.rewards_markdown(rewards)))
+    grpo = api.run_grpo_report(files) if files else None
+    grpo_out = ((gr.update(visible=False), None, "") if grpo is None else
+                (gr.update(visible=True), charts.grpo_figure(grpo), views.grpo_markdown(grpo)))
     evaluation = api.run_evaluation_table(files) if files else None
-    return *batch_out, *rewards_out, gr.update(visible=evaluation is not None), views.evaluation_markdown(evaluation)
+    return (*batch_out, *rewards_out, *grpo_out, gr.update(visible=evaluation is not None),
+            views.evaluation_markdown(evaluation))
 
 
 def wire_advice(panel: RunPanel, backend: Backend, run: gr.Dropdown, widgets: list[gr.components.Component],

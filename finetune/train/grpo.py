@@ -1,0 +1,172 @@
+"""GRPO in the training loop: each step generates and scores completions of its prompts, then trains on them.
+
+    loader batch (the step's prompts: micro_batch_size x accumulation completions / num_generations of them)
+      plan_updates:     finetune.rl.step.generate_and_score -> a Rollout of prompts x num_generations completions
+                        -> num_iterations updates, each every completion in micro-batches of micro_batch_size
+      forward_backward: finetune.rl.step.grpo_forward_backward on one micro-batch (the loop's Objective)
+      evaluate:         the greedy answer to each held-out prompt, scored (eval_reward, eval_rewards/NAME)
+
+Out of memory: in generation the step's completions are generated in halves (down to one prompt's group at
+a time), in training the micro-batch halves (down to 1; the update's completions and its loss scaling stay,
+so the gradient is the same but for rounding). Either way the step is not lost: generation restarts from the
+RNG state where the step began; a training retry runs the same completions. The settings reached are kept in
+the train state, so a resume continues with them.
+
+Several processes: each generates for its own prompts (the loop deals them out); dapo's token normaliser is
+the completion tokens of every process, so DDP's average is the one-process gradient.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from finetune.data.prompts import PromptExample
+from finetune.recipe.schema import GRPOConfig
+from finetune.rl.rewards import NamedReward
+from finetune.rl.step import MicroBatch, Rollout, generate_and_score, grpo_forward_backward, held_out_rewards
+from finetune.rundir import EVAL_PREFIX
+from finetune.train.policy import Part, Policy, Step, Update
+from finetune.train.rng import rng_state, set_rng_state
+
+METRIC_PREFIXES = ("reward", "completion_length", "clip_ratio", "kl", "generation_tokens_per_second")
+
+
+class GRPO(Policy):
+    """The GRPO step as a loop policy and objective (module docstring). `micro_batch`: completions per
+    forward/backward; `on_samples(rows)`: a few sampled completions per logged step (the run's
+    completions.jsonl); `on_recovery(event)`: an out-of-memory recovery, for the run log."""
+
+    def __init__(self, config: GRPOConfig, rewards: Sequence[NamedReward], tokenizer: Any, micro_batch: int, *,
+                 on_samples: Callable[[list[dict]], None] | None = None,
+                 on_recovery: Callable[[str], None] | None = None, samples: int = 4):
+        self.config, self.rewards, self.tokenizer = config, list(rewards), tokenizer
+        self.micro_batch = micro_batch
+        self.generation_rows: int | None = None  # completions per generate call; None: the step's all
+        self.on_samples, self.on_recovery, self.samples = on_samples, on_recovery, samples
+        self.rollout: Rollout | None = None
+        self._sums: dict[str, list[float]] = {}  # metric -> [sum, count] since the last logged row
+        self._latest: list[dict] = []
+
+    # -- generation ---------------------------------------------------------------------------------------
+    def plan_updates(self, loop, step: Step, updates: list[Update]) -> list[Update]:
+        prompts: list[PromptExample] = [row for batch in step.batches for row in batch]
+        start = rng_state()
+        while True:
+            try:
+                self.rollout = self._generate(loop, prompts)
+                break
+            except torch.OutOfMemoryError as exc:
+                failure = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
+            _free()
+            rows = self.generation_rows or len(prompts) * self.config.num_generations
+            if rows <= self.config.num_generations:
+                raise torch.OutOfMemoryError(
+                    f"{failure} (generating one prompt's {self.config.num_generations} completions at a time)")
+            self.generation_rows = max(self.config.num_generations, rows // 2)
+            self._said(f"out of memory generating step {step.number} ({failure}): generating "
+                       f"{self.generation_rows} completions at a time")
+            set_rng_state(start)
+        for key, value in self.rollout.metrics.items():
+            self._add(key, value)
+        self._latest = [{"step": step.number, **row} for row in self.rollout.samples]
+        step.tokens = self.rollout.attention_mask.sum()  # prompts and completions
+        return self._updates(loop)
+
+    def _generate(self, loop, prompts: list[PromptExample]) -> Rollout:
+        model = loop.accelerator.unwrap_model(loop.model)
+        return generate_and_score(model, self.tokenizer, prompts, self.config, self.rewards,
+                                  logps_rows=self.micro_batch, generation_rows=self.generation_rows,
+                                  autocast=loop.accelerator.autocast, samples=self.samples)
+
+    def _updates(self, loop) -> list[Update]:
+        """num_iterations updates over the rollout's completions in micro-batches of self.micro_batch."""
+        rollout = self.rollout
+        rows = rollout.input_ids.shape[0]
+        window = None
+        if loop.processes > 1 and self.config.loss_type == "dapo":  # every process's tokens, then DDP averages
+            tokens = loop.accelerator.gather(rollout.completion_mask.sum().reshape(1).float())
+            window = float(tokens.sum()) / loop.processes
+        micro = rollout.micro_batches(math.ceil(rows / self.micro_batch), window)
+        return [Update(micro_batches=(batches := [[{"completion": j} for j in range(len(m.advantages))]
+                                                  for m in micro]),
+                       share=1 / self.config.num_iterations,
+                       collated={id(b): {"micro": m} for b, m in zip(batches, micro, strict=True)})
+                for _ in range(self.config.num_iterations)]
+
+    # -- training -----------------------------------------------------------------------------------------
+    def forward_backward(self, loop, part: Part) -> torch.Tensor:
+        micro: MicroBatch = part.inputs["micro"]
+        result = grpo_forward_backward(loop.model, micro, self.config, autocast=loop.accelerator.autocast,
+                                       backward=loop.backward)
+        self._add("clip_ratio", result.clip_ratio)
+        if result.kl is not None:
+            self._add("kl", result.kl)
+        return torch.tensor(result.loss, device=loop.accelerator.device)
+
+    def on_oom(self, loop, step: Step, failure: str, phase: str) -> bool:
+        """A forward/backward ran out of memory: halve the micro-batch and run the step's remaining updates
+        again over the same completions."""
+        if phase != "step" or self.micro_batch <= 1 or self.rollout is None:
+            return False
+        self.micro_batch = max(1, self.micro_batch // 2)
+        redone = self._updates(loop)
+        step.updates[step.applied:] = redone[step.applied:]
+        self._said(f"out of memory in step {step.number}'s forward/backward ({failure}): training "
+                   f"micro-batch {self.micro_batch} completions")
+        return True
+
+    def on_step_end(self, loop, step: Step) -> None:
+        self.rollout = None  # its tensors are not needed any more
+
+    # -- evaluation and logs ------------------------------------------------------------------------------
+    def evaluate(self, loop) -> dict[str, float]:
+        """The held-out prompts' greedy answers, scored; means over every process's prompts."""
+        data = loop.eval_data
+        mine = [data[j] for j in range(loop.rank, len(data), loop.processes)]
+        model = loop.accelerator.unwrap_model(loop.model)
+        rows = self.generation_rows or loop.geometry.micro_batch * self.config.num_generations  # as a step's
+        values = held_out_rewards(model, self.tokenizer, mine, self.config, self.rewards, rows=rows,
+                                  autocast=loop.accelerator.autocast) if mine else {}
+        out = {}
+        for name, column in values.items():
+            kept = torch.tensor([v for v in column if not math.isnan(v)], dtype=torch.float64)
+            total = torch.stack([kept.sum(), torch.tensor(float(kept.numel()), dtype=torch.float64)])
+            if loop.processes > 1:
+                total = loop.accelerator.gather(total.to(loop.accelerator.device).reshape(1, 2)).sum(0).cpu()
+            out[f"{EVAL_PREFIX}{name}"] = float(total[0] / total[1]) if total[1] else math.nan
+        return out
+
+    def log(self, loop, row: dict) -> None:
+        if "loss" not in row:
+            return
+        row.update({k: s / n for k, (s, n) in self._sums.items() if n})
+        self._sums = {}
+        if self.on_samples is not None and self._latest:
+            self.on_samples(self._latest)
+
+    def _add(self, key: str, value: float) -> None:
+        if not math.isnan(value):
+            total = self._sums.setdefault(key, [0.0, 0])
+            total[0] += value
+            total[1] += 1
+
+    def _said(self, line: str) -> None:
+        if self.on_recovery is not None:
+            self.on_recovery(line)
+
+    def state_dict(self) -> dict:
+        return {"micro_batch": self.micro_batch, "generation_rows": self.generation_rows}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.micro_batch, self.generation_rows = int(state["micro_batch"]), state["generation_rows"]
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

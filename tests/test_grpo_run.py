@@ -1,0 +1,157 @@
+"""`finetune run` with training.method grpo: the loop generates, scores and trains (finetune/train/grpo.py), on
+the tiny model with a user reward (the share of the letter "e" in the answer: learnable by a random model)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from finetune import api
+from finetune.rundir import RunDir
+
+REWARD_FILE = '''
+def share_e(prompts, completions, **fields):
+    return [c.count("e") / max(len(c), 1) for c in completions]
+'''
+
+
+def _recipe(tmp_path: Path, model: Path, out: str = "run", **training) -> Path:
+    prompts = tmp_path / "prompts.jsonl"
+    if not prompts.exists():
+        prompts.write_text("".join(json.dumps({"prompt": f"What is {a} + {b}?", "answer": a + b}) + "\n"
+                                   for a in range(1, 7) for b in range(1, 7)))
+        (tmp_path / "rewards.py").write_text(REWARD_FILE)
+    keys = {"max_steps": 4, "micro_batch_size": 4, "gradient_accumulation_steps": 2, "learning_rate": 0.02,
+            "lr_scheduler": "constant", "warmup_ratio": 0.0, "logging_steps": 1, **training}
+    path = tmp_path / f"{out}.yaml"
+    path.write_text(f"""model:
+  path: {model}
+adapter:
+  r: 8
+  alpha: 16
+  dropout: 0.0
+data:
+  path: {prompts}
+  max_seq_len: 64
+  validation_split: 0.2
+training:
+  method: grpo
+{"".join(f"  {k}: {v}" + chr(10) for k, v in keys.items())}output:
+  dir: {tmp_path / out}
+  save_steps: 2
+grpo:
+  num_generations: 4
+  max_completion_length: 8
+  trust_python_code: true
+  rewards:
+    - kind: python
+      function: rewards.py:share_e
+""")
+    return path
+
+
+def _run(path: Path, resume: bool = False, **overrides) -> api.RunResult:
+    recipe = api.load_recipe(path, [f"{k}={v}" for k, v in overrides.items()])
+    return api.run(recipe, resume=resume)
+
+
+def _adapter(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(run / "adapter" / "adapter_model.safetensors")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def test_a_grpo_run_logs_rewards_samples_and_the_held_out_reward_before_and_after(tmp_path, tiny_model_dir):
+    result = _run(_recipe(tmp_path, tiny_model_dir))
+    run = RunDir(result.run_dir)
+    assert result.state == "completed" and result.steps == 4
+    rows = [r for r in run.read_metrics() if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for row in rows:
+        assert 0 <= row["reward"] <= 1 and row["rewards/rewards.py:share_e/mean"] == pytest.approx(row["reward"])
+        assert 0 < row["completion_length"] <= 8 and row["clip_ratio"] == 0.0  # one pass: the ratio is 1
+        assert row["generation_tokens_per_second"] > 0 and "kl" not in row  # beta 0: no reference
+    # tokens per step: the prompts and their completions (2 prompts x 4 answers of at most 8 tokens each)
+    assert rows[1]["tokens_seen"] - rows[0]["tokens_seen"] > 8 * 4
+    samples = run.read_completions()
+    assert {s["step"] for s in samples} == {1, 2, 3, 4}
+    assert all(s["where"].startswith(str(tmp_path / "prompts.jsonl") + ":") and s["prompt"].endswith("assistant\n")
+               and isinstance(s["completion"], str) for s in samples)
+    results = json.loads(run.results.read_text())
+    for when in ("eval_before", "eval_after"):
+        assert 0 <= results[when]["eval_reward"] <= 1 and results[when]["eval_completion_length"] > 0
+    assert result.eval_after["eval_reward"] == results["eval_after"]["eval_reward"]
+    assert isinstance(api.generate(result.run_dir, "What is 2 + 2?", max_new_tokens=4), str)
+
+
+def test_the_mean_reward_rises_over_a_run(tmp_path, tiny_model_dir):
+    result = _run(_recipe(tmp_path, tiny_model_dir, max_steps=24, learning_rate=0.1), **{"grpo.num_generations": 8})
+    rewards = [r["reward"] for r in RunDir(result.run_dir).read_metrics() if "loss" in r]
+    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+    assert last > 2 * first and last > first + 0.05, rewards
+    assert result.eval_after["eval_reward"] > result.eval_before["eval_reward"] + 0.05
+
+
+def test_an_interrupted_run_resumes_exactly(tmp_path, tiny_model_dir):
+    whole = _run(_recipe(tmp_path, tiny_model_dir, "whole"))
+    first = _recipe(tmp_path, tiny_model_dir, "parts")
+    _run(first, **{"training.max_steps": 2})
+    resumed = _run(first, resume=True)
+    assert resumed.steps == 4
+    a, b = _adapter(whole.run_dir), _adapter(resumed.run_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rewards = [[r["reward"] for r in RunDir(run).read_metrics() if "loss" in r] for run in (whole.run_dir,
+                                                                                           resumed.run_dir)]
+    assert rewards[0] == rewards[1]
+
+
+def test_out_of_memory_in_training_halves_the_micro_batch_and_keeps_the_step(tmp_path, tiny_model_dir,
+                                                                           monkeypatch):
+    """One forward/backward of 4 completions runs out of memory at step 2: the step is redone in micro-batches of
+    2 over the same completions, which trains as a run at micro-batch 2 does (same completions per step)."""
+    import finetune.train.grpo as grpo
+
+    reference = _run(_recipe(tmp_path, tiny_model_dir, "reference", micro_batch_size=2,
+                             gradient_accumulation_steps=4))
+    real, calls = grpo.grpo_forward_backward, []
+
+    def failing(model, micro, config, **kw):
+        calls.append(len(micro.advantages))
+        if len(calls) == 3:  # step 2's first micro-batch (step 1 ran two of 4 rows)
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return real(model, micro, config, **kw)
+
+    monkeypatch.setattr(grpo, "grpo_forward_backward", failing)
+    result = _run(_recipe(tmp_path, tiny_model_dir, "recovered"))
+    assert calls[:3] == [4, 4, 4] and set(calls[3:]) == {2}
+    assert "training micro-batch 2 completions" in RunDir(result.run_dir).log.read_text()
+    a, b = _adapter(reference.run_dir), _adapter(result.run_dir)
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_out_of_memory_in_generation_generates_in_halves(tmp_path, tiny_model_dir, monkeypatch):
+    """The first sampling generate (step 1's: 2 prompts x 4 answers) runs out of memory: the step generates 4
+    completions at a time from then on, and the run completes."""
+    from transformers import GenerationMixin
+
+    original, calls = GenerationMixin.generate, []
+
+    def generate(self, *args, **kwargs):
+        if kwargs.get("do_sample"):  # not the held-out evaluation's greedy answers
+            calls.append(kwargs["input_ids"].shape[0])
+            if len(calls) == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "generate", generate)
+    result = _run(_recipe(tmp_path, tiny_model_dir, max_steps=2))
+    assert result.state == "completed" and result.steps == 2
+    assert calls == [8, 4, 4, 4, 4], calls
+    assert "generating 4 completions at a time" in RunDir(result.run_dir).log.read_text()
