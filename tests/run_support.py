@@ -4,6 +4,9 @@ LoRA recipe, so each test file states only what it changes."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -48,3 +51,11 @@ def assert_same_steps(run_dir: Path, reference_dir: Path, keys: tuple[str, ...],
     for step, row in rows.items():
         for key in keys:
             assert row[key] == pytest.approx(expected[step][key], rel=1e-4, abs=1e-6), (step, key)
+
+
+def torchrun(*args: str) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node 2 -m finetune ARGS` with this checkout first on the path, one thread each."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "finetune", *args], env=env, capture_output=True, text=True, timeout=300)

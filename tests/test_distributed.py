@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,7 @@ from finetune.cli import main
 from finetune.recipe import validate_recipe
 from finetune.rundir import LOCK, MARKER, RunDir
 from finetune.train.run import run
-from tests.run_support import tiny_lora_recipe
+from tests.run_support import tiny_lora_recipe, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-5
@@ -49,14 +47,6 @@ def _write(tmp_path: Path, recipe: dict, name: str = "recipe.yaml") -> Path:
     path = tmp_path / name
     path.write_text(yaml.safe_dump(recipe))
     return path
-
-
-def _torchrun(*args: str) -> subprocess.CompletedProcess:
-    """`torchrun --nproc_per_node 2 -m finetune ARGS` with this checkout first on the path."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "-m", "finetune", *args], env=env, capture_output=True, text=True, timeout=300)
 
 
 def _losses(run_dir: Path) -> list[tuple[int, float, float]]:
@@ -100,7 +90,7 @@ def test_lora_ddp_on_two_processes_trains_as_one_and_resumes_at_one(tmp_path, ti
     """torchrun -m finetune run: 2 processes (accumulation 1) give the losses and gradient norms of 1 process
     (accumulation 2); its step-2 checkpoint resumed by 1 process continues with the same losses."""
     two = _recipe(tmp_path, tiny_model_dir, "two", distributed={"strategy": "ddp"})
-    done = _torchrun("run", str(_write(tmp_path, two)))
+    done = torchrun("run", str(_write(tmp_path, two)))
     assert done.returncode == 0, done.stderr[-3000:]
     reference = run(validate_recipe(_recipe(tmp_path, tiny_model_dir, "one")))
     assert reference.state == "completed"
@@ -133,7 +123,7 @@ def test_full_fsdp2_on_two_processes_trains_as_one_and_resumes_at_two_and_one(tm
     _only_rank_zero_wrote(tmp_path / "two", 2)
 
     again = _resume_from(tmp_path / "two", 2, tmp_path / "again")
-    done = _torchrun("run", str(path), "--set", f"output.dir={again}", "--resume")
+    done = torchrun("run", str(path), "--set", f"output.dir={again}", "--resume")
     assert done.returncode == 0, done.stderr[-3000:]
     _assert_same(_losses(again), reference)
     single = _resume_from(tmp_path / "two", 2, tmp_path / "single")
@@ -148,7 +138,7 @@ def test_ddp_on_two_processes_measures_the_noise_scale_of_one(tmp_path, tiny_mod
     two norms, so float32 summation order weighs more: relative 1e-3)."""
     longer = {"training": {"max_steps": 6}, "output": {"save_steps": 100}}
     two = _recipe(tmp_path, tiny_model_dir, "two", distributed={"strategy": "ddp"}, **longer)
-    done = _torchrun("run", str(_write(tmp_path, two)))
+    done = torchrun("run", str(_write(tmp_path, two)))
     assert done.returncode == 0, done.stderr[-3000:]
     assert run(validate_recipe(_recipe(tmp_path, tiny_model_dir, "one", **longer))).state == "completed"
     keys = ("grad_sq", "trace_sigma", "gns")
@@ -167,7 +157,7 @@ def test_fsdp_qlora_on_two_processes_trains_as_one(tmp_path, tiny_model_dir):
     """FSDP-QLoRA: NF4 weights stored in the compute dtype are sharded with the rest; the losses are those of
     one process training QLoRA with uint8 storage."""
     two = _recipe(tmp_path, tiny_model_dir, "two", quantization={"bits": 4}, distributed={"strategy": "fsdp"})
-    done = _torchrun("run", str(_write(tmp_path, two)))
+    done = torchrun("run", str(_write(tmp_path, two)))
     assert done.returncode == 0, done.stderr[-3000:]
     assert run(validate_recipe(_recipe(tmp_path, tiny_model_dir, "one", quantization={"bits": 4}))).state == \
         "completed"

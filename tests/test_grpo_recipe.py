@@ -66,9 +66,11 @@ def test_bad_values_name_the_key_and_line():
     ("  epsilon: 0.3\n  epsilon_high: 0.2\n", "grpo.epsilon_high 0.2 is below grpo.epsilon 0.3"),
     ("  max_completion_length: 512\n", "grpo.max_completion_length=512 leaves no room for a prompt"),
     ("  beta: 0.04\nadapter:\n  type: full\nquantization:\n  bits: null\n", "grpo.beta=0.04 with adapter.type=full"),
+    ("", "training.effective_batch_size: auto follows the measured gradient noise scale, which a grpo run does not"),
 ])
 def test_contradictions_name_both_keys(extra, expected):
-    assert any(expected in p for p in _problems(BASE + REWARDS + extra))
+    base = BASE if extra else BASE.replace("method: grpo", "method: grpo\n  effective_batch_size: auto")
+    assert any(expected in p for p in _problems(base + REWARDS + extra))
 
 
 def test_method_grpo_needs_rewards_and_user_code_needs_trust():

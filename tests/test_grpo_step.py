@@ -146,3 +146,40 @@ def test_mean_reward_rises_when_trained_with_the_step():
         optimizer.zero_grad(set_to_none=True)
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.5, rewards
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.5, 1.0), (1.0, 0.7)])
+def test_row_sampler_draws_from_the_warped_softmax(temperature, top_p):
+    """Argmax of the processed scores (greedy decoding) is distributed as softmax(logits / temperature), cut to
+    the top_p nucleus: 20000 draws of one row against the exact probabilities."""
+    from finetune.rl.step import RowSampler
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]])
+    sampler = RowSampler([7], temperature, top_p)
+    counts = torch.zeros(5)
+    for _ in range(20000):
+        counts[int(sampler(torch.zeros(1, 1, dtype=torch.long), logits.clone()).argmax())] += 1
+    probs = torch.softmax(logits[0] / temperature, -1)
+    if top_p < 1:  # the smallest set of the most likely tokens reaching top_p, renormalised
+        order = probs.argsort(descending=True)
+        keep = order[:int((probs[order].cumsum(0) < top_p).sum()) + 1]
+        probs = torch.zeros(5).index_put_((keep,), probs[keep]) / probs[keep].sum()
+    assert torch.allclose(counts / counts.sum(), probs, atol=0.012), (counts / counts.sum(), probs)
+
+
+def test_a_completion_does_not_depend_on_what_is_generated_beside_it():
+    """The same prompts generated all at once, in halves, and the second half alone: each row's completion is
+    the same (its own seeded generator), and another seed samples other completions."""
+    from finetune.rl.step import row_seeds
+
+    model, prompts, cfg = _model(), _prompts(4), _config(num_generations=2, max_completion_length=6)
+    whole = generate_and_score(model, Letters(), prompts, cfg, REWARD, seed=11)
+    halves = generate_and_score(model, Letters(), prompts, cfg, REWARD, seed=11, generation_rows=4)
+    alone = generate_and_score(model, Letters(), prompts[2:], cfg, REWARD, seed=11)
+    width = whole.prompt_length
+    completions = whole.input_ids[:, width:]
+    assert torch.equal(halves.input_ids[:, width:], completions)
+    assert torch.equal(alone.input_ids[:, alone.prompt_length:], completions[4:])
+    other = generate_and_score(model, Letters(), prompts, cfg, REWARD, seed=12)
+    assert not torch.equal(other.input_ids[:, width:], completions)
+    assert row_seeds(11, prompts[:1], 2) == row_seeds(11, prompts[:1], 2) != row_seeds(12, prompts[:1], 2)

@@ -255,6 +255,9 @@ class GRPOConfig(RewardsConfig):
             problems.append(f"grpo.max_completion_length={self.max_completion_length} leaves no room for a prompt "
                             f"in data.max_seq_len={recipe.data.max_seq_len} (prompt + completion); raise "
                             "data.max_seq_len or lower grpo.max_completion_length")
+        if recipe.training.effective_batch_size == "auto":
+            problems.append("training.effective_batch_size: auto follows the measured gradient noise scale, which a "
+                            "grpo run does not measure; set a number of completions per update or remove it")
         if recipe.memory.chunked_loss is True:
             problems.append("memory.chunked_loss: true with training.method grpo: the completions' log-probs are "
                             "computed from their logits directly; set it to false or auto")

@@ -11,7 +11,8 @@ own memory peaks, and the loop owns the optimizer, the schedule, logging and rec
 
 `generate_and_score`: each prompt (left-padded, `num_generations` times) is answered by HF `generate` with the
 weights as they are (adapter on), in eval mode without gradients, with a static KV cache (what
-finetune.plan.generation prices) and plain sampling at `temperature`/`top_p` (no top-k, as TRL). A completion
+finetune.plan.generation prices) and sampling at `temperature`/`top_p` (no top-k, as TRL), each row from its own
+seeded generator (`RowSampler`: the Gumbel-max trick under greedy decoding). A completion
 ends at its first EOS (kept in the loss, as TRL); the rewards (finetune.rl.rewards.score) are summed with their
 weights, and the advantages are `group_advantages`. With `num_iterations` > 1 the old policy's per-token
 log-probabilities are computed now (the later passes clip against them; the first pass's ratio is 1), and with
@@ -157,25 +158,67 @@ class _Answers:
     generation_s: float
 
 
+class RowSampler:
+    """Sampling at `temperature`/`top_p` in which every row draws from its own generator: the Gumbel-max trick
+    (argmax of the warped logits plus Gumbel noise is a sample of their softmax), as a logits processor under
+    greedy decoding. A row's completion then depends on its seed alone, not on the rows generated beside it,
+    so several processes, or generation in halves after an out-of-memory error, sample what one call would.
+    `start` is the first row of the next generate call."""
+
+    def __init__(self, seeds: Sequence[int], temperature: float, top_p: float):
+        from transformers.generation import TopPLogitsWarper
+
+        self.seeds, self.temperature = list(seeds), temperature
+        self.top_p = TopPLogitsWarper(top_p) if top_p < 1 else None
+        self.generators: list[torch.Generator] = []
+        self.start = 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if not self.generators:
+            self.generators = [torch.Generator(scores.device).manual_seed(s) for s in self.seeds]
+        scores = scores / self.temperature if self.temperature != 1.0 else scores
+        if self.top_p is not None:
+            scores = self.top_p(input_ids, scores)
+        rows = range(self.start, self.start + scores.shape[0])
+        uniform = torch.stack([torch.rand(scores.shape[-1], generator=self.generators[r], device=scores.device)
+                               for r in rows])
+        tiny = torch.finfo(uniform.dtype).tiny
+        exponential = (-torch.log(uniform.clamp(min=tiny))).clamp(min=tiny)
+        return scores - torch.log(exponential)  # + Gumbel noise
+
+
+def row_seeds(seed: int, prompts: Sequence[PromptExample], copies: int) -> list[int]:
+    """One seed per completion from (seed, its record, its index among the prompt's copies)."""
+    import hashlib
+
+    return [int(hashlib.sha256(f"{seed}:{p.where}:{k}".encode()).hexdigest()[:15], 16)
+            for p in prompts for k in range(copies)]
+
+
 def _answer(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[PromptExample], copies: int,
-            config: GRPOConfig, rewards: Sequence[NamedReward], rows: int | None, greedy: bool,
+            config: GRPOConfig, rewards: Sequence[NamedReward], rows: int | None, seed: int | None,
             autocast: Callable[[], contextlib.AbstractContextManager]) -> _Answers:
-    """`copies` completions of each prompt, generated `rows` at a time (all: None), then scored."""
+    """`copies` completions of each prompt, generated `rows` at a time (all: None), then scored; sampled with
+    RowSampler from `seed`, or greedy when `seed` is None."""
     import time
+
+    from transformers.generation import LogitsProcessorList
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = tokenizer.eos_token_id
     device = next(model.parameters()).device
     ids, mask = (t.to(device) for t in left_padded(list(prompts), copies, pad))
     width, length = ids.shape[1], config.max_completion_length
-    sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": config.temperature,
-                                                     "top_p": config.top_p, "top_k": 0}
+    sampler = None if seed is None else RowSampler(row_seeds(seed, prompts, copies), config.temperature, config.top_p)
+    processors = LogitsProcessorList([sampler] if sampler is not None else [])
     parts, start, rows = [], time.perf_counter(), rows or ids.shape[0]
     with _evaluating(model), torch.no_grad(), autocast():
         for a in range(0, ids.shape[0], rows):
-            out = model.generate(input_ids=ids[a:a + rows], attention_mask=mask[a:a + rows], **sampling,
-                                 max_new_tokens=length, use_cache=True, cache_implementation="static",
-                                 pad_token_id=pad, eos_token_id=eos)
+            if sampler is not None:
+                sampler.start = a
+            out = model.generate(input_ids=ids[a:a + rows], attention_mask=mask[a:a + rows], do_sample=False,
+                                 logits_processor=processors, max_new_tokens=length, use_cache=True,
+                                 cache_implementation="static", pad_token_id=pad, eos_token_id=eos)
             part = out[:, width:]  # every row ended early: pad to the full length
             parts.append(torch.nn.functional.pad(part, (0, length - part.shape[1]), value=pad))
     completion = torch.cat(parts)
@@ -192,16 +235,19 @@ def _answer(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[PromptExam
 
 def generate_and_score(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[PromptExample],
                        config: GRPOConfig, rewards: Sequence[NamedReward], *, logps_rows: int | None = None,
-                       generation_rows: int | None = None,
+                       generation_rows: int | None = None, seed: int | None = None,
                        autocast: Callable[[], contextlib.AbstractContextManager] = _NULL,
                        samples: int = 4) -> Rollout:
     """Sample `config.num_generations` completions per prompt, score them, and compute what the loss needs
     (see the module docstring). `logps_rows`: completions per no-grad log-prob forward (default all);
     `generation_rows`: completions per generate call (default all; an out-of-memory recovery lowers it);
+    `seed`: each completion is sampled from its own generator, seeded by (seed, its record, its index in the
+    group), so it does not depend on the prompts generated with it (None: a seed drawn from torch's RNG);
     `autocast`: the run's mixed-precision context; `samples`: rows kept for the logs (one per prompt first).
     A reward that fails raises RewardError naming the record and the reward."""
     group = config.num_generations
-    got = _answer(model, tokenizer, prompts, group, config, rewards, generation_rows, False, autocast)
+    seed = int(torch.randint(2**62, ())) if seed is None else seed
+    got = _answer(model, tokenizer, prompts, group, config, rewards, generation_rows, seed, autocast)
     device, width = got.ids.device, got.ids.shape[1]
     reward = torch.tensor(got.totals, dtype=torch.float32)
     rollout = Rollout(torch.cat([got.ids, got.completion], 1), torch.cat([got.mask, got.completion_mask], 1),
@@ -230,7 +276,7 @@ def held_out_rewards(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[P
     """The greedy answer to each held-out prompt, scored: the summed reward and each reward's value per prompt
     (`reward`, `rewards/NAME`) and the completion lengths. Greedy: what the model answers, without the
     sampling noise, so before and after compare."""
-    got = _answer(model, tokenizer, prompts, 1, config, rewards, rows, True, autocast)
+    got = _answer(model, tokenizer, prompts, 1, config, rewards, rows, None, autocast)
     return {"reward": got.totals, **{f"rewards/{r.name}": got.per_reward[r.key] for r in rewards},
             "completion_length": [float(n) for n in got.completion_mask.sum(-1).tolist()]}
 

@@ -76,7 +76,7 @@ class RunFiles(Policy):
             self.run.write_status("running", step=loop.state.step, max_steps=self.max_steps, **self.status_fields)
 
     def log(self, loop, logs: dict) -> None:
-        if not self.main:
+        if loop.rank != 0:  # also before on_train_begin (the held-out evaluation before training)
             return
         now = time.time()
         collapsed = None

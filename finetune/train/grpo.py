@@ -6,14 +6,18 @@
       forward_backward: finetune.rl.step.grpo_forward_backward on one micro-batch (the loop's Objective)
       evaluate:         the greedy answer to each held-out prompt, scored (eval_reward, eval_rewards/NAME)
 
+Sampling: every completion draws from its own generator, seeded by (the run's seed, the step, its record, its
+index in the group) (finetune.rl.step.RowSampler), so what a step samples does not depend on the process layout
+or on generating in halves, and a resumed run samples what the uninterrupted one did.
+
 Out of memory: in generation the step's completions are generated in halves (down to one prompt's group at
-a time), in training the micro-batch halves (down to 1; the update's completions and its loss scaling stay,
-so the gradient is the same but for rounding). Either way the step is not lost: generation restarts from the
-RNG state where the step began; a training retry runs the same completions. The settings reached are kept in
-the train state, so a resume continues with them.
+a time: the same completions), in training the micro-batch halves (down to 1; the update's completions and its
+loss scaling stay, so the gradient is the same but for rounding). Either way the step is not lost. The settings
+reached are kept in the train state, so a resume continues with them.
 
 Several processes: each generates for its own prompts (the loop deals them out); dapo's token normaliser is
-the completion tokens of every process, so DDP's average is the one-process gradient.
+the completion tokens of every process and the logged metrics are means over every process, so two processes
+train and log as one process at the same completions per update.
 """
 
 from __future__ import annotations
@@ -26,12 +30,12 @@ from typing import Any
 import torch
 
 from finetune.data.prompts import PromptExample
+from finetune.errors import FinetuneError
 from finetune.recipe.schema import GRPOConfig
 from finetune.rl.rewards import NamedReward
 from finetune.rl.step import MicroBatch, Rollout, generate_and_score, grpo_forward_backward, held_out_rewards
 from finetune.rundir import EVAL_PREFIX
 from finetune.train.policy import Part, Policy, Step, Update
-from finetune.train.rng import rng_state, set_rng_state
 
 METRIC_PREFIXES = ("reward", "completion_length", "clip_ratio", "kl", "generation_tokens_per_second")
 
@@ -49,39 +53,45 @@ class GRPO(Policy):
         self.generation_rows: int | None = None  # completions per generate call; None: the step's all
         self.on_samples, self.on_recovery, self.samples = on_samples, on_recovery, samples
         self.rollout: Rollout | None = None
+        # what a training row gets, in one order on every process (their sums are added across processes)
+        self.keys = ["reward", "reward_std", *(f"rewards/{r.name}/{s}" for r in self.rewards for s in ("mean", "std")),
+                     "completion_length", "generation_tokens_per_second", "clip_ratio", *(["kl"] if config.beta else [])]
         self._sums: dict[str, list[float]] = {}  # metric -> [sum, count] since the last logged row
         self._latest: list[dict] = []
 
     # -- generation ---------------------------------------------------------------------------------------
     def plan_updates(self, loop, step: Step, updates: list[Update]) -> list[Update]:
         prompts: list[PromptExample] = [row for batch in step.batches for row in batch]
-        start = rng_state()
         while True:
             try:
-                self.rollout = self._generate(loop, prompts)
+                self.rollout = self._generate(loop, prompts, step.number)
                 break
             except torch.OutOfMemoryError as exc:
                 failure = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
             _free()
             rows = self.generation_rows or len(prompts) * self.config.num_generations
             if rows <= self.config.num_generations:
-                raise torch.OutOfMemoryError(
-                    f"{failure} (generating one prompt's {self.config.num_generations} completions at a time)")
+                raise FinetuneError(
+                    f"out of memory generating step {step.number}'s answers even one prompt's "
+                    f"{self.config.num_generations} at a time ({failure}); {loop.kept()}",
+                    hint="lower grpo.num_generations or grpo.max_completion_length, or free GPU memory, then run "
+                         "again (with --resume if a checkpoint was kept)")
             self.generation_rows = max(self.config.num_generations, rows // 2)
             self._said(f"out of memory generating step {step.number} ({failure}): generating "
                        f"{self.generation_rows} completions at a time")
-            set_rng_state(start)
         for key, value in self.rollout.metrics.items():
             self._add(key, value)
         self._latest = [{"step": step.number, **row} for row in self.rollout.samples]
         step.tokens = self.rollout.attention_mask.sum()  # prompts and completions
         return self._updates(loop)
 
-    def _generate(self, loop, prompts: list[PromptExample]) -> Rollout:
+    def _generate(self, loop, prompts: list[PromptExample], step: int) -> Rollout:
+        """The step's rollout; its sampling seed is a function of the run's seed and the step alone."""
         model = loop.accelerator.unwrap_model(loop.model)
         return generate_and_score(model, self.tokenizer, prompts, self.config, self.rewards,
                                   logps_rows=self.micro_batch, generation_rows=self.generation_rows,
-                                  autocast=loop.accelerator.autocast, samples=self.samples)
+                                  seed=loop.schedule.seed * 1_000_003 + step, autocast=loop.accelerator.autocast,
+                                  samples=self.samples)
 
     def _updates(self, loop) -> list[Update]:
         """num_iterations updates over the rollout's completions in micro-batches of self.micro_batch."""
@@ -142,9 +152,13 @@ class GRPO(Policy):
         return out
 
     def log(self, loop, row: dict) -> None:
+        """A training row gets each metric's mean since the last row, over every process."""
         if "loss" not in row:
             return
-        row.update({k: s / n for k, (s, n) in self._sums.items() if n})
+        totals = torch.tensor([self._sums.get(k, [0.0, 0]) for k in self.keys], dtype=torch.float64)
+        if loop.processes > 1:  # every process logs at the same steps (the loop gathers the loss there too)
+            totals = loop.accelerator.gather(totals.to(loop.accelerator.device).unsqueeze(0)).sum(0).cpu()
+        row.update({k: s / n for k, (s, n) in zip(self.keys, totals.tolist(), strict=True) if n})
         self._sums = {}
         if self.on_samples is not None and self._latest:
             self.on_samples(self._latest)

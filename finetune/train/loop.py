@@ -264,8 +264,12 @@ class TrainLoop:
         its parts' means)."""
         size = self.geometry.part_rows
         whole = {**{id(rows): c for rows, c in zip(step.batches, step.collated, strict=True)}, **update.collated}
-        parts = [(mb, whole.get(id(mb))) if len(mb) <= size or id(mb) in update.collated else (mb[i:i + size], None)
-                 for mb in update.micro_batches for i in range(0, len(mb), size)]
+        parts: list[tuple[list, dict | None]] = []
+        for mb in update.micro_batches:
+            if len(mb) <= size or id(mb) in update.collated:
+                parts.append((mb, whole.get(id(mb))))
+            else:
+                parts += [(mb[i:i + size], None) for i in range(0, len(mb), size)]
         total = None
         for i, (rows, collated) in enumerate(parts):
             inputs = collated if collated is not None else self.collate(rows)
