@@ -104,7 +104,7 @@ class GRPO(Policy):
         micro = rollout.micro_batches(math.ceil(rows / self.micro_batch), window)
         return [Update(micro_batches=(batches := [[{"completion": j} for j in range(len(m.advantages))]
                                                   for m in micro]),
-                       share=1 / self.config.num_iterations,
+                       share=1 / self.config.num_iterations, whole=True,
                        collated={id(b): {"micro": m} for b, m in zip(batches, micro, strict=True)})
                 for _ in range(self.config.num_iterations)]
 

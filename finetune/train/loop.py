@@ -259,14 +259,13 @@ class TrainLoop:
         self.pending = []
 
     def _run_update(self, step: Step, update: Update, last_of_step: bool) -> torch.Tensor:
-        """Forward/backward of every micro-batch of `update`, in parts of geometry.part_rows rows (a micro-batch
-        a policy collated runs whole: the policy sized it); the update's loss (a token mean, or the mean of
-        its parts' means)."""
+        """Forward/backward of every micro-batch of `update`, in parts of geometry.part_rows rows (all of it when
+        the update says `whole`); the update's loss (a token mean, or the mean of its parts' means)."""
         size = self.geometry.part_rows
         whole = {**{id(rows): c for rows, c in zip(step.batches, step.collated, strict=True)}, **update.collated}
         parts: list[tuple[list, dict | None]] = []
         for mb in update.micro_batches:
-            if len(mb) <= size or id(mb) in update.collated:
+            if len(mb) <= size or update.whole:
                 parts.append((mb, whole.get(id(mb))))
             else:
                 parts += [(mb[i:i + size], None) for i in range(0, len(mb), size)]

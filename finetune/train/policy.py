@@ -29,6 +29,7 @@ class Update:
     num_items: torch.Tensor | None = None  # labelled tokens of the update (all processes); None: mean losses
     share: float | torch.Tensor = 1.0  # weight of this update's loss in the step's loss
     collated: dict[int, dict] = field(default_factory=dict)  # id(micro-batch) -> its inputs, when already made
+    whole: bool = False  # each micro-batch runs as one forward/backward (the policy sized it; GRPO's completions)
 
 
 @dataclass
