@@ -41,11 +41,8 @@ def _tracked(model, optimizer, fn) -> int:
     return tracker.peak
 
 
-# (2, 4): the training phase with accumulation is predicted 7% under the tracker (not yet explained), so only its
-# generation phase is held to 5% there.
-@pytest.mark.parametrize(("micro_batch", "accumulation", "training_checked"), [(2, 4, False), (4, 1, True)])
-def test_generation_and_training_phases_match_the_tracker(tiny_model_dir, tiny_tokenizer, micro_batch, accumulation,
-                                                          training_checked):
+@pytest.mark.parametrize(("micro_batch", "accumulation"), [(2, 4), (4, 1)])
+def test_generation_and_training_phases_match_the_tracker(tiny_model_dir, tiny_tokenizer, micro_batch, accumulation):
     from finetune.train.measure import step_setup
 
     recipe, model, optimizer, _ = step_setup(_recipe(tiny_model_dir, micro_batch_size=micro_batch,
@@ -74,7 +71,4 @@ def test_generation_and_training_phases_match_the_tracker(tiny_model_dir, tiny_t
         generate_and_score(model, tiny_tokenizer, prompts, recipe.grpo, rewards)))
     training = _tracked(model, optimizer, lambda t: train(held[0], t))
     assert pred.generation_bytes == pytest.approx(generation, rel=0.05)
-    if training_checked:
-        assert pred.training_bytes == pytest.approx(training, rel=0.05)
-    else:
-        assert 0.9 * training < pred.training_bytes < training
+    assert pred.training_bytes == pytest.approx(training, rel=0.05), (pred.training_bytes, training)
