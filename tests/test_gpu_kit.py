@@ -62,7 +62,7 @@ def test_planner_vs_measured_rows(dry_run):
     assert text and all(r["data"]["truncated"] == r["data"]["records_used"] for r in text)
     grpo, = [r for r in rows if r["data"]["format"] == "prompt"]  # generation and training planned together
     assert grpo["predicted_bytes"] == max(grpo["predicted_generation_bytes"], grpo["predicted_training_bytes"])
-    assert grpo["generation_tokens_per_s"] > 0 and grpo["tokens_per_s"] > 0
+    assert grpo["generation_tokens_per_s"] > 0 and grpo["training_tokens_per_s"] > 0 and grpo["tokens_per_s"] > 0
 
 
 def test_max_context_and_speed_rows(dry_run):

@@ -77,7 +77,8 @@ def test_a_grpo_run_logs_rewards_samples_and_the_held_out_reward_before_and_afte
     for row in rows:
         assert 0 <= row["reward"] <= 1 and row["rewards/rewards.py:share_e/mean"] == pytest.approx(row["reward"])
         assert 0 < row["completion_length"] <= 8 and row["clip_ratio"] == 0.0  # one pass: the ratio is 1
-        assert row["generation_tokens_per_second"] > 0 and "kl" not in row  # beta 0: no reference
+        assert row["generation_tokens_per_second"] > 0 and row["training_tokens_per_second"] > 0
+        assert "kl" not in row  # beta 0: no reference
     # tokens per step: the prompts and their completions (2 prompts x 4 answers of at most 8 tokens each)
     assert rows[1]["tokens_seen"] - rows[0]["tokens_seen"] > 8 * 4
     samples = run.read_completions()

@@ -200,9 +200,10 @@ class Suite:
         from benchmarks.gpu.baselines import steady_tokens_per_s
 
         out["tokens_per_s"] = steady_tokens_per_s(rates)  # GRPO: prompts and completions per second of the step
-        generation = [m["generation_tokens_per_second"] for m in metrics if "generation_tokens_per_second" in m]
-        if generation:
-            out["generation_tokens_per_s"] = steady_tokens_per_s(generation)
+        for phase in ("generation", "training"):  # GRPO: each phase's own rate
+            rates = [m[f"{phase}_tokens_per_second"] for m in metrics if f"{phase}_tokens_per_second" in m]
+            if rates:
+                out[f"{phase}_tokens_per_s"] = steady_tokens_per_s(rates)
         if not CUDA and metrics and out["status"] == "completed":  # the CPU tensor tracker's peak
             out["measured_allocated_bytes"] = max(m.get("peak_memory_bytes") or 0 for m in metrics)
         results = run_dir.read_results()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,7 +38,8 @@ from finetune.rl.step import MicroBatch, Rollout, generate_and_score, grpo_forwa
 from finetune.rundir import EVAL_PREFIX
 from finetune.train.policy import Part, Policy, Step, Update
 
-METRIC_PREFIXES = ("reward", "completion_length", "clip_ratio", "kl", "generation_tokens_per_second")
+METRIC_PREFIXES = ("reward", "completion_length", "clip_ratio", "kl", "generation_tokens_per_second",
+                   "training_tokens_per_second")
 
 
 class GRPO(Policy):
@@ -55,9 +57,11 @@ class GRPO(Policy):
         self.rollout: Rollout | None = None
         # what a training row gets, in one order on every process (their sums are added across processes)
         self.keys = ["reward", "reward_std", *(f"rewards/{r.name}/{s}" for r in self.rewards for s in ("mean", "std")),
-                     "completion_length", "generation_tokens_per_second", "clip_ratio", *(["kl"] if config.beta else [])]
+                     "completion_length", "generation_tokens_per_second", "training_tokens_per_second", "clip_ratio",
+                     *(["kl"] if config.beta else [])]
         self._sums: dict[str, list[float]] = {}  # metric -> [sum, count] since the last logged row
         self._latest: list[dict] = []
+        self._trained_from = 0.0
 
     # -- generation ---------------------------------------------------------------------------------------
     def plan_updates(self, loop, step: Step, updates: list[Update]) -> list[Update]:
@@ -83,6 +87,7 @@ class GRPO(Policy):
             self._add(key, value)
         self._latest = [{"step": step.number, **row} for row in self.rollout.samples]
         step.tokens = self.rollout.attention_mask.sum()  # prompts and completions
+        self._trained_from = _now()
         return self._updates(loop)
 
     def _generate(self, loop, prompts: list[PromptExample], step: int) -> Rollout:
@@ -131,6 +136,9 @@ class GRPO(Policy):
         return True
 
     def on_step_end(self, loop, step: Step) -> None:
+        """Training tokens per second of the step (its forward/backwards and updates, generation left out)."""
+        tokens = float(self.rollout.attention_mask.sum()) * self.config.num_iterations
+        self._add("training_tokens_per_second", tokens / max(_now() - self._trained_from, 1e-9))
         self.rollout = None  # its tensors are not needed any more
 
     # -- evaluation and logs ------------------------------------------------------------------------------
@@ -178,6 +186,13 @@ class GRPO(Policy):
 
     def load_state_dict(self, state: dict) -> None:
         self.micro_batch, self.generation_rows = int(state["micro_batch"]), state["generation_rows"]
+
+
+def _now() -> float:
+    """Seconds, after the GPU's queued work (one sync per step: generation synced already)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def _free() -> None:
