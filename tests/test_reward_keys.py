@@ -38,7 +38,7 @@ def _logged_run(tmp_path, method: str) -> RunDir:
     run.create()
     callback = RunFiles(run, max_steps=3)
     for step in (1, 2, 3):
-        loop = SimpleNamespace(state=SimpleNamespace(step=step))
+        loop = SimpleNamespace(state=SimpleNamespace(step=step), rank=0)
         head = {"step": step, "epoch": step / 3}
         for kind in ("train", "eval"):
             metrics: dict = {}
