@@ -466,10 +466,9 @@ class RunDir:
         """On resume, drop rows logged after the checkpoint so each step appears once (and the lines that
         were no usable row: returns how many); the sampled completions likewise."""
         rows = self.read_metrics()
-        atomic_write_text(self.metrics, "".join(json.dumps(r) + "\n" for r in rows if r["step"] <= after_step))
+        _write_lines(self.metrics, [r for r in rows if r["step"] <= after_step])
         if self.completions.is_file():
-            kept = self.read_completions()
-            atomic_write_text(self.completions, "".join(json.dumps(r) + "\n" for r in kept if r["step"] <= after_step))
+            _write_lines(self.completions, [r for r in self.read_completions() if r["step"] <= after_step])
         return rows.skipped
 
     def write_status(self, state: str, **fields: Any) -> None:
@@ -564,3 +563,8 @@ def _append_lines(path: Path, rows: list[dict]) -> None:
         f.write("".join(json.dumps(row) + "\n" for row in rows))
         f.flush()
         os.fsync(f.fileno())
+
+
+def _write_lines(path: Path, rows: list[dict]) -> None:
+    """Replace a JSON-lines file atomically."""
+    atomic_write_text(path, "".join(json.dumps(row) + "\n" for row in rows))

@@ -399,9 +399,11 @@ def _reward_files_from(recipe: Recipe, folder: Path) -> Recipe:
     rewards = recipe.grpo.rewards or []
     if not any(isinstance(r, PythonReward) for r in rewards):
         return recipe
-    moved = [r.model_copy(update={"function": f"{(folder / r.function.rpartition(':')[0]).resolve()}:"
-                                              f"{r.function.rpartition(':')[2]}"})
-             if isinstance(r, PythonReward) else r for r in rewards]
+    def absolute(reward: PythonReward) -> PythonReward:
+        file, _, function = reward.function.rpartition(":")
+        return reward.model_copy(update={"function": f"{(folder / file).resolve()}:{function}"})
+
+    moved = [absolute(r) if isinstance(r, PythonReward) else r for r in rewards]
     return recipe.model_copy(update={"grpo": recipe.grpo.model_copy(update={"rewards": moved})})
 
 

@@ -26,7 +26,9 @@ with position ids counted from the attention mask, so left-padded rows see the p
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -189,8 +191,6 @@ class RowSampler:
 
 def row_seeds(seed: int, prompts: Sequence[PromptExample], copies: int) -> list[int]:
     """One seed per completion from (seed, its record, its index among the prompt's copies)."""
-    import hashlib
-
     return [int(hashlib.sha256(f"{seed}:{p.where}:{k}".encode()).hexdigest()[:15], 16)
             for p in prompts for k in range(copies)]
 
@@ -200,8 +200,6 @@ def _answer(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[PromptExam
             autocast: Callable[[], contextlib.AbstractContextManager]) -> _Answers:
     """`copies` completions of each prompt, generated `rows` at a time (all: None), then scored; sampled with
     RowSampler from `seed`, or greedy when `seed` is None."""
-    import time
-
     from transformers.generation import LogitsProcessorList
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -48,7 +48,8 @@ class CollapseWatch:
 
 class RunFiles(Policy):
     """One JSON line per logged step (and per evaluation) in metrics.jsonl, train.log; live status in
-    status.json. Several processes: rank 0 alone writes."""
+    status.json. Several processes: rank 0 alone writes (asked at every hook: the evaluation before training
+    logs before on_train_begin)."""
 
     def __init__(self, run: RunDir, max_steps: int, status_fields: dict | None = None):
         self.run = run
@@ -59,24 +60,22 @@ class RunFiles(Policy):
         self._first_step: int | None = None
         self.status_fields: dict = status_fields if status_fields is not None else {}  # kept in every write
         self.collapse = CollapseWatch()
-        self.main = True
 
     def on_train_begin(self, loop) -> None:
-        self.main = loop.rank == 0
         self._first_step = loop.state.step
         self._last_tokens = loop.state.tokens_seen
         self._last_time = self.start = time.time()
-        if self.main:
+        if loop.rank == 0:
             self.run.write_status("running", step=loop.state.step, max_steps=self.max_steps, **self.status_fields)
 
     def on_step_end(self, loop, step) -> None:
         """The first trained step goes to status.json at once, whatever logging_steps says: a run that fails
         after it is no run that trained nothing (RunDir.discard_untrained keeps its folder and its error)."""
-        if self.main and loop.state.step == (self._first_step or 0) + 1:
+        if loop.rank == 0 and loop.state.step == (self._first_step or 0) + 1:
             self.run.write_status("running", step=loop.state.step, max_steps=self.max_steps, **self.status_fields)
 
     def log(self, loop, logs: dict) -> None:
-        if loop.rank != 0:  # also before on_train_begin (the held-out evaluation before training)
+        if loop.rank != 0:
             return
         now = time.time()
         collapsed = None
@@ -115,7 +114,7 @@ class RunFiles(Policy):
 
     def on_save(self, loop, folder: str) -> None:
         """An event row, so the curves can mark where a checkpoint was saved."""
-        if self.main:
+        if loop.rank == 0:
             self.run.append_metrics({"event": "checkpoint_saved", "step": loop.state.step})
 
     def _eta(self, step: int) -> float | None:

@@ -22,7 +22,6 @@ train and log as one process at the same completions per update.
 
 from __future__ import annotations
 
-import gc
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +35,7 @@ from finetune.recipe.schema import GRPOConfig
 from finetune.rl.rewards import NamedReward
 from finetune.rl.step import MicroBatch, Rollout, generate_and_score, grpo_forward_backward, held_out_rewards
 from finetune.rundir import EVAL_PREFIX
+from finetune.train.loop import first_line, free_cached_memory
 from finetune.train.policy import Part, Policy, Step, Update
 
 METRIC_PREFIXES = ("reward", "completion_length", "clip_ratio", "kl", "generation_tokens_per_second",
@@ -71,8 +71,8 @@ class GRPO(Policy):
                 self.rollout = self._generate(loop, prompts, step.number)
                 break
             except torch.OutOfMemoryError as exc:
-                failure = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
-            _free()
+                failure = first_line(exc)
+            free_cached_memory()
             rows = self.generation_rows or len(prompts) * self.config.num_generations
             if rows <= self.config.num_generations:
                 raise FinetuneError(
@@ -137,7 +137,7 @@ class GRPO(Policy):
 
     def on_step_end(self, loop, step: Step) -> None:
         """Training tokens per second of the step (its forward/backwards and updates, generation left out)."""
-        tokens = float(self.rollout.attention_mask.sum()) * self.config.num_iterations
+        tokens = float(step.tokens) * self.config.num_iterations
         self._add("training_tokens_per_second", tokens / max(_now() - self._trained_from, 1e-9))
         self.rollout = None  # its tensors are not needed any more
 
@@ -193,9 +193,3 @@ def _now() -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return time.perf_counter()
-
-
-def _free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()

@@ -228,7 +228,7 @@ class TrainLoop:
                 self._run_updates(step, retry)
                 return
             except torch.OutOfMemoryError as exc:
-                failure = _first_line(exc)
+                failure = first_line(exc)
             # Outside the except block: the error's traceback (and the tensors its frames hold) is gone.
             self.drop_gradients()
             if not any(p.on_oom(self, step, failure, "step") for p in self.policies):
@@ -326,7 +326,7 @@ class TrainLoop:
             self._check_finite(step, norm)
             self.optimizer.step()
         except torch.OutOfMemoryError as exc:
-            failure = _first_line(exc)
+            failure = first_line(exc)
         else:
             self.model.zero_grad(set_to_none=True)
             self._last_norm = norm
@@ -361,16 +361,12 @@ class TrainLoop:
 
     def drop_gradients(self) -> None:
         """Forget the gradients of the update in progress (and the pending group's) and free their memory."""
-        import gc
-
         layerwise = layerwise_of(self.optimizer)
         self.undone = layerwise is None or layerwise.discard_pending()
         self.model.zero_grad(set_to_none=True)
         self.optimizer.zero_grad(set_to_none=True)
         self._loss_finite = None
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_cached_memory()
 
     # -- after the step: log, evaluate, save, stop --------------------------------------------------------
     def _count_tokens(self, step: Step) -> None:
@@ -451,7 +447,7 @@ class TrainLoop:
         try:
             return self._evaluate()
         except torch.OutOfMemoryError as exc:
-            failure = _first_line(exc)
+            failure = first_line(exc)
         self.model.zero_grad(set_to_none=True)
         step = self.state.step
         kept = "no step had completed"
@@ -536,5 +532,15 @@ def _null():
     return contextlib.nullcontext()
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """An out-of-memory error's message for a one-line report."""
     return str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
+
+
+def free_cached_memory() -> None:
+    """Collect what an error's frames held and hand CUDA's cached blocks back (after an out-of-memory error)."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
