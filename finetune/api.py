@@ -44,7 +44,7 @@ def validate(data: dict, source: str = "recipe") -> Recipe:
 def preflight(recipe: Recipe) -> dict[str, Any]:
     """What would otherwise fail a minute into `plan` or `run`, checked in seconds before any model loads or
     run directory is made: every path the recipe reads exists (model.path when it is local, data.path,
-    data.chat_template's file, adapter.init_from) and the data file parses (the record reader, format
+    data.chat_template's file, adapter.init_from, grpo's kind python reward files) and the data file parses (the record reader, format
     detection and each record's fields; no tokenizer), and training.compile has a CUDA GPU to run on. Raises the
     error the run would; returns the data's format and record counts (finetune.data.build.check_records)."""
     from finetune.data.build import check_records
@@ -59,6 +59,10 @@ def preflight(recipe: Recipe) -> dict[str, Any]:
     check_model_path(recipe.model.path)
     resolve_init_from(recipe)
     template_file(recipe.data.chat_template)
+    if recipe.training.method == "grpo":
+        from finetune.rl.rewards import check_reward_files
+
+        check_reward_files(recipe.grpo, prefix="grpo.")
     return check_records(recipe.data, recipe.training.method)
 
 

@@ -200,3 +200,16 @@ def test_two_processes_sample_train_and_log_as_one(tmp_path, tiny_model_dir):
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (got["step"], key)
     assert [r["eval_reward"] for r in RunDir(tmp_path / "two").read_metrics() if "eval_reward" in r] == \
         pytest.approx([r["eval_reward"] for r in RunDir(one.run_dir).read_metrics() if "eval_reward" in r])
+
+
+def test_a_missing_reward_file_is_named_before_anything_loads(tmp_path, tiny_model_dir, capsys):
+    """A typo in a kind python reward's file: `finetune run` stops in its preflight, naming the key and the file,
+    exit code 2, and leaves no run directory."""
+    from finetune.cli import main
+
+    path = _recipe(tmp_path, tiny_model_dir)
+    path.write_text(path.read_text().replace("function: rewards.py:share_e", "function: reward.py:share_e"))
+    assert main(["run", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"grpo.rewards[0].function: {tmp_path / 'reward.py'} does not exist" in err
+    assert "Loading weights" not in err and not (tmp_path / "run").exists()
