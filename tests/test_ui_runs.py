@@ -181,7 +181,7 @@ def test_python_rewards_are_refused_unless_the_server_allows_them(tmp_path, tiny
     recipe = {"model": {"path": str(tiny_model_dir)}, "data": {"path": str(data), "max_seq_len": 64},
               "training": {"method": "grpo", "max_steps": 1}, "output": {"dir": str(tmp_path / "runs" / "g")},
               "grpo": {"max_completion_length": 8, "trust_python_code": True,
-                       "rewards": [{"kind": "answer"}, {"kind": "python", "function": "r.py:score"}]}}
+                       "rewards": [{"kind": "answer"}, {"kind": "python", "function": f"{tmp_path / 'r.py'}:score"}]}}
     (tmp_path / "r.py").write_text("def score(prompts, completions, **fields):\n    return [0.0] * len(prompts)\n")
 
     def backend(allowed: bool) -> Backend:
