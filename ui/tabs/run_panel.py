@@ -16,6 +16,7 @@ from finetune import api
 from ui import charts, views
 from ui.backend import Backend
 from ui.tabs.messages import reported
+from ui.tabs.recipe import Form
 
 
 @dataclass
@@ -91,13 +92,13 @@ def updates(run: Path | api.RunFiles | None) -> tuple[Any, ...]:
             views.evaluation_markdown(evaluation))
 
 
-def wire_advice(panel: RunPanel, backend: Backend, run: gr.Dropdown, widgets: list[gr.components.Component],
-                api_name: str | None = None) -> None:
+def wire_advice(panel: RunPanel, backend: Backend, run: gr.Dropdown, form: Form, api_name: str | None = None) -> None:
     """The advice button: the run's advice written over the recipe form (Backend.apply_advice)."""
+    widgets = form.widgets
     @reported(1 + len(widgets))
     def use_advice(run_dir, *values):
         message, changed = backend.apply_advice(list(values), run_dir)
         return (message, *[changed.get(i, gr.skip()) for i in range(len(widgets))])
 
-    panel.advice_btn.click(use_advice, [run, *widgets], [panel.advice_msg, *widgets], api_name=api_name,
-                           api_visibility="public" if api_name else "private")
+    form.refreshed(panel.advice_btn.click(use_advice, [run, *widgets], [panel.advice_msg, *widgets],
+                                          api_name=api_name, api_visibility="public" if api_name else "private"))

@@ -16,6 +16,7 @@ from ui import charts
 from ui.backend import Backend
 from ui.tabs import run_panel
 from ui.tabs.messages import problems_markdown, reported
+from ui.tabs.recipe import Form
 
 HISTORY_HEADERS = ["run", "state", "step", "loss", "eval loss", "tokens/s", "peak memory"]
 
@@ -70,9 +71,9 @@ def ollama_box(fmt: str) -> dict:
     return gr.update(interactive=False, value=False)
 
 
-def build(backend: Backend, widgets: list[gr.components.Component]) -> RunsTab:
+def build(backend: Backend, form: Form) -> RunsTab:
     """The Runs tab; its refresh button is wired by the page, which also updates the Chat tab's run list.
-    `widgets`: the recipe form, which the advice button writes into."""
+    `form`: the recipe form, which the advice button writes into."""
     with gr.Tab("Runs", id="runs") as tab:
         refresh_btn = gr.Button("Refresh", elem_id="refresh-runs")
         history = gr.Dataframe(headers=HISTORY_HEADERS, interactive=False, elem_id="history")
@@ -108,7 +109,7 @@ def build(backend: Backend, widgets: list[gr.components.Component]) -> RunsTab:
         return run_panel.updates(path)
 
     recipe_run.change(run_view, recipe_run, panel.outputs, api_name="run_view")
-    run_panel.wire_advice(panel, backend, recipe_run, widgets)
+    run_panel.wire_advice(panel, backend, recipe_run, form)
 
     def export(run_dir, out_dir, fmt="safetensors", ollama=False):  # a generator: the page streams the progress
         yield from export_view(backend, run_dir, out_dir, fmt, ollama)

@@ -13,12 +13,13 @@ from ui import charts, views
 from ui.backend import Backend
 from ui.tabs import run_panel
 from ui.tabs.messages import reported
+from ui.tabs.recipe import Form
 
 LOG_LINES = 8  # lines of train.log shown
 FAILED_LOG_LINES = 30  # lines of the process output added when a run failed
 
 
-def build(backend: Backend, widgets: list[gr.components.Component], timer: gr.Timer) -> gr.Dropdown:
+def build(backend: Backend, form: Form, timer: gr.Timer) -> gr.Dropdown:
     """The Train tab: queue the form's recipe; every `timer` tick refresh the selected run. Returns the run picker."""
     with gr.Tab("Train", id="train"):
         with gr.Row():
@@ -54,7 +55,7 @@ def build(backend: Backend, widgets: list[gr.components.Component], timer: gr.Ti
         run_dir = backend.start(values)
         return f"Queued {run_dir}.", run_choices(str(run_dir))
 
-    start_btn.click(start, widgets, [train_msg, run_sel], api_name="start")
+    start_btn.click(start, form.widgets, [train_msg, run_sel], api_name="start")
 
     @reported(2)
     def resume(run_dir, allow_data_change=False):
@@ -73,7 +74,7 @@ def build(backend: Backend, widgets: list[gr.components.Component], timer: gr.Ti
     outputs = [status, seen_md, loss_plot, timeline_plot, lr_plot, mem_plot, *panel.outputs, log_box, queue_md, seen]
     timer.tick(refresh, [run_sel, seen], outputs, api_name="refresh", show_progress="hidden")
     run_sel.change(refresh, [run_sel, unseen], outputs, show_progress="hidden", api_visibility="private")
-    run_panel.wire_advice(panel, backend, run_sel, widgets, api_name="use_advice")
+    run_panel.wire_advice(panel, backend, run_sel, form, api_name="use_advice")
     return run_sel
 
 
