@@ -46,7 +46,8 @@ def test_dry_run_writes_every_stage(dry_run):
     assert stages["d"]["status"].startswith("not run"), "unsloth is not installed in the test environment"
     md = (dry_run / "results.md").read_text()
     for header in ("predicted_bytes", "measured_reserved_bytes", "measured_allocated_bytes", "error_reserved",
-                   "predicted_max_tokens", "trained_max_tokens", "hf_peft_tokens_per_s", "trl_tokens_per_s"):
+                   "predicted_max_tokens", "trained_max_tokens", "hf_peft_tokens_per_s", "trl_tokens_per_s",
+                   "predicted_tokens_per_s"):
         assert header in md
 
 
@@ -57,6 +58,7 @@ def test_planner_vs_measured_rows(dry_run):
         assert row["status"] == "completed", row
         assert _finite(row["predicted_bytes"]) and _finite(row["measured_allocated_bytes"]), row
         assert abs(row["error_allocated"]) <= 0.07, row  # the target, on the CPU tracker
+        assert row["predicted_tokens_per_s"] > 0 and row["tokens_per_s"] > 0, row  # the speed model beside it
     text = [r for r in rows if "real data" not in r["name"] and r["data"]["format"] == "text"]
     # Synthetic batches are exactly max_seq_len long: every record was cut to it.
     assert text and all(r["data"]["truncated"] == r["data"]["records_used"] for r in text)

@@ -228,7 +228,7 @@ def test_a_cpu_plan_is_priced_with_the_cpu_measured_once_and_prefers_small_micro
     FLOP/s, half the predicted tokens/s. Where a larger micro-batch is predicted less than 10% faster,
     `auto` keeps the smaller one; where it is much faster (a slow start, as on a GPU), the larger."""
     import finetune.memory.bandwidth as bandwidth
-    from finetune.plan.cost_model import calibrated
+    from finetune.plan.cost_model import figures_of
 
     calls = []
     probe = {"flops@128": 20e9, "flops@1024": 20e9, "mem_bw": 5e9}
@@ -242,7 +242,7 @@ def test_a_cpu_plan_is_priced_with_the_cpu_measured_once_and_prefers_small_micro
     recipe = _recipe(tiny_dir, training={"micro_batch_size": "auto"},
                      memory={"activation_checkpointing": True, "chunked_loss": False})
     plan = predict(recipe, gpu_memory="1GiB", device="cpu")
-    assert plan.figures_measured and plan.device_figures == calibrated(probe)
+    assert plan.figures_measured and plan.device_figures == figures_of("cpu", probe)
     assert plan.settings["micro_batch_size"] == 1  # flat: every micro-batch runs at the peak
     fixed = _recipe(tiny_dir, training={"micro_batch_size": 4}, memory={"activation_checkpointing": True,
                                                                         "chunked_loss": False})

@@ -24,7 +24,8 @@ STAGES = {
 COLUMNS = {
     "env": ["name", "status", "device", "total_memory_bytes", "python", "torch", "cuda", "checks"],
     "a": ["name", "max_seq_len", "status", "fits", "predicted_bytes", "measured_reserved_bytes", "measured_allocated_bytes",
-          "error_reserved", "error_allocated", "allocated_before_bytes", "oom_events", "error", "seconds"],
+          "error_reserved", "error_allocated", "allocated_before_bytes", "predicted_tokens_per_s", "tokens_per_s",
+          "oom_events", "error", "seconds"],
     "b": ["name", "status", "unsloth_tokens", "predicted_max_tokens", "trained_max_tokens", "vs_unsloth", "probes",
           "errors", "seconds"],
     "c": ["name", "max_seq_len", "status", "finetune_tokens_per_s", "hf_peft_tokens_per_s", "trl_tokens_per_s", "vs_hf_peft", "vs_trl",

@@ -192,7 +192,8 @@ class Suite:
         if events or plan is None:  # None: a run that ended before its first step removed its folder with it
             plan = _initial_plan(recipe)
         if plan is not None:
-            out.update(predicted_bytes=plan["peak_bytes"], fits=plan["fits"], settings=plan["settings"])
+            out.update(predicted_bytes=plan["peak_bytes"], fits=plan["fits"], settings=plan["settings"],
+                       predicted_tokens_per_s=plan.get("tokens_per_s"))  # GRPO: generation and scoring included
             if plan.get("generation_bytes"):  # GRPO: both phases' predictions
                 out.update(predicted_generation_bytes=plan["generation_bytes"],
                            predicted_training_bytes=plan["training_bytes"])

@@ -20,6 +20,11 @@ step time = compute / (peak FLOPs x utilisation) + dequantization + exposed tran
   in the step (dpo, kto) adds one forward without backward or recompute (and one more dequantization pass);
   a precomputed reference (training.precompute_reference) adds nothing per step (its one pass over the data
   before training is not counted). The run's measured tokens/s counts every row's tokens (both of a pair).
+- GRPO (`Rollout`): before it trains, a step generates its completions in one batch (prefill over the prompts,
+  then one decode step per completion token, each reading every weight and the KV cache so far: the larger
+  of that memory time and the compute time, plus a dequantization pass of 4-bit/8-bit weights per forward)
+  and scores them with no-grad forwards (reference, old policy); that time is shared by the grpo.num_iterations
+  updates trained on the same completions. Tokens/s counts prompt + completion tokens, as the run does.
 - offload: 2 x offloaded bytes (out and back) per micro-batch over the tier's link (its entry in
   finetune.recipe.offload_tiers: host<->device over PCIe, or disk), at the bandwidths measured once on this
   machine and cached; overlapped with compute, so only the part longer than the compute time counts; plus
@@ -28,20 +33,51 @@ step time = compute / (peak FLOPs x utilisation) + dequantization + exposed tran
 
 from __future__ import annotations
 
-from finetune.plan.memory_model import Settings
+from dataclasses import dataclass
+
+from finetune.plan.generation import generation_memory
+from finetune.plan.memory_model import ModelSpec, Settings, generation_sequences
 from finetune.recipe.offload_tiers import tier_spec
+from finetune.rl.step import of_trace_objective
 
 DEVICE = {
     # peak dense FLOP/s, memory bandwidth B/s: a consumer GPU (RTX 4090 class, bf16) and a desktop CPU.
     "cuda": {"flops": 165e12, "mem_bw": 1.0e12},
     "cpu": {"flops": 0.2e12, "mem_bw": 50e9},
 }
+# Seconds a decoder layer's forward costs beyond its FLOPs and bytes: eager PyTorch launches its dozen-odd
+# kernels (GPU) or ops (CPU) one by one from Python, which bounds generation's small decode steps. Assumed,
+# not yet measured on a GPU (the GPU kit's GRPO row prints predicted against measured generation tokens/s).
+LAYER_OVERHEAD_S = {"cuda": 4e-4, "cpu": 2e-4}
 DEVICE_BASIS = {"cuda": "an RTX 4090-class GPU in bf16", "cpu": "a desktop CPU"}  # whose figures DEVICE holds
 # Bytes/s of each offload link where it was not measured: PCIe 4.0 x16 with pinned memory, achieved; an NVMe
 # SSD, sequential. Host<->device on a CPU run is a memory copy (the device's mem_bw).
 LINK_BYTES_PER_S = {"host_device": 20e9, "disk": 3e9}
 UTIL_HALF_TOKENS = 1024  # tokens per micro-batch at which utilisation reaches half of peak (GPU)
 CHUNKED_LOSS_OVERHEAD = 0.01  # relative cost of running the LM head in chunks
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """training.method grpo: what a step generates and scores before it trains (finetune.rl)."""
+
+    sequences: int  # completions generated in one batch (the step's, whole groups)
+    prompt_tokens: int
+    completion_tokens: int
+    kv_bytes_per_token: float  # KV cache bytes per cached token of one sequence
+    scoring_passes: int  # no-grad forwards over the completions before training (reference, old policy)
+    iterations: int = 1  # updates trained on the same completions (grpo.num_iterations)
+
+
+def rollout_of(spec: ModelSpec, settings: Settings) -> Rollout | None:
+    """GRPO's generation and scoring before each step under `settings`; None for the other methods."""
+    grpo = of_trace_objective(spec.objective)
+    if grpo is None:
+        return None
+    completion = grpo[0]
+    kv_per_token = generation_memory(spec.config, 1, 1, 1, cache_bytes=spec.dtype.itemsize).kv_cache
+    return Rollout(generation_sequences(spec, settings), spec.seq_len - completion, completion, kv_per_token,
+                   spec.scoring_passes, spec.iterations)
 
 
 def calibrated(probe: dict[str, float]) -> dict[str, float]:
@@ -56,10 +92,11 @@ def calibrated(probe: dict[str, float]) -> dict[str, float]:
 
 
 def figures_of(device: str, probe: dict[str, float] | None = None) -> dict[str, float]:
-    """The figures tokens_per_second prices `device` with: measured (`probe`, a CPU) or DEVICE's constants."""
+    """The figures tokens_per_second prices `device` with: measured (`probe`, a CPU) or DEVICE's constants, and
+    its layer overhead (`layer_s`, LAYER_OVERHEAD_S)."""
     if probe is not None:
-        return calibrated(probe)
-    return {**DEVICE[device], "half_tokens": UTIL_HALF_TOKENS}
+        return {**calibrated(probe), "layer_s": LAYER_OVERHEAD_S[device]}
+    return {**DEVICE[device], "half_tokens": UTIL_HALF_TOKENS, "layer_s": LAYER_OVERHEAD_S[device]}
 
 
 def tokens_per_second(settings: Settings, *, device: str, params: int, trainable_full: bool, num_layers: int,
@@ -68,7 +105,7 @@ def tokens_per_second(settings: Settings, *, device: str, params: int, trainable
                       bandwidth: dict[str, float] | None = None, world_size: int = 1,
                       traffic: tuple[float, float] = (0.0, 0.0), interconnect: float = 20e9,
                       rows_per_example: int = 1, reference_forward: bool = False,
-                      figures: dict[str, float] | None = None) -> float:
+                      figures: dict[str, float] | None = None, rollout: Rollout | None = None) -> float:
     """Tokens per second of one optimizer step under `settings` (see module docstring).
 
     `mlp_params`: weight elements of all layers' MLPs (recomputed once more with a tiled MLP).
@@ -77,6 +114,7 @@ def tokens_per_second(settings: Settings, *, device: str, params: int, trainable
     `rows_per_example`, `reference_forward`: preference methods (sequences per example; a reference forward
     in every step).
     `figures`: the device's figures (figures_of); default DEVICE's constants.
+    `rollout`: GRPO's generation and scoring before the step trains.
     """
     dev = figures or figures_of(device)
     tokens = settings.micro_batch_size * seq_len  # counted in tokens/s
@@ -111,7 +149,48 @@ def tokens_per_second(settings: Settings, *, device: str, params: int, trainable
     link, host = traffic
     step += max(0.0, link / interconnect - 2 / 3 * compute * settings.gradient_accumulation_steps)
     step += host / _link_bytes_per_s("host_device", device, dev, bandwidth or {})
+    if rollout is not None:
+        weights = Weights(params, quantized_params if settings.bits else 0, settings.bits or 0, dtype_bytes,
+                          num_layers, hidden)
+        step += rollout_seconds(rollout, weights, dev, settings.micro_batch_size)
     return world_size * tokens * settings.gradient_accumulation_steps / step
+
+
+@dataclass(frozen=True)
+class Weights:
+    """The weights a forward reads (rollout_seconds)."""
+
+    params: int
+    quantized: int  # of those, stored in `bits` bits and dequantized in every forward
+    bits: int
+    dtype_bytes: int
+    num_layers: int
+    hidden: int
+
+
+def _forward_seconds(w: Weights, dev: dict[str, float], rows: int, context: float, cached_bytes: float = 0.0
+                     ) -> float:
+    """One no-grad forward over `rows` tokens, each attending to `context` tokens: the larger of its compute at
+    peak (a roofline: a decode step's few rows are bound by the bytes, not by a utilisation curve fitted to
+    training's matmuls) and its memory time (every weight read once, plus `cached_bytes` of KV cache), plus
+    the dequantization and the layers' launch overhead."""
+    flops = 2 * w.params * rows + 4 * context * w.num_layers * w.hidden * rows
+    compute = flops / dev["flops"]
+    memory = (w.params * w.dtype_bytes + cached_bytes) / dev["mem_bw"]
+    dequant = w.quantized * (w.bits / 8 + w.dtype_bytes) / dev["mem_bw"]
+    return max(compute, memory) + dequant + w.num_layers * dev.get("layer_s", 0.0)
+
+
+def rollout_seconds(r: Rollout, w: Weights, dev: dict[str, float], micro_batch: int) -> float:
+    """Seconds per update of GRPO's generation (prefill, then a decode step per completion token at the mean
+    context) and scoring passes (in micro-batches), shared by the updates of one generation."""
+    p, c = r.prompt_tokens, r.completion_tokens
+    prefill = _forward_seconds(w, dev, r.sequences * p, p)
+    context = p + c / 2
+    decode = c * _forward_seconds(w, dev, r.sequences, context, r.sequences * context * r.kv_bytes_per_token)
+    batches = -(-r.sequences // micro_batch)
+    scoring = r.scoring_passes * batches * _forward_seconds(w, dev, micro_batch * (p + c), p + c)
+    return (prefill + decode + scoring) / r.iterations
 
 
 def _link_bytes_per_s(link: str, device: str, dev: dict[str, float], measured: dict[str, float]) -> float:

@@ -119,6 +119,8 @@ class ModelSpec:
     reference_adapter: bool = False  # adapter.init_from, reference forward in each step: a frozen copy
     reference_pass: bool = True  # precompute_reference: price the pass before training (not in a re-plan)
     num_generations: int = 0  # training.method grpo: completions per prompt (objective `grpo:...`)
+    scoring_passes: int = 0  # grpo: no-grad passes over the completions before training (finetune.rl.step)
+    iterations: int = 1  # grpo: updates trained on one generation's completions (grpo.num_iterations)
 
 
 def _block(settings: Settings) -> int:

@@ -17,7 +17,7 @@ from finetune.memory.bandwidth import cpu_compute, transfer_bandwidth
 from finetune.memory.device_memory import usable_gpu_memory
 from finetune.memory.offload import offload_dir_for
 from finetune.memory.preference import PreferenceLoss, loads_reference_adapter, reference_is_current
-from finetune.plan.cost_model import figures_of, tokens_per_second
+from finetune.plan.cost_model import figures_of, rollout_of, tokens_per_second
 from finetune.plan.memory_model import ModelSpec, managed_state, memory_floor, predict_memory, traffic_bytes
 from finetune.plan.shapes import ModelShapes, target_dtype
 from finetune.plan.trace import model_facts, planned_config
@@ -28,7 +28,7 @@ from finetune.recipe.optimizers import auto_preferences
 from finetune.recipe.resolved import RunConfig, resolve
 from finetune.recipe.schema import SHARDED_STRATEGIES, STRATEGIES, Recipe, strategy_problems
 from finetune.recipe.settings import Settings, inactive_settings, read_settings, write_settings
-from finetune.rl.step import trace_objective
+from finetune.rl.step import scoring_passes, trace_objective
 from finetune.units import format_bytes, parse_bytes
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -255,7 +255,8 @@ def model_spec(recipe: Recipe, config: Any, device: str) -> ModelSpec:
         interconnect_bandwidth=recipe.distributed.interconnect_bandwidth, zero_stage=recipe.distributed.zero_stage,
         deepspeed_offload=recipe.distributed.deepspeed_offload, objective=objective,
         rows_per_example=1 if loss is None else loss.rows_per_example,
-        reference_adapter=loads_reference_adapter(recipe), num_generations=recipe.grpo.num_generations if grpo else 0)
+        reference_adapter=loads_reference_adapter(recipe), num_generations=recipe.grpo.num_generations if grpo else 0,
+        scoring_passes=scoring_passes(recipe.grpo) if grpo else 0, iterations=recipe.grpo.num_iterations if grpo else 1)
 
 
 def free_disk_bytes(path: Path) -> int:
@@ -276,7 +277,7 @@ def _speed(spec: ModelSpec, shapes: ModelShapes, settings: Settings, offloaded_b
         mlp_params=shapes.num_layers * shapes.mlp_linear, mlp_chunk_tokens=spec.tiled_mlp_tokens, bandwidth=bandwidth,
         world_size=spec.world_size, traffic=traffic_bytes(spec, settings), interconnect=spec.interconnect_bandwidth,
         rows_per_example=spec.rows_per_example, reference_forward=_reference_in_step(spec.objective),
-        figures=figures)
+        figures=figures, rollout=rollout_of(spec, settings))
 
 
 def _reference_in_step(objective: str) -> bool:

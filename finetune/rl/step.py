@@ -252,7 +252,7 @@ def generate_and_score(model: torch.nn.Module, tokenizer: Any, prompts: Sequence
                       got.completion_mask, width, reward,
                       group_advantages(reward, group, config.scale_rewards).to(device), None, None)
     rows = logps_rows or got.ids.shape[0]
-    with _evaluating(model):
+    with _evaluating(model):  # the scoring_passes
         if config.num_iterations > 1:
             rollout.old_logps = _no_grad_logps(model, rollout, config.temperature, rows, autocast)
         if config.beta:
@@ -324,11 +324,16 @@ def grpo_forward_backward(model: torch.nn.Module, micro: MicroBatch, config: GRP
     return LossMetrics(math.nan if loss.is_meta else float(loss), result.kl, result.clip_ratio)
 
 
+def scoring_passes(config: GRPOConfig) -> int:
+    """No-grad log-prob passes over a step's completions between generation and training (generate_and_score):
+    the old policy's (num_iterations > 1) and the reference's (beta > 0)."""
+    return int(config.num_iterations > 1) + int(config.beta > 0)
+
+
 def trace_objective(config: GRPOConfig) -> str:
     """What decides a GRPO step's memory, as the planner's trace key: `grpo:COMPLETION_TOKENS`, plus `:logps`
     when a no-grad log-prob pass (old policy or reference) runs between generation and training."""
-    logps = config.beta > 0 or config.num_iterations > 1
-    return f"grpo:{config.max_completion_length}" + (":logps" if logps else "")
+    return f"grpo:{config.max_completion_length}" + (":logps" if scoring_passes(config) else "")
 
 
 def of_trace_objective(objective: str) -> tuple[int, bool] | None:
