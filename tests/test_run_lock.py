@@ -76,7 +76,7 @@ def test_export_and_resume_refused_on_a_folder_of_the_users_leave_it_as_it_was(t
     assert "is not a run directory" in capsys.readouterr().err
     assert _listing(folder) == before and not (tmp_path / "out").exists()
     recipe = _write_recipe(tmp_path, _recipe_dict(tmp_path, tiny_model_dir, output={"dir": str(folder)}), "r")
-    assert main(["run", str(recipe), "--resume"]) == 1
+    assert main(["run", str(recipe), "--resume"]) == 2  # a usage error, as export's refusal above
     assert "no checkpoint to resume from" in capsys.readouterr().err
     assert _listing(folder) == before
 

@@ -1,5 +1,6 @@
 """The UI's download folders do not pile up: a page session's folder goes when the page closes, and the folders
-a killed server left go when the next server starts (a live server's are kept)."""
+a killed server left go when the next server starts (a live server's are kept); nor do gradio's copies of
+uploads (ui.layout.UPLOAD_CACHE_S)."""
 
 from __future__ import annotations
 
@@ -60,3 +61,24 @@ def test_a_page_sessions_download_folder_goes_when_the_page_closes(tmp_path, tin
         wait_for(lambda: not mine.parent.exists(), 20, "the closed session's download folder to go")
         assert theirs.is_file()  # the open page keeps its file
         other.close()
+
+
+def test_gradios_copy_of_an_upload_goes_after_the_cache_age(tmp_path, tiny_model_dir, monkeypatch):
+    """An uploaded recipe (it may hold private paths, a dataset private records) is not kept in gradio's upload
+    cache for good: gone after UPLOAD_CACHE_S (here 1 s), the loaded form unaffected."""
+    from gradio_client import Client, handle_file
+
+    import ui.layout
+
+    monkeypatch.setattr(ui.layout, "UPLOAD_CACHE_S", 1)
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text(f"model: {{path: {tiny_model_dir}}}\ndata: {{path: {write_dataset(tmp_path / 'd.jsonl')}}}\n")
+    with running_app(tmp_path, [tmp_path, tiny_model_dir]) as demo:
+        client = Client(demo.local_url, verbose=False, download_files=False)
+        notice, *_ = client.predict(handle_file(str(recipe)), api_name="/load_recipe")
+        assert notice == "Loaded mine.yaml."
+        cached = [Path(f) for files in demo.temp_file_sets for f in files if Path(f).name == "mine.yaml"]
+        assert cached and all(p.is_file() and p != recipe for p in cached)
+        wait_for(lambda: not any(p.exists() for p in cached), 20, "gradio's copy of the upload to go")
+        assert recipe.is_file()  # the user's own file is never touched
+        client.close()

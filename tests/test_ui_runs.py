@@ -166,9 +166,10 @@ def test_a_queued_run_another_process_holds_shows_as_refused_with_the_locks_mess
     manager.close()
 
 
-def test_python_rewards_are_refused_unless_the_server_allows_them(tmp_path, tiny_model_dir):
+def test_python_rewards_are_refused_unless_the_server_allows_them(tmp_path, tiny_model_dir, monkeypatch):
     """A GRPO recipe with a kind python reward (trusted in the recipe) is code run on the server: the UI queues
-    it only when started with --allow-python-rewards; built-in rewards always go."""
+    it only when started with --allow-python-rewards, and only from a file inside the allowed folders; a relative
+    file is the server's working directory's, queued with its absolute path; built-in rewards always go."""
     import pytest
 
     from finetune.errors import FinetuneError
@@ -184,9 +185,11 @@ def test_python_rewards_are_refused_unless_the_server_allows_them(tmp_path, tiny
                        "rewards": [{"kind": "answer"}, {"kind": "python", "function": f"{tmp_path / 'r.py'}:score"}]}}
     (tmp_path / "r.py").write_text("def score(prompts, completions, **fields):\n    return [0.0] * len(prompts)\n")
 
+    queued: list[Path] = []
+
     def backend(allowed: bool) -> Backend:
         manager = RunManager(tmp_path / "runs")
-        manager.submit = lambda *args, **kw: None  # what is queued is not the question here
+        manager.submit = lambda path, *args, **kw: queued.append(path)  # the queued recipe file, not run here
         return Backend(UISettings([tmp_path, tiny_model_dir], tmp_path / "runs", allow_python_rewards=allowed), manager)
 
     with pytest.raises(FinetuneError) as refused:
@@ -194,6 +197,15 @@ def test_python_rewards_are_refused_unless_the_server_allows_them(tmp_path, tiny
     assert "grpo.rewards[1]: kind python runs code from a file on this server" in refused.value.message
     assert "--allow-python-rewards" in refused.value.hint and not (tmp_path / "runs" / "g").exists()
     assert backend(True).start(form_values(recipe)) == (tmp_path / "runs" / "g").resolve()
+    monkeypatch.chdir(tmp_path)
+    relative = {**recipe, "output": {"dir": str(tmp_path / "runs" / "r")},
+                "grpo": {**recipe["grpo"], "rewards": [{"kind": "python", "function": "r.py:score"}]}}
+    assert backend(True).start(form_values(relative)) == (tmp_path / "runs" / "r").resolve()
+    assert f"function: {(tmp_path / 'r.py').resolve()}:score" in queued[-1].read_text()
+    outside = {**relative, "grpo": {**relative["grpo"], "rewards": [{"kind": "python", "function": "/etc/r.py:f"}]}}
+    with pytest.raises(FinetuneError) as refused:
+        backend(True).start(form_values(outside))
+    assert "grpo.rewards[0].function" in str(refused.value) and not (tmp_path / "runs" / "o").exists()
     built_in = {**recipe, "grpo": {**recipe["grpo"], "rewards": [{"kind": "answer"}]}}
     assert backend(False).start(form_values({**built_in, "output": {"dir": str(tmp_path / "runs" / "b")}}))
     assert build_parser().parse_args(["--allow-python-rewards"]).allow_python_rewards is True

@@ -26,6 +26,7 @@ from finetune.recipe.load import (
     load_recipe,
     load_recipe_text,
     recipe_to_yaml,
+    reward_files_from,
     validate_recipe,
 )
 from finetune.recipe.schema import Recipe
@@ -154,8 +155,10 @@ class Backend:
         return path
 
     def checked_recipe(self, values: list[Any]) -> Recipe:
-        """The form's recipe, refused if any of its paths leads outside the allowed folders."""
-        recipe = self.recipe(values)
+        """The form's recipe, refused if any of its paths leads outside the allowed folders; a kind python
+        reward's file, relative to the server's working directory (a form has no folder), made absolute so the
+        queued run finds it."""
+        recipe = reward_files_from(self.recipe(values), Path.cwd())
         check_recipe_paths(recipe, self.settings.roots)
         return recipe
 

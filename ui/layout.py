@@ -14,12 +14,14 @@ from ui.paths import data_files
 from ui.tabs import chat, data, memory, recipe, runs, train
 
 REFRESH_S = 2.0
+UPLOAD_CACHE_S = 3600  # gradio's copies of uploads (a recipe or dataset: read, or copied to the runs folder, at
+# once) are deleted this long after they came, checked as often; all of them when the server stops
 CSS = "#run-status progress { height: 1.2em }"
 
 
 def build_app(backend: Backend) -> gr.Blocks:
     """The whole UI, bound to one backend (allowed folders, runs folder, run queue)."""
-    with gr.Blocks(title="finetune") as demo:
+    with gr.Blocks(title="finetune", delete_cache=(UPLOAD_CACHE_S, UPLOAD_CACHE_S)) as demo:
         gr.Markdown("# finetune\nBuild a recipe, check it fits your GPU, train, watch, and chat with the result.")
         timer = gr.Timer(REFRESH_S)
         with gr.Tabs():

@@ -95,7 +95,10 @@ def _check_model(raw: str, roots: list[Path]) -> None:
 
 
 def check_recipe_paths(recipe: Recipe, roots: list[Path]) -> None:
-    """Refuse a recipe that would read or write any file outside `roots` (every key in PATH_KEYS)."""
+    """Refuse a recipe that would read or write any file outside `roots` (every key in PATH_KEYS, and the file
+    of each kind python reward)."""
+    for key, file in recipe.grpo.python_files("grpo."):
+        allowed_path(file, roots, key)
     for key, kind in PATH_KEYS.items():
         section, name = key.split(".")
         value = getattr(getattr(recipe, section), name)

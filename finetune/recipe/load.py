@@ -388,12 +388,13 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
         line = raw[:exc.start].count(b"\n") + 1
         raise RecipeError(f"{path}:{line}: not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start}); "
                           "a recipe is a YAML text file saved as UTF-8") from None
-    return _reward_files_from(load_recipe_text(text, str(path), overrides), path.parent)
+    return reward_files_from(load_recipe_text(text, str(path), overrides), path.parent)
 
 
-def _reward_files_from(recipe: Recipe, folder: Path) -> Recipe:
-    """grpo.rewards of kind python name their file relative to the recipe's folder: made absolute here, so the
-    run (and its saved recipe.yaml, which --resume reads from the run directory) finds the same file."""
+def reward_files_from(recipe: Recipe, folder: Path) -> Recipe:
+    """grpo.rewards of kind python name their file relative to the recipe's folder (the working directory for a
+    recipe without one: the web UI's form): made absolute here, so the run (and its saved recipe.yaml, which
+    --resume reads from the run directory) finds the same file."""
     from finetune.recipe.rewards import PythonReward
 
     rewards = recipe.grpo.rewards or []

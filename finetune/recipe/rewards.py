@@ -118,6 +118,11 @@ class RewardsConfig(Section):
         """The keys of the kind python rewards (`grpo.rewards[1]`): the ones that run the user's code."""
         return [f"{prefix}rewards[{i}]" for i, r in enumerate(self.rewards or []) if isinstance(r, PythonReward)]
 
+    def python_files(self, prefix: str = "") -> list[tuple[str, str]]:
+        """(key, file) of each kind python reward's file (`grpo.rewards[1].function`, the part before `:`)."""
+        return [(f"{prefix}rewards[{i}].function", r.function.rpartition(":")[0])
+                for i, r in enumerate(self.rewards or []) if isinstance(r, PythonReward)]
+
     def untrusted(self, prefix: str = "") -> str | None:
         """Why the kind python rewards may not run (trust_python_code is off), keys prefixed with `prefix`
         (`grpo.` in a recipe); None when they may."""

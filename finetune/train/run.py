@@ -13,7 +13,7 @@ from transformers import set_seed
 
 from finetune.console import console
 from finetune.data.fingerprint import DataChanged, check_resumed_data
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, UsageError
 from finetune.memory.offload import activation_offload, preflight_offload
 from finetune.memory.preference import loads_reference_adapter
 from finetune.memory.step import autocast_for, mixed_precision
@@ -82,7 +82,7 @@ def _prepare_run_dir(recipe: Recipe, resume: bool, overwrite: bool, held: list[R
         found = find_resumable(run.checkpoints)
         report_skipped(found.skipped)
         if found.newest is None:
-            raise FinetuneError(f"--resume: no checkpoint to resume from in {run.checkpoints}",
+            raise UsageError(f"--resume: no checkpoint to resume from in {run.checkpoints}",
                                 hint="start the run without --resume (checkpoints are saved every output.save_steps)")
         console.print(f"resuming from {found.newest}")
         return run, str(found.newest)
