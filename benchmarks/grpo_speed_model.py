@@ -9,7 +9,7 @@ next to the measured time of the same generation (the recipe's model with its ad
 completion forced to its full length, prompts of data.max_seq_len - max_completion_length tokens, as the
 planner prices them). Wall and CPU seconds (the step's CPU time over the threads: what it takes with the
 cores to itself). The last column is the per-layer overhead the measurement implies
-(cost_model.LAYER_OVERHEAD_S, assumed), so a run on a GPU can set the GPU's from the GPU kit's GRPO row.
+(cost_model.LAYER_OVERHEAD_S: the CPU's set from this benchmark; the GPU's to be set from the GPU kit's rows).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def main() -> None:
           f"tokens; torch threads {args.threads}; median of {args.repeats} after one warm-up")
     print(f"# probe: {', '.join(f'{k} {v / 1e9:.1f}G' for k, v in probe.items())} -> peak "
           f"{figures['flops'] / 1e9:.1f} GFLOP/s, mem_bw {figures['mem_bw'] / 1e9:.1f} GB/s, "
-          f"layer overhead {figures['layer_s'] * 1e3:.2f} ms (assumed)\n")
+          f"layer overhead {figures['layer_s'] * 1e3:.2f} ms (cost_model.LAYER_OVERHEAD_S)\n")
     print(f"{'completions':>11} {'predicted s':>12} {'measured s':>11} {'pred/meas':>10} {'CPU s':>7} "
           f"{'pred/CPU':>9} {'implied layer ms':>17}")
     for rows in args.sequences:

@@ -26,7 +26,7 @@ def test_a_decode_step_is_bound_by_bytes_and_launches_so_more_sequences_cost_lit
     """Twice the completions per generate call take about the same time: generation's tokens/s nearly doubles
     (why the step's completions are generated in one batch)."""
     assert _seconds(sequences=16) < 1.1 * _seconds(sequences=8)
-    assert _seconds(sequences=256) > 1.3 * _seconds(sequences=8)  # until the KV cache and the compute catch up
+    assert _seconds(sequences=8) < _seconds(sequences=16) < _seconds(sequences=256)  # the KV cache, the compute
 
 
 def test_every_completion_token_is_one_more_decode_step():

@@ -45,10 +45,11 @@ DEVICE = {
     "cuda": {"flops": 165e12, "mem_bw": 1.0e12},
     "cpu": {"flops": 0.2e12, "mem_bw": 50e9},
 }
-# Seconds a decoder layer's forward costs beyond its FLOPs and bytes: eager PyTorch launches its dozen-odd
-# kernels (GPU) or ops (CPU) one by one from Python, which bounds generation's small decode steps. Assumed,
-# not yet measured on a GPU (the GPU kit's GRPO row prints predicted against measured generation tokens/s).
-LAYER_OVERHEAD_S = {"cuda": 4e-4, "cpu": 2e-4}
+# Seconds a decoder layer's forward costs beyond its FLOPs and bytes: eager PyTorch and peft run a LoRA layer's
+# ~75 ops one by one from Python, which bounds generation's small decode steps. CPU: measured on the 2-core
+# development machine (benchmarks/grpo_speed_model.py: 2.8 ms, SmolLM2-135M + LoRA, one thread). GPU: assumed
+# (~75 kernel launches at ~8 us), not yet measured (the GPU kit's rows print predicted against measured tokens/s).
+LAYER_OVERHEAD_S = {"cuda": 6e-4, "cpu": 3e-3}
 DEVICE_BASIS = {"cuda": "an RTX 4090-class GPU in bf16", "cpu": "a desktop CPU"}  # whose figures DEVICE holds
 # Bytes/s of each offload link where it was not measured: PCIe 4.0 x16 with pinned memory, achieved; an NVMe
 # SSD, sequential. Host<->device on a CPU run is a memory copy (the device's mem_bw).
