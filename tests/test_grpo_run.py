@@ -162,6 +162,33 @@ def test_out_of_memory_in_generation_generates_in_halves(tmp_path, tiny_model_di
     assert "generating 4 completions at a time" in RunDir(result.run_dir).log.read_text()
 
 
+def test_a_planned_generation_batch_generates_in_parts_and_samples_what_one_batch_does(tmp_path, tiny_model_dir,
+                                                                                       monkeypatch):
+    """grpo.generation_batch_size 4 (the planner's pick where the step's 8 completions at once would not fit):
+    each step generates twice 4, and every completion is sampled from its own seed, so the rewards are those of
+    generating all 8 at once."""
+    from transformers import GenerationMixin
+
+    original, calls = GenerationMixin.generate, []
+
+    def generate(self, *args, **kwargs):
+        if kwargs.get("logits_processor"):  # sampling, not the held-out evaluation's greedy answers
+            calls.append(kwargs["input_ids"].shape[0])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "generate", generate)
+    parts = _run(_recipe(tmp_path, tiny_model_dir, "parts", max_steps=2), **{"grpo.generation_batch_size": 4})
+    assert calls == [4, 4, 4, 4], calls
+    calls.clear()
+    whole = _run(_recipe(tmp_path, tiny_model_dir, "whole", max_steps=2), **{"grpo.generation_batch_size": "null"})
+    assert calls == [8, 8], calls
+
+    def rewards(result: api.RunResult) -> list[float]:
+        return [row["reward"] for row in RunDir(result.run_dir).read_metrics() if "reward" in row]
+
+    assert rewards(parts) == rewards(whole) and len(rewards(parts)) == 2
+
+
 def test_generation_that_runs_out_of_memory_one_group_at_a_time_is_a_clear_error(tmp_path, tiny_model_dir,
                                                                                monkeypatch):
     from transformers import GenerationMixin

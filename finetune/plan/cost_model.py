@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from finetune.plan.generation import generation_memory
-from finetune.plan.memory_model import ModelSpec, Settings, generation_sequences
+from finetune.plan.memory_model import ModelSpec, Settings, generation_sequences, step_completions
 from finetune.recipe.offload_tiers import tier_spec
 from finetune.rl.step import of_trace_objective
 
@@ -62,7 +62,8 @@ CHUNKED_LOSS_OVERHEAD = 0.01  # relative cost of running the LM head in chunks
 class Rollout:
     """training.method grpo: what a step generates and scores before it trains (finetune.rl)."""
 
-    sequences: int  # completions generated in one batch (the step's, whole groups)
+    sequences: int  # completions generated at once (grpo.generation_batch_size)
+    calls: int  # generate calls per step: the step's completions over `sequences`
     prompt_tokens: int
     completion_tokens: int
     kv_bytes_per_token: float  # KV cache bytes per cached token of one sequence
@@ -77,8 +78,9 @@ def rollout_of(spec: ModelSpec, settings: Settings) -> Rollout | None:
         return None
     completion = grpo[0]
     kv_per_token = generation_memory(spec.config, 1, 1, 1, cache_bytes=spec.dtype.itemsize).kv_cache
-    return Rollout(generation_sequences(spec, settings), spec.seq_len - completion, completion, kv_per_token,
-                   spec.scoring_passes, spec.iterations)
+    at_once = generation_sequences(spec, settings)
+    return Rollout(at_once, -(-step_completions(spec, settings) // at_once), spec.seq_len - completion, completion,
+                   kv_per_token, spec.scoring_passes, spec.iterations)
 
 
 def calibrated(probe: dict[str, float]) -> dict[str, float]:
@@ -183,15 +185,15 @@ def _forward_seconds(w: Weights, dev: dict[str, float], rows: int, context: floa
 
 
 def rollout_seconds(r: Rollout, w: Weights, dev: dict[str, float], micro_batch: int) -> float:
-    """Seconds per update of GRPO's generation (prefill, then a decode step per completion token at the mean
-    context) and scoring passes (in micro-batches), shared by the updates of one generation."""
+    """Seconds per update of GRPO's generation (per generate call: prefill, then a decode step per completion
+    token at the mean context) and scoring passes (in micro-batches), shared by the updates of one generation."""
     p, c = r.prompt_tokens, r.completion_tokens
     prefill = _forward_seconds(w, dev, r.sequences * p, p)
     context = p + c / 2
     decode = c * _forward_seconds(w, dev, r.sequences, context, r.sequences * context * r.kv_bytes_per_token)
-    batches = -(-r.sequences // micro_batch)
+    batches = -(-r.sequences * r.calls // micro_batch)
     scoring = r.scoring_passes * batches * _forward_seconds(w, dev, micro_batch * (p + c), p + c)
-    return (prefill + decode + scoring) / r.iterations
+    return ((prefill + decode) * r.calls + scoring) / r.iterations
 
 
 def _link_bytes_per_s(link: str, device: str, dev: dict[str, float], measured: dict[str, float]) -> float:

@@ -426,11 +426,17 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
                       training_bytes=max(v for k, v in totals.items() if k != "generation") if grpo else 0)
 
 
-def generation_sequences(spec: ModelSpec, settings: Settings) -> int:
-    """training.method grpo: completions generated at once, the step's micro_batch_size x accumulation rounded up
-    to whole groups of num_generations (the prompts of one optimizer step, docs/rl.md)."""
+def step_completions(spec: ModelSpec, settings: Settings) -> int:
+    """training.method grpo: an optimizer step's completions, its micro_batch_size x accumulation rounded up to
+    whole groups of num_generations (the prompts of one optimizer step, docs/rl.md)."""
     return prompts_per_step(settings.micro_batch_size, settings.gradient_accumulation_steps,
                             spec.num_generations) * spec.num_generations
+
+
+def generation_sequences(spec: ModelSpec, settings: Settings) -> int:
+    """training.method grpo: completions generated at once, grpo.generation_batch_size (None: the step's all)."""
+    total = step_completions(spec, settings)
+    return min(settings.generation_batch_size or total, total)
 
 
 def _grpo_windows(spec: ModelSpec, settings: Settings, grpo: tuple[int, bool], params: dict[str, float],

@@ -18,7 +18,14 @@ from finetune.memory.device_memory import usable_gpu_memory
 from finetune.memory.offload import offload_dir_for
 from finetune.memory.preference import PreferenceLoss, loads_reference_adapter, reference_is_current
 from finetune.plan.cost_model import figures_of, rollout_of, tokens_per_second
-from finetune.plan.memory_model import ModelSpec, managed_state, memory_floor, predict_memory, traffic_bytes
+from finetune.plan.memory_model import (
+    ModelSpec,
+    managed_state,
+    memory_floor,
+    predict_memory,
+    step_completions,
+    traffic_bytes,
+)
 from finetune.plan.shapes import ModelShapes, target_dtype
 from finetune.plan.trace import model_facts, planned_config
 from finetune.recipe.batch_rules import accumulation_for
@@ -156,6 +163,9 @@ def auto_values(recipe: Recipe, device: str) -> dict[str, list[Any]]:
         "optimizer": _auto_optimizers(recipe),
         "tiled_mlp": [False, True],
         "strategy": _auto_strategies(recipe),
+        # grpo: whole groups, doubling; one that holds the step's all is None (_choices)
+        "generation_batch_size": [None, *(recipe.grpo.num_generations << k for k in range(11))]
+        if recipe.training.method == "grpo" else [None],
     }
 
 
@@ -225,6 +235,9 @@ def _choices(recipe: Recipe, spec: ModelSpec) -> list[Settings]:
         if st["gradient_accumulation_steps"] == "auto":  # keep training.effective_batch_size over all devices
             st["gradient_accumulation_steps"] = accumulation_for(effective, st["micro_batch_size"], world) \
                 if effective else 1
+        if given["generation_batch_size"] == "auto" and st["generation_batch_size"] is not None \
+                and st["generation_batch_size"] >= step_completions(spec, Settings(**st)):
+            continue  # the step's all at once: the None candidate
         out.append(Settings(**st))
     return out
 

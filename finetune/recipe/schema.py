@@ -216,6 +216,9 @@ class GRPOConfig(RewardsConfig):
                                 "the ratio is clipped.")
     max_completion_length: int = Field(256, ge=1, le=2**20, description="Longest completion in tokens; prompts "
                                        "get data.max_seq_len minus this (longer prompts are dropped and counted).")
+    generation_batch_size: int | Auto | None = Field(
+        "auto", ge=1, le=2**20, description="Completions generated at once (the KV cache holds them all); null: all "
+        "of an optimizer step's; auto: the planner picks the fastest that fits, in whole groups of num_generations.")
     temperature: float = Field(1.0, gt=0, le=100, description="Sampling temperature of the completions.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: keep the smallest set of tokens whose "
                          "probability reaches top_p; 1: all.")

@@ -31,6 +31,10 @@ def _several_processes(recipe: Recipe) -> bool:
     return recipe.distributed.gpus > 1
 
 
+def _generates(recipe: Recipe) -> bool:
+    return recipe.training.method == "grpo"
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """One concrete configuration the planner can evaluate (no `auto` left)."""
@@ -46,6 +50,9 @@ class Settings:
     tiled_mlp: bool = _setting("memory.tiled_mlp", "tiled", fallback=False, default=False)
     strategy: str = _setting("distributed.strategy", "strategy", fallback="ddp", default="ddp",
                              active=_several_processes)  # with one process there is nothing to distribute
+    # completions per generate call (None: the step's all, what an out-of-memory recovery starts halving from)
+    generation_batch_size: int | None = _setting("grpo.generation_batch_size", "gen", fallback=None, default=None,
+                                                 active=_generates)
 
 
 class Setting(NamedTuple):

@@ -49,10 +49,12 @@ class GRPO(Policy):
 
     def __init__(self, config: GRPOConfig, rewards: Sequence[NamedReward], tokenizer: Any, micro_batch: int, *,
                  on_samples: Callable[[list[dict]], None] | None = None,
-                 on_recovery: Callable[[str], None] | None = None, samples: int = 4):
+                 on_recovery: Callable[[str], None] | None = None, samples: int = 4,
+                 generation_rows: int | None = None):
         self.config, self.rewards, self.tokenizer = config, list(rewards), tokenizer
         self.micro_batch = micro_batch
-        self.generation_rows: int | None = None  # completions per generate call; None: the step's all
+        self.generation_rows = generation_rows  # completions per generate call (the planned
+        # grpo.generation_batch_size); None: the step's all
         self.on_samples, self.on_recovery, self.samples = on_samples, on_recovery, samples
         self.rollout: Rollout | None = None
         # what a training row gets, in one order on every process (their sums are added across processes)
@@ -73,7 +75,8 @@ class GRPO(Policy):
             except torch.OutOfMemoryError as exc:
                 failure = first_line(exc)
             free_cached_memory()
-            rows = self.generation_rows or len(prompts) * self.config.num_generations
+            total = len(prompts) * self.config.num_generations
+            rows = min(self.generation_rows or total, total)
             if rows <= self.config.num_generations:
                 raise FinetuneError(
                     f"out of memory generating step {step.number}'s answers even one prompt's "

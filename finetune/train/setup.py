@@ -156,7 +156,8 @@ def _grpo(config: RunConfig, tokenizer: Any, run_dir: RunDir) -> GRPO:
         run_dir.log_line(line)
 
     return GRPO(config.recipe.grpo, build_rewards(config.recipe.grpo), tokenizer, config.settings.micro_batch_size,
-                on_samples=run_dir.append_completions if main else None, on_recovery=recovered if main else None)
+                on_samples=run_dir.append_completions if main else None, on_recovery=recovered if main else None,
+                generation_rows=config.settings.generation_batch_size)
 
 
 def simple_loop(config: RunConfig, model: torch.nn.Module, train_data: Any, collator: Callable[[list], dict],
