@@ -5,6 +5,8 @@ The tokenizer is a stub (token i is the letter chr(97 + i)), so a reward can ask
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -183,3 +185,6 @@ def test_a_completion_does_not_depend_on_what_is_generated_beside_it():
     other = generate_and_score(model, Letters(), prompts, cfg, REWARD, seed=12)
     assert not torch.equal(other.input_ids[:, width:], completions)
     assert row_seeds(11, prompts[:1], 2) == row_seeds(11, prompts[:1], 2) != row_seeds(12, prompts[:1], 2)
+    here, moved = ([replace(p, where=f"{folder}/{p.where}") for p in prompts] for folder in ("/here", "../there"))
+    assert row_seeds(11, here, 2) == row_seeds(11, moved, 2) == row_seeds(11, prompts, 2)  # the data elsewhere
+    assert row_seeds(11, prompts[:1], 2) != row_seeds(11, prompts[1:2], 2)  # another record

@@ -189,7 +189,7 @@ def test_cli_run_directory_generate_and_export(tmp_path, tiny_model_dir):
 
 def test_existing_run_dir_needs_resume_or_overwrite(tmp_path, tiny_model_dir, capsys):
     recipe_path = _write_recipe(tmp_path, _recipe_dict(tmp_path, tiny_model_dir, training={"max_steps": 1}), "r")
-    assert main(["run", str(recipe_path), "--resume"]) == 1
+    assert main(["run", str(recipe_path), "--resume"]) == 2  # a usage error
     assert "no checkpoint" in capsys.readouterr().err
     assert main(["run", str(recipe_path)]) == 0
     assert main(["run", str(recipe_path)]) == 1

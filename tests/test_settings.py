@@ -67,7 +67,8 @@ def test_every_auto_key_of_the_schema_is_planned_or_said_to_be_someone_elses():
         sections.setdefault(section, {})[name] = "auto"
     sections["distributed"]["gpus"] = 2  # distributed.strategy is planned only with several processes
     everything_auto = _recipe(**sections)
-    assert set(everything_auto.auto_keys()) == planned == set(auto_keys(everything_auto))
+    generating = {"grpo.generation_batch_size"}  # planned only with training.method grpo
+    assert set(everything_auto.auto_keys()) == planned - generating == set(auto_keys(everything_auto))
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -145,7 +146,8 @@ def test_plan_apply_fills_the_budget_and_keeps_what_the_planner_does_not_decide(
     chosen = dataclasses.asdict(Settings(2, 4, False, 1, "cpu", True, None, "sgd", True))
     recipe = _recipe(training={"micro_batch_size": "auto", "learning_rate": 0.01}, memory={"gpu_memory_margin": 0})
     applied = _fake_plan(chosen).apply(recipe).recipe
-    assert read_settings(applied) == {**chosen, "strategy": "auto"}  # one process: no strategy is written
+    # one process: no strategy is written; sft: no generation batch
+    assert read_settings(applied) == {**chosen, "strategy": "auto", "generation_batch_size": "auto"}
     assert applied.memory.gpu_memory == 2**30 and applied.training.learning_rate == 0.01
     explicit = recipe.model_copy(update={"memory": recipe.memory.model_copy(update={"gpu_memory": 5 * 2**30})})
     assert _fake_plan(chosen).apply(explicit).recipe.memory.gpu_memory == 5 * 2**30

@@ -216,8 +216,8 @@ class GRPOConfig(RewardsConfig):
                                 "the ratio is clipped.")
     max_completion_length: int = Field(256, ge=1, le=2**20, description="Longest completion in tokens; prompts "
                                        "get data.max_seq_len minus this (longer prompts are dropped and counted).")
-    generation_batch_size: int | Auto | None = Field(
-        "auto", ge=1, le=2**20, description="Completions generated at once (the KV cache holds them all); null: all "
+    generation_batch_size: Annotated[int, Field(ge=1, le=2**20)] | Auto | None = Field(
+        "auto", description="Completions generated at once (the KV cache holds them all); null: all "
         "of an optimizer step's; auto: the planner picks the fastest that fits, in whole groups of num_generations.")
     temperature: float = Field(1.0, gt=0, le=100, description="Sampling temperature of the completions.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: keep the smallest set of tokens whose "
@@ -245,8 +245,9 @@ class GRPOConfig(RewardsConfig):
         """The grpo keys against the rest of `recipe`: set only for method grpo, rewards given, room for a
         prompt, a reference to compare against when beta > 0."""
         method = recipe.training.method
-        if method != "grpo":
-            keys = [f"grpo.{k}" for k, f in type(self).model_fields.items() if getattr(self, k) != f.default]
+        if method != "grpo":  # generation_batch_size's auto and null (the planner's value for it) mean nothing here
+            keys = [f"grpo.{k}" for k, f in type(self).model_fields.items() if getattr(self, k) != f.default
+                    and not (k == "generation_batch_size" and getattr(self, k) is None)]
             return [f"{', '.join(keys)}: {'apply' if len(keys) > 1 else 'applies'} only to training.method grpo, "
                     f"not {method}; remove {'them' if len(keys) > 1 else 'it'} or set training.method: grpo"] \
                 if keys else []

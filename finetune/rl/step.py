@@ -29,6 +29,7 @@ import contextlib
 import hashlib
 import math
 import time
+from pathlib import PurePath
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -190,9 +191,16 @@ class RowSampler:
 
 
 def row_seeds(seed: int, prompts: Sequence[PromptExample], copies: int) -> list[int]:
-    """One seed per completion from (seed, its record, its index among the prompt's copies)."""
-    return [int(hashlib.sha256(f"{seed}:{p.where}:{k}".encode()).hexdigest()[:15], 16)
+    """One seed per completion from (seed, its record, its index among the prompt's copies). The record is its
+    file's name and line, not its folder: a run samples the same wherever its data lies (another machine, a
+    relative path from another working directory)."""
+    return [int(hashlib.sha256(f"{seed}:{_record(p.where)}:{k}".encode()).hexdigest()[:15], 16)
             for p in prompts for k in range(copies)]
+
+
+def _record(where: str) -> str:
+    file, _, line = where.rpartition(":")
+    return f"{PurePath(file).name}:{line}" if file else where
 
 
 def _answer(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[PromptExample], copies: int,
