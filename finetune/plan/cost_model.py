@@ -20,9 +20,10 @@ step time = compute / (peak FLOPs x utilisation) + dequantization + exposed tran
   in the step (dpo, kto) adds one forward without backward or recompute (and one more dequantization pass);
   a precomputed reference (training.precompute_reference) adds nothing per step (its one pass over the data
   before training is not counted). The run's measured tokens/s counts every row's tokens (both of a pair).
-- GRPO (`Rollout`): before it trains, a step generates its completions in one batch (prefill over the prompts,
-  then one decode step per completion token, each reading every weight and the KV cache so far: the larger
-  of that memory time and the compute time, plus a dequantization pass of 4-bit/8-bit weights per forward)
+- GRPO (`Rollout`): before it trains, a step generates its completions, grpo.generation_batch_size at a time
+  (per generate call: a prefill over the prompts, then one decode step per completion token, each reading every
+  weight and the KV cache so far: the larger of that memory time and the compute time, plus a dequantization
+  pass of 4-bit/8-bit weights and the layers' launch overhead per forward)
   and scores them with no-grad forwards (reference, old policy); that time is shared by the grpo.num_iterations
   updates trained on the same completions. Tokens/s counts prompt + completion tokens, as the run does.
 - offload: 2 x offloaded bytes (out and back) per micro-batch over the tier's link (its entry in

@@ -29,9 +29,9 @@ import contextlib
 import hashlib
 import math
 import time
-from pathlib import PurePath
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import PurePath
 from typing import Any
 
 import torch
