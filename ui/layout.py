@@ -26,7 +26,7 @@ def build_app(backend: Backend) -> gr.Blocks:
         timer = gr.Timer(REFRESH_S)
         with gr.Tabs():
             form, basic_gpu, prev_run = recipe.build(demo, backend)
-            server_file = data.build(backend, form)
+            server_file = data.build(backend, form.widgets)
             memory.build(backend, form.widgets, basic_gpu)
             run_sel = train.build(backend, form, timer)
             runs_tab = runs.build(backend, form)

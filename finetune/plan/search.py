@@ -235,10 +235,11 @@ def _choices(recipe: Recipe, spec: ModelSpec) -> list[Settings]:
         if st["gradient_accumulation_steps"] == "auto":  # keep training.effective_batch_size over all devices
             st["gradient_accumulation_steps"] = accumulation_for(effective, st["micro_batch_size"], world) \
                 if effective else 1
-        if given["generation_batch_size"] == "auto" and st["generation_batch_size"] is not None \
-                and st["generation_batch_size"] >= step_completions(spec, Settings(**st)):
+        settings = Settings(**st)
+        if given["generation_batch_size"] == "auto" and settings.generation_batch_size is not None \
+                and settings.generation_batch_size >= step_completions(spec, settings):
             continue  # the step's all at once: the None candidate
-        out.append(Settings(**st))
+        out.append(settings)
     return out
 
 

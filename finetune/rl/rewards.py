@@ -68,22 +68,21 @@ def build_rewards(config: RewardsConfig, base_dir: str | Path = ".", *,
 def check_reward_files(config: RewardsConfig, base_dir: str | Path = ".", prefix: str = "") -> None:
     """Every kind python reward's file exists (nothing is imported): the seconds-long check before a model
     loads (finetune.api.preflight); RewardError naming the key (`grpo.rewards[1].function`) otherwise."""
-    for i, reward in enumerate(config.rewards or []):
-        if isinstance(reward, PythonReward):
-            _reward_file(reward.function, base_dir, f"{prefix}rewards[{i}]")
+    for key, file in config.python_files(prefix):
+        _existing(Path(base_dir) / file, key)
 
 
-def _reward_file(reference: str, base_dir: str | Path, key: str) -> Path:
-    path = (Path(base_dir) / reference.rpartition(":")[0]).resolve()
+def _existing(file: Path, key: str) -> Path:
+    path = file.resolve()
     if not path.is_file():
-        raise RewardError(f"{key}.function: {path} does not exist", hint="the file is relative to the recipe's folder")
+        raise RewardError(f"{key}: {path} does not exist", hint="the file is relative to the recipe's folder")
     return path
 
 
 def load_function(reference: str, base_dir: str | Path, key: str) -> RewardFn:
     """`file.py:function` imported from its file (relative to base_dir); RewardError if it is not there."""
     name = reference.rpartition(":")[2]
-    path = _reward_file(reference, base_dir, key)
+    path = _existing(Path(base_dir) / reference.rpartition(":")[0], f"{key}.function")
     module_name = f"finetune_reward_{hashlib.sha1(str(path).encode()).hexdigest()[:12]}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]

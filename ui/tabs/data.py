@@ -11,7 +11,6 @@ from ui import views
 from ui.backend import Backend
 from ui.paths import allowed_path, data_files, store_upload
 from ui.tabs.messages import problems_markdown, reported
-from ui.tabs.recipe import Form
 
 EXAMPLES = 3  # examples previewed
 # Categories of highlighted tokens: loss tokens of SFT data, and of each answer of preference data.
@@ -39,9 +38,9 @@ def example_update(example: dict | None) -> dict:
     return gr.update(value=tokens, color_map={k: color for k, color in COLORS.items() if k in used})
 
 
-def build(backend: Backend, form: Form) -> gr.Dropdown:
-    """The Data tab over the recipe `form` (it fills data.path); returns the server file picker."""
-    widgets = form.widgets
+def build(backend: Backend, widgets: list[gr.components.Component]) -> gr.Dropdown:
+    """The Data tab over the form `widgets` (it fills data.path, a text box: its own change refreshes the recipe
+    tab's views); returns the server file picker."""
     keys = [s.key for s in backend.specs]
     with gr.Tab("Data", id="data"):
         gr.Markdown("Pick a dataset on the server (inside the allowed folders) or upload one; the "
@@ -79,8 +78,8 @@ def build(backend: Backend, form: Form) -> gr.Dropdown:
             msg, shown = problems_markdown(exc), [gr.skip()] * EXAMPLES
         return (msg, str(chosen), *shown)
 
-    form.refreshed(use_file_btn.click(use_server_file, [server_file, *widgets], [data_msg, data_path, *examples],
-                                      api_name="use_server_file"))
+    use_file_btn.click(use_server_file, [server_file, *widgets], [data_msg, data_path, *examples],
+                       api_name="use_server_file")
 
     @reported(2 + EXAMPLES)
     def uploaded(path, *values):
@@ -95,8 +94,7 @@ def build(backend: Backend, form: Form) -> gr.Dropdown:
                                 [str(exc)]) from None
         return (msg, str(stored), *shown)
 
-    form.refreshed(data_upload.upload(uploaded, [data_upload, *widgets], [data_msg, data_path, *examples],
-                                      api_name="upload_data"))
+    data_upload.upload(uploaded, [data_upload, *widgets], [data_msg, data_path, *examples], api_name="upload_data")
     preview_btn.click(reported(1 + EXAMPLES)(lambda *v: show_preview(v)), widgets, [data_msg, *examples],
                       api_name="preview_data")
     return server_file
