@@ -169,7 +169,7 @@ def cmd_validate(args) -> int:
     data = api.preflight(recipe)
     bad = f", {data['bad_records']} malformed to skip" if data["bad_records"] else ""
     console.print(f"[green]ok[/green]: {escape(args.recipe)} is a valid recipe (model {escape(recipe.model.path)}, "
-                  f"data {escape(recipe.data.path)}: {data['records']} {data['format']} records{bad}, "
+                  f"data {escape(recipe.data.label())}: {data['records']} {data['format']} records{bad}, "
                   f"adapter {recipe.adapter.type})")
     return 0
 

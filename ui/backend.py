@@ -35,7 +35,7 @@ from finetune.rundir import RECIPE, RunDir, find_runs
 from ui import form
 from ui.chat_worker import ChatWorker
 from ui.downloads import Downloads
-from ui.paths import RECIPE_SUFFIXES, allowed_path, check_recipe_paths, uploaded_file
+from ui.paths import RECIPE_SUFFIXES, allowed_path, check_data_paths, check_recipe_paths, uploaded_file
 from ui.runs import RunManager
 
 CARDS = {"8 GB card (RTX 4060)": 8, "12 GB card (RTX 3060)": 12, "16 GB card (RTX 4080)": 16,
@@ -233,7 +233,7 @@ class Backend:
         """The first n examples as the model sees them (dicts with `tokens`: (text, carries loss) pairs,
         `format`, `where`), and the records the reader could not parse (as the CLI reports them)."""
         recipe = self.checked_recipe(values)
-        allowed_path(recipe.data.path, self.settings.roots, "data.path", must_exist=True)
+        check_data_paths(recipe, self.settings.roots, must_exist=True)
         return api.preview_data(recipe, n)
 
     # -- training ------------------------------------------------------------------------------------

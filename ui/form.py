@@ -6,6 +6,7 @@ key added there shows up here without touching the UI.
 
 from __future__ import annotations
 
+import json
 import math
 import types
 import typing
@@ -181,8 +182,8 @@ def to_widget(spec: FieldSpec, value: Any) -> Any:
         return format_size(value) if isinstance(value, int) else str(value)
     if spec.kind == "text":
         return str(value)
-    if isinstance(value, str):
-        return value
+    if isinstance(value, str):  # as typed, unless YAML would read it as something else (`a: b`, `#x`, `1.0`)
+        return value if _parse_yaml(value) == value else json.dumps(value, ensure_ascii=False)
     dumped = yaml.safe_dump(list(value) if isinstance(value, tuple) else value, default_flow_style=True)
     return dumped.strip().removesuffix("...").strip()
 

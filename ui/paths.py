@@ -102,6 +102,9 @@ def check_recipe_paths(recipe: Recipe, roots: list[Path]) -> None:
     for key, kind in PATH_KEYS.items():
         section, name = key.split(".")
         value = getattr(getattr(recipe, section), name)
+        if key == "data.path":
+            check_data_paths(recipe, roots)
+            continue
         if value is None or value == "":
             continue
         if kind == "model":
@@ -110,6 +113,13 @@ def check_recipe_paths(recipe: Recipe, roots: list[Path]) -> None:
             continue
         else:
             allowed_path(value, roots, key)
+
+
+def check_data_paths(recipe: Recipe, roots: list[Path], must_exist: bool = False) -> None:
+    """Refuse a recipe whose data.path, or any file of its list, lies outside `roots` (named by its key,
+    `data.path[2]`)."""
+    for key, entry in zip(recipe.data.keys(), recipe.data.files(), strict=True):
+        allowed_path(entry.path, roots, key, must_exist=must_exist)
 
 
 def _holds_no_data(folder: Path) -> bool:

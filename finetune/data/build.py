@@ -19,8 +19,10 @@ either keeps no loss token. For kto, pairs are split into a good and a bad examp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -40,7 +42,8 @@ from finetune.data.formats import (
     normalize,
     unicode_problem,
 )
-from finetune.data.read import Record, read_records
+from finetune.data.mix import FileRead, file_stats, is_mix, mixed_records, read_files, repeated
+from finetune.data.read import Record
 from finetune.errors import DataError
 from finetune.recipe.schema import DataConfig
 
@@ -67,6 +70,7 @@ class _Prepared:
     the prompt of an overlong record."""
 
     where: str
+    file: int = 0  # its file's index in data.path (a list); 0 for one file
     chat: tuple[str, list[tuple[int, int]]] | None = None
     text: str | None = None
     rejected: tuple[str, list[tuple[int, int]]] | None = None
@@ -91,32 +95,37 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
         from finetune.data.prompts import build_prompts  # it builds on this module's helpers
 
         return build_prompts(cfg, tokenizer, seed, max_prompt_tokens)
-    read = read_records(cfg.path)
-    fmt = _format(cfg, read.records)
-    _check_method(cfg, fmt, method)
-    records = _sample(read.records, cfg.max_samples, seed)
-    encoder = _encoder(cfg, tokenizer, fmt)
-    fingerprint = data_fingerprint(cfg, read, fmt, tokenizer, encoder.template if encoder else None, seed, method)
-    prepared, problems = _prepare(records, fmt, cfg, encoder)
-    problems = read.problems + problems
+    files = read_files(cfg)
+    formats, fmt = _formats(cfg, files, method)
+    records = _sample(mixed_records(cfg, files, seed), cfg.max_samples, seed)
+    encoder = _encoder(cfg, tokenizer, formats[0])
+    fingerprint = data_fingerprint(cfg, [f.read for f in files], fmt, tokenizer,
+                                   encoder.template if encoder else None, seed, method)
+    prepared, problems = _prepare(records, formats, cfg, encoder)
+    prepared_from = Counter(p.file for p in prepared)
+    problems = [p for f in files for p in f.read.problems] + problems
     _refuse_bad(cfg, fmt, problems, len(prepared))
-    train_part, eval_part = _split(cfg.path, prepared, cfg.validation_split, seed)
-    if data_kind(method) == "kto" and fmt in PAIR_FORMATS:  # split by record, then unpair
+    train_part, eval_part = _split(cfg.label(), prepared, cfg.validation_split, seed)
+    if data_kind(method) == "kto" and formats[0] in PAIR_FORMATS:  # split by record, then unpair
         train_part, eval_part = _unpair(train_part), _unpair(eval_part)
     dropped = _Dropped()
     train = _fit(train_part, _tokenize(train_part, tokenizer, encoder, cfg.max_seq_len), cfg, encoder, dropped)
     evaluation = _fit(eval_part, _tokenize(eval_part, tokenizer, encoder, cfg.max_seq_len), cfg, encoder, dropped)
     stats: dict[str, Any] = {
-        "format": fmt, "records": len(read.records) + len(read.problems), "records_used": len(records),
+        "format": fmt, "records": sum(f.read.total for f in files), "records_used": len(records),
         "bad_records_skipped": len(problems), "bad_records_at": [_where(p) for p in problems[:NAMED_IN_STATS]],
         "truncated": dropped.truncated, "prompts_cut": dropped.prompts_cut,
         "dropped_overlong": len(dropped.overlong), "overlong_at": [_where(p) for p in dropped.overlong[:NAMED_IN_STATS]],
         "dropped_no_loss": len(dropped.no_loss), "no_loss_at": [_where(p) for p in dropped.no_loss[:NAMED_IN_STATS]],
     }
+    if is_mix(cfg):  # per file: read, taken into the mix, examples kept, left out (malformed, overlong, no loss)
+        left_out = Counter(r.file for r in records) - prepared_from  # malformed
+        stats["files"] = file_stats(files, formats, records, [item.file for item, _ in train + evaluation],
+                                    left_out + dropped.by_file)
     _check_dropped(cfg, dropped)
     if not train:
         raise DataError(
-            f"{cfg.path}: no training examples left: {stats['dropped_overlong']} longer than data.max_seq_len="
+            f"{cfg.label()}: no training examples left: {stats['dropped_overlong']} longer than data.max_seq_len="
             f"{cfg.max_seq_len} were dropped, {stats['dropped_no_loss']} had no tokens to train on",
             problems=_listed(dropped.no_loss + dropped.overlong),
             hint="raise data.max_seq_len, use data.overlong: truncate, or check that records have answers")
@@ -133,18 +142,19 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
     from finetune.data.packing import make_collator  # imports TRL's trainer stack: only when building
 
     return DataBundle(train_ds, eval_ds, stats, make_collator(tokenizer, cfg.packing, kind), fingerprint,
-                      _warnings(cfg, len(problems), dropped))
+                      repeated(files) + _warnings(cfg, len(problems), dropped))
+
 
 
 def _check_dropped(cfg: DataConfig, dropped: _Dropped) -> None:
     """Refuse what the user asked to be refused: overlong records (overlong: error), records without an
     answer (on_bad_record: error)."""
     if dropped.overlong and cfg.overlong == "error":
-        raise DataError(f"{cfg.path}: {len(dropped.overlong)} record(s) are longer than data.max_seq_len="
+        raise DataError(f"{cfg.label()}: {len(dropped.overlong)} record(s) are longer than data.max_seq_len="
                         f"{cfg.max_seq_len} tokens", problems=_listed(dropped.overlong),
                         hint="raise data.max_seq_len, or set data.overlong: truncate (cut their prompts) or drop")
     if dropped.no_loss and cfg.on_bad_record == "error":
-        raise DataError(f"{cfg.path}: {len(dropped.no_loss)} record(s) have no tokens to train on",
+        raise DataError(f"{cfg.label()}: {len(dropped.no_loss)} record(s) have no tokens to train on",
                         problems=_listed(dropped.no_loss),
                         hint="give them an answer, or set data.on_bad_record: skip to drop and count them")
 
@@ -165,24 +175,47 @@ def _warnings(cfg: DataConfig, bad: int, dropped: _Dropped) -> list[str]:
         line(dropped.overlong, overlong) + line(dropped.no_loss, "dropped: nothing to train on")
 
 
-def _check_method(cfg: DataConfig, fmt: str, method: str) -> None:
+# Formats whose records become the same kind of example, and so can be mixed in one dataset.
+_KINDS = {"text": "plain text", "preference": "chosen/rejected pairs", "sharegpt_preference": "chosen/rejected pairs",
+          "kto": "labelled answers"}  # every other format: conversations
+
+
+def _formats(cfg: DataConfig, files: list[FileRead], method: str) -> tuple[list[str], str]:
+    """Each file's format (data.format, else detected per file), checked against `method` and against each
+    other (conversations mix with conversations, text with text, pairs with pairs), and the data's format as
+    the stats and fingerprint name it: the one format, or the files' formats joined with `+`."""
+    formats = [_format(cfg, f) for f in files]
+    for f, fmt in zip(files, formats, strict=True):
+        _check_method(f.entry.path, fmt, method)
+    kinds = [_KINDS.get(fmt, "conversations") for fmt in formats]
+    if len(set(kinds)) > 1:
+        other = next(i for i, k in enumerate(kinds) if k != kinds[0])
+        raise DataError(f"{files[0].key} ({files[0].entry.path}) holds {kinds[0]} ({formats[0]}) but "
+                        f"{files[other].key} ({files[other].entry.path}) holds {kinds[other]} ({formats[other]}): "
+                        "they cannot be mixed in one dataset",
+                        hint="mix conversation formats (alpaca, messages, sharegpt) with each other, text with text, "
+                             "preference pairs with pairs; convert one file, or train on them in separate runs")
+    return formats, "+".join(dict.fromkeys(formats))
+
+
+def _check_method(path: str, fmt: str, method: str) -> None:
     """Preference methods need preference data (dpo and orpo: pairs; kto: labelled answers, or pairs)."""
     kind = data_kind(method)
     if kind == "sft" and fmt in PREFERENCE_FORMATS:
-        raise DataError(f"{cfg.path}: the records are preference data (format {fmt}), but training.method is sft",
+        raise DataError(f"{path}: the records are preference data (format {fmt}), but training.method is sft",
                         hint="set training.method: dpo, orpo or kto to train on them")
     if kind != "sft" and fmt not in PREFERENCE_FORMATS:
-        raise DataError(f"{cfg.path}: training.method {method} needs preference data, but the records are {fmt}",
+        raise DataError(f"{path}: training.method {method} needs preference data, but the records are {fmt}",
                         hint=f"give records with prompt/chosen/rejected{' or prompt/completion/label' if kind == 'kto' else ''}"
                              " (see data.format in docs/recipe.md), or set training.method: sft")
     if kind == "pair" and fmt not in PAIR_FORMATS:
-        raise DataError(f"{cfg.path}: training.method {method} needs chosen/rejected pairs, but the records are "
+        raise DataError(f"{path}: training.method {method} needs chosen/rejected pairs, but the records are "
                         f"{fmt} (one answer with a label)", hint="use training.method: kto for labelled answers")
 
 
 def _unpair(items: list[_Prepared]) -> list[_Prepared]:
     """A pair as two kto examples: the chosen answer good, the rejected one bad."""
-    return [_Prepared(p.where, chat=chat, label=good, source=[source]) for p in items
+    return [_Prepared(p.where, p.file, chat=chat, label=good, source=[source]) for p in items
             for chat, good, source in ((p.chat, True, p.source[0]), (p.rejected, False, p.source[1]))]
 
 
@@ -195,14 +228,28 @@ def preview(cfg: DataConfig, tokenizer: Any, n: int = 3) -> list[dict[str, Any]]
 
     Each dict also has `where` (file and record/line) and `truncated` (cut to data.max_seq_len). Preference
     pairs add `rejected_tokens` (the rejected sequence; `tokens` is the chosen one), kto records `label`.
-    Malformed records are skipped here whatever on_bad_record says, so the UI can show something.
+    Malformed records are skipped here whatever on_bad_record says, so the UI can show something. Several
+    files: in recipe order, each record in its own file's format.
     """
-    read = read_records(cfg.path)
-    fmt = _format(cfg, read.records)
-    encoder = _encoder(cfg, tokenizer, fmt)
+    files = read_files(cfg)
+    formats = [_format(cfg, f) for f in files]
+    encoder = _encoder(cfg, tokenizer, formats[0])
     out = []
-    for record in read.records:
-        prepared, _ = _prepare([record], fmt, cfg, encoder)
+    for i, f in enumerate(files):
+        out += _shown(f.read.records, i, formats, cfg, tokenizer, encoder, n - len(out))
+        if len(out) == n:
+            break
+    return out
+
+
+def _shown(records: list[Record], file: int, formats: list[str], cfg: DataConfig, tokenizer: Any,
+           encoder: ChatEncoder | None, n: int) -> list[dict[str, Any]]:
+    """`preview` of one file's records: at most n."""
+    out: list[dict[str, Any]] = []
+    for record in records:
+        if len(out) == n:
+            break
+        prepared, _ = _prepare([dataclasses.replace(record, file=file)], formats, cfg, encoder)
         dropped = _Dropped()
         fitted = _fit(prepared, _tokenize(prepared, tokenizer, encoder, cfg.max_seq_len), cfg, encoder, dropped)
         if not fitted:
@@ -210,24 +257,24 @@ def preview(cfg: DataConfig, tokenizer: Any, n: int = 3) -> list[dict[str, Any]]
         (_, parts), = fitted
         shown = [[(tokenizer.decode([tok]), label != IGNORE_INDEX) for tok, label in zip(ids, labels, strict=True)]
                  for ids, labels in parts]
-        item = {"where": record.where, "format": fmt, "tokens": shown[0], "truncated": dropped.truncated > 0}
+        item = {"where": record.where, "format": formats[file], "tokens": shown[0], "truncated": dropped.truncated > 0}
         if len(shown) > 1:
             item["rejected_tokens"] = shown[1]
         if prepared[0].label is not None:
             item["label"] = prepared[0].label
         out.append(item)
-        if len(out) == n:
-            break
     return out
 
 
-def _format(cfg: DataConfig, records: Sequence[Record]) -> str:
+def _format(cfg: DataConfig, file: FileRead) -> str:
+    """A file's format: data.format (every file's when set), else detected from its own records."""
     if cfg.format != "auto":
         return cfg.format
+    records = file.read.records
     try:
         return detect_format([r.value for r in records])
     except RecordError as exc:
-        where = records[0].where if records else cfg.path
+        where = records[0].where if records else file.entry.path
         raise DataError(f"{where}: {exc}", hint=f"or set data.format to one of {', '.join(FORMATS)}") from None
 
 
@@ -245,22 +292,25 @@ def _sample(records: list[Record], max_samples: int | None, seed: int) -> list[R
     return [records[i] for i in keep]
 
 
-def _prepare(records: Sequence[Record], fmt: str, cfg: DataConfig,
+def _prepare(records: Sequence[Record], formats: list[str], cfg: DataConfig,
              encoder: ChatEncoder | None) -> tuple[list[_Prepared], list[str]]:
+    """Each record normalised and rendered in its file's format (`formats`, by file index), and a problem
+    line per malformed one."""
     prepared, problems = [], []
     for record in records:
         try:
-            example = _example(record, fmt, cfg)
+            example = _example(record, formats[record.file], cfg)
             if isinstance(example, Preference):
                 assert encoder is not None
                 rendered = [encoder.render(chat, first) for chat, first in example.chats()]
-                item = _Prepared(record.where, chat=rendered[0], rejected=rendered[1] if len(rendered) > 1 else None,
-                                 label=example.label, source=example.chats())
+                item = _Prepared(record.where, record.file, chat=rendered[0],
+                                 rejected=rendered[1] if len(rendered) > 1 else None, label=example.label,
+                                 source=example.chats())
             elif isinstance(example, Chat):
                 assert encoder is not None
-                item = _Prepared(record.where, chat=encoder.render(example), source=[(example, 0)])
+                item = _Prepared(record.where, record.file, chat=encoder.render(example), source=[(example, 0)])
             else:
-                item = _Prepared(record.where, text=example)
+                item = _Prepared(record.where, record.file, text=example)
             prepared.append(item)
         except RecordError as exc:
             problems.append(f"{record.where}: {exc}")
@@ -278,33 +328,48 @@ def _example(record: Record, fmt: str, cfg: DataConfig) -> Example:
 
 def check_records(cfg: DataConfig, method: str = "sft") -> dict[str, Any]:
     """Read and check every record without a tokenizer, in seconds, before a model loads: the file parses,
-    its format is known and suits `method`, each record has its fields. Raises the DataError build_datasets
-    would; returns the format and the counts of records and of malformed ones."""
+    its format is known and suits `method`, each record has its fields; every file of a list, each whole (not
+    only what the mix takes). Raises the DataError build_datasets would; returns the format and the counts of
+    records and of malformed ones (and, for a list, `files`: each file's path, format, records, bad_records)."""
     if method == "grpo":  # prompt-only records (finetune.data.prompts)
         from finetune.data.prompts import check_prompt_records
 
         return check_prompt_records(cfg)
-    read = read_records(cfg.path)
-    fmt = _format(cfg, read.records)
-    _check_method(cfg, fmt, method)
-    problems = list(read.problems)
-    for record in read.records:
-        try:
-            _example(record, fmt, cfg)
-        except RecordError as exc:
-            problems.append(f"{record.where}: {exc}")
-    _refuse_bad(cfg, fmt, problems, len(read.records) + len(read.problems) - len(problems))
-    return {"format": fmt, "records": len(read.records) + len(read.problems), "bad_records": len(problems)}
+    files = read_files(cfg)
+    formats, fmt = _formats(cfg, files, method)
+    bad = []
+    for f, file_format in zip(files, formats, strict=True):
+        bad.append(list(f.read.problems))
+        for record in f.read.records:
+            try:
+                _example(record, file_format, cfg)
+            except RecordError as exc:
+                bad[-1].append(f"{record.where}: {exc}")
+    return checked(cfg, files, formats, fmt, bad)
+
+
+def checked(cfg: DataConfig, files: list[FileRead], formats: list[str], fmt: str,
+            bad: list[list[str]]) -> dict[str, Any]:
+    """`check_records`' answer from each file's problem lines (`bad`, by file), after refusing what
+    on_bad_record refuses."""
+    problems = [p for lines in bad for p in lines]
+    records = sum(f.read.total for f in files)
+    _refuse_bad(cfg, fmt, problems, records - len(problems))
+    out: dict[str, Any] = {"format": fmt, "records": records, "bad_records": len(problems)}
+    if is_mix(cfg):
+        out["files"] = [{"path": f.entry.path, "format": file_format, "records": f.read.total, "bad_records": len(lines)}
+                        for f, file_format, lines in zip(files, formats, bad, strict=True)]
+    return out
 
 
 def _refuse_bad(cfg: DataConfig, fmt: str, problems: list[str], usable: int) -> None:
     """Stop on malformed records (on_bad_record: error), and when no record is usable."""
     if problems and cfg.on_bad_record == "error":
-        raise DataError(f"{cfg.path}: {len(problems)} malformed record(s) for format {fmt}",
+        raise DataError(f"{cfg.label()}: {len(problems)} malformed record(s) for format {fmt}",
                         problems=_listed(problems),
                         hint="fix them, or set data.on_bad_record: skip to skip and count them")
     if not usable:
-        raise DataError(f"{cfg.path}: no usable records ({len(problems)} malformed were skipped)",
+        raise DataError(f"{cfg.label()}: no usable records ({len(problems)} malformed were skipped)",
                         problems=_listed(problems))
 
 
@@ -354,6 +419,7 @@ class _Dropped:
     prompts_cut: int = 0
     overlong: list[str] = field(default_factory=list)
     no_loss: list[str] = field(default_factory=list)
+    by_file: Counter[int] = field(default_factory=Counter)  # examples dropped, by file index
 
 
 def _fit(items: list[_Prepared], examples: list[Sequences], cfg: DataConfig, encoder: ChatEncoder | None,
@@ -366,6 +432,7 @@ def _fit(items: list[_Prepared], examples: list[Sequences], cfg: DataConfig, enc
         answered = item.chat is None or all(spans for _, spans in filter(None, (item.chat, item.rejected)))
         if cut and cfg.overlong != "truncate":
             dropped.overlong.append(f"{item.where}: longer than data.max_seq_len={cfg.max_seq_len} tokens")
+            dropped.by_file[item.file] += 1
             continue
         if cut and answered and item.source is not None:
             assert encoder is not None
@@ -382,6 +449,7 @@ def _fit(items: list[_Prepared], examples: list[Sequences], cfg: DataConfig, enc
                 dropped.no_loss.append(f"{item.where}: " + (
                     "nothing to train on (no assistant turn with text)" if item.chat is not None else
                     "too short to train on (one token)"))
+            dropped.by_file[item.file] += 1
             continue
         dropped.truncated += cut
         kept.append((item, parts))

@@ -5,13 +5,16 @@ one run and make its step count meaningless, so `--resume` compares and refuses,
 `--allow-data-change`. What decides the examples: the records as read (their content, in order), their
 number, the tokenizer (its whole definition, not its folder), the chat template used, the format, and the
 recipe keys and seed that sample, split, cut and pack them. The data file's path is shown, not compared: the
-same records moved elsewhere are the same data.
+same records moved elsewhere are the same data. Several files (data.path as a list): the records of every
+file, and per file (`files`) its weight or record count, its number of records and their hash, so that a
+change to any file or to its share of the mix is named (`data.path[1].weight 0.3 -> 0.5`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from finetune.data.read import ReadResult
@@ -41,32 +44,70 @@ def tokenizer_identity(tokenizer: Any) -> dict[str, str]:
     return {"name": str(getattr(tokenizer, "name_or_path", "")), "sha256": _sha256(definition + extra)}
 
 
-def data_fingerprint(cfg: DataConfig, read: ReadResult, fmt: str, tokenizer: Any, template: str | None,
+def _hashes(read: ReadResult) -> list[str]:
+    return [_sha256(json.dumps(r.value, sort_keys=True, default=str)) for r in read.records]
+
+
+def data_fingerprint(cfg: DataConfig, reads: Sequence[ReadResult], fmt: str, tokenizer: Any, template: str | None,
                      seed: int, method: str) -> dict[str, Any]:
-    """The fingerprint of one build of the data (build_datasets computes it from what it read)."""
-    records = [_sha256(json.dumps(r.value, sort_keys=True, default=str)) for r in read.records]
+    """The fingerprint of one build of the data (build_datasets computes it from what it read): `reads`, one
+    per file of `cfg.files()`."""
+    records = [h for read in reads for h in _hashes(read)]
+    problems = [p for read in reads for p in read.problems]
     settings = cfg.model_dump(exclude={"path", "max_seq_len", "format"})
     settings = {f"data.{k}": v for k, v in settings.items()} | {"training.seed": seed, "training.method": method}
-    return {
-        "version": VERSION, "path": str(cfg.path),
-        "records": len(read.records) + len(read.problems),
-        "content_sha256": _sha256("\n".join(records + read.problems)),
-        "records_sha256_any_order": _sha256("\n".join(sorted(records + read.problems))),
+    out = {
+        "version": VERSION, "path": cfg.label(),
+        "records": len(records) + len(problems),
+        "content_sha256": _sha256("\n".join(records + problems)),
+        "records_sha256_any_order": _sha256("\n".join(sorted(records + problems))),
         "tokenizer": tokenizer_identity(tokenizer), "max_seq_len": cfg.max_seq_len, "format": fmt,
         "chat_template_sha256": _sha256(template) if template is not None else None,
         "settings": settings,
     }
+    if not isinstance(cfg.path, str):
+        out["files"] = [{"path": entry.path, "weight": entry.weight, "records": entry.records,
+                         "records_read": read.total,
+                         "content_sha256": _sha256("\n".join(_hashes(read) + read.problems))}
+                        for entry, read in zip(cfg.files(), reads, strict=True)]
+    return out
+
+
+def _file_changes(saved: list[dict[str, Any]] | None, now: list[dict[str, Any]] | None) -> list[str]:
+    """What differs between two runs' data files when either is a list: the number of files, and per file
+    (by position) its content and its weight or record count."""
+    if saved is None and now is None:
+        return []
+    if saved is None or now is None:
+        return ["data.path " + ("one file -> a list of files (mixed and shuffled)" if now is not None
+                                else "a list of files -> one file")]
+    if len(saved) != len(now):
+        return [f"data.path files {len(saved)} -> {len(now)}"]
+    changes = []
+    for i, (old, new) in enumerate(zip(saved, now, strict=True)):
+        key = f"data.path[{i}]"
+        if old.get("records_read") != new["records_read"]:
+            changes.append(f"{key} ({new['path']}): records {old.get('records_read')} -> {new['records_read']}")
+        elif old.get("content_sha256") != new["content_sha256"]:
+            changes.append(f"{key} ({new['path']}): record content changed")
+        changes += [f"{key}.{amount} {old.get(amount)} -> {new[amount]}" for amount in ("weight", "records")
+                    if old.get(amount) != new[amount]]
+    return changes
+
+
+def _record_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """How the records as a whole changed: their number, else their content or only their order."""
+    if saved.get("records") != now["records"]:
+        return [f"records {saved.get('records')} -> {now['records']}"]
+    if saved.get("content_sha256") != now["content_sha256"]:
+        return ["the same records in another order"
+                if saved.get("records_sha256_any_order") == now["records_sha256_any_order"] else "record content changed"]
+    return []
 
 
 def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """What differs between the fingerprint a run saved and the data's now, one phrase each ([] if nothing)."""
-    changes = []
-    if saved.get("records") != now["records"]:
-        changes.append(f"records {saved.get('records')} -> {now['records']}")
-    elif saved.get("content_sha256") != now["content_sha256"]:
-        changes.append("the same records in another order"
-                       if saved.get("records_sha256_any_order") == now["records_sha256_any_order"]
-                       else "record content changed")
+    changes = _file_changes(saved.get("files"), now.get("files")) or _record_changes(saved, now)
     old_tok, new_tok = saved.get("tokenizer") or {}, now["tokenizer"]
     if old_tok.get("sha256") != new_tok["sha256"]:
         changes.append(f"tokenizer changed ({old_tok.get('name') or '?'} -> {new_tok['name']})")

@@ -12,12 +12,13 @@ without adding special tokens (the template has them). `max_samples`, the seeded
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from finetune.data.build import DataBundle, _listed, _refuse_bad, _sample, _split
+from finetune.data.build import DataBundle, _listed, _refuse_bad, _sample, _split, checked
 from finetune.data.chat import ChatEncoder, resolve_template
 from finetune.data.fingerprint import data_fingerprint
 from finetune.data.formats import (
@@ -31,7 +32,7 @@ from finetune.data.formats import (
     _with_system,
     unicode_problem,
 )
-from finetune.data.read import read_records
+from finetune.data.mix import file_stats, is_mix, mixed_records, read_files, repeated
 from finetune.errors import DataError
 from finetune.recipe.schema import DataConfig
 
@@ -47,6 +48,7 @@ class PromptExample:
     text: str
     input_ids: list[int]
     fields: dict[str, Any] = field(default_factory=dict)
+    file: int = 0  # its file's index in data.path (a list)
 
 
 def prompt_chat(record: Any, system_prompt: str | None = None) -> Chat:
@@ -87,22 +89,20 @@ def _chats(cfg: DataConfig, records: list[Any]) -> tuple[list[tuple[Any, Chat]],
 def check_prompt_records(cfg: DataConfig) -> dict[str, Any]:
     """`check_records` for prompt-only data: every record read and checked as a prompt, no tokenizer (the
     seconds-long check before a model loads); raises the DataError `build_prompts` would."""
-    read = read_records(cfg.path)
-    chats, problems = _chats(cfg, read.records)
-    problems = list(read.problems) + problems
-    _refuse_bad(cfg, "prompt", problems, len(chats))
-    return {"format": "prompt", "records": len(read.records) + len(read.problems), "bad_records": len(problems)}
+    files = read_files(cfg)
+    bad = [f.read.problems + _chats(cfg, f.read.records)[1] for f in files]
+    return checked(cfg, files, ["prompt"] * len(files), "prompt", bad)
 
 
 def build_prompts(cfg: DataConfig, tokenizer: Any, seed: int, max_prompt_tokens: int | None = None) -> DataBundle:
     """Read, check, render and tokenize prompt-only records, split as `build_datasets` splits (see the module):
     train and held-out PromptExamples, a collator of left-padded prompts, counts and the fingerprint."""
     limit = max_prompt_tokens or cfg.max_seq_len
-    read = read_records(cfg.path)
-    records = _sample(read.records, cfg.max_samples, seed)
+    files = read_files(cfg)
+    records = _sample(mixed_records(cfg, files, seed), cfg.max_samples, seed)
     encoder = ChatEncoder(tokenizer, resolve_template(cfg.chat_template, tokenizer))
     chats, problems = _chats(cfg, records)
-    problems = list(read.problems) + problems
+    problems = [p for f in files for p in f.read.problems] + problems
     prepared = []
     for record, chat in chats:
         text = encoder.render_prompt(chat)
@@ -110,7 +110,7 @@ def build_prompts(cfg: DataConfig, tokenizer: Any, seed: int, max_prompt_tokens:
             problems.append(f"{record.where}: {problem}")
             continue
         fields = {k: v for k, v in record.value.items() if k not in PROMPT_KEYS}
-        prepared.append(PromptExample(record.where, text, [], fields))
+        prepared.append(PromptExample(record.where, text, [], fields, record.file))
     _refuse_bad(cfg, "prompt", problems, len(prepared))
     ids = tokenizer([p.text for p in prepared], add_special_tokens=False)["input_ids"]
     overlong = []
@@ -120,19 +120,24 @@ def build_prompts(cfg: DataConfig, tokenizer: Any, seed: int, max_prompt_tokens:
             overlong.append(f"{example.where}: prompt of {len(tokens)} tokens, longer than {limit}")
     kept = [p for p in prepared if len(p.input_ids) <= limit]
     if not kept:
-        raise DataError(f"{cfg.path}: every prompt is longer than {limit} tokens", problems=_listed(overlong),
+        raise DataError(f"{cfg.label()}: every prompt is longer than {limit} tokens", problems=_listed(overlong),
                         hint="raise the prompt length limit or shorten the prompts")
-    train, held_out = _split(cfg.path, kept, cfg.validation_split, seed)
-    stats = {"format": "prompt", "records": len(read.records) + len(read.problems),
+    train, held_out = _split(cfg.label(), kept, cfg.validation_split, seed)
+    stats = {"format": "prompt", "records": sum(f.read.total for f in files),
              "bad_records_skipped": len(problems), "dropped_overlong": len(overlong), "train_prompts": len(train),
              "eval_prompts": len(held_out), "max_prompt_tokens": max(len(p.input_ids) for p in kept),
              "fields": sorted({k for p in kept for k in p.fields})}
-    warnings = ([f"{len(problems)} malformed record(s) skipped (data.on_bad_record: skip)"] if problems else []) + \
+    if is_mix(cfg):
+        made = [p.file for p in kept]
+        stats["files"] = file_stats(files, ["prompt"] * len(files), records, made,
+                                    Counter(r.file for r in records) - Counter(made))
+    warnings = repeated(files) + ([f"{len(problems)} malformed record(s) skipped (data.on_bad_record: skip)"] if problems else []) + \
         ([f"{len(overlong)} prompt(s) dropped: longer than {limit} tokens (data.max_seq_len less "
           f"grpo.max_completion_length; first: {overlong[0]})"] if overlong else [])
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return DataBundle(train, held_out or None, stats, PromptCollator(pad),
-                      data_fingerprint(cfg, read, "prompt", tokenizer, encoder.template, seed, "grpo"), warnings)
+                      data_fingerprint(cfg, [f.read for f in files], "prompt", tokenizer, encoder.template, seed, "grpo"),
+                      warnings)
 
 
 @dataclass(frozen=True)

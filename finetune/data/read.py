@@ -39,6 +39,7 @@ class Record:
 
     where: str
     value: Any
+    file: int = 0  # the index of its file in data.path when that is a list (finetune.data.mix)
 
 
 @dataclass
@@ -48,12 +49,18 @@ class ReadResult:
     records: list[Record]
     problems: list[str]
 
+    @property
+    def total(self) -> int:
+        """The records as the file counts them: those read and the lines that did not parse."""
+        return len(self.records) + len(self.problems)
 
-def read_records(path: str | Path) -> ReadResult:
-    """Read every record of a dataset file or save_to_disk folder; raise DataError if it is not a dataset."""
+
+def read_records(path: str | Path, key: str = "data.path") -> ReadResult:
+    """Read every record of a dataset file or save_to_disk folder; raise DataError if it is not a dataset.
+    `key`: the recipe key that names the file (`data.path[1]` in a list), for the message when it is missing."""
     path = Path(path)
     if not path.exists():
-        raise RecipeError(f"data.path {str(path)!r} does not exist", hint=_EXPECTED)  # the recipe's mistake: exit 2
+        raise RecipeError(f"{key} {str(path)!r} does not exist", hint=_EXPECTED)  # the recipe's mistake: exit 2
     if path.is_dir():
         result = _read_saved_dataset(path)
     else:

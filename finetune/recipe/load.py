@@ -240,8 +240,15 @@ def _key_lines(text: str, source: str) -> Locations:
 def _submodel(model: type[BaseModel], path: tuple[str, ...]) -> type[BaseModel] | None:
     """The pydantic model class found by following `path` from `model` (None if it leaves models)."""
     for part in path:
-        field = model.model_fields.get(part)
+        name, listed, _ = part.partition("[")
+        field = model.model_fields.get(name)
         annotation = getattr(field, "annotation", None)
+        if listed:  # an item of a list of sections: its section, when the items are of one kind
+            items = _item_sections(annotation)
+            if len(items) != 1:
+                return None
+            model = items[0]
+            continue
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return None
         model = annotation
@@ -262,6 +269,8 @@ def describe_errors(exc: ValidationError, source: str, locations: Locations) -> 
     given: dict[tuple[str, ...], Any] = {}
     for err in exc.errors():
         keys = _recipe_keys(err["loc"])
+        if err["type"] == "extra_forbidden" and keys and keys[-1] != str(err["loc"][-1]):
+            keys = (*keys, str(err["loc"][-1]))  # an unknown key of a list item, not taken for a union tag
         dotted = _dotted(keys)
         if err["type"] == "extra_forbidden":
             parent = _submodel(Recipe, keys[:-1])
@@ -338,6 +347,7 @@ def _item_sections(annotation: Any) -> list[type[BaseModel]]:
     """The sections a list-valued key's items may be (`list[Reward] | None` -> the reward kinds); [] otherwise."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)] \
         if typing.get_origin(annotation) in (typing.Union, types.UnionType) else [annotation]
+    args = [typing.get_args(a)[0] if typing.get_origin(a) is typing.Annotated else a for a in args]  # a tagged member
     lists = [a for a in args if typing.get_origin(a) is list]
     if not lists:
         return []

@@ -5,9 +5,19 @@ Every field has a default or is required, and a one-line description. Sections m
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import os
+from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, field_validator, model_validator
+from pydantic import (
+    BeforeValidator,
+    Discriminator,
+    Field,
+    SerializerFunctionWrapHandler,
+    Tag,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from finetune.recipe import settings
 from finetune.recipe.offload_tiers import offload_description, tier_names
@@ -67,8 +77,51 @@ class AdapterConfig(Section):
         "whose pass runs before the first step), not the bare base.")
 
 
+class DataFile(Section):
+    """One file of a data mix (data.path as a list): a path, or a mapping with its weight or record count.
+    A plain path in the list stands for `{path: ...}`; dumped back the same way (a path, or only the keys set)."""
+
+    path: str = Field(description="A dataset file or save_to_disk folder, read as data.path reads one.")
+    weight: float | None = Field(
+        None, gt=0, description="This file's share of the weighted files' part of the mix (weights are relative); "
+        "that part is as large as it can be without repeating a record.")
+    records: int | None = Field(
+        None, ge=1, le=MAX_COUNT, description="Take exactly this many records from the file: a seeded sample, or "
+        "every record repeated (and a seeded sample of the rest) when it holds fewer.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plain_path(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return {"path": value}
+        if not isinstance(value, dict):
+            raise ValueError("expected a file path, or a mapping such as {path: data.jsonl, weight: 0.5}")
+        return value
+
+    @model_validator(mode="after")
+    def _one_amount(self) -> DataFile:
+        if self.weight is not None and self.records is not None:
+            raise ValueError("give weight (a share of the mix) or records (a count), not both")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _short(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = {k: v for k, v in handler(self).items() if v is not None}
+        return data["path"] if list(data) == ["path"] else data
+
+
+def _one_or_many(value: Any) -> str:
+    return "files" if isinstance(value, list | tuple) else "file"
+
+
+DataPath = Annotated[Annotated[str, Tag("file")] | Annotated[list[DataFile], Tag("files")],
+                     Discriminator(_one_or_many)]
+
+
 class DataConfig(Section):
-    path: str = Field(description="JSON, JSONL, CSV, Parquet file, or a datasets save_to_disk folder.")
+    path: DataPath = Field(description="JSON, JSONL, CSV, Parquet file, or a datasets save_to_disk folder; or a "
+        "list of them mixed by the seed, each a path or {path, weight} or {path, records} (docs/training.md, "
+        "\"Mixing several files\"). Relative paths are read from the working directory.")
     format: Literal["auto", "alpaca", "messages", "sharegpt", "text", "preference", "sharegpt_preference", "kto"] = Field(
         "auto", description="Record format; auto detects it from the first records. preference: prompt/chosen/"
         "rejected (strings or message lists); sharegpt_preference: conversations + chosen + rejected turns; kto: "
@@ -87,6 +140,37 @@ class DataConfig(Section):
         None, description="Jinja chat template (or a path to one); default: the tokenizer's, else a ChatML template.")
     system_prompt: str | None = Field(None, description="System message added to chat records that have none.")
     max_samples: int | None = Field(None, ge=1, le=MAX_COUNT, description="Use at most this many records (after shuffling with the seed).")
+
+    @field_validator("path", mode="before")
+    @classmethod
+    def _some_file(cls, value: Any) -> Any:
+        if isinstance(value, list | tuple) and not value:
+            raise ValueError("an empty list names no data; give a file, or a list of one or more files")
+        return value
+
+    @field_validator("path")
+    @classmethod
+    def _each_file_once(cls, value: str | list[DataFile]) -> str | list[DataFile]:
+        if isinstance(value, list):
+            seen: dict[str, int] = {}
+            for i, entry in enumerate(value):
+                same = seen.setdefault(os.path.normpath(os.path.expanduser(entry.path)), i)
+                if same != i:
+                    raise ValueError(f"entries {same} and {i} name the same file ({entry.path}); list each file once "
+                                     "and give it records: N to take more of it")
+        return value
+
+    def files(self) -> list[DataFile]:
+        """Every file of the data, in recipe order: the one path, or each entry of the list."""
+        return [DataFile(path=self.path)] if isinstance(self.path, str) else list(self.path)
+
+    def keys(self) -> list[str]:
+        """The recipe key of each file in `files()` (`data.path`, or `data.path[i]`), for messages."""
+        return ["data.path"] if isinstance(self.path, str) else [f"data.path[{i}]" for i in range(len(self.path))]
+
+    def label(self) -> str:
+        """The data as messages name it: the path, or the listed paths joined with `+`."""
+        return " + ".join(f.path for f in self.files())
 
 
 class TrainingConfig(Section):

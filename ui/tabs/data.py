@@ -9,6 +9,7 @@ import gradio as gr
 from finetune.errors import FinetuneError
 from ui import views
 from ui.backend import Backend
+from ui.form import to_widget
 from ui.paths import allowed_path, data_files, store_upload
 from ui.tabs.messages import problems_markdown, reported
 
@@ -40,7 +41,7 @@ def example_update(example: dict | None) -> dict:
 
 def build(backend: Backend, widgets: list[gr.components.Component]) -> gr.Dropdown:
     """The Data tab over the form `widgets` (it fills data.path, a text box: its own change refreshes the recipe
-    tab's views); returns the server file picker."""
+    tab's views; a picked file replaces a list of files there); returns the server file picker."""
     keys = [s.key for s in backend.specs]
     with gr.Tab("Data", id="data"):
         gr.Markdown("Pick a dataset on the server (inside the allowed folders) or upload one; the "
@@ -58,10 +59,15 @@ def build(backend: Backend, widgets: list[gr.components.Component]) -> gr.Dropdo
                                        show_legend=True, show_inline_category=False, combine_adjacent=True,
                                        elem_id=f"example-{i}") for i in range(EXAMPLES)]
     data_path = widgets[keys.index("data.path")]
+    path_spec = backend.specs[keys.index("data.path")]
+
+    def path_text(path: Path) -> str:
+        """The data.path widget's text for one file (a YAML value: the list of a mix is typed there)."""
+        return to_widget(path_spec, str(path))
 
     def with_data_path(values, path):
         values = list(values)
-        values[keys.index("data.path")] = str(path)
+        values[keys.index("data.path")] = path_text(path)
         return values
 
     def show_preview(values) -> tuple:
@@ -76,7 +82,7 @@ def build(backend: Backend, widgets: list[gr.components.Component]) -> gr.Dropdo
             msg, *shown = show_preview(with_data_path(values, chosen))
         except FinetuneError as exc:
             msg, shown = problems_markdown(exc), [gr.skip()] * EXAMPLES
-        return (msg, str(chosen), *shown)
+        return (msg, path_text(chosen), *shown)
 
     use_file_btn.click(use_server_file, [server_file, *widgets], [data_msg, data_path, *examples],
                        api_name="use_server_file")
@@ -92,7 +98,7 @@ def build(backend: Backend, widgets: list[gr.components.Component]) -> gr.Dropdo
             stored.unlink(missing_ok=True)
             raise FinetuneError(f"{Path(path).name} was refused: it is not a dataset this recipe can read",
                                 [str(exc)]) from None
-        return (msg, str(stored), *shown)
+        return (msg, path_text(stored), *shown)
 
     data_upload.upload(uploaded, [data_upload, *widgets], [data_msg, data_path, *examples], api_name="upload_data")
     preview_btn.click(reported(1 + EXAMPLES)(lambda *v: show_preview(v)), widgets, [data_msg, *examples],

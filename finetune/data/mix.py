@@ -1,0 +1,97 @@
+"""Several data files as one dataset: data.path as a list, each file read on its own and mixed by the seed.
+
+How many records each file gives (`amounts`):
+- a plain path: every record it holds, once;
+- `records: N`: exactly N. Fewer than the file holds: a seeded sample (kept in file order). More: every record
+  N // held times, plus a seeded sample of the remainder (the file is repeated; a warning says so);
+- `weight: w`: the weighted files share what they give in proportion to their weights, and give as much as
+  they can without repeating a record: the file with the fewest records for its weight is used whole, the
+  others are sampled down to their share (weights 1 and 3 over files of 100 and 1,000 records: 100 + 300).
+
+The records taken are then shuffled together with the seed: the same recipe and seed give the same mix in the
+same order; another seed another order (and other samples). One file given as a plain `data.path` string is
+read as before, unmixed and unshuffled, so existing recipes build exactly the same examples. A record keeps its
+file's location (`where`) and carries its file's index (`Record.file`), for per-file counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections import Counter
+from dataclasses import dataclass
+
+from finetune.data.read import ReadResult, Record, read_records
+from finetune.recipe.schema import DataConfig, DataFile
+
+
+@dataclass
+class FileRead:
+    """One file of the data: its recipe key (`data.path[1]`), its entry and the records as read."""
+
+    key: str
+    entry: DataFile
+    read: ReadResult
+
+
+def read_files(cfg: DataConfig) -> list[FileRead]:
+    """Every file of `cfg` read, in recipe order; a missing or unreadable one is named by its recipe key."""
+    return [FileRead(key, entry, read_records(entry.path, key)) for key, entry in zip(cfg.keys(), cfg.files(), strict=True)]
+
+
+def is_mix(cfg: DataConfig) -> bool:
+    """Whether data.path is a list (mixed and shuffled), not one path read as it is."""
+    return not isinstance(cfg.path, str)
+
+
+def amounts(files: list[FileRead]) -> list[int]:
+    """How many records each file gives the mix (see the module docstring)."""
+    held = [len(f.read.records) for f in files]
+    out = [f.entry.records if f.entry.records is not None else n for f, n in zip(files, held, strict=True)]
+    weighted = [i for i, f in enumerate(files) if f.entry.weight is not None]
+    if weighted:
+        total = sum(files[i].entry.weight for i in weighted)
+        share = {i: files[i].entry.weight / total for i in weighted}
+        size = min(held[i] / share[i] for i in weighted)  # the largest weighted part that repeats no record
+        for i in weighted:
+            out[i] = min(held[i], max(1, round(size * share[i])))
+    return out
+
+
+def _take(records: list[Record], n: int, rng: random.Random) -> list[Record]:
+    """n records of one file: whole copies while n exceeds it, then a seeded sample in file order."""
+    whole, rest = divmod(n, len(records))
+    picked = sorted(rng.sample(range(len(records)), rest))
+    return records * whole + [records[i] for i in picked]
+
+
+def mixed_records(cfg: DataConfig, files: list[FileRead], seed: int) -> list[Record]:
+    """The records training reads, each tagged with its file's index: one plain path's records as they are;
+    a list's taken per `amounts` and shuffled together by the seed."""
+    if not is_mix(cfg):
+        return files[0].read.records
+    out: list[Record] = []
+    for i, (f, n) in enumerate(zip(files, amounts(files), strict=True)):
+        taken = _take(f.read.records, n, random.Random(f"{seed}:mix:{i}"))
+        out += [dataclasses.replace(r, file=i) for r in taken]
+    random.Random(f"{seed}:mix").shuffle(out)
+    return out
+
+
+def repeated(files: list[FileRead]) -> list[str]:
+    """One warning line per file whose records are repeated to reach its `records:` count."""
+    return [f"{f.entry.path}: its {len(f.read.records)} records repeated to make {n} ({f.key}.records); a repeated "
+            "record can land in both the training and the held-out part of data.validation_split"
+            for f, n in zip(files, amounts(files), strict=True) if n > len(f.read.records)]
+
+
+def file_stats(files: list[FileRead], formats: list[str], used: list[Record], kept: list[int],
+               left_out: Counter[int]) -> list[dict[str, object]]:
+    """`DataBundle.stats["files"]`, one entry per file: path, format, records (as read, lines that did not
+    parse included), used (taken into the mix, repeats counted, after data.max_samples), kept (examples built
+    from them, by file index in `kept`) and dropped (`left_out`: malformed, too long, nothing to train on)."""
+    taken = Counter(r.file for r in used)
+    made = Counter(kept)
+    return [{"path": f.entry.path, "format": fmt, "records": f.read.total,
+             "used": taken[i], "kept": made[i], "dropped": left_out[i]}
+            for i, (f, fmt) in enumerate(zip(files, formats, strict=True))]
