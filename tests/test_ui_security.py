@@ -104,6 +104,20 @@ def test_recipe_paths_outside_are_refused_by_preview_plan_and_start(site, key, f
     _nothing_queued(site)
 
 
+@pytest.mark.parametrize("form", FORMS)
+def test_a_data_mix_with_one_file_outside_is_refused(site, form):
+    """data.path as a list (typed as YAML in its box): every file is checked, not only the first."""
+    client = site["client"]
+    mix = json.dumps([str(site["allowed"] / "data.jsonl"), {"path": hostile(site, "secret.jsonl", form), "weight": 1}])
+    values = set_value(site["values"], "data.path", mix)
+    for result in (client.predict(*values, api_name="/preview_data"),
+                   client.predict(*values, "12 GB card (RTX 3060)", api_name="/plan"),
+                   client.predict(*values, api_name="/start")):
+        _refused(result)
+        assert "data.path[1]" in (result[0] if isinstance(result, (list, tuple)) else result)
+    _nothing_queued(site)
+
+
 def test_chat_template_file_is_not_shown_by_the_preview(site):
     """The reported leak: data.chat_template as a path to a file outside, shown by the data preview."""
     values = set_value(site["values"], "data.chat_template", "/etc/passwd")

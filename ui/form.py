@@ -184,7 +184,8 @@ def to_widget(spec: FieldSpec, value: Any) -> Any:
         return str(value)
     if isinstance(value, str):  # as typed, unless YAML would read it as something else (`a: b`, `#x`, `1.0`)
         return value if _parse_yaml(value) == value else json.dumps(value, ensure_ascii=False)
-    dumped = yaml.safe_dump(list(value) if isinstance(value, tuple) else value, default_flow_style=True)
+    dumped = yaml.safe_dump(list(value) if isinstance(value, tuple) else value, default_flow_style=True,
+                            width=math.inf)  # one line: the widget is a one-line text box
     return dumped.strip().removesuffix("...").strip()
 
 
