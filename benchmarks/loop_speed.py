@@ -207,7 +207,8 @@ def parse_tree(item: str) -> tuple[str, Path]:
 
 def recipe_batch(recipe: Path) -> dict:
     """The recipe's micro-batch, accumulation and max_seq_len, which every variant runs with (explicit numbers
-    only), and its data file as an absolute path (a relative one is relative to this repository)."""
+    only), and its data file (or each file of a list) as an absolute path (a relative one is relative to this
+    repository)."""
     import yaml
 
     text = yaml.safe_load(recipe.read_text()) or {}
@@ -217,8 +218,15 @@ def recipe_batch(recipe: Path) -> dict:
     if any(not isinstance(v, int) for v in fixed.values()):
         raise SystemExit(f"{recipe}: training.micro_batch_size, gradient_accumulation_steps and data.max_seq_len "
                          f"must be numbers (not auto or missing) for a like-for-like comparison, not {fixed}")
-    path = Path(data["path"])
-    return fixed | {"data": str(path if path.is_absolute() else (ROOT / path).resolve())}
+    def absolute(raw: str) -> str:
+        path = Path(raw)
+        return str(path if path.is_absolute() else (ROOT / path).resolve())
+
+    files = data["path"]
+    if isinstance(files, str):
+        return fixed | {"data": absolute(files)}
+    mixed = [absolute(f) if isinstance(f, str) else {**f, "path": absolute(f["path"])} for f in files]
+    return fixed | {"data": json.dumps(mixed)}  # a list of files (a mix) as a --set value: YAML reads JSON
 
 
 def table(rows: dict[str, list[dict]], candidate: str) -> list[str]:
