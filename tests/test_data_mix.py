@@ -251,3 +251,21 @@ def test_identity_mixed_with_alpaca_as_docs_training_shows(shared_datasets, tiny
     bundle = build_datasets(cfg, tiny_tokenizer, seed=42)
     assert [(f["records"], f["used"]) for f in bundle.stats["files"]] == [(91, 300), (999, 999)]
     assert bundle.stats["format"] == "alpaca" and bundle.stats["train_examples"] == 1299
+
+
+def test_preference_pairs_of_two_formats_mix_for_dpo_and_kto(tmp_path, tiny_tokenizer):
+    flat = tmp_path / "p.jsonl"
+    flat.write_text("".join(json.dumps({"prompt": f"Pick {i}.", "chosen": f"yes {i}", "rejected": "no"}) + "\n"
+                            for i in range(4)))
+    sharegpt = tmp_path / "s.json"
+    sharegpt.write_text(json.dumps([{"conversations": [{"from": "human", "value": f"Say {i}."}],
+                                     "chosen": {"from": "gpt", "value": f"{i}"},
+                                     "rejected": {"from": "gpt", "value": "nothing"}} for i in range(3)]))
+    cfg = data([str(flat), {"path": str(sharegpt), "records": 2}])
+    pairs = build_datasets(cfg, tiny_tokenizer, seed=0, method="dpo")
+    assert pairs.stats["format"] == "preference+sharegpt_preference" and len(pairs.train) == 6
+    assert [f["kept"] for f in pairs.stats["files"]] == [4, 2]
+    kto = build_datasets(cfg, tiny_tokenizer, seed=0, method="kto")
+    assert sorted(kto.train["kto_label"]) == [False] * 6 + [True] * 6, "each pair as a good and a bad answer"
+    with pytest.raises(DataError, match=r"p.jsonl: the records are preference data"):
+        build_datasets(data([str(alpaca(tmp_path / "a.json", 3)), str(flat)]), tiny_tokenizer, seed=0)

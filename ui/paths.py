@@ -118,7 +118,7 @@ def check_recipe_paths(recipe: Recipe, roots: list[Path]) -> None:
 def check_data_paths(recipe: Recipe, roots: list[Path], must_exist: bool = False) -> None:
     """Refuse a recipe whose data.path, or any file of its list, lies outside `roots` (named by its key,
     `data.path[2]`)."""
-    for key, entry in zip(recipe.data.keys(), recipe.data.files(), strict=True):
+    for key, entry in zip(recipe.data.file_keys(), recipe.data.files(), strict=True):
         allowed_path(entry.path, roots, key, must_exist=must_exist)
 
 

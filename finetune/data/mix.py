@@ -36,7 +36,7 @@ class FileRead:
 
 def read_files(cfg: DataConfig) -> list[FileRead]:
     """Every file of `cfg` read, in recipe order; a missing or unreadable one is named by its recipe key."""
-    return [FileRead(key, entry, read_records(entry.path, key)) for key, entry in zip(cfg.keys(), cfg.files(), strict=True)]
+    return [FileRead(key, entry, read_records(entry.path, key)) for key, entry in zip(cfg.file_keys(), cfg.files(), strict=True)]
 
 
 def is_mix(cfg: DataConfig) -> bool:

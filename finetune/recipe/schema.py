@@ -164,7 +164,7 @@ class DataConfig(Section):
         """Every file of the data, in recipe order: the one path, or each entry of the list."""
         return [DataFile(path=self.path)] if isinstance(self.path, str) else list(self.path)
 
-    def keys(self) -> list[str]:
+    def file_keys(self) -> list[str]:
         """The recipe key of each file in `files()` (`data.path`, or `data.path[i]`), for messages."""
         return ["data.path"] if isinstance(self.path, str) else [f"data.path[{i}]" for i in range(len(self.path))]
 
