@@ -196,6 +196,8 @@ def test_formats_that_make_other_examples_are_not_mixed(tmp_path, tiny_tokenizer
     with pytest.raises(DataError, match=r"data.path\[0\] \(.*a.json\) holds conversations \(alpaca\) but "
                                         r"data.path\[1\] \(.*t.jsonl\) holds plain text \(text\)"):
         build_datasets(data([str(chat), str(text)]), tiny_tokenizer, seed=0)
+    with pytest.raises(DataError, match="cannot be mixed in one dataset"):  # the UI's preview too
+        preview(data([str(text), str(chat)]), tiny_tokenizer, n=8)
 
 
 def test_a_mixed_recipe_trains_and_resume_refuses_another_weight(tmp_path, tiny_model_dir, capsys):

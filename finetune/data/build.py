@@ -145,7 +145,6 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
                       repeated(files) + _warnings(cfg, len(problems), dropped))
 
 
-
 def _check_dropped(cfg: DataConfig, dropped: _Dropped) -> None:
     """Refuse what the user asked to be refused: overlong records (overlong: error), records without an
     answer (on_bad_record: error)."""
@@ -180,13 +179,15 @@ _KINDS = {"text": "plain text", "preference": "chosen/rejected pairs", "sharegpt
           "kto": "labelled answers"}  # every other format: conversations
 
 
-def _formats(cfg: DataConfig, files: list[FileRead], method: str) -> tuple[list[str], str]:
-    """Each file's format (data.format, else detected per file), checked against `method` and against each
-    other (conversations mix with conversations, text with text, pairs with pairs), and the data's format as
-    the stats and fingerprint name it: the one format, or the files' formats joined with `+`."""
+def _formats(cfg: DataConfig, files: list[FileRead], method: str | None) -> tuple[list[str], str]:
+    """Each file's format (data.format, else detected per file), checked against `method` (None: not checked,
+    the preview's) and against each other (conversations mix with conversations, text with text, pairs with
+    pairs), and the data's format as the stats and fingerprint name it: the one format, or the files' formats
+    joined with `+`."""
     formats = [_format(cfg, f) for f in files]
     for f, fmt in zip(files, formats, strict=True):
-        _check_method(f.entry.path, fmt, method)
+        if method is not None:
+            _check_method(f.entry.path, fmt, method)
     kinds = [_KINDS.get(fmt, "conversations") for fmt in formats]
     if len(set(kinds)) > 1:
         other = next(i for i, k in enumerate(kinds) if k != kinds[0])
@@ -232,7 +233,7 @@ def preview(cfg: DataConfig, tokenizer: Any, n: int = 3) -> list[dict[str, Any]]
     files: in recipe order, each record in its own file's format.
     """
     files = read_files(cfg)
-    formats = [_format(cfg, f) for f in files]
+    formats, _ = _formats(cfg, files, None)
     encoder = _encoder(cfg, tokenizer, formats[0])
     out = []
     for i, f in enumerate(files):
