@@ -47,9 +47,10 @@ def test_two_formats_mix_into_one_dataset_with_counts_per_file(tmp_path, tiny_to
         {"path": str(second), "format": "messages", "records": 7, "used": 7, "kept": 7, "dropped": 0}]
     texts = [tiny_tokenizer.decode(ids) for ids in bundle.train["input_ids"]]
     assert sum("Name a colour" in t for t in texts) == 5 and sum("plus" in t for t in texts) == 7
-    # The preview shows each record in its own file's format.
-    shown = preview(data([str(first), str(second)]), tiny_tokenizer, n=7)
-    assert [ex["format"] for ex in shown] == ["alpaca"] * 5 + ["messages"] * 2
+    # The preview shows the files' records in turn, each in its own file's format.
+    shown = preview(data([str(first), str(second)]), tiny_tokenizer, n=12)
+    assert [ex["format"] for ex in shown] == ["alpaca", "messages"] * 5 + ["messages"] * 2
+    assert [ex["where"] for ex in shown[:3]] == [f"{first} record 0", f"{second}:1", f"{first} record 1"]
 
 
 def test_per_file_counts_name_what_each_file_lost(tmp_path, tiny_tokenizer):

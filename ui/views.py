@@ -167,7 +167,7 @@ def queue_markdown(manager: RunManager) -> str:
 
 def preview_markdown(examples: list[dict[str, Any]], bad: list[str]) -> str:
     """Detected format, where the shown examples come from, and the records that could not be read."""
-    fmt = examples[0].get("format", "?") if examples else "?"
+    fmt = "+".join(dict.fromkeys(ex.get("format", "?") for ex in examples)) or "?"  # a mix: each file's
     lines = [f"Detected format: **{fmt}**. {len(examples)} example(s) below as the model sees them; "
              "tokens that carry loss are highlighted."]
     lines += [f"- example {i}: {ex.get('where', '')}{' (truncated to max_seq_len)' if ex.get('truncated') else ''}"

@@ -23,7 +23,7 @@ import dataclasses
 import json
 import random
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -230,26 +230,28 @@ def preview(cfg: DataConfig, tokenizer: Any, n: int = 3) -> list[dict[str, Any]]
     Each dict also has `where` (file and record/line) and `truncated` (cut to data.max_seq_len). Preference
     pairs add `rejected_tokens` (the rejected sequence; `tokens` is the chosen one), kto records `label`.
     Malformed records are skipped here whatever on_bad_record says, so the UI can show something. Several
-    files: in recipe order, each record in its own file's format.
+    files: one record of each file in turn (the first of every file, then the second, ...), each in its file's
+    format.
     """
     files = read_files(cfg)
     formats, _ = _formats(cfg, files, None)
     encoder = _encoder(cfg, tokenizer, formats[0])
-    out = []
-    for i, f in enumerate(files):
-        out += _shown(f.read.records, i, formats, cfg, tokenizer, encoder, n - len(out))
-        if len(out) == n:
-            break
+    pending = [_shown(f.read.records, i, formats, cfg, tokenizer, encoder) for i, f in enumerate(files)]
+    out: list[dict[str, Any]] = []
+    while pending and len(out) < n:
+        for file in list(pending):
+            item = next(file, None)
+            if item is None:
+                pending.remove(file)
+            elif len(out) < n:
+                out.append(item)
     return out
 
 
 def _shown(records: list[Record], file: int, formats: list[str], cfg: DataConfig, tokenizer: Any,
-           encoder: ChatEncoder | None, n: int) -> list[dict[str, Any]]:
-    """`preview` of one file's records: at most n."""
-    out: list[dict[str, Any]] = []
+           encoder: ChatEncoder | None) -> Iterator[dict[str, Any]]:
+    """`preview`'s examples of one file's records, one at a time (tokenized only when asked for)."""
     for record in records:
-        if len(out) == n:
-            break
         prepared, _ = _prepare([dataclasses.replace(record, file=file)], formats, cfg, encoder)
         dropped = _Dropped()
         fitted = _fit(prepared, _tokenize(prepared, tokenizer, encoder, cfg.max_seq_len), cfg, encoder, dropped)
@@ -263,8 +265,7 @@ def _shown(records: list[Record], file: int, formats: list[str], cfg: DataConfig
             item["rejected_tokens"] = shown[1]
         if prepared[0].label is not None:
             item["label"] = prepared[0].label
-        out.append(item)
-    return out
+        yield item
 
 
 def _format(cfg: DataConfig, file: FileRead) -> str:
