@@ -154,7 +154,7 @@ class DataConfig(Section):
         if isinstance(value, list):
             seen: dict[str, int] = {}
             for i, entry in enumerate(value):
-                same = seen.setdefault(os.path.normpath(os.path.expanduser(entry.path)), i)
+                same = seen.setdefault(os.path.abspath(entry.path), i)  # as read: from the cwd
                 if same != i:
                     raise ValueError(f"entries {same} and {i} name the same file ({entry.path}); list each file once "
                                      "and give it records: N to take more of it")
