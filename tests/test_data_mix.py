@@ -97,6 +97,17 @@ def test_records_takes_exactly_that_many_repeating_a_smaller_file(tmp_path, tiny
     assert origin(mixed_records(plain, read_files(plain), seed=3)) == {0: 40, 1: 50}
 
 
+def test_copies_of_a_record_stay_on_one_side_of_the_validation_split(tmp_path, tiny_tokenizer):
+    small = alpaca(tmp_path / "s.json", 10, "tree")
+    cfg = data([{"path": str(small), "records": 30}, str(alpaca(tmp_path / "l.json", 10, "bird"))],
+               validation_split=0.2)
+    bundle = build_datasets(cfg, tiny_tokenizer, seed=5)
+    train, held = ({tiny_tokenizer.decode(ids) for ids in part["input_ids"]} for part in (bundle.train, bundle.eval))
+    assert not train & held, "a held-out example is also trained on"
+    assert bundle.stats["train_examples"] + bundle.stats["eval_examples"] == 40
+    assert len(held) == 4, "a fifth of the 20 distinct records"
+
+
 def test_the_seed_decides_the_mix(tmp_path, tiny_tokenizer):
     files = [{"path": str(alpaca(tmp_path / "s.json", 30, "tree")), "records": 20},
              {"path": str(alpaca(tmp_path / "l.json", 30, "bird")), "weight": 1}]

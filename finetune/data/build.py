@@ -388,15 +388,18 @@ def _where(problem: str) -> str:
 
 
 def _split(path: str, items: list[_Prepared], fraction: float, seed: int) -> tuple[list[_Prepared], list[_Prepared]]:
-    """A seeded split of records; at least one eval record when fraction > 0, at least one train record."""
+    """A seeded split of records; at least one eval record when fraction > 0, at least one train record. The
+    copies of a record a mix repeats (`records:` over the file's size; same file and place) fall on one side, so
+    no held-out example is also trained on."""
     if fraction == 0:
         return items, []
-    n_eval = max(1, round(len(items) * fraction))
-    if n_eval >= len(items):
-        raise DataError(f"{path}: data.validation_split={fraction} leaves no training records out of {len(items)}",
+    records = list(dict.fromkeys((x.file, x.where) for x in items))  # distinct records, in order
+    n_eval = max(1, round(len(records) * fraction))
+    if n_eval >= len(records):
+        raise DataError(f"{path}: data.validation_split={fraction} leaves no training records out of {len(records)}",
                         hint="lower data.validation_split or add records")
-    held = set(random.Random(f"{seed}:validation_split").sample(range(len(items)), n_eval))
-    return ([x for i, x in enumerate(items) if i not in held], [x for i, x in enumerate(items) if i in held])
+    held = {records[i] for i in random.Random(f"{seed}:validation_split").sample(range(len(records)), n_eval)}
+    return ([x for x in items if (x.file, x.where) not in held], [x for x in items if (x.file, x.where) in held])
 
 
 def _tokenize(items: list[_Prepared], tokenizer: Any, encoder: ChatEncoder | None, max_seq_len: int) -> list[Sequences]:

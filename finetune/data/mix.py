@@ -80,8 +80,7 @@ def mixed_records(cfg: DataConfig, files: list[FileRead], seed: int) -> list[Rec
 
 def repeated(files: list[FileRead]) -> list[str]:
     """One warning line per file whose records are repeated to reach its `records:` count."""
-    return [f"{f.entry.path}: its {len(f.read.records)} records repeated to make {n} ({f.key}.records); a repeated "
-            "record can land in both the training and the held-out part of data.validation_split"
+    return [f"{f.entry.path}: its {len(f.read.records)} records repeated to make {n} ({f.key}.records)"
             for f, n in zip(files, amounts(files), strict=True) if n > len(f.read.records)]
 
 
