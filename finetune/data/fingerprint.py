@@ -17,6 +17,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from finetune.data.mix import is_mix
 from finetune.data.read import ReadResult
 from finetune.errors import FinetuneError
 from finetune.recipe.schema import DataConfig
@@ -65,7 +66,7 @@ def data_fingerprint(cfg: DataConfig, reads: Sequence[ReadResult], fmt: str, tok
         "chat_template_sha256": _sha256(template) if template is not None else None,
         "settings": settings,
     }
-    if not isinstance(cfg.path, str):
+    if is_mix(cfg):
         out["files"] = [{"path": entry.path, "weight": entry.weight, "records": entry.records,
                          "records_read": read.total,
                          "content_sha256": _sha256("\n".join(_hashes(read) + read.problems))}
