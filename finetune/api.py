@@ -21,6 +21,7 @@ from finetune.reports import (
     GRPOReport,
     Machine,
     RewardReport,
+    RunMemory,
     SeenLengthPlan,
     SpeedEstimate,
 )
@@ -335,6 +336,21 @@ def plan_at_seen_length(run: str | Path | RunFiles) -> SeenLengthPlan | None:
     at = predict(validate_recipe(data, str(files.run.recipe)), device=plan.get("device"))
     return {"longest": longest, "max_seq_len": recipe.data.max_seq_len, "peak_bytes": at.peak_bytes,
             "breakdown": at.breakdown, "planned_peak_bytes": plan.get("peak_bytes")}
+
+
+def run_memory(run: str | Path | RunFiles) -> RunMemory | None:
+    """The run's memory as the end of `finetune run` reports it: the plan's peak at data.max_seq_len, the plan
+    re-evaluated at the data's longest example (`plan_at_seen_length`: what the measured peak should be
+    compared with) and the measured peak (the last logged: an out-of-memory recovery's re-plan starts a new
+    one). None when the run has no plan (the planner could not trace the model)."""
+    files = run_files(run)
+    plan = files.plan
+    if not plan or files.recipe_text is None:
+        return None
+    recipe = load_recipe_text(files.recipe_text, str(files.run.recipe))
+    measured = next((r["peak_memory_bytes"] for r in reversed(files.metrics) if r.get("peak_memory_bytes")), None)
+    return {"planned_peak_bytes": plan["peak_bytes"], "max_seq_len": recipe.data.max_seq_len,
+            "seen": plan_at_seen_length(files), "measured_peak_bytes": measured}
 
 
 def batch_plan(recipe: Recipe, plan: Plan) -> list[str]:

@@ -151,6 +151,12 @@ def cmd_run(args) -> int:
                 *(["--allow-data-change"] if args.allow_data_change else [])]
         return api.launch(recipe, argv, recipe.distributed.gpus, resume=args.resume, overwrite=args.overwrite)
     result = api.run(recipe, resume=args.resume, overwrite=args.overwrite, allow_data_change=args.allow_data_change)
+    # under a launcher, rank 0 wrote the run directory: it alone reports the memory
+    memory = api.run_memory(result.run_dir) if os.environ.get("RANK", "0") == "0" else None
+    if memory is not None:
+        from finetune.cli_tables import memory_line
+
+        console.print(memory_line(memory), markup=False)
     if result.state == "stopped":
         console.print(f"[yellow]stopped at step {result.steps}; continue with: finetune run {args.recipe} --resume")
         return 130

@@ -10,6 +10,7 @@ from rich.table import Table
 from finetune.memory.tracker import CATEGORIES
 from finetune.plan.search import Plan
 from finetune.recipe.settings import table as settings_table
+from finetune.reports import RunMemory
 from finetune.units import format_bytes
 
 
@@ -91,6 +92,18 @@ def render_plan(plan: Plan, console: Console | None = None) -> None:
 def render_measurement(result: dict[str, Any], console: Console | None = None) -> None:
     console = console or Console()
     console.print(breakdown_table(f"measured peak on {result['device']}", result["breakdown"], result["peak_bytes"]))
+
+
+def memory_line(memory: RunMemory) -> str:
+    """The end of `finetune run`: the plan at max_seq_len, at the data's longest example (when shorter) and the
+    measured peak, on one line, so a run whose data is short reads as matching its plan, not as 2x under it."""
+    parts = [f"memory: planned {format_bytes(memory['planned_peak_bytes'])} at max_seq_len {memory['max_seq_len']:,}"]
+    seen = memory["seen"]
+    if seen is not None:
+        parts.append(f"at the longest example ({seen['longest']:,} tokens) {format_bytes(seen['peak_bytes'])}")
+    measured = memory["measured_peak_bytes"]
+    parts.append(f"measured peak {format_bytes(measured)}" if measured is not None else "no peak measured")
+    return "; ".join(parts)
 
 
 def render_evaluation(report: dict[str, Any], console: Console | None = None) -> None:

@@ -53,6 +53,15 @@ class SeenLengthPlan(TypedDict):
     planned_peak_bytes: int | None
 
 
+class RunMemory(TypedDict):
+    """`api.run_memory(run)`: the run's planned, re-evaluated and measured peak memory side by side."""
+
+    planned_peak_bytes: int  # the plan's, at data.max_seq_len
+    max_seq_len: int
+    seen: SeenLengthPlan | None  # the plan at the data's longest example; None: the data is not shorter
+    measured_peak_bytes: int | None  # the last logged peak (since the last re-plan); None: none logged
+
+
 class EvaluationTable(TypedDict):
     """`api.run_evaluation_table(run)`: the run's latest `finetune eval` as a table."""
 
