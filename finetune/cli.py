@@ -220,7 +220,10 @@ def cmd_measure(args) -> int:
 
 
 def cmd_keys(args) -> int:
-    """The reference on stdout (it is the command's output): plain text, one line per key, or Markdown."""
+    """The reference on stdout (it is the command's output): plain text, or Markdown. On a terminal the text
+    wraps to its width; piped or in a file, one line per key (for grep)."""
+    import shutil
+
     from finetune.recipe.docs import reference_markdown, reference_text
     from finetune.recipe.load import iter_fields
 
@@ -228,7 +231,8 @@ def cmd_keys(args) -> int:
         sections = [key for key, _, is_section in iter_fields() if is_section]
         if args.section not in sections:
             raise UsageError(f"finetune keys: no section {args.section!r}", hint=f"sections: {', '.join(sections)}")
-    sys.stdout.write(reference_markdown() if args.markdown else reference_text(args.section))
+    width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+    sys.stdout.write(reference_markdown() if args.markdown else reference_text(args.section, width))
     return 0
 
 

@@ -43,6 +43,62 @@ def test_keys_prints_one_parsable_line_per_key_on_stdout():
     assert "[q_proj, v_proj]" in rows["adapter.target_modules"][3]  # rich would have eaten it as markup
 
 
+def _on_a_terminal(argv: list[str], columns: int) -> str:
+    """What `finetune ARGV` writes to a terminal (a pseudo-terminal) `columns` wide, COLUMNS unset."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "finetune", *argv], cwd=ROOT, stdout=slave, stderr=subprocess.PIPE,
+                            env={"PYTHONPATH": str(ROOT), "PATH": ""})
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 1 << 16)
+        except OSError:  # EIO: the process closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(master)
+    assert proc.wait(timeout=120) == 0, proc.stderr.read()
+    return b"".join(chunks).decode().replace("\r\n", "\n")
+
+
+@pytest.mark.parametrize("columns", [100, 150])
+def test_keys_on_a_terminal_wraps_to_its_width(columns):
+    """On a terminal every line fits its width (piped, the longest line is over 600 characters: the type column
+    padded to the reward list's type) and every key keeps its whole type, default and description: in columns
+    where the description column is wide enough (150), else each description under its key (100)."""
+    from finetune.recipe.docs import reference_rows
+
+    lines = _on_a_terminal(["keys"], columns).splitlines()
+    assert lines and max(map(len, lines)) <= columns
+    rows = reference_rows()
+    squeeze = "".join
+    if columns == 100:  # key, type and default on a line, the description indented under it
+        text = squeeze(lines).replace(" ", "")
+        assert all(squeeze((key, typ, default, desc)).replace(" ", "") in text for key, typ, default, desc in rows)
+        return
+    starts = [lines[0].index(name) for name in ("key", "type", "default", "description")]
+    bounds = list(zip(starts, [*starts[1:], None], strict=True))
+    found: list[list[str]] = []
+    for line in lines[1:]:
+        cells = [line[a:b].strip() for a, b in bounds]
+        if cells[0]:
+            found.append(cells)
+        else:  # a wrapped continuation of the row above
+            found[-1] = [f"{have} {more}".strip() for have, more in zip(found[-1], cells, strict=True)]
+    assert [row[0] for row in found] == [row[0] for row in rows]
+    assert all(squeeze(got).replace(" ", "") == squeeze(want).replace(" ", "")
+               for got, want in zip(found, rows, strict=True))
+
+
 def test_keys_of_one_section_and_an_unknown_section(capsys):
     assert main(["keys", "memory"]) == 0
     rows = _columns(capsys.readouterr().out.splitlines())
