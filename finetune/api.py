@@ -23,6 +23,7 @@ from finetune.reports import (
     RewardReport,
     RunMemory,
     SeenLengthPlan,
+    SizePlans,
     SpeedEstimate,
 )
 from finetune.rundir import EVAL_PREFIX, REWARD_KEYS, RunDir
@@ -146,11 +147,11 @@ def recipe_gallery(folder: str | Path = "recipes") -> list[dict[str, str]]:
     return out
 
 
-def plan_gpu_sizes(recipe: Recipe, sizes_gb: tuple[int, ...] = GPU_SIZES_GB,
+def plan_gpu_sizes(recipe: Recipe, sizes_gb: tuple[float, ...] = GPU_SIZES_GB,
                    ladder: tuple[int, ...] = CONTEXT_LADDER) -> GPUSizes:
-    """What fits on each GPU size (GiB): the longest context it trains (the recipe's other settings kept,
-    its `auto` ones chosen by the planner; at most the model's max_position_embeddings) and the largest
-    micro-batch at the recipe's max_seq_len.
+    """What fits on each GPU size (GiB; 22.35 for a 24GB card): the longest context it trains (the recipe's
+    other settings kept, its `auto` ones chosen by the planner; at most the model's max_position_embeddings)
+    and the largest micro-batch at the recipe's max_seq_len.
 
     One leanest-plan query per sequence length (the smallest memory any allowed configuration needs) answers
     every size at once; the model config is read once and the planner's trace cache keeps repeats cheap.
@@ -188,7 +189,7 @@ def plan_gpu_sizes(recipe: Recipe, sizes_gb: tuple[int, ...] = GPU_SIZES_GB,
             cache[key, value] = min(over) + margin if over else plan.min_budget_bytes or plan.peak_bytes + margin
         return cache[key, value]
 
-    largest = max(sizes_gb) << 30
+    largest = round(max(sizes_gb) * 2**30)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     limit = getattr(text, "max_position_embeddings", None) or max(ladder)  # no use training past it
     context_need = {}
@@ -203,7 +204,7 @@ def plan_gpu_sizes(recipe: Recipe, sizes_gb: tuple[int, ...] = GPU_SIZES_GB,
             break
     rows = []
     for gb in sizes_gb:
-        total = gb << 30
+        total = round(gb * 2**30)
         fit = [s for s, n in context_need.items() if n <= total]
         longest = max(fit) if fit else None
         above = [s for s in context_need if longest is not None and s > longest]
@@ -220,6 +221,26 @@ def plan_gpu_sizes(recipe: Recipe, sizes_gb: tuple[int, ...] = GPU_SIZES_GB,
     return {"max_seq_len": recipe.data.max_seq_len, "model_max_context": limit, "sizes": rows,
             "context_need_bytes": {s: n for (k, s), n in sorted(cache.items()) if k == "seq"},
             "micro_batch_need_bytes": batch_need}
+
+
+def plan_sizes(recipe: Recipe, sizes: list[str]) -> SizePlans:
+    """`finetune plan --gpu-memory 8GiB,12GiB,...`: the plan for each GPU size (`sizes` as --gpu-memory spells
+    them), beside what `plan_gpu_sizes` (the UI's per-size chart) says of it: the longest context at micro-batch
+    1 and the largest micro-batch at max_seq_len, up to the search's cap (`micro_batch_cap`)."""
+    from finetune.plan.search import MICRO_BATCHES
+    from finetune.units import parse_bytes
+
+    totals = [int(parse_bytes(size)) for size in sizes]
+    sweep = plan_gpu_sizes(recipe, tuple(total / 2**30 for total in totals))
+    rows = []
+    for size, total, swept in zip(sizes, totals, sweep["sizes"], strict=True):
+        chosen = plan(recipe, gpu_memory=total, device="cuda")
+        rows.append({"gpu_memory": size, "gpu_bytes": total, "fits": chosen.fits, "peak_bytes": chosen.peak_bytes,
+                     "settings": chosen.settings, "tokens_per_s": chosen.tokens_per_s,
+                     "min_budget_bytes": chosen.min_budget_bytes, "longest_context": swept["longest_context"],
+                     "largest_micro_batch": swept["largest_micro_batch"]})
+    return {"max_seq_len": recipe.data.max_seq_len, "model_max_context": sweep["model_max_context"],
+            "micro_batch_cap": max(MICRO_BATCHES), "sizes": rows}
 
 
 def speed_estimate(plan: dict[str, Any]) -> SpeedEstimate:

@@ -10,7 +10,7 @@ from rich.table import Table
 from finetune.memory.tracker import CATEGORIES
 from finetune.plan.search import Plan
 from finetune.recipe.settings import table as settings_table
-from finetune.reports import RunMemory
+from finetune.reports import RunMemory, SizePlans
 from finetune.units import format_bytes
 
 
@@ -87,6 +87,35 @@ def render_plan(plan: Plan, console: Console | None = None) -> None:
     if not plan.fits:
         console.print(f"[red]Nothing fits.[/red] Smallest budget that works: {format_bytes(plan.min_budget_bytes)} "
                       "(set memory.gpu_memory or free GPU memory).")
+
+
+def render_sizes(report: SizePlans, console: Console | None = None) -> None:
+    """`finetune plan --gpu-memory A,B,...`: per GPU size, the plan (fits, peak, tokens/s) and, as the UI's
+    per-size chart shows them, the longest context at micro-batch 1 and the largest micro-batch; then each
+    size's chosen settings (or the GPU memory the leanest plan needs) on a line of its own: they do not fit a
+    table cell at 80 columns. A peak that does not fit is the leanest plan's."""
+    console = console or Console()
+    cap = report["micro_batch_cap"]
+    table = Table(title=f"plans per GPU size (data.max_seq_len {report['max_seq_len']:,})")
+    for name in ("GPU memory", "fits", "peak", "tokens/s", "longest context at mb=1",
+                 f"largest mb at {report['max_seq_len']:,}"):
+        table.add_column(name, justify="left" if name in ("GPU memory", "fits") else "right")
+    for row in report["sizes"]:
+        largest = row["largest_micro_batch"]
+        table.add_row(row["gpu_memory"], "yes" if row["fits"] else "[red]no[/red]",
+                      format_bytes(row["peak_bytes"]), f"{row['tokens_per_s']:,.0f}" if row["fits"] else "-",
+                      f"{row['longest_context']:,}" if row["longest_context"] else "none",
+                      "none" if largest is None else f"{largest} (cap)" if largest == cap else str(largest))
+    console.print(table)
+    if any(row["largest_micro_batch"] == cap for row in report["sizes"]):
+        console.print(f"{cap} (cap): the search tries micro-batches up to {cap}; a larger one may fit as well.")
+    console.print(f"Contexts stop at the model's own limit, {report['model_max_context']:,} tokens "
+                  "(max_position_embeddings).", soft_wrap=True)
+    console.print("chosen settings:")
+    for row in report["sizes"]:
+        need = f": the leanest plan needs {format_bytes(row['min_budget_bytes'])}" if row["min_budget_bytes"] else ""
+        chosen = _short(row["settings"]) if row["fits"] else f"nothing fits{need}"
+        console.print(f"  {row['gpu_memory']}: {chosen}", soft_wrap=True)  # one line, also when piped
 
 
 def render_measurement(result: dict[str, Any], console: Console | None = None) -> None:
