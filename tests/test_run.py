@@ -255,7 +255,8 @@ def test_the_end_of_a_run_prints_the_plan_at_the_longest_example_beside_the_meas
     seen = api.plan_at_seen_length(run_dir)
     if packing:
         assert seen is None
-        assert line == f"memory: planned {format_bytes(planned)} at max_seq_len 256; measured peak {format_bytes(measured)}"
+        assert line == (f"memory: planned {format_bytes(planned)} at max_seq_len 256; "
+                        f"measured peak {format_bytes(measured)}")
         return
     longest = json.loads((run_dir / "status.json").read_text())["longest_sequence_tokens"]
     assert longest < 64 and seen["longest"] == longest

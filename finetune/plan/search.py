@@ -40,7 +40,6 @@ from finetune.units import format_bytes, parse_bytes
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 MICRO_BATCH_GAIN = 0.10  # the predicted speed-up a larger micro-batch must bring to be chosen over a smaller one
-BATCH_KEYS = ("micro_batch_size", "gradient_accumulation_steps")
 # Optimizers `auto` may pick (the registry's auto_preference); the factor is a preference (update quality),
 # not a speed.
 AUTO_OPTIMIZERS = auto_preferences()

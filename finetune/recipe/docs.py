@@ -86,8 +86,8 @@ def reference_text(section: str | None = None, width: int | None = None) -> str:
     if width is None:
         return "".join("  ".join([*(c.ljust(w) for c, w in zip(row[:3], widths, strict=True)), row[3]]).rstrip()
                        + "\n" for row in rows)
+    width = max(width, 20)  # narrower than any real terminal: lines may overflow it
     widths[1] = min(widths[1], TYPE_COLUMN)
-    widths = [min(w, max(width - 4, 1)) for w in widths]  # a key longer than the terminal wraps too
     described = width - sum(widths) - 6
     out = []
     for row in rows:
@@ -97,7 +97,8 @@ def reference_text(section: str | None = None, width: int | None = None) -> str:
                                    break_on_hyphens=False)]
             out += [line.rstrip() + "\n" for line in itertools.chain(*cells)]
             continue
-        cells = [textwrap.wrap(text, w, break_on_hyphens=False) or [""] for text, w in zip(row, [*widths, described], strict=True)]
+        cells = [textwrap.wrap(text, w, break_on_hyphens=False) or [""]
+                 for text, w in zip(row, [*widths, described], strict=True)]
         for parts in itertools.zip_longest(*cells, fillvalue=""):
             out.append("  ".join([*(c.ljust(w) for c, w in zip(parts[:3], widths, strict=True)), parts[3]]).rstrip()
                        + "\n")
