@@ -21,7 +21,9 @@ from finetune.reports import (
     GRPOReport,
     Machine,
     RewardReport,
+    RunMemory,
     SeenLengthPlan,
+    SizePlans,
     SpeedEstimate,
 )
 from finetune.rundir import EVAL_PREFIX, REWARD_KEYS, RunDir
@@ -145,11 +147,11 @@ def recipe_gallery(folder: str | Path = "recipes") -> list[dict[str, str]]:
     return out
 
 
-def plan_gpu_sizes(recipe: Recipe, sizes_gb: tuple[int, ...] = GPU_SIZES_GB,
+def plan_gpu_sizes(recipe: Recipe, sizes_gb: tuple[float, ...] = GPU_SIZES_GB,
                    ladder: tuple[int, ...] = CONTEXT_LADDER) -> GPUSizes:
-    """What fits on each GPU size (GiB): the longest context it trains (the recipe's other settings kept,
-    its `auto` ones chosen by the planner; at most the model's max_position_embeddings) and the largest
-    micro-batch at the recipe's max_seq_len.
+    """What fits on each GPU size (GiB; 22.35 for a 24GB card): the longest context it trains (the recipe's
+    other settings kept, its `auto` ones chosen by the planner; at most the model's max_position_embeddings)
+    and the largest micro-batch at the recipe's max_seq_len.
 
     One leanest-plan query per sequence length (the smallest memory any allowed configuration needs) answers
     every size at once; the model config is read once and the planner's trace cache keeps repeats cheap.
@@ -187,7 +189,7 @@ def plan_gpu_sizes(recipe: Recipe, sizes_gb: tuple[int, ...] = GPU_SIZES_GB,
             cache[key, value] = min(over) + margin if over else plan.min_budget_bytes or plan.peak_bytes + margin
         return cache[key, value]
 
-    largest = max(sizes_gb) << 30
+    largest = round(max(sizes_gb) * 2**30)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     limit = getattr(text, "max_position_embeddings", None) or max(ladder)  # no use training past it
     context_need = {}
@@ -202,7 +204,7 @@ def plan_gpu_sizes(recipe: Recipe, sizes_gb: tuple[int, ...] = GPU_SIZES_GB,
             break
     rows = []
     for gb in sizes_gb:
-        total = gb << 30
+        total = round(gb * 2**30)
         fit = [s for s, n in context_need.items() if n <= total]
         longest = max(fit) if fit else None
         above = [s for s in context_need if longest is not None and s > longest]
@@ -219,6 +221,26 @@ def plan_gpu_sizes(recipe: Recipe, sizes_gb: tuple[int, ...] = GPU_SIZES_GB,
     return {"max_seq_len": recipe.data.max_seq_len, "model_max_context": limit, "sizes": rows,
             "context_need_bytes": {s: n for (k, s), n in sorted(cache.items()) if k == "seq"},
             "micro_batch_need_bytes": batch_need}
+
+
+def plan_sizes(recipe: Recipe, sizes: list[str]) -> SizePlans:
+    """`finetune plan --gpu-memory 8GiB,12GiB,...`: the plan for each GPU size (`sizes` as --gpu-memory spells
+    them), beside what `plan_gpu_sizes` (the UI's per-size chart) says of it: the longest context at micro-batch
+    1 and the largest micro-batch at max_seq_len, up to the search's cap (`micro_batch_cap`)."""
+    from finetune.plan.search import MICRO_BATCHES
+    from finetune.units import parse_bytes
+
+    totals = [int(parse_bytes(size)) for size in sizes]
+    sweep = plan_gpu_sizes(recipe, tuple(total / 2**30 for total in totals))
+    rows = []
+    for size, total, swept in zip(sizes, totals, sweep["sizes"], strict=True):
+        chosen = plan(recipe, gpu_memory=total, device="cuda")
+        rows.append({"gpu_memory": size, "gpu_bytes": total, "fits": chosen.fits, "peak_bytes": chosen.peak_bytes,
+                     "settings": chosen.settings, "tokens_per_s": chosen.tokens_per_s,
+                     "min_budget_bytes": chosen.min_budget_bytes, "longest_context": swept["longest_context"],
+                     "largest_micro_batch": swept["largest_micro_batch"]})
+    return {"max_seq_len": recipe.data.max_seq_len, "model_max_context": sweep["model_max_context"],
+            "micro_batch_cap": max(MICRO_BATCHES), "sizes": rows}
 
 
 def speed_estimate(plan: dict[str, Any]) -> SpeedEstimate:
@@ -335,6 +357,21 @@ def plan_at_seen_length(run: str | Path | RunFiles) -> SeenLengthPlan | None:
     at = predict(validate_recipe(data, str(files.run.recipe)), device=plan.get("device"))
     return {"longest": longest, "max_seq_len": recipe.data.max_seq_len, "peak_bytes": at.peak_bytes,
             "breakdown": at.breakdown, "planned_peak_bytes": plan.get("peak_bytes")}
+
+
+def run_memory(run: str | Path | RunFiles) -> RunMemory | None:
+    """The run's memory as the end of `finetune run` reports it: the plan's peak at data.max_seq_len, the plan
+    re-evaluated at the data's longest example (`plan_at_seen_length`: what the measured peak should be
+    compared with) and the measured peak (the last logged: an out-of-memory recovery's re-plan starts a new
+    one). None when the run has no plan (the planner could not trace the model)."""
+    files = run_files(run)
+    plan = files.plan
+    if not plan or files.recipe_text is None:
+        return None
+    recipe = load_recipe_text(files.recipe_text, str(files.run.recipe))
+    measured = next((r["peak_memory_bytes"] for r in reversed(files.metrics) if r.get("peak_memory_bytes")), None)
+    return {"planned_peak_bytes": plan["peak_bytes"], "max_seq_len": recipe.data.max_seq_len,
+            "seen": plan_at_seen_length(files), "measured_peak_bytes": measured}
 
 
 def batch_plan(recipe: Recipe, plan: Plan) -> list[str]:

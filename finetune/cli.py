@@ -30,19 +30,29 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _gpu_memory(text: str) -> str:
-    """--gpu-memory: a size with its unit, or auto, checked here (the planner reads it as written). A bare
-    number would be bytes, never what was meant."""
+def _gpu_memory(text: str) -> list[str]:
+    """--gpu-memory: a size with its unit, or auto, or several sizes separated by commas (one plan per size),
+    checked here (the planner reads each as written). A bare number would be bytes, never what was meant."""
     from finetune.units import parse_bytes
 
     units = "give a size with its unit, e.g. 12GiB, 24GB or 512MiB (GiB/MiB: powers of 2; GB/MB: of 10), or auto"
-    if text.strip().replace(".", "", 1).isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r} has no unit; {units}")
-    try:
-        parse_bytes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"{text!r}: {exc}; {units}") from None
-    return text
+    sizes = [item.strip() for item in text.split(",")]
+    several = len(sizes) > 1
+    for i, size in enumerate(sizes, 1):
+        where = f"{text!r}: size {i}, {size!r}," if several else f"{size!r}"
+        if not size:
+            raise argparse.ArgumentTypeError(f"{text!r}: size {i} is empty; give sizes with their units separated "
+                                             "by commas, e.g. 8GiB,12GiB,16GiB,24GiB")
+        if size.replace(".", "", 1).isdigit():
+            raise argparse.ArgumentTypeError(f"{where} has no unit; {units}")
+        try:
+            parse_bytes(size)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{where}: {exc}; {units}") from None
+        if several and size == "auto":
+            raise argparse.ArgumentTypeError(f"{text!r}: auto (this GPU's free memory) plans alone; a list "
+                                             "takes sizes, e.g. 8GiB,12GiB,16GiB,24GiB")
+    return sizes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="predict peak memory per component and pick the fastest settings that fit")
     _add_recipe_args(p)
     p.add_argument("--gpu-memory", type=_gpu_memory, metavar="SIZE", help="budget such as 12GiB, 24GB or 512MiB, "
-                   "or auto (free memory of this GPU); default: the recipe's memory.gpu_memory")
+                   "or auto (free memory of this GPU); several sizes separated by commas (8GiB,12GiB,16GiB,24GiB) "
+                   "print one row per size; default: the recipe's memory.gpu_memory")
     p.add_argument("--device", choices=["cuda", "cpu"], help="plan for this device (default: cuda if present or "
                    "a GPU size is given here or in memory.gpu_memory, else cpu)")
     p.add_argument("--gpus", type=_positive_int, metavar="N", help="plan per device for N GPUs "
@@ -151,6 +162,12 @@ def cmd_run(args) -> int:
                 *(["--allow-data-change"] if args.allow_data_change else [])]
         return api.launch(recipe, argv, recipe.distributed.gpus, resume=args.resume, overwrite=args.overwrite)
     result = api.run(recipe, resume=args.resume, overwrite=args.overwrite, allow_data_change=args.allow_data_change)
+    # under a launcher, rank 0 wrote the run directory: it alone reports the memory
+    memory = api.run_memory(result.run_dir) if os.environ.get("RANK", "0") == "0" else None
+    if memory is not None:
+        from finetune.cli_tables import memory_line
+
+        console.print(memory_line(memory), markup=False)
     if result.state == "stopped":
         console.print(f"[yellow]stopped at step {result.steps}; continue with: finetune run {args.recipe} --resume")
         return 130
@@ -186,7 +203,10 @@ def cmd_plan(args) -> int:
     else:
         recipe = api.load_recipe(args.recipe, overrides)
     api.preflight(recipe)  # the recipe's files, in seconds; api.plan itself also plans what-ifs without data
-    plan = api.plan(recipe, gpu_memory=args.gpu_memory, device=args.device)
+    sizes = args.gpu_memory or [None]
+    if len(sizes) > 1:
+        return _plan_sizes(args, recipe, sizes)
+    plan = api.plan(recipe, gpu_memory=sizes[0], device=args.device)
     if args.json:
         print(plan.to_json())
     else:
@@ -196,6 +216,25 @@ def cmd_plan(args) -> int:
         for line in api.batch_plan(recipe, plan):
             print(line)
     return 0 if plan.fits else 1
+
+
+def _plan_sizes(args, recipe, sizes: list[str]) -> int:
+    """`finetune plan --gpu-memory A,B,...`: one row per GPU size; exit 0 if the recipe fits any, 1 if none."""
+    import json
+
+    from finetune import api
+
+    if args.device == "cpu":
+        raise UsageError("--gpu-memory with several sizes plans GPUs of those sizes, not this CPU",
+                         hint="leave out --device cpu, or give one --gpu-memory")
+    report = api.plan_sizes(recipe, sizes)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        from finetune.cli_tables import render_sizes
+
+        render_sizes(report)
+    return 0 if any(row["fits"] for row in report["sizes"]) else 1
 
 
 def cmd_measure(args) -> int:
@@ -214,7 +253,10 @@ def cmd_measure(args) -> int:
 
 
 def cmd_keys(args) -> int:
-    """The reference on stdout (it is the command's output): plain text, one line per key, or Markdown."""
+    """The reference on stdout (it is the command's output): plain text, or Markdown. On a terminal the text
+    wraps to its width; piped or in a file, one line per key (for grep)."""
+    import shutil
+
     from finetune.recipe.docs import reference_markdown, reference_text
     from finetune.recipe.load import iter_fields
 
@@ -222,7 +264,8 @@ def cmd_keys(args) -> int:
         sections = [key for key, _, is_section in iter_fields() if is_section]
         if args.section not in sections:
             raise UsageError(f"finetune keys: no section {args.section!r}", hint=f"sections: {', '.join(sections)}")
-    sys.stdout.write(reference_markdown() if args.markdown else reference_text(args.section))
+    width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+    sys.stdout.write(reference_markdown() if args.markdown else reference_text(args.section, width))
     return 0
 
 

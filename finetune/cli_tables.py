@@ -10,6 +10,7 @@ from rich.table import Table
 from finetune.memory.tracker import CATEGORIES
 from finetune.plan.search import Plan
 from finetune.recipe.settings import table as settings_table
+from finetune.reports import RunMemory, SizePlans
 from finetune.units import format_bytes
 
 
@@ -88,9 +89,50 @@ def render_plan(plan: Plan, console: Console | None = None) -> None:
                       "(set memory.gpu_memory or free GPU memory).")
 
 
+def render_sizes(report: SizePlans, console: Console | None = None) -> None:
+    """`finetune plan --gpu-memory A,B,...`: per GPU size, the plan (fits, peak, tokens/s) and, as the UI's
+    per-size chart shows them, the longest context at micro-batch 1 and the largest micro-batch; then each
+    size's chosen settings (or the GPU memory the leanest plan needs) on a line of its own: they do not fit a
+    table cell at 80 columns. A peak that does not fit is the leanest plan's."""
+    console = console or Console()
+    cap = report["micro_batch_cap"]
+    table = Table(title=f"plans per GPU size (data.max_seq_len {report['max_seq_len']:,})")
+    for name in ("GPU memory", "fits", "peak", "tokens/s", "longest context at mb=1",
+                 f"largest mb at {report['max_seq_len']:,}"):
+        table.add_column(name, justify="left" if name in ("GPU memory", "fits") else "right")
+    for row in report["sizes"]:
+        largest = row["largest_micro_batch"]
+        table.add_row(row["gpu_memory"], "yes" if row["fits"] else "[red]no[/red]",
+                      format_bytes(row["peak_bytes"]), f"{row['tokens_per_s']:,.0f}" if row["fits"] else "-",
+                      f"{row['longest_context']:,}" if row["longest_context"] else "none",
+                      "none" if largest is None else f"{largest} (cap)" if largest == cap else str(largest))
+    console.print(table)
+    if any(row["largest_micro_batch"] == cap for row in report["sizes"]):
+        console.print(f"{cap} (cap): the search tries micro-batches up to {cap}; a larger one may fit as well.")
+    console.print(f"Contexts stop at the model's own limit, {report['model_max_context']:,} tokens "
+                  "(max_position_embeddings).", soft_wrap=True)
+    console.print("chosen settings:")
+    for row in report["sizes"]:
+        need = f": the leanest plan needs {format_bytes(row['min_budget_bytes'])}" if row["min_budget_bytes"] else ""
+        chosen = _short(row["settings"]) if row["fits"] else f"nothing fits{need}"
+        console.print(f"  {row['gpu_memory']}: {chosen}", soft_wrap=True)  # one line, also when piped
+
+
 def render_measurement(result: dict[str, Any], console: Console | None = None) -> None:
     console = console or Console()
     console.print(breakdown_table(f"measured peak on {result['device']}", result["breakdown"], result["peak_bytes"]))
+
+
+def memory_line(memory: RunMemory) -> str:
+    """The end of `finetune run`: the plan at max_seq_len, at the data's longest example (when shorter) and the
+    measured peak, on one line, so a run whose data is short reads as matching its plan, not as 2x under it."""
+    parts = [f"memory: planned {format_bytes(memory['planned_peak_bytes'])} at max_seq_len {memory['max_seq_len']:,}"]
+    seen = memory["seen"]
+    if seen is not None:
+        parts.append(f"at the longest example ({seen['longest']:,} tokens) {format_bytes(seen['peak_bytes'])}")
+    measured = memory["measured_peak_bytes"]
+    parts.append(f"measured peak {format_bytes(measured)}" if measured is not None else "no peak measured")
+    return "; ".join(parts)
 
 
 def render_evaluation(report: dict[str, Any], console: Console | None = None) -> None:

@@ -27,7 +27,7 @@ class SpeedEstimate(TypedDict):
 class GPUSizeRow(TypedDict):
     """One GPU size of `api.plan_gpu_sizes`."""
 
-    gpu_gb: int
+    gpu_gb: float  # GiB
     longest_context: int | None  # tokens; None: not even the shortest length fits
     largest_micro_batch: int | None  # at the recipe's max_seq_len
     recipe_fits: bool  # the recipe as written (its max_seq_len)
@@ -43,6 +43,29 @@ class GPUSizes(TypedDict):
     micro_batch_need_bytes: dict[int, int]  # micro-batch -> GPU memory needed (margin included)
 
 
+class SizePlan(TypedDict):
+    """One GPU size of `api.plan_sizes`: its plan and what `api.plan_gpu_sizes` says of it."""
+
+    gpu_memory: str  # as given, e.g. 24GB
+    gpu_bytes: int
+    fits: bool
+    peak_bytes: int  # the chosen plan's; not fitting: the leanest plan's
+    settings: dict[str, Any]
+    tokens_per_s: float
+    min_budget_bytes: int | None  # not fitting: the smallest GPU memory the leanest plan needs
+    longest_context: int | None  # at micro-batch 1
+    largest_micro_batch: int | None  # at max_seq_len, at most micro_batch_cap
+
+
+class SizePlans(TypedDict):
+    """`api.plan_sizes(recipe, sizes)`: `finetune plan --gpu-memory 8GiB,12GiB,...`."""
+
+    max_seq_len: int
+    model_max_context: int
+    micro_batch_cap: int  # the largest micro-batch the search tries: more may fit
+    sizes: list[SizePlan]
+
+
 class SeenLengthPlan(TypedDict):
     """`api.plan_at_seen_length(run)`: the run's plan at the longest sequence it trains on."""
 
@@ -51,6 +74,15 @@ class SeenLengthPlan(TypedDict):
     peak_bytes: int
     breakdown: dict[str, int]
     planned_peak_bytes: int | None
+
+
+class RunMemory(TypedDict):
+    """`api.run_memory(run)`: the run's planned, re-evaluated and measured peak memory side by side."""
+
+    planned_peak_bytes: int  # the plan's, at data.max_seq_len
+    max_seq_len: int
+    seen: SeenLengthPlan | None  # the plan at the data's longest example; None: the data is not shorter
+    measured_peak_bytes: int | None  # the last logged peak (since the last re-plan); None: none logged
 
 
 class EvaluationTable(TypedDict):

@@ -43,6 +43,62 @@ def test_keys_prints_one_parsable_line_per_key_on_stdout():
     assert "[q_proj, v_proj]" in rows["adapter.target_modules"][3]  # rich would have eaten it as markup
 
 
+def _on_a_terminal(argv: list[str], columns: int) -> str:
+    """What `finetune ARGV` writes to a terminal (a pseudo-terminal) `columns` wide, COLUMNS unset."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "finetune", *argv], cwd=ROOT, stdout=slave, stderr=subprocess.PIPE,
+                            env={"PYTHONPATH": str(ROOT), "PATH": ""})
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 1 << 16)
+        except OSError:  # EIO: the process closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(master)
+    assert proc.wait(timeout=120) == 0, proc.stderr.read()
+    return b"".join(chunks).decode().replace("\r\n", "\n")
+
+
+@pytest.mark.parametrize("columns", [100, 150])
+def test_keys_on_a_terminal_wraps_to_its_width(columns):
+    """On a terminal every line fits its width (piped, the longest line is over 600 characters: the type column
+    padded to the reward list's type) and every key keeps its whole type, default and description: in columns
+    where the description column is wide enough (150), else each description under its key (100)."""
+    from finetune.recipe.docs import reference_rows
+
+    lines = _on_a_terminal(["keys"], columns).splitlines()
+    assert lines and max(map(len, lines)) <= columns
+    rows = reference_rows()
+    squeeze = "".join
+    if columns == 100:  # key, type and default on a line, the description indented under it
+        text = squeeze(lines).replace(" ", "")
+        assert all(squeeze((key, typ, default, desc)).replace(" ", "") in text for key, typ, default, desc in rows)
+        return
+    starts = [lines[0].index(name) for name in ("key", "type", "default", "description")]
+    bounds = list(zip(starts, [*starts[1:], None], strict=True))
+    found: list[list[str]] = []
+    for line in lines[1:]:
+        cells = [line[a:b].strip() for a, b in bounds]
+        if cells[0]:
+            found.append(cells)
+        else:  # a wrapped continuation of the row above
+            found[-1] = [f"{have} {more}".strip() for have, more in zip(found[-1], cells, strict=True)]
+    assert [row[0] for row in found] == [row[0] for row in rows]
+    assert all(squeeze(got).replace(" ", "") == squeeze(want).replace(" ", "")
+               for got, want in zip(found, rows, strict=True))
+
+
 def test_keys_of_one_section_and_an_unknown_section(capsys):
     assert main(["keys", "memory"]) == 0
     rows = _columns(capsys.readouterr().out.splitlines())
@@ -91,6 +147,13 @@ BAD = {  # argv (RECIPE: the tiny recipe, DIR: a folder that is not a run) -> wh
     "export from a folder that is not a run": (["export", "DIR", "--out", "DIR/out"], "is not a run directory"),
     "an unknown command": (["trian", "RECIPE"], "invalid choice"),
     "allow-data-change without resume": (["run", "RECIPE", "--allow-data-change"], "applies to --resume"),
+    "an empty size in a list": (["plan", "RECIPE", "--gpu-memory", "8GiB,,x"], "'8GiB,,x': size 2 is empty; give "
+                                "sizes with their units separated by commas, e.g. 8GiB,12GiB,16GiB,24GiB"),
+    "a bad size in a list": (["plan", "RECIPE", "--gpu-memory", "8GiB,x"], "'8GiB,x': size 2, 'x',: expected a size"),
+    "a size without a unit in a list": (["plan", "RECIPE", "--gpu-memory", "8GiB,12"], "size 2, '12', has no unit"),
+    "auto in a list": (["plan", "RECIPE", "--gpu-memory", "8GiB,auto"], "auto (this GPU's free memory) plans alone"),
+    "several sizes for a cpu": (["plan", "RECIPE", "--gpu-memory", "8GiB,12GiB", "--device", "cpu"],
+                                "plans GPUs of those sizes, not this CPU"),
 }
 
 
@@ -114,6 +177,53 @@ def test_a_single_gpu_plan_names_no_distributed_strategy(tiny_recipe, capsys):
     assert all("strategy" not in s and "micro_batch_size" in s for s in every)
     assert main(["plan", str(tiny_recipe), "--gpu-memory", "1GiB"]) == 0
     assert "strategy" not in capsys.readouterr().out
+
+
+def test_plan_with_several_gpu_sizes_prints_a_row_per_size_as_the_planner_and_the_ui_chart_answer(tiny_recipe, capsys):
+    """`--gpu-memory A,B,C`: each size's plan (fits, peak, settings, tokens/s: what `finetune plan --gpu-memory
+    A` chooses) beside the UI chart's numbers for it (api.plan_gpu_sizes: longest context at micro-batch 1,
+    largest micro-batch, marked where it is the search's cap); exit 0 when any size fits. One size: the plan
+    as before."""
+    from finetune import api
+    from finetune.plan.search import MICRO_BATCHES
+    from finetune.units import format_bytes
+
+    sizes = ["256MiB", "540MiB", "1GiB"]  # the tiny model on CUDA: ~533 MiB, mostly the CUDA context
+    assert main(["plan", str(tiny_recipe), "--gpu-memory", ",".join(sizes), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    recipe = api.load_recipe(str(tiny_recipe))
+    chart = api.plan_gpu_sizes(recipe, (0.25, 540 / 1024, 1.0))["sizes"]
+    assert [row["gpu_memory"] for row in report["sizes"]] == sizes
+    for size, row, swept in zip(sizes, report["sizes"], chart, strict=True):
+        alone = api.plan(recipe, gpu_memory=size)
+        assert (row["fits"], row["peak_bytes"], row["settings"], row["tokens_per_s"]) == \
+               (alone.fits, alone.peak_bytes, alone.settings, alone.tokens_per_s)
+        assert (row["longest_context"], row["largest_micro_batch"]) == \
+               (swept["longest_context"], swept["largest_micro_batch"])
+    assert [row["fits"] for row in report["sizes"]] == [False, True, True]
+    assert report["micro_batch_cap"] == max(MICRO_BATCHES) == report["sizes"][-1]["largest_micro_batch"]
+
+    assert main(["plan", str(tiny_recipe), "--gpu-memory", ",".join(sizes)]) == 0
+    out = capsys.readouterr().out
+    small = report["sizes"][0]
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in out.splitlines() if line.startswith("│")]
+    assert cells == [[size, "yes" if row["fits"] else "no", format_bytes(row["peak_bytes"]),
+                      f"{row['tokens_per_s']:,.0f}" if row["fits"] else "-",
+                      f"{row['longest_context']:,}" if row["longest_context"] else "none",
+                      "none" if row["largest_micro_batch"] is None else str(row["largest_micro_batch"])
+                      + (" (cap)" if row["largest_micro_batch"] == report["micro_batch_cap"] else "")]
+                     for size, row in zip(sizes, report["sizes"], strict=True)]
+    assert f"{report['micro_batch_cap']} (cap): the search tries micro-batches up to {report['micro_batch_cap']}" in out
+    chosen = {}
+    for size in sizes[1:]:
+        assert main(["plan", str(tiny_recipe), "--gpu-memory", size]) == 0
+        chosen[size] = capsys.readouterr().out.splitlines()[1].strip()  # the settings line under "Plan for cuda"
+    assert (f"  256MiB: nothing fits: the leanest plan needs {format_bytes(small['min_budget_bytes'])}\n"
+            f"  540MiB: {chosen['540MiB']}\n  1GiB: {chosen['1GiB']}\n") in out
+    assert main(["plan", str(tiny_recipe), "--gpu-memory", "256MiB"]) == 1
+    assert main(["plan", str(tiny_recipe), "--gpu-memory", "256MiB,300MiB"]) == 1  # no size fits: 1
+    single = capsys.readouterr().out
+    assert single.startswith("Plan for cuda: does not fit") and "plans per GPU size" in single.split("Nothing fits")[1]
 
 
 @pytest.mark.parametrize("argv, message", [(["--port", "99999"], "expected a port from 1 to 65535"),

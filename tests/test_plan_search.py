@@ -255,3 +255,55 @@ def test_a_cpu_plan_is_priced_with_the_cpu_measured_once_and_prefers_small_micro
     monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "slow-start-cache"))
     probe.update({"flops@128": 40e9 * 128 / (128 + 2048), "flops@1024": 40e9 * 1024 / (1024 + 2048)})
     assert predict(recipe, gpu_memory="1GiB", device="cpu").settings["micro_batch_size"] == 32
+
+
+@pytest.fixture(scope="module")
+def planned_by_micro_batch():
+    """(model config, budget, optimizer) -> the plan with the micro-batch `auto` and the plan at each micro-batch
+    pinned (qlora-8b-16gb's recipe: offload, chunked loss and tiled MLP left to the planner)."""
+    from finetune.plan.search import MICRO_BATCHES
+    from finetune.recipe.load import load_recipe
+
+    def plans(config: str, budget: str, optimizer: str) -> tuple[Plan, dict[int, Plan]]:
+        sets = [f"model.path={CONFIGS / config}", f"optimizer.name={optimizer}"]
+        recipe = "recipes/qlora-8b-16gb.yaml"
+        auto = predict(load_recipe(recipe, sets), gpu_memory=budget, device="cuda")
+        pinned = {mb: predict(load_recipe(recipe, [*sets, f"training.micro_batch_size={mb}"]), gpu_memory=budget,
+                              device="cuda") for mb in MICRO_BATCHES if mb <= 16}  # effective_batch_size 16
+        return auto, pinned
+
+    return plans
+
+
+@pytest.mark.parametrize("config,optimizer", [("llama-3.1-8b.json", "adamw"), ("qwen2.5-7b.json", "adamw"),
+                                              ("gemma-2-9b.json", "adamw"), ("mistral-7b-v0.3.json", "auto"),
+                                              ("qwen2.5-0.5b.json", "adamw")])
+@pytest.mark.parametrize("budget", ["8GiB", "12GiB", "16GiB", "24GiB"])
+def test_the_plan_is_the_fastest_at_its_micro_batch_and_the_smallest_micro_batch_within_the_gain(
+        planned_by_micro_batch, config, optimizer, budget):
+    """The micro-batch preference applies to whole plans: at each micro-batch its fastest settings, then the
+    smallest micro-batch whose fastest is within MICRO_BATCH_GAIN of the fastest of all. (Llama-3.1-8B at
+    16 GiB once kept offload=cpu, chosen for micro-batch 8, at micro-batch 4, where offload=none was faster.)
+    `optimizer.name: auto` ranks by tokens/s times the optimizer's preference factor."""
+    from finetune.plan.search import MICRO_BATCH_GAIN
+    from finetune.recipe.optimizers import auto_preferences
+
+    def score(settings: dict, tokens_per_s: float) -> float:
+        return tokens_per_s * (auto_preferences()[settings["optimizer"]] if optimizer == "auto" else 1.0)
+
+    auto, pinned = planned_by_micro_batch(config, budget, optimizer)
+    fitting = {mb: plan for mb, plan in pinned.items() if plan.fits}
+    if not auto.fits:
+        assert not fitting
+        return
+    chosen = auto.settings["micro_batch_size"]
+    at_chosen = fitting[chosen]
+    assert auto.settings == at_chosen.settings and auto.tokens_per_s == at_chosen.tokens_per_s
+    best = score(auto.settings, auto.tokens_per_s)
+    for plan in (auto, at_chosen):  # no fitting candidate at the chosen micro-batch is faster
+        assert all(score(a.settings, a.tokens_per_s) <= best for a in plan.alternatives
+                   if a.settings["micro_batch_size"] == chosen)
+    fastest = max(score(p.settings, p.tokens_per_s) for p in fitting.values())
+    assert best * (1 + MICRO_BATCH_GAIN) >= fastest
+    assert all(score(p.settings, p.tokens_per_s) * (1 + MICRO_BATCH_GAIN) < fastest
+               for mb, p in fitting.items() if mb < chosen)

@@ -236,6 +236,36 @@ def test_auto_settings_are_planned_and_saved(tmp_path, tiny_model_dir, capsys):
     assert max(peaks) <= plan["budget_bytes"]
 
 
+@pytest.mark.parametrize("packing", [False, True])
+def test_the_end_of_a_run_prints_the_plan_at_the_longest_example_beside_the_measured_peak(
+        tmp_path, tiny_model_dir, capsys, packing):
+    """Data much shorter than max_seq_len: the CLI's last lines put the plan at max_seq_len, the plan
+    re-evaluated at the longest example and the measured peak side by side, and the measured peak is near the
+    re-evaluated one, not the plan's. Packed, every sequence is max_seq_len long: no second figure."""
+    from finetune import api
+    from finetune.units import format_bytes
+
+    recipe = _recipe_dict(tmp_path, tiny_model_dir, data={"max_seq_len": 256, "packing": packing},
+                          training={"max_steps": None, "epochs": 1, "micro_batch_size": 2})
+    assert main(["run", str(_write_recipe(tmp_path, recipe, "r"))]) == 0
+    run_dir = tmp_path / "run"
+    line = next(li for li in capsys.readouterr().err.splitlines() if li.startswith("memory: planned"))
+    planned = json.loads((run_dir / "plan.json").read_text())["peak_bytes"]
+    measured = [r["peak_memory_bytes"] for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("peak_memory_bytes")][-1]
+    seen = api.plan_at_seen_length(run_dir)
+    if packing:
+        assert seen is None
+        assert line == (f"memory: planned {format_bytes(planned)} at max_seq_len 256; "
+                        f"measured peak {format_bytes(measured)}")
+        return
+    longest = json.loads((run_dir / "status.json").read_text())["longest_sequence_tokens"]
+    assert longest < 64 and seen["longest"] == longest
+    assert line == (f"memory: planned {format_bytes(planned)} at max_seq_len 256; at the longest example ({longest} "
+                    f"tokens) {format_bytes(seen['peak_bytes'])}; measured peak {format_bytes(measured)}")
+    assert seen["peak_bytes"] < planned
+    assert abs(measured - seen["peak_bytes"]) < 0.1 * seen["peak_bytes"] < abs(measured - planned)
+
+
 def test_offload_and_chunked_loss_through_the_pipeline_change_nothing_but_memory(tmp_path):
     """Same losses with memory.offload cpu/disk and memory.chunked_loss; the disk folder is empty afterwards."""
     from finetune.testing import make_tiny_model_dir

@@ -40,7 +40,6 @@ from finetune.units import format_bytes, parse_bytes
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 MICRO_BATCH_GAIN = 0.10  # the predicted speed-up a larger micro-batch must bring to be chosen over a smaller one
-BATCH_KEYS = ("micro_batch_size", "gradient_accumulation_steps")
 # Optimizers `auto` may pick (the registry's auto_preference); the factor is a preference (update quality),
 # not a speed.
 AUTO_OPTIMIZERS = auto_preferences()
@@ -352,7 +351,7 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
     candidates, pruned = [], []
     over: dict[Settings, int] = {}  # checkpointed configurations already over budget, by settings
     fits_untiled: set[Settings] = set()
-    best_score = 0.0  # of the fitting configurations so far
+    best_score: dict[int, float] = {}  # micro-batch -> the best score of its fitting configurations so far
     order = sorted(floors, key=lambda x: (x[2].tiled_mlp, not x[2].activation_checkpointing))
     for floor, _, st in order:
         with_ckpt = replace(st, activation_checkpointing=True, checkpoint_every_n_layers=1)
@@ -362,9 +361,11 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
             # Dominance: without checkpointing every layer keeps what a checkpointed run recomputes for one.
             pruned.append((over[with_ckpt], st))
         elif st.tiled_mlp and (replace(st, tiled_mlp=False) in fits_untiled
-                               or _score_of(st.optimizer, _speed(spec, shapes, st, 0, bandwidth, figures)) <= best_score):
+                               or _score_of(st.optimizer, _speed(spec, shapes, st, 0, bandwidth, figures))
+                               <= best_score.get(st.micro_batch_size, 0.0)):
             # Tiling only buys memory: skip it (and its traces) where the plain MLP fits, or where even with
-            # free transfers it cannot beat a configuration that already fits.
+            # free transfers it cannot beat a configuration of its micro-batch that already fits (each
+            # micro-batch's best competes in _smallest_batch_first).
             continue
         else:
             cand = evaluate(spec, shapes, st, free, bandwidth, figures)
@@ -373,7 +374,7 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
                 over[st] = cand.peak_bytes
             if cand.kind is None and cand.peak_bytes <= budget:
                 fits_untiled.add(st)
-                best_score = max(best_score, _score(cand))
+                best_score[st.micro_batch_size] = max(best_score.get(st.micro_batch_size, 0.0), _score(cand))
     pruned.sort(key=lambda x: x[0])
     for c in candidates:
         if c.kind is None and c.peak_bytes > budget:
@@ -426,17 +427,19 @@ def _offload_resources(recipe: Recipe, device: str, tiers: set[str]) -> tuple[di
 
 
 def _smallest_batch_first(ranked: list[Candidate]) -> list[Candidate]:
-    """`ranked` (best first) with the best moved behind a smaller micro-batch of otherwise the same settings
-    that is predicted at most MICRO_BATCH_GAIN slower: a larger micro-batch costs memory and makes each step
-    (the feedback, a checkpoint's distance) longer, which a few percent of predicted speed does not buy. On a
-    CPU, whose matmuls are near their peak at a few hundred tokens, this keeps `auto` at small micro-batches."""
+    """`ranked` (best first) with the chosen plan moved to the front: the best settings at each micro-batch
+    compete, and the smallest micro-batch whose best is predicted at most MICRO_BATCH_GAIN slower than the
+    fastest plan wins. A larger micro-batch costs memory and makes each step (the feedback, a checkpoint's
+    distance) longer, which a few percent of predicted speed does not buy; on a CPU, whose matmuls are near
+    their peak at a few hundred tokens, this keeps `auto` at small micro-batches."""
     if not ranked:
         return ranked
-    best = ranked[0]
-    same = {k: v for k, v in best.settings.items() if k not in BATCH_KEYS}
-    close = [c for c in ranked if _score(c) * (1 + MICRO_BATCH_GAIN) >= _score(best)
-             and {k: v for k, v in c.settings.items() if k not in BATCH_KEYS} == same]
-    chosen = min(close, key=lambda c: c.settings["micro_batch_size"])
+    best_at: dict[int, Candidate] = {}  # micro-batch -> its fastest plan (ranked is best first)
+    for c in ranked:
+        best_at.setdefault(c.settings["micro_batch_size"], c)
+    fastest = _score(ranked[0])
+    chosen = min((c for c in best_at.values() if _score(c) * (1 + MICRO_BATCH_GAIN) >= fastest),
+                 key=lambda c: c.settings["micro_batch_size"])
     return [chosen] + [c for c in ranked if c is not chosen]
 
 

@@ -67,11 +67,39 @@ def reference_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-def reference_text(section: str | None = None) -> str:
-    """`finetune keys`: one line per key in aligned columns (key, type, default, description), nothing cut or
-    wrapped, so `finetune keys | grep` finds a key with its whole description."""
+TYPE_COLUMN = 24  # wrapped: a long type (the reward list, the optimizer names) wraps within this width
+NARROW = 32  # wrapped: below this many columns for descriptions, each description goes under its key
+
+
+def reference_text(section: str | None = None, width: int | None = None) -> str:
+    """`finetune keys`: aligned columns (key, type, default, description). Without `width` (stdout is a pipe or a
+    file) one line per key, nothing cut or wrapped, so `finetune keys | grep` finds a key with its whole
+    description; with `width` (a terminal's) every line fits it: the type and description wrap within their
+    columns, or, where the description column would be narrower than NARROW, each description goes under its
+    key, indented."""
+    import itertools
+    import textwrap
+
     header = ("key", "type", "default", "description")
     rows = [header, *reference_rows(section)]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    return "".join("  ".join([*(c.ljust(w) for c, w in zip(row[:3], widths, strict=True)), row[3]]).rstrip() + "\n"
-                   for row in rows)
+    if width is None:
+        return "".join("  ".join([*(c.ljust(w) for c, w in zip(row[:3], widths, strict=True)), row[3]]).rstrip()
+                       + "\n" for row in rows)
+    width = max(width, 20)  # narrower than any real terminal: lines may overflow it
+    widths[1] = min(widths[1], TYPE_COLUMN)
+    described = width - sum(widths) - 6
+    out = []
+    for row in rows:
+        if described < NARROW:
+            cells = [textwrap.wrap("  ".join(row[:3]), width, subsequent_indent="    ") or [""],
+                     textwrap.wrap(row[3], width, initial_indent="    ", subsequent_indent="    ",
+                                   break_on_hyphens=False)]
+            out += [line.rstrip() + "\n" for line in itertools.chain(*cells)]
+            continue
+        cells = [textwrap.wrap(text, w, break_on_hyphens=False) or [""]
+                 for text, w in zip(row, [*widths, described], strict=True)]
+        for parts in itertools.zip_longest(*cells, fillvalue=""):
+            out.append("  ".join([*(c.ljust(w) for c, w in zip(parts[:3], widths, strict=True)), parts[3]]).rstrip()
+                       + "\n")
+    return "".join(out)
