@@ -22,14 +22,15 @@ STAGES = {
     "d": "Unsloth side by side",
 }
 COLUMNS = {
-    "env": ["name", "status", "device", "total_memory_bytes", "python", "torch", "cuda", "checks"],
+    "env": ["name", "status", "device", "total_memory_bytes", "allocated_bytes", "python", "torch", "cuda", "checks",
+            "estimated_s", "seconds"],
     "a": ["name", "max_seq_len", "status", "fits", "predicted_bytes", "measured_reserved_bytes", "measured_allocated_bytes",
           "error_reserved", "error_allocated", "allocated_before_bytes", "predicted_tokens_per_s", "tokens_per_s",
-          "oom_events", "error", "seconds"],
+          "oom_events", "error", "estimated_s", "seconds"],
     "b": ["name", "status", "unsloth_tokens", "predicted_max_tokens", "trained_max_tokens", "vs_unsloth", "probes",
-          "errors", "seconds"],
+          "errors", "max_probes", "estimated_s", "seconds"],
     "c": ["name", "max_seq_len", "status", "finetune_tokens_per_s", "hf_peft_tokens_per_s", "trl_tokens_per_s", "vs_hf_peft", "vs_trl",
-          "overhead", "oom_events", "error", "seconds"],
+          "overhead", "oom_events", "error", "estimated_s", "seconds"],
     "d": ["name", "status"],
 }
 

@@ -179,7 +179,7 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False,
             return _plan_build_train(recipe, run_dir, checkpoint, stopper, allow_data_change, main=False)
         finally:
             stopper.uninstall()
-            _give_back(base)
+            give_back(base)
     before = run_dir.read_status()
     try:
         run_dir.write_status("planning")
@@ -211,7 +211,7 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False,
         raise
     finally:
         stopper.uninstall()
-        _give_back(base)
+        give_back(base)
         for lock in held:
             lock.release()
 
@@ -228,7 +228,7 @@ def check_lendable(recipe: Recipe) -> None:
                              "in one process", hint="run without base= to load the model for this recipe")
 
 
-def _give_back(base: LoadedModel | None) -> None:
+def give_back(base: LoadedModel | None) -> None:
     """The lent model as load_model returned it: adapters (peft's injected layers) replaced by the layers they
     wrap, tiled norms and MLPs plain again, checkpointing and the input-gradient hook off."""
     if base is None:
