@@ -135,7 +135,8 @@ def test_first_lease_continues_across_calls_and_merges(tmp_path):
     from benchmarks.gpu.results import merge_into
 
     kept, call = tmp_path / "kept", tmp_path / "call"
-    _run_kit(call, "--first-lease", "--time-limit", "1")  # time is up at once: the environment check only
+    stopped = _run_kit(call, "--first-lease", "--time-limit", "1").stdout  # the environment check only
+    assert re.search(r"first lease: 16 rows left, estimated \d+ s: a second call with --time-limit", stopped)
     first = json.loads((call / "results.json").read_text())
     assert [r["name"] for r in first["stages"]["env"]["rows"]] == ["environment"]
     assert first["stages"]["env"]["rows"][0]["status"] == "ok"
@@ -159,6 +160,7 @@ def test_first_lease_continues_across_calls_and_merges(tmp_path):
     assert all(r["status"] == "completed" for r in stages["a"]["rows"] if r is not moe)
     assert any("full paged_adamw_8bit" in r["name"] for r in stages["a"]["rows"])
     assert stages["c"]["rows"][0]["vs_hf_peft"] > 0  # finetune run vs HF Trainer + PEFT on the lent model
+    assert "first lease: every row measured; no second call needed" in printed
     (b,) = stages["b"]["rows"]
     assert b["status"] == "done" and b["trained_max_tokens"] > 0 and len(b["probes"]) <= 3 == b["max_probes"]
     assert all(r["attempts"] == 1 for s in ("a", "b", "c") for r in stages[s]["rows"])  # nothing measured twice
@@ -172,7 +174,7 @@ def test_first_lease_continues_across_calls_and_merges(tmp_path):
     assert all(float(m.group(2)) > 0 for m in table if m.group(4) != first_lease.MOE_ROW)
 
 
-def test_a_first_lease_over_its_work_limit_is_refused(tmp_path):
+def test_a_first_lease_over_its_work_limit_is_refused(tmp_path, capsys):
     """A plan whose estimate exceeds the limit is refused before anything runs, in one line, exit code 2."""
     from benchmarks.gpu import configs, first_lease
 
@@ -182,10 +184,11 @@ def test_a_first_lease_over_its_work_limit_is_refused(tmp_path):
     line = str(refused.value)
     assert "\n" not in line and re.search(r"estimated \d+ s of H100 work exceed 420 s", line), line
     assert sum(first_lease.estimate(r) for r in more) > 420
-    proc = _run_kit(tmp_path, "--first-lease", "--work-limit", "100", rc=2)
-    # the last line (run.sh's package listing before it may warn on stderr), and the refusal's only one
-    assert [line for line in proc.stderr.splitlines() if "refused" in line] == [proc.stderr.strip().splitlines()[-1]]
-    assert proc.stderr.strip().splitlines()[-1].startswith("first lease refused: ") and "exceed 100 s" in proc.stderr
+    from benchmarks.gpu.suite import main
+
+    assert main([str(tmp_path), "--cpu", "--first-lease", "--work-limit", "100"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("first lease refused: ") and err.count("\n") == 1 and "exceed 100 s" in err, err
     assert not (tmp_path / "results.json").exists()
 
 

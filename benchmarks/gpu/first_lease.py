@@ -58,6 +58,7 @@ STEP_OVERHEAD_S = 0.3  # per optimizer step: kernel launches, the loop, logging
 DECODE_S_PER_LAYER_TOKEN = 1e-3  # GRPO generation: HF generate is launch-bound, per decoder layer and new token
 ENV_S = 30.0  # wheels install (about 20 s on a bare machine), imports, the environment check
 PROBE_SEQ = 8192  # max context at 8 GiB: the length each probe is priced at (Unsloth's 2,972 x ~3)
+PREDICT_MAX_S = 16.0  # the planner's own search for the longest fitting length: about 8 plans of ~2 s on the host
 WORK_LIMIT_S = 420.0  # a 540-s call less a 60-s margin for the last row and 60 s of start-up around the suite
 SPEED_STEPS, PROBES, BUDGET_GB = 8, 3, 8
 
@@ -174,7 +175,7 @@ def estimate(row: Row) -> float:
     if row.kind == "speed":  # finetune run, then HF Trainer + PEFT, each SPEED_STEPS steps
         return 2 * (RUN_OVERHEAD_S + SPEED_STEPS * step_seconds(cfg))
     if row.kind == "max_context":  # PROBES probes of 2 steps at about PROBE_SEQ tokens
-        return PROBES * (RUN_OVERHEAD_S + 2 * step_seconds(cfg))
+        return PREDICT_MAX_S + PROBES * (RUN_OVERHEAD_S + 2 * step_seconds(cfg))
     seconds = RUN_OVERHEAD_S + 3 * step_seconds(cfg)
     if cfg["model"] != LARGE:  # every row outside the lent group loads its own model
         seconds += load_seconds(cfg["model"])
@@ -234,6 +235,9 @@ def run_first_lease(suite: Suite, priced: list[tuple[Row, float]]) -> None:
             if not pace.fits(suite, seconds):
                 for stage in {r.stage for r in pending}:
                     suite.results.set_stage(stage, "partial: time limit reached, call again with the same OUT_DIR")
+                left = sum(s for r, s in priced[i:] if r in pending or r.kind == "load")
+                print(f"first lease: {len(pending)} rows left, estimated {left:.0f} s: a second call with "
+                      f"--time-limit of at least {left + 60:.0f} s measures them", flush=True)
                 return
             suite.start_attempt(row.stage, row.name)
             started = time.time()
@@ -248,6 +252,7 @@ def run_first_lease(suite: Suite, priced: list[tuple[Row, float]]) -> None:
         suite.summarize_a()
     for stage in ("a", "b", "c"):
         suite.results.set_stage(stage, "done: the --first-lease rows")
+    print("first lease: every row measured; no second call needed", flush=True)
 
 
 def _pending(suite: Suite, row: Row) -> bool:
