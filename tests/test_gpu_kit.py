@@ -224,6 +224,19 @@ def test_the_environment_check_names_a_package_at_another_version():
     assert row["status"].startswith("error: carried versions") and "peft" in row["checks"]["carried versions"]
 
 
+def test_a_package_at_another_version_stops_the_call(tmp_path, monkeypatch):
+    """The suite's environment check is the first thing a call runs; a carried package imported at another
+    version ends the call there (exit 1), naming the package, with the row saved."""
+    from benchmarks.gpu import first_lease, suite
+
+    monkeypatch.setattr(first_lease, "carried_pins", lambda: {"peft": "0.0.1"})
+    kit = suite.Suite(tmp_path / "out", cpu=True, time_limit=600, work=tmp_path / "work")
+    with pytest.raises(SystemExit, match=r"^environment check failed: peft 0\.21\.2 .* the kit carried 0\.0\.1$"):
+        kit.stage_env()
+    (row,) = json.loads((tmp_path / "out" / "results.json").read_text())["stages"]["env"]["rows"]
+    assert row["status"] == "error: carried versions"
+
+
 def test_a_recovered_oom_is_reported_as_a_plan_failure(tmp_path, monkeypatch):
     """finetune's OOM recovery lets the run finish with a cheaper plan and re-plans plan.json: the row still
     fails (status "oom recovered", the event with its error) and is judged on the plan the run started with."""
