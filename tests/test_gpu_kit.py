@@ -222,6 +222,8 @@ def test_the_environment_check_names_a_package_at_another_version():
     assert first_lease.version_problems({"no-such-package": "1.0"}) == ["no-such-package: not importable; the kit carried 1.0"]
     row = first_lease.environment_row({}, pins={"peft": "0.0.1"})
     assert row["status"].startswith("error: carried versions") and "peft" in row["checks"]["carried versions"]
+    # The image's own packages are recorded where they differ from its listing, without failing the row.
+    assert first_lease.image_differences({"peft": "0.0.1", "no-such-package": "1.0"}) == ["peft 0.21.2 (listed 0.0.1)"]
 
 
 def test_a_package_at_another_version_stops_the_call(tmp_path, monkeypatch):
@@ -311,13 +313,10 @@ def test_the_wheels_plan_covers_what_the_gpu_image_lacks():
 
     from packaging.requirements import Requirement
 
-    from benchmarks.gpu.first_lease import carried_pins
+    from benchmarks.gpu.first_lease import carried_pins, image_packages
 
     carried = carried_pins()
-    image = {}
-    for line in (REPO / "benchmarks/gpu/image_packages.txt").read_text().splitlines():
-        if not line.startswith("#"):
-            image.update((_name(w), w.partition("==")[2]) for w in line.split())
+    image = image_packages()
     for name, version in carried.items():
         assert md.version(name) == version, f"wheels.sh pins {name}=={version}; the project is tested with {md.version(name)}"
     assert {_name(n) for n in carried} & set(image) == {"transformers", "peft"}

@@ -331,8 +331,31 @@ def carried_pins(script: Path = HERE / "wheels.sh") -> dict[str, str]:
     return dict(re.findall(r"([A-Za-z0-9_.-]+)==([0-9][^\s]*)", block))
 
 
+def image_packages(listing: Path = HERE / "image_packages.txt") -> dict[str, str]:
+    """The GPU image's packages (normalized names) with the version the listing gives ("" where it gives none)."""
+    out = {}
+    for line in listing.read_text().splitlines():
+        if not line.startswith("#"):
+            out.update((_norm(w.partition("==")[0]), w.partition("==")[2]) for w in line.split())
+    return out
+
+
 def _norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def image_differences(pins: dict[str, str]) -> list[str]:
+    """The image's listed versions (not carried) that differ from what is installed here: recorded, not fatal
+    (the kit runs on the image's torch and accelerate as they are; a new image shows here)."""
+    out = []
+    for name, listed in pins.items():
+        try:
+            installed = md.version(name)
+        except md.PackageNotFoundError:
+            continue
+        if listed and installed.split("+")[0] != listed:
+            out.append(f"{name} {installed} (listed {listed})")
+    return out
 
 
 def version_problems(pins: dict[str, str]) -> list[str]:
@@ -377,6 +400,9 @@ def environment_row(versions: dict[str, str], pins: dict[str, str] | None = None
     pins = carried_pins() if pins is None else pins
     problems = version_problems(pins)
     checks["carried versions"] = f"error: {'; '.join(problems)}" if problems else f"ok ({len(pins)} packages)"
+    image = {k: v for k, v in image_packages().items() if k not in {_norm(p) for p in pins}}
+    differs = image_differences(image)
+    checks["image versions"] = f"differ: {', '.join(differs)}" if differs else "as listed"
     checks["disk /tmp free GiB"] = f"{shutil.disk_usage('/tmp').free / 2**30:.0f}"
     for name, check in (("bitsandbytes 4-bit", _bnb_4bit), ("per-process memory fraction", _fraction),
                         ("pinned host cache", _host_cache)):
