@@ -218,7 +218,7 @@ def run_first_lease(suite: Suite, priced: list[tuple[Row, float]]) -> None:
     """Print the plan (check_plan's), then run each row not measured yet, in order, while its estimate (scaled
     by measured/estimated so far) still ends before the suite's time limit. The environment check runs every
     call (each may be a fresh machine) and stops the call when a carried package is not what is imported."""
-    from benchmarks.gpu.suite import release
+    from benchmarks.gpu.suite import TimeUp, release
 
     print(plan_table(priced), flush=True)
     suite.results.data["first_lease_plan"] = [{"name": r.name, "stage": r.stage, "estimated_s": round(s, 1)}
@@ -236,21 +236,18 @@ def run_first_lease(suite: Suite, priced: list[tuple[Row, float]]) -> None:
             if not pending or pending[0] is not row and row.kind != "load":
                 continue
             if not pace.fits(suite, seconds):
-                for stage in {r.stage for r in pending}:
-                    suite.results.set_stage(stage, "partial: time limit reached, call again with the same OUT_DIR")
-                left = sum(s for r, s in priced[i:] if r in pending or r.kind == "load")
-                print(f"first lease: {len(pending)} rows left, estimated {left:.0f} s: a second call with "
-                      f"--time-limit of at least {left + 60:.0f} s measures them", flush=True)
+                _stop(suite, priced[i:], pending)
                 return
             if base is not None and row.cfg.get("model") != LARGE:  # its peak must not count the 8B weights
                 base = None
                 release()
             suite.start_attempt(row.stage, row.name)
             started = time.time()
-            if row.kind == "load":
-                base, out = _load(suite, row)
-            else:
-                out = _run_row(suite, row, base)
+            try:
+                base, out = _load(suite, row) if row.kind == "load" else (base, _run_row(suite, row, base))
+            except TimeUp:  # a max-context probe would end too late: the probes so far are saved
+                _stop(suite, priced[i:], pending)
+                return
             suite.put(row.stage, {**out, "estimated_s": round(seconds, 1)})
             pace.add(seconds, time.time() - started)
     finally:
@@ -259,6 +256,15 @@ def run_first_lease(suite: Suite, priced: list[tuple[Row, float]]) -> None:
     for stage in ("a", "b", "c"):
         suite.results.set_stage(stage, "done: the --first-lease rows")
     print("first lease: every row measured; no second call needed", flush=True)
+
+
+def _stop(suite: Suite, rest: list[tuple[Row, float]], pending: list[Row]) -> None:
+    """Out of time: the stages with rows left are partial, and the log says what a second call would take."""
+    for stage in {r.stage for r in pending}:
+        suite.results.set_stage(stage, "partial: time limit reached, call again with the same OUT_DIR")
+    left = sum(s for r, s in rest if r in pending or r.kind == "load")
+    print(f"first lease: {len(pending)} rows left, estimated {left:.0f} s: a second call with "
+          f"--time-limit of at least {left + 60:.0f} s measures them", flush=True)
 
 
 def _pending(suite: Suite, row: Row) -> bool:

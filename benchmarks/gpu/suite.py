@@ -265,15 +265,11 @@ class Suite:
     def summarize_a(self) -> None:
         self.results.set_stage("a", self.results.data["stages"]["a"]["status"], _summary_a(self.results))
 
-    def stage_b(self, budgets: list[int], subset: bool = False, base: LoadedModel | None = None,
-                max_probes: int | None = None) -> None:
-        """Max context per budget; `base`: probes train on this loaded model, `max_probes`: the search stops
-        after that many training probes with the longest that trained (a lower bound)."""
+    def stage_b(self, budgets: list[int], subset: bool = False) -> None:
         names = {f"{gb} GB": gb for gb in budgets}
         for name in self.each("b", list(names), subset):
             try:
-                self.put("b", {"name": name, "status": "done",
-                               **self.max_context(name, names[name], base, max_probes)})
+                self.put("b", {"name": name, "status": "done", **self.max_context(name, names[name])})
             except TimeUp:
                 self.results.set_stage("b", "partial: time limit reached, call again with the same OUT_DIR")
                 break
@@ -284,9 +280,11 @@ class Suite:
             "note": "--cpu: toy model, budgets in MiB; the Unsloth ratio means nothing there" if self.cpu else ""})
 
     def max_context(self, name: str, gb: int, base: LoadedModel | None = None,
-                     max_probes: int | None = None) -> dict[str, Any]:
+                    max_probes: int | None = None) -> dict[str, Any]:
         """The planner's longest fitting sequence, and the longest that really trains 2 steps within the budget
         (the planner's settings for that length; CUDA capped to the budget, CPU: tracked peak <= budget).
+        `base`: the probes train on this loaded model; `max_probes`: the search ends after that many training
+        probes with the longest that trained (then a lower bound). Raises TimeUp when a probe would not fit.
 
         Every probe is saved as it ends (a partial row), and a later call reuses those probes."""
         from finetune.plan import predict

@@ -179,7 +179,6 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False,
             return _plan_build_train(recipe, run_dir, checkpoint, stopper, allow_data_change, main=False)
         finally:
             stopper.uninstall()
-            give_back(base)
     before = run_dir.read_status()
     try:
         run_dir.write_status("planning")
@@ -242,7 +241,7 @@ def give_back(base: LoadedModel | None) -> None:
         if isinstance(module, BaseTunerLayer) and name:
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent), attr, module.get_base_layer())
-    model.__dict__.pop("peft_config", None)
+    model.__dict__.pop("peft_config", None)  # get_peft_model records its config on the wrapped model
     restore_layers(model)
     model.disable_input_require_grads()
     if model.is_activation_checkpointing:
