@@ -15,7 +15,7 @@ from finetune.rundir import atomic_write_json, atomic_write_text
 from finetune.units import format_bytes
 
 STAGES = {
-    "env": "Environment check (versions, the GPU, bitsandbytes 4-bit on the device, allocator APIs)",
+    "env": "Environment check (carried versions, the GPU, bitsandbytes 4-bit on the device, allocator APIs); the first lease's 8B load",
     "a": "Planner vs measured peak (3 steps of `finetune run`)",
     "b": "Max context, Llama-3.1-8B QLoRA r=16, micro-batch 1",
     "c": "Speed: tokens/s of `finetune run` vs HF Trainer + PEFT and TRL; memory-technique overheads",
