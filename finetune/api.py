@@ -29,6 +29,7 @@ from finetune.reports import (
 from finetune.rundir import EVAL_PREFIX, REWARD_KEYS, RunDir
 
 if TYPE_CHECKING:  # torch and transformers load only when a command needs them
+    from finetune.model.load import LoadedModel
     from finetune.plan import Plan
     from finetune.train.run import RunResult
 
@@ -554,14 +555,22 @@ def measure(recipe: Recipe, *, steps: int = 2) -> dict[str, Any]:
 
 
 def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False,
-        allow_data_change: bool = False) -> RunResult:
+        allow_data_change: bool = False, base: LoadedModel | None = None) -> RunResult:
     """Fine-tune; blocks until done or stopped (Ctrl-C / SIGTERM save a checkpoint first). `resume` on data
     other than the run started on (records, content, order, tokenizer, max_seq_len, ...) raises DataChanged
-    (exit code 2) unless `allow_data_change`."""
+    (exit code 2) unless `allow_data_change`. `base`: a model from `load_base`, trained on instead of loading
+    recipe.model and handed back as loaded (several runs on the same weights, each planned anew)."""
     preflight(recipe)  # before torch is imported: a missing file is reported in a second, no run directory made
     from finetune.train.run import run as _run
 
-    return _run(recipe, resume=resume, overwrite=overwrite, allow_data_change=allow_data_change)
+    return _run(recipe, resume=resume, overwrite=overwrite, allow_data_change=allow_data_change, base=base)
+
+
+def load_base(recipe: Recipe) -> LoadedModel:
+    """Load recipe.model once, quantized as the recipe says, for several `run(..., base=)` calls."""
+    from finetune.model.load import load_base as _load_base
+
+    return _load_base(recipe.model, recipe.quantization)
 
 
 def launch(recipe: Recipe, argv: list[str], gpus: int, *, resume: bool = False, overwrite: bool = False) -> int:

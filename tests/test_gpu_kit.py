@@ -18,12 +18,13 @@ from finetune.errors import RecipeError
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _run_kit(out: Path, *args: str) -> None:
+def _run_kit(out: Path, *args: str, rc: int = 0) -> subprocess.CompletedProcess:
     """benchmarks/gpu/run.sh --cpu OUT ARGS, as a GPU call runs it (no wheels here)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable, "WHEELS": str(out / "no-wheels")}
     proc = subprocess.run(["bash", str(REPO / "benchmarks/gpu/run.sh"), "--cpu", str(out), *args], env=env,
                           capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == rc, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
 
 
 def _finite(value) -> bool:
@@ -127,31 +128,115 @@ def test_random_weights_folder_needs_config(tmp_path, capsys):
 
 
 def test_first_lease_continues_across_calls_and_merges(tmp_path):
-    """The --first-lease plan split as the device tool splits it: a call stopped by its time limit, its
-    results.json merged into the kept folder, a second call from the kept copy finishing the plan."""
-    from benchmarks.gpu import configs, first_lease
+    """The --first-lease plan split as a timed-out call splits it: a call stopped by its time limit, its
+    results.json merged into the kept folder, a second call from the kept copy finishing the plan: every row
+    in the plan's order, each with its own seconds beside its estimate, the 8B rows on one loaded model."""
+    from benchmarks.gpu import first_lease
     from benchmarks.gpu.results import merge_into
 
     kept, call = tmp_path / "kept", tmp_path / "call"
-    _run_kit(call, "--first-lease", "--time-limit", "1")  # time is up at once: the environment check only
+    stopped = _run_kit(call, "--first-lease", "--time-limit", "1").stdout  # the environment check only
+    assert re.search(r"first lease: 16 rows left, estimated \d+ s: a second call with --time-limit", stopped)
     first = json.loads((call / "results.json").read_text())
+    assert [r["name"] for r in first["stages"]["env"]["rows"]] == ["environment"]
     assert first["stages"]["env"]["rows"][0]["status"] == "ok"
+    assert first["stages"]["env"]["rows"][0]["checks"]["carried versions"].startswith("ok")
     assert all(first["stages"][k]["status"].startswith("partial") for k in "abc"), first["stages"]
     assert not any(first["stages"][k]["rows"] for k in "abc")
     merge_into(call / "results.json", kept)
     call.joinpath("results.json").write_text((kept / "results.json").read_text())  # the next call starts from it
-    _run_kit(call, "--first-lease")
+    printed = _run_kit(call, "--first-lease").stdout
     merge_into(call / "results.json", kept)
     data = json.loads((kept / "results.json").read_text())
     assert len(data["calls"]) == 2 and all(c["seconds"] > 0 for c in data["calls"])
     stages = data["stages"]
-    toy = {c["name"] for c in configs.stage_a_cpu()}  # the dry run's stage-a rows, in the plan's order
-    assert [r["name"] for r in stages["a"]["rows"]] == [n for n in first_lease.STAGE_A if n in toy]
-    assert all(r["status"] == "completed" for r in stages["a"]["rows"])
-    assert [r["name"] for r in stages["c"]["rows"]] == first_lease.STAGE_C
-    assert stages["b"]["rows"][0]["status"] == "done" and stages["b"]["rows"][0]["trained_max_tokens"] > 0
-    assert all(r["attempts"] == 1 for s in ("env", "a", "c") for r in stages[s]["rows"])  # nothing measured twice
+    plan = first_lease.rows()
+    for stage in ("env", "a", "b", "c"):  # every row of the plan, in its order
+        assert [r["name"] for r in stages[stage]["rows"]] == [r.name for r in plan if r.stage == stage], stage
+    measured = [r for s in "abc" for r in stages[s]["rows"]]
+    assert all(r["seconds"] >= 0 and r["estimated_s"] >= 0 for r in measured)
+    (moe,) = [r for r in stages["a"]["rows"] if r["name"] == first_lease.MOE_ROW]
+    assert moe["status"] == "skipped: no MoE family support in this build"  # until a MoE fixture exists
+    assert all(r["status"] == "completed" for r in stages["a"]["rows"] if r is not moe)
+    assert any("full paged_adamw_8bit" in r["name"] for r in stages["a"]["rows"])
+    assert stages["c"]["rows"][0]["vs_hf_peft"] > 0  # finetune run vs HF Trainer + PEFT on the lent model
+    assert "first lease: every row measured; no second call needed" in printed
+    (b,) = stages["b"]["rows"]
+    assert b["status"] == "done" and b["trained_max_tokens"] > 0 and len(b["probes"]) <= 3 == b["max_probes"]
+    assert all(r["attempts"] == 1 for s in ("a", "b", "c") for r in stages[s]["rows"])  # nothing measured twice
     assert "| environment | ok |" in (kept / "results.md").read_text()
+    # The planned order, printed with each row's estimated H100 seconds, within the 420 s of work.
+    lines = printed[printed.index("first lease:"):].splitlines()
+    table = [re.match(r"\s*(\d+)\s+([\d.]+)\s+(\w+)\s+(.+)$", line) for line in lines[2:2 + len(plan)]]
+    assert [m.group(4) for m in table] == [r.name for r in plan]
+    total = float(re.search(r"estimated (\d+) s", lines[0]).group(1))
+    assert abs(total - sum(float(m.group(2)) for m in table)) <= 1 and total <= first_lease.WORK_LIMIT_S == 420
+    assert all(float(m.group(2)) > 0 for m in table if m.group(4) != first_lease.MOE_ROW)
+
+
+def test_a_first_lease_over_its_work_limit_is_refused(tmp_path, capsys):
+    """A plan whose estimate exceeds the limit is refused before anything runs, in one line, exit code 2."""
+    from benchmarks.gpu import configs, first_lease
+
+    more = first_lease.rows() + [first_lease.Row(c["name"], "a", "train", c) for c in configs.stage_a()[:6]]
+    with pytest.raises(first_lease.PlanRefused) as refused:
+        first_lease.check_plan(more)
+    line = str(refused.value)
+    assert "\n" not in line and re.search(r"estimated \d+ s of H100 work exceed 420 s", line), line
+    assert sum(first_lease.estimate(r) for r in more) > 420
+    from benchmarks.gpu.suite import main
+
+    assert main([str(tmp_path), "--cpu", "--first-lease", "--work-limit", "100"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("first lease refused: ") and err.count("\n") == 1 and "exceed 100 s" in err, err
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_the_time_model_prices_what_costs_more_higher():
+    """The estimates follow FLOPs, bytes and load: longer sequences, a full fine-tune's extra backward,
+    offload's link (disk slower than host), GRPO's generation and the 8B load cost more."""
+    from benchmarks.gpu import configs, first_lease
+
+    by_name = {c["name"]: c for c in configs.stage_a()}
+    step = first_lease.step_seconds
+    assert step(by_name["Llama-3.1-8B QLoRA 8k"]) > 3 * step(by_name["Llama-3.1-8B QLoRA 2k"]) - 3 * first_lease.STEP_OVERHEAD_S
+    q = "Qwen2.5-0.5B QLoRA 8k"
+    assert step(by_name[f"{q} offload disk"]) > step(by_name[f"{q} offload cpu"]) > step(by_name[f"{q} chunked loss"])
+    assert step(by_name["Qwen2.5-0.5B full adamw_8bit"]) > step({**by_name["Qwen2.5-0.5B full adamw_8bit"],
+                                                               "keys": {**configs.LORA_BF16, **configs.PLAIN}})
+    assert first_lease.load_seconds(configs.LLAMA) > 10 * (first_lease.load_seconds(configs.QWEN05) - first_lease.LOAD_FIXED_S)
+    rows = {r.name: first_lease.estimate(r) for r in first_lease.rows()}
+    assert rows[configs.GRPO_ROW] > rows["Qwen2.5-0.5B QLoRA 4k"]
+
+
+def test_the_environment_check_names_a_package_at_another_version():
+    """On the GPU machine the kit checks first that every carried package is the one Python imports; a
+    package at another version fails the check naming it (the suite then stops the call, exit code 1)."""
+    from benchmarks.gpu import first_lease
+
+    pins = first_lease.carried_pins()
+    assert {"transformers", "peft", "bitsandbytes", "trl", "datasets"} <= set(pins)
+    assert first_lease.version_problems(pins) == []  # this environment has the pinned versions
+    (problem,) = first_lease.version_problems({**pins, "peft": "0.0.1"})
+    assert problem.startswith("peft 0.21.2") and "the kit carried 0.0.1" in problem
+    assert first_lease.version_problems({"no-such-package": "1.0"}) == ["no-such-package: not importable; the kit carried 1.0"]
+    row = first_lease.environment_row({}, pins={"peft": "0.0.1"})
+    assert row["status"].startswith("error: carried versions") and "peft" in row["checks"]["carried versions"]
+    # The image's own packages are recorded where they differ from its listing, without failing the row.
+    assert first_lease.image_differences({"peft": "0.0.1", "no-such-package": "1.0"}) == ["peft 0.21.2 (listed 0.0.1)"]
+
+
+def test_a_package_at_another_version_stops_the_call(tmp_path, monkeypatch):
+    """The suite's environment check is the first thing a call runs; a carried package imported at another
+    version ends the call there (exit 1), naming the package, with the row saved."""
+    from benchmarks.gpu import first_lease, suite
+
+    monkeypatch.setattr(first_lease, "carried_pins", lambda: {"peft": "0.0.1"})
+    kit = suite.Suite(tmp_path / "out", cpu=True, time_limit=600, work=tmp_path / "work")
+    with pytest.raises(SystemExit, match=r"^environment check failed: peft 0\.21\.2 .* the kit carried 0\.0\.1$"):
+        kit.stage_env()
+    (row,) = json.loads((tmp_path / "out" / "results.json").read_text())["stages"]["env"]["rows"]
+    assert row["status"] == "error: carried versions"
 
 
 def test_a_recovered_oom_is_reported_as_a_plan_failure(tmp_path, monkeypatch):
@@ -173,23 +258,24 @@ def test_a_recovered_oom_is_reported_as_a_plan_failure(tmp_path, monkeypatch):
     assert row["predicted_bytes"] == predict(recipe).peak_bytes and row["fits"] is True  # the plan at mb 2
     assert row["settings"]["micro_batch_size"] == 2
     kit.put("a", row)
-    assert cfg["name"] in suite._summary_a(kit.results)["plans that fit but OOMed or failed"]
+    kit.summarize_a()
+    assert cfg["name"] in kit.results.data["stages"]["a"]["summary"]["plans that fit but OOMed or failed"]
 
 
 def test_error_kinds_and_retries():
     import torch
 
-    from benchmarks.gpu.suite import _again, error_record
+    from benchmarks.gpu.suite import again, error_record
     from finetune.errors import FinetuneError
 
     assert error_record(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))["error_kind"] == "oom"
     assert error_record(FinetuneError("out of memory at step 2 with the leanest settings left"))["status"] == "oom"
     bug = error_record(RuntimeError("CUDA error: an illegal memory access was encountered"))
     assert bug["status"] == bug["error_kind"] == "error" and "illegal memory access" in bug["error"]
-    assert _again({"status": "error", "error_kind": "error", "attempts": 1})  # a bug may be transient: once more
-    assert not _again({"status": "error", "error_kind": "error", "attempts": 2})
-    assert not _again({"status": "oom", "error_kind": "oom", "attempts": 1})  # an OOM is a result
-    assert _again({"status": "partial"})
+    assert again({"status": "error", "error_kind": "error", "attempts": 1})  # a bug may be transient: once more
+    assert not again({"status": "error", "error_kind": "error", "attempts": 2})
+    assert not again({"status": "oom", "error_kind": "oom", "attempts": 1})  # an OOM is a result
+    assert again({"status": "partial"})
 
 
 def test_a_probe_that_fails_with_an_error_is_not_counted_as_oom(tmp_path, monkeypatch):
@@ -200,13 +286,13 @@ def test_a_probe_that_fails_with_an_error_is_not_counted_as_oom(tmp_path, monkey
     kit = suite.Suite(tmp_path / "out", cpu=True, time_limit=600, work=tmp_path / "work")
     broken = {"status": "error", "error_kind": "error", "error": "RuntimeError: CUDA error: misaligned address",
               "seconds": 0.1}
-    monkeypatch.setattr(suite.Suite, "train", lambda self, recipe, memory_cap=None: dict(broken))
+    monkeypatch.setattr(suite.Suite, "train", lambda self, recipe, memory_cap=None, base=None: dict(broken))
     kit.stage_b([8])
     (row,) = kit.results.data["stages"]["b"]["rows"]
     assert row["trained_max_tokens"] == 0 and set(row["probes"].values()) == {"error"}
     assert all("misaligned address" in text for text in row["errors"].values())
     calls = []
-    monkeypatch.setattr(suite.Suite, "train", lambda self, recipe, memory_cap=None: calls.append(1) or dict(broken))
+    monkeypatch.setattr(suite.Suite, "train", lambda self, recipe, memory_cap=None, base=None: calls.append(1) or dict(broken))
     kit.stage_b([8])
     assert calls, "the errored probes were not tried again"
     assert kit.results.data["stages"]["b"]["rows"][0]["attempts"] == 2
@@ -227,13 +313,10 @@ def test_the_wheels_plan_covers_what_the_gpu_image_lacks():
 
     from packaging.requirements import Requirement
 
-    script = (REPO / "benchmarks/gpu/wheels.sh").read_text()
-    block = script[script.index("PACKAGES=("):script.index(")", script.index("PACKAGES=("))]
-    carried = dict(re.findall(r"([A-Za-z0-9_.-]+)==([0-9][^\s]*)", block))
-    image = {}
-    for line in (REPO / "benchmarks/gpu/image_packages.txt").read_text().splitlines():
-        if not line.startswith("#"):
-            image.update((_name(w), w.partition("==")[2]) for w in line.split())
+    from benchmarks.gpu.first_lease import carried_pins, image_packages
+
+    carried = carried_pins()
+    image = image_packages()
     for name, version in carried.items():
         assert md.version(name) == version, f"wheels.sh pins {name}=={version}; the project is tested with {md.version(name)}"
     assert {_name(n) for n in carried} & set(image) == {"transformers", "peft"}

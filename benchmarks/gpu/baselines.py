@@ -10,11 +10,15 @@ from __future__ import annotations
 import statistics
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import TrainerCallback
 
 from finetune.recipe.schema import Recipe
+
+if TYPE_CHECKING:
+    from finetune.model.load import LoadedModel
 
 
 class StepRate(TrainerCallback):
@@ -42,15 +46,26 @@ def steady_tokens_per_s(rates: list[float]) -> float | None:
     return statistics.median(rates) if rates else None
 
 
-def baseline_tokens_per_s(recipe: Recipe, framework: str, out_dir: Path) -> float | None:
-    """Train recipe.training.max_steps steps with `framework` ("hf_peft" or "trl") and return tokens/s."""
+def baseline_tokens_per_s(recipe: Recipe, framework: str, out_dir: Path, base: LoadedModel | None = None
+                          ) -> float | None:
+    """Train recipe.training.max_steps steps with `framework` ("hf_peft" or "trl") and return tokens/s; on
+    `base` (the model `finetune run` trained on just before, handed back as loaded afterwards) when given."""
+    from finetune.model.load import load_base
+    from finetune.train.run import give_back
+
+    lent = base or load_base(recipe.model, recipe.quantization)
+    try:
+        return _train(recipe, framework, out_dir, lent.model, lent.tokenizer)
+    finally:
+        give_back(lent)
+
+
+def _train(recipe: Recipe, framework: str, out_dir: Path, model, tokenizer) -> float | None:
     from peft import LoraConfig, get_peft_model
     from transformers import Trainer, TrainingArguments
 
     from finetune.data import build_datasets
-    from finetune.model.load import load_model
 
-    model, tokenizer, _ = load_model(recipe.model, recipe.quantization)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
     a, t = recipe.adapter, recipe.training

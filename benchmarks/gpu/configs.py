@@ -58,8 +58,25 @@ def stage_a() -> list[dict]:
         _cfg("Qwen2.5-0.5B full adamw layer-wise", QWEN05, 2048, mb=2,
              **_k(FULL, PLAIN, {opt: "adamw", "optimizer.layerwise": True})),
         _cfg("Qwen2.5-0.5B LoRA mb4 acc2", QWEN05, 1024, mb=4, acc=2, **_k(LORA_BF16, PLAIN)),
+        *small_model_sweep(),
         # generation (8 answers: 2 prompts x 4) and training priced together, the peak the larger phase
         {**_cfg(GRPO_ROW, QWEN05, 768, mb=4, acc=2, **_k(QLORA, PLAIN, GRPO)), "prompts": 256},
+    ]
+
+
+def small_model_sweep() -> list[dict]:
+    """The settings that matter on a model that loads in seconds (Qwen2.5-0.5B), for the first lease: QLoRA and
+    LoRA bf16, the memory techniques at 8k, a large micro-batch (with the full fine-tunes with 8-bit and paged
+    AdamW and the micro-batch 4 x accumulation 2 row of stage_a, the rest of the sweep)."""
+    q = "Qwen2.5-0.5B QLoRA"
+    return [
+        _cfg(f"{q} 4k", QWEN05, 4096, **_k(QLORA, PLAIN)),
+        _cfg("Qwen2.5-0.5B LoRA bf16 4k", QWEN05, 4096, **_k(LORA_BF16, PLAIN)),
+        _cfg(f"{q} 8k chunked loss", QWEN05, 8192, **_k(QLORA, CHUNKED)),
+        _cfg(f"{q} 8k tiled MLP", QWEN05, 8192, **_k(QLORA, TILED)),
+        _cfg(f"{q} 8k offload cpu", QWEN05, 8192, **_k(QLORA, OFFLOAD_CPU)),
+        _cfg(f"{q} 8k offload disk", QWEN05, 8192, **_k(QLORA, OFFLOAD_DISK)),
+        _cfg(f"{q} 1k mb8", QWEN05, 1024, mb=8, **_k(QLORA, PLAIN)),
     ]
 
 

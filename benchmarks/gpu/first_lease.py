@@ -1,20 +1,38 @@
-"""The first lease's plan: the decisive rows first, so a 30-minute lease (start-up included) answers the
-questions that matter even if nothing else runs. In this order:
+"""The first lease: one call of at most 540 s on a CUDA machine lent for 15 minutes of device time in all,
+bringing back the table that decides whether the planner's promise holds on CUDA.
 
-1. the environment check (versions, the GPU, a bitsandbytes 4-bit product on the device, allocator APIs);
-2. planner vs CUDA: the Llama-3.1-8B QLoRA rows, the offload tiers (cpu, disk) right after the first row, then
-   GRPO (generation and training planned together; tokens/s of both);
-3. tokens/s of `finetune run` vs HF Trainer + PEFT and TRL at 2k, micro-batch 1;
-4. max context at 8 GiB.
+The rows (ROWS), in the order of what they decide per second of device time:
 
-`python -m benchmarks.gpu.suite OUT --first-lease` runs what is not measured yet, in this order, until its
-time limit; the same command with the merged results.json goes on (docs/gpu.md gives the calls).
+1. the environment check: the packages the kit imports are the versions it carried, the GPU, a bitsandbytes
+   4-bit forward and backward on the device, the allocator APIs (seconds; nothing else means anything without it);
+2. planner vs CUDA peak across the settings that matter, on Qwen2.5-0.5B (loads in seconds): QLoRA, LoRA bf16,
+   full fine-tuning with 8-bit and paged AdamW, chunked loss, tiled MLP, offload cpu and disk, micro-batch > 1,
+   accumulation; then GRPO (generation and training planned together) on the same small model;
+3. Llama-3.1-8B, loaded ONCE (random weights, 4-bit) and lent to every row after it, each planned anew: QLoRA
+   at 2k and 8k, tokens/s of `finetune run` vs HF Trainer + PEFT, max context at 8 GiB in at most 3 probes.
+   The small-model rows come first because a row measured while the 8B weights sit on the GPU would count
+   them in its peak;
+4. the mixture-of-experts row (the smallest MoE fixture config, after the 8B model is released), skipped
+   while no MoE family is supported: its place in the table is kept.
+
+Each row is saved as it ends, with its own seconds and the estimate below beside them, so the next lease's
+plan is sized from measurements. A row starts only if its estimate, scaled by how the rows so far compared with
+theirs, ends before --time-limit. The time model is checked on the CPU (`run.sh --cpu --first-lease` prints
+it): a plan whose estimate exceeds WORK_LIMIT_S is refused before anything runs.
 """
 
 from __future__ import annotations
 
+import importlib.metadata as md
+import importlib.util
+import json
 import platform
+import re
 import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,28 +41,361 @@ from benchmarks.gpu import configs
 
 if TYPE_CHECKING:
     from benchmarks.gpu.suite import Suite
+    from finetune.model.load import LoadedModel
 
-STAGE_A = ["Llama-3.1-8B QLoRA 2k", "Llama-3.1-8B QLoRA 8k offload cpu", "Llama-3.1-8B QLoRA 8k offload disk",
-           "Llama-3.1-8B QLoRA 8k", "Llama-3.1-8B QLoRA 2k mb4", "Llama-3.1-8B QLoRA 2k mb2 acc4",
-           "Llama-3.1-8B QLoRA 8k chunked loss", "Llama-3.1-8B QLoRA 8k tiled MLP",
-           "Llama-3.1-8B QLoRA 1k mb8", "Llama-3.1-8B QLoRA 32k chunked+tiled", configs.GRPO_ROW]
-STAGE_C = ["Llama-3.1-8B QLoRA 2k mb1"]
+HERE = Path(__file__).resolve().parent
+FIXTURES = HERE.parents[1] / "tests" / "fixtures" / "configs"
+
+# --- the time model: H100 (SXM, 80 GB) rates, each a stated assumption the rows' measured seconds correct ---
+H100_BF16_FLOPS = 989e12  # dense bf16 tensor-core peak, FLOP/s
+UTILIZATION = {"bf16": 0.30, "4bit": 0.20}  # of that peak in 3-step runs; 4-bit dequantizes before each matmul
+HBM_BYTES_S = 3.35e12  # weights read by forward, recompute and backward
+HOST_LINK_BYTES_S = 20e9  # PCIe 5 x16, pinned: offload cpu moves each checkpoint out and back
+DISK_BYTES_S = 2e9  # NVMe: offload disk writes and reads each checkpoint; a full fine-tune's saved weights
+LOAD_FIXED_S = 4.0  # a model load's imports, meta model, tokenizer
+LOAD_BYTES_S = 0.5e9  # random weights: bf16 bytes drawn on the GPU, copied to the host, loaded (quantized) back
+RUN_OVERHEAD_S = 6.0  # per `finetune run`: plan (meta trace), data, run folder, first-step warm-up, adapter save
+STEP_OVERHEAD_S = 0.3  # per optimizer step: kernel launches, the loop, logging
+DECODE_S_PER_LAYER_TOKEN = 1e-3  # GRPO generation: HF generate is launch-bound, per decoder layer and new token
+ENV_S = 30.0  # wheels install (about 20 s on a bare machine), imports, the environment check
+PROBE_SEQ = 8192  # max context at 8 GiB: the length each probe is priced at (Unsloth's 2,972 x ~3)
+PREDICT_MAX_S = 16.0  # the planner's own search for the longest fitting length: about 8 plans of ~2 s on the host
+WORK_LIMIT_S = 420.0  # a 540-s call less a 60-s margin for the last row and 60 s of start-up around the suite
+SPEED_STEPS, PROBES, BUDGET_GB = 8, 3, 8
+
+MOE_ROW = "MoE QLoRA 2k"
+MOE_SKIP = "no MoE family support in this build"
+LARGE = configs.LLAMA
 
 
-def run_first_lease(suite: Suite, budgets: list[int]) -> None:
-    """The decisive rows in order; on CPU (the dry run) the stage-a rows the toy configuration list has."""
-    suite.stage_env()
-    if suite.cpu:
-        cpu_names = {c["name"] for c in configs.stage_a_cpu()}
-        suite.stage_a([n for n in STAGE_A if n in cpu_names])
+@dataclass(frozen=True)
+class Row:
+    """One row of the first lease: `kind` says how it runs (env, load, train, moe, speed, max_context)."""
+
+    name: str
+    stage: str  # the results stage it lands in (results.STAGES)
+    kind: str
+    cfg: dict = field(default_factory=dict)  # a configs._cfg dict (model, seq, mb, acc, keys)
+
+
+def _by_name() -> dict[str, dict]:
+    return {c["name"]: c for c in configs.stage_a() + configs.stage_c_speed()}
+
+
+def rows() -> list[Row]:
+    """The first lease's rows, in order (module docstring)."""
+    cfgs = _by_name()
+    small = [c["name"] for c in configs.small_model_sweep()] + [
+        "Qwen2.5-0.5B full adamw_8bit", "Qwen2.5-0.5B full paged_adamw_8bit", "Qwen2.5-0.5B LoRA mb4 acc2",
+        configs.GRPO_ROW]
+    moe = moe_model()
+    return [
+        Row("environment", "env", "env"),
+        *[Row(name, "a", "train", cfgs[name]) for name in small],
+        Row("load Llama-3.1-8B 4-bit (random weights, once for the rows after it)", "env", "load", cfgs["Llama-3.1-8B QLoRA 2k"]),
+        Row("Llama-3.1-8B QLoRA 2k", "a", "train", cfgs["Llama-3.1-8B QLoRA 2k"]),
+        Row("Llama-3.1-8B QLoRA 8k", "a", "train", cfgs["Llama-3.1-8B QLoRA 8k"]),
+        Row("Llama-3.1-8B QLoRA 2k mb1", "c", "speed", cfgs["Llama-3.1-8B QLoRA 2k mb1"]),
+        Row(f"{BUDGET_GB} GB", "b", "max_context",
+            {"name": "b", "model": LARGE, "seq": PROBE_SEQ, "mb": 1, "acc": 1, "keys": configs.STAGE_B_RECIPE}),
+        Row(MOE_ROW, "a", "moe", {**cfgs["Llama-3.1-8B QLoRA 2k"], "name": MOE_ROW, "model": moe} if moe else {}),
+    ]
+
+
+def moe_model() -> str | None:
+    """The smallest mixture-of-experts fixture config (tests/fixtures/configs), None while there is none."""
+    found = [(_params(c)[0], p.stem) for p in FIXTURES.glob("*.json") if _experts(c := _config(p.stem))]
+    return min(found)[1] if found else None
+
+
+# --- estimates ---------------------------------------------------------------------------------------------
+def _config(model: str) -> dict:
+    return json.loads((FIXTURES / f"{model}.json").read_text())
+
+
+def _experts(c: dict) -> int:
+    return int(c.get("num_local_experts") or c.get("num_experts") or 0)
+
+
+def _params(c: dict) -> tuple[float, float]:
+    """(all parameters, those one token's forward multiplies by, the LM head included) from a config.json."""
+    h, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+    heads = c["num_attention_heads"]
+    head_dim = c.get("head_dim") or h // heads
+    kv = c.get("num_key_value_heads") or heads
+    attn = 2 * h * heads * head_dim + 2 * h * kv * head_dim
+    experts = _experts(c)
+    mlp_one = 3 * h * (c.get("moe_intermediate_size") or c["intermediate_size"])
+    mlp_all = mlp_one * max(experts, 1)
+    mlp_active = mlp_one * (c.get("num_experts_per_tok") or 1) if experts else mlp_one
+    embed = vocab * h
+    total = layers * (attn + mlp_all) + embed * (1 if c.get("tie_word_embeddings") else 2)
+    return total, layers * (attn + mlp_active) + embed
+
+
+def load_seconds(model: str) -> float:
+    """Loading `model` with random weights: the bf16 bytes drawn, copied to the host and loaded back."""
+    return LOAD_FIXED_S + 2 * _params(_config(model))[0] / LOAD_BYTES_S
+
+
+def step_seconds(cfg: dict, seq: int | None = None) -> float:
+    """One optimizer step: FLOPs (forward, checkpoint recompute, backward: 6 x active parameters per token with
+    a frozen base, 8 for a full fine-tune; attention's seq^2 term on top) at the utilized H100 rate, or the
+    weights read three times from HBM if slower; plus what offload moves over its link and a fixed overhead."""
+    c = _config(cfg["model"])
+    keys = cfg["keys"]
+    seq = seq or cfg["seq"]
+    total, active = _params(c)
+    tokens = seq * cfg["mb"] * cfg["acc"]
+    per_token = 8 if keys.get("adapter.type") == "full" else 6
+    heads = c["num_attention_heads"]
+    attn_width = (c.get("head_dim") or c["hidden_size"] // heads) * heads
+    flops = per_token * active * tokens + 8 * c["num_hidden_layers"] * seq * seq * attn_width * cfg["mb"] * cfg["acc"]
+    four_bit = keys.get("quantization.bits") == 4
+    compute = flops / (H100_BF16_FLOPS * UTILIZATION["4bit" if four_bit else "bf16"])
+    weights = total * (0.5 if four_bit else 2.0)
+    seconds = max(compute, 3 * weights * cfg["acc"] / HBM_BYTES_S) + STEP_OVERHEAD_S
+    offload = keys.get("memory.offload")
+    if offload in ("cpu", "disk", "auto"):  # each layer's checkpointed input out and back, bf16
+        moved = 2 * tokens * c["hidden_size"] * 2 * c["num_hidden_layers"]
+        seconds += moved / (DISK_BYTES_S if offload == "disk" else HOST_LINK_BYTES_S)
+    if keys.get("memory.tiled_mlp") in (True, "auto"):  # one more MLP forward per layer: ~1/6 of the step
+        seconds += compute / 6
+    return seconds
+
+
+def estimate(row: Row) -> float:
+    """The row's estimated GPU seconds on an H100 (the rates above)."""
+    cfg = row.cfg
+    if row.kind == "env":
+        return ENV_S
+    if row.kind == "load":
+        return load_seconds(cfg["model"])
+    if row.kind == "moe" and not cfg:
+        return 0.0
+    if row.kind == "speed":  # finetune run, then HF Trainer + PEFT, each SPEED_STEPS steps
+        return 2 * (RUN_OVERHEAD_S + SPEED_STEPS * step_seconds(cfg))
+    if row.kind == "max_context":  # PROBES probes of 2 steps at about PROBE_SEQ tokens
+        return PREDICT_MAX_S + PROBES * (RUN_OVERHEAD_S + 2 * step_seconds(cfg))
+    seconds = RUN_OVERHEAD_S + 3 * step_seconds(cfg)
+    if cfg["model"] != LARGE:  # every row outside the lent group loads its own model
+        seconds += load_seconds(cfg["model"])
+    if cfg["keys"].get("adapter.type") == "full":  # the run saves every weight
+        seconds += 2 * _params(_config(cfg["model"]))[0] / DISK_BYTES_S
+    if cfg.get("prompts"):  # GRPO: each step generates the completions first
+        completion = cfg["keys"]["grpo.max_completion_length"]
+        seconds += 3 * completion * _config(cfg["model"])["num_hidden_layers"] * DECODE_S_PER_LAYER_TOKEN
+    return seconds
+
+
+class PlanRefused(Exception):
+    """The plan's estimate exceeds the work a 540-s call can hold; its text is one line (the suite exits 2)."""
+
+
+def check_plan(plan: list[Row], limit: float = WORK_LIMIT_S) -> list[tuple[Row, float]]:
+    """Each row with its estimate; PlanRefused when their sum exceeds `limit` seconds."""
+    priced = [(row, estimate(row)) for row in plan]
+    total = sum(seconds for _, seconds in priced)
+    if total > limit:
+        slowest = max(priced, key=lambda p: p[1])
+        raise PlanRefused(f"first lease refused: the rows' estimated {total:.0f} s of H100 work exceed {limit:.0f} s "
+                          f"(the slowest, {slowest[0].name!r}, {slowest[1]:.0f} s); drop rows from "
+                          f"benchmarks/gpu/first_lease.py rows() or leave them to a later call")
+    return priced
+
+
+def plan_table(priced: list[tuple[Row, float]], limit: float = WORK_LIMIT_S) -> str:
+    """The planned order with each row's estimate, as the dry run prints it."""
+    total = sum(seconds for _, seconds in priced)
+    lines = [f"first lease: {len(priced)} rows, estimated {total:.0f} s of H100 work (limit {limit:.0f} s; "
+             "rates in benchmarks/gpu/first_lease.py)", f"{'#':>3} {'est s':>6}  stage  row"]
+    lines += [f"{i:>3} {seconds:>6.1f}  {row.stage:5s}  {row.name}" for i, (row, seconds) in enumerate(priced, 1)]
+    return "\n".join(lines)
+
+
+# --- running it ----------------------------------------------------------------------------------------------
+def run_first_lease(suite: Suite, priced: list[tuple[Row, float]]) -> None:
+    """Print the plan (check_plan's), then run each row not measured yet, in order, while its estimate (scaled
+    by measured/estimated so far) still ends before the suite's time limit. The environment check runs every
+    call (each may be a fresh machine) and stops the call when a carried package is not what is imported."""
+    from benchmarks.gpu.suite import TimeUp, release
+
+    print(plan_table(priced), flush=True)
+    suite.results.data["first_lease_plan"] = [{"name": r.name, "stage": r.stage, "estimated_s": round(s, 1)}
+                                              for r, s in priced]
+    pace = Pace()
+    base: LoadedModel | None = None
+    try:
+        for i, (row, seconds) in enumerate(priced):
+            if row.kind == "env":
+                suite.stage_env()
+                continue
+            pending = [r for r, _ in priced[i:] if r.kind != "load" and _pending(suite, r)]
+            if row.kind == "load" and not pending:  # every row that needs the model is measured
+                break
+            if not pending or pending[0] is not row and row.kind != "load":
+                continue
+            if not pace.fits(suite, seconds):
+                _stop(suite, priced[i:], pending)
+                return
+            if base is not None and row.cfg.get("model") != LARGE:  # its peak must not count the 8B weights
+                base = None
+                release()
+            suite.start_attempt(row.stage, row.name)
+            started = time.time()
+            try:
+                base, out = _load(suite, row) if row.kind == "load" else (base, _run_row(suite, row, base))
+            except TimeUp:  # a max-context probe would end too late: the probes so far are saved
+                _stop(suite, priced[i:], pending)
+                return
+            suite.put(row.stage, {**out, "estimated_s": round(seconds, 1)})
+            pace.add(seconds, time.time() - started)
+    finally:
+        base = None
+        suite.summarize_a()
+    for stage in ("a", "b", "c"):
+        suite.results.set_stage(stage, "done: the --first-lease rows")
+    print("first lease: every row measured; no second call needed", flush=True)
+
+
+def _stop(suite: Suite, rest: list[tuple[Row, float]], pending: list[Row]) -> None:
+    """Out of time: the stages with rows left are partial, and the log says what a second call would take."""
+    for stage in {r.stage for r in pending}:
+        suite.results.set_stage(stage, "partial: time limit reached, call again with the same OUT_DIR")
+    left = sum(s for r, s in rest if r in pending or r.kind == "load")
+    print(f"first lease: {len(pending)} rows left, estimated {left:.0f} s: a second call with "
+          f"--time-limit of at least {left + 60:.0f} s measures them", flush=True)
+
+
+def _pending(suite: Suite, row: Row) -> bool:
+    """Whether the row is still to measure: not saved yet, or saved with a result measured again (suite.again)."""
+    from benchmarks.gpu.suite import again
+
+    done = suite.results.row(row.stage, row.name)
+    return done is None or again(done)
+
+
+class Pace:
+    """How the rows so far compared with their estimates: a row starts only if estimate x ratio still ends in
+    time (ratio 1 until a row has run)."""
+
+    def __init__(self) -> None:
+        self.estimated = self.measured = 0.0
+
+    def add(self, estimated: float, measured: float) -> None:
+        self.estimated += estimated
+        self.measured += measured
+
+    def fits(self, suite: Suite, estimated: float) -> bool:
+        ratio = self.measured / self.estimated if self.estimated else 1.0
+        return time.time() - suite.start + estimated * ratio < suite.time_limit
+
+
+def _load(suite: Suite, row: Row) -> tuple[LoadedModel | None, dict[str, Any]]:
+    """The 8B model loaded once (finetune.api.load_base), the row its seconds and what it holds on the device."""
+    from benchmarks.gpu.suite import error_record, release
+    from finetune.api import load_base
+
+    release()
+    recipe = suite.recipe(row.cfg, 3, suite.work / "run")
+    started = time.time()
+    out: dict[str, Any] = {"name": row.name, "status": "ok"}
+    base = None
+    try:
+        base = load_base(recipe)
+        if torch.cuda.is_available():
+            out["allocated_bytes"] = int(torch.cuda.memory_allocated())
+    except Exception as exc:  # the rows after it then load nothing and report the error
+        out.update(error_record(exc))
+    out["seconds"] = round(time.time() - started, 1)
+    return base, out
+
+
+def _run_row(suite: Suite, row: Row, base: LoadedModel | None) -> dict[str, Any]:
+    """One row of kind train, moe, speed or max_context, with its own seconds."""
+    started = time.time()
+    lent = base if row.cfg.get("model") == LARGE else None
+    if row.kind == "moe" and not row.cfg:
+        out: dict[str, Any] = {"name": row.name, "status": f"skipped: {MOE_SKIP}"}
+    elif row.cfg.get("model") == LARGE and base is None:
+        out = {"name": row.name, "status": "error", "error_kind": "error",
+               "error": f"{LARGE} did not load (see its row in env)"}
+    elif row.kind == "speed":
+        out = suite.speed_row(row.cfg, 3 if suite.cpu else SPEED_STEPS, ("hf_peft",), base=lent)
+    elif row.kind == "max_context":
+        out = {"name": row.name, "status": "done", **suite.max_context(row.name, BUDGET_GB, lent, PROBES)}
     else:
-        suite.stage_a(STAGE_A)
-    suite.stage_c(STAGE_C)
-    suite.stage_b(budgets, subset=True)
+        out = suite.row_a(row.cfg, base=lent)
+    return {**out, "seconds": round(time.time() - started, 1)}
 
 
-def environment_row(versions: dict[str, str]) -> dict[str, Any]:
-    """What the machine has, and whether what the suite relies on works there; status ok or error."""
+# --- the environment check -----------------------------------------------------------------------------------
+def carried_pins(script: Path = HERE / "wheels.sh") -> dict[str, str]:
+    """The packages wheels.sh carries to the GPU machine, with their pinned versions (its PACKAGES block)."""
+    text = script.read_text()
+    block = text[text.index("PACKAGES=("):text.index(")", text.index("PACKAGES=("))]
+    return dict(re.findall(r"([A-Za-z0-9_.-]+)==([0-9][^\s]*)", block))
+
+
+def image_packages(listing: Path = HERE / "image_packages.txt") -> dict[str, str]:
+    """The GPU image's packages (normalized names) with the version the listing gives ("" where it gives none)."""
+    out = {}
+    for line in listing.read_text().splitlines():
+        if not line.startswith("#"):
+            out.update((_norm(w.partition("==")[0]), w.partition("==")[2]) for w in line.split())
+    return out
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def image_differences(pins: dict[str, str]) -> list[str]:
+    """The image's listed versions (not carried) that differ from what is installed here: recorded, not fatal
+    (the kit runs on the image's torch and accelerate as they are; a new image shows here)."""
+    out = []
+    for name, listed in pins.items():
+        try:
+            installed = md.version(name)
+        except md.PackageNotFoundError:
+            continue
+        if listed and installed.split("+")[0] != listed:
+            out.append(f"{name} {installed} (listed {listed})")
+    return out
+
+
+def version_problems(pins: dict[str, str]) -> list[str]:
+    """One line per carried package that Python would not import at its carried version: another version
+    first on the path, or a module loaded from outside the distribution that has the carried version."""
+    modules: dict[str, list[str]] = {}
+    for top, dists in md.packages_distributions().items():
+        for dist in dists:
+            modules.setdefault(_norm(dist), []).append(top)
+    problems = []
+    for dist, wanted in pins.items():
+        try:
+            found = md.distribution(dist)
+        except md.PackageNotFoundError:
+            problems.append(f"{dist}: not importable; the kit carried {wanted}")
+            continue
+        root = Path(str(found.locate_file(""))).resolve()
+        if found.version != wanted:
+            problems.append(f"{dist} {found.version} (in {root}) would be imported; the kit carried {wanted}")
+            continue
+        for top in modules.get(_norm(dist), []):
+            module = sys.modules.get(top)
+            origin = getattr(module, "__file__", None) if module else None
+            spec = importlib.util.find_spec(top) if origin is None and top.isidentifier() else None
+            origin = origin or (spec.origin if spec is not None else None)
+            if origin and origin not in ("built-in", "frozen") and not Path(origin).resolve().is_relative_to(root):
+                problems.append(f"{dist}: `import {top}` loads {origin}, not the carried {wanted} in {root}")
+    return problems
+
+
+def environment_row(versions: dict[str, str], pins: dict[str, str] | None = None) -> dict[str, Any]:
+    """What the machine has, and whether what the suite relies on works there; status ok or error. `pins`
+    (default: what wheels.sh carries) are checked first: a package at another version fails the row."""
+    started = time.time()
     checks: dict[str, str] = {}
     cuda = torch.cuda.is_available()
     row: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
@@ -52,6 +403,12 @@ def environment_row(versions: dict[str, str]) -> dict[str, Any]:
                            "device": torch.cuda.get_device_name(0) if cuda else "cpu"}
     if cuda:
         row["total_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
+    pins = carried_pins() if pins is None else pins
+    problems = version_problems(pins)
+    checks["carried versions"] = f"error: {'; '.join(problems)}" if problems else f"ok ({len(pins)} packages)"
+    image = {k: v for k, v in image_packages().items() if k not in {_norm(p) for p in pins}}
+    differs = image_differences(image)
+    checks["image versions"] = f"differ: {', '.join(differs)}" if differs else "as listed"
     checks["disk /tmp free GiB"] = f"{shutil.disk_usage('/tmp').free / 2**30:.0f}"
     for name, check in (("bitsandbytes 4-bit", _bnb_4bit), ("per-process memory fraction", _fraction),
                         ("pinned host cache", _host_cache)):
@@ -63,6 +420,7 @@ def environment_row(versions: dict[str, str]) -> dict[str, Any]:
     failed = [k for k, v in checks.items() if v.startswith("error")]
     row["status"] = f"error: {', '.join(failed)}" if failed else "ok"
     row["error_kind"] = "error" if failed else None
+    row["seconds"] = round(time.time() - started, 1)
     return row
 
 
@@ -87,7 +445,7 @@ def _fraction(cuda: bool) -> str:
 
 
 def _host_cache(cuda: bool) -> str:
-    """The pinned host cache can be emptied between probes (suite._release)."""
+    """The pinned host cache can be emptied between probes (suite.release)."""
     if not cuda:
         return "no CUDA"
     from benchmarks.gpu.suite import empty_host_cache

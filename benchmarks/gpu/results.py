@@ -15,21 +15,22 @@ from finetune.rundir import atomic_write_json, atomic_write_text
 from finetune.units import format_bytes
 
 STAGES = {
-    "env": "Environment check (versions, the GPU, bitsandbytes 4-bit on the device, allocator APIs)",
+    "env": "Environment check (carried versions, the GPU, bitsandbytes 4-bit on the device, allocator APIs); the first lease's 8B load",
     "a": "Planner vs measured peak (3 steps of `finetune run`)",
     "b": "Max context, Llama-3.1-8B QLoRA r=16, micro-batch 1",
     "c": "Speed: tokens/s of `finetune run` vs HF Trainer + PEFT and TRL; memory-technique overheads",
     "d": "Unsloth side by side",
 }
 COLUMNS = {
-    "env": ["name", "status", "device", "total_memory_bytes", "python", "torch", "cuda", "checks"],
+    "env": ["name", "status", "device", "total_memory_bytes", "allocated_bytes", "python", "torch", "cuda", "checks",
+            "estimated_s", "seconds"],
     "a": ["name", "max_seq_len", "status", "fits", "predicted_bytes", "measured_reserved_bytes", "measured_allocated_bytes",
           "error_reserved", "error_allocated", "allocated_before_bytes", "predicted_tokens_per_s", "tokens_per_s",
-          "oom_events", "error", "seconds"],
+          "oom_events", "error", "estimated_s", "seconds"],
     "b": ["name", "status", "unsloth_tokens", "predicted_max_tokens", "trained_max_tokens", "vs_unsloth", "probes",
-          "errors", "seconds"],
+          "errors", "max_probes", "estimated_s", "seconds"],
     "c": ["name", "max_seq_len", "status", "finetune_tokens_per_s", "hf_peft_tokens_per_s", "trl_tokens_per_s", "vs_hf_peft", "vs_trl",
-          "overhead", "oom_events", "error", "seconds"],
+          "overhead", "oom_events", "error", "estimated_s", "seconds"],
     "d": ["name", "status"],
 }
 

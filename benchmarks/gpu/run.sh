@@ -3,8 +3,10 @@
 #
 #   benchmarks/gpu/run.sh [--cpu] OUT_DIR [suite options: --first-lease | --stage env,a,b --budgets 8,12 --time-limit 540]
 #
-# OUT_DIR/results.md and results.json are rewritten after every configuration; calling again with an OUT_DIR
-# that holds a results.json goes on where it stopped (see docs/gpu.md for splitting across 10-minute calls).
+# --first-lease: the decisive rows in one call (benchmarks/gpu/first_lease.py): the plan is printed with each
+# row's estimated H100 seconds and refused over 420 s of work; with --cpu it is the CPU dry run of that call.
+# OUT_DIR/results.md and results.json are rewritten after every row; calling again with an OUT_DIR that holds a
+# results.json goes on where it stopped (docs/gpu.md gives the calls for a 15-minute lease).
 # WHEELS (default .whl at the repository root) is the folder benchmarks/gpu/wheels.sh filled.
 set -euo pipefail
 T0=$(date +%s)  # the suite's time limit counts from here: the wheels' install is part of the call

@@ -27,7 +27,7 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,6 +35,9 @@ from benchmarks.gpu import configs
 from benchmarks.gpu.results import Results
 from finetune.recipe.schema import Recipe
 from finetune.rundir import RunDir
+
+if TYPE_CHECKING:
+    from finetune.model.load import LoadedModel
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "configs"
@@ -149,16 +152,18 @@ class Suite:
             data[section][name] = value
         return Recipe.model_validate(data)
 
-    def train(self, recipe: Recipe, memory_cap: int | None = None) -> dict[str, Any]:
-        """`finetune run` (finetune.train.run.run) on the recipe; the plan it made, the measured peaks, tokens/s.
+    def train(self, recipe: Recipe, memory_cap: int | None = None, base: LoadedModel | None = None) -> dict[str, Any]:
+        """`finetune run` (finetune.api.run) on the recipe; the plan it made, the measured peaks, tokens/s.
 
         memory_cap: on CUDA, torch.cuda.set_per_process_memory_fraction so that the allocator plus what the
         CUDA context holds outside it stays within memory_cap bytes, as on a GPU of that size (finetune's
-        out-of-memory recovery then budgets within the cap too).
+        out-of-memory recovery then budgets within the cap too). base: a model loaded once
+        (finetune.api.load_base) that the run trains on and hands back; the measured peak includes its
+        weights, as the plan does.
         """
-        from finetune.train.run import run
+        from finetune.api import run
 
-        _release()
+        release()
         if CUDA and memory_cap:
             total = torch.cuda.get_device_properties(0).total_memory
             free, _ = torch.cuda.mem_get_info()
@@ -169,7 +174,7 @@ class Suite:
             out["allocated_before_bytes"] = int(torch.cuda.memory_allocated())
         started = time.time()
         try:
-            result = run(recipe, overwrite=True)
+            result = run(recipe, overwrite=True, base=base)
             out["status"] = result.state
         except Exception as exc:  # one broken configuration must not stop the suite: it is reported
             out.update(error_record(exc))
@@ -179,7 +184,7 @@ class Suite:
                 out["measured_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
                 out["measured_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
                 torch.cuda.set_per_process_memory_fraction(1.0)
-            _release()
+            release()
         out["seconds"] = round(time.time() - started, 1)
         run_dir = RunDir(Path(recipe.output.dir))
         metrics = run_dir.read_metrics()
@@ -214,19 +219,24 @@ class Suite:
         self.longest = max(self.longest, out["seconds"])
         return out
 
+    def start_attempt(self, stage: str, name: str) -> None:
+        """The row about to be measured counts one more attempt than the saved one (a partial row continues)."""
+        row = self.results.row(stage, name)
+        previous = 0 if row is None else row.get("attempts", 1) - (row["status"] == "partial")
+        self.attempts[(stage, name)] = previous + 1
+
     def each(self, stage: str, names: list[str], subset: bool = False, runs=lambda name: 1):
         """Yield the names not measured yet (or failed with an error, not an OOM, fewer than ATTEMPTS times)
         while `runs(name)` more training runs fit in the time left; set the stage's status."""
         self.results.set_stage(stage, "running")
         for name in names:
             row = self.results.row(stage, name)
-            if row is not None and not _again(row):
+            if row is not None and not again(row):
                 continue
             if not self.time_left(runs(name)):
                 self.results.set_stage(stage, "partial: time limit reached, call again with the same OUT_DIR")
                 return
-            previous = 0 if row is None else row.get("attempts", 1) - (row["status"] == "partial")
-            self.attempts[(stage, name)] = previous + 1
+            self.start_attempt(stage, name)
             yield name
         self.results.set_stage(stage, "done: the --first-lease rows" if subset else "done")
 
@@ -237,22 +247,29 @@ class Suite:
                         "mb": 2, "acc": 1, "keys": {**configs.QLORA, **configs.PLAIN}, "real": True}]
         by_name = {c["name"]: c for c in cfgs}
         for name in self.each("a", _pick(by_name, only), only is not None):
-            cfg = by_name[name]
-            more = {"data.path": str(REAL_SAMPLE), "data.format": "auto"} if cfg.get("real") else \
-                {"data.path": str(self.prompt_data(cfg))} if cfg.get("prompts") else {}
-            row = {"name": name, "max_seq_len": self.seq(cfg), **self.train(self.recipe(cfg, 3, self.work / "run", **more))}
-            for kind in ("reserved", "allocated"):
-                measured = row.get(f"measured_{kind}_bytes")
-                if measured and row.get("predicted_bytes") and row["status"] == "completed":
-                    row[f"error_{kind}"] = row["predicted_bytes"] / measured - 1
-            self.put("a", row)
+            self.put("a", self.row_a(by_name[name]))
+        self.summarize_a()
+
+    def row_a(self, cfg: dict, base: LoadedModel | None = None) -> dict[str, Any]:
+        """One planner-vs-measured row: 3 steps of `finetune run`, the prediction's error against the peaks."""
+        more = {"data.path": str(REAL_SAMPLE), "data.format": "auto"} if cfg.get("real") else \
+            {"data.path": str(self.prompt_data(cfg))} if cfg.get("prompts") else {}
+        row = {"name": cfg["name"], "max_seq_len": self.seq(cfg),
+               **self.train(self.recipe(cfg, 3, self.work / "run", **more), base=base)}
+        for kind in ("reserved", "allocated"):
+            measured = row.get(f"measured_{kind}_bytes")
+            if measured and row.get("predicted_bytes") and row["status"] == "completed":
+                row[f"error_{kind}"] = row["predicted_bytes"] / measured - 1
+        return row
+
+    def summarize_a(self) -> None:
         self.results.set_stage("a", self.results.data["stages"]["a"]["status"], _summary_a(self.results))
 
     def stage_b(self, budgets: list[int], subset: bool = False) -> None:
         names = {f"{gb} GB": gb for gb in budgets}
         for name in self.each("b", list(names), subset):
             try:
-                self.put("b", {"name": name, "status": "done", **self._max_context(name, names[name])})
+                self.put("b", {"name": name, "status": "done", **self.max_context(name, names[name])})
             except TimeUp:
                 self.results.set_stage("b", "partial: time limit reached, call again with the same OUT_DIR")
                 break
@@ -262,9 +279,12 @@ class Suite:
             and all(r["vs_unsloth"] >= 1.5 for r in rows),
             "note": "--cpu: toy model, budgets in MiB; the Unsloth ratio means nothing there" if self.cpu else ""})
 
-    def _max_context(self, name: str, gb: int) -> dict[str, Any]:
+    def max_context(self, name: str, gb: int, base: LoadedModel | None = None,
+                    max_probes: int | None = None) -> dict[str, Any]:
         """The planner's longest fitting sequence, and the longest that really trains 2 steps within the budget
         (the planner's settings for that length; CUDA capped to the budget, CPU: tracked peak <= budget).
+        `base`: the probes train on this loaded model; `max_probes`: the search ends after that many training
+        probes with the longest that trained (then a lower bound). Raises TimeUp when a probe would not fit.
 
         Every probe is saved as it ends (a partial row), and a later call reuses those probes."""
         from finetune.plan import predict
@@ -290,7 +310,7 @@ class Suite:
                 raise TimeUp
             if seq not in probes:
                 plan, r = planned(seq)
-                out = self.train(plan.apply(r).recipe, memory_cap=budget if CUDA else None)
+                out = self.train(plan.apply(r).recipe, memory_cap=budget if CUDA else None, base=base)
                 over = not CUDA and out.get("measured_allocated_bytes", 0) > budget
                 probes[seq] = "over budget" if out["status"] == "completed" and over else \
                     "ok" if out["status"] == "completed" else out["status"]
@@ -301,46 +321,28 @@ class Suite:
             return probes[seq] == "ok"
 
         predicted = _search(lambda seq: planned(seq)[0].fits, step, cap)
-        trained = _search(trains, step, cap, start=predicted or step)
+        trained = _search(trains, step, cap, start=predicted or step, max_probes=max_probes)
         theirs = configs.UNSLOTH_MAX_CONTEXT[gb]
         failed = "error" in probes.values()  # then a later call probes those lengths again (ATTEMPTS)
         return {"error_kind": "error" if failed else None, "budget_bytes": budget, "unsloth_tokens": theirs, "predicted_max_tokens": predicted,
                 "trained_max_tokens": trained, "vs_unsloth": trained / theirs, "probes": dict(sorted(probes.items())),
-                "errors": errors, "seconds": round(time.time() - started + old.get("seconds", 0), 1)}
+                "errors": errors, "max_probes": max_probes,
+                "seconds": round(time.time() - started + old.get("seconds", 0), 1)}
 
     def stage_c(self, only: list[str] | None = None) -> None:
-        from benchmarks.gpu.baselines import baseline_tokens_per_s
-
         steps = 3 if self.cpu else 8
         speed = configs.stage_c_speed()[:1] if self.cpu else configs.stage_c_speed()
         overheads = configs.stage_c_overheads((8192,) if self.cpu else (8192, 32768))
         cfgs = {c["name"]: c for c in speed + overheads}
         for name in self.each("c", _pick(cfgs, only), only is not None, lambda n: 3 if cfgs[n] in speed else 1):
             cfg = cfgs[name]
-            row = {"name": name, "max_seq_len": self.seq(cfg)}
-            ours = self.train(self.recipe(cfg, steps, self.work / "run"))
-            row.update({k: ours[k] for k in ("status", "error_kind", "error", "oom_events") if k in ours},
-                       finetune_tokens_per_s=ours["tokens_per_s"], seconds=ours["seconds"])
             if cfg in speed:
-                for framework in ("hf_peft", "trl"):
-                    started = time.time()
-                    _release()
-                    try:
-                        theirs = baseline_tokens_per_s(self.recipe(cfg, steps, self.work / framework), framework,
-                                                       self.work / framework)
-                    except Exception as exc:  # reported in the table, the suite goes on
-                        theirs, row[f"{framework}_error"] = None, error_record(exc)
-                    _release()
-                    row[f"{framework}_tokens_per_s"] = theirs
-                    if theirs and ours["tokens_per_s"]:
-                        row[f"vs_{framework}"] = ours["tokens_per_s"] / theirs
-                    row["seconds"] += round(time.time() - started, 1)
-                    self.longest = max(self.longest, time.time() - started)
-                    shutil.rmtree(self.work / framework, ignore_errors=True)
+                row = self.speed_row(cfg, steps, ("hf_peft", "trl"))
             else:
-                base = self.results.row("c", f"{name.split()[0]} checkpointing alone")
-                if base and base.get("finetune_tokens_per_s") and ours["tokens_per_s"]:
-                    row["overhead"] = 1 - ours["tokens_per_s"] / base["finetune_tokens_per_s"]
+                row = self.speed_row(cfg, steps, ())
+                plain = self.results.row("c", f"{name.split()[0]} checkpointing alone")
+                if plain and plain.get("finetune_tokens_per_s") and row["finetune_tokens_per_s"]:
+                    row["overhead"] = 1 - row["finetune_tokens_per_s"] / plain["finetune_tokens_per_s"]
             self.put("c", row)
         rows = self.results.data["stages"]["c"]["rows"]
         ratios = [r[k] for r in rows for k in ("vs_hf_peft", "vs_trl") if r.get(k)]
@@ -352,12 +354,42 @@ class Suite:
             "goal: offload cpu <= 5%, disk <= 15%": None if over["offload cpu"] is None else
             bool(over["offload cpu"] <= 0.05 and (over["offload disk"] or 0) <= 0.15)})
 
+    def speed_row(self, cfg: dict, steps: int, frameworks: tuple[str, ...],
+                  base: LoadedModel | None = None) -> dict[str, Any]:
+        """Tokens/s of `finetune run` and of each baseline framework at the identical configuration, on `base`
+        (one loaded model for all) when given."""
+        from benchmarks.gpu.baselines import baseline_tokens_per_s
+
+        row: dict[str, Any] = {"name": cfg["name"], "max_seq_len": self.seq(cfg)}
+        ours = self.train(self.recipe(cfg, steps, self.work / "run"), base=base)
+        row.update({k: ours[k] for k in ("status", "error_kind", "error", "oom_events") if k in ours},
+                   finetune_tokens_per_s=ours["tokens_per_s"], seconds=ours["seconds"])
+        for framework in frameworks:
+            started = time.time()
+            release()
+            try:
+                theirs = baseline_tokens_per_s(self.recipe(cfg, steps, self.work / framework), framework,
+                                               self.work / framework, base=base)
+            except Exception as exc:  # reported in the table, the suite goes on
+                theirs, row[f"{framework}_error"] = None, error_record(exc)
+            release()
+            row[f"{framework}_tokens_per_s"] = theirs
+            if theirs and ours["tokens_per_s"]:
+                row[f"vs_{framework}"] = ours["tokens_per_s"] / theirs
+            row["seconds"] = round(row["seconds"] + time.time() - started, 1)
+            self.longest = max(self.longest, time.time() - started)
+            shutil.rmtree(self.work / framework, ignore_errors=True)
+        return row
+
     def stage_env(self) -> None:
         """Every call (each may be a fresh machine), whatever the time: it takes seconds."""
         from benchmarks.gpu.first_lease import environment_row
 
-        self.put("env", {"name": "environment", **environment_row(self.results.data["versions"])})
+        row = {"name": "environment", **environment_row(self.results.data["versions"])}
+        self.put("env", row)
         self.results.set_stage("env", "done")
+        if row["checks"]["carried versions"].startswith("error"):  # nothing measured after this would mean much
+            raise SystemExit(f"environment check failed: {row['checks']['carried versions'].removeprefix('error: ')}")
 
     def stage_d(self) -> None:
         import importlib.util
@@ -373,42 +405,59 @@ class Suite:
         self.results.set_stage("d", "not run: runner missing")
 
 
-def _search(ok, step: int, cap: int, start: int | None = None) -> int:
+class _Enough(Exception):
+    """max_probes reached: the search ends with the largest length known to pass."""
+
+
+def _search(ok, step: int, cap: int, start: int | None = None, max_probes: int | None = None) -> int:
     """Largest multiple of `step` in [step, cap] with ok(x), ok being true up to some point; 0 if none.
 
     Without `start`, plain bisection. From `start` (a prediction) it brackets by steps of 10% up or down, then bisects: few probes when the
-    prediction is close, each of which may be a real training run.
+    prediction is close, each of which may be a real training run. `max_probes`: at most that many calls of
+    ok, the answer then the largest length known to pass (a lower bound).
     """
     def snap(x: float) -> int:
         return min(cap, max(step, int(x) // step * step))
 
+    calls = 0
+
+    def probe(x: int) -> bool:
+        nonlocal calls
+        if max_probes is not None and calls >= max_probes:
+            raise _Enough
+        calls += 1
+        return ok(x)
+
     lo, hi = 0, cap + step  # lo: largest known to pass (0: none yet), hi: smallest known to fail
-    x = snap(start or step)
-    if start is None:  # no prediction to start from: plain bisection
-        pass
-    elif ok(x):
-        lo = x
-        while lo < cap:
-            x = snap(lo * 1.1 + step)
-            if not ok(x):
-                hi = x
-                break
+    try:
+        x = snap(start or step)
+        if start is None:  # no prediction to start from: plain bisection
+            pass
+        elif probe(x):
             lo = x
-    else:
-        hi = x
-        while lo == 0:
-            x = snap(hi * 0.9)
-            if x >= hi:
-                return 0
-            if ok(x):
+            while lo < cap:
+                x = snap(lo * 1.1 + step)
+                if not probe(x):
+                    hi = x
+                    break
                 lo = x
-            else:
-                hi = x
-    while hi - lo > max(step, lo // 16):  # within ~6% (or one step): a bounded number of probes
-        mid = snap((lo + hi) // 2)
-        if mid <= lo or mid >= hi:
-            break
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+        else:
+            hi = x
+            while lo == 0:
+                x = snap(hi * 0.9)
+                if x >= hi:
+                    return 0
+                if probe(x):
+                    lo = x
+                else:
+                    hi = x
+        while hi - lo > max(step, lo // 16):  # within ~6% (or one step): a bounded number of probes
+            mid = snap((lo + hi) // 2)
+            if mid <= lo or mid >= hi:
+                break
+            lo, hi = (mid, hi) if probe(mid) else (lo, mid)
+    except _Enough:
+        pass
     return lo
 
 
@@ -435,7 +484,7 @@ def error_record(exc: BaseException) -> dict[str, str]:
     return {"status": kind, "error_kind": kind, "error": text[:600]}
 
 
-def _again(row: dict[str, Any]) -> bool:
+def again(row: dict[str, Any]) -> bool:
     """Whether a saved row is measured again: stage b's unfinished search, or an error (not an OOM) that
     has had fewer than ATTEMPTS tries."""
     return row["status"] == "partial" or (row.get("error_kind") == "error" and row.get("attempts", 1) < ATTEMPTS)
@@ -461,7 +510,7 @@ def _initial_plan(recipe: Recipe) -> dict[str, Any] | None:
         return None
 
 
-def _release() -> None:
+def release() -> None:
     """Free what the last run left: Python garbage, the allocator's cache and the pinned host buffers
     (offload's staging), so no run's memory counts in the next one's peak."""
     gc.collect()
@@ -502,20 +551,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budgets", default="8,12,16,24", help="stage b: GPU sizes in GB")
     parser.add_argument("--time-limit", type=float, default=540,
                         help="seconds; no configuration starts that would end after this (the device allows 600)")
+    parser.add_argument("--work-limit", type=float, default=None,
+                        help="--first-lease: refuse a plan whose estimated H100 seconds exceed this (default 420)")
     args = parser.parse_args(argv)
     if not CUDA and not args.cpu:
         parser.error("no CUDA GPU here: pass --cpu for the dry run")
     budgets = [int(b) for b in args.budgets.split(",")]
     if args.cpu:
         budgets = [b for b in budgets if b in CPU_BUDGETS] or list(CPU_BUDGETS)
+    priced = None
+    if args.first_lease:  # refused before anything runs or is written
+        from benchmarks.gpu.first_lease import WORK_LIMIT_S, PlanRefused, check_plan, rows
+
+        try:
+            priced = check_plan(rows(), args.work_limit or WORK_LIMIT_S)
+        except PlanRefused as exc:
+            print(exc, file=sys.stderr)
+            return 2
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="finetune-gpu-suite-"))
     try:
         suite = Suite(args.out, args.cpu, args.time_limit, work, args.started_at)
-        if args.first_lease:
+        if priced is not None:
             from benchmarks.gpu.first_lease import run_first_lease
 
-            run_first_lease(suite, budgets=list(CPU_BUDGETS) if args.cpu else [8])
+            run_first_lease(suite, priced)
         for stage in [] if args.first_lease else args.stage.split(","):
             {"env": suite.stage_env, "a": suite.stage_a, "b": lambda: suite.stage_b(budgets), "c": suite.stage_c,
              "d": suite.stage_d}[stage]()

@@ -151,6 +151,18 @@ def _wrap(module: torch.nn.Module, tokens: int, min_chunks: int) -> None:
     module._finetune_tiling = (cls, tokens, min_chunks)
 
 
+def restore_layers(model: torch.nn.Module) -> int:
+    """Undo `apply_layer_recompute`: every tiled norm and MLP gets its plain class back, so a model lent to
+    several runs (finetune.train.run.run(base=...)) starts each one as loaded. Returns how many."""
+    count = 0
+    for module in model.modules():
+        tiling = module.__dict__.pop("_finetune_tiling", None)
+        if tiling is not None:
+            module.__class__ = tiling[0]
+            count += 1
+    return count
+
+
 _TILED_CLASSES: dict[type, type] = {}
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -115,6 +117,33 @@ def load_model(model_cfg: ModelConfig, quant: QuantizationConfig, *, quantize: b
     disable_cpu_4bit_repack(model)
     model.config.use_cache = False
     return model, load_tokenizer(path, model_cfg), path
+
+
+@dataclass
+class LoadedModel:
+    """A base model loaded once and lent to several runs (`finetune.train.run.run(base=...)`): a benchmark or a
+    sweep re-plans and trains each recipe on the same weights without loading them again. Each run gets the
+    model as `load_model` returned it and hands it back so (adapters and layer changes removed)."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    path: Path
+    model_cfg: ModelConfig
+    quant: QuantizationConfig
+
+    def mismatch(self, model_cfg: ModelConfig, quant: QuantizationConfig) -> str | None:
+        """The first recipe key whose value differs from what this model was loaded with, as `key: a != b`."""
+        for section, loaded, wanted in (("model", self.model_cfg, model_cfg), ("quantization", self.quant, quant)):
+            for key, value in loaded.model_dump().items():
+                if getattr(wanted, key) != value:
+                    return f"{section}.{key}: {getattr(wanted, key)!r} != {value!r} (loaded)"
+        return None
+
+
+def load_base(model_cfg: ModelConfig, quant: QuantizationConfig) -> LoadedModel:
+    """Load the model once for several runs (see LoadedModel)."""
+    model, tokenizer, path = load_model(model_cfg, quant)
+    return LoadedModel(model, tokenizer, path, model_cfg, quant)
 
 
 def _from_pretrained(model_path: str, folder: Path, config, kwargs: dict):

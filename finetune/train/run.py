@@ -7,6 +7,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import set_seed
@@ -54,6 +55,9 @@ from finetune.train.recovery import OOMRecovery, keep_recovered
 from finetune.train.setup import build_loop, total_steps
 from finetune.train.train_state import load_checkpoint
 from finetune.units import format_bytes
+
+if TYPE_CHECKING:
+    from finetune.model.load import LoadedModel
 
 # Disk full, quota, permissions, read-only folder: the user's to fix, so a message instead of a traceback.
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EFBIG}
@@ -149,11 +153,15 @@ def keep_resolved(recipe: Recipe, saved: Recipe) -> Recipe:
 
 
 def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False,
-        allow_data_change: bool = False) -> RunResult:
+        allow_data_change: bool = False, base: LoadedModel | None = None) -> RunResult:
     """Fine-tune as the recipe says and fill the run directory. Ctrl-C saves a checkpoint and stops.
     `--resume` refuses data other than the run's (finetune.data.fingerprint) unless `allow_data_change`.
+    `base`: train on this already loaded model instead of loading recipe.model (`load_base`; the recipe must
+    name the same model and quantization), and hand it back as loaded when the run ends, for the next run.
 
     Under torchrun / accelerate launch every process runs this; rank 0 alone writes the run directory."""
+    if base is not None:
+        check_lendable(recipe)
     recipe = resolve_init_from(recipe)  # before the run directory exists: a bad adapter.init_from writes nothing
     distributed.join(recipe)
     main = distributed.is_main()
@@ -175,7 +183,7 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False,
     try:
         run_dir.write_status("planning")
         run_dir.log_line(f"run started (resume from {checkpoint})" if checkpoint else "run started")
-        return _plan_build_train(recipe, run_dir, checkpoint, stopper, allow_data_change)
+        return _plan_build_train(recipe, run_dir, checkpoint, stopper, allow_data_change, base=base)
     except DataChanged as exc:  # a refused resume trained nothing: the run keeps its state, with the reason
         kept = {k: v for k, v in before.items() if k not in ("state", "pid", "updated", "error")}
         run_dir.write_status(before.get("state", "stopped"), **kept, error=f"resume refused: {exc}")
@@ -202,8 +210,43 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False,
         raise
     finally:
         stopper.uninstall()
+        give_back(base)
         for lock in held:
             lock.release()
+
+
+def check_lendable(recipe: Recipe) -> None:
+    """What a lent model (run(base=...)) cannot do, refused before anything is written: full fine-tuning
+    (the next run would start from changed weights), torch.compile (compiled layers stay compiled) and
+    several processes (each loads its own)."""
+    refused = {"adapter.type: full": recipe.adapter.type == "full", "training.compile: true": recipe.training.compile,
+               f"distributed.gpus: {recipe.distributed.gpus}": recipe.distributed.gpus > 1}
+    for key, bad in refused.items():
+        if bad:
+            raise UsageError(f"{key}: a run on an already loaded model (base=) trains adapters only, uncompiled, "
+                             "in one process", hint="run without base= to load the model for this recipe")
+
+
+def give_back(base: LoadedModel | None) -> None:
+    """The lent model as load_model returned it: adapters (peft's injected layers) replaced by the layers they
+    wrap, tiled norms and MLPs plain again, checkpointing and the input-gradient hook off."""
+    if base is None:
+        return
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from finetune.memory.layer_recompute import restore_layers
+
+    model = base.model
+    for name, module in list(model.named_modules()):
+        if isinstance(module, BaseTunerLayer) and name:
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, module.get_base_layer())
+    model.__dict__.pop("peft_config", None)  # get_peft_model records its config on the wrapped model
+    restore_layers(model)
+    model.disable_input_require_grads()
+    if model.is_activation_checkpointing:
+        model.activation_checkpointing_disable()
+    model.zero_grad(set_to_none=True)
 
 
 def _record_end(run_dir: RunDir, state: str, exc: BaseException) -> None:
@@ -222,7 +265,8 @@ def _record_end(run_dir: RunDir, state: str, exc: BaseException) -> None:
 
 
 def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, stopper: StopOnSignal,
-                      allow_data_change: bool = False, main: bool = True) -> RunResult:
+                      allow_data_change: bool = False, main: bool = True, base: LoadedModel | None = None
+                      ) -> RunResult:
     from finetune.data import build_datasets
     from finetune.memory.layer_recompute import apply_memory_config, compile_layers
     from finetune.model.adapter import apply_adapter, count_parameters
@@ -248,8 +292,15 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
         console.print(f"distributed: {recipe.distributed.gpus} processes, strategy {recipe.distributed.strategy}")
 
     set_seed(recipe.training.seed)  # adapter initialisation is random: make it reproducible (same on all ranks)
-    model, tokenizer, _ = load_model(recipe.model, recipe.quantization,
-                                     sharded=several and recipe.distributed.strategy == "fsdp")
+    if base is None:
+        model, tokenizer, _ = load_model(recipe.model, recipe.quantization,
+                                         sharded=several and recipe.distributed.strategy == "fsdp")
+    else:
+        mismatch = base.mismatch(recipe.model, recipe.quantization)
+        if mismatch is not None:
+            raise UsageError(f"{mismatch}: the recipe does not describe the already loaded model (base=)",
+                             hint="give the recipe the model and quantization keys the model was loaded with")
+        model, tokenizer = base.model, base.tokenizer
     model = apply_adapter(model, recipe.adapter, checkpointing=settings.activation_checkpointing,
                           reference=loads_reference_adapter(recipe), digest=main)
     # results.json's record of the start adapter: rank 0 writes it, hashing the bytes apply_adapter read.
