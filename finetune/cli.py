@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-data-change", action="store_true", help="with --resume: continue even though the "
                    "data differs from what the run started on (records, content, tokenizer, max_seq_len, ...); "
                    "without it such a resume is refused")
+    p.add_argument("--no-plan", action="store_true", help="train without a memory plan (as memory.plan: false): "
+                   "nothing predicts whether a step fits; without it a plan that cannot be made stops the run")
     p.add_argument("--gpus", type=_positive_int, metavar="N", help="train on N GPUs of this machine (N processes "
                    "started with torchrun; on a machine without CUDA, N CPU processes over gloo); under torchrun "
                    "or accelerate launch leave it out: the launcher's WORLD_SIZE is used")
@@ -143,6 +145,8 @@ def cmd_run(args) -> int:
         raise FinetuneError("--gpus is for starting processes; under torchrun or accelerate launch the world "
                             f"size ({world}) comes from the launcher", hint="leave out --gpus")
     gpus = args.gpus or world
+    if args.no_plan:
+        args.overrides = [*args.overrides, "memory.plan=false"]
     overrides = [*args.overrides, f"distributed.gpus={gpus}"] if gpus else args.overrides
     recipe = api.load_recipe(args.recipe, overrides)  # checked here, before any process starts
     if world is None and recipe.distributed.gpus > 1:  # --gpus N, or distributed.gpus in the recipe (the UI)
