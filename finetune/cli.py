@@ -95,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", action="store_true", help="print the Markdown reference (docs/recipe.md)")
     p.set_defaults(func=cmd_keys)
 
+    p = sub.add_parser("models", help="list the model families finetune trains, with what each supports")
+    p.add_argument("--markdown", action="store_true", help="print the Markdown table (docs/models.md)")
+    p.set_defaults(func=cmd_models)
+
     p = sub.add_parser("generate", help="answer a prompt with a trained run (base + adapter)")
     p.add_argument("run_dir", help="a run directory (output.dir of a finished run)")
     p.add_argument("--prompt", required=True, help="user message; the chat template is applied")
@@ -230,6 +234,14 @@ def cmd_keys(args) -> int:
     return 0
 
 
+def cmd_models(args) -> int:
+    """The family table on stdout: one line per family, or docs/models.md's Markdown."""
+    from finetune.recipe.families import models_markdown, models_text
+
+    sys.stdout.write(models_markdown() if args.markdown else models_text())
+    return 0
+
+
 def cmd_generate(args) -> int:
     from finetune import api
 
@@ -297,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return ui_main(argv[1:])
     args = build_parser().parse_args(argv)
-    if args.command not in ("validate", "keys"):  # those two never import torch: keep them instant
+    if args.command not in ("validate", "keys", "models"):  # those never import torch: keep them instant
         from finetune.console import quiet_libraries
 
         quiet_libraries()

@@ -24,13 +24,32 @@ _CORPUS = [
     "0123456789 {}[]():;,.!?\"' -+*/=<>_#@$%&",
 ]
 
+# One entry per model family (finetune/recipe/families.py), keyed by its transformers model_type: the family's
+# own config class at toy size, with what each needs to be small and to keep every kind of layer it has (two
+# layers: a sliding-window and a full attention layer, LFM2's convolution and attention, Qwen3.5's linear and
+# full attention).
 ARCHITECTURES = {
     # name: (transformers config class name, extra config kwargs)
     "llama": ("LlamaConfig", {}),
     "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 16}),
+    "qwen3_5_text": ("Qwen3_5TextConfig", {
+        "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "layer_types": ["linear_attention", "full_attention"]}),
     "mistral": ("MistralConfig", {"sliding_window": None}),
+    "ministral": ("MinistralConfig", {"head_dim": 16, "sliding_window": 8,
+                                      "layer_types": ["sliding_attention", "full_attention"]}),
     "gemma2": ("Gemma2Config", {"head_dim": 16, "query_pre_attn_scalar": 16}),
+    "gemma3_text": ("Gemma3TextConfig", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
+                                         "layer_types": ["sliding_attention", "full_attention"]}),
+    "gemma4_text": ("Gemma4TextConfig", {"head_dim": 16, "global_head_dim": 32, "sliding_window": 8,
+                                         "vocab_size_per_layer_input": 512, "hidden_size_per_layer_input": 8,
+                                         "layer_types": ["sliding_attention", "full_attention"]}),
     "phi3": ("Phi3Config", {}),
+    "smollm3": ("SmolLM3Config", {}),
+    "olmo2": ("Olmo2Config", {}),
+    "granite": ("GraniteConfig", {}),
+    "lfm2": ("Lfm2Config", {"layer_types": ["conv", "full_attention"], "block_auto_adjust_ff_dim": False}),
 }
 
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from finetune.errors import ModelLoadError
+from finetune.model.family import decoder_layers, dense_mlp, family_of, text_config
+from finetune.model.source import config_location
+from finetune.recipe.families import check_config_file
 from finetune.recipe.schema import Recipe
 from finetune.units import dtype_name, torch_dtype
 
@@ -24,32 +26,29 @@ def target_dtype(recipe: Recipe, device: str) -> torch.dtype:
     return torch_dtype(dtype_name(recipe.model.dtype, device))
 
 
-def config_location(path: str) -> Path:
-    """The file or folder a config is read from, for a recipe's model.path."""
-    from finetune.model.random_weights import random_folder
-    from finetune.model.source import package_file
-
-    return package_file(path) if path.startswith("pkg:") else random_folder(path) or Path(path)
-
-
 def load_model_config(path: str, trust_remote_code: bool = False) -> Any:
-    """A transformers config from a folder holding config.json, a config.json file, or a .gguf file."""
+    """A transformers config from a folder holding config.json, a config.json file, or a .gguf file, of a
+    family the tool describes (else UnsupportedModel: one line naming the architecture, exit 2)."""
     from transformers import AutoConfig
 
     p = config_location(path)
     path = str(p)
+    check_config_file(p)  # an unknown model_type is named before transformers lists every one it knows
     try:
         if p.suffix == ".gguf":  # the metadata alone: no conversion of the weights to plan
-            return AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
-        if p.is_file() and p.suffix == ".json":
+            config = AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
+        elif p.is_file() and p.suffix == ".json":
             import json
 
             data = json.loads(p.read_text())
-            return AutoConfig.for_model(data.pop("model_type"), **data)
-        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+            config = AutoConfig.for_model(data.pop("model_type"), **data)
+        else:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot read a model config from {path}: {exc}",
                              hint="model.path must be a folder with config.json, a config.json, a .gguf file or pkg:PACKAGE/FILE") from None
+    family_of(config)
+    return config
 
 
 def with_layers(config: Any, layers: int) -> Any:
@@ -86,12 +85,12 @@ def _meta_model(config: Any, layers: int):
 def model_shapes(config: Any) -> ModelShapes:
     """Exact shapes from a one-layer copy on `meta`."""
     model = _meta_model(config, 1)
-    layer = model.model.layers[0]
+    layer = decoder_layers(model)[0]
     linear = sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
-    mlp = getattr(layer, "mlp", None)
+    mlp = dense_mlp(layer, family_of(config))
     mlp_linear = sum(m.weight.numel() for m in mlp.modules() if isinstance(m, torch.nn.Linear)) if mlp else 0
     layer_total = sum(p.numel() for p in layer.parameters())
     outside = sum({id(p): p.numel() for p in model.parameters()}.values()) - layer_total
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     return ModelShapes(num_layers=text.num_hidden_layers, layer_linear=linear, layer_other=layer_total - linear,
                        outside=outside, mlp_linear=mlp_linear)

@@ -34,9 +34,11 @@ from finetune.memory.preference import PreferenceLoss, batch_reference_logps, sy
 from finetune.memory.step import enable_checkpointing, forward_backward
 from finetune.memory.tracker import MemoryTracker
 from finetune.model.adapter import apply_adapter
+from finetune.model.family import decoder_layers, in_decoder_layers
+from finetune.model.source import config_location
 from finetune.plan import trace_cache
 from finetune.plan.planner import Planner, current
-from finetune.plan.shapes import ModelShapes, config_location, load_model_config, model_shapes, with_layers
+from finetune.plan.shapes import ModelShapes, load_model_config, model_shapes, with_layers
 from finetune.recipe.schema import AdapterConfig, GRPOConfig
 from finetune.rl.step import (
     completion_logps,
@@ -222,21 +224,23 @@ class Trace:
     windows: dict[str, tuple[int, dict[str, int]]]
 
 
-def _quantizable(name: str, module: torch.nn.Module) -> bool:
-    """Decoder-layer Linear layers that bitsandbytes replaces (not adapters, not the LM head)."""
-    return (isinstance(module, torch.nn.Linear) and ".layers." in f".{name}." and "lora_" not in name
+def _quantizable(name: str, module: torch.nn.Module, in_layers: set[int]) -> bool:
+    """Decoder-layer Linear layers that bitsandbytes replaces (not adapters, not the LM head); `in_layers`:
+    finetune.model.family.in_decoder_layers of the model."""
+    return (isinstance(module, torch.nn.Linear) and id(module) in in_layers and "lora_" not in name
             and not module.weight.requires_grad)
 
 
 def _param_infos(model: torch.nn.Module) -> tuple[ParamInfo, ...]:
     infos = []
     seen: set[int] = set()
+    in_layers = in_decoder_layers(model)
     for name, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            quantizable = pname == "weight" and _quantizable(name, module)
+            quantizable = pname == "weight" and _quantizable(name, module, in_layers)
             out = p.shape[0] if p.dim() == 2 else p.numel()
             infos.append(ParamInfo(f"{name}.{pname}".lstrip("."), tuple(p.shape), p.dtype, p.numel(), out,
                                    p.element_size(), p.requires_grad, quantizable))
@@ -247,9 +251,7 @@ def _layer_windows(model: torch.nn.Module, tracker: MemoryTracker) -> list:
     """Split the backward window at decoder-layer boundaries: bwd_head (LM head and loss), bwd_top (last
     layer), bwd_mid, bwd_bottom (first layer and embeddings). The peak moves from the top to the bottom as
     activations are freed and gradients appear; each end extrapolates linearly with the layer count."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    layers = decoder_layers(model)
     names = ["bwd_bottom", *["bwd_mid"] * (len(layers) - 2), "bwd_top"] if len(layers) > 1 else ["bwd_top"]
 
     def hook_for(name: str):
@@ -287,7 +289,8 @@ def _direct_trace(key: tuple[str, str, str, str], attn: str, micro_batch: int, s
     config = model.config
     preference = PreferenceLoss.of_objective(objective)
     batch = synthetic_batch(preference, micro_batch, seq_len, config.get_text_config().vocab_size, "meta")
-    int8_layers = [module for name, module in model.named_modules() if int8 and _quantizable(name, module)]
+    in_layers = in_decoder_layers(model) if int8 else set()
+    int8_layers = [module for name, module in model.named_modules() if int8 and _quantizable(name, module, in_layers)]
     for module in int8_layers:
         module.forward = _int8_forward(module)
     tracker = MemoryTracker(vocab_size=config.get_text_config().vocab_size, device="meta")

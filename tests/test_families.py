@@ -1,0 +1,97 @@
+"""Every model family the tool describes: a tiny model of its own config class trains through `finetune run`
+with the plan within 5% of the measured peak, full-size configs of current models plan in seconds, what no
+family describes is refused in one line, and docs/models.md is the family table's own text."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from finetune.cli import main
+from finetune.recipe.families import FAMILIES, models_markdown
+from finetune.rundir import read_jsonl
+from finetune.testing import ARCHITECTURES, make_tiny_model_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "tests" / "fixtures" / "configs"
+DENSE = [t for f in FAMILIES if not f.moe for t in f.model_types]
+# Each family trains with one method, the methods taking turns down the table, so every method meets several
+# families with sliding-window, linear-attention and convolution layers among them, in 3 steps each.
+METHODS = {"qlora": {"quantization": {"bits": 4}}, "lora": {}, "dora": {"adapter": {"type": "dora"}},
+           "full": {"adapter": {"type": "full"}}}
+CASES = [(t, list(METHODS)[i % len(METHODS)]) for i, t in enumerate(DENSE)]
+
+
+def _data(folder: Path) -> Path:
+    """Records longer than max_seq_len: every step runs at the planned length."""
+    path = folder / "long.jsonl"
+    path.write_text("".join(json.dumps({"text": f"record {i}: " + "the quick brown fox jumps over the lazy dog " * 40})
+                            + "\n" for i in range(8)))
+    return path
+
+
+def _recipe(folder: Path, model: Path | str, **sections: dict) -> Path:
+    recipe = {
+        "model": {"path": str(model)},
+        "quantization": {"bits": None},
+        "adapter": {"type": "lora", "r": 4, "alpha": 8, "dropout": 0.0},
+        "data": {"path": str(_data(folder)), "format": "text", "max_seq_len": 128},
+        "training": {"max_steps": 3, "micro_batch_size": 2, "learning_rate": 1e-3, "warmup_ratio": 0.0,
+                     "logging_steps": 1},
+        "memory": {"activation_checkpointing": True, "gpu_memory_margin": 0},
+        "output": {"dir": str(folder / "run"), "save_steps": 100},
+    }
+    for section, values in sections.items():
+        recipe[section] = {**recipe.get(section, {}), **values}
+    path = folder / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def test_every_family_has_a_tiny_model_of_its_own_config_class():
+    """The fixture table and the family table name the same model_types (a new family brings its tiny model)."""
+    assert set(ARCHITECTURES) == {t for f in FAMILIES for t in f.model_types}
+
+
+@pytest.mark.parametrize(("model_type", "method"), CASES, ids=[f"{t}-{m}" for t, m in CASES])
+def test_each_family_trains_with_the_plan_within_5_percent_of_the_peak(tmp_path, model_type, method):
+    model = make_tiny_model_dir(tmp_path / "model", arch=model_type)
+    assert main(["run", str(_recipe(tmp_path, model, **METHODS[method]))]) == 0
+    run = tmp_path / "run"
+    rows = read_jsonl(run / "metrics.jsonl")
+    losses = [r["loss"] for r in rows if "loss" in r]
+    measured = max(r["peak_memory_bytes"] for r in rows if "peak_memory_bytes" in r)
+    planned = json.loads((run / "plan.json").read_text())["peak_bytes"]
+    assert len(losses) == 3 and all(loss == loss for loss in losses)  # three steps, no NaN
+    assert abs(planned / measured - 1) <= 0.05, (model_type, method, planned, measured)
+
+
+def test_docs_models_md_is_the_family_tables_own_text():
+    """docs/models.md is generated: `finetune models --markdown > docs/models.md`."""
+    assert (ROOT / "docs" / "models.md").read_text() == models_markdown()
+    assert main(["models", "--markdown"]) == 0
+
+
+UNSUPPORTED = {  # config.json -> what the one line must say
+    "foo": ({"model_type": "foo", "hidden_size": 64}, "model_type 'foo' is not supported: no model family describes"),
+    "vision": ({"model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+                "vision_config": {}, "text_config": {}}, "is a vision-language model; vision-language models are "
+               "not supported yet"),
+}
+
+
+@pytest.mark.parametrize("command", ["validate", "plan", "run"])
+@pytest.mark.parametrize("case", list(UNSUPPORTED))
+def test_a_model_no_family_describes_is_one_line_exit_2_and_nothing_written(tmp_path, capsys, command, case):
+    config, message = UNSUPPORTED[case]
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(config))
+    recipe = _recipe(tmp_path, model)
+    assert main([command, str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert message in " ".join(err.split()) and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
