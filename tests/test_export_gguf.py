@@ -18,10 +18,13 @@ from finetune.testing import make_tiny_model_dir
 
 TEXT = "What is the capital of France? The capital of France is Paris. 0123456789 {}"
 # Gemma-2 as its real checkpoints are: head_dim == query_pre_attn_scalar, output head tied to the embedding.
-ARCH_OVERRIDES = {"gemma2": {"head_dim": 256, "query_pre_attn_scalar": 256, "tie_word_embeddings": True}}
+# Qwen3 with head_dim 128, as every Qwen3 checkpoint has: transformers' GGUF reader does not read the head size
+# back (llama.cpp does, from attention.key_length) and builds Qwen3Config's default.
+ARCH_OVERRIDES = {"gemma2": {"head_dim": 256, "query_pre_attn_scalar": 256, "tie_word_embeddings": True},
+                  "qwen3": {"head_dim": 128}}
 # What transformers builds from each file: llama.cpp runs Mistral as llama, and so does the reader.
 READ_BACK = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-             "gemma2": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM"}
+             "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 def _tiny(tmp_path: Path, arch: str, **overrides):

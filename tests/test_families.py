@@ -57,7 +57,7 @@ def test_every_family_has_a_tiny_model_of_its_own_config_class():
 
 
 @pytest.mark.parametrize(("model_type", "method"), CASES, ids=[f"{t}-{m}" for t, m in CASES])
-def test_each_family_trains_with_the_plan_within_5_percent_of_the_peak(tmp_path, model_type, method):
+def test_each_family_trains_plans_within_5_percent_and_chats(tmp_path, capsys, model_type, method):
     model = make_tiny_model_dir(tmp_path / "model", arch=model_type)
     assert main(["run", str(_recipe(tmp_path, model, **METHODS[method]))]) == 0
     run = tmp_path / "run"
@@ -67,6 +67,9 @@ def test_each_family_trains_with_the_plan_within_5_percent_of_the_peak(tmp_path,
     planned = json.loads((run / "plan.json").read_text())["peak_bytes"]
     assert len(losses) == 3 and all(loss == loss for loss in losses)  # three steps, no NaN
     assert abs(planned / measured - 1) <= 0.05, (model_type, method, planned, measured)
+    capsys.readouterr()
+    assert main(["generate", str(run), "--prompt", "What is the capital of France?", "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.strip()  # the trained model answers
 
 
 def test_docs_models_md_is_the_family_tables_own_text():
