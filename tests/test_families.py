@@ -98,3 +98,23 @@ def test_a_model_no_family_describes_is_one_line_exit_2_and_nothing_written(tmp_
     err = capsys.readouterr().err
     assert message in " ".join(err.split()) and "Traceback" not in err
     assert not (tmp_path / "run").exists()
+
+
+FULL_SIZE = sorted(CONFIGS.glob("*.json"))
+
+
+@pytest.mark.parametrize("config", FULL_SIZE, ids=[p.stem for p in FULL_SIZE])
+def test_full_size_configs_of_current_models_plan_in_seconds(tmp_path, config):
+    """QLoRA at 4k tokens on a 24 GB card, settings fixed (one trace, no search): the plan prices the 4-bit
+    decoder weights (0.5 byte per parameter and their scales) plus the 16-bit embedding and head."""
+    from finetune import api
+    from finetune.plan.shapes import load_model_config, model_shapes
+
+    recipe = api.load_recipe(_recipe(tmp_path, config, quantization={"bits": 4},
+                                     data={"max_seq_len": 4096}, training={"micro_batch_size": 1},
+                                     memory={"chunked_loss": True, "tiled_mlp": False, "gpu_memory": "24GiB"}))
+    plan = api.plan(recipe)
+    shapes = model_shapes(load_model_config(str(config)))
+    quantized = shapes.num_layers * shapes.layer_linear
+    assert 0.5 * quantized < plan.breakdown["weights"] < 0.6 * quantized + 2.1 * (shapes.total - quantized)
+    assert plan.peak_bytes > plan.breakdown["weights"] and plan.device == "cuda"
