@@ -28,7 +28,7 @@ CASES = [(t, list(METHODS)[i % len(METHODS)]) for i, t in enumerate(DENSE)]
 def _data(folder: Path) -> Path:
     """Records longer than max_seq_len: every step runs at the planned length."""
     path = folder / "long.jsonl"
-    path.write_text("".join(json.dumps({"text": f"record {i}: " + "the quick brown fox jumps over the lazy dog " * 40})
+    path.write_text("".join(json.dumps({"text": f"record {i}: " + "the quick brown fox jumps over the lazy dog " * 200})
                             + "\n" for i in range(8)))
     return path
 
@@ -118,3 +118,26 @@ def test_full_size_configs_of_current_models_plan_in_seconds(tmp_path, config):
     quantized = shapes.num_layers * shapes.layer_linear
     assert 0.5 * quantized < plan.breakdown["weights"] < 0.6 * quantized + 2.1 * (shapes.total - quantized)
     assert plan.peak_bytes > plan.breakdown["weights"] and plan.device == "cuda"
+
+
+# Deeper models of mixed layers, whose plan extrapolates from 2- and 3-layer copies: the kinds' shares and the
+# costliest kind's recomputation (plan.shapes.kind_variants), sliding-window layers' additive masks.
+HYBRID = {
+    "gemma3_text": ["sliding_attention"] * 5 + ["full_attention"],
+    "qwen3_5_text": ["linear_attention"] * 3 + ["full_attention"] * 1 + ["linear_attention"] * 2,
+    "lfm2": ["conv", "conv", "full_attention", "conv", "full_attention", "conv"],
+}
+
+
+@pytest.mark.parametrize("checkpointing", [True, False], ids=["checkpointing", "no-checkpointing"])
+@pytest.mark.parametrize("model_type", list(HYBRID))
+def test_mixed_layers_are_priced_as_they_run(tmp_path, model_type, checkpointing):
+    kinds = HYBRID[model_type]
+    model = make_tiny_model_dir(tmp_path / "model", arch=model_type, num_hidden_layers=len(kinds), layer_types=kinds)
+    recipe = _recipe(tmp_path, model, data={"max_seq_len": 512}, training={"max_steps": 1},
+                     memory={"activation_checkpointing": checkpointing})
+    assert main(["run", str(recipe)]) == 0
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    measured = max(r["peak_memory_bytes"] for r in rows if "peak_memory_bytes" in r)
+    planned = json.loads((tmp_path / "run" / "plan.json").read_text())["peak_bytes"]
+    assert abs(planned / measured - 1) <= 0.05, (model_type, checkpointing, planned, measured)

@@ -8,11 +8,13 @@ the exact shapes.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from finetune.compat import attn_implementation, set_attn_implementation
 from finetune.errors import ModelLoadError
 from finetune.model.family import decoder_layers, dense_mlp, family_of, text_config
 from finetune.model.source import config_location
@@ -52,12 +54,54 @@ def load_model_config(path: str, trust_remote_code: bool = False) -> Any:
 
 
 def with_layers(config: Any, layers: int) -> Any:
-    """A copy of `config` with `layers` decoder layers (per-layer lists such as layer_types cut to match)."""
+    """A copy of `config` with `layers` decoder layers: the real model's first `layers - 1` and its last (the
+    top layer, next to the head, is the one backward recomputes first: its kind matters to the peak). Per-layer
+    lists (layer_types) and per-layer overrides (Gemma 4's per_layer_config) follow the layers kept."""
+    total = config.num_hidden_layers
+    keep = list(range(layers)) if layers >= total or layers < 2 else [*range(layers - 1), total - 1]
+    return select_layers(config, keep)
+
+
+def select_layers(config: Any, keep: list[int]) -> Any:
+    """A copy of `config` whose layer i is the real model's layer keep[i]."""
+    overrides = getattr(config, "per_layer_config", None)
+    if overrides:  # heterogeneous configs validate their per-layer entries: rebuild from the remapped dict
+        data = config.to_dict()
+        by_index = {str(k): v for k, v in (data.get("per_layer_config") or {}).items()}
+        data["per_layer_config"] = {str(i): by_index[str(s)] for i, s in enumerate(keep) if str(s) in by_index}
+        data["num_hidden_layers"] = len(keep)
+        if data.get("layer_types"):
+            data["layer_types"] = [data["layer_types"][s] for s in keep]
+        cfg = type(config).from_dict(data)
+        set_attn_implementation(cfg, attn_implementation(config))
+        return cfg
     cfg = copy.deepcopy(config)
-    cfg.num_hidden_layers = layers
+    cfg.num_hidden_layers = len(keep)
     if getattr(cfg, "layer_types", None) is not None:
-        cfg.layer_types = list(config.layer_types)[:layers]
+        cfg.layer_types = [config.layer_types[s] for s in keep]
     return cfg
+
+
+def kind_variants(config: Any, real: Callable[[], Any]) -> list[tuple[Any, float]]:
+    """Uniform stand-ins of a model whose layers above the first are of several kinds (sliding-window and full
+    attention, LFM2's convolutions and attention, Qwen3.5's linear and full attention), each with its weight.
+
+    Why: the planner traces copies of 2 and 3 layers (or blocks) and extrapolates linearly in the layer count,
+    which prices every added layer like the copy's added one, and the top layer's recomputation like the
+    copy's top one. Variant k keeps the real first layer and makes every layer above it of kind k. The weighted
+    sum of the variants' prices, weights the share of each kind among those layers, is the real model's for
+    what adds up over layers (weights, the activations each layer keeps); with checkpointing the largest of
+    the variants' activations is (the same checkpointed inputs, the costliest kind's recomputation). A model of
+    one kind above its first layer is its own single variant.
+    `real()`: the transformers config, asked for only where variants are made (the planner's cached configs
+    know layer_types without loading it)."""
+    kinds = list(getattr(text_config(config), "layer_types", None) or [])
+    above = kinds[1:]
+    if len(set(above)) < 2:
+        return [(config, 1.0)]
+    config = real()
+    return [(select_layers(config, [0, *[1 + above.index(k)] * len(above)]), above.count(k) / len(above))
+            for k in sorted(set(above))]
 
 
 @dataclass

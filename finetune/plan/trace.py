@@ -177,6 +177,11 @@ def _backward(loss: torch.Tensor) -> None:
 
 
 def _meta_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """The fused kernel as scaled_dot_product_attention calls it: a boolean mask (sliding-window layers,
+    packed or padded batches) first becomes an additive mask of q's dtype, a new tensor per call that the kernel
+    keeps for backward (one [batch, 1, s, s] tensor per sliding-window layer: Gemma, Ministral)."""
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~attn_mask, float("-inf"))
     return flash_attention_cpu(q, k, v, dropout_p, is_causal, attn_mask, scale)
 
 
@@ -424,7 +429,7 @@ class CachedConfig:
         self._key, self._text, self._load, self._real = key, text, load, real
 
     def real(self) -> Any:
-        """The transformers config (loaded on first use)."""
+        """The transformers config (loaded on first use; `real_config` for any config)."""
         if self._real is None:
             self._real = self._load()
         return self._real
@@ -440,6 +445,11 @@ class CachedConfig:
         return getattr(self.real(), name)
 
 
+def real_config(config: Any) -> Any:
+    """The transformers config behind a CachedConfig, or the config itself."""
+    return config.real() if isinstance(config, CachedConfig) else config
+
+
 class _TextFacts:
     """The text config's dimensions the planner reads; anything else from the real text config."""
 
@@ -453,7 +463,7 @@ class _TextFacts:
         return getattr(self._owner.real().get_text_config(), name)
 
 
-TEXT_FACTS = ("num_hidden_layers", "hidden_size", "vocab_size", "max_position_embeddings")
+TEXT_FACTS = ("num_hidden_layers", "hidden_size", "vocab_size", "max_position_embeddings", "layer_types")
 
 
 def _source_fingerprint(path: str, trust_remote_code: bool) -> list | None:
