@@ -50,6 +50,9 @@ class Family:
     # layer (finetune/model/moe.py), the expert block of one decoder layer, None for a dense layer. A family
     # with `experts` set is a MoE family: the tiled MLP leaves its expert blocks out, docs/models.md says MoE.
     experts: str | None = None
+    # Module names `adapter.target_modules: all-linear` leaves out in this family (peft's exclude_modules: a
+    # name matches a module whose name ends with it), e.g. a MoE router kept in full precision and untrained.
+    not_adapted: tuple[str, ...] = ()
     methods: tuple[str, ...] = METHODS  # what trains (docs/models.md)
 
     @property
