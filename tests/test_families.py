@@ -141,3 +141,21 @@ def test_mixed_layers_are_priced_as_they_run(tmp_path, model_type, checkpointing
     measured = max(r["peak_memory_bytes"] for r in rows if "peak_memory_bytes" in r)
     planned = json.loads((tmp_path / "run" / "plan.json").read_text())["peak_bytes"]
     assert abs(planned / measured - 1) <= 0.05, (model_type, checkpointing, planned, measured)
+
+
+def test_the_ui_refuses_a_model_no_family_describes_before_queueing(tmp_path, monkeypatch):
+    from finetune.recipe.families import UnsupportedModel
+    from tests.ui_support import form_values
+    from ui.backend import Backend, UISettings
+    from ui.runs import RunManager
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "foo"}))
+    recipe = yaml.safe_load(_recipe(tmp_path, model).read_text())
+    backend = Backend(UISettings([tmp_path], tmp_path / "runs"), RunManager(tmp_path / "runs"))
+    queued = []
+    monkeypatch.setattr(backend.manager, "submit", lambda recipe, run_dir: queued.append(recipe))
+    with pytest.raises(UnsupportedModel, match="model_type 'foo' is not supported"):
+        backend.start(form_values(recipe))
+    assert queued == [] and not (tmp_path / "run").exists()
