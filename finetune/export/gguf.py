@@ -41,8 +41,10 @@ def check_exportable(config: Any) -> GGUFLayout:
         written = ", ".join(t for f in FAMILIES if f.gguf for t in f.model_types)
         raise FinetuneError(f"export --format gguf: architecture {config.model_type!r} is not written to GGUF: "
                             f"{why} (written: {written})", hint="export --format safetensors instead")
-    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-    if rope != "default":
+    rope = _rope(config).get("rope_type", "default")
+    if config.model_type == "gemma3_text":
+        _check_gemma3(config)
+    if rope != "default" and not (rope == "linear" and config.model_type == "gemma3_text"):
         raise FinetuneError(f"export --format gguf: rope scaling {rope!r} ({config.model_type}) is not written "
                             "to GGUF yet (it needs llama.cpp's extra rope tensors)",
                             hint=CONVERT_HINT)
@@ -87,6 +89,28 @@ def write_gguf(model: Any, tokenizer: Any, path: Path, *, qtype: str = "f16", na
     return path
 
 
+def _rope(config: Any) -> dict[str, Any]:
+    """The rotary parameters of the (global) attention layers: Gemma 3 keeps one set per layer kind."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    return rope.get("full_attention", rope)
+
+
+# llama.cpp's gemma3 hard-codes its sliding-window layers (every sixth layer global) and their rotary base.
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+
+
+def _check_gemma3(config: Any) -> None:
+    """Refuse a Gemma 3 whose layer pattern or local rotary base llama.cpp would not reproduce."""
+    pattern = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(config.num_hidden_layers)]
+    if list(config.layer_types) != pattern:
+        raise FinetuneError("export --format gguf: this Gemma 3's sliding-window layers differ from llama.cpp's "
+                            "(five sliding-window layers, then a global one)", hint="export --format safetensors instead")
+    local = (config.rope_parameters.get("sliding_attention") or {}).get("rope_theta", GEMMA3_LOCAL_ROPE_BASE)
+    if local != GEMMA3_LOCAL_ROPE_BASE:
+        raise FinetuneError(f"export --format gguf: Gemma 3 local rotary base {local} differs from llama.cpp's "
+                            f"{GEMMA3_LOCAL_ROPE_BASE:g}", hint="export --format safetensors instead")
+
+
 def _head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
@@ -103,7 +127,13 @@ def _add_hyperparameters(writer: Any, config: Any) -> None:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(int(head_dim * (getattr(config, "partial_rotary_factor", None) or 1.0)))
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = _rope(config)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "linear":  # Gemma 3 (4B and larger): its global layers' positions scaled
+        import gguf
+
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if getattr(config, "sliding_window", None):
         writer.add_sliding_window(config.sliding_window)

@@ -78,7 +78,7 @@ FAMILIES: tuple[Family, ...] = (
            "logits", gguf=GGUFLayout("GEMMA2", norm_plus_one=True)),
     Family("Gemma 3 (text)", ("gemma3_text",), "gemma-3-1b, the text part of gemma-3-4b/12b/27b",
            "five sliding-window layers per full attention layer, q/k norms",
-           no_gguf="its local and global rotary bases need llama.cpp keys this writer does not write yet"),
+           gguf=GGUFLayout("GEMMA3", norm_plus_one=True)),
     Family("Gemma 4 (text)", ("gemma4_text",), "the text part of Gemma 4", "sliding-window and full attention "
            "layers of different head sizes", no_gguf=_NO_GGUF_CHECK),
     Family("Phi-3 / Phi-4", ("phi3",), "Phi-3-mini/medium, Phi-3.5-mini, Phi-4, Phi-4-mini",
