@@ -238,3 +238,14 @@ def test_an_unknown_type_names_the_choices_and_how_to_make_k_quants(tmp_path, ll
     with pytest.raises(FinetuneError, match="q8_0") as err:
         write_gguf(model, tokenizer, tmp_path / "m.gguf", qtype="q4_k_m")
     assert "llama-quantize" in err.value.hint
+
+
+def test_gemma3_linear_rope_scaling_is_written_for_llama_cpp(tmp_path):
+    """Gemma 3 4B and larger scale their global layers' positions linearly (factor 8): written as llama.cpp's
+    rope scaling keys, the global base as the rope base."""
+    model, tokenizer = _tiny(tmp_path, "gemma3_text")
+    model.config.rope_parameters["full_attention"].update(rope_type="linear", factor=8.0)
+    reader = gguf.GGUFReader(write_gguf(model, tokenizer, tmp_path / "m.gguf", qtype="f32"))
+    assert _field(reader, "gemma3.rope.scaling.type") == "linear"
+    assert _field(reader, "gemma3.rope.scaling.factor") == 8.0
+    assert _field(reader, "gemma3.rope.freq_base") == model.config.rope_parameters["full_attention"]["rope_theta"]
