@@ -173,7 +173,8 @@ def models_markdown() -> str:
         "tests/test_families.py fails when this file and the table differ.",
         "",
         "Each family trains with every method listed, is planned before it trains (the plan's peak within 5% "
-        "of the measured one on a tiny model of the family's own config class, tests/test_families.py), chats "
+        "of the measured one on a tiny model of the family's own config class, tests/test_families.py; every "
+        "family with every method: benchmarks/families.py), chats "
         "with `finetune generate` and exports merged safetensors. A config of another architecture is refused "
         f"in one line before anything loads; {VISION_HINT.split(';')[0]}.",
         "",
