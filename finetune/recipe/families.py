@@ -80,7 +80,8 @@ FAMILIES: tuple[Family, ...] = (
            "five sliding-window layers per full attention layer, q/k norms",
            gguf=GGUFLayout("GEMMA3", norm_plus_one=True)),
     Family("Gemma 4 (text)", ("gemma4_text",), "the text part of Gemma 4", "sliding-window and full attention "
-           "layers of different head sizes", no_gguf=_NO_GGUF_CHECK),
+           "layers of different head sizes", no_gguf="its per-layer head sizes and per-layer input embeddings "
+           "need llama.cpp keys this writer does not write yet"),
     Family("Phi-3 / Phi-4", ("phi3",), "Phi-3-mini/medium, Phi-3.5-mini, Phi-4, Phi-4-mini",
            "full attention, fused qkv and gate/up projections", gguf=GGUFLayout("PHI3")),
     Family("SmolLM3", ("smollm3",), "SmolLM3-3B", "full attention, rotary left out every fourth layer",
