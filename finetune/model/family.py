@@ -3,8 +3,9 @@
 Every part of the tool that reaches into a model's structure asks here: the repeated decoder layers (activation
 checkpointing, offload, recomputed norms, the tiled MLP, the planner's window hooks and what bitsandbytes
 quantizes), each layer's position-wise MLP (what the tiled MLP runs in chunks) and attention kind (full,
-sliding-window, linear, convolution), the embedding, final norm and LM head (the chunked loss). Discovery is
-generic (transformers' own accessors and layer classes); what differs per family and cannot be discovered is in
+sliding-window, linear, convolution); the embedding and LM head are transformers' own accessors
+(`get_input_embeddings`, `get_decoder`, `get_output_embeddings`: the chunked loss's `head_of`). Discovery is
+generic; what differs per family and cannot be discovered is in
 the family table, `finetune.recipe.families` (torch-free), which `family_of` reads.
 
 Mixture-of-experts layers: a family whose entry sets `experts` names a function `experts_of(layer)` (in
@@ -16,7 +17,6 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -93,24 +93,3 @@ def attention_kinds(config: Any) -> list[str]:
         return [str(k) for k in kinds]
     sliding = getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
     return [SLIDING if sliding else FULL] * text.num_hidden_layers
-
-
-@dataclass
-class ModelParts:
-    """The parts of a causal LM outside its decoder layers, found through transformers' accessors."""
-
-    decoder: nn.Module  # the base model the layers sit in (model.model)
-    layers: list[nn.Module]
-    embedding: nn.Module
-    final_norm: nn.Module | None
-    lm_head: nn.Module
-
-
-def model_parts(model: nn.Module) -> ModelParts:
-    """The decoder, layers, embedding, final norm and LM head of a (peft-wrapped) causal LM."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    decoder = base.get_decoder()
-    norm = next((getattr(decoder, n) for n in ("norm", "final_layernorm", "embedding_norm")
-                 if isinstance(getattr(decoder, n, None), nn.Module)), None)
-    return ModelParts(decoder=decoder, layers=decoder_layers(decoder), embedding=base.get_input_embeddings(),
-                      final_norm=norm, lm_head=base.get_output_embeddings())

@@ -16,7 +16,7 @@ import torch
 
 from finetune.compat import attn_implementation, set_attn_implementation
 from finetune.errors import ModelLoadError
-from finetune.model.family import decoder_layers, dense_mlp, family_of, text_config
+from finetune.model.family import attention_kinds, decoder_layers, dense_mlp, family_of, text_config
 from finetune.model.source import config_location
 from finetune.recipe.families import check_config_file
 from finetune.recipe.schema import Recipe
@@ -95,8 +95,9 @@ def kind_variants(config: Any, real: Callable[[], Any]) -> list[tuple[Any, float
     one kind above its first layer is its own single variant.
     `real()`: the transformers config, asked for only where variants are made (the planner's cached configs
     know layer_types without loading it)."""
-    kinds = list(getattr(text_config(config), "layer_types", None) or [])
-    above = kinds[1:]
+    if not getattr(text_config(config), "layer_types", None):  # one kind of layer
+        return [(config, 1.0)]
+    above = attention_kinds(config)[1:]
     if len(set(above)) < 2:
         return [(config, 1.0)]
     config = real()
