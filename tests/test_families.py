@@ -13,7 +13,7 @@ import yaml
 from finetune.cli import main
 from finetune.recipe.families import FAMILIES, models_markdown
 from finetune.rundir import read_jsonl
-from finetune.testing import ARCHITECTURES, make_tiny_model_dir
+from finetune.testing import ARCHITECTURES, make_tiny_model_dir, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "tests" / "fixtures" / "configs"
@@ -159,3 +159,16 @@ def test_the_ui_refuses_a_model_no_family_describes_before_queueing(tmp_path, mo
     with pytest.raises(UnsupportedModel, match="model_type 'foo' is not supported"):
         backend.start(form_values(recipe))
     assert queued == [] and not (tmp_path / "run").exists()
+
+
+def test_a_loaded_config_of_another_architecture_is_named_in_one_line():
+    """What transformers reads from a .gguf file or a hub id is checked once loaded, with the same line."""
+    from transformers import GPT2Config
+
+    from finetune.model.family import family_of
+    from finetune.recipe.families import UnsupportedModel
+
+    with pytest.raises(UnsupportedModel, match="model_type 'gpt2' is not supported") as err:
+        family_of(GPT2Config())
+    assert err.value.exit_code == 2 and "\n" not in err.value.message
+    assert family_of(tiny_config("qwen3")).name == "Qwen3"

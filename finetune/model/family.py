@@ -35,7 +35,7 @@ def text_config(config: Any) -> Any:
 def family_of(config: Any) -> Family:
     """The family of a transformers config, or UnsupportedModel (one line, exit 2) naming what is missing."""
     data = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    return check_config_data(data, getattr(config, "_name_or_path", "") or data.get("_name_or_path", "") or "")
+    return check_config_data(data, getattr(config, "name_or_path", "") or "")
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
