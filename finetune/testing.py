@@ -36,6 +36,9 @@ ARCHITECTURES = {
     "qwen3_5_text": ("Qwen3_5TextConfig", {
         "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
         "linear_value_head_dim": 16, "layer_types": ["linear_attention", "full_attention"]}),
+    # Qwen3.5's real checkpoints are vision-language ones whose text model trains: a tiny one around the above.
+    "qwen3_5": ("Qwen3_5Config", {"text_config": "qwen3_5_text", "vision_config": {
+        "depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64}}),
     "mistral": ("MistralConfig", {"sliding_window": None}),
     "ministral": ("MinistralConfig", {"head_dim": 16, "sliding_window": 8,
                                       "layer_types": ["sliding_attention", "full_attention"]}),
@@ -105,6 +108,9 @@ def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides):
     import transformers
 
     cls_name, extra = ARCHITECTURES[arch]
+    if "text_config" in extra:  # a vision-language config around the tiny text config of another entry
+        text = tiny_config(extra["text_config"], vocab_size, **overrides)
+        return getattr(transformers, cls_name)(text_config=text.to_dict(), vision_config=extra["vision_config"])
     kwargs = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
@@ -118,13 +124,14 @@ def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides):
 def make_tiny_model_dir(path: str | Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Write a tiny random model with tokenizer to `path` (safetensors) and return the path."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     path = Path(path)
     tokenizer = make_tokenizer()
     config = tiny_config(arch, vocab_size=len(tokenizer), **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    vision = "vision_config" in ARCHITECTURES[arch][1]  # the whole vision-language checkpoint, as published
+    model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_config(config, dtype=torch.float32)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path

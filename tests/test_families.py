@@ -17,7 +17,8 @@ from finetune.testing import ARCHITECTURES, make_tiny_model_dir, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "tests" / "fixtures" / "configs"
-DENSE = [t for f in FAMILIES if not f.moe for t in f.model_types]
+# Each dense family's first model_type: the text configs (Qwen3.5's vision-language one has its own test).
+DENSE = [f.model_types[0] for f in FAMILIES if not f.moe]
 # Each family trains with one method, the methods taking turns down the table, so every method meets several
 # families with sliding-window, linear-attention and convolution layers among them, in 3 steps each.
 METHODS = {"qlora": {"quantization": {"bits": 4}}, "lora": {}, "dora": {"adapter": {"type": "dora"}},
@@ -54,6 +55,19 @@ def _recipe(folder: Path, model: Path | str, **sections: dict) -> Path:
 def test_every_family_has_a_tiny_model_of_its_own_config_class():
     """The fixture table and the family table name the same model_types (a new family brings its tiny model)."""
     assert set(ARCHITECTURES) == {t for f in FAMILIES for t in f.model_types}
+
+
+def test_a_vision_language_checkpoint_of_a_text_trained_family_trains_its_text_model(tmp_path, capsys):
+    """Qwen3.5's checkpoints are vision-language ones: transformers loads their text model for causal LM, the
+    plan prices that model (within 5% of the peak) and the run trains and chats with it."""
+    model = make_tiny_model_dir(tmp_path / "model", arch="qwen3_5")
+    assert "vision_config" in json.loads((model / "config.json").read_text())
+    assert main(["run", str(_recipe(tmp_path, model))]) == 0
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    measured = max(r["peak_memory_bytes"] for r in rows if "peak_memory_bytes" in r)
+    planned = json.loads((tmp_path / "run" / "plan.json").read_text())["peak_bytes"]
+    assert abs(planned / measured - 1) <= 0.05, (planned, measured)
+    assert main(["generate", str(tmp_path / "run"), "--prompt", "Hi", "--max-new-tokens", "3"]) == 0
 
 
 @pytest.mark.parametrize(("model_type", "method"), CASES, ids=[f"{t}-{m}" for t, m in CASES])

@@ -49,8 +49,8 @@ def load_model_config(path: str, trust_remote_code: bool = False) -> Any:
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot read a model config from {path}: {exc}",
                              hint="model.path must be a folder with config.json, a config.json, a .gguf file or pkg:PACKAGE/FILE") from None
-    family_of(config)
-    return config
+    # A vision-language checkpoint of a family that trains its text model: the planner sees what loads.
+    return text_config(config) if family_of(config).text_of_vision else config
 
 
 def with_layers(config: Any, layers: int) -> Any:

@@ -54,6 +54,9 @@ class Family:
     # name matches a module whose name ends with it), e.g. a MoE router kept in full precision and untrained.
     not_adapted: tuple[str, ...] = ()
     methods: tuple[str, ...] = METHODS  # what trains (docs/models.md)
+    # Its vision-language checkpoints (a config with a vision part) load as their text model: transformers maps
+    # them to the causal LM and leaves the vision tower unloaded, so they train, chat and export as text models.
+    text_of_vision: bool = False
 
     @property
     def moe(self) -> bool:
@@ -72,8 +75,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("Qwen2.5", ("qwen2",), "Qwen2.5-0.5B ... 72B, Qwen2.5-Coder", "full attention (q/k/v biases)",
            gguf=GGUFLayout("QWEN2")),
     Family("Qwen3", ("qwen3",), "Qwen3-0.6B ... 32B", "full attention with q/k norms", gguf=GGUFLayout("QWEN3")),
-    Family("Qwen3.5", ("qwen3_5_text",), "Qwen3.5 (text)", "gated linear attention (Gated DeltaNet) and full "
-           "attention layers", no_gguf=_NO_GGUF_CHECK),
+    Family("Qwen3.5", ("qwen3_5_text", "qwen3_5"), "Qwen3.5 (its text model; the vision tower is not loaded)",
+           "gated linear attention (Gated DeltaNet) and full attention layers", no_gguf=_NO_GGUF_CHECK,
+           text_of_vision=True),
     Family("Gemma 2", ("gemma2",), "gemma-2-2b/9b/27b", "sliding-window and full attention, alternating; soft-capped "
            "logits", gguf=GGUFLayout("GEMMA2", norm_plus_one=True)),
     Family("Gemma 3 (text)", ("gemma3_text",), "gemma-3-1b, the text part of gemma-3-4b/12b/27b",
@@ -119,9 +123,10 @@ def check_config_data(config: dict[str, Any], where: str) -> Family:
     model_type = str(config.get("model_type") or "")
     archs = config.get("architectures") or []
     named = f"architecture {archs[0]} (model_type {model_type!r})" if archs else f"model_type {model_type!r}"
-    if any(key in config for key in ("vision_config", "vision_tower", "visual")):
-        raise UnsupportedModel(f"model.path {where}: {named} is a vision-language model; {VISION_HINT}")
     family = family_for(model_type)
+    vision = any(key in config for key in ("vision_config", "vision_tower", "visual"))
+    if vision and not (family is not None and family.text_of_vision):
+        raise UnsupportedModel(f"model.path {where}: {named} is a vision-language model; {VISION_HINT}")
     if family is None:
         raise UnsupportedModel(
             f"model.path {where}: {named} is not supported: no model family describes its decoder "
@@ -178,7 +183,8 @@ def models_markdown() -> str:
         "of the measured one on a tiny model of the family's own config class, tests/test_families.py; every "
         "family with every method: benchmarks/families.py), chats "
         "with `finetune generate` and exports merged safetensors. A config of another architecture is refused "
-        f"in one line before anything loads; {VISION_HINT.split(';')[0]}.",
+        f"in one line before anything loads; {VISION_HINT.split(';')[0]} (Qwen3.5's checkpoints are: their text "
+        "model trains, chats and exports, the vision tower is not loaded).",
         "",
         *rows,
         "",
