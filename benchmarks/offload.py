@@ -32,9 +32,10 @@ from pathlib import Path
 import torch
 
 from finetune.memory.chunked_loss import causal_lm_loss
-from finetune.memory.offload import ActivationOffload, decoder_layers
+from finetune.memory.offload import ActivationOffload
 from finetune.memory.offload_disk import read_tensor_file, write_tensor_file
 from finetune.memory.offload_tier import SpillChain
+from finetune.model.family import decoder_layers
 from finetune.testing import tiny_config
 
 MIN_SIZE = 64 << 10

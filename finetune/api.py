@@ -52,7 +52,8 @@ def preflight(recipe: Recipe) -> dict[str, Any]:
     error the run would; returns the data's format and record counts (finetune.data.build.check_records)."""
     from finetune.data.build import check_records
     from finetune.data.chat import template_file
-    from finetune.model.source import check_model_path
+    from finetune.model.source import check_model_path, config_location
+    from finetune.recipe.families import check_config_file
     from finetune.recipe.init_from import resolve_init_from
 
     if recipe.training.compile:  # imports torch: only then
@@ -60,6 +61,7 @@ def preflight(recipe: Recipe) -> dict[str, Any]:
 
         check_compile_device()
     check_model_path(recipe.model.path)
+    check_config_file(config_location(recipe.model.path))  # a family the tool describes (hub ids: when loaded)
     resolve_init_from(recipe)
     template_file(recipe.data.chat_template)
     if recipe.training.method == "grpo":

@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-data-change", action="store_true", help="with --resume: continue even though the "
                    "data differs from what the run started on (records, content, tokenizer, max_seq_len, ...); "
                    "without it such a resume is refused")
+    p.add_argument("--no-plan", action="store_true", help="train without a memory plan (as memory.plan: false): "
+                   "nothing predicts whether a step fits; without it a plan that cannot be made stops the run")
     p.add_argument("--gpus", type=_positive_int, metavar="N", help="train on N GPUs of this machine (N processes "
                    "started with torchrun; on a machine without CUDA, N CPU processes over gloo); under torchrun "
                    "or accelerate launch leave it out: the launcher's WORLD_SIZE is used")
@@ -103,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("section", nargs="?", help="only this section, e.g. training")
     p.add_argument("--markdown", action="store_true", help="print the Markdown reference (docs/recipe.md)")
     p.set_defaults(func=cmd_keys)
+
+    p = sub.add_parser("models", help="list the model families finetune trains, with what each supports")
+    p.add_argument("--markdown", action="store_true", help="print the Markdown table (docs/models.md)")
+    p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("generate", help="answer a prompt with a trained run (base + adapter)")
     p.add_argument("run_dir", help="a run directory (output.dir of a finished run)")
@@ -154,6 +160,8 @@ def cmd_run(args) -> int:
         raise FinetuneError("--gpus is for starting processes; under torchrun or accelerate launch the world "
                             f"size ({world}) comes from the launcher", hint="leave out --gpus")
     gpus = args.gpus or world
+    if args.no_plan:
+        args.overrides = [*args.overrides, "memory.plan=false"]
     overrides = [*args.overrides, f"distributed.gpus={gpus}"] if gpus else args.overrides
     recipe = api.load_recipe(args.recipe, overrides)  # checked here, before any process starts
     if world is None and recipe.distributed.gpus > 1:  # --gpus N, or distributed.gpus in the recipe (the UI)
@@ -269,6 +277,14 @@ def cmd_keys(args) -> int:
     return 0
 
 
+def cmd_models(args) -> int:
+    """The family table on stdout: one line per family, or docs/models.md's Markdown."""
+    from finetune.recipe.families import models_markdown, models_text
+
+    sys.stdout.write(models_markdown() if args.markdown else models_text())
+    return 0
+
+
 def cmd_generate(args) -> int:
     from finetune import api
 
@@ -336,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return ui_main(argv[1:])
     args = build_parser().parse_args(argv)
-    if args.command not in ("validate", "keys"):  # those two never import torch: keep them instant
+    if args.command not in ("validate", "keys", "models"):  # those never import torch: keep them instant
         from finetune.console import quiet_libraries
 
         quiet_libraries()

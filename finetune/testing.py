@@ -24,13 +24,35 @@ _CORPUS = [
     "0123456789 {}[]():;,.!?\"' -+*/=<>_#@$%&",
 ]
 
+# One entry per model family (finetune/recipe/families.py), keyed by its transformers model_type: the family's
+# own config class at toy size, with what each needs to be small and to keep every kind of layer it has (two
+# layers: a sliding-window and a full attention layer, LFM2's convolution and attention, Qwen3.5's linear and
+# full attention).
 ARCHITECTURES = {
     # name: (transformers config class name, extra config kwargs)
     "llama": ("LlamaConfig", {}),
     "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 16}),
+    "qwen3_5_text": ("Qwen3_5TextConfig", {
+        "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "layer_types": ["linear_attention", "full_attention"]}),
+    # Qwen3.5's real checkpoints are vision-language ones whose text model trains: a tiny one around the above.
+    "qwen3_5": ("Qwen3_5Config", {"text_config": "qwen3_5_text", "vision_config": {
+        "depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64}}),
     "mistral": ("MistralConfig", {"sliding_window": None}),
+    "ministral": ("MinistralConfig", {"head_dim": 16, "sliding_window": 8,
+                                      "layer_types": ["sliding_attention", "full_attention"]}),
     "gemma2": ("Gemma2Config", {"head_dim": 16, "query_pre_attn_scalar": 16}),
+    "gemma3_text": ("Gemma3TextConfig", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
+                                         "layer_types": ["sliding_attention", "full_attention"]}),
+    "gemma4_text": ("Gemma4TextConfig", {"head_dim": 16, "global_head_dim": 32, "sliding_window": 8,
+                                         "vocab_size_per_layer_input": 512, "hidden_size_per_layer_input": 8,
+                                         "layer_types": ["sliding_attention", "full_attention"]}),
     "phi3": ("Phi3Config", {}),
+    "smollm3": ("SmolLM3Config", {}),
+    "olmo2": ("Olmo2Config", {}),
+    "granite": ("GraniteConfig", {}),
+    "lfm2": ("Lfm2Config", {"layer_types": ["conv", "full_attention"], "block_auto_adjust_ff_dim": False}),
 }
 
 
@@ -86,6 +108,9 @@ def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides):
     import transformers
 
     cls_name, extra = ARCHITECTURES[arch]
+    if "text_config" in extra:  # a vision-language config around the tiny text config of another entry
+        text = tiny_config(extra["text_config"], vocab_size, **overrides)
+        return getattr(transformers, cls_name)(text_config=text.to_dict(), vision_config=extra["vision_config"])
     kwargs = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
@@ -99,13 +124,14 @@ def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides):
 def make_tiny_model_dir(path: str | Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Write a tiny random model with tokenizer to `path` (safetensors) and return the path."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     path = Path(path)
     tokenizer = make_tokenizer()
     config = tiny_config(arch, vocab_size=len(tokenizer), **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    vision = "vision_config" in ARCHITECTURES[arch][1]  # the whole vision-language checkpoint, as published
+    model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_config(config, dtype=torch.float32)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path

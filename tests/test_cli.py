@@ -233,3 +233,15 @@ def test_bad_ui_arguments_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exited:
         main(["ui", *argv])
     assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_run_no_plan_trains_without_a_plan_and_says_so(tiny_recipe, tmp_path, capsys):
+    """--no-plan is memory.plan: false: no plan.json, the auto keys with a safe plain value take it, one line
+    says nothing predicts the fit."""
+    out = tmp_path / "run"
+    assert main(["run", str(tiny_recipe), "--no-plan", "--set", f"output.dir={out}",
+                 "--set", "training.max_steps=1"]) == 0
+    captured = capsys.readouterr()
+    said = " ".join((captured.out + captured.err).split())
+    assert "memory plan skipped (memory.plan: false)" in said and "memory.chunked_loss: auto -> false" in said
+    assert not (out / "plan.json").exists() and (out / "adapter").is_dir()

@@ -18,10 +18,17 @@ from finetune.testing import make_tiny_model_dir
 
 TEXT = "What is the capital of France? The capital of France is Paris. 0123456789 {}"
 # Gemma-2 as its real checkpoints are: head_dim == query_pre_attn_scalar, output head tied to the embedding.
-ARCH_OVERRIDES = {"gemma2": {"head_dim": 256, "query_pre_attn_scalar": 256, "tie_word_embeddings": True}}
+# Qwen3 with head_dim 128, as every Qwen3 checkpoint has: transformers' GGUF reader does not read the head size
+# back (llama.cpp does, from attention.key_length) and builds Qwen3Config's default.
+ARCH_OVERRIDES = {"gemma2": {"head_dim": 256, "query_pre_attn_scalar": 256, "tie_word_embeddings": True},
+                  "qwen3": {"head_dim": 128},
+                  # Gemma 3 with its real layer pattern (llama.cpp's: five sliding-window layers, a global one).
+                  "gemma3_text": {"head_dim": 256, "query_pre_attn_scalar": 256, "tie_word_embeddings": True,
+                                  "num_hidden_layers": 6, "layer_types": None}}
 # What transformers builds from each file: llama.cpp runs Mistral as llama, and so does the reader.
 READ_BACK = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-             "gemma2": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM"}
+             "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+             "phi3": "Phi3ForCausalLM"}
 
 
 def _tiny(tmp_path: Path, arch: str, **overrides):
@@ -49,8 +56,8 @@ def test_each_architecture_round_trips_with_equal_logits_and_tokenizer(tmp_path,
     path = write_gguf(model, tokenizer, tmp_path / f"{arch}.gguf", qtype="f32", name="tiny")
 
     reader = gguf.GGUFReader(path)
-    assert _field(reader, "general.architecture") == {"mistral": "llama"}.get(arch, arch)
-    assert _field(reader, f"{_field(reader, 'general.architecture')}.block_count") == 2
+    assert _field(reader, "general.architecture") == {"mistral": "llama", "gemma3_text": "gemma3"}.get(arch, arch)
+    assert _field(reader, f"{_field(reader, 'general.architecture')}.block_count") == model.config.num_hidden_layers
     loaded = _read_back(path)
     assert type(loaded).__name__ == READ_BACK[arch]
     ids = tokenizer(TEXT, return_tensors="pt").input_ids
@@ -168,6 +175,18 @@ def _whitespace():
     return pre_tokenizers.Whitespace()
 
 
+@pytest.mark.parametrize(("arch", "message"), [
+    ("lfm2", "architecture 'lfm2' is not written to GGUF: its convolution layers need llama.cpp's shortconv"),
+    ("gemma3_text", "sliding-window layers differ from llama.cpp's"),
+], ids=["family-without-gguf", "gemma3-layer-pattern"])
+def test_what_a_family_cannot_write_is_refused_by_its_reason(tmp_path, arch, message):
+    """The family table says which families are written and, for the others, why not: one line each."""
+    model, tokenizer = _tiny(tmp_path, arch, **({"layer_types": ["sliding_attention"] * 6} if arch == "gemma3_text" else {}))
+    with pytest.raises(FinetuneError, match=message):
+        write_gguf(model, tokenizer, tmp_path / "m.gguf")
+    assert not (tmp_path / "m.gguf").exists()
+
+
 def test_an_untied_gemma2_head_is_refused_naming_the_tensor(tmp_path):
     model, tokenizer = _tiny(tmp_path, "gemma2", tie_word_embeddings=False)
     with pytest.raises(FinetuneError, match="lm_head.weight .*always tied"):
@@ -219,3 +238,14 @@ def test_an_unknown_type_names_the_choices_and_how_to_make_k_quants(tmp_path, ll
     with pytest.raises(FinetuneError, match="q8_0") as err:
         write_gguf(model, tokenizer, tmp_path / "m.gguf", qtype="q4_k_m")
     assert "llama-quantize" in err.value.hint
+
+
+def test_gemma3_linear_rope_scaling_is_written_for_llama_cpp(tmp_path):
+    """Gemma 3 4B and larger scale their global layers' positions linearly (factor 8): written as llama.cpp's
+    rope scaling keys, the global base as the rope base."""
+    model, tokenizer = _tiny(tmp_path, "gemma3_text")
+    model.config.rope_parameters["full_attention"].update(rope_type="linear", factor=8.0)
+    reader = gguf.GGUFReader(write_gguf(model, tokenizer, tmp_path / "m.gguf", qtype="f32"))
+    assert _field(reader, "gemma3.rope.scaling.type") == "linear"
+    assert _field(reader, "gemma3.rope.scaling.factor") == 8.0
+    assert _field(reader, "gemma3.rope.freq_base") == model.config.rope_parameters["full_attention"]["rope_theta"]

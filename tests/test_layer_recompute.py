@@ -178,7 +178,7 @@ def test_compile_refused_off_cuda_and_applied_per_layer_where_supported(tiny_mod
     compiled in place (lazily: nothing is built before the first forward)."""
     from finetune.errors import RecipeError
     from finetune.memory import layer_recompute
-    from finetune.memory.offload import decoder_layers
+    from finetune.model.family import decoder_layers
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert layer_recompute.compile_layers(model, False) == 0

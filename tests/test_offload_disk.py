@@ -17,11 +17,11 @@ from finetune.memory.offload import (
     ActivationOffload,
     activation_offload,
     check_offload_dir,
-    decoder_layers,
     offload_dir_for,
     preflight_offload,
 )
 from finetune.memory.offload_disk import OffloadDirError
+from finetune.model.family import decoder_layers
 from finetune.recipe.schema import MemoryConfig
 
 model_dir = pytest.fixture(scope="module")(make_model_dir)

@@ -15,7 +15,8 @@ from finetune.recipe.schema import Recipe
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "tests" / "fixtures" / "configs"
 # Hub ids of the recipes -> the config fixture with the same shapes (tests are offline).
-HUB_CONFIGS = {"meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b.json", "Qwen/Qwen2.5-0.5B-Instruct": "qwen2.5-0.5b.json"}
+HUB_CONFIGS = {"meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b.json", "Qwen/Qwen2.5-0.5B-Instruct": "qwen2.5-0.5b.json",
+               "Qwen/Qwen3-8B": "qwen3-8b.json"}
 GIB = 1 << 30
 
 
@@ -39,7 +40,7 @@ GALLERY = api.recipe_gallery(ROOT / "recipes")
 def test_the_gallery_lists_every_recipe_with_a_title():
     names = {r["name"] for r in GALLERY}
     assert {"quickstart", "qlora-8b-24gb", "qlora-8b-16gb", "qlora-8b-8gb", "long-context-8b",
-            "full-finetune-small"} <= names
+            "full-finetune-small", "qwen3-8b-qlora-8gb", "qwen3-8b-qlora-16gb", "qwen3-8b-qlora-24gb"} <= names
     for entry in GALLERY:
         assert entry["title"] and entry["title"] != entry["name"], entry  # its first comment line
 

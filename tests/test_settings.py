@@ -171,18 +171,22 @@ def test_one_cache_folder(monkeypatch, tmp_path):
     assert cache_dir().name == "finetune" and cache_dir().is_absolute()
 
 
-def test_without_a_plan_only_settings_with_a_safe_fallback_may_stay_auto(monkeypatch):
-    """A model the planner cannot price still trains when only chunked_loss/tiled_mlp are auto (their plain
-    value is always correct); any other auto key needs the plan and is a clear error."""
-    from finetune.errors import FinetuneError
+def test_a_plan_that_cannot_be_made_stops_the_run_unless_skipped_on_purpose(monkeypatch):
+    """A planner failure stops the run with one line that names the switch; `memory.plan: false` trains without a
+    plan when only chunked_loss/tiled_mlp are auto (their plain value is always correct); any other auto key
+    needs the plan and is a clear error."""
+    from finetune.errors import FinetuneError, RecipeError
     from finetune.train import run as run_module
 
     def unplannable(recipe):
         raise RuntimeError("unknown architecture")
 
     monkeypatch.setattr(run_module, "predict", unplannable)
-    plan, resolved = run_module._plan(_recipe(memory={"chunked_loss": "auto", "tiled_mlp": "auto"}))
+    with pytest.raises(FinetuneError, match="cannot make the memory plan: RuntimeError: unknown architecture") as err:
+        run_module._plan(_recipe(memory={"chunked_loss": "auto", "tiled_mlp": "auto"}))
+    assert "--no-plan" in str(err.value)
+    plan, resolved = run_module._plan(_recipe(memory={"chunked_loss": "auto", "tiled_mlp": "auto", "plan": False}))
     assert plan is None and resolved.auto_keys() == []
     assert (resolved.memory.chunked_loss, resolved.memory.tiled_mlp) == (False, False)
-    with pytest.raises(FinetuneError, match="training.micro_batch_size"):
-        run_module._plan(_recipe(training={"micro_batch_size": "auto"}))
+    with pytest.raises(RecipeError, match="training.micro_batch_size"):
+        run_module._plan(_recipe(training={"micro_batch_size": "auto"}, memory={"plan": False}))

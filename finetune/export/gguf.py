@@ -1,36 +1,19 @@
 """Write a (merged) Hugging Face causal LM as one GGUF file for llama.cpp and Ollama.
 
 Tensor names come from the `gguf` package's TensorNameMap, the keys from its GGUFWriter, the quantized blocks
-from gguf.quants; this module holds only what differs per architecture (ARCHS) and the two layout changes
+from gguf.quants; what differs per family (the GGUF architecture, or why a family is not written) is its
+`gguf` entry in the family table (finetune/recipe/families.py), and this module applies the two layout changes
 llama.cpp expects: Llama's rotary q/k rows interleaved per head, and Gemma's norms stored as 1 + weight.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from finetune.errors import FinetuneError, UsageError
 from finetune.export.gguf_vocab import CONVERT_HINT, add_vocab, read_vocab
-
-
-@dataclass(frozen=True)
-class Arch:
-    """How one transformers model_type is written: the GGUF architecture, and its layout rules."""
-
-    gguf_arch: str          # gguf.MODEL_ARCH member name
-    permute_qk: bool = False  # llama.cpp's rotary layout for Llama-family q/k projections
-    norm_plus_one: bool = False  # Gemma: RMSNorm scales by (1 + weight); GGUF stores the sum
-
-
-ARCHS = {
-    "llama": Arch("LLAMA", permute_qk=True),
-    "mistral": Arch("LLAMA", permute_qk=True),  # llama.cpp runs Mistral as llama (transformers reads it back so)
-    "qwen2": Arch("QWEN2"),
-    "gemma2": Arch("GEMMA2", norm_plus_one=True),
-    "phi3": Arch("PHI3"),
-}
+from finetune.recipe.families import FAMILIES, GGUFLayout, family_for
 
 # --type: the file's weight type; 1-D tensors (norms, biases) stay F32, as llama.cpp's converter keeps them.
 TYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0", "q5_1": "Q5_1", "q5_0": "Q5_0",
@@ -48,14 +31,20 @@ def check_type(qtype: str) -> None:
                          hint=K_QUANT_HINT)
 
 
-def check_exportable(config: Any) -> Arch:
-    """The Arch a model config is written with, or a one-line refusal naming what is missing."""
-    arch = ARCHS.get(config.model_type)
+def check_exportable(config: Any) -> GGUFLayout:
+    """The layout a model config is written with (its family's `gguf` entry), or a one-line refusal naming
+    what is missing."""
+    family = family_for(config.model_type)
+    arch = family.gguf if family is not None else None
     if arch is None:
-        raise FinetuneError(f"export --format gguf: architecture {config.model_type!r} is not written to GGUF "
-                            f"(supported: {', '.join(ARCHS)})", hint="export --format safetensors instead")
-    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-    if rope != "default":
+        why = family.no_gguf if family is not None else "no model family describes it"
+        written = ", ".join(t for f in FAMILIES if f.gguf for t in f.model_types)
+        raise FinetuneError(f"export --format gguf: architecture {config.model_type!r} is not written to GGUF: "
+                            f"{why} (written: {written})", hint="export --format safetensors instead")
+    rope = _rope(config).get("rope_type", "default")
+    if config.model_type == "gemma3_text":
+        _check_gemma3(config)
+    if rope != "default" and not (rope == "linear" and config.model_type == "gemma3_text"):
         raise FinetuneError(f"export --format gguf: rope scaling {rope!r} ({config.model_type}) is not written "
                             "to GGUF yet (it needs llama.cpp's extra rope tensors)",
                             hint=CONVERT_HINT)
@@ -76,20 +65,20 @@ def write_gguf(model: Any, tokenizer: Any, path: Path, *, qtype: str = "f16", na
     config = model.config
     arch = check_exportable(config)
     vocab = read_vocab(tokenizer, config.vocab_size)
-    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[arch.gguf_arch]])
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[arch.arch]])
     writer.add_name(name)
     writer.add_file_type(gguf.LlamaFileType[FILE_TYPES[qtype]])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _add_hyperparameters(writer, config)
     add_vocab(writer, vocab)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf_arch], config.num_hidden_layers)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.arch], config.num_hidden_layers)
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # a tied head is the embedding; readers infer the tie from output.weight's absence
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise FinetuneError(f"export --format gguf: tensor {hf_name} has no place in llama.cpp's "
-                                f"{arch.gguf_arch.lower()} architecture" + (" (its output head is always tied to the "
+                                f"{arch.arch.lower()} architecture" + (" (its output head is always tied to the "
                                 "embedding)" if hf_name == "lm_head.weight" else ""))
         data = _layout(arch, config, hf_name, tensor.detach().float().cpu().numpy())
         writer.add_tensor(gguf_name, *_encode(data, qtype))
@@ -98,6 +87,28 @@ def write_gguf(model: Any, tokenizer: Any, path: Path, *, qtype: str = "f16", na
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _rope(config: Any) -> dict[str, Any]:
+    """The rotary parameters of the (global) attention layers: Gemma 3 keeps one set per layer kind."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    return rope.get("full_attention", rope)
+
+
+# llama.cpp's gemma3 hard-codes its sliding-window layers (every sixth layer global) and their rotary base.
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+
+
+def _check_gemma3(config: Any) -> None:
+    """Refuse a Gemma 3 whose layer pattern or local rotary base llama.cpp would not reproduce."""
+    pattern = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(config.num_hidden_layers)]
+    if list(config.layer_types) != pattern:
+        raise FinetuneError("export --format gguf: this Gemma 3's sliding-window layers differ from llama.cpp's "
+                            "(five sliding-window layers, then a global one)", hint="export --format safetensors instead")
+    local = (config.rope_parameters.get("sliding_attention") or {}).get("rope_theta", GEMMA3_LOCAL_ROPE_BASE)
+    if local != GEMMA3_LOCAL_ROPE_BASE:
+        raise FinetuneError(f"export --format gguf: Gemma 3 local rotary base {local} differs from llama.cpp's "
+                            f"{GEMMA3_LOCAL_ROPE_BASE:g}", hint="export --format safetensors instead")
 
 
 def _head_dim(config: Any) -> int:
@@ -116,7 +127,13 @@ def _add_hyperparameters(writer: Any, config: Any) -> None:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(int(head_dim * (getattr(config, "partial_rotary_factor", None) or 1.0)))
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = _rope(config)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "linear":  # Gemma 3 (4B and larger): its global layers' positions scaled
+        import gguf
+
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if getattr(config, "sliding_window", None):
         writer.add_sliding_window(config.sliding_window)
@@ -126,7 +143,7 @@ def _add_hyperparameters(writer: Any, config: Any) -> None:
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
 
 
-def _layout(arch: Arch, config: Any, hf_name: str, data: Any) -> Any:
+def _layout(arch: GGUFLayout, config: Any, hf_name: str, data: Any) -> Any:
     """A tensor in the layout llama.cpp computes with (the inverse of what transformers' GGUF reader undoes)."""
     if arch.permute_qk and hf_name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
         heads = config.num_attention_heads if ".q_proj." in hf_name else config.num_key_value_heads

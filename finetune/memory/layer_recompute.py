@@ -24,7 +24,7 @@ import functools
 import torch
 
 from finetune.errors import RecipeError
-from finetune.memory.offload import decoder_layers
+from finetune.model.family import decoder_layers, dense_mlp, family_of
 from finetune.recipe.schema import MemoryConfig
 
 NORM_TOKENS = 1024
@@ -128,10 +128,11 @@ class _Tiled(torch.autograd.Function):
 def tile_mlps(model: torch.nn.Module, tokens: int) -> int:
     """Run every decoder layer's dense MLP in chunks of `tokens` positions (see module docstring)."""
     count = 0
+    family = family_of(model.config)
     for layer in decoder_layers(model):
-        mlp = getattr(layer, "mlp", None)
-        # Dense, position-wise MLPs only (LlamaMLP, Qwen2MLP, Gemma2MLP, Phi3MLP...); MoE blocks route tokens.
-        if mlp is None or not type(mlp).__name__.endswith("MLP") or hasattr(mlp, "_finetune_tiling"):
+        # Dense, position-wise MLPs only (LlamaMLP, Lfm2MLP, ...): a mixture-of-experts block routes tokens.
+        mlp = dense_mlp(layer, family)
+        if mlp is None or hasattr(mlp, "_finetune_tiling"):
             continue
         _wrap(mlp, tokens, min_chunks=2)
         count += 1

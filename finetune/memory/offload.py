@@ -32,11 +32,12 @@ from finetune.memory.bandwidth import offload_bytes_per_step
 from finetune.memory.offload_cpu import CudaMover, Mover
 from finetune.memory.offload_disk import check_offload_dir
 from finetune.memory.offload_tier import StoredTensor, build_chain
+from finetune.model.family import decoder_layers, text_config
 from finetune.recipe.offload_tiers import chain_names, tier_names, tier_spec
 from finetune.recipe.schema import MemoryConfig
 from finetune.rundir import RunDir
 
-__all__ = ["ActivationOffload", "activation_offload", "check_offload_dir", "decoder_layers",
+__all__ = ["ActivationOffload", "activation_offload", "check_offload_dir",
            "offload_dir_for", "preflight_offload", "tier_limits"]
 
 
@@ -50,20 +51,6 @@ def tier_limits(memory_cfg: MemoryConfig) -> dict[str, int]:
     keys = {name: tier_spec(name).limit_key for name in tier_names()}
     limits = {name: getattr(memory_cfg, key) for name, key in keys.items() if key is not None}
     return {name: limit for name, limit in limits.items() if limit is not None}
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated decoder blocks, in forward order (works through peft wrappers)."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    best: list[nn.Module] = []
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > len(best):
-            if all(isinstance(m, GradientCheckpointingLayer) for m in module):
-                best = list(module)
-    if not best:
-        raise ValueError(f"activation offload: no decoder layers found in {type(model).__name__}")
-    return best
 
 
 def _flat_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
@@ -316,7 +303,7 @@ def preflight_offload(model: nn.Module, memory_cfg: MemoryConfig, run_dir: str |
     layers = decoder_layers(model)
     # From the recipe, not the layers: checkpointing is switched on when the loop is built.
     every = memory_cfg.checkpoint_every_n_layers if memory_cfg.activation_checkpointing is True else None
-    config = model.config.get_text_config()
+    config = text_config(model.config)
     dtype_bytes = next(p for p in model.parameters() if p.is_floating_point()).element_size()
     total = offload_bytes_per_step(
         len(layers), config.hidden_size, micro_batch, seq_len, dtype_bytes, memory_cfg.offload_min_size, every,

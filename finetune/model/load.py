@@ -10,7 +10,9 @@ import torch
 
 from finetune.compat import supports_sdpa
 from finetune.errors import ModelLoadError
+from finetune.model.family import family_of
 from finetune.model.source import resolve_model_path
+from finetune.recipe.families import check_config_file
 from finetune.recipe.schema import ModelConfig, QuantizationConfig
 from finetune.units import dtype_name, torch_dtype
 
@@ -98,10 +100,12 @@ def load_model(model_cfg: ModelConfig, quant: QuantizationConfig, *, quantize: b
     qconfig = quantization_config(quant, dtype, sharded=sharded) if quantize else None
     from transformers import AutoConfig
 
+    check_config_file(path)  # an architecture no family describes: one line before transformers tries
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
     except ValueError as exc:
         raise _load_error("config", model_cfg, exc) from None
+    family_of(config)
     attn = attn_implementation(model_cfg.attn_implementation, config)
     kwargs = dict(dtype=dtype, attn_implementation=attn, use_safetensors=True,
                   trust_remote_code=model_cfg.trust_remote_code)

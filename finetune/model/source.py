@@ -22,6 +22,14 @@ def looks_local(path: str) -> bool:
             or path.endswith((".gguf", ".safetensors")))
 
 
+def config_location(path: str) -> Path:
+    """The file or folder a config is read from, for a recipe's model.path (no hub look-up: a hub id is
+    returned as the relative path it is, which does not exist)."""
+    from finetune.model.random_weights import random_folder
+
+    return package_file(path) if path.startswith("pkg:") else random_folder(path) or Path(path).expanduser()
+
+
 def check_model_path(path: str) -> None:
     """Refuse, in milliseconds and with no hub or network look-up, a model.path that names a local file or
     folder that is not there: a local-looking path, a pkg: file, a random:FOLDER without config.json, a

@@ -48,7 +48,8 @@ from finetune.memory.chunked_loss import default_chunk_size
 from finetune.optim import gradient_bytes, optimizer_state_bytes
 from finetune.plan.generation import generation_memory
 from finetune.plan.planner import current
-from finetune.plan.trace import Trace, model_key, param_table_of, trace_step
+from finetune.plan.shapes import kind_variants
+from finetune.plan.trace import Trace, model_key, param_table_of, real_config, trace_step
 from finetune.recipe.offload_tiers import tier_spec
 from finetune.recipe.optimizers import optimizer_spec
 from finetune.recipe.schema import AdapterConfig, OptimizerConfig
@@ -134,13 +135,43 @@ def _layer_counts(spec: ModelSpec, settings: Settings) -> tuple[int, int]:
     return (2 * n, 3 * n) if 3 * n < spec.num_layers else (spec.num_layers, spec.num_layers)
 
 
+def _variants(spec: ModelSpec, settings: Settings) -> list[tuple[Any, float]]:
+    """The configs traced for the model and their weights: the model itself, or where the traced copies are
+    extrapolated over middle layers of several kinds, its uniform stand-ins (plan.shapes.kind_variants)."""
+    _, lb = _layer_counts(spec, settings)
+    if lb >= spec.num_layers:
+        return [(spec.config, 1.0)]
+    return kind_variants(spec.config, lambda: real_config(spec.config))
+
+
+def _mix(traces: list[Trace], weights: list[float], checkpointing: bool) -> Trace:
+    """The variants' traces as one (plan.shapes.kind_variants): the weighted sum, window by window and
+    component by component; with checkpointing the activations are the largest variant's."""
+    if len(traces) == 1:
+        return traces[0]
+    windows = {}
+    for name in traces[0].windows:
+        parts = {k: sum(w * t.windows[name][1].get(k, 0) for t, w in zip(traces, weights, strict=True))
+                 for k in traces[0].windows[name][1]}
+        if checkpointing and "activations" in parts:
+            parts["activations"] = max(t.windows[name][1].get("activations", 0) for t in traces)
+        windows[name] = (round(sum(parts.values())), {k: round(v) for k, v in parts.items()})
+    return Trace(windows)
+
+
 def _traces(spec: ModelSpec, settings: Settings, micro_batch: int = 1) -> tuple[Trace, Trace]:
     la, lb = _layer_counts(spec, settings)
     every = settings.checkpoint_every_n_layers if settings.activation_checkpointing else 0
-    args = (spec.config, spec.adapter, spec.dtype, spec.attn, spec.device, micro_batch, spec.seq_len)
     layer = (settings.bits == 8, spec.recompute_norms, spec.tiled_mlp_tokens if settings.tiled_mlp else 0,
              spec.objective, bool(settings.chunked_loss))
-    return trace_step(*args, la, every, *layer), trace_step(*args, lb, every, *layer)
+    variants = _variants(spec, settings)
+    weights = [w for _, w in variants]
+
+    def at(layers: int) -> Trace:
+        return _mix([trace_step(config, spec.adapter, spec.dtype, spec.attn, spec.device, micro_batch, spec.seq_len,
+                                layers, every, *layer) for config, _ in variants], weights, every > 0)
+
+    return at(la), at(lb)
 
 
 def _batch_fixed_activations(spec: ModelSpec, settings: Settings) -> bool:
@@ -185,11 +216,18 @@ def _whole_parts(spec: ModelSpec, settings: Settings) -> tuple[dict[str, float],
     (extrapolated from two cut copies), the largest trained parameter's bytes and the largest quantized
     weight's elements."""
     la, lb = _layer_counts(spec, settings)
-    key = model_key(spec.config, spec.adapter, spec.dtype)
     opt = spec.optimizer.model_dump_json()
-    (pa, _, _), (pb, largest_trained, largest_quant) = (
-        _param_sums(key, layers, settings.bits, spec.double_quant, settings.optimizer, opt,
-                    settings.gradient_accumulation_steps) for layers in (la, lb))
+    pa: dict[str, float] = {}
+    pb: dict[str, float] = {}
+    largest_trained = largest_quant = 0
+    for config, weight in _variants(spec, settings):
+        key = model_key(config, spec.adapter, spec.dtype)
+        (a, _, _), (b, trained, quant) = (
+            _param_sums(key, layers, settings.bits, spec.double_quant, settings.optimizer, opt,
+                        settings.gradient_accumulation_steps) for layers in (la, lb))
+        for k in a:
+            pa[k], pb[k] = pa.get(k, 0.0) + weight * a[k], pb.get(k, 0.0) + weight * b[k]
+        largest_trained, largest_quant = max(largest_trained, trained), max(largest_quant, quant)
     whole = {k: _lerp(pa[k], pb[k], la, lb, spec.num_layers) for k in pa}
     per_layer = {k: (pb[k] - pa[k]) / (lb - la) if lb != la else pb[k] / max(lb, 1) for k in pa}
     if spec.reference_adapter:  # frozen weights, as many bytes as the trained adapter (peft keeps both fp32)

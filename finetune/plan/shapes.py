@@ -8,13 +8,17 @@ the exact shapes.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from finetune.compat import attn_implementation, set_attn_implementation
 from finetune.errors import ModelLoadError
+from finetune.model.family import attention_kinds, decoder_layers, dense_mlp, family_of, text_config
+from finetune.model.source import config_location
+from finetune.recipe.families import check_config_file
 from finetune.recipe.schema import Recipe
 from finetune.units import dtype_name, torch_dtype
 
@@ -24,41 +28,81 @@ def target_dtype(recipe: Recipe, device: str) -> torch.dtype:
     return torch_dtype(dtype_name(recipe.model.dtype, device))
 
 
-def config_location(path: str) -> Path:
-    """The file or folder a config is read from, for a recipe's model.path."""
-    from finetune.model.random_weights import random_folder
-    from finetune.model.source import package_file
-
-    return package_file(path) if path.startswith("pkg:") else random_folder(path) or Path(path)
-
-
 def load_model_config(path: str, trust_remote_code: bool = False) -> Any:
-    """A transformers config from a folder holding config.json, a config.json file, or a .gguf file."""
+    """A transformers config from a folder holding config.json, a config.json file, or a .gguf file, of a
+    family the tool describes (else UnsupportedModel: one line naming the architecture, exit 2)."""
     from transformers import AutoConfig
 
     p = config_location(path)
     path = str(p)
+    check_config_file(p)  # an unknown model_type is named before transformers lists every one it knows
     try:
         if p.suffix == ".gguf":  # the metadata alone: no conversion of the weights to plan
-            return AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
-        if p.is_file() and p.suffix == ".json":
+            config = AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
+        elif p.is_file() and p.suffix == ".json":
             import json
 
             data = json.loads(p.read_text())
-            return AutoConfig.for_model(data.pop("model_type"), **data)
-        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+            config = AutoConfig.for_model(data.pop("model_type"), **data)
+        else:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot read a model config from {path}: {exc}",
                              hint="model.path must be a folder with config.json, a config.json, a .gguf file or pkg:PACKAGE/FILE") from None
+    # A vision-language checkpoint of a family that trains its text model: the planner sees what loads.
+    return text_config(config) if family_of(config).text_of_vision else config
 
 
 def with_layers(config: Any, layers: int) -> Any:
-    """A copy of `config` with `layers` decoder layers (per-layer lists such as layer_types cut to match)."""
+    """A copy of `config` with `layers` decoder layers: the real model's first `layers - 1` and its last (the
+    top layer, next to the head, is the one backward recomputes first: its kind matters to the peak). Per-layer
+    lists (layer_types) and per-layer overrides (Gemma 4's per_layer_config) follow the layers kept."""
+    total = config.num_hidden_layers
+    keep = list(range(layers)) if layers >= total or layers < 2 else [*range(layers - 1), total - 1]
+    return select_layers(config, keep)
+
+
+def select_layers(config: Any, keep: list[int]) -> Any:
+    """A copy of `config` whose layer i is the real model's layer keep[i]."""
+    overrides = getattr(config, "per_layer_config", None)
+    if overrides:  # heterogeneous configs validate their per-layer entries: rebuild from the remapped dict
+        data = config.to_dict()
+        by_index = {str(k): v for k, v in (data.get("per_layer_config") or {}).items()}
+        data["per_layer_config"] = {str(i): by_index[str(s)] for i, s in enumerate(keep) if str(s) in by_index}
+        data["num_hidden_layers"] = len(keep)
+        if data.get("layer_types"):
+            data["layer_types"] = [data["layer_types"][s] for s in keep]
+        cfg = type(config).from_dict(data)
+        set_attn_implementation(cfg, attn_implementation(config))
+        return cfg
     cfg = copy.deepcopy(config)
-    cfg.num_hidden_layers = layers
+    cfg.num_hidden_layers = len(keep)
     if getattr(cfg, "layer_types", None) is not None:
-        cfg.layer_types = list(config.layer_types)[:layers]
+        cfg.layer_types = [config.layer_types[s] for s in keep]
     return cfg
+
+
+def kind_variants(config: Any, real: Callable[[], Any]) -> list[tuple[Any, float]]:
+    """Uniform stand-ins of a model whose layers above the first are of several kinds (sliding-window and full
+    attention, LFM2's convolutions and attention, Qwen3.5's linear and full attention), each with its weight.
+
+    Why: the planner traces copies of 2 and 3 layers (or blocks) and extrapolates linearly in the layer count,
+    which prices every added layer like the copy's added one, and the top layer's recomputation like the
+    copy's top one. Variant k keeps the real first layer and makes every layer above it of kind k. The weighted
+    sum of the variants' prices, weights the share of each kind among those layers, is the real model's for
+    what adds up over layers (weights, the activations each layer keeps); with checkpointing the largest of
+    the variants' activations is (the same checkpointed inputs, the costliest kind's recomputation). A model of
+    one kind above its first layer is its own single variant.
+    `real()`: the transformers config, asked for only where variants are made (the planner's cached configs
+    know layer_types without loading it)."""
+    if not getattr(text_config(config), "layer_types", None):  # one kind of layer
+        return [(config, 1.0)]
+    above = attention_kinds(config)[1:]
+    if len(set(above)) < 2:
+        return [(config, 1.0)]
+    config = real()
+    return [(select_layers(config, [0, *[1 + above.index(k)] * len(above)]), above.count(k) / len(above))
+            for k in sorted(set(above))]
 
 
 @dataclass
@@ -86,12 +130,12 @@ def _meta_model(config: Any, layers: int):
 def model_shapes(config: Any) -> ModelShapes:
     """Exact shapes from a one-layer copy on `meta`."""
     model = _meta_model(config, 1)
-    layer = model.model.layers[0]
+    layer = decoder_layers(model)[0]
     linear = sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
-    mlp = getattr(layer, "mlp", None)
+    mlp = dense_mlp(layer, family_of(config))
     mlp_linear = sum(m.weight.numel() for m in mlp.modules() if isinstance(m, torch.nn.Linear)) if mlp else 0
     layer_total = sum(p.numel() for p in layer.parameters())
     outside = sum({id(p): p.numel() for p in model.parameters()}.values()) - layer_total
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     return ModelShapes(num_layers=text.num_hidden_layers, layer_linear=linear, layer_other=layer_total - linear,
                        outside=outside, mlp_linear=mlp_linear)

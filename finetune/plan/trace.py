@@ -34,9 +34,11 @@ from finetune.memory.preference import PreferenceLoss, batch_reference_logps, sy
 from finetune.memory.step import enable_checkpointing, forward_backward
 from finetune.memory.tracker import MemoryTracker
 from finetune.model.adapter import apply_adapter
+from finetune.model.family import decoder_layers, in_decoder_layers
+from finetune.model.source import config_location
 from finetune.plan import trace_cache
 from finetune.plan.planner import Planner, current
-from finetune.plan.shapes import ModelShapes, config_location, load_model_config, model_shapes, with_layers
+from finetune.plan.shapes import ModelShapes, load_model_config, model_shapes, with_layers
 from finetune.recipe.schema import AdapterConfig, GRPOConfig
 from finetune.rl.step import (
     completion_logps,
@@ -175,6 +177,11 @@ def _backward(loss: torch.Tensor) -> None:
 
 
 def _meta_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """The fused kernel as scaled_dot_product_attention calls it: a boolean mask (sliding-window layers,
+    packed or padded batches) first becomes an additive mask of q's dtype, a new tensor per call that the kernel
+    keeps for backward (one [batch, 1, s, s] tensor per sliding-window layer: Gemma, Ministral)."""
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~attn_mask, float("-inf"))
     return flash_attention_cpu(q, k, v, dropout_p, is_causal, attn_mask, scale)
 
 
@@ -222,21 +229,23 @@ class Trace:
     windows: dict[str, tuple[int, dict[str, int]]]
 
 
-def _quantizable(name: str, module: torch.nn.Module) -> bool:
-    """Decoder-layer Linear layers that bitsandbytes replaces (not adapters, not the LM head)."""
-    return (isinstance(module, torch.nn.Linear) and ".layers." in f".{name}." and "lora_" not in name
+def _quantizable(name: str, module: torch.nn.Module, in_layers: set[int]) -> bool:
+    """Decoder-layer Linear layers that bitsandbytes replaces (not adapters, not the LM head); `in_layers`:
+    finetune.model.family.in_decoder_layers of the model."""
+    return (isinstance(module, torch.nn.Linear) and id(module) in in_layers and "lora_" not in name
             and not module.weight.requires_grad)
 
 
 def _param_infos(model: torch.nn.Module) -> tuple[ParamInfo, ...]:
     infos = []
     seen: set[int] = set()
+    in_layers = in_decoder_layers(model)
     for name, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            quantizable = pname == "weight" and _quantizable(name, module)
+            quantizable = pname == "weight" and _quantizable(name, module, in_layers)
             out = p.shape[0] if p.dim() == 2 else p.numel()
             infos.append(ParamInfo(f"{name}.{pname}".lstrip("."), tuple(p.shape), p.dtype, p.numel(), out,
                                    p.element_size(), p.requires_grad, quantizable))
@@ -247,9 +256,7 @@ def _layer_windows(model: torch.nn.Module, tracker: MemoryTracker) -> list:
     """Split the backward window at decoder-layer boundaries: bwd_head (LM head and loss), bwd_top (last
     layer), bwd_mid, bwd_bottom (first layer and embeddings). The peak moves from the top to the bottom as
     activations are freed and gradients appear; each end extrapolates linearly with the layer count."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    layers = decoder_layers(model)
     names = ["bwd_bottom", *["bwd_mid"] * (len(layers) - 2), "bwd_top"] if len(layers) > 1 else ["bwd_top"]
 
     def hook_for(name: str):
@@ -287,7 +294,8 @@ def _direct_trace(key: tuple[str, str, str, str], attn: str, micro_batch: int, s
     config = model.config
     preference = PreferenceLoss.of_objective(objective)
     batch = synthetic_batch(preference, micro_batch, seq_len, config.get_text_config().vocab_size, "meta")
-    int8_layers = [module for name, module in model.named_modules() if int8 and _quantizable(name, module)]
+    in_layers = in_decoder_layers(model) if int8 else set()
+    int8_layers = [module for name, module in model.named_modules() if int8 and _quantizable(name, module, in_layers)]
     for module in int8_layers:
         module.forward = _int8_forward(module)
     tracker = MemoryTracker(vocab_size=config.get_text_config().vocab_size, device="meta")
@@ -421,7 +429,7 @@ class CachedConfig:
         self._key, self._text, self._load, self._real = key, text, load, real
 
     def real(self) -> Any:
-        """The transformers config (loaded on first use)."""
+        """The transformers config (loaded on first use; `real_config` for any config)."""
         if self._real is None:
             self._real = self._load()
         return self._real
@@ -437,6 +445,11 @@ class CachedConfig:
         return getattr(self.real(), name)
 
 
+def real_config(config: Any) -> Any:
+    """The transformers config behind a CachedConfig, or the config itself."""
+    return config.real() if isinstance(config, CachedConfig) else config
+
+
 class _TextFacts:
     """The text config's dimensions the planner reads; anything else from the real text config."""
 
@@ -450,7 +463,7 @@ class _TextFacts:
         return getattr(self._owner.real().get_text_config(), name)
 
 
-TEXT_FACTS = ("num_hidden_layers", "hidden_size", "vocab_size", "max_position_embeddings")
+TEXT_FACTS = ("num_hidden_layers", "hidden_size", "vocab_size", "max_position_embeddings", "layer_types")
 
 
 def _source_fingerprint(path: str, trust_remote_code: bool) -> list | None:

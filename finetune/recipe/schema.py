@@ -361,6 +361,10 @@ class GRPOConfig(RewardsConfig):
 
 
 class MemoryConfig(Section):
+    plan: bool = Field(
+        True, description="Plan the memory before training (the run stops with the reason when no plan can be "
+        "made); false trains without a plan (`finetune run --no-plan`): `auto` keys then take their plain values "
+        "where those are always safe, and nothing predicts whether the step fits.")
     activation_checkpointing: bool | Auto = Field(
         True, description="Recompute activations in backward instead of storing them (non-reentrant); auto: planner.")
     checkpoint_every_n_layers: int = Field(1, ge=1, le=MAX_COUNT, description="Checkpoint one decoder layer in every n (1 = all layers).")

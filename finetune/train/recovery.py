@@ -44,8 +44,9 @@ from finetune.console import console
 from finetune.errors import FinetuneError
 from finetune.memory.device_memory import usable_gpu_memory
 from finetune.memory.layer_recompute import apply_layer_recompute
-from finetune.memory.offload import activation_offload, decoder_layers, preflight_offload
+from finetune.memory.offload import activation_offload, preflight_offload
 from finetune.memory.offload_disk import OffloadDirError
+from finetune.model.family import decoder_layers
 from finetune.plan import predict
 from finetune.recipe.load import recipe_to_yaml
 from finetune.recipe.resolved import resolve

@@ -14,7 +14,7 @@ from transformers import set_seed
 
 from finetune.console import console
 from finetune.data.fingerprint import DataChanged, check_resumed_data
-from finetune.errors import FinetuneError, UsageError
+from finetune.errors import FinetuneError, RecipeError, UsageError
 from finetune.memory.offload import activation_offload, preflight_offload
 from finetune.memory.preference import loads_reference_adapter
 from finetune.memory.step import autocast_for, mixed_precision
@@ -98,23 +98,30 @@ def _prepare_run_dir(recipe: Recipe, resume: bool, overwrite: bool, held: list[R
 def _plan(recipe: Recipe) -> tuple[Plan | None, Recipe]:
     """Plan the memory before loading anything; `auto` settings become the planner's choice.
 
-    Without `auto` values the plan only predicts (a failure to predict an unusual model is reported, not fatal).
+    A plan that cannot be made stops the run: the fit the plan promises is never dropped silently. Only
+    `memory.plan: false` (`finetune run --no-plan`) trains without one, and only where every open `auto`
+    setting has a plain value that is always safe.
     """
     auto = recipe.auto_keys()
+    if not recipe.memory.plan:
+        open_settings = [s for s in settings_table() if s.key in auto]
+        undecided = [s.key for s in open_settings if s.fallback is None]
+        if undecided:
+            raise RecipeError(f"memory.plan: false leaves {', '.join(undecided)} = auto undecided (only the planner "
+                              "chooses them)", hint="give those keys explicit values, or plan (memory.plan: true)")
+        chosen = ", ".join(f"{s.key}: auto -> {str(s.fallback).lower()}" for s in open_settings)
+        console.print("[yellow]memory plan skipped (memory.plan: false): nothing predicts whether a step fits"
+                      + (f"; {chosen}" if chosen else ""))
+        return None, write_settings(recipe, {s.name: s.fallback for s in open_settings})
     try:
         plan = predict(recipe)
     except FinetuneError:
         raise
     except Exception as exc:
-        open_settings = [s for s in settings_table() if s.key in auto]
-        if any(s.fallback is None for s in open_settings):
-            raise FinetuneError(f"cannot plan {', '.join(auto)} = auto: {type(exc).__name__}: {exc}",
-                                hint="set those keys to explicit values") from None
-        # Only settings whose plain value is always correct (chunked_loss, tiled_mlp: false) are open, so
-        # train without a plan.
-        console.print(f"[yellow]memory plan unavailable ({type(exc).__name__}: {exc}); training without it "
-                      f"({', '.join(f'{s.key}: auto -> {str(s.fallback).lower()}' for s in open_settings)})")
-        return None, write_settings(recipe, {s.name: s.fallback for s in open_settings})
+        reason = (str(exc).splitlines() or [""])[0]
+        raise FinetuneError(f"cannot make the memory plan: {type(exc).__name__}: {reason}",
+                            hint="train without a plan only on purpose: finetune run --no-plan "
+                                 "(recipe key memory.plan: false)") from None
     budget = f"{format_bytes(plan.peak_bytes)} predicted peak, budget {format_bytes(plan.budget_bytes)}"
     if not plan.fits:
         needed = f"; the leanest plan needs a budget of {format_bytes(plan.min_budget_bytes)}" \

@@ -1,0 +1,191 @@
+"""The model-family table: one entry per text family the tool trains, the one list everything else reads.
+
+Most of what the tool needs from a model is discovered from the model itself (finetune.model.family: the decoder
+layers, the text config, the embedding, final norm and LM head, each layer's MLP and attention kind). This table
+holds only what differs per family and cannot be discovered: which transformers `model_type`s it covers, the
+models people know it by, how it is written to GGUF (or why not), and the hook for mixture-of-experts layers.
+
+`family_for(model_type)` finds an entry; a config no entry covers is refused in one line by
+`finetune.model.family.check_config` (validate, plan, run and the UI call it through `finetune.api.preflight`).
+docs/models.md is generated from this table (`finetune models --markdown`).
+
+This module imports neither torch nor transformers (it sits at the bottom of the import graph): a
+mixture-of-experts family names its expert logic as "module:function" (imported only when a model is built).
+
+How to add a model family: docs/architecture.md, "How to add a model family".
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from finetune.errors import UsageError
+
+METHODS = ("QLoRA", "LoRA", "DoRA", "full")
+
+
+@dataclass(frozen=True)
+class GGUFLayout:
+    """How a family is written to GGUF: the gguf.MODEL_ARCH member and llama.cpp's layout rules."""
+
+    arch: str  # gguf.MODEL_ARCH member name
+    permute_qk: bool = False  # llama.cpp's rotary layout for Llama-family q/k projections
+    norm_plus_one: bool = False  # Gemma: RMSNorm scales by (1 + weight); GGUF stores the sum
+
+
+@dataclass(frozen=True)
+class Family:
+    """Everything the tool knows about one model family that the model itself does not say."""
+
+    name: str  # as people call it ("Qwen3")
+    model_types: tuple[str, ...]  # transformers config.model_type values it covers (text configs)
+    models: str  # the checkpoints people fine-tune, for docs/models.md
+    layers: str  # what its decoder layers are, for docs/models.md (attention kinds, convolutions)
+    gguf: GGUFLayout | None = None  # None: not written to GGUF, for the reason in `no_gguf`
+    no_gguf: str = ""  # why GGUF export refuses this family (one clause)
+    # Mixture-of-experts hook: "module:function" naming `experts_of(layer) -> nn.Module | None` in the build
+    # layer (finetune/model/moe.py), the expert block of one decoder layer, None for a dense layer. A family
+    # with `experts` set is a MoE family: the tiled MLP leaves its expert blocks out, docs/models.md says MoE.
+    experts: str | None = None
+    # Module names `adapter.target_modules: all-linear` leaves out in this family (peft's exclude_modules: a
+    # name matches a module whose name ends with it), e.g. a MoE router kept in full precision and untrained.
+    not_adapted: tuple[str, ...] = ()
+    methods: tuple[str, ...] = METHODS  # what trains (docs/models.md)
+    # Its vision-language checkpoints (a config with a vision part) load as their text model: transformers maps
+    # them to the causal LM and leaves the vision tower unloaded, so they train, chat and export as text models.
+    text_of_vision: bool = False
+
+    @property
+    def moe(self) -> bool:
+        return self.experts is not None
+
+
+_NO_GGUF_CHECK = "transformers cannot read it back, so its GGUF layout is not verified here yet"
+
+FAMILIES: tuple[Family, ...] = (
+    Family("Llama 3.x", ("llama",), "Llama-3.1-8B, Llama-3.2-1B/3B, Llama-3.3-70B", "full attention",
+           gguf=GGUFLayout("LLAMA", permute_qk=True)),
+    Family("Mistral", ("mistral",), "Mistral-7B-v0.3, Mistral-Nemo-12B, Mistral-Small-24B", "full attention "
+           "(sliding window where the config sets one)", gguf=GGUFLayout("LLAMA", permute_qk=True)),
+    Family("Ministral", ("ministral",), "Ministral-8B", "sliding-window and full attention layers",
+           no_gguf="its per-layer sliding window has no key in llama.cpp's llama architecture"),
+    Family("Qwen2.5", ("qwen2",), "Qwen2.5-0.5B ... 72B, Qwen2.5-Coder", "full attention (q/k/v biases)",
+           gguf=GGUFLayout("QWEN2")),
+    Family("Qwen3", ("qwen3",), "Qwen3-0.6B ... 32B", "full attention with q/k norms", gguf=GGUFLayout("QWEN3")),
+    Family("Qwen3.5", ("qwen3_5_text", "qwen3_5"), "Qwen3.5 (its text model; the vision tower is not loaded)",
+           "gated linear attention (Gated DeltaNet) and full attention layers", no_gguf=_NO_GGUF_CHECK,
+           text_of_vision=True),
+    Family("Gemma 2", ("gemma2",), "gemma-2-2b/9b/27b", "sliding-window and full attention, alternating; soft-capped "
+           "logits", gguf=GGUFLayout("GEMMA2", norm_plus_one=True)),
+    Family("Gemma 3 (text)", ("gemma3_text",), "gemma-3-1b, the text part of gemma-3-4b/12b/27b",
+           "five sliding-window layers per full attention layer, q/k norms",
+           gguf=GGUFLayout("GEMMA3", norm_plus_one=True)),
+    Family("Gemma 4 (text)", ("gemma4_text",), "the text part of Gemma 4", "sliding-window and full attention "
+           "layers of different head sizes", no_gguf="its per-layer head sizes and per-layer input embeddings "
+           "need llama.cpp keys this writer does not write yet"),
+    Family("Phi-3 / Phi-4", ("phi3",), "Phi-3-mini/medium, Phi-3.5-mini, Phi-4, Phi-4-mini",
+           "full attention, fused qkv and gate/up projections", gguf=GGUFLayout("PHI3")),
+    Family("SmolLM3", ("smollm3",), "SmolLM3-3B", "full attention, rotary left out every fourth layer",
+           no_gguf=_NO_GGUF_CHECK),
+    Family("OLMo 2", ("olmo2",), "OLMo-2-1B/7B/13B", "full attention, norms after attention and MLP, q/k norms",
+           no_gguf=_NO_GGUF_CHECK),
+    Family("Granite", ("granite",), "granite-3.x-2b/8b", "full attention, scaled embeddings, residuals and logits",
+           no_gguf=_NO_GGUF_CHECK),
+    Family("LFM2", ("lfm2",), "LFM2-350M/700M/1.2B/2.6B", "hybrid: short gated convolutions and full attention "
+           "layers", no_gguf="its convolution layers need llama.cpp's shortconv keys and per-layer KV head counts, "
+           "which this writer does not write yet"),
+)
+
+# model_types of vision-language configs: refused with their own line (their text part is not split off yet).
+VISION_HINT = "vision-language models are not supported yet; use a text-only checkpoint of the family"
+
+
+def family_for(model_type: str) -> Family | None:
+    """The family covering a transformers model_type, or None."""
+    return next((f for f in FAMILIES if model_type in f.model_types), None)
+
+
+def model_types() -> tuple[str, ...]:
+    """Every model_type some family covers (for messages naming what is supported)."""
+    return tuple(t for f in FAMILIES for t in f.model_types)
+
+
+class UnsupportedModel(UsageError):
+    """A model no family describes, or a vision-language model: one line, exit 2, before anything loads."""
+
+
+def check_config_data(config: dict[str, Any], where: str) -> Family:
+    """The family of a model config (config.json's content, or a transformers config's `to_dict()`), or
+    UnsupportedModel naming the architecture and what is missing. `where` names the config for the message."""
+    model_type = str(config.get("model_type") or "")
+    archs = config.get("architectures") or []
+    named = f"architecture {archs[0]} (model_type {model_type!r})" if archs else f"model_type {model_type!r}"
+    family = family_for(model_type)
+    vision = any(key in config for key in ("vision_config", "vision_tower", "visual"))
+    if vision and not (family is not None and family.text_of_vision):
+        raise UnsupportedModel(f"model.path {where}: {named} is a vision-language model; {VISION_HINT}")
+    if family is None:
+        raise UnsupportedModel(
+            f"model.path {where}: {named} is not supported: no model family describes its decoder "
+            f"layers, adapter targets and export (supported model_types: {', '.join(model_types())})",
+            hint="docs/models.md lists the supported families; docs/architecture.md says how to add one")
+    return family
+
+
+def check_config_file(file: Path) -> Family | None:
+    """The family of the config.json at `file` (a .json file or a folder holding config.json), None where there
+    is no such file to read (a hub id, a .gguf file: checked once transformers reads them). Torch-free and
+    fast: `finetune.api.preflight` runs it before anything loads."""
+    file = file / "config.json" if file.is_dir() else file
+    if file.suffix != ".json" or not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise UnsupportedModel(f"model.path {file}: not a readable config.json ({exc})") from None
+    if not isinstance(data, dict):
+        raise UnsupportedModel(f"model.path {file}: not a config.json (a JSON object of the model's settings)")
+    return check_config_data(data, str(file))
+
+
+def _gguf_text(f: Family) -> str:
+    return f"yes ({f.gguf.arch.lower()})" if f.gguf else f"no: {f.no_gguf}"
+
+
+def _offload_text(f: Family) -> str:
+    """Activations offload (memory.offload: cpu, disk) in every family; expert weights in MoE families."""
+    return "activations, experts" if f.moe else "activations"
+
+
+def models_text() -> str:
+    """`finetune models`: one line per family."""
+    return "".join(f"{f.name} ({', '.join(f.model_types)}): {f.layers}; {', '.join(f.methods)}; "
+                   f"{'MoE' if f.moe else 'dense'}; GGUF {_gguf_text(f)}\n" for f in FAMILIES)
+
+
+def models_markdown() -> str:
+    """docs/models.md: every family and what the tool supports for it, from this table."""
+    rows = ["| family | model_type | models | layers | methods | MoE | offload | GGUF export |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for f in FAMILIES:
+        rows.append(f"| {f.name} | {', '.join(f'`{t}`' for t in f.model_types)} | {f.models} | {f.layers} | "
+                    f"{', '.join(f.methods)} | {'yes' if f.moe else 'no (dense)'} | {_offload_text(f)} | {_gguf_text(f)} |")
+    return "\n".join([
+        "# Supported models",
+        "",
+        "Generated from the family table (`finetune/recipe/families.py`) by `finetune models --markdown`; "
+        "tests/test_families.py fails when this file and the table differ.",
+        "",
+        "Each family trains with every method listed, is planned before it trains (the plan's peak within 5% "
+        "of the measured one on a tiny model of the family's own config class, tests/test_families.py; every "
+        "family with every method: benchmarks/families.py), chats "
+        "with `finetune generate` and exports merged safetensors. A config of another architecture is refused "
+        f"in one line before anything loads; {VISION_HINT.split(';')[0]} (Qwen3.5's checkpoints are: their text "
+        "model trains, chats and exports, the vision tower is not loaded).",
+        "",
+        *rows,
+        "",
+    ])
