@@ -56,7 +56,7 @@ def preflight(recipe: Recipe) -> dict[str, Any]:
         from finetune.memory.layer_recompute import check_compile_device
 
         check_compile_device()
-    check_model_path(recipe.model.path)
+    check_model_path(recipe.model.path, recipe.model.revision)
     resolve_init_from(recipe)
     template_file(recipe.data.chat_template)
     if recipe.training.method == "grpo":
