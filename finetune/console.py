@@ -103,13 +103,28 @@ class ProgressLines:
         self.printed, self.printed_time = self.completed, now
 
 
+# Warnings libraries raise about their own insides, which a finetune user can do nothing about: (category,
+# message pattern, module that raises it). Filtered where they start, by the CLI, the UI server
+# (quiet_libraries) and the tests (tests/conftest.py) alike, so each is listed here once.
+LIBRARY_WARNINGS: tuple[tuple[type[Warning], str, str], ...] = (
+    # transformers 5 deprecated the property peft still reads on every adapter it wraps (five times a load).
+    (FutureWarning, r"`is_gradient_checkpointing` is deprecated", r"transformers\.modeling_utils"),
+)
+
+
+def filter_library_warnings() -> None:
+    """Ignore the LIBRARY_WARNINGS; every other warning still shows (and fails a test when our code raises it)."""
+    for category, message, module in LIBRARY_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+
+
 def quiet_libraries() -> None:
     """Silence library chatter that says nothing actionable, so our progress and messages stay readable."""
     # bitsandbytes warns on every import on AVX512-BF16 CPUs that an optional hub kernel is missing; we must not
     # install it (it downloads from the hub) and the built-in path works.
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated", category=FutureWarning)
+    filter_library_warnings()
     if not console.is_terminal and "tqdm" not in sys.modules:
         # Library bars (transformers' GGUF conversion and shard writer, gguf's writer) redraw with carriage
         # returns: one endless line in a log. tqdm reads TQDM_* once, when imported; ours prints lines there.

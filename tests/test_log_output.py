@@ -1,6 +1,7 @@
 """Output a log can read: with the output going to a file (nohup, docker logs, CI), training progress is plain
 lines written as it goes (no carriage-return bar that reaches the log only at the end), the data line is a
-short summary with every count in the run directory."""
+short summary with every count in the run directory; library warnings no user can act on are filtered, and a
+warning raised from our own code fails the tests."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
+import pytest
 import yaml
 from run_support import sums_data, tiny_lora_recipe
 
@@ -80,3 +83,17 @@ def test_a_run_logged_to_a_file_shows_progress_lines_and_a_short_data_line(tmp_p
                    f"(every count: {run.data_stats})"
     stats = json.loads(run.data_stats.read_text())
     assert stats["records"] == 24 and stats["overlong_at"] == [] and stats["max_example_tokens"] > 0
+    assert "Warning" not in text  # peft's read of transformers' deprecated is_gradient_checkpointing: filtered
+
+
+def test_a_new_warning_from_our_own_code_fails_and_library_noise_is_filtered(tiny_model_dir):
+    with pytest.raises(UserWarning, match="something new"):  # pyproject's filterwarnings
+        warnings.warn_explicit("something new", UserWarning, "finetune/x.py", 1, module="finetune.x")
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with warnings.catch_warnings(record=True) as seen:  # the filters in force, recording what passes them
+        get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+        warnings.warn_explicit("a library's own", UserWarning, "lib.py", 1, module="somelib")
+    assert [str(w.message) for w in seen] == ["a library's own"]  # the rest still show
