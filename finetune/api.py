@@ -60,7 +60,7 @@ def preflight(recipe: Recipe) -> dict[str, Any]:
         from finetune.memory.layer_recompute import check_compile_device
 
         check_compile_device()
-    check_model_path(recipe.model.path)
+    check_model_path(recipe.model.path, recipe.model.revision)
     check_config_file(config_location(recipe.model.path))  # a family the tool describes (hub ids: when loaded)
     resolve_init_from(recipe)
     template_file(recipe.data.chat_template)

@@ -8,7 +8,7 @@ import sys
 from rich.markup import escape
 
 from finetune import __version__
-from finetune.console import console
+from finetune.console import console, result
 from finetune.errors import FinetuneError, UsageError
 from finetune.export.gguf import TYPES as GGUF_TYPES
 
@@ -193,7 +193,7 @@ def cmd_validate(args) -> int:
     recipe = api.load_recipe(args.recipe, args.overrides)
     data = api.preflight(recipe)
     bad = f", {data['bad_records']} malformed to skip" if data["bad_records"] else ""
-    console.print(f"[green]ok[/green]: {escape(args.recipe)} is a valid recipe (model {escape(recipe.model.path)}, "
+    result.print(f"[green]ok[/green]: {escape(args.recipe)} is a valid recipe (model {escape(recipe.model.path)}, "
                   f"data {escape(recipe.data.label())}: {data['records']} {data['format']} records{bad}, "
                   f"adapter {recipe.adapter.type})")
     return 0

@@ -261,6 +261,11 @@ class RunDir:
         return self.root / "data_fingerprint.json"
 
     @property
+    def data_stats(self) -> Path:
+        """Every count of the data the run trained on (records, kept, cut and dropped with where, tokens)."""
+        return self.root / "data_stats.json"
+
+    @property
     def log(self) -> Path:
         return self.root / "train.log"
 

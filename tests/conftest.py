@@ -17,6 +17,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `-n auto`: one worker per core, so 
 
 import pytest  # noqa: E402
 
+from finetune.console import LIBRARY_WARNINGS  # noqa: E402
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The library warnings no user can act on, ignored as the CLI and the UI ignore them
+    (finetune.console.filter_library_warnings): as filterwarnings lines, since pytest sets each test's filters
+    afresh from those."""
+    for category, message, module in LIBRARY_WARNINGS:
+        config.addinivalue_line("filterwarnings", f"ignore:{message}:{category.__name__}:{module}")
+
 SHARED_DATASETS = Path(__file__).resolve().parents[1].parent / "shared" / "datasets"
 
 

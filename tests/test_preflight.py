@@ -79,7 +79,8 @@ def test_a_broken_data_line_is_named_before_any_model_loads(tmp_path, tiny_model
 def test_validate_says_what_the_data_holds(tmp_path, tiny_model_dir, capsys):
     recipe = write_recipe(tmp_path, tiny_model_dir, sums_data(tmp_path / "data.jsonl", 7))
     assert main(["validate", str(recipe)]) == 0
-    assert "7 messages records" in capsys.readouterr().err
+    out = capsys.readouterr()
+    assert "7 messages records" in out.out and "valid recipe" not in out.err  # the result is stdout's
 
 
 @pytest.mark.parametrize("path", ["./no-such-model", "../no/such-model", "/no/such/model", "~/no-such-model",
@@ -97,14 +98,48 @@ def test_a_missing_local_model_path_says_so_without_the_network(tmp_path, path, 
         resolve_model_path(path)
 
 
-def test_hub_ids_and_existing_paths_pass_the_model_check(tmp_path, tiny_model_dir, monkeypatch):
+def test_existing_paths_pass_the_model_check(tmp_path, tiny_model_dir, monkeypatch):
     from finetune.model.source import check_model_path, looks_local
 
     assert not looks_local("HuggingFaceTB/SmolLM2-135M-Instruct") and looks_local("a/b/c")
-    check_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")  # the hub's to answer, later
     check_model_path(str(tiny_model_dir))
     monkeypatch.chdir(tiny_model_dir.parent)
     check_model_path(f"./{tiny_model_dir.name}")
+
+
+def fake_hub_cache(hf_home: Path, repo_id: str, config: Path) -> None:
+    """The layout huggingface_hub's cache keeps a downloaded model in: refs/main names the snapshot folder."""
+    repo = hf_home / "hub" / f"models--{repo_id.replace('/', '--')}"
+    commit = "0" * 40
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "snapshots" / commit / "config.json").write_text(config.read_text())
+
+
+def test_an_uncached_hub_id_offline_is_one_line_with_the_ways_forward_in_seconds(tmp_path, tiny_model_dir):
+    """It used to pass `validate`, make `plan` print the hub client's connection error and fail `run` after
+    the model load began (exit 4)."""
+    hf_home = tmp_path / "hf"
+    recipe = write_recipe(tmp_path, "someone/not-cached", sums_data(tmp_path / "data.jsonl", 4))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "HF_HOME": str(hf_home)}
+    for command in ("validate", "plan", "run"):
+        start = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "finetune", command, str(recipe)], capture_output=True,
+                              text=True, cwd=ROOT, env=env)
+        wall = time.monotonic() - start
+        assert proc.returncode == 2, (command, proc.stderr)
+        line = " ".join(proc.stderr.split())
+        assert "'someone/not-cached' is not in the local Hugging Face cache and the hub is offline" in line, command
+        assert all(way in line for way in ("go online once", "a local model folder", "config.json")), line
+        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert wall < 3, f"{command} took {wall:.1f} s to refuse an uncached hub id"
+    assert not (tmp_path / "run").exists()
+    # The same id once cached (its config.json in huggingface_hub's cache layout) passes.
+    fake_hub_cache(hf_home, "someone/not-cached", tiny_model_dir / "config.json")
+    proc = subprocess.run([sys.executable, "-m", "finetune", "validate", str(recipe)], capture_output=True,
+                          text=True, cwd=ROOT, env=env)
+    assert proc.returncode == 0 and "is a valid recipe" in proc.stdout, proc.stderr
 
 
 def test_a_run_that_fails_before_its_first_step_leaves_no_run_directory(tmp_path, tiny_model_dir, monkeypatch):

@@ -127,10 +127,13 @@ def test_only_the_contract_spells_a_run_file_name():
     assert not offenders, "run file names outside finetune/rundir.py:\n" + "\n".join(offenders)
 
 
+MODEL = str(ROOT / "tests" / "fixtures" / "configs" / "llama-3.1-8b.json")
+
+
 @pytest.fixture
 def recipe_file(tmp_path) -> Path:
     path = tmp_path / "r.yaml"
-    path.write_text(json.dumps({"model": {"path": "some/model"}, "data": {"path": SAMPLE_DATA},  # plan reads it
+    path.write_text(json.dumps({"model": {"path": MODEL}, "data": {"path": SAMPLE_DATA},  # plan's preflight checks both
                                 "output": {"dir": str(tmp_path / "run")}}))
     return path
 
@@ -170,11 +173,11 @@ def test_cli_measure_asks_finetune_api_and_prints_its_answer(monkeypatch, recipe
 
     monkeypatch.setattr(api, "measure", fake_measure)
     assert main(["measure", str(recipe_file), "--steps", "3"]) == 0
-    assert calls == [("some/model", 3)]
+    assert calls == [(MODEL, 3)]
     out = capsys.readouterr().out
     assert "measured peak on cpu" in out and "3.00 MiB" in out
     assert main(["measure", str(recipe_file), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["peak_bytes"] == 3 * 2**20 and calls[-1] == ("some/model", 2)
+    assert json.loads(capsys.readouterr().out)["peak_bytes"] == 3 * 2**20 and calls[-1] == (MODEL, 2)
 
 
 def _damaged_run(root: Path) -> RunDir:

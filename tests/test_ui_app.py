@@ -64,3 +64,26 @@ def test_a_taken_port_is_reported_without_a_traceback(tmp_path, capsys):
         port = taken.getsockname()[1]
         assert main(["--port", str(port), "--runs-dir", str(tmp_path / "runs")]) == 2
     assert f"cannot serve on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_finetune_ui_prints_its_address_and_no_hint_the_user_cannot_follow(tmp_path):
+    """gradio's start-up text says to "set `share=True` in `launch()`", which a `finetune ui` user cannot do."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.ui_support import free_port
+
+    root = Path(__file__).resolve().parents[1]
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "finetune", "ui", "--port", str(port), "--runs-dir",
+                             str(tmp_path / "runs")], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
+    try:
+        first = proc.stdout.readline()  # blocks until the server is up (or the process ends)
+    finally:
+        proc.terminate()
+        rest = proc.communicate(timeout=60)[0]
+    assert first == f"finetune ui: running on http://127.0.0.1:{port}/\n", first + rest
+    assert "share" not in first + rest and "Warning" not in first + rest, first + rest

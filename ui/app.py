@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from finetune.console import quiet_libraries
 from finetune.errors import FinetuneError
 
 AUTH_ENV = "FINETUNE_UI_AUTH"
@@ -89,9 +90,14 @@ def launch(host: str = "127.0.0.1", port: int = 7860, auth: tuple[str, str] | No
     demo.downloads = backend.downloads  # and see a closed page's download folder go
     demo.login_guard = LoginGuard(*auth) if auth else None
     middleware = [Middleware(ClientAddress), Middleware(HideBeforeLogin)]
+    # quiet: gradio's start-up text tells the user to "set `share=True` in `launch()`", which a `finetune ui`
+    # user cannot do; the address is printed here instead (a share link, when asked for, gradio prints itself).
     demo.launch(server_name=host, server_port=port, auth=demo.login_guard, share=share,
-                app_kwargs={"middleware": middleware}, prevent_thread_lock=not block, css=CSS,
-                allowed_paths=[str(settings.runs_dir)], quiet=not block, footer_links=[])
+                app_kwargs={"middleware": middleware}, prevent_thread_lock=True, css=CSS,
+                allowed_paths=[str(settings.runs_dir)], quiet=True, footer_links=[])
+    if block:
+        print(f"finetune ui: running on {demo.local_url}", flush=True)
+        demo.block_thread()
     return demo
 
 
@@ -126,6 +132,7 @@ def _folder(text: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `finetune ui`; returns the exit code (2 for a refused or malformed start)."""
     args = build_parser().parse_args(argv)
+    quiet_libraries()
     try:
         launch(args.host, args.port, parse_auth(args.auth), args.allow_dirs, args.runs_dir,
                allow_python_rewards=args.allow_python_rewards)

@@ -62,6 +62,17 @@ class DataBundle:
     fingerprint: dict[str, Any] = field(default_factory=dict)  # what decides the examples (finetune.data.fingerprint); --resume compares it
     warnings: list[str] = field(default_factory=list)  # records left out, one line each kind, for the run log
 
+    def summary(self) -> str:
+        """The counts people read first, in one short line: records read (format), examples kept, examples
+        cut to fit, records dropped (malformed, overlong, nothing to train on) and tokens to train on; `stats`
+        holds them all (the run directory's data_stats.json)."""
+        s = self.stats
+        kept = s.get("train_examples", s.get("train_prompts", 0)) + s.get("eval_examples", s.get("eval_prompts", 0))
+        dropped = s.get("bad_records_skipped", 0) + s.get("dropped_overlong", 0) + s.get("dropped_no_loss", 0)
+        tokens = f", {s['train_tokens']:,} tokens to train on" if "train_tokens" in s else ""
+        return (f"{s['records']:,} {s['format']} records: {kept:,} kept, {s.get('truncated', 0):,} cut, {dropped:,} "
+                f"dropped{tokens}")
+
 
 @dataclass
 class _Prepared:

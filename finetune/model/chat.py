@@ -23,6 +23,7 @@ from typing import Any, TextIO
 
 import torch
 
+from finetune.console import quiet_libraries
 from finetune.errors import FinetuneError
 from finetune.model.load import load_tokenizer
 from finetune.model.trained import base_model_key, load_run, load_trained
@@ -236,6 +237,7 @@ def main() -> int:
     """Entry point: stdout carries only the protocol; anything libraries print goes to stderr."""
     replies = sys.stdout
     sys.stdout = sys.stderr
+    quiet_libraries()  # the UI server's worker: its log carries no more library noise than the server's
     serve(sys.stdin, replies)
     return 0
 

@@ -30,10 +30,11 @@ def config_location(path: str) -> Path:
     return package_file(path) if path.startswith("pkg:") else random_folder(path) or Path(path).expanduser()
 
 
-def check_model_path(path: str) -> None:
-    """Refuse, in milliseconds and with no hub or network look-up, a model.path that names a local file or
-    folder that is not there: a local-looking path, a pkg: file, a random:FOLDER without config.json, a
-    name that is no path and no hub id."""
+def check_model_path(path: str, revision: str | None = None) -> None:
+    """Refuse, in milliseconds and with no network look-up, a model.path that names a local file or folder that
+    is not there (a local-looking path, a pkg: file, a random:FOLDER without config.json), a name that is no
+    path and no hub id, or, with the hub offline (HF_HUB_OFFLINE=1), a hub id the local cache does not hold:
+    otherwise `plan` prints the hub client's connection error and `run` fails once torch has loaded."""
     from finetune.model.random_weights import random_folder
 
     if (folder := random_folder(path)) is not None:
@@ -53,6 +54,22 @@ def check_model_path(path: str) -> None:
             hint=f"fix the path (a relative one starts from {Path.cwd()}); a hub model is named owner/name")
     elif path.count("/") != 1 and not Path(path).exists():
         raise _not_a_model(path)
+    elif not Path(path).exists():
+        _check_hub_cache(path, revision)
+
+
+def _check_hub_cache(repo_id: str, revision: str | None) -> None:
+    """A hub id offline: its config.json must be in the local cache (huggingface_hub's own look-up, no request)."""
+    from huggingface_hub import is_offline_mode, try_to_load_from_cache
+
+    if is_offline_mode() and not isinstance(try_to_load_from_cache(repo_id, "config.json", revision=revision), str):
+        raise _offline_miss(repo_id)
+
+
+def _offline_miss(repo_id: str) -> RecipeError:
+    return RecipeError(f"model.path: {repo_id!r} is not in the local Hugging Face cache and the hub is offline "
+                       "(HF_HUB_OFFLINE=1): go online once so it is cached, point model.path at a local model "
+                       "folder, or, to plan only, at the model's config.json")
 
 
 def _not_a_model(path: str) -> RecipeError:
@@ -64,7 +81,7 @@ def resolve_model_path(path: str, revision: str | None = None) -> Path:
     """Return a local folder holding config, tokenizer and safetensors weights for `path`."""
     from finetune.model.random_weights import random_folder
 
-    check_model_path(path)
+    check_model_path(path, revision)
     if (folder := random_folder(path)) is not None:
         return folder
     p = package_file(path) if path.startswith("pkg:") else Path(path).expanduser()
@@ -110,12 +127,10 @@ def _from_hub(repo_id: str, revision: str | None) -> Path:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, local_files_only=True))
     except (LocalEntryNotFoundError, FileNotFoundError, OSError):
         pass
-    from huggingface_hub import constants
+    from huggingface_hub import is_offline_mode
 
-    if constants.HF_HUB_OFFLINE:
-        raise ModelLoadError(
-            f"model.path: {repo_id!r} is not in the local Hugging Face cache and the hub is offline (HF_HUB_OFFLINE=1)",
-            hint="download it on a machine with network access, or point model.path at a local folder or .gguf file")
+    if is_offline_mode():  # config.json cached (the check above) but not the weights
+        raise _offline_miss(repo_id)
     try:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, etag_timeout=5))
     except Exception as exc:  # network errors come in many types; the message is what matters

@@ -1,4 +1,4 @@
-"""The run directory's live files (metrics.jsonl, status.json, train.log) and the terminal progress bar, as
+"""The run directory's live files (metrics.jsonl, status.json, train.log) and the progress (a bar or log lines), as
 loop policies; and a clean stop on Ctrl-C."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 from rich.progress import Progress
 
-from finetune.console import console, progress_bar
+from finetune.console import ProgressLines, console, progress_bar
 from finetune.memory.preference import METRIC_PREFIXES
 from finetune.rundir import COLLAPSED_EVENT, EVAL_PREFIX, TRAINING_WARNING, RunDir, is_eval_row
 from finetune.train.grpo import METRIC_PREFIXES as GRPO_METRICS
@@ -125,11 +125,11 @@ class RunFiles(Policy):
 
 
 class ProgressBar(Policy):
-    """A rich progress bar: step, loss, tokens/s and ETA (rank 0 only)."""
+    """Step, loss, tokens/s and ETA (rank 0 only): a live bar on a terminal, plain lines in a log."""
 
     def __init__(self, max_steps: int):
         self.max_steps = max_steps
-        self.progress: Progress | None = None
+        self.progress: Progress | ProgressLines | None = None
         self.task = None
         self._last = (time.time(), 0)
 

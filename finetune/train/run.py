@@ -322,13 +322,14 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
                   f"({100 * trainable / max(total, 1):.2f}%)")
     data = build_datasets(recipe.data, tokenizer, recipe.training.seed, recipe.training.method,
                           max_prompt_tokens(recipe) if recipe.training.method == "grpo" else None)
-    console.print("data: " + ", ".join(f"{k} {v}" for k, v in data.stats.items()))
+    console.print(f"data: {data.summary()} (every count: {run_dir.data_stats})", markup=False, highlight=False)
     distributed.on_main(lambda: _record_data(run_dir, data.fingerprint, checkpoint is not None, allow_data_change))
     if main and checkpoint:
         _save_run_files(run_dir, plan, recipe)
     for warning in data.warnings:
         console.print(f"data: {warning}", style="yellow", markup=False)
     if main:
+        atomic_write_json(run_dir.data_stats, data.stats)
         run_dir.log_line(f"data stats: {data.stats}")
         for warning in data.warnings:
             run_dir.log_line(f"data warning: {warning}")
