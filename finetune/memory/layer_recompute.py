@@ -25,6 +25,7 @@ import torch
 
 from finetune.errors import RecipeError
 from finetune.memory.offload import decoder_layers
+from finetune.model.moe import experts_of
 from finetune.recipe.schema import MemoryConfig
 
 NORM_TOKENS = 1024
@@ -130,8 +131,10 @@ def tile_mlps(model: torch.nn.Module, tokens: int) -> int:
     count = 0
     for layer in decoder_layers(model):
         mlp = getattr(layer, "mlp", None)
-        # Dense, position-wise MLPs only (LlamaMLP, Qwen2MLP, Gemma2MLP, Phi3MLP...); MoE blocks route tokens.
-        if mlp is None or not type(mlp).__name__.endswith("MLP") or hasattr(mlp, "_finetune_tiling"):
+        # Dense, position-wise MLPs only (LlamaMLP, Qwen2MLP, Gemma2MLP, Phi3MLP...); MoE blocks route tokens
+        # (gpt-oss's GptOssMLP is one, returning its router scores too): their routed rows are priced as they run.
+        if mlp is None or not type(mlp).__name__.endswith("MLP") or hasattr(mlp, "_finetune_tiling") \
+                or experts_of(mlp) is not None:
             continue
         _wrap(mlp, tokens, min_chunks=2)
         count += 1

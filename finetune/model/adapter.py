@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from finetune.errors import ModelLoadError
+from finetune.model.moe import adapter_targets
 from finetune.recipe.init_from import KEY, StartAdapter, read_weights, start_adapter
 from finetune.recipe.schema import AdapterConfig
 from finetune.units import torch_dtype
@@ -16,13 +17,17 @@ TRAINED_ADAPTER = "default"  # peft's name for the adapter get_peft_model create
 REFERENCE_ADAPTER = "reference"  # adapter.init_from, reference forward in each step: a frozen copy of it
 
 
-def lora_config(cfg: AdapterConfig, inference_mode: bool = False):
+def lora_config(cfg: AdapterConfig, inference_mode: bool = False,
+                targets: tuple[str | list[str], list[str]] | None = None):
+    """peft's LoraConfig for the recipe; `targets`: (target_modules, target_parameters) as
+    `finetune.model.moe.adapter_targets` resolves them for the model (else the recipe's target_modules)."""
     from peft import LoraConfig, TaskType
 
+    modules, parameters = targets if targets is not None else (cfg.target_modules, [])
     return LoraConfig(
         task_type=TaskType.CAUSAL_LM, r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-        target_modules=cfg.target_modules, use_dora=cfg.type == "dora", use_rslora=cfg.rslora,
-        modules_to_save=cfg.modules_to_save, inference_mode=inference_mode,
+        target_modules=modules, target_parameters=parameters or None, use_dora=cfg.type == "dora",
+        use_rslora=cfg.rslora, modules_to_save=cfg.modules_to_save, inference_mode=inference_mode,
     )
 
 
@@ -49,13 +54,14 @@ def apply_adapter(model: torch.nn.Module, cfg: AdapterConfig, *, checkpointing: 
         # With a frozen base the embeddings output has no grad; checkpointed blocks then see no input that
         # requires grad. This hook makes the embedding output require grad (cheap, no extra memory).
         model.enable_input_require_grads()
-    model = get_peft_model(model, lora_config(cfg))
+    targets = adapter_targets(model, cfg.target_modules, cfg.target_experts)
+    model = get_peft_model(model, lora_config(cfg, targets=targets))
     if cfg.init_from is not None:
         start = start_adapter(cfg.init_from)
         state = load_adapter_state(start, digest)
         load_adapter_weights(model, start.weights, state, TRAINED_ADAPTER)
         if reference:
-            model.add_adapter(REFERENCE_ADAPTER, lora_config(cfg, inference_mode=True))
+            model.add_adapter(REFERENCE_ADAPTER, lora_config(cfg, inference_mode=True, targets=targets))
             load_adapter_weights(model, start.weights, state, REFERENCE_ADAPTER)
             model.set_adapter(TRAINED_ADAPTER)  # trainable again; the reference stays frozen
             # save_pretrained (the loop's checkpoints, the run's adapter/) writes only the trained adapter:

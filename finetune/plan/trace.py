@@ -34,6 +34,7 @@ from finetune.memory.preference import PreferenceLoss, batch_reference_logps, sy
 from finetune.memory.step import enable_checkpointing, forward_backward
 from finetune.memory.tracker import MemoryTracker
 from finetune.model.adapter import apply_adapter
+from finetune.model.moe import use_finetune_experts
 from finetune.plan import trace_cache
 from finetune.plan.planner import Planner, current
 from finetune.plan.shapes import ModelShapes, config_location, load_model_config, model_shapes, with_layers
@@ -175,6 +176,10 @@ def _backward(loss: torch.Tensor) -> None:
 
 
 def _meta_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if v.shape[-1] != q.shape[-1]:  # MLA (DeepSeek): values narrower than queries; the fused kernel wants one
+        # width, so V is padded to it (as transformers does for flash attention) and the output cut back
+        pad = torch.nn.functional.pad(v, (0, q.shape[-1] - v.shape[-1]))
+        return flash_attention_cpu(q, k, pad, dropout_p, is_causal, attn_mask, scale)[..., :v.shape[-1]]
     return flash_attention_cpu(q, k, v, dropout_p, is_causal, attn_mask, scale)
 
 
@@ -272,6 +277,7 @@ def _meta_model(config_json: str, model_type: str, adapter_json: str, dtype: str
     adapter = AdapterConfig.model_validate_json(adapter_json)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+        use_finetune_experts(model)
         model = apply_adapter(model, adapter, checkpointing=checkpointing)
         apply_layer_recompute(model, recompute_norms, mlp_tokens)
         return model

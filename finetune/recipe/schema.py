@@ -49,6 +49,10 @@ class AdapterConfig(Section):
     dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
     target_modules: str | list[str] = Field(
         "all-linear", description="Modules to adapt: all-linear or a list of module-name suffixes such as [q_proj, v_proj].")
+    target_experts: bool = Field(
+        False, description="Mixture-of-experts models: LoRA on the routed experts' fused weights too (peft "
+        "target_parameters; LoRA only, with dropout 0: peft cannot apply dropout there). Off: attention, shared "
+        "experts and dense layers are adapted, the experts and routers stay frozen (docs/moe.md).")
     rslora: bool = Field(False, description="Rank-stabilised LoRA scaling alpha / sqrt(r).")
     modules_to_save: list[str] | None = Field(None, description="Extra modules trained in full and saved with the adapter.")
     fp32_compute: bool = Field(
@@ -520,6 +524,12 @@ class Recipe(Section):
         if self.adapter.dtype != "fp32" and self.adapter.fp32_compute:
             raise ValueError(f"adapter.dtype={self.adapter.dtype} with adapter.fp32_compute: true: fp32 LoRA matmuls "
                              "need fp32 adapter weights; set adapter.fp32_compute: false or adapter.dtype: fp32")
+        if self.adapter.target_experts and self.adapter.type != "lora":
+            raise ValueError(f"adapter.target_experts applies to adapter.type=lora, not {self.adapter.type}: peft "
+                             "adapts fused expert weights with plain LoRA only; remove adapter.target_experts")
+        if self.adapter.target_experts and self.adapter.dropout:
+            raise ValueError(f"adapter.target_experts with adapter.dropout={self.adapter.dropout}: peft's LoRA on "
+                             "fused expert weights (target_parameters) cannot apply dropout; set adapter.dropout: 0")
         if self.adapter.init_from is not None and self.adapter.type == "full":
             raise ValueError("adapter.init_from starts from a LoRA/DoRA adapter; it cannot be used with "
                              "adapter.type=full")
