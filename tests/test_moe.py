@@ -157,3 +157,67 @@ def test_full_size_config_plans(name):
                          [f"model.path={CONFIGS / name}.json", "memory.gpu_memory=80GiB"])
     plan = predict(recipe, device="cuda")
     assert plan.peak_bytes > 0 and plan.settings is not None
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_four_bit_experts_match_their_dequantized_reference(arch):
+    """bits 4: each expert matrix is bitsandbytes' NF4 of it (dequantized bit for bit as bnb does), the
+    16-bit parameters are gone, and loss and gradients equal those of the model holding the dequantized
+    weights in 16 bits."""
+    import bitsandbytes.functional as bnbf
+
+    from finetune.model.expert_store import quantize_experts
+    from finetune.model.moe import expert_matrix, moe_blocks, use_finetune_experts
+    from finetune.recipe.schema import QuantizationConfig
+
+    model = _tiny_model(arch)
+    use_finetune_experts(model)
+    original = {(b.name, w): getattr(b.experts, w).detach().clone() for b in moe_blocks(model) for w in b.weights}
+    assert quantize_experts(model, QuantizationConfig(bits=4)) == len(original)
+    reference = _tiny_model(arch)
+    use_finetune_experts(reference)
+    for block, ref_block in zip(moe_blocks(model), moe_blocks(reference), strict=True):
+        assert not any(p.dim() == 3 for p in block.experts.parameters())
+        for w in block.weights:
+            q, state = bnbf.quantize_4bit(original[(block.name, w)][1].contiguous(), blocksize=64,
+                                          compress_statistics=True, quant_type="nf4")
+            assert torch.equal(expert_matrix(block.experts, w, 1, torch.float32), bnbf.dequantize_4bit(q, state))
+            with torch.no_grad():
+                getattr(ref_block.experts, w).copy_(torch.stack([
+                    expert_matrix(block.experts, w, e, torch.float32) for e in range(block.num_experts)]))
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(3))
+    grads = []
+    for m in (model, reference):
+        for p in m.parameters():
+            p.requires_grad_(False)
+        m.enable_input_require_grads()
+        embeds = m.get_input_embeddings()(ids).detach().requires_grad_(True)
+        loss = m(inputs_embeds=embeds, labels=ids).loss
+        loss.backward()
+        grads.append((loss.detach(), embeds.grad))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_four_bit_experts_train_with_their_plan(tmp_path, arch, capsys):
+    """QLoRA on a MoE model: experts stored in 4 bits, priced as stored (plan within 5% of the peak)."""
+    assert main(["run", str(_recipe(tmp_path, arch, {"quantization": {"bits": 4}}))]) == 0, capsys.readouterr().err
+    rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    planned = json.loads((tmp_path / "run" / "plan.json").read_text())["peak_bytes"]
+    measured = max(r["peak_memory_bytes"] for r in rows)
+    assert abs(planned - measured) <= 0.05 * measured, (planned, measured)
+
+
+def test_qwen3_30b_experts_priced_in_four_bits():
+    """Qwen3-30B-A3B QLoRA: the experts (~57 GB in bf16) are priced as 4-bit storage, so it fits 24 GB."""
+    from finetune.plan import predict
+    from finetune.recipe import load_recipe
+
+    recipe = load_recipe(Path(__file__).parents[1] / "recipes" / "qlora-8b-24gb.yaml",
+                         [f"model.path={CONFIGS / 'qwen3-30b-a3b'}.json", "data.max_seq_len=2048"])
+    plan = predict(recipe, device="cuda")
+    assert plan.fits and plan.breakdown["weights"] < 17 * 2**30
+    sixteen = predict(recipe.model_copy(update={"quantization": recipe.quantization.model_copy(
+        update={"bits": None})}), device="cuda")
+    assert sixteen.breakdown["weights"] > 55 * 2**30

@@ -32,6 +32,7 @@ from finetune.errors import RecipeError
 IMPLEMENTATION = "finetune"  # our name in transformers' ExpertsInterface
 EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")  # the config names families use
 SHARED_NAMES = ("shared_experts", "shared_expert", "shared_mlp")
+STORE = "finetune_store"  # the experts module's attribute holding its weights when stored apart (4-bit, offloaded)
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ def moe_blocks(model: torch.nn.Module) -> list[MoEBlock]:
 
 def stored_experts(experts: torch.nn.Module) -> Any:
     """The store holding `experts`' weights in place of its parameters (4-bit, offloaded), or None."""
-    return getattr(experts, "finetune_store", None)
+    return getattr(experts, STORE, None)
 
 
 # ---------------------------------------------------------------------------------------------------------

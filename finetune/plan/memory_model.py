@@ -168,15 +168,18 @@ def _param_sums(key: tuple[str, ...], layers: int, bits: int | None, double_quan
 def _sum_params(key: tuple[str, ...], layers: int, bits: int | None, double_quant: bool, optimizer: str,
                 optimizer_json: str, accumulation: int) -> tuple[dict[str, float], int, int]:
     params = param_table_of(key, layers)
-    frozen = sum(quantized_weight_bytes(p.numel, p.out_features, bits if p.quantizable else None, double_quant,
-                                        p.bytes_per_elem) for p in params if not p.trainable)
+    # A quantizable 3-D weight holds a MoE block's experts: stored in 4 bits one expert matrix at a time
+    # (finetune.model.expert_store), left in 16 bits by 8-bit quantization, dequantized one expert at a time.
+    frozen = sum(quantized_weight_bytes(p.numel, p.out_features, bits if p.quantizable and (
+        bits == 4 or len(p.shape) == 2) else None, double_quant, p.bytes_per_elem) for p in params if not p.trainable)
     trained = [(p.name, p.shape, p.dtype) for p in params if p.trainable]
     opt = OptimizerConfig.model_validate_json(optimizer_json).model_copy(update={"name": optimizer})
     sums = {"weights": frozen, "trainable_weights": sum(p.numel * p.bytes_per_elem for p in params if p.trainable),
             "optimizer_state": optimizer_state_bytes(optimizer, trained, opt),
             "grads": gradient_bytes(trained, opt, accumulation)}
     largest_trained = max((p.numel * p.bytes_per_elem for p in params if p.trainable), default=0)
-    largest_quant = max((p.numel for p in params if p.quantizable), default=0)
+    largest_quant = max((p.numel // (p.shape[0] if len(p.shape) == 3 else 1) for p in params if p.quantizable),
+                        default=0)
     return sums, largest_trained, largest_quant
 
 

@@ -34,7 +34,7 @@ from finetune.memory.preference import PreferenceLoss, batch_reference_logps, sy
 from finetune.memory.step import enable_checkpointing, forward_backward
 from finetune.memory.tracker import MemoryTracker
 from finetune.model.adapter import apply_adapter
-from finetune.model.moe import use_finetune_experts
+from finetune.model.moe import expert_weight_names, use_finetune_experts
 from finetune.plan import trace_cache
 from finetune.plan.planner import Planner, current
 from finetune.plan.shapes import ModelShapes, config_location, load_model_config, model_shapes, with_layers
@@ -241,7 +241,9 @@ def _param_infos(model: torch.nn.Module) -> tuple[ParamInfo, ...]:
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            quantizable = pname == "weight" and _quantizable(name, module)
+            # fused 3-D expert weights are stored in 4 bits by finetune.model.expert_store (bits: 4)
+            quantizable = (pname == "weight" and _quantizable(name, module)) or \
+                (p.dim() == 3 and not p.requires_grad and pname in expert_weight_names(module))
             out = p.shape[0] if p.dim() == 2 else p.numel()
             infos.append(ParamInfo(f"{name}.{pname}".lstrip("."), tuple(p.shape), p.dtype, p.numel(), out,
                                    p.element_size(), p.requires_grad, quantizable))

@@ -527,6 +527,10 @@ class Recipe(Section):
         if self.adapter.target_experts and self.adapter.type != "lora":
             raise ValueError(f"adapter.target_experts applies to adapter.type=lora, not {self.adapter.type}: peft "
                              "adapts fused expert weights with plain LoRA only; remove adapter.target_experts")
+        if self.adapter.target_experts and self.quantization.bits in (4, "auto"):
+            raise ValueError(f"adapter.target_experts with quantization.bits={self.quantization.bits}: peft adapts "
+                             "fused expert weights held in 16 bits, and bits 4 stores them in 4; set "
+                             "quantization.bits: null (or 8: experts stay 16-bit) or remove adapter.target_experts")
         if self.adapter.target_experts and self.adapter.dropout:
             raise ValueError(f"adapter.target_experts with adapter.dropout={self.adapter.dropout}: peft's LoRA on "
                              "fused expert weights (target_parameters) cannot apply dropout; set adapter.dropout: 0")
