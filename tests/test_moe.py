@@ -221,3 +221,35 @@ def test_qwen3_30b_experts_priced_in_four_bits():
     sixteen = predict(recipe.model_copy(update={"quantization": recipe.quantization.model_copy(
         update={"bits": None})}), device="cuda")
     assert sixteen.breakdown["weights"] > 55 * 2**30
+
+
+def test_expert_offload_trains_the_same(tmp_path, capsys):
+    """memory.offload_experts: the experts (4-bit) live on the host and are fetched per layer (ahead in
+    forward, below in backward): the same losses as the resident run, step for step."""
+    losses = []
+    for offload in (False, True):
+        path = _recipe(tmp_path / str(offload), "qwen3_moe", {"quantization": {"bits": 4}},
+                       {"memory": {"offload_experts": offload, "activation_checkpointing": True}})
+        assert main(["run", str(path)]) == 0, capsys.readouterr().err
+        rows = read_jsonl(tmp_path / str(offload) / "run" / "metrics.jsonl")
+        losses.append([(r["loss"], r["aux_loss"]) for r in rows if "loss" in r])
+    assert len(losses[0]) == 3 and losses[0] == losses[1]
+
+
+def test_expert_offload_with_too_little_host_ram(tmp_path, capsys):
+    path = _recipe(tmp_path, "qwen3_moe", {"memory": {"offload_experts": True, "offload_cpu_limit": "1KiB"}})
+    _refused(tmp_path, capsys, ["run", str(path)], "memory.offload_experts", "host RAM", "1.00 KiB")
+
+
+def test_expert_offload_planned_on_gpus():
+    """Qwen3-30B-A3B QLoRA at 12 GB: the search turns expert offload on (the experts' ~15 GiB leave the
+    device but for two layers); with it off nothing fits."""
+    from finetune.plan import predict
+    from finetune.recipe import load_recipe
+
+    base = [f"model.path={CONFIGS / 'qwen3-30b-a3b'}.json", "data.max_seq_len=2048", "memory.gpu_memory=12GiB"]
+    recipes = Path(__file__).parents[1] / "recipes"
+    on = predict(load_recipe(recipes / "qlora-8b-24gb.yaml", [*base, "memory.offload_experts=auto"]), device="cuda")
+    off = predict(load_recipe(recipes / "qlora-8b-24gb.yaml", [*base, "memory.offload_experts=false"]), device="cuda")
+    assert on.fits and on.settings["offload_experts"] is True and on.breakdown["weights"] < 3 * 2**30
+    assert not off.fits

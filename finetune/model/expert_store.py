@@ -52,21 +52,50 @@ class QuantizedExperts(torch.nn.Module):
 
     def matrix(self, name: str, index: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert `index`'s matrix of `name`, dequantized into `dtype`."""
+        return self.matrix_from(dict(self.named_buffers()), name, index, dtype)
+
+    def matrix_from(self, tensors: dict[str, torch.Tensor], name: str, index: int, dtype: torch.dtype) -> torch.Tensor:
+        """`matrix` read from `tensors` (this store's buffers by name, or copies of them on another device)."""
         import bitsandbytes.functional as bnbf
 
-        packed = getattr(self, f"{name}_packed")
-        if packed.is_meta:
-            return torch.empty(self.shapes[name], dtype=dtype, device="meta")
+        packed = tensors[f"{name}_packed"]
         state2 = None
         offset = None
-        if hasattr(self, f"{name}_absmax2"):
-            state2 = bnbf.QuantState(absmax=getattr(self, f"{name}_absmax2")[index], code=getattr(self, f"{name}_code2"),
+        if f"{name}_absmax2" in tensors:
+            state2 = bnbf.QuantState(absmax=tensors[f"{name}_absmax2"][index], code=tensors[f"{name}_code2"],
                                      blocksize=self.nested_blocksize, dtype=torch.float32)
-            offset = getattr(self, f"{name}_offset")[index]
-        state = bnbf.QuantState(absmax=getattr(self, f"{name}_absmax")[index], shape=self.shapes[name],
-                                code=getattr(self, f"{name}_code"), blocksize=BLOCKSIZE, quant_type=self.quant_type,
+            offset = tensors[f"{name}_offset"][index]
+        state = bnbf.QuantState(absmax=tensors[f"{name}_absmax"][index], shape=self.shapes[name],
+                                code=tensors[f"{name}_code"], blocksize=BLOCKSIZE, quant_type=self.quant_type,
                                 dtype=self.dtype, offset=offset, state2=state2)
         return bnbf.dequantize_4bit(packed[index].unsqueeze(1), state).to(dtype)
+
+
+class DenseExperts(torch.nn.Module):
+    """The fused expert weights of one experts module as frozen 16-bit buffers (what an offload moves when
+    they are not stored in 4 bits)."""
+
+    def __init__(self, experts: torch.nn.Module, names: tuple[str, ...]):
+        super().__init__()
+        self.names = names
+        for name in names:
+            self.register_buffer(name, getattr(experts, name).detach())
+            delattr(experts, name)
+
+    def matrix(self, name: str, index: int, dtype: torch.dtype) -> torch.Tensor:
+        return getattr(self, name)[index].to(dtype)
+
+    def matrix_from(self, tensors: dict[str, torch.Tensor], name: str, index: int, dtype: torch.dtype) -> torch.Tensor:
+        return tensors[name][index].to(dtype)
+
+
+def store_of(experts: torch.nn.Module, names: tuple[str, ...]) -> torch.nn.Module:
+    """The experts module's store, made (16-bit buffers) where its weights are still parameters."""
+    store = getattr(experts, STORE, None)
+    if store is None:
+        store = DenseExperts(experts, names)
+        setattr(experts, STORE, store)
+    return store
 
 
 def quantize_experts(model: torch.nn.Module, quant: QuantizationConfig) -> int:

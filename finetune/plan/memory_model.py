@@ -205,12 +205,30 @@ def _param_parts(spec: ModelSpec, settings: Settings) -> tuple[dict[str, float],
     """`_whole_parts` as one device holds them under the strategy (`distributed_parts`); the optimizer state
     of an optimizer that keeps it in CUDA managed memory moves to `managed` (`managed_state`)."""
     whole, per_layer, largest_trained, largest_quant = _whole_parts(spec, settings)
+    if settings.offload_experts and spec.device == "cuda":  # finetune.memory.expert_offload: on the device,
+        experts, per_moe_layer = expert_weight_bytes(spec, settings)  # the experts of the MoE layer computing
+        whole = {**whole, "weights": whole["weights"] - experts + 2 * per_moe_layer}  # and of the one arriving
     parts = distributed_parts(spec, settings, whole, per_layer)
     if managed_state(spec, settings):
         parts["managed"], parts["optimizer_state"] = parts["optimizer_state"], 0.0
     else:
         parts["managed"] = 0.0
     return parts, largest_trained, largest_quant
+
+
+def expert_weight_bytes(spec: ModelSpec, settings: Settings) -> tuple[float, float]:
+    """(the whole model's, one layer's) frozen fused expert weights as stored: 4-bit with bits 4
+    (finetune.model.expert_store), else 16-bit; what memory.offload_experts keeps in host RAM."""
+    la, lb = _layer_counts(spec, settings)
+    key = model_key(spec.config, spec.adapter, spec.dtype)
+    bits = 4 if settings.bits == 4 else None
+
+    def total(layers: int) -> float:
+        return sum(quantized_weight_bytes(p.numel, p.out_features, bits, spec.double_quant, p.bytes_per_elem)
+                   for p in param_table_of(key, layers) if p.quantizable and len(p.shape) == 3)
+
+    a, b = total(la), total(lb)
+    return _lerp(a, b, la, lb, spec.num_layers), (b - a) / (lb - la) if lb != la else b / max(lb, 1)
 
 
 def managed_state(spec: ModelSpec, settings: Settings) -> bool:

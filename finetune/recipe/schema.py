@@ -299,6 +299,10 @@ class MemoryConfig(Section):
         "auto", description="Run each layer's MLP over the sequence in chunks of tiled_mlp_tokens and recompute it "
         "chunk by chunk in backward (one extra MLP forward; for long sequences); auto: planner.")
     tiled_mlp_tokens: int = Field(1024, ge=16, le=MAX_COUNT, description="Sequence positions per MLP chunk with tiled_mlp.")
+    offload_experts: bool | Auto = Field(
+        False, description="Mixture-of-experts models: keep the frozen expert weights (as stored: 4-bit or 16-bit) "
+        "in host RAM, pinned, and bring each MoE layer's experts to the GPU when it runs, the next layer's "
+        "fetched meanwhile; the RAM they take counts against offload_cpu_limit; auto: planner (GPUs only).")
     gpu_memory: PositiveByteSize | Auto = Field("auto", description="Memory budget, e.g. 12GiB; auto: the GPU memory free when the run starts "
         "(torch.cuda.mem_get_info), so what other processes hold then is excluded; gpu_memory_margin stays free "
         "below it for what they (and the CUDA context, allocator fragmentation) may take later.")
