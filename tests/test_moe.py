@@ -253,3 +253,14 @@ def test_expert_offload_planned_on_gpus():
     off = predict(load_recipe(recipes / "qlora-8b-24gb.yaml", [*base, "memory.offload_experts=false"]), device="cuda")
     assert on.fits and on.settings["offload_experts"] is True and on.breakdown["weights"] < 3 * 2**30
     assert not off.fits
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "mixtral"])
+def test_gguf_export_refuses_moe_in_one_line(tmp_path, arch):
+    from finetune.errors import FinetuneError
+    from finetune.export.gguf import write_gguf
+    from finetune.testing import make_tokenizer
+
+    with pytest.raises(FinetuneError, match="mixture-of-experts model .* fused 3-D expert weights") as refused:
+        write_gguf(_tiny_model(arch), make_tokenizer(), tmp_path / "m.gguf")
+    assert "convert_hf_to_gguf" in refused.value.hint and not (tmp_path / "m.gguf").exists()

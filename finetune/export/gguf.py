@@ -32,6 +32,10 @@ ARCHS = {
     "phi3": Arch("PHI3"),
 }
 
+# Where mixture-of-experts configs give their expert count (finetune.model.moe reads the same; export imports
+# no other package of finetune).
+MOE_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+
 # --type: the file's weight type; 1-D tensors (norms, biases) stay F32, as llama.cpp's converter keeps them.
 TYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0", "q5_1": "Q5_1", "q5_0": "Q5_0",
          "q4_1": "Q4_1", "q4_0": "Q4_0"}
@@ -50,6 +54,11 @@ def check_type(qtype: str) -> None:
 
 def check_exportable(config: Any) -> Arch:
     """The Arch a model config is written with, or a one-line refusal naming what is missing."""
+    experts = next((n for f in MOE_EXPERT_FIELDS if isinstance(n := getattr(config, f, None), int) and n > 0), 0)
+    if experts:  # llama.cpp wants them split per projection (ffn_gate_exps, ffn_up_exps, ffn_down_exps)
+        raise FinetuneError(f"export --format gguf: {config.model_type} is a mixture-of-experts model ({experts} "
+                            "experts) and this exporter does not write fused 3-D expert weights (gate_up_proj, "
+                            "down_proj) to GGUF yet", hint=CONVERT_HINT)
     arch = ARCHS.get(config.model_type)
     if arch is None:
         raise FinetuneError(f"export --format gguf: architecture {config.model_type!r} is not written to GGUF "

@@ -245,6 +245,11 @@ def adapter_targets(model: torch.nn.Module, target_modules: str | list[str], tar
     remapped = _peft_remapped(model, names)
     kept = [n for n in names if n not in remapped]
     parameters = sorted({f"{b.experts_name}.{w}" for b in blocks for w in b.weights}) if target_experts else []
+    if parameters and any(getattr(b.experts, w).is_meta for b in blocks for w in b.weights):
+        # Not a FinetuneError: a recipe with explicit memory settings still trains, without a plan.
+        raise NotImplementedError(
+            f"{key}: the planner cannot trace peft's LoRA on fused expert weights (its wrapper switches "
+            "torch.autocast off on the weights' device, and autocast has no meta device)")
     return kept, parameters
 
 

@@ -231,6 +231,17 @@ def expert_weight_bytes(spec: ModelSpec, settings: Settings) -> tuple[float, flo
     return _lerp(a, b, la, lb, spec.num_layers), (b - a) / (lb - la) if lb != la else b / max(lb, 1)
 
 
+def moe_elements(spec: ModelSpec, settings: Settings) -> tuple[float, float]:
+    """(all weights', the fused experts') element counts of the whole model, from the cut copies' parameter
+    tables (a one-layer copy misses the experts of models whose first layers are dense)."""
+    la, lb = _layer_counts(spec, settings)
+    key = model_key(spec.config, spec.adapter, spec.dtype)
+    counts = [(sum(p.numel for p in table), sum(p.numel for p in table if p.quantizable and len(p.shape) == 3))
+              for table in (param_table_of(key, la), param_table_of(key, lb))]
+    return (_lerp(counts[0][0], counts[1][0], la, lb, spec.num_layers),
+            _lerp(counts[0][1], counts[1][1], la, lb, spec.num_layers))
+
+
 def managed_state(spec: ModelSpec, settings: Settings) -> bool:
     """Whether the optimizer state lives in CUDA managed memory (the registry's `state_memory`, on a GPU):
     torch's allocator does not count it (its peak is what the budget is checked against) and the driver

@@ -24,6 +24,7 @@ from finetune.plan.memory_model import (
     expert_weight_bytes,
     managed_state,
     memory_floor,
+    moe_elements,
     predict_memory,
     step_completions,
     traffic_bytes,
@@ -293,8 +294,8 @@ def _speed(spec: ModelSpec, shapes: ModelShapes, settings: Settings, offloaded_b
     params, fetched = shapes.total, 0.0
     moe = moe_config(spec.config)
     if moe is not None:  # a token computes top_k of the experts; a batch of tokens touches them all
-        experts = expert_weight_bytes(spec, replace(settings, bits=None))[0] / spec.dtype.itemsize
-        params -= int(experts * (1 - moe.top_k / moe.num_experts))
+        total, experts = moe_elements(spec, settings)
+        params = int(total - experts * (1 - moe.top_k / moe.num_experts))
         quantized += int(experts) if settings.bits == 4 else 0
         fetched = expert_weight_bytes(spec, settings)[0] if settings.offload_experts else 0.0
     return tokens_per_second(

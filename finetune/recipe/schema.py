@@ -535,6 +535,9 @@ class Recipe(Section):
             raise ValueError(f"adapter.target_experts with quantization.bits={self.quantization.bits}: peft adapts "
                              "fused expert weights held in 16 bits, and bits 4 stores them in 4; set "
                              "quantization.bits: null (or 8: experts stay 16-bit) or remove adapter.target_experts")
+        if self.adapter.target_experts and self.memory.offload_experts is not False:
+            raise ValueError("adapter.target_experts with memory.offload_experts: the offload moves frozen expert "
+                             "weights to host RAM, and these would be trained; set memory.offload_experts: false")
         if self.adapter.target_experts and self.adapter.dropout:
             raise ValueError(f"adapter.target_experts with adapter.dropout={self.adapter.dropout}: peft's LoRA on "
                              "fused expert weights (target_parameters) cannot apply dropout; set adapter.dropout: 0")
