@@ -116,6 +116,7 @@ def test_family_trains_with_its_plan(tmp_path, arch, capsys):
     assert abs(planned - measured) <= 0.05 * measured, (planned, measured)
     config = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())
     assert not config.get("target_parameters") and "gate" not in config["target_modules"]
+    assert main(["generate", str(run_dir), "--prompt", "What is 2 plus 2?", "--max-new-tokens", "4"]) == 0
 
 
 def test_target_experts_trains_expert_lora(tmp_path, capsys):

@@ -32,6 +32,9 @@ class OffloadedExperts:
         self.store, self.offload, self.position = store, offload, position
         self.names = store.names
 
+    def shape_of(self, name: str) -> torch.Size:
+        return self.store.shape_of(name)
+
     def matrix(self, name: str, index: int, dtype: torch.dtype) -> torch.Tensor:
         return self.store.matrix_from(self.offload.fetch(self.position), name, index, dtype)
 

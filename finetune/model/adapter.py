@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from finetune.errors import ModelLoadError
-from finetune.model.moe import adapter_targets
+from finetune.model.moe import adapter_targets, stored_elements
 from finetune.recipe.init_from import KEY, StartAdapter, read_weights, start_adapter
 from finetune.recipe.schema import AdapterConfig
 from finetune.units import torch_dtype
@@ -154,8 +154,9 @@ class WeightCastLinear(torch.nn.Linear):
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
-    """(trainable, total) element counts; 4-bit packed weights count as the elements they hold."""
-    trainable = total = 0
+    """(trainable, total) element counts; 4-bit packed weights count as the elements they hold, and so do
+    the expert weights a store holds in place of parameters (finetune.model.moe)."""
+    trainable, total = 0, stored_elements(model)
     for p in model.parameters():
         n = p.numel()
         if p.dtype == torch.uint8 and hasattr(p, "quant_state"):

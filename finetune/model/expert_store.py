@@ -50,6 +50,10 @@ class QuantizedExperts(torch.nn.Module):
                 self.nested_blocksize = states[0].state2.blocksize
             delattr(experts, name)  # the 16-bit parameter goes; the store answers for it
 
+    def shape_of(self, name: str) -> torch.Size:
+        """One expert's matrix of `name`."""
+        return self.shapes[name]
+
     def matrix(self, name: str, index: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert `index`'s matrix of `name`, dequantized into `dtype`."""
         return self.matrix_from(dict(self.named_buffers()), name, index, dtype)
@@ -81,6 +85,9 @@ class DenseExperts(torch.nn.Module):
         for name in names:
             self.register_buffer(name, getattr(experts, name).detach())
             delattr(experts, name)
+
+    def shape_of(self, name: str) -> torch.Size:
+        return getattr(self, name).shape[1:]
 
     def matrix(self, name: str, index: int, dtype: torch.dtype) -> torch.Tensor:
         return getattr(self, name)[index].to(dtype)

@@ -20,6 +20,7 @@ activations are the same under every routing: tokens x top_k rows.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,6 +111,16 @@ def moe_blocks(model: torch.nn.Module) -> list[MoEBlock]:
 def stored_experts(experts: torch.nn.Module) -> Any:
     """The store holding `experts`' weights in place of its parameters (4-bit, offloaded), or None."""
     return getattr(experts, STORE, None)
+
+
+def stored_elements(model: torch.nn.Module) -> int:
+    """Weights held by expert stores in place of parameters (4-bit, offloaded), as elements."""
+    total = 0
+    for block in moe_blocks(model):
+        store = stored_experts(block.experts)
+        if store is not None:
+            total += sum(block.num_experts * math.prod(store.shape_of(name)) for name in store.names)
+    return total
 
 
 # ---------------------------------------------------------------------------------------------------------
