@@ -200,10 +200,14 @@ def test_four_bit_experts_match_their_dequantized_reference(arch):
     torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
-def test_four_bit_experts_train_with_their_plan(tmp_path, arch, capsys):
+@pytest.mark.parametrize(("arch", "memory"), [
+    ("qwen3_moe", {}), ("deepseek_v3", {}),
+    ("olmoe", {"chunked_loss": True, "activation_checkpointing": True}),  # the aux loss beside the chunked loss
+])
+def test_four_bit_experts_train_with_their_plan(tmp_path, arch, memory, capsys):
     """QLoRA on a MoE model: experts stored in 4 bits, priced as stored (plan within 5% of the peak)."""
-    assert main(["run", str(_recipe(tmp_path, arch, {"quantization": {"bits": 4}}))]) == 0, capsys.readouterr().err
+    path = _recipe(tmp_path, arch, {"quantization": {"bits": 4}}, {"memory": memory})
+    assert main(["run", str(path)]) == 0, capsys.readouterr().err
     rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
     planned = json.loads((tmp_path / "run" / "plan.json").read_text())["peak_bytes"]
     measured = max(r["peak_memory_bytes"] for r in rows)

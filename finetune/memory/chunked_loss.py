@@ -97,7 +97,7 @@ def causal_lm_loss(model: nn.Module, inputs: Mapping[str, Any], num_items_in_bat
     `inputs` is the Trainer's batch (input_ids, attention_mask, labels, optionally position_ids or
     shift_labels); works for plain and peft-wrapped models (LoRA on lm_head or lm_head in modules_to_save).
     A mixture-of-experts model with a load-balancing loss adds router_aux_loss_coef x that loss, as its own
-    forward does; `metrics` (given for such a model) gets it as AUX_LOSS.
+    forward does, and `metrics` gets it as AUX_LOSS.
     """
     decoder, head, softcap, vocab = head_of(model)
     inputs = dict(inputs)
@@ -106,7 +106,7 @@ def causal_lm_loss(model: nn.Module, inputs: Mapping[str, Any], num_items_in_bat
     if shift_labels is None:  # position i predicts token i+1, exactly as ForCausalLMLoss shifts
         shift_labels = shift(labels)
     inputs.setdefault("use_cache", False)
-    coef = aux_loss_coef(model) if metrics is not None else None
+    coef = aux_loss_coef(model)
     if coef is not None:
         inputs["output_router_logits"] = True
     out = decoder(**inputs)

@@ -64,7 +64,7 @@ def compute_loss(model: torch.nn.Module, inputs: Mapping[str, Any], num_items_in
         return preference_loss(model, inputs, preference, chunked_loss, metrics)
     router = aux_loss_coef(model) is not None  # a MoE router's load-balancing loss is part of the objective
     if chunked_loss:
-        return causal_lm_loss(model, inputs, num_items_in_batch, metrics=metrics if router else None)
+        return causal_lm_loss(model, inputs, num_items_in_batch, metrics=metrics)
     if num_items_in_batch is not None:
         inputs = {**inputs, "num_items_in_batch": num_items_in_batch}
     if not router:
