@@ -269,3 +269,27 @@ def test_gguf_export_refuses_moe_in_one_line(tmp_path, arch):
     with pytest.raises(FinetuneError, match="mixture-of-experts model .* fused 3-D expert weights") as refused:
         write_gguf(_tiny_model(arch), make_tokenizer(), tmp_path / "m.gguf")
     assert "convert_hf_to_gguf" in refused.value.hint and not (tmp_path / "m.gguf").exists()
+
+
+def test_expert_offload_keeps_two_layers_and_prefetches_in_the_pass_direction():
+    """At most the computing MoE layer and the one arriving hold device copies: the next layer in forward,
+    the layer below in backward."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune.memory.expert_offload import expert_bytes, offload_experts
+    from finetune.model.moe import moe_blocks, use_finetune_experts
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe", vocab_size=300, num_hidden_layers=4))
+    use_finetune_experts(model)
+    experts = expert_bytes(model)
+    offload = offload_experts(model, True, None)
+    seen: list[tuple[int, list[int]]] = []
+    for position, block in enumerate(moe_blocks(model)):
+        block.experts.register_forward_hook(lambda m, a, o, p=position: seen.append((p, sorted(offload.resident))))
+    ids = torch.randint(0, 300, (1, 8), generator=torch.Generator().manual_seed(4))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert seen == [(0, [0, 1]), (1, [1, 2]), (2, [2, 3]), (3, [3])]
+    assert sorted(offload.resident) == [0]  # backward came down to the first layer, nothing else kept
+    # 4 layers x 8 experts x (gate_up [2 x 32, 64] + down [64, 32]) x fp32
+    assert offload.host_bytes == experts == 4 * 8 * (2 * 32 * 64 + 64 * 32) * 4
