@@ -39,6 +39,7 @@ How the prediction is put together (docs/planner.md has the long form):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +49,7 @@ from finetune.memory.chunked_loss import default_chunk_size
 from finetune.optim import gradient_bytes, optimizer_state_bytes
 from finetune.plan.generation import generation_memory
 from finetune.plan.planner import current
-from finetune.plan.trace import Trace, model_key, param_table_of, trace_step
+from finetune.plan.trace import ParamInfo, Trace, model_key, param_table_of, trace_step
 from finetune.recipe.offload_tiers import tier_spec
 from finetune.recipe.optimizers import optimizer_spec
 from finetune.recipe.schema import AdapterConfig, OptimizerConfig
@@ -216,30 +217,33 @@ def _param_parts(spec: ModelSpec, settings: Settings) -> tuple[dict[str, float],
     return parts, largest_trained, largest_quant
 
 
+def _over_layers(spec: ModelSpec, settings: Settings, measure: Callable[[tuple[ParamInfo, ...]], float]
+                 ) -> tuple[float, float]:
+    """(the whole model's, one layer's) `measure` of the parameter table, from the two cut copies."""
+    la, lb = _layer_counts(spec, settings)
+    key = model_key(spec.config, spec.adapter, spec.dtype)
+    a, b = (measure(param_table_of(key, layers)) for layers in (la, lb))
+    return _lerp(a, b, la, lb, spec.num_layers), (b - a) / (lb - la) if lb != la else b / max(lb, 1)
+
+
+def _is_expert(p: ParamInfo) -> bool:
+    return p.quantizable and len(p.shape) == 3
+
+
 def expert_weight_bytes(spec: ModelSpec, settings: Settings) -> tuple[float, float]:
     """(the whole model's, one layer's) frozen fused expert weights as stored: 4-bit with bits 4
     (finetune.model.expert_store), else 16-bit; what memory.offload_experts keeps in host RAM."""
-    la, lb = _layer_counts(spec, settings)
-    key = model_key(spec.config, spec.adapter, spec.dtype)
     bits = 4 if settings.bits == 4 else None
-
-    def total(layers: int) -> float:
-        return sum(quantized_weight_bytes(p.numel, p.out_features, bits, spec.double_quant, p.bytes_per_elem)
-                   for p in param_table_of(key, layers) if p.quantizable and len(p.shape) == 3)
-
-    a, b = total(la), total(lb)
-    return _lerp(a, b, la, lb, spec.num_layers), (b - a) / (lb - la) if lb != la else b / max(lb, 1)
+    return _over_layers(spec, settings, lambda table: sum(
+        quantized_weight_bytes(p.numel, p.out_features, bits, spec.double_quant, p.bytes_per_elem)
+        for p in table if _is_expert(p)))
 
 
 def moe_elements(spec: ModelSpec, settings: Settings) -> tuple[float, float]:
     """(all weights', the fused experts') element counts of the whole model, from the cut copies' parameter
     tables (a one-layer copy misses the experts of models whose first layers are dense)."""
-    la, lb = _layer_counts(spec, settings)
-    key = model_key(spec.config, spec.adapter, spec.dtype)
-    counts = [(sum(p.numel for p in table), sum(p.numel for p in table if p.quantizable and len(p.shape) == 3))
-              for table in (param_table_of(key, la), param_table_of(key, lb))]
-    return (_lerp(counts[0][0], counts[1][0], la, lb, spec.num_layers),
-            _lerp(counts[0][1], counts[1][1], la, lb, spec.num_layers))
+    return (_over_layers(spec, settings, lambda table: sum(p.numel for p in table))[0],
+            _over_layers(spec, settings, lambda table: sum(p.numel for p in table if _is_expert(p)))[0])
 
 
 def managed_state(spec: ModelSpec, settings: Settings) -> bool:
