@@ -158,6 +158,9 @@ def test_full_size_config_plans(name):
                          [f"model.path={CONFIGS / name}.json", "memory.gpu_memory=80GiB"])
     plan = predict(recipe, device="cuda")
     assert plan.peak_bytes > 0 and plan.settings is not None
+    # the tiled MLP runs dense MLPs: left out, saying why, where the first layer is a MoE block
+    left_out = any("memory.tiled_mlp left out" in note for note in plan.notes)
+    assert left_out == (name not in ("deepseek-v2-lite", "glm-4.5-air")) and (not left_out or not plan.settings["tiled_mlp"])
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])

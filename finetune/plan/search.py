@@ -98,6 +98,7 @@ class Plan:
     training_bytes: int = 0  # training.method grpo: the training phase's peak
     device_figures: dict[str, float] = field(default_factory=dict)  # what tokens_per_s rests on (figures_of)
     figures_measured: bool = False  # device_figures were measured on this machine (a CPU), not DEVICE's constants
+    notes: list[str] = field(default_factory=list)  # settings the search left out, and why
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -358,6 +359,12 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
     budget = _budget(recipe, gpu_memory, "cuda" if torch.cuda.is_available() and device == "cuda" else "cpu")
     shapes = model_facts(config, recipe.model.attn_implementation)[0]
     choices = _choices(recipe, spec)
+    notes = []
+    if shapes.mlp_linear == 0 and moe_config(config) is not None and recipe.memory.tiled_mlp == "auto" \
+            and any(st.tiled_mlp for st in choices):
+        choices = [st for st in choices if not st.tiled_mlp]
+        notes.append("memory.tiled_mlp left out: the decoder layers' MLPs are mixture-of-experts blocks, which "
+                     "route tokens, and the tiled MLP runs dense MLPs only (docs/moe.md)")
     bandwidth, free = _offload_resources(recipe, device, {st.offload for st in choices} - {"none"})
     if device == "cuda" and any(managed_state(spec, st) or st.offload_experts for st in choices):
         free.setdefault("host_ram", _free_memory("cpu"))
@@ -419,13 +426,15 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
                     alternatives=ok[1:4], rejected=rejected, world_size=spec.world_size,
                     communication_bytes=best.communication_bytes, reference_pass_bytes=best.reference_pass_bytes,
                     managed_bytes=best.managed_bytes, generation_bytes=best.generation_bytes,
-                    training_bytes=best.training_bytes, device_figures=figures, figures_measured=measured)
+                    training_bytes=best.training_bytes, device_figures=figures, figures_measured=measured,
+                    notes=notes)
     return Plan(device, leanest.settings, leanest.peak_bytes, leanest.breakdown, budget, False,
                 leanest.tokens_per_s, rejected=rejected,
                 min_budget_bytes=leanest.peak_bytes + recipe.memory.gpu_memory_margin, world_size=spec.world_size,
                 communication_bytes=leanest.communication_bytes, reference_pass_bytes=leanest.reference_pass_bytes,
                 managed_bytes=leanest.managed_bytes, generation_bytes=leanest.generation_bytes,
-                training_bytes=leanest.training_bytes, device_figures=figures, figures_measured=measured)
+                training_bytes=leanest.training_bytes, device_figures=figures, figures_measured=measured,
+                notes=notes)
 
 
 def _offload_resources(recipe: Recipe, device: str, tiers: set[str]) -> tuple[dict[str, float], dict[str, int]]:
