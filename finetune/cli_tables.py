@@ -69,6 +69,8 @@ def render_plan(plan: Plan, console: Console | None = None) -> None:
     if plan.managed_bytes:
         console.print(f"  optimizer state in CUDA managed memory ({plan.settings['optimizer']}, paged to host RAM "
                       f"when the GPU is full): {format_bytes(plan.managed_bytes)}, not in the peak")
+    for note in plan.notes:
+        console.print(f"  {note}")
     if plan.alternatives:
         alt = Table(title="next best")
         alt.add_column("settings")

@@ -73,6 +73,7 @@ PRIVATE: dict[str, PrivateAPI] = {api.name: api for api in (
     PrivateAPI("PreTrainedModel._supports_sdpa", "transformers", "5.23", "5.24",
                "falls back to sdpa (what transformers picks when it is not told)"),
     PrivateAPI("AcceleratorState._reset_state", "accelerate", "1.5", "1.15"),
+    PrivateAPI("use_experts_implementation._apply_gate", "transformers", "5.23", "5.24"),
 )}
 _seen: set[str] = set()  # entries whose version was compared this process (hot paths call _use per tensor)
 
@@ -101,7 +102,7 @@ except ImportError:
     raise PRIVATE["torch.utils._python_dispatch.TorchDispatchMode"].missing() from None
 _use("torch.utils._python_dispatch.TorchDispatchMode")
 _use("torch.utils._pytree")
-__all__ = ["PRIVATE", "PrivateAPI", "TorchDispatchMode", "attn_implementation", "check_all", "engine_backward",
+__all__ = ["PRIVATE", "PrivateAPI", "TorchDispatchMode", "attn_implementation", "check_all", "engine_backward", "expert_gate",
            "flash_attention_cpu", "foreach_norm", "op_schema", "set_attn_implementation", "storage_id",
            "supports_sdpa", "tensor_version", "tree_flatten", "tree_leaves"]
 
@@ -176,6 +177,16 @@ def set_attn_implementation(config: Any, attn: str) -> None:
     if not hasattr(config, "_attn_implementation"):
         raise api.missing()
     config._attn_implementation = attn
+
+
+def expert_gate(experts: Any, gate_up: torch.Tensor) -> torch.Tensor:
+    """A fused-experts module's gating of its gate_up projection (the layout transformers'
+    `use_experts_implementation` gives it: halves, or gpt-oss's interleaved clamped SwiGLU)."""
+    api = _use("use_experts_implementation._apply_gate")
+    gate = getattr(experts, "_apply_gate", None)
+    if gate is None:
+        raise api.missing()
+    return gate(gate_up)
 
 
 def supports_sdpa(model_class: type | None) -> bool:

@@ -55,6 +55,28 @@ ARCHITECTURES = {
     "lfm2": ("Lfm2Config", {"layer_types": ["conv", "full_attention"], "block_auto_adjust_ff_dim": False}),
 }
 
+# Mixture-of-experts families at toy size: 8 experts (4 for Mixtral, gpt-oss), top-2, expert width 32;
+# DeepSeek-V3 with MLA attention and a shared expert, GLM-4-MoE with a shared expert, both after one dense layer.
+MOE_ARCHITECTURES = {
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                     "head_dim": 16}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+                                  "sliding_window": None}),
+    "olmoe": ("OlmoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32}),
+    "gpt_oss": ("GptOssConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+                                 "head_dim": 16, "sliding_window": 8,
+                                 "layer_types": ["sliding_attention", "full_attention"],
+                                 "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}}),
+    "deepseek_v3": ("DeepseekV3Config", {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                         "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2,
+                                         "topk_group": 1, "kv_lora_rank": 16, "q_lora_rank": 32,
+                                         "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+                                         "num_key_value_heads": 4}),
+    "glm4_moe": ("Glm4MoeConfig", {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                   "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
+                                   "topk_group": 1, "head_dim": 16}),
+}
+
 
 def make_tokenizer(vocab_size: int = 512):
     """A byte-level BPE tokenizer with ChatML special tokens, trained offline in well under a second."""
@@ -107,7 +129,7 @@ def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides):
     """
     import transformers
 
-    cls_name, extra = ARCHITECTURES[arch]
+    cls_name, extra = ARCHITECTURES[arch] if arch in ARCHITECTURES else MOE_ARCHITECTURES[arch]
     if "text_config" in extra:  # a vision-language config around the tiny text config of another entry
         text = tiny_config(extra["text_config"], vocab_size, **overrides)
         return getattr(transformers, cls_name)(text_config=text.to_dict(), vision_config=extra["vision_config"])

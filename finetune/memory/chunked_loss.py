@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from finetune.errors import FinetuneError
+from finetune.model.moe import aux_loss_coef, router_aux_loss
 
 IGNORE_INDEX = -100
 CHUNK_LOGITS_BYTES = 64 << 20  # fp32 logits of one chunk when chunk_size is not given
@@ -90,11 +91,13 @@ def head_of(model: nn.Module) -> tuple[nn.Module, nn.Module, float | None, int]:
 
 
 def causal_lm_loss(model: nn.Module, inputs: Mapping[str, Any], num_items_in_batch: torch.Tensor | int | None = None,
-                   chunk_size: int | None = None) -> torch.Tensor:
+                   chunk_size: int | None = None, metrics: dict[str, list[float]] | None = None) -> torch.Tensor:
     """The causal-LM training loss of `model` on a batch, without materialising the logits.
 
     `inputs` is the Trainer's batch (input_ids, attention_mask, labels, optionally position_ids or
     shift_labels); works for plain and peft-wrapped models (LoRA on lm_head or lm_head in modules_to_save).
+    A mixture-of-experts model with a load-balancing loss adds router_aux_loss_coef x that loss, as its own
+    forward does, and `metrics` gets it as AUX_LOSS.
     """
     decoder, head, softcap, vocab = head_of(model)
     inputs = dict(inputs)
@@ -103,9 +106,28 @@ def causal_lm_loss(model: nn.Module, inputs: Mapping[str, Any], num_items_in_bat
     if shift_labels is None:  # position i predicts token i+1, exactly as ForCausalLMLoss shifts
         shift_labels = shift(labels)
     inputs.setdefault("use_cache", False)
-    hidden = decoder(**inputs)[0]
-    return chunked_cross_entropy(hidden, head, shift_labels, num_items_in_batch, chunk_size, softcap=softcap,
+    coef = aux_loss_coef(model)
+    if coef is not None:
+        inputs["output_router_logits"] = True
+    out = decoder(**inputs)
+    loss = chunked_cross_entropy(out[0], head, shift_labels, num_items_in_batch, chunk_size, softcap=softcap,
                                  vocab_size=vocab)
+    if coef is None:
+        return loss
+    aux = router_aux_loss(model, out.router_logits, inputs.get("attention_mask"))
+    add_metric(metrics, AUX_LOSS, aux)
+    return loss + coef * aux.to(loss.device)
+
+
+AUX_LOSS = "aux_loss"  # the metrics.jsonl name of a MoE router's load-balancing loss
+
+
+def add_metric(metrics: dict[str, list[float]] | None, name: str, value: torch.Tensor | None) -> None:
+    """Add one micro-batch's value to `metrics` (name -> [sum, count], the loop logs the mean)."""
+    if metrics is not None and value is not None:
+        total = metrics.setdefault(name, [0.0, 0])
+        total[0] += float(value.detach()) if not value.is_meta else 0.0
+        total[1] += 1
 
 
 def shift(labels: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ import functools
 import torch
 
 from finetune.errors import RecipeError
+from finetune.memory.expert_offload import offload_experts
 from finetune.model.family import decoder_layers, dense_mlp, family_of
 from finetune.recipe.schema import MemoryConfig
 
@@ -217,5 +218,11 @@ def compile_layers(model: torch.nn.Module, enabled: bool) -> int:
 
 
 def apply_memory_config(model: torch.nn.Module, memory: MemoryConfig) -> None:
-    """`apply_layer_recompute` as a resolved recipe's memory section says (tiled_mlp no longer auto)."""
+    """`apply_layer_recompute` and expert offload as a resolved recipe's memory section says (tiled_mlp and
+    offload_experts no longer auto)."""
     apply_layer_recompute(model, memory.recompute_norms, memory.tiled_mlp_tokens if memory.tiled_mlp is True else None)
+    if memory.offload_experts is True:
+        import psutil
+
+        ram = psutil.virtual_memory().available
+        offload_experts(model, True, min(ram, memory.offload_cpu_limit) if memory.offload_cpu_limit else ram)

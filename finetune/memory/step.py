@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from finetune.memory.chunked_loss import causal_lm_loss
+from finetune.memory.chunked_loss import AUX_LOSS, add_metric, causal_lm_loss
 from finetune.memory.preference import Metrics, PreferenceLoss, preference_loss
 from finetune.memory.tracker import MemoryTracker
+from finetune.model.moe import aux_loss_coef
 from finetune.optim import layerwise_of
 from finetune.units import dtype_name, torch_dtype
 
@@ -52,18 +53,25 @@ def compute_loss(model: torch.nn.Module, inputs: Mapping[str, Any], num_items_in
                  chunked_loss: bool = False, preference: PreferenceLoss | None = None,
                  metrics: Metrics | None = None) -> torch.Tensor:
     """The loss of one micro-batch: the model's causal-LM loss, or chunked so full logits never exist, or the
-    preference loss (`finetune.memory.preference`; its rewards and margins are added to `metrics`).
+    preference loss (`finetune.memory.preference`; its rewards and margins are added to `metrics`). A
+    mixture-of-experts model with a load-balancing loss (router_aux_loss_coef) adds it, as its forward does with
+    output_router_logits, and logs it as `aux_loss` in `metrics`.
 
     num_items_in_batch: labelled tokens of the whole accumulated batch (the loss is then a sum over this
     micro-batch divided by it, as the loop passes it), or None for a per-micro-batch mean.
     """
     if preference is not None:
         return preference_loss(model, inputs, preference, chunked_loss, metrics)
+    router = aux_loss_coef(model) is not None  # a MoE router's load-balancing loss is part of the objective
     if chunked_loss:
-        return causal_lm_loss(model, inputs, num_items_in_batch)
+        return causal_lm_loss(model, inputs, num_items_in_batch, metrics=metrics)
     if num_items_in_batch is not None:
         inputs = {**inputs, "num_items_in_batch": num_items_in_batch}
-    return model(**inputs).loss
+    if not router:
+        return model(**inputs).loss
+    out = model(**inputs, output_router_logits=True)  # the model adds router_aux_loss_coef x aux_loss
+    add_metric(metrics, AUX_LOSS, out.aux_loss)
+    return out.loss
 
 
 def _window(tracker: MemoryTracker | None, name: str) -> contextlib.AbstractContextManager:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from finetune.errors import ModelLoadError
-from finetune.model.family import family_of
+from finetune.model.moe import adapter_targets, stored_elements
 from finetune.recipe.init_from import KEY, StartAdapter, read_weights, start_adapter
 from finetune.recipe.schema import AdapterConfig
 from finetune.units import torch_dtype
@@ -17,23 +17,18 @@ TRAINED_ADAPTER = "default"  # peft's name for the adapter get_peft_model create
 REFERENCE_ADAPTER = "reference"  # adapter.init_from, reference forward in each step: a frozen copy of it
 
 
-def lora_config(cfg: AdapterConfig, inference_mode: bool = False, excluded: tuple[str, ...] = ()):
-    """peft's LoraConfig for the adapter section; `excluded`: module names all-linear leaves out (the model
-    family's `not_adapted`, see `adapter_exclusions`)."""
+def lora_config(cfg: AdapterConfig, inference_mode: bool = False,
+                targets: tuple[str | list[str], list[str]] | None = None):
+    """peft's LoraConfig for the recipe; `targets`: (target_modules, target_parameters) as
+    `finetune.model.moe.adapter_targets` resolves them for the model (else the recipe's target_modules)."""
     from peft import LoraConfig, TaskType
 
+    modules, parameters = targets if targets is not None else (cfg.target_modules, [])
     return LoraConfig(
         task_type=TaskType.CAUSAL_LM, r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-        target_modules=cfg.target_modules, use_dora=cfg.type == "dora", use_rslora=cfg.rslora,
-        modules_to_save=cfg.modules_to_save, inference_mode=inference_mode,
-        exclude_modules=list(excluded) or None,
+        target_modules=modules, target_parameters=parameters or None, use_dora=cfg.type == "dora",
+        use_rslora=cfg.rslora, modules_to_save=cfg.modules_to_save, inference_mode=inference_mode,
     )
-
-
-def adapter_exclusions(model: torch.nn.Module, cfg: AdapterConfig) -> tuple[str, ...]:
-    """What `target_modules: all-linear` leaves out in this model's family (finetune.recipe.families); an
-    explicit target list is the user's."""
-    return family_of(model.config).not_adapted if cfg.target_modules == "all-linear" else ()
 
 
 def apply_adapter(model: torch.nn.Module, cfg: AdapterConfig, *, checkpointing: bool,
@@ -59,14 +54,14 @@ def apply_adapter(model: torch.nn.Module, cfg: AdapterConfig, *, checkpointing: 
         # With a frozen base the embeddings output has no grad; checkpointed blocks then see no input that
         # requires grad. This hook makes the embedding output require grad (cheap, no extra memory).
         model.enable_input_require_grads()
-    excluded = adapter_exclusions(model, cfg)
-    model = get_peft_model(model, lora_config(cfg, excluded=excluded))
+    targets = adapter_targets(model, cfg.target_modules, cfg.target_experts)
+    model = get_peft_model(model, lora_config(cfg, targets=targets))
     if cfg.init_from is not None:
         start = start_adapter(cfg.init_from)
         state = load_adapter_state(start, digest)
         load_adapter_weights(model, start.weights, state, TRAINED_ADAPTER)
         if reference:
-            model.add_adapter(REFERENCE_ADAPTER, lora_config(cfg, inference_mode=True, excluded=excluded))
+            model.add_adapter(REFERENCE_ADAPTER, lora_config(cfg, inference_mode=True, targets=targets))
             load_adapter_weights(model, start.weights, state, REFERENCE_ADAPTER)
             model.set_adapter(TRAINED_ADAPTER)  # trainable again; the reference stays frozen
             # save_pretrained (the loop's checkpoints, the run's adapter/) writes only the trained adapter:
@@ -159,8 +154,9 @@ class WeightCastLinear(torch.nn.Linear):
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
-    """(trainable, total) element counts; 4-bit packed weights count as the elements they hold."""
-    trainable = total = 0
+    """(trainable, total) element counts; 4-bit packed weights count as the elements they hold, and so do
+    the expert weights a store holds in place of parameters (finetune.model.moe)."""
+    trainable, total = 0, stored_elements(model)
     for p in model.parameters():
         n = p.numel()
         if p.dtype == torch.uint8 and hasattr(p, "quant_state"):

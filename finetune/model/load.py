@@ -10,7 +10,9 @@ import torch
 
 from finetune.compat import supports_sdpa
 from finetune.errors import ModelLoadError
+from finetune.model.expert_store import quantize_experts
 from finetune.model.family import family_of
+from finetune.model.moe import use_finetune_experts
 from finetune.model.source import resolve_model_path
 from finetune.recipe.families import check_config_file
 from finetune.recipe.schema import ModelConfig, QuantizationConfig
@@ -119,6 +121,8 @@ def load_model(model_cfg: ModelConfig, quant: QuantizationConfig, *, quantize: b
     if qconfig is None and torch.cuda.is_available():
         model.to("cuda")
     disable_cpu_4bit_repack(model)
+    if use_finetune_experts(model) and qconfig is not None:
+        quantize_experts(model, quant)  # bitsandbytes leaves fused 3-D experts in 16 bits
     model.config.use_cache = False
     return model, load_tokenizer(path, model_cfg), path
 

@@ -39,6 +39,7 @@ How the prediction is put together (docs/planner.md has the long form):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +50,7 @@ from finetune.optim import gradient_bytes, optimizer_state_bytes
 from finetune.plan.generation import generation_memory
 from finetune.plan.planner import current
 from finetune.plan.shapes import kind_variants
-from finetune.plan.trace import Trace, model_key, param_table_of, real_config, trace_step
+from finetune.plan.trace import ParamInfo, Trace, model_key, param_table_of, real_config, trace_step
 from finetune.recipe.offload_tiers import tier_spec
 from finetune.recipe.optimizers import optimizer_spec
 from finetune.recipe.schema import AdapterConfig, OptimizerConfig
@@ -199,15 +200,18 @@ def _param_sums(key: tuple[str, ...], layers: int, bits: int | None, double_quan
 def _sum_params(key: tuple[str, ...], layers: int, bits: int | None, double_quant: bool, optimizer: str,
                 optimizer_json: str, accumulation: int) -> tuple[dict[str, float], int, int]:
     params = param_table_of(key, layers)
-    frozen = sum(quantized_weight_bytes(p.numel, p.out_features, bits if p.quantizable else None, double_quant,
-                                        p.bytes_per_elem) for p in params if not p.trainable)
+    # A quantizable 3-D weight holds a MoE block's experts: stored in 4 bits one expert matrix at a time
+    # (finetune.model.expert_store), left in 16 bits by 8-bit quantization, dequantized one expert at a time.
+    frozen = sum(quantized_weight_bytes(p.numel, p.out_features, bits if p.quantizable and (
+        bits == 4 or len(p.shape) == 2) else None, double_quant, p.bytes_per_elem) for p in params if not p.trainable)
     trained = [(p.name, p.shape, p.dtype) for p in params if p.trainable]
     opt = OptimizerConfig.model_validate_json(optimizer_json).model_copy(update={"name": optimizer})
     sums = {"weights": frozen, "trainable_weights": sum(p.numel * p.bytes_per_elem for p in params if p.trainable),
             "optimizer_state": optimizer_state_bytes(optimizer, trained, opt),
             "grads": gradient_bytes(trained, opt, accumulation)}
     largest_trained = max((p.numel * p.bytes_per_elem for p in params if p.trainable), default=0)
-    largest_quant = max((p.numel for p in params if p.quantizable), default=0)
+    largest_quant = max((p.numel // (p.shape[0] if len(p.shape) == 3 else 1) for p in params if p.quantizable),
+                        default=0)
     return sums, largest_trained, largest_quant
 
 
@@ -240,12 +244,44 @@ def _param_parts(spec: ModelSpec, settings: Settings) -> tuple[dict[str, float],
     """`_whole_parts` as one device holds them under the strategy (`distributed_parts`); the optimizer state
     of an optimizer that keeps it in CUDA managed memory moves to `managed` (`managed_state`)."""
     whole, per_layer, largest_trained, largest_quant = _whole_parts(spec, settings)
+    if settings.offload_experts and spec.device == "cuda":  # finetune.memory.expert_offload: on the device,
+        experts, per_moe_layer = expert_weight_bytes(spec, settings)  # the experts of the MoE layer computing
+        whole = {**whole, "weights": whole["weights"] - experts + 2 * per_moe_layer}  # and of the one arriving
     parts = distributed_parts(spec, settings, whole, per_layer)
     if managed_state(spec, settings):
         parts["managed"], parts["optimizer_state"] = parts["optimizer_state"], 0.0
     else:
         parts["managed"] = 0.0
     return parts, largest_trained, largest_quant
+
+
+def _over_layers(spec: ModelSpec, settings: Settings, measure: Callable[[tuple[ParamInfo, ...]], float]
+                 ) -> tuple[float, float]:
+    """(the whole model's, one layer's) `measure` of the parameter table, from the two cut copies."""
+    la, lb = _layer_counts(spec, settings)
+    key = model_key(spec.config, spec.adapter, spec.dtype)
+    a, b = (measure(param_table_of(key, layers)) for layers in (la, lb))
+    return _lerp(a, b, la, lb, spec.num_layers), (b - a) / (lb - la) if lb != la else b / max(lb, 1)
+
+
+def _is_expert(p: ParamInfo) -> bool:
+    return p.quantizable and len(p.shape) == 3
+
+
+def expert_weight_bytes(spec: ModelSpec, settings: Settings) -> tuple[float, float]:
+    """(the whole model's, one layer's) frozen fused expert weights as stored: 4-bit with bits 4
+    (finetune.model.expert_store), else 16-bit; what memory.offload_experts keeps in host RAM."""
+    bits = 4 if settings.bits == 4 else None
+    return _over_layers(spec, settings, lambda table: sum(
+        quantized_weight_bytes(p.numel, p.out_features, bits, spec.double_quant, p.bytes_per_elem)
+        for p in table if _is_expert(p)))
+
+
+def moe_elements(spec: ModelSpec, settings: Settings) -> tuple[float, float]:
+    """(all weights', the fused experts') element counts of the whole model, from the cut copies' parameter
+    tables (a one-layer copy misses the experts of models whose first layers are dense)."""
+    return (_over_layers(spec, settings, lambda table: sum(p.numel for p in table))[0],
+            _over_layers(spec, settings, lambda table: sum(p.numel for p in table if _is_expert(p)))[0])
 
 
 def managed_state(spec: ModelSpec, settings: Settings) -> bool:

@@ -17,11 +17,14 @@ from finetune.memory.bandwidth import cpu_compute, transfer_bandwidth
 from finetune.memory.device_memory import usable_gpu_memory
 from finetune.memory.offload import offload_dir_for
 from finetune.memory.preference import PreferenceLoss, loads_reference_adapter, reference_is_current
+from finetune.model.moe import moe_config
 from finetune.plan.cost_model import figures_of, rollout_of, tokens_per_second
 from finetune.plan.memory_model import (
     ModelSpec,
+    expert_weight_bytes,
     managed_state,
     memory_floor,
+    moe_elements,
     predict_memory,
     step_completions,
     traffic_bytes,
@@ -94,6 +97,7 @@ class Plan:
     training_bytes: int = 0  # training.method grpo: the training phase's peak
     device_figures: dict[str, float] = field(default_factory=dict)  # what tokens_per_s rests on (figures_of)
     figures_measured: bool = False  # device_figures were measured on this machine (a CPU), not DEVICE's constants
+    notes: list[str] = field(default_factory=list)  # settings the search left out, and why
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -161,6 +165,8 @@ def auto_values(recipe: Recipe, device: str) -> dict[str, list[Any]]:
         "bits": [None] if recipe.adapter.type == "full" else [None, 8, 4],
         "optimizer": _auto_optimizers(recipe),
         "tiled_mlp": [False, True],
+        # on a CPU run the host is the device: offloading experts there frees nothing
+        "offload_experts": [False, True] if device == "cuda" else [False],
         "strategy": _auto_strategies(recipe),
         # grpo: whole groups, doubling; one that holds the step's all is None (_choices)
         "generation_batch_size": [None, *(recipe.grpo.num_generations << k for k in range(11))]
@@ -229,6 +235,8 @@ def _choices(recipe: Recipe, spec: ModelSpec) -> list[Settings]:
             continue
         if st["offload"] != "none" and spec.num_layers < 2:
             continue
+        if st["offload_experts"] and given["offload_experts"] == "auto" and moe_config(spec.config) is None:
+            continue  # a dense model has no experts to offload
         if world > 1 and given["strategy"] == "auto" and _refused(recipe, st):
             continue
         if st["gradient_accumulation_steps"] == "auto":  # keep training.effective_batch_size over all devices
@@ -283,8 +291,16 @@ def free_disk_bytes(path: Path) -> int:
 def _speed(spec: ModelSpec, shapes: ModelShapes, settings: Settings, offloaded_bytes: int,
            bandwidth: dict[str, float] | None, figures: dict[str, float] | None = None) -> float:
     quantized = shapes.num_layers * shapes.layer_linear if settings.bits else 0
+    params, fetched = shapes.total, 0.0
+    moe = moe_config(spec.config)
+    if moe is not None:  # a token computes top_k of the experts; a batch of tokens touches them all
+        total, experts = moe_elements(spec, settings)
+        params = int(total - experts * (1 - moe.top_k / moe.num_experts))
+        quantized += int(experts) if settings.bits == 4 else 0
+        fetched = expert_weight_bytes(spec, settings)[0] if settings.offload_experts else 0.0
     return tokens_per_second(
-        settings, device=spec.device, params=shapes.total, trainable_full=spec.adapter.type == "full",
+        settings, device=spec.device, params=params, trainable_full=spec.adapter.type == "full",
+        offloaded_experts=fetched,
         num_layers=spec.num_layers, hidden=spec.hidden_size, seq_len=spec.seq_len, quantized_params=quantized,
         offloaded_bytes=offloaded_bytes, dtype_bytes=spec.dtype.itemsize,
         mlp_params=shapes.num_layers * shapes.mlp_linear, mlp_chunk_tokens=spec.tiled_mlp_tokens, bandwidth=bandwidth,
@@ -317,6 +333,10 @@ def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, free: dic
             cand.reject("offload_space", f"{settings.offload} offload needs {format_bytes(pred.offloaded_bytes)} "
                         f"{STORES[holds_in]}, {format_bytes(available)} free")
     ram = (free or {}).get("host_ram")
+    if cand.kind is None and settings.offload_experts and ram is not None and spec.device == "cuda":
+        experts = expert_weight_bytes(spec, settings)[0]
+        if experts > ram:
+            cand.reject("host_ram", f"expert offload needs {format_bytes(experts)} of RAM, {format_bytes(ram)} free")
     if cand.kind is None and pred.managed_bytes and ram is not None:
         in_ram = pred.managed_bytes + (pred.offloaded_bytes if holds_in == "host_ram" else 0)
         if in_ram > ram:
@@ -338,8 +358,14 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
     budget = _budget(recipe, gpu_memory, "cuda" if torch.cuda.is_available() and device == "cuda" else "cpu")
     shapes = model_facts(config, recipe.model.attn_implementation)[0]
     choices = _choices(recipe, spec)
+    notes = []
+    if shapes.mlp_linear == 0 and moe_config(config) is not None and recipe.memory.tiled_mlp == "auto" \
+            and any(st.tiled_mlp for st in choices):
+        choices = [st for st in choices if not st.tiled_mlp]
+        notes.append("memory.tiled_mlp left out: the decoder layers' MLPs are mixture-of-experts blocks, which "
+                     "route tokens, and the tiled MLP runs dense MLPs only (docs/moe.md)")
     bandwidth, free = _offload_resources(recipe, device, {st.offload for st in choices} - {"none"})
-    if device == "cuda" and any(managed_state(spec, st) for st in choices):
+    if device == "cuda" and any(managed_state(spec, st) or st.offload_experts for st in choices):
         free.setdefault("host_ram", _free_memory("cpu"))
     # A CPU is priced with what it measured (once per machine and thread count, cached); a GPU with constants.
     measured = device == "cpu"
@@ -401,13 +427,15 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
                     alternatives=ok[1:4], rejected=rejected, world_size=spec.world_size,
                     communication_bytes=best.communication_bytes, reference_pass_bytes=best.reference_pass_bytes,
                     managed_bytes=best.managed_bytes, generation_bytes=best.generation_bytes,
-                    training_bytes=best.training_bytes, device_figures=figures, figures_measured=measured)
+                    training_bytes=best.training_bytes, device_figures=figures, figures_measured=measured,
+                    notes=notes)
     return Plan(device, leanest.settings, leanest.peak_bytes, leanest.breakdown, budget, False,
                 leanest.tokens_per_s, rejected=rejected,
                 min_budget_bytes=leanest.peak_bytes + recipe.memory.gpu_memory_margin, world_size=spec.world_size,
                 communication_bytes=leanest.communication_bytes, reference_pass_bytes=leanest.reference_pass_bytes,
                 managed_bytes=leanest.managed_bytes, generation_bytes=leanest.generation_bytes,
-                training_bytes=leanest.training_bytes, device_figures=figures, figures_measured=measured)
+                training_bytes=leanest.training_bytes, device_figures=figures, figures_measured=measured,
+                notes=notes)
 
 
 def _offload_resources(recipe: Recipe, device: str, tiers: set[str]) -> tuple[dict[str, float], dict[str, int]]:

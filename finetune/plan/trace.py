@@ -35,6 +35,7 @@ from finetune.memory.step import enable_checkpointing, forward_backward
 from finetune.memory.tracker import MemoryTracker
 from finetune.model.adapter import apply_adapter
 from finetune.model.family import decoder_layers, in_decoder_layers
+from finetune.model.moe import expert_weight_names, use_finetune_experts
 from finetune.model.source import config_location
 from finetune.plan import trace_cache
 from finetune.plan.planner import Planner, current
@@ -182,6 +183,10 @@ def _meta_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=No
     keeps for backward (one [batch, 1, s, s] tensor per sliding-window layer: Gemma, Ministral)."""
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~attn_mask, float("-inf"))
+    if v.shape[-1] != q.shape[-1]:  # MLA (DeepSeek): values narrower than queries; the fused kernel wants one
+        # width, so V is padded to it (as transformers does for flash attention) and the output cut back
+        pad = torch.nn.functional.pad(v, (0, q.shape[-1] - v.shape[-1]))
+        return flash_attention_cpu(q, k, pad, dropout_p, is_causal, attn_mask, scale)[..., :v.shape[-1]]
     return flash_attention_cpu(q, k, v, dropout_p, is_causal, attn_mask, scale)
 
 
@@ -245,7 +250,9 @@ def _param_infos(model: torch.nn.Module) -> tuple[ParamInfo, ...]:
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            quantizable = pname == "weight" and _quantizable(name, module, in_layers)
+            # fused 3-D expert weights are stored in 4 bits by finetune.model.expert_store (bits: 4)
+            quantizable = (pname == "weight" and _quantizable(name, module, in_layers)) or \
+                (p.dim() == 3 and not p.requires_grad and pname in expert_weight_names(module))
             out = p.shape[0] if p.dim() == 2 else p.numel()
             infos.append(ParamInfo(f"{name}.{pname}".lstrip("."), tuple(p.shape), p.dtype, p.numel(), out,
                                    p.element_size(), p.requires_grad, quantizable))
@@ -279,6 +286,7 @@ def _meta_model(config_json: str, model_type: str, adapter_json: str, dtype: str
     adapter = AdapterConfig.model_validate_json(adapter_json)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+        use_finetune_experts(model)
         model = apply_adapter(model, adapter, checkpointing=checkpointing)
         apply_layer_recompute(model, recompute_norms, mlp_tokens)
         return model

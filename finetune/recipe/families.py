@@ -50,9 +50,6 @@ class Family:
     # layer (finetune/model/moe.py), the expert block of one decoder layer, None for a dense layer. A family
     # with `experts` set is a MoE family: the tiled MLP leaves its expert blocks out, docs/models.md says MoE.
     experts: str | None = None
-    # Module names `adapter.target_modules: all-linear` leaves out in this family (peft's exclude_modules: a
-    # name matches a module whose name ends with it), e.g. a MoE router kept in full precision and untrained.
-    not_adapted: tuple[str, ...] = ()
     methods: tuple[str, ...] = METHODS  # what trains (docs/models.md)
     # Its vision-language checkpoints (a config with a vision part) load as their text model: transformers maps
     # them to the causal LM and leaves the vision tower unloaded, so they train, chat and export as text models.
@@ -64,6 +61,11 @@ class Family:
 
 
 _NO_GGUF_CHECK = "transformers cannot read it back, so its GGUF layout is not verified here yet"
+# Mixture-of-experts families: their expert block through finetune/model/moe.py (docs/moe.md).
+_MOE = "finetune.model.moe:moe_block_of"
+_MOE_METHODS = ("QLoRA", "LoRA")  # the ones tests/test_moe.py trains (4-bit experts, LoRA beside frozen experts)
+_NO_GGUF_MOE = ("its fused 3-D expert weights are not split into llama.cpp's per-projection expert tensors yet "
+                "(convert the merged safetensors export with llama.cpp's convert_hf_to_gguf.py)")
 
 FAMILIES: tuple[Family, ...] = (
     Family("Llama 3.x", ("llama",), "Llama-3.1-8B, Llama-3.2-1B/3B, Llama-3.3-70B", "full attention",
@@ -97,6 +99,20 @@ FAMILIES: tuple[Family, ...] = (
     Family("LFM2", ("lfm2",), "LFM2-350M/700M/1.2B/2.6B", "hybrid: short gated convolutions and full attention "
            "layers", no_gguf="its convolution layers need llama.cpp's shortconv keys and per-layer KV head counts, "
            "which this writer does not write yet"),
+    Family("Qwen3-MoE", ("qwen3_moe",), "Qwen3-30B-A3B, Qwen3-235B-A22B", "full attention with q/k norms; "
+           "routed experts (128, top-8)", no_gguf=_NO_GGUF_MOE, experts=_MOE, methods=_MOE_METHODS),
+    Family("Mixtral", ("mixtral",), "Mixtral-8x7B, Mixtral-8x22B", "full attention; routed experts (8, top-2)",
+           no_gguf=_NO_GGUF_MOE, experts=_MOE, methods=_MOE_METHODS),
+    Family("OLMoE", ("olmoe",), "OLMoE-1B-7B", "full attention with q/k norms; routed experts (64, top-8)",
+           no_gguf=_NO_GGUF_MOE, experts=_MOE, methods=_MOE_METHODS),
+    Family("gpt-oss", ("gpt_oss",), "gpt-oss-20b, gpt-oss-120b", "sliding-window and full attention, "
+           "alternating, with attention sinks; routed experts (32/128, top-4)", no_gguf=_NO_GGUF_MOE,
+           experts=_MOE, methods=_MOE_METHODS),
+    Family("DeepSeek-V2/V3", ("deepseek_v2", "deepseek_v3"), "DeepSeek-V2-Lite, DeepSeek-V3-style models",
+           "multi-head latent attention (compressed KV); routed and shared experts after dense first layers",
+           no_gguf=_NO_GGUF_MOE, experts=_MOE, methods=_MOE_METHODS),
+    Family("GLM-4-MoE", ("glm4_moe",), "GLM-4.5-Air, GLM-4.5", "full attention; routed and shared experts "
+           "after a dense first layer", no_gguf=_NO_GGUF_MOE, experts=_MOE, methods=_MOE_METHODS),
 )
 
 # model_types of vision-language configs: refused with their own line (their text part is not split off yet).

@@ -59,6 +59,10 @@ class AdapterConfig(Section):
     dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
     target_modules: str | list[str] = Field(
         "all-linear", description="Modules to adapt: all-linear or a list of module-name suffixes such as [q_proj, v_proj].")
+    target_experts: bool = Field(
+        False, description="Mixture-of-experts models: LoRA on the routed experts' fused weights too (peft "
+        "target_parameters; LoRA only, with dropout 0: peft cannot apply dropout there). Off: attention, shared "
+        "experts and dense layers are adapted, the experts and routers stay frozen (docs/moe.md).")
     rslora: bool = Field(False, description="Rank-stabilised LoRA scaling alpha / sqrt(r).")
     modules_to_save: list[str] | None = Field(None, description="Extra modules trained in full and saved with the adapter.")
     fp32_compute: bool = Field(
@@ -383,6 +387,10 @@ class MemoryConfig(Section):
         "auto", description="Run each layer's MLP over the sequence in chunks of tiled_mlp_tokens and recompute it "
         "chunk by chunk in backward (one extra MLP forward; for long sequences); auto: planner.")
     tiled_mlp_tokens: int = Field(1024, ge=16, le=MAX_COUNT, description="Sequence positions per MLP chunk with tiled_mlp.")
+    offload_experts: bool | Auto = Field(
+        False, description="Mixture-of-experts models: keep the frozen expert weights (as stored: 4-bit or 16-bit) "
+        "in host RAM, pinned, and bring each MoE layer's experts to the GPU when it runs, the next layer's "
+        "fetched meanwhile; the RAM they take counts against offload_cpu_limit; auto: planner (GPUs only).")
     gpu_memory: PositiveByteSize | Auto = Field("auto", description="Memory budget, e.g. 12GiB; auto: the GPU memory free when the run starts "
         "(torch.cuda.mem_get_info), so what other processes hold then is excluded; gpu_memory_margin stays free "
         "below it for what they (and the CUDA context, allocator fragmentation) may take later.")
@@ -608,6 +616,19 @@ class Recipe(Section):
         if self.adapter.dtype != "fp32" and self.adapter.fp32_compute:
             raise ValueError(f"adapter.dtype={self.adapter.dtype} with adapter.fp32_compute: true: fp32 LoRA matmuls "
                              "need fp32 adapter weights; set adapter.fp32_compute: false or adapter.dtype: fp32")
+        if self.adapter.target_experts and self.adapter.type != "lora":
+            raise ValueError(f"adapter.target_experts applies to adapter.type=lora, not {self.adapter.type}: peft "
+                             "adapts fused expert weights with plain LoRA only; remove adapter.target_experts")
+        if self.adapter.target_experts and self.quantization.bits in (4, "auto"):
+            raise ValueError(f"adapter.target_experts with quantization.bits={self.quantization.bits}: peft adapts "
+                             "fused expert weights held in 16 bits, and bits 4 stores them in 4; set "
+                             "quantization.bits: null (or 8: experts stay 16-bit) or remove adapter.target_experts")
+        if self.adapter.target_experts and self.memory.offload_experts is not False:
+            raise ValueError("adapter.target_experts with memory.offload_experts: the offload moves frozen expert "
+                             "weights to host RAM, and these would be trained; set memory.offload_experts: false")
+        if self.adapter.target_experts and self.adapter.dropout:
+            raise ValueError(f"adapter.target_experts with adapter.dropout={self.adapter.dropout}: peft's LoRA on "
+                             "fused expert weights (target_parameters) cannot apply dropout; set adapter.dropout: 0")
         if self.adapter.init_from is not None and self.adapter.type == "full":
             raise ValueError("adapter.init_from starts from a LoRA/DoRA adapter; it cannot be used with "
                              "adapter.type=full")

@@ -9,6 +9,7 @@ import time
 from rich.progress import Progress
 
 from finetune.console import ProgressLines, console, progress_bar
+from finetune.memory.chunked_loss import AUX_LOSS
 from finetune.memory.preference import METRIC_PREFIXES
 from finetune.rundir import COLLAPSED_EVENT, EVAL_PREFIX, TRAINING_WARNING, RunDir, is_eval_row
 from finetune.train.grpo import METRIC_PREFIXES as GRPO_METRICS
@@ -93,7 +94,7 @@ class RunFiles(Policy):
             )
             # The gradient noise scale (finetune/train/noise_scale.py), once there is an estimate.
             row.update({k: logs[k] for k in NOISE_SCALE_KEYS if k in logs})
-            row.update({k: v for k, v in logs.items() if k.startswith(METRIC_PREFIXES + GRPO_METRICS)})
+            row.update({k: v for k, v in logs.items() if k.startswith(METRIC_PREFIXES + GRPO_METRICS + (AUX_LOSS,))})
             self._last_time, self._last_tokens = now, tokens
             if "reward" not in logs:  # GRPO's gradient is 0 whenever every group's rewards are equal
                 collapsed = self.collapse.observe(logs["step"], row["loss"], row["grad_norm"])

@@ -429,7 +429,7 @@ class TrainLoop:
         row = {"step": self.state.step, "epoch": round(self.state.epoch, 4), "loss": round(value, 6),
                "grad_norm": float(norm) if norm is not None else None, "learning_rate": learning_rate,
                "tokens_seen": self.state.tokens_seen}
-        if self.preference is not None:
+        if self.preference_metrics["train"]:  # a preference loss's rewards, a MoE router's aux_loss
             row.update(metric_means(self.preference_metrics["train"]))
             self.preference_metrics["train"] = {}
         self._record(row)
