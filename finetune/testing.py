@@ -78,6 +78,11 @@ MOE_ARCHITECTURES = {
 }
 
 
+def architecture(arch: str) -> tuple[str, dict]:
+    """A tiny model's (config class name, extra kwargs), dense or mixture-of-experts."""
+    return ARCHITECTURES[arch] if arch in ARCHITECTURES else MOE_ARCHITECTURES[arch]
+
+
 def make_tokenizer(vocab_size: int = 512):
     """A byte-level BPE tokenizer with ChatML special tokens, trained offline in well under a second."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -129,7 +134,7 @@ def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides):
     """
     import transformers
 
-    cls_name, extra = ARCHITECTURES[arch] if arch in ARCHITECTURES else MOE_ARCHITECTURES[arch]
+    cls_name, extra = architecture(arch)
     if "text_config" in extra:  # a vision-language config around the tiny text config of another entry
         text = tiny_config(extra["text_config"], vocab_size, **overrides)
         return getattr(transformers, cls_name)(text_config=text.to_dict(), vision_config=extra["vision_config"])
@@ -152,7 +157,7 @@ def make_tiny_model_dir(path: str | Path, arch: str = "llama", seed: int = 0, **
     tokenizer = make_tokenizer()
     config = tiny_config(arch, vocab_size=len(tokenizer), **overrides)
     torch.manual_seed(seed)
-    vision = "vision_config" in ARCHITECTURES[arch][1]  # the whole vision-language checkpoint, as published
+    vision = "vision_config" in architecture(arch)[1]  # the whole vision-language checkpoint, as published
     model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_config(config, dtype=torch.float32)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)

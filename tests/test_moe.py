@@ -121,8 +121,10 @@ def test_family_trains_with_its_plan(tmp_path, arch, capsys):
 
 def test_target_experts_trains_expert_lora(tmp_path, capsys):
     """adapter.target_experts: LoRA on the fused expert weights through peft's target_parameters."""
+    # The planner cannot trace peft's LoRA on fused expert weights: such a run trains without a plan, on purpose.
     path = _recipe(tmp_path, "qwen3_moe", {"adapter": {"target_experts": True, "dropout": 0.0}},
-                   {"memory": {"activation_checkpointing": False, "chunked_loss": False, "tiled_mlp": False}})
+                   {"memory": {"activation_checkpointing": False, "chunked_loss": False, "tiled_mlp": False,
+                               "plan": False}})
     assert main(["run", str(path)]) == 0, capsys.readouterr().err
     config = json.loads((tmp_path / "run" / "adapter" / "adapter_config.json").read_text())
     assert sorted(config["target_parameters"]) == ["experts.down_proj", "experts.gate_up_proj"]
@@ -269,9 +271,9 @@ def test_gguf_export_refuses_moe_in_one_line(tmp_path, arch):
     from finetune.export.gguf import write_gguf
     from finetune.testing import make_tokenizer
 
-    with pytest.raises(FinetuneError, match="mixture-of-experts model .* fused 3-D expert weights") as refused:
+    with pytest.raises(FinetuneError, match="not written to GGUF: its fused 3-D expert weights .*convert_hf_to_gguf"):
         write_gguf(_tiny_model(arch), make_tokenizer(), tmp_path / "m.gguf")
-    assert "convert_hf_to_gguf" in refused.value.hint and not (tmp_path / "m.gguf").exists()
+    assert not (tmp_path / "m.gguf").exists()
 
 
 def test_expert_offload_keeps_two_layers_and_prefetches_in_the_pass_direction():
