@@ -131,8 +131,9 @@ def apply_goal(recipe: Recipe, goal: str) -> Recipe:
 
 
 def recipe_gallery(folder: str | Path = "recipes") -> list[dict[str, str]]:
-    """The ready recipes in `folder` (the quickstart first): name, path, title and description (the file's
-    leading comment lines)."""
+    """The ready recipes in `folder` (the quickstart first): name, path, title and description, from the
+    file's leading comment lines written as "Short title: what it does ...": the title is the text before the
+    first ": " (a label that fits a list), the description everything after it."""
     out = []
     for path in sorted(Path(folder).glob("*.yaml"), key=lambda p: (p.stem != "quickstart", p.stem)):
         lines = []
@@ -140,8 +141,9 @@ def recipe_gallery(folder: str | Path = "recipes") -> list[dict[str, str]]:
             if not line.startswith("#"):
                 break
             lines.append(line.lstrip("#").strip())
-        out.append({"name": path.stem, "path": str(path), "title": lines[0] if lines else path.stem,
-                    "description": " ".join(lines[1:])})
+        title, _, first = (lines[0] if lines else path.stem).partition(": ")
+        out.append({"name": path.stem, "path": str(path), "title": title,
+                    "description": " ".join([first[:1].upper() + first[1:], *lines[1:]]).strip()})
     return out
 
 

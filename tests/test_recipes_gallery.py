@@ -42,6 +42,8 @@ def test_the_gallery_lists_every_recipe_with_a_title():
             "full-finetune-small"} <= names
     for entry in GALLERY:
         assert entry["title"] and entry["title"] != entry["name"], entry  # its first comment line
+        assert len(entry["title"]) <= 32, entry["title"]  # a label that fits the gallery's list
+        assert entry["description"] and not re.search(r"\bissue #?\d", entry["title"] + entry["description"])
 
 
 @pytest.mark.parametrize("entry", GALLERY, ids=[r["name"] for r in GALLERY])

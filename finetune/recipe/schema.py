@@ -392,7 +392,7 @@ class OutputConfig(Section):
     save_total_limit: int = Field(2, ge=1, le=MAX_COUNT, description="Keep only the newest this many checkpoints.")
 
 
-# -- distributed (issue 16): several GPUs / nodes through accelerate -------------------------------------
+# -- distributed: several GPUs / nodes through accelerate -------------------------------------
 STRATEGIES = ("ddp", "fsdp", "deepspeed")  # "auto": the planner picks the fastest that fits each GPU
 SHARDED_STRATEGIES = ("fsdp", "deepspeed")  # optimizer state (and more) split across processes
 DEEPSPEED_KEYS = ("zero_stage", "deepspeed_offload", "deepspeed_nvme_path")  # read by deepspeed only
