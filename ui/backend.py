@@ -31,7 +31,7 @@ from finetune.recipe.load import (
 )
 from finetune.recipe.schema import Recipe
 from finetune.recipe.settings import auto_choices
-from finetune.rundir import RECIPE, RunDir, find_runs
+from finetune.rundir import RECIPE, HeldRun, RunDir, find_runs
 from ui import form
 from ui.chat_worker import ChatWorker
 from ui.downloads import Downloads
@@ -300,6 +300,10 @@ class Backend:
         found = [str(p) for p in find_runs(self.settings.runs_dir, [Path(j.run_dir) for j in jobs])]
         pending = [j.run_dir for j in reversed(jobs) if j.state in ("queued", "running") and j.run_dir not in found]
         return pending + found
+
+    def outside_runs(self) -> list[HeldRun]:
+        """Runs in the runs folder and the allowed folders that a process started outside this UI holds."""
+        return self.manager.outside_runs([self.settings.runs_dir, *self.settings.allow_dirs])
 
     def chat_runs(self) -> list[str]:
         """The runs the chat can load, newest first: those with a saved adapter (not failed or unstarted ones)."""
