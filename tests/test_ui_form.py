@@ -180,18 +180,20 @@ def test_recipe_problems_carry_key_and_code_and_read_as_before():
 def test_a_fresh_form_shows_the_first_steps_through_the_problem_code(tmp_path):
     """Only required keys missing: the Recipe tab shows the next step; anything else wrong: the error."""
     from finetune.errors import RecipeProblem
-    from ui.tabs.recipe import FIRST_STEPS, first_steps
+    from ui.tabs.messages import first_steps
+    from ui.tabs.recipe import FIRST_STEPS
 
     values = _values({"model": {"path": "m"}, "data": {"path": "d.jsonl"}})
     keys = [s.key for s in SPECS]
     values[keys.index("model.path")] = values[keys.index("data.path")] = ""
     with pytest.raises(RecipeError) as fresh:
         validate_recipe(values_to_dict(SPECS, values), "form")
-    assert {p.code for p in fresh.value.problems} == {"missing"} and first_steps(fresh.value) == FIRST_STEPS
+    assert {p.code for p in fresh.value.problems} == {"missing"}
+    assert first_steps(fresh.value, FIRST_STEPS) == FIRST_STEPS
     values[keys.index("training.micro_batch_size")] = "zero"
     with pytest.raises(RecipeError) as wrong:
         validate_recipe(values_to_dict(SPECS, values), "form")
-    assert first_steps(wrong.value) is None
+    assert first_steps(wrong.value, FIRST_STEPS) is None
     # the code decides, not the words: a value problem that quotes the phrase is still an error to show
     quoted = RecipeProblem("form: data.path: 'missing required key' is no file", "data.path", "value")
-    assert first_steps(RecipeError("form is not a valid recipe (1 problem(s)):", [quoted])) is None
+    assert first_steps(RecipeError("form is not a valid recipe (1 problem(s)):", [quoted]), FIRST_STEPS) is None

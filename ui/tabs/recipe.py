@@ -15,20 +15,12 @@ from finetune.recipe.goals import GOALS, SUMMARIES
 from finetune.rundir import RECIPE
 from ui.backend import Backend
 from ui.form import FieldSpec, sections
-from ui.tabs.messages import reported
+from ui.tabs.messages import first_steps, reported
 
 BASIC_KEYS = {"model.path": "Model (model.path)", "data.path": "Data file (data.path)"}  # the basic form's
 # keys and their labels; every other key is under Advanced
 KEEP = "keep the recipe's values"
 FIRST_STEPS = "Choose a ready recipe above, or give the model and the data file in the basics."
-
-
-def first_steps(exc: RecipeError) -> str | None:
-    """What a fresh page shows instead of an error: where every problem is a required key not given yet
-    (problem code `missing`), the next step; None where something given is wrong."""
-    if exc.problems and all(getattr(p, "code", None) == "missing" for p in exc.problems):
-        return FIRST_STEPS
-    return None
 
 
 def _widget(spec: FieldSpec, value: Any, label: str | None = None) -> gr.components.Component:
@@ -129,7 +121,7 @@ def build(demo: gr.Blocks, backend: Backend) -> tuple[Form, gr.Dropdown, gr.Drop
         try:
             return "", backend.recipe_text(values)
         except RecipeError as exc:  # a fresh page: no model or data yet is a next step, not an error
-            if (notice := first_steps(exc)) is not None:
+            if (notice := first_steps(exc, FIRST_STEPS)) is not None:
                 return notice, ""
             raise
 
