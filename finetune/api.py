@@ -157,7 +157,8 @@ def plan_gpu_sizes(recipe: Recipe, sizes_gb: tuple[int, ...] = GPU_SIZES_GB,
     every size at once; the model config is read once and the planner's trace cache keeps repeats cheap.
     Between two lengths of the ladder the boundary is interpolated and the interpolated length checked by
     the planner, so every reported length is one the planner says fits. Returns `sizes` (one row per GPU:
-    gpu_gb, longest_context, largest_micro_batch, recipe_fits) and the bytes needed per length and micro-batch."""
+    gpu_gb, longest_context, largest_micro_batch, recipe_fits), the bytes needed per length and micro-batch, and
+    `micro_batch_cap`, the largest micro-batch the search tries (a row at the cap may fit more)."""
     from finetune.plan import predict
     from finetune.plan.search import MICRO_BATCHES
     from finetune.plan.trace import planned_config
@@ -220,7 +221,7 @@ def plan_gpu_sizes(recipe: Recipe, sizes_gb: tuple[int, ...] = GPU_SIZES_GB,
                      "recipe_fits": need("seq", recipe.data.max_seq_len) <= total})
     return {"max_seq_len": recipe.data.max_seq_len, "model_max_context": limit, "sizes": rows,
             "context_need_bytes": {s: n for (k, s), n in sorted(cache.items()) if k == "seq"},
-            "micro_batch_need_bytes": batch_need}
+            "micro_batch_need_bytes": batch_need, "micro_batch_cap": max(MICRO_BATCHES)}
 
 
 def speed_estimate(plan: dict[str, Any]) -> SpeedEstimate:

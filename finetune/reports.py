@@ -41,6 +41,7 @@ class GPUSizes(TypedDict):
     sizes: list[GPUSizeRow]
     context_need_bytes: dict[int, int]  # sequence length -> GPU memory needed (margin included)
     micro_batch_need_bytes: dict[int, int]  # micro-batch -> GPU memory needed (margin included)
+    micro_batch_cap: int  # the largest micro-batch the search tries: a row at it may fit a larger one too
 
 
 class SeenLengthPlan(TypedDict):

@@ -127,6 +127,18 @@ def test_context_chart_marks_the_chosen_gpu_and_plan():
     assert "131,072" in text
 
 
+def test_a_micro_batch_at_the_searchs_cap_is_called_the_most_tried():
+    """32 at every size from 8 to 80 GB reads as a fact about the GPUs unless it says it is the search's cap."""
+    sweep = {**SWEEP, "micro_batch_cap": 32, "sizes": [{**r, "largest_micro_batch": mb} for r, mb in
+                                                       zip(SWEEP["sizes"], (1, 32, 32), strict=True)]}
+    text = views.sweep_markdown(sweep)
+    assert "| 8 GB | 5,120 | 1 | yes |" in text and "| 16 GB | 92,928 | 32 (the most tried) | yes |" in text
+    assert "up to 32" in text and "a larger one may fit too" in text
+    mbs = charts.context_figure(sweep, 16).axes[1]
+    assert [t.get_text() for t in mbs.texts] == ["1", "32+", "32+"] and "the most tried: 32" in mbs.get_title()
+    assert "most tried" not in views.sweep_markdown({**SWEEP, "micro_batch_cap": 32})  # 16 is below the cap
+
+
 def test_plan_text_gives_the_speed_as_an_estimate_with_its_basis():
     from finetune.api import speed_estimate
 

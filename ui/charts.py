@@ -230,10 +230,13 @@ def context_figure(sweep: dict[str, Any], chosen_gb: int | None, chosen_micro_ba
                 label=f"recipe max_seq_len {sweep['max_seq_len']:,}")
     ctx.set_title("longest context (tokens, micro-batch 1)", fontsize=9)
     batches = [r["largest_micro_batch"] or 0 for r in rows]
+    cap = sweep.get("micro_batch_cap")
     mbs.bar(labels, batches, color=colors)
-    for x, value in enumerate(batches):
-        mbs.annotate(str(value) if value else "none", (x, value), ha="center", va="bottom", fontsize=7)
-    mbs.set_title(f"largest micro-batch at {sweep['max_seq_len']:,} tokens", fontsize=9)
+    for x, value in enumerate(batches):  # at the search's cap: "32+", a larger one may fit too
+        mbs.annotate(f"{value}+" if value == cap else str(value) if value else "none", (x, value), ha="center",
+                     va="bottom", fontsize=7)
+    mbs.set_title(f"largest micro-batch at {sweep['max_seq_len']:,} tokens"
+                  + (f" (the most tried: {cap})" if cap else ""), fontsize=9)
     mbs.set_ylim(top=max([*batches, 1]) * 1.4)
     if chosen_gb in [r["gpu_gb"] for r in rows]:
         x = [r["gpu_gb"] for r in rows].index(chosen_gb)

@@ -246,17 +246,28 @@ def seen_length_markdown(seen: dict[str, Any] | None, measured: Any) -> str:
             "data.max_seq_len (or turn on data.packing) to plan for what the data really holds.")
 
 
+def micro_batch_text(value: int | None, cap: int | None) -> str:
+    """A largest micro-batch for people: 'none', '8', or '32 (the most tried)' at the search's cap, where a
+    larger one may fit too."""
+    if not value:
+        return "none"
+    return f"{value} (the most tried)" if value == cap else str(value)
+
+
 def sweep_markdown(sweep: dict[str, Any]) -> str:
     """The GPU-size chart's numbers in words (and a table a screen reader can read)."""
+    cap = sweep.get("micro_batch_cap")
     lines = ["| GPU | longest context (micro-batch 1) | largest micro-batch at "
              f"{sweep['max_seq_len']:,} tokens | this recipe fits |", "|---|---|---|---|"]
     for r in sweep["sizes"]:
         ctx = f"{r['longest_context']:,}" if r["longest_context"] else "none"
-        lines.append(f"| {r['gpu_gb']} GB | {ctx} | {r['largest_micro_batch'] or 'none'} | "
+        lines.append(f"| {r['gpu_gb']} GB | {ctx} | {micro_batch_text(r['largest_micro_batch'], cap)} | "
                      f"{'yes' if r['recipe_fits'] else 'no'} |")
     limit = sweep.get("model_max_context")
     if limit:
         lines.append(f"\nContexts stop at the model's own limit, {limit:,} tokens (max_position_embeddings).")
+    if cap and any(r["largest_micro_batch"] == cap for r in sweep["sizes"]):
+        lines.append(f"\nThe planner tries micro-batches up to {cap}: where {cap} fits, a larger one may fit too.")
     return "\n".join(lines)
 
 
