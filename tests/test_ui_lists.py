@@ -52,7 +52,12 @@ def test_the_server_file_list_shows_data_not_run_internals(tmp_path):
         (model / name).write_text("{}")
     (tmp_path / ".cache").mkdir()
     (tmp_path / ".cache" / "x.json").write_text("{}")
-    assert sorted(data_files([tmp_path])) == sorted([str(data), str(upload)])
+    # .json files beside data that are not records: a model config (the planner's fixtures) and a report
+    (tmp_path / "data" / "llama-3.1-8b.json").write_text('{"architectures": ["LlamaForCausalLM"], "hidden_size": 4096}')
+    (tmp_path / "data" / "eval.json").write_text('{"loss": 1.5, "rows": [1, 2]}')
+    records = tmp_path / "data" / "alpaca.json"  # a .json dataset: an array of records
+    records.write_text('[{"instruction": "hi", "output": "hello"}]')
+    assert sorted(data_files([tmp_path])) == sorted([str(data), str(upload), str(records)])
 
 
 def test_the_chat_lists_only_runs_with_an_adapter(backend, tmp_path):
