@@ -24,6 +24,12 @@ PositiveByteSize = Annotated[int, BeforeValidator(parse_bytes), Field(gt=0, le=M
 Fraction = Annotated[float, Field(ge=0, lt=1)]
 Auto = Literal["auto"]
 
+# The keys a newcomer sets first, with their short names, in the order shown: the UI's basic form (every other
+# key is under its "Advanced settings"); tests/test_ui_form.py checks that each is a key of Recipe.
+BASIC = {"model.path": "Model", "data.path": "Data file", "training.method": "Method", "adapter.type": "Adapter",
+         "adapter.r": "LoRA rank", "data.max_seq_len": "Longest sequence (tokens)", "training.max_steps": "Steps",
+         "training.learning_rate": "Learning rate", "memory.gpu_memory": "GPU memory budget"}
+
 
 class ModelConfig(Section):
     path: str = Field(description="Local Hugging Face folder, a hub id (when online), a .gguf file, or pkg:PACKAGE/FILE inside an installed package.")

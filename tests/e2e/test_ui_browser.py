@@ -71,10 +71,11 @@ def _choose(page, key: str, option: str) -> None:
 
 
 def _open_section(page, section: str) -> None:
-    """Open an Advanced section (closed when the page loads)."""
-    button = page.locator(f"#section-{section}").get_by_role("button").first
-    if button.get_attribute("aria-expanded") != "true":
-        button.click()
+    """Open an Advanced section (it and "Advanced settings" around it are closed when the page loads)."""
+    for elem_id in ("advanced", f"section-{section}"):
+        button = page.locator(f"#{elem_id}").get_by_role("button").first
+        if button.get_attribute("aria-expanded") != "true":
+            button.click()
 
 
 def _plot_src(page, elem_id: str) -> str | None:
