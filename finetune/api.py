@@ -19,6 +19,7 @@ from finetune.reports import (
     EvaluationTable,
     GPUSizes,
     GRPOReport,
+    LocalModel,
     Machine,
     RewardReport,
     SeenLengthPlan,
@@ -128,6 +129,16 @@ def apply_goal(recipe: Recipe, goal: str) -> Recipe:
         if not (section == "adapter" and field in SHAPE_KEYS and recipe.adapter.init_from):
             data[section][field] = value
     return validate_recipe(data, f"goal {goal!r}")
+
+
+def local_models(folders: list[Path], hub_cache: Path | None = None) -> list[LocalModel]:
+    """The models this machine has, for a model picker: model folders (config.json + safetensors) and .gguf
+    files under `folders` (nothing outside them, symlinks resolved), the GGUF files installed packages ship
+    (`pkg:PACKAGE/FILE`), and the complete models in the Hugging Face cache (`hub_cache`, default HF_HUB_CACHE)
+    by hub id. Packaged models first (the quickstart's), then the folders', then the cache's."""
+    from finetune.model.catalog import folder_models, hub_cache_models, package_models
+
+    return [*package_models(), *folder_models(folders), *hub_cache_models(hub_cache)]
 
 
 def recipe_gallery(folder: str | Path = "recipes") -> list[dict[str, str]]:

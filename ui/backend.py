@@ -109,6 +109,11 @@ class Backend:
                               hint="save the recipe as UTF-8 text") from None
         return path.name, self.load_yaml(text, path.name)
 
+    def model_choices(self) -> list[tuple[str, str]]:
+        """(label, model.path) of the models this machine has (finetune.api.local_models): folders and .gguf
+        files inside the allowed folders and the runs folder only, packaged models, the hub cache's by hub id."""
+        return [(m["label"], m["path"]) for m in api.local_models(self.settings.roots)]
+
     def gallery(self) -> list[dict[str, str]]:
         """The ready recipes (name, path, title, description)."""
         return api.recipe_gallery(self.settings.recipes_dir)

@@ -109,8 +109,12 @@ def build(demo: gr.Blocks, backend: Backend) -> tuple[Form, gr.Dropdown, gr.Drop
         defaults = _defaults(backend)
         with gr.Group(elem_id="basics"):
             gr.Markdown("### Basics")
-            basic = _rows([by_key[k] for k in BASIC], defaults, BASIC)
             with gr.Row():
+                # Filled when the page opens (after login): the list names server folders
+                model_pick = gr.Dropdown(choices=[], value=None, label="Pick a local model",
+                                         info="Model folders and .gguf files in the allowed folders, models "
+                                              "installed packages ship, the Hugging Face cache's; or type any "
+                                              "path or hub id in model.path.", elem_id="model-pick")
                 gpus = backend.gpu_choices()
                 gpu = gr.Dropdown(choices=gpus, value=gpus[0], label="GPU",
                                   info="The card the Memory tab plans for; a run uses the GPU's free memory "
@@ -119,6 +123,7 @@ def build(demo: gr.Blocks, backend: Backend) -> tuple[Form, gr.Dropdown, gr.Drop
                                    info="Sets the few keys a goal is about: "
                                         + "; ".join(f"{g}: {text}" for g, text in SUMMARIES.items()) + ".",
                                    elem_id="goal")
+            basic = _rows([by_key[k] for k in BASIC], defaults, BASIC)
         advanced = _advanced(backend, defaults)
         widgets = [{**basic, **advanced}[k] for k in keys]
         with gr.Row():
@@ -153,6 +158,10 @@ def build(demo: gr.Blocks, backend: Backend) -> tuple[Form, gr.Dropdown, gr.Drop
     edits = [w.change if isinstance(w, gr.Textbox) else w.input for w in widgets]
     kept(gr.on(edits, show_yaml, widgets, [recipe_msg, recipe_yaml], trigger_mode="always_last",
                api_visibility="private"))
+
+    demo.load(lambda: gr.update(choices=backend.model_choices()), None, model_pick, api_name="local_models")
+    # model.path is a text box: its own change refreshes the YAML view and the copy kept for a reload
+    model_pick.input(lambda chosen: chosen or gr.skip(), model_pick, basic["model.path"], api_visibility="private")
 
     descriptions = {r["path"]: r["description"] for r in gallery}
     pick.change(lambda p: descriptions.get(p, ""), pick, pick_info, api_visibility="private")
