@@ -74,8 +74,8 @@ def _choose(page, key: str, option: str) -> None:
 def _open_section(page, section: str) -> None:
     """Open an Advanced section (it and "Advanced settings" around it are closed when the page loads)."""
     for elem_id in ("advanced", f"section-{section}"):
-        button = page.locator(f"#{elem_id}").get_by_role("button").first
-        if button.get_attribute("aria-expanded") != "true":
+        button = page.locator(f"#{elem_id} > button.label-wrap")  # gradio marks an open accordion's header "open"
+        if "open" not in (button.get_attribute("class") or "").split():
             button.click()
 
 

@@ -51,7 +51,7 @@ def _rows(specs: list[FieldSpec], defaults: dict[str, Any], labels: dict[str, st
     for start in range(0, len(specs), 3):
         with gr.Row():
             for s in specs[start:start + 3]:
-                out[s.key] = _widget(s, defaults[s.key], labels and f"{labels[s.key]} ({s.key})")
+                out[s.key] = _widget(s, defaults[s.key], f"{labels[s.key]} ({s.key})" if labels else None)
     return out
 
 
