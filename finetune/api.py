@@ -19,6 +19,7 @@ from finetune.reports import (
     EvaluationTable,
     GPUSizes,
     GRPOReport,
+    LocalModel,
     Machine,
     RewardReport,
     RunMemory,
@@ -135,9 +136,20 @@ def apply_goal(recipe: Recipe, goal: str) -> Recipe:
     return validate_recipe(data, f"goal {goal!r}")
 
 
+def local_models(folders: list[Path], hub_cache: Path | None = None) -> list[LocalModel]:
+    """The models this machine has, for a model picker: model folders (config.json + safetensors) and .gguf
+    files under `folders` (nothing outside them, symlinks resolved), the GGUF files installed packages ship
+    (`pkg:PACKAGE/FILE`), and the complete models in the Hugging Face cache (`hub_cache`, default HF_HUB_CACHE)
+    by hub id. Packaged models first (the quickstart's), then the folders', then the cache's."""
+    from finetune.model.catalog import folder_models, hub_cache_models, package_models
+
+    return [*package_models(), *folder_models(folders), *hub_cache_models(hub_cache)]
+
+
 def recipe_gallery(folder: str | Path = "recipes") -> list[dict[str, str]]:
-    """The ready recipes in `folder` (the quickstart first): name, path, title and description (the file's
-    leading comment lines)."""
+    """The ready recipes in `folder` (the quickstart first): name, path, title and description, from the
+    file's leading comment lines written as "Short title: what it does ...": the title is the text before the
+    first ": " (a label that fits a list), the description everything after it."""
     out = []
     for path in sorted(Path(folder).glob("*.yaml"), key=lambda p: (p.stem != "quickstart", p.stem)):
         lines = []
@@ -145,8 +157,9 @@ def recipe_gallery(folder: str | Path = "recipes") -> list[dict[str, str]]:
             if not line.startswith("#"):
                 break
             lines.append(line.lstrip("#").strip())
-        out.append({"name": path.stem, "path": str(path), "title": lines[0] if lines else path.stem,
-                    "description": " ".join(lines[1:])})
+        title, _, first = (lines[0] if lines else path.stem).partition(": ")
+        out.append({"name": path.stem, "path": str(path), "title": title,
+                    "description": " ".join([first[:1].upper() + first[1:], *lines[1:]]).strip()})
     return out
 
 
@@ -160,7 +173,8 @@ def plan_gpu_sizes(recipe: Recipe, sizes_gb: tuple[float, ...] = GPU_SIZES_GB,
     every size at once; the model config is read once and the planner's trace cache keeps repeats cheap.
     Between two lengths of the ladder the boundary is interpolated and the interpolated length checked by
     the planner, so every reported length is one the planner says fits. Returns `sizes` (one row per GPU:
-    gpu_gb, longest_context, largest_micro_batch, recipe_fits) and the bytes needed per length and micro-batch."""
+    gpu_gb, longest_context, largest_micro_batch, recipe_fits), the bytes needed per length and micro-batch, and
+    `micro_batch_cap`, the largest micro-batch the search tries (a row at the cap may fit more)."""
     from finetune.plan import predict
     from finetune.plan.search import MICRO_BATCHES
     from finetune.plan.trace import planned_config
@@ -223,7 +237,7 @@ def plan_gpu_sizes(recipe: Recipe, sizes_gb: tuple[float, ...] = GPU_SIZES_GB,
                      "recipe_fits": need("seq", recipe.data.max_seq_len) <= total})
     return {"max_seq_len": recipe.data.max_seq_len, "model_max_context": limit, "sizes": rows,
             "context_need_bytes": {s: n for (k, s), n in sorted(cache.items()) if k == "seq"},
-            "micro_batch_need_bytes": batch_need}
+            "micro_batch_need_bytes": batch_need, "micro_batch_cap": max(MICRO_BATCHES)}
 
 
 def plan_sizes(recipe: Recipe, sizes: list[str]) -> SizePlans:

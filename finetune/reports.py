@@ -24,6 +24,14 @@ class SpeedEstimate(TypedDict):
     basis: str  # the hardware figures the estimate rests on
 
 
+class LocalModel(TypedDict):
+    """One entry of `api.local_models(folders)`: a model this machine has, as a value for model.path."""
+
+    path: str  # what model.path takes: a folder or .gguf path, pkg:PACKAGE/FILE, or a hub id in the cache
+    label: str  # for a picker: the name and where it is from
+    kind: str  # folder, gguf, package or hub cache
+
+
 class GPUSizeRow(TypedDict):
     """One GPU size of `api.plan_gpu_sizes`."""
 
@@ -41,6 +49,7 @@ class GPUSizes(TypedDict):
     sizes: list[GPUSizeRow]
     context_need_bytes: dict[int, int]  # sequence length -> GPU memory needed (margin included)
     micro_batch_need_bytes: dict[int, int]  # micro-batch -> GPU memory needed (margin included)
+    micro_batch_cap: int  # the largest micro-batch the search tries: a row at it may fit a larger one too
 
 
 class SizePlan(TypedDict):

@@ -13,6 +13,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -26,6 +27,7 @@ from finetune.errors import FinetuneError
 RECIPE = "recipe.yaml"  # also the name the UI gives a recipe it offers for download
 MARKER = ".finetune-run"  # written into a run directory the tool created; --overwrite deletes nothing else
 LOCK = ".finetune-lock"  # flock'ed by the one process writing the run (RunDir.lock); only its holder deletes it
+HOLDER = "pid {pid} ({action})"  # what a lock's holder writes into the lock file (RunDir.lock, held_runs)
 LOCK_WAIT_S = 0.5  # how long taking the lock waits out a reader's momentary probe (RunDir.locked_by)
 EXPORT_MARKER = ".finetune-export"  # written into an export folder: a later export may replace only such a folder
 TAIL_BYTES = 65536  # a log tail reads at most this much from the end of the file
@@ -352,7 +354,7 @@ class RunDir:
             os.close(fd)  # the holder deleted the lock file as it ended (discard_untrained): open the new one
         try:  # who holds it, for the refusal a second process prints (best effort: a full disk may refuse)
             os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()} ({action})\n".encode(), 0)
+            os.pwrite(fd, (HOLDER.format(pid=os.getpid(), action=action) + "\n").encode(), 0)
         except OSError:
             pass
         return RunLock(fd, made=self if made else None)
@@ -545,6 +547,32 @@ def find_runs(folder: Path, extra: Iterable[Path] = ()) -> list[Path]:
             if not candidate.name.startswith(".") and RunDir(candidate).exists():
                 found.add(candidate.resolve())
     return sorted(found, key=_last_written, reverse=True)
+
+
+@dataclass(frozen=True)
+class HeldRun:
+    """A run directory a live process holds (RunDir.lock): its holder as written in the lock file, its pid and
+    action ('finetune run', 'finetune export', ...) where the holder wrote them."""
+
+    root: Path
+    holder: str
+    pid: int | None
+    action: str | None
+
+
+def held_runs(folders: Iterable[Path]) -> list[HeldRun]:
+    """The run directories in `folders` (as find_runs finds them) that a process holds right now: what a
+    run, a resume or an export leaves is a lock the kernel drops when it ends, so a held lock is a live
+    process, whoever started it (the UI tells a terminal's `finetune run` by this)."""
+    found = {p for folder in folders for p in find_runs(Path(folder))}
+    pattern = re.escape(HOLDER).replace(r"\{pid\}", r"(\d+)").replace(r"\{action\}", "(.+)")
+    out = []
+    for root in sorted(found):
+        holder = RunDir(root).locked_by()
+        if holder is not None:
+            parsed = re.fullmatch(pattern, holder)
+            out.append(HeldRun(root, holder, int(parsed[1]) if parsed else None, parsed[2] if parsed else None))
+    return out
 
 
 def _last_written(path: Path) -> float:

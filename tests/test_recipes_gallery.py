@@ -44,6 +44,8 @@ def test_the_gallery_lists_every_recipe_with_a_title():
             "full-finetune-small", "qwen3-8b-qlora-8gb", "qwen3-8b-qlora-16gb", "qwen3-8b-qlora-24gb"} <= names
     for entry in GALLERY:
         assert entry["title"] and entry["title"] != entry["name"], entry  # its first comment line
+        assert len(entry["title"]) <= 32, entry["title"]  # a label that fits the gallery's list
+        assert entry["description"] and not re.search(r"\bissue #?\d", entry["title"] + entry["description"])
 
 
 @pytest.mark.parametrize("entry", GALLERY, ids=[r["name"] for r in GALLERY])
@@ -96,6 +98,9 @@ def test_gpu_sizes_sweep_grows_with_the_gpu_and_agrees_with_the_planner(tmp_path
     batches = [rows[g]["largest_micro_batch"] or 0 for g in sizes]
     assert contexts == sorted(contexts) and contexts[-1] > contexts[0]
     assert batches == sorted(batches)
+    from finetune.plan.search import MICRO_BATCHES
+
+    assert sweep["micro_batch_cap"] == max(MICRO_BATCHES) >= max(sweep["micro_batch_need_bytes"])  # the most tried
     assert sweep["context_need_bytes"] == dict(sorted(sweep["context_need_bytes"].items()))
     assert contexts[0] % 256 == 0 and 65536 < contexts[0] < 262144  # interpolated between ladder points
     # The reported length is one the planner itself says fits that GPU, and twice it does not.

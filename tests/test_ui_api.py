@@ -47,6 +47,22 @@ def test_load_recipe_fills_the_form_and_plans(work):
         assert "memory planner is not available" in plan_msg
 
 
+def test_before_a_recipe_is_chosen_the_memory_tab_shows_one_neutral_hint(work):
+    """A fresh form (no model, no data yet): the plan says what to do first, once; no error, no second message."""
+    from tests.ui_support import form_values, set_value
+    from ui.tabs.memory import FIRST_STEPS
+
+    workdir, data, client, model = work
+    fresh = form_values(tiny_recipe(model, data, workdir / "runs" / "fresh"))
+    fresh = set_value(set_value(fresh, "model.path", ""), "data.path", "")
+    plan_msg, plot, rows = client.predict(*fresh, "12 GB card (RTX 3060)", api_name="/plan")
+    assert plan_msg == FIRST_STEPS and plot is None and not rows["data"]
+    chart, sweep_msg = client.predict(*fresh, "12 GB card (RTX 3060)", None, api_name="/gpu_sizes")
+    assert chart is None and sweep_msg == ""
+    broken = set_value(fresh, "training.max_steps", "many")  # something given is wrong: the error, named
+    assert "training.max_steps" in client.predict(*broken, "12 GB card (RTX 3060)", api_name="/plan")[0]
+
+
 def test_two_sessions_download_their_own_recipe(work):
     """Two page sessions save their forms through the page's handler (which takes the session from Gradio's
     request): each gets a file with its own recipe. That the files live apart per session, which one shared

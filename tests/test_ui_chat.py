@@ -155,3 +155,66 @@ def test_the_worker_ends_with_the_ui_process(tmp_path):
     worker = psutil.Process(pid)
     worker.wait(timeout=30)  # raises TimeoutExpired if it stays behind
     assert not psutil.pid_exists(pid) or worker.status() == psutil.STATUS_ZOMBIE
+
+
+# A chat worker whose model writes a token every 0.2 s and never finishes (nor heeds a cancel: a model still
+# loading does not), so only the UI's shutdown can end the reply being streamed.
+ENDLESS_WORKER = """
+import json, os, sys, threading, time
+def answer(rid):
+    print(json.dumps({"id": rid, "event": "loading"}), flush=True)
+    while True:
+        print(json.dumps({"id": rid, "event": "text", "text": "la "}), flush=True)
+        time.sleep(0.2)
+for line in sys.stdin:  # the UI closing the pipe ends the worker
+    request = json.loads(line)
+    if request.get("op") == "chat":
+        open(os.environ["GENERATING"], "w").write(str(os.getpid()))
+        threading.Thread(target=answer, args=(request["id"],), daemon=True).start()
+"""
+
+
+def test_ctrl_c_stops_the_ui_and_its_chat_worker_while_a_reply_streams(tmp_path):
+    """SIGINT to `finetune ui` while a chat answer streams: the UI exits within seconds (it waited for the open
+    reply, 10 s and more), and the chat worker with it."""
+    import time
+
+    from gradio_client import Client
+
+    from tests.ui_support import free_port, tiny_recipe, write_recipe
+
+    run = tmp_path / "runs" / "chatty"
+    (run / "adapter").mkdir(parents=True)
+    (run / "adapter" / "adapter_config.json").write_text("{}")
+    write_recipe(run / "recipe.yaml", tiny_recipe(tmp_path / "model", tmp_path / "data.jsonl", run))
+    generating, port = tmp_path / "generating", free_port()
+    ui = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys
+        import ui.chat_worker
+        ui.chat_worker.WORKER = [sys.executable, "-c", {ENDLESS_WORKER!r}]
+        from ui.app import main
+        raise SystemExit(main(["--port", "{port}", "--runs-dir", {str(tmp_path / 'runs')!r},
+                               "--allow-dir", {str(tmp_path)!r}]))""")],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "GENERATING": str(generating)})
+    try:
+        client = wait_for(lambda: _client(Client, port), 120, "the UI to serve")
+        client.submit(str(run), None, True, "", 0.0, 0.9, 256, "hello", [], [], [], api_name="/chat")
+        wait_for(lambda: generating.exists() and generating.read_text(), 120, "the reply to stream")
+        worker = psutil.Process(int(generating.read_text()))
+        time.sleep(1)  # tokens are streaming to the page
+        sent = time.monotonic()
+        ui.send_signal(signal.SIGINT)
+        assert ui.wait(timeout=60) == 0
+        assert time.monotonic() - sent < 5, f"the UI took {time.monotonic() - sent:.1f} s to stop"
+        worker.wait(timeout=10)  # raises TimeoutExpired if it stays behind
+    finally:
+        if ui.poll() is None:
+            ui.kill()
+            ui.wait()
+
+
+def _client(client_class, port: int):
+    try:
+        return client_class(f"http://127.0.0.1:{port}/", verbose=False)
+    except Exception:  # noqa: BLE001 - not serving yet
+        return None

@@ -180,18 +180,53 @@ def test_recipe_problems_carry_key_and_code_and_read_as_before():
 def test_a_fresh_form_shows_the_first_steps_through_the_problem_code(tmp_path):
     """Only required keys missing: the Recipe tab shows the next step; anything else wrong: the error."""
     from finetune.errors import RecipeProblem
-    from ui.tabs.recipe import FIRST_STEPS, first_steps
+    from ui.tabs.messages import first_steps
+    from ui.tabs.recipe import FIRST_STEPS
 
     values = _values({"model": {"path": "m"}, "data": {"path": "d.jsonl"}})
     keys = [s.key for s in SPECS]
     values[keys.index("model.path")] = values[keys.index("data.path")] = ""
     with pytest.raises(RecipeError) as fresh:
         validate_recipe(values_to_dict(SPECS, values), "form")
-    assert {p.code for p in fresh.value.problems} == {"missing"} and first_steps(fresh.value) == FIRST_STEPS
+    assert {p.code for p in fresh.value.problems} == {"missing"}
+    assert first_steps(fresh.value, FIRST_STEPS) == FIRST_STEPS
     values[keys.index("training.micro_batch_size")] = "zero"
     with pytest.raises(RecipeError) as wrong:
         validate_recipe(values_to_dict(SPECS, values), "form")
-    assert first_steps(wrong.value) is None
+    assert first_steps(wrong.value, FIRST_STEPS) is None
     # the code decides, not the words: a value problem that quotes the phrase is still an error to show
     quoted = RecipeProblem("form: data.path: 'missing required key' is no file", "data.path", "value")
-    assert first_steps(RecipeError("form is not a valid recipe (1 problem(s)):", [quoted])) is None
+    assert first_steps(RecipeError("form is not a valid recipe (1 problem(s)):", [quoted]), FIRST_STEPS) is None
+
+
+def test_the_basic_form_shows_the_schemas_basic_keys_and_folds_every_other_key_away(tmp_path):
+    """The loaded-recipe page was ~5,200 px of schema keys: the schema's BASIC keys stay in view, every other key
+    is inside the closed "Advanced settings" accordion (one closed accordion per section within it)."""
+    import gradio as gr
+
+    from finetune.recipe.schema import BASIC
+    from ui.backend import Backend, UISettings
+    from ui.layout import build_app
+    from ui.runs import RunManager
+
+    assert set(BASIC) <= set(BY_KEY)  # a renamed key cannot leave the basic form silently
+    assert {"model.path", "data.path", "training.method", "training.max_steps", "training.learning_rate",
+            "memory.gpu_memory", "adapter.type"} <= set(BASIC)
+    manager = RunManager(tmp_path / "runs")
+    try:
+        demo = build_app(Backend(UISettings([tmp_path], tmp_path / "runs"), manager))
+    finally:
+        manager.close()
+
+    def inside(block) -> list:
+        children = getattr(block, "children", []) or []
+        return [*children, *(b for c in children for b in inside(c))]
+
+    (advanced,) = [b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "advanced"]
+    assert isinstance(advanced, gr.Accordion) and advanced.open is False
+    folded = {b.elem_id for b in inside(advanced) if (b.elem_id or "").startswith("field-")}
+    fields = {b.elem_id for b in demo.blocks.values() if (getattr(b, "elem_id", None) or "").startswith("field-")}
+    basic = {BY_KEY[k].elem_id for k in BASIC}
+    assert basic <= fields and not basic & folded and folded == fields - basic
+    sections = [b for b in inside(advanced) if isinstance(b, gr.Accordion)]
+    assert sections and all(s.open is False for s in sections)

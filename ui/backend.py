@@ -31,7 +31,7 @@ from finetune.recipe.load import (
 )
 from finetune.recipe.schema import Recipe
 from finetune.recipe.settings import auto_choices
-from finetune.rundir import RECIPE, RunDir, find_runs
+from finetune.rundir import RECIPE, HeldRun, RunDir, find_runs
 from ui import form
 from ui.chat_worker import ChatWorker
 from ui.downloads import Downloads
@@ -108,6 +108,11 @@ class Backend:
             raise RecipeError(f"{path.name} is not a text file (byte {exc.start} is not UTF-8)",
                               hint="save the recipe as UTF-8 text") from None
         return path.name, self.load_yaml(text, path.name)
+
+    def model_choices(self) -> list[tuple[str, str]]:
+        """(label, model.path) of the models this machine has (finetune.api.local_models): folders and .gguf
+        files inside the allowed folders and the runs folder only, packaged models, the hub cache's by hub id."""
+        return [(m["label"], m["path"]) for m in api.local_models(self.settings.roots)]
 
     def gallery(self) -> list[dict[str, str]]:
         """The ready recipes (name, path, title, description)."""
@@ -300,6 +305,10 @@ class Backend:
         found = [str(p) for p in find_runs(self.settings.runs_dir, [Path(j.run_dir) for j in jobs])]
         pending = [j.run_dir for j in reversed(jobs) if j.state in ("queued", "running") and j.run_dir not in found]
         return pending + found
+
+    def outside_runs(self) -> list[HeldRun]:
+        """Runs in the runs folder and the allowed folders that a process started outside this UI holds."""
+        return self.manager.outside_runs([self.settings.runs_dir, *self.settings.allow_dirs])
 
     def chat_runs(self) -> list[str]:
         """The runs the chat can load, newest first: those with a saved adapter (not failed or unstarted ones)."""

@@ -70,6 +70,19 @@ def _log_axis(ax: Any) -> None:
         set_formatter(PlainLogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
 
 
+NO_DATA = "no data yet"
+
+
+def show_empty(ax: Any, text: str = NO_DATA) -> None:
+    """An axes with nothing to draw: no ticks or grid (matplotlib's empty range, -0.04 to 0.04, reads as data),
+    one grey line in the middle saying why it is empty."""
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.grid(False)
+    if text:
+        ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="gray", fontsize=11)
+
+
 EVENT_COLORS = {"checkpoint": "#55a868", "oom": "#c44e52", "batch": "#8172b2", "warning": "#dd8452"}
 
 
@@ -107,19 +120,23 @@ def loss_figure(runs: dict[str, list[dict[str, Any]]], title: str = "loss", by_r
     ax.set_ylabel("loss")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    if any(rows for rows in runs.values()):
+    if any(series[0] for rows in runs.values() for series in (_series(rows, "loss"), _series(rows, "eval_loss"))):
         ax.legend(loc="upper right", fontsize=8)
     else:
-        ax.text(0.5, 0.5, "no metrics yet", ha="center", va="center", transform=ax.transAxes, color="gray")
+        show_empty(ax, NO_DATA if runs else "no run selected")
     return fig
 
 
 def lr_figure(rows: list[dict[str, Any]]) -> Figure:
     """The learning-rate schedule as logged."""
     fig, ax = _figure(height=2.4)
-    ax.plot(*_series(rows, "learning_rate"), color="C2")
+    steps, rates = _series(rows, "learning_rate")
     ax.set_xlabel("step")
     ax.set_ylabel("learning rate")
+    if not steps:
+        show_empty(ax)
+        return fig
+    ax.plot(steps, rates, color="C2")
     ax.yaxis.set_major_formatter(FormatStrFormatter("%.1e"))  # an offset label would be clipped
     ax.grid(alpha=0.3)
     return fig
@@ -185,10 +202,12 @@ def timeline_figure(rows: list[dict[str, Any]], planned_peak: float | None,
     mem.set_ylim(bottom=0)
     for ax in (speed, mem):
         mark_events(ax, events)
+    if not speeds:
+        show_empty(speed)
     if steps or planned_peak:
         mem.legend(loc="lower right", fontsize=7)
     else:
-        speed.text(0.5, 0.5, "no metrics yet", ha="center", va="center", transform=speed.transAxes, color="gray")
+        show_empty(mem, "")
     return fig
 
 
@@ -211,10 +230,13 @@ def context_figure(sweep: dict[str, Any], chosen_gb: int | None, chosen_micro_ba
                 label=f"recipe max_seq_len {sweep['max_seq_len']:,}")
     ctx.set_title("longest context (tokens, micro-batch 1)", fontsize=9)
     batches = [r["largest_micro_batch"] or 0 for r in rows]
+    cap = sweep.get("micro_batch_cap")
     mbs.bar(labels, batches, color=colors)
-    for x, value in enumerate(batches):
-        mbs.annotate(str(value) if value else "none", (x, value), ha="center", va="bottom", fontsize=7)
-    mbs.set_title(f"largest micro-batch at {sweep['max_seq_len']:,} tokens", fontsize=9)
+    for x, value in enumerate(batches):  # at the search's cap: "32+", a larger one may fit too
+        mbs.annotate(f"{value}+" if value == cap else str(value) if value else "none", (x, value), ha="center",
+                     va="bottom", fontsize=7)
+    mbs.set_title(f"largest micro-batch at {sweep['max_seq_len']:,} tokens"
+                  + (f" (the most tried: {cap})" if cap else ""), fontsize=9)
     mbs.set_ylim(top=max([*batches, 1]) * 1.4)
     if chosen_gb in [r["gpu_gb"] for r in rows]:
         x = [r["gpu_gb"] for r in rows].index(chosen_gb)

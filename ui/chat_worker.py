@@ -33,6 +33,7 @@ class ChatWorker:
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()  # one request at a time on the pipe
         self._ids = itertools.count(1)
+        self._closed = False  # the UI is stopping: no worker is started again
         manager.on_launch(self.release)  # training needs the GPU: free it
 
     @property
@@ -77,7 +78,11 @@ class ChatWorker:
 
     def _ask(self, request: dict[str, Any]) -> Iterator[dict[str, Any]]:
         rid = next(self._ids)
-        proc = self._start()
+        try:
+            proc = self._start()
+        except WorkerGone as exc:
+            yield {"id": rid, "event": "error", "message": str(exc)}
+            return
         finished = False
         try:
             self._send(proc, {**request, "id": rid})
@@ -105,6 +110,8 @@ class ChatWorker:
                     self.stop()
 
     def _start(self) -> subprocess.Popen:
+        if self._closed:
+            raise WorkerGone("the UI is stopping: no chat until it is started again")
         if self._proc is None or self._proc.poll() is not None:
             self.log.parent.mkdir(parents=True, exist_ok=True)
             with open(self.log, "ab") as log:
@@ -129,6 +136,13 @@ class ChatWorker:
         """Stop the worker once the message being answered (if any) is done: the GPU is needed elsewhere."""
         with self._lock:
             self.stop()
+
+    def close(self, timeout: float = 10) -> None:
+        """Stop the worker for good (the UI is stopping): a reply being streamed ends at once, with an error
+        event, and the next request (another column's) starts no new worker. Not under the request lock: the
+        request streaming now holds it."""
+        self._closed = True
+        self.stop(timeout)
 
     def stop(self, timeout: float = 10) -> None:
         """End the worker (and free its models): close its pipe, kill it if it does not exit in time."""

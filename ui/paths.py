@@ -19,6 +19,7 @@ from finetune.rundir import EXPORT_MARKER, RunDir
 from finetune.rundir import MARKER as RUN_MARKER
 
 DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
+SNIFF_BYTES = 1 << 20  # a .json file up to this size is read to tell a dataset from a model config or a report
 RECIPE_SUFFIXES = (".yaml", ".yml")
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
@@ -130,9 +131,23 @@ def _holds_no_data(folder: Path) -> bool:
                                                            "config.json")))
 
 
+def _reads_as_records(path: Path) -> bool:
+    """Whether a data-suffixed file is a dataset: a small .json file is read as the run would read it (a model's
+    config.json or a benchmark's results are JSON objects, not records); other files go by their suffix."""
+    if path.suffix != ".json" or path.stat().st_size > SNIFF_BYTES:
+        return True
+    from finetune.data.read import read_records
+
+    try:
+        return all(isinstance(r.value, dict) for r in read_records(path).records)
+    except FinetuneError:
+        return False
+
+
 def data_files(roots: list[Path], limit: int = 300) -> list[str]:
     """Dataset files found under the allowed folders (three levels deep), for the file picker; run
-    internals (metrics.jsonl, checkpoints/, adapter/) and model files are left out."""
+    internals (metrics.jsonl, checkpoints/, adapter/), model files and .json files that are no records (a model
+    config, a report) are left out."""
     found: list[str] = []
     skip: dict[Path, bool] = {}  # folder -> whether it or a folder above it (below the root) holds no data
     for root in roots:
@@ -140,7 +155,8 @@ def data_files(roots: list[Path], limit: int = 300) -> list[str]:
             for path in sorted(root.glob(depth)):
                 folders = [f for f in path.parents if f != root and root in f.parents]
                 if path.suffix in DATA_SUFFIXES and path.is_file() and is_inside(path, roots) \
-                        and not any(skip.setdefault(f, _holds_no_data(f)) for f in folders):
+                        and not any(skip.setdefault(f, _holds_no_data(f)) for f in folders) \
+                        and _reads_as_records(path):
                     found.append(str(path))
                     if len(found) >= limit:
                         return found

@@ -25,7 +25,7 @@ import psutil
 
 import finetune
 from finetune.errors import FinetuneError
-from finetune.rundir import RunDir, tail
+from finetune.rundir import HeldRun, RunDir, held_runs, tail
 
 JobState = Literal["queued", "running", "exited", "cancelled", "refused"]  # refused: another process held the run
 
@@ -161,6 +161,14 @@ class RunManager:
     def jobs(self) -> list[Job]:
         with self._lock:
             return [Job(**asdict(j)) for j in self._jobs]
+
+    def outside_runs(self, folders: list[Path]) -> list[HeldRun]:
+        """The run directories in `folders` held by a process this UI did not start (a `finetune run`, resume
+        or export typed in a terminal): not one of its running jobs, nor this process or its children."""
+        ours = {j.run_dir for j in self.jobs() if j.state == "running"}
+        me = psutil.Process()
+        pids = {me.pid, *(c.pid for c in me.children(recursive=True))}
+        return [h for h in held_runs(folders) if str(h.root) not in ours and h.pid not in pids]
 
     def job_for(self, run_dir: str | Path) -> Job | None:
         """The newest job of a run directory."""

@@ -8,7 +8,7 @@ from typing import Any
 
 from finetune.api import RunFiles, run_files
 from finetune.recipe.settings import format_choices
-from finetune.rundir import COLLAPSED_EVENT, REWARD_ACCURACY, REWARD_KEYS, TRAINING_WARNING, RunDir
+from finetune.rundir import COLLAPSED_EVENT, REWARD_ACCURACY, REWARD_KEYS, TRAINING_WARNING, HeldRun, RunDir
 from finetune.units import format_bytes
 from ui.runs import RunManager
 
@@ -157,12 +157,21 @@ def _fmt(value: Any, spec: str = ".4f") -> str:
     return format(value, spec) if isinstance(value, (int, float)) else ""
 
 
-def queue_markdown(manager: RunManager) -> str:
-    """The running job and the queue behind it."""
+def outside_markdown(held: HeldRun) -> str:
+    """One run directory a process started outside this UI holds: a run training, or another command."""
+    pid = f"pid {held.pid}" if held.pid else held.holder
+    if held.action and held.action.startswith("finetune run"):
+        return f"**busy**: a run started outside this UI is training (`{held.root}`, {pid})"
+    return f"**busy**: `{held.action or held.holder}` started outside this UI is using `{held.root}` ({pid})"
+
+
+def queue_markdown(manager: RunManager, outside: list[HeldRun] = ()) -> str:
+    """The running job and the queue behind it, after the runs a process started outside this UI holds
+    (`outside`: RunManager.outside_runs), which the queue does not know of."""
     jobs = [j for j in manager.jobs() if j.state in ("running", "queued")]
-    if not jobs:
-        return "GPU free: no run is going and none is queued."
-    return "\n".join(f"- **{j.state}**{' (resume)' if j.resume else ''}: `{j.run_dir}`" for j in jobs)
+    lines = [f"- {outside_markdown(h)}" for h in outside]
+    lines += [f"- **{j.state}**{' (resume)' if j.resume else ''}: `{j.run_dir}`" for j in jobs]
+    return "\n".join(lines) or "GPU free: no run is going and none is queued."
 
 
 def preview_markdown(examples: list[dict[str, Any]], bad: list[str]) -> str:
@@ -237,17 +246,28 @@ def seen_length_markdown(seen: dict[str, Any] | None, measured: Any) -> str:
             "data.max_seq_len (or turn on data.packing) to plan for what the data really holds.")
 
 
+def micro_batch_text(value: int | None, cap: int | None) -> str:
+    """A largest micro-batch for people: 'none', '8', or '32 (the most tried)' at the search's cap, where a
+    larger one may fit too."""
+    if not value:
+        return "none"
+    return f"{value} (the most tried)" if value == cap else str(value)
+
+
 def sweep_markdown(sweep: dict[str, Any]) -> str:
     """The GPU-size chart's numbers in words (and a table a screen reader can read)."""
+    cap = sweep.get("micro_batch_cap")
     lines = ["| GPU | longest context (micro-batch 1) | largest micro-batch at "
              f"{sweep['max_seq_len']:,} tokens | this recipe fits |", "|---|---|---|---|"]
     for r in sweep["sizes"]:
         ctx = f"{r['longest_context']:,}" if r["longest_context"] else "none"
-        lines.append(f"| {r['gpu_gb']} GB | {ctx} | {r['largest_micro_batch'] or 'none'} | "
+        lines.append(f"| {r['gpu_gb']} GB | {ctx} | {micro_batch_text(r['largest_micro_batch'], cap)} | "
                      f"{'yes' if r['recipe_fits'] else 'no'} |")
     limit = sweep.get("model_max_context")
     if limit:
         lines.append(f"\nContexts stop at the model's own limit, {limit:,} tokens (max_position_embeddings).")
+    if cap and any(r["largest_micro_batch"] == cap for r in sweep["sizes"]):
+        lines.append(f"\nThe planner tries micro-batches up to {cap}: where {cap} fits, a larger one may fit too.")
     return "\n".join(lines)
 
 

@@ -34,6 +34,12 @@ PositiveByteSize = Annotated[int, BeforeValidator(parse_bytes), Field(gt=0, le=M
 Fraction = Annotated[float, Field(ge=0, lt=1)]
 Auto = Literal["auto"]
 
+# The keys a newcomer sets first, with their short names, in the order shown: the UI's basic form (every other
+# key is under its "Advanced settings"); tests/test_ui_form.py checks that each is a key of Recipe.
+BASIC = {"model.path": "Model", "data.path": "Data file", "training.method": "Method", "adapter.type": "Adapter",
+         "adapter.r": "LoRA rank", "data.max_seq_len": "Longest sequence (tokens)", "training.max_steps": "Steps",
+         "training.learning_rate": "Learning rate", "memory.gpu_memory": "GPU memory budget"}
+
 
 class ModelConfig(Section):
     path: str = Field(description="Local Hugging Face folder, a hub id (when online), a .gguf file, or pkg:PACKAGE/FILE inside an installed package.")
@@ -488,7 +494,7 @@ class OutputConfig(Section):
     save_total_limit: int = Field(2, ge=1, le=MAX_COUNT, description="Keep only the newest this many checkpoints.")
 
 
-# -- distributed (issue 16): several GPUs / nodes through accelerate -------------------------------------
+# -- distributed: several GPUs / nodes through accelerate -------------------------------------
 STRATEGIES = ("ddp", "fsdp", "deepspeed")  # "auto": the planner picks the fastest that fits each GPU
 SHARDED_STRATEGIES = ("fsdp", "deepspeed")  # optimizer state (and more) split across processes
 DEEPSPEED_KEYS = ("zero_stage", "deepspeed_offload", "deepspeed_nvme_path")  # read by deepspeed only

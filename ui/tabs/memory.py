@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import gradio as gr
 
+from finetune.errors import RecipeError
 from ui import charts, views
 from ui.backend import Backend
-from ui.tabs.messages import reported
+from ui.tabs.messages import first_steps, reported
+
+FIRST_STEPS = ("No recipe yet: choose a ready recipe in the Recipe tab (or give the model and the data file "
+               "there), and its plan shows here.")
 
 
 def build(backend: Backend, widgets: list[gr.components.Component], basic_gpu: gr.Dropdown) -> None:
@@ -29,7 +33,12 @@ def build(backend: Backend, widgets: list[gr.components.Component], basic_gpu: g
 
     @reported(4)
     def plan(*args):
-        result = backend.plan(args[:-1], args[-1])
+        try:
+            result = backend.plan(args[:-1], args[-1])
+        except RecipeError as exc:  # no recipe chosen yet: one hint, and no chart, table or second message
+            if (hint := first_steps(exc, FIRST_STEPS)) is None:
+                raise
+            return hint, None, [], None
         mb = (result.get("settings") or {}).get("micro_batch_size")
         return (views.plan_markdown(result), charts.memory_figure(views.plan_bars(result), result.get("budget_bytes")),
                 views.option_rows(result), mb)
@@ -37,7 +46,12 @@ def build(backend: Backend, widgets: list[gr.components.Component], basic_gpu: g
     @reported(2, message_at=1)
     def sweep(*args):
         *values, choice, mb = args
-        result = backend.gpu_sweep(values)
+        try:
+            result = backend.gpu_sweep(values)
+        except RecipeError as exc:  # the plan's message above says what to do first
+            if first_steps(exc, FIRST_STEPS) is None:
+                raise
+            return None, ""
         return charts.context_figure(result, backend.gpu_gb(choice), mb), views.sweep_markdown(result)
 
     plan_out = [plan_msg, plan_plot, plan_table, last_plan]

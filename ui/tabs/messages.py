@@ -8,7 +8,7 @@ from typing import Any
 
 import gradio as gr
 
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, RecipeError
 
 
 def problems_markdown(exc: FinetuneError) -> str:
@@ -16,6 +16,15 @@ def problems_markdown(exc: FinetuneError) -> str:
     if exc.hint:
         lines.append(f"\n{exc.hint}")
     return "\n".join(lines)
+
+
+def first_steps(exc: RecipeError, text: str) -> str | None:
+    """What a fresh page shows instead of an error: where every problem is a required key not given yet
+    (problem code `missing`), the next step, `text` (one neutral hint per tab); None where something given is
+    wrong."""
+    if exc.problems and all(getattr(p, "code", None) == "missing" for p in exc.problems):
+        return text
+    return None
 
 
 def reported(n_outputs: int, message_at: int = 0) -> Callable:

@@ -1,5 +1,6 @@
-"""Recipe tab: start from something (a ready recipe, a recipe file, a previous run), a short basic form
-(model, data, GPU, goal) and every other key under "Advanced" sections generated from the schema."""
+"""Recipe tab: start from something (a ready recipe, a recipe file, a previous run), the basic form (the
+schema's BASIC keys, the GPU and a goal) and every other key folded under "Advanced settings", one section each,
+generated from the schema."""
 
 from __future__ import annotations
 
@@ -12,23 +13,15 @@ import gradio as gr
 
 from finetune.errors import RecipeError
 from finetune.recipe.goals import GOALS, SUMMARIES
+from finetune.recipe.schema import BASIC
 from finetune.rundir import RECIPE
 from ui.backend import Backend
 from ui.form import FieldSpec, sections
-from ui.tabs.messages import reported
+from ui.tabs.messages import first_steps, reported
 
-BASIC_KEYS = {"model.path": "Model (model.path)", "data.path": "Data file (data.path)"}  # the basic form's
-# keys and their labels; every other key is under Advanced
+YAML_LINES = 24  # the recipe's YAML (over 100 lines) scrolls inside a box of this many lines
 KEEP = "keep the recipe's values"
 FIRST_STEPS = "Choose a ready recipe above, or give the model and the data file in the basics."
-
-
-def first_steps(exc: RecipeError) -> str | None:
-    """What a fresh page shows instead of an error: where every problem is a required key not given yet
-    (problem code `missing`), the next step; None where something given is wrong."""
-    if exc.problems and all(getattr(p, "code", None) == "missing" for p in exc.problems):
-        return FIRST_STEPS
-    return None
 
 
 def _widget(spec: FieldSpec, value: Any, label: str | None = None) -> gr.components.Component:
@@ -51,17 +44,29 @@ def _defaults(backend: Backend) -> dict[str, Any]:
     return {s.key: "" if s.required else v for s, v in zip(backend.specs, values, strict=True)}
 
 
-def _advanced(backend: Backend, defaults: dict[str, Any]) -> dict[str, gr.components.Component]:
-    """One closed accordion per recipe section, one widget per key in schema order (basic keys left out)."""
+def _rows(specs: list[FieldSpec], defaults: dict[str, Any], labels: dict[str, str] | None = None
+          ) -> dict[str, gr.components.Component]:
+    """One widget per key, three to a row."""
     out = {}
-    for section, description in sections():
-        specs = [s for s in backend.specs if s.section == section and s.key not in BASIC_KEYS]
-        title = f"Advanced: {section} — {description}" if description else f"Advanced: {section}"
-        with gr.Accordion(title, open=False, elem_id=f"section-{section}"):
-            for start in range(0, len(specs), 3):
-                with gr.Row():
-                    for s in specs[start:start + 3]:
-                        out[s.key] = _widget(s, defaults[s.key])
+    for start in range(0, len(specs), 3):
+        with gr.Row():
+            for s in specs[start:start + 3]:
+                out[s.key] = _widget(s, defaults[s.key], f"{labels[s.key]} ({s.key})" if labels else None)
+    return out
+
+
+def _advanced(backend: Backend, defaults: dict[str, Any]) -> dict[str, gr.components.Component]:
+    """Every key not in the basic form, under one closed "Advanced settings" accordion: one closed accordion per
+    recipe section inside it, one widget per key in schema order."""
+    out = {}
+    with gr.Accordion("Advanced settings", open=False, elem_id="advanced"):
+        gr.Markdown("Every other recipe key, by section; each has a sensible default.")
+        for section, description in sections():
+            specs = [s for s in backend.specs if s.section == section and s.key not in BASIC]
+            if specs:
+                with gr.Accordion(f"{section} — {description}" if description else section, open=False,
+                                  elem_id=f"section-{section}"):
+                    out.update(_rows(specs, defaults))
     return out
 
 
@@ -86,7 +91,7 @@ def build(demo: gr.Blocks, backend: Backend) -> tuple[Form, gr.Dropdown, gr.Drop
     gallery = backend.gallery()
     with gr.Tab("Recipe", id="recipe"):
         gr.Markdown("**Start from something**: a ready recipe, a recipe file, or a previous run. Then set the "
-                    "basics; everything else has a sensible default under *Advanced*.")
+                    "basics; everything else has a sensible default under *Advanced settings*.")
         with gr.Row():
             with gr.Column(scale=3, elem_id="gallery"):
                 pick = gr.Radio(choices=[(r["title"], r["path"]) for r in gallery], label="Ready recipes",
@@ -105,23 +110,27 @@ def build(demo: gr.Blocks, backend: Backend) -> tuple[Form, gr.Dropdown, gr.Drop
         with gr.Group(elem_id="basics"):
             gr.Markdown("### Basics")
             with gr.Row():
-                basic = {k: _widget(by_key[k], defaults[k], label) for k, label in BASIC_KEYS.items()}
-            with gr.Row():
+                # Filled when the page opens (after login): the list names server folders
+                model_pick = gr.Dropdown(choices=[], value=None, label="Pick a local model",
+                                         info="Model folders and .gguf files in the allowed folders, models "
+                                              "installed packages ship, the Hugging Face cache's; or type any "
+                                              "path or hub id in model.path.", elem_id="model-pick")
                 gpus = backend.gpu_choices()
                 gpu = gr.Dropdown(choices=gpus, value=gpus[0], label="GPU",
                                   info="The card the Memory tab plans for; a run uses the GPU's free memory "
                                        "(memory.gpu_memory).", elem_id="basic-gpu")
                 goal = gr.Dropdown(choices=[KEEP, *GOALS], value=KEEP, label="Goal",
-                                   info="Sets the few keys a goal is about (shown under Advanced): "
+                                   info="Sets the few keys a goal is about: "
                                         + "; ".join(f"{g}: {text}" for g, text in SUMMARIES.items()) + ".",
                                    elem_id="goal")
+            basic = _rows([by_key[k] for k in BASIC], defaults, BASIC)
         advanced = _advanced(backend, defaults)
         widgets = [{**basic, **advanced}[k] for k in keys]
         with gr.Row():
             save_btn = gr.Button("Save form as recipe YAML", elem_id="save-recipe", scale=1)
             recipe_file = gr.File(label=RECIPE, interactive=False, elem_id="recipe-file", height=70, scale=2)
         recipe_yaml = gr.Code(language="yaml", label="Recipe YAML: exactly what `finetune run` reads",
-                              interactive=False, elem_id="recipe-yaml")
+                              interactive=False, elem_id="recipe-yaml", max_lines=YAML_LINES)
         saved_form = gr.BrowserState(None, storage_key="finetune-form")  # the form survives a page reload
 
     @reported(2)
@@ -129,7 +138,7 @@ def build(demo: gr.Blocks, backend: Backend) -> tuple[Form, gr.Dropdown, gr.Drop
         try:
             return "", backend.recipe_text(values)
         except RecipeError as exc:  # a fresh page: no model or data yet is a next step, not an error
-            if (notice := first_steps(exc)) is not None:
+            if (notice := first_steps(exc, FIRST_STEPS)) is not None:
                 return notice, ""
             raise
 
@@ -149,6 +158,10 @@ def build(demo: gr.Blocks, backend: Backend) -> tuple[Form, gr.Dropdown, gr.Drop
     edits = [w.change if isinstance(w, gr.Textbox) else w.input for w in widgets]
     kept(gr.on(edits, show_yaml, widgets, [recipe_msg, recipe_yaml], trigger_mode="always_last",
                api_visibility="private"))
+
+    demo.load(lambda: gr.update(choices=backend.model_choices()), None, model_pick, api_name="local_models")
+    # model.path is a text box: its own change refreshes the YAML view and the copy kept for a reload
+    model_pick.input(lambda chosen: chosen or gr.skip(), model_pick, basic["model.path"], api_visibility="private")
 
     descriptions = {r["path"]: r["description"] for r in gallery}
     pick.change(lambda p: descriptions.get(p, ""), pick, pick_info, api_visibility="private")

@@ -83,7 +83,7 @@ def redraw(backend: Backend, run_dir: str | None, last: tuple | None
     """One refresh of the selected run: (status HTML, the explanations, plots and run panels or None when the run
     has logged nothing new since `last`, log tail, queue, the signature to pass as `last` next time). Each run
     file is read once (api.RunFiles), however many views show it."""
-    queue = views.queue_markdown(backend.manager)
+    queue = views.queue_markdown(backend.manager, backend.outside_runs())
     if not run_dir:
         return "<div id='run-status'>No run yet: start one above.</div>", None, "", queue, last
     try:
