@@ -198,7 +198,7 @@ def test_preflight_names_the_missing_or_broken_file(tmp_path, tiny_model_dir, ca
     assert not (tmp_path / "run").exists()
     broken.write_text("\n".join(lines[:2] + lines[3:]) + "\n")
     assert main(["validate", str(recipe)]) == 0
-    assert f"data {good} + {broken}: 8 alpaca+messages records" in " ".join(capsys.readouterr().err.split())
+    assert f"data {good} + {broken}: 8 alpaca+messages records" in " ".join(capsys.readouterr().out.split())
 
 
 def test_formats_that_make_other_examples_are_not_mixed(tmp_path, tiny_tokenizer):

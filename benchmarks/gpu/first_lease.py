@@ -12,8 +12,8 @@ The rows (ROWS), in the order of what they decide per second of device time:
    at 2k and 8k, tokens/s of `finetune run` vs HF Trainer + PEFT, max context at 8 GiB in at most 3 probes.
    The small-model rows come first because a row measured while the 8B weights sit on the GPU would count
    them in its peak;
-4. the mixture-of-experts row (the smallest MoE fixture config, after the 8B model is released), skipped
-   while no MoE family is supported: its place in the table is kept.
+4. the mixture-of-experts row (the smallest MoE fixture config, after the 8B model is released; skipped,
+   saying so, in a build whose fixtures hold no MoE config).
 
 Each row is saved as it ends, with its own seconds and the estimate below beside them, so the next lease's
 plan is sized from measurements. A row starts only if its estimate, scaled by how the rows so far compared with

@@ -53,7 +53,10 @@ def moe_config(config: Any) -> MoEConfig | None:
     top_k = getattr(text, "num_experts_per_tok", None)
     if not experts or not isinstance(top_k, int):
         return None
-    coef = getattr(text, "router_aux_loss_coef", None) if hasattr(text, "output_router_logits") else None
+    # a model adds the loss where its config has output_router_logits (the planner's cached facts hold None
+    # for an attribute a config lacks)
+    coef = getattr(text, "router_aux_loss_coef", None) if getattr(text, "output_router_logits", None) is not None \
+        else None
     return MoEConfig(experts, top_k, float(coef) if coef else None)
 
 
@@ -283,6 +286,9 @@ def _peft_remapped(model: torch.nn.Module, names: list[str]) -> set[str]:
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside accelerate's DDP wrapper and peft's."""
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 

@@ -35,7 +35,7 @@ from finetune.memory.step import enable_checkpointing, forward_backward
 from finetune.memory.tracker import MemoryTracker
 from finetune.model.adapter import apply_adapter
 from finetune.model.family import decoder_layers, in_decoder_layers
-from finetune.model.moe import expert_weight_names, use_finetune_experts
+from finetune.model.moe import EXPERT_COUNT_FIELDS, expert_weight_names, use_finetune_experts
 from finetune.model.source import config_location
 from finetune.plan import trace_cache
 from finetune.plan.planner import Planner, current
@@ -471,7 +471,9 @@ class _TextFacts:
         return getattr(self._owner.real().get_text_config(), name)
 
 
-TEXT_FACTS = ("num_hidden_layers", "hidden_size", "vocab_size", "max_position_embeddings", "layer_types")
+# The dimensions above, and the mixture-of-experts facts `finetune.model.moe.moe_config` reads (None: absent).
+TEXT_FACTS = ("num_hidden_layers", "hidden_size", "vocab_size", "max_position_embeddings", "layer_types",
+              *EXPERT_COUNT_FIELDS, "num_experts_per_tok", "router_aux_loss_coef", "output_router_logits")
 
 
 def _source_fingerprint(path: str, trust_remote_code: bool) -> list | None:

@@ -132,7 +132,8 @@ def test_gallery_memory_train_events_reload_export_and_chat_in_a_browser(page, t
         labels = page.evaluate(GALLERY_LABELS)  # short titles, each whole on its button, no issue numbers
         assert "GRPO quickstart" in [text for text, _, _ in labels], labels
         assert all(fits and not re.search(r"\bissue\b", text, re.I) for text, fits, _ in labels), labels
-        assert len({top for _, _, top in labels}) <= 3, labels  # the eight recipes fit in three rows
+        rows = len({top for _, _, top in labels})  # short labels: at least three recipes a row
+        assert rows <= -(-len(labels) // 3), labels
         _shot(page, "01-gallery")
         before_load = len(yaml_builds)
         page.locator("#gallery-use").click()
