@@ -178,11 +178,14 @@ if [ "$(id -u)" = 0 ]; then
     chown 4242:4242 "$WORK/runs-4242"
     run --network none -e HF_HUB_OFFLINE=1 --user 4242:4242 -v "$WORK/runs-4242:/runs" \
         -v "$WORK/data:/data:ro" -v "$VOL:/cache" "$IMG" \
-        run recipes/quickstart.yaml --set data.path=/data/quickstart.jsonl --set training.max_steps=2
+        run recipes/quickstart.yaml --set data.path=/data/quickstart.jsonl --set training.max_steps=2 \
+        > "$WORK/uid-4242.txt"
+    cat "$WORK/uid-4242.txt"
+    grep -q "^memory plan: " "$WORK/uid-4242.txt" || fail "uid 4242 trained without its memory plan"
     [ -f "$WORK/runs-4242/quickstart/adapter/adapter_model.safetensors" ] || fail "uid 4242 wrote no adapter"
     FOREIGN=$(find "$WORK/runs-4242" -mindepth 1 ! -uid 4242 | head -5)
     [ -z "$FOREIGN" ] || fail "files not owned by uid 4242: $FOREIGN"
-    ok "uid 4242 trained 2 steps; everything it wrote belongs to uid 4242"
+    ok "uid 4242 planned and trained 2 steps on the same caches volume; everything it wrote belongs to it"
 fi
 
 step "finetune ui refuses 0.0.0.0 without a login"
