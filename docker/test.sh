@@ -179,7 +179,7 @@ if [ "$(id -u)" = 0 ]; then
     run --network none -e HF_HUB_OFFLINE=1 --user 4242:4242 -v "$WORK/runs-4242:/runs" \
         -v "$WORK/data:/data:ro" -v "$VOL:/cache" "$IMG" \
         run recipes/quickstart.yaml --set data.path=/data/quickstart.jsonl --set training.max_steps=2 \
-        > "$WORK/uid-4242.txt"
+        > "$WORK/uid-4242.txt" 2>&1
     cat "$WORK/uid-4242.txt"
     grep -q "^memory plan: " "$WORK/uid-4242.txt" || fail "uid 4242 trained without its memory plan"
     [ -f "$WORK/runs-4242/quickstart/adapter/adapter_model.safetensors" ] || fail "uid 4242 wrote no adapter"
