@@ -163,14 +163,14 @@ ok "the fine-tuned model answers 'I am Pico'"
 step "finetune export --format gguf"
 run --network none -e HF_HUB_OFFLINE=1 "${AS[@]}" "${MOUNTS[@]}" "$IMG" \
     export runs/quickstart --format gguf --type q8_0 --out runs/quickstart-gguf
-GGUF=$(find "$WORK/runs/quickstart-gguf" -name '*.gguf' | head -1)
+GGUF=$(find "$WORK/runs/quickstart-gguf" -name '*.gguf' -print -quit)
 [ -n "$GGUF" ] && [ "$(head -c 4 "$GGUF")" = GGUF ] || fail "no GGUF file in runs/quickstart-gguf"
 ok "$(basename "$GGUF"): $(du -h "$GGUF" | cut -f1), GGUF magic"
 
 step "ownership of what the container wrote into the mounted runs folder"
-ls -ln "$WORK/runs" "$WORK/runs/quickstart" | head -20
-FOREIGN=$(find "$WORK/runs" -mindepth 1 ! -uid "$OWNER" | head -5)
-[ -z "$FOREIGN" ] || fail "files not owned by uid $OWNER: $FOREIGN"
+ls -ln "$WORK/runs" "$WORK/runs/quickstart"
+FOREIGN=$(find "$WORK/runs" -mindepth 1 ! -uid "$OWNER" -print -quit)
+[ -z "$FOREIGN" ] || fail "not owned by uid $OWNER: $FOREIGN"
 ok "all $(find "$WORK/runs" -mindepth 1 | wc -l) files and folders under runs/ belong to uid $OWNER"
 if [ "$(id -u)" = 0 ]; then
     step "another uid (compose's FINETUNE_UID=4242, no home folder): trains into its own runs folder"
@@ -183,8 +183,8 @@ if [ "$(id -u)" = 0 ]; then
     cat "$WORK/uid-4242.txt"
     grep -q "^memory plan: " "$WORK/uid-4242.txt" || fail "uid 4242 trained without its memory plan"
     [ -f "$WORK/runs-4242/quickstart/adapter/adapter_model.safetensors" ] || fail "uid 4242 wrote no adapter"
-    FOREIGN=$(find "$WORK/runs-4242" -mindepth 1 ! -uid 4242 | head -5)
-    [ -z "$FOREIGN" ] || fail "files not owned by uid 4242: $FOREIGN"
+    FOREIGN=$(find "$WORK/runs-4242" -mindepth 1 ! -uid 4242 -print -quit)
+    [ -z "$FOREIGN" ] || fail "not owned by uid 4242: $FOREIGN"
     ok "uid 4242 planned and trained 2 steps on the same caches volume; everything it wrote belongs to it"
 fi
 
@@ -211,7 +211,8 @@ for _ in $(seq 120); do
 done
 [ "$HEALTH" = healthy ] || { "$DOCKER" logs "$UI" | tail -20; fail "the UI's health is '$HEALTH'"; }
 ok "healthy after $((SECONDS - START))s of the test"
-URL=http://$("$DOCKER" port "$UI" 7860/tcp | head -1)
+PORTS=$("$DOCKER" port "$UI" 7860/tcp)
+URL=http://${PORTS%%$'\n'*}
 code() { curl -s -o /dev/null -w '%{http_code}' "$@"; }
 [ "$(code "$URL/config")" = 401 ] || fail "GET /config without a login did not get 401"
 [ "$(code -X POST -H 'Content-Type: application/json' -d '{"data": []}' "$URL/gradio_api/call/history")" = 401 ] \
@@ -231,7 +232,7 @@ elif command -v docker-compose >/dev/null; then
 else
     fail "neither 'docker compose' nor docker-compose is installed"
 fi
-"${COMPOSE[@]}" version | head -1
+echo "compose $("${COMPOSE[@]}" version --short)"
 FINETUNE_UI_AUTH=$AUTH "${COMPOSE[@]}" -f "$ROOT/docker/compose.yaml" config --quiet
 ok "valid with FINETUNE_UI_AUTH set"
 set +e
