@@ -49,6 +49,8 @@ def test_gguf_is_converted_once_to_a_cached_safetensors_folder(tmp_path, monkeyp
     folder = resolve_model_path(SMOLLM)
     assert folder.is_relative_to(tmp_path / "cache")
     assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
+    # the weights as readable as the config (transformers alone leaves them 0600: other users of the cache fail)
+    assert (folder / "model.safetensors").stat().st_mode == (folder / "config.json").stat().st_mode
     start = time.time()
     assert resolve_model_path(SMOLLM) == folder
     assert time.time() - start < 1, "the second resolve must reuse the cache"

@@ -12,7 +12,7 @@ import torch
 from test_offload_support import LAYERS, batch, files, load, make_model_dir
 
 from finetune.errors import FinetuneError
-from finetune.memory.bandwidth import offload_bytes_per_step
+from finetune.memory.bandwidth import cache_path, cpu_compute, offload_bytes_per_step
 from finetune.memory.offload import (
     ActivationOffload,
     activation_offload,
@@ -239,3 +239,12 @@ def test_planning_disk_offload_on_a_small_or_full_folder_never_raises(tmp_path, 
     assert not bandwidth.cache_path().exists()  # a partial measurement is not kept for later plans
     shown = "0 B" if free == 0 else "6.00 MiB" if free else "64.00 MiB"
     assert not plan.fits and any(f"in memory.offload_dir, {shown} free" in c.reason for c in plan.rejected)
+
+
+def test_an_unwritable_bandwidth_cache_costs_a_measurement_not_the_plan(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("FINETUNE_CACHE", str(blocker / "cache"))  # a folder that cannot be made, even by root
+    measured = cpu_compute()
+    assert measured["mem_bw"] > 0 and all(value > 0 for value in measured.values())
+    assert not cache_path().exists()

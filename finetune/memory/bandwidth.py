@@ -46,7 +46,10 @@ def _load_cache() -> dict:
 def _store_cache(key: str, value: dict) -> None:
     cache = _load_cache()
     cache[key] = value
-    atomic_write_text(cache_path(), json.dumps(cache, indent=2, sort_keys=True))
+    try:
+        atomic_write_text(cache_path(), json.dumps(cache, indent=2, sort_keys=True))
+    except OSError:  # a read-only cache, or one another user owns (a shared Docker volume): measure next time
+        pass
 
 
 def measure_disk(directory: str | Path, nbytes: int = PROBE_BYTES) -> dict[str, float]:

@@ -166,5 +166,11 @@ def _converted_gguf(gguf: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
+    # transformers writes the weights owner-only (a renamed temp file): give them the mode the user's umask gave
+    # config.json, so a cache shared by several users (a Docker volume, FINETUNE_UID) is readable by all.
+    mode = (tmp / "config.json").stat().st_mode
+    for file in tmp.iterdir():
+        if file.is_file():
+            file.chmod(mode)
     tmp.rename(target)  # atomic: a half-written cache is never picked up
     return target
