@@ -169,14 +169,14 @@ def test_orpo_term_matches_trl():
 
     from trl.experimental.orpo.orpo_trainer import ORPOTrainer
 
-    from finetune.memory.preference import PreferenceLoss, _orpo
+    from finetune.memory.preference import PreferenceLoss, orpo_loss
 
     torch.manual_seed(0)
     counts_c, counts_r = torch.tensor([5, 9, 3]), torch.tensor([7, 2, 4])
     pc, pr = -torch.rand(3) * counts_c, -torch.rand(3) * 2 * counts_r
     fake = SimpleNamespace(beta=0.3, accelerator=SimpleNamespace(device="cpu"))
     terms, chosen, rejected, *_ = ORPOTrainer.odds_ratio_loss(fake, pc / counts_c, pr / counts_r)
-    loss, stats = _orpo(PreferenceLoss("orpo", beta=0.3), pc, pr, None, None, counts_c, counts_r)
+    loss, stats = orpo_loss(PreferenceLoss("orpo", beta=0.3), pc, pr, None, None, counts_c, counts_r)
     nll = -pc.sum() / counts_c.sum()
     torch.testing.assert_close(loss, nll - terms.mean())
     torch.testing.assert_close(stats["rewards/chosen"][0], chosen.sum())

@@ -39,10 +39,11 @@ from torch.utils.checkpoint import checkpoint
 from finetune.errors import FinetuneError
 from finetune.memory.chunked_loss import IGNORE_INDEX, default_chunk_size, head_logits, head_of, shift
 from finetune.model.adapter import REFERENCE_ADAPTER
+from finetune.recipe.methods import method_keys, method_spec, uses_reference
+from finetune.recipe.reference import resolve
 from finetune.recipe.schema import Recipe, TrainingConfig
 from finetune.rundir import REWARD_ACCURACY, REWARD_CHOSEN, REWARD_KEYS, REWARD_MARGIN, REWARD_REJECTED
 
-PREFERENCE_METHODS = ("dpo", "orpo", "kto")
 Metrics = dict[str, list[float]]  # name -> [sum, count], added over micro-batches
 METRIC_PREFIXES = (*REWARD_KEYS, "logps/", "nll_loss", "log_odds_ratio", "kl")  # logged keys (metrics.jsonl)
 
@@ -51,7 +52,8 @@ METRIC_PREFIXES = (*REWARD_KEYS, "logps/", "nll_loss", "log_odds_ratio", "kl")  
 class PreferenceLoss:
     """A preference method and its knobs (the recipe's training.method, beta, ...)."""
 
-    method: str  # dpo | orpo | kto
+    method: str  # a training.method whose registry entry is a preference method (finetune/recipe/methods.py)
+    # the training.* keys the registry's methods name, with the schema's defaults
     beta: float = 0.1
     loss_type: str = "sigmoid"
     reference_free: bool = False
@@ -66,15 +68,14 @@ class PreferenceLoss:
         """The loss of a recipe's training section; None for sft (and grpo, whose loss is finetune.rl's).
         `reference_current`: the recipe's `reference_is_current` (what the precomputed pass runs, for the
         planner's trace)."""
-        if training.method not in PREFERENCE_METHODS:
+        if not method_spec(training.method).preference:
             return None
-        return cls(training.method, training.beta, training.loss_type, training.reference_free,
-                   training.label_smoothing, training.desirable_weight, training.undesirable_weight,
-                   training.precompute_reference, reference_current)
+        knobs = {key: getattr(training, key) for key in method_keys()}  # each a field here of the same name
+        return cls(training.method, **knobs, reference_current=reference_current)
 
     @property
     def uses_reference(self) -> bool:
-        return self.method == "kto" or (self.method == "dpo" and not self.reference_free)
+        return uses_reference(self.method, self.reference_free)
 
     @property
     def reference_in_step(self) -> bool:
@@ -89,7 +90,7 @@ class PreferenceLoss:
     @property
     def rows_per_example(self) -> int:
         """Sequences per example in a batch: chosen and rejected, or one (kto)."""
-        return 1 if self.method == "kto" else 2
+        return method_spec(self.method).rows_per_example
 
     @property
     def objective(self) -> str:
@@ -97,7 +98,7 @@ class PreferenceLoss:
         `dpo:precompute_reference`, `orpo`, `kto`, `kto:precompute_reference`, a precomputed pass with the
         adapter on adding `:reference_current`; the planner's trace key, turned back into a loss by
         `of_objective`."""
-        flags = ["reference_free"] if self.method == "dpo" and self.reference_free else []
+        flags = ["reference_free"] if self.reference_free else []
         if self.reference_precomputed:
             flags.append("precompute_reference")
             if self.reference_current:
@@ -107,7 +108,7 @@ class PreferenceLoss:
     @classmethod
     def of_objective(cls, objective: str) -> PreferenceLoss | None:
         method, *flags = objective.split(":")
-        if method not in PREFERENCE_METHODS:  # sft, grpo (finetune.rl.step.trace_objective)
+        if not method_spec(method).preference:  # sft, grpo (finetune.rl.step.trace_objective)
             return None
         return cls(method, reference_free="reference_free" in flags,
                    precompute_reference="precompute_reference" in flags,
@@ -140,7 +141,7 @@ def synthetic_batch(loss: PreferenceLoss | None, rows: int, seq_len: int, vocab:
     else:
         ids = torch.randint(0, vocab, (n, seq_len), generator=generator).to(device)
     batch = {"input_ids": ids, "labels": ids}
-    if loss is not None and loss.method == "kto":
+    if loss is not None and method_spec(loss.method).data_kind == "kto":
         batch["kto_label"] = (torch.arange(n) % 2 == 0).to(ids.device)
     if loss is not None and loss.reference_precomputed:
         batch["ref_logps"] = torch.zeros(n, device=ids.device)
@@ -253,12 +254,14 @@ def preference_loss(model: torch.nn.Module, inputs: Mapping[str, Any], loss: Pre
         ref = reference_logps(model, inputs, chunked)
     logps, counts = sequence_logps(model, inputs, chunked)
     ref = ref if ref is not None else torch.zeros_like(logps)
-    if loss.method == "kto":
-        value, stats = _kto(loss, logps, ref, kto_label)
+    spec = method_spec(loss.method)
+    objective = resolve(spec.loss)
+    if spec.data_kind == "kto":
+        value, stats = objective(loss, logps, ref, kto_label)
     else:
         n = logps.shape[0] // 2
         pc, pr, rc, rr, cc, cr = logps[:n], logps[n:], ref[:n], ref[n:], counts[:n], counts[n:]
-        value, stats = (_orpo if loss.method == "orpo" else _dpo)(loss, pc, pr, rc, rr, cc, cr)
+        value, stats = objective(loss, pc, pr, rc, rr, cc, cr)
     if metrics is not None:
         for name, (total, count) in stats.items():
             entry = metrics.setdefault(name, [0.0, 0.0])
@@ -267,14 +270,14 @@ def preference_loss(model: torch.nn.Module, inputs: Mapping[str, Any], loss: Pre
     return value
 
 
-def _pair_stats(chosen: torch.Tensor, rejected: torch.Tensor, pc: torch.Tensor, pr: torch.Tensor) -> dict:
+def pair_stats(chosen: torch.Tensor, rejected: torch.Tensor, pc: torch.Tensor, pr: torch.Tensor) -> dict:
     n = chosen.numel()
     return {REWARD_CHOSEN: (chosen.sum(), n), REWARD_REJECTED: (rejected.sum(), n),
             REWARD_MARGIN: ((chosen - rejected).sum(), n), REWARD_ACCURACY: ((chosen > rejected).sum(), n),
             "logps/chosen": (pc.detach().sum(), n), "logps/rejected": (pr.detach().sum(), n)}
 
 
-def _dpo(loss: PreferenceLoss, pc, pr, rc, rr, cc, cr) -> tuple[torch.Tensor, dict]:
+def dpo_loss(loss: PreferenceLoss, pc, pr, rc, rr, cc, cr) -> tuple[torch.Tensor, dict]:
     if loss.loss_type == "ipo":  # IPO compares length-averaged log-probabilities (TRL does the same)
         logits = (pc / cc - pr / cr) - (rc / cc - rr / cr)
         losses = (logits - 1 / (2 * loss.beta)) ** 2
@@ -286,7 +289,7 @@ def _dpo(loss: PreferenceLoss, pc, pr, rc, rr, cc, cr) -> tuple[torch.Tensor, di
             losses = (-F.logsigmoid(loss.beta * logits) * (1 - loss.label_smoothing)
                       - F.logsigmoid(-loss.beta * logits) * loss.label_smoothing)
     chosen, rejected = loss.beta * (pc - rc).detach(), loss.beta * (pr - rr).detach()
-    return losses.mean(), _pair_stats(chosen, rejected, pc, pr)
+    return losses.mean(), pair_stats(chosen, rejected, pc, pr)
 
 
 def _log1m_exp(x: torch.Tensor) -> torch.Tensor:
@@ -294,18 +297,18 @@ def _log1m_exp(x: torch.Tensor) -> torch.Tensor:
     return torch.log(torch.clamp(-torch.expm1(x), min=torch.finfo(x.dtype).tiny))
 
 
-def _orpo(loss: PreferenceLoss, pc, pr, rc, rr, cc, cr) -> tuple[torch.Tensor, dict]:
+def orpo_loss(loss: PreferenceLoss, pc, pr, rc, rr, cc, cr) -> tuple[torch.Tensor, dict]:
     ac, ar = pc / cc.clamp(min=1), pr / cr.clamp(min=1)
     log_odds = (ac - ar) - (_log1m_exp(ac) - _log1m_exp(ar))
     ratio = F.logsigmoid(log_odds)
     nll = -pc.sum() / cc.sum().clamp(min=1)  # the SFT loss on the chosen answers
-    stats = _pair_stats(loss.beta * ac.detach(), loss.beta * ar.detach(), pc, pr)
+    stats = pair_stats(loss.beta * ac.detach(), loss.beta * ar.detach(), pc, pr)
     n = pc.numel()
     stats.update({"nll_loss": (nll.detach() * n, n), "log_odds_ratio": (ratio.detach().sum(), n)})
     return nll - loss.beta * ratio.mean(), stats
 
 
-def _kto(loss: PreferenceLoss, logps, ref, good) -> tuple[torch.Tensor, dict]:
+def kto_loss(loss: PreferenceLoss, logps, ref, good) -> tuple[torch.Tensor, dict]:
     if good is None:
         raise FinetuneError("training.method kto needs batches with kto_label (labelled answers)")
     good = good.to(torch.bool).to(logps.device)
