@@ -4,6 +4,7 @@ the adapter off, DPO raises the held-out reward margin, metrics reach metrics.js
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from pydantic import ValidationError
 
 from finetune.memory.preference import reference_logps, sequence_logps
+from finetune.recipe.load import recipe_to_yaml
 from finetune.recipe.schema import Recipe
 from finetune.rundir import read_jsonl
 from finetune.train.run import run
@@ -181,3 +183,60 @@ def test_orpo_term_matches_trl():
     torch.testing.assert_close(loss, nll - terms.mean())
     torch.testing.assert_close(stats["rewards/chosen"][0], chosen.sum())
     torch.testing.assert_close(stats["rewards/rejected"][0], rejected.sum())
+
+
+def _trl_cpo(loss_type, **config):
+    """TRL's CPOTrainer.cpo_loss bound to a config (what its trainer reads from self), without a trainer."""
+    from types import SimpleNamespace
+
+    from trl.experimental.cpo.cpo_trainer import CPOTrainer
+
+    fake = SimpleNamespace(loss_type=loss_type, alpha=0.0, accelerator=SimpleNamespace(device="cpu"), **config)
+    return lambda pc, pr: CPOTrainer.cpo_loss(fake, pc, pr)
+
+
+def _fixed_pairs():
+    torch.manual_seed(0)
+    counts_c, counts_r = torch.tensor([5, 9, 3, 6]), torch.tensor([7, 2, 4, 6])
+    pc = (-torch.rand(4) * counts_c).requires_grad_()
+    pr = (-torch.rand(4) * 2 * counts_r).requires_grad_()
+    return pc, pr, counts_c, counts_r
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
+def test_simpo_loss_and_gradients_match_trl(label_smoothing):
+    """SimPO is TRL's CPO loss_type simpo (with cpo_alpha 0: no NLL term) on length-averaged log-probs."""
+    from finetune.memory.preference import PreferenceLoss, simpo_loss
+
+    knobs = {"beta": 2.0, "simpo_gamma": 0.7, "label_smoothing": label_smoothing}
+    pc, pr, counts_c, counts_r = _fixed_pairs()
+    losses, chosen, rejected = _trl_cpo("simpo", **knobs)(pc / counts_c, pr / counts_r)
+    expected_grads = torch.autograd.grad(losses.mean(), (pc, pr))
+    loss, stats = simpo_loss(PreferenceLoss("simpo", **knobs), pc, pr, None, None, counts_c, counts_r)
+    torch.testing.assert_close(loss, losses.mean())
+    for ours, theirs in zip(torch.autograd.grad(loss, (pc, pr)), expected_grads, strict=True):
+        torch.testing.assert_close(ours, theirs)
+    torch.testing.assert_close(stats["rewards/chosen"][0], chosen.sum())
+    torch.testing.assert_close(stats["rewards/rejected"][0], rejected.sum())
+
+
+@pytest.mark.parametrize("training", [
+    pytest.param({"method": "simpo", "beta": 2.0, "simpo_gamma": 0.5}, id="simpo"),
+])
+def test_reference_free_methods_train_and_plan_no_reference(tmp_path, tiny_model_dir, training):
+    """Three steps through `finetune run`: a falling loss and finite logged rewards; the plan has no
+    reference forward (the method needs no reference model, so it trains a full fine-tune too)."""
+    from finetune.cli import main
+    from finetune.memory.preference import PreferenceLoss
+
+    recipe = _recipe(tmp_path, tiny_model_dir, training={**training, "max_steps": 3, "learning_rate": 5e-3},
+                     memory={"plan": True})
+    assert not recipe.training.uses_reference and not PreferenceLoss.of(recipe.training).reference_in_step
+    Recipe.model_validate({**recipe.model_dump(), "adapter": {"type": "full"}})
+    (tmp_path / "recipe.yaml").write_text(recipe_to_yaml(recipe))
+    assert main(["plan", str(tmp_path / "recipe.yaml"), "--gpu-memory", "4GiB"]) == 0
+    result = run(recipe)
+    rows = [r for r in read_jsonl(result.run_dir / "metrics.jsonl") if "loss" in r]
+    assert len(rows) == 3 and rows[-1]["loss"] < rows[0]["loss"]
+    assert all(math.isfinite(r["rewards/margins"]) and math.isfinite(r["rewards/chosen"]) for r in rows)
+    assert (result.run_dir / "plan.json").is_file()

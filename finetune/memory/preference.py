@@ -1,10 +1,10 @@
-"""Preference losses (DPO, ORPO, KTO) as part of the one training step (`finetune.memory.step`).
+"""Preference losses (DPO, ORPO, KTO, SimPO) as part of the one training step (`finetune.memory.step`).
 
 Why our own and not TRL's trainers: TRL's DPOTrainer (and ORPO/KTO, which trl 1.x moved to
 `trl.experimental`) own the training step, the data pipeline and the reference model, so they would bypass
 the step that `finetune run`, `finetune measure` and the planner's meta trace share (layer-wise optimizers,
 offload, chunked loss, OOM recovery). The formulas below follow TRL's (`DPOTrainer.dpo_loss`,
-`ORPOTrainer.odds_ratio_loss`, `KTOTrainer.kto_loss`).
+`ORPOTrainer.odds_ratio_loss`, `KTOTrainer.kto_loss`, `CPOTrainer.cpo_loss` for SimPO).
 
 Batch layout (`finetune.data.packing.PreferenceCollator`): pairs are 2 x B rows, the chosen answers first,
 then the rejected ones, so one forward serves both (TRL's "concatenated forward"); kto batches are B rows
@@ -58,6 +58,7 @@ class PreferenceLoss:
     loss_type: str = "sigmoid"
     reference_free: bool = False
     label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
     desirable_weight: float = 1.0
     undesirable_weight: float = 1.0
     precompute_reference: bool = False  # the reference values come with the batch (`ref_logps`)
@@ -286,8 +287,7 @@ def dpo_loss(loss: PreferenceLoss, pc, pr, rc, rr, cc, cr) -> tuple[torch.Tensor
         if loss.loss_type == "hinge":
             losses = torch.relu(1 - loss.beta * logits)
         else:
-            losses = (-F.logsigmoid(loss.beta * logits) * (1 - loss.label_smoothing)
-                      - F.logsigmoid(-loss.beta * logits) * loss.label_smoothing)
+            losses = _smoothed_sigmoid(loss, logits)
     chosen, rejected = loss.beta * (pc - rc).detach(), loss.beta * (pr - rr).detach()
     return losses.mean(), pair_stats(chosen, rejected, pc, pr)
 
@@ -306,6 +306,20 @@ def orpo_loss(loss: PreferenceLoss, pc, pr, rc, rr, cc, cr) -> tuple[torch.Tenso
     n = pc.numel()
     stats.update({"nll_loss": (nll.detach() * n, n), "log_odds_ratio": (ratio.detach().sum(), n)})
     return nll - loss.beta * ratio.mean(), stats
+
+
+def _smoothed_sigmoid(loss: PreferenceLoss, logits: torch.Tensor) -> torch.Tensor:
+    """-log sigmoid(beta x logits), with label smoothing (conservative DPO; TRL's sigmoid loss)."""
+    return (-F.logsigmoid(loss.beta * logits) * (1 - loss.label_smoothing)
+            - F.logsigmoid(-loss.beta * logits) * loss.label_smoothing)
+
+
+def simpo_loss(loss: PreferenceLoss, pc, pr, rc, rr, cc, cr) -> tuple[torch.Tensor, dict]:
+    """SimPO (TRL's CPOTrainer, loss_type simpo, cpo_alpha 0): the reward is beta x the answer's mean token
+    log-probability (no reference model), and the chosen answer must beat the rejected one by simpo_gamma."""
+    ac, ar = pc / cc.clamp(min=1), pr / cr.clamp(min=1)
+    losses = _smoothed_sigmoid(loss, ac - ar - loss.simpo_gamma / loss.beta)
+    return losses.mean(), pair_stats(loss.beta * ac.detach(), loss.beta * ar.detach(), pc, pr)
 
 
 def kto_loss(loss: PreferenceLoss, logps, ref, good) -> tuple[torch.Tensor, dict]:
