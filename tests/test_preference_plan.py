@@ -24,6 +24,7 @@ MATRIX = [
     ("small", "orpo", 256, 2, True, False, {}),
     ("small", "kto", 128, 4, False, False, {"optimizer.name": "sgd"}),
     ("small", "simpo", 256, 2, True, False, {}),  # reference-free: no reference forward priced
+    ("big", "cpo", 256, 2, True, True, {}),
     ("small", "dpo", 256, 2, True, False, {"optimizer.layerwise": True}),
     ("big", "dpo", 256, 2, True, True, {}),  # 1024 tokens: two chunks of 512
     ("big", "dpo", 256, 2, True, False, {}),

@@ -220,8 +220,38 @@ def test_simpo_loss_and_gradients_match_trl(label_smoothing):
     torch.testing.assert_close(stats["rewards/rejected"][0], rejected.sum())
 
 
+@pytest.mark.parametrize("label_smoothing, cpo_alpha", [(0.0, 1.0), (0.1, 0.5), (0.0, 0.0)])
+def test_cpo_loss_and_gradients_match_trl(label_smoothing, cpo_alpha):
+    """CPO is TRL's CPO loss_type sigmoid plus cpo_alpha x the NLL of the chosen answers; compared from the same
+    logits (TRL's own log-probs and cross-entropy), gradients with respect to the logits."""
+    import torch.nn.functional as F
+    from trl.experimental.cpo.cpo_trainer import CPOTrainer
+
+    from finetune.memory.preference import PreferenceLoss, cpo_loss
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 9, 11, requires_grad=True)  # 3 chosen rows, then 3 rejected
+    labels = torch.randint(0, 11, (6, 9))
+    labels[:, :3] = -100  # the prompt
+    labels[0, 7:] = labels[4, 5:] = -100  # answers of different lengths (padding)
+    knobs = {"beta": 0.3, "label_smoothing": label_smoothing, "cpo_alpha": cpo_alpha}
+    logps = CPOTrainer.get_batch_logps(logits, labels)
+    losses, chosen, rejected = _trl_cpo("sigmoid", **knobs)(logps[:3], logps[3:])
+    nll = F.cross_entropy(logits[:3, :-1].reshape(-1, 11), labels[:3, 1:].reshape(-1))  # TRL's cross_entropy_loss
+    expected = losses.mean() + cpo_alpha * nll
+    (expected_grad,) = torch.autograd.grad(expected, logits, retain_graph=True)  # logps serve both
+    counts = (labels[:, 1:] != -100).sum(-1)
+    loss, stats = cpo_loss(PreferenceLoss("cpo", **knobs), logps[:3], logps[3:], None, None, counts[:3], counts[3:])
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(torch.autograd.grad(loss, logits)[0], expected_grad)
+    torch.testing.assert_close(stats["rewards/chosen"][0], chosen.sum())
+    torch.testing.assert_close(stats["rewards/rejected"][0], rejected.sum())
+    torch.testing.assert_close(stats["nll_loss"][0] / 3, nll.detach())
+
+
 @pytest.mark.parametrize("training", [
     pytest.param({"method": "simpo", "beta": 2.0, "simpo_gamma": 0.5}, id="simpo"),
+    pytest.param({"method": "cpo", "beta": 0.5, "cpo_alpha": 0.5}, id="cpo"),
 ])
 def test_reference_free_methods_train_and_plan_no_reference(tmp_path, tiny_model_dir, training):
     """Three steps through `finetune run`: a falling loss and finite logged rewards; the plan has no

@@ -1,10 +1,10 @@
-"""Preference losses (DPO, ORPO, KTO, SimPO) as part of the one training step (`finetune.memory.step`).
+"""Preference losses (DPO, ORPO, KTO, SimPO, CPO) as part of the one training step (`finetune.memory.step`).
 
 Why our own and not TRL's trainers: TRL's DPOTrainer (and ORPO/KTO, which trl 1.x moved to
 `trl.experimental`) own the training step, the data pipeline and the reference model, so they would bypass
 the step that `finetune run`, `finetune measure` and the planner's meta trace share (layer-wise optimizers,
 offload, chunked loss, OOM recovery). The formulas below follow TRL's (`DPOTrainer.dpo_loss`,
-`ORPOTrainer.odds_ratio_loss`, `KTOTrainer.kto_loss`, `CPOTrainer.cpo_loss` for SimPO).
+`ORPOTrainer.odds_ratio_loss`, `KTOTrainer.kto_loss`, `CPOTrainer.cpo_loss` for SimPO and CPO).
 
 Batch layout (`finetune.data.packing.PreferenceCollator`): pairs are 2 x B rows, the chosen answers first,
 then the rejected ones, so one forward serves both (TRL's "concatenated forward"); kto batches are B rows
@@ -59,6 +59,7 @@ class PreferenceLoss:
     reference_free: bool = False
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
+    cpo_alpha: float = 1.0
     desirable_weight: float = 1.0
     undesirable_weight: float = 1.0
     precompute_reference: bool = False  # the reference values come with the batch (`ref_logps`)
@@ -320,6 +321,15 @@ def simpo_loss(loss: PreferenceLoss, pc, pr, rc, rr, cc, cr) -> tuple[torch.Tens
     ac, ar = pc / cc.clamp(min=1), pr / cr.clamp(min=1)
     losses = _smoothed_sigmoid(loss, ac - ar - loss.simpo_gamma / loss.beta)
     return losses.mean(), pair_stats(loss.beta * ac.detach(), loss.beta * ar.detach(), pc, pr)
+
+
+def cpo_loss(loss: PreferenceLoss, pc, pr, rc, rr, cc, cr) -> tuple[torch.Tensor, dict]:
+    """CPO (TRL's CPOTrainer, loss_type sigmoid): DPO's sigmoid loss without a reference model (the reward is
+    beta x the answer's log-probability), plus cpo_alpha x the NLL of the chosen answers (behaviour cloning)."""
+    nll = -pc.sum() / cc.sum().clamp(min=1)  # TRL's cross-entropy over the chosen answers' tokens
+    stats = pair_stats(loss.beta * pc.detach(), loss.beta * pr.detach(), pc, pr)
+    stats["nll_loss"] = (nll.detach() * pc.numel(), pc.numel())
+    return _smoothed_sigmoid(loss, pc - pr).mean() + loss.cpo_alpha * nll, stats
 
 
 def kto_loss(loss: PreferenceLoss, logps, ref, good) -> tuple[torch.Tensor, dict]:

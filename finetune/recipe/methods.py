@@ -59,6 +59,9 @@ METHODS: tuple[MethodSpec, ...] = (
     MethodSpec("simpo", "simpo (pairs, reference-free: length-averaged log-probabilities, a target margin)",
                "pair", "finetune.memory.preference:simpo_loss", rows_per_example=2,
                keys=("beta", "simpo_gamma", "label_smoothing"), packing=_WHOLE_ANSWERS),
+    MethodSpec("cpo", "cpo (pairs, reference-free: a sigmoid loss on the log-probability margin plus the NLL of "
+               "the chosen answer)", "pair", "finetune.memory.preference:cpo_loss", rows_per_example=2,
+               keys=("beta", "cpo_alpha", "label_smoothing"), packing=_WHOLE_ANSWERS),
     MethodSpec("kto", "kto (single answers labelled good or bad)", "kto", "finetune.memory.preference:kto_loss",
                reference=True, keys=("beta", "desirable_weight", "undesirable_weight", "precompute_reference"),
                packing=_WHOLE_ANSWERS,

@@ -230,18 +230,20 @@ class TrainingConfig(Section):
     method: Literal[method_names()] = Field(  # type: ignore[valid-type]  # the method registry's names
         "sft", description=method_description())
     beta: float = Field(0.1, gt=0, le=1e3, description="dpo, kto: strength of the pull towards the reference model "
-                        "(the reward scale); orpo: weight of the odds-ratio term; simpo: the reward scale (beta x the answer's "
-                        "mean token log-probability).")
+                        "(the reward scale); orpo: weight of the odds-ratio term; simpo, cpo: the reward scale (beta x the "
+                        "answer's log-probability, its mean over tokens for simpo).")
     loss_type: Literal["sigmoid", "ipo", "hinge"] = Field(
         "sigmoid", description="dpo only: sigmoid (DPO), ipo (squared loss around 1/(2 beta)), hinge (SLiC).")
     reference_free: bool = Field(
         False, description="dpo only: compare against a uniform reference instead of the base model (no "
         "reference forward).")
     label_smoothing: float = Field(
-        0.0, ge=0, lt=0.5, description="dpo (loss_type sigmoid), simpo: assumed fraction of flipped labels "
+        0.0, ge=0, lt=0.5, description="dpo (loss_type sigmoid), simpo, cpo: assumed fraction of flipped labels "
         "(conservative DPO).")
     simpo_gamma: float = Field(0.5, ge=0, le=1e3, description="simpo only: the target reward margin by which "
                                "the chosen answer's reward must beat the rejected one's.")
+    cpo_alpha: float = Field(1.0, ge=0, le=1e3, description="cpo only: weight of the NLL of the chosen answer "
+                             "(behaviour cloning) added to the preference loss; 0: the sigmoid term alone.")
     desirable_weight: float = Field(1.0, gt=0, le=1e3, description="kto only: loss weight of good answers.")
     undesirable_weight: float = Field(1.0, gt=0, le=1e3, description="kto only: loss weight of bad answers.")
     precompute_reference: bool = Field(
