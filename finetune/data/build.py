@@ -11,7 +11,7 @@ keeps its tokens (`finetune.data.fit`), then the end; one whose answer still can
 is dropped and counted (drop: every overlong one; error: stop). The stats name the first few of each, and
 `DataBundle.warnings` says what was left out.
 
-Preference data (training.method dpo, orpo, kto): each record becomes one example of two sequences (chosen,
+Preference data (pair methods: dpo, orpo, simpo, cpo; kto): each record becomes one example of two sequences (chosen,
 rejected; columns `chosen_input_ids`, `chosen_labels`, `rejected_*`) or of one sequence with a `kto_label`;
 only the answers carry loss. A pair's prompt is cut once for both answers, and the pair is dropped whole when
 either keeps no loss token. For kto, pairs are split into a good and a bad example (as TRL does).
@@ -102,7 +102,7 @@ def data_kind(method: str) -> str:
 def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sft",
                    max_prompt_tokens: int | None = None) -> DataBundle:
     """Read, check, tokenize, mask, split and optionally pack the dataset described by `cfg`, for training
-    method `method` (sft, or a preference method: dpo, orpo, kto); grpo: prompt-only records of at most
+    method `method` (sft, or a preference method: dpo, orpo, simpo, cpo, kto); grpo: prompt-only records of at most
     `max_prompt_tokens` tokens (finetune.data.prompts)."""
     if data_kind(method) == "prompt":
         from finetune.data.prompts import build_prompts  # it builds on this module's helpers
@@ -213,7 +213,7 @@ def _formats(cfg: DataConfig, files: list[FileRead], method: str | None) -> tupl
 
 
 def _check_method(path: str, fmt: str, method: str) -> None:
-    """Preference methods need preference data (dpo and orpo: pairs; kto: labelled answers, or pairs)."""
+    """Preference methods need preference data (pair methods: pairs; kto: labelled answers, or pairs)."""
     kind = data_kind(method)
     if kind == "sft" and fmt in PREFERENCE_FORMATS:
         raise DataError(f"{path}: the records are preference data (format {fmt}), but training.method is sft",
