@@ -27,7 +27,9 @@ def test_every_entry_has_what_the_how_to_add_list_says(spec):
     assert callable(resolve(spec.loss)), spec.loss
     assert set(spec.keys) <= set(TrainingConfig.model_fields), spec.keys
     if spec.preference:
-        assert set(spec.keys) <= {f.name for f in dataclasses.fields(PreferenceLoss)}
+        knobs = {f.name: f.default for f in dataclasses.fields(PreferenceLoss)}  # the loss's own defaults
+        assert {key: knobs.get(key) for key in spec.keys} == \
+            {key: TrainingConfig.model_fields[key].default for key in spec.keys}
         assert len(inspect.signature(resolve(spec.loss)).parameters) == (4 if spec.data_kind == "kto" else 7)
         assert spec.rows_per_example == (2 if spec.data_kind == "pair" else 1)
     training = TrainingConfig.model_validate({"method": spec.name})

@@ -265,8 +265,9 @@ def test_reference_free_methods_train_and_plan_no_reference(tmp_path, tiny_model
     Recipe.model_validate({**recipe.model_dump(), "adapter": {"type": "full"}})
     (tmp_path / "recipe.yaml").write_text(recipe_to_yaml(recipe))
     assert main(["plan", str(tmp_path / "recipe.yaml"), "--gpu-memory", "4GiB"]) == 0
-    result = run(recipe)
-    rows = [r for r in read_jsonl(result.run_dir / "metrics.jsonl") if "loss" in r]
+    assert main(["run", str(tmp_path / "recipe.yaml")]) == 0
+    run_dir = tmp_path / "run"
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
     assert len(rows) == 3 and rows[-1]["loss"] < rows[0]["loss"]
     assert all(math.isfinite(r["rewards/margins"]) and math.isfinite(r["rewards/chosen"]) for r in rows)
-    assert (result.run_dir / "plan.json").is_file()
+    assert (run_dir / "plan.json").is_file()
