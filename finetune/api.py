@@ -65,7 +65,7 @@ def preflight(recipe: Recipe) -> dict[str, Any]:
     check_config_file(config_location(recipe.model.path))  # a family the tool describes (hub ids: when loaded)
     resolve_init_from(recipe)
     template_file(recipe.data.chat_template)
-    if recipe.training.method == "grpo":
+    if recipe.training.spec.generates:
         from finetune.rl.rewards import check_reward_files
 
         check_reward_files(recipe.grpo, prefix="grpo.")

@@ -32,7 +32,7 @@ LOCK_WAIT_S = 0.5  # how long taking the lock waits out a reader's momentary pro
 EXPORT_MARKER = ".finetune-export"  # written into an export folder: a later export may replace only such a folder
 TAIL_BYTES = 65536  # a log tail reads at most this much from the end of the file
 
-# metrics.jsonl keys of a preference run (training.method dpo, orpo, kto; kto logs no accuracy), each with the
+# metrics.jsonl keys of a preference run (a preference training.method; kto logs no accuracy), each with the
 # name plots give it: finetune/memory/preference.py logs them, loss.png (finetune/train/plots.py) and the UI
 # (finetune.api.run_reward_report) draw them. Evaluation rows carry the same keys behind EVAL_PREFIX.
 REWARD_CHOSEN, REWARD_REJECTED = "rewards/chosen", "rewards/rejected"

@@ -163,12 +163,14 @@ def test_registry_references_point_to_the_build_layer():
     """The registries name code as "module:attribute" strings (imported when a run builds it), which the AST
     scan cannot see: each must name a build-layer module, never plan, train, api or a shell."""
     from finetune.recipe.families import FAMILIES
+    from finetune.recipe.methods import METHODS
     from finetune.recipe.offload_tiers import TIERS
     from finetune.recipe.optimizers import SPECS
 
     references = [(f"optimizer {s.name}", r) for s in SPECS for r in (s.factory, s.state, s.own_params) if r]
     references += [(f"offload tier {t.name}", t.factory) for t in TIERS]
     references += [(f"model family {f.name}", f.experts) for f in FAMILIES if f.experts]
+    references += [(f"training method {m.name}", m.loss) for m in METHODS]
     build = layer_of("finetune.model")
     wrong = [f"{owner}: {ref}" for owner, ref in references
              if ref.partition(":")[0] not in MODULES or layer_of(ref.partition(":")[0]) != build]

@@ -11,6 +11,7 @@ import pytest
 from finetune.plan.memory_model import Settings, predict_memory
 from finetune.plan.search import model_spec
 from finetune.plan.shapes import load_model_config
+from finetune.recipe.methods import METHODS
 from finetune.recipe.schema import Recipe
 from finetune.train.measure import measure
 
@@ -22,6 +23,8 @@ MATRIX = [
     ("small", "dpo", 256, 2, True, False, {"training.reference_free": True}),
     ("small", "orpo", 256, 2, True, False, {}),
     ("small", "kto", 128, 4, False, False, {"optimizer.name": "sgd"}),
+    ("small", "simpo", 256, 2, True, False, {}),  # reference-free: no reference forward priced
+    ("big", "cpo", 256, 2, True, True, {}),
     ("small", "dpo", 256, 2, True, False, {"optimizer.layerwise": True}),
     ("big", "dpo", 256, 2, True, True, {}),  # 1024 tokens: two chunks of 512
     ("big", "dpo", 256, 2, True, False, {}),
@@ -76,7 +79,7 @@ def test_predicted_peak_matches_the_tracker(model_dirs):
                     f"predicted {predicted} {err:+.1%}")
         if abs(err) > 0.05:
             failures.append(rows[-1])
-    assert {row[1] for row in MATRIX} == {"dpo", "orpo", "kto"}
+    assert {row[1] for row in MATRIX} == {m.name for m in METHODS if m.preference}
     print("\n".join(rows))
     assert not failures, "\n".join(failures + ["", *rows])
 

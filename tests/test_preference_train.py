@@ -4,6 +4,7 @@ the adapter off, DPO raises the held-out reward margin, metrics reach metrics.js
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from pydantic import ValidationError
 
 from finetune.memory.preference import reference_logps, sequence_logps
+from finetune.recipe.load import recipe_to_yaml
 from finetune.recipe.schema import Recipe
 from finetune.rundir import read_jsonl
 from finetune.train.run import run
@@ -169,15 +171,103 @@ def test_orpo_term_matches_trl():
 
     from trl.experimental.orpo.orpo_trainer import ORPOTrainer
 
-    from finetune.memory.preference import PreferenceLoss, _orpo
+    from finetune.memory.preference import PreferenceLoss, orpo_loss
 
     torch.manual_seed(0)
     counts_c, counts_r = torch.tensor([5, 9, 3]), torch.tensor([7, 2, 4])
     pc, pr = -torch.rand(3) * counts_c, -torch.rand(3) * 2 * counts_r
     fake = SimpleNamespace(beta=0.3, accelerator=SimpleNamespace(device="cpu"))
     terms, chosen, rejected, *_ = ORPOTrainer.odds_ratio_loss(fake, pc / counts_c, pr / counts_r)
-    loss, stats = _orpo(PreferenceLoss("orpo", beta=0.3), pc, pr, None, None, counts_c, counts_r)
+    loss, stats = orpo_loss(PreferenceLoss("orpo", beta=0.3), pc, pr, None, None, counts_c, counts_r)
     nll = -pc.sum() / counts_c.sum()
     torch.testing.assert_close(loss, nll - terms.mean())
     torch.testing.assert_close(stats["rewards/chosen"][0], chosen.sum())
     torch.testing.assert_close(stats["rewards/rejected"][0], rejected.sum())
+
+
+def _trl_cpo(loss_type, **config):
+    """TRL's CPOTrainer.cpo_loss bound to a config (what its trainer reads from self), without a trainer."""
+    from types import SimpleNamespace
+
+    from trl.experimental.cpo.cpo_trainer import CPOTrainer
+
+    fake = SimpleNamespace(loss_type=loss_type, alpha=0.0, accelerator=SimpleNamespace(device="cpu"), **config)
+    return lambda pc, pr: CPOTrainer.cpo_loss(fake, pc, pr)
+
+
+def _fixed_pairs():
+    torch.manual_seed(0)
+    counts_c, counts_r = torch.tensor([5, 9, 3, 6]), torch.tensor([7, 2, 4, 6])
+    pc = (-torch.rand(4) * counts_c).requires_grad_()
+    pr = (-torch.rand(4) * 2 * counts_r).requires_grad_()
+    return pc, pr, counts_c, counts_r
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
+def test_simpo_loss_and_gradients_match_trl(label_smoothing):
+    """SimPO is TRL's CPO loss_type simpo (with cpo_alpha 0: no NLL term) on length-averaged log-probs."""
+    from finetune.memory.preference import PreferenceLoss, simpo_loss
+
+    knobs = {"beta": 2.0, "simpo_gamma": 0.7, "label_smoothing": label_smoothing}
+    pc, pr, counts_c, counts_r = _fixed_pairs()
+    losses, chosen, rejected = _trl_cpo("simpo", **knobs)(pc / counts_c, pr / counts_r)
+    expected_grads = torch.autograd.grad(losses.mean(), (pc, pr))
+    loss, stats = simpo_loss(PreferenceLoss("simpo", **knobs), pc, pr, None, None, counts_c, counts_r)
+    torch.testing.assert_close(loss, losses.mean())
+    for ours, theirs in zip(torch.autograd.grad(loss, (pc, pr)), expected_grads, strict=True):
+        torch.testing.assert_close(ours, theirs)
+    torch.testing.assert_close(stats["rewards/chosen"][0], chosen.sum())
+    torch.testing.assert_close(stats["rewards/rejected"][0], rejected.sum())
+
+
+@pytest.mark.parametrize("label_smoothing, cpo_alpha", [(0.0, 1.0), (0.1, 0.5), (0.0, 0.0)])
+def test_cpo_loss_and_gradients_match_trl(label_smoothing, cpo_alpha):
+    """CPO is TRL's CPO loss_type sigmoid plus cpo_alpha x the NLL of the chosen answers; compared from the same
+    logits (TRL's own log-probs and cross-entropy), gradients with respect to the logits."""
+    import torch.nn.functional as F
+    from trl.experimental.cpo.cpo_trainer import CPOTrainer
+
+    from finetune.memory.preference import PreferenceLoss, cpo_loss
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 9, 11, requires_grad=True)  # 3 chosen rows, then 3 rejected
+    labels = torch.randint(0, 11, (6, 9))
+    labels[:, :3] = -100  # the prompt
+    labels[0, 7:] = labels[4, 5:] = -100  # answers of different lengths (padding)
+    knobs = {"beta": 0.3, "label_smoothing": label_smoothing, "cpo_alpha": cpo_alpha}
+    logps = CPOTrainer.get_batch_logps(logits, labels)
+    losses, chosen, rejected = _trl_cpo("sigmoid", **knobs)(logps[:3], logps[3:])
+    nll = F.cross_entropy(logits[:3, :-1].reshape(-1, 11), labels[:3, 1:].reshape(-1))  # TRL's cross_entropy_loss
+    expected = losses.mean() + cpo_alpha * nll
+    (expected_grad,) = torch.autograd.grad(expected, logits, retain_graph=True)  # logps serve both
+    counts = (labels[:, 1:] != -100).sum(-1)
+    loss, stats = cpo_loss(PreferenceLoss("cpo", **knobs), logps[:3], logps[3:], None, None, counts[:3], counts[3:])
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(torch.autograd.grad(loss, logits)[0], expected_grad)
+    torch.testing.assert_close(stats["rewards/chosen"][0], chosen.sum())
+    torch.testing.assert_close(stats["rewards/rejected"][0], rejected.sum())
+    torch.testing.assert_close(stats["nll_loss"][0] / 3, nll.detach())
+
+
+@pytest.mark.parametrize("training", [
+    pytest.param({"method": "simpo", "beta": 2.0, "simpo_gamma": 0.5}, id="simpo"),
+    pytest.param({"method": "cpo", "beta": 0.5, "cpo_alpha": 0.5}, id="cpo"),
+])
+def test_reference_free_methods_train_and_plan_no_reference(tmp_path, tiny_model_dir, training):
+    """Three steps through `finetune run`: a falling loss and finite logged rewards; the plan has no
+    reference forward (the method needs no reference model, so it trains a full fine-tune too)."""
+    from finetune.cli import main
+    from finetune.memory.preference import PreferenceLoss
+
+    recipe = _recipe(tmp_path, tiny_model_dir, training={**training, "max_steps": 3, "learning_rate": 5e-3},
+                     memory={"plan": True})
+    assert not recipe.training.uses_reference and not PreferenceLoss.of(recipe.training).reference_in_step
+    Recipe.model_validate({**recipe.model_dump(), "adapter": {"type": "full"}})
+    (tmp_path / "recipe.yaml").write_text(recipe_to_yaml(recipe))
+    assert main(["plan", str(tmp_path / "recipe.yaml"), "--gpu-memory", "4GiB"]) == 0
+    assert main(["run", str(tmp_path / "recipe.yaml")]) == 0
+    run_dir = tmp_path / "run"
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+    assert len(rows) == 3 and rows[-1]["loss"] < rows[0]["loss"]
+    assert all(math.isfinite(r["rewards/margins"]) and math.isfinite(r["rewards/chosen"]) for r in rows)
+    assert (run_dir / "plan.json").is_file()

@@ -11,7 +11,7 @@ keeps its tokens (`finetune.data.fit`), then the end; one whose answer still can
 is dropped and counted (drop: every overlong one; error: stop). The stats name the first few of each, and
 `DataBundle.warnings` says what was left out.
 
-Preference data (training.method dpo, orpo, kto): each record becomes one example of two sequences (chosen,
+Preference data (pair methods: dpo, orpo, simpo, cpo; kto): each record becomes one example of two sequences (chosen,
 rejected; columns `chosen_input_ids`, `chosen_labels`, `rejected_*`) or of one sequence with a `kto_label`;
 only the answers carry loss. A pair's prompt is cut once for both answers, and the pair is dropped whole when
 either keeps no loss token. For kto, pairs are split into a good and a bad example (as TRL does).
@@ -45,6 +45,7 @@ from finetune.data.formats import (
 from finetune.data.mix import FileRead, file_stats, is_mix, mixed_records, read_files, repeated
 from finetune.data.read import Record
 from finetune.errors import DataError
+from finetune.recipe.methods import METHODS, method_spec
 from finetune.recipe.schema import DataConfig
 
 MAX_LISTED_PROBLEMS = 10
@@ -93,16 +94,17 @@ Sequences = list[Encoded]  # an example's sequences: one, or chosen and rejected
 
 
 def data_kind(method: str) -> str:
-    """What examples a training method needs: sft (sequences), pair (chosen + rejected), kto (labelled)."""
-    return {"dpo": "pair", "orpo": "pair", "kto": "kto"}.get(method, "sft")
+    """What examples a training method needs (its registry entry, finetune/recipe/methods.py): sft (sequences),
+    pair (chosen + rejected), kto (labelled), prompt (prompts the model answers)."""
+    return method_spec(method).data_kind
 
 
 def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sft",
                    max_prompt_tokens: int | None = None) -> DataBundle:
     """Read, check, tokenize, mask, split and optionally pack the dataset described by `cfg`, for training
-    method `method` (sft, or a preference method: dpo, orpo, kto); grpo: prompt-only records of at most
+    method `method` (sft, or a preference method: dpo, orpo, simpo, cpo, kto); grpo: prompt-only records of at most
     `max_prompt_tokens` tokens (finetune.data.prompts)."""
-    if method == "grpo":
+    if data_kind(method) == "prompt":
         from finetune.data.prompts import build_prompts  # it builds on this module's helpers
 
         return build_prompts(cfg, tokenizer, seed, max_prompt_tokens)
@@ -211,11 +213,12 @@ def _formats(cfg: DataConfig, files: list[FileRead], method: str | None) -> tupl
 
 
 def _check_method(path: str, fmt: str, method: str) -> None:
-    """Preference methods need preference data (dpo and orpo: pairs; kto: labelled answers, or pairs)."""
+    """Preference methods need preference data (pair methods: pairs; kto: labelled answers, or pairs)."""
     kind = data_kind(method)
     if kind == "sft" and fmt in PREFERENCE_FORMATS:
         raise DataError(f"{path}: the records are preference data (format {fmt}), but training.method is sft",
-                        hint="set training.method: dpo, orpo or kto to train on them")
+                        hint=f"set training.method to one of {', '.join(m.name for m in METHODS if m.preference)} "
+                             "to train on them")
     if kind != "sft" and fmt not in PREFERENCE_FORMATS:
         raise DataError(f"{path}: training.method {method} needs preference data, but the records are {fmt}",
                         hint=f"give records with prompt/chosen/rejected{' or prompt/completion/label' if kind == 'kto' else ''}"
@@ -344,7 +347,7 @@ def check_records(cfg: DataConfig, method: str = "sft") -> dict[str, Any]:
     its format is known and suits `method`, each record has its fields; every file of a list, each whole (not
     only what the mix takes). Raises the DataError build_datasets would; returns the format and the counts of
     records and of malformed ones (and, for a list, `files`: each file's path, format, records, bad_records)."""
-    if method == "grpo":  # prompt-only records (finetune.data.prompts)
+    if data_kind(method) == "prompt":  # prompt-only records (finetune.data.prompts)
         from finetune.data.prompts import check_prompt_records
 
         return check_prompt_records(cfg)

@@ -1,10 +1,10 @@
-"""Preference losses (DPO, ORPO, KTO) as part of the one training step (`finetune.memory.step`).
+"""Preference losses (DPO, ORPO, KTO, SimPO, CPO) as part of the one training step (`finetune.memory.step`).
 
 Why our own and not TRL's trainers: TRL's DPOTrainer (and ORPO/KTO, which trl 1.x moved to
 `trl.experimental`) own the training step, the data pipeline and the reference model, so they would bypass
 the step that `finetune run`, `finetune measure` and the planner's meta trace share (layer-wise optimizers,
 offload, chunked loss, OOM recovery). The formulas below follow TRL's (`DPOTrainer.dpo_loss`,
-`ORPOTrainer.odds_ratio_loss`, `KTOTrainer.kto_loss`).
+`ORPOTrainer.odds_ratio_loss`, `KTOTrainer.kto_loss`, `CPOTrainer.cpo_loss` for SimPO and CPO).
 
 Batch layout (`finetune.data.packing.PreferenceCollator`): pairs are 2 x B rows, the chosen answers first,
 then the rejected ones, so one forward serves both (TRL's "concatenated forward"); kto batches are B rows
@@ -39,10 +39,11 @@ from torch.utils.checkpoint import checkpoint
 from finetune.errors import FinetuneError
 from finetune.memory.chunked_loss import IGNORE_INDEX, default_chunk_size, head_logits, head_of, shift
 from finetune.model.adapter import REFERENCE_ADAPTER
+from finetune.recipe.methods import method_keys, method_spec, uses_reference
+from finetune.recipe.reference import resolve
 from finetune.recipe.schema import Recipe, TrainingConfig
 from finetune.rundir import REWARD_ACCURACY, REWARD_CHOSEN, REWARD_KEYS, REWARD_MARGIN, REWARD_REJECTED
 
-PREFERENCE_METHODS = ("dpo", "orpo", "kto")
 Metrics = dict[str, list[float]]  # name -> [sum, count], added over micro-batches
 METRIC_PREFIXES = (*REWARD_KEYS, "logps/", "nll_loss", "log_odds_ratio", "kl")  # logged keys (metrics.jsonl)
 
@@ -51,11 +52,14 @@ METRIC_PREFIXES = (*REWARD_KEYS, "logps/", "nll_loss", "log_odds_ratio", "kl")  
 class PreferenceLoss:
     """A preference method and its knobs (the recipe's training.method, beta, ...)."""
 
-    method: str  # dpo | orpo | kto
+    method: str  # a training.method whose registry entry is a preference method (finetune/recipe/methods.py)
+    # the training.* keys the registry's methods name, with the schema's defaults
     beta: float = 0.1
     loss_type: str = "sigmoid"
     reference_free: bool = False
     label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+    cpo_alpha: float = 1.0
     desirable_weight: float = 1.0
     undesirable_weight: float = 1.0
     precompute_reference: bool = False  # the reference values come with the batch (`ref_logps`)
@@ -66,15 +70,14 @@ class PreferenceLoss:
         """The loss of a recipe's training section; None for sft (and grpo, whose loss is finetune.rl's).
         `reference_current`: the recipe's `reference_is_current` (what the precomputed pass runs, for the
         planner's trace)."""
-        if training.method not in PREFERENCE_METHODS:
+        if not method_spec(training.method).preference:
             return None
-        return cls(training.method, training.beta, training.loss_type, training.reference_free,
-                   training.label_smoothing, training.desirable_weight, training.undesirable_weight,
-                   training.precompute_reference, reference_current)
+        knobs = {key: getattr(training, key) for key in method_keys()}  # each a field here of the same name
+        return cls(training.method, **knobs, reference_current=reference_current)
 
     @property
     def uses_reference(self) -> bool:
-        return self.method == "kto" or (self.method == "dpo" and not self.reference_free)
+        return uses_reference(self.method, self.reference_free)
 
     @property
     def reference_in_step(self) -> bool:
@@ -89,7 +92,7 @@ class PreferenceLoss:
     @property
     def rows_per_example(self) -> int:
         """Sequences per example in a batch: chosen and rejected, or one (kto)."""
-        return 1 if self.method == "kto" else 2
+        return method_spec(self.method).rows_per_example
 
     @property
     def objective(self) -> str:
@@ -97,7 +100,7 @@ class PreferenceLoss:
         `dpo:precompute_reference`, `orpo`, `kto`, `kto:precompute_reference`, a precomputed pass with the
         adapter on adding `:reference_current`; the planner's trace key, turned back into a loss by
         `of_objective`."""
-        flags = ["reference_free"] if self.method == "dpo" and self.reference_free else []
+        flags = ["reference_free"] if self.reference_free else []
         if self.reference_precomputed:
             flags.append("precompute_reference")
             if self.reference_current:
@@ -107,7 +110,7 @@ class PreferenceLoss:
     @classmethod
     def of_objective(cls, objective: str) -> PreferenceLoss | None:
         method, *flags = objective.split(":")
-        if method not in PREFERENCE_METHODS:  # sft, grpo (finetune.rl.step.trace_objective)
+        if not method_spec(method).preference:  # sft, grpo (finetune.rl.step.trace_objective)
             return None
         return cls(method, reference_free="reference_free" in flags,
                    precompute_reference="precompute_reference" in flags,
@@ -140,7 +143,7 @@ def synthetic_batch(loss: PreferenceLoss | None, rows: int, seq_len: int, vocab:
     else:
         ids = torch.randint(0, vocab, (n, seq_len), generator=generator).to(device)
     batch = {"input_ids": ids, "labels": ids}
-    if loss is not None and loss.method == "kto":
+    if loss is not None and method_spec(loss.method).data_kind == "kto":
         batch["kto_label"] = (torch.arange(n) % 2 == 0).to(ids.device)
     if loss is not None and loss.reference_precomputed:
         batch["ref_logps"] = torch.zeros(n, device=ids.device)
@@ -253,12 +256,14 @@ def preference_loss(model: torch.nn.Module, inputs: Mapping[str, Any], loss: Pre
         ref = reference_logps(model, inputs, chunked)
     logps, counts = sequence_logps(model, inputs, chunked)
     ref = ref if ref is not None else torch.zeros_like(logps)
-    if loss.method == "kto":
-        value, stats = _kto(loss, logps, ref, kto_label)
+    spec = method_spec(loss.method)
+    objective = resolve(spec.loss)
+    if spec.data_kind == "kto":
+        value, stats = objective(loss, logps, ref, kto_label)
     else:
         n = logps.shape[0] // 2
         pc, pr, rc, rr, cc, cr = logps[:n], logps[n:], ref[:n], ref[n:], counts[:n], counts[n:]
-        value, stats = (_orpo if loss.method == "orpo" else _dpo)(loss, pc, pr, rc, rr, cc, cr)
+        value, stats = objective(loss, pc, pr, rc, rr, cc, cr)
     if metrics is not None:
         for name, (total, count) in stats.items():
             entry = metrics.setdefault(name, [0.0, 0.0])
@@ -267,14 +272,14 @@ def preference_loss(model: torch.nn.Module, inputs: Mapping[str, Any], loss: Pre
     return value
 
 
-def _pair_stats(chosen: torch.Tensor, rejected: torch.Tensor, pc: torch.Tensor, pr: torch.Tensor) -> dict:
+def pair_stats(chosen: torch.Tensor, rejected: torch.Tensor, pc: torch.Tensor, pr: torch.Tensor) -> dict:
     n = chosen.numel()
     return {REWARD_CHOSEN: (chosen.sum(), n), REWARD_REJECTED: (rejected.sum(), n),
             REWARD_MARGIN: ((chosen - rejected).sum(), n), REWARD_ACCURACY: ((chosen > rejected).sum(), n),
             "logps/chosen": (pc.detach().sum(), n), "logps/rejected": (pr.detach().sum(), n)}
 
 
-def _dpo(loss: PreferenceLoss, pc, pr, rc, rr, cc, cr) -> tuple[torch.Tensor, dict]:
+def dpo_loss(loss: PreferenceLoss, pc, pr, rc, rr, cc, cr) -> tuple[torch.Tensor, dict]:
     if loss.loss_type == "ipo":  # IPO compares length-averaged log-probabilities (TRL does the same)
         logits = (pc / cc - pr / cr) - (rc / cc - rr / cr)
         losses = (logits - 1 / (2 * loss.beta)) ** 2
@@ -283,10 +288,9 @@ def _dpo(loss: PreferenceLoss, pc, pr, rc, rr, cc, cr) -> tuple[torch.Tensor, di
         if loss.loss_type == "hinge":
             losses = torch.relu(1 - loss.beta * logits)
         else:
-            losses = (-F.logsigmoid(loss.beta * logits) * (1 - loss.label_smoothing)
-                      - F.logsigmoid(-loss.beta * logits) * loss.label_smoothing)
+            losses = _smoothed_sigmoid(loss, logits)
     chosen, rejected = loss.beta * (pc - rc).detach(), loss.beta * (pr - rr).detach()
-    return losses.mean(), _pair_stats(chosen, rejected, pc, pr)
+    return losses.mean(), pair_stats(chosen, rejected, pc, pr)
 
 
 def _log1m_exp(x: torch.Tensor) -> torch.Tensor:
@@ -294,18 +298,41 @@ def _log1m_exp(x: torch.Tensor) -> torch.Tensor:
     return torch.log(torch.clamp(-torch.expm1(x), min=torch.finfo(x.dtype).tiny))
 
 
-def _orpo(loss: PreferenceLoss, pc, pr, rc, rr, cc, cr) -> tuple[torch.Tensor, dict]:
+def orpo_loss(loss: PreferenceLoss, pc, pr, rc, rr, cc, cr) -> tuple[torch.Tensor, dict]:
     ac, ar = pc / cc.clamp(min=1), pr / cr.clamp(min=1)
     log_odds = (ac - ar) - (_log1m_exp(ac) - _log1m_exp(ar))
     ratio = F.logsigmoid(log_odds)
     nll = -pc.sum() / cc.sum().clamp(min=1)  # the SFT loss on the chosen answers
-    stats = _pair_stats(loss.beta * ac.detach(), loss.beta * ar.detach(), pc, pr)
+    stats = pair_stats(loss.beta * ac.detach(), loss.beta * ar.detach(), pc, pr)
     n = pc.numel()
     stats.update({"nll_loss": (nll.detach() * n, n), "log_odds_ratio": (ratio.detach().sum(), n)})
     return nll - loss.beta * ratio.mean(), stats
 
 
-def _kto(loss: PreferenceLoss, logps, ref, good) -> tuple[torch.Tensor, dict]:
+def _smoothed_sigmoid(loss: PreferenceLoss, logits: torch.Tensor) -> torch.Tensor:
+    """-log sigmoid(beta x logits), with label smoothing (conservative DPO; TRL's sigmoid loss)."""
+    return (-F.logsigmoid(loss.beta * logits) * (1 - loss.label_smoothing)
+            - F.logsigmoid(-loss.beta * logits) * loss.label_smoothing)
+
+
+def simpo_loss(loss: PreferenceLoss, pc, pr, rc, rr, cc, cr) -> tuple[torch.Tensor, dict]:
+    """SimPO (TRL's CPOTrainer, loss_type simpo, cpo_alpha 0): the reward is beta x the answer's mean token
+    log-probability (no reference model), and the chosen answer must beat the rejected one by simpo_gamma."""
+    ac, ar = pc / cc.clamp(min=1), pr / cr.clamp(min=1)
+    losses = _smoothed_sigmoid(loss, ac - ar - loss.simpo_gamma / loss.beta)
+    return losses.mean(), pair_stats(loss.beta * ac.detach(), loss.beta * ar.detach(), pc, pr)
+
+
+def cpo_loss(loss: PreferenceLoss, pc, pr, rc, rr, cc, cr) -> tuple[torch.Tensor, dict]:
+    """CPO (TRL's CPOTrainer, loss_type sigmoid): DPO's sigmoid loss without a reference model (the reward is
+    beta x the answer's log-probability), plus cpo_alpha x the NLL of the chosen answers (behaviour cloning)."""
+    nll = -pc.sum() / cc.sum().clamp(min=1)  # TRL's cross-entropy over the chosen answers' tokens
+    stats = pair_stats(loss.beta * pc.detach(), loss.beta * pr.detach(), pc, pr)
+    stats["nll_loss"] = (nll.detach() * pc.numel(), pc.numel())
+    return _smoothed_sigmoid(loss, pc - pr).mean() + loss.cpo_alpha * nll, stats
+
+
+def kto_loss(loss: PreferenceLoss, logps, ref, good) -> tuple[torch.Tensor, dict]:
     if good is None:
         raise FinetuneError("training.method kto needs batches with kto_label (labelled answers)")
     good = good.to(torch.bool).to(logps.device)

@@ -160,7 +160,7 @@ def auto_values(recipe: Recipe, device: str) -> dict[str, list[Any]]:
         "offload": ["none", *(t for t in tier_names() if tier_spec(t).frees_device(device))],
         # several processes: the chunked loss would bypass the wrapper's forward (DistributedConfig.problems_with)
         # grpo: the completions' log-probs come from their logits directly (finetune.rl.step)
-        "chunked_loss": [False, True] if recipe.distributed.gpus == 1 and recipe.training.method != "grpo"
+        "chunked_loss": [False, True] if recipe.distributed.gpus == 1 and not recipe.training.spec.generates
         else [False],
         "bits": [None] if recipe.adapter.type == "full" else [None, 8, 4],
         "optimizer": _auto_optimizers(recipe),
@@ -170,7 +170,7 @@ def auto_values(recipe: Recipe, device: str) -> dict[str, list[Any]]:
         "strategy": _auto_strategies(recipe),
         # grpo: whole groups, doubling; one that holds the step's all is None (_choices)
         "generation_batch_size": [None, *(recipe.grpo.num_generations << k for k in range(11))]
-        if recipe.training.method == "grpo" else [None],
+        if recipe.training.spec.generates else [None],
     }
 
 
@@ -264,7 +264,7 @@ def _refused(recipe: Recipe, st: dict[str, Any]) -> bool:
 def model_spec(recipe: Recipe, config: Any, device: str) -> ModelSpec:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     loss = PreferenceLoss.of(recipe.training, reference_is_current(recipe))
-    grpo = recipe.training.method == "grpo"
+    grpo = recipe.training.spec.generates
     objective = trace_objective(recipe.grpo) if grpo else "sft" if loss is None else loss.objective
     return ModelSpec(
         config=config, adapter=recipe.adapter, dtype=target_dtype(recipe, device),

@@ -18,6 +18,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
+from finetune.recipe.methods import method_spec
 from finetune.recipe.optimizers import optimizer_spec
 from finetune.recipe.schema import Recipe
 
@@ -209,12 +210,13 @@ class StepTimes:
 def auto_schedule(micro_batch: int, optimizer: str, layerwise: bool, max_accumulation: int,
                   split_every: int, method: str = "sft") -> str:
     """What `effective_batch_size: auto` will do, for `finetune plan` (the run decides from measurements);
-    `method`: training.method (kto has no warmup: BatchEngine._no_warmup)."""
+    `method`: training.method (one whose updates take whole batches, as kto's, has no warmup:
+    BatchEngine._no_warmup)."""
     spec = optimizer_spec(optimizer)
     follows = "learning rate x " + ("sqrt" if spec.lr_batch_scaling == "sqrt" else "linear") + " of the batch ratio" \
         + (f" (capped at {MAX_LR_FACTOR:g}x)" if spec.lr_batch_scaling == "sqrt" else "") \
         + (", beta2 ** ratio" if spec.uses_beta2 else "")
-    if micro_batch > 1 and not layerwise and method != "kto":
+    if micro_batch > 1 and not layerwise and not method_spec(method).whole_batch:
         start = (f"a batch-size warmup (the critical batch starts near 0 and grows): updates of 1 sequence "
                  f"first, each micro-batch of {micro_batch} run as {micro_batch} updates in a row (once every "
                  f"{split_every} updates two share one, to measure the noise scale); the update batch grows by "

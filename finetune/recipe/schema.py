@@ -20,6 +20,14 @@ from pydantic import (
 )
 
 from finetune.recipe import settings
+from finetune.recipe.methods import (
+    MethodSpec,
+    method_description,
+    method_keys,
+    method_names,
+    method_spec,
+    uses_reference,
+)
 from finetune.recipe.offload_tiers import offload_description, tier_names
 from finetune.recipe.optimizers import SPECS, names_with_key, optimizer_names, optimizer_spec, specific_keys
 from finetune.recipe.rewards import Reward, RewardsConfig
@@ -217,22 +225,25 @@ class TrainingConfig(Section):
         "CUDA only, refused on other devices. Planned as uncompiled: its memory effect is a declared estimate "
         "(none beyond memory.recompute_norms, which prices the largest part of what compile's fusion saves), to be "
         "measured by the GPU kit.")
-    # Preference tuning (finetune/memory/preference.py): the method and its knobs; METHOD_KEYS says which
-    # knob applies to which method.
-    method: Literal["sft", "dpo", "orpo", "kto", "grpo"] = Field(
-        "sft", description="sft (supervised), or preference tuning on chosen/rejected pairs: dpo, orpo "
-        "(reference-free, adds the NLL of the chosen answer), kto (single answers labelled good or bad), or grpo "
-        "(reinforcement learning from rewards on the model's own answers to prompts; its keys are in the grpo "
-        "section; docs/rl.md).")
+    # The training method (finetune/recipe/methods.py) and its knobs; each method's entry names the knobs that
+    # apply to it.
+    method: Literal[method_names()] = Field(  # type: ignore[valid-type]  # the method registry's names
+        "sft", description=method_description())
     beta: float = Field(0.1, gt=0, le=1e3, description="dpo, kto: strength of the pull towards the reference model "
-                        "(the reward scale); orpo: weight of the odds-ratio term.")
+                        "(the reward scale); orpo: weight of the odds-ratio term; simpo, cpo: the reward scale (beta x the "
+                        "answer's log-probability, its mean over tokens for simpo).")
     loss_type: Literal["sigmoid", "ipo", "hinge"] = Field(
         "sigmoid", description="dpo only: sigmoid (DPO), ipo (squared loss around 1/(2 beta)), hinge (SLiC).")
     reference_free: bool = Field(
         False, description="dpo only: compare against a uniform reference instead of the base model (no "
         "reference forward).")
     label_smoothing: float = Field(
-        0.0, ge=0, lt=0.5, description="dpo sigmoid only: assumed fraction of flipped labels (conservative DPO).")
+        0.0, ge=0, lt=0.5, description="dpo (loss_type sigmoid), simpo, cpo: assumed fraction of flipped labels "
+        "(conservative DPO).")
+    simpo_gamma: float = Field(0.5, ge=0, le=1e3, description="simpo only: the target reward margin by which "
+                               "the chosen answer's reward must beat the rejected one's.")
+    cpo_alpha: float = Field(1.0, ge=0, le=1e3, description="cpo only: weight of the NLL of the chosen answer "
+                             "(behaviour cloning) added to the preference loss; 0: the sigmoid term alone.")
     desirable_weight: float = Field(1.0, gt=0, le=1e3, description="kto only: loss weight of good answers.")
     undesirable_weight: float = Field(1.0, gt=0, le=1e3, description="kto only: loss weight of bad answers.")
     precompute_reference: bool = Field(
@@ -260,16 +271,16 @@ class TrainingConfig(Section):
     def _keys_fit_method(self) -> TrainingConfig:
         """A preference knob set for a method it does not apply to (as optimizer-specific keys are checked)."""
         misplaced: dict[tuple[str, ...], list[str]] = {}
-        for key, methods in METHOD_KEYS.items():
+        for key, methods in method_keys().items():
             if self.method not in methods and getattr(self, key) != type(self).model_fields[key].default:
                 misplaced.setdefault(methods, []).append(f"training.{key}")
         problems = [f"{', '.join(keys)}: {'apply' if len(keys) > 1 else 'applies'} only to {_and(methods, 'or')}, "
                     f"not {self.method}; remove {'them' if len(keys) > 1 else 'it'} or change training.method"
                     for methods, keys in misplaced.items()]
-        if self.precompute_reference and self.method == "dpo" and self.reference_free:
+        if self.precompute_reference and self.reference_free:
             problems.append("training.precompute_reference: reference_free dpo has no reference to precompute; "
                             "remove one of the two")
-        if self.method == "dpo" and self.label_smoothing and self.loss_type != "sigmoid":
+        if self.label_smoothing and self.loss_type != "sigmoid":
             problems.append(f"training.label_smoothing: applies only to loss_type sigmoid, not {self.loss_type}; "
                             "remove it or set training.loss_type: sigmoid")
         if problems:
@@ -277,16 +288,14 @@ class TrainingConfig(Section):
         return self
 
     @property
+    def spec(self) -> MethodSpec:
+        """The training method's registry entry (finetune/recipe/methods.py)."""
+        return method_spec(self.method)
+
+    @property
     def uses_reference(self) -> bool:
         """Whether the loss compares against the reference model (the base, adapter switched off)."""
-        return self.method == "kto" or (self.method == "dpo" and not self.reference_free)
-
-
-METHOD_KEYS: dict[str, tuple[str, ...]] = {
-    "beta": ("dpo", "orpo", "kto"), "loss_type": ("dpo",), "reference_free": ("dpo",),
-    "label_smoothing": ("dpo",), "desirable_weight": ("kto",), "undesirable_weight": ("kto",),
-    "precompute_reference": ("dpo", "kto"),
-}
+        return uses_reference(self.method, self.reference_free)
 
 
 class GRPOConfig(RewardsConfig):
@@ -339,7 +348,7 @@ class GRPOConfig(RewardsConfig):
         """The grpo keys against the rest of `recipe`: set only for method grpo, rewards given, room for a
         prompt, a reference to compare against when beta > 0."""
         method = recipe.training.method
-        if method != "grpo":  # generation_batch_size's auto and null (the planner's value for it) mean nothing here
+        if not recipe.training.spec.generates:  # generation_batch_size's auto and null (the planner's value for it) mean nothing here
             keys = [f"grpo.{k}" for k, f in type(self).model_fields.items() if getattr(self, k) != f.default
                     and not (k == "generation_batch_size" and getattr(self, k) is None)]
             return [f"{', '.join(keys)}: {'apply' if len(keys) > 1 else 'applies'} only to training.method grpo, "
@@ -606,9 +615,8 @@ class Recipe(Section):
                 "weights cannot be trained; set quantization.bits: null or use adapter.type: lora")
         if self.training.eval_steps is not None and self.data.validation_split == 0:
             raise ValueError("training.eval_steps needs data.validation_split > 0")
-        if self.training.method != "sft" and self.data.packing:
-            why = "GRPO generates from one prompt at a time" if self.training.method == "grpo" else \
-                "preference losses compare whole answers"
+        why = method_spec(self.training.method).packing
+        if why and self.data.packing:
             raise ValueError(f"data.packing cannot be used with training.method={self.training.method}: {why}; "
                              "set data.packing: false")
         if self.training.uses_reference and self.adapter.type == "full":

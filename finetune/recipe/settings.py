@@ -32,7 +32,7 @@ def _several_processes(recipe: Recipe) -> bool:
 
 
 def _generates(recipe: Recipe) -> bool:
-    return recipe.training.method == "grpo"
+    return recipe.training.spec.generates
 
 
 @dataclasses.dataclass(frozen=True)

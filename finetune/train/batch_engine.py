@@ -136,8 +136,8 @@ class BatchEngine(Policy):
         """Why updates smaller than the loader batch cannot run here (None: they can)."""
         if self.recipe.optimizer.layerwise:
             return "a layer-wise optimizer updates inside backward, so an update cannot end inside a micro-batch"
-        if self.recipe.training.method == "kto":
-            return "kto's reference point is the mean of its batch's answers: a batch of one learns nothing"
+        if self.recipe.training.spec.whole_batch:
+            return self.recipe.training.spec.whole_batch
         if geometry.accumulation > 1:
             return (f"each step accumulates {geometry.accumulation} loader batches "
                     "(an out-of-memory recovery's settings)")

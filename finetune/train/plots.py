@@ -1,5 +1,5 @@
 """Plots people would rather see than read: the loss and learning-rate curves of a run, and for preference
-methods (dpo, orpo, kto) the reward margin and accuracy of chosen over rejected below them."""
+methods (dpo, orpo, simpo, cpo, kto) the reward margin and accuracy of chosen over rejected below them."""
 
 from __future__ import annotations
 

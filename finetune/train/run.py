@@ -321,7 +321,7 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     console.print(f"model: {recipe.model.path}  trainable {trainable:,} of {total:,} parameters "
                   f"({100 * trainable / max(total, 1):.2f}%)")
     data = build_datasets(recipe.data, tokenizer, recipe.training.seed, recipe.training.method,
-                          max_prompt_tokens(recipe) if recipe.training.method == "grpo" else None)
+                          max_prompt_tokens(recipe) if recipe.training.spec.generates else None)
     console.print(f"data: {data.summary()} (every count: {run_dir.data_stats})", markup=False, highlight=False)
     distributed.on_main(lambda: _record_data(run_dir, data.fingerprint, checkpoint is not None, allow_data_change))
     if main and checkpoint:

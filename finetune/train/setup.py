@@ -51,7 +51,7 @@ def total_steps(recipe: Recipe, train_examples: int) -> int:
 def _step_examples(recipe: Recipe, micro_batch: int, accumulation: int) -> int:
     """Examples one process's loop step reads: micro_batch x accumulation, or (grpo) the prompts whose
     completions those are."""
-    if recipe.training.method == "grpo":
+    if recipe.training.spec.generates:
         return prompts_per_step(micro_batch, accumulation, recipe.grpo.num_generations)
     return micro_batch * accumulation
 
@@ -95,7 +95,7 @@ def _prepared(config: RunConfig, model: torch.nn.Module, measure_noise: bool
     optimizer = build_optimizer(model, config.recipe.optimizer, t.learning_rate,
                                 steps_per_update=s.gradient_accumulation_steps, max_grad_norm=t.max_grad_norm)
     model, optimizer = accelerator.prepare(model, optimizer)
-    if config.recipe.training.method == "grpo":  # a loop step: one loader batch of prompts (finetune.train.grpo)
+    if config.recipe.training.spec.generates:  # a loop step: one loader batch of prompts (finetune.train.grpo)
         geometry = Geometry(micro_batch=_step_examples(config.recipe, s.micro_batch_size, s.gradient_accumulation_steps),
                             accumulation=1, processes=accelerator.num_processes)
     else:
@@ -113,7 +113,7 @@ def build_loop(config: RunConfig, model: torch.nn.Module, data: Any, run_dir: Ru
     peak, then its policy (generation, the loss, its own recovery; finetune.train.grpo), the run files and
     the progress bar."""
     recipe, t = config.recipe, config.recipe.training
-    grpo = _grpo(config, tokenizer, run_dir) if t.method == "grpo" else None
+    grpo = _grpo(config, tokenizer, run_dir) if t.spec.generates else None
     sharded = recipe.distributed.gpus > 1 and config.settings.strategy != "ddp"
     main = distributed.is_main()
     if t.noise_scale and main and (sharded or grpo):

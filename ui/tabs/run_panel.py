@@ -1,6 +1,6 @@
 """The after-the-run panels of a run view (Train and Runs tabs): the batch used, the measured noise scale
 over time and the advice for next time, with a button that writes the advice into the recipe form; and for a
-preference run (dpo, orpo, kto) its reward curves and held-out rewards before and after training; for a GRPO
+preference run (dpo, orpo, simpo, cpo, kto) its reward curves and held-out rewards before and after training; for a GRPO
 run its reward and completion-length curves, held-out rewards and the latest sampled answers; and the run's
 latest `finetune eval` (held-out loss, perplexity, answer matches; base model beside it)."""
 

@@ -1,0 +1,107 @@
+"""The training method registry: one spec per recipe `training.method`, the one list everything else reads.
+
+The schema takes its method names, their description, which training.* keys apply to which method and
+whether a method needs the reference model from here; `finetune.data.build` builds the data kind a method
+declares; `finetune.memory.preference` runs the loss it names; the planner and the batch engine read its
+geometry hooks. This module imports no torch (the schema, at the bottom of the import graph, imports it): a
+loss is named as "module:function" and imported only when a step computes it.
+
+How to add a training method (docs/architecture.md, "How to add"): append one `MethodSpec` to `METHODS`
+below and write its loss. A pairwise preference loss (data kind "pair") is a function (loss, pc, pr, rc, rr,
+cc, cr) -> (mean loss, stats) over the chosen/rejected sequence log-prob sums (pc, pr), their reference values
+(rc, rr; zeros without a reference) and answer token counts (cc, cr), as `finetune.memory.preference.dpo_loss`;
+the stats are what `finetune.memory.preference.pair_stats` returns, plus any extra logged terms. Declare its
+knobs as training.* fields in finetune/recipe/schema.py and name them in `keys`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+# What finetune.data.build makes of the data: sft sequences, chosen + rejected pairs, labelled single answers
+# (kto), or prompts the model answers itself (finetune.data.prompts).
+DataKind = Literal["sft", "pair", "kto", "prompt"]
+DATA_KINDS: tuple[str, ...] = ("sft", "pair", "kto", "prompt")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """Everything the tool knows about one training method."""
+
+    name: str  # the recipe's training.method value
+    summary: str  # a few words for the training.method description (docs/recipe.md)
+    data_kind: DataKind
+    loss: str  # "module:function": the method's objective (pairwise signature above for data kind "pair")
+    rows_per_example: int = 1  # sequences one example puts in a batch (a pair: chosen, then rejected)
+    reference: bool = False  # the loss compares against the reference model (training.reference_free drops it)
+    keys: tuple[str, ...] = ()  # training.* keys that apply only to the methods naming them here
+    packing: str | None = None  # why data.packing cannot be used (None: it can)
+    whole_batch: str | None = None  # why an update cannot be smaller than a loader batch (no batch warmup)
+    generates: bool = False  # samples its own answers each step: the planner prices generation windows
+
+    @property
+    def preference(self) -> bool:
+        """A loss over answers' sequence log-probabilities (finetune.memory.preference's step)."""
+        return self.data_kind in ("pair", "kto")
+
+
+_WHOLE_ANSWERS = "preference losses compare whole answers"
+
+METHODS: tuple[MethodSpec, ...] = (
+    MethodSpec("sft", "sft (supervised)", "sft", "finetune.memory.chunked_loss:causal_lm_loss"),
+    MethodSpec("dpo", "dpo (pairs, against the reference model)", "pair", "finetune.memory.preference:dpo_loss",
+               rows_per_example=2, reference=True,
+               keys=("beta", "loss_type", "reference_free", "label_smoothing", "precompute_reference"),
+               packing=_WHOLE_ANSWERS),
+    MethodSpec("orpo", "orpo (pairs, reference-free, adds the NLL of the chosen answer)", "pair",
+               "finetune.memory.preference:orpo_loss", rows_per_example=2, keys=("beta",), packing=_WHOLE_ANSWERS),
+    MethodSpec("simpo", "simpo (pairs, reference-free: length-averaged log-probabilities, a target margin)",
+               "pair", "finetune.memory.preference:simpo_loss", rows_per_example=2,
+               keys=("beta", "simpo_gamma", "label_smoothing"), packing=_WHOLE_ANSWERS),
+    MethodSpec("cpo", "cpo (pairs, reference-free: a sigmoid loss on the log-probability margin plus the NLL of "
+               "the chosen answer)", "pair", "finetune.memory.preference:cpo_loss", rows_per_example=2,
+               keys=("beta", "cpo_alpha", "label_smoothing"), packing=_WHOLE_ANSWERS),
+    MethodSpec("kto", "kto (single answers labelled good or bad)", "kto", "finetune.memory.preference:kto_loss",
+               reference=True, keys=("beta", "desirable_weight", "undesirable_weight", "precompute_reference"),
+               packing=_WHOLE_ANSWERS,
+               whole_batch="kto's reference point is the mean of its batch's answers: a batch of one learns nothing"),
+    MethodSpec("grpo", "grpo (reinforcement learning from rewards on the model's own answers to prompts; its keys "
+               "are in the grpo section; docs/rl.md)", "prompt", "finetune.rl.grpo_loss:grpo_loss",
+               packing="GRPO generates from one prompt at a time", generates=True),
+)
+
+_BY_NAME = {m.name: m for m in METHODS}
+
+
+def method_names() -> tuple[str, ...]:
+    """The training.method values, in the table's order."""
+    return tuple(_BY_NAME)
+
+
+def method_spec(name: str) -> MethodSpec:
+    """The spec of a training.method; a KeyError naming the known ones for any other name (the schema
+    refuses unknown methods, so inside a run this cannot happen)."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"unknown training.method {name!r}; known: {', '.join(_BY_NAME)}") from None
+
+
+def method_keys() -> dict[str, tuple[str, ...]]:
+    """training.* key -> the methods it applies to (the keys no method names apply to all)."""
+    keys: dict[str, tuple[str, ...]] = {}
+    for spec in METHODS:
+        for key in spec.keys:
+            keys[key] = (*keys.get(key, ()), spec.name)
+    return keys
+
+
+def method_description() -> str:
+    """The training.method description (docs/recipe.md, the UI form)."""
+    return "; ".join(m.summary for m in METHODS) + "."
+
+
+def uses_reference(method: str, reference_free: bool = False) -> bool:
+    """Whether the method's loss compares against the reference model (the base, adapter switched off)."""
+    return method_spec(method).reference and not reference_free
