@@ -252,8 +252,9 @@ def test_every_fuzzed_recipe_is_valid_or_a_located_error(tmp_path, seed):
         assert "Traceback" not in str(result), name
     assert slowest[0] < 2.0, f"slowest case took {slowest[0]:.2f} s: {slowest[1]}"
     assert biggest[0] < 200 * 2**20, f"largest case peaked at {biggest[0] / 2**20:.0f} MiB: {biggest[1]}"
-    # The generator is only worth its time if it reaches both outcomes.
-    assert outcomes["valid"] >= 30 and outcomes["error"] >= 300, outcomes
+    # The generator is only worth its time if it reaches both outcomes. The draws follow the schema's keys, so
+    # each new key moves them: 29-46 valid of 600 per seed with the keys of late 2026; 20 leaves that room.
+    assert outcomes["valid"] >= 20 and outcomes["error"] >= 300, outcomes
 
 
 def test_cli_sample_exits_2_with_a_located_message_and_no_traceback(tmp_path):
