@@ -14,8 +14,8 @@ import fcntl
 import json
 import os
 import re
+import secrets
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -46,9 +46,17 @@ COLLAPSED_EVENT, TRAINING_WARNING = "training_collapsed", "training_warning"
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write to a temp file in the same folder, fsync, then rename over the target."""
+    """Write to a temp file in the same folder, fsync, then rename over the target. The file gets the mode any
+    other file of the run gets (0666 less the umask), not mkstemp's owner-only 0600: a runs folder shared by
+    several users (a Docker volume, a team's server) stays readable as the rest of its files are."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    while True:
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            break
+        except FileExistsError:
+            continue
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)

@@ -155,7 +155,6 @@ def test_disk_full_during_a_step_still_records_the_failed_status(tmp_path, tiny_
     """The disk fills at step 3: the metrics row, the temp copy of every atomic write and train.log all fail
     with ENOSPC; status.json is still rewritten (in place) to say the run failed and why."""
     import errno
-    import tempfile
 
     from finetune.rundir import RunDir
 
@@ -164,7 +163,7 @@ def test_disk_full_during_a_step_still_records_the_failed_status(tmp_path, tiny_
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    append, mkstemp, log_line = RunDir.append_metrics, tempfile.mkstemp, RunDir.log_line
+    append, real_open, log_line = RunDir.append_metrics, os.open, RunDir.log_line
 
     def append_until_full(self, row):
         if row.get("step") == 3:
@@ -173,7 +172,9 @@ def test_disk_full_during_a_step_still_records_the_failed_status(tmp_path, tiny_
             no_space()
         append(self, row)
     monkeypatch.setattr(RunDir, "append_metrics", append_until_full)
-    monkeypatch.setattr(tempfile, "mkstemp", lambda *a, **k: no_space() if full else mkstemp(*a, **k))
+    # no new file once the disk is full (the atomic writes' temporaries); the blocks a file holds stay writable
+    monkeypatch.setattr(os, "open", lambda path, flags, *a, **k: no_space() if full and flags & os.O_CREAT
+                        else real_open(path, flags, *a, **k))
     monkeypatch.setattr(RunDir, "log_line", lambda self, text: no_space() if full else log_line(self, text))
     recipe_path = _write_recipe(tmp_path, _checkpoint_recipe(tmp_path, tiny_model_dir, "full"), "full")
     code = main(["run", str(recipe_path)])

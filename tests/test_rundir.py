@@ -207,14 +207,16 @@ def test_damaged_run_files_are_read_for_what_they_hold_and_the_damage_counted(tm
 
 def test_status_is_written_in_place_when_the_disk_has_no_room_for_a_temp_copy(tmp_path, monkeypatch):
     import errno
-    import tempfile
 
     run = RunDir(tmp_path)
     run.write_status("running", step=3)
+    real_open = os.open
 
-    def no_space(*args, **kwargs):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    monkeypatch.setattr(tempfile, "mkstemp", no_space)
+    def no_space(path, flags, *args, **kwargs):  # a full disk: no new file, the blocks a file holds are writable
+        if flags & os.O_CREAT:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_open(path, flags, *args, **kwargs)
+    monkeypatch.setattr(os, "open", no_space)
     run.write_status("failed", error="OSError: [Errno 28] No space left on device")
     assert run.read_status()["state"] == "failed" and "No space" in run.read_status()["error"]
     assert [p.name for p in tmp_path.iterdir()] == ["status.json"]
@@ -232,3 +234,22 @@ def test_an_export_does_not_make_an_old_run_the_newest(tmp_path):
         os.utime(run.root, (when, when))
     old.lock("finetune export").release()  # writes its pid into old's lock file now
     assert find_runs(tmp_path) == [new.root.resolve(), old.root.resolve()]
+
+
+def test_atomically_written_files_get_the_mode_of_any_other_file(tmp_path):
+    """A runs folder shared by several users (a Docker volume) stays readable: plan.json, status.json and the
+    other atomically written files get 0666 less the umask, like a plain file, not the temp file's 0600."""
+    import os
+    import stat
+
+    from finetune.rundir import atomic_write_json
+
+    previous = os.umask(0o022)
+    try:
+        atomic_write_json(tmp_path / "plan.json", {"peak_bytes": 1})
+        (tmp_path / "plain.txt").write_text("x")
+    finally:
+        os.umask(previous)
+    mode = stat.S_IMODE((tmp_path / "plan.json").stat().st_mode)
+    assert mode == stat.S_IMODE((tmp_path / "plain.txt").stat().st_mode) == 0o644
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left
