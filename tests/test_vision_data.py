@@ -257,3 +257,108 @@ def test_validate_refuses_image_records_for_a_text_model_and_counts_them_under_s
     assert f"{data} record 1: has 1 image(s) but the model reads only text" in err.replace("\n", "")
     assert main(["validate", str(_recipe(tmp_path, tiny_model_dir, data, on_bad_record="skip"))]) == 0
     assert "3 messages records, 2 malformed to skip" in capsys.readouterr().out.replace("\n", "")
+
+
+# ---- image tokens -----------------------------------------------------------------------------------------
+
+# preprocessor_config.json as the Hub ships them (the keys that decide sizes), with the real Pillow processor.
+PROCESSORS = {
+    "Qwen2.5-VL": ("qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil",
+                   {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 3136, "max_pixels": 12845056,
+                    "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2}),
+    "Qwen3-VL": ("qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil",
+                 {"image_processor_type": "Qwen2VLImageProcessorFast", "patch_size": 16, "temporal_patch_size": 2,
+                  "merge_size": 2, "size": {"longest_edge": 16777216, "shortest_edge": 65536}}),
+    "Gemma 3": ("gemma3.image_processing_pil_gemma3.Gemma3ImageProcessorPil",
+                {"image_processor_type": "Gemma3ImageProcessor", "size": {"height": 896, "width": 896}}),
+    "Gemma 3 pan and scan": ("gemma3.image_processing_pil_gemma3.Gemma3ImageProcessorPil",
+                             {"image_processor_type": "Gemma3ImageProcessor", "size": {"height": 896, "width": 896},
+                              "do_pan_and_scan": True, "pan_and_scan_min_crop_size": 256,
+                              "pan_and_scan_max_num_crops": 4, "pan_and_scan_min_ratio_to_activate": 1.2}),
+    "Idefics3": ("idefics3.image_processing_pil_idefics3.Idefics3ImageProcessorPil",
+                 {"image_processor_type": "Idefics3ImageProcessor", "size": {"longest_edge": 1456},
+                  "max_image_size": {"longest_edge": 364}, "do_image_splitting": True}),
+    "SmolVLM": ("smolvlm.image_processing_pil_smolvlm.SmolVLMImageProcessorPil",
+                {"image_processor_type": "SmolVLMImageProcessor", "size": {"longest_edge": 2048},
+                 "max_image_size": {"longest_edge": 512}}),
+    "Llama 3.2 Vision": ("mllama.image_processing_pil_mllama.MllamaImageProcessorPil",
+                         {"image_processor_type": "MllamaImageProcessor", "size": {"height": 560, "width": 560},
+                          "max_image_tiles": 4}),
+}
+SIZES = [(40, 30), (640, 480), (1000, 200), (300, 1200), (1500, 1100)]
+
+
+def _processor(name: str, max_pixels: int | None):
+    import importlib
+
+    from finetune.data.image_tokens import pixel_overrides
+
+    where, config = PROCESSORS[name]
+    module, cls = where.rsplit(".", 1)
+    kwargs = {k: v for k, v in {**config, **pixel_overrides(config, max_pixels)}.items() if k != "image_processor_type"}
+    return getattr(importlib.import_module(f"transformers.models.{module}"), cls)(**kwargs), config
+
+
+def _real(name: str, processor, image) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """(image tokens, one image's pixel_values shape, grid) from the processor's own output."""
+    import numpy as np
+
+    tiled = name in ("Idefics3", "SmolVLM")
+    out = processor(image, return_tensors="np", **({"return_row_col_info": True} if tiled else {}))
+    shape = tuple(np.asarray(out["pixel_values"]).shape)
+    if "image_grid_thw" in out:
+        grid = tuple(int(x) for x in out["image_grid_thw"][0])
+        return grid[0] * grid[1] * grid[2] // processor.merge_size ** 2, shape, grid
+    if "num_crops" in out:
+        return 256 * (1 + int(out["num_crops"][0])), shape, (shape[0],)
+    if tiled:
+        per_tile = 64 if name == "SmolVLM" else 169
+        return per_tile * shape[1], shape[1:], (int(out["rows"][0][0]), int(out["cols"][0][0]))
+    from transformers.models.mllama.image_processing_pil_mllama import get_all_supported_aspect_ratios
+
+    arrangement = get_all_supported_aspect_ratios(processor.max_image_tiles)[int(out["aspect_ratio_ids"][0][0]) - 1]
+    assert int(out["num_tiles"][0][0]) == arrangement[0] * arrangement[1]
+    return 1, shape[2:], tuple(arrangement)
+
+
+@pytest.mark.parametrize("max_pixels", [None, 200_000])
+@pytest.mark.parametrize("name", list(PROCESSORS))
+def test_image_tokens_equal_the_real_image_processors_output(name, max_pixels):
+    from PIL import Image
+
+    from finetune.data.image_tokens import image_inputs, image_tokens
+
+    processor, config = _processor(name, max_pixels)
+    for width, height in SIZES:
+        expected = _real(name, processor, Image.new("RGB", (width, height), "red"))
+        counted = image_inputs(config, width, height, max_pixels)
+        assert (counted.tokens, counted.pixel_values, counted.grid) == expected, (name, width, height)
+        assert image_tokens(config, width, height, max_pixels) == expected[0]
+
+
+def test_max_pixels_narrows_the_processors_limit_and_never_widens_it():
+    from finetune.data.image_tokens import image_tokens, pixel_overrides
+
+    qwen = PROCESSORS["Qwen2.5-VL"][1]
+    assert pixel_overrides(qwen, 10**12) == {"min_pixels": 3136, "max_pixels": 12845056}
+    counts = [image_tokens(qwen, 4000, 3000, budget) for budget in (100_000, 400_000, 1_600_000, None)]
+    assert counts == sorted(counts) and len(set(counts)) == 4
+    assert pixel_overrides(PROCESSORS["Llama 3.2 Vision"][1], 10**12) == {"max_image_tiles": 4}
+    assert pixel_overrides(PROCESSORS["Gemma 3"][1], 1000) == {}
+
+
+def test_an_unknown_image_processor_is_named():
+    from finetune.data.image_tokens import image_tokens
+    from finetune.recipe.families import UnsupportedModel
+
+    with pytest.raises(UnsupportedModel, match="image processor 'SiglipImageProcessor' is not one whose image tokens"):
+        image_tokens({"image_processor_type": "SiglipImageProcessor"}, 10, 10, None)
+
+
+def test_the_image_checks_and_counters_import_neither_torch_nor_transformers():
+    import subprocess
+    import sys
+
+    code = ("import sys, finetune.data.image_tokens, finetune.data.images; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
