@@ -14,8 +14,8 @@ import yaml
 from run_support import tiny_lora_recipe
 
 from finetune.cli import main
-from finetune.data import build_datasets
-from finetune.data.build import check_records
+from finetune.data import build_datasets, preview
+from finetune.data.build import check_records, record_image_sizes
 from finetune.data.formats import Chat, Preference, RecordError, detect_format, images_of, normalize
 from finetune.data.images import image_sizes, open_image
 from finetune.errors import DataError
@@ -59,6 +59,13 @@ def record(images: list, *turns: dict) -> dict:
 def write(path: Path, records: list) -> Path:
     path.write_text(json.dumps(records))
     return path
+
+
+# ChatML that renders content parts as vision-language templates do (an image part: its placeholder).
+PARTS_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}"
+                  "{% else %}{% for p in m.content %}{% if p.type == 'image' %}<image>{% else %}{{ p.text }}{% endif %}"
+                  "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                  "{% endif %}")
 
 
 def cfg(path: Path, **kwargs) -> DataConfig:
@@ -147,6 +154,26 @@ def test_a_mix_counts_images_per_file(tmp_path):
     out = check_records(DataConfig(path=[str(images), str(text)]), model_takes_images=True)
     assert (out["images"], out["image_records"]) == (2, 2)
     assert [(f.get("images"), f.get("image_records")) for f in out["files"]] == [(2, 2), (0, 0)]
+
+
+def test_the_planner_gets_each_good_records_image_sizes_from_headers(tmp_path, tiny_tokenizer):
+    picture(tmp_path / "a.png", (40, 30))
+    picture(tmp_path / "b.png", (17, 90))
+    data = write(tmp_path / "d.json", [record(["a.png"]), {"messages": [{"role": "user", "content": "Hi"}, ANSWER]},
+                                       record(["gone.png"]),
+                                       record(["b.png", "a.png"], {"role": "user", "content": "<image><image>Same?"},
+                                              {"role": "assistant", "content": "No."})])
+    assert record_image_sizes(cfg(data, on_bad_record="skip")) == [[(40, 30)], [], [(17, 90), (40, 30)]]
+    shown = preview(cfg(data, chat_template=PARTS_TEMPLATE), tiny_tokenizer, n=2, model_takes_images=True)
+    assert [item.get("images") for item in shown] == [[str(tmp_path / "a.png")], None]
+    bundle = build_datasets(cfg(data, chat_template=PARTS_TEMPLATE, on_bad_record="skip"), tiny_tokenizer, 0,
+                            model_takes_images=True)
+    assert {k: bundle.stats[k] for k in ("images", "image_records", "bad_records_skipped", "train_examples")} == {
+        "images": 3, "image_records": 2, "bad_records_skipped": 1, "train_examples": 3}
+    assert "(3 images in 2 records)" in bundle.summary()
+    for ids, labels in zip(bundle.train["input_ids"], bundle.train["labels"], strict=True):
+        trained = tiny_tokenizer.decode([t for t, label in zip(ids, labels, strict=True) if label != -100])
+        assert "<image>" not in trained and trained.strip().startswith(("Red.", "No."))
 
 
 def test_the_real_llama_factory_sample(shared_datasets):

@@ -379,18 +379,40 @@ def check_records(cfg: DataConfig, method: str = "sft", model_takes_images: bool
         return check_prompt_records(cfg)
     files = read_files(cfg)
     formats, fmt = _formats(cfg, files, method)
+    bad, good = _check_each(cfg, files, formats, model_takes_images)
+    out = checked(cfg, files, formats, fmt, bad)
+    _count_images(out, [_Prepared(where, i, images=len(sizes)) for i, where, sizes in good])
+    return out
+
+
+def record_image_sizes(cfg: DataConfig, method: str = "sft") -> list[list[tuple[int, int]]]:
+    """The (width, height) of each image of every good record of the data, record by record in file order
+    (every file of a list, whole; [] for a text-only record), read from the images' headers: what the planner
+    counts image tokens from (`finetune.data.image_tokens`); none for prompt-only data (its prompts are text).
+    Raises what `check_records` raises."""
+    if data_kind(method) == "prompt":
+        return []
+    files = read_files(cfg)
+    formats, fmt = _formats(cfg, files, method)
+    bad, good = _check_each(cfg, files, formats, True)
+    checked(cfg, files, formats, fmt, bad)
+    return [sizes for _, _, sizes in good]
+
+
+def _check_each(cfg: DataConfig, files: list[FileRead], formats: list[str], model_takes_images: bool
+                ) -> tuple[list[list[str]], list[tuple[int, str, list[tuple[int, int]]]]]:
+    """Every record of every file normalised and its images' headers read: each file's problem lines, and
+    (file index, location, image sizes) of each good record."""
     bad, good = [], []
     for i, (f, file_format, folder) in enumerate(zip(files, formats, data_folders(cfg), strict=True)):
         bad.append(list(f.read.problems))
         for record in f.read.records:
             try:
-                images = len(check_images(_example(record, file_format, cfg, folder), model_takes_images))
-                good.append(_Prepared(record.where, i, images=images))
+                good.append((i, record.where,
+                             check_images(_example(record, file_format, cfg, folder), model_takes_images)))
             except RecordError as exc:
                 bad[-1].append(f"{record.where}: {exc}")
-    out = checked(cfg, files, formats, fmt, bad)
-    _count_images(out, good)
-    return out
+    return bad, good
 
 
 def checked(cfg: DataConfig, files: list[FileRead], formats: list[str], fmt: str,
