@@ -134,6 +134,10 @@ def test_text_only_records_are_unchanged_and_text_parts_become_their_text(tmp_pa
                                                        {"type": "text", "text": "there"}]}, ANSWER]}
     assert normalize(parts, "messages").messages[0]["content"] == "Hello there"
     assert images_of(normalize(plain, "messages")) == [] and images_of("raw text") == []
+    text = [{"role": "user", "content": "Hi"}, ANSWER]
+    assert normalize({"messages": text, "images": []}, "messages") == Chat(text)  # LLaMA-Factory's text records
+    with pytest.raises(RecordError, match="have 1 <image> marker"):
+        normalize({"messages": [{"role": "user", "content": "<image>What?"}, ANSWER], "images": []}, "messages")
 
 
 def test_a_file_mixing_image_and_text_records_is_counted_per_kind(tmp_path):

@@ -373,11 +373,12 @@ def _with_images(example: Example, record: dict, folder: Path) -> Example:
         return example
     turns = [example.messages] if isinstance(example, Chat) else \
         [example.prompt, example.chosen] + ([example.rejected] if example.rejected is not None else [])
-    if images is None and not any(isinstance(m["content"], list) for t in turns for m in t):
+    parts = any(isinstance(m["content"], list) for t in turns for m in t)  # text-only lists are strings by now
+    if images is None and not parts:
         return example
-    images = images or []
-    placed, used = _place(turns[0], images, 0, folder)
-    answers = [_place(t, images, used, folder) for t in turns[1:]]
+    markers, images = images is not None, images or []
+    placed, used = _place(turns[0], images, 0, folder, markers)
+    answers = [_place(t, images, used, folder, markers) for t in turns[1:]]
     ends = [(f"the prompt and {name} answer", end) for name, (_, end) in zip(("chosen", "rejected"), answers, strict=False)] \
         if answers else [("the turns", used)]
     for what, end in ends:
@@ -385,6 +386,8 @@ def _with_images(example: Example, record: dict, folder: Path) -> Example:
             raise RecordError(f"{what} have {end} {IMAGE_MARKER} marker(s) or image parts without a path but "
                               f"'images' lists {len(images)}: each {IMAGE_MARKER} stands for the next image, so "
                               "the counts must match")
+    if not images and not parts:  # `images: []` beside text turns (LLaMA-Factory's text records in a mix)
+        return example
     if isinstance(example, Chat):
         return Chat(placed, example.tools)
     return Preference(placed, answers[0][0], answers[1][0] if len(answers) > 1 else None, example.label,
@@ -403,9 +406,10 @@ def _images_field(record: dict) -> list | None:
     return value
 
 
-def _place(turns: list[dict], images: list, start: int, folder: Path) -> tuple[list[dict], int]:
-    """`turns` with every content a list of parts and each image an absolute path; the index after the last
-    image taken from `images` (past its end when markers outnumber the images)."""
+def _place(turns: list[dict], images: list, start: int, folder: Path, markers: bool) -> tuple[list[dict], int]:
+    """`turns` with every content a list of parts and each image an absolute path (`markers`: each <image> in
+    the text takes the next of `images`); the index after the last image taken from `images` (past its end
+    when markers outnumber the images)."""
     n = start
 
     def image(source: Any) -> list[dict]:
@@ -423,7 +427,7 @@ def _place(turns: list[dict], images: list, start: int, folder: Path) -> tuple[l
             if part["type"] == "image":
                 placed += image(part["source"])
                 continue
-            for k, piece in enumerate(part["text"].split(IMAGE_MARKER) if images else [part["text"]]):
+            for k, piece in enumerate(part["text"].split(IMAGE_MARKER) if markers else [part["text"]]):
                 placed += image(None) if k else []
                 placed += [{"type": "text", "text": piece}] if piece else []
         out.append({**turn, "content": placed})
