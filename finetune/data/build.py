@@ -91,7 +91,7 @@ class _Prepared:
     rejected: tuple[str, list[tuple[int, int]]] | None = None
     label: bool | None = None
     source: Source | None = None
-    images: int = 0  # images the record shows the model
+    images: list[str] = field(default_factory=list)  # the record's images (absolute paths), in order
 
 
 Sequences = list[Encoded]  # an example's sequences: one, or chosen and rejected
@@ -140,7 +140,7 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
         left_out = Counter(r.file for r in records) - prepared_from  # malformed
         stats["files"] = file_stats(files, formats, records, [item.file for item, _ in train + evaluation],
                                     left_out + dropped.by_file)
-    _count_images(stats, [item for item, _ in train + evaluation])
+    _count_images(stats, [(item.file, len(item.images)) for item, _ in train + evaluation])
     _check_dropped(cfg, dropped)
     if not train:
         raise DataError(
@@ -164,14 +164,15 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
                       repeated(files) + _warnings(cfg, len(problems), dropped))
 
 
-def _count_images(stats: dict[str, Any], items: Sequence[_Prepared]) -> None:
-    """Add the image counts of the examples kept (`images`, `image_records`; per file in `files`) to `stats`,
-    when any record has images (text-only data keeps the stats it always had)."""
-    if not any(item.images for item in items):
+def _count_images(stats: dict[str, Any], counts: Sequence[tuple[int, int]]) -> None:
+    """Add the image counts of the records kept (`counts`: file index, images of one record) to `stats` as
+    `images` and `image_records` (per file in `files`), when any record has images (text-only data keeps the
+    stats it always had)."""
+    if not any(n for _, n in counts):
         return
-    for target, part in ([(stats, items)] + [(entry, [x for x in items if x.file == i])
-                                             for i, entry in enumerate(stats.get("files", []))]):
-        target.update(images=sum(x.images for x in part), image_records=sum(x.images > 0 for x in part))
+    for target, part in ([(stats, counts)] + [(entry, [c for c in counts if c[0] == i])
+                                              for i, entry in enumerate(stats.get("files", []))]):
+        target.update(images=sum(n for _, n in part), image_records=sum(n > 0 for _, n in part))
 
 
 def _check_dropped(cfg: DataConfig, dropped: _Dropped) -> None:
@@ -297,7 +298,7 @@ def _shown(records: list[Record], file: int, formats: list[str], cfg: DataConfig
         if prepared[0].label is not None:
             item["label"] = prepared[0].label
         if prepared[0].images:
-            item["images"] = images_of(prepared[0].source[0][0])
+            item["images"] = prepared[0].images
         yield item
 
 
@@ -336,7 +337,8 @@ def _prepare(records: Sequence[Record], formats: list[str], cfg: DataConfig, enc
     for record in records:
         try:
             example = _example(record, formats[record.file], cfg, folders[record.file])
-            images = len(check_images(example, model_takes_images))
+            check_images(example, model_takes_images)
+            images = images_of(example)
             if isinstance(example, Preference):
                 assert encoder is not None
                 rendered = [encoder.render(chat, first) for chat, first in example.chats()]
@@ -381,7 +383,7 @@ def check_records(cfg: DataConfig, method: str = "sft", model_takes_images: bool
     formats, fmt = _formats(cfg, files, method)
     bad, good = _check_each(cfg, files, formats, model_takes_images)
     out = checked(cfg, files, formats, fmt, bad)
-    _count_images(out, [_Prepared(where, i, images=len(sizes)) for i, where, sizes in good])
+    _count_images(out, [(i, len(sizes)) for i, sizes in good])
     return out
 
 
@@ -396,20 +398,19 @@ def record_image_sizes(cfg: DataConfig, method: str = "sft") -> list[list[tuple[
     formats, fmt = _formats(cfg, files, method)
     bad, good = _check_each(cfg, files, formats, True)
     checked(cfg, files, formats, fmt, bad)
-    return [sizes for _, _, sizes in good]
+    return [sizes for _, sizes in good]
 
 
 def _check_each(cfg: DataConfig, files: list[FileRead], formats: list[str], model_takes_images: bool
-                ) -> tuple[list[list[str]], list[tuple[int, str, list[tuple[int, int]]]]]:
+                ) -> tuple[list[list[str]], list[tuple[int, list[tuple[int, int]]]]]:
     """Every record of every file normalised and its images' headers read: each file's problem lines, and
-    (file index, location, image sizes) of each good record."""
+    (file index, image sizes) of each good record."""
     bad, good = [], []
     for i, (f, file_format, folder) in enumerate(zip(files, formats, data_folders(cfg), strict=True)):
         bad.append(list(f.read.problems))
         for record in f.read.records:
             try:
-                good.append((i, record.where,
-                             check_images(_example(record, file_format, cfg, folder), model_takes_images)))
+                good.append((i, check_images(_example(record, file_format, cfg, folder), model_takes_images)))
             except RecordError as exc:
                 bad[-1].append(f"{record.where}: {exc}")
     return bad, good
