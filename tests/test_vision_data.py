@@ -319,15 +319,18 @@ PROCESSORS = {
 SIZES = [(40, 30), (640, 480), (1000, 200), (300, 1200), (1500, 1100)]
 
 
-def _processor(name: str, max_pixels: int | None):
+def _processor(name: str, max_pixels: int | None, folder: Path):
+    """The real Pillow processor read from a model folder's preprocessor_config.json, with data.max_pixels's
+    overrides, as a run loads it."""
     import importlib
 
     from finetune.data.image_tokens import pixel_overrides
 
     where, config = PROCESSORS[name]
+    (folder / "preprocessor_config.json").write_text(json.dumps(config))
     module, cls = where.rsplit(".", 1)
-    kwargs = {k: v for k, v in {**config, **pixel_overrides(config, max_pixels)}.items() if k != "image_processor_type"}
-    return getattr(importlib.import_module(f"transformers.models.{module}"), cls)(**kwargs), config
+    processor = getattr(importlib.import_module(f"transformers.models.{module}"), cls)
+    return processor.from_pretrained(folder, **pixel_overrides(config, max_pixels)), config
 
 
 def _real(name: str, processor, image) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
@@ -354,12 +357,12 @@ def _real(name: str, processor, image) -> tuple[int, tuple[int, ...], tuple[int,
 
 @pytest.mark.parametrize("max_pixels", [None, 200_000])
 @pytest.mark.parametrize("name", list(PROCESSORS))
-def test_image_tokens_equal_the_real_image_processors_output(name, max_pixels):
+def test_image_tokens_equal_the_real_image_processors_output(tmp_path, name, max_pixels):
     from PIL import Image
 
     from finetune.data.image_tokens import image_inputs, image_tokens
 
-    processor, config = _processor(name, max_pixels)
+    processor, config = _processor(name, max_pixels, tmp_path)
     for width, height in SIZES:
         expected = _real(name, processor, Image.new("RGB", (width, height), "red"))
         counted = image_inputs(config, width, height, max_pixels)
