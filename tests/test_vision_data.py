@@ -20,6 +20,7 @@ from finetune.data.formats import Chat, Preference, RecordError, detect_format, 
 from finetune.data.images import image_sizes, open_image
 from finetune.errors import DataError
 from finetune.recipe.schema import DataConfig
+from finetune.units import cache_dir
 
 QUESTION = {"role": "user", "content": "<image>What colour is it?"}
 ANSWER = {"role": "assistant", "content": "Red."}
@@ -160,6 +161,44 @@ def test_a_mix_counts_images_per_file(tmp_path):
     assert [(f.get("images"), f.get("image_records")) for f in out["files"]] == [(2, 2), (0, 0)]
 
 
+def _png_bytes(size: tuple[int, int]) -> bytes:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", size, "green").save(out, "PNG")
+    return out.getvalue()
+
+
+def test_images_held_in_the_data_are_stored_once_in_the_cache(tmp_path):
+    import base64
+
+    import datasets
+
+    png = _png_bytes((12, 7))
+    parts = [{"type": "image", "image": None, "text": None}, {"type": "text", "image": None, "text": "Colour?"}]
+    rows = {"messages": [[{"role": "user", "content": parts},
+                          {"role": "assistant", "content": [{"type": "text", "image": None, "text": "Green."}]}]],
+            "images": [[{"bytes": png, "path": None}]]}
+    features = datasets.Features({
+        "messages": datasets.List({"role": datasets.Value("string"), "content": datasets.List(
+            {"type": datasets.Value("string"), "image": datasets.Value("string"), "text": datasets.Value("string")})}),
+        "images": datasets.List(datasets.Image())})
+    table = datasets.Dataset.from_dict(rows, features=features)  # TRL's vision datasets, as the Hub holds them
+    table.to_parquet(str(tmp_path / "d.parquet"))
+    table.save_to_disk(str(tmp_path / "saved"))
+    inline = {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}},
+        {"type": "text", "text": "Colour?"}]}, ANSWER]}
+    write(tmp_path / "inline.json", [inline])
+    for path in ("d.parquet", "saved", "inline.json"):
+        assert record_image_sizes(cfg(tmp_path / path)) == [[(12, 7)]], path
+    example = normalize(inline, "messages")
+    stored, = images_of(example)
+    assert Path(stored).read_bytes() == png and Path(stored).is_relative_to(cache_dir())
+
+
 def test_the_planner_gets_each_good_records_image_sizes_from_headers(tmp_path, tiny_tokenizer):
     picture(tmp_path / "a.png", (40, 30))
     picture(tmp_path / "b.png", (17, 90))
@@ -218,7 +257,8 @@ BAD = {  # name -> (make the record's images in tmp_path, what the message says)
                              "over Pillow's decompression-bomb limit"),
     "no pixels": (lambda d: [png_header(d / "none.png", 0, 10).name], "is not an image Pillow can read"),
     "a URL": (lambda d: ["https://example.com/cat.jpg"], "is a URL; images must be local files"),
-    "inline data": (lambda d: ["data:image/png;base64,AAAA"], "is inline data"),
+    "inline data that is not base64": (lambda d: ["data:text/plain,hello"], "without readable base64 image bytes"),
+    "inline bytes that are not an image": (lambda d: ["data:image/png;base64,AAAA"], "is not an image Pillow can read"),
     "more markers": (lambda d: [picture(d / "ok.png").name], "have 2 <image> marker(s) or image parts without a path "
                                                             "but 'images' lists 1"),
     "fewer markers": (lambda d: [picture(d / "ok.png").name] * 3, "have 2 <image> marker(s) or image parts without "

@@ -51,9 +51,13 @@ list of text parts only is its text joined, as chat templates render it. Whether
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
 import json
 import os
 import re
+import secrets
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -435,21 +439,54 @@ def _place(turns: list[dict], images: list, start: int, folder: Path, markers: b
 
 
 def _local_path(source: Any, folder: Path) -> str:
-    """An image source as an absolute local path: relative paths from `folder`, `file://` URLs as their path;
-    RecordError for other URLs, inline data and embedded bytes (images must be local files)."""
-    if isinstance(source, dict) and source.get("path"):  # datasets' Image feature: {"bytes", "path"}
+    """An image source as an absolute local path: relative paths from `folder`, `file://` URLs as their path,
+    images held in the data (datasets' `{"bytes", "path"}`, a base64 `data:` URL) as a file of the cache
+    (`inline_image`); RecordError for other URLs (images must be local: nothing is downloaded at run time)."""
+    if isinstance(source, dict) and isinstance(source.get("bytes"), bytes) and source["bytes"]:
+        return inline_image(source["bytes"])
+    if isinstance(source, dict) and source.get("path"):
         source = source["path"]
     if not isinstance(source, str) or not source.strip():
-        what = "embedded image bytes" if isinstance(source, dict) else f"a {type(source).__name__}"
-        raise RecordError(f"an image is {what}, not a file path; save the images as files and give their paths")
+        raise RecordError(f"an image is {'empty' if isinstance(source, (dict, str)) else f'a {type(source).__name__}'}"
+                          ", not a file path or image bytes")
     if source.startswith("data:"):
-        raise RecordError(f"image {source[:40]}... is inline data; images must be files: save it and give its path")
+        head, _, body = source.partition(",")
+        try:
+            data = base64.b64decode(body, validate=True) if head.endswith(";base64") else None
+        except binascii.Error:
+            data = None
+        if data is None:
+            raise RecordError(f"image {source[:40]}... is a data: URL without readable base64 image bytes")
+        return inline_image(data)
     if source.startswith("file://"):
         source = unquote(urlparse(source).path)
     elif _URL.match(source):
         raise RecordError(f"image {source} is a URL; images must be local files (nothing is downloaded at run "
                           "time): download it and give its path")
     return os.path.abspath(folder / os.path.expanduser(source))
+
+
+def inline_image(data: bytes) -> str:
+    """The path of a file holding `data` (an image stored in the dataset itself) in the cache folder, named by
+    its content so each image is written once, atomically (a rename) and shared by every run."""
+    from finetune.units import cache_dir
+
+    if not data:
+        raise RecordError("an image held in the data is empty (no bytes)")
+    digest = hashlib.sha256(data).hexdigest()
+    path = cache_dir() / "images" / digest[:2] / digest
+    if not path.exists():
+        tmp = path.with_name(f".{digest}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise RecordError(f"cannot store an image held in the data in {path.parent} ({exc.strerror or exc}); "
+                              "set FINETUNE_CACHE to a writable folder with room") from None
+    return str(path)
+
 
 def _sharegpt(record: dict) -> Chat:
     key, turns = _turns(record)
