@@ -43,8 +43,9 @@ Images (vision-language data), in any chat format:
 A record with images normalises to the canonical form the vision-language tokenizer reads: every turn's
 `content` a list of `{"type": "text", "text"}` and `{"type": "image", "path": ABSOLUTE_PATH}` parts, in
 order (`images_of` lists the paths). Relative paths are read from the folder of the data file (`folder`), a
-`file://` URL is its path; other URLs and inline `data:` images are malformed records (images must be local
-files: nothing is downloaded at run time), as is a record whose markers and images do not pair up. A content
+`file://` URL is its path, an image held in the data (datasets' `{"bytes", "path"}`, a base64 `data:` URL) a
+file of the cache named by its content; other URLs are malformed records (images must be local: nothing is
+downloaded at run time), as is a record whose markers and images do not pair up. A content
 list of text parts only is its text joined, as chat templates render it. Whether the image files can be read is
 `finetune.data.images`' check (headers, no decoding).
 """
