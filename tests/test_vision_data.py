@@ -436,3 +436,22 @@ def test_the_image_checks_and_counters_import_neither_torch_nor_transformers():
     code = ("import sys, finetune.data.image_tokens, finetune.data.images; "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+
+
+def test_resume_names_an_image_replaced_under_the_same_name(tmp_path, tiny_tokenizer):
+    from finetune.data.fingerprint import data_changes
+
+    picture(tmp_path / "a.png", colour="red")
+    data = write(tmp_path / "d.json", [record(["a.png"])])
+
+    def fingerprint() -> dict:
+        return build_datasets(cfg(data, chat_template=PARTS_TEMPLATE), tiny_tokenizer, 0,
+                              model_takes_images=True).fingerprint
+
+    before = fingerprint()
+    assert data_changes(before, fingerprint()) == []
+    picture(tmp_path / "a.png", colour="blue")
+    assert data_changes(before, fingerprint()) == ["images changed"]
+    text = build_datasets(cfg(write(tmp_path / "t.json", [{"messages": [{"role": "user", "content": "Hi"}, ANSWER]}])),
+                          tiny_tokenizer, 0).fingerprint
+    assert "images_sha256" not in text  # text data: the fingerprint it always had

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from finetune.data.chat import IGNORE_INDEX, ChatEncoder, Encoded, encode_text, resolve_template
-from finetune.data.fingerprint import data_fingerprint
+from finetune.data.fingerprint import data_fingerprint, images_identity
 from finetune.data.fit import Source, cut_prompt
 from finetune.data.formats import (
     FORMATS,
@@ -120,6 +120,8 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
     fingerprint = data_fingerprint(cfg, [f.read for f in files], fmt, tokenizer,
                                    encoder.template if encoder else None, seed, method)
     prepared, problems = _prepare(records, formats, cfg, encoder, model_takes_images)
+    if any(p.images for p in prepared):
+        fingerprint["images_sha256"] = images_identity([path for p in prepared for path in p.images])
     prepared_from = Counter(p.file for p in prepared)
     problems = [p for f in files for p in f.read.problems] + problems
     _refuse_bad(cfg, fmt, problems, len(prepared))
