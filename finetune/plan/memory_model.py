@@ -110,6 +110,7 @@ class ModelSpec:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     double_quant: bool = True
     offload_min_size: int = 1 << 20
+    offload_cpu_limit: int | None = None  # memory.offload_cpu_limit: host RAM the offload may hold
     recompute_norms: bool = True
     tiled_mlp_tokens: int = 1024
     world_size: int = 1  # processes (GPUs) the run is spread over; the plan is per device
@@ -244,9 +245,10 @@ def _param_parts(spec: ModelSpec, settings: Settings) -> tuple[dict[str, float],
     """`_whole_parts` as one device holds them under the strategy (`distributed_parts`); the optimizer state
     of an optimizer that keeps it in CUDA managed memory moves to `managed` (`managed_state`)."""
     whole, per_layer, largest_trained, largest_quant = _whole_parts(spec, settings)
-    if settings.offload_experts and spec.device == "cuda":  # finetune.memory.expert_offload: on the device,
-        experts, per_moe_layer = expert_weight_bytes(spec, settings)  # the experts of the MoE layer computing
-        whole = {**whole, "weights": whole["weights"] - experts + 2 * per_moe_layer}  # and of the one arriving
+    if experts_offloaded(spec, settings):  # finetune.memory.expert_offload
+        experts, per_moe_layer = expert_weight_bytes(spec, settings)
+        whole = {**whole, "weights": whole["weights"] - experts + resident_expert_layers(experts, per_moe_layer)
+                 * per_moe_layer}
     parts = distributed_parts(spec, settings, whole, per_layer)
     if managed_state(spec, settings):
         parts["managed"], parts["optimizer_state"] = parts["optimizer_state"], 0.0
@@ -268,9 +270,23 @@ def _is_expert(p: ParamInfo) -> bool:
     return p.quantizable and len(p.shape) == 3
 
 
+def experts_offloaded(spec: ModelSpec, settings: Settings) -> bool:
+    """Whether memory.offload_experts takes the experts off the training device: a tier that frees its memory
+    (host RAM does not on a CPU run, where it is the device; the disk does everywhere)."""
+    return settings.offload_experts != "none" and tier_spec(settings.offload_experts).frees_device(spec.device)
+
+
+def resident_expert_layers(experts: float, per_moe_layer: float) -> int:
+    """MoE layers whose experts an offload holds on the device at the step's peak: the layer computing and the
+    one arriving (backward's peak is in the layers below the top one, which hold themselves and the next one
+    down); with two MoE layers or fewer the peak windows are at the ends (the head and the top layer's
+    backward, the bottom layer's), where the one computing is the only one."""
+    return 2 if per_moe_layer and experts > 2.5 * per_moe_layer else 1
+
+
 def expert_weight_bytes(spec: ModelSpec, settings: Settings) -> tuple[float, float]:
     """(the whole model's, one layer's) frozen fused expert weights as stored: 4-bit with bits 4
-    (finetune.model.expert_store), else 16-bit; what memory.offload_experts keeps in host RAM."""
+    (finetune.model.expert_store), else 16-bit; what memory.offload_experts keeps in host RAM or on disk."""
     bits = 4 if settings.bits == 4 else None
     return _over_layers(spec, settings, lambda table: sum(
         quantized_weight_bytes(p.numel, p.out_features, bits, spec.double_quant, p.bytes_per_elem)

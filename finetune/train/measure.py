@@ -45,7 +45,8 @@ def step_setup(recipe: Recipe, **plan_kwargs: Any) -> tuple[Recipe, torch.nn.Mod
     checkpointing = bool(recipe.memory.activation_checkpointing)
     model = apply_adapter(model, recipe.adapter, checkpointing=checkpointing,
                           reference=loads_reference_adapter(recipe))
-    apply_memory_config(model, recipe.memory)
+    # expert offload to disk: files under offload_dir (default <output.dir>/offload), removed at exit
+    apply_memory_config(model, recipe.memory, recipe.output.dir)
     compile_layers(model, recipe.training.compile)
     enable_checkpointing(model, checkpointing, recipe.memory.checkpoint_every_n_layers)
     model.train()

@@ -315,7 +315,7 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
         else None
     if started is not None:
         run_dir.log_line(f"adapter.init_from: started from {started['adapter']} (sha256 {started['sha256']})")
-    apply_memory_config(model, recipe.memory)
+    experts = apply_memory_config(model, recipe.memory, run_dir.root)  # closed (its files removed) below
     compile_layers(model, recipe.training.compile)
     trainable, total = count_parameters(model)
     console.print(f"model: {recipe.model.path}  trainable {trainable:,} of {total:,} parameters "
@@ -366,6 +366,8 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
         peak.close()  # also after an error
         if loop.offload is not None:  # an out-of-memory recovery may have turned it on or changed it
             loop.offload.close()  # removes every file the disk tier still holds, also after an error
+        if experts is not None:
+            experts.close()  # the expert offload's files too
     if main and peak.tracked_steps:
         run_dir.log_line(f"memory tracker: tracked {len(peak.tracked_steps)} of {loop.state.step} steps "
                          f"(those that could set a new peak): {', '.join(str(s + 1) for s in peak.tracked_steps)}")
