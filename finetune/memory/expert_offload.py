@@ -16,7 +16,9 @@ it to the device on a side stream, and the files go when training ends (or the p
 the read buffers are the device copies, so the disk tier saves RAM there too; the cpu tier saves nothing on a
 CPU (the path runs, the planner does not offer it).
 
-Direction: a block fetched after a later one means backward has begun, so the prefetch goes down the layers.
+Direction: a block fetched after a later one means backward has begun, so the prefetch goes down the layers;
+at either end the block before the last one stays, as the next pass starts with it: two blocks are always on
+the device (what the planner prices).
 """
 
 from __future__ import annotations
@@ -136,16 +138,18 @@ class ExpertOffload:
             self.events[position] = event
 
     def fetch(self, position: int) -> dict[str, torch.Tensor]:
-        """Block `position`'s weights on the device; starts the next block's copy (the one below in backward)."""
+        """Block `position`'s weights on the device; starts the next block's copy (the one below in backward; at
+        the last block of a pass the one before it, where the next pass begins, so it stays)."""
         if position != self.last:
             step = -1 if position < self.last else 1
             self.last = position
+            ahead = position + step if 0 <= position + step < len(self.host) else position - step
             self._copy(position)
-            for other in [p for p in self.resident if p not in (position, position + step)]:
+            for other in [p for p in self.resident if p not in (position, ahead)]:
                 if isinstance(dropped := self.resident.pop(other), Future):
                     dropped.cancel()
                 self.events.pop(other, None)
-            self._copy(position + step)
+            self._copy(ahead)
         entry = self.resident[position]
         if isinstance(entry, Future):
             try:

@@ -247,8 +247,8 @@ def _param_parts(spec: ModelSpec, settings: Settings) -> tuple[dict[str, float],
     whole, per_layer, largest_trained, largest_quant = _whole_parts(spec, settings)
     if experts_offloaded(spec, settings):  # finetune.memory.expert_offload
         experts, per_moe_layer = expert_weight_bytes(spec, settings)
-        whole = {**whole, "weights": whole["weights"] - experts + resident_expert_layers(experts, per_moe_layer)
-                 * per_moe_layer}
+        # on the device: the experts of the MoE layer computing and of the one arriving
+        whole = {**whole, "weights": whole["weights"] - experts + min(experts, 2 * per_moe_layer)}
     parts = distributed_parts(spec, settings, whole, per_layer)
     if managed_state(spec, settings):
         parts["managed"], parts["optimizer_state"] = parts["optimizer_state"], 0.0
@@ -274,14 +274,6 @@ def experts_offloaded(spec: ModelSpec, settings: Settings) -> bool:
     """Whether memory.offload_experts takes the experts off the training device: a tier that frees its memory
     (host RAM does not on a CPU run, where it is the device; the disk does everywhere)."""
     return settings.offload_experts != "none" and tier_spec(settings.offload_experts).frees_device(spec.device)
-
-
-def resident_expert_layers(experts: float, per_moe_layer: float) -> int:
-    """MoE layers whose experts an offload holds on the device at the step's peak: the layer computing and the
-    one arriving (backward's peak is in the layers below the top one, which hold themselves and the next one
-    down); with two MoE layers or fewer the peak windows are at the ends (the head and the top layer's
-    backward, the bottom layer's), where the one computing is the only one."""
-    return 2 if per_moe_layer and experts > 2.5 * per_moe_layer else 1
 
 
 def expert_weight_bytes(spec: ModelSpec, settings: Settings) -> tuple[float, float]:
