@@ -41,9 +41,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from finetune.memory.expert_offload import expert_offload_of  # noqa: E402
 from finetune.memory.step import training_step  # noqa: E402
 from finetune.memory.tracker import measure_step  # noqa: E402
-from finetune.model.moe import STORE, expert_matrix, moe_blocks, stored_experts  # noqa: E402
+from finetune.model.moe import STORE, expert_matrix, moe_blocks  # noqa: E402
 from finetune.plan import predict  # noqa: E402
 from finetune.recipe import load_recipe, validate_recipe  # noqa: E402
 from finetune.testing import make_tiny_model_dir  # noqa: E402
@@ -97,15 +98,15 @@ def part_a(folder: Path) -> list[str]:
             files = sorted((folder / name / "offload").iterdir())
             on_disk.append(f"4-bit on disk: {len(files)} files, {format_bytes(sum(f.stat().st_size for f in files))} "
                            f"in the offload folder while training (the experts as stored: "
-                           f"{format_bytes(stored_experts(moe_blocks(model)[0].experts).offload.host_bytes)})")
-            stored_experts(moe_blocks(model)[0].experts).offload.close()
+                           f"{format_bytes(expert_offload_of(model).host_bytes)})")
+            expert_offload_of(model).close()
             on_disk.append(f"after close: {len(list((folder / name / 'offload').iterdir()))} files")
         if name == "4-bit":
             quantized = {b.name: {w: torch.stack([expert_matrix(b.experts, w, e, torch.bfloat16)
                                                    for e in range(b.num_experts)]) for w in b.weights}
                          for b in moe_blocks(model)}
     torch.manual_seed(0)
-    _, model, optimizer, _ = step_setup(recipe_for(model_dir, folder / "ref", 4, False))
+    _, model, optimizer, _ = step_setup(recipe_for(model_dir, folder / "ref", 4, "none"))
     for block in moe_blocks(model):  # the same QLoRA model, its experts as 16-bit parameters again
         delattr(block.experts, STORE)
         for w, value in quantized[block.name].items():

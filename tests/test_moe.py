@@ -403,3 +403,16 @@ def test_shared_experts_carry_lora(tmp_path, arch):
     reloaded = PeftModel.from_pretrained(_tiny_model(arch), tmp_path / "adapter")
     model.eval()
     torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_measure_with_experts_on_disk_leaves_no_file(tmp_path):
+    """`finetune measure` (finetune.train.measure) with memory.offload_experts: disk measures the step with the
+    experts read from offload_dir and removes their files before it returns."""
+    from finetune.recipe import load_recipe
+    from finetune.train.measure import measure
+
+    path = _recipe(tmp_path, "qwen3_moe", {"memory": {"offload_experts": "disk", "activation_checkpointing": True,
+                                                      "offload_dir": str(tmp_path / "experts")}})
+    result = measure(load_recipe(path), steps=1)
+    assert result["peak_bytes"] > 0 and result["settings"]["offload_experts"] == "disk"
+    assert list((tmp_path / "experts").iterdir()) == []

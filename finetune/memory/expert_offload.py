@@ -39,7 +39,7 @@ from finetune.memory.offload_disk import (
     write_tensor_file,
 )
 from finetune.model.expert_store import store_of
-from finetune.model.moe import STORE, moe_blocks
+from finetune.model.moe import STORE, moe_blocks, stored_experts
 from finetune.units import format_bytes
 
 FILE_PREFIX = "ft-experts-"
@@ -179,6 +179,13 @@ class ExpertOffload:
         self.events.clear()
         if self.files is not None:
             self.files.remove()
+
+
+def expert_offload_of(model: torch.nn.Module) -> ExpertOffload | None:
+    """The expert offload `offload_experts` set up on `model` (to close it where its caller did not keep it)."""
+    blocks = moe_blocks(model)
+    store = stored_experts(blocks[0].experts) if blocks else None
+    return store.offload if isinstance(store, OffloadedExperts) else None
 
 
 def expert_bytes(model: torch.nn.Module) -> int:
