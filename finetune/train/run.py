@@ -224,14 +224,17 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False,
 
 def check_lendable(recipe: Recipe) -> None:
     """What a lent model (run(base=...)) cannot do, refused before anything is written: full fine-tuning
-    (the next run would start from changed weights), torch.compile (compiled layers stay compiled) and
-    several processes (each loads its own)."""
+    (the next run would start from changed weights), torch.compile (compiled layers stay compiled), expert
+    offload (the experts stay off the device, the disk tier's files are gone) and several processes (each
+    loads its own)."""
     refused = {"adapter.type: full": recipe.adapter.type == "full", "training.compile: true": recipe.training.compile,
+               f"memory.offload_experts: {recipe.memory.offload_experts}": recipe.memory.offload_experts != "none",
                f"distributed.gpus: {recipe.distributed.gpus}": recipe.distributed.gpus > 1}
     for key, bad in refused.items():
         if bad:
             raise UsageError(f"{key}: a run on an already loaded model (base=) trains adapters only, uncompiled, "
-                             "in one process", hint="run without base= to load the model for this recipe")
+                             "with the weights where they were loaded, in one process",
+                             hint="run without base= to load the model for this recipe")
 
 
 def give_back(base: LoadedModel | None) -> None:
