@@ -1,5 +1,6 @@
-"""Mixture-of-experts on CPU: a small Qwen3-MoE with its experts in bf16, in 4 bits and offloaded, side by
-side; and the planned peak of Qwen3-30B-A3B QLoRA at 12/16/24 GB with and without expert offload.
+"""Mixture-of-experts on CPU: a small Qwen3-MoE with its experts in bf16, in 4 bits, offloaded to RAM and to
+disk, side by side; and the planned peak of Qwen3-30B-A3B QLoRA at 12/16/24 GB with and without expert offload
+(to RAM, or to disk where RAM is short).
 
     OMP_NUM_THREADS=1 nice -n 10 python benchmarks/moe.py      # about a minute on the shared 2-core machine
 
@@ -9,16 +10,21 @@ side; and the planned peak of Qwen3-30B-A3B QLoRA at 12/16/24 GB with and withou
     - 4-bit: quantization.bits 4 (finetune.model.expert_store: NF4, one matrix per expert, dequantized one
       routed expert at a time; the attention Linear layers are bitsandbytes' Linear4bit as in any QLoRA run,
       so its losses differ from bf16's by the quantization of every weight);
-    - 4-bit offloaded: memory.offload_experts (finetune.memory.expert_offload). On a CPU the host is the
-      device, so the copies are made and nothing is saved: this row shows the path's cost and equal losses,
-      the memory it saves is a GPU's (part b). The tracker counts the model's tensors and what a step
+    - 4-bit offloaded: memory.offload_experts: cpu (finetune.memory.expert_offload). On a CPU the host is
+      the device, so the copies are made and nothing is saved: this row shows the path's cost and equal
+      losses, the memory it saves is a GPU's (part b). The tracker counts the model's tensors and what a step
       allocates: the host copies are outside the model, so its peak there drops by the experts less the
       two layers fetched; in RAM they are still there;
+    - 4-bit on disk: memory.offload_experts: disk. The experts are written once to files under the offload
+      folder and read back a layer ahead on a reader thread: RAM holds two layers' experts, so this saving
+      is real on a CPU too (the files' bytes are listed while the run holds them, and after it ends);
     - dequantized reference: the 4-bit (QLoRA) model with its experts put back as 16-bit parameters holding
       their dequantized values, whose losses the 4-bit run must match (to bf16 rounding).
     Peak from the CPU tensor tracker (finetune.memory.tracker), step time the median of the steps after the first.
 (b) `finetune.plan.predict` for Qwen3-30B-A3B (tests/fixtures/configs), QLoRA r 16 all-linear (attention),
-    2048 tokens, CUDA bf16, memory.offload_experts false vs auto, at 12, 16 and 24 GiB.
+    2048 tokens, CUDA bf16, memory.offload_experts none vs auto, at 12, 16 and 24 GiB, and auto with
+    memory.offload_cpu_limit 4GiB (host RAM short of the ~15 GiB of 4-bit experts: the disk, priced at this
+    machine's measured disk bandwidth).
 
 Writes benchmarks/results/moe.txt.
 """
@@ -35,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from finetune.memory.expert_offload import expert_offload_of  # noqa: E402
 from finetune.memory.step import training_step  # noqa: E402
 from finetune.memory.tracker import measure_step  # noqa: E402
 from finetune.model.moe import STORE, expert_matrix, moe_blocks  # noqa: E402
@@ -51,7 +58,7 @@ SEQ, MICRO = 256, 2
 SHAPE = {"hidden_size": 128, "num_hidden_layers": 4, "num_experts": 16, "moe_intermediate_size": 128}
 
 
-def recipe_for(model_dir: Path, out: Path, bits: int | None, offload: bool):
+def recipe_for(model_dir: Path, out: Path, bits: int | None, offload: str):
     return validate_recipe({
         "model": {"path": str(model_dir), "dtype": "bf16"}, "quantization": {"bits": bits},
         "adapter": {"type": "lora", "r": 8, "alpha": 16, "dropout": 0.0},
@@ -81,16 +88,25 @@ def part_a(folder: Path) -> list[str]:
     ids = torch.randint(0, 300, (MICRO, SEQ), generator=gen)
     batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
     rows, runs = [], {}
-    for name, bits, offload in (("bf16", None, False), ("4-bit", 4, False), ("4-bit offloaded", 4, True)):
+    on_disk = []
+    for name, bits, offload in (("bf16", None, "none"), ("4-bit", 4, "none"), ("4-bit offloaded", 4, "cpu"),
+                                ("4-bit on disk", 4, "disk")):
         torch.manual_seed(0)
         _, model, optimizer, _ = step_setup(recipe_for(model_dir, folder / name, bits, offload))
         runs[name] = train(model, optimizer, batch)
+        if offload == "disk":
+            files = sorted((folder / name / "offload").iterdir())
+            on_disk.append(f"4-bit on disk: {len(files)} files, {format_bytes(sum(f.stat().st_size for f in files))} "
+                           f"in the offload folder while training (the experts as stored: "
+                           f"{format_bytes(expert_offload_of(model).host_bytes)})")
+            expert_offload_of(model).close()
+            on_disk.append(f"after close: {len(list((folder / name / 'offload').iterdir()))} files")
         if name == "4-bit":
             quantized = {b.name: {w: torch.stack([expert_matrix(b.experts, w, e, torch.bfloat16)
                                                    for e in range(b.num_experts)]) for w in b.weights}
                          for b in moe_blocks(model)}
     torch.manual_seed(0)
-    _, model, optimizer, _ = step_setup(recipe_for(model_dir, folder / "ref", 4, False))
+    _, model, optimizer, _ = step_setup(recipe_for(model_dir, folder / "ref", 4, "none"))
     for block in moe_blocks(model):  # the same QLoRA model, its experts as 16-bit parameters again
         delattr(block.experts, STORE)
         for w, value in quantized[block.name].items():
@@ -105,21 +121,24 @@ def part_a(folder: Path) -> list[str]:
     gap = max(abs(a - b) for a, b in zip(four, ref, strict=True))
     rows.append(f"4-bit vs dequantized reference: max |loss difference| {gap:.2e}")
     rows.append(f"4-bit offloaded vs 4-bit: losses equal: {off == four}")
-    return rows
+    rows.append(f"4-bit on disk vs 4-bit: losses equal: {runs['4-bit on disk'][0] == four}")
+    return rows + on_disk
 
 
 def part_b() -> list[str]:
     config = ROOT / "tests" / "fixtures" / "configs" / "qwen3-30b-a3b.json"
-    rows = [f"{'budget':<8}{'offload_experts':<17}{'fits':<6}{'peak':>12}{'weights':>12}{'tokens/s':>10}  settings"]
+    rows = [f"{'budget':<8}{'offload_experts':<26}{'fits':<6}{'peak':>12}{'weights':>12}{'tokens/s':>10}  settings"]
     for budget in ("12GiB", "16GiB", "24GiB"):
-        for offload in ("false", "auto"):
+        for offload, limit in (("none", None), ("auto", None), ("auto", "4GiB")):
             recipe = load_recipe(ROOT / "recipes" / "qlora-8b-24gb.yaml", [
                 f"model.path={config}", "data.max_seq_len=2048", f"memory.gpu_memory={budget}",
-                f"memory.offload_experts={offload}"])
+                f"memory.offload_experts={offload}", f"memory.offload_cpu_limit={limit or 'null'}",
+                f"memory.offload_dir={tempfile.gettempdir()}"])
+            label = offload + (f", RAM limit {limit}" if limit else "")
             start = time.perf_counter()
             plan = predict(recipe, device="cuda")
             s = plan.settings
-            rows.append(f"{budget:<8}{offload:<17}{'yes' if plan.fits else 'no':<6}{format_bytes(plan.peak_bytes):>12}"
+            rows.append(f"{budget:<8}{label:<26}{'yes' if plan.fits else 'no':<6}{format_bytes(plan.peak_bytes):>12}"
                         f"{format_bytes(plan.breakdown['weights']):>12}{plan.tokens_per_s:>10.0f}  mb={s['micro_batch_size']} "
                         f"ckpt={s['activation_checkpointing']} chunked={s['chunked_loss']} "
                         f"experts offloaded={s['offload_experts']} ({time.perf_counter() - start:.1f} s to plan)")

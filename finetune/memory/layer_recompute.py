@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from pathlib import Path
 
 import torch
 
 from finetune.errors import RecipeError
-from finetune.memory.expert_offload import offload_experts
+from finetune.memory.expert_offload import ExpertOffload, offload_experts
+from finetune.memory.offload import offload_dir_for
 from finetune.model.family import decoder_layers, dense_mlp, family_of
 from finetune.recipe.schema import MemoryConfig
 
@@ -217,12 +219,17 @@ def compile_layers(model: torch.nn.Module, enabled: bool) -> int:
     return len(layers)
 
 
-def apply_memory_config(model: torch.nn.Module, memory: MemoryConfig) -> None:
+def apply_memory_config(model: torch.nn.Module, memory: MemoryConfig,
+                        run_dir: str | Path | None = None) -> ExpertOffload | None:
     """`apply_layer_recompute` and expert offload as a resolved recipe's memory section says (tiled_mlp and
-    offload_experts no longer auto)."""
+    offload_experts no longer auto). `run_dir`: where the disk tier's default folder is (memory.offload_dir
+    unset). Returns the expert offload, which the caller closes when training ends (its files go then)."""
     apply_layer_recompute(model, memory.recompute_norms, memory.tiled_mlp_tokens if memory.tiled_mlp is True else None)
-    if memory.offload_experts is True:
-        import psutil
+    if memory.offload_experts == "none":
+        return None
+    import psutil
 
-        ram = psutil.virtual_memory().available
-        offload_experts(model, True, min(ram, memory.offload_cpu_limit) if memory.offload_cpu_limit else ram)
+    ram = psutil.virtual_memory().available
+    directory = offload_dir_for(memory, run_dir) if memory.offload_dir or run_dir is not None else None
+    return offload_experts(model, memory.offload_experts,
+                           min(ram, memory.offload_cpu_limit) if memory.offload_cpu_limit else ram, directory)

@@ -37,17 +37,24 @@ OFFLOAD_DIR_HINT = ("Set memory.offload_dir to a folder on a disk with enough fr
 
 
 class OffloadDirError(FinetuneError):
-    """`memory.offload_dir` cannot hold the offloaded activations."""
+    """`memory.offload_dir` cannot hold the offloaded activations (or experts): the recipe's folder, exit 2."""
+
+    exit_code = 2
 
 
-def check_offload_dir(path: str | Path, needed_bytes: int) -> Path:
-    """Before training: `path` must be a writable directory with `needed_bytes` plus a margin free.
+def with_margin(nbytes: int) -> int:
+    """The free space asked for to write `nbytes` there (the planner's check and the run's alike)."""
+    return int(nbytes + max(DISK_MARGIN * nbytes, DISK_MARGIN_MIN))
+
+
+def check_offload_dir(path: str | Path, needed_bytes: int, what: str = "of activations per step",
+                      hint: str = OFFLOAD_DIR_HINT) -> Path:
+    """Before training: `path` must be a writable directory with `needed_bytes` (`what`) plus a margin free.
 
     Creates the directory if missing; otherwise touches nothing. Raises `OffloadDirError` saying which
     directory, how much is needed and free, and how to fix it.
     """
     path = Path(path).expanduser().resolve()
-    hint = OFFLOAD_DIR_HINT
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".{FILE_PREFIX}probe-{uuid.uuid4().hex}"
@@ -56,12 +63,12 @@ def check_offload_dir(path: str | Path, needed_bytes: int) -> Path:
     except OSError as exc:
         raise OffloadDirError(f"memory.offload_dir {path} is not writable: {exc.strerror or exc}",
                               hint=hint) from None
-    needed = int(needed_bytes + max(DISK_MARGIN * needed_bytes, DISK_MARGIN_MIN))
+    needed = with_margin(needed_bytes)
     free = shutil.disk_usage(path).free
     if free < needed:
         raise OffloadDirError(
             f"memory.offload_dir {path} has {format_bytes(free)} free but disk offload needs "
-            f"{format_bytes(needed)} ({format_bytes(needed_bytes)} of activations per step plus a margin)",
+            f"{format_bytes(needed)} ({format_bytes(needed_bytes)} {what} plus a margin)",
             hint=hint)
     return path
 

@@ -247,7 +247,9 @@ def adapter_targets(model: torch.nn.Module, target_modules: str | list[str], tar
     would otherwise turn it into LoRA on every expert and router (its conversion of transformers-4 MoE
     adapters), and a name peft remaps that way (its qwen2_moe / mixtral tables: gate_proj, up_proj, down_proj,
     w1-w3, gate) is left out, so the experts are adapted only when the recipe asks: `target_experts` adds the
-    fused expert weights as peft `target_parameters`."""
+    fused expert weights as peft `target_parameters`. The Linear layers left out by such a name (DeepSeek's and
+    GLM's shared experts and dense MLPs, named like the experts) are named by their full paths instead, where
+    the installed peft keeps those as the modules they are (peft 0.21 converts them too: they stay frozen)."""
     blocks = moe_blocks(model)
     if not blocks:
         if target_experts:
@@ -263,6 +265,9 @@ def adapter_targets(model: torch.nn.Module, target_modules: str | list[str], tar
         names = list(target_modules) if isinstance(target_modules, list) else [target_modules]
     remapped = _peft_remapped(model, names)
     kept = [n for n in names if n not in remapped]
+    paths = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head
+             and id(m) not in routers and n.rsplit(".", 1)[-1] in remapped]
+    kept += [p for p in paths if p not in _peft_remapped(model, paths)] if paths else []
     parameters = sorted({f"{b.experts_name}.{w}" for b in blocks for w in b.weights}) if target_experts else []
     if parameters and any(getattr(b.experts, w).is_meta for b in blocks for w in b.weights):
         # Not a FinetuneError: a recipe with explicit memory settings still trains, without a plan.
@@ -272,17 +277,23 @@ def adapter_targets(model: torch.nn.Module, target_modules: str | list[str], tar
     return kept, parameters
 
 
+PEFT_MOE_NAMES = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3", "gate")  # peft's conversion tables
+
+
 def _peft_remapped(model: torch.nn.Module, names: list[str]) -> set[str]:
-    """The module names peft's transformers-4 MoE conversion would turn into expert/router parameters."""
+    """The module names (or paths) peft's transformers-4 MoE conversion would turn into expert/router
+    parameters: those it takes out of target_modules, and any whose leaf is in its tables when it adds a
+    parameter target (a version that keeps a name as a module but adapts the experts for it too)."""
     from peft import LoraConfig
     from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
 
     probe = LoraConfig(target_modules=list(names))
+    tabled = {n for n in names if n.rsplit(".", 1)[-1] in PEFT_MOE_NAMES}
     try:
         convert_peft_config_for_transformers(probe, _unwrap(model), None)
     except ValueError:  # a fused pair named only in part: every name of the pair would be remapped
-        return {n for n in names if n in ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3", "gate")}
-    return set(names) - set(probe.target_modules or [])
+        return tabled
+    return (set(names) - set(probe.target_modules or [])) | (tabled if probe.target_parameters else set())
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

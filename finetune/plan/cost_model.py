@@ -110,12 +110,12 @@ def tokens_per_second(settings: Settings, *, device: str, params: int, trainable
                       traffic: tuple[float, float] = (0.0, 0.0), interconnect: float = 20e9,
                       rows_per_example: int = 1, reference_forward: bool = False,
                       figures: dict[str, float] | None = None, rollout: Rollout | None = None,
-                      offloaded_experts: float = 0.0) -> float:
+                      offloaded_experts: float = 0.0, experts_tier: str = "none") -> float:
     """Tokens per second of one optimizer step under `settings` (see module docstring).
 
-    `offloaded_experts`: bytes of expert weights memory.offload_experts brings from the host in each forward
-    and backward (and recompute), the next layer's while this one computes: only what the compute does not
-    hide costs time.
+    `offloaded_experts`: bytes of expert weights memory.offload_experts brings from tier `experts_tier` (host
+    RAM or disk) in each forward and backward (and recompute), the next layer's while this one computes: only
+    what the compute does not hide costs time, on the tier's measured link, plus the tier's overhead.
     `mlp_params`: weight elements of all layers' MLPs (recomputed once more with a tiled MLP).
     `bandwidth`: measured bytes/s per offload link (finetune.memory.bandwidth.transfer_bandwidth); the
     constants above stand in for what was not measured.
@@ -153,10 +153,12 @@ def tokens_per_second(settings: Settings, *, device: str, params: int, trainable
         bw = _link_bytes_per_s(tier.link, device, dev, bandwidth or {})
         transfer = max(0.0, 2 * offloaded_bytes / bw - compute)
         overhead = tier.overhead
-    if offloaded_experts:
+    if offloaded_experts and experts_tier != "none":
+        tier = tier_spec(experts_tier)
         fetches = 2 + (1 if settings.activation_checkpointing else 0)
-        transfer += max(0.0, fetches * offloaded_experts / _link_bytes_per_s("host_device", device, dev,
+        transfer += max(0.0, fetches * offloaded_experts / _link_bytes_per_s(tier.link, device, dev,
                                                                               bandwidth or {}) - compute)
+        overhead += tier.overhead
     step = (compute * (1 + overhead) + dequant + transfer) * settings.gradient_accumulation_steps
     link, host = traffic
     step += max(0.0, link / interconnect - 2 / 3 * compute * settings.gradient_accumulation_steps)

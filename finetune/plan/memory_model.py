@@ -110,6 +110,7 @@ class ModelSpec:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     double_quant: bool = True
     offload_min_size: int = 1 << 20
+    offload_cpu_limit: int | None = None  # memory.offload_cpu_limit: host RAM the offload may hold
     recompute_norms: bool = True
     tiled_mlp_tokens: int = 1024
     world_size: int = 1  # processes (GPUs) the run is spread over; the plan is per device
@@ -244,9 +245,10 @@ def _param_parts(spec: ModelSpec, settings: Settings) -> tuple[dict[str, float],
     """`_whole_parts` as one device holds them under the strategy (`distributed_parts`); the optimizer state
     of an optimizer that keeps it in CUDA managed memory moves to `managed` (`managed_state`)."""
     whole, per_layer, largest_trained, largest_quant = _whole_parts(spec, settings)
-    if settings.offload_experts and spec.device == "cuda":  # finetune.memory.expert_offload: on the device,
-        experts, per_moe_layer = expert_weight_bytes(spec, settings)  # the experts of the MoE layer computing
-        whole = {**whole, "weights": whole["weights"] - experts + 2 * per_moe_layer}  # and of the one arriving
+    if experts_offloaded(spec, settings):  # finetune.memory.expert_offload
+        experts, per_moe_layer = expert_weight_bytes(spec, settings)
+        # on the device: the experts of the MoE layer computing and of the one arriving
+        whole = {**whole, "weights": whole["weights"] - experts + min(experts, 2 * per_moe_layer)}
     parts = distributed_parts(spec, settings, whole, per_layer)
     if managed_state(spec, settings):
         parts["managed"], parts["optimizer_state"] = parts["optimizer_state"], 0.0
@@ -268,9 +270,15 @@ def _is_expert(p: ParamInfo) -> bool:
     return p.quantizable and len(p.shape) == 3
 
 
+def experts_offloaded(spec: ModelSpec, settings: Settings) -> bool:
+    """Whether memory.offload_experts takes the experts off the training device: a tier that frees its memory
+    (host RAM does not on a CPU run, where it is the device; the disk does everywhere)."""
+    return settings.offload_experts != "none" and tier_spec(settings.offload_experts).frees_device(spec.device)
+
+
 def expert_weight_bytes(spec: ModelSpec, settings: Settings) -> tuple[float, float]:
     """(the whole model's, one layer's) frozen fused expert weights as stored: 4-bit with bits 4
-    (finetune.model.expert_store), else 16-bit; what memory.offload_experts keeps in host RAM."""
+    (finetune.model.expert_store), else 16-bit; what memory.offload_experts keeps in host RAM or on disk."""
     bits = 4 if settings.bits == 4 else None
     return _over_layers(spec, settings, lambda table: sum(
         quantized_weight_bytes(p.numel, p.out_features, bits, spec.double_quant, p.bytes_per_elem)

@@ -16,6 +16,7 @@ from finetune.errors import RecipeError, UsageError
 from finetune.memory.bandwidth import cpu_compute, transfer_bandwidth
 from finetune.memory.device_memory import usable_gpu_memory
 from finetune.memory.offload import offload_dir_for
+from finetune.memory.offload_disk import with_margin
 from finetune.memory.preference import PreferenceLoss, loads_reference_adapter, reference_is_current
 from finetune.model.moe import moe_config
 from finetune.plan.cost_model import figures_of, rollout_of, tokens_per_second
@@ -51,7 +52,7 @@ AUTO_OPTIMIZERS = auto_preferences()
 # Why a configuration was rejected, for callers that act on it (the text in `reason` is for people):
 # over_budget: its traced peak exceeds the budget; over_budget_floor: its lower bound (weights and optimizer
 # state, no trace) already does; offload_space: its offload tier's folder or RAM lacks the room; host_ram: a
-# paged optimizer's managed state does not fit in free host RAM.
+# paged optimizer's managed state, or the experts memory.offload_experts keeps there, do not fit in free host RAM.
 RejectionKind = Literal["over_budget", "over_budget_floor", "offload_space", "host_ram"]
 
 
@@ -165,8 +166,8 @@ def auto_values(recipe: Recipe, device: str) -> dict[str, list[Any]]:
         "bits": [None] if recipe.adapter.type == "full" else [None, 8, 4],
         "optimizer": _auto_optimizers(recipe),
         "tiled_mlp": [False, True],
-        # on a CPU run the host is the device: offloading experts there frees nothing
-        "offload_experts": [False, True] if device == "cuda" else [False],
+        # the tiers that free the training device (on a CPU run the host is the device: only the disk does)
+        "offload_experts": ["none", *(t for t in tier_names() if tier_spec(t).frees_device(device))],
         "strategy": _auto_strategies(recipe),
         # grpo: whole groups, doubling; one that holds the step's all is None (_choices)
         "generation_batch_size": [None, *(recipe.grpo.num_generations << k for k in range(11))]
@@ -235,7 +236,7 @@ def _choices(recipe: Recipe, spec: ModelSpec) -> list[Settings]:
             continue
         if st["offload"] != "none" and spec.num_layers < 2:
             continue
-        if st["offload_experts"] and given["offload_experts"] == "auto" and moe_config(spec.config) is None:
+        if st["offload_experts"] != "none" and given["offload_experts"] == "auto" and moe_config(spec.config) is None:
             continue  # a dense model has no experts to offload
         if world > 1 and given["strategy"] == "auto" and _refused(recipe, st):
             continue
@@ -271,7 +272,8 @@ def model_spec(recipe: Recipe, config: Any, device: str) -> ModelSpec:
         attn=model_facts(config, recipe.model.attn_implementation)[1], device=device, seq_len=recipe.data.max_seq_len,
         num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
         optimizer=recipe.optimizer, double_quant=recipe.quantization.double_quant,
-        offload_min_size=recipe.memory.offload_min_size, recompute_norms=recipe.memory.recompute_norms,
+        offload_min_size=recipe.memory.offload_min_size, offload_cpu_limit=recipe.memory.offload_cpu_limit,
+        recompute_norms=recipe.memory.recompute_norms,
         tiled_mlp_tokens=recipe.memory.tiled_mlp_tokens, world_size=recipe.distributed.gpus,
         interconnect_bandwidth=recipe.distributed.interconnect_bandwidth, zero_stage=recipe.distributed.zero_stage,
         deepspeed_offload=recipe.distributed.deepspeed_offload, objective=objective,
@@ -297,10 +299,10 @@ def _speed(spec: ModelSpec, shapes: ModelShapes, settings: Settings, offloaded_b
         total, experts = moe_elements(spec, settings)
         params = int(total - experts * (1 - moe.top_k / moe.num_experts))
         quantized += int(experts) if settings.bits == 4 else 0
-        fetched = expert_weight_bytes(spec, settings)[0] if settings.offload_experts else 0.0
+        fetched = expert_weight_bytes(spec, settings)[0] if settings.offload_experts != "none" else 0.0
     return tokens_per_second(
         settings, device=spec.device, params=params, trainable_full=spec.adapter.type == "full",
-        offloaded_experts=fetched,
+        offloaded_experts=fetched, experts_tier=settings.offload_experts,
         num_layers=spec.num_layers, hidden=spec.hidden_size, seq_len=spec.seq_len, quantized_params=quantized,
         offloaded_bytes=offloaded_bytes, dtype_bytes=spec.dtype.itemsize,
         mlp_params=shapes.num_layers * shapes.mlp_linear, mlp_chunk_tokens=spec.tiled_mlp_tokens, bandwidth=bandwidth,
@@ -333,16 +335,36 @@ def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, free: dic
             cand.reject("offload_space", f"{settings.offload} offload needs {format_bytes(pred.offloaded_bytes)} "
                         f"{STORES[holds_in]}, {format_bytes(available)} free")
     ram = (free or {}).get("host_ram")
-    if cand.kind is None and settings.offload_experts and ram is not None and spec.device == "cuda":
-        experts = expert_weight_bytes(spec, settings)[0]
-        if experts > ram:
-            cand.reject("host_ram", f"expert offload needs {format_bytes(experts)} of RAM, {format_bytes(ram)} free")
+    if cand.kind is None and settings.offload_experts != "none":
+        _check_expert_room(cand, spec, settings, free or {}, pred.offloaded_bytes if holds_in == "offload_dir" else 0)
     if cand.kind is None and pred.managed_bytes and ram is not None:
         in_ram = pred.managed_bytes + (pred.offloaded_bytes if holds_in == "host_ram" else 0)
         if in_ram > ram:
             cand.reject("host_ram", f"{settings.optimizer} keeps {format_bytes(pred.managed_bytes)} of state in "
                         f"managed memory, paged to host RAM: needs {format_bytes(in_ram)} of RAM, {format_bytes(ram)} free")
     return cand
+
+
+def _check_expert_room(cand: Candidate, spec: ModelSpec, settings: Settings, free: dict[str, int],
+                       activations_on_disk: int) -> None:
+    """Reject `cand` where memory.offload_experts' tier lacks the room for the experts: host RAM (free, capped by
+    memory.offload_cpu_limit) for cpu on a GPU; for disk, offload_dir's free space (with the activations the
+    disk tier holds, and the margin the run's check asks for) and, on a GPU, pinned RAM for two layers."""
+    experts, per_layer = expert_weight_bytes(spec, settings)
+    ram = free.get("host_ram")
+    if spec.device == "cuda" and ram is not None:
+        ram = min(ram, spec.offload_cpu_limit) if spec.offload_cpu_limit is not None else ram
+        in_ram = experts if settings.offload_experts == "cpu" else 2 * per_layer
+        if in_ram > ram:
+            cand.reject("host_ram", f"expert offload to {settings.offload_experts} needs {format_bytes(in_ram)} of "
+                        f"RAM, {format_bytes(ram)} free (or memory.offload_cpu_limit)")
+            return
+    disk = free.get("offload_dir")
+    if settings.offload_experts == "disk" and disk is not None:
+        needed = with_margin(int(experts) + activations_on_disk)
+        if needed > disk:
+            cand.reject("offload_space", f"expert offload to disk needs {format_bytes(needed)} "
+                        f"{STORES['offload_dir']} (with a margin), {format_bytes(disk)} free")
 
 
 def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str | None = None,
@@ -364,8 +386,9 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
         choices = [st for st in choices if not st.tiled_mlp]
         notes.append("memory.tiled_mlp left out: the decoder layers' MLPs are mixture-of-experts blocks, which "
                      "route tokens, and the tiled MLP runs dense MLPs only (docs/moe.md)")
-    bandwidth, free = _offload_resources(recipe, device, {st.offload for st in choices} - {"none"})
-    if device == "cuda" and any(managed_state(spec, st) or st.offload_experts for st in choices):
+    tiers = {st.offload for st in choices} | {st.offload_experts for st in choices}
+    bandwidth, free = _offload_resources(recipe, device, tiers - {"none"})
+    if device == "cuda" and any(managed_state(spec, st) for st in choices):
         free.setdefault("host_ram", _free_memory("cpu"))
     # A CPU is priced with what it measured (once per machine and thread count, cached); a GPU with constants.
     measured = device == "cpu"

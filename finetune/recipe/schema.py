@@ -411,15 +411,25 @@ class MemoryConfig(Section):
         "auto", description="Run each layer's MLP over the sequence in chunks of tiled_mlp_tokens and recompute it "
         "chunk by chunk in backward (one extra MLP forward; for long sequences); auto: planner.")
     tiled_mlp_tokens: int = Field(1024, ge=16, le=MAX_COUNT, description="Sequence positions per MLP chunk with tiled_mlp.")
-    offload_experts: bool | Auto = Field(
-        False, description="Mixture-of-experts models: keep the frozen expert weights (as stored: 4-bit or 16-bit) "
-        "in host RAM, pinned, and bring each MoE layer's experts to the GPU when it runs, the next layer's "
-        "fetched meanwhile; the RAM they take counts against offload_cpu_limit; auto: planner (GPUs only).")
+    offload_experts: Literal[("none", *tier_names(), "auto")] = Field(  # type: ignore[valid-type]  # the tier table
+        "none", description="Mixture-of-experts models: where the frozen expert weights (as stored: 4-bit or "
+        "16-bit) live, each MoE layer's brought to the GPU when it runs and the next layer's fetched meanwhile: "
+        "none (on the device), cpu (pinned host RAM; counts against offload_cpu_limit), disk (files in "
+        "offload_dir, read ahead a layer: for experts larger than host RAM); auto: planner (the disk only where "
+        "RAM is short). true and false still mean cpu and none.")
     gpu_memory: PositiveByteSize | Auto = Field("auto", description="Memory budget, e.g. 12GiB; auto: the GPU memory free when the run starts "
         "(torch.cuda.mem_get_info), so what other processes hold then is excluded; gpu_memory_margin stays free "
         "below it for what they (and the CUDA context, allocator fragmentation) may take later.")
     gpu_memory_margin: ByteSize = Field(512 << 20, description="Head-room kept free below the budget; if a step "
         "still runs out of memory, `finetune run` redoes it with a cheaper plan (docs/memory.md, out-of-memory recovery).")
+
+    @field_validator("offload_experts", mode="before")
+    @classmethod
+    def _experts_tier(cls, value: Any) -> Any:
+        """The key was a boolean before it named a tier: true keeps meaning host RAM, false on the device."""
+        if isinstance(value, bool):
+            return "cpu" if value else "none"
+        return value
 
 
 OptimizerName = Literal[(*optimizer_names(), "auto")]  # type: ignore[valid-type]  # from the registry
@@ -646,9 +656,10 @@ class Recipe(Section):
             raise ValueError(f"adapter.target_experts with quantization.bits={self.quantization.bits}: peft adapts "
                              "fused expert weights held in 16 bits, and bits 4 stores them in 4; set "
                              "quantization.bits: null (or 8: experts stay 16-bit) or remove adapter.target_experts")
-        if self.adapter.target_experts and self.memory.offload_experts is not False:
-            raise ValueError("adapter.target_experts with memory.offload_experts: the offload moves frozen expert "
-                             "weights to host RAM, and these would be trained; set memory.offload_experts: false")
+        if self.adapter.target_experts and self.memory.offload_experts != "none":
+            raise ValueError(f"adapter.target_experts with memory.offload_experts={self.memory.offload_experts}: "
+                             "the offload moves frozen expert weights off the device, and these would be trained; "
+                             "set memory.offload_experts: none")
         if self.adapter.target_experts and self.adapter.dropout:
             raise ValueError(f"adapter.target_experts with adapter.dropout={self.adapter.dropout}: peft's LoRA on "
                              "fused expert weights (target_parameters) cannot apply dropout; set adapter.dropout: 0")

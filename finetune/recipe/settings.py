@@ -48,7 +48,8 @@ class Settings:
     bits: int | None = _setting("quantization.bits", "bits")
     optimizer: str = _setting("optimizer.name", "optimizer")
     tiled_mlp: bool = _setting("memory.tiled_mlp", "tiled", fallback=False, default=False)
-    offload_experts: bool = _setting("memory.offload_experts", "experts", fallback=False, default=False)
+    offload_experts: str = _setting("memory.offload_experts", "experts", fallback="none",
+                                    default="none")  # none or a tier of finetune.recipe.offload_tiers
     strategy: str = _setting("distributed.strategy", "strategy", fallback="ddp", default="ddp",
                              active=_several_processes)  # with one process there is nothing to distribute
     # completions per generate call (None: the step's all, what an out-of-memory recovery starts halving from)

@@ -8,10 +8,12 @@ training (not under memory/) because it calls the planner for `auto` settings.
 from __future__ import annotations
 
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from finetune.memory.expert_offload import expert_offload_of
 from finetune.memory.layer_recompute import apply_memory_config, compile_layers
 from finetune.memory.preference import (
     PreferenceLoss,
@@ -26,10 +28,13 @@ from finetune.recipe.schema import Recipe
 from finetune.recipe.settings import read_settings
 
 
-def step_setup(recipe: Recipe, **plan_kwargs: Any) -> tuple[Recipe, torch.nn.Module, torch.optim.Optimizer, int]:
+def step_setup(recipe: Recipe, scratch: str | Path | None = None,
+               **plan_kwargs: Any) -> tuple[Recipe, torch.nn.Module, torch.optim.Optimizer, int]:
     """The recipe as `finetune run` trains it (adapter.init_from's shape, `auto` keys resolved by the planner
     with `plan_kwargs`), its model with adapter and memory settings in training mode, its optimizer and the
-    vocabulary size: what measuring a real step needs (measure, benchmarks)."""
+    vocabulary size: what measuring a real step needs (measure, benchmarks). `scratch`: the folder whose
+    offload/ holds expert offload files when memory.offload_dir is unset (default output.dir); they go with
+    `expert_offload_of(model).close()`, or when the process exits."""
     from finetune.model.adapter import apply_adapter
     from finetune.model.load import load_model
     from finetune.optim import build_optimizer
@@ -45,7 +50,7 @@ def step_setup(recipe: Recipe, **plan_kwargs: Any) -> tuple[Recipe, torch.nn.Mod
     checkpointing = bool(recipe.memory.activation_checkpointing)
     model = apply_adapter(model, recipe.adapter, checkpointing=checkpointing,
                           reference=loads_reference_adapter(recipe))
-    apply_memory_config(model, recipe.memory)
+    apply_memory_config(model, recipe.memory, scratch if scratch is not None else recipe.output.dir)
     compile_layers(model, recipe.training.compile)
     enable_checkpointing(model, checkpointing, recipe.memory.checkpoint_every_n_layers)
     model.train()
@@ -63,13 +68,14 @@ def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
     `auto` settings are resolved by the planner first.
     """
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    recipe, model, optimizer, vocab = step_setup(recipe)
-    gen = torch.Generator().manual_seed(recipe.training.seed)
-    preference = PreferenceLoss.of(recipe.training)
-    batch = synthetic_batch(preference, recipe.training.micro_batch_size, recipe.data.max_seq_len, vocab, device, gen)
-
     with tempfile.TemporaryDirectory(prefix="finetune-measure-") as scratch:
         from finetune.memory.offload import activation_offload
+
+        recipe, model, optimizer, vocab = step_setup(recipe, scratch)
+        gen = torch.Generator().manual_seed(recipe.training.seed)
+        preference = PreferenceLoss.of(recipe.training)
+        batch = synthetic_batch(preference, recipe.training.micro_batch_size, recipe.data.max_seq_len, vocab, device,
+                                gen)
 
         offload = activation_offload(model, recipe.memory, scratch)  # files under offload_dir or scratch
 
@@ -94,6 +100,9 @@ def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
         finally:
             if offload is not None:
                 offload.close()  # the disk tier's threads and files go before the scratch folder does
+            experts = expert_offload_of(model)
+            if experts is not None:
+                experts.close()  # and the expert offload's
     result["steps"] = steps
     if passes:  # the tracked peak of the pass, next to the plan's reference_pass_bytes
         result["reference_pass_bytes"] = passes[0]

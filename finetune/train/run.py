@@ -224,14 +224,17 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False,
 
 def check_lendable(recipe: Recipe) -> None:
     """What a lent model (run(base=...)) cannot do, refused before anything is written: full fine-tuning
-    (the next run would start from changed weights), torch.compile (compiled layers stay compiled) and
-    several processes (each loads its own)."""
+    (the next run would start from changed weights), torch.compile (compiled layers stay compiled), expert
+    offload (the experts stay off the device, the disk tier's files are gone) and several processes (each
+    loads its own)."""
     refused = {"adapter.type: full": recipe.adapter.type == "full", "training.compile: true": recipe.training.compile,
+               f"memory.offload_experts: {recipe.memory.offload_experts}": recipe.memory.offload_experts != "none",
                f"distributed.gpus: {recipe.distributed.gpus}": recipe.distributed.gpus > 1}
     for key, bad in refused.items():
         if bad:
             raise UsageError(f"{key}: a run on an already loaded model (base=) trains adapters only, uncompiled, "
-                             "in one process", hint="run without base= to load the model for this recipe")
+                             "with the weights where they were loaded, in one process",
+                             hint="run without base= to load the model for this recipe")
 
 
 def give_back(base: LoadedModel | None) -> None:
@@ -315,7 +318,7 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
         else None
     if started is not None:
         run_dir.log_line(f"adapter.init_from: started from {started['adapter']} (sha256 {started['sha256']})")
-    apply_memory_config(model, recipe.memory)
+    experts = apply_memory_config(model, recipe.memory, run_dir.root)  # closed (its files removed) below
     compile_layers(model, recipe.training.compile)
     trainable, total = count_parameters(model)
     console.print(f"model: {recipe.model.path}  trainable {trainable:,} of {total:,} parameters "
@@ -366,6 +369,8 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
         peak.close()  # also after an error
         if loop.offload is not None:  # an out-of-memory recovery may have turned it on or changed it
             loop.offload.close()  # removes every file the disk tier still holds, also after an error
+        if experts is not None:
+            experts.close()  # the expert offload's files too
     if main and peak.tracked_steps:
         run_dir.log_line(f"memory tracker: tracked {len(peak.tracked_steps)} of {loop.state.step} steps "
                          f"(those that could set a new peak): {', '.join(str(s + 1) for s in peak.tracked_steps)}")
