@@ -138,3 +138,20 @@ def test_moe_family_trains_full_and_dora_with_its_plan(tmp_path, arch, method, c
     if method == "dora":
         config = json.loads((tmp_path / "run" / "adapter" / "adapter_config.json").read_text())
         assert config["use_dora"] and not config.get("target_parameters")
+
+
+EXPERT_LORA_CASES = [(arch, {}) for arch in MOE_ARCHITECTURES] + [
+    ("qwen3_moe", {"activation_checkpointing": True, "chunked_loss": True}),
+    ("gpt_oss", {"activation_checkpointing": True})]
+
+
+@pytest.mark.parametrize(("arch", "memory"), EXPERT_LORA_CASES,
+                         ids=[f"{a}-{'-'.join(m) or 'plain'}" for a, m in EXPERT_LORA_CASES])
+def test_target_experts_plans_like_any_run(tmp_path, arch, memory, capsys):
+    """adapter.target_experts needs no `memory.plan: false`: the planner traces peft's LoRA on the fused expert
+    weights (the update folded into each layer's expert stack, its whole-stack gradient per routed expert)
+    and the plan is within 5% of the measured peak; the expert LoRA is trained and saved."""
+    path = _recipe(tmp_path, arch, {"adapter": {"target_experts": True}}, {"memory": memory})
+    _trains_within_plan(tmp_path, path, capsys)
+    config = json.loads((tmp_path / "run" / "adapter" / "adapter_config.json").read_text())
+    assert config["target_parameters"] and all(p.startswith("experts.") for p in config["target_parameters"])
