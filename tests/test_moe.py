@@ -141,10 +141,10 @@ def _refused(tmp_path: Path, capsys, argv: list[str], *words: str) -> None:
     assert not (tmp_path / "run").exists()  # nothing written (a run directory made is removed)
 
 
-def test_target_experts_on_a_dense_model(tmp_path, capsys):
+@pytest.mark.parametrize("command", ["validate", "plan", "run"])
+def test_target_experts_on_a_dense_model(tmp_path, capsys, command):
     path = _recipe(tmp_path, "llama", {"adapter": {"target_experts": True, "dropout": 0.0}})
-    _refused(tmp_path, capsys, ["run", str(path)], "adapter.target_experts", "LlamaForCausalLM",
-             "not a mixture-of-experts")
+    _refused(tmp_path, capsys, [command, str(path)], "adapter.target_experts", "Llama", "not a mixture-of-experts")
 
 
 def test_target_experts_with_dropout(tmp_path, capsys):

@@ -155,3 +155,17 @@ def test_target_experts_plans_like_any_run(tmp_path, arch, memory, capsys):
     _trains_within_plan(tmp_path, path, capsys)
     config = json.loads((tmp_path / "run" / "adapter" / "adapter_config.json").read_text())
     assert config["target_parameters"] and all(p.startswith("experts.") for p in config["target_parameters"])
+
+
+@pytest.mark.parametrize(("method", "words"), [
+    ("dora", ("adapter.target_experts", "adapter.type=lora", "no DoRA")),
+    ("full", ("adapter.target_experts", "adapter.type=full", "already trains every weight"))])
+def test_target_experts_with_dora_or_full_is_one_line(tmp_path, capsys, method, words):
+    """peft's LoRA on fused expert weights has no DoRA, and a full fine-tune trains the experts anyway: the
+    recipe is refused in one line naming the keys, exit 2, nothing written."""
+    path = _recipe(tmp_path, "qwen3_moe", METHODS[method], {"adapter": {"target_experts": True}})
+    assert main(["run", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len([line for line in err if line.startswith("error:")]) == 1 and "Traceback" not in "\n".join(err)
+    assert any(all(w in line for w in words) for line in err), err
+    assert not (tmp_path / "run").exists()

@@ -94,9 +94,11 @@ def load_tokenizer(path: Path, model_cfg: ModelConfig):
     return tokenizer
 
 
-def load_model(model_cfg: ModelConfig, quant: QuantizationConfig, *, quantize: bool = True, sharded: bool = False):
+def load_model(model_cfg: ModelConfig, quant: QuantizationConfig, *, quantize: bool = True, sharded: bool = False,
+               experts_on_host: bool = False):
     """Return (model, tokenizer, local_path). `quantize=False` loads full precision (used by export);
-    `sharded`: the weights will be sharded by FSDP (see quantization_config)."""
+    `sharded`: the weights will be sharded by FSDP (see quantization_config); `experts_on_host`
+    (memory.offload_experts): a MoE model's 4-bit experts are kept in host RAM as they load."""
 
     path = resolve_model_path(model_cfg.path, model_cfg.revision)
     dtype = compute_dtype(model_cfg)
@@ -118,7 +120,7 @@ def load_model(model_cfg: ModelConfig, quant: QuantizationConfig, *, quantize: b
     # bits 4: each fused expert weight is stored in 4 bits as it loads, so the 16-bit experts of the whole
     # model are never on the device at once (bitsandbytes quantizes Linear layers only)
     try:
-        with quantize_on_arrival(quant) if qconfig is not None else nullcontext():
+        with quantize_on_arrival(quant, experts_on_host) if qconfig is not None else nullcontext():
             model = _from_pretrained(model_cfg.path, path, config, kwargs)
     except ValueError as exc:
         raise _load_error("model", model_cfg, exc) from None
