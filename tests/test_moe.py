@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from finetune.cli import main
 from finetune.rundir import read_jsonl
-from finetune.testing import MOE_ARCHITECTURES, make_tiny_model_dir, tiny_config
-from tests.run_support import SAMPLE_DATA, tiny_lora_recipe
+from finetune.testing import MOE_ARCHITECTURES, tiny_config
+from tests.run_support import three_step_recipe as _recipe
 
 FAMILIES = list(MOE_ARCHITECTURES)
 WITH_AUX_LOSS = {"qwen3_moe", "mixtral", "olmoe", "gpt_oss"}  # DeepSeek-V3 and GLM-4-MoE balance with a bias
@@ -90,16 +89,6 @@ def test_tiled_mlp_leaves_moe_blocks_out():
 
     assert tile_mlps(_tiny_model("gpt_oss"), 4) == 0
     assert tile_mlps(_tiny_model("deepseek_v3"), 4) == 1
-
-
-def _recipe(tmp_path: Path, arch: str, *overrides: dict) -> Path:
-    model_dir = make_tiny_model_dir(tmp_path / "model", arch)
-    recipe = tiny_lora_recipe(model_dir, Path(SAMPLE_DATA), tmp_path / "run",
-                              {"training": {"max_steps": 3, "micro_batch_size": 2, "gradient_accumulation_steps": 1}},
-                              {"adapter": {"dropout": 0.0}}, *overrides)
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
 
 
 @pytest.mark.parametrize("arch", FAMILIES)

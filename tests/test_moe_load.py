@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from finetune.cli import main
 from finetune.rundir import read_jsonl
 from finetune.testing import MOE_ARCHITECTURES, make_tiny_model_dir
-from tests.run_support import SAMPLE_DATA, tiny_lora_recipe
+from tests.run_support import three_step_recipe as _recipe
 
 # experts dominate the weights and there are several MoE layers: the whole model's unquantized experts are
 # many times one layer's
@@ -103,16 +102,6 @@ def test_export_load_keeps_the_experts_unquantized(tmp_path):
     model = load_model(ModelConfig(path=str(folder)), QuantizationConfig(bits=4), quantize=False)[0]
     assert all(getattr(b.experts, w).dim() == 3 and not getattr(b.experts, w).is_meta
                for b in moe_blocks(model) for w in b.weights)
-
-
-def _recipe(tmp_path: Path, arch: str, *overrides: dict) -> Path:
-    model_dir = make_tiny_model_dir(tmp_path / "model", arch)
-    recipe = tiny_lora_recipe(model_dir, Path(SAMPLE_DATA), tmp_path / "run",
-                              {"training": {"max_steps": 3, "micro_batch_size": 2, "gradient_accumulation_steps": 1}},
-                              {"adapter": {"dropout": 0.0}}, *overrides)
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
 
 
 def _trains_within_plan(tmp_path: Path, path: Path, capsys) -> list[dict]:
