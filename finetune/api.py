@@ -53,6 +53,7 @@ def preflight(recipe: Recipe) -> dict[str, Any]:
     error the run would; returns the data's format and record counts (finetune.data.build.check_records)."""
     from finetune.data.build import check_records
     from finetune.data.chat import template_file
+    from finetune.errors import RecipeError
     from finetune.model.source import check_model_path, config_location
     from finetune.recipe.families import check_config_file
     from finetune.recipe.init_from import resolve_init_from
@@ -62,7 +63,10 @@ def preflight(recipe: Recipe) -> dict[str, Any]:
 
         check_compile_device()
     check_model_path(recipe.model.path, recipe.model.revision)
-    check_config_file(config_location(recipe.model.path))  # a family the tool describes (hub ids: when loaded)
+    family = check_config_file(config_location(recipe.model.path))  # a family the tool describes (hub ids: when
+    if recipe.adapter.target_experts and family is not None and not family.moe:  # loaded)
+        raise RecipeError(f"adapter.target_experts: model.path is a {family.name} model, not a mixture-of-experts "
+                          "model", hint="remove adapter.target_experts (it applies to mixture-of-experts models only)")
     resolve_init_from(recipe)
     template_file(recipe.data.chat_template)
     if recipe.training.spec.generates:

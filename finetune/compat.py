@@ -74,6 +74,8 @@ PRIVATE: dict[str, PrivateAPI] = {api.name: api for api in (
                "falls back to sdpa (what transformers picks when it is not told)"),
     PrivateAPI("AcceleratorState._reset_state", "accelerate", "1.5", "1.15"),
     PrivateAPI("use_experts_implementation._apply_gate", "transformers", "5.23", "5.24"),
+    PrivateAPI("Tensor._make_wrapper_subclass", "torch", "2.4", "2.13"),
+    PrivateAPI("torch._C._disabled_torch_function_impl", "torch", "2.4", "2.13"),
 )}
 _seen: set[str] = set()  # entries whose version was compared this process (hot paths call _use per tensor)
 
@@ -97,13 +99,13 @@ def check_all() -> list[str]:
 
 try:  # the tracker's and the planner's base class, and the pytree walk over an op's arguments
     from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten, tree_leaves
+    from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 except ImportError:
     raise PRIVATE["torch.utils._python_dispatch.TorchDispatchMode"].missing() from None
 _use("torch.utils._python_dispatch.TorchDispatchMode")
 _use("torch.utils._pytree")
 __all__ = ["PRIVATE", "PrivateAPI", "TorchDispatchMode", "attn_implementation", "check_all", "engine_backward", "expert_gate",
-           "flash_attention_cpu", "foreach_norm", "op_schema", "set_attn_implementation", "storage_id",
+           "flash_attention_cpu", "foreach_norm", "meta_on_device", "op_schema", "set_attn_implementation", "storage_id",
            "supports_sdpa", "tensor_version", "tree_flatten", "tree_leaves"]
 
 
@@ -187,6 +189,47 @@ def expert_gate(experts: Any, gate_up: torch.Tensor) -> torch.Tensor:
     if gate is None:
         raise api.missing()
     return gate(gate_up)
+
+
+class _MetaOnDevice(torch.Tensor):
+    """A meta tensor that reports another device (see `meta_on_device`). Every op runs on the meta tensor; an
+    output sharing its storage (a view, detach, which nn.Parameter calls, set_) keeps the disguise, so it
+    stays a weight and not a new tensor to a tracker on `meta`; any other output is a plain meta tensor."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor, device: str):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, strides=inner.stride(), dtype=inner.dtype,
+                                                   storage_offset=inner.storage_offset(),
+                                                   device=torch.device(device), requires_grad=inner.requires_grad)
+
+    def __init__(self, inner: torch.Tensor, device: str):
+        self.inner, self.reported = inner, device
+
+    def __repr__(self) -> str:
+        return f"meta_on_device({self.inner!r}, {self.reported!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        flat, spec = tree_flatten((args, kwargs or {}))
+        ours = [t for t in flat if isinstance(t, cls)]
+        storages = {storage_id(t.inner.untyped_storage()) for t in ours}
+        args, kwargs = tree_unflatten([t.inner if isinstance(t, cls) else t for t in flat], spec)
+        out, out_spec = tree_flatten(func(*args, **kwargs))
+        return tree_unflatten([cls(t, ours[0].reported) if isinstance(t, torch.Tensor) and t.is_meta
+                               and storage_id(t.untyped_storage()) in storages else t for t in out], out_spec)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+def meta_on_device(tensor: torch.Tensor, device: str) -> torch.Tensor:
+    """`tensor` (on `meta`) as a tensor whose `.device` says `device`, still holding no memory: for library
+    code that reads a weight's device type to open a context `meta` has none of (peft's LoRA on fused expert
+    weights switches autocast off on its weight's device; autocast has no meta device)."""
+    _use("Tensor._make_wrapper_subclass")
+    _use("torch._C._disabled_torch_function_impl")
+    if not hasattr(torch.Tensor, "_make_wrapper_subclass"):
+        raise PRIVATE["Tensor._make_wrapper_subclass"].missing()
+    return _MetaOnDevice(tensor, device)
 
 
 def supports_sdpa(model_class: type | None) -> bool:

@@ -42,6 +42,23 @@ def tiny_lora_recipe(model_dir: Path, data: Path, out_dir: Path, *overrides: dic
     return recipe
 
 
+def three_step_recipe(folder: Path, arch: str, *overrides: dict, **shape: int) -> Path:
+    """A tiny `arch` model in folder/model and a recipe file training it 3 steps of micro-batch 2 (LoRA without
+    dropout, `tiny_lora_recipe`'s settings, then `overrides`) into folder/run; the recipe's path. `shape`
+    overrides the tiny config (`num_hidden_layers=4`)."""
+    import yaml
+
+    from finetune.testing import make_tiny_model_dir
+
+    model_dir = make_tiny_model_dir(folder / "model", arch, **shape)
+    recipe = tiny_lora_recipe(model_dir, Path(SAMPLE_DATA), folder / "run",
+                              {"training": {"max_steps": 3, "micro_batch_size": 2, "gradient_accumulation_steps": 1}},
+                              {"adapter": {"dropout": 0.0}}, *overrides)
+    path = folder / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
 def assert_same_steps(run_dir: Path, reference_dir: Path, keys: tuple[str, ...], steps: list[int]) -> None:
     """metrics.jsonl of `run_dir` has exactly `steps`, each with the `keys` values of the same step in
     `reference_dir`'s (to float tolerance)."""

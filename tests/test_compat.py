@@ -161,3 +161,15 @@ def test_a_run_s_accelerator_follows_an_earlier_one_with_other_precision():
         Accelerator(cpu=True, mixed_precision="no")
     compat.fresh_accelerator_state()
     assert Accelerator(cpu=True, mixed_precision="no").mixed_precision == "no"
+
+
+def test_meta_on_device_reports_the_device_and_holds_nothing():
+    """What the planner's trace of LoRA on fused expert weights relies on: the weight says `cpu` (so
+    torch.autocast can be opened on its device type), stays disguised as a Parameter and in views, and
+    computes plain meta tensors."""
+    weight = torch.nn.Parameter(compat.meta_on_device(torch.empty(4, 3, 2, device="meta"), "cpu"),
+                                requires_grad=False)
+    assert weight.device.type == "cpu" and weight[1].device.type == "cpu"
+    with torch.autocast(device_type=weight.device.type, enabled=False):
+        out = torch.baddbmm(weight, torch.ones(4, 3, 1, device="meta"), torch.ones(4, 1, 2, device="meta"))
+    assert type(out) is torch.Tensor and out.is_meta and out.shape == (4, 3, 2)

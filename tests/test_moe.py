@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from finetune.cli import main
 from finetune.rundir import read_jsonl
-from finetune.testing import MOE_ARCHITECTURES, make_tiny_model_dir, tiny_config
-from tests.run_support import SAMPLE_DATA, tiny_lora_recipe
+from finetune.testing import MOE_ARCHITECTURES, tiny_config
+from tests.run_support import three_step_recipe as _recipe
 
 FAMILIES = list(MOE_ARCHITECTURES)
 WITH_AUX_LOSS = {"qwen3_moe", "mixtral", "olmoe", "gpt_oss"}  # DeepSeek-V3 and GLM-4-MoE balance with a bias
@@ -92,16 +91,6 @@ def test_tiled_mlp_leaves_moe_blocks_out():
     assert tile_mlps(_tiny_model("deepseek_v3"), 4) == 1
 
 
-def _recipe(tmp_path: Path, arch: str, *overrides: dict, **shape: int) -> Path:
-    model_dir = make_tiny_model_dir(tmp_path / "model", arch, **shape)
-    recipe = tiny_lora_recipe(model_dir, Path(SAMPLE_DATA), tmp_path / "run",
-                              {"training": {"max_steps": 3, "micro_batch_size": 2, "gradient_accumulation_steps": 1}},
-                              {"adapter": {"dropout": 0.0}}, *overrides)
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
-
-
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_family_trains_with_its_plan(tmp_path, arch, capsys):
     """3 steps through `finetune run`; the plan (traced on meta, worst-case routing) within 5% of the
@@ -120,12 +109,14 @@ def test_family_trains_with_its_plan(tmp_path, arch, capsys):
 
 
 def test_target_experts_trains_expert_lora(tmp_path, capsys):
-    """adapter.target_experts: LoRA on the fused expert weights through peft's target_parameters."""
-    # The planner cannot trace peft's LoRA on fused expert weights: such a run trains without a plan, on purpose.
-    path = _recipe(tmp_path, "qwen3_moe", {"adapter": {"target_experts": True, "dropout": 0.0}},
-                   {"memory": {"activation_checkpointing": False, "chunked_loss": False, "tiled_mlp": False,
-                               "plan": False}})
+    """adapter.target_experts: LoRA on the fused expert weights through peft's target_parameters, planned
+    like any run (the trace runs peft's fold of the update into each layer's experts): within 5%."""
+    path = _recipe(tmp_path, "qwen3_moe", {"adapter": {"target_experts": True, "dropout": 0.0}})
     assert main(["run", str(path)]) == 0, capsys.readouterr().err
+    rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    planned = json.loads((tmp_path / "run" / "plan.json").read_text())["peak_bytes"]
+    measured = max(r["peak_memory_bytes"] for r in rows)
+    assert abs(planned - measured) <= 0.05 * measured, (planned, measured)
     config = json.loads((tmp_path / "run" / "adapter" / "adapter_config.json").read_text())
     assert sorted(config["target_parameters"]) == ["experts.down_proj", "experts.gate_up_proj"]
 
@@ -139,10 +130,10 @@ def _refused(tmp_path: Path, capsys, argv: list[str], *words: str) -> None:
     assert not (tmp_path / "run").exists()  # nothing written (a run directory made is removed)
 
 
-def test_target_experts_on_a_dense_model(tmp_path, capsys):
+@pytest.mark.parametrize("command", ["validate", "plan", "run"])
+def test_target_experts_on_a_dense_model(tmp_path, capsys, command):
     path = _recipe(tmp_path, "llama", {"adapter": {"target_experts": True, "dropout": 0.0}})
-    _refused(tmp_path, capsys, ["run", str(path)], "adapter.target_experts", "LlamaForCausalLM",
-             "not a mixture-of-experts")
+    _refused(tmp_path, capsys, [command, str(path)], "adapter.target_experts", "Llama", "not a mixture-of-experts")
 
 
 def test_target_experts_with_dropout(tmp_path, capsys):

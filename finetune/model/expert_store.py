@@ -11,6 +11,10 @@ router stays in full precision (it is not an expert weight).
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from finetune.model.moe import STORE, moe_blocks
@@ -21,34 +25,38 @@ BLOCKSIZE = 64  # bitsandbytes' 4-bit block, as Linear4bit uses
 
 class QuantizedExperts(torch.nn.Module):
     """The fused expert weights of one experts module, one 4-bit quantized matrix per expert (buffers, so
-    they move with the model)."""
+    they move with the model). Filled one fused weight at a time (`add`): at load, as each arrives."""
 
-    def __init__(self, experts: torch.nn.Module, names: tuple[str, ...], quant: QuantizationConfig):
+    def __init__(self, quant: QuantizationConfig):
         super().__init__()
+        self.names: tuple[str, ...] = ()
+        self.quant_type = quant.quant_type
+        self.double_quant = quant.double_quant
+        self.shapes: dict[str, torch.Size] = {}
+        self.dtype: torch.dtype | None = None
+
+    def add(self, name: str, weight: torch.Tensor) -> None:
+        """Store the fused weight `name` ([experts, ...]) in 4 bits, on its device, one expert's matrix at a
+        time; the caller drops the 16-bit tensor."""
         import bitsandbytes.functional as bnbf
 
-        self.names = names
-        self.quant_type = quant.quant_type
-        self.shapes: dict[str, torch.Size] = {}
-        self.dtype = getattr(experts, names[0]).dtype
-        for name in names:
-            weight = getattr(experts, name)
-            states, packed = [], []
-            for matrix in weight.detach():
-                q, state = bnbf.quantize_4bit(matrix.contiguous(), blocksize=BLOCKSIZE,
-                                              compress_statistics=quant.double_quant, quant_type=quant.quant_type)
-                packed.append(q.reshape(-1))
-                states.append(state)
-            self.shapes[name] = weight.shape[1:]
-            self.register_buffer(f"{name}_packed", torch.stack(packed))
-            self.register_buffer(f"{name}_absmax", torch.stack([s.absmax for s in states]))
-            self.register_buffer(f"{name}_code", states[0].code)
-            if quant.double_quant:
-                self.register_buffer(f"{name}_offset", torch.stack([s.offset for s in states]))
-                self.register_buffer(f"{name}_absmax2", torch.stack([s.state2.absmax for s in states]))
-                self.register_buffer(f"{name}_code2", states[0].state2.code)
-                self.nested_blocksize = states[0].state2.blocksize
-            delattr(experts, name)  # the 16-bit parameter goes; the store answers for it
+        states, packed = [], []
+        for matrix in weight.detach():
+            q, state = bnbf.quantize_4bit(matrix.contiguous(), blocksize=BLOCKSIZE,
+                                          compress_statistics=self.double_quant, quant_type=self.quant_type)
+            packed.append(q.reshape(-1))
+            states.append(state)
+        self.dtype = weight.dtype
+        self.shapes[name] = weight.shape[1:]
+        self.names = (*self.names, name)
+        self.register_buffer(f"{name}_packed", torch.stack(packed))
+        self.register_buffer(f"{name}_absmax", torch.stack([s.absmax for s in states]))
+        self.register_buffer(f"{name}_code", states[0].code)
+        if self.double_quant:
+            self.register_buffer(f"{name}_offset", torch.stack([s.offset for s in states]))
+            self.register_buffer(f"{name}_absmax2", torch.stack([s.state2.absmax for s in states]))
+            self.register_buffer(f"{name}_code2", states[0].state2.code)
+            self.nested_blocksize = states[0].state2.blocksize
 
     def shape_of(self, name: str) -> torch.Size:
         """One expert's matrix of `name`."""
@@ -107,12 +115,68 @@ def store_of(experts: torch.nn.Module, names: tuple[str, ...]) -> torch.nn.Modul
 
 def quantize_experts(model: torch.nn.Module, quant: QuantizationConfig) -> int:
     """Store every MoE block's fused expert weights in 4 bits (quantization.bits: 4); returns the number of
-    expert weights quantized. Other bit widths leave the experts as loaded."""
+    expert weights quantized here. Weights `quantize_on_arrival` already stored at load leave their meta
+    placeholders, which go. Other bit widths leave the experts as loaded."""
     if quant.bits != 4:
         return 0
     count = 0
     for block in moe_blocks(model):
-        if getattr(block.experts, STORE, None) is None:
-            setattr(block.experts, STORE, QuantizedExperts(block.experts, block.weights, quant))
-            count += len(block.weights)
+        store = getattr(block.experts, STORE, None)
+        if store is None:
+            store = QuantizedExperts(quant)
+            setattr(block.experts, STORE, store)
+        if not isinstance(store, QuantizedExperts):
+            continue  # offloaded: already stored apart
+        for name, weight in list(block.experts.named_parameters(recurse=False)):
+            if weight.dim() != 3:
+                continue
+            if name not in store.names:
+                store.add(name, weight)
+                count += 1
+            delattr(block.experts, name)  # the 16-bit parameter (or the placeholder) goes; the store answers
     return count
+
+
+def _is_expert_weight(module: torch.nn.Module, param: torch.Tensor | None) -> bool:
+    """A fused 3-D expert weight with values, arriving on an experts module (see `moe.is_experts`)."""
+    return (param is not None and not param.is_meta and param.dim() == 3
+            and isinstance(getattr(module, "num_experts", None), int))
+
+
+@contextmanager
+def quantize_on_arrival(quant: QuantizationConfig, host: bool = False) -> Iterator[None]:
+    """While a model loads in this thread, store each fused expert weight in 4 bits the moment it is set on
+    its experts module, leaving a `meta` placeholder of its shape (no bytes) that `quantize_experts` removes.
+    `host` (memory.offload_experts): the 4-bit store goes to host RAM as it is made, so the device never holds
+    every layer's experts, which the offload would move there afterwards.
+
+    Why: transformers sets a converted weight with `setattr`; bitsandbytes quantizes Linear layers as they
+    arrive but leaves 3-D experts in 16 bits, so they would all be on the device at once before being stored
+    (Qwen3-30B-A3B: ~57 GB). Here at most one fused weight is unquantized at a time (transformers loads one
+    weight after another while it quantizes on the fly). The seam is torch's public parameter-registration
+    hook, limited to this thread and to experts modules; nothing of transformers is patched."""
+    if quant.bits != 4:
+        yield
+        return
+    thread = threading.get_ident()
+
+    def arrived(module: torch.nn.Module, name: str, param: torch.Tensor | None) -> torch.nn.Parameter | None:
+        if threading.get_ident() != thread or not _is_expert_weight(module, param):
+            return None
+        store = getattr(module, STORE, None)
+        if store is None:
+            store = QuantizedExperts(quant)
+            setattr(module, STORE, store)
+        store.add(name, param)
+        if host:
+            store.to("cpu")
+        placeholder = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
+                                         requires_grad=False)
+        placeholder.__dict__.update(param.__dict__)  # transformers' marks (_is_hf_initialized: not re-initialized)
+        return placeholder
+
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(arrived)
+    try:
+        yield
+    finally:
+        handle.remove()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ import torch
 
 from finetune.compat import supports_sdpa
 from finetune.errors import ModelLoadError
-from finetune.model.expert_store import quantize_experts
+from finetune.model.expert_store import quantize_experts, quantize_on_arrival
 from finetune.model.family import family_of
 from finetune.model.moe import use_finetune_experts
 from finetune.model.source import resolve_model_path
@@ -93,9 +94,11 @@ def load_tokenizer(path: Path, model_cfg: ModelConfig):
     return tokenizer
 
 
-def load_model(model_cfg: ModelConfig, quant: QuantizationConfig, *, quantize: bool = True, sharded: bool = False):
+def load_model(model_cfg: ModelConfig, quant: QuantizationConfig, *, quantize: bool = True, sharded: bool = False,
+               experts_on_host: bool = False):
     """Return (model, tokenizer, local_path). `quantize=False` loads full precision (used by export);
-    `sharded`: the weights will be sharded by FSDP (see quantization_config)."""
+    `sharded`: the weights will be sharded by FSDP (see quantization_config); `experts_on_host`
+    (memory.offload_experts): a MoE model's 4-bit experts are kept in host RAM as they load."""
 
     path = resolve_model_path(model_cfg.path, model_cfg.revision)
     dtype = compute_dtype(model_cfg)
@@ -114,15 +117,18 @@ def load_model(model_cfg: ModelConfig, quant: QuantizationConfig, *, quantize: b
     if qconfig is not None:
         kwargs["quantization_config"] = qconfig
         kwargs["device_map"] = {"": _device_index()}
+    # bits 4: each fused expert weight is stored in 4 bits as it loads, so the 16-bit experts of the whole
+    # model are never on the device at once (bitsandbytes quantizes Linear layers only)
     try:
-        model = _from_pretrained(model_cfg.path, path, config, kwargs)
+        with quantize_on_arrival(quant, experts_on_host) if qconfig is not None else nullcontext():
+            model = _from_pretrained(model_cfg.path, path, config, kwargs)
     except ValueError as exc:
         raise _load_error("model", model_cfg, exc) from None
     if qconfig is None and torch.cuda.is_available():
         model.to("cuda")
     disable_cpu_4bit_repack(model)
     if use_finetune_experts(model) and qconfig is not None:
-        quantize_experts(model, quant)  # bitsandbytes leaves fused 3-D experts in 16 bits
+        quantize_experts(model, quant)  # what did not arrive through the hook; the placeholders go
     model.config.use_cache = False
     return model, load_tokenizer(path, model_cfg), path
 

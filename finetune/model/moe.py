@@ -184,10 +184,17 @@ def _expert(experts: torch.nn.Module, index: int, x: torch.Tensor) -> torch.Tens
     return out
 
 
-def routed_counts(expert_ids: torch.Tensor, num_experts: int, tokens: int, top_k: int) -> list[int]:
+def routed_counts(expert_ids: torch.Tensor, num_experts: int, tokens: int, top_k: int,
+                  every_expert: bool = False) -> list[int]:
     """Rows each expert gets (expert_ids sorted): counted (one host sync), or on `meta` the worst case the
-    router allows: top_k experts with every token each (a token picks an expert at most once)."""
+    router allows: top_k experts with every token each (a token picks an expert at most once). `every_expert`
+    (LoRA folded into the fused weights: each routed expert adds a whole-stack gradient in backward): top_k - 1
+    experts with every token and the last token slot spread over all the others, so both worst cases meet."""
     if expert_ids.is_meta:
+        if every_expert and num_experts > top_k:
+            rest = num_experts - top_k + 1
+            spread = [tokens // rest + (i < tokens % rest) for i in range(rest)]
+            return [tokens] * (top_k - 1) + spread
         return [tokens] * min(top_k, num_experts) + [0] * max(num_experts - top_k, 0)
     return torch.bincount(expert_ids, minlength=num_experts)[:num_experts].tolist()
 
@@ -200,7 +207,7 @@ def experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_in
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)
     rows = hidden_states[order // top_k]
-    counts = routed_counts(flat, self.num_experts, tokens, top_k)
+    counts = routed_counts(flat, self.num_experts, tokens, top_k, torch.nn.utils.parametrize.is_parametrized(self))
     outs, start = [], 0
     for index, count in enumerate(counts):
         if count:
@@ -269,11 +276,6 @@ def adapter_targets(model: torch.nn.Module, target_modules: str | list[str], tar
              and id(m) not in routers and n.rsplit(".", 1)[-1] in remapped]
     kept += [p for p in paths if p not in _peft_remapped(model, paths)] if paths else []
     parameters = sorted({f"{b.experts_name}.{w}" for b in blocks for w in b.weights}) if target_experts else []
-    if parameters and any(getattr(b.experts, w).is_meta for b in blocks for w in b.weights):
-        # Not a FinetuneError: a recipe with explicit memory settings still trains, without a plan.
-        raise NotImplementedError(
-            f"{key}: the planner cannot trace peft's LoRA on fused expert weights (its wrapper switches "
-            "torch.autocast off on the weights' device, and autocast has no meta device)")
     return kept, parameters
 
 

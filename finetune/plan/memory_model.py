@@ -181,8 +181,11 @@ def _batch_fixed_activations(spec: ModelSpec, settings: Settings) -> bool:
     micro-batch: gradients on their way to a trained weight as large as a layer's activations (a fully
     trained input embedding's gradient in the bottom layer's window; with tied embeddings the LM head's
     gradient waits in autograd's buffer from the head to the bottom, and the two are summed there). Then a
-    second trace at micro-batch 2 separates what scales with the batch from what does not."""
-    return settings.micro_batch_size > 1 and (spec.adapter.type == "full" or bool(spec.adapter.modules_to_save))
+    second trace at micro-batch 2 separates what scales with the batch from what does not. LoRA on fused
+    expert weights (adapter.target_experts) is such a case in forward too: peft folds the update into a copy of
+    each layer's expert stack, kept for backward, whose gradient backward makes whole."""
+    return settings.micro_batch_size > 1 and (spec.adapter.type == "full" or bool(spec.adapter.modules_to_save)
+                                              or spec.adapter.target_experts)
 
 
 def _lerp(a: float, b: float, xa: int, xb: int, x: int) -> float:

@@ -23,6 +23,7 @@ from finetune.compat import (
     TorchDispatchMode,
     engine_backward,
     flash_attention_cpu,
+    meta_on_device,
     op_schema,
     set_attn_implementation,
     storage_id,
@@ -35,7 +36,7 @@ from finetune.memory.step import enable_checkpointing, forward_backward
 from finetune.memory.tracker import MemoryTracker
 from finetune.model.adapter import apply_adapter
 from finetune.model.family import decoder_layers, in_decoder_layers
-from finetune.model.moe import EXPERT_COUNT_FIELDS, expert_weight_names, use_finetune_experts
+from finetune.model.moe import EXPERT_COUNT_FIELDS, expert_weight_names, is_experts, use_finetune_experts
 from finetune.model.source import config_location
 from finetune.plan import trace_cache
 from finetune.plan.planner import Planner, current
@@ -289,7 +290,22 @@ def _meta_model(config_json: str, model_type: str, adapter_json: str, dtype: str
         use_finetune_experts(model)
         model = apply_adapter(model, adapter, checkpointing=checkpointing)
         apply_layer_recompute(model, recompute_norms, mlp_tokens)
-        return model
+    if adapter.target_experts:
+        _expert_weights_report_cpu(model)
+    return model
+
+
+def _expert_weights_report_cpu(model: torch.nn.Module) -> None:
+    """LoRA on fused expert weights (peft's `target_parameters`) switches torch.autocast off on the weight's
+    device type while it folds the low-rank update into the weight, and autocast has no `meta` device: the
+    frozen expert weights report `cpu` (`compat.meta_on_device`: still meta, no bytes), so the trace runs
+    peft's fold (the whole updated expert stack of a layer, kept for backward) as the run does."""
+    for module in model.modules():
+        if is_experts(module):
+            for name, weight in list(module.named_parameters(recurse=False)):
+                if weight.dim() == 3 and weight.is_meta:
+                    setattr(module, name, torch.nn.Parameter(meta_on_device(weight.detach(), "cpu"),
+                                                             requires_grad=False))
 
 
 def _direct_trace(key: tuple[str, str, str, str], attn: str, micro_batch: int, seq_len: int, layers: int,

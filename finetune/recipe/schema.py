@@ -649,9 +649,14 @@ class Recipe(Section):
         if self.adapter.dtype != "fp32" and self.adapter.fp32_compute:
             raise ValueError(f"adapter.dtype={self.adapter.dtype} with adapter.fp32_compute: true: fp32 LoRA matmuls "
                              "need fp32 adapter weights; set adapter.fp32_compute: false or adapter.dtype: fp32")
+        if self.adapter.target_experts and self.adapter.type == "full":
+            raise ValueError("adapter.target_experts with adapter.type=full: a full fine-tune already trains every "
+                             "weight, the experts included; remove adapter.target_experts")
         if self.adapter.target_experts and self.adapter.type != "lora":
             raise ValueError(f"adapter.target_experts applies to adapter.type=lora, not {self.adapter.type}: peft "
-                             "adapts fused expert weights with plain LoRA only; remove adapter.target_experts")
+                             "adapts fused expert weights (target_parameters) with plain LoRA only, no DoRA; set "
+                             "adapter.type: lora, or remove adapter.target_experts (DoRA then adapts attention, "
+                             "shared experts and dense layers)")
         if self.adapter.target_experts and self.quantization.bits in (4, "auto"):
             raise ValueError(f"adapter.target_experts with quantization.bits={self.quantization.bits}: peft adapts "
                              "fused expert weights held in 16 bits, and bits 4 stores them in 4; set "

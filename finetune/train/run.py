@@ -304,7 +304,8 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     set_seed(recipe.training.seed)  # adapter initialisation is random: make it reproducible (same on all ranks)
     if base is None:
         model, tokenizer, _ = load_model(recipe.model, recipe.quantization,
-                                         sharded=several and recipe.distributed.strategy == "fsdp")
+                                         sharded=several and recipe.distributed.strategy == "fsdp",
+                                         experts_on_host=recipe.memory.offload_experts in ("cpu", "disk"))
     else:
         mismatch = base.mismatch(recipe.model, recipe.quantization)
         if mismatch is not None:
