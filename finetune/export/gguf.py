@@ -41,9 +41,22 @@ def check_exportable(config: Any) -> GGUFLayout:
         written = ", ".join(t for f in FAMILIES if f.gguf for t in f.model_types)
         raise FinetuneError(f"export --format gguf: architecture {config.model_type!r} is not written to GGUF: "
                             f"{why} (written: {written})", hint="export --format safetensors instead")
+    for attr, value in arch.fixed:
+        if getattr(config, attr, value) != value:
+            raise FinetuneError(f"export --format gguf: this {config.model_type} model has {attr}="
+                                f"{getattr(config, attr)!r}, but llama.cpp's {arch.arch.lower()} architecture "
+                                f"always computes with {value!r}", hint="export --format safetensors instead")
+    for one, other in arch.equal:
+        if getattr(config, one) != getattr(config, other):
+            raise FinetuneError(f"export --format gguf: this {config.model_type} model has {one}="
+                                f"{getattr(config, one)} and {other}={getattr(config, other)}, but llama.cpp's "
+                                f"{arch.arch.lower()} architecture assumes they are equal",
+                                hint="export --format safetensors instead")
     rope = _rope(config).get("rope_type", "default")
     if config.model_type == "gemma3_text":
         _check_gemma3(config)
+    if config.model_type == "smollm3":
+        _check_smollm3(config)
     if rope != "default" and not (rope == "linear" and config.model_type == "gemma3_text"):
         raise FinetuneError(f"export --format gguf: rope scaling {rope!r} ({config.model_type}) is not written "
                             "to GGUF yet (it needs llama.cpp's extra rope tensors)",
@@ -69,10 +82,10 @@ def write_gguf(model: Any, tokenizer: Any, path: Path, *, qtype: str = "f16", na
     writer.add_name(name)
     writer.add_file_type(gguf.LlamaFileType[FILE_TYPES[qtype]])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    _add_hyperparameters(writer, config)
+    _add_hyperparameters(writer, config, arch)
     add_vocab(writer, vocab)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.arch], config.num_hidden_layers)
-    for hf_name, tensor in model.state_dict().items():
+    for hf_name, data in _tensors(model):
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # a tied head is the embedding; readers infer the tie from output.weight's absence
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -80,8 +93,7 @@ def write_gguf(model: Any, tokenizer: Any, path: Path, *, qtype: str = "f16", na
             raise FinetuneError(f"export --format gguf: tensor {hf_name} has no place in llama.cpp's "
                                 f"{arch.arch.lower()} architecture" + (" (its output head is always tied to the "
                                 "embedding)" if hf_name == "lm_head.weight" else ""))
-        data = _layout(arch, config, hf_name, tensor.detach().float().cpu().numpy())
-        writer.add_tensor(gguf_name, *_encode(data, qtype))
+        writer.add_tensor(gguf_name, *_encode(_layout(arch, config, hf_name, data), qtype))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -111,11 +123,46 @@ def _check_gemma3(config: Any) -> None:
                             f"{GEMMA3_LOCAL_ROPE_BASE:g}", hint="export --format safetensors instead")
 
 
+# llama.cpp's smollm3 leaves rotary position out of every fourth layer, whatever the config says.
+SMOLLM3_NO_ROPE_STEP = 4
+
+
+def _check_smollm3(config: Any) -> None:
+    """Refuse a SmolLM3 whose layers without rotary position, or whose sliding window, llama.cpp would not
+    reproduce."""
+    pattern = [int((i + 1) % SMOLLM3_NO_ROPE_STEP != 0) for i in range(config.num_hidden_layers)]
+    if list(config.no_rope_layers) != pattern or config.use_sliding_window:
+        raise FinetuneError("export --format gguf: this SmolLM3's layers without rotary position (or its sliding "
+                            "window) differ from llama.cpp's (rotary position left out of every fourth layer, no "
+                            "sliding window)", hint="export --format safetensors instead")
+
+
 def _head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _add_hyperparameters(writer: Any, config: Any) -> None:
+def _tensors(model: Any) -> Any:
+    """(name, float32 array) of every weight, as llama.cpp's converter names them: transformers' fused 3-D
+    expert parameters (`experts.gate_up_proj` [experts, 2 x ff, hidden], gate rows first, and
+    `experts.down_proj` [experts, hidden, ff], both without a .weight suffix) become the stacked per-projection
+    weights `experts.{gate,up,down}_proj.weight` that map to llama.cpp's ffn_{gate,up,down}_exps."""
+    for name, tensor in model.state_dict().items():
+        data = tensor.detach().float().cpu().numpy()
+        if name.endswith("experts.gate_up_proj"):
+            half = data.shape[-2] // 2
+            yield name.removesuffix("gate_up_proj") + "gate_proj.weight", data[..., :half, :]
+            yield name.removesuffix("gate_up_proj") + "up_proj.weight", data[..., half:, :]
+        elif name.endswith((".weight", ".bias")):
+            yield name, data
+        else:
+            yield f"{name}.weight", data
+
+
+def _first(config: Any, *attrs: str) -> Any:
+    return next((v for a in attrs if (v := getattr(config, a, None)) is not None), None)
+
+
+def _add_hyperparameters(writer: Any, config: Any, arch: GGUFLayout) -> None:
     head_dim = _head_dim(config)
     writer.add_vocab_size(config.vocab_size)
     writer.add_context_length(config.max_position_embeddings)
@@ -141,6 +188,14 @@ def _add_hyperparameters(writer: Any, config: Any) -> None:
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
     if getattr(config, "final_logit_softcapping", None):
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if experts := _first(config, "num_local_experts", "num_experts", "n_routed_experts"):
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+    if expert_ff := getattr(config, "moe_intermediate_size", None):
+        writer.add_expert_feed_forward_length(expert_ff)
+    for method, attr in arch.keys:
+        if (value := getattr(config, attr, None)) is not None:
+            getattr(writer, method)(value)
 
 
 def _layout(arch: GGUFLayout, config: Any, hf_name: str, data: Any) -> Any:

@@ -34,6 +34,13 @@ class GGUFLayout:
     arch: str  # gguf.MODEL_ARCH member name
     permute_qk: bool = False  # llama.cpp's rotary layout for Llama-family q/k projections
     norm_plus_one: bool = False  # Gemma: RMSNorm scales by (1 + weight); GGUF stores the sum
+    # Config values llama.cpp hard-codes for this architecture: (config attribute, the value llama.cpp assumes).
+    # A model whose config differs is refused naming the attribute (its GGUF would compute something else).
+    fixed: tuple[tuple[str, Any], ...] = ()
+    # Config attributes llama.cpp assumes equal for this architecture (OLMoE: no grouped-query attention).
+    equal: tuple[tuple[str, str], ...] = ()
+    # Extra metadata: (gguf.GGUFWriter method, config attribute), written where the config sets the attribute.
+    keys: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -91,20 +98,25 @@ FAMILIES: tuple[Family, ...] = (
     Family("Phi-3 / Phi-4", ("phi3",), "Phi-3-mini/medium, Phi-3.5-mini, Phi-4, Phi-4-mini",
            "full attention, fused qkv and gate/up projections", gguf=GGUFLayout("PHI3")),
     Family("SmolLM3", ("smollm3",), "SmolLM3-3B", "full attention, rotary left out every fourth layer",
-           no_gguf=_NO_GGUF_CHECK),
+           gguf=GGUFLayout("SMOLLM3", permute_qk=True)),
     Family("OLMo 2", ("olmo2",), "OLMo-2-1B/7B/13B", "full attention, norms after attention and MLP, q/k norms",
-           no_gguf=_NO_GGUF_CHECK),
+           gguf=GGUFLayout("OLMO2")),
     Family("Granite", ("granite",), "granite-3.x-2b/8b", "full attention, scaled embeddings, residuals and logits",
-           no_gguf=_NO_GGUF_CHECK),
+           gguf=GGUFLayout("GRANITE", permute_qk=True, keys=(
+               ("add_attention_scale", "attention_multiplier"), ("add_embedding_scale", "embedding_multiplier"),
+               ("add_residual_scale", "residual_multiplier"), ("add_logit_scale", "logits_scaling")))),
     Family("LFM2", ("lfm2",), "LFM2-350M/700M/1.2B/2.6B", "hybrid: short gated convolutions and full attention "
            "layers", no_gguf="its convolution layers need llama.cpp's shortconv keys and per-layer KV head counts, "
            "which this writer does not write yet"),
     Family("Qwen3-MoE", ("qwen3_moe",), "Qwen3-30B-A3B, Qwen3-235B-A22B", "full attention with q/k norms; "
-           "routed experts (128, top-8)", no_gguf=_NO_GGUF_MOE, experts=_MOE, methods=_MOE_METHODS),
+           "routed experts (128, top-8)", experts=_MOE,
+           gguf=GGUFLayout("QWEN3MOE", fixed=(("norm_topk_prob", True), ("decoder_sparse_step", 1),
+                                              ("mlp_only_layers", []))), methods=_MOE_METHODS),
     Family("Mixtral", ("mixtral",), "Mixtral-8x7B, Mixtral-8x22B", "full attention; routed experts (8, top-2)",
-           no_gguf=_NO_GGUF_MOE, experts=_MOE, methods=_MOE_METHODS),
+           gguf=GGUFLayout("LLAMA", permute_qk=True), experts=_MOE, methods=_MOE_METHODS),
     Family("OLMoE", ("olmoe",), "OLMoE-1B-7B", "full attention with q/k norms; routed experts (64, top-8)",
-           no_gguf=_NO_GGUF_MOE, experts=_MOE, methods=_MOE_METHODS),
+           gguf=GGUFLayout("OLMOE", fixed=(("norm_topk_prob", False), ("clip_qkv", None)),
+                           equal=(("num_key_value_heads", "num_attention_heads"),)), experts=_MOE, methods=_MOE_METHODS),
     Family("gpt-oss", ("gpt_oss",), "gpt-oss-20b, gpt-oss-120b", "sliding-window and full attention, "
            "alternating, with attention sinks; routed experts (32/128, top-4)", no_gguf=_NO_GGUF_MOE,
            experts=_MOE, methods=_MOE_METHODS),
