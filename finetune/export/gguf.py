@@ -39,16 +39,16 @@ def check_exportable(config: Any) -> GGUFLayout:
     if arch is None:
         why = family.no_gguf if family is not None else "no model family describes it"
         written = ", ".join(t for f in FAMILIES if f.gguf for t in f.model_types)
-        raise FinetuneError(f"export --format gguf: architecture {config.model_type!r} is not written to GGUF: "
+        raise UsageError(f"export --format gguf: architecture {config.model_type!r} is not written to GGUF: "
                             f"{why} (written: {written})", hint="export --format safetensors instead")
     for attr, value in arch.fixed:
         if getattr(config, attr, value) != value:
-            raise FinetuneError(f"export --format gguf: this {config.model_type} model has {attr}="
+            raise UsageError(f"export --format gguf: this {config.model_type} model has {attr}="
                                 f"{getattr(config, attr)!r}, but llama.cpp's {arch.arch.lower()} architecture "
                                 f"always computes with {value!r}", hint="export --format safetensors instead")
     for one, other in arch.equal:
         if getattr(config, one) != getattr(config, other):
-            raise FinetuneError(f"export --format gguf: this {config.model_type} model has {one}="
+            raise UsageError(f"export --format gguf: this {config.model_type} model has {one}="
                                 f"{getattr(config, one)} and {other}={getattr(config, other)}, but llama.cpp's "
                                 f"{arch.arch.lower()} architecture assumes they are equal",
                                 hint="export --format safetensors instead")
@@ -58,11 +58,11 @@ def check_exportable(config: Any) -> GGUFLayout:
     if config.model_type == "smollm3":
         _check_smollm3(config)
     if rope != "default" and not (rope == "linear" and config.model_type == "gemma3_text"):
-        raise FinetuneError(f"export --format gguf: rope scaling {rope!r} ({config.model_type}) is not written "
+        raise UsageError(f"export --format gguf: rope scaling {rope!r} ({config.model_type}) is not written "
                             "to GGUF yet (it needs llama.cpp's extra rope tensors)",
                             hint=CONVERT_HINT)
     if getattr(config, "query_pre_attn_scalar", None) not in (None, _head_dim(config)):
-        raise FinetuneError(f"export --format gguf: query_pre_attn_scalar {config.query_pre_attn_scalar} differs "
+        raise UsageError(f"export --format gguf: query_pre_attn_scalar {config.query_pre_attn_scalar} differs "
                             f"from head_dim {_head_dim(config)}; llama.cpp scales attention by head_dim")
     return arch
 
@@ -115,11 +115,11 @@ def _check_gemma3(config: Any) -> None:
     """Refuse a Gemma 3 whose layer pattern or local rotary base llama.cpp would not reproduce."""
     pattern = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(config.num_hidden_layers)]
     if list(config.layer_types) != pattern:
-        raise FinetuneError("export --format gguf: this Gemma 3's sliding-window layers differ from llama.cpp's "
+        raise UsageError("export --format gguf: this Gemma 3's sliding-window layers differ from llama.cpp's "
                             "(five sliding-window layers, then a global one)", hint="export --format safetensors instead")
     local = (config.rope_parameters.get("sliding_attention") or {}).get("rope_theta", GEMMA3_LOCAL_ROPE_BASE)
     if local != GEMMA3_LOCAL_ROPE_BASE:
-        raise FinetuneError(f"export --format gguf: Gemma 3 local rotary base {local} differs from llama.cpp's "
+        raise UsageError(f"export --format gguf: Gemma 3 local rotary base {local} differs from llama.cpp's "
                             f"{GEMMA3_LOCAL_ROPE_BASE:g}", hint="export --format safetensors instead")
 
 
@@ -132,7 +132,7 @@ def _check_smollm3(config: Any) -> None:
     reproduce."""
     pattern = [int((i + 1) % SMOLLM3_NO_ROPE_STEP != 0) for i in range(config.num_hidden_layers)]
     if list(config.no_rope_layers) != pattern or config.use_sliding_window:
-        raise FinetuneError("export --format gguf: this SmolLM3's layers without rotary position (or its sliding "
+        raise UsageError("export --format gguf: this SmolLM3's layers without rotary position (or its sliding "
                             "window) differ from llama.cpp's (rotary position left out of every fourth layer, no "
                             "sliding window)", hint="export --format safetensors instead")
 

@@ -67,12 +67,9 @@ class Family:
         return self.experts is not None
 
 
-_NO_GGUF_CHECK = "transformers cannot read it back, so its GGUF layout is not verified here yet"
 # Mixture-of-experts families: their expert block through finetune/model/moe.py (docs/moe.md).
 _MOE = "finetune.model.moe:moe_block_of"
 _MOE_METHODS = ("QLoRA", "LoRA")  # the ones tests/test_moe.py trains (4-bit experts, LoRA beside frozen experts)
-_NO_GGUF_MOE = ("its fused 3-D expert weights are not split into llama.cpp's per-projection expert tensors yet "
-                "(convert the merged safetensors export with llama.cpp's convert_hf_to_gguf.py)")
 
 FAMILIES: tuple[Family, ...] = (
     Family("Llama 3.x", ("llama",), "Llama-3.1-8B, Llama-3.2-1B/3B, Llama-3.3-70B", "full attention",
@@ -85,7 +82,8 @@ FAMILIES: tuple[Family, ...] = (
            gguf=GGUFLayout("QWEN2")),
     Family("Qwen3", ("qwen3",), "Qwen3-0.6B ... 32B", "full attention with q/k norms", gguf=GGUFLayout("QWEN3")),
     Family("Qwen3.5", ("qwen3_5_text", "qwen3_5"), "Qwen3.5 (its text model; the vision tower is not loaded)",
-           "gated linear attention (Gated DeltaNet) and full attention layers", no_gguf=_NO_GGUF_CHECK,
+           "gated linear attention (Gated DeltaNet) and full attention layers", no_gguf="its Gated DeltaNet layers "
+           "(state, convolution and gate tensors) are not written in llama.cpp's qwen35 layout yet",
            text_of_vision=True),
     Family("Gemma 2", ("gemma2",), "gemma-2-2b/9b/27b", "sliding-window and full attention, alternating; soft-capped "
            "logits", gguf=GGUFLayout("GEMMA2", norm_plus_one=True)),
@@ -106,8 +104,8 @@ FAMILIES: tuple[Family, ...] = (
                ("add_attention_scale", "attention_multiplier"), ("add_embedding_scale", "embedding_multiplier"),
                ("add_residual_scale", "residual_multiplier"), ("add_logit_scale", "logits_scaling")))),
     Family("LFM2", ("lfm2",), "LFM2-350M/700M/1.2B/2.6B", "hybrid: short gated convolutions and full attention "
-           "layers", no_gguf="its convolution layers need llama.cpp's shortconv keys and per-layer KV head counts, "
-           "which this writer does not write yet"),
+           "layers", no_gguf="a file in llama.cpp's lfm2 layout gave other logits in llama.cpp than the model (transformers "
+           "read it back exactly), so it is not written until that layout is verified"),
     Family("Qwen3-MoE", ("qwen3_moe",), "Qwen3-30B-A3B, Qwen3-235B-A22B", "full attention with q/k norms; "
            "routed experts (128, top-8)", experts=_MOE,
            gguf=GGUFLayout("QWEN3MOE", fixed=(("norm_topk_prob", True), ("decoder_sparse_step", 1),
@@ -118,13 +116,16 @@ FAMILIES: tuple[Family, ...] = (
            gguf=GGUFLayout("OLMOE", fixed=(("norm_topk_prob", False), ("clip_qkv", None)),
                            equal=(("num_key_value_heads", "num_attention_heads"),)), experts=_MOE, methods=_MOE_METHODS),
     Family("gpt-oss", ("gpt_oss",), "gpt-oss-20b, gpt-oss-120b", "sliding-window and full attention, "
-           "alternating, with attention sinks; routed experts (32/128, top-4)", no_gguf=_NO_GGUF_MOE,
+           "alternating, with attention sinks; routed experts (32/128, top-4)", no_gguf="its interleaved expert "
+           "gate/up weights, expert biases and attention sinks are not written in llama.cpp's gpt-oss layout yet",
            experts=_MOE, methods=_MOE_METHODS),
     Family("DeepSeek-V2/V3", ("deepseek_v2", "deepseek_v3"), "DeepSeek-V2-Lite, DeepSeek-V3-style models",
            "multi-head latent attention (compressed KV); routed and shared experts after dense first layers",
-           no_gguf=_NO_GGUF_MOE, experts=_MOE, methods=_MOE_METHODS),
+           no_gguf="its latent attention's kv_b_proj is not yet split into the per-head k_b/v_b tensors of "
+           "llama.cpp's deepseek2 layout", experts=_MOE, methods=_MOE_METHODS),
     Family("GLM-4-MoE", ("glm4_moe",), "GLM-4.5-Air, GLM-4.5", "full attention; routed and shared experts "
-           "after a dense first layer", no_gguf=_NO_GGUF_MOE, experts=_MOE, methods=_MOE_METHODS),
+           "after a dense first layer", no_gguf="its shared experts, expert score correction bias and partial "
+           "rotary are not written in llama.cpp's glm4moe layout yet", experts=_MOE, methods=_MOE_METHODS),
 )
 
 # model_types of vision-language configs: refused with their own line (their text part is not split off yet).

@@ -1,0 +1,193 @@
+"""GGUF export of the mixture-of-experts families (Qwen3-MoE, Mixtral, OLMoE: transformers' fused 3-D experts
+split into llama.cpp's stacked per-projection tensors) and of OLMo 2, Granite and SmolLM3.
+
+Each file is checked against its source model: every tensor by name, shape and value in the layout llama.cpp's
+convert_hf_to_gguf.py gives it, the metadata keys llama.cpp's loader reads for the architecture, transformers'
+read-back where transformers reads the architecture (Qwen3-MoE), and llama.cpp's own logits where its library
+(the llama-cpp-py-sync wheel) loads on this machine. What llama.cpp hard-codes and a config contradicts is
+refused in one line, nothing written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from finetune.errors import FinetuneError
+from finetune.export.gguf import write_gguf
+from finetune.recipe.families import family_for
+from finetune.testing import make_tiny_model_dir
+
+TEXT = "What is the capital of France? The capital of France is Paris. 0123456789 {}"
+# model_type: (GGUF architecture, the tiny model as the real checkpoints are, keys llama.cpp reads for it)
+WRITTEN = {
+    "qwen3_moe": ("qwen3moe", {"norm_topk_prob": True}, ("expert_count", "expert_used_count",
+                                                          "expert_feed_forward_length")),
+    "mixtral": ("llama", {}, ("expert_count", "expert_used_count")),
+    "olmoe": ("olmoe", {"num_key_value_heads": 4}, ("expert_count", "expert_used_count")),
+    "olmo2": ("olmo2", {}, ()),
+    "granite": ("granite", {"attention_multiplier": 0.25, "embedding_multiplier": 12.0, "residual_multiplier": 0.5,
+                            "logits_scaling": 4.0}, ("attention.scale", "embedding_scale", "residual_scale",
+                                                     "logit_scale")),
+    "smollm3": ("smollm3", {}, ()),
+}
+COMMON_KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
+               "attention.head_count_kv", "attention.layer_norm_rms_epsilon", "rope.freq_base")
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> dict:
+    """model_type -> (source model, tokenizer, f32 GGUF path)."""
+    folder = tmp_path_factory.mktemp("families")
+    result = {}
+    for arch, (_, overrides, _) in WRITTEN.items():
+        model_dir = make_tiny_model_dir(folder / arch, arch, **overrides)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        result[arch] = model, tokenizer, write_gguf(model, tokenizer, folder / f"{arch}.gguf", qtype="f32")
+    return result
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute: each head's rotary halves as interleaved pairs."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _expected_tensors(model) -> dict[str, np.ndarray]:
+    """The GGUF tensors llama.cpp's converter makes from this model, by name (numpy shapes, GGML's reversed)."""
+    config = model.config
+    arch = family_for(config.model_type).gguf
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.arch], config.num_hidden_layers)
+    expected = {}
+    for name, tensor in model.state_dict().items():
+        data = tensor.float().numpy()
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if name.endswith("experts.gate_up_proj"):  # [experts, 2 x ff, hidden]: gate rows, then up rows
+            layer = name.split(".")[2]
+            ff = data.shape[1] // 2
+            expected[f"blk.{layer}.ffn_gate_exps.weight"] = data[:, :ff]
+            expected[f"blk.{layer}.ffn_up_exps.weight"] = data[:, ff:]
+            continue
+        if name.endswith("experts.down_proj"):
+            expected[f"blk.{name.split('.')[2]}.ffn_down_exps.weight"] = data
+            continue
+        if arch.permute_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
+            data = _permute(data, config.num_attention_heads if "q_proj" in name else config.num_key_value_heads)
+        expected[names.get_name(name, try_suffixes=(".weight", ".bias"))] = data
+    return expected
+
+
+@pytest.mark.parametrize("arch", list(WRITTEN))
+def test_every_tensor_is_in_llama_cpp_layout_with_the_source_values(exported, arch):
+    model, _, path = exported[arch]
+    reader = gguf.GGUFReader(path)
+    got = {t.name: np.asarray(t.data) for t in reader.tensors}
+    expected = _expected_tensors(model)
+    assert sorted(got) == sorted(expected)
+    for name, data in expected.items():
+        assert got[name].shape == data.shape, name
+        np.testing.assert_array_equal(got[name], data.astype(np.float32), err_msg=name)
+    if family_for(arch).moe:
+        experts = model.config.num_local_experts if arch == "mixtral" else model.config.num_experts
+        assert got["blk.0.ffn_gate_exps.weight"].shape[0] == experts  # stacked [experts, ff, hidden]
+
+
+@pytest.mark.parametrize("arch", list(WRITTEN))
+def test_the_metadata_llama_cpp_reads_is_the_configs(exported, arch):
+    model, _, path = exported[arch]
+    config = model.config
+    name, _, extra = WRITTEN[arch]
+    fields = gguf.GGUFReader(path).fields
+    assert fields["general.architecture"].contents() == name
+    missing = [k for k in (*COMMON_KEYS, *extra) if f"{name}.{k}" not in fields]
+    assert not missing, missing
+    value = {k: fields[f"{name}.{k}"].contents() for k in (*COMMON_KEYS, *extra)}
+    assert value["block_count"] == config.num_hidden_layers
+    assert value["attention.head_count_kv"] == config.num_key_value_heads
+    if family_for(arch).moe:
+        assert value["expert_used_count"] == config.num_experts_per_tok
+        if arch == "qwen3_moe":
+            assert value["expert_feed_forward_length"] == config.moe_intermediate_size
+    if arch == "granite":
+        assert (value["attention.scale"], value["embedding_scale"], value["residual_scale"],
+                value["logit_scale"]) == (0.25, 12.0, 0.5, 4.0)
+
+
+def test_qwen3_moe_reads_back_into_transformers_with_equal_logits(tmp_path):
+    """transformers' reader does not read the expert width back (llama.cpp does, from expert_feed_forward_length)
+    and builds Qwen3MoeConfig's default, 768: the model here has that width."""
+    model_dir = make_tiny_model_dir(tmp_path / "model", "qwen3_moe", norm_topk_prob=True, moe_intermediate_size=768)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    path = write_gguf(model, tokenizer, tmp_path / "m.gguf", qtype="f32")
+    loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    ids = tokenizer(TEXT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def _llama_cpp():
+    """llama.cpp's library through the llama-cpp-py-sync wheel, or the reason it does not load here."""
+    try:
+        from llama_cpp_py_sync import Llama
+        from llama_cpp_py_sync._cffi_bindings import get_lib
+        get_lib()
+    except (ImportError, RuntimeError, OSError) as exc:
+        return None, f"llama.cpp's library does not load here ({str(exc)[:160]})"
+    return Llama, ""
+
+
+def _llama_cpp_logits(llama_class, path: Path, ids: list[int]) -> np.ndarray:
+    """Every position's logits as llama.cpp computes them from the file (f32 KV cache)."""
+    llm = llama_class(str(path), n_ctx=128, n_batch=128, n_threads=1, type_k="f32", type_v="f32")
+    lib, ffi = llm._lib, llm._ffi
+    batch = lib.llama_batch_init(len(ids), 0, 1)
+    try:
+        batch.n_tokens = len(ids)
+        for i, token in enumerate(ids):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, i, 1, 1
+            batch.seq_id[i][0] = 0
+        assert lib.llama_decode(llm._ctx, batch) == 0
+        return np.stack([np.frombuffer(ffi.buffer(lib.llama_get_logits_ith(llm._ctx, i), 4 * llm.n_vocab),
+                                       dtype=np.float32).copy() for i in range(len(ids))])
+    finally:
+        lib.llama_batch_free(batch)
+        llm.close()
+
+
+@pytest.mark.parametrize("arch", list(WRITTEN))
+def test_llama_cpp_computes_the_models_logits_from_the_file(exported, arch):
+    """The real consumer: llama.cpp loads the file, tokenizes as the tokenizer does and gives the same logits."""
+    llama_class, why = _llama_cpp()
+    if llama_class is None:
+        pytest.skip(why)
+    model, tokenizer, path = exported[arch]
+    ids = tokenizer(TEXT).input_ids
+    with torch.no_grad():
+        reference = model(input_ids=torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(_llama_cpp_logits(llama_class, path, ids), reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("arch", "overrides", "message"), [
+    ("qwen3_moe", {"norm_topk_prob": False}, "norm_topk_prob=False, but llama.cpp's qwen3moe architecture "
+                                              "always computes with True"),
+    ("olmoe", {}, "num_key_value_heads=2 and num_attention_heads=4, but llama.cpp's olmoe architecture assumes"),
+    ("smollm3", {"no_rope_layers": [1, 0]}, "layers without rotary position .* differ from llama.cpp's"),
+    ("gpt_oss", {}, "'gpt_oss' is not written to GGUF: its interleaved expert gate/up weights"),
+    ("deepseek_v3", {}, "'deepseek_v3' is not written to GGUF: its latent attention's kv_b_proj"),
+    ("glm4_moe", {}, "'glm4_moe' is not written to GGUF: its shared experts"),
+    ("lfm2", {}, "'lfm2' is not written to GGUF: a file in llama.cpp's lfm2 layout gave other logits"),
+], ids=["qwen3moe-unnormalized-routing", "olmoe-grouped-query", "smollm3-rope-pattern", "gpt-oss", "deepseek",
+        "glm4-moe", "lfm2"])
+def test_what_llama_cpp_would_compute_otherwise_is_refused_in_one_line(tmp_path, arch, overrides, message):
+    model_dir = make_tiny_model_dir(tmp_path / arch, arch, **overrides)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with pytest.raises(FinetuneError, match=message) as err:
+        write_gguf(model, AutoTokenizer.from_pretrained(model_dir), tmp_path / "m.gguf")
+    assert "\n" not in err.value.message and err.value.exit_code == 2
+    assert not (tmp_path / "m.gguf").exists()
