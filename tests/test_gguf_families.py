@@ -34,6 +34,9 @@ WRITTEN = {
                             "logits_scaling": 4.0}, ("attention.scale", "embedding_scale", "residual_scale",
                                                      "logit_scale")),
     "smollm3": ("smollm3", {}, ()),
+    # LFM2 as its checkpoints are: the MLP width rounded from the config's by LFM2's own rule (192 -> 128)
+    "lfm2": ("lfm2", {"block_auto_adjust_ff_dim": True, "intermediate_size": 192, "block_multiple_of": 32},
+             ("shortconv.l_cache",)),
 }
 COMMON_KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
                "attention.head_count_kv", "attention.layer_norm_rms_epsilon", "rope.freq_base")
@@ -76,6 +79,8 @@ def _expected_tensors(model) -> dict[str, np.ndarray]:
         if name.endswith("experts.down_proj"):
             expected[f"blk.{name.split('.')[2]}.ffn_down_exps.weight"] = data
             continue
+        if name.endswith("conv.conv.weight"):  # LFM2's [channels, 1, width] convolution: squeezed to 2-D
+            data = data[:, 0]
         if arch.permute_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             data = _permute(data, config.num_attention_heads if "q_proj" in name else config.num_key_value_heads)
         expected[names.get_name(name, try_suffixes=(".weight", ".bias"))] = data
@@ -108,20 +113,29 @@ def test_the_metadata_llama_cpp_reads_is_the_configs(exported, arch):
     assert not missing, missing
     value = {k: fields[f"{name}.{k}"].contents() for k in (*COMMON_KEYS, *extra)}
     assert value["block_count"] == config.num_hidden_layers
-    assert value["attention.head_count_kv"] == config.num_key_value_heads
+    # LFM2: llama.cpp tells its convolution layers by their zero KV heads
+    assert value["attention.head_count_kv"] == ([0, config.num_key_value_heads] if arch == "lfm2"
+                                                else config.num_key_value_heads)
     if family_for(arch).moe:
         assert value["expert_used_count"] == config.num_experts_per_tok
         if arch == "qwen3_moe":
             assert value["expert_feed_forward_length"] == config.moe_intermediate_size
+    if not family_for(arch).moe:  # the width the MLP weights have
+        gate = "feed_forward.w1" if arch == "lfm2" else "mlp.gate_proj"
+        assert value["feed_forward_length"] == model.get_parameter(f"model.layers.0.{gate}.weight").shape[0]
     if arch == "granite":
         assert (value["attention.scale"], value["embedding_scale"], value["residual_scale"],
                 value["logit_scale"]) == (0.25, 12.0, 0.5, 4.0)
 
 
-def test_qwen3_moe_reads_back_into_transformers_with_equal_logits(tmp_path):
-    """transformers' reader does not read the expert width back (llama.cpp does, from expert_feed_forward_length)
-    and builds Qwen3MoeConfig's default, 768: the model here has that width."""
-    model_dir = make_tiny_model_dir(tmp_path / "model", "qwen3_moe", norm_topk_prob=True, moe_intermediate_size=768)
+# transformers' reader does not read Qwen3-MoE's expert width back (llama.cpp does, from
+# expert_feed_forward_length) and builds Qwen3MoeConfig's default, 768: that model has that width.
+READ_BACK = {"qwen3_moe": {"norm_topk_prob": True, "moe_intermediate_size": 768}, "lfm2": WRITTEN["lfm2"][1]}
+
+
+@pytest.mark.parametrize("arch", list(READ_BACK))
+def test_what_transformers_reads_back_has_equal_logits(tmp_path, arch):
+    model_dir = make_tiny_model_dir(tmp_path / "model", arch, **READ_BACK[arch])
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     path = write_gguf(model, tokenizer, tmp_path / "m.gguf", qtype="f32")
@@ -143,20 +157,30 @@ def _llama_cpp():
 
 
 def _llama_cpp_logits(llama_class, path: Path, ids: list[int]) -> np.ndarray:
-    """Every position's logits as llama.cpp computes them from the file (f32 KV cache)."""
-    llm = llama_class(str(path), n_ctx=128, n_batch=128, n_threads=1, type_k="f32", type_v="f32")
+    """Every position's logits as llama.cpp computes them from the file, in a context of llama.cpp's own with an
+    f32 KV cache and no embeddings output (the wheel's context keeps embeddings, and LFM2's graph then makes no
+    logits)."""
+    llm = llama_class(str(path), n_ctx=128, n_batch=128, n_threads=1)
     lib, ffi = llm._lib, llm._ffi
+    params = lib.llama_context_default_params()
+    params.n_ctx = params.n_batch = params.n_ubatch = 128
+    params.n_threads = params.n_threads_batch = 1
+    params.type_k = params.type_v = 0  # GGML_TYPE_F32
+    params.embeddings = False
+    params.flash_attn_type = 0  # off: its CPU kernel rounds through f16
+    ctx = lib.llama_init_from_model(llm._model, params)
     batch = lib.llama_batch_init(len(ids), 0, 1)
     try:
         batch.n_tokens = len(ids)
         for i, token in enumerate(ids):
             batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, i, 1, 1
             batch.seq_id[i][0] = 0
-        assert lib.llama_decode(llm._ctx, batch) == 0
-        return np.stack([np.frombuffer(ffi.buffer(lib.llama_get_logits_ith(llm._ctx, i), 4 * llm.n_vocab),
+        assert lib.llama_decode(ctx, batch) == 0
+        return np.stack([np.frombuffer(ffi.buffer(lib.llama_get_logits_ith(ctx, i), 4 * llm.n_vocab),
                                        dtype=np.float32).copy() for i in range(len(ids))])
     finally:
         lib.llama_batch_free(batch)
+        lib.llama_free(ctx)
         llm.close()
 
 
@@ -181,9 +205,8 @@ def test_llama_cpp_computes_the_models_logits_from_the_file(exported, arch):
     ("gpt_oss", {}, "'gpt_oss' is not written to GGUF: its interleaved expert gate/up weights"),
     ("deepseek_v3", {}, "'deepseek_v3' is not written to GGUF: its latent attention's kv_b_proj"),
     ("glm4_moe", {}, "'glm4_moe' is not written to GGUF: its shared experts"),
-    ("lfm2", {}, "'lfm2' is not written to GGUF: a file in llama.cpp's lfm2 layout gave other logits"),
 ], ids=["qwen3moe-unnormalized-routing", "olmoe-grouped-query", "smollm3-rope-pattern", "gpt-oss", "deepseek",
-        "glm4-moe", "lfm2"])
+        "glm4-moe"])
 def test_what_llama_cpp_would_compute_otherwise_is_refused_in_one_line(tmp_path, arch, overrides, message):
     model_dir = make_tiny_model_dir(tmp_path / arch, arch, **overrides)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -158,6 +158,16 @@ def _tensors(model: Any) -> Any:
             yield f"{name}.weight", data
 
 
+def _feed_forward_length(config: Any) -> int:
+    """The MLP width the weights have: LFM2's config may give it before its own rounding rule."""
+    if not getattr(config, "block_auto_adjust_ff_dim", False):
+        return config.intermediate_size
+    width = int(2 * config.intermediate_size / 3)
+    if config.block_ffn_dim_multiplier is not None:
+        width = int(config.block_ffn_dim_multiplier * width)
+    return config.block_multiple_of * -(-width // config.block_multiple_of)
+
+
 def _first(config: Any, *attrs: str) -> Any:
     return next((v for a in attrs if (v := getattr(config, a, None)) is not None), None)
 
@@ -168,9 +178,12 @@ def _add_hyperparameters(writer: Any, config: Any, arch: GGUFLayout) -> None:
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_feed_forward_length(_feed_forward_length(config))
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    kinds = getattr(config, "layer_types", None) or []
+    # LFM2: llama.cpp tells its convolution layers by their zero KV heads
+    writer.add_head_count_kv([0 if kind == "conv" else config.num_key_value_heads for kind in kinds]
+                             if "conv" in kinds else config.num_key_value_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(int(head_dim * (getattr(config, "partial_rotary_factor", None) or 1.0)))
@@ -181,7 +194,7 @@ def _add_hyperparameters(writer: Any, config: Any, arch: GGUFLayout) -> None:
 
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_layer_norm_rms_eps(_first(config, "rms_norm_eps", "norm_eps"))
     if getattr(config, "sliding_window", None):
         writer.add_sliding_window(config.sliding_window)
     if getattr(config, "attn_logit_softcapping", None):
@@ -207,6 +220,8 @@ def _layout(arch: GGUFLayout, config: Any, hf_name: str, data: Any) -> Any:
                 .swapaxes(1, 2).reshape(data.shape))
     if arch.norm_plus_one and hf_name.endswith("norm.weight"):
         return data + 1
+    if hf_name.endswith("conv.conv.weight"):  # LFM2's depthwise convolution [channels, 1, width]: 2-D in llama.cpp
+        return data[:, 0]
     return data
 
 

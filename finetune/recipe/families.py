@@ -104,8 +104,8 @@ FAMILIES: tuple[Family, ...] = (
                ("add_attention_scale", "attention_multiplier"), ("add_embedding_scale", "embedding_multiplier"),
                ("add_residual_scale", "residual_multiplier"), ("add_logit_scale", "logits_scaling")))),
     Family("LFM2", ("lfm2",), "LFM2-350M/700M/1.2B/2.6B", "hybrid: short gated convolutions and full attention "
-           "layers", no_gguf="a file in llama.cpp's lfm2 layout gave other logits in llama.cpp than the model (transformers "
-           "read it back exactly), so it is not written until that layout is verified"),
+           "layers", gguf=GGUFLayout("LFM2", fixed=(("conv_bias", False),),
+                                                   keys=(("add_shortconv_l_cache", "conv_L_cache"),))),
     Family("Qwen3-MoE", ("qwen3_moe",), "Qwen3-30B-A3B, Qwen3-235B-A22B", "full attention with q/k norms; "
            "routed experts (128, top-8)", experts=_MOE,
            gguf=GGUFLayout("QWEN3MOE", fixed=(("norm_topk_prob", True), ("decoder_sparse_step", 1),
