@@ -34,6 +34,8 @@ WRITTEN = {
                             "logits_scaling": 4.0}, ("attention.scale", "embedding_scale", "residual_scale",
                                                      "logit_scale")),
     "smollm3": ("smollm3", {}, ()),
+    # Ministral-8B's window is its whole context (32768 of 32768): llama.cpp's llama computes the same
+    "ministral": ("llama", {"sliding_window": 2048}, ()),
     # LFM2 as its checkpoints are: the MLP width rounded from the config's by LFM2's own rule (192 -> 128)
     "lfm2": ("lfm2", {"block_auto_adjust_ff_dim": True, "intermediate_size": 192, "block_multiple_of": 32},
              ("shortconv.l_cache",)),
@@ -202,10 +204,14 @@ def test_llama_cpp_computes_the_models_logits_from_the_file(exported, arch):
                                               "always computes with True"),
     ("olmoe", {}, "num_key_value_heads=2 and num_attention_heads=4, but llama.cpp's olmoe architecture assumes"),
     ("smollm3", {"no_rope_layers": [1, 0]}, "layers without rotary position .* differ from llama.cpp's"),
+    ("ministral", {}, "attends through a sliding window of 8 tokens within its 2048-token context, but "
+                      "llama.cpp's llama architecture attends to the whole context"),
+    ("mistral", {"sliding_window": 1024}, "sliding window of 1024 tokens"),
     ("gpt_oss", {}, "'gpt_oss' is not written to GGUF: its interleaved expert gate/up weights"),
     ("deepseek_v3", {}, "'deepseek_v3' is not written to GGUF: its latent attention's kv_b_proj"),
     ("glm4_moe", {}, "'glm4_moe' is not written to GGUF: its shared experts"),
-], ids=["qwen3moe-unnormalized-routing", "olmoe-grouped-query", "smollm3-rope-pattern", "gpt-oss", "deepseek",
+], ids=["qwen3moe-unnormalized-routing", "olmoe-grouped-query", "smollm3-rope-pattern", "ministral-window",
+        "mistral-window", "gpt-oss", "deepseek",
         "glm4-moe"])
 def test_what_llama_cpp_would_compute_otherwise_is_refused_in_one_line(tmp_path, arch, overrides, message):
     model_dir = make_tiny_model_dir(tmp_path / arch, arch, **overrides)

@@ -52,6 +52,13 @@ def check_exportable(config: Any) -> GGUFLayout:
                                 f"{getattr(config, one)} and {other}={getattr(config, other)}, but llama.cpp's "
                                 f"{arch.arch.lower()} architecture assumes they are equal",
                                 hint="export --format safetensors instead")
+    window = getattr(config, "sliding_window", None)
+    if not arch.sliding_window and window and window < config.max_position_embeddings and "sliding_attention" in (
+            getattr(config, "layer_types", None) or ["sliding_attention"]):
+        raise UsageError(f"export --format gguf: this {config.model_type} model attends through a sliding window of "
+                         f"{window} tokens within its {config.max_position_embeddings}-token context, but llama.cpp's "
+                         f"{arch.arch.lower()} architecture attends to the whole context",
+                         hint="export --format safetensors instead")
     rope = _rope(config).get("rope_type", "default")
     if config.model_type == "gemma3_text":
         _check_gemma3(config)

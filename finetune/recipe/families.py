@@ -34,6 +34,9 @@ class GGUFLayout:
     arch: str  # gguf.MODEL_ARCH member name
     permute_qk: bool = False  # llama.cpp's rotary layout for Llama-family q/k projections
     norm_plus_one: bool = False  # Gemma: RMSNorm scales by (1 + weight); GGUF stores the sum
+    # False: llama.cpp's architecture attends to the whole context, so a sliding window shorter than the context
+    # (Mistral-7B-v0.1's) is refused; one as long as the context (Ministral-8B's) changes nothing.
+    sliding_window: bool = True
     # Config values llama.cpp hard-codes for this architecture: (config attribute, the value llama.cpp assumes).
     # A model whose config differs is refused naming the attribute (its GGUF would compute something else).
     fixed: tuple[tuple[str, Any], ...] = ()
@@ -69,15 +72,16 @@ class Family:
 
 # Mixture-of-experts families: their expert block through finetune/model/moe.py (docs/moe.md).
 _MOE = "finetune.model.moe:moe_block_of"
+_LLAMA = GGUFLayout("LLAMA", permute_qk=True, sliding_window=False)  # llama.cpp runs Mistral's models as Llama
 _MOE_METHODS = ("QLoRA", "LoRA")  # the ones tests/test_moe.py trains (4-bit experts, LoRA beside frozen experts)
 
 FAMILIES: tuple[Family, ...] = (
     Family("Llama 3.x", ("llama",), "Llama-3.1-8B, Llama-3.2-1B/3B, Llama-3.3-70B", "full attention",
-           gguf=GGUFLayout("LLAMA", permute_qk=True)),
+           gguf=_LLAMA),
     Family("Mistral", ("mistral",), "Mistral-7B-v0.3, Mistral-Nemo-12B, Mistral-Small-24B", "full attention "
-           "(sliding window where the config sets one)", gguf=GGUFLayout("LLAMA", permute_qk=True)),
+           "(sliding window where the config sets one)", gguf=_LLAMA),
     Family("Ministral", ("ministral",), "Ministral-8B", "sliding-window and full attention layers",
-           no_gguf="its per-layer sliding window has no key in llama.cpp's llama architecture"),
+           gguf=_LLAMA),
     Family("Qwen2.5", ("qwen2",), "Qwen2.5-0.5B ... 72B, Qwen2.5-Coder", "full attention (q/k/v biases)",
            gguf=GGUFLayout("QWEN2")),
     Family("Qwen3", ("qwen3",), "Qwen3-0.6B ... 32B", "full attention with q/k norms", gguf=GGUFLayout("QWEN3")),
@@ -111,7 +115,7 @@ FAMILIES: tuple[Family, ...] = (
            gguf=GGUFLayout("QWEN3MOE", fixed=(("norm_topk_prob", True), ("decoder_sparse_step", 1),
                                               ("mlp_only_layers", []))), methods=_MOE_METHODS),
     Family("Mixtral", ("mixtral",), "Mixtral-8x7B, Mixtral-8x22B", "full attention; routed experts (8, top-2)",
-           gguf=GGUFLayout("LLAMA", permute_qk=True), experts=_MOE, methods=_MOE_METHODS),
+           gguf=_LLAMA, experts=_MOE, methods=_MOE_METHODS),
     Family("OLMoE", ("olmoe",), "OLMoE-1B-7B", "full attention with q/k norms; routed experts (64, top-8)",
            gguf=GGUFLayout("OLMOE", fixed=(("norm_topk_prob", False), ("clip_qkv", None)),
                            equal=(("num_key_value_heads", "num_attention_heads"),)), experts=_MOE, methods=_MOE_METHODS),
