@@ -28,6 +28,12 @@ WRITTEN = {
     "qwen3_moe": ("qwen3moe", {"norm_topk_prob": True}, ("expert_count", "expert_used_count",
                                                           "expert_feed_forward_length")),
     "mixtral": ("llama", {}, ("expert_count", "expert_used_count")),
+    # GLM-4.5-Air's biases, with expert groups, scaled routing and q/k norms on too
+    "glm4_moe": ("glm4moe", {"attention_bias": True, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5,
+                             "use_qk_norm": True},
+                 ("expert_count", "expert_used_count", "expert_feed_forward_length", "expert_shared_count",
+                  "leading_dense_block_count", "expert_gating_func", "expert_weights_scale", "expert_weights_norm",
+                  "expert_group_count", "expert_group_used_count")),
     "olmoe": ("olmoe", {"num_key_value_heads": 4}, ("expert_count", "expert_used_count")),
     "olmo2": ("olmo2", {}, ()),
     "granite": ("granite", {"attention_multiplier": 0.25, "embedding_multiplier": 12.0, "residual_multiplier": 0.5,
@@ -52,6 +58,10 @@ def exported(tmp_path_factory) -> dict:
     for arch, (_, overrides, _) in WRITTEN.items():
         model_dir = make_tiny_model_dir(folder / arch, arch, **overrides)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        torch.manual_seed(1)
+        for name, buffer in model.named_buffers():  # a trained router's bias (zeros at initialisation)
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0, 0.5)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         result[arch] = model, tokenizer, write_gguf(model, tokenizer, folder / f"{arch}.gguf", qtype="f32")
     return result
@@ -81,6 +91,9 @@ def _expected_tensors(model) -> dict[str, np.ndarray]:
         if name.endswith("experts.down_proj"):
             expected[f"blk.{name.split('.')[2]}.ffn_down_exps.weight"] = data
             continue
+        if name.endswith("gate.e_score_correction_bias"):
+            expected[f"blk.{name.split('.')[2]}.exp_probs_b.bias"] = data
+            continue
         if name.endswith("conv.conv.weight"):  # LFM2's [channels, 1, width] convolution: squeezed to 2-D
             data = data[:, 0]
         if arch.permute_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -100,8 +113,10 @@ def test_every_tensor_is_in_llama_cpp_layout_with_the_source_values(exported, ar
         assert got[name].shape == data.shape, name
         np.testing.assert_array_equal(got[name], data.astype(np.float32), err_msg=name)
     if family_for(arch).moe:
-        experts = model.config.num_local_experts if arch == "mixtral" else model.config.num_experts
-        assert got["blk.0.ffn_gate_exps.weight"].shape[0] == experts  # stacked [experts, ff, hidden]
+        experts = next(getattr(model.config, a) for a in ("num_local_experts", "num_experts", "n_routed_experts")
+                       if hasattr(model.config, a))
+        last = model.config.num_hidden_layers - 1  # GLM-4-MoE's first layer is dense
+        assert got[f"blk.{last}.ffn_gate_exps.weight"].shape[0] == experts  # stacked [experts, ff, hidden]
 
 
 @pytest.mark.parametrize("arch", list(WRITTEN))
@@ -118,6 +133,9 @@ def test_the_metadata_llama_cpp_reads_is_the_configs(exported, arch):
     # LFM2: llama.cpp tells its convolution layers by their zero KV heads
     assert value["attention.head_count_kv"] == ([0, config.num_key_value_heads] if arch == "lfm2"
                                                 else config.num_key_value_heads)
+    if arch == "glm4_moe":
+        assert (value["expert_gating_func"], value["expert_weights_scale"], value["leading_dense_block_count"],
+                value["expert_group_count"]) == (gguf.ExpertGatingFuncType.SIGMOID, 2.5, 1, 2)
     if family_for(arch).moe:
         assert value["expert_used_count"] == config.num_experts_per_tok
         if arch == "qwen3_moe":
@@ -209,10 +227,8 @@ def test_llama_cpp_computes_the_models_logits_from_the_file(exported, arch):
     ("mistral", {"sliding_window": 1024}, "sliding window of 1024 tokens"),
     ("gpt_oss", {}, "'gpt_oss' is not written to GGUF: its interleaved expert gate/up weights"),
     ("deepseek_v3", {}, "'deepseek_v3' is not written to GGUF: its latent attention's kv_b_proj"),
-    ("glm4_moe", {}, "'glm4_moe' is not written to GGUF: its shared experts"),
 ], ids=["qwen3moe-unnormalized-routing", "olmoe-grouped-query", "smollm3-rope-pattern", "ministral-window",
-        "mistral-window", "gpt-oss", "deepseek",
-        "glm4-moe"])
+        "mistral-window", "gpt-oss", "deepseek"])
 def test_what_llama_cpp_would_compute_otherwise_is_refused_in_one_line(tmp_path, arch, overrides, message):
     model_dir = make_tiny_model_dir(tmp_path / arch, arch, **overrides)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -161,6 +161,8 @@ def _tensors(model: Any) -> Any:
             yield name.removesuffix("gate_up_proj") + "up_proj.weight", data[..., half:, :]
         elif name.endswith((".weight", ".bias")):
             yield name, data
+        elif name.endswith("_bias"):  # a router's e_score_correction_bias: llama.cpp's exp_probs_b.bias
+            yield f"{name.removesuffix('_bias')}.bias", data
         else:
             yield f"{name}.weight", data
 
@@ -180,6 +182,8 @@ def _first(config: Any, *attrs: str) -> Any:
 
 
 def _add_hyperparameters(writer: Any, config: Any, arch: GGUFLayout) -> None:
+    import gguf
+
     head_dim = _head_dim(config)
     writer.add_vocab_size(config.vocab_size)
     writer.add_context_length(config.max_position_embeddings)
@@ -193,12 +197,11 @@ def _add_hyperparameters(writer: Any, config: Any, arch: GGUFLayout) -> None:
                              if "conv" in kinds else config.num_key_value_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(int(head_dim * (getattr(config, "partial_rotary_factor", None) or 1.0)))
     rope = _rope(config)
+    writer.add_rope_dimension_count(int(head_dim * (_first(config, "partial_rotary_factor")
+                                                    or rope.get("partial_rotary_factor") or 1.0)))
     writer.add_rope_freq_base(rope["rope_theta"])
     if rope.get("rope_type") == "linear":  # Gemma 3 (4B and larger): its global layers' positions scaled
-        import gguf
-
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
     writer.add_layer_norm_rms_eps(_first(config, "rms_norm_eps", "norm_eps"))
@@ -213,6 +216,8 @@ def _add_hyperparameters(writer: Any, config: Any, arch: GGUFLayout) -> None:
         writer.add_expert_used_count(config.num_experts_per_tok)
     if expert_ff := getattr(config, "moe_intermediate_size", None):
         writer.add_expert_feed_forward_length(expert_ff)
+    if arch.expert_gating:
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType[arch.expert_gating])
     for method, attr in arch.keys:
         if (value := getattr(config, attr, None)) is not None:
             getattr(writer, method)(value)

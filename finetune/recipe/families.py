@@ -44,6 +44,7 @@ class GGUFLayout:
     equal: tuple[tuple[str, str], ...] = ()
     # Extra metadata: (gguf.GGUFWriter method, config attribute), written where the config sets the attribute.
     keys: tuple[tuple[str, str], ...] = ()
+    expert_gating: str | None = None  # gguf.ExpertGatingFuncType member of a router that is not a softmax
 
 
 @dataclass(frozen=True)
@@ -128,8 +129,11 @@ FAMILIES: tuple[Family, ...] = (
            no_gguf="its latent attention's kv_b_proj is not yet split into the per-head k_b/v_b tensors of "
            "llama.cpp's deepseek2 layout", experts=_MOE, methods=_MOE_METHODS),
     Family("GLM-4-MoE", ("glm4_moe",), "GLM-4.5-Air, GLM-4.5", "full attention; routed and shared experts "
-           "after a dense first layer", no_gguf="its shared experts, expert score correction bias and partial "
-           "rotary are not written in llama.cpp's glm4moe layout yet", experts=_MOE, methods=_MOE_METHODS),
+           "after a dense first layer", experts=_MOE, methods=_MOE_METHODS,
+           gguf=GGUFLayout("GLM4_MOE", expert_gating="SIGMOID", keys=(
+               ("add_expert_shared_count", "n_shared_experts"), ("add_leading_dense_block_count", "first_k_dense_replace"),
+               ("add_expert_weights_scale", "routed_scaling_factor"), ("add_expert_weights_norm", "norm_topk_prob"),
+               ("add_expert_group_count", "n_group"), ("add_expert_group_used_count", "topk_group")))),
 )
 
 # model_types of vision-language configs: refused with their own line (their text part is not split off yet).
