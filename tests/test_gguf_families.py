@@ -236,3 +236,45 @@ def test_what_llama_cpp_would_compute_otherwise_is_refused_in_one_line(tmp_path,
         write_gguf(model, AutoTokenizer.from_pretrained(model_dir), tmp_path / "m.gguf")
     assert "\n" not in err.value.message and err.value.exit_code == 2
     assert not (tmp_path / "m.gguf").exists()
+
+
+def _trained(tmp_path: Path, arch: str, **overrides) -> Path:
+    from finetune.recipe import validate_recipe
+    from finetune.train.run import run
+    from tests.run_support import sums_data, tiny_lora_recipe
+
+    model_dir = make_tiny_model_dir(tmp_path / "model", arch, **overrides)
+    recipe = tiny_lora_recipe(model_dir, sums_data(tmp_path / "sums.jsonl", 8), tmp_path / "run",
+                              {"training": {"max_steps": 2, "micro_batch_size": 2, "learning_rate": 1e-2}})
+    run(validate_recipe(recipe))
+    return tmp_path / "run"
+
+
+def test_a_trained_moe_run_exports_to_gguf_equal_to_its_merged_export(tmp_path, capsys):
+    """`finetune export --format gguf` of a Qwen3-MoE LoRA run: the file transformers reads back computes what the
+    merged safetensors export computes (the expert width transformers' reader assumes, as above)."""
+    from finetune.cli import main
+
+    run_dir = _trained(tmp_path, "qwen3_moe", **READ_BACK["qwen3_moe"])
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "merged")]) == 0
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "gguf"), "--format", "gguf", "--type", "f32"]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "gguf", gguf_file="run.f32.gguf",
+                                                  dtype=torch.float32).eval()
+    ids = torch.randint(4, 400, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_exporting_a_family_not_written_is_one_line_exit_2_and_nothing_written(tmp_path, capsys):
+    """Refused from the config alone, before minutes of loading and merging."""
+    from finetune.cli import main
+
+    run_dir = _trained(tmp_path, "gpt_oss")
+    capsys.readouterr()
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "gguf"), "--format", "gguf"]) == 2
+    out, err = capsys.readouterr()
+    assert "merging the adapter" not in out
+    assert "architecture 'gpt_oss' is not written to GGUF: its interleaved expert gate/up weights" in " ".join(
+        err.split()) and "Traceback" not in err
+    assert not (tmp_path / "gguf").exists()
