@@ -34,6 +34,11 @@ WRITTEN = {
                  ("expert_count", "expert_used_count", "expert_feed_forward_length", "expert_shared_count",
                   "leading_dense_block_count", "expert_gating_func", "expert_weights_scale", "expert_weights_norm",
                   "expert_group_count", "expert_group_used_count")),
+    # DeepSeek-V3-style: latent attention, sigmoid router with its bias, expert groups, shared experts
+    "deepseek_v3": ("deepseek2", {}, ("expert_count", "expert_used_count", "expert_feed_forward_length",
+                                      "expert_shared_count", "leading_dense_block_count", "expert_gating_func",
+                                      "attention.kv_lora_rank", "attention.q_lora_rank", "attention.key_length_mla",
+                                      "attention.value_length_mla")),
     "olmoe": ("olmoe", {"num_key_value_heads": 4}, ("expert_count", "expert_used_count")),
     "olmo2": ("olmo2", {}, ()),
     "granite": ("granite", {"attention_multiplier": 0.25, "embedding_multiplier": 12.0, "residual_multiplier": 0.5,
@@ -91,6 +96,12 @@ def _expected_tensors(model) -> dict[str, np.ndarray]:
         if name.endswith("experts.down_proj"):
             expected[f"blk.{name.split('.')[2]}.ffn_down_exps.weight"] = data
             continue
+        if name.endswith("kv_b_proj.weight"):  # llama.cpp's DeepseekV2Model: per head, k_b transposed
+            heads, nope = config.num_attention_heads, config.qk_nope_head_dim
+            kv_b = data.reshape(heads, nope + config.v_head_dim, data.shape[-1])
+            expected[f"blk.{name.split('.')[2]}.attn_k_b.weight"] = np.swapaxes(kv_b[:, :nope], 1, 2)
+            expected[f"blk.{name.split('.')[2]}.attn_v_b.weight"] = kv_b[:, nope:]
+            continue
         if name.endswith("gate.e_score_correction_bias"):
             expected[f"blk.{name.split('.')[2]}.exp_probs_b.bias"] = data
             continue
@@ -130,9 +141,12 @@ def test_the_metadata_llama_cpp_reads_is_the_configs(exported, arch):
     assert not missing, missing
     value = {k: fields[f"{name}.{k}"].contents() for k in (*COMMON_KEYS, *extra)}
     assert value["block_count"] == config.num_hidden_layers
-    # LFM2: llama.cpp tells its convolution layers by their zero KV heads
-    assert value["attention.head_count_kv"] == ([0, config.num_key_value_heads] if arch == "lfm2"
-                                                else config.num_key_value_heads)
+    # LFM2: llama.cpp tells its convolution layers by their zero KV heads; DeepSeek caches one latent KV head
+    assert value["attention.head_count_kv"] == ([0, config.num_key_value_heads] if arch == "lfm2" else 1
+                                                if arch == "deepseek_v3" else config.num_key_value_heads)
+    if arch == "deepseek_v3":
+        assert (value["attention.kv_lora_rank"], value["attention.key_length_mla"]) == (
+            config.kv_lora_rank, config.qk_nope_head_dim + config.qk_rope_head_dim)
     if arch == "glm4_moe":
         assert (value["expert_gating_func"], value["expert_weights_scale"], value["leading_dense_block_count"],
                 value["expert_group_count"]) == (gguf.ExpertGatingFuncType.SIGMOID, 2.5, 1, 2)
@@ -226,9 +240,9 @@ def test_llama_cpp_computes_the_models_logits_from_the_file(exported, arch):
                       "llama.cpp's llama architecture attends to the whole context"),
     ("mistral", {"sliding_window": 1024}, "sliding window of 1024 tokens"),
     ("gpt_oss", {}, "'gpt_oss' is not written to GGUF: its interleaved expert gate/up weights"),
-    ("deepseek_v3", {}, "'deepseek_v3' is not written to GGUF: its latent attention's kv_b_proj"),
+    ("deepseek_v3", {"rope_interleave": False}, "rope_interleave=False, but llama.cpp's deepseek2 architecture"),
 ], ids=["qwen3moe-unnormalized-routing", "olmoe-grouped-query", "smollm3-rope-pattern", "ministral-window",
-        "mistral-window", "gpt-oss", "deepseek"])
+        "mistral-window", "gpt-oss", "deepseek-rope-halves"])
 def test_what_llama_cpp_would_compute_otherwise_is_refused_in_one_line(tmp_path, arch, overrides, message):
     model_dir = make_tiny_model_dir(tmp_path / arch, arch, **overrides)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -278,3 +292,12 @@ def test_exporting_a_family_not_written_is_one_line_exit_2_and_nothing_written(t
     assert "architecture 'gpt_oss' is not written to GGUF: its interleaved expert gate/up weights" in " ".join(
         err.split()) and "Traceback" not in err
     assert not (tmp_path / "gguf").exists()
+
+
+def test_deepseek_v2s_softmax_router_is_refused_by_name(tmp_path):
+    model_dir = make_tiny_model_dir(tmp_path / "model", "deepseek_v3")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.config.model_type = "deepseek_v2"
+    with pytest.raises(FinetuneError, match="DeepSeek-V2's softmax router is not written to GGUF yet"):
+        write_gguf(model, AutoTokenizer.from_pretrained(model_dir), tmp_path / "m.gguf")
+    assert not (tmp_path / "m.gguf").exists()

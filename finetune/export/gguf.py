@@ -41,6 +41,9 @@ def check_exportable(config: Any) -> GGUFLayout:
         written = ", ".join(t for f in FAMILIES if f.gguf for t in f.model_types)
         raise UsageError(f"export --format gguf: architecture {config.model_type!r} is not written to GGUF: "
                             f"{why} (written: {written})", hint="export --format safetensors instead")
+    if config.model_type == "deepseek_v2":
+        raise UsageError("export --format gguf: DeepSeek-V2's softmax router is not written to GGUF yet (DeepSeek-V3-"
+                         "style models, with a sigmoid router and its correction bias, are)", hint=CONVERT_HINT)
     for attr, value in arch.fixed:
         if getattr(config, attr, value) != value:
             raise UsageError(f"export --format gguf: this {config.model_type} model has {attr}="
@@ -92,7 +95,7 @@ def write_gguf(model: Any, tokenizer: Any, path: Path, *, qtype: str = "f16", na
     _add_hyperparameters(writer, config, arch)
     add_vocab(writer, vocab)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.arch], config.num_hidden_layers)
-    for hf_name, data in _tensors(model):
+    for hf_name, data in _tensors(model, arch):
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # a tied head is the embedding; readers infer the tie from output.weight's absence
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -148,14 +151,22 @@ def _head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _tensors(model: Any) -> Any:
+def _tensors(model: Any, arch: GGUFLayout) -> Any:
     """(name, float32 array) of every weight, as llama.cpp's converter names them: transformers' fused 3-D
     expert parameters (`experts.gate_up_proj` [experts, 2 x ff, hidden], gate rows first, and
     `experts.down_proj` [experts, hidden, ff], both without a .weight suffix) become the stacked per-projection
-    weights `experts.{gate,up,down}_proj.weight` that map to llama.cpp's ffn_{gate,up,down}_exps."""
+    weights `experts.{gate,up,down}_proj.weight` that map to llama.cpp's ffn_{gate,up,down}_exps; DeepSeek's
+    kv_b_proj [heads x (nope + v), kv rank] becomes k_b_proj [heads, kv rank, nope] and v_b_proj [heads, v, kv
+    rank] (llama.cpp multiplies them into the compressed cache)."""
+    config = model.config
     for name, tensor in model.state_dict().items():
         data = tensor.detach().float().cpu().numpy()
-        if name.endswith("experts.gate_up_proj"):
+        if arch.latent_attention and name.endswith("kv_b_proj.weight"):
+            nope = config.qk_nope_head_dim
+            per_head = data.reshape(config.num_attention_heads, nope + config.v_head_dim, data.shape[-1])
+            yield name.replace("kv_b_proj", "k_b_proj"), per_head[:, :nope].transpose(0, 2, 1)
+            yield name.replace("kv_b_proj", "v_b_proj"), per_head[:, nope:]
+        elif name.endswith("experts.gate_up_proj"):
             half = data.shape[-2] // 2
             yield name.removesuffix("gate_up_proj") + "gate_proj.weight", data[..., :half, :]
             yield name.removesuffix("gate_up_proj") + "up_proj.weight", data[..., half:, :]
@@ -192,14 +203,25 @@ def _add_hyperparameters(writer: Any, config: Any, arch: GGUFLayout) -> None:
     writer.add_feed_forward_length(_feed_forward_length(config))
     writer.add_head_count(config.num_attention_heads)
     kinds = getattr(config, "layer_types", None) or []
-    # LFM2: llama.cpp tells its convolution layers by their zero KV heads
-    writer.add_head_count_kv([0 if kind == "conv" else config.num_key_value_heads for kind in kinds]
-                             if "conv" in kinds else config.num_key_value_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
     rope = _rope(config)
-    writer.add_rope_dimension_count(int(head_dim * (_first(config, "partial_rotary_factor")
-                                                    or rope.get("partial_rotary_factor") or 1.0)))
+    if arch.latent_attention:  # one compressed KV head: keys [kv rank + rope dims], values [kv rank]
+        writer.add_head_count_kv(1)
+        writer.add_key_length(config.kv_lora_rank + config.qk_rope_head_dim)
+        writer.add_value_length(config.kv_lora_rank)
+        writer.add_key_length_mla(config.qk_nope_head_dim + config.qk_rope_head_dim)
+        writer.add_value_length_mla(config.v_head_dim)
+        writer.add_kv_lora_rank(config.kv_lora_rank)
+        if config.q_lora_rank is not None:
+            writer.add_q_lora_rank(config.q_lora_rank)
+        writer.add_rope_dimension_count(config.qk_rope_head_dim)
+    else:
+        # LFM2: llama.cpp tells its convolution layers by their zero KV heads
+        writer.add_head_count_kv([0 if kind == "conv" else config.num_key_value_heads for kind in kinds]
+                                 if "conv" in kinds else config.num_key_value_heads)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_rope_dimension_count(int(head_dim * (_first(config, "partial_rotary_factor")
+                                                        or rope.get("partial_rotary_factor") or 1.0)))
     writer.add_rope_freq_base(rope["rope_theta"])
     if rope.get("rope_type") == "linear":  # Gemma 3 (4B and larger): its global layers' positions scaled
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)

@@ -45,6 +45,9 @@ class GGUFLayout:
     # Extra metadata: (gguf.GGUFWriter method, config attribute), written where the config sets the attribute.
     keys: tuple[tuple[str, str], ...] = ()
     expert_gating: str | None = None  # gguf.ExpertGatingFuncType member of a router that is not a softmax
+    # DeepSeek's multi-head latent attention: kv_b_proj split into llama.cpp's per-head k_b/v_b tensors, the
+    # cache one compressed KV head wide
+    latent_attention: bool = False
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,11 @@ class Family:
 # Mixture-of-experts families: their expert block through finetune/model/moe.py (docs/moe.md).
 _MOE = "finetune.model.moe:moe_block_of"
 _LLAMA = GGUFLayout("LLAMA", permute_qk=True, sliding_window=False)  # llama.cpp runs Mistral's models as Llama
+# DeepSeek-V3-style routing (GLM-4-MoE's too): dense first layers, shared experts, grouped and scaled routing.
+_SHARED_EXPERT_KEYS = (
+    ("add_expert_shared_count", "n_shared_experts"), ("add_leading_dense_block_count", "first_k_dense_replace"),
+    ("add_expert_weights_scale", "routed_scaling_factor"), ("add_expert_weights_norm", "norm_topk_prob"),
+    ("add_expert_group_count", "n_group"), ("add_expert_group_used_count", "topk_group"))
 _MOE_METHODS = ("QLoRA", "LoRA")  # the ones tests/test_moe.py trains (4-bit experts, LoRA beside frozen experts)
 
 FAMILIES: tuple[Family, ...] = (
@@ -126,14 +134,12 @@ FAMILIES: tuple[Family, ...] = (
            experts=_MOE, methods=_MOE_METHODS),
     Family("DeepSeek-V2/V3", ("deepseek_v2", "deepseek_v3"), "DeepSeek-V2-Lite, DeepSeek-V3-style models",
            "multi-head latent attention (compressed KV); routed and shared experts after dense first layers",
-           no_gguf="its latent attention's kv_b_proj is not yet split into the per-head k_b/v_b tensors of "
-           "llama.cpp's deepseek2 layout", experts=_MOE, methods=_MOE_METHODS),
+           experts=_MOE, methods=_MOE_METHODS,
+           gguf=GGUFLayout("DEEPSEEK2", latent_attention=True, expert_gating="SIGMOID", keys=_SHARED_EXPERT_KEYS,
+                           fixed=(("rope_interleave", True),))),
     Family("GLM-4-MoE", ("glm4_moe",), "GLM-4.5-Air, GLM-4.5", "full attention; routed and shared experts "
            "after a dense first layer", experts=_MOE, methods=_MOE_METHODS,
-           gguf=GGUFLayout("GLM4_MOE", expert_gating="SIGMOID", keys=(
-               ("add_expert_shared_count", "n_shared_experts"), ("add_leading_dense_block_count", "first_k_dense_replace"),
-               ("add_expert_weights_scale", "routed_scaling_factor"), ("add_expert_weights_norm", "norm_topk_prob"),
-               ("add_expert_group_count", "n_group"), ("add_expert_group_used_count", "topk_group")))),
+           gguf=GGUFLayout("GLM4_MOE", expert_gating="SIGMOID", keys=_SHARED_EXPERT_KEYS)),
 )
 
 # model_types of vision-language configs: refused with their own line (their text part is not split off yet).
