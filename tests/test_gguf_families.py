@@ -34,11 +34,15 @@ WRITTEN = {
                  ("expert_count", "expert_used_count", "expert_feed_forward_length", "expert_shared_count",
                   "leading_dense_block_count", "expert_gating_func", "expert_weights_scale", "expert_weights_norm",
                   "expert_group_count", "expert_group_used_count")),
-    # DeepSeek-V3-style: latent attention, sigmoid router with its bias, expert groups, shared experts
-    "deepseek_v3": ("deepseek2", {}, ("expert_count", "expert_used_count", "expert_feed_forward_length",
+    # DeepSeek-V3-style: latent attention, sigmoid router with its bias, expert groups, shared experts, and
+    # DeepSeek-V3's YaRN long-context rotary (factor 40 there, 4 here: it moves these logits by 2.5)
+    "deepseek_v3": ("deepseek2", {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 512,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}, ("expert_count", "expert_used_count", "expert_feed_forward_length",
                                       "expert_shared_count", "leading_dense_block_count", "expert_gating_func",
                                       "attention.kv_lora_rank", "attention.q_lora_rank", "attention.key_length_mla",
-                                      "attention.value_length_mla")),
+                                      "attention.value_length_mla", "rope.scaling.type", "rope.scaling.factor",
+                                      "rope.scaling.original_context_length", "rope.scaling.yarn_log_multiplier")),
     "olmoe": ("olmoe", {"num_key_value_heads": 4}, ("expert_count", "expert_used_count")),
     "olmo2": ("olmo2", {}, ()),
     "granite": ("granite", {"attention_multiplier": 0.25, "embedding_multiplier": 12.0, "residual_multiplier": 0.5,

@@ -67,7 +67,8 @@ def check_exportable(config: Any) -> GGUFLayout:
         _check_gemma3(config)
     if config.model_type == "smollm3":
         _check_smollm3(config)
-    if rope != "default" and not (rope == "linear" and config.model_type == "gemma3_text"):
+    if rope != "default" and not (rope == "linear" and config.model_type == "gemma3_text") and not (
+            rope == "yarn" and arch.latent_attention):
         raise UsageError(f"export --format gguf: rope scaling {rope!r} ({config.model_type}) is not written "
                             "to GGUF yet (it needs llama.cpp's extra rope tensors)",
                             hint=CONVERT_HINT)
@@ -226,6 +227,15 @@ def _add_hyperparameters(writer: Any, config: Any, arch: GGUFLayout) -> None:
     if rope.get("rope_type") == "linear":  # Gemma 3 (4B and larger): its global layers' positions scaled
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type") == "yarn":  # DeepSeek-V3: long context by YaRN, its attention scaled by mscale_all_dim
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        for method, key in (("beta_fast", "beta_fast"), ("beta_slow", "beta_slow"), ("attn_factor", "attention_factor")):
+            if rope.get(key) is not None:
+                getattr(writer, f"add_rope_scaling_yarn_{method}")(rope[key])
+        if rope.get("mscale_all_dim"):
+            writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
     writer.add_layer_norm_rms_eps(_first(config, "rms_norm_eps", "norm_eps"))
     if getattr(config, "sliding_window", None):
         writer.add_sliding_window(config.sliding_window)
