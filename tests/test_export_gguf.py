@@ -176,7 +176,7 @@ def _whitespace():
 
 
 @pytest.mark.parametrize(("arch", "message"), [
-    ("gpt_oss", "architecture 'gpt_oss' is not written to GGUF: its interleaved expert gate/up weights"),
+    ("gemma4_text", "architecture 'gemma4_text' is not written to GGUF: its per-layer head sizes"),
     ("gemma3_text", "sliding-window layers differ from llama.cpp's"),
 ], ids=["family-without-gguf", "gemma3-layer-pattern"])
 def test_what_a_family_cannot_write_is_refused_by_its_reason(tmp_path, arch, message):

@@ -43,6 +43,13 @@ WRITTEN = {
                                       "attention.kv_lora_rank", "attention.q_lora_rank", "attention.key_length_mla",
                                       "attention.value_length_mla", "rope.scaling.type", "rope.scaling.factor",
                                       "rope.scaling.original_context_length", "rope.scaling.yarn_log_multiplier")),
+    # gpt-oss: experts stored transposed with gate/up interleaved, expert and router biases, attention sinks,
+    # YaRN (truncated: llama.cpp has no truncate=False, gpt-oss's; see docs/export.md)
+    "gpt_oss": ("gpt-oss", {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": True, "original_max_position_embeddings": 512}},
+        ("expert_count", "expert_used_count", "expert_feed_forward_length", "attention.sliding_window",
+         "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length")),
     "olmoe": ("olmoe", {"num_key_value_heads": 4}, ("expert_count", "expert_used_count")),
     "olmo2": ("olmo2", {}, ()),
     "granite": ("granite", {"attention_multiplier": 0.25, "embedding_multiplier": 12.0, "residual_multiplier": 0.5,
@@ -90,6 +97,21 @@ def _expected_tensors(model) -> dict[str, np.ndarray]:
     for name, tensor in model.state_dict().items():
         data = tensor.float().numpy()
         if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        layer = name.split(".")[2] if ".layers." in name else None
+        if arch.interleaved_experts and "experts." in name:  # gpt-oss: [experts, in, out], gate/up alternating
+            if name.endswith("gate_up_proj"):
+                data = np.swapaxes(data, 1, 2)
+            if "gate_up_proj" in name:
+                kind = "bias" if name.endswith("_bias") else "weight"
+                expected[f"blk.{layer}.ffn_gate_exps.{kind}"] = data[:, 0::2]
+                expected[f"blk.{layer}.ffn_up_exps.{kind}"] = data[:, 1::2]
+            else:
+                kind = "bias" if name.endswith("_bias") else "weight"
+                expected[f"blk.{layer}.ffn_down_exps.{kind}"] = data if kind == "bias" else np.swapaxes(data, 1, 2)
+            continue
+        if name.endswith("self_attn.sinks"):
+            expected[f"blk.{layer}.attn_sinks.weight"] = data
             continue
         if name.endswith("experts.gate_up_proj"):  # [experts, 2 x ff, hidden]: gate rows, then up rows
             layer = name.split(".")[2]
@@ -243,10 +265,13 @@ def test_llama_cpp_computes_the_models_logits_from_the_file(exported, arch):
     ("ministral", {}, "attends through a sliding window of 8 tokens within its 2048-token context, but "
                       "llama.cpp's llama architecture attends to the whole context"),
     ("mistral", {"sliding_window": 1024}, "sliding window of 1024 tokens"),
-    ("gpt_oss", {}, "'gpt_oss' is not written to GGUF: its interleaved expert gate/up weights"),
+    ("gpt_oss", {"swiglu_limit": 5.0}, "gpt_oss model has swiglu_limit=5.0, but llama.cpp's gpt_oss architecture always computes "
+                    "with 7.0"),
+    ("gpt_oss", {"layer_types": ["full_attention", "sliding_attention"]}, "sliding-window layers differ from "
+                                                                          "llama.cpp's"),
     ("deepseek_v3", {"rope_interleave": False}, "rope_interleave=False, but llama.cpp's deepseek2 architecture"),
 ], ids=["qwen3moe-unnormalized-routing", "olmoe-grouped-query", "smollm3-rope-pattern", "ministral-window",
-        "mistral-window", "gpt-oss", "deepseek-rope-halves"])
+        "mistral-window", "gpt-oss-swiglu-limit", "gpt-oss-layer-pattern", "deepseek-rope-halves"])
 def test_what_llama_cpp_would_compute_otherwise_is_refused_in_one_line(tmp_path, arch, overrides, message):
     model_dir = make_tiny_model_dir(tmp_path / arch, arch, **overrides)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -288,12 +313,12 @@ def test_exporting_a_family_not_written_is_one_line_exit_2_and_nothing_written(t
     """Refused from the config alone, before minutes of loading and merging."""
     from finetune.cli import main
 
-    run_dir = _trained(tmp_path, "gpt_oss")
+    run_dir = _trained(tmp_path, "gemma4_text")
     capsys.readouterr()
     assert main(["export", str(run_dir), "--out", str(tmp_path / "gguf"), "--format", "gguf"]) == 2
     out, err = capsys.readouterr()
     assert "merging the adapter" not in out
-    assert "architecture 'gpt_oss' is not written to GGUF: its interleaved expert gate/up weights" in " ".join(
+    assert "architecture 'gemma4_text' is not written to GGUF: its per-layer head sizes" in " ".join(
         err.split()) and "Traceback" not in err
     assert not (tmp_path / "gguf").exists()
 

@@ -265,18 +265,6 @@ def test_expert_offload_planned_on_gpus():
     assert not off.fits
 
 
-@pytest.mark.parametrize("arch", ["gpt_oss"])
-def test_gguf_export_refuses_moe_in_one_line(tmp_path, arch):
-    """The MoE families not written yet (tests/test_gguf_families.py checks the written ones)."""
-    from finetune.errors import FinetuneError
-    from finetune.export.gguf import write_gguf
-    from finetune.testing import make_tokenizer
-
-    with pytest.raises(FinetuneError, match=f"architecture '{arch}' is not written to GGUF: its .* layout"):
-        write_gguf(_tiny_model(arch), make_tokenizer(), tmp_path / "m.gguf")
-    assert not (tmp_path / "m.gguf").exists()
-
-
 def test_expert_offload_keeps_two_layers_and_prefetches_in_the_pass_direction():
     """At most the computing MoE layer and the one arriving hold device copies: the next layer in forward,
     the layer below in backward."""

@@ -62,13 +62,19 @@ def check_exportable(config: Any) -> GGUFLayout:
                          f"{window} tokens within its {config.max_position_embeddings}-token context, but llama.cpp's "
                          f"{arch.arch.lower()} architecture attends to the whole context",
                          hint="export --format safetensors instead")
+    if arch.swa_every and list(config.layer_types) != [
+            "full_attention" if (i + 1) % arch.swa_every == 0 else "sliding_attention"
+            for i in range(config.num_hidden_layers)]:
+        raise UsageError(f"export --format gguf: this {config.model_type} model's sliding-window layers differ from "
+                         f"llama.cpp's ({arch.swa_every - 1} sliding-window layers, then a global one)",
+                         hint="export --format safetensors instead")
     rope = _rope(config).get("rope_type", "default")
     if config.model_type == "gemma3_text":
         _check_gemma3(config)
     if config.model_type == "smollm3":
         _check_smollm3(config)
     if rope != "default" and not (rope == "linear" and config.model_type == "gemma3_text") and not (
-            rope == "yarn" and arch.latent_attention):
+            rope == "yarn" and arch.yarn):
         raise UsageError(f"export --format gguf: rope scaling {rope!r} ({config.model_type}) is not written "
                             "to GGUF yet (it needs llama.cpp's extra rope tensors)",
                             hint=CONVERT_HINT)
@@ -123,11 +129,7 @@ GEMMA3_LOCAL_ROPE_BASE = 10000.0
 
 
 def _check_gemma3(config: Any) -> None:
-    """Refuse a Gemma 3 whose layer pattern or local rotary base llama.cpp would not reproduce."""
-    pattern = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(config.num_hidden_layers)]
-    if list(config.layer_types) != pattern:
-        raise UsageError("export --format gguf: this Gemma 3's sliding-window layers differ from llama.cpp's "
-                            "(five sliding-window layers, then a global one)", hint="export --format safetensors instead")
+    """Refuse a Gemma 3 whose local rotary base llama.cpp would not reproduce."""
     local = (config.rope_parameters.get("sliding_attention") or {}).get("rope_theta", GEMMA3_LOCAL_ROPE_BASE)
     if local != GEMMA3_LOCAL_ROPE_BASE:
         raise UsageError(f"export --format gguf: Gemma 3 local rotary base {local} differs from llama.cpp's "
@@ -167,6 +169,15 @@ def _tensors(model: Any, arch: GGUFLayout) -> Any:
             per_head = data.reshape(config.num_attention_heads, nope + config.v_head_dim, data.shape[-1])
             yield name.replace("kv_b_proj", "k_b_proj"), per_head[:, :nope].transpose(0, 2, 1)
             yield name.replace("kv_b_proj", "v_b_proj"), per_head[:, nope:]
+        elif arch.interleaved_experts and name.endswith(("experts.gate_up_proj", "experts.gate_up_proj_bias")):
+            # gpt-oss: [experts, hidden, 2 x ff] (bias [experts, 2 x ff]), gate and up columns alternating
+            suffix = "bias" if name.endswith("_bias") else "weight"
+            data = data if suffix == "bias" else data.swapaxes(-1, -2)
+            base = name.removesuffix("_bias").removesuffix("gate_up_proj")
+            yield f"{base}gate_proj.{suffix}", data[:, 0::2]
+            yield f"{base}up_proj.{suffix}", data[:, 1::2]
+        elif arch.interleaved_experts and name.endswith("experts.down_proj"):
+            yield f"{name}.weight", data.swapaxes(-1, -2)  # gpt-oss: [experts, ff, hidden]
         elif name.endswith("experts.gate_up_proj"):
             half = data.shape[-2] // 2
             yield name.removesuffix("gate_up_proj") + "gate_proj.weight", data[..., :half, :]
@@ -227,7 +238,7 @@ def _add_hyperparameters(writer: Any, config: Any, arch: GGUFLayout) -> None:
     if rope.get("rope_type") == "linear":  # Gemma 3 (4B and larger): its global layers' positions scaled
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
-    if rope.get("rope_type") == "yarn":  # DeepSeek-V3: long context by YaRN, its attention scaled by mscale_all_dim
+    if rope.get("rope_type") == "yarn":  # DeepSeek-V3, gpt-oss: long context by YaRN
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(rope["factor"])
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])

@@ -48,6 +48,11 @@ class GGUFLayout:
     # DeepSeek's multi-head latent attention: kv_b_proj split into llama.cpp's per-head k_b/v_b tensors, the
     # cache one compressed KV head wide
     latent_attention: bool = False
+    # gpt-oss: experts stored [experts, in, out] with the gate and up columns interleaved (gate, up, gate, ...)
+    interleaved_experts: bool = False
+    yarn: bool = False  # its YaRN rotary is written (checked against llama.cpp's logits for this family)
+    # llama.cpp's fixed layer pattern: every n-th layer global, the others sliding-window (0: none)
+    swa_every: int = 0
 
 
 @dataclass(frozen=True)
@@ -102,7 +107,7 @@ FAMILIES: tuple[Family, ...] = (
            "logits", gguf=GGUFLayout("GEMMA2", norm_plus_one=True)),
     Family("Gemma 3 (text)", ("gemma3_text",), "gemma-3-1b, the text part of gemma-3-4b/12b/27b",
            "five sliding-window layers per full attention layer, q/k norms",
-           gguf=GGUFLayout("GEMMA3", norm_plus_one=True)),
+           gguf=GGUFLayout("GEMMA3", norm_plus_one=True, swa_every=6)),
     Family("Gemma 4 (text)", ("gemma4_text",), "the text part of Gemma 4", "sliding-window and full attention "
            "layers of different head sizes", no_gguf="its per-layer head sizes and per-layer input embeddings "
            "need llama.cpp keys this writer does not write yet"),
@@ -129,13 +134,14 @@ FAMILIES: tuple[Family, ...] = (
            gguf=GGUFLayout("OLMOE", fixed=(("norm_topk_prob", False), ("clip_qkv", None)),
                            equal=(("num_key_value_heads", "num_attention_heads"),)), experts=_MOE, methods=_MOE_METHODS),
     Family("gpt-oss", ("gpt_oss",), "gpt-oss-20b, gpt-oss-120b", "sliding-window and full attention, "
-           "alternating, with attention sinks; routed experts (32/128, top-4)", no_gguf="its interleaved expert "
-           "gate/up weights, expert biases and attention sinks are not written in llama.cpp's gpt-oss layout yet",
+           "alternating, with attention sinks; routed experts (32/128, top-4)",
+           gguf=GGUFLayout("GPT_OSS", interleaved_experts=True, yarn=True, swa_every=2, fixed=(("swiglu_limit", 7.0),),
+                           keys=(("add_expert_feed_forward_length", "intermediate_size"),)),
            experts=_MOE, methods=_MOE_METHODS),
     Family("DeepSeek-V2/V3", ("deepseek_v2", "deepseek_v3"), "DeepSeek-V2-Lite, DeepSeek-V3-style models",
            "multi-head latent attention (compressed KV); routed and shared experts after dense first layers",
            experts=_MOE, methods=_MOE_METHODS,
-           gguf=GGUFLayout("DEEPSEEK2", latent_attention=True, expert_gating="SIGMOID", keys=_SHARED_EXPERT_KEYS,
+           gguf=GGUFLayout("DEEPSEEK2", latent_attention=True, yarn=True, expert_gating="SIGMOID", keys=_SHARED_EXPERT_KEYS,
                            fixed=(("rope_interleave", True),))),
     Family("GLM-4-MoE", ("glm4_moe",), "GLM-4.5-Air, GLM-4.5", "full attention; routed and shared experts "
            "after a dense first layer", experts=_MOE, methods=_MOE_METHODS,
