@@ -66,6 +66,15 @@ COMMON_KEYS = ("block_count", "context_length", "embedding_length", "feed_forwar
                "attention.head_count_kv", "attention.layer_norm_rms_epsilon", "rope.freq_base")
 
 
+def test_every_family_written_to_gguf_is_checked():
+    """Here, or in tests/test_export_gguf.py's round trips through transformers (the families written first)."""
+    from finetune.recipe.families import FAMILIES
+    from tests.test_export_gguf import READ_BACK as ROUND_TRIPS
+
+    checked = set(WRITTEN) | set(ROUND_TRIPS)
+    assert [f.name for f in FAMILIES if f.gguf and not checked & set(f.model_types)] == []
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> dict:
     """model_type -> (source model, tokenizer, f32 GGUF path)."""
