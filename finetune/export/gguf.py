@@ -1,9 +1,12 @@
 """Write a (merged) Hugging Face causal LM as one GGUF file for llama.cpp and Ollama.
 
 Tensor names come from the `gguf` package's TensorNameMap, the keys from its GGUFWriter, the quantized blocks
-from gguf.quants; what differs per family (the GGUF architecture, or why a family is not written) is its
-`gguf` entry in the family table (finetune/recipe/families.py), and this module applies the two layout changes
-llama.cpp expects: Llama's rotary q/k rows interleaved per head, and Gemma's norms stored as 1 + weight.
+from gguf.quants; what differs per family (the GGUF architecture and its layout rules, the config values
+llama.cpp hard-codes, extra metadata, or why a family is not written) is its `gguf` entry in the family table
+(finetune/recipe/families.py). This module applies the layout changes llama.cpp's convert_hf_to_gguf.py makes:
+Llama's rotary q/k rows interleaved per head, Gemma's norms stored as 1 + weight, transformers' fused 3-D
+experts split into stacked per-projection tensors (gpt-oss's transposed, interleaved ones too), DeepSeek's
+kv_b_proj split per head, LFM2's convolutions made 2-D.
 """
 
 from __future__ import annotations
@@ -40,21 +43,21 @@ def check_exportable(config: Any) -> GGUFLayout:
         why = family.no_gguf if family is not None else "no model family describes it"
         written = ", ".join(t for f in FAMILIES if f.gguf for t in f.model_types)
         raise UsageError(f"export --format gguf: architecture {config.model_type!r} is not written to GGUF: "
-                            f"{why} (written: {written})", hint="export --format safetensors instead")
+                         f"{why} (written: {written})", hint="export --format safetensors instead")
     if config.model_type == "deepseek_v2":
         raise UsageError("export --format gguf: DeepSeek-V2's softmax router is not written to GGUF yet (DeepSeek-V3-"
                          "style models, with a sigmoid router and its correction bias, are)", hint=CONVERT_HINT)
     for attr, value in arch.fixed:
         if getattr(config, attr, value) != value:
             raise UsageError(f"export --format gguf: this {config.model_type} model has {attr}="
-                                f"{getattr(config, attr)!r}, but llama.cpp's {arch.arch.lower()} architecture "
-                                f"always computes with {value!r}", hint="export --format safetensors instead")
+                             f"{getattr(config, attr)!r}, but llama.cpp's {arch.arch.lower()} architecture "
+                             f"always computes with {value!r}", hint="export --format safetensors instead")
     for one, other in arch.equal:
         if getattr(config, one) != getattr(config, other):
             raise UsageError(f"export --format gguf: this {config.model_type} model has {one}="
-                                f"{getattr(config, one)} and {other}={getattr(config, other)}, but llama.cpp's "
-                                f"{arch.arch.lower()} architecture assumes they are equal",
-                                hint="export --format safetensors instead")
+                             f"{getattr(config, one)} and {other}={getattr(config, other)}, but llama.cpp's "
+                             f"{arch.arch.lower()} architecture assumes they are equal",
+                             hint="export --format safetensors instead")
     window = getattr(config, "sliding_window", None)
     if not arch.sliding_window and window and window < config.max_position_embeddings and "sliding_attention" in (
             getattr(config, "layer_types", None) or ["sliding_attention"]):
@@ -76,11 +79,11 @@ def check_exportable(config: Any) -> GGUFLayout:
     if rope != "default" and not (rope == "linear" and config.model_type == "gemma3_text") and not (
             rope == "yarn" and arch.yarn):
         raise UsageError(f"export --format gguf: rope scaling {rope!r} ({config.model_type}) is not written "
-                            "to GGUF yet (it needs llama.cpp's extra rope tensors)",
-                            hint=CONVERT_HINT)
+                         "to GGUF yet (it needs llama.cpp's extra rope tensors)",
+                         hint=CONVERT_HINT)
     if getattr(config, "query_pre_attn_scalar", None) not in (None, _head_dim(config)):
         raise UsageError(f"export --format gguf: query_pre_attn_scalar {config.query_pre_attn_scalar} differs "
-                            f"from head_dim {_head_dim(config)}; llama.cpp scales attention by head_dim")
+                         f"from head_dim {_head_dim(config)}; llama.cpp scales attention by head_dim")
     return arch
 
 
@@ -133,7 +136,7 @@ def _check_gemma3(config: Any) -> None:
     local = (config.rope_parameters.get("sliding_attention") or {}).get("rope_theta", GEMMA3_LOCAL_ROPE_BASE)
     if local != GEMMA3_LOCAL_ROPE_BASE:
         raise UsageError(f"export --format gguf: Gemma 3 local rotary base {local} differs from llama.cpp's "
-                            f"{GEMMA3_LOCAL_ROPE_BASE:g}", hint="export --format safetensors instead")
+                         f"{GEMMA3_LOCAL_ROPE_BASE:g}", hint="export --format safetensors instead")
 
 
 # llama.cpp's smollm3 leaves rotary position out of every fourth layer, whatever the config says.
@@ -146,8 +149,8 @@ def _check_smollm3(config: Any) -> None:
     pattern = [int((i + 1) % SMOLLM3_NO_ROPE_STEP != 0) for i in range(config.num_hidden_layers)]
     if list(config.no_rope_layers) != pattern or config.use_sliding_window:
         raise UsageError("export --format gguf: this SmolLM3's layers without rotary position (or its sliding "
-                            "window) differ from llama.cpp's (rotary position left out of every fourth layer, no "
-                            "sliding window)", hint="export --format safetensors instead")
+                         "window) differ from llama.cpp's (rotary position left out of every fourth layer, no "
+                         "sliding window)", hint="export --format safetensors instead")
 
 
 def _head_dim(config: Any) -> int:
