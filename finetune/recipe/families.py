@@ -51,6 +51,7 @@ class GGUFLayout:
     # gpt-oss: experts stored [experts, in, out] with the gate and up columns interleaved (gate, up, gate, ...)
     interleaved_experts: bool = False
     yarn: bool = False  # its YaRN rotary is written (checked against llama.cpp's logits for this family)
+    note: str = ""  # what of the family is not written, for docs/models.md
     # llama.cpp's fixed layer pattern: every n-th layer global, the others sliding-window (0: none)
     swa_every: int = 0
 
@@ -142,7 +143,8 @@ FAMILIES: tuple[Family, ...] = (
            "multi-head latent attention (compressed KV); routed and shared experts after dense first layers",
            experts=_MOE, methods=_MOE_METHODS,
            gguf=GGUFLayout("DEEPSEEK2", latent_attention=True, yarn=True, expert_gating="SIGMOID", keys=_SHARED_EXPERT_KEYS,
-                           fixed=(("rope_interleave", True),))),
+                           fixed=(("rope_interleave", True),),
+                           note="DeepSeek-V3-style; DeepSeek-V2's softmax router is refused")),
     Family("GLM-4-MoE", ("glm4_moe",), "GLM-4.5-Air, GLM-4.5", "full attention; routed and shared experts "
            "after a dense first layer", experts=_MOE, methods=_MOE_METHODS,
            gguf=GGUFLayout("GLM4_MOE", expert_gating="SIGMOID", keys=_SHARED_EXPERT_KEYS)),
@@ -201,7 +203,9 @@ def check_config_file(file: Path) -> Family | None:
 
 
 def _gguf_text(f: Family) -> str:
-    return f"yes ({f.gguf.arch.lower()})" if f.gguf else f"no: {f.no_gguf}"
+    if f.gguf is None:
+        return f"no: {f.no_gguf}"
+    return f"yes ({f.gguf.arch.lower()}{'; ' + f.gguf.note if f.gguf.note else ''})"
 
 
 def _offload_text(f: Family) -> str:
