@@ -176,7 +176,7 @@ def _whitespace():
 
 
 @pytest.mark.parametrize(("arch", "message"), [
-    ("lfm2", "architecture 'lfm2' is not written to GGUF: its convolution layers need llama.cpp's shortconv"),
+    ("gemma4_text", "architecture 'gemma4_text' is not written to GGUF: its per-layer head sizes"),
     ("gemma3_text", "sliding-window layers differ from llama.cpp's"),
 ], ids=["family-without-gguf", "gemma3-layer-pattern"])
 def test_what_a_family_cannot_write_is_refused_by_its_reason(tmp_path, arch, message):

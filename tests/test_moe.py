@@ -335,17 +335,6 @@ def test_expert_offload_to_disk_planned_where_ram_is_short(tmp_path):
     assert any(c.kind == "host_ram" and "expert offload to cpu" in c.reason for c in short.rejected)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "mixtral"])
-def test_gguf_export_refuses_moe_in_one_line(tmp_path, arch):
-    from finetune.errors import FinetuneError
-    from finetune.export.gguf import write_gguf
-    from finetune.testing import make_tokenizer
-
-    with pytest.raises(FinetuneError, match="not written to GGUF: its fused 3-D expert weights .*convert_hf_to_gguf"):
-        write_gguf(_tiny_model(arch), make_tokenizer(), tmp_path / "m.gguf")
-    assert not (tmp_path / "m.gguf").exists()
-
-
 def test_expert_offload_keeps_two_layers_and_prefetches_in_the_pass_direction():
     """Two MoE layers hold device copies: the computing one and the one arriving (the next layer in forward,
     the layer below in backward; at either end the one where the next pass starts)."""

@@ -1,9 +1,12 @@
 """Write a (merged) Hugging Face causal LM as one GGUF file for llama.cpp and Ollama.
 
 Tensor names come from the `gguf` package's TensorNameMap, the keys from its GGUFWriter, the quantized blocks
-from gguf.quants; what differs per family (the GGUF architecture, or why a family is not written) is its
-`gguf` entry in the family table (finetune/recipe/families.py), and this module applies the two layout changes
-llama.cpp expects: Llama's rotary q/k rows interleaved per head, and Gemma's norms stored as 1 + weight.
+from gguf.quants; what differs per family (the GGUF architecture and its layout rules, the config values
+llama.cpp hard-codes, extra metadata, or why a family is not written) is its `gguf` entry in the family table
+(finetune/recipe/families.py). This module applies the layout changes llama.cpp's convert_hf_to_gguf.py makes:
+Llama's rotary q/k rows interleaved per head, Gemma's norms stored as 1 + weight, transformers' fused 3-D
+experts split into stacked per-projection tensors (gpt-oss's transposed, interleaved ones too), DeepSeek's
+kv_b_proj split per head, LFM2's convolutions made 2-D.
 """
 
 from __future__ import annotations
@@ -39,18 +42,48 @@ def check_exportable(config: Any) -> GGUFLayout:
     if arch is None:
         why = family.no_gguf if family is not None else "no model family describes it"
         written = ", ".join(t for f in FAMILIES if f.gguf for t in f.model_types)
-        raise FinetuneError(f"export --format gguf: architecture {config.model_type!r} is not written to GGUF: "
-                            f"{why} (written: {written})", hint="export --format safetensors instead")
+        raise UsageError(f"export --format gguf: architecture {config.model_type!r} is not written to GGUF: "
+                         f"{why} (written: {written})", hint="export --format safetensors instead")
+    if config.model_type == "deepseek_v2":
+        raise UsageError("export --format gguf: DeepSeek-V2's softmax router is not written to GGUF yet (DeepSeek-V3-"
+                         "style models, with a sigmoid router and its correction bias, are)", hint=CONVERT_HINT)
+    for attr, value in arch.fixed:
+        if getattr(config, attr, value) != value:
+            raise UsageError(f"export --format gguf: this {config.model_type} model has {attr}="
+                             f"{getattr(config, attr)!r}, but llama.cpp's {arch.arch.lower()} architecture "
+                             f"always computes with {value!r}", hint="export --format safetensors instead")
+    for one, other in arch.equal:
+        if getattr(config, one) != getattr(config, other):
+            raise UsageError(f"export --format gguf: this {config.model_type} model has {one}="
+                             f"{getattr(config, one)} and {other}={getattr(config, other)}, but llama.cpp's "
+                             f"{arch.arch.lower()} architecture assumes they are equal",
+                             hint="export --format safetensors instead")
+    window = getattr(config, "sliding_window", None)
+    if not arch.sliding_window and window and window < config.max_position_embeddings and "sliding_attention" in (
+            getattr(config, "layer_types", None) or ["sliding_attention"]):
+        raise UsageError(f"export --format gguf: this {config.model_type} model attends through a sliding window of "
+                         f"{window} tokens within its {config.max_position_embeddings}-token context, but llama.cpp's "
+                         f"{arch.arch.lower()} architecture attends to the whole context",
+                         hint="export --format safetensors instead")
+    if arch.swa_every and list(config.layer_types) != [
+            "full_attention" if (i + 1) % arch.swa_every == 0 else "sliding_attention"
+            for i in range(config.num_hidden_layers)]:
+        raise UsageError(f"export --format gguf: this {config.model_type} model's sliding-window layers differ from "
+                         f"llama.cpp's ({arch.swa_every - 1} sliding-window layers, then a global one)",
+                         hint="export --format safetensors instead")
     rope = _rope(config).get("rope_type", "default")
     if config.model_type == "gemma3_text":
         _check_gemma3(config)
-    if rope != "default" and not (rope == "linear" and config.model_type == "gemma3_text"):
-        raise FinetuneError(f"export --format gguf: rope scaling {rope!r} ({config.model_type}) is not written "
-                            "to GGUF yet (it needs llama.cpp's extra rope tensors)",
-                            hint=CONVERT_HINT)
+    if config.model_type == "smollm3":
+        _check_smollm3(config)
+    if rope != "default" and not (rope == "linear" and config.model_type == "gemma3_text") and not (
+            rope == "yarn" and arch.yarn):
+        raise UsageError(f"export --format gguf: rope scaling {rope!r} ({config.model_type}) is not written "
+                         "to GGUF yet (it needs llama.cpp's extra rope tensors)",
+                         hint=CONVERT_HINT)
     if getattr(config, "query_pre_attn_scalar", None) not in (None, _head_dim(config)):
-        raise FinetuneError(f"export --format gguf: query_pre_attn_scalar {config.query_pre_attn_scalar} differs "
-                            f"from head_dim {_head_dim(config)}; llama.cpp scales attention by head_dim")
+        raise UsageError(f"export --format gguf: query_pre_attn_scalar {config.query_pre_attn_scalar} differs "
+                         f"from head_dim {_head_dim(config)}; llama.cpp scales attention by head_dim")
     return arch
 
 
@@ -69,10 +102,10 @@ def write_gguf(model: Any, tokenizer: Any, path: Path, *, qtype: str = "f16", na
     writer.add_name(name)
     writer.add_file_type(gguf.LlamaFileType[FILE_TYPES[qtype]])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    _add_hyperparameters(writer, config)
+    _add_hyperparameters(writer, config, arch)
     add_vocab(writer, vocab)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.arch], config.num_hidden_layers)
-    for hf_name, tensor in model.state_dict().items():
+    for hf_name, data in _tensors(model, arch):
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # a tied head is the embedding; readers infer the tie from output.weight's absence
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -80,8 +113,7 @@ def write_gguf(model: Any, tokenizer: Any, path: Path, *, qtype: str = "f16", na
             raise FinetuneError(f"export --format gguf: tensor {hf_name} has no place in llama.cpp's "
                                 f"{arch.arch.lower()} architecture" + (" (its output head is always tied to the "
                                 "embedding)" if hf_name == "lm_head.weight" else ""))
-        data = _layout(arch, config, hf_name, tensor.detach().float().cpu().numpy())
-        writer.add_tensor(gguf_name, *_encode(data, qtype))
+        writer.add_tensor(gguf_name, *_encode(_layout(arch, config, hf_name, data), qtype))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -100,47 +132,141 @@ GEMMA3_LOCAL_ROPE_BASE = 10000.0
 
 
 def _check_gemma3(config: Any) -> None:
-    """Refuse a Gemma 3 whose layer pattern or local rotary base llama.cpp would not reproduce."""
-    pattern = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(config.num_hidden_layers)]
-    if list(config.layer_types) != pattern:
-        raise FinetuneError("export --format gguf: this Gemma 3's sliding-window layers differ from llama.cpp's "
-                            "(five sliding-window layers, then a global one)", hint="export --format safetensors instead")
+    """Refuse a Gemma 3 whose local rotary base llama.cpp would not reproduce."""
     local = (config.rope_parameters.get("sliding_attention") or {}).get("rope_theta", GEMMA3_LOCAL_ROPE_BASE)
     if local != GEMMA3_LOCAL_ROPE_BASE:
-        raise FinetuneError(f"export --format gguf: Gemma 3 local rotary base {local} differs from llama.cpp's "
-                            f"{GEMMA3_LOCAL_ROPE_BASE:g}", hint="export --format safetensors instead")
+        raise UsageError(f"export --format gguf: Gemma 3 local rotary base {local} differs from llama.cpp's "
+                         f"{GEMMA3_LOCAL_ROPE_BASE:g}", hint="export --format safetensors instead")
+
+
+# llama.cpp's smollm3 leaves rotary position out of every fourth layer, whatever the config says.
+SMOLLM3_NO_ROPE_STEP = 4
+
+
+def _check_smollm3(config: Any) -> None:
+    """Refuse a SmolLM3 whose layers without rotary position, or whose sliding window, llama.cpp would not
+    reproduce."""
+    pattern = [int((i + 1) % SMOLLM3_NO_ROPE_STEP != 0) for i in range(config.num_hidden_layers)]
+    if list(config.no_rope_layers) != pattern or config.use_sliding_window:
+        raise UsageError("export --format gguf: this SmolLM3's layers without rotary position (or its sliding "
+                         "window) differ from llama.cpp's (rotary position left out of every fourth layer, no "
+                         "sliding window)", hint="export --format safetensors instead")
 
 
 def _head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _add_hyperparameters(writer: Any, config: Any) -> None:
+def _tensors(model: Any, arch: GGUFLayout) -> Any:
+    """(name, float32 array) of every weight, as llama.cpp's converter names them: transformers' fused 3-D
+    expert parameters (`experts.gate_up_proj` [experts, 2 x ff, hidden], gate rows first, and
+    `experts.down_proj` [experts, hidden, ff], both without a .weight suffix) become the stacked per-projection
+    weights `experts.{gate,up,down}_proj.weight` that map to llama.cpp's ffn_{gate,up,down}_exps; DeepSeek's
+    kv_b_proj [heads x (nope + v), kv rank] becomes k_b_proj [heads, kv rank, nope] and v_b_proj [heads, v, kv
+    rank] (llama.cpp multiplies them into the compressed cache)."""
+    config = model.config
+    for name, tensor in model.state_dict().items():
+        data = tensor.detach().float().cpu().numpy()
+        if arch.latent_attention and name.endswith("kv_b_proj.weight"):
+            nope = config.qk_nope_head_dim
+            per_head = data.reshape(config.num_attention_heads, nope + config.v_head_dim, data.shape[-1])
+            yield name.replace("kv_b_proj", "k_b_proj"), per_head[:, :nope].transpose(0, 2, 1)
+            yield name.replace("kv_b_proj", "v_b_proj"), per_head[:, nope:]
+        elif arch.interleaved_experts and name.endswith(("experts.gate_up_proj", "experts.gate_up_proj_bias")):
+            # gpt-oss: [experts, hidden, 2 x ff] (bias [experts, 2 x ff]), gate and up columns alternating
+            suffix = "bias" if name.endswith("_bias") else "weight"
+            data = data if suffix == "bias" else data.swapaxes(-1, -2)
+            base = name.removesuffix("_bias").removesuffix("gate_up_proj")
+            yield f"{base}gate_proj.{suffix}", data[:, 0::2]
+            yield f"{base}up_proj.{suffix}", data[:, 1::2]
+        elif arch.interleaved_experts and name.endswith("experts.down_proj"):
+            yield f"{name}.weight", data.swapaxes(-1, -2)  # gpt-oss: [experts, ff, hidden]
+        elif name.endswith("experts.gate_up_proj"):
+            half = data.shape[-2] // 2
+            yield name.removesuffix("gate_up_proj") + "gate_proj.weight", data[..., :half, :]
+            yield name.removesuffix("gate_up_proj") + "up_proj.weight", data[..., half:, :]
+        elif name.endswith((".weight", ".bias")):
+            yield name, data
+        elif name.endswith("_bias"):  # a router's e_score_correction_bias: llama.cpp's exp_probs_b.bias
+            yield f"{name.removesuffix('_bias')}.bias", data
+        else:
+            yield f"{name}.weight", data
+
+
+def _feed_forward_length(config: Any) -> int:
+    """The MLP width the weights have: LFM2's config may give it before its own rounding rule."""
+    if not getattr(config, "block_auto_adjust_ff_dim", False):
+        return config.intermediate_size
+    width = int(2 * config.intermediate_size / 3)
+    if config.block_ffn_dim_multiplier is not None:
+        width = int(config.block_ffn_dim_multiplier * width)
+    return config.block_multiple_of * -(-width // config.block_multiple_of)
+
+
+def _first(config: Any, *attrs: str) -> Any:
+    return next((v for a in attrs if (v := getattr(config, a, None)) is not None), None)
+
+
+def _add_hyperparameters(writer: Any, config: Any, arch: GGUFLayout) -> None:
+    import gguf
+
     head_dim = _head_dim(config)
     writer.add_vocab_size(config.vocab_size)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_feed_forward_length(_feed_forward_length(config))
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(int(head_dim * (getattr(config, "partial_rotary_factor", None) or 1.0)))
+    kinds = getattr(config, "layer_types", None) or []
     rope = _rope(config)
+    if arch.latent_attention:  # one compressed KV head: keys [kv rank + rope dims], values [kv rank]
+        writer.add_head_count_kv(1)
+        writer.add_key_length(config.kv_lora_rank + config.qk_rope_head_dim)
+        writer.add_value_length(config.kv_lora_rank)
+        writer.add_key_length_mla(config.qk_nope_head_dim + config.qk_rope_head_dim)
+        writer.add_value_length_mla(config.v_head_dim)
+        writer.add_kv_lora_rank(config.kv_lora_rank)
+        if config.q_lora_rank is not None:
+            writer.add_q_lora_rank(config.q_lora_rank)
+        writer.add_rope_dimension_count(config.qk_rope_head_dim)
+    else:
+        # LFM2: llama.cpp tells its convolution layers by their zero KV heads
+        writer.add_head_count_kv([0 if kind == "conv" else config.num_key_value_heads for kind in kinds]
+                                 if "conv" in kinds else config.num_key_value_heads)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_rope_dimension_count(int(head_dim * (_first(config, "partial_rotary_factor")
+                                                        or rope.get("partial_rotary_factor") or 1.0)))
     writer.add_rope_freq_base(rope["rope_theta"])
     if rope.get("rope_type") == "linear":  # Gemma 3 (4B and larger): its global layers' positions scaled
-        import gguf
-
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if rope.get("rope_type") == "yarn":  # DeepSeek-V3, gpt-oss: long context by YaRN
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        for method, key in (("beta_fast", "beta_fast"), ("beta_slow", "beta_slow"), ("attn_factor", "attention_factor")):
+            if rope.get(key) is not None:
+                getattr(writer, f"add_rope_scaling_yarn_{method}")(rope[key])
+        if rope.get("mscale_all_dim"):
+            writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    writer.add_layer_norm_rms_eps(_first(config, "rms_norm_eps", "norm_eps"))
     if getattr(config, "sliding_window", None):
         writer.add_sliding_window(config.sliding_window)
     if getattr(config, "attn_logit_softcapping", None):
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
     if getattr(config, "final_logit_softcapping", None):
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if experts := _first(config, "num_local_experts", "num_experts", "n_routed_experts"):
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+    if expert_ff := getattr(config, "moe_intermediate_size", None):
+        writer.add_expert_feed_forward_length(expert_ff)
+    if arch.expert_gating:
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType[arch.expert_gating])
+    for method, attr in arch.keys:
+        if (value := getattr(config, attr, None)) is not None:
+            getattr(writer, method)(value)
 
 
 def _layout(arch: GGUFLayout, config: Any, hf_name: str, data: Any) -> Any:
@@ -152,6 +278,8 @@ def _layout(arch: GGUFLayout, config: Any, hf_name: str, data: Any) -> Any:
                 .swapaxes(1, 2).reshape(data.shape))
     if arch.norm_plus_one and hf_name.endswith("norm.weight"):
         return data + 1
+    if hf_name.endswith("conv.conv.weight"):  # LFM2's depthwise convolution [channels, 1, width]: 2-D in llama.cpp
+        return data[:, 0]
     return data
 
 

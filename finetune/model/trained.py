@@ -8,6 +8,7 @@ from pathlib import Path
 
 from finetune.errors import UsageError
 from finetune.export.files import GGUFOptions, write_gguf_export
+from finetune.export.gguf import check_exportable
 from finetune.export.progress import ExportStep
 from finetune.model.load import compute_dtype, load_model, load_tokenizer
 from finetune.publish import pause_point, publishing
@@ -166,6 +167,7 @@ def export_merged(run_dir: str | Path, out_dir: str | Path,
         if gguf is None:
             _write_merged(recipe, run, tmp, step)
         else:
+            _check_gguf_exportable(recipe, run)
             write_gguf_export(*merged_model(recipe, run, step), tmp, gguf, name=run.root.resolve().name,
                               system_prompt=recipe.data.system_prompt, step=step)
         (tmp / EXPORT_MARKER).touch()
@@ -173,6 +175,19 @@ def export_merged(run_dir: str | Path, out_dir: str | Path,
         size = format_bytes(sum(p.stat().st_size for p in files))
         step(3, f"{len(files)} {'GGUF' if gguf else 'safetensors'} file(s), {size} -> {out}")
     return out
+
+
+def _check_gguf_exportable(recipe: Recipe, run: RunDir) -> None:
+    """Refuse, from the config alone, a model the GGUF writer does not write: before minutes of loading and
+    merging, not after."""
+    from transformers import AutoConfig
+
+    from finetune.model.family import text_config
+    from finetune.model.source import resolve_model_path
+
+    folder = run.adapter if recipe.adapter.type == "full" else resolve_model_path(recipe.model.path,
+                                                                                  recipe.model.revision)
+    check_exportable(text_config(AutoConfig.from_pretrained(folder, trust_remote_code=recipe.model.trust_remote_code)))
 
 
 def _write_merged(recipe: Recipe, run: RunDir, tmp: Path, step: Callable[[int, str], None]) -> None:

@@ -34,6 +34,26 @@ class GGUFLayout:
     arch: str  # gguf.MODEL_ARCH member name
     permute_qk: bool = False  # llama.cpp's rotary layout for Llama-family q/k projections
     norm_plus_one: bool = False  # Gemma: RMSNorm scales by (1 + weight); GGUF stores the sum
+    # False: llama.cpp's architecture attends to the whole context, so a sliding window shorter than the context
+    # (Mistral-7B-v0.1's) is refused; one as long as the context (Ministral-8B's) changes nothing.
+    sliding_window: bool = True
+    # Config values llama.cpp hard-codes for this architecture: (config attribute, the value llama.cpp assumes).
+    # A model whose config differs is refused naming the attribute (its GGUF would compute something else).
+    fixed: tuple[tuple[str, Any], ...] = ()
+    # Config attributes llama.cpp assumes equal for this architecture (OLMoE: no grouped-query attention).
+    equal: tuple[tuple[str, str], ...] = ()
+    # Extra metadata: (gguf.GGUFWriter method, config attribute), written where the config sets the attribute.
+    keys: tuple[tuple[str, str], ...] = ()
+    expert_gating: str | None = None  # gguf.ExpertGatingFuncType member of a router that is not a softmax
+    # DeepSeek's multi-head latent attention: kv_b_proj split into llama.cpp's per-head k_b/v_b tensors, the
+    # cache one compressed KV head wide
+    latent_attention: bool = False
+    # gpt-oss: experts stored [experts, in, out] with the gate and up columns interleaved (gate, up, gate, ...)
+    interleaved_experts: bool = False
+    yarn: bool = False  # its YaRN rotary is written (checked against llama.cpp's logits for this family)
+    note: str = ""  # what of the family is not written, for docs/models.md
+    # llama.cpp's fixed layer pattern: every n-th layer global, the others sliding-window (0: none)
+    swa_every: int = 0
 
 
 @dataclass(frozen=True)
@@ -60,59 +80,74 @@ class Family:
         return self.experts is not None
 
 
-_NO_GGUF_CHECK = "transformers cannot read it back, so its GGUF layout is not verified here yet"
 # Mixture-of-experts families: their expert block through finetune/model/moe.py (docs/moe.md).
 _MOE = "finetune.model.moe:moe_block_of"
+_LLAMA = GGUFLayout("LLAMA", permute_qk=True, sliding_window=False)  # llama.cpp runs Mistral's models as Llama
+# DeepSeek-V3-style routing (GLM-4-MoE's too): dense first layers, shared experts, grouped and scaled routing.
+_SHARED_EXPERT_KEYS = (
+    ("add_expert_shared_count", "n_shared_experts"), ("add_leading_dense_block_count", "first_k_dense_replace"),
+    ("add_expert_weights_scale", "routed_scaling_factor"), ("add_expert_weights_norm", "norm_topk_prob"),
+    ("add_expert_group_count", "n_group"), ("add_expert_group_used_count", "topk_group"))
 _MOE_METHODS = ("QLoRA", "LoRA")  # the ones tests/test_moe.py trains (4-bit experts, LoRA beside frozen experts)
-_NO_GGUF_MOE = ("its fused 3-D expert weights are not split into llama.cpp's per-projection expert tensors yet "
-                "(convert the merged safetensors export with llama.cpp's convert_hf_to_gguf.py)")
 
 FAMILIES: tuple[Family, ...] = (
     Family("Llama 3.x", ("llama",), "Llama-3.1-8B, Llama-3.2-1B/3B, Llama-3.3-70B", "full attention",
-           gguf=GGUFLayout("LLAMA", permute_qk=True)),
+           gguf=_LLAMA),
     Family("Mistral", ("mistral",), "Mistral-7B-v0.3, Mistral-Nemo-12B, Mistral-Small-24B", "full attention "
-           "(sliding window where the config sets one)", gguf=GGUFLayout("LLAMA", permute_qk=True)),
+           "(sliding window where the config sets one)", gguf=_LLAMA),
     Family("Ministral", ("ministral",), "Ministral-8B", "sliding-window and full attention layers",
-           no_gguf="its per-layer sliding window has no key in llama.cpp's llama architecture"),
+           gguf=_LLAMA),
     Family("Qwen2.5", ("qwen2",), "Qwen2.5-0.5B ... 72B, Qwen2.5-Coder", "full attention (q/k/v biases)",
            gguf=GGUFLayout("QWEN2")),
     Family("Qwen3", ("qwen3",), "Qwen3-0.6B ... 32B", "full attention with q/k norms", gguf=GGUFLayout("QWEN3")),
     Family("Qwen3.5", ("qwen3_5_text", "qwen3_5"), "Qwen3.5 (its text model; the vision tower is not loaded)",
-           "gated linear attention (Gated DeltaNet) and full attention layers", no_gguf=_NO_GGUF_CHECK,
+           "gated linear attention (Gated DeltaNet) and full attention layers", no_gguf="its Gated DeltaNet layers "
+           "(state, convolution and gate tensors) are not written in llama.cpp's qwen35 layout yet",
            text_of_vision=True),
     Family("Gemma 2", ("gemma2",), "gemma-2-2b/9b/27b", "sliding-window and full attention, alternating; soft-capped "
            "logits", gguf=GGUFLayout("GEMMA2", norm_plus_one=True)),
     Family("Gemma 3 (text)", ("gemma3_text",), "gemma-3-1b, the text part of gemma-3-4b/12b/27b",
            "five sliding-window layers per full attention layer, q/k norms",
-           gguf=GGUFLayout("GEMMA3", norm_plus_one=True)),
+           gguf=GGUFLayout("GEMMA3", norm_plus_one=True, swa_every=6)),
     Family("Gemma 4 (text)", ("gemma4_text",), "the text part of Gemma 4", "sliding-window and full attention "
            "layers of different head sizes", no_gguf="its per-layer head sizes and per-layer input embeddings "
            "need llama.cpp keys this writer does not write yet"),
     Family("Phi-3 / Phi-4", ("phi3",), "Phi-3-mini/medium, Phi-3.5-mini, Phi-4, Phi-4-mini",
            "full attention, fused qkv and gate/up projections", gguf=GGUFLayout("PHI3")),
     Family("SmolLM3", ("smollm3",), "SmolLM3-3B", "full attention, rotary left out every fourth layer",
-           no_gguf=_NO_GGUF_CHECK),
+           gguf=GGUFLayout("SMOLLM3", permute_qk=True)),
     Family("OLMo 2", ("olmo2",), "OLMo-2-1B/7B/13B", "full attention, norms after attention and MLP, q/k norms",
-           no_gguf=_NO_GGUF_CHECK),
+           gguf=GGUFLayout("OLMO2")),
     Family("Granite", ("granite",), "granite-3.x-2b/8b", "full attention, scaled embeddings, residuals and logits",
-           no_gguf=_NO_GGUF_CHECK),
+           gguf=GGUFLayout("GRANITE", permute_qk=True, keys=(
+               ("add_attention_scale", "attention_multiplier"), ("add_embedding_scale", "embedding_multiplier"),
+               ("add_residual_scale", "residual_multiplier"), ("add_logit_scale", "logits_scaling")))),
     Family("LFM2", ("lfm2",), "LFM2-350M/700M/1.2B/2.6B", "hybrid: short gated convolutions and full attention "
-           "layers", no_gguf="its convolution layers need llama.cpp's shortconv keys and per-layer KV head counts, "
-           "which this writer does not write yet"),
+           "layers", gguf=GGUFLayout("LFM2", fixed=(("conv_bias", False),),
+                                                   keys=(("add_shortconv_l_cache", "conv_L_cache"),))),
     Family("Qwen3-MoE", ("qwen3_moe",), "Qwen3-30B-A3B, Qwen3-235B-A22B", "full attention with q/k norms; "
-           "routed experts (128, top-8)", no_gguf=_NO_GGUF_MOE, experts=_MOE, methods=_MOE_METHODS),
+           "routed experts (128, top-8)", experts=_MOE,
+           gguf=GGUFLayout("QWEN3MOE", fixed=(("norm_topk_prob", True), ("decoder_sparse_step", 1),
+                                              ("mlp_only_layers", []))), methods=_MOE_METHODS),
     Family("Mixtral", ("mixtral",), "Mixtral-8x7B, Mixtral-8x22B", "full attention; routed experts (8, top-2)",
-           no_gguf=_NO_GGUF_MOE, experts=_MOE, methods=_MOE_METHODS),
+           gguf=_LLAMA, experts=_MOE, methods=_MOE_METHODS),
     Family("OLMoE", ("olmoe",), "OLMoE-1B-7B", "full attention with q/k norms; routed experts (64, top-8)",
-           no_gguf=_NO_GGUF_MOE, experts=_MOE, methods=_MOE_METHODS),
+           gguf=GGUFLayout("OLMOE", fixed=(("norm_topk_prob", False), ("clip_qkv", None)),
+                           equal=(("num_key_value_heads", "num_attention_heads"),)), experts=_MOE, methods=_MOE_METHODS),
     Family("gpt-oss", ("gpt_oss",), "gpt-oss-20b, gpt-oss-120b", "sliding-window and full attention, "
-           "alternating, with attention sinks; routed experts (32/128, top-4)", no_gguf=_NO_GGUF_MOE,
+           "alternating, with attention sinks; routed experts (32/128, top-4)",
+           gguf=GGUFLayout("GPT_OSS", interleaved_experts=True, yarn=True, swa_every=2, fixed=(("swiglu_limit", 7.0),),
+                           keys=(("add_expert_feed_forward_length", "intermediate_size"),)),
            experts=_MOE, methods=_MOE_METHODS),
     Family("DeepSeek-V2/V3", ("deepseek_v2", "deepseek_v3"), "DeepSeek-V2-Lite, DeepSeek-V3-style models",
            "multi-head latent attention (compressed KV); routed and shared experts after dense first layers",
-           no_gguf=_NO_GGUF_MOE, experts=_MOE, methods=_MOE_METHODS),
+           experts=_MOE, methods=_MOE_METHODS,
+           gguf=GGUFLayout("DEEPSEEK2", latent_attention=True, yarn=True, expert_gating="SIGMOID", keys=_SHARED_EXPERT_KEYS,
+                           fixed=(("rope_interleave", True),),
+                           note="DeepSeek-V3-style; DeepSeek-V2's softmax router is refused")),
     Family("GLM-4-MoE", ("glm4_moe",), "GLM-4.5-Air, GLM-4.5", "full attention; routed and shared experts "
-           "after a dense first layer", no_gguf=_NO_GGUF_MOE, experts=_MOE, methods=_MOE_METHODS),
+           "after a dense first layer", experts=_MOE, methods=_MOE_METHODS,
+           gguf=GGUFLayout("GLM4_MOE", expert_gating="SIGMOID", keys=_SHARED_EXPERT_KEYS)),
 )
 
 # model_types of vision-language configs: refused with their own line (their text part is not split off yet).
@@ -168,7 +203,9 @@ def check_config_file(file: Path) -> Family | None:
 
 
 def _gguf_text(f: Family) -> str:
-    return f"yes ({f.gguf.arch.lower()})" if f.gguf else f"no: {f.no_gguf}"
+    if f.gguf is None:
+        return f"no: {f.no_gguf}"
+    return f"yes ({f.gguf.arch.lower()}{'; ' + f.gguf.note if f.gguf.note else ''})"
 
 
 def _offload_text(f: Family) -> str:
