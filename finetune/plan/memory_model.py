@@ -48,7 +48,7 @@ import torch
 from finetune.memory.chunked_loss import default_chunk_size
 from finetune.optim import gradient_bytes, optimizer_state_bytes
 from finetune.plan.generation import generation_memory
-from finetune.plan.planner import current
+from finetune.plan.planner import DEFAULT, Planner
 from finetune.plan.shapes import kind_variants
 from finetune.plan.trace import ParamInfo, Trace, model_key, param_table_of, real_config, trace_step
 from finetune.recipe.offload_tiers import tier_spec
@@ -123,6 +123,7 @@ class ModelSpec:
     num_generations: int = 0  # training.method grpo: completions per prompt (objective `grpo:...`)
     scoring_passes: int = 0  # grpo: no-grad passes over the completions before training (finetune.rl.step)
     iterations: int = 1  # grpo: updates trained on one generation's completions (grpo.num_iterations)
+    planner: Planner = field(default=DEFAULT, compare=False, repr=False)  # whose caches the traces go to
 
 
 def _block(settings: Settings) -> int:
@@ -170,7 +171,7 @@ def _traces(spec: ModelSpec, settings: Settings, micro_batch: int = 1) -> tuple[
 
     def at(layers: int) -> Trace:
         return _mix([trace_step(config, spec.adapter, spec.dtype, spec.attn, spec.device, micro_batch, spec.seq_len,
-                                layers, every, *layer) for config, _ in variants], weights, every > 0)
+                                layers, every, *layer, planner=spec.planner) for config, _ in variants], weights, every > 0)
 
     return at(la), at(lb)
 
@@ -188,18 +189,18 @@ def _lerp(a: float, b: float, xa: int, xb: int, x: int) -> float:
     return a if xa == xb else a + (b - a) * (x - xa) / (xb - xa)
 
 
-def _param_sums(key: tuple[str, ...], layers: int, bits: int | None, double_quant: bool, optimizer: str,
-                optimizer_json: str, accumulation: int) -> tuple[dict[str, float], int, int]:
+def _param_sums(planner: Planner, key: tuple[str, ...], layers: int, bits: int | None, double_quant: bool,
+                optimizer: str, optimizer_json: str, accumulation: int) -> tuple[dict[str, float], int, int]:
     """Weights, trained weights, optimizer state and gradients of one cut model, its largest trained
     parameter's bytes and largest quantized weight's elements (remembered by the planner: a plan with every
     key on auto asks for the same few combinations hundreds of times)."""
     args = (key, layers, bits, double_quant, optimizer, optimizer_json, accumulation)
-    return current().param_sums.get_or_compute(args, lambda: _sum_params(*args))
+    return planner.param_sums.get_or_compute(args, lambda: _sum_params(planner, *args))
 
 
-def _sum_params(key: tuple[str, ...], layers: int, bits: int | None, double_quant: bool, optimizer: str,
-                optimizer_json: str, accumulation: int) -> tuple[dict[str, float], int, int]:
-    params = param_table_of(key, layers)
+def _sum_params(planner: Planner, key: tuple[str, ...], layers: int, bits: int | None, double_quant: bool,
+                optimizer: str, optimizer_json: str, accumulation: int) -> tuple[dict[str, float], int, int]:
+    params = param_table_of(key, layers, planner)
     # A quantizable 3-D weight holds a MoE block's experts: stored in 4 bits one expert matrix at a time
     # (finetune.model.expert_store), left in 16 bits by 8-bit quantization, dequantized one expert at a time.
     frozen = sum(quantized_weight_bytes(p.numel, p.out_features, bits if p.quantizable and (
@@ -225,9 +226,9 @@ def _whole_parts(spec: ModelSpec, settings: Settings) -> tuple[dict[str, float],
     pb: dict[str, float] = {}
     largest_trained = largest_quant = 0
     for config, weight in _variants(spec, settings):
-        key = model_key(config, spec.adapter, spec.dtype)
+        key = model_key(config, spec.adapter, spec.dtype, spec.planner)
         (a, _, _), (b, trained, quant) = (
-            _param_sums(key, layers, settings.bits, spec.double_quant, settings.optimizer, opt,
+            _param_sums(spec.planner, key, layers, settings.bits, spec.double_quant, settings.optimizer, opt,
                         settings.gradient_accumulation_steps) for layers in (la, lb))
         for k in a:
             pa[k], pb[k] = pa.get(k, 0.0) + weight * a[k], pb.get(k, 0.0) + weight * b[k]
@@ -259,8 +260,8 @@ def _over_layers(spec: ModelSpec, settings: Settings, measure: Callable[[tuple[P
                  ) -> tuple[float, float]:
     """(the whole model's, one layer's) `measure` of the parameter table, from the two cut copies."""
     la, lb = _layer_counts(spec, settings)
-    key = model_key(spec.config, spec.adapter, spec.dtype)
-    a, b = (measure(param_table_of(key, layers)) for layers in (la, lb))
+    key = model_key(spec.config, spec.adapter, spec.dtype, spec.planner)
+    a, b = (measure(param_table_of(key, layers, spec.planner)) for layers in (la, lb))
     return _lerp(a, b, la, lb, spec.num_layers), (b - a) / (lb - la) if lb != la else b / max(lb, 1)
 
 
@@ -379,7 +380,7 @@ def chunked_head_gradient_bytes(spec: ModelSpec, settings: Settings, tokens: int
             spec.config.get_text_config().vocab_size):
         return 0
     la, _ = _layer_counts(spec, settings)
-    params = param_table_of(model_key(spec.config, spec.adapter, spec.dtype), la)
+    params = param_table_of(model_key(spec.config, spec.adapter, spec.dtype, spec.planner), la, spec.planner)
     text = spec.config.get_text_config()
     shape = (text.vocab_size, spec.hidden_size)
     heads = [p for p in params if p.trainable and p.shape == shape]

@@ -23,7 +23,7 @@ from finetune.memory.preference import (
 from finetune.memory.step import autocast_for, enable_checkpointing, mixed_precision, training_step
 from finetune.memory.tracker import MemoryTracker, measure_step
 from finetune.recipe.schema import Recipe
-from finetune.recipe.settings import read_settings
+from finetune.recipe.settings import auto_keys, read_settings
 
 
 def step_setup(recipe: Recipe, **plan_kwargs: Any) -> tuple[Recipe, torch.nn.Module, torch.optim.Optimizer, int]:
@@ -36,7 +36,7 @@ def step_setup(recipe: Recipe, **plan_kwargs: Any) -> tuple[Recipe, torch.nn.Mod
     from finetune.recipe.init_from import resolve_init_from
 
     recipe = resolve_init_from(recipe)
-    if recipe.auto_keys():
+    if auto_keys(recipe):
         from finetune.plan import predict
 
         recipe = predict(recipe, **plan_kwargs).apply(recipe).recipe

@@ -26,6 +26,7 @@ from finetune.recipe.resolved import resolve
 from finetune.recipe.schema import Recipe, max_prompt_tokens
 from finetune.recipe.settings import (
     auto_choices,
+    auto_keys,
     auto_settings,
     format_choices,
     read_settings,
@@ -102,7 +103,7 @@ def _plan(recipe: Recipe) -> tuple[Plan | None, Recipe]:
     `memory.plan: false` (`finetune run --no-plan`) trains without one, and only where every open `auto`
     setting has a plain value that is always safe.
     """
-    auto = recipe.auto_keys()
+    auto = auto_keys(recipe)
     if not recipe.memory.plan:
         open_settings = [s for s in settings_table() if s.key in auto]
         undecided = [s.key for s in open_settings if s.fallback is None]
