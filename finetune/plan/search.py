@@ -18,16 +18,14 @@ from finetune.memory.device_memory import usable_gpu_memory
 from finetune.memory.offload import offload_dir_for
 from finetune.memory.preference import PreferenceLoss, loads_reference_adapter, reference_is_current
 from finetune.model.moe import moe_config
-from finetune.plan.cost_model import figures_of, rollout_of, tokens_per_second
+from finetune.plan.cost_model import figures_of, tokens_per_second
 from finetune.plan.memory_model import (
     ModelSpec,
     expert_weight_bytes,
     managed_state,
     memory_floor,
-    moe_elements,
     predict_memory,
     step_completions,
-    traffic_bytes,
 )
 from finetune.plan.planner import DEFAULT, Planner
 from finetune.plan.shapes import ModelShapes, target_dtype
@@ -292,32 +290,6 @@ def free_disk_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def _speed(spec: ModelSpec, shapes: ModelShapes, settings: Settings, offloaded_bytes: int,
-           bandwidth: dict[str, float] | None, figures: dict[str, float] | None = None) -> float:
-    quantized = shapes.num_layers * shapes.layer_linear if settings.bits else 0
-    params, fetched = shapes.total, 0.0
-    moe = moe_config(spec.config)
-    if moe is not None:  # a token computes top_k of the experts; a batch of tokens touches them all
-        total, experts = moe_elements(spec, settings)
-        params = int(total - experts * (1 - moe.top_k / moe.num_experts))
-        quantized += int(experts) if settings.bits == 4 else 0
-        fetched = expert_weight_bytes(spec, settings)[0] if settings.offload_experts else 0.0
-    return tokens_per_second(
-        settings, device=spec.device, params=params, trainable_full=spec.adapter.type == "full",
-        offloaded_experts=fetched,
-        num_layers=spec.num_layers, hidden=spec.hidden_size, seq_len=spec.seq_len, quantized_params=quantized,
-        offloaded_bytes=offloaded_bytes, dtype_bytes=spec.dtype.itemsize,
-        mlp_params=shapes.num_layers * shapes.mlp_linear, mlp_chunk_tokens=spec.tiled_mlp_tokens, bandwidth=bandwidth,
-        world_size=spec.world_size, traffic=traffic_bytes(spec, settings), interconnect=spec.interconnect_bandwidth,
-        rows_per_example=spec.rows_per_example, reference_forward=_reference_in_step(spec.objective),
-        figures=figures, rollout=rollout_of(spec, settings))
-
-
-def _reference_in_step(objective: str) -> bool:
-    loss = PreferenceLoss.of_objective(objective)
-    return loss is not None and loss.reference_in_step
-
-
 def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, free: dict[str, int] | None = None,
              bandwidth: dict[str, float] | None = None, figures: dict[str, float] | None = None) -> Candidate:
     """Predict memory and speed of one configuration; offload beyond the free space its tier's bytes live in
@@ -325,7 +297,8 @@ def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, free: dic
     optimizer's managed state that, with a cpu tier's tensors, exceeds free host RAM. `figures`: the device's
     speed figures (cost_model.figures_of; default its constants)."""
     pred = predict_memory(spec, settings)
-    tps = _speed(spec, shapes, settings, pred.offloaded_bytes, bandwidth, figures)
+    tps = tokens_per_second(spec, shapes, settings, offloaded_bytes=pred.offloaded_bytes, bandwidth=bandwidth,
+                            figures=figures)
     cand = Candidate(asdict(settings), pred.peak_bytes, pred.breakdown, tps,
                      communication_bytes=pred.communication_bytes, reference_pass_bytes=pred.reference_pass_bytes,
                      managed_bytes=pred.managed_bytes, generation_bytes=pred.generation_bytes,
@@ -392,7 +365,8 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
             # Dominance: without checkpointing every layer keeps what a checkpointed run recomputes for one.
             pruned.append((over[with_ckpt], st))
         elif st.tiled_mlp and (replace(st, tiled_mlp=False) in fits_untiled
-                               or _score_of(st.optimizer, _speed(spec, shapes, st, 0, bandwidth, figures))
+                               or _score_of(st.optimizer, tokens_per_second(spec, shapes, st, bandwidth=bandwidth,
+                                                                                  figures=figures))
                                <= best_score.get(st.micro_batch_size, 0.0)):
             # Tiling only buys memory: skip it (and its traces) where the plain MLP fits, or where even with
             # free transfers it cannot beat a configuration of its micro-batch that already fits (each
