@@ -105,7 +105,7 @@ def stream_reply(model, tokenizer, messages: list[Message], *, system: str | Non
 
 
 def generate(model, tokenizer, prompt: str, *, max_new_tokens: int = 128, system: str | None = None) -> str:
-    """Greedy answer to one user prompt: a one-turn chat (finetune.model.chat)."""
+    """Greedy answer to one user prompt: a one-turn chat (`finetune generate`, `compare`, `compare_runs`)."""
     return stream_reply(model, tokenizer, [{"role": "user", "content": prompt}], system=system,
                         max_new_tokens=max_new_tokens)
 
