@@ -2,7 +2,8 @@
 
 Modules: `read` (files -> records with locations), `formats` (detection and normalisation to chat messages
 or text), `chat` (templates, tokenization, assistant-only loss masks), `packing` (TRL packing and collators),
-`build` (the pipeline and its counts).
+`build` (the pipeline and its counts), `prompts` (GRPO's prompt-only records), `bundle` (what both
+builds share: the `DataBundle`, the seeded sample and split, the refusal of malformed records).
 """
 
 from finetune.data.build import DataBundle, build_datasets, preview

@@ -31,7 +31,7 @@ P = TypeVar("P", bound=Placed)
 class DataBundle:
     """What training needs from the data: datasets, a collator and counts for logs and the planner."""
 
-    train: Any  # datasets.Dataset: input_ids, labels (+ position_ids when packed; preference: see above)
+    train: Any  # datasets.Dataset: input_ids, labels (+ position_ids when packed; preference: finetune.data.build)
     eval: Any | None
     stats: dict[str, Any]
     collator: Callable[[list[dict[str, Any]]], dict[str, Any]]
