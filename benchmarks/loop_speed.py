@@ -66,14 +66,15 @@ def child_finetune(cfg: dict) -> dict:
     """`finetune run` from the tree on PYTHONPATH; each metrics row stamped as it is written."""
     import finetune
     from finetune import api
+    from finetune.recipe.settings import auto_keys
     from finetune.rundir import RunDir
 
     tree = Path(os.environ["PYTHONPATH"]).resolve()
     if not Path(finetune.__file__).resolve().is_relative_to(tree):
         raise SystemExit(f"imported finetune from {finetune.__file__}, not from the tree {tree}")
     recipe = api.load_recipe(cfg["recipe"], overrides(cfg))
-    if recipe.auto_keys():
-        raise SystemExit(f"the recipe still has auto keys {recipe.auto_keys()}: give them values with --set")
+    if auto_keys(recipe):
+        raise SystemExit(f"the recipe still has auto keys {auto_keys(recipe)}: give them values with --set")
     stamps: list[dict] = []
     write = RunDir.append_metrics
 

@@ -130,7 +130,7 @@ def apply_goal(recipe: Recipe, goal: str) -> Recipe:
     """`recipe` with the values of a newcomer's goal (finetune/recipe/goals.py: quick test, best quality,
     longest context) written over it. With adapter.init_from the goal's adapter shape is left out: the saved
     adapter's shape is the one trained on."""
-    from finetune.recipe.init_from import SHAPE_KEYS
+    from finetune.recipe.schema import SHAPE_KEYS
 
     data = recipe_data(recipe)
     for key, value in goal_values(goal).items():
@@ -610,7 +610,7 @@ def launch(recipe: Recipe, argv: list[str], gpus: int, *, resume: bool = False, 
 
 def generate(run_dir: str | Path, prompt: str, *, max_new_tokens: int = 128, use_adapter: bool = True) -> str:
     """Answer `prompt` with the run's model (or its base model with use_adapter=False)."""
-    from finetune.model.trained import generate as _generate
+    from finetune.model.chat import generate as _generate
     from finetune.model.trained import load_trained
 
     model, tokenizer = load_trained(run_dir, use_adapter=use_adapter)
@@ -619,7 +619,7 @@ def generate(run_dir: str | Path, prompt: str, *, max_new_tokens: int = 128, use
 
 def compare(run_dir: str | Path, prompt: str, *, max_new_tokens: int = 128) -> tuple[str, str]:
     """(base model's answer, fine-tuned answer) to the same prompt; the model is loaded once."""
-    from finetune.model.trained import generate as _generate
+    from finetune.model.chat import generate as _generate
     from finetune.model.trained import load_trained
 
     model, tokenizer = load_trained(run_dir)
@@ -645,7 +645,7 @@ def compare_runs(run_dirs: list[str | Path], prompt: str, *, max_new_tokens: int
     a DPO run trained after it), all from one loaded base with the runs' LoRA adapters switched in turn.
     `parents`: a run started from another run's adapter (adapter.init_from) brings that run in before it,
     labelled "NAME (start of CHILD)", so a DPO run alone shows base, SFT and DPO."""
-    from finetune.model.trained import generate as _generate
+    from finetune.model.chat import generate as _generate
     from finetune.model.trained import load_adapters
 
     runs = lineage(run_dirs) if parents else [(Path(d), Path(d).name) for d in run_dirs]

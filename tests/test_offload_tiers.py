@@ -3,6 +3,8 @@ the real ones (adding a tier is one table entry and its class)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from offload_fake import RecordingTier, register, tier_entry
@@ -13,6 +15,8 @@ from finetune.memory.offload_tier import OffloadTier, SpillChain, StoredTensor, 
 from finetune.plan import predict
 from finetune.plan.cost_model import LINK_BYTES_PER_S, tokens_per_second
 from finetune.plan.memory_model import Settings
+from finetune.plan.search import model_spec
+from finetune.plan.trace import model_facts, planned_config
 from finetune.recipe import offload_tiers
 from finetune.recipe.offload_tiers import chain_names
 from finetune.recipe.schema import MemoryConfig, Recipe
@@ -185,13 +189,17 @@ def test_cost_model_prices_a_tier_by_its_link_and_overhead(monkeypatch):
              tier_entry("fake_disk_like", link="disk", overhead=0.03))
     measured = {"disk": 1e8, "host_device": 1e12}
 
+    path = str(Path(__file__).parent / "fixtures" / "configs" / "llama-3.2-1b.json")  # 1.2 B, 16 layers, 2048 wide
+    config = planned_config(path)
+    recipe = Recipe.model_validate({"model": {"path": path, "dtype": "bf16"}, "quantization": {"bits": None},
+                                    "data": {"path": "unused.jsonl", "max_seq_len": 4096}, "adapter": {"type": "lora"}})
+
     def speed(tier: str, device: str = "cuda") -> float:
         settings = Settings(micro_batch_size=1, gradient_accumulation_steps=1, activation_checkpointing=False,
                             checkpoint_every_n_layers=1, offload=tier, chunked_loss=False, bits=None,
                             optimizer="adamw")
-        return tokens_per_second(settings, device=device, params=10**9, trainable_full=False, num_layers=16,
-                                 hidden=2048, seq_len=4096, quantized_params=0, offloaded_bytes=8 << 30,
-                                 dtype_bytes=2, bandwidth=measured)
+        return tokens_per_second(model_spec(recipe, config, device), model_facts(config, "sdpa")[0], settings,
+                                 offloaded_bytes=8 << 30, bandwidth=measured)
 
     assert speed("fake_disk") < 0.5 * speed("fake_pcie")  # 8 GiB each way at 100 MB/s vs 1 TB/s
     assert speed("fake_pcie") == pytest.approx(speed("none"))  # hidden behind compute, no overhead

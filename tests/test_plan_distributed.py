@@ -12,6 +12,7 @@ from run_support import SAMPLE_DATA
 
 from finetune.plan import predict
 from finetune.recipe.schema import Recipe
+from finetune.recipe.settings import auto_keys
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 GIB = 2**30
@@ -103,7 +104,7 @@ def test_auto_strategy_skips_what_would_be_refused_and_one_process_writes_none()
     galore = _recipe("qwen2.5-0.5b", 2, "auto", optimizer={"name": "galore"}, adapter={"type": "lora"})
     assert predict(galore, gpu_memory="24GiB").settings["strategy"] == "ddp"  # projected state: no shards
     single = _recipe("qwen2.5-0.5b", 1, "auto", adapter={"type": "lora"})
-    assert "distributed.strategy" not in single.auto_keys()  # one process: nothing to distribute
+    assert "distributed.strategy" not in auto_keys(single)  # one process: nothing to distribute
     plan = predict(single, gpu_memory="24GiB")
     assert plan.apply(single).recipe.distributed.strategy == "auto" and plan.world_size == 1
 

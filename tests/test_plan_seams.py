@@ -67,15 +67,15 @@ def counted_traces(monkeypatch):
 
 def test_clear_empties_the_planner_and_the_next_plan_traces_again(tiny_model_dir, counted_traces):
     planner, recipe = Planner(), _recipe(tiny_model_dir)
-    first = planner.predict(recipe, gpu_memory="1GiB", device="cpu")
+    first = predict(recipe, gpu_memory="1GiB", device="cpu", planner=planner)
     traces = counted_traces.count("trace")
     assert traces > 0 and planner.held() > 0 and len(planner.traces) == traces
     held_by_default = DEFAULT_PLANNER.held()
-    assert planner.predict(recipe, gpu_memory="1GiB", device="cpu") == first
+    assert predict(recipe, gpu_memory="1GiB", device="cpu", planner=planner) == first
     assert counted_traces.count("trace") == traces, "the second plan comes from the planner's memory"
     planner.clear()
     assert planner.held() == 0
-    assert planner.predict(recipe, gpu_memory="1GiB", device="cpu") == first
+    assert predict(recipe, gpu_memory="1GiB", device="cpu", planner=planner) == first
     assert counted_traces.count("trace") == 2 * traces, "after clear() every trace is computed again"
     assert DEFAULT_PLANNER.held() == held_by_default, "a planner of its own leaves the default's caches alone"
 

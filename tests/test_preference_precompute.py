@@ -5,6 +5,7 @@ recomputation on --resume, a plan without the reference forward, and a speed est
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -190,15 +191,25 @@ def test_speed_estimate_counts_the_pairs_and_the_reference_forward(tiny_model_di
     api.speed_estimate shows)."""
     from finetune.plan import predict
     from finetune.plan.cost_model import tokens_per_second
+    from finetune.plan.search import model_spec
+    from finetune.plan.trace import model_facts, planned_config
     from finetune.recipe.settings import Settings
 
     settings = Settings(2, 1, True, 1, "none", True, 4, "adamw", False)
-    common = dict(device="cuda", params=8 * 10**9, trainable_full=False, num_layers=32, hidden=4096, seq_len=1024,
-                  quantized_params=7 * 10**9, offloaded_bytes=0, dtype_bytes=2)
-    sft = tokens_per_second(settings, **common)
-    dpo = tokens_per_second(settings, **common, rows_per_example=2, reference_forward=True)
-    precomputed = tokens_per_second(settings, **common, rows_per_example=2)
-    kto = tokens_per_second(settings, **common, reference_forward=True)
+    path = str(Path(__file__).parent / "fixtures" / "configs" / "llama-3.1-8b.json")
+    config = planned_config(path)
+    shapes = model_facts(config, "sdpa")[0]
+
+    def estimated(**training) -> float:
+        recipe = Recipe.model_validate({
+            "model": {"path": path, "dtype": "bf16"}, "data": {"path": "unused.jsonl", "max_seq_len": 1024},
+            "adapter": {"type": "lora"}, "quantization": {"bits": 4}, "training": training})
+        return tokens_per_second(model_spec(recipe, config, "cuda"), shapes, settings)
+
+    sft = estimated()
+    dpo = estimated(method="dpo")
+    precomputed = estimated(method="dpo", precompute_reference=True)
+    kto = estimated(method="kto")
     assert dpo < precomputed < sft and kto < sft
 
     def planned(training: dict) -> float:

@@ -11,6 +11,7 @@ import pytest
 from finetune import api
 from finetune.recipe.goals import GOALS
 from finetune.recipe.schema import Recipe
+from finetune.recipe.settings import auto_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "tests" / "fixtures" / "configs"
@@ -62,7 +63,7 @@ def test_every_recipe_validates_and_plans_to_fit_its_gpu(entry):
         assert plan.device == "cuda" and plan.budget_bytes == gib * GIB - recipe.memory.gpu_memory_margin
     assert plan.fits, f"{entry['name']} needs {plan.min_budget_bytes} bytes, written for {gib or 24} GB"
     resolved = plan.apply(recipe).recipe
-    assert not resolved.auto_keys()
+    assert not auto_keys(resolved)
 
 
 @pytest.mark.parametrize("goal", list(GOALS))

@@ -69,7 +69,7 @@ def test_every_auto_key_of_the_schema_is_planned_or_said_to_be_someone_elses():
     sections["distributed"]["gpus"] = 2  # distributed.strategy is planned only with several processes
     everything_auto = _recipe(**sections)
     generating = {"grpo.generation_batch_size"}  # planned only with training.method grpo
-    assert set(everything_auto.auto_keys()) == planned - generating == set(auto_keys(everything_auto))
+    assert set(auto_keys(everything_auto)) == planned - generating == set(auto_keys(everything_auto))
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -101,7 +101,7 @@ def test_a_concrete_settings_row_round_trips():
                       tiled_mlp=True)
     recipe = write_settings(_recipe(), dataclasses.asdict(chosen))
     assert Settings(**read_settings(recipe)) == chosen
-    assert recipe.auto_keys() == []
+    assert auto_keys(recipe) == []
 
 
 def test_the_search_enumerates_the_auto_values_of_exactly_the_auto_settings():
@@ -138,7 +138,7 @@ def test_a_new_row_reaches_plan_apply_and_resume(monkeypatch):
     assert keep_resolved(recipe, saved).model.dtype == "auto"
 
     monkeypatch.setattr(table_module, "Settings", Wider)
-    assert "model.dtype" in recipe.auto_keys()
+    assert "model.dtype" in auto_keys(recipe)
     assert _fake_plan({**chosen, "dtype": "fp16"}).apply(recipe).recipe.model.dtype == "fp16"
     assert keep_resolved(recipe, saved).model.dtype == "bf16"
 
@@ -187,7 +187,7 @@ def test_a_plan_that_cannot_be_made_stops_the_run_unless_skipped_on_purpose(monk
         run_module._plan(_recipe(memory={"chunked_loss": "auto", "tiled_mlp": "auto"}))
     assert "--no-plan" in str(err.value)
     plan, resolved = run_module._plan(_recipe(memory={"chunked_loss": "auto", "tiled_mlp": "auto", "plan": False}))
-    assert plan is None and resolved.auto_keys() == []
+    assert plan is None and auto_keys(resolved) == []
     assert (resolved.memory.chunked_loss, resolved.memory.tiled_mlp) == (False, False)
     with pytest.raises(RecipeError, match="training.micro_batch_size"):
         run_module._plan(_recipe(training={"micro_batch_size": "auto"}, memory={"plan": False}))

@@ -20,6 +20,7 @@ from pydantic.fields import FieldInfo
 from finetune.errors import RecipeError
 from finetune.recipe import init_from
 from finetune.recipe.load import iter_fields, load_yaml
+from finetune.recipe.schema import SHAPE_KEYS
 from finetune.recipe.settings import table
 
 Kind = Literal["checkbox", "number", "dropdown", "text", "bytes", "yaml"]
@@ -200,14 +201,14 @@ def format_size(n: int) -> str:
 def values_to_dict(specs: list[FieldSpec], values: list[Any]) -> dict[str, Any]:
     """Widget values (in spec order) -> the nested recipe mapping the CLI would read from YAML.
 
-    Every widget shows a value, but with adapter.init_from set the adapter's shape keys (init_from.SHAPE_KEYS:
+    Every widget shows a value, but with adapter.init_from set the adapter's shape keys (schema.SHAPE_KEYS:
     r, alpha, ...) still at the schema's default are left out, as a YAML recipe would leave them: the saved
     adapter's shape fills them, while a default written out would be a different shape, refused."""
     read = [(spec, from_widget(spec, raw)) for spec, raw in zip(specs, values, strict=True)]
     starts = any(spec.key == init_from.KEY and value not in (None, _OMIT) for spec, value in read)
     data: dict[str, Any] = {}
     for spec, value in read:
-        if value is _OMIT or (starts and spec.section == "adapter" and spec.name in init_from.SHAPE_KEYS
+        if value is _OMIT or (starts and spec.section == "adapter" and spec.name in SHAPE_KEYS
                               and value == spec.default):
             continue
         node = data

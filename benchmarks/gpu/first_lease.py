@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from benchmarks.gpu import configs
+from benchmarks.gpu.memory import empty_host_cache
 
 if TYPE_CHECKING:
-    from benchmarks.gpu.suite import Suite
-    from finetune.model.load import LoadedModel
+    pass
 
 HERE = Path(__file__).resolve().parent
 FIXTURES = HERE.parents[1] / "tests" / "fixtures" / "configs"
@@ -214,121 +214,6 @@ def plan_table(priced: list[tuple[Row, float]], limit: float = WORK_LIMIT_S) -> 
 
 
 # --- running it ----------------------------------------------------------------------------------------------
-def run_first_lease(suite: Suite, priced: list[tuple[Row, float]]) -> None:
-    """Print the plan (check_plan's), then run each row not measured yet, in order, while its estimate (scaled
-    by measured/estimated so far) still ends before the suite's time limit. The environment check runs every
-    call (each may be a fresh machine) and stops the call when a carried package is not what is imported."""
-    from benchmarks.gpu.suite import TimeUp, release
-
-    print(plan_table(priced), flush=True)
-    suite.results.data["first_lease_plan"] = [{"name": r.name, "stage": r.stage, "estimated_s": round(s, 1)}
-                                              for r, s in priced]
-    pace = Pace()
-    base: LoadedModel | None = None
-    try:
-        for i, (row, seconds) in enumerate(priced):
-            if row.kind == "env":
-                suite.stage_env()
-                continue
-            pending = [r for r, _ in priced[i:] if r.kind != "load" and _pending(suite, r)]
-            if row.kind == "load" and not pending:  # every row that needs the model is measured
-                break
-            if not pending or pending[0] is not row and row.kind != "load":
-                continue
-            if not pace.fits(suite, seconds):
-                _stop(suite, priced[i:], pending)
-                return
-            if base is not None and row.cfg.get("model") != LARGE:  # its peak must not count the 8B weights
-                base = None
-                release()
-            suite.start_attempt(row.stage, row.name)
-            started = time.time()
-            try:
-                base, out = _load(suite, row) if row.kind == "load" else (base, _run_row(suite, row, base))
-            except TimeUp:  # a max-context probe would end too late: the probes so far are saved
-                _stop(suite, priced[i:], pending)
-                return
-            suite.put(row.stage, {**out, "estimated_s": round(seconds, 1)})
-            pace.add(seconds, time.time() - started)
-    finally:
-        base = None
-        suite.summarize_a()
-    for stage in ("a", "b", "c"):
-        suite.results.set_stage(stage, "done: the --first-lease rows")
-    print("first lease: every row measured; no second call needed", flush=True)
-
-
-def _stop(suite: Suite, rest: list[tuple[Row, float]], pending: list[Row]) -> None:
-    """Out of time: the stages with rows left are partial, and the log says what a second call would take."""
-    for stage in {r.stage for r in pending}:
-        suite.results.set_stage(stage, "partial: time limit reached, call again with the same OUT_DIR")
-    left = sum(s for r, s in rest if r in pending or r.kind == "load")
-    print(f"first lease: {len(pending)} rows left, estimated {left:.0f} s: a second call with "
-          f"--time-limit of at least {left + 60:.0f} s measures them", flush=True)
-
-
-def _pending(suite: Suite, row: Row) -> bool:
-    """Whether the row is still to measure: not saved yet, or saved with a result measured again (suite.again)."""
-    from benchmarks.gpu.suite import again
-
-    done = suite.results.row(row.stage, row.name)
-    return done is None or again(done)
-
-
-class Pace:
-    """How the rows so far compared with their estimates: a row starts only if estimate x ratio still ends in
-    time (ratio 1 until a row has run)."""
-
-    def __init__(self) -> None:
-        self.estimated = self.measured = 0.0
-
-    def add(self, estimated: float, measured: float) -> None:
-        self.estimated += estimated
-        self.measured += measured
-
-    def fits(self, suite: Suite, estimated: float) -> bool:
-        ratio = self.measured / self.estimated if self.estimated else 1.0
-        return time.time() - suite.start + estimated * ratio < suite.time_limit
-
-
-def _load(suite: Suite, row: Row) -> tuple[LoadedModel | None, dict[str, Any]]:
-    """The 8B model loaded once (finetune.api.load_base), the row its seconds and what it holds on the device."""
-    from benchmarks.gpu.suite import error_record, release
-    from finetune.api import load_base
-
-    release()
-    recipe = suite.recipe(row.cfg, 3, suite.work / "run")
-    started = time.time()
-    out: dict[str, Any] = {"name": row.name, "status": "ok"}
-    base = None
-    try:
-        base = load_base(recipe)
-        if torch.cuda.is_available():
-            out["allocated_bytes"] = int(torch.cuda.memory_allocated())
-    except Exception as exc:  # the rows after it then load nothing and report the error
-        out.update(error_record(exc))
-    out["seconds"] = round(time.time() - started, 1)
-    return base, out
-
-
-def _run_row(suite: Suite, row: Row, base: LoadedModel | None) -> dict[str, Any]:
-    """One row of kind train, moe, speed or max_context, with its own seconds."""
-    started = time.time()
-    lent = base if row.cfg.get("model") == LARGE else None
-    if row.kind == "moe" and not row.cfg:
-        out: dict[str, Any] = {"name": row.name, "status": f"skipped: {MOE_SKIP}"}
-    elif row.cfg.get("model") == LARGE and base is None:
-        out = {"name": row.name, "status": "error", "error_kind": "error",
-               "error": f"{LARGE} did not load (see its row in env)"}
-    elif row.kind == "speed":
-        out = suite.speed_row(row.cfg, 3 if suite.cpu else SPEED_STEPS, ("hf_peft",), base=lent)
-    elif row.kind == "max_context":
-        out = {"name": row.name, "status": "done", **suite.max_context(row.name, BUDGET_GB, lent, PROBES)}
-    else:
-        out = suite.row_a(row.cfg, base=lent)
-    return {**out, "seconds": round(time.time() - started, 1)}
-
-
 # --- the environment check -----------------------------------------------------------------------------------
 def carried_pins(script: Path = HERE / "wheels.sh") -> dict[str, str]:
     """The packages wheels.sh carries to the GPU machine, with their pinned versions (its PACKAGES block)."""
@@ -448,8 +333,6 @@ def _host_cache(cuda: bool) -> str:
     """The pinned host cache can be emptied between probes (suite.release)."""
     if not cuda:
         return "no CUDA"
-    from benchmarks.gpu.suite import empty_host_cache
-
     pinned = torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)
     del pinned
     empty_host_cache()

@@ -17,7 +17,6 @@ with), oom or error; with error_kind, the error's text and every out-of-memory e
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import random
 import shutil
@@ -31,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from benchmarks.gpu import configs
+from benchmarks.gpu import configs, first_lease
+from benchmarks.gpu.memory import release
 from benchmarks.gpu.results import Results
 from finetune.recipe.schema import Recipe
 from finetune.rundir import RunDir
@@ -383,9 +383,7 @@ class Suite:
 
     def stage_env(self) -> None:
         """Every call (each may be a fresh machine), whatever the time: it takes seconds."""
-        from benchmarks.gpu.first_lease import environment_row
-
-        row = {"name": "environment", **environment_row(self.results.data["versions"])}
+        row = {"name": "environment", **first_lease.environment_row(self.results.data["versions"])}
         self.put("env", row)
         self.results.set_stage("env", "done")
         if row["checks"]["carried versions"].startswith("error"):  # nothing measured after this would mean much
@@ -510,19 +508,117 @@ def _initial_plan(recipe: Recipe) -> dict[str, Any] | None:
         return None
 
 
-def release() -> None:
-    """Free what the last run left: Python garbage, the allocator's cache and the pinned host buffers
-    (offload's staging), so no run's memory counts in the next one's peak."""
-    gc.collect()
-    if CUDA:
-        torch.cuda.empty_cache()
-        empty_host_cache()
-        torch.cuda.reset_peak_memory_stats()
+# --- the first lease's rows (benchmarks/gpu/first_lease.py prices them), run in order ----------------------
 
 
-def empty_host_cache() -> None:
-    """Release the pinned host buffers torch caches (torch.accelerator's call where this torch has it)."""
-    (getattr(torch.accelerator, "empty_host_cache", None) or torch._C._host_emptyCache)()
+def run_first_lease(suite: Suite, priced: list[tuple[first_lease.Row, float]]) -> None:
+    """Print the plan (check_plan's), then run each row not measured yet, in order, while its estimate (scaled
+    by measured/estimated so far) still ends before the suite's time limit. The environment check runs every
+    call (each may be a fresh machine) and stops the call when a carried package is not what is imported."""
+    print(first_lease.plan_table(priced), flush=True)
+    suite.results.data["first_lease_plan"] = [{"name": r.name, "stage": r.stage, "estimated_s": round(s, 1)}
+                                              for r, s in priced]
+    pace = Pace()
+    base: LoadedModel | None = None
+    try:
+        for i, (row, seconds) in enumerate(priced):
+            if row.kind == "env":
+                suite.stage_env()
+                continue
+            pending = [r for r, _ in priced[i:] if r.kind != "load" and _pending(suite, r)]
+            if row.kind == "load" and not pending:  # every row that needs the model is measured
+                break
+            if not pending or pending[0] is not row and row.kind != "load":
+                continue
+            if not pace.fits(suite, seconds):
+                _stop(suite, priced[i:], pending)
+                return
+            if base is not None and row.cfg.get("model") != first_lease.LARGE:  # its peak must not count the 8B weights
+                base = None
+                release()
+            suite.start_attempt(row.stage, row.name)
+            started = time.time()
+            try:
+                base, out = _load(suite, row) if row.kind == "load" else (base, _run_row(suite, row, base))
+            except TimeUp:  # a max-context probe would end too late: the probes so far are saved
+                _stop(suite, priced[i:], pending)
+                return
+            suite.put(row.stage, {**out, "estimated_s": round(seconds, 1)})
+            pace.add(seconds, time.time() - started)
+    finally:
+        base = None
+        suite.summarize_a()
+    for stage in ("a", "b", "c"):
+        suite.results.set_stage(stage, "done: the --first-lease rows")
+    print("first lease: every row measured; no second call needed", flush=True)
+
+
+def _stop(suite: Suite, rest: list[tuple[first_lease.Row, float]], pending: list[first_lease.Row]) -> None:
+    """Out of time: the stages with rows left are partial, and the log says what a second call would take."""
+    for stage in {r.stage for r in pending}:
+        suite.results.set_stage(stage, "partial: time limit reached, call again with the same OUT_DIR")
+    left = sum(s for r, s in rest if r in pending or r.kind == "load")
+    print(f"first lease: {len(pending)} rows left, estimated {left:.0f} s: a second call with "
+          f"--time-limit of at least {left + 60:.0f} s measures them", flush=True)
+
+
+def _pending(suite: Suite, row: first_lease.Row) -> bool:
+    """Whether the row is still to measure: not saved yet, or saved with a result measured again (suite.again)."""
+    done = suite.results.row(row.stage, row.name)
+    return done is None or again(done)
+
+
+class Pace:
+    """How the rows so far compared with their estimates: a row starts only if estimate x ratio still ends in
+    time (ratio 1 until a row has run)."""
+
+    def __init__(self) -> None:
+        self.estimated = self.measured = 0.0
+
+    def add(self, estimated: float, measured: float) -> None:
+        self.estimated += estimated
+        self.measured += measured
+
+    def fits(self, suite: Suite, estimated: float) -> bool:
+        ratio = self.measured / self.estimated if self.estimated else 1.0
+        return time.time() - suite.start + estimated * ratio < suite.time_limit
+
+
+def _load(suite: Suite, row: first_lease.Row) -> tuple[LoadedModel | None, dict[str, Any]]:
+    """The 8B model loaded once (finetune.api.load_base), the row its seconds and what it holds on the device."""
+    from finetune.api import load_base
+
+    release()
+    recipe = suite.recipe(row.cfg, 3, suite.work / "run")
+    started = time.time()
+    out: dict[str, Any] = {"name": row.name, "status": "ok"}
+    base = None
+    try:
+        base = load_base(recipe)
+        if torch.cuda.is_available():
+            out["allocated_bytes"] = int(torch.cuda.memory_allocated())
+    except Exception as exc:  # the rows after it then load nothing and report the error
+        out.update(error_record(exc))
+    out["seconds"] = round(time.time() - started, 1)
+    return base, out
+
+
+def _run_row(suite: Suite, row: first_lease.Row, base: LoadedModel | None) -> dict[str, Any]:
+    """One row of kind train, moe, speed or max_context, with its own seconds."""
+    started = time.time()
+    lent = base if row.cfg.get("model") == first_lease.LARGE else None
+    if row.kind == "moe" and not row.cfg:
+        out: dict[str, Any] = {"name": row.name, "status": f"skipped: {first_lease.MOE_SKIP}"}
+    elif row.cfg.get("model") == first_lease.LARGE and base is None:
+        out = {"name": row.name, "status": "error", "error_kind": "error",
+               "error": f"{first_lease.LARGE} did not load (see its row in env)"}
+    elif row.kind == "speed":
+        out = suite.speed_row(row.cfg, 3 if suite.cpu else first_lease.SPEED_STEPS, ("hf_peft",), base=lent)
+    elif row.kind == "max_context":
+        out = {"name": row.name, "status": "done", **suite.max_context(row.name, first_lease.BUDGET_GB, lent, first_lease.PROBES)}
+    else:
+        out = suite.row_a(row.cfg, base=lent)
+    return {**out, "seconds": round(time.time() - started, 1)}
 
 
 def _header(cpu: bool) -> dict[str, Any]:
@@ -561,11 +657,9 @@ def main(argv: list[str] | None = None) -> int:
         budgets = [b for b in budgets if b in CPU_BUDGETS] or list(CPU_BUDGETS)
     priced = None
     if args.first_lease:  # refused before anything runs or is written
-        from benchmarks.gpu.first_lease import WORK_LIMIT_S, PlanRefused, check_plan, rows
-
         try:
-            priced = check_plan(rows(), args.work_limit or WORK_LIMIT_S)
-        except PlanRefused as exc:
+            priced = first_lease.check_plan(first_lease.rows(), args.work_limit or first_lease.WORK_LIMIT_S)
+        except first_lease.PlanRefused as exc:
             print(exc, file=sys.stderr)
             return 2
     args.out.mkdir(parents=True, exist_ok=True)
@@ -573,8 +667,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         suite = Suite(args.out, args.cpu, args.time_limit, work, args.started_at)
         if priced is not None:
-            from benchmarks.gpu.first_lease import run_first_lease
-
             run_first_lease(suite, priced)
         for stage in [] if args.first_lease else args.stage.split(","):
             {"env": suite.stage_env, "a": suite.stage_a, "b": lambda: suite.stage_b(budgets), "c": suite.stage_c,

@@ -3,7 +3,9 @@
 Modules: `read` (files -> records with locations), `formats` (detection and normalisation to chat messages
 or text, images as text/image parts), `images` (image files checked from their headers), `image_tokens` (the
 image tokens of an image size, per image processor), `chat` (templates, tokenization, assistant-only loss
-masks), `packing` (TRL packing and collators), `build` (the pipeline and its counts).
+masks), `packing` (TRL packing and collators), `build` (the pipeline and its counts), `prompts` (GRPO's
+prompt-only records), `bundle` (what both builds share: the `DataBundle`, the seeded sample and split, the
+refusal of malformed records).
 """
 
 from finetune.data.build import DataBundle, build_datasets, preview

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from finetune.data.bundle import DataBundle, _listed, _refuse_bad, _sample, _split, checked
 from finetune.data.chat import IGNORE_INDEX, ChatEncoder, Encoded, encode_text, resolve_template
 from finetune.data.fingerprint import data_fingerprint, images_identity
 from finetune.data.fit import Source, cut_prompt
@@ -45,37 +45,13 @@ from finetune.data.formats import (
 )
 from finetune.data.images import check_images
 from finetune.data.mix import FileRead, data_folders, file_stats, is_mix, mixed_records, read_files, repeated
+from finetune.data.prompts import build_prompts, check_prompt_records
 from finetune.data.read import Record
 from finetune.errors import DataError
 from finetune.recipe.methods import METHODS, method_spec
 from finetune.recipe.schema import DataConfig
 
-MAX_LISTED_PROBLEMS = 10
 NAMED_IN_STATS = 3  # locations of skipped, no-loss and overlong records named in the data summary
-
-
-@dataclass
-class DataBundle:
-    """What training needs from the data: datasets, a collator and counts for logs and the planner."""
-
-    train: Any  # datasets.Dataset: input_ids, labels (+ position_ids when packed; preference: see above)
-    eval: Any | None
-    stats: dict[str, Any]
-    collator: Callable[[list[dict[str, Any]]], dict[str, Any]]
-    fingerprint: dict[str, Any] = field(default_factory=dict)  # what decides the examples (finetune.data.fingerprint); --resume compares it
-    warnings: list[str] = field(default_factory=list)  # records left out, one line each kind, for the run log
-
-    def summary(self) -> str:
-        """The counts people read first, in one short line: records read (format), examples kept, examples
-        cut to fit, records dropped (malformed, overlong, nothing to train on) and tokens to train on; `stats`
-        holds them all (the run directory's data_stats.json)."""
-        s = self.stats
-        kept = s.get("train_examples", s.get("train_prompts", 0)) + s.get("eval_examples", s.get("eval_prompts", 0))
-        dropped = s.get("bad_records_skipped", 0) + s.get("dropped_overlong", 0) + s.get("dropped_no_loss", 0)
-        tokens = f", {s['train_tokens']:,} tokens to train on" if "train_tokens" in s else ""
-        tokens += f" ({s['images']:,} images in {s['image_records']:,} records)" if "images" in s else ""
-        return (f"{s['records']:,} {s['format']} records: {kept:,} kept, {s.get('truncated', 0):,} cut, {dropped:,} "
-                f"dropped{tokens}")
 
 
 @dataclass
@@ -110,8 +86,6 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
     `max_prompt_tokens` tokens (finetune.data.prompts). Records with images are bad records unless
     `model_takes_images` (the model family's vision flag)."""
     if data_kind(method) == "prompt":
-        from finetune.data.prompts import build_prompts  # it builds on this module's helpers
-
         return build_prompts(cfg, tokenizer, seed, max_prompt_tokens)
     files = read_files(cfg)
     formats, fmt = _formats(cfg, files, method)
@@ -322,14 +296,6 @@ def _encoder(cfg: DataConfig, tokenizer: Any, fmt: str) -> ChatEncoder | None:
     return ChatEncoder(tokenizer, resolve_template(cfg.chat_template, tokenizer), cfg.assistant_only_loss)
 
 
-def _sample(records: list[Record], max_samples: int | None, seed: int) -> list[Record]:
-    """A seeded random subset of max_samples records, kept in file order."""
-    if max_samples is None or max_samples >= len(records):
-        return records
-    keep = sorted(random.Random(f"{seed}:max_samples").sample(range(len(records)), max_samples))
-    return [records[i] for i in keep]
-
-
 def _prepare(records: Sequence[Record], formats: list[str], cfg: DataConfig, encoder: ChatEncoder | None,
              model_takes_images: bool) -> tuple[list[_Prepared], list[str]]:
     """Each record normalised and rendered in its file's format (`formats`, by file index), and a problem
@@ -378,8 +344,6 @@ def check_records(cfg: DataConfig, method: str = "sft", model_takes_images: bool
     path, format, records, bad_records), with `images` and `image_records` (of the good records) when any
     record has images."""
     if data_kind(method) == "prompt":  # prompt-only records (finetune.data.prompts)
-        from finetune.data.prompts import check_prompt_records
-
         return check_prompt_records(cfg)
     files = read_files(cfg)
     formats, fmt = _formats(cfg, files, method)
@@ -418,56 +382,9 @@ def _check_each(cfg: DataConfig, files: list[FileRead], formats: list[str], mode
     return bad, good
 
 
-def checked(cfg: DataConfig, files: list[FileRead], formats: list[str], fmt: str,
-            bad: list[list[str]]) -> dict[str, Any]:
-    """`check_records`' answer from each file's problem lines (`bad`, by file), after refusing what
-    on_bad_record refuses."""
-    problems = [p for lines in bad for p in lines]
-    records = sum(f.read.total for f in files)
-    _refuse_bad(cfg, fmt, problems, records - len(problems))
-    out: dict[str, Any] = {"format": fmt, "records": records, "bad_records": len(problems)}
-    if is_mix(cfg):
-        out["files"] = [{"path": f.entry.path, "format": file_format, "records": f.read.total, "bad_records": len(lines)}
-                        for f, file_format, lines in zip(files, formats, bad, strict=True)]
-    return out
-
-
-def _refuse_bad(cfg: DataConfig, fmt: str, problems: list[str], usable: int) -> None:
-    """Stop on malformed records (on_bad_record: error), and when no record is usable."""
-    if problems and cfg.on_bad_record == "error":
-        raise DataError(f"{cfg.label()}: {len(problems)} malformed record(s) for format {fmt}",
-                        problems=_listed(problems),
-                        hint="fix them, or set data.on_bad_record: skip to skip and count them")
-    if not usable:
-        raise DataError(f"{cfg.label()}: no usable records ({len(problems)} malformed were skipped)",
-                        problems=_listed(problems))
-
-
-def _listed(problems: list[str]) -> list[str]:
-    listed = problems[:MAX_LISTED_PROBLEMS]
-    if len(problems) > len(listed):
-        listed.append(f"... and {len(problems) - len(listed)} more")
-    return listed
-
-
 def _where(problem: str) -> str:
     """The location that starts a problem line (`data.jsonl:3: ...` -> `data.jsonl:3`)."""
     return problem.split(": ", 1)[0]
-
-
-def _split(path: str, items: list[_Prepared], fraction: float, seed: int) -> tuple[list[_Prepared], list[_Prepared]]:
-    """A seeded split of records; at least one eval record when fraction > 0, at least one train record. The
-    copies of a record a mix repeats (`records:` over the file's size; same file and place) fall on one side, so
-    no held-out example is also trained on."""
-    if fraction == 0:
-        return items, []
-    records = list(dict.fromkeys((x.file, x.where) for x in items))  # distinct records, in order
-    n_eval = max(1, round(len(records) * fraction))
-    if n_eval >= len(records):
-        raise DataError(f"{path}: data.validation_split={fraction} leaves no training records out of {len(records)}",
-                        hint="lower data.validation_split or add records")
-    held = {records[i] for i in random.Random(f"{seed}:validation_split").sample(range(len(records)), n_eval)}
-    return ([x for x in items if (x.file, x.where) not in held], [x for x in items if (x.file, x.where) in held])
 
 
 def _tokenize(items: list[_Prepared], tokenizer: Any, encoder: ChatEncoder | None, max_seq_len: int) -> list[Sequences]:

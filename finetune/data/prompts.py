@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from finetune.data.build import DataBundle, _listed, _refuse_bad, _sample, _split, checked
+from finetune.data.bundle import DataBundle, _listed, _refuse_bad, _sample, _split, checked
 from finetune.data.chat import ChatEncoder, resolve_template
 from finetune.data.fingerprint import data_fingerprint
 from finetune.data.formats import (

@@ -10,37 +10,14 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from finetune.memory.offload_tier import TierSetup
+from finetune.memory.offload_tier import Mover, TierSetup
 
 STEP_ENDED = ("activation offload: a saved tensor was used after its offload step ended; "
               "run backward inside the `with activation_offload(...)` block")
-
-
-class Mover(Protocol):
-    """Asynchronous copies between the training device and host memory.
-
-    An event is whatever the mover uses to mark the end of an enqueued copy (None: already done).
-    """
-
-    def host_buffer(self, nbytes: int) -> torch.Tensor:
-        """A new uint8 host buffer (page-locked on CUDA) of `nbytes`."""
-
-    def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
-        """Enqueue src -> dst after the work already queued on the compute stream; src stays valid until done."""
-
-    def to_device(self, src: torch.Tensor, after: Any) -> tuple[torch.Tensor, Any]:
-        """Enqueue a copy of host `src` into a new device tensor of the same layout, once `after` is done."""
-
-    def ready(self, tensor: torch.Tensor, event: Any) -> torch.Tensor:
-        """Make the compute stream wait for `event` (no host sync) and hand `tensor` to it."""
-
-    def wait_host(self, event: Any) -> None:
-        """Block the calling thread until `event` is done (only before a host buffer is reused)."""
 
 
 class CudaMover:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from finetune.recipe.offload_tiers import chain_names, tier_spec
 from finetune.recipe.reference import resolve
@@ -23,7 +23,27 @@ from finetune.recipe.reference import resolve
 if TYPE_CHECKING:
     import torch
 
-    from finetune.memory.offload_cpu import Mover
+
+class Mover(Protocol):
+    """Asynchronous copies between the training device and host memory.
+
+    An event is whatever the mover uses to mark the end of an enqueued copy (None: already done).
+    """
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """A new uint8 host buffer (page-locked on CUDA) of `nbytes`."""
+
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
+        """Enqueue src -> dst after the work already queued on the compute stream; src stays valid until done."""
+
+    def to_device(self, src: torch.Tensor, after: Any) -> tuple[torch.Tensor, Any]:
+        """Enqueue a copy of host `src` into a new device tensor of the same layout, once `after` is done."""
+
+    def ready(self, tensor: torch.Tensor, event: Any) -> torch.Tensor:
+        """Make the compute stream wait for `event` (no host sync) and hand `tensor` to it."""
+
+    def wait_host(self, event: Any) -> None:
+        """Block the calling thread until `event` is done (only before a host buffer is reused)."""
 
 
 @runtime_checkable

@@ -104,6 +104,12 @@ def stream_reply(model, tokenizer, messages: list[Message], *, system: str | Non
     return tokenizer.decode(streamer.ids, skip_special_tokens=True).strip()
 
 
+def generate(model, tokenizer, prompt: str, *, max_new_tokens: int = 128, system: str | None = None) -> str:
+    """Greedy answer to one user prompt: a one-turn chat (`finetune generate`, `compare`, `compare_runs`)."""
+    return stream_reply(model, tokenizer, [{"role": "user", "content": prompt}], system=system,
+                        max_new_tokens=max_new_tokens)
+
+
 class ChatModels:
     """Models kept loaded for chat. LoRA runs on the same base model (`base_model_key`) share one
     copy of it, each run's adapter loaded beside the others under its own name, and a run's base model is

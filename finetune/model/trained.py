@@ -1,4 +1,4 @@
-"""Use a finished run: load base + adapter, generate text, export a merged safetensors model."""
+"""Use a finished run: load base + adapter, export a merged safetensors model (its answers: finetune.model.chat)."""
 
 from __future__ import annotations
 
@@ -119,14 +119,6 @@ def _describe_base(recipe: Recipe) -> str:
     dtype = str(compute_dtype(model)).removeprefix("torch.")
     bits = {4: f"4-bit {quant.quant_type}", 8: "8-bit"}.get(quant.bits, "not quantized")
     return f"{model.path}{revision} ({dtype}, {bits}{', remote code' if model.trust_remote_code else ''})"
-
-
-def generate(model, tokenizer, prompt: str, *, max_new_tokens: int = 128, system: str | None = None) -> str:
-    """Greedy answer to one user prompt: a one-turn chat (finetune.model.chat)."""
-    from finetune.model.chat import stream_reply
-
-    return stream_reply(model, tokenizer, [{"role": "user", "content": prompt}], system=system,
-                        max_new_tokens=max_new_tokens)
 
 
 def _check_export_target(out: Path) -> None:

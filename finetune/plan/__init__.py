@@ -1,7 +1,7 @@
 """Memory plan: predict the peak per component without loading weights, and choose settings that fit.
 
 `predict` plans with the default `Planner` (`DEFAULT_PLANNER`, whose `clear()` drops every cache the planner
-holds in memory); `Planner().predict` plans with caches of its own."""
+holds in memory); `predict(recipe, planner=Planner())` plans with caches of its own."""
 
 from finetune.plan.planner import DEFAULT as DEFAULT_PLANNER
 from finetune.plan.planner import Planner

@@ -36,8 +36,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from finetune.memory.preference import PreferenceLoss
+from finetune.model.moe import moe_config
 from finetune.plan.generation import generation_memory
-from finetune.plan.memory_model import ModelSpec, Settings, generation_sequences, step_completions
+from finetune.plan.memory_model import (
+    ModelSpec,
+    Settings,
+    expert_weight_bytes,
+    generation_sequences,
+    moe_elements,
+    step_completions,
+    traffic_bytes,
+)
+from finetune.plan.shapes import ModelShapes
 from finetune.recipe.offload_tiers import tier_spec
 from finetune.rl.step import of_trace_objective
 
@@ -103,32 +114,30 @@ def figures_of(device: str, probe: dict[str, float] | None = None) -> dict[str, 
     return {**DEVICE[device], "half_tokens": UTIL_HALF_TOKENS, "layer_s": LAYER_OVERHEAD_S[device]}
 
 
-def tokens_per_second(settings: Settings, *, device: str, params: int, trainable_full: bool, num_layers: int,
-                      hidden: int, seq_len: int, quantized_params: int, offloaded_bytes: int, dtype_bytes: int,
-                      mlp_params: int = 0, mlp_chunk_tokens: int = 1024,
-                      bandwidth: dict[str, float] | None = None, world_size: int = 1,
-                      traffic: tuple[float, float] = (0.0, 0.0), interconnect: float = 20e9,
-                      rows_per_example: int = 1, reference_forward: bool = False,
-                      figures: dict[str, float] | None = None, rollout: Rollout | None = None,
-                      offloaded_experts: float = 0.0, experts_tier: str = "none") -> float:
-    """Tokens per second of one optimizer step under `settings` (see module docstring).
+def tokens_per_second(spec: ModelSpec, shapes: ModelShapes, settings: Settings, *, offloaded_bytes: float = 0,
+                      bandwidth: dict[str, float] | None = None, figures: dict[str, float] | None = None) -> float:
+    """Tokens per second of one optimizer step of the model and run `spec` (its layers' sizes: `shapes`) under
+    `settings` (see module docstring). What the step computes comes from the spec: the weights (a
+    mixture-of-experts model's tokens compute top_k of the experts, memory.offload_experts brings the experts
+    from the host in each forward and backward), the method (a preference pair's two sequences, a reference
+    forward in the step, GRPO's rollout), the tiled MLP's recompute, the processes' traffic.
 
-    `offloaded_experts`: bytes of expert weights memory.offload_experts brings from tier `experts_tier` (host
-    RAM or disk) in each forward and backward (and recompute), the next layer's while this one computes: only
-    what the compute does not hide costs time, on the tier's measured link, plus the tier's overhead.
-    `mlp_params`: weight elements of all layers' MLPs (recomputed once more with a tiled MLP).
+    `offloaded_bytes`: activation bytes the offload tier moves per micro-batch (memory_model's prediction).
     `bandwidth`: measured bytes/s per offload link (finetune.memory.bandwidth.transfer_bandwidth); the
     constants above stand in for what was not measured.
-    `rows_per_example`, `reference_forward`: preference methods (sequences per example; a reference forward
-    in every step).
     `figures`: the device's figures (figures_of); default DEVICE's constants.
-    `rollout`: GRPO's generation and scoring before the step trains.
     """
+    device, seq_len, hidden, num_layers = spec.device, spec.seq_len, spec.hidden_size, spec.num_layers
+    params, quantized_params, offloaded_experts = _weights(spec, shapes, settings)
+    mlp_params = shapes.num_layers * shapes.mlp_linear  # recomputed once more with a tiled MLP
+    dtype_bytes, rows_per_example = spec.dtype.itemsize, spec.rows_per_example
+    loss = PreferenceLoss.of_objective(spec.objective)
+    reference_forward = loss is not None and loss.reference_in_step
     dev = figures or figures_of(device)
     tokens = settings.micro_batch_size * seq_len  # counted in tokens/s
     rows = tokens * rows_per_example  # computed: chosen and rejected of a pair
     fwd = 2 * params * rows + 4 * seq_len * hidden * num_layers * rows
-    passes = 2 + (1 if trainable_full else 0)
+    passes = 2 + (1 if spec.adapter.type == "full" else 0)
     recompute = 0.0
     if settings.activation_checkpointing:
         recompute = fwd / settings.checkpoint_every_n_layers
@@ -144,7 +153,7 @@ def tokens_per_second(settings: Settings, *, device: str, params: int, trainable
         dq_passes = 2 + (1 if settings.activation_checkpointing else 0) + (1 if reference_forward else 0)
         dequant = per_pass * dq_passes
         if settings.tiled_mlp:
-            chunks = -(-seq_len // mlp_chunk_tokens)
+            chunks = -(-seq_len // spec.tiled_mlp_tokens)
             mlp_pass = per_pass * mlp_params / max(quantized_params, 1)
             dequant += mlp_pass * (chunks * (dq_passes + 1) - dq_passes)
     transfer = overhead = 0.0
@@ -153,21 +162,37 @@ def tokens_per_second(settings: Settings, *, device: str, params: int, trainable
         bw = _link_bytes_per_s(tier.link, device, dev, bandwidth or {})
         transfer = max(0.0, 2 * offloaded_bytes / bw - compute)
         overhead = tier.overhead
-    if offloaded_experts and experts_tier != "none":
-        tier = tier_spec(experts_tier)
+    if offloaded_experts:
+        tier = tier_spec(settings.offload_experts)
         fetches = 2 + (1 if settings.activation_checkpointing else 0)
         transfer += max(0.0, fetches * offloaded_experts / _link_bytes_per_s(tier.link, device, dev,
                                                                               bandwidth or {}) - compute)
         overhead += tier.overhead
     step = (compute * (1 + overhead) + dequant + transfer) * settings.gradient_accumulation_steps
-    link, host = traffic
-    step += max(0.0, link / interconnect - 2 / 3 * compute * settings.gradient_accumulation_steps)
+    link, host = traffic_bytes(spec, settings)
+    step += max(0.0, link / spec.interconnect_bandwidth - 2 / 3 * compute * settings.gradient_accumulation_steps)
     step += host / _link_bytes_per_s("host_device", device, dev, bandwidth or {})
+    rollout = rollout_of(spec, settings)
     if rollout is not None:
         weights = Weights(params, quantized_params if settings.bits else 0, settings.bits or 0, dtype_bytes,
                           num_layers, hidden)
         step += rollout_seconds(rollout, weights, dev, settings.micro_batch_size)
-    return world_size * tokens * settings.gradient_accumulation_steps / step
+    return spec.world_size * tokens * settings.gradient_accumulation_steps / step
+
+
+def _weights(spec: ModelSpec, shapes: ModelShapes, settings: Settings) -> tuple[int, int, float]:
+    """The weight elements a token computes, those of them stored quantized (dequantized in every pass), and
+    the expert bytes memory.offload_experts fetches per pass. A token computes top_k of a mixture-of-experts
+    block's experts; a batch of tokens touches them all."""
+    quantized = shapes.num_layers * shapes.layer_linear if settings.bits else 0
+    params, fetched = shapes.total, 0.0
+    moe = moe_config(spec.config)
+    if moe is not None:
+        total, experts = moe_elements(spec, settings)
+        params = int(total - experts * (1 - moe.top_k / moe.num_experts))
+        quantized += int(experts) if settings.bits == 4 else 0
+        fetched = expert_weight_bytes(spec, settings)[0] if settings.offload_experts != "none" else 0.0
+    return params, quantized, fetched
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ import torch
 from finetune.memory.chunked_loss import default_chunk_size
 from finetune.optim import gradient_bytes, optimizer_state_bytes
 from finetune.plan.generation import generation_memory
-from finetune.plan.planner import current
+from finetune.plan.planner import DEFAULT, Planner
 from finetune.plan.shapes import kind_variants
 from finetune.plan.trace import ParamInfo, Trace, model_key, param_table_of, real_config, trace_step
 from finetune.recipe.offload_tiers import tier_spec
@@ -124,6 +124,7 @@ class ModelSpec:
     num_generations: int = 0  # training.method grpo: completions per prompt (objective `grpo:...`)
     scoring_passes: int = 0  # grpo: no-grad passes over the completions before training (finetune.rl.step)
     iterations: int = 1  # grpo: updates trained on one generation's completions (grpo.num_iterations)
+    planner: Planner = field(default=DEFAULT, compare=False, repr=False)  # whose caches the traces go to
 
 
 def _block(settings: Settings) -> int:
@@ -171,7 +172,7 @@ def _traces(spec: ModelSpec, settings: Settings, micro_batch: int = 1) -> tuple[
 
     def at(layers: int) -> Trace:
         return _mix([trace_step(config, spec.adapter, spec.dtype, spec.attn, spec.device, micro_batch, spec.seq_len,
-                                layers, every, *layer) for config, _ in variants], weights, every > 0)
+                                layers, every, *layer, planner=spec.planner) for config, _ in variants], weights, every > 0)
 
     return at(la), at(lb)
 
@@ -192,18 +193,18 @@ def _lerp(a: float, b: float, xa: int, xb: int, x: int) -> float:
     return a if xa == xb else a + (b - a) * (x - xa) / (xb - xa)
 
 
-def _param_sums(key: tuple[str, ...], layers: int, bits: int | None, double_quant: bool, optimizer: str,
-                optimizer_json: str, accumulation: int) -> tuple[dict[str, float], int, int]:
+def _param_sums(planner: Planner, key: tuple[str, ...], layers: int, bits: int | None, double_quant: bool,
+                optimizer: str, optimizer_json: str, accumulation: int) -> tuple[dict[str, float], int, int]:
     """Weights, trained weights, optimizer state and gradients of one cut model, its largest trained
     parameter's bytes and largest quantized weight's elements (remembered by the planner: a plan with every
     key on auto asks for the same few combinations hundreds of times)."""
     args = (key, layers, bits, double_quant, optimizer, optimizer_json, accumulation)
-    return current().param_sums.get_or_compute(args, lambda: _sum_params(*args))
+    return planner.param_sums.get_or_compute(args, lambda: _sum_params(planner, *args))
 
 
-def _sum_params(key: tuple[str, ...], layers: int, bits: int | None, double_quant: bool, optimizer: str,
-                optimizer_json: str, accumulation: int) -> tuple[dict[str, float], int, int]:
-    params = param_table_of(key, layers)
+def _sum_params(planner: Planner, key: tuple[str, ...], layers: int, bits: int | None, double_quant: bool,
+                optimizer: str, optimizer_json: str, accumulation: int) -> tuple[dict[str, float], int, int]:
+    params = param_table_of(key, layers, planner)
     # A quantizable 3-D weight holds a MoE block's experts: stored in 4 bits one expert matrix at a time
     # (finetune.model.expert_store), left in 16 bits by 8-bit quantization, dequantized one expert at a time.
     frozen = sum(quantized_weight_bytes(p.numel, p.out_features, bits if p.quantizable and (
@@ -229,9 +230,9 @@ def _whole_parts(spec: ModelSpec, settings: Settings) -> tuple[dict[str, float],
     pb: dict[str, float] = {}
     largest_trained = largest_quant = 0
     for config, weight in _variants(spec, settings):
-        key = model_key(config, spec.adapter, spec.dtype)
+        key = model_key(config, spec.adapter, spec.dtype, spec.planner)
         (a, _, _), (b, trained, quant) = (
-            _param_sums(key, layers, settings.bits, spec.double_quant, settings.optimizer, opt,
+            _param_sums(spec.planner, key, layers, settings.bits, spec.double_quant, settings.optimizer, opt,
                         settings.gradient_accumulation_steps) for layers in (la, lb))
         for k in a:
             pa[k], pb[k] = pa.get(k, 0.0) + weight * a[k], pb.get(k, 0.0) + weight * b[k]
@@ -264,8 +265,8 @@ def _over_layers(spec: ModelSpec, settings: Settings, measure: Callable[[tuple[P
                  ) -> tuple[float, float]:
     """(the whole model's, one layer's) `measure` of the parameter table, from the two cut copies."""
     la, lb = _layer_counts(spec, settings)
-    key = model_key(spec.config, spec.adapter, spec.dtype)
-    a, b = (measure(param_table_of(key, layers)) for layers in (la, lb))
+    key = model_key(spec.config, spec.adapter, spec.dtype, spec.planner)
+    a, b = (measure(param_table_of(key, layers, spec.planner)) for layers in (la, lb))
     return _lerp(a, b, la, lb, spec.num_layers), (b - a) / (lb - la) if lb != la else b / max(lb, 1)
 
 
@@ -390,7 +391,7 @@ def chunked_head_gradient_bytes(spec: ModelSpec, settings: Settings, tokens: int
             spec.config.get_text_config().vocab_size):
         return 0
     la, _ = _layer_counts(spec, settings)
-    params = param_table_of(model_key(spec.config, spec.adapter, spec.dtype), la)
+    params = param_table_of(model_key(spec.config, spec.adapter, spec.dtype, spec.planner), la, spec.planner)
     text = spec.config.get_text_config()
     shape = (text.vocab_size, spec.hidden_size)
     heads = [p for p in params if p.trainable and p.shape == shape]
@@ -415,11 +416,38 @@ def memory_floor(spec: ModelSpec, settings: Settings) -> int:
     return int(static + _fixed_costs(spec, static))
 
 
-def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
-    """Peak bytes and breakdown of a training step (steady state: optimizer state already allocated)."""
-    ta, tb = _traces(spec, settings)
-    la, lb = _layer_counts(spec, settings)
-    L, mb = spec.num_layers, settings.micro_batch_size
+@dataclass(frozen=True)
+class _Step:
+    """What every window of a training step is priced from: the two cut copies' traces (`layers` layers each)
+    and the parameter parts one device holds, with the scales that take them to the whole model and batch."""
+
+    spec: ModelSpec
+    settings: Settings
+    traces: tuple[Trace, Trace]
+    layers: tuple[int, int]
+    params: dict[str, float]  # weights, trained weights, optimizer state
+    grads_total: float  # the resident gradients of the whole model
+    communication: float  # the strategy's buffers besides its shards
+    managed: float  # optimizer state in CUDA managed memory (`managed_state`): host RAM, not in any window
+    shard: float  # the share of a layer's gradients this device keeps
+    dequant: float  # 4-bit: one weight dequantized into the compute dtype
+    tokens: int  # of a micro-batch: micro_batch_size x seq_len x rows per example
+    logits_scale: float  # the traced logits to the micro-batch's (see `_step`)
+    largest_trained: int  # bytes of the largest trained parameter (the optimizer step's temporaries)
+
+    def lerp(self, a: float, b: float) -> float:
+        """A part of the two cut copies' traces (`a` at layers[0], `b` at layers[1]) at the model's depth."""
+        return _lerp(a, b, *self.layers, self.spec.num_layers)
+
+    @property
+    def no_grad_other(self) -> float:
+        """`other` of a window outside the step's backward (a pass with no gradients, generation): the
+        dequantized weight where forward dequantizes (CUDA), and the communication buffers."""
+        return (self.dequant if self.spec.device == "cuda" else 0) + self.communication
+
+
+def _step(spec: ModelSpec, settings: Settings) -> _Step:
+    """The traces, parameter parts and scales of a step (`_Step`)."""
     params, largest_trained, largest_quant = _param_parts(spec, settings)
     grads_total = params.pop("grads")
     communication = params.pop("communication")
@@ -428,19 +456,51 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
     # 4-bit: backward dequantizes one weight at a time into the compute dtype (on CUDA forward too; on CPU
     # the forward kernel is fused). 8-bit is emulated inside the trace.
     dequant = largest_quant * spec.dtype.itemsize if settings.bits == 4 else 0
-
-    tokens = mb * spec.seq_len * spec.rows_per_example
-    vocab = spec.config.get_text_config().vocab_size
+    tokens = settings.micro_batch_size * spec.seq_len * spec.rows_per_example
     # sft traces keep full logits and scale them here. Preference traces ran the chunked log-probabilities,
     # whose logits are one chunk, not one per example: they grow with the micro-batch only up to a chunk.
-    chunk = default_chunk_size(vocab)
+    chunk = default_chunk_size(spec.config.get_text_config().vocab_size)
     if settings.chunked_loss and spec.objective != "sft":
         traced_tokens = spec.seq_len * spec.rows_per_example
         logits_scale = min(tokens, chunk) / min(traced_tokens, chunk)
     else:
-        logits_scale = mb * (min(1.0, chunk / tokens) if settings.chunked_loss else 1.0)
-    hidden_bytes = tokens * spec.hidden_size * spec.dtype.itemsize
-    head_gradient = chunked_head_gradient_bytes(spec, settings, tokens)
+        logits_scale = settings.micro_batch_size * (min(1.0, chunk / tokens) if settings.chunked_loss else 1.0)
+    return _Step(spec, settings, _traces(spec, settings), _layer_counts(spec, settings), params, grads_total,
+                 communication, managed, shard, dequant, tokens, logits_scale, largest_trained)
+
+
+def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
+    """Peak bytes and breakdown of a training step (steady state: optimizer state already allocated): each
+    window the step passes through priced by its own function (forward and backward, the precomputed
+    reference's pass, GRPO's generation and log-prob pass, the optimizer update), the peak the largest."""
+    step = _step(spec, settings)
+    windows, offloaded = _step_windows(step)
+    windows.update(_reference_pass_window(step))
+    grpo = of_trace_objective(spec.objective)
+    if grpo is not None:
+        windows.update(_grpo_windows(step, grpo))
+    windows["optimizer"] = _optimizer_window(step)
+    for w in windows.values():
+        w["other"] += _fixed_costs(spec, sum(w.values()))
+    parts = {name: {k: int(round(v)) for k, v in w.items()} for name, w in windows.items()}
+    phase = max(windows, key=lambda k: sum(windows[k].values()))
+    breakdown = parts[phase]
+    totals = {name: int(round(sum(w.values()))) for name, w in windows.items()}
+    return Prediction(peak_bytes=sum(breakdown.values()), breakdown=breakdown, offloaded_bytes=int(offloaded),
+                      communication_bytes=int(step.communication), managed_bytes=int(step.managed),
+                      reference_pass_bytes=totals.get("reference_pass", 0), windows=parts,
+                      generation_bytes=totals.get("generation", 0),
+                      training_bytes=max(v for k, v in totals.items() if k != "generation") if grpo else 0)
+
+
+def _step_windows(step: _Step) -> tuple[dict[str, dict[str, float]], float]:
+    """The step's forward and backward windows (forward; backward at the head, the top and the bottom layers)
+    and the activation bytes the offload tier moves off the device per micro-batch."""
+    spec, settings = step.spec, step.settings
+    (ta, tb), (la, lb) = step.traces, step.layers
+    L, mb = spec.num_layers, settings.micro_batch_size
+    hidden_bytes = step.tokens * spec.hidden_size * spec.dtype.itemsize
+    head_gradient = chunked_head_gradient_bytes(spec, settings, step.tokens)
     windows: dict[str, dict[str, float]] = {}
     offloaded = 0.0
     phases = [w for w in ("forward", "bwd_head", "bwd_top", "bwd_bottom") if w in ta.windows and w in tb.windows]
@@ -456,12 +516,12 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
                 act = one + (two - one) * (mb - 1)
                 block = wb["activations"] - wa["activations"]
                 act_per_block = block + ((b2 - a2) - block) * (mb - 1) if lb != la else 0.0
-        logits = _lerp(wa["logits_and_loss"], wb["logits_and_loss"], la, lb, L) * logits_scale
-        grads = _lerp(wa["gradients"], wb["gradients"], la, lb, L) * shard
+        logits = _lerp(wa["logits_and_loss"], wb["logits_and_loss"], la, lb, L) * step.logits_scale
+        grads = _lerp(wa["gradients"], wb["gradients"], la, lb, L) * step.shard
         if spec.optimizer.layerwise:  # each gradient is consumed (and freed) as soon as it exists
-            grads = min(grads, grads_total)
+            grads = min(grads, step.grads_total)
         elif settings.gradient_accumulation_steps > 1:
-            grads = max(grads, grads_total)
+            grads = max(grads, step.grads_total)
         moved = 0.0
         tier = tier_spec(settings.offload) if settings.offload != "none" else None
         if tier is not None and tier.frees_device(spec.device) and name != "bwd_bottom":  # at the bottom they
@@ -480,35 +540,31 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
         in_layers = name in ("bwd_top", "bwd_bottom") or (name == "forward" and spec.device == "cuda")
         if name == "bwd_head":
             act += head_gradient
-        windows[name] = {**params, "gradients": grads, "activations": act, "logits_and_loss": logits,
-                         "other": (dequant if in_layers else 0) + communication}
-    if spec.reference_pass and "reference_pass" in ta.windows and "reference_pass" in tb.windows:
-        # training.precompute_reference: the forward over the data before training (no gradients, no
-        # optimizer state yet, nothing kept for backward); the step itself was traced without it.
-        wa, wb = ta.windows["reference_pass"][1], tb.windows["reference_pass"][1]
-        windows["reference_pass"] = {
-            **params, "optimizer_state": 0.0, "gradients": 0.0,
-            "activations": _lerp(wa["activations"], wb["activations"], la, lb, L) * mb,
-            "logits_and_loss": _lerp(wa["logits_and_loss"], wb["logits_and_loss"], la, lb, L) * logits_scale,
-            "other": (dequant if spec.device == "cuda" else 0) + communication}
-    grpo = of_trace_objective(spec.objective)
-    if grpo is not None:
-        windows.update(_grpo_windows(spec, settings, grpo, params, (ta, tb), logits_scale,
-                                     (dequant if spec.device == "cuda" else 0) + communication))
-    windows["optimizer"] = {**params, "gradients": grads_total, "activations": 0.0, "logits_and_loss": 0.0,
-                            "other": optimizer_spec(settings.optimizer).step_temporaries * largest_trained * shard
-                            + communication}
-    for w in windows.values():
-        w["other"] += _fixed_costs(spec, sum(w.values()))
-    parts = {name: {k: int(round(v)) for k, v in w.items()} for name, w in windows.items()}
-    phase = max(windows, key=lambda k: sum(windows[k].values()))
-    breakdown = parts[phase]
-    totals = {name: int(round(sum(w.values()))) for name, w in windows.items()}
-    return Prediction(peak_bytes=sum(breakdown.values()), breakdown=breakdown, offloaded_bytes=int(offloaded),
-                      communication_bytes=int(communication), managed_bytes=int(managed),
-                      reference_pass_bytes=totals.get("reference_pass", 0), windows=parts,
-                      generation_bytes=totals.get("generation", 0),
-                      training_bytes=max(v for k, v in totals.items() if k != "generation") if grpo else 0)
+        windows[name] = {**step.params, "gradients": grads, "activations": act, "logits_and_loss": logits,
+                         "other": (step.dequant if in_layers else 0) + step.communication}
+    return windows, offloaded
+
+
+def _reference_pass_window(step: _Step) -> dict[str, dict[str, float]]:
+    """training.precompute_reference: the forward over the data before training (no gradients, no optimizer
+    state yet, nothing kept for backward); the step itself was traced without it. None in a re-plan."""
+    ta, tb = step.traces
+    if not (step.spec.reference_pass and "reference_pass" in ta.windows and "reference_pass" in tb.windows):
+        return {}
+    wa, wb = ta.windows["reference_pass"][1], tb.windows["reference_pass"][1]
+    return {"reference_pass": {
+        **step.params, "optimizer_state": 0.0, "gradients": 0.0,
+        "activations": step.lerp(wa["activations"], wb["activations"]) * step.settings.micro_batch_size,
+        "logits_and_loss": step.lerp(wa["logits_and_loss"], wb["logits_and_loss"]) * step.logits_scale,
+        "other": step.no_grad_other}}
+
+
+def _optimizer_window(step: _Step) -> dict[str, float]:
+    """The optimizer update: every resident gradient, no activations, the optimizer's step temporaries (the
+    registry's `step_temporaries` x the largest trained parameter)."""
+    return {**step.params, "gradients": step.grads_total, "activations": 0.0, "logits_and_loss": 0.0,
+            "other": optimizer_spec(step.settings.optimizer).step_temporaries * step.largest_trained * step.shard
+            + step.communication}
 
 
 def step_completions(spec: ModelSpec, settings: Settings) -> int:
@@ -524,25 +580,24 @@ def generation_sequences(spec: ModelSpec, settings: Settings) -> int:
     return min(settings.generation_batch_size or total, total)
 
 
-def _grpo_windows(spec: ModelSpec, settings: Settings, grpo: tuple[int, bool], params: dict[str, float],
-                  traces: tuple[Trace, Trace], logits_scale: float, other: float) -> dict[str, dict[str, float]]:
+def _grpo_windows(step: _Step, grpo: tuple[int, bool]) -> dict[str, dict[str, float]]:
     """GRPO's phases besides the step's forward and backward, both after the previous update freed the
     gradients (the optimizer state stays): generation (finetune.plan.generation: the static KV cache in
     `activations` with the prefill's transient, or the sampling logits in `logits_and_loss`) and, when the
     trace ran one, the no-grad log-prob pass over a micro-batch of completions (`logps_pass`)."""
+    spec, settings, params, other = step.spec, step.settings, step.params, step.no_grad_other
     completion, _ = grpo
-    la, lb = _layer_counts(spec, settings)
     gen = generation_memory(spec.config, generation_sequences(spec, settings), spec.seq_len - completion, completion,
                             cache_bytes=spec.dtype.itemsize, compute_bytes=spec.dtype.itemsize)
     prefill = gen.prefill >= gen.sampling_logits
     windows = {"generation": {**params, "gradients": 0.0, "activations": gen.kv_cache + (gen.prefill if prefill else 0),
                               "logits_and_loss": 0 if prefill else gen.sampling_logits, "other": other}}
-    ta, tb = traces
+    ta, tb = step.traces
     if "logps_pass" in ta.windows and "logps_pass" in tb.windows:
         wa, wb = ta.windows["logps_pass"][1], tb.windows["logps_pass"][1]
         windows["logps_pass"] = {
             **params, "gradients": 0.0,
-            "activations": _lerp(wa["activations"], wb["activations"], la, lb, spec.num_layers) * settings.micro_batch_size,
-            "logits_and_loss": _lerp(wa["logits_and_loss"], wb["logits_and_loss"], la, lb, spec.num_layers) * logits_scale,
+            "activations": step.lerp(wa["activations"], wb["activations"]) * settings.micro_batch_size,
+            "logits_and_loss": step.lerp(wa["logits_and_loss"], wb["logits_and_loss"]) * step.logits_scale,
             "other": other}
     return windows

@@ -6,21 +6,16 @@ times, so the planner remembers them; keeping that memory in one object (not in 
 process, a benchmark comparing cold and warm plans) see and drop all of it with `clear()`. The disk cache
 (`trace_cache`) is below this layer and stays: `clear()` drops what the process holds, not what is on disk.
 
-`finetune.plan.predict(...)` plans with `DEFAULT`; `Planner().predict(...)` with its own caches. The
-planner's modules find the active one with `current()` (a context variable: a thread starts on `DEFAULT`).
+`finetune.plan.predict(recipe)` plans with `DEFAULT`; `predict(recipe, planner=Planner())` with caches of its
+own. The instance is passed down explicitly (`ModelSpec.planner`, the trace functions' `planner=`): this module
+imports nothing of the planner's, so the planner's modules all import it and it imports none of them.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import threading
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
-
-if TYPE_CHECKING:
-    from finetune.plan.search import Plan
-    from finetune.recipe.schema import Recipe
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -48,7 +43,8 @@ class Bounded(dict):
 
 
 class Planner:
-    """The planner with its caches: `predict` plans a recipe, `clear` forgets everything it remembered."""
+    """The planner's caches: what `finetune.plan.predict(recipe, planner=...)` remembers between plans; `clear`
+    forgets everything it remembered."""
 
     MEMO_LIMIT = 200_000  # meta kernels' outputs remembered before the memo starts over
     MODELS_KEPT = 16  # meta models kept for the next trace, by what shapes them
@@ -82,27 +78,5 @@ class Planner:
         with self.config_keys_lock:
             self.config_keys.clear()
 
-    @contextlib.contextmanager
-    def active(self) -> Iterator[Planner]:
-        """Make this planner the one the planner's modules use (in this thread or task) for the block."""
-        token = _CURRENT.set(self)
-        try:
-            yield self
-        finally:
-            _CURRENT.reset(token)
-
-    def predict(self, recipe: Recipe, **kwargs: Any) -> Plan:
-        """`finetune.plan.predict` with this planner's caches."""
-        from finetune.plan.search import predict
-
-        with self.active():
-            return predict(recipe, **kwargs)
-
 
 DEFAULT = Planner()
-_CURRENT: contextvars.ContextVar[Planner] = contextvars.ContextVar("finetune_planner", default=DEFAULT)
-
-
-def current() -> Planner:
-    """The planner whose caches a plan uses now: DEFAULT unless inside `Planner.active()`."""
-    return _CURRENT.get()

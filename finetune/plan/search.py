@@ -19,17 +19,16 @@ from finetune.memory.offload import offload_dir_for
 from finetune.memory.offload_disk import with_margin
 from finetune.memory.preference import PreferenceLoss, loads_reference_adapter, reference_is_current
 from finetune.model.moe import moe_config
-from finetune.plan.cost_model import figures_of, rollout_of, tokens_per_second
+from finetune.plan.cost_model import figures_of, tokens_per_second
 from finetune.plan.memory_model import (
     ModelSpec,
     expert_weight_bytes,
     managed_state,
     memory_floor,
-    moe_elements,
     predict_memory,
     step_completions,
-    traffic_bytes,
 )
+from finetune.plan.planner import DEFAULT, Planner
 from finetune.plan.shapes import ModelShapes, target_dtype
 from finetune.plan.trace import model_facts, planned_config
 from finetune.recipe.batch_rules import accumulation_for
@@ -262,14 +261,16 @@ def _refused(recipe: Recipe, st: dict[str, Any]) -> bool:
     return bool(strategy_problems(combined, st["strategy"]))
 
 
-def model_spec(recipe: Recipe, config: Any, device: str) -> ModelSpec:
+def model_spec(recipe: Recipe, config: Any, device: str, planner: Planner = DEFAULT) -> ModelSpec:
+    """What the memory and speed models read of `recipe` and the model `config`, once; `planner`: whose caches
+    its traces go to."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     loss = PreferenceLoss.of(recipe.training, reference_is_current(recipe))
     grpo = recipe.training.spec.generates
     objective = trace_objective(recipe.grpo) if grpo else "sft" if loss is None else loss.objective
     return ModelSpec(
         config=config, adapter=recipe.adapter, dtype=target_dtype(recipe, device),
-        attn=model_facts(config, recipe.model.attn_implementation)[1], device=device, seq_len=recipe.data.max_seq_len,
+        attn=model_facts(config, recipe.model.attn_implementation, planner)[1], device=device, seq_len=recipe.data.max_seq_len,
         num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
         optimizer=recipe.optimizer, double_quant=recipe.quantization.double_quant,
         offload_min_size=recipe.memory.offload_min_size, offload_cpu_limit=recipe.memory.offload_cpu_limit,
@@ -279,7 +280,8 @@ def model_spec(recipe: Recipe, config: Any, device: str) -> ModelSpec:
         deepspeed_offload=recipe.distributed.deepspeed_offload, objective=objective,
         rows_per_example=1 if loss is None else loss.rows_per_example,
         reference_adapter=loads_reference_adapter(recipe), num_generations=recipe.grpo.num_generations if grpo else 0,
-        scoring_passes=scoring_passes(recipe.grpo) if grpo else 0, iterations=recipe.grpo.num_iterations if grpo else 1)
+        scoring_passes=scoring_passes(recipe.grpo) if grpo else 0, iterations=recipe.grpo.num_iterations if grpo else 1,
+        planner=planner)
 
 
 def free_disk_bytes(path: Path) -> int:
@@ -290,32 +292,6 @@ def free_disk_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def _speed(spec: ModelSpec, shapes: ModelShapes, settings: Settings, offloaded_bytes: int,
-           bandwidth: dict[str, float] | None, figures: dict[str, float] | None = None) -> float:
-    quantized = shapes.num_layers * shapes.layer_linear if settings.bits else 0
-    params, fetched = shapes.total, 0.0
-    moe = moe_config(spec.config)
-    if moe is not None:  # a token computes top_k of the experts; a batch of tokens touches them all
-        total, experts = moe_elements(spec, settings)
-        params = int(total - experts * (1 - moe.top_k / moe.num_experts))
-        quantized += int(experts) if settings.bits == 4 else 0
-        fetched = expert_weight_bytes(spec, settings)[0] if settings.offload_experts != "none" else 0.0
-    return tokens_per_second(
-        settings, device=spec.device, params=params, trainable_full=spec.adapter.type == "full",
-        offloaded_experts=fetched, experts_tier=settings.offload_experts,
-        num_layers=spec.num_layers, hidden=spec.hidden_size, seq_len=spec.seq_len, quantized_params=quantized,
-        offloaded_bytes=offloaded_bytes, dtype_bytes=spec.dtype.itemsize,
-        mlp_params=shapes.num_layers * shapes.mlp_linear, mlp_chunk_tokens=spec.tiled_mlp_tokens, bandwidth=bandwidth,
-        world_size=spec.world_size, traffic=traffic_bytes(spec, settings), interconnect=spec.interconnect_bandwidth,
-        rows_per_example=spec.rows_per_example, reference_forward=_reference_in_step(spec.objective),
-        figures=figures, rollout=rollout_of(spec, settings))
-
-
-def _reference_in_step(objective: str) -> bool:
-    loss = PreferenceLoss.of_objective(objective)
-    return loss is not None and loss.reference_in_step
-
-
 def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, free: dict[str, int] | None = None,
              bandwidth: dict[str, float] | None = None, figures: dict[str, float] | None = None) -> Candidate:
     """Predict memory and speed of one configuration; offload beyond the free space its tier's bytes live in
@@ -323,7 +299,8 @@ def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, free: dic
     optimizer's managed state that, with a cpu tier's tensors, exceeds free host RAM. `figures`: the device's
     speed figures (cost_model.figures_of; default its constants)."""
     pred = predict_memory(spec, settings)
-    tps = _speed(spec, shapes, settings, pred.offloaded_bytes, bandwidth, figures)
+    tps = tokens_per_second(spec, shapes, settings, offloaded_bytes=pred.offloaded_bytes, bandwidth=bandwidth,
+                            figures=figures)
     cand = Candidate(asdict(settings), pred.peak_bytes, pred.breakdown, tps,
                      communication_bytes=pred.communication_bytes, reference_pass_bytes=pred.reference_pass_bytes,
                      managed_bytes=pred.managed_bytes, generation_bytes=pred.generation_bytes,
@@ -368,17 +345,18 @@ def _check_expert_room(cand: Candidate, spec: ModelSpec, settings: Settings, fre
 
 
 def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str | None = None,
-            device: str | None = None, training_only: bool = False) -> Plan:
+            device: str | None = None, training_only: bool = False, planner: Planner = DEFAULT) -> Plan:
     """Plan a run without loading weights: resolve `auto` settings to the fastest configuration that fits.
     `training_only`: price the training step alone, not what precedes it (training.precompute_reference's
-    pass): a re-plan during training, after an out-of-memory error."""
+    pass): a re-plan during training, after an out-of-memory error. `planner`: whose in-memory caches the
+    plan uses (`Planner()`: caches of its own)."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() or gpu_memory not in (None, "auto") else "cpu"
     recipe = resolve_init_from(recipe)  # adapter.init_from: price the adapter's own shape
-    config = model_config or planned_config(recipe.model.path, recipe.model.trust_remote_code)
-    spec = replace(model_spec(recipe, config, device), reference_pass=not training_only)
+    config = model_config or planned_config(recipe.model.path, recipe.model.trust_remote_code, planner)
+    spec = replace(model_spec(recipe, config, device, planner), reference_pass=not training_only)
     budget = _budget(recipe, gpu_memory, "cuda" if torch.cuda.is_available() and device == "cuda" else "cpu")
-    shapes = model_facts(config, recipe.model.attn_implementation)[0]
+    shapes = model_facts(config, recipe.model.attn_implementation, planner)[0]
     choices = _choices(recipe, spec)
     notes = []
     if shapes.mlp_linear == 0 and moe_config(config) is not None and recipe.memory.tiled_mlp == "auto" \
@@ -410,7 +388,8 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
             # Dominance: without checkpointing every layer keeps what a checkpointed run recomputes for one.
             pruned.append((over[with_ckpt], st))
         elif st.tiled_mlp and (replace(st, tiled_mlp=False) in fits_untiled
-                               or _score_of(st.optimizer, _speed(spec, shapes, st, 0, bandwidth, figures))
+                               or _score_of(st.optimizer, tokens_per_second(spec, shapes, st, bandwidth=bandwidth,
+                                                                                  figures=figures))
                                <= best_score.get(st.micro_batch_size, 0.0)):
             # Tiling only buys memory: skip it (and its traces) where the plain MLP fits, or where even with
             # free transfers it cannot beat a configuration of its micro-batch that already fits (each
@@ -444,21 +423,14 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
     inactive = inactive_settings(recipe)  # settings that do not matter here (one process: no strategy)
     for cand in candidates + rejected:
         cand.settings = {k: v for k, v in cand.settings.items() if k not in inactive}
-    if ok:
-        best = ok[0]
-        return Plan(device, best.settings, best.peak_bytes, best.breakdown, budget, True, best.tokens_per_s,
-                    alternatives=ok[1:4], rejected=rejected, world_size=spec.world_size,
-                    communication_bytes=best.communication_bytes, reference_pass_bytes=best.reference_pass_bytes,
-                    managed_bytes=best.managed_bytes, generation_bytes=best.generation_bytes,
-                    training_bytes=best.training_bytes, device_figures=figures, figures_measured=measured,
-                    notes=notes)
-    return Plan(device, leanest.settings, leanest.peak_bytes, leanest.breakdown, budget, False,
-                leanest.tokens_per_s, rejected=rejected,
-                min_budget_bytes=leanest.peak_bytes + recipe.memory.gpu_memory_margin, world_size=spec.world_size,
-                communication_bytes=leanest.communication_bytes, reference_pass_bytes=leanest.reference_pass_bytes,
-                managed_bytes=leanest.managed_bytes, generation_bytes=leanest.generation_bytes,
-                training_bytes=leanest.training_bytes, device_figures=figures, figures_measured=measured,
-                notes=notes)
+    chosen = ok[0] if ok else leanest
+    return Plan(device, chosen.settings, chosen.peak_bytes, chosen.breakdown, budget, bool(ok), chosen.tokens_per_s,
+                alternatives=ok[1:4], rejected=rejected,
+                min_budget_bytes=None if ok else leanest.peak_bytes + recipe.memory.gpu_memory_margin,
+                world_size=spec.world_size, communication_bytes=chosen.communication_bytes,
+                reference_pass_bytes=chosen.reference_pass_bytes, managed_bytes=chosen.managed_bytes,
+                generation_bytes=chosen.generation_bytes, training_bytes=chosen.training_bytes,
+                device_figures=figures, figures_measured=measured, notes=notes)
 
 
 def _offload_resources(recipe: Recipe, device: str, tiers: set[str]) -> tuple[dict[str, float], dict[str, int]]:

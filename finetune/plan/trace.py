@@ -39,7 +39,7 @@ from finetune.model.family import decoder_layers, in_decoder_layers
 from finetune.model.moe import EXPERT_COUNT_FIELDS, expert_weight_names, is_experts, use_finetune_experts
 from finetune.model.source import config_location
 from finetune.plan import trace_cache
-from finetune.plan.planner import Planner, current
+from finetune.plan.planner import DEFAULT, Planner
 from finetune.plan.shapes import ModelShapes, load_model_config, model_shapes, with_layers
 from finetune.recipe.schema import AdapterConfig, GRPOConfig
 from finetune.rl.step import (
@@ -310,10 +310,10 @@ def _expert_weights_report_cpu(model: torch.nn.Module) -> None:
 
 def _direct_trace(key: tuple[str, str, str, str], attn: str, micro_batch: int, seq_len: int, layers: int,
                   checkpoint_every: int, int8: bool, recompute_norms: bool, mlp_tokens: int,
-                  objective: str = "sft", chunked_loss: bool = False) -> Trace:
-    """Run the training step's forward_backward on a meta model under the tracker."""
+                  objective: str = "sft", chunked_loss: bool = False, planner: Planner = DEFAULT) -> Trace:
+    """Run the training step's forward_backward on a meta model under the tracker (its model and meta-kernel
+    memo from `planner`)."""
     built = (key, attn, layers, checkpoint_every, recompute_norms, mlp_tokens)
-    planner = current()
     model = _take_model(planner, built)
     config = model.config
     preference = PreferenceLoss.of_objective(objective)
@@ -407,27 +407,28 @@ def _decode_params(value: Any) -> tuple[ParamInfo, ...]:
                  for name, shape, dtype, numel, out, size, trainable, quantizable in value)
 
 
-def _params_cached(key: tuple[str, str, str, str], layers: int) -> tuple[ParamInfo, ...]:
+def _params_cached(key: tuple[str, str, str, str], layers: int, planner: Planner) -> tuple[ParamInfo, ...]:
     """The planner's memory, then the disk cache, then a meta model."""
-    return current().params.get_or_compute((key, layers), lambda: trace_cache.cached(
+    return planner.params.get_or_compute((key, layers), lambda: trace_cache.cached(
         "params", [*key, layers],
         lambda: _param_infos(_meta_model(*key, "eager", layers, False)), _encode_params, _decode_params))
 
 
 def _trace_cached(key: tuple[str, str, str, str], device: str, args: tuple, objective: str,
-                  chunked_loss: bool) -> Trace:
+                  chunked_loss: bool, planner: Planner) -> Trace:
     """The planner's memory, then the disk cache, then a trace."""
     if objective != "sft":  # sft traces keep their disk cache key
         args = (*args, objective, chunked_loss)
-    return current().traces.get_or_compute((key, device, args), lambda: trace_cache.cached(
-        "trace", [*key, device, *args], lambda: _direct_trace(key, *args), _encode_trace, _decode_trace))
+    return planner.traces.get_or_compute((key, device, args), lambda: trace_cache.cached(
+        "trace", [*key, device, *args], lambda: _direct_trace(key, *args, planner=planner), _encode_trace,
+        _decode_trace))
 
 
-def _config_key(config: Any) -> tuple[str, str]:
-    """The config as JSON (without fields that do not change the model), computed once per config object."""
+def _config_key(config: Any, planner: Planner) -> tuple[str, str]:
+    """The config as JSON (without fields that do not change the model), computed once per config object (and
+    remembered by `planner`)."""
     if isinstance(config, CachedConfig):
         return config._key
-    planner = current()
     keys = planner.config_keys
     with planner.config_keys_lock:
         hit = keys.get(id(config))
@@ -512,7 +513,7 @@ def _source_fingerprint(path: str, trust_remote_code: bool) -> list | None:
     return None
 
 
-def planned_config(path: str, trust_remote_code: bool = False) -> Any:
+def planned_config(path: str, trust_remote_code: bool = False, planner: Planner = DEFAULT) -> Any:
     """The config of model.path for planning: a `CachedConfig` where its facts are in the disk cache (or were
     just computed), else the transformers config (shapes.load_model_config)."""
     def load() -> Any:
@@ -527,7 +528,7 @@ def planned_config(path: str, trust_remote_code: bool = False) -> Any:
         config = load()
         loaded.append(config)
         text = config.get_text_config()
-        return _config_key(config), {name: getattr(text, name, None) for name in TEXT_FACTS}
+        return _config_key(config, planner), {name: getattr(text, name, None) for name in TEXT_FACTS}
 
     key, text = trace_cache.cached("config", fingerprint, compute, lambda v: [list(v[0]), v[1]],
                                    lambda v: ((str(v[0][0]), str(v[0][1])), dict(v[1])))
@@ -538,13 +539,14 @@ def _real_config(config: Any) -> Any:
     return config.real() if isinstance(config, CachedConfig) else config
 
 
-def model_key(config: Any, adapter: AdapterConfig, dtype: torch.dtype) -> tuple[str, str, str, str]:
+def model_key(config: Any, adapter: AdapterConfig, dtype: torch.dtype, planner: Planner = DEFAULT
+              ) -> tuple[str, str, str, str]:
     """What identifies a traced model: config, adapter and dtype, as hashable strings."""
     # Not init_from: where the start weights come from changes neither shapes nor the trace (the meta model
     # never loads them); the frozen reference adapter it adds is priced in memory_model.
-    return (*_config_key(config), adapter.model_dump_json(exclude={"init_from"}), str(dtype).removeprefix("torch."))
+    return (*_config_key(config, planner), adapter.model_dump_json(exclude={"init_from"}), str(dtype).removeprefix("torch."))
 
-def model_facts(config: Any, attn_choice: str) -> tuple[ModelShapes, str]:
+def model_facts(config: Any, attn_choice: str, planner: Planner = DEFAULT) -> tuple[ModelShapes, str]:
     """The model's shapes and the attention kernel `auto` resolves to, from the disk cache when known: both
     need the architecture's modeling code, whose import alone takes longer than a warm plan."""
     from dataclasses import asdict
@@ -558,13 +560,14 @@ def model_facts(config: Any, attn_choice: str) -> tuple[ModelShapes, str]:
     def decode(value: Any) -> tuple[ModelShapes, str]:
         return ModelShapes(**value[0]), str(value[1])
 
-    return trace_cache.cached("model", [*_config_key(config), attn_choice], compute,
+    return trace_cache.cached("model", [*_config_key(config, planner), attn_choice], compute,
                               lambda v: [asdict(v[0]), v[1]], decode)
 
 
 def trace_step(config: Any, adapter: AdapterConfig, dtype: torch.dtype, attn: str, device: str, micro_batch: int,
                seq_len: int, layers: int, checkpoint_every: int, int8: bool = False, recompute_norms: bool = False,
-               mlp_tokens: int = 0, objective: str = "sft", chunked_loss: bool = False) -> Trace:
+               mlp_tokens: int = 0, objective: str = "sft", chunked_loss: bool = False, planner: Planner = DEFAULT
+               ) -> Trace:
     """Trace one forward+backward of `config` cut to `layers` layers (checkpoint_every 0 = no checkpointing).
 
     int8: frozen decoder Linear layers behave like bitsandbytes LLM.int8 layers (see `_Int8LikeLinear`).
@@ -573,14 +576,15 @@ def trace_step(config: Any, adapter: AdapterConfig, dtype: torch.dtype, attn: st
     a preference step is traced with its real chunked log-probabilities (chunked_loss), an sft step always
     with full logits (the memory model scales them for chunked loss). A precomputed reference
     (`...:precompute_reference`) traces the step without a reference forward and, in window `reference_pass`,
-    the pass over the data that precedes training.
+    the pass over the data that precedes training. `planner`: whose caches remember the trace.
     """
-    return _trace_cached(model_key(config, adapter, dtype), device,
+    return _trace_cached(model_key(config, adapter, dtype, planner), device,
                          (attn, micro_batch, seq_len, layers, checkpoint_every, int8, recompute_norms, mlp_tokens),
-                         objective, chunked_loss and objective != "sft")
+                         objective, chunked_loss and objective != "sft", planner)
 
 
-def param_table_of(key: tuple[str, str, str, str], layers: int) -> tuple[ParamInfo, ...]:
+def param_table_of(key: tuple[str, str, str, str], layers: int, planner: Planner = DEFAULT
+                   ) -> tuple[ParamInfo, ...]:
     """The parameters of the model `key` (see model_key) cut to `layers` layers, adapter applied (no forward:
-    milliseconds, then from the cache)."""
-    return _params_cached(key, layers)
+    milliseconds, then from `planner`'s or the disk cache)."""
+    return _params_cached(key, layers, planner)

@@ -24,7 +24,6 @@ from finetune.rundir import RunDir
 KEY = "adapter.init_from"
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-SHAPE_KEYS = ("type", "r", "alpha", "rslora", "target_modules", "modules_to_save")
 _CACHE_SIZE = 64  # files kept by _read_cached (a few per start adapter)
 _READS: dict[tuple[str, str], tuple[tuple[int, ...], Any]] = {}  # (kind, path) -> (_stamp, value)
 _DIGESTS: dict[tuple[str | int, ...], str] = {}  # (weights file, *_stamp) -> sha256, from read_weights

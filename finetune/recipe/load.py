@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from finetune.errors import ProblemCode, RecipeError, RecipeProblem
-from finetune.recipe.schema import Recipe
+from finetune.recipe.schema import SHAPE_KEYS, Recipe
 from finetune.recipe.section import MAX_DEPTH
 
 MAX_FILE_BYTES = 1 << 20  # a recipe is a few kilobytes; this bounds parse time and memory
@@ -422,8 +422,6 @@ def recipe_data(recipe: Recipe, mode: str = "python") -> dict[str, Any]:
     """`recipe` as a dict that validates back to the same recipe (every key, defaults included), except, with
     adapter.init_from, the adapter shape keys the recipe leaves to the saved adapter: written as defaults they
     would count as set and contradict it. Use it to change a recipe's values and validate it again."""
-    from finetune.recipe.init_from import SHAPE_KEYS
-
     unset = set(SHAPE_KEYS) - recipe.adapter.model_fields_set if recipe.adapter.init_from else set()
     return recipe.model_dump(mode=mode, exclude={"adapter": unset})
 

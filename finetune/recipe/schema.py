@@ -19,7 +19,6 @@ from pydantic import (
     model_validator,
 )
 
-from finetune.recipe import settings
 from finetune.recipe.methods import (
     MethodSpec,
     method_description,
@@ -66,6 +65,11 @@ class QuantizationConfig(Section):
         4, description="Base-weight quantization: 4 (NF4, QLoRA), 8 (LLM.int8), null for none, auto lets the planner choose.")
     quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type; NF4 is the QLoRA default.")
     double_quant: bool = Field(True, description="Quantize the 4-bit block scales too (saves ~0.37 bits per weight).")
+
+
+# The adapter keys that fix its shape: adapter.init_from takes them from the saved adapter (what a recipe
+# leaves unset there, finetune.recipe.init_from and load.recipe_data keep unset).
+SHAPE_KEYS = ("type", "r", "alpha", "rslora", "target_modules", "modules_to_save")
 
 
 class AdapterConfig(Section):
@@ -621,10 +625,6 @@ class Recipe(Section):
                                            description="Several GPUs or nodes (DDP, FSDP2, DeepSpeed ZeRO).")
     grpo: GRPOConfig = Field(default_factory=GRPOConfig,
                              description="training.method grpo: sampling, rewards and the GRPO-family loss.")
-
-    def auto_keys(self) -> list[str]:
-        """The keys ("section.key") still `auto` that the planner decides (finetune.recipe.settings lists them)."""
-        return settings.auto_keys(self)
 
     @model_validator(mode="after")
     def _coherent(self) -> Recipe:

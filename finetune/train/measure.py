@@ -25,7 +25,7 @@ from finetune.memory.preference import (
 from finetune.memory.step import autocast_for, enable_checkpointing, mixed_precision, training_step
 from finetune.memory.tracker import MemoryTracker, measure_step
 from finetune.recipe.schema import Recipe
-from finetune.recipe.settings import read_settings
+from finetune.recipe.settings import auto_keys, read_settings
 
 
 def step_setup(recipe: Recipe, scratch: str | Path | None = None,
@@ -41,7 +41,7 @@ def step_setup(recipe: Recipe, scratch: str | Path | None = None,
     from finetune.recipe.init_from import resolve_init_from
 
     recipe = resolve_init_from(recipe)
-    if recipe.auto_keys():
+    if auto_keys(recipe):
         from finetune.plan import predict
 
         recipe = predict(recipe, **plan_kwargs).apply(recipe).recipe

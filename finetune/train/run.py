@@ -7,7 +7,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import set_seed
@@ -22,10 +22,11 @@ from finetune.plan import Plan, predict
 from finetune.recipe.batch_rules import apply_batch_rules, reference_batch
 from finetune.recipe.init_from import init_from_record, resolve_init_from
 from finetune.recipe.load import load_recipe, recipe_to_yaml
-from finetune.recipe.resolved import resolve
+from finetune.recipe.resolved import RunConfig, resolve
 from finetune.recipe.schema import Recipe, max_prompt_tokens
 from finetune.recipe.settings import (
     auto_choices,
+    auto_keys,
     auto_settings,
     format_choices,
     read_settings,
@@ -57,6 +58,7 @@ from finetune.train.train_state import load_checkpoint
 from finetune.units import format_bytes
 
 if TYPE_CHECKING:
+    from finetune.data.bundle import DataBundle
     from finetune.model.load import LoadedModel
 
 # Disk full, quota, permissions, read-only folder: the user's to fix, so a message instead of a traceback.
@@ -102,7 +104,7 @@ def _plan(recipe: Recipe) -> tuple[Plan | None, Recipe]:
     `memory.plan: false` (`finetune run --no-plan`) trains without one, and only where every open `auto`
     setting has a plain value that is always safe.
     """
-    auto = recipe.auto_keys()
+    auto = auto_keys(recipe)
     if not recipe.memory.plan:
         open_settings = [s for s in settings_table() if s.key in auto]
         undecided = [s.key for s in open_settings if s.fallback is None]
@@ -274,22 +276,69 @@ def _record_end(run_dir: RunDir, state: str, exc: BaseException) -> None:
             console.print(f"[red]could not record the end of the run in {path}: {write_error.strerror}")
 
 
+@dataclass
+class _Prepared:
+    """What `_prepare` settles before anything loads: the recipe the run trains with (a resumed run's `auto`
+    values, the plan's choices, the batch rules applied), its typed settings and the plan (None: not planned)."""
+
+    config: RunConfig
+    plan: Plan | None
+
+    @property
+    def recipe(self) -> Recipe:
+        return self.config.recipe
+
+
+@dataclass
+class _Built:
+    """What `_build` makes: the loop over the model and the data, and what the record reports of them."""
+
+    loop: TrainLoop
+    tokenizer: Any
+    data: DataBundle
+    peak: PeakMemory
+    steps: int  # the run's optimizer steps (max_steps, or the epochs' steps)
+    status_fields: dict  # kept in every status.json write
+    parameters: tuple[int, int]  # trainable, total
+    started: dict | None  # adapter.init_from: the start adapter's record (rank 0)
+    experts: Any = None  # the expert offload (memory.offload_experts), closed when training ends
+
+
+@dataclass
+class _Trained:
+    """What `_train` ends with: the result, the held-out metrics before and after, and when training began."""
+
+    result: RunResult
+    before: dict | None
+    after: dict
+    start: float  # time.time() and time.process_time() as the loop started, and its step then
+    cpu_start: float
+    first_step: int
+
+
 def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, stopper: StopOnSignal,
                       allow_data_change: bool = False, main: bool = True, base: LoadedModel | None = None
                       ) -> RunResult:
-    from finetune.data import build_datasets
-    from finetune.memory.layer_recompute import apply_memory_config, compile_layers
-    from finetune.model.adapter import apply_adapter, count_parameters
-    from finetune.model.load import load_model
+    """A run's four stages: prepare (plan, settings), build (model, data, loop), train, record (rank 0)."""
+    prepared = _prepare(recipe, run_dir, checkpoint, main)
+    built = _build(prepared, run_dir, checkpoint, stopper, allow_data_change, main, base)
+    trained = _train(built, run_dir, checkpoint, main)
+    if main:
+        _record(prepared, built, trained, run_dir)
+    return trained.result
 
+
+def _prepare(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, main: bool) -> _Prepared:
+    """The settings the run trains with: a resumed run keeps its chosen `auto` values and recoveries, one plan
+    for all processes decides the rest, the batch rules scale for the batch; rank 0 saves the run files (a
+    resume once its data is checked) and says what it decided."""
     reference = reference_batch(recipe)  # before a resume fills in the batch the interrupted run used
     if checkpoint and run_dir.recipe.is_file():
         saved = load_recipe(run_dir.recipe)
         recipe = keep_recovered(keep_resolved(recipe, saved), saved, run_dir.root)
     plan, recipe = distributed.on_main(lambda: _plan(recipe))  # one plan for all processes
     recipe, rule = apply_batch_rules(recipe, reference)
-    config = resolve(recipe)  # no `auto` left in the settings the run trains with
-    settings = config.settings
+    prepared = _Prepared(resolve(recipe), plan)  # no `auto` left in the settings the run trains with
     if main:
         if rule is not None:
             console.print(f"batch rules: {rule.describe()}")
@@ -297,46 +346,26 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
         if not checkpoint:  # a resume writes them once its data is checked: a refused one leaves them as they were
             _save_run_files(run_dir, plan, recipe)
         run_dir.write_status("loading")
-    several = recipe.distributed.gpus > 1
-    if several:
+    if recipe.distributed.gpus > 1:
         console.print(f"distributed: {recipe.distributed.gpus} processes, strategy {recipe.distributed.strategy}")
+    return prepared
 
-    set_seed(recipe.training.seed)  # adapter initialisation is random: make it reproducible (same on all ranks)
-    if base is None:
-        model, tokenizer, _ = load_model(recipe.model, recipe.quantization,
-                                         sharded=several and recipe.distributed.strategy == "fsdp",
-                                         experts_on_host=recipe.memory.offload_experts in ("cpu", "disk"))
-    else:
-        mismatch = base.mismatch(recipe.model, recipe.quantization)
-        if mismatch is not None:
-            raise UsageError(f"{mismatch}: the recipe does not describe the already loaded model (base=)",
-                             hint="give the recipe the model and quantization keys the model was loaded with")
-        model, tokenizer = base.model, base.tokenizer
-    model = apply_adapter(model, recipe.adapter, checkpointing=settings.activation_checkpointing,
-                          reference=loads_reference_adapter(recipe), digest=main)
-    # results.json's record of the start adapter: rank 0 writes it, hashing the bytes apply_adapter read.
-    started = init_from_record(recipe.adapter.init_from) if main and recipe.adapter.init_from is not None \
-        else None
-    if started is not None:
-        run_dir.log_line(f"adapter.init_from: started from {started['adapter']} (sha256 {started['sha256']})")
-    experts = apply_memory_config(model, recipe.memory, run_dir.root)  # closed (its files removed) below
-    compile_layers(model, recipe.training.compile)
+
+def _build(prepared: _Prepared, run_dir: RunDir, checkpoint: str | None, stopper: StopOnSignal,
+           allow_data_change: bool, main: bool, base: LoadedModel | None) -> _Built:
+    """The model (loaded or lent, adapter, memory settings, compiled), the data (checked against a resumed
+    run's, the reference log-probabilities where precomputed), the activation offload and the loop, at the
+    checkpoint's state when resuming."""
+    from finetune.model.adapter import count_parameters
+
+    recipe, settings = prepared.recipe, prepared.config.settings
+    model, tokenizer, started, experts = _model(recipe, settings.activation_checkpointing, run_dir, main, base)
     trainable, total = count_parameters(model)
     console.print(f"model: {recipe.model.path}  trainable {trainable:,} of {total:,} parameters "
                   f"({100 * trainable / max(total, 1):.2f}%)")
-    data = build_datasets(recipe.data, tokenizer, recipe.training.seed, recipe.training.method,
-                          max_prompt_tokens(recipe) if recipe.training.spec.generates else None)
-    console.print(f"data: {data.summary()} (every count: {run_dir.data_stats})", markup=False, highlight=False)
-    distributed.on_main(lambda: _record_data(run_dir, data.fingerprint, checkpoint is not None, allow_data_change))
+    data = _data(recipe, tokenizer, run_dir, checkpoint, allow_data_change, main)
     if main and checkpoint:
-        _save_run_files(run_dir, plan, recipe)
-    for warning in data.warnings:
-        console.print(f"data: {warning}", style="yellow", markup=False)
-    if main:
-        atomic_write_json(run_dir.data_stats, data.stats)
-        run_dir.log_line(f"data stats: {data.stats}")
-        for warning in data.warnings:
-            run_dir.log_line(f"data warning: {warning}")
+        _save_run_files(run_dir, prepared.plan, recipe)
     if recipe.training.precompute_reference:  # before the loop: no optimizer state or gradients yet
         from finetune.train.reference_pass import attach_reference
 
@@ -355,11 +384,71 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     # A bad offload_dir fails here, before the first step and before anything is written there.
     preflight_offload(model, recipe.memory, run_dir.root, settings.micro_batch_size, recipe.data.max_seq_len)
     offload = activation_offload(model, recipe.memory, run_dir.root)
-    peak = PeakMemory(plan.peak_bytes if plan is not None else None)
+    peak = PeakMemory(prepared.plan.peak_bytes if prepared.plan is not None else None)
+    config = prepared.config
     loop = build_loop(config, model, data, run_dir, steps, offload=offload, peak=peak, status_fields=status_fields,
                       should_stop=lambda: stopper.requested, tokenizer=tokenizer)
     if checkpoint:
         load_checkpoint(loop, Path(checkpoint))
+    return _Built(loop, tokenizer, data, peak, steps, status_fields, (trainable, total), started, experts)
+
+
+def _model(recipe: Recipe, checkpointing: bool, run_dir: RunDir, main: bool, base: LoadedModel | None
+           ) -> tuple[torch.nn.Module, Any, dict | None, Any]:
+    """The model to train (loaded, or the lent `base`) with its adapter and memory settings, the tokenizer,
+    rank 0's record of adapter.init_from's start adapter (None without one) and the expert offload (None
+    without one)."""
+    from finetune.memory.layer_recompute import apply_memory_config, compile_layers
+    from finetune.model.adapter import apply_adapter
+    from finetune.model.load import load_model
+
+    set_seed(recipe.training.seed)  # adapter initialisation is random: make it reproducible (same on all ranks)
+    if base is None:
+        model, tokenizer, _ = load_model(recipe.model, recipe.quantization, sharded=recipe.distributed.gpus > 1
+                                         and recipe.distributed.strategy == "fsdp",
+                                         experts_on_host=recipe.memory.offload_experts in ("cpu", "disk"))
+    else:
+        mismatch = base.mismatch(recipe.model, recipe.quantization)
+        if mismatch is not None:
+            raise UsageError(f"{mismatch}: the recipe does not describe the already loaded model (base=)",
+                             hint="give the recipe the model and quantization keys the model was loaded with")
+        model, tokenizer = base.model, base.tokenizer
+    model = apply_adapter(model, recipe.adapter, checkpointing=checkpointing,
+                          reference=loads_reference_adapter(recipe), digest=main)
+    # results.json's record of the start adapter: rank 0 writes it, hashing the bytes apply_adapter read.
+    started = init_from_record(recipe.adapter.init_from) if main and recipe.adapter.init_from is not None \
+        else None
+    if started is not None:
+        run_dir.log_line(f"adapter.init_from: started from {started['adapter']} (sha256 {started['sha256']})")
+    experts = apply_memory_config(model, recipe.memory, run_dir.root)  # closed (its files removed) after training
+    compile_layers(model, recipe.training.compile)
+    return model, tokenizer, started, experts
+
+
+def _data(recipe: Recipe, tokenizer: Any, run_dir: RunDir, checkpoint: str | None, allow_data_change: bool,
+          main: bool) -> DataBundle:
+    """The training method's data, its fingerprint checked against a resumed run's (`DataChanged`) and saved,
+    its counts and warnings on screen and (rank 0) in the run directory."""
+    from finetune.data import build_datasets
+
+    data = build_datasets(recipe.data, tokenizer, recipe.training.seed, recipe.training.method,
+                          max_prompt_tokens(recipe) if recipe.training.spec.generates else None)
+    console.print(f"data: {data.summary()} (every count: {run_dir.data_stats})", markup=False, highlight=False)
+    distributed.on_main(lambda: _record_data(run_dir, data.fingerprint, checkpoint is not None, allow_data_change))
+    for warning in data.warnings:
+        console.print(f"data: {warning}", style="yellow", markup=False)
+    if main:
+        atomic_write_json(run_dir.data_stats, data.stats)
+        run_dir.log_line(f"data stats: {data.stats}")
+        for warning in data.warnings:
+            run_dir.log_line(f"data warning: {warning}")
+    return data
+
+
+def _train(built: _Built, run_dir: RunDir, checkpoint: str | None, main: bool) -> _Trained:
+    """The held-out metrics before training (preference methods and GRPO, on a fresh run), the loop's fit (the
+    peak tracker and offload closed however it ends), the final evaluation and, when completed, the adapter."""
+    loop, data, peak = built.loop, built.data, built.peak
     # Preference methods and GRPO: the held-out rewards before training, so results.json shows what changed.
     before = loop.evaluate() if data.eval is not None and (loop.preference is not None or loop.objective is not None) \
         and not checkpoint else None
@@ -370,36 +459,40 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
         peak.close()  # also after an error
         if loop.offload is not None:  # an out-of-memory recovery may have turned it on or changed it
             loop.offload.close()  # removes every file the disk tier still holds, also after an error
-        if experts is not None:
-            experts.close()  # the expert offload's files too
+        if built.experts is not None:
+            built.experts.close()  # the expert offload's files too
     if main and peak.tracked_steps:
         run_dir.log_line(f"memory tracker: tracked {len(peak.tracked_steps)} of {loop.state.step} steps "
                          f"(those that could set a new peak): {', '.join(str(s + 1) for s in peak.tracked_steps)}")
     after = _final_evaluation(loop) if data.eval is not None else {}
-    eval_loss = after.get(f"{EVAL_PREFIX}loss")
     state = "stopped" if loop.stopped else "completed"
     if state == "completed":
-        _save_result(loop, tokenizer, run_dir, main)
+        _save_result(loop, built.tokenizer, run_dir, main)
     losses = [h["loss"] for h in loop.state.log_history if "loss" in h]
-    result = RunResult(run_dir.root, state, loop.state.step, losses[-1] if losses else None, eval_loss, before,
-                       after or None)
-    if not main:
-        return result
+    result = RunResult(run_dir.root, state, loop.state.step, losses[-1] if losses else None,
+                       after.get(f"{EVAL_PREFIX}loss"), before, after or None)
+    return _Trained(result, before, after, start, cpu_start, first_step)
+
+
+def _record(prepared: _Prepared, built: _Built, trained: _Trained, run_dir: RunDir) -> None:
+    """Rank 0's record of the run: results.json, the loss plot, the final status and log line."""
+    loop, result, data = built.loop, trained.result, built.data
     engine = next((p for p in loop.policies if isinstance(p, BatchEngine)), None)
+    trainable, total = built.parameters
     atomic_write_json(run_dir.results, {
-        "state": state, "steps": result.steps, "final_loss": result.final_loss, "eval_loss": eval_loss,
-        "train_runtime_s": round(time.time() - start, 2), "train_cpu_s": round(time.process_time() - cpu_start, 2),
-        "train_metrics": loop.train_metrics(time.time() - start, first_step), "data": data.stats,
+        "state": result.state, "steps": result.steps, "final_loss": result.final_loss, "eval_loss": result.eval_loss,
+        "train_runtime_s": round(time.time() - trained.start, 2),
+        "train_cpu_s": round(time.process_time() - trained.cpu_start, 2),
+        "train_metrics": loop.train_metrics(time.time() - trained.start, trained.first_step), "data": data.stats,
         "trainable_parameters": trainable, "total_parameters": total,
-        **({"init_from": started} if started is not None else {}),
-        **({"eval_before": before, "eval_after": after} if before is not None else {}),
-        "offload": dict(loop.offload.stats, tier=_memory(loop, recipe).offload) if loop.offload is not None
+        **({"init_from": built.started} if built.started is not None else {}),
+        **({"eval_before": trained.before, "eval_after": trained.after} if trained.before is not None else {}),
+        "offload": dict(loop.offload.stats, tier=_memory(loop, prepared.recipe).offload) if loop.offload is not None
         else None,
         **(batch_summary(engine, loop, run_dir.read_metrics(), data.stats) if engine is not None else {})})
     plot_loss_curve(run_dir)
-    run_dir.write_status(state, step=result.steps, max_steps=steps, **status_fields)
-    run_dir.log_line(f"run {state} at step {result.steps}")
-    return result
+    run_dir.write_status(result.state, step=result.steps, max_steps=built.steps, **built.status_fields)
+    run_dir.log_line(f"run {result.state} at step {result.steps}")
 
 
 def _memory(loop: TrainLoop, recipe: Recipe):
