@@ -14,9 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from finetune.data.bundle import DataBundle, _listed, _refuse_bad, _sample, _split, checked
 from finetune.data.chat import ChatEncoder, resolve_template
@@ -35,6 +33,9 @@ from finetune.data.formats import (
 from finetune.data.mix import file_stats, is_mix, mixed_records, read_files, repeated
 from finetune.errors import DataError
 from finetune.recipe.schema import DataConfig
+
+if TYPE_CHECKING:
+    import torch
 
 PROMPT_KEYS = ("prompt", "messages", "conversations", "system", "tools")  # what makes the prompt, not a field
 EXPECTED = '{"prompt": str or messages, <fields the rewards read>} or {"messages": [..., user turn], <fields>}'
@@ -157,6 +158,8 @@ class PromptCollator:
 def left_padded(prompts: list[PromptExample], copies: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids and attention mask of the prompts, each `copies` times in a row, padded on the left (where
     generation continues them)."""
+    import torch  # the data checks stay torch-free: finetune.data imports this module
+
     width = max(len(p.input_ids) for p in prompts)
     ids = torch.full((len(prompts) * copies, width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
