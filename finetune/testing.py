@@ -162,3 +162,58 @@ def make_tiny_model_dir(path: str | Path, arch: str = "llama", seed: int = 0, **
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+# The synthetic vision task: one coloured shape per image, "what colour is the shape?", a one-word answer. A
+# tiny random VLM answers it at chance before training and learns it in minutes on a CPU, so a test or a
+# demonstration can show held-out answers improving (benchmarks/vision_demo.py, recipes/vision-demo-cpu.yaml).
+SHAPE_COLOURS = {"red": (220, 30, 30), "green": (30, 170, 50), "blue": (30, 70, 230), "yellow": (240, 210, 20)}
+SHAPE_QUESTION = "What colour is the shape?"
+
+
+def shape_image(colour: str, kind: str, box: tuple[int, int, int, int], size: int = 56):
+    """A white `size`-pixel square image holding one filled shape (circle, square or triangle) in `box`."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (size, size), (255, 255, 255))
+    draw = ImageDraw.Draw(image)
+    fill = SHAPE_COLOURS[colour]
+    x0, y0, x1, y1 = box
+    if kind == "circle":
+        draw.ellipse(box, fill=fill)
+    elif kind == "square":
+        draw.rectangle(box, fill=fill)
+    else:
+        draw.polygon([((x0 + x1) // 2, y0), (x1, y1), (x0, y1)], fill=fill)
+    return image
+
+
+def shape_task(folder: str | Path, *, train: int = 64, held_out: int = 32, size: int = 56,
+               seed: int = 0) -> tuple[Path, Path]:
+    """Write the coloured-shape task to `folder`: images/NNNN.png and two LLaMA-Factory-format files, train.json
+    and held_out.json (`messages` with an `<image>` marker, `images` relative to the file). Returns their paths.
+
+    Colours cycle so every colour is equally common in both splits; shape kind, size and place are drawn with
+    `seed`, so the answer is only in the colour. Deterministic: the same arguments write the same bytes."""
+    import json
+    import random
+
+    folder = Path(folder)
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    colours = sorted(SHAPE_COLOURS)
+    records = []
+    for i in range(train + held_out):
+        colour = colours[i % len(colours)]
+        side = rng.randint(size // 3, size * 3 // 4)
+        x, y = rng.randint(0, size - side), rng.randint(0, size - side)
+        name = f"images/{i:04d}.png"
+        shape_image(colour, rng.choice(("circle", "square", "triangle")), (x, y, x + side - 1, y + side - 1),
+                    size).save(folder / name, optimize=False)
+        records.append({"messages": [{"role": "user", "content": f"<image>{SHAPE_QUESTION}"},
+                                     {"role": "assistant", "content": colour}], "images": [name]})
+    rng.shuffle(records)
+    paths = folder / "train.json", folder / "held_out.json"
+    for path, part in zip(paths, (records[:train], records[train:]), strict=True):
+        path.write_text(json.dumps(part, indent=1) + "\n", encoding="utf-8")
+    return paths
