@@ -28,7 +28,43 @@ from finetune.errors import FinetuneError
 from finetune.model.load import load_tokenizer
 from finetune.model.trained import base_model_key, load_run, load_trained
 
-Message = dict[str, str]
+# A turn's content is a str, or (a turn with images) a list of parts, in order: {"type": "text", "text": ...} and
+# {"type": "image", "path": "/absolute/path.png"}, the canonical record's shape (finetune.data.formats).
+Message = dict[str, Any]
+
+
+def has_images(messages: list[Message]) -> bool:
+    """Whether any turn carries an image part."""
+    return any(isinstance(m["content"], list) and any(p.get("type") == "image" for p in m["content"])
+               for m in messages)
+
+
+def user_turn(prompt: str, image: str | Path | None = None) -> Message:
+    """One user message: the prompt alone, or the image (an absolute path) followed by the prompt."""
+    if image is None:
+        return {"role": "user", "content": prompt}
+    return {"role": "user", "content": [{"type": "image", "path": str(Path(image).resolve())},
+                                        {"type": "text", "text": prompt}]}
+
+
+def text_tokenizer(tokenizer):
+    """The tokenizer itself, or a vision-language processor's tokenizer (ids, special tokens, decoding)."""
+    return getattr(tokenizer, "tokenizer", tokenizer)
+
+
+def prompt_inputs(tokenizer, messages: list[Message], system: str | None = None) -> dict[str, Any]:
+    """The model's inputs for the assistant's next turn: input_ids and attention_mask, and for a conversation
+    with images the processor's image inputs (pixel_values, image_grid_thw, ...) with each image's tokens
+    expanded in input_ids, as the processor itself does it."""
+    if has_images(messages):
+        if not hasattr(tokenizer, "image_processor"):
+            raise FinetuneError("this model reads no images: it was loaded without an image processor",
+                                hint="give an image only to a run of a vision-language model")
+        turns = ([{"role": "system", "content": system}] if system else []) + list(messages)
+        return dict(tokenizer.apply_chat_template(turns, tokenize=True, return_dict=True, return_tensors="pt",
+                                                  add_generation_prompt=True))
+    text = build_prompt(tokenizer, messages, system)
+    return dict(text_tokenizer(tokenizer)(text, return_tensors="pt", add_special_tokens=False))
 
 
 def build_prompt(tokenizer, messages: list[Message], system: str | None = None) -> str:
@@ -94,14 +130,14 @@ def stream_reply(model, tokenizer, messages: list[Message], *, system: str | Non
     if not messages or messages[-1].get("role") != "user":
         raise FinetuneError("the chat history must end with a user message")
     kwargs = sampling_kwargs(temperature, top_p)
-    text = build_prompt(tokenizer, messages, system)
-    inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(model.device)
-    streamer = _TextStreamer(tokenizer, on_text, cancel or threading.Event())
+    inputs = {k: v.to(model.device) for k, v in prompt_inputs(tokenizer, messages, system).items()}
+    tok = text_tokenizer(tokenizer)
+    streamer = _TextStreamer(tok, on_text, cancel or threading.Event())
     with torch.no_grad():
         model.generate(**inputs, max_new_tokens=int(max_new_tokens), streamer=streamer, use_cache=True,
-                       stopping_criteria=StoppingCriteriaList([streamer]), pad_token_id=tokenizer.pad_token_id,
-                       eos_token_id=tokenizer.eos_token_id, **kwargs)
-    return tokenizer.decode(streamer.ids, skip_special_tokens=True).strip()
+                       stopping_criteria=StoppingCriteriaList([streamer]), pad_token_id=tok.pad_token_id,
+                       eos_token_id=tok.eos_token_id, **kwargs)
+    return tok.decode(streamer.ids, skip_special_tokens=True).strip()
 
 
 class ChatModels:

@@ -120,12 +120,54 @@ def _describe_base(recipe: Recipe) -> str:
     return f"{model.path}{revision} ({dtype}, {bits}{', remote code' if model.trust_remote_code else ''})"
 
 
-def generate(model, tokenizer, prompt: str, *, max_new_tokens: int = 128, system: str | None = None) -> str:
-    """Greedy answer to one user prompt: a one-turn chat (finetune.model.chat)."""
-    from finetune.model.chat import stream_reply
+def reads_images(recipe: Recipe) -> bool:
+    """Whether the run's model takes images: its config.json has a vision part that loads (not a family whose
+    vision-language checkpoints train as their text model). Torch-free, from the model folder's config."""
+    import json
 
-    return stream_reply(model, tokenizer, [{"role": "user", "content": prompt}], system=system,
-                        max_new_tokens=max_new_tokens)
+    from finetune.model.source import config_location, resolve_model_path
+    from finetune.recipe.families import family_for
+
+    where = config_location(recipe.model.path)
+    if not where.exists():  # a hub id: its cached folder
+        where = resolve_model_path(recipe.model.path, recipe.model.revision)
+    file = where / "config.json" if where.is_dir() else where
+    config = json.loads(file.read_text()) if file.suffix == ".json" and file.is_file() else {}
+    family = family_for(str(config.get("model_type") or ""))
+    vision = any(key in config for key in ("vision_config", "vision_tower", "visual"))
+    return vision and not (family is not None and family.text_of_vision)
+
+
+def check_image(run_dir: str | Path, image: str | Path | None) -> Path | None:
+    """The image to ask the run about, checked before any model loads: the file exists and is an image Pillow
+    reads, and the run's model reads images. None without an image."""
+    if image is None:
+        return None
+    path = Path(image).expanduser()
+    if not path.is_file():
+        raise UsageError(f"--image {image}: no such file", hint="give the path of a local image file")
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as opened:
+            opened.verify()
+    except (UnidentifiedImageError, OSError, SyntaxError) as exc:
+        raise UsageError(f"--image {image}: not an image Pillow can read ({exc})",
+                         hint="give a PNG, JPEG, WebP or another image file") from None
+    recipe, run = load_run(run_dir)
+    if not reads_images(recipe):
+        raise UsageError(f"--image: {run.root} trained the text-only model {recipe.model.path}, which reads no "
+                         "images", hint="leave out --image, or give a run of a vision-language model")
+    return path.resolve()
+
+
+def generate(model, tokenizer, prompt: str, *, image: str | Path | None = None, max_new_tokens: int = 128,
+             system: str | None = None) -> str:
+    """Greedy answer to one user prompt, about `image` where one is given: a one-turn chat
+    (finetune.model.chat)."""
+    from finetune.model.chat import stream_reply, user_turn
+
+    return stream_reply(model, tokenizer, [user_turn(prompt, image)], system=system, max_new_tokens=max_new_tokens)
 
 
 def _check_export_target(out: Path) -> None:
@@ -159,6 +201,10 @@ def export_merged(run_dir: str | Path, out_dir: str | Path,
     folder is published whole (finetune.publish): a stop or a kill at any step leaves the earlier export in
     place and no temporary."""
     recipe, run = load_run(run_dir)
+    if gguf is not None and reads_images(recipe):
+        raise UsageError(f"export: {recipe.model.path} is a vision-language model; GGUF export writes the "
+                         "language model only and llama.cpp would need the vision projector's file too, which "
+                         "finetune does not write", hint="export safetensors (the default --format)")
     step = _export_step(progress)
     out = Path(out_dir)
     with publishing(out) as tmp:  # settles what a killed export left before the target is checked
@@ -184,6 +230,31 @@ def _write_merged(recipe: Recipe, run: RunDir, tmp: Path, step: Callable[[int, s
         step(2, f"safetensors shards in {tmp} (a temporary folder, renamed when complete)")
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+    copy_processor_files(recipe, run, tmp)
+
+
+# What a vision-language model's processor reads beside the tokenizer: the image (and video) preprocessing and
+# the processor's chat template. An export without them loads as a text model only.
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+                   "chat_template.json", "chat_template.jinja")
+
+
+def copy_processor_files(recipe: Recipe, run: RunDir, out: Path) -> list[str]:
+    """Copy the processor files a merged model needs into `out`: from the run's adapter folder where training
+    saved them, else from the base model's folder; a file already written (the tokenizer's chat template) is
+    kept. Returns the names copied."""
+    from finetune.model.source import resolve_model_path
+
+    if not reads_images(recipe):
+        return []
+    base = resolve_model_path(recipe.model.path, recipe.model.revision)
+    copied = []
+    for name in PROCESSOR_FILES:
+        source = next((folder / name for folder in (run.adapter, base) if (folder / name).is_file()), None)
+        if source is not None and not (out / name).exists():
+            shutil.copyfile(source, out / name)
+            copied.append(name)
+    return copied
 
 
 def merged_model(recipe: Recipe, run: RunDir, step: Callable[[int, str], None] = lambda i, detail: None):
