@@ -1,0 +1,73 @@
+"""Using vision-language runs: the synthetic coloured-shape task, `finetune generate --image` (and its
+refusals, one line and exit 2, before any model loads), export with the processor files, eval on image records."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from finetune.cli import main
+from finetune.recipe import validate_recipe
+from finetune.testing import SHAPE_COLOURS, SHAPE_QUESTION, shape_task
+from finetune.train.run import run
+from tests.run_support import sums_data, tiny_lora_recipe
+
+
+def test_the_shape_task_is_balanced_split_and_deterministic(tmp_path):
+    from PIL import Image
+
+    train, held_out = shape_task(tmp_path / "a", train=16, held_out=8, size=40, seed=3)
+    again = shape_task(tmp_path / "b", train=16, held_out=8, size=40, seed=3)
+    records = {p.name: json.loads(p.read_text()) for p in (train, held_out)}
+    assert [len(records["train.json"]), len(records["held_out.json"])] == [16, 8]
+    for part in records.values():
+        for record in part:
+            user, answer = record["messages"]
+            assert user["content"] == f"<image>{SHAPE_QUESTION}" and len(record["images"]) == 1
+            with Image.open(train.parent / record["images"][0]) as image:
+                assert image.size == (40, 40)
+                pixels = {c for _, c in image.getcolors()} - {(255, 255, 255)}
+            assert pixels == {SHAPE_COLOURS[answer["content"]]}  # the answer is the shape's colour, and only it
+    seen = [r["images"][0] for part in records.values() for r in part]
+    assert len(set(seen)) == 24  # no image in both splits
+    answers = [r["messages"][1]["content"] for r in records["train.json"]]
+    assert {answers.count(c) for c in SHAPE_COLOURS} == {4}  # every colour equally common
+    for name in ("train.json", "held_out.json", "images/0005.png"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    assert shape_task(tmp_path / "c", train=16, held_out=8, size=40, seed=4)[0].read_bytes() != train.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def text_run(tmp_path_factory, tiny_model_dir) -> Path:
+    folder = tmp_path_factory.mktemp("text-run")
+    run(validate_recipe(tiny_lora_recipe(tiny_model_dir, sums_data(folder / "sums.jsonl", 8), folder / "run",
+                                         {"training": {"max_steps": 1, "micro_batch_size": 2}})))
+    return folder / "run"
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and err.startswith("error:"), err
+    return err
+
+
+def test_an_image_for_a_text_only_run_is_refused_in_one_line(text_run, tmp_path, capsys):
+    image = tmp_path / "red.png"
+    from finetune.testing import shape_image
+
+    shape_image("red", "circle", (4, 4, 30, 30)).save(image)
+    assert main(["generate", str(text_run), "--prompt", SHAPE_QUESTION, "--image", str(image)]) == 2
+    err = _one_line_error(capsys)
+    assert "text-only model" in err and str(text_run) in err and "leave out --image" in err
+    assert main(["generate", str(text_run), "--prompt", "hi", "--image", str(image), "--compare"]) == 2
+    assert "reads no images" in _one_line_error(capsys)
+
+
+def test_a_missing_or_unreadable_image_is_named_in_one_line(text_run, tmp_path, capsys):
+    assert main(["generate", str(text_run), "--prompt", "hi", "--image", str(tmp_path / "gone.png")]) == 2
+    assert f"--image {tmp_path / 'gone.png'}: no such file" in _one_line_error(capsys)
+    (tmp_path / "notes.png").write_text("not an image")
+    assert main(["generate", str(text_run), "--prompt", "hi", "--image", str(tmp_path / "notes.png")]) == 2
+    assert "not an image Pillow can read" in _one_line_error(capsys)
