@@ -19,7 +19,7 @@ def test_the_shape_task_is_balanced_split_and_deterministic(tmp_path):
     from PIL import Image
 
     train, held_out = shape_task(tmp_path / "a", train=16, held_out=8, size=40, seed=3)
-    again = shape_task(tmp_path / "b", train=16, held_out=8, size=40, seed=3)
+    shape_task(tmp_path / "b", train=16, held_out=8, size=40, seed=3)
     records = {p.name: json.loads(p.read_text()) for p in (train, held_out)}
     assert [len(records["train.json"]), len(records["held_out.json"])] == [16, 8]
     for part in records.values():
