@@ -39,10 +39,12 @@ from finetune.data.formats import (
     Preference,
     RecordError,
     detect_format,
+    images_of,
     normalize,
     unicode_problem,
 )
-from finetune.data.mix import FileRead, file_stats, is_mix, mixed_records, read_files, repeated
+from finetune.data.images import check_images
+from finetune.data.mix import FileRead, data_folders, file_stats, is_mix, mixed_records, read_files, repeated
 from finetune.data.read import Record
 from finetune.errors import DataError
 from finetune.recipe.methods import METHODS, method_spec
@@ -71,6 +73,7 @@ class DataBundle:
         kept = s.get("train_examples", s.get("train_prompts", 0)) + s.get("eval_examples", s.get("eval_prompts", 0))
         dropped = s.get("bad_records_skipped", 0) + s.get("dropped_overlong", 0) + s.get("dropped_no_loss", 0)
         tokens = f", {s['train_tokens']:,} tokens to train on" if "train_tokens" in s else ""
+        tokens += f" ({s['images']:,} images in {s['image_records']:,} records)" if "images" in s else ""
         return (f"{s['records']:,} {s['format']} records: {kept:,} kept, {s.get('truncated', 0):,} cut, {dropped:,} "
                 f"dropped{tokens}")
 
@@ -88,6 +91,7 @@ class _Prepared:
     rejected: tuple[str, list[tuple[int, int]]] | None = None
     label: bool | None = None
     source: Source | None = None
+    images: int = 0  # images the record shows the model
 
 
 Sequences = list[Encoded]  # an example's sequences: one, or chosen and rejected
@@ -100,10 +104,11 @@ def data_kind(method: str) -> str:
 
 
 def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sft",
-                   max_prompt_tokens: int | None = None) -> DataBundle:
+                   max_prompt_tokens: int | None = None, model_takes_images: bool = False) -> DataBundle:
     """Read, check, tokenize, mask, split and optionally pack the dataset described by `cfg`, for training
     method `method` (sft, or a preference method: dpo, orpo, simpo, cpo, kto); grpo: prompt-only records of at most
-    `max_prompt_tokens` tokens (finetune.data.prompts)."""
+    `max_prompt_tokens` tokens (finetune.data.prompts). Records with images are bad records unless
+    `model_takes_images` (the model family's vision flag)."""
     if data_kind(method) == "prompt":
         from finetune.data.prompts import build_prompts  # it builds on this module's helpers
 
@@ -114,7 +119,7 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
     encoder = _encoder(cfg, tokenizer, formats[0])
     fingerprint = data_fingerprint(cfg, [f.read for f in files], fmt, tokenizer,
                                    encoder.template if encoder else None, seed, method)
-    prepared, problems = _prepare(records, formats, cfg, encoder)
+    prepared, problems = _prepare(records, formats, cfg, encoder, model_takes_images)
     prepared_from = Counter(p.file for p in prepared)
     problems = [p for f in files for p in f.read.problems] + problems
     _refuse_bad(cfg, fmt, problems, len(prepared))
@@ -135,6 +140,7 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
         left_out = Counter(r.file for r in records) - prepared_from  # malformed
         stats["files"] = file_stats(files, formats, records, [item.file for item, _ in train + evaluation],
                                     left_out + dropped.by_file)
+    _count_images(stats, [item for item, _ in train + evaluation])
     _check_dropped(cfg, dropped)
     if not train:
         raise DataError(
@@ -156,6 +162,16 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
 
     return DataBundle(train_ds, eval_ds, stats, make_collator(tokenizer, cfg.packing, kind), fingerprint,
                       repeated(files) + _warnings(cfg, len(problems), dropped))
+
+
+def _count_images(stats: dict[str, Any], items: Sequence[_Prepared]) -> None:
+    """Add the image counts of the examples kept (`images`, `image_records`; per file in `files`) to `stats`,
+    when any record has images (text-only data keeps the stats it always had)."""
+    if not any(item.images for item in items):
+        return
+    for target, part in ([(stats, items)] + [(entry, [x for x in items if x.file == i])
+                                             for i, entry in enumerate(stats.get("files", []))]):
+        target.update(images=sum(x.images for x in part), image_records=sum(x.images > 0 for x in part))
 
 
 def _check_dropped(cfg: DataConfig, dropped: _Dropped) -> None:
@@ -230,7 +246,7 @@ def _check_method(path: str, fmt: str, method: str) -> None:
 
 def _unpair(items: list[_Prepared]) -> list[_Prepared]:
     """A pair as two kto examples: the chosen answer good, the rejected one bad."""
-    return [_Prepared(p.where, p.file, chat=chat, label=good, source=[source]) for p in items
+    return [_Prepared(p.where, p.file, chat=chat, label=good, source=[source], images=p.images) for p in items
             for chat, good, source in ((p.chat, True, p.source[0]), (p.rejected, False, p.source[1]))]
 
 
@@ -238,19 +254,20 @@ def _tokens(fitted: list[tuple[_Prepared, Sequences]]) -> int:
     return sum(len(ids) for _, parts in fitted for ids, _ in parts)
 
 
-def preview(cfg: DataConfig, tokenizer: Any, n: int = 3) -> list[dict[str, Any]]:
+def preview(cfg: DataConfig, tokenizer: Any, n: int = 3, model_takes_images: bool = False) -> list[dict[str, Any]]:
     """The first n usable records as the model sees them: `tokens` is a list of (token text, has_loss).
 
     Each dict also has `where` (file and record/line) and `truncated` (cut to data.max_seq_len). Preference
     pairs add `rejected_tokens` (the rejected sequence; `tokens` is the chosen one), kto records `label`.
     Malformed records are skipped here whatever on_bad_record says, so the UI can show something. Several
     files: one record of each file in turn (the first of every file, then the second, ...), each in its file's
-    format.
+    format. Image records show (as `images`, their paths) where `model_takes_images`, else are skipped.
     """
     files = read_files(cfg)
     formats, _ = _formats(cfg, files, None)
     encoder = _encoder(cfg, tokenizer, formats[0])
-    pending = [_shown(f.read.records, i, formats, cfg, tokenizer, encoder) for i, f in enumerate(files)]
+    pending = [_shown(f.read.records, i, formats, cfg, tokenizer, encoder, model_takes_images)
+               for i, f in enumerate(files)]
     out: list[dict[str, Any]] = []
     while pending and len(out) < n:
         for file in list(pending):
@@ -263,10 +280,10 @@ def preview(cfg: DataConfig, tokenizer: Any, n: int = 3) -> list[dict[str, Any]]
 
 
 def _shown(records: list[Record], file: int, formats: list[str], cfg: DataConfig, tokenizer: Any,
-           encoder: ChatEncoder | None) -> Iterator[dict[str, Any]]:
+           encoder: ChatEncoder | None, model_takes_images: bool) -> Iterator[dict[str, Any]]:
     """`preview`'s examples of one file's records, one at a time (tokenized only when asked for)."""
     for record in records:
-        prepared, _ = _prepare([dataclasses.replace(record, file=file)], formats, cfg, encoder)
+        prepared, _ = _prepare([dataclasses.replace(record, file=file)], formats, cfg, encoder, model_takes_images)
         dropped = _Dropped()
         fitted = _fit(prepared, _tokenize(prepared, tokenizer, encoder, cfg.max_seq_len), cfg, encoder, dropped)
         if not fitted:
@@ -279,6 +296,8 @@ def _shown(records: list[Record], file: int, formats: list[str], cfg: DataConfig
             item["rejected_tokens"] = shown[1]
         if prepared[0].label is not None:
             item["label"] = prepared[0].label
+        if prepared[0].images:
+            item["images"] = images_of(prepared[0].source[0][0])
         yield item
 
 
@@ -308,23 +327,26 @@ def _sample(records: list[Record], max_samples: int | None, seed: int) -> list[R
     return [records[i] for i in keep]
 
 
-def _prepare(records: Sequence[Record], formats: list[str], cfg: DataConfig,
-             encoder: ChatEncoder | None) -> tuple[list[_Prepared], list[str]]:
+def _prepare(records: Sequence[Record], formats: list[str], cfg: DataConfig, encoder: ChatEncoder | None,
+             model_takes_images: bool) -> tuple[list[_Prepared], list[str]]:
     """Each record normalised and rendered in its file's format (`formats`, by file index), and a problem
-    line per malformed one."""
+    line per malformed one (a bad image included)."""
     prepared, problems = [], []
+    folders = data_folders(cfg)
     for record in records:
         try:
-            example = _example(record, formats[record.file], cfg)
+            example = _example(record, formats[record.file], cfg, folders[record.file])
+            images = len(check_images(example, model_takes_images))
             if isinstance(example, Preference):
                 assert encoder is not None
                 rendered = [encoder.render(chat, first) for chat, first in example.chats()]
                 item = _Prepared(record.where, record.file, chat=rendered[0],
                                  rejected=rendered[1] if len(rendered) > 1 else None, label=example.label,
-                                 source=example.chats())
+                                 source=example.chats(), images=images)
             elif isinstance(example, Chat):
                 assert encoder is not None
-                item = _Prepared(record.where, record.file, chat=encoder.render(example), source=[(example, 0)])
+                item = _Prepared(record.where, record.file, chat=encoder.render(example), source=[(example, 0)],
+                                 images=images)
             else:
                 item = _Prepared(record.where, record.file, text=example)
             prepared.append(item)
@@ -333,35 +355,42 @@ def _prepare(records: Sequence[Record], formats: list[str], cfg: DataConfig,
     return prepared, problems
 
 
-def _example(record: Record, fmt: str, cfg: DataConfig) -> Example:
-    """One record normalised; RecordError if it is malformed or holds text that cannot be tokenized."""
-    example = normalize(record.value, fmt, cfg.system_prompt)
+def _example(record: Record, fmt: str, cfg: DataConfig, folder: str) -> Example:
+    """One record normalised (relative image paths read from `folder`); RecordError if it is malformed or
+    holds text that cannot be tokenized."""
+    example = normalize(record.value, fmt, cfg.system_prompt, folder)
     text = example if isinstance(example, str) else json.dumps(asdict(example), ensure_ascii=False, default=str)
     if problem := unicode_problem(text):
         raise RecordError(problem)
     return example
 
 
-def check_records(cfg: DataConfig, method: str = "sft") -> dict[str, Any]:
+def check_records(cfg: DataConfig, method: str = "sft", model_takes_images: bool = False) -> dict[str, Any]:
     """Read and check every record without a tokenizer, in seconds, before a model loads: the file parses,
-    its format is known and suits `method`, each record has its fields; every file of a list, each whole (not
-    only what the mix takes). Raises the DataError build_datasets would; returns the format and the counts of
-    records and of malformed ones (and, for a list, `files`: each file's path, format, records, bad_records)."""
+    its format is known and suits `method`, each record has its fields and its images are readable files
+    (headers only; any image is a bad record unless `model_takes_images`, the model family's vision flag);
+    every file of a list, each whole (not only what the mix takes). Raises the DataError build_datasets would;
+    returns the format and the counts of records and of malformed ones (and, for a list, `files`: each file's
+    path, format, records, bad_records), with `images` and `image_records` (of the good records) when any
+    record has images."""
     if data_kind(method) == "prompt":  # prompt-only records (finetune.data.prompts)
         from finetune.data.prompts import check_prompt_records
 
         return check_prompt_records(cfg)
     files = read_files(cfg)
     formats, fmt = _formats(cfg, files, method)
-    bad = []
-    for f, file_format in zip(files, formats, strict=True):
+    bad, good = [], []
+    for i, (f, file_format, folder) in enumerate(zip(files, formats, data_folders(cfg), strict=True)):
         bad.append(list(f.read.problems))
         for record in f.read.records:
             try:
-                _example(record, file_format, cfg)
+                images = len(check_images(_example(record, file_format, cfg, folder), model_takes_images))
+                good.append(_Prepared(record.where, i, images=images))
             except RecordError as exc:
                 bad[-1].append(f"{record.where}: {exc}")
-    return checked(cfg, files, formats, fmt, bad)
+    out = checked(cfg, files, formats, fmt, bad)
+    _count_images(out, good)
+    return out
 
 
 def checked(cfg: DataConfig, files: list[FileRead], formats: list[str], fmt: str,

@@ -30,15 +30,36 @@ be empty (unless it carries tool_calls): both are malformed records.
 
 `tools` is a list of tool schemas, or a JSON string holding one (as in glaive_toolcall); an empty string or
 list means no tools. In CSV and Parquet files the message list and tools may be JSON strings; they are parsed.
+
+Images (vision-language data), in any chat format:
+
+- LLaMA-Factory's: an `images` list beside the turns (`messages`, `conversations`, or a preference record's),
+  each `<image>` in a turn's text standing for the next image of the list (markers count only in a record
+  that has `images`: elsewhere `<image>` is plain text);
+- content parts (HF / OpenAI): a message's `content` is a list of `{"type": "text", "text": ...}` and
+  `{"type": "image", "path" | "image" | "url": ...}` or `{"type": "image_url", "image_url": {"url": ...}}`
+  parts; an image part without a source takes the next image of the record's `images` (TRL's datasets).
+
+A record with images normalises to the canonical form the vision-language tokenizer reads: every turn's
+`content` a list of `{"type": "text", "text"}` and `{"type": "image", "path": ABSOLUTE_PATH}` parts, in
+order (`images_of` lists the paths). Relative paths are read from the folder of the data file (`folder`), a
+`file://` URL is its path; other URLs and inline `data:` images are malformed records (images must be local
+files: nothing is downloaded at run time), as is a record whose markers and images do not pair up. A content
+list of text parts only is its text joined, as chat templates render it. Whether the image files can be read is
+`finetune.data.images`' check (headers, no decoding).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlparse
 
 from finetune.data.read import UnparsableJSON, loads_json
 
@@ -49,7 +70,8 @@ DETECT_WINDOW = 10  # auto-detection looks at this many records from the start o
 
 _EXPECT = {
     "alpaca": '{"instruction": str, "input": str (optional), "output": str}',
-    "messages": '{"messages": [{"role": "user" | "assistant" | "system" | "tool", "content": str}, ...]}',
+    "messages": '{"messages": [{"role": "user" | "assistant" | "system" | "tool", "content": str or [parts]}, ...], '
+                '"images": [paths] (optional)}',
     "sharegpt": '{"conversations": [{"from": "human" | "gpt" | "system" | "function_call" | "observation", '
                 '"value": str}, ...], "tools": JSON string or list (optional)}',
     "text": '{"text": str}',
@@ -66,6 +88,9 @@ SHAREGPT_ROLES = {
 
 
 CALL = "_function_call"  # marks sharegpt function_call turns; removed before the chat template sees them
+IMAGE_MARKER = "<image>"  # LLaMA-Factory's: stands for the next image of the record's `images`
+IMAGE_SOURCES = ("path", "image", "url")  # where an image part names its file (first present wins)
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 class RecordError(ValueError):
@@ -141,8 +166,9 @@ def detect_format(records: Sequence[Any]) -> str:
     return votes.most_common(1)[0][0]
 
 
-def normalize(record: Any, fmt: str, system_prompt: str | None = None) -> Example:
-    """Turn one raw record of format `fmt` into a Chat or a text string; RecordError if malformed."""
+def normalize(record: Any, fmt: str, system_prompt: str | None = None, folder: str | Path | None = None) -> Example:
+    """Turn one raw record of format `fmt` into a Chat or a text string; RecordError if malformed. `folder`:
+    where relative image paths are read from (the data file's folder; None: the working directory)."""
     if not isinstance(record, dict):
         raise RecordError(f"is a {type(record).__name__}, not an object; expected {_EXPECT[fmt]}")
     try:
@@ -155,7 +181,7 @@ def normalize(record: Any, fmt: str, system_prompt: str | None = None) -> Exampl
         _check_turn_order(messages)
         if system_prompt and not any(m["role"] == "system" for m in messages):
             messages.insert(0, {"role": "system", "content": system_prompt})
-    return example
+    return _with_images(example, record, Path(folder or "."))
 
 
 def _check_turn_order(messages: list[dict[str, Any]]) -> None:
@@ -284,12 +310,142 @@ def _message_turns(key: str, turns: list) -> list[dict]:
         where, role = _turn_role(key, i, turn, "role", MESSAGE_ROLES)
         if turn.get("content") is None and role == "assistant" and turn.get("tool_calls"):
             turn = {**turn, "content": ""}
-        content = _string(turn, "content", where=where)
-        if role == "assistant" and not content.strip() and not turn.get("tool_calls"):
+        content = _content(turn, where)
+        if role == "assistant" and not content_text(content).strip() and not turn.get("tool_calls"):
             raise RecordError(f"{where}the assistant's 'content' is empty")
-        messages.append(dict(turn))
+        messages.append({**turn, "content": content})
     return messages
 
+
+def _content(turn: dict, where: str) -> str | list[dict]:
+    """A message's content: a string, or a list of text and image parts (a list of text parts only is its
+    text joined, as chat templates render it). Image parts keep their raw source for `_with_images`."""
+    value = turn.get("content")
+    if not isinstance(value, list):
+        return _string(turn, "content", where=where)
+    parts = []
+    for j, part in enumerate(value):
+        at = f"{where}content[{j}]: "
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            parts.append({"type": "text", "text": _string(part, "text", where=at)})
+        elif kind in ("image", "image_url"):
+            parts.append({"type": "image", "source": _image_source(part)})
+        else:
+            raise RecordError(f"{at}is not a text or image part ({{\"type\": \"text\", \"text\": ...}} or "
+                              f"{{\"type\": \"image\", \"path\": ...}}); got {json.dumps(part, default=str)[:80]}")
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def _image_source(part: dict) -> Any:
+    """What an image part names: its path / image / url, image_url's url, or None (the next of `images`)."""
+    if part["type"] == "image_url":
+        url = part.get("image_url")
+        return url.get("url") if isinstance(url, dict) else url
+    return next((part[k] for k in IMAGE_SOURCES if part.get(k) is not None), None)
+
+
+def content_text(content: str | list[dict]) -> str:
+    """A message's text: the string, or its text parts joined."""
+    return content if isinstance(content, str) else "".join(p["text"] for p in content if p["type"] == "text")
+
+
+def images_of(example: Example) -> list[str]:
+    """The absolute paths of an example's images, in order (a preference example: the prompt's, then the
+    chosen and rejected answers'); [] for a text-only example."""
+    if isinstance(example, str):
+        return []
+    turns = example.messages if isinstance(example, Chat) else \
+        example.prompt + example.chosen + (example.rejected or [])
+    return [p["path"] for m in turns if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image"]
+
+
+def _with_images(example: Example, record: dict, folder: Path) -> Example:
+    """The example with its images placed (see the module docstring): markers and source-less parts take the
+    record's `images` in order, every source becomes an absolute local path and every turn of an image record
+    a list of parts. A text-only example is returned as it is."""
+    images = _images_field(record)
+    if isinstance(example, str):
+        if images:
+            raise RecordError("has 'images' but is plain text: images need a chat record with <image> markers")
+        return example
+    turns = [example.messages] if isinstance(example, Chat) else \
+        [example.prompt, example.chosen] + ([example.rejected] if example.rejected is not None else [])
+    if images is None and not any(isinstance(m["content"], list) for t in turns for m in t):
+        return example
+    images = images or []
+    placed, used = _place(turns[0], images, 0, folder)
+    answers = [_place(t, images, used, folder) for t in turns[1:]]
+    ends = [(f"the prompt and {name} answer", end) for name, (_, end) in zip(("chosen", "rejected"), answers, strict=False)] \
+        if answers else [("the turns", used)]
+    for what, end in ends:
+        if end != len(images):
+            raise RecordError(f"{what} have {end} {IMAGE_MARKER} marker(s) or image parts without a path but "
+                              f"'images' lists {len(images)}: each {IMAGE_MARKER} stands for the next image, so "
+                              "the counts must match")
+    if isinstance(example, Chat):
+        return Chat(placed, example.tools)
+    return Preference(placed, answers[0][0], answers[1][0] if len(answers) > 1 else None, example.label,
+                      example.tools)
+
+
+def _images_field(record: dict) -> list | None:
+    """The record's `images` list (a JSON string in CSV/Parquet; one path as a string), or None without one."""
+    value = _maybe_json(record.get("images"))
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list):
+        raise RecordError(f"'images' is a {type(value).__name__}, not a list of image paths")
+    return value
+
+
+def _place(turns: list[dict], images: list, start: int, folder: Path) -> tuple[list[dict], int]:
+    """`turns` with every content a list of parts and each image an absolute path; the index after the last
+    image taken from `images` (past its end when markers outnumber the images)."""
+    n = start
+
+    def image(source: Any) -> list[dict]:
+        nonlocal n
+        if source is None:  # a marker, or a part without a source: the next image
+            source = images[n] if n < len(images) else None
+            n += 1
+        return [] if source is None else [{"type": "image", "path": _local_path(source, folder)}]
+
+    out = []
+    for turn in turns:
+        content = turn["content"]
+        placed: list[dict] = []
+        for part in [{"type": "text", "text": content}] if isinstance(content, str) else content:
+            if part["type"] == "image":
+                placed += image(part["source"])
+                continue
+            for k, piece in enumerate(part["text"].split(IMAGE_MARKER) if images else [part["text"]]):
+                placed += image(None) if k else []
+                placed += [{"type": "text", "text": piece}] if piece else []
+        out.append({**turn, "content": placed})
+    return out, n
+
+
+def _local_path(source: Any, folder: Path) -> str:
+    """An image source as an absolute local path: relative paths from `folder`, `file://` URLs as their path;
+    RecordError for other URLs, inline data and embedded bytes (images must be local files)."""
+    if isinstance(source, dict) and source.get("path"):  # datasets' Image feature: {"bytes", "path"}
+        source = source["path"]
+    if not isinstance(source, str) or not source.strip():
+        what = "embedded image bytes" if isinstance(source, dict) else f"a {type(source).__name__}"
+        raise RecordError(f"an image is {what}, not a file path; save the images as files and give their paths")
+    if source.startswith("data:"):
+        raise RecordError(f"image {source[:40]}... is inline data; images must be files: save it and give its path")
+    if source.startswith("file://"):
+        source = unquote(urlparse(source).path)
+    elif _URL.match(source):
+        raise RecordError(f"image {source} is a URL; images must be local files (nothing is downloaded at run "
+                          "time): download it and give its path")
+    return os.path.abspath(folder / os.path.expanduser(source))
 
 def _sharegpt(record: dict) -> Chat:
     key, turns = _turns(record)
@@ -332,7 +488,7 @@ def _answer(record: dict, key: str, sharegpt: bool = False) -> list[dict]:
             raise RecordError(f"{key!r} is a {type(value).__name__}, not " + (
                 "a turn or a list of turns" if sharegpt else "a string or a list of messages"))
         answer = [{"role": "assistant", "content": _string(record, key)}]
-    if not any(m["role"] == "assistant" and (m["content"].strip() or m.get("tool_calls")) for m in answer):
+    if not any(m["role"] == "assistant" and (content_text(m["content"]).strip() or m.get("tool_calls")) for m in answer):
         raise RecordError(f"{key!r} has no assistant answer with text")
     return answer
 

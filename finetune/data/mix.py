@@ -17,6 +17,7 @@ file's location (`where`) and carries its file's index (`Record.file`), for per-
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 from collections import Counter
 from dataclasses import dataclass
@@ -37,6 +38,12 @@ class FileRead:
 def read_files(cfg: DataConfig) -> list[FileRead]:
     """Every file of `cfg` read, in recipe order; a missing or unreadable one is named by its recipe key."""
     return [FileRead(key, entry, read_records(entry.path, key)) for key, entry in zip(cfg.file_keys(), cfg.files(), strict=True)]
+
+
+def data_folders(cfg: DataConfig) -> list[str]:
+    """The folder of each file (a save_to_disk folder's parent), where its records' relative image paths
+    are read from."""
+    return [os.path.dirname(os.path.abspath(entry.path)) for entry in cfg.files()]
 
 
 def is_mix(cfg: DataConfig) -> bool:

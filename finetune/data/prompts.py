@@ -64,6 +64,8 @@ def prompt_chat(record: Any, system_prompt: str | None = None) -> Chat:
         else:
             raise RecordError(f"has no 'prompt' or 'messages' (keys: {', '.join(sorted(record)) or 'none'})")
         _check_turn_order(messages)
+        if any(isinstance(m["content"], list) for m in messages):
+            raise RecordError("has image parts: prompts for generated answers are text only")
         if messages[-1]["role"] != "user":
             raise RecordError(f"its last turn is from the {messages[-1]['role']}; a prompt ends with the user's "
                               "turn (the model writes the answer)")

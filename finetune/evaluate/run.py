@@ -115,7 +115,7 @@ def expected_answers(path: str, system_prompt: str | None) -> list[tuple[str, li
     out = []
     for record in records:
         try:
-            example = normalize(record.value, fmt, system_prompt)
+            example = normalize(record.value, fmt, system_prompt, Path(path).parent)
         except RecordError:
             continue  # build_datasets already reported it (or skips it, as data.on_bad_record says)
         if not isinstance(example, Chat) or len(example.messages) < 2:

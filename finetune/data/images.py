@@ -1,0 +1,120 @@
+"""The image files of vision-language records, checked from their headers before anything trains.
+
+A bad image is a bad record (named with its file, record and image path; skipped and counted under
+`data.on_bad_record: skip`): a missing file, an empty one, bytes Pillow cannot read as an image, a file cut
+short (a JPEG without its end-of-image marker, a PNG without its IEND chunk, a GIF without its trailer, a WebP
+shorter than its RIFF header says), an image over Pillow's decompression-bomb limit (`PIL.Image.MAX_IMAGE_PIXELS`
+pixels), one with no pixels, and any image given to a model that reads only text.
+
+Only headers and the file's last bytes are read (Pillow opens lazily: the size without decoding), so a
+dataset's images are checked in seconds; `open_image` decodes one for the vision-language tokenizer, its
+failures the same one-line record problems. `image_sizes` gives the planner a record's (width, height)s.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import struct
+import warnings
+from typing import Any
+
+from finetune.data.formats import Example, RecordError, images_of
+
+TAIL = 64 << 10  # bytes read from a file's end to find its end marker
+_UNREADABLE = (OSError, SyntaxError, ValueError, EOFError, struct.error)  # what Pillow's plugins raise on bad bytes
+
+
+def check_images(example: Example, model_takes_images: bool) -> list[tuple[int, int]]:
+    """The (width, height) of each image of `example`, in order; RecordError naming the first bad image, or
+    any image when the model reads only text (`model_takes_images`: the model family's vision flag)."""
+    paths = images_of(example)
+    if paths and not model_takes_images:
+        raise RecordError(f"has {len(paths)} image(s) but the model reads only text: train a vision-language model "
+                          "on it, or leave the image records out")
+    return [image_size(path) for path in paths]
+
+
+def image_sizes(example: Example) -> list[tuple[int, int]]:
+    """The (width, height) of each image of `example` from the files' headers (no decoding), for counting
+    image tokens (`finetune.data.image_tokens`); RecordError for a bad image."""
+    return check_images(example, model_takes_images=True)
+
+
+def image_size(path: str) -> tuple[int, int]:
+    """One image's (width, height) from its header; RecordError saying what is wrong with the file."""
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        raise RecordError(f"image {path} does not exist") from None
+    except OSError as exc:
+        raise RecordError(f"image {path} cannot be read ({exc.strerror or exc})") from None
+    size, problem = _header(path, stat.st_mtime_ns, stat.st_size)
+    if problem:
+        raise RecordError(f"image {path} {problem}")
+    return size
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _header(path: str, mtime_ns: int, length: int) -> tuple[tuple[int, int], str | None]:
+    """((width, height), None), or ((0, 0), what is wrong); cached per file version (a dataset names one
+    image many times)."""
+    from PIL import Image
+
+    if length == 0:
+        return (0, 0), "is empty (0 bytes)"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # measured below, as a bad record
+            with Image.open(path) as image:
+                (width, height), kind = image.size, image.format
+    except Image.DecompressionBombError:
+        return (0, 0), _bomb()
+    except _UNREADABLE as exc:
+        return (0, 0), f"is not an image Pillow can read ({type(exc).__name__}: {exc})"
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit is not None and width * height > limit:
+        return (0, 0), _bomb(width, height)
+    if not width or not height:
+        return (0, 0), f"has no pixels ({width}x{height})"
+    if not _complete(path, kind, length):
+        return (0, 0), f"is cut short (a {kind} file without its end): the file is truncated, replace it"
+    return (width, height), None
+
+
+def _bomb(width: int | None = None, height: int | None = None) -> str:
+    from PIL import Image
+
+    size = f"{width}x{height} = {width * height:,} pixels" if width and height else "more than twice that"
+    return (f"is over Pillow's decompression-bomb limit of {Image.MAX_IMAGE_PIXELS:,} pixels "
+            f"(PIL.Image.MAX_IMAGE_PIXELS): {size}; shrink it")
+
+
+def _complete(path: str, kind: str | None, length: int) -> bool:
+    """Whether the file reaches its format's end (JPEG, PNG, GIF, WebP; other formats are not checked)."""
+    with open(path, "rb") as file:
+        head = file.read(12)
+        file.seek(max(0, length - TAIL))
+        tail = file.read()
+    if kind == "JPEG":
+        return b"\xff\xd9" in tail
+    if kind == "PNG":
+        return b"IEND" in tail
+    if kind == "GIF":
+        return tail.rstrip(b"\x00").endswith(b";")
+    if kind == "WEBP":
+        return int.from_bytes(head[4:8], "little") + 8 <= length
+    return True
+
+
+def open_image(path: str) -> Any:
+    """The image decoded as RGB (a PIL.Image), for the vision-language tokenizer; RecordError naming the file
+    where its bytes fail to decode past a good header."""
+    from PIL import Image
+
+    image_size(path)
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except _UNREADABLE as exc:
+        raise RecordError(f"image {path} cannot be decoded ({type(exc).__name__}: {exc}); replace the file") from None
