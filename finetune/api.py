@@ -73,16 +73,18 @@ def preflight(recipe: Recipe) -> dict[str, Any]:
 
 
 def preview_data(recipe: Recipe, n: int = 3) -> tuple[list[dict], list[str]]:
-    """The first n examples as the model will see them (token texts with a has-loss flag) and the records
-    that could not be read, reported as the CLI reports them."""
+    """The first n examples as the model will see them (token texts with a has-loss flag; `images`, the paths
+    of a vision-language example's images) and the records that could not be read, reported as the CLI
+    reports them."""
     from finetune.data import preview
     from finetune.data.mix import read_files
     from finetune.errors import DataError
     from finetune.model.load import load_tokenizer
     from finetune.model.source import resolve_model_path
+    from finetune.model.trained import reads_images
 
     tokenizer = load_tokenizer(resolve_model_path(recipe.model.path, recipe.model.revision), recipe.model)
-    examples = preview(recipe.data, tokenizer, n=n)
+    examples = preview(recipe.data, tokenizer, n=n, model_takes_images=reads_images(recipe))
     problems = [p for f in read_files(recipe.data) for p in f.read.problems]
     if not examples:
         raise DataError(f"{recipe.data.label()}: no usable record among those read", problems[:10])

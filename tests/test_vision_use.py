@@ -71,3 +71,23 @@ def test_a_missing_or_unreadable_image_is_named_in_one_line(text_run, tmp_path, 
     (tmp_path / "notes.png").write_text("not an image")
     assert main(["generate", str(text_run), "--prompt", "hi", "--image", str(tmp_path / "notes.png")]) == 2
     assert "not an image Pillow can read" in _one_line_error(capsys)
+
+
+def test_data_preview_thumbnails_are_small_copies_and_never_of_files_outside(tmp_path):
+    from finetune.testing import shape_image
+    from ui.tabs.data import THUMBNAIL, gallery_update, thumbnails
+
+    inside, outside = tmp_path / "data", tmp_path / "elsewhere"
+    inside.mkdir(), outside.mkdir()
+    shape_image("green", "square", (10, 10, 300, 300), size=400).save(inside / "big.png")
+    shape_image("red", "circle", (2, 2, 20, 20), size=24).save(outside / "secret.png")
+    (inside / "broken.png").write_bytes((inside / "big.png").read_bytes()[:200])
+    shown = thumbnails({"images": [str(inside / "big.png"), str(outside / "secret.png"),
+                                   str(inside / "broken.png")]}, [inside])
+    (big, big_caption), (hidden, hidden_caption), (_, broken_caption) = shown
+    assert max(big.size) == THUMBNAIL and big_caption == "image 1: big.png (400x400)"
+    assert big.getpixel((THUMBNAIL // 2, THUMBNAIL // 2)) == SHAPE_COLOURS["green"]
+    assert "outside the allowed folders" in hidden_caption and SHAPE_COLOURS["red"] not in \
+        {c for _, c in hidden.getcolors()}
+    assert broken_caption.startswith("image 3: unreadable")
+    assert gallery_update({"tokens": []}, [inside])["visible"] is False  # a text example: no image strip
