@@ -25,6 +25,7 @@ import random
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from finetune.data.chat import IGNORE_INDEX, ChatEncoder, Encoded, encode_text, resolve_template
@@ -44,6 +45,7 @@ from finetune.data.formats import (
 )
 from finetune.data.mix import FileRead, file_stats, is_mix, mixed_records, read_files, repeated
 from finetune.data.read import Record
+from finetune.data.vision import VisionData, images_of, with_image_parts
 from finetune.errors import DataError
 from finetune.recipe.methods import METHODS, method_spec
 from finetune.recipe.schema import DataConfig
@@ -88,6 +90,7 @@ class _Prepared:
     rejected: tuple[str, list[tuple[int, int]]] | None = None
     label: bool | None = None
     source: Source | None = None
+    images: list[str] = field(default_factory=list)  # the record's images, in order (finetune.data.vision)
 
 
 Sequences = list[Encoded]  # an example's sequences: one, or chosen and rejected
@@ -100,10 +103,11 @@ def data_kind(method: str) -> str:
 
 
 def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sft",
-                   max_prompt_tokens: int | None = None) -> DataBundle:
+                   max_prompt_tokens: int | None = None, vision: VisionData | None = None) -> DataBundle:
     """Read, check, tokenize, mask, split and optionally pack the dataset described by `cfg`, for training
     method `method` (sft, or a preference method: dpo, orpo, simpo, cpo, kto); grpo: prompt-only records of at most
-    `max_prompt_tokens` tokens (finetune.data.prompts)."""
+    `max_prompt_tokens` tokens (finetune.data.prompts). `vision`: a vision-language model's image processor
+    (records with images then train; without it they are refused)."""
     if data_kind(method) == "prompt":
         from finetune.data.prompts import build_prompts  # it builds on this module's helpers
 
@@ -115,6 +119,7 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
     fingerprint = data_fingerprint(cfg, [f.read for f in files], fmt, tokenizer,
                                    encoder.template if encoder else None, seed, method)
     prepared, problems = _prepare(records, formats, cfg, encoder)
+    _check_images(cfg, prepared, vision)
     prepared_from = Counter(p.file for p in prepared)
     problems = [p for f in files for p in f.read.problems] + problems
     _refuse_bad(cfg, fmt, problems, len(prepared))
@@ -122,8 +127,9 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
     if data_kind(method) == "kto" and formats[0] in PAIR_FORMATS:  # split by record, then unpair
         train_part, eval_part = _unpair(train_part), _unpair(eval_part)
     dropped = _Dropped()
-    train = _fit(train_part, _tokenize(train_part, tokenizer, encoder, cfg.max_seq_len), cfg, encoder, dropped)
-    evaluation = _fit(eval_part, _tokenize(eval_part, tokenizer, encoder, cfg.max_seq_len), cfg, encoder, dropped)
+    train = _fit(train_part, _tokenize(train_part, tokenizer, encoder, cfg.max_seq_len, vision), cfg, encoder, dropped)
+    evaluation = _fit(eval_part, _tokenize(eval_part, tokenizer, encoder, cfg.max_seq_len, vision), cfg, encoder,
+                      dropped)
     stats: dict[str, Any] = {
         "format": fmt, "records": sum(f.read.total for f in files), "records_used": len(records),
         "bad_records_skipped": len(problems), "bad_records_at": [_where(p) for p in problems[:NAMED_IN_STATS]],
@@ -154,8 +160,24 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
     stats.update(train_sequences=len(train_ds), eval_sequences=len(eval_ds) if eval_ds is not None else 0)
     from finetune.data.packing import make_collator  # imports TRL's trainer stack: only when building
 
-    return DataBundle(train_ds, eval_ds, stats, make_collator(tokenizer, cfg.packing, kind), fingerprint,
+    collator = make_collator(tokenizer, cfg.packing, kind)
+    if vision is not None:
+        collator = vision.collator(collator, 2 if kind == "pair" else 1)
+    return DataBundle(train_ds, eval_ds, stats, collator, fingerprint,
                       repeated(files) + _warnings(cfg, len(problems), dropped))
+
+
+def _check_images(cfg: DataConfig, prepared: list[_Prepared], vision: VisionData | None) -> None:
+    """Records with images need a vision-language model, and whole sequences (no packing)."""
+    first = next((p for p in prepared if p.images), None)
+    if first is None:
+        return
+    if vision is None:
+        raise DataError(f"{first.where}: the record has images, but model.path is a text-only model",
+                        hint="train a vision-language model (docs/models.md lists them), or leave the images out")
+    if cfg.packing:
+        raise DataError(f"{first.where}: the record has images, and data.packing joins records into one sequence, "
+                        "which a vision-language model's image positions do not allow", hint="set data.packing: false")
 
 
 def _check_dropped(cfg: DataConfig, dropped: _Dropped) -> None:
@@ -327,6 +349,7 @@ def _prepare(records: Sequence[Record], formats: list[str], cfg: DataConfig,
                 item = _Prepared(record.where, record.file, chat=encoder.render(example), source=[(example, 0)])
             else:
                 item = _Prepared(record.where, record.file, text=example)
+            item.images = images_of(example)
             prepared.append(item)
         except RecordError as exc:
             problems.append(f"{record.where}: {exc}")
@@ -335,11 +358,39 @@ def _prepare(records: Sequence[Record], formats: list[str], cfg: DataConfig,
 
 def _example(record: Record, fmt: str, cfg: DataConfig) -> Example:
     """One record normalised; RecordError if it is malformed or holds text that cannot be tokenized."""
-    example = normalize(record.value, fmt, cfg.system_prompt)
+    example = with_image_parts(normalize(record.value, fmt, cfg.system_prompt), record.value, _data_folder(cfg))
     text = example if isinstance(example, str) else json.dumps(asdict(example), ensure_ascii=False, default=str)
     if problem := unicode_problem(text):
         raise RecordError(problem)
     return example
+
+
+def largest_images(cfg: DataConfig) -> list[tuple[int, int]]:
+    """The (width, height) of each image of the record whose images hold the most pixels, from the image files'
+    headers (no pixel is decoded): what the planner prices one example's images at. [] without images."""
+    from PIL import Image
+
+    files = read_files(cfg)
+    formats, _ = _formats(cfg, files, None)
+    best: list[tuple[int, int]] = []
+    for f, fmt in zip(files, formats, strict=True):
+        for record in f.read.records:
+            try:
+                paths = images_of(_example(record, fmt, cfg))
+                sizes = []
+                for path in paths:
+                    with Image.open(path) as image:
+                        sizes.append(image.size)
+            except (RecordError, OSError):
+                continue  # a bad record: the data build names it
+            if sum(w * h for w, h in sizes) > sum(w * h for w, h in best):
+                best = sizes
+    return best
+
+
+def _data_folder(cfg: DataConfig) -> Path:
+    """Where relative image paths start: the data file's folder (the working folder for a mix of files)."""
+    return Path(cfg.path).expanduser().resolve().parent if isinstance(cfg.path, str) else Path.cwd()
 
 
 def check_records(cfg: DataConfig, method: str = "sft") -> dict[str, Any]:
@@ -416,13 +467,22 @@ def _split(path: str, items: list[_Prepared], fraction: float, seed: int) -> tup
     return ([x for x in items if (x.file, x.where) not in held], [x for x in items if (x.file, x.where) in held])
 
 
-def _tokenize(items: list[_Prepared], tokenizer: Any, encoder: ChatEncoder | None, max_seq_len: int) -> list[Sequences]:
-    """Each item's sequences (one, or chosen and rejected), tokenized in one batch."""
+def _tokenize(items: list[_Prepared], tokenizer: Any, encoder: ChatEncoder | None, max_seq_len: int,
+              vision: VisionData | None = None) -> list[Sequences]:
+    """Each item's sequences (one, or chosen and rejected), tokenized in one batch; a record's images expanded
+    to their tokens (`vision`)."""
     if encoder is None:
         return [[e] for e in encode_text(tokenizer, [x.text for x in items], max_seq_len)]
     chats = [c for x in items for c in (x.chat, x.rejected) if c is not None]
-    encoded = iter(encoder.encode(chats, max_seq_len))
-    return [[next(encoded) for _ in range(1 + (x.rejected is not None))] for x in items]
+    # an image record is tokenized whole: its image tokens are expanded before it is fitted to max_seq_len
+    encoded = iter(encoder.encode(chats, max_seq_len if vision is None else _WHOLE))
+    out = [[next(encoded) for _ in range(1 + (x.rejected is not None))] for x in items]
+    if vision is None:
+        return out
+    return [[vision.expand(e, x.images) for e in parts] for x, parts in zip(items, out, strict=True)]
+
+
+_WHOLE = 1 << 30  # tokens: no cut
 
 
 def _loss_count(labels: list[int]) -> int:
@@ -449,8 +509,9 @@ def _fit(items: list[_Prepared], examples: list[Sequences], cfg: DataConfig, enc
     for item, parts in zip(items, examples, strict=True):
         cut = any(len(ids) > cfg.max_seq_len for ids, _ in parts)
         answered = item.chat is None or all(spans for _, spans in filter(None, (item.chat, item.rejected)))
-        if cut and cfg.overlong != "truncate":
-            dropped.overlong.append(f"{item.where}: longer than data.max_seq_len={cfg.max_seq_len} tokens")
+        if cut and (cfg.overlong != "truncate" or item.images):  # an image's tokens are never cut
+            dropped.overlong.append(f"{item.where}: longer than data.max_seq_len={cfg.max_seq_len} tokens"
+                                    + (" with its image tokens" if item.images else ""))
             dropped.by_file[item.file] += 1
             continue
         if cut and answered and item.source is not None:
@@ -488,5 +549,7 @@ def _dataset(fitted: list[tuple[_Prepared, Sequences]], cfg: DataConfig, kind: s
         columns[f"{prefix}labels"] = [parts[i][1] for parts in examples]
     if kind == "kto":
         columns["kto_label"] = [item.label for item in items]
+    if any(item.images for item in items):
+        columns["images"] = [item.images for item in items]
     data = datasets.Dataset.from_dict(columns)
     return pack(data, cfg.max_seq_len) if cfg.packing else data

@@ -33,6 +33,14 @@ def attn_implementation(choice: str, config) -> str:
     return "sdpa" if supports_sdpa(model_class(config)) else "eager"
 
 
+def auto_model(config) -> Any:
+    """The transformers auto class a config loads with: the causal LM, or for a vision-language family the
+    image-text-to-text model (vision tower, projector and language model)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if family_of(config).vision is not None else AutoModelForCausalLM
+
+
 def model_class(config) -> type | None:
     """The transformers class a config trains as: its causal LM, or for a vision-language family the whole
     image-text-to-text model (vision tower, projector, language model)."""
@@ -167,13 +175,10 @@ def load_base(model_cfg: ModelConfig, quant: QuantizationConfig) -> LoadedModel:
 
 def _from_pretrained(model_path: str, folder: Path, config, kwargs: dict):
     """from_pretrained on the folder's weights, or (random:FOLDER) on random weights quantized the same way."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
     from finetune.model.random_weights import random_folder, random_state_dict
 
     if random_folder(model_path) is None:
-        auto = AutoModelForImageTextToText if family_of(config).vision is not None else AutoModelForCausalLM
-        return auto.from_pretrained(folder, **kwargs)
+        return auto_model(config).from_pretrained(folder, **kwargs)
     state = random_state_dict(config, kwargs["dtype"], "cuda" if torch.cuda.is_available() else "cpu")
     kwargs = {k: v for k, v in kwargs.items() if k != "use_safetensors"}
     return model_class(config).from_pretrained(None, config=config, state_dict=state, **kwargs)

@@ -9,12 +9,12 @@ that processor's output, as the processor itself does.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
+from finetune.data.vision import VisionData
 from finetune.errors import ModelLoadError
 from finetune.model.family import VISION_PARTS, family_of, vision_parts
 from finetune.recipe.families import Family
@@ -33,10 +33,14 @@ def load_image_processor(path: Path, family: Family) -> Any:
                              hint="a vision-language model folder holds preprocessor_config.json beside config.json") from None
 
 
-def vision_family(config: Any) -> Family | None:
-    """The family of a model config when it is a vision-language one, else None."""
+def vision_data(config: Any, path: Path, tokenizer: Any, max_pixels: int | None = None) -> VisionData | None:
+    """What the data build needs to train a vision-language model on images (its image processor and image
+    token), None for a text model."""
     family = family_of(config)
-    return family if family.vision is not None else None
+    if family.vision is None:
+        return None
+    token = tokenizer.convert_tokens_to_ids(family.vision.image_token)
+    return VisionData(load_image_processor(path, family), family.vision, token, max_pixels)
 
 
 # peft's exclude_modules as a regex over module names: anything inside a vision tower or projector.
@@ -66,7 +70,3 @@ def freeze_vision(model: nn.Module) -> int:
             count += 1
     return count
 
-
-def in_vision(name: str) -> bool:
-    """Whether a module or parameter name lies inside a vision tower or projector."""
-    return re.fullmatch(_IN_VISION, name) is not None
