@@ -46,7 +46,7 @@ from finetune.data.formats import (
 from finetune.data.mix import FileRead, file_stats, is_mix, mixed_records, read_files, repeated
 from finetune.data.read import Record
 from finetune.data.vision import VisionData, images_of, with_image_parts
-from finetune.errors import DataError
+from finetune.errors import DataError, UsageError
 from finetune.recipe.methods import METHODS, method_spec
 from finetune.recipe.schema import DataConfig
 
@@ -118,8 +118,8 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
     encoder = _encoder(cfg, tokenizer, formats[0])
     fingerprint = data_fingerprint(cfg, [f.read for f in files], fmt, tokenizer,
                                    encoder.template if encoder else None, seed, method)
-    prepared, problems = _prepare(records, formats, cfg, encoder)
-    _check_images(cfg, prepared, vision)
+    prepared, problems = _prepare(records, formats, cfg, encoder, vision is not None)
+    _check_packing(cfg, prepared)
     prepared_from = Counter(p.file for p in prepared)
     problems = [p for f in files for p in f.read.problems] + problems
     _refuse_bad(cfg, fmt, problems, len(prepared))
@@ -167,15 +167,10 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
                       repeated(files) + _warnings(cfg, len(problems), dropped))
 
 
-def _check_images(cfg: DataConfig, prepared: list[_Prepared], vision: VisionData | None) -> None:
-    """Records with images need a vision-language model, and whole sequences (no packing)."""
+def _check_packing(cfg: DataConfig, prepared: list[_Prepared]) -> None:
+    """Records with images train as whole sequences (no packing)."""
     first = next((p for p in prepared if p.images), None)
-    if first is None:
-        return
-    if vision is None:
-        raise DataError(f"{first.where}: the record has images, but model.path is a text-only model",
-                        hint="train a vision-language model (docs/models.md lists them), or leave the images out")
-    if cfg.packing:
+    if first is not None and cfg.packing:
         raise DataError(f"{first.where}: the record has images, and data.packing joins records into one sequence, "
                         "which a vision-language model's image positions do not allow", hint="set data.packing: false")
 
@@ -288,7 +283,7 @@ def _shown(records: list[Record], file: int, formats: list[str], cfg: DataConfig
            encoder: ChatEncoder | None) -> Iterator[dict[str, Any]]:
     """`preview`'s examples of one file's records, one at a time (tokenized only when asked for)."""
     for record in records:
-        prepared, _ = _prepare([dataclasses.replace(record, file=file)], formats, cfg, encoder)
+        prepared, _ = _prepare([dataclasses.replace(record, file=file)], formats, cfg, encoder, images=True)
         dropped = _Dropped()
         fitted = _fit(prepared, _tokenize(prepared, tokenizer, encoder, cfg.max_seq_len), cfg, encoder, dropped)
         if not fitted:
@@ -331,13 +326,17 @@ def _sample(records: list[Record], max_samples: int | None, seed: int) -> list[R
 
 
 def _prepare(records: Sequence[Record], formats: list[str], cfg: DataConfig,
-             encoder: ChatEncoder | None) -> tuple[list[_Prepared], list[str]]:
+             encoder: ChatEncoder | None, images: bool = False) -> tuple[list[_Prepared], list[str]]:
     """Each record normalised and rendered in its file's format (`formats`, by file index), and a problem
-    line per malformed one."""
+    line per malformed one; a record with images for a model that takes none (`images` false) is refused."""
     prepared, problems = [], []
     for record in records:
         try:
             example = _example(record, formats[record.file], cfg)
+            if not images and images_of(example):
+                raise UsageError(f"{record.where}: the record has images, but model.path is a text-only model",
+                                 hint="train a vision-language model (docs/models.md lists them), or leave the "
+                                      "images out")
             if isinstance(example, Preference):
                 assert encoder is not None
                 rendered = [encoder.render(chat, first) for chat, first in example.chats()]
