@@ -53,7 +53,7 @@ def preflight(recipe: Recipe) -> dict[str, Any]:
     error the run would; returns the data's format and record counts (finetune.data.build.check_records)."""
     from finetune.data.build import check_records
     from finetune.data.chat import template_file
-    from finetune.model.source import check_model_path, config_location
+    from finetune.model.source import check_model_path, known_config
     from finetune.recipe.families import check_config_file
     from finetune.recipe.init_from import resolve_init_from
 
@@ -62,14 +62,16 @@ def preflight(recipe: Recipe) -> dict[str, Any]:
 
         check_compile_device()
     check_model_path(recipe.model.path, recipe.model.revision)
-    check_config_file(config_location(recipe.model.path))  # a family the tool describes (hub ids: when loaded)
+    # a family the tool describes (a hub id not in the local cache: when loaded)
+    family = check_config_file(known_config(recipe.model.path, recipe.model.revision))
     resolve_init_from(recipe)
     template_file(recipe.data.chat_template)
     if recipe.training.spec.generates:
         from finetune.rl.rewards import check_reward_files
 
         check_reward_files(recipe.grpo, prefix="grpo.")
-    return check_records(recipe.data, recipe.training.method)
+    return check_records(recipe.data, recipe.training.method,
+                         model_takes_images=family is not None and family.vision is not None)
 
 
 def preview_data(recipe: Recipe, n: int = 3) -> tuple[list[dict], list[str]]:
@@ -80,11 +82,11 @@ def preview_data(recipe: Recipe, n: int = 3) -> tuple[list[dict], list[str]]:
     from finetune.data.mix import read_files
     from finetune.errors import DataError
     from finetune.model.load import load_tokenizer
-    from finetune.model.source import resolve_model_path
-    from finetune.model.trained import reads_images
+    from finetune.model.source import resolve_model_path, takes_images
 
     tokenizer = load_tokenizer(resolve_model_path(recipe.model.path, recipe.model.revision), recipe.model)
-    examples = preview(recipe.data, tokenizer, n=n, model_takes_images=reads_images(recipe))
+    examples = preview(recipe.data, tokenizer, n=n, model_takes_images=takes_images(recipe.model.path,
+                                                                                    recipe.model.revision))
     problems = [p for f in read_files(recipe.data) for p in f.read.problems]
     if not examples:
         raise DataError(f"{recipe.data.label()}: no usable record among those read", problems[:10])

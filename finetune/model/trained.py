@@ -10,6 +10,7 @@ from finetune.errors import UsageError
 from finetune.export.files import GGUFOptions, write_gguf_export
 from finetune.export.progress import ExportStep
 from finetune.model.load import compute_dtype, load_model, load_tokenizer
+from finetune.model.source import takes_images
 from finetune.publish import pause_point, publishing
 from finetune.recipe.load import load_recipe
 from finetune.recipe.schema import Recipe
@@ -121,21 +122,8 @@ def _describe_base(recipe: Recipe) -> str:
 
 
 def reads_images(recipe: Recipe) -> bool:
-    """Whether the run's model takes images: its config.json has a vision part that loads (not a family whose
-    vision-language checkpoints train as their text model). Torch-free, from the model folder's config."""
-    import json
-
-    from finetune.model.source import config_location, resolve_model_path
-    from finetune.recipe.families import family_for
-
-    where = config_location(recipe.model.path)
-    if not where.exists():  # a hub id: its cached folder
-        where = resolve_model_path(recipe.model.path, recipe.model.revision)
-    file = where / "config.json" if where.is_dir() else where
-    config = json.loads(file.read_text()) if file.suffix == ".json" and file.is_file() else {}
-    family = family_for(str(config.get("model_type") or ""))
-    vision = any(key in config for key in ("vision_config", "vision_tower", "visual"))
-    return vision and not (family is not None and family.text_of_vision)
+    """Whether the run's model takes images (finetune.model.source.takes_images)."""
+    return takes_images(recipe.model.path, recipe.model.revision)
 
 
 def check_image(run_dir: str | Path, image: str | Path | None) -> Path | None:

@@ -123,6 +123,7 @@ class ModelSpec:
     num_generations: int = 0  # training.method grpo: completions per prompt (objective `grpo:...`)
     scoring_passes: int = 0  # grpo: no-grad passes over the completions before training (finetune.rl.step)
     iterations: int = 1  # grpo: updates trained on one generation's completions (grpo.num_iterations)
+    images: tuple[tuple[int, int, int], ...] = ()  # a vision-language model: one example's image grids (plan.vision)
 
 
 def _block(settings: Settings) -> int:
@@ -170,7 +171,8 @@ def _traces(spec: ModelSpec, settings: Settings, micro_batch: int = 1) -> tuple[
 
     def at(layers: int) -> Trace:
         return _mix([trace_step(config, spec.adapter, spec.dtype, spec.attn, spec.device, micro_batch, spec.seq_len,
-                                layers, every, *layer) for config, _ in variants], weights, every > 0)
+                                layers, every, *layer, images=spec.images) for config, _ in variants], weights,
+                    every > 0)
 
     return at(la), at(lb)
 

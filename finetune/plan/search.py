@@ -12,7 +12,7 @@ from typing import Any, Literal
 import torch
 from pydantic import ValidationError
 
-from finetune.errors import RecipeError, UsageError
+from finetune.errors import FinetuneError, RecipeError, UsageError
 from finetune.memory.bandwidth import cpu_compute, transfer_bandwidth
 from finetune.memory.device_memory import usable_gpu_memory
 from finetune.memory.offload import offload_dir_for
@@ -30,8 +30,10 @@ from finetune.plan.memory_model import (
     traffic_bytes,
 )
 from finetune.plan.shapes import ModelShapes, target_dtype
-from finetune.plan.trace import model_facts, planned_config
+from finetune.plan.trace import model_facts, model_type_of, planned_config, real_config
+from finetune.plan.vision import Grid, planned_grids
 from finetune.recipe.batch_rules import accumulation_for
+from finetune.recipe.families import family_for
 from finetune.recipe.init_from import resolve_init_from
 from finetune.recipe.offload_tiers import STORES, tier_names, tier_spec
 from finetune.recipe.optimizers import auto_preferences
@@ -277,7 +279,25 @@ def model_spec(recipe: Recipe, config: Any, device: str) -> ModelSpec:
         deepspeed_offload=recipe.distributed.deepspeed_offload, objective=objective,
         rows_per_example=1 if loss is None else loss.rows_per_example,
         reference_adapter=loads_reference_adapter(recipe), num_generations=recipe.grpo.num_generations if grpo else 0,
-        scoring_passes=scoring_passes(recipe.grpo) if grpo else 0, iterations=recipe.grpo.num_iterations if grpo else 1)
+        scoring_passes=scoring_passes(recipe.grpo) if grpo else 0, iterations=recipe.grpo.num_iterations if grpo else 1,
+        images=planned_images(recipe, config))
+
+
+def planned_images(recipe: Recipe, config: Any) -> tuple[Grid, ...]:
+    """A vision-language model's image grids of one example: the data's record with the most image pixels,
+    resized as its processor resizes (data.max_pixels); () for a text model or data without images (a plan
+    made before the data exists prices text only)."""
+    family = family_for(model_type_of(config))
+    if family is None or family.vision is None:
+        return ()
+    from finetune.data.build import largest_images
+
+    try:
+        sizes = largest_images(recipe.data)
+    except FinetuneError:
+        return ()
+    max_pixels = getattr(recipe.data, "max_pixels", None)  # data.max_pixels, once the data section has it
+    return planned_grids(real_config(config), recipe.model.path, sizes, max_pixels if max_pixels != "auto" else None)
 
 
 def free_disk_bytes(path: Path) -> int:

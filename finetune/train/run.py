@@ -278,6 +278,7 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     from finetune.memory.layer_recompute import apply_memory_config, compile_layers
     from finetune.model.adapter import apply_adapter, count_parameters
     from finetune.model.load import load_model
+    from finetune.model.vision import vision_data
 
     reference = reference_batch(recipe)  # before a resume fills in the batch the interrupted run used
     if checkpoint and run_dir.recipe.is_file():
@@ -300,14 +301,15 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
 
     set_seed(recipe.training.seed)  # adapter initialisation is random: make it reproducible (same on all ranks)
     if base is None:
-        model, tokenizer, _ = load_model(recipe.model, recipe.quantization,
-                                         sharded=several and recipe.distributed.strategy == "fsdp")
+        model, tokenizer, path = load_model(recipe.model, recipe.quantization,
+                                            sharded=several and recipe.distributed.strategy == "fsdp")
     else:
         mismatch = base.mismatch(recipe.model, recipe.quantization)
         if mismatch is not None:
             raise UsageError(f"{mismatch}: the recipe does not describe the already loaded model (base=)",
                              hint="give the recipe the model and quantization keys the model was loaded with")
-        model, tokenizer = base.model, base.tokenizer
+        model, tokenizer, path = base.model, base.tokenizer, base.path
+    vision = vision_data(model.config, path, tokenizer)  # a vision-language model: its image processor
     model = apply_adapter(model, recipe.adapter, checkpointing=settings.activation_checkpointing,
                           reference=loads_reference_adapter(recipe), digest=main)
     # results.json's record of the start adapter: rank 0 writes it, hashing the bytes apply_adapter read.
@@ -321,7 +323,7 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     console.print(f"model: {recipe.model.path}  trainable {trainable:,} of {total:,} parameters "
                   f"({100 * trainable / max(total, 1):.2f}%)")
     data = build_datasets(recipe.data, tokenizer, recipe.training.seed, recipe.training.method,
-                          max_prompt_tokens(recipe) if recipe.training.spec.generates else None)
+                          max_prompt_tokens(recipe) if recipe.training.spec.generates else None, vision)
     console.print(f"data: {data.summary()} (every count: {run_dir.data_stats})", markup=False, highlight=False)
     distributed.on_main(lambda: _record_data(run_dir, data.fingerprint, checkpoint is not None, allow_data_change))
     if main and checkpoint:
