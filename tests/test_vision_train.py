@@ -108,7 +108,7 @@ def test_resume_is_exact(tmp_path, vlm):
 def test_an_image_record_for_a_text_only_model_is_one_line(tmp_path, capsys):
     text_model = make_tiny_model_dir(tmp_path / "text")
     data = shapes_data(tmp_path, n=3)
-    assert main(["run", str(recipe(tmp_path, text_model, data))]) == 2
+    assert main(["run", str(recipe(tmp_path, text_model, data))]) == 3  # a malformed record (DataError)
     err = capsys.readouterr().err
     assert "but the model reads only text" in err and "Traceback" not in err  # a bad record (data.on_bad_record)
     assert "shapes.json" in err
