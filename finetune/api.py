@@ -612,28 +612,31 @@ def generate(run_dir: str | Path, prompt: str, *, image: str | Path | None = Non
              use_adapter: bool = True) -> str:
     """Answer `prompt` with the run's model (or its base model with use_adapter=False), about `image` where one
     is given (a vision-language run; the file and the model are checked before anything loads)."""
-    from finetune.model.trained import check_image, load_trained
+    from finetune.model.trained import check_image, load_trained, vision_of
     from finetune.model.trained import generate as _generate
 
     image = check_image(run_dir, image)
     model, tokenizer = load_trained(run_dir, use_adapter=use_adapter)
-    return _generate(model, tokenizer, prompt, image=image, max_new_tokens=max_new_tokens)
+    vision = vision_of(run_dir, model, tokenizer) if image else None
+    return _generate(model, tokenizer, prompt, image=image, vision=vision, max_new_tokens=max_new_tokens)
 
 
 def compare(run_dir: str | Path, prompt: str, *, image: str | Path | None = None,
             max_new_tokens: int = 128) -> tuple[str, str]:
     """(base model's answer, fine-tuned answer) to the same prompt (and image); the model is loaded once."""
-    from finetune.model.trained import check_image, load_trained
+    from finetune.model.trained import check_image, load_trained, vision_of
     from finetune.model.trained import generate as _generate
 
     image = check_image(run_dir, image)
     model, tokenizer = load_trained(run_dir)
-    tuned = _generate(model, tokenizer, prompt, image=image, max_new_tokens=max_new_tokens)
+    ask = {"image": image, "vision": vision_of(run_dir, model, tokenizer) if image else None,
+           "max_new_tokens": max_new_tokens}
+    tuned = _generate(model, tokenizer, prompt, **ask)
     if hasattr(model, "disable_adapter"):  # LoRA: the base is the same weights with the adapter switched off
         with model.disable_adapter():
-            return _generate(model, tokenizer, prompt, image=image, max_new_tokens=max_new_tokens), tuned
+            return _generate(model, tokenizer, prompt, **ask), tuned
     base, base_tokenizer = load_trained(run_dir, use_adapter=False)  # full fine-tune: load the original
-    return _generate(base, base_tokenizer, prompt, image=image, max_new_tokens=max_new_tokens), tuned
+    return _generate(base, base_tokenizer, prompt, **ask), tuned
 
 
 def lineage(run_dirs: list[str | Path]) -> list[tuple[Path, str]]:
@@ -651,18 +654,20 @@ def compare_runs(run_dirs: list[str | Path], prompt: str, *, image: str | Path |
     `parents`: a run started from another run's adapter (adapter.init_from) brings that run in before it,
     labelled "NAME (start of CHILD)", so a DPO run alone shows base, SFT and DPO. With `image`, every model is
     asked about it."""
-    from finetune.model.trained import check_image, load_adapters
+    from finetune.model.trained import check_image, load_adapters, vision_of
     from finetune.model.trained import generate as _generate
 
     runs = lineage(run_dirs) if parents else [(Path(d), Path(d).name) for d in run_dirs]
     for run, _ in runs:
         image = check_image(run, image)
     model, tokenizer, names = load_adapters([run for run, _ in runs])
+    ask = {"image": image, "vision": vision_of(runs[-1][0], model, tokenizer) if image else None,
+           "max_new_tokens": max_new_tokens}
     with model.disable_adapter():
-        answers = [("base model", _generate(model, tokenizer, prompt, image=image, max_new_tokens=max_new_tokens))]
+        answers = [("base model", _generate(model, tokenizer, prompt, **ask))]
     for name, (_, label) in zip(names, runs, strict=True):
         model.set_adapter(name)
-        answers.append((label, _generate(model, tokenizer, prompt, image=image, max_new_tokens=max_new_tokens)))
+        answers.append((label, _generate(model, tokenizer, prompt, **ask)))
     return answers
 
 

@@ -91,3 +91,76 @@ def test_data_preview_thumbnails_are_small_copies_and_never_of_files_outside(tmp
         {c for _, c in hidden.getcolors()}
     assert broken_caption.startswith("image 3: unreadable")
     assert gallery_update({"tokens": []}, [inside])["visible"] is False  # a text example: no image strip
+
+
+@pytest.fixture(scope="module")
+def vision_run(tmp_path_factory) -> tuple[Path, Path]:
+    """A LoRA run of a tiny random Qwen2.5-VL on the shape task, and the task's folder."""
+    from finetune.testing import vision_model
+
+    folder = tmp_path_factory.mktemp("vision-run")
+    model = vision_model("qwen2_5_vl", folder / "model")
+    train, _ = shape_task(folder / "shapes", train=8, held_out=4)
+    run(validate_recipe(tiny_lora_recipe(model, train, folder / "run",
+                                         {"training": {"max_steps": 2, "micro_batch_size": 2}})))
+    return folder / "run", folder / "shapes"
+
+
+def test_generate_answers_about_an_image_and_compares_with_the_base(vision_run, capsys):
+    from finetune import api
+
+    run_dir, shapes = vision_run
+    image = shapes / "images" / "0000.png"
+    assert main(["generate", str(run_dir), "--prompt", SHAPE_QUESTION, "--image", str(image),
+                 "--max-new-tokens", "4"]) == 0
+    answer = capsys.readouterr().out.strip()
+    assert answer == api.generate(run_dir, SHAPE_QUESTION, image=image, max_new_tokens=4)  # greedy: the same
+    assert main(["generate", str(run_dir), "--prompt", SHAPE_QUESTION, "--image", str(image), "--compare",
+                 "--max-new-tokens", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"image:      {image}" and lines[3] == f"fine-tuned: {answer}".rstrip()
+    base = api.generate(run_dir, SHAPE_QUESTION, image=image, max_new_tokens=4, use_adapter=False)
+    assert lines[2] == f"base model: {base}".rstrip()
+
+
+def test_the_image_changes_what_the_model_reads(vision_run):
+    """The image's features reach the model: two images of the same question give different logits."""
+    import torch
+
+    from finetune.model.chat import prompt_inputs, user_turn
+    from finetune.model.trained import load_trained, vision_of
+
+    run_dir, shapes = vision_run
+    model, tokenizer = load_trained(run_dir)
+    vision = vision_of(run_dir, model, tokenizer)
+    first, second = (prompt_inputs(tokenizer, [user_turn(SHAPE_QUESTION, shapes / "images" / name)], None, vision)
+                     for name in ("0000.png", "0001.png"))
+    assert torch.equal(first["input_ids"], second["input_ids"]) and "pixel_values" in first
+    assert int((first["input_ids"] == vision.image_token_id).sum()) == 4  # 56x56 pixels: 4x4 patches merged 2x2
+    with torch.no_grad():
+        assert not torch.allclose(model(**first).logits, model(**second).logits)
+
+
+def test_export_writes_the_processor_files_and_refuses_gguf(vision_run, tmp_path, capsys):
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    from finetune.model.chat import prompt_inputs, user_turn
+    from finetune.model.trained import load_trained, vision_of
+
+    run_dir, shapes = vision_run
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "merged")]) == 0
+    out = tmp_path / "merged"
+    for name in ("preprocessor_config.json", "chat_template.json", "tokenizer.json", "config.json"):
+        assert (out / name).is_file(), name
+    merged = AutoModelForImageTextToText.from_pretrained(out).eval()
+    model, tokenizer = load_trained(run_dir, quantize=False)
+    inputs = prompt_inputs(AutoTokenizer.from_pretrained(out), [user_turn(SHAPE_QUESTION, shapes / "images" /
+                                                                          "0002.png")], None,
+                           vision_of(run_dir, model, tokenizer))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(**inputs).logits, model(**inputs).logits, rtol=1e-4, atol=1e-4)
+    capsys.readouterr()
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "gguf"), "--format", "gguf"]) == 2
+    err = _one_line_error(capsys)
+    assert "vision-language model" in err and "projector" in err and not (tmp_path / "gguf").exists()

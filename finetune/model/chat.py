@@ -26,7 +26,7 @@ import torch
 from finetune.console import quiet_libraries
 from finetune.errors import FinetuneError
 from finetune.model.load import load_tokenizer
-from finetune.model.trained import base_model_key, load_run, load_trained
+from finetune.model.trained import base_model_key, load_run, load_trained, vision_of
 
 # A turn's content is a str, or (a turn with images) a list of parts, in order: {"type": "text", "text": ...} and
 # {"type": "image", "path": "/absolute/path.png"}, the canonical record's shape (finetune.data.formats).
@@ -47,24 +47,26 @@ def user_turn(prompt: str, image: str | Path | None = None) -> Message:
                                         {"type": "text", "text": prompt}]}
 
 
-def text_tokenizer(tokenizer):
-    """The tokenizer itself, or a vision-language processor's tokenizer (ids, special tokens, decoding)."""
-    return getattr(tokenizer, "tokenizer", tokenizer)
-
-
-def prompt_inputs(tokenizer, messages: list[Message], system: str | None = None) -> dict[str, Any]:
+def prompt_inputs(tokenizer, messages: list[Message], system: str | None = None, vision: Any = None
+                  ) -> dict[str, Any]:
     """The model's inputs for the assistant's next turn: input_ids and attention_mask, and for a conversation
-    with images the processor's image inputs (pixel_values, image_grid_thw, ...) with each image's tokens
-    expanded in input_ids, as the processor itself does it."""
-    if has_images(messages):
-        if not hasattr(tokenizer, "image_processor"):
-            raise FinetuneError("this model reads no images: it was loaded without an image processor",
-                                hint="give an image only to a run of a vision-language model")
-        turns = ([{"role": "system", "content": system}] if system else []) + list(messages)
-        return dict(tokenizer.apply_chat_template(turns, tokenize=True, return_dict=True, return_tensors="pt",
-                                                  add_generation_prompt=True))
-    text = build_prompt(tokenizer, messages, system)
-    return dict(text_tokenizer(tokenizer)(text, return_tensors="pt", add_special_tokens=False))
+    with images (`vision`: the run's finetune.data.vision.VisionData) each image's token expanded to its
+    features and the image processor's outputs (pixel_values, image_grid_thw, ...), as the run trained."""
+    ids = tokenizer(build_prompt(tokenizer, messages, system), add_special_tokens=False)["input_ids"]
+    if not has_images(messages):
+        return {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
+    if vision is None:
+        raise FinetuneError("this model reads no images: it is a text-only model",
+                            hint="give an image only to a run of a vision-language model")
+    paths = [p["path"] for m in messages if isinstance(m["content"], list) for p in m["content"]
+             if p.get("type") == "image"]
+    ids, _ = vision.expand((ids, ids), paths)
+
+    def text_part(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"input_ids": torch.tensor([r["input_ids"] for r in rows]),
+                "attention_mask": torch.ones(len(rows), len(ids), dtype=torch.long)}
+
+    return vision.collator(text_part)([{"input_ids": ids, "images": paths}])
 
 
 def build_prompt(tokenizer, messages: list[Message], system: str | None = None) -> str:
@@ -122,22 +124,22 @@ class _TextStreamer:
 
 def stream_reply(model, tokenizer, messages: list[Message], *, system: str | None = None, temperature: float = 0.0,
                  top_p: float = 1.0, max_new_tokens: int = 256, on_text: Callable[[str], None] = lambda t: None,
-                 cancel: threading.Event | None = None) -> str:
+                 cancel: threading.Event | None = None, vision: Any = None) -> str:
     """The assistant's next turn after `messages`, passed to `on_text` piece by piece as it is generated;
-    returns the whole reply. Setting `cancel` ends it early (what was generated so far is kept)."""
+    returns the whole reply. Setting `cancel` ends it early (what was generated so far is kept). Turns with
+    images need `vision`, the run's image processor (finetune.model.trained.vision_of)."""
     from transformers import StoppingCriteriaList
 
     if not messages or messages[-1].get("role") != "user":
         raise FinetuneError("the chat history must end with a user message")
     kwargs = sampling_kwargs(temperature, top_p)
-    inputs = {k: v.to(model.device) for k, v in prompt_inputs(tokenizer, messages, system).items()}
-    tok = text_tokenizer(tokenizer)
-    streamer = _TextStreamer(tok, on_text, cancel or threading.Event())
+    inputs = {k: v.to(model.device) for k, v in prompt_inputs(tokenizer, messages, system, vision).items()}
+    streamer = _TextStreamer(tokenizer, on_text, cancel or threading.Event())
     with torch.no_grad():
         model.generate(**inputs, max_new_tokens=int(max_new_tokens), streamer=streamer, use_cache=True,
-                       stopping_criteria=StoppingCriteriaList([streamer]), pad_token_id=tok.pad_token_id,
-                       eos_token_id=tok.eos_token_id, **kwargs)
-    return tok.decode(streamer.ids, skip_special_tokens=True).strip()
+                       stopping_criteria=StoppingCriteriaList([streamer]), pad_token_id=tokenizer.pad_token_id,
+                       eos_token_id=tokenizer.eos_token_id, **kwargs)
+    return tokenizer.decode(streamer.ids, skip_special_tokens=True).strip()
 
 
 class ChatModels:
@@ -254,7 +256,9 @@ def _answer(request: dict, models: ChatModels, send: Callable[..., None], cancel
         if models.needs_load(request["run"], adapter):
             send(id=rid, event="loading")
         with models.use(request["run"], adapter) as (model, tokenizer):
+            vision = vision_of(request["run"], model, tokenizer) if has_images(request["messages"]) else None
             reply = stream_reply(model, tokenizer, request["messages"], system=request.get("system") or None,
+                                 vision=vision,
                                  temperature=float(request.get("temperature", 0.0)),
                                  top_p=float(request.get("top_p", 1.0)),
                                  max_new_tokens=int(request.get("max_new_tokens", 256)),

@@ -149,13 +149,28 @@ def check_image(run_dir: str | Path, image: str | Path | None) -> Path | None:
     return path.resolve()
 
 
-def generate(model, tokenizer, prompt: str, *, image: str | Path | None = None, max_new_tokens: int = 128,
-             system: str | None = None) -> str:
-    """Greedy answer to one user prompt, about `image` where one is given: a one-turn chat
-    (finetune.model.chat)."""
+def vision_of(run_dir: str | Path, model, tokenizer):
+    """The image processor and image token a run's vision-language model reads images with
+    (finetune.data.vision.VisionData, as the run trained: its data.max_pixels), None for a text model."""
+    from finetune.model.source import resolve_model_path
+    from finetune.model.vision import vision_data
+
+    recipe, _ = load_run(run_dir)
+    if not reads_images(recipe):
+        return None
+    max_pixels = getattr(recipe.data, "max_pixels", None)  # data.max_pixels, resolved in the run's recipe
+    return vision_data(model.config, resolve_model_path(recipe.model.path, recipe.model.revision), tokenizer,
+                       max_pixels if isinstance(max_pixels, int) else None)
+
+
+def generate(model, tokenizer, prompt: str, *, image: str | Path | None = None, vision=None,
+             max_new_tokens: int = 128, system: str | None = None) -> str:
+    """Greedy answer to one user prompt, about `image` where one is given (with `vision`, the run's
+    vision_of): a one-turn chat (finetune.model.chat)."""
     from finetune.model.chat import stream_reply, user_turn
 
-    return stream_reply(model, tokenizer, [user_turn(prompt, image)], system=system, max_new_tokens=max_new_tokens)
+    return stream_reply(model, tokenizer, [user_turn(prompt, image)], system=system, max_new_tokens=max_new_tokens,
+                        vision=vision)
 
 
 def _check_export_target(out: Path) -> None:
