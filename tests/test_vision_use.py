@@ -164,3 +164,23 @@ def test_export_writes_the_processor_files_and_refuses_gguf(vision_run, tmp_path
     assert main(["export", str(run_dir), "--out", str(tmp_path / "gguf"), "--format", "gguf"]) == 2
     err = _one_line_error(capsys)
     assert "vision-language model" in err and "projector" in err and not (tmp_path / "gguf").exists()
+
+
+def test_eval_measures_a_vision_run_on_held_out_image_records(vision_run, capsys):
+    from finetune.evaluate.match import score
+
+    run_dir, shapes = vision_run
+    assert main(["eval", str(run_dir), "--data", str(shapes / "held_out.json"), "--compare",
+                 "--max-new-tokens", "3"]) == 0
+    report = json.loads((run_dir / "evaluation.json").read_text())
+    assert report["examples_kept"] == report["with_expected_answer"] == 4
+    held_out = json.loads((shapes / "held_out.json").read_text())
+    for row, record in zip(report["answers"], held_out, strict=True):
+        assert row["prompt"] == SHAPE_QUESTION and row["expected"] == record["messages"][1]["content"]
+        assert row["images"] == [str((shapes / record["images"][0]).resolve())]
+    base, tuned = report["models"]
+    assert [base["label"], tuned["label"]] == ["base model", run_dir.name]
+    assert base["loss"] != tuned["loss"] and tuned["loss_tokens"] == base["loss_tokens"] > 0
+    for model in (base, tuned):  # the rates are the answers' scores
+        found = sum(score(row["answers"][model["label"]], row["expected"])["contains"] for row in report["answers"])
+        assert model["contains"] == {"matched": found, "of": 4}
