@@ -184,3 +184,19 @@ def test_eval_measures_a_vision_run_on_held_out_image_records(vision_run, capsys
     for model in (base, tuned):  # the rates are the answers' scores
         found = sum(score(row["answers"][model["label"]], row["expected"])["contains"] for row in report["answers"])
         assert model["contains"] == {"matched": found, "of": 4}
+
+
+def test_the_vision_demo_data_is_what_its_script_writes(tmp_path):
+    import importlib.util
+
+    data = Path(__file__).resolve().parents[1] / "recipes" / "data"
+    spec = importlib.util.spec_from_file_location("make_shapes", data / "make_shapes.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.write_data(tmp_path / "shapes")
+    committed = sorted(p.relative_to(data / "shapes") for p in (data / "shapes").rglob("*") if p.is_file())
+    assert committed == sorted(p.relative_to(tmp_path / "shapes") for p in (tmp_path / "shapes").rglob("*")
+                               if p.is_file())
+    assert len(committed) == 2 + 96
+    for name in committed:
+        assert (data / "shapes" / name).read_bytes() == (tmp_path / "shapes" / name).read_bytes(), name
