@@ -195,6 +195,7 @@ def cmd_validate(args) -> int:
     recipe = api.load_recipe(args.recipe, args.overrides)
     data = api.preflight(recipe)
     bad = f", {data['bad_records']} malformed to skip" if data["bad_records"] else ""
+    bad += f", {data['images']} images in {data['image_records']} records" if "images" in data else ""
     result.print(f"[green]ok[/green]: {escape(args.recipe)} is a valid recipe (model {escape(recipe.model.path)}, "
                   f"data {escape(recipe.data.label())}: {data['records']} {data['format']} records{bad}, "
                   f"adapter {recipe.adapter.type})")

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from finetune.data.chat import IGNORE_INDEX, ChatEncoder, Encoded, encode_text, resolve_template
-from finetune.data.fingerprint import data_fingerprint
+from finetune.data.fingerprint import data_fingerprint, images_identity
 from finetune.data.fit import Source, cut_prompt
 from finetune.data.formats import (
     FORMATS,
@@ -92,7 +92,7 @@ class _Prepared:
     rejected: tuple[str, list[tuple[int, int]]] | None = None
     label: bool | None = None
     source: Source | None = None
-    images: list[str] = field(default_factory=list)  # the record's images, in order (finetune.data.vision)
+    images: list[str] = field(default_factory=list)  # the record's images (absolute paths), in order
 
 
 Sequences = list[Encoded]  # an example's sequences: one, or chosen and rejected
@@ -122,6 +122,8 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
                                    encoder.template if encoder else None, seed, method)
     prepared, problems = _prepare(records, formats, cfg, encoder, vision is not None)
     _check_packing(cfg, prepared)
+    if any(p.images for p in prepared):
+        fingerprint["images_sha256"] = images_identity([path for p in prepared for path in p.images])
     prepared_from = Counter(p.file for p in prepared)
     problems = [p for f in files for p in f.read.problems] + problems
     _refuse_bad(cfg, fmt, problems, len(prepared))
@@ -143,7 +145,7 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
         left_out = Counter(r.file for r in records) - prepared_from  # malformed
         stats["files"] = file_stats(files, formats, records, [item.file for item, _ in train + evaluation],
                                     left_out + dropped.by_file)
-    _count_images(stats, [item for item, _ in train + evaluation])
+    _count_images(stats, [(item.file, len(item.images)) for item, _ in train + evaluation])
     _check_dropped(cfg, dropped)
     if not train:
         raise DataError(
@@ -170,14 +172,15 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
                       repeated(files) + _warnings(cfg, len(problems), dropped))
 
 
-def _count_images(stats: dict[str, Any], items: Sequence[_Prepared]) -> None:
-    """Add the image counts of the examples kept (`images`, `image_records`; per file in `files`) to `stats`,
-    when any record has images (text-only data keeps the stats it always had)."""
-    if not any(item.images for item in items):
+def _count_images(stats: dict[str, Any], counts: Sequence[tuple[int, int]]) -> None:
+    """Add the image counts of the records kept (`counts`: file index, images of one record) to `stats` as
+    `images` and `image_records` (per file in `files`), when any record has images (text-only data keeps the
+    stats it always had)."""
+    if not any(n for _, n in counts):
         return
-    for target, part in ([(stats, items)] + [(entry, [x for x in items if x.file == i])
-                                             for i, entry in enumerate(stats.get("files", []))]):
-        target.update(images=sum(len(x.images) for x in part), image_records=sum(bool(x.images) for x in part))
+    for target, part in ([(stats, counts)] + [(entry, [c for c in counts if c[0] == i])
+                                              for i, entry in enumerate(stats.get("files", []))]):
+        target.update(images=sum(n for _, n in part), image_records=sum(n > 0 for _, n in part))
 
 
 def _check_packing(cfg: DataConfig, prepared: list[_Prepared]) -> None:
@@ -311,7 +314,7 @@ def _shown(records: list[Record], file: int, formats: list[str], cfg: DataConfig
         if prepared[0].label is not None:
             item["label"] = prepared[0].label
         if prepared[0].images:
-            item["images"] = images_of(prepared[0].source[0][0])
+            item["images"] = prepared[0].images
         yield item
 
 
@@ -351,18 +354,19 @@ def _prepare(records: Sequence[Record], formats: list[str], cfg: DataConfig, enc
         try:
             example = _example(record, formats[record.file], cfg, folders[record.file])
             check_images(example, model_takes_images)
+            images = images_of(example)
             if isinstance(example, Preference):
                 assert encoder is not None
                 rendered = [encoder.render(chat, first) for chat, first in example.chats()]
                 item = _Prepared(record.where, record.file, chat=rendered[0],
                                  rejected=rendered[1] if len(rendered) > 1 else None, label=example.label,
-                                 source=example.chats())
+                                 source=example.chats(), images=images)
             elif isinstance(example, Chat):
                 assert encoder is not None
-                item = _Prepared(record.where, record.file, chat=encoder.render(example), source=[(example, 0)])
+                item = _Prepared(record.where, record.file, chat=encoder.render(example), source=[(example, 0)],
+                                 images=images)
             else:
                 item = _Prepared(record.where, record.file, text=example)
-            item.images = images_of(example)
             prepared.append(item)
         except RecordError as exc:
             problems.append(f"{record.where}: {exc}")
@@ -416,19 +420,39 @@ def check_records(cfg: DataConfig, method: str = "sft", model_takes_images: bool
         return check_prompt_records(cfg)
     files = read_files(cfg)
     formats, fmt = _formats(cfg, files, method)
+    bad, good = _check_each(cfg, files, formats, model_takes_images)
+    out = checked(cfg, files, formats, fmt, bad)
+    _count_images(out, [(i, len(sizes)) for i, sizes in good])
+    return out
+
+
+def record_image_sizes(cfg: DataConfig, method: str = "sft") -> list[list[tuple[int, int]]]:
+    """The (width, height) of each image of every good record of the data, record by record in file order
+    (every file of a list, whole; [] for a text-only record), read from the images' headers: what the planner
+    counts image tokens from (`finetune.data.image_tokens`); none for prompt-only data (its prompts are text).
+    Raises what `check_records` raises."""
+    if data_kind(method) == "prompt":
+        return []
+    files = read_files(cfg)
+    formats, fmt = _formats(cfg, files, method)
+    bad, good = _check_each(cfg, files, formats, True)
+    checked(cfg, files, formats, fmt, bad)
+    return [sizes for _, sizes in good]
+
+
+def _check_each(cfg: DataConfig, files: list[FileRead], formats: list[str], model_takes_images: bool
+                ) -> tuple[list[list[str]], list[tuple[int, list[tuple[int, int]]]]]:
+    """Every record of every file normalised and its images' headers read: each file's problem lines, and
+    (file index, image sizes) of each good record."""
     bad, good = [], []
     for i, (f, file_format, folder) in enumerate(zip(files, formats, data_folders(cfg), strict=True)):
         bad.append(list(f.read.problems))
         for record in f.read.records:
             try:
-                example = _example(record, file_format, cfg, folder)
-                check_images(example, model_takes_images)
-                good.append(_Prepared(record.where, i, images=images_of(example)))
+                good.append((i, check_images(_example(record, file_format, cfg, folder), model_takes_images)))
             except RecordError as exc:
                 bad[-1].append(f"{record.where}: {exc}")
-    out = checked(cfg, files, formats, fmt, bad)
-    _count_images(out, good)
-    return out
+    return bad, good
 
 
 def checked(cfg: DataConfig, files: list[FileRead], formats: list[str], fmt: str,

@@ -7,7 +7,9 @@ number, the tokenizer (its whole definition, not its folder), the chat template 
 recipe keys and seed that sample, split, cut and pack them. The data file's path is shown, not compared: the
 same records moved elsewhere are the same data. Several files (data.path as a list): the records of every
 file, and per file (`files`) its weight or record count, its number of records and their hash, so that a
-change to any file or to its share of the mix is named (`data.path[1].weight 0.3 -> 0.5`).
+change to any file or to its share of the mix is named (`data.path[1].weight 0.3 -> 0.5`). Records with images:
+the images too (`images_sha256`, from each file's size and first and last bytes, not its path), so an image
+replaced under the same name is named.
 """
 
 from __future__ import annotations
@@ -74,6 +76,22 @@ def data_fingerprint(cfg: DataConfig, reads: Sequence[ReadResult], fmt: str, tok
     return out
 
 
+IMAGE_SAMPLE = 64 << 10  # bytes of each image's start and end in its identity: a replaced file differs there
+
+
+def images_identity(paths: Sequence[str]) -> str:
+    """A hash of the images the records show, in order: each file's size and its first and last bytes (read
+    in milliseconds, unlike the whole of a large dataset's images)."""
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as file:
+            head = file.read(IMAGE_SAMPLE)
+            size = file.seek(0, 2)
+            file.seek(max(len(head), size - IMAGE_SAMPLE))
+            digest.update(f"{size}:".encode() + head + file.read())
+    return digest.hexdigest()
+
+
 def _file_changes(saved: list[dict[str, Any]] | None, now: list[dict[str, Any]] | None) -> list[str]:
     """What differs between two runs' data files when either is a list: the number of files, and per file
     (by position) its content and its weight or record count."""
@@ -116,6 +134,8 @@ def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
         changes.append(f"data.max_seq_len {saved.get('max_seq_len')} -> {now['max_seq_len']}")
     if saved.get("format") != now["format"]:
         changes.append(f"format {saved.get('format')} -> {now['format']}")
+    if saved.get("images_sha256") != now.get("images_sha256"):
+        changes.append("images changed")
     if saved.get("chat_template_sha256") != now["chat_template_sha256"]:
         changes.append("chat template changed")
     old_settings = saved.get("settings") or {}

@@ -43,17 +43,22 @@ Images (vision-language data), in any chat format:
 A record with images normalises to the canonical form the vision-language tokenizer reads: every turn's
 `content` a list of `{"type": "text", "text"}` and `{"type": "image", "path": ABSOLUTE_PATH}` parts, in
 order (`images_of` lists the paths). Relative paths are read from the folder of the data file (`folder`), a
-`file://` URL is its path; other URLs and inline `data:` images are malformed records (images must be local
-files: nothing is downloaded at run time), as is a record whose markers and images do not pair up. A content
+`file://` URL is its path, an image held in the data (datasets' `{"bytes", "path"}`, a base64 `data:` URL) a
+file of the cache named by its content; other URLs are malformed records (images must be local: nothing is
+downloaded at run time), as is a record whose markers and images do not pair up. A content
 list of text parts only is its text joined, as chat templates render it. Whether the image files can be read is
 `finetune.data.images`' check (headers, no decoding).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
 import json
 import os
 import re
+import secrets
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -373,11 +378,12 @@ def _with_images(example: Example, record: dict, folder: Path) -> Example:
         return example
     turns = [example.messages] if isinstance(example, Chat) else \
         [example.prompt, example.chosen] + ([example.rejected] if example.rejected is not None else [])
-    if images is None and not any(isinstance(m["content"], list) for t in turns for m in t):
+    parts = any(isinstance(m["content"], list) for t in turns for m in t)  # text-only lists are strings by now
+    if images is None and not parts:
         return example
-    images = images or []
-    placed, used = _place(turns[0], images, 0, folder)
-    answers = [_place(t, images, used, folder) for t in turns[1:]]
+    markers, images = images is not None, images or []
+    placed, used = _place(turns[0], images, 0, folder, markers)
+    answers = [_place(t, images, used, folder, markers) for t in turns[1:]]
     ends = [(f"the prompt and {name} answer", end) for name, (_, end) in zip(("chosen", "rejected"), answers, strict=False)] \
         if answers else [("the turns", used)]
     for what, end in ends:
@@ -385,6 +391,8 @@ def _with_images(example: Example, record: dict, folder: Path) -> Example:
             raise RecordError(f"{what} have {end} {IMAGE_MARKER} marker(s) or image parts without a path but "
                               f"'images' lists {len(images)}: each {IMAGE_MARKER} stands for the next image, so "
                               "the counts must match")
+    if not images and not parts:  # `images: []` beside text turns (LLaMA-Factory's text records in a mix)
+        return example
     if isinstance(example, Chat):
         return Chat(placed, example.tools)
     return Preference(placed, answers[0][0], answers[1][0] if len(answers) > 1 else None, example.label,
@@ -403,9 +411,10 @@ def _images_field(record: dict) -> list | None:
     return value
 
 
-def _place(turns: list[dict], images: list, start: int, folder: Path) -> tuple[list[dict], int]:
-    """`turns` with every content a list of parts and each image an absolute path; the index after the last
-    image taken from `images` (past its end when markers outnumber the images)."""
+def _place(turns: list[dict], images: list, start: int, folder: Path, markers: bool) -> tuple[list[dict], int]:
+    """`turns` with every content a list of parts and each image an absolute path (`markers`: each <image> in
+    the text takes the next of `images`); the index after the last image taken from `images` (past its end
+    when markers outnumber the images)."""
     n = start
 
     def image(source: Any) -> list[dict]:
@@ -423,7 +432,7 @@ def _place(turns: list[dict], images: list, start: int, folder: Path) -> tuple[l
             if part["type"] == "image":
                 placed += image(part["source"])
                 continue
-            for k, piece in enumerate(part["text"].split(IMAGE_MARKER) if images else [part["text"]]):
+            for k, piece in enumerate(part["text"].split(IMAGE_MARKER) if markers else [part["text"]]):
                 placed += image(None) if k else []
                 placed += [{"type": "text", "text": piece}] if piece else []
         out.append({**turn, "content": placed})
@@ -431,21 +440,54 @@ def _place(turns: list[dict], images: list, start: int, folder: Path) -> tuple[l
 
 
 def _local_path(source: Any, folder: Path) -> str:
-    """An image source as an absolute local path: relative paths from `folder`, `file://` URLs as their path;
-    RecordError for other URLs, inline data and embedded bytes (images must be local files)."""
-    if isinstance(source, dict) and source.get("path"):  # datasets' Image feature: {"bytes", "path"}
+    """An image source as an absolute local path: relative paths from `folder`, `file://` URLs as their path,
+    images held in the data (datasets' `{"bytes", "path"}`, a base64 `data:` URL) as a file of the cache
+    (`inline_image`); RecordError for other URLs (images must be local: nothing is downloaded at run time)."""
+    if isinstance(source, dict) and isinstance(source.get("bytes"), bytes) and source["bytes"]:
+        return inline_image(source["bytes"])
+    if isinstance(source, dict) and source.get("path"):
         source = source["path"]
     if not isinstance(source, str) or not source.strip():
-        what = "embedded image bytes" if isinstance(source, dict) else f"a {type(source).__name__}"
-        raise RecordError(f"an image is {what}, not a file path; save the images as files and give their paths")
+        raise RecordError(f"an image is {'empty' if isinstance(source, (dict, str)) else f'a {type(source).__name__}'}"
+                          ", not a file path or image bytes")
     if source.startswith("data:"):
-        raise RecordError(f"image {source[:40]}... is inline data; images must be files: save it and give its path")
+        head, _, body = source.partition(",")
+        try:
+            data = base64.b64decode(body, validate=True) if head.endswith(";base64") else None
+        except binascii.Error:
+            data = None
+        if data is None:
+            raise RecordError(f"image {source[:40]}... is a data: URL without readable base64 image bytes")
+        return inline_image(data)
     if source.startswith("file://"):
         source = unquote(urlparse(source).path)
     elif _URL.match(source):
         raise RecordError(f"image {source} is a URL; images must be local files (nothing is downloaded at run "
                           "time): download it and give its path")
     return os.path.abspath(folder / os.path.expanduser(source))
+
+
+def inline_image(data: bytes) -> str:
+    """The path of a file holding `data` (an image stored in the dataset itself) in the cache folder, named by
+    its content so each image is written once, atomically (a rename) and shared by every run."""
+    from finetune.units import cache_dir
+
+    if not data:
+        raise RecordError("an image held in the data is empty (no bytes)")
+    digest = hashlib.sha256(data).hexdigest()
+    path = cache_dir() / "images" / digest[:2] / digest
+    if not path.exists():
+        tmp = path.with_name(f".{digest}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise RecordError(f"cannot store an image held in the data in {path.parent} ({exc.strerror or exc}); "
+                              "set FINETUNE_CACHE to a writable folder with room") from None
+    return str(path)
+
 
 def _sharegpt(record: dict) -> Chat:
     key, turns = _turns(record)

@@ -4,7 +4,7 @@ A bad image is a bad record (named with its file, record and image path; skipped
 `data.on_bad_record: skip`): a missing file, an empty one, bytes Pillow cannot read as an image, a file cut
 short (a JPEG without its end-of-image marker, a PNG without its IEND chunk, a GIF without its trailer, a WebP
 shorter than its RIFF header says), an image over Pillow's decompression-bomb limit (`PIL.Image.MAX_IMAGE_PIXELS`
-pixels), one with no pixels, and any image given to a model that reads only text.
+pixels), and any image given to a model that reads only text.
 
 Only headers and the file's last bytes are read (Pillow opens lazily: the size without decoding), so a
 dataset's images are checked in seconds; `open_image` decodes one for the vision-language tokenizer, its
@@ -75,8 +75,6 @@ def _header(path: str, mtime_ns: int, length: int) -> tuple[tuple[int, int], str
     limit = Image.MAX_IMAGE_PIXELS
     if limit is not None and width * height > limit:
         return (0, 0), _bomb(width, height)
-    if not width or not height:
-        return (0, 0), f"has no pixels ({width}x{height})"
     if not _complete(path, kind, length):
         return (0, 0), f"is cut short (a {kind} file without its end): the file is truncated, replace it"
     return (width, height), None

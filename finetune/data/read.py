@@ -3,7 +3,8 @@
 Supported inputs: a JSON file (an array of records, an object whose values are records, or an object with one
 key holding the array, e.g. `{"data": [...]}`; a `.json` file holding JSON Lines is read as JSONL), a JSONL
 file (one record a line; blank lines are ignored), CSV (a header row, every cell read as text), Parquet, or a
-folder written by `datasets.Dataset.save_to_disk` (a `DatasetDict` must have a `train` split).
+folder written by `datasets.Dataset.save_to_disk` (a `DatasetDict` must have a `train` split; its `Image`
+columns are read as their stored `{"bytes", "path"}`, not decoded).
 
 Every record carries `where`, a location for error messages: `data.jsonl:17` (1-based line number) for JSON
 Lines and `data.json record 5` (0-based index, as in `records[5]`) for everything else. A JSON Lines line
@@ -222,6 +223,20 @@ def _read_parquet(path: Path) -> ReadResult:
     return ReadResult([Record(f"{path} record {i}", row) for i, row in enumerate(rows)], [])
 
 
+def _holds_images(feature: Any) -> bool:
+    """Whether a datasets feature (or a dict or list of them) has an Image feature in it."""
+    import datasets
+
+    if isinstance(feature, datasets.Image):
+        return True
+    if isinstance(feature, dict):
+        return any(_holds_images(f) for f in feature.values())
+    if isinstance(feature, (list, tuple)):
+        return any(_holds_images(f) for f in feature)
+    inner = getattr(feature, "feature", None)  # List, Sequence, LargeList
+    return inner is not None and _holds_images(inner)
+
+
 def _read_saved_dataset(path: Path) -> ReadResult:
     """Rows of a save_to_disk folder; a damaged folder (missing or cut shard, bad JSON metadata) is named."""
     import datasets
@@ -243,8 +258,8 @@ def _read_saved_dataset(path: Path) -> ReadResult:
                             hint="save the training split, or a DatasetDict with a 'train' split")
         data = data["train"]
     records = []
-    try:
-        for i, row in enumerate(data):
+    try:  # images as their stored {"bytes", "path"}, not decoded: the data build checks and reads them
+        for i, row in enumerate(data.data.to_pylist() if _holds_images(data.features) else data):
             records.append(Record(f"{path} record {i}", row))
     except damaged as exc:
         raise DataError(f"{path} record {len(records)}: cannot be read from this save_to_disk folder "
