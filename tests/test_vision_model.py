@@ -172,3 +172,34 @@ def test_a_vision_language_architecture_no_family_describes_is_one_line(tmp_path
     err = capsys.readouterr().err
     assert "LlavaForConditionalGeneration" in err and "vision-language" in err and "qwen2_5_vl" in err
     assert "Traceback" not in err
+
+
+def test_max_pixels_auto_is_the_largest_image_budget_whose_plan_fits(tmp_path):
+    """data.max_pixels: auto tries the budgets largest first, none above the model's own limit (its
+    preprocessor_config.json), and takes the first whose plan fits: between the peaks of two budgets, the
+    smaller one."""
+    from finetune import api
+    from finetune.plan.search import pixel_budgets
+
+    model = vision_model("qwen2_5_vl", tmp_path / "model")
+    processor = json.loads((model / "preprocessor_config.json").read_text())
+    processor["max_pixels"] = processor["size"]["longest_edge"] = 1024 * 28 * 28
+    (model / "preprocessor_config.json").write_text(json.dumps(processor))
+    data = _pictures(tmp_path, [(1000, 1000)])
+
+    def recipe(pixels, gpu_memory="24GiB"):
+        path = _plan_recipe(tmp_path, data, max_pixels=pixels, max_seq_len=1100)
+        values = yaml.safe_load(path.read_text())
+        values["model"]["path"] = str(model)
+        values["memory"]["gpu_memory"] = gpu_memory
+        values["memory"]["gpu_memory_margin"] = 0
+        path.write_text(yaml.safe_dump(values))
+        return api.load_recipe(path)
+
+    budgets = pixel_budgets(recipe("auto"), None)
+    assert budgets == [1024 * 784, 512 * 784, 256 * 784]
+    peaks = [api.plan(recipe(b)).peak_bytes for b in budgets]
+    assert peaks[0] > peaks[1] > peaks[2]  # fewer pixels: fewer image tokens through the vision tower
+    assert api.plan(recipe("auto")).settings["max_pixels"] == budgets[0]
+    tight = api.plan(recipe("auto", gpu_memory=str((peaks[0] + peaks[1]) // 2)))
+    assert tight.fits and tight.settings["max_pixels"] == budgets[1], peaks
