@@ -31,7 +31,7 @@ from finetune.plan.memory_model import (
 )
 from finetune.plan.shapes import ModelShapes, target_dtype
 from finetune.plan.trace import model_facts, model_type_of, planned_config, real_config
-from finetune.plan.vision import Grid, planned_grids
+from finetune.plan.vision import Grid, planned_grids, processor_config
 from finetune.recipe.batch_rules import accumulation_for
 from finetune.recipe.families import family_for
 from finetune.recipe.init_from import resolve_init_from
@@ -146,6 +146,10 @@ def fixed_effective_batch(recipe: Recipe) -> int | None:
     return effective if isinstance(effective, int) else None
 
 
+# data.max_pixels auto: image budgets in whole 28 x 28 cells (a Qwen-VL image token), 16384 to 256 of them
+PIXEL_BUDGETS = tuple(n * 28 * 28 for n in (16384, 4096, 2048, 1024, 512, 256))
+
+
 def auto_values(recipe: Recipe, device: str) -> dict[str, list[Any]]:
     """What each searched setting (finetune.recipe.settings) may become where the recipe says `auto`;
     gradient_accumulation_steps follows the micro-batch instead (`_choices`)."""
@@ -173,6 +177,8 @@ def auto_values(recipe: Recipe, device: str) -> dict[str, list[Any]]:
         # grpo: whole groups, doubling; one that holds the step's all is None (_choices)
         "generation_batch_size": [None, *(recipe.grpo.num_generations << k for k in range(11))]
         if recipe.training.spec.generates else [None],
+        # largest first; `predict` tries them one after another (each capped at the model's own limit)
+        "max_pixels": list(PIXEL_BUDGETS),
     }
 
 
@@ -226,6 +232,8 @@ def _choices(recipe: Recipe, spec: ModelSpec) -> list[Settings]:
     given = read_settings(recipe)
     if given["activation_checkpointing"] == "auto":
         given["checkpoint_every_n_layers"] = 1
+    if given["max_pixels"] == "auto":  # not a search axis: `predict` plans each budget in turn (pixel_budgets)
+        given["max_pixels"] = None
     auto = auto_values(recipe, spec.device)
     axes = {name: auto.get(name, [value]) if value == "auto" else [value] for name, value in given.items()}
     effective = fixed_effective_batch(recipe)
@@ -283,6 +291,16 @@ def model_spec(recipe: Recipe, config: Any, device: str) -> ModelSpec:
         images=planned_images(recipe, config))
 
 
+def pixel_budgets(recipe: Recipe, config: Any) -> list[int]:
+    """The image budgets `data.max_pixels: auto` tries, largest first: PIXEL_BUDGETS, none above the model's own
+    limit (its processor's max_pixels); [] unless the key is auto and the model a vision-language one."""
+    if recipe.data.max_pixels != "auto" or "max_pixels" in inactive_settings(recipe):
+        return []
+    own = processor_config(recipe.model.path)
+    limit = own.get("max_pixels") or (own.get("size") or {}).get("longest_edge") or PIXEL_BUDGETS[0]
+    return sorted({min(b, int(limit)) for b in PIXEL_BUDGETS}, reverse=True)
+
+
 def planned_images(recipe: Recipe, config: Any) -> tuple[Grid, ...]:
     """A vision-language model's image grids of one example: the data's record with the most image pixels,
     resized as its processor resizes (data.max_pixels); () for a text model or data without images (a plan
@@ -296,8 +314,8 @@ def planned_images(recipe: Recipe, config: Any) -> tuple[Grid, ...]:
         sizes = largest_images(recipe.data)
     except FinetuneError:
         return ()
-    max_pixels = getattr(recipe.data, "max_pixels", None)  # data.max_pixels, once the data section has it
-    return planned_grids(real_config(config), recipe.model.path, sizes, max_pixels if max_pixels != "auto" else None)
+    pixels = recipe.data.max_pixels
+    return planned_grids(real_config(config), recipe.model.path, sizes, None if pixels == "auto" else pixels)
 
 
 def free_disk_bytes(path: Path) -> int:
@@ -374,6 +392,14 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
         device = "cuda" if torch.cuda.is_available() or gpu_memory not in (None, "auto") else "cpu"
     recipe = resolve_init_from(recipe)  # adapter.init_from: price the adapter's own shape
     config = model_config or planned_config(recipe.model.path, recipe.model.trust_remote_code)
+    budgets = pixel_budgets(recipe, config)
+    if budgets:  # data.max_pixels auto: the largest image budget whose plan fits, else the smallest's plan
+        for pixels in budgets:
+            plan = predict(write_settings(recipe, {"max_pixels": pixels}), model_config=config,
+                           gpu_memory=gpu_memory, device=device, training_only=training_only)
+            if plan.fits:
+                break
+        return plan
     spec = replace(model_spec(recipe, config, device), reference_pass=not training_only)
     budget = _budget(recipe, gpu_memory, "cuda" if torch.cuda.is_available() and device == "cuda" else "cpu")
     shapes = model_facts(config, recipe.model.attn_implementation)[0]

@@ -315,8 +315,9 @@ def _direct_trace(key: tuple[str, str, str, str], attn: str, micro_batch: int, s
     model = _take_model(planner, built)
     config = model.config
     preference = PreferenceLoss.of_objective(objective)
-    batch = trace_batch(config, micro_batch, seq_len, images) if images else \
-        synthetic_batch(preference, micro_batch, seq_len, config.get_text_config().vocab_size, "meta")
+    batch = synthetic_batch(preference, micro_batch, seq_len, config.get_text_config().vocab_size, "meta")
+    if images:  # every row (a pair's chosen and rejected rows alike) shows the example's images
+        batch.update(trace_batch(config, len(batch["input_ids"]), seq_len, images))
     in_layers = in_decoder_layers(model) if int8 else set()
     int8_layers = [module for name, module in model.named_modules() if int8 and _quantizable(name, module, in_layers)]
     for module in int8_layers:

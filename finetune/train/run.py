@@ -309,7 +309,7 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
             raise UsageError(f"{mismatch}: the recipe does not describe the already loaded model (base=)",
                              hint="give the recipe the model and quantization keys the model was loaded with")
         model, tokenizer, path = base.model, base.tokenizer, base.path
-    vision = vision_data(model.config, path, tokenizer)  # a vision-language model: its image processor
+    vision = vision_data(model.config, path, tokenizer, settings.max_pixels)  # a vision-language model's images
     model = apply_adapter(model, recipe.adapter, checkpointing=settings.activation_checkpointing,
                           reference=loads_reference_adapter(recipe), digest=main)
     # results.json's record of the start adapter: rank 0 writes it, hashing the bytes apply_adapter read.
