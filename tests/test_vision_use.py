@@ -200,3 +200,30 @@ def test_the_vision_demo_data_is_what_its_script_writes(tmp_path):
     assert len(committed) == 2 + 96
     for name in committed:
         assert (data / "shapes" / name).read_bytes() == (tmp_path / "shapes" / name).read_bytes(), name
+
+
+def test_the_real_llamafactory_sample_trains_a_tiny_vlm_end_to_end(shared_datasets, tmp_path, capsys):
+    """../shared/datasets/mllm_demo.json (LLaMA-Factory's multimodal sample: 6 conversations, `<image>` markers,
+    JPEGs beside it) through `finetune run`, then `finetune generate` about one of its pictures."""
+    import yaml
+
+    from finetune.rundir import read_jsonl
+    from finetune.testing import vision_model
+
+    data = shared_datasets / "mllm_demo.json"
+    model = vision_model("qwen2_5_vl", tmp_path / "model")
+    recipe = tiny_lora_recipe(model, data, tmp_path / "run", {"data": {"max_seq_len": 512}},
+                              {"training": {"max_steps": 2, "micro_batch_size": 2, "logging_steps": 1}})
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    assert main(["run", str(tmp_path / "recipe.yaml")]) == 0
+    stats = json.loads((tmp_path / "run" / "data_stats.json").read_text())
+    records = json.loads(data.read_text())
+    assert stats["records"] == len(records) and stats["bad_records_skipped"] == 0
+    assert stats["images"] == sum(len(r["images"]) for r in records) and stats["image_records"] == len(records)
+    losses = [r["loss"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    assert len(losses) == 2 and all(0 < loss < 20 for loss in losses)
+    capsys.readouterr()
+    picture = shared_datasets / records[0]["images"][0]
+    assert main(["generate", str(tmp_path / "run"), "--image", str(picture), "--prompt", "Who are they?",
+                 "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out.strip()

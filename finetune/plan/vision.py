@@ -56,14 +56,18 @@ def image_tokens(config: Any, grid: Grid) -> int:
 
 def trace_batch(config: Any, rows: int, seq_len: int, grids: tuple[Grid, ...]) -> dict[str, Any]:
     """A micro-batch of `rows` examples of `seq_len` tokens, each with the images of `grids` (their tokens
-    first, then text), as the data build's collator lays one out; pixel values on meta."""
+    first, each image's separated from the next by a text token, then text), as the data build's collator lays
+    one out; pixel values on meta."""
     layout = family_of(config).vision
     assert layout is not None
     vision = config.vision_config
     image = config.image_token_id
-    n = min(sum(image_tokens(config, g) for g in grids), seq_len - 1)
     ids = torch.zeros(rows, seq_len, dtype=torch.long)
-    ids[:, 1:1 + n] = image
+    start = 1
+    for grid in grids:  # each image's tokens apart, as the chat template writes them: one run per image
+        end = min(start + image_tokens(config, grid), seq_len - 1)
+        ids[:, start:end] = image
+        start = end + 1
     labels = ids.masked_fill(ids == image, -100)
     patches = rows * sum(t * h * w for t, h, w in grids)
     width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
