@@ -103,6 +103,16 @@ VISION_ARCHITECTURES = {
         {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 56 * 56, "max_pixels": 112 * 112,
          "size": {"shortest_edge": 56 * 56, "longest_edge": 112 * 112}, "patch_size": 14, "temporal_patch_size": 2,
          "merge_size": 2}),
+    "qwen3_vl": ("Qwen3VLConfig", {
+        "text_config": {"head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                            "mrope_section": [2, 3, 3], "mrope_interleaved": True}},
+        "vision_config": {"depth": 2, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64,
+                          "out_hidden_size": 64, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                          "num_position_embeddings": 64, "deepstack_visual_indexes": [0]}},
+        QWEN_VL_TOKENS, QWEN_VL_TEMPLATE,
+        {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 32 * 32, "max_pixels": 128 * 128,
+         "size": {"shortest_edge": 32 * 32, "longest_edge": 128 * 128}, "patch_size": 16, "temporal_patch_size": 2,
+         "merge_size": 2}),
 }
 
 

@@ -14,7 +14,7 @@ import yaml
 from finetune import api
 from finetune.cli import main
 from finetune.rundir import read_jsonl
-from finetune.testing import make_tiny_model_dir, vision_model
+from finetune.testing import VISION_ARCHITECTURES, make_tiny_model_dir, vision_model
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220)}
 
@@ -76,6 +76,16 @@ def test_trains_on_images_with_the_plan_within_5_percent(tmp_path, vlm, bits):
     measured = _measured(tmp_path / "run")
     assert abs(seen["peak_bytes"] / measured - 1) <= 0.05, (seen["peak_bytes"], measured)
     assert [r["loss"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+
+
+@pytest.mark.parametrize("arch", [a for a in VISION_ARCHITECTURES if a != "qwen2_5_vl"])
+def test_each_vision_family_trains_on_images_with_the_plan_within_5_percent(tmp_path, arch):
+    model = vision_model(arch, tmp_path / "model")
+    assert main(["run", str(recipe(tmp_path, model, shapes_data(tmp_path)))]) == 0
+    seen = api.plan_at_seen_length(tmp_path / "run")
+    assert seen is not None
+    measured = _measured(tmp_path / "run")
+    assert abs(seen["peak_bytes"] / measured - 1) <= 0.05, (seen["peak_bytes"], measured)
 
 
 def test_the_loss_on_the_answers_falls(tmp_path, vlm):

@@ -85,6 +85,8 @@ _NO_GGUF_MOE = ("its fused 3-D expert weights are not split into llama.cpp's per
 _VISION_METHODS = ("QLoRA", "LoRA", "full")
 _NO_GGUF_VISION = "its vision tower needs llama.cpp's separate projector file, which this writer does not write"
 
+_QWEN_VL = VisionLayout("Qwen2VLImageProcessorPil", "<|image_pad|>", token_types="mm_token_type_ids")
+
 FAMILIES: tuple[Family, ...] = (
     Family("Llama 3.x", ("llama",), "Llama-3.1-8B, Llama-3.2-1B/3B, Llama-3.3-70B", "full attention",
            gguf=GGUFLayout("LLAMA", permute_qk=True)),
@@ -134,7 +136,11 @@ FAMILIES: tuple[Family, ...] = (
     Family("Qwen2.5-VL", ("qwen2_5_vl",), "Qwen2.5-VL-3B/7B/32B/72B-Instruct", "vision transformer (window "
            "attention, merged 2x2 patches) before full attention text layers with multimodal rotary positions",
            no_gguf=_NO_GGUF_VISION, methods=_VISION_METHODS,
-           vision=VisionLayout("Qwen2VLImageProcessorPil", "<|image_pad|>", token_types="mm_token_type_ids")),
+           vision=_QWEN_VL),
+    Family("Qwen3-VL", ("qwen3_vl",), "Qwen3-VL-2B/4B/8B/32B-Instruct", "vision transformer (merged 2x2 patches, "
+           "its features also added to the first text layers) before full attention text layers with q/k norms "
+           "and interleaved multimodal rotary positions", no_gguf=_NO_GGUF_VISION, methods=_VISION_METHODS,
+           vision=_QWEN_VL),
 )
 
 VISION_HINT = "use a text-only checkpoint of the family, or a vision-language family docs/models.md lists"
