@@ -39,8 +39,12 @@ def vision_data(config: Any, path: Path, tokenizer: Any, max_pixels: int | None 
     family = family_of(config)
     if family.vision is None:
         return None
-    token = tokenizer.convert_tokens_to_ids(family.vision.image_token)
-    return VisionData(load_image_processor(path, family), family.vision, token, max_pixels)
+    layout = family.vision
+    token = tokenizer.convert_tokens_to_ids(layout.image_token)
+    written = tokenizer.convert_tokens_to_ids(layout.written or layout.image_token)
+    wrap = tuple(tokenizer.encode(text, add_special_tokens=False) if text else [] for text in layout.wrap)
+    return VisionData(load_image_processor(path, family), layout, token, written, wrap,
+                      getattr(config, "mm_tokens_per_image", None), max_pixels)
 
 
 # peft's exclude_modules as a regex over module names: anything inside a vision tower or projector.
