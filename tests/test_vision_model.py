@@ -180,6 +180,7 @@ def test_max_pixels_auto_is_the_largest_image_budget_whose_plan_fits(tmp_path):
     smaller one."""
     from finetune import api
     from finetune.plan.search import pixel_budgets
+    from finetune.plan.trace import planned_config
 
     model = vision_model("qwen2_5_vl", tmp_path / "model")
     processor = json.loads((model / "preprocessor_config.json").read_text())
@@ -196,7 +197,7 @@ def test_max_pixels_auto_is_the_largest_image_budget_whose_plan_fits(tmp_path):
         path.write_text(yaml.safe_dump(values))
         return api.load_recipe(path)
 
-    budgets = pixel_budgets(recipe("auto"), None)
+    budgets = pixel_budgets(recipe("auto"), planned_config(str(model)))
     assert budgets == [1024 * 784, 512 * 784, 256 * 784]
     peaks = [api.plan(recipe(b)).peak_bytes for b in budgets]
     assert peaks[0] > peaks[1] > peaks[2]  # fewer pixels: fewer image tokens through the vision tower

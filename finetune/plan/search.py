@@ -293,9 +293,13 @@ def model_spec(recipe: Recipe, config: Any, device: str) -> ModelSpec:
 
 def pixel_budgets(recipe: Recipe, config: Any) -> list[int]:
     """The image budgets `data.max_pixels: auto` tries, largest first: PIXEL_BUDGETS, none above the model's own
-    limit (its processor's max_pixels); [] unless the key is auto and the model a vision-language one."""
+    limit (its processor's max_pixels); the one size a fixed-size vision tower sees (Gemma 3); [] unless the key
+    is auto and the model a vision-language one."""
     if recipe.data.max_pixels != "auto" or "max_pixels" in inactive_settings(recipe):
         return []
+    layout = family_for(model_type_of(config)).vision
+    if layout is not None and layout.kind == "gemma3":
+        return [real_config(config).vision_config.image_size ** 2]
     own = processor_config(recipe.model.path)
     limit = own.get("max_pixels") or (own.get("size") or {}).get("longest_edge") or PIXEL_BUDGETS[0]
     return sorted({min(b, int(limit)) for b in PIXEL_BUDGETS}, reverse=True)
