@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shutil
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -29,6 +30,7 @@ from finetune.plan.memory_model import (
     step_completions,
     traffic_bytes,
 )
+from finetune.plan.planner import current
 from finetune.plan.shapes import ModelShapes, target_dtype
 from finetune.plan.trace import model_facts, model_type_of, planned_config, real_config
 from finetune.plan.vision import Grid, planned_grids, processor_config
@@ -305,6 +307,13 @@ def pixel_budgets(recipe: Recipe, config: Any) -> list[int]:
     return sorted({min(b, int(limit)) for b in PIXEL_BUDGETS}, reverse=True)
 
 
+def _stat(path: str) -> os.stat_result | None:
+    try:
+        return Path(path).expanduser().stat()
+    except OSError:
+        return None
+
+
 def planned_images(recipe: Recipe, config: Any) -> tuple[Grid, ...]:
     """A vision-language model's image grids of one example: the data's record with the most image pixels,
     resized as its processor resizes (data.max_pixels); () for a text model or data without images (a plan
@@ -314,8 +323,11 @@ def planned_images(recipe: Recipe, config: Any) -> tuple[Grid, ...]:
         return ()
     from finetune.data.build import largest_images
 
-    try:
-        sizes = largest_images(recipe.data)
+    data = recipe.data
+    files = [data.path] if isinstance(data.path, str) else [f.path for f in data.path]
+    stamps = tuple((f, s.st_mtime_ns, s.st_size) for f in files if (s := _stat(f)) is not None)
+    try:  # read once per data (and its files' versions): `data.max_pixels: auto` plans several budgets
+        sizes = current().images.get_or_compute((data.model_dump_json(), stamps), lambda: largest_images(data))
     except FinetuneError:
         return ()
     pixels = recipe.data.max_pixels
