@@ -9,6 +9,7 @@ that processor's output, as the processor itself does.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -74,3 +75,8 @@ def freeze_vision(model: nn.Module) -> int:
             count += 1
     return count
 
+
+def in_vision(name: str) -> bool:
+    """Whether a module or parameter name lies inside a vision tower or projector (the planner's parameter
+    table names them as the model does)."""
+    return re.fullmatch(_IN_VISION, name) is not None
