@@ -84,14 +84,21 @@ MOE_ARCHITECTURES = {
 # give a few image tokens each).
 QWEN_VL_TOKENS = {"vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>",
                   "image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>"}
-QWEN_VL_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
-    "{{ '<|im_end|>\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+
+
+def _parts_template(image: str) -> str:
+    """ChatML whose turns may be lists of text and image parts, an image written as `image` (what the family's
+    own chat template writes for one)."""
+    return ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+            "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+            "{% for part in message['content'] %}"
+            f"{{% if part['type'] == 'image' %}}{{{{ '{image}' }}}}"
+            "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+            "{{ '<|im_end|>\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+QWEN_VL_TEMPLATE = _parts_template("<|vision_start|><|image_pad|><|vision_end|>")
 VISION_ARCHITECTURES = {
     # name: (config class name, config kwargs, special tokens {config key: token}, chat template, preprocessor)
     "qwen2_5_vl": ("Qwen2_5_VLConfig", {
@@ -103,6 +110,27 @@ VISION_ARCHITECTURES = {
         {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 56 * 56, "max_pixels": 112 * 112,
          "size": {"shortest_edge": 56 * 56, "longest_edge": 112 * 112}, "patch_size": 14, "temporal_patch_size": 2,
          "merge_size": 2}),
+    "qwen3_vl": ("Qwen3VLConfig", {
+        "text_config": {"head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                            "mrope_section": [2, 3, 3], "mrope_interleaved": True}},
+        "vision_config": {"depth": 2, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64,
+                          "out_hidden_size": 64, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                          "num_position_embeddings": 64, "deepstack_visual_indexes": [0]}},
+        QWEN_VL_TOKENS, QWEN_VL_TEMPLATE,
+        {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 32 * 32, "max_pixels": 128 * 128,
+         "size": {"shortest_edge": 32 * 32, "longest_edge": 128 * 128}, "patch_size": 16, "temporal_patch_size": 2,
+         "merge_size": 2}),
+    # Gemma 3 4B and up: a SigLIP tower at 56 x 56 pixels (4 x 4 patches) pooled to 4 tokens per image
+    "gemma3": ("Gemma3Config", {
+        "text_config": {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
+                        "layer_types": ["sliding_attention", "full_attention"]},
+        "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                          "num_attention_heads": 2, "image_size": 56, "patch_size": 14},
+        "mm_tokens_per_image": 4},
+        {"image_token_index": "<image_soft_token>", "boi_token_index": "<start_of_image>",
+         "eoi_token_index": "<end_of_image>"}, _parts_template("<start_of_image>"),
+        {"image_processor_type": "Gemma3ImageProcessor", "size": {"height": 56, "width": 56}, "do_pan_and_scan": False,
+         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}),
 }
 
 
@@ -173,8 +201,9 @@ def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides):
     cls_name, extra = architecture(arch)
     if arch in VISION_ARCHITECTURES:  # the language model at the dense entries' toy size, the tiny vision tower
         text = {**_TINY, "vocab_size": vocab_size, **extra["text_config"], **overrides}
+        rest = {k: v for k, v in extra.items() if k not in ("text_config", "vision_config")}
         return getattr(transformers, cls_name)(text_config=text, vision_config=extra["vision_config"],
-                                               pad_token_id=3, eos_token_id=2, tie_word_embeddings=False)
+                                               pad_token_id=3, eos_token_id=2, tie_word_embeddings=False, **rest)
     if "text_config" in extra:  # a vision-language config around the tiny text config of another entry
         text = tiny_config(extra["text_config"], vocab_size, **overrides)
         return getattr(transformers, cls_name)(text_config=text.to_dict(), vision_config=extra["vision_config"])

@@ -156,8 +156,12 @@ def test_a_full_size_qwen2_5_vl_plans_with_its_datas_images(tmp_path):
     plain = api.plan(api.load_recipe(_plan_recipe(tmp_path, ROOT / "recipes" / "data" / "quickstart.jsonl")))
     small_plan, large_plan = plans[(448, 448)], plans[(1344, 1008)]
     assert plain.breakdown["activations"] < small_plan.breakdown["activations"] < large_plan.breakdown["activations"]
-    vision_params = 670e6  # the 32-block vision tower and merger, in bf16: never quantized
-    assert plain.breakdown["weights"] > 2 * vision_params
+    # the 32-block vision tower and merger: about 670M parameters, in bf16 (never quantized), within the weights
+    assert plain.vision["vision_weights"] == pytest.approx(2 * 670e6, rel=0.02)
+    assert plain.breakdown["weights"] > plain.vision["vision_weights"]
+    # 448 x 448 pixels: 32 x 32 patches of 14, merged 2 x 2: 256 tokens (the other image, 64 x 64, is smaller)
+    assert small_plan.vision["images"] == 1 and small_plan.vision["image_tokens"] == 256
+    assert plain.vision["images"] == 0
 
 
 def test_a_vision_language_architecture_no_family_describes_is_one_line(tmp_path, capsys):
@@ -180,6 +184,7 @@ def test_max_pixels_auto_is_the_largest_image_budget_whose_plan_fits(tmp_path):
     smaller one."""
     from finetune import api
     from finetune.plan.search import pixel_budgets
+    from finetune.plan.trace import planned_config
 
     model = vision_model("qwen2_5_vl", tmp_path / "model")
     processor = json.loads((model / "preprocessor_config.json").read_text())
@@ -196,7 +201,7 @@ def test_max_pixels_auto_is_the_largest_image_budget_whose_plan_fits(tmp_path):
         path.write_text(yaml.safe_dump(values))
         return api.load_recipe(path)
 
-    budgets = pixel_budgets(recipe("auto"), None)
+    budgets = pixel_budgets(recipe("auto"), planned_config(str(model)))
     assert budgets == [1024 * 784, 512 * 784, 256 * 784]
     peaks = [api.plan(recipe(b)).peak_bytes for b in budgets]
     assert peaks[0] > peaks[1] > peaks[2]  # fewer pixels: fewer image tokens through the vision tower

@@ -23,6 +23,8 @@ from finetune.data.chat import IGNORE_INDEX, Encoded
 from finetune.data.formats import Chat, Example, RecordError
 from finetune.recipe.families import VisionLayout
 
+# image processor outputs the model's forward does not take (the full processor drops them too)
+_PROCESSOR_ONLY = {"num_crops"}
 IMAGE_MARKER = "<image>"  # LLaMA-Factory's stand-in for the next image of the record's `images`
 
 
@@ -76,6 +78,9 @@ class VisionData:
     processor: Any  # the family's image processor (Pillow backend)
     layout: VisionLayout
     image_token_id: int
+    written_id: int  # the token the chat template writes per image (image_token_id for Qwen-VL)
+    wrap: tuple[list[int], list[int]] = ([], [])  # the tokens around an image's repeated tokens, in its place
+    tokens_per_image: int | None = None  # a fixed count (Gemma 3's mm_tokens_per_image), else from the grid
     max_pixels: int | None = None  # data.max_pixels: the largest image budget (None: the processor's own)
 
     def process(self, paths: Sequence[str]) -> dict[str, Any]:
@@ -87,18 +92,21 @@ class VisionData:
             with Image.open(path) as image:
                 images.append(image.convert("RGB"))
         kwargs: dict[str, Any] = {}
-        if self.max_pixels is not None:
+        if self.max_pixels is not None and self.layout.kind == "qwen2_vl":
             kwargs["size"] = {**dict(self.processor.size), "longest_edge": self.max_pixels}
         return dict(self.processor(images=images, return_tensors="pt", **kwargs))
 
     def image_tokens(self, paths: Sequence[str]) -> list[int]:
         """How many tokens each image stands for in the language model's input."""
+        if self.tokens_per_image is not None:
+            return [self.tokens_per_image] * len(paths)
         grid = self.process(paths)["image_grid_thw"]
         merge = self.processor.merge_size
         return [int(g.prod()) // merge ** 2 for g in grid]
 
     def expand(self, encoded: Encoded, paths: Sequence[str]) -> Encoded:
-        """Each image token of `encoded` repeated once per feature of its image, with no loss on them."""
+        """Each image's token in `encoded` (the written one) replaced by the image token repeated once per feature
+        of its image (between the family's wrapping tokens), with no loss on them."""
         ids, labels = encoded
         if not paths:
             return encoded
@@ -106,13 +114,14 @@ class VisionData:
         out_ids: list[int] = []
         out_labels: list[int] = []
         for tok, label in zip(ids, labels, strict=True):
-            if tok == self.image_token_id:
+            if tok == self.written_id:
                 n = next(counts, None)
                 if n is None:
                     raise RecordError(f"the chat template wrote more image tokens than the record has images "
                                       f"({len(paths)})")
-                out_ids += [tok] * n
-                out_labels += [IGNORE_INDEX] * n
+                before, after = self.wrap
+                out_ids += [*before, *[self.image_token_id] * n, *after]
+                out_labels += [IGNORE_INDEX] * (len(before) + n + len(after))
             else:
                 out_ids.append(tok)
                 out_labels.append(label)
@@ -128,7 +137,7 @@ class VisionData:
             batch = base([{k: v for k, v in e.items() if k != "images"} for e in examples])
             paths = [p for e in examples for p in e.get("images") or []] * rows_per_example
             if paths:
-                batch.update(self.process(paths))
+                batch.update({k: v for k, v in self.process(paths).items() if k not in _PROCESSOR_ONLY})
             if self.layout.token_types is not None:
                 batch[self.layout.token_types] = (batch["input_ids"] == self.image_token_id).int()
             return batch

@@ -41,6 +41,13 @@ def auto_model(config) -> Any:
     return AutoModelForImageTextToText if family_of(config).vision is not None else AutoModelForCausalLM
 
 
+def load_full(folder: Path) -> torch.nn.Module:
+    """A full fine-tune as a run saved it (its config picks the class: a vision-language model loads whole)."""
+    from transformers import AutoConfig
+
+    return auto_model(AutoConfig.from_pretrained(folder)).from_pretrained(folder, dtype="auto", use_safetensors=True)
+
+
 def model_class(config) -> type | None:
     """The transformers class a config trains as: its causal LM, or for a vision-language family the whole
     image-text-to-text model (vision tower, projector, language model)."""

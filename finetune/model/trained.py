@@ -9,7 +9,7 @@ from pathlib import Path
 from finetune.errors import UsageError
 from finetune.export.files import GGUFOptions, write_gguf_export
 from finetune.export.progress import ExportStep
-from finetune.model.load import compute_dtype, load_model, load_tokenizer
+from finetune.model.load import compute_dtype, load_full, load_model, load_tokenizer
 from finetune.model.source import takes_images
 from finetune.publish import pause_point, publishing
 from finetune.recipe.load import load_recipe
@@ -50,10 +50,7 @@ def load_trained(run_dir: str | Path, *, use_adapter: bool = True, quantize: boo
         if not use_adapter:
             model, tokenizer, _ = load_model(recipe.model, recipe.quantization, quantize=False)
             return model.eval(), tokenizer
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(run.adapter, dtype="auto", use_safetensors=True)
-        return model.eval(), load_tokenizer(run.adapter, recipe.model)
+        return load_full(run.adapter).eval(), load_tokenizer(run.adapter, recipe.model)
     model, tokenizer, _ = load_model(recipe.model, recipe.quantization, quantize=quantize)
     tokenizer = load_tokenizer(run.adapter, recipe.model)  # carries the chat template used in training
     if use_adapter:
@@ -263,11 +260,8 @@ def copy_processor_files(recipe: Recipe, run: RunDir, out: Path) -> list[str]:
 def merged_model(recipe: Recipe, run: RunDir, step: Callable[[int, str], None] = lambda i, detail: None):
     """(model, tokenizer): the run's adapter merged into its base (a full fine-tune as saved), in memory."""
     if recipe.adapter.type == "full":
-        from transformers import AutoModelForCausalLM
-
         step(0, f"full fine-tune from {run.adapter}")
-        model = AutoModelForCausalLM.from_pretrained(run.adapter, dtype="auto", use_safetensors=True)
-        return model, load_tokenizer(run.adapter, recipe.model)
+        return load_full(run.adapter), load_tokenizer(run.adapter, recipe.model)
     from peft import PeftModel
 
     step(0, recipe.model.path)

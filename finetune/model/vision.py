@@ -9,6 +9,7 @@ that processor's output, as the processor itself does.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +40,12 @@ def vision_data(config: Any, path: Path, tokenizer: Any, max_pixels: int | None 
     family = family_of(config)
     if family.vision is None:
         return None
-    token = tokenizer.convert_tokens_to_ids(family.vision.image_token)
-    return VisionData(load_image_processor(path, family), family.vision, token, max_pixels)
+    layout = family.vision
+    token = tokenizer.convert_tokens_to_ids(layout.image_token)
+    written = tokenizer.convert_tokens_to_ids(layout.written or layout.image_token)
+    wrap = tuple(tokenizer.encode(text, add_special_tokens=False) if text else [] for text in layout.wrap)
+    return VisionData(load_image_processor(path, family), layout, token, written, wrap,
+                      getattr(config, "mm_tokens_per_image", None), max_pixels)
 
 
 # peft's exclude_modules as a regex over module names: anything inside a vision tower or projector.
@@ -70,3 +75,8 @@ def freeze_vision(model: nn.Module) -> int:
             count += 1
     return count
 
+
+def in_vision(name: str) -> bool:
+    """Whether a module or parameter name lies inside a vision tower or projector (the planner's parameter
+    table names them as the model does)."""
+    return re.fullmatch(_IN_VISION, name) is not None

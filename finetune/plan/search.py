@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shutil
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -18,6 +19,7 @@ from finetune.memory.device_memory import usable_gpu_memory
 from finetune.memory.offload import offload_dir_for
 from finetune.memory.preference import PreferenceLoss, loads_reference_adapter, reference_is_current
 from finetune.model.moe import moe_config
+from finetune.model.vision import in_vision
 from finetune.plan.cost_model import figures_of, rollout_of, tokens_per_second
 from finetune.plan.memory_model import (
     ModelSpec,
@@ -29,9 +31,17 @@ from finetune.plan.memory_model import (
     step_completions,
     traffic_bytes,
 )
+from finetune.plan.planner import current
 from finetune.plan.shapes import ModelShapes, target_dtype
-from finetune.plan.trace import model_facts, model_type_of, planned_config, real_config
-from finetune.plan.vision import Grid, planned_grids, processor_config
+from finetune.plan.trace import (
+    model_facts,
+    model_key,
+    model_type_of,
+    param_table_of,
+    planned_config,
+    real_config,
+)
+from finetune.plan.vision import Grid, image_tokens, planned_grids, processor_config
 from finetune.recipe.batch_rules import accumulation_for
 from finetune.recipe.families import family_for
 from finetune.recipe.init_from import resolve_init_from
@@ -100,6 +110,9 @@ class Plan:
     device_figures: dict[str, float] = field(default_factory=dict)  # what tokens_per_s rests on (figures_of)
     figures_measured: bool = False  # device_figures were measured on this machine (a CPU), not DEVICE's constants
     notes: list[str] = field(default_factory=list)  # settings the search left out, and why
+    # a vision-language model: what its images cost (vision_weights: the vision tower and projector's bytes,
+    # within breakdown's weights; images and image_tokens: one example's, as traced); {} for a text model
+    vision: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -291,14 +304,36 @@ def model_spec(recipe: Recipe, config: Any, device: str) -> ModelSpec:
         images=planned_images(recipe, config))
 
 
+def vision_costs(spec: ModelSpec) -> dict[str, int]:
+    """A vision-language model's image costs for the plan's readers (Plan.vision); {} for a text model."""
+    family = family_for(model_type_of(spec.config))
+    if family is None or family.vision is None:
+        return {}
+    params = param_table_of(model_key(spec.config, spec.adapter, spec.dtype), 1)
+    real = real_config(spec.config)
+    return {"vision_weights": sum(p.numel * p.bytes_per_elem for p in params if in_vision(p.name)),
+            "images": len(spec.images), "image_tokens": sum(image_tokens(real, g) for g in spec.images)}
+
+
 def pixel_budgets(recipe: Recipe, config: Any) -> list[int]:
     """The image budgets `data.max_pixels: auto` tries, largest first: PIXEL_BUDGETS, none above the model's own
-    limit (its processor's max_pixels); [] unless the key is auto and the model a vision-language one."""
+    limit (its processor's max_pixels); the one size a fixed-size vision tower sees (Gemma 3); [] unless the key
+    is auto and the model a vision-language one."""
     if recipe.data.max_pixels != "auto" or "max_pixels" in inactive_settings(recipe):
         return []
+    layout = family_for(model_type_of(config)).vision
+    if layout is not None and layout.kind == "gemma3":
+        return [real_config(config).vision_config.image_size ** 2]
     own = processor_config(recipe.model.path)
     limit = own.get("max_pixels") or (own.get("size") or {}).get("longest_edge") or PIXEL_BUDGETS[0]
     return sorted({min(b, int(limit)) for b in PIXEL_BUDGETS}, reverse=True)
+
+
+def _stat(path: str) -> os.stat_result | None:
+    try:
+        return Path(path).expanduser().stat()
+    except OSError:
+        return None
 
 
 def planned_images(recipe: Recipe, config: Any) -> tuple[Grid, ...]:
@@ -310,8 +345,11 @@ def planned_images(recipe: Recipe, config: Any) -> tuple[Grid, ...]:
         return ()
     from finetune.data.build import largest_images
 
-    try:
-        sizes = largest_images(recipe.data)
+    data = recipe.data
+    files = [data.path] if isinstance(data.path, str) else [f.path for f in data.path]
+    stamps = tuple((f, s.st_mtime_ns, s.st_size) for f in files if (s := _stat(f)) is not None)
+    try:  # read once per data (and its files' versions): `data.max_pixels: auto` plans several budgets
+        sizes = current().images.get_or_compute((data.model_dump_json(), stamps), lambda: largest_images(data))
     except FinetuneError:
         return ()
     pixels = recipe.data.max_pixels
@@ -474,14 +512,14 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
                     communication_bytes=best.communication_bytes, reference_pass_bytes=best.reference_pass_bytes,
                     managed_bytes=best.managed_bytes, generation_bytes=best.generation_bytes,
                     training_bytes=best.training_bytes, device_figures=figures, figures_measured=measured,
-                    notes=notes)
+                    notes=notes, vision=vision_costs(spec))
     return Plan(device, leanest.settings, leanest.peak_bytes, leanest.breakdown, budget, False,
                 leanest.tokens_per_s, rejected=rejected,
                 min_budget_bytes=leanest.peak_bytes + recipe.memory.gpu_memory_margin, world_size=spec.world_size,
                 communication_bytes=leanest.communication_bytes, reference_pass_bytes=leanest.reference_pass_bytes,
                 managed_bytes=leanest.managed_bytes, generation_bytes=leanest.generation_bytes,
                 training_bytes=leanest.training_bytes, device_figures=figures, figures_measured=measured,
-                notes=notes)
+                notes=notes, vision=vision_costs(spec))
 
 
 def _offload_resources(recipe: Recipe, device: str, tiers: set[str]) -> tuple[dict[str, float], dict[str, int]]:

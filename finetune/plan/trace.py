@@ -65,6 +65,10 @@ class _MetaKernels(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.to and _cpu_mask(args[0]) and _meta_target(args[1:], kwargs):
+            return args[0]  # a mask from the token ids keeps its values, so what it selects has a shape
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and args[0].is_meta:
+            args = (args[0], _mask_indices(args[1]), *args[2:])
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if any(t.is_meta for t in tensors) and any(not t.is_meta and t.dim() for t in tensors):
             args, kwargs = tree_map(_to_meta, (args, kwargs))
@@ -77,6 +81,26 @@ class _MetaKernels(TorchFunctionMode):
 
 def _to_meta(x: Any) -> Any:
     return x.to("meta") if isinstance(x, torch.Tensor) and not x.is_meta else x
+
+
+def _cpu_mask(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and not x.is_meta and x.dtype == torch.bool
+
+
+def _meta_target(args: tuple, kwargs: dict) -> bool:
+    return any(a == "meta" or (isinstance(a, torch.device) and a.type == "meta")
+               for a in (*args, kwargs.get("device")))
+
+
+def _mask_indices(key: Any) -> Any:
+    """An index whose boolean masks hold values (on the CPU) as the positions they select, whose count is
+    known: a meta tensor indexed by them gets its real shape (Qwen3-VL adds image features at the image
+    tokens' positions)."""
+    parts = key if isinstance(key, tuple) else (key,)
+    if not any(_cpu_mask(p) for p in parts):
+        return key
+    out = tuple(i for p in parts for i in (p.nonzero(as_tuple=True) if _cpu_mask(p) else (p,)))
+    return out if isinstance(key, tuple) or len(out) > 1 else out[0]
 
 
 class _Uncacheable(Exception):

@@ -35,10 +35,14 @@ def processor_config(model_path: str) -> dict[str, Any]:
 
 def image_grid(config: Any, processor: dict[str, Any], width: int, height: int, max_pixels: int | None) -> Grid:
     """The patch grid an image of `width` x `height` pixels becomes (the Qwen-VL processors' resize rule: a
-    multiple of patch x merge on each side, the pixel count within min/max pixels)."""
+    multiple of patch x merge on each side, the pixel count within min/max pixels; Gemma 3: every image at the
+    vision tower's fixed size)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
     vision = config.vision_config
+    if _kind(config) == "gemma3":
+        side = vision.image_size // vision.patch_size
+        return (1, side, side)
     patch = processor.get("patch_size", vision.patch_size)
     merge = processor.get("merge_size", vision.spatial_merge_size)
     size = processor.get("size") or {}
@@ -48,8 +52,17 @@ def image_grid(config: Any, processor: dict[str, Any], width: int, height: int, 
     return (1, h // patch, w // patch)
 
 
+def _kind(config: Any) -> str:
+    layout = family_of(config).vision
+    assert layout is not None
+    return layout.kind
+
+
 def image_tokens(config: Any, grid: Grid) -> int:
-    """The language model's tokens for one image's grid (its patches merged merge x merge)."""
+    """The language model's tokens for one image's grid (its patches merged merge x merge; Gemma 3: its fixed
+    mm_tokens_per_image)."""
+    if _kind(config) == "gemma3":
+        return config.mm_tokens_per_image
     merge = config.vision_config.spatial_merge_size
     return grid[0] * grid[1] * grid[2] // merge ** 2
 
@@ -69,11 +82,15 @@ def trace_batch(config: Any, rows: int, seq_len: int, grids: tuple[Grid, ...]) -
         ids[:, start:end] = image
         start = end + 1
     labels = ids.masked_fill(ids == image, -100)
-    patches = rows * sum(t * h * w for t, h, w in grids)
-    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
-    batch = {"input_ids": ids, "labels": labels,
-             "pixel_values": torch.empty(patches, width, dtype=torch.float32, device="meta"),
-             "image_grid_thw": torch.tensor([list(g) for g in grids] * rows, dtype=torch.long)}
+    batch: dict[str, Any] = {"input_ids": ids, "labels": labels}
+    if layout.kind == "gemma3":  # whole images at the tower's size
+        side = vision.image_size
+        batch["pixel_values"] = torch.empty(rows * len(grids), vision.num_channels, side, side, device="meta")
+    else:  # the processor's flattened patches and each image's grid
+        patches = rows * sum(t * h * w for t, h, w in grids)
+        width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+        batch["pixel_values"] = torch.empty(patches, width, dtype=torch.float32, device="meta")
+        batch["image_grid_thw"] = torch.tensor([list(g) for g in grids] * rows, dtype=torch.long)
     if layout.token_types is not None:
         batch[layout.token_types] = (ids == image).int()
     return batch

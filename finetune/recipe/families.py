@@ -41,9 +41,15 @@ class VisionLayout:
     """What a vision-language family's checkpoints need besides their config: how images become tokens."""
 
     image_processor: str  # the transformers image processor class with a Pillow backend (no torchvision)
-    image_token: str  # the token the chat template writes once per image, repeated once per image feature
-    # inputs of the model's forward made from the token ids (Qwen's mm_token_type_ids: which tokens are images)
+    image_token: str  # the token repeated once per image feature in the language model's input
+    # the input of the model's forward that marks which tokens are images (Qwen's mm_token_type_ids: the
+    # multimodal rotary positions; Gemma 3's token_type_ids: images attend to themselves both ways)
     token_types: str | None = None
+    kind: str = "qwen2_vl"  # how an image becomes tokens: qwen2_vl (patch grid), gemma3 (a fixed count)
+    # the token the chat template writes for an image, when not image_token, and the text the processor puts
+    # around the repeated image tokens in its place (Gemma 3: "\n\n<start_of_image>", "<end_of_image>\n\n")
+    written: str | None = None
+    wrap: tuple[str, str] = ("", "")
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,8 @@ _NO_GGUF_MOE = ("its fused 3-D expert weights are not split into llama.cpp's per
 # Vision-language families: the language model is adapted (QLoRA, LoRA), the vision tower too with adapter.vision.
 _VISION_METHODS = ("QLoRA", "LoRA", "full")
 _NO_GGUF_VISION = "its vision tower needs llama.cpp's separate projector file, which this writer does not write"
+
+_QWEN_VL = VisionLayout("Qwen2VLImageProcessorPil", "<|image_pad|>", token_types="mm_token_type_ids")
 
 FAMILIES: tuple[Family, ...] = (
     Family("Llama 3.x", ("llama",), "Llama-3.1-8B, Llama-3.2-1B/3B, Llama-3.3-70B", "full attention",
@@ -134,7 +142,17 @@ FAMILIES: tuple[Family, ...] = (
     Family("Qwen2.5-VL", ("qwen2_5_vl",), "Qwen2.5-VL-3B/7B/32B/72B-Instruct", "vision transformer (window "
            "attention, merged 2x2 patches) before full attention text layers with multimodal rotary positions",
            no_gguf=_NO_GGUF_VISION, methods=_VISION_METHODS,
-           vision=VisionLayout("Qwen2VLImageProcessorPil", "<|image_pad|>", token_types="mm_token_type_ids")),
+           vision=_QWEN_VL),
+    Family("Gemma 3", ("gemma3",), "gemma-3-4b/12b/27b-it", "SigLIP vision encoder, pooled to 256 tokens per "
+           "image, before five sliding-window layers per full attention layer; images attend to themselves both "
+           "ways", no_gguf=_NO_GGUF_VISION, methods=_VISION_METHODS,
+           vision=VisionLayout("Gemma3ImageProcessorPil", "<image_soft_token>", token_types="token_type_ids",
+                               kind="gemma3", written="<start_of_image>",
+                               wrap=("\n\n<start_of_image>", "<end_of_image>\n\n"))),
+    Family("Qwen3-VL", ("qwen3_vl",), "Qwen3-VL-2B/4B/8B/32B-Instruct", "vision transformer (merged 2x2 patches, "
+           "its features also added to the first text layers) before full attention text layers with q/k norms "
+           "and interleaved multimodal rotary positions", no_gguf=_NO_GGUF_VISION, methods=_VISION_METHODS,
+           vision=_QWEN_VL),
 )
 
 VISION_HINT = "use a text-only checkpoint of the family, or a vision-language family docs/models.md lists"
