@@ -227,3 +227,27 @@ def test_the_real_llamafactory_sample_trains_a_tiny_vlm_end_to_end(shared_datase
     assert main(["generate", str(tmp_path / "run"), "--image", str(picture), "--prompt", "Who are they?",
                  "--max-new-tokens", "5"]) == 0
     assert capsys.readouterr().out.strip()
+
+
+def test_the_plan_view_shows_the_vision_tower_and_the_image_tokens(tmp_path):
+    """The Memory tab's reading of a vision-language plan: the vision tower as its own bar component (the same
+    total), the images' tokens and the chosen pixel budget in the text; a text plan as before."""
+    from finetune import api
+    from finetune.testing import vision_model
+    from ui import views
+
+    model = vision_model("qwen2_5_vl", tmp_path / "model")
+    train, _ = shape_task(tmp_path / "shapes", train=4, held_out=1)
+    recipe = validate_recipe(tiny_lora_recipe(model, train, tmp_path / "run", {"data": {"max_pixels": "auto"}}))
+    plan = json.loads(api.plan(recipe, gpu_memory="2GiB", device="cuda").to_json())
+    vision = plan["vision"]
+    assert vision["images"] == 1 and vision["image_tokens"] == 4 and 0 < vision["vision_weights"]
+    (label, bar), *_ = views.plan_bars(plan)
+    assert bar[views.VISION_TOWER] == vision["vision_weights"]
+    assert bar["weights"] == plan["breakdown"]["weights"] - vision["vision_weights"]
+    assert sum(bar.values()) == sum(plan["breakdown"].values())
+    text = views.plan_markdown(plan)
+    assert f"1 image(s) are 4 image tokens at `max_pixels={plan['settings']['max_pixels']:,}`" in text
+    text_plan = {k: v for k, v in plan.items() if k != "vision"}
+    assert "Images" not in views.plan_markdown(text_plan)
+    assert views.VISION_TOWER not in views.plan_bars(text_plan)[0][1]
