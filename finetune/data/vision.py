@@ -8,67 +8,22 @@ size squared), as the model's own processor does. Those tokens never carry loss.
 processor (Pillow backend) on a batch's images and adds its outputs (pixel_values, image_grid_thw) and the
 token-type ids the model reads, under their transformers names, so they go to forward as keyword arguments.
 
-Until the data formats read images themselves, `with_image_parts` turns LLaMA-Factory records (`<image>`
-markers in the turns and an `images` list, paths relative to the data file) into the canonical parts.
+The records' image parts come from the data formats (`finetune.data.formats`: LLaMA-Factory's `<image>`
+markers and content parts, read into canonical parts with absolute paths).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from finetune.data.chat import IGNORE_INDEX, Encoded
-from finetune.data.formats import Chat, Example, RecordError
+from finetune.data.formats import RecordError
 from finetune.recipe.families import VisionLayout
 
 # image processor outputs the model's forward does not take (the full processor drops them too)
 _PROCESSOR_ONLY = {"num_crops"}
-IMAGE_MARKER = "<image>"  # LLaMA-Factory's stand-in for the next image of the record's `images`
-
-
-def _parts(content: str, images: list[str], used: list[int]) -> list[dict[str, Any]] | str:
-    """A turn's text split at its `<image>` markers into text and image parts (images taken in order)."""
-    if IMAGE_MARKER not in content:
-        return content
-    parts: list[dict[str, Any]] = []
-    for i, text in enumerate(content.split(IMAGE_MARKER)):
-        if i:
-            if used[0] >= len(images):
-                raise RecordError(f"more {IMAGE_MARKER} markers than images ({len(images)})")
-            parts.append({"type": "image", "path": images[used[0]]})
-            used[0] += 1
-        if text:
-            parts.append({"type": "text", "text": text})
-    return parts
-
-
-def with_image_parts(example: Example, record: Any, base: Path) -> Example:
-    """`example` with the `<image>` markers of its turns replaced by image parts holding the record's `images`
-    (absolute, relative paths taken from `base`, the data file's folder); unchanged without `images`."""
-    images = record.get("images") if isinstance(record, dict) else None
-    if not images or isinstance(example, str):
-        return example
-    if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
-        raise RecordError("'images' must be a list of image file paths")
-    paths = [str(p if (p := Path(i)).is_absolute() else (base / p).resolve()) for i in images]
-    used = [0]
-    for turn in example.messages if isinstance(example, Chat) else example.prompt:
-        if isinstance(turn.get("content"), str):
-            turn["content"] = _parts(turn["content"], paths, used)
-    if used[0] != len(paths):
-        raise RecordError(f"{len(paths)} images but {used[0]} {IMAGE_MARKER} markers")
-    return example
-
-
-def images_of(example: Example) -> list[str]:
-    """The image paths of a record's turns, in order (a preference record: its prompt's)."""
-    if isinstance(example, str):
-        return []
-    turns = example.messages if isinstance(example, Chat) else example.prompt
-    return [part["path"] for turn in turns if isinstance(turn.get("content"), list)
-            for part in turn["content"] if part.get("type") == "image"]
 
 
 @dataclass
