@@ -23,7 +23,6 @@ NOT_PLANNED = {
     "data.format": "the reader, from the first records",
     "memory.gpu_memory": "the budget: the GPU's free memory",
     "training.effective_batch_size": "the run, from the measured noise scale (finetune.train.batch_engine)",
-    "data.max_pixels": "not searched until the vision-language planner registers it in Settings (then remove this line)",
 }
 # Follows the micro-batch (keeps training.effective_batch_size) instead of being searched.
 FOLLOWS = {"gradient_accumulation_steps"}
