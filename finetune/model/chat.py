@@ -52,12 +52,13 @@ def prompt_inputs(tokenizer, messages: list[Message], system: str | None = None,
     """The model's inputs for the assistant's next turn: input_ids and attention_mask, and for a conversation
     with images (`vision`: the run's finetune.data.vision.VisionData) each image's token expanded to its
     features and the image processor's outputs (pixel_values, image_grid_thw, ...), as the run trained."""
-    ids = tokenizer(build_prompt(tokenizer, messages, system), add_special_tokens=False)["input_ids"]
-    if not has_images(messages):
-        return {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
-    if vision is None:
+    images = has_images(messages)
+    if images and vision is None:
         raise FinetuneError("this model reads no images: it is a text-only model",
                             hint="give an image only to a run of a vision-language model")
+    ids = tokenizer(build_prompt(tokenizer, messages, system), add_special_tokens=False)["input_ids"]
+    if not images:
+        return {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
     paths = [p["path"] for m in messages if isinstance(m["content"], list) for p in m["content"]
              if p.get("type") == "image"]
     ids, _ = vision.expand((ids, ids), paths)
