@@ -93,6 +93,20 @@ def test_data_preview_thumbnails_are_small_copies_and_never_of_files_outside(tmp
     assert gallery_update({"tokens": []}, [inside])["visible"] is False  # a text example: no image strip
 
 
+def test_the_data_preview_of_a_vision_model_lists_each_examples_images(vision_run):
+    from finetune import api
+    from ui.tabs.data import thumbnails
+
+    run_dir, shapes = vision_run
+    examples, problems = api.preview_data(api.load_recipe(run_dir / "recipe.yaml"), n=2)
+    records = json.loads((shapes / "train.json").read_text())
+    assert not problems and [e["images"] for e in examples] == [[str((shapes / r["images"][0]).resolve())]
+                                                                 for r in records[:2]]
+    assert records[0]["messages"][1]["content"] in "".join(text for text, loss in examples[0]["tokens"] if loss)
+    (picture, caption), = thumbnails(examples[0], [shapes])
+    assert caption == f"image 1: {Path(records[0]['images'][0]).name} (56x56)" and picture.size == (56, 56)
+
+
 @pytest.fixture(scope="module")
 def vision_run(tmp_path_factory) -> tuple[Path, Path]:
     """A LoRA run of a tiny random Qwen2.5-VL on the shape task, and the task's folder."""
