@@ -54,7 +54,7 @@ def preflight(recipe: Recipe) -> dict[str, Any]:
     from finetune.data.build import check_records
     from finetune.data.chat import template_file
     from finetune.errors import RecipeError
-    from finetune.model.source import check_model_path, config_location
+    from finetune.model.source import check_model_path, known_config
     from finetune.recipe.families import check_config_file
     from finetune.recipe.init_from import resolve_init_from
 
@@ -63,8 +63,9 @@ def preflight(recipe: Recipe) -> dict[str, Any]:
 
         check_compile_device()
     check_model_path(recipe.model.path, recipe.model.revision)
-    family = check_config_file(config_location(recipe.model.path))  # a family the tool describes (hub ids: when
-    if recipe.adapter.target_experts and family is not None and not family.moe:  # loaded)
+    # a family the tool describes (a hub id not in the local cache: when loaded)
+    family = check_config_file(known_config(recipe.model.path, recipe.model.revision))
+    if recipe.adapter.target_experts and family is not None and not family.moe:
         raise RecipeError(f"adapter.target_experts: model.path is a {family.name} model, not a mixture-of-experts "
                           "model", hint="remove adapter.target_experts (it applies to mixture-of-experts models only)")
     resolve_init_from(recipe)
@@ -73,20 +74,23 @@ def preflight(recipe: Recipe) -> dict[str, Any]:
         from finetune.rl.rewards import check_reward_files
 
         check_reward_files(recipe.grpo, prefix="grpo.")
-    return check_records(recipe.data, recipe.training.method)
+    return check_records(recipe.data, recipe.training.method,
+                         model_takes_images=family is not None and family.vision is not None)
 
 
 def preview_data(recipe: Recipe, n: int = 3) -> tuple[list[dict], list[str]]:
-    """The first n examples as the model will see them (token texts with a has-loss flag) and the records
-    that could not be read, reported as the CLI reports them."""
+    """The first n examples as the model will see them (token texts with a has-loss flag; `images`, the paths
+    of a vision-language example's images) and the records that could not be read, reported as the CLI
+    reports them."""
     from finetune.data import preview
     from finetune.data.mix import read_files
     from finetune.errors import DataError
     from finetune.model.load import load_tokenizer
-    from finetune.model.source import resolve_model_path
+    from finetune.model.source import resolve_model_path, takes_images
 
     tokenizer = load_tokenizer(resolve_model_path(recipe.model.path, recipe.model.revision), recipe.model)
-    examples = preview(recipe.data, tokenizer, n=n)
+    examples = preview(recipe.data, tokenizer, n=n, model_takes_images=takes_images(recipe.model.path,
+                                                                                    recipe.model.revision))
     problems = [p for f in read_files(recipe.data) for p in f.read.problems]
     if not examples:
         raise DataError(f"{recipe.data.label()}: no usable record among those read", problems[:10])
@@ -608,27 +612,35 @@ def launch(recipe: Recipe, argv: list[str], gpus: int, *, resume: bool = False, 
     return _launch(argv, gpus)
 
 
-def generate(run_dir: str | Path, prompt: str, *, max_new_tokens: int = 128, use_adapter: bool = True) -> str:
-    """Answer `prompt` with the run's model (or its base model with use_adapter=False)."""
+def generate(run_dir: str | Path, prompt: str, *, image: str | Path | None = None, max_new_tokens: int = 128,
+             use_adapter: bool = True) -> str:
+    """Answer `prompt` with the run's model (or its base model with use_adapter=False), about `image` where one
+    is given (a vision-language run; the file and the model are checked before anything loads)."""
     from finetune.model.chat import generate as _generate
-    from finetune.model.trained import load_trained
+    from finetune.model.trained import check_image, load_trained, vision_of
 
+    image = check_image(run_dir, image)
     model, tokenizer = load_trained(run_dir, use_adapter=use_adapter)
-    return _generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens)
+    vision = vision_of(run_dir, model, tokenizer) if image else None
+    return _generate(model, tokenizer, prompt, image=image, vision=vision, max_new_tokens=max_new_tokens)
 
 
-def compare(run_dir: str | Path, prompt: str, *, max_new_tokens: int = 128) -> tuple[str, str]:
-    """(base model's answer, fine-tuned answer) to the same prompt; the model is loaded once."""
+def compare(run_dir: str | Path, prompt: str, *, image: str | Path | None = None,
+            max_new_tokens: int = 128) -> tuple[str, str]:
+    """(base model's answer, fine-tuned answer) to the same prompt (and image); the model is loaded once."""
     from finetune.model.chat import generate as _generate
-    from finetune.model.trained import load_trained
+    from finetune.model.trained import check_image, load_trained, vision_of
 
+    image = check_image(run_dir, image)
     model, tokenizer = load_trained(run_dir)
-    tuned = _generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens)
+    ask = {"image": image, "vision": vision_of(run_dir, model, tokenizer) if image else None,
+           "max_new_tokens": max_new_tokens}
+    tuned = _generate(model, tokenizer, prompt, **ask)
     if hasattr(model, "disable_adapter"):  # LoRA: the base is the same weights with the adapter switched off
         with model.disable_adapter():
-            return _generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens), tuned
+            return _generate(model, tokenizer, prompt, **ask), tuned
     base, base_tokenizer = load_trained(run_dir, use_adapter=False)  # full fine-tune: load the original
-    return _generate(base, base_tokenizer, prompt, max_new_tokens=max_new_tokens), tuned
+    return _generate(base, base_tokenizer, prompt, **ask), tuned
 
 
 def lineage(run_dirs: list[str | Path]) -> list[tuple[Path, str]]:
@@ -639,22 +651,27 @@ def lineage(run_dirs: list[str | Path]) -> list[tuple[Path, str]]:
     return _lineage(list(run_dirs))
 
 
-def compare_runs(run_dirs: list[str | Path], prompt: str, *, max_new_tokens: int = 128,
-                 parents: bool = True) -> list[tuple[str, str]]:
+def compare_runs(run_dirs: list[str | Path], prompt: str, *, image: str | Path | None = None,
+                 max_new_tokens: int = 128, parents: bool = True) -> list[tuple[str, str]]:
     """[(label, answer)]: the base model's answer, then each run's (labelled by its folder; e.g. an SFT run, then
     a DPO run trained after it), all from one loaded base with the runs' LoRA adapters switched in turn.
     `parents`: a run started from another run's adapter (adapter.init_from) brings that run in before it,
-    labelled "NAME (start of CHILD)", so a DPO run alone shows base, SFT and DPO."""
+    labelled "NAME (start of CHILD)", so a DPO run alone shows base, SFT and DPO. With `image`, every model is
+    asked about it."""
     from finetune.model.chat import generate as _generate
-    from finetune.model.trained import load_adapters
+    from finetune.model.trained import check_image, load_adapters, vision_of
 
     runs = lineage(run_dirs) if parents else [(Path(d), Path(d).name) for d in run_dirs]
+    for run, _ in runs:
+        image = check_image(run, image)
     model, tokenizer, names = load_adapters([run for run, _ in runs])
+    ask = {"image": image, "vision": vision_of(runs[-1][0], model, tokenizer) if image else None,
+           "max_new_tokens": max_new_tokens}
     with model.disable_adapter():
-        answers = [("base model", _generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens))]
+        answers = [("base model", _generate(model, tokenizer, prompt, **ask))]
     for name, (_, label) in zip(names, runs, strict=True):
         model.set_adapter(name)
-        answers.append((label, _generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens)))
+        answers.append((label, _generate(model, tokenizer, prompt, **ask)))
     return answers
 
 

@@ -113,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="answer a prompt with a trained run (base + adapter)")
     p.add_argument("run_dir", help="a run directory (output.dir of a finished run)")
     p.add_argument("--prompt", required=True, help="user message; the chat template is applied")
+    p.add_argument("--image", metavar="PATH", help="a local image the prompt asks about (a run of a "
+                   "vision-language model; the image goes before the prompt in the user turn)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N",
                    help="length limit of the answer")
     p.add_argument("--no-adapter", action="store_true", help="answer with the base model alone")
@@ -291,7 +293,8 @@ def cmd_generate(args) -> int:
 
     # Other runs, or the runs this one started from (adapter.init_from): base, each of them, then this run.
     if args.compare or (args.compare is not None and len(api.lineage([args.run_dir])) > 1):
-        answers = api.compare_runs([*args.compare, args.run_dir], args.prompt, max_new_tokens=args.max_new_tokens)
+        answers = api.compare_runs([*args.compare, args.run_dir], args.prompt, image=args.image,
+                                   max_new_tokens=args.max_new_tokens)
         from rich.console import Console
         from rich.table import Table
 
@@ -300,10 +303,12 @@ def cmd_generate(args) -> int:
         Console().print(table)  # the answers are the command's output: stdout
         return 0
     if args.compare is not None:
-        base, tuned = api.compare(args.run_dir, args.prompt, max_new_tokens=args.max_new_tokens)
-        print(f"prompt:     {args.prompt}\nbase model: {base}\nfine-tuned: {tuned}")
+        base, tuned = api.compare(args.run_dir, args.prompt, image=args.image, max_new_tokens=args.max_new_tokens)
+        shown = f"image:      {args.image}\n" if args.image else ""
+        print(f"{shown}prompt:     {args.prompt}\nbase model: {base}\nfine-tuned: {tuned}")
         return 0
-    print(api.generate(args.run_dir, args.prompt, max_new_tokens=args.max_new_tokens, use_adapter=not args.no_adapter))
+    print(api.generate(args.run_dir, args.prompt, image=args.image, max_new_tokens=args.max_new_tokens,
+                       use_adapter=not args.no_adapter))
     return 0
 
 

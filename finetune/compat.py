@@ -99,14 +99,14 @@ def check_all() -> list[str]:
 
 try:  # the tracker's and the planner's base class, and the pytree walk over an op's arguments
     from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+    from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 except ImportError:
     raise PRIVATE["torch.utils._python_dispatch.TorchDispatchMode"].missing() from None
 _use("torch.utils._python_dispatch.TorchDispatchMode")
 _use("torch.utils._pytree")
 __all__ = ["PRIVATE", "PrivateAPI", "TorchDispatchMode", "attn_implementation", "check_all", "engine_backward", "expert_gate",
            "flash_attention_cpu", "foreach_norm", "meta_on_device", "op_schema", "set_attn_implementation", "storage_id",
-           "supports_sdpa", "tensor_version", "tree_flatten", "tree_leaves"]
+           "supports_sdpa", "tensor_version", "tree_flatten", "tree_leaves", "tree_map"]
 
 
 def engine_backward(loss: torch.Tensor) -> None:

@@ -78,13 +78,72 @@ MOE_ARCHITECTURES = {
 }
 
 
+# Vision-language families at toy size: the family's own config class with a two-block vision tower (one window
+# and one full attention block for Qwen2.5-VL) in front of a two-layer language model, the special tokens its
+# processor writes, and the image processor's preprocessor_config.json with a small pixel budget (tiny images
+# give a few image tokens each).
+QWEN_VL_TOKENS = {"vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>",
+                  "image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>"}
+
+
+def _parts_template(image: str) -> str:
+    """ChatML whose turns may be lists of text and image parts, an image written as `image` (what the family's
+    own chat template writes for one)."""
+    return ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+            "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+            "{% for part in message['content'] %}"
+            f"{{% if part['type'] == 'image' %}}{{{{ '{image}' }}}}"
+            "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+            "{{ '<|im_end|>\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+QWEN_VL_TEMPLATE = _parts_template("<|vision_start|><|image_pad|><|vision_end|>")
+VISION_ARCHITECTURES = {
+    # name: (config class name, config kwargs, special tokens {config key: token}, chat template, preprocessor)
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", {
+        "text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}},
+        "vision_config": {"depth": 2, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64,
+                          "out_hidden_size": 64, "fullatt_block_indexes": [1], "window_size": 56,
+                          "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}},
+        QWEN_VL_TOKENS, QWEN_VL_TEMPLATE,
+        {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 56 * 56, "max_pixels": 112 * 112,
+         "size": {"shortest_edge": 56 * 56, "longest_edge": 112 * 112}, "patch_size": 14, "temporal_patch_size": 2,
+         "merge_size": 2}),
+    "qwen3_vl": ("Qwen3VLConfig", {
+        "text_config": {"head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                            "mrope_section": [2, 3, 3], "mrope_interleaved": True}},
+        "vision_config": {"depth": 2, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64,
+                          "out_hidden_size": 64, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                          "num_position_embeddings": 64, "deepstack_visual_indexes": [0]}},
+        QWEN_VL_TOKENS, QWEN_VL_TEMPLATE,
+        {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 32 * 32, "max_pixels": 128 * 128,
+         "size": {"shortest_edge": 32 * 32, "longest_edge": 128 * 128}, "patch_size": 16, "temporal_patch_size": 2,
+         "merge_size": 2}),
+    # Gemma 3 4B and up: a SigLIP tower at 56 x 56 pixels (4 x 4 patches) pooled to 4 tokens per image
+    "gemma3": ("Gemma3Config", {
+        "text_config": {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
+                        "layer_types": ["sliding_attention", "full_attention"]},
+        "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                          "num_attention_heads": 2, "image_size": 56, "patch_size": 14},
+        "mm_tokens_per_image": 4},
+        {"image_token_index": "<image_soft_token>", "boi_token_index": "<start_of_image>",
+         "eoi_token_index": "<end_of_image>"}, _parts_template("<start_of_image>"),
+        {"image_processor_type": "Gemma3ImageProcessor", "size": {"height": 56, "width": 56}, "do_pan_and_scan": False,
+         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}),
+}
+
+
 def architecture(arch: str) -> tuple[str, dict]:
-    """A tiny model's (config class name, extra kwargs), dense or mixture-of-experts."""
+    """A tiny model's (config class name, extra kwargs), dense, mixture-of-experts or vision-language."""
+    if arch in VISION_ARCHITECTURES:
+        return VISION_ARCHITECTURES[arch][:2]
     return ARCHITECTURES[arch] if arch in ARCHITECTURES else MOE_ARCHITECTURES[arch]
 
 
-def make_tokenizer(vocab_size: int = 512):
-    """A byte-level BPE tokenizer with ChatML special tokens, trained offline in well under a second."""
+def make_tokenizer(vocab_size: int = 512, extra_specials: tuple[str, ...] = ()):
+    """A byte-level BPE tokenizer with ChatML special tokens (and `extra_specials`, a vision model's image
+    tokens), trained offline in well under a second."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -99,7 +158,7 @@ def make_tokenizer(vocab_size: int = 512):
     tok.train_from_iterator(_CORPUS * 20, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=None, eos_token="<|im_end|>", pad_token="<|pad|>",
-        unk_token=None, additional_special_tokens=["<|im_start|>", "<|endoftext|>"],
+        unk_token=None, additional_special_tokens=["<|im_start|>", "<|endoftext|>", *extra_specials],
     )
     fast.chat_template = CHATML_TEMPLATE
     return fast
@@ -125,6 +184,11 @@ def make_spm_tokenizer(vocab_size: int = 300):
     return spm
 
 
+_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False, pad_token_id=3,
+             eos_token_id=2, bos_token_id=None, initializer_range=0.2)
+
+
 def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides):
     """A config of the given architecture family at toy size (override any field).
 
@@ -135,14 +199,15 @@ def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides):
     import transformers
 
     cls_name, extra = architecture(arch)
+    if arch in VISION_ARCHITECTURES:  # the language model at the dense entries' toy size, the tiny vision tower
+        text = {**_TINY, "vocab_size": vocab_size, **extra["text_config"], **overrides}
+        rest = {k: v for k, v in extra.items() if k not in ("text_config", "vision_config")}
+        return getattr(transformers, cls_name)(text_config=text, vision_config=extra["vision_config"],
+                                               pad_token_id=3, eos_token_id=2, tie_word_embeddings=False, **rest)
     if "text_config" in extra:  # a vision-language config around the tiny text config of another entry
         text = tiny_config(extra["text_config"], vocab_size, **overrides)
         return getattr(transformers, cls_name)(text_config=text.to_dict(), vision_config=extra["vision_config"])
-    kwargs = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        tie_word_embeddings=False, pad_token_id=3, eos_token_id=2, bos_token_id=None, initializer_range=0.2,
-    )
+    kwargs = dict(_TINY, vocab_size=vocab_size)
     kwargs.update(extra)
     kwargs.update(overrides)
     return getattr(transformers, cls_name)(**kwargs)
@@ -153,6 +218,8 @@ def make_tiny_model_dir(path: str | Path, arch: str = "llama", seed: int = 0, **
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    if arch in VISION_ARCHITECTURES:
+        return vision_model(arch, path, seed, **overrides)
     path = Path(path)
     tokenizer = make_tokenizer()
     config = tiny_config(arch, vocab_size=len(tokenizer), **overrides)
@@ -162,3 +229,83 @@ def make_tiny_model_dir(path: str | Path, arch: str = "llama", seed: int = 0, **
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+def vision_model(arch: str, folder: str | Path, seed: int = 0, **overrides) -> Path:
+    """Write a tiny random vision-language model to `folder` as the Hub ships one (config.json, safetensors,
+    tokenizer with the image tokens and chat template, preprocessor_config.json, chat_template.json) and
+    return the folder."""
+    import json
+
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    folder = Path(folder)
+    _, _, tokens, template, preprocessor = VISION_ARCHITECTURES[arch]
+    tokenizer = make_tokenizer(extra_specials=tuple(tokens.values()))
+    tokenizer.chat_template = template
+    config = tiny_config(arch, vocab_size=len(tokenizer), **overrides)
+    for key, token in tokens.items():
+        setattr(config, key, tokenizer.convert_tokens_to_ids(token))
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": template}, indent=2))
+    return folder
+
+
+# The synthetic vision task: one coloured shape per image, "what colour is the shape?", a one-word answer. A
+# tiny random VLM answers it at chance before training and learns it in minutes on a CPU, so a test or a
+# demonstration can show held-out answers improving (benchmarks/vision_demo.py, recipes/vision-demo-cpu.yaml).
+SHAPE_COLOURS = {"red": (220, 30, 30), "green": (30, 170, 50), "blue": (30, 70, 230), "yellow": (240, 210, 20)}
+SHAPE_QUESTION = "What colour is the shape?"
+
+
+def shape_image(colour: str, kind: str, box: tuple[int, int, int, int], size: int = 56):
+    """A white `size`-pixel square image holding one filled shape (circle, square or triangle) in `box`."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (size, size), (255, 255, 255))
+    draw = ImageDraw.Draw(image)
+    fill = SHAPE_COLOURS[colour]
+    x0, y0, x1, y1 = box
+    if kind == "circle":
+        draw.ellipse(box, fill=fill)
+    elif kind == "square":
+        draw.rectangle(box, fill=fill)
+    else:
+        draw.polygon([((x0 + x1) // 2, y0), (x1, y1), (x0, y1)], fill=fill)
+    return image
+
+
+def shape_task(folder: str | Path, *, train: int = 64, held_out: int = 32, size: int = 56,
+               seed: int = 0) -> tuple[Path, Path]:
+    """Write the coloured-shape task to `folder`: images/NNNN.png and two LLaMA-Factory-format files, train.json
+    and held_out.json (`messages` with an `<image>` marker, `images` relative to the file). Returns their paths.
+
+    Colours cycle so every colour is equally common in both splits; shape kind, size and place are drawn with
+    `seed`, so the answer is only in the colour. Deterministic: the same arguments write the same bytes."""
+    import json
+    import random
+
+    folder = Path(folder)
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    colours = sorted(SHAPE_COLOURS)
+    records = []
+    for i in range(train + held_out):
+        colour = colours[i % len(colours)]
+        side = rng.randint(size // 3, size * 3 // 4)
+        x, y = rng.randint(0, size - side), rng.randint(0, size - side)
+        name = f"images/{i:04d}.png"
+        shape_image(colour, rng.choice(("circle", "square", "triangle")), (x, y, x + side - 1, y + side - 1),
+                    size).save(folder / name, optimize=False)
+        records.append({"messages": [{"role": "user", "content": f"<image>{SHAPE_QUESTION}"},
+                                     {"role": "assistant", "content": colour}], "images": [name]})
+    rng.shuffle(records)
+    paths = folder / "train.json", folder / "held_out.json"
+    for path, part in zip(paths, (records[:train], records[train:]), strict=True):
+        path.write_text(json.dumps(part, indent=1) + "\n", encoding="utf-8")
+    return paths

@@ -13,7 +13,13 @@ import yaml
 from finetune.cli import main
 from finetune.recipe.families import FAMILIES, family_for, models_markdown
 from finetune.rundir import read_jsonl
-from finetune.testing import ARCHITECTURES, MOE_ARCHITECTURES, make_tiny_model_dir, tiny_config
+from finetune.testing import (
+    ARCHITECTURES,
+    MOE_ARCHITECTURES,
+    VISION_ARCHITECTURES,
+    make_tiny_model_dir,
+    tiny_config,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "tests" / "fixtures" / "configs"
@@ -55,10 +61,11 @@ def _recipe(folder: Path, model: Path | str, **sections: dict) -> Path:
 def test_every_family_has_a_tiny_model_of_its_own_config_class():
     """Every family has a tiny model (a new family brings its own: dense ones here, mixture-of-experts ones in
     tests/test_moe.py) and every tiny model is of a family; the MoE table holds exactly the MoE families'."""
-    tiny = set(ARCHITECTURES) | set(MOE_ARCHITECTURES)
+    tiny = set(ARCHITECTURES) | set(MOE_ARCHITECTURES) | set(VISION_ARCHITECTURES)
     assert all(set(f.model_types) & tiny for f in FAMILIES), [f.name for f in FAMILIES if not set(f.model_types) & tiny]
     assert tiny <= {t for f in FAMILIES for t in f.model_types}
     assert {t for t in tiny if family_for(t).moe} == set(MOE_ARCHITECTURES)
+    assert {t for t in tiny if family_for(t).vision} == set(VISION_ARCHITECTURES)
 
 
 def test_a_vision_language_checkpoint_of_a_text_trained_family_trains_its_text_model(tmp_path, capsys):
@@ -98,9 +105,9 @@ def test_docs_models_md_is_the_family_tables_own_text():
 
 UNSUPPORTED = {  # config.json -> what the one line must say
     "foo": ({"model_type": "foo", "hidden_size": 64}, "model_type 'foo' is not supported: no model family describes"),
-    "vision": ({"model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"],
-                "vision_config": {}, "text_config": {}}, "is a vision-language model; vision-language models are "
-               "not supported yet"),
+    "vision": ({"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"],
+                "vision_config": {}, "text_config": {}}, "is a vision-language model no family describes "
+               "(vision-language model_types: qwen2_5_vl"),
 }
 
 

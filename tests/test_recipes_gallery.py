@@ -18,7 +18,8 @@ CONFIGS = ROOT / "tests" / "fixtures" / "configs"
 # Hub ids of the recipes -> the config fixture with the same shapes (tests are offline).
 HUB_CONFIGS = {"meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b.json", "Qwen/Qwen2.5-0.5B-Instruct": "qwen2.5-0.5b.json",
                "Qwen/Qwen3-8B": "qwen3-8b.json"}
-HUB_CONFIGS.update({"Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b.json", "openai/gpt-oss-20b": "gpt-oss-20b.json"})
+HUB_CONFIGS.update({"Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b.json", "openai/gpt-oss-20b": "gpt-oss-20b.json",
+                    "Qwen/Qwen2.5-VL-3B-Instruct": "qwen2.5-vl-3b.json", "Qwen/Qwen3-VL-8B-Instruct": "qwen3-vl-8b.json"})
 GIB = 1 << 30
 
 

@@ -23,7 +23,6 @@ NOT_PLANNED = {
     "data.format": "the reader, from the first records",
     "memory.gpu_memory": "the budget: the GPU's free memory",
     "training.effective_batch_size": "the run, from the measured noise scale (finetune.train.batch_engine)",
-    "data.max_pixels": "not searched until the vision-language planner registers it in Settings (then remove this line)",
 }
 # Follows the micro-batch (keeps training.effective_batch_size) instead of being searched.
 FOLLOWS = {"gradient_accumulation_steps"}
@@ -54,6 +53,7 @@ def _other_value(key: str, current: object) -> object:
     options += [True, False] if bool in leaves else []
     options += [current + 1] if int in leaves and isinstance(current, int) and not isinstance(current, bool) else []
     options += [None] if type(None) in leaves else []
+    options += [1 << 20] if int in leaves and current == "auto" else []
     return next(v for v in options if v != current)
 
 
@@ -67,9 +67,11 @@ def test_every_auto_key_of_the_schema_is_planned_or_said_to_be_someone_elses():
         section, name = key.split(".")
         sections.setdefault(section, {})[name] = "auto"
     sections["distributed"]["gpus"] = 2  # distributed.strategy is planned only with several processes
+    sections["data"]["path"] = "d.jsonl"
     everything_auto = _recipe(**sections)
     generating = {"grpo.generation_batch_size"}  # planned only with training.method grpo
-    assert set(auto_keys(everything_auto)) == planned - generating == set(auto_keys(everything_auto))
+    images = {"data.max_pixels"}  # planned only for a vision-language model
+    assert set(auto_keys(everything_auto)) == planned - generating - images
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -98,7 +100,7 @@ def test_each_setting_round_trips_through_the_recipe(row):
 def test_a_concrete_settings_row_round_trips():
     chosen = Settings(micro_batch_size=4, gradient_accumulation_steps=2, activation_checkpointing=False,
                       checkpoint_every_n_layers=2, offload="disk", chunked_loss=True, bits=8, optimizer="sgd",
-                      tiled_mlp=True)
+                      tiled_mlp=True, max_pixels=1 << 20)
     recipe = write_settings(_recipe(), dataclasses.asdict(chosen))
     assert Settings(**read_settings(recipe)) == chosen
     assert auto_keys(recipe) == []
@@ -147,8 +149,8 @@ def test_plan_apply_fills_the_budget_and_keeps_what_the_planner_does_not_decide(
     chosen = dataclasses.asdict(Settings(2, 4, False, 1, "cpu", True, None, "sgd", True))
     recipe = _recipe(training={"micro_batch_size": "auto", "learning_rate": 0.01}, memory={"gpu_memory_margin": 0})
     applied = _fake_plan(chosen).apply(recipe).recipe
-    # one process: no strategy is written; sft: no generation batch
-    assert read_settings(applied) == {**chosen, "strategy": "auto", "generation_batch_size": "auto"}
+    # one process: no strategy is written; sft: no generation batch; a text model: no image budget
+    assert read_settings(applied) == {**chosen, "strategy": "auto", "generation_batch_size": "auto", "max_pixels": "auto"}
     assert applied.memory.gpu_memory == 2**30 and applied.training.learning_rate == 0.01
     explicit = recipe.model_copy(update={"memory": recipe.memory.model_copy(update={"gpu_memory": 5 * 2**30})})
     assert _fake_plan(chosen).apply(explicit).recipe.memory.gpu_memory == 5 * 2**30

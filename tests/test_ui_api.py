@@ -115,7 +115,7 @@ def test_path_outside_allowed_folders_is_refused(work):
     _, values = _load(client, write_recipe(workdir / "o.yaml", tiny_recipe(model, data, workdir / "x")))
     msg, *_ = client.predict("/etc/passwd", *values, api_name="/use_server_file")
     assert "outside the allowed folders" in msg
-    msg, path, ex1, _, _ = client.predict(str(data), *values, api_name="/use_server_file")
+    msg, path, ex1, *_ = client.predict(str(data), *values, api_name="/use_server_file")
     assert "Detected format" in msg and path == str(data)
     outside = tiny_recipe(model, data, Path("/tmp/elsewhere/run"))
     _, values = _load(client, write_recipe(workdir / "out.yaml", outside))
@@ -140,7 +140,7 @@ def test_upload_that_is_not_a_dataset_is_refused(work):
 def test_upload_of_a_dataset_previews_loss_tokens(work):
     workdir, data, client, model = work
     _, values = _load(client, write_recipe(workdir / "p.yaml", tiny_recipe(model, data, workdir / "x")))
-    msg, path, ex1, _, _ = client.predict(gradio_client.handle_file(str(data)), *values, api_name="/upload_data")
+    msg, path, ex1, *_ = client.predict(gradio_client.handle_file(str(data)), *values, api_name="/upload_data")
     assert "Detected format: **messages**" in msg
     assert list(ex1["color_map"]) == ["loss"]  # SFT data: no chosen/rejected/good/bad in the legend
     ex1 = ex1["value"]
@@ -225,7 +225,8 @@ def test_finished_run_history_export_and_chat(work):
     assert (workdir / "gguf" / "short.q8_0.gguf").is_file() and (workdir / "gguf" / "Modelfile").is_file()
 
     # run, second run, ask the base model too, system prompt, temperature, top-p, max new tokens, message, histories
-    chat = client.submit(str(run_dir), None, True, "", 0, 1, 16, "What is 3 plus 3?", [], [], [], api_name="/chat")
+    chat = client.submit(str(run_dir), None, True, "", 0, 1, 16, {"text": "What is 3 plus 3?", "files": []}, [], [], [],
+                         api_name="/chat")
     prompt, tuned, base, second, err = chat.result()
     assert err.startswith("Answered in") and second == [] and len(chat.outputs()) > 2, "the answers stream in"
     assert [m["role"] for m in tuned] == ["user", "assistant"] == [m["role"] for m in base]

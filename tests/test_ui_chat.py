@@ -18,7 +18,7 @@ from tests.chat_support import fake_run
 from tests.ui_support import wait_for
 from ui.backend import Backend, UISettings
 from ui.runs import Job, RunManager
-from ui.tabs.chat import respond
+from ui.tabs.chat import plain, respond
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,6 +63,27 @@ def test_the_worker_loads_the_model_once_for_several_messages(ui):
     long.close()  # the answer is cancelled and its remaining events are drained, so the next is clean
     after = _chat(backend, [_request(run, history[:-1])])
     assert [e["event"] for e in after].count("done") == 1 and after[-1]["text"] == done[0]["text"]
+
+
+def test_an_uploaded_image_goes_before_the_text_and_a_text_only_run_says_it_reads_none(ui, tmp_path):
+    from finetune.testing import shape_image
+
+    backend, (run, _), _ = ui
+    image = tmp_path / "red.png"
+    shape_image("red", "circle", (4, 4, 30, 30)).save(image)
+    page = respond(backend, str(run), None, False, "", 0.0, 1.0, 8,
+                   {"text": "What colour is the shape?", "files": [str(image)]}, [], [], [])
+    sent = next(page)[1][0]["content"]  # the turn as shown and sent, before any answer
+    assert sent == [{"type": "image", "path": str(image)}, {"type": "text", "text": "What colour is the shape?"}]
+    _, tuned, _, _, status = list(page)[-1]
+    assert "could not answer" in status and "reads no images" in status and tuned == []
+    # The Chatbot hands a shown image back as a file part: the model reads it as the image it was.
+    shown = [{"role": "user", "content": [{"type": "file", "file": {"path": str(image)}, "alt_text": None},
+                                          {"type": "text", "text": "What colour?"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "red"}]}]
+    assert plain(shown) == [{"role": "user", "content": [{"type": "image", "path": str(image)},
+                                                         {"type": "text", "text": "What colour?"}]},
+                            {"role": "assistant", "content": "red"}]
 
 
 def test_chat_tab_three_turns_side_by_side_and_clear_mistakes(ui):
@@ -198,7 +219,8 @@ def test_ctrl_c_stops_the_ui_and_its_chat_worker_while_a_reply_streams(tmp_path)
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "GENERATING": str(generating)})
     try:
         client = wait_for(lambda: _client(Client, port), 120, "the UI to serve")
-        client.submit(str(run), None, True, "", 0.0, 0.9, 256, "hello", [], [], [], api_name="/chat")
+        client.submit(str(run), None, True, "", 0.0, 0.9, 256, {"text": "hello", "files": []}, [], [], [],
+                      api_name="/chat")
         wait_for(lambda: generating.exists() and generating.read_text(), 120, "the reply to stream")
         worker = psutil.Process(int(generating.read_text()))
         time.sleep(1)  # tokens are streaming to the page

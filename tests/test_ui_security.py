@@ -140,7 +140,8 @@ def test_run_views_refuse_a_run_outside(site, form):
     with pytest.raises(Exception, match=f"{REFUSED}|is not in the list of choices"):  # gradio checks choices first
         client.predict([run], api_name="/overlay")
     _refused(client.predict(run, str(site["allowed"] / "merged"), api_name="/export"))
-    _refused(client.predict(run, None, True, "", 0, 1, 8, "hello", [], [], [], api_name="/chat"), where=4)
+    _refused(client.predict(run, None, True, "", 0, 1, 8, {"text": "hello", "files": []}, [], [], [],
+                            api_name="/chat"), where=4)
     _refused(client.predict(run, *site["values"], api_name="/use_advice"))
     panels = client.predict(run, api_name="/run_view")  # the batch and rewards panels stay empty
     assert SECRET not in json.dumps(panels) and all(p in ("", None) for p in panels)
@@ -153,7 +154,8 @@ def test_a_run_whose_recipe_reads_outside_is_refused(site):
     client, evil = site["client"], str(site["runs"] / "evil")
     for result, where in ((client.predict(evil, api_name="/resume"), 0),
                           (client.predict(evil, str(site["allowed"] / "merged"), api_name="/export"), 0),
-                          (client.predict(evil, None, True, "", 0, 1, 8, "hello", [], [], [], api_name="/chat"), 4)):
+                          (client.predict(evil, None, True, "", 0, 1, 8, {"text": "hello", "files": []}, [], [], [],
+                                          api_name="/chat"), 4)):
         msg = result[where] if isinstance(result, (list, tuple)) else result
         assert "model.path" in msg and REFUSED in msg
     _nothing_queued(site)

@@ -99,11 +99,41 @@ def _differences(plan: dict[str, Any], option: dict[str, Any]) -> str:
 def plan_bars(plan: dict[str, Any], limit: int = 5) -> list[tuple[str, dict[str, float]]]:
     """(label, breakdown) for the chosen plan and the first `limit` alternatives that have a breakdown,
     each alternative labelled by the settings in which it differs from the chosen plan."""
-    bars = [("chosen plan", plan.get("breakdown") or {})]
+    bars = [("chosen plan", with_vision_tower(plan.get("breakdown") or {}, plan.get("vision")))]
     for i, alt in enumerate(plan.get("alternatives") or [], 1):
         if isinstance(alt, dict) and isinstance(alt.get("breakdown"), dict) and len(bars) <= limit:
             bars.append((alt.get("name") or _differences(plan, alt) or f"alternative {i}", alt["breakdown"]))
     return bars
+
+
+VISION_TOWER = "vision tower weights"  # a vision-language plan's breakdown: its vision tower apart from the weights
+
+
+def with_vision_tower(breakdown: dict[str, Any], vision: Any) -> dict[str, Any]:
+    """A plan's breakdown with a vision-language model's vision tower and projector (plan.vision's
+    vision_weights, counted within weights) shown as a component of its own; unchanged for a text model."""
+    tower = vision.get("vision_weights") if isinstance(vision, dict) else None
+    if not isinstance(tower, (int, float)) or not isinstance(breakdown.get("weights"), (int, float)):
+        return breakdown
+    out = {}
+    for key, value in breakdown.items():
+        out[key] = value - tower if key == "weights" else value
+        if key == "weights":
+            out[VISION_TOWER] = tower
+    return out
+
+
+def images_markdown(plan: dict[str, Any]) -> str | None:
+    """What a vision-language plan's images cost: one example's images and image tokens at the chosen pixel
+    budget, and the vision tower's weights; None for a text model."""
+    vision = plan.get("vision")
+    if not isinstance(vision, dict) or not vision:
+        return None
+    pixels = (plan.get("settings") or {}).get("max_pixels")
+    budget = f" at `max_pixels={pixels:,}`" if isinstance(pixels, int) else ""
+    return (f"**Images:** the largest image example's {vision.get('images', 0)} image(s) are "
+            f"{vision.get('image_tokens', 0):,} image tokens{budget}; the vision tower and projector weigh "
+            f"{size(vision.get('vision_weights'))} (16 bits, within the weights).")
 
 
 def plan_markdown(plan: dict[str, Any]) -> str:
@@ -123,6 +153,8 @@ def plan_markdown(plan: dict[str, Any]) -> str:
     settings = plan.get("settings") or {}
     if settings:
         lines.append("**Chosen settings:** " + ", ".join(f"`{k}={v}`" for k, v in settings.items()))
+    if images := images_markdown(plan):
+        lines.append(images)
     return "\n\n".join(lines)
 
 

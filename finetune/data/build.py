@@ -47,6 +47,7 @@ from finetune.data.images import check_images
 from finetune.data.mix import FileRead, data_folders, file_stats, is_mix, mixed_records, read_files, repeated
 from finetune.data.prompts import build_prompts, check_prompt_records
 from finetune.data.read import Record
+from finetune.data.vision import VisionData
 from finetune.errors import DataError
 from finetune.recipe.methods import METHODS, method_spec
 from finetune.recipe.schema import DataConfig
@@ -80,11 +81,11 @@ def data_kind(method: str) -> str:
 
 
 def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sft",
-                   max_prompt_tokens: int | None = None, model_takes_images: bool = False) -> DataBundle:
+                   max_prompt_tokens: int | None = None, vision: VisionData | None = None) -> DataBundle:
     """Read, check, tokenize, mask, split and optionally pack the dataset described by `cfg`, for training
     method `method` (sft, or a preference method: dpo, orpo, simpo, cpo, kto); grpo: prompt-only records of at most
-    `max_prompt_tokens` tokens (finetune.data.prompts). Records with images are bad records unless
-    `model_takes_images` (the model family's vision flag)."""
+    `max_prompt_tokens` tokens (finetune.data.prompts). `vision`: a vision-language model's image processor
+    (records with images then train; without it they are bad records: the model reads only text)."""
     if data_kind(method) == "prompt":
         return build_prompts(cfg, tokenizer, seed, max_prompt_tokens)
     files = read_files(cfg)
@@ -93,7 +94,8 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
     encoder = _encoder(cfg, tokenizer, formats[0])
     fingerprint = data_fingerprint(cfg, [f.read for f in files], fmt, tokenizer,
                                    encoder.template if encoder else None, seed, method)
-    prepared, problems = _prepare(records, formats, cfg, encoder, model_takes_images)
+    prepared, problems = _prepare(records, formats, cfg, encoder, vision is not None)
+    _check_packing(cfg, prepared)
     if any(p.images for p in prepared):
         fingerprint["images_sha256"] = images_identity([path for p in prepared for path in p.images])
     prepared_from = Counter(p.file for p in prepared)
@@ -103,8 +105,9 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
     if data_kind(method) == "kto" and formats[0] in PAIR_FORMATS:  # split by record, then unpair
         train_part, eval_part = _unpair(train_part), _unpair(eval_part)
     dropped = _Dropped()
-    train = _fit(train_part, _tokenize(train_part, tokenizer, encoder, cfg.max_seq_len), cfg, encoder, dropped)
-    evaluation = _fit(eval_part, _tokenize(eval_part, tokenizer, encoder, cfg.max_seq_len), cfg, encoder, dropped)
+    train = _fit(train_part, _tokenize(train_part, tokenizer, encoder, cfg.max_seq_len, vision), cfg, encoder, dropped)
+    evaluation = _fit(eval_part, _tokenize(eval_part, tokenizer, encoder, cfg.max_seq_len, vision), cfg, encoder,
+                      dropped)
     stats: dict[str, Any] = {
         "format": fmt, "records": sum(f.read.total for f in files), "records_used": len(records),
         "bad_records_skipped": len(problems), "bad_records_at": [_where(p) for p in problems[:NAMED_IN_STATS]],
@@ -136,7 +139,10 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
     stats.update(train_sequences=len(train_ds), eval_sequences=len(eval_ds) if eval_ds is not None else 0)
     from finetune.data.packing import make_collator  # imports TRL's trainer stack: only when building
 
-    return DataBundle(train_ds, eval_ds, stats, make_collator(tokenizer, cfg.packing, kind), fingerprint,
+    collator = make_collator(tokenizer, cfg.packing, kind)
+    if vision is not None:
+        collator = vision.collator(collator, 2 if kind == "pair" else 1)
+    return DataBundle(train_ds, eval_ds, stats, collator, fingerprint,
                       repeated(files) + _warnings(cfg, len(problems), dropped))
 
 
@@ -149,6 +155,14 @@ def _count_images(stats: dict[str, Any], counts: Sequence[tuple[int, int]]) -> N
     for target, part in ([(stats, counts)] + [(entry, [c for c in counts if c[0] == i])
                                               for i, entry in enumerate(stats.get("files", []))]):
         target.update(images=sum(n for _, n in part), image_records=sum(n > 0 for _, n in part))
+
+
+def _check_packing(cfg: DataConfig, prepared: list[_Prepared]) -> None:
+    """Records with images train as whole sequences (no packing)."""
+    first = next((p for p in prepared if p.images), None)
+    if first is not None and cfg.packing:
+        raise DataError(f"{first.where}: the record has images, and data.packing joins records into one sequence, "
+                        "which a vision-language model's image positions do not allow", hint="set data.packing: false")
 
 
 def _check_dropped(cfg: DataConfig, dropped: _Dropped) -> None:
@@ -335,6 +349,29 @@ def _example(record: Record, fmt: str, cfg: DataConfig, folder: str) -> Example:
     return example
 
 
+def largest_images(cfg: DataConfig) -> list[tuple[int, int]]:
+    """The (width, height) of each image of the record whose images hold the most pixels, from the image files'
+    headers (no pixel is decoded): what the planner prices one example's images at. [] without images."""
+    from PIL import Image
+
+    files = read_files(cfg)
+    formats, _ = _formats(cfg, files, None)
+    best: list[tuple[int, int]] = []
+    for f, fmt, folder in zip(files, formats, data_folders(cfg), strict=True):
+        for record in f.read.records:
+            try:
+                paths = images_of(_example(record, fmt, cfg, folder))
+                sizes = []
+                for path in paths:
+                    with Image.open(path) as image:
+                        sizes.append(image.size)
+            except (RecordError, OSError):
+                continue  # a bad record: the data build names it
+            if sum(w * h for w, h in sizes) > sum(w * h for w, h in best):
+                best = sizes
+    return best
+
+
 def check_records(cfg: DataConfig, method: str = "sft", model_takes_images: bool = False) -> dict[str, Any]:
     """Read and check every record without a tokenizer, in seconds, before a model loads: the file parses,
     its format is known and suits `method`, each record has its fields and its images are readable files
@@ -387,13 +424,22 @@ def _where(problem: str) -> str:
     return problem.split(": ", 1)[0]
 
 
-def _tokenize(items: list[_Prepared], tokenizer: Any, encoder: ChatEncoder | None, max_seq_len: int) -> list[Sequences]:
-    """Each item's sequences (one, or chosen and rejected), tokenized in one batch."""
+def _tokenize(items: list[_Prepared], tokenizer: Any, encoder: ChatEncoder | None, max_seq_len: int,
+              vision: VisionData | None = None) -> list[Sequences]:
+    """Each item's sequences (one, or chosen and rejected), tokenized in one batch; a record's images expanded
+    to their tokens (`vision`)."""
     if encoder is None:
         return [[e] for e in encode_text(tokenizer, [x.text for x in items], max_seq_len)]
     chats = [c for x in items for c in (x.chat, x.rejected) if c is not None]
-    encoded = iter(encoder.encode(chats, max_seq_len))
-    return [[next(encoded) for _ in range(1 + (x.rejected is not None))] for x in items]
+    # an image record is tokenized whole: its image tokens are expanded before it is fitted to max_seq_len
+    encoded = iter(encoder.encode(chats, max_seq_len if vision is None else _WHOLE))
+    out = [[next(encoded) for _ in range(1 + (x.rejected is not None))] for x in items]
+    if vision is None:
+        return out
+    return [[vision.expand(e, x.images) for e in parts] for x, parts in zip(items, out, strict=True)]
+
+
+_WHOLE = 1 << 30  # tokens: no cut
 
 
 def _loss_count(labels: list[int]) -> int:
@@ -420,8 +466,9 @@ def _fit(items: list[_Prepared], examples: list[Sequences], cfg: DataConfig, enc
     for item, parts in zip(items, examples, strict=True):
         cut = any(len(ids) > cfg.max_seq_len for ids, _ in parts)
         answered = item.chat is None or all(spans for _, spans in filter(None, (item.chat, item.rejected)))
-        if cut and cfg.overlong != "truncate":
-            dropped.overlong.append(f"{item.where}: longer than data.max_seq_len={cfg.max_seq_len} tokens")
+        if cut and (cfg.overlong != "truncate" or item.images):  # an image's tokens are never cut
+            dropped.overlong.append(f"{item.where}: longer than data.max_seq_len={cfg.max_seq_len} tokens"
+                                    + (" with its image tokens" if item.images else ""))
             dropped.by_file[item.file] += 1
             continue
         if cut and answered and item.source is not None:
@@ -459,5 +506,7 @@ def _dataset(fitted: list[tuple[_Prepared, Sequences]], cfg: DataConfig, kind: s
         columns[f"{prefix}labels"] = [parts[i][1] for parts in examples]
     if kind == "kto":
         columns["kto_label"] = [item.label for item in items]
+    if any(item.images for item in items):
+        columns["images"] = [item.images for item in items]
     data = datasets.Dataset.from_dict(columns)
     return pack(data, cfg.max_seq_len) if cfg.packing else data

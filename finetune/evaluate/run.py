@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from finetune.data.build import build_datasets, check_records
-from finetune.data.formats import Chat, RecordError, detect_format, normalize
+from finetune.data.formats import Chat, RecordError, detect_format, images_of, normalize
 from finetune.data.read import read_records
 from finetune.errors import UsageError
 from finetune.evaluate.match import KINDS, score
 from finetune.model.chat import stream_reply
-from finetune.model.trained import load_adapters, load_run, load_trained
+from finetune.model.trained import load_adapters, load_run, load_trained, reads_images, vision_of
 from finetune.recipe.schema import Recipe
 from finetune.rundir import RunDir, atomic_write_json
 
@@ -34,24 +34,25 @@ def evaluate(run_dir: str | Path, data: str | Path, *, compare: list[str | Path]
                          "(.jsonl, .json, .csv or .parquet, in any training data format)")
     cfg = recipe.data.model_copy(update={"path": str(data), "format": "auto", "validation_split": 0.0,
                                          "packing": False, "max_samples": None})
-    check_records(cfg)  # the file parses and its records have their fields: in seconds, before a model loads
+    # the file parses and its records have their fields (and readable images): in seconds, before a model loads
+    check_records(cfg, model_takes_images=reads_images(recipe))
     results: list[dict[str, Any]] = []
     answers: list[dict[str, Any]] = []
-    examples = prompts = None
+    examples = prompts = bundle = vision = None
     records_read = 0
     for label, model, tokenizer in _models(runs, with_base=compare is not None):
         if examples is None:
-            bundle = build_datasets(cfg, tokenizer, recipe.training.seed)
+            vision = vision_of(run_dir, model, tokenizer)  # a vision-language run: images as it trained on them
+            bundle = build_datasets(cfg, tokenizer, recipe.training.seed, vision=vision)
             examples, records_read = bundle.train, bundle.stats["records"]
             prompts = expected_answers(cfg.path, cfg.system_prompt)
-            answers = [{"where": where, "prompt": messages[-1]["content"], "expected": expected, "answers": {}}
-                       for where, messages, expected in prompts]
+            answers = [_answer_row(where, messages, expected) for where, messages, expected in prompts]
         progress(f"{label}: loss on {len(examples)} examples")
-        loss, tokens = held_out_loss(model, examples)
+        loss, tokens = held_out_loss(model, examples, bundle.collator)
         scores = {kind: [] for kind in KINDS}
         for row, (_, messages, expected) in zip(answers, prompts, strict=True):
             progress(f"{label}: answering {row['where']}")
-            reply = stream_reply(model, tokenizer, messages, max_new_tokens=max_new_tokens)
+            reply = stream_reply(model, tokenizer, messages, max_new_tokens=max_new_tokens, vision=vision)
             row["answers"][label] = reply
             for kind, ok in score(reply, expected).items():
                 if ok is not None:
@@ -90,17 +91,35 @@ def _models(run_dirs: list[str | Path], *, with_base: bool) -> Iterator[tuple[st
         yield Path(run_dir).name, *load_trained(run_dir)
 
 
-def held_out_loss(model: Any, examples: Any) -> tuple[float, int]:
-    """(mean cross-entropy per loss token, loss tokens) over tokenized examples (input_ids, labels)."""
+def _answer_row(where: str, messages: list[dict[str, Any]], expected: str) -> dict[str, Any]:
+    """evaluation.json's entry for one record: the last user turn's text, and the prompt's images where it
+    has any (their paths); each model's answer is added under its label."""
+    images = images_of(Chat(messages))
+    return {"where": where, "prompt": _text(messages[-1]["content"]), "expected": expected, "answers": {},
+            **({"images": images} if images else {})}
+
+
+def _text(content: str | list[dict[str, str]]) -> str:
+    """A turn's text: its content, or the text parts of a turn of an image record."""
+    return content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
+
+
+def held_out_loss(model: Any, examples: Any, collate: Callable[[list[dict]], dict[str, Any]] | None = None
+                  ) -> tuple[float, int]:
+    """(mean cross-entropy per loss token, loss tokens) over tokenized examples (input_ids, labels); an example
+    with images goes through `collate` (the data's collator), which adds the model's image inputs."""
     import torch
     import torch.nn.functional as F
 
     total, count = 0.0, 0
     with torch.no_grad():
         for example in examples:
-            ids = torch.tensor([example["input_ids"]], device=model.device)
+            if example.get("images") and collate is not None:
+                inputs = {k: v.to(model.device) for k, v in collate([example]).items() if k != "labels"}
+            else:
+                inputs = {"input_ids": torch.tensor([example["input_ids"]], device=model.device)}
             labels = torch.tensor(example["labels"][1:], device=model.device)
-            logits = model(input_ids=ids).logits[0, :-1].float()
+            logits = model(**inputs).logits[0, :-1].float()
             total += F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum").item()
             count += int((labels != -100).sum())
     return total / max(count, 1), count
@@ -124,5 +143,5 @@ def expected_answers(path: str, system_prompt: str | None) -> list[tuple[str, li
         if last["role"] != "assistant" or prompt[-1]["role"] != "user":
             continue
         expected = record.value.get("expected")
-        out.append((record.where, prompt, expected if isinstance(expected, str) else last["content"]))
+        out.append((record.where, prompt, expected if isinstance(expected, str) else _text(last["content"])))
     return out

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from finetune.errors import ModelLoadError
 from finetune.model.moe import adapter_targets, stored_elements
+from finetune.model.vision import freeze_vision, vision_adapter
 from finetune.recipe.init_from import KEY, StartAdapter, read_weights, start_adapter
 from finetune.recipe.schema import AdapterConfig
 from finetune.units import torch_dtype
@@ -18,16 +20,20 @@ REFERENCE_ADAPTER = "reference"  # adapter.init_from, reference forward in each 
 
 
 def lora_config(cfg: AdapterConfig, inference_mode: bool = False,
-                targets: tuple[str | list[str], list[str]] | None = None):
+                targets: tuple[str | list[str], list[str]] | None = None, vision: dict[str, Any] | None = None):
     """peft's LoraConfig for the recipe; `targets`: (target_modules, target_parameters) as
-    `finetune.model.moe.adapter_targets` resolves them for the model (else the recipe's target_modules)."""
+    `finetune.model.moe.adapter_targets` resolves them for the model (else the recipe's target_modules);
+    `vision`: a vision-language model's `finetune.model.vision.vision_adapter` keywords."""
     from peft import LoraConfig, TaskType
 
     modules, parameters = targets if targets is not None else (cfg.target_modules, [])
+    vision = vision or {}
+    saved = [*(cfg.modules_to_save or []), *vision.get("modules_to_save", [])] or None
     return LoraConfig(
         task_type=TaskType.CAUSAL_LM, r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
         target_modules=modules, target_parameters=parameters or None, use_dora=cfg.type == "dora",
-        use_rslora=cfg.rslora, modules_to_save=cfg.modules_to_save, inference_mode=inference_mode,
+        use_rslora=cfg.rslora, modules_to_save=saved, inference_mode=inference_mode,
+        exclude_modules=vision.get("exclude_modules"),
     )
 
 
@@ -45,6 +51,8 @@ def apply_adapter(model: torch.nn.Module, cfg: AdapterConfig, *, checkpointing: 
     if cfg.type == "full":
         for p in model.parameters():
             p.requires_grad_(True)
+        if cfg.vision == "frozen":
+            freeze_vision(model)
         return model
     from peft import get_peft_model
 
@@ -55,13 +63,14 @@ def apply_adapter(model: torch.nn.Module, cfg: AdapterConfig, *, checkpointing: 
         # requires grad. This hook makes the embedding output require grad (cheap, no extra memory).
         model.enable_input_require_grads()
     targets = adapter_targets(model, cfg.target_modules, cfg.target_experts)
-    model = get_peft_model(model, lora_config(cfg, targets=targets))
+    vision = vision_adapter(model, cfg.vision)
+    model = get_peft_model(model, lora_config(cfg, targets=targets, vision=vision))
     if cfg.init_from is not None:
         start = start_adapter(cfg.init_from)
         state = load_adapter_state(start, digest)
         load_adapter_weights(model, start.weights, state, TRAINED_ADAPTER)
         if reference:
-            model.add_adapter(REFERENCE_ADAPTER, lora_config(cfg, inference_mode=True, targets=targets))
+            model.add_adapter(REFERENCE_ADAPTER, lora_config(cfg, inference_mode=True, targets=targets, vision=vision))
             load_adapter_weights(model, start.weights, state, REFERENCE_ADAPTER)
             model.set_adapter(TRAINED_ADAPTER)  # trainable again; the reference stays frozen
             # save_pretrained (the loop's checkpoints, the run's adapter/) writes only the trained adapter:

@@ -26,9 +26,48 @@ import torch
 from finetune.console import quiet_libraries
 from finetune.errors import FinetuneError
 from finetune.model.load import load_tokenizer
-from finetune.model.trained import base_model_key, load_run, load_trained
+from finetune.model.trained import base_model_key, load_run, load_trained, vision_of
 
-Message = dict[str, str]
+# A turn's content is a str, or (a turn with images) a list of parts, in order: {"type": "text", "text": ...} and
+# {"type": "image", "path": "/absolute/path.png"}, the canonical record's shape (finetune.data.formats).
+Message = dict[str, Any]
+
+
+def has_images(messages: list[Message]) -> bool:
+    """Whether any turn carries an image part."""
+    return any(isinstance(m["content"], list) and any(p.get("type") == "image" for p in m["content"])
+               for m in messages)
+
+
+def user_turn(prompt: str, image: str | Path | None = None) -> Message:
+    """One user message: the prompt alone, or the image (an absolute path) followed by the prompt."""
+    if image is None:
+        return {"role": "user", "content": prompt}
+    return {"role": "user", "content": [{"type": "image", "path": str(Path(image).resolve())},
+                                        {"type": "text", "text": prompt}]}
+
+
+def prompt_inputs(tokenizer, messages: list[Message], system: str | None = None, vision: Any = None
+                  ) -> dict[str, Any]:
+    """The model's inputs for the assistant's next turn: input_ids and attention_mask, and for a conversation
+    with images (`vision`: the run's finetune.data.vision.VisionData) each image's token expanded to its
+    features and the image processor's outputs (pixel_values, image_grid_thw, ...), as the run trained."""
+    images = has_images(messages)
+    if images and vision is None:
+        raise FinetuneError("this model reads no images: it is a text-only model",
+                            hint="give an image only to a run of a vision-language model")
+    ids = tokenizer(build_prompt(tokenizer, messages, system), add_special_tokens=False)["input_ids"]
+    if not images:
+        return {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
+    paths = [p["path"] for m in messages if isinstance(m["content"], list) for p in m["content"]
+             if p.get("type") == "image"]
+    ids, _ = vision.expand((ids, ids), paths)
+
+    def text_part(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"input_ids": torch.tensor([r["input_ids"] for r in rows]),
+                "attention_mask": torch.ones(len(rows), len(ids), dtype=torch.long)}
+
+    return vision.collator(text_part)([{"input_ids": ids, "images": paths}])
 
 
 def build_prompt(tokenizer, messages: list[Message], system: str | None = None) -> str:
@@ -86,16 +125,16 @@ class _TextStreamer:
 
 def stream_reply(model, tokenizer, messages: list[Message], *, system: str | None = None, temperature: float = 0.0,
                  top_p: float = 1.0, max_new_tokens: int = 256, on_text: Callable[[str], None] = lambda t: None,
-                 cancel: threading.Event | None = None) -> str:
+                 cancel: threading.Event | None = None, vision: Any = None) -> str:
     """The assistant's next turn after `messages`, passed to `on_text` piece by piece as it is generated;
-    returns the whole reply. Setting `cancel` ends it early (what was generated so far is kept)."""
+    returns the whole reply. Setting `cancel` ends it early (what was generated so far is kept). Turns with
+    images need `vision`, the run's image processor (finetune.model.trained.vision_of)."""
     from transformers import StoppingCriteriaList
 
     if not messages or messages[-1].get("role") != "user":
         raise FinetuneError("the chat history must end with a user message")
     kwargs = sampling_kwargs(temperature, top_p)
-    text = build_prompt(tokenizer, messages, system)
-    inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(model.device)
+    inputs = {k: v.to(model.device) for k, v in prompt_inputs(tokenizer, messages, system, vision).items()}
     streamer = _TextStreamer(tokenizer, on_text, cancel or threading.Event())
     with torch.no_grad():
         model.generate(**inputs, max_new_tokens=int(max_new_tokens), streamer=streamer, use_cache=True,
@@ -104,10 +143,12 @@ def stream_reply(model, tokenizer, messages: list[Message], *, system: str | Non
     return tokenizer.decode(streamer.ids, skip_special_tokens=True).strip()
 
 
-def generate(model, tokenizer, prompt: str, *, max_new_tokens: int = 128, system: str | None = None) -> str:
-    """Greedy answer to one user prompt: a one-turn chat (`finetune generate`, `compare`, `compare_runs`)."""
-    return stream_reply(model, tokenizer, [{"role": "user", "content": prompt}], system=system,
-                        max_new_tokens=max_new_tokens)
+def generate(model, tokenizer, prompt: str, *, image: str | Path | None = None, vision=None,
+             max_new_tokens: int = 128, system: str | None = None) -> str:
+    """Greedy answer to one user prompt, about `image` where one is given (with `vision`, the run's
+    `finetune.model.trained.vision_of`): a one-turn chat (`finetune generate`, `compare`, `compare_runs`)."""
+    return stream_reply(model, tokenizer, [user_turn(prompt, image)], system=system, max_new_tokens=max_new_tokens,
+                        vision=vision)
 
 
 class ChatModels:
@@ -224,7 +265,9 @@ def _answer(request: dict, models: ChatModels, send: Callable[..., None], cancel
         if models.needs_load(request["run"], adapter):
             send(id=rid, event="loading")
         with models.use(request["run"], adapter) as (model, tokenizer):
+            vision = vision_of(request["run"], model, tokenizer) if has_images(request["messages"]) else None
             reply = stream_reply(model, tokenizer, request["messages"], system=request.get("system") or None,
+                                 vision=vision,
                                  temperature=float(request.get("temperature", 0.0)),
                                  top_p=float(request.get("top_p", 1.0)),
                                  max_new_tokens=int(request.get("max_new_tokens", 256)),

@@ -38,14 +38,32 @@ def family_of(config: Any) -> Family:
     return check_config_data(data, getattr(config, "name_or_path", "") or "")
 
 
+# The attribute names transformers gives a vision-language model's image encoder and the projector into the
+# language model's embedding space (Qwen-VL's `visual` holds both; Gemma 3, Mllama: vision_tower / vision_model and
+# multi_modal_projector; Idefics3 / SmolVLM: vision_model and connector).
+VISION_PARTS = ("visual", "vision_tower", "vision_model", "multi_modal_projector", "connector")
+
+
+def vision_parts(model: nn.Module) -> dict[str, nn.Module]:
+    """A vision-language model's vision tower and projector by module name (through peft wrappers); {} for a
+    text model. These stay in 16 bits (never quantized) and frozen unless adapter.vision says otherwise."""
+    found: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in VISION_PARTS and not any(name.startswith(f"{n}.") for n in found):
+            found[name] = module
+    return found
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated decoder blocks, in forward order (works through peft wrappers): the longest ModuleList of
-    transformers' GradientCheckpointingLayer, which every decoder layer of the supported families derives from."""
+    """The repeated decoder blocks of the language model, in forward order (works through peft wrappers): the
+    longest ModuleList of transformers' GradientCheckpointingLayer outside the vision tower, which every decoder
+    layer of the supported families derives from."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     best: list[nn.Module] = []
+    vision = {id(m) for part in vision_parts(model).values() for m in part.modules()}
     for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > len(best):
+        if isinstance(module, nn.ModuleList) and len(module) > len(best) and id(module) not in vision:
             if all(isinstance(m, GradientCheckpointingLayer) for m in module):
                 best = list(module)
     if not best:

@@ -12,7 +12,7 @@ import torch
 from finetune.compat import supports_sdpa
 from finetune.errors import ModelLoadError
 from finetune.model.expert_store import quantize_experts, quantize_on_arrival
-from finetune.model.family import family_of
+from finetune.model.family import VISION_PARTS, family_of
 from finetune.model.moe import use_finetune_experts
 from finetune.model.source import resolve_model_path
 from finetune.recipe.families import check_config_file
@@ -31,26 +31,52 @@ def attn_implementation(choice: str, config) -> str:
     (Gemma-2 runs eager only, because of its attention soft-capping)."""
     if choice != "auto":
         return choice
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    return "sdpa" if supports_sdpa(MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)) else "eager"
+    return "sdpa" if supports_sdpa(model_class(config)) else "eager"
 
 
-def quantization_config(quant: QuantizationConfig, dtype: torch.dtype, *, sharded: bool = False):
+def auto_model(config) -> Any:
+    """The transformers auto class a config loads with: the causal LM, or for a vision-language family the
+    image-text-to-text model (vision tower, projector and language model)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if family_of(config).vision is not None else AutoModelForCausalLM
+
+
+def load_full(folder: Path) -> torch.nn.Module:
+    """A full fine-tune as a run saved it (its config picks the class: a vision-language model loads whole)."""
+    from transformers import AutoConfig
+
+    return auto_model(AutoConfig.from_pretrained(folder)).from_pretrained(folder, dtype="auto", use_safetensors=True)
+
+
+def model_class(config) -> type | None:
+    """The transformers class a config trains as: its causal LM, or for a vision-language family the whole
+    image-text-to-text model (vision tower, projector, language model)."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    vision = family_of(config).vision is not None
+    return (MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING if vision else MODEL_FOR_CAUSAL_LM_MAPPING).get(type(config), None)
+
+
+def quantization_config(quant: QuantizationConfig, dtype: torch.dtype, *, sharded: bool = False,
+                        vision: bool = False):
     """The transformers BitsAndBytesConfig for the recipe, or None.
 
     sharded (FSDP): 4-bit weights are stored in the compute dtype instead of uint8, so FSDP can flatten and
-    shard them with the other weights (FSDP-QLoRA); the packed bytes are the same."""
+    shard them with the other weights (FSDP-QLoRA); the packed bytes are the same. vision: a vision-language
+    model, whose vision tower and projector stay in 16 bits (only the language model is quantized)."""
     if quant.bits in (None, "auto"):
         return None
     from transformers import BitsAndBytesConfig
 
+    # transformers matches these from the start of a module name (or as its suffix): the parts at any depth
+    skip = {"llm_int8_skip_modules": [*(rf"(.*\.)?{part}" for part in VISION_PARTS), "lm_head"]} if vision else {}
     if quant.bits == 8:
-        return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_8bit=True, **skip)
     return BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type=quant.quant_type,
         bnb_4bit_use_double_quant=quant.double_quant, bnb_4bit_compute_dtype=dtype,
-        bnb_4bit_quant_storage=dtype if sharded else torch.uint8,
+        bnb_4bit_quant_storage=dtype if sharded else torch.uint8, **skip,
     )
 
 
@@ -102,7 +128,6 @@ def load_model(model_cfg: ModelConfig, quant: QuantizationConfig, *, quantize: b
 
     path = resolve_model_path(model_cfg.path, model_cfg.revision)
     dtype = compute_dtype(model_cfg)
-    qconfig = quantization_config(quant, dtype, sharded=sharded) if quantize else None
     from transformers import AutoConfig
 
     check_config_file(path)  # an architecture no family describes: one line before transformers tries
@@ -110,7 +135,8 @@ def load_model(model_cfg: ModelConfig, quant: QuantizationConfig, *, quantize: b
         config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
     except ValueError as exc:
         raise _load_error("config", model_cfg, exc) from None
-    family_of(config)
+    vision = family_of(config).vision is not None
+    qconfig = quantization_config(quant, dtype, sharded=sharded, vision=vision) if quantize else None
     attn = attn_implementation(model_cfg.attn_implementation, config)
     kwargs = dict(dtype=dtype, attn_implementation=attn, use_safetensors=True,
                   trust_remote_code=model_cfg.trust_remote_code)
@@ -162,15 +188,13 @@ def load_base(model_cfg: ModelConfig, quant: QuantizationConfig) -> LoadedModel:
 
 def _from_pretrained(model_path: str, folder: Path, config, kwargs: dict):
     """from_pretrained on the folder's weights, or (random:FOLDER) on random weights quantized the same way."""
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoModelForCausalLM
-
     from finetune.model.random_weights import random_folder, random_state_dict
 
     if random_folder(model_path) is None:
-        return AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+        return auto_model(config).from_pretrained(folder, **kwargs)
     state = random_state_dict(config, kwargs["dtype"], "cuda" if torch.cuda.is_available() else "cpu")
     kwargs = {k: v for k, v in kwargs.items() if k != "use_safetensors"}
-    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(None, config=config, state_dict=state, **kwargs)
+    return model_class(config).from_pretrained(None, config=config, state_dict=state, **kwargs)
 
 
 def _device_index():

@@ -30,6 +30,28 @@ def config_location(path: str) -> Path:
     return package_file(path) if path.startswith("pkg:") else random_folder(path) or Path(path).expanduser()
 
 
+def known_config(path: str, revision: str | None = None) -> Path:
+    """`config_location`, or for a hub id its config.json in the local Hugging Face cache where it is there
+    (never a download): what can be said about a model before it loads."""
+    where = config_location(path)
+    if where.exists() or looks_local(path) or path.startswith("pkg:"):
+        return where
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(path, "config.json", revision=revision)
+    return Path(cached) if isinstance(cached, str) else where
+
+
+def takes_images(path: str, revision: str | None = None) -> bool:
+    """Whether model.path is a vision-language model of a family that trains on images (its family's vision
+    layout), from its config alone: torch-free, in milliseconds. False for a text model, a config not on this
+    machine yet, or a vision-language checkpoint trained as its text model (Qwen3.5)."""
+    from finetune.recipe.families import check_config_file
+
+    family = check_config_file(known_config(path, revision))
+    return family is not None and family.vision is not None
+
+
 def check_model_path(path: str, revision: str | None = None) -> None:
     """Refuse, in milliseconds and with no network look-up, a model.path that names a local file or folder that
     is not there (a local-looking path, a pkg: file, a random:FOLDER without config.json), a name that is no

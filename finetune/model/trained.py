@@ -10,7 +10,8 @@ from finetune.errors import UsageError
 from finetune.export.files import GGUFOptions, write_gguf_export
 from finetune.export.gguf import check_exportable
 from finetune.export.progress import ExportStep
-from finetune.model.load import compute_dtype, load_model, load_tokenizer
+from finetune.model.load import compute_dtype, load_full, load_model, load_tokenizer
+from finetune.model.source import takes_images
 from finetune.publish import pause_point, publishing
 from finetune.recipe.load import load_recipe
 from finetune.recipe.schema import Recipe
@@ -50,10 +51,7 @@ def load_trained(run_dir: str | Path, *, use_adapter: bool = True, quantize: boo
         if not use_adapter:
             model, tokenizer, _ = load_model(recipe.model, recipe.quantization, quantize=False)
             return model.eval(), tokenizer
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(run.adapter, dtype="auto", use_safetensors=True)
-        return model.eval(), load_tokenizer(run.adapter, recipe.model)
+        return load_full(run.adapter).eval(), load_tokenizer(run.adapter, recipe.model)
     model, tokenizer, _ = load_model(recipe.model, recipe.quantization, quantize=quantize)
     tokenizer = load_tokenizer(run.adapter, recipe.model)  # carries the chat template used in training
     if use_adapter:
@@ -121,6 +119,48 @@ def _describe_base(recipe: Recipe) -> str:
     return f"{model.path}{revision} ({dtype}, {bits}{', remote code' if model.trust_remote_code else ''})"
 
 
+def reads_images(recipe: Recipe) -> bool:
+    """Whether the run's model takes images (finetune.model.source.takes_images)."""
+    return takes_images(recipe.model.path, recipe.model.revision)
+
+
+def check_image(run_dir: str | Path, image: str | Path | None) -> Path | None:
+    """The image to ask the run about, checked before any model loads: the file exists and is an image Pillow
+    reads, and the run's model reads images. None without an image."""
+    if image is None:
+        return None
+    path = Path(image).expanduser()
+    if not path.is_file():
+        raise UsageError(f"--image {image}: no such file", hint="give the path of a local image file")
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as opened:
+            opened.verify()
+    except (UnidentifiedImageError, OSError, SyntaxError) as exc:
+        raise UsageError(f"--image {image}: not an image Pillow can read ({exc})",
+                         hint="give a PNG, JPEG, WebP or another image file") from None
+    recipe, run = load_run(run_dir)
+    if not reads_images(recipe):
+        raise UsageError(f"--image: {run.root} trained the text-only model {recipe.model.path}, which reads no "
+                         "images", hint="leave out --image, or give a run of a vision-language model")
+    return path.resolve()
+
+
+def vision_of(run_dir: str | Path, model, tokenizer):
+    """The image processor and image token a run's vision-language model reads images with
+    (finetune.data.vision.VisionData, as the run trained: its data.max_pixels), None for a text model."""
+    from finetune.model.source import resolve_model_path
+    from finetune.model.vision import vision_data
+
+    recipe, _ = load_run(run_dir)
+    if not reads_images(recipe):
+        return None
+    max_pixels = getattr(recipe.data, "max_pixels", None)  # data.max_pixels, resolved in the run's recipe
+    return vision_data(model.config, resolve_model_path(recipe.model.path, recipe.model.revision), tokenizer,
+                       max_pixels if isinstance(max_pixels, int) else None)
+
+
 def _check_export_target(out: Path) -> None:
     """Replace only an empty folder or an earlier export: never a folder holding other files (the allowed
     folder itself, a home, a project), whatever --out names."""
@@ -152,6 +192,10 @@ def export_merged(run_dir: str | Path, out_dir: str | Path,
     folder is published whole (finetune.publish): a stop or a kill at any step leaves the earlier export in
     place and no temporary."""
     recipe, run = load_run(run_dir)
+    if gguf is not None and reads_images(recipe):
+        raise UsageError(f"export: {recipe.model.path} is a vision-language model; GGUF export writes the "
+                         "language model only and llama.cpp would need the vision projector's file too, which "
+                         "finetune does not write", hint="export safetensors (the default --format)")
     step = _export_step(progress)
     out = Path(out_dir)
     with publishing(out) as tmp:  # settles what a killed export left before the target is checked
@@ -191,16 +235,38 @@ def _write_merged(recipe: Recipe, run: RunDir, tmp: Path, step: Callable[[int, s
         step(2, f"safetensors shards in {tmp} (a temporary folder, renamed when complete)")
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+    copy_processor_files(recipe, run, tmp)
+
+
+# What a vision-language model's processor reads beside the tokenizer: the image (and video) preprocessing and
+# the processor's chat template. An export without them loads as a text model only.
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+                   "chat_template.json", "chat_template.jinja")
+
+
+def copy_processor_files(recipe: Recipe, run: RunDir, out: Path) -> list[str]:
+    """Copy the processor files a merged model needs into `out`: from the run's adapter folder where training
+    saved them, else from the base model's folder; a file already written (the tokenizer's chat template) is
+    kept. Returns the names copied."""
+    from finetune.model.source import resolve_model_path
+
+    if not reads_images(recipe):
+        return []
+    base = resolve_model_path(recipe.model.path, recipe.model.revision)
+    copied = []
+    for name in PROCESSOR_FILES:
+        source = next((folder / name for folder in (run.adapter, base) if (folder / name).is_file()), None)
+        if source is not None and not (out / name).exists():
+            shutil.copyfile(source, out / name)
+            copied.append(name)
+    return copied
 
 
 def merged_model(recipe: Recipe, run: RunDir, step: Callable[[int, str], None] = lambda i, detail: None):
     """(model, tokenizer): the run's adapter merged into its base (a full fine-tune as saved), in memory."""
     if recipe.adapter.type == "full":
-        from transformers import AutoModelForCausalLM
-
         step(0, f"full fine-tune from {run.adapter}")
-        model = AutoModelForCausalLM.from_pretrained(run.adapter, dtype="auto", use_safetensors=True)
-        return model, load_tokenizer(run.adapter, recipe.model)
+        return load_full(run.adapter), load_tokenizer(run.adapter, recipe.model)
     from peft import PeftModel
 
     step(0, recipe.model.path)

@@ -125,6 +125,7 @@ class ModelSpec:
     scoring_passes: int = 0  # grpo: no-grad passes over the completions before training (finetune.rl.step)
     iterations: int = 1  # grpo: updates trained on one generation's completions (grpo.num_iterations)
     planner: Planner = field(default=DEFAULT, compare=False, repr=False)  # whose caches the traces go to
+    images: tuple[tuple[int, int, int], ...] = ()  # a vision-language model: one example's image grids (plan.vision)
 
 
 def _block(settings: Settings) -> int:
@@ -172,7 +173,8 @@ def _traces(spec: ModelSpec, settings: Settings, micro_batch: int = 1) -> tuple[
 
     def at(layers: int) -> Trace:
         return _mix([trace_step(config, spec.adapter, spec.dtype, spec.attn, spec.device, micro_batch, spec.seq_len,
-                                layers, every, *layer, planner=spec.planner) for config, _ in variants], weights, every > 0)
+                                layers, every, *layer, planner=spec.planner, images=spec.images)
+                     for config, _ in variants], weights, every > 0)
 
     return at(la), at(lb)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shutil
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -12,13 +13,14 @@ from typing import Any, Literal
 import torch
 from pydantic import ValidationError
 
-from finetune.errors import RecipeError, UsageError
+from finetune.errors import FinetuneError, RecipeError, UsageError
 from finetune.memory.bandwidth import cpu_compute, transfer_bandwidth
 from finetune.memory.device_memory import usable_gpu_memory
 from finetune.memory.offload import offload_dir_for
 from finetune.memory.offload_disk import with_margin
 from finetune.memory.preference import PreferenceLoss, loads_reference_adapter, reference_is_current
 from finetune.model.moe import moe_config
+from finetune.model.vision import in_vision
 from finetune.plan.cost_model import figures_of, tokens_per_second
 from finetune.plan.memory_model import (
     ModelSpec,
@@ -30,8 +32,17 @@ from finetune.plan.memory_model import (
 )
 from finetune.plan.planner import DEFAULT, Planner
 from finetune.plan.shapes import ModelShapes, target_dtype
-from finetune.plan.trace import model_facts, planned_config
+from finetune.plan.trace import (
+    model_facts,
+    model_key,
+    model_type_of,
+    param_table_of,
+    planned_config,
+    real_config,
+)
+from finetune.plan.vision import Grid, image_tokens, planned_grids, processor_config
 from finetune.recipe.batch_rules import accumulation_for
+from finetune.recipe.families import family_for
 from finetune.recipe.init_from import resolve_init_from
 from finetune.recipe.offload_tiers import STORES, tier_names, tier_spec
 from finetune.recipe.optimizers import auto_preferences
@@ -98,6 +109,9 @@ class Plan:
     device_figures: dict[str, float] = field(default_factory=dict)  # what tokens_per_s rests on (figures_of)
     figures_measured: bool = False  # device_figures were measured on this machine (a CPU), not DEVICE's constants
     notes: list[str] = field(default_factory=list)  # settings the search left out, and why
+    # a vision-language model: what its images cost (vision_weights: the vision tower and projector's bytes,
+    # within breakdown's weights; images and image_tokens: one example's, as traced); {} for a text model
+    vision: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -144,6 +158,10 @@ def fixed_effective_batch(recipe: Recipe) -> int | None:
     return effective if isinstance(effective, int) else None
 
 
+# data.max_pixels auto: image budgets in whole 28 x 28 cells (a Qwen-VL image token), 16384 to 256 of them
+PIXEL_BUDGETS = tuple(n * 28 * 28 for n in (16384, 4096, 2048, 1024, 512, 256))
+
+
 def auto_values(recipe: Recipe, device: str) -> dict[str, list[Any]]:
     """What each searched setting (finetune.recipe.settings) may become where the recipe says `auto`;
     gradient_accumulation_steps follows the micro-batch instead (`_choices`)."""
@@ -171,6 +189,8 @@ def auto_values(recipe: Recipe, device: str) -> dict[str, list[Any]]:
         # grpo: whole groups, doubling; one that holds the step's all is None (_choices)
         "generation_batch_size": [None, *(recipe.grpo.num_generations << k for k in range(11))]
         if recipe.training.spec.generates else [None],
+        # largest first; `predict` tries them one after another (each capped at the model's own limit)
+        "max_pixels": list(PIXEL_BUDGETS),
     }
 
 
@@ -224,6 +244,8 @@ def _choices(recipe: Recipe, spec: ModelSpec) -> list[Settings]:
     given = read_settings(recipe)
     if given["activation_checkpointing"] == "auto":
         given["checkpoint_every_n_layers"] = 1
+    if given["max_pixels"] == "auto":  # not a search axis: `predict` plans each budget in turn (pixel_budgets)
+        given["max_pixels"] = None
     auto = auto_values(recipe, spec.device)
     axes = {name: auto.get(name, [value]) if value == "auto" else [value] for name, value in given.items()}
     effective = fixed_effective_batch(recipe)
@@ -281,7 +303,59 @@ def model_spec(recipe: Recipe, config: Any, device: str, planner: Planner = DEFA
         rows_per_example=1 if loss is None else loss.rows_per_example,
         reference_adapter=loads_reference_adapter(recipe), num_generations=recipe.grpo.num_generations if grpo else 0,
         scoring_passes=scoring_passes(recipe.grpo) if grpo else 0, iterations=recipe.grpo.num_iterations if grpo else 1,
-        planner=planner)
+        planner=planner, images=planned_images(recipe, config, planner))
+
+
+def vision_costs(spec: ModelSpec) -> dict[str, int]:
+    """A vision-language model's image costs for the plan's readers (Plan.vision); {} for a text model."""
+    family = family_for(model_type_of(spec.config))
+    if family is None or family.vision is None:
+        return {}
+    params = param_table_of(model_key(spec.config, spec.adapter, spec.dtype, spec.planner), 1, spec.planner)
+    real = real_config(spec.config)
+    return {"vision_weights": sum(p.numel * p.bytes_per_elem for p in params if in_vision(p.name)),
+            "images": len(spec.images), "image_tokens": sum(image_tokens(real, g) for g in spec.images)}
+
+
+def pixel_budgets(recipe: Recipe, config: Any) -> list[int]:
+    """The image budgets `data.max_pixels: auto` tries, largest first: PIXEL_BUDGETS, none above the model's own
+    limit (its processor's max_pixels); the one size a fixed-size vision tower sees (Gemma 3); [] unless the key
+    is auto and the model a vision-language one."""
+    if recipe.data.max_pixels != "auto" or "max_pixels" in inactive_settings(recipe):
+        return []
+    layout = family_for(model_type_of(config)).vision
+    if layout is not None and layout.kind == "gemma3":
+        return [real_config(config).vision_config.image_size ** 2]
+    own = processor_config(recipe.model.path)
+    limit = own.get("max_pixels") or (own.get("size") or {}).get("longest_edge") or PIXEL_BUDGETS[0]
+    return sorted({min(b, int(limit)) for b in PIXEL_BUDGETS}, reverse=True)
+
+
+def _stat(path: str) -> os.stat_result | None:
+    try:
+        return Path(path).expanduser().stat()
+    except OSError:
+        return None
+
+
+def planned_images(recipe: Recipe, config: Any, planner: Planner = DEFAULT) -> tuple[Grid, ...]:
+    """A vision-language model's image grids of one example: the data's record with the most image pixels,
+    resized as its processor resizes (data.max_pixels); () for a text model or data without images (a plan
+    made before the data exists prices text only)."""
+    family = family_for(model_type_of(config))
+    if family is None or family.vision is None:
+        return ()
+    from finetune.data.build import largest_images
+
+    data = recipe.data
+    files = [data.path] if isinstance(data.path, str) else [f.path for f in data.path]
+    stamps = tuple((f, s.st_mtime_ns, s.st_size) for f in files if (s := _stat(f)) is not None)
+    try:  # read once per data (and its files' versions): `data.max_pixels: auto` plans several budgets
+        sizes = planner.images.get_or_compute((data.model_dump_json(), stamps), lambda: largest_images(data))
+    except FinetuneError:
+        return ()
+    pixels = recipe.data.max_pixels
+    return planned_grids(real_config(config), recipe.model.path, sizes, None if pixels == "auto" else pixels)
 
 
 def free_disk_bytes(path: Path) -> int:
@@ -354,6 +428,14 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
         device = "cuda" if torch.cuda.is_available() or gpu_memory not in (None, "auto") else "cpu"
     recipe = resolve_init_from(recipe)  # adapter.init_from: price the adapter's own shape
     config = model_config or planned_config(recipe.model.path, recipe.model.trust_remote_code, planner)
+    budgets = pixel_budgets(recipe, config)
+    if budgets:  # data.max_pixels auto: the largest image budget whose plan fits, else the smallest's plan
+        for pixels in budgets:
+            plan = predict(write_settings(recipe, {"max_pixels": pixels}), model_config=config,
+                           gpu_memory=gpu_memory, device=device, training_only=training_only, planner=planner)
+            if plan.fits:
+                break
+        return plan
     spec = replace(model_spec(recipe, config, device, planner), reference_pass=not training_only)
     budget = _budget(recipe, gpu_memory, "cuda" if torch.cuda.is_available() and device == "cuda" else "cpu")
     shapes = model_facts(config, recipe.model.attn_implementation, planner)[0]
@@ -430,7 +512,8 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
                 world_size=spec.world_size, communication_bytes=chosen.communication_bytes,
                 reference_pass_bytes=chosen.reference_pass_bytes, managed_bytes=chosen.managed_bytes,
                 generation_bytes=chosen.generation_bytes, training_bytes=chosen.training_bytes,
-                device_figures=figures, figures_measured=measured, notes=notes)
+                device_figures=figures, figures_measured=measured, notes=notes,
+                vision=vision_costs(spec))
 
 
 def _offload_resources(recipe: Recipe, device: str, tiers: set[str]) -> tuple[dict[str, float], dict[str, int]]:

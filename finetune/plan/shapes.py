@@ -57,13 +57,18 @@ def with_layers(config: Any, layers: int) -> Any:
     """A copy of `config` with `layers` decoder layers: the real model's first `layers - 1` and its last (the
     top layer, next to the head, is the one backward recomputes first: its kind matters to the peak). Per-layer
     lists (layer_types) and per-layer overrides (Gemma 4's per_layer_config) follow the layers kept."""
-    total = config.num_hidden_layers
+    total = text_config(config).num_hidden_layers
     keep = list(range(layers)) if layers >= total or layers < 2 else [*range(layers - 1), total - 1]
     return select_layers(config, keep)
 
 
 def select_layers(config: Any, keep: list[int]) -> Any:
-    """A copy of `config` whose layer i is the real model's layer keep[i]."""
+    """A copy of `config` whose layer i is the real model's layer keep[i] (a vision-language model: its language
+    model's layers; the vision tower stays whole)."""
+    if text_config(config) is not config and family_of(config).vision is not None:
+        cfg = copy.copy(config)
+        cfg.text_config = select_layers(text_config(config), keep)
+        return cfg
     overrides = getattr(config, "per_layer_config", None)
     if overrides:  # heterogeneous configs validate their per-layer entries: rebuild from the remapped dict
         data = config.to_dict()
@@ -121,10 +126,10 @@ class ModelShapes:
 
 
 def _meta_model(config: Any, layers: int):
-    from transformers import AutoModelForCausalLM
+    from finetune.model.load import auto_model
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(with_layers(config, layers), dtype=torch.float32)
+        return auto_model(config).from_config(with_layers(config, layers), dtype=torch.float32)
 
 
 def model_shapes(config: Any) -> ModelShapes:

@@ -28,6 +28,7 @@ from finetune.compat import (
     set_attn_implementation,
     storage_id,
     tree_leaves,
+    tree_map,
 )
 from finetune.errors import FinetuneError
 from finetune.memory.layer_recompute import apply_layer_recompute
@@ -41,6 +42,7 @@ from finetune.model.source import config_location
 from finetune.plan import trace_cache
 from finetune.plan.planner import DEFAULT, Planner
 from finetune.plan.shapes import ModelShapes, load_model_config, model_shapes, with_layers
+from finetune.plan.vision import Grid, trace_batch
 from finetune.recipe.schema import AdapterConfig, GRPOConfig
 from finetune.rl.step import (
     completion_logps,
@@ -58,15 +60,48 @@ class _MetaKernels(TorchFunctionMode):
     sequence: it is, for the traced batch), the one place the step reads a tensor's value.
     A function mode is thread-local and sees only the tracing thread's calls: nothing process-wide is patched,
     so concurrent plans (UI handlers) and a training running in the same process are unaffected.
+    A vision-language trace keeps the index tensors whose values its forward reads on the CPU
+    (`finetune.plan.vision.trace_batch`): where one meets a meta tensor, it joins it on meta.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.to and _cpu_mask(args[0]) and _meta_target(args[1:], kwargs):
+            return args[0]  # a mask from the token ids keeps its values, so what it selects has a shape
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and args[0].is_meta:
+            args = (args[0], _mask_indices(args[1]), *args[2:])
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if any(t.is_meta for t in tensors) and any(not t.is_meta and t.dim() for t in tensors):
+            args, kwargs = tree_map(_to_meta, (args, kwargs))
         if func is torch.nn.functional.scaled_dot_product_attention and args[0].is_meta:
             return _meta_sdpa(*args, **kwargs)
         if func is torch.Tensor.__bool__ and args[0].is_meta:
             return True
         return func(*args, **kwargs)
+
+
+def _to_meta(x: Any) -> Any:
+    return x.to("meta") if isinstance(x, torch.Tensor) and not x.is_meta else x
+
+
+def _cpu_mask(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and not x.is_meta and x.dtype == torch.bool
+
+
+def _meta_target(args: tuple, kwargs: dict) -> bool:
+    return any(a == "meta" or (isinstance(a, torch.device) and a.type == "meta")
+               for a in (*args, kwargs.get("device")))
+
+
+def _mask_indices(key: Any) -> Any:
+    """An index whose boolean masks hold values (on the CPU) as the positions they select, whose count is
+    known: a meta tensor indexed by them gets its real shape (Qwen3-VL adds image features at the image
+    tokens' positions)."""
+    parts = key if isinstance(key, tuple) else (key,)
+    if not any(_cpu_mask(p) for p in parts):
+        return key
+    out = tuple(i for p in parts for i in (p.nonzero(as_tuple=True) if _cpu_mask(p) else (p,)))
+    return out if isinstance(key, tuple) or len(out) > 1 else out[0]
 
 
 class _Uncacheable(Exception):
@@ -279,14 +314,16 @@ def _layer_windows(model: torch.nn.Module, tracker: MemoryTracker) -> list:
 
 def _meta_model(config_json: str, model_type: str, adapter_json: str, dtype: str, attn: str, layers: int,
                 checkpointing: bool, recompute_norms: bool = False, mlp_tokens: int = 0) -> torch.nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from finetune.model.load import auto_model
 
     config = AutoConfig.for_model(model_type, **json.loads(config_json))
     config = with_layers(config, layers)
     set_attn_implementation(config, attn)
     adapter = AdapterConfig.model_validate_json(adapter_json)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+        model = auto_model(config).from_config(config, dtype=getattr(torch, dtype))
         use_finetune_experts(model)
         model = apply_adapter(model, adapter, checkpointing=checkpointing)
         apply_layer_recompute(model, recompute_norms, mlp_tokens)
@@ -310,14 +347,17 @@ def _expert_weights_report_cpu(model: torch.nn.Module) -> None:
 
 def _direct_trace(key: tuple[str, str, str, str], attn: str, micro_batch: int, seq_len: int, layers: int,
                   checkpoint_every: int, int8: bool, recompute_norms: bool, mlp_tokens: int,
-                  objective: str = "sft", chunked_loss: bool = False, planner: Planner = DEFAULT) -> Trace:
+                  objective: str = "sft", chunked_loss: bool = False, images: tuple[Grid, ...] = (),
+                  planner: Planner = DEFAULT) -> Trace:
     """Run the training step's forward_backward on a meta model under the tracker (its model and meta-kernel
-    memo from `planner`)."""
+    memo from `planner`; `images`: each example's image grids, for a vision-language model)."""
     built = (key, attn, layers, checkpoint_every, recompute_norms, mlp_tokens)
     model = _take_model(planner, built)
     config = model.config
     preference = PreferenceLoss.of_objective(objective)
     batch = synthetic_batch(preference, micro_batch, seq_len, config.get_text_config().vocab_size, "meta")
+    if images:  # every row (a pair's chosen and rejected rows alike) shows the example's images
+        batch.update(trace_batch(config, len(batch["input_ids"]), seq_len, images))
     in_layers = in_decoder_layers(model) if int8 else set()
     int8_layers = [module for name, module in model.named_modules() if int8 and _quantizable(name, module, in_layers)]
     for module in int8_layers:
@@ -415,10 +455,10 @@ def _params_cached(key: tuple[str, str, str, str], layers: int, planner: Planner
 
 
 def _trace_cached(key: tuple[str, str, str, str], device: str, args: tuple, objective: str,
-                  chunked_loss: bool, planner: Planner) -> Trace:
+                  chunked_loss: bool, planner: Planner, images: tuple[Grid, ...] = ()) -> Trace:
     """The planner's memory, then the disk cache, then a trace."""
-    if objective != "sft":  # sft traces keep their disk cache key
-        args = (*args, objective, chunked_loss)
+    if objective != "sft" or images:  # text sft traces keep their disk cache key
+        args = (*args, objective, chunked_loss, *((images,) if images else ()))
     return planner.traces.get_or_compute((key, device, args), lambda: trace_cache.cached(
         "trace", [*key, device, *args], lambda: _direct_trace(key, *args, planner=planner), _encode_trace,
         _decode_trace))
@@ -468,6 +508,11 @@ class CachedConfig:
         if name.startswith("__") or "_load" not in self.__dict__:  # copy/pickle probes, half-built objects
             raise AttributeError(name)
         return getattr(self.real(), name)
+
+
+def model_type_of(config: Any) -> str:
+    """The model_type of a planned config (a CachedConfig's without loading the transformers config)."""
+    return _config_key(config)[1]
 
 
 def real_config(config: Any) -> Any:
@@ -566,8 +611,8 @@ def model_facts(config: Any, attn_choice: str, planner: Planner = DEFAULT) -> tu
 
 def trace_step(config: Any, adapter: AdapterConfig, dtype: torch.dtype, attn: str, device: str, micro_batch: int,
                seq_len: int, layers: int, checkpoint_every: int, int8: bool = False, recompute_norms: bool = False,
-               mlp_tokens: int = 0, objective: str = "sft", chunked_loss: bool = False, planner: Planner = DEFAULT
-               ) -> Trace:
+               mlp_tokens: int = 0, objective: str = "sft", chunked_loss: bool = False,
+               images: tuple[Grid, ...] = (), planner: Planner = DEFAULT) -> Trace:
     """Trace one forward+backward of `config` cut to `layers` layers (checkpoint_every 0 = no checkpointing).
 
     int8: frozen decoder Linear layers behave like bitsandbytes LLM.int8 layers (see `_Int8LikeLinear`).
@@ -576,11 +621,12 @@ def trace_step(config: Any, adapter: AdapterConfig, dtype: torch.dtype, attn: st
     a preference step is traced with its real chunked log-probabilities (chunked_loss), an sft step always
     with full logits (the memory model scales them for chunked loss). A precomputed reference
     (`...:precompute_reference`) traces the step without a reference forward and, in window `reference_pass`,
-    the pass over the data that precedes training. `planner`: whose caches remember the trace.
+    the pass over the data that precedes training. images: a vision-language model's image grids per example
+    (`finetune.plan.vision`), traced through its vision tower. `planner`: whose caches remember the trace.
     """
     return _trace_cached(model_key(config, adapter, dtype, planner), device,
                          (attn, micro_batch, seq_len, layers, checkpoint_every, int8, recompute_norms, mlp_tokens),
-                         objective, chunked_loss and objective != "sft", planner)
+                         objective, chunked_loss and objective != "sft", planner, images)
 
 
 def param_table_of(key: tuple[str, str, str, str], layers: int, planner: Planner = DEFAULT

@@ -57,6 +57,22 @@ class GGUFLayout:
 
 
 @dataclass(frozen=True)
+class VisionLayout:
+    """What a vision-language family's checkpoints need besides their config: how images become tokens."""
+
+    image_processor: str  # the transformers image processor class with a Pillow backend (no torchvision)
+    image_token: str  # the token repeated once per image feature in the language model's input
+    # the input of the model's forward that marks which tokens are images (Qwen's mm_token_type_ids: the
+    # multimodal rotary positions; Gemma 3's token_type_ids: images attend to themselves both ways)
+    token_types: str | None = None
+    kind: str = "qwen2_vl"  # how an image becomes tokens: qwen2_vl (patch grid), gemma3 (a fixed count)
+    # the token the chat template writes for an image, when not image_token, and the text the processor puts
+    # around the repeated image tokens in its place (Gemma 3: "\n\n<start_of_image>", "<end_of_image>\n\n")
+    written: str | None = None
+    wrap: tuple[str, str] = ("", "")
+
+
+@dataclass(frozen=True)
 class Family:
     """Everything the tool knows about one model family that the model itself does not say."""
 
@@ -75,6 +91,10 @@ class Family:
     # them to the causal LM and leaves the vision tower unloaded, so they train, chat and export as text models.
     text_of_vision: bool = False
 
+    # A vision-language family: its checkpoints load whole (vision tower, projector, language model) with the
+    # image-text-to-text auto class; None: a text family.
+    vision: VisionLayout | None = None
+
     @property
     def moe(self) -> bool:
         return self.experts is not None
@@ -89,6 +109,12 @@ _SHARED_EXPERT_KEYS = (
     ("add_expert_weights_scale", "routed_scaling_factor"), ("add_expert_weights_norm", "norm_topk_prob"),
     ("add_expert_group_count", "n_group"), ("add_expert_group_used_count", "topk_group"))
 _MOE_METHODS = ("QLoRA", "LoRA")  # the ones tests/test_moe.py trains (4-bit experts, LoRA beside frozen experts)
+
+# Vision-language families: the language model is adapted (QLoRA, LoRA), the vision tower too with adapter.vision.
+_VISION_METHODS = ("QLoRA", "LoRA", "full")
+_NO_GGUF_VISION = "its vision tower needs llama.cpp's separate projector file, which this writer does not write"
+
+_QWEN_VL = VisionLayout("Qwen2VLImageProcessorPil", "<|image_pad|>", token_types="mm_token_type_ids")
 
 FAMILIES: tuple[Family, ...] = (
     Family("Llama 3.x", ("llama",), "Llama-3.1-8B, Llama-3.2-1B/3B, Llama-3.3-70B", "full attention",
@@ -148,10 +174,23 @@ FAMILIES: tuple[Family, ...] = (
     Family("GLM-4-MoE", ("glm4_moe",), "GLM-4.5-Air, GLM-4.5", "full attention; routed and shared experts "
            "after a dense first layer", experts=_MOE, methods=_MOE_METHODS,
            gguf=GGUFLayout("GLM4_MOE", expert_gating="SIGMOID", keys=_SHARED_EXPERT_KEYS)),
+    Family("Qwen2.5-VL", ("qwen2_5_vl",), "Qwen2.5-VL-3B/7B/32B/72B-Instruct", "vision transformer (window "
+           "attention, merged 2x2 patches) before full attention text layers with multimodal rotary positions",
+           no_gguf=_NO_GGUF_VISION, methods=_VISION_METHODS,
+           vision=_QWEN_VL),
+    Family("Gemma 3", ("gemma3",), "gemma-3-4b/12b/27b-it", "SigLIP vision encoder, pooled to 256 tokens per "
+           "image, before five sliding-window layers per full attention layer; images attend to themselves both "
+           "ways", no_gguf=_NO_GGUF_VISION, methods=_VISION_METHODS,
+           vision=VisionLayout("Gemma3ImageProcessorPil", "<image_soft_token>", token_types="token_type_ids",
+                               kind="gemma3", written="<start_of_image>",
+                               wrap=("\n\n<start_of_image>", "<end_of_image>\n\n"))),
+    Family("Qwen3-VL", ("qwen3_vl",), "Qwen3-VL-2B/4B/8B/32B-Instruct", "vision transformer (merged 2x2 patches, "
+           "its features also added to the first text layers) before full attention text layers with q/k norms "
+           "and interleaved multimodal rotary positions", no_gguf=_NO_GGUF_VISION, methods=_VISION_METHODS,
+           vision=_QWEN_VL),
 )
 
-# model_types of vision-language configs: refused with their own line (their text part is not split off yet).
-VISION_HINT = "vision-language models are not supported yet; use a text-only checkpoint of the family"
+VISION_HINT = "use a text-only checkpoint of the family, or a vision-language family docs/models.md lists"
 
 
 def family_for(model_type: str) -> Family | None:
@@ -176,8 +215,10 @@ def check_config_data(config: dict[str, Any], where: str) -> Family:
     named = f"architecture {archs[0]} (model_type {model_type!r})" if archs else f"model_type {model_type!r}"
     family = family_for(model_type)
     vision = any(key in config for key in ("vision_config", "vision_tower", "visual"))
-    if vision and not (family is not None and family.text_of_vision):
-        raise UnsupportedModel(f"model.path {where}: {named} is a vision-language model; {VISION_HINT}")
+    if vision and not (family is not None and (family.text_of_vision or family.vision is not None)):
+        supported = ", ".join(t for f in FAMILIES if f.vision is not None for t in f.model_types)
+        raise UnsupportedModel(f"model.path {where}: {named} is a vision-language model no family describes "
+                               f"(vision-language model_types: {supported})", hint=VISION_HINT)
     if family is None:
         raise UnsupportedModel(
             f"model.path {where}: {named} is not supported: no model family describes its decoder "
@@ -216,16 +257,18 @@ def _offload_text(f: Family) -> str:
 def models_text() -> str:
     """`finetune models`: one line per family."""
     return "".join(f"{f.name} ({', '.join(f.model_types)}): {f.layers}; {', '.join(f.methods)}; "
-                   f"{'MoE' if f.moe else 'dense'}; GGUF {_gguf_text(f)}\n" for f in FAMILIES)
+                   f"{'MoE' if f.moe else 'dense'}; {'images and text' if f.vision else 'text'}; "
+                   f"GGUF {_gguf_text(f)}\n" for f in FAMILIES)
 
 
 def models_markdown() -> str:
     """docs/models.md: every family and what the tool supports for it, from this table."""
-    rows = ["| family | model_type | models | layers | methods | MoE | offload | GGUF export |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = ["| family | model_type | models | layers | methods | MoE | vision | offload | GGUF export |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for f in FAMILIES:
         rows.append(f"| {f.name} | {', '.join(f'`{t}`' for t in f.model_types)} | {f.models} | {f.layers} | "
-                    f"{', '.join(f.methods)} | {'yes' if f.moe else 'no (dense)'} | {_offload_text(f)} | {_gguf_text(f)} |")
+                    f"{', '.join(f.methods)} | {'yes' if f.moe else 'no (dense)'} | {'images' if f.vision else 'text'} | "
+                    f"{_offload_text(f)} | {_gguf_text(f)} |")
     return "\n".join([
         "# Supported models",
         "",
@@ -236,8 +279,10 @@ def models_markdown() -> str:
         "of the measured one on a tiny model of the family's own config class, tests/test_families.py; every "
         "family with every method: benchmarks/families.py), chats "
         "with `finetune generate` and exports merged safetensors. A config of another architecture is refused "
-        f"in one line before anything loads; {VISION_HINT.split(';')[0]} (Qwen3.5's checkpoints are: their text "
-        "model trains, chats and exports, the vision tower is not loaded).",
+        "in one line before anything loads, and so is a vision-language one of a family not marked vision below "
+        "(Qwen3.5's checkpoints are vision-language ones whose text model trains, chats and exports, the vision "
+        "tower not loaded). A vision family trains on records with images: the vision tower and projector stay "
+        "in 16 bits, frozen unless `adapter.vision` says lora or full; the language model is quantized for QLoRA.",
         "",
         *rows,
         "",

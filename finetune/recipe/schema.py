@@ -83,6 +83,10 @@ class AdapterConfig(Section):
         False, description="Mixture-of-experts models: LoRA on the routed experts' fused weights too (peft "
         "target_parameters; LoRA only, with dropout 0: peft cannot apply dropout there). Off: attention, shared "
         "experts and dense layers are adapted, the experts and routers stay frozen (docs/moe.md).")
+    vision: Literal["frozen", "lora", "full"] = Field(
+        "frozen", description="Vision-language models: what trains of the vision tower and projector (kept in 16 "
+        "bits, never quantized): frozen (only the language model is adapted), lora (LoRA on their Linear layers "
+        "too), full (their weights trained whole and saved with the adapter).")
     rslora: bool = Field(False, description="Rank-stabilised LoRA scaling alpha / sqrt(r).")
     modules_to_save: list[str] | None = Field(None, description="Extra modules trained in full and saved with the adapter.")
     fp32_compute: bool = Field(

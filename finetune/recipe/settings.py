@@ -35,6 +35,20 @@ def _generates(recipe: Recipe) -> bool:
     return recipe.training.spec.generates
 
 
+def takes_images(recipe: Recipe) -> bool:
+    """Whether model.path is a vision-language model (its config.json, read torch-free; a hub name: no)."""
+    from pathlib import Path
+
+    from finetune.errors import FinetuneError
+    from finetune.recipe.families import check_config_file
+
+    try:
+        family = check_config_file(Path(recipe.model.path).expanduser())
+    except (FinetuneError, OSError):
+        return False
+    return family is not None and family.vision is not None
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """One concrete configuration the planner can evaluate (no `auto` left)."""
@@ -55,6 +69,8 @@ class Settings:
     # completions per generate call (None: the step's all, what an out-of-memory recovery starts halving from)
     generation_batch_size: int | None = _setting("grpo.generation_batch_size", "gen", fallback=None, default=None,
                                                  active=_generates)
+    # a vision-language model's image pixel budget (None: the image processor's own limit)
+    max_pixels: int | None = _setting("data.max_pixels", "pixels", default=None, active=takes_images)
 
 
 class Setting(NamedTuple):

@@ -25,6 +25,7 @@ from finetune.recipe.load import load_recipe, recipe_to_yaml
 from finetune.recipe.resolved import RunConfig, resolve
 from finetune.recipe.schema import Recipe, max_prompt_tokens
 from finetune.recipe.settings import (
+    Settings,
     auto_choices,
     auto_keys,
     auto_settings,
@@ -59,6 +60,7 @@ from finetune.units import format_bytes
 
 if TYPE_CHECKING:
     from finetune.data.bundle import DataBundle
+    from finetune.data.vision import VisionData
     from finetune.model.load import LoadedModel
 
 # Disk full, quota, permissions, read-only folder: the user's to fix, so a message instead of a traceback.
@@ -359,11 +361,11 @@ def _build(prepared: _Prepared, run_dir: RunDir, checkpoint: str | None, stopper
     from finetune.model.adapter import count_parameters
 
     recipe, settings = prepared.recipe, prepared.config.settings
-    model, tokenizer, started, experts = _model(recipe, settings.activation_checkpointing, run_dir, main, base)
+    model, tokenizer, started, experts, vision = _model(recipe, settings, run_dir, main, base)
     trainable, total = count_parameters(model)
     console.print(f"model: {recipe.model.path}  trainable {trainable:,} of {total:,} parameters "
                   f"({100 * trainable / max(total, 1):.2f}%)")
-    data = _data(recipe, tokenizer, run_dir, checkpoint, allow_data_change, main)
+    data = _data(recipe, tokenizer, vision, run_dir, checkpoint, allow_data_change, main)
     if main and checkpoint:
         _save_run_files(run_dir, prepared.plan, recipe)
     if recipe.training.precompute_reference:  # before the loop: no optimizer state or gradients yet
@@ -393,27 +395,29 @@ def _build(prepared: _Prepared, run_dir: RunDir, checkpoint: str | None, stopper
     return _Built(loop, tokenizer, data, peak, steps, status_fields, (trainable, total), started, experts)
 
 
-def _model(recipe: Recipe, checkpointing: bool, run_dir: RunDir, main: bool, base: LoadedModel | None
-           ) -> tuple[torch.nn.Module, Any, dict | None, Any]:
+def _model(recipe: Recipe, settings: Settings, run_dir: RunDir, main: bool, base: LoadedModel | None
+           ) -> tuple[torch.nn.Module, Any, dict | None, Any, VisionData | None]:
     """The model to train (loaded, or the lent `base`) with its adapter and memory settings, the tokenizer,
-    rank 0's record of adapter.init_from's start adapter (None without one) and the expert offload (None
-    without one)."""
+    rank 0's record of adapter.init_from's start adapter (None without one), the expert offload (None
+    without one) and a vision-language model's image processor (None for a text model)."""
     from finetune.memory.layer_recompute import apply_memory_config, compile_layers
     from finetune.model.adapter import apply_adapter
     from finetune.model.load import load_model
+    from finetune.model.vision import vision_data
 
     set_seed(recipe.training.seed)  # adapter initialisation is random: make it reproducible (same on all ranks)
     if base is None:
-        model, tokenizer, _ = load_model(recipe.model, recipe.quantization, sharded=recipe.distributed.gpus > 1
-                                         and recipe.distributed.strategy == "fsdp",
-                                         experts_on_host=recipe.memory.offload_experts in ("cpu", "disk"))
+        model, tokenizer, path = load_model(recipe.model, recipe.quantization, sharded=recipe.distributed.gpus > 1
+                                            and recipe.distributed.strategy == "fsdp",
+                                            experts_on_host=recipe.memory.offload_experts in ("cpu", "disk"))
     else:
         mismatch = base.mismatch(recipe.model, recipe.quantization)
         if mismatch is not None:
             raise UsageError(f"{mismatch}: the recipe does not describe the already loaded model (base=)",
                              hint="give the recipe the model and quantization keys the model was loaded with")
-        model, tokenizer = base.model, base.tokenizer
-    model = apply_adapter(model, recipe.adapter, checkpointing=checkpointing,
+        model, tokenizer, path = base.model, base.tokenizer, base.path
+    vision = vision_data(model.config, path, tokenizer, settings.max_pixels)  # a vision-language model's images
+    model = apply_adapter(model, recipe.adapter, checkpointing=settings.activation_checkpointing,
                           reference=loads_reference_adapter(recipe), digest=main)
     # results.json's record of the start adapter: rank 0 writes it, hashing the bytes apply_adapter read.
     started = init_from_record(recipe.adapter.init_from) if main and recipe.adapter.init_from is not None \
@@ -422,17 +426,17 @@ def _model(recipe: Recipe, checkpointing: bool, run_dir: RunDir, main: bool, bas
         run_dir.log_line(f"adapter.init_from: started from {started['adapter']} (sha256 {started['sha256']})")
     experts = apply_memory_config(model, recipe.memory, run_dir.root)  # closed (its files removed) after training
     compile_layers(model, recipe.training.compile)
-    return model, tokenizer, started, experts
+    return model, tokenizer, started, experts, vision
 
 
-def _data(recipe: Recipe, tokenizer: Any, run_dir: RunDir, checkpoint: str | None, allow_data_change: bool,
-          main: bool) -> DataBundle:
-    """The training method's data, its fingerprint checked against a resumed run's (`DataChanged`) and saved,
+def _data(recipe: Recipe, tokenizer: Any, vision: VisionData | None, run_dir: RunDir, checkpoint: str | None,
+          allow_data_change: bool, main: bool) -> DataBundle:
+    """The training method's data (its images through `vision`, a vision-language model's), its fingerprint checked against a resumed run's (`DataChanged`) and saved,
     its counts and warnings on screen and (rank 0) in the run directory."""
     from finetune.data import build_datasets
 
     data = build_datasets(recipe.data, tokenizer, recipe.training.seed, recipe.training.method,
-                          max_prompt_tokens(recipe) if recipe.training.spec.generates else None)
+                          max_prompt_tokens(recipe) if recipe.training.spec.generates else None, vision)
     console.print(f"data: {data.summary()} (every count: {run_dir.data_stats})", markup=False, highlight=False)
     distributed.on_main(lambda: _record_data(run_dir, data.fingerprint, checkpoint is not None, allow_data_change))
     for warning in data.warnings:

@@ -35,9 +35,32 @@ def text_of(content: Any) -> str:
     return "".join(text_of(part) for part in content or [])
 
 
-def plain(history: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """A chatbot's history as the model sees it: role and text of each turn."""
-    return [{"role": m["role"], "content": text_of(m["content"])} for m in history or []]
+def _image_path(part: Any) -> str | None:
+    """The file of a chat message part that is one: Gradio's {"type": "file", "file": {"path"}} or a part with a
+    "path" (the canonical {"type": "image", "path"}, which the Chatbot also shows as a file)."""
+    if not isinstance(part, dict):
+        return None
+    return (part.get("file") or {}).get("path") if part.get("type") == "file" else part.get("path")
+
+
+def model_content(content: Any) -> str | list[dict[str, str]]:
+    """A chat message as the model reads it: its text, or for a turn with images the parts in order,
+    {"type": "image", "path"} and {"type": "text", "text"} (finetune.model.chat's turn shape)."""
+    parts = content if isinstance(content, list) else [content]
+    if not any(_image_path(p) for p in parts):
+        return text_of(content)
+    out = []
+    for part in parts:
+        if path := _image_path(part):
+            out.append({"type": "image", "path": path})
+        elif text := text_of(part):
+            out.append({"type": "text", "text": text})
+    return out
+
+
+def plain(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A chatbot's history as the model sees it: role and content (text, or images and text) of each turn."""
+    return [{"role": m["role"], "content": model_content(m["content"])} for m in history or []]
 
 
 def start_of(run: str | None) -> str | None:
@@ -61,11 +84,14 @@ def start_column(backend: Backend, run: str | None, second: str | None) -> Any:
 
 
 def respond(backend: Backend, run: str | None, second: str | None, show_base: bool, system: str,
-            temperature: float, top_p: float, max_new_tokens: int, text: str,
+            temperature: float, top_p: float, max_new_tokens: int, text: str | dict[str, Any],
             *histories: list[dict[str, Any]]) -> Iterator[tuple[Any, ...]]:
     """Send the message to every shown column and stream the answers in; yields (prompt box, fine-tuned
-    history, base history, second-run history, status message)."""
+    history, base history, second-run history, status message). `text` is the message box's value: a string,
+    or {"text", "files"} with the images uploaded beside it (for a vision-language run: each image goes before
+    the text in the user turn)."""
     histories = [plain(h) for h in histories]
+    text, images = (text.get("text") or "", list(text.get("files") or [])) if isinstance(text, dict) else (text, [])
     try:
         if not text or not text.strip():
             raise FinetuneError("type a message first")
@@ -77,9 +103,11 @@ def respond(backend: Backend, run: str | None, second: str | None, show_base: bo
     except FinetuneError as exc:
         yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), problems_markdown(exc)
         return
+    content = [*({"type": "image", "path": str(i)} for i in images), {"type": "text", "text": text}] if images \
+        else text
     requests = []
     for index, path, adapter in columns:
-        histories[index] = [*histories[index], {"role": "user", "content": text}]
+        histories[index] = [*histories[index], {"role": "user", "content": content}]
         requests.append({"run": path, "adapter": adapter, "messages": list(histories[index]),
                          "system": system or "", "temperature": float(temperature), "top_p": float(top_p),
                          "max_new_tokens": int(max_new_tokens)})
@@ -144,8 +172,10 @@ def build(backend: Backend) -> gr.Dropdown:
             second_bot = gr.Chatbot(label="second run", height=360, buttons=CHATBOT_BUTTONS,
                                     elem_id="chat-second", visible=False)
         with gr.Row():
-            prompt = gr.Textbox(label="Message", scale=5, elem_id="chat-prompt",
-                                placeholder="Enter sends; the conversation so far goes with it")
+            prompt = gr.MultimodalTextbox(label="Message", scale=5, elem_id="chat-prompt", file_types=["image"],
+                                          file_count="single", sources=["upload"], submit_btn=False,
+                                          placeholder="Enter sends; the conversation so far goes with it. "
+                                                      "A vision-language run also takes an image (the clip).")
             send_btn = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send")
             stop_btn = gr.Button("Stop", scale=1, elem_id="chat-stop")
             clear_btn = gr.Button("New chat", scale=1, elem_id="chat-clear")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import gradio as gr
 
@@ -10,10 +11,11 @@ from finetune.errors import FinetuneError
 from ui import views
 from ui.backend import Backend
 from ui.form import to_widget
-from ui.paths import allowed_path, data_files, store_upload
+from ui.paths import allowed_path, data_files, is_inside, store_upload
 from ui.tabs.messages import problems_markdown, reported
 
 EXAMPLES = 3  # examples previewed
+THUMBNAIL = 160  # pixels: the longer side of an image shown beside its example
 # Categories of highlighted tokens: loss tokens of SFT data, and of each answer of preference data.
 CHOSEN, REJECTED, GOOD, BAD = "chosen answer (loss)", "rejected answer (loss)", "good answer (loss)", "bad answer (loss)"
 COLORS = {"loss": "#f4a261", CHOSEN: "#2a9d8f", REJECTED: "#e76f51", GOOD: "#2a9d8f", BAD: "#e76f51"}
@@ -39,6 +41,35 @@ def example_update(example: dict | None) -> dict:
     return gr.update(value=tokens, color_map={k: color for k, color in COLORS.items() if k in used})
 
 
+def thumbnails(example: dict | None, roots: list[Path]) -> list[tuple[Any, str]]:
+    """(thumbnail, caption) of each image of a previewed example (vision-language data), in order: small copies
+    made here, so the page never serves the data's own files; an image outside the allowed folders is named,
+    not shown."""
+    from PIL import Image
+
+    out = []
+    for i, path in enumerate((example or {}).get("images", []), 1):
+        if not is_inside(Path(path), roots):
+            out.append((Image.new("RGB", (THUMBNAIL, THUMBNAIL // 4), "white"),
+                        f"image {i}: outside the allowed folders, not shown"))
+            continue
+        try:
+            with Image.open(path) as image:
+                small = image.convert("RGB")
+                small.thumbnail((THUMBNAIL, THUMBNAIL))
+        except (OSError, ValueError) as exc:  # its header was fine (the data checks), its pixels are not
+            out.append((Image.new("RGB", (THUMBNAIL, THUMBNAIL // 4), "white"), f"image {i}: unreadable ({exc})"))
+            continue
+        out.append((small, f"image {i}: {Path(path).name} ({image.width}x{image.height})"))
+    return out
+
+
+def gallery_update(example: dict | None, roots: list[Path]) -> dict:
+    """One example's image strip: shown only for an example with images."""
+    shown = thumbnails(example, roots)
+    return gr.update(value=shown or None, visible=bool(shown))
+
+
 def build(backend: Backend, widgets: list[gr.components.Component]) -> gr.Dropdown:
     """The Data tab over the form `widgets` (it fills data.path, a text box: its own change refreshes the recipe
     tab's views; a picked file replaces a list of files there); returns the server file picker."""
@@ -57,9 +88,14 @@ def build(backend: Backend, widgets: list[gr.components.Component]) -> gr.Dropdo
                               height=140)
         preview_btn = gr.Button("Preview data", elem_id="preview-data")
         data_msg = gr.Markdown(elem_id="data-message")
-        examples = [gr.HighlightedText(label=f"example {i + 1}",
-                                       show_legend=True, show_inline_category=False, combine_adjacent=True,
-                                       elem_id=f"example-{i}") for i in range(EXAMPLES)]
+        examples, galleries = [], []
+        for i in range(EXAMPLES):
+            with gr.Row():
+                examples.append(gr.HighlightedText(label=f"example {i + 1}", show_legend=True, scale=4,
+                                                   show_inline_category=False, combine_adjacent=True,
+                                                   elem_id=f"example-{i}"))
+                galleries.append(gr.Gallery(label=f"example {i + 1}: images", visible=False, scale=1,
+                                            columns=2, height=THUMBNAIL + 60, elem_id=f"example-images-{i}"))
     data_path = widgets[keys.index("data.path")]
     path_spec = backend.specs[keys.index("data.path")]
 
@@ -74,25 +110,29 @@ def build(backend: Backend, widgets: list[gr.components.Component]) -> gr.Dropdo
 
     def show_preview(values) -> tuple:
         found, bad = backend.preview(values, EXAMPLES)
-        shown = [example_update(ex) for ex in [*found, *[None] * EXAMPLES][:EXAMPLES]]
-        return (views.preview_markdown(found, bad), *shown)
+        padded = [*found, *[None] * EXAMPLES][:EXAMPLES]
+        shown = [example_update(ex) for ex in padded]
+        images = [gallery_update(ex, backend.settings.roots) for ex in padded]
+        return (views.preview_markdown(found, bad), *shown, *images)
 
-    @reported(2 + EXAMPLES)
+    shows = 2 * EXAMPLES  # outputs after the message: the examples' tokens, then their images
+
+    @reported(2 + shows)
     def use_server_file(path, *values):
         chosen = allowed_path(path, backend.settings.allow_dirs, "data file", must_exist=True)
         try:
             msg, *shown = show_preview(with_data_path(values, chosen))
         except FinetuneError as exc:
-            msg, shown = problems_markdown(exc), [gr.skip()] * EXAMPLES
+            msg, shown = problems_markdown(exc), [gr.skip()] * shows
         return (msg, path_text(chosen), *shown)
 
-    use_file_btn.click(use_server_file, [server_file, *widgets], [data_msg, data_path, *examples],
+    use_file_btn.click(use_server_file, [server_file, *widgets], [data_msg, data_path, *examples, *galleries],
                        api_name="use_server_file")
 
-    @reported(2 + EXAMPLES)
+    @reported(2 + shows)
     def uploaded(path, *values):
         if not path:
-            return (gr.skip(),) * (2 + EXAMPLES)
+            return (gr.skip(),) * (2 + shows)
         stored = store_upload(path, backend.settings.runs_dir / "uploads")
         try:
             msg, *shown = show_preview(with_data_path(values, stored))
@@ -102,7 +142,8 @@ def build(backend: Backend, widgets: list[gr.components.Component]) -> gr.Dropdo
                                 [str(exc)]) from None
         return (msg, path_text(stored), *shown)
 
-    data_upload.upload(uploaded, [data_upload, *widgets], [data_msg, data_path, *examples], api_name="upload_data")
-    preview_btn.click(reported(1 + EXAMPLES)(lambda *v: show_preview(v)), widgets, [data_msg, *examples],
+    data_upload.upload(uploaded, [data_upload, *widgets], [data_msg, data_path, *examples, *galleries],
+                       api_name="upload_data")
+    preview_btn.click(reported(1 + shows)(lambda *v: show_preview(v)), widgets, [data_msg, *examples, *galleries],
                       api_name="preview_data")
     return server_file

@@ -1,0 +1,99 @@
+"""Records with images for a vision-language model: each image's token expanded to the count of features the
+image processor gives it, labels masked there, and a collator that adds the model's image inputs.
+
+The chat template renders an image part (`{"type": "image", "path": ...}` in a turn's content) as the model's
+image placeholder, in which `VisionLayout.image_token` stands once per image; tokenized, that token is repeated
+once per feature the vision tower gives the image (Qwen2.5-VL: the processor's image_grid_thw over the merge
+size squared), as the model's own processor does. Those tokens never carry loss. The collator runs the image
+processor (Pillow backend) on a batch's images and adds its outputs (pixel_values, image_grid_thw) and the
+token-type ids the model reads, under their transformers names, so they go to forward as keyword arguments.
+
+The records' image parts come from the data formats (`finetune.data.formats`: LLaMA-Factory's `<image>`
+markers and content parts, read into canonical parts with absolute paths).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from finetune.data.chat import IGNORE_INDEX, Encoded
+from finetune.data.formats import RecordError
+from finetune.recipe.families import VisionLayout
+
+# image processor outputs the model's forward does not take (the full processor drops them too)
+_PROCESSOR_ONLY = {"num_crops"}
+
+
+@dataclass
+class VisionData:
+    """A vision-language model's image processor and image token, for the data build and its collator."""
+
+    processor: Any  # the family's image processor (Pillow backend)
+    layout: VisionLayout
+    image_token_id: int
+    written_id: int  # the token the chat template writes per image (image_token_id for Qwen-VL)
+    wrap: tuple[list[int], list[int]] = ([], [])  # the tokens around an image's repeated tokens, in its place
+    tokens_per_image: int | None = None  # a fixed count (Gemma 3's mm_tokens_per_image), else from the grid
+    max_pixels: int | None = None  # data.max_pixels: the largest image budget (None: the processor's own)
+
+    def process(self, paths: Sequence[str]) -> dict[str, Any]:
+        """The image processor's outputs for these images (pixel_values, image_grid_thw, ...) as tensors."""
+        from PIL import Image
+
+        images = []
+        for path in paths:
+            with Image.open(path) as image:
+                images.append(image.convert("RGB"))
+        kwargs: dict[str, Any] = {}
+        if self.max_pixels is not None and self.layout.kind == "qwen2_vl":
+            kwargs["size"] = {**dict(self.processor.size), "longest_edge": self.max_pixels}
+        return dict(self.processor(images=images, return_tensors="pt", **kwargs))
+
+    def image_tokens(self, paths: Sequence[str]) -> list[int]:
+        """How many tokens each image stands for in the language model's input."""
+        if self.tokens_per_image is not None:
+            return [self.tokens_per_image] * len(paths)
+        grid = self.process(paths)["image_grid_thw"]
+        merge = self.processor.merge_size
+        return [int(g.prod()) // merge ** 2 for g in grid]
+
+    def expand(self, encoded: Encoded, paths: Sequence[str]) -> Encoded:
+        """Each image's token in `encoded` (the written one) replaced by the image token repeated once per feature
+        of its image (between the family's wrapping tokens), with no loss on them."""
+        ids, labels = encoded
+        if not paths:
+            return encoded
+        counts = iter(self.image_tokens(paths))
+        out_ids: list[int] = []
+        out_labels: list[int] = []
+        for tok, label in zip(ids, labels, strict=True):
+            if tok == self.written_id:
+                n = next(counts, None)
+                if n is None:
+                    raise RecordError(f"the chat template wrote more image tokens than the record has images "
+                                      f"({len(paths)})")
+                before, after = self.wrap
+                out_ids += [*before, *[self.image_token_id] * n, *after]
+                out_labels += [IGNORE_INDEX] * (len(before) + n + len(after))
+            else:
+                out_ids.append(tok)
+                out_labels.append(label)
+        if next(counts, None) is not None:
+            raise RecordError(f"the chat template wrote fewer image tokens than the record has images ({len(paths)})")
+        return out_ids, out_labels
+
+    def collator(self, base: Callable[[list[dict[str, Any]]], dict[str, Any]], rows_per_example: int = 1
+                 ) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
+        """`base` (the text collator) with the batch's image inputs added; `rows_per_example`: 2 for preference
+        pairs, whose chosen and rejected rows share the prompt's images."""
+        def collate(examples: list[dict[str, Any]]) -> dict[str, Any]:
+            batch = base([{k: v for k, v in e.items() if k != "images"} for e in examples])
+            paths = [p for e in examples for p in e.get("images") or []] * rows_per_example
+            if paths:
+                batch.update({k: v for k, v in self.process(paths).items() if k not in _PROCESSOR_ONLY})
+            if self.layout.token_types is not None:
+                batch[self.layout.token_types] = (batch["input_ids"] == self.image_token_id).int()
+            return batch
+        return collate

@@ -1,0 +1,82 @@
+"""Vision-language models: the image processor that turns pictures into the model's pixel inputs, and what
+`adapter.vision` trains of the vision tower and projector.
+
+The full transformers processors of the Qwen-VL families need torchvision (their video processor), which the
+CPU install does not have: images go through the family's image processor with its Pillow backend
+(`VisionLayout.image_processor`), and the data build (`finetune.data.vision`) expands each image's token from
+that processor's output, as the processor itself does.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from finetune.data.vision import VisionData
+from finetune.errors import ModelLoadError
+from finetune.model.family import VISION_PARTS, family_of, vision_parts
+from finetune.recipe.families import Family
+
+
+def load_image_processor(path: Path, family: Family) -> Any:
+    """The Pillow image processor of a vision family's model folder (its preprocessor_config.json)."""
+    import transformers
+
+    assert family.vision is not None
+    try:
+        return getattr(transformers, family.vision.image_processor).from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"model.path: cannot load the image processor of {path} "
+                             f"({family.vision.image_processor}): {exc}",
+                             hint="a vision-language model folder holds preprocessor_config.json beside config.json") from None
+
+
+def vision_data(config: Any, path: Path, tokenizer: Any, max_pixels: int | None = None) -> VisionData | None:
+    """What the data build needs to train a vision-language model on images (its image processor and image
+    token), None for a text model."""
+    family = family_of(config)
+    if family.vision is None:
+        return None
+    layout = family.vision
+    token = tokenizer.convert_tokens_to_ids(layout.image_token)
+    written = tokenizer.convert_tokens_to_ids(layout.written or layout.image_token)
+    wrap = tuple(tokenizer.encode(text, add_special_tokens=False) if text else [] for text in layout.wrap)
+    return VisionData(load_image_processor(path, family), layout, token, written, wrap,
+                      getattr(config, "mm_tokens_per_image", None), max_pixels)
+
+
+# peft's exclude_modules as a regex over module names: anything inside a vision tower or projector.
+_IN_VISION = rf"(.*\.)?({'|'.join(VISION_PARTS)})(\..*)?"
+
+
+def vision_adapter(model: nn.Module, vision: str) -> dict[str, Any]:
+    """peft LoraConfig keywords for `adapter.vision` on `model` ({} for a text model): frozen leaves the vision
+    tower and projector out of the adapted modules; lora adapts their Linear layers like the language model's;
+    full trains their weights whole and saves them with the adapter (peft's modules_to_save)."""
+    parts = vision_parts(model)
+    if not parts or vision == "lora":
+        return {}
+    out: dict[str, Any] = {"exclude_modules": _IN_VISION}
+    if vision == "full":
+        out["modules_to_save"] = sorted({name.rsplit(".", 1)[-1] for name in parts})
+    return out
+
+
+def freeze_vision(model: nn.Module) -> int:
+    """Full fine-tuning with adapter.vision frozen: the vision tower and projector keep their weights. Returns
+    the count of parameters frozen."""
+    count = 0
+    for part in vision_parts(model).values():
+        for p in part.parameters():
+            p.requires_grad_(False)
+            count += 1
+    return count
+
+
+def in_vision(name: str) -> bool:
+    """Whether a module or parameter name lies inside a vision tower or projector (the planner's parameter
+    table names them as the model does)."""
+    return re.fullmatch(_IN_VISION, name) is not None

@@ -1,0 +1,109 @@
+"""The planner's view of a vision-language model's images: the image grids one example brings (from the image
+sizes in the data's headers and the processor's resize rule) and the traced batch that carries them.
+
+The trace runs the whole model (vision tower, projector, language model) on the meta device. The few
+index tensors whose values the forward reads (image_grid_thw, the token ids that say where the image tokens
+are, the token types the multimodal rotary positions come from) stay on the CPU, where their values exist;
+the trace's kernel mode (`finetune.plan.trace`) moves what they produce onto the meta device.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from finetune.model.family import family_of
+from finetune.model.source import config_location
+
+Grid = tuple[int, int, int]  # an image's (temporal, height, width) patches, as image_grid_thw holds it
+
+
+def processor_config(model_path: str) -> dict[str, Any]:
+    """The model folder's preprocessor_config.json ({} where there is none: a bare config.json)."""
+    try:
+        folder = config_location(model_path)
+    except Exception:  # noqa: BLE001 - a hub name or a missing path: the vision config's defaults
+        return {}
+    file = (folder if folder.is_dir() else folder.parent) / "preprocessor_config.json"
+    try:
+        return json.loads(file.read_text()) if file.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def image_grid(config: Any, processor: dict[str, Any], width: int, height: int, max_pixels: int | None) -> Grid:
+    """The patch grid an image of `width` x `height` pixels becomes (the Qwen-VL processors' resize rule: a
+    multiple of patch x merge on each side, the pixel count within min/max pixels; Gemma 3: every image at the
+    vision tower's fixed size)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    vision = config.vision_config
+    if _kind(config) == "gemma3":
+        side = vision.image_size // vision.patch_size
+        return (1, side, side)
+    patch = processor.get("patch_size", vision.patch_size)
+    merge = processor.get("merge_size", vision.spatial_merge_size)
+    size = processor.get("size") or {}
+    low = size.get("shortest_edge", processor.get("min_pixels", 56 * 56))
+    high = max_pixels or size.get("longest_edge", processor.get("max_pixels", 28 * 28 * 1280))
+    h, w = smart_resize(height, width, factor=patch * merge, min_pixels=low, max_pixels=high)
+    return (1, h // patch, w // patch)
+
+
+def _kind(config: Any) -> str:
+    layout = family_of(config).vision
+    assert layout is not None
+    return layout.kind
+
+
+def image_tokens(config: Any, grid: Grid) -> int:
+    """The language model's tokens for one image's grid (its patches merged merge x merge; Gemma 3: its fixed
+    mm_tokens_per_image)."""
+    if _kind(config) == "gemma3":
+        return config.mm_tokens_per_image
+    merge = config.vision_config.spatial_merge_size
+    return grid[0] * grid[1] * grid[2] // merge ** 2
+
+
+def trace_batch(config: Any, rows: int, seq_len: int, grids: tuple[Grid, ...]) -> dict[str, Any]:
+    """A micro-batch of `rows` examples of `seq_len` tokens, each with the images of `grids` (their tokens
+    first, each image's separated from the next by a text token, then text), as the data build's collator lays
+    one out; pixel values on meta."""
+    layout = family_of(config).vision
+    assert layout is not None
+    vision = config.vision_config
+    image = config.image_token_id
+    ids = torch.zeros(rows, seq_len, dtype=torch.long)
+    start = 1
+    for grid in grids:  # each image's tokens apart, as the chat template writes them: one run per image
+        end = min(start + image_tokens(config, grid), seq_len - 1)
+        ids[:, start:end] = image
+        start = end + 1
+    labels = ids.masked_fill(ids == image, -100)
+    batch: dict[str, Any] = {"input_ids": ids, "labels": labels}
+    if layout.kind == "gemma3":  # whole images at the tower's size
+        side = vision.image_size
+        batch["pixel_values"] = torch.empty(rows * len(grids), vision.num_channels, side, side, device="meta")
+    else:  # the processor's flattened patches and each image's grid
+        patches = rows * sum(t * h * w for t, h, w in grids)
+        width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+        batch["pixel_values"] = torch.empty(patches, width, dtype=torch.float32, device="meta")
+        batch["image_grid_thw"] = torch.tensor([list(g) for g in grids] * rows, dtype=torch.long)
+    if layout.token_types is not None:
+        batch[layout.token_types] = (ids == image).int()
+    return batch
+
+
+def planned_grids(config: Any, model_path: str, sizes: list[tuple[int, int]], max_pixels: int | None
+                  ) -> tuple[Grid, ...]:
+    """The grids of one example's images of (width, height) `sizes` (the data's largest), as the planner
+    traces them."""
+    processor = processor_config(model_path)
+    return tuple(image_grid(config, processor, w, h, max_pixels) for w, h in sizes)
+
+
+def is_vision(config: Any) -> bool:
+    """Whether the planned model is a vision-language one (its trace takes images)."""
+    return family_of(config).vision is not None

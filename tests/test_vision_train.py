@@ -1,0 +1,196 @@
+"""Vision-language models train on records with images through `finetune run`: a tiny random Qwen2.5-VL (its own
+config class, shrunk) on Pillow-generated pictures in LLaMA-Factory's format; the plan, which traces the whole
+model with the image tokens of the records, within 5% of the measured peak; QLoRA with the language model in
+4 bits; resume exact; an image record for a text-only model refused in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from finetune import api
+from finetune.cli import main
+from finetune.rundir import read_jsonl
+from finetune.testing import VISION_ARCHITECTURES, make_tiny_model_dir, vision_model
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220)}
+
+
+def shapes_data(folder: Path, n: int = 12, size: tuple[int, int] = (84, 56)) -> Path:
+    """`n` LLaMA-Factory records, each a picture of one colour and the question what colour it is; the images
+    in a folder beside the data file, named relative to it."""
+    from PIL import Image
+
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(n):
+        name = list(COLOURS)[i % len(COLOURS)]
+        Image.new("RGB", size, COLOURS[name]).save(folder / "images" / f"{i}.png")
+        rows.append({"messages": [{"role": "user", "content": "<image>What colour is the picture?"},
+                                  {"role": "assistant", "content": f"It is {name}."}],
+                     "images": [f"images/{i}.png"]})
+    path = folder / "shapes.json"
+    path.write_text(json.dumps(rows))
+    return path
+
+
+def recipe(folder: Path, model: Path, data: Path, name: str = "run", **sections: dict) -> Path:
+    values = {
+        "model": {"path": str(model)}, "quantization": {"bits": None},
+        "adapter": {"type": "lora", "r": 4, "alpha": 8, "dropout": 0.0},
+        "data": {"path": str(data), "max_seq_len": 64, "validation_split": 0.0},
+        "training": {"max_steps": 3, "micro_batch_size": 2, "learning_rate": 1e-3, "warmup_ratio": 0.0,
+                     "logging_steps": 1},
+        "memory": {"activation_checkpointing": True, "gpu_memory_margin": 0},
+        "output": {"dir": str(folder / name), "save_steps": 100},
+    }
+    for section, changes in sections.items():
+        values[section] = {**values.get(section, {}), **changes}
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(values, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory) -> Path:
+    return vision_model("qwen2_5_vl", tmp_path_factory.mktemp("vlm") / "model")
+
+
+def _measured(run: Path) -> int:
+    return max(r["peak_memory_bytes"] for r in read_jsonl(run / "metrics.jsonl") if "peak_memory_bytes" in r)
+
+
+@pytest.mark.parametrize("bits", [None, 4], ids=["lora", "qlora"])
+def test_trains_on_images_with_the_plan_within_5_percent(tmp_path, vlm, bits):
+    """3 steps through `finetune run`; the plan at the longest example (image tokens included) within 5% of the
+    measured peak; the language model's Linear layers in 4 bits for QLoRA, the vision tower's in 16."""
+    data = shapes_data(tmp_path)
+    assert main(["run", str(recipe(tmp_path, vlm, data, quantization={"bits": bits}))]) == 0
+    stats = json.loads((tmp_path / "run" / "data_stats.json").read_text())
+    assert stats["train_examples"] == 12 and stats["bad_records_skipped"] == 0
+    seen = api.plan_at_seen_length(tmp_path / "run")
+    assert seen is not None and seen["longest"] > 30  # 6 image tokens per 84 x 56 picture, and the text
+    measured = _measured(tmp_path / "run")
+    assert abs(seen["peak_bytes"] / measured - 1) <= 0.05, (seen["peak_bytes"], measured)
+    assert [r["loss"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+
+
+@pytest.mark.parametrize("arch", [a for a in VISION_ARCHITECTURES if a != "qwen2_5_vl"])
+def test_each_vision_family_trains_on_images_with_the_plan_within_5_percent(tmp_path, arch):
+    model = vision_model(arch, tmp_path / "model")
+    assert main(["run", str(recipe(tmp_path, model, shapes_data(tmp_path)))]) == 0
+    seen = api.plan_at_seen_length(tmp_path / "run")
+    assert seen is not None
+    measured = _measured(tmp_path / "run")
+    assert abs(seen["peak_bytes"] / measured - 1) <= 0.05, (seen["peak_bytes"], measured)
+
+
+def test_the_loss_on_the_answers_falls(tmp_path, vlm):
+    data = shapes_data(tmp_path, n=6)
+    path = recipe(tmp_path, vlm, data, training={"max_steps": 12, "learning_rate": 1e-2, "micro_batch_size": 6})
+    assert main(["run", str(path)]) == 0
+    losses = [r["loss"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_resume_is_exact(tmp_path, vlm):
+    """3 steps, then --resume to 6 (constant schedule), equal to 6 straight steps: the images' order and
+    inputs are a function of the seed and the step."""
+    data = shapes_data(tmp_path)
+    constant = {"lr_scheduler": "constant"}
+    assert main(["run", str(recipe(tmp_path, vlm, data, "straight", training={"max_steps": 6, **constant}))]) == 0
+    first = recipe(tmp_path, vlm, data, "resumed", training={"max_steps": 3, **constant}, output={"save_steps": 3})
+    assert main(["run", str(first)]) == 0
+    again = yaml.safe_load(first.read_text())
+    again["training"]["max_steps"] = 6
+    first.write_text(yaml.safe_dump(again))
+    assert main(["run", str(first), "--resume"]) == 0
+    reference = {r["step"]: r["loss"] for r in read_jsonl(tmp_path / "straight" / "metrics.jsonl") if "loss" in r}
+    resumed = {r["step"]: r["loss"] for r in read_jsonl(tmp_path / "resumed" / "metrics.jsonl") if "loss" in r}
+    assert sorted(resumed) == list(range(1, 7))
+    for step in range(4, 7):
+        assert resumed[step] == pytest.approx(reference[step], rel=1e-5), step
+
+
+def test_an_image_record_for_a_text_only_model_is_one_line(tmp_path, capsys):
+    text_model = make_tiny_model_dir(tmp_path / "text")
+    data = shapes_data(tmp_path, n=3)
+    assert main(["run", str(recipe(tmp_path, text_model, data))]) == 3  # a malformed record (DataError)
+    err = capsys.readouterr().err
+    assert "but the model reads only text" in err and "Traceback" not in err  # a bad record (data.on_bad_record)
+    assert "shapes.json" in err
+
+
+def preference_data(folder: Path, n: int = 8) -> Path:
+    """LLaMA-Factory preference records: a picture, the question, the right colour chosen, another rejected."""
+    from PIL import Image
+
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    names = list(COLOURS)
+    rows = []
+    for i in range(n):
+        name, other = names[i % 3], names[(i + 1) % 3]
+        Image.new("RGB", (84, 56), COLOURS[name]).save(folder / "images" / f"{i}.png")
+        rows.append({"conversations": [{"from": "human", "value": "<image>What colour is the picture?"}],
+                     "chosen": {"from": "gpt", "value": f"It is {name}."},
+                     "rejected": {"from": "gpt", "value": f"It is {other}."}, "images": [f"images/{i}.png"]})
+    path = folder / "pairs.json"
+    path.write_text(json.dumps(rows))
+    return path
+
+
+def test_dpo_on_images_shares_the_prompts_pictures_and_plans_within_5_percent(tmp_path, vlm):
+    """DPO through the same loop: the chosen and the rejected answer each see the prompt's picture (the batch
+    carries its pixels once per row), the plan of the pair step within 5% of the measured peak."""
+    data = preference_data(tmp_path)
+    path = recipe(tmp_path, vlm, data, training={"method": "dpo"}, memory={"chunked_loss": False})
+    assert main(["run", str(path)]) == 0
+    rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    assert len(rows) == 3 and all("rewards/margins" in r for r in rows)
+    seen = api.plan_at_seen_length(tmp_path / "run")
+    assert seen is not None
+    measured = _measured(tmp_path / "run")
+    assert abs(seen["peak_bytes"] / measured - 1) <= 0.05, (seen["peak_bytes"], measured)
+
+
+def test_a_pair_batch_shows_each_row_the_prompts_images(tmp_path, vlm):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from finetune.data import build_datasets
+    from finetune.model.vision import vision_data
+    from finetune.recipe.schema import DataConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(vlm)
+    vision = vision_data(AutoConfig.from_pretrained(vlm), vlm, tokenizer)
+    bundle = build_datasets(DataConfig(path=str(preference_data(tmp_path, 3)), max_seq_len=64), tokenizer, 0, "dpo",
+                            None, vision)
+    batch = bundle.collator([bundle.train[0], bundle.train[1]])
+    assert batch["input_ids"].shape[0] == 4 and batch["image_grid_thw"].shape[0] == 4
+    tokens = (batch["input_ids"] == vision.image_token_id).sum(-1)
+    assert tokens.tolist() == [int(g.prod()) // 4 for g in batch["image_grid_thw"]]
+
+
+@pytest.mark.parametrize("vision", ["lora", "full"])
+def test_adapter_vision_trains_the_vision_tower_and_saves_it_with_the_adapter(tmp_path, vlm, vision):
+    """adapter.vision lora: LoRA weights inside the vision tower are saved; full: its own weights are, changed
+    by training; the plan (which traces the same adapter) within 5% of the measured peak."""
+    from safetensors.torch import load_file
+
+    data = shapes_data(tmp_path)
+    path = recipe(tmp_path, vlm, data, adapter={"vision": vision}, training={"learning_rate": 1e-2})
+    assert main(["run", str(path)]) == 0
+    saved = load_file(tmp_path / "run" / "adapter" / "adapter_model.safetensors")
+    in_vision = [k for k in saved if ".visual." in k]
+    if vision == "lora":
+        assert in_vision and all("lora_" in k for k in in_vision)
+    else:
+        key = next(k for k in in_vision if k.endswith("patch_embed.proj.weight"))
+        base = load_file(vlm / "model.safetensors")
+        before = next(v for k, v in base.items() if k.endswith("visual.patch_embed.proj.weight"))
+        assert not saved[key].equal(before)
+    seen = api.plan_at_seen_length(tmp_path / "run")
+    assert seen is not None
+    assert abs(seen["peak_bytes"] / _measured(tmp_path / "run") - 1) <= 0.05
