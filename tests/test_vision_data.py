@@ -69,6 +69,20 @@ PARTS_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.cont
                   "{% endif %}")
 
 
+@pytest.fixture(scope="module")
+def vlm_data(tmp_path_factory):
+    """A tiny Qwen2.5-VL's tokenizer and image processor (finetune.data.vision.VisionData): what the data build
+    needs to tokenize image records."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from finetune.model.vision import vision_data
+    from finetune.testing import vision_model
+
+    folder = vision_model("qwen2_5_vl", tmp_path_factory.mktemp("vlm") / "model")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return tokenizer, vision_data(AutoConfig.from_pretrained(folder), folder, tokenizer)
+
+
 def cfg(path: Path, **kwargs) -> DataConfig:
     return DataConfig(path=str(path), **kwargs)
 
@@ -199,7 +213,7 @@ def test_images_held_in_the_data_are_stored_once_in_the_cache(tmp_path):
     assert Path(stored).read_bytes() == png and Path(stored).is_relative_to(cache_dir())
 
 
-def test_the_planner_gets_each_good_records_image_sizes_from_headers(tmp_path, tiny_tokenizer):
+def test_the_planner_gets_each_good_records_image_sizes_from_headers(tmp_path, tiny_tokenizer, vlm_data):
     picture(tmp_path / "a.png", (40, 30))
     picture(tmp_path / "b.png", (17, 90))
     data = write(tmp_path / "d.json", [record(["a.png"]), {"messages": [{"role": "user", "content": "Hi"}, ANSWER]},
@@ -209,8 +223,8 @@ def test_the_planner_gets_each_good_records_image_sizes_from_headers(tmp_path, t
     assert record_image_sizes(cfg(data, on_bad_record="skip")) == [[(40, 30)], [], [(17, 90), (40, 30)]]
     shown = preview(cfg(data, chat_template=PARTS_TEMPLATE), tiny_tokenizer, n=2, model_takes_images=True)
     assert [item.get("images") for item in shown] == [[str(tmp_path / "a.png")], None]
-    bundle = build_datasets(cfg(data, chat_template=PARTS_TEMPLATE, on_bad_record="skip"), tiny_tokenizer, 0,
-                            model_takes_images=True)
+    tokenizer, vision = vlm_data
+    bundle = build_datasets(cfg(data, on_bad_record="skip"), tokenizer, 0, vision=vision)
     assert {k: bundle.stats[k] for k in ("images", "image_records", "bad_records_skipped", "train_examples")} == {
         "images": 3, "image_records": 2, "bad_records_skipped": 1, "train_examples": 3}
     assert "(3 images in 2 records)" in bundle.summary()
@@ -438,20 +452,20 @@ def test_the_image_checks_and_counters_import_neither_torch_nor_transformers():
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
 
 
-def test_resume_names_an_image_replaced_under_the_same_name(tmp_path, tiny_tokenizer):
+def test_resume_names_an_image_replaced_under_the_same_name(tmp_path, vlm_data):
     from finetune.data.fingerprint import data_changes
 
     picture(tmp_path / "a.png", colour="red")
     data = write(tmp_path / "d.json", [record(["a.png"])])
 
     def fingerprint() -> dict:
-        return build_datasets(cfg(data, chat_template=PARTS_TEMPLATE), tiny_tokenizer, 0,
-                              model_takes_images=True).fingerprint
+        tokenizer, vision = vlm_data
+        return build_datasets(cfg(data), tokenizer, 0, vision=vision).fingerprint
 
     before = fingerprint()
     assert data_changes(before, fingerprint()) == []
     picture(tmp_path / "a.png", colour="blue")
     assert data_changes(before, fingerprint()) == ["images changed"]
     text = build_datasets(cfg(write(tmp_path / "t.json", [{"messages": [{"role": "user", "content": "Hi"}, ANSWER]}])),
-                          tiny_tokenizer, 0).fingerprint
+                          vlm_data[0], 0).fingerprint
     assert "images_sha256" not in text  # text data: the fingerprint it always had
