@@ -512,7 +512,7 @@ class CachedConfig:
 
 def model_type_of(config: Any) -> str:
     """The model_type of a planned config (a CachedConfig's without loading the transformers config)."""
-    return _config_key(config)[1]
+    return _config_key(config, DEFAULT)[1]
 
 
 def real_config(config: Any) -> Any:
