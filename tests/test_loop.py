@@ -13,7 +13,7 @@ from transformers import default_data_collator
 from finetune.recipe import validate_recipe
 from finetune.recipe.resolved import resolve
 from finetune.train.loop import TrainLoop
-from finetune.train.policy import Policy
+from finetune.train.policy import Micro, Policy, Update
 from finetune.train.setup import simple_loop
 from finetune.train.train_state import load_checkpoint
 from tests.test_optim import examples, load_model
@@ -70,8 +70,8 @@ class Halving(Policy):
     def plan_updates(self, loop, step, updates):
         rows = step.batches[0]
         half = len(rows) // 2
-        return [type(updates[0])(micro_batches=[rows[:half]], num_items=None, share=0.5),
-                type(updates[0])(micro_batches=[rows[half:]], num_items=None, share=0.5)]
+        return [Update(micro_batches=[Micro(rows[:half])], num_items=None, share=0.5),
+                Update(micro_batches=[Micro(rows[half:])], num_items=None, share=0.5)]
 
 
 def test_a_new_policy_plugs_in_without_the_loop_knowing_it(tiny_model_dir):
@@ -95,7 +95,7 @@ def test_the_train_state_is_one_weights_only_file_that_resumes_exactly(tiny_mode
     straight.fit()
     state = torch.load(tmp_path / "a" / "checkpoint-2" / "train_state.pt", weights_only=True)
     assert {"format", "weights", "optimizer", "scheduler", "loop", "geometry", "policies"} <= state.keys()
-    assert state["loop"]["step"] == 2 and "NoiseScale" in state["policies"]
+    assert state["loop"]["step"] == 2 and "noise_scale" in state["policies"]
     resumed = simple_loop(_config(tiny_model_dir, max_steps=4), load_model(tiny_model_dir), _data(),
                           default_data_collator, 4, checkpoints=tmp_path / "b")
     load_checkpoint(resumed, tmp_path / "a" / "checkpoint-2")
@@ -104,6 +104,56 @@ def test_the_train_state_is_one_weights_only_file_that_resumes_exactly(tiny_mode
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert [r["loss"] for r in resumed.state.log_history if "loss" in r] == \
         [r["loss"] for r in straight.state.log_history if "loss" in r]
+
+
+class Counter(Policy):
+    """A policy with state: the updates it saw."""
+
+    key = "counter"
+
+    def __init__(self):
+        self.updates = 0
+
+    def after_update(self, loop, update, grad_norm):
+        self.updates += 1
+
+    def state_dict(self) -> dict:
+        return {"updates": self.updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.updates = state["updates"]
+
+
+class RenamedCounter(Counter):
+    """The same policy after its class was renamed: its declared key is unchanged."""
+
+
+def _counting_loop(model_dir, policy: Policy, out):
+    return simple_loop(_config(model_dir, max_steps=4, noise_scale=False), load_model(model_dir), _data(),
+                       default_data_collator, 4, checkpoints=out, policies=[policy])
+
+
+def test_policy_state_is_saved_under_its_declared_key_so_a_renamed_class_resumes(tiny_model_dir, tmp_path):
+    _counting_loop(tiny_model_dir, Counter(), tmp_path / "a").fit()
+    checkpoint = tmp_path / "a" / "checkpoint-2"
+    assert torch.load(checkpoint / "train_state.pt", weights_only=True)["policies"]["counter"] == {"updates": 2}
+    renamed = RenamedCounter()
+    load_checkpoint(_counting_loop(tiny_model_dir, renamed, tmp_path / "b"), checkpoint)
+    assert renamed.updates == 2
+    # a checkpoint of an earlier version kept the state under the class name: still found
+    state = torch.load(checkpoint / "train_state.pt", weights_only=True)
+    state["policies"] = {"Counter": state["policies"].pop("counter"), **state["policies"]}
+    loop = _counting_loop(tiny_model_dir, Counter(), tmp_path / "c")
+    loop.load_state_dict(state)
+    assert loop.policies[-1].updates == 2
+
+
+def test_a_policy_with_state_must_declare_its_key(tiny_model_dir, tmp_path):
+    class Unnamed(Counter):
+        key = None
+
+    with pytest.raises(ValueError, match="Unnamed keeps state .* declares no checkpoint `key`"):
+        _counting_loop(tiny_model_dir, Unnamed(), tmp_path)
 
 
 class _Syncs:

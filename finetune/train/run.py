@@ -357,8 +357,7 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     if checkpoint:
         load_checkpoint(loop, Path(checkpoint))
     # Preference methods and GRPO: the held-out rewards before training, so results.json shows what changed.
-    before = loop.evaluate() if data.eval is not None and (loop.preference is not None or loop.objective is not None) \
-        and not checkpoint else None
+    before = loop.evaluate() if data.eval is not None and loop.objective.evaluates_before and not checkpoint else None
     start, cpu_start, first_step = time.time(), time.process_time(), loop.state.step
     try:
         loop.fit()
