@@ -2,8 +2,13 @@
 
 A policy is one class with any of the hooks below; the loop calls each hook on every policy in the order
 they were given and never knows a policy by name. Each hook's contract is its one-line docstring. A policy
-that keeps state across a checkpoint returns it from `state_dict` (plain values and tensors: the train
-state is loaded with torch's weights-only loader) and takes it back in `load_state_dict`.
+changes the loop only through `TrainLoop.set_geometry` (the batch shape, the one record every policy reads)
+and `TrainLoop.set_memory` (the memory savers). A policy that keeps state across a checkpoint declares its
+`key` and returns the state from `state_dict` (plain values and tensors: the train state is loaded with
+torch's weights-only loader) and takes it back in `load_state_dict`.
+
+The objective (`Objective`) is what a training method computes; every method's implements it
+(finetune/train/objectives.py) and the loop calls it blind.
 """
 
 from __future__ import annotations
