@@ -156,6 +156,26 @@ def test_a_policy_with_state_must_declare_its_key(tiny_model_dir, tmp_path):
         _counting_loop(tiny_model_dir, Unnamed(), tmp_path)
 
 
+def test_after_a_recovery_every_reader_takes_the_micro_batch_from_the_geometry(tiny_model_dir, tmp_path,
+                                                                              monkeypatch):
+    """One record of the batch shape: an out-of-memory error at step 2 halves the micro-batch; the loop's
+    geometry, the recovery's recipe (what recipe.yaml and --resume get) and the checkpoint all say so."""
+    from finetune.train.recovery import FAULT_ENV, OOMRecovery
+
+    monkeypatch.setenv(FAULT_ENV, "2")
+    told = []
+    config = _config(tiny_model_dir, micro_batch_size=2, max_steps=3, noise_scale=False)
+    recovery = OOMRecovery(config.recipe, tmp_path, lambda event, recipe: told.append(recipe))
+    loop = simple_loop(config, load_model(tiny_model_dir), _data(), default_data_collator, 3,
+                       checkpoints=tmp_path / "c", policies=[recovery])
+    loop.fit()
+    assert (loop.geometry.splits, loop.geometry.part_rows) == (2, 1)
+    for recipe in (recovery.recipe, told[0]):
+        assert (recipe.training.micro_batch_size, recipe.training.gradient_accumulation_steps) == (1, 2)
+    state = torch.load(tmp_path / "c" / "checkpoint-2" / "train_state.pt", weights_only=True)
+    assert state["geometry"]["splits"] == 2 and state["loop"]["step"] == 2
+
+
 class _Syncs:
     """Counts the host reads of a tensor's value (bool, float, int, item, tolist) made by finetune's own code
     inside a step: each is a device sync on a GPU."""

@@ -80,19 +80,16 @@ def fault_steps() -> Counter:
 class OOMRecovery(Policy):
     """The loop's steps survive running out of memory (see the module docstring).
 
-    `recipe`: the run's resolved recipe (the ladder's starting point); `geometry`: the loop's, the one record
-    of the micro-batch and accumulation (`self.recipe` is the recipe as it trains now: the recovered memory
-    settings with the geometry's batch); on_recovery(event, recipe) is told each switch to a cheaper plan (and
+    `recipe`: the run's resolved recipe (the ladder's starting point; `self.recipe` is the recipe as it trains
+    now: the recovered memory settings with the micro-batch and accumulation of the loop's geometry, the one
+    record of them); on_recovery(event, recipe) is told each switch to a cheaper plan (and
     the final give-up) so the run directory can record it; run_root is where a newly turned-on disk offload
     keeps its files (the new ActivationOffload goes to the loop through `set_memory`; the run closes the last).
     """
 
-    key = "oom_recovery"
-
-    def __init__(self, recipe: Recipe, geometry: Geometry, run_root: Path,
-                 on_recovery: Callable[[dict, Recipe], None]):
-        self._settings = recipe  # its memory settings; the batch is the geometry's
-        self.geometry = geometry
+    def __init__(self, recipe: Recipe, run_root: Path, on_recovery: Callable[[dict, Recipe], None]):
+        self._settings = recipe  # its memory settings; the batch is the loop geometry's once training began
+        self._geometry: Geometry | None = None
         self.run_root = run_root
         self.on_recovery = on_recovery
         self._faults = fault_steps()
@@ -103,9 +100,14 @@ class OOMRecovery(Policy):
         """The recipe as the run trains now: the recovered settings, the micro-batch and accumulation of the
         loop's geometry (a loader batch in `splits` parts is micro-batch/splits, splits times the
         accumulation)."""
-        g = self.geometry
+        g = self._geometry
+        if g is None:
+            return self._settings
         return write_settings(self._settings, {"micro_batch_size": g.part_rows,
                                                "gradient_accumulation_steps": g.accumulation * g.splits})
+
+    def on_train_begin(self, loop) -> None:
+        self._geometry = loop.geometry
 
     def around_micro_batch(self, loop, part: Part, run) -> torch.Tensor:
         """FINETUNE_FAULT_OOM_AT_STEP: a one-shot hook that raises in the last decoder layer's forward of the

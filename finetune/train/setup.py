@@ -131,7 +131,7 @@ def build_loop(config: RunConfig, model: torch.nn.Module, data: Any, run_dir: Ru
             policies += [
                 BatchEngine(config, noise, geometry, parts.accelerator.device,
                             record_batch_change(run_dir, status_fields)),
-                OOMRecovery(recipe, geometry, run_dir.root, record_recovery(run_dir, steps, peak, status_fields))]
+                OOMRecovery(recipe, run_dir.root, record_recovery(run_dir, steps, peak, status_fields))]
         policies.append(peak)
     policies += [RunFiles(run_dir, steps, status_fields), ProgressBar(steps)]
     has_eval = data.eval is not None
