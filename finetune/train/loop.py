@@ -2,10 +2,14 @@
 
     for each step (`accumulation` loader batches):
         updates = the step's rows as updates of micro-batches (policies may re-plan: sub-updates, splits)
-        for each update: forward/backward of each micro-batch (finetune.memory.step.forward_backward)
+        for each update (`run_update`, the happy path): the objective's forward/backward of each micro-batch
                          then, unless a policy defers it: gradient norm and clipping, divergence check,
                          optimizer step, gradients freed
         scheduler step; log, evaluate, save, stop, in that order, as their schedules say
+    around the updates (`run_step`): an out-of-memory error lets the policies make the step cheaper, then again
+
+What a training method computes is its `Objective` (finetune/train/objectives.py, named by its registry entry),
+called blind on typed batches (finetune.data.batch.Batch, or an objective's own: GRPO's completions).
 
 Device placement, mixed precision and the gradient all-reduce of several processes (DDP, FSDP2, DeepSpeed)
 are accelerate's (`Accelerator`); everything else is in plain sight here. What varies by feature (the
