@@ -176,6 +176,30 @@ def test_after_a_recovery_every_reader_takes_the_micro_batch_from_the_geometry(t
     assert state["geometry"]["splits"] == 2 and state["loop"]["step"] == 2
 
 
+def test_a_batch_is_typed_and_its_extra_inputs_reach_the_model_s_forward(tiny_model_dir):
+    """A collator's keys beyond the named fields (a vision-language batch's pixel_values) land in Batch.extra
+    and are passed to the model's forward as keyword arguments, on the device."""
+    from finetune.data.batch import Batch
+
+    def collator(rows):
+        return {**default_data_collator(rows), "pixel_values": torch.full((len(rows), 3), 7.0)}
+
+    batch = Batch.of(collator(_data(2)))
+    assert batch.labels is not None and batch.position_ids is None and set(batch.extra) == {"pixel_values"}
+    assert set(batch) == {"input_ids", "labels", "pixel_values"} and "position_ids" not in batch
+    seen = []
+
+    def take(module, args, kwargs):  # the tiny model has no vision tower: note the input and drop it
+        seen.append(kwargs.pop("pixel_values"))
+        return args, kwargs
+
+    model = load_model(tiny_model_dir)
+    model.register_forward_pre_hook(take, with_kwargs=True)
+    simple_loop(_config(tiny_model_dir, micro_batch_size=2, max_steps=1, noise_scale=False), model, _data(),
+                collator, 1).fit()
+    assert len(seen) == 1 and seen[0].shape == (2, 3) and bool((seen[0] == 7).all())
+
+
 class _Syncs:
     """Counts the host reads of a tensor's value (bool, float, int, item, tolist) made by finetune's own code
     inside a step: each is a device sync on a GPU."""
