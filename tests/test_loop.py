@@ -148,6 +148,23 @@ def test_policy_state_is_saved_under_its_declared_key_so_a_renamed_class_resumes
     assert loop.policies[-1].updates == 2
 
 
+def test_grpo_s_completions_per_pass_from_an_earlier_checkpoint_go_to_the_geometry(tiny_model_dir):
+    """Earlier versions kept GRPO's micro-batch in its own state, under the class name; a resume puts it in the
+    loop's geometry, the one record GRPO reads."""
+    from finetune.recipe.schema import GRPOConfig
+    from finetune.train.grpo import GRPO
+
+    grpo = GRPO(GRPOConfig(), [], tokenizer=None)
+    loop = simple_loop(_config(tiny_model_dir, noise_scale=False), load_model(tiny_model_dir), _data(),
+                       default_data_collator, 1, policies=[grpo])
+    state = loop.state_dict()
+    state["policies"] = {"GRPO": {"micro_batch": 3, "generation_rows": 16}}
+    loop.load_state_dict(state)
+    grpo.on_train_begin(loop)
+    assert loop.geometry.completion_rows == 3 and grpo.generation_rows == 16
+    assert loop.state_dict()["policies"]["grpo"] == {"generation_rows": 16}
+
+
 def test_a_policy_with_state_must_declare_its_key(tiny_model_dir, tmp_path):
     class Unnamed(Counter):
         key = None
