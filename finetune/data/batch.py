@@ -1,11 +1,11 @@
-"""One collated micro-batch as a typed value: what the training loop makes of a collator's output and every
-objective (finetune/train/objectives.py) reads.
+"""One collated micro-batch as a typed value: what a run's collator makes (finetune.data.packing.BatchCollator)
+and every objective (finetune/train/objectives.py) reads.
 
 The named fields are what every causal-LM batch may have; `extra` holds further keyword inputs of the model's
 forward, passed through untouched: a vision-language batch's `pixel_values` / `image_grid_thw`, a packed
 batch's `cu_seq_lens_*` and `use_cache`. A collator may return a `Batch` or a dict of the same names
-(`Batch.of`: the names below become fields, any other key goes to `extra`), so the TRL collators and a new
-data kind's collator need no wrapper. `kto_label` and `ref_logps` are a preference method's targets, never
+(`Batch.of`, which the training loop applies: the names below become fields, any other key goes to `extra`),
+so a new data kind's collator needs no wrapper. `kto_label` and `ref_logps` are a preference method's targets, never
 model inputs.
 
 A `Batch` also reads as a mapping of its present values (field names and `extra`'s keys), so the code that
