@@ -32,7 +32,7 @@ def _recipe(tmp_path, model_dir, name: str, **training) -> dict:
 def whole_micro_batch(monkeypatch):
     """No batch-size warmup below the micro-batch (updates of the loader batch from the start, as with a
     layer-wise optimizer): for the tests of the accumulation that follows it."""
-    monkeypatch.setattr(BatchEngine, "_no_warmup", lambda self, geometry: "a test of the accumulation")
+    monkeypatch.setattr(BatchEngine, "no_warmup", lambda self, geometry: "a test of the accumulation")
 
 
 @pytest.fixture
@@ -101,7 +101,7 @@ def _resume_mid_ramp(run_dir: Path, recipe: dict, copy: Path, key: str, value: i
 def _engine_state(checkpoint: Path) -> dict:
     """The batch engine's part of a checkpoint's train state, with the loop's batch geometry it changes."""
     state = torch.load(checkpoint / "train_state.pt", weights_only=True)
-    return {**state["geometry"], **state["policies"]["BatchEngine"]}
+    return {**state["geometry"], **state["policies"]["batch_engine"]}
 
 
 def _assert_same_losses(rows: list[dict], reference: list[dict]) -> None:
@@ -119,13 +119,14 @@ def test_a_layerwise_optimizer_accumulates_over_the_group(tmp_path, tiny_model_d
     from finetune.optim import layerwise_of
 
     seen = []
-    decide = BatchEngine._decide
+    step_end = BatchEngine.on_step_end
 
-    def spy(self, loop):
-        seen.append((self._size, layerwise_of(loop.optimizer).steps_per_update))  # the group just updated
-        decide(self, loop)
+    def spy(self, loop, step):
+        if not step.deferred:  # the group just updated
+            seen.append((loop.geometry.group, layerwise_of(loop.optimizer).steps_per_update))
+        step_end(self, loop, step)
 
-    monkeypatch.setattr(BatchEngine, "_decide", spy)
+    monkeypatch.setattr(BatchEngine, "on_step_end", spy)
     recipe = _recipe(tmp_path, tiny_model_dir, "layerwise", effective_batch_size="auto", max_steps=16,
                      noise_scale_split_every=3)
     result = run(validate_recipe({**recipe, "optimizer": {"layerwise": True}}))
@@ -161,7 +162,9 @@ def test_a_cheap_optimizer_step_keeps_micro_batch_one_without_accumulation(tmp_p
     monkeypatch.setattr(TrainLoop, "run_step", lambda self, step: (
         seen.extend([tuple(r["input_ids"]) for r in rows] for rows in step.batches), run_step(self, step))[1])
     updates = []
-    monkeypatch.setattr(BatchEngine, "_time", lambda self, updated: (updates.append(updated), self._marks.clear()))
+    step_end = BatchEngine.on_step_end
+    monkeypatch.setattr(BatchEngine, "on_step_end",
+                        lambda self, loop, step: (updates.append(not step.deferred), step_end(self, loop, step)))
     calls = _timed(monkeypatch, t_micro=0.05, t_opt=0.0005)
     auto = run(validate_recipe(_recipe(tmp_path, tiny_model_dir, "auto1", micro_batch_size=1, max_steps=24,
                                        effective_batch_size="auto", noise_scale_split_every=3)))
@@ -227,16 +230,17 @@ def test_out_of_memory_inside_a_group_redoes_the_whole_group(tmp_path, tiny_mode
 def _forward_spy(monkeypatch) -> list:
     """Every forward-backward's rows (their real tokens) and loss, in order."""
     seen = []
-    step = TrainLoop._forward_backward
+    step = TrainLoop.forward_backward
 
-    def spy(self, inputs, *args):
-        loss = step(self, inputs, *args)
+    def spy(self, part):
+        loss = step(self, part)
+        batch = part.batch
         rows = [tuple(ids[mask.bool()].tolist())
-                for ids, mask in zip(inputs["input_ids"], inputs["attention_mask"], strict=True)]
+                for ids, mask in zip(batch.input_ids, batch.attention_mask, strict=True)]
         seen.append((rows, float(loss)))
         return loss
 
-    monkeypatch.setattr(TrainLoop, "_forward_backward", spy)
+    monkeypatch.setattr(TrainLoop, "forward_backward", spy)
     return seen
 
 

@@ -13,7 +13,7 @@ from transformers import default_data_collator
 from finetune.recipe import validate_recipe
 from finetune.recipe.resolved import resolve
 from finetune.train.loop import TrainLoop
-from finetune.train.policy import Policy
+from finetune.train.policy import Micro, Policy, Update
 from finetune.train.setup import simple_loop
 from finetune.train.train_state import load_checkpoint
 from tests.test_optim import examples, load_model
@@ -70,8 +70,8 @@ class Halving(Policy):
     def plan_updates(self, loop, step, updates):
         rows = step.batches[0]
         half = len(rows) // 2
-        return [type(updates[0])(micro_batches=[rows[:half]], num_items=None, share=0.5),
-                type(updates[0])(micro_batches=[rows[half:]], num_items=None, share=0.5)]
+        return [Update(micro_batches=[Micro(rows[:half])], num_items=None, share=0.5),
+                Update(micro_batches=[Micro(rows[half:])], num_items=None, share=0.5)]
 
 
 def test_a_new_policy_plugs_in_without_the_loop_knowing_it(tiny_model_dir):
@@ -95,7 +95,7 @@ def test_the_train_state_is_one_weights_only_file_that_resumes_exactly(tiny_mode
     straight.fit()
     state = torch.load(tmp_path / "a" / "checkpoint-2" / "train_state.pt", weights_only=True)
     assert {"format", "weights", "optimizer", "scheduler", "loop", "geometry", "policies"} <= state.keys()
-    assert state["loop"]["step"] == 2 and "NoiseScale" in state["policies"]
+    assert state["loop"]["step"] == 2 and "noise_scale" in state["policies"]
     resumed = simple_loop(_config(tiny_model_dir, max_steps=4), load_model(tiny_model_dir), _data(),
                           default_data_collator, 4, checkpoints=tmp_path / "b")
     load_checkpoint(resumed, tmp_path / "a" / "checkpoint-2")
@@ -104,6 +104,117 @@ def test_the_train_state_is_one_weights_only_file_that_resumes_exactly(tiny_mode
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert [r["loss"] for r in resumed.state.log_history if "loss" in r] == \
         [r["loss"] for r in straight.state.log_history if "loss" in r]
+
+
+class Counter(Policy):
+    """A policy with state: the updates it saw."""
+
+    key = "counter"
+
+    def __init__(self):
+        self.updates = 0
+
+    def after_update(self, loop, update, grad_norm):
+        self.updates += 1
+
+    def state_dict(self) -> dict:
+        return {"updates": self.updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.updates = state["updates"]
+
+
+class RenamedCounter(Counter):
+    """The same policy after its class was renamed: its declared key is unchanged."""
+
+
+def _counting_loop(model_dir, policy: Policy, out):
+    return simple_loop(_config(model_dir, max_steps=4, noise_scale=False), load_model(model_dir), _data(),
+                       default_data_collator, 4, checkpoints=out, policies=[policy])
+
+
+def test_policy_state_is_saved_under_its_declared_key_so_a_renamed_class_resumes(tiny_model_dir, tmp_path):
+    _counting_loop(tiny_model_dir, Counter(), tmp_path / "a").fit()
+    checkpoint = tmp_path / "a" / "checkpoint-2"
+    assert torch.load(checkpoint / "train_state.pt", weights_only=True)["policies"]["counter"] == {"updates": 2}
+    renamed = RenamedCounter()
+    load_checkpoint(_counting_loop(tiny_model_dir, renamed, tmp_path / "b"), checkpoint)
+    assert renamed.updates == 2
+    # a checkpoint of an earlier version kept the state under the class name: still found
+    state = torch.load(checkpoint / "train_state.pt", weights_only=True)
+    state["policies"] = {"Counter": state["policies"].pop("counter"), **state["policies"]}
+    loop = _counting_loop(tiny_model_dir, Counter(), tmp_path / "c")
+    loop.load_state_dict(state)
+    assert loop.policies[-1].updates == 2
+
+
+def test_grpo_s_completions_per_pass_from_an_earlier_checkpoint_go_to_the_geometry(tiny_model_dir):
+    """Earlier versions kept GRPO's micro-batch in its own state, under the class name; a resume puts it in the
+    loop's geometry, the one record GRPO reads."""
+    from finetune.recipe.schema import GRPOConfig
+    from finetune.train.grpo import GRPO
+
+    grpo = GRPO(GRPOConfig(), [], tokenizer=None)
+    loop = simple_loop(_config(tiny_model_dir, noise_scale=False), load_model(tiny_model_dir), _data(),
+                       default_data_collator, 1, policies=[grpo])
+    state = loop.state_dict()
+    state["policies"] = {"GRPO": {"micro_batch": 3, "generation_rows": 16}}
+    loop.load_state_dict(state)
+    grpo.on_train_begin(loop)
+    assert loop.geometry.completion_rows == 3 and grpo.generation_rows == 16
+    assert loop.state_dict()["policies"]["grpo"] == {"generation_rows": 16}
+
+
+def test_a_policy_with_state_must_declare_its_key(tiny_model_dir, tmp_path):
+    class Unnamed(Counter):
+        key = None
+
+    with pytest.raises(ValueError, match="Unnamed keeps state .* declares no checkpoint `key`"):
+        _counting_loop(tiny_model_dir, Unnamed(), tmp_path)
+
+
+def test_after_a_recovery_every_reader_takes_the_micro_batch_from_the_geometry(tiny_model_dir, tmp_path,
+                                                                              monkeypatch):
+    """One record of the batch shape: an out-of-memory error at step 2 halves the micro-batch; the loop's
+    geometry, the recovery's recipe (what recipe.yaml and --resume get) and the checkpoint all say so."""
+    from finetune.train.recovery import FAULT_ENV, OOMRecovery
+
+    monkeypatch.setenv(FAULT_ENV, "2")
+    told = []
+    config = _config(tiny_model_dir, micro_batch_size=2, max_steps=3, noise_scale=False)
+    recovery = OOMRecovery(config.recipe, tmp_path, lambda event, recipe: told.append(recipe))
+    loop = simple_loop(config, load_model(tiny_model_dir), _data(), default_data_collator, 3,
+                       checkpoints=tmp_path / "c", policies=[recovery])
+    loop.fit()
+    assert (loop.geometry.splits, loop.geometry.part_rows) == (2, 1)
+    for recipe in (recovery.recipe, told[0]):
+        assert (recipe.training.micro_batch_size, recipe.training.gradient_accumulation_steps) == (1, 2)
+    state = torch.load(tmp_path / "c" / "checkpoint-2" / "train_state.pt", weights_only=True)
+    assert state["geometry"]["splits"] == 2 and state["loop"]["step"] == 2
+
+
+def test_a_batch_is_typed_and_its_extra_inputs_reach_the_model_s_forward(tiny_model_dir):
+    """A collator's keys beyond the named fields (a vision-language batch's pixel_values) land in Batch.extra
+    and are passed to the model's forward as keyword arguments, on the device."""
+    from finetune.data.batch import Batch
+
+    def collator(rows):
+        return {**default_data_collator(rows), "pixel_values": torch.full((len(rows), 3), 7.0)}
+
+    batch = Batch.of(collator(_data(2)))
+    assert batch.labels is not None and batch.position_ids is None and set(batch.extra) == {"pixel_values"}
+    assert set(batch) == {"input_ids", "labels", "pixel_values"} and "position_ids" not in batch
+    seen = []
+
+    def take(module, args, kwargs):  # the tiny model has no vision tower: note the input and drop it
+        seen.append(kwargs.pop("pixel_values"))
+        return args, kwargs
+
+    model = load_model(tiny_model_dir)
+    model.register_forward_pre_hook(take, with_kwargs=True)
+    simple_loop(_config(tiny_model_dir, micro_batch_size=2, max_steps=1, noise_scale=False), model, _data(),
+                collator, 1).fit()
+    assert len(seen) == 1 and seen[0].shape == (2, 3) and bool((seen[0] == 7).all())
 
 
 class _Syncs:

@@ -36,6 +36,27 @@ def test_every_entry_has_what_the_how_to_add_list_says(spec):
     assert training.spec is spec and training.uses_reference == spec.reference
 
 
+@pytest.mark.parametrize("spec", METHODS, ids=lambda s: s.name)
+def test_every_entry_names_an_objective_factory_the_loop_can_call_blind(spec):
+    """The factory takes (config, context); for a loss over collated batches it makes an Objective whose
+    preference loss is the method's (GRPO's, which needs rewards and a tokenizer, trains in test_grpo_run)."""
+    from finetune.recipe import validate_recipe
+    from finetune.recipe.resolved import resolve as resolve_config
+    from finetune.train.objectives import MethodContext, make_objective
+
+    factory = resolve(spec.objective)
+    assert list(inspect.signature(factory).parameters) == ["config", "context"]
+    if spec.generates:
+        return
+    config = resolve_config(validate_recipe({
+        **BASE, "training": {"method": spec.name, "micro_batch_size": 1, "gradient_accumulation_steps": 1},
+        "memory": {"activation_checkpointing": False, "chunked_loss": False, "tiled_mlp": False}}))
+    objective = make_objective(config, MethodContext())
+    assert all(callable(getattr(objective, name)) for name in ("forward_backward", "evaluate", "training_metrics"))
+    assert objective.evaluates_before == spec.preference
+    assert objective.preference is None if not spec.preference else objective.preference.method == spec.name
+
+
 def test_unknown_method_is_refused_naming_the_known_ones():
     with pytest.raises(ValidationError) as raised:
         Recipe.model_validate({**BASE, "training": {"method": "ppo"}})

@@ -271,12 +271,12 @@ def test_an_offload_tier_whose_preflight_fails_mid_recovery_is_passed_over(tmp_p
 
 def test_out_of_memory_in_evaluation_is_a_clear_error_with_the_completed_step_saved(
         tmp_path, tiny_model_dir, monkeypatch, capsys):
-    from finetune.train.loop import TrainLoop
+    from finetune.train.objectives import LossObjective
 
     def oom(self, *args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (simulated in evaluation)")
 
-    monkeypatch.setattr(TrainLoop, "_evaluate", oom)
+    monkeypatch.setattr(LossObjective, "evaluate", oom)
     path = tmp_path / "eval.yaml"
     path.write_text(yaml.safe_dump(_recipe(tmp_path, tiny_model_dir, "eval", training={"max_steps": 1},
                                            data={"validation_split": 0.25})))

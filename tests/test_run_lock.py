@@ -214,14 +214,14 @@ def test_a_run_that_failed_after_unlogged_steps_keeps_its_folder(tmp_path, tiny_
     from finetune.train.loop import TrainLoop
     from finetune.train.run import run
 
-    step = TrainLoop._forward_backward
+    step = TrainLoop.forward_backward
 
     def failing(self, *args, **kwargs):
         if self.state.step >= 2:
             raise RuntimeError("injected failure in step 3")
         return step(self, *args, **kwargs)
 
-    monkeypatch.setattr(TrainLoop, "_forward_backward", failing)
+    monkeypatch.setattr(TrainLoop, "forward_backward", failing)
     recipe = validate_recipe(_recipe_dict(tmp_path, tiny_model_dir, training={"max_steps": 8, "logging_steps": 5}))
     with pytest.raises(RuntimeError, match="injected failure"):
         run(recipe)

@@ -9,16 +9,19 @@ block-diagonal causal mask for sdpa and eager attention (flash-attention uses th
 adds). That detection is skipped when a KV cache exists, and models create one in training when
 `config.use_cache` is true, so packed batches also carry `use_cache=False`.
 Unpacked batches are padded on the right: `input_ids` with the pad token, `labels` with -100, plus
-`attention_mask`.
+`attention_mask`. A run's collator (`make_collator`) returns them typed, as `finetune.data.batch.Batch`.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+from finetune.data.batch import Batch
 
 
 def pack(dataset: Any, max_seq_len: int) -> Any:
@@ -87,12 +90,23 @@ class PreferenceCollator(DataCollatorForLanguageModeling):
         return batch
 
 
-def make_collator(tokenizer: Any, packed: bool, kind: str = "sft") -> DataCollatorForLanguageModeling:
+@dataclass(frozen=True)
+class BatchCollator:
+    """A collator whose batches are typed (`finetune.data.batch.Batch`): the TRL collator's dict, any key beyond
+    the named fields in `Batch.extra`."""
+
+    collate: Callable[[list[dict[str, Any]]], Mapping[str, Any]]
+
+    def __call__(self, examples: list[dict[str, Any]]) -> Batch:
+        return Batch.of(self.collate(examples))
+
+
+def make_collator(tokenizer: Any, packed: bool, kind: str = "sft") -> BatchCollator:
     """The collator for this data: padding-free for packed rows, right-padding with attention_mask otherwise;
     kind pair or kto (finetune.data.build.data_kind): preference batches."""
     pad = tokenizer.pad_token_id
     if pad is None:
         pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     if kind != "sft":
-        return PreferenceCollator(pad_token_id=pad, pairs=kind == "pair")
-    return PackedCollator(pad_token_id=pad) if packed else DataCollatorForLanguageModeling(pad_token_id=pad)
+        return BatchCollator(PreferenceCollator(pad_token_id=pad, pairs=kind == "pair"))
+    return BatchCollator(PackedCollator(pad_token_id=pad) if packed else DataCollatorForLanguageModeling(pad_token_id=pad))

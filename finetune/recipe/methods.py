@@ -2,8 +2,9 @@
 
 The schema takes its method names, their description, which training.* keys apply to which method and
 whether a method needs the reference model from here; `finetune.data.build` builds the data kind a method
-declares; `finetune.memory.preference` runs the loss it names; the planner and the batch engine read its
-geometry hooks. This module imports no torch (the schema, at the bottom of the import graph, imports it): a
+declares; `finetune.memory.preference` runs the loss it names; the training loop calls the objective its
+factory makes (`objective`, finetune/train/objectives.py: a loss over collated batches unless the method
+brings its own, as GRPO does); the planner and the batch engine read its geometry hooks. This module imports no torch (the schema, at the bottom of the import graph, imports it): a
 loss is named as "module:function" and imported only when a step computes it.
 
 How to add a training method (docs/architecture.md, "How to add"): append one `MethodSpec` to `METHODS`
@@ -32,7 +33,8 @@ class MethodSpec:
     name: str  # the recipe's training.method value
     summary: str  # a few words for the training.method description (docs/recipe.md)
     data_kind: DataKind
-    loss: str  # "module:function": the method's objective (pairwise signature above for data kind "pair")
+    loss: str  # "module:function": the method's loss (pairwise signature above for data kind "pair")
+    objective: str = "finetune.train.objectives:loss_objective"  # "module:function": its Objective's factory
     rows_per_example: int = 1  # sequences one example puts in a batch (a pair: chosen, then rejected)
     reference: bool = False  # the loss compares against the reference model (training.reference_free drops it)
     keys: tuple[str, ...] = ()  # training.* keys that apply only to the methods naming them here
@@ -68,6 +70,7 @@ METHODS: tuple[MethodSpec, ...] = (
                whole_batch="kto's reference point is the mean of its batch's answers: a batch of one learns nothing"),
     MethodSpec("grpo", "grpo (reinforcement learning from rewards on the model's own answers to prompts; its keys "
                "are in the grpo section; docs/rl.md)", "prompt", "finetune.rl.grpo_loss:grpo_loss",
+               objective="finetune.train.grpo:grpo_objective",
                packing="GRPO generates from one prompt at a time", generates=True),
 )
 

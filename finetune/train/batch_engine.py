@@ -64,7 +64,7 @@ from finetune.recipe.batch_rules import (
 from finetune.recipe.resolved import RunConfig
 from finetune.rundir import RunDir
 from finetune.train.noise_scale import NoiseScale, labelled_tokens
-from finetune.train.policy import Geometry, Part, Policy, Step, Update
+from finetune.train.policy import Geometry, Micro, Part, Policy, Step, Update
 from finetune.train.sub_updates import plan_sub_updates
 
 MIN_OBSERVATIONS = 5  # fresh noise-scale observations between two changes
@@ -98,6 +98,8 @@ class BatchEngine(Policy):
     """The update batch and the accumulation follow the noise scale when effective_batch_size is auto (see
     the module docstring); with a fixed batch it only times the steps (results.json's advice uses them)."""
 
+    key = "batch_engine"
+
     def __init__(self, config: RunConfig, noise: NoiseScale, geometry: Geometry, device: torch.device,
                  on_batch_change: Callable[[dict], None] | None = None):
         recipe = config.recipe
@@ -124,7 +126,7 @@ class BatchEngine(Policy):
         self._loaded = False
         self._warmup_ended: int | None = None  # a resumed run's update batch whose warmup cannot go on
         self.geometry = geometry  # the loop's; the engine changes it through loop.set_geometry
-        why_not = self._no_warmup(geometry) if self.engine_on else None
+        why_not = self.no_warmup(geometry) if self.engine_on else None
         # the warmup starts at one sequence per update where it can (module docstring)
         self._start = (self.step_batch if why_not else 1) if self.engine_on else None
         geometry.update_batch = self._start  # the loop does not exist yet: its starting geometry
@@ -132,7 +134,7 @@ class BatchEngine(Policy):
             if why_not and self.step_batch > 1:
                 console.print(f"batch warmup: off ({why_not}); updates of the whole micro-batch from the start")
 
-    def _no_warmup(self, geometry: Geometry) -> str | None:
+    def no_warmup(self, geometry: Geometry) -> str | None:
         """Why updates smaller than the loader batch cannot run here (None: they can)."""
         if self.recipe.optimizer.layerwise:
             return "a layer-wise optimizer updates inside backward, so an update cannot end inside a micro-batch"
@@ -160,7 +162,7 @@ class BatchEngine(Policy):
         if not self._loaded and self.sub_updating():  # the run's first change: to updates of u sequences
             self._record(self._changed(loop, (self.step_batch, 1), None, None, step=0))
         if self._warmup_ended is not None:
-            console.print(f"batch warmup: ended on resume ({self._no_warmup(loop.geometry)})")
+            console.print(f"batch warmup: ended on resume ({self.no_warmup(loop.geometry)})")
             self._record(self._changed(loop, (self._warmup_ended, self.accumulation), None, None, loop.state.step))
             self._warmup_ended = None
         loop.set_geometry(group=self._size)
@@ -178,17 +180,17 @@ class BatchEngine(Policy):
         total = updates[0].num_items
         planned = []
         for chunks in chunked:
-            collated = {id(c): loop.collate(c) for c in chunks}
+            micro = [Micro(c, loop.collate(c)) for c in chunks]
             items = None
             if total is not None:
-                items = sum(labelled_tokens(c) for c in collated.values())
+                items = sum(labelled_tokens(m.batch) for m in micro)
             share = items / total if items is not None else sum(map(len, chunks)) / len(rows)
-            planned.append(Update(micro_batches=chunks, num_items=items, share=share, collated=collated))
+            planned.append(Update(micro_batches=micro, num_items=items, share=share))
         return planned
 
     def on_step_begin(self, loop, step: Step) -> None:
         self._marks = [self._clock.mark()]
-        if self.engine_on and not loop.pending and self._size != (size := self._group_size(loop)):
+        if self.engine_on and not loop.steps_waiting and self._size != (size := self._group_size(loop)):
             self._size = size
             loop.set_geometry(group=size)
 
@@ -198,12 +200,12 @@ class BatchEngine(Policy):
         return loss
 
     def defers(self, loop, step: Step) -> bool:
-        return self.engine_on and len(loop.pending) + 1 < self._size and step.number < loop.schedule.max_steps
+        return self.engine_on and loop.steps_waiting + 1 < self._size and step.number < loop.schedule.max_steps
 
     @torch.no_grad()
     def before_update(self, loop, update: Update) -> None:
         """The group's update is the mean of its loader batches' gradients (each already a token mean)."""
-        size = len(loop.pending) + 1
+        size = loop.steps_waiting + 1
         if self.engine_on and size > 1:
             for p in loop.model.parameters():
                 if p.grad is not None:

@@ -29,30 +29,37 @@ from typing import Any
 
 import torch
 
+from finetune.console import console
 from finetune.data.prompts import PromptExample
 from finetune.errors import FinetuneError
+from finetune.recipe.resolved import RunConfig
 from finetune.recipe.schema import GRPOConfig
-from finetune.rl.rewards import NamedReward
+from finetune.rl.rewards import NamedReward, build_rewards
 from finetune.rl.step import MicroBatch, Rollout, generate_and_score, grpo_forward_backward, held_out_rewards
 from finetune.rundir import EVAL_PREFIX
+from finetune.train import distributed
 from finetune.train.loop import first_line, free_cached_memory
-from finetune.train.policy import Part, Policy, Step, Update
+from finetune.train.objectives import MethodContext
+from finetune.train.policy import Micro, Part, Policy, Step, Update
 
 METRIC_PREFIXES = ("reward", "completion_length", "clip_ratio", "kl", "generation_tokens_per_second",
                    "training_tokens_per_second")
 
 
 class GRPO(Policy):
-    """The GRPO step as a loop policy and objective (module docstring). `micro_batch`: completions per
-    forward/backward; `on_samples(rows)`: a few sampled completions per logged step (the run's
+    """The GRPO step as a loop policy and objective (module docstring). Its completions per forward/backward
+    are the loop's `Geometry.completion_rows`; `on_samples(rows)`: a few sampled completions per logged step (the run's
     completions.jsonl); `on_recovery(event)`: an out-of-memory recovery, for the run log."""
 
-    def __init__(self, config: GRPOConfig, rewards: Sequence[NamedReward], tokenizer: Any, micro_batch: int, *,
+    key = "grpo"
+    evaluates_before = True  # the held-out rewards before training, for results.json
+
+    def __init__(self, config: GRPOConfig, rewards: Sequence[NamedReward], tokenizer: Any, *,
                  on_samples: Callable[[list[dict]], None] | None = None,
                  on_recovery: Callable[[str], None] | None = None, samples: int = 4,
                  generation_rows: int | None = None):
         self.config, self.rewards, self.tokenizer = config, list(rewards), tokenizer
-        self.micro_batch = micro_batch
+        self._resumed_rows: int | None = None  # a checkpoint of an earlier version's completions per pass
         self.generation_rows = generation_rows  # completions per generate call (the planned
         # grpo.generation_batch_size); None: the step's all
         self.on_samples, self.on_recovery, self.samples = on_samples, on_recovery, samples
@@ -97,28 +104,26 @@ class GRPO(Policy):
         """The step's rollout; its sampling seed is a function of the run's seed and the step alone."""
         model = loop.accelerator.unwrap_model(loop.model)
         return generate_and_score(model, self.tokenizer, prompts, self.config, self.rewards,
-                                  logps_rows=self.micro_batch, generation_rows=self.generation_rows,
+                                  logps_rows=loop.geometry.completion_rows, generation_rows=self.generation_rows,
                                   seed=loop.schedule.seed * 1_000_003 + step, autocast=loop.accelerator.autocast,
                                   samples=self.samples)
 
     def _updates(self, loop) -> list[Update]:
-        """num_iterations updates over the rollout's completions in micro-batches of self.micro_batch."""
+        """num_iterations updates over the rollout's completions in micro-batches of the geometry's
+        completion_rows."""
         rollout = self.rollout
         rows = rollout.input_ids.shape[0]
         window = None
         if loop.processes > 1 and self.config.loss_type == "dapo":  # every process's tokens, then DDP averages
             tokens = loop.accelerator.gather(rollout.completion_mask.sum().reshape(1).float())
             window = float(tokens.sum()) / loop.processes
-        micro = rollout.micro_batches(math.ceil(rows / self.micro_batch), window)
-        return [Update(micro_batches=(batches := [[{"completion": j} for j in range(len(m.advantages))]
-                                                  for m in micro]),
-                       share=1 / self.config.num_iterations, whole=True,
-                       collated={id(b): {"micro": m} for b, m in zip(batches, micro, strict=True)})
+        micro = rollout.micro_batches(math.ceil(rows / loop.geometry.completion_rows), window)
+        return [Update(micro_batches=[Micro(batch=m) for m in micro], share=1 / self.config.num_iterations)
                 for _ in range(self.config.num_iterations)]
 
     # -- training -----------------------------------------------------------------------------------------
     def forward_backward(self, loop, part: Part) -> torch.Tensor:
-        micro: MicroBatch = part.inputs["micro"]
+        micro: MicroBatch = part.batch
         result = grpo_forward_backward(loop.model, micro, self.config, autocast=loop.accelerator.autocast,
                                        backward=loop.backward)
         self._add("clip_ratio", result.clip_ratio)
@@ -129,13 +134,14 @@ class GRPO(Policy):
     def on_oom(self, loop, step: Step, failure: str, phase: str) -> bool:
         """A forward/backward ran out of memory: halve the micro-batch and run the step's remaining updates
         again over the same completions."""
-        if phase != "step" or self.micro_batch <= 1 or self.rollout is None:
+        rows = loop.geometry.completion_rows
+        if phase != "step" or rows <= 1 or self.rollout is None:
             return False
-        self.micro_batch = max(1, self.micro_batch // 2)
+        loop.set_geometry(completion_rows=max(1, rows // 2))
         redone = self._updates(loop)
         step.updates[step.applied:] = redone[step.applied:]
         self._said(f"out of memory in step {step.number}'s forward/backward ({failure}): training "
-                   f"micro-batch {self.micro_batch} completions")
+                   f"micro-batch {loop.geometry.completion_rows} completions")
         return True
 
     def on_step_end(self, loop, step: Step) -> None:
@@ -147,7 +153,7 @@ class GRPO(Policy):
     # -- evaluation and logs ------------------------------------------------------------------------------
     def evaluate(self, loop) -> dict[str, float]:
         """The held-out prompts' greedy answers, scored; means over every process's prompts."""
-        data = loop.eval_data
+        data = loop.data.eval
         mine = [data[j] for j in range(loop.rank, len(data), loop.processes)]
         model = loop.accelerator.unwrap_model(loop.model)
         rows = self.generation_rows or loop.geometry.micro_batch * self.config.num_generations  # as a step's
@@ -162,16 +168,17 @@ class GRPO(Policy):
             out[f"{EVAL_PREFIX}{name}"] = float(total[0] / total[1]) if total[1] else math.nan
         return out
 
-    def log(self, loop, row: dict) -> None:
-        """A training row gets each metric's mean since the last row, over every process."""
-        if "loss" not in row:
-            return
+    def training_metrics(self, loop) -> dict[str, float]:
+        """Each metric's mean since the last training row, over every process."""
         totals = torch.tensor([self._sums.get(k, [0.0, 0]) for k in self.keys], dtype=torch.float64)
         if loop.processes > 1:  # every process logs at the same steps (the loop gathers the loss there too)
             totals = loop.accelerator.gather(totals.to(loop.accelerator.device).unsqueeze(0)).sum(0).cpu()
-        row.update({k: s / n for k, (s, n) in zip(self.keys, totals.tolist(), strict=True) if n})
         self._sums = {}
-        if self.on_samples is not None and self._latest:
+        return {k: s / n for k, (s, n) in zip(self.keys, totals.tolist(), strict=True) if n}
+
+    def log(self, loop, row: dict) -> None:
+        """A training row: the step's sampled answers go to the run's completions file."""
+        if "loss" in row and self.on_samples is not None and self._latest:
             self.on_samples(self._latest)
 
     def _add(self, key: str, value: float) -> None:
@@ -184,11 +191,18 @@ class GRPO(Policy):
         if self.on_recovery is not None:
             self.on_recovery(line)
 
+    def on_train_begin(self, loop) -> None:
+        if self._resumed_rows is not None:  # the loop's geometry holds it since; older checkpoints kept it here
+            loop.set_geometry(completion_rows=self._resumed_rows)
+            self._resumed_rows = None
+
     def state_dict(self) -> dict:
-        return {"micro_batch": self.micro_batch, "generation_rows": self.generation_rows}
+        return {"generation_rows": self.generation_rows}
 
     def load_state_dict(self, state: dict) -> None:
-        self.micro_batch, self.generation_rows = int(state["micro_batch"]), state["generation_rows"]
+        self.generation_rows = state["generation_rows"]
+        if "micro_batch" in state:
+            self._resumed_rows = int(state["micro_batch"])
 
 
 def _now() -> float:
@@ -196,3 +210,19 @@ def _now() -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return time.perf_counter()
+
+
+def grpo_objective(config: RunConfig, context: MethodContext) -> GRPO:
+    """GRPO's objective (and loop policy) with the recipe's rewards; rank 0 writes the sampled completions and
+    recoveries to the run directory."""
+    run_dir = context.run_dir if distributed.is_main() else None
+
+    def recovered(line: str) -> None:
+        console.print(line, style="yellow", markup=False)
+        if run_dir is not None:
+            run_dir.log_line(line)
+
+    return GRPO(config.recipe.grpo, build_rewards(config.recipe.grpo), context.tokenizer,
+                on_samples=run_dir.append_completions if run_dir is not None else None,
+                on_recovery=recovered if distributed.is_main() else None,
+                generation_rows=config.settings.generation_batch_size)

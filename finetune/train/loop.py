@@ -2,10 +2,14 @@
 
     for each step (`accumulation` loader batches):
         updates = the step's rows as updates of micro-batches (policies may re-plan: sub-updates, splits)
-        for each update: forward/backward of each micro-batch (finetune.memory.step.forward_backward)
+        for each update (`run_update`, the happy path): the objective's forward/backward of each micro-batch
                          then, unless a policy defers it: gradient norm and clipping, divergence check,
                          optimizer step, gradients freed
         scheduler step; log, evaluate, save, stop, in that order, as their schedules say
+    around the updates (`run_step`): an out-of-memory error lets the policies make the step cheaper, then again
+
+What a training method computes is its `Objective` (finetune/train/objectives.py, named by its registry entry),
+called blind on typed batches (finetune.data.batch.Batch, or an objective's own: GRPO's completions).
 
 Device placement, mixed precision and the gradient all-reduce of several processes (DDP, FSDP2, DeepSpeed)
 are accelerate's (`Accelerator`); everything else is in plain sight here. What varies by feature (the
@@ -20,20 +24,22 @@ recovery (B/k rows, k times the accumulation) sees the same examples in the same
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from finetune.data.batch import Batch
 from finetune.errors import FinetuneError
-from finetune.memory.preference import PreferenceLoss, metric_means
-from finetune.memory.step import compute_loss, forward_backward
 from finetune.optim import layerwise_of
 from finetune.train.noise_scale import labelled_tokens
-from finetune.train.policy import Geometry, Objective, Part, Policy, Step, Update
+from finetune.train.policy import Geometry, Micro, Objective, Part, Policy, Step, Update
 from finetune.train.rng import rng_state, set_rng_state
 
 EVAL_PREFIX = "eval_"
@@ -53,6 +59,56 @@ class Schedule:
     save_steps: int | None = None  # None: no periodic checkpoint (the last step and a stop still save)
     max_grad_norm: float | None = None
     seed: int = 0
+    learning_rate: float = 0.0  # the recipe's, named in the advice of a divergence
+
+
+@dataclass(frozen=True)
+class TrainParts:
+    """What trains: the model and optimizer (prepared by accelerate), the scheduler and the accelerator."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    accelerator: Any
+
+
+@dataclass(frozen=True)
+class LoopData:
+    """The examples and how a loader batch of them becomes a `Batch` (a collator may return a Batch or a dict
+    of its names, finetune.data.batch)."""
+
+    train: Sequence
+    eval: Sequence | None = None
+    collator: Callable[[list], Batch | Mapping[str, Any]] = Batch.of
+    pad_token_id: int | None = None  # tokens counted as seen leave it out where a batch has no attention mask
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """The memory savers of each forward/backward; an out-of-memory recovery changes them through
+    `TrainLoop.set_memory`."""
+
+    chunked_loss: bool = False
+    offload: Any = None  # an ActivationOffload entered around each forward/backward (the run closes the last)
+
+
+def _never() -> bool:
+    return False
+
+
+def _nothing_kept() -> str:
+    return "no checkpoint is known"
+
+
+@dataclass(frozen=True)
+class RunHooks:
+    """The run around the loop: `save(loop)` writes a checkpoint and returns its folder
+    (finetune.train.train_state.save_checkpoint, so the loop holds no file layout); `should_stop()` is asked
+    after each step (Ctrl-C); `kept()` says what a failure leaves to resume from."""
+
+    save: Callable[[TrainLoop], str] | None = None
+    should_stop: Callable[[], bool] = _never
+    kept: Callable[[], str] = _nothing_kept
 
 
 @dataclass
@@ -85,41 +141,27 @@ def accepts_loss_kwargs(model: torch.nn.Module) -> bool:
 
 
 class TrainLoop:
-    """One run's training: the model, optimizer and scheduler, the data, the schedule and the policies.
+    """One run's training: what trains, the data, the batch geometry, the schedule, the method's objective and
+    the policies. Policies read the loop and change it only through `set_geometry` and `set_memory`."""
 
-    `save(loop)` writes a checkpoint of the loop as it is and returns its folder
-    (finetune.train.train_state.save_checkpoint, given by the caller so the loop holds no file layout);
-    `should_stop()` is asked after each step (Ctrl-C); `kept()` says what a failure leaves to resume from.
-    """
-
-    def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                 accelerator: Any, train_data: Sequence, eval_data: Sequence | None,
-                 collator: Callable[[list], dict], geometry: Geometry, schedule: Schedule,
-                 policies: Sequence[Policy] = (), preference: PreferenceLoss | None = None,
-                 objective: Objective | None = None,
-                 chunked_loss: bool = False, offload: Any = None,
-                 save: Callable[[TrainLoop], str] | None = None, should_stop: Callable[[], bool] = lambda: False,
-                 learning_rate: float = 0.0, pad_token_id: int | None = None,
-                 kept: Callable[[], str] = lambda: "no checkpoint is known"):
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.accelerator = accelerator
-        self.train_data, self.eval_data, self.collator = train_data, eval_data, collator
-        self.geometry, self.schedule = geometry, schedule
+    def __init__(self, parts: TrainParts, data: LoopData, geometry: Geometry, schedule: Schedule,
+                 objective: Objective, *, policies: Sequence[Policy] = (), memory: MemorySettings = MemorySettings(),
+                 hooks: RunHooks = RunHooks()):
+        self.model, self.optimizer = parts.model, parts.optimizer
+        self.scheduler, self.accelerator = parts.scheduler, parts.accelerator
+        self.data, self.geometry, self.schedule = data, geometry, schedule
+        self.objective, self.memory, self.hooks = objective, memory, hooks
         self.policies = list(policies)
-        self.preference, self.chunked_loss, self.offload = preference, chunked_loss, offload
-        self.objective = objective  # None: the loss of the collated batches (finetune.memory.step)
-        self._save, self.should_stop = save, should_stop
-        self.learning_rate, self.pad_token_id, self.kept = learning_rate, pad_token_id, kept
+        _check_keys(self.policies)
         self.state = LoopState(log_history=[])
-        self.accepts_loss_kwargs = accepts_loss_kwargs(model)
-        self.processes = accelerator.num_processes
-        self.rank = accelerator.process_index
+        self.accepts_loss_kwargs = accepts_loss_kwargs(parts.model)
+        self.processes = parts.accelerator.num_processes
+        self.rank = parts.accelerator.process_index
         self.stopped = False  # a should_stop() ended training early
-        self._stop_due = self._save_due = False
-        self.pending: list[Step] = []  # earlier steps whose gradients wait in .grad for a later update
-        self.current: Step | None = None  # the step in progress
         self.undone = True  # the last dropped gradients changed no weight (a layer-wise optimizer may have)
-        self.preference_metrics: dict[str, dict] = {"train": {}, "eval": {}}
+        self._stop_due = self._save_due = False
+        self._pending: list[Step] = []  # earlier steps whose gradients wait in .grad for a later update
+        self._current: Step | None = None  # the step in progress
         self._loss_sum: torch.Tensor | None = None  # step losses since the last log (a device tensor)
         self._logged_at = 0
         self._loss_finite: torch.Tensor | None = None
@@ -128,13 +170,23 @@ class TrainLoop:
         self._tokens_since: torch.Tensor | int = 0
         self.sync_layerwise()
 
-    # -- geometry ---------------------------------------------------------------------------------------
-    def set_geometry(self, **changes: int) -> None:
-        """Change the batch shape (an out-of-memory recovery's splits, a policy's group), keeping what depends
-        on it in step: a layer-wise optimizer's backward count per update."""
+    # -- what policies may change -------------------------------------------------------------------------
+    def set_geometry(self, **changes: int | None) -> None:
+        """Change the batch shape (an out-of-memory recovery's splits or GRPO's completions per
+        forward/backward, a policy's group), keeping what depends on it in step: a layer-wise optimizer's
+        backward count per update. The geometry is the one record of the batch shape: every policy reads it."""
         for key, value in changes.items():
+            if not hasattr(self.geometry, key):
+                raise AttributeError(f"Geometry has no field {key!r}")
             setattr(self.geometry, key, value)
         self.sync_layerwise()
+
+    def set_memory(self, **changes: Any) -> None:
+        """Change the memory savers (an out-of-memory recovery's); an offload replaced is closed first."""
+        offload = changes.get("offload", self.memory.offload)
+        if offload is not self.memory.offload and self.memory.offload is not None:
+            self.memory.offload.close()
+        self.memory = dataclasses.replace(self.memory, **changes)
 
     def sync_layerwise(self) -> None:
         layerwise = layerwise_of(self.optimizer)
@@ -142,12 +194,38 @@ class TrainLoop:
             g = self.geometry
             layerwise.steps_per_update = g.accumulation * g.splits * g.group
 
+    @property
+    def offload(self) -> Any:
+        """The activation offload in use (None: none), which the run closes at the end."""
+        return self.memory.offload
+
+    @property
+    def steps_waiting(self) -> int:
+        """Earlier steps whose gradients wait in .grad for the update of a later step (a policy's group)."""
+        return len(self._pending)
+
+    def is_last_update(self, update: Update) -> bool:
+        """Whether `update` is the last of the step in progress."""
+        return self._current is not None and update is self._current.updates[-1]
+
+    def rewind_rng(self, step: Step) -> None:
+        """Put the RNG streams back where the first update of `step` not yet applied began (the group's first
+        step's start while earlier steps of a group wait)."""
+        first = self._pending[0] if self._pending else step
+        state = first.rng if step.applied == 0 else step.rng
+        if state is not None:
+            set_rng_state(state)
+
+    def kept(self) -> str:
+        """What a failure now leaves to resume from, in words."""
+        return self.hooks.kept()
+
     # -- data -------------------------------------------------------------------------------------------
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         """This process's loader batches of `epoch` (indices): a permutation seeded by (seed, epoch) cut in
         micro-batches, dealt round-robin to the processes (the last round padded from the start, as
         accelerate's even batches do)."""
-        n, b = len(self.train_data), self.geometry.micro_batch
+        n, b = len(self.data.train), self.geometry.micro_batch
         order = torch.randperm(n, generator=torch.Generator().manual_seed(self.schedule.seed + epoch)).tolist()
         batches = [order[i:i + b] for i in range(0, n, b)]
         if self.processes > 1:
@@ -168,16 +246,13 @@ class TrainLoop:
                 done += 1
             epoch += 1
 
-    def collate(self, rows: list[dict]) -> dict:
-        return self.to_device(self.collator(rows))
+    def collate(self, rows: list[dict]) -> Batch:
+        """`rows` as one Batch on the device."""
+        return Batch.of(self.data.collator(rows)).to(self.accelerator.device)
 
-    def to_device(self, batch: dict) -> dict:
-        device = self.accelerator.device
-        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-    def step_items(self, collated: Sequence[dict]) -> torch.Tensor | None:
+    def step_items(self, collated: Sequence[Batch]) -> torch.Tensor | None:
         """Labelled tokens of `collated` over every process (None when losses are means)."""
-        if not self.accepts_loss_kwargs or not collated or "labels" not in collated[0]:
+        if not self.accepts_loss_kwargs or not collated or collated[0].labels is None:
             return None
         items = sum(labelled_tokens(c) for c in collated)
         if self.processes > 1:
@@ -194,7 +269,7 @@ class TrainLoop:
             for epoch, indices in self._steps():
                 if self.state.step >= self.schedule.max_steps:
                     break
-                rows = [[self.train_data[i] for i in batch] for batch in indices]
+                rows = [[self.data.train[i] for i in batch] for batch in indices]
                 step = Step(number=self.state.step + 1, batches=rows, collated=[self.collate(r) for r in rows])
                 self.run_step(step)
                 self._count_tokens(step)
@@ -210,22 +285,31 @@ class TrainLoop:
 
     def default_updates(self, step: Step) -> list[Update]:
         """The step as one update of its loader batches."""
-        return [Update(micro_batches=list(step.batches), num_items=self.step_items(step.collated))]
+        micro = [Micro(rows, batch) for rows, batch in zip(step.batches, step.collated, strict=True)]
+        return [Update(micro_batches=micro, num_items=self.step_items(step.collated))]
 
     def run_step(self, step: Step) -> None:
-        """The step's updates; an out-of-memory error in a forward/backward lets the policies make the step
-        cheaper and runs it again from its first update not yet applied, with the RNG streams as they were."""
-        self.current = step
+        """The step's updates (`run_update` each). Wrapped around them: an out-of-memory error in a
+        forward/backward lets the policies make the step cheaper and runs it again from its first update not
+        yet applied (with a group's waiting steps first), the RNG streams as they were there."""
+        self._current = step
         updates = self.default_updates(step)
         for p in self.policies:
             updates = p.plan_updates(self, step, updates)
         step.updates = updates
         for p in self.policies:
             p.on_step_begin(self, step)
-        retry = False
+        if step.rng is None:
+            step.rng = rng_state()
         while True:
             try:
-                self._run_updates(step, retry)
+                for j in range(step.applied, len(step.updates)):
+                    last = j == len(step.updates) - 1
+                    if not self.run_update(step, step.updates[j], last_of_step=last):
+                        return  # deferred: its gradients wait for a later step's update
+                    if not last:
+                        step.applied, step.rng = j + 1, rng_state()
+                self._pending = []
                 return
             except torch.OutOfMemoryError as exc:
                 failure = first_line(exc)
@@ -233,75 +317,71 @@ class TrainLoop:
             self.drop_gradients()
             if not any(p.on_oom(self, step, failure, "step") for p in self.policies):
                 raise torch.OutOfMemoryError(failure)
-            retry = True
+            self._redo_waiting(step)
 
-    def _run_updates(self, step: Step, retry: bool) -> None:
-        first = self.pending[0] if self.pending else step
-        if step.rng is None:
-            step.rng = rng_state()
-        if retry:  # the group's earlier steps (their losses were counted) and the updates not yet applied
-            set_rng_state(first.rng if step.applied == 0 else step.rng)
-            if step.applied == 0:
-                for earlier in self.pending:
-                    self._run_update(earlier, earlier.updates[-1], last_of_step=False)
-            step.loss = step.loss if step.applied else None
-        for j in range(step.applied, len(step.updates)):
-            update, last = step.updates[j], j == len(step.updates) - 1
-            loss = self._run_update(step, update, last_of_step=last)
-            step.loss = loss * update.share if step.loss is None else step.loss + loss * update.share
-            if last and any(p.defers(self, step) for p in self.policies):
-                step.deferred = True
-                self.pending.append(step)
-                return
-            self.apply_update(step, update)
-            if not last:
-                step.applied, step.rng = j + 1, rng_state()
-        self.pending = []
+    def run_update(self, step: Step, update: Update, last_of_step: bool) -> bool:
+        """One optimizer update, the happy path (nanoGPT's micro-step loop): the forward/backward of each part of
+        its micro-batches, their gradients summed in .grad; then, unless a policy keeps them for a later step
+        (returns False), clip, check for divergence, step the optimizer and free the gradients."""
+        loss = None
+        for part, final in self.parts(update, last_of_step):
+            with self._syncing(final):
+                part_loss = self.forward_backward(part)
+            loss = part_loss if loss is None else loss + part_loss
+        step.loss = loss * update.share if step.loss is None else step.loss + loss * update.share
+        if last_of_step and any(p.defers(self, step) for p in self.policies):
+            step.deferred = True
+            self._pending.append(step)
+            return False
+        self.apply_update(step, update)
+        return True
 
-    def _run_update(self, step: Step, update: Update, last_of_step: bool) -> torch.Tensor:
-        """Forward/backward of every micro-batch of `update`, in parts of geometry.part_rows rows (all of it when
-        the update says `whole`); the update's loss (a token mean, or the mean of its parts' means)."""
+    def _redo_waiting(self, step: Step) -> None:
+        """Before a retry: the RNG streams put back, and when the step is retried from its start, the
+        gradients of the group's waiting steps made again (their losses were counted already)."""
+        self.rewind_rng(step)
+        if step.applied:
+            return
+        for earlier in self._pending:
+            for part, final in self.parts(earlier.updates[-1], last_of_step=False):
+                with self._syncing(final):
+                    self.forward_backward(part)
+        step.loss = None
+
+    def parts(self, update: Update, last_of_step: bool) -> Iterator[tuple[Part, bool]]:
+        """The update's forward/backwards, in order, and whether each is its last: each micro-batch whole when
+        it has at most geometry.part_rows rows (or none: an objective's own batch), else in parts of that many
+        rows, each collated when it is reached."""
         size = self.geometry.part_rows
-        whole = {**{id(rows): c for rows, c in zip(step.batches, step.collated, strict=True)}, **update.collated}
-        parts: list[tuple[list, dict | None]] = []
+        micro: list[Micro] = []
         for mb in update.micro_batches:
-            if len(mb) <= size or update.whole:
-                parts.append((mb, whole.get(id(mb))))
+            if len(mb.rows) <= size:
+                micro.append(mb)
             else:
-                parts += [(mb[i:i + size], None) for i in range(0, len(mb), size)]
-        total = None
-        for i, (rows, collated) in enumerate(parts):
-            inputs = collated if collated is not None else self.collate(rows)
-            final = i == len(parts) - 1
-            no_sync = self.processes > 1 and not final
-            if self.processes > 1:  # DeepSpeed reduces (and steps) in the backward where this is True
-                self.accelerator.sync_gradients = final
-            with self.accelerator.no_sync(self.model) if no_sync else _null():
-                loss = self._forward_backward(inputs, update.num_items, len(parts), last_of_step and final)
-            total = loss if total is None else total + loss
-        return total
-
-    def _forward_backward(self, inputs: dict, num_items: torch.Tensor | None, count: int, last: bool) -> torch.Tensor:
+                micro += [Micro(mb.rows[i:i + size]) for i in range(0, len(mb.rows), size)]
         # Several processes: the loss is normalised by the labelled tokens of all of them and DDP/FSDP average
         # the gradients, so it is multiplied by their number (one process: 1), as transformers does.
-        scale = self.processes if num_items is not None else 1
-        part = Part(inputs, num_items, count, scale, last)
+        scale = self.processes if update.num_items is not None else 1
+        for i, mb in enumerate(micro):
+            batch = mb.batch if mb.batch is not None else self.collate(mb.rows)
+            final = i == len(micro) - 1
+            yield Part(batch, update.num_items, len(micro), scale, last_of_step and final), final
 
-        def run() -> torch.Tensor:
-            if self.objective is not None:
-                return self.objective.forward_backward(self, part)
-            return forward_backward(
-                self.model, inputs, accumulation=count, num_items_in_batch=num_items,
-                chunked_loss=self.chunked_loss and "labels" in inputs, autocast=self.accelerator.autocast,
-                offload=self.offload, backward=lambda loss: self.backward(loss * scale if scale != 1 else loss),
-                preference=self.preference, metrics=self.preference_metrics["train"])
+    def _syncing(self, final: bool) -> contextlib.AbstractContextManager:
+        """Several processes: gradients are all-reduced in the update's last backward only."""
+        if self.processes == 1:
+            return contextlib.nullcontext()
+        self.accelerator.sync_gradients = final  # DeepSpeed reduces (and steps) in the backward where True
+        return contextlib.nullcontext() if final else self.accelerator.no_sync(self.model)
 
+    def forward_backward(self, part: Part) -> torch.Tensor:
+        """One forward/backward: the objective's, with every policy's `around_micro_batch` around it; the loss
+        as scaled for backward."""
         self.model.train()
-        call = run
+        call = functools.partial(self.objective.forward_backward, self, part)
         for p in reversed(self.policies):
             call = _around(p, self, part, call)
-        loss = call()
-        loss = loss * scale if scale != 1 else loss
+        loss = part.scaled(call())
         finite = torch.isfinite(loss).all()
         self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
         return loss
@@ -356,7 +436,7 @@ class TrainLoop:
     def diverged(self, step: int, what: str) -> None:
         raise TrainingDiverged(
             f"training diverged at step {step}: {what}; stopped ({self.kept()})",
-            hint=f"lower training.learning_rate (now {self.learning_rate:g}), keep training.max_grad_norm "
+            hint=f"lower training.learning_rate (now {self.schedule.learning_rate:g}), keep training.max_grad_norm "
                  "on, or check the data for broken examples")
 
     def drop_gradients(self) -> None:
@@ -374,39 +454,33 @@ class TrainLoop:
             self._tokens_since = self._tokens_since + step.tokens
             return
         for batch in step.collated:
-            if "attention_mask" in batch:
-                n = batch["attention_mask"].sum()
-            elif self.pad_token_id is not None and "input_ids" in batch:
-                n = (batch["input_ids"] != self.pad_token_id).sum()
-            else:
-                n = batch["input_ids"].numel()
-            self._tokens_since = self._tokens_since + n
+            self._tokens_since = self._tokens_since + batch.real_tokens(self.data.pad_token_id)
 
     def _after_step(self, step: Step) -> None:
         self._loss_sum = step.loss if self._loss_sum is None else self._loss_sum + step.loss
         s, sched = self.state.step, self.schedule
         done = s >= sched.max_steps
-        self._stop_due = self._stop_due or (not done and self.should_stop())
+        self._stop_due = self._stop_due or (not done and self.hooks.should_stop())
         lr = self.learning_rate_now()
         self.scheduler.step()
         if s % sched.logging_steps == 0 or done or self._stop_due:
             self.log_training(lr)
-        if sched.eval_steps and self.eval_data is not None and (s % sched.eval_steps == 0 or done):
+        if sched.eval_steps and self.data.eval is not None and (s % sched.eval_steps == 0 or done):
             self.evaluate()
         # A save or a stop asked for while a policy groups steps into one update waits for the group's end.
         self._save_due = self._save_due or bool(sched.save_steps and s % sched.save_steps == 0) or done \
             or self._stop_due
-        if self._save_due and not self.pending:  # never with a group's gradients waiting in .grad
+        if self._save_due and not self._pending:  # never with a group's gradients waiting in .grad
             self._save_due = False
             self.stopped = self._stop_due
-            if self._save is not None:
-                folder = self._save(self)
+            if self.hooks.save is not None:
+                folder = self.hooks.save(self)
                 for p in self.policies:
                     p.on_save(self, folder)
 
     def save_now(self) -> str | None:
         """A checkpoint of the completed steps, outside the schedule (an error path keeps what it can)."""
-        return self._save(self) if self._save is not None else None
+        return self.hooks.save(self) if self.hooks.save is not None else None
 
     def learning_rate_now(self) -> float:
         """The learning rate of the step just taken (its first parameter group)."""
@@ -414,7 +488,8 @@ class TrainLoop:
 
     def log_training(self, learning_rate: float) -> None:
         """A training row: the mean step loss since the last one (over every process), the last gradient
-        norm, the learning rate used, tokens seen; the policies add to it and record it."""
+        norm, the learning rate used, tokens seen, the objective's metrics; the policies add to it and record
+        it."""
         loss = self._loss_sum if self._loss_sum is not None else torch.tensor(0.0)
         tokens = torch.as_tensor(self._tokens_since, device=self.accelerator.device)
         if self.processes > 1:
@@ -429,9 +504,7 @@ class TrainLoop:
         row = {"step": self.state.step, "epoch": round(self.state.epoch, 4), "loss": round(value, 6),
                "grad_norm": float(norm) if norm is not None else None, "learning_rate": learning_rate,
                "tokens_seen": self.state.tokens_seen}
-        if self.preference_metrics["train"]:  # a preference loss's rewards, a MoE router's aux_loss
-            row.update(metric_means(self.preference_metrics["train"]))
-            self.preference_metrics["train"] = {}
+        row.update(self.objective.training_metrics(self))  # a preference loss's rewards, a MoE router's aux_loss
         self._record(row)
 
     def _record(self, row: dict) -> None:
@@ -440,14 +513,18 @@ class TrainLoop:
         self.state.log_history.append({k: v for k, v in row.items() if not isinstance(v, dict)})
 
     def evaluate(self) -> dict[str, float]:
-        """Held-out loss (and a preference method's rewards, margins, accuracy) at the current weights: the
-        mean per example of each micro-batch's loss, over every process; or the objective's held-out metrics
-        (GRPO: rewards). Logged as an eval row. Out of memory here is a clear error, with the completed step
+        """The objective's held-out metrics at the current weights (a loss, a preference method's rewards,
+        GRPO's rewards), logged as an eval row. Out of memory here is a clear error, with the completed step
         saved."""
         try:
-            return self._evaluate()
+            start = time.time()
+            metrics = self.objective.evaluate(self)
         except torch.OutOfMemoryError as exc:
             failure = first_line(exc)
+        else:
+            metrics[f"{EVAL_PREFIX}runtime"] = round(time.time() - start, 4)
+            self._record({"step": self.state.step, "epoch": round(self.state.epoch, 4), **metrics})
+            return metrics
         self.model.zero_grad(set_to_none=True)
         step = self.state.step
         kept = "no step had completed"
@@ -460,41 +537,6 @@ class TrainLoop:
             hint="lower training.micro_batch_size (evaluation uses it too) or free GPU memory, then run again "
                  "with --resume")
 
-    def _evaluate(self) -> dict[str, float]:
-        start = time.time()
-        metrics = self.objective.evaluate(self) if self.objective is not None else self._held_out_loss()
-        metrics[f"{EVAL_PREFIX}runtime"] = round(time.time() - start, 4)
-        self._record({"step": self.state.step, "epoch": round(self.state.epoch, 4), **metrics})
-        return metrics
-
-    def _held_out_loss(self) -> dict[str, float]:
-        self.model.eval()
-        losses, counts = [], []
-        b = self.geometry.part_rows
-        data = self.eval_data
-        indices = list(range(len(data)))[self.rank::self.processes] if self.processes > 1 else range(len(data))
-        indices = list(indices)
-        with torch.no_grad():
-            for i in range(0, len(indices), b):
-                inputs = self.collate([data[j] for j in indices[i:i + b]])
-                with self.accelerator.autocast():
-                    loss = compute_loss(self.model, inputs, chunked_loss=self.chunked_loss and "labels" in inputs,
-                                        preference=self.preference, metrics=self.preference_metrics["eval"])
-                rows = len(indices[i:i + b])
-                losses.append(loss.detach().float() * rows)
-                counts.append(rows)
-        self.model.train()
-        total = torch.stack(losses).sum() if losses else torch.tensor(0.0, device=self.accelerator.device)
-        count = torch.tensor(float(sum(counts)), device=total.device)
-        if self.processes > 1:
-            total = self.accelerator.gather(total.reshape(1)).sum()
-            count = self.accelerator.gather(count.reshape(1)).sum()
-        metrics = {f"{EVAL_PREFIX}loss": float(total / count.clamp(min=1))}
-        if self.preference is not None:
-            metrics.update(metric_means(self.preference_metrics["eval"], EVAL_PREFIX))
-            self.preference_metrics["eval"] = {}
-        return metrics
-
     def train_metrics(self, runtime: float, first_step: int) -> dict[str, float]:
         """results.json's summary of the training: the mean step loss, speed, epochs."""
         steps = self.state.step - first_step
@@ -503,33 +545,44 @@ class TrainLoop:
 
     # -- the train state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The loop's, the scheduler's and the policies' state (the optimizer's and the weights are written
-        by finetune.train.train_state, which knows how to gather them from several processes)."""
+        """The loop's, the scheduler's and the policies' state, each policy's under its `key` (the optimizer's
+        and the weights are written by finetune.train.train_state, which knows how to gather them from several
+        processes)."""
         return {"loop": self.state.state_dict(), "geometry": self.geometry.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
-                "policies": {type(p).__name__: p.state_dict() for p in self.policies}}
+                "policies": {p.key: p.state_dict() for p in self.policies if p.key is not None}}
 
     def load_state_dict(self, state: dict) -> None:
         """The saved state back; of the geometry, what the run changed while training (the group, the
-        update batch): the micro-batch and accumulation come from the recipe (with a recovery's settings)."""
+        update batch, GRPO's completions per forward/backward): the micro-batch and accumulation come from the
+        recipe (with a recovery's settings). A policy's state saved under its class name (checkpoints of
+        earlier versions) is found too."""
         self.state.load_state_dict(state["loop"])
         self.scheduler.load_state_dict(state["scheduler"])
-        self.set_geometry(group=state["geometry"]["group"], update_batch=state["geometry"]["update_batch"])
+        geometry = state["geometry"]
+        self.set_geometry(**{k: geometry[k] for k in ("group", "update_batch", "completion_rows") if k in geometry})
         saved = state["policies"]
         for p in self.policies:
-            if type(p).__name__ in saved:
-                p.load_state_dict(saved[type(p).__name__])
+            own = saved.get(p.key) if p.key is not None else None
+            if own is None:
+                own = saved.get(type(p).__name__)
+            if own is not None:
+                p.load_state_dict(own)
+
+
+def _check_keys(policies: Sequence[Policy]) -> None:
+    """Every policy with state declares its own checkpoint key (Policy.key)."""
+    keys = [p.key for p in policies if p.key is not None]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"two policies share a checkpoint key: {sorted(keys)}")
+    for p in policies:
+        if p.key is None and type(p).state_dict is not Policy.state_dict:
+            raise ValueError(f"{type(p).__name__} keeps state (state_dict) but declares no checkpoint `key`")
 
 
 def _around(policy: Policy, loop: TrainLoop, part: Part, inner: Callable[[], torch.Tensor]
             ) -> Callable[[], torch.Tensor]:
     return lambda: policy.around_micro_batch(loop, part, inner)
-
-
-def _null():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def first_line(exc: BaseException) -> str:

@@ -46,9 +46,10 @@ from dataclasses import dataclass
 import torch
 
 from finetune.compat import foreach_norm
+from finetune.data.batch import Batch
 from finetune.memory.chunked_loss import IGNORE_INDEX
 from finetune.optim import layerwise_of
-from finetune.train.policy import Part, Policy, Step, Update
+from finetune.train.policy import Micro, Part, Policy, Step, Update
 
 DEFAULT_DECAY = 0.95  # EMA of |G|^2 and tr(Sigma): about 20 steps of memory
 SLICE = 1 << 24  # elements per fp32 slice of a gradient norm
@@ -265,25 +266,27 @@ class NoiseScale(Policy):
     `split_every` steps an update of a single loader batch runs as two halves (the same gradient), so a
     run without accumulation measures too (module docstring)."""
 
+    key = "noise_scale"
+
     def __init__(self, probe: GradNormProbe | None, split_every: int):
         self.probe, self.split_every = probe, split_every
         self.ema = NoiseScaleEMA()
 
     def plan_updates(self, loop, step: Step, updates: list[Update]) -> list[Update]:
-        if self.probe is None or len(updates) != 1 or loop.pending or loop.geometry.splits > 1:
+        if self.probe is None or len(updates) != 1 or loop.steps_waiting or loop.geometry.splits > 1:
             return updates
         (update,) = updates
-        rows = update.micro_batches[0] if len(update.micro_batches) == 1 else []
+        rows = update.micro_batches[0].rows if len(update.micro_batches) == 1 else []
         layerwise = layerwise_of(loop.optimizer)
         if len(rows) < 2 or (layerwise is not None and layerwise.steps_per_update == 1) \
                 or step.number % self.split_every:
             return updates
         half = -(-len(rows) // 2)
-        return [dataclasses.replace(update, micro_batches=[rows[:half], rows[half:]])]
+        return [dataclasses.replace(update, micro_batches=[Micro(rows[:half]), Micro(rows[half:])])]
 
     def around_micro_batch(self, loop, part: Part, run) -> torch.Tensor:
-        if self.probe is not None and "labels" in part.inputs:
-            tokens = labelled_tokens(part.inputs)
+        if self.probe is not None and isinstance(part.batch, Batch) and part.batch.labels is not None:
+            tokens = labelled_tokens(part.batch)
             self.probe.micro_batch(tokens, part.weight(tokens))  # device scalars: read at the update
         return run()
 

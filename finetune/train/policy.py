@@ -2,34 +2,50 @@
 
 A policy is one class with any of the hooks below; the loop calls each hook on every policy in the order
 they were given and never knows a policy by name. Each hook's contract is its one-line docstring. A policy
-that keeps state across a checkpoint returns it from `state_dict` (plain values and tensors: the train
-state is loaded with torch's weights-only loader) and takes it back in `load_state_dict`.
+changes the loop only through `TrainLoop.set_geometry` (the batch shape, the one record every policy reads)
+and `TrainLoop.set_memory` (the memory savers). A policy that keeps state across a checkpoint declares its
+`key` and returns the state from `state_dict` (plain values and tensors: the train state is loaded with
+torch's weights-only loader) and takes it back in `load_state_dict`.
+
+The objective (`Objective`) is what a training method computes; every method's implements it
+(finetune/train/objectives.py) and the loop calls it blind.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
 if TYPE_CHECKING:
+    from finetune.data.batch import Batch
+    from finetune.rl.step import MicroBatch as RolloutBatch
     from finetune.train.loop import TrainLoop
 
 Rows = list[dict]  # examples of a loader batch as the dataset gives them, before collation
 
 
 @dataclass
-class Update:
-    """One optimizer update: its micro-batches (each a list of rows: one forward/backward, run in parts of at
-    most `Geometry.part_rows` rows), its labelled tokens and its share of the step's logged loss."""
+class Micro:
+    """One micro-batch of an update: its rows, and its batch once made. Rows longer than
+    `Geometry.part_rows` run in parts of that many rows, each collated as a loader of that micro-batch would
+    (an out-of-memory recovery's splits); a micro-batch without rows is an objective's own batch, sized by
+    the policy that made it (GRPO's completions) and run as it is."""
 
-    micro_batches: list[Rows]
+    rows: Rows = field(default_factory=list)
+    batch: Batch | RolloutBatch | None = None  # the collated rows (made when first needed), or the objective's
+
+
+@dataclass
+class Update:
+    """One optimizer update: its micro-batches (each one forward/backward, or a few after a recovery), its
+    labelled tokens and its share of the step's logged loss."""
+
+    micro_batches: list[Micro]
     num_items: torch.Tensor | None = None  # labelled tokens of the update (all processes); None: mean losses
     share: float | torch.Tensor = 1.0  # weight of this update's loss in the step's loss
-    collated: dict[int, dict] = field(default_factory=dict)  # id(micro-batch) -> its inputs, when already made
-    whole: bool = False  # each micro-batch runs as one forward/backward (the policy sized it; GRPO's completions)
 
 
 @dataclass
@@ -38,7 +54,7 @@ class Step:
 
     number: int  # 1-based: the step being run (the completed count is loop.state.step)
     batches: list[Rows]  # the loader batches, as rows
-    collated: list[dict]  # the same, collated (what the model sees when a batch runs whole)
+    collated: list[Batch]  # the same, collated (what the model sees when a batch runs whole)
     updates: list[Update] = field(default_factory=list)
     applied: int = 0  # updates of this step already applied (a retry starts after them)
     rng: tuple | None = None  # the RNG streams where the first update not yet applied began
@@ -49,9 +65,10 @@ class Step:
 
 @dataclass
 class Part:
-    """One forward/backward as the policies see it: its inputs, and how its loss enters the update."""
+    """One forward/backward as the objective and the policies see it: its batch, and how its loss enters the
+    update."""
 
-    inputs: dict
+    batch: Batch | RolloutBatch
     num_items: torch.Tensor | None  # labelled tokens of the whole update (all processes), or None: mean losses
     count: int  # forward/backwards of the update (the divisor of mean losses)
     scale: int  # processes the loss is multiplied by (their gradients are averaged)
@@ -60,6 +77,10 @@ class Part:
     def weight(self, tokens: torch.Tensor) -> torch.Tensor | float:
         """Its gradient's share of the update, given its labelled `tokens` (a device scalar: no sync)."""
         return self.scale * tokens / self.num_items if self.num_items is not None else 1 / self.count
+
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss as backward takes it: times the processes whose gradients are averaged."""
+        return loss * self.scale if self.scale != 1 else loss
 
 
 @dataclass
@@ -74,6 +95,7 @@ class Geometry:
     splits: int = 1  # each loader batch runs in this many parts (an out-of-memory recovery's smaller micro-batch)
     group: int = 1  # loop steps per optimizer update (effective_batch_size: auto)
     update_batch: int | None = None  # sequences per update inside a loader batch (auto's warmup); None: all
+    completion_rows: int | None = None  # completions per forward/backward of a method that generates (GRPO)
 
     @property
     def part_rows(self) -> int:
@@ -85,20 +107,29 @@ class Geometry:
 
 
 class Objective(Protocol):
-    """A training method that is not a loss over the data's collated batches (GRPO: generate, score, then a
-    loss over the completions): the loop calls it for each forward/backward and for held-out evaluation. It
-    is usually also a policy (its plan_updates makes the completions the updates' micro-batches)."""
+    """What a training method computes (torchtune's `_loss_fn`): every method's (finetune/recipe/methods.py
+    names its factory) implements it, and the loop calls it blind for each forward/backward, for held-out
+    evaluation and for its part of a training row."""
+
+    evaluates_before: bool  # its held-out metrics are worth taking before training too (rewards)
 
     def forward_backward(self, loop: TrainLoop, part: Part) -> torch.Tensor:
-        """Forward and backward of `part.inputs` (what the method's update put in Update.collated); the
+        """Forward and backward of `part.batch` (backward through `loop.backward(part.scaled(loss))`); the
         loss as scaled for backward, detached."""
 
     def evaluate(self, loop: TrainLoop) -> dict[str, float]:
         """Held-out metrics at the current weights, named with the `eval_` prefix."""
 
+    def training_metrics(self, loop: TrainLoop) -> dict[str, float]:
+        """What a training row adds (a preference method's rewards, GRPO's): means since the last row."""
+
 
 class Policy:
-    """Base class: every hook does nothing. Override the ones the policy needs."""
+    """Base class: every hook does nothing. Override the ones the policy needs. A policy with state declares
+    `key`, the stable name its state is saved under in a checkpoint (not the class name, so renaming the class
+    keeps a resume's state)."""
+
+    key: ClassVar[str | None] = None
 
     def on_train_begin(self, loop: TrainLoop) -> None:
         """Once, after a resume's state is loaded and before the first step."""
@@ -143,7 +174,7 @@ class Policy:
         """Training ended (also after an error: release what the policy holds)."""
 
     def state_dict(self) -> dict:
-        """What a checkpoint keeps of the policy."""
+        """What a checkpoint keeps of the policy (under `key`)."""
         return {}
 
     def load_state_dict(self, state: dict) -> None:

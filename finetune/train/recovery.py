@@ -57,8 +57,7 @@ from finetune.rundir import RunDir, atomic_write_json, atomic_write_text
 from finetune.train.oom_ladder import Cheaper, cheaper, settings_of
 from finetune.train.peak_memory import PeakMemory
 from finetune.train.plan_files import save_plan
-from finetune.train.policy import Part, Policy, Step, Update
-from finetune.train.rng import set_rng_state
+from finetune.train.policy import Geometry, Part, Policy, Step, Update
 from finetune.units import format_bytes
 
 FAULT_ENV = "FINETUNE_FAULT_OOM_AT_STEP"
@@ -81,18 +80,34 @@ def fault_steps() -> Counter:
 class OOMRecovery(Policy):
     """The loop's steps survive running out of memory (see the module docstring).
 
-    `recipe`: the run's resolved recipe (the ladder's starting point; the recovered one is `self.recipe`);
-    on_recovery(event, recipe) is told each switch to a cheaper plan (and the final give-up) so the run
-    directory can record it; run_root is where a newly turned-on disk offload keeps its files (the new
-    ActivationOffload becomes `loop.offload`, which the run closes).
+    `recipe`: the run's resolved recipe (the ladder's starting point; `self.recipe` is the recipe as it trains
+    now: the recovered memory settings with the micro-batch and accumulation of the loop's geometry, the one
+    record of them); on_recovery(event, recipe) is told each switch to a cheaper plan (and
+    the final give-up) so the run directory can record it; run_root is where a newly turned-on disk offload
+    keeps its files (the new ActivationOffload goes to the loop through `set_memory`; the run closes the last).
     """
 
     def __init__(self, recipe: Recipe, run_root: Path, on_recovery: Callable[[dict, Recipe], None]):
-        self.recipe = recipe
+        self._settings = recipe  # its memory settings; the batch is the loop geometry's once training began
+        self._geometry: Geometry | None = None
         self.run_root = run_root
         self.on_recovery = on_recovery
         self._faults = fault_steps()
         self._counts: dict[int, float | None] = {}
+
+    @property
+    def recipe(self) -> Recipe:
+        """The recipe as the run trains now: the recovered settings, the micro-batch and accumulation of the
+        loop's geometry (a loader batch in `splits` parts is micro-batch/splits, splits times the
+        accumulation)."""
+        g = self._geometry
+        if g is None:
+            return self._settings
+        return write_settings(self._settings, {"micro_batch_size": g.part_rows,
+                                               "gradient_accumulation_steps": g.accumulation * g.splits})
+
+    def on_train_begin(self, loop) -> None:
+        self._geometry = loop.geometry
 
     def around_micro_batch(self, loop, part: Part, run) -> torch.Tensor:
         """FINETUNE_FAULT_OOM_AT_STEP: a one-shot hook that raises in the last decoder layer's forward of the
@@ -107,7 +122,7 @@ class OOMRecovery(Policy):
     def before_update(self, loop, update: Update) -> None:
         self._counts = _step_counts(_raw(loop.optimizer))
         step = loop.state.step + 1
-        if self._faults.get((step, "optimizer")) and update is loop.current.updates[-1]:
+        if self._faults.get((step, "optimizer")) and loop.is_last_update(update):
             self._faults[(step, "optimizer")] -= 1
             raise torch.OutOfMemoryError(f"{FAULT_ENV}: injected out-of-memory error in optimizer step {step}")
 
@@ -182,20 +197,18 @@ class OOMRecovery(Policy):
             if self.recipe.adapter.type != "full":
                 model.enable_input_require_grads()  # a frozen base: see finetune.model.adapter.apply_adapter
         if new.offload != old.offload:
-            if loop.offload is not None:
-                loop.offload.close()
-            loop.offload = activation_offload(loop.model, choice.recipe.memory, self.run_root)
+            loop.set_memory(offload=activation_offload(loop.model, choice.recipe.memory, self.run_root))
+        if new.chunked_loss != old.chunked_loss:
+            loop.set_memory(chunked_loss=new.chunked_loss)
         if new.tiled_mlp and not old.tiled_mlp:
             apply_layer_recompute(loop.model, False, choice.recipe.memory.tiled_mlp_tokens)
         loop.set_geometry(splits=choice.splits)
-        self.recipe = choice.recipe
+        self._settings = choice.recipe
 
     def _give_up(self, loop, step: Step, failure: str, needed: int | None, budget: int | None,
                  save: bool = True, where: str = "with the leanest settings left") -> None:
         """No cheaper plan: save the last completed step (when nothing of this one was applied) and stop."""
-        first = loop.pending[0] if loop.pending else step
-        if first.rng is not None:
-            set_rng_state(first.rng)
+        loop.rewind_rng(step)
         if not save or step.applied:
             kept = "the optimizer had already changed part of the model, so nothing is saved now; " + loop.kept()
         elif loop.state.step > 0:

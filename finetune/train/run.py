@@ -454,8 +454,7 @@ def _train(built: _Built, run_dir: RunDir, checkpoint: str | None, main: bool) -
     peak tracker and offload closed however it ends), the final evaluation and, when completed, the adapter."""
     loop, data, peak = built.loop, built.data, built.peak
     # Preference methods and GRPO: the held-out rewards before training, so results.json shows what changed.
-    before = loop.evaluate() if data.eval is not None and (loop.preference is not None or loop.objective is not None) \
-        and not checkpoint else None
+    before = loop.evaluate() if data.eval is not None and loop.objective.evaluates_before and not checkpoint else None
     start, cpu_start, first_step = time.time(), time.process_time(), loop.state.step
     try:
         loop.fit()

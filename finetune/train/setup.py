@@ -14,21 +14,19 @@ from transformers import get_scheduler
 
 from finetune.compat import fresh_accelerator_state
 from finetune.console import console
-from finetune.memory.preference import PreferenceLoss
 from finetune.memory.step import enable_checkpointing, mixed_precision
 from finetune.optim import build_optimizer
 from finetune.recipe.resolved import RunConfig
 from finetune.recipe.schema import Recipe
-from finetune.rl.rewards import build_rewards
 from finetune.rl.step import prompts_per_step
 from finetune.rundir import RunDir
 from finetune.train import distributed
 from finetune.train.batch_engine import BatchEngine, record_batch_change
 from finetune.train.callbacks import ProgressBar, RunFiles
 from finetune.train.checkpoints import numbered
-from finetune.train.grpo import GRPO
-from finetune.train.loop import Schedule, TrainLoop
+from finetune.train.loop import LoopData, MemorySettings, RunHooks, Schedule, TrainLoop, TrainParts
 from finetune.train.noise_scale import GradNormProbe, NoiseScale
+from finetune.train.objectives import MethodContext, make_objective
 from finetune.train.peak_memory import PeakMemory
 from finetune.train.policy import Geometry, Policy
 from finetune.train.recovery import OOMRecovery, record_recovery
@@ -83,11 +81,11 @@ def kept_checkpoint(root: Path) -> Callable[[], str]:
     return kept
 
 
-def _prepared(config: RunConfig, model: torch.nn.Module, measure_noise: bool
-               ) -> tuple[Accelerator, torch.nn.Module, Any, GradNormProbe | None, Geometry]:
+def _prepared(config: RunConfig, model: torch.nn.Module, steps: int, measure_noise: bool
+              ) -> tuple[TrainParts, GradNormProbe | None, Geometry]:
     """Checkpointing switched on, the accelerator, the noise probe (installed before the optimizer exists,
     so its hooks run before a layer-wise optimizer frees .grad), the optimizer, both prepared by
-    accelerate, and the batch geometry."""
+    accelerate, the schedule of `steps` loop steps, and the batch geometry."""
     s, t = config.settings, config.recipe.training
     enable_checkpointing(model, s.activation_checkpointing, s.checkpoint_every_n_layers)
     accelerator = make_accelerator(config, model)
@@ -97,83 +95,71 @@ def _prepared(config: RunConfig, model: torch.nn.Module, measure_noise: bool
     model, optimizer = accelerator.prepare(model, optimizer)
     if config.recipe.training.spec.generates:  # a loop step: one loader batch of prompts (finetune.train.grpo)
         geometry = Geometry(micro_batch=_step_examples(config.recipe, s.micro_batch_size, s.gradient_accumulation_steps),
-                            accumulation=1, processes=accelerator.num_processes)
+                            accumulation=1, processes=accelerator.num_processes, completion_rows=s.micro_batch_size)
     else:
         geometry = Geometry(micro_batch=s.micro_batch_size, accumulation=s.gradient_accumulation_steps,
                             processes=accelerator.num_processes)
-    return accelerator, model, optimizer, probe, geometry
+    parts = TrainParts(model, optimizer, make_scheduler(config.recipe, optimizer, steps), accelerator)
+    return parts, probe, geometry
 
 
 def build_loop(config: RunConfig, model: torch.nn.Module, data: Any, run_dir: RunDir, steps: int, *,
                offload: Any, peak: PeakMemory, status_fields: dict, should_stop: Callable[[], bool],
                tokenizer: Any) -> TrainLoop:
-    """The model prepared by accelerate, its optimizer and schedule, and the loop with its policies: the noise
-    scale probe, then (one process) the batch engine and out-of-memory recovery, the memory peak, the run
-    files and the progress bar, in that order (the order the loop calls their hooks in). GRPO: the memory
-    peak, then its policy (generation, the loss, its own recovery; finetune.train.grpo), the run files and
-    the progress bar."""
+    """The model prepared by accelerate, its optimizer and schedule, the method's objective, and the loop with
+    its policies: the noise scale probe, then (one process) the batch engine and out-of-memory recovery, the
+    memory peak, the run files and the progress bar, in that order (the order the loop calls their hooks in).
+    A method that generates (GRPO): the memory peak, then its objective, which is a policy too (generation,
+    its own recovery; finetune.train.grpo), the run files and the progress bar."""
     recipe, t = config.recipe, config.recipe.training
-    grpo = _grpo(config, tokenizer, run_dir) if t.spec.generates else None
+    objective = make_objective(config, MethodContext(tokenizer, run_dir))
+    generates = t.spec.generates
     sharded = recipe.distributed.gpus > 1 and config.settings.strategy != "ddp"
     main = distributed.is_main()
-    if t.noise_scale and main and (sharded or grpo):
-        console.print("noise scale: not measured with " + ("GRPO" if grpo else "FSDP or DeepSpeed (distributed."
+    if t.noise_scale and main and (sharded or generates):
+        console.print("noise scale: not measured with " + ("GRPO" if generates else "FSDP or DeepSpeed (distributed."
                                                            "strategy ddp measures it)"))
-    accelerator, model, optimizer, probe, geometry = _prepared(config, model, t.noise_scale and not sharded
-                                                               and grpo is None)
-    several = accelerator.num_processes > 1
+    parts, probe, geometry = _prepared(config, model, steps, t.noise_scale and not sharded and not generates)
+    several = parts.accelerator.num_processes > 1
     policies: list[Policy]
-    if grpo is not None:  # the tracker decides whether to track a step before the GRPO policy generates
-        policies = [peak, grpo]
+    if generates:  # the tracker decides whether to track a step before the objective generates
+        policies = [peak, objective]
     else:
         noise = NoiseScale(probe, t.noise_scale_split_every)
         policies = [noise]
         if not several:  # redoing a step on one process would leave the others waiting in a collective
             policies += [
-                BatchEngine(config, noise, geometry, accelerator.device, record_batch_change(run_dir, status_fields)),
+                BatchEngine(config, noise, geometry, parts.accelerator.device,
+                            record_batch_change(run_dir, status_fields)),
                 OOMRecovery(recipe, run_dir.root, record_recovery(run_dir, steps, peak, status_fields))]
         policies.append(peak)
     policies += [RunFiles(run_dir, steps, status_fields), ProgressBar(steps)]
     has_eval = data.eval is not None
-    schedule = Schedule(max_steps=steps, logging_steps=t.logging_steps,
-                        eval_steps=(t.eval_steps or steps) if has_eval else None,
-                        save_steps=recipe.output.save_steps, max_grad_norm=t.max_grad_norm, seed=t.seed)
     return TrainLoop(
-        model=model, optimizer=optimizer, scheduler=make_scheduler(recipe, optimizer, steps), accelerator=accelerator,
-        train_data=data.train, eval_data=data.eval, collator=data.collator, geometry=geometry, schedule=schedule,
-        policies=policies, preference=PreferenceLoss.of(t), objective=grpo, chunked_loss=config.settings.chunked_loss,
-        offload=offload, save=lambda loop: save_checkpoint(loop, run_dir.checkpoints, recipe.output.save_total_limit),
-        should_stop=should_stop, learning_rate=t.learning_rate, pad_token_id=tokenizer.pad_token_id,
-        kept=kept_checkpoint(run_dir.checkpoints))
+        parts, LoopData(data.train, data.eval, data.collator, tokenizer.pad_token_id), geometry,
+        _schedule(config, steps, eval_steps=(t.eval_steps or steps) if has_eval else None,
+                  save_steps=recipe.output.save_steps),
+        objective, policies=policies, memory=MemorySettings(config.settings.chunked_loss, offload),
+        hooks=RunHooks(save=lambda loop: save_checkpoint(loop, run_dir.checkpoints, recipe.output.save_total_limit),
+                       should_stop=should_stop, kept=kept_checkpoint(run_dir.checkpoints)))
 
 
-def _grpo(config: RunConfig, tokenizer: Any, run_dir: RunDir) -> GRPO:
-    """The GRPO policy with the recipe's rewards; rank 0 writes the sampled completions and recoveries."""
-    main = distributed.is_main()
-
-    def recovered(line: str) -> None:
-        console.print(line, style="yellow", markup=False)
-        run_dir.log_line(line)
-
-    return GRPO(config.recipe.grpo, build_rewards(config.recipe.grpo), tokenizer, config.settings.micro_batch_size,
-                on_samples=run_dir.append_completions if main else None, on_recovery=recovered if main else None,
-                generation_rows=config.settings.generation_batch_size)
+def _schedule(config: RunConfig, steps: int, *, eval_steps: int | None, save_steps: int | None) -> Schedule:
+    t = config.recipe.training
+    return Schedule(max_steps=steps, logging_steps=t.logging_steps, eval_steps=eval_steps, save_steps=save_steps,
+                    max_grad_norm=t.max_grad_norm, seed=t.seed, learning_rate=t.learning_rate)
 
 
-def simple_loop(config: RunConfig, model: torch.nn.Module, train_data: Any, collator: Callable[[list], dict],
+def simple_loop(config: RunConfig, model: torch.nn.Module, train_data: Any, collator: Callable[[list], Any],
                 steps: int, *, checkpoints: Path | None = None, policies: list[Policy] | None = None) -> TrainLoop:
     """The loop for `model` as the recipe trains it, without a run directory (tests, benchmarks, callers
-    who bring their own data): its optimizer and schedule, the noise scale if the recipe measures it,
-    checkpoints in `checkpoints` every output.save_steps when given."""
+    who bring their own data): its optimizer and schedule, the method's objective, the noise scale if the
+    recipe measures it, checkpoints in `checkpoints` every output.save_steps when given."""
     recipe, t = config.recipe, config.recipe.training
-    accelerator, model, optimizer, probe, geometry = _prepared(config, model, t.noise_scale)
+    parts, probe, geometry = _prepared(config, model, steps, t.noise_scale)
     save = (lambda loop: save_checkpoint(loop, checkpoints, recipe.output.save_total_limit)) if checkpoints else None
     return TrainLoop(
-        model=model, optimizer=optimizer, scheduler=make_scheduler(recipe, optimizer, steps), accelerator=accelerator,
-        train_data=train_data, eval_data=None, collator=collator, geometry=geometry,
-        schedule=Schedule(max_steps=steps, logging_steps=t.logging_steps,
-                          save_steps=recipe.output.save_steps if checkpoints else None,
-                          max_grad_norm=t.max_grad_norm, seed=t.seed),
-        policies=[NoiseScale(probe, t.noise_scale_split_every), *(policies or [])],
-        preference=PreferenceLoss.of(t), chunked_loss=config.settings.chunked_loss, save=save,
-        learning_rate=t.learning_rate)
+        parts, LoopData(train_data, None, collator), geometry,
+        _schedule(config, steps, eval_steps=None, save_steps=recipe.output.save_steps if checkpoints else None),
+        make_objective(config), policies=[NoiseScale(probe, t.noise_scale_split_every), *(policies or [])],
+        memory=MemorySettings(chunked_loss=config.settings.chunked_loss), hooks=RunHooks(save=save))
