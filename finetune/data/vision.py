@@ -14,13 +14,16 @@ markers and content parts, read into canonical parts with absolute paths).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from finetune.data.chat import IGNORE_INDEX, Encoded
 from finetune.data.formats import RecordError
 from finetune.recipe.families import VisionLayout
+
+if TYPE_CHECKING:
+    from finetune.data.batch import Batch
 
 # image processor outputs the model's forward does not take (the full processor drops them too)
 _PROCESSOR_ONLY = {"num_crops"}
@@ -84,16 +87,18 @@ class VisionData:
             raise RecordError(f"the chat template wrote fewer image tokens than the record has images ({len(paths)})")
         return out_ids, out_labels
 
-    def collator(self, base: Callable[[list[dict[str, Any]]], dict[str, Any]], rows_per_example: int = 1
-                 ) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
+    def collator(self, base: Callable[[list[dict[str, Any]]], Mapping[str, Any]], rows_per_example: int = 1
+                 ) -> Callable[[list[dict[str, Any]]], Batch]:
         """`base` (the text collator) with the batch's image inputs added; `rows_per_example`: 2 for preference
         pairs, whose chosen and rejected rows share the prompt's images."""
-        def collate(examples: list[dict[str, Any]]) -> dict[str, Any]:
-            batch = base([{k: v for k, v in e.items() if k != "images"} for e in examples])
+        from finetune.data.batch import Batch  # torch: the data checks import this module torch-free
+
+        def collate(examples: list[dict[str, Any]]) -> Batch:
+            batch = dict(base([{k: v for k, v in e.items() if k != "images"} for e in examples]))  # a Batch reads as a mapping
             paths = [p for e in examples for p in e.get("images") or []] * rows_per_example
             if paths:
                 batch.update({k: v for k, v in self.process(paths).items() if k not in _PROCESSOR_ONLY})
             if self.layout.token_types is not None:
                 batch[self.layout.token_types] = (batch["input_ids"] == self.image_token_id).int()
-            return batch
+            return Batch.of(batch)  # the image inputs go to Batch.extra, passed to the model's forward
         return collate
