@@ -168,11 +168,11 @@ class DataConfig(Section):
         None, description="Jinja chat template (or a path to one); default: the tokenizer's, else a ChatML template.")
     system_prompt: str | None = Field(None, description="System message added to chat records that have none.")
     max_samples: int | None = Field(None, ge=1, le=MAX_COUNT, description="Use at most this many records (after shuffling with the seed).")
-    max_pixels: Annotated[int, Field(ge=MIN_IMAGE_PIXELS, le=MAX_IMAGE_PIXELS)] | Auto = Field(
+    max_pixels: Annotated[int, Field(ge=MIN_IMAGE_PIXELS, le=MAX_IMAGE_PIXELS)] | Auto | None = Field(
         "auto", description="Vision-language models: the most pixels (width x height) an image keeps; a larger one is "
         "resized down, keeping its aspect ratio, before it becomes image tokens (fewer pixels: fewer tokens, less "
         "memory). auto: the planner picks the largest budget whose memory peak fits, up to the model's own limit "
-        "(its preprocessor_config.json). Qwen2/2.5/3-VL: the processor's max_pixels; SmolVLM and Idefics3: the "
+        "(its preprocessor_config.json); null: the model's own limit. Qwen2/2.5/3-VL: the processor's max_pixels; SmolVLM and Idefics3: the "
         "longest edge, in whole tiles; Llama 3.2 Vision: the number of tiles; Gemma 3 sees every image at its fixed "
         "size. Text-only models ignore it.")
 
