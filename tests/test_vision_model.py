@@ -208,3 +208,47 @@ def test_max_pixels_auto_is_the_largest_image_budget_whose_plan_fits(tmp_path):
     assert api.plan(recipe("auto")).settings["max_pixels"] == budgets[0]
     tight = api.plan(recipe("auto", gpu_memory=str((peaks[0] + peaks[1]) // 2)))
     assert tight.fits and tight.settings["max_pixels"] == budgets[1], peaks
+
+
+@pytest.mark.parametrize("name", ["smolvlm-256m", "smolvlm-2.2b"])
+def test_a_full_size_smolvlm_plans_its_tiles_and_vision_tower(tmp_path, name):
+    """SmolVLM from its published config.json (Idefics3's layout): the plan traces the vision tower over every
+    tile of the data's largest image plus the whole image (the real image processor's tile count, each tile the
+    tower's patches pixel-shuffled into the text), and prices the SigLIP tower and connector in 16 bits."""
+    from PIL import Image
+    from transformers import AutoConfig, AutoModelForImageTextToText, Idefics3ImageProcessorPil
+
+    from finetune import api
+
+    config_file = ROOT / "tests" / "fixtures" / "configs" / f"{name}.json"
+    published = json.loads(config_file.read_text())
+    data = _pictures(tmp_path, [(1344, 1008), (64, 64)])
+    path = _plan_recipe(tmp_path, data)
+    values = yaml.safe_load(path.read_text())
+    values["model"]["path"] = str(config_file)
+    path.write_text(yaml.safe_dump(values))
+    plan = api.plan(api.load_recipe(path))
+    vision = published["vision_config"]
+    side = vision["image_size"]
+    processor = Idefics3ImageProcessorPil(size={"longest_edge": 4 * side}, max_image_size={"longest_edge": side})
+    tiles = processor(images=[Image.open(tmp_path / "0-0.png")], return_tensors="pt")["pixel_values"].shape[1]
+    per_tile = (side // vision["patch_size"]) ** 2 // published["scale_factor"] ** 2
+    assert plan.vision["images"] == 1 and plan.vision["image_tokens"] == tiles * per_tile
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(config_file))
+    tower = sum(p.numel() for part in (model.model.vision_model, model.model.connector) for p in part.parameters())
+    assert plan.vision["vision_weights"] == 2 * tower
+    assert plan.fits and plan.breakdown["activations"] > 0
+
+
+def test_llama_3_2_vision_is_refused_in_one_line_saying_why(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "mllama", "architectures": ["MllamaForConditionalGeneration"],
+                                  "vision_config": {"model_type": "mllama_vision_model"},
+                                  "text_config": {"model_type": "mllama_text_model"}}))
+    recipe = _plan_recipe(tmp_path, ROOT / "recipes" / "data" / "quickstart.jsonl")
+    recipe.write_text(recipe.read_text().replace(str(QWEN_VL_3B), str(tmp_path)))
+    assert main(["plan", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert "MllamaForConditionalGeneration" in err and "cross-attention" in err and "idefics3" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) <= 2  # the line and its hint
