@@ -243,3 +243,25 @@ def test_a_vision_language_architecture_no_family_trains_is_one_line(tmp_path, c
     err = capsys.readouterr().err
     assert arch in err and "vision-language" in err and why in err and "qwen2_5_vl" in err and "idefics3" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) <= 2  # the line and its hint
+
+
+def test_smolvlm_images_become_their_tiles_tokens_within_the_pixel_budget(tmp_path):
+    """Idefics3 / SmolVLM: an image is its tiles plus the whole image, each tile the tower's patches
+    pixel-shuffled (4 tokens per 56-pixel tile here); data.max_pixels narrows the long side to whole tiles, so a
+    one-tile budget leaves one tile, as the real image processor resizes it."""
+    from PIL import Image
+    from transformers import AutoConfig, AutoTokenizer, Idefics3ImageProcessorPil
+
+    from finetune.model.vision import vision_data
+
+    model = vision_model("idefics3", tmp_path / "model")
+    Image.new("RGB", (84, 56), (200, 30, 30)).save(tmp_path / "wide.png")
+    config, tokenizer = AutoConfig.from_pretrained(model), AutoTokenizer.from_pretrained(model)
+    counts = []
+    for pixels, edge in ((None, 112), (56 * 56, 56)):
+        vision = vision_data(config, model, tokenizer, pixels)
+        real = Idefics3ImageProcessorPil.from_pretrained(model, size={"longest_edge": edge})
+        tiles = real(images=[Image.open(tmp_path / "wide.png")], return_tensors="pt")["pixel_values"].shape[1]
+        counts.append(vision.image_tokens([str(tmp_path / "wide.png")]))
+        assert counts[-1] == [tiles * 4], (pixels, tiles)
+    assert counts == [[20], [4]]  # 2 x 2 tiles and the whole image; then the whole image alone
