@@ -131,7 +131,23 @@ VISION_ARCHITECTURES = {
          "eoi_token_index": "<end_of_image>"}, _parts_template("<start_of_image>"),
         {"image_processor_type": "Gemma3ImageProcessor", "size": {"height": 56, "width": 56}, "do_pan_and_scan": False,
          "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}),
+    # SmolVLM / Idefics3: a SigLIP tower over 56 x 56 tiles (4 x 4 patches, pixel-shuffled 2 x 2: 4 tokens per
+    # tile); images up to 112 pixels on the long side, so up to 2 x 2 tiles and the whole image. The tokens the
+    # processor writes around an image's are recorded beside the image token's id.
+    "idefics3": ("Idefics3Config", {
+        "text_config": {"model_type": "llama"},
+        "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                          "num_attention_heads": 2, "image_size": 56, "patch_size": 14},
+        "scale_factor": 2},
+        {"image_token_id": "<image>", "fake_image_token_id": "<fake_token_around_image>",
+         "global_image_token_id": "<global-img>"}, _parts_template("<image>"),
+        {"image_processor_type": "Idefics3ImageProcessor", "size": {"longest_edge": 112},
+         "max_image_size": {"longest_edge": 56}, "do_image_splitting": True,
+         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}),
 }
+# SmolVLM2: Idefics3's layout under its own config class and image processor name
+VISION_ARCHITECTURES["smolvlm"] = ("SmolVLMConfig", *VISION_ARCHITECTURES["idefics3"][1:4],
+                                   {**VISION_ARCHITECTURES["idefics3"][4], "image_processor_type": "SmolVLMImageProcessor"})
 
 
 def architecture(arch: str) -> tuple[str, dict]:

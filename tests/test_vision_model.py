@@ -164,20 +164,6 @@ def test_a_full_size_qwen2_5_vl_plans_with_its_datas_images(tmp_path):
     assert plain.vision["images"] == 0
 
 
-def test_a_vision_language_architecture_no_family_describes_is_one_line(tmp_path, capsys):
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps({"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"],
-                                  "vision_config": {"model_type": "clip_vision_model"},
-                                  "text_config": {"model_type": "llama"}}))
-    recipe = _plan_recipe(tmp_path, ROOT / "recipes" / "data" / "quickstart.jsonl")
-    text = recipe.read_text().replace(str(QWEN_VL_3B), str(tmp_path))
-    recipe.write_text(text)
-    assert main(["plan", str(recipe)]) == 2
-    err = capsys.readouterr().err
-    assert "LlavaForConditionalGeneration" in err and "vision-language" in err and "qwen2_5_vl" in err
-    assert "Traceback" not in err
-
-
 def test_max_pixels_auto_is_the_largest_image_budget_whose_plan_fits(tmp_path):
     """data.max_pixels: auto tries the budgets largest first, none above the model's own limit (its
     preprocessor_config.json), and takes the first whose plan fits: between the peaks of two budgets, the
@@ -208,3 +194,74 @@ def test_max_pixels_auto_is_the_largest_image_budget_whose_plan_fits(tmp_path):
     assert api.plan(recipe("auto")).settings["max_pixels"] == budgets[0]
     tight = api.plan(recipe("auto", gpu_memory=str((peaks[0] + peaks[1]) // 2)))
     assert tight.fits and tight.settings["max_pixels"] == budgets[1], peaks
+
+
+@pytest.mark.parametrize("name", ["smolvlm-256m", "smolvlm-2.2b"])
+def test_a_full_size_smolvlm_plans_its_tiles_and_vision_tower(tmp_path, name):
+    """SmolVLM from its published config.json (Idefics3's layout): the plan traces the vision tower over every
+    tile of the data's largest image plus the whole image (the real image processor's tile count, each tile the
+    tower's patches pixel-shuffled into the text), and prices the SigLIP tower and connector in 16 bits."""
+    from PIL import Image
+    from transformers import AutoConfig, AutoModelForImageTextToText, Idefics3ImageProcessorPil
+
+    from finetune import api
+
+    config_file = ROOT / "tests" / "fixtures" / "configs" / f"{name}.json"
+    published = json.loads(config_file.read_text())
+    data = _pictures(tmp_path, [(1344, 1008), (64, 64)])
+    path = _plan_recipe(tmp_path, data)
+    values = yaml.safe_load(path.read_text())
+    values["model"]["path"] = str(config_file)
+    path.write_text(yaml.safe_dump(values))
+    plan = api.plan(api.load_recipe(path))
+    vision = published["vision_config"]
+    side = vision["image_size"]
+    processor = Idefics3ImageProcessorPil(size={"longest_edge": 4 * side}, max_image_size={"longest_edge": side})
+    tiles = processor(images=[Image.open(tmp_path / "0-0.png")], return_tensors="pt")["pixel_values"].shape[1]
+    per_tile = (side // vision["patch_size"]) ** 2 // published["scale_factor"] ** 2
+    assert plan.vision["images"] == 1 and plan.vision["image_tokens"] == tiles * per_tile
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(config_file))
+    tower = sum(p.numel() for part in (model.model.vision_model, model.model.connector) for p in part.parameters())
+    assert plan.vision["vision_weights"] == 2 * tower
+    assert plan.fits and plan.breakdown["activations"] > 0
+
+
+@pytest.mark.parametrize("model_type, arch, vision, text, why", [
+    ("llava", "LlavaForConditionalGeneration", "clip_vision_model", "llama", "no family describes"),
+    # Llama 3.2 Vision: known, refused saying what is missing
+    ("mllama", "MllamaForConditionalGeneration", "mllama_vision_model", "mllama_text_model", "cross-attention"),
+])
+def test_a_vision_language_architecture_no_family_trains_is_one_line(tmp_path, capsys, model_type, arch, vision, text,
+                                                                     why):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": model_type, "architectures": [arch],
+                                  "vision_config": {"model_type": vision}, "text_config": {"model_type": text}}))
+    recipe = _plan_recipe(tmp_path, ROOT / "recipes" / "data" / "quickstart.jsonl")
+    recipe.write_text(recipe.read_text().replace(str(QWEN_VL_3B), str(tmp_path)))
+    assert main(["plan", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert arch in err and "vision-language" in err and why in err and "qwen2_5_vl" in err and "idefics3" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) <= 2  # the line and its hint
+
+
+def test_smolvlm_images_become_their_tiles_tokens_within_the_pixel_budget(tmp_path):
+    """Idefics3 / SmolVLM: an image is its tiles plus the whole image, each tile the tower's patches
+    pixel-shuffled (4 tokens per 56-pixel tile here); data.max_pixels narrows the long side to whole tiles, so a
+    one-tile budget leaves one tile, as the real image processor resizes it."""
+    from PIL import Image
+    from transformers import AutoConfig, AutoTokenizer, Idefics3ImageProcessorPil
+
+    from finetune.model.vision import vision_data
+
+    model = vision_model("idefics3", tmp_path / "model")
+    Image.new("RGB", (84, 56), (200, 30, 30)).save(tmp_path / "wide.png")
+    config, tokenizer = AutoConfig.from_pretrained(model), AutoTokenizer.from_pretrained(model)
+    counts = []
+    for pixels, edge in ((None, 112), (56 * 56, 56)):
+        vision = vision_data(config, model, tokenizer, pixels)
+        real = Idefics3ImageProcessorPil.from_pretrained(model, size={"longest_edge": edge})
+        tiles = real(images=[Image.open(tmp_path / "wide.png")], return_tensors="pt")["pixel_values"].shape[1]
+        counts.append(vision.image_tokens([str(tmp_path / "wide.png")]))
+        assert counts[-1] == [tiles * 4], (pixels, tiles)
+    assert counts == [[20], [4]]  # 2 x 2 tiles and the whole image; then the whole image alone

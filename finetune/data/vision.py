@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from finetune.data.chat import IGNORE_INDEX, Encoded
 from finetune.data.formats import RecordError
+from finetune.data.image_tokens import pixel_overrides
 from finetune.recipe.families import VisionLayout
 
 if TYPE_CHECKING:
@@ -38,7 +39,8 @@ class VisionData:
     image_token_id: int
     written_id: int  # the token the chat template writes per image (image_token_id for Qwen-VL)
     wrap: tuple[list[int], list[int]] = ([], [])  # the tokens around an image's repeated tokens, in its place
-    tokens_per_image: int | None = None  # a fixed count (Gemma 3's mm_tokens_per_image), else from the grid
+    # a fixed count per image (Gemma 3's mm_tokens_per_image) or per tile (Idefics3), else from the grid
+    tokens_per_image: int | None = None
     max_pixels: int | None = None  # data.max_pixels: the largest image budget (None: the processor's own)
 
     def process(self, paths: Sequence[str]) -> dict[str, Any]:
@@ -52,10 +54,15 @@ class VisionData:
         kwargs: dict[str, Any] = {}
         if self.max_pixels is not None and self.layout.kind == "qwen2_vl":
             kwargs["size"] = {**dict(self.processor.size), "longest_edge": self.max_pixels}
+        elif self.max_pixels is not None:
+            kwargs = pixel_overrides(self.processor.to_dict(), self.max_pixels)
         return dict(self.processor(images=images, return_tensors="pt", **kwargs))
 
     def image_tokens(self, paths: Sequence[str]) -> list[int]:
         """How many tokens each image stands for in the language model's input."""
+        if self.layout.kind == "idefics3":  # each tile's count, for its tiles and the whole image
+            assert self.tokens_per_image is not None
+            return [self.process([p])["pixel_values"].shape[1] * self.tokens_per_image for p in paths]
         if self.tokens_per_image is not None:
             return [self.tokens_per_image] * len(paths)
         grid = self.process(paths)["image_grid_thw"]

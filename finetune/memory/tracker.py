@@ -52,10 +52,16 @@ class MemoryTracker(TorchDispatchMode):
         tracker.result()
     """
 
-    def __init__(self, vocab_size: int | None = None, device: str | torch.device | None = None):
+    def __init__(self, vocab_size: int | None = None, device: str | torch.device | None = None,
+                 host_values: bool = False):
         super().__init__()
         self.vocab_size = vocab_size
         self.device = torch.device(device) if device is not None else None
+        # A planner trace on meta whose forward reads some values (a vision-language model's pixels and index
+        # tensors, kept on the CPU): what it computes on the CPU stands for device tensors of the real run and
+        # counts too; their meta copies (`as_stand_in`) are those same tensors and do not.
+        self._host = host_values
+        self._meta = self.device is not None and self.device.type == "meta"
         self._live: dict[int, list] = {}  # storage id -> [nbytes, category, seq]
         self._refs: dict[int, weakref.ref] = {}
         self._totals = dict.fromkeys(CATEGORIES, 0)
@@ -72,8 +78,17 @@ class MemoryTracker(TorchDispatchMode):
     # -- bookkeeping -------------------------------------------------------------------------------------
     def _on_device(self, t: torch.Tensor) -> bool:
         if t.is_meta:  # only a planner trace on `meta` counts them; offload's meta placeholders hold nothing
-            return self.device is not None and self.device.type == "meta"
-        return self.device is None or t.device.type == self.device.type
+            return self._meta
+        return self.device is None or t.device.type == self.device.type or self._host
+
+    @contextmanager
+    def as_stand_in(self):
+        """Meta copies made inside are of host values already counted (`host_values`): not counted again."""
+        meta, self._meta = self._meta, False
+        try:
+            yield
+        finally:
+            self._meta = meta
 
     def _add(self, storage: torch.UntypedStorage, category: str) -> None:
         key = id(storage)

@@ -44,8 +44,15 @@ def vision_data(config: Any, path: Path, tokenizer: Any, max_pixels: int | None 
     token = tokenizer.convert_tokens_to_ids(layout.image_token)
     written = tokenizer.convert_tokens_to_ids(layout.written or layout.image_token)
     wrap = tuple(tokenizer.encode(text, add_special_tokens=False) if text else [] for text in layout.wrap)
-    return VisionData(load_image_processor(path, family), layout, token, written, wrap,
-                      getattr(config, "mm_tokens_per_image", None), max_pixels)
+    per_image = tile_tokens(config) if layout.kind == "idefics3" else getattr(config, "mm_tokens_per_image", None)
+    return VisionData(load_image_processor(path, family), layout, token, written, wrap, per_image, max_pixels)
+
+
+def tile_tokens(config: Any) -> int:
+    """Idefics3 / SmolVLM: the language model's tokens per image tile (the tower's patches, pixel-shuffled
+    scale_factor x scale_factor into one token each)."""
+    vision = config.vision_config
+    return (vision.image_size // vision.patch_size) ** 2 // config.scale_factor ** 2
 
 
 # peft's exclude_modules as a regex over module names: anything inside a vision tower or projector.

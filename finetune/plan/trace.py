@@ -64,15 +64,22 @@ class _MetaKernels(TorchFunctionMode):
     (`finetune.plan.vision.trace_batch`): where one meets a meta tensor, it joins it on meta.
     """
 
+    def __init__(self, tracker: MemoryTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.to and _cpu_mask(args[0]) and _meta_target(args[1:], kwargs):
             return args[0]  # a mask from the token ids keeps its values, so what it selects has a shape
+        if func is torch.Tensor.to and args[0].is_meta:  # moved to the token ids' device (SmolVLM): stays on meta
+            args, kwargs = tree_map(_cpu_as_meta, (args, kwargs))
         if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and args[0].is_meta:
             args = (args[0], _mask_indices(args[1]), *args[2:])
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if any(t.is_meta for t in tensors) and any(not t.is_meta and t.dim() for t in tensors):
-            args, kwargs = tree_map(_to_meta, (args, kwargs))
+            with self.tracker.as_stand_in():  # the host tensors are counted where computed
+                args, kwargs = tree_map(_to_meta, (args, kwargs))
         if func is torch.nn.functional.scaled_dot_product_attention and args[0].is_meta:
             return _meta_sdpa(*args, **kwargs)
         if func is torch.Tensor.__bool__ and args[0].is_meta:
@@ -82,6 +89,10 @@ class _MetaKernels(TorchFunctionMode):
 
 def _to_meta(x: Any) -> Any:
     return x.to("meta") if isinstance(x, torch.Tensor) and not x.is_meta else x
+
+
+def _cpu_as_meta(x: Any) -> Any:
+    return "meta" if (x == "cpu" if isinstance(x, str) else isinstance(x, torch.device) and x.type == "cpu") else x
 
 
 def _cpu_mask(x: Any) -> bool:
@@ -362,12 +373,12 @@ def _direct_trace(key: tuple[str, str, str, str], attn: str, micro_batch: int, s
     int8_layers = [module for name, module in model.named_modules() if int8 and _quantizable(name, module, in_layers)]
     for module in int8_layers:
         module.forward = _int8_forward(module)
-    tracker = MemoryTracker(vocab_size=config.get_text_config().vocab_size, device="meta")
+    tracker = MemoryTracker(vocab_size=config.get_text_config().vocab_size, device="meta", host_values=bool(images))
     tracker.register_model(model)
     handles = _layer_windows(model, tracker)
     grpo = of_trace_objective(objective)
     try:
-        with _MetaKernels(), _MetaMemo(planner), tracker:
+        with _MetaKernels(tracker), _MetaMemo(planner), tracker:
             if grpo is not None:
                 _grpo_step(model, tracker, micro_batch, seq_len, *grpo)
             elif preference is not None and preference.reference_precomputed:

@@ -14,10 +14,14 @@ from typing import Any
 
 import torch
 
+from finetune.data.image_tokens import image_inputs
 from finetune.model.family import family_of
 from finetune.model.source import config_location
+from finetune.model.vision import tile_tokens
 
-Grid = tuple[int, int, int]  # an image's (temporal, height, width) patches, as image_grid_thw holds it
+# an image's (temporal, height, width) patches, as image_grid_thw holds it; Idefics3: (tiles, tile height, tile
+# width), its tiles and the whole image in pixels
+Grid = tuple[int, int, int]
 
 
 def processor_config(model_path: str) -> dict[str, Any]:
@@ -43,6 +47,11 @@ def image_grid(config: Any, processor: dict[str, Any], width: int, height: int, 
     if _kind(config) == "gemma3":
         side = vision.image_size // vision.patch_size
         return (1, side, side)
+    if _kind(config) == "idefics3":  # (tiles with the whole image, tile height, tile width) in pixels
+        own = {"image_processor_type": "Idefics3ImageProcessor", "max_image_size": {"longest_edge": vision.image_size},
+               "size": {"longest_edge": 4 * vision.image_size}, **processor}  # a bare config.json: the checkpoints' 4 tiles
+        tiles, _, tile_h, tile_w = image_inputs(own, width, height, max_pixels).pixel_values
+        return (tiles, tile_h, tile_w)
     patch = processor.get("patch_size", vision.patch_size)
     merge = processor.get("merge_size", vision.spatial_merge_size)
     size = processor.get("size") or {}
@@ -63,6 +72,8 @@ def image_tokens(config: Any, grid: Grid) -> int:
     mm_tokens_per_image)."""
     if _kind(config) == "gemma3":
         return config.mm_tokens_per_image
+    if _kind(config) == "idefics3":
+        return grid[0] * tile_tokens(config)
     merge = config.vision_config.spatial_merge_size
     return grid[0] * grid[1] * grid[2] // merge ** 2
 
@@ -86,6 +97,11 @@ def trace_batch(config: Any, rows: int, seq_len: int, grids: tuple[Grid, ...]) -
     if layout.kind == "gemma3":  # whole images at the tower's size
         side = vision.image_size
         batch["pixel_values"] = torch.empty(rows * len(grids), vision.num_channels, side, side, device="meta")
+    elif layout.kind == "idefics3":  # every tile of the batch in one sample, as the collator gives them
+        # real pixels on the CPU: the forward tells padding tiles by their zero pixels and counts the rest
+        tiles, high, wide = rows * sum(g[0] for g in grids), max(g[1] for g in grids), max(g[2] for g in grids)
+        batch["pixel_values"] = torch.ones(1, tiles, vision.num_channels, high, wide)
+        batch["pixel_attention_mask"] = torch.ones(1, tiles, high, wide, dtype=torch.long)
     else:  # the processor's flattened patches and each image's grid
         patches = rows * sum(t * h * w for t, h, w in grids)
         width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2

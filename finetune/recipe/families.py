@@ -65,7 +65,9 @@ class VisionLayout:
     # the input of the model's forward that marks which tokens are images (Qwen's mm_token_type_ids: the
     # multimodal rotary positions; Gemma 3's token_type_ids: images attend to themselves both ways)
     token_types: str | None = None
-    kind: str = "qwen2_vl"  # how an image becomes tokens: qwen2_vl (patch grid), gemma3 (a fixed count)
+    # how an image becomes tokens: qwen2_vl (patch grid), gemma3 (a fixed count), idefics3 (tiles of the image
+    # plus the whole image, a fixed count each)
+    kind: str = "qwen2_vl"
     # the token the chat template writes for an image, when not image_token, and the text the processor puts
     # around the repeated image tokens in its place (Gemma 3: "\n\n<start_of_image>", "<end_of_image>\n\n")
     written: str | None = None
@@ -188,9 +190,20 @@ FAMILIES: tuple[Family, ...] = (
            "its features also added to the first text layers) before full attention text layers with q/k norms "
            "and interleaved multimodal rotary positions", no_gguf=_NO_GGUF_VISION, methods=_VISION_METHODS,
            vision=_QWEN_VL),
+    # SmolVLM v1 checkpoints are idefics3 configs; SmolVLM2's are smolvlm (the same image processing).
+    Family("SmolVLM / Idefics3", ("idefics3", "smolvlm"), "SmolVLM-256M/500M/2.2B-Instruct, SmolVLM2, Idefics3-8B",
+           "SigLIP vision encoder over the image's tiles and the whole image, pixel-shuffled into the text model's "
+           "tokens, before full attention text layers", no_gguf=_NO_GGUF_VISION, methods=_VISION_METHODS,
+           vision=VisionLayout("Idefics3ImageProcessorPil", "<image>", kind="idefics3",
+                               wrap=("<fake_token_around_image><global-img>", "<fake_token_around_image>"))),
 )
 
 VISION_HINT = "use a text-only checkpoint of the family, or a vision-language family docs/models.md lists"
+# Vision-language architectures known and not trained yet: why, for their one-line refusal.
+VISION_NOT_YET = {
+    "mllama": "Llama 3.2 Vision's cross-attention layers read a per-token image mask (cross_attention_mask) and "
+              "each image's tile aspect ratios, which the data build does not make yet",
+}
 
 
 def family_for(model_type: str) -> Family | None:
@@ -217,6 +230,9 @@ def check_config_data(config: dict[str, Any], where: str) -> Family:
     vision = any(key in config for key in ("vision_config", "vision_tower", "visual"))
     if vision and not (family is not None and (family.text_of_vision or family.vision is not None)):
         supported = ", ".join(t for f in FAMILIES if f.vision is not None for t in f.model_types)
+        if model_type in VISION_NOT_YET:
+            raise UnsupportedModel(f"model.path {where}: {named} is not supported yet: {VISION_NOT_YET[model_type]} "
+                                   f"(vision-language model_types: {supported})", hint=VISION_HINT)
         raise UnsupportedModel(f"model.path {where}: {named} is a vision-language model no family describes "
                                f"(vision-language model_types: {supported})", hint=VISION_HINT)
     if family is None:

@@ -1,0 +1,35 @@
+"""docs/vision.md's pixel-budget table is the planner's own output: each vision-language family's full-size
+config planned for one QLoRA recipe at 8, 16 and 24 GiB (`finetune.plan.pixel_table`), and a larger GPU never
+gets a smaller image budget."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from finetune.plan.pixel_table import GPU_SIZES, budget_plans, pixel_budget_markdown
+from finetune.recipe.families import FAMILIES, family_for
+from finetune.units import parse_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "tests" / "fixtures" / "configs"
+# the published config.json of one checkpoint per vision-language family (two sizes of SmolVLM)
+MODELS = {"Qwen2.5-VL-3B-Instruct": "qwen2.5-vl-3b.json", "Qwen3-VL-8B-Instruct": "qwen3-vl-8b.json",
+          "gemma-3-4b-it": "gemma-3-4b-it.json", "SmolVLM-256M-Instruct": "smolvlm-256m.json",
+          "SmolVLM-Instruct (2.2B)": "smolvlm-2.2b.json"}
+BEGIN, END = "<!-- pixel budgets: generated", "<!-- end of the generated table -->"
+
+
+def test_the_docs_pixel_budget_table_is_the_planners_and_grows_with_the_gpu():
+    import json
+
+    covered = {family_for(json.loads((CONFIGS / f).read_text())["model_type"]).name for f in MODELS.values()}
+    assert covered == {f.name for f in FAMILIES if f.vision is not None}  # every vision family has its row
+    plans = budget_plans({name: str(CONFIGS / file) for name, file in MODELS.items()})
+    for name, per_gpu in plans.items():
+        chosen = [p.settings["max_pixels"] if p.fits else 0 for p in per_gpu]
+        assert chosen == sorted(chosen), (name, chosen)  # more memory: never a smaller image budget
+        for gib, plan in zip(GPU_SIZES, per_gpu, strict=True):
+            assert plan.fits == (plan.peak_bytes <= plan.budget_bytes) and plan.budget_bytes <= parse_bytes(f"{gib}GiB")
+    text = (ROOT / "docs" / "vision.md").read_text()
+    generated = text.split(BEGIN, 1)[1].split("\n", 1)[1].split(END, 1)[0]
+    assert generated == pixel_budget_markdown(plans), "regenerate the table:\n" + pixel_budget_markdown(plans)
