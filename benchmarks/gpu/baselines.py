@@ -79,15 +79,19 @@ def _train(recipe: Recipe, framework: str, out_dir: Path, model, tokenizer) -> f
                   bf16=cuda and torch.cuda.is_bf16_supported(), use_cpu=not cuda, dataloader_num_workers=0,
                   include_num_input_tokens_seen="non_padding", remove_unused_columns=False, seed=t.seed)
     rate = StepRate()
+
+    def collate(rows: list) -> dict:  # HF Trainer and TRL take the collated dict (finetune's Batch reads as one)
+        return dict(data.collator(rows))
+
     if framework == "hf_peft":
         trainer = Trainer(model=get_peft_model(model, lora), args=TrainingArguments(**common),
-                          train_dataset=data.train, data_collator=data.collator, callbacks=[rate])
+                          train_dataset=data.train, data_collator=collate, callbacks=[rate])
     else:
         from trl import SFTConfig, SFTTrainer
 
         args = SFTConfig(**common, max_length=recipe.data.max_seq_len, packing=False,
                          dataset_kwargs={"skip_prepare_dataset": True})
-        trainer = SFTTrainer(model=model, args=args, train_dataset=data.train, data_collator=data.collator,
+        trainer = SFTTrainer(model=model, args=args, train_dataset=data.train, data_collator=collate,
                              processing_class=tokenizer, peft_config=lora, callbacks=[rate])
     trainer.train()
     return steady_tokens_per_s(rate.rates)
