@@ -349,29 +349,6 @@ def _example(record: Record, fmt: str, cfg: DataConfig, folder: str) -> Example:
     return example
 
 
-def largest_images(cfg: DataConfig) -> list[tuple[int, int]]:
-    """The (width, height) of each image of the record whose images hold the most pixels, from the image files'
-    headers (no pixel is decoded): what the planner prices one example's images at. [] without images."""
-    from PIL import Image
-
-    files = read_files(cfg)
-    formats, _ = _formats(cfg, files, None)
-    best: list[tuple[int, int]] = []
-    for f, fmt, folder in zip(files, formats, data_folders(cfg), strict=True):
-        for record in f.read.records:
-            try:
-                paths = images_of(_example(record, fmt, cfg, folder))
-                sizes = []
-                for path in paths:
-                    with Image.open(path) as image:
-                        sizes.append(image.size)
-            except (RecordError, OSError):
-                continue  # a bad record: the data build names it
-            if sum(w * h for w, h in sizes) > sum(w * h for w, h in best):
-                best = sizes
-    return best
-
-
 def check_records(cfg: DataConfig, method: str = "sft", model_takes_images: bool = False) -> dict[str, Any]:
     """Read and check every record without a tokenizer, in seconds, before a model loads: the file parses,
     its format is known and suits `method`, each record has its fields and its images are readable files

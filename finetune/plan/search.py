@@ -347,13 +347,17 @@ def planned_images(recipe: Recipe, config: Any, planner: Planner = DEFAULT) -> t
     family = family_for(model_type_of(config))
     if family is None or family.vision is None:
         return ()
-    from finetune.data.build import largest_images
+    from finetune.data.build import record_image_sizes
 
-    data = recipe.data
+    data, method = recipe.data, recipe.training.method
     files = [data.path] if isinstance(data.path, str) else [f.path for f in data.path]
     stamps = tuple((f, s.st_mtime_ns, s.st_size) for f in files if (s := _stat(f)) is not None)
+
+    def largest() -> list[tuple[int, int]]:  # the record whose images hold the most pixels, from the headers
+        return max(record_image_sizes(data, method), key=lambda sizes: sum(w * h for w, h in sizes), default=[])
+
     try:  # read once per data (and its files' versions): `data.max_pixels: auto` plans several budgets
-        sizes = planner.images.get_or_compute((data.model_dump_json(), stamps), lambda: largest_images(data))
+        sizes = planner.images.get_or_compute((data.model_dump_json(), method, stamps), largest)
     except FinetuneError:
         return ()
     pixels = recipe.data.max_pixels
