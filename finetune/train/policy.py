@@ -2,8 +2,9 @@
 
 A policy is one class with any of the hooks below; the loop calls each hook on every policy in the order
 they were given and never knows a policy by name. Each hook's contract is its one-line docstring. A policy
-changes the loop only through `TrainLoop.set_geometry` (the batch shape, the one record every policy reads)
-and `TrainLoop.set_memory` (the memory savers). A policy that keeps state across a checkpoint declares its
+changes the loop only through `Loop.set_geometry` (the batch shape, the one record every policy reads)
+and `Loop.set_memory` (the memory savers); `Loop` is all of the loop (finetune.train.loop.TrainLoop) that
+policies and objectives see. A policy that keeps state across a checkpoint declares its
 `key` and returns the state from `state_dict` (plain values and tensors: the train state is loaded with
 torch's weights-only loader) and takes it back in `load_state_dict`.
 
@@ -15,14 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
 if TYPE_CHECKING:
     from finetune.data.batch import Batch
     from finetune.rl.step import MicroBatch as RolloutBatch
-    from finetune.train.loop import TrainLoop
 
 Rows = list[dict]  # examples of a loader batch as the dataset gives them, before collation
 
@@ -85,7 +85,7 @@ class Part:
 
 @dataclass
 class Geometry:
-    """The live batch shape, owned by the loop (changed only through `TrainLoop.set_geometry`) and
+    """The live batch shape, owned by the loop (changed only through `Loop.set_geometry`) and
     checkpointed. Sequences per update = micro_batch x accumulation x group x processes, or update_batch
     while that is smaller than the loader batch."""
 
@@ -113,14 +113,14 @@ class Objective(Protocol):
 
     evaluates_before: bool  # its held-out metrics are worth taking before training too (rewards)
 
-    def forward_backward(self, loop: TrainLoop, part: Part) -> torch.Tensor:
+    def forward_backward(self, loop: Loop, part: Part) -> torch.Tensor:
         """Forward and backward of `part.batch` (backward through `loop.backward(part.scaled(loss))`); the
         loss as scaled for backward, detached."""
 
-    def evaluate(self, loop: TrainLoop) -> dict[str, float]:
+    def evaluate(self, loop: Loop) -> dict[str, float]:
         """Held-out metrics at the current weights, named with the `eval_` prefix."""
 
-    def training_metrics(self, loop: TrainLoop) -> dict[str, float]:
+    def training_metrics(self, loop: Loop) -> dict[str, float]:
         """What a training row adds (a preference method's rewards, GRPO's): means since the last row."""
 
 
@@ -131,46 +131,46 @@ class Policy:
 
     key: ClassVar[str | None] = None
 
-    def on_train_begin(self, loop: TrainLoop) -> None:
+    def on_train_begin(self, loop: Loop) -> None:
         """Once, after a resume's state is loaded and before the first step."""
 
-    def plan_updates(self, loop: TrainLoop, step: Step, updates: list[Update]) -> list[Update]:
+    def plan_updates(self, loop: Loop, step: Step, updates: list[Update]) -> list[Update]:
         """How the step's rows run as updates (given: what earlier policies made of it); return them."""
         return updates
 
-    def on_step_begin(self, loop: TrainLoop, step: Step) -> None:
+    def on_step_begin(self, loop: Loop, step: Step) -> None:
         """The step's batches are fetched and planned; nothing of it ran."""
 
-    def around_micro_batch(self, loop: TrainLoop, part: Part, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def around_micro_batch(self, loop: Loop, part: Part, run: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Run one forward/backward (`run`, returns its loss), adding what the policy needs around it."""
         return run()
 
-    def defers(self, loop: TrainLoop, step: Step) -> bool:
+    def defers(self, loop: Loop, step: Step) -> bool:
         """Whether the step's last update waits for the next step (its gradients stay in .grad)."""
         return False
 
-    def before_update(self, loop: TrainLoop, update: Update) -> None:
+    def before_update(self, loop: Loop, update: Update) -> None:
         """Gradients of the update are complete: nothing clipped, measured or applied yet."""
 
-    def after_update(self, loop: TrainLoop, update: Update, grad_norm: torch.Tensor | float | None) -> None:
+    def after_update(self, loop: Loop, update: Update, grad_norm: torch.Tensor | float | None) -> None:
         """The update was applied and the gradients freed."""
 
-    def on_step_end(self, loop: TrainLoop, step: Step) -> None:
+    def on_step_end(self, loop: Loop, step: Step) -> None:
         """The step is complete (state.step counts it); before logging, evaluation and saving."""
 
-    def on_oom(self, loop: TrainLoop, step: Step, failure: str, phase: str) -> bool:
+    def on_oom(self, loop: Loop, step: Step, failure: str, phase: str) -> bool:
         """Out of memory in `phase` ("step": a forward/backward, "update": clipping or optimizer.step, the
         gradients already dropped): True if the loop should run the step again (the policy made it cheaper);
         False to let the next policy (or the loop, which raises) handle it."""
         return False
 
-    def log(self, loop: TrainLoop, row: dict) -> None:
+    def log(self, loop: Loop, row: dict) -> None:
         """Add to a training or evaluation log row, or record it (rows go through the policies in order)."""
 
-    def on_save(self, loop: TrainLoop, folder: str) -> None:
+    def on_save(self, loop: Loop, folder: str) -> None:
         """A checkpoint of state.step was published at `folder`."""
 
-    def on_train_end(self, loop: TrainLoop) -> None:
+    def on_train_end(self, loop: Loop) -> None:
         """Training ended (also after an error: release what the policy holds)."""
 
     def state_dict(self) -> dict:
@@ -179,3 +179,43 @@ class Policy:
 
     def load_state_dict(self, state: dict) -> None:
         """Take back what state_dict returned (a checkpoint without it: start afresh)."""
+
+
+class Loop(Protocol):
+    """What policies and objectives see of the training loop (finetune.train.loop.TrainLoop implements it): its
+    parts and state to read, and the two ways to change it, `set_geometry` and `set_memory`."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    accelerator: Any  # accelerate's Accelerator
+    state: Any  # finetune.train.loop.LoopState: step, epoch, tokens seen, log history
+    geometry: Geometry
+    schedule: Any  # finetune.train.loop.Schedule
+    memory: Any  # finetune.train.loop.MemorySettings
+    data: Any  # finetune.train.loop.LoopData
+    objective: Objective
+    policies: list[Policy]
+    processes: int
+    rank: int
+    stopped: bool
+    undone: bool
+
+    def set_geometry(self, **changes: int | None) -> None: ...
+    def set_memory(self, **changes: Any) -> None: ...
+    @property
+    def offload(self) -> Any: ...
+    @property
+    def steps_waiting(self) -> int: ...
+    def is_last_update(self, update: Update) -> bool: ...
+    def rewind_rng(self, step: Step) -> None: ...
+    def kept(self) -> str: ...
+    def collate(self, rows: list[dict]) -> Batch: ...
+    def backward(self, loss: torch.Tensor) -> None: ...
+    def diverged(self, step: int, what: str) -> None: ...
+    def save_now(self) -> str | None: ...
+    def evaluate(self) -> dict[str, float]: ...
+    def train_metrics(self, runtime: float, first_step: int) -> dict[str, float]: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+    def fit(self) -> None: ...
