@@ -48,22 +48,31 @@ Metrics = dict[str, list[float]]  # name -> [sum, count], added over micro-batch
 METRIC_PREFIXES = (*REWARD_KEYS, "logps/", "nll_loss", "log_odds_ratio", "kl")  # logged keys (metrics.jsonl)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class PreferenceLoss:
-    """A preference method and its knobs (the recipe's training.method, beta, ...)."""
+    """A preference method and its knobs: the recipe's training.method and the training.* keys the method
+    registry's entries name or declare (finetune/recipe/methods.py), read as attributes (`loss.beta`,
+    `loss.simpo_gamma`); a knob not given takes the schema's default."""
 
     method: str  # a training.method whose registry entry is a preference method (finetune/recipe/methods.py)
-    # the training.* keys the registry's methods name, with the schema's defaults
-    beta: float = 0.1
-    loss_type: str = "sigmoid"
-    reference_free: bool = False
-    label_smoothing: float = 0.0
-    simpo_gamma: float = 0.5
-    cpo_alpha: float = 1.0
-    desirable_weight: float = 1.0
-    undesirable_weight: float = 1.0
-    precompute_reference: bool = False  # the reference values come with the batch (`ref_logps`)
+    knobs: tuple[tuple[str, Any], ...]  # (training.* key, value) for every key of `method_keys()`
     reference_current: bool = False  # the precomputed pass runs the model as it is (`reference_is_current`)
+
+    def __init__(self, method: str, *, reference_current: bool = False, **knobs: Any) -> None:
+        keys, fields = method_keys(), TrainingConfig.model_fields
+        unknown = sorted(set(knobs) - set(keys))
+        if unknown:
+            raise TypeError(f"not a training method's knob: {', '.join(unknown)}; known: {', '.join(keys)}")
+        object.__setattr__(self, "method", method)
+        object.__setattr__(self, "knobs", tuple((key, knobs.get(key, fields[key].default)) for key in keys))
+        object.__setattr__(self, "reference_current", reference_current)
+
+    def __getattr__(self, name: str) -> Any:
+        """A knob's value (only names that are no attribute get here)."""
+        for key, value in self.__dict__.get("knobs", ()):
+            if key == name:
+                return value
+        raise AttributeError(f"{type(self).__name__} has no knob {name!r}")
 
     @classmethod
     def of(cls, training: TrainingConfig, reference_current: bool = False) -> PreferenceLoss | None:
@@ -72,8 +81,8 @@ class PreferenceLoss:
         planner's trace)."""
         if not method_spec(training.method).preference:
             return None
-        knobs = {key: getattr(training, key) for key in method_keys()}  # each a field here of the same name
-        return cls(training.method, **knobs, reference_current=reference_current)
+        knobs = {key: getattr(training, key) for key in method_keys()}  # each a field of the section
+        return cls(training.method, reference_current=reference_current, **knobs)
 
     @property
     def uses_reference(self) -> bool:

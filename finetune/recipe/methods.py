@@ -11,19 +11,35 @@ How to add a training method (docs/architecture.md, "How to add"): append one `M
 below and write its loss. A pairwise preference loss (data kind "pair") is a function (loss, pc, pr, rc, rr,
 cc, cr) -> (mean loss, stats) over the chosen/rejected sequence log-prob sums (pc, pr), their reference values
 (rc, rr; zeros without a reference) and answer token counts (cc, cr), as `finetune.memory.preference.dpo_loss`;
-the stats are what `finetune.memory.preference.pair_stats` returns, plus any extra logged terms. Declare its
-knobs as training.* fields in finetune/recipe/schema.py and name them in `keys`.
+the stats are what `finetune.memory.preference.pair_stats` returns, plus any extra logged terms. Declare a
+knob only this method uses in its entry's `knobs` (the schema makes it a training.* key that applies only to
+this method; the loss reads it as `loss.<name>`); a knob several methods share is a training.* field in
+finetune/recipe/schema.py that each of them names in `keys`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Literal
 
 # What finetune.data.build makes of the data: sft sequences, chosen + rejected pairs, labelled single answers
 # (kto), or prompts the model answers itself (finetune.data.prompts).
 DataKind = Literal["sft", "pair", "kto", "prompt"]
 DATA_KINDS: tuple[str, ...] = ("sft", "pair", "kto", "prompt")
+
+
+@dataclass(frozen=True)
+class Knob:
+    """A training.* key only one method uses, declared in its entry: its default (whose type is the key's type),
+    bounds and description (docs/recipe.md, the UI form). The schema turns it into the field."""
+
+    default: float | int | bool | str
+    description: str
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
 
 
 @dataclass(frozen=True)
@@ -37,7 +53,8 @@ class MethodSpec:
     objective: str = "finetune.train.objectives:loss_objective"  # "module:function": its Objective's factory
     rows_per_example: int = 1  # sequences one example puts in a batch (a pair: chosen, then rejected)
     reference: bool = False  # the loss compares against the reference model (training.reference_free drops it)
-    keys: tuple[str, ...] = ()  # training.* keys that apply only to the methods naming them here
+    keys: tuple[str, ...] = ()  # shared training.* fields of the schema that apply only to the methods naming them
+    knobs: Mapping[str, Knob] = field(default_factory=dict, hash=False)  # training.* keys of this method alone
     packing: str | None = None  # why data.packing cannot be used (None: it can)
     whole_batch: str | None = None  # why an update cannot be smaller than a loader batch (no batch warmup)
     generates: bool = False  # samples its own answers each step: the planner prices generation windows
@@ -60,12 +77,18 @@ METHODS: tuple[MethodSpec, ...] = (
                "finetune.memory.preference:orpo_loss", rows_per_example=2, keys=("beta",), packing=_WHOLE_ANSWERS),
     MethodSpec("simpo", "simpo (pairs, reference-free: length-averaged log-probabilities, a target margin)",
                "pair", "finetune.memory.preference:simpo_loss", rows_per_example=2,
-               keys=("beta", "simpo_gamma", "label_smoothing"), packing=_WHOLE_ANSWERS),
+               keys=("beta", "label_smoothing"), packing=_WHOLE_ANSWERS,
+               knobs={"simpo_gamma": Knob(0.5, "simpo only: the target reward margin by which the chosen answer's "
+                                          "reward must beat the rejected one's.", ge=0, le=1e3)}),
     MethodSpec("cpo", "cpo (pairs, reference-free: a sigmoid loss on the log-probability margin plus the NLL of "
                "the chosen answer)", "pair", "finetune.memory.preference:cpo_loss", rows_per_example=2,
-               keys=("beta", "cpo_alpha", "label_smoothing"), packing=_WHOLE_ANSWERS),
+               keys=("beta", "label_smoothing"), packing=_WHOLE_ANSWERS,
+               knobs={"cpo_alpha": Knob(1.0, "cpo only: weight of the NLL of the chosen answer (behaviour cloning) "
+                                        "added to the preference loss; 0: the sigmoid term alone.", ge=0, le=1e3)}),
     MethodSpec("kto", "kto (single answers labelled good or bad)", "kto", "finetune.memory.preference:kto_loss",
-               reference=True, keys=("beta", "desirable_weight", "undesirable_weight", "precompute_reference"),
+               reference=True, keys=("beta", "precompute_reference"),
+               knobs={"desirable_weight": Knob(1.0, "kto only: loss weight of good answers.", gt=0, le=1e3),
+                      "undesirable_weight": Knob(1.0, "kto only: loss weight of bad answers.", gt=0, le=1e3)},
                packing=_WHOLE_ANSWERS,
                whole_batch="kto's reference point is the mean of its batch's answers: a batch of one learns nothing"),
     MethodSpec("grpo", "grpo (reinforcement learning from rewards on the model's own answers to prompts; its keys "
@@ -91,18 +114,31 @@ def method_spec(name: str) -> MethodSpec:
         raise KeyError(f"unknown training.method {name!r}; known: {', '.join(_BY_NAME)}") from None
 
 
-def method_keys() -> dict[str, tuple[str, ...]]:
-    """training.* key -> the methods it applies to (the keys no method names apply to all)."""
+def method_keys(methods: tuple[MethodSpec, ...] = METHODS) -> dict[str, tuple[str, ...]]:
+    """training.* key -> the methods it applies to, shared keys and knobs alike (the keys no method names apply
+    to all)."""
     keys: dict[str, tuple[str, ...]] = {}
-    for spec in METHODS:
-        for key in spec.keys:
+    for spec in methods:
+        for key in (*spec.keys, *spec.knobs):
             keys[key] = (*keys.get(key, ()), spec.name)
     return keys
 
 
-def method_description() -> str:
+def method_knobs(methods: tuple[MethodSpec, ...] = METHODS) -> dict[str, Knob]:
+    """The knobs the entries declare, in the table's order (the schema's training.* fields of one method)."""
+    knobs: dict[str, Knob] = {}
+    for spec in methods:
+        for name, knob in spec.knobs.items():
+            if name in knobs:
+                raise ValueError(f"training.{name} is declared by two methods; a shared key is a schema field "
+                                 "that each method names in `keys`")
+            knobs[name] = knob
+    return knobs
+
+
+def method_description(methods: tuple[MethodSpec, ...] = METHODS) -> str:
     """The training.method description (docs/recipe.md, the UI form)."""
-    return "; ".join(m.summary for m in METHODS) + "."
+    return "; ".join(m.summary for m in methods) + "."
 
 
 def uses_reference(method: str, reference_free: bool = False) -> bool:

@@ -6,7 +6,7 @@ Every field has a default or is required, and a one-line description. Sections m
 from __future__ import annotations
 
 import os
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BeforeValidator,
@@ -14,16 +14,19 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     Tag,
+    create_model,
     field_validator,
     model_serializer,
     model_validator,
 )
 
 from finetune.recipe.methods import (
+    METHODS,
+    Knob,
     MethodSpec,
     method_description,
     method_keys,
-    method_names,
+    method_knobs,
     method_spec,
     uses_reference,
 )
@@ -208,7 +211,19 @@ class DataConfig(Section):
         return " + ".join(f.path for f in self.files())
 
 
-class TrainingConfig(Section):
+# training.precompute_reference, placed by `training_config` after the methods' knobs
+PRECOMPUTE_REFERENCE = Field(
+    False, description="dpo, kto (with a reference): compute the reference model's log-probabilities of "
+    "the training and eval data once, before training (one forward pass over the data, saved in the run "
+    "directory for --resume), instead of a reference forward in every step: steps about a quarter faster, "
+    "which repays the pass after about one epoch; the planner prices the pass's own peak too.")
+
+
+class TrainingFields(Section):
+    """The training section's hand-written fields and checks; `training_config` adds the method's fields."""
+
+    methods: ClassVar[tuple[MethodSpec, ...]] = METHODS  # the registry the section was made from
+
     max_steps: int | None = Field(None, ge=1, le=MAX_COUNT, description="Optimizer steps to run; null trains for `epochs`.")
     epochs: float = Field(1, gt=0, le=1e6, description="Passes over the training data when max_steps is null.")
     micro_batch_size: int | Auto = Field(1, description="Sequences per forward pass; auto lets the planner choose.")
@@ -242,10 +257,10 @@ class TrainingConfig(Section):
         "CUDA only, refused on other devices. Planned as uncompiled: its memory effect is a declared estimate "
         "(none beyond memory.recompute_norms, which prices the largest part of what compile's fusion saves), to be "
         "measured by the GPU kit.")
-    # The training method (finetune/recipe/methods.py) and its knobs; each method's entry names the knobs that
-    # apply to it.
-    method: Literal[method_names()] = Field(  # type: ignore[valid-type]  # the method registry's names
-        "sft", description=method_description())
+    # The training method (finetune/recipe/methods.py) and the knobs several methods share; each method's entry
+    # names the shared knobs that apply to it and declares its own (`training_config` adds those, and sets the
+    # names and description of training.method).
+    method: str = "sft"
     beta: float = Field(0.1, gt=0, le=1e3, description="dpo, kto: strength of the pull towards the reference model "
                         "(the reward scale); orpo: weight of the odds-ratio term; simpo, cpo: the reward scale (beta x the "
                         "answer's log-probability, its mean over tokens for simpo).")
@@ -257,17 +272,6 @@ class TrainingConfig(Section):
     label_smoothing: float = Field(
         0.0, ge=0, lt=0.5, description="dpo (loss_type sigmoid), simpo, cpo: assumed fraction of flipped labels "
         "(conservative DPO).")
-    simpo_gamma: float = Field(0.5, ge=0, le=1e3, description="simpo only: the target reward margin by which "
-                               "the chosen answer's reward must beat the rejected one's.")
-    cpo_alpha: float = Field(1.0, ge=0, le=1e3, description="cpo only: weight of the NLL of the chosen answer "
-                             "(behaviour cloning) added to the preference loss; 0: the sigmoid term alone.")
-    desirable_weight: float = Field(1.0, gt=0, le=1e3, description="kto only: loss weight of good answers.")
-    undesirable_weight: float = Field(1.0, gt=0, le=1e3, description="kto only: loss weight of bad answers.")
-    precompute_reference: bool = Field(
-        False, description="dpo, kto (with a reference): compute the reference model's log-probabilities of "
-        "the training and eval data once, before training (one forward pass over the data, saved in the run "
-        "directory for --resume), instead of a reference forward in every step: steps about a quarter faster, "
-        "which repays the pass after about one epoch; the planner prices the pass's own peak too.")
 
     @field_validator("micro_batch_size", "gradient_accumulation_steps", "effective_batch_size")
     @classmethod
@@ -277,7 +281,7 @@ class TrainingConfig(Section):
         return value
 
     @model_validator(mode="after")
-    def _auto_batch(self) -> TrainingConfig:
+    def _auto_batch(self) -> TrainingFields:
         """effective_batch_size auto: the run multiplies the accumulation (normally 1; an out-of-memory recovery
         may have doubled it) by what the measured noise scale supports."""
         if self.effective_batch_size == "auto" and not self.noise_scale:
@@ -285,10 +289,10 @@ class TrainingConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _keys_fit_method(self) -> TrainingConfig:
+    def _keys_fit_method(self) -> TrainingFields:
         """A preference knob set for a method it does not apply to (as optimizer-specific keys are checked)."""
         misplaced: dict[tuple[str, ...], list[str]] = {}
-        for key, methods in method_keys().items():
+        for key, methods in method_keys(self.methods).items():
             if self.method not in methods and getattr(self, key) != type(self).model_fields[key].default:
                 misplaced.setdefault(methods, []).append(f"training.{key}")
         problems = [f"{', '.join(keys)}: {'apply' if len(keys) > 1 else 'applies'} only to {_and(methods, 'or')}, "
@@ -313,6 +317,29 @@ class TrainingConfig(Section):
     def uses_reference(self) -> bool:
         """Whether the loss compares against the reference model (the base, adapter switched off)."""
         return uses_reference(self.method, self.reference_free)
+
+
+def _knob_field(knob: Knob) -> tuple[type, Any]:
+    """A method's knob as a pydantic field definition: its default's type, bounds and description."""
+    bounds = {name: getattr(knob, name) for name in ("ge", "gt", "le", "lt") if getattr(knob, name) is not None}
+    return type(knob.default), Field(knob.default, description=knob.description, **bounds)
+
+
+def training_config(methods: tuple[MethodSpec, ...] = METHODS) -> type[TrainingFields]:
+    """The training section for a method registry: `training.method` takes its names, and each entry's knobs
+    are fields placed after the shared ones (before precompute_reference, as docs/recipe.md lists them), which
+    apply only to the method declaring them."""
+    knobs = {name: _knob_field(knob) for name, knob in method_knobs(methods).items()}
+    return create_model(  # type: ignore[call-overload]  # fields built from the registry
+        "TrainingConfig", __base__=TrainingFields, __module__=__name__, __doc__=TrainingFields.__doc__,
+        methods=(ClassVar[tuple[MethodSpec, ...]], methods),
+        method=(Literal[tuple(m.name for m in methods)],  # type: ignore[valid-type]  # the registry's names
+                Field(methods[0].name, description=method_description(methods))),
+        **knobs,
+        precompute_reference=(bool, PRECOMPUTE_REFERENCE))
+
+
+TrainingConfig = training_config()
 
 
 class GRPOConfig(RewardsConfig):
