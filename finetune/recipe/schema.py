@@ -331,7 +331,7 @@ def training_config(methods: tuple[MethodSpec, ...] = METHODS) -> type[TrainingF
     apply only to the method declaring them."""
     knobs = {name: _knob_field(knob) for name, knob in method_knobs(methods).items()}
     return create_model(  # type: ignore[call-overload]  # fields built from the registry
-        "TrainingConfig", __base__=TrainingFields, __module__=__name__, __doc__=TrainingFields.__doc__,
+        "TrainingConfig", __base__=TrainingFields, __module__=__name__,
         methods=(ClassVar[tuple[MethodSpec, ...]], methods),
         method=(Literal[tuple(m.name for m in methods)],  # type: ignore[valid-type]  # the registry's names
                 Field(methods[0].name, description=method_description(methods))),
