@@ -113,7 +113,7 @@ def write_gguf(model: Any, tokenizer: Any, path: Path, *, qtype: str = "f16", na
             raise FinetuneError(f"export --format gguf: tensor {hf_name} has no place in llama.cpp's "
                                 f"{arch.arch.lower()} architecture" + (" (its output head is always tied to the "
                                 "embedding)" if hf_name == "lm_head.weight" else ""))
-        writer.add_tensor(gguf_name, *_encode(_layout(arch, config, hf_name, data), qtype))
+        writer.add_tensor(gguf_name, *encode(_layout(arch, config, hf_name, data), qtype))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -283,7 +283,7 @@ def _layout(arch: GGUFLayout, config: Any, hf_name: str, data: Any) -> Any:
     return data
 
 
-def _encode(data: Any, qtype: str) -> tuple[Any, ...]:
+def encode(data: Any, qtype: str) -> tuple[Any, ...]:
     """(array, shape, GGML type) for GGUFWriter.add_tensor: 1-D tensors F32, the others `qtype` where their rows
     split into its blocks, else F16."""
     import gguf
