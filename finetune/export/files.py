@@ -41,11 +41,13 @@ def write_gguf_export(model: Any, tokenizer: Any, folder: Path, options: GGUFOpt
     name = model_name(name)
     path = folder / f"{name}.{options.type}.gguf"
     step(2, f"GGUF {options.type} in {folder} (a temporary folder, renamed when complete)")
+    layout = None
     if image_processor is not None:
         write_projector(model, image_processor, projector_path(folder, name, options.type), qtype=options.type,
                         name=name)
         model = language_model(model)
-    write_gguf(model, tokenizer, path, qtype=options.type, name=name)
+        layout = model.layout
+    write_gguf(model, tokenizer, path, qtype=options.type, name=name, layout=layout)
     if options.ollama:
         stops = [tokenizer.convert_ids_to_tokens(i) for i in (end_of_turn(tokenizer), tokenizer.eos_token_id)
                  if i is not None]

@@ -54,6 +54,7 @@ class GGUFLayout:
     note: str = ""  # what of the family is not written, for docs/models.md
     # llama.cpp's fixed layer pattern: every n-th layer global, the others sliding-window (0: none)
     swa_every: int = 0
+    mrope: bool = False  # Qwen2-VL's multimodal rotary: its rope sections (time, height, width) written
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,7 @@ _MOE_METHODS = ("QLoRA", "LoRA")  # the ones tests/test_moe.py trains (4-bit exp
 _VISION_METHODS = ("QLoRA", "LoRA", "full")
 _NO_GGUF_VISION = ("its vision tower needs llama.cpp's separate projector file, which this writer does not write "
                    "for this family yet")
+_PROJECTOR_NOTE = "the vision tower and projector in a second file, mmproj-NAME.TYPE.gguf"
 _GEMMA3 = GGUFLayout("GEMMA3", norm_plus_one=True, swa_every=6)
 
 _QWEN_VL = VisionLayout("Qwen2VLImageProcessorPil", "<|image_pad|>", token_types="mm_token_type_ids")
@@ -183,12 +185,12 @@ FAMILIES: tuple[Family, ...] = (
            gguf=GGUFLayout("GLM4_MOE", expert_gating="SIGMOID", keys=_SHARED_EXPERT_KEYS)),
     Family("Qwen2.5-VL", ("qwen2_5_vl",), "Qwen2.5-VL-3B/7B/32B/72B-Instruct", "vision transformer (window "
            "attention, merged 2x2 patches) before full attention text layers with multimodal rotary positions",
-           no_gguf=_NO_GGUF_VISION, methods=_VISION_METHODS,
-           vision=_QWEN_VL),
+           gguf=GGUFLayout("QWEN2VL", mrope=True, note=_PROJECTOR_NOTE), methods=_VISION_METHODS,
+           vision=replace(_QWEN_VL, projector="QWEN25VL")),
     Family("Gemma 3", ("gemma3",), "gemma-3-4b/12b/27b-it", "SigLIP vision encoder, pooled to 256 tokens per "
            "image, before five sliding-window layers per full attention layer; images attend to themselves both "
            "ways", methods=_VISION_METHODS,
-           gguf=replace(_GEMMA3, note="the vision tower and projector in a second file, mmproj-NAME.TYPE.gguf"),
+           gguf=replace(_GEMMA3, note=_PROJECTOR_NOTE),
            vision=VisionLayout("Gemma3ImageProcessorPil", "<image_soft_token>", token_types="token_type_ids",
                                kind="gemma3", written="<start_of_image>",
                                wrap=("\n\n<start_of_image>", "<end_of_image>\n\n"), projector="GEMMA3")),
