@@ -47,33 +47,42 @@ def _values(tensor) -> np.ndarray:
     return np.asarray(tensor.data, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
 
 
-@pytest.fixture(scope="module")
-def gemma3_run(tmp_path_factory):
+def _trained_run(tmp_path_factory, arch: str, **overrides):
+    """A one-step LoRA run of a tiny random `arch` on the shape task."""
     from finetune.testing import vision_model
 
-    folder = tmp_path_factory.mktemp("gemma3-run")
-    model = vision_model("gemma3", folder / "model", **GEMMA3_TEXT)
+    folder = tmp_path_factory.mktemp(f"{arch}-run")
+    model = vision_model(arch, folder / "model", **overrides)
     train, _ = shape_task(folder / "shapes", train=4, held_out=2)
     run(validate_recipe(tiny_lora_recipe(model, train, folder / "run",
                                          {"training": {"max_steps": 1, "micro_batch_size": 2}})))
     return folder / "run"
 
 
+def _export(run_dir, out):
+    """`finetune export RUN --format gguf --type f32`: (the projector file, the language model's file, the
+    merged model they were written from, its weights as float32 arrays)."""
+    from finetune.model.trained import load_run, merged_model
+
+    assert main(["export", str(run_dir), "--out", str(out), "--format", "gguf", "--type", "f32"]) == 0
+    name = run_dir.resolve().name
+    assert sorted(p.name for p in out.glob("*.gguf")) == [f"mmproj-{name}.f32.gguf", f"{name}.f32.gguf"]
+    model = merged_model(*load_run(run_dir))[0]
+    weights = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    return out / f"mmproj-{name}.f32.gguf", out / f"{name}.f32.gguf", model, weights
+
+
+@pytest.fixture(scope="module")
+def gemma3_run(tmp_path_factory):
+    return _trained_run(tmp_path_factory, "gemma3", **GEMMA3_TEXT)
+
+
 def test_a_gemma3_run_exports_its_language_model_and_projector_file(gemma3_run, tmp_path):
     import gguf
 
-    from finetune.model.trained import load_run, merged_model
-
-    out = tmp_path / "gguf"
-    assert main(["export", str(gemma3_run), "--out", str(out), "--format", "gguf", "--type", "f32"]) == 0
-    name = gemma3_run.resolve().name
-    assert sorted(p.name for p in out.glob("*.gguf")) == [f"mmproj-{name}.f32.gguf", f"{name}.f32.gguf"]
-    recipe, run_dir = load_run(gemma3_run)
-    model, _ = merged_model(recipe, run_dir)
-    weights = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    projector, text, model, weights = _export(gemma3_run, tmp_path / "gguf")
     config, vision = model.config, model.config.vision_config
-
-    fields, tensors = _read(out / f"mmproj-{name}.f32.gguf")
+    fields, tensors = _read(projector)
     assert fields["general.architecture"] == "clip" and fields["general.type"] == "mmproj"
     assert fields["clip.projector_type"] == "gemma3" and fields["clip.use_gelu"] is True
     assert fields["clip.has_vision_encoder"] is True
@@ -102,7 +111,7 @@ def test_a_gemma3_run_exports_its_language_model_and_projector_file(gemma3_run, 
         np.testing.assert_allclose(_values(tensor), value, rtol=1e-3 if forced_f16 else 0, atol=1e-4 if forced_f16
                                    else 0, err_msg=gguf_name)
 
-    fields, tensors = _read(out / f"{name}.f32.gguf")
+    fields, tensors = _read(text)
     text = config.text_config
     assert fields["general.architecture"] == "gemma3" and fields["gemma3.block_count"] == text.num_hidden_layers
     assert fields["gemma3.embedding_length"] == text.hidden_size and fields["gemma3.vocab_size"] == text.vocab_size
@@ -119,30 +128,15 @@ def test_a_gemma3_run_exports_its_language_model_and_projector_file(gemma3_run, 
 
 @pytest.fixture(scope="module")
 def qwen25vl_run(tmp_path_factory):
-    from finetune.testing import vision_model
-
-    folder = tmp_path_factory.mktemp("qwen25vl-run")
-    model = vision_model("qwen2_5_vl", folder / "model")
-    train, _ = shape_task(folder / "shapes", train=4, held_out=2)
-    run(validate_recipe(tiny_lora_recipe(model, train, folder / "run",
-                                         {"training": {"max_steps": 1, "micro_batch_size": 2}})))
-    return folder / "run"
+    return _trained_run(tmp_path_factory, "qwen2_5_vl")
 
 
 def test_a_qwen25vl_run_exports_its_language_model_and_projector_file(qwen25vl_run, tmp_path):
     import gguf
 
-    from finetune.model.trained import load_run, merged_model
-
-    out = tmp_path / "gguf"
-    assert main(["export", str(qwen25vl_run), "--out", str(out), "--format", "gguf", "--type", "f32"]) == 0
-    name = qwen25vl_run.resolve().name
-    recipe, run_dir = load_run(qwen25vl_run)
-    model, _ = merged_model(recipe, run_dir)
-    weights = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    projector, text_file, model, weights = _export(qwen25vl_run, tmp_path / "gguf")
     config, vision = model.config, model.config.vision_config
-
-    fields, tensors = _read(out / f"mmproj-{name}.f32.gguf")
+    fields, tensors = _read(projector)
     assert fields["general.type"] == "mmproj" and fields["clip.projector_type"] == "qwen2.5vl_merger"
     assert fields["clip.use_silu"] is True and "clip.use_gelu" not in fields
     assert fields["clip.vision.projection_dim"] == config.text_config.hidden_size
@@ -174,7 +168,7 @@ def test_a_qwen25vl_run_exports_its_language_model_and_projector_file(qwen25vl_r
         assert tensors[gguf_name].tensor_type == gguf.GGMLQuantizationType.F32
         np.testing.assert_array_equal(_values(tensors[gguf_name]), value, err_msg=gguf_name)
 
-    fields, tensors = _read(out / f"{name}.f32.gguf")
+    fields, tensors = _read(text_file)
     assert fields["general.architecture"] == "qwen2vl"
     sections = config.text_config.rope_parameters["mrope_section"]
     assert fields["qwen2vl.rope.dimension_sections"] == [*sections, 0]  # llama.cpp reads four
