@@ -67,11 +67,13 @@ COMMON_KEYS = ("block_count", "context_length", "embedding_length", "feed_forwar
 
 
 def test_every_family_written_to_gguf_is_checked():
-    """Here, or in tests/test_export_gguf.py's round trips through transformers (the families written first)."""
+    """Here, or in tests/test_export_gguf.py's round trips through transformers (the families written first), or
+    (vision-language families, with their projector files) in tests/test_gguf_vision.py."""
     from finetune.recipe.families import FAMILIES
     from tests.test_export_gguf import READ_BACK as ROUND_TRIPS
+    from tests.test_gguf_vision import WRITTEN_VISION
 
-    checked = set(WRITTEN) | set(ROUND_TRIPS)
+    checked = set(WRITTEN) | set(ROUND_TRIPS) | set(WRITTEN_VISION)
     assert [f.name for f in FAMILIES if f.gguf and not checked & set(f.model_types)] == []
 
 

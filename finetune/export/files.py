@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.export.gguf import check_type, write_gguf
+from finetune.export.gguf_vision import language_model, projector_path, write_projector
 from finetune.export.gguf_vocab import end_of_turn
 from finetune.export.modelfile import modelfile
 
@@ -32,12 +33,21 @@ def model_name(run_name: str) -> str:
 
 
 def write_gguf_export(model: Any, tokenizer: Any, folder: Path, options: GGUFOptions, *, name: str,
-                      system_prompt: str | None, step: Callable[[int, str], None]) -> Path:
-    """Write the GGUF file (and the Modelfile) into `folder`; returns the GGUF path."""
+                      system_prompt: str | None, step: Callable[[int, str], None],
+                      image_processor: Any = None) -> Path:
+    """Write the GGUF file (and the Modelfile) into `folder`; returns the GGUF path. A vision-language model
+    (`image_processor` given: the one the run trained with) is written as its language model plus the
+    projector file beside it (finetune.export.gguf_vision)."""
     name = model_name(name)
     path = folder / f"{name}.{options.type}.gguf"
     step(2, f"GGUF {options.type} in {folder} (a temporary folder, renamed when complete)")
-    write_gguf(model, tokenizer, path, qtype=options.type, name=name)
+    layout = None
+    if image_processor is not None:
+        write_projector(model, image_processor, projector_path(folder, name, options.type), qtype=options.type,
+                        name=name)
+        model = language_model(model)
+        layout = model.layout
+    write_gguf(model, tokenizer, path, qtype=options.type, name=name, layout=layout)
     if options.ollama:
         stops = [tokenizer.convert_ids_to_tokens(i) for i in (end_of_turn(tokenizer), tokenizer.eos_token_id)
                  if i is not None]

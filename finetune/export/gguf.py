@@ -34,11 +34,11 @@ def check_type(qtype: str) -> None:
                          hint=K_QUANT_HINT)
 
 
-def check_exportable(config: Any) -> GGUFLayout:
-    """The layout a model config is written with (its family's `gguf` entry), or a one-line refusal naming
-    what is missing."""
+def check_exportable(config: Any, layout: GGUFLayout | None = None) -> GGUFLayout:
+    """The layout a model config is written with (its family's `gguf` entry, or `layout`: a vision-language
+    family's for its language model), or a one-line refusal naming what is missing."""
     family = family_for(config.model_type)
-    arch = family.gguf if family is not None else None
+    arch = layout or (family.gguf if family is not None else None)
     if arch is None:
         why = family.no_gguf if family is not None else "no model family describes it"
         written = ", ".join(t for f in FAMILIES if f.gguf for t in f.model_types)
@@ -87,8 +87,10 @@ def check_exportable(config: Any) -> GGUFLayout:
     return arch
 
 
-def write_gguf(model: Any, tokenizer: Any, path: Path, *, qtype: str = "f16", name: str = "model") -> Path:
-    """Write `model` (a transformers causal LM, adapters merged) and its tokenizer to the GGUF file `path`.
+def write_gguf(model: Any, tokenizer: Any, path: Path, *, qtype: str = "f16", name: str = "model",
+               layout: GGUFLayout | None = None) -> Path:
+    """Write `model` (a transformers causal LM, adapters merged) and its tokenizer to the GGUF file `path`
+    (with `layout`: as check_exportable takes it).
 
     The caller owns `path`: it is written in place, so publish it atomically (export writes into a temporary
     folder that is renamed when complete)."""
@@ -96,7 +98,7 @@ def write_gguf(model: Any, tokenizer: Any, path: Path, *, qtype: str = "f16", na
 
     check_type(qtype)
     config = model.config
-    arch = check_exportable(config)
+    arch = check_exportable(config, layout)
     vocab = read_vocab(tokenizer, config.vocab_size)
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[arch.arch]])
     writer.add_name(name)
@@ -113,7 +115,7 @@ def write_gguf(model: Any, tokenizer: Any, path: Path, *, qtype: str = "f16", na
             raise FinetuneError(f"export --format gguf: tensor {hf_name} has no place in llama.cpp's "
                                 f"{arch.arch.lower()} architecture" + (" (its output head is always tied to the "
                                 "embedding)" if hf_name == "lm_head.weight" else ""))
-        writer.add_tensor(gguf_name, *_encode(_layout(arch, config, hf_name, data), qtype))
+        writer.add_tensor(gguf_name, *encode(_layout(arch, config, hf_name, data), qtype))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -238,6 +240,9 @@ def _add_hyperparameters(writer: Any, config: Any, arch: GGUFLayout) -> None:
         writer.add_rope_dimension_count(int(head_dim * (_first(config, "partial_rotary_factor")
                                                         or rope.get("partial_rotary_factor") or 1.0)))
     writer.add_rope_freq_base(rope["rope_theta"])
+    if arch.mrope:  # llama.cpp reads four sections (time, height, width, unused)
+        sections = list(rope["mrope_section"])
+        writer.add_rope_dimension_sections(sections + [0] * (4 - len(sections)))
     if rope.get("rope_type") == "linear":  # Gemma 3 (4B and larger): its global layers' positions scaled
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
@@ -283,7 +288,7 @@ def _layout(arch: GGUFLayout, config: Any, hf_name: str, data: Any) -> Any:
     return data
 
 
-def _encode(data: Any, qtype: str) -> tuple[Any, ...]:
+def encode(data: Any, qtype: str) -> tuple[Any, ...]:
     """(array, shape, GGML type) for GGUFWriter.add_tensor: 1-D tensors F32, the others `qtype` where their rows
     split into its blocks, else F16."""
     import gguf

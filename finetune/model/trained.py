@@ -9,6 +9,7 @@ from pathlib import Path
 from finetune.errors import UsageError
 from finetune.export.files import GGUFOptions, write_gguf_export
 from finetune.export.gguf import check_exportable
+from finetune.export.gguf_vision import check_vision_exportable
 from finetune.export.progress import ExportStep
 from finetune.model.load import compute_dtype, load_full, load_model, load_tokenizer
 from finetune.model.source import takes_images
@@ -192,10 +193,11 @@ def export_merged(run_dir: str | Path, out_dir: str | Path,
     folder is published whole (finetune.publish): a stop or a kill at any step leaves the earlier export in
     place and no temporary."""
     recipe, run = load_run(run_dir)
-    if gguf is not None and reads_images(recipe):
-        raise UsageError(f"export: {recipe.model.path} is a vision-language model; GGUF export writes the "
-                         "language model only and llama.cpp would need the vision projector's file too, which "
-                         "finetune does not write", hint="export safetensors (the default --format)")
+    if gguf is not None and gguf.ollama and reads_images(recipe):
+        raise UsageError(f"export --ollama: {recipe.model.path} is a vision-language model, whose GGUF export is "
+                         "two files (the language model and its projector) that a Modelfile does not import",
+                         hint="leave out --ollama and load both with llama-mtmd-cli -m MODEL.gguf --mmproj "
+                              "mmproj-MODEL.gguf")
     step = _export_step(progress)
     out = Path(out_dir)
     with publishing(out) as tmp:  # settles what a killed export left before the target is checked
@@ -204,8 +206,11 @@ def export_merged(run_dir: str | Path, out_dir: str | Path,
             _write_merged(recipe, run, tmp, step)
         else:
             _check_gguf_exportable(recipe, run)
-            write_gguf_export(*merged_model(recipe, run, step), tmp, gguf, name=run.root.resolve().name,
-                              system_prompt=recipe.data.system_prompt, step=step)
+            model, tokenizer = merged_model(recipe, run, step)
+            vision = vision_of(run_dir, model, tokenizer)
+            write_gguf_export(model, tokenizer, tmp, gguf, name=run.root.resolve().name,
+                              system_prompt=recipe.data.system_prompt, step=step,
+                              image_processor=vision.processor if vision is not None else None)
         (tmp / EXPORT_MARKER).touch()
         files = sorted(tmp.glob("*.safetensors")) + sorted(tmp.glob("*.gguf"))
         size = format_bytes(sum(p.stat().st_size for p in files))
@@ -223,7 +228,11 @@ def _check_gguf_exportable(recipe: Recipe, run: RunDir) -> None:
 
     folder = run.adapter if recipe.adapter.type == "full" else resolve_model_path(recipe.model.path,
                                                                                   recipe.model.revision)
-    check_exportable(text_config(AutoConfig.from_pretrained(folder, trust_remote_code=recipe.model.trust_remote_code)))
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=recipe.model.trust_remote_code)
+    if reads_images(recipe):
+        check_vision_exportable(config)
+    else:
+        check_exportable(text_config(config))
 
 
 def _write_merged(recipe: Recipe, run: RunDir, tmp: Path, step: Callable[[int, str], None]) -> None:

@@ -18,7 +18,7 @@ How to add a model family: docs/architecture.md, "How to add a model family".
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ class GGUFLayout:
     note: str = ""  # what of the family is not written, for docs/models.md
     # llama.cpp's fixed layer pattern: every n-th layer global, the others sliding-window (0: none)
     swa_every: int = 0
+    mrope: bool = False  # Qwen2-VL's multimodal rotary: its rope sections (time, height, width) written
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,9 @@ class VisionLayout:
     # around the repeated image tokens in its place (Gemma 3: "\n\n<start_of_image>", "<end_of_image>\n\n")
     written: str | None = None
     wrap: tuple[str, str] = ("", "")
+    # the gguf.VisionProjectorType member of llama.cpp's projector file (mmproj-NAME.TYPE.gguf) this family's
+    # vision tower is written as; "" where it is not written (its `no_gguf` says why)
+    projector: str = ""
 
 
 @dataclass(frozen=True)
@@ -114,7 +118,10 @@ _MOE_METHODS = ("QLoRA", "LoRA")  # the ones tests/test_moe.py trains (4-bit exp
 
 # Vision-language families: the language model is adapted (QLoRA, LoRA), the vision tower too with adapter.vision.
 _VISION_METHODS = ("QLoRA", "LoRA", "full")
-_NO_GGUF_VISION = "its vision tower needs llama.cpp's separate projector file, which this writer does not write"
+_NO_GGUF_VISION = ("its vision tower needs llama.cpp's separate projector file, which this writer does not write "
+                   "for this family yet")
+_PROJECTOR_NOTE = "the vision tower and projector in a second file, mmproj-NAME.TYPE.gguf"
+_GEMMA3 = GGUFLayout("GEMMA3", norm_plus_one=True, swa_every=6)
 
 _QWEN_VL = VisionLayout("Qwen2VLImageProcessorPil", "<|image_pad|>", token_types="mm_token_type_ids")
 
@@ -136,7 +143,7 @@ FAMILIES: tuple[Family, ...] = (
            "logits", gguf=GGUFLayout("GEMMA2", norm_plus_one=True)),
     Family("Gemma 3 (text)", ("gemma3_text",), "gemma-3-1b, the text part of gemma-3-4b/12b/27b",
            "five sliding-window layers per full attention layer, q/k norms",
-           gguf=GGUFLayout("GEMMA3", norm_plus_one=True, swa_every=6)),
+           gguf=_GEMMA3),
     Family("Gemma 4 (text)", ("gemma4_text",), "the text part of Gemma 4", "sliding-window and full attention "
            "layers of different head sizes", no_gguf="its per-layer head sizes and per-layer input embeddings "
            "need llama.cpp keys this writer does not write yet"),
@@ -178,14 +185,15 @@ FAMILIES: tuple[Family, ...] = (
            gguf=GGUFLayout("GLM4_MOE", expert_gating="SIGMOID", keys=_SHARED_EXPERT_KEYS)),
     Family("Qwen2.5-VL", ("qwen2_5_vl",), "Qwen2.5-VL-3B/7B/32B/72B-Instruct", "vision transformer (window "
            "attention, merged 2x2 patches) before full attention text layers with multimodal rotary positions",
-           no_gguf=_NO_GGUF_VISION, methods=_VISION_METHODS,
-           vision=_QWEN_VL),
+           gguf=GGUFLayout("QWEN2VL", mrope=True, note=_PROJECTOR_NOTE), methods=_VISION_METHODS,
+           vision=replace(_QWEN_VL, projector="QWEN25VL")),
     Family("Gemma 3", ("gemma3",), "gemma-3-4b/12b/27b-it", "SigLIP vision encoder, pooled to 256 tokens per "
            "image, before five sliding-window layers per full attention layer; images attend to themselves both "
-           "ways", no_gguf=_NO_GGUF_VISION, methods=_VISION_METHODS,
+           "ways", methods=_VISION_METHODS,
+           gguf=replace(_GEMMA3, note=_PROJECTOR_NOTE),
            vision=VisionLayout("Gemma3ImageProcessorPil", "<image_soft_token>", token_types="token_type_ids",
                                kind="gemma3", written="<start_of_image>",
-                               wrap=("\n\n<start_of_image>", "<end_of_image>\n\n"))),
+                               wrap=("\n\n<start_of_image>", "<end_of_image>\n\n"), projector="GEMMA3")),
     Family("Qwen3-VL", ("qwen3_vl",), "Qwen3-VL-2B/4B/8B/32B-Instruct", "vision transformer (merged 2x2 patches, "
            "its features also added to the first text layers) before full attention text layers with q/k norms "
            "and interleaved multimodal rotary positions", no_gguf=_NO_GGUF_VISION, methods=_VISION_METHODS,

@@ -1,0 +1,195 @@
+"""A vision-language model as the two GGUF files llama.cpp's multimodal tools load (llama-mtmd-cli,
+llama-server --mmproj): the language model, written by finetune.export.gguf as its text family, and the vision
+encoder with its projector, `mmproj-NAME.TYPE.gguf` (GGUF architecture "clip").
+
+Which families are written, and with which llama.cpp projector type, is the family table's `gguf` and
+`vision.projector` (finetune/recipe/families.py). The tensor names, keys and layout changes follow llama.cpp's
+convert_hf_to_gguf.py (its MmprojModel and the family's vision model class): names from the gguf package's
+TensorNameMap for MODEL_ARCH.MMPROJ, keys from GGUFWriter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from finetune.errors import FinetuneError, UsageError
+from finetune.export.gguf import FILE_TYPES, check_exportable, check_type, encode
+from finetune.recipe.families import FAMILIES, GGUFLayout, family_for
+
+# transformers keeps a vision-language model's language model under this prefix (its head outside)
+LANGUAGE_PREFIX = "model.language_model."
+
+
+@dataclass(frozen=True)
+class LanguageModel:
+    """A vision-language model's language model as finetune.export.gguf reads a causal LM: the text config, the
+    weights named as the text family's (model.layers..., lm_head.weight) and the family's GGUF layout."""
+
+    config: Any
+    weights: dict[str, Any]
+    layout: GGUFLayout
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.weights
+
+
+def language_model(model: Any) -> LanguageModel:
+    """The language model of a (merged) vision-language model, for write_gguf: a head tied to the embedding
+    (the model's own setting) is left out, as llama.cpp reads a missing output.weight as tied."""
+    tied = model.config.tie_word_embeddings or model.config.text_config.tie_word_embeddings
+    weights = {name.replace(LANGUAGE_PREFIX, "model."): tensor for name, tensor in model.state_dict().items()
+               if name.startswith(LANGUAGE_PREFIX) or (name == "lm_head.weight" and not tied)}
+    return LanguageModel(model.config.text_config, weights, family_for(model.config.model_type).gguf)
+
+
+def check_vision_exportable(config: Any) -> None:
+    """Refuse in one line a vision-language config whose projector file is not written (its family's
+    `no_gguf` says why), and one whose language model the text writer refuses."""
+    family = family_for(config.model_type)
+    if family is None or family.gguf is None or not family.vision or family.vision.projector not in _PROJECTORS:
+        why = family.no_gguf if family is not None else "no model family describes it"
+        written = ", ".join(t for f in FAMILIES if f.vision and f.vision.projector for t in f.model_types)
+        raise UsageError(f"export --format gguf: vision-language architecture {config.model_type!r} is not written "
+                         f"to GGUF: {why} (vision-language ones written: {written})",
+                         hint="export --format safetensors instead (the default)")
+    check_exportable(config.text_config, family.gguf)
+
+
+def projector_path(folder: Path, name: str, qtype: str) -> Path:
+    """Where the projector file goes beside NAME.TYPE.gguf (llama.cpp's converter names it mmproj-...)."""
+    return folder / f"mmproj-{name}.{qtype}.gguf"
+
+
+def write_projector(model: Any, image_processor: Any, path: Path, *, qtype: str = "f16", name: str = "model") -> Path:
+    """Write the vision encoder and projector of `model` (a merged vision-language model) to `path`, with the
+    image normalisation of `image_processor` (the processor the run trained with). The caller publishes `path`
+    atomically, as for write_gguf."""
+    import gguf
+
+    check_type(qtype)
+    family = family_for(model.config.model_type)
+    projector = family.vision.projector if family is not None and family.vision is not None else ""
+    if projector not in _PROJECTORS:
+        raise FinetuneError(f"export --format gguf: {model.config.model_type} has no projector file writer")
+    vision = model.config.vision_config
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])
+    writer.add_type(gguf.GGUFType.MMPROJ)
+    writer.add_name(name)
+    writer.add_file_type(gguf.LlamaFileType[FILE_TYPES[qtype]])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_clip_has_vision_encoder(True)
+    writer.add_vision_projection_dim(model.config.text_config.hidden_size)
+    writer.add_vision_image_size(getattr(vision, "image_size", DEFAULT_IMAGE_SIZE))
+    writer.add_vision_patch_size(vision.patch_size)
+    writer.add_vision_embedding_length(vision.hidden_size)
+    writer.add_vision_feed_forward_length(vision.intermediate_size)
+    blocks = _first(vision, "num_hidden_layers", "depth")
+    writer.add_vision_block_count(blocks)
+    writer.add_vision_head_count(_first(vision, "num_attention_heads", "num_heads"))
+    writer.add_vision_image_mean(list(image_processor.image_mean))
+    writer.add_vision_image_std(list(image_processor.image_std))
+    keys, tensors = _PROJECTORS[projector]
+    keys(writer, model.config)
+    # the projector's MLP layers (mm.0, mm.2) are numbered as blocks are: a map as deep as either
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(blocks, PROJECTOR_LAYERS))
+    for hf_name, data, forced in tensors(model, qtype):
+        gguf_name = hf_name if hf_name.startswith("v.") else names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise FinetuneError(f"export --format gguf: vision tensor {hf_name} has no place in llama.cpp's "
+                                f"{projector.lower()} projector file")
+        writer.add_tensor(gguf_name, *encode(data, forced or qtype))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+PROJECTOR_LAYERS = 3  # the most mm.N layers a projector written here has
+
+# llama.cpp's converter's image size for a tower that takes images of any size (Qwen2.5-VL's)
+DEFAULT_IMAGE_SIZE = 560
+
+
+def _first(config: Any, *attrs: str) -> Any:
+    return next(getattr(config, a) for a in attrs if getattr(config, a, None) is not None)
+
+
+# Gemma 3: llama.cpp pools the SigLIP patches to 256 tokens per image (4 x 4 patches each) unless told otherwise.
+GEMMA3_POOL = 4
+
+
+def _gemma3_keys(writer: Any, config: Any) -> None:
+    import gguf
+
+    writer.add_clip_projector_type(gguf.VisionProjectorType.GEMMA3)
+    writer.add_vision_attention_layernorm_eps(config.vision_config.layer_norm_eps)
+    writer.add_vision_use_gelu(True)
+    pool = (config.vision_config.image_size // config.vision_config.patch_size) // int(config.mm_tokens_per_image ** 0.5)
+    if pool != GEMMA3_POOL:
+        writer.add_vision_projector_scale_factor(pool)
+
+
+def _gemma3_tensors(model: Any, qtype: str) -> Any:
+    """(llama.cpp's checkpoint name, float32 array, forced --type or None): the SigLIP tower as
+    vision_tower.vision_model.*, its unused attention-pooling head left out, the projector's soft-embedding norm
+    stored as 1 + weight (Gemma's RMSNorm), the embeddings F32 and the input projection F16 (as llama.cpp's
+    converter forces them)."""
+    for name, tensor in model.state_dict().items():
+        if name.startswith("model.vision_tower.head."):
+            continue
+        data = tensor.detach().float().cpu().numpy()
+        if name.startswith("model.vision_tower."):
+            yield ("vision_tower.vision_model." + name.removeprefix("model.vision_tower."), data,
+                   "f32" if ".embeddings." in name else None)
+        elif name.startswith("model.multi_modal_projector."):
+            name = name.removeprefix("model.").replace("_weight", ".weight")
+            if name.endswith("soft_emb_norm.weight"):
+                yield name, data + 1, None
+            else:
+                yield name, data, "f16"
+
+
+def _qwen25vl_keys(writer: Any, config: Any) -> None:
+    """Qwen2.5-VL: SiLU, RMSNorm, and window attention in every layer but each n-th (fullatt_block_indexes)."""
+    import gguf
+
+    writer.add_clip_projector_type(gguf.VisionProjectorType.QWEN25VL)
+    writer.add_vision_use_silu(True)
+    full = list(config.vision_config.fullatt_block_indexes)
+    every = full[0] + 1
+    if any(b - a != every for a, b in zip(full, full[1:], strict=False)):
+        raise UsageError(f"export --format gguf: this Qwen2.5-VL's full-attention vision layers {full} are not "
+                         "evenly spaced, as llama.cpp's window-attention pattern needs",
+                         hint="export --format safetensors instead")
+    writer.add_vision_n_wa_pattern(every)
+    writer.add_vision_attention_layernorm_eps(getattr(config, "rms_norm_eps", None) or 1e-6)
+
+
+def _qwen25vl_tensors(model: Any, qtype: str) -> Any:
+    """(llama.cpp's checkpoint name, float32 array, forced --type or None): the tower as visual.*, its fused
+    qkv split into q, k and v, its 3-D patch embedding (two frames) split into two 2-D ones (v.patch_embd.weight
+    and .weight.1, F32 unless the file is F16, as llama.cpp's converter writes them)."""
+    import numpy as np
+
+    for name, tensor in model.state_dict().items():
+        if not name.startswith("model.visual."):
+            continue
+        name, data = name.removeprefix("model."), tensor.detach().float().cpu().numpy()
+        if ".qkv." in name:
+            for part, rows in zip("qkv", np.split(data, 3), strict=True):
+                yield name.replace(".qkv.", f".{part}."), rows, None
+        elif name.endswith("patch_embed.proj.weight"):
+            if data.shape[2] != 2:
+                raise UsageError(f"export --format gguf: this Qwen2.5-VL's patches span {data.shape[2]} frames; "
+                                 "llama.cpp's projector takes two", hint="export --format safetensors instead")
+            for i, suffix in enumerate(("", ".1")):
+                yield f"v.patch_embd.weight{suffix}", data[:, :, i], "f16" if qtype == "f16" else "f32"
+        else:
+            yield name, data, None
+
+
+# projector type (the family table's vision.projector) -> (its metadata keys, its tensors)
+_PROJECTORS = {"GEMMA3": (_gemma3_keys, _gemma3_tensors), "QWEN25VL": (_qwen25vl_keys, _qwen25vl_tensors)}
