@@ -523,7 +523,7 @@ class CachedConfig:
 
 def model_type_of(config: Any) -> str:
     """The model_type of a planned config (a CachedConfig's without loading the transformers config)."""
-    return _config_key(config, DEFAULT)[1]
+    return config._key[1] if isinstance(config, CachedConfig) else config.model_type
 
 
 def real_config(config: Any) -> Any:
