@@ -10,6 +10,7 @@ TensorNameMap for MODEL_ARCH.MMPROJ, keys from GGUFWriter.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,9 @@ from finetune.errors import FinetuneError, UsageError
 from finetune.export.gguf import FILE_TYPES, check_exportable, check_type, encode
 from finetune.recipe.families import FAMILIES, GGUFLayout, family_for
 
-# transformers keeps a vision-language model's language model under this prefix (its head outside)
-LANGUAGE_PREFIX = "model.language_model."
+# transformers keeps a vision-language model's language model under one of these prefixes (its head outside):
+# model.text_model. is Idefics3's and SmolVLM's
+LANGUAGE_PREFIXES = ("model.language_model.", "model.text_model.")
 
 
 @dataclass(frozen=True)
@@ -37,11 +39,22 @@ class LanguageModel:
 
 def language_model(model: Any) -> LanguageModel:
     """The language model of a (merged) vision-language model, for write_gguf: a head tied to the embedding
-    (the model's own setting) is left out, as llama.cpp reads a missing output.weight as tied."""
-    tied = model.config.tie_word_embeddings or model.config.text_config.tie_word_embeddings
-    weights = {name.replace(LANGUAGE_PREFIX, "model."): tensor for name, tensor in model.state_dict().items()
-               if name.startswith(LANGUAGE_PREFIX) or (name == "lm_head.weight" and not tied)}
-    return LanguageModel(model.config.text_config, weights, family_for(model.config.model_type).gguf)
+    (the model's own setting) is left out, as llama.cpp reads a missing output.weight as tied. Qwen3-VL's text
+    config gains `num_deepstack_layers` (how many vision layers' features its first text layers add), which
+    llama.cpp's qwen3vl reads with the text model's keys."""
+    config = model.config.text_config
+    tied = model.config.tie_word_embeddings or config.tie_word_embeddings
+    weights = {}
+    for name, tensor in model.state_dict().items():
+        prefix = next((p for p in LANGUAGE_PREFIXES if name.startswith(p)), None)
+        if prefix is not None:
+            weights["model." + name.removeprefix(prefix)] = tensor
+        elif name == "lm_head.weight" and not tied:
+            weights[name] = tensor
+    if (deepstack := getattr(model.config.vision_config, "deepstack_visual_indexes", None)) is not None:
+        config = copy.deepcopy(config)
+        config.num_deepstack_layers = len(deepstack)
+    return LanguageModel(config, weights, family_for(model.config.model_type).gguf)
 
 
 def check_vision_exportable(config: Any) -> None:
@@ -81,7 +94,7 @@ def write_projector(model: Any, image_processor: Any, path: Path, *, qtype: str 
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_clip_has_vision_encoder(True)
     writer.add_vision_projection_dim(model.config.text_config.hidden_size)
-    writer.add_vision_image_size(getattr(vision, "image_size", DEFAULT_IMAGE_SIZE))
+    writer.add_vision_image_size(_image_size(vision))
     writer.add_vision_patch_size(vision.patch_size)
     writer.add_vision_embedding_length(vision.hidden_size)
     writer.add_vision_feed_forward_length(vision.intermediate_size)
@@ -91,14 +104,17 @@ def write_projector(model: Any, image_processor: Any, path: Path, *, qtype: str 
     writer.add_vision_image_mean(list(image_processor.image_mean))
     writer.add_vision_image_std(list(image_processor.image_std))
     keys, tensors = _PROJECTORS[projector]
-    keys(writer, model.config)
+    keys(writer, model.config, image_processor)
     # the projector's MLP layers (mm.0, mm.2) are numbered as blocks are: a map as deep as either
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(blocks, PROJECTOR_LAYERS))
     for hf_name, data, forced in tensors(model, qtype):
-        gguf_name = hf_name if hf_name.startswith("v.") else names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        gguf_name = hf_name if hf_name.startswith(("v.", "mm.")) else names.get_name(
+            hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise FinetuneError(f"export --format gguf: vision tensor {hf_name} has no place in llama.cpp's "
                                 f"{projector.lower()} projector file")
+        if forced is None and gguf_name.startswith(POSITION_EMBEDDING):
+            forced = "f32"  # llama.cpp's converter keeps position embeddings F32 whatever the file's type
         writer.add_tensor(gguf_name, *encode(data, forced or qtype))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -111,17 +127,28 @@ PROJECTOR_LAYERS = 3  # the most mm.N layers a projector written here has
 
 # llama.cpp's converter's image size for a tower that takes images of any size (Qwen2.5-VL's)
 DEFAULT_IMAGE_SIZE = 560
+POSITION_EMBEDDING = "v.position_embd."
 
 
 def _first(config: Any, *attrs: str) -> Any:
     return next(getattr(config, a) for a in attrs if getattr(config, a, None) is not None)
 
 
+def _image_size(vision: Any) -> int:
+    """The image size llama.cpp's converter writes: the tower's own; for Qwen3-VL the square its learned
+    position grid covers (sqrt(num_position_embeddings) patches a side); else DEFAULT_IMAGE_SIZE."""
+    if getattr(vision, "image_size", None) is not None:
+        return vision.image_size
+    if getattr(vision, "num_position_embeddings", None) is not None:
+        return int(vision.num_position_embeddings ** 0.5 * vision.patch_size)
+    return DEFAULT_IMAGE_SIZE
+
+
 # Gemma 3: llama.cpp pools the SigLIP patches to 256 tokens per image (4 x 4 patches each) unless told otherwise.
 GEMMA3_POOL = 4
 
 
-def _gemma3_keys(writer: Any, config: Any) -> None:
+def _gemma3_keys(writer: Any, config: Any, image_processor: Any) -> None:
     import gguf
 
     writer.add_clip_projector_type(gguf.VisionProjectorType.GEMMA3)
@@ -152,7 +179,7 @@ def _gemma3_tensors(model: Any, qtype: str) -> Any:
                 yield name, data, "f16"
 
 
-def _qwen25vl_keys(writer: Any, config: Any) -> None:
+def _qwen25vl_keys(writer: Any, config: Any, image_processor: Any) -> None:
     """Qwen2.5-VL: SiLU, RMSNorm, and window attention in every layer but each n-th (fullatt_block_indexes)."""
     import gguf
 
@@ -168,28 +195,101 @@ def _qwen25vl_keys(writer: Any, config: Any) -> None:
     writer.add_vision_attention_layernorm_eps(getattr(config, "rms_norm_eps", None) or 1e-6)
 
 
-def _qwen25vl_tensors(model: Any, qtype: str) -> Any:
-    """(llama.cpp's checkpoint name, float32 array, forced --type or None): the tower as visual.*, its fused
-    qkv split into q, k and v, its 3-D patch embedding (two frames) split into two 2-D ones (v.patch_embd.weight
-    and .weight.1, F32 unless the file is F16, as llama.cpp's converter writes them)."""
-    import numpy as np
-
+def _weights(model: Any, *prefixes: str) -> Any:
+    """(name, float32 array) of the model's weights whose names start with one of `prefixes`."""
     for name, tensor in model.state_dict().items():
-        if not name.startswith("model.visual."):
-            continue
-        name, data = name.removeprefix("model."), tensor.detach().float().cpu().numpy()
-        if ".qkv." in name:
-            for part, rows in zip("qkv", np.split(data, 3), strict=True):
-                yield name.replace(".qkv.", f".{part}."), rows, None
-        elif name.endswith("patch_embed.proj.weight"):
+        if name.startswith(prefixes):
+            yield name, tensor.detach().float().cpu().numpy()
+
+
+def _qwen_visual(model: Any, qtype: str) -> Any:
+    """(llama.cpp's checkpoint name, float32 array, forced --type or None) of a Qwen-VL tower, as visual.*: its
+    3-D patch embedding (two frames) split into two 2-D ones (v.patch_embd.weight and .weight.1, F32 unless the
+    file is F16, as llama.cpp's converter writes them)."""
+    for name, data in _weights(model, "model.visual."):
+        name = name.removeprefix("model.")
+        if name.endswith("patch_embed.proj.weight"):
             if data.shape[2] != 2:
-                raise UsageError(f"export --format gguf: this Qwen2.5-VL's patches span {data.shape[2]} frames; "
-                                 "llama.cpp's projector takes two", hint="export --format safetensors instead")
+                raise UsageError(f"export --format gguf: this {model.config.model_type} model's patches span "
+                                 f"{data.shape[2]} frames; llama.cpp's projector takes two",
+                                 hint="export --format safetensors instead")
             for i, suffix in enumerate(("", ".1")):
                 yield f"v.patch_embd.weight{suffix}", data[:, :, i], "f16" if qtype == "f16" else "f32"
         else:
             yield name, data, None
 
 
+def _qwen25vl_tensors(model: Any, qtype: str) -> Any:
+    """Qwen2.5-VL's tower (_qwen_visual) with its fused qkv split into q, k and v."""
+    import numpy as np
+
+    for name, data, forced in _qwen_visual(model, qtype):
+        if ".qkv." in name:
+            for part, rows in zip("qkv", np.split(data, 3), strict=True):
+                yield name.replace(".qkv.", f".{part}."), rows, None
+        else:
+            yield name, data, forced
+
+
+def _qwen3vl_keys(writer: Any, config: Any, image_processor: Any) -> None:
+    """Qwen3-VL: GELU, spatial_merge_size x spatial_merge_size patches merged per token, the text model's RMSNorm
+    epsilon for the tower's norms (where llama.cpp's converter takes it from), and which vision layers feed a
+    deepstack merger (deepstack_visual_indexes, one flag per layer)."""
+    import gguf
+
+    vision = config.vision_config
+    writer.add_clip_projector_type(gguf.VisionProjectorType.QWEN3VL)
+    writer.add_vision_use_gelu(True)
+    writer.add_vision_spatial_merge_size(vision.spatial_merge_size)
+    writer.add_vision_attention_layernorm_eps(getattr(config.text_config, "rms_norm_eps", None) or 1e-6)
+    flags = [False] * vision.depth
+    for layer in vision.deepstack_visual_indexes:
+        flags[layer] = True
+    writer.add_vision_is_deepstack_layers(flags)
+
+
+def _qwen3vl_tensors(model: Any, qtype: str) -> Any:
+    """Qwen3-VL's tower (_qwen_visual) with its fused qkv kept (llama.cpp's graph reads attn_qkv), the merger's
+    norm as v.post_ln and its two layers as mm.0 and mm.2, and the k-th deepstack merger as
+    v.deepstack.L.{norm,fc1,fc2}, L its vision layer (the k-th of deepstack_visual_indexes)."""
+    import gguf
+
+    names, kinds = gguf.TENSOR_NAMES, gguf.MODEL_TENSOR
+    merger = {"norm": names[kinds.V_POST_NORM], "linear_fc1": names[kinds.V_MMPROJ].format(bid=0),
+              "linear_fc2": names[kinds.V_MMPROJ].format(bid=2)}
+    deepstack = {"norm": kinds.V_DS_NORM, "linear_fc1": kinds.V_DS_FC1, "linear_fc2": kinds.V_DS_FC2}
+    layers = model.config.vision_config.deepstack_visual_indexes
+    for name, data, forced in _qwen_visual(model, qtype):
+        parts = name.split(".")  # visual.merger.norm.weight, visual.deepstack_merger_list.0.norm.weight
+        if parts[1] == "merger" and parts[2] in merger:
+            yield f"{merger[parts[2]]}.{parts[-1]}", data, forced
+        elif parts[1] == "deepstack_merger_list" and parts[3] in deepstack:
+            yield f"{names[deepstack[parts[3]]].format(bid=layers[int(parts[2])])}.{parts[-1]}", data, forced
+        else:
+            yield name, data, forced
+
+
+def _idefics3_keys(writer: Any, config: Any, image_processor: Any) -> None:
+    """SmolVLM / Idefics3: GELU, the SigLIP tower's LayerNorm epsilon, the pixel shuffle's scale factor (tokens
+    per tile = patches / scale_factor^2), and the image processor's longest edge, which llama.cpp resizes an
+    image to before cutting it into tiles."""
+    import gguf
+
+    writer.add_clip_projector_type(gguf.VisionProjectorType.IDEFICS3)
+    writer.add_vision_attention_layernorm_eps(getattr(config.vision_config, "layer_norm_eps", None) or 1e-5)
+    writer.add_vision_projector_scale_factor(getattr(config, "scale_factor", None) or 2)
+    writer.add_vision_use_gelu(True)
+    size = dict(getattr(image_processor, "size", None) or {})
+    writer.add_vision_preproc_image_size(size.get("longest_edge") or _image_size(config.vision_config))
+
+
+def _idefics3_tensors(model: Any, qtype: str) -> Any:
+    """The SigLIP tower (model.vision_model.*) and the connector's modality projection (mm.model.fc) under their
+    transformers names, which the gguf package maps; the embeddings F32, as llama.cpp's converter forces them."""
+    for name, data in _weights(model, "model.vision_model.", "model.connector."):
+        yield name, data, "f32" if ".embeddings." in name else None
+
+
 # projector type (the family table's vision.projector) -> (its metadata keys, its tensors)
-_PROJECTORS = {"GEMMA3": (_gemma3_keys, _gemma3_tensors), "QWEN25VL": (_qwen25vl_keys, _qwen25vl_tensors)}
+_PROJECTORS = {"GEMMA3": (_gemma3_keys, _gemma3_tensors), "QWEN25VL": (_qwen25vl_keys, _qwen25vl_tensors),
+               "QWEN3VL": (_qwen3vl_keys, _qwen3vl_tensors), "IDEFICS3": (_idefics3_keys, _idefics3_tensors)}

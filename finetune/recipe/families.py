@@ -196,14 +196,18 @@ FAMILIES: tuple[Family, ...] = (
                                wrap=("\n\n<start_of_image>", "<end_of_image>\n\n"), projector="GEMMA3")),
     Family("Qwen3-VL", ("qwen3_vl",), "Qwen3-VL-2B/4B/8B/32B-Instruct", "vision transformer (merged 2x2 patches, "
            "its features also added to the first text layers) before full attention text layers with q/k norms "
-           "and interleaved multimodal rotary positions", no_gguf=_NO_GGUF_VISION, methods=_VISION_METHODS,
-           vision=_QWEN_VL),
+           "and interleaved multimodal rotary positions", methods=_VISION_METHODS,
+           gguf=GGUFLayout("QWEN3VL", mrope=True, note=_PROJECTOR_NOTE,
+                           keys=(("add_num_deepstack_layers", "num_deepstack_layers"),)),
+           vision=replace(_QWEN_VL, projector="QWEN3VL")),
     # SmolVLM v1 checkpoints are idefics3 configs; SmolVLM2's are smolvlm (the same image processing).
     Family("SmolVLM / Idefics3", ("idefics3", "smolvlm"), "SmolVLM-256M/500M/2.2B-Instruct, SmolVLM2, Idefics3-8B",
            "SigLIP vision encoder over the image's tiles and the whole image, pixel-shuffled into the text model's "
-           "tokens, before full attention text layers", no_gguf=_NO_GGUF_VISION, methods=_VISION_METHODS,
+           "tokens, before full attention text layers", methods=_VISION_METHODS,
+           gguf=replace(_LLAMA, note=_PROJECTOR_NOTE),
            vision=VisionLayout("Idefics3ImageProcessorPil", "<image>", kind="idefics3",
-                               wrap=("<fake_token_around_image><global-img>", "<fake_token_around_image>"))),
+                               wrap=("<fake_token_around_image><global-img>", "<fake_token_around_image>"),
+                               projector="IDEFICS3")),
 )
 
 VISION_HINT = "use a text-only checkpoint of the family, or a vision-language family docs/models.md lists"
