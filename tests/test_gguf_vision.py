@@ -14,7 +14,7 @@ from finetune.train.run import run
 from tests.run_support import tiny_lora_recipe
 
 # the vision-language model_types whose two files the tests here check, in the family table's order
-WRITTEN_VISION = ("qwen2_5_vl", "gemma3")
+WRITTEN_VISION = ("qwen2_5_vl", "gemma3", "qwen3_vl", "idefics3", "smolvlm")
 
 # llama.cpp's sliding-window pattern for gemma3 (five local layers, then a global one) at toy size
 GEMMA3_TEXT = {"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
@@ -59,17 +59,17 @@ def _trained_run(tmp_path_factory, arch: str, **overrides):
     return folder / "run"
 
 
-def _export(run_dir, out):
-    """`finetune export RUN --format gguf --type f32`: (the projector file, the language model's file, the
+def _export(run_dir, out, qtype: str = "f32"):
+    """`finetune export RUN --format gguf --type QTYPE`: (the projector file, the language model's file, the
     merged model they were written from, its weights as float32 arrays)."""
     from finetune.model.trained import load_run, merged_model
 
-    assert main(["export", str(run_dir), "--out", str(out), "--format", "gguf", "--type", "f32"]) == 0
+    assert main(["export", str(run_dir), "--out", str(out), "--format", "gguf", "--type", qtype]) == 0
     name = run_dir.resolve().name
-    assert sorted(p.name for p in out.glob("*.gguf")) == [f"mmproj-{name}.f32.gguf", f"{name}.f32.gguf"]
+    assert sorted(p.name for p in out.glob("*.gguf")) == [f"mmproj-{name}.{qtype}.gguf", f"{name}.{qtype}.gguf"]
     model = merged_model(*load_run(run_dir))[0]
     weights = {k: v.float().numpy() for k, v in model.state_dict().items()}
-    return out / f"mmproj-{name}.f32.gguf", out / f"{name}.f32.gguf", model, weights
+    return out / f"mmproj-{name}.{qtype}.gguf", out / f"{name}.{qtype}.gguf", model, weights
 
 
 @pytest.fixture(scope="module")
@@ -186,16 +186,213 @@ def test_ollama_is_refused_for_a_vision_run_in_one_line(gemma3_run, tmp_path, ca
     assert err.startswith("error:") and "Traceback" not in err and "--mmproj" in err and not out.exists()
 
 
-@pytest.mark.parametrize("arch", ["qwen3_vl", "idefics3"])
-def test_a_family_without_a_projector_writer_is_refused_naming_why(arch, tmp_path):
-    from transformers import AutoConfig
+@pytest.fixture(scope="module")
+def qwen3vl_run(tmp_path_factory):
+    return _trained_run(tmp_path_factory, "qwen3_vl")
+
+
+def _qwen3vl_expected(weights: dict, vision) -> dict:
+    """llama.cpp's converter's Qwen3-VL projector tensors from transformers' weights: the two-frame patch
+    embedding split in two, the fused qkv kept, the merger as v.post_ln / mm.0 / mm.2, and the k-th deepstack
+    merger named after its vision layer (the k-th of deepstack_visual_indexes)."""
+    def visual(name):
+        return weights[f"model.visual.{name}"]
+
+    patch = visual("patch_embed.proj.weight")  # [out, channels, 2 frames, h, w]
+    expected = {"v.patch_embd.weight": patch[:, :, 0], "v.patch_embd.weight.1": patch[:, :, 1],
+                "v.patch_embd.bias": visual("patch_embed.proj.bias"),
+                "v.position_embd.weight": visual("pos_embed.weight")}
+    for part in ("weight", "bias"):
+        for hf, gguf_name in (("norm", "v.post_ln"), ("linear_fc1", "mm.0"), ("linear_fc2", "mm.2")):
+            expected[f"{gguf_name}.{part}"] = visual(f"merger.{hf}.{part}")
+        for k, layer in enumerate(vision.deepstack_visual_indexes):
+            for hf, short in (("norm", "norm"), ("linear_fc1", "fc1"), ("linear_fc2", "fc2")):
+                expected[f"v.deepstack.{layer}.{short}.{part}"] = visual(f"deepstack_merger_list.{k}.{hf}.{part}")
+        for b in range(vision.depth):
+            for hf, short in (("norm1", "ln1"), ("norm2", "ln2"), ("attn.qkv", "attn_qkv"), ("attn.proj", "attn_out"),
+                              ("mlp.linear_fc1", "ffn_up"), ("mlp.linear_fc2", "ffn_down")):
+                expected[f"v.blk.{b}.{short}.{part}"] = visual(f"blocks.{b}.{hf}.{part}")
+    return expected
+
+
+def test_a_qwen3vl_run_exports_its_language_model_and_projector_file(qwen3vl_run, tmp_path):
+    import gguf
+    from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+
+    projector, text_file, model, weights = _export(qwen3vl_run, tmp_path / "gguf")
+    config, vision = model.config, model.config.vision_config
+    fields, tensors = _read(projector)
+    assert fields["general.type"] == "mmproj" and fields["clip.projector_type"] == "qwen3vl_merger"
+    assert fields["clip.use_gelu"] is True and fields["clip.has_vision_encoder"] is True
+    assert fields["clip.vision.projection_dim"] == config.text_config.hidden_size
+    # no image_size in the config: the converter's is the square the 8 x 8 learned position grid covers
+    assert vision.num_position_embeddings == 64 and fields["clip.vision.image_size"] == 8 * vision.patch_size
+    for key, value in (("patch_size", vision.patch_size), ("embedding_length", vision.hidden_size),
+                       ("feed_forward_length", vision.intermediate_size), ("block_count", vision.depth),
+                       ("attention.head_count", vision.num_heads), ("spatial_merge_size", vision.spatial_merge_size)):
+        assert fields[f"clip.vision.{key}"] == value, key
+    # the tower's norms take the text model's epsilon, as llama.cpp's converter writes it
+    assert fields["clip.vision.attention.layer_norm_epsilon"] == pytest.approx(config.text_config.rms_norm_eps)
+    assert vision.deepstack_visual_indexes == [0] and fields["clip.vision.is_deepstack_layers"] == [True, False]
+    assert fields["clip.vision.image_mean"] == pytest.approx(OPENAI_CLIP_MEAN)  # the run's image processor's
+    assert fields["clip.vision.image_std"] == pytest.approx(OPENAI_CLIP_STD)
+
+    expected = _qwen3vl_expected(weights, vision)
+    assert set(tensors) == set(expected)
+    for gguf_name, value in expected.items():
+        assert tensors[gguf_name].tensor_type == gguf.GGMLQuantizationType.F32
+        np.testing.assert_array_equal(_values(tensors[gguf_name]), value, err_msg=gguf_name)
+
+    fields, tensors = _read(text_file)
+    text = config.text_config
+    assert fields["general.architecture"] == "qwen3vl" and fields["qwen3vl.block_count"] == text.num_hidden_layers
+    assert fields["qwen3vl.n_deepstack_layers"] == len(vision.deepstack_visual_indexes) == 1
+    sections = text.rope_parameters["mrope_section"]
+    assert fields["qwen3vl.rope.dimension_sections"] == [*sections, 0]  # llama.cpp reads four
+    assert fields["qwen3vl.attention.key_length"] == fields["qwen3vl.attention.value_length"] == text.head_dim
+    assert not any(n.startswith(("v.", "mm.")) for n in tensors)
+    for gguf_name, hf in (("token_embd.weight", "embed_tokens.weight"),
+                          ("blk.1.attn_q_norm.weight", "layers.1.self_attn.q_norm.weight"),
+                          ("blk.1.attn_k_norm.weight", "layers.1.self_attn.k_norm.weight"),
+                          ("blk.0.attn_q.weight", "layers.0.self_attn.q_proj.weight"),  # Qwen: no rotary permute
+                          ("blk.0.ffn_gate.weight", "layers.0.mlp.gate_proj.weight")):
+        np.testing.assert_array_equal(_values(tensors[gguf_name]), weights[f"model.language_model.{hf}"],
+                                      err_msg=gguf_name)
+    np.testing.assert_array_equal(_values(tensors["output.weight"]), weights["lm_head.weight"])
+    assert len(tensors) == len([k for k in weights if k.startswith("model.language_model.")]) + 1
+
+
+def test_a_qwen3vl_f16_projector_keeps_the_types_llama_cpp_converter_forces(qwen3vl_run, tmp_path):
+    import gguf
+
+    projector, _, _, _ = _export(qwen3vl_run, tmp_path / "gguf", "f16")
+    types = {name: tensor.tensor_type for name, tensor in _read(projector)[1].items()}
+    f32, f16 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16
+    assert types["v.position_embd.weight"] == f32  # position embeddings always F32
+    assert types["v.patch_embd.weight"] == types["v.patch_embd.weight.1"] == f16  # F16 in an f16 file
+    assert types["v.blk.0.attn_qkv.weight"] == types["mm.0.weight"] == types["v.deepstack.0.fc2.weight"] == f16
+    assert all(t == f32 for name, t in types.items() if name.endswith((".bias", "norm.weight", "ln1.weight")))
+
+
+def test_each_qwen3vl_deepstack_merger_is_named_after_its_vision_layer(tmp_path):
+    """deepstack_visual_indexes [1, 2] of three vision layers: merger k is written as v.deepstack.(its layer)."""
+    import torch
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    from finetune.export.gguf_vision import write_projector
+    from finetune.testing import tiny_config, vision_model
+
+    config = tiny_config("qwen3_vl")
+    config.vision_config.depth, config.vision_config.deepstack_visual_indexes = 3, [1, 2]
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    processor = AutoImageProcessor.from_pretrained(vision_model("qwen3_vl", tmp_path / "model"))
+    fields, tensors = _read(write_projector(model, processor, tmp_path / "mmproj.gguf", qtype="f32"))
+    assert fields["clip.vision.is_deepstack_layers"] == [False, True, True]
+    weights = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    expected = _qwen3vl_expected(weights, config.vision_config)
+    assert {n for n in tensors if n.startswith("v.deepstack.")} == {n for n in expected if n.startswith("v.deepstack.")}
+    np.testing.assert_array_equal(_values(tensors["v.deepstack.1.fc1.weight"]),
+                                  weights["model.visual.deepstack_merger_list.0.linear_fc1.weight"])
+    np.testing.assert_array_equal(_values(tensors["v.deepstack.2.norm.bias"]),
+                                  weights["model.visual.deepstack_merger_list.1.norm.bias"])
+
+
+@pytest.fixture(scope="module", params=["idefics3", "smolvlm"])
+def idefics3_run(request, tmp_path_factory):
+    return _trained_run(tmp_path_factory, request.param)
+
+
+def test_an_idefics3_run_exports_its_language_model_and_projector_file(idefics3_run, tmp_path):
+    import gguf
+
+    from tests.test_gguf_families import _permute
+
+    projector, text_file, model, weights = _export(idefics3_run, tmp_path / "gguf")
+    config, vision = model.config, model.config.vision_config
+    fields, tensors = _read(projector)
+    assert fields["general.type"] == "mmproj" and fields["clip.projector_type"] == "idefics3"
+    assert fields["clip.use_gelu"] is True and fields["clip.has_vision_encoder"] is True
+    assert fields["clip.vision.projection_dim"] == config.text_config.hidden_size
+    for key, value in (("image_size", vision.image_size), ("patch_size", vision.patch_size),
+                       ("embedding_length", vision.hidden_size), ("feed_forward_length", vision.intermediate_size),
+                       ("block_count", vision.num_hidden_layers), ("attention.head_count", vision.num_attention_heads)):
+        assert fields[f"clip.vision.{key}"] == value, key
+    assert fields["clip.vision.attention.layer_norm_epsilon"] == pytest.approx(vision.layer_norm_eps)
+    assert config.scale_factor == 2 and fields["clip.vision.projector.scale_factor"] == 2
+    # the image processor's longest edge (112 pixels), not the tile size (56): llama.cpp resizes to it first
+    assert fields["clip.vision.preproc_image_size"] == 112 != vision.image_size
+    assert fields["clip.vision.image_mean"] == fields["clip.vision.image_std"] == [0.5, 0.5, 0.5]
+
+    expected = {gguf_name: weights[f"model.vision_model.{hf}"] for hf, gguf_name in VISION_NAMES.items()}
+    for i in range(vision.num_hidden_layers):
+        for hf, short in VISION_LAYER_NAMES.items():
+            for part in ("weight", "bias"):
+                expected[f"v.blk.{i}.{short}.{part}"] = weights[f"model.vision_model.encoder.layers.{i}.{hf}.{part}"]
+    # the connector: the pixel shuffle has no weights, its modality projection (no bias) is mm.model.fc
+    expected["mm.model.fc.weight"] = weights["model.connector.modality_projection.proj.weight"]
+    assert set(tensors) == set(expected)
+    for gguf_name, value in expected.items():
+        assert tensors[gguf_name].tensor_type == gguf.GGMLQuantizationType.F32
+        np.testing.assert_array_equal(_values(tensors[gguf_name]), value, err_msg=gguf_name)
+
+    fields, tensors = _read(text_file)
+    text = config.text_config
+    assert fields["general.architecture"] == "llama" and fields["llama.block_count"] == text.num_hidden_layers
+    assert fields["llama.embedding_length"] == text.hidden_size and fields["llama.vocab_size"] == text.vocab_size
+    assert not any(n.startswith(("v.", "mm.")) for n in tensors)
+    layer = "model.text_model.layers.1.self_attn"
+    np.testing.assert_array_equal(_values(tensors["blk.1.attn_q.weight"]),  # Llama's rotary rows interleaved
+                                  _permute(weights[f"{layer}.q_proj.weight"], text.num_attention_heads))
+    np.testing.assert_array_equal(_values(tensors["blk.1.attn_k.weight"]),
+                                  _permute(weights[f"{layer}.k_proj.weight"], text.num_key_value_heads))
+    np.testing.assert_array_equal(_values(tensors["blk.1.attn_v.weight"]), weights[f"{layer}.v_proj.weight"])
+    np.testing.assert_array_equal(_values(tensors["token_embd.weight"]),
+                                  weights["model.text_model.embed_tokens.weight"])
+    np.testing.assert_array_equal(_values(tensors["output.weight"]), weights["lm_head.weight"])
+    assert len(tensors) == len([k for k in weights if k.startswith("model.text_model.")]) + 1
+
+
+def test_an_idefics3_f16_projector_keeps_its_embeddings_f32(idefics3_run, tmp_path):
+    import gguf
+
+    projector, _, _, _ = _export(idefics3_run, tmp_path / "gguf", "f16")
+    types = {name: tensor.tensor_type for name, tensor in _read(projector)[1].items()}
+    f32, f16 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16
+    assert types["v.patch_embd.weight"] == types["v.position_embd.weight"] == f32  # the converter forces them
+    assert types["v.blk.0.attn_q.weight"] == types["mm.model.fc.weight"] == f16
+
+
+def test_a_vision_architecture_without_a_projector_writer_is_refused_naming_why():
+    """Every vision-language family whose projector file is not written (none where every one is) and an
+    architecture no family describes: one line naming it, why, and the ones written."""
+    from types import SimpleNamespace
 
     from finetune.errors import UsageError
     from finetune.export.gguf_vision import check_vision_exportable
-    from finetune.testing import tiny_config
+    from finetune.recipe.families import FAMILIES
 
-    config = AutoConfig.for_model(**tiny_config(arch).to_dict())
+    unwritten = [(t, f.no_gguf) for f in FAMILIES if f.vision and not f.vision.projector for t in f.model_types]
+    for model_type, why in [*unwritten, ("llava", "no model family describes it")]:
+        with pytest.raises(UsageError) as refused:
+            check_vision_exportable(SimpleNamespace(model_type=model_type))
+        line = str(refused.value).splitlines()[0]  # the reason, then the hint
+        assert f"{model_type!r}" in line and why in line, line
+        assert f"(vision-language ones written: {', '.join(WRITTEN_VISION)})" in line
+
+
+def test_a_qwen3vl_whose_patches_span_other_than_two_frames_is_refused_in_one_line(tmp_path):
+    import torch
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    from finetune.errors import UsageError
+    from finetune.export.gguf_vision import write_projector
+    from finetune.testing import tiny_config, vision_model
+
+    config = tiny_config("qwen3_vl")
+    config.vision_config.temporal_patch_size = 3
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    processor = AutoImageProcessor.from_pretrained(vision_model("qwen3_vl", tmp_path / "model"))
     with pytest.raises(UsageError) as refused:
-        check_vision_exportable(config)
-    line = str(refused.value).splitlines()[0]  # the reason, then the hint
-    assert f"{arch!r}" in line and "projector file" in line and f"(vision-language ones written: {', '.join(WRITTEN_VISION)})" in line
+        write_projector(model, processor, tmp_path / "mmproj.gguf")
+    assert "qwen3_vl model's patches span 3 frames; llama.cpp's projector takes two" in str(refused.value)
