@@ -42,6 +42,47 @@ def _read(path):
     return fields, tensors
 
 
+def _projector(path, config, projector_type: str, vision_keys: dict) -> tuple[dict, dict]:
+    """The projector file's (fields, tensors), after checking what llama.cpp reads from every one: the file
+    type, the projector type, GELU, a vision encoder, the projection width (the text model's hidden size) and
+    `vision_keys` (clip.vision.KEY: value)."""
+    fields, tensors = _read(path)
+    assert fields["general.architecture"] == "clip" and fields["general.type"] == "mmproj"
+    assert fields["clip.projector_type"] == projector_type
+    assert fields["clip.use_gelu"] is True and fields["clip.has_vision_encoder"] is True
+    assert fields["clip.vision.projection_dim"] == config.text_config.hidden_size
+    for key, value in vision_keys.items():
+        assert fields[f"clip.vision.{key}"] == value, key
+    return fields, tensors
+
+
+def _siglip_keys(vision) -> dict:
+    """The clip.vision sizes of a SigLIP tower (Gemma 3's, Idefics3's) as llama.cpp's converter writes them."""
+    return {"image_size": vision.image_size, "patch_size": vision.patch_size, "embedding_length": vision.hidden_size,
+            "feed_forward_length": vision.intermediate_size, "block_count": vision.num_hidden_layers,
+            "attention.head_count": vision.num_attention_heads}
+
+
+def _siglip_expected(weights: dict, prefix: str, layers: int) -> dict:
+    """llama.cpp's names for a SigLIP tower's weights (under `prefix` in transformers' state dict)."""
+    expected = {gguf_name: weights[f"{prefix}.{hf}"] for hf, gguf_name in VISION_NAMES.items()}
+    for i in range(layers):
+        for hf, short in VISION_LAYER_NAMES.items():
+            for part in ("weight", "bias"):
+                expected[f"v.blk.{i}.{short}.{part}"] = weights[f"{prefix}.encoder.layers.{i}.{hf}.{part}"]
+    return expected
+
+
+def _assert_written_f32(tensors: dict, expected: dict) -> None:
+    """The file holds exactly the `expected` tensors (llama.cpp name: transformers' values), each F32 and equal."""
+    import gguf
+
+    assert set(tensors) == set(expected)
+    for gguf_name, value in expected.items():
+        assert tensors[gguf_name].tensor_type == gguf.GGMLQuantizationType.F32, gguf_name
+        np.testing.assert_array_equal(_values(tensors[gguf_name]), value, err_msg=gguf_name)
+
+
 def _values(tensor) -> np.ndarray:
     """A tensor's values in the layout transformers holds them (GGUF lists dimensions innermost first)."""
     return np.asarray(tensor.data, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
@@ -82,25 +123,13 @@ def test_a_gemma3_run_exports_its_language_model_and_projector_file(gemma3_run, 
 
     projector, text, model, weights = _export(gemma3_run, tmp_path / "gguf")
     config, vision = model.config, model.config.vision_config
-    fields, tensors = _read(projector)
-    assert fields["general.architecture"] == "clip" and fields["general.type"] == "mmproj"
-    assert fields["clip.projector_type"] == "gemma3" and fields["clip.use_gelu"] is True
-    assert fields["clip.has_vision_encoder"] is True
-    assert fields["clip.vision.projection_dim"] == config.text_config.hidden_size
-    for key, value in (("image_size", vision.image_size), ("patch_size", vision.patch_size),
-                       ("embedding_length", vision.hidden_size), ("feed_forward_length", vision.intermediate_size),
-                       ("block_count", vision.num_hidden_layers), ("attention.head_count", vision.num_attention_heads)):
-        assert fields[f"clip.vision.{key}"] == value, key
+    fields, tensors = _projector(projector, config, "gemma3", _siglip_keys(vision))
     assert fields["clip.vision.image_mean"] == fields["clip.vision.image_std"] == [0.5, 0.5, 0.5]
     assert fields["clip.vision.attention.layer_norm_epsilon"] == pytest.approx(vision.layer_norm_eps)
     # 56-pixel images of 14-pixel patches (4 x 4) pooled to 4 tokens: 2 x 2 patches per token, not llama.cpp's 4
     assert config.mm_tokens_per_image == 4 and fields["clip.vision.projector.scale_factor"] == 2
 
-    expected = {gguf_name: weights[f"model.vision_tower.{hf}"] for hf, gguf_name in VISION_NAMES.items()}
-    for i in range(vision.num_hidden_layers):
-        for hf, short in VISION_LAYER_NAMES.items():
-            for part in ("weight", "bias"):
-                expected[f"v.blk.{i}.{short}.{part}"] = weights[f"model.vision_tower.encoder.layers.{i}.{hf}.{part}"]
+    expected = _siglip_expected(weights, "model.vision_tower", vision.num_hidden_layers)
     expected["mm.input_projection.weight"] = weights["model.multi_modal_projector.mm_input_projection_weight"]
     expected["mm.soft_emb_norm.weight"] = weights["model.multi_modal_projector.mm_soft_emb_norm.weight"] + 1
     assert set(tensors) == set(expected)  # the attention-pooling head llama.cpp does not use is left out
@@ -132,7 +161,6 @@ def qwen25vl_run(tmp_path_factory):
 
 
 def test_a_qwen25vl_run_exports_its_language_model_and_projector_file(qwen25vl_run, tmp_path):
-    import gguf
 
     projector, text_file, model, weights = _export(qwen25vl_run, tmp_path / "gguf")
     config, vision = model.config, model.config.vision_config
@@ -163,10 +191,7 @@ def test_a_qwen25vl_run_exports_its_language_model_and_projector_file(qwen25vl_r
                              f"v.blk.{b}.attn_out.{part}": weights[f"{layer}.attn.proj.{part}"]})
             for hf, short in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
                 expected[f"v.blk.{b}.{short}.{part}"] = weights[f"{layer}.mlp.{hf}.{part}"]
-    assert set(tensors) == set(expected)
-    for gguf_name, value in expected.items():
-        assert tensors[gguf_name].tensor_type == gguf.GGMLQuantizationType.F32
-        np.testing.assert_array_equal(_values(tensors[gguf_name]), value, err_msg=gguf_name)
+    _assert_written_f32(tensors, expected)
 
     fields, tensors = _read(text_file)
     assert fields["general.architecture"] == "qwen2vl"
@@ -216,21 +241,16 @@ def _qwen3vl_expected(weights: dict, vision) -> dict:
 
 
 def test_a_qwen3vl_run_exports_its_language_model_and_projector_file(qwen3vl_run, tmp_path):
-    import gguf
     from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
     projector, text_file, model, weights = _export(qwen3vl_run, tmp_path / "gguf")
     config, vision = model.config, model.config.vision_config
-    fields, tensors = _read(projector)
-    assert fields["general.type"] == "mmproj" and fields["clip.projector_type"] == "qwen3vl_merger"
-    assert fields["clip.use_gelu"] is True and fields["clip.has_vision_encoder"] is True
-    assert fields["clip.vision.projection_dim"] == config.text_config.hidden_size
     # no image_size in the config: the converter's is the square the 8 x 8 learned position grid covers
-    assert vision.num_position_embeddings == 64 and fields["clip.vision.image_size"] == 8 * vision.patch_size
-    for key, value in (("patch_size", vision.patch_size), ("embedding_length", vision.hidden_size),
-                       ("feed_forward_length", vision.intermediate_size), ("block_count", vision.depth),
-                       ("attention.head_count", vision.num_heads), ("spatial_merge_size", vision.spatial_merge_size)):
-        assert fields[f"clip.vision.{key}"] == value, key
+    assert vision.num_position_embeddings == 64
+    fields, tensors = _projector(projector, config, "qwen3vl_merger", {
+        "image_size": 8 * vision.patch_size, "patch_size": vision.patch_size, "embedding_length": vision.hidden_size,
+        "feed_forward_length": vision.intermediate_size, "block_count": vision.depth,
+        "attention.head_count": vision.num_heads, "spatial_merge_size": vision.spatial_merge_size})
     # the tower's norms take the text model's epsilon, as llama.cpp's converter writes it
     assert fields["clip.vision.attention.layer_norm_epsilon"] == pytest.approx(config.text_config.rms_norm_eps)
     assert vision.deepstack_visual_indexes == [0] and fields["clip.vision.is_deepstack_layers"] == [True, False]
@@ -238,10 +258,7 @@ def test_a_qwen3vl_run_exports_its_language_model_and_projector_file(qwen3vl_run
     assert fields["clip.vision.image_std"] == pytest.approx(OPENAI_CLIP_STD)
 
     expected = _qwen3vl_expected(weights, vision)
-    assert set(tensors) == set(expected)
-    for gguf_name, value in expected.items():
-        assert tensors[gguf_name].tensor_type == gguf.GGMLQuantizationType.F32
-        np.testing.assert_array_equal(_values(tensors[gguf_name]), value, err_msg=gguf_name)
+    _assert_written_f32(tensors, expected)
 
     fields, tensors = _read(text_file)
     text = config.text_config
@@ -262,16 +279,20 @@ def test_a_qwen3vl_run_exports_its_language_model_and_projector_file(qwen3vl_run
     assert len(tensors) == len([k for k in weights if k.startswith("model.language_model.")]) + 1
 
 
-def test_a_qwen3vl_f16_projector_keeps_the_types_llama_cpp_converter_forces(qwen3vl_run, tmp_path):
-    import gguf
+def _f16_types(run_dir, out) -> dict:
+    """The GGML type names of an f16 export's projector tensors, after checking its 1-D ones (norms, biases)
+    are F32 as llama.cpp's converter keeps them."""
+    _, tensors = _read(_export(run_dir, out, "f16")[0])
+    types = {name: tensor.tensor_type.name for name, tensor in tensors.items()}
+    assert all(types[name] == "F32" for name, tensor in tensors.items() if len(tensor.shape) == 1)
+    return types
 
-    projector, _, _, _ = _export(qwen3vl_run, tmp_path / "gguf", "f16")
-    types = {name: tensor.tensor_type for name, tensor in _read(projector)[1].items()}
-    f32, f16 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16
-    assert types["v.position_embd.weight"] == f32  # position embeddings always F32
-    assert types["v.patch_embd.weight"] == types["v.patch_embd.weight.1"] == f16  # F16 in an f16 file
-    assert types["v.blk.0.attn_qkv.weight"] == types["mm.0.weight"] == types["v.deepstack.0.fc2.weight"] == f16
-    assert all(t == f32 for name, t in types.items() if name.endswith((".bias", "norm.weight", "ln1.weight")))
+
+def test_a_qwen3vl_f16_projector_keeps_the_types_llama_cpp_converter_forces(qwen3vl_run, tmp_path):
+    types = _f16_types(qwen3vl_run, tmp_path / "gguf")
+    assert types["v.position_embd.weight"] == "F32"  # position embeddings always F32
+    assert types["v.patch_embd.weight"] == types["v.patch_embd.weight.1"] == "F16"  # F16 in an f16 file
+    assert types["v.blk.0.attn_qkv.weight"] == types["mm.0.weight"] == types["v.deepstack.0.fc2.weight"] == "F16"
 
 
 def test_each_qwen3vl_deepstack_merger_is_named_after_its_vision_layer(tmp_path):
@@ -304,37 +325,22 @@ def idefics3_run(request, tmp_path_factory):
 
 
 def test_an_idefics3_run_exports_its_language_model_and_projector_file(idefics3_run, tmp_path):
-    import gguf
 
     from tests.test_gguf_families import _permute
 
     projector, text_file, model, weights = _export(idefics3_run, tmp_path / "gguf")
     config, vision = model.config, model.config.vision_config
-    fields, tensors = _read(projector)
-    assert fields["general.type"] == "mmproj" and fields["clip.projector_type"] == "idefics3"
-    assert fields["clip.use_gelu"] is True and fields["clip.has_vision_encoder"] is True
-    assert fields["clip.vision.projection_dim"] == config.text_config.hidden_size
-    for key, value in (("image_size", vision.image_size), ("patch_size", vision.patch_size),
-                       ("embedding_length", vision.hidden_size), ("feed_forward_length", vision.intermediate_size),
-                       ("block_count", vision.num_hidden_layers), ("attention.head_count", vision.num_attention_heads)):
-        assert fields[f"clip.vision.{key}"] == value, key
+    fields, tensors = _projector(projector, config, "idefics3", _siglip_keys(vision))
     assert fields["clip.vision.attention.layer_norm_epsilon"] == pytest.approx(vision.layer_norm_eps)
     assert config.scale_factor == 2 and fields["clip.vision.projector.scale_factor"] == 2
     # the image processor's longest edge (112 pixels), not the tile size (56): llama.cpp resizes to it first
     assert fields["clip.vision.preproc_image_size"] == 112 != vision.image_size
     assert fields["clip.vision.image_mean"] == fields["clip.vision.image_std"] == [0.5, 0.5, 0.5]
 
-    expected = {gguf_name: weights[f"model.vision_model.{hf}"] for hf, gguf_name in VISION_NAMES.items()}
-    for i in range(vision.num_hidden_layers):
-        for hf, short in VISION_LAYER_NAMES.items():
-            for part in ("weight", "bias"):
-                expected[f"v.blk.{i}.{short}.{part}"] = weights[f"model.vision_model.encoder.layers.{i}.{hf}.{part}"]
+    expected = _siglip_expected(weights, "model.vision_model", vision.num_hidden_layers)
     # the connector: the pixel shuffle has no weights, its modality projection (no bias) is mm.model.fc
     expected["mm.model.fc.weight"] = weights["model.connector.modality_projection.proj.weight"]
-    assert set(tensors) == set(expected)
-    for gguf_name, value in expected.items():
-        assert tensors[gguf_name].tensor_type == gguf.GGMLQuantizationType.F32
-        np.testing.assert_array_equal(_values(tensors[gguf_name]), value, err_msg=gguf_name)
+    _assert_written_f32(tensors, expected)
 
     fields, tensors = _read(text_file)
     text = config.text_config
@@ -354,13 +360,9 @@ def test_an_idefics3_run_exports_its_language_model_and_projector_file(idefics3_
 
 
 def test_an_idefics3_f16_projector_keeps_its_embeddings_f32(idefics3_run, tmp_path):
-    import gguf
-
-    projector, _, _, _ = _export(idefics3_run, tmp_path / "gguf", "f16")
-    types = {name: tensor.tensor_type for name, tensor in _read(projector)[1].items()}
-    f32, f16 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16
-    assert types["v.patch_embd.weight"] == types["v.position_embd.weight"] == f32  # the converter forces them
-    assert types["v.blk.0.attn_q.weight"] == types["mm.model.fc.weight"] == f16
+    types = _f16_types(idefics3_run, tmp_path / "gguf")
+    assert types["v.patch_embd.weight"] == types["v.position_embd.weight"] == "F32"  # the converter forces them
+    assert types["v.blk.0.attn_q.weight"] == types["mm.model.fc.weight"] == "F16"
 
 
 def test_a_vision_architecture_without_a_projector_writer_is_refused_naming_why():
