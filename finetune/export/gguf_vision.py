@@ -290,6 +290,7 @@ def _idefics3_tensors(model: Any, qtype: str) -> Any:
         yield name, data, "f32" if ".embeddings." in name else None
 
 
-# projector type (the family table's vision.projector) -> (its metadata keys, its tensors)
+# projector type (the family table's vision.projector) -> (its metadata keys: keys(writer, config, image_processor),
+# its tensors: tensors(model, qtype) yielding (name, float32 array, forced --type or None))
 _PROJECTORS = {"GEMMA3": (_gemma3_keys, _gemma3_tensors), "QWEN25VL": (_qwen25vl_keys, _qwen25vl_tensors),
                "QWEN3VL": (_qwen3vl_keys, _qwen3vl_tensors), "IDEFICS3": (_idefics3_keys, _idefics3_tensors)}
