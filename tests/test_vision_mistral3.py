@@ -200,3 +200,32 @@ def test_gguf_export_is_refused_in_one_line_saying_why():
     line, *_ = str(refused.value).splitlines()
     assert "'mistral3'" in line and "pixtral projector file" in line and "[IMG_BREAK]" in line
     assert "safetensors" in refused.value.hint
+
+
+@pytest.mark.parametrize("vision", ["lora", "full"])
+def test_qlora_with_adapter_vision_trains_the_pixtral_tower_and_plans_within_5_percent(tmp_path, model, vision):
+    """QLoRA (the language model in 4 bits, the Pixtral tower and projector not) with adapter.vision lora: LoRA
+    weights inside the vision tower are saved; full: the tower's own weights, changed by training. The plan,
+    which traces the same adapter, within 5% of the measured peak."""
+    from safetensors.torch import load_file
+
+    from finetune import api
+    from finetune.cli import main
+    from finetune.rundir import read_jsonl
+    from tests.test_vision_train import recipe, shapes_data
+
+    path = recipe(tmp_path, model, shapes_data(tmp_path), quantization={"bits": 4}, adapter={"vision": vision},
+                  training={"learning_rate": 1e-2})
+    assert main(["run", str(path)]) == 0
+    saved = load_file(tmp_path / "run" / "adapter" / "adapter_model.safetensors")
+    in_vision = [k for k in saved if ".vision_tower." in k or ".multi_modal_projector." in k]
+    if vision == "lora":
+        assert in_vision and all("lora_" in k for k in in_vision)
+    else:
+        key = next(k for k in in_vision if k.endswith("patch_conv.weight"))
+        before = next(v for k, v in load_file(model / "model.safetensors").items() if k.endswith("patch_conv.weight"))
+        assert not saved[key].equal(before)
+    seen = api.plan_at_seen_length(tmp_path / "run")
+    measured = max(r["peak_memory_bytes"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")
+                   if "peak_memory_bytes" in r)
+    assert seen is not None and abs(seen["peak_bytes"] / measured - 1) <= 0.05, (seen["peak_bytes"], measured)
