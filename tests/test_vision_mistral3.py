@@ -38,8 +38,8 @@ def test_image_tokens_equal_the_pixtral_processors_output(tmp_path, max_pixels):
         assert counted == ((h // 28) * (w // 28 + 1), out["pixel_values"].shape[1:], (h // 28, w // 28)), (width, height)
         assert image_tokens(config, width, height, max_pixels) == counted.tokens
         assert max(h, w) <= processor.size["longest_edge"] and h * w <= (max_pixels or 1540 ** 2)
-    edge = pixel_overrides(config, max_pixels)["size"]["longest_edge"] if max_pixels else 1540
-    assert edge == {None: 1540, 200_000: 420, 10**9: 1540}[max_pixels]  # whole 28-pixel blocks, never above 1540
+    edge = {None: None, 200_000: 420, 10**9: 1540}[max_pixels]  # whole 28-pixel blocks, never above the own 1540
+    assert pixel_overrides(config, max_pixels) == ({} if edge is None else {"size": {"longest_edge": edge}})
 
 
 def test_a_smaller_pixel_budget_gives_fewer_image_tokens():
