@@ -145,6 +145,19 @@ VISION_ARCHITECTURES = {
          "max_image_size": {"longest_edge": 56}, "do_image_splitting": True,
          "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}),
 }
+# Mistral 3: a Pixtral tower over 14-pixel patches, merged 2 x 2 into one [IMG] token per 28 x 28 block, images up
+# to 112 pixels on the long side (4 x 4 blocks), before a two-layer Mistral; the template writes [IMG] per image
+# and the processor's row breaks and image end are the tokenizer's special tokens (recorded beside the image
+# token's id, as the full processor holds them).
+VISION_ARCHITECTURES["mistral3"] = ("Mistral3Config", {
+    "text_config": {"model_type": "mistral", "sliding_window": None},
+    "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                      "head_dim": 16, "patch_size": 14, "image_size": 112},
+    "spatial_merge_size": 2},
+    {"image_token_index": "[IMG]", "image_break_token_id": "[IMG_BREAK]", "image_end_token_id": "[IMG_END]"},
+    _parts_template("[IMG]"),
+    {"image_processor_type": "PixtralImageProcessor", "patch_size": {"height": 14, "width": 14},
+     "size": {"longest_edge": 112}})
 # SmolVLM2: Idefics3's layout under its own config class and image processor name
 VISION_ARCHITECTURES["smolvlm"] = ("SmolVLMConfig", *VISION_ARCHITECTURES["idefics3"][1:4],
                                    {**VISION_ARCHITECTURES["idefics3"][4], "image_processor_type": "SmolVLMImageProcessor"})

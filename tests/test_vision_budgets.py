@@ -15,7 +15,8 @@ CONFIGS = ROOT / "tests" / "fixtures" / "configs"
 # the published config.json of one checkpoint per vision-language family (two sizes of SmolVLM)
 MODELS = {"Qwen2.5-VL-3B-Instruct": "qwen2.5-vl-3b.json", "Qwen3-VL-8B-Instruct": "qwen3-vl-8b.json",
           "gemma-3-4b-it": "gemma-3-4b-it.json", "SmolVLM-256M-Instruct": "smolvlm-256m.json",
-          "SmolVLM-Instruct (2.2B)": "smolvlm-2.2b.json"}
+          "SmolVLM-Instruct (2.2B)": "smolvlm-2.2b.json",
+          "Mistral-Small-3.1-24B-Instruct": "mistral-small-3.1-24b.json"}
 BEGIN, END = "<!-- pixel budgets: generated", "<!-- end of the generated table -->"
 
 

@@ -16,6 +16,10 @@ Per processor (`image_processor_type`, with or without its Fast/Pil suffix):
   `image_seq_len` tokens (processor_config.json; 169 for Idefics3, 64 for SmolVLM when not given).
 - Llama 3.2 Vision (`MllamaImageProcessor`): the tile arrangement of at most max_image_tiles tiles that scales
   the image least; the text holds one image token, the vision tower sees max_image_tiles tiles (padded).
+- Mistral 3 / Pixtral (`PixtralImageProcessor`): scaled down (never up) so the longest edge fits
+  size.longest_edge, each side then up to whole blocks of patch_size x spatial_merge_size (the merge size is
+  Mistral 3's config.json / processor_config.json key, 1 when not given, as PixtralProcessor defaults); one
+  [IMG] per block, an [IMG_BREAK] after each row of blocks and [IMG_END] in place of the last row's break.
 
 `data.max_pixels` narrows each processor's own limit (never widens it): `pixel_overrides` gives the keyword
 arguments that make the real processor do the same, so the plan and the run resize alike.
@@ -41,7 +45,7 @@ class ImageInputs(NamedTuple):
 
 
 def processor_kind(processor_config: dict[str, Any]) -> str:
-    """The processor family of a preprocessor_config.json: qwen2_vl, gemma3, idefics3 or mllama."""
+    """The processor family of a preprocessor_config.json: qwen2_vl, gemma3, idefics3, mllama or pixtral."""
     name = str(processor_config.get("image_processor_type", ""))
     base = name.removesuffix("Fast").removesuffix("Pil")
     kind = _KINDS.get(base)
@@ -64,6 +68,10 @@ def pixel_overrides(processor_config: dict[str, Any], max_pixels: int | None) ->
         tile = processor_config.get("max_image_size", {}).get("longest_edge", 364)
         edge = _longest_edge(processor_config)
         return {"size": {"longest_edge": min(edge, max(tile, math.isqrt(max_pixels) // tile * tile))}}
+    if kind == "pixtral":  # the longest edge: the budget's square side, in whole merged blocks
+        unit = _pixtral_unit(processor_config)
+        own_edge = (processor_config.get("size") or {}).get("longest_edge", 1024)
+        return {"size": {"longest_edge": min(own_edge, max(unit, math.isqrt(max_pixels) // unit * unit))}}
     tile = processor_config.get("size", {}).get("height", 560)
     own = processor_config.get("max_image_tiles", 4)
     return {"max_image_tiles": min(own, max(1, max_pixels // (tile * tile)))}
@@ -201,8 +209,26 @@ def _mllama(config: dict[str, Any], width: int, height: int) -> ImageInputs:
     return ImageInputs(1, (most, 3, tile, tile), (rows, cols))
 
 
+def _pixtral_unit(config: dict[str, Any]) -> int:
+    """Pixtral's block side in pixels: the vision tower's patch times the projector's spatial merge."""
+    patch = config.get("patch_size", 16)
+    patch = patch.get("height", 16) if isinstance(patch, dict) else patch
+    return patch * config.get("spatial_merge_size", 1)
+
+
+def _pixtral(config: dict[str, Any], width: int, height: int) -> ImageInputs:
+    unit = _pixtral_unit(config)
+    if config.get("do_resize", True):
+        edge = (config.get("size") or {}).get("longest_edge", 1024)
+        ratio = max(height / edge, width / edge)
+        if ratio > 1:  # transformers' get_resize_output_image_size: floor, so the image stays within the edge
+            height, width = int(math.floor(height / ratio)), int(math.floor(width / ratio))
+    rows, cols = (height - 1) // unit + 1, (width - 1) // unit + 1
+    return ImageInputs(rows * (cols + 1), (3, rows * unit, cols * unit), (rows, cols))
+
+
 _KINDS = {"Qwen2VLImageProcessor": "qwen2_vl", "Qwen2_5_VLImageProcessor": "qwen2_vl",
           "Qwen3VLImageProcessor": "qwen2_vl", "Gemma3ImageProcessor": "gemma3",
           "Idefics3ImageProcessor": "idefics3", "SmolVLMImageProcessor": "idefics3",
-          "MllamaImageProcessor": "mllama"}
-_COUNTERS = {"qwen2_vl": _qwen, "gemma3": _gemma3, "idefics3": _idefics3, "mllama": _mllama}
+          "MllamaImageProcessor": "mllama", "PixtralImageProcessor": "pixtral"}
+_COUNTERS = {"qwen2_vl": _qwen, "gemma3": _gemma3, "idefics3": _idefics3, "mllama": _mllama, "pixtral": _pixtral}

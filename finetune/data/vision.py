@@ -42,6 +42,8 @@ class VisionData:
     # a fixed count per image (Gemma 3's mm_tokens_per_image) or per tile (Idefics3), else from the grid
     tokens_per_image: int | None = None
     max_pixels: int | None = None  # data.max_pixels: the largest image budget (None: the processor's own)
+    # Pixtral (Mistral 3): the ids of the token after each row of an image's blocks and of the one after the image
+    breaks: tuple[int, int] | None = None
 
     def process(self, paths: Sequence[str]) -> dict[str, Any]:
         """The image processor's outputs for these images (pixel_values, image_grid_thw, ...) as tensors."""
@@ -63,11 +65,29 @@ class VisionData:
         if self.layout.kind == "idefics3":  # each tile's count, for its tiles and the whole image
             assert self.tokens_per_image is not None
             return [self.process([p])["pixel_values"].shape[1] * self.tokens_per_image for p in paths]
+        if self.layout.kind == "pixtral":  # an [IMG] per block and a break (the last one the end) per row
+            return [rows * (cols + 1) for rows, cols in self.rows(paths)]
         if self.tokens_per_image is not None:
             return [self.tokens_per_image] * len(paths)
         grid = self.process(paths)["image_grid_thw"]
         merge = self.processor.merge_size
         return [int(g.prod()) // merge ** 2 for g in grid]
+
+    def rows(self, paths: Sequence[str]) -> list[tuple[int, int]]:
+        """Pixtral: each image's (rows, blocks per row) after the processor's resize; a block is one [IMG] token
+        (the processor's patch_size, which `finetune.model.vision.vision_data` sets to the tower's patch times the
+        projector's spatial merge, as transformers' PixtralProcessor passes it)."""
+        unit = self.processor.patch_size["height"]
+        return [(int(h) // unit, int(w) // unit) for h, w in self.process(paths)["image_sizes"]]
+
+    def image_run(self, rows: int, cols: int) -> list[int]:
+        """Pixtral: one image's tokens, as PixtralProcessor writes them: [IMG] x cols then [IMG_BREAK], per row,
+        the last row's break replaced by [IMG_END]."""
+        assert self.breaks is not None
+        row_break, end = self.breaks
+        run = ([self.image_token_id] * cols + [row_break]) * rows
+        run[-1] = end
+        return run
 
     def expand(self, encoded: Encoded, paths: Sequence[str]) -> Encoded:
         """Each image's token in `encoded` (the written one) replaced by the image token repeated once per feature
@@ -75,7 +95,7 @@ class VisionData:
         ids, labels = encoded
         if not paths:
             return encoded
-        counts = iter(self.image_tokens(paths))
+        counts = iter(self.image_tokens(paths) if self.breaks is None else [self.image_run(*g) for g in self.rows(paths)])
         out_ids: list[int] = []
         out_labels: list[int] = []
         for tok, label in zip(ids, labels, strict=True):
@@ -85,8 +105,9 @@ class VisionData:
                     raise RecordError(f"the chat template wrote more image tokens than the record has images "
                                       f"({len(paths)})")
                 before, after = self.wrap
-                out_ids += [*before, *[self.image_token_id] * n, *after]
-                out_labels += [IGNORE_INDEX] * (len(before) + n + len(after))
+                run = n if isinstance(n, list) else [self.image_token_id] * n  # Pixtral: its rows with their breaks
+                out_ids += [*before, *run, *after]
+                out_labels += [IGNORE_INDEX] * (len(before) + len(run) + len(after))
             else:
                 out_ids.append(tok)
                 out_labels.append(label)

@@ -45,7 +45,12 @@ def vision_data(config: Any, path: Path, tokenizer: Any, max_pixels: int | None 
     written = tokenizer.convert_tokens_to_ids(layout.written or layout.image_token)
     wrap = tuple(tokenizer.encode(text, add_special_tokens=False) if text else [] for text in layout.wrap)
     per_image = tile_tokens(config) if layout.kind == "idefics3" else getattr(config, "mm_tokens_per_image", None)
-    return VisionData(load_image_processor(path, family), layout, token, written, wrap, per_image, max_pixels)
+    processor, breaks = load_image_processor(path, family), None
+    if layout.kind == "pixtral":  # resized to whole merged blocks, as PixtralProcessor has its image processor do
+        unit = config.vision_config.patch_size * config.spatial_merge_size
+        processor.patch_size = {"height": unit, "width": unit}
+        breaks = (tokenizer.convert_tokens_to_ids(layout.breaks[0]), tokenizer.convert_tokens_to_ids(layout.breaks[1]))
+    return VisionData(processor, layout, token, written, wrap, per_image, max_pixels, breaks)
 
 
 def tile_tokens(config: Any) -> int:

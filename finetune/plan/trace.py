@@ -72,6 +72,8 @@ class _MetaKernels(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.to and _cpu_mask(args[0]) and _meta_target(args[1:], kwargs):
             return args[0]  # a mask from the token ids keeps its values, so what it selects has a shape
+        if func is torch.as_tensor and _cpu_index(args[0]) and _meta_target(args[1:], kwargs):
+            return args[0]  # an index tensor (Mistral 3's image_sizes) keeps its values: they split the features
         if func is torch.Tensor.to and args[0].is_meta:  # moved to the token ids' device (SmolVLM): stays on meta
             args, kwargs = tree_map(_cpu_as_meta, (args, kwargs))
         if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and args[0].is_meta:
@@ -97,6 +99,10 @@ def _cpu_as_meta(x: Any) -> Any:
 
 def _cpu_mask(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and not x.is_meta and x.dtype == torch.bool
+
+
+def _cpu_index(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and not x.is_meta and not x.is_floating_point()
 
 
 def _meta_target(args: tuple, kwargs: dict) -> bool:
@@ -367,8 +373,6 @@ def _direct_trace(key: tuple[str, str, str, str], attn: str, micro_batch: int, s
     config = model.config
     preference = PreferenceLoss.of_objective(objective)
     batch = synthetic_batch(preference, micro_batch, seq_len, config.get_text_config().vocab_size, "meta")
-    if images:  # every row (a pair's chosen and rejected rows alike) shows the example's images
-        batch.update(trace_batch(config, len(batch["input_ids"]), seq_len, images))
     in_layers = in_decoder_layers(model) if int8 else set()
     int8_layers = [module for name, module in model.named_modules() if int8 and _quantizable(name, module, in_layers)]
     for module in int8_layers:
@@ -379,6 +383,9 @@ def _direct_trace(key: tuple[str, str, str, str], attn: str, micro_batch: int, s
     grpo = of_trace_objective(objective)
     try:
         with _MetaKernels(tracker), _MetaMemo(planner), tracker:
+            if images:  # every row (a pair's chosen and rejected rows alike) shows the example's images; made under
+                # the tracker, as the run's collator makes its batch in the step: the pixels count while it lasts
+                batch.update(trace_batch(config, len(batch["input_ids"]), seq_len, images))
             if grpo is not None:
                 _grpo_step(model, tracker, micro_batch, seq_len, *grpo)
             elif preference is not None and preference.reference_precomputed:

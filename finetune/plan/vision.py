@@ -52,6 +52,10 @@ def image_grid(config: Any, processor: dict[str, Any], width: int, height: int, 
                "size": {"longest_edge": 4 * vision.image_size}, **processor}  # a bare config.json: the checkpoints' 4 tiles
         tiles, _, tile_h, tile_w = image_inputs(own, width, height, max_pixels).pixel_values
         return (tiles, tile_h, tile_w)
+    if _kind(config) == "pixtral":  # (1, rows, blocks per row): merged patches, the resize rule of the counter
+        own = {"image_processor_type": "PixtralImageProcessor", "size": {"longest_edge": vision.image_size},
+               **processor, "patch_size": vision.patch_size, "spatial_merge_size": config.spatial_merge_size}
+        return (1, *image_inputs(own, width, height, max_pixels).grid)
     patch = processor.get("patch_size", vision.patch_size)
     merge = processor.get("merge_size", vision.spatial_merge_size)
     size = processor.get("size") or {}
@@ -74,6 +78,8 @@ def image_tokens(config: Any, grid: Grid) -> int:
         return config.mm_tokens_per_image
     if _kind(config) == "idefics3":
         return grid[0] * tile_tokens(config)
+    if _kind(config) == "pixtral":  # an [IMG] per block, a break (the last one the image's end) per row
+        return grid[1] * (grid[2] + 1)
     merge = config.vision_config.spatial_merge_size
     return grid[0] * grid[1] * grid[2] // merge ** 2
 
@@ -91,6 +97,8 @@ def trace_batch(config: Any, rows: int, seq_len: int, grids: tuple[Grid, ...]) -
     for grid in grids:  # each image's tokens apart, as the chat template writes them: one run per image
         end = min(start + image_tokens(config, grid), seq_len - 1)
         ids[:, start:end] = image
+        if layout.kind == "pixtral":  # each row's break and the image's end are other tokens than the image's
+            ids[:, start + grid[2]:end:grid[2] + 1] = 0
         start = end + 1
     labels = ids.masked_fill(ids == image, -100)
     batch: dict[str, Any] = {"input_ids": ids, "labels": labels}
@@ -102,6 +110,11 @@ def trace_batch(config: Any, rows: int, seq_len: int, grids: tuple[Grid, ...]) -
         tiles, high, wide = rows * sum(g[0] for g in grids), max(g[1] for g in grids), max(g[2] for g in grids)
         batch["pixel_values"] = torch.ones(1, tiles, vision.num_channels, high, wide)
         batch["pixel_attention_mask"] = torch.ones(1, tiles, high, wide, dtype=torch.long)
+    elif layout.kind == "pixtral":  # every image padded to the batch's largest; image_sizes (real) says its part
+        unit = vision.patch_size * config.spatial_merge_size
+        high, wide = unit * max(g[1] for g in grids), unit * max(g[2] for g in grids)
+        batch["pixel_values"] = torch.empty(rows * len(grids), vision.num_channels, high, wide, device="meta")
+        batch["image_sizes"] = torch.tensor([[unit * g[1], unit * g[2]] for g in grids] * rows, dtype=torch.long)
     else:  # the processor's flattened patches and each image's grid
         patches = rows * sum(t * h * w for t, h, w in grids)
         width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2

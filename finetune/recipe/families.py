@@ -76,6 +76,9 @@ class VisionLayout:
     # the gguf.VisionProjectorType member of llama.cpp's projector file (mmproj-NAME.TYPE.gguf) this family's
     # vision tower is written as; "" where it is not written (its `no_gguf` says why)
     projector: str = ""
+    # kind pixtral (Mistral 3): an image's merged patches row by row, each row followed by the first token, the
+    # last row by the second in its place ([IMG_BREAK], [IMG_END])
+    breaks: tuple[str, str] = ("", "")
 
 
 @dataclass(frozen=True)
@@ -208,6 +211,14 @@ FAMILIES: tuple[Family, ...] = (
            vision=VisionLayout("Idefics3ImageProcessorPil", "<image>", kind="idefics3",
                                wrap=("<fake_token_around_image><global-img>", "<fake_token_around_image>"),
                                projector="IDEFICS3")),
+    # Mistral Small 3.1/3.2 carry a mistral text model, Ministral 3's vision checkpoints a ministral3 one.
+    Family("Mistral 3", ("mistral3",), "Mistral-Small-3.1/3.2-24B-Instruct, Ministral-3-3B/8B/14B (BF16 checkpoints)",
+           "Pixtral vision encoder (2D rotary positions, any aspect ratio), 2x2 patches merged into one token, before "
+           "full attention text layers", methods=_VISION_METHODS,
+           no_gguf="its vision tower needs llama.cpp's separate pixtral projector file (patch merger and the "
+                   "[IMG_BREAK] embedding), which this writer does not write yet",
+           vision=VisionLayout("PixtralImageProcessorPil", "[IMG]", kind="pixtral",
+                               breaks=("[IMG_BREAK]", "[IMG_END]"))),
 )
 
 VISION_HINT = "use a text-only checkpoint of the family, or a vision-language family docs/models.md lists"

@@ -177,7 +177,8 @@ class DataConfig(Section):
         "memory). auto: the planner picks the largest budget whose memory peak fits, up to the model's own limit "
         "(its preprocessor_config.json); null: the model's own limit. Qwen2/2.5/3-VL: the processor's max_pixels; SmolVLM and Idefics3: the "
         "longest edge, in whole tiles; Llama 3.2 Vision: the number of tiles; Gemma 3 sees every image at its fixed "
-        "size. Text-only models ignore it.")
+        "size; Mistral 3: the longest edge (the budget's square root, in whole 28-pixel blocks). Text-only models "
+        "ignore it.")
 
     @field_validator("path", mode="before")
     @classmethod
