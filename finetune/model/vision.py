@@ -10,6 +10,7 @@ that processor's output, as the processor itself does.
 from __future__ import annotations
 
 import re
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,8 @@ def vision_data(config: Any, path: Path, tokenizer: Any, max_pixels: int | None 
     written = tokenizer.convert_tokens_to_ids(layout.written or layout.image_token)
     wrap = tuple(tokenizer.encode(text, add_special_tokens=False) if text else [] for text in layout.wrap)
     per_image = tile_tokens(config) if layout.kind == "idefics3" else getattr(config, "mm_tokens_per_image", None)
-    return VisionData(load_image_processor(path, family), layout, token, written, wrap, per_image, max_pixels)
+    return VisionData(load_image_processor(path, family), layout, token, written, wrap, per_image, max_pixels,
+                      encode=partial(tokenizer.encode, add_special_tokens=False))
 
 
 def tile_tokens(config: Any) -> int:

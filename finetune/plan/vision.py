@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
-from finetune.data.image_tokens import image_inputs
+from finetune.data.image_tokens import image_inputs, tiled_prompt_tokens
 from finetune.model.family import family_of
 from finetune.model.source import config_location
 from finetune.model.vision import tile_tokens
 
-# an image's (temporal, height, width) patches, as image_grid_thw holds it; Idefics3: (tiles, tile height, tile
-# width), its tiles and the whole image in pixels
+# an image's (temporal, height, width) patches, as image_grid_thw holds it; Idefics3: (rows, cols, tile side in
+# pixels), its rows x cols tiles (0 x 0: not split) and the whole image
 Grid = tuple[int, int, int]
 
 
@@ -47,11 +47,11 @@ def image_grid(config: Any, processor: dict[str, Any], width: int, height: int, 
     if _kind(config) == "gemma3":
         side = vision.image_size // vision.patch_size
         return (1, side, side)
-    if _kind(config) == "idefics3":  # (tiles with the whole image, tile height, tile width) in pixels
+    if _kind(config) == "idefics3":  # (rows, cols, tile side in pixels)
         own = {"image_processor_type": "Idefics3ImageProcessor", "max_image_size": {"longest_edge": vision.image_size},
                "size": {"longest_edge": 4 * vision.image_size}, **processor}  # a bare config.json: the checkpoints' 4 tiles
-        tiles, _, tile_h, tile_w = image_inputs(own, width, height, max_pixels).pixel_values
-        return (tiles, tile_h, tile_w)
+        counted = image_inputs(own, width, height, max_pixels)
+        return (*counted.grid, counted.pixel_values[-1])
     patch = processor.get("patch_size", vision.patch_size)
     merge = processor.get("merge_size", vision.spatial_merge_size)
     size = processor.get("size") or {}
@@ -69,11 +69,11 @@ def _kind(config: Any) -> str:
 
 def image_tokens(config: Any, grid: Grid) -> int:
     """The language model's tokens for one image's grid (its patches merged merge x merge; Gemma 3: its fixed
-    mm_tokens_per_image)."""
+    mm_tokens_per_image; Idefics3: its tiles' and the whole image's, with the markers its processor writes)."""
     if _kind(config) == "gemma3":
         return config.mm_tokens_per_image
     if _kind(config) == "idefics3":
-        return grid[0] * tile_tokens(config)
+        return tiled_prompt_tokens(grid[0], grid[1], tile_tokens(config))
     merge = config.vision_config.spatial_merge_size
     return grid[0] * grid[1] * grid[2] // merge ** 2
 
@@ -90,7 +90,7 @@ def trace_batch(config: Any, rows: int, seq_len: int, grids: tuple[Grid, ...]) -
     start = 1
     for grid in grids:  # each image's tokens apart, as the chat template writes them: one run per image
         end = min(start + image_tokens(config, grid), seq_len - 1)
-        ids[:, start:end] = image
+        ids[:, start:min(end, start + _features(config, grid))] = image  # Idefics3's markers are text
         start = end + 1
     labels = ids.masked_fill(ids == image, -100)
     batch: dict[str, Any] = {"input_ids": ids, "labels": labels}
@@ -99,9 +99,9 @@ def trace_batch(config: Any, rows: int, seq_len: int, grids: tuple[Grid, ...]) -
         batch["pixel_values"] = torch.empty(rows * len(grids), vision.num_channels, side, side, device="meta")
     elif layout.kind == "idefics3":  # every tile of the batch in one sample, as the collator gives them
         # real pixels on the CPU: the forward tells padding tiles by their zero pixels and counts the rest
-        tiles, high, wide = rows * sum(g[0] for g in grids), max(g[1] for g in grids), max(g[2] for g in grids)
-        batch["pixel_values"] = torch.ones(1, tiles, vision.num_channels, high, wide)
-        batch["pixel_attention_mask"] = torch.ones(1, tiles, high, wide, dtype=torch.long)
+        tiles, side = rows * sum(_tiles(g) for g in grids), max(g[2] for g in grids)
+        batch["pixel_values"] = torch.ones(1, tiles, vision.num_channels, side, side)
+        batch["pixel_attention_mask"] = torch.ones(1, tiles, side, side, dtype=torch.long)
     else:  # the processor's flattened patches and each image's grid
         patches = rows * sum(t * h * w for t, h, w in grids)
         width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
@@ -110,6 +110,19 @@ def trace_batch(config: Any, rows: int, seq_len: int, grids: tuple[Grid, ...]) -
     if layout.token_types is not None:
         batch[layout.token_types] = (ids == image).int()
     return batch
+
+
+def _tiles(grid: Grid) -> int:
+    """Idefics3: the pictures the vision tower sees for one image, its tiles and the whole image."""
+    return grid[0] * grid[1] + 1 if grid[0] else 1
+
+
+def _features(config: Any, grid: Grid) -> int:
+    """How many of an image's tokens are image tokens (the vision tower's features; Idefics3 writes its markers
+    around them, the others none)."""
+    if _kind(config) == "idefics3":
+        return _tiles(grid) * tile_tokens(config)
+    return image_tokens(config, grid)
 
 
 def planned_grids(config: Any, model_path: str, sizes: list[tuple[int, int]], max_pixels: int | None
