@@ -298,6 +298,10 @@ def vision_model(arch: str, folder: str | Path, seed: int = 0, **overrides) -> P
         setattr(config, key, tokenizer.convert_tokens_to_ids(token))
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # transformers starts Gemma 3's projector at zero: a random model must see its images
+        for weight in model.parameters():
+            if weight.ndim > 1 and not weight.any():
+                weight.normal_(0.0, config.get_text_config().initializer_range)
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     (folder / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
