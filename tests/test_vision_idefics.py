@@ -128,3 +128,30 @@ def test_the_planner_counts_the_tokens_the_data_build_writes(tmp_path, tiny, max
     planned = [planned_tokens(config, g) for g in planned_grids(config, str(model), SIZES, max_pixels)]
     assert counted == planned
     assert len(ids) == len(written) - len(SIZES) + sum(planned)
+
+
+def test_text_only_turns_reach_a_template_that_reads_content_parts(tmp_path, tiny):
+    """SmolVLM's published chat template renders a plain-string content as nothing: a text-only record mixed in
+    with image records, and a prompt without an image, reach it as text parts, so their words are read and the
+    answer trains."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from finetune.data import build_datasets
+    from finetune.model.chat import build_prompt
+    from finetune.model.vision import vision_data
+
+    _, model = tiny
+    data = _data(tmp_path, SIZES[:1])
+    records = json.loads(data.read_text()) + [{"messages": [
+        {"role": "user", "content": "What is two and two?"}, {"role": "assistant", "content": "Four."}]}]
+    data.write_text(json.dumps(records))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    vision = vision_data(AutoConfig.from_pretrained(model), model, tokenizer)
+    rows = build_datasets(DataConfig(path=str(data), max_seq_len=512, validation_split=0.0), tokenizer, 0, "sft",
+                          None, vision).train
+    text_row = next(r for r in rows if not r.get("images"))
+    assert "What is two and two?" in tokenizer.decode(text_row["input_ids"])
+    trained = [t for t, label in zip(text_row["input_ids"], text_row["labels"], strict=True) if label != IGNORE_INDEX]
+    assert tokenizer.decode(trained) == " Four.<end_of_utterance>"
+    prompt = build_prompt(tokenizer, [{"role": "user", "content": "What is two and two?"}])
+    assert prompt == "<|im_start|>User: What is two and two?<end_of_utterance>\nAssistant:"
