@@ -202,10 +202,10 @@ def test_export_writes_the_processor_files_and_gguf_with_its_projector(vision_ru
                                                                          f"{run_dir.name}.f16.gguf"]
 
 
-def test_eval_measures_a_vision_run_on_held_out_image_records(vision_run, capsys):
+def test_eval_measures_a_vision_run_on_held_out_image_records(family_run, capsys):
     from finetune.evaluate.match import score
 
-    run_dir, shapes = vision_run
+    run_dir, shapes = family_run
     assert main(["eval", str(run_dir), "--data", str(shapes / "held_out.json"), "--compare",
                  "--max-new-tokens", "3"]) == 0
     report = json.loads((run_dir / "evaluation.json").read_text())
