@@ -111,7 +111,7 @@ def test_the_planner_counts_the_tokens_the_data_build_writes(tmp_path, tiny, max
 
     from finetune.data.image_tokens import image_tokens
     from finetune.plan.vision import image_tokens as planned_tokens
-    from finetune.plan.vision import planned_grids
+    from finetune.plan.vision import planned_grids, processor_config
 
     _, model = tiny
     data = _data(tmp_path, SIZES)
@@ -121,8 +121,7 @@ def test_the_planner_counts_the_tokens_the_data_build_writes(tmp_path, tiny, max
         {"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "What colour is it?"}]},
         {"role": "assistant", "content": [{"type": "text", "text": "It is blue."}]}], tokenize=False)
     written = tokenizer(text, add_special_tokens=False)["input_ids"]  # one <image> per picture
-    preprocessor = {**json.loads((model / "preprocessor_config.json").read_text()),
-                    **json.loads((model / "processor_config.json").read_text())}  # image_seq_len: 4 per tile
+    preprocessor = processor_config(str(model))  # with processor_config.json's image_seq_len: 4 per tile
     counted = [image_tokens(preprocessor, w, h, max_pixels) for w, h in SIZES]
     config = AutoConfig.from_pretrained(model)
     planned = [planned_tokens(config, g) for g in planned_grids(config, str(model), SIZES, max_pixels)]

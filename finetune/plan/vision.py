@@ -10,6 +10,7 @@ the trace's kernel mode (`finetune.plan.trace`) moves what they produce onto the
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,12 +26,18 @@ Grid = tuple[int, int, int]
 
 
 def processor_config(model_path: str) -> dict[str, Any]:
-    """The model folder's preprocessor_config.json ({} where there is none: a bare config.json)."""
+    """The model folder's preprocessor_config.json ({} where there is none: a bare config.json), with
+    processor_config.json's image_seq_len where it has one (SmolVLM's tokens per tile)."""
     try:
         folder = config_location(model_path)
     except Exception:  # noqa: BLE001 - a hub name or a missing path: the vision config's defaults
         return {}
-    file = (folder if folder.is_dir() else folder.parent) / "preprocessor_config.json"
+    folder = folder if folder.is_dir() else folder.parent
+    preprocessor, processor = (_json_file(folder / name) for name in ("preprocessor_config.json", "processor_config.json"))
+    return {**preprocessor, **{k: v for k, v in processor.items() if k == "image_seq_len"}}
+
+
+def _json_file(file: Path) -> dict[str, Any]:
     try:
         return json.loads(file.read_text()) if file.is_file() else {}
     except (OSError, ValueError):
