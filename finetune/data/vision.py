@@ -28,9 +28,9 @@ if TYPE_CHECKING:
 
 # image processor outputs the model's forward does not take (the full processor drops them too)
 _PROCESSOR_ONLY = {"num_crops"}
-# Idefics3 / SmolVLM: the tokens their processors write around an image's tiles (transformers' Idefics3Processor and
-# SmolVLMProcessor: fake_image_token, global_image_token; `<row_R_col_C>` before each tile)
-FAKE_IMAGE_TOKEN, GLOBAL_IMAGE_TOKEN = "<fake_token_around_image>", "<global-img>"
+# Idefics3 / SmolVLM: the token their processors write before each tile's `<row_R_col_C>` (transformers'
+# Idefics3Processor and SmolVLMProcessor: fake_image_token); the whole image's are the family's VisionLayout.wrap
+FAKE_IMAGE_TOKEN = "<fake_token_around_image>"
 
 
 @dataclass
@@ -120,7 +120,8 @@ class VisionData:
             image = self.layout.image_token * self.tokens_per_image
             tiles = "".join("".join(f"{FAKE_IMAGE_TOKEN}<row_{r + 1}_col_{c + 1}>{image}" for c in range(cols)) + "\n"
                             for r in range(rows))
-            whole = f"{FAKE_IMAGE_TOKEN}{GLOBAL_IMAGE_TOKEN}{image}{FAKE_IMAGE_TOKEN}"
+            before, after = self.layout.wrap  # <fake_token_around_image><global-img>, <fake_token_around_image>
+            whole = f"{before}{image}{after}"
             self._tiled[rows, cols] = self.encode(f"{tiles}\n{whole}" if rows else whole)
         return self._tiled[rows, cols]
 
