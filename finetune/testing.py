@@ -99,7 +99,7 @@ def _parts_template(image: str) -> str:
 
 
 QWEN_VL_TEMPLATE = _parts_template("<|vision_start|><|image_pad|><|vision_end|>")
-# SmolVLM's and Idefics3's published chat_template.json (HuggingFaceTB/SmolVLM-256M-Instruct): "User:" and
+# SmolVLM's published chat_template.json (HuggingFaceTB/SmolVLM-256M-Instruct): "User:" and
 # "Assistant:" turns, each ended by <end_of_utterance> (the eos); a turn's content is a list of parts.
 SMOLVLM_TEMPLATE = (
     "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"

@@ -178,8 +178,8 @@ _PROBE = "finetune-probe-text"
 
 
 def drops_text_content(tokenizer: Any, template: str | None) -> bool:
-    """Whether `template` renders a turn whose content is a plain string as nothing: SmolVLM's and Idefics3's
-    published templates read content parts only, so a text-only turn (a text record mixed in with image ones, a
+    """Whether `template` renders a turn whose content is a plain string as nothing: SmolVLM's published
+    template reads content parts only, so a text-only turn (a text record mixed in with image ones, a
     prompt without an image) must reach them as one text part (`text_parts`)."""
     if not template:
         return False
