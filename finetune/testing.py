@@ -99,6 +99,14 @@ def _parts_template(image: str) -> str:
 
 
 QWEN_VL_TEMPLATE = _parts_template("<|vision_start|><|image_pad|><|vision_end|>")
+# SmolVLM's published chat_template.json (HuggingFaceTB/SmolVLM-256M-Instruct): "User:" and
+# "Assistant:" turns, each ended by <end_of_utterance> (the eos); a turn's content is a list of parts.
+SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
 VISION_ARCHITECTURES = {
     # name: (config class name, config kwargs, special tokens {config key: token}, chat template, preprocessor)
     "qwen2_5_vl": ("Qwen2_5_VLConfig", {
@@ -140,7 +148,7 @@ VISION_ARCHITECTURES = {
                           "num_attention_heads": 2, "image_size": 56, "patch_size": 14},
         "scale_factor": 2},
         {"image_token_id": "<image>", "fake_image_token_id": "<fake_token_around_image>",
-         "global_image_token_id": "<global-img>"}, _parts_template("<image>"),
+         "global_image_token_id": "<global-img>"}, SMOLVLM_TEMPLATE,
         {"image_processor_type": "Idefics3ImageProcessor", "size": {"longest_edge": 112},
          "max_image_size": {"longest_edge": 56}, "do_image_splitting": True,
          "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}),
@@ -163,6 +171,18 @@ VISION_ARCHITECTURES["smolvlm"] = ("SmolVLMConfig", *VISION_ARCHITECTURES["idefi
                                    {**VISION_ARCHITECTURES["idefics3"][4], "image_processor_type": "SmolVLMImageProcessor"})
 
 
+# What a family's published folder has besides the above: more special tokens in its tokenizer, its eos, text the
+# tiny tokenizer trains on so that it splits like the real one, and processor_config.json. SmolVLM / Idefics3
+# (SmolLM2's tokenizer): the tile markers <row_R_col_C> (R, C 1..6) and <end_of_utterance> special tokens,
+# <end_of_utterance> the eos, "\n\n" one token; processor_config.json's image_seq_len, the tokens per tile.
+_TILE_MARKERS = tuple(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))
+VISION_EXTRAS = {
+    arch: {"specials": (*_TILE_MARKERS, "<end_of_utterance>"), "eos": "<end_of_utterance>",
+           "corpus": ("A paragraph ends.\n\n", "\n\n"),
+           "processor": {"image_seq_len": 4, "processor_class": f"{name}Processor"}}
+    for arch, name in (("idefics3", "Idefics3"), ("smolvlm", "SmolVLM"))}
+
+
 def architecture(arch: str) -> tuple[str, dict]:
     """A tiny model's (config class name, extra kwargs), dense, mixture-of-experts or vision-language."""
     if arch in VISION_ARCHITECTURES:
@@ -170,9 +190,9 @@ def architecture(arch: str) -> tuple[str, dict]:
     return ARCHITECTURES[arch] if arch in ARCHITECTURES else MOE_ARCHITECTURES[arch]
 
 
-def make_tokenizer(vocab_size: int = 512, extra_specials: tuple[str, ...] = ()):
+def make_tokenizer(vocab_size: int = 512, extra_specials: tuple[str, ...] = (), corpus: tuple[str, ...] = ()):
     """A byte-level BPE tokenizer with ChatML special tokens (and `extra_specials`, a vision model's image
-    tokens), trained offline in well under a second."""
+    tokens), trained offline in well under a second on a small corpus (and `corpus`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -184,7 +204,7 @@ def make_tokenizer(vocab_size: int = 512, extra_specials: tuple[str, ...] = ()):
         vocab_size=vocab_size, special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS * 20, trainer=trainer)
+    tok.train_from_iterator([*_CORPUS, *corpus] * 20, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=None, eos_token="<|im_end|>", pad_token="<|pad|>",
         unk_token=None, additional_special_tokens=["<|im_start|>", "<|endoftext|>", *extra_specials],
@@ -260,6 +280,19 @@ def make_tiny_model_dir(path: str | Path, arch: str = "llama", seed: int = 0, **
     return path
 
 
+def vision_tokenizer(arch: str):
+    """A tiny vision-language model's tokenizer: its image tokens special, its chat template and eos, split as
+    the family's published tokenizer splits (VISION_EXTRAS)."""
+    _, _, tokens, template, _ = VISION_ARCHITECTURES[arch]
+    extra = VISION_EXTRAS.get(arch, {})
+    tokenizer = make_tokenizer(extra_specials=(*tokens.values(), *extra.get("specials", ())),
+                               corpus=extra.get("corpus", ()))
+    tokenizer.chat_template = template
+    if "eos" in extra:
+        tokenizer.eos_token = extra["eos"]
+    return tokenizer
+
+
 def vision_model(arch: str, folder: str | Path, seed: int = 0, **overrides) -> Path:
     """Write a tiny random vision-language model to `folder` as the Hub ships one (config.json, safetensors,
     tokenizer with the image tokens and chat template, preprocessor_config.json, chat_template.json) and
@@ -271,17 +304,23 @@ def vision_model(arch: str, folder: str | Path, seed: int = 0, **overrides) -> P
 
     folder = Path(folder)
     _, _, tokens, template, preprocessor = VISION_ARCHITECTURES[arch]
-    tokenizer = make_tokenizer(extra_specials=tuple(tokens.values()))
-    tokenizer.chat_template = template
+    extra = VISION_EXTRAS.get(arch, {})
+    tokenizer = vision_tokenizer(arch)
     config = tiny_config(arch, vocab_size=len(tokenizer), **overrides)
     for key, token in tokens.items():
         setattr(config, key, tokenizer.convert_tokens_to_ids(token))
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # transformers starts Gemma 3's projector at zero: a random model must see its images
+        for weight in model.parameters():
+            if weight.ndim > 1 and not weight.any():
+                weight.normal_(0.0, config.get_text_config().initializer_range)
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     (folder / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
     (folder / "chat_template.json").write_text(json.dumps({"chat_template": template}, indent=2))
+    if "processor" in extra:
+        (folder / "processor_config.json").write_text(json.dumps(extra["processor"], indent=2))
     return folder
 
 

@@ -4,6 +4,7 @@ and the image-token counter equal to the real transformers image processors."""
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 import zlib
@@ -387,6 +388,14 @@ def _processor(name: str, max_pixels: int | None, folder: Path):
     return processor.from_pretrained(folder, **pixel_overrides(config, max_pixels)), config
 
 
+@functools.cache
+def _smolvlm_tokenizer():
+    """A tokenizer that splits as SmolVLM's published one: its image markers special, "\n\n" one token."""
+    from finetune.testing import vision_tokenizer
+
+    return vision_tokenizer("smolvlm")
+
+
 def _real(name: str, processor, image) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
     """(image tokens, one image's pixel_values shape, grid) from the processor's own output."""
     import numpy as np
@@ -399,9 +408,13 @@ def _real(name: str, processor, image) -> tuple[int, tuple[int, ...], tuple[int,
         return grid[0] * grid[1] * grid[2] // processor.merge_size ** 2, shape, grid
     if "num_crops" in out:
         return 256 * (1 + int(out["num_crops"][0])), shape, (shape[0],)
-    if tiled:
-        per_tile = 64 if name == "SmolVLM" else 169
-        return per_tile * shape[1], shape[1:], (int(out["rows"][0][0]), int(out["cols"][0][0]))
+    if tiled:  # the tokens of the text the processor writes for the image's tiles
+        from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+        rows, cols = int(out["rows"][0][0]), int(out["cols"][0][0])
+        text = get_image_prompt_string(rows, cols, 64 if name == "SmolVLM" else 169, "<fake_token_around_image>",
+                                       "<image>", "<global-img>")
+        return len(_smolvlm_tokenizer()(text)["input_ids"]), shape[1:], (rows, cols)
     from transformers.models.mllama.image_processing_pil_mllama import get_all_supported_aspect_ratios
 
     arrangement = get_all_supported_aspect_ratios(processor.max_image_tiles)[int(out["aspect_ratio_ids"][0][0]) - 1]

@@ -15,7 +15,7 @@ import yaml
 from finetune.cli import main
 from finetune.data.chat import IGNORE_INDEX
 from finetune.recipe.schema import AdapterConfig, DataConfig, ModelConfig, QuantizationConfig
-from finetune.testing import vision_model
+from finetune.testing import vision_model, vision_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN_VL_3B = ROOT / "tests" / "fixtures" / "configs" / "qwen2.5-vl-3b.json"
@@ -203,6 +203,7 @@ def test_a_full_size_smolvlm_plans_its_tiles_and_vision_tower(tmp_path, name):
     tower's patches pixel-shuffled into the text), and prices the SigLIP tower and connector in 16 bits."""
     from PIL import Image
     from transformers import AutoConfig, AutoModelForImageTextToText, Idefics3ImageProcessorPil
+    from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
 
     from finetune import api
 
@@ -217,9 +218,12 @@ def test_a_full_size_smolvlm_plans_its_tiles_and_vision_tower(tmp_path, name):
     vision = published["vision_config"]
     side = vision["image_size"]
     processor = Idefics3ImageProcessorPil(size={"longest_edge": 4 * side}, max_image_size={"longest_edge": side})
-    tiles = processor(images=[Image.open(tmp_path / "0-0.png")], return_tensors="pt")["pixel_values"].shape[1]
+    out = processor(images=[Image.open(tmp_path / "0-0.png")], return_tensors="pt", return_row_col_info=True)
     per_tile = (side // vision["patch_size"]) ** 2 // published["scale_factor"] ** 2
-    assert plan.vision["images"] == 1 and plan.vision["image_tokens"] == tiles * per_tile
+    text = get_image_prompt_string(out["rows"][0][0], out["cols"][0][0], per_tile, "<fake_token_around_image>",
+                                   "<image>", "<global-img>")  # the processor's text for the image's tiles
+    assert plan.vision["images"] == 1 and plan.vision["image_tokens"] == len(vision_tokenizer("idefics3")(text).input_ids)
+    assert out["pixel_values"].shape[1] == out["rows"][0][0] * out["cols"][0][0] + 1  # traced: the tiles, the whole
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(config_file))
     tower = sum(p.numel() for part in (model.model.vision_model, model.model.connector) for p in part.parameters())
@@ -247,8 +251,8 @@ def test_a_vision_language_architecture_no_family_trains_is_one_line(tmp_path, c
 
 def test_smolvlm_images_become_their_tiles_tokens_within_the_pixel_budget(tmp_path):
     """Idefics3 / SmolVLM: an image is its tiles plus the whole image, each tile the tower's patches
-    pixel-shuffled (4 tokens per 56-pixel tile here); data.max_pixels narrows the long side to whole tiles, so a
-    one-tile budget leaves one tile, as the real image processor resizes it."""
+    pixel-shuffled (4 image tokens per 56-pixel tile here) after its markers; data.max_pixels narrows the long side
+    to whole tiles, so a one-tile budget leaves the whole image alone, as the real image processor resizes it."""
     from PIL import Image
     from transformers import AutoConfig, AutoTokenizer, Idefics3ImageProcessorPil
 
@@ -263,5 +267,7 @@ def test_smolvlm_images_become_their_tiles_tokens_within_the_pixel_budget(tmp_pa
         real = Idefics3ImageProcessorPil.from_pretrained(model, size={"longest_edge": edge})
         tiles = real(images=[Image.open(tmp_path / "wide.png")], return_tensors="pt")["pixel_values"].shape[1]
         counts.append(vision.image_tokens([str(tmp_path / "wide.png")]))
-        assert counts[-1] == [tiles * 4], (pixels, tiles)
-    assert counts == [[20], [4]]  # 2 x 2 tiles and the whole image; then the whole image alone
+        assert vision.image_ids([str(tmp_path / "wide.png")])[0].count(vision.image_token_id) == tiles * 4, pixels
+    # 2 x 2 tiles (each <fake_token_around_image><row_R_col_C> and 4 image tokens, a newline per row) and the whole
+    # image ("\n\n<fake_token_around_image><global-img>", 4, <fake_token_around_image>); then the whole image alone
+    assert counts == [[2 * (2 * 6 + 1) + 7], [7]]

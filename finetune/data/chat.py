@@ -86,6 +86,7 @@ class ChatEncoder:
         self.tokenizer = tokenizer
         self.template = template
         self.assistant_only_loss = assistant_only_loss
+        self.text_parts = drops_text_content(tokenizer, template)
         self.native_tools = re.search(r"\btools\b", template) is not None
         self.native_calls = self.native_tools and re.search(r"\btool_calls\b", template) is not None
         try:
@@ -104,13 +105,13 @@ class ChatEncoder:
         messages = [_native_call(m) if self.native_calls and m.get(CALL) else
                     {k: v for k, v in m.items() if k != CALL} for m in chat.messages]
         if not chat.tools or self.native_tools:
-            return messages, chat.tools
+            return (text_parts(messages) if self.text_parts else messages), chat.tools
         tools_text = TOOLS_PREAMBLE + json.dumps(chat.tools, ensure_ascii=False, indent=2)
         if messages[0]["role"] == "system":
             messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{tools_text}"}
         else:
             messages.insert(0, {"role": "system", "content": tools_text})
-        return messages, None
+        return (text_parts(messages) if self.text_parts else messages), None
 
     def render(self, chat: Chat, from_turn: int = 0) -> tuple[str, list[tuple[int, int]]]:
         """The rendered text and the character spans that get loss; RecordError if the template refuses it.
@@ -171,6 +172,29 @@ class ChatEncoder:
             labels = [tok if _overlaps(s, e, spans) else IGNORE_INDEX for tok, (s, e) in zip(ids, offsets, strict=True)]
             out.append(_mask_first(ids, labels))
         return out
+
+
+_PROBE = "finetune-probe-text"
+
+
+def drops_text_content(tokenizer: Any, template: str | None) -> bool:
+    """Whether `template` renders a turn whose content is a plain string as nothing: SmolVLM's published
+    template reads content parts only, so a text-only turn (a text record mixed in with image ones, a
+    prompt without an image) must reach them as one text part (`text_parts`)."""
+    if not template:
+        return False
+    try:
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": _PROBE}], chat_template=template,
+                                                 tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that refuses the probe (a system turn required ...) reads strings
+        return False
+    return _PROBE not in rendered
+
+
+def text_parts(messages: list[dict]) -> list[dict]:
+    """The messages with each string content as one text part, the shape vision-language templates read."""
+    return [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m.get("content"), str) else m
+            for m in messages]
 
 
 def encode_text(tokenizer: Any, texts: Sequence[str], max_tokens: int) -> list[Encoded]:

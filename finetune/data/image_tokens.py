@@ -13,7 +13,9 @@ Per processor (`image_processor_type`, with or without its Fast/Pil suffix):
   processor_config.json; 256 when neither is given).
 - Idefics3 and SmolVLM (`Idefics3ImageProcessor`, `SmolVLMImageProcessor`): the longest edge resized to
   size.longest_edge, then to whole tiles of max_image_size; rows x cols tiles plus the global image, each
-  `image_seq_len` tokens (processor_config.json; 169 for Idefics3, 64 for SmolVLM when not given).
+  `image_seq_len` image tokens (processor_config.json; 169 for Idefics3, 64 for SmolVLM when not given), with
+  the text the processor writes around them (`tiled_prompt_tokens`: each tile's `<fake_token_around_image>`
+  and `<row_R_col_C>`, a newline after each row, the global image's markers).
 - Llama 3.2 Vision (`MllamaImageProcessor`): the tile arrangement of at most max_image_tiles tiles that scales
   the image least; the text holds one image token, the vision tower sees max_image_tiles tiles (padded).
 - Mistral 3 / Pixtral (`PixtralImageProcessor`): scaled down (never up) so the longest edge fits
@@ -147,6 +149,17 @@ def _longest_edge(config: dict[str, Any]) -> int:
     return (config.get("size") or {}).get("longest_edge", 4 * 364)
 
 
+def tiled_prompt_tokens(rows: int, cols: int, per_tile: int) -> int:
+    """Idefics3 / SmolVLM: the tokens an image of rows x cols tiles (0 x 0: not split) takes in the text, as
+    their processors write it: per tile `<fake_token_around_image><row_R_col_C>` and `per_tile` image tokens,
+    "\n" after each row, then "\n<fake_token_around_image><global-img>", the whole image's `per_tile` image
+    tokens and `<fake_token_around_image>`. The markers are one token each and the last row's newline and the
+    global image's one "\n\n" token, as in SmolVLM-256M/500M's and SmolVLM2's tokenizers; SmolVLM-Instruct (2.2B)
+    and Idefics3-8B add only <fake_token_around_image>, <image> and <end_of_utterance> as tokens, so their
+    <row_R_col_C> and <global-img> are a few text tokens each there: this count is short by those."""
+    return rows * (cols * (per_tile + 2) + 1) + per_tile + 3
+
+
 def _idefics3(config: dict[str, Any], width: int, height: int) -> ImageInputs:
     tile = (config.get("max_image_size") or {}).get("longest_edge", 364)
     kind = str(config.get("image_processor_type", ""))
@@ -155,12 +168,12 @@ def _idefics3(config: dict[str, Any], width: int, height: int) -> ImageInputs:
         height, width = _rescale_to_max_len(height, width, _longest_edge(config))
         height, width = _scale_below(height, width, MAX_SIDE)
     if not config.get("do_image_splitting", True):
-        return ImageInputs(per_tile, (1, 3, tile, tile), (0, 0))
+        return ImageInputs(tiled_prompt_tokens(0, 0, per_tile), (1, 3, tile, tile), (0, 0))
     height, width = _to_tiles(height, width, tile)
     if height <= tile and width <= tile:
-        return ImageInputs(per_tile, (1, 3, height, width), (0, 0))
+        return ImageInputs(tiled_prompt_tokens(0, 0, per_tile), (1, 3, height, width), (0, 0))
     rows, cols = (height - tile) // tile + 1, (width - tile) // tile + 1
-    return ImageInputs(per_tile * (rows * cols + 1), (rows * cols + 1, 3, tile, tile), (rows, cols))
+    return ImageInputs(tiled_prompt_tokens(rows, cols, per_tile), (rows * cols + 1, 3, tile, tile), (rows, cols))
 
 
 def _rescale_to_max_len(height: int, width: int, max_len: int) -> tuple[int, int]:

@@ -15,7 +15,7 @@ markers and content parts, read into canonical parts with absolute paths).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from finetune.data.chat import IGNORE_INDEX, Encoded
@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 
 # image processor outputs the model's forward does not take (the full processor drops them too)
 _PROCESSOR_ONLY = {"num_crops"}
+# Idefics3 / SmolVLM: the token their processors write before each tile's `<row_R_col_C>` (transformers'
+# Idefics3Processor and SmolVLMProcessor: fake_image_token); the whole image's are the family's VisionLayout.wrap
+FAKE_IMAGE_TOKEN = "<fake_token_around_image>"
 
 
 @dataclass
@@ -44,9 +47,13 @@ class VisionData:
     max_pixels: int | None = None  # data.max_pixels: the largest image budget (None: the processor's own)
     # Pixtral (Mistral 3): the ids of the token after each row of an image's blocks and of the one after the image
     breaks: tuple[int, int] | None = None
+    # the tokenizer on plain text, without special tokens added (Idefics3: the markers around its tiles)
+    encode: Callable[[str], list[int]] | None = None
+    _tiled: dict[tuple[int, int], list[int]] = field(default_factory=dict, init=False, repr=False)
 
-    def process(self, paths: Sequence[str]) -> dict[str, Any]:
-        """The image processor's outputs for these images (pixel_values, image_grid_thw, ...) as tensors."""
+    def process(self, paths: Sequence[str], **extra: Any) -> dict[str, Any]:
+        """The image processor's outputs for these images (pixel_values, image_grid_thw, ...) as tensors;
+        `extra`: more of the processor's keywords (return_row_col_info)."""
         from PIL import Image
 
         images = []
@@ -58,13 +65,12 @@ class VisionData:
             kwargs["size"] = {**dict(self.processor.size), "longest_edge": self.max_pixels}
         elif self.max_pixels is not None:
             kwargs = pixel_overrides(self.processor.to_dict(), self.max_pixels)
-        return dict(self.processor(images=images, return_tensors="pt", **kwargs))
+        return dict(self.processor(images=images, return_tensors="pt", **kwargs, **extra))
 
     def image_tokens(self, paths: Sequence[str]) -> list[int]:
         """How many tokens each image stands for in the language model's input."""
-        if self.layout.kind == "idefics3":  # each tile's count, for its tiles and the whole image
-            assert self.tokens_per_image is not None
-            return [self.process([p])["pixel_values"].shape[1] * self.tokens_per_image for p in paths]
+        if self.layout.kind == "idefics3":  # its tiles' and the whole image's, with the markers around them
+            return [len(self.tiled_ids(p)) for p in paths]
         if self.layout.kind == "pixtral":  # an [IMG] per block and a break (the last one the end) per row
             return [rows * (cols + 1) for rows, cols in self.rows(paths)]
         if self.tokens_per_image is not None:
@@ -91,29 +97,55 @@ class VisionData:
 
     def expand(self, encoded: Encoded, paths: Sequence[str]) -> Encoded:
         """Each image's token in `encoded` (the written one) replaced by the image token repeated once per feature
-        of its image (between the family's wrapping tokens), with no loss on them."""
+        of its image (between the family's wrapping tokens; Idefics3: its tiles' markers), with no loss on them."""
         ids, labels = encoded
         if not paths:
             return encoded
-        counts = iter(self.image_tokens(paths) if self.breaks is None else [self.image_run(*g) for g in self.rows(paths)])
+        images = iter(self.image_ids(paths))
         out_ids: list[int] = []
         out_labels: list[int] = []
         for tok, label in zip(ids, labels, strict=True):
             if tok == self.written_id:
-                n = next(counts, None)
-                if n is None:
+                image = next(images, None)
+                if image is None:
                     raise RecordError(f"the chat template wrote more image tokens than the record has images "
                                       f"({len(paths)})")
-                before, after = self.wrap
-                run = n if isinstance(n, list) else [self.image_token_id] * n  # Pixtral: its rows with their breaks
-                out_ids += [*before, *run, *after]
-                out_labels += [IGNORE_INDEX] * (len(before) + len(run) + len(after))
+                out_ids += image
+                out_labels += [IGNORE_INDEX] * len(image)
             else:
                 out_ids.append(tok)
                 out_labels.append(label)
-        if next(counts, None) is not None:
+        if next(images, None) is not None:
             raise RecordError(f"the chat template wrote fewer image tokens than the record has images ({len(paths)})")
         return out_ids, out_labels
+
+    def image_ids(self, paths: Sequence[str]) -> list[list[int]]:
+        """Each image's tokens in the language model's input, in place of the one the chat template wrote."""
+        if self.layout.kind == "idefics3":
+            return [self.tiled_ids(p) for p in paths]
+        if self.breaks is not None:  # Pixtral: its rows with their breaks
+            return [self.image_run(*g) for g in self.rows(paths)]
+        before, after = self.wrap
+        return [[*before, *[self.image_token_id] * n, *after] for n in self.image_tokens(paths)]
+
+    def tiled_ids(self, path: str) -> list[int]:
+        """Idefics3 / SmolVLM: the tokens one image becomes, as their processors write it (transformers'
+        Idefics3Processor.replace_image_token, smolvlm's get_image_prompt_string): for an image split into rows x
+        cols tiles, per tile `<fake_token_around_image><row_R_col_C>` and its image tokens, "\n" after each row,
+        then "\n<fake_token_around_image><global-img>", the whole image's tokens and `<fake_token_around_image>`;
+        an image not split is that last part alone. Tokenized as the processor's text is (the markers begin and
+        end with a special token, so the text around them tokenizes alike)."""
+        assert self.encode is not None and self.tokens_per_image is not None
+        out = self.process([path], return_row_col_info=True)
+        rows, cols = int(out["rows"][0][0]), int(out["cols"][0][0])
+        if (rows, cols) not in self._tiled:
+            image = self.layout.image_token * self.tokens_per_image
+            tiles = "".join("".join(f"{FAKE_IMAGE_TOKEN}<row_{r + 1}_col_{c + 1}>{image}" for c in range(cols)) + "\n"
+                            for r in range(rows))
+            before, after = self.layout.wrap  # <fake_token_around_image><global-img>, <fake_token_around_image>
+            whole = f"{before}{image}{after}"
+            self._tiled[rows, cols] = self.encode(f"{tiles}\n{whole}" if rows else whole)
+        return self._tiled[rows, cols]
 
     def collator(self, base: Callable[[list[dict[str, Any]]], Mapping[str, Any]], rows_per_example: int = 1
                  ) -> Callable[[list[dict[str, Any]]], Batch]:

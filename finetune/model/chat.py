@@ -24,6 +24,7 @@ from typing import Any, TextIO
 import torch
 
 from finetune.console import quiet_libraries
+from finetune.data.chat import drops_text_content, text_parts
 from finetune.errors import FinetuneError
 from finetune.model.load import load_tokenizer
 from finetune.model.trained import base_model_key, load_run, load_trained, vision_of
@@ -76,6 +77,8 @@ def build_prompt(tokenizer, messages: list[Message], system: str | None = None) 
     continued as it is, a conversation as a plain transcript."""
     turns = ([{"role": "system", "content": system}] if system else []) + list(messages)
     if tokenizer.chat_template:
+        if drops_text_content(tokenizer, tokenizer.chat_template):  # SmolVLM's template reads content parts only
+            turns = text_parts(turns)
         return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
     if len(turns) == 1:
         return turns[0]["content"]

@@ -10,6 +10,7 @@ that processor's output, as the processor itself does.
 from __future__ import annotations
 
 import re
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,8 @@ def vision_data(config: Any, path: Path, tokenizer: Any, max_pixels: int | None 
         unit = config.vision_config.patch_size * config.spatial_merge_size
         processor.patch_size = {"height": unit, "width": unit}
         breaks = (tokenizer.convert_tokens_to_ids(layout.breaks[0]), tokenizer.convert_tokens_to_ids(layout.breaks[1]))
-    return VisionData(processor, layout, token, written, wrap, per_image, max_pixels, breaks)
+    return VisionData(processor, layout, token, written, wrap, per_image, max_pixels, breaks,
+                      encode=partial(tokenizer.encode, add_special_tokens=False))
 
 
 def tile_tokens(config: Any) -> int:

@@ -10,27 +10,34 @@ the trace's kernel mode (`finetune.plan.trace`) moves what they produce onto the
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from finetune.data.image_tokens import image_inputs
+from finetune.data.image_tokens import image_inputs, tiled_prompt_tokens
 from finetune.model.family import family_of
 from finetune.model.source import config_location
 from finetune.model.vision import tile_tokens
 
-# an image's (temporal, height, width) patches, as image_grid_thw holds it; Idefics3: (tiles, tile height, tile
-# width), its tiles and the whole image in pixels
+# an image's (temporal, height, width) patches, as image_grid_thw holds it; Idefics3: (rows, cols, tile side in
+# pixels), its rows x cols tiles (0 x 0: not split) and the whole image
 Grid = tuple[int, int, int]
 
 
 def processor_config(model_path: str) -> dict[str, Any]:
-    """The model folder's preprocessor_config.json ({} where there is none: a bare config.json)."""
+    """The model folder's preprocessor_config.json ({} where there is none: a bare config.json), with
+    processor_config.json's image_seq_len where it has one (SmolVLM's tokens per tile)."""
     try:
         folder = config_location(model_path)
     except Exception:  # noqa: BLE001 - a hub name or a missing path: the vision config's defaults
         return {}
-    file = (folder if folder.is_dir() else folder.parent) / "preprocessor_config.json"
+    folder = folder if folder.is_dir() else folder.parent
+    preprocessor, processor = (_json_file(folder / name) for name in ("preprocessor_config.json", "processor_config.json"))
+    return {**preprocessor, **{k: v for k, v in processor.items() if k == "image_seq_len"}}
+
+
+def _json_file(file: Path) -> dict[str, Any]:
     try:
         return json.loads(file.read_text()) if file.is_file() else {}
     except (OSError, ValueError):
@@ -47,11 +54,11 @@ def image_grid(config: Any, processor: dict[str, Any], width: int, height: int, 
     if _kind(config) == "gemma3":
         side = vision.image_size // vision.patch_size
         return (1, side, side)
-    if _kind(config) == "idefics3":  # (tiles with the whole image, tile height, tile width) in pixels
+    if _kind(config) == "idefics3":  # (rows, cols, tile side in pixels)
         own = {"image_processor_type": "Idefics3ImageProcessor", "max_image_size": {"longest_edge": vision.image_size},
                "size": {"longest_edge": 4 * vision.image_size}, **processor}  # a bare config.json: the checkpoints' 4 tiles
-        tiles, _, tile_h, tile_w = image_inputs(own, width, height, max_pixels).pixel_values
-        return (tiles, tile_h, tile_w)
+        counted = image_inputs(own, width, height, max_pixels)
+        return (*counted.grid, counted.pixel_values[-1])
     if _kind(config) == "pixtral":  # (1, rows, blocks per row): merged patches, the resize rule of the counter
         own = {"image_processor_type": "PixtralImageProcessor", "size": {"longest_edge": vision.image_size},
                **processor, "patch_size": vision.patch_size, "spatial_merge_size": config.spatial_merge_size}
@@ -73,11 +80,11 @@ def _kind(config: Any) -> str:
 
 def image_tokens(config: Any, grid: Grid) -> int:
     """The language model's tokens for one image's grid (its patches merged merge x merge; Gemma 3: its fixed
-    mm_tokens_per_image)."""
+    mm_tokens_per_image; Idefics3: its tiles' and the whole image's, with the markers its processor writes)."""
     if _kind(config) == "gemma3":
         return config.mm_tokens_per_image
     if _kind(config) == "idefics3":
-        return grid[0] * tile_tokens(config)
+        return tiled_prompt_tokens(grid[0], grid[1], tile_tokens(config))
     if _kind(config) == "pixtral":  # an [IMG] per block, a break (the last one the image's end) per row
         return grid[1] * (grid[2] + 1)
     merge = config.vision_config.spatial_merge_size
@@ -96,7 +103,7 @@ def trace_batch(config: Any, rows: int, seq_len: int, grids: tuple[Grid, ...]) -
     start = 1
     for grid in grids:  # each image's tokens apart, as the chat template writes them: one run per image
         end = min(start + image_tokens(config, grid), seq_len - 1)
-        ids[:, start:end] = image
+        ids[:, start:min(end, start + _features(config, grid))] = image  # Idefics3's markers are text
         if layout.kind == "pixtral":  # each row's break and the image's end are other tokens than the image's
             ids[:, start + grid[2]:end:grid[2] + 1] = 0
         start = end + 1
@@ -107,9 +114,9 @@ def trace_batch(config: Any, rows: int, seq_len: int, grids: tuple[Grid, ...]) -
         batch["pixel_values"] = torch.empty(rows * len(grids), vision.num_channels, side, side, device="meta")
     elif layout.kind == "idefics3":  # every tile of the batch in one sample, as the collator gives them
         # real pixels on the CPU: the forward tells padding tiles by their zero pixels and counts the rest
-        tiles, high, wide = rows * sum(g[0] for g in grids), max(g[1] for g in grids), max(g[2] for g in grids)
-        batch["pixel_values"] = torch.ones(1, tiles, vision.num_channels, high, wide)
-        batch["pixel_attention_mask"] = torch.ones(1, tiles, high, wide, dtype=torch.long)
+        tiles, side = rows * sum(_tiles(g) for g in grids), max(g[2] for g in grids)
+        batch["pixel_values"] = torch.ones(1, tiles, vision.num_channels, side, side)
+        batch["pixel_attention_mask"] = torch.ones(1, tiles, side, side, dtype=torch.long)
     elif layout.kind == "pixtral":  # every image padded to the batch's largest; image_sizes (real) says its part
         unit = vision.patch_size * config.spatial_merge_size
         high, wide = unit * max(g[1] for g in grids), unit * max(g[2] for g in grids)
@@ -123,6 +130,19 @@ def trace_batch(config: Any, rows: int, seq_len: int, grids: tuple[Grid, ...]) -
     if layout.token_types is not None:
         batch[layout.token_types] = (ids == image).int()
     return batch
+
+
+def _tiles(grid: Grid) -> int:
+    """Idefics3: the pictures the vision tower sees for one image, its tiles and the whole image."""
+    return grid[0] * grid[1] + 1 if grid[0] else 1
+
+
+def _features(config: Any, grid: Grid) -> int:
+    """How many of an image's tokens are image tokens (the vision tower's features; Idefics3 writes its markers
+    around them, the others none)."""
+    if _kind(config) == "idefics3":
+        return _tiles(grid) * tile_tokens(config)
+    return image_tokens(config, grid)
 
 
 def planned_grids(config: Any, model_path: str, sizes: list[tuple[int, int]], max_pixels: int | None
