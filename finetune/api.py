@@ -74,8 +74,25 @@ def preflight(recipe: Recipe) -> dict[str, Any]:
         from finetune.rl.rewards import check_reward_files
 
         check_reward_files(recipe.grpo, prefix="grpo.")
-    return check_records(recipe.data, recipe.training.method,
-                         model_takes_images=family is not None and family.vision is not None)
+    vision = family is not None and family.vision is not None
+    return check_records(recipe.data, recipe.training.method, model_takes_images=vision,
+                         processor=countable_processor(recipe.model.path) if vision else None)
+
+
+def countable_processor(model_path: str) -> dict[str, Any] | None:
+    """A vision-language model folder's preprocessor_config.json where finetune counts its image tokens from
+    image sizes (finetune.data.image_tokens), so the preflight can refuse images too long for max_seq_len; None
+    where there is none (a bare config.json: the planner and the data build check those records)."""
+    from finetune.data.image_tokens import processor_kind
+    from finetune.plan.vision import processor_config
+    from finetune.recipe.families import UnsupportedModel
+
+    own = processor_config(model_path)
+    try:
+        processor_kind(own)
+    except UnsupportedModel:
+        return None
+    return own
 
 
 def preview_data(recipe: Recipe, n: int = 3) -> tuple[list[dict], list[str]]:
