@@ -84,10 +84,18 @@ def test_the_planner_never_traces_a_record_too_long_and_auto_shrinks_the_budget_
                     device="cpu")
     pixels = auto.settings["max_pixels"]
     assert pixels < 12544 and 4 <= auto.vision["image_tokens"] <= 10  # a budget whose big picture fits
-    # the image budget sets the traced sequence: image tokens and the records' text, at most max_seq_len
-    long = api.plan(load_recipe(write_recipe(tmp_path, vlm, data, max_seq_len=4096, max_pixels=12544)),
-                    device="cpu")
-    assert 16 < long.vision["sequence"] < 4096
+    # the image budget sets the traced sequence (image tokens and a bound on the records' text), not max_seq_len
+    plans = [api.plan(load_recipe(write_recipe(tmp_path, vlm, data, max_seq_len=n, max_pixels=12544)), device="cpu")
+             for n in (1024, 4096)]
+    assert 16 < plans[0].vision["sequence"] == plans[1].vision["sequence"] < 1024
+    assert plans[0].peak_bytes == plans[1].peak_bytes
+
+
+def test_the_plan_view_says_the_image_tokens_of_the_longest_record(tmp_path, vlm, capsys):
+    recipe = write_recipe(tmp_path, vlm, write_data(tmp_path), max_seq_len=64, max_pixels=12544)
+    assert main(["plan", str(recipe), "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "images: the longest image record: 16 image tokens (1 image(s)) at max_pixels=12,544, traced in a " in out
 
 
 def test_the_build_skips_or_refuses_a_record_whose_text_pushes_its_image_past_max_seq_len(tmp_path, vlm, capsys):
