@@ -33,3 +33,22 @@ def test_the_docs_pixel_budget_table_is_the_planners_and_grows_with_the_gpu():
     text = (ROOT / "docs" / "vision.md").read_text()
     generated = text.split(BEGIN, 1)[1].split("\n", 1)[1].split(END, 1)[0]
     assert generated == pixel_budget_markdown(plans), "regenerate the table:\n" + pixel_budget_markdown(plans)
+
+
+def test_the_image_budget_sets_the_planned_peak(tmp_path):
+    """The photo's image tokens are the language model's sequence: a smaller pixel budget plans a shorter one and
+    a lower peak (the plan once traced every budget at max_seq_len, so Qwen3-VL-8B's peak did not move)."""
+    from finetune.plan.pixel_table import budget_recipe, write_photo_data
+    from finetune.plan.search import predict
+
+    data = write_photo_data(tmp_path)
+    plans = []
+    for pixels in (200704, 3211264):
+        recipe = budget_recipe(str(CONFIGS / MODELS["Qwen3-VL-8B-Instruct"]), data, 24, tmp_path / "run")
+        recipe.data.max_pixels = pixels
+        recipe.training.micro_batch_size = 1
+        plans.append(predict(recipe, device="cuda"))
+    small, large = plans
+    assert small.vision["image_tokens"] == 192 and large.vision["image_tokens"] == 3072
+    assert small.vision["sequence"] < large.vision["sequence"] < 4096
+    assert small.peak_bytes < large.peak_bytes

@@ -344,8 +344,8 @@ def _stat(path: str) -> os.stat_result | None:
 
 @dataclass(frozen=True)
 class PlannedExample:
-    """The example a plan traces: its image grids (a vision-language model's record with the most tokens at the
-    pixel budget; () for text), the sequence length traced, and how many records' images alone do not fit
+    """The example a plan traces: its image grids (a vision-language model's record with the most image tokens
+    at the pixel budget; () for text), the sequence length traced, and how many records' images alone do not fit
     data.max_seq_len at that budget (bad records the data build skips or refuses: never traced)."""
 
     grids: tuple[Grid, ...]
@@ -355,9 +355,10 @@ class PlannedExample:
 
 def planned_example(recipe: Recipe, config: Any, planner: Planner = DEFAULT) -> PlannedExample:
     """What the plan traces. A text model, or data without images (or not there yet): data.max_seq_len, as
-    always. Data with images: the record whose image tokens (at data.max_pixels, each resized as its processor
-    resizes) and text bound (`text_tokens_bound`) are the most, at most max_seq_len: the image budget sets the
-    sequence, so a smaller budget plans a shorter one."""
+    always. Data with images: the images of the record with the most image tokens (at data.max_pixels, each
+    resized as its processor resizes) in a sequence as long as the longest record's image tokens and text bound
+    (`text_tokens_bound`), at most max_seq_len: the image budget sets the sequence, so a smaller budget plans a
+    shorter one."""
     max_seq_len = recipe.data.max_seq_len
     records = _image_records(recipe, config, planner)
     if not any(sizes for sizes, _ in records):
@@ -365,16 +366,23 @@ def planned_example(recipe: Recipe, config: Any, planner: Planner = DEFAULT) -> 
     real = real_config(config)
     pixels = recipe.data.max_pixels
     budget = None if pixels == "auto" else pixels
-    longest: tuple[int, tuple[Grid, ...]] = (0, ())
-    too_long = 0
+    most: tuple[int, tuple[Grid, ...]] = (0, ())  # the most image tokens of a record that fits, its grids
+    longest = too_long = 0  # the longest record that fits (image tokens and text bound); those that do not fit
+    seen: dict[tuple[tuple[int, int], ...], tuple[tuple[Grid, ...], int]] = {}  # records of the same image sizes
     for sizes, text in records:
-        grids = planned_grids(real, recipe.model.path, sizes, budget)
-        tokens = sum(image_tokens(real, g) for g in grids)
+        key = tuple(sizes)
+        if key not in seen:
+            grids = planned_grids(real, recipe.model.path, sizes, budget)
+            seen[key] = grids, sum(image_tokens(real, g) for g in grids)
+        grids, tokens = seen[key]
         if tokens + len(grids) + 1 > max_seq_len:  # the trace's layout: a token before and after each image
             too_long += 1
-        else:
-            longest = max(longest, (tokens + text, grids), key=lambda x: x[0])
-    return PlannedExample(longest[1], min(max_seq_len, longest[0]) if longest[1] else max_seq_len, too_long)
+            continue
+        most = max(most, (tokens, grids), key=lambda x: x[0])
+        longest = max(longest, tokens + text)
+    if not most[1]:  # no image record fits: text only, as the build keeps it
+        return PlannedExample((), max_seq_len, too_long)
+    return PlannedExample(most[1], min(max_seq_len, longest), too_long)
 
 
 def _image_records(recipe: Recipe, config: Any, planner: Planner) -> list[tuple[list[tuple[int, int]], int]]:
