@@ -223,7 +223,7 @@ def plan_gpu_sizes(recipe: Recipe, sizes_gb: tuple[float, ...] = GPU_SIZES_GB,
                 data["training"].update(micro_batch_size=value, gradient_accumulation_steps=1,
                                         effective_batch_size=None)
             plan = predict(validate_recipe(data, "plan_gpu_sizes"), model_config=config, gpu_memory=margin + 1,
-                           device="cuda")
+                           device="cuda", full_length=True)  # contexts of max_seq_len, whatever the images
             # Only configurations traced and rejected for the budget alone count (an offload that would not find
             # enough free RAM or disk does not make a length trainable; a lower bound is no peak); without one,
             # the planner's own minimum.

@@ -130,3 +130,14 @@ def test_truncation_cuts_an_image_records_answer_never_its_image(tmp_path, vlm):
     for ids, labels in zip(bundle.train["input_ids"], bundle.train["labels"], strict=True):
         assert len(ids) <= 40 and sum(label != -100 for label in labels) > 0
         assert ids.count(vision.image_token_id) in (4, 16)  # every image whole
+
+
+def test_the_gpu_size_sweep_plans_contexts_of_max_seq_len_whatever_the_images(tmp_path, vlm):
+    """`finetune plan --gpu-memory A,B` and the UI's chart ask how long a context fits: sequences of that many
+    tokens, not the data's short image records."""
+    from finetune import api
+
+    recipe = api.load_recipe(write_recipe(tmp_path, vlm, write_data(tmp_path), max_seq_len=64, max_pixels=12544))
+    need = api.plan_gpu_sizes(recipe, (0.001, 1.0))["context_need_bytes"]
+    lengths = sorted(need)
+    assert len(lengths) >= 2 and all(need[a] < need[b] for a, b in zip(lengths, lengths[1:]))

@@ -283,14 +283,17 @@ def _refused(recipe: Recipe, st: dict[str, Any]) -> bool:
     return bool(strategy_problems(combined, st["strategy"]))
 
 
-def model_spec(recipe: Recipe, config: Any, device: str, planner: Planner = DEFAULT) -> ModelSpec:
+def model_spec(recipe: Recipe, config: Any, device: str, planner: Planner = DEFAULT,
+               full_length: bool = False) -> ModelSpec:
     """What the memory and speed models read of `recipe` and the model `config`, once; `planner`: whose caches
-    its traces go to."""
+    its traces go to; `full_length`: sequences of data.max_seq_len tokens (`predict`)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     loss = PreferenceLoss.of(recipe.training, reference_is_current(recipe))
     grpo = recipe.training.spec.generates
     objective = trace_objective(recipe.grpo) if grpo else "sft" if loss is None else loss.objective
     example = planned_example(recipe, config, planner)
+    if full_length:
+        example = replace(example, seq_len=recipe.data.max_seq_len)
     return ModelSpec(
         config=config, adapter=recipe.adapter, dtype=target_dtype(recipe, device),
         attn=model_facts(config, recipe.model.attn_implementation, planner)[1], device=device, seq_len=example.seq_len,
@@ -481,10 +484,12 @@ def _check_expert_room(cand: Candidate, spec: ModelSpec, settings: Settings, fre
 
 
 def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str | None = None,
-            device: str | None = None, training_only: bool = False, planner: Planner = DEFAULT) -> Plan:
+            device: str | None = None, training_only: bool = False, planner: Planner = DEFAULT,
+            full_length: bool = False) -> Plan:
     """Plan a run without loading weights: resolve `auto` settings to the fastest configuration that fits.
     `training_only`: price the training step alone, not what precedes it (training.precompute_reference's
-    pass): a re-plan during training, after an out-of-memory error. `planner`: whose in-memory caches the
+    pass): a re-plan during training, after an out-of-memory error. `full_length`: sequences of
+    data.max_seq_len tokens even where the data's image records are shorter (how long a context fits). `planner`: whose in-memory caches the
     plan uses (`Planner()`: caches of its own)."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() or gpu_memory not in (None, "auto") else "cpu"
@@ -495,11 +500,12 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
         budgets = fitting_budgets(recipe, config, budgets, planner)  # data.max_pixels auto: the largest image budget whose plan fits, else the smallest's plan
         for pixels in budgets:
             plan = predict(write_settings(recipe, {"max_pixels": pixels}), model_config=config,
-                           gpu_memory=gpu_memory, device=device, training_only=training_only, planner=planner)
+                           gpu_memory=gpu_memory, device=device, training_only=training_only, planner=planner,
+                           full_length=full_length)
             if plan.fits:
                 break
         return plan
-    spec = replace(model_spec(recipe, config, device, planner), reference_pass=not training_only)
+    spec = replace(model_spec(recipe, config, device, planner, full_length), reference_pass=not training_only)
     budget = _budget(recipe, gpu_memory, "cuda" if torch.cuda.is_available() and device == "cuda" else "cpu")
     shapes = model_facts(config, recipe.model.attn_implementation, planner)[0]
     choices = _choices(recipe, spec)
