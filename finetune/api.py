@@ -412,7 +412,9 @@ def run_memory(run: str | Path | RunFiles) -> RunMemory | None:
         return None
     recipe = load_recipe_text(files.recipe_text, str(files.run.recipe))
     measured = next((r["peak_memory_bytes"] for r in reversed(files.metrics) if r.get("peak_memory_bytes")), None)
+    sequence = (plan.get("vision") or {}).get("sequence")
     return {"planned_peak_bytes": plan["peak_bytes"], "max_seq_len": recipe.data.max_seq_len,
+            "planned_sequence": sequence if isinstance(sequence, int) and plan["vision"].get("images") else None,
             "seen": plan_at_seen_length(files), "measured_peak_bytes": measured}
 
 

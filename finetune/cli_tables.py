@@ -142,9 +142,13 @@ def render_measurement(result: dict[str, Any], console: Console | None = None) -
 
 
 def memory_line(memory: RunMemory) -> str:
-    """The end of `finetune run`: the plan at max_seq_len, at the data's longest example (when shorter) and the
-    measured peak, on one line, so a run whose data is short reads as matching its plan, not as 2x under it."""
-    parts = [f"memory: planned {format_bytes(memory['planned_peak_bytes'])} at max_seq_len {memory['max_seq_len']:,}"]
+    """The end of `finetune run`: the plan at max_seq_len (image data: at the longest record it traced), at the
+    data's longest example (when shorter) and the measured peak, on one line, so a run whose data is short reads
+    as matching its plan, not as 2x under it."""
+    sequence = memory.get("planned_sequence")
+    at = (f"at its longest image record's {sequence:,} tokens (max_seq_len {memory['max_seq_len']:,})"
+          if sequence is not None and sequence < memory["max_seq_len"] else f"at max_seq_len {memory['max_seq_len']:,}")
+    parts = [f"memory: planned {format_bytes(memory['planned_peak_bytes'])} {at}"]
     seen = memory["seen"]
     if seen is not None:
         parts.append(f"at the longest example ({seen['longest']:,} tokens) {format_bytes(seen['peak_bytes'])}")

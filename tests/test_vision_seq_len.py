@@ -141,3 +141,11 @@ def test_the_gpu_size_sweep_plans_contexts_of_max_seq_len_whatever_the_images(tm
     need = api.plan_gpu_sizes(recipe, (0.001, 1.0))["context_need_bytes"]
     lengths = sorted(need)
     assert len(lengths) >= 2 and all(need[a] < need[b] for a, b in zip(lengths, lengths[1:]))
+
+
+def test_the_end_of_a_run_says_the_plan_was_made_at_the_longest_image_record(tmp_path, vlm, capsys):
+    recipe = write_recipe(tmp_path, vlm, write_data(tmp_path), max_seq_len=4096, max_pixels=12544)
+    assert main(["run", str(recipe)]) == 0
+    line = next(li for li in capsys.readouterr().err.splitlines() if li.startswith("memory: planned"))
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert f"at its longest image record's {plan['vision']['sequence']:,} tokens (max_seq_len 4,096)" in line
