@@ -30,6 +30,7 @@ from finetune.reports import (
 from finetune.rundir import EVAL_PREFIX, REWARD_KEYS, RunDir
 
 if TYPE_CHECKING:  # torch and transformers load only when a command needs them
+    from finetune.data.build import TokenCounter
     from finetune.model.load import LoadedModel
     from finetune.plan import Plan
     from finetune.train.run import RunResult
@@ -76,23 +77,30 @@ def preflight(recipe: Recipe) -> dict[str, Any]:
         check_reward_files(recipe.grpo, prefix="grpo.")
     vision = family is not None and family.vision is not None
     return check_records(recipe.data, recipe.training.method, model_takes_images=vision,
-                         processor=countable_processor(recipe.model.path) if vision else None)
+                         count_image_tokens=image_token_counter(recipe.model.path, recipe.model.trust_remote_code)
+                         if vision else None)
 
 
-def countable_processor(model_path: str) -> dict[str, Any] | None:
-    """A vision-language model folder's preprocessor_config.json where finetune counts its image tokens from
-    image sizes (finetune.data.image_tokens), so the preflight can refuse images too long for max_seq_len; None
-    where there is none (a bare config.json: the planner and the data build check those records)."""
-    from finetune.data.image_tokens import processor_kind
-    from finetune.plan.vision import processor_config
-    from finetune.recipe.families import UnsupportedModel
+def image_token_counter(model_path: str, trust_remote_code: bool = False) -> TokenCounter | None:
+    """A vision-language model's image tokens for a record's image sizes at a pixel budget, as the planner counts
+    them (its config and preprocessor_config.json: finetune.plan.vision), so the preflight can refuse images too
+    long for max_seq_len from their headers; None where the config cannot be read yet (a hub id not downloaded:
+    the data build checks those records)."""
+    from finetune.plan.trace import planned_config, real_config
+    from finetune.plan.vision import image_tokens, planned_grids
 
-    own = processor_config(model_path)
     try:
-        processor_kind(own)
-    except UnsupportedModel:
+        config = real_config(planned_config(model_path, trust_remote_code))
+    except Exception:  # noqa: BLE001 - not readable before loading: the build's check remains
         return None
-    return own
+    seen: dict[tuple, int] = {}
+
+    def count(sizes: list[tuple[int, int]], max_pixels: int | None) -> int:
+        key = (tuple(sizes), max_pixels)
+        if key not in seen:
+            seen[key] = sum(image_tokens(config, g) for g in planned_grids(config, model_path, sizes, max_pixels))
+        return seen[key]
+    return count
 
 
 def preview_data(recipe: Recipe, n: int = 3) -> tuple[list[dict], list[str]]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -44,7 +44,6 @@ from finetune.data.formats import (
     normalize,
     unicode_problem,
 )
-from finetune.data.image_tokens import image_tokens
 from finetune.data.images import check_images
 from finetune.data.mix import FileRead, data_folders, file_stats, is_mix, mixed_records, read_files, repeated
 from finetune.data.prompts import build_prompts, check_prompt_records
@@ -54,6 +53,8 @@ from finetune.errors import DataError
 from finetune.recipe.methods import METHODS, method_spec
 from finetune.recipe.schema import MIN_IMAGE_PIXELS, DataConfig
 
+# a vision-language model's image tokens for one record's image sizes at a pixel budget (None: the model's own)
+TokenCounter = Callable[[list[tuple[int, int]], "int | None"], int]
 NAMED_IN_STATS = 3  # locations of skipped, no-loss and overlong records named in the data summary
 
 
@@ -361,12 +362,12 @@ def _example(record: Record, fmt: str, cfg: DataConfig, folder: str) -> Example:
 
 
 def check_records(cfg: DataConfig, method: str = "sft", model_takes_images: bool = False,
-                  processor: dict[str, Any] | None = None) -> dict[str, Any]:
+                  count_image_tokens: TokenCounter | None = None) -> dict[str, Any]:
     """Read and check every record without a tokenizer, in seconds, before a model loads: the file parses,
     its format is known and suits `method`, each record has its fields and its images are readable files
     (headers only; any image is a bad record unless `model_takes_images`, the model family's vision flag);
-    with the model's `processor` (its preprocessor_config.json), a record whose images alone are more image
-    tokens than data.max_seq_len at data.max_pixels (auto: at the smallest budget auto can pick) is bad too;
+    with the model's `count_image_tokens` (image sizes, pixel budget -> image tokens), a record whose images
+    alone are more tokens than data.max_seq_len at data.max_pixels (auto: the smallest budget it can pick) is bad;
     every file of a list, each whole (not only what the mix takes). Raises the DataError build_datasets would;
     returns the format and the counts of records and of malformed ones (and, for a list, `files`: each file's
     path, format, records, bad_records), with `images` and `image_records` (of the good records) when any
@@ -375,7 +376,7 @@ def check_records(cfg: DataConfig, method: str = "sft", model_takes_images: bool
         return check_prompt_records(cfg)
     files = read_files(cfg)
     formats, fmt = _formats(cfg, files, method)
-    bad, good = _check_each(cfg, files, formats, model_takes_images, processor)
+    bad, good = _check_each(cfg, files, formats, model_takes_images, count_image_tokens)
     out = checked(cfg, files, formats, fmt, bad)
     _count_images(out, [(i, len(sizes)) for i, sizes, _ in good])
     return out
@@ -420,11 +421,11 @@ def text_tokens_bound(example: Example) -> int:
 
 
 def _check_each(cfg: DataConfig, files: list[FileRead], formats: list[str], model_takes_images: bool,
-                processor: dict[str, Any] | None = None
+                count_image_tokens: TokenCounter | None = None
                 ) -> tuple[list[list[str]], list[tuple[int, list[tuple[int, int]], int]]]:
     """Every record of every file normalised and its images' headers read: each file's problem lines, and
-    (file index, image sizes, text_tokens_bound) of each good record (with `processor`: its image tokens fit
-    max_seq_len)."""
+    (file index, image sizes, text_tokens_bound) of each good record (with `count_image_tokens`: its image
+    tokens fit max_seq_len)."""
     bad, good = [], []
     for i, (f, file_format, folder) in enumerate(zip(files, formats, data_folders(cfg), strict=True)):
         bad.append(list(f.read.problems))
@@ -432,19 +433,18 @@ def _check_each(cfg: DataConfig, files: list[FileRead], formats: list[str], mode
             try:
                 example = _example(record, file_format, cfg, folder)
                 sizes = check_images(example, model_takes_images)
-                if processor and sizes:
-                    _check_image_tokens(cfg, processor, sizes)
+                if count_image_tokens is not None and sizes:
+                    _check_image_tokens(cfg, count_image_tokens, sizes)
                 good.append((i, sizes, text_tokens_bound(example)))
             except RecordError as exc:
                 bad[-1].append(f"{record.where}: {exc}")
     return bad, good
 
 
-def _check_image_tokens(cfg: DataConfig, processor: dict[str, Any], sizes: list[tuple[int, int]]) -> None:
+def _check_image_tokens(cfg: DataConfig, count: TokenCounter, sizes: list[tuple[int, int]]) -> None:
     """RecordError where images of these sizes alone are more image tokens than max_seq_len at the pixel budget
     (auto: the smallest it can pick, MIN_IMAGE_PIXELS, which the processor's own minimum bounds)."""
-    budget = MIN_IMAGE_PIXELS if cfg.max_pixels == "auto" else cfg.max_pixels
-    tokens = sum(image_tokens(processor, w, h, budget) for w, h in sizes)
+    tokens = count(sizes, MIN_IMAGE_PIXELS if cfg.max_pixels == "auto" else cfg.max_pixels)
     if tokens > cfg.max_seq_len:
         raise RecordError(image_tokens_problem(tokens, tokens, cfg.max_pixels, cfg.max_seq_len))
 
