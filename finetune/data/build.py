@@ -54,7 +54,7 @@ from finetune.recipe.methods import METHODS, method_spec
 from finetune.recipe.schema import MIN_IMAGE_PIXELS, DataConfig
 
 # a vision-language model's image tokens for one record's image sizes at a pixel budget (None: the model's own)
-TokenCounter = Callable[[list[tuple[int, int]], "int | None"], int]
+TokenCounter = Callable[[list[tuple[int, int]], int | None], int]
 NAMED_IN_STATS = 3  # locations of skipped, no-loss and overlong records named in the data summary
 
 
@@ -446,7 +446,7 @@ def _check_image_tokens(cfg: DataConfig, count: TokenCounter, sizes: list[tuple[
     (auto: the smallest it can pick, MIN_IMAGE_PIXELS, which the processor's own minimum bounds)."""
     tokens = count(sizes, MIN_IMAGE_PIXELS if cfg.max_pixels == "auto" else cfg.max_pixels)
     if tokens > cfg.max_seq_len:
-        raise RecordError(image_tokens_problem(tokens, tokens, cfg.max_pixels, cfg.max_seq_len))
+        raise RecordError(_image_tokens_problem(tokens, tokens, cfg.max_pixels, cfg.max_seq_len))
 
 
 def _where(problem: str) -> str:
@@ -541,11 +541,11 @@ def _images_past(parts: Sequences, cfg: DataConfig, vision: VisionData | None) -
     for ids, _ in parts:
         at = [i for i, tok in enumerate(ids) if tok == vision.image_token_id]
         if at and at[-1] + 1 + after > cfg.max_seq_len:
-            return image_tokens_problem(len(at), at[-1] + 1 + after, vision.max_pixels, cfg.max_seq_len)
+            return _image_tokens_problem(len(at), at[-1] + 1 + after, vision.max_pixels, cfg.max_seq_len)
     return None
 
 
-def image_tokens_problem(tokens: int, needed: int, max_pixels: int | str | None, max_seq_len: int) -> str:
+def _image_tokens_problem(tokens: int, needed: int, max_pixels: int | str | None, max_seq_len: int) -> str:
     """The bad-record line of a record whose images do not fit max_seq_len: the image tokens it needs at the
     pixel budget, and the fix."""
     budget = ("the smallest pixel budget data.max_pixels: auto tries" if max_pixels == "auto" else
