@@ -8,6 +8,7 @@ is 16 image tokens, a 56 x 56 one 4)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -140,7 +141,7 @@ def test_the_gpu_size_sweep_plans_contexts_of_max_seq_len_whatever_the_images(tm
     recipe = api.load_recipe(write_recipe(tmp_path, vlm, write_data(tmp_path), max_seq_len=64, max_pixels=12544))
     need = api.plan_gpu_sizes(recipe, (0.001, 1.0))["context_need_bytes"]
     lengths = sorted(need)
-    assert len(lengths) >= 2 and all(need[a] < need[b] for a, b in zip(lengths, lengths[1:]))
+    assert len(lengths) >= 2 and all(need[a] < need[b] for a, b in itertools.pairwise(lengths))
 
 
 def test_the_end_of_a_run_says_the_plan_was_made_at_the_longest_image_record(tmp_path, vlm, capsys):
