@@ -97,6 +97,12 @@ def test_the_plan_view_says_the_image_tokens_of_the_longest_record(tmp_path, vlm
     assert main(["plan", str(recipe), "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "images: the longest image record: 16 image tokens (1 image(s)) at max_pixels=12,544, traced in a " in out
+    from finetune import api
+    from ui.views import images_markdown
+
+    plan = api.plan(api.load_recipe(recipe), device="cpu").to_dict()
+    assert (f"the longest image record's 1 image(s) are 16 image tokens at `max_pixels=12,544`, traced in a "
+            f"{plan['vision']['sequence']:,}-token sequence") in images_markdown(plan)
 
 
 def test_the_build_skips_or_refuses_a_record_whose_text_pushes_its_image_past_max_seq_len(tmp_path, vlm, capsys):
