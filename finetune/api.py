@@ -30,6 +30,7 @@ from finetune.reports import (
 from finetune.rundir import EVAL_PREFIX, REWARD_KEYS, RunDir
 
 if TYPE_CHECKING:  # torch and transformers load only when a command needs them
+    from finetune.data.build import TokenCounter
     from finetune.model.load import LoadedModel
     from finetune.plan import Plan
     from finetune.train.run import RunResult
@@ -74,8 +75,32 @@ def preflight(recipe: Recipe) -> dict[str, Any]:
         from finetune.rl.rewards import check_reward_files
 
         check_reward_files(recipe.grpo, prefix="grpo.")
-    return check_records(recipe.data, recipe.training.method,
-                         model_takes_images=family is not None and family.vision is not None)
+    vision = family is not None and family.vision is not None
+    return check_records(recipe.data, recipe.training.method, model_takes_images=vision,
+                         count_image_tokens=image_token_counter(recipe.model.path, recipe.model.trust_remote_code)
+                         if vision else None)
+
+
+def image_token_counter(model_path: str, trust_remote_code: bool = False) -> TokenCounter | None:
+    """A vision-language model's image tokens for a record's image sizes at a pixel budget, as the planner counts
+    them (its config and preprocessor_config.json: finetune.plan.vision), so the preflight can refuse images too
+    long for max_seq_len from their headers; None where the config cannot be read yet (a hub id not downloaded:
+    the data build checks those records)."""
+    from finetune.plan.trace import planned_config, real_config
+    from finetune.plan.vision import image_tokens, planned_grids
+
+    try:
+        config = real_config(planned_config(model_path, trust_remote_code))
+    except Exception:  # noqa: BLE001 - not readable before loading: the build's check remains
+        return None
+    seen: dict[tuple, int] = {}
+
+    def count(sizes: list[tuple[int, int]], max_pixels: int | None) -> int:
+        key = (tuple(sizes), max_pixels)
+        if key not in seen:
+            seen[key] = sum(image_tokens(config, g) for g in planned_grids(config, model_path, sizes, max_pixels))
+        return seen[key]
+    return count
 
 
 def preview_data(recipe: Recipe, n: int = 3) -> tuple[list[dict], list[str]]:
@@ -206,7 +231,7 @@ def plan_gpu_sizes(recipe: Recipe, sizes_gb: tuple[float, ...] = GPU_SIZES_GB,
                 data["training"].update(micro_batch_size=value, gradient_accumulation_steps=1,
                                         effective_batch_size=None)
             plan = predict(validate_recipe(data, "plan_gpu_sizes"), model_config=config, gpu_memory=margin + 1,
-                           device="cuda")
+                           device="cuda", full_length=True)  # contexts of max_seq_len, whatever the images
             # Only configurations traced and rejected for the budget alone count (an offload that would not find
             # enough free RAM or disk does not make a length trainable; a lower bound is no peak); without one,
             # the planner's own minimum.
@@ -395,7 +420,9 @@ def run_memory(run: str | Path | RunFiles) -> RunMemory | None:
         return None
     recipe = load_recipe_text(files.recipe_text, str(files.run.recipe))
     measured = next((r["peak_memory_bytes"] for r in reversed(files.metrics) if r.get("peak_memory_bytes")), None)
+    sequence = (plan.get("vision") or {}).get("sequence")
     return {"planned_peak_bytes": plan["peak_bytes"], "max_seq_len": recipe.data.max_seq_len,
+            "planned_sequence": sequence if isinstance(sequence, int) and plan["vision"].get("images") else None,
             "seen": plan_at_seen_length(files), "measured_peak_bytes": measured}
 
 

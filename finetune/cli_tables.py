@@ -48,6 +48,20 @@ def strategy_line(plan: Plan) -> str:
             + f"whole on each: {', '.join(whole)}; {buffers}")
 
 
+def images_line(plan: Plan) -> str:
+    """A vision-language plan's images: the image tokens of the longest image record at the chosen pixel budget,
+    the sequence traced, and the vision tower's weights."""
+    vision = plan.vision
+    pixels = plan.settings.get("max_pixels")
+    budget = f"at max_pixels={pixels:,}" if isinstance(pixels, int) else "at the model's own pixel limit"
+    if not vision.get("images"):
+        images = "no image records traced (text only)"
+    else:
+        images = (f"the longest image record: {vision['image_tokens']:,} image tokens ({vision['images']} image(s)) "
+                  f"{budget}, traced in a {vision.get('sequence', 0):,}-token sequence")
+    return f"images: {images}; vision tower and projector {format_bytes(vision.get('vision_weights', 0))} (16 bits)"
+
+
 def render_plan(plan: Plan, console: Console | None = None) -> None:
     """The chosen plan against the budget, the next best, and why others were rejected."""
     console = console or Console()
@@ -59,6 +73,8 @@ def render_plan(plan: Plan, console: Console | None = None) -> None:
                       f"{plan.tokens_per_s:,.0f} tokens/s predicted for all {plan.world_size}")
         console.print("  " + strategy_line(plan))
     console.print("  " + _short(plan.settings), soft_wrap=True)  # one line, also when piped (80 columns)
+    if plan.vision:
+        console.print("  " + images_line(plan), soft_wrap=True)
     console.print(breakdown_table("predicted peak", plan.breakdown, plan.peak_bytes, plan.budget_bytes))
     if plan.reference_pass_bytes:
         console.print(f"  reference pass before training (training.precompute_reference): peak "
@@ -126,9 +142,13 @@ def render_measurement(result: dict[str, Any], console: Console | None = None) -
 
 
 def memory_line(memory: RunMemory) -> str:
-    """The end of `finetune run`: the plan at max_seq_len, at the data's longest example (when shorter) and the
-    measured peak, on one line, so a run whose data is short reads as matching its plan, not as 2x under it."""
-    parts = [f"memory: planned {format_bytes(memory['planned_peak_bytes'])} at max_seq_len {memory['max_seq_len']:,}"]
+    """The end of `finetune run`: the plan at max_seq_len (image data: at the longest record it traced), at the
+    data's longest example (when shorter) and the measured peak, on one line, so a run whose data is short reads
+    as matching its plan, not as 2x under it."""
+    sequence = memory.get("planned_sequence")
+    at = (f"at its longest image record's {sequence:,} tokens (max_seq_len {memory['max_seq_len']:,})"
+          if sequence is not None and sequence < memory["max_seq_len"] else f"at max_seq_len {memory['max_seq_len']:,}")
+    parts = [f"memory: planned {format_bytes(memory['planned_peak_bytes'])} {at}"]
     seen = memory["seen"]
     if seen is not None:
         parts.append(f"at the longest example ({seen['longest']:,} tokens) {format_bytes(seen['peak_bytes'])}")

@@ -90,6 +90,7 @@ class RunMemory(TypedDict):
 
     planned_peak_bytes: int  # the plan's, at data.max_seq_len
     max_seq_len: int
+    planned_sequence: int | None  # image data: the sequence the plan traced (its longest record), else None
     seen: SeenLengthPlan | None  # the plan at the data's longest example; None: the data is not shorter
     measured_peak_bytes: int | None  # the last logged peak (since the last re-plan); None: none logged
 

@@ -155,7 +155,10 @@ def test_a_full_size_qwen2_5_vl_plans_with_its_datas_images(tmp_path):
         plans[size] = api.plan(recipe)
     plain = api.plan(api.load_recipe(_plan_recipe(tmp_path, ROOT / "recipes" / "data" / "quickstart.jsonl")))
     small_plan, large_plan = plans[(448, 448)], plans[(1344, 1008)]
-    assert plain.breakdown["activations"] < small_plan.breakdown["activations"] < large_plan.breakdown["activations"]
+    assert small_plan.breakdown["activations"] < large_plan.breakdown["activations"]
+    # the image records' sequence is their image tokens and text, not max_seq_len (text data: max_seq_len)
+    assert small_plan.vision["sequence"] < large_plan.vision["sequence"] < plain.vision["sequence"] == 4096
+    assert small_plan.peak_bytes < plain.peak_bytes
     # the 32-block vision tower and merger: about 670M parameters, in bf16 (never quantized), within the weights
     assert plain.vision["vision_weights"] == pytest.approx(2 * 670e6, rel=0.02)
     assert plain.breakdown["weights"] > plain.vision["vision_weights"]
@@ -199,7 +202,7 @@ def test_max_pixels_auto_is_the_largest_image_budget_whose_plan_fits(tmp_path):
 @pytest.mark.parametrize("name", ["smolvlm-256m", "smolvlm-2.2b"])
 def test_a_full_size_smolvlm_plans_its_tiles_and_vision_tower(tmp_path, name):
     """SmolVLM from its published config.json (Idefics3's layout): the plan traces the vision tower over every
-    tile of the data's largest image plus the whole image (the real image processor's tile count, each tile the
+    tile of the data's longest image record (in image tokens) plus the whole image (the real image processor's tile count, each tile the
     tower's patches pixel-shuffled into the text), and prices the SigLIP tower and connector in 16 bits."""
     from PIL import Image
     from transformers import AutoConfig, AutoModelForImageTextToText, Idefics3ImageProcessorPil
@@ -218,11 +221,18 @@ def test_a_full_size_smolvlm_plans_its_tiles_and_vision_tower(tmp_path, name):
     vision = published["vision_config"]
     side = vision["image_size"]
     processor = Idefics3ImageProcessorPil(size={"longest_edge": 4 * side}, max_image_size={"longest_edge": side})
-    out = processor(images=[Image.open(tmp_path / "0-0.png")], return_tensors="pt", return_row_col_info=True)
+    # the record with the most image tokens is traced: Idefics3 resizes the longest edge up to its size, so the
+    # 64 x 64 picture is more tiles than the 1344 x 1008 one
+    outs = [processor(images=[Image.open(tmp_path / f"{i}-0.png")], return_tensors="pt", return_row_col_info=True)
+            for i in range(2)]
     per_tile = (side // vision["patch_size"]) ** 2 // published["scale_factor"] ** 2
-    text = get_image_prompt_string(out["rows"][0][0], out["cols"][0][0], per_tile, "<fake_token_around_image>",
-                                   "<image>", "<global-img>")  # the processor's text for the image's tiles
-    assert plan.vision["images"] == 1 and plan.vision["image_tokens"] == len(vision_tokenizer("idefics3")(text).input_ids)
+
+    def tokens(out: dict) -> int:  # the processor's text for the image's tiles, tokenized
+        text = get_image_prompt_string(out["rows"][0][0], out["cols"][0][0], per_tile, "<fake_token_around_image>",
+                                       "<image>", "<global-img>")
+        return len(vision_tokenizer("idefics3")(text).input_ids)
+    out = max(outs, key=tokens)
+    assert plan.vision["images"] == 1 and plan.vision["image_tokens"] == tokens(out)
     assert out["pixel_values"].shape[1] == out["rows"][0][0] * out["cols"][0][0] + 1  # traced: the tiles, the whole
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(config_file))

@@ -131,8 +131,10 @@ def images_markdown(plan: dict[str, Any]) -> str | None:
         return None
     pixels = (plan.get("settings") or {}).get("max_pixels")
     budget = f" at `max_pixels={pixels:,}`" if isinstance(pixels, int) else ""
-    return (f"**Images:** the largest image example's {vision.get('images', 0)} image(s) are "
-            f"{vision.get('image_tokens', 0):,} image tokens{budget}; the vision tower and projector weigh "
+    sequence = vision.get("sequence")
+    traced = f", traced in a {sequence:,}-token sequence" if isinstance(sequence, int) else ""
+    return (f"**Images:** the longest image record's {vision.get('images', 0)} image(s) are "
+            f"{vision.get('image_tokens', 0):,} image tokens{budget}{traced}; the vision tower and projector weigh "
             f"{size(vision.get('vision_weights'))} (16 bits, within the weights).")
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -38,6 +38,7 @@ from finetune.data.formats import (
     Example,
     Preference,
     RecordError,
+    content_text,
     detect_format,
     images_of,
     normalize,
@@ -50,8 +51,10 @@ from finetune.data.read import Record
 from finetune.data.vision import VisionData
 from finetune.errors import DataError
 from finetune.recipe.methods import METHODS, method_spec
-from finetune.recipe.schema import DataConfig
+from finetune.recipe.schema import MIN_IMAGE_PIXELS, DataConfig
 
+# a vision-language model's image tokens for one record's image sizes at a pixel budget (None: the model's own)
+TokenCounter = Callable[[list[tuple[int, int]], int | None], int]
 NAMED_IN_STATS = 3  # locations of skipped, no-loss and overlong records named in the data summary
 
 
@@ -105,9 +108,11 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
     if data_kind(method) == "kto" and formats[0] in PAIR_FORMATS:  # split by record, then unpair
         train_part, eval_part = _unpair(train_part), _unpair(eval_part)
     dropped = _Dropped()
-    train = _fit(train_part, _tokenize(train_part, tokenizer, encoder, cfg.max_seq_len, vision), cfg, encoder, dropped)
+    train = _fit(train_part, _tokenize(train_part, tokenizer, encoder, cfg.max_seq_len, vision), cfg, encoder, dropped,
+                 vision)
     evaluation = _fit(eval_part, _tokenize(eval_part, tokenizer, encoder, cfg.max_seq_len, vision), cfg, encoder,
-                      dropped)
+                      dropped, vision)
+    problems += dropped.bad  # image records too long for max_seq_len (refused in _check_dropped under error)
     stats: dict[str, Any] = {
         "format": fmt, "records": sum(f.read.total for f in files), "records_used": len(records),
         "bad_records_skipped": len(problems), "bad_records_at": [_where(p) for p in problems[:NAMED_IN_STATS]],
@@ -143,7 +148,7 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
     if vision is not None:
         collator = vision.collator(collator, 2 if kind == "pair" else 1)
     return DataBundle(train_ds, eval_ds, stats, collator, fingerprint,
-                      repeated(files) + _warnings(cfg, len(problems), dropped))
+                      repeated(files) + _warnings(cfg, len(problems) - len(dropped.bad), dropped))
 
 
 def _count_images(stats: dict[str, Any], counts: Sequence[tuple[int, int]]) -> None:
@@ -172,6 +177,11 @@ def _check_dropped(cfg: DataConfig, dropped: _Dropped) -> None:
         raise DataError(f"{cfg.label()}: {len(dropped.overlong)} record(s) are longer than data.max_seq_len="
                         f"{cfg.max_seq_len} tokens", problems=_listed(dropped.overlong),
                         hint="raise data.max_seq_len, or set data.overlong: truncate (cut their prompts) or drop")
+    if dropped.bad and cfg.on_bad_record == "error":
+        raise DataError(f"{cfg.label()}: {len(dropped.bad)} record(s) have images whose tokens do not fit in "
+                        f"data.max_seq_len={cfg.max_seq_len}", problems=_listed(dropped.bad),
+                        hint="raise data.max_seq_len or lower data.max_pixels, or set data.on_bad_record: skip to "
+                             "skip and count them")
     if dropped.no_loss and cfg.on_bad_record == "error":
         raise DataError(f"{cfg.label()}: {len(dropped.no_loss)} record(s) have no tokens to train on",
                         problems=_listed(dropped.no_loss),
@@ -190,8 +200,10 @@ def _warnings(cfg: DataConfig, bad: int, dropped: _Dropped) -> list[str]:
     overlong = (f"dropped: longer than data.max_seq_len={cfg.max_seq_len} (data.overlong: drop; {fix})"
                 if cfg.overlong == "drop" else
                 f"dropped: no answer token fits in data.max_seq_len={cfg.max_seq_len} even with the prompt cut ({fix})")
+    images = (f"skipped: their image tokens do not fit in data.max_seq_len={cfg.max_seq_len} (raise it, or lower "
+              "data.max_pixels)")
     return ([f"{bad} malformed record(s) skipped (data.on_bad_record: skip)"] if bad else []) + \
-        line(dropped.overlong, overlong) + line(dropped.no_loss, "dropped: nothing to train on")
+        line(dropped.bad, images) + line(dropped.overlong, overlong) + line(dropped.no_loss, "dropped: nothing to train on")
 
 
 # Formats whose records become the same kind of example, and so can be mixed in one dataset.
@@ -349,10 +361,13 @@ def _example(record: Record, fmt: str, cfg: DataConfig, folder: str) -> Example:
     return example
 
 
-def check_records(cfg: DataConfig, method: str = "sft", model_takes_images: bool = False) -> dict[str, Any]:
+def check_records(cfg: DataConfig, method: str = "sft", model_takes_images: bool = False,
+                  count_image_tokens: TokenCounter | None = None) -> dict[str, Any]:
     """Read and check every record without a tokenizer, in seconds, before a model loads: the file parses,
     its format is known and suits `method`, each record has its fields and its images are readable files
     (headers only; any image is a bad record unless `model_takes_images`, the model family's vision flag);
+    with the model's `count_image_tokens` (image sizes, pixel budget -> image tokens), a record whose images
+    alone are more tokens than data.max_seq_len at data.max_pixels (auto: the smallest budget it can pick) is bad;
     every file of a list, each whole (not only what the mix takes). Raises the DataError build_datasets would;
     returns the format and the counts of records and of malformed ones (and, for a list, `files`: each file's
     path, format, records, bad_records), with `images` and `image_records` (of the good records) when any
@@ -361,9 +376,9 @@ def check_records(cfg: DataConfig, method: str = "sft", model_takes_images: bool
         return check_prompt_records(cfg)
     files = read_files(cfg)
     formats, fmt = _formats(cfg, files, method)
-    bad, good = _check_each(cfg, files, formats, model_takes_images)
+    bad, good = _check_each(cfg, files, formats, model_takes_images, count_image_tokens)
     out = checked(cfg, files, formats, fmt, bad)
-    _count_images(out, [(i, len(sizes)) for i, sizes in good])
+    _count_images(out, [(i, len(sizes)) for i, sizes, _ in good])
     return out
 
 
@@ -372,28 +387,66 @@ def record_image_sizes(cfg: DataConfig, method: str = "sft") -> list[list[tuple[
     (every file of a list, whole; [] for a text-only record), read from the images' headers: what the planner
     counts image tokens from (`finetune.data.image_tokens`); none for prompt-only data (its prompts are text).
     Raises what `check_records` raises."""
+    return [sizes for sizes, _ in record_shapes(cfg, method)]
+
+
+def record_shapes(cfg: DataConfig, method: str = "sft") -> list[tuple[list[tuple[int, int]], int]]:
+    """Each good record's image sizes (as `record_image_sizes`) and the most tokens its text can become
+    (`text_tokens_bound`): what the planner sizes a vision-language trace's sequence from. Raises what
+    `check_records` raises."""
     if data_kind(method) == "prompt":
         return []
     files = read_files(cfg)
     formats, fmt = _formats(cfg, files, method)
     bad, good = _check_each(cfg, files, formats, True)
     checked(cfg, files, formats, fmt, bad)
-    return [sizes for _, sizes in good]
+    return [(sizes, bound) for _, sizes, bound in good]
 
 
-def _check_each(cfg: DataConfig, files: list[FileRead], formats: list[str], model_takes_images: bool
-                ) -> tuple[list[list[str]], list[tuple[int, list[tuple[int, int]]]]]:
+# the chat template's own tokens: around a conversation (a default system prompt included), per turn, per image
+TEMPLATE_TOKENS, TURN_TOKENS, IMAGE_WRAP_TOKENS = 64, 16, 8
+
+
+def text_tokens_bound(example: Example) -> int:
+    """At most how many tokens an example becomes besides its image tokens: each UTF-8 byte of its text at most
+    one token (byte-level BPE and byte-fallback SentencePiece alike), its tools' JSON, and the template's own
+    tokens (an upper bound: a preference example's prompt counted with both answers)."""
+    if isinstance(example, str):
+        return len(example.encode()) + TEMPLATE_TOKENS
+    turns = example.messages if isinstance(example, Chat) else \
+        example.prompt + example.chosen + (example.rejected or [])
+    tools = len(json.dumps(example.tools, ensure_ascii=False).encode()) if example.tools else 0
+    return (TEMPLATE_TOKENS + tools + sum(len(content_text(t["content"]).encode()) + TURN_TOKENS for t in turns)
+            + IMAGE_WRAP_TOKENS * len(images_of(example)))
+
+
+def _check_each(cfg: DataConfig, files: list[FileRead], formats: list[str], model_takes_images: bool,
+                count_image_tokens: TokenCounter | None = None
+                ) -> tuple[list[list[str]], list[tuple[int, list[tuple[int, int]], int]]]:
     """Every record of every file normalised and its images' headers read: each file's problem lines, and
-    (file index, image sizes) of each good record."""
+    (file index, image sizes, text_tokens_bound) of each good record (with `count_image_tokens`: its image
+    tokens fit max_seq_len)."""
     bad, good = [], []
     for i, (f, file_format, folder) in enumerate(zip(files, formats, data_folders(cfg), strict=True)):
         bad.append(list(f.read.problems))
         for record in f.read.records:
             try:
-                good.append((i, check_images(_example(record, file_format, cfg, folder), model_takes_images)))
+                example = _example(record, file_format, cfg, folder)
+                sizes = check_images(example, model_takes_images)
+                if count_image_tokens is not None and sizes:
+                    _check_image_tokens(cfg, count_image_tokens, sizes)
+                good.append((i, sizes, text_tokens_bound(example)))
             except RecordError as exc:
                 bad[-1].append(f"{record.where}: {exc}")
     return bad, good
+
+
+def _check_image_tokens(cfg: DataConfig, count: TokenCounter, sizes: list[tuple[int, int]]) -> None:
+    """RecordError where images of these sizes alone are more image tokens than max_seq_len at the pixel budget
+    (auto: the smallest it can pick, MIN_IMAGE_PIXELS, which the processor's own minimum bounds)."""
+    tokens = count(sizes, MIN_IMAGE_PIXELS if cfg.max_pixels == "auto" else cfg.max_pixels)
+    if tokens > cfg.max_seq_len:
+        raise RecordError(_image_tokens_problem(tokens, tokens, cfg.max_pixels, cfg.max_seq_len))
 
 
 def _where(problem: str) -> str:
@@ -433,22 +486,29 @@ class _Dropped:
     overlong: list[str] = field(default_factory=list)
     no_loss: list[str] = field(default_factory=list)
     by_file: Counter[int] = field(default_factory=Counter)  # examples dropped, by file index
+    bad: list[str] = field(default_factory=list)  # image records whose image tokens do not fit: bad records
 
 
 def _fit(items: list[_Prepared], examples: list[Sequences], cfg: DataConfig, encoder: ChatEncoder | None,
-         dropped: _Dropped) -> list[tuple[_Prepared, Sequences]]:
+         dropped: _Dropped, vision: VisionData | None = None) -> list[tuple[_Prepared, Sequences]]:
     """Apply data.overlong and drop examples without loss tokens, recording both in `dropped`; a preference
-    pair is cut, dropped or kept whole."""
+    pair is cut, dropped or kept whole. An image record (its images expanded by `vision`) is never cut inside an
+    image's tokens: one whose images end past max_seq_len is a bad record; otherwise only its end is cut."""
     kept = []
     for item, parts in zip(items, examples, strict=True):
         cut = any(len(ids) > cfg.max_seq_len for ids, _ in parts)
         answered = item.chat is None or all(spans for _, spans in filter(None, (item.chat, item.rejected)))
-        if cut and (cfg.overlong != "truncate" or item.images):  # an image's tokens are never cut
+        problem = _images_past(parts, cfg, vision) if cut and item.images else None
+        if problem is not None:
+            dropped.bad.append(f"{item.where}: {problem}")
+            dropped.by_file[item.file] += 1
+            continue
+        if cut and (cfg.overlong != "truncate" or (item.images and vision is None)):
             dropped.overlong.append(f"{item.where}: longer than data.max_seq_len={cfg.max_seq_len} tokens"
                                     + (" with its image tokens" if item.images else ""))
             dropped.by_file[item.file] += 1
             continue
-        if cut and answered and item.source is not None:
+        if cut and answered and item.source is not None and not item.images:  # cutting turns would lose images
             assert encoder is not None
             shorter = cut_prompt(item.source, encoder, cfg.max_seq_len)
             if shorter is not None:
@@ -458,7 +518,8 @@ def _fit(items: list[_Prepared], examples: list[Sequences], cfg: DataConfig, enc
         if not all(_loss_count(labels) for _, labels in parts):
             if cut and answered:
                 dropped.overlong.append(f"{item.where}: no answer token fits in data.max_seq_len="
-                                        f"{cfg.max_seq_len}, even with its prompt cut")
+                                        f"{cfg.max_seq_len}, " + ("after its image tokens (a prompt with images "
+                                        "is not cut)" if item.images else "even with its prompt cut"))
             else:
                 dropped.no_loss.append(f"{item.where}: " + (
                     "nothing to train on (no assistant turn with text)" if item.chat is not None else
@@ -468,6 +529,32 @@ def _fit(items: list[_Prepared], examples: list[Sequences], cfg: DataConfig, enc
         dropped.truncated += cut
         kept.append((item, parts))
     return kept
+
+
+def _images_past(parts: Sequences, cfg: DataConfig, vision: VisionData | None) -> str | None:
+    """Why an overlong image record cannot be cut (its image tokens, with the text before them, end past
+    max_seq_len; cutting inside them breaks the model's count of image features), and the fix; None where
+    every image ends within max_seq_len."""
+    if vision is None:
+        return None
+    after = len(vision.wrap[1])  # the tokens that close an image belong to it
+    for ids, _ in parts:
+        at = [i for i, tok in enumerate(ids) if tok == vision.image_token_id]
+        if at and at[-1] + 1 + after > cfg.max_seq_len:
+            return _image_tokens_problem(len(at), at[-1] + 1 + after, vision.max_pixels, cfg.max_seq_len)
+    return None
+
+
+def _image_tokens_problem(tokens: int, needed: int, max_pixels: int | str | None, max_seq_len: int) -> str:
+    """The bad-record line of a record whose images do not fit max_seq_len: the image tokens it needs at the
+    pixel budget, and the fix."""
+    budget = ("the smallest pixel budget data.max_pixels: auto tries" if max_pixels == "auto" else
+              f"data.max_pixels={max_pixels}" if max_pixels is not None else "the model's own pixel limit")
+    text = "" if needed == tokens else f" ({needed} tokens with the text before the last image's end)"
+    fix = ("raise data.max_seq_len" if max_pixels == "auto" else
+           "raise data.max_seq_len, or lower data.max_pixels (or set it to auto, which picks a budget that fits)")
+    return (f"its images need {tokens} image tokens at {budget}{text}, more than data.max_seq_len={max_seq_len}, "
+            f"and an image's tokens are never cut: {fix}")
 
 
 def _dataset(fitted: list[tuple[_Prepared, Sequences]], cfg: DataConfig, kind: str) -> Any:

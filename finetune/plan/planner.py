@@ -53,7 +53,7 @@ class Planner:
         self.traces: Bounded = Bounded(512)  # trace_step: one forward+backward's memory windows
         self.params: Bounded = Bounded(512)  # param_table_of: a cut model's parameters
         self.param_sums: Bounded = Bounded(4096)  # memory_model: weights, state, gradients of a cut model
-        self.images: Bounded = Bounded(16)  # search.planned_images: the data's largest image record, by data files
+        self.images: Bounded = Bounded(16)  # search.planned_example: each image record's sizes and text bound, by data files
         self.meta_kernels: dict[tuple, Any] = {}  # (op, inputs' metadata) -> outputs' metadata (None: not memoisable)
         self.functional: dict[Any, bool] = {}  # op -> its schema neither mutates nor aliases an argument
         self.models: dict[tuple, list[Any]] = {}  # meta models built for tracing, free for the next trace

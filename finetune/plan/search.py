@@ -47,7 +47,7 @@ from finetune.recipe.init_from import resolve_init_from
 from finetune.recipe.offload_tiers import STORES, tier_names, tier_spec
 from finetune.recipe.optimizers import auto_preferences
 from finetune.recipe.resolved import RunConfig, resolve
-from finetune.recipe.schema import SHARDED_STRATEGIES, STRATEGIES, Recipe, strategy_problems
+from finetune.recipe.schema import MIN_IMAGE_PIXELS, SHARDED_STRATEGIES, STRATEGIES, Recipe, strategy_problems
 from finetune.recipe.settings import Settings, inactive_settings, read_settings, write_settings
 from finetune.rl.step import scoring_passes, trace_objective
 from finetune.units import format_bytes, parse_bytes
@@ -283,16 +283,20 @@ def _refused(recipe: Recipe, st: dict[str, Any]) -> bool:
     return bool(strategy_problems(combined, st["strategy"]))
 
 
-def model_spec(recipe: Recipe, config: Any, device: str, planner: Planner = DEFAULT) -> ModelSpec:
+def model_spec(recipe: Recipe, config: Any, device: str, planner: Planner = DEFAULT,
+               full_length: bool = False) -> ModelSpec:
     """What the memory and speed models read of `recipe` and the model `config`, once; `planner`: whose caches
-    its traces go to."""
+    its traces go to; `full_length`: sequences of data.max_seq_len tokens (`predict`)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     loss = PreferenceLoss.of(recipe.training, reference_is_current(recipe))
     grpo = recipe.training.spec.generates
     objective = trace_objective(recipe.grpo) if grpo else "sft" if loss is None else loss.objective
+    example = planned_example(recipe, config, planner)
+    if full_length:
+        example = replace(example, seq_len=recipe.data.max_seq_len)
     return ModelSpec(
         config=config, adapter=recipe.adapter, dtype=target_dtype(recipe, device),
-        attn=model_facts(config, recipe.model.attn_implementation, planner)[1], device=device, seq_len=recipe.data.max_seq_len,
+        attn=model_facts(config, recipe.model.attn_implementation, planner)[1], device=device, seq_len=example.seq_len,
         num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
         optimizer=recipe.optimizer, double_quant=recipe.quantization.double_quant,
         offload_min_size=recipe.memory.offload_min_size, offload_cpu_limit=recipe.memory.offload_cpu_limit,
@@ -303,7 +307,7 @@ def model_spec(recipe: Recipe, config: Any, device: str, planner: Planner = DEFA
         rows_per_example=1 if loss is None else loss.rows_per_example,
         reference_adapter=loads_reference_adapter(recipe), num_generations=recipe.grpo.num_generations if grpo else 0,
         scoring_passes=scoring_passes(recipe.grpo) if grpo else 0, iterations=recipe.grpo.num_iterations if grpo else 1,
-        planner=planner, images=planned_images(recipe, config, planner))
+        planner=planner, images=example.grids)
 
 
 def vision_costs(spec: ModelSpec) -> dict[str, int]:
@@ -314,7 +318,8 @@ def vision_costs(spec: ModelSpec) -> dict[str, int]:
     params = param_table_of(model_key(spec.config, spec.adapter, spec.dtype, spec.planner), 1, spec.planner)
     real = real_config(spec.config)
     return {"vision_weights": sum(p.numel * p.bytes_per_elem for p in params if in_vision(p.name)),
-            "images": len(spec.images), "image_tokens": sum(image_tokens(real, g) for g in spec.images)}
+            "images": len(spec.images), "image_tokens": sum(image_tokens(real, g) for g in spec.images),
+            "sequence": spec.seq_len}
 
 
 def pixel_budgets(recipe: Recipe, config: Any) -> list[int]:
@@ -342,28 +347,82 @@ def _stat(path: str) -> os.stat_result | None:
         return None
 
 
-def planned_images(recipe: Recipe, config: Any, planner: Planner = DEFAULT) -> tuple[Grid, ...]:
-    """A vision-language model's image grids of one example: the data's record with the most image pixels,
-    resized as its processor resizes (data.max_pixels); () for a text model or data without images (a plan
-    made before the data exists prices text only)."""
+@dataclass(frozen=True)
+class PlannedExample:
+    """The example a plan traces: its image grids (a vision-language model's record with the most image tokens
+    at the pixel budget; () for text), the sequence length traced, and how many records' images alone do not fit
+    data.max_seq_len at that budget (bad records the data build skips or refuses: never traced)."""
+
+    grids: tuple[Grid, ...]
+    seq_len: int
+    too_long: int = 0
+
+
+def planned_example(recipe: Recipe, config: Any, planner: Planner = DEFAULT) -> PlannedExample:
+    """What the plan traces. A text model, or data without images (or not there yet): data.max_seq_len, as
+    always. Data with images: the images of the record with the most image tokens (at data.max_pixels, each
+    resized as its processor resizes) in a sequence as long as the longest record's image tokens and text bound
+    (`text_tokens_bound`), at most max_seq_len: the image budget sets the sequence, so a smaller budget plans a
+    shorter one."""
+    max_seq_len = recipe.data.max_seq_len
+    records = _image_records(recipe, config, planner)
+    if not any(sizes for sizes, _ in records):
+        return PlannedExample((), max_seq_len)
+    real = real_config(config)
+    pixels = recipe.data.max_pixels
+    budget = None if pixels == "auto" else pixels
+    most: tuple[int, tuple[Grid, ...]] = (0, ())  # the most image tokens of a record that fits, its grids
+    longest = too_long = 0  # the longest record that fits (image tokens and text bound); those that do not fit
+    seen: dict[tuple[tuple[int, int], ...], tuple[tuple[Grid, ...], int]] = {}  # records of the same image sizes
+    for sizes, text in records:
+        key = tuple(sizes)
+        if key not in seen:
+            grids = planned_grids(real, recipe.model.path, sizes, budget)
+            seen[key] = grids, sum(image_tokens(real, g) for g in grids)
+        grids, tokens = seen[key]
+        if tokens + len(grids) + 1 > max_seq_len:  # the trace's layout: a token before and after each image
+            too_long += 1
+            continue
+        most = max(most, (tokens, grids), key=lambda x: x[0])
+        longest = max(longest, tokens + text)
+    if not most[1]:  # no image record fits: text only, as the build keeps it
+        return PlannedExample((), max_seq_len, too_long)
+    return PlannedExample(most[1], min(max_seq_len, longest), too_long)
+
+
+def _image_records(recipe: Recipe, config: Any, planner: Planner) -> list[tuple[list[tuple[int, int]], int]]:
+    """Each good record's image sizes (from the headers) and text bound, read once per data and its files'
+    versions (`data.max_pixels: auto` plans several budgets); [] for a text model or data not readable yet."""
     family = family_for(model_type_of(config))
     if family is None or family.vision is None:
-        return ()
-    from finetune.data.build import record_image_sizes
+        return []
+    from finetune.data.build import record_shapes
 
     data, method = recipe.data, recipe.training.method
     files = [data.path] if isinstance(data.path, str) else [f.path for f in data.path]
     stamps = tuple((f, s.st_mtime_ns, s.st_size) for f in files if (s := _stat(f)) is not None)
-
-    def largest() -> list[tuple[int, int]]:  # the record whose images hold the most pixels, from the headers
-        return max(record_image_sizes(data, method), key=lambda sizes: sum(w * h for w, h in sizes), default=[])
-
-    try:  # read once per data (and its files' versions): `data.max_pixels: auto` plans several budgets
-        sizes = planner.images.get_or_compute((data.model_dump_json(), method, stamps), largest)
+    key = data.model_dump_json(exclude={"max_pixels", "max_seq_len"})
+    try:
+        return planner.images.get_or_compute((key, method, stamps), lambda: record_shapes(data, method))
     except FinetuneError:
-        return ()
-    pixels = recipe.data.max_pixels
-    return planned_grids(real_config(config), recipe.model.path, sizes, None if pixels == "auto" else pixels)
+        return []
+
+
+def fitting_budgets(recipe: Recipe, config: Any, budgets: list[int], planner: Planner = DEFAULT) -> list[int]:
+    """Of `budgets` (data.max_pixels auto's, largest first) those at which every record's images fit
+    data.max_seq_len: an image's tokens are never cut, so a budget that makes a record too long would lose it.
+    Where none does, the largest smaller budget that does (halving, in whole 28 x 28 cells, down to
+    MIN_IMAGE_PIXELS); where none ever does, `budgets` (those records are bad records the data build reports)."""
+    def fits(pixels: int) -> bool:
+        return planned_example(write_settings(recipe, {"max_pixels": pixels}), config, planner).too_long == 0
+
+    good = [b for b in budgets if fits(b)]
+    smaller = budgets[-1] // 2 // MIN_IMAGE_PIXELS * MIN_IMAGE_PIXELS
+    while not good and smaller >= MIN_IMAGE_PIXELS:
+        if fits(smaller):
+            good = [smaller]
+        smaller = smaller // 2 // MIN_IMAGE_PIXELS * MIN_IMAGE_PIXELS
+    return good or budgets
 
 
 def free_disk_bytes(path: Path) -> int:
@@ -427,24 +486,28 @@ def _check_expert_room(cand: Candidate, spec: ModelSpec, settings: Settings, fre
 
 
 def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str | None = None,
-            device: str | None = None, training_only: bool = False, planner: Planner = DEFAULT) -> Plan:
+            device: str | None = None, training_only: bool = False, planner: Planner = DEFAULT,
+            full_length: bool = False) -> Plan:
     """Plan a run without loading weights: resolve `auto` settings to the fastest configuration that fits.
     `training_only`: price the training step alone, not what precedes it (training.precompute_reference's
-    pass): a re-plan during training, after an out-of-memory error. `planner`: whose in-memory caches the
+    pass): a re-plan during training, after an out-of-memory error. `full_length`: sequences of
+    data.max_seq_len tokens even where the data's image records are shorter (how long a context fits). `planner`: whose in-memory caches the
     plan uses (`Planner()`: caches of its own)."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() or gpu_memory not in (None, "auto") else "cpu"
     recipe = resolve_init_from(recipe)  # adapter.init_from: price the adapter's own shape
     config = model_config or planned_config(recipe.model.path, recipe.model.trust_remote_code, planner)
     budgets = pixel_budgets(recipe, config)
-    if budgets:  # data.max_pixels auto: the largest image budget whose plan fits, else the smallest's plan
+    if budgets:
+        budgets = fitting_budgets(recipe, config, budgets, planner)  # data.max_pixels auto: the largest image budget whose plan fits, else the smallest's plan
         for pixels in budgets:
             plan = predict(write_settings(recipe, {"max_pixels": pixels}), model_config=config,
-                           gpu_memory=gpu_memory, device=device, training_only=training_only, planner=planner)
+                           gpu_memory=gpu_memory, device=device, training_only=training_only, planner=planner,
+                           full_length=full_length)
             if plan.fits:
                 break
         return plan
-    spec = replace(model_spec(recipe, config, device, planner), reference_pass=not training_only)
+    spec = replace(model_spec(recipe, config, device, planner, full_length), reference_pass=not training_only)
     budget = _budget(recipe, gpu_memory, "cuda" if torch.cuda.is_available() and device == "cuda" else "cpu")
     shapes = model_facts(config, recipe.model.attn_implementation, planner)[0]
     choices = _choices(recipe, spec)

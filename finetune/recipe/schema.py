@@ -157,13 +157,15 @@ class DataConfig(Section):
         "auto", description="Record format; auto detects it from the first records. preference: prompt/chosen/"
         "rejected (strings or message lists); sharegpt_preference: conversations + chosen + rejected turns; kto: "
         "prompt/completion + boolean label.")
-    max_seq_len: int = Field(1024, ge=8, le=2**20, description="Longest sequence in tokens; the memory plan is made for it.")
+    max_seq_len: int = Field(1024, ge=8, le=2**20, description="Longest sequence in tokens; the memory plan is made for it (data with images: for its longest record, at most this).")
     validation_split: float = Field(0.0, ge=0, lt=1, description="Fraction of records held out for evaluation.")
     overlong: Literal["truncate", "drop", "error"] = Field(
         "truncate", description="Examples longer than max_seq_len. truncate: cut the prompt (oldest turns first, "
         "then the start of the last user message; the system message stays if it fits) so the answer keeps its "
         "tokens, then cut the end; a record whose answer still cannot start within max_seq_len is dropped and "
-        "counted with a warning. drop: leave them out and count them. error: stop and name them.")
+        "counted with a warning. drop: leave them out and count them. error: stop and name them. An image's tokens "
+        "are never cut: an image record whose images end past max_seq_len is a bad record (data.on_bad_record), "
+        "and truncate cuts only its end.")
     on_bad_record: Literal["error", "skip"] = Field("error", description="Stop on a malformed record, or skip and count it.")
     packing: bool = Field(False, description="Pack several examples into one sequence (no cross-attention between them).")
     assistant_only_loss: bool = Field(True, description="Chat formats: compute the loss only on assistant turns.")
@@ -174,7 +176,8 @@ class DataConfig(Section):
     max_pixels: Annotated[int, Field(ge=MIN_IMAGE_PIXELS, le=MAX_IMAGE_PIXELS)] | Auto | None = Field(
         "auto", description="Vision-language models: the most pixels (width x height) an image keeps; a larger one is "
         "resized down, keeping its aspect ratio, before it becomes image tokens (fewer pixels: fewer tokens, less "
-        "memory). auto: the planner picks the largest budget whose memory peak fits, up to the model's own limit "
+        "memory). auto: the planner picks the largest budget whose memory peak fits and at which every record's "
+        "image tokens fit max_seq_len, up to the model's own limit "
         "(its preprocessor_config.json); null: the model's own limit. Qwen2/2.5/3-VL: the processor's max_pixels; SmolVLM and Idefics3: the "
         "longest edge, in whole tiles; Llama 3.2 Vision: the number of tiles; Gemma 3 sees every image at its fixed "
         "size; Mistral 3: the longest edge (the budget's square root, in whole 28-pixel blocks). Text-only models "
