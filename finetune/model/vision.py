@@ -45,6 +45,8 @@ def vision_data(config: Any, path: Path, tokenizer: Any, max_pixels: int | None 
     written = tokenizer.convert_tokens_to_ids(layout.written or layout.image_token)
     wrap = tuple(tokenizer.encode(text, add_special_tokens=False) if text else [] for text in layout.wrap)
     per_image = tile_tokens(config) if layout.kind == "idefics3" else getattr(config, "mm_tokens_per_image", None)
+    if layout.kind == "mllama":  # one token per image: the text reads its tiles through cross-attention
+        per_image = 1
     return VisionData(load_image_processor(path, family), layout, token, written, wrap, per_image, max_pixels)
 
 

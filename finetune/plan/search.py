@@ -330,6 +330,10 @@ def pixel_budgets(recipe: Recipe, config: Any) -> list[int]:
     limit = own.get("max_pixels") or (own.get("size") or {}).get("longest_edge") or PIXEL_BUDGETS[0]
     if layout is not None and layout.kind == "idefics3":  # its limit is the long side's (a bare config: 4 tiles')
         limit = ((own.get("size") or {}).get("longest_edge") or 4 * real_config(config).vision_config.image_size) ** 2
+    if layout is not None and layout.kind == "mllama":  # its tiles' pixels (a bare config: the tower's)
+        vision = real_config(config).vision_config
+        limit = ((own.get("size") or {}).get("height") or vision.image_size) ** 2 * own.get("max_image_tiles",
+                                                                                           vision.max_num_tiles)
     return sorted({min(b, int(limit)) for b in PIXEL_BUDGETS}, reverse=True)
 
 

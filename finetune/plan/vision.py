@@ -20,7 +20,7 @@ from finetune.model.source import config_location
 from finetune.model.vision import tile_tokens
 
 # an image's (temporal, height, width) patches, as image_grid_thw holds it; Idefics3: (tiles, tile height, tile
-# width), its tiles and the whole image in pixels
+# width), its tiles and the whole image in pixels; Llama 3.2 Vision: (tiles, tile rows, tile columns) it fills
 Grid = tuple[int, int, int]
 
 
@@ -52,6 +52,11 @@ def image_grid(config: Any, processor: dict[str, Any], width: int, height: int, 
                "size": {"longest_edge": 4 * vision.image_size}, **processor}  # a bare config.json: the checkpoints' 4 tiles
         tiles, _, tile_h, tile_w = image_inputs(own, width, height, max_pixels).pixel_values
         return (tiles, tile_h, tile_w)
+    if _kind(config) == "mllama":  # a bare config.json: the tower's tile size and count
+        own = {"image_processor_type": "MllamaImageProcessor", "max_image_tiles": vision.max_num_tiles,
+               "size": {"height": vision.image_size, "width": vision.image_size}, **processor}
+        rows, cols = image_inputs(own, width, height, max_pixels).grid
+        return (rows * cols, rows, cols)
     patch = processor.get("patch_size", vision.patch_size)
     merge = processor.get("merge_size", vision.spatial_merge_size)
     size = processor.get("size") or {}
@@ -74,6 +79,8 @@ def image_tokens(config: Any, grid: Grid) -> int:
         return config.mm_tokens_per_image
     if _kind(config) == "idefics3":
         return grid[0] * tile_tokens(config)
+    if _kind(config) == "mllama":  # its one token; the image's tiles reach the text by cross-attention
+        return 1
     merge = config.vision_config.spatial_merge_size
     return grid[0] * grid[1] * grid[2] // merge ** 2
 
@@ -102,6 +109,13 @@ def trace_batch(config: Any, rows: int, seq_len: int, grids: tuple[Grid, ...]) -
         tiles, high, wide = rows * sum(g[0] for g in grids), max(g[1] for g in grids), max(g[2] for g in grids)
         batch["pixel_values"] = torch.ones(1, tiles, vision.num_channels, high, wide)
         batch["pixel_attention_mask"] = torch.ones(1, tiles, high, wide, dtype=torch.long)
+    elif layout.kind == "mllama":  # every row's images, each padded to the tower's tiles, read from their token on
+        tiles, images = vision.max_num_tiles, len(grids)
+        batch["pixel_values"] = torch.empty(rows, images, tiles, vision.num_channels, vision.image_size,
+                                            vision.image_size, device="meta")
+        batch["aspect_ratio_ids"] = torch.ones(rows, images, dtype=torch.long, device="meta")
+        batch["aspect_ratio_mask"] = torch.ones(rows, images, tiles, dtype=torch.long, device="meta")
+        batch["cross_attention_mask"] = torch.ones(rows, seq_len, images, tiles, dtype=torch.long, device="meta")
     else:  # the processor's flattened patches and each image's grid
         patches = rows * sum(t * h * w for t, h, w in grids)
         width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
