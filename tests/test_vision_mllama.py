@@ -143,6 +143,36 @@ def test_the_cross_attention_layers_get_lora_and_checkpointing_and_the_tower_sta
         assert (trained == []) if vision == "frozen" else (trained and all("lora_" in n for n in trained))
 
 
+def test_the_frozen_vision_tower_keeps_nothing_for_backward(tmp_path, mllama):
+    """transformers' activation_checkpointing_enable makes every sub-model's input embedding output require
+    grad, the vision tower's patch embedding too, which would keep the frozen tower's activations (gigabytes at
+    11B) for a backward that reaches no trained weight: the tower saves nothing, the language model does."""
+    from finetune.memory.step import enable_checkpointing
+    from finetune.model.adapter import apply_adapter
+    from finetune.model.family import vision_parts
+    from finetune.model.load import load_model
+    from finetune.recipe.schema import AdapterConfig, ModelConfig, QuantizationConfig
+
+    bundle, _ = _build(mllama, shapes_data(tmp_path, 1))
+    model, _, _ = load_model(ModelConfig(path=str(mllama)), QuantizationConfig(bits=None))
+    model = apply_adapter(model, AdapterConfig(r=4), checkpointing=True)
+    enable_checkpointing(model, True, 1)
+    model.train()
+    where, saved = ["text"], {"vision": 0, "text": 0}
+    for part in vision_parts(model).values():
+        part.register_forward_pre_hook(lambda *_: where.__setitem__(0, "vision"))
+        part.register_forward_hook(lambda *_: where.__setitem__(0, "text"))
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved[where[0]] += tensor.numel()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(**bundle.collator([bundle.train[0]])).loss.backward()
+    assert saved["vision"] == 0 and saved["text"] > 0, saved
+    assert any(p.grad is not None for n, p in model.named_parameters() if "cross_attn" in n and "lora_" in n)
+
+
 def test_mllama_trains_on_mixed_batches_and_the_loss_falls(tmp_path, mllama):
     path = recipe(tmp_path, mllama, mixed_data(tmp_path, 4),
                   training={"max_steps": 12, "learning_rate": 1e-2, "micro_batch_size": 8})
@@ -171,9 +201,10 @@ def test_dpo_on_images_shares_the_prompts_pictures_and_plans_within_5_percent(tm
     assert seen is not None and abs(seen["peak_bytes"] / _measured(tmp_path / "run") - 1) <= 0.05
 
 
-def test_generate_answers_about_an_image_and_resume_is_exact(tmp_path, mllama, capsys):
-    """`finetune generate RUN --image`: several new tokens, each step reading the picture (the model extends the
-    cross_attention_mask per step); the answer is the API's; then 3 steps + --resume to 6 equal 6 straight."""
+def test_resume_is_exact_generate_answers_about_an_image_and_export(tmp_path, mllama, capsys):
+    """3 steps + --resume to 6 equal 6 straight; `finetune generate RUN --image`: several new tokens, each step
+    reading the picture (the model extends the cross_attention_mask per step), the API's answer; GGUF export
+    refused in one line, merged safetensors answer as the run does."""
     data = shapes_data(tmp_path)
     constant = {"lr_scheduler": "constant"}
     assert main(["run", str(recipe(tmp_path, mllama, data, "straight", training={"max_steps": 6, **constant}))]) == 0
@@ -188,13 +219,29 @@ def test_generate_answers_about_an_image_and_resume_is_exact(tmp_path, mllama, c
     assert sorted(resumed) == list(range(1, 7))
     for step in range(4, 7):
         assert resumed[step] == pytest.approx(reference[step], rel=1e-5), step
+    from transformers import AutoModelForImageTextToText
+
+    from finetune.model.chat import prompt_inputs, user_turn
+    from finetune.model.trained import load_trained, vision_of
+
     capsys.readouterr()
     image = tmp_path / "images" / "0.png"
     run_dir = tmp_path / "straight"
     assert main(["generate", str(run_dir), "--prompt", QUESTION, "--image", str(image), "--max-new-tokens", "5"]) == 0
     answer = capsys.readouterr().out.strip()
     assert answer == api.generate(run_dir, QUESTION, image=image, max_new_tokens=5).strip()
+    model, tokenizer = load_trained(run_dir, quantize=False)
+    vision = vision_of(run_dir, model, tokenizer)
     assert len(answer) > 3 and answer == _greedy_without_cache(run_dir, image, 5), answer
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "gguf"), "--format", "gguf"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "llama.cpp has no Llama 3.2 Vision support" in err and "Traceback" not in err
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "merged")]) == 0
+    merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged").eval()
+    assert (tmp_path / "merged" / "preprocessor_config.json").is_file()
+    inputs = dict(prompt_inputs(tokenizer, [user_turn(QUESTION, image)], None, vision))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(**inputs).logits, model(**inputs).logits, rtol=1e-4, atol=1e-4)
 
 
 def _greedy_without_cache(run_dir: Path, image: Path, steps: int) -> str:
