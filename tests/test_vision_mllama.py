@@ -112,11 +112,11 @@ def test_max_pixels_narrows_the_tiles_and_the_model_still_gets_its_own(tmp_path,
     assert narrow["cross_attention_mask"][0, :, 0, 1].sum() == 0 and full["cross_attention_mask"][0, -1, 0].tolist() == [1, 1]
 
 
-@pytest.mark.parametrize("vision", ["frozen", "lora"])
+@pytest.mark.parametrize("vision", ["frozen", "lora", "full"])
 def test_the_cross_attention_layers_get_lora_and_checkpointing_and_the_tower_stays_16_bit(mllama, vision):
     """QLoRA: every decoder layer, the cross-attention one too, is found by the layer discovery and
     checkpointed, its projections in 4 bits with LoRA beside them; the vision tower and projector are never
-    quantized, frozen unless adapter.vision says lora."""
+    quantized, frozen unless adapter.vision says lora or full."""
     import bitsandbytes as bnb
 
     from finetune.memory.step import enable_checkpointing
@@ -140,7 +140,10 @@ def test_the_cross_attention_layers_get_lora_and_checkpointing_and_the_tower_sta
     for part in parts.values():
         assert not any(isinstance(m, bnb.nn.Linear4bit) for m in part.modules())
         trained = [n for n, p in part.named_parameters() if p.requires_grad]
-        assert (trained == []) if vision == "frozen" else (trained and all("lora_" in n for n in trained))
+        if vision == "frozen":
+            assert trained == []
+        else:  # lora: LoRA beside the tower's Linear layers; full: its own weights (peft's modules_to_save)
+            assert trained and all(("lora_" in n) == (vision == "lora") for n in trained)
 
 
 def test_the_frozen_vision_tower_keeps_nothing_for_backward(tmp_path, mllama):
@@ -264,3 +267,31 @@ def _greedy_without_cache(run_dir: Path, image: Path, steps: int) -> str:
             mask = inputs["cross_attention_mask"]
             inputs["cross_attention_mask"] = torch.cat([mask, mask[:, -1:]], 1)
     return tokenizer.decode(new, skip_special_tokens=True).strip()
+
+
+def test_the_full_size_model_plans_its_tower_over_every_tile(tmp_path):
+    """Llama-3.2-11B-Vision from its published config.json: the vision tower and projector priced in 16 bits,
+    one image token per picture, and the frozen tower's 4 tiles cost the same at every pixel budget (the tower
+    always reads all 4 tile slots), so `data.max_pixels: auto` keeps the model's whole 4 tiles."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from tests.test_vision_model import _pictures, _plan_recipe
+
+    config = Path(__file__).parent / "fixtures" / "configs" / "llama-3.2-11b-vision.json"
+    plans = {}
+    for pixels in ("auto", 560 * 560):
+        folder = tmp_path / str(pixels)
+        folder.mkdir()
+        path = _plan_recipe(folder, _pictures(folder, [(1500, 1100)]), max_pixels=pixels, max_seq_len=1024)
+        values = yaml.safe_load(path.read_text())
+        values["model"]["path"] = str(config)
+        path.write_text(yaml.safe_dump(values))
+        plans[pixels] = api.plan(api.load_recipe(path))
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(config))
+    tower = sum(p.numel() for part in (model.model.vision_model, model.model.multi_modal_projector)
+                for p in part.parameters())
+    chosen = plans["auto"]
+    assert chosen.vision == {"vision_weights": 2 * tower, "images": 1, "image_tokens": 1}
+    assert chosen.settings["max_pixels"] == 4 * 560 * 560 and chosen.fits
+    assert plans[560 * 560].peak_bytes == chosen.peak_bytes
