@@ -18,7 +18,7 @@ from finetune import api
 from finetune.cli import main
 from finetune.rundir import read_jsonl
 from finetune.testing import vision_model
-from tests.test_vision_train import _measured, preference_data, recipe, shapes_data
+from tests.test_vision_train import _measured, assert_resume_exact, preference_data, recipe, shapes_data
 
 QUESTION = "What colour is the picture?"
 
@@ -208,25 +208,12 @@ def test_resume_is_exact_generate_answers_about_an_image_and_export(tmp_path, ml
     """3 steps + --resume to 6 equal 6 straight; `finetune generate RUN --image`: several new tokens, each step
     reading the picture (the model extends the cross_attention_mask per step), the API's answer; GGUF export
     refused in one line, merged safetensors answer as the run does."""
-    data = shapes_data(tmp_path)
-    constant = {"lr_scheduler": "constant"}
-    assert main(["run", str(recipe(tmp_path, mllama, data, "straight", training={"max_steps": 6, **constant}))]) == 0
-    first = recipe(tmp_path, mllama, data, "resumed", training={"max_steps": 3, **constant}, output={"save_steps": 3})
-    assert main(["run", str(first)]) == 0
-    again = yaml.safe_load(first.read_text())
-    again["training"]["max_steps"] = 6
-    first.write_text(yaml.safe_dump(again))
-    assert main(["run", str(first), "--resume"]) == 0
-    reference = {r["step"]: r["loss"] for r in read_jsonl(tmp_path / "straight" / "metrics.jsonl") if "loss" in r}
-    resumed = {r["step"]: r["loss"] for r in read_jsonl(tmp_path / "resumed" / "metrics.jsonl") if "loss" in r}
-    assert sorted(resumed) == list(range(1, 7))
-    for step in range(4, 7):
-        assert resumed[step] == pytest.approx(reference[step], rel=1e-5), step
     from transformers import AutoModelForImageTextToText
 
     from finetune.model.chat import prompt_inputs, user_turn
     from finetune.model.trained import load_trained, vision_of
 
+    assert_resume_exact(tmp_path, mllama)
     capsys.readouterr()
     image = tmp_path / "images" / "0.png"
     run_dir = tmp_path / "straight"

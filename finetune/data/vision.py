@@ -143,7 +143,9 @@ class VisionData:
             if not paths:
                 num_tiles.append([])
                 continue
-            out = processed.get(tuple(paths)) or processed.setdefault(tuple(paths), self.process(paths))
+            if tuple(paths) not in processed:
+                processed[tuple(paths)] = self.process(paths)
+            out = processed[tuple(paths)]
             values = out["pixel_values"][0]  # [images, tiles under data.max_pixels, channels, height, width]
             if pixels is None:
                 pixels = values.new_zeros((len(rows), most, tiles, *values.shape[2:]))
