@@ -259,29 +259,49 @@ def _greedy_without_cache(run_dir: Path, image: Path, steps: int) -> str:
 def test_the_full_size_model_plans_its_tower_over_every_tile(tmp_path):
     """Llama-3.2-11B-Vision from its published config.json: the vision tower and projector priced in 16 bits,
     one image token per picture, and the frozen tower's 4 tiles cost the same at every pixel budget (the tower
-    always reads all 4 tile slots), so `data.max_pixels: auto` keeps the model's whole 4 tiles."""
+    always reads all 4 tile slots), so `data.max_pixels: auto` keeps the model's whole 4 tiles; text alone
+    skips the cross-attention layers, a picture makes them read its 4 x 1,601 vision tokens."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from tests.test_vision_model import _pictures, _plan_recipe
+    from tests.test_vision_model import ROOT, _pictures, _plan_recipe
 
-    config = Path(__file__).parent / "fixtures" / "configs" / "llama-3.2-11b-vision.json"
-    plans = {}
-    for pixels in ("auto", 560 * 560):
-        folder = tmp_path / str(pixels)
+    config = ROOT / "tests" / "fixtures" / "configs" / "llama-3.2-11b-vision.json"
+
+    def plan(name: str, pixels: int | str, pictures: bool = True):
+        folder = tmp_path / name
         folder.mkdir()
-        path = _plan_recipe(folder, _pictures(folder, [(1500, 1100)]), max_pixels=pixels, max_seq_len=1024)
+        data = _pictures(folder, [(1500, 1100)]) if pictures else ROOT / "recipes" / "data" / "quickstart.jsonl"
+        path = _plan_recipe(folder, data, max_pixels=pixels, max_seq_len=1024)
         values = yaml.safe_load(path.read_text())
         values["model"]["path"] = str(config)
         path.write_text(yaml.safe_dump(values))
-        plans[pixels] = api.plan(api.load_recipe(path))
+        return api.plan(api.load_recipe(path))
+
+    chosen, one_tile, text = plan("auto", "auto"), plan("one-tile", 560 * 560), plan("text", "auto", False)
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(config))
     tower = sum(p.numel() for part in (model.model.vision_model, model.model.multi_modal_projector)
                 for p in part.parameters())
-    chosen = plans["auto"]
     assert chosen.vision == {"vision_weights": 2 * tower, "images": 1, "image_tokens": 1}
     assert chosen.settings["max_pixels"] == 4 * 560 * 560 and chosen.fits
-    assert plans[560 * 560].peak_bytes == chosen.peak_bytes
+    assert one_tile.peak_bytes == chosen.peak_bytes
+    assert text.vision["images"] == 0 and text.breakdown["activations"] < chosen.breakdown["activations"]
+
+
+def test_the_planner_prices_the_cross_attention_layers_by_their_share():
+    """The planner traces cut copies (a first layer and copies of one kind above it) and weighs them by each
+    kind's share: Llama-3.2-11B-Vision's 8 cross-attention layers among the 39 above its first."""
+    from transformers import AutoConfig
+
+    from finetune.model.family import CROSS, attention_kinds
+    from finetune.plan.shapes import kind_variants, with_layers
+
+    config = AutoConfig.from_pretrained(Path(__file__).parent / "fixtures" / "configs" / "llama-3.2-11b-vision.json")
+    assert attention_kinds(config).count(CROSS) == 8
+    variants = {len(c.text_config.cross_attention_layers) > 0: (c, w) for c, w in kind_variants(config, lambda: config)}
+    assert variants[True][1] == pytest.approx(8 / 39) and variants[False][1] == pytest.approx(31 / 39)
+    assert with_layers(variants[True][0], 3).text_config.cross_attention_layers == [1, 2]
+    assert with_layers(variants[False][0], 3).text_config.cross_attention_layers == []
 
 
 def test_two_images_in_a_record_each_read_until_the_next_and_the_plan_holds(tmp_path, mllama):
