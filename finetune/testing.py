@@ -166,6 +166,17 @@ VISION_ARCHITECTURES["mistral3"] = ("Mistral3Config", {
     _parts_template("[IMG]"),
     {"image_processor_type": "PixtralImageProcessor", "patch_size": {"height": 14, "width": 14},
      "size": {"longest_edge": 112}})
+# Llama 3.2 Vision (mllama): a two-block tower (one global block) over 56 x 56 tiles, at most 2 tiles per image,
+# read by the middle of three text layers, a cross-attention one; the text holds one <|image|> token per image.
+VISION_ARCHITECTURES["mllama"] = ("MllamaConfig", {
+    "text_config": {"num_hidden_layers": 3, "cross_attention_layers": [1], "bos_token_id": 1},
+    "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_global_layers": 1,
+                      "attention_heads": 2, "image_size": 56, "patch_size": 14, "max_num_tiles": 2,
+                      "supported_aspect_ratios": [[1, 1], [1, 2], [2, 1]], "intermediate_layers_indices": [0],
+                      "vision_output_dim": 64}},
+    {"image_token_index": "<|image|>"}, _parts_template("<|image|>"),
+    {"image_processor_type": "MllamaImageProcessor", "size": {"height": 56, "width": 56}, "max_image_tiles": 2,
+     "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]})
 # SmolVLM2: Idefics3's layout under its own config class and image processor name
 VISION_ARCHITECTURES["smolvlm"] = ("SmolVLMConfig", *VISION_ARCHITECTURES["idefics3"][1:4],
                                    {**VISION_ARCHITECTURES["idefics3"][4], "image_processor_type": "SmolVLMImageProcessor"})
@@ -315,6 +326,9 @@ def vision_model(arch: str, folder: str | Path, seed: int = 0, **overrides) -> P
         for weight in model.parameters():
             if weight.ndim > 1 and not weight.any():
                 weight.normal_(0.0, config.get_text_config().initializer_range)
+        for name, param in model.named_parameters():  # Llama 3.2 Vision's cross-attention gates start closed
+            if name.endswith(("cross_attn_attn_gate", "cross_attn_mlp_gate")):
+                param.fill_(1.0)
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     (folder / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))

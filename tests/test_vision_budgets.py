@@ -16,7 +16,8 @@ CONFIGS = ROOT / "tests" / "fixtures" / "configs"
 MODELS = {"Qwen2.5-VL-3B-Instruct": "qwen2.5-vl-3b.json", "Qwen3-VL-8B-Instruct": "qwen3-vl-8b.json",
           "gemma-3-4b-it": "gemma-3-4b-it.json", "SmolVLM-256M-Instruct": "smolvlm-256m.json",
           "SmolVLM-Instruct (2.2B)": "smolvlm-2.2b.json",
-          "Mistral-Small-3.1-24B-Instruct": "mistral-small-3.1-24b.json"}
+          "Mistral-Small-3.1-24B-Instruct": "mistral-small-3.1-24b.json",
+          "Llama-3.2-11B-Vision-Instruct": "llama-3.2-11b-vision.json"}
 BEGIN, END = "<!-- pixel budgets: generated", "<!-- end of the generated table -->"
 
 

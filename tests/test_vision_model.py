@@ -243,8 +243,6 @@ def test_a_full_size_smolvlm_plans_its_tiles_and_vision_tower(tmp_path, name):
 
 @pytest.mark.parametrize("model_type, arch, vision, text, why", [
     ("llava", "LlavaForConditionalGeneration", "clip_vision_model", "llama", "no family describes"),
-    # Llama 3.2 Vision: known, refused saying what is missing
-    ("mllama", "MllamaForConditionalGeneration", "mllama_vision_model", "mllama_text_model", "cross-attention"),
 ])
 def test_a_vision_language_architecture_no_family_trains_is_one_line(tmp_path, capsys, model_type, arch, vision, text,
                                                                      why):

@@ -109,12 +109,17 @@ def test_the_loss_on_the_answers_falls(tmp_path, vlm):
 def test_resume_is_exact(tmp_path, arch):
     """Each vision family: 3 steps, then --resume to 6 (constant schedule), equal to 6 straight steps: the
     images' order and inputs are a function of the seed and the step."""
-    vlm = vision_model(arch, tmp_path / "model")
+    assert_resume_exact(tmp_path, vision_model(arch, tmp_path / "model"))
+
+
+def assert_resume_exact(tmp_path: Path, model: Path) -> None:
+    """Runs `straight` (6 steps) and `resumed` (3, then --resume to 6) in `tmp_path` on shapes_data's pictures
+    there; the resumed steps' losses equal the straight ones'."""
     data = shapes_data(tmp_path, n=6)
     constant = {"lr_scheduler": "constant"}
-    straight = recipe(tmp_path, vlm, data, "straight", training={"max_steps": 6, **constant})
+    straight = recipe(tmp_path, model, data, "straight", training={"max_steps": 6, **constant})
     assert main(["run", str(roomy(straight))]) == 0
-    first = roomy(recipe(tmp_path, vlm, data, "resumed", training={"max_steps": 3, **constant},
+    first = roomy(recipe(tmp_path, model, data, "resumed", training={"max_steps": 3, **constant},
                          output={"save_steps": 3}))
     assert main(["run", str(first)]) == 0
     again = yaml.safe_load(first.read_text())

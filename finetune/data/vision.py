@@ -24,6 +24,8 @@ from finetune.data.image_tokens import pixel_overrides
 from finetune.recipe.families import VisionLayout
 
 if TYPE_CHECKING:
+    import torch
+
     from finetune.data.batch import Batch
 
 # image processor outputs the model's forward does not take (the full processor drops them too)
@@ -155,6 +157,10 @@ class VisionData:
 
         def collate(examples: list[dict[str, Any]]) -> Batch:
             batch = dict(base([{k: v for k, v in e.items() if k != "images"} for e in examples]))  # a Batch reads as a mapping
+            if self.layout.kind == "mllama":  # per row: its own images and the tokens that read them
+                rows = [list(e.get("images") or []) for e in examples] * rows_per_example
+                batch.update(self.cross_attention_inputs(batch["input_ids"], rows))
+                return Batch.of(batch)
             paths = [p for e in examples for p in e.get("images") or []] * rows_per_example
             if paths:
                 batch.update({k: v for k, v in self.process(paths).items() if k not in _PROCESSOR_ONLY})
@@ -162,3 +168,53 @@ class VisionData:
                 batch[self.layout.token_types] = (batch["input_ids"] == self.image_token_id).int()
             return Batch.of(batch)  # the image inputs go to Batch.extra, passed to the model's forward
         return collate
+
+    def cross_attention_inputs(self, input_ids: torch.Tensor, rows: Sequence[Sequence[str]]) -> dict[str, Any]:
+        """Llama 3.2 Vision's image inputs, per row of `input_ids`: each row's images (`rows`: their paths) as
+        pixel_values [rows, images, tiles, channels, height, width], every image padded to the vision tower's
+        tiles and every row to the most images; aspect_ratio_ids / aspect_ratio_mask (each image's tile
+        arrangement, as the model's own list numbers them); and cross_attention_mask [rows, tokens, images, tiles]:
+        the tokens from an image's token on read that image's tiles, as transformers' MllamaProcessor builds it.
+        {} when no row has an image: the model then skips its cross-attention layers."""
+        import numpy as np
+        import torch
+        from transformers.models.mllama.image_processing_pil_mllama import get_all_supported_aspect_ratios
+        from transformers.models.mllama.processing_mllama import (
+            convert_sparse_cross_attention_mask_to_dense,
+            get_cross_attention_token_mask,
+        )
+
+        if not any(rows):
+            return {}
+        tiles = self.processor.max_image_tiles  # the model folder's own: the vision tower's max_num_tiles
+        arrangements = get_all_supported_aspect_ratios(tiles)
+        most = max(len(paths) for paths in rows)
+        processed: dict[tuple[str, ...], dict[str, Any]] = {}  # a pair's chosen and rejected rows share images
+        pixels = ids = mask = None
+        num_tiles: list[list[int]] = []
+        for i, paths in enumerate(rows):
+            if not paths:
+                num_tiles.append([])
+                continue
+            if tuple(paths) not in processed:
+                processed[tuple(paths)] = self.process(paths)
+            out = processed[tuple(paths)]
+            values = out["pixel_values"][0]  # [images, tiles under data.max_pixels, channels, height, width]
+            if pixels is None:
+                pixels = values.new_zeros((len(rows), most, tiles, *values.shape[2:]))
+                ids = torch.zeros(len(rows), most, dtype=torch.long)
+                mask = torch.zeros(len(rows), most, tiles, dtype=torch.long)
+                mask[:, :, 0] = 1  # padding images keep one tile, as the processor pads them
+            narrowed = get_all_supported_aspect_ratios(values.shape[1])  # data.max_pixels may narrow the tiles
+            pixels[i, :len(paths), :values.shape[1]] = values
+            ids[i, :len(paths)] = torch.tensor([arrangements.index(narrowed[int(a) - 1]) + 1
+                                                for a in out["aspect_ratio_ids"][0]])
+            mask[i, :len(paths), :values.shape[1]] = out["aspect_ratio_mask"][0]
+            num_tiles.append(list(out["num_tiles"][0]))
+        tokens = [get_cross_attention_token_mask(row.tolist(), self.image_token_id) for row in input_ids]
+        cross = np.zeros((len(rows), input_ids.shape[1], most, tiles), dtype=np.int64)
+        if any(tokens):
+            dense = convert_sparse_cross_attention_mask_to_dense(tokens, num_tiles, tiles, input_ids.shape[1])
+            cross[:, :, :dense.shape[2]] = dense[:, :, :most]
+        return {"pixel_values": pixels, "aspect_ratio_ids": ids, "aspect_ratio_mask": mask,
+                "cross_attention_mask": torch.from_numpy(cross)}

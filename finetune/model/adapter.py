@@ -10,7 +10,7 @@ import torch
 
 from finetune.errors import ModelLoadError
 from finetune.model.moe import adapter_targets, stored_elements
-from finetune.model.vision import freeze_vision, vision_adapter
+from finetune.model.vision import freeze_vision, inputs_require_grad, vision_adapter
 from finetune.recipe.init_from import KEY, StartAdapter, read_weights, start_adapter
 from finetune.recipe.schema import AdapterConfig
 from finetune.units import torch_dtype
@@ -61,7 +61,7 @@ def apply_adapter(model: torch.nn.Module, cfg: AdapterConfig, *, checkpointing: 
     if checkpointing:
         # With a frozen base the embeddings output has no grad; checkpointed blocks then see no input that
         # requires grad. This hook makes the embedding output require grad (cheap, no extra memory).
-        model.enable_input_require_grads()
+        inputs_require_grad(model)
     targets = adapter_targets(model, cfg.target_modules, cfg.target_experts)
     vision = vision_adapter(model, cfg.vision)
     model = get_peft_model(model, lora_config(cfg, targets=targets, vision=vision))

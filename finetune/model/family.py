@@ -25,6 +25,7 @@ from finetune.recipe.families import Family, check_config_data
 
 # Attention kinds of a decoder layer (the values of transformers' config.layer_types, as the planner sees them).
 FULL, SLIDING, LINEAR, CONV = "full_attention", "sliding_attention", "linear_attention", "conv"
+CROSS = "cross_attention"  # Llama 3.2 Vision's layers that attend to the image features, not to the text
 
 
 def text_config(config: Any) -> Any:
@@ -104,10 +105,14 @@ def dense_mlp(layer: nn.Module, family: Family | None = None) -> nn.Module | Non
 
 def attention_kinds(config: Any) -> list[str]:
     """Each decoder layer's kind: full_attention, sliding_attention, linear_attention (Qwen3.5's Gated
-    DeltaNet) or conv (LFM2's short convolutions), from the config's layer_types where it has them."""
+    DeltaNet), conv (LFM2's short convolutions) or cross_attention (Llama 3.2 Vision's cross_attention_layers),
+    from the config's layer_types where it has them."""
     text = text_config(config)
     kinds = getattr(text, "layer_types", None)
     if kinds:
         return [str(k) for k in kinds]
+    crossed = getattr(text, "cross_attention_layers", None)
+    if crossed:
+        return [CROSS if i in crossed else FULL for i in range(text.num_hidden_layers)]
     sliding = getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
     return [SLIDING if sliding else FULL] * text.num_hidden_layers

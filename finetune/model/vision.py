@@ -10,11 +10,13 @@ that processor's output, as the processor itself does.
 from __future__ import annotations
 
 import re
+import weakref
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from finetune.data.vision import VisionData
 from finetune.errors import ModelLoadError
@@ -46,6 +48,8 @@ def vision_data(config: Any, path: Path, tokenizer: Any, max_pixels: int | None 
     written = tokenizer.convert_tokens_to_ids(layout.written or layout.image_token)
     wrap = tuple(tokenizer.encode(text, add_special_tokens=False) if text else [] for text in layout.wrap)
     per_image = tile_tokens(config) if layout.kind == "idefics3" else getattr(config, "mm_tokens_per_image", None)
+    if layout.kind == "mllama":  # one token per image: the text reads its tiles through cross-attention
+        per_image = 1
     processor, breaks = load_image_processor(path, family), None
     if layout.kind == "pixtral":  # resized to whole merged blocks, as PixtralProcessor has its image processor do
         unit = config.vision_config.patch_size * config.spatial_merge_size
@@ -94,3 +98,42 @@ def in_vision(name: str) -> bool:
     """Whether a module or parameter name lies inside a vision tower or projector (the planner's parameter
     table names them as the model does)."""
     return re.fullmatch(_IN_VISION, name) is not None
+
+
+# a Llama 3.2 Vision model's token embedding -> the hook that makes its output require grad (inputs_require_grad)
+_GRAD_HOOKS: weakref.WeakKeyDictionary[nn.Module, RemovableHandle] = weakref.WeakKeyDictionary()
+
+
+def _output_requires_grad(module: nn.Module, inputs: Any, output: Any) -> None:
+    output.requires_grad_(True)
+
+
+def reads_images_by_cross_attention(model: nn.Module) -> bool:
+    """Llama 3.2 Vision: its vision tower always runs over every tile of every image (4 x 1,601 patches, 40
+    layers), and its language model reads the result through cross-attention layers."""
+    layout = family_of(model.config).vision if vision_parts(model) else None
+    return layout is not None and layout.kind == "mllama"
+
+
+def inputs_require_grad(model: nn.Module) -> None:
+    """A frozen base under activation checkpointing: the token embeddings' output requires grad, so each
+    checkpointed layer sees an input that does (transformers' enable_input_require_grads, which its
+    activation_checkpointing_enable also calls). transformers hooks every sub-model's input embedding, a vision
+    tower's patch embedding too, so a frozen tower keeps its activations for a backward that reaches no
+    trained weight: for Llama 3.2 Vision (6 GiB at 11B) only the language model's embedding is hooked. The other
+    vision families keep transformers' hooks, which their plans and pixel budgets are measured with."""
+    if not reads_images_by_cross_attention(model):
+        model.enable_input_require_grads()
+        return
+    model.disable_input_require_grads()
+    embedding = model.get_input_embeddings()
+    if embedding not in _GRAD_HOOKS:
+        _GRAD_HOOKS[embedding] = embedding.register_forward_hook(_output_requires_grad)
+
+
+def inputs_require_grad_off(model: nn.Module) -> None:
+    """Undo `inputs_require_grad` (a lent model handed back as it was loaded)."""
+    model.disable_input_require_grads()
+    handle = _GRAD_HOOKS.pop(model.get_input_embeddings(), None)
+    if handle is not None:
+        handle.remove()

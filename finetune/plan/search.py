@@ -337,6 +337,10 @@ def pixel_budgets(recipe: Recipe, config: Any) -> list[int]:
         limit = ((own.get("size") or {}).get("longest_edge") or 4 * real_config(config).vision_config.image_size) ** 2
     if layout is not None and layout.kind == "pixtral":  # its limit is the long side's (a bare config: the tower's)
         limit = ((own.get("size") or {}).get("longest_edge") or real_config(config).vision_config.image_size) ** 2
+    if layout is not None and layout.kind == "mllama":  # its tiles' pixels (a bare config: the tower's)
+        vision = real_config(config).vision_config
+        limit = ((own.get("size") or {}).get("height") or vision.image_size) ** 2 * own.get("max_image_tiles",
+                                                                                           vision.max_num_tiles)
     return sorted({min(b, int(limit)) for b in PIXEL_BUDGETS}, reverse=True)
 
 

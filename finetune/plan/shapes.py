@@ -77,6 +77,8 @@ def select_layers(config: Any, keep: list[int]) -> Any:
         data["num_hidden_layers"] = len(keep)
         if data.get("layer_types"):
             data["layer_types"] = [data["layer_types"][s] for s in keep]
+        if data.get("cross_attention_layers") is not None:
+            data["cross_attention_layers"] = _kept(data["cross_attention_layers"], keep)
         cfg = type(config).from_dict(data)
         set_attn_implementation(cfg, attn_implementation(config))
         return cfg
@@ -84,12 +86,20 @@ def select_layers(config: Any, keep: list[int]) -> Any:
     cfg.num_hidden_layers = len(keep)
     if getattr(cfg, "layer_types", None) is not None:
         cfg.layer_types = [config.layer_types[s] for s in keep]
+    if getattr(cfg, "cross_attention_layers", None) is not None:
+        cfg.cross_attention_layers = _kept(config.cross_attention_layers, keep)
     return cfg
+
+
+def _kept(indices: list[int], keep: list[int]) -> list[int]:
+    """Llama 3.2 Vision's cross_attention_layers (layer indices) in the copy that keeps the layers `keep`."""
+    return [i for i, s in enumerate(keep) if s in indices]
 
 
 def kind_variants(config: Any, real: Callable[[], Any]) -> list[tuple[Any, float]]:
     """Uniform stand-ins of a model whose layers above the first are of several kinds (sliding-window and full
-    attention, LFM2's convolutions and attention, Qwen3.5's linear and full attention), each with its weight.
+    attention, LFM2's convolutions and attention, Qwen3.5's linear and full attention, Llama 3.2 Vision's
+    cross-attention and self-attention), each with its weight.
 
     Why: the planner traces copies of 2 and 3 layers (or blocks) and extrapolates linearly in the layer count,
     which prices every added layer like the copy's added one, and the top layer's recomputation like the
@@ -100,7 +110,8 @@ def kind_variants(config: Any, real: Callable[[], Any]) -> list[tuple[Any, float
     one kind above its first layer is its own single variant.
     `real()`: the transformers config, asked for only where variants are made (the planner's cached configs
     know layer_types without loading it)."""
-    if not getattr(text_config(config), "layer_types", None):  # one kind of layer
+    text = text_config(config)
+    if not (getattr(text, "layer_types", None) or getattr(text, "cross_attention_layers", None)):  # one kind
         return [(config, 1.0)]
     above = attention_kinds(config)[1:]
     if len(set(above)) < 2:

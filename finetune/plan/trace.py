@@ -553,7 +553,8 @@ class _TextFacts:
 
 # The dimensions above, and the mixture-of-experts facts `finetune.model.moe.moe_config` reads (None: absent).
 TEXT_FACTS = ("num_hidden_layers", "hidden_size", "vocab_size", "max_position_embeddings", "layer_types",
-              *EXPERT_COUNT_FIELDS, "num_experts_per_tok", "router_aux_loss_coef", "output_router_logits")
+              *EXPERT_COUNT_FIELDS, "num_experts_per_tok", "router_aux_loss_coef", "output_router_logits",
+              "cross_attention_layers")
 
 
 def _source_fingerprint(path: str, trust_remote_code: bool) -> list | None:

@@ -21,7 +21,8 @@ from finetune.model.source import config_location
 from finetune.model.vision import tile_tokens
 
 # an image's (temporal, height, width) patches, as image_grid_thw holds it; Idefics3: (rows, cols, tile side in
-# pixels), its rows x cols tiles (0 x 0: not split) and the whole image
+# pixels), its rows x cols tiles (0 x 0: not split) and the whole image; Llama 3.2 Vision: (tiles, tile
+# rows, tile columns) it fills
 Grid = tuple[int, int, int]
 
 
@@ -63,6 +64,11 @@ def image_grid(config: Any, processor: dict[str, Any], width: int, height: int, 
         own = {"image_processor_type": "PixtralImageProcessor", "size": {"longest_edge": vision.image_size},
                **processor, "patch_size": vision.patch_size, "spatial_merge_size": config.spatial_merge_size}
         return (1, *image_inputs(own, width, height, max_pixels).grid)
+    if _kind(config) == "mllama":  # a bare config.json: the tower's tile size and count
+        own = {"image_processor_type": "MllamaImageProcessor", "max_image_tiles": vision.max_num_tiles,
+               "size": {"height": vision.image_size, "width": vision.image_size}, **processor}
+        rows, cols = image_inputs(own, width, height, max_pixels).grid
+        return (rows * cols, rows, cols)
     patch = processor.get("patch_size", vision.patch_size)
     merge = processor.get("merge_size", vision.spatial_merge_size)
     size = processor.get("size") or {}
@@ -87,6 +93,8 @@ def image_tokens(config: Any, grid: Grid) -> int:
         return tiled_prompt_tokens(grid[0], grid[1], tile_tokens(config))
     if _kind(config) == "pixtral":  # an [IMG] per block, a break (the last one the image's end) per row
         return grid[1] * (grid[2] + 1)
+    if _kind(config) == "mllama":  # its one token; the image's tiles reach the text by cross-attention
+        return 1
     merge = config.vision_config.spatial_merge_size
     return grid[0] * grid[1] * grid[2] // merge ** 2
 
@@ -122,6 +130,13 @@ def trace_batch(config: Any, rows: int, seq_len: int, grids: tuple[Grid, ...]) -
         high, wide = unit * max(g[1] for g in grids), unit * max(g[2] for g in grids)
         batch["pixel_values"] = torch.empty(rows * len(grids), vision.num_channels, high, wide, device="meta")
         batch["image_sizes"] = torch.tensor([[unit * g[1], unit * g[2]] for g in grids] * rows, dtype=torch.long)
+    elif layout.kind == "mllama":  # every row's images, each padded to the tower's tiles, read from their token on
+        tiles, images = vision.max_num_tiles, len(grids)
+        batch["pixel_values"] = torch.empty(rows, images, tiles, vision.num_channels, vision.image_size,
+                                            vision.image_size, device="meta")
+        batch["aspect_ratio_ids"] = torch.ones(rows, images, dtype=torch.long, device="meta")
+        batch["aspect_ratio_mask"] = torch.ones(rows, images, tiles, dtype=torch.long, device="meta")
+        batch["cross_attention_mask"] = torch.ones(rows, seq_len, images, tiles, dtype=torch.long, device="meta")
     else:  # the processor's flattened patches and each image's grid
         patches = rows * sum(t * h * w for t, h, w in grids)
         width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2

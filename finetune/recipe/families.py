@@ -67,7 +67,8 @@ class VisionLayout:
     # multimodal rotary positions; Gemma 3's token_type_ids: images attend to themselves both ways)
     token_types: str | None = None
     # how an image becomes tokens: qwen2_vl (patch grid), gemma3 (a fixed count), idefics3 (tiles of the image
-    # plus the whole image, a fixed count each)
+    # plus the whole image, a fixed count each), mllama (one token per image: the text reads the image's tiles
+    # through cross-attention layers)
     kind: str = "qwen2_vl"
     # the token the chat template writes for an image, when not image_token, and the text the processor puts
     # around the repeated image tokens in its place (Gemma 3: "\n\n<start_of_image>", "<end_of_image>\n\n")
@@ -219,14 +220,14 @@ FAMILIES: tuple[Family, ...] = (
                    "[IMG_BREAK] embedding), which this writer does not write yet",
            vision=VisionLayout("PixtralImageProcessorPil", "[IMG]", kind="pixtral",
                                breaks=("[IMG_BREAK]", "[IMG_END]"))),
+    Family("Llama 3.2 Vision", ("mllama",), "Llama-3.2-11B/90B-Vision(-Instruct)", "vision transformer over up "
+           "to 4 tiles of each image (a local and a gated global encoder), read by cross-attention layers placed "
+           "between the full attention text layers; one token per image in the text", methods=_VISION_METHODS,
+           no_gguf="llama.cpp has no Llama 3.2 Vision support (its cross-attention layers and tiled vision tower)",
+           vision=VisionLayout("MllamaImageProcessorPil", "<|image|>", kind="mllama")),
 )
 
 VISION_HINT = "use a text-only checkpoint of the family, or a vision-language family docs/models.md lists"
-# Vision-language architectures known and not trained yet: why, for their one-line refusal.
-VISION_NOT_YET = {
-    "mllama": "Llama 3.2 Vision's cross-attention layers read a per-token image mask (cross_attention_mask) and "
-              "each image's tile aspect ratios, which the data build does not make yet",
-}
 
 
 def family_for(model_type: str) -> Family | None:
@@ -253,9 +254,6 @@ def check_config_data(config: dict[str, Any], where: str) -> Family:
     vision = any(key in config for key in ("vision_config", "vision_tower", "visual"))
     if vision and not (family is not None and (family.text_of_vision or family.vision is not None)):
         supported = ", ".join(t for f in FAMILIES if f.vision is not None for t in f.model_types)
-        if model_type in VISION_NOT_YET:
-            raise UnsupportedModel(f"model.path {where}: {named} is not supported yet: {VISION_NOT_YET[model_type]} "
-                                   f"(vision-language model_types: {supported})", hint=VISION_HINT)
         raise UnsupportedModel(f"model.path {where}: {named} is a vision-language model no family describes "
                                f"(vision-language model_types: {supported})", hint=VISION_HINT)
     if family is None:

@@ -46,7 +46,9 @@ from finetune.memory.device_memory import usable_gpu_memory
 from finetune.memory.layer_recompute import apply_layer_recompute
 from finetune.memory.offload import activation_offload, preflight_offload
 from finetune.memory.offload_disk import OffloadDirError
+from finetune.memory.step import enable_checkpointing
 from finetune.model.family import decoder_layers
+from finetune.model.vision import inputs_require_grad
 from finetune.plan import predict
 from finetune.recipe.load import recipe_to_yaml
 from finetune.recipe.resolved import resolve
@@ -192,10 +194,9 @@ class OOMRecovery(Policy):
         old, new = resolve(self.recipe).settings, resolve(choice.recipe).settings
         model = loop.accelerator.unwrap_model(loop.model)
         if new.activation_checkpointing and not old.activation_checkpointing:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
-                                                  every_n_layers=new.checkpoint_every_n_layers)
+            enable_checkpointing(model, True, new.checkpoint_every_n_layers)
             if self.recipe.adapter.type != "full":
-                model.enable_input_require_grads()  # a frozen base: see finetune.model.adapter.apply_adapter
+                inputs_require_grad(model)  # a frozen base: see finetune.model.adapter.apply_adapter
         if new.offload != old.offload:
             loop.set_memory(offload=activation_offload(loop.model, choice.recipe.memory, self.run_root))
         if new.chunked_loss != old.chunked_loss:

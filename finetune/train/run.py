@@ -249,6 +249,7 @@ def give_back(base: LoadedModel | None) -> None:
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     from finetune.memory.layer_recompute import restore_layers
+    from finetune.model.vision import inputs_require_grad_off
 
     model = base.model
     for name, module in list(model.named_modules()):
@@ -257,7 +258,7 @@ def give_back(base: LoadedModel | None) -> None:
             setattr(model.get_submodule(parent), attr, module.get_base_layer())
     model.__dict__.pop("peft_config", None)  # get_peft_model records its config on the wrapped model
     restore_layers(model)
-    model.disable_input_require_grads()
+    inputs_require_grad_off(model)
     if model.is_activation_checkpointing:
         model.activation_checkpointing_disable()
     model.zero_grad(set_to_none=True)
