@@ -219,7 +219,7 @@ FAMILIES: tuple[Family, ...] = (
            "Pixtral vision encoder (2D rotary positions, any aspect ratio), 2x2 patches merged into one token, before "
            "full attention text layers", methods=_VISION_METHODS,
            gguf=GGUFLayout("MISTRAL3", permute_qk=True, sliding_window=False, yarn=True, yarn_log_mul=1.0,
-                           note=_PROJECTOR_NOTE + " (with the [IMG_BREAK] embedding)"),
+                           note=_PROJECTOR_NOTE + ", with the [IMG_BREAK] embedding"),
            vision=VisionLayout("PixtralImageProcessorPil", "[IMG]", kind="pixtral",
                                breaks=("[IMG_BREAK]", "[IMG_END]"), projector="PIXTRAL")),
 )
