@@ -88,6 +88,24 @@ def _values(tensor) -> np.ndarray:
     return np.asarray(tensor.data, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
 
 
+def _assert_llama_layout(tensors: dict, weights: dict, text, prefix: str) -> None:
+    """The language model's file holds its weights (under `prefix` in transformers' state dict) and the head,
+    nothing of the vision part, with Llama's rotary q/k rows interleaved per head (llama.cpp's converter's
+    permute), as llama.cpp's llama and mistral3 architectures read them."""
+    from tests.test_gguf_families import _permute
+
+    assert not any(n.startswith(("v.", "mm.")) for n in tensors)
+    layer = f"{prefix}layers.1.self_attn"
+    np.testing.assert_array_equal(_values(tensors["blk.1.attn_q.weight"]),
+                                  _permute(weights[f"{layer}.q_proj.weight"], text.num_attention_heads))
+    np.testing.assert_array_equal(_values(tensors["blk.1.attn_k.weight"]),
+                                  _permute(weights[f"{layer}.k_proj.weight"], text.num_key_value_heads))
+    np.testing.assert_array_equal(_values(tensors["blk.1.attn_v.weight"]), weights[f"{layer}.v_proj.weight"])
+    np.testing.assert_array_equal(_values(tensors["token_embd.weight"]), weights[f"{prefix}embed_tokens.weight"])
+    np.testing.assert_array_equal(_values(tensors["output.weight"]), weights["lm_head.weight"])
+    assert len(tensors) == len([k for k in weights if k.startswith(prefix)]) + 1
+
+
 def _trained_run(tmp_path_factory, arch: str, **overrides):
     """A one-step LoRA run of a tiny random `arch` on the shape task."""
     from finetune.testing import vision_model
@@ -326,8 +344,6 @@ def idefics3_run(request, tmp_path_factory):
 
 def test_an_idefics3_run_exports_its_language_model_and_projector_file(idefics3_run, tmp_path):
 
-    from tests.test_gguf_families import _permute
-
     projector, text_file, model, weights = _export(idefics3_run, tmp_path / "gguf")
     config, vision = model.config, model.config.vision_config
     fields, tensors = _projector(projector, config, "idefics3", _siglip_keys(vision))
@@ -346,17 +362,7 @@ def test_an_idefics3_run_exports_its_language_model_and_projector_file(idefics3_
     text = config.text_config
     assert fields["general.architecture"] == "llama" and fields["llama.block_count"] == text.num_hidden_layers
     assert fields["llama.embedding_length"] == text.hidden_size and fields["llama.vocab_size"] == text.vocab_size
-    assert not any(n.startswith(("v.", "mm.")) for n in tensors)
-    layer = "model.text_model.layers.1.self_attn"
-    np.testing.assert_array_equal(_values(tensors["blk.1.attn_q.weight"]),  # Llama's rotary rows interleaved
-                                  _permute(weights[f"{layer}.q_proj.weight"], text.num_attention_heads))
-    np.testing.assert_array_equal(_values(tensors["blk.1.attn_k.weight"]),
-                                  _permute(weights[f"{layer}.k_proj.weight"], text.num_key_value_heads))
-    np.testing.assert_array_equal(_values(tensors["blk.1.attn_v.weight"]), weights[f"{layer}.v_proj.weight"])
-    np.testing.assert_array_equal(_values(tensors["token_embd.weight"]),
-                                  weights["model.text_model.embed_tokens.weight"])
-    np.testing.assert_array_equal(_values(tensors["output.weight"]), weights["lm_head.weight"])
-    assert len(tensors) == len([k for k in weights if k.startswith("model.text_model.")]) + 1
+    _assert_llama_layout(tensors, weights, text, "model.text_model.")
 
 
 def test_an_idefics3_f16_projector_keeps_its_embeddings_f32(idefics3_run, tmp_path):
@@ -448,7 +454,6 @@ def test_a_mistral3_run_exports_its_language_model_and_projector_file(mistral3_r
     from transformers import AutoTokenizer
     from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
-    from tests.test_gguf_families import _permute
 
     projector, text_file, model, weights = _export(mistral3_run, tmp_path / "gguf")
     config, vision = model.config, model.config.vision_config
@@ -469,17 +474,7 @@ def test_a_mistral3_run_exports_its_language_model_and_projector_file(mistral3_r
     text, arch = config.text_config, "mistral3"
     assert fields["general.architecture"] == arch and fields[f"{arch}.block_count"] == text.num_hidden_layers
     assert fields[f"{arch}.attention.key_length"] == text.head_dim == fields[f"{arch}.rope.dimension_count"]
-    assert not any(n.startswith(("v.", "mm.")) for n in tensors)
-    layer = "model.language_model.layers.1.self_attn"
-    np.testing.assert_array_equal(_values(tensors["blk.1.attn_q.weight"]),  # Llama's rotary rows interleaved
-                                  _permute(weights[f"{layer}.q_proj.weight"], text.num_attention_heads))
-    np.testing.assert_array_equal(_values(tensors["blk.1.attn_k.weight"]),
-                                  _permute(weights[f"{layer}.k_proj.weight"], text.num_key_value_heads))
-    np.testing.assert_array_equal(_values(tensors["blk.1.attn_v.weight"]), weights[f"{layer}.v_proj.weight"])
-    np.testing.assert_array_equal(_values(tensors["token_embd.weight"]),
-                                  weights["model.language_model.embed_tokens.weight"])
-    np.testing.assert_array_equal(_values(tensors["output.weight"]), weights["lm_head.weight"])
-    assert len(tensors) == len([k for k in weights if k.startswith("model.language_model.")]) + 1
+    _assert_llama_layout(tensors, weights, text, "model.language_model.")
     keys, rope = gguf.Keys, text.rope_parameters
     scaling = {keys.Rope.SCALING_FACTOR: rope.get("factor"),
                keys.Rope.SCALING_ORIG_CTX_LEN: rope.get("original_max_position_embeddings"),
