@@ -88,22 +88,24 @@ def _values(tensor) -> np.ndarray:
     return np.asarray(tensor.data, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
 
 
-def _assert_llama_layout(tensors: dict, weights: dict, text, prefix: str) -> None:
-    """The language model's file holds its weights (under `prefix` in transformers' state dict) and the head,
-    nothing of the vision part, with Llama's rotary q/k rows interleaved per head (llama.cpp's converter's
-    permute), as llama.cpp's llama and mistral3 architectures read them."""
+def _llama_expected(weights: dict, text, prefix: str) -> dict:
+    """llama.cpp's converter's tensors for a Llama-layout language model (its weights under `prefix` in
+    transformers' state dict, the head outside): every layer's, the embedding, final norm and head, with the
+    rotary q/k rows interleaved per head (its LlamaModel permute), as llama.cpp's llama and mistral3 read them."""
     from tests.test_gguf_families import _permute
 
-    assert not any(n.startswith(("v.", "mm.")) for n in tensors)
-    layer = f"{prefix}layers.1.self_attn"
-    np.testing.assert_array_equal(_values(tensors["blk.1.attn_q.weight"]),
-                                  _permute(weights[f"{layer}.q_proj.weight"], text.num_attention_heads))
-    np.testing.assert_array_equal(_values(tensors["blk.1.attn_k.weight"]),
-                                  _permute(weights[f"{layer}.k_proj.weight"], text.num_key_value_heads))
-    np.testing.assert_array_equal(_values(tensors["blk.1.attn_v.weight"]), weights[f"{layer}.v_proj.weight"])
-    np.testing.assert_array_equal(_values(tensors["token_embd.weight"]), weights[f"{prefix}embed_tokens.weight"])
-    np.testing.assert_array_equal(_values(tensors["output.weight"]), weights["lm_head.weight"])
-    assert len(tensors) == len([k for k in weights if k.startswith(prefix)]) + 1
+    expected = {"token_embd.weight": weights[f"{prefix}embed_tokens.weight"],
+                "output_norm.weight": weights[f"{prefix}norm.weight"], "output.weight": weights["lm_head.weight"]}
+    for b in range(text.num_hidden_layers):
+        layer = f"{prefix}layers.{b}"
+        for hf, short in (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "ffn_norm"),
+                          ("self_attn.v_proj", "attn_v"), ("self_attn.o_proj", "attn_output"),
+                          ("mlp.gate_proj", "ffn_gate"), ("mlp.up_proj", "ffn_up"), ("mlp.down_proj", "ffn_down")):
+            expected[f"blk.{b}.{short}.weight"] = weights[f"{layer}.{hf}.weight"]
+        for hf, short, heads in (("q_proj", "attn_q", text.num_attention_heads),
+                                 ("k_proj", "attn_k", text.num_key_value_heads)):
+            expected[f"blk.{b}.{short}.weight"] = _permute(weights[f"{layer}.self_attn.{hf}.weight"], heads)
+    return expected
 
 
 def _trained_run(tmp_path_factory, arch: str, **overrides):
@@ -362,7 +364,7 @@ def test_an_idefics3_run_exports_its_language_model_and_projector_file(idefics3_
     text = config.text_config
     assert fields["general.architecture"] == "llama" and fields["llama.block_count"] == text.num_hidden_layers
     assert fields["llama.embedding_length"] == text.hidden_size and fields["llama.vocab_size"] == text.vocab_size
-    _assert_llama_layout(tensors, weights, text, "model.text_model.")
+    _assert_written_f32(tensors, _llama_expected(weights, text, "model.text_model."))
 
 
 def test_an_idefics3_f16_projector_keeps_its_embeddings_f32(idefics3_run, tmp_path):
@@ -454,7 +456,6 @@ def test_a_mistral3_run_exports_its_language_model_and_projector_file(mistral3_r
     from transformers import AutoTokenizer
     from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
-
     projector, text_file, model, weights = _export(mistral3_run, tmp_path / "gguf")
     config, vision = model.config, model.config.vision_config
     fields, tensors = _projector(projector, config, "pixtral", {
@@ -474,8 +475,12 @@ def test_a_mistral3_run_exports_its_language_model_and_projector_file(mistral3_r
     text, arch = config.text_config, "mistral3"
     assert fields["general.architecture"] == arch and fields[f"{arch}.block_count"] == text.num_hidden_layers
     assert fields[f"{arch}.attention.key_length"] == text.head_dim == fields[f"{arch}.rope.dimension_count"]
-    _assert_llama_layout(tensors, weights, text, "model.language_model.")
+    assert fields[f"{arch}.attention.head_count_kv"] == text.num_key_value_heads
+    assert fields[f"{arch}.vocab_size"] == text.vocab_size and fields[f"{arch}.embedding_length"] == text.hidden_size
     keys, rope = gguf.Keys, text.rope_parameters
+    assert fields[f"{arch}.rope.freq_base"] == rope["rope_theta"]
+    assert fields[f"{arch}.attention.layer_norm_rms_epsilon"] == pytest.approx(text.rms_norm_eps)
+    _assert_written_f32(tensors, _llama_expected(weights, text, "model.language_model."))
     scaling = {keys.Rope.SCALING_FACTOR: rope.get("factor"),
                keys.Rope.SCALING_ORIG_CTX_LEN: rope.get("original_max_position_embeddings"),
                keys.Rope.SCALING_YARN_BETA_FAST: rope.get("beta_fast"),
