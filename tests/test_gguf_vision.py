@@ -511,20 +511,26 @@ def mistral3_folder(tmp_path_factory):
     return vision_model("mistral3", tmp_path_factory.mktemp("mistral3") / "model")
 
 
-def _mistral3_projector(folder, path, tokenizer=None, **changes):
-    """write_projector on a random tiny Mistral 3 whose config `changes` sets (vision_config.KEY for a vision
-    setting), with the folder's image processor and tokenizer (or `tokenizer`)."""
-    import torch
-    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
-
-    from finetune.export.gguf_vision import write_projector
+def _mistral3_config(**changes):
+    """A tiny Mistral 3 config that `changes` sets (vision_config.KEY for a vision setting)."""
     from finetune.testing import tiny_config
 
     config = tiny_config("mistral3", rms_norm_eps=1e-5)
     for key, value in changes.items():
         owner, _, attr = key.rpartition(".")
         setattr(config.vision_config if owner else config, attr, value)
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    return config
+
+
+def _mistral3_projector(folder, path, tokenizer=None, **changes):
+    """write_projector on a random tiny Mistral 3 (_mistral3_config(**changes)), with the folder's image
+    processor and tokenizer (or `tokenizer`)."""
+    import torch
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    from finetune.export.gguf_vision import write_projector
+
+    model = AutoModelForImageTextToText.from_config(_mistral3_config(**changes), dtype=torch.float32)
     return write_projector(model, AutoImageProcessor.from_pretrained(folder), path, qtype="f32",
                            tokenizer=tokenizer or AutoTokenizer.from_pretrained(folder))
 
@@ -538,14 +544,18 @@ def _mistral3_projector(folder, path, tokenizer=None, **changes):
 def test_a_mistral3_projector_llama_cpp_computes_otherwise_is_refused_in_one_line(mistral3_folder, tmp_path,
                                                                                 changes, named):
     """What llama.cpp's pixtral graph hard-codes (the tower's rotary base, the projector's GELU, the last vision
-    layer's features) or its converter refuses (a tower activation other than SiLU or GELU)."""
+    layer's features) or its converter refuses (a tower activation other than SiLU or GELU): refused from the
+    config before the model loads, and by the writer itself."""
     from finetune.errors import UsageError
+    from finetune.export.gguf_vision import check_vision_exportable
 
-    with pytest.raises(UsageError) as refused:
-        _mistral3_projector(mistral3_folder, tmp_path / "mmproj.gguf", **changes)
-    line = str(refused.value).splitlines()[0]  # the reason, then the hint
-    assert named in line and "llama.cpp's pixtral projector computes with" in line, line
-    assert "safetensors" in refused.value.hint
+    for refuse in (lambda: check_vision_exportable(_mistral3_config(**changes)),
+                   lambda: _mistral3_projector(mistral3_folder, tmp_path / "mmproj.gguf", **changes)):
+        with pytest.raises(UsageError) as refused:
+            refuse()
+        line = str(refused.value).splitlines()[0]  # the reason, then the hint
+        assert named in line and "llama.cpp's pixtral projector computes with" in line, line
+        assert "safetensors" in refused.value.hint
 
 
 def test_a_mistral3_projector_silu_tower_is_written_with_silu(mistral3_folder, tmp_path):

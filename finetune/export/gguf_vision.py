@@ -68,6 +68,8 @@ def check_vision_exportable(config: Any) -> None:
                          f"to GGUF: {why} (vision-language ones written: {written})",
                          hint="export --format safetensors instead (the default)")
     check_exportable(config.text_config, family.gguf)
+    if (check := _CONFIG_CHECKS.get(family.vision.projector)) is not None:
+        check(config)
 
 
 def projector_path(folder: Path, name: str, qtype: str) -> Path:
@@ -313,17 +315,15 @@ PIXTRAL_ROPE_THETA = 10000.0
 PIXTRAL_NORM_EPS = 1e-5
 
 
-def _pixtral_keys(writer: Any, config: Any, image_processor: Any) -> None:
-    """Mistral 3's Pixtral tower: its activation (SiLU or GELU), RMSNorm epsilon and the patch merger's
-    spatial_merge_size, as llama.cpp's converter writes them; refused in one line where its pixtral graph, which
-    hard-codes the rest, would compute something else."""
-    import gguf
-
+def _check_pixtral(config: Any) -> None:
+    """Refuse in one line a Mistral 3 whose projector llama.cpp's pixtral graph, which hard-codes these, would
+    compute otherwise (or whose tower activation its converter refuses)."""
     vision = config.vision_config
     theta = (getattr(vision, "rope_parameters", None) or {}).get("rope_theta", PIXTRAL_ROPE_THETA)
+    per_head = vision.hidden_size // vision.num_attention_heads  # llama.cpp's head size
     for what, value, allowed in (
             ("vision_config rope_theta", theta, (PIXTRAL_ROPE_THETA,)),
-            ("vision_config.head_dim", vision.head_dim, (vision.hidden_size // vision.num_attention_heads,)),
+            ("vision_config.head_dim", getattr(vision, "head_dim", None) or per_head, (per_head,)),
             ("vision_config.hidden_act", vision.hidden_act, ("silu", "gelu")),
             ("projector_hidden_act", config.projector_hidden_act, ("gelu",)),
             ("vision_feature_layer", config.vision_feature_layer, (-1,)),
@@ -332,6 +332,15 @@ def _pixtral_keys(writer: Any, config: Any, image_processor: Any) -> None:
             raise UsageError(f"export --format gguf: this Mistral 3 model has {what}={value!r}, but llama.cpp's "
                              f"pixtral projector computes with {' or '.join(map(repr, allowed))}",
                              hint="export --format safetensors instead")
+
+
+def _pixtral_keys(writer: Any, config: Any, image_processor: Any) -> None:
+    """Mistral 3's Pixtral tower (checked by _check_pixtral): its activation (SiLU or GELU), RMSNorm epsilon and
+    the patch merger's spatial_merge_size, as llama.cpp's converter writes them."""
+    import gguf
+
+    _check_pixtral(config)
+    vision = config.vision_config
     writer.add_clip_projector_type(gguf.VisionProjectorType.PIXTRAL)
     writer.add_vision_attention_layernorm_eps(getattr(vision, "layer_norm_eps", None) or PIXTRAL_NORM_EPS)
     if vision.hidden_act == "silu":
@@ -351,8 +360,8 @@ def _pixtral_tensors(model: Any, qtype: str) -> Any:
         name = name.removeprefix("model.")
         if name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
             data = permute_rotary(data, heads)
-        forced = "f16" if qtype == "f16" else "f32"
-        yield name, data, forced if name.endswith(("patch_conv.weight", "merging_layer.weight")) else None
+        patchwise = name.endswith(("patch_conv.weight", "merging_layer.weight"))
+        yield name, data, ("f16" if qtype == "f16" else "f32") if patchwise else None
 
 
 # projector type (the family table's vision.projector) -> (its metadata keys: keys(writer, config, image_processor),
@@ -360,3 +369,5 @@ def _pixtral_tensors(model: Any, qtype: str) -> Any:
 _PROJECTORS = {"GEMMA3": (_gemma3_keys, _gemma3_tensors), "QWEN25VL": (_qwen25vl_keys, _qwen25vl_tensors),
                "QWEN3VL": (_qwen3vl_keys, _qwen3vl_tensors), "IDEFICS3": (_idefics3_keys, _idefics3_tensors)}
 _PROJECTORS["PIXTRAL"] = (_pixtral_keys, _pixtral_tensors)
+# projector type -> a check of the config alone that check_vision_exportable runs before the model loads
+_CONFIG_CHECKS = {"PIXTRAL": _check_pixtral}
