@@ -14,7 +14,7 @@ from finetune.train.run import run
 from tests.run_support import tiny_lora_recipe
 
 # the vision-language model_types whose two files the tests here check, in the family table's order
-WRITTEN_VISION = ("qwen2_5_vl", "gemma3", "qwen3_vl", "idefics3", "smolvlm")
+WRITTEN_VISION = ("qwen2_5_vl", "gemma3", "qwen3_vl", "idefics3", "smolvlm", "mistral3")
 
 # llama.cpp's sliding-window pattern for gemma3 (five local layers, then a global one) at toy size
 GEMMA3_TEXT = {"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
@@ -86,6 +86,26 @@ def _assert_written_f32(tensors: dict, expected: dict) -> None:
 def _values(tensor) -> np.ndarray:
     """A tensor's values in the layout transformers holds them (GGUF lists dimensions innermost first)."""
     return np.asarray(tensor.data, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
+
+
+def _llama_expected(weights: dict, text, prefix: str) -> dict:
+    """llama.cpp's converter's tensors for a Llama-layout language model (its weights under `prefix` in
+    transformers' state dict, the head outside): every layer's, the embedding, final norm and head, with the
+    rotary q/k rows interleaved per head (its LlamaModel permute), as llama.cpp's llama and mistral3 read them."""
+    from tests.test_gguf_families import _permute
+
+    expected = {"token_embd.weight": weights[f"{prefix}embed_tokens.weight"],
+                "output_norm.weight": weights[f"{prefix}norm.weight"], "output.weight": weights["lm_head.weight"]}
+    for b in range(text.num_hidden_layers):
+        layer = f"{prefix}layers.{b}"
+        for hf, short in (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "ffn_norm"),
+                          ("self_attn.v_proj", "attn_v"), ("self_attn.o_proj", "attn_output"),
+                          ("mlp.gate_proj", "ffn_gate"), ("mlp.up_proj", "ffn_up"), ("mlp.down_proj", "ffn_down")):
+            expected[f"blk.{b}.{short}.weight"] = weights[f"{layer}.{hf}.weight"]
+        for hf, short, heads in (("q_proj", "attn_q", text.num_attention_heads),
+                                 ("k_proj", "attn_k", text.num_key_value_heads)):
+            expected[f"blk.{b}.{short}.weight"] = _permute(weights[f"{layer}.self_attn.{hf}.weight"], heads)
+    return expected
 
 
 def _trained_run(tmp_path_factory, arch: str, **overrides):
@@ -326,8 +346,6 @@ def idefics3_run(request, tmp_path_factory):
 
 def test_an_idefics3_run_exports_its_language_model_and_projector_file(idefics3_run, tmp_path):
 
-    from tests.test_gguf_families import _permute
-
     projector, text_file, model, weights = _export(idefics3_run, tmp_path / "gguf")
     config, vision = model.config, model.config.vision_config
     fields, tensors = _projector(projector, config, "idefics3", _siglip_keys(vision))
@@ -346,17 +364,7 @@ def test_an_idefics3_run_exports_its_language_model_and_projector_file(idefics3_
     text = config.text_config
     assert fields["general.architecture"] == "llama" and fields["llama.block_count"] == text.num_hidden_layers
     assert fields["llama.embedding_length"] == text.hidden_size and fields["llama.vocab_size"] == text.vocab_size
-    assert not any(n.startswith(("v.", "mm.")) for n in tensors)
-    layer = "model.text_model.layers.1.self_attn"
-    np.testing.assert_array_equal(_values(tensors["blk.1.attn_q.weight"]),  # Llama's rotary rows interleaved
-                                  _permute(weights[f"{layer}.q_proj.weight"], text.num_attention_heads))
-    np.testing.assert_array_equal(_values(tensors["blk.1.attn_k.weight"]),
-                                  _permute(weights[f"{layer}.k_proj.weight"], text.num_key_value_heads))
-    np.testing.assert_array_equal(_values(tensors["blk.1.attn_v.weight"]), weights[f"{layer}.v_proj.weight"])
-    np.testing.assert_array_equal(_values(tensors["token_embd.weight"]),
-                                  weights["model.text_model.embed_tokens.weight"])
-    np.testing.assert_array_equal(_values(tensors["output.weight"]), weights["lm_head.weight"])
-    assert len(tensors) == len([k for k in weights if k.startswith("model.text_model.")]) + 1
+    _assert_written_f32(tensors, _llama_expected(weights, text, "model.text_model."))
 
 
 def test_an_idefics3_f16_projector_keeps_its_embeddings_f32(idefics3_run, tmp_path):
@@ -398,3 +406,188 @@ def test_a_qwen3vl_whose_patches_span_other_than_two_frames_is_refused_in_one_li
     with pytest.raises(UsageError) as refused:
         write_projector(model, processor, tmp_path / "mmproj.gguf")
     assert "qwen3_vl model's patches span 3 frames; llama.cpp's projector takes two" in str(refused.value)
+
+
+# Mistral 3's two text models: Mistral Small 3.1/3.2's mistral, Ministral 3's ministral3 (YaRN rotary and
+# position-scaled queries); both with the 1e-5 RMSNorm epsilon llama.cpp's pixtral graph uses for the projector norm
+MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 512,
+                   "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                   "llama_4_scaling_beta": 0.1}
+MISTRAL3_TEXT = {"mistral": {"rms_norm_eps": 1e-5},
+                 "ministral3": {"rms_norm_eps": 1e-5, "model_type": "ministral3", "head_dim": 16,
+                                "rope_parameters": MINISTRAL3_ROPE}}
+
+
+@pytest.fixture(scope="module", params=list(MISTRAL3_TEXT))
+def mistral3_run(request, tmp_path_factory):
+    return _trained_run(tmp_path_factory, "mistral3", **MISTRAL3_TEXT[request.param])
+
+
+def _pixtral_expected(weights: dict, vision, break_id: int) -> dict:
+    """llama.cpp's converter's pixtral projector tensors from transformers' weights: the tower's q and k rows
+    interleaved per head (its Llama permute), the projector's norm, patch merger and two layers, and the
+    [IMG_BREAK] token's row of the language model's embedding."""
+    from tests.test_gguf_families import _permute
+
+    def tower(name):
+        return weights[f"model.vision_tower.{name}"]
+
+    projector = "model.multi_modal_projector"
+    expected = {"v.patch_embd.weight": tower("patch_conv.weight"), "v.pre_ln.weight": tower("ln_pre.weight"),
+                "mm.input_norm.weight": weights[f"{projector}.norm.weight"],
+                "mm.patch_merger.weight": weights[f"{projector}.patch_merger.merging_layer.weight"],
+                "mm.1.weight": weights[f"{projector}.linear_1.weight"],
+                "mm.2.weight": weights[f"{projector}.linear_2.weight"],
+                "v.token_embd.img_break": weights["model.language_model.embed_tokens.weight"][break_id]}
+    for b in range(vision.num_hidden_layers):
+        layer = f"transformer.layers.{b}"
+        for hf, short in (("attention_norm", "ln1"), ("ffn_norm", "ln2"), ("attention.v_proj", "attn_v"),
+                          ("attention.o_proj", "attn_out"), ("feed_forward.gate_proj", "ffn_gate"),
+                          ("feed_forward.up_proj", "ffn_up"), ("feed_forward.down_proj", "ffn_down")):
+            expected[f"v.blk.{b}.{short}.weight"] = tower(f"{layer}.{hf}.weight")
+        for hf, short in (("q_proj", "attn_q"), ("k_proj", "attn_k")):
+            expected[f"v.blk.{b}.{short}.weight"] = _permute(tower(f"{layer}.attention.{hf}.weight"),
+                                                             vision.num_attention_heads)
+    return expected
+
+
+def test_a_mistral3_run_exports_its_language_model_and_projector_file(mistral3_run, tmp_path):
+    import gguf
+    from transformers import AutoTokenizer
+    from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+
+    projector, text_file, model, weights = _export(mistral3_run, tmp_path / "gguf")
+    config, vision = model.config, model.config.vision_config
+    fields, tensors = _projector(projector, config, "pixtral", {
+        "image_size": vision.image_size, "patch_size": vision.patch_size, "embedding_length": vision.hidden_size,
+        "feed_forward_length": vision.intermediate_size, "block_count": vision.num_hidden_layers,
+        "attention.head_count": vision.num_attention_heads, "spatial_merge_size": config.spatial_merge_size})
+    assert vision.hidden_act == "gelu" and "clip.use_silu" not in fields  # the tower's own activation
+    assert fields["clip.vision.attention.layer_norm_epsilon"] == pytest.approx(1e-5)  # Pixtral's, not in the config
+    assert fields["clip.vision.image_mean"] == pytest.approx(OPENAI_CLIP_MEAN)  # the run's image processor's
+    assert fields["clip.vision.image_std"] == pytest.approx(OPENAI_CLIP_STD)
+    # the [IMG_BREAK] id is the run's tokenizer's (the config does not carry it in Mistral's own checkpoints)
+    break_id = AutoTokenizer.from_pretrained(mistral3_run.parent / "model").convert_tokens_to_ids("[IMG_BREAK]")
+    assert break_id not in (None, config.image_token_index)
+    _assert_written_f32(tensors, _pixtral_expected(weights, vision, break_id))
+
+    fields, tensors = _read(text_file)
+    text, arch = config.text_config, "mistral3"
+    assert fields["general.architecture"] == arch and fields[f"{arch}.block_count"] == text.num_hidden_layers
+    assert fields[f"{arch}.attention.key_length"] == text.head_dim == fields[f"{arch}.rope.dimension_count"]
+    assert fields[f"{arch}.attention.head_count_kv"] == text.num_key_value_heads
+    assert fields[f"{arch}.vocab_size"] == text.vocab_size and fields[f"{arch}.embedding_length"] == text.hidden_size
+    keys, rope = gguf.Keys, text.rope_parameters
+    assert fields[f"{arch}.rope.freq_base"] == rope["rope_theta"]
+    assert fields[f"{arch}.attention.layer_norm_rms_epsilon"] == pytest.approx(text.rms_norm_eps)
+    _assert_written_f32(tensors, _llama_expected(weights, text, "model.language_model."))
+    scaling = {keys.Rope.SCALING_FACTOR: rope.get("factor"),
+               keys.Rope.SCALING_ORIG_CTX_LEN: rope.get("original_max_position_embeddings"),
+               keys.Rope.SCALING_YARN_BETA_FAST: rope.get("beta_fast"),
+               keys.Rope.SCALING_YARN_BETA_SLOW: rope.get("beta_slow"),
+               # llama.cpp's mistral3 loader takes mscale_all_dim itself (DeepSeek's converter writes 0.1 x it)
+               keys.Rope.SCALING_YARN_LOG_MUL: rope.get("mscale_all_dim"),
+               keys.Attention.TEMPERATURE_SCALE: rope.get("llama_4_scaling_beta")}
+    if text.model_type == "ministral3":
+        assert fields[keys.Rope.SCALING_TYPE.format(arch=arch)] == "yarn"
+        for key, value in scaling.items():
+            assert fields[key.format(arch=arch)] == pytest.approx(value), key
+    else:  # Mistral Small: plain rotary, no query scaling
+        assert not any(key.format(arch=arch) in fields for key in (keys.Rope.SCALING_TYPE, *scaling))
+
+
+def test_a_mistral3_f16_projector_keeps_the_types_llama_cpp_converter_forces(mistral3_run, tmp_path):
+    types = _f16_types(mistral3_run, tmp_path / "gguf")
+    assert types["v.patch_embd.weight"] == types["mm.patch_merger.weight"] == "F16"  # F16 in an f16 file
+    assert types["v.token_embd.img_break"] == types["mm.input_norm.weight"] == "F32"
+    assert types["v.blk.0.attn_q.weight"] == types["mm.1.weight"] == "F16"
+
+
+@pytest.fixture(scope="module")
+def mistral3_folder(tmp_path_factory):
+    """A tiny Mistral 3 folder (its image processor and tokenizer)."""
+    from finetune.testing import vision_model
+
+    return vision_model("mistral3", tmp_path_factory.mktemp("mistral3") / "model")
+
+
+def _mistral3_config(**changes):
+    """A tiny Mistral 3 config that `changes` sets (vision_config.KEY for a vision setting)."""
+    from finetune.testing import tiny_config
+
+    config = tiny_config("mistral3", rms_norm_eps=1e-5)
+    for key, value in changes.items():
+        owner, _, attr = key.rpartition(".")
+        setattr(config.vision_config if owner else config, attr, value)
+    return config
+
+
+def _mistral3_projector(folder, path, tokenizer=None, **changes):
+    """write_projector on a random tiny Mistral 3 (_mistral3_config(**changes)), with the folder's image
+    processor and tokenizer (or `tokenizer`)."""
+    import torch
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    from finetune.export.gguf_vision import write_projector
+
+    model = AutoModelForImageTextToText.from_config(_mistral3_config(**changes), dtype=torch.float32)
+    return write_projector(model, AutoImageProcessor.from_pretrained(folder), path, qtype="f32",
+                           tokenizer=tokenizer or AutoTokenizer.from_pretrained(folder))
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"vision_config.rope_parameters": {"rope_type": "axial", "rope_theta": 20000.0}}, "vision_config rope_theta=20000.0"),
+    ({"projector_hidden_act": "silu"}, "projector_hidden_act='silu'"),
+    ({"vision_feature_layer": -2}, "vision_feature_layer=-2"),
+    ({"vision_config.hidden_act": "relu"}, "vision_config.hidden_act='relu'"),
+])
+def test_a_mistral3_projector_llama_cpp_computes_otherwise_is_refused_in_one_line(mistral3_folder, tmp_path,
+                                                                                changes, named):
+    """What llama.cpp's pixtral graph hard-codes (the tower's rotary base, the projector's GELU, the last vision
+    layer's features) or its converter refuses (a tower activation other than SiLU or GELU): refused from the
+    config before the model loads, and by the writer itself."""
+    from finetune.errors import UsageError
+    from finetune.export.gguf_vision import check_vision_exportable
+
+    for refuse in (lambda: check_vision_exportable(_mistral3_config(**changes)),
+                   lambda: _mistral3_projector(mistral3_folder, tmp_path / "mmproj.gguf", **changes)):
+        with pytest.raises(UsageError) as refused:
+            refuse()
+        line = str(refused.value).splitlines()[0]  # the reason, then the hint
+        assert named in line and "llama.cpp's pixtral projector computes with" in line, line
+        assert "safetensors" in refused.value.hint
+
+
+def test_a_mistral3_projector_silu_tower_is_written_with_silu(mistral3_folder, tmp_path):
+    """Mistral Small 3.1's tower is SiLU (the tiny one GELU): the file says which, as llama.cpp's converter does."""
+    fields, _ = _read(_mistral3_projector(mistral3_folder, tmp_path / "mmproj.gguf", **{"vision_config.hidden_act":
+                                                                                           "silu"}))
+    assert fields["clip.use_silu"] is True and "clip.use_gelu" not in fields
+
+
+def test_a_mistral3_projector_without_an_img_break_token_is_refused_in_one_line(mistral3_folder, tmp_path):
+    from finetune.errors import UsageError
+    from finetune.testing import make_tokenizer
+
+    with pytest.raises(UsageError) as refused:
+        _mistral3_projector(mistral3_folder, tmp_path / "mmproj.gguf", tokenizer=make_tokenizer())
+    assert str(refused.value).splitlines()[0] == ("export --format gguf: the run's tokenizer has no [IMG_BREAK] "
+                                                  "token, whose embedding llama.cpp's pixtral projector file holds")
+
+
+def test_a_ministral3_llama_cpp_would_scale_otherwise_is_refused_before_loading():
+    """llama.cpp's mistral3 computes YaRN's attention factor with mscale 1 and needs YaRN for its query scaling:
+    a Ministral 3 with another mscale, or without YaRN, is refused from its config in one line."""
+    from transformers import AutoConfig
+
+    from finetune.errors import UsageError
+    from finetune.export.gguf_vision import check_vision_exportable
+    from finetune.testing import tiny_config
+
+    for rope, named in (({**MINISTRAL3_ROPE, "mscale": 2.0}, "('yarn', mscale 2.0)"),
+                        ({"rope_type": "default", "rope_theta": 10000.0}, "('default', mscale 1.0)")):
+        config = tiny_config("mistral3", **{**MISTRAL3_TEXT["ministral3"], "rope_parameters": rope})
+        with pytest.raises(UsageError) as refused:
+            check_vision_exportable(AutoConfig.for_model(**config.to_dict()))
+        line = str(refused.value).splitlines()[0]
+        assert f"Ministral 3 model's rope {named}" in line and "llama.cpp's mistral3" in line, line

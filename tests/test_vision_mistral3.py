@@ -186,22 +186,6 @@ def test_generate_answers_about_an_image(tmp_path, model, capsys):
         assert not torch.allclose(trained(**first).logits, trained(**second).logits)
 
 
-def test_gguf_export_is_refused_in_one_line_saying_why():
-    """llama.cpp's pixtral projector file is not written here: the refusal names the architecture and what is
-    missing, and the hint points to the safetensors export."""
-    from transformers import AutoConfig
-
-    from finetune.errors import UsageError
-    from finetune.export.gguf_vision import check_vision_exportable
-    from finetune.testing import tiny_config
-
-    with pytest.raises(UsageError) as refused:
-        check_vision_exportable(AutoConfig.for_model(**tiny_config("mistral3").to_dict()))
-    line, *_ = str(refused.value).splitlines()
-    assert "'mistral3'" in line and "pixtral projector file" in line and "[IMG_BREAK]" in line
-    assert "safetensors" in refused.value.hint
-
-
 @pytest.mark.parametrize("vision", ["lora", "full"])
 def test_qlora_with_adapter_vision_trains_the_pixtral_tower_and_plans_within_5_percent(tmp_path, model, vision):
     """QLoRA (the language model in 4 bits, the Pixtral tower and projector not) with adapter.vision lora: LoRA

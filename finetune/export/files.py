@@ -44,7 +44,7 @@ def write_gguf_export(model: Any, tokenizer: Any, folder: Path, options: GGUFOpt
     layout = None
     if image_processor is not None:
         write_projector(model, image_processor, projector_path(folder, name, options.type), qtype=options.type,
-                        name=name)
+                        name=name, tokenizer=tokenizer)
         model = language_model(model)
         layout = model.layout
     write_gguf(model, tokenizer, path, qtype=options.type, name=name, layout=layout)

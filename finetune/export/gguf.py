@@ -81,6 +81,8 @@ def check_exportable(config: Any, layout: GGUFLayout | None = None) -> GGUFLayou
         raise UsageError(f"export --format gguf: rope scaling {rope!r} ({config.model_type}) is not written "
                          "to GGUF yet (it needs llama.cpp's extra rope tensors)",
                          hint=CONVERT_HINT)
+    if config.model_type == "ministral3":
+        _check_ministral3(config)
     if getattr(config, "query_pre_attn_scalar", None) not in (None, _head_dim(config)):
         raise UsageError(f"export --format gguf: query_pre_attn_scalar {config.query_pre_attn_scalar} differs "
                          f"from head_dim {_head_dim(config)}; llama.cpp scales attention by head_dim")
@@ -153,6 +155,17 @@ def _check_smollm3(config: Any) -> None:
         raise UsageError("export --format gguf: this SmolLM3's layers without rotary position (or its sliding "
                          "window) differ from llama.cpp's (rotary position left out of every fourth layer, no "
                          "sliding window)", hint="export --format safetensors instead")
+
+
+def _check_ministral3(config: Any) -> None:
+    """Refuse a Ministral 3 text model llama.cpp's mistral3 architecture would not reproduce: it takes the
+    attention temperature's floor from the YaRN original context (so needs YaRN, as llama.cpp's converter
+    asserts) and computes YaRN's attention factor with mscale 1."""
+    rope = _rope(config)
+    if rope.get("rope_type") != "yarn" or rope.get("mscale", 1.0) != 1.0:
+        raise UsageError(f"export --format gguf: this Ministral 3 model's rope ({rope.get('rope_type')!r}, mscale "
+                         f"{rope.get('mscale', 1.0)}) is not what llama.cpp's mistral3 architecture computes (YaRN "
+                         "with mscale 1)", hint="export --format safetensors instead")
 
 
 def _head_dim(config: Any) -> int:
@@ -254,7 +267,9 @@ def _add_hyperparameters(writer: Any, config: Any, arch: GGUFLayout) -> None:
             if rope.get(key) is not None:
                 getattr(writer, f"add_rope_scaling_yarn_{method}")(rope[key])
         if rope.get("mscale_all_dim"):
-            writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+            writer.add_rope_scaling_yarn_log_mul(arch.yarn_log_mul * rope["mscale_all_dim"])
+    if rope.get("llama_4_scaling_beta") is not None:  # Ministral 3: queries scaled up with the position
+        writer.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
     writer.add_layer_norm_rms_eps(_first(config, "rms_norm_eps", "norm_eps"))
     if getattr(config, "sliding_window", None):
         writer.add_sliding_window(config.sliding_window)
@@ -277,15 +292,18 @@ def _add_hyperparameters(writer: Any, config: Any, arch: GGUFLayout) -> None:
 def _layout(arch: GGUFLayout, config: Any, hf_name: str, data: Any) -> Any:
     """A tensor in the layout llama.cpp computes with (the inverse of what transformers' GGUF reader undoes)."""
     if arch.permute_qk and hf_name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
-        heads = config.num_attention_heads if ".q_proj." in hf_name else config.num_key_value_heads
-        # Per head, the rotary halves (x0..x(d/2), x(d/2)..xd) become interleaved pairs.
-        return (data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:])
-                .swapaxes(1, 2).reshape(data.shape))
+        return permute_rotary(data, config.num_attention_heads if ".q_proj." in hf_name else config.num_key_value_heads)
     if arch.norm_plus_one and hf_name.endswith("norm.weight"):
         return data + 1
     if hf_name.endswith("conv.conv.weight"):  # LFM2's depthwise convolution [channels, 1, width]: 2-D in llama.cpp
         return data[:, 0]
     return data
+
+
+def permute_rotary(data: Any, heads: int) -> Any:
+    """A q or k projection's rows (weight or bias) in llama.cpp's rotary layout (its converter's permute): per
+    head, the rotary halves (x0..x(d/2), x(d/2)..xd) become interleaved pairs."""
+    return data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
 
 
 def encode(data: Any, qtype: str) -> tuple[Any, ...]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.errors import FinetuneError, UsageError
-from finetune.export.gguf import FILE_TYPES, check_exportable, check_type, encode
+from finetune.export.gguf import FILE_TYPES, check_exportable, check_type, encode, permute_rotary
 from finetune.recipe.families import FAMILIES, GGUFLayout, family_for
 
 # transformers keeps a vision-language model's language model under one of these prefixes (its head outside):
@@ -68,6 +68,8 @@ def check_vision_exportable(config: Any) -> None:
                          f"to GGUF: {why} (vision-language ones written: {written})",
                          hint="export --format safetensors instead (the default)")
     check_exportable(config.text_config, family.gguf)
+    if (check := _CONFIG_CHECKS.get(family.vision.projector)) is not None:
+        check(config)
 
 
 def projector_path(folder: Path, name: str, qtype: str) -> Path:
@@ -75,10 +77,12 @@ def projector_path(folder: Path, name: str, qtype: str) -> Path:
     return folder / f"mmproj-{name}.{qtype}.gguf"
 
 
-def write_projector(model: Any, image_processor: Any, path: Path, *, qtype: str = "f16", name: str = "model") -> Path:
+def write_projector(model: Any, image_processor: Any, path: Path, *, qtype: str = "f16", name: str = "model",
+                    tokenizer: Any = None) -> Path:
     """Write the vision encoder and projector of `model` (a merged vision-language model) to `path`, with the
-    image normalisation of `image_processor` (the processor the run trained with). The caller publishes `path`
-    atomically, as for write_gguf."""
+    image normalisation of `image_processor` (the processor the run trained with) and, for a family whose image
+    rows end in a break token (Pixtral's [IMG_BREAK]), that token's embedding, found by `tokenizer` (the run's).
+    The caller publishes `path` atomically, as for write_gguf."""
     import gguf
 
     check_type(qtype)
@@ -116,6 +120,9 @@ def write_projector(model: Any, image_processor: Any, path: Path, *, qtype: str 
         if forced is None and gguf_name.startswith(POSITION_EMBEDDING):
             forced = "f32"  # llama.cpp's converter keeps position embeddings F32 whatever the file's type
         writer.add_tensor(gguf_name, *encode(data, forced or qtype))
+    if family.vision.breaks[0]:  # llama.cpp's pixtral graph appends this embedding after each row but the last
+        writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.V_TOK_EMBD_IMG_BREAK],
+                          *encode(_token_embedding(model, tokenizer, family.vision.breaks[0], projector), qtype))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -290,7 +297,77 @@ def _idefics3_tensors(model: Any, qtype: str) -> Any:
         yield name, data, "f32" if ".embeddings." in name else None
 
 
+def _token_embedding(model: Any, tokenizer: Any, token: str, projector: str) -> Any:
+    """The language model's input embedding of `token`, its id the run's tokenizer's (as llama.cpp's converter
+    reads it from the model folder's tokenizer files)."""
+    token_id = tokenizer.convert_tokens_to_ids(token) if tokenizer is not None else None
+    if token_id is None or token_id == tokenizer.unk_token_id:
+        raise UsageError(f"export --format gguf: the run's tokenizer has no {token} token, whose embedding "
+                         f"llama.cpp's {projector.lower()} projector file holds",
+                         hint="export --format safetensors instead")
+    return model.get_input_embeddings().weight[token_id].detach().float().cpu().numpy()
+
+
+# Mistral 3: llama.cpp's pixtral graph rotates the tower's patches with this base whatever the file says, takes the
+# last vision layer's features, and projects them with GELU; its RMSNorm epsilon (transformers' Pixtral
+# hard-codes it) is the one the graph's projector norm uses too.
+PIXTRAL_ROPE_THETA = 10000.0
+PIXTRAL_NORM_EPS = 1e-5
+
+
+def _check_pixtral(config: Any) -> None:
+    """Refuse in one line a Mistral 3 whose projector llama.cpp's pixtral graph, which hard-codes these, would
+    compute otherwise (or whose tower activation its converter refuses)."""
+    vision = config.vision_config
+    theta = (getattr(vision, "rope_parameters", None) or {}).get("rope_theta", PIXTRAL_ROPE_THETA)
+    per_head = vision.hidden_size // vision.num_attention_heads  # llama.cpp's head size
+    for what, value, allowed in (
+            ("vision_config rope_theta", theta, (PIXTRAL_ROPE_THETA,)),
+            ("vision_config.head_dim", getattr(vision, "head_dim", None) or per_head, (per_head,)),
+            ("vision_config.hidden_act", vision.hidden_act, ("silu", "gelu")),
+            ("projector_hidden_act", config.projector_hidden_act, ("gelu",)),
+            ("vision_feature_layer", config.vision_feature_layer, (-1,)),
+            ("text_config.rms_norm_eps (the projector norm's)", config.text_config.rms_norm_eps, (PIXTRAL_NORM_EPS,))):
+        if value not in allowed:
+            raise UsageError(f"export --format gguf: this Mistral 3 model has {what}={value!r}, but llama.cpp's "
+                             f"pixtral projector computes with {' or '.join(map(repr, allowed))}",
+                             hint="export --format safetensors instead")
+
+
+def _pixtral_keys(writer: Any, config: Any, image_processor: Any) -> None:
+    """Mistral 3's Pixtral tower (checked by _check_pixtral): its activation (SiLU or GELU), RMSNorm epsilon and
+    the patch merger's spatial_merge_size, as llama.cpp's converter writes them."""
+    import gguf
+
+    _check_pixtral(config)
+    vision = config.vision_config
+    writer.add_clip_projector_type(gguf.VisionProjectorType.PIXTRAL)
+    writer.add_vision_attention_layernorm_eps(getattr(vision, "layer_norm_eps", None) or PIXTRAL_NORM_EPS)
+    if vision.hidden_act == "silu":
+        writer.add_vision_use_silu(True)
+    else:
+        writer.add_vision_use_gelu(True)
+    writer.add_vision_spatial_merge_size(config.spatial_merge_size)
+
+
+def _pixtral_tensors(model: Any, qtype: str) -> Any:
+    """The Pixtral tower (vision_tower.*) and the projector (multi_modal_projector.*: its norm, patch merger and
+    two layers) under their transformers names, which the gguf package maps; the tower's q and k rows in
+    llama.cpp's rotary layout (its converter permutes them as Llama's), the patch embedding and the patch merger
+    F16 in an f16 file, else F32 (as the converter forces them)."""
+    heads = model.config.vision_config.num_attention_heads
+    for name, data in _weights(model, "model.vision_tower.", "model.multi_modal_projector."):
+        name = name.removeprefix("model.")
+        if name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+            data = permute_rotary(data, heads)
+        patchwise = name.endswith(("patch_conv.weight", "merging_layer.weight"))
+        yield name, data, ("f16" if qtype == "f16" else "f32") if patchwise else None
+
+
 # projector type (the family table's vision.projector) -> (its metadata keys: keys(writer, config, image_processor),
 # its tensors: tensors(model, qtype) yielding (name, float32 array, forced --type or None))
 _PROJECTORS = {"GEMMA3": (_gemma3_keys, _gemma3_tensors), "QWEN25VL": (_qwen25vl_keys, _qwen25vl_tensors),
                "QWEN3VL": (_qwen3vl_keys, _qwen3vl_tensors), "IDEFICS3": (_idefics3_keys, _idefics3_tensors)}
+_PROJECTORS["PIXTRAL"] = (_pixtral_keys, _pixtral_tensors)
+# projector type -> a check of the config alone that check_vision_exportable runs before the model loads
+_CONFIG_CHECKS = {"PIXTRAL": _check_pixtral}

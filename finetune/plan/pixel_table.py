@@ -62,10 +62,14 @@ def pixel_budget_markdown(plans: dict[str, list[Plan]], gpus: tuple[int, ...] = 
     head = "| model | " + " | ".join(f"{g} GiB" for g in gpus) + " |"
     rows = [head, "|" + "---|" * (len(gpus) + 1)]
     for name, per_gpu in plans.items():
-        cells = [f"{p.settings['max_pixels']:,} px ({p.vision['image_tokens']:,} token{'s' if p.vision['image_tokens'] != 1 else ''}, {format_bytes(p.peak_bytes)})"
+        cells = [f"{p.settings['max_pixels']:,} px ({_tokens(p.vision['image_tokens'])}, {format_bytes(p.peak_bytes)})"
                  if p.fits else f"does not fit (smallest: {format_bytes(p.peak_bytes)})" for p in per_gpu]
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(rows) + "\n"
+
+
+def _tokens(n: int) -> str:
+    return f"{n:,} token" if n == 1 else f"{n:,} tokens"
 
 
 if __name__ == "__main__":

@@ -55,6 +55,9 @@ class GGUFLayout:
     # llama.cpp's fixed layer pattern: every n-th layer global, the others sliding-window (0: none)
     swa_every: int = 0
     mrope: bool = False  # Qwen2-VL's multimodal rotary: its rope sections (time, height, width) written
+    # llama.cpp's YaRN log_mul per unit of the rope's mscale_all_dim: DeepSeek's converter writes 0.1 x it,
+    # Mistral 3's writes it as it is (the mistral3 loader applies the 0.1)
+    yarn_log_mul: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -122,8 +125,6 @@ _MOE_METHODS = ("QLoRA", "LoRA")  # the ones tests/test_moe.py trains (4-bit exp
 
 # Vision-language families: the language model is adapted (QLoRA, LoRA), the vision tower too with adapter.vision.
 _VISION_METHODS = ("QLoRA", "LoRA", "full")
-_NO_GGUF_VISION = ("its vision tower needs llama.cpp's separate projector file, which this writer does not write "
-                   "for this family yet")
 _PROJECTOR_NOTE = "the vision tower and projector in a second file, mmproj-NAME.TYPE.gguf"
 _GEMMA3 = GGUFLayout("GEMMA3", norm_plus_one=True, swa_every=6)
 
@@ -216,10 +217,10 @@ FAMILIES: tuple[Family, ...] = (
     Family("Mistral 3", ("mistral3",), "Mistral-Small-3.1/3.2-24B-Instruct, Ministral-3-3B/8B/14B (BF16 checkpoints)",
            "Pixtral vision encoder (2D rotary positions, any aspect ratio), 2x2 patches merged into one token, before "
            "full attention text layers", methods=_VISION_METHODS,
-           no_gguf="its vision tower needs llama.cpp's separate pixtral projector file (patch merger and the "
-                   "[IMG_BREAK] embedding), which this writer does not write yet",
+           gguf=GGUFLayout("MISTRAL3", permute_qk=True, sliding_window=False, yarn=True, yarn_log_mul=1.0,
+                           note=_PROJECTOR_NOTE + ", with the [IMG_BREAK] embedding"),
            vision=VisionLayout("PixtralImageProcessorPil", "[IMG]", kind="pixtral",
-                               breaks=("[IMG_BREAK]", "[IMG_END]"))),
+                               breaks=("[IMG_BREAK]", "[IMG_END]"), projector="PIXTRAL")),
     Family("Llama 3.2 Vision", ("mllama",), "Llama-3.2-11B/90B-Vision(-Instruct)", "vision transformer over up "
            "to 4 tiles of each image (a local and a gated global encoder), read by cross-attention layers placed "
            "between the full attention text layers; one token per image in the text", methods=_VISION_METHODS,
