@@ -393,7 +393,9 @@ def test_a_vision_architecture_without_a_projector_writer_is_refused_naming_why(
         assert f"(vision-language ones written: {', '.join(WRITTEN_VISION)})" in line
 
 
-def test_a_qwen3vl_whose_patches_span_other_than_two_frames_is_refused_in_one_line(tmp_path):
+def _projector_refusal(tmp_path, arch: str, **vision) -> str:
+    """The UsageError write_projector raises for a tiny random `arch` whose vision config has `vision`, after
+    checking that no projector file was left behind."""
     import torch
     from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
@@ -401,14 +403,20 @@ def test_a_qwen3vl_whose_patches_span_other_than_two_frames_is_refused_in_one_li
     from finetune.export.gguf_vision import write_projector
     from finetune.testing import tiny_config, vision_model
 
-    config = tiny_config("qwen3_vl")
-    config.vision_config.temporal_patch_size = 3
+    config = tiny_config(arch)
+    for key, value in vision.items():
+        setattr(config.vision_config, key, value)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-    processor = AutoImageProcessor.from_pretrained(vision_model("qwen3_vl", tmp_path / "model"))
+    processor = AutoImageProcessor.from_pretrained(vision_model(arch, tmp_path / "model"))
     with pytest.raises(UsageError) as refused:
         write_projector(model, processor, tmp_path / "mmproj.gguf")
-    assert "qwen3_vl model's patches span 3 frames; llama.cpp's projector takes two" in str(refused.value)
+    assert not (tmp_path / "mmproj.gguf").exists()
+    return str(refused.value)
 
+
+def test_a_qwen3vl_whose_patches_span_other_than_two_frames_is_refused_in_one_line(tmp_path):
+    assert "qwen3_vl model's patches span 3 frames; llama.cpp's projector takes two" in _projector_refusal(
+        tmp_path, "qwen3_vl", temporal_patch_size=3)
 
 # llama.cpp itself: the two files loaded by its multimodal library (libmtmd, through the llama-cpp-py-sync wheel),
 # one image encoded, and the image embeddings it hands the language model compared with transformers'.
@@ -604,18 +612,5 @@ def test_llama_cpp_encodes_an_idefics3_image_tile_by_tile_as_transformers_does(i
 def test_a_qwen25vl_whose_vision_windows_llama_cpp_cannot_hold_is_refused_in_one_line(tmp_path):
     """llama.cpp's Qwen2.5-VL projector attends within 112-pixel windows whatever the file says: a model with
     other windows would encode images differently there, so its projector file is refused."""
-    import torch
-    from transformers import AutoImageProcessor, AutoModelForImageTextToText
-
-    from finetune.errors import UsageError
-    from finetune.export.gguf_vision import write_projector
-    from finetune.testing import tiny_config, vision_model
-
-    config = tiny_config("qwen2_5_vl")
-    config.vision_config.window_size = 56
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-    processor = AutoImageProcessor.from_pretrained(vision_model("qwen2_5_vl", tmp_path / "model"))
-    with pytest.raises(UsageError) as refused:
-        write_projector(model, processor, tmp_path / "mmproj.gguf")
-    assert "Qwen2.5-VL's vision windows are 56 pixels; llama.cpp's projector attends within 112-pixel" in str(
-        refused.value) and not (tmp_path / "mmproj.gguf").exists()
+    assert "Qwen2.5-VL's vision windows are 56 pixels; llama.cpp's projector attends within 112-pixel" in (
+        _projector_refusal(tmp_path, "qwen2_5_vl", window_size=56))
