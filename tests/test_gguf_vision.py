@@ -560,8 +560,9 @@ def transformers_image_prompt(model, image_processor, image: np.ndarray, layout:
     return features, logits.float().numpy()
 
 
-def llama_cpp_comparison(run_dir, out, seed: int = 0, prompt: str = "What colour is the shape?") -> dict:
-    """Export `run_dir` to f32 GGUF and give one random image of LLAMA_CPP_IMAGE's size for its model, then
+def llama_cpp_comparison(run_dir, out, seed: int = 0, prompt: str = "What colour is the shape?",
+                         qtype: str = "f32") -> dict:
+    """Export `run_dir` to GGUF (`qtype`) and give one random image of LLAMA_CPP_IMAGE's size for its model, then
     `prompt`, to llama.cpp and to transformers: {"error": max |llama.cpp - transformers| of the image embeddings
     over the tokens both take from the same pixels, "scale": their largest |value|, "tokens": how many,
     "other_image": max |transformers(image) - transformers(another image)| (how far apart a wrong encoding
@@ -573,7 +574,7 @@ def llama_cpp_comparison(run_dir, out, seed: int = 0, prompt: str = "What colour
     libs, why = _mtmd()
     if libs is None:
         pytest.skip(why)
-    projector, text_file, model, _ = _export(run_dir, out)
+    projector, text_file, model, _ = _export(run_dir, out, qtype)
     model.eval()
     processor = AutoImageProcessor.from_pretrained(load_run(run_dir)[0].model.path)
     width, height = LLAMA_CPP_IMAGE[model.config.model_type]
