@@ -418,10 +418,11 @@ def test_a_qwen3vl_whose_patches_span_other_than_two_frames_is_refused_in_one_li
     assert "qwen3_vl model's patches span 3 frames; llama.cpp's projector takes two" in _projector_refusal(
         tmp_path, "qwen3_vl", temporal_patch_size=3)
 
+
 # llama.cpp itself: the two files loaded by its multimodal library (libmtmd, through the llama-cpp-py-sync wheel),
 # one image encoded, and the image embeddings it hands the language model compared with transformers'.
 
-# an image size per family that llama.cpp's preprocessing and the tiny model's image processor both take as it
+# an image size (width, height) per family that llama.cpp's preprocessing and the tiny model's image processor both take as it
 # is (no resize, so both see the same pixels): Gemma 3's 56-pixel square; for Qwen-VL a size within the
 # processor's pixel range and at or above llama.cpp's fixed minimum of 8 image tokens (Qwen2.5-VL's 6 x 2 merged
 # patches wider than one 112-pixel window, so that its window attention is exercised);
