@@ -109,10 +109,11 @@ SMOLVLM_TEMPLATE = (
     "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
 VISION_ARCHITECTURES = {
     # name: (config class name, config kwargs, special tokens {config key: token}, chat template, preprocessor)
+    # Qwen2.5-VL: 112-pixel vision windows, as published and as llama.cpp's projector has them
     "qwen2_5_vl": ("Qwen2_5_VLConfig", {
         "text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}},
         "vision_config": {"depth": 2, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64,
-                          "out_hidden_size": 64, "fullatt_block_indexes": [1], "window_size": 56,
+                          "out_hidden_size": 64, "fullatt_block_indexes": [1], "window_size": 112,
                           "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}},
         QWEN_VL_TOKENS, QWEN_VL_TEMPLATE,
         {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 56 * 56, "max_pixels": 112 * 112,

@@ -1,6 +1,8 @@
 """GGUF export of a vision-language run: the language model as its text family plus llama.cpp's projector
 file (mmproj-NAME.TYPE.gguf), read back with the gguf package's GGUFReader and checked tensor by tensor and key
-by key against llama.cpp's converter layout; families whose projector is not written are refused in one line."""
+by key against llama.cpp's converter layout, and, where llama.cpp's multimodal library loads, loaded by
+llama.cpp, whose image embeddings and logits are compared with transformers'; families whose projector is not
+written are refused in one line."""
 
 from __future__ import annotations
 
@@ -18,6 +20,14 @@ WRITTEN_VISION = ("qwen2_5_vl", "gemma3", "qwen3_vl", "idefics3", "smolvlm", "mi
 
 # llama.cpp's sliding-window pattern for gemma3 (five local layers, then a global one) at toy size
 GEMMA3_TEXT = {"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
+# Qwen2.5-VL's published RMSNorm epsilon, 1e-6 (llama.cpp's qwen2vl does not read the file's and takes 0; at the
+# toy config's 1e-5 that alone moves its logits by 5e-4 of their largest value)
+QWEN25VL_TEXT = {"rms_norm_eps": 1e-6}
+# Qwen3-VL's rotary sections as llama.cpp interleaves them: it rotates a frequency pair past 3 x its section by
+# a fourth position (0 for text), where transformers takes the time position, so the toy's [2, 3, 3] over 8
+# pairs differs in one pair, and the published [24, 20, 20] over 64 in two of the slowest; [3, 3, 2] agrees
+QWEN3VL_TEXT = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [3, 3, 2],
+                                    "mrope_interleaved": True}}
 
 # The SigLIP tower's tensors (transformers' names inside model.vision_tower) and llama.cpp's names for them
 VISION_NAMES = {
@@ -177,7 +187,7 @@ def test_a_gemma3_run_exports_its_language_model_and_projector_file(gemma3_run, 
 
 @pytest.fixture(scope="module")
 def qwen25vl_run(tmp_path_factory):
-    return _trained_run(tmp_path_factory, "qwen2_5_vl")
+    return _trained_run(tmp_path_factory, "qwen2_5_vl", **QWEN25VL_TEXT)
 
 
 def test_a_qwen25vl_run_exports_its_language_model_and_projector_file(qwen25vl_run, tmp_path):
@@ -233,7 +243,7 @@ def test_ollama_is_refused_for_a_vision_run_in_one_line(gemma3_run, tmp_path, ca
 
 @pytest.fixture(scope="module")
 def qwen3vl_run(tmp_path_factory):
-    return _trained_run(tmp_path_factory, "qwen3_vl")
+    return _trained_run(tmp_path_factory, "qwen3_vl", **QWEN3VL_TEXT)
 
 
 def _qwen3vl_expected(weights: dict, vision) -> dict:
@@ -391,7 +401,9 @@ def test_a_vision_architecture_without_a_projector_writer_is_refused_naming_why(
         assert f"(vision-language ones written: {', '.join(WRITTEN_VISION)})" in line
 
 
-def test_a_qwen3vl_whose_patches_span_other_than_two_frames_is_refused_in_one_line(tmp_path):
+def _projector_refusal(tmp_path, arch: str, **vision) -> str:
+    """The UsageError write_projector raises for a tiny random `arch` whose vision config has `vision`, after
+    checking that no projector file was left behind."""
     import torch
     from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
@@ -399,13 +411,219 @@ def test_a_qwen3vl_whose_patches_span_other_than_two_frames_is_refused_in_one_li
     from finetune.export.gguf_vision import write_projector
     from finetune.testing import tiny_config, vision_model
 
-    config = tiny_config("qwen3_vl")
-    config.vision_config.temporal_patch_size = 3
+    config = tiny_config(arch)
+    for key, value in vision.items():
+        setattr(config.vision_config, key, value)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-    processor = AutoImageProcessor.from_pretrained(vision_model("qwen3_vl", tmp_path / "model"))
+    processor = AutoImageProcessor.from_pretrained(vision_model(arch, tmp_path / "model"))
     with pytest.raises(UsageError) as refused:
         write_projector(model, processor, tmp_path / "mmproj.gguf")
-    assert "qwen3_vl model's patches span 3 frames; llama.cpp's projector takes two" in str(refused.value)
+    assert not (tmp_path / "mmproj.gguf").exists()
+    return str(refused.value)
+
+
+def test_a_qwen3vl_whose_patches_span_other_than_two_frames_is_refused_in_one_line(tmp_path):
+    assert "qwen3_vl model's patches span 3 frames; llama.cpp's projector takes two" in _projector_refusal(
+        tmp_path, "qwen3_vl", temporal_patch_size=3)
+
+
+# llama.cpp itself: the two files loaded by its multimodal library (libmtmd, through the llama-cpp-py-sync wheel),
+# one image encoded, and the image embeddings it hands the language model compared with transformers'.
+
+# an image size (width, height) per family that llama.cpp's preprocessing and the tiny model's image processor both take as it
+# is (no resize, so both see the same pixels): Gemma 3's 56-pixel square; for Qwen-VL a size within the
+# processor's pixel range and at or above llama.cpp's fixed minimum of 8 image tokens (Qwen2.5-VL's 6 x 2 merged
+# patches wider than one 112-pixel window, so that its window attention is exercised);
+# for Idefics3 the processor's longest edge, cut into 2 x 2 tiles (the whole-image tile is downscaled by each
+# with its own filter)
+LLAMA_CPP_IMAGE = {"gemma3": (56, 56), "qwen2_5_vl": (168, 56), "qwen3_vl": (128, 96), "idefics3": (112, 112),
+                   "smolvlm": (112, 112)}
+
+# llama.cpp's CPU GELU reads a float16 table (GGML_GELU_FP16) and Gemma 3's input projection is F16 in every file
+# (its converter forces it): its image embeddings agree with transformers' to a few parts in ten thousand of their
+# largest value, not to float32 rounding, and so do the logits after them, but for Qwen2.5-VL's two parts in a
+# thousand (llama.cpp's qwen2vl language model takes 0 for the RMSNorm epsilon; see
+# benchmarks/results/gguf_vision_llamacpp.txt)
+EMBEDDING_RTOL, LOGITS_RTOL = 2e-3, 5e-3
+
+
+def _mtmd():
+    """(llama.cpp's library, its multimodal library, their cffi) through the llama-cpp-py-sync wheel, with
+    llama.cpp's log silenced, or (None, the reason they do not load here)."""
+    try:
+        from llama_cpp_py_sync._cffi_bindings import get_ffi, get_lib, get_mtmd_lib
+        lib, mtmd, ffi = get_lib(), get_mtmd_lib(), get_ffi()
+    except (ImportError, RuntimeError, OSError) as exc:
+        return None, f"llama.cpp's multimodal library does not load here ({str(exc)[:400]})"
+    if not _LOG_SINK:
+        _LOG_SINK.append(ffi.callback("void(enum ggml_log_level, const char *, void *)", lambda *_: None))
+    for set_log in (lib.llama_log_set, mtmd.mtmd_log_set, mtmd.mtmd_helper_log_set):
+        set_log(_LOG_SINK[0], ffi.NULL)
+    return (lib, mtmd, ffi), ""
+
+
+_LOG_SINK: list = []  # the callback llama.cpp logs to, alive as long as the library may call it
+
+
+def llama_cpp_image_prompt(libs, text_file, projector, image: np.ndarray, prompt: str = "",
+                           embeddings: np.ndarray | None = None) -> tuple[list, list, np.ndarray]:
+    """What llama.cpp makes of `image` (height x width x RGB bytes) followed by `prompt`, from the language
+    model's file and the projector file: (the image embeddings it hands its language model, one [tokens, width]
+    array per image chunk (Idefics3: one per tile, then the whole image), width the language model's input
+    width (Qwen3-VL's deepstack features after its hidden size); the prompt as its chunks, a text chunk's token
+    ids or an image chunk's token count; the last position's logits, in a context with an f32 KV cache and
+    flash attention off, the language model given `embeddings` (all image tokens' rows) in place of its own
+    where they are given)."""
+    lib, mtmd, ffi = libs
+    params = lib.llama_model_default_params()
+    params.n_gpu_layers = 0
+    model = lib.llama_model_load_from_file(str(text_file).encode(), params)
+    assert model != ffi.NULL, f"llama.cpp does not load {text_file}"
+    context_params = mtmd.mtmd_context_params_default()
+    context_params.use_gpu, context_params.n_threads, context_params.warmup = False, 1, False
+    context_params.flash_attn_type = 0  # off
+    ctx = mtmd.mtmd_init_from_file(str(projector).encode(), model, context_params)
+    pixels = np.ascontiguousarray(image, dtype=np.uint8)
+    bitmap = mtmd.mtmd_bitmap_init(pixels.shape[1], pixels.shape[0], ffi.from_buffer(pixels))
+    chunks = mtmd.mtmd_input_chunks_init()
+    llama_params = lib.llama_context_default_params()
+    llama_params.n_ctx = llama_params.n_batch = llama_params.n_ubatch = 256
+    llama_params.n_threads = llama_params.n_threads_batch = 1
+    llama_params.type_k = llama_params.type_v = 0  # GGML_TYPE_F32
+    llama_params.flash_attn_type, llama_params.embeddings = 0, False
+    lctx = lib.llama_init_from_model(model, llama_params)
+    try:
+        assert ctx != ffi.NULL, f"llama.cpp's multimodal library does not load {projector}"
+        text = ffi.string(mtmd.mtmd_default_marker()) + prompt.encode()
+        marked = ffi.new("char[]", text)
+        parts = ffi.new("struct mtmd_input_text *", {"text": marked, "text_len": len(text), "add_special": False,
+                                                     "parse_special": True})
+        assert mtmd.mtmd_tokenize(ctx, chunks, parts, ffi.new("mtmd_bitmap *[1]", [bitmap]), 1) == 0
+        width, ours, layout, n_past = lib.llama_model_n_embd_inp(model), [], [], ffi.new("llama_pos *")
+        given = iter(() if embeddings is None else np.ascontiguousarray(embeddings, dtype=np.float32))
+        last = mtmd.mtmd_input_chunks_size(chunks) - 1
+        for i in range(last + 1):
+            chunk = mtmd.mtmd_input_chunks_get(chunks, i)
+            n = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
+            if mtmd.mtmd_input_chunk_get_type(chunk) == mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE:
+                assert mtmd.mtmd_encode_chunk(ctx, chunk) == 0
+                ours.append(np.frombuffer(ffi.buffer(mtmd.mtmd_get_output_embd(ctx), 4 * n * width),
+                                          dtype=np.float32).reshape(n, width).copy())
+                decoded = np.stack([next(given) for _ in range(n)]) if embeddings is not None else ours[-1]
+                assert mtmd.mtmd_helper_decode_image_chunk(ctx, lctx, chunk, ffi.from_buffer("float[]", decoded),
+                                                           n_past[0], 0, 256, n_past, ffi.NULL, ffi.NULL) == 0
+                layout.append(n)
+            else:
+                tokens = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ffi.new("size_t *"))
+                layout.append([tokens[j] for j in range(n)])
+                assert mtmd.mtmd_helper_eval_chunk_single(ctx, lctx, chunk, n_past[0], 0, 256, i == last, n_past) == 0
+        vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
+        logits = np.frombuffer(ffi.buffer(lib.llama_get_logits_ith(lctx, -1), 4 * vocab), dtype=np.float32).copy()
+        return ours, layout, logits
+    finally:
+        lib.llama_free(lctx)
+        mtmd.mtmd_input_chunks_free(chunks)
+        mtmd.mtmd_bitmap_free(bitmap)
+        if ctx != ffi.NULL:
+            mtmd.mtmd_free(ctx)
+        lib.llama_model_free(model)
+
+
+def transformers_image_prompt(model, image_processor, image: np.ndarray, layout: list | None = None):
+    """transformers' side of llama_cpp_image_prompt: (the model's image features for `image` as its image
+    processor prepares it, [tokens, width] in the order of its image tokens (Idefics3: tile by tile, the whole
+    image last), Qwen3-VL's deepstack features after the hidden size as llama.cpp lays them out; with `layout`
+    (llama.cpp's chunks: token ids, or an image's token count, written as the model's image token), the last
+    position's logits, else None)."""
+    import inspect
+
+    import torch
+    from PIL import Image
+
+    inputs = dict(image_processor(images=[Image.fromarray(image)], return_tensors="pt"))
+    accepted = inspect.signature(model.get_image_features).parameters
+    with torch.no_grad():
+        out = model.get_image_features(**{k: v for k, v in inputs.items() if k in accepted})
+
+    def rows(features):
+        features = torch.cat(list(features)) if isinstance(features, (list, tuple)) else features
+        return features.reshape(-1, features.shape[-1]).float().numpy()
+
+    features = np.hstack([rows(out.pooler_output), *map(rows, getattr(out, "deepstack_features", None) or ())])
+    if layout is None:
+        return features, None
+    config = model.config
+    image_token = config.image_token_id if getattr(config, "image_token_id", None) is not None \
+        else config.image_token_index
+    ids = [t for part in layout for t in (part if isinstance(part, list) else [image_token] * part)]
+    inputs.pop("num_crops", None)
+    ids = torch.tensor([ids])
+    # which tokens are the image's, as the full processor returns them: Qwen-VL's multimodal rotary positions,
+    # Gemma 3's bidirectional attention within an image
+    accepted = inspect.signature(model.forward).parameters
+    for key in ("mm_token_type_ids", "token_type_ids"):
+        if key in accepted:
+            inputs[key] = (ids == image_token).long()
+    with torch.no_grad():
+        logits = model(input_ids=ids, **inputs).logits[0, -1]
+    return features, logits.float().numpy()
+
+
+def llama_cpp_comparison(run_dir, out, seed: int = 0, prompt: str = "What colour is the shape?",
+                         qtype: str = "f32") -> dict:
+    """Export `run_dir` to GGUF (`qtype`) and give one random image of LLAMA_CPP_IMAGE's size for its model, then
+    `prompt`, to llama.cpp and to transformers: {"error": max |llama.cpp - transformers| of the image embeddings
+    over the tokens both take from the same pixels, "scale": their largest |value|, "tokens": how many,
+    "other_image": max |transformers(image) - transformers(another image)| (how far apart a wrong encoding
+    could land), "logits_error" / "logits_scale": the same for the last position's logits after the image and prompt}."""
+    from transformers import AutoImageProcessor
+
+    from finetune.model.trained import load_run
+
+    libs, why = _mtmd()
+    if libs is None:
+        pytest.skip(why)
+    projector, text_file, model, _ = _export(run_dir, out, qtype)
+    model.eval()
+    processor = AutoImageProcessor.from_pretrained(load_run(run_dir)[0].model.path)
+    width, height = LLAMA_CPP_IMAGE[model.config.model_type]
+    image, other = np.random.default_rng(seed).integers(0, 256, (2, height, width, 3), dtype=np.uint8)
+    ours, layout, our_logits = llama_cpp_image_prompt(libs, text_file, projector, image, prompt)
+    theirs, their_logits = transformers_image_prompt(model, processor, image, layout)
+    ours = np.concatenate(ours)
+    assert ours.shape == theirs.shape
+    given_theirs = llama_cpp_image_prompt(libs, text_file, projector, image, prompt, theirs)[2]
+    return {"error": float(np.abs(ours - theirs).max()), "scale": float(np.abs(theirs).max()), "tokens": len(ours),
+            "other_image": float(np.abs(transformers_image_prompt(model, processor, other)[0] - theirs).max()),
+            "logits_error": float(np.abs(our_logits - their_logits).max()),
+            "logits_scale": float(np.abs(their_logits).max()),
+            "language_model_error": float(np.abs(given_theirs - their_logits).max())}
+
+def _assert_llama_cpp_encodes_as_transformers(run_dir, out) -> None:
+    result = llama_cpp_comparison(run_dir, out)
+    assert result["tokens"] > 0 and result["error"] <= EMBEDDING_RTOL * result["scale"], result
+    assert result["other_image"] > 10 * result["error"], result  # the comparison tells images apart
+    assert result["logits_error"] <= LOGITS_RTOL * result["logits_scale"], result
+    assert result["language_model_error"] <= LOGITS_RTOL * result["logits_scale"], result
+
+
+@pytest.mark.parametrize("run_fixture", ["gemma3_run", "qwen25vl_run", "qwen3vl_run"])
+def test_llama_cpp_encodes_an_image_from_the_two_files_as_transformers_does(run_fixture, request, tmp_path):
+    """The real consumer: llama.cpp's multimodal library loads the language model's file and the projector file,
+    turns one image into the embeddings transformers' model gives for it, token for token, and gives the
+    model's logits after the image and a prompt."""
+    _assert_llama_cpp_encodes_as_transformers(request.getfixturevalue(run_fixture), tmp_path / "gguf")
+
+
+def test_llama_cpp_encodes_an_idefics3_image_tile_by_tile_as_transformers_does(idefics3_run, tmp_path):
+    _assert_llama_cpp_encodes_as_transformers(idefics3_run, tmp_path / "gguf")
+
+
+def test_a_qwen25vl_whose_vision_windows_llama_cpp_cannot_hold_is_refused_in_one_line(tmp_path):
+    """llama.cpp's Qwen2.5-VL projector attends within 112-pixel windows whatever the file says: a model with
+    other windows would encode images differently there, so its projector file is refused."""
+    assert "Qwen2.5-VL's vision windows are 56 pixels; llama.cpp's projector attends within 112-pixel" in (
+        _projector_refusal(tmp_path, "qwen2_5_vl", window_size=56))
 
 
 # Mistral 3's two text models: Mistral Small 3.1/3.2's mistral, Ministral 3's ministral3 (YaRN rotary and

@@ -186,10 +186,21 @@ def _gemma3_tensors(model: Any, qtype: str) -> Any:
                 yield name, data, "f16"
 
 
+# llama.cpp's qwen2.5vl projector attends within windows of this many pixels a side (its graph's own constant,
+# the published checkpoints' window_size; no key in the file changes it)
+QWEN25VL_WINDOW = 112
+
+
 def _qwen25vl_keys(writer: Any, config: Any, image_processor: Any) -> None:
-    """Qwen2.5-VL: SiLU, RMSNorm, and window attention in every layer but each n-th (fullatt_block_indexes)."""
+    """Qwen2.5-VL: SiLU, RMSNorm, and window attention in every layer but each n-th (fullatt_block_indexes),
+    within QWEN25VL_WINDOW-pixel windows."""
     import gguf
 
+    window = config.vision_config.window_size
+    if window != QWEN25VL_WINDOW:
+        raise UsageError(f"export --format gguf: this Qwen2.5-VL's vision windows are {window} pixels; llama.cpp's "
+                         f"projector attends within {QWEN25VL_WINDOW}-pixel windows",
+                         hint="export --format safetensors instead")
     writer.add_clip_projector_type(gguf.VisionProjectorType.QWEN25VL)
     writer.add_vision_use_silu(True)
     full = list(config.vision_config.fullatt_block_indexes)
