@@ -97,6 +97,23 @@ def test_each_vision_family_trains_on_images_with_the_plan_within_5_percent(tmp_
     assert abs(seen["peak_bytes"] / measured - 1) <= 0.05, (seen["peak_bytes"], measured)
 
 
+@pytest.mark.parametrize("tokens", [1024, 16], ids=["one-chunk", "tiled"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "mllama"])
+def test_the_tiled_mlp_and_recomputed_norms_plan_a_vision_model_within_5_percent(tmp_path, arch, tokens):
+    """memory.tiled_mlp: true and memory.recompute_norms on the language model's layers: the image records'
+    sequence the plan traces (shorter than max_seq_len) may be one MLP chunk, which runs the plain MLP (a fixed
+    true still plans, where it once found no configuration at all), or several, each tiled; within 5% of the
+    measured peak either way."""
+    model = vision_model(arch, tmp_path / "model")
+    memory = {"tiled_mlp": True, "tiled_mlp_tokens": tokens, "recompute_norms": True}
+    assert main(["run", str(roomy(recipe(tmp_path, model, shapes_data(tmp_path), memory=memory)))]) == 0
+    seen = api.plan_at_seen_length(tmp_path / "run")
+    assert seen is not None
+    assert json.loads((tmp_path / "run" / "plan.json").read_text())["settings"]["tiled_mlp"] is True
+    measured = _measured(tmp_path / "run")
+    assert abs(seen["peak_bytes"] / measured - 1) <= 0.05, (seen["peak_bytes"], measured)
+
+
 def test_the_loss_on_the_answers_falls(tmp_path, vlm):
     data = shapes_data(tmp_path, n=6)
     path = recipe(tmp_path, vlm, data, training={"max_steps": 12, "learning_rate": 1e-2, "micro_batch_size": 6})

@@ -253,8 +253,8 @@ def _choices(recipe: Recipe, spec: ModelSpec) -> list[Settings]:
     out = []
     for values in itertools.product(*axes.values()):
         st = dict(zip(axes, values, strict=True))
-        if st["tiled_mlp"] and spec.seq_len <= spec.tiled_mlp_tokens:  # one chunk: the plain MLP
-            continue
+        if st["tiled_mlp"] and given["tiled_mlp"] == "auto" and spec.seq_len <= spec.tiled_mlp_tokens:
+            continue  # one chunk: the plain MLP (a fixed true stays: the run tiles longer sequences, this one not)
         if st["offload"] != "none" and spec.num_layers < 2:
             continue
         if st["offload_experts"] != "none" and given["offload_experts"] == "auto" and moe_config(spec.config) is None:
