@@ -252,7 +252,8 @@ def test_the_full_size_model_plans_its_tower_over_every_tile(tmp_path):
         model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(config))
     tower = sum(p.numel() for part in (model.model.vision_model, model.model.multi_modal_projector)
                 for p in part.parameters())
-    assert chosen.vision == {"vision_weights": 2 * tower, "images": 1, "image_tokens": 1}
+    assert chosen.vision == {"vision_weights": 2 * tower, "images": 1, "image_tokens": 1,
+                             "sequence": chosen.vision["sequence"]}
     assert chosen.settings["max_pixels"] == 4 * 560 * 560 and chosen.fits
     assert one_tile.peak_bytes == chosen.peak_bytes
     assert text.vision["images"] == 0 and text.breakdown["activations"] < chosen.breakdown["activations"]
