@@ -15,7 +15,7 @@ import yaml
 from finetune.cli import main
 from finetune.data.chat import IGNORE_INDEX
 from finetune.recipe.schema import AdapterConfig, DataConfig, ModelConfig, QuantizationConfig
-from finetune.testing import vision_model, vision_tokenizer
+from finetune.testing import VISION_ARCHITECTURES, vision_model, vision_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN_VL_3B = ROOT / "tests" / "fixtures" / "configs" / "qwen2.5-vl-3b.json"
@@ -78,6 +78,86 @@ def test_full_fine_tuning_keeps_a_frozen_vision_tower(vlm):
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     assert frozen and all(".visual." in n for n in frozen)
     assert frozen == {n for n, _ in model.named_parameters() if ".visual." in n}
+
+
+def _trained_on_a_picture(tmp_path: Path, arch: str, vision: str = "frozen"):
+    """A tiny model of `arch` with LoRA (adapter.vision `vision`) and checkpointing as a run builds it, in train
+    mode, and a batch of two records with an 84 x 56 picture each."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from finetune.data import build_datasets
+    from finetune.memory.step import enable_checkpointing
+    from finetune.model.adapter import apply_adapter
+    from finetune.model.load import load_model
+    from finetune.model.vision import vision_data
+
+    folder = vision_model(arch, tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    images = vision_data(AutoConfig.from_pretrained(folder), folder, tokenizer)
+    bundle = build_datasets(DataConfig(path=str(_pictures(tmp_path, [(84, 56), (56, 84)])), max_seq_len=128),
+                            tokenizer, 0, "sft", None, images)
+    model, _, _ = load_model(ModelConfig(path=str(folder)), QuantizationConfig(bits=None))
+    model = apply_adapter(model, AdapterConfig(r=4, vision=vision, dropout=0.0), checkpointing=True)
+    enable_checkpointing(model, True, 1)
+    model.train()
+    return model, bundle.collator([bundle.train[0], bundle.train[1]])
+
+
+@pytest.mark.parametrize("vision", ["frozen", "lora", "full"])
+@pytest.mark.parametrize("arch", list(VISION_ARCHITECTURES))
+def test_a_frozen_vision_tower_keeps_nothing_for_backward_and_a_trained_one_gets_gradients(tmp_path, arch, vision):
+    """transformers' activation_checkpointing_enable makes every sub-model's input embedding output require
+    grad, the vision tower's patch embedding too, which would keep a frozen tower's activations (gigabytes at
+    full size) for a backward that reaches no trained weight: frozen, the tower saves nothing and the language
+    model does; lora or full, the tower keeps its graph and its trained weights get gradients."""
+    from finetune.model.family import vision_parts
+    from finetune.model.vision import in_vision
+
+    model, batch = _trained_on_a_picture(tmp_path, arch, vision)
+    where, saved = ["text"], {"vision": 0, "text": 0}
+    parts = vision_parts(model).values()
+    for part in parts:
+        part.register_forward_pre_hook(lambda *_: where.__setitem__(0, "vision"))
+        part.register_forward_hook(lambda *_: where.__setitem__(0, "text"))
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.requires_grad:  # an activation of a recorded graph, kept for backward
+            saved[where[0]] += tensor.numel()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(**batch).loss.backward()
+    assert saved["text"] > 0, saved
+    language = [p for n, p in model.named_parameters() if "lora_" in n and not in_vision(n)]
+    assert language and all(p.grad is not None for p in language)  # mllama: its cross-attention's LoRA too
+    trained = [(n, p) for part in parts for n, p in part.named_parameters() if p.requires_grad]
+    if vision == "frozen":
+        assert saved["vision"] == 0 and trained == [], saved
+    else:
+        assert saved["vision"] > 0 and trained, saved
+        assert any(p.grad is not None and p.grad.abs().sum() > 0 for _, p in trained)
+
+
+@pytest.mark.parametrize("arch", list(VISION_ARCHITECTURES))
+def test_the_chunked_loss_sees_the_images(tmp_path, arch):
+    """memory.chunked_loss runs the whole model (vision tower, projector, language model) and only then the head
+    in chunks: the loss and every gradient equal the model's own loss's, images included (a vision-language
+    model's decoder alone is its language model, which would ignore the pixels)."""
+    from finetune.memory.step import compute_loss
+
+    model, batch = _trained_on_a_picture(tmp_path, arch)
+    results = []
+    for chunked in (False, True):
+        loss = compute_loss(model, batch, chunked_loss=chunked)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        results.append((loss.detach(), grads))
+    (plain, plain_grads), (chunked, chunked_grads) = results
+    torch.testing.assert_close(chunked, plain, rtol=1e-4, atol=1e-5)
+    assert chunked_grads.keys() == plain_grads.keys()
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-3, atol=1e-6, msg=name)
 
 
 def test_each_image_becomes_its_processor_tokens_without_loss(tmp_path, vlm):

@@ -87,14 +87,40 @@ def test_trains_on_images_with_the_plan_within_5_percent(tmp_path, vlm, bits):
     assert [r["loss"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
 
 
-@pytest.mark.parametrize("arch", [a for a in VISION_ARCHITECTURES if a != "qwen2_5_vl"])
-def test_each_vision_family_trains_on_images_with_the_plan_within_5_percent(tmp_path, arch):
+def _trains_with_the_plan_within_5_percent(tmp_path: Path, arch: str, **memory) -> dict:
+    """`finetune run` of a tiny `arch` on the pictures with the memory section's `memory` keys; the plan at the
+    longest example within 5% of the measured peak. Returns the run's plan.json."""
     model = vision_model(arch, tmp_path / "model")
-    assert main(["run", str(roomy(recipe(tmp_path, model, shapes_data(tmp_path))))]) == 0
+    assert main(["run", str(roomy(recipe(tmp_path, model, shapes_data(tmp_path), memory=memory)))]) == 0
     seen = api.plan_at_seen_length(tmp_path / "run")
     assert seen is not None
     measured = _measured(tmp_path / "run")
     assert abs(seen["peak_bytes"] / measured - 1) <= 0.05, (seen["peak_bytes"], measured)
+    return json.loads((tmp_path / "run" / "plan.json").read_text())
+
+
+@pytest.mark.parametrize("arch", [a for a in VISION_ARCHITECTURES if a != "qwen2_5_vl"])
+def test_each_vision_family_trains_on_images_with_the_plan_within_5_percent(tmp_path, arch):
+    _trains_with_the_plan_within_5_percent(tmp_path, arch)
+
+
+@pytest.mark.parametrize("arch", list(VISION_ARCHITECTURES))
+def test_the_chunked_loss_plans_each_vision_family_within_5_percent(tmp_path, arch):
+    """memory.chunked_loss sends only labelled positions through the head: a row's image tokens never (they
+    carry no label), so the plan prices the logits of the rest of the sequence, not of all of it."""
+    assert _trains_with_the_plan_within_5_percent(tmp_path, arch, chunked_loss=True)["settings"]["chunked_loss"]
+
+
+@pytest.mark.parametrize("tokens", [1024, 16], ids=["one-chunk", "tiled"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "mllama"])
+def test_the_tiled_mlp_and_recomputed_norms_plan_a_vision_model_within_5_percent(tmp_path, arch, tokens):
+    """memory.tiled_mlp: true and memory.recompute_norms on the language model's layers: the image records'
+    sequence the plan traces (shorter than max_seq_len) may be one MLP chunk, which runs the plain MLP (a fixed
+    true still plans, where it once found no configuration at all), or several, each tiled; within 5% of the
+    measured peak either way."""
+    plan = _trains_with_the_plan_within_5_percent(tmp_path, arch, tiled_mlp=True, tiled_mlp_tokens=tokens,
+                                                  recompute_norms=True)
+    assert plan["settings"]["tiled_mlp"] is True
 
 
 def test_the_loss_on_the_answers_falls(tmp_path, vlm):

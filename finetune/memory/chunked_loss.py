@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from finetune.errors import FinetuneError
+from finetune.model.family import vision_parts
 from finetune.model.moe import aux_loss_coef, router_aux_loss
 
 IGNORE_INDEX = -100
@@ -78,7 +79,8 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 def head_of(model: nn.Module) -> tuple[nn.Module, nn.Module, float | None, int]:
     """The decoder, LM head, final soft-cap and vocabulary size of a (peft-wrapped) causal LM; refuses heads
-    whose logit scaling these chunked computations do not reproduce."""
+    whose logit scaling these chunked computations do not reproduce. The decoder returns the hidden states the
+    head reads (a vision-language model: of the images and the text)."""
     base = _unwrap(model)
     config = base.config.get_text_config()
     scaled = [f for f in UNSUPPORTED_HEAD_FIELDS if getattr(config, f, None) not in (None, 1, 1.0)]
@@ -86,8 +88,10 @@ def head_of(model: nn.Module) -> tuple[nn.Module, nn.Module, float | None, int]:
         raise FinetuneError(
             f"memory.chunked_loss does not support {type(base).__name__}: its LM head applies {scaled[0]}",
             hint="Set memory.chunked_loss: false for this model.")
-    return base.get_decoder(), base.get_output_embeddings(), getattr(config, "final_logit_softcapping", None), \
-        config.vocab_size
+    # A vision-language model's decoder is its language model alone, which takes the pixels as unused keyword
+    # arguments: the images would never reach it. Its base model runs the vision tower, projector and language model.
+    decoder = base.base_model if vision_parts(base) else base.get_decoder()
+    return decoder, base.get_output_embeddings(), getattr(config, "final_logit_softcapping", None), config.vocab_size
 
 
 def causal_lm_loss(model: nn.Module, inputs: Mapping[str, Any], num_items_in_batch: torch.Tensor | int | None = None,

@@ -18,8 +18,9 @@ import torch
 from finetune.memory.chunked_loss import AUX_LOSS, add_metric, causal_lm_loss
 from finetune.memory.preference import Metrics, PreferenceLoss, preference_loss
 from finetune.memory.tracker import MemoryTracker
+from finetune.model.family import vision_parts
 from finetune.model.moe import aux_loss_coef
-from finetune.model.vision import inputs_require_grad, reads_images_by_cross_attention
+from finetune.model.vision import inputs_require_grad
 from finetune.optim import layerwise_of
 from finetune.units import dtype_name, torch_dtype
 
@@ -30,7 +31,7 @@ def enable_checkpointing(model: torch.nn.Module, enabled: bool, every_n: int) ->
     """Non-reentrant checkpointing of one decoder layer in every `every_n` (what TrainingArguments asks for)."""
     if enabled:
         model.activation_checkpointing_enable({"use_reentrant": False}, every_n_layers=every_n)
-        if reads_images_by_cross_attention(model):  # transformers hooked its vision tower too: see inputs_require_grad
+        if vision_parts(model):  # transformers hooked its vision tower too: see inputs_require_grad
             inputs_require_grad(model)
     model.config.use_cache = False
 

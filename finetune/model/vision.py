@@ -100,7 +100,7 @@ def in_vision(name: str) -> bool:
     return re.fullmatch(_IN_VISION, name) is not None
 
 
-# a Llama 3.2 Vision model's token embedding -> the hook that makes its output require grad (inputs_require_grad)
+# a vision-language model's token embedding -> the hook that makes its output require grad (inputs_require_grad)
 _GRAD_HOOKS: weakref.WeakKeyDictionary[nn.Module, RemovableHandle] = weakref.WeakKeyDictionary()
 
 
@@ -108,32 +108,37 @@ def _output_requires_grad(module: nn.Module, inputs: Any, output: Any) -> None:
     output.requires_grad_(True)
 
 
-def reads_images_by_cross_attention(model: nn.Module) -> bool:
-    """Llama 3.2 Vision: its vision tower always runs over every tile of every image (4 x 1,601 patches, 40
-    layers), and its language model reads the result through cross-attention layers."""
-    layout = family_of(model.config).vision if vision_parts(model) else None
-    return layout is not None and layout.kind == "mllama"
+def trains_vision(model: nn.Module) -> bool:
+    """Whether any weight of the vision tower or projector trains (adapter.vision lora or full: LoRA beside
+    them or their own weights); False for a text model and for a frozen tower."""
+    return any(p.requires_grad for part in vision_parts(model).values() for p in part.parameters())
 
 
 def inputs_require_grad(model: nn.Module) -> None:
     """A frozen base under activation checkpointing: the token embeddings' output requires grad, so each
     checkpointed layer sees an input that does (transformers' enable_input_require_grads, which its
     activation_checkpointing_enable also calls). transformers hooks every sub-model's input embedding, a vision
-    tower's patch embedding too, so a frozen tower keeps its activations for a backward that reaches no
-    trained weight: for Llama 3.2 Vision (6 GiB at 11B) only the language model's embedding is hooked. The other
-    vision families keep transformers' hooks, which their plans and pixel budgets are measured with."""
-    if not reads_images_by_cross_attention(model):
-        model.enable_input_require_grads()
-        return
-    model.disable_input_require_grads()
+    tower's patch embedding too, so a frozen tower would record its graph and keep its activations for a
+    backward that reaches no trained weight (6 GiB at Llama-3.2-11B-Vision, 0.44 GiB at Qwen2.5-VL-3B): with
+    the tower frozen only the language model's token embedding is hooked. A tower that trains (adapter.vision
+    lora or full) keeps transformers' hooks, and with them its graph and gradients. Called again once the
+    adapter is in place (`finetune.memory.step.enable_checkpointing`), when the tower's LoRA weights exist."""
     embedding = model.get_input_embeddings()
-    if embedding not in _GRAD_HOOKS:
+    model.disable_input_require_grads()
+    if not vision_parts(model) or trains_vision(model):
+        _unhook(embedding)
+        model.enable_input_require_grads()
+    elif embedding not in _GRAD_HOOKS:
         _GRAD_HOOKS[embedding] = embedding.register_forward_hook(_output_requires_grad)
+
+
+def _unhook(embedding: nn.Module) -> None:
+    handle = _GRAD_HOOKS.pop(embedding, None)
+    if handle is not None:
+        handle.remove()
 
 
 def inputs_require_grad_off(model: nn.Module) -> None:
     """Undo `inputs_require_grad` (a lent model handed back as it was loaded)."""
     model.disable_input_require_grads()
-    handle = _GRAD_HOOKS.pop(model.get_input_embeddings(), None)
-    if handle is not None:
-        handle.remove()
+    _unhook(model.get_input_embeddings())

@@ -141,7 +141,8 @@ def tokens_per_second(spec: ModelSpec, shapes: ModelShapes, settings: Settings, 
     recompute = 0.0
     if settings.activation_checkpointing:
         recompute = fwd / settings.checkpoint_every_n_layers
-    if settings.tiled_mlp:
+    tiles = settings.tiled_mlp and seq_len > spec.tiled_mlp_tokens  # one chunk runs the plain MLP
+    if tiles:
         recompute += 2 * mlp_params * rows
     util = rows / (rows + dev["half_tokens"])
     compute = (fwd * (passes + (1 if reference_forward else 0)) + recompute) / (dev["flops"] * util)
@@ -152,7 +153,7 @@ def tokens_per_second(spec: ModelSpec, shapes: ModelShapes, settings: Settings, 
         per_pass = quantized_params * (settings.bits / 8 + dtype_bytes) / dev["mem_bw"]
         dq_passes = 2 + (1 if settings.activation_checkpointing else 0) + (1 if reference_forward else 0)
         dequant = per_pass * dq_passes
-        if settings.tiled_mlp:
+        if tiles:
             chunks = -(-seq_len // spec.tiled_mlp_tokens)
             mlp_pass = per_pass * mlp_params / max(quantized_params, 1)
             dequant += mlp_pass * (chunks * (dq_passes + 1) - dq_passes)

@@ -24,7 +24,8 @@ How the prediction is put together (docs/planner.md has the long form):
    its pass over the data before training is a window of its own (weights and one forward's transients,
    no gradients or optimizer state yet), and the peak is the larger of the two. A re-plan during training
    (`ModelSpec.reference_pass` off) prices the step alone: the pass is over.
-5. Chunked loss keeps `default_chunk_size(vocab)` tokens of logits instead of all (preference methods: the trace
+5. Chunked loss keeps `default_chunk_size(vocab)` tokens of logits instead of all, of the labelled positions
+   only: a vision-language row's image tokens never go through the head (preference methods: the trace
    runs the chunked log-probabilities itself, see trace.py); with a trained LM head its weight's gradient is
    summed over the chunks in autograd's buffer, one head-sized gradient more in the loss's backward than the
    unchunked trace shows (`chunked_head_gradient_bytes`); offload removes
@@ -126,6 +127,7 @@ class ModelSpec:
     iterations: int = 1  # grpo: updates trained on one generation's completions (grpo.num_iterations)
     planner: Planner = field(default=DEFAULT, compare=False, repr=False)  # whose caches the traces go to
     images: tuple[tuple[int, int, int], ...] = ()  # a vision-language model: one example's image grids (plan.vision)
+    image_positions: int = 0  # those images' tokens in the sequence: never labelled, never through a chunked loss's head
 
 
 def _block(settings: Settings) -> int:
@@ -465,8 +467,11 @@ def _step(spec: ModelSpec, settings: Settings) -> _Step:
     if settings.chunked_loss and spec.objective != "sft":
         traced_tokens = spec.seq_len * spec.rows_per_example
         logits_scale = min(tokens, chunk) / min(traced_tokens, chunk)
+    elif settings.chunked_loss:  # only labelled positions go through the head, a chunk at a time: no image token
+        labelled = settings.micro_batch_size * max(spec.seq_len - spec.image_positions, 1)
+        logits_scale = min(labelled, chunk) / spec.seq_len
     else:
-        logits_scale = settings.micro_batch_size * (min(1.0, chunk / tokens) if settings.chunked_loss else 1.0)
+        logits_scale = settings.micro_batch_size
     return _Step(spec, settings, _traces(spec, settings), _layer_counts(spec, settings), params, grads_total,
                  communication, managed, shard, dequant, tokens, logits_scale, largest_trained)
 

@@ -253,8 +253,8 @@ def _choices(recipe: Recipe, spec: ModelSpec) -> list[Settings]:
     out = []
     for values in itertools.product(*axes.values()):
         st = dict(zip(axes, values, strict=True))
-        if st["tiled_mlp"] and spec.seq_len <= spec.tiled_mlp_tokens:  # one chunk: the plain MLP
-            continue
+        if st["tiled_mlp"] and given["tiled_mlp"] == "auto" and spec.seq_len <= spec.tiled_mlp_tokens:
+            continue  # one chunk: the plain MLP (a fixed true stays: the run tiles longer sequences, this one not)
         if st["offload"] != "none" and spec.num_layers < 2:
             continue
         if st["offload_experts"] != "none" and given["offload_experts"] == "auto" and moe_config(spec.config) is None:
@@ -307,7 +307,8 @@ def model_spec(recipe: Recipe, config: Any, device: str, planner: Planner = DEFA
         rows_per_example=1 if loss is None else loss.rows_per_example,
         reference_adapter=loads_reference_adapter(recipe), num_generations=recipe.grpo.num_generations if grpo else 0,
         scoring_passes=scoring_passes(recipe.grpo) if grpo else 0, iterations=recipe.grpo.num_iterations if grpo else 1,
-        planner=planner, images=example.grids)
+        planner=planner, images=example.grids,
+        image_positions=sum(image_tokens(real_config(config), g) for g in example.grids))
 
 
 def vision_costs(spec: ModelSpec) -> dict[str, int]:
