@@ -141,17 +141,35 @@ def reference_is_current(recipe: Recipe) -> bool:
     return recipe.adapter.init_from is not None
 
 
+def pads_rows(rows: int, packing: bool) -> bool:
+    """Whether a run's micro-batches of `rows` sequences come padded (finetune.data.packing.make_collator): rows of
+    different lengths are right-padded to the longest with an attention_mask of zeros there, unless packing joins
+    them padding-free. A mask with zeros makes transformers build the [rows, 1, s, s] attention mask and, for
+    grouped-query attention under SDPA, copy K and V for every query head (no GQA kernel takes a mask); a single
+    row is never padded."""
+    return rows > 1 and not packing
+
+
 def synthetic_batch(loss: PreferenceLoss | None, rows: int, seq_len: int, vocab: int, device: Any,
-                    generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+                    generator: torch.Generator | None = None, padded: bool = False) -> dict[str, torch.Tensor]:
     """A batch of `rows` examples at full length, laid out as the collator lays them out (what `finetune
     measure` and the planner's trace run): every token an input and a label; with a precomputed reference,
-    its values (`ref_logps`, zeros) as the collator adds them."""
+    its values (`ref_logps`, zeros) as the collator adds them. `padded` (see `pads_rows`): each row's last
+    position is padding (attention_mask 0, label ignored), so the step builds the attention mask a padded
+    batch's step builds, at full length; on `meta` the mask stays on the CPU, a boolean one (what transformers
+    turns it into), since the forward reads its values to decide whether a mask is needed."""
     n = rows * (loss.rows_per_example if loss is not None else 1)
     if device == "meta" or str(device) == "meta":
         ids = torch.zeros(n, seq_len, dtype=torch.long, device="meta")
     else:
         ids = torch.randint(0, vocab, (n, seq_len), generator=generator).to(device)
     batch = {"input_ids": ids, "labels": ids}
+    if padded:
+        mask = torch.ones(n, seq_len, dtype=torch.bool if ids.is_meta else torch.long)  # as the collator's
+        mask[:, -1] = 0
+        batch["attention_mask"] = mask if ids.is_meta else mask.to(ids.device)
+        if not ids.is_meta:
+            batch["labels"] = ids.masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
     if loss is not None and method_spec(loss.method).data_kind == "kto":
         batch["kto_label"] = (torch.arange(n) % 2 == 0).to(ids.device)
     if loss is not None and loss.reference_precomputed:

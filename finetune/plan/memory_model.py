@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from finetune.memory.chunked_loss import default_chunk_size
+from finetune.memory.preference import pads_rows
 from finetune.optim import gradient_bytes, optimizer_state_bytes
 from finetune.plan.generation import generation_memory
 from finetune.plan.planner import DEFAULT, Planner
@@ -126,6 +127,7 @@ class ModelSpec:
     iterations: int = 1  # grpo: updates trained on one generation's completions (grpo.num_iterations)
     planner: Planner = field(default=DEFAULT, compare=False, repr=False)  # whose caches the traces go to
     images: tuple[tuple[int, int, int], ...] = ()  # a vision-language model: one example's image grids (plan.vision)
+    packing: bool = False  # data.packing: rows joined padding-free, never padded (memory.preference.pads_rows)
 
 
 def _block(settings: Settings) -> int:
@@ -170,10 +172,11 @@ def _traces(spec: ModelSpec, settings: Settings, micro_batch: int = 1) -> tuple[
              spec.objective, bool(settings.chunked_loss))
     variants = _variants(spec, settings)
     weights = [w for _, w in variants]
+    padded = not spec.num_generations and pads_rows(settings.micro_batch_size * spec.rows_per_example, spec.packing)
 
     def at(layers: int) -> Trace:
         return _mix([trace_step(config, spec.adapter, spec.dtype, spec.attn, spec.device, micro_batch, spec.seq_len,
-                                layers, every, *layer, planner=spec.planner, images=spec.images)
+                                layers, every, *layer, planner=spec.planner, images=spec.images, padded=padded)
                      for config, _ in variants], weights, every > 0)
 
     return at(la), at(lb)

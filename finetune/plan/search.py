@@ -303,7 +303,7 @@ def model_spec(recipe: Recipe, config: Any, device: str, planner: Planner = DEFA
         rows_per_example=1 if loss is None else loss.rows_per_example,
         reference_adapter=loads_reference_adapter(recipe), num_generations=recipe.grpo.num_generations if grpo else 0,
         scoring_passes=scoring_passes(recipe.grpo) if grpo else 0, iterations=recipe.grpo.num_iterations if grpo else 1,
-        planner=planner, images=planned_images(recipe, config, planner))
+        planner=planner, images=planned_images(recipe, config, planner), packing=recipe.data.packing)
 
 
 def vision_costs(spec: ModelSpec) -> dict[str, int]:

@@ -19,6 +19,7 @@ from finetune.memory.preference import (
     PreferenceLoss,
     batch_reference_logps,
     loads_reference_adapter,
+    pads_rows,
     reference_is_current,
     synthetic_batch,
 )
@@ -74,8 +75,9 @@ def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
         recipe, model, optimizer, vocab = step_setup(recipe, scratch)
         gen = torch.Generator().manual_seed(recipe.training.seed)
         preference = PreferenceLoss.of(recipe.training)
+        rows = recipe.training.micro_batch_size * (preference.rows_per_example if preference is not None else 1)
         batch = synthetic_batch(preference, recipe.training.micro_batch_size, recipe.data.max_seq_len, vocab, device,
-                                gen)
+                                gen, padded=pads_rows(rows, recipe.data.packing))
 
         offload = activation_offload(model, recipe.memory, scratch)  # files under offload_dir or scratch
 
