@@ -365,22 +365,22 @@ def _expert_weights_report_cpu(model: torch.nn.Module) -> None:
 def _direct_trace(key: tuple[str, str, str, str], attn: str, micro_batch: int, seq_len: int, layers: int,
                   checkpoint_every: int, int8: bool, recompute_norms: bool, mlp_tokens: int,
                   objective: str = "sft", chunked_loss: bool = False, images: tuple[Grid, ...] = (),
-                  planner: Planner = DEFAULT, padded: bool = False) -> Trace:
+                  planner: Planner = DEFAULT, layout: str = "full") -> Trace:
     """Run the training step's forward_backward on a meta model under the tracker (its model and meta-kernel
-    memo from `planner`; `images`: each example's image grids, for a vision-language model; `padded`: the
-    batch's rows are padded, `finetune.memory.preference.pads_rows`)."""
+    memo from `planner`; `images`: each example's image grids, for a vision-language model; `layout`: the
+    batch's, `finetune.memory.preference.batch_layout`)."""
     built = (key, attn, layers, checkpoint_every, recompute_norms, mlp_tokens)
     model = _take_model(planner, built)
     config = model.config
     preference = PreferenceLoss.of_objective(objective)
     batch = synthetic_batch(preference, micro_batch, seq_len, config.get_text_config().vocab_size, "meta",
-                            padded=padded)
+                            layout=layout)
     in_layers = in_decoder_layers(model) if int8 else set()
     int8_layers = [module for name, module in model.named_modules() if int8 and _quantizable(name, module, in_layers)]
     for module in int8_layers:
         module.forward = _int8_forward(module)
     tracker = MemoryTracker(vocab_size=config.get_text_config().vocab_size, device="meta",
-                            host_values=bool(images) or padded)
+                            host_values=bool(images) or layout != "full")
     tracker.register_model(model)
     handles = _layer_windows(model, tracker)
     grpo = of_trace_objective(objective)
@@ -476,13 +476,13 @@ def _params_cached(key: tuple[str, str, str, str], layers: int, planner: Planner
 
 
 def _trace_cached(key: tuple[str, str, str, str], device: str, args: tuple, objective: str,
-                  chunked_loss: bool, planner: Planner, images: tuple[Grid, ...] = (), padded: bool = False) -> Trace:
+                  chunked_loss: bool, planner: Planner, images: tuple[Grid, ...] = (), layout: str = "full") -> Trace:
     """The planner's memory, then the disk cache, then a trace."""
     if objective != "sft" or images:  # text sft traces keep their disk cache key
         args = (*args, objective, chunked_loss, *((images,) if images else ()))
-    tagged = (*args, "padded") if padded else args  # unpadded traces keep their disk cache key
+    tagged = (*args, layout) if layout != "full" else args  # full-row traces keep their disk cache key
     return planner.traces.get_or_compute((key, device, tagged), lambda: trace_cache.cached(
-        "trace", [*key, device, *tagged], lambda: _direct_trace(key, *args, planner=planner, padded=padded),
+        "trace", [*key, device, *tagged], lambda: _direct_trace(key, *args, planner=planner, layout=layout),
         _encode_trace, _decode_trace))
 
 
@@ -634,7 +634,7 @@ def model_facts(config: Any, attn_choice: str, planner: Planner = DEFAULT) -> tu
 def trace_step(config: Any, adapter: AdapterConfig, dtype: torch.dtype, attn: str, device: str, micro_batch: int,
                seq_len: int, layers: int, checkpoint_every: int, int8: bool = False, recompute_norms: bool = False,
                mlp_tokens: int = 0, objective: str = "sft", chunked_loss: bool = False,
-               images: tuple[Grid, ...] = (), planner: Planner = DEFAULT, padded: bool = False) -> Trace:
+               images: tuple[Grid, ...] = (), planner: Planner = DEFAULT, layout: str = "full") -> Trace:
     """Trace one forward+backward of `config` cut to `layers` layers (checkpoint_every 0 = no checkpointing).
 
     int8: frozen decoder Linear layers behave like bitsandbytes LLM.int8 layers (see `_Int8LikeLinear`).
@@ -645,13 +645,14 @@ def trace_step(config: Any, adapter: AdapterConfig, dtype: torch.dtype, attn: st
     (`...:precompute_reference`) traces the step without a reference forward and, in window `reference_pass`,
     the pass over the data that precedes training. images: a vision-language model's image grids per example
     (`finetune.plan.vision`), traced through its vision tower. `planner`: whose caches remember the trace.
-    padded: every row ends in padding with its attention mask, as the collator pads a batch of several rows
-    (`finetune.memory.preference.pads_rows`): the step then builds the 4-D mask, and SDPA copies K and V per
-    head for grouped-query attention; the trace runs that code, priced by the tracker.
+    layout: the micro-batch as the run's collator lays it out (`finetune.memory.preference.batch_layout`):
+    `padded` rows end in padding with their attention mask, `packed` ones are joined into one sequence of
+    micro_batch x seq_len tokens with restarting position_ids; either makes the step build a 4-D mask (and
+    SDPA copy K and V per head for grouped-query attention): the trace runs that code, priced by the tracker.
     """
     return _trace_cached(model_key(config, adapter, dtype, planner), device,
                          (attn, micro_batch, seq_len, layers, checkpoint_every, int8, recompute_norms, mlp_tokens),
-                         objective, chunked_loss and objective != "sft", planner, images, padded)
+                         objective, chunked_loss and objective != "sft", planner, images, layout)
 
 
 def param_table_of(key: tuple[str, str, str, str], layers: int, planner: Planner = DEFAULT

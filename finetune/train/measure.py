@@ -17,9 +17,9 @@ from finetune.memory.expert_offload import expert_offload_of
 from finetune.memory.layer_recompute import apply_memory_config, compile_layers
 from finetune.memory.preference import (
     PreferenceLoss,
+    batch_layout,
     batch_reference_logps,
     loads_reference_adapter,
-    pads_rows,
     reference_is_current,
     synthetic_batch,
 )
@@ -77,7 +77,7 @@ def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
         preference = PreferenceLoss.of(recipe.training)
         rows = recipe.training.micro_batch_size * (preference.rows_per_example if preference is not None else 1)
         batch = synthetic_batch(preference, recipe.training.micro_batch_size, recipe.data.max_seq_len, vocab, device,
-                                gen, padded=pads_rows(rows, recipe.data.packing))
+                                gen, layout=batch_layout(rows, recipe.data.packing))
 
         offload = activation_offload(model, recipe.memory, scratch)  # files under offload_dir or scratch
 
