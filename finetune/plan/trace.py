@@ -6,7 +6,8 @@ log-sum-exp, upcasts in norms and in the loss). Writing that as a formula per fa
 transformers release. Running the training step itself (`finetune.memory.step.forward_backward`, what `finetune run`
 and `finetune measure` run) on meta tensors, under the same tracker, gives the byte count of every saved
 tensor in ~0.1 s. We run it on copies with 2-3 repeating blocks of layers at micro-batch 1 and extrapolate
-linearly (activations are linear in micro-batch and in the number of layers), see `memory_model.py`. Results are cached on disk (`trace_cache.py`).
+linearly (activations are linear in micro-batch and in the number of layers), see `memory_model.py`; the batch
+padded or packed as the run's collator makes it (`finetune.memory.preference.batch_layout`), a packed one whole. Results are cached on disk (`trace_cache.py`).
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ class _MetaKernels(TorchFunctionMode):
 
     The fused CPU kernel saves what CUDA's flash/efficient kernels save (q, k, v, output, log-sum-exp). Also
     answer transformers' packed-sequence check (find_packed_sequence_indices asks whether every row is one
-    sequence: it is, for the traced batch), the one place the step reads a tensor's value.
+    sequence: it is, for a batch without position_ids), the one place the step reads a meta tensor's value. A
+    padded or packed batch's attention_mask and position_ids stay on the CPU (`synthetic_batch`): their values
+    are read for real, and the masks built from them join the meta tensors.
     A function mode is thread-local and sees only the tracing thread's calls: nothing process-wide is patched,
     so concurrent plans (UI handlers) and a training running in the same process are unaffected.
     A vision-language trace keeps the index tensors whose values its forward reads on the CPU
