@@ -17,7 +17,7 @@ import torch
 from finetune.recipe.schema import AdapterConfig, Recipe
 from finetune.rundir import read_jsonl
 
-SEQ = 512
+SEQ = 448  # not the tiny vocabulary size (512): a [rows, 1, s, s] mask is no logits tensor
 # name: (architecture, attention heads, key/value heads, head_dim)
 MODELS = {"llama_gqa": ("llama", 4, 2, 128), "qwen3_mqa": ("qwen3", 4, 1, 128), "mistral_mha": ("mistral", 4, 4, 32),
           "phi3_mha": ("phi3", 4, 4, 32)}
