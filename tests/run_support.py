@@ -25,6 +25,19 @@ def sums_data(path: Path, n: int) -> Path:
     return path
 
 
+def text_data(path: Path, lengths: list[int]) -> Path:
+    """Text records of exactly `lengths` tokens of the tiny models' tokenizer (finetune.testing.make_tokenizer):
+    records of different lengths make every micro-batch of several rows padded, as chat data does."""
+    from finetune.testing import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    ids = tokenizer("the quick brown fox jumps over the lazy dog " * max(lengths))["input_ids"]
+    records = [tokenizer.decode(ids[:n]) for n in lengths]
+    assert [len(tokenizer(r)["input_ids"]) for r in records] == lengths  # every record's length as asked
+    path.write_text("".join(json.dumps({"text": r}) + "\n" for r in records))
+    return path
+
+
 def tiny_lora_recipe(model_dir: Path, data: Path, out_dir: Path, *overrides: dict) -> dict:
     """A LoRA recipe for the tiny model with every memory technique off; each override ({section: {key:
     value}}) is merged in order, section by section."""

@@ -16,6 +16,7 @@ import torch
 
 from finetune.recipe.schema import AdapterConfig, Recipe
 from finetune.rundir import read_jsonl
+from tests.run_support import text_data
 
 SEQ = 448  # not the tiny vocabulary size (512): a [rows, 1, s, s] mask is no logits tensor
 # name: (architecture, attention heads, key/value heads, head_dim)
@@ -31,18 +32,6 @@ def models(tmp_path_factory):
                                       num_hidden_layers=4, num_attention_heads=heads, num_key_value_heads=kv,
                                       head_dim=head_dim)
             for name, (arch, heads, kv, head_dim) in MODELS.items()}
-
-
-def _data(path, lengths: list[int]):
-    """Text records of exactly `lengths` tokens (the tiny models' tokenizer, no special tokens added)."""
-    from finetune.testing import make_tokenizer
-
-    tokenizer = make_tokenizer()
-    ids = tokenizer("the quick brown fox jumps over the lazy dog " * SEQ)["input_ids"]
-    records = [tokenizer.decode(ids[:n]) for n in lengths]
-    assert [len(tokenizer(r)["input_ids"]) for r in records] == lengths  # every record's length as asked
-    path.write_text("\n".join(json.dumps({"text": r}) for r in records) + "\n")
-    return path
 
 
 def _plan_and_run(tmp_path, model, data, mb: int, attn: str = "auto", packing: bool = False,
@@ -72,7 +61,7 @@ def _check(rows: list[tuple[str, int, int]]) -> None:
 def test_padded_batches_plan_within_5_percent(models, tmp_path):
     """Every record a different length near max_seq_len: every micro-batch is padded, to almost full length.
     GQA (copies of K and V), one key/value head (no copy: the mask alone), MHA, eager attention, checkpointing."""
-    data = _data(tmp_path / "padded.jsonl", [SEQ - 1 - 3 * i for i in range(16)])
+    data = text_data(tmp_path / "padded.jsonl", [SEQ - 1 - 3 * i for i in range(16)])
     _check([
         ("llama gqa sdpa mb=2", *_plan_and_run(tmp_path, models["llama_gqa"], data, 2)),
         ("qwen3 one kv head sdpa mb=2", *_plan_and_run(tmp_path, models["qwen3_mqa"], data, 2)),
@@ -85,7 +74,7 @@ def test_padded_batches_plan_within_5_percent(models, tmp_path):
 def test_packed_batches_plan_within_5_percent(models, tmp_path):
     """Short records packed several to a row: the collator joins a micro-batch's rows into one sequence whose
     block-diagonal mask grows with the square of micro_batch_size x max_seq_len."""
-    data = _data(tmp_path / "short.jsonl", [40 + 7 * i for i in range(48)])
+    data = text_data(tmp_path / "short.jsonl", [40 + 7 * i for i in range(48)])
     _check([
         ("llama gqa packed mb=1", *_plan_and_run(tmp_path, models["llama_gqa"], data, 1, packing=True)),
         ("qwen3 one kv head packed mb=2", *_plan_and_run(tmp_path, models["qwen3_mqa"], data, 2, packing=True)),
