@@ -204,8 +204,9 @@ def _batch_fixed_activations(spec: ModelSpec, settings: Settings) -> bool:
     second trace at micro-batch 2 separates what scales with the batch from what does not. LoRA on fused
     expert weights (adapter.target_experts) is such a case in forward too: peft folds the update into a copy of
     each layer's expert stack, kept for backward, whose gradient backward makes whole."""
-    return settings.micro_batch_size > 1 and _layout(spec, settings) != "packed" and (spec.adapter.type == "full" or bool(spec.adapter.modules_to_save)
-                                              or spec.adapter.target_experts)
+    weight_sized = spec.adapter.type == "full" or bool(spec.adapter.modules_to_save) or spec.adapter.target_experts
+    # a packed micro-batch is traced whole: nothing to separate
+    return settings.micro_batch_size > 1 and _layout(spec, settings) != "packed" and bool(weight_sized)
 
 
 def _lerp(a: float, b: float, xa: int, xb: int, x: int) -> float:
