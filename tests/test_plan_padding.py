@@ -4,7 +4,8 @@ A micro-batch of rows of different lengths is right-padded with an attention_mas
 sequence with restarting position_ids. Either way transformers builds a 4-D attention mask (packed: over the
 whole joined sequence), SDPA turns it into an additive mask per layer, and grouped-query attention copies K
 and V for every query head (no GQA kernel takes a mask). A plan traced on full, unpadded rows left all of that
-out: 10% under the run for a tiny GQA model with head_dim 128 on a 64-wide hidden size, 24% for a packed one.
+out: 17% under the run for a tiny GQA model with head_dim 128 on a 64-wide hidden size, 14% for an MHA one, 21%
+for a packed one.
 """
 
 from __future__ import annotations
