@@ -74,7 +74,9 @@ class _MetaKernels(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.to and _cpu_mask(args[0]) and _meta_target(args[1:], kwargs):
-            return args[0]  # a mask from the token ids keeps its values, so what it selects has a shape
+            # a mask from the token ids (or a padded batch's attention_mask) keeps its values, so what it selects
+            # has a shape; in the dtype asked for (a MoE router's loss weighs tokens by the mask as floats)
+            return args[0].to(_dtype_of(args[1:], kwargs) or torch.bool)
         if func is torch.as_tensor and _cpu_index(args[0]) and _meta_target(args[1:], kwargs):
             return args[0]  # an index tensor (Mistral 3's image_sizes) keeps its values: they split the features
         if func is torch.Tensor.to and args[0].is_meta:  # moved to the token ids' device (SmolVLM): stays on meta
@@ -102,6 +104,11 @@ def _cpu_as_meta(x: Any) -> Any:
 
 def _cpu_mask(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and not x.is_meta and x.dtype == torch.bool
+
+
+def _dtype_of(args: tuple, kwargs: dict) -> torch.dtype | None:
+    """The dtype a Tensor.to call asks for, if any."""
+    return next((a for a in (*args, kwargs.get("dtype")) if isinstance(a, torch.dtype)), None)
 
 
 def _cpu_index(x: Any) -> bool:
