@@ -34,9 +34,10 @@ CASES = [(t, list(METHODS)[i % len(METHODS)]) for i, t in enumerate(DENSE)]
 
 
 def _data(folder: Path, max_seq_len: int) -> Path:
-    """Records of different lengths just under max_seq_len: every step runs at about the planned length, its
-    micro-batch padded as chat data pads it (the plan prices the padded batch's attention mask)."""
-    return text_data(folder / "long.jsonl", [max_seq_len - 1 - k for k in range(8)])
+    """Two records, one max_seq_len tokens long with its end token, one 3 tokens shorter: every step's
+    micro-batch (of 2) holds both, at the planned length and padded as chat data pads it (the plan prices the
+    padded batch's attention mask)."""
+    return text_data(folder / "long.jsonl", [max_seq_len - 1, max_seq_len - 4])
 
 
 def _recipe(folder: Path, model: Path | str, **sections: dict) -> Path:
