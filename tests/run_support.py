@@ -25,6 +25,19 @@ def sums_data(path: Path, n: int) -> Path:
     return path
 
 
+def text_data(path: Path, lengths: list[int]) -> Path:
+    """Text records of exactly `lengths` tokens of the tiny models' tokenizer (finetune.testing.make_tokenizer):
+    records of different lengths make every micro-batch of several rows padded, as chat data does."""
+    from finetune.testing import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    ids = tokenizer("the quick brown fox jumps over the lazy dog " * max(lengths))["input_ids"]
+    records = [tokenizer.decode(ids[:n]) for n in lengths]
+    assert [len(tokenizer(r)["input_ids"]) for r in records] == lengths  # every record's length as asked
+    path.write_text("".join(json.dumps({"text": r}) + "\n" for r in records))
+    return path
+
+
 def tiny_lora_recipe(model_dir: Path, data: Path, out_dir: Path, *overrides: dict) -> dict:
     """A LoRA recipe for the tiny model with every memory technique off; each override ({section: {key:
     value}}) is merged in order, section by section."""
@@ -43,7 +56,8 @@ def tiny_lora_recipe(model_dir: Path, data: Path, out_dir: Path, *overrides: dic
 
 
 def three_step_recipe(folder: Path, arch: str, *overrides: dict, **shape: int) -> Path:
-    """A tiny `arch` model in folder/model and a recipe file training it 3 steps of micro-batch 2 (LoRA without
+    """A tiny `arch` model in folder/model and a recipe file training it 3 steps of micro-batch 2 on text records
+    of different lengths just under max_seq_len (`text_data`: every micro-batch padded) (LoRA without
     dropout, `tiny_lora_recipe`'s settings, then `overrides`) into folder/run; the recipe's path. `shape`
     overrides the tiny config (`num_hidden_layers=4`)."""
     import yaml
@@ -51,7 +65,8 @@ def three_step_recipe(folder: Path, arch: str, *overrides: dict, **shape: int) -
     from finetune.testing import make_tiny_model_dir
 
     model_dir = make_tiny_model_dir(folder / "model", arch, **shape)
-    recipe = tiny_lora_recipe(model_dir, Path(SAMPLE_DATA), folder / "run",
+    data = text_data(folder / "data.jsonl", [63 - k for k in range(12)])  # about max_seq_len 64, padded batches
+    recipe = tiny_lora_recipe(model_dir, data, folder / "run",
                               {"training": {"max_steps": 3, "micro_batch_size": 2, "gradient_accumulation_steps": 1}},
                               {"adapter": {"dropout": 0.0}}, *overrides)
     path = folder / "recipe.yaml"

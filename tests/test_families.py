@@ -20,6 +20,7 @@ from finetune.testing import (
     make_tiny_model_dir,
     tiny_config,
 )
+from tests.run_support import text_data
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "tests" / "fixtures" / "configs"
@@ -32,12 +33,11 @@ METHODS = {"qlora": {"quantization": {"bits": 4}}, "lora": {}, "dora": {"adapter
 CASES = [(t, list(METHODS)[i % len(METHODS)]) for i, t in enumerate(DENSE)]
 
 
-def _data(folder: Path) -> Path:
-    """Records longer than max_seq_len: every step runs at the planned length."""
-    path = folder / "long.jsonl"
-    path.write_text("".join(json.dumps({"text": f"record {i}: " + "the quick brown fox jumps over the lazy dog " * 200})
-                            + "\n" for i in range(8)))
-    return path
+def _data(folder: Path, max_seq_len: int) -> Path:
+    """Two records, one max_seq_len tokens long with its end token, one 3 tokens shorter: every step's
+    micro-batch (of 2) holds both, at the planned length and padded as chat data pads it (the plan prices the
+    padded batch's attention mask)."""
+    return text_data(folder / "long.jsonl", [max_seq_len - 1, max_seq_len - 4])
 
 
 def _recipe(folder: Path, model: Path | str, **sections: dict) -> Path:
@@ -45,7 +45,8 @@ def _recipe(folder: Path, model: Path | str, **sections: dict) -> Path:
         "model": {"path": str(model)},
         "quantization": {"bits": None},
         "adapter": {"type": "lora", "r": 4, "alpha": 8, "dropout": 0.0},
-        "data": {"path": str(_data(folder)), "format": "text", "max_seq_len": 128},
+        "data": {"path": str(_data(folder, sections.get("data", {}).get("max_seq_len", 128))), "format": "text",
+                 "max_seq_len": 128},
         "training": {"max_steps": 3, "micro_batch_size": 2, "learning_rate": 1e-3, "warmup_ratio": 0.0,
                      "logging_steps": 1},
         "memory": {"activation_checkpointing": True, "gpu_memory_margin": 0},

@@ -141,17 +141,44 @@ def reference_is_current(recipe: Recipe) -> bool:
     return recipe.adapter.init_from is not None
 
 
+def batch_layout(rows: int, packing: bool) -> str:
+    """How a run's collator (finetune.data.packing.make_collator) lays out a micro-batch of `rows` sequences, as
+    `synthetic_batch` rebuilds it: `packed` (data.packing: the rows joined padding-free into one sequence with
+    restarting position_ids), `padded` (rows of different lengths right-padded to the longest, with an
+    attention_mask of zeros there) or `full` (one row: never padded). Both others make transformers build a
+    4-D attention mask ([rows, 1, s, s] padded; block-diagonal over the joined sequence packed, quadratic in
+    it) that SDPA turns into an additive mask per layer, and, for grouped-query attention under SDPA, copy K
+    and V for every query head (no GQA kernel takes a mask)."""
+    return "packed" if packing else "padded" if rows > 1 else "full"
+
+
 def synthetic_batch(loss: PreferenceLoss | None, rows: int, seq_len: int, vocab: int, device: Any,
-                    generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+                    generator: torch.Generator | None = None, layout: str = "full") -> dict[str, torch.Tensor]:
     """A batch of `rows` examples at full length, laid out as the collator lays them out (what `finetune
     measure` and the planner's trace run): every token an input and a label; with a precomputed reference,
-    its values (`ref_logps`, zeros) as the collator adds them."""
+    its values (`ref_logps`, zeros) as the collator adds them. `layout` (`batch_layout`): `padded`, each row's
+    last position is padding (attention_mask 0, label ignored); `packed`, the rows joined into one of
+    rows x seq_len tokens, two examples per row (position_ids restart), `use_cache` off as the collator sets
+    it. On `meta` the mask (a boolean one, what transformers turns it into) and the position_ids stay on the
+    CPU: the forward reads their values to decide which mask to build."""
     n = rows * (loss.rows_per_example if loss is not None else 1)
-    if device == "meta" or str(device) == "meta":
+    meta = device == "meta" or str(device) == "meta"
+    if meta:
         ids = torch.zeros(n, seq_len, dtype=torch.long, device="meta")
     else:
         ids = torch.randint(0, vocab, (n, seq_len), generator=generator).to(device)
-    batch = {"input_ids": ids, "labels": ids}
+    batch: dict[str, Any] = {"input_ids": ids, "labels": ids}
+    if layout == "padded":
+        mask = torch.ones(n, seq_len, dtype=torch.bool if meta else torch.long)
+        mask[:, -1] = 0
+        batch["attention_mask"] = mask if meta else mask.to(ids.device)
+        if not meta:
+            batch["labels"] = ids.masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
+    elif layout == "packed":
+        half = seq_len // 2
+        positions = torch.cat([torch.arange(half), torch.arange(seq_len - half)]).repeat(n)[None]
+        batch = {"input_ids": ids.reshape(1, -1), "labels": ids.reshape(1, -1),
+                 "position_ids": positions if meta else positions.to(ids.device), "use_cache": False}
     if loss is not None and method_spec(loss.method).data_kind == "kto":
         batch["kto_label"] = (torch.arange(n) % 2 == 0).to(ids.device)
     if loss is not None and loss.reference_precomputed:

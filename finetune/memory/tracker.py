@@ -7,8 +7,8 @@ free, gives an exact, reproducible peak. On CUDA the allocator's own peak is rep
 tracker supplies the split.
 
 Categories: weights (frozen), trainable_weights, gradients, optimizer_state, activations (anything
-allocated while tracking that is not one of the others), logits_and_loss (tensors whose last dimension is
-the vocabulary), other (tensors allocated inside the optimizer step that are not its state).
+allocated while tracking that is not one of the others), logits_and_loss (tensors of at most 3
+dimensions whose last is the vocabulary), other (tensors allocated inside the optimizer step that are not its state).
 """
 
 from __future__ import annotations
@@ -231,7 +231,9 @@ class MemoryTracker(TorchDispatchMode):
         if entry is not None and entry[0] == storage.nbytes():
             return
         category = self._phase
-        if category == "activations" and self.vocab_size is not None and t.dim() > 0 \
+        # logits are [tokens, vocab] or [rows, tokens, vocab]; a 4-D attention mask [rows, 1, s, s] whose s
+        # equals the vocabulary size is not
+        if category == "activations" and self.vocab_size is not None and 0 < t.dim() <= 3 \
                 and t.shape[-1] == self.vocab_size:
             category = "logits_and_loss"
         self._add(storage, category)

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from finetune.memory.chunked_loss import default_chunk_size
+from finetune.memory.preference import batch_layout
 from finetune.optim import gradient_bytes, optimizer_state_bytes
 from finetune.plan.generation import generation_memory
 from finetune.plan.planner import DEFAULT, Planner
@@ -128,6 +129,7 @@ class ModelSpec:
     planner: Planner = field(default=DEFAULT, compare=False, repr=False)  # whose caches the traces go to
     images: tuple[tuple[int, int, int], ...] = ()  # a vision-language model: one example's image grids (plan.vision)
     image_positions: int = 0  # those images' tokens in the sequence: never labelled, never through a chunked loss's head
+    packing: bool = False  # data.packing: a micro-batch's rows joined into one sequence (memory.preference.batch_layout)
 
 
 def _block(settings: Settings) -> int:
@@ -165,17 +167,32 @@ def _mix(traces: list[Trace], weights: list[float], checkpointing: bool) -> Trac
     return Trace(windows)
 
 
+def _layout(spec: ModelSpec, settings: Settings) -> str:
+    """The micro-batch's layout as the run's collator makes it (`finetune.memory.preference.batch_layout`);
+    GRPO's steps build their own batches (`finetune.rl.step`). Flash attention takes padded and packed rows
+    through its variable-length kernels (no mask, grouped-query attention in the kernel): full rows."""
+    if spec.num_generations or spec.attn == "flash_attention_2":
+        return "full"
+    return batch_layout(settings.micro_batch_size * spec.rows_per_example, spec.packing)
+
+
 def _traces(spec: ModelSpec, settings: Settings, micro_batch: int = 1) -> tuple[Trace, Trace]:
+    """The step traced at two depths (`_layer_counts`), `micro_batch` examples a row each; a packed
+    micro-batch whole, as the one sequence the collator joins it into (its attention mask grows with the
+    square of its length: no trace of one example scales to it)."""
     la, lb = _layer_counts(spec, settings)
     every = settings.checkpoint_every_n_layers if settings.activation_checkpointing else 0
     layer = (settings.bits == 8, spec.recompute_norms, spec.tiled_mlp_tokens if settings.tiled_mlp else 0,
              spec.objective, bool(settings.chunked_loss))
     variants = _variants(spec, settings)
     weights = [w for _, w in variants]
+    layout = _layout(spec, settings)
+    if layout == "packed":
+        micro_batch = settings.micro_batch_size
 
     def at(layers: int) -> Trace:
         return _mix([trace_step(config, spec.adapter, spec.dtype, spec.attn, spec.device, micro_batch, spec.seq_len,
-                                layers, every, *layer, planner=spec.planner, images=spec.images)
+                                layers, every, *layer, planner=spec.planner, images=spec.images, layout=layout)
                      for config, _ in variants], weights, every > 0)
 
     return at(la), at(lb)
@@ -189,8 +206,9 @@ def _batch_fixed_activations(spec: ModelSpec, settings: Settings) -> bool:
     second trace at micro-batch 2 separates what scales with the batch from what does not. LoRA on fused
     expert weights (adapter.target_experts) is such a case in forward too: peft folds the update into a copy of
     each layer's expert stack, kept for backward, whose gradient backward makes whole."""
-    return settings.micro_batch_size > 1 and (spec.adapter.type == "full" or bool(spec.adapter.modules_to_save)
-                                              or spec.adapter.target_experts)
+    weight_sized = spec.adapter.type == "full" or bool(spec.adapter.modules_to_save) or spec.adapter.target_experts
+    # a packed micro-batch is traced whole: nothing to separate
+    return settings.micro_batch_size > 1 and _layout(spec, settings) != "packed" and bool(weight_sized)
 
 
 def _lerp(a: float, b: float, xa: int, xb: int, x: int) -> float:
@@ -436,6 +454,7 @@ class _Step:
     shard: float  # the share of a layer's gradients this device keeps
     dequant: float  # 4-bit: one weight dequantized into the compute dtype
     tokens: int  # of a micro-batch: micro_batch_size x seq_len x rows per example
+    rows_scale: int  # the traced activations to the micro-batch's: micro_batch_size, 1 where traced whole (packed)
     logits_scale: float  # the traced logits to the micro-batch's (see `_step`)
     largest_trained: int  # bytes of the largest trained parameter (the optimizer step's temporaries)
 
@@ -461,6 +480,7 @@ def _step(spec: ModelSpec, settings: Settings) -> _Step:
     # the forward kernel is fused). 8-bit is emulated inside the trace.
     dequant = largest_quant * spec.dtype.itemsize if settings.bits == 4 else 0
     tokens = settings.micro_batch_size * spec.seq_len * spec.rows_per_example
+    rows_scale = 1 if _layout(spec, settings) == "packed" else settings.micro_batch_size
     # sft traces keep full logits and scale them here. Preference traces ran the chunked log-probabilities,
     # whose logits are one chunk, not one per example: they grow with the micro-batch only up to a chunk.
     chunk = default_chunk_size(spec.config.get_text_config().vocab_size)
@@ -469,11 +489,11 @@ def _step(spec: ModelSpec, settings: Settings) -> _Step:
         logits_scale = min(tokens, chunk) / min(traced_tokens, chunk)
     elif settings.chunked_loss:  # only labelled positions go through the head, a chunk at a time: no image token
         labelled = settings.micro_batch_size * max(spec.seq_len - spec.image_positions, 1)
-        logits_scale = min(labelled, chunk) / spec.seq_len
+        logits_scale = min(labelled, chunk) / (spec.seq_len * settings.micro_batch_size / rows_scale)  # of the traced
     else:
-        logits_scale = settings.micro_batch_size
+        logits_scale = rows_scale
     return _Step(spec, settings, _traces(spec, settings), _layer_counts(spec, settings), params, grads_total,
-                 communication, managed, shard, dequant, tokens, logits_scale, largest_trained)
+                 communication, managed, shard, dequant, tokens, rows_scale, logits_scale, largest_trained)
 
 
 def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
@@ -505,7 +525,7 @@ def _step_windows(step: _Step) -> tuple[dict[str, dict[str, float]], float]:
     and the activation bytes the offload tier moves off the device per micro-batch."""
     spec, settings = step.spec, step.settings
     (ta, tb), (la, lb) = step.traces, step.layers
-    L, mb = spec.num_layers, settings.micro_batch_size
+    L, mb = spec.num_layers, step.rows_scale
     hidden_bytes = step.tokens * spec.hidden_size * spec.dtype.itemsize
     head_gradient = chunked_head_gradient_bytes(spec, settings, step.tokens)
     windows: dict[str, dict[str, float]] = {}

@@ -308,7 +308,8 @@ def model_spec(recipe: Recipe, config: Any, device: str, planner: Planner = DEFA
         reference_adapter=loads_reference_adapter(recipe), num_generations=recipe.grpo.num_generations if grpo else 0,
         scoring_passes=scoring_passes(recipe.grpo) if grpo else 0, iterations=recipe.grpo.num_iterations if grpo else 1,
         planner=planner, images=example.grids,
-        image_positions=sum(image_tokens(real_config(config), g) for g in example.grids))
+        image_positions=sum(image_tokens(real_config(config), g) for g in example.grids),
+        packing=recipe.data.packing)
 
 
 def vision_costs(spec: ModelSpec) -> dict[str, int]:

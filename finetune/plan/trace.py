@@ -6,7 +6,8 @@ log-sum-exp, upcasts in norms and in the loss). Writing that as a formula per fa
 transformers release. Running the training step itself (`finetune.memory.step.forward_backward`, what `finetune run`
 and `finetune measure` run) on meta tensors, under the same tracker, gives the byte count of every saved
 tensor in ~0.1 s. We run it on copies with 2-3 repeating blocks of layers at micro-batch 1 and extrapolate
-linearly (activations are linear in micro-batch and in the number of layers), see `memory_model.py`. Results are cached on disk (`trace_cache.py`).
+linearly (activations are linear in micro-batch and in the number of layers), see `memory_model.py`; the batch
+padded or packed as the run's collator makes it (`finetune.memory.preference.batch_layout`), a packed one whole. Results are cached on disk (`trace_cache.py`).
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ class _MetaKernels(TorchFunctionMode):
 
     The fused CPU kernel saves what CUDA's flash/efficient kernels save (q, k, v, output, log-sum-exp). Also
     answer transformers' packed-sequence check (find_packed_sequence_indices asks whether every row is one
-    sequence: it is, for the traced batch), the one place the step reads a tensor's value.
+    sequence: it is, for a batch without position_ids), the one place the step reads a meta tensor's value. A
+    padded or packed batch's attention_mask and position_ids stay on the CPU (`synthetic_batch`): their values
+    are read for real, and the masks built from them join the meta tensors.
     A function mode is thread-local and sees only the tracing thread's calls: nothing process-wide is patched,
     so concurrent plans (UI handlers) and a training running in the same process are unaffected.
     A vision-language trace keeps the index tensors whose values its forward reads on the CPU
@@ -71,7 +74,9 @@ class _MetaKernels(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.to and _cpu_mask(args[0]) and _meta_target(args[1:], kwargs):
-            return args[0]  # a mask from the token ids keeps its values, so what it selects has a shape
+            # a mask from the token ids (or a padded batch's attention_mask) keeps its values, so what it selects
+            # has a shape; in the dtype asked for (a MoE router's loss weighs tokens by the mask as floats)
+            return args[0].to(_dtype_of(args[1:], kwargs) or torch.bool)
         if func is torch.as_tensor and _cpu_index(args[0]) and _meta_target(args[1:], kwargs):
             return args[0]  # an index tensor (Mistral 3's image_sizes) keeps its values: they split the features
         if func is torch.Tensor.to and args[0].is_meta:  # moved to the token ids' device (SmolVLM): stays on meta
@@ -99,6 +104,11 @@ def _cpu_as_meta(x: Any) -> Any:
 
 def _cpu_mask(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and not x.is_meta and x.dtype == torch.bool
+
+
+def _dtype_of(args: tuple, kwargs: dict) -> torch.dtype | None:
+    """The dtype a Tensor.to call asks for, if any."""
+    return next((a for a in (*args, kwargs.get("dtype")) if isinstance(a, torch.dtype)), None)
 
 
 def _cpu_index(x: Any) -> bool:
@@ -365,19 +375,22 @@ def _expert_weights_report_cpu(model: torch.nn.Module) -> None:
 def _direct_trace(key: tuple[str, str, str, str], attn: str, micro_batch: int, seq_len: int, layers: int,
                   checkpoint_every: int, int8: bool, recompute_norms: bool, mlp_tokens: int,
                   objective: str = "sft", chunked_loss: bool = False, images: tuple[Grid, ...] = (),
-                  planner: Planner = DEFAULT) -> Trace:
+                  planner: Planner = DEFAULT, layout: str = "full") -> Trace:
     """Run the training step's forward_backward on a meta model under the tracker (its model and meta-kernel
-    memo from `planner`; `images`: each example's image grids, for a vision-language model)."""
+    memo from `planner`; `images`: each example's image grids, for a vision-language model; `layout`: the
+    batch's, `finetune.memory.preference.batch_layout`)."""
     built = (key, attn, layers, checkpoint_every, recompute_norms, mlp_tokens)
     model = _take_model(planner, built)
     config = model.config
     preference = PreferenceLoss.of_objective(objective)
-    batch = synthetic_batch(preference, micro_batch, seq_len, config.get_text_config().vocab_size, "meta")
+    batch = synthetic_batch(preference, micro_batch, seq_len, config.get_text_config().vocab_size, "meta",
+                            layout=layout)
     in_layers = in_decoder_layers(model) if int8 else set()
     int8_layers = [module for name, module in model.named_modules() if int8 and _quantizable(name, module, in_layers)]
     for module in int8_layers:
         module.forward = _int8_forward(module)
-    tracker = MemoryTracker(vocab_size=config.get_text_config().vocab_size, device="meta", host_values=bool(images))
+    tracker = MemoryTracker(vocab_size=config.get_text_config().vocab_size, device="meta",
+                            host_values=bool(images) or layout != "full")
     tracker.register_model(model)
     handles = _layer_windows(model, tracker)
     grpo = of_trace_objective(objective)
@@ -473,13 +486,14 @@ def _params_cached(key: tuple[str, str, str, str], layers: int, planner: Planner
 
 
 def _trace_cached(key: tuple[str, str, str, str], device: str, args: tuple, objective: str,
-                  chunked_loss: bool, planner: Planner, images: tuple[Grid, ...] = ()) -> Trace:
+                  chunked_loss: bool, planner: Planner, images: tuple[Grid, ...] = (), layout: str = "full") -> Trace:
     """The planner's memory, then the disk cache, then a trace."""
     if objective != "sft" or images:  # text sft traces keep their disk cache key
         args = (*args, objective, chunked_loss, *((images,) if images else ()))
-    return planner.traces.get_or_compute((key, device, args), lambda: trace_cache.cached(
-        "trace", [*key, device, *args], lambda: _direct_trace(key, *args, planner=planner), _encode_trace,
-        _decode_trace))
+    tagged = (*args, layout) if layout != "full" else args  # full-row traces keep their disk cache key
+    return planner.traces.get_or_compute((key, device, tagged), lambda: trace_cache.cached(
+        "trace", [*key, device, *tagged], lambda: _direct_trace(key, *args, planner=planner, layout=layout),
+        _encode_trace, _decode_trace))
 
 
 def _config_key(config: Any, planner: Planner) -> tuple[str, str]:
@@ -631,7 +645,7 @@ def model_facts(config: Any, attn_choice: str, planner: Planner = DEFAULT) -> tu
 def trace_step(config: Any, adapter: AdapterConfig, dtype: torch.dtype, attn: str, device: str, micro_batch: int,
                seq_len: int, layers: int, checkpoint_every: int, int8: bool = False, recompute_norms: bool = False,
                mlp_tokens: int = 0, objective: str = "sft", chunked_loss: bool = False,
-               images: tuple[Grid, ...] = (), planner: Planner = DEFAULT) -> Trace:
+               images: tuple[Grid, ...] = (), planner: Planner = DEFAULT, layout: str = "full") -> Trace:
     """Trace one forward+backward of `config` cut to `layers` layers (checkpoint_every 0 = no checkpointing).
 
     int8: frozen decoder Linear layers behave like bitsandbytes LLM.int8 layers (see `_Int8LikeLinear`).
@@ -642,10 +656,14 @@ def trace_step(config: Any, adapter: AdapterConfig, dtype: torch.dtype, attn: st
     (`...:precompute_reference`) traces the step without a reference forward and, in window `reference_pass`,
     the pass over the data that precedes training. images: a vision-language model's image grids per example
     (`finetune.plan.vision`), traced through its vision tower. `planner`: whose caches remember the trace.
+    layout: the micro-batch as the run's collator lays it out (`finetune.memory.preference.batch_layout`):
+    `padded` rows end in padding with their attention mask, `packed` ones are joined into one sequence of
+    micro_batch x seq_len tokens with restarting position_ids; either makes the step build a 4-D mask (and
+    SDPA copy K and V per head for grouped-query attention): the trace runs that code, priced by the tracker.
     """
     return _trace_cached(model_key(config, adapter, dtype, planner), device,
                          (attn, micro_batch, seq_len, layers, checkpoint_every, int8, recompute_norms, mlp_tokens),
-                         objective, chunked_loss and objective != "sft", planner, images)
+                         objective, chunked_loss and objective != "sft", planner, images, layout)
 
 
 def param_table_of(key: tuple[str, str, str, str], layers: int, planner: Planner = DEFAULT

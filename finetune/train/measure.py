@@ -17,6 +17,7 @@ from finetune.memory.expert_offload import expert_offload_of
 from finetune.memory.layer_recompute import apply_memory_config, compile_layers
 from finetune.memory.preference import (
     PreferenceLoss,
+    batch_layout,
     batch_reference_logps,
     loads_reference_adapter,
     reference_is_current,
@@ -74,8 +75,9 @@ def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
         recipe, model, optimizer, vocab = step_setup(recipe, scratch)
         gen = torch.Generator().manual_seed(recipe.training.seed)
         preference = PreferenceLoss.of(recipe.training)
+        rows = recipe.training.micro_batch_size * (preference.rows_per_example if preference is not None else 1)
         batch = synthetic_batch(preference, recipe.training.micro_batch_size, recipe.data.max_seq_len, vocab, device,
-                                gen)
+                                gen, layout=batch_layout(rows, recipe.data.packing))
 
         offload = activation_offload(model, recipe.memory, scratch)  # files under offload_dir or scratch
 
