@@ -315,3 +315,32 @@ def test_a_deeper_model_plans_its_cross_attention_layers_from_cut_copies(tmp_pat
     assert main(["run", str(path)]) == 0
     seen = api.plan_at_seen_length(tmp_path / "run")
     assert seen is not None and abs(seen["peak_bytes"] / _measured(tmp_path / "run") - 1) <= 0.05
+
+
+def text_data(folder: Path, n: int = 8) -> Path:
+    """`n` chat records without an image."""
+    path = folder / "text.json"
+    path.write_text(json.dumps([{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
+                                              {"role": "assistant", "content": f"It is {2 * i}."}]}
+                                for i in range(n)]))
+    return path
+
+
+@pytest.mark.parametrize("data", ["text", "images"])
+def test_full_fine_tuning_prices_state_for_what_the_data_runs(tmp_path, mllama, data):
+    """Full fine-tuning with the tower and projector trained too: on text without images transformers skips the
+    cross-attention layers and nothing runs the tower or the projector, so they get no gradient and AdamW no state;
+    with images everything trains. The plan prices the optimizer state of exactly what the traced backward gives
+    a gradient (equal to the measured state at the peak), and the peak within 5% either way."""
+    records = text_data(tmp_path) if data == "text" else shapes_data(tmp_path, 8)
+    path = recipe(tmp_path, mllama, records, adapter={"type": "full", "vision": "full"})
+    assert main(["run", str(path)]) == 0
+    rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "peak_memory_bytes" in r]
+    peak = max(rows, key=lambda r: r["peak_memory_bytes"])
+    seen = api.plan_at_seen_length(tmp_path / "run")
+    assert seen is not None and abs(seen["peak_bytes"] / peak["peak_memory_bytes"] - 1) <= 0.05, (seen, peak)
+    state = peak["peak_memory_breakdown"]["optimizer_state"]
+    assert seen["breakdown"]["optimizer_state"] == state
+    # AdamW's two fp32 moments (and a step) per trained weight that got a gradient: with images every one
+    trained = peak["peak_memory_breakdown"]["trainable_weights"]
+    assert (state > 2 * trained) == (data == "images"), (state, trained)

@@ -216,30 +216,48 @@ def _lerp(a: float, b: float, xa: int, xb: int, x: int) -> float:
 
 
 def _param_sums(planner: Planner, key: tuple[str, ...], layers: int, bits: int | None, double_quant: bool,
-                optimizer: str, optimizer_json: str, accumulation: int) -> tuple[dict[str, float], int, int]:
+                optimizer: str, optimizer_json: str, accumulation: int, untrained: frozenset[str]
+                ) -> tuple[dict[str, float], int, int]:
     """Weights, trained weights, optimizer state and gradients of one cut model, its largest trained
     parameter's bytes and largest quantized weight's elements (remembered by the planner: a plan with every
-    key on auto asks for the same few combinations hundreds of times)."""
-    args = (key, layers, bits, double_quant, optimizer, optimizer_json, accumulation)
+    key on auto asks for the same few combinations hundreds of times). `untrained`: trainable parameters the
+    step gives no gradient (`_untrained`), priced as weights that have neither gradients nor optimizer state."""
+    args = (key, layers, bits, double_quant, optimizer, optimizer_json, accumulation, untrained)
     return planner.param_sums.get_or_compute(args, lambda: _sum_params(planner, *args))
 
 
 def _sum_params(planner: Planner, key: tuple[str, ...], layers: int, bits: int | None, double_quant: bool,
-                optimizer: str, optimizer_json: str, accumulation: int) -> tuple[dict[str, float], int, int]:
+                optimizer: str, optimizer_json: str, accumulation: int, untrained: frozenset[str]
+                ) -> tuple[dict[str, float], int, int]:
     params = param_table_of(key, layers, planner)
     # A quantizable 3-D weight holds a MoE block's experts: stored in 4 bits one expert matrix at a time
     # (finetune.model.expert_store), left in 16 bits by 8-bit quantization, dequantized one expert at a time.
     frozen = sum(quantized_weight_bytes(p.numel, p.out_features, bits if p.quantizable and (
         bits == 4 or len(p.shape) == 2) else None, double_quant, p.bytes_per_elem) for p in params if not p.trainable)
-    trained = [(p.name, p.shape, p.dtype) for p in params if p.trainable]
+    graded = [p for p in params if p.trainable and p.name not in untrained]
+    trained = [(p.name, p.shape, p.dtype) for p in graded]
     opt = OptimizerConfig.model_validate_json(optimizer_json).model_copy(update={"name": optimizer})
     sums = {"weights": frozen, "trainable_weights": sum(p.numel * p.bytes_per_elem for p in params if p.trainable),
             "optimizer_state": optimizer_state_bytes(optimizer, trained, opt),
             "grads": gradient_bytes(trained, opt, accumulation)}
-    largest_trained = max((p.numel * p.bytes_per_elem for p in params if p.trainable), default=0)
+    largest_trained = max((p.numel * p.bytes_per_elem for p in graded), default=0)
     largest_quant = max((p.numel // (p.shape[0] if len(p.shape) == 3 else 1) for p in params if p.quantizable),
                         default=0)
     return sums, largest_trained, largest_quant
+
+
+def _untrained(spec: ModelSpec, config: Any, layers: int, block: int) -> frozenset[str]:
+    """The trainable parameters of `config` cut to `layers` layers that the training step's backward gives no
+    gradient with the planned data (`Trace.untrained`: Llama 3.2 Vision's cross-attention layers, and a trained
+    tower and projector, on text without images, which transformers skips): the run's optimizer makes no state
+    for them and no gradient of theirs is ever resident. Which parameters a backward reaches depends on the
+    model, the method and the inputs (images or not), not on the memory settings (checkpointing is
+    non-reentrant), so it is read from one trace that every configuration of these layer counts shares, the
+    first the search makes: micro-batch 1, checkpointing every `block` layers, plain layers. `memory_floor`
+    so knows it before the configurations' own traces."""
+    return frozenset(trace_step(config, spec.adapter, spec.dtype, spec.attn, spec.device, 1, spec.seq_len, layers,
+                                block, recompute_norms=spec.recompute_norms, objective=spec.objective,
+                                planner=spec.planner, images=spec.images).untrained)
 
 
 def _whole_parts(spec: ModelSpec, settings: Settings) -> tuple[dict[str, float], dict[str, float], int, int]:
@@ -255,7 +273,8 @@ def _whole_parts(spec: ModelSpec, settings: Settings) -> tuple[dict[str, float],
         key = model_key(config, spec.adapter, spec.dtype, spec.planner)
         (a, _, _), (b, trained, quant) = (
             _param_sums(spec.planner, key, layers, settings.bits, spec.double_quant, settings.optimizer, opt,
-                        settings.gradient_accumulation_steps) for layers in (la, lb))
+                        settings.gradient_accumulation_steps, _untrained(spec, config, layers, _block(settings)))
+            for layers in (la, lb))
         for k in a:
             pa[k], pb[k] = pa.get(k, 0.0) + weight * a[k], pb.get(k, 0.0) + weight * b[k]
         largest_trained, largest_quant = max(largest_trained, trained), max(largest_quant, quant)

@@ -292,9 +292,12 @@ class ParamInfo:
 
 @dataclass(frozen=True)
 class Trace:
-    """Window peaks (total, breakdown) of one traced step."""
+    """Window peaks (total, breakdown) of one traced step, and the trainable parameters its backward gave no
+    gradient: parts of the model the traced inputs do not run (Llama 3.2 Vision skips its cross-attention
+    layers on text without images), which get neither a gradient nor optimizer state in the run either."""
 
     windows: dict[str, tuple[int, dict[str, int]]]
+    untrained: tuple[str, ...] = ()
 
 
 def _quantizable(name: str, module: torch.nn.Module, in_layers: set[int]) -> bool:
@@ -413,8 +416,9 @@ def _direct_trace(key: tuple[str, str, str, str], attn: str, micro_batch: int, s
             handle.remove()
     for module in int8_layers:
         del module.forward  # the class's forward again
+    untrained = tuple(name for name, p in model.named_parameters() if p.requires_grad and p.grad is None)
     _return_model(planner, built, model)
-    return Trace(windows=dict(tracker.windows))
+    return Trace(windows=dict(tracker.windows), untrained=untrained)
 
 
 def _grpo_step(model: torch.nn.Module, tracker: MemoryTracker, rows: int, seq_len: int, completion: int,
@@ -460,12 +464,14 @@ def _return_model(planner: Planner, built: tuple, model: torch.nn.Module) -> Non
 
 
 def _encode_trace(trace: Trace) -> Any:
-    return {name: [total, parts] for name, (total, parts) in trace.windows.items()}
+    return {"windows": {name: [total, parts] for name, (total, parts) in trace.windows.items()},
+            "untrained": list(trace.untrained)}
 
 
 def _decode_trace(value: Any) -> Trace:
     return Trace(windows={name: (int(total), {k: int(v) for k, v in parts.items()})
-                          for name, (total, parts) in value.items()})
+                          for name, (total, parts) in value["windows"].items()},
+                 untrained=tuple(value["untrained"]))
 
 
 def _encode_params(params: tuple[ParamInfo, ...]) -> Any:
