@@ -667,8 +667,10 @@ def test_a_qwen25vl_whose_vision_windows_llama_cpp_cannot_hold_is_refused_in_one
 
 
 # Mistral 3's two text models: Mistral Small 3.1/3.2's mistral, Ministral 3's ministral3 (YaRN rotary and
-# position-scaled queries); both with the 1e-5 RMSNorm epsilon llama.cpp's pixtral graph uses for the projector norm
-MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 512,
+# position-scaled queries); both with the 1e-5 RMSNorm epsilon llama.cpp's pixtral graph uses for the projector norm.
+# Ministral 3's original context is 16 positions, so that the llama.cpp comparison's image and prompt (22) cross
+# it: its queries are scaled from there on (by 1 + beta x log(1 + floor(position / 16)))
+MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
                    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                    "llama_4_scaling_beta": 0.1}
 MISTRAL3_TEXT = {"mistral": {"rms_norm_eps": 1e-5},
@@ -856,3 +858,34 @@ def test_llama_cpp_encodes_a_mistral3_image_with_its_row_breaks_as_transformers_
     embeddings are transformers' image features with [IMG_BREAK]'s embedding after each row but the last, and its
     logits after them and [IMG_END] and the prompt are the model's."""
     _assert_llama_cpp_encodes_as_transformers(mistral3_run, tmp_path / "gguf")
+
+
+def test_llama_cpp_rotates_a_mistral3_towers_patches_as_transformers_does(mistral3_run, mistral3_folder, tmp_path):
+    """The tiny tower's attention is nearly uniform (leaving its rotary out moves the image features by 3e-5 of
+    their largest value, under the comparison's tolerance): with its q and k 20x, swapping the patches' rows and
+    columns moves them by 2e-2, and llama.cpp, from the file's q and k rows in its rotary layout, still gives
+    transformers' features."""
+    import torch
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    from finetune.export.gguf_vision import write_projector
+
+    libs, why = _mtmd()
+    if libs is None:
+        pytest.skip(why)
+    text_file = _export(mistral3_run, tmp_path / "gguf")[1]
+    tokenizer = AutoTokenizer.from_pretrained(mistral3_folder)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(_mistral3_config(
+        image_break_token_id=tokenizer.convert_tokens_to_ids("[IMG_BREAK]")), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for layer in model.model.vision_tower.transformer.layers:
+            layer.attention.q_proj.weight.mul_(20)
+            layer.attention.k_proj.weight.mul_(20)
+    processor = AutoImageProcessor.from_pretrained(mistral3_folder)
+    projector = write_projector(model, processor, tmp_path / "mmproj.gguf", qtype="f32", tokenizer=tokenizer)
+    width, height = LLAMA_CPP_IMAGE["mistral3"]
+    image = np.random.default_rng(0).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    ours = np.concatenate(llama_cpp_image_prompt(libs, text_file, projector, image)[0])
+    theirs = transformers_image_prompt(model, processor, image)[0]
+    assert np.abs(ours - theirs).max() <= EMBEDDING_RTOL * np.abs(theirs).max()
