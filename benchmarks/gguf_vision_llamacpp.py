@@ -21,6 +21,7 @@ from pathlib import Path
 from tests.test_gguf_vision import (
     GEMMA3_TEXT,
     LLAMA_CPP_IMAGE,
+    MISTRAL3_TEXT,
     QWEN3VL_TEXT,
     QWEN25VL_TEXT,
     _mtmd,
@@ -37,6 +38,8 @@ RUNS = [
     ("qwen3_vl", "qwen3_vl", QWEN3VL_TEXT, TYPES),
     ("idefics3", "idefics3", {}, TYPES),
     ("smolvlm", "smolvlm", {}, ("f32",)),
+    ("mistral3 (mistral)", "mistral3", MISTRAL3_TEXT["mistral"], TYPES),
+    ("mistral3 (ministral3)", "mistral3", MISTRAL3_TEXT["ministral3"], TYPES),
     ("qwen2_5_vl rms_norm_eps 1e-5", "qwen2_5_vl", {}, ("f32",)),
     ("qwen3_vl mrope [2,3,3]", "qwen3_vl", {}, ("f32",)),
 ]

@@ -6,6 +6,9 @@ written are refused in one line."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+
 import numpy as np
 import pytest
 
@@ -435,9 +438,10 @@ def test_a_qwen3vl_whose_patches_span_other_than_two_frames_is_refused_in_one_li
 # processor's pixel range and at or above llama.cpp's fixed minimum of 8 image tokens (Qwen2.5-VL's 6 x 2 merged
 # patches wider than one 112-pixel window, so that its window attention is exercised);
 # for Idefics3 the processor's longest edge, cut into 2 x 2 tiles (the whole-image tile is downscaled by each
-# with its own filter)
+# with its own filter); for Mistral 3 whole 28-pixel blocks (patch times spatial merge, which each rounds to)
+# within the 112-pixel longest edge, not square, so that rows and their breaks are told apart
 LLAMA_CPP_IMAGE = {"gemma3": (56, 56), "qwen2_5_vl": (168, 56), "qwen3_vl": (128, 96), "idefics3": (112, 112),
-                   "smolvlm": (112, 112)}
+                   "smolvlm": (112, 112), "mistral3": (112, 84)}
 
 # llama.cpp's CPU GELU reads a float16 table (GGML_GELU_FP16) and Gemma 3's input projection is F16 in every file
 # (its converter forces it): its image embeddings agree with transformers' to a few parts in ten thousand of their
@@ -474,6 +478,32 @@ def llama_cpp_image_prompt(libs, text_file, projector, image: np.ndarray, prompt
     ids or an image chunk's token count; the last position's logits, in a context with an f32 KV cache and
     flash attention off, the language model given `embeddings` (all image tokens' rows) in place of its own
     where they are given)."""
+    with _zeroed_allocations():
+        return _llama_cpp_image_prompt(libs, text_file, projector, image, prompt, embeddings)
+
+
+M_PERTURB = -6  # glibc's mallopt parameter (malloc.h)
+
+
+@contextlib.contextmanager
+def _zeroed_allocations():
+    """Within it, memory glibc's malloc hands out is zeroed (its M_PERTURB byte 0xff: freshly allocated bytes are
+    filled with 0xff ^ 0xff): llama.cpp's pixtral graph makes the rows it appends [IMG_BREAK]'s embedding to by
+    scaling a tensor it never wrote by 0, so where that memory held NaN (heap reused after training in the same
+    process) those rows, and every logit after them, are NaN; zeroed, as in the fresh pages a full-size model's
+    compute buffer gets, they are the embedding itself."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is not None:
+        mallopt(M_PERTURB, 0xFF)
+    try:
+        yield
+    finally:
+        if mallopt is not None:
+            mallopt(M_PERTURB, 0)
+
+
+def _llama_cpp_image_prompt(libs, text_file, projector, image: np.ndarray, prompt: str,
+                            embeddings: np.ndarray | None) -> tuple[list, list, np.ndarray]:
     lib, mtmd, ffi = libs
     params = lib.llama_model_default_params()
     params.n_gpu_layers = 0
@@ -532,9 +562,10 @@ def llama_cpp_image_prompt(libs, text_file, projector, image: np.ndarray, prompt
 def transformers_image_prompt(model, image_processor, image: np.ndarray, layout: list | None = None):
     """transformers' side of llama_cpp_image_prompt: (the model's image features for `image` as its image
     processor prepares it, [tokens, width] in the order of its image tokens (Idefics3: tile by tile, the whole
-    image last), Qwen3-VL's deepstack features after the hidden size as llama.cpp lays them out; with `layout`
-    (llama.cpp's chunks: token ids, or an image's token count, written as the model's image token), the last
-    position's logits, else None)."""
+    image last), Qwen3-VL's deepstack features after the hidden size as llama.cpp lays them out, Pixtral's with
+    [IMG_BREAK]'s embedding after each row but the last as llama.cpp appends it; with `layout` (llama.cpp's
+    chunks: token ids, or an image's token count, written as the model's image token, Pixtral's rows with their
+    breaks), the last position's logits, else None)."""
     import inspect
 
     import torch
@@ -550,12 +581,21 @@ def transformers_image_prompt(model, image_processor, image: np.ndarray, layout:
         return features.reshape(-1, features.shape[-1]).float().numpy()
 
     features = np.hstack([rows(out.pooler_output), *map(rows, getattr(out, "deepstack_features", None) or ())])
-    if layout is None:
-        return features, None
     config = model.config
     image_token = config.image_token_id if getattr(config, "image_token_id", None) is not None \
         else config.image_token_index
-    ids = [t for part in layout for t in (part if isinstance(part, list) else [image_token] * part)]
+    image_ids = None  # an image chunk's ids: as many image tokens as it counts, but Pixtral's below
+    if getattr(config, "image_break_token_id", None) is not None:  # Pixtral: a break after each row but the last
+        block = config.vision_config.patch_size * config.spatial_merge_size
+        height, width = (int(n) // block for n in inputs["image_sizes"][0])
+        row_break = model.get_input_embeddings().weight[config.image_break_token_id].detach().float().numpy()
+        features = np.vstack([part for r in range(height) for part in (
+            features[r * width:(r + 1) * width], *([row_break[None]] if r < height - 1 else []))])
+        image_ids = ([image_token] * width + [config.image_break_token_id]) * height
+        image_ids.pop()
+    if layout is None:
+        return features, None
+    ids = [t for part in layout for t in (part if isinstance(part, list) else image_ids or [image_token] * part)]
     inputs.pop("num_crops", None)
     ids = torch.tensor([ids])
     # which tokens are the image's, as the full processor returns them: Qwen-VL's multimodal rotary positions,
@@ -627,8 +667,10 @@ def test_a_qwen25vl_whose_vision_windows_llama_cpp_cannot_hold_is_refused_in_one
 
 
 # Mistral 3's two text models: Mistral Small 3.1/3.2's mistral, Ministral 3's ministral3 (YaRN rotary and
-# position-scaled queries); both with the 1e-5 RMSNorm epsilon llama.cpp's pixtral graph uses for the projector norm
-MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 512,
+# position-scaled queries); both with the 1e-5 RMSNorm epsilon llama.cpp's pixtral graph uses for the projector norm.
+# Ministral 3's original context is 16 positions, so that the llama.cpp comparison's image and prompt (22) cross
+# it: its queries are scaled from there on (by 1 + beta x log(1 + floor(position / 16)))
+MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
                    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                    "llama_4_scaling_beta": 0.1}
 MISTRAL3_TEXT = {"mistral": {"rms_norm_eps": 1e-5},
@@ -809,3 +851,41 @@ def test_a_ministral3_llama_cpp_would_scale_otherwise_is_refused_before_loading(
             check_vision_exportable(AutoConfig.for_model(**config.to_dict()))
         line = str(refused.value).splitlines()[0]
         assert f"Ministral 3 model's rope {named}" in line and "llama.cpp's mistral3" in line, line
+
+
+def test_llama_cpp_encodes_a_mistral3_image_with_its_row_breaks_as_transformers_does(mistral3_run, tmp_path):
+    """Both text models (Mistral Small's mistral, Ministral 3's YaRN and scaled queries): llama.cpp's image
+    embeddings are transformers' image features with [IMG_BREAK]'s embedding after each row but the last, and its
+    logits after them and [IMG_END] and the prompt are the model's."""
+    _assert_llama_cpp_encodes_as_transformers(mistral3_run, tmp_path / "gguf")
+
+
+def test_llama_cpp_rotates_a_mistral3_towers_patches_as_transformers_does(mistral3_run, mistral3_folder, tmp_path):
+    """The tiny tower's attention is nearly uniform (leaving its rotary out moves the image features by 3e-5 of
+    their largest value, under the comparison's tolerance): with its q and k 20x, swapping the patches' rows and
+    columns moves them by 2e-2, and llama.cpp, from the file's q and k rows in its rotary layout, still gives
+    transformers' features."""
+    import torch
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    from finetune.export.gguf_vision import write_projector
+
+    libs, why = _mtmd()
+    if libs is None:
+        pytest.skip(why)
+    text_file = _export(mistral3_run, tmp_path / "gguf")[1]
+    tokenizer = AutoTokenizer.from_pretrained(mistral3_folder)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(_mistral3_config(
+        image_break_token_id=tokenizer.convert_tokens_to_ids("[IMG_BREAK]")), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for layer in model.model.vision_tower.transformer.layers:
+            layer.attention.q_proj.weight.mul_(20)
+            layer.attention.k_proj.weight.mul_(20)
+    processor = AutoImageProcessor.from_pretrained(mistral3_folder)
+    projector = write_projector(model, processor, tmp_path / "mmproj.gguf", qtype="f32", tokenizer=tokenizer)
+    width, height = LLAMA_CPP_IMAGE["mistral3"]
+    image = np.random.default_rng(0).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    ours = np.concatenate(llama_cpp_image_prompt(libs, text_file, projector, image)[0])
+    theirs = transformers_image_prompt(model, processor, image)[0]
+    assert np.abs(ours - theirs).max() <= EMBEDDING_RTOL * np.abs(theirs).max()
