@@ -63,6 +63,10 @@ def test_planner_vs_measured_rows(dry_run):
     text = [r for r in rows if "real data" not in r["name"] and r["data"]["format"] == "text"]
     # Synthetic batches are exactly max_seq_len long: every record was cut to it.
     assert text and all(r["data"]["truncated"] == r["data"]["records_used"] for r in text)
+    # Real records: one cut to max_seq_len and one shorter, padded to it: the padded batch the plan prices.
+    real, = [r for r in rows if "real data" in r["name"]]
+    assert real["data"]["truncated"] == 1 and real["data"]["records_used"] == 2, real["data"]
+    assert real["data"]["max_example_tokens"] == real["max_seq_len"] > real["data"]["train_tokens"] / 2, real["data"]
     grpo, = [r for r in rows if r["data"]["format"] == "prompt"]  # generation and training planned together
     assert grpo["predicted_bytes"] == max(grpo["predicted_generation_bytes"], grpo["predicted_training_bytes"])
     assert grpo["generation_tokens_per_s"] > 0 and grpo["training_tokens_per_s"] > 0 and grpo["tokens_per_s"] > 0

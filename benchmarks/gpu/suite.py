@@ -113,6 +113,21 @@ class Suite:
                     f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(seq + 16))}) + "\n")
         return path
 
+    def real_data(self, records: int) -> Path:
+        """One micro-batch of real alpaca records, trained again every step: the sample's longest record (cut to
+        max_seq_len) and the `records - 1` shortest (under it), so that each step's batch is padded at
+        max_seq_len with its attention mask, the batch the plan prices, and the steps after the first carry the
+        optimizer's state too. Not the whole sample: there most records reach max_seq_len under the toy
+        tokenizer (the same on every device), so its longest batches hold two cut rows and are never padded
+        (no mask, K/V not copied: 10% under the plan), and its padded batches are shorter. Chosen by text
+        length; the row's data stats show exactly one record cut."""
+        path = self.work / "data" / f"alpaca-{records}.json"
+        if not path.is_file():
+            sample = sorted(json.loads(REAL_SAMPLE.read_text()), key=lambda r: sum(len(str(v)) for v in r.values()))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(sample[-1:] + sample[:records - 1]))
+        return path
+
     def completion(self, cfg: dict) -> int:
         """A GRPO row's completion tokens (shrunk with the sequence on --cpu)."""
         return max(8, cfg["keys"]["grpo.max_completion_length"] // (CPU_SEQ_DIVISOR if self.cpu else 1))
@@ -252,7 +267,7 @@ class Suite:
 
     def row_a(self, cfg: dict, base: LoadedModel | None = None) -> dict[str, Any]:
         """One planner-vs-measured row: 3 steps of `finetune run`, the prediction's error against the peaks."""
-        more = {"data.path": str(REAL_SAMPLE), "data.format": "auto"} if cfg.get("real") else \
+        more = {"data.path": str(self.real_data(cfg["mb"])), "data.format": "auto"} if cfg.get("real") else \
             {"data.path": str(self.prompt_data(cfg))} if cfg.get("prompts") else {}
         row = {"name": cfg["name"], "max_seq_len": self.seq(cfg),
                **self.train(self.recipe(cfg, 3, self.work / "run", **more), base=base)}
