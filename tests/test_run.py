@@ -81,9 +81,13 @@ def _write_recipe(tmp_path: Path, data: dict, name: str) -> Path:
     return path
 
 
+# enough steps that Ctrl-C, sent once step 3 is logged, lands before the end: a tiny model runs ~100 steps/s
+CTRL_C_STEPS = 64
+
+
 def test_ctrl_c_saves_and_resume_matches_uninterrupted(tmp_path, tiny_model_dir):
     base = _recipe_dict(tmp_path, tiny_model_dir, data={"path": str(_data(tmp_path, 16, varied=True))},
-                        training={"max_steps": 16, "learning_rate": 3e-3}, adapter={"dropout": 0.1},
+                        training={"max_steps": CTRL_C_STEPS, "learning_rate": 3e-3}, adapter={"dropout": 0.1},
                         output={"save_steps": 50})
     straight = run(validate_recipe({**base, "output": {"dir": str(tmp_path / "straight"), "save_steps": 50}}))
     reference = {r["step"]: r["loss"] for r in read_jsonl(straight.run_dir / "metrics.jsonl") if "loss" in r}
@@ -95,7 +99,7 @@ def test_ctrl_c_saves_and_resume_matches_uninterrupted(tmp_path, tiny_model_dir)
     deadline = time.time() + 240
     while time.time() < deadline and not any(r.get("step", 0) >= 3 for r in read_jsonl(metrics)):
         assert proc.poll() is None, proc.communicate()
-        time.sleep(0.2)
+        time.sleep(0.02)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 130, err
@@ -103,13 +107,13 @@ def test_ctrl_c_saves_and_resume_matches_uninterrupted(tmp_path, tiny_model_dir)
     status = json.loads((tmp_path / "stopped" / "status.json").read_text())
     assert status["state"] == "stopped"
     stopped_at = status["step"]
-    assert 3 <= stopped_at < 16
+    assert 3 <= stopped_at < CTRL_C_STEPS
     assert (tmp_path / "stopped" / "checkpoints" / f"checkpoint-{stopped_at}").is_dir()
 
     assert main(["run", str(recipe_path), "--resume"]) == 0
     resumed = {r["step"]: r["loss"] for r in read_jsonl(metrics) if "loss" in r}
-    assert sorted(resumed) == list(range(1, 17)), "each step logged exactly once"
-    for step in range(stopped_at + 1, 17):
+    assert sorted(resumed) == list(range(1, CTRL_C_STEPS + 1)), "each step logged exactly once"
+    for step in range(stopped_at + 1, CTRL_C_STEPS + 1):
         assert resumed[step] == pytest.approx(reference[step], rel=1e-5), f"step {step}"
 
 
