@@ -320,7 +320,9 @@ def models_markdown() -> str:
         "in one line before anything loads, and so is a vision-language one of a family not marked vision below "
         "(Qwen3.5's checkpoints are vision-language ones whose text model trains, chats and exports, the vision "
         "tower not loaded). A vision family trains on records with images: the vision tower and projector stay "
-        "in 16 bits, frozen unless `adapter.vision` says lora or full; the language model is quantized for QLoRA.",
+        "in 16 bits, frozen unless `adapter.vision` says lora or full; the language model is quantized for QLoRA. "
+        "The image budget (`data.max_pixels`) the planner picks for each vision family's full-size checkpoint on "
+        "an 8, 16 and 24 GB GPU, with the predicted peak: the pixel-budget table in [vision.md](vision.md#memory-the-image-tokens).",
         "",
         *rows,
         "",
