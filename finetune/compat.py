@@ -1,10 +1,12 @@
 """Every private torch / transformers API finetune uses, behind one name each, with the versions it was checked on.
 
 Why: a private name (`torch.utils._pytree`, `config._attn_implementation`) may change in any release without
-notice. Gathered here, an upgrade is checked in one file: each entry of `PRIVATE` names the API, the
-library and the oldest and newest version (major.minor) it was checked on: the newest is the version the
-tests run on; the oldest is pyproject's floor (torch>=2.4, transformers>=5.23), where each API exists. Outside that range the API is
-still tried, with one warning naming it; where it is gone the run stops with one line saying which API,
+notice. Gathered here, an upgrade is checked in one file: `CHECKED` gives, per library, the oldest and newest
+version (major.minor) its private APIs were checked on; it is the one table behind pyproject's version bounds
+(tests/test_lock.py) and `.ci/lock.py upgrade` widens it when the suite passes on a new release. `PRIVATE`
+names each API. Outside the checked range the API is still tried, and the command prints one plain line
+naming the libraries, their checked ranges and the command that installs the tested versions
+(`constraints.txt`, the lock file); where an API is gone the run stops with one line saying which API,
 which versions work and what to install (exit code 1, no traceback), or a public fallback takes over where
 one exists (`op_schema`, `supports_sdpa`). tests/test_compat.py checks each entry against the installed
 versions and that no other module reaches for these names. Training runs its own loop
@@ -13,9 +15,10 @@ versions and that no other module reaches for these names. Training runs its own
 
 from __future__ import annotations
 
-import warnings
+import sys
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,16 +32,33 @@ def _minor(text: str) -> tuple[int, int]:
     return tuple(int("".join(c for c in p if c.isdigit()) or 0) for p in parts)  # type: ignore[return-value]
 
 
+# The versions (major.minor, both ends included) each library's private APIs were checked on: the oldest is
+# pyproject's floor, the newest the version in constraints.txt. pyproject's upper bounds are derived from this
+# table (newest + one minor), torch excepted: a GPU user's own CUDA build must not be replaced by pip.
+CHECKED: dict[str, tuple[str, str]] = {
+    "torch": ("2.4", "2.13"),
+    "transformers": ("5.23", "5.25"),
+    "accelerate": ("1.5", "1.16"),
+}
+LOCK = Path(__file__).with_name("constraints.txt")  # the tested versions, written by `.ci/lock.py freeze`
+
+
 @dataclass(frozen=True)
 class PrivateAPI:
-    """One private API: what finetune uses (`name`, as the library spells it), from which `library`, checked on
-    versions `oldest` to `newest` (major.minor, both included), and what happens outside them."""
+    """One private API: what finetune uses (`name`, as the library spells it), from which `library` (checked on
+    the versions `CHECKED` gives for it), and what happens outside them."""
 
     name: str
     library: str
-    oldest: str
-    newest: str
-    outside: str = "tried, with a warning; an error naming it where it is gone"
+    outside: str = "tried; an error naming it where it is gone"
+
+    @property
+    def oldest(self) -> str:
+        return CHECKED[self.library][0]
+
+    @property
+    def newest(self) -> str:
+        return CHECKED[self.library][1]
 
     def installed(self) -> str:
         try:
@@ -61,33 +81,59 @@ class PrivateAPI:
 
 
 PRIVATE: dict[str, PrivateAPI] = {api.name: api for api in (
-    PrivateAPI("torch.utils._python_dispatch.TorchDispatchMode", "torch", "2.4", "2.13"),
-    PrivateAPI("torch.utils._pytree", "torch", "2.4", "2.13"),
-    PrivateAPI("torch.autograd.graph._engine_run_backward", "torch", "2.4", "2.13"),
-    PrivateAPI("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu", "torch", "2.4", "2.13"),
-    PrivateAPI("torch._foreach_norm", "torch", "2.4", "2.13", "falls back to one torch.linalg.vector_norm per tensor"),
-    PrivateAPI("OpOverload._schema", "torch", "2.4", "2.13", "falls back to no schema: the meta memo is off"),
-    PrivateAPI("UntypedStorage._cdata", "torch", "2.4", "2.13"),
-    PrivateAPI("Tensor._version", "torch", "2.4", "2.13"),
-    PrivateAPI("PretrainedConfig._attn_implementation", "transformers", "5.23", "5.24"),
-    PrivateAPI("PreTrainedModel._supports_sdpa", "transformers", "5.23", "5.24",
+    PrivateAPI("torch.utils._python_dispatch.TorchDispatchMode", "torch"),
+    PrivateAPI("torch.utils._pytree", "torch"),
+    PrivateAPI("torch.autograd.graph._engine_run_backward", "torch"),
+    PrivateAPI("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu", "torch"),
+    PrivateAPI("torch._foreach_norm", "torch", "falls back to one torch.linalg.vector_norm per tensor"),
+    PrivateAPI("OpOverload._schema", "torch", "falls back to no schema: the meta memo is off"),
+    PrivateAPI("UntypedStorage._cdata", "torch"),
+    PrivateAPI("Tensor._version", "torch"),
+    PrivateAPI("PretrainedConfig._attn_implementation", "transformers"),
+    PrivateAPI("PreTrainedModel._supports_sdpa", "transformers",
                "falls back to sdpa (what transformers picks when it is not told)"),
-    PrivateAPI("AcceleratorState._reset_state", "accelerate", "1.5", "1.15"),
-    PrivateAPI("use_experts_implementation._apply_gate", "transformers", "5.23", "5.24"),
-    PrivateAPI("Tensor._make_wrapper_subclass", "torch", "2.4", "2.13"),
-    PrivateAPI("torch._C._disabled_torch_function_impl", "torch", "2.4", "2.13"),
+    PrivateAPI("AcceleratorState._reset_state", "accelerate"),
+    PrivateAPI("use_experts_implementation._apply_gate", "transformers"),
+    PrivateAPI("Tensor._make_wrapper_subclass", "torch"),
+    PrivateAPI("torch._C._disabled_torch_function_impl", "torch"),
 )}
 _seen: set[str] = set()  # entries whose version was compared this process (hot paths call _use per tensor)
+_noted = False  # the one line on untested versions was printed (once per process: once per command)
+
+
+def tested_versions(lock: Path = LOCK) -> dict[str, str]:
+    """The lock file's pins, {normalized name: version}: what the suite last passed on."""
+    pins = {}
+    for line in lock.read_text().splitlines() if lock.exists() else []:
+        name, sep, pinned = line.split("#", 1)[0].strip().partition("==")
+        if sep:
+            pins[name.strip().lower()] = pinned.strip()
+    return pins
+
+
+def untested_note() -> str | None:
+    """One plain line naming each library installed outside its checked range, or None for a tested install:
+    what is installed, what was checked, and the one command that installs the tested versions."""
+    outside = [lib for lib in CHECKED if not PrivateAPI("", lib).checked()]
+    if not outside:
+        return None
+    pins = tested_versions()
+    found = ", ".join(f"{lib} {PrivateAPI('', lib).installed()} (checked on {CHECKED[lib][0]} to {CHECKED[lib][1]})"
+                      for lib in outside)
+    command = " ".join(f"{lib}=={pins[lib]}" for lib in outside if lib in pins)
+    fix = f"; the tested versions: pip install {command}" if command else ""
+    return f"note: finetune was not tested with {found}; it tries them{fix}"
 
 
 def _use(name: str) -> PrivateAPI:
-    """The entry of `name`, warning once per process where the installed version was not checked."""
+    """The entry of `name`; the first time this process uses an API of an untested version, one line on stderr."""
+    global _noted
     api = PRIVATE[name]
     if name not in _seen:
         _seen.add(name)
-        if not api.checked():
-            warnings.warn(f"finetune uses {api.name}, checked on {api.library} {api.oldest} to {api.newest}, not "
-                          f"{api.installed()}: {api.outside}", stacklevel=3)
+        if not _noted and not api.checked():
+            _noted = True
+            print(untested_note(), file=sys.stderr)
     return api
 
 
@@ -104,9 +150,10 @@ except ImportError:
     raise PRIVATE["torch.utils._python_dispatch.TorchDispatchMode"].missing() from None
 _use("torch.utils._python_dispatch.TorchDispatchMode")
 _use("torch.utils._pytree")
-__all__ = ["PRIVATE", "PrivateAPI", "TorchDispatchMode", "attn_implementation", "check_all", "engine_backward", "expert_gate",
+__all__ = ["CHECKED", "LOCK", "PRIVATE", "PrivateAPI", "TorchDispatchMode", "attn_implementation", "check_all", "engine_backward", "expert_gate",
            "flash_attention_cpu", "foreach_norm", "meta_on_device", "op_schema", "set_attn_implementation", "storage_id",
-           "supports_sdpa", "tensor_version", "tree_flatten", "tree_leaves", "tree_map"]
+           "supports_sdpa", "tensor_version", "tested_versions", "tree_flatten", "tree_leaves", "tree_map",
+           "untested_note"]
 
 
 def engine_backward(loss: torch.Tensor) -> None:

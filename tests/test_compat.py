@@ -25,22 +25,47 @@ def test_every_private_api_was_checked_on_the_installed_version():
 
 @pytest.mark.parametrize(("installed", "checked"), [("2.13.0+cpu", True), ("2.4.1", True), ("2.3.9", False),
                                                      ("2.14.0.dev20260101", False), ("3.0", False), ("none", False)])
-def test_the_version_range_includes_both_ends_by_major_minor(installed, checked):
-    assert compat.PrivateAPI("x", "torch", "2.4", "2.13").checked(installed) is checked
+def test_the_version_range_includes_both_ends_by_major_minor(installed, checked, monkeypatch):
+    monkeypatch.setitem(compat.CHECKED, "torch", ("2.4", "2.13"))
+    assert compat.PrivateAPI("x", "torch").checked(installed) is checked
 
 
-def test_outside_the_range_it_warns_once_naming_the_api(monkeypatch):
-    api = compat.PRIVATE["Tensor._version"]
-    monkeypatch.setattr(compat.PrivateAPI, "installed", lambda self: "9.1")
+def _newer_transformers(monkeypatch, installed="9.1.0"):
+    """Simulate an install outside the checked range: transformers' metadata says `installed`."""
+    real = compat.version
+    monkeypatch.setattr(compat, "version", lambda lib: installed if lib == "transformers" else real(lib))
     monkeypatch.setattr(compat, "_seen", set())
-    t = torch.zeros(2)
-    with pytest.warns(UserWarning, match=r"Tensor\._version, checked on torch 2\.4 to 2\.13, not 9\.1"):
-        before = compat.tensor_version(t)
-    t.add_(1)
+    monkeypatch.setattr(compat, "_noted", False)
+
+
+def test_outside_the_range_one_plain_line_per_process_names_version_range_and_fix(monkeypatch, capsys):
+    """No UserWarning with a source line: one line on stderr, once, with the command that installs the tested
+    version (from the lock); the API is still tried."""
+    _newer_transformers(monkeypatch)
+    from finetune.testing import tiny_config
+
+    config = tiny_config("llama")
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # once per process
-        assert compat.tensor_version(t) > before
-    assert any(line.startswith(f"{api.name}: checked on torch 2.4 to 2.13, installed 9.1") for line in compat.check_all())
+        warnings.simplefilter("error")
+        compat.set_attn_implementation(config, "eager")
+        assert compat.attn_implementation(config) == "eager"
+        assert compat.supports_sdpa(None)
+    lines = capsys.readouterr().err.splitlines()
+    oldest, newest = compat.CHECKED["transformers"]
+    pinned = compat.tested_versions()["transformers"]
+    assert lines == [f"note: finetune was not tested with transformers 9.1.0 (checked on {oldest} to {newest}); "
+                     f"it tries them; the tested versions: pip install transformers=={pinned}"]
+    assert any(line.startswith(f"PretrainedConfig._attn_implementation: checked on transformers {oldest} to "
+                               f"{newest}, installed 9.1.0") for line in compat.check_all())
+
+
+def test_a_tested_install_prints_nothing(monkeypatch, capsys):
+    monkeypatch.setattr(compat, "_seen", set())
+    monkeypatch.setattr(compat, "_noted", False)
+    t = torch.zeros(2)
+    compat.tensor_version(t)
+    compat.foreach_norm([t])
+    assert compat.untested_note() is None and capsys.readouterr().err == ""
 
 
 def test_a_gone_api_stops_with_one_line_saying_what_to_install(monkeypatch):
@@ -50,7 +75,9 @@ def test_a_gone_api_stops_with_one_line_saying_what_to_install(monkeypatch):
         compat.flash_attention_cpu(q, q, q, 0.0, True, None, None)
     text = str(info.value)
     assert "lacks torch.ops.aten._scaled_dot_product_flash_attention_for_cpu" in text
-    assert "checked on torch 2.4 to 2.13" in text and "install torch>=2.4,<2.14" in text
+    oldest, newest = compat.CHECKED["torch"]
+    major, minor = map(int, newest.split("."))
+    assert f"checked on torch {oldest} to {newest}" in text and f"install torch>={oldest},<{major}.{minor + 1}" in text
 
     class Bare:
         pass

@@ -39,6 +39,7 @@ import torch
 
 from benchmarks.gpu import configs
 from benchmarks.gpu.memory import empty_host_cache
+from finetune.compat import LOCK, tested_versions
 
 if TYPE_CHECKING:
     pass
@@ -215,11 +216,13 @@ def plan_table(priced: list[tuple[Row, float]], limit: float = WORK_LIMIT_S) -> 
 
 # --- running it ----------------------------------------------------------------------------------------------
 # --- the environment check -----------------------------------------------------------------------------------
-def carried_pins(script: Path = HERE / "wheels.sh") -> dict[str, str]:
-    """The packages wheels.sh carries to the GPU machine, with their pinned versions (its PACKAGES block)."""
+def carried_pins(script: Path = HERE / "wheels.sh", lock: Path = LOCK) -> dict[str, str]:
+    """The packages wheels.sh carries to the GPU machine (its CARRIED block), at the lock's versions."""
     text = script.read_text()
-    block = text[text.index("PACKAGES=("):text.index(")", text.index("PACKAGES=("))]
-    return dict(re.findall(r"([A-Za-z0-9_.-]+)==([0-9][^\s]*)", block))
+    block = text[text.index("CARRIED=("):text.index(")", text.index("CARRIED=("))]
+    names = re.findall(r"^\s*([A-Za-z0-9_.\- ]+?)\s*(?:#.*)?$", block.split("(", 1)[1], re.M)
+    pins = tested_versions(lock)
+    return {name: pins.get(_norm(name), "not in the lock") for line in names for name in line.split()}
 
 
 def image_packages(listing: Path = HERE / "image_packages.txt") -> dict[str, str]:

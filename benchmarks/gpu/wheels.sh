@@ -21,13 +21,22 @@ DIR="${1:-.whl}"
 PY="${PYTHON:-python3}"
 mkdir -p "$DIR"
 
-PACKAGES=(
-  bitsandbytes==0.50.2   # trimmed below
-  transformers==5.24.0 peft==0.21.2
-  trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
-  pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
-  apollo-torch==1.0.3 galore-torch==1.0 gguf==0.19.0
+# What the GPU image lacks (or has too old), by name: the versions are the lock's (finetune/constraints.txt),
+# the ones the suite passed on; tests/test_gpu_kit.py checks that each name is in the lock.
+CARRIED=(
+  bitsandbytes   # trimmed below
+  transformers peft
+  trl datasets dill multiprocess
+  pydantic pydantic-core annotated-types typing-inspection
+  apollo-torch galore-torch gguf
+  kernels tomlkit huggingface-hub httpx2 httpcore2 truststore   # transformers 5.25: kernels, hub >= 2.4 (image: 1.33)
 )
+LOCK="$(dirname "$0")/../../finetune/constraints.txt"
+PACKAGES=()
+for name in "${CARRIED[@]}"; do
+  pin=$(grep -m1 -i "^${name}==" "$LOCK") || { echo "error: $name is not in $LOCK" >&2; exit 1; }
+  PACKAGES+=("$pin")
+done
 if [[ $UNSLOTH == 1 ]]; then PACKAGES+=(unsloth==2026.10.9 unsloth_zoo==2026.10.9); fi
 
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

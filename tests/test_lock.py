@@ -1,0 +1,102 @@
+"""The lock file (finetune/constraints.txt): the versions the suite passed on, read by every install, equal to
+what is installed here, and moved together with compat's checked ranges and pyproject's bounds."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+from finetune import compat
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("lock_tool", ROOT / ".ci" / "lock.py")
+lock_tool = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(lock_tool)
+
+
+def test_installed_versions_equal_the_lock():
+    """Drift shows as drift: a red line here names each package whose installed version is not the lock's
+    (a new release picked up by hand, or a lock not rewritten after an upgrade)."""
+    pins = lock_tool.read_lock()
+    assert len(pins) > 50 and "transformers" in pins and "torch" not in pins
+    assert lock_tool.drift(pins) == []
+
+
+def test_drift_names_every_package_that_differs(tmp_path):
+    fake = tmp_path / "constraints.txt"
+    rich = lock_tool.read_lock()["rich"]
+    fake.write_text(f"# comment\ntransformers==0.0.1\nno-such-package==1.0\nrich=={rich}\n")
+    import importlib.metadata as md
+
+    assert lock_tool.drift(lock_tool.read_lock(fake)) == [
+        f"transformers {md.version('transformers')} installed, lock has 0.0.1",
+        "no-such-package not installed installed, lock has 1.0"]
+
+
+def test_the_lock_holds_the_whole_dependency_tree_and_nothing_else():
+    """Written from the environment, not by hand: a dependency added to pyproject without `freeze` fails here."""
+    assert set(lock_tool.closure()) == set(lock_tool.read_lock())
+    assert compat.tested_versions() == lock_tool.read_lock()  # the copy the package reads at run time
+
+
+def _project_requirements(text: str) -> dict[str, Requirement]:
+    block = text[text.index("dependencies = ["):text.index("\n]")]
+    return {Requirement(r).name: Requirement(r) for r in re.findall(r'^  "([^"]+)"', block, re.M)}
+
+
+def _bounds_agree(compat_source: str, pyproject: str) -> list[str]:
+    checked = dict((lib, (lo, hi)) for lib, lo, hi in
+                   re.findall(r'^    "([\w-]+)": \("([\d.]+)", "([\d.]+)"\),$', compat_source, re.M))
+    reqs = _project_requirements(pyproject)
+    problems = []
+    for lib, (oldest, newest) in checked.items():
+        major, minor = map(int, newest.split("."))
+        want = {f">={oldest}"} | (set() if lib == "torch" else {f"<{major}.{minor + 1}"})
+        have = {str(s) for s in reqs[lib].specifier}
+        if have != want:
+            problems.append(f"{lib}: pyproject {sorted(have)}, compat.CHECKED says {sorted(want)}")
+    return problems
+
+
+def test_pyproject_bounds_come_from_compats_checked_table():
+    """One table: pyproject's floor is the oldest checked minor and its ceiling the next minor after the newest
+    (torch: no ceiling, a GPU user's CUDA build is theirs); the lock's versions lie inside the checked range."""
+    assert _bounds_agree((ROOT / "finetune" / "compat.py").read_text(), (ROOT / "pyproject.toml").read_text()) == []
+    pins = lock_tool.read_lock()
+    for lib in compat.CHECKED:
+        if lib in pins:
+            assert compat.PrivateAPI("", lib).checked(pins[lib]), (lib, pins[lib], compat.CHECKED[lib])
+
+
+def test_upgrade_widens_compat_and_pyproject_together(tmp_path):
+    compat_copy, project_copy = tmp_path / "compat.py", tmp_path / "pyproject.toml"
+    shutil.copy(ROOT / "finetune" / "compat.py", compat_copy)
+    shutil.copy(ROOT / "pyproject.toml", project_copy)
+    oldest, newest = compat.CHECKED["transformers"]
+    major, minor = map(int, newest.split("."))
+    newer = f"{major}.{minor + 2}.1"
+    changed = lock_tool.widen({"transformers": newer, "accelerate": "0.1.0"}, compat_copy, project_copy)
+    assert changed == [f"transformers: checked {oldest} to {newest} -> {oldest} to {major}.{minor + 2}"]
+    assert f'"transformers": ("{oldest}", "{major}.{minor + 2}"),' in compat_copy.read_text()
+    assert f'"transformers>={oldest},<{major}.{minor + 3}"' in project_copy.read_text()
+    assert _bounds_agree(compat_copy.read_text(), project_copy.read_text()) == []
+
+
+@pytest.mark.parametrize(("path", "needle"), [
+    ("README.md", ".venv/bin/pip install torch==2.13.0 -c finetune/constraints.txt -e"),
+    ("docker/Dockerfile", "--constraint finetune/constraints.txt"),
+])
+def test_every_install_reads_the_lock(path, needle):
+    assert needle in (ROOT / path).read_text()
+
+
+def test_the_gpu_kits_wheels_are_the_locks_versions():
+    from benchmarks.gpu.first_lease import carried_pins
+
+    carried, pins = carried_pins(), lock_tool.read_lock()
+    assert carried and all(pins.get(lock_tool.normalize(n)) == v for n, v in carried.items()), carried
