@@ -326,14 +326,14 @@ def _llama_cpp():
     return Llama, ""
 
 
-def _llama_cpp_logits(llama_class, path: Path, ids: list[int]) -> np.ndarray:
-    """Every position's logits as llama.cpp computes them from the file, in a context of llama.cpp's own with an
-    f32 KV cache and no embeddings output (the wheel's context keeps embeddings, and LFM2's graph then makes no
-    logits)."""
-    llm = llama_class(str(path), n_ctx=128, n_batch=128, n_threads=1)
+def _llama_cpp_logits(llama_class, path: Path, ids: list[int], n_ctx: int = 128) -> np.ndarray:
+    """Every position's logits as llama.cpp computes them from the file, in a context of llama.cpp's own (n_ctx
+    tokens) with an f32 KV cache and no embeddings output (the wheel's context keeps embeddings, and LFM2's graph
+    then makes no logits)."""
+    llm = llama_class(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=1)
     lib, ffi = llm._lib, llm._ffi
     params = lib.llama_context_default_params()
-    params.n_ctx = params.n_batch = params.n_ubatch = 128
+    params.n_ctx = params.n_batch = params.n_ubatch = n_ctx
     params.n_threads = params.n_threads_batch = 1
     params.type_k = params.type_v = 0  # GGML_TYPE_F32
     params.embeddings = False
@@ -365,6 +365,21 @@ def test_llama_cpp_computes_the_models_logits_from_the_file(exported, arch):
     with torch.no_grad():
         reference = model(input_ids=torch.tensor([ids])).logits[0].numpy()
     np.testing.assert_allclose(_llama_cpp_logits(llama_class, path, ids), reference, rtol=1e-4, atol=1e-4)
+
+
+def test_llama_cpp_takes_longropes_long_factors_in_a_context_past_the_original_one(exported):
+    """llama.cpp divides by the long LongRoPE factors where its context is longer than the original one (512
+    here; the short ones in the 128-token context above): 600 tokens in a 1024-token context give the model's
+    logits (transformers takes the long factors for a sequence past the original context)."""
+    llama_class, why = _llama_cpp()
+    if llama_class is None:
+        pytest.skip(why)
+    model, _, path = exported["phi3"]
+    ids = torch.randint(4, 400, (600,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        reference = model(input_ids=torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(_llama_cpp_logits(llama_class, path, ids, n_ctx=1024), reference, rtol=1e-4,
+                               atol=1e-4)
 
 
 @pytest.mark.parametrize(("arch", "overrides", "message"), [
