@@ -6,7 +6,8 @@ llama.cpp hard-codes, extra metadata, or why a family is not written) is its `gg
 (finetune/recipe/families.py). This module applies the layout changes llama.cpp's convert_hf_to_gguf.py makes:
 Llama's rotary q/k rows interleaved per head, Gemma's norms stored as 1 + weight, transformers' fused 3-D
 experts split into stacked per-projection tensors (gpt-oss's transposed, interleaved ones too), DeepSeek's
-kv_b_proj split per head, LFM2's convolutions made 2-D.
+kv_b_proj split per head, LFM2's convolutions made 2-D; and the rope scalings llama.cpp reads as tensors (Llama 3's
+rope_freqs, Phi-3's LongRoPE factors) computed as that converter computes them.
 """
 
 from __future__ import annotations
