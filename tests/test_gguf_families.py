@@ -1,5 +1,6 @@
 """GGUF export of the mixture-of-experts families (Qwen3-MoE, Mixtral, OLMoE: transformers' fused 3-D experts
-split into llama.cpp's stacked per-projection tensors) and of OLMo 2, Granite and SmolLM3.
+split into llama.cpp's stacked per-projection tensors), of OLMo 2, Granite and SmolLM3, and of the rope scalings
+llama.cpp reads as tensors (Llama 3.x's `llama3`, Phi-3's `longrope`).
 
 Each file is checked against its source model: every tensor by name, shape and value in the layout llama.cpp's
 convert_hf_to_gguf.py gives it, the metadata keys llama.cpp's loader reads for the architecture, transformers'
@@ -9,6 +10,7 @@ refused in one line, nothing written."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import gguf
@@ -23,6 +25,16 @@ from finetune.recipe.families import family_for
 from finetune.testing import make_tiny_model_dir
 
 TEXT = "What is the capital of France? The capital of France is Paris. 0123456789 {}"
+# Llama 3.1's rope (factor 8, low/high frequency factors 1 and 4) with its original context scaled down with the
+# model (8192 -> 64, base 500000 -> 10000), so that these few positions feel each of its three bands
+LLAMA3_ROPE = {"max_position_embeddings": 512, "rope_parameters": {
+    "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64}}
+# Phi-3-mini-128k's LongRoPE: a context 4x the original one (131072 of 32768 there, 2048 of 512 here), one factor
+# per rotary frequency for long contexts and one for short ones
+LONGROPE = {"original_max_position_embeddings": 512, "rope_parameters": {
+    "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 8 for i in range(8)],
+    "long_factor": [2.0 + i for i in range(8)]}}
 # model_type: (GGUF architecture, the tiny model as the real checkpoints are, keys llama.cpp reads for it)
 WRITTEN = {
     "qwen3_moe": ("qwen3moe", {"norm_topk_prob": True}, ("expert_count", "expert_used_count",
@@ -61,6 +73,9 @@ WRITTEN = {
     # LFM2 as its checkpoints are: the MLP width rounded from the config's by LFM2's own rule (192 -> 128)
     "lfm2": ("lfm2", {"block_auto_adjust_ff_dim": True, "intermediate_size": 192, "block_multiple_of": 32},
              ("shortconv.l_cache",)),
+    # the rope scalings written as tensors (their other keys: none for llama3, as llama.cpp's converter writes)
+    "llama": ("llama", LLAMA3_ROPE, ()),
+    "phi3": ("phi3", LONGROPE, ("rope.scaling.original_context_length", "rope.scaling.attn_factor")),
 }
 COMMON_KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
                "attention.head_count_kv", "attention.layer_norm_rms_epsilon", "rope.freq_base")
@@ -99,12 +114,37 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _converter_rope_tensors(config) -> dict[str, np.ndarray]:
+    """The rope tensors of llama.cpp's converter, step by step as it computes them (LlamaModel's rope_freqs for
+    `llama3`, frequency by frequency in float32; Phi3MiniModel's long and short factors), from the rope's original
+    context (the converter's from the config's top level: 8192, the rope's own in every published Llama 3.x)."""
+    rope = config.rope_parameters
+    if rope["rope_type"] == "longrope":
+        return {f"rope_factors_{kind}.weight": np.asarray(rope[f"{kind}_factor"], dtype=np.float32)
+                for kind in ("long", "short")}
+    dim = config.head_dim
+    original, factor = rope["original_max_position_embeddings"], rope["factor"]
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    factors = []
+    for freq in 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)):
+        wavelength = 2 * math.pi / freq
+        if wavelength < original / high:
+            factors.append(1)
+        elif wavelength > original / low:
+            factors.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return {"rope_freqs.weight": torch.tensor(factors, dtype=torch.float32).numpy()}
+
+
 def _expected_tensors(model) -> dict[str, np.ndarray]:
     """The GGUF tensors llama.cpp's converter makes from this model, by name (numpy shapes, GGML's reversed)."""
     config = model.config
     arch = family_for(config.model_type).gguf
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.arch], config.num_hidden_layers)
-    expected = {}
+    expected = _converter_rope_tensors(config) if config.rope_parameters.get("rope_type") in (
+        "llama3", "longrope") else {}
     for name, tensor in model.state_dict().items():
         data = tensor.float().numpy()
         if name == "lm_head.weight" and config.tie_word_embeddings:
@@ -191,9 +231,17 @@ def test_the_metadata_llama_cpp_reads_is_the_configs(exported, arch):
         assert value["expert_used_count"] == config.num_experts_per_tok
         if arch == "qwen3_moe":
             assert value["expert_feed_forward_length"] == config.moe_intermediate_size
-    if not family_for(arch).moe:  # the width the MLP weights have
-        gate = "feed_forward.w1" if arch == "lfm2" else "mlp.gate_proj"
-        assert value["feed_forward_length"] == model.get_parameter(f"model.layers.0.{gate}.weight").shape[0]
+    if not family_for(arch).moe:  # the width the MLP weights have (Phi-3's gate and up rows fused)
+        gate = {"lfm2": "feed_forward.w1", "phi3": "mlp.gate_up_proj"}.get(arch, "mlp.gate_proj")
+        assert value["feed_forward_length"] == model.get_parameter(f"model.layers.0.{gate}.weight").shape[0] // (
+            2 if arch == "phi3" else 1)
+    if arch == "phi3":  # Phi3MiniModel's: the original context, LongRoPE's scale from the context ratio
+        original = config.original_max_position_embeddings
+        assert value["rope.scaling.original_context_length"] == original == 512
+        assert value["rope.scaling.attn_factor"] == pytest.approx(math.sqrt(
+            1 + math.log(config.max_position_embeddings / original) / math.log(original)), rel=1e-7)
+    if arch == "llama":  # llama3 is the rope_freqs tensor alone: llama.cpp scales no other way
+        assert not [k for k in fields if ".rope.scaling." in k]
     if arch == "granite":
         assert (value["attention.scale"], value["embedding_scale"], value["residual_scale"],
                 value["logit_scale"]) == (0.25, 12.0, 0.5, 4.0)
@@ -216,6 +264,57 @@ def test_what_transformers_reads_back_has_equal_logits(tmp_path, arch):
         torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
 
 
+def _rotary_from_file(path: Path, long: bool) -> tuple[torch.Tensor, float]:
+    """The rotary frequencies and cos/sin scale llama.cpp computes from the file: the base frequencies divided by
+    rope_freqs (llama3) or by the long or short LongRoPE factors, cos and sin times rope.scaling.attn_factor."""
+    reader = gguf.GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+    dims = reader.fields[f"{arch}.rope.dimension_count"].contents()
+    base = reader.fields[f"{arch}.rope.freq_base"].contents()
+    tensors = {t.name: torch.from_numpy(np.array(t.data, dtype=np.float32)) for t in reader.tensors}
+    factors = tensors.get("rope_freqs.weight", tensors.get(f"rope_factors_{'long' if long else 'short'}.weight"))
+    scale = reader.fields.get(f"{arch}.rope.scaling.attn_factor")
+    inv_freq = 1.0 / (factors * base ** (torch.arange(0, dims, 2, dtype=torch.int64).float() / dims))
+    return inv_freq, scale.contents() if scale is not None else 1.0
+
+
+@pytest.mark.parametrize(("arch", "length"), [("llama", 40), ("phi3", 40), ("phi3", 600)],
+                         ids=["llama3", "longrope-short", "longrope-long"])
+def test_rope_scaling_read_back_with_the_files_rotary_has_equal_logits(exported, arch, length):
+    """transformers' GGUF reader reads the weights of these files but neither rope_freqs (llama) nor the LongRoPE
+    factors and attn_factor (phi3): it builds an unscaled rope (logits several units off). So the check is the
+    strongest one here without llama.cpp: the weights it reads back, with the rotary llama.cpp computes from the
+    file's tensors and keys, give the model's logits. LongRoPE past the original context (512): the long factors,
+    which llama.cpp takes for a context longer than that, transformers for a longer sequence."""
+    model, _, path = exported[arch]
+    loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    rotary = loaded.model.rotary_emb
+    rotary.inv_freq, rotary.attention_scaling = _rotary_from_file(path, long=length > 512)
+    ids = torch.randint(4, 400, (1, length), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_llama3_rope_freqs_at_llama_3_1s_numbers_are_the_converters_and_give_transformers_frequencies(tmp_path):
+    """With Llama-3.1-8B's rope (base 500000, head size 128, factor 8, original context 8192; a toy width), the
+    file's rope_freqs are the converter's, value for value, and the base frequencies divided by them are the ones
+    the model computes with."""
+    model_dir = make_tiny_model_dir(tmp_path / "model", "llama", head_dim=128, max_position_embeddings=131072,
+                                    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                     "original_max_position_embeddings": 8192})
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    path = write_gguf(model, AutoTokenizer.from_pretrained(model_dir), tmp_path / "m.gguf", qtype="q8_0")
+    tensor = next(t for t in gguf.GGUFReader(path).tensors if t.name == "rope_freqs.weight")
+    assert tensor.tensor_type == gguf.GGMLQuantizationType.F32  # whatever --type, as the converter keeps it
+    factors = np.asarray(tensor.data)
+    np.testing.assert_array_equal(factors, _converter_rope_tensors(model.config)["rope_freqs.weight"])
+    assert factors.shape == (64,) and factors[0] == 1 and factors[-1] == 8 and 1 < factors[30] < 8
+    inv_freq, scale = _rotary_from_file(path, long=False)
+    torch.testing.assert_close(inv_freq, model.model.rotary_emb.inv_freq, rtol=1e-6, atol=0)
+    assert scale == 1.0
+
+
 def _llama_cpp():
     """llama.cpp's library through the llama-cpp-py-sync wheel, or the reason it does not load here."""
     try:
@@ -227,14 +326,14 @@ def _llama_cpp():
     return Llama, ""
 
 
-def _llama_cpp_logits(llama_class, path: Path, ids: list[int]) -> np.ndarray:
-    """Every position's logits as llama.cpp computes them from the file, in a context of llama.cpp's own with an
-    f32 KV cache and no embeddings output (the wheel's context keeps embeddings, and LFM2's graph then makes no
-    logits)."""
-    llm = llama_class(str(path), n_ctx=128, n_batch=128, n_threads=1)
+def _llama_cpp_logits(llama_class, path: Path, ids: list[int], n_ctx: int = 128) -> np.ndarray:
+    """Every position's logits as llama.cpp computes them from the file, in a context of llama.cpp's own (n_ctx
+    tokens) with an f32 KV cache and no embeddings output (the wheel's context keeps embeddings, and LFM2's graph
+    then makes no logits)."""
+    llm = llama_class(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=1)
     lib, ffi = llm._lib, llm._ffi
     params = lib.llama_context_default_params()
-    params.n_ctx = params.n_batch = params.n_ubatch = 128
+    params.n_ctx = params.n_batch = params.n_ubatch = n_ctx
     params.n_threads = params.n_threads_batch = 1
     params.type_k = params.type_v = 0  # GGML_TYPE_F32
     params.embeddings = False
@@ -266,6 +365,21 @@ def test_llama_cpp_computes_the_models_logits_from_the_file(exported, arch):
     with torch.no_grad():
         reference = model(input_ids=torch.tensor([ids])).logits[0].numpy()
     np.testing.assert_allclose(_llama_cpp_logits(llama_class, path, ids), reference, rtol=1e-4, atol=1e-4)
+
+
+def test_llama_cpp_takes_longropes_long_factors_in_a_context_past_the_original_one(exported):
+    """llama.cpp divides by the long LongRoPE factors where its context is longer than the original one (512
+    here; the short ones in the 128-token context above): 600 tokens in a 1024-token context give the model's
+    logits (transformers takes the long factors for a sequence past the original context)."""
+    llama_class, why = _llama_cpp()
+    if llama_class is None:
+        pytest.skip(why)
+    model, _, path = exported["phi3"]
+    ids = torch.randint(4, 400, (600,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        reference = model(input_ids=torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(_llama_cpp_logits(llama_class, path, ids, n_ctx=1024), reference, rtol=1e-4,
+                               atol=1e-4)
 
 
 @pytest.mark.parametrize(("arch", "overrides", "message"), [

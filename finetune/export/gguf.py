@@ -6,11 +6,13 @@ llama.cpp hard-codes, extra metadata, or why a family is not written) is its `gg
 (finetune/recipe/families.py). This module applies the layout changes llama.cpp's convert_hf_to_gguf.py makes:
 Llama's rotary q/k rows interleaved per head, Gemma's norms stored as 1 + weight, transformers' fused 3-D
 experts split into stacked per-projection tensors (gpt-oss's transposed, interleaved ones too), DeepSeek's
-kv_b_proj split per head, LFM2's convolutions made 2-D.
+kv_b_proj split per head, LFM2's convolutions made 2-D; and the rope scalings llama.cpp reads as tensors (Llama 3's
+rope_freqs, Phi-3's LongRoPE factors) computed as that converter computes them.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -77,10 +79,9 @@ def check_exportable(config: Any, layout: GGUFLayout | None = None) -> GGUFLayou
     if config.model_type == "smollm3":
         _check_smollm3(config)
     if rope != "default" and not (rope == "linear" and config.model_type == "gemma3_text") and not (
-            rope == "yarn" and arch.yarn):
-        raise UsageError(f"export --format gguf: rope scaling {rope!r} ({config.model_type}) is not written "
-                         "to GGUF yet (it needs llama.cpp's extra rope tensors)",
-                         hint=CONVERT_HINT)
+            rope == "yarn" and arch.yarn) and ROPE_TENSORS.get(rope) != arch.arch:
+        raise UsageError(f"export --format gguf: rope scaling {rope!r} ({config.model_type}) is not written to GGUF "
+                         f"for llama.cpp's {arch.arch.lower()} architecture", hint=CONVERT_HINT)
     if config.model_type == "ministral3":
         _check_ministral3(config)
     if getattr(config, "query_pre_attn_scalar", None) not in (None, _head_dim(config)):
@@ -109,6 +110,8 @@ def write_gguf(model: Any, tokenizer: Any, path: Path, *, qtype: str = "f16", na
     _add_hyperparameters(writer, config, arch)
     add_vocab(writer, vocab)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.arch], config.num_hidden_layers)
+    for gguf_name, data in _rope_tensors(config):  # first, as llama.cpp's converter writes them
+        writer.add_tensor(gguf_name, *encode(data, qtype))
     for hf_name, data in _tensors(model, arch):
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # a tied head is the embedding; readers infer the tie from output.weight's absence
@@ -123,6 +126,11 @@ def write_gguf(model: Any, tokenizer: Any, path: Path, *, qtype: str = "f16", na
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# Rope scalings llama.cpp computes from extra tensors, and the architecture whose converter writes them:
+# Llama 3.x's `llama3` as rope_freqs (LlamaModel), Phi-3's `longrope` as rope_factors_long/short (Phi3MiniModel).
+ROPE_TENSORS = {"llama3": "LLAMA", "longrope": "PHI3"}
 
 
 def _rope(config: Any) -> dict[str, Any]:
@@ -166,6 +174,53 @@ def _check_ministral3(config: Any) -> None:
         raise UsageError(f"export --format gguf: this Ministral 3 model's rope ({rope.get('rope_type')!r}, mscale "
                          f"{rope.get('mscale', 1.0)}) is not what llama.cpp's mistral3 architecture computes (YaRN "
                          "with mscale 1)", hint="export --format safetensors instead")
+
+
+def _rope_tensors(config: Any) -> list[tuple[str, Any]]:
+    """The rope scaling llama.cpp reads as tensors, each (GGUF name, float32 array of rotary dims / 2).
+
+    `llama3` (Llama 3.1 and later): rope_freqs, what llama.cpp divides each rotary frequency by, computed as its
+    converter (LlamaModel.generate_extra_tensors) computes it, in float32: 1 where the wavelength is shorter than
+    the original context / high_freq_factor, `factor` where it is longer than the original context /
+    low_freq_factor, smoothly between. The original context is the rope's `original_max_position_embeddings`, the
+    one transformers computes with (the converter reads the config's top level, where Llama 3.x configs have none,
+    so its default 8192: the value every published Llama 3.x has).
+    `longrope` (Phi-3 128k, Phi-3.5, Phi-4-mini): the long and short factors as they are; llama.cpp divides by
+    the long ones where its context is longer than the original context, else by the short ones."""
+    import numpy as np
+    import torch
+
+    rope = _rope(config)
+    if rope.get("rope_type") == "llama3":
+        dim = _head_dim(config)
+        freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+        original = rope.get("original_max_position_embeddings", 8192)
+        wavelength = 2 * math.pi / freqs
+        smooth = (original / wavelength - low) / (high - low)
+        factors = torch.where(wavelength < original / high, 1.0, torch.where(
+            wavelength > original / low, factor, 1 / ((1 - smooth) / factor + smooth)))
+        return [("rope_freqs.weight", factors.to(torch.float32).numpy())]
+    if rope.get("rope_type") == "longrope":
+        return [(f"rope_factors_{kind}.weight", np.asarray(rope[f"{kind}_factor"], dtype=np.float32))
+                for kind in ("long", "short")]
+    return []
+
+
+def _longrope_attention_factor(config: Any) -> float:
+    """The scale LongRoPE multiplies cos and sin by: the config's `attention_factor`, else from the ratio of the
+    context to the original one, as transformers computes it (and llama.cpp's converter, from the context ratio,
+    for every published Phi-3: they set no `factor` or `attention_factor`)."""
+    rope = _rope(config)
+    if rope.get("attention_factor") is not None:
+        return rope["attention_factor"]
+    original = _longrope_original_context(config)
+    scale = rope.get("factor") or config.max_position_embeddings / original
+    return math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+
+
+def _longrope_original_context(config: Any) -> int:
+    return _rope(config).get("original_max_position_embeddings") or config.original_max_position_embeddings
 
 
 def _head_dim(config: Any) -> int:
@@ -268,6 +323,9 @@ def _add_hyperparameters(writer: Any, config: Any, arch: GGUFLayout) -> None:
                 getattr(writer, f"add_rope_scaling_yarn_{method}")(rope[key])
         if rope.get("mscale_all_dim"):
             writer.add_rope_scaling_yarn_log_mul(arch.yarn_log_mul * rope["mscale_all_dim"])
+    if rope.get("rope_type") == "longrope":  # Phi-3: llama.cpp picks the long or short factors by this context
+        writer.add_rope_scaling_orig_ctx_len(_longrope_original_context(config))
+        writer.add_rope_scaling_attn_factors(_longrope_attention_factor(config))
     if rope.get("llama_4_scaling_beta") is not None:  # Ministral 3: queries scaled up with the position
         writer.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
     writer.add_layer_norm_rms_eps(_first(config, "rms_norm_eps", "norm_eps"))
