@@ -130,7 +130,7 @@ def _plan(recipe: Recipe) -> tuple[Plan | None, Recipe]:
     if not plan.fits:
         needed = f"; the leanest plan needs a budget of {format_bytes(plan.min_budget_bytes)}" \
             if plan.min_budget_bytes else ""
-        if auto and (blocked := blocked_by_room(plan)) is not None:  # the folder or RAM, not the budget
+        if (blocked := blocked_by_room(plan)) is not None:  # the offload folder or RAM, not the budget
             raise room_error(recipe, blocked)
         if auto:
             raise FinetuneError(f"no settings fit the memory budget: {budget}{needed}",
