@@ -66,9 +66,11 @@ def preflight(recipe: Recipe) -> dict[str, Any]:
     check_model_path(recipe.model.path, recipe.model.revision)
     # a family the tool describes (a hub id not in the local cache: when loaded)
     family = check_config_file(known_config(recipe.model.path, recipe.model.revision))
-    if recipe.adapter.target_experts and family is not None and not family.moe:
-        raise RecipeError(f"adapter.target_experts: model.path is a {family.name} model, not a mixture-of-experts "
-                          "model", hint="remove adapter.target_experts (it applies to mixture-of-experts models only)")
+    experts_only = {"adapter.target_experts": recipe.adapter.target_experts,  # keys that act on experts alone
+                    "memory.offload_experts": recipe.memory.offload_experts not in ("none", "auto")}
+    for key in (k for k, given in experts_only.items() if given and family is not None and not family.moe):
+        raise RecipeError(f"{key}: model.path is a {family.name} model, not a mixture-of-experts model",
+                          hint=f"remove {key} (it applies to mixture-of-experts models only)")
     resolve_init_from(recipe)
     template_file(recipe.data.chat_template)
     if recipe.training.spec.generates:

@@ -8,7 +8,8 @@ from rich.console import Console
 from rich.table import Table
 
 from finetune.memory.tracker import CATEGORIES
-from finetune.plan.search import Plan
+from finetune.plan import Plan, blocked_by_room
+from finetune.recipe.offload_tiers import STORES
 from finetune.recipe.settings import table as settings_table
 from finetune.reports import RunMemory, SizePlans
 from finetune.units import format_bytes
@@ -102,7 +103,13 @@ def render_plan(plan: Plan, console: Console | None = None) -> None:
         for c in plan.rejected[:5]:
             rej.add_row(_short(c.settings), c.reason or "")
         console.print(rej)
-    if not plan.fits:
+    blocked = blocked_by_room(plan)
+    if blocked is not None:  # a larger budget would not help: the offload's room is short
+        on_disk = STORES["offload_dir"] in (blocked.reason or "")
+        fix = "set memory.offload_dir to a folder with room" if on_disk else \
+            "free host RAM or raise memory.offload_cpu_limit"
+        console.print(f"[red]Nothing fits.[/red] {blocked.reason}; {fix}.", highlight=False)
+    elif not plan.fits:
         console.print(f"[red]Nothing fits.[/red] Smallest budget that works: {format_bytes(plan.min_budget_bytes)} "
                       "(set memory.gpu_memory or free GPU memory).")
 

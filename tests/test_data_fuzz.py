@@ -5,7 +5,10 @@ Cases are built from a few good records per format (and, when present, records o
 damaged by record mutations (wrong types, missing keys, lone surrogates, 5,000-digit numbers, deep nesting,
 huge strings, assistant-first or answerless chats, non-object records) and file mutations (bad bytes, a cut
 mid-line, BOM, CRLF, empty or blank files), written as JSONL, JSON, CSV, Parquet or save_to_disk, and built
-in-process with the tiny tokenizer under random data settings. Seeds are fixed: a failure names its case.
+in-process with the tiny tokenizer under random data settings. Image records (paths, content parts, data:
+URLs, nulls, files that do not decode) go through the preflight's check and the data build of a tiny
+vision-language model, and data mixes with weights and record counts through the data build. Seeds are fixed:
+a failure names its case (the image and mix cases print `random.Random(seed)` with what they drew).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import time
 import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -379,3 +383,177 @@ def test_fuzzed_real_samples(tmp_path, tiny_tokenizer, shared_datasets):
         cases += [make_case(random.Random(f"{name}:{i}"), f"{Path(name).stem}-{i}", fmt, seeds, tmp_path)
                   for i in range(SHARED_CASES_PER_FILE)]
     fuzz(cases, tiny_tokenizer)
+
+
+# ---- image records and data mixes ----------------------------------------------------------------------------
+
+IMAGE_CASES = 60
+MIX_CASES = 60
+
+
+def _png(size: tuple[int, int]) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", size, "red").save(out, "PNG")
+    return out.getvalue()
+
+
+def _image_pool(folder: Path) -> dict[str, Any]:
+    """Image sources as records name them: files good and bad (written here, a few bytes each), content the
+    data holds (data: URLs, datasets' {"bytes"}), and what is no image source at all."""
+    import base64
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    good = _png((24, 16))
+    start = good.index(b"IDAT")
+    length = struct.unpack(">I", good[start - 4:start])[0]
+    files = {
+        "good.png": good, "wide.png": _png((300, 1)), "tall.png": _png((2, 600)),
+        "corrupt.png": good[:start - 4] + chunk(b"IDAT", bytes(length)) + good[start + 4 + length + 4:],
+        "cut.png": good[:len(good) // 2], "empty.png": b"", "notes.png": b"not an image",
+        "bomb.png": b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 100000, 100000, 8, 2, 0, 0, 0))
+        + chunk(b"IEND", b""),
+        "drawing.eps": b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n%%EOF\n",
+    }
+    (folder / "img").mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (folder / "img" / name).write_bytes(data)
+    uri = "data:image/png;base64,"
+    return {**{f"img/{name}": f"img/{name}" for name in files},
+            "absolute": str(folder / "img" / "good.png"), "file_url": f"file://{folder}/img/good.png",
+            "nul": "img/good.png\u0000evil", "nul_url": f"file://{folder}/img/good.png%00.txt",
+            "missing": "img/gone.png", "web": "https://example.com/a.png",
+            "data_uri": uri + base64.b64encode(good).decode(), "data_zeros": uri + base64.b64encode(bytes(512)).decode(),
+            "data_bad": uri + "!!!", "null": None, "number": 5, "blank": "", "nested": ["img/good.png"]}
+
+
+def _image_record(rng: random.Random, pool: dict[str, Any], mutations: list[str]) -> dict[str, Any]:
+    """A chat record with 0-3 images: LLaMA-Factory markers with `images`, or content parts naming their source;
+    now and then a marker too many or too few."""
+    names = [rng.choice(list(pool)) for _ in range(rng.choice([0, 1, 1, 1, 2, 3]))]
+    mutations.append("+".join(names) or "no_image")
+    answer = {"role": "assistant", "content": "Red."}
+    if rng.random() < 0.5:
+        markers = len(names) + rng.choice([0, 0, 0, 0, 1, -1])
+        mutations.append(f"markers={markers}")
+        return {"messages": [{"role": "user", "content": "<image>" * max(0, markers) + "Colour?"}, answer],
+                "images": [pool[n] for n in names]}
+    parts = [rng.choice([{"type": "image", "path": pool[n]}, {"type": "image", "image": pool[n]},
+                         {"type": "image_url", "image_url": {"url": pool[n]}}]) for n in names]
+    return {"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "Colour?"}]}, answer]}
+
+
+def _write_records(rng: random.Random, records: list[dict], path: Path, mutations: list[str]) -> Path:
+    container = rng.choice(["jsonl", "json", "parquet"])
+    mutations.insert(0, container)
+    if container == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        target = path.with_suffix(".parquet")
+        pq.write_table(pa.table({"messages": [json.dumps(r["messages"]) for r in records],
+                                 "images": [json.dumps(r.get("images")) for r in records]}), target)
+        return target
+    target = path.with_suffix(f".{container}")
+    target.write_text("".join(json.dumps(r) + "\n" for r in records) if container == "jsonl" else json.dumps(records))
+    return target
+
+
+def _outcome(run: Callable[[], Any], case: str, paths: list[Path]) -> str | None:
+    """None where `run` ends in a result, a DataError naming a file and its record, or a RecipeError naming a
+    data.path key; else what went wrong (any other exception is what this fuzzing looks for)."""
+    from finetune.errors import RecipeError
+
+    try:
+        run()
+    except RecipeError as exc:
+        return None if re.search(r"data\.path(\[\d+\])?", str(exc)) else f"{case}: RecipeError without a key: {exc}"
+    except DataError as exc:
+        message = str(exc)
+        named = any(str(p) in message for p in paths)
+        return None if named and (LOCATION.search(message) or WHOLE_FILE.search(message)) else \
+            f"{case}: DataError without file and record: {message[:300]!r}"
+    except Exception as exc:  # noqa: BLE001 - the failure this fuzzing looks for
+        return f"{case}: {type(exc).__name__}: {str(exc)[:300]}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def vlm_vision(tmp_path_factory):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from finetune.model.vision import vision_data
+    from finetune.testing import vision_model
+
+    folder = vision_model("qwen2_5_vl", tmp_path_factory.mktemp("vlm") / "model")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return tokenizer, vision_data(AutoConfig.from_pretrained(folder), folder, tokenizer)
+
+
+def test_fuzzed_image_records_end_in_a_dataset_or_a_located_data_error(tmp_path, vlm_vision, monkeypatch):
+    """Image records (paths, content parts, data: URLs, datasets' bytes, nulls, bad files) through the preflight's
+    check and the run's data build (with a vision-language model's processor); each case prints its seed."""
+    from finetune.data.build import check_records
+
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
+    tokenizer, vision = vlm_vision
+    pool = _image_pool(tmp_path)
+    failures = []
+    for i in range(IMAGE_CASES):
+        seed = f"images:{i}"
+        rng = random.Random(seed)
+        mutations: list[str] = []
+        records = [_image_record(rng, pool, mutations) for _ in range(rng.randint(1, 5))]
+        path = _write_records(rng, records, tmp_path / f"images-{i}", mutations)
+        cfg = DataConfig(path=str(path), max_seq_len=rng.choice([32, 256]), packing=False, validation_split=0.0,
+                         on_bad_record=rng.choice(["error", "skip"]), overlong="truncate")
+        case = f"random.Random({seed!r}) {mutations} {cfg.on_bad_record} max_seq_len={cfg.max_seq_len}"
+        print(case)
+        for run in (partial(check_records, cfg, model_takes_images=True),
+                    partial(build_datasets, cfg, tokenizer, seed=0, vision=vision)):
+            wrong = _outcome(run, case, [path])
+            if wrong:
+                failures.append(wrong)
+    assert not failures, f"{len(failures)} failed:\n" + "\n".join(failures[:20])
+    cached = [p for p in (tmp_path / "cache" / "images").rglob("*") if p.is_file()]
+    assert all(p.stat().st_size != 512 for p in cached), "a data: payload that is no image was kept in the cache"
+
+
+def test_fuzzed_mixes_with_weights_and_counts_end_in_a_dataset_or_a_recipe_error(tmp_path, tiny_tokenizer):
+    """data.path lists of 2-4 files (a file twice under a link now and then) with weights from 5e-324 to 1e308
+    and record counts up to 2**31 - 1: a dataset, or one line naming the data.path key; each case prints its seed."""
+    from finetune.recipe.schema import MAX_COUNT
+
+    files = []
+    for n in (1, 3, 10):
+        path = tmp_path / f"f{n}.jsonl"
+        path.write_text("".join(json.dumps(SEEDS["messages"][k % 2]) + "\n" for k in range(n)))
+        files.append(path)
+    (tmp_path / "link.jsonl").symlink_to(files[1])
+    failures = []
+    for i in range(MIX_CASES):
+        seed = f"mix:{i}"
+        rng = random.Random(seed)
+        chosen = rng.sample([*files, tmp_path / "link.jsonl"], rng.randint(2, 4))
+        entries = []
+        for path in chosen:
+            amount = rng.choice(["plain", "weight", "records"])
+            weight = rng.choice([5e-324, 1e-300, 0.5, 1.0, 3.0, 1e300, 1e308])
+            records = rng.choice([1, 2, 7, 30, 100, 101, 1000, MAX_COUNT])
+            entries.append({"path": str(path), **({"weight": weight} if amount == "weight" else
+                                                  {"records": records} if amount == "records" else {})})
+        case = f"random.Random({seed!r}) {entries}"
+        print(case)
+        cfg = DataConfig(path=entries, max_seq_len=64, validation_split=0.0, max_samples=rng.choice([None, 5]))
+        tracemalloc.start()
+        wrong = _outcome(partial(build_datasets, cfg, tiny_tokenizer, seed=rng.randrange(3)), case, chosen)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        if wrong or peak > MAX_BYTES:
+            failures.append(wrong or f"{case}: allocated {peak / 2**20:.0f} MiB")
+    assert not failures, f"{len(failures)} failed:\n" + "\n".join(failures[:20])

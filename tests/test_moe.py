@@ -243,7 +243,7 @@ def test_expert_offload_trains_the_same(tmp_path, bits, capsys):
         planned = json.loads((folder / "run" / "plan.json").read_text())["peak_bytes"]
         if tier in ("none", "disk"):
             assert abs(planned - peaks[tier]) <= 0.05 * peaks[tier], (tier, planned, peaks[tier])
-        assert not (folder / "experts").exists() or list((folder / "experts").iterdir()) == []
+        assert not (folder / "experts").exists()  # nothing left: neither files nor the folder the run made
     assert len(losses["none"]) == 3 and losses["none"] == losses["cpu"] == losses["disk"] == losses[True]
     assert peaks["disk"] < peaks["none"]
 
@@ -273,7 +273,7 @@ def test_expert_offload_to_disk_writes_the_experts_and_removes_them(tmp_path):
         if offload is not None:
             assert len(list((tmp_path / "experts").iterdir())) == len(sizes)  # read, not consumed
             offload.close()
-            assert list((tmp_path / "experts").iterdir()) == []
+            assert not (tmp_path / "experts").exists()  # the files deleted, and the folder the offload made
     (ref_loss, ref_grads), (loss, grads) = results
     assert torch.equal(loss, ref_loss) and {n for n in ref_grads if n not in grads} == {
         n for n in ref_grads if ".experts." in n}  # offloaded experts are frozen buffers

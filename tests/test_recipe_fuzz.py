@@ -278,3 +278,110 @@ def test_cli_sample_exits_2_with_a_located_message_and_no_traceback(tmp_path):
         assert proc.returncode == 2, (kind, err)
         assert "Traceback" not in out + err, (kind, err)
         assert str(path) in err or "--set" in err, (kind, err)
+
+
+# ---- data mixes and MoE offload keys ---------------------------------------------------------------------------
+
+MIX_VALUES = [5e-324, 1e-300, 0.5, 1.0, 1e308, float("inf"), float("nan"), -1, 0, True, "1", None, [], 2**31 - 1,
+              2**31, 10**30, 101, 1.5]
+OFFLOAD_DIRS = ["offload", "x" * 300, "a/" + "b" * 256, "é" * 130, "a\x00b", "", " ", 5, None, [], "~/off/../off",
+                "/" * 3, "x" * 255]
+EXPERT_TIERS = ["none", "cpu", "disk", "auto", True, False, "gpu", 1, None, "DISK", ""]
+
+
+def mix_and_offload(rng: random.Random, text: str) -> Case:
+    """data.path as a list of 1-4 entries (plain paths, weights, record counts, both, hostile values, the same
+    file twice) and the MoE offload keys with hostile values."""
+    data = parsed(text)
+    entries: list = []
+
+    def value() -> object:  # hostile one time in four, else a plain amount
+        return rng.choice(MIX_VALUES) if rng.random() < 0.25 else rng.choice([0.5, 1, 3, 7, 100])
+
+    for k in range(rng.randint(1, 3)):
+        path = rng.choice([f"{k}.jsonl"] * 8 + ["a.jsonl", "", None])
+        shape = rng.choice([0, 0, 1, 1, 2, 2, 3, 4])
+        entries.append(path if shape == 0 else {"path": path, "weight": value()} if shape == 1 else
+                       {"path": path, "records": value()} if shape == 2 else
+                       {"path": path, "weight": value(), "records": value()} if shape == 3 else
+                       rng.choice(MIX_VALUES))
+    set_leaf(data, "data.path", entries)
+    if rng.random() < 0.5:
+        set_leaf(data, "memory.offload_experts", rng.choice(EXPERT_TIERS))
+    if rng.random() < 0.5:
+        set_leaf(data, "memory.offload_dir", rng.choice(OFFLOAD_DIRS))
+    return dump(data).encode(), []
+
+
+@pytest.mark.parametrize("seed", [10, 11])
+def test_fuzzed_mixes_and_offload_keys_are_valid_or_a_located_error(tmp_path, seed):
+    """Seeded mixes and offload keys through the loader: a Recipe or located lines; a valid one's weights are
+    finite and positive, its counts within MAX_COUNT and its offload_dir a folder every disk can make. The
+    failing case names its seed (`cases`' name)."""
+    from finetune.recipe.schema import MAX_COUNT, NAME_MAX
+
+    path = tmp_path / "recipe.yaml"
+    rng = random.Random(seed)
+    outcomes = {"valid": 0, "error": 0}
+    for i in range(300):
+        name = f"seed {seed} case {i} (mix_and_offload)"
+        content, items = mix_and_offload(rng, rng.choice(BASES))
+        result, seconds, _ = run_case(path, content, items)
+        assert seconds < 2.0, name
+        if isinstance(result, FinetuneError):
+            outcomes["error"] += 1
+            for line in result.problems or [result.message]:
+                assert "\n" not in line and located(line, path), f"{name}: {line!r}"
+            continue
+        outcomes["valid"] += 1
+        for entry in result.data.files():
+            assert entry.weight is None or 0 < entry.weight < float("inf"), name
+            assert entry.records is None or 1 <= entry.records <= MAX_COUNT, name
+        folder = result.memory.offload_dir
+        assert folder is None or ("\x00" not in folder and all(len(os.fsencode(p)) <= NAME_MAX
+                                                                for p in folder.split("/"))), name
+    assert outcomes["valid"] >= 30 and outcomes["error"] >= 100, outcomes
+
+
+def test_fuzzed_moe_and_mix_recipes_through_the_preflight(tmp_path):
+    """Recipes with image records, mixes and MoE offload keys, on a dense and a MoE model, through `api.preflight`
+    (what validate, plan and run check before a model loads): a result or a FinetuneError of located lines, never
+    another exception. Each case prints its seed."""
+    from finetune.testing import make_tiny_model_dir
+
+    models = {arch: make_tiny_model_dir(tmp_path / arch, arch) for arch in ("llama", "qwen3_moe")}
+    (tmp_path / "img").mkdir()
+    from PIL import Image
+
+    Image.new("RGB", (24, 16), "red").save(tmp_path / "img" / "good.png")
+    Image.new("RGB", (300, 1), "red").save(tmp_path / "img" / "wide.png")
+    chat = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+    image = {"messages": [{"role": "user", "content": "<image>Colour?"}, {"role": "assistant", "content": "Red."}]}
+    files = {"a.jsonl": [chat] * 3, "b.jsonl": [chat] * 10,
+             "img.jsonl": [chat, {**image, "images": ["img/good.png"]}, {**image, "images": [None]},
+                           {**image, "images": ["img/wide.png"]}, {**image, "images": ["img/good.png\x00x"]}]}
+    for name, rows in files.items():
+        (tmp_path / name).write_text("".join(__import__("json").dumps(r) + "\n" for r in rows))
+    path = tmp_path / "recipe.yaml"
+    for i in range(40):
+        seed = f"preflight:{i}"
+        rng = random.Random(seed)
+        arch = rng.choice(list(models))
+        entries = [rng.choice([str(tmp_path / n), {"path": str(tmp_path / n), "weight": rng.choice([1e-300, 1.0, 1e308])},
+                               {"path": str(tmp_path / n), "records": rng.choice([1, 50, 1000, 2**31 - 1])}])
+                   for n in rng.sample(list(files), rng.randint(1, 3))]
+        recipe = {"model": {"path": str(models[arch])}, "data": {
+            "path": entries if len(entries) > 1 or rng.random() < 0.5 else str(tmp_path / "img.jsonl"),
+            "on_bad_record": rng.choice(["error", "skip"])}, "memory": {
+            "offload_experts": rng.choice(["none", "cpu", "disk", "auto"]),
+            "offload_dir": rng.choice([str(tmp_path / "off" / "deeper"), str(tmp_path / ("x" * 300))])},
+            "output": {"dir": str(tmp_path / "run")}}
+        print(f"random.Random({seed!r}): {arch} {recipe['data']} {recipe['memory']}")
+        path.write_text(dump(recipe))
+        try:
+            api.preflight(api.load_recipe(path))
+        except FinetuneError as exc:
+            for line in exc.problems or [exc.message]:
+                assert "\n" not in line and (located(line, path) or "data.path" in line or str(tmp_path) in line
+                                             or "memory.offload_experts" in line), f"{seed}: {line!r}"
+        assert not (tmp_path / "run").exists() and not (tmp_path / "off").exists(), seed  # the preflight writes nothing

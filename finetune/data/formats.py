@@ -47,18 +47,21 @@ order (`images_of` lists the paths). Relative paths are read from the folder of 
 file of the cache named by its content; other URLs are malformed records (images must be local: nothing is
 downloaded at run time), as is a record whose markers and images do not pair up. A content
 list of text parts only is its text joined, as chat templates render it. Whether the image files can be read is
-`finetune.data.images`' check (headers, no decoding).
+`finetune.data.images`' check (headers, then one full decode).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import hashlib
+import io
 import json
 import os
 import re
 import secrets
+import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -420,6 +423,9 @@ def _place(turns: list[dict], images: list, start: int, folder: Path, markers: b
     def image(source: Any) -> list[dict]:
         nonlocal n
         if source is None:  # a marker, or a part without a source: the next image
+            if n < len(images) and images[n] is None:
+                raise RecordError(f"'images'[{n}] is null, not an image path: give the image, or remove it and "
+                                  f"its {IMAGE_MARKER} marker")
             source = images[n] if n < len(images) else None
             n += 1
         return [] if source is None else [{"type": "image", "path": _local_path(source, folder)}]
@@ -469,11 +475,23 @@ def _local_path(source: Any, folder: Path) -> str:
 
 def inline_image(data: bytes) -> str:
     """The path of a file holding `data` (an image stored in the dataset itself) in the cache folder, named by
-    its content so each image is written once, atomically (a rename) and shared by every run."""
+    its content so each image is written once, atomically (a rename) and shared by every run. Bytes that are no
+    image (by their header) are a bad record and never written."""
+    from PIL import Image, UnidentifiedImageError
+
     from finetune.units import cache_dir
 
     if not data:
         raise RecordError("an image held in the data is empty (no bytes)")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # sized when the file is checked
+            Image.open(io.BytesIO(data)).close()
+    except UnidentifiedImageError:
+        raise RecordError(f"an image held in the data is not an image Pillow can read (it starts with bytes "
+                          f"{data[:8]!r})") from None
+    except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError):
+        pass  # an image, whose fault the image check names with its file
     digest = hashlib.sha256(data).hexdigest()
     path = cache_dir() / "images" / digest[:2] / digest
     if not path.exists():
@@ -483,7 +501,8 @@ def inline_image(data: bytes) -> str:
             tmp.write_bytes(data)
             os.replace(tmp, path)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # FINETUNE_CACHE a file: no temporary to remove either
+                tmp.unlink(missing_ok=True)
             raise RecordError(f"cannot store an image held in the data in {path.parent} ({exc.strerror or exc}); "
                               "set FINETUNE_CACHE to a writable folder with room") from None
     return str(path)

@@ -3,13 +3,16 @@
 How many records each file gives (`amounts`):
 - a plain path: every record it holds, once;
 - `records: N`: exactly N. Fewer than the file holds: a seeded sample (kept in file order). More: every record
-  N // held times, plus a seeded sample of the remainder (the file is repeated; a warning says so);
+  N // held times, plus a seeded sample of the remainder (the file is repeated; a warning says so), up to
+  MAX_REPEAT times what it holds (more is refused when the files are read: the copies are held in memory);
 - `weight: w`: the weighted files share what they give in proportion to their weights, and give as much as
   they can without repeating a record: the file with the fewest records for its weight is used whole, the
   others are sampled down to their share (weights 1 and 3 over files of 100 and 1,000 records: 100 + 300).
 
 The records taken are then shuffled together with the seed: the same recipe and seed give the same mix in the
-same order; another seed another order (and other samples). One file given as a plain `data.path` string is
+same order; another seed another order (and other samples). A file listed twice (under two names, a link
+included) is refused: one entry with `records:` or `weight:` says how much of it to take. One file given as a
+plain `data.path` string is
 read as before, unmixed and unshuffled, so existing recipes build exactly the same examples. A record keeps its
 file's location (`where`) and carries its file's index (`Record.file`), for per-file counts.
 """
@@ -23,7 +26,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from finetune.data.read import ReadResult, Record, read_records
-from finetune.recipe.schema import DataConfig, DataFile
+from finetune.errors import RecipeError
+from finetune.recipe.schema import MAX_REPEAT, DataConfig, DataFile
 
 
 @dataclass
@@ -36,8 +40,25 @@ class FileRead:
 
 
 def read_files(cfg: DataConfig) -> list[FileRead]:
-    """Every file of `cfg` read, in recipe order; a missing or unreadable one is named by its recipe key."""
-    return [FileRead(key, entry, read_records(entry.path, key)) for key, entry in zip(cfg.file_keys(), cfg.files(), strict=True)]
+    """Every file of `cfg` read, in recipe order; a missing or unreadable one is named by its recipe key, and
+    RecipeError for a file listed twice or a `records:` over MAX_REPEAT times what its file holds."""
+    files = [FileRead(key, entry, read_records(entry.path, key))
+             for key, entry in zip(cfg.file_keys(), cfg.files(), strict=True)]
+    seen: dict[tuple[int, int], FileRead] = {}
+    for f in files:
+        stat = os.stat(f.entry.path)
+        first = seen.setdefault((stat.st_dev, stat.st_ino), f)
+        if first is not f:
+            raise RecipeError(f"{f.key} ({f.entry.path}) is the same file as {first.key} ({first.entry.path}), "
+                              "so its records would be mixed in twice",
+                              hint=f"list it once, with {first.key}.records or .weight to take more of it")
+        held = len(f.read.records)
+        if f.entry.records is not None and f.entry.records > MAX_REPEAT * held:
+            raise RecipeError(f"{f.key}.records: {f.entry.records:,} is over {MAX_REPEAT} times the {held:,} "
+                              f"records {f.entry.path} holds (each copy is held in memory)",
+                              hint=f"ask for at most {MAX_REPEAT * held:,}, or train more epochs "
+                                   "(training.epochs) to see the records more often")
+    return files
 
 
 def data_folders(cfg: DataConfig) -> list[str]:
@@ -56,10 +77,11 @@ def amounts(files: list[FileRead]) -> list[int]:
     held = [len(f.read.records) for f in files]
     out = [f.entry.records if f.entry.records is not None else n for f, n in zip(files, held, strict=True)]
     weighted = [i for i, f in enumerate(files) if f.entry.weight is not None]
-    if weighted:
-        total = sum(files[i].entry.weight for i in weighted)
-        share = {i: files[i].entry.weight / total for i in weighted}
-        size = min(held[i] / share[i] for i in weighted)  # the largest weighted part that repeats no record
+    if weighted:  # shares relative to the largest weight: no sum of weights to overflow
+        top = max(files[i].entry.weight for i in weighted)
+        share = {i: files[i].entry.weight / top for i in weighted}
+        # the largest weighted part that repeats no record (a share that underflows to 0 takes 1 record)
+        size = min(held[i] / share[i] for i in weighted if share[i] > 0)
         for i in weighted:
             out[i] = min(held[i], max(1, round(size * share[i])))
     return out

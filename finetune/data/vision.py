@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from finetune.data.chat import IGNORE_INDEX, Encoded
 from finetune.data.formats import RecordError
 from finetune.data.image_tokens import pixel_overrides
+from finetune.data.images import open_image
 from finetune.recipe.families import VisionLayout
 
 if TYPE_CHECKING:
@@ -56,12 +57,7 @@ class VisionData:
     def process(self, paths: Sequence[str], **extra: Any) -> dict[str, Any]:
         """The image processor's outputs for these images (pixel_values, image_grid_thw, ...) as tensors;
         `extra`: more of the processor's keywords (return_row_col_info)."""
-        from PIL import Image
-
-        images = []
-        for path in paths:
-            with Image.open(path) as image:
-                images.append(image.convert("RGB"))
+        images = [open_image(path) for path in paths]
         kwargs: dict[str, Any] = {}
         if self.max_pixels is not None and self.layout.kind == "qwen2_vl":
             kwargs["size"] = {**dict(self.processor.size), "longest_edge": self.max_pixels}

@@ -182,10 +182,13 @@ def transfer_bandwidth(offload_dir: str | Path, cuda: bool,
     that cannot be measured is left out (cost_model's typical figure prices it)."""
     result = {}
     if "disk" in links:
-        probe = Path(offload_dir).resolve()
-        while not probe.exists():  # measure where the folder will be, without creating it
-            probe = probe.parent
-        measured = disk_bandwidth(probe)
+        try:
+            probe = Path(offload_dir).resolve()
+            while not probe.exists():  # measure where the folder will be, without creating it
+                probe = probe.parent
+        except OSError:  # a name the disk refuses: the folder's own check names it
+            probe = None
+        measured = disk_bandwidth(probe) if probe is not None else None
         if measured is not None:
             result["disk"] = min(measured.values())
     if cuda and "host_device" in links:

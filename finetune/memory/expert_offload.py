@@ -35,7 +35,9 @@ from finetune.errors import RecipeError
 from finetune.memory.offload_disk import (
     OffloadDirError,
     check_offload_dir,
+    missing_folders,
     read_tensor_file,
+    remove_empty,
     write_tensor_file,
 )
 from finetune.model.expert_store import store_of
@@ -70,7 +72,9 @@ class ExpertFiles:
         self.directory = directory
         self.prefix = f"{FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}-"
         self.paths: dict[tuple[int, str], Path] = {}
-        self._finalizer = weakref.finalize(self, _unlink, self.paths)
+        made = missing_folders(directory)  # removed with the files, once empty
+        directory.mkdir(parents=True, exist_ok=True)
+        self._finalizer = weakref.finalize(self, _unlink, self.paths, made)
 
     def write(self, position: int, name: str, tensor: torch.Tensor) -> None:
         """Block `position`'s tensor `name` (on the host) to its file."""
@@ -88,9 +92,10 @@ class ExpertFiles:
         self._finalizer()
 
 
-def _unlink(paths: dict[tuple[int, str], Path]) -> None:
+def _unlink(paths: dict[tuple[int, str], Path], made: list[Path]) -> None:
     for path in paths.values():
         path.unlink(missing_ok=True)
+    remove_empty(made)
 
 
 class ExpertOffload:

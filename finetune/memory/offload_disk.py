@@ -49,28 +49,53 @@ def with_margin(nbytes: int) -> int:
 
 def check_offload_dir(path: str | Path, needed_bytes: int, what: str = "of activations per step",
                       hint: str = OFFLOAD_DIR_HINT) -> Path:
-    """Before training: `path` must be a writable directory with `needed_bytes` (`what`) plus a margin free.
+    """Before training: `path` must be a writable directory (or one that can be made) with `needed_bytes`
+    (`what`) plus a margin free.
 
-    Creates the directory if missing; otherwise touches nothing. Raises `OffloadDirError` saying which
+    Makes nothing: a missing folder is checked through its nearest existing parent, and made by the writer,
+    which removes it again when it ends empty (`missing_folders`). Raises `OffloadDirError` saying which
     directory, how much is needed and free, and how to fix it.
     """
-    path = Path(path).expanduser().resolve()
+    path = Path(path).expanduser().absolute()
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".{FILE_PREFIX}probe-{uuid.uuid4().hex}"
+        existing = path
+        while not existing.exists():
+            existing = existing.parent
+        if not existing.is_dir():
+            raise NotADirectoryError(0, f"{existing} is a file, not a folder")
+        probe = existing / f".{FILE_PREFIX}probe-{uuid.uuid4().hex}"
         probe.write_bytes(b"\0" * 4096)
         probe.unlink()
+        free = shutil.disk_usage(existing).free
     except OSError as exc:
         raise OffloadDirError(f"memory.offload_dir {path} is not writable: {exc.strerror or exc}",
                               hint=hint) from None
     needed = with_margin(needed_bytes)
-    free = shutil.disk_usage(path).free
     if free < needed:
         raise OffloadDirError(
             f"memory.offload_dir {path} has {format_bytes(free)} free but disk offload needs "
             f"{format_bytes(needed)} ({format_bytes(needed_bytes)} {what} plus a margin)",
             hint=hint)
     return path
+
+
+def missing_folders(path: Path) -> list[Path]:
+    """The folders of `path` that do not exist yet, deepest first: what a writer that makes them removes again
+    (`remove_empty`), so an offload folder the recipe named but nothing had made is not left behind."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def remove_empty(folders: list[Path]) -> None:
+    """Remove `folders` (deepest first) while each is empty."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def write_tensor_file(path: Path, data: torch.Tensor) -> None:
@@ -188,6 +213,7 @@ class DiskTier:
         if setup.directory is None:
             raise ValueError("activation offload to disk needs an offload_dir")
         self.directory = Path(setup.directory)
+        self._made = missing_folders(self.directory)  # removed by close() once empty
         self.mover: Mover | None = setup.mover
         self.pool = HostPool(self.mover) if self.mover is not None else None
         self._writers = ThreadPoolExecutor(threads, thread_name_prefix="ft-offload-write")
@@ -291,3 +317,4 @@ class DiskTier:
         self.drain()
         self._writers.shutdown(wait=True, cancel_futures=True)
         self._readers.shutdown(wait=True, cancel_futures=True)
+        remove_empty(self._made)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import errno
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from finetune.errors import UsageError
+from finetune.data.formats import RecordError
+from finetune.data.images import image_size
+from finetune.errors import FinetuneError, UsageError
 from finetune.export.files import GGUFOptions, write_gguf_export
 from finetune.export.gguf import check_exportable
 from finetune.export.gguf_vision import check_vision_exportable
@@ -126,21 +130,19 @@ def reads_images(recipe: Recipe) -> bool:
 
 
 def check_image(run_dir: str | Path, image: str | Path | None) -> Path | None:
-    """The image to ask the run about, checked before any model loads: the file exists and is an image Pillow
-    reads, and the run's model reads images. None without an image."""
+    """The image to ask the run about, checked before any model loads as a training record's image is
+    (finetune.data.images: readable, whole, decodes, within the decompression-bomb limit and the aspect ratio),
+    and the run's model reads images. None without an image."""
     if image is None:
         return None
     path = Path(image).expanduser()
-    if not path.is_file():
-        raise UsageError(f"--image {image}: no such file", hint="give the path of a local image file")
-    from PIL import Image, UnidentifiedImageError
-
+    if not path.is_file():  # a path holding a NUL byte included: no file has one, and it is shown escaped
+        shown = str(image).replace("\x00", "\\x00")
+        raise UsageError(f"--image {shown}: no such file", hint="give the path of a local image file")
     try:
-        with Image.open(path) as opened:
-            opened.verify()
-    except (UnidentifiedImageError, OSError, SyntaxError) as exc:
-        raise UsageError(f"--image {image}: not an image Pillow can read ({exc})",
-                         hint="give a PNG, JPEG, WebP or another image file") from None
+        image_size(str(path))
+    except RecordError as exc:
+        raise UsageError(f"--image: {exc}", hint="give a PNG, JPEG, WebP or another image file") from None
     recipe, run = load_run(run_dir)
     if not reads_images(recipe):
         raise UsageError(f"--image: {run.root} trained the text-only model {recipe.model.path}, which reads no "
@@ -200,7 +202,7 @@ def export_merged(run_dir: str | Path, out_dir: str | Path,
                               "mmproj-MODEL.gguf")
     step = _export_step(progress)
     out = Path(out_dir)
-    with publishing(out) as tmp:  # settles what a killed export left before the target is checked
+    with _writing(out), publishing(out) as tmp:  # settles what a killed export left before the target is checked
         _check_export_target(out)
         if gguf is None:
             _write_merged(recipe, run, tmp, step)
@@ -212,10 +214,47 @@ def export_merged(run_dir: str | Path, out_dir: str | Path,
                               system_prompt=recipe.data.system_prompt, step=step,
                               image_processor=vision.processor if vision is not None else None)
         (tmp / EXPORT_MARKER).touch()
+        mode = (tmp / EXPORT_MARKER).stat().st_mode & 0o777  # what the umask gives a new file
+        for written in tmp.rglob("*"):  # safetensors writes its file 0600; the export is readable alike
+            if written.is_file():
+                written.chmod(mode)
         files = sorted(tmp.glob("*.safetensors")) + sorted(tmp.glob("*.gguf"))
         size = format_bytes(sum(p.stat().st_size for p in files))
         step(3, f"{len(files)} {'GGUF' if gguf else 'safetensors'} file(s), {size} -> {out}")
     return out
+
+
+# errno of a write that fails for the folder's disk, not for the export: it is read-only or full
+_READ_ONLY = {errno.EROFS, errno.EACCES, errno.EPERM}
+_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+@contextmanager
+def _writing(out: Path) -> Iterator[None]:
+    """An export's write that fails for its --out folder (read-only, full, under a regular file, a name too
+    long) as one line naming the folder and the fix; `publishing` has already removed the unfinished copy and
+    kept an earlier export. Other errors pass as they are."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError) as exc:
+        code = getattr(exc, "errno", None)
+        text = str(exc)
+        folder = out.absolute().parent
+        if code in (errno.EEXIST, errno.ENOTDIR):
+            blocker = next((p for p in (out.absolute(), *out.absolute().parents) if p.exists() and not p.is_dir()),
+                           folder)
+            raise UsageError(f"export: --out {out} cannot be made: {blocker} is a file, not a folder",
+                             hint="choose a --out whose parent folders are folders") from None
+        if code in _READ_ONLY or code == errno.ENAMETOOLONG:
+            raise UsageError(f"export: cannot write into {folder} ({exc.strerror or text})",
+                             hint="choose a --out on a writable disk, with folder names the disk allows") from None
+        if code in _FULL or "No space left" in text or " requested and " in text:  # safetensors', numpy's short write
+            raise FinetuneError(f"export: {folder} ran out of space while the model was written ({text}); "
+                                "nothing was replaced", hint="free space there, or choose a --out on a disk with "
+                                "room for the model (an earlier export there is kept)") from None
+        raise
 
 
 def _check_gguf_exportable(recipe: Recipe, run: RunDir) -> None:

@@ -5,9 +5,11 @@ holds in memory); `predict(recipe, planner=Planner())` plans with caches of its 
 
 from finetune.plan.planner import DEFAULT as DEFAULT_PLANNER
 from finetune.plan.planner import Planner
+from finetune.plan.report import blocked_by_room, room_error
 from finetune.plan.search import Candidate, Plan, RejectionKind, predict
 
-__all__ = ["Candidate", "DEFAULT_PLANNER", "Plan", "Planner", "RejectionKind", "predict", "plot_breakdown"]
+__all__ = ["Candidate", "DEFAULT_PLANNER", "Plan", "Planner", "RejectionKind", "blocked_by_room", "plot_breakdown",
+           "predict", "room_error"]
 
 
 def plot_breakdown(plan: Plan, path) -> None:

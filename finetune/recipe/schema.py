@@ -37,6 +37,8 @@ from finetune.recipe.section import Section
 from finetune.units import MAX_SIZE, parse_bytes
 
 MAX_COUNT = 2**31 - 1  # steps, sizes in tokens, ranks: what torch and the Trainer keep in 32-bit ints
+NAME_MAX = 255  # bytes in one file or folder name: the limit of ext4, XFS, btrfs, APFS and NTFS alike
+MAX_REPEAT = 100  # a data mix's `records:` may ask for at most this many copies of what its file holds
 
 
 ByteSize = Annotated[int, BeforeValidator(parse_bytes), Field(ge=0, le=MAX_SIZE)]
@@ -114,11 +116,12 @@ class DataFile(Section):
 
     path: str = Field(description="A dataset file or save_to_disk folder, read as data.path reads one.")
     weight: float | None = Field(
-        None, gt=0, description="This file's share of the weighted files' part of the mix (weights are relative); "
+        None, gt=0, allow_inf_nan=False, description="This file's share of the weighted files' part of the mix (weights are relative); "
         "that part is as large as it can be without repeating a record.")
     records: int | None = Field(
         None, ge=1, le=MAX_COUNT, description="Take exactly this many records from the file: a seeded sample, or "
-        "every record repeated (and a seeded sample of the rest) when it holds fewer.")
+        "every record repeated (and a seeded sample of the rest) when it holds fewer; at most "
+        f"{MAX_REPEAT} times the records the file holds (the copies are held in memory).")
 
     @model_validator(mode="before")
     @classmethod
@@ -461,6 +464,21 @@ class MemoryConfig(Section):
         "below it for what they (and the CUDA context, allocator fragmentation) may take later.")
     gpu_memory_margin: ByteSize = Field(512 << 20, description="Head-room kept free below the budget; if a step "
         "still runs out of memory, `finetune run` redoes it with a cheaper plan (docs/memory.md, out-of-memory recovery).")
+
+    @field_validator("offload_dir")
+    @classmethod
+    def _folder_names(cls, value: str | None) -> str | None:
+        """A folder every disk could make: no NUL byte, no name longer than NAME_MAX bytes (caught here, not as
+        an OSError from the planner's look at the folder)."""
+        if value is None:
+            return value
+        if "\x00" in value:
+            raise ValueError("holds a NUL byte, which no folder name can")
+        long = next((part for part in value.split("/") if len(os.fsencode(part)) > NAME_MAX), None)
+        if long is not None:
+            raise ValueError(f"the folder name {long[:24]}... is {len(os.fsencode(long))} bytes long; disks allow "
+                             f"{NAME_MAX} per name: use a shorter one")
+        return value
 
     @field_validator("offload_experts", mode="before")
     @classmethod

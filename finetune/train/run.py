@@ -18,7 +18,7 @@ from finetune.errors import FinetuneError, RecipeError, UsageError
 from finetune.memory.offload import activation_offload, preflight_offload
 from finetune.memory.preference import loads_reference_adapter
 from finetune.memory.step import autocast_for, mixed_precision
-from finetune.plan import Plan, predict
+from finetune.plan import Plan, blocked_by_room, predict, room_error
 from finetune.recipe.batch_rules import apply_batch_rules, reference_batch
 from finetune.recipe.init_from import init_from_record, resolve_init_from
 from finetune.recipe.load import load_recipe, recipe_to_yaml
@@ -130,6 +130,8 @@ def _plan(recipe: Recipe) -> tuple[Plan | None, Recipe]:
     if not plan.fits:
         needed = f"; the leanest plan needs a budget of {format_bytes(plan.min_budget_bytes)}" \
             if plan.min_budget_bytes else ""
+        if (blocked := blocked_by_room(plan)) is not None:  # the offload folder or RAM, not the budget
+            raise room_error(recipe, blocked)
         if auto:
             raise FinetuneError(f"no settings fit the memory budget: {budget}{needed}",
                                 hint="run `finetune plan RECIPE` to see what was tried and why it was rejected")
