@@ -76,11 +76,12 @@ def updates(run: Path | api.RunFiles | None) -> tuple[Any, ...]:
     batch = api.run_batch_report(files) if files else None
     rewards = api.run_reward_report(files) if files else None
     if batch is None:
-        batch_out = (gr.update(visible=False), "", None, gr.update(visible=False), "")
+        batch_out = (gr.update(visible=False), "", gr.update(value=None, visible=False), gr.update(visible=False), "")
     else:
         events = [e for e in views.run_events(files.metrics) if e[2] == "batch"]
+        measured = bool(batch["noise_series"])  # none measured: no empty chart, the text above says why
         batch_out = (gr.update(visible=True), views.batch_markdown(batch, str(files.root)),
-                     charts.noise_figure(batch, events),
+                     gr.update(value=charts.noise_figure(batch, events) if measured else None, visible=measured),
                      gr.update(visible=bool(batch["advice"].get("settings"))), "")  # a message of another run goes
     rewards_out = ((gr.update(visible=False), None, "") if rewards is None else
                    (gr.update(visible=True), charts.reward_figure(rewards), views.rewards_markdown(rewards)))
