@@ -118,21 +118,20 @@ def test_the_batch_panel_is_shown_only_for_a_run_that_accounted_for_its_batch(tm
     for run in (going, several):
         assert api.run_batch_report(run.root) is None
         box, text, plot, button, message, *_ = run_panel.updates(run.root)
-        assert box["visible"] is False and message == "" and button["visible"] is False and text == ""
-        assert plot == {"__type__": "update", "value": None, "visible": False}
+        assert box["visible"] is False and message == "" and button["visible"] is False and text == "" and plot is None
     shown = run_panel.updates(_auto_run(tmp_path).root)
     assert shown[0]["visible"] is True and shown[3]["visible"] is True and "Batch used" in shown[1]
-    assert shown[2]["visible"] is True and shown[2]["value"].axes[0].get_lines()  # the measured noise scale
+    assert shown[-1]["visible"] is True and shown[2].axes[0].get_lines()  # the measured noise scale, its box shown
 
     no_advice = {"reason": "no noise scale was measured (too few steps, or micro-batch 1 without accumulation)"}
     results = {"batch": {"micro_batch_size": 1, "gradient_accumulation_steps": 1, "effective_batch_size": 1,
                          "auto": False, "changes": []},
                "noise_scale": {"final": None, "tokens_per_sequence": 30.0, "series": []}, "advice": no_advice}
     run = _run(tmp_path, "short", [{"step": 1, "loss": 1.0}], results)
-    box, text, plot, button, *_ = run_panel.updates(run.root)
+    box, text, plot, button, *_, noise_box = run_panel.updates(run.root)
     assert box["visible"] is True and button["visible"] is False  # nothing to apply
-    # no points: no empty chart on a meaningless axis, the text says why there is none
-    assert plot["visible"] is False and plot["value"] is None
+    # no points: no empty chart on a meaningless axis (its box hidden), the text says why there is none
+    assert noise_box["visible"] is False and plot is None
     assert "**Measured noise scale**: not measured, so no chart of it: too few steps" in text
     assert f"no advice: {no_advice['reason']}" in text
 
@@ -265,7 +264,7 @@ def test_a_grpo_run_shows_its_reward_curve_held_out_rewards_and_latest_sampled_a
 
 def test_the_latest_finetune_eval_shows_base_and_run_side_by_side(tmp_path):
     run = _run(tmp_path, "sft", [{"step": 1, "loss": 1.0}], {"state": "completed"})
-    assert run_panel.updates(run.root)[11:] == ({"visible": False, "__type__": "update"}, "")
+    assert run_panel.updates(run.root)[11:13] == ({"visible": False, "__type__": "update"}, "")
     models = [{"label": "base model", "loss": 2.5, "perplexity": 12.18, "loss_tokens": 40,
                "exact": {"matched": 0, "of": 4}, "contains": {"matched": 1, "of": 4}, "numeric": None},
               {"label": "sft", "loss": 0.5, "perplexity": 1.65, "loss_tokens": 40,
@@ -275,7 +274,7 @@ def test_the_latest_finetune_eval_shows_base_and_run_side_by_side(tmp_path):
     assert "\n5 examples kept of `/data/held_out.jsonl`, 4 with" in "\n" + run_panel.updates(run.root)[12]
     atomic_write_json(run.evaluation, {"data": "/data/held_out.jsonl", "records_read": 6, "examples_kept": 5,
                                        "with_expected_answer": 4, "models": models, "answers": []})
-    box, table = run_panel.updates(run.root)[11:]
+    box, table = run_panel.updates(run.root)[11:13]
     assert box["visible"] is True
     assert "6 records read, 5 examples kept of `/data/held_out.jsonl`, 4 with an expected answer" in table
     assert "| model | loss | perplexity | exact | contains | numeric |" in table
@@ -353,7 +352,7 @@ def test_one_redraw_of_the_train_tab_reads_each_run_file_once(tmp_path, monkeypa
     assert dict(opened) == {name: 1 for name in ("status.json", "metrics.jsonl", "plan.json", "results.json",
                                                  "recipe.yaml", "train.log", "evaluation.json")}
     explained, loss, timeline, lr, memory, batch_box, batch_md, noise, *_, rewards_box, reward_plot, rewards_md = \
-        plots[:-5]  # the last five: the GRPO and the evaluation panels
+        plots[:-6]  # the last six: the GRPO and the evaluation panels, the noise chart's box
     assert "data-step='4'" in status and "8.00 MiB" in status and "step 4" in log  # predicted peak
     assert "longest sequence in the data is 26 tokens" in explained and "5.00 MiB" in explained
     assert [t.get_text() for t in memory.axes[0].get_xticklabels()] == ["predicted", "predicted at 26 tokens",
