@@ -153,7 +153,7 @@ def test_identical_gpu_sizes_say_the_same_plan_fits_every_size():
     assert note == "the same plan fits every size from 8 GB: nothing to trade"
     assert note in charts.context_figure(sweep, 16, 8, note)._suptitle.get_text()
     text = views.sweep_markdown(sweep)
-    assert text.startswith("**The same plan fits every size from 8 GB: nothing to trade**: each size trains "
+    assert text.startswith("**The same plan fits every size from 8 GB: nothing to trade.** Each size trains "
                            "contexts up to 8,192 tokens and micro-batch 32 (the most tried) at 2,048 tokens")
     assert views.same_everywhere(SWEEP) is None and not views.sweep_markdown(SWEEP).startswith("**")
     too_big = {**sweep, "sizes": [{**r, "longest_context": None, "largest_micro_batch": None, "recipe_fits": False}

@@ -312,11 +312,11 @@ def sweep_markdown(sweep: dict[str, Any]) -> str:
     cap = sweep.get("micro_batch_cap")
     same = same_everywhere(sweep)
     first = sweep["sizes"][0] if sweep["sizes"] else {}
-    lines = [f"**{same[:1].upper() + same[1:]}**: each size trains contexts up to "
-             f"{first['longest_context']:,} tokens and micro-batch {micro_batch_text(first['largest_micro_batch'], cap)}"
-             f" at {sweep['max_seq_len']:,} tokens, so a bigger GPU changes nothing for this recipe.\n"] if same else []
+    lines = [f"**{same[:1].upper() + same[1:]}.** Each size trains contexts up to {first['longest_context']:,} "
+             f"tokens and micro-batch {micro_batch_text(first['largest_micro_batch'], cap)} at "
+             f"{sweep['max_seq_len']:,} tokens, so a bigger GPU changes nothing for this recipe.\n"] if same else []
     lines += ["| GPU | longest context (micro-batch 1) | largest micro-batch at "
-             f"{sweep['max_seq_len']:,} tokens | this recipe fits |", "|---|---|---|---|"]
+              f"{sweep['max_seq_len']:,} tokens | this recipe fits |", "|---|---|---|---|"]
     for r in sweep["sizes"]:
         ctx = f"{r['longest_context']:,}" if r["longest_context"] else "none"
         lines.append(f"| {r['gpu_gb']} GB | {ctx} | {micro_batch_text(r['largest_micro_batch'], cap)} | "

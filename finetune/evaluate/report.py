@@ -25,7 +25,6 @@ def table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return HEADERS, rows
 
 
-
 def run_loss(report: dict[str, Any] | None, run_name: str) -> float | None:
     """The held-out loss `finetune eval` measured for the run itself (its model entry is labelled with the run
     folder's name, and comes after the base model and any compared runs), or None before an eval of it ran."""
