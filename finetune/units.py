@@ -65,6 +65,18 @@ def size_text(n: int) -> str:
     return format_bytes(n)
 
 
+def format_number(value: Any) -> str:
+    """A logged value for people to read (train.log, the UI's log tail): a float in four significant figures,
+    in scientific notation below 0.001 or from a million up (learning_rate=7.253e-04, not
+    0.0007252766679155447; loss=1.235, tokens_per_second=1234.6); anything else as str() writes it. The exact
+    values stay in metrics.jsonl."""
+    if not isinstance(value, float) or not math.isfinite(value) or value == 0:
+        return str(value)
+    if not 1e-3 <= abs(value) < 1e6:
+        return f"{value:.3e}"
+    return f"{value:.{max(4 - 1 - math.floor(math.log10(abs(value))), 1)}f}".rstrip("0").rstrip(".")
+
+
 class DType(NamedTuple):
     torch_name: str  # attribute of the torch module
     bytes: int  # per element

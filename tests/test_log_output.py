@@ -20,6 +20,7 @@ from run_support import sums_data, tiny_lora_recipe
 import finetune.console
 from finetune.console import ProgressLines, progress_bar
 from finetune.rundir import RunDir
+from finetune.units import format_number
 
 ROOT = Path(__file__).resolve().parents[1]
 LINE = re.compile(r"^\d\d:\d\d:\d\d train (\d+)/(\d+) \(\d+%\) loss [\d.]+ +[\d,]+ tok/s +elapsed [\d:]+ +eta [\d:]+$")
@@ -84,6 +85,17 @@ def test_a_run_logged_to_a_file_shows_progress_lines_and_a_short_data_line(tmp_p
     stats = json.loads(run.data_stats.read_text())
     assert stats["records"] == 24 and stats["overlong_at"] == [] and stats["max_example_tokens"] > 0
     assert "Warning" not in text  # peft's read of transformers' deprecated is_gradient_checkpointing: filtered
+    logged = [line for line in run.log.read_text().splitlines() if " step=" in line]
+    values = [v for line in logged for v in re.findall(r"=(-?\d[^ ]*)", line)]
+    assert logged and all(len(v) <= 10 for v in values), logged  # train.log: numbers people read
+    assert any(re.search(r" learning_rate=\d\.\d{3}e-0\d ", line) for line in logged), logged
+
+
+@pytest.mark.parametrize(("value", "shown"), [
+    (0.0007252766679155447, "7.253e-04"), (1.23456789, "1.235"), (1234.567, "1234.6"), (0.0123456, "0.01235"),
+    (2.0, "2"), (5e6, "5.000e+06"), (0.0, "0.0"), (12, "12"), ("x", "x"), (None, "None"), (True, "True")])
+def test_a_logged_number_is_written_in_four_significant_figures(value, shown):
+    assert format_number(value) == shown
 
 
 def test_a_new_warning_from_our_own_code_fails_and_library_noise_is_filtered(tiny_model_dir):

@@ -71,6 +71,27 @@ def test_empty_widgets_mean_null_or_default_and_required_keys_are_named():
     assert any("missing required key model.path" in p for p in err.value.problems)
 
 
+@pytest.mark.parametrize(("key", "placeholder"), [
+    ("model.path", "required"),
+    ("training.max_steps", "empty: trains for epochs"),  # the description's "null trains for `epochs`"
+    ("training.eval_steps", "empty: at the end"),
+    ("training.max_grad_norm", "empty: disables clipping"),
+    ("memory.offload_dir", "empty: <output.dir>/offload"),
+    ("data.chat_template", "empty: the tokenizer's"),
+    ("data.system_prompt", "empty: none"),  # nothing said about null: nothing is added
+    ("output.dir", "empty: the default, runs/run"),  # not nullable: left out, so the default applies
+    ("memory.gpu_memory_margin", "empty: the default, 512 MiB")])
+def test_each_text_box_says_what_leaving_it_empty_means(key, placeholder):
+    assert BY_KEY[key].placeholder == placeholder
+
+
+def test_no_text_box_is_left_with_a_placeholder_in_the_forms_own_words():
+    """Every optional text box's placeholder comes from its schema entry, not a generic "empty = null"."""
+    shown = {s.key: s.placeholder for s in SPECS if s.kind in ("text", "bytes", "yaml")}
+    assert all(p == "required" or p.startswith("empty: ") and "null" not in p for p in shown.values()), shown
+    assert all(len(p) <= 60 for p in shown.values()), shown  # one short line in a one-line box
+
+
 def test_bad_values_are_reported_per_key():
     values = _values({"model": {"path": "m"}, "data": {"path": "d.jsonl"}})
     keys = [s.key for s in SPECS]

@@ -121,15 +121,19 @@ def test_the_batch_panel_is_shown_only_for_a_run_that_accounted_for_its_batch(tm
         assert box["visible"] is False and message == "" and button["visible"] is False and text == "" and plot is None
     shown = run_panel.updates(_auto_run(tmp_path).root)
     assert shown[0]["visible"] is True and shown[3]["visible"] is True and "Batch used" in shown[1]
+    assert shown[-1]["visible"] is True and shown[2].axes[0].get_lines()  # the measured noise scale, its box shown
 
     no_advice = {"reason": "no noise scale was measured (too few steps, or micro-batch 1 without accumulation)"}
     results = {"batch": {"micro_batch_size": 1, "gradient_accumulation_steps": 1, "effective_batch_size": 1,
                          "auto": False, "changes": []},
                "noise_scale": {"final": None, "tokens_per_sequence": 30.0, "series": []}, "advice": no_advice}
     run = _run(tmp_path, "short", [{"step": 1, "loss": 1.0}], results)
-    box, text, _, button, *_ = run_panel.updates(run.root)
+    box, text, plot, button, *_, noise_box = run_panel.updates(run.root)
     assert box["visible"] is True and button["visible"] is False  # nothing to apply
-    assert "**Measured noise scale**: none" in text and f"no advice: {no_advice['reason']}" in text
+    # no points: no empty chart on a meaningless axis (its box hidden), the text says why there is none
+    assert noise_box["visible"] is False and plot is None
+    assert "**Measured noise scale**: not measured, so no chart of it: too few steps" in text
+    assert f"no advice: {no_advice['reason']}" in text
 
 
 def test_the_advice_goes_into_the_form_as_plan_advice_applies_it(tmp_path):
@@ -260,7 +264,7 @@ def test_a_grpo_run_shows_its_reward_curve_held_out_rewards_and_latest_sampled_a
 
 def test_the_latest_finetune_eval_shows_base_and_run_side_by_side(tmp_path):
     run = _run(tmp_path, "sft", [{"step": 1, "loss": 1.0}], {"state": "completed"})
-    assert run_panel.updates(run.root)[11:] == ({"visible": False, "__type__": "update"}, "")
+    assert run_panel.updates(run.root)[11:13] == ({"visible": False, "__type__": "update"}, "")
     models = [{"label": "base model", "loss": 2.5, "perplexity": 12.18, "loss_tokens": 40,
                "exact": {"matched": 0, "of": 4}, "contains": {"matched": 1, "of": 4}, "numeric": None},
               {"label": "sft", "loss": 0.5, "perplexity": 1.65, "loss_tokens": 40,
@@ -270,11 +274,28 @@ def test_the_latest_finetune_eval_shows_base_and_run_side_by_side(tmp_path):
     assert "\n5 examples kept of `/data/held_out.jsonl`, 4 with" in "\n" + run_panel.updates(run.root)[12]
     atomic_write_json(run.evaluation, {"data": "/data/held_out.jsonl", "records_read": 6, "examples_kept": 5,
                                        "with_expected_answer": 4, "models": models, "answers": []})
-    box, table = run_panel.updates(run.root)[11:]
+    box, table = run_panel.updates(run.root)[11:13]
     assert box["visible"] is True
     assert "6 records read, 5 examples kept of `/data/held_out.jsonl`, 4 with an expected answer" in table
     assert "| model | loss | perplexity | exact | contains | numeric |" in table
     assert "| base model | 2.5000 | 12.18 | 0/4 | 1/4 | - |\n| sft | 0.5000 | 1.65 | 3/4 | 4/4 | - |" in table
+
+
+def test_the_history_eval_loss_column_reads_the_runs_finetune_eval(tmp_path):
+    """`finetune eval` writes evaluation.json (one model entry per model, the run's labelled with its folder's
+    name, last); the Runs tab's eval-loss column shows the run's own entry, not the base model's or a compared
+    run's, and says where it came from; before an eval, the loss training logged on its validation split."""
+    run = _run(tmp_path, "sft", [{"step": 1, "loss": 1.0}, {"step": 1, "eval_loss": 0.9}], {"state": "completed"})
+    assert views.history_rows([str(run.root)])[0][3:5] == ["1.0000", "0.9000"]
+    models = [{"label": "base model", "loss": 2.5, "perplexity": 12.18},
+              {"label": "other-run", "loss": 0.7, "perplexity": 2.01},
+              {"label": "sft", "loss": 0.4321, "perplexity": 1.54}]
+    atomic_write_json(run.evaluation, {"data": "/data/held_out.jsonl", "records_read": 6, "examples_kept": 5,
+                                       "with_expected_answer": 4, "models": models, "answers": []})
+    assert views.history_rows([str(run.root)])[0][4] == "0.4321 (finetune eval)"
+    bare = _run(tmp_path, "bare", [{"step": 1, "loss": 1.0}], {"state": "completed"})
+    atomic_write_json(bare.evaluation, {"models": [{"label": "base model", "loss": 2.5}, {"label": "bare"}]})
+    assert views.history_rows([str(bare.root)])[0][4] == ""  # a damaged entry (no loss) is no loss
 
 
 def _count_reads(monkeypatch, folder) -> dict[str, int]:
@@ -331,7 +352,7 @@ def test_one_redraw_of_the_train_tab_reads_each_run_file_once(tmp_path, monkeypa
     assert dict(opened) == {name: 1 for name in ("status.json", "metrics.jsonl", "plan.json", "results.json",
                                                  "recipe.yaml", "train.log", "evaluation.json")}
     explained, loss, timeline, lr, memory, batch_box, batch_md, noise, *_, rewards_box, reward_plot, rewards_md = \
-        plots[:-5]  # the last five: the GRPO and the evaluation panels
+        plots[:-6]  # the last six: the GRPO and the evaluation panels, the noise chart's box
     assert "data-step='4'" in status and "8.00 MiB" in status and "step 4" in log  # predicted peak
     assert "longest sequence in the data is 26 tokens" in explained and "5.00 MiB" in explained
     assert [t.get_text() for t in memory.axes[0].get_xticklabels()] == ["predicted", "predicted at 26 tokens",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -63,6 +64,30 @@ def test_a_run_that_dies_without_updating_its_status_shows_as_failed(tmp_path):
     assert Path(manager.job_for(run).log).is_file()
     manager.close()
 
+
+
+def test_the_queue_line_of_a_finished_run_whose_process_is_exiting_says_so_like_its_status(tmp_path):
+    """The run wrote "completed" and its process is still on its way out: the queue line says what the run view
+    says, not "running" beside it; once the process is gone the GPU is free."""
+    from ui import views
+
+    runs = tmp_path / "runs"
+    run = runs / "done"
+    run.mkdir(parents=True)
+    exiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "finetune"])  # "finetune" in its
+    try:  # command line: a process an earlier UI started (RunManager._alive)
+        (run / "status.json").write_text(json.dumps({"state": "completed", "pid": exiting.pid, "step": 6}))
+        job = Job(id="j1", run_dir=str(run.resolve()), recipe=str(tmp_path / "r.yaml"), state="running", pid=exiting.pid)
+        (runs / ".ui").mkdir()
+        (runs / ".ui" / "queue.json").write_text(json.dumps([asdict(job)]))
+        manager = RunManager(runs)
+        assert manager.run_state(run) == "completed, process exiting"
+        assert views.queue_markdown(manager) == f"- **completed, process exiting**: `{run.resolve()}`"
+    finally:
+        exiting.kill()
+        exiting.wait()
+    manager.poll()
+    assert views.queue_markdown(manager).startswith("GPU free") and manager.run_state(run) == "completed"
 
 
 def test_a_resume_allowed_on_changed_data_passes_the_flag():

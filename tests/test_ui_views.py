@@ -35,6 +35,22 @@ def test_memory_chart_stacks_the_breakdown_against_the_budget():
     assert [line.get_ydata()[0] for line in ax.get_lines()] == [8.0]  # the budget line, in GiB
 
 
+def test_a_plan_far_below_its_budget_is_drawn_on_an_axis_scaled_to_it():
+    """862 MiB on a 20 GiB card: on a 20 GiB axis the bars would be slivers. The axis fits the bars (MiB), each
+    large segment carries its size, and the budget is named in the legend with the share the plan takes."""
+    mib = 1 << 20
+    plan = {"weights": 300 * mib, "trainable_weights": 20 * mib, "gradients": 20 * mib, "optimizer_state": 40 * mib,
+            "activations": 350 * mib, "logits_and_loss": 100 * mib, "other": 32 * mib}
+    ax = charts.memory_figure([("chosen plan", plan)], 20 * GIB).axes[0]
+    assert ax.get_ylabel() == "MiB" and ax.get_ylim()[1] == pytest.approx(862 * 1.1)
+    assert all(len(line.get_ydata()) == 0 for line in ax.get_lines())  # no budget line far above the bars
+    assert {"300.00 MiB", "350.00 MiB", "100.00 MiB", "862.00 MiB"} <= {t.get_text() for t in ax.texts}
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "budget 20.00 GiB, above\nthis axis: the tallest bar\nis 4% of it" in legend
+    near = charts.memory_figure([("chosen plan", plan)], 1200 * mib).axes[0]  # a budget near the bars: drawn
+    assert [line.get_ydata()[0] for line in near.get_lines()] == pytest.approx([1200 / 1024])
+
+
 def test_plan_text_and_option_rows():
     text = views.plan_markdown(PLAN)
     assert "FITS" in text and "7.00 GiB" in text and "8.00 GiB" in text and "`micro_batch_size=2`" in text
@@ -125,6 +141,24 @@ def test_context_chart_marks_the_chosen_gpu_and_plan():
     text = views.sweep_markdown(SWEEP)
     assert "| 16 GB | 92,928 | 16 | yes |" in text and "| 80 GB | none | none | no |" in text
     assert "131,072" in text
+
+
+def test_identical_gpu_sizes_say_the_same_plan_fits_every_size():
+    """A small recipe fits the smallest card with the model's longest context and the most micro-batches tried:
+    six identical pairs of bars, which the chart and the text say are the same plan, nothing to trade."""
+    rows = [{"gpu_gb": gb, "longest_context": 8192, "largest_micro_batch": 32, "recipe_fits": True}
+            for gb in (8, 12, 16, 24, 48, 80)]
+    sweep = {"max_seq_len": 2048, "model_max_context": 8192, "micro_batch_cap": 32, "sizes": rows}
+    note = views.same_everywhere(sweep)
+    assert note == "the same plan fits every size from 8 GB: nothing to trade"
+    assert note in charts.context_figure(sweep, 16, 8, note)._suptitle.get_text()
+    text = views.sweep_markdown(sweep)
+    assert text.startswith("**The same plan fits every size from 8 GB: nothing to trade.** Each size trains "
+                           "contexts up to 8,192 tokens and micro-batch 32 (the most tried) at 2,048 tokens")
+    assert views.same_everywhere(SWEEP) is None and not views.sweep_markdown(SWEEP).startswith("**")
+    too_big = {**sweep, "sizes": [{**r, "longest_context": None, "largest_micro_batch": None, "recipe_fits": False}
+                                  for r in rows]}
+    assert views.same_everywhere(too_big) is None  # the same on every size, but nothing fits: no plan to praise
 
 
 def test_a_micro_batch_at_the_searchs_cap_is_called_the_most_tried():

@@ -142,20 +142,27 @@ def lr_figure(rows: list[dict[str, Any]]) -> Figure:
     return fig
 
 
+OFF_SCALE = 3.0  # a budget over this many times the tallest bar is named, not drawn: the bars would be slivers
+
+
 def memory_figure(bars: list[tuple[str, dict[str, float]]], budget: float | None,
                   title: str = "predicted peak memory") -> Figure:
-    """Stacked bars of memory per component for each option, against the budget line (GiB or MiB)."""
+    """Stacked bars of memory per component for each option, against the budget line (GiB or MiB). The axis
+    is scaled to the bars: a budget far above them (an 862 MiB plan on a 20 GiB card) is named in the legend,
+    with the share the tallest bar takes of it, instead of drawn at a height that would flatten the bars."""
     fig, ax = _figure(height=3.6)
     labels = [name for name, _ in bars]
     totals = [sum(float(v or 0) for k, v in b.items() if k in BREAKDOWN) for _, b in bars]
-    unit, scale = ("GiB", GIB) if max([*totals, budget or 0]) >= GIB else ("MiB", 1 << 20)
+    tallest = max(totals, default=0)
+    drawn = budget if budget and budget <= OFF_SCALE * max(tallest, 1) else None
+    unit, scale = ("GiB", GIB) if max([*totals, drawn or 0]) >= GIB else ("MiB", 1 << 20)
     bottoms = [0.0] * len(bars)
     for part, color in zip(BREAKDOWN, _COLORS, strict=True):
         heights = [float(b.get(part) or 0) / scale for _, b in bars]
         if any(heights):
             ax.bar(labels, heights, bottom=bottoms, color=color, label=part.replace("_", " "))
             bottoms = [lo + h for lo, h in zip(bottoms, heights, strict=True)]
-    top = max([*bottoms, (budget or 0) / scale]) or 1
+    top = max([*bottoms, (drawn or 0) / scale]) or 1
     for part in BREAKDOWN:  # each segment tall enough to hold it carries its size
         for x, (_, b) in enumerate(bars):
             size = float(b.get(part) or 0)
@@ -166,13 +173,20 @@ def memory_figure(bars: list[tuple[str, dict[str, float]]], budget: float | None
     for x, total in enumerate(bottoms):
         ax.annotate(format_bytes(total * scale), (x, total), ha="center", va="bottom", fontsize=8)
     ax.set_ylim(0, top * 1.1)  # room for the totals above the tallest bar
-    if budget:
-        ax.axhline(budget / scale, color="black", linestyle="--", linewidth=1.2, label=f"budget {format_bytes(budget)}")
+    if drawn:
+        ax.axhline(drawn / scale, color="black", linestyle="--", linewidth=1.2, label=f"budget {format_bytes(drawn)}")
+    elif budget:
+        ax.plot([], [], color="black", linestyle="--", linewidth=1.2, marker="^", markersize=5,
+                label=f"budget {format_bytes(budget)}, above\nthis axis: the tallest bar\nis {_share(tallest / budget)} of it")
     ax.set_ylabel(unit)
     ax.set_title(title)
     ax.tick_params(axis="x", labelsize=8, labelrotation=10)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
     return fig
+
+
+def _share(fraction: float) -> str:
+    return f"{fraction:.0%}" if fraction >= 0.01 else "under 1%"
 
 
 def timeline_figure(rows: list[dict[str, Any]], planned_peak: float | None,
@@ -211,11 +225,13 @@ def timeline_figure(rows: list[dict[str, Any]], planned_peak: float | None,
     return fig
 
 
-def context_figure(sweep: dict[str, Any], chosen_gb: int | None, chosen_micro_batch: int | None = None) -> Figure:
+def context_figure(sweep: dict[str, Any], chosen_gb: int | None, chosen_micro_batch: int | None = None,
+                   note: str | None = None) -> Figure:
     """Per GPU size: the longest trainable context and the largest micro-batch at the recipe's max_seq_len,
-    the chosen GPU's bars highlighted and the chosen plan (max_seq_len, its micro-batch) starred."""
+    the chosen GPU's bars highlighted and the chosen plan (max_seq_len, its micro-batch) starred; `note`, a line
+    under the title (why every size's bars are the same)."""
     fig = ui_figure(9, 3.8)
-    fig.suptitle("what fits on each GPU size", fontsize=10)
+    fig.suptitle("what fits on each GPU size" + (f"\n{note}" if note else ""), fontsize=10)
     ctx, mbs = fig.subplots(1, 2)
     rows = sweep["sizes"]
     labels = [f"{r['gpu_gb']} GB" for r in rows]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from finetune.recipe import init_from
 from finetune.recipe.load import iter_fields, load_yaml
 from finetune.recipe.schema import SHAPE_KEYS
 from finetune.recipe.settings import table
+from finetune.units import size_text
 
 Kind = Literal["checkbox", "number", "dropdown", "text", "bytes", "yaml"]
 NULL = "null"
@@ -66,6 +68,20 @@ class FieldSpec:
         return "field-" + self.key.replace(".", "-")
 
     @property
+    def placeholder(self) -> str:
+        """What an empty text box means, for people: "required", the default the key then takes, or what its
+        null does, in the schema description's own words ("null: at the end" -> "empty: at the end")."""
+        if self.required:
+            return "required"
+        if not self.nullable:  # left out of the recipe: the schema's default applies
+            shown = size_text(self.default) if self.kind == "bytes" and isinstance(self.default, int) \
+                else to_widget(self, self.default)
+            return f"empty: the default, {shown or NULL}"
+        if said := _NULL_MEANS.search(self.description):
+            return "empty: " + " ".join(said.group(1).replace("`", "").split())
+        return "empty: none"
+
+    @property
     def info(self) -> str:
         """The hint under the widget: what the key does, its default, and whether the planner picks it."""
         default = "none (required)" if self.required else _show(self.default)
@@ -75,6 +91,11 @@ class FieldSpec:
         if self.planned:
             text += " Planner-decided when auto" + (" (the default)." if self.default == "auto" else ".")
         return text
+
+
+# What a description says null (or the default) means: "null: at the end", "null trains for `epochs`", "null
+# disables clipping", "default: the tokenizer's, else ...": its first clause, without a parenthesis or a comma.
+_NULL_MEANS = re.compile(r"\b(?:null|default):?\s+(.+?)\s*(?:[;:(,]|\.(?:\s|$)|$)")
 
 
 def _flatten(annotation: Any) -> list[Any]:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.api import RunFiles, run_files
+from finetune.evaluate.report import run_loss
 from finetune.recipe.settings import format_choices
 from finetune.rundir import COLLAPSED_EVENT, REWARD_ACCURACY, REWARD_KEYS, TRAINING_WARNING, HeldRun, RunDir
 from finetune.units import format_bytes
@@ -34,17 +35,20 @@ def last_value(rows: list[dict[str, Any]], key: str) -> Any:
 
 
 def summary(run_dir: Path) -> dict[str, Any]:
-    """One row of the run history: state, progress and final metrics."""
+    """One row of the run history: state, progress and final metrics; the eval loss is the latest `finetune
+    eval`'s held-out loss of the run (evaluation.json; `evaluated`: True) or else the one training logged."""
     run = RunDir(run_dir)
     status = run.read_status()
     rows = run.read_metrics()
     peaks = [r["peak_memory_bytes"] for r in rows if r.get("peak_memory_bytes")]
+    evaluated = run_loss(run.read_evaluation(), run.root.name)
     return {
         "state": status.get("state", "unknown"),
         "step": status.get("step", last_value(rows, "step")),
         "max_steps": status.get("max_steps"),
         "loss": last_value(rows, "loss"),
-        "eval_loss": last_value(rows, "eval_loss"),
+        "eval_loss": last_value(rows, "eval_loss") if evaluated is None else evaluated,
+        "evaluated": evaluated is not None,
         "tokens_per_second": last_value(rows, "tokens_per_second"),
         "peak_memory_bytes": max(peaks) if peaks else None,
     }
@@ -181,8 +185,9 @@ def history_rows(run_dirs: list[str]) -> list[list[Any]]:
     rows = []
     for d in run_dirs:
         s = summary(Path(d))
+        evaluated = f"{_fmt(s['eval_loss'])} (finetune eval)" if s["evaluated"] else _fmt(s["eval_loss"])
         rows.append([d, s["state"], f"{s['step'] or 0} / {s['max_steps'] or '?'}",
-                     _fmt(s["loss"]), _fmt(s["eval_loss"]), _fmt(s["tokens_per_second"], ".0f"),
+                     _fmt(s["loss"]), evaluated, _fmt(s["tokens_per_second"], ".0f"),
                      size(s["peak_memory_bytes"])])
     return rows
 
@@ -204,7 +209,10 @@ def queue_markdown(manager: RunManager, outside: list[HeldRun] = ()) -> str:
     (`outside`: RunManager.outside_runs), which the queue does not know of."""
     jobs = [j for j in manager.jobs() if j.state in ("running", "queued")]
     lines = [f"- {outside_markdown(h)}" for h in outside]
-    lines += [f"- **{j.state}**{' (resume)' if j.resume else ''}: `{j.run_dir}`" for j in jobs]
+    # a running job as its run view says it (RunManager.run_state): "completed, process exiting" once the run
+    # has ended and its process is on its way out, not "running" beside it
+    lines += [f"- **{manager.run_state(j.run_dir) if j.state == 'running' else j.state}**"
+              f"{' (resume)' if j.resume else ''}: `{j.run_dir}`" for j in jobs]
     return "\n".join(lines) or "GPU free: no run is going and none is queued."
 
 
@@ -288,11 +296,27 @@ def micro_batch_text(value: int | None, cap: int | None) -> str:
     return f"{value} (the most tried)" if value == cap else str(value)
 
 
+def same_everywhere(sweep: dict[str, Any]) -> str | None:
+    """Why every GPU size's bars are the same, when they are: the recipe fits the smallest size with the longest
+    context and the largest micro-batch any size gets, so a bigger GPU buys nothing. None when sizes differ."""
+    rows = sweep["sizes"]
+    answers = {(r["longest_context"], r["largest_micro_batch"], r["recipe_fits"]) for r in rows}
+    if len(rows) < 2 or len(answers) != 1 or not rows[0]["recipe_fits"]:
+        return None
+    return f"the same plan fits every size from {rows[0]['gpu_gb']:g} GB: nothing to trade"
+
+
 def sweep_markdown(sweep: dict[str, Any]) -> str:
-    """The GPU-size chart's numbers in words (and a table a screen reader can read)."""
+    """The GPU-size chart's numbers in words (and a table a screen reader can read), after why every size's
+    bars are the same when they are."""
     cap = sweep.get("micro_batch_cap")
-    lines = ["| GPU | longest context (micro-batch 1) | largest micro-batch at "
-             f"{sweep['max_seq_len']:,} tokens | this recipe fits |", "|---|---|---|---|"]
+    same = same_everywhere(sweep)
+    first = sweep["sizes"][0] if sweep["sizes"] else {}
+    lines = [f"**{same[:1].upper() + same[1:]}.** Each size trains contexts up to {first['longest_context']:,} "
+             f"tokens and micro-batch {micro_batch_text(first['largest_micro_batch'], cap)} at "
+             f"{sweep['max_seq_len']:,} tokens, so a bigger GPU changes nothing for this recipe.\n"] if same else []
+    lines += ["| GPU | longest context (micro-batch 1) | largest micro-batch at "
+              f"{sweep['max_seq_len']:,} tokens | this recipe fits |", "|---|---|---|---|"]
     for r in sweep["sizes"]:
         ctx = f"{r['longest_context']:,}" if r["longest_context"] else "none"
         lines.append(f"| {r['gpu_gb']} GB | {ctx} | {micro_batch_text(r['largest_micro_batch'], cap)} | "
@@ -335,7 +359,9 @@ def batch_markdown(report: dict[str, Any], run_dir: str = "RUN_DIR") -> str:
                      "below it use every token; far above it, extra sequences per step mostly repeat what the "
                      "others say).")
     else:
-        lines.append("**Measured noise scale**: none (too few steps, or micro-batch 1 without accumulation).")
+        lines.append("**Measured noise scale**: not measured, so no chart of it: too few steps, micro-batch 1 "
+                     "without accumulation, `training.noise_scale: false`, or a run that does not measure it "
+                     "(GRPO; FSDP or DeepSpeed).")
     if report["changes"]:
         lines.append("**Batch changes**: " + "; ".join(
             f"step {c['step']}: {(c.get('from') or {}).get('effective_batch_size')} → "

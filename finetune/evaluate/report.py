@@ -24,3 +24,12 @@ def table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         rows.append([str(model.get("label", "?")), f"{model['loss']:.4f}", f"{model['perplexity']:.2f}", *matches])
     return HEADERS, rows
 
+
+def run_loss(report: dict[str, Any] | None, run_name: str) -> float | None:
+    """The held-out loss `finetune eval` measured for the run itself (its model entry is labelled with the run
+    folder's name, and comes after the base model and any compared runs), or None before an eval of it ran."""
+    models = (report or {}).get("models")
+    for model in reversed(models if isinstance(models, list) else []):
+        if isinstance(model, dict) and model.get("label") == run_name and is_number(model.get("loss")):
+            return float(model["loss"])
+    return None

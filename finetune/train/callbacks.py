@@ -15,6 +15,7 @@ from finetune.rundir import COLLAPSED_EVENT, EVAL_PREFIX, TRAINING_WARNING, RunD
 from finetune.train.grpo import METRIC_PREFIXES as GRPO_METRICS
 from finetune.train.noise_scale import KEYS as NOISE_SCALE_KEYS
 from finetune.train.policy import Policy
+from finetune.units import format_number
 
 FLAT_STEPS = 3  # logged steps in a row with a zero gradient norm or the same loss: the run has stopped learning
 
@@ -104,7 +105,7 @@ class RunFiles(Policy):
             row["memory_warning"] = logs["memory_warning"]
             console.print(f"[yellow]warning: {logs['memory_warning']}")
         self.run.append_metrics(row)
-        self.run.log_line(" ".join(f"{k}={v}" for k, v in row.items() if not isinstance(v, dict)))
+        self.run.log_line(" ".join(f"{k}={format_number(v)}" for k, v in row.items() if not isinstance(v, dict)))
         if collapsed is not None:  # said once: on screen, as an event row, in status.json for the UI
             console.print(f"[yellow]warning: {collapsed}")
             self.run.append_metrics({"event": COLLAPSED_EVENT, "step": logs["step"], "detail": collapsed})

@@ -343,3 +343,69 @@ def _set_slider(page, element: str, value: str, attempts: int = 3) -> None:
             if attempt == attempts - 1:
                 raise
 
+
+
+REPO = Path(__file__).resolve().parents[2]
+# Each ready recipe's chip: (its text, its tooltip).
+CHIPS = "() => [...document.querySelectorAll('#gallery-pick label')].map(l => [l.innerText.trim(), l.title])"
+
+
+def test_a_first_look_chips_described_data_previewed_and_charts_scaled_in_a_browser(page, tmp_path, monkeypatch):
+    """What a newcomer sees before training: every ready recipe's chip says what it does before it is picked
+    (tooltip, and a caption while pointed at or focused); an empty text box says what empty means; the Data tab
+    shows the loaded recipe's examples without a click; the quickstart's plan (about 1.3 GiB) on a 24 GB card is
+    drawn on an axis scaled to it, the budget named, and the GPU-size chart says why every size is the same."""
+    import ui.charts
+    from finetune import api
+
+    figures = []
+    draw = ui.charts.memory_figure
+    monkeypatch.setattr(ui.charts, "memory_figure", lambda *a, **k: figures.append(draw(*a, **k)) or figures[-1])
+    gallery = {r["title"]: r["description"] for r in api.recipe_gallery(REPO / "recipes")}
+    with running_app(tmp_path, [tmp_path, REPO / "recipes"]) as demo:
+        page.goto(demo.local_url)
+        # 1. The chips: each one's description as its tooltip, and in the caption when pointed at or focused.
+        page.wait_for_function("(n) => [...document.querySelectorAll('#gallery-pick label')]"
+                               ".filter(l => l.title).length === n", arg=len(gallery))
+        assert dict(page.evaluate(CHIPS)) == gallery
+        first = {title: re.match(r"^.*?[.!?](?=\s|$)", text).group(0) for title, text in gallery.items()}
+        page.locator("#gallery-pick label", has_text="GRPO quickstart").hover()
+        sync_api.expect(page.locator("#gallery-caption")).to_have_text(f"GRPO quickstart: {first['GRPO quickstart']}")
+        assert page.locator("#gallery-info").inner_text().strip() == ""  # nothing picked yet
+        _shot(page, "first-look-01-chips")
+        second = page.locator("#gallery-pick label").nth(1)
+        second.locator("input").focus()  # the keyboard's way: the caption follows the focus
+        title = second.inner_text().strip()
+        sync_api.expect(page.locator("#gallery-caption")).to_have_text(f"{title}: {first[title]}")
+
+        # 2. The quickstart; the steps box emptied shows what empty means, in the schema's words.
+        page.locator("#gallery-pick").get_by_text("Quickstart", exact=True).click()
+        page.locator("#gallery-use").click()
+        sync_api.expect(page.locator("#recipe-notice")).to_contain_text("Loaded the ready recipe: Quickstart")
+        _type(page, "training.max_steps", "")
+        steps = page.locator("#field-training-max_steps").locator("input, textarea").first
+        assert steps.get_attribute("placeholder") == "empty: trains for epochs"
+        _shot(page, "first-look-02-placeholder")
+        _type(page, "training.max_steps", "60")
+
+        # 3. The Data tab previews the recipe's file when it opens: no Preview click.
+        page.get_by_role("tab", name="Data").click()
+        sync_api.expect(page.locator("#data-message")).to_contain_text("Detected format: messages", timeout=120_000)
+        sync_api.expect(page.locator("#example-0")).not_to_have_text("", timeout=30_000)
+        _shot(page, "first-look-03-data")
+
+        # 4. The plan on a 24 GB card: the axis fits the bars, the budget is named above it; every GPU size the
+        # same, said so.
+        page.get_by_role("tab", name="Memory").click()
+        page.locator("#gpu input").first.click()
+        page.get_by_role("option", name="24 GB card (RTX 4090)").click()
+        sync_api.expect(page.locator("#plan-message")).to_contain_text("23.50 GiB budget", timeout=180_000)
+        sync_api.expect(page.locator("#plan-plot img")).to_be_visible(timeout=60_000)
+        sync_api.expect(page.locator("#context-message")).to_contain_text(
+            "The same plan fits every size from 8 GB: nothing to trade", timeout=180_000)
+        ax = figures[-1].axes[0]
+        tallest = max(p.get_y() + p.get_height() for p in ax.patches)
+        assert ax.get_ylim()[1] <= 1.15 * tallest, (ax.get_ylim(), tallest)  # scaled to the plan, not the card
+        assert any("budget 23.50 GiB, above" in t.get_text() for t in ax.get_legend().get_texts())
+        page.locator("#plan-plot").scroll_into_view_if_needed()
+        _shot(page, "first-look-04-memory")

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import gradio as gr
 
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, RecipeError
 from ui import views
 from ui.backend import Backend
 from ui.form import to_widget
 from ui.paths import allowed_path, data_files, is_inside, store_upload
-from ui.tabs.messages import problems_markdown, reported
+from ui.tabs.messages import first_steps, problems_markdown, reported
 
+FIRST_STEPS = "No data file yet: choose a ready recipe in the Recipe tab, or pick or upload a file above."
 EXAMPLES = 3  # examples previewed
 THUMBNAIL = 160  # pixels: the longer side of an image shown beside its example
 # Categories of highlighted tokens: loss tokens of SFT data, and of each answer of preference data.
@@ -74,7 +76,7 @@ def build(backend: Backend, widgets: list[gr.components.Component]) -> gr.Dropdo
     """The Data tab over the form `widgets` (it fills data.path, a text box: its own change refreshes the recipe
     tab's views; a picked file replaces a list of files there); returns the server file picker."""
     keys = [s.key for s in backend.specs]
-    with gr.Tab("Data", id="data"):
+    with gr.Tab("Data", id="data") as data_tab:
         gr.Markdown("Pick a dataset on the server (inside the allowed folders) or upload one; the "
                     "preview tokenizes with the recipe's model and highlights tokens that carry loss "
                     "(preference data: the chosen answer, then the rejected one).")
@@ -96,6 +98,7 @@ def build(backend: Backend, widgets: list[gr.components.Component]) -> gr.Dropdo
                                                    elem_id=f"example-{i}"))
                 galleries.append(gr.Gallery(label=f"example {i + 1}: images", visible=False, scale=1,
                                             columns=2, height=THUMBNAIL + 60, elem_id=f"example-images-{i}"))
+        previewed = gr.State(None)  # the form values last previewed when the tab opened
     data_path = widgets[keys.index("data.path")]
     path_spec = backend.specs[keys.index("data.path")]
 
@@ -146,4 +149,21 @@ def build(backend: Backend, widgets: list[gr.components.Component]) -> gr.Dropdo
                        api_name="upload_data")
     preview_btn.click(reported(1 + shows)(lambda *v: show_preview(v)), widgets, [data_msg, *examples, *galleries],
                       api_name="preview_data")
+
+    @reported(2 + shows)
+    def opened(last, *values):
+        """The tab opened: preview the form's data file without a click, once per recipe (a ready recipe names
+        one), or say what to do first; the same recipe again keeps what is shown."""
+        key = json.dumps(values, default=str)
+        if key == last:
+            return (gr.skip(),) * (2 + shows)
+        try:
+            return (*show_preview(values), key)
+        except RecipeError as exc:
+            if (hint := first_steps(exc, FIRST_STEPS)) is None:
+                raise
+            return (hint, *[example_update(None)] * EXAMPLES, *[gallery_update(None, [])] * EXAMPLES, key)
+
+    data_tab.select(opened, [previewed, *widgets], [data_msg, *examples, *galleries, previewed],
+                    api_visibility="private")
     return server_file

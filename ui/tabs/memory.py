@@ -52,7 +52,8 @@ def build(backend: Backend, widgets: list[gr.components.Component], basic_gpu: g
             if first_steps(exc, FIRST_STEPS) is None:
                 raise
             return None, ""
-        return charts.context_figure(result, backend.gpu_gb(choice), mb), views.sweep_markdown(result)
+        return (charts.context_figure(result, backend.gpu_gb(choice), mb, views.same_everywhere(result)),
+                views.sweep_markdown(result))
 
     plan_out = [plan_msg, plan_plot, plan_table, last_plan]
     plan_btn.click(plan, [*widgets, gpu], plan_out, api_name="plan").then(

@@ -22,6 +22,29 @@ from ui.tabs.messages import first_steps, reported
 YAML_LINES = 24  # the recipe's YAML (over 100 lines) scrolls inside a box of this many lines
 KEEP = "keep the recipe's values"
 FIRST_STEPS = "Choose a ready recipe above, or give the model and the data file in the basics."
+POINT_AT = "Point at a ready recipe (or move to it with the keyboard) to read what it does."
+# Each ready recipe's chip carries its description before it is picked: as its tooltip (title), and in the
+# caption below the chips while the pointer or the keyboard is on it (its first sentence). Gradio's Radio
+# has no per-choice hint, so the page adds them, again whenever it redraws the chips.
+DESCRIBE_CHIPS = """() => {
+  const said = DESCRIPTIONS, root = document.getElementById('gallery-pick');
+  const caption = document.getElementById('gallery-caption');
+  if (!root || !caption) return;
+  const describe = () => root.querySelectorAll('label').forEach(label => {
+    const text = said[label.innerText.trim()];
+    if (text && label.title !== text) label.title = text;
+  });
+  const show = event => {
+    const label = event.target.closest && event.target.closest('#gallery-pick label');
+    if (!label || !label.title) return;
+    const first = label.title.match(/^.*?[.!?](?=\\s|$)/);
+    caption.textContent = label.innerText.trim() + ': ' + (first ? first[0] : label.title);
+  };
+  describe();
+  new MutationObserver(describe).observe(root, {childList: true, subtree: true});
+  root.addEventListener('mouseover', show);
+  root.addEventListener('focusin', show);
+}"""
 
 
 def _widget(spec: FieldSpec, value: Any, label: str | None = None) -> gr.components.Component:
@@ -32,8 +55,7 @@ def _widget(spec: FieldSpec, value: Any, label: str | None = None) -> gr.compone
         return gr.Number(precision=0 if spec.integer else None, step=spec.step, **common)
     if spec.kind == "dropdown":
         return gr.Dropdown(choices=[c[0] for c in spec.choices], allow_custom_value=spec.custom, **common)
-    placeholder = "required" if spec.required else ("empty = null" if spec.nullable else "empty = default")
-    return gr.Textbox(placeholder=placeholder, max_lines=1, **common)
+    return gr.Textbox(placeholder=spec.placeholder, max_lines=1, **common)
 
 
 def _defaults(backend: Backend) -> dict[str, Any]:
@@ -96,6 +118,7 @@ def build(demo: gr.Blocks, backend: Backend) -> tuple[Form, gr.Dropdown, gr.Drop
             with gr.Column(scale=3, elem_id="gallery"):
                 pick = gr.Radio(choices=[(r["title"], r["path"]) for r in gallery], label="Ready recipes",
                                 elem_id="gallery-pick")
+                gr.HTML(f"<div id='gallery-caption'>{POINT_AT}</div>", elem_id="gallery-hover")
                 pick_info = gr.Markdown(elem_id="gallery-info")
                 use_btn = gr.Button("Use this recipe", variant="primary", elem_id="gallery-use")
             with gr.Column(scale=2):
@@ -165,6 +188,8 @@ def build(demo: gr.Blocks, backend: Backend) -> tuple[Form, gr.Dropdown, gr.Drop
 
     descriptions = {r["path"]: r["description"] for r in gallery}
     pick.change(lambda p: descriptions.get(p, ""), pick, pick_info, api_visibility="private")
+    demo.load(None, js=DESCRIBE_CHIPS.replace("DESCRIPTIONS", json.dumps({r["title"]: r["description"]
+                                                                           for r in gallery})))
 
     @reported(1 + len(widgets))
     def use_gallery(path):

@@ -36,12 +36,13 @@ class RunPanel:
     grpo_md: gr.Markdown
     eval_box: gr.Column
     eval_md: gr.Markdown
+    noise_box: gr.Column  # around noise_plot: hidden when no noise scale was measured
 
     @property
     def outputs(self) -> list[gr.components.Component]:
         return [self.batch_box, self.batch_md, self.noise_plot, self.advice_btn, self.advice_msg, self.rewards_box,
                 self.reward_plot, self.rewards_md, self.grpo_box, self.grpo_plot, self.grpo_md, self.eval_box,
-                self.eval_md]
+                self.eval_md, self.noise_box]
 
 
 def build(prefix: str) -> RunPanel:
@@ -49,8 +50,9 @@ def build(prefix: str) -> RunPanel:
     with gr.Column(visible=False, elem_id=f"{prefix}-batch-panel") as batch_box:
         gr.Markdown("### Batch: what the run used and what to use next time")
         batch_md = gr.Markdown(elem_id=f"{prefix}-batch-summary")
-        noise_plot = gr.Plot(label="Measured noise scale and the batch used (labelled tokens)",
-                             elem_id=f"{prefix}-noise-plot")
+        with gr.Column(elem_id=f"{prefix}-noise-box") as noise_box:
+            noise_plot = gr.Plot(label="Measured noise scale and the batch used (labelled tokens)",
+                                 elem_id=f"{prefix}-noise-plot")
         advice_btn = gr.Button("Use this advice in the recipe form", elem_id=f"{prefix}-use-advice")
         advice_msg = gr.Markdown(elem_id=f"{prefix}-advice-message")
     with gr.Column(visible=False, elem_id=f"{prefix}-rewards-panel") as rewards_box:
@@ -67,7 +69,7 @@ def build(prefix: str) -> RunPanel:
         gr.Markdown("### Held-out evaluation: base model against the fine-tune (`finetune eval`)")
         eval_md = gr.Markdown(elem_id=f"{prefix}-eval-table")
     return RunPanel(batch_box, batch_md, noise_plot, advice_btn, advice_msg, rewards_box, reward_plot, rewards_md,
-                    grpo_box, grpo_plot, grpo_md, eval_box, eval_md)
+                    grpo_box, grpo_plot, grpo_md, eval_box, eval_md, noise_box)
 
 
 def updates(run: Path | api.RunFiles | None) -> tuple[Any, ...]:
@@ -75,12 +77,13 @@ def updates(run: Path | api.RunFiles | None) -> tuple[Any, ...]:
     files = api.run_files(run) if run else None
     batch = api.run_batch_report(files) if files else None
     rewards = api.run_reward_report(files) if files else None
+    measured = bool(batch and batch["noise_series"])  # none measured: no empty chart, the text says why
     if batch is None:
         batch_out = (gr.update(visible=False), "", None, gr.update(visible=False), "")
     else:
         events = [e for e in views.run_events(files.metrics) if e[2] == "batch"]
         batch_out = (gr.update(visible=True), views.batch_markdown(batch, str(files.root)),
-                     charts.noise_figure(batch, events),
+                     charts.noise_figure(batch, events) if measured else None,
                      gr.update(visible=bool(batch["advice"].get("settings"))), "")  # a message of another run goes
     rewards_out = ((gr.update(visible=False), None, "") if rewards is None else
                    (gr.update(visible=True), charts.reward_figure(rewards), views.rewards_markdown(rewards)))
@@ -89,7 +92,7 @@ def updates(run: Path | api.RunFiles | None) -> tuple[Any, ...]:
                 (gr.update(visible=True), charts.grpo_figure(grpo), views.grpo_markdown(grpo)))
     evaluation = api.run_evaluation_table(files) if files else None
     return (*batch_out, *rewards_out, *grpo_out, gr.update(visible=evaluation is not None),
-            views.evaluation_markdown(evaluation))
+            views.evaluation_markdown(evaluation), gr.update(visible=measured))
 
 
 def wire_advice(panel: RunPanel, backend: Backend, run: gr.Dropdown, form: Form, api_name: str | None = None) -> None:
