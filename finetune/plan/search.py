@@ -598,10 +598,9 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
         cand.settings = {k: v for k, v in cand.settings.items() if k not in inactive}
     chosen = ok[0] if ok else leanest
     if "batching" not in inactive and recipe.data.batching == "auto":
-        batching, why = auto_batching(recipe, chosen.settings, lengths, figures["half_tokens"])
-        notes.append(f"data.batching auto: {batching} ({why})")
-        for cand in [chosen, *ok[1:4]]:
-            cand.settings["batching"] = batching
+        for cand in [*ok[1:4], chosen]:  # each at its own micro-batch; the chosen one's reason is a note
+            cand.settings["batching"], why = auto_batching(recipe, cand.settings, lengths, figures["half_tokens"])
+        notes.append(f"data.batching auto: {chosen.settings['batching']} ({why})")
     return Plan(device, chosen.settings, chosen.peak_bytes, chosen.breakdown, budget, bool(ok), chosen.tokens_per_s,
                 alternatives=ok[1:4], rejected=rejected,
                 min_budget_bytes=None if ok else leanest.peak_bytes + recipe.memory.gpu_memory_margin,
