@@ -1,12 +1,12 @@
 """data.batching side by side: real-token share and CPU tokens/s of random, length-grouped and token-budget
 micro-batches on alpaca_en_demo, in one run.
 
-    nice -n 10 python benchmarks/batching.py [--records 256] [--micro-batch 8] [--accumulation 4] [--threads 1]
+    nice -n 10 python benchmarks/batching.py [--records 96] [--micro-batch 8] [--accumulation 4] [--threads 1]
 
 The share is over the whole file (999 records, every epoch's micro-batches as the run forms them,
 finetune.data.batching.epoch_shape); the speed is training through the project's loop (simple_loop: the
 padded collator, the loss normalised by the step's labelled tokens) over one epoch of the first --records
-records, a small Llama with random weights (finetune.testing's tiny model widened to 256, 4 layers, its
+records, a small Llama with random weights (finetune.testing's tiny model widened to 128, 4 layers, its
 trained byte-level BPE tokenizer), full fine-tuning, AdamW. Each variant runs --repeats times, interleaved
 (random, grouped, budget, budget, grouped, random, ...), each from the same weights; the best time counts.
 Tokens/s counts real (non-padding) tokens: the work the data asks for.
@@ -35,14 +35,14 @@ from finetune.testing import make_tiny_model_dir  # noqa: E402
 from finetune.train.setup import simple_loop  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "alpaca_en_demo.json"
-SHAPE = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 4,
+SHAPE = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
          "num_key_value_heads": 4}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=DATA)
-    parser.add_argument("--records", type=int, default=256)
+    parser.add_argument("--records", type=int, default=96)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--accumulation", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
@@ -89,6 +89,7 @@ def main() -> None:
             start = time.perf_counter()
             loop.fit()
             seconds[kind].append(time.perf_counter() - start)
+            print(f"  ({kind}: {seconds[kind][-1]:.2f} s)", flush=True)
     base = min(seconds["random"])
     print(f"\ntraining one epoch of the first {len(subset)} records ({real} real tokens, {steps} steps), "
           f"best of {args.repeats}:")
