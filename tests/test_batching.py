@@ -146,3 +146,18 @@ def test_token_budget_batches_resume_exactly(tmp_path, tiny_model_dir, monkeypat
     assert sorted(again) == sorted(losses) == list(range(1, 9))
     for step, loss in losses.items():
         assert again[step] == pytest.approx(loss, rel=1e-6), step
+
+
+@pytest.mark.parametrize(("sections", "says"), [
+    ({"data": {"path": "d", "batching": "token_budget"}, "distributed": {"gpus": 2}},
+     "data.batching=token_budget with several processes"),
+    ({"data": {"path": "d", "batching": "length_grouped"}, "training": {"method": "grpo"}},
+     "data.batching=length_grouped with training.method=grpo"),
+    ({"data": {"path": "d", "batching": "by_length"}}, "data.batching"),
+])
+def test_a_batching_the_run_cannot_use_is_one_error_naming_the_key(sections, says):
+    from finetune.errors import RecipeError
+
+    with pytest.raises(RecipeError) as info:
+        validate_recipe({"model": {"path": "m"}, **sections})
+    assert says in str(info.value) + " ".join(info.value.problems)
