@@ -161,3 +161,18 @@ def test_a_batching_the_run_cannot_use_is_one_error_naming_the_key(sections, say
     with pytest.raises(RecipeError) as info:
         validate_recipe({"model": {"path": "m"}, **sections})
     assert says in str(info.value) + " ".join(info.value.problems)
+
+
+def test_the_plan_decides_batching_auto_from_the_lengths_and_the_run_config_carries_it(tiny_model_dir):
+    from finetune.plan import predict
+
+    recipe = validate_recipe({"model": {"path": str(tiny_model_dir)}, "data": {"path": "d.jsonl", "max_seq_len": 64},
+                              "quantization": {"bits": None}, "adapter": {"type": "lora"},
+                              "training": {"micro_batch_size": 4, "gradient_accumulation_steps": 1}})
+    plan = predict(recipe, gpu_memory="4GiB", device="cpu", lengths=LENGTHS)
+    assert plan.settings["batching"] == "length_grouped"
+    assert any(n.startswith("data.batching auto: length_grouped (real tokens per micro-batch: random") for n in plan.notes)
+    assert plan.apply(recipe).settings.batching == "length_grouped"
+    fixed = predict(recipe.model_copy(update={"data": recipe.data.model_copy(update={"batching": "random"})}),
+                    gpu_memory="4GiB", device="cpu", lengths=LENGTHS)
+    assert fixed.settings["batching"] == "random" and not any("data.batching" in n for n in fixed.notes)
