@@ -76,7 +76,7 @@ def test_auto_picks_grouping_where_it_saves_padding_and_random_where_nothing_is_
     assert auto_batching(recipe, {**settings, "gradient_accumulation_steps": 4}, LENGTHS, 4096)[0] == "token_budget"
     assert auto_batching(recipe, settings, [50] * 100, 100)[0] == "random"  # equal lengths: no padding to save
     assert auto_batching(recipe, {"micro_batch_size": 1, "gradient_accumulation_steps": 1}, LENGTHS, 100)[0] == "random"
-    assert auto_batching(recipe, settings, None, 100)[0] == "length_grouped"  # lengths not read yet
+    assert auto_batching(recipe, settings, None, 100)[0] == "random"  # lengths not known: nothing priced
     packed = validate_recipe({"model": {"path": "m"}, "data": {"path": "d.jsonl", "packing": True}})
     assert auto_batching(packed, settings, LENGTHS, 100)[0] == "random"
 

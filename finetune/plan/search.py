@@ -623,14 +623,14 @@ def auto_batching(recipe: Recipe, settings: dict[str, Any], lengths: Sequence[in
     (random is the least correlated order), token_budget unless it saves that much over length_grouped. All
     three are priced at the plan's micro-batch: token_budget's budget is micro_batch_size x the longest
     example, within the micro_batch_size x seq_len tokens the plan traces, its rows capped by the step's
-    examples. Without `lengths` (data not read before planning) length_grouped: sorting never pads more."""
+    examples. Without `lengths` (data not read before planning) random, the order plans were checked on."""
     micro, accumulation = settings["micro_batch_size"], settings["gradient_accumulation_steps"]
     if recipe.data.packing:
         return "random", "packed rows are full already"
     if micro * accumulation == 1:
         return "random", "one example per step: nothing to group"
-    if not lengths:
-        return "length_grouped", "the examples' lengths are not read before planning; grouping never pads more"
+    if not lengths:  # nothing says grouping is faster here; the plan's trace is of random batches
+        return "random", "the examples' lengths are not known before planning"
     kinds = ["random", "length_grouped"] + (["token_budget"] if recipe.distributed.gpus == 1 else [])
     shapes = {k: epoch_shape(lengths, Batching(k, micro, accumulation, token_budget=micro * max(lengths)),
                              recipe.training.seed) for k in kinds}

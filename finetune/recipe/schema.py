@@ -177,9 +177,8 @@ class DataConfig(Section):
         "of the steps stays random), far less padding. token_budget: length_grouped's steps, each cut into "
         "micro-batches of up to micro_batch_size x the longest example's tokens, so short examples run more rows per "
         "forward pass (one process only). The effective batch stays in examples. auto: the planner picks the one "
-        "predicted fastest from the examples' lengths (length_grouped where they are not known yet), random where "
-        "grouping saves nothing (micro-batch 1 without accumulation, packing) or where "
-        "a method generates (grpo).")
+        "predicted fastest from the examples' lengths; random where they are not known before planning, where "
+        "grouping saves nothing (micro-batch 1 without accumulation, packing) or where a method generates (grpo).")
     assistant_only_loss: bool = Field(True, description="Chat formats: compute the loss only on assistant turns.")
     chat_template: str | None = Field(
         None, description="Jinja chat template (or a path to one); default: the tokenizer's, else a ChatML template.")

@@ -75,8 +75,8 @@ class Settings:
                                                  active=_generates)
     # a vision-language model's image pixel budget (None: the image processor's own limit)
     max_pixels: int | None = _setting("data.max_pixels", "pixels", default=None, active=takes_images)
-    # how examples become micro-batches (finetune.data.batching); grouping by length is right for any model
-    batching: str = _setting("data.batching", "batching", fallback="length_grouped", default="random",
+    # how examples become micro-batches (finetune.data.batching); without a plan nothing prices the others
+    batching: str = _setting("data.batching", "batching", fallback="random", default="random",
                              active=_batches_rows)
 
 
