@@ -176,3 +176,29 @@ def test_the_plan_decides_batching_auto_from_the_lengths_and_the_run_config_carr
     fixed = predict(recipe.model_copy(update={"data": recipe.data.model_copy(update={"batching": "random"})}),
                     gpu_memory="4GiB", device="cpu", lengths=LENGTHS)
     assert fixed.settings["batching"] == "random" and not any("data.batching" in n for n in fixed.notes)
+
+
+def test_an_out_of_memory_recovery_keeps_token_budget_steps_and_their_losses(tmp_path, tiny_model_dir, monkeypatch):
+    """The recovery halves the micro-batch and doubles the accumulation: the steps keep their examples, the token
+    budget halves, and each step's loss (a token mean over the step) is the uninterrupted run's."""
+    from finetune.train.recovery import FAULT_ENV
+
+    data = text_data(tmp_path / "data.jsonl", [4 + (11 * i) % 58 for i in range(24)])
+
+    def recipe(name: str) -> dict:
+        return tiny_lora_recipe(tiny_model_dir, data, tmp_path / name, {
+            "data": {"batching": "token_budget"},
+            "training": {"max_steps": 4, "micro_batch_size": 4, "gradient_accumulation_steps": 1,
+                         "learning_rate": 1e-2}})
+
+    whole = run(validate_recipe(recipe("whole")))
+    monkeypatch.setenv(FAULT_ENV, "2")
+    recovered = run(validate_recipe(recipe("recovered")))
+    rows = read_jsonl(recovered.run_dir / "metrics.jsonl")
+    [event] = [r for r in rows if r.get("event") == "oom_recovered"]
+    assert event["to"] == {"micro_batch_size": 2, "gradient_accumulation_steps": 2}
+    losses = {r["step"]: r["loss"] for r in read_jsonl(whole.run_dir / "metrics.jsonl") if "loss" in r}
+    again = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    assert sorted(again) == sorted(losses) == [1, 2, 3, 4]
+    for step, loss in losses.items():
+        assert again[step] == pytest.approx(loss, rel=1e-5), step
