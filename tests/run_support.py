@@ -44,7 +44,7 @@ def tiny_lora_recipe(model_dir: Path, data: Path, out_dir: Path, *overrides: dic
     recipe = {
         "model": {"path": str(model_dir)}, "quantization": {"bits": None},
         "adapter": {"type": "lora", "r": 8, "alpha": 16, "dropout": 0.0},
-        "data": {"path": str(data), "max_seq_len": 64},
+        "data": {"path": str(data), "max_seq_len": 64, "batching": "random"},  # the order its tests compare
         "training": {"warmup_ratio": 0.0},
         "memory": {"activation_checkpointing": False, "chunked_loss": False, "tiled_mlp": False},
         "output": {"dir": str(out_dir), "save_steps": 100},

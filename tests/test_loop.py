@@ -23,7 +23,7 @@ PACKAGE = str(Path(__file__).resolve().parents[1] / "finetune")
 
 def _config(model_dir: Path, accumulation: int = 1, **training):
     return resolve(validate_recipe({
-        "model": {"path": str(model_dir)}, "data": {"path": "unused.jsonl"}, "adapter": {"type": "full"},
+        "model": {"path": str(model_dir)}, "data": {"path": "unused.jsonl", "batching": "random"}, "adapter": {"type": "full"},
         "quantization": {"bits": None},
         "training": {"max_steps": 3, "micro_batch_size": 1, "gradient_accumulation_steps": accumulation,
                      "learning_rate": 1e-2, "logging_steps": 1, "seed": 0, **training},
@@ -83,7 +83,7 @@ def test_a_new_policy_plugs_in_without_the_loop_knowing_it(tiny_model_dir):
     single = simple_loop(_config(tiny_model_dir, noise_scale=False, lr_scheduler="constant", warmup_ratio=0.0),
                          load_model(tiny_model_dir), _data(), default_data_collator, 6)
     # the same examples in the same order: the epoch's permutation cut in micro-batches of 1 instead of 2
-    assert [i for b in single.epoch_batches(0) for i in b] == [i for b in halves.epoch_batches(0) for i in b]
+    assert [i for s in single.epoch_steps(0) for b in s for i in b] == [i for s in halves.epoch_steps(0) for b in s for i in b]
     single.fit()
     for a, b in zip(halves.model.parameters(), single.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -22,7 +22,7 @@ def _run(model_dir, out, opt, accumulation, resume=None):
     model = load_model(model_dir)
     data = [{"input_ids": ids[0], "labels": ids[0]} for ids in examples(8, seed=7)]
     recipe = validate_recipe({
-        "model": {"path": str(model_dir)}, "data": {"path": "unused.jsonl"}, "optimizer": opt.model_dump(),
+        "model": {"path": str(model_dir)}, "data": {"path": "unused.jsonl", "batching": "random"}, "optimizer": opt.model_dump(),
         "training": {"max_steps": 4, "micro_batch_size": 1, "gradient_accumulation_steps": accumulation,
                      "learning_rate": 1e-2, "lr_scheduler": "linear", "warmup_ratio": 0.0, "max_grad_norm": 1.0,
                      "logging_steps": 1, "seed": 0, "noise_scale": False},

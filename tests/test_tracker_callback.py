@@ -27,7 +27,7 @@ def test_the_loop_logs_peak_memory(tiny_model_dir, tmp_path):
                 captured.append(dict(row))
 
     recipe = validate_recipe({"model": {"path": str(tiny_model_dir), "dtype": "fp32"}, "adapter": {"type": "full"},
-                              "quantization": {"bits": None}, "data": {"path": "unused.jsonl"},
+                              "quantization": {"bits": None}, "data": {"path": "unused.jsonl", "batching": "random"},
                               "training": {"max_steps": 2, "micro_batch_size": 2, "gradient_accumulation_steps": 1,
                                            "logging_steps": 1, "noise_scale": False},
                               "memory": {"activation_checkpointing": False, "chunked_loss": False,

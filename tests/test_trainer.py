@@ -29,7 +29,7 @@ def _examples(n: int = 8) -> Dataset:
 def _recipe(tmp_path, model_dir, **training):
     return validate_recipe({
         "model": {"path": str(model_dir)}, "quantization": {"bits": None},
-        "adapter": {"type": "full"}, "data": {"path": "unused.jsonl"},
+        "adapter": {"type": "full"}, "data": {"path": "unused.jsonl", "batching": "random"},
         "training": {"max_steps": 1, "learning_rate": 1.0, "warmup_ratio": 0.0, "lr_scheduler": "constant",
                      "max_grad_norm": None, **training},
         "memory": {"activation_checkpointing": False, "chunked_loss": False, "tiled_mlp": False}, "output": {"dir": str(tmp_path / "run")},

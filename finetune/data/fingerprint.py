@@ -57,7 +57,7 @@ def data_fingerprint(cfg: DataConfig, reads: Sequence[ReadResult], fmt: str, tok
     per file of `cfg.files()`."""
     records = [h for read in reads for h in _hashes(read)]
     problems = [p for read in reads for p in read.problems]
-    settings = cfg.model_dump(exclude={"path", "max_seq_len", "format"})
+    settings = cfg.model_dump(exclude={"path", "max_seq_len", "format", "batching"})  # batching: the order only
     settings = {f"data.{k}": v for k, v in settings.items()} | {"training.seed": seed, "training.method": method}
     out = {
         "version": VERSION, "path": cfg.label(),

@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -13,6 +14,7 @@ from typing import Any, Literal
 import torch
 from pydantic import ValidationError
 
+from finetune.data.batching import Batching, epoch_shape
 from finetune.errors import FinetuneError, RecipeError, UsageError
 from finetune.memory.bandwidth import cpu_compute, transfer_bandwidth
 from finetune.memory.device_memory import usable_gpu_memory
@@ -47,7 +49,14 @@ from finetune.recipe.init_from import resolve_init_from
 from finetune.recipe.offload_tiers import STORES, tier_names, tier_spec
 from finetune.recipe.optimizers import auto_preferences
 from finetune.recipe.resolved import RunConfig, resolve
-from finetune.recipe.schema import MIN_IMAGE_PIXELS, SHARDED_STRATEGIES, STRATEGIES, Recipe, strategy_problems
+from finetune.recipe.schema import (
+    BATCHINGS,
+    MIN_IMAGE_PIXELS,
+    SHARDED_STRATEGIES,
+    STRATEGIES,
+    Recipe,
+    strategy_problems,
+)
 from finetune.recipe.settings import Settings, inactive_settings, read_settings, write_settings
 from finetune.rl.step import scoring_passes, trace_objective
 from finetune.units import format_bytes, parse_bytes
@@ -191,6 +200,8 @@ def auto_values(recipe: Recipe, device: str) -> dict[str, list[Any]]:
         if recipe.training.spec.generates else [None],
         # largest first; `predict` tries them one after another (each capped at the model's own limit)
         "max_pixels": list(PIXEL_BUDGETS),
+        # not a search axis either: `predict` picks one for the chosen batch (auto_batching)
+        "batching": [b for b in BATCHINGS if b != "token_budget" or world == 1],
     }
 
 
@@ -246,6 +257,8 @@ def _choices(recipe: Recipe, spec: ModelSpec) -> list[Settings]:
         given["checkpoint_every_n_layers"] = 1
     if given["max_pixels"] == "auto":  # not a search axis: `predict` plans each budget in turn (pixel_budgets)
         given["max_pixels"] = None
+    if given["batching"] == "auto":  # not a search axis: `predict` picks it for the chosen batch (auto_batching)
+        given["batching"] = "random"
     auto = auto_values(recipe, spec.device)
     axes = {name: auto.get(name, [value]) if value == "auto" else [value] for name, value in given.items()}
     effective = fixed_effective_batch(recipe)
@@ -493,12 +506,13 @@ def _check_expert_room(cand: Candidate, spec: ModelSpec, settings: Settings, fre
 
 def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str | None = None,
             device: str | None = None, training_only: bool = False, planner: Planner = DEFAULT,
-            full_length: bool = False) -> Plan:
+            full_length: bool = False, lengths: Sequence[int] | None = None) -> Plan:
     """Plan a run without loading weights: resolve `auto` settings to the fastest configuration that fits.
     `training_only`: price the training step alone, not what precedes it (training.precompute_reference's
     pass): a re-plan during training, after an out-of-memory error. `full_length`: sequences of
     data.max_seq_len tokens even where the data's image records are shorter (how long a context fits). `planner`: whose in-memory caches the
-    plan uses (`Planner()`: caches of its own)."""
+    plan uses (`Planner()`: caches of its own). `lengths`: the training examples' tokens, where the data was read
+    before planning (data.batching auto picks from them: auto_batching)."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() or gpu_memory not in (None, "auto") else "cpu"
     recipe = resolve_init_from(recipe)  # adapter.init_from: price the adapter's own shape
@@ -509,7 +523,7 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
         for pixels in budgets:
             plan = predict(write_settings(recipe, {"max_pixels": pixels}), model_config=config,
                            gpu_memory=gpu_memory, device=device, training_only=training_only, planner=planner,
-                           full_length=full_length)
+                           full_length=full_length, lengths=lengths)
             if plan.fits:
                 break
         return plan
@@ -583,6 +597,10 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
     for cand in candidates + rejected:
         cand.settings = {k: v for k, v in cand.settings.items() if k not in inactive}
     chosen = ok[0] if ok else leanest
+    if "batching" not in inactive and recipe.data.batching == "auto":
+        for cand in [*ok[1:4], chosen]:  # each at its own micro-batch; the chosen one's reason is a note
+            cand.settings["batching"], why = auto_batching(recipe, cand.settings, lengths, figures["half_tokens"])
+        notes.append(f"data.batching auto: {chosen.settings['batching']} ({why})")
     return Plan(device, chosen.settings, chosen.peak_bytes, chosen.breakdown, budget, bool(ok), chosen.tokens_per_s,
                 alternatives=ok[1:4], rejected=rejected,
                 min_budget_bytes=None if ok else leanest.peak_bytes + recipe.memory.gpu_memory_margin,
@@ -591,6 +609,37 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
                 generation_bytes=chosen.generation_bytes, training_bytes=chosen.training_bytes,
                 device_figures=figures, figures_measured=measured, notes=notes,
                 vision=vision_costs(spec))
+
+
+BATCHING_GAIN = 0.02  # the predicted saving a batching other than random must bring to be chosen by auto
+
+
+def auto_batching(recipe: Recipe, settings: dict[str, Any], lengths: Sequence[int] | None,
+                  pass_tokens: float) -> tuple[str, str]:
+    """data.batching auto for the chosen `settings`: the batching of least predicted time per epoch, and why.
+
+    A micro-batch is priced as its padded tokens plus `pass_tokens` (the cost model's half_tokens: a pass of n
+    tokens runs at n / (n + half_tokens) of the peak). random stays unless another saves BATCHING_GAIN of it
+    (random is the least correlated order), token_budget unless it saves that much over length_grouped. All
+    three are priced at the plan's micro-batch: token_budget's budget is micro_batch_size x the longest
+    example, within the micro_batch_size x seq_len tokens the plan traces, its rows capped by the step's
+    examples. Without `lengths` (data not read before planning) random, the order plans were checked on."""
+    micro, accumulation = settings["micro_batch_size"], settings["gradient_accumulation_steps"]
+    if recipe.data.packing:
+        return "random", "packed rows are full already"
+    if micro * accumulation == 1:
+        return "random", "one example per step: nothing to group"
+    if not lengths:  # nothing says grouping is faster here; the plan's trace is of random batches
+        return "random", "the examples' lengths are not known before planning"
+    kinds = ["random", "length_grouped"] + (["token_budget"] if recipe.distributed.gpus == 1 else [])
+    shapes = {k: epoch_shape(lengths, Batching(k, micro, accumulation, token_budget=micro * max(lengths)),
+                             recipe.training.seed) for k in kinds}
+    cost = {k: shape.cost(pass_tokens) for k, shape in shapes.items()}
+    best = "length_grouped" if cost["length_grouped"] < (1 - BATCHING_GAIN) * cost["random"] else "random"
+    if "token_budget" in cost and cost["token_budget"] < (1 - BATCHING_GAIN) * cost[best]:
+        best = "token_budget"
+    share = ", ".join(f"{k} {100 * shapes[k].real_share:.0f}%" for k in kinds)
+    return best, f"real tokens per micro-batch: {share}; predicted time {cost[best] / cost['random']:.2f}x random's"
 
 
 def _offload_resources(recipe: Recipe, device: str, tiers: set[str]) -> tuple[dict[str, float], dict[str, int]]:

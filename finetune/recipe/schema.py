@@ -152,6 +152,9 @@ DataPath = Annotated[Annotated[str, Tag("file")] | Annotated[list[DataFile], Tag
                      Discriminator(_one_or_many)]
 
 
+BATCHINGS = ("random", "length_grouped", "token_budget")  # data.batching's kinds (finetune.data.batching)
+
+
 class DataConfig(Section):
     path: DataPath = Field(description="JSON, JSONL, CSV, Parquet file, or a datasets save_to_disk folder; or a "
         "list of them mixed by the seed, each a path or {path, weight} or {path, records} (docs/training.md, "
@@ -171,6 +174,14 @@ class DataConfig(Section):
         "and truncate cuts only its end.")
     on_bad_record: Literal["error", "skip"] = Field("error", description="Stop on a malformed record, or skip and count it.")
     packing: bool = Field(False, description="Pack several examples into one sequence (no cross-attention between them).")
+    batching: Literal[("auto", *BATCHINGS)] = Field(  # type: ignore[valid-type]  # finetune.data.batching
+        "auto", description="How examples become micro-batches (padded to their longest row). random: drawn at random. "
+        "length_grouped: steps of examples of similar length (sorted within shuffled chunks of 64 steps; the order "
+        "of the steps stays random), far less padding. token_budget: length_grouped's steps, each cut into "
+        "micro-batches of up to micro_batch_size x the longest example's tokens, so short examples run more rows per "
+        "forward pass (one process only). The effective batch stays in examples. auto: the planner picks the one "
+        "predicted fastest from the examples' lengths; random where they are not known before planning, where "
+        "grouping saves nothing (micro-batch 1 without accumulation, packing) or where a method generates (grpo).")
     assistant_only_loss: bool = Field(True, description="Chat formats: compute the loss only on assistant turns.")
     chat_template: str | None = Field(
         None, description="Jinja chat template (or a path to one); default: the tokenizer's, else a ChatML template.")
@@ -687,6 +698,12 @@ class Recipe(Section):
                 "weights cannot be trained; set quantization.bits: null or use adapter.type: lora")
         if self.training.eval_steps is not None and self.data.validation_split == 0:
             raise ValueError("training.eval_steps needs data.validation_split > 0")
+        if self.data.batching not in ("auto", "random") and self.training.spec.generates:
+            raise ValueError(f"data.batching={self.data.batching} with training.method={self.training.method}: its "
+                             "rows are prompts to generate from, with no tokens to group; set data.batching: auto")
+        if self.data.batching == "token_budget" and self.distributed.gpus > 1:
+            raise ValueError("data.batching=token_budget with several processes: each would run a different "
+                             "number of micro-batches per step; set data.batching: length_grouped")
         why = method_spec(self.training.method).packing
         if why and self.data.packing:
             raise ValueError(f"data.packing cannot be used with training.method={self.training.method}: {why}; "

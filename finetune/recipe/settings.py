@@ -35,6 +35,10 @@ def _generates(recipe: Recipe) -> bool:
     return recipe.training.spec.generates
 
 
+def _batches_rows(recipe: Recipe) -> bool:
+    return not recipe.training.spec.generates  # grpo's rows are prompts: random (the schema refuses the rest)
+
+
 def takes_images(recipe: Recipe) -> bool:
     """Whether model.path is a vision-language model (its config.json, read torch-free; a hub name: no)."""
     from pathlib import Path
@@ -71,6 +75,9 @@ class Settings:
                                                  active=_generates)
     # a vision-language model's image pixel budget (None: the image processor's own limit)
     max_pixels: int | None = _setting("data.max_pixels", "pixels", default=None, active=takes_images)
+    # how examples become micro-batches (finetune.data.batching); without a plan nothing prices the others
+    batching: str = _setting("data.batching", "batching", fallback="random", default="random",
+                             active=_batches_rows)
 
 
 class Setting(NamedTuple):

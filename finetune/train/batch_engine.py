@@ -118,8 +118,8 @@ class BatchEngine(Policy):
         self._marks: list = []  # [start, forward-backward end] of this step
         self._timed: list[tuple] = []  # (start, forward-backward end, end, updated), resolved when deciding
         self._observations_at_change = self._decided_at = 0
-        # labelled tokens per loader batch, on average: a device scalar until a decision reads it (no sync per batch)
-        self._tokens, self._batches = 0, 0
+        # labelled tokens per sequence, on average: a device scalar until a decision reads it (no sync per batch)
+        self._tokens, self._sequences = 0, 0
         self._base: tuple[list[float], tuple[float, float]] | None = None  # starting LRs and betas
         self._since_pair = 0  # sub-updates since the last measuring pair of chunks
         self._sub_step = False  # the step in progress runs as several updates (not timed)
@@ -213,10 +213,10 @@ class BatchEngine(Policy):
 
     def on_step_end(self, loop, step: Step) -> None:
         if self.engine_on:
-            for batch in step.collated:
+            for rows, batch in zip(step.batches, step.collated, strict=True):
                 if "labels" in batch:
                     self._tokens = self._tokens + labelled_tokens(batch)
-                    self._batches += 1
+                    self._sequences += len(rows)
         if self._sub_step:  # a step of several updates is not timed (StepTimes: one update each)
             self._marks = []
         self._time(updated=not step.deferred)
@@ -260,20 +260,20 @@ class BatchEngine(Policy):
 
     def _decide(self, loop) -> None:
         observed = self.noise.ema.steps
-        if observed - self._observations_at_change < MIN_OBSERVATIONS or not self._batches \
+        if observed - self._observations_at_change < MIN_OBSERVATIONS or not self._sequences \
                 or observed == self._decided_at:  # decide only on a new observation (its step synced anyway)
             return
         self._decided_at = observed
         values = self.noise.ema.values() or {}
         times = self.step_times()
         old = (self.update_batch, self.accumulation)
+        per_sequence = float(self._tokens) / self._sequences
         if self.sub_updating():  # the warmup: the update batch grows first, accumulation waits
-            per_sequence = float(self._tokens) / self._batches / self.micro_batch
             loop.set_geometry(update_batch=update_batch(values.get("gns"), per_sequence, self.update_batch,
                                                         self.step_batch))
         else:
             self.accumulation = best_accumulation(
-                values.get("gns"), float(self._tokens) / self._batches * self.loop_accumulation,
+                values.get("gns"), per_sequence * self.step_batch,
                 *(times or (None, None)), current=self.accumulation, limit=MAX_ACCUMULATION)
         if (self.update_batch, self.accumulation) == old:
             return
@@ -323,7 +323,7 @@ class BatchEngine(Policy):
         self._resolve_marks(wait=True)
         return {"accumulation": self.accumulation, "observations_at_change": self._observations_at_change,
                 "since_pair": self._since_pair, "decided_at": self._decided_at,
-                "tokens": int(self._tokens), "batches": self._batches, "size": self._size,
+                "tokens": int(self._tokens), "sequences": self._sequences, "size": self._size,
                 "times": self.times.state_dict(),
                 "base": self._base and {"lrs": self._base[0], "betas": list(self._base[1])}}
 
@@ -343,7 +343,9 @@ class BatchEngine(Policy):
         self._size = state["size"]
         self.times.load_state_dict(state["times"])
         self._observations_at_change, self._decided_at = state["observations_at_change"], state["decided_at"]
-        self._tokens, self._batches = state["tokens"], state["batches"]
+        # a checkpoint of an earlier version counted loader batches of micro_batch rows
+        self._tokens = state["tokens"]
+        self._sequences = state.get("sequences", state.get("batches", 0) * self.micro_batch)
         if state["base"]:
             self._base = (state["base"]["lrs"], tuple(state["base"]["betas"]))
 

@@ -36,10 +36,12 @@ from typing import Any
 import torch
 
 from finetune.data.batch import Batch
+from finetune.data.batching import Batching, cut, example_length
+from finetune.data.batching import epoch_steps as cut_epoch
 from finetune.errors import FinetuneError
 from finetune.optim import layerwise_of
 from finetune.train.noise_scale import labelled_tokens
-from finetune.train.policy import Geometry, Micro, Objective, Part, Policy, Step, Update
+from finetune.train.policy import Geometry, Micro, Objective, Part, Policy, Rows, Step, Update
 from finetune.train.rng import rng_state, set_rng_state
 
 EVAL_PREFIX = "eval_"
@@ -81,6 +83,7 @@ class LoopData:
     eval: Sequence | None = None
     collator: Callable[[list], Batch | Mapping[str, Any]] = Batch.of
     pad_token_id: int | None = None  # tokens counted as seen leave it out where a batch has no attention mask
+    batching: str = "random"  # data.batching as resolved (finetune.data.batching)
 
 
 @dataclass(frozen=True)
@@ -221,28 +224,42 @@ class TrainLoop:
         return self.hooks.kept()
 
     # -- data -------------------------------------------------------------------------------------------
-    def epoch_batches(self, epoch: int) -> list[list[int]]:
-        """This process's loader batches of `epoch` (indices): a permutation seeded by (seed, epoch) cut in
-        micro-batches, dealt round-robin to the processes (the last round padded from the start, as
-        accelerate's even batches do)."""
-        n, b = len(self.data.train), self.geometry.micro_batch
+    def epoch_steps(self, epoch: int) -> list[list[list[int]]]:
+        """This process's steps of `epoch`, each its loader batches (indices): a permutation seeded by (seed,
+        epoch), cut as data.batching says (finetune.data.batching: random micro-batches dealt round-robin to
+        the processes, or steps of examples grouped by length, or those under a token budget)."""
+        n = len(self.data.train)
         order = torch.randperm(n, generator=torch.Generator().manual_seed(self.schedule.seed + epoch)).tolist()
-        batches = [order[i:i + b] for i in range(0, n, b)]
-        if self.processes > 1:
-            rounds = math.ceil(len(batches) / self.processes)
-            batches = (batches * self.processes)[:rounds * self.processes][self.rank::self.processes]
-        return batches
+        return cut_epoch(order, self.lengths if self.data.batching != "random" else (), self.batching(),
+                           self.schedule.seed, epoch, self.rank)
+
+    def batching(self) -> Batching:
+        """The epoch's cut at the current geometry; token_budget's budget is the micro-batch's rows at the
+        longest example (the tokens the plan prices for a micro-batch)."""
+        g = self.geometry
+        budget = g.micro_batch * max(self.lengths) if self.data.batching == "token_budget" else None
+        return Batching(self.data.batching, g.micro_batch, g.accumulation, self.processes, budget)
+
+    @functools.cached_property
+    def lengths(self) -> list[int]:
+        """Every training example's padded tokens (finetune.data.batching.example_length)."""
+        train = self.data.train
+        columns = getattr(train, "column_names", None) or []
+        if "input_ids" in columns:  # a datasets.Dataset: the column at once, not row by row
+            return [len(ids) for ids in train["input_ids"]]
+        lengths = [example_length(row) for row in train]
+        if any(n is None for n in lengths):
+            raise ValueError(f"data.batching {self.data.batching} needs examples with input_ids")
+        return lengths
 
     def _steps(self) -> Iterator[tuple[float, list[list[int]]]]:
         """(epoch at the step's end, its batches) from state.step on; steps never cross an epoch."""
         done, epoch = 0, 0
         while True:
-            batches = self.epoch_batches(epoch)
-            per_epoch = math.ceil(len(batches) / self.geometry.accumulation)
-            for k in range(per_epoch):
+            steps = self.epoch_steps(epoch)
+            for k, batches in enumerate(steps):
                 if done >= self.state.step:
-                    a = self.geometry.accumulation
-                    yield epoch + (k + 1) / per_epoch, batches[k * a:(k + 1) * a]
+                    yield epoch + (k + 1) / len(steps), batches
                 done += 1
             epoch += 1
 
@@ -352,20 +369,31 @@ class TrainLoop:
         """The update's forward/backwards, in order, and whether each is its last: each micro-batch whole when
         it has at most geometry.part_rows rows (or none: an objective's own batch), else in parts of that many
         rows, each collated when it is reached."""
-        size = self.geometry.part_rows
         micro: list[Micro] = []
         for mb in update.micro_batches:
-            if len(mb.rows) <= size:
-                micro.append(mb)
-            else:
-                micro += [Micro(mb.rows[i:i + size]) for i in range(0, len(mb.rows), size)]
+            pieces = self.cut_rows(mb.rows)
+            micro += [mb] if len(pieces) <= 1 else [Micro(rows) for rows in pieces]
         # Several processes: the loss is normalised by the labelled tokens of all of them and DDP/FSDP average
         # the gradients, so it is multiplied by their number (one process: 1), as transformers does.
         scale = self.processes if update.num_items is not None else 1
+        # A mean loss (per example) enters with its rows' share of the update, so micro-batches of different
+        # rows (token_budget's, an epoch's last) give the mean over the update's examples.
+        rows = sum(len(mb.rows) for mb in micro) if all(mb.rows for mb in micro) else 0
         for i, mb in enumerate(micro):
             batch = mb.batch if mb.batch is not None else self.collate(mb.rows)
             final = i == len(micro) - 1
-            yield Part(batch, update.num_items, len(micro), scale, last_of_step and final), final
+            count = rows / len(mb.rows) if rows else len(micro)
+            yield Part(batch, update.num_items, count, scale, last_of_step and final), final
+
+    def cut_rows(self, rows: Rows) -> list[Rows]:
+        """`rows` as forward/backwards: parts of geometry.part_rows rows; token_budget micro-batches in parts
+        of at most part_rows x the longest example's tokens (its budget, split as an out-of-memory recovery
+        splits the micro-batch)."""
+        size = self.geometry.part_rows
+        if self.data.batching != "token_budget" or not rows:
+            return [rows[i:i + size] for i in range(0, len(rows), size)]
+        lengths = [example_length(r) for r in rows]
+        return [[rows[i] for i in part] for part in cut(range(len(rows)), lengths, len(rows), size * max(self.lengths))]
 
     def _syncing(self, final: bool) -> contextlib.AbstractContextManager:
         """Several processes: gradients are all-reduced in the update's last backward only."""

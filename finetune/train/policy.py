@@ -70,7 +70,7 @@ class Part:
 
     batch: Batch | RolloutBatch
     num_items: torch.Tensor | None  # labelled tokens of the whole update (all processes), or None: mean losses
-    count: int  # forward/backwards of the update (the divisor of mean losses)
+    count: float  # the divisor of a mean loss: the update's rows / this part's (forward/backwards when equal)
     scale: int  # processes the loss is multiplied by (their gradients are averaged)
     last: bool  # the step's last one
 

@@ -136,7 +136,8 @@ def build_loop(config: RunConfig, model: torch.nn.Module, data: Any, run_dir: Ru
     policies += [RunFiles(run_dir, steps, status_fields), ProgressBar(steps)]
     has_eval = data.eval is not None
     return TrainLoop(
-        parts, LoopData(data.train, data.eval, data.collator, tokenizer.pad_token_id), geometry,
+        parts, LoopData(data.train, data.eval, data.collator, tokenizer.pad_token_id, config.settings.batching),
+        geometry,
         _schedule(config, steps, eval_steps=(t.eval_steps or steps) if has_eval else None,
                   save_steps=recipe.output.save_steps),
         objective, policies=policies, memory=MemorySettings(config.settings.chunked_loss, offload),
@@ -159,7 +160,7 @@ def simple_loop(config: RunConfig, model: torch.nn.Module, train_data: Any, coll
     parts, probe, geometry = _prepared(config, model, steps, t.noise_scale)
     save = (lambda loop: save_checkpoint(loop, checkpoints, recipe.output.save_total_limit)) if checkpoints else None
     return TrainLoop(
-        parts, LoopData(train_data, None, collator), geometry,
+        parts, LoopData(train_data, None, collator, batching=config.settings.batching), geometry,
         _schedule(config, steps, eval_steps=None, save_steps=recipe.output.save_steps if checkpoints else None),
         make_objective(config), policies=[NoiseScale(probe, t.noise_scale_split_every), *(policies or [])],
         memory=MemorySettings(chunked_loss=config.settings.chunked_loss), hooks=RunHooks(save=save))
