@@ -20,20 +20,26 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _columns(lines: list[str]) -> list[tuple[str, str, str, str]]:
-    """Split `finetune keys` lines at the columns its header starts."""
-    header = lines[0]
-    starts = [header.index(name) for name in ("key", "type", "default", "description")]
-    bounds = list(zip(starts, [*starts[1:], None], strict=True))
-    return [tuple(line[a:b].strip() for a, b in bounds) for line in lines[1:]]
+    """Split piped `finetune keys` lines at their tabs, after checking the header."""
+    assert lines[0] == "key\ttype\tdefault\tdescription"
+    rows = [tuple(line.split("\t")) for line in lines[1:]]
+    assert all(len(row) == 4 for row in rows)  # no tab inside a field
+    return rows
 
 
 def test_keys_prints_one_parsable_line_per_key_on_stdout():
-    """Piped (not a terminal), as in `finetune keys | grep`: nothing on stderr, no name cut at 80 columns,
-    text in square brackets kept, real types and sizes in units."""
+    """Piped (not a terminal), as in `finetune keys | grep` or `| less`: nothing on stderr, no name cut at 80
+    columns, text in square brackets kept, real types and sizes in units, and no field padded (padding to the
+    widest type made lines hundreds of characters long): a line is as long as its four fields and three tabs."""
     proc = subprocess.run([sys.executable, "-m", "finetune", "keys"], cwd=ROOT, capture_output=True, text=True,
                           env={"PYTHONPATH": str(ROOT), "COLUMNS": "80", "PATH": ""}, check=True)
     assert proc.stderr == ""
-    rows = {row[0]: row for row in _columns(proc.stdout.splitlines())}
+    lines = proc.stdout.splitlines()
+    parsed = _columns(lines)
+    assert all(len(line) == sum(map(len, row)) + 3 and row == tuple(f.strip() for f in row)
+               for line, row in zip(lines[1:], parsed, strict=True))
+    assert max(len(row[1]) for row in parsed) > 20  # a wide type exists, and did not widen the other lines
+    rows = {row[0]: row for row in parsed}
     leaves = [key for key, _, is_section in iter_fields() if not is_section]
     assert list(rows) == leaves  # one line per key, every name whole
     assert any(len(key) > 30 for key in rows)  # e.g. distributed.interconnect_bandwidth, no "…"
