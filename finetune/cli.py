@@ -32,10 +32,12 @@ def _positive_int(text: str) -> int:
 
 def _gpu_memory(text: str) -> list[str]:
     """--gpu-memory: a size with its unit, or auto, or several sizes separated by commas (one plan per size),
-    checked here (the planner reads each as written). A bare number would be bytes, never what was meant."""
-    from finetune.units import parse_bytes
+    checked here. A bare number would be bytes, never what was meant; GB reads as GiB, as a card's label means
+    it (finetune.units.gpu_size), with a line saying so."""
+    from finetune.units import gpu_size, parse_bytes
 
-    units = "give a size with its unit, e.g. 12GiB, 24GB or 512MiB (GiB/MiB: powers of 2; GB/MB: of 10), or auto"
+    units = "give a size with its unit, e.g. 12GiB, 24GB or 512MiB (GB reads as GiB, as GPUs are labelled; " \
+            "MB: powers of 10), or auto"
     sizes = [item.strip() for item in text.split(",")]
     several = len(sizes) > 1
     for i, size in enumerate(sizes, 1):
@@ -52,7 +54,11 @@ def _gpu_memory(text: str) -> list[str]:
         if several and size == "auto":
             raise argparse.ArgumentTypeError(f"{text!r}: auto (this GPU's free memory) plans alone; a list "
                                              "takes sizes, e.g. 8GiB,12GiB,16GiB,24GiB")
-    return sizes
+    read = [gpu_size(size) for size in sizes]
+    for _, note in read:
+        if note is not None:
+            console.print(f"--gpu-memory: {note}", markup=False, highlight=False)
+    return [size for size, _ in read]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="predict peak memory per component and pick the fastest settings that fit")
     _add_recipe_args(p)
-    p.add_argument("--gpu-memory", type=_gpu_memory, metavar="SIZE", help="budget such as 12GiB, 24GB or 512MiB, "
-                   "or auto (free memory of this GPU); several sizes separated by commas (8GiB,12GiB,16GiB,24GiB) "
+    p.add_argument("--gpu-memory", type=_gpu_memory, metavar="SIZE", help="budget such as 12GiB, 24GB (read as "
+                   "24GiB, as GPUs are labelled) or 512MiB, or auto (free memory of this GPU); several sizes separated by commas (8GiB,12GiB,16GiB,24GiB) "
                    "print one row per size; default: the recipe's memory.gpu_memory")
     p.add_argument("--device", choices=["cuda", "cpu"], help="plan for this device (default: cuda if present or "
                    "a GPU size is given here or in memory.gpu_memory, else cpu)")

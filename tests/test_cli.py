@@ -185,6 +185,19 @@ def test_a_single_gpu_plan_names_no_distributed_strategy(tiny_recipe, capsys):
     assert "strategy" not in capsys.readouterr().out
 
 
+def test_a_gpu_size_in_gb_is_read_as_the_card_label_means_it_with_a_line_saying_so(tiny_recipe, capsys):
+    """A "2 GB" card holds 2 GiB: --gpu-memory 2GB plans a 2 GiB budget, not 2e9 bytes, and
+    says so on stderr in one line; 2GiB says nothing; MB stays decimal (the way to mean 10**9 bytes)."""
+    assert main(["plan", str(tiny_recipe), "--gpu-memory", "2GB", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["budget_bytes"] == 2 * 2**30
+    assert err.strip() == ("--gpu-memory: 2GB read as 2GiB, as a GPU's memory is labelled (a 16 GB card holds "
+                           "16 GiB); for powers of 10 write MB, e.g. 2000MB")
+    assert main(["plan", str(tiny_recipe), "--gpu-memory", "2GiB,2000MB", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert [row["gpu_bytes"] for row in json.loads(out)["sizes"]] == [2 * 2**30, 2 * 10**9] and err == ""
+
+
 def test_plan_with_several_gpu_sizes_prints_a_row_per_size_as_the_planner_and_the_ui_chart_answer(tiny_recipe, capsys):
     """`--gpu-memory A,B,C`: each size's plan (fits, peak, settings, tokens/s: what `finetune plan --gpu-memory
     A` chooses) beside the UI chart's numbers for it (api.plan_gpu_sizes: longest context at micro-batch 1,
