@@ -232,6 +232,8 @@ def cmd_plan(args) -> int:
         render_plan(plan)
         for line in api.batch_plan(recipe, plan):
             print(line)
+    if not plan.fits and (note := api.context_note(recipe)) is not None:
+        console.print(note, markup=False, highlight=False)
     return 0 if plan.fits else 1
 
 

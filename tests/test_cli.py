@@ -198,6 +198,32 @@ def test_a_gpu_size_in_gb_is_read_as_the_card_label_means_it_with_a_line_saying_
     assert [row["gpu_bytes"] for row in json.loads(out)["sizes"]] == [2 * 2**30, 2 * 10**9] and err == ""
 
 
+def test_a_max_seq_len_past_the_model_or_far_past_the_data_says_so(tiny_recipe, capsys):
+    """Above the model's positions (the tiny model has 2,048): refused before the search, in one line naming
+    the model's limit and the data's longest record, exit 2. Within them but far above the data's records, a
+    plan where nothing fits says the data is far shorter."""
+    import time
+
+    from finetune import api
+
+    start = time.monotonic()
+    assert main(["plan", str(tiny_recipe), "--set", "data.max_seq_len=1000000"]) == 2
+    err = capsys.readouterr().err
+    longest = api.longest_record_bytes(api.load_recipe(str(tiny_recipe)))
+    assert 20 < longest < 1000  # the quickstart's short sums and answers
+    assert err.splitlines()[0] == (f"error: data.max_seq_len 1,000,000 is above the model's own limit of 2,048 "
+                                   f"positions (max_position_embeddings of {api.load_recipe(str(tiny_recipe)).model.path}); "
+                                   f"the longest record of {SAMPLE_DATA} is {longest:,} bytes of JSON, so at most "
+                                   f"about {longest:,} tokens")
+    assert "set data.max_seq_len to at most 2,048" in err and "Traceback" not in err
+    assert time.monotonic() - start < 60
+    assert main(["plan", str(tiny_recipe), "--gpu-memory", "1MiB", "--set", "data.max_seq_len=2048"]) == 1
+    assert (f"data.max_seq_len 2,048 is far above the data's longest record ({longest:,} bytes of JSON"
+            in capsys.readouterr().err)
+    assert main(["plan", str(tiny_recipe), "--gpu-memory", "1MiB", "--set", f"data.max_seq_len={longest}"]) == 1
+    assert "far above" not in capsys.readouterr().err
+
+
 def test_plan_with_several_gpu_sizes_prints_a_row_per_size_as_the_planner_and_the_ui_chart_answer(tiny_recipe, capsys):
     """`--gpu-memory A,B,C`: each size's plan (fits, peak, settings, tokens/s: what `finetune plan --gpu-memory
     A` chooses) beside the UI chart's numbers for it (api.plan_gpu_sizes: longest context at micro-batch 1,
