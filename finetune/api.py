@@ -767,7 +767,8 @@ def export(run_dir: str | Path, out_dir: str | Path, progress: Callable[[ExportS
 
 
 def evaluate(run_dir: str | Path, data: str | Path, *, compare: list[str | Path] | None = None,
-             max_new_tokens: int = 64, progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+             max_new_tokens: int | None = None, progress: Callable[[str], None] = lambda line: None
+             ) -> dict[str, Any]:
     """Held-out loss, perplexity and answer matches of the run on `data` (with `compare`: the base model and the
     runs listed beside it); also saved as the run's evaluation.json (finetune.evaluate.run). Refused, as export
     is, while a run, a resume or an export holds the run directory."""

@@ -150,7 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "a chat record's last answer, or its \"expected\" string, is what a generation is matched to")
     p.add_argument("--compare", nargs="*", metavar="OTHER_RUN", default=None,
                    help="also evaluate the base model, and the other run directories given, side by side")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=64, help="length limit of each answer")
+    p.add_argument("--max-new-tokens", type=_positive_int, metavar="N", help="length limit of each answer "
+                   "(default: twice the longest expected answer's tokens + 16; an answer also ends at the model's "
+                   "end of turn); the answers cut there are counted under the table")
     p.set_defaults(func=cmd_eval)
     return parser
 
