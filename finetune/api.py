@@ -669,6 +669,15 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False,
     return _run(recipe, resume=resume, overwrite=overwrite, allow_data_change=allow_data_change, base=base)
 
 
+def newest_checkpoint(recipe: Recipe) -> Path | None:
+    """The checkpoint `finetune run --resume` would continue recipe's run from, or None (e.g. after a run was
+    interrupted)."""
+    from finetune.train.checkpoints import find_resumable
+
+    folder = RunDir(Path(recipe.output.dir)).checkpoints
+    return find_resumable(folder).newest if folder.is_dir() else None
+
+
 def load_base(recipe: Recipe) -> LoadedModel:
     """Load recipe.model once, quantized as the recipe says, for several `run(..., base=)` calls."""
     from finetune.model.load import load_base as _load_base

@@ -179,7 +179,14 @@ def cmd_run(args) -> int:
                 *(["--resume"] if args.resume else []), *(["--overwrite"] if args.overwrite else []),
                 *(["--allow-data-change"] if args.allow_data_change else [])]
         return api.launch(recipe, argv, recipe.distributed.gpus, resume=args.resume, overwrite=args.overwrite)
-    result = api.run(recipe, resume=args.resume, overwrite=args.overwrite, allow_data_change=args.allow_data_change)
+    try:
+        result = api.run(recipe, resume=args.resume, overwrite=args.overwrite,
+                         allow_data_change=args.allow_data_change)
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before the first step
+        newest = api.newest_checkpoint(recipe)
+        kept = f"; {newest.name} is kept, continue with: {_resume_command(args)}" if newest is not None else ""
+        console.print(f"[yellow]interrupted[/yellow]{escape(kept)}")
+        return 130
     # under a launcher, rank 0 wrote the run directory: it alone reports the memory
     memory = api.run_memory(result.run_dir) if os.environ.get("RANK", "0") == "0" else None
     if memory is not None:
@@ -187,7 +194,7 @@ def cmd_run(args) -> int:
 
         console.print(memory_line(memory), markup=False)
     if result.state == "stopped":
-        console.print(f"[yellow]stopped at step {result.steps}; continue with: finetune run {args.recipe} --resume")
+        console.print(f"[yellow]stopped at step {result.steps}; continue with: {escape(_resume_command(args))}")
         return 130
     loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "n/a"
     console.print(f"[green]done[/green]: {result.steps} steps, final loss {loss}; adapter in {result.run_dir}/adapter")
@@ -195,6 +202,13 @@ def cmd_run(args) -> int:
         console.print(f"held-out reward (greedy answers): {result.eval_before['eval_reward']:.3f} before training, "
                       f"{result.eval_after['eval_reward']:.3f} after")
     return 0
+
+
+def _resume_command(args) -> str:
+    """The command that continues this run: the recipe and its --set overrides, --resume."""
+    import shlex
+
+    return shlex.join(["finetune", "run", args.recipe, *(f"--set={o}" for o in args.overrides), "--resume"])
 
 
 def cmd_validate(args) -> int:
