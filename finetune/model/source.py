@@ -260,5 +260,10 @@ def _converted_gguf(gguf: Path) -> Path:
     for file in tmp.iterdir():
         if file.is_file():
             file.chmod(mode)
-    tmp.rename(target)  # atomic: a half-written cache is never picked up
+    try:
+        tmp.rename(target)  # atomic: a half-written cache is never picked up
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # another process converted the same file meanwhile: use its copy
     return target
