@@ -125,3 +125,16 @@ def test_a_second_ctrl_c_still_prints_the_resume_command_and_the_resume_finishes
     monkeypatch.undo()
     assert main(["run", str(path), "--resume"]) == 0
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_ctrl_c_in_the_scoring_before_training_stops_there_and_leaves_nothing(tmp_path, tiny_model_dir,
+                                                                              monkeypatch, capsys):
+    """Nothing trained yet: the scoring ends at its next part, the run's folder is removed (nothing to resume),
+    exit 130 without a resume command; the same command starts again."""
+    path = grpo_recipe(tmp_path, tiny_model_dir, max_steps=1)
+    _ctrl_c_during(monkeypatch, "held-out evaluation before training")
+    assert main(["run", str(path), "--set", "grpo.generation_batch_size=2"]) == 130
+    err = capsys.readouterr().err
+    assert f"nothing was trained; removed {tmp_path / 'run'}" in err and "interrupted" in err
+    assert "--resume" not in err and "Traceback" not in err and "train 1/1" not in err
+    assert not (tmp_path / "run").exists()
