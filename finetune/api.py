@@ -132,7 +132,57 @@ def plan(recipe: Recipe, *, gpu_memory: str | int | None = None, device: str | N
 
     if device is None and gpu_memory is None and recipe.memory.gpu_memory != "auto":
         device = "cuda"
+    check_context(recipe)
     return predict(recipe, gpu_memory=gpu_memory, device=device)
+
+
+def check_context(recipe: Recipe) -> None:
+    """Refuse, before the planner's search, a data.max_seq_len above the model's own limit (its config's
+    max_position_embeddings: positions it never saw), naming the limit and how long the data's records are;
+    otherwise the search prices the impossible length for a minute and answers only that nothing fits. A
+    config that cannot be read yet (a hub id not downloaded) is checked by the plan's own reading of it."""
+    from finetune.errors import RecipeError
+    from finetune.plan.trace import planned_config
+
+    try:
+        text = planned_config(recipe.model.path, recipe.model.trust_remote_code).get_text_config()
+    except Exception:  # noqa: BLE001 - the plan reads it again and reports what is wrong with it
+        return
+    limit = getattr(text, "max_position_embeddings", None)
+    if isinstance(limit, int) and recipe.data.max_seq_len > limit:
+        longest = longest_record_bytes(recipe)
+        data = (f"; the longest record of {recipe.data.label()} is {longest:,} bytes of JSON, so at most about "
+                f"{longest:,} tokens" if longest else "")
+        raise RecipeError(f"data.max_seq_len {recipe.data.max_seq_len:,} is above the model's own limit of {limit:,} "
+                          f"positions (max_position_embeddings of {recipe.model.path}){data}",
+                          hint=f"set data.max_seq_len to at most {limit:,}; the longest example's length is "
+                               "enough (longer ones are cut or dropped, as data.truncation says)")
+
+
+def context_note(recipe: Recipe) -> str | None:
+    """For a plan where nothing fits: a line saying data.max_seq_len is far (4x) above the data's longest
+    record, the length a step's memory grows with, or None."""
+    longest = longest_record_bytes(recipe)
+    if longest is None or recipe.data.max_seq_len <= 4 * longest:
+        return None
+    return (f"data.max_seq_len {recipe.data.max_seq_len:,} is far above the data's longest record ({longest:,} bytes "
+            f"of JSON, so at most about {longest:,} tokens): a max_seq_len near that needs far less memory")
+
+
+def longest_record_bytes(recipe: Recipe) -> int | None:
+    """The longest record of the data as UTF-8 JSON, in bytes: a bound on its tokens (a token holds at least
+    one byte of its text; keys, quotes and braces outweigh a chat template's few markers) read in the time
+    it takes to read the file, without a tokenizer. None where the data cannot be read (preflight says why)."""
+    import json
+
+    from finetune.data.mix import read_files
+    from finetune.errors import FinetuneError
+
+    try:
+        values = [r.value for f in read_files(recipe.data) for r in f.read.records]
+    except FinetuneError:
+        return None
+    return max((len(json.dumps(v, ensure_ascii=False).encode()) for v in values), default=None)
 
 
 def this_machine() -> Machine:
@@ -614,9 +664,20 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False,
     (exit code 2) unless `allow_data_change`. `base`: a model from `load_base`, trained on instead of loading
     recipe.model and handed back as loaded (several runs on the same weights, each planned anew)."""
     preflight(recipe)  # before torch is imported: a missing file is reported in a second, no run directory made
+    if recipe.memory.plan:
+        check_context(recipe)
     from finetune.train.run import run as _run
 
     return _run(recipe, resume=resume, overwrite=overwrite, allow_data_change=allow_data_change, base=base)
+
+
+def newest_checkpoint(recipe: Recipe) -> Path | None:
+    """The checkpoint `finetune run --resume` would continue recipe's run from, or None (e.g. after a run was
+    interrupted)."""
+    from finetune.train.checkpoints import find_resumable
+
+    folder = RunDir(Path(recipe.output.dir)).checkpoints
+    return find_resumable(folder).newest if folder.is_dir() else None
 
 
 def load_base(recipe: Recipe) -> LoadedModel:
@@ -717,7 +778,8 @@ def export(run_dir: str | Path, out_dir: str | Path, progress: Callable[[ExportS
 
 
 def evaluate(run_dir: str | Path, data: str | Path, *, compare: list[str | Path] | None = None,
-             max_new_tokens: int = 64, progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+             max_new_tokens: int | None = None, progress: Callable[[str], None] = lambda line: None
+             ) -> dict[str, Any]:
     """Held-out loss, perplexity and answer matches of the run on `data` (with `compare`: the base model and the
     runs listed beside it); also saved as the run's evaluation.json (finetune.evaluate.run). Refused, as export
     is, while a run, a resume or an export holds the run directory."""

@@ -32,10 +32,12 @@ def _positive_int(text: str) -> int:
 
 def _gpu_memory(text: str) -> list[str]:
     """--gpu-memory: a size with its unit, or auto, or several sizes separated by commas (one plan per size),
-    checked here (the planner reads each as written). A bare number would be bytes, never what was meant."""
-    from finetune.units import parse_bytes
+    checked here. A bare number would be bytes, never what was meant; GB reads as GiB, as a card's label means
+    it (finetune.units.gpu_size), with a line saying so."""
+    from finetune.units import gpu_size, parse_bytes
 
-    units = "give a size with its unit, e.g. 12GiB, 24GB or 512MiB (GiB/MiB: powers of 2; GB/MB: of 10), or auto"
+    units = "give a size with its unit, e.g. 12GiB, 24GB or 512MiB (GB reads as GiB, as GPUs are labelled; " \
+            "MB: powers of 10), or auto"
     sizes = [item.strip() for item in text.split(",")]
     several = len(sizes) > 1
     for i, size in enumerate(sizes, 1):
@@ -52,7 +54,11 @@ def _gpu_memory(text: str) -> list[str]:
         if several and size == "auto":
             raise argparse.ArgumentTypeError(f"{text!r}: auto (this GPU's free memory) plans alone; a list "
                                              "takes sizes, e.g. 8GiB,12GiB,16GiB,24GiB")
-    return sizes
+    read = [gpu_size(size) for size in sizes]
+    for _, note in read:
+        if note is not None:
+            console.print(f"--gpu-memory: {note}", markup=False, highlight=False)
+    return [size for size, _ in read]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="predict peak memory per component and pick the fastest settings that fit")
     _add_recipe_args(p)
-    p.add_argument("--gpu-memory", type=_gpu_memory, metavar="SIZE", help="budget such as 12GiB, 24GB or 512MiB, "
-                   "or auto (free memory of this GPU); several sizes separated by commas (8GiB,12GiB,16GiB,24GiB) "
+    p.add_argument("--gpu-memory", type=_gpu_memory, metavar="SIZE", help="budget such as 12GiB, 24GB (read as "
+                   "24GiB, as GPUs are labelled) or 512MiB, or auto (free memory of this GPU); several sizes separated by commas (8GiB,12GiB,16GiB,24GiB) "
                    "print one row per size; default: the recipe's memory.gpu_memory")
     p.add_argument("--device", choices=["cuda", "cpu"], help="plan for this device (default: cuda if present or "
                    "a GPU size is given here or in memory.gpu_memory, else cpu)")
@@ -144,7 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "a chat record's last answer, or its \"expected\" string, is what a generation is matched to")
     p.add_argument("--compare", nargs="*", metavar="OTHER_RUN", default=None,
                    help="also evaluate the base model, and the other run directories given, side by side")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=64, help="length limit of each answer")
+    p.add_argument("--max-new-tokens", type=_positive_int, metavar="N", help="length limit of each answer "
+                   "(default: twice the longest expected answer's tokens + 16; an answer also ends at the model's "
+                   "end of turn); the answers cut there are counted under the table")
     p.set_defaults(func=cmd_eval)
     return parser
 
@@ -171,7 +179,14 @@ def cmd_run(args) -> int:
                 *(["--resume"] if args.resume else []), *(["--overwrite"] if args.overwrite else []),
                 *(["--allow-data-change"] if args.allow_data_change else [])]
         return api.launch(recipe, argv, recipe.distributed.gpus, resume=args.resume, overwrite=args.overwrite)
-    result = api.run(recipe, resume=args.resume, overwrite=args.overwrite, allow_data_change=args.allow_data_change)
+    try:
+        result = api.run(recipe, resume=args.resume, overwrite=args.overwrite,
+                         allow_data_change=args.allow_data_change)
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before the first step
+        newest = api.newest_checkpoint(recipe)
+        kept = f"; {newest.name} is kept, continue with: {_resume_command(args)}" if newest is not None else ""
+        console.print(f"[yellow]interrupted[/yellow]{escape(kept)}")
+        return 130
     # under a launcher, rank 0 wrote the run directory: it alone reports the memory
     memory = api.run_memory(result.run_dir) if os.environ.get("RANK", "0") == "0" else None
     if memory is not None:
@@ -179,7 +194,7 @@ def cmd_run(args) -> int:
 
         console.print(memory_line(memory), markup=False)
     if result.state == "stopped":
-        console.print(f"[yellow]stopped at step {result.steps}; continue with: finetune run {args.recipe} --resume")
+        console.print(f"[yellow]stopped at step {result.steps}; continue with: {escape(_resume_command(args))}")
         return 130
     loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "n/a"
     console.print(f"[green]done[/green]: {result.steps} steps, final loss {loss}; adapter in {result.run_dir}/adapter")
@@ -187,6 +202,13 @@ def cmd_run(args) -> int:
         console.print(f"held-out reward (greedy answers): {result.eval_before['eval_reward']:.3f} before training, "
                       f"{result.eval_after['eval_reward']:.3f} after")
     return 0
+
+
+def _resume_command(args) -> str:
+    """The command that continues this run: the recipe and its --set overrides, --resume."""
+    import shlex
+
+    return shlex.join(["finetune", "run", args.recipe, *(f"--set={o}" for o in args.overrides), "--resume"])
 
 
 def cmd_validate(args) -> int:
@@ -226,6 +248,8 @@ def cmd_plan(args) -> int:
         render_plan(plan)
         for line in api.batch_plan(recipe, plan):
             print(line)
+    if not plan.fits and (note := api.context_note(recipe)) is not None:
+        console.print(note, markup=False, highlight=False)
     return 0 if plan.fits else 1
 
 

@@ -173,4 +173,19 @@ def render_evaluation(report: dict[str, Any], console: Console | None = None) ->
                 f"kept ({report['with_expected_answer']} with an expected answer)")
     for row in rows:
         out.add_row(*row)
-    (console or Console()).print(out)
+    console = console or Console()
+    console.print(out)
+    if (line := capped_line(report)) is not None:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def capped_line(report: dict[str, Any]) -> str | None:
+    """Which models' answers ran into the length limit (no end of turn within it), and how the limit was set;
+    None when no answer did."""
+    models = [m for m in report.get("models", []) if isinstance(m, dict) and m.get("capped")]
+    if not models:
+        return None
+    why = (" (twice the longest expected answer + 16; --max-new-tokens N to change)"
+           if report.get("max_new_tokens_from") == "expected answers" else " (--max-new-tokens)")
+    counts = ", ".join(f"{m['label']} {m['capped']}/{report['with_expected_answer']}" for m in models)
+    return f"answers cut at {report['max_new_tokens']} new tokens{why}: {counts}"

@@ -47,6 +47,18 @@ def parse_bytes(value: Any) -> Any:
     return value if isinstance(value, int) else int(size)
 
 
+def gpu_size(text: str) -> tuple[str, str | None]:
+    """A GPU's memory as people write it: a card sold as "16 GB" holds 16 GiB, so GB and TB read as GiB and
+    TiB (16GB would otherwise plan 1.1 GiB short). Returns the size to plan and a line saying it was read so
+    (None when the text needed no reading: GiB, MB, auto); 10**9-byte units are written as MB (16000MB)."""
+    match = re.fullmatch(r"\s*([0-9]{0,30}\.?[0-9]{1,30})\s*([gGtT])[bB]\s*", text[:100])
+    if match is None:
+        return text, None
+    binary = f"{match.group(1)}{match.group(2).upper()}iB"
+    return binary, (f"{text.strip()} read as {binary}, as a GPU's memory is labelled (a 16 GB card holds 16 GiB); "
+                    f"for powers of 10 write MB, e.g. {float(match.group(1)) * (1000 if match.group(2) in 'gG' else 10**6):g}MB")
+
+
 def format_bytes(n: float) -> str:
     """Human-readable binary size, e.g. 1.50 GiB."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

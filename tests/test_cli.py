@@ -20,20 +20,26 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _columns(lines: list[str]) -> list[tuple[str, str, str, str]]:
-    """Split `finetune keys` lines at the columns its header starts."""
-    header = lines[0]
-    starts = [header.index(name) for name in ("key", "type", "default", "description")]
-    bounds = list(zip(starts, [*starts[1:], None], strict=True))
-    return [tuple(line[a:b].strip() for a, b in bounds) for line in lines[1:]]
+    """Split piped `finetune keys` lines at their tabs, after checking the header."""
+    assert lines[0] == "key\ttype\tdefault\tdescription"
+    rows = [tuple(line.split("\t")) for line in lines[1:]]
+    assert all(len(row) == 4 for row in rows)  # no tab inside a field
+    return rows
 
 
 def test_keys_prints_one_parsable_line_per_key_on_stdout():
-    """Piped (not a terminal), as in `finetune keys | grep`: nothing on stderr, no name cut at 80 columns,
-    text in square brackets kept, real types and sizes in units."""
+    """Piped (not a terminal), as in `finetune keys | grep` or `| less`: nothing on stderr, no name cut at 80
+    columns, text in square brackets kept, real types and sizes in units, and no field padded (padding to the
+    widest type made lines hundreds of characters long): a line is as long as its four fields and three tabs."""
     proc = subprocess.run([sys.executable, "-m", "finetune", "keys"], cwd=ROOT, capture_output=True, text=True,
                           env={"PYTHONPATH": str(ROOT), "COLUMNS": "80", "PATH": ""}, check=True)
     assert proc.stderr == ""
-    rows = {row[0]: row for row in _columns(proc.stdout.splitlines())}
+    lines = proc.stdout.splitlines()
+    parsed = _columns(lines)
+    assert all(len(line) == sum(map(len, row)) + 3 and row == tuple(f.strip() for f in row)
+               for line, row in zip(lines[1:], parsed, strict=True))
+    assert max(len(row[1]) for row in parsed) > 20  # a wide type exists, and did not widen the other lines
+    rows = {row[0]: row for row in parsed}
     leaves = [key for key, _, is_section in iter_fields() if not is_section]
     assert list(rows) == leaves  # one line per key, every name whole
     assert any(len(key) > 30 for key in rows)  # e.g. distributed.interconnect_bandwidth, no "…"
@@ -177,6 +183,45 @@ def test_a_single_gpu_plan_names_no_distributed_strategy(tiny_recipe, capsys):
     assert all("strategy" not in s and "micro_batch_size" in s for s in every)
     assert main(["plan", str(tiny_recipe), "--gpu-memory", "1GiB"]) == 0
     assert "strategy" not in capsys.readouterr().out
+
+
+def test_a_gpu_size_in_gb_is_read_as_the_card_label_means_it_with_a_line_saying_so(tiny_recipe, capsys):
+    """A "2 GB" card holds 2 GiB: --gpu-memory 2GB plans a 2 GiB budget, not 2e9 bytes, and
+    says so on stderr in one line; 2GiB says nothing; MB stays decimal (the way to mean 10**9 bytes)."""
+    assert main(["plan", str(tiny_recipe), "--gpu-memory", "2GB", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["budget_bytes"] == 2 * 2**30
+    assert err.strip() == ("--gpu-memory: 2GB read as 2GiB, as a GPU's memory is labelled (a 16 GB card holds "
+                           "16 GiB); for powers of 10 write MB, e.g. 2000MB")
+    assert main(["plan", str(tiny_recipe), "--gpu-memory", "2GiB,2000MB", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert [row["gpu_bytes"] for row in json.loads(out)["sizes"]] == [2 * 2**30, 2 * 10**9] and err == ""
+
+
+def test_a_max_seq_len_past_the_model_or_far_past_the_data_says_so(tiny_recipe, capsys):
+    """Above the model's positions (the tiny model has 2,048): refused before the search, in one line naming
+    the model's limit and the data's longest record, exit 2. Within them but far above the data's records, a
+    plan where nothing fits says the data is far shorter."""
+    import time
+
+    from finetune import api
+
+    start = time.monotonic()
+    assert main(["plan", str(tiny_recipe), "--set", "data.max_seq_len=1000000"]) == 2
+    err = capsys.readouterr().err
+    longest = api.longest_record_bytes(api.load_recipe(str(tiny_recipe)))
+    assert 20 < longest < 1000  # the quickstart's short sums and answers
+    assert err.splitlines()[0] == (f"error: data.max_seq_len 1,000,000 is above the model's own limit of 2,048 "
+                                   f"positions (max_position_embeddings of {api.load_recipe(str(tiny_recipe)).model.path}); "
+                                   f"the longest record of {SAMPLE_DATA} is {longest:,} bytes of JSON, so at most "
+                                   f"about {longest:,} tokens")
+    assert "set data.max_seq_len to at most 2,048" in err and "Traceback" not in err
+    assert time.monotonic() - start < 60
+    assert main(["plan", str(tiny_recipe), "--gpu-memory", "1MiB", "--set", "data.max_seq_len=2048"]) == 1
+    assert (f"data.max_seq_len 2,048 is far above the data's longest record ({longest:,} bytes of JSON"
+            in capsys.readouterr().err)
+    assert main(["plan", str(tiny_recipe), "--gpu-memory", "1MiB", "--set", f"data.max_seq_len={longest}"]) == 1
+    assert "far above" not in capsys.readouterr().err
 
 
 def test_plan_with_several_gpu_sizes_prints_a_row_per_size_as_the_planner_and_the_ui_chart_answer(tiny_recipe, capsys):

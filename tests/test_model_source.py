@@ -61,3 +61,76 @@ def test_gguf_is_converted_once_to_a_cached_safetensors_folder(tmp_path, monkeyp
     ids = torch.tensor([[1, 504, 3537, 314, 260, 1345]])
     with torch.no_grad():
         torch.testing.assert_close(cached(input_ids=ids).logits, direct(input_ids=ids).logits)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _finetune(argv: list[str], cwd: Path, **env: str) -> tuple[int, str, float]:
+    """`finetune ARGV` in a fresh process from `cwd`, the hub online (HF_HUB_OFFLINE unset): (exit code,
+    stderr, seconds)."""
+    import os
+    import subprocess
+    import sys
+
+    clean = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "finetune", *argv], cwd=cwd, capture_output=True, text=True,
+                          env={**clean, "PYTHONPATH": str(ROOT), **env}, timeout=300)
+    return proc.returncode, proc.stderr, time.monotonic() - start
+
+
+@pytest.mark.parametrize("command", ["plan", "run"])
+def test_a_hub_id_with_the_network_down_is_one_line_in_seconds(tmp_path, command):
+    """The network down but not marked offline (a hub endpoint that refuses connections: a closed loopback
+    port), a hub id the cache does not hold: one line naming the id and the unreachable hub, exit 4
+    (ModelLoadError), in seconds, not a minute of the hub client's retries."""
+    (tmp_path / "data.jsonl").write_text('{"text": "hello"}\n')
+    (tmp_path / "r.yaml").write_text(f"model:\n  path: some-org/some-model\ndata:\n  path: {tmp_path / 'data.jsonl'}\n"
+                                     f"output:\n  dir: {tmp_path / 'run'}\n")
+    code, err, seconds = _finetune([command, "r.yaml"], tmp_path, HF_ENDPOINT="http://127.0.0.1:9",
+                                   HF_HOME=str(tmp_path / "hf"))
+    lines = err.strip().splitlines()
+    assert code == 4 and len(lines) == 1 and "Traceback" not in err and "Retry" not in err, err
+    assert lines[0].startswith("error: model.path: 'some-org/some-model' is not in the local Hugging Face cache "
+                               "and the hub cannot be reached (http://127.0.0.1:9: "), err
+    assert "HF_HUB_OFFLINE=1" in lines[0] and not (tmp_path / "run").exists()
+    assert seconds < 60, f"{seconds:.0f} s: the loaded test machine needs ~10 s to import torch; retries take 64"
+
+
+def test_an_owner_name_that_names_a_folder_here_is_a_missing_local_path(tmp_path, monkeypatch):
+    """models/X where ./models exists but holds no X is a local path that is not there, refused naming the
+    folder looked for, not sent to the hub; model/X where ./models/X exists is asked about; a bare name a
+    folder here almost matches, too. An owner/name with no such folder here stays a hub id."""
+    from finetune.model.source import check_model_path
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "SmolLM2-135M-Instruct").mkdir(parents=True)
+    with pytest.raises(RecipeError) as missing:
+        check_model_path("models/SmolLM2-135M")
+    assert str(missing.value).splitlines()[0] == (
+        f"model.path: 'models/SmolLM2-135M' does not exist: no folder {tmp_path / 'models' / 'SmolLM2-135M'} "
+        "(the folder models/ exists here, without SmolLM2-135M)")
+    with pytest.raises(RecipeError, match=r"no folder .*model/SmolLM2-135M-Instruct \(did you mean "
+                                          r"models/SmolLM2-135M-Instruct\?\)"):
+        check_model_path("model/SmolLM2-135M-Instruct")
+    (tmp_path / "SmolLM2-135M-Instruct").mkdir()
+    with pytest.raises(RecipeError, match=r"'SmolLM2-135M-Instruc' is not a model folder.*did you mean "
+                                          r"\./SmolLM2-135M-Instruct\?"):
+        check_model_path("SmolLM2-135M-Instruc")
+    with pytest.raises(RecipeError, match="not in the local Hugging Face cache and the hub is offline"):
+        check_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")  # a hub id (the tests are offline)
+
+
+def test_a_missing_local_model_folder_in_a_recipe_is_one_line_in_seconds(tmp_path):
+    """`finetune plan` of a recipe whose model.path is models/NAME, ./models existing without NAME: exit 2,
+    the error naming the folder looked for, no hub retries (the hub online but unreachable here)."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "data.jsonl").write_text('{"text": "hello"}\n')
+    (tmp_path / "r.yaml").write_text(f"model:\n  path: models/SmolLM2-135M-Instruct\ndata:\n  path: "
+                                     f"{tmp_path / 'data.jsonl'}\n")
+    code, err, seconds = _finetune(["plan", "r.yaml"], tmp_path, HF_ENDPOINT="http://127.0.0.1:9")
+    assert code == 2 and "Traceback" not in err and seconds < 60, err
+    assert err.splitlines()[0] == (f"error: model.path: 'models/SmolLM2-135M-Instruct' does not exist: no folder "
+                                   f"{tmp_path / 'models' / 'SmolLM2-135M-Instruct'} (the folder models/ exists "
+                                   "here, without SmolLM2-135M-Instruct)")

@@ -9,12 +9,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from finetune.console import progress_bar
 from finetune.data.build import build_datasets, check_records
 from finetune.data.formats import Chat, RecordError, detect_format, images_of, normalize
 from finetune.data.read import read_records
 from finetune.errors import UsageError
 from finetune.evaluate.match import KINDS, score
-from finetune.model.chat import stream_reply
+from finetune.model.chat import reply
 from finetune.model.trained import load_adapters, load_run, load_trained, reads_images, vision_of
 from finetune.recipe.schema import Recipe
 from finetune.rundir import RunDir, atomic_write_json
@@ -22,11 +23,19 @@ from finetune.rundir import RunDir, atomic_write_json
 BASE = "base model"
 
 
+ANSWER_MARGIN = 16  # new tokens past twice the longest expected answer, for a preamble ("The answer is ...")
+
+
 def evaluate(run_dir: str | Path, data: str | Path, *, compare: list[str | Path] | None = None,
-             max_new_tokens: int = 64, progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+             max_new_tokens: int | None = None, progress: Callable[[str], None] = lambda line: None
+             ) -> dict[str, Any]:
     """Measure the run (and, with `compare`, the base model and the runs listed, side by side) on the records of
     `data`; the result is also written to the run's evaluation.json (the caller holds the run's lock:
-    finetune.api.evaluate)."""
+    finetune.api.evaluate). Each answer ends at the model's end of turn, or at `max_new_tokens` (None: twice
+    the longest expected answer's tokens + ANSWER_MARGIN, `answer_cap`: enough for an answer to be matched,
+    short of the minutes a model that never ends its turn would spend); the answers cut there are counted
+    per model (`capped`). `progress` gets a line as each model's phase starts; the answers' progress is a
+    bar on a terminal, else a line each tenth or 30 s (finetune.console.progress_bar)."""
     recipe, run = load_run(run_dir)
     runs = [*(compare or []), run_dir]
     if not Path(data).is_file():
@@ -39,6 +48,7 @@ def evaluate(run_dir: str | Path, data: str | Path, *, compare: list[str | Path]
     results: list[dict[str, Any]] = []
     answers: list[dict[str, Any]] = []
     examples = prompts = bundle = vision = None
+    cap = max_new_tokens or 0
     records_read = 0
     for label, model, tokenizer in _models(runs, with_base=compare is not None):
         if examples is None:
@@ -47,25 +57,40 @@ def evaluate(run_dir: str | Path, data: str | Path, *, compare: list[str | Path]
             examples, records_read = bundle.train, bundle.stats["records"]
             prompts = expected_answers(cfg.path, cfg.system_prompt)
             answers = [_answer_row(where, messages, expected) for where, messages, expected in prompts]
+            cap = max_new_tokens or answer_cap(tokenizer, [expected for _, _, expected in prompts])
         progress(f"{label}: loss on {len(examples)} examples")
         loss, tokens = held_out_loss(model, examples, bundle.collator)
         scores = {kind: [] for kind in KINDS}
-        for row, (_, messages, expected) in zip(answers, prompts, strict=True):
-            progress(f"{label}: answering {row['where']}")
-            reply = stream_reply(model, tokenizer, messages, max_new_tokens=max_new_tokens, vision=vision)
-            row["answers"][label] = reply
-            for kind, ok in score(reply, expected).items():
-                if ok is not None:
-                    scores[kind].append(ok)
+        capped = 0
+        if prompts:
+            progress(f"{label}: answering {len(prompts)} records, at most {cap} new tokens each")
+        with progress_bar(f"eval {label}: answers") as bar:
+            task = bar.add_task("answers", total=len(prompts))
+            for row, (_, messages, expected) in zip(answers, prompts, strict=True):
+                text, cut = reply(model, tokenizer, messages, max_new_tokens=cap, vision=vision)
+                row["answers"][label] = text
+                capped += cut
+                for kind, ok in score(text, expected).items():
+                    if ok is not None:
+                        scores[kind].append(ok)
+                bar.update(task, advance=1)
         results.append({"label": label, "loss": loss, "perplexity": math.exp(loss), "loss_tokens": tokens,
-                        **{kind: _rate(scores[kind]) for kind in KINDS}})
+                        **{kind: _rate(scores[kind]) for kind in KINDS}, "capped": capped})
     # records_read: the file's records, bad ones included; examples_kept: those the loss is measured on (a bad
     # record skipped by data.on_bad_record, one longer than max_seq_len dropped or with no answer tokens is not)
     report = {"data": str(Path(data).resolve()), "records_read": records_read, "examples_kept": len(examples),
               "with_expected_answer": len(answers),
-              "max_new_tokens": max_new_tokens, "models": results, "answers": answers}
+              "max_new_tokens": cap, "max_new_tokens_from": "given" if max_new_tokens else "expected answers",
+              "models": results, "answers": answers}
     atomic_write_json(RunDir(run.root).evaluation, report)
     return report
+
+
+def answer_cap(tokenizer: Any, expected: list[str]) -> int:
+    """The default length limit of an answer: twice the longest expected answer's tokens + ANSWER_MARGIN."""
+    text = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's text tokenizer
+    longest = max((len(text(e, add_special_tokens=False)["input_ids"]) for e in expected), default=0)
+    return 2 * longest + ANSWER_MARGIN
 
 
 def _rate(matches: list[bool]) -> dict[str, int] | None:

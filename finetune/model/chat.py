@@ -19,7 +19,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 import torch
 
@@ -126,12 +126,46 @@ class _TextStreamer:
         return torch.full((input_ids.shape[0],), self.cancel.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
+def stop_ids(model, tokenizer) -> list[int]:
+    """The tokens that end an answer: the tokenizer's and the model's generation config's end-of-sequence, and
+    the chat template's end of turn (the special token its template writes right after an assistant turn's
+    text, e.g. <|im_end|>, <|eot_id|>, <end_of_turn>), which an instruct model emits where its answer ends."""
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids |= set(configured) if isinstance(configured, list | tuple) else {configured}
+    if tokenizer.chat_template:
+        marker = "\x00answer\x00"
+        with contextlib.suppress(Exception):  # a template that wants other turns: the eos ids above
+            text = tokenizer.apply_chat_template([{"role": "user", "content": "q"},
+                                                  {"role": "assistant", "content": marker}], tokenize=False)
+            after = tokenizer(text.split(marker, 1)[1], add_special_tokens=False)["input_ids"]
+            special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+            ids |= {after[0]} if after and after[0] in special else set()
+    return sorted(i for i in ids if isinstance(i, int))
+
+
 def stream_reply(model, tokenizer, messages: list[Message], *, system: str | None = None, temperature: float = 0.0,
                  top_p: float = 1.0, max_new_tokens: int = 256, on_text: Callable[[str], None] = lambda t: None,
                  cancel: threading.Event | None = None, vision: Any = None) -> str:
     """The assistant's next turn after `messages`, passed to `on_text` piece by piece as it is generated;
     returns the whole reply. Setting `cancel` ends it early (what was generated so far is kept). Turns with
     images need `vision`, the run's image processor (finetune.model.trained.vision_of)."""
+    return reply(model, tokenizer, messages, system=system, temperature=temperature, top_p=top_p,
+                 max_new_tokens=max_new_tokens, on_text=on_text, cancel=cancel, vision=vision).text
+
+
+class Reply(NamedTuple):
+    """An answer and whether it was cut at max_new_tokens (no end of turn within it)."""
+
+    text: str
+    capped: bool
+
+
+def reply(model, tokenizer, messages: list[Message], *, system: str | None = None, temperature: float = 0.0,
+          top_p: float = 1.0, max_new_tokens: int = 256, on_text: Callable[[str], None] = lambda t: None,
+          cancel: threading.Event | None = None, vision: Any = None) -> Reply:
+    """`stream_reply`'s answer, with whether the length limit cut it. The answer ends at the end of
+    sequence or the chat template's end of turn (`stop_ids`)."""
     from transformers import StoppingCriteriaList
 
     if not messages or messages[-1].get("role") != "user":
@@ -139,11 +173,13 @@ def stream_reply(model, tokenizer, messages: list[Message], *, system: str | Non
     kwargs = sampling_kwargs(temperature, top_p)
     inputs = {k: v.to(model.device) for k, v in prompt_inputs(tokenizer, messages, system, vision).items()}
     streamer = _TextStreamer(tokenizer, on_text, cancel or threading.Event())
+    stops = stop_ids(model, tokenizer)
     with torch.no_grad():
         model.generate(**inputs, max_new_tokens=int(max_new_tokens), streamer=streamer, use_cache=True,
                        stopping_criteria=StoppingCriteriaList([streamer]), pad_token_id=tokenizer.pad_token_id,
-                       eos_token_id=tokenizer.eos_token_id, **kwargs)
-    return tokenizer.decode(streamer.ids, skip_special_tokens=True).strip()
+                       eos_token_id=stops or None, **kwargs)
+    capped = len(streamer.ids) >= int(max_new_tokens) and not (streamer.ids and streamer.ids[-1] in stops)
+    return Reply(tokenizer.decode(streamer.ids, skip_special_tokens=True).strip(), capped)
 
 
 def generate(model, tokenizer, prompt: str, *, image: str | Path | None = None, vision=None,

@@ -4,6 +4,7 @@ a .gguf file converted once to a cached safetensors folder (so the second run st
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -54,9 +55,12 @@ def takes_images(path: str, revision: str | None = None) -> bool:
 
 def check_model_path(path: str, revision: str | None = None) -> None:
     """Refuse, in milliseconds and with no network look-up, a model.path that names a local file or folder that
-    is not there (a local-looking path, a pkg: file, a random:FOLDER without config.json), a name that is no
-    path and no hub id, or, with the hub offline (HF_HUB_OFFLINE=1), a hub id the local cache does not hold:
-    otherwise `plan` prints the hub client's connection error and `run` fails once torch has loaded."""
+    is not there (a local-looking path, a pkg: file, a random:FOLDER without config.json; an owner/name whose
+    owner is a folder here, or that a folder here almost matches: `_meant_local`), a name that is no path and
+    no hub id, or, with the hub offline (HF_HUB_OFFLINE=1), a hub id the local cache does not hold: otherwise
+    `plan` prints the hub client's connection error and `run` fails once torch has loaded. A hub id the cache
+    does not hold, online: the hub is probed once (`check_hub_reachable`, seconds), so a machine whose network
+    is down is told so in one line instead of a minute of the hub client's retries."""
     from finetune.model.random_weights import random_folder
 
     if (folder := random_folder(path)) is not None:
@@ -76,16 +80,72 @@ def check_model_path(path: str, revision: str | None = None) -> None:
             hint=f"fix the path (a relative one starts from {Path.cwd()}); a hub model is named owner/name")
     elif path.count("/") != 1 and not Path(path).exists():
         raise _not_a_model(path)
-    elif not Path(path).exists():
-        _check_hub_cache(path, revision)
+    elif not Path(path).exists() and not _in_hub_cache(path, revision):
+        from huggingface_hub import is_offline_mode
+
+        if (why := _meant_local(path)) is not None:
+            raise RecipeError(f"model.path: {path!r} does not exist: no folder {Path(path).absolute()} ({why})",
+                              hint="fix the path (a relative one starts from the current folder); a hub model "
+                                   "is named owner/name")
+        if is_offline_mode():
+            raise _offline_miss(path)
+        check_hub_reachable(path)
 
 
-def _check_hub_cache(repo_id: str, revision: str | None) -> None:
-    """A hub id offline: its config.json must be in the local cache (huggingface_hub's own look-up, no request)."""
-    from huggingface_hub import is_offline_mode, try_to_load_from_cache
+def _meant_local(path: str) -> str | None:
+    """Why an owner/name that is not here was meant as a local folder, or None (a hub id): its owner part is a
+    folder here (models/SmolLM2-135M-Instruct with no such model in ./models), or a folder here almost matches
+    it and holds the name (model/X when ./models/X exists)."""
+    import difflib
 
-    if is_offline_mode() and not isinstance(try_to_load_from_cache(repo_id, "config.json", revision=revision), str):
-        raise _offline_miss(repo_id)
+    owner, name = path.split("/")
+    if Path(owner).is_dir():
+        return f"the folder {owner}/ exists here, without {name}"
+    here = [p.name for p in Path.cwd().iterdir() if p.is_dir()] if owner else []
+    near = [m for m in difflib.get_close_matches(owner, here, n=3, cutoff=0.8) if (Path(m) / name).exists()]
+    return f"did you mean {near[0]}/{name}?" if near else None
+
+
+def _in_hub_cache(repo_id: str, revision: str | None) -> bool:
+    """Whether a hub id's config.json is in the local cache (huggingface_hub's own look-up, no request)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo_id, "config.json", revision=revision), str)
+
+
+PROBE_SECONDS = 3.0  # a hub (or proxy) that does not accept a connection in this long is taken as unreachable
+
+
+@functools.cache
+def _hub_unreachable() -> str | None:
+    """Why the hub cannot be reached from here (its host, through the proxy the environment names for it:
+    one TCP connection, at most PROBE_SECONDS), or None. Asked once per process."""
+    import socket
+    import urllib.parse
+    import urllib.request
+
+    from huggingface_hub import constants
+
+    endpoint = urllib.parse.urlsplit(constants.ENDPOINT)
+    proxy = urllib.request.getproxies().get(endpoint.scheme)
+    target = urllib.parse.urlsplit(proxy if proxy and not urllib.request.proxy_bypass(endpoint.hostname or "")
+                                   else constants.ENDPOINT)
+    port = target.port or (443 if target.scheme == "https" else 80)
+    try:
+        socket.create_connection((target.hostname or "", port), timeout=PROBE_SECONDS).close()
+    except OSError as exc:
+        via = f" through the proxy {target.hostname}:{port}" if target.geturl() != constants.ENDPOINT else ""
+        return f"{constants.ENDPOINT}{via}: {exc.strerror or exc or type(exc).__name__}"
+    return None
+
+
+def check_hub_reachable(repo_id: str) -> None:
+    """Refuse, in seconds, a hub id to download on a machine that cannot reach the hub (the network down but
+    HF_HUB_OFFLINE unset), in one line as offline mode does, before the hub client's minute of retries."""
+    if (why := _hub_unreachable()) is not None:
+        raise ModelLoadError(f"model.path: {repo_id!r} is not in the local Hugging Face cache and the hub cannot be "
+                             f"reached ({why}): connect once so it is cached, point model.path at a local model "
+                             "folder, or set HF_HUB_OFFLINE=1 to work from the cache")
 
 
 def _offline_miss(repo_id: str) -> RecipeError:
@@ -95,7 +155,12 @@ def _offline_miss(repo_id: str) -> RecipeError:
 
 
 def _not_a_model(path: str) -> RecipeError:
-    return RecipeError(f"model.path: {path!r} is not a model folder, a .gguf file or a hub id (owner/name)",
+    import difflib
+
+    here = [p.name for p in Path.cwd().iterdir()]
+    near = difflib.get_close_matches(path, here, n=1, cutoff=0.8)
+    return RecipeError(f"model.path: {path!r} is not a model folder, a .gguf file or a hub id (owner/name)"
+                       + (f"; did you mean ./{near[0]}?" if near else ""),
                        hint="point model.path at a folder with config.json and *.safetensors, or at a .gguf file")
 
 
@@ -153,6 +218,7 @@ def _from_hub(repo_id: str, revision: str | None) -> Path:
 
     if is_offline_mode():  # config.json cached (the check above) but not the weights
         raise _offline_miss(repo_id)
+    check_hub_reachable(repo_id)  # config.json cached, the weights to download
     try:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, etag_timeout=5))
     except Exception as exc:  # network errors come in many types; the message is what matters
@@ -194,5 +260,10 @@ def _converted_gguf(gguf: Path) -> Path:
     for file in tmp.iterdir():
         if file.is_file():
             file.chmod(mode)
-    tmp.rename(target)  # atomic: a half-written cache is never picked up
+    try:
+        tmp.rename(target)  # atomic: a half-written cache is never picked up
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # another process converted the same file meanwhile: use its copy
     return target

@@ -72,20 +72,20 @@ NARROW = 32  # wrapped: below this many columns for descriptions, each descripti
 
 
 def reference_text(section: str | None = None, width: int | None = None) -> str:
-    """`finetune keys`: aligned columns (key, type, default, description). Without `width` (stdout is a pipe or a
-    file) one line per key, nothing cut or wrapped, so `finetune keys | grep` finds a key with its whole
-    description; with `width` (a terminal's) every line fits it: the type and description wrap within their
-    columns, or, where the description column would be narrower than NARROW, each description goes under its
-    key, indented."""
+    """`finetune keys`: key, type, default, description. Without `width` (stdout is a pipe or a file) one line
+    per key, its four fields separated by tabs, nothing padded, cut or wrapped, so `finetune keys | grep` finds
+    a key with its whole description, `cut -f` takes a column, and a pager's lines are as long as their text
+    (padding to the widest type made them hundreds of characters); with `width` (a terminal's) aligned columns
+    where every line fits it: the type and description wrap within their columns, or, where the description
+    column would be narrower than NARROW, each description goes under its key, indented."""
     import itertools
     import textwrap
 
     header = ("key", "type", "default", "description")
     rows = [header, *reference_rows(section)]
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
     if width is None:
-        return "".join("  ".join([*(c.ljust(w) for c, w in zip(row[:3], widths, strict=True)), row[3]]).rstrip()
-                       + "\n" for row in rows)
+        return "".join("\t".join(row) + "\n" for row in rows)
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
     width = max(width, 20)  # narrower than any real terminal: lines may overflow it
     widths[1] = min(widths[1], TYPE_COLUMN)
     described = width - sum(widths) - 6

@@ -205,9 +205,10 @@ def _record(where: str) -> str:
 
 def _answer(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[PromptExample], copies: int,
             config: GRPOConfig, rewards: Sequence[NamedReward], rows: int | None, seed: int | None,
-            autocast: Callable[[], contextlib.AbstractContextManager]) -> _Answers:
+            autocast: Callable[[], contextlib.AbstractContextManager],
+            progress: Callable[[int], None] | None = None) -> _Answers:
     """`copies` completions of each prompt, generated `rows` at a time (all: None), then scored; sampled with
-    RowSampler from `seed`, or greedy when `seed` is None."""
+    RowSampler from `seed`, or greedy when `seed` is None. `progress` is told the prompts of each part done."""
     from transformers.generation import LogitsProcessorList
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -227,6 +228,8 @@ def _answer(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[PromptExam
                                  cache_implementation="static", pad_token_id=pad, eos_token_id=eos)
             part = out[:, width:]  # every row ended early: pad to the full length
             parts.append(torch.nn.functional.pad(part, (0, length - part.shape[1]), value=pad))
+            if progress is not None:
+                progress(part.shape[0] // copies)
     completion = torch.cat(parts)
     generation_s = time.perf_counter() - start
     completion_mask = _completion_mask(completion, eos)
@@ -278,11 +281,12 @@ def generate_and_score(model: torch.nn.Module, tokenizer: Any, prompts: Sequence
 
 def held_out_rewards(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[PromptExample], config: GRPOConfig,
                      rewards: Sequence[NamedReward], *, rows: int | None = None,
-                     autocast: Callable[[], contextlib.AbstractContextManager] = _NULL) -> dict[str, list[float]]:
+                     autocast: Callable[[], contextlib.AbstractContextManager] = _NULL,
+                     progress: Callable[[int], None] | None = None) -> dict[str, list[float]]:
     """The greedy answer to each held-out prompt, scored: the summed reward and each reward's value per prompt
     (`reward`, `rewards/NAME`) and the completion lengths. Greedy: what the model answers, without the
-    sampling noise, so before and after compare."""
-    got = _answer(model, tokenizer, prompts, 1, config, rewards, rows, None, autocast)
+    sampling noise, so before and after compare. `progress` is told the prompts each generate call answered."""
+    got = _answer(model, tokenizer, prompts, 1, config, rewards, rows, None, autocast, progress)
     return {"reward": got.totals, **{f"rewards/{r.name}": got.per_reward[r.key] for r in rewards},
             "completion_length": [float(n) for n in got.completion_mask.sum(-1).tolist()]}
 

@@ -157,8 +157,10 @@ class GRPO(Policy):
         mine = [data[j] for j in range(loop.rank, len(data), loop.processes)]
         model = loop.accelerator.unwrap_model(loop.model)
         rows = self.generation_rows or loop.geometry.micro_batch * self.config.num_generations  # as a step's
-        values = held_out_rewards(model, self.tokenizer, mine, self.config, self.rewards, rows=rows,
-                                  autocast=loop.accelerator.autocast) if mine else {}
+        with loop.evaluation_progress(len(mine), f"held-out prompts, greedy answers of at most "
+                                      f"{self.config.max_completion_length} tokens") as advance:
+            values = held_out_rewards(model, self.tokenizer, mine, self.config, self.rewards, rows=rows,
+                                      autocast=loop.accelerator.autocast, progress=advance) if mine else {}
         out = {}
         for name, column in values.items():
             kept = torch.tensor([v for v in column if not math.isnan(v)], dtype=torch.float64)

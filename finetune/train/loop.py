@@ -103,6 +103,10 @@ def _nothing_kept() -> str:
     return "no checkpoint is known"
 
 
+class EvaluationStopped(Exception):
+    """A stop asked for during an evaluation (Ctrl-C): it ends there (TrainLoop.evaluation_progress)."""
+
+
 @dataclass(frozen=True)
 class RunHooks:
     """The run around the loop: `save(loop)` writes a checkpoint and returns its folder
@@ -163,6 +167,8 @@ class TrainLoop:
         self.stopped = False  # a should_stop() ended training early
         self.undone = True  # the last dropped gradients changed no weight (a layer-wise optimizer may have)
         self._stop_due = self._save_due = False
+        self._eval_label = "evaluation"  # the running evaluation's, for its progress
+        self._saved_step = 0  # the step of the newest checkpoint this loop knows of
         self._pending: list[Step] = []  # earlier steps whose gradients wait in .grad for a later update
         self._current: Step | None = None  # the step in progress
         self._loss_sum: torch.Tensor | None = None  # step losses since the last log (a device tensor)
@@ -281,7 +287,7 @@ class TrainLoop:
         """Train from state.step to max_steps (or until should_stop())."""
         for p in self.policies:
             p.on_train_begin(self)
-        self._logged_at = self.state.step
+        self._logged_at = self._saved_step = self.state.step
         try:
             for epoch, indices in self._steps():
                 if self.state.step >= self.schedule.max_steps:
@@ -493,8 +499,9 @@ class TrainLoop:
         self.scheduler.step()
         if s % sched.logging_steps == 0 or done or self._stop_due:
             self.log_training(lr)
-        if sched.eval_steps and self.data.eval is not None and (s % sched.eval_steps == 0 or done):
-            self.evaluate()
+        if sched.eval_steps and self.data.eval is not None and (s % sched.eval_steps == 0 or done) \
+                and not self._stop_due:  # a stop asked for: the checkpoint, not an evaluation first
+            self.evaluate("final evaluation" if done else None)
         # A save or a stop asked for while a policy groups steps into one update waits for the group's end.
         self._save_due = self._save_due or bool(sched.save_steps and s % sched.save_steps == 0) or done \
             or self._stop_due
@@ -503,12 +510,17 @@ class TrainLoop:
             self.stopped = self._stop_due
             if self.hooks.save is not None:
                 folder = self.hooks.save(self)
+                self._saved_step = self.state.step
                 for p in self.policies:
                     p.on_save(self, folder)
 
     def save_now(self) -> str | None:
         """A checkpoint of the completed steps, outside the schedule (an error path keeps what it can)."""
-        return self.hooks.save(self) if self.hooks.save is not None else None
+        if self.hooks.save is None:
+            return None
+        folder = self.hooks.save(self)
+        self._saved_step = self.state.step
+        return folder
 
     def learning_rate_now(self) -> float:
         """The learning rate of the step just taken (its first parameter group)."""
@@ -540,13 +552,25 @@ class TrainLoop:
             p.log(self, row)
         self.state.log_history.append({k: v for k, v in row.items() if not isinstance(v, dict)})
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self, label: str | None = None) -> dict[str, float] | None:
         """The objective's held-out metrics at the current weights (a loss, a preference method's rewards,
-        GRPO's rewards), logged as an eval row. Out of memory here is a clear error, with the completed step
-        saved."""
+        GRPO's rewards), logged as an eval row; `label` names the phase in its progress (default: "evaluation
+        at step N"). None when a stop was asked for during it (Ctrl-C, `evaluation_progress`): nothing is
+        logged, and during training the step is saved and the loop stops. Out of memory here is a clear
+        error, with the completed step saved."""
+        self._eval_label = label or f"evaluation at step {self.state.step}"
         try:
             start = time.time()
             metrics = self.objective.evaluate(self)
+        except EvaluationStopped:
+            self.model.train()  # as an evaluation that ends leaves it
+            self._stop_due = self.state.step < self.schedule.max_steps  # the last step: training is complete
+            return None
+        except KeyboardInterrupt:  # a second Ctrl-C: the completed steps are kept first (one process: several
+            # would each save at their own point)
+            if self.processes == 1 and self.state.step > self._saved_step and not self._pending:
+                self.save_now()
+            raise
         except torch.OutOfMemoryError as exc:
             failure = first_line(exc)
         else:
@@ -564,6 +588,36 @@ class TrainLoop:
             f"({failure}); {kept}",
             hint="lower training.micro_batch_size (evaluation uses it too) or free GPU memory, then run again "
                  "with --resume")
+
+    @contextlib.contextmanager
+    def evaluation_progress(self, total: int, unit: str) -> Iterator[Callable[[int], None]]:
+        """What an objective's `evaluate` reports to: `advance(n)` after each n of its `total` `unit` (this
+        process's). Rank 0 says the phase has begun, then shows its progress (a bar on a terminal, else a line
+        each tenth or 30 s: finetune.console.progress_bar). A stop asked for (Ctrl-C) ends the evaluation at
+        the next `advance` (EvaluationStopped, caught by `evaluate`); with several processes it runs to its
+        end, as each would stop at another point while the others wait in a gather."""
+        from finetune.console import console, progress_bar
+
+        label = self._eval_label
+        if self.rank != 0:
+            bar = None
+        else:
+            console.print(f"{label}: {total:,} {unit}", markup=False, highlight=False)
+            bar = progress_bar(label)
+            bar.start()
+            task = bar.add_task(label, total=total)
+
+        def advance(n: int) -> None:
+            if bar is not None:
+                bar.update(task, advance=n)
+            if self.processes == 1 and self.hooks.should_stop():
+                raise EvaluationStopped(label)
+
+        try:
+            yield advance
+        finally:
+            if bar is not None:
+                bar.stop()
 
     def train_metrics(self, runtime: float, first_step: int) -> dict[str, float]:
         """results.json's summary of the training: the mean step loss, speed, epochs."""

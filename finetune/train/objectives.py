@@ -75,7 +75,8 @@ class LossObjective:
         data = loop.data.eval
         indices = list(range(len(data)))[loop.rank::loop.processes] if loop.processes > 1 else range(len(data))
         indices = list(indices)
-        with torch.no_grad():
+        self._metrics["eval"] = {}  # an evaluation stopped midway left its part
+        with torch.no_grad(), loop.evaluation_progress(len(indices), "held-out examples") as advance:
             for i in range(0, len(indices), b):
                 batch = loop.collate([data[j] for j in indices[i:i + b]])
                 with loop.accelerator.autocast():
@@ -85,6 +86,7 @@ class LossObjective:
                 rows = len(indices[i:i + b])
                 losses.append(loss.detach().float() * rows)
                 counts.append(rows)
+                advance(rows)
         loop.model.train()
         total = torch.stack(losses).sum() if losses else torch.tensor(0.0, device=loop.accelerator.device)
         count = torch.tensor(float(sum(counts)), device=total.device)

@@ -457,7 +457,11 @@ def _train(built: _Built, run_dir: RunDir, checkpoint: str | None, main: bool) -
     peak tracker and offload closed however it ends), the final evaluation and, when completed, the adapter."""
     loop, data, peak = built.loop, built.data, built.peak
     # Preference methods and GRPO: the held-out rewards before training, so results.json shows what changed.
-    before = loop.evaluate() if data.eval is not None and loop.objective.evaluates_before and not checkpoint else None
+    before = None
+    if data.eval is not None and loop.objective.evaluates_before and not checkpoint:
+        before = loop.evaluate("held-out evaluation before training")
+        if before is None:  # Ctrl-C: nothing trained, nothing to resume (run() removes the folder)
+            raise KeyboardInterrupt
     start, cpu_start, first_step = time.time(), time.process_time(), loop.state.step
     try:
         loop.fit()
@@ -470,7 +474,7 @@ def _train(built: _Built, run_dir: RunDir, checkpoint: str | None, main: bool) -
     if main and peak.tracked_steps:
         run_dir.log_line(f"memory tracker: tracked {len(peak.tracked_steps)} of {loop.state.step} steps "
                          f"(those that could set a new peak): {', '.join(str(s + 1) for s in peak.tracked_steps)}")
-    after = _final_evaluation(loop) if data.eval is not None else {}
+    after = _final_evaluation(loop, run_dir, main) if data.eval is not None else {}
     state = "stopped" if loop.stopped else "completed"
     if state == "completed":
         _save_result(loop, built.tokenizer, run_dir, main)
@@ -526,13 +530,23 @@ def _record_data(run_dir: RunDir, fingerprint: dict, resumed: bool, allow_change
     atomic_write_json(run_dir.data_fingerprint, fingerprint)
 
 
-def _final_evaluation(loop: TrainLoop) -> dict[str, float]:
+def _final_evaluation(loop: TrainLoop, run_dir: RunDir, main: bool) -> dict[str, float]:
     """The evaluation at the last step: the loop's own when it ran one there (evaluating again would log a
-    second row for the same step in metrics.jsonl), else a new one."""
+    second row for the same step in metrics.jsonl), else a new one. Empty after a stop asked for (Ctrl-C,
+    before or during it; one process): the checkpoint (or, training complete, the adapter) is what the user waits for,
+    and `finetune eval` measures it later."""
     last = next((row for row in reversed(loop.state.log_history) if is_eval_row(row)), None)
     if last is not None and last.get("step") == loop.state.step:
         return {k: v for k, v in last.items() if k not in ("step", "epoch")}
-    return loop.evaluate()
+    stop = loop.processes == 1 and loop.hooks.should_stop()  # several: each would decide apart, then wait
+    after = loop.evaluate("final evaluation") if not stop else None
+    if after is None:
+        line = (f"final evaluation skipped (stop requested); measure the run later with: finetune eval "
+                f"{run_dir.root} --data HELD_OUT_FILE")
+        if main:
+            console.print(line, style="yellow", markup=False, highlight=False)
+            run_dir.log_line(line)
+    return after or {}
 
 
 def _save_result(loop: TrainLoop, tokenizer, run_dir: RunDir, main: bool = True) -> None:
