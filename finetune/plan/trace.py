@@ -264,7 +264,15 @@ def _meta_fused_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     """What flex attention (and flash-attention) keep: q, k, v, the output and its log-sum-exp, grouped-query
     attention in the kernel, no s x s tensor and no dense mask (flex attention's block mask holds a few integers
     per 128 x 128 tile, built by transformers from the same mask function). Attention sinks renormalise the output
-    through the log-sum-exp (transformers' flex_attention_forward): one more output-sized tensor."""
+    through the log-sum-exp (transformers' flex_attention_forward): one more output-sized tensor. A query head
+    count that is no power of two makes transformers copy K and V per query head first (its flex attention's
+    tensor-parallel guard), as here: Llama-3.2-3B's 24 heads."""
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if heads & (heads - 1) and kv_heads != heads:
+        def repeat(x: torch.Tensor) -> torch.Tensor:
+            b, _, length, dim = x.shape
+            return x[:, :, None].expand(b, kv_heads, heads // kv_heads, length, dim).reshape(b, heads, length, dim)
+        key, value = repeat(key), repeat(value)
     out = flash_attention_cpu(query, key, value, 0.0, False, None, scaling)
     if s_aux is not None:
         b, heads, length, _ = out.shape
