@@ -76,6 +76,25 @@ def test_packed_documents_do_not_see_each_other(small_blocks):
         _loss_and_grads(config, "chunked", alone)[0], rel=1e-5)
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_chunked_generates_what_eager_generates(family):
+    """Generation (evaluation, GRPO's rollouts) with a KV cache and left padding: the same greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    attention.register()
+    config = tiny_config(family, **FAMILIES[family])
+    ids = torch.randint(4, 500, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    generated = []
+    for impl in ("eager", "chunked"):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=impl).eval()
+        generated.append(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                                        pad_token_id=0))
+    assert torch.equal(*generated)
+
+
 @pytest.mark.parametrize(("family", "device", "packing", "kernel"), [
     ("llama", "cpu", False, "sdpa"),  # nothing SDPA cannot run without s x s
     ("llama", "cpu", True, "chunked"),  # packed: SDPA would need the block-diagonal mask
