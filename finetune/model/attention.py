@@ -27,7 +27,7 @@ import torch
 from finetune.model.family import SLIDING, family_of, text_config
 
 CHUNKED = "chunked"
-CHUNK_BYTES = 16 << 20  # one block's fp32 scores (batch x heads x rows x keys x 4 B) at most this...
+CHUNK_BYTES = 64 << 20  # one block's fp32 scores (batch x heads x rows x keys x 4 B) at most this...
 MIN_ROWS = 64  # ...but at least this many query rows per block
 
 # What a family's attention may need beyond causal softmax attention.
