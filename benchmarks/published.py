@@ -101,7 +101,7 @@ ROWS = [
 def recipe(model: str, seq: int, adapter: dict, bits: int | None, memory: dict, optimizer: dict,
            compile_: bool) -> Recipe:
     return Recipe.model_validate({
-        "model": {"path": str(HERE / f"{model}.json"), "dtype": "bf16", "attn_implementation": "sdpa"},
+        "model": {"path": str(HERE / f"{model}.json"), "dtype": "bf16", "attn_implementation": "flex_attention"},
         "data": {"path": "unused.jsonl", "max_seq_len": seq, "packing": True},
         "quantization": {"bits": bits}, "adapter": adapter, "memory": {**memory, "gpu_memory_margin": 0},
         "training": {"micro_batch_size": 2, "gradient_accumulation_steps": 1, "compile": compile_},
@@ -137,7 +137,7 @@ def _summary(name: str, ratios: list[float]) -> str:
 
 def main() -> None:
     print("# PYTHONPATH=$PWD python benchmarks/published.py > benchmarks/results/published.txt  (planner on the "
-          "meta device, device=cuda, bf16, sdpa, micro-batch 2; +tt loss: torchtune's chunked loss in place of ours)")
+          "meta device, device=cuda, bf16, flex attention, micro-batch 2; +tt loss: torchtune's chunked loss in place of ours)")
     print(f"{'row':42} {'torchtune':>9} {'planned':>8} {'ratio':>6} {'+tt loss':>8} {'ratio':>6} {'managed':>8}"
           "  peak parts (GiB)")
     planned, adjusted = [], []

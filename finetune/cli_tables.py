@@ -74,6 +74,8 @@ def render_plan(plan: Plan, console: Console | None = None) -> None:
                       f"{plan.tokens_per_s:,.0f} tokens/s predicted for all {plan.world_size}")
         console.print("  " + strategy_line(plan))
     console.print("  " + _short(plan.settings), soft_wrap=True)  # one line, also when piped (80 columns)
+    if plan.attention:
+        console.print(f"  attention: {plan.attention}")
     if plan.vision:
         console.print("  " + images_line(plan), soft_wrap=True)
     console.print(breakdown_table("predicted peak", plan.breakdown, plan.peak_bytes, plan.budget_bytes))

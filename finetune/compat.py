@@ -92,6 +92,12 @@ PRIVATE: dict[str, PrivateAPI] = {api.name: api for api in (
     PrivateAPI("PretrainedConfig._attn_implementation", "transformers"),
     PrivateAPI("PreTrainedModel._supports_sdpa", "transformers",
                "falls back to sdpa (what transformers picks when it is not told)"),
+    PrivateAPI("PreTrainedModel._supports_flash_attn", "transformers",
+               "falls back to not supported: auto does not pick flash_attention_2"),
+    PrivateAPI("PreTrainedModel._supports_flex_attn", "transformers",
+               "falls back to not supported: auto does not pick flex_attention"),
+    PrivateAPI("PreTrainedModel._supports_attention_backend", "transformers",
+               "falls back to not supported: auto does not pick a registered attention function (chunked)"),
     PrivateAPI("AcceleratorState._reset_state", "accelerate"),
     PrivateAPI("use_experts_implementation._apply_gate", "transformers"),
     PrivateAPI("Tensor._make_wrapper_subclass", "torch"),
@@ -150,10 +156,10 @@ except ImportError:
     raise PRIVATE["torch.utils._python_dispatch.TorchDispatchMode"].missing() from None
 _use("torch.utils._python_dispatch.TorchDispatchMode")
 _use("torch.utils._pytree")
-__all__ = ["CHECKED", "LOCK", "PRIVATE", "PrivateAPI", "TorchDispatchMode", "attn_implementation", "check_all", "engine_backward", "expert_gate",
-           "flash_attention_cpu", "foreach_norm", "meta_on_device", "op_schema", "set_attn_implementation", "storage_id",
-           "supports_sdpa", "tensor_version", "tested_versions", "tree_flatten", "tree_leaves", "tree_map",
-           "untested_note"]
+__all__ = ["CHECKED", "LOCK", "PRIVATE", "PrivateAPI", "TorchDispatchMode", "attn_implementation", "check_all",
+           "engine_backward", "expert_gate", "flash_attention_cpu", "foreach_norm", "meta_on_device", "model_supports",
+           "op_schema", "set_attn_implementation", "storage_id", "supports_sdpa", "tensor_version", "tested_versions",
+           "tree_flatten", "tree_leaves", "tree_map", "untested_note"]
 
 
 def engine_backward(loss: torch.Tensor) -> None:
@@ -283,6 +289,18 @@ def supports_sdpa(model_class: type | None) -> bool:
     """Whether a transformers model class runs torch's scaled_dot_product_attention (unknown: yes)."""
     _use("PreTrainedModel._supports_sdpa")
     return model_class is None or bool(getattr(model_class, "_supports_sdpa", True))
+
+
+def model_supports(model_class: type | None, flag: str | None) -> bool:
+    """Whether a transformers model class declares the attention implementation behind `flag` (its class flag:
+    `_supports_sdpa`, `_supports_flash_attn`, `_supports_flex_attn`, `_supports_attention_backend` for a
+    registered function); None: needs no flag. An unknown class (None) runs sdpa only."""
+    if flag is None:
+        return True
+    if flag == "_supports_sdpa":
+        return supports_sdpa(model_class)
+    _use(f"PreTrainedModel.{flag}")
+    return model_class is not None and bool(getattr(model_class, flag, False))
 
 
 def fresh_accelerator_state() -> None:

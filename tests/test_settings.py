@@ -19,7 +19,7 @@ from finetune.units import DTYPES, cache_dir, dtype_name, torch_dtype
 # `auto` keys that the planner does not decide, and who does.
 NOT_PLANNED = {
     "model.dtype": "the loader, from the GPU (finetune.units.dtype_name)",
-    "model.attn_implementation": "the loader, from the architecture",
+    "model.attn_implementation": "the loader, from the family, the device and data.packing (finetune.model.attention)",
     "data.format": "the reader, from the first records",
     "memory.gpu_memory": "the budget: the GPU's free memory",
     "training.effective_batch_size": "the run, from the measured noise scale (finetune.train.batch_engine)",

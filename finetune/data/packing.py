@@ -3,10 +3,12 @@
 Packing uses TRL's `pack_dataset` (Best Fit Decreasing: whole examples are binned into rows of at most
 max_seq_len tokens, never split). Each packed row gets `position_ids` that restart at 0 for every example.
 Batches of packed rows are collated padding-free by TRL's `DataCollatorForLanguageModeling`: the rows are
-concatenated into one sequence with `position_ids` and no `attention_mask`. transformers 5 then detects the
-packed sequences from the position_ids (`masking_utils.find_packed_sequence_indices`) and builds a
-block-diagonal causal mask for sdpa and eager attention (flash-attention uses the `cu_seq_lens_*` the collator
-adds). That detection is skipped when a KV cache exists, and models create one in training when
+concatenated into one sequence with `position_ids` and no `attention_mask` (plus the `cu_seq_lens_*` that
+flash-attention's variable-length kernel reads). transformers 5 detects the packed sequences from the
+position_ids (`masking_utils.find_packed_sequence_indices`) and keeps them apart in the mask it gives the
+attention kernel: the kernel `model.attn_implementation: auto` picks for packed data (`chunked`, flex attention,
+flash-attention: finetune.model.attention) takes it without a dense mask; only sdpa and eager, named in the
+recipe, get a block-diagonal [1, 1, s, s] one. That detection is skipped when a KV cache exists, and models create one in training when
 `config.use_cache` is true, so packed batches also carry `use_cache=False`.
 Unpacked batches are padded on the right: `input_ids` with the pad token, `labels` with -100, plus
 `attention_mask`. A run's collator (`make_collator`) returns them typed, as `finetune.data.batch.Batch`.

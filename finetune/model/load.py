@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from finetune.compat import supports_sdpa
 from finetune.errors import ModelLoadError
+from finetune.model.attention import choose, register
 from finetune.model.expert_store import quantize_experts, quantize_on_arrival
 from finetune.model.family import VISION_PARTS, family_of
 from finetune.model.moe import use_finetune_experts
@@ -26,12 +26,15 @@ def compute_dtype(model_cfg: ModelConfig) -> torch.dtype:
     return torch_dtype(dtype_name(model_cfg.dtype, "cuda" if cuda else "cpu", cuda and torch.cuda.is_bf16_supported()))
 
 
-def attn_implementation(choice: str, config) -> str:
-    """model.attn_implementation; auto = sdpa where transformers supports it for the architecture, else eager
-    (Gemma-2 runs eager only, because of its attention soft-capping)."""
+def attn_implementation(choice: str, config, device: str = "cpu", packing: bool = False) -> tuple[str, str | None]:
+    """model.attn_implementation for training on `device` (cpu | cuda), and why where auto falls back to eager.
+
+    auto: the best kernel that runs the family's attention (soft-capping, sinks, sliding windows) and packed
+    documents without s x s memory (finetune.model.attention.choose)."""
+    register()
     if choice != "auto":
-        return choice
-    return "sdpa" if supports_sdpa(model_class(config)) else "eager"
+        return choice, None
+    return choose(config, model_class(config), device, packing)
 
 
 def auto_model(config) -> Any:
@@ -121,10 +124,11 @@ def load_tokenizer(path: Path, model_cfg: ModelConfig):
 
 
 def load_model(model_cfg: ModelConfig, quant: QuantizationConfig, *, quantize: bool = True, sharded: bool = False,
-               experts_on_host: bool = False):
+               experts_on_host: bool = False, packing: bool = False):
     """Return (model, tokenizer, local_path). `quantize=False` loads full precision (used by export);
     `sharded`: the weights will be sharded by FSDP (see quantization_config); `experts_on_host`
-    (memory.offload_experts): a MoE model's 4-bit experts are kept in host RAM as they load."""
+    (memory.offload_experts): a MoE model's 4-bit experts are kept in host RAM as they load; `packing`
+    (data.packing): the batches join documents, which model.attn_implementation auto keeps apart without a mask."""
 
     path = resolve_model_path(model_cfg.path, model_cfg.revision)
     dtype = compute_dtype(model_cfg)
@@ -137,7 +141,10 @@ def load_model(model_cfg: ModelConfig, quant: QuantizationConfig, *, quantize: b
         raise _load_error("config", model_cfg, exc) from None
     vision = family_of(config).vision is not None
     qconfig = quantization_config(quant, dtype, sharded=sharded, vision=vision) if quantize else None
-    attn = attn_implementation(model_cfg.attn_implementation, config)
+    attn, eager_reason = attn_implementation(model_cfg.attn_implementation, config,
+                                             "cuda" if torch.cuda.is_available() else "cpu", packing)
+    if eager_reason:
+        print(f"model.attn_implementation auto: {eager_reason}")
     kwargs = dict(dtype=dtype, attn_implementation=attn, use_safetensors=True,
                   trust_remote_code=model_cfg.trust_remote_code)
     if qconfig is not None:

@@ -170,7 +170,8 @@ def _mix(traces: list[Trace], weights: list[float], checkpointing: bool) -> Trac
 def _layout(spec: ModelSpec, settings: Settings) -> str:
     """The micro-batch's layout as the run's collator makes it (`finetune.memory.preference.batch_layout`);
     GRPO's steps build their own batches (`finetune.rl.step`). Flash attention takes padded and packed rows
-    through its variable-length kernels (no mask, grouped-query attention in the kernel): full rows."""
+    through its variable-length kernels (no mask, grouped-query attention in the kernel): full rows. Under flex
+    attention and `chunked` a packed batch is traced as such, without a dense mask (plan.trace)."""
     if spec.num_generations or spec.attn == "flash_attention_2":
         return "full"
     return batch_layout(settings.micro_batch_size * spec.rows_per_example, spec.packing)

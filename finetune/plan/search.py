@@ -121,6 +121,7 @@ class Plan:
     # a vision-language model: what its images cost (vision_weights: the vision tower and projector's bytes,
     # within breakdown's weights; images and image_tokens: one example's, as traced); {} for a text model
     vision: dict[str, int] = field(default_factory=dict)
+    attention: str = ""  # the attention kernel planned (model.attn_implementation, auto resolved for the device)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -309,7 +310,8 @@ def model_spec(recipe: Recipe, config: Any, device: str, planner: Planner = DEFA
         example = replace(example, seq_len=recipe.data.max_seq_len)
     return ModelSpec(
         config=config, adapter=recipe.adapter, dtype=target_dtype(recipe, device),
-        attn=model_facts(config, recipe.model.attn_implementation, planner)[1], device=device, seq_len=example.seq_len,
+        attn=model_facts(config, recipe.model.attn_implementation, planner, device, recipe.data.packing)[1],
+        device=device, seq_len=example.seq_len,
         num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
         optimizer=recipe.optimizer, double_quant=recipe.quantization.double_quant,
         offload_min_size=recipe.memory.offload_min_size, offload_cpu_limit=recipe.memory.offload_cpu_limit,
@@ -608,7 +610,7 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
                 reference_pass_bytes=chosen.reference_pass_bytes, managed_bytes=chosen.managed_bytes,
                 generation_bytes=chosen.generation_bytes, training_bytes=chosen.training_bytes,
                 device_figures=figures, figures_measured=measured, notes=notes,
-                vision=vision_costs(spec))
+                vision=vision_costs(spec), attention=spec.attn)
 
 
 BATCHING_GAIN = 0.02  # the predicted saving a batching other than random must bring to be chosen by auto

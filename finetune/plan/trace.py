@@ -253,6 +253,56 @@ def _meta_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=No
     return flash_attention_cpu(q, k, v, dropout_p, is_causal, attn_mask, scale)
 
 
+# flex attention and flash-attention are CUDA kernels (and flex attention compiles itself): the meta model runs this
+# stand-in instead, registered in transformers' public attention and mask registries under its own name.
+_FUSED = "finetune_meta_fused"
+
+
+def _meta_fused_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: Any, scaling: float | None = None, s_aux: torch.Tensor | None = None,
+                          **_: Any) -> tuple[torch.Tensor, None]:
+    """What flex attention (and flash-attention) keep: q, k, v, the output and its log-sum-exp, grouped-query
+    attention in the kernel, no s x s tensor and no dense mask (flex attention's block mask holds a few integers
+    per 128 x 128 tile, built by transformers from the same mask function). Attention sinks renormalise the output
+    through the log-sum-exp (transformers' flex_attention_forward): one more output-sized tensor. A query head
+    count that is no power of two makes transformers copy K and V per query head first (its flex attention's
+    tensor-parallel guard), as here: Llama-3.2-3B's 24 heads."""
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if heads & (heads - 1) and kv_heads != heads:
+        def repeat(x: torch.Tensor) -> torch.Tensor:
+            b, _, length, dim = x.shape
+            return x[:, :, None].expand(b, kv_heads, heads // kv_heads, length, dim).reshape(b, heads, length, dim)
+        key, value = repeat(key), repeat(value)
+    out = flash_attention_cpu(query, key, value, 0.0, False, None, scaling)
+    if s_aux is not None:
+        b, heads, length, _ = out.shape
+        lse = out.new_empty(b, heads, length, 1)
+        sinks = s_aux.view(1, -1, 1, 1).expand(b, heads, length, 1)
+        combined = torch.logsumexp(torch.cat([lse, sinks.to(lse.dtype)], dim=-1), dim=-1, keepdim=True)
+        out = out * torch.exp(lse - combined)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*_: Any, **__: Any) -> None:
+    return None
+
+
+def _traced_attention(attn: str) -> str:
+    """The implementation the meta model runs for the one a run trains with: the CUDA kernels' stand-in, or the
+    implementation itself (sdpa through `_meta_sdpa`, chunked and eager as they are)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from finetune.model.attention import register
+
+    register()
+    if attn not in ("flex_attention", "flash_attention_2"):
+        return attn
+    AttentionInterface.register(_FUSED, _meta_fused_attention)
+    AttentionMaskInterface.register(_FUSED, _no_mask)
+    return _FUSED
+
+
 class _Int8LikeLinear(torch.autograd.Function):
     """What bitsandbytes' 8-bit matmul holds: the input kept for backward (even for a frozen weight) and a
     dequantized copy of the weight while it multiplies, in forward and again in backward."""
@@ -350,7 +400,7 @@ def _meta_model(config_json: str, model_type: str, adapter_json: str, dtype: str
 
     config = AutoConfig.for_model(model_type, **json.loads(config_json))
     config = with_layers(config, layers)
-    set_attn_implementation(config, attn)
+    set_attn_implementation(config, _traced_attention(attn))
     adapter = AdapterConfig.model_validate_json(adapter_json)
     with torch.device("meta"):
         model = auto_model(config).from_config(config, dtype=getattr(torch, dtype))
@@ -630,21 +680,23 @@ def model_key(config: Any, adapter: AdapterConfig, dtype: torch.dtype, planner: 
     # never loads them); the frozen reference adapter it adds is priced in memory_model.
     return (*_config_key(config, planner), adapter.model_dump_json(exclude={"init_from"}), str(dtype).removeprefix("torch."))
 
-def model_facts(config: Any, attn_choice: str, planner: Planner = DEFAULT) -> tuple[ModelShapes, str]:
-    """The model's shapes and the attention kernel `auto` resolves to, from the disk cache when known: both
-    need the architecture's modeling code, whose import alone takes longer than a warm plan."""
+def model_facts(config: Any, attn_choice: str, planner: Planner = DEFAULT, device: str = "cuda",
+                packing: bool = False) -> tuple[ModelShapes, str]:
+    """The model's shapes and the attention kernel `auto` resolves to for training on `device` with or without
+    packed documents (finetune.model.attention.choose), from the disk cache when known: both need the
+    architecture's modeling code, whose import alone takes longer than a warm plan."""
     from dataclasses import asdict
 
     from finetune.model.load import attn_implementation
 
     def compute() -> tuple[ModelShapes, str]:
         real = _real_config(config)
-        return model_shapes(real), attn_implementation(attn_choice, real)
+        return model_shapes(real), attn_implementation(attn_choice, real, device, packing)[0]
 
     def decode(value: Any) -> tuple[ModelShapes, str]:
         return ModelShapes(**value[0]), str(value[1])
 
-    return trace_cache.cached("model", [*_config_key(config, planner), attn_choice], compute,
+    return trace_cache.cached("model", [*_config_key(config, planner), attn_choice, device, packing], compute,
                               lambda v: [asdict(v[0]), v[1]], decode)
 
 

@@ -103,6 +103,9 @@ class Family:
     # Its vision-language checkpoints (a config with a vision part) load as their text model: transformers maps
     # them to the causal LM and leaves the vision tower unloaded, so they train, chat and export as text models.
     text_of_vision: bool = False
+    # Its attention adds a learned sink logit to every softmax (gpt-oss): sdpa and flash-attention 2 cannot run it
+    # (finetune.model.attention picks the kernel).
+    attention_sinks: bool = False
 
     # A vision-language family: its checkpoints load whole (vision tower, projector, language model) with the
     # image-text-to-text auto class; None: a text family.
@@ -178,7 +181,7 @@ FAMILIES: tuple[Family, ...] = (
            "alternating, with attention sinks; routed experts (32/128, top-4)",
            gguf=GGUFLayout("GPT_OSS", interleaved_experts=True, yarn=True, swa_every=2, fixed=(("swiglu_limit", 7.0),),
                            keys=(("add_expert_feed_forward_length", "intermediate_size"),)),
-           experts=_MOE, methods=_MOE_METHODS),
+           experts=_MOE, methods=_MOE_METHODS, attention_sinks=True),
     Family("DeepSeek-V2/V3", ("deepseek_v2", "deepseek_v3"), "DeepSeek-V2-Lite, DeepSeek-V3-style models",
            "multi-head latent attention (compressed KV); routed and shared experts after dense first layers",
            experts=_MOE, methods=_MOE_METHODS,

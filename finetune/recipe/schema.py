@@ -61,8 +61,11 @@ class ModelConfig(Section):
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) when path is a hub id.")
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
         "auto", description="Compute dtype; auto picks bf16 where the GPU supports it and fp32 on CPU.")
-    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = Field(
-        "auto", description="Attention kernel; auto uses sdpa.")
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2", "flex_attention", "chunked"] = Field(
+        "auto", description="Attention kernel; auto picks the best that runs the model's attention (soft-capping, "
+                            "sinks, sliding windows) and packed documents without s x s memory on the device: "
+                            "flash_attention_2 (installed, CUDA), sdpa, flex_attention (CUDA), chunked; eager "
+                            "only where none can, with the reason printed.")
 
 
 class QuantizationConfig(Section):

@@ -46,7 +46,7 @@ def step_setup(recipe: Recipe, scratch: str | Path | None = None,
         from finetune.plan import predict
 
         recipe = predict(recipe, **plan_kwargs).apply(recipe).recipe
-    model, _tokenizer, _path = load_model(recipe.model, recipe.quantization)
+    model, _tokenizer, _path = load_model(recipe.model, recipe.quantization, packing=recipe.data.packing)
     vocab = model.config.get_text_config().vocab_size
     checkpointing = bool(recipe.memory.activation_checkpointing)
     model = apply_adapter(model, recipe.adapter, checkpointing=checkpointing,

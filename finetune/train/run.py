@@ -412,7 +412,8 @@ def _model(recipe: Recipe, settings: Settings, run_dir: RunDir, main: bool, base
     if base is None:
         model, tokenizer, path = load_model(recipe.model, recipe.quantization, sharded=recipe.distributed.gpus > 1
                                             and recipe.distributed.strategy == "fsdp",
-                                            experts_on_host=recipe.memory.offload_experts in ("cpu", "disk"))
+                                            experts_on_host=recipe.memory.offload_experts in ("cpu", "disk"),
+                                            packing=recipe.data.packing)
     else:
         mismatch = base.mismatch(recipe.model, recipe.quantization)
         if mismatch is not None:
