@@ -96,6 +96,7 @@ PRIVATE: dict[str, PrivateAPI] = {api.name: api for api in (
     PrivateAPI("use_experts_implementation._apply_gate", "transformers"),
     PrivateAPI("Tensor._make_wrapper_subclass", "torch"),
     PrivateAPI("torch._C._disabled_torch_function_impl", "torch"),
+    PrivateAPI("torch._dynamo.utils.counters", "torch", "falls back to no count: graph breaks are not reported"),
 )}
 _seen: set[str] = set()  # entries whose version was compared this process (hot paths call _use per tensor)
 _noted = False  # the one line on untested versions was printed (once per process: once per command)
@@ -209,6 +210,16 @@ def tensor_version(tensor: torch.Tensor) -> int:
         return tensor._version
     except AttributeError:
         raise api.missing() from None
+
+
+def graph_breaks() -> int | None:
+    """How many graph breaks torch.compile has met in this process so far (None where torch does not say)."""
+    _use("torch._dynamo.utils.counters")
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return None
+    return sum(counters["graph_break"].values())
 
 
 def attn_implementation(config: Any) -> str | None:

@@ -1,0 +1,104 @@
+"""training.compile on the CPU: the same LoRA training with and without the per-layer torch.compile, side by side.
+
+    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/compile.py      # several minutes on the shared 2-core machine
+
+For each model (a tiny dense Llama and a tiny Qwen3-MoE, random weights, fp32), LoRA r 8 on every linear layer
+of the decoder, micro-batch 2 x SEQ tokens, AdamW, the same batch for STEPS steps: once eager, once with every
+decoder layer compiled by finetune's `compile_layers` (inductor's CPU backend, one graph shared by the layers).
+Printed per model: median tokens/s of the steps after the first, the ratio, the largest loss difference over
+the steps (the two must train alike), the compile time (the compiled run's first step less its median step)
+and the break-even step count (compile time / seconds saved per step: the run length from which compile pays,
+what `training.compile: auto` compares the run's steps with), and the graph breaks torch reported.
+A second dense row runs with activation checkpointing (transformers' non-reentrant checkpoint around each
+layer), where dynamo meets a side effect it will not replay in recompute: the graph break is counted.
+
+Writes benchmarks/results/compile-cpu.txt.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from finetune.compat import graph_breaks  # noqa: E402
+from finetune.memory.layer_recompute import compile_layers  # noqa: E402
+from finetune.memory.step import enable_checkpointing, training_step  # noqa: E402
+from finetune.testing import tiny_config  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+STEPS = 6
+SEQ, MICRO = 256, 2
+MODELS = {
+    "dense llama (h 256, 4 layers)": ("llama", {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4}),
+    "moe qwen3_moe (h 128, 4 layers, 8 experts)": ("qwen3_moe", {"hidden_size": 128, "num_hidden_layers": 4}),
+}
+
+
+def train(base: torch.nn.Module, compiled: bool, checkpointing: bool, batch: dict) -> tuple[list[float], list[float]]:
+    """Losses and step seconds of STEPS steps of a LoRA copy of `base`."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    model = get_peft_model(copy.deepcopy(base), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",
+                                                           lora_dropout=0.0))
+    enable_checkpointing(model, checkpointing, 1)
+    compile_layers(model, compiled)
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    losses, seconds = [], []
+    for _ in range(STEPS):
+        start = time.perf_counter()
+        losses.append(float(training_step(model, [batch], optimizer)[0]))
+        seconds.append(time.perf_counter() - start)
+    return losses, seconds
+
+
+def row(name: str, arch: str, shape: dict, checkpointing: bool) -> list[str]:
+    torch.manual_seed(0)
+    config = tiny_config(arch, **shape)
+    base = __import__("transformers").AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    ids = torch.randint(0, config.vocab_size, (MICRO, SEQ), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    eager_losses, eager_s = train(base, False, checkpointing, batch)
+    breaks_before = graph_breaks() or 0
+    comp_losses, comp_s = train(base, True, checkpointing, batch)
+    breaks = (graph_breaks() or 0) - breaks_before
+    eager, comp = statistics.median(eager_s[1:]), statistics.median(comp_s[1:])
+    compile_s = comp_s[0] - comp
+    saved = eager - comp
+    break_even = f"{compile_s / saved:,.0f}" if saved > 0 else "never (no step saved)"
+    diff = max(abs(a - b) for a, b in zip(eager_losses, comp_losses, strict=True))
+    tok = MICRO * SEQ
+    label = name + (" + checkpointing" if checkpointing else "")
+    return [f"{label}:",
+            f"  eager     {tok / eager:8.0f} tokens/s   losses {' '.join(f'{x:.4f}' for x in eager_losses)}",
+            f"  compiled  {tok / comp:8.0f} tokens/s   losses {' '.join(f'{x:.4f}' for x in comp_losses)}",
+            f"  speed ratio compiled/eager {eager / comp:.2f}x   largest loss difference {diff:.2e}",
+            f"  compile time {compile_s:.1f} s   break-even after {break_even} steps   graph breaks {breaks}"]
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    lines = [f"torch {torch.__version__}, CPU, 1 thread, fp32, LoRA r 8 all-linear, micro-batch {MICRO} x {SEQ} "
+             f"tokens, {STEPS} steps (median of steps 2..{STEPS}); machine shared (load varies: ratios, not "
+             "absolute figures)", ""]
+    runs = [(name, arch, shape, False) for name, (arch, shape) in MODELS.items()]
+    runs.insert(1, (*next(iter(MODELS.items()))[:1], *next(iter(MODELS.values())), True))
+    for name, arch, shape, checkpointing in runs:
+        lines += row(name, arch, shape, checkpointing)
+        print("\n".join(lines[-5:]), flush=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "compile-cpu.txt").write_text("\n".join(lines) + "\n")
+    print(f"wrote {RESULTS / 'compile-cpu.txt'}")
+
+
+if __name__ == "__main__":
+    main()
