@@ -213,13 +213,14 @@ def tensor_version(tensor: torch.Tensor) -> int:
 
 
 def graph_breaks() -> int | None:
-    """How many graph breaks torch.compile has met in this process so far (None where torch does not say)."""
+    """How many graph breaks torch.compile has met in this process so far (0 where nothing was compiled, None
+    where torch does not say). Imports nothing: dynamo is loaded once something was compiled."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return 0
     _use("torch._dynamo.utils.counters")
-    try:
-        from torch._dynamo.utils import counters
-    except ImportError:
-        return None
-    return sum(counters["graph_break"].values())
+    counters = getattr(utils, "counters", None)
+    return None if counters is None else sum(counters["graph_break"].values())
 
 
 def attn_implementation(config: Any) -> str | None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import set_seed
 
+from finetune.compat import graph_breaks
 from finetune.console import console
 from finetune.data.fingerprint import DataChanged, check_resumed_data
 from finetune.errors import FinetuneError, RecipeError, UsageError
@@ -474,6 +475,10 @@ def _train(built: _Built, run_dir: RunDir, checkpoint: str | None, main: bool) -
     if main and peak.tracked_steps:
         run_dir.log_line(f"memory tracker: tracked {len(peak.tracked_steps)} of {loop.state.step} steps "
                          f"(those that could set a new peak): {', '.join(str(s + 1) for s in peak.tracked_steps)}")
+    breaks = graph_breaks()  # training.compile: regions torch could not capture ran eagerly
+    if main and breaks:
+        console.print(f"training.compile: {breaks} graph break(s): those regions ran uncompiled", markup=False)
+        run_dir.log_line(f"training.compile: {breaks} graph break(s) in this process (regions run uncompiled)")
     after = _final_evaluation(loop) if data.eval is not None else {}
     state = "stopped" if loop.stopped else "completed"
     if state == "completed":
