@@ -141,6 +141,10 @@ def test_compile_auto_is_on_only_for_runs_long_enough_to_repay_it(tiny_model_dir
     assert planned_steps(_recipe(tiny_model_dir, tmp_path, {"epochs": 3})) == 40 * 3 // 2  # 40 records, 2 a step
     monkeypatch.setattr(kernels, "cxx_compiler", lambda: None)
     assert not compile_pays(long, "cpu")
+    monkeypatch.setattr(kernels, "_config_model_type", lambda path: "qwen3_moe")
+    monkeypatch.setattr(kernels, "cxx_compiler", lambda: "g++")
+    assert not compile_pays(long, "cpu")  # a mixture-of-experts model: its routing breaks the graph
+    monkeypatch.undo()
     monkeypatch.setattr(kernels, "cxx_compiler", lambda: "g++")
     for recipe, want in ((short, False), (long, True)):
         plan = predict(recipe)

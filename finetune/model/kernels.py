@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.errors import RecipeError
+from finetune.recipe.families import family_for
 
 # Liger's end-to-end figures (its README: Llama-3-8B, +20% throughput), what the planner prices `liger` at until
 # the GPU kit measures them; the fused loss itself is priced as the chunked loss it replaces (memory and time).
@@ -166,8 +167,13 @@ def planned_steps(recipe: Any) -> int | None:
 
 def compile_pays(recipe: Any, device: str) -> bool:
     """What `training.compile: auto` becomes: on where compiling can run here and the run's steps reach twice
-    COMPILE's break-even count, off for short runs and runs of unknown length."""
+    COMPILE's break-even count, off for short runs and runs of unknown length, and for mixture-of-experts
+    models (their routing breaks the graph: benchmarks/compile.py measured the compiled MoE step slower)."""
     if compile_problem(device, recipe.memory.offload_experts) is not None or device not in COMPILE:
+        return False
+    model_type = _config_model_type(recipe.model.path)
+    family = family_for(model_type) if model_type is not None else None
+    if family is not None and family.experts is not None:
         return False
     steps = planned_steps(recipe)
     return steps is not None and steps >= 2 * COMPILE[device][1]
