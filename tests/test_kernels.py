@@ -129,15 +129,20 @@ def test_kernels_auto_is_none_where_liger_cannot_run_and_lora_on_the_head_is_ref
 
 def test_compile_auto_is_on_only_for_runs_long_enough_to_repay_it(tiny_model_dir, tmp_path, monkeypatch):
     """training.compile: auto compiles where the run's steps reach twice the device's break-even count, not for
-    short runs or runs it cannot count; the planner writes the choice into the resolved recipe."""
+    short runs, runs it cannot count, MoE models or checkpointed layers; the planner writes the choice into the
+    resolved recipe."""
     import finetune.model.kernels as kernels
     from finetune.plan import predict
 
     monkeypatch.setattr(kernels, "cxx_compiler", lambda: "g++")
     break_even = kernels.COMPILE["cpu"][1]
-    short = _recipe(tiny_model_dir, tmp_path, {"compile": "auto", "max_steps": 10})
-    long = _recipe(tiny_model_dir, tmp_path, {"compile": "auto", "max_steps": 2 * break_even})
+    short = _recipe(tiny_model_dir, tmp_path, {"compile": "auto", "max_steps": 10}, activation_checkpointing=False)
+    long = _recipe(tiny_model_dir, tmp_path, {"compile": "auto", "max_steps": 2 * break_even},
+                   activation_checkpointing=False)
     assert not compile_pays(short, "cpu") and compile_pays(long, "cpu")
+    checkpointed = _recipe(tiny_model_dir, tmp_path, {"compile": "auto", "max_steps": 2 * break_even},
+                           activation_checkpointing=True)
+    assert not compile_pays(checkpointed, "cpu")  # a checkpointed layer breaks the graph: nothing to gain
     assert planned_steps(_recipe(tiny_model_dir, tmp_path, {"epochs": 3})) == 40 * 3 // 2  # 40 records, 2 a step
     monkeypatch.setattr(kernels, "cxx_compiler", lambda: None)
     assert not compile_pays(long, "cpu")
