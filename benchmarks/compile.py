@@ -101,8 +101,9 @@ def row(name: str, arch: str, shape: dict, checkpointing: bool) -> list[str]:
 def main() -> None:
     torch.set_num_threads(1)
     lines = [f"torch {torch.__version__}, CPU, 1 thread, fp32, LoRA r 8 all-linear, micro-batch {MICRO} x {SEQ} "
-             f"tokens, {STEPS} steps (median of steps 2..{STEPS}); machine shared (load varies: ratios, not "
-             "absolute figures)", ""]
+             f"tokens, {STEPS} steps (median of steps 2..{STEPS}), eager and compiled steps interleaved; inductor's "
+             "cache cold (compile time as on a first run); machine shared (load varies: ratios, not absolute "
+             "figures)", ""]
     runs = [(name, arch, shape, False) for name, (arch, shape) in MODELS.items()]
     runs.insert(1, (*next(iter(MODELS.items()))[:1], *next(iter(MODELS.values())), True))
     for name, arch, shape, checkpointing in runs:

@@ -17,7 +17,8 @@ preference losses are not wired), Liger's plain cross-entropy (the fused one rep
 through inductor's C++ backend, which needs a C++ compiler. It changes no memory the planner prices (planned as
 uncompiled) and pays only once the steps it speeds repay its compile time: `auto` turns it on where the run's
 steps reach twice the break-even step count of `COMPILE` (CPU: benchmarks/compile.py; CUDA: a declared figure
-until the GPU kit measures it); a run whose length the planner cannot count stays uncompiled.
+until the GPU kit measures it); a run whose length the planner cannot count, a mixture-of-experts model and
+checkpointed layers (both break the graph) stay uncompiled.
 
 Liger needs `pip install -c finetune/constraints.txt -e ".[cuda]"` (liger-kernel, triton) and a CUDA GPU: without
 either, `memory.kernels: liger` is refused before anything loads, `auto` stays `none`.
