@@ -45,8 +45,8 @@ KERNEL_ARGS = ("rope", "rms_norm", "swiglu", "geglu", "fused_linear_cross_entrop
 
 
 # training.compile per device: (step speedup, steps after which the compile time is repaid). CPU: measured by
-# benchmarks/compile.py on a tiny dense model (results/compile-cpu.txt: 1.25x, a cold compile of 166 s repaid
-# after 978 steps); CUDA: declared (torchtune reports compiled QLoRA gains of this order) until the GPU kit
+# benchmarks/compile.py on a tiny dense model, the slower of two runs (1.25x, a cold compile of 166 s repaid
+# after 978 steps; results/compile-cpu.txt: 1.40x, 604 steps); CUDA: declared (torchtune reports compiled QLoRA gains of this order) until the GPU kit
 # measures compile on and off. A checkpointed layer runs uncompiled (a graph break: see compile_pays), so
 # neither figure applies there.
 COMPILE: dict[str, tuple[float, int]] = {"cpu": (1.25, 1000), "cuda": (1.15, 200)}
