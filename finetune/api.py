@@ -50,7 +50,7 @@ def preflight(recipe: Recipe) -> dict[str, Any]:
     """What would otherwise fail a minute into `plan` or `run`, checked in seconds before any model loads or
     run directory is made: every path the recipe reads exists (model.path when it is local, data.path,
     data.chat_template's file, adapter.init_from, grpo's kind python reward files) and the data file parses (the record reader, format
-    detection and each record's fields; no tokenizer), and training.compile has a CUDA GPU to run on. Raises the
+    detection and each record's fields; no tokenizer), and training.compile and memory.kernels: liger can run here. Raises the
     error the run would; returns the data's format and record counts (finetune.data.build.check_records)."""
     from finetune.data.build import check_records
     from finetune.data.chat import template_file
@@ -59,10 +59,11 @@ def preflight(recipe: Recipe) -> dict[str, Any]:
     from finetune.recipe.families import check_config_file
     from finetune.recipe.init_from import resolve_init_from
 
-    if recipe.training.compile:  # imports torch: only then
-        from finetune.memory.layer_recompute import check_compile_device
+    if recipe.training.compile is True or recipe.memory.kernels == "liger":  # imports torch: only then
+        from finetune.model.kernels import check_compile, check_kernels
 
-        check_compile_device()
+        check_compile(recipe)
+        check_kernels(recipe)
     check_model_path(recipe.model.path, recipe.model.revision)
     # a family the tool describes (a hub id not in the local cache: when loaded)
     family = check_config_file(known_config(recipe.model.path, recipe.model.revision))

@@ -102,6 +102,7 @@ PRIVATE: dict[str, PrivateAPI] = {api.name: api for api in (
     PrivateAPI("use_experts_implementation._apply_gate", "transformers"),
     PrivateAPI("Tensor._make_wrapper_subclass", "torch"),
     PrivateAPI("torch._C._disabled_torch_function_impl", "torch"),
+    PrivateAPI("torch._dynamo.utils.counters", "torch", "falls back to no count: graph breaks are not reported"),
 )}
 _seen: set[str] = set()  # entries whose version was compared this process (hot paths call _use per tensor)
 _noted = False  # the one line on untested versions was printed (once per process: once per command)
@@ -215,6 +216,17 @@ def tensor_version(tensor: torch.Tensor) -> int:
         return tensor._version
     except AttributeError:
         raise api.missing() from None
+
+
+def graph_breaks() -> int | None:
+    """How many graph breaks torch.compile has met in this process so far (0 where nothing was compiled, None
+    where torch does not say). Imports nothing: dynamo is loaded once something was compiled."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return 0
+    _use("torch._dynamo.utils.counters")
+    counters = getattr(utils, "counters", None)
+    return None if counters is None else sum(counters["graph_break"].values())
 
 
 def attn_implementation(config: Any) -> str | None:

@@ -109,6 +109,8 @@ class ProgressLines:
 LIBRARY_WARNINGS: tuple[tuple[type[Warning], str, str], ...] = (
     # transformers 5 deprecated the property peft still reads on every adapter it wraps (five times a load).
     (FutureWarning, r"`is_gradient_checkpointing` is deprecated", r"transformers\.modeling_utils"),
+    # Liger's fused-loss forward (memory.kernels: liger) still passes the argument transformers 5 renamed.
+    (FutureWarning, r"`past_key_values` is deprecated", r"torch\.nn\.modules\.module"),
 )
 
 
@@ -123,6 +125,8 @@ def quiet_libraries() -> None:
     # bitsandbytes warns on every import on AVX512-BF16 CPUs that an optional hub kernel is missing; we must not
     # install it (it downloads from the hub) and the built-in path works.
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    # Liger (memory.kernels: liger) names, on import, each optional backend it lacks (CuTe DSL, Ascend).
+    logging.getLogger("liger_kernel.backends.registry").setLevel(logging.ERROR)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     filter_library_warnings()
     if not console.is_terminal and "tqdm" not in sys.modules:

@@ -367,8 +367,9 @@ def test_a_run_that_fails_before_its_first_step_keeps_its_prediction(tmp_path):
     kit = suite.Suite(tmp_path / "out", cpu=True, time_limit=600, work=tmp_path / "work")
     cfg = next(c for c in configs.stage_a_cpu() if c["name"] == "Llama-3.1-8B QLoRA 2k mb2 acc4")
     recipe = kit.recipe(cfg, 3, tmp_path / "run")
-    recipe = recipe.model_copy(update={"training": recipe.training.model_copy(update={"compile": True})})
-    row = kit.train(recipe)  # training.compile is refused on CPU (api.preflight), before the first step
-    assert row["status"] == "error" and "training.compile" in row["error"]
+    recipe = recipe.model_copy(update={"memory": recipe.memory.model_copy(update={"kernels": "liger",
+                                                                                  "chunked_loss": False})})
+    row = kit.train(recipe)  # memory.kernels: liger is refused on CPU (api.preflight), before the first step
+    assert row["status"] == "error" and "memory.kernels" in row["error"]
     assert not (tmp_path / "run").exists()
     assert row["predicted_bytes"] == predict(recipe).peak_bytes and row["fits"] is True

@@ -103,9 +103,9 @@ def test_published_comparison_is_current(capsys):
     assert all(label in printed for label, *_ in ROWS) and len(ROWS) == 12
 
 
-def test_bf16_adapter_run_learns_and_saves_bf16_and_compile_is_refused_on_cpu(tiny_model_dir, tmp_path, capsys):
+def test_bf16_adapter_run_learns_and_saves_bf16_and_liger_is_refused_on_cpu(tiny_model_dir, tmp_path, capsys):
     """`finetune run` end to end: adapter.dtype bf16 trains (the loss falls) and saves a bf16 adapter;
-    training.compile on a CPU run stops before training with exit code 2 and a line naming the key."""
+    memory.kernels: liger on a CPU run stops before training with exit code 2 and a line naming the key."""
     import yaml
     from safetensors.torch import load_file
 
@@ -125,13 +125,13 @@ def test_bf16_adapter_run_learns_and_saves_bf16_and_compile_is_refused_on_cpu(ti
     tensors = load_file(next(run.adapter.glob("*.safetensors")))
     assert tensors and all(t.dtype == torch.bfloat16 for t in tensors.values())
 
-    recipe = tiny_lora_recipe(tiny_model_dir, data, tmp_path / "compiled", {"training": {"compile": True,
-                                                                                          "max_steps": 2}})
+    recipe = tiny_lora_recipe(tiny_model_dir, data, tmp_path / "fused", {"training": {"max_steps": 2}},
+                              {"memory": {"kernels": "liger", "chunked_loss": False}})
     path.write_text(yaml.safe_dump(recipe))
     capsys.readouterr()
     assert main(["run", str(path)]) == 2
     err = capsys.readouterr().err
-    assert "training.compile" in err and "cpu" in err and "Traceback" not in err
+    assert "memory.kernels: liger" in err and "CUDA" in err and "Traceback" not in err
 
 
 def test_prediction_keeps_every_window_and_the_peak_is_the_largest():

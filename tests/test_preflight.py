@@ -162,20 +162,33 @@ def test_a_run_that_fails_before_its_first_step_leaves_no_run_directory(tmp_path
     assert run.read_status()["state"] == "failed"
 
 
-def test_training_compile_without_a_cuda_gpu_is_refused_before_any_model_loads(tmp_path, tiny_model_dir, no_model,
-                                                                               monkeypatch, capsys):
-    """`validate` used to accept it and `run` refused it only once the model had loaded."""
+@pytest.mark.parametrize("key,value,cause,fix", [
+    ("training.compile", True, "needs a C++ compiler", "set training.compile: false"),
+    ("memory.kernels", "liger", "Liger's Triton kernels run on CUDA GPUs", "set memory.kernels: none"),
+])
+def test_compile_or_liger_where_they_cannot_run_are_refused_before_any_model_loads(
+        tmp_path, tiny_model_dir, no_model, monkeypatch, capsys, key, value, cause, fix):
+    """training.compile without a C++ compiler (the CPU's inductor backend builds C++), memory.kernels: liger
+    without a CUDA GPU: one line naming the key, exit 2, before anything loads; the same recipe passes where
+    they can run."""
     import torch
 
-    recipe = write_recipe(tmp_path, tiny_model_dir, sums_data(tmp_path / "d.jsonl", 4), {"training": {"compile": True}})
+    import finetune.model.kernels
+
+    section, field = key.split(".")
+    recipe = write_recipe(tmp_path, tiny_model_dir, sums_data(tmp_path / "d.jsonl", 4), {section: {field: value}})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(finetune.model.kernels, "cxx_compiler", lambda: None)
     for command in ("validate", "plan", "run"):
         start = time.monotonic()
         assert main([command, str(recipe)]) == 2, command
         err = " ".join(capsys.readouterr().err.split())
-        assert "training.compile: torch.compile is supported on cuda GPUs only" in err, (command, err)
-        assert "set training.compile: false" in err and "Traceback" not in err
+        assert f"{key}: " in err and cause in err, (command, err)
+        assert fix in err and "Traceback" not in err
         assert time.monotonic() - start < 5, command
     assert not (tmp_path / "run").exists()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with a GPU: the recipe is fine
+    monkeypatch.setattr(finetune.model.kernels, "cxx_compiler", lambda: "g++")
+    monkeypatch.setattr(finetune.model.kernels, "liger_installed", lambda: True)
+    monkeypatch.setattr(finetune.model.kernels, "liger_function", lambda model_type: print)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine where both run: the recipe is fine
     assert main(["validate", str(recipe)]) == 0

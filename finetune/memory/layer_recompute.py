@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 
-from finetune.errors import RecipeError
 from finetune.memory.expert_offload import ExpertOffload, offload_experts
 from finetune.memory.offload import offload_dir_for
 from finetune.model.family import decoder_layers, dense_mlp, family_of
@@ -187,32 +186,14 @@ def apply_layer_recompute(model: torch.nn.Module, norms: bool, mlp_tokens: int |
         tile_mlps(model, mlp_tokens)
 
 
-COMPILE_DEVICES = ("cuda",)  # where training.compile is supported
-
-
-def check_compile_device() -> None:
-    """training.compile: true refused before any model loads (finetune.api.preflight) on a machine where torch
-    sees no CUDA GPU, so the run would train on the CPU."""
-    if not torch.cuda.is_available():
-        raise _compile_refused("cpu (torch sees no CUDA GPU)")
-
-
-def _compile_refused(device: str) -> RecipeError:
-    return RecipeError(f"training.compile: torch.compile is supported on {', '.join(COMPILE_DEVICES)} GPUs only, "
-                       f"and this run trains on {device}",
-                       hint="set training.compile: false (the memory plan is the same: compile is planned as uncompiled)")
-
-
 def compile_layers(model: torch.nn.Module, enabled: bool) -> int:
     """training.compile: torch.compile each decoder layer in place (`nn.Module.compile`: parameters, hooks and
     state-dict names stay), after the adapter and the layer changes above, so the graph is the trained one.
-    Refused with a RecipeError on a device outside COMPILE_DEVICES (on CPU inductor needs a C++ toolchain and
-    these models gain nothing). Returns the number of layers compiled."""
+    Every layer of a family shares one graph (compiled once, at the first step); a graph break falls back to
+    eager for that region and is counted (`finetune.compat.graph_breaks`). Returns the number of layers
+    compiled."""
     if not enabled:
         return 0
-    device = next(model.parameters()).device.type
-    if device not in COMPILE_DEVICES:
-        raise _compile_refused(device)
     layers = decoder_layers(model)
     for layer in layers:
         layer.compile()

@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from finetune.memory.preference import PreferenceLoss
+from finetune.model.kernels import kernel_speedup
 from finetune.model.moe import moe_config
 from finetune.plan.generation import generation_memory
 from finetune.plan.memory_model import (
@@ -146,8 +147,9 @@ def tokens_per_second(spec: ModelSpec, shapes: ModelShapes, settings: Settings, 
         recompute += 2 * mlp_params * rows
     util = rows / (rows + dev["half_tokens"])
     compute = (fwd * (passes + (1 if reference_forward else 0)) + recompute) / (dev["flops"] * util)
-    if settings.chunked_loss:
+    if settings.loss_without_logits:
         compute *= 1 + CHUNKED_LOSS_OVERHEAD
+    compute /= kernel_speedup(settings, device)
     dequant = 0.0
     if settings.bits:
         per_pass = quantized_params * (settings.bits / 8 + dtype_bytes) / dev["mem_bw"]

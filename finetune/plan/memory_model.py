@@ -429,7 +429,7 @@ def chunked_head_gradient_bytes(spec: ModelSpec, settings: Settings, tokens: int
     memory_model scales them): every chunk multiplies by the LM head's weight, so a trained head receives one
     gradient per chunk, summed in autograd's input buffer while the next chunk's is computed: one head-sized
     gradient more (tests/test_plan_accuracy.py measures it). Nothing with one chunk or a frozen head (LoRA)."""
-    if not settings.chunked_loss or spec.objective != "sft" or tokens <= default_chunk_size(
+    if not settings.loss_without_logits or spec.objective != "sft" or tokens <= default_chunk_size(
             spec.config.get_text_config().vocab_size):
         return 0
     la, _ = _layer_counts(spec, settings)
@@ -507,7 +507,7 @@ def _step(spec: ModelSpec, settings: Settings) -> _Step:
     if settings.chunked_loss and spec.objective != "sft":
         traced_tokens = spec.seq_len * spec.rows_per_example
         logits_scale = min(tokens, chunk) / min(traced_tokens, chunk)
-    elif settings.chunked_loss:  # only labelled positions go through the head, a chunk at a time: no image token
+    elif settings.loss_without_logits:  # only labelled positions reach the head, a chunk at a time: no image token
         labelled = settings.micro_batch_size * max(spec.seq_len - spec.image_positions, 1)
         logits_scale = min(labelled, chunk) / (spec.seq_len * settings.micro_batch_size / rows_scale)  # of the traced
     else:

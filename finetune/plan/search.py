@@ -21,6 +21,7 @@ from finetune.memory.device_memory import usable_gpu_memory
 from finetune.memory.offload import offload_dir_for
 from finetune.memory.offload_disk import with_margin
 from finetune.memory.preference import PreferenceLoss, loads_reference_adapter, reference_is_current
+from finetune.model.kernels import compile_pays, kernel_choices
 from finetune.model.moe import moe_config
 from finetune.model.vision import in_vision
 from finetune.plan.cost_model import figures_of, tokens_per_second
@@ -199,6 +200,8 @@ def auto_values(recipe: Recipe, device: str) -> dict[str, list[Any]]:
         # grpo: whole groups, doubling; one that holds the step's all is None (_choices)
         "generation_batch_size": [None, *(recipe.grpo.num_generations << k for k in range(11))]
         if recipe.training.spec.generates else [None],
+        "kernels": kernel_choices(recipe, device),
+        "compile": [compile_pays(recipe, device)],  # one value: compile is memory-neutral, chosen by run length
         # largest first; `predict` tries them one after another (each capped at the model's own limit)
         "max_pixels": list(PIXEL_BUDGETS),
         # not a search axis either: `predict` picks one for the chosen batch (auto_batching)
@@ -269,6 +272,8 @@ def _choices(recipe: Recipe, spec: ModelSpec) -> list[Settings]:
         st = dict(zip(axes, values, strict=True))
         if st["tiled_mlp"] and given["tiled_mlp"] == "auto" and spec.seq_len <= spec.tiled_mlp_tokens:
             continue  # one chunk: the plain MLP (a fixed true stays: the run tiles longer sequences, this one not)
+        if st["kernels"] == "liger" and st["chunked_loss"]:
+            continue  # Liger's fused loss replaces the chunked loss
         if st["offload"] != "none" and spec.num_layers < 2:
             continue
         if st["offload_experts"] != "none" and given["offload_experts"] == "auto" and moe_config(spec.config) is None:

@@ -273,11 +273,12 @@ class TrainingFields(Section):
     reference_batch_size: int | None = Field(None, ge=1, le=MAX_COUNT, description="Sequences per step that "
         "learning_rate and optimizer.betas were tuned for; a different effective batch rescales them (sqrt or "
         "linear rule by optimizer, capped; beta2 ** (batch / reference)). null: the recipe's effective batch.")
-    compile: bool = Field(
-        False, description="torch.compile each decoder layer (one graph reused by every layer, as torchtune does); "
-        "CUDA only, refused on other devices. Planned as uncompiled: its memory effect is a declared estimate "
-        "(none beyond memory.recompute_norms, which prices the largest part of what compile's fusion saves), to be "
-        "measured by the GPU kit.")
+    compile: bool | Auto = Field(
+        False, description="torch.compile each decoder layer (one graph reused by every layer, as torchtune does) "
+        "on CUDA, or on the CPU with inductor's C++ backend (needs a C++ compiler); auto: on where the run is long "
+        "enough to repay the compile time (docs/training.md). Planned as uncompiled: its memory effect is a "
+        "declared estimate (none beyond memory.recompute_norms, which prices the largest part of what compile's "
+        "fusion saves), to be measured by the GPU kit.")
     # The training method (finetune/recipe/methods.py) and the knobs several methods share; each method's entry
     # names the shared knobs that apply to it and declares its own (`training_config` adds those, and sets the
     # names and description of training.method).
@@ -473,6 +474,10 @@ class MemoryConfig(Section):
         "none (on the device), cpu (pinned host RAM; counts against offload_cpu_limit), disk (files in "
         "offload_dir, read ahead a layer: for experts larger than host RAM); auto: planner (the disk only where "
         "RAM is short). true and false still mean cpu and none.")
+    kernels: Literal["none", "liger", "auto"] = Field(
+        "auto", description="Fused kernels: liger (Liger Kernel's RMSNorm, RoPE, SwiGLU/GeGLU and fused linear "
+        "cross-entropy, per family; CUDA with the cuda extra installed; replaces memory.chunked_loss, priced like "
+        "it), none; auto: liger where it runs, else none.")
     gpu_memory: PositiveByteSize | Auto = Field("auto", description="Memory budget, e.g. 12GiB; auto: the GPU memory free when the run starts "
         "(torch.cuda.mem_get_info), so what other processes hold then is excluded; gpu_memory_margin stays free "
         "below it for what they (and the CUDA context, allocator fragmentation) may take later.")
@@ -493,6 +498,14 @@ class MemoryConfig(Section):
             raise ValueError(f"the folder name {long[:24]}... is {len(os.fsencode(long))} bytes long; disks allow "
                              f"{NAME_MAX} per name: use a shorter one")
         return value
+
+    @model_validator(mode="after")
+    def _one_loss(self) -> MemoryConfig:
+        """Liger's fused linear cross-entropy is the loss without logits: the chunked loss is its alternative."""
+        if self.kernels == "liger" and self.chunked_loss is True:
+            raise ValueError("memory.kernels: liger computes the loss with its fused linear cross-entropy, which "
+                             "replaces memory.chunked_loss; set memory.chunked_loss: false (or auto)")
+        return self
 
     @field_validator("offload_experts", mode="before")
     @classmethod

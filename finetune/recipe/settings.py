@@ -73,11 +73,22 @@ class Settings:
     # completions per generate call (None: the step's all, what an out-of-memory recovery starts halving from)
     generation_batch_size: int | None = _setting("grpo.generation_batch_size", "gen", fallback=None, default=None,
                                                  active=_generates)
+    # fused kernels (finetune.model.kernels): none or liger, whose fused loss replaces the chunked loss
+    kernels: str = _setting("memory.kernels", "kernels", fallback="none", default="none")
+    # per-layer torch.compile: on where the run's steps repay the compile time (finetune.model.kernels)
+    compile: bool = _setting("training.compile", "compile", fallback=False, default=False)
     # a vision-language model's image pixel budget (None: the image processor's own limit)
     max_pixels: int | None = _setting("data.max_pixels", "pixels", default=None, active=takes_images)
     # how examples become micro-batches (finetune.data.batching); without a plan nothing prices the others
     batching: str = _setting("data.batching", "batching", fallback="random", default="random",
                              active=_batches_rows)
+
+
+    @property
+    def loss_without_logits(self) -> bool:
+        """Whether the full logits never exist: the chunked loss, or Liger's fused linear cross-entropy that
+        replaces it (priced alike)."""
+        return bool(self.chunked_loss) or self.kernels == "liger"
 
 
 class Setting(NamedTuple):

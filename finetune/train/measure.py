@@ -37,6 +37,7 @@ def step_setup(recipe: Recipe, scratch: str | Path | None = None,
     offload/ holds expert offload files when memory.offload_dir is unset (default output.dir); they go with
     `expert_offload_of(model).close()`, or when the process exits."""
     from finetune.model.adapter import apply_adapter
+    from finetune.model.kernels import apply_kernels
     from finetune.model.load import load_model
     from finetune.optim import build_optimizer
     from finetune.recipe.init_from import resolve_init_from
@@ -52,6 +53,7 @@ def step_setup(recipe: Recipe, scratch: str | Path | None = None,
     model = apply_adapter(model, recipe.adapter, checkpointing=checkpointing,
                           reference=loads_reference_adapter(recipe))
     apply_memory_config(model, recipe.memory, scratch if scratch is not None else recipe.output.dir)
+    apply_kernels(model, recipe.memory.kernels)
     compile_layers(model, recipe.training.compile)
     enable_checkpointing(model, checkpointing, recipe.memory.checkpoint_every_n_layers)
     model.train()

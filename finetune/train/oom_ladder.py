@@ -39,7 +39,7 @@ def rungs(recipe: Recipe, device: str, unusable: frozenset[str] = frozenset()) -
     names = [t.name for t in TIERS]
     later = TIERS[names.index(m.offload) + 1:] if m.offload in names else TIERS
     rungs += [{"offload": t.name} for t in later if t.frees_device(device) and t.name not in unusable]
-    if m.chunked_loss is not True:
+    if m.chunked_loss is not True and m.kernels != "liger":  # Liger's fused loss already keeps no logits
         rungs.append({"chunked_loss": True})
     if m.tiled_mlp is not True and recipe.data.max_seq_len > m.tiled_mlp_tokens:
         rungs.append({"tiled_mlp": True})

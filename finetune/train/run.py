@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import set_seed
 
+from finetune.compat import graph_breaks
 from finetune.console import console
 from finetune.data.fingerprint import DataChanged, check_resumed_data
 from finetune.errors import FinetuneError, RecipeError, UsageError
@@ -230,10 +231,12 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False,
 
 def check_lendable(recipe: Recipe) -> None:
     """What a lent model (run(base=...)) cannot do, refused before anything is written: full fine-tuning
-    (the next run would start from changed weights), torch.compile (compiled layers stay compiled), expert
+    (the next run would start from changed weights), torch.compile (compiled layers stay compiled), Liger's
+    kernels (its norms and MLPs stay swapped in), expert
     offload (the experts stay off the device, the disk tier's files are gone) and several processes (each
     loads its own)."""
-    refused = {"adapter.type: full": recipe.adapter.type == "full", "training.compile: true": recipe.training.compile,
+    refused = {"adapter.type: full": recipe.adapter.type == "full", "training.compile: true": recipe.training.compile is True,
+               "memory.kernels: liger": recipe.memory.kernels == "liger",
                f"memory.offload_experts: {recipe.memory.offload_experts}": recipe.memory.offload_experts != "none",
                f"distributed.gpus: {recipe.distributed.gpus}": recipe.distributed.gpus > 1}
     for key, bad in refused.items():
@@ -405,6 +408,7 @@ def _model(recipe: Recipe, settings: Settings, run_dir: RunDir, main: bool, base
     without one) and a vision-language model's image processor (None for a text model)."""
     from finetune.memory.layer_recompute import apply_memory_config, compile_layers
     from finetune.model.adapter import apply_adapter
+    from finetune.model.kernels import apply_kernels
     from finetune.model.load import load_model
     from finetune.model.vision import vision_data
 
@@ -429,6 +433,9 @@ def _model(recipe: Recipe, settings: Settings, run_dir: RunDir, main: bool, base
     if started is not None:
         run_dir.log_line(f"adapter.init_from: started from {started['adapter']} (sha256 {started['sha256']})")
     experts = apply_memory_config(model, recipe.memory, run_dir.root)  # closed (its files removed) after training
+    fused = apply_kernels(model, recipe.memory.kernels)
+    if fused:
+        console.print(f"kernels: Liger's {', '.join(fused)}", markup=False, highlight=False)
     compile_layers(model, recipe.training.compile)
     return model, tokenizer, started, experts, vision
 
@@ -475,6 +482,10 @@ def _train(built: _Built, run_dir: RunDir, checkpoint: str | None, main: bool) -
     if main and peak.tracked_steps:
         run_dir.log_line(f"memory tracker: tracked {len(peak.tracked_steps)} of {loop.state.step} steps "
                          f"(those that could set a new peak): {', '.join(str(s + 1) for s in peak.tracked_steps)}")
+    breaks = graph_breaks()  # training.compile: regions torch could not capture ran eagerly
+    if main and breaks:
+        console.print(f"training.compile: {breaks} graph break(s): those regions ran uncompiled", markup=False)
+        run_dir.log_line(f"training.compile: {breaks} graph break(s) in this process (regions run uncompiled)")
     after = _final_evaluation(loop, run_dir, main) if data.eval is not None else {}
     state = "stopped" if loop.stopped else "completed"
     if state == "completed":
