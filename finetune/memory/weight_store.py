@@ -36,14 +36,16 @@ from finetune.model.family import decoder_layers
 from finetune.units import format_bytes
 
 FILE_PREFIX = "ft-weights-"
+STORE_ATTRIBUTE = "finetune_weight_store"  # the first decoder layer's reference to its model's store
 DISK_HINT = ("Set memory.offload_dir to a folder on a disk with room for the model's weights (ideally an NVMe SSD), "
              "or use memory.offload_weights: cpu (host RAM) or none.")
 
 
 def frozen_storages(layer: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The tensors whose storages hold `layer`'s frozen weights: parameters without requires_grad, their
-    bitsandbytes quant state's tensors (absmax, the nested state's), and buffers (a 4-bit expert store's),
-    by name; one tensor per storage."""
+    bitsandbytes quant state's absmax (and the nested state's), and buffers (a 4-bit expert store's), by
+    name. A quant state's code and offset (a kilobyte) stay: bitsandbytes reads them when the model's state
+    dict is taken (peft's adapter save), outside any layer's forward."""
     found: list[tuple[str, torch.Tensor]] = []
     for name, param in layer.named_parameters():
         if param.requires_grad:
@@ -51,8 +53,8 @@ def frozen_storages(layer: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
         found.append((name, param))
         state = getattr(param, "quant_state", None)
         while state is not None:
-            found += [(f"{name}.qs.{k}", v) for k, v in vars(state).items() if isinstance(v, torch.Tensor)]
-            name, state = f"{name}.qs", getattr(state, "state2", None)
+            found.append((f"{name}.absmax", state.absmax))
+            name, state = f"{name}.nested", getattr(state, "state2", None)
     found += [(name, b) for name, b in layer.named_buffers() if b is not None]
     return found
 
@@ -255,4 +257,10 @@ def offload_weights(model: torch.nn.Module, tier: str, ahead: int, host_ram: int
                               hint=DISK_HINT) from exc
     for position, layer in enumerate(layers):
         store.hooks += _hooks(store, layer, position)
+    setattr(layers[0], STORE_ATTRIBUTE, store)  # a plain attribute: weight_store_of finds it
     return store
+
+
+def weight_store_of(model: torch.nn.Module) -> WeightStore | None:
+    """The weight store `offload_weights` set up on `model` (to close it where its caller did not keep it)."""
+    return getattr(decoder_layers(model)[0], STORE_ATTRIBUTE, None)

@@ -235,6 +235,7 @@ def check_lendable(recipe: Recipe) -> None:
     loads its own)."""
     refused = {"adapter.type: full": recipe.adapter.type == "full", "training.compile: true": recipe.training.compile,
                f"memory.offload_experts: {recipe.memory.offload_experts}": recipe.memory.offload_experts != "none",
+               f"memory.offload_weights: {recipe.memory.offload_weights}": recipe.memory.offload_weights != "none",
                f"distributed.gpus: {recipe.distributed.gpus}": recipe.distributed.gpus > 1}
     for key, bad in refused.items():
         if bad:
