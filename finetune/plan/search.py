@@ -21,7 +21,8 @@ from finetune.memory.offload_disk import with_margin
 from finetune.memory.preference import PreferenceLoss, loads_reference_adapter, reference_is_current
 from finetune.model.moe import moe_config
 from finetune.model.vision import in_vision
-from finetune.plan.cost_model import figures_of, tokens_per_second
+from finetune.plan import weight_stream as stream
+from finetune.plan.cost_model import figures_of, tier_bytes_per_s, tokens_per_second
 from finetune.plan.memory_model import (
     ModelSpec,
     expert_weight_bytes,
@@ -185,6 +186,8 @@ def auto_values(recipe: Recipe, device: str) -> dict[str, list[Any]]:
         "tiled_mlp": [False, True],
         # the tiers that free the training device (on a CPU run the host is the device: only the disk does)
         "offload_experts": ["none", *(t for t in tier_names() if tier_spec(t).frees_device(device))],
+        # weight streaming: the tiers that free the training device, as for the experts
+        "offload_weights": ["none", *(t for t in tier_names() if tier_spec(t).frees_device(device))],
         "strategy": _auto_strategies(recipe),
         # grpo: whole groups, doubling; one that holds the step's all is None (_choices)
         "generation_batch_size": [None, *(recipe.grpo.num_generations << k for k in range(11))]
@@ -259,6 +262,8 @@ def _choices(recipe: Recipe, spec: ModelSpec) -> list[Settings]:
             continue
         if st["offload_experts"] != "none" and given["offload_experts"] == "auto" and moe_config(spec.config) is None:
             continue  # a dense model has no experts to offload
+        if st["offload_weights"] != "none" and st["offload_experts"] != "none":
+            continue  # weight streaming moves the experts too (the schema refuses both)
         if world > 1 and given["strategy"] == "auto" and _refused(recipe, st):
             continue
         if st["gradient_accumulation_steps"] == "auto":  # keep training.effective_batch_size over all devices
@@ -300,6 +305,7 @@ def model_spec(recipe: Recipe, config: Any, device: str, planner: Planner = DEFA
         num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
         optimizer=recipe.optimizer, double_quant=recipe.quantization.double_quant,
         offload_min_size=recipe.memory.offload_min_size, offload_cpu_limit=recipe.memory.offload_cpu_limit,
+        stream_ahead=recipe.memory.offload_weights_ahead,
         recompute_norms=recipe.memory.recompute_norms,
         tiled_mlp_tokens=recipe.memory.tiled_mlp_tokens, world_size=recipe.distributed.gpus,
         interconnect_bandwidth=recipe.distributed.interconnect_bandwidth, zero_stage=recipe.distributed.zero_stage,
@@ -461,6 +467,8 @@ def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, free: dic
     ram = (free or {}).get("host_ram")
     if cand.kind is None and settings.offload_experts != "none":
         _check_expert_room(cand, spec, settings, free or {}, pred.offloaded_bytes if holds_in == "offload_dir" else 0)
+    if cand.kind is None and settings.offload_weights != "none":
+        stream.check_room(cand, spec, settings, free or {}, pred.offloaded_bytes if holds_in == "offload_dir" else 0)
     if cand.kind is None and pred.managed_bytes and ram is not None:
         in_ram = pred.managed_bytes + (pred.offloaded_bytes if holds_in == "host_ram" else 0)
         if in_ram > ram:
@@ -523,7 +531,7 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
         choices = [st for st in choices if not st.tiled_mlp]
         notes.append("memory.tiled_mlp left out: the decoder layers' MLPs are mixture-of-experts blocks, which "
                      "route tokens, and the tiled MLP runs dense MLPs only (docs/moe.md)")
-    tiers = {st.offload for st in choices} | {st.offload_experts for st in choices}
+    tiers = {st.offload for st in choices} | {st.offload_experts for st in choices} | {st.offload_weights for st in choices}
     bandwidth, free = _offload_resources(recipe, device, tiers - {"none"})
     if device == "cuda" and any(managed_state(spec, st) for st in choices):
         free.setdefault("host_ram", _free_memory("cpu"))
@@ -583,6 +591,7 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
     for cand in candidates + rejected:
         cand.settings = {k: v for k, v in cand.settings.items() if k not in inactive}
     chosen = ok[0] if ok else leanest
+    notes += _stream_notes(spec, shapes, chosen, bandwidth, figures)
     return Plan(device, chosen.settings, chosen.peak_bytes, chosen.breakdown, budget, bool(ok), chosen.tokens_per_s,
                 alternatives=ok[1:4], rejected=rejected,
                 min_budget_bytes=None if ok else leanest.peak_bytes + recipe.memory.gpu_memory_margin,
@@ -591,6 +600,18 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
                 generation_bytes=chosen.generation_bytes, training_bytes=chosen.training_bytes,
                 device_figures=figures, figures_measured=measured, notes=notes,
                 vision=vision_costs(spec))
+
+
+def _stream_notes(spec: ModelSpec, shapes: ModelShapes, chosen: Candidate, bandwidth: dict[str, float],
+                  figures: dict[str, float]) -> list[str]:
+    """A weight-streaming plan's line on what bounds its step (finetune.plan.weight_stream)."""
+    settings = Settings(**chosen.settings)
+    if settings.offload_weights == "none":
+        return []
+    resident = tokens_per_second(spec, shapes, stream.resident(settings), bandwidth=bandwidth, figures=figures)
+    note = stream.bound_note(spec, settings, chosen.tokens_per_s, resident,
+                             tier_bytes_per_s(settings.offload_weights, spec.device, figures, bandwidth))
+    return [note] if note else []
 
 
 def _offload_resources(recipe: Recipe, device: str, tiers: set[str]) -> tuple[dict[str, float], dict[str, int]]:
