@@ -11,8 +11,9 @@ a Params4bit's packed bytes, its quant state's absmax), whose bytes are freed by
 zero and brought back by resizing it and copying into it (what FSDP does with its flat parameters). Anything
 that holds the tensor (a module, a quant state, autograd's saved tensors, bitsandbytes' ctx.tensors) sees the
 bytes again when they are back, so the losses and gradients are the resident run's, bit for bit. Module
-hooks say when: a decoder layer's forward pre-hook fetches it (forward, and the recompute of a checkpointed
-layer), and a gradient hook on its output fetches it again before its backward. Trained weights (LoRA,
+hooks say when: a decoder layer's forward pre-hook fetches it for forward, and a gradient hook on its output
+fetches it again before its backward, which is before a checkpointed layer's recompute (transformers
+checkpoints the layer's `forward`, inside the module hooks). Trained weights (LoRA,
 anything with requires_grad) and the optimizer state never move. The files are those of the activation and
 expert offload's disk tier (`finetune.memory.offload_disk` writer and reader, `ExpertFiles`).
 
@@ -152,14 +153,10 @@ class WeightStore:
         if position != self.last:
             step = -1 if position < self.last else 1
             self.last = position
-            wanted = [position]
-            for k in range(1, len(self.storages)):
-                if len(wanted) > self.ahead:
-                    break
-                for p in (position + step * k, position - step * k):
-                    if 0 <= p < len(self.storages) and p not in wanted and len(wanted) <= self.ahead:
-                        wanted.append(p)
-                        break
+            count = len(self.storages)
+            ahead = [p for p in (position + step * k for k in range(1, self.ahead + 1)) if 0 <= p < count]
+            behind = [p for p in (position - step * k for k in range(1, count)) if 0 <= p < count]
+            wanted = [position, *ahead, *behind[:self.ahead - len(ahead)]]
             for other in [p for p in self.resident if p not in wanted]:
                 self._release(other)
             for p in wanted:
