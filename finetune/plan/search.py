@@ -467,8 +467,9 @@ def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, free: dic
     ram = (free or {}).get("host_ram")
     if cand.kind is None and settings.offload_experts != "none":
         _check_expert_room(cand, spec, settings, free or {}, pred.offloaded_bytes if holds_in == "offload_dir" else 0)
-    if cand.kind is None and settings.offload_weights != "none":
-        stream.check_room(cand, spec, settings, free or {}, pred.offloaded_bytes if holds_in == "offload_dir" else 0)
+    short = stream.lacking_room(spec, settings, free or {}, pred.offloaded_bytes if holds_in == "offload_dir" else 0)
+    if cand.kind is None and short is not None:
+        cand.reject(*short)
     if cand.kind is None and pred.managed_bytes and ram is not None:
         in_ram = pred.managed_bytes + (pred.offloaded_bytes if holds_in == "host_ram" else 0)
         if in_ram > ram:

@@ -16,15 +16,11 @@ the tokens/s the search ranks by say so, and `bound_note` says which bounds the 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from finetune.plan.memory_model import ModelSpec, streamed_weight_bytes, weights_streamed
 from finetune.recipe.offload_tiers import STORES
 from finetune.recipe.settings import Settings
 from finetune.units import format_bytes
-
-if TYPE_CHECKING:
-    from finetune.plan.search import Candidate
 
 FETCHES_PER_MICRO_BATCH = 2  # forward, and backward (with a checkpointed layer's recompute)
 
@@ -47,10 +43,11 @@ def host_bytes(spec: ModelSpec, settings: Settings) -> tuple[int, int]:
     return (int((spec.stream_ahead + 1) * per_layer) if spec.device == "cuda" else 0), int(streamed)
 
 
-def check_room(cand: Candidate, spec: ModelSpec, settings: Settings, free: dict[str, int],
-               activations_on_disk: int) -> None:
-    """Reject `cand` where the tier lacks the room: host RAM (free, capped by memory.offload_cpu_limit) on a
-    GPU, offload_dir's free space with the activations the disk tier holds there and the run's margin."""
+def lacking_room(spec: ModelSpec, settings: Settings, free: dict[str, int],
+                 activations_on_disk: int) -> tuple[str, str] | None:
+    """(the rejection's kind, its reason) where the tier lacks the room, else None: host RAM (free, capped by
+    memory.offload_cpu_limit) on a GPU, offload_dir's free space with the activations the disk tier holds
+    there and the run's margin."""
     from finetune.memory.offload_disk import with_margin
 
     ram_needed, disk_needed = host_bytes(spec, settings)
@@ -58,14 +55,14 @@ def check_room(cand: Candidate, spec: ModelSpec, settings: Settings, free: dict[
     if spec.device == "cuda" and ram is not None:
         ram = min(ram, spec.offload_cpu_limit) if spec.offload_cpu_limit is not None else ram
         if ram_needed > ram:
-            cand.reject("host_ram", f"weight streaming from {settings.offload_weights} needs "
-                        f"{format_bytes(ram_needed)} of RAM, {format_bytes(ram)} free (or memory.offload_cpu_limit)")
-            return
+            return "host_ram", (f"weight streaming from {settings.offload_weights} needs {format_bytes(ram_needed)} "
+                                f"of RAM, {format_bytes(ram)} free (or memory.offload_cpu_limit)")
     disk = free.get("offload_dir")
     if disk_needed and disk is not None and with_margin(disk_needed + activations_on_disk) > disk:
-        cand.reject("offload_space", f"weight streaming from disk needs "
-                    f"{format_bytes(with_margin(disk_needed + activations_on_disk))} {STORES['offload_dir']} "
-                    f"(with a margin), {format_bytes(disk)} free")
+        return "offload_space", (f"weight streaming from disk needs "
+                                 f"{format_bytes(with_margin(disk_needed + activations_on_disk))} "
+                                 f"{STORES['offload_dir']} (with a margin), {format_bytes(disk)} free")
+    return None
 
 
 def bound_note(spec: ModelSpec, settings: Settings, tokens_per_s: float, resident_tokens_per_s: float,

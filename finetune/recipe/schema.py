@@ -726,7 +726,7 @@ class Recipe(Section):
             raise ValueError(f"adapter.target_experts with memory.offload_experts={self.memory.offload_experts}: "
                              "the offload moves frozen expert weights off the device, and these would be trained; "
                              "set memory.offload_experts: none")
-        if self.memory.offload_weights != "none" and self.memory.offload_experts != "none":
+        if {self.memory.offload_weights, self.memory.offload_experts}.isdisjoint({"none", "auto"}):
             raise ValueError(f"memory.offload_weights={self.memory.offload_weights} with memory.offload_experts="
                              f"{self.memory.offload_experts}: offload_weights streams every frozen weight, the "
                              "experts included; set memory.offload_experts: none")
@@ -737,7 +737,7 @@ class Recipe(Section):
         if self.memory.offload_weights not in ("none", "auto") and self.training.compile:
             raise ValueError(f"memory.offload_weights={self.memory.offload_weights} with training.compile: true: "
                              "the layers' fetch hooks would break the compiled graph; set training.compile: false")
-        if self.memory.offload_weights != "none" and self.distributed.gpus > 1:
+        if self.memory.offload_weights not in ("none", "auto") and self.distributed.gpus > 1:
             raise ValueError(f"memory.offload_weights={self.memory.offload_weights} with distributed.gpus="
                              f"{self.distributed.gpus}: weight streaming runs in one process; set "
                              "memory.offload_weights: none or distributed.gpus: 1")
