@@ -166,3 +166,23 @@ def test_link_time_against_compute():
     slow = bound_note(spec, settings, 10.0, tokens / (link_seconds(spec, settings, 1e9) / 2), 1e9)
     fast = bound_note(spec, settings, 10.0, tokens / (link_seconds(spec, settings, 1e9) * 2), 1e9)
     assert "bound by the link" in slow and "bound by the compute" in fast
+
+
+def test_planned_weights_match_what_the_store_moves(tmp_path):
+    """On a CPU run the disk tier frees the layers' frozen weights but for the window of two: the plan's
+    weights with streaming are its resident weights less what the store really moves, less two layers'."""
+    from finetune.plan import predict
+    from finetune.recipe import load_recipe
+
+    path = three_step_recipe(tmp_path, "llama", {"memory": {"offload_dir": str(tmp_path / "weights")}},
+                             num_hidden_layers=4)
+    recipe = load_recipe(path)
+    planned = {tier: predict(load_recipe(path, [f"memory.offload_weights={tier}"]), device="cpu").breakdown["weights"]
+               for tier in ("none", "disk")}
+    torch.manual_seed(0)
+    model, _, _ = load_model(recipe.model, recipe.quantization)
+    model = apply_adapter(model, recipe.adapter, checkpointing=True)
+    store = offload_weights(model, "disk", recipe.memory.offload_weights_ahead, None, tmp_path / "weights")
+    moved = store.host_bytes - 2 * max(sum(sizes) for sizes in store.sizes)
+    store.close()
+    assert planned["none"] - planned["disk"] == pytest.approx(moved, rel=0.05)
