@@ -547,7 +547,8 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
     over: dict[Settings, int] = {}  # checkpointed configurations already over budget, by settings
     fits_untiled: set[Settings] = set()
     best_score: dict[int, float] = {}  # micro-batch -> the best score of its fitting configurations so far
-    order = sorted(floors, key=lambda x: (x[2].tiled_mlp, not x[2].activation_checkpointing))
+    order = sorted(floors, key=lambda x: (x[2].tiled_mlp, not x[2].activation_checkpointing,
+                                          x[2].offload_weights != "none"))
     for floor, _, st in order:
         with_ckpt = replace(st, activation_checkpointing=True, checkpoint_every_n_layers=1)
         if floor > budget:
@@ -555,6 +556,8 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
         elif not st.activation_checkpointing and with_ckpt in over:
             # Dominance: without checkpointing every layer keeps what a checkpointed run recomputes for one.
             pruned.append((over[with_ckpt], st))
+        elif st.offload_weights != "none" and replace(st, offload_weights="none") in fits_untiled:
+            continue  # weight streaming only buys memory (finetune.plan.weight_stream): its resident twin fits
         elif st.tiled_mlp and (replace(st, tiled_mlp=False) in fits_untiled
                                or _score_of(st.optimizer, tokens_per_second(spec, shapes, st, bandwidth=bandwidth,
                                                                                   figures=figures))
