@@ -123,6 +123,25 @@ def test_careless_streaming_refused(tmp_path, capsys, memory, words):
     _refused(tmp_path, capsys, ["run", str(path)], *words)
 
 
+def test_streaming_offload_dir_not_writable(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    path = three_step_recipe(tmp_path, "llama", {"memory": {"offload_weights": "disk",
+                                                            "offload_dir": str(tmp_path / "file" / "weights")}})
+    _refused(tmp_path, capsys, ["run", str(path)], "memory.offload_dir", "not writable")
+
+
+def test_streaming_offload_dir_too_small(tmp_path, capsys, monkeypatch):
+    """A disk without room for the weights: the run's own check says so (the plan is off here)."""
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(1 << 40, 1 << 40, 4096))
+    path = three_step_recipe(tmp_path, "llama", {"memory": {"offload_weights": "disk", "plan": False,
+                                                            "offload_dir": str(tmp_path / "weights")}})
+    _refused(tmp_path, capsys, ["run", str(path)], "memory.offload_dir", "4.00 KiB free", "of frozen weights")
+
+
 def test_streaming_with_several_gpus_refused(tmp_path, capsys):
     path = three_step_recipe(tmp_path, "llama", {"memory": {"offload_weights": "disk"}, "distributed": {"gpus": 2}})
     _refused(tmp_path, capsys, ["validate", str(path)], "memory.offload_weights", "distributed.gpus")
