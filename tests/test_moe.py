@@ -216,7 +216,8 @@ def test_qwen3_30b_experts_priced_in_four_bits():
     from finetune.recipe import load_recipe
 
     recipe = load_recipe(Path(__file__).parents[1] / "recipes" / "qlora-8b-24gb.yaml",
-                         [f"model.path={CONFIGS / 'qwen3-30b-a3b'}.json", "data.max_seq_len=2048"])
+                         [f"model.path={CONFIGS / 'qwen3-30b-a3b'}.json", "data.max_seq_len=2048",
+                          "memory.offload_weights=none"])  # every weight on the device: priced as stored
     plan = predict(recipe, device="cuda")
     assert plan.fits and plan.breakdown["weights"] < 17 * 2**30
     sixteen = predict(recipe.model_copy(update={"quantization": recipe.quantization.model_copy(
@@ -310,7 +311,8 @@ def test_expert_offload_planned_on_gpus():
     from finetune.plan import predict
     from finetune.recipe import load_recipe
 
-    base = [f"model.path={CONFIGS / 'qwen3-30b-a3b'}.json", "data.max_seq_len=2048", "memory.gpu_memory=12GiB"]
+    base = [f"model.path={CONFIGS / 'qwen3-30b-a3b'}.json", "data.max_seq_len=2048", "memory.gpu_memory=12GiB",
+            "memory.offload_weights=none"]  # the experts alone move (weight streaming would move the rest too)
     recipes = Path(__file__).parents[1] / "recipes"
     on = predict(load_recipe(recipes / "qlora-8b-24gb.yaml", [*base, "memory.offload_experts=auto"]), device="cuda")
     off = predict(load_recipe(recipes / "qlora-8b-24gb.yaml", [*base, "memory.offload_experts=false"]), device="cuda")
@@ -325,7 +327,7 @@ def test_expert_offload_to_disk_planned_where_ram_is_short(tmp_path):
     from finetune.recipe import load_recipe
 
     base = [f"model.path={CONFIGS / 'olmoe-1b-7b'}.json", "data.max_seq_len=2048", "memory.gpu_memory=3GiB",
-            f"memory.offload_dir={tmp_path}", "memory.offload_experts=auto"]
+            f"memory.offload_dir={tmp_path}", "memory.offload_experts=auto", "memory.offload_weights=none"]
     recipe = Path(__file__).parents[1] / "recipes" / "qlora-8b-24gb.yaml"
     roomy = predict(load_recipe(recipe, base), device="cuda")
     short = predict(load_recipe(recipe, [*base, "memory.offload_cpu_limit=1GiB"]), device="cuda")

@@ -71,7 +71,8 @@ def test_every_auto_key_of_the_schema_is_planned_or_said_to_be_someone_elses():
     everything_auto = _recipe(**sections)
     generating = {"grpo.generation_batch_size"}  # planned only with training.method grpo
     images = {"data.max_pixels"}  # planned only for a vision-language model
-    assert set(auto_keys(everything_auto)) == planned - generating - images
+    streaming = {"memory.offload_weights"}  # planned only in one process (gpus is 2 here)
+    assert set(auto_keys(everything_auto)) == planned - generating - images - streaming
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

@@ -65,12 +65,13 @@ class OffloadedExperts:
 
 
 class ExpertFiles:
-    """Each MoE block's expert tensors as one file per tensor under the offload folder: written before training,
+    """Each MoE block's expert tensors (or, with `prefix` FILE_PREFIX of finetune.memory.weight_store, each
+    decoder layer's frozen weights) as one file per tensor under the offload folder: written before training,
     read while training, removed by `remove` (or when the process exits, whatever ends it but a kill)."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, prefix: str = FILE_PREFIX):
         self.directory = directory
-        self.prefix = f"{FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}-"
+        self.prefix = f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}-"
         self.paths: dict[tuple[int, str], Path] = {}
         made = missing_folders(directory)  # removed with the files, once empty
         directory.mkdir(parents=True, exist_ok=True)

@@ -50,6 +50,7 @@ from finetune.plan.memory_model import (
     traffic_bytes,
 )
 from finetune.plan.shapes import ModelShapes
+from finetune.plan.weight_stream import link_seconds
 from finetune.recipe.offload_tiers import tier_spec
 from finetune.rl.step import of_trace_objective
 
@@ -171,6 +172,11 @@ def tokens_per_second(spec: ModelSpec, shapes: ModelShapes, settings: Settings, 
         transfer += max(0.0, fetches * offloaded_experts / _link_bytes_per_s(tier.link, device, dev,
                                                                               bandwidth or {}) - compute)
         overhead += tier.overhead
+    if settings.offload_weights != "none":  # finetune.plan.weight_stream
+        tier = tier_spec(settings.offload_weights)
+        transfer += max(0.0, link_seconds(spec, settings, _link_bytes_per_s(tier.link, device, dev, bandwidth or {}))
+                        - compute)
+        overhead += tier.overhead
     step = (compute * (1 + overhead) + dequant + transfer) * settings.gradient_accumulation_steps
     link, host = traffic_bytes(spec, settings)
     step += max(0.0, link / spec.interconnect_bandwidth - 2 / 3 * compute * settings.gradient_accumulation_steps)
@@ -233,6 +239,11 @@ def rollout_seconds(r: Rollout, w: Weights, dev: dict[str, float], micro_batch: 
     batches = -(-r.sequences * r.calls // micro_batch)
     scoring = r.scoring_passes * batches * _forward_seconds(w, dev, micro_batch * (p + c), p + c)
     return ((prefill + decode) * r.calls + scoring) / r.iterations
+
+
+def tier_bytes_per_s(tier: str, device: str, figures: dict[str, float], measured: dict[str, float] | None) -> float:
+    """The bandwidth offload tier `tier`'s transfers are priced at: measured, else the link's constant."""
+    return _link_bytes_per_s(tier_spec(tier).link, device, figures, measured or {})
 
 
 def _link_bytes_per_s(link: str, device: str, dev: dict[str, float], measured: dict[str, float]) -> float:

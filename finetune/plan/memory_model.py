@@ -113,6 +113,7 @@ class ModelSpec:
     double_quant: bool = True
     offload_min_size: int = 1 << 20
     offload_cpu_limit: int | None = None  # memory.offload_cpu_limit: host RAM the offload may hold
+    stream_ahead: int = 1  # memory.offload_weights_ahead: layers weight streaming fetches ahead
     recompute_norms: bool = True
     tiled_mlp_tokens: int = 1024
     world_size: int = 1  # processes (GPUs) the run is spread over; the plan is per device
@@ -231,10 +232,7 @@ def _sum_params(planner: Planner, key: tuple[str, ...], layers: int, bits: int |
                 optimizer: str, optimizer_json: str, accumulation: int, untrained: frozenset[str]
                 ) -> tuple[dict[str, float], int, int]:
     params = param_table_of(key, layers, planner)
-    # A quantizable 3-D weight holds a MoE block's experts: stored in 4 bits one expert matrix at a time
-    # (finetune.model.expert_store), left in 16 bits by 8-bit quantization, dequantized one expert at a time.
-    frozen = sum(quantized_weight_bytes(p.numel, p.out_features, bits if p.quantizable and (
-        bits == 4 or len(p.shape) == 2) else None, double_quant, p.bytes_per_elem) for p in params if not p.trainable)
+    frozen = sum(_stored_bytes(p, bits, double_quant) for p in params if not p.trainable)
     graded = [p for p in params if p.trainable and p.name not in untrained]
     trained = [(p.name, p.shape, p.dtype) for p in graded]
     opt = OptimizerConfig.model_validate_json(optimizer_json).model_copy(update={"name": optimizer})
@@ -245,6 +243,13 @@ def _sum_params(planner: Planner, key: tuple[str, ...], layers: int, bits: int |
     largest_quant = max((p.numel // (p.shape[0] if len(p.shape) == 3 else 1) for p in params if p.quantizable),
                         default=0)
     return sums, largest_trained, largest_quant
+
+
+def _stored_bytes(p: ParamInfo, bits: int | None, double_quant: bool) -> float:
+    """A frozen parameter's bytes as stored. A quantizable 3-D weight holds a MoE block's experts: in 4 bits one
+    expert matrix at a time (finetune.model.expert_store), left in 16 bits by 8-bit quantization."""
+    return quantized_weight_bytes(p.numel, p.out_features, bits if p.quantizable and (bits == 4 or len(p.shape) == 2)
+                                  else None, double_quant, p.bytes_per_elem)
 
 
 def _untrained(spec: ModelSpec, config: Any, layers: int, block: int) -> frozenset[str]:
@@ -291,7 +296,11 @@ def _param_parts(spec: ModelSpec, settings: Settings) -> tuple[dict[str, float],
     """`_whole_parts` as one device holds them under the strategy (`distributed_parts`); the optimizer state
     of an optimizer that keeps it in CUDA managed memory moves to `managed` (`managed_state`)."""
     whole, per_layer, largest_trained, largest_quant = _whole_parts(spec, settings)
-    if experts_offloaded(spec, settings):  # finetune.memory.expert_offload
+    if weights_streamed(spec, settings):  # finetune.memory.weight_store: the layers read ahead and the one computing
+        streamed, per_layer_frozen = streamed_weight_bytes(spec, settings)
+        window = min(streamed, (spec.stream_ahead + 1) * per_layer_frozen)
+        whole = {**whole, "weights": whole["weights"] - streamed + window}
+    elif experts_offloaded(spec, settings):  # finetune.memory.expert_offload
         experts, per_moe_layer = expert_weight_bytes(spec, settings)
         # on the device: the experts of the MoE layer computing and of the one arriving
         whole = {**whole, "weights": whole["weights"] - experts + min(experts, 2 * per_moe_layer)}
@@ -329,6 +338,19 @@ def expert_weight_bytes(spec: ModelSpec, settings: Settings) -> tuple[float, flo
     return _over_layers(spec, settings, lambda table: sum(
         quantized_weight_bytes(p.numel, p.out_features, bits, spec.double_quant, p.bytes_per_elem)
         for p in table if _is_expert(p)))
+
+
+def weights_streamed(spec: ModelSpec, settings: Settings) -> bool:
+    """Whether memory.offload_weights streams the frozen layer weights from a tier that frees the device."""
+    return settings.offload_weights != "none" and tier_spec(settings.offload_weights).frees_device(spec.device)
+
+
+def streamed_weight_bytes(spec: ModelSpec, settings: Settings) -> tuple[float, float]:
+    """(every decoder layer's, one layer's) frozen weights as stored: what memory.offload_weights streams (the
+    embeddings and the LM head, outside the layers, stay)."""
+    per_layer = _over_layers(spec, settings, lambda table: sum(
+        _stored_bytes(p, settings.bits, spec.double_quant) for p in table if not p.trainable))[1]
+    return per_layer * spec.num_layers, per_layer
 
 
 def moe_elements(spec: ModelSpec, settings: Settings) -> tuple[float, float]:

@@ -24,7 +24,8 @@ from finetune.memory.preference import PreferenceLoss, loads_reference_adapter, 
 from finetune.model.kernels import compile_pays, kernel_choices
 from finetune.model.moe import moe_config
 from finetune.model.vision import in_vision
-from finetune.plan.cost_model import figures_of, tokens_per_second
+from finetune.plan import weight_stream as stream
+from finetune.plan.cost_model import figures_of, tier_bytes_per_s, tokens_per_second
 from finetune.plan.memory_model import (
     ModelSpec,
     expert_weight_bytes,
@@ -196,6 +197,8 @@ def auto_values(recipe: Recipe, device: str) -> dict[str, list[Any]]:
         "tiled_mlp": [False, True],
         # the tiers that free the training device (on a CPU run the host is the device: only the disk does)
         "offload_experts": ["none", *(t for t in tier_names() if tier_spec(t).frees_device(device))],
+        # weight streaming: the tiers that free the training device, as for the experts
+        "offload_weights": ["none", *(t for t in tier_names() if tier_spec(t).frees_device(device))],
         "strategy": _auto_strategies(recipe),
         # grpo: whole groups, doubling; one that holds the step's all is None (_choices)
         "generation_batch_size": [None, *(recipe.grpo.num_generations << k for k in range(11))]
@@ -278,6 +281,8 @@ def _choices(recipe: Recipe, spec: ModelSpec) -> list[Settings]:
             continue
         if st["offload_experts"] != "none" and given["offload_experts"] == "auto" and moe_config(spec.config) is None:
             continue  # a dense model has no experts to offload
+        if st["offload_weights"] != "none" and st["offload_experts"] != "none":
+            continue  # weight streaming moves the experts too (the schema refuses both)
         if world > 1 and given["strategy"] == "auto" and _refused(recipe, st):
             continue
         if st["gradient_accumulation_steps"] == "auto":  # keep training.effective_batch_size over all devices
@@ -320,6 +325,7 @@ def model_spec(recipe: Recipe, config: Any, device: str, planner: Planner = DEFA
         num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
         optimizer=recipe.optimizer, double_quant=recipe.quantization.double_quant,
         offload_min_size=recipe.memory.offload_min_size, offload_cpu_limit=recipe.memory.offload_cpu_limit,
+        stream_ahead=recipe.memory.offload_weights_ahead,
         recompute_norms=recipe.memory.recompute_norms,
         tiled_mlp_tokens=recipe.memory.tiled_mlp_tokens, world_size=recipe.distributed.gpus,
         interconnect_bandwidth=recipe.distributed.interconnect_bandwidth, zero_stage=recipe.distributed.zero_stage,
@@ -481,6 +487,9 @@ def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, free: dic
     ram = (free or {}).get("host_ram")
     if cand.kind is None and settings.offload_experts != "none":
         _check_expert_room(cand, spec, settings, free or {}, pred.offloaded_bytes if holds_in == "offload_dir" else 0)
+    short = stream.lacking_room(spec, settings, free or {}, pred.offloaded_bytes if holds_in == "offload_dir" else 0)
+    if cand.kind is None and short is not None:
+        cand.reject(*short)
     if cand.kind is None and pred.managed_bytes and ram is not None:
         in_ram = pred.managed_bytes + (pred.offloaded_bytes if holds_in == "host_ram" else 0)
         if in_ram > ram:
@@ -544,7 +553,7 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
         choices = [st for st in choices if not st.tiled_mlp]
         notes.append("memory.tiled_mlp left out: the decoder layers' MLPs are mixture-of-experts blocks, which "
                      "route tokens, and the tiled MLP runs dense MLPs only (docs/moe.md)")
-    tiers = {st.offload for st in choices} | {st.offload_experts for st in choices}
+    tiers = {st.offload for st in choices} | {st.offload_experts for st in choices} | {st.offload_weights for st in choices}
     bandwidth, free = _offload_resources(recipe, device, tiers - {"none"})
     if device == "cuda" and any(managed_state(spec, st) for st in choices):
         free.setdefault("host_ram", _free_memory("cpu"))
@@ -559,7 +568,8 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
     over: dict[Settings, int] = {}  # checkpointed configurations already over budget, by settings
     fits_untiled: set[Settings] = set()
     best_score: dict[int, float] = {}  # micro-batch -> the best score of its fitting configurations so far
-    order = sorted(floors, key=lambda x: (x[2].tiled_mlp, not x[2].activation_checkpointing))
+    order = sorted(floors, key=lambda x: (x[2].tiled_mlp, not x[2].activation_checkpointing,
+                                          x[2].offload_weights != "none"))
     for floor, _, st in order:
         with_ckpt = replace(st, activation_checkpointing=True, checkpoint_every_n_layers=1)
         if floor > budget:
@@ -567,6 +577,8 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
         elif not st.activation_checkpointing and with_ckpt in over:
             # Dominance: without checkpointing every layer keeps what a checkpointed run recomputes for one.
             pruned.append((over[with_ckpt], st))
+        elif st.offload_weights != "none" and replace(st, offload_weights="none") in fits_untiled:
+            continue  # weight streaming only buys memory (finetune.plan.weight_stream): its resident twin fits
         elif st.tiled_mlp and (replace(st, tiled_mlp=False) in fits_untiled
                                or _score_of(st.optimizer, tokens_per_second(spec, shapes, st, bandwidth=bandwidth,
                                                                                   figures=figures))
@@ -608,6 +620,7 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
         for cand in [*ok[1:4], chosen]:  # each at its own micro-batch; the chosen one's reason is a note
             cand.settings["batching"], why = auto_batching(recipe, cand.settings, lengths, figures["half_tokens"])
         notes.append(f"data.batching auto: {chosen.settings['batching']} ({why})")
+    notes += _stream_notes(spec, shapes, chosen, bandwidth, figures)
     return Plan(device, chosen.settings, chosen.peak_bytes, chosen.breakdown, budget, bool(ok), chosen.tokens_per_s,
                 alternatives=ok[1:4], rejected=rejected,
                 min_budget_bytes=None if ok else leanest.peak_bytes + recipe.memory.gpu_memory_margin,
@@ -647,6 +660,18 @@ def auto_batching(recipe: Recipe, settings: dict[str, Any], lengths: Sequence[in
         best = "token_budget"
     share = ", ".join(f"{k} {100 * shapes[k].real_share:.0f}%" for k in kinds)
     return best, f"real tokens per micro-batch: {share}; predicted time {cost[best] / cost['random']:.2f}x random's"
+
+
+def _stream_notes(spec: ModelSpec, shapes: ModelShapes, chosen: Candidate, bandwidth: dict[str, float],
+                  figures: dict[str, float]) -> list[str]:
+    """A weight-streaming plan's line on what bounds its step (finetune.plan.weight_stream)."""
+    settings = Settings(**chosen.settings)
+    if settings.offload_weights == "none":
+        return []
+    resident = tokens_per_second(spec, shapes, stream.resident(settings), bandwidth=bandwidth, figures=figures)
+    note = stream.bound_note(spec, settings, chosen.tokens_per_s, resident,
+                             tier_bytes_per_s(settings.offload_weights, spec.device, figures, bandwidth))
+    return [note] if note else []
 
 
 def _offload_resources(recipe: Recipe, device: str, tiers: set[str]) -> tuple[dict[str, float], dict[str, int]]:

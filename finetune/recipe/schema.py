@@ -478,6 +478,14 @@ class MemoryConfig(Section):
         "auto", description="Fused kernels: liger (Liger Kernel's RMSNorm, RoPE, SwiGLU/GeGLU and fused linear "
         "cross-entropy, per family; CUDA with the cuda extra installed; replaces memory.chunked_loss, priced like "
         "it), none; auto: liger where it runs, else none.")
+    offload_weights: Literal[("none", *tier_names(), "auto")] = Field(  # type: ignore[valid-type]  # the tier table
+        "none", description="Where every decoder layer's frozen weights (as stored: 4-bit with their quant state, "
+        "or 16-bit; a MoE layer's experts too) live, each layer's brought to the GPU when it runs (forward, "
+        "recompute, backward) and the next offload_weights_ahead layers' fetched meanwhile: none (on the device), "
+        "cpu (pinned host RAM), disk (files in offload_dir: for a model larger than host RAM); auto: planner. "
+        "Trained weights and the optimizer state stay on the device. For a model larger than the GPU.")
+    offload_weights_ahead: int = Field(1, ge=1, le=8, description="Decoder layers whose frozen weights "
+                                       "offload_weights fetches ahead of need (the device holds this many plus one).")
     gpu_memory: PositiveByteSize | Auto = Field("auto", description="Memory budget, e.g. 12GiB; auto: the GPU memory free when the run starts "
         "(torch.cuda.mem_get_info), so what other processes hold then is excluded; gpu_memory_margin stays free "
         "below it for what they (and the CUDA context, allocator fragmentation) may take later.")
@@ -751,6 +759,25 @@ class Recipe(Section):
             raise ValueError(f"adapter.target_experts with memory.offload_experts={self.memory.offload_experts}: "
                              "the offload moves frozen expert weights off the device, and these would be trained; "
                              "set memory.offload_experts: none")
+        if {self.memory.offload_weights, self.memory.offload_experts}.isdisjoint({"none", "auto"}):
+            raise ValueError(f"memory.offload_weights={self.memory.offload_weights} with memory.offload_experts="
+                             f"{self.memory.offload_experts}: offload_weights streams every frozen weight, the "
+                             "experts included; set memory.offload_experts: none")
+        if self.memory.offload_weights not in ("none", "auto") and self.adapter.target_experts:
+            raise ValueError(f"adapter.target_experts with memory.offload_weights={self.memory.offload_weights}: "
+                             "the expert weights would be trained, and only frozen weights stream; set "
+                             "memory.offload_weights: none or remove adapter.target_experts")
+        if self.memory.offload_weights not in ("none", "auto") and self.training.compile:
+            raise ValueError(f"memory.offload_weights={self.memory.offload_weights} with training.compile: true: "
+                             "the layers' fetch hooks would break the compiled graph; set training.compile: false")
+        if self.memory.offload_weights not in ("none", "auto") and self.distributed.gpus > 1:
+            raise ValueError(f"memory.offload_weights={self.memory.offload_weights} with distributed.gpus="
+                             f"{self.distributed.gpus}: weight streaming runs in one process; set "
+                             "memory.offload_weights: none or distributed.gpus: 1")
+        if self.adapter.type == "full" and self.memory.offload_weights not in ("none", "auto"):
+            raise ValueError(f"memory.offload_weights={self.memory.offload_weights} with adapter.type=full: a full "
+                             "fine-tune trains every weight, and only frozen weights stream; set "
+                             "memory.offload_weights: none")
         if self.adapter.target_experts and self.adapter.dropout:
             raise ValueError(f"adapter.target_experts with adapter.dropout={self.adapter.dropout}: peft's LoRA on "
                              "fused expert weights (target_parameters) cannot apply dropout; set adapter.dropout: 0")

@@ -31,6 +31,11 @@ def _several_processes(recipe: Recipe) -> bool:
     return recipe.distributed.gpus > 1
 
 
+def _streams(recipe: Recipe) -> bool:
+    """Weight streaming: frozen weights in one process (auto with full training or target_experts: none)."""
+    return recipe.distributed.gpus == 1 and recipe.adapter.type != "full" and not recipe.adapter.target_experts
+
+
 def _generates(recipe: Recipe) -> bool:
     return recipe.training.spec.generates
 
@@ -68,6 +73,8 @@ class Settings:
     tiled_mlp: bool = _setting("memory.tiled_mlp", "tiled", fallback=False, default=False)
     offload_experts: str = _setting("memory.offload_experts", "experts", fallback="none",
                                     default="none")  # none or a tier of finetune.recipe.offload_tiers
+    offload_weights: str = _setting("memory.offload_weights", "stream", fallback="none", default="none",
+                                    active=_streams)  # none or a tier: finetune.memory.weight_store
     strategy: str = _setting("distributed.strategy", "strategy", fallback="ddp", default="ddp",
                              active=_several_processes)  # with one process there is nothing to distribute
     # completions per generate call (None: the step's all, what an out-of-memory recovery starts halving from)

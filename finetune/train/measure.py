@@ -25,6 +25,7 @@ from finetune.memory.preference import (
 )
 from finetune.memory.step import autocast_for, enable_checkpointing, mixed_precision, training_step
 from finetune.memory.tracker import MemoryTracker, measure_step
+from finetune.memory.weight_store import weight_store_of
 from finetune.recipe.schema import Recipe
 from finetune.recipe.settings import auto_keys, read_settings
 
@@ -104,9 +105,9 @@ def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
         finally:
             if offload is not None:
                 offload.close()  # the disk tier's threads and files go before the scratch folder does
-            experts = expert_offload_of(model)
-            if experts is not None:
-                experts.close()  # and the expert offload's
+            for weights in (expert_offload_of(model), weight_store_of(model)):
+                if weights is not None:
+                    weights.close()  # and the expert offload's or the weight store's
     result["steps"] = steps
     if passes:  # the tracked peak of the pass, next to the plan's reference_pass_bytes
         result["reference_pass_bytes"] = passes[0]

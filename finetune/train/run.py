@@ -238,6 +238,7 @@ def check_lendable(recipe: Recipe) -> None:
     refused = {"adapter.type: full": recipe.adapter.type == "full", "training.compile: true": recipe.training.compile is True,
                "memory.kernels: liger": recipe.memory.kernels == "liger",
                f"memory.offload_experts: {recipe.memory.offload_experts}": recipe.memory.offload_experts != "none",
+               f"memory.offload_weights: {recipe.memory.offload_weights}": recipe.memory.offload_weights != "none",
                f"distributed.gpus: {recipe.distributed.gpus}": recipe.distributed.gpus > 1}
     for key, bad in refused.items():
         if bad:

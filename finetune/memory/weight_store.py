@@ -1,0 +1,263 @@
+"""Weight streaming (`memory.offload_weights`): every decoder layer's frozen weights (dense Linear weights as
+stored, NF4 with their quant state or 16-bit; a MoE layer's experts alike) live off the device, in host RAM
+(`cpu`, pinned on CUDA) or in files under memory.offload_dir (`disk`), and come to the device when the layer
+runs, the next `ahead` layers fetched meanwhile; at most `ahead + 1` layers are ever materialised.
+
+Why: a 70B model's 4-bit weights are ~37 GB, more than a 24 GB card; its frozen weights are read once per
+pass, and the link (PCIe ~25 GB/s, an NVMe SSD ~7 GB/s) carries a layer while the previous one computes.
+
+How, without touching a library's internals: each frozen tensor keeps its storage object (the parameter,
+a Params4bit's packed bytes, its quant state's absmax), whose bytes are freed by resizing the storage to
+zero and brought back by resizing it and copying into it (what FSDP does with its flat parameters). Anything
+that holds the tensor (a module, a quant state, autograd's saved tensors, bitsandbytes' ctx.tensors) sees the
+bytes again when they are back, so the losses and gradients are the resident run's, bit for bit. Module
+hooks say when: a decoder layer's forward pre-hook fetches it for forward, and a gradient hook on its output
+fetches it again before its backward, which is before a checkpointed layer's recompute (transformers
+checkpoints the layer's `forward`, inside the module hooks). Trained weights (LoRA,
+anything with requires_grad) and the optimizer state never move. The files are those of the activation and
+expert offload's disk tier (`finetune.memory.offload_disk` writer and reader, `ExpertFiles`).
+
+Direction: a layer fetched below the previous one means backward has begun; read-ahead follows the pass,
+and at either end turns back (the next pass starts where this one ended). `materialised_peak` counts the
+layers materialised at once (what the planner prices: `ahead + 1`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from finetune.errors import RecipeError
+from finetune.memory.expert_offload import ExpertFiles
+from finetune.memory.offload_disk import OffloadDirError, check_offload_dir
+from finetune.model.family import decoder_layers
+from finetune.units import format_bytes
+
+FILE_PREFIX = "ft-weights-"
+STORE_ATTRIBUTE = "finetune_weight_store"  # the first decoder layer's reference to its model's store
+DISK_HINT = ("Set memory.offload_dir to a folder on a disk with room for the model's weights (ideally an NVMe SSD), "
+             "or use memory.offload_weights: cpu (host RAM) or none.")
+
+
+def frozen_storages(layer: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The tensors whose storages hold `layer`'s frozen weights: parameters without requires_grad, their
+    bitsandbytes quant state's absmax (and the nested state's), and buffers (a 4-bit expert store's), by
+    name. A quant state's code and offset (a kilobyte) stay: bitsandbytes reads them when the model's state
+    dict is taken (peft's adapter save), outside any layer's forward."""
+    found: list[tuple[str, torch.Tensor]] = []
+    for name, param in layer.named_parameters():
+        if param.requires_grad:
+            continue
+        found.append((name, param))
+        state = getattr(param, "quant_state", None)
+        while state is not None:
+            found.append((f"{name}.absmax", state.absmax))
+            name, state = f"{name}.nested", getattr(state, "state2", None)
+    found += [(name, b) for name, b in layer.named_buffers() if b is not None]
+    return found
+
+
+class WeightStore:
+    """The frozen weights of each decoder layer (position), resident on the device only while the layer or
+    the next `ahead` ones run; off it in host tensors (`files` None) or in files."""
+
+    def __init__(self, layers: list[list[tuple[str, torch.Tensor]]], device: torch.device, ahead: int,
+                 files: ExpertFiles | None):
+        self.device, self.ahead, self.files = device, ahead, files
+        for _, tensor in (named for tensors in layers for named in tensors):
+            if not tensor.untyped_storage().resizable():  # e.g. mapped from a safetensors file: a copy of its own
+                tensor.data = tensor.detach().clone()
+        self.storages = [[t.untyped_storage() for _, t in tensors] for tensors in layers]
+        self.names = [[name for name, _ in tensors] for tensors in layers]
+        self.sizes = [[s.nbytes() for s in storages] for storages in self.storages]
+        self.host: list[list[torch.Tensor]] = []
+        cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if cuda else None
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="ft-weights-read") if files is not None else None
+        self.resident: dict[int, Future | torch.cuda.Event | None] = {}
+        self.last = -1
+        self.materialised_peak = 0  # the most layers materialised at once
+        self.hooks: list = []  # the layers' module hooks
+        for position, storages in enumerate(self.storages):
+            copies = []
+            for name, storage in zip(self.names[position], storages, strict=True):
+                flat = _bytes_of(storage)
+                if files is None:
+                    copy = torch.empty(flat.shape, dtype=torch.uint8, pin_memory=cuda)
+                    copy.copy_(flat)
+                    copies.append(copy)
+                else:
+                    files.write(position, name, flat.to("cpu", copy=True))  # (numpy would pin its storage)
+                storage.resize_(0)  # one layer at a time: its device memory goes before the next is copied
+            self.host.append(copies)
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes held off the device (in host RAM, or in the files)."""
+        return sum(sum(sizes) for sizes in self.sizes)
+
+    def _materialise(self, position: int) -> None:
+        """Layer `position`'s bytes into its storages (resized by the caller); on the reader thread for files."""
+        for i, storage in enumerate(self.storages[position]):
+            target = _bytes_of(storage)
+            if self.files is None:
+                target.copy_(self.host[position][i], non_blocking=self.stream is not None)
+                continue
+            # read through a buffer (pinned on CUDA): a storage numpy has seen can no longer be resized
+            buffer = torch.empty(target.shape, dtype=torch.uint8, pin_memory=self.stream is not None)
+            self.files.read(position, self.names[position][i], buffer)
+            target.copy_(buffer, non_blocking=self.stream is not None)
+
+    def _start(self, position: int) -> None:
+        """Begin bringing layer `position` to the device (nothing if it is there or beyond the ends)."""
+        if position in self.resident or not 0 <= position < len(self.storages):
+            return
+        context = torch.cuda.stream(self.stream) if self.stream is not None else _nothing()
+        with context:  # allocated on the copy stream (CUDA), on this thread (a CPU run's tracker counts them)
+            for storage, size in zip(self.storages[position], self.sizes[position], strict=True):
+                storage.resize_(size)
+        self.materialised_peak = max(self.materialised_peak, len(self.resident) + 1)
+        if self.reader is not None:
+            self.resident[position] = self.reader.submit(self._copy_on_stream, position)
+        else:
+            self.resident[position] = self._copy_on_stream(position)
+
+    def _copy_on_stream(self, position: int) -> torch.cuda.Event | None:
+        if self.stream is None:
+            self._materialise(position)
+            return None
+        with torch.cuda.stream(self.stream):
+            self._materialise(position)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return event
+
+    def _release(self, position: int) -> None:
+        entry = self.resident.pop(position)
+        if isinstance(entry, Future):
+            entry.result()  # a read in flight writes into these storages: let it end first
+        for storage in self.storages[position]:
+            if self.stream is not None:
+                _bytes_of(storage).record_stream(torch.cuda.current_stream(self.device))
+            storage.resize_(0)
+
+    def fetch(self, position: int) -> None:
+        """Layer `position`'s weights on the device before it runs; start the next `ahead` layers' in the pass
+        direction (turning back at either end), release the rest."""
+        if self.reader is None and self.files is not None:
+            raise RecipeError("memory.offload_weights: the weight files were removed when training ended",
+                              hint="load the model again to use it after a run that streamed its weights from disk")
+        if position != self.last:
+            step = -1 if position < self.last else 1
+            self.last = position
+            count = len(self.storages)
+            ahead = [p for p in (position + step * k for k in range(1, self.ahead + 1)) if 0 <= p < count]
+            behind = [p for p in (position - step * k for k in range(1, count)) if 0 <= p < count]
+            wanted = [position, *ahead, *behind[:self.ahead - len(ahead)]]
+            for other in [p for p in self.resident if p not in wanted]:
+                self._release(other)
+            for p in wanted:
+                self._start(p)
+        entry = self.resident.get(position)
+        if isinstance(entry, Future):
+            try:
+                entry = self.resident[position] = entry.result()
+            except OSError as exc:  # the files were deleted or the disk failed under the run
+                raise OffloadDirError(f"memory.offload_weights: reading the weights from {self.files.directory} "
+                                      f"failed: {exc}", hint=DISK_HINT) from exc
+        if isinstance(entry, torch.cuda.Event):
+            torch.cuda.current_stream(self.device).wait_event(entry)
+            self.resident[position] = None
+
+    def close(self) -> None:
+        """End of training: remove the hooks, stop the reader, delete the files (idempotent). With the cpu tier
+        the weights come back to the device (those of a model that does not fit stay in RAM, streamed)."""
+        if self.reader is not None:
+            self.reader.shutdown(wait=True, cancel_futures=True)
+            self.reader = None
+        if self.files is not None:
+            for position in list(self.resident):
+                self._release(position)
+            self.files.remove()
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A flat uint8 tensor over all of `storage`'s bytes (its own version counter: autograd sees no write)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),))
+
+
+def _hooks(store: WeightStore, layer: torch.nn.Module, position: int) -> list:
+    """Fetch layer `position` before its forward (and a checkpointed layer's recompute), and before its
+    backward through a gradient hook on its output."""
+
+    def before(module: torch.nn.Module, args: tuple) -> None:
+        store.fetch(position)
+
+    def after(module: torch.nn.Module, args: tuple, output: object) -> None:
+        out = output[0] if isinstance(output, tuple) else output
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda grad: store.fetch(position))
+
+    return [layer.register_forward_pre_hook(before), layer.register_forward_hook(after)]
+
+
+def _unique(tensors: list[tuple[str, torch.Tensor]]) -> dict[int, tuple[str, torch.Tensor]]:
+    """`tensors` by storage (the first name of each), leaving out empty ones."""
+    out: dict[int, tuple[str, torch.Tensor]] = {}
+    for name, t in tensors:
+        if t.untyped_storage().nbytes() and t.device.type != "meta":
+            out.setdefault(t.untyped_storage().data_ptr(), (name, t))
+    return out
+
+
+def offload_weights(model: torch.nn.Module, tier: str, ahead: int, host_ram: int | None,
+                    directory: Path | None = None) -> WeightStore | None:
+    """memory.offload_weights: stream every decoder layer's frozen weights from tier `cpu` (host RAM, pinned on
+    CUDA) or `disk` (files in `directory`), `ahead` layers read ahead. `host_ram`: the bytes they may take in
+    RAM (free RAM, or memory.offload_cpu_limit); more is a RecipeError, a `directory` without room an
+    OffloadDirError, before anything moves. A storage shared by several layers (tied weights) stays put."""
+    if tier == "none":
+        return None
+    layers = decoder_layers(model)
+    found = [_unique(frozen_storages(layer)) for layer in layers]
+    counts = Counter(ptr for tensors in found for ptr in tensors)
+    kept = [[named for ptr, named in tensors.items() if counts[ptr] == 1] for tensors in found]
+    sizes = [sum(t.untyped_storage().nbytes() for _, t in tensors) for tensors in kept]
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    in_ram = sum(sizes) if tier == "cpu" else (ahead + 1) * max(sizes, default=0) if cuda else 0
+    if host_ram is not None and in_ram > host_ram:
+        raise RecipeError(f"memory.offload_weights: {tier}: the frozen weights take {format_bytes(in_ram)} of host "
+                          f"RAM, {format_bytes(host_ram)} available (free RAM or memory.offload_cpu_limit)",
+                          hint="set memory.offload_weights: disk (or auto), quantization.bits: 4, or free RAM")
+    files = None
+    if tier == "disk":
+        if directory is None:
+            raise ValueError("weight streaming from disk needs an offload_dir")
+        files = ExpertFiles(check_offload_dir(directory, sum(sizes), "of frozen weights", DISK_HINT), FILE_PREFIX)
+    try:
+        store = WeightStore(kept, device, ahead, files)
+    except OSError as exc:  # the disk filled up or failed while writing
+        files.remove()
+        raise OffloadDirError(f"memory.offload_weights: writing the weights to {files.directory} failed: {exc}",
+                              hint=DISK_HINT) from exc
+    for position, layer in enumerate(layers):
+        store.hooks += _hooks(store, layer, position)
+    setattr(layers[0], STORE_ATTRIBUTE, store)  # a plain attribute: weight_store_of finds it
+    return store
+
+
+def weight_store_of(model: torch.nn.Module) -> WeightStore | None:
+    """The weight store `offload_weights` set up on `model` (to close it where its caller did not keep it)."""
+    return getattr(decoder_layers(model)[0], STORE_ATTRIBUTE, None)

@@ -1,0 +1,88 @@
+"""The planner's price of weight streaming (`memory.offload_weights`, finetune.memory.weight_store): device
+memory, host RAM and disk, and the time of the link against the compute it hides behind.
+
+Memory: the device holds `ahead + 1` decoder layers' frozen weights (as stored: 4-bit with their quant state,
+or 16-bit; a MoE layer's experts too) instead of all of them; the embeddings, the LM head and everything
+trained stay. The cpu tier holds every layer's in host RAM (pinned on CUDA); the disk tier holds them in files
+under memory.offload_dir, read through `ahead + 1` layers' pinned buffers on CUDA.
+
+Time: every micro-batch brings each layer over the link twice (forward; backward, where a checkpointed
+layer's recompute uses the same fetch). A layer's transfer overlaps the compute of the one before it, so the
+link costs only what exceeds the compute: max(0, 2 x streamed bytes / bandwidth - compute) per micro-batch.
+Where the link is slower the step is link-bound, and a larger micro-batch (more compute per byte) hides it:
+the tokens/s the search ranks by say so, and `bound_note` says which bounds the chosen plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from finetune.plan.memory_model import ModelSpec, streamed_weight_bytes, weights_streamed
+from finetune.recipe.offload_tiers import STORES
+from finetune.recipe.settings import Settings
+from finetune.units import format_bytes
+
+FETCHES_PER_MICRO_BATCH = 2  # forward, and backward (with a checkpointed layer's recompute)
+
+
+def link_seconds(spec: ModelSpec, settings: Settings, bytes_per_s: float) -> float:
+    """Seconds the link takes to carry one micro-batch's streamed weights (0 without streaming)."""
+    if not weights_streamed(spec, settings):
+        return 0.0
+    return FETCHES_PER_MICRO_BATCH * streamed_weight_bytes(spec, settings)[0] / bytes_per_s
+
+
+def host_bytes(spec: ModelSpec, settings: Settings) -> tuple[int, int]:
+    """(host RAM, disk) bytes weight streaming holds: every layer in RAM for cpu; files plus `ahead + 1`
+    layers' pinned read buffers (on CUDA) for disk."""
+    if not weights_streamed(spec, settings):
+        return 0, 0
+    streamed, per_layer = streamed_weight_bytes(spec, settings)
+    if settings.offload_weights == "cpu":
+        return int(streamed), 0
+    return (int((spec.stream_ahead + 1) * per_layer) if spec.device == "cuda" else 0), int(streamed)
+
+
+def lacking_room(spec: ModelSpec, settings: Settings, free: dict[str, int],
+                 activations_on_disk: int) -> tuple[str, str] | None:
+    """(the rejection's kind, its reason) where the tier lacks the room, else None: host RAM (free, capped by
+    memory.offload_cpu_limit) on a GPU, offload_dir's free space with the activations the disk tier holds
+    there and the run's margin."""
+    from finetune.memory.offload_disk import with_margin
+
+    ram_needed, disk_needed = host_bytes(spec, settings)
+    ram = free.get("host_ram")
+    if spec.device == "cuda" and ram is not None:
+        ram = min(ram, spec.offload_cpu_limit) if spec.offload_cpu_limit is not None else ram
+        if ram_needed > ram:
+            return "host_ram", (f"weight streaming from {settings.offload_weights} needs {format_bytes(ram_needed)} "
+                                f"of RAM, {format_bytes(ram)} free (or memory.offload_cpu_limit)")
+    disk = free.get("offload_dir")
+    if disk_needed and disk is not None and with_margin(disk_needed + activations_on_disk) > disk:
+        return "offload_space", (f"weight streaming from disk needs "
+                                 f"{format_bytes(with_margin(disk_needed + activations_on_disk))} "
+                                 f"{STORES['offload_dir']} (with a margin), {format_bytes(disk)} free")
+    return None
+
+
+def bound_note(spec: ModelSpec, settings: Settings, tokens_per_s: float, resident_tokens_per_s: float,
+               bytes_per_s: float) -> str | None:
+    """What bounds a streaming plan's step: the link (its seconds per micro-batch above the compute's) or the
+    compute (the link hidden); None without streaming. `resident_tokens_per_s`: the same settings' price
+    without streaming (its micro-batch time is the compute the link hides behind)."""
+    if not weights_streamed(spec, settings):
+        return None
+    streamed = streamed_weight_bytes(spec, settings)[0]
+    tokens = settings.micro_batch_size * spec.seq_len * spec.world_size
+    compute = tokens / resident_tokens_per_s
+    link = link_seconds(spec, settings, bytes_per_s)
+    bound = "the link" if link > compute else "the compute (the link is hidden)"
+    return (f"memory.offload_weights: {settings.offload_weights} streams {format_bytes(streamed)} of frozen weights "
+            f"per pass at {bytes_per_s / 1e9:.1f} GB/s: {link:.2f} s of link per micro-batch against "
+            f"{compute:.2f} s of compute; the step is bound by {bound}, {tokens_per_s:,.0f} tokens/s "
+            f"({resident_tokens_per_s:,.0f} if the weights fitted on the device)")
+
+
+def resident(settings: Settings) -> Settings:
+    """`settings` without weight streaming (the compute `bound_note` compares the link with)."""
+    return replace(settings, offload_weights="none")

@@ -1,0 +1,207 @@
+"""Weight streaming (memory.offload_weights): the frozen layer weights resident, in host RAM or in files give
+the same losses and gradients bit for bit (QLoRA and LoRA, checkpointing on and off, a dense and a MoE model);
+the device never holds more than the read-ahead window of layers; the planner prices it (a 70B QLoRA fits a
+24 GiB card) and says what bounds the step; careless input is one line, exit 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from finetune.cli import main
+from finetune.memory.step import enable_checkpointing
+from finetune.memory.weight_store import frozen_storages, offload_weights
+from finetune.model.adapter import apply_adapter
+from finetune.model.family import decoder_layers
+from finetune.model.load import load_model
+from finetune.recipe.schema import AdapterConfig, ModelConfig, QuantizationConfig
+from finetune.rundir import read_jsonl
+from tests.run_support import three_step_recipe
+
+CONFIGS = Path(__file__).parent / "fixtures" / "configs"
+RECIPE = Path(__file__).parents[1] / "recipes" / "qlora-8b-24gb.yaml"
+
+
+def _model(path: Path, bits: int | None, checkpointing: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model, _, _ = load_model(ModelConfig(path=str(path)), QuantizationConfig(bits=bits))
+    model = apply_adapter(model, AdapterConfig(r=8, dropout=0.0), checkpointing=checkpointing)
+    enable_checkpointing(model, checkpointing, 1)
+    for name, param in model.named_parameters():  # lora_B non-zero, so lora_A gets gradients too
+        if "lora_B" in name:
+            param.data.normal_(0, 0.02)
+    return model.train()
+
+
+def _steps(model: torch.nn.Module) -> list[tuple[float, dict[str, torch.Tensor]]]:
+    """Two SGD steps: each step's loss and LoRA gradients (the second step runs on updated adapters)."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(trained, lr=0.5)
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
+    out = []
+    for _ in range(2):
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        out.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
+        optimizer.step()
+    return out
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("bits", [4, None])
+def test_streamed_weights_train_bit_equal(tiny_model_dir, tmp_path, bits, checkpointing):
+    """Resident, in host RAM and in files: the same losses and gradients, bit for bit, two layers (the one
+    computing and the one read ahead) materialised at most, and no file left once the store is closed."""
+    reference = _steps(_model(tiny_model_dir, bits, checkpointing))
+    for tier in ("cpu", "disk"):
+        model = _model(tiny_model_dir, bits, checkpointing)
+        store = offload_weights(model, tier, 1, None, tmp_path / "weights")
+        streamed = _steps(model)
+        for (loss, grads), (ref_loss, ref_grads) in zip(streamed, reference, strict=True):
+            assert loss == ref_loss, tier
+            assert grads.keys() == ref_grads.keys()
+            assert all(torch.equal(grads[k], ref_grads[k]) for k in grads), tier
+        assert store.materialised_peak == 2
+        store.close()
+        assert not (tmp_path / "weights").exists()  # the files, and the folder the store made
+
+
+def test_window_of_layers_on_the_device(tmp_path):
+    """With two layers read ahead, no more than three layers' frozen weights have bytes when any layer runs
+    (counted from the storages themselves, not the store's bookkeeping): forward reads ahead up the layers
+    and turns back at the top; backward (each checkpointed layer's recompute) reads ahead down them."""
+    from finetune.testing import make_tiny_model_dir
+
+    model = _model(make_tiny_model_dir(tmp_path / "model", num_hidden_layers=4), 4, True)
+    layers = decoder_layers(model)
+    frozen = [[t for _, t in frozen_storages(layer)] for layer in layers]
+    total = sum(t.untyped_storage().nbytes() for tensors in frozen for t in tensors)
+    store = offload_weights(model, "cpu", 2, None)
+    assert store.host_bytes == total
+    seen: list[list[int]] = []
+    for layer in layers:  # inside the layer's forward: runs in the checkpointed layers' recompute too
+        layer.input_layernorm.register_forward_pre_hook(lambda m, a: seen.append(
+            [p for p, tensors in enumerate(frozen) if any(t.untyped_storage().nbytes() for t in tensors)]))
+    _steps(model)
+    forward, recompute = [[0, 1, 2], [1, 2, 3], [1, 2, 3], [1, 2, 3]], [[1, 2, 3], [0, 1, 2], [0, 1, 2], [0, 1, 2]]
+    assert seen[:8] == forward + recompute
+    assert max(len(materialised) for materialised in seen) == 3 == store.materialised_peak
+
+
+def test_moe_experts_stream_with_the_layers(tmp_path, capsys):
+    """A MoE model's 4-bit experts stream with the rest of each layer through `finetune run`: the same losses
+    and router aux losses as resident, and no file left in offload_dir."""
+    losses = {}
+    for tier in ("none", "cpu", "disk"):
+        folder = tmp_path / tier
+        path = three_step_recipe(folder, "qwen3_moe", {"quantization": {"bits": 4}},
+                                 {"memory": {"offload_weights": tier, "activation_checkpointing": True,
+                                             "offload_dir": str(folder / "weights")}}, num_hidden_layers=4)
+        assert main(["run", str(path)]) == 0, capsys.readouterr().err
+        losses[tier] = [(r["loss"], r["aux_loss"]) for r in read_jsonl(folder / "run" / "metrics.jsonl") if "loss" in r]
+        assert not (folder / "weights").exists()
+    assert len(losses["none"]) == 3 and losses["none"] == losses["cpu"] == losses["disk"]
+
+
+def _refused(tmp_path: Path, capsys, argv: list[str], *words: str) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len([line for line in err if line.startswith("error:")]) == 1 and "Traceback" not in "\n".join(err)
+    assert any(all(w in line for w in words) for line in err), err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("memory", "words"), [
+    ({"offload_weights": "cpu", "offload_cpu_limit": "1KiB"}, ("memory.offload_weights", "host RAM", "1.00 KiB")),
+    ({"offload_weights": "cpu", "offload_experts": "cpu"}, ("memory.offload_weights", "offload_experts: none")),
+])
+def test_careless_streaming_refused(tmp_path, capsys, memory, words):
+    path = three_step_recipe(tmp_path, "llama", {"memory": memory})
+    _refused(tmp_path, capsys, ["run", str(path)], *words)
+
+
+def test_streaming_offload_dir_not_writable(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    path = three_step_recipe(tmp_path, "llama", {"memory": {"offload_weights": "disk",
+                                                            "offload_dir": str(tmp_path / "file" / "weights")}})
+    _refused(tmp_path, capsys, ["run", str(path)], "memory.offload_dir", "not writable")
+
+
+def test_streaming_offload_dir_too_small(tmp_path, capsys, monkeypatch):
+    """A disk without room for the weights: the run's own check says so (the plan is off here)."""
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(1 << 40, 1 << 40, 4096))
+    path = three_step_recipe(tmp_path, "llama", {"memory": {"offload_weights": "disk", "plan": False,
+                                                            "offload_dir": str(tmp_path / "weights")}})
+    _refused(tmp_path, capsys, ["run", str(path)], "memory.offload_dir", "4.00 KiB free", "of frozen weights")
+
+
+def test_streaming_with_several_gpus_refused(tmp_path, capsys):
+    path = three_step_recipe(tmp_path, "llama", {"memory": {"offload_weights": "disk"}, "distributed": {"gpus": 2}})
+    _refused(tmp_path, capsys, ["validate", str(path)], "memory.offload_weights", "distributed.gpus")
+
+
+def test_70b_qlora_planned_on_a_24gb_card(tmp_path):
+    """Llama-3.1-70B QLoRA: its 4-bit weights alone (~37 GiB) exceed a 24 GiB card; the search streams them
+    (every layer but the window of two off the device) and the plan says what bounds the step; without
+    streaming nothing fits."""
+    from finetune.plan import predict
+    from finetune.recipe import load_recipe
+
+    base = [f"model.path={CONFIGS / 'llama-3.1-70b.json'}", f"memory.offload_dir={tmp_path}"]
+    on = predict(load_recipe(RECIPE, base), device="cuda")
+    off = predict(load_recipe(RECIPE, [*base, "memory.offload_weights=none"]), device="cuda")
+    assert on.fits and on.settings["offload_weights"] in ("cpu", "disk") and on.peak_bytes <= 24 * 2**30
+    assert on.breakdown["weights"] < 6 * 2**30  # embeddings, LM head, two layers
+    assert any("bound by" in note and "frozen weights" in note for note in on.notes)
+    assert not off.fits and off.min_budget_bytes > 40 * 2**30
+
+
+def test_link_time_against_compute():
+    """The time model: each micro-batch streams every layer twice (forward; backward with the recompute), and
+    only the link time above the compute costs: a slow link bounds the step, a fast one is hidden."""
+    from finetune.plan.memory_model import streamed_weight_bytes
+    from finetune.plan.search import model_spec
+    from finetune.plan.trace import planned_config
+    from finetune.plan.weight_stream import bound_note, link_seconds
+    from finetune.recipe import load_recipe
+    from finetune.recipe.settings import Settings
+
+    recipe = load_recipe(RECIPE, [f"model.path={CONFIGS / 'llama-3.1-70b.json'}"])
+    spec = model_spec(recipe, planned_config(recipe.model.path), "cuda")
+    settings = Settings(micro_batch_size=1, gradient_accumulation_steps=1, activation_checkpointing=True,
+                        checkpoint_every_n_layers=1, offload="none", chunked_loss=True, bits=4, optimizer="adamw",
+                        offload_weights="cpu")
+    streamed, per_layer = streamed_weight_bytes(spec, settings)
+    assert streamed == pytest.approx(80 * per_layer) and 30 * 2**30 < streamed < 40 * 2**30  # 4-bit layers
+    assert link_seconds(spec, settings, 1e9) == pytest.approx(2 * streamed / 1e9)
+    tokens = spec.seq_len  # one micro-batch of one sequence
+    slow = bound_note(spec, settings, 10.0, tokens / (link_seconds(spec, settings, 1e9) / 2), 1e9)
+    fast = bound_note(spec, settings, 10.0, tokens / (link_seconds(spec, settings, 1e9) * 2), 1e9)
+    assert "bound by the link" in slow and "bound by the compute" in fast
+
+
+def test_planned_weights_match_what_the_store_moves(tmp_path):
+    """On a CPU run the disk tier frees the layers' frozen weights but for the window of two: the plan's
+    weights with streaming are its resident weights less what the store really moves, less two layers'."""
+    from finetune.plan import predict
+    from finetune.recipe import load_recipe
+
+    path = three_step_recipe(tmp_path, "llama", {"memory": {"offload_dir": str(tmp_path / "weights")}},
+                             num_hidden_layers=4)
+    recipe = load_recipe(path)
+    planned = {tier: predict(load_recipe(path, [f"memory.offload_weights={tier}"]), device="cpu").breakdown["weights"]
+               for tier in ("none", "disk")}
+    torch.manual_seed(0)
+    model, _, _ = load_model(recipe.model, recipe.quantization)
+    model = apply_adapter(model, recipe.adapter, checkpointing=True)
+    store = offload_weights(model, "disk", recipe.memory.offload_weights_ahead, None, tmp_path / "weights")
+    moved = store.host_bytes - 2 * max(sum(sizes) for sizes in store.sizes)
+    store.close()
+    assert planned["none"] - planned["disk"] == pytest.approx(moved, rel=0.05)
