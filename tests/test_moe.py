@@ -389,7 +389,7 @@ def test_shared_experts_carry_lora(tmp_path, arch):
 
 def test_measure_with_experts_on_disk_leaves_no_file(tmp_path):
     """`finetune measure` (finetune.train.measure) with memory.offload_experts: disk measures the step with the
-    experts read from offload_dir and removes their files before it returns."""
+    experts read from offload_dir and removes their files, and the folder it made for them, before it returns."""
     from finetune.recipe import load_recipe
     from finetune.train.measure import measure
 
@@ -397,4 +397,4 @@ def test_measure_with_experts_on_disk_leaves_no_file(tmp_path):
                                                       "offload_dir": str(tmp_path / "experts")}})
     result = measure(load_recipe(path), steps=1)
     assert result["peak_bytes"] > 0 and result["settings"]["offload_experts"] == "disk"
-    assert list((tmp_path / "experts").iterdir()) == []
+    assert not (tmp_path / "experts").exists()
