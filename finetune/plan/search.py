@@ -22,6 +22,7 @@ from finetune.memory.preference import PreferenceLoss, loads_reference_adapter, 
 from finetune.model.moe import moe_config
 from finetune.model.vision import in_vision
 from finetune.plan.cost_model import figures_of, tokens_per_second
+from finetune.plan.data import PlannedData, read_data
 from finetune.plan.memory_model import (
     ModelSpec,
     expert_weight_bytes,
@@ -112,9 +113,18 @@ class Plan:
     # a vision-language model: what its images cost (vision_weights: the vision tower and projector's bytes,
     # within breakdown's weights; images and image_tokens: one example's, as traced); {} for a text model
     vision: dict[str, int] = field(default_factory=dict)
+    # the data planned for (plan.data): examples, longest_tokens (the longest example), sequence (the row length
+    # traced: the longest example's, at most max_seq_len; packing: max_seq_len), max_seq_len, packing (0/1); {}
+    # where the data could not be read before the plan (planned at data.max_seq_len, with a note saying why)
+    data: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def planned_for(self) -> str:
+        """What the peak is for, in words: the data's largest micro-batch (its longest example's rows), or
+        data.max_seq_len's rows where the data was not read before the plan ("" then: a note says why)."""
+        return planned_for(self.data)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -126,6 +136,18 @@ class Plan:
         if chosen.memory.gpu_memory == "auto":  # the budget planned for (a fresh copy: assigning is safe)
             chosen.memory.gpu_memory = self.budget_bytes + recipe.memory.gpu_memory_margin
         return resolve(chosen)
+
+
+def planned_for(data: dict[str, int]) -> str:
+    """`Plan.planned_for` of a plan's `data` (also of a plan.json read back)."""
+    if not data:
+        return ""
+    if data.get("packing"):
+        return f"for packed rows of data.max_seq_len {data['max_seq_len']:,} tokens"
+    if data["sequence"] < data["max_seq_len"]:
+        return (f"for the data's longest example ({data['sequence']:,} tokens; data.max_seq_len "
+                f"{data['max_seq_len']:,})")
+    return f"for rows of data.max_seq_len {data['max_seq_len']:,} tokens (the data's longest example fills them)"
 
 
 def _free_memory(device: str) -> int:
@@ -324,6 +346,14 @@ def vision_costs(spec: ModelSpec) -> dict[str, int]:
             "sequence": spec.seq_len}
 
 
+def data_facts(data: PlannedData, spec: ModelSpec, recipe: Recipe) -> dict[str, int]:
+    """What the plan says of the data it was made for (Plan.data); {} where it was not read."""
+    if data.shape is None:
+        return {}
+    return {"examples": data.shape.examples, "longest_tokens": data.shape.longest, "sequence": spec.seq_len,
+            "max_seq_len": recipe.data.max_seq_len, "packing": int(recipe.data.packing)}
+
+
 def pixel_budgets(recipe: Recipe, config: Any) -> list[int]:
     """The image budgets `data.max_pixels: auto` tries, largest first: PIXEL_BUDGETS, none above the model's own
     limit (its processor's max_pixels); the one size a fixed-size vision tower sees (Gemma 3); [] unless the key
@@ -353,6 +383,12 @@ def _stat(path: str) -> os.stat_result | None:
         return None
 
 
+def planned_data(recipe: Recipe, config: Any, planner: Planner = DEFAULT) -> PlannedData:
+    """The recipe's data as the plan sizes its batches (`finetune.plan.data.read_data`)."""
+    family = family_for(model_type_of(config))
+    return read_data(recipe, family is not None and family.vision is not None, planner)
+
+
 @dataclass(frozen=True)
 class PlannedExample:
     """The example a plan traces: its image grids (a vision-language model's record with the most image tokens
@@ -365,13 +401,19 @@ class PlannedExample:
 
 
 def planned_example(recipe: Recipe, config: Any, planner: Planner = DEFAULT) -> PlannedExample:
-    """What the plan traces. A text model, or data without images (or not there yet): data.max_seq_len, as
-    always. Data with images: the images of the record with the most image tokens (at data.max_pixels, each
-    resized as its processor resizes) in a sequence as long as the longest record's image tokens and text bound
-    (`text_tokens_bound`), at most max_seq_len: the image budget sets the sequence, so a smaller budget plans a
-    shorter one."""
+    """What the plan traces: the largest micro-batch the run forms from the data (`planned_data`). Text
+    examples: padded to the longest row of the micro-batch, so the longest example's length, at most
+    max_seq_len (packing: max_seq_len rows). Data with images: the images of the record with the most image
+    tokens (at data.max_pixels, each resized as its processor resizes) in a sequence as long as the longest
+    record's image tokens and text tokens, at most max_seq_len: the image budget sets the sequence, so a
+    smaller budget plans a shorter one. Data not read before the plan: max_seq_len (image records: their
+    text bounded by `text_tokens_bound`)."""
     max_seq_len = recipe.data.max_seq_len
-    records = _image_records(recipe, config, planner)
+    data = planned_data(recipe, config, planner).shape
+    if data is not None and not data.has_images:
+        return PlannedExample((), max_seq_len if recipe.data.packing else data.padded_row(max_seq_len))
+    records = list(zip(data.images, data.lengths, strict=True)) if data is not None else \
+        _image_records(recipe, config, planner)
     if not any(sizes for sizes, _ in records):
         return PlannedExample((), max_seq_len)
     real = real_config(config)
@@ -517,7 +559,8 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
     budget = _budget(recipe, gpu_memory, "cuda" if torch.cuda.is_available() and device == "cuda" else "cpu")
     shapes = model_facts(config, recipe.model.attn_implementation, planner)[0]
     choices = _choices(recipe, spec)
-    notes = []
+    data = planned_data(recipe, config, planner)
+    notes = [data.note] if data.note and not full_length else []
     if shapes.mlp_linear == 0 and moe_config(config) is not None and recipe.memory.tiled_mlp == "auto" \
             and any(st.tiled_mlp for st in choices):
         choices = [st for st in choices if not st.tiled_mlp]
@@ -590,7 +633,7 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
                 reference_pass_bytes=chosen.reference_pass_bytes, managed_bytes=chosen.managed_bytes,
                 generation_bytes=chosen.generation_bytes, training_bytes=chosen.training_bytes,
                 device_figures=figures, figures_measured=measured, notes=notes,
-                vision=vision_costs(spec))
+                vision=vision_costs(spec), data=data_facts(data, spec, recipe) if not full_length else {})
 
 
 def _offload_resources(recipe: Recipe, device: str, tiers: set[str]) -> tuple[dict[str, float], dict[str, int]]:
