@@ -108,6 +108,10 @@ def render_plan(plan: Plan, console: Console | None = None) -> None:
     if not plan.fits:
         console.print(f"[red]Nothing fits.[/red] Smallest budget that works: {format_bytes(plan.min_budget_bytes)} "
                       "(set memory.gpu_memory or free GPU memory).")
+        if plan.fixes:
+            console.print("Or leave to the planner a setting the recipe fixes:")
+        for line in plan.fix_lines():
+            console.print(f"  {line}", soft_wrap=True, markup=False)
 
 
 def render_sizes(report: SizePlans, console: Console | None = None) -> None:

@@ -50,6 +50,7 @@ from finetune.recipe.optimizers import auto_preferences
 from finetune.recipe.resolved import RunConfig, resolve
 from finetune.recipe.schema import MIN_IMAGE_PIXELS, SHARDED_STRATEGIES, STRATEGIES, Recipe, strategy_problems
 from finetune.recipe.settings import Settings, inactive_settings, read_settings, write_settings
+from finetune.recipe.settings import table as settings_table
 from finetune.rl.step import scoring_passes, trace_objective
 from finetune.units import format_bytes, parse_bytes
 
@@ -117,9 +118,18 @@ class Plan:
     # traced: the longest example's, at most max_seq_len; packing: max_seq_len), max_seq_len, packing (0/1); {}
     # where the data could not be read before the plan (planned at data.max_seq_len, with a note saying why)
     data: dict[str, int] = field(default_factory=dict)
+    # nothing fits: each setting the recipe fixes that, left to the planner (auto), would make the plan fit, as
+    # {"key": "memory.offload_experts", "value": what the planner then picks, "peak_bytes", "tokens_per_s"}
+    fixes: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def fix_lines(self) -> list[str]:
+        """Each of `fixes` for people: "memory.offload_experts: auto fits (the planner picks cpu): peak 10.40 GiB,
+        4,765 tokens/s predicted"."""
+        return [f"{f['key']}: auto fits (the planner picks {json.dumps(f['value'])}): peak "
+                f"{format_bytes(f['peak_bytes'])}, {f['tokens_per_s']:,.0f} tokens/s predicted" for f in self.fixes]
 
     def planned_for(self) -> str:
         """What the peak is for, in words: the data's largest micro-batch (its longest example's rows), or
@@ -535,12 +545,13 @@ def _check_expert_room(cand: Candidate, spec: ModelSpec, settings: Settings, fre
 
 def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str | None = None,
             device: str | None = None, training_only: bool = False, planner: Planner = DEFAULT,
-            full_length: bool = False) -> Plan:
+            full_length: bool = False, suggest: bool = True) -> Plan:
     """Plan a run without loading weights: resolve `auto` settings to the fastest configuration that fits.
     `training_only`: price the training step alone, not what precedes it (training.precompute_reference's
     pass): a re-plan during training, after an out-of-memory error. `full_length`: sequences of
-    data.max_seq_len tokens even where the data's image records are shorter (how long a context fits). `planner`: whose in-memory caches the
-    plan uses (`Planner()`: caches of its own)."""
+    data.max_seq_len tokens even where the data's image records are shorter (how long a context fits), and not
+    the data's longest example. `planner`: whose in-memory caches the plan uses (`Planner()`: caches of its own).
+    `suggest`: where nothing fits, plan again with each fixed setting left to the planner (`Plan.fixes`)."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() or gpu_memory not in (None, "auto") else "cpu"
     recipe = resolve_init_from(recipe)  # adapter.init_from: price the adapter's own shape
@@ -551,7 +562,7 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
         for pixels in budgets:
             plan = predict(write_settings(recipe, {"max_pixels": pixels}), model_config=config,
                            gpu_memory=gpu_memory, device=device, training_only=training_only, planner=planner,
-                           full_length=full_length)
+                           full_length=full_length, suggest=suggest)
             if plan.fits:
                 break
         return plan
@@ -626,6 +637,8 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
     for cand in candidates + rejected:
         cand.settings = {k: v for k, v in cand.settings.items() if k not in inactive}
     chosen = ok[0] if ok else leanest
+    fixes = [] if ok or not suggest or training_only or full_length else \
+        freed_fixes(recipe, config, gpu_memory, device, planner)
     return Plan(device, chosen.settings, chosen.peak_bytes, chosen.breakdown, budget, bool(ok), chosen.tokens_per_s,
                 alternatives=ok[1:4], rejected=rejected,
                 min_budget_bytes=None if ok else leanest.peak_bytes + recipe.memory.gpu_memory_margin,
@@ -633,7 +646,39 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
                 reference_pass_bytes=chosen.reference_pass_bytes, managed_bytes=chosen.managed_bytes,
                 generation_bytes=chosen.generation_bytes, training_bytes=chosen.training_bytes,
                 device_figures=figures, figures_measured=measured, notes=notes,
-                vision=vision_costs(spec), data=data_facts(data, spec, recipe) if not full_length else {})
+                vision=vision_costs(spec), data=data_facts(data, spec, recipe) if not full_length else {},
+                fixes=fixes)
+
+
+# Settings a recipe may fix that the search can choose instead, tried one at a time when nothing fits (the
+# memory savings first: they keep the training the recipe asks for).
+FREEABLE = ("offload_experts", "offload", "activation_checkpointing", "chunked_loss", "tiled_mlp", "micro_batch_size",
+            "bits", "optimizer", "max_pixels", "generation_batch_size")
+
+
+def freed_fixes(recipe: Recipe, config: Any, gpu_memory: int | str | None, device: str,
+                planner: Planner) -> list[dict[str, Any]]:
+    """Where nothing fits: each setting `recipe` fixes (FREEABLE, not auto) that, left to the planner, gives a
+    plan that fits: its recipe key, the value the planner picks, and that plan's peak and tokens/s. So "does
+    not fit" names the setting that would make it fit (a recipe that keeps experts on the GPU, where offloading
+    them fits half the memory) instead of a budget alone."""
+    given = read_settings(recipe)
+    keys = {s.name: s.key for s in settings_table()}
+    inactive = inactive_settings(recipe)
+    fixes = []
+    for name in FREEABLE:
+        if given[name] == "auto" or name in inactive:
+            continue
+        try:
+            freed = write_settings(recipe, {name: "auto"})
+        except (ValidationError, FinetuneError):
+            continue  # a combination the schema refuses (no auto for this setting here)
+        plan = predict(freed, model_config=config, gpu_memory=gpu_memory, device=device, planner=planner,
+                       suggest=False)
+        if plan.fits and plan.settings.get(name) != given[name]:
+            fixes.append({"key": keys[name], "value": plan.settings.get(name), "peak_bytes": plan.peak_bytes,
+                          "tokens_per_s": plan.tokens_per_s})
+    return fixes
 
 
 def _offload_resources(recipe: Recipe, device: str, tiers: set[str]) -> tuple[dict[str, float], dict[str, int]]:

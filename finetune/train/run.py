@@ -132,9 +132,13 @@ def _plan(recipe: Recipe) -> tuple[Plan | None, Recipe]:
         needed = f"; the leanest plan needs a budget of {format_bytes(plan.min_budget_bytes)}" \
             if plan.min_budget_bytes else ""
         if auto:
-            raise FinetuneError(f"no settings fit the memory budget: {budget}{needed}",
-                                hint="run `finetune plan RECIPE` to see what was tried and why it was rejected")
+            raise FinetuneError(f"no settings fit the memory budget: {budget}{needed}", problems=plan.fix_lines(),
+                                hint="set one of the keys above to auto, or run `finetune plan RECIPE` to see what "
+                                     "was tried and why it was rejected" if plan.fixes else
+                                "run `finetune plan RECIPE` to see what was tried and why it was rejected")
         console.print(f"[yellow]warning: this recipe is predicted not to fit: {budget}{needed}")
+        for line in plan.fix_lines():
+            console.print(f"  {line}", style="yellow", markup=False)
     else:
         chosen = ", ".join(format_choices(auto_choices(recipe, plan.settings)))
         console.print(f"memory plan: {budget}" + (f"; chose {chosen} automatically" if chosen else ""))
