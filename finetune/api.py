@@ -406,7 +406,7 @@ def plan_at_seen_length(run: str | Path | RunFiles) -> SeenLengthPlan | None:
         return None
     data = recipe_data(recipe)
     data["data"]["max_seq_len"] = max(longest, 8)
-    at = predict(validate_recipe(data, str(files.run.recipe)), device=plan.get("device"))
+    at = predict(validate_recipe(data, str(files.run.recipe)), device=plan.get("device"), suggest=False)
     return {"longest": longest, "max_seq_len": recipe.data.max_seq_len, "peak_bytes": at.peak_bytes,
             "breakdown": at.breakdown, "planned_peak_bytes": plan.get("peak_bytes")}
 
