@@ -448,6 +448,13 @@ def planned_example(recipe: Recipe, config: Any, planner: Planner = DEFAULT) -> 
     return PlannedExample(most[1], min(max_seq_len, longest), too_long)
 
 
+def planned_sequence(recipe: Recipe, planner: Planner = DEFAULT) -> int:
+    """The row length a plan of `recipe` traces (`planned_example`): the data's largest micro-batch's, or
+    data.max_seq_len where the data is not read before the plan; what `finetune measure` runs its steps at."""
+    config = planned_config(recipe.model.path, recipe.model.trust_remote_code, planner)
+    return planned_example(resolve_init_from(recipe), config, planner).seq_len
+
+
 def _image_records(recipe: Recipe, config: Any, planner: Planner) -> list[tuple[list[tuple[int, int]], int]]:
     """Each good record's image sizes (from the headers) and text bound, read once per data and its files'
     versions (`data.max_pixels: auto` plans several budgets); [] for a text model or data not readable yet."""
