@@ -42,7 +42,8 @@ def longest(gib: int, planner_memory: bool, config):
     lo, hi, best = 0, 1 << 18, None
     while hi - lo > 256:
         mid = (lo + hi) // 2 // 256 * 256
-        plan = predict(recipe(mid, planner_memory), model_config=config, gpu_memory=f"{gib}GiB", device="cuda")
+        plan = predict(recipe(mid, planner_memory), model_config=config, gpu_memory=f"{gib}GiB", device="cuda",
+                       suggest=False)  # a search over lengths: no "what would fit" per failed length
         if plan.fits:
             lo, best = mid, plan
         else:

@@ -441,8 +441,10 @@ def run_evaluation_table(run: str | Path | RunFiles) -> EvaluationTable | None:
 
 
 def plan_at_seen_length(run: str | Path | RunFiles) -> SeenLengthPlan | None:
-    """When a run's longest sequence is shorter than data.max_seq_len, its plan re-evaluated at that length
-    (what the measured peak should be compared with); None while the run has not said, or when it is not shorter.
+    """When a run's longest sequence is shorter than data.max_seq_len and its plan was made for max_seq_len (the
+    data could not be read before the plan, or a run of an older version), its plan re-evaluated at that length
+    (what the measured peak should be compared with); None while the run has not said, when it is not shorter,
+    or when the plan was made for the data already (plan.json's `data`).
 
     Keys: longest (tokens), max_seq_len, peak_bytes and breakdown at the longest, planned_peak_bytes."""
     from finetune.plan import predict
@@ -450,32 +452,36 @@ def plan_at_seen_length(run: str | Path | RunFiles) -> SeenLengthPlan | None:
     files = run_files(run)
     longest = files.status.get("longest_sequence_tokens")
     plan = files.plan or {}
-    if not isinstance(longest, int) or files.recipe_text is None:
+    if not isinstance(longest, int) or files.recipe_text is None or plan.get("data"):
         return None
     recipe = load_recipe_text(files.recipe_text, str(files.run.recipe))
     if longest >= recipe.data.max_seq_len:
         return None
     data = recipe_data(recipe)
     data["data"]["max_seq_len"] = max(longest, 8)
-    at = predict(validate_recipe(data, str(files.run.recipe)), device=plan.get("device"))
+    at = predict(validate_recipe(data, str(files.run.recipe)), device=plan.get("device"), suggest=False)
     return {"longest": longest, "max_seq_len": recipe.data.max_seq_len, "peak_bytes": at.peak_bytes,
             "breakdown": at.breakdown, "planned_peak_bytes": plan.get("peak_bytes")}
 
 
 def run_memory(run: str | Path | RunFiles) -> RunMemory | None:
-    """The run's memory as the end of `finetune run` reports it: the plan's peak at data.max_seq_len, the plan
-    re-evaluated at the data's longest example (`plan_at_seen_length`: what the measured peak should be
-    compared with) and the measured peak (the last logged: an out-of-memory recovery's re-plan starts a new
-    one). None when the run has no plan (the planner could not trace the model)."""
+    """The run's memory as the end of `finetune run` reports it: the plan's peak (for the data's largest
+    micro-batch, or at data.max_seq_len where the data was not read before the plan), then the plan re-evaluated
+    at the data's longest example (`plan_at_seen_length`: what the measured peak should be compared with) and
+    the measured peak (the last logged: an out-of-memory recovery's re-plan starts a new one). None when the run
+    has no plan (the planner could not trace the model)."""
     files = run_files(run)
     plan = files.plan
     if not plan or files.recipe_text is None:
         return None
     recipe = load_recipe_text(files.recipe_text, str(files.run.recipe))
     measured = next((r["peak_memory_bytes"] for r in reversed(files.metrics) if r.get("peak_memory_bytes")), None)
+    from finetune.plan.search import planned_for
+
     sequence = (plan.get("vision") or {}).get("sequence")
     return {"planned_peak_bytes": plan["peak_bytes"], "max_seq_len": recipe.data.max_seq_len,
             "planned_sequence": sequence if isinstance(sequence, int) and plan["vision"].get("images") else None,
+            "planned_for": planned_for(plan.get("data") or {}),
             "seen": plan_at_seen_length(files), "measured_peak_bytes": measured}
 
 

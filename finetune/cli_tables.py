@@ -88,8 +88,11 @@ def render_plan(plan: Plan, console: Console | None = None) -> None:
     if plan.managed_bytes:
         console.print(f"  optimizer state in CUDA managed memory ({plan.settings['optimizer']}, paged to host RAM "
                       f"when the GPU is full): {format_bytes(plan.managed_bytes)}, not in the peak")
+    if plan.data:
+        console.print(f"  data: {plan.data['examples']:,} training examples, the longest {plan.data['longest_tokens']:,} "
+                      f"tokens: the peak is {plan.planned_for()}", soft_wrap=True)
     for note in plan.notes:
-        console.print(f"  {note}")
+        console.print(f"  {note}", soft_wrap=True)
     if plan.alternatives:
         alt = Table(title="next best")
         alt.add_column("settings")
@@ -114,6 +117,10 @@ def render_plan(plan: Plan, console: Console | None = None) -> None:
     elif not plan.fits:
         console.print(f"[red]Nothing fits.[/red] Smallest budget that works: {format_bytes(plan.min_budget_bytes)} "
                       "(set memory.gpu_memory or free GPU memory).")
+        if plan.fixes:
+            console.print("Or leave to the planner a setting the recipe fixes:")
+        for line in plan.fix_lines():
+            console.print(f"  {line}", soft_wrap=True, markup=False)
 
 
 def render_sizes(report: SizePlans, console: Console | None = None) -> None:
@@ -151,12 +158,16 @@ def render_measurement(result: dict[str, Any], console: Console | None = None) -
 
 
 def memory_line(memory: RunMemory) -> str:
-    """The end of `finetune run`: the plan at max_seq_len (image data: at the longest record it traced), at the
-    data's longest example (when shorter) and the measured peak, on one line, so a run whose data is short reads
-    as matching its plan, not as 2x under it."""
+    """The end of `finetune run`: the plan (for the data's largest micro-batch; where the data was not read before
+    the plan, at max_seq_len and, re-evaluated, at the data's longest example) and the measured peak, on one
+    line, so a run whose data is short reads as matching its plan, not as 2x under it."""
     sequence = memory.get("planned_sequence")
-    at = (f"at its longest image record's {sequence:,} tokens (max_seq_len {memory['max_seq_len']:,})"
-          if sequence is not None and sequence < memory["max_seq_len"] else f"at max_seq_len {memory['max_seq_len']:,}")
+    if memory.get("planned_for"):
+        at = memory["planned_for"]
+    elif sequence is not None and sequence < memory["max_seq_len"]:
+        at = f"at its longest image record's {sequence:,} tokens (max_seq_len {memory['max_seq_len']:,})"
+    else:
+        at = f"at max_seq_len {memory['max_seq_len']:,}"
     parts = [f"memory: planned {format_bytes(memory['planned_peak_bytes'])} {at}"]
     seen = memory["seen"]
     if seen is not None:

@@ -88,9 +88,10 @@ class SeenLengthPlan(TypedDict):
 class RunMemory(TypedDict):
     """`api.run_memory(run)`: the run's planned, re-evaluated and measured peak memory side by side."""
 
-    planned_peak_bytes: int  # the plan's, at data.max_seq_len
+    planned_peak_bytes: int  # the plan's: for the data's largest micro-batch, else at data.max_seq_len
     max_seq_len: int
     planned_sequence: int | None  # image data: the sequence the plan traced (its longest record), else None
+    planned_for: str  # what the peak is for (Plan.planned_for); "" where the plan was made at data.max_seq_len
     seen: SeenLengthPlan | None  # the plan at the data's longest example; None: the data is not shorter
     measured_peak_bytes: int | None  # the last logged peak (since the last re-plan); None: none logged
 

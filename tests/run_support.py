@@ -91,3 +91,10 @@ def torchrun(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "-m", "finetune", *args], env=env, capture_output=True, text=True, timeout=300)
+
+
+def run_plan(run_dir: Path | str) -> dict:
+    """A run's plan.json, made for the data's largest micro-batch (`longest`: its row length): what the run's
+    measured peak is compared with."""
+    plan = json.loads((Path(run_dir) / "plan.json").read_text())
+    return {**plan, "longest": plan["data"]["sequence"]}

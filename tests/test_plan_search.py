@@ -87,7 +87,8 @@ def test_tiled_mlp_chosen_only_where_it_is_needed(tiny_dir):
     sections = {"training": {"micro_batch_size": 1},
                 "memory": {"activation_checkpointing": True, "chunked_loss": False, "tiled_mlp": "auto",
                            "tiled_mlp_tokens": 128}}
-    recipe = _recipe(tiny_dir, seq=2048, **sections)
+    # data the plan cannot read: rows of max_seq_len (the sample data's examples are ~120 tokens, one MLP chunk)
+    recipe = _recipe(tiny_dir, seq=2048, data={"path": "unused.jsonl"}, **sections)
     plain = predict(recipe.model_copy(update={"memory": recipe.memory.model_copy(update={"tiled_mlp": False})}),
                     gpu_memory=1 << 40, device="cpu")
     tiled = predict(recipe.model_copy(update={"memory": recipe.memory.model_copy(update={"tiled_mlp": True})}),

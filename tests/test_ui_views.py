@@ -59,6 +59,16 @@ def test_plan_text_and_option_rows():
                     ["rejected", "11.00 GiB", "", "peak 11 GiB exceeds the 8 GiB budget", "micro_batch_size=8"]]
 
 
+def test_plan_text_says_what_the_peak_is_for_its_notes_and_the_settings_that_would_fit():
+    fits = views.plan_markdown({**PLAN, "planned_for": "for the data's longest example (75 tokens; data.max_seq_len "
+                                "256)", "notes": ["planned for data.max_seq_len 256 (an upper bound): why"]})
+    assert "The peak is for the data's longest example (75 tokens; data.max_seq_len 256)." in fits
+    assert "Note: planned for data.max_seq_len 256 (an upper bound): why" in fits
+    fix = 'memory.offload_experts: auto fits (the planner picks "cpu"): peak 10.69 GiB, 6,164 tokens/s predicted'
+    text = views.plan_markdown({**PLAN, "fits": False, "min_budget_bytes": 18 * GIB, "fix_lines": [fix]})
+    assert "DOES NOT FIT" in text and f"`{fix}`" in text
+
+
 def test_run_dir_reader_skips_a_torn_line_and_summarises(tmp_path):
     rows = [{"step": 1, "loss": 2.0, "learning_rate": 1e-4, "peak_memory_bytes": 100},
             {"step": 2, "loss": 1.5, "learning_rate": 2e-4, "peak_memory_bytes": 300},

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.run_support import run_plan
+
 # Mistral-Small-3.1-24B-Instruct-2503's preprocessor_config.json (the keys that decide sizes); its
 # processor_config.json adds spatial_merge_size 2, which the counter reads beside them.
 MISTRAL_SMALL = {"image_processor_type": "PixtralImageProcessor", "patch_size": {"height": 14, "width": 14},
@@ -144,7 +146,6 @@ def test_data_max_pixels_narrows_the_images_as_the_plan_counts(tmp_path, model):
 def test_dpo_on_images_plans_within_5_percent(tmp_path, model):
     """DPO: the chosen and the rejected answer each see the prompt's picture; the plan of the pair step within 5%
     of the measured peak."""
-    from finetune import api
     from finetune.cli import main
     from finetune.rundir import read_jsonl
     from tests.test_vision_train import preference_data, recipe
@@ -153,7 +154,7 @@ def test_dpo_on_images_plans_within_5_percent(tmp_path, model):
     assert main(["run", str(path)]) == 0
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert len([r for r in rows if "rewards/margins" in r]) == 3
-    seen = api.plan_at_seen_length(tmp_path / "run")
+    seen = run_plan(tmp_path / "run")
     measured = max(r["peak_memory_bytes"] for r in rows if "peak_memory_bytes" in r)
     assert seen is not None and abs(seen["peak_bytes"] / measured - 1) <= 0.05, (seen["peak_bytes"], measured)
 
@@ -193,7 +194,6 @@ def test_qlora_with_adapter_vision_trains_the_pixtral_tower_and_plans_within_5_p
     which traces the same adapter, within 5% of the measured peak."""
     from safetensors.torch import load_file
 
-    from finetune import api
     from finetune.cli import main
     from finetune.rundir import read_jsonl
     from tests.test_vision_train import recipe, shapes_data
@@ -209,7 +209,7 @@ def test_qlora_with_adapter_vision_trains_the_pixtral_tower_and_plans_within_5_p
         key = next(k for k in in_vision if k.endswith("patch_conv.weight"))
         before = next(v for k, v in load_file(model / "model.safetensors").items() if k.endswith("patch_conv.weight"))
         assert not saved[key].equal(before)
-    seen = api.plan_at_seen_length(tmp_path / "run")
+    seen = run_plan(tmp_path / "run")
     measured = max(r["peak_memory_bytes"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")
                    if "peak_memory_bytes" in r)
     assert seen is not None and abs(seen["peak_bytes"] / measured - 1) <= 0.05, (seen["peak_bytes"], measured)

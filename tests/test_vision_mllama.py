@@ -18,6 +18,7 @@ from finetune import api
 from finetune.cli import main
 from finetune.rundir import read_jsonl
 from finetune.testing import vision_model
+from tests.run_support import run_plan
 from tests.test_vision_train import _measured, assert_resume_exact, preference_data, recipe, shapes_data
 
 QUESTION = "What colour is the picture?"
@@ -154,7 +155,7 @@ def test_mllama_trains_on_mixed_batches_and_the_loss_falls(tmp_path, mllama):
     assert stats["train_examples"] == 8 and stats["images"] == 4
     losses = _run_losses(tmp_path / "run")
     assert losses[-1] < 0.5 * losses[0], losses
-    seen = api.plan_at_seen_length(tmp_path / "run")
+    seen = run_plan(tmp_path / "run")
     assert seen is not None and abs(seen["peak_bytes"] / _measured(tmp_path / "run") - 1) <= 0.05
 
 
@@ -170,7 +171,7 @@ def test_dpo_on_images_shares_the_prompts_pictures_and_plans_within_5_percent(tm
     assert main(["run", str(path)]) == 0
     rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
     assert len(rows) == 3 and all("rewards/margins" in r for r in rows)
-    seen = api.plan_at_seen_length(tmp_path / "run")
+    seen = run_plan(tmp_path / "run")
     assert seen is not None and abs(seen["peak_bytes"] / _measured(tmp_path / "run") - 1) <= 0.05
 
 
@@ -302,7 +303,7 @@ def test_two_images_in_a_record_each_read_until_the_next_and_the_plan_holds(tmp_
     assert reads[first:second, 0].all() and not reads[first:second, 1].any()
     assert reads[second:, 1].all() and not reads[second:, 0].any()
     assert main(["run", str(recipe(tmp_path, mllama, data))]) == 0
-    seen = api.plan_at_seen_length(tmp_path / "run")
+    seen = run_plan(tmp_path / "run")
     assert seen is not None and abs(seen["peak_bytes"] / _measured(tmp_path / "run") - 1) <= 0.05
 
 
@@ -313,7 +314,7 @@ def test_a_deeper_model_plans_its_cross_attention_layers_from_cut_copies(tmp_pat
     model = vision_model("mllama", tmp_path / "model", num_hidden_layers=6, cross_attention_layers=[2, 5])
     path = recipe(tmp_path, model, shapes_data(tmp_path), memory={"activation_checkpointing": checkpointing})
     assert main(["run", str(path)]) == 0
-    seen = api.plan_at_seen_length(tmp_path / "run")
+    seen = run_plan(tmp_path / "run")
     assert seen is not None and abs(seen["peak_bytes"] / _measured(tmp_path / "run") - 1) <= 0.05
 
 
@@ -337,7 +338,7 @@ def test_full_fine_tuning_prices_state_for_what_the_data_runs(tmp_path, mllama, 
     assert main(["run", str(path)]) == 0
     rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "peak_memory_bytes" in r]
     peak = max(rows, key=lambda r: r["peak_memory_bytes"])
-    seen = api.plan_at_seen_length(tmp_path / "run")
+    seen = run_plan(tmp_path / "run")
     assert seen is not None and abs(seen["peak_bytes"] / peak["peak_memory_bytes"] - 1) <= 0.05, (seen, peak)
     state = peak["peak_memory_breakdown"]["optimizer_state"]
     assert seen["breakdown"]["optimizer_state"] == state

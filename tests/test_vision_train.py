@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from finetune import api
 from finetune.cli import main
 from finetune.rundir import read_jsonl
 from finetune.testing import VISION_ARCHITECTURES, make_tiny_model_dir, vision_model
+from tests.run_support import run_plan
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220)}
 
@@ -80,7 +80,7 @@ def test_trains_on_images_with_the_plan_within_5_percent(tmp_path, vlm, bits):
     assert main(["run", str(recipe(tmp_path, vlm, data, quantization={"bits": bits}))]) == 0
     stats = json.loads((tmp_path / "run" / "data_stats.json").read_text())
     assert stats["train_examples"] == 12 and stats["bad_records_skipped"] == 0
-    seen = api.plan_at_seen_length(tmp_path / "run")
+    seen = run_plan(tmp_path / "run")
     assert seen is not None and seen["longest"] > 30  # 6 image tokens per 84 x 56 picture, and the text
     measured = _measured(tmp_path / "run")
     assert abs(seen["peak_bytes"] / measured - 1) <= 0.05, (seen["peak_bytes"], measured)
@@ -92,7 +92,7 @@ def _trains_with_the_plan_within_5_percent(tmp_path: Path, arch: str, **memory) 
     longest example within 5% of the measured peak. Returns the run's plan.json."""
     model = vision_model(arch, tmp_path / "model")
     assert main(["run", str(roomy(recipe(tmp_path, model, shapes_data(tmp_path), memory=memory)))]) == 0
-    seen = api.plan_at_seen_length(tmp_path / "run")
+    seen = run_plan(tmp_path / "run")
     assert seen is not None
     measured = _measured(tmp_path / "run")
     assert abs(seen["peak_bytes"] / measured - 1) <= 0.05, (seen["peak_bytes"], measured)
@@ -194,7 +194,7 @@ def test_dpo_on_images_shares_the_prompts_pictures_and_plans_within_5_percent(tm
     assert main(["run", str(path)]) == 0
     rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
     assert len(rows) == 3 and all("rewards/margins" in r for r in rows)
-    seen = api.plan_at_seen_length(tmp_path / "run")
+    seen = run_plan(tmp_path / "run")
     assert seen is not None
     measured = _measured(tmp_path / "run")
     assert abs(seen["peak_bytes"] / measured - 1) <= 0.05, (seen["peak_bytes"], measured)
@@ -235,6 +235,6 @@ def test_adapter_vision_trains_the_vision_tower_and_saves_it_with_the_adapter(tm
         base = load_file(vlm / "model.safetensors")
         before = next(v for k, v in base.items() if k.endswith("visual.patch_embed.proj.weight"))
         assert not saved[key].equal(before)
-    seen = api.plan_at_seen_length(tmp_path / "run")
+    seen = run_plan(tmp_path / "run")
     assert seen is not None
     assert abs(seen["peak_bytes"] / _measured(tmp_path / "run") - 1) <= 0.05

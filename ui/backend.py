@@ -193,7 +193,9 @@ class Backend:
     def plan(self, values: list[Any], gpu: str) -> dict[str, Any]:
         """The planner's JSON for the form's recipe on the chosen GPU (a card's size when memory is auto), with
         `speed` (in the plan and each option): the estimate as a person should read it (api.speed_estimate);
-        `chosen_automatically`: the recipe's `auto` keys with the values the plan gives them."""
+        `chosen_automatically`: the recipe's `auto` keys with the values the plan gives them; `planned_for`: what
+        the peak is for (the data's largest micro-batch); `fix_lines`: where nothing fits, the fixed settings that
+        would fit if left to the planner."""
         recipe = self.checked_recipe(values)
         if (gpu or "").startswith(THIS_MACHINE) and self.machine:  # its device, with the recipe's budget
             planned = api.plan(recipe, device=self.machine["device"])
@@ -205,7 +207,8 @@ class Backend:
             option["speed"] = api.speed_estimate({**option, **{k: plan.get(k) for k in (
                 "device", "device_figures", "figures_measured")}})
         return {**plan, "speed": api.speed_estimate(plan),
-                "chosen_automatically": auto_choices(recipe, plan.get("settings") or {})}
+                "chosen_automatically": auto_choices(recipe, plan.get("settings") or {}),
+                "planned_for": planned.planned_for(), "fix_lines": planned.fix_lines()}
 
     def gpu_sweep(self, values: list[Any]) -> dict[str, Any]:
         """What fits on each common GPU size (finetune.api.plan_gpu_sizes), kept for the same recipe."""

@@ -147,11 +147,17 @@ def plan_markdown(plan: dict[str, Any]) -> str:
     verdict = "FITS" if plan.get("fits") else "DOES NOT FIT"
     lines = [f"### {verdict}: predicted peak {size(plan.get('peak_bytes'))} of a {size(plan.get('budget_bytes'))} "
              "budget"]
+    if plan.get("planned_for"):
+        lines.append(f"The peak is {plan['planned_for']}.")
+    lines += [f"Note: {note}" for note in plan.get("notes") or []]
     speed = plan.get("speed")
     if speed:
         lines.append(f"Predicted speed: **{speed['text']}** — an estimate: {speed['basis']}.")
     if not plan.get("fits") and plan.get("min_budget_bytes"):
         lines.append(f"The smallest budget any option fits: {size(plan['min_budget_bytes'])}.")
+    if plan.get("fix_lines"):
+        lines.append("**Or leave to the planner** a setting the recipe fixes: "
+                     + "; ".join(f"`{line}`" for line in plan["fix_lines"]))
     chosen = plan.get("chosen_automatically")
     if chosen:
         lines.append("**Chosen automatically** (the recipe's `auto` keys): "

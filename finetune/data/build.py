@@ -20,10 +20,13 @@ either keeps no loss token. For kto, pairs are split into a good and a bad examp
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import os
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from finetune.data.bundle import DataBundle, _listed, _refuse_bad, _sample, _split, checked
@@ -44,10 +47,11 @@ from finetune.data.formats import (
     normalize,
     unicode_problem,
 )
-from finetune.data.images import check_images
+from finetune.data.images import check_images, image_size
 from finetune.data.mix import FileRead, data_folders, file_stats, is_mix, mixed_records, read_files, repeated
 from finetune.data.prompts import build_prompts, check_prompt_records
 from finetune.data.read import Record
+from finetune.data.shape import DataShape
 from finetune.data.vision import VisionData
 from finetune.errors import DataError
 from finetune.recipe.methods import METHODS, method_spec
@@ -91,22 +95,13 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
     (records with images then train; without it they are bad records: the model reads only text)."""
     if data_kind(method) == "prompt":
         return build_prompts(cfg, tokenizer, seed, max_prompt_tokens)
-    files = read_files(cfg)
-    formats, fmt = _formats(cfg, files, method)
-    records = _sample(mixed_records(cfg, files, seed), cfg.max_samples, seed)
-    encoder = _encoder(cfg, tokenizer, formats[0])
-    fingerprint = data_fingerprint(cfg, [f.read for f in files], fmt, tokenizer,
-                                   encoder.template if encoder else None, seed, method)
-    prepared, problems = _prepare(records, formats, cfg, encoder, vision is not None)
-    _check_packing(cfg, prepared)
+    read = _read(cfg, tokenizer, seed, method)
+    files, formats, fmt, records, encoder, fingerprint = (read.files, read.formats, read.fmt, read.records,
+                                                          read.encoder, read.fingerprint)
+    prepared, problems, train_part, eval_part = _prepared_split(read, cfg, seed, method, vision is not None)
     if any(p.images for p in prepared):
         fingerprint["images_sha256"] = images_identity([path for p in prepared for path in p.images])
     prepared_from = Counter(p.file for p in prepared)
-    problems = [p for f in files for p in f.read.problems] + problems
-    _refuse_bad(cfg, fmt, problems, len(prepared))
-    train_part, eval_part = _split(cfg.label(), prepared, cfg.validation_split, seed)
-    if data_kind(method) == "kto" and formats[0] in PAIR_FORMATS:  # split by record, then unpair
-        train_part, eval_part = _unpair(train_part), _unpair(eval_part)
     dropped = _Dropped()
     train = _fit(train_part, _tokenize(train_part, tokenizer, encoder, cfg.max_seq_len, vision), cfg, encoder, dropped,
                  vision)
@@ -149,6 +144,89 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
         collator = vision.collator(collator, 2 if kind == "pair" else 1)
     return DataBundle(train_ds, eval_ds, stats, collator, fingerprint,
                       repeated(files) + _warnings(cfg, len(problems) - len(dropped.bad), dropped))
+
+
+@dataclass
+class _Read:
+    """The data as read for one build: the files, their formats, the records the mix and max_samples take, the
+    chat encoder and the fingerprint of what decides the examples."""
+
+    files: list[FileRead]
+    formats: list[str]
+    fmt: str
+    records: list[Record]
+    encoder: ChatEncoder | None
+    fingerprint: dict[str, Any]
+
+
+def _read(cfg: DataConfig, tokenizer: Any, seed: int, method: str) -> _Read:
+    files = read_files(cfg)
+    formats, fmt = _formats(cfg, files, method)
+    records = _sample(mixed_records(cfg, files, seed), cfg.max_samples, seed)
+    encoder = _encoder(cfg, tokenizer, formats[0])
+    fingerprint = data_fingerprint(cfg, [f.read for f in files], fmt, tokenizer,
+                                   encoder.template if encoder else None, seed, method)
+    return _Read(files, formats, fmt, records, encoder, fingerprint)
+
+
+def _prepared_split(read: _Read, cfg: DataConfig, seed: int, method: str, model_takes_images: bool
+                    ) -> tuple[list[_Prepared], list[str], list[_Prepared], list[_Prepared]]:
+    """The records rendered (malformed ones refused or counted as on_bad_record says), the problem lines, and
+    the seeded train and held-out parts (kto on pairs: split by record, then unpaired)."""
+    prepared, problems = _prepare(read.records, read.formats, cfg, read.encoder, model_takes_images)
+    _check_packing(cfg, prepared)
+    problems = [p for f in read.files for p in f.read.problems] + problems
+    _refuse_bad(cfg, read.fmt, problems, len(prepared))
+    train_part, eval_part = _split(cfg.label(), prepared, cfg.validation_split, seed)
+    if data_kind(method) == "kto" and read.formats[0] in PAIR_FORMATS:
+        train_part, eval_part = _unpair(train_part), _unpair(eval_part)
+    return prepared, problems, train_part, eval_part
+
+
+SHAPE_CACHE_VERSION = 1
+
+
+def data_shape(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sft", model_takes_images: bool = False,
+               cache: Path | None = None) -> DataShape:
+    """Every training example's length as `build_datasets` makes it (the same read, sample, split, tokenize and
+    fit to max_seq_len; an image record's text tokens and image sizes, its images not expanded: that needs the
+    pixel budget the plan chooses), without building the datasets: what the memory plan sizes its batches by.
+    Cached in `cache` (a folder) under the data fingerprint, so planning the same data again does not
+    tokenize it again. Raises the DataError the build would (malformed records under on_bad_record: error, no
+    example left); prompt-only data (grpo) has no shape here: ValueError."""
+    if data_kind(method) == "prompt":
+        raise ValueError("prompt-only data: the plan sizes its sequences from the generation settings")
+    read = _read(cfg, tokenizer, seed, method)
+    key = hashlib.sha256(json.dumps([SHAPE_CACHE_VERSION, read.fingerprint, model_takes_images],
+                                    sort_keys=True, default=str).encode()).hexdigest()
+    file = cache / f"{key}.json" if cache is not None else None
+    if file is not None and file.is_file():
+        try:
+            return DataShape.from_json(file.read_text())
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # a damaged entry: measured again and rewritten
+    _, _, train_part, _ = _prepared_split(read, cfg, seed, method, model_takes_images)
+    text = [x for x in train_part if not x.images]
+    dropped = _Dropped()
+    fitted = _fit(text, _tokenize(text, tokenizer, read.encoder, cfg.max_seq_len), cfg, read.encoder, dropped)
+    with_images = [x for x in train_part if x.images]
+    whole = _tokenize(with_images, tokenizer, read.encoder, _WHOLE)  # cut (or not) once the image tokens are known
+    examples = [(max(len(ids) for ids, _ in parts), ()) for _, parts in fitted] + \
+        [(max(len(ids) for ids, _ in parts), tuple(image_size(path) for path in item.images))
+         for item, parts in zip(with_images, whole, strict=True)]
+    if not examples:
+        raise DataError(f"{cfg.label()}: no training examples left after fitting them to data.max_seq_len="
+                        f"{cfg.max_seq_len}", hint="raise data.max_seq_len, or use data.overlong: truncate")
+    shape = DataShape(tuple(n for n, _ in examples), tuple(s for _, s in examples) if with_images else ())
+    if file is not None:
+        try:
+            file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = file.with_name(f"{file.name}.tmp{os.getpid()}")
+            tmp.write_text(shape.to_json())
+            tmp.replace(file)
+        except OSError:
+            pass  # a read-only cache: measured again next time
+    return shape
 
 
 def _count_images(stats: dict[str, Any], counts: Sequence[tuple[int, int]]) -> None:

@@ -123,6 +123,26 @@ def load_tokenizer(path: Path, model_cfg: ModelConfig):
     return tokenizer
 
 
+def local_tokenizer(model_cfg: ModelConfig) -> tuple[Any, str | None]:
+    """(model.path's tokenizer, None) where it can be read now without a download or a conversion
+    (`finetune.model.source.tokenizer_source`), else (None, why not): what the planner tokenizes the data with."""
+    from transformers import AutoTokenizer
+
+    from finetune.model.source import tokenizer_source
+
+    source = tokenizer_source(model_cfg.path, model_cfg.revision)
+    if isinstance(source, str):
+        return None, source
+    folder, gguf = source
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf, trust_remote_code=model_cfg.trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - a folder without a tokenizer, a broken file: said, not raised
+        return None, f"no tokenizer readable in {folder / gguf if gguf else folder} ({type(exc).__name__})"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer, None
+
+
 def load_model(model_cfg: ModelConfig, quant: QuantizationConfig, *, quantize: bool = True, sharded: bool = False,
                experts_on_host: bool = False, packing: bool = False):
     """Return (model, tokenizer, local_path). `quantize=False` loads full precision (used by export);

@@ -227,11 +227,42 @@ def _from_hub(repo_id: str, revision: str | None) -> Path:
             hint="check the id and your network, or use a local folder") from None
 
 
-def _converted_gguf(gguf: Path) -> Path:
-    """Dequantize a GGUF checkpoint through transformers once and cache it as a safetensors folder."""
+def _gguf_target(gguf: Path) -> Path:
+    """The folder a GGUF checkpoint is converted to (once), by its path, size and modification time."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_dir() / "gguf" / f"{gguf.stem}-{key}"
+    return cache_dir() / "gguf" / f"{gguf.stem}-{key}"
+
+
+def tokenizer_source(path: str, revision: str | None = None) -> tuple[Path, str | None] | str:
+    """Where model.path's tokenizer can be read now, without a download or a model conversion: (folder, GGUF
+    file name or None), or why it cannot (a config.json alone, a hub id not in the local cache, ...). What
+    the planner reads before the run to tokenize the data."""
+    from finetune.model.random_weights import random_folder
+
+    if (folder := random_folder(path)) is not None:
+        return folder, None
+    p = package_file(path) if path.startswith("pkg:") else Path(path).expanduser()
+    if p.suffix == ".gguf" and p.is_file():
+        converted = _gguf_target(p)
+        return (converted, None) if (converted / "config.json").is_file() else (p.parent, p.name)
+    if p.is_dir():
+        return p, None
+    if p.exists() or looks_local(path) or path.startswith("pkg:"):
+        return f"model.path {path} is not a model folder with a tokenizer"
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(path, revision=revision, allow_patterns=["*.json", "*.jinja", "tokenizer*",
+                                                                               "*.model", "*.txt"],
+                                      local_files_only=True)), None
+    except Exception:  # noqa: BLE001 - any miss of the local cache: the plan goes without the data
+        return f"{path} is not in the local Hugging Face cache"
+
+
+def _converted_gguf(gguf: Path) -> Path:
+    """Dequantize a GGUF checkpoint through transformers once and cache it as a safetensors folder."""
+    target = _gguf_target(gguf)
     if (target / "config.json").is_file():
         return target
     import torch

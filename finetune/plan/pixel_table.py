@@ -52,7 +52,8 @@ def budget_plans(models: dict[str, str], gpus: tuple[int, ...] = GPU_SIZES) -> d
     """Each model's plan (name -> config path) at each GPU size, on records of one PHOTO-sized image."""
     with tempfile.TemporaryDirectory() as tmp:
         data = write_photo_data(Path(tmp))
-        return {name: [predict(budget_recipe(path, data, gib, Path(tmp) / "run"), device="cuda") for gib in gpus]
+        return {name: [predict(budget_recipe(path, data, gib, Path(tmp) / "run"), device="cuda", suggest=False)
+                       for gib in gpus]
                 for name, path in models.items()}
 
 

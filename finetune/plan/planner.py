@@ -54,6 +54,7 @@ class Planner:
         self.params: Bounded = Bounded(512)  # param_table_of: a cut model's parameters
         self.param_sums: Bounded = Bounded(4096)  # memory_model: weights, state, gradients of a cut model
         self.images: Bounded = Bounded(16)  # search.planned_example: each image record's sizes and text bound, by data files
+        self.data: Bounded = Bounded(16)  # plan.data.read_data: the data's shape (or why none), by data and files
         self.meta_kernels: dict[tuple, Any] = {}  # (op, inputs' metadata) -> outputs' metadata (None: not memoisable)
         self.functional: dict[Any, bool] = {}  # op -> its schema neither mutates nor aliases an argument
         self.models: dict[tuple, list[Any]] = {}  # meta models built for tracing, free for the next trace
@@ -63,13 +64,13 @@ class Planner:
 
     def held(self) -> int:
         """How many entries the caches hold (0 after `clear`)."""
-        return sum(map(len, (self.traces, self.params, self.param_sums, self.images, self.meta_kernels,
+        return sum(map(len, (self.traces, self.params, self.param_sums, self.images, self.data, self.meta_kernels,
                              self.functional, self.models, self.config_keys)))
 
     def clear(self) -> None:
         """Forget every trace, table, kernel memo and model held; the next plan traces again (or reads the
         disk cache)."""
-        for store in (self.traces, self.params, self.param_sums, self.images):
+        for store in (self.traces, self.params, self.param_sums, self.images, self.data):
             with store.lock:
                 store.clear()
         self.meta_kernels.clear()

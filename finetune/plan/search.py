@@ -26,6 +26,7 @@ from finetune.model.moe import moe_config
 from finetune.model.vision import in_vision
 from finetune.plan import weight_stream as stream
 from finetune.plan.cost_model import figures_of, tier_bytes_per_s, tokens_per_second
+from finetune.plan.data import PlannedData, read_data
 from finetune.plan.memory_model import (
     ModelSpec,
     expert_weight_bytes,
@@ -60,6 +61,7 @@ from finetune.recipe.schema import (
     strategy_problems,
 )
 from finetune.recipe.settings import Settings, inactive_settings, read_settings, write_settings
+from finetune.recipe.settings import table as settings_table
 from finetune.rl.step import scoring_passes, trace_objective
 from finetune.units import format_bytes, parse_bytes
 
@@ -124,9 +126,27 @@ class Plan:
     # within breakdown's weights; images and image_tokens: one example's, as traced); {} for a text model
     vision: dict[str, int] = field(default_factory=dict)
     attention: str = ""  # the attention kernel planned (model.attn_implementation, auto resolved for the device)
+    # the data planned for (plan.data): examples, longest_tokens (the longest example), sequence (the row length
+    # traced: the longest example's, at most max_seq_len; packing: max_seq_len), max_seq_len, packing (0/1); {}
+    # where the data could not be read before the plan (planned at data.max_seq_len, with a note saying why)
+    data: dict[str, int] = field(default_factory=dict)
+    # nothing fits: each setting the recipe fixes that, left to the planner (auto), would make the plan fit, as
+    # {"key": "memory.offload_experts", "value": what the planner then picks, "peak_bytes", "tokens_per_s"}
+    fixes: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def fix_lines(self) -> list[str]:
+        """Each of `fixes` for people: "memory.offload_experts: auto fits (the planner picks cpu): peak 10.40 GiB,
+        4,765 tokens/s predicted"."""
+        return [f"{f['key']}: auto fits (the planner picks {json.dumps(f['value'])}): peak "
+                f"{format_bytes(f['peak_bytes'])}, {f['tokens_per_s']:,.0f} tokens/s predicted" for f in self.fixes]
+
+    def planned_for(self) -> str:
+        """What the peak is for, in words: the data's largest micro-batch (its longest example's rows), or
+        data.max_seq_len's rows where the data was not read before the plan ("" then: a note says why)."""
+        return planned_for(self.data)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -138,6 +158,18 @@ class Plan:
         if chosen.memory.gpu_memory == "auto":  # the budget planned for (a fresh copy: assigning is safe)
             chosen.memory.gpu_memory = self.budget_bytes + recipe.memory.gpu_memory_margin
         return resolve(chosen)
+
+
+def planned_for(data: dict[str, int]) -> str:
+    """`Plan.planned_for` of a plan's `data` (also of a plan.json read back)."""
+    if not data:
+        return ""
+    if data.get("packing"):
+        return f"for packed rows of data.max_seq_len {data['max_seq_len']:,} tokens"
+    if data["sequence"] < data["max_seq_len"]:
+        return (f"for the data's longest example ({data['sequence']:,} tokens; data.max_seq_len "
+                f"{data['max_seq_len']:,})")
+    return f"for rows of data.max_seq_len {data['max_seq_len']:,} tokens (the data's longest example fills them)"
 
 
 def _free_memory(device: str) -> int:
@@ -350,6 +382,14 @@ def vision_costs(spec: ModelSpec) -> dict[str, int]:
             "sequence": spec.seq_len}
 
 
+def data_facts(data: PlannedData, spec: ModelSpec, recipe: Recipe) -> dict[str, int]:
+    """What the plan says of the data it was made for (Plan.data); {} where it was not read."""
+    if data.shape is None:
+        return {}
+    return {"examples": data.shape.examples, "longest_tokens": data.shape.longest, "sequence": spec.seq_len,
+            "max_seq_len": recipe.data.max_seq_len, "packing": int(recipe.data.packing)}
+
+
 def pixel_budgets(recipe: Recipe, config: Any) -> list[int]:
     """The image budgets `data.max_pixels: auto` tries, largest first: PIXEL_BUDGETS, none above the model's own
     limit (its processor's max_pixels); the one size a fixed-size vision tower sees (Gemma 3); [] unless the key
@@ -379,6 +419,12 @@ def _stat(path: str) -> os.stat_result | None:
         return None
 
 
+def planned_data(recipe: Recipe, config: Any, planner: Planner = DEFAULT) -> PlannedData:
+    """The recipe's data as the plan sizes its batches (`finetune.plan.data.read_data`)."""
+    family = family_for(model_type_of(config))
+    return read_data(recipe, family is not None and family.vision is not None, planner)
+
+
 @dataclass(frozen=True)
 class PlannedExample:
     """The example a plan traces: its image grids (a vision-language model's record with the most image tokens
@@ -391,13 +437,19 @@ class PlannedExample:
 
 
 def planned_example(recipe: Recipe, config: Any, planner: Planner = DEFAULT) -> PlannedExample:
-    """What the plan traces. A text model, or data without images (or not there yet): data.max_seq_len, as
-    always. Data with images: the images of the record with the most image tokens (at data.max_pixels, each
-    resized as its processor resizes) in a sequence as long as the longest record's image tokens and text bound
-    (`text_tokens_bound`), at most max_seq_len: the image budget sets the sequence, so a smaller budget plans a
-    shorter one."""
+    """What the plan traces: the largest micro-batch the run forms from the data (`planned_data`). Text
+    examples: padded to the longest row of the micro-batch, so the longest example's length, at most
+    max_seq_len (packing: max_seq_len rows). Data with images: the images of the record with the most image
+    tokens (at data.max_pixels, each resized as its processor resizes) in a sequence as long as the longest
+    record's image tokens and text tokens, at most max_seq_len: the image budget sets the sequence, so a
+    smaller budget plans a shorter one. Data not read before the plan: max_seq_len (image records: their
+    text bounded by `text_tokens_bound`)."""
     max_seq_len = recipe.data.max_seq_len
-    records = _image_records(recipe, config, planner)
+    data = planned_data(recipe, config, planner).shape
+    if data is not None and not data.has_images:
+        return PlannedExample((), max_seq_len if recipe.data.packing else data.padded_row(max_seq_len))
+    records = list(zip(data.images, data.lengths, strict=True)) if data is not None else \
+        _image_records(recipe, config, planner)
     if not any(sizes for sizes, _ in records):
         return PlannedExample((), max_seq_len)
     real = real_config(config)
@@ -420,6 +472,13 @@ def planned_example(recipe: Recipe, config: Any, planner: Planner = DEFAULT) -> 
     if not most[1]:  # no image record fits: text only, as the build keeps it
         return PlannedExample((), max_seq_len, too_long)
     return PlannedExample(most[1], min(max_seq_len, longest), too_long)
+
+
+def planned_sequence(recipe: Recipe, planner: Planner = DEFAULT) -> int:
+    """The row length a plan of `recipe` traces (`planned_example`): the data's largest micro-batch's, or
+    data.max_seq_len where the data is not read before the plan; what `finetune measure` runs its steps at."""
+    config = planned_config(recipe.model.path, recipe.model.trust_remote_code, planner)
+    return planned_example(resolve_init_from(recipe), config, planner).seq_len
 
 
 def _image_records(recipe: Recipe, config: Any, planner: Planner) -> list[tuple[list[tuple[int, int]], int]]:
@@ -522,13 +581,15 @@ def _check_expert_room(cand: Candidate, spec: ModelSpec, settings: Settings, fre
 
 def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str | None = None,
             device: str | None = None, training_only: bool = False, planner: Planner = DEFAULT,
-            full_length: bool = False, lengths: Sequence[int] | None = None) -> Plan:
+            full_length: bool = False, lengths: Sequence[int] | None = None, suggest: bool = True) -> Plan:
     """Plan a run without loading weights: resolve `auto` settings to the fastest configuration that fits.
     `training_only`: price the training step alone, not what precedes it (training.precompute_reference's
     pass): a re-plan during training, after an out-of-memory error. `full_length`: sequences of
-    data.max_seq_len tokens even where the data's image records are shorter (how long a context fits). `planner`: whose in-memory caches the
-    plan uses (`Planner()`: caches of its own). `lengths`: the training examples' tokens, where the data was read
-    before planning (data.batching auto picks from them: auto_batching)."""
+    data.max_seq_len tokens even where the data's image records are shorter (how long a context fits), and not
+    the data's longest example. `planner`: whose in-memory caches the plan uses (`Planner()`: caches of its own).
+    `lengths`: the training examples' tokens (default: those of the data read before the plan; data.batching
+    auto picks from them: auto_batching). `suggest`: where nothing fits, plan again with each fixed setting left
+    to the planner (`Plan.fixes`)."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() or gpu_memory not in (None, "auto") else "cpu"
     recipe = resolve_init_from(recipe)  # adapter.init_from: price the adapter's own shape
@@ -539,7 +600,7 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
         for pixels in budgets:
             plan = predict(write_settings(recipe, {"max_pixels": pixels}), model_config=config,
                            gpu_memory=gpu_memory, device=device, training_only=training_only, planner=planner,
-                           full_length=full_length, lengths=lengths)
+                           full_length=full_length, lengths=lengths, suggest=suggest)
             if plan.fits:
                 break
         return plan
@@ -547,7 +608,10 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
     budget = _budget(recipe, gpu_memory, "cuda" if torch.cuda.is_available() and device == "cuda" else "cpu")
     shapes = model_facts(config, recipe.model.attn_implementation, planner)[0]
     choices = _choices(recipe, spec)
-    notes = []
+    data = planned_data(recipe, config, planner)
+    if lengths is None and data.shape is not None:
+        lengths = data.shape.lengths  # the examples the run will batch: data.batching auto groups by them
+    notes = [data.note] if data.note and not full_length else []
     if shapes.mlp_linear == 0 and moe_config(config) is not None and recipe.memory.tiled_mlp == "auto" \
             and any(st.tiled_mlp for st in choices):
         choices = [st for st in choices if not st.tiled_mlp]
@@ -621,6 +685,8 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
             cand.settings["batching"], why = auto_batching(recipe, cand.settings, lengths, figures["half_tokens"])
         notes.append(f"data.batching auto: {chosen.settings['batching']} ({why})")
     notes += _stream_notes(spec, shapes, chosen, bandwidth, figures)
+    fixes = [] if ok or not suggest or training_only or full_length else \
+        freed_fixes(recipe, config, gpu_memory, device, planner)
     return Plan(device, chosen.settings, chosen.peak_bytes, chosen.breakdown, budget, bool(ok), chosen.tokens_per_s,
                 alternatives=ok[1:4], rejected=rejected,
                 min_budget_bytes=None if ok else leanest.peak_bytes + recipe.memory.gpu_memory_margin,
@@ -628,7 +694,8 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
                 reference_pass_bytes=chosen.reference_pass_bytes, managed_bytes=chosen.managed_bytes,
                 generation_bytes=chosen.generation_bytes, training_bytes=chosen.training_bytes,
                 device_figures=figures, figures_measured=measured, notes=notes,
-                vision=vision_costs(spec), attention=spec.attn)
+                vision=vision_costs(spec), attention=spec.attn,
+                data=data_facts(data, spec, recipe) if not full_length else {}, fixes=fixes)
 
 
 BATCHING_GAIN = 0.02  # the predicted saving a batching other than random must bring to be chosen by auto
@@ -672,6 +739,37 @@ def _stream_notes(spec: ModelSpec, shapes: ModelShapes, chosen: Candidate, bandw
     note = stream.bound_note(spec, settings, chosen.tokens_per_s, resident,
                              tier_bytes_per_s(settings.offload_weights, spec.device, figures, bandwidth))
     return [note] if note else []
+
+
+# Settings a recipe may fix that the search can choose instead, tried one at a time when nothing fits (the
+# memory savings first: they keep the training the recipe asks for).
+FREEABLE = ("offload_experts", "offload", "activation_checkpointing", "chunked_loss", "tiled_mlp", "micro_batch_size",
+            "bits", "optimizer", "max_pixels", "generation_batch_size")
+
+
+def freed_fixes(recipe: Recipe, config: Any, gpu_memory: int | str | None, device: str,
+                planner: Planner) -> list[dict[str, Any]]:
+    """Where nothing fits: each setting `recipe` fixes (FREEABLE, not auto) that, left to the planner, gives a
+    plan that fits: its recipe key, the value the planner picks, and that plan's peak and tokens/s. So "does
+    not fit" names the setting that would make it fit (a recipe that keeps experts on the GPU, where offloading
+    them fits half the memory) instead of a budget alone."""
+    given = read_settings(recipe)
+    keys = {s.name: s.key for s in settings_table()}
+    inactive = inactive_settings(recipe)
+    fixes = []
+    for name in FREEABLE:
+        if given[name] == "auto" or name in inactive:
+            continue
+        try:
+            freed = write_settings(recipe, {name: "auto"})
+        except (ValidationError, FinetuneError):
+            continue  # a combination the schema refuses (no auto for this setting here)
+        plan = predict(freed, model_config=config, gpu_memory=gpu_memory, device=device, planner=planner,
+                       suggest=False)
+        if plan.fits and plan.settings.get(name) != given[name]:
+            fixes.append({"key": keys[name], "value": plan.settings.get(name), "peak_bytes": plan.peak_bytes,
+                          "tokens_per_s": plan.tokens_per_s})
+    return fixes
 
 
 def _offload_resources(recipe: Recipe, device: str, tiers: set[str]) -> tuple[dict[str, float], dict[str, int]]:

@@ -166,7 +166,7 @@ class DataConfig(Section):
         "auto", description="Record format; auto detects it from the first records. preference: prompt/chosen/"
         "rejected (strings or message lists); sharegpt_preference: conversations + chosen + rejected turns; kto: "
         "prompt/completion + boolean label.")
-    max_seq_len: int = Field(1024, ge=8, le=2**20, description="Longest sequence in tokens; the memory plan is made for it (data with images: for its longest record, at most this).")
+    max_seq_len: int = Field(1024, ge=8, le=2**20, description="Longest sequence in tokens: longer examples are cut or dropped (data.overlong). The memory plan is made for the largest micro-batch the data forms (its longest example, at most this; packing: rows of this length), or for this length where the data cannot be read before the plan.")
     validation_split: float = Field(0.0, ge=0, lt=1, description="Fraction of records held out for evaluation.")
     overlong: Literal["truncate", "drop", "error"] = Field(
         "truncate", description="Examples longer than max_seq_len. truncate: cut the prompt (oldest turns first, "

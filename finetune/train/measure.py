@@ -26,6 +26,7 @@ from finetune.memory.preference import (
 from finetune.memory.step import autocast_for, enable_checkpointing, mixed_precision, training_step
 from finetune.memory.tracker import MemoryTracker, measure_step
 from finetune.memory.weight_store import weight_store_of
+from finetune.plan.search import planned_sequence
 from finetune.recipe.schema import Recipe
 from finetune.recipe.settings import auto_keys, read_settings
 
@@ -65,7 +66,8 @@ def step_setup(recipe: Recipe, scratch: str | Path | None = None,
 
 
 def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
-    """Run `steps` optimizer steps at the recipe's micro-batch and max_seq_len; return the tracker result
+    """Run `steps` optimizer steps at the recipe's micro-batch and the row length its plan prices (the data's
+    longest example, at most max_seq_len: `finetune.plan.search.planned_sequence`); return the tracker result
     (with training.precompute_reference, the reference pass over one micro-batch first, as a run does, its
     tracked peak as `reference_pass_bytes`).
 
@@ -79,7 +81,7 @@ def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
         gen = torch.Generator().manual_seed(recipe.training.seed)
         preference = PreferenceLoss.of(recipe.training)
         rows = recipe.training.micro_batch_size * (preference.rows_per_example if preference is not None else 1)
-        batch = synthetic_batch(preference, recipe.training.micro_batch_size, recipe.data.max_seq_len, vocab, device,
+        batch = synthetic_batch(preference, recipe.training.micro_batch_size, planned_sequence(recipe), vocab, device,
                                 gen, layout=batch_layout(rows, recipe.data.packing))
 
         offload = activation_offload(model, recipe.memory, scratch)  # files under offload_dir or scratch

@@ -127,19 +127,26 @@ def _plan(recipe: Recipe) -> tuple[Plan | None, Recipe]:
         raise FinetuneError(f"cannot make the memory plan: {type(exc).__name__}: {reason}",
                             hint="train without a plan only on purpose: finetune run --no-plan "
                                  "(recipe key memory.plan: false)") from None
-    budget = f"{format_bytes(plan.peak_bytes)} predicted peak, budget {format_bytes(plan.budget_bytes)}"
+    budget = f"{format_bytes(plan.peak_bytes)} predicted peak {plan.planned_for() or 'at data.max_seq_len'}".rstrip() \
+        + f", budget {format_bytes(plan.budget_bytes)}"
     if not plan.fits:
         needed = f"; the leanest plan needs a budget of {format_bytes(plan.min_budget_bytes)}" \
             if plan.min_budget_bytes else ""
         if (blocked := blocked_by_room(plan)) is not None:  # the offload folder or RAM, not the budget
             raise room_error(recipe, blocked)
         if auto:
-            raise FinetuneError(f"no settings fit the memory budget: {budget}{needed}",
-                                hint="run `finetune plan RECIPE` to see what was tried and why it was rejected")
+            raise FinetuneError(f"no settings fit the memory budget: {budget}{needed}", problems=plan.fix_lines(),
+                                hint="set one of the keys above to auto, or run `finetune plan RECIPE` to see what "
+                                     "was tried and why it was rejected" if plan.fixes else
+                                "run `finetune plan RECIPE` to see what was tried and why it was rejected")
         console.print(f"[yellow]warning: this recipe is predicted not to fit: {budget}{needed}")
+        for line in plan.fix_lines():
+            console.print(f"  {line}", style="yellow", markup=False)
     else:
         chosen = ", ".join(format_choices(auto_choices(recipe, plan.settings)))
         console.print(f"memory plan: {budget}" + (f"; chose {chosen} automatically" if chosen else ""))
+    for note in plan.notes:
+        console.print(f"memory plan: {note}", markup=False)
     return plan, plan.apply(recipe).recipe if auto else recipe
 
 

@@ -1,0 +1,69 @@
+"""The data a plan is made for: the recipe's examples, read and tokenized before the plan.
+
+Why: the run pads each micro-batch to its longest row, so the largest batch it forms is made of the longest
+example, not of data.max_seq_len tokens; a plan made for max_seq_len is 2x high on short data and picks
+settings (micro-batch, tiled MLP, chunked loss) for rows that never come. Where the data cannot be tokenized
+before the run (no tokenizer on this machine: a config.json alone, a hub id not downloaded; the data not
+there), the plan keeps max_seq_len, an upper bound, and says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from finetune.data.shape import DataShape
+from finetune.errors import FinetuneError
+from finetune.recipe.schema import Recipe
+from finetune.units import cache_dir
+
+
+@dataclass(frozen=True)
+class PlannedData:
+    """The data's shape (None where it could not be read) and, then, why: the note the plan carries."""
+
+    shape: DataShape | None
+    note: str | None = None
+
+
+def _stamps(recipe: Recipe) -> tuple:
+    """The data files' and the model folder's versions: an edited file is read again in the same process."""
+    data = recipe.data
+    files = [data.path] if isinstance(data.path, str) else [f.path for f in data.path]
+    out = []
+    for f in [*files, recipe.model.path]:
+        try:
+            s = Path(f).expanduser().stat()
+            out.append((f, s.st_mtime_ns, s.st_size))
+        except OSError:
+            out.append((f, None, None))
+    return tuple(out)
+
+
+def read_data(recipe: Recipe, takes_images: bool, planner: Any) -> PlannedData:
+    """The recipe's training examples as `finetune.data.build.data_shape` measures them with the model's own
+    tokenizer (never downloaded or converted here), remembered by `planner` per data and file versions and
+    cached on disk under the data fingerprint; else a PlannedData with the reason in its note. Prompt-only
+    data (grpo) is sized by its generation settings: no shape, no note."""
+    if recipe.training.spec.generates:
+        return PlannedData(None)
+    key = (recipe.data.model_dump_json(), recipe.model.path, recipe.model.revision, recipe.training.method,
+           recipe.training.seed, takes_images, _stamps(recipe))
+    return planner.data.get_or_compute(key, lambda: _read(recipe, takes_images))
+
+
+def _read(recipe: Recipe, takes_images: bool) -> PlannedData:
+    from finetune.data.build import data_shape
+    from finetune.model.load import local_tokenizer
+
+    bound = f"planned for data.max_seq_len {recipe.data.max_seq_len:,} (an upper bound)"
+    tokenizer, why = local_tokenizer(recipe.model)
+    if tokenizer is None:
+        return PlannedData(None, f"{bound}: the data was not tokenized before the plan: {why}")
+    try:
+        shape = data_shape(recipe.data, tokenizer, recipe.training.seed, recipe.training.method, takes_images,
+                           cache=cache_dir() / "data_shapes")
+    except FinetuneError as exc:
+        return PlannedData(None, f"{bound}: the data could not be read before the plan: {exc.message}")
+    return PlannedData(shape)

@@ -1,0 +1,128 @@
+"""The plan is made for the data the user has: the largest micro-batch the run forms from its examples, with
+data.max_seq_len only as the cap; a note where the data cannot be read before the plan; and where nothing fits,
+the settings the recipe fixes that would make it fit."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from finetune import api
+from finetune.cli import main
+from finetune.data.build import build_datasets, data_shape
+from finetune.data.shape import DataShape
+from finetune.plan import Planner, predict
+from finetune.recipe.load import validate_recipe
+from tests.run_support import text_data, tiny_lora_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "tests" / "fixtures" / "configs"
+LENGTHS = [5, 17, 40, 23, 9, 31, 12, 28]
+
+
+def _recipe(tmp_path: Path, model: Path, data: Path, max_seq_len: int, **training):
+    return validate_recipe(tiny_lora_recipe(model, data, tmp_path / "run", {
+        "data": {"max_seq_len": max_seq_len, "format": "text", "overlong": "truncate"},
+        "training": {"micro_batch_size": 2, "max_steps": 2, **training}}))
+
+
+def _longest_micro_batch(recipe, tokenizer) -> tuple[int, int]:
+    """The largest micro-batch (rows, row length) the run's collator makes of the data, over every order of the
+    examples in micro-batches of the recipe's size (the loader draws them at random): one holding the longest
+    example is padded to it."""
+    bundle = build_datasets(recipe.data, tokenizer, recipe.training.seed)
+    rows = recipe.training.micro_batch_size
+    order = list(range(len(bundle.train)))
+    shapes = set()
+    for seed in range(20):
+        random.Random(seed).shuffle(order)
+        for i in range(0, len(order), rows):
+            batch = bundle.collator([bundle.train[j] for j in order[i:i + rows]])
+            shapes.add(tuple(batch["input_ids"].shape))
+    return max(shapes, key=lambda s: (s[1], s[0]))
+
+
+@pytest.mark.parametrize("max_seq_len", [256, 32], ids=["shorter-than-max_seq_len", "capped"])
+def test_the_plan_is_made_for_the_longest_micro_batch_the_run_forms(tmp_path, tiny_model_dir, tiny_tokenizer,
+                                                                     max_seq_len):
+    """The traced rows are as long as the longest real micro-batch (the longest example, capped at max_seq_len),
+    and that plan is lower than the plan for max_seq_len-token rows wherever the data is shorter."""
+    recipe = _recipe(tmp_path, tiny_model_dir, text_data(tmp_path / "d.jsonl", LENGTHS), max_seq_len)
+    plan = predict(recipe, device="cpu", planner=Planner())
+    rows, longest = _longest_micro_batch(recipe, tiny_tokenizer)
+    assert rows == 2 and plan.data["sequence"] == longest == min(max(LENGTHS) + 1, max_seq_len)  # text ends in EOS
+    assert plan.data["examples"] == len(LENGTHS) and plan.notes == []
+    bound = predict(recipe, device="cpu", planner=Planner(), full_length=True)  # max_seq_len-token rows
+    assert bound.data == {}
+    if longest < max_seq_len:
+        assert plan.peak_bytes < 0.8 * bound.peak_bytes
+        assert plan.planned_for() == f"for the data's longest example ({longest} tokens; data.max_seq_len 256)"
+    else:
+        assert plan.peak_bytes == bound.peak_bytes
+
+
+def test_without_a_tokenizer_the_plan_keeps_max_seq_len_and_says_why(tmp_path):
+    """`finetune plan` with only a config.json: the data cannot be tokenized, so the plan is today's bound (rows
+    of max_seq_len) with a note naming why, in the plan and on the console."""
+    recipe = validate_recipe({"model": {"path": str(CONFIGS / "qwen2.5-0.5b.json")},
+                              "data": {"path": str(ROOT / "recipes" / "data" / "quickstart.jsonl"), "max_seq_len": 512},
+                              "training": {"micro_batch_size": 1}, "output": {"dir": str(tmp_path / "run")}})
+    plan = api.plan(recipe, gpu_memory="16GiB")
+    assert plan.data == {}
+    note = next(n for n in plan.notes if n.startswith("planned for data.max_seq_len 512 (an upper bound)"))
+    assert "not tokenized before the plan" in note and "qwen2.5-0.5b.json" in note
+    assert plan.peak_bytes == predict(recipe, gpu_memory="16GiB", device="cuda", full_length=True).peak_bytes
+
+
+def test_unreadable_data_keeps_max_seq_len_with_a_note(tmp_path, tiny_model_dir):
+    """Data the build would refuse (a malformed record under on_bad_record: error): the plan still comes, for
+    max_seq_len, and its note says the data could not be read."""
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"text": "fine"}\n{"oops": 1}\n')
+    recipe = _recipe(tmp_path, tiny_model_dir, data, 64)
+    plan = predict(recipe, device="cpu", planner=Planner())
+    assert plan.data == {}
+    assert any(n.startswith("planned for data.max_seq_len 64 (an upper bound): the data could not be read")
+               for n in plan.notes), plan.notes
+
+
+def test_the_data_shape_is_cached_under_the_data_fingerprint(tmp_path, tiny_model_dir, tiny_tokenizer):
+    """The shape is measured once per data, tokenizer and data keys: the cache holds it, a change of max_seq_len
+    is another entry, and an edited record another."""
+    data = text_data(tmp_path / "d.jsonl", LENGTHS)
+    recipe = _recipe(tmp_path, tiny_model_dir, data, 256)
+    cache = tmp_path / "shapes"
+    shape = data_shape(recipe.data, tiny_tokenizer, 42, cache=cache)
+    assert shape == DataShape.from_json(next(cache.iterdir()).read_text())
+    assert sorted(shape.lengths) == sorted(n + 1 for n in LENGTHS) and shape.histogram([16, 32]) == [3, 4, 1]
+    assert data_shape(recipe.data, tiny_tokenizer, 42, cache=cache) == shape and len(list(cache.iterdir())) == 1
+    capped = _recipe(tmp_path, tiny_model_dir, data, 16)
+    assert data_shape(capped.data, tiny_tokenizer, 42, cache=cache).longest == 16
+    data.write_text(data.read_text().replace("fox", "cat", 1))
+    data_shape(recipe.data, tiny_tokenizer, 42, cache=cache)
+    assert len(list(cache.iterdir())) == 3
+
+
+QWEN3_MOE = ["recipes/qlora-qwen3-30b-a3b-24gb.yaml", "--set", f"model.path={CONFIGS / 'qwen3-30b-a3b.json'}",
+             "--gpu-memory", "12GiB"]
+
+
+def test_the_shipped_moe_recipe_fits_12_gib(capsys):
+    """Qwen3-30B-A3B with the shipped 24 GB recipe on a 12 GiB card: its experts are the planner's to offload."""
+    assert main(["plan", *QWEN3_MOE]) == 0
+    assert "Plan for cuda: fits" in capsys.readouterr().out
+
+
+def test_nothing_fits_names_the_setting_that_would_fit_with_its_peak_and_speed(capsys):
+    """The same recipe with the experts pinned to the GPU: nothing fits 12 GiB, and the message names
+    memory.offload_experts: auto with the peak and speed of the plan it gives, within the budget."""
+    assert main(["plan", *QWEN3_MOE, "--set", "memory.offload_experts=none"]) == 1
+    out = capsys.readouterr().out
+    assert "Nothing fits." in out
+    recipe = api.load_recipe(QWEN3_MOE[0], [QWEN3_MOE[2], "memory.offload_experts=none"])
+    plan = api.plan(recipe, gpu_memory="12GiB")
+    fix = next(f for f in plan.fixes if f["key"] == "memory.offload_experts")
+    assert fix["value"] in ("cpu", "disk") and fix["peak_bytes"] <= plan.budget_bytes and fix["tokens_per_s"] > 0
+    assert plan.fix_lines()[plan.fixes.index(fix)] in " ".join(out.split())  # the console wraps long lines
