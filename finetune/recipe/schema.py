@@ -475,9 +475,9 @@ class MemoryConfig(Section):
         "offload_dir, read ahead a layer: for experts larger than host RAM); auto: planner (the disk only where "
         "RAM is short). true and false still mean cpu and none.")
     kernels: Literal["none", "liger", "auto"] = Field(
-        "auto", description="Fused kernels: liger (Liger Kernel's RMSNorm, RoPE, SwiGLU/GeGLU and fused linear "
+        "none", description="Fused kernels: liger (Liger Kernel's RMSNorm, RoPE, SwiGLU/GeGLU and fused linear "
         "cross-entropy, per family; CUDA with the cuda extra installed; replaces memory.chunked_loss, priced like "
-        "it), none; auto: liger where it runs, else none.")
+        "it), none; auto: liger where it runs, else none. none by default until the GPU kit has measured Liger here.")
     offload_weights: Literal[("none", *tier_names(), "auto")] = Field(  # type: ignore[valid-type]  # the tier table
         "none", description="Where every decoder layer's frozen weights (as stored: 4-bit with their quant state, "
         "or 16-bit; a MoE layer's experts too) live, each layer's brought to the GPU when it runs (forward, "
