@@ -83,11 +83,11 @@ def cross_attention_inputs(data: Any, input_ids: torch.Tensor, rows: Sequence[Se
     then skips its cross-attention layers."""
     import numpy as np
     import torch
-    from transformers.models.mllama.image_processing_pil_mllama import get_all_supported_aspect_ratios
-    from transformers.models.mllama.processing_mllama import (
-        convert_sparse_cross_attention_mask_to_dense,
-        get_cross_attention_token_mask,
-    )
+
+    from finetune.compat import mllama_processing
+
+    get_all_supported_aspect_ratios, get_cross_attention_token_mask, convert_sparse_cross_attention_mask_to_dense \
+        = mllama_processing()
 
     if not any(rows):
         return {}
