@@ -119,3 +119,14 @@ def test_qwens_one_resize_rule_is_the_processors_in_the_counter_the_plan_and_the
             assert counted.grid == planned == ran == real, (name, budget, width, height)
             assert counted.tokens == image_tokens(model, planned) == run.image_tokens([str(path)])[0]
     assert image_inputs(config, 4000, 3000, 10**8) == image_inputs(config, 4000, 3000, None)
+
+
+def test_every_layout_counts_without_importing_torch_or_transformers():
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom finetune.data.image_tokens import image_tokens\nfrom finetune.vision import layout_of\n"
+            "from finetune.recipe.families import FAMILIES\n[layout_of(f.vision) for f in FAMILIES if f.vision]\n"
+            "assert image_tokens({'image_processor_type': 'PixtralImageProcessor'}, 640, 480, 100_000) > 0\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
