@@ -39,6 +39,8 @@ CHECKED: dict[str, tuple[str, str]] = {
     "torch": ("2.4", "2.13"),
     "transformers": ("5.23", "5.25"),
     "accelerate": ("1.5", "1.16"),
+    "peft": ("0.17", "0.21"),
+    "trl": ("0.20", "1.16"),
 }
 LOCK = Path(__file__).with_name("constraints.txt")  # the tested versions, written by `.ci/lock.py freeze`
 
@@ -103,6 +105,11 @@ PRIVATE: dict[str, PrivateAPI] = {api.name: api for api in (
     PrivateAPI("Tensor._make_wrapper_subclass", "torch"),
     PrivateAPI("torch._C._disabled_torch_function_impl", "torch"),
     PrivateAPI("torch._dynamo.utils.counters", "torch", "falls back to no count: graph breaks are not reported"),
+    # modules a library does not export from its top level: imported here only, each through one function
+    PrivateAPI("trl.trainer.sft_trainer.DataCollatorForLanguageModeling", "trl"),
+    PrivateAPI("transformers.models.mllama.processing_mllama", "transformers"),
+    PrivateAPI("transformers.models.mllama.image_processing_pil_mllama", "transformers"),
+    PrivateAPI("peft.utils.transformers_weight_conversion", "peft"),
 )}
 _seen: set[str] = set()  # entries whose version was compared this process (hot paths call _use per tensor)
 _noted = False  # the one line on untested versions was printed (once per process: once per command)
@@ -158,9 +165,10 @@ except ImportError:
 _use("torch.utils._python_dispatch.TorchDispatchMode")
 _use("torch.utils._pytree")
 __all__ = ["CHECKED", "LOCK", "PRIVATE", "PrivateAPI", "TorchDispatchMode", "attn_implementation", "check_all",
-           "engine_backward", "expert_gate", "flash_attention_cpu", "foreach_norm", "meta_on_device", "model_supports",
-           "op_schema", "set_attn_implementation", "storage_id", "supports_sdpa", "tensor_version", "tested_versions",
-           "tree_flatten", "tree_leaves", "tree_map", "untested_note"]
+           "engine_backward", "expert_gate", "flash_attention_cpu", "foreach_norm", "lm_collator", "meta_on_device",
+           "mllama_processing", "model_supports", "op_schema", "peft_moe_conversion", "set_attn_implementation",
+           "storage_id", "supports_sdpa", "tensor_version", "tested_versions", "tree_flatten", "tree_leaves", "tree_map",
+           "untested_note"]
 
 
 def engine_backward(loss: torch.Tensor) -> None:
@@ -324,3 +332,48 @@ def fresh_accelerator_state() -> None:
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state()
+
+
+def _module(name: str, entry: str | None = None) -> Any:
+    """A library module not exported from its top level (the PRIVATE entry `entry`, by default the module
+    itself), or its `missing` error."""
+    import importlib
+
+    api = _use(entry or name)
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise api.missing() from None
+
+
+def lm_collator() -> type:
+    """trl's padding-free language-model collator (DataCollatorForLanguageModeling, which trl exports only from
+    its SFT trainer's module): the base of finetune.data.packing's collators."""
+    name = "trl.trainer.sft_trainer.DataCollatorForLanguageModeling"
+    collator = getattr(_module(name.rpartition(".")[0], name), "DataCollatorForLanguageModeling", None)
+    if collator is None:
+        raise PRIVATE[name].missing()
+    return collator
+
+
+def mllama_processing() -> tuple[Any, Any, Any]:
+    """Llama 3.2 Vision's processor helpers the collator builds its cross-attention inputs with, as
+    MllamaProcessor does: (get_all_supported_aspect_ratios, get_cross_attention_token_mask,
+    convert_sparse_cross_attention_mask_to_dense)."""
+    images = _module("transformers.models.mllama.image_processing_pil_mllama")
+    processing = _module("transformers.models.mllama.processing_mllama")
+    try:
+        return (images.get_all_supported_aspect_ratios, processing.get_cross_attention_token_mask,
+                processing.convert_sparse_cross_attention_mask_to_dense)
+    except AttributeError:
+        raise PRIVATE["transformers.models.mllama.processing_mllama"].missing() from None
+
+
+def peft_moe_conversion() -> Any:
+    """peft's conversion of a LoraConfig for transformers' fused mixture-of-experts weights
+    (convert_peft_config_for_transformers)."""
+    conversion = _module("peft.utils.transformers_weight_conversion")
+    try:
+        return conversion.convert_peft_config_for_transformers
+    except AttributeError:
+        raise PRIVATE["peft.utils.transformers_weight_conversion"].missing() from None

@@ -4,6 +4,7 @@ was verified on, with a clear error (or a public fallback) where a library no lo
 from __future__ import annotations
 
 import ast
+import re
 import warnings
 from pathlib import Path
 
@@ -117,15 +118,23 @@ def test_fallbacks_where_a_public_way_exists(monkeypatch):
     assert [n.item() for n in compat.foreach_norm([torch.tensor([3.0, 4.0])])] == [5.0]
 
 
+# Modules a library does not export from its top level: a model's processing helpers, trl's trainer modules,
+# peft's internal utilities (compat.PRIVATE names the ones finetune uses)
+PRIVATE_MODULE = re.compile(r"transformers\.models\.\w+\.(image_)?processing_\w+|trl\.trainer(\..*)?|peft\.utils\..+")
+
+
 def _private_uses(path: Path) -> list[str]:
-    """Imports of private names from the libraries, and attribute reads of the names compat wraps."""
+    """Imports of private names or modules from the libraries, and attribute reads of the names compat wraps."""
     wrapped = {name.rsplit(".", 1)[-1] for name in compat.PRIVATE} | {"_model_mapping"}
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [f"{path.relative_to(ROOT)}:{node.lineno}: import {a.name}" for a in node.names
+                      if PRIVATE_MODULE.fullmatch(a.name)]
         if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in LIBRARIES:
             parts = (node.module or "").split(".") + [a.name for a in node.names]
             found += [f"{path.relative_to(ROOT)}:{node.lineno}: from {node.module} import ..."
-                      for _ in [1] if any(p.startswith("_") for p in parts)]
+                      for _ in [1] if any(p.startswith("_") for p in parts) or PRIVATE_MODULE.fullmatch(node.module)]
         elif isinstance(node, ast.Attribute) and node.attr in wrapped:
             found.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
     return found
@@ -200,3 +209,18 @@ def test_meta_on_device_reports_the_device_and_holds_nothing():
     with torch.autocast(device_type=weight.device.type, enabled=False):
         out = torch.baddbmm(weight, torch.ones(4, 3, 1, device="meta"), torch.ones(4, 1, 2, device="meta"))
     assert type(out) is torch.Tensor and out.is_meta and out.shape == (4, 3, 2)
+
+
+def test_the_private_modules_compat_imports_are_fenced_and_work():
+    """The fence flags a library module that is not exported from the top level (a model's processing helpers,
+    trl's trainer modules, peft's utilities); compat imports the ones finetune uses, each a PRIVATE entry."""
+    for name in ("trl.trainer.sft_trainer", "transformers.models.mllama.processing_mllama",
+                 "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl",
+                 "peft.utils.transformers_weight_conversion"):
+        assert PRIVATE_MODULE.fullmatch(name), name
+    assert not PRIVATE_MODULE.fullmatch("transformers.modeling_layers") and not PRIVATE_MODULE.fullmatch("trl")
+    assert [n for n in compat.PRIVATE if PRIVATE_MODULE.fullmatch(n.rsplit(".", 1)[0]) or PRIVATE_MODULE.fullmatch(n)]
+    assert compat.lm_collator().__name__ == "DataCollatorForLanguageModeling"
+    ratios, token_mask, dense = compat.mllama_processing()
+    assert ratios(2) == [(1, 1), (1, 2), (2, 1)] and callable(token_mask) and callable(dense)
+    assert callable(compat.peft_moe_conversion())

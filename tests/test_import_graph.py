@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("finetune", "finetune.recipe", "finetune.units", "finetune.errors", "finetune.console",
      "finetune.rundir", "finetune.testing"),
     ("finetune.compat", "finetune.model", "finetune.data", "finetune.optim", "finetune.memory", "finetune.export",
-     "finetune.rl"),
+     "finetune.rl", "finetune.vision"),
     ("finetune.plan",),
     ("finetune.train", "finetune.evaluate"),
     ("finetune.api",),

@@ -57,6 +57,9 @@ def test_a_lent_model_refuses_a_recipe_it_does_not_match(tmp_path, tiny_model_di
     full = plain.model_copy(update={"adapter": plain.adapter.model_copy(update={"type": "full"})})
     with pytest.raises(UsageError, match="adapter.type: full: a run on an already loaded model"):
         api.run(full, base=base)
+    tower = plain.model_copy(update={"adapter": plain.adapter.model_copy(update={"vision": "full"})})
+    with pytest.raises(UsageError, match="adapter.vision: full: a run on an already loaded model"):
+        api.run(tower, base=base)
     experts = _recipe(tmp_path, tiny_model_dir, "plain", offload_experts="disk")  # a dense model has no experts
     with pytest.raises(UsageError, match="memory.offload_experts: model.path is a .* not a mixture-of-experts"):
         api.run(experts, base=base)

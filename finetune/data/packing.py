@@ -21,9 +21,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
-
+from finetune.compat import lm_collator
 from finetune.data.batch import Batch
+
+DataCollatorForLanguageModeling = lm_collator()  # trl's, through compat (trl exports it from its trainer only)
 
 
 def pack(dataset: Any, max_seq_len: int) -> Any:

@@ -287,12 +287,13 @@ def _peft_remapped(model: torch.nn.Module, names: list[str]) -> set[str]:
     parameters: those it takes out of target_modules, and any whose leaf is in its tables when it adds a
     parameter target (a version that keeps a name as a module but adapts the experts for it too)."""
     from peft import LoraConfig
-    from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+
+    from finetune.compat import peft_moe_conversion
 
     probe = LoraConfig(target_modules=list(names))
     tabled = {n for n in names if n.rsplit(".", 1)[-1] in PEFT_MOE_NAMES}
     try:
-        convert_peft_config_for_transformers(probe, _unwrap(model), None)
+        peft_moe_conversion()(probe, _unwrap(model), None)
     except ValueError:  # a fused pair named only in part: every name of the pair would be remapped
         return tabled
     return (set(names) - set(probe.target_modules or [])) | (tabled if probe.target_parameters else set())

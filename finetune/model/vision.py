@@ -22,6 +22,7 @@ from finetune.data.vision import VisionData
 from finetune.errors import ModelLoadError
 from finetune.model.family import VISION_PARTS, family_of, vision_parts
 from finetune.recipe.families import Family
+from finetune.vision import layout_of
 
 
 def load_image_processor(path: Path, family: Family) -> Any:
@@ -39,31 +40,19 @@ def load_image_processor(path: Path, family: Family) -> Any:
 
 def vision_data(config: Any, path: Path, tokenizer: Any, max_pixels: int | None = None) -> VisionData | None:
     """What the data build needs to train a vision-language model on images (its image processor and image
-    token), None for a text model."""
+    token, set up by its image layout), None for a text model."""
     family = family_of(config)
     if family.vision is None:
         return None
     layout = family.vision
+    images = layout_of(layout)
     token = tokenizer.convert_tokens_to_ids(layout.image_token)
     written = tokenizer.convert_tokens_to_ids(layout.written or layout.image_token)
     wrap = tuple(tokenizer.encode(text, add_special_tokens=False) if text else [] for text in layout.wrap)
-    per_image = tile_tokens(config) if layout.kind == "idefics3" else getattr(config, "mm_tokens_per_image", None)
-    if layout.kind == "mllama":  # one token per image: the text reads its tiles through cross-attention
-        per_image = 1
-    processor, breaks = load_image_processor(path, family), None
-    if layout.kind == "pixtral":  # resized to whole merged blocks, as PixtralProcessor has its image processor do
-        unit = config.vision_config.patch_size * config.spatial_merge_size
-        processor.patch_size = {"height": unit, "width": unit}
-        breaks = (tokenizer.convert_tokens_to_ids(layout.breaks[0]), tokenizer.convert_tokens_to_ids(layout.breaks[1]))
-    return VisionData(processor, layout, token, written, wrap, per_image, max_pixels, breaks,
-                      encode=partial(tokenizer.encode, add_special_tokens=False))
-
-
-def tile_tokens(config: Any) -> int:
-    """Idefics3 / SmolVLM: the language model's tokens per image tile (the tower's patches, pixel-shuffled
-    scale_factor x scale_factor into one token each)."""
-    vision = config.vision_config
-    return (vision.image_size // vision.patch_size) ** 2 // config.scale_factor ** 2
+    data = VisionData(load_image_processor(path, family), layout, token, written, wrap, images.per_image(config),
+                      max_pixels, encode=partial(tokenizer.encode, add_special_tokens=False))
+    images.prepare(data, config, tokenizer)
+    return data
 
 
 # peft's exclude_modules as a regex over module names: anything inside a vision tower or projector.

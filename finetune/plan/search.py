@@ -64,6 +64,7 @@ from finetune.recipe.settings import Settings, inactive_settings, read_settings,
 from finetune.recipe.settings import table as settings_table
 from finetune.rl.step import scoring_passes, trace_objective
 from finetune.units import format_bytes, parse_bytes
+from finetune.vision import layout_of
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 MICRO_BATCH_GAIN = 0.10  # the predicted speed-up a larger micro-batch must bring to be chosen over a smaller one
@@ -397,18 +398,12 @@ def pixel_budgets(recipe: Recipe, config: Any) -> list[int]:
     if recipe.data.max_pixels != "auto" or "max_pixels" in inactive_settings(recipe):
         return []
     layout = family_for(model_type_of(config)).vision
-    if layout is not None and layout.kind == "gemma3":
-        return [real_config(config).vision_config.image_size ** 2]
-    own = processor_config(recipe.model.path)
-    limit = own.get("max_pixels") or (own.get("size") or {}).get("longest_edge") or PIXEL_BUDGETS[0]
-    if layout is not None and layout.kind == "idefics3":  # its limit is the long side's (a bare config: 4 tiles')
-        limit = ((own.get("size") or {}).get("longest_edge") or 4 * real_config(config).vision_config.image_size) ** 2
-    if layout is not None and layout.kind == "pixtral":  # its limit is the long side's (a bare config: the tower's)
-        limit = ((own.get("size") or {}).get("longest_edge") or real_config(config).vision_config.image_size) ** 2
-    if layout is not None and layout.kind == "mllama":  # its tiles' pixels (a bare config: the tower's)
-        vision = real_config(config).vision_config
-        limit = ((own.get("size") or {}).get("height") or vision.image_size) ** 2 * own.get("max_image_tiles",
-                                                                                           vision.max_num_tiles)
+    if layout is None:
+        return []
+    images, real = layout_of(layout), real_config(config)
+    limit = images.limit(real, processor_config(recipe.model.path))
+    if images.fixed_size:
+        return [limit]
     return sorted({min(b, int(limit)) for b in PIXEL_BUDGETS}, reverse=True)
 
 

@@ -69,9 +69,9 @@ class VisionLayout:
     # the input of the model's forward that marks which tokens are images (Qwen's mm_token_type_ids: the
     # multimodal rotary positions; Gemma 3's token_type_ids: images attend to themselves both ways)
     token_types: str | None = None
-    # how an image becomes tokens: qwen2_vl (patch grid), gemma3 (a fixed count), idefics3 (tiles of the image
-    # plus the whole image, a fixed count each), mllama (one token per image: the text reads the image's tiles
-    # through cross-attention layers)
+    # how an image becomes tokens: the module of this name in finetune/vision/ (qwen2_vl: patch grid, gemma3: a
+    # fixed count, idefics3: tiles of the image plus the whole image, pixtral: rows of merged patches with
+    # breaks, mllama: one token per image whose tiles the text reads through cross-attention layers)
     kind: str = "qwen2_vl"
     # the token the chat template writes for an image, when not image_token, and the text the processor puts
     # around the repeated image tokens in its place (Gemma 3: "\n\n<start_of_image>", "<end_of_image>\n\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import shutil
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -237,13 +238,14 @@ def run(recipe: Recipe, *, resume: bool = False, overwrite: bool = False,
 
 
 def check_lendable(recipe: Recipe) -> None:
-    """What a lent model (run(base=...)) cannot do, refused before anything is written: full fine-tuning
-    (the next run would start from changed weights), torch.compile (compiled layers stay compiled), Liger's
-    kernels (its norms and MLPs stay swapped in), expert
-    offload (the experts stay off the device, the disk tier's files are gone) and several processes (each
-    loads its own)."""
+    """What a lent model (run(base=...)) cannot do, refused before anything is written: full fine-tuning and
+    adapter.vision full (the next run would start from changed weights), torch.compile (compiled layers stay
+    compiled), Liger's kernels (its norms and MLPs stay swapped in), expert offload (the experts stay off the
+    device, the disk tier's files are gone) and several processes (each loads its own)."""
     refused = {"adapter.type: full": recipe.adapter.type == "full", "training.compile: true": recipe.training.compile is True,
                "memory.kernels: liger": recipe.memory.kernels == "liger",
+               # the vision tower's own weights train too: peft's unload hands back its trained copy
+               "adapter.vision: full": recipe.adapter.vision == "full",
                f"memory.offload_experts: {recipe.memory.offload_experts}": recipe.memory.offload_experts != "none",
                f"memory.offload_weights: {recipe.memory.offload_weights}": recipe.memory.offload_weights != "none",
                f"distributed.gpus: {recipe.distributed.gpus}": recipe.distributed.gpus > 1}
@@ -254,22 +256,22 @@ def check_lendable(recipe: Recipe) -> None:
                              hint="run without base= to load the model for this recipe")
 
 
+# a lent model -> the peft model its run wrapped it in (finetune.model.adapter.apply_adapter), until given back
+_ADAPTED: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
 def give_back(base: LoadedModel | None) -> None:
     """The lent model as load_model returned it: adapters (peft's injected layers) replaced by the layers they
     wrap, tiled norms and MLPs plain again, checkpointing and the input-gradient hook off."""
     if base is None:
         return
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
     from finetune.memory.layer_recompute import restore_layers
     from finetune.model.vision import inputs_require_grad_off
 
     model = base.model
-    for name, module in list(model.named_modules()):
-        if isinstance(module, BaseTunerLayer) and name:
-            parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent), attr, module.get_base_layer())
-    model.__dict__.pop("peft_config", None)  # get_peft_model records its config on the wrapped model
+    adapted = _ADAPTED.pop(model, None)
+    if adapted is not None:  # peft's own: each injected layer replaced by the one it wraps, its config dropped
+        adapted.unload()
     restore_layers(model)
     inputs_require_grad_off(model)
     if model.is_activation_checkpointing:
@@ -435,6 +437,8 @@ def _model(recipe: Recipe, settings: Settings, run_dir: RunDir, main: bool, base
     vision = vision_data(model.config, path, tokenizer, settings.max_pixels)  # a vision-language model's images
     model = apply_adapter(model, recipe.adapter, checkpointing=settings.activation_checkpointing,
                           reference=loads_reference_adapter(recipe), digest=main)
+    if base is not None:
+        _ADAPTED[base.model] = model  # the peft model give_back unloads
     # results.json's record of the start adapter: rank 0 writes it, hashing the bytes apply_adapter read.
     started = init_from_record(recipe.adapter.init_from) if main and recipe.adapter.init_from is not None \
         else None
