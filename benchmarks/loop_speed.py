@@ -73,6 +73,8 @@ def child_finetune(cfg: dict) -> dict:
     if not Path(finetune.__file__).resolve().is_relative_to(tree):
         raise SystemExit(f"imported finetune from {finetune.__file__}, not from the tree {tree}")
     recipe = api.load_recipe(cfg["recipe"], overrides(cfg))
+    if "data.batching" in auto_keys(recipe):  # a tree that has the key: random order, as TRL's sampler draws
+        recipe = api.load_recipe(cfg["recipe"], [*overrides(cfg), "data.batching=random"])
     if auto_keys(recipe):
         raise SystemExit(f"the recipe still has auto keys {auto_keys(recipe)}: give them values with --set")
     stamps: list[dict] = []

@@ -23,7 +23,7 @@ from finetune.recipe.reference import resolve
 from finetune.recipe.schema import Recipe, TrainingConfig, training_config
 from ui.form import form_specs
 
-BASE = {"model": {"path": "m"}, "data": {"path": "d.jsonl"}}
+BASE = {"model": {"path": "m"}, "data": {"path": "d.jsonl", "batching": "random"}}
 
 
 @pytest.mark.parametrize("spec", METHODS, ids=lambda s: s.name)
