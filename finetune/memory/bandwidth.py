@@ -149,10 +149,14 @@ def probe_bytes(directory: Path) -> int:
     return size if size >= MIN_PROBE_BYTES else 0
 
 
+_PARTIAL: dict[tuple[str, int], dict[str, float]] = {}  # smaller probes: kept for this process's re-plans only
+
+
 def disk_bandwidth(directory: str | Path, refresh: bool = False) -> dict[str, float] | None:
     """Cached `measure_disk` for the filesystem holding `directory` (measured on first use); None where it
     cannot be measured (too little free space, a read-only or full disk): the planner then uses the typical
-    speed rather than fail. Only a full-size measurement is cached."""
+    speed rather than fail. Only a full-size measurement is cached on disk; a smaller one (a nearly full disk)
+    is remembered by this process, so the re-plans of one command write the probe once."""
     directory = Path(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -161,9 +165,13 @@ def disk_bandwidth(directory: str | Path, refresh: bool = False) -> dict[str, fl
         if cached is not None and not refresh:
             return cached
         size = probe_bytes(directory)
+        if (key, size) in _PARTIAL and not refresh:
+            return _PARTIAL[(key, size)]
         measured = measure_disk(directory, size) if size else None
         if size == PROBE_BYTES:
             _store_cache(key, measured)
+        elif measured is not None:
+            _PARTIAL[(key, size)] = measured
     except OSError:
         return None
     return measured
