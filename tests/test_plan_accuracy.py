@@ -178,7 +178,8 @@ def test_plan_matches_the_real_run(model_dirs, tmp_path):
     for i, (arch, seq, mb, adapter, r, ckpt, every, bits, opt) in enumerate(RUN_ROWS):
         data = text_data(tmp_path / f"s{seq}.jsonl", [seq - 1 - k for k in range(16)])
         recipe = _recipe(arch, model_dirs[arch], seq, mb, adapter, r, ckpt, every, bits, opt, {
-            "data.path": str(data), "data.format": "text", "training.max_steps": 2, "training.logging_steps": 1,
+            "data.path": str(data), "data.format": "text", "data.batching": "random", "training.max_steps": 2,
+            "training.logging_steps": 1,
             "output.dir": str(tmp_path / f"run{i}"), "output.save_steps": 100})
         run(recipe)
         planned = json.loads((tmp_path / f"run{i}" / "plan.json").read_text())["peak_bytes"]
