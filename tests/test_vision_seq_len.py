@@ -87,7 +87,7 @@ def test_the_planner_never_traces_a_record_too_long_and_auto_shrinks_the_budget_
     assert pixels < 12544 and 4 <= auto.vision["image_tokens"] <= 10  # a budget whose big picture fits
     # the image budget sets the traced sequence (image tokens and a bound on the records' text), not max_seq_len
     plans = [api.plan(load_recipe(write_recipe(tmp_path, vlm, data, max_seq_len=n, max_pixels=12544)), device="cpu")
-             for n in (1024, 4096)]
+             for n in (1024, 2048)]
     assert 16 < plans[0].vision["sequence"] == plans[1].vision["sequence"] < 1024
     assert plans[0].peak_bytes == plans[1].peak_bytes
 
@@ -151,8 +151,8 @@ def test_the_gpu_size_sweep_plans_contexts_of_max_seq_len_whatever_the_images(tm
 
 
 def test_the_end_of_a_run_says_the_plan_was_made_at_the_longest_image_record(tmp_path, vlm, capsys):
-    recipe = write_recipe(tmp_path, vlm, write_data(tmp_path), max_seq_len=4096, max_pixels=12544)
+    recipe = write_recipe(tmp_path, vlm, write_data(tmp_path), max_seq_len=2048, max_pixels=12544)
     assert main(["run", str(recipe)]) == 0
     line = next(li for li in capsys.readouterr().err.splitlines() if li.startswith("memory: planned"))
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
-    assert f"at its longest image record's {plan['vision']['sequence']:,} tokens (max_seq_len 4,096)" in line
+    assert f"for the data's longest example ({plan['vision']['sequence']:,} tokens; data.max_seq_len 2,048)" in line
