@@ -125,6 +125,8 @@ def quiet_libraries() -> None:
     # bitsandbytes warns on every import on AVX512-BF16 CPUs that an optional hub kernel is missing; we must not
     # install it (it downloads from the hub) and the built-in path works.
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    # ...and through the `kernels` package (a transformers dependency) it says offline mode skips a trust check.
+    logging.getLogger("kernels").setLevel(logging.ERROR)
     # Liger (memory.kernels: liger) names, on import, each optional backend it lacks (CuTe DSL, Ascend).
     logging.getLogger("liger_kernel.backends.registry").setLevel(logging.ERROR)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
