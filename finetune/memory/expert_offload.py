@@ -93,6 +93,21 @@ class ExpertFiles:
         self._finalizer()
 
 
+def tier_files(key: str, tier: str, what: str, in_ram: int, host_ram: int | None, directory: str | Path | None,
+               needed: int, prefix: str = FILE_PREFIX, hint: str = DISK_HINT) -> ExpertFiles | None:
+    """What every frozen-weight offload (experts, decoder layers) checks before it moves anything: the host RAM
+    the tier takes (`in_ram`) against what is free, and for the disk tier its files under `directory`."""
+    if host_ram is not None and in_ram > host_ram:
+        raise RecipeError(f"{key}: {tier}: the {what} take {format_bytes(in_ram)} of host RAM, "
+                          f"{format_bytes(host_ram)} available (free RAM or memory.offload_cpu_limit)",
+                          hint=f"set {key}: disk (or auto), quantization.bits: 4, or free RAM")
+    if tier != "disk":
+        return None
+    if directory is None:
+        raise ValueError(f"{key}: disk needs an offload_dir")
+    return ExpertFiles(check_offload_dir(directory, needed, f"of {what}", hint), prefix)
+
+
 def _unlink(paths: dict[tuple[int, str], Path], made: list[Path]) -> None:
     for path in paths.values():
         path.unlink(missing_ok=True)
@@ -220,15 +235,7 @@ def offload_experts(model: torch.nn.Module, tier: str, host_ram: int | None,
     device = next(iter(blocks[0].experts.parameters()), next(model.parameters())).device
     cuda = device.type == "cuda"
     in_ram = needed if tier == "cpu" else 2 * max(expert_bytes(block.block) for block in blocks) if cuda else 0
-    if host_ram is not None and in_ram > host_ram:
-        raise RecipeError(f"memory.offload_experts: {tier}: the expert weights take {format_bytes(in_ram)} of host "
-                          f"RAM, {format_bytes(host_ram)} available (free RAM or memory.offload_cpu_limit)",
-                          hint="set memory.offload_experts: disk (or auto), quantization.bits: 4, or free RAM")
-    files = None
-    if tier == "disk":
-        if directory is None:
-            raise ValueError("expert offload to disk needs an offload_dir")
-        files = ExpertFiles(check_offload_dir(directory, needed, "of expert weights", DISK_HINT))
+    files = tier_files("memory.offload_experts", tier, "expert weights", in_ram, host_ram, directory, needed)
     host = []
     try:
         for position, block in enumerate(blocks):

@@ -31,10 +31,9 @@ from pathlib import Path
 import torch
 
 from finetune.errors import RecipeError
-from finetune.memory.expert_offload import ExpertFiles
-from finetune.memory.offload_disk import OffloadDirError, check_offload_dir
+from finetune.memory.expert_offload import ExpertFiles, tier_files
+from finetune.memory.offload_disk import OffloadDirError
 from finetune.model.family import decoder_layers
-from finetune.units import format_bytes
 
 FILE_PREFIX = "ft-weights-"
 STORE_ATTRIBUTE = "finetune_weight_store"  # the first decoder layer's reference to its model's store
@@ -237,15 +236,8 @@ def offload_weights(model: torch.nn.Module, tier: str, ahead: int, host_ram: int
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
     in_ram = sum(sizes) if tier == "cpu" else (ahead + 1) * max(sizes, default=0) if cuda else 0
-    if host_ram is not None and in_ram > host_ram:
-        raise RecipeError(f"memory.offload_weights: {tier}: the frozen weights take {format_bytes(in_ram)} of host "
-                          f"RAM, {format_bytes(host_ram)} available (free RAM or memory.offload_cpu_limit)",
-                          hint="set memory.offload_weights: disk (or auto), quantization.bits: 4, or free RAM")
-    files = None
-    if tier == "disk":
-        if directory is None:
-            raise ValueError("weight streaming from disk needs an offload_dir")
-        files = ExpertFiles(check_offload_dir(directory, sum(sizes), "of frozen weights", DISK_HINT), FILE_PREFIX)
+    files = tier_files("memory.offload_weights", tier, "frozen weights", in_ram, host_ram, directory, sum(sizes),
+                       FILE_PREFIX, DISK_HINT)
     try:
         store = WeightStore(kept, device, ahead, files)
     except OSError as exc:  # the disk filled up or failed while writing
