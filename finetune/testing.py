@@ -279,6 +279,8 @@ def make_tiny_model_dir(path: str | Path, arch: str = "llama", seed: int = 0, **
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    from finetune.model.building import BUILDING
+
     if arch in VISION_ARCHITECTURES:
         return vision_model(arch, path, seed, **overrides)
     path = Path(path)
@@ -286,7 +288,8 @@ def make_tiny_model_dir(path: str | Path, arch: str = "llama", seed: int = 0, **
     config = tiny_config(arch, vocab_size=len(tokenizer), **overrides)
     torch.manual_seed(seed)
     vision = "vision_config" in architecture(arch)[1]  # the whole vision-language checkpoint, as published
-    model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_config(config, dtype=torch.float32)
+    with BUILDING:
+        model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_config(config, dtype=torch.float32)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
@@ -314,6 +317,8 @@ def vision_model(arch: str, folder: str | Path, seed: int = 0, **overrides) -> P
     import torch
     from transformers import AutoModelForImageTextToText
 
+    from finetune.model.building import BUILDING
+
     folder = Path(folder)
     _, _, tokens, template, preprocessor = VISION_ARCHITECTURES[arch]
     extra = VISION_EXTRAS.get(arch, {})
@@ -322,7 +327,8 @@ def vision_model(arch: str, folder: str | Path, seed: int = 0, **overrides) -> P
     for key, token in tokens.items():
         setattr(config, key, tokenizer.convert_tokens_to_ids(token))
     torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    with BUILDING:
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # transformers starts Gemma 3's projector at zero: a random model must see its images
         for weight in model.parameters():
             if weight.ndim > 1 and not weight.any():

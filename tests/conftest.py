@@ -27,6 +27,20 @@ def pytest_configure(config: pytest.Config) -> None:
     for category, message, module in LIBRARY_WARNINGS:
         config.addinivalue_line("filterwarnings", f"ignore:{message}:{category.__name__}:{module}")
 
+@pytest.fixture(autouse=True)
+def _default_dtype_kept():
+    """torch's default dtype is process-wide: a test that leaves it changed fails here, by name, instead of
+    every later test in its worker failing on tensors built in the wrong dtype."""
+    import torch
+
+    yield
+    left = torch.get_default_dtype()
+    if left != torch.float32:
+        torch.set_default_dtype(torch.float32)
+        pytest.fail(f"this test left torch's default dtype at {left} (every later test in the worker would "
+                    "build in it)")
+
+
 SHARED_DATASETS = Path(__file__).resolve().parents[1].parent / "shared" / "datasets"
 
 

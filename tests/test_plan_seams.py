@@ -92,3 +92,34 @@ def test_module_predict_uses_the_default_planner(tiny_model_dir, counted_traces)
 def test_reports_have_the_keys_their_typed_dicts_name(tps):
     assert set(api.speed_estimate({"device": "cuda", "tokens_per_s": tps})) == SpeedEstimate.__required_keys__
     assert set(api.this_machine()) == Machine.__required_keys__
+
+
+def test_concurrent_plans_leave_torch_default_dtype_alone(tiny_model_dir, counted_traces, monkeypatch):
+    """torch's default dtype is process-wide and transformers sets it while it builds a model: plans traced in
+    bfloat16 and float32 at once (the UI's handlers) once left a whole test worker on bfloat16, so every later
+    model and tensor came out in it. Each plan also equals the one made alone. (Setting the dtype is slowed
+    down here so that the threads' builds overlap on every run, not one run in three.)"""
+    import threading
+    import time
+
+    import torch
+
+    set_dtype = torch.set_default_dtype
+    monkeypatch.setattr(torch, "set_default_dtype", lambda dtype: (set_dtype(dtype), time.sleep(0.005)))
+
+    recipes = [_recipe(tiny_model_dir).model_copy(update={"model": _recipe(tiny_model_dir).model.model_copy(
+        update={"dtype": dtype})}) for dtype in ("bf16", "fp32", "fp16", "fp32")]
+    alone = [predict(r, gpu_memory=GIB, device="cpu", planner=Planner()).peak_bytes for r in recipes]
+    peaks: dict[int, int] = {}
+
+    def plan(i: int) -> None:
+        for _ in range(2):
+            peaks[i] = predict(recipes[i], gpu_memory=GIB, device="cpu", planner=Planner()).peak_bytes
+
+    threads = [threading.Thread(target=plan, args=(i,)) for i in range(len(recipes))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert torch.get_default_dtype() == torch.float32
+    assert [peaks[i] for i in range(len(recipes))] == alone

@@ -11,6 +11,7 @@ import torch
 
 from finetune.errors import ModelLoadError
 from finetune.model.attention import choose, register
+from finetune.model.building import BUILDING
 from finetune.model.expert_store import quantize_experts, quantize_on_arrival
 from finetune.model.family import VISION_PARTS, family_of
 from finetune.model.moe import use_finetune_experts
@@ -49,7 +50,8 @@ def load_full(folder: Path) -> torch.nn.Module:
     """A full fine-tune as a run saved it (its config picks the class: a vision-language model loads whole)."""
     from transformers import AutoConfig
 
-    return auto_model(AutoConfig.from_pretrained(folder)).from_pretrained(folder, dtype="auto", use_safetensors=True)
+    with BUILDING:
+        return auto_model(AutoConfig.from_pretrained(folder)).from_pretrained(folder, dtype="auto", use_safetensors=True)
 
 
 def model_class(config) -> type | None:
@@ -218,10 +220,12 @@ def _from_pretrained(model_path: str, folder: Path, config, kwargs: dict):
     from finetune.model.random_weights import random_folder, random_state_dict
 
     if random_folder(model_path) is None:
-        return auto_model(config).from_pretrained(folder, **kwargs)
+        with BUILDING:
+            return auto_model(config).from_pretrained(folder, **kwargs)
     state = random_state_dict(config, kwargs["dtype"], "cuda" if torch.cuda.is_available() else "cpu")
     kwargs = {k: v for k, v in kwargs.items() if k != "use_safetensors"}
-    return model_class(config).from_pretrained(None, config=config, state_dict=state, **kwargs)
+    with BUILDING:
+        return model_class(config).from_pretrained(None, config=config, state_dict=state, **kwargs)
 
 
 def _device_index():

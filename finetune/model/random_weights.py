@@ -30,7 +30,9 @@ def random_state_dict(config: Any, dtype: torch.dtype, device: str | int) -> dic
     import torch
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
+    from finetune.model.building import BUILDING
+
+    with torch.device("meta"), BUILDING:
         meta = AutoModelForCausalLM.from_config(config, dtype=dtype)
     std = getattr(config.get_text_config(), "initializer_range", 0.02)
     seen: set[int] = set()

@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 from finetune.errors import ModelLoadError, RecipeError
+from finetune.model.building import BUILDING
 from finetune.units import cache_dir
 
 
@@ -273,12 +274,14 @@ def _converted_gguf(gguf: Path) -> Path:
     console.print(f"[dim]converting {gguf.name} to a cached safetensors checkpoint (once)...[/dim]")
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        with BUILDING:
+            loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as exc:
         raise ModelLoadError(f"model.path: cannot read GGUF file {gguf}: {exc}") from None
     # save_pretrained refuses GGUF-loaded models: rebuild from the config and copy the tensors over.
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with BUILDING:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     model.generation_config = loaded.generation_config
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")

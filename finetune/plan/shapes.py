@@ -16,6 +16,7 @@ import torch
 
 from finetune.compat import attn_implementation, set_attn_implementation
 from finetune.errors import ModelLoadError
+from finetune.model.building import BUILDING
 from finetune.model.family import attention_kinds, decoder_layers, dense_mlp, family_of, text_config
 from finetune.model.source import config_location
 from finetune.recipe.families import check_config_file
@@ -139,7 +140,7 @@ class ModelShapes:
 def _meta_model(config: Any, layers: int):
     from finetune.model.load import auto_model
 
-    with torch.device("meta"):
+    with torch.device("meta"), BUILDING:
         return auto_model(config).from_config(with_layers(config, layers), dtype=torch.float32)
 
 

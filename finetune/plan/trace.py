@@ -37,6 +37,7 @@ from finetune.memory.preference import PreferenceLoss, batch_reference_logps, sy
 from finetune.memory.step import enable_checkpointing, forward_backward
 from finetune.memory.tracker import MemoryTracker
 from finetune.model.adapter import apply_adapter
+from finetune.model.building import BUILDING
 from finetune.model.family import decoder_layers, in_decoder_layers
 from finetune.model.moe import EXPERT_COUNT_FIELDS, expert_weight_names, is_experts, use_finetune_experts
 from finetune.model.source import config_location
@@ -403,7 +404,8 @@ def _meta_model(config_json: str, model_type: str, adapter_json: str, dtype: str
     set_attn_implementation(config, _traced_attention(attn))
     adapter = AdapterConfig.model_validate_json(adapter_json)
     with torch.device("meta"):
-        model = auto_model(config).from_config(config, dtype=getattr(torch, dtype))
+        with BUILDING:
+            model = auto_model(config).from_config(config, dtype=getattr(torch, dtype))
         use_finetune_experts(model)
         model = apply_adapter(model, adapter, checkpointing=checkpointing)
         apply_layer_recompute(model, recompute_norms, mlp_tokens)
