@@ -32,8 +32,13 @@ PYPROJECT = ROOT / "pyproject.toml"
 EXTRAS = ("dev", "ui")
 # torch comes from the command line (CPU wheel) or the user's CUDA build; these come with a CUDA torch only.
 LEFT_OUT = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*)$")
+# Extras pinned here but installed only where they run (cuda: Liger Kernel, on CUDA machines: the Docker image and
+# the GPU kit). Their own packages are pinned (not what they need: torch and triton, left out above), at the version
+# installed where the lock is written, else the pin the lock already has: a new Liger is adopted on purpose too.
+OPTIONAL = ("cuda",)
 HEADER = """# The versions the test suite last passed on: the dependency closure of finetune[dev,ui], torch excepted
-# (CPU installs pin the local wheel on the command line; GPU users bring their CUDA build). Written by
+# (CPU installs pin the local wheel on the command line; GPU users bring their CUDA build), and the packages of
+# the cuda extra (Liger Kernel; checked only where installed). Written by
 # `.venv/bin/python .ci/lock.py freeze`; moved to new releases by `python3 .ci/lock.py upgrade` (docs/development.md).
 # The README's install, .ci/run, the Docker image and the GPU kit's wheels (benchmarks/gpu/wheels.sh) read it.
 """
@@ -69,6 +74,24 @@ def closure(root: str = "finetune", extras: tuple[str, ...] = EXTRAS) -> dict[st
     return {k: v for k, v in sorted(found.items()) if not LEFT_OUT.match(k)}
 
 
+def optional_names(root: str = "finetune") -> set[str]:
+    """The packages the OPTIONAL extras add beyond the install's closure, by normalized name."""
+    base = default_environment()
+    names = set()
+    for text in md.requires(root) or []:
+        req = Requirement(text)
+        if req.marker is not None and any(req.marker.evaluate({**base, "extra": e}) for e in OPTIONAL):
+            names.add(normalize(req.name))
+    return {n for n in names - set(closure(root)) if not LEFT_OUT.match(n)}
+
+
+def _installed(name: str) -> str | None:
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+
+
 def read_lock(path: Path = LOCK) -> dict[str, str]:
     pins = {}
     for line in path.read_text().splitlines():
@@ -79,13 +102,14 @@ def read_lock(path: Path = LOCK) -> dict[str, str]:
 
 
 def drift(pins: dict[str, str]) -> list[str]:
-    """One line per locked package whose installed version differs from its pin (or is missing)."""
+    """One line per locked package whose installed version differs from its pin (or is missing; an optional
+    extra's package only where it is installed)."""
     out = []
+    optional = optional_names()
     for name, pinned in pins.items():
-        try:
-            installed = md.version(name)
-        except md.PackageNotFoundError:
-            installed = None
+        installed = _installed(name)
+        if installed is None and name in optional:
+            continue
         if installed != pinned:
             out.append(f"{name} {installed or 'not installed'} installed, lock has {pinned}")
     return out
@@ -93,6 +117,12 @@ def drift(pins: dict[str, str]) -> list[str]:
 
 def freeze(path: Path = LOCK) -> dict[str, str]:
     pins = closure()
+    kept = read_lock(path) if path.exists() else {}
+    for name in optional_names():
+        version = _installed(name) or kept.get(name)
+        if version:
+            pins[name] = version
+    pins = dict(sorted(pins.items()))
     path.write_text(HEADER + "".join(f"{name}=={version}\n" for name, version in pins.items()))
     return pins
 

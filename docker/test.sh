@@ -114,7 +114,7 @@ if [ -n "$CA" ]; then
     SECRET=(--secret "id=pip-ca,src=$CA")
     echo "pip inside the build trusts $CA (a build secret: in no layer)"
 fi
-waited "$DOCKER" build -f "$ROOT/docker/Dockerfile" --build-arg "BASE=$BASE_IMG" "${SECRET[@]}" -t "$IMG" "$ROOT"
+waited "$DOCKER" build -f "$ROOT/docker/Dockerfile" --build-arg "BASE=$BASE_IMG" --build-arg EXTRAS=ui "${SECRET[@]}" -t "$IMG" "$ROOT"
 # OMP_NUM_THREADS, when set here, is passed on to the containers (on a shared machine set it to 1).
 THREADS=()
 [ -z "${OMP_NUM_THREADS:-}" ] || THREADS=(-e "OMP_NUM_THREADS=$OMP_NUM_THREADS")

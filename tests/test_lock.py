@@ -38,9 +38,23 @@ def test_drift_names_every_package_that_differs(tmp_path):
         "no-such-package not installed installed, lock has 1.0"]
 
 
+def test_an_optional_package_drifts_only_where_it_is_installed():
+    """Liger is absent from a CPU install (no drift), and at another version than the lock's where installed."""
+    import importlib.metadata as md
+
+    try:
+        installed = md.version("liger-kernel")
+    except md.PackageNotFoundError:
+        installed = None
+    lines = lock_tool.drift({"liger-kernel": "0.0.1"})
+    assert lines == ([] if installed is None else [f"liger-kernel {installed} installed, lock has 0.0.1"])
+
+
 def test_the_lock_holds_the_whole_dependency_tree_and_nothing_else():
-    """Written from the environment, not by hand: a dependency added to pyproject without `freeze` fails here."""
-    assert set(lock_tool.closure()) == set(lock_tool.read_lock())
+    """Written from the environment, not by hand: a dependency added to pyproject without `freeze` fails here.
+    The cuda extra's own package (Liger Kernel, installed on CUDA machines only) is pinned too."""
+    assert lock_tool.optional_names() == {"liger-kernel"}
+    assert set(lock_tool.closure()) | lock_tool.optional_names() == set(lock_tool.read_lock())
     assert compat.tested_versions() == lock_tool.read_lock()  # the copy the package reads at run time
 
 

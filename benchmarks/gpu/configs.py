@@ -99,6 +99,25 @@ def stage_c_speed() -> list[dict]:
     return [_cfg(f"Llama-3.1-8B QLoRA 2k mb{mb}", LLAMA, 2048, mb=mb, **_k(QLORA, PLAIN)) for mb in (1, 4)]
 
 
+# memory.kernels and training.compile, each against kernels none / compile off at the same length. Compile at 2k
+# without checkpointing (a checkpointed layer breaks the graph: compile gains nothing there, which the 8k row
+# with checkpointing shows on a real GPU); Liger with checkpointing as the planner leaves it.
+KERNEL_VARIANTS = {
+    "kernels none": {"memory.kernels": "none", "training.compile": False},
+    "kernels liger": {"memory.kernels": "liger", "training.compile": False},
+    "compile": {"memory.kernels": "none", "training.compile": True},
+    "liger + compile": {"memory.kernels": "liger", "training.compile": True},
+}
+
+
+def stage_c_kernels(seqs: tuple[int, ...] = (2048, 8192)) -> list[dict]:
+    """Liger and per-layer compile on the 8B QLoRA: tokens/s and peak (planned vs measured), each variant
+    against "kernels none" at its length."""
+    return [_cfg(f"{seq // 1024}k {label}", LLAMA, seq,
+                 **_k(QLORA, PLAIN, keys, {"memory.activation_checkpointing": seq > 2048}))
+            for seq in seqs for label, keys in KERNEL_VARIANTS.items()]
+
+
 def stage_c_overheads(seqs: tuple[int, ...] = (8192, 32768)) -> list[dict]:
     """Each memory technique vs checkpointing alone, at long context."""
     variants = {"checkpointing alone": PLAIN, "offload cpu": OFFLOAD_CPU, "offload disk": OFFLOAD_DISK,

@@ -219,10 +219,22 @@ def plan_table(priced: list[tuple[Row, float]], limit: float = WORK_LIMIT_S) -> 
 def carried_pins(script: Path = HERE / "wheels.sh", lock: Path = LOCK) -> dict[str, str]:
     """The packages wheels.sh carries to the GPU machine (its CARRIED block), at the lock's versions."""
     text = script.read_text()
-    block = text[text.index("CARRIED=("):text.index(")", text.index("CARRIED=("))]
+    block = text[text.index("CARRIED=("):text.index("\n)", text.index("CARRIED=("))]  # comments may hold ")"
     names = re.findall(r"^\s*([A-Za-z0-9_.\- ]+?)\s*(?:#.*)?$", block.split("(", 1)[1], re.M)
     pins = tested_versions(lock)
     return {name: pins.get(_norm(name), "not in the lock") for line in names for name in line.split()}
+
+
+def cuda_extra() -> set[str]:
+    """The packages of the project's cuda extra (Liger Kernel), by normalized name: carried, needed on CUDA only."""
+    from packaging.requirements import Requirement
+
+    out = set()
+    for text in md.requires("finetune") or []:
+        req = Requirement(text)
+        if req.marker is not None and req.marker.evaluate({"extra": "cuda"}) and not req.marker.evaluate({"extra": ""}):
+            out.add(_norm(req.name))
+    return out
 
 
 def image_packages(listing: Path = HERE / "image_packages.txt") -> dict[str, str]:
@@ -292,6 +304,8 @@ def environment_row(versions: dict[str, str], pins: dict[str, str] | None = None
     if cuda:
         row["total_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
     pins = carried_pins() if pins is None else pins
+    if not cuda:  # the CPU dry run: the cuda extra (Liger) runs on CUDA only and is not installed here
+        pins = {name: v for name, v in pins.items() if _norm(name) not in cuda_extra()}
     problems = version_problems(pins)
     checks["carried versions"] = f"error: {'; '.join(problems)}" if problems else f"ok ({len(pins)} packages)"
     image = {k: v for k, v in image_packages().items() if k not in {_norm(p) for p in pins}}

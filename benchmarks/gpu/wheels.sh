@@ -30,6 +30,7 @@ CARRIED=(
   pydantic pydantic-core annotated-types typing-inspection
   apollo-torch galore-torch gguf
   kernels tomlkit huggingface-hub httpx2 httpcore2 truststore   # transformers 5.25: kernels, hub >= 2.4 (image: 1.33)
+  liger-kernel   # memory.kernels: liger (the cuda extra; triton comes with the image's torch)
 )
 LOCK="$(dirname "$0")/../../finetune/constraints.txt"
 PACKAGES=()
