@@ -3,7 +3,7 @@ the real-token share of the micro-batches, and CPU tokens/s of the default recip
 the old default) and after (auto), beside TRL's SFTTrainer (padding-free) on the same examples and model.
 
     OMP_NUM_THREADS=1 nice -n 10 python benchmarks/real_data.py [--records 32] [--max-seq-len 512]
-        [--micro-batch 4] [--accumulation 2] [--datasets alpaca_en_demo,c4_demo] [--no-trl]
+        [--micro-batch 4] [--accumulation 2] [--datasets alpaca_en_demo,c4_demo] [--no-trl] [--repeats 1]
         [--out benchmarks/results/real_data.txt]
 
 Each dataset trains one epoch of its first --records records (data.max_samples: sampled with the seed) through
@@ -26,7 +26,8 @@ group). dpo_en_demo trains with training.method dpo.
   batch shape, learning rate and activation checkpointing as the finetune run's plan chose; not run for DPO
   (SFTTrainer) nor the vision records (TRL refuses padding-free vision batches).
 
-Times are single runs on a shared CPU: read the speeds as ratios, not to the percent.
+Each variant runs --repeats times, interleaved (before, after, TRL, TRL, after, before, ...); the best time
+counts. On a shared CPU read the speeds as ratios, not to the percent.
 """
 
 from __future__ import annotations
@@ -81,7 +82,6 @@ class Measured:
     seconds: float
     real_share: float
     largest: float  # the largest micro-batch's padded tokens / the planned micro-batch's (rows x longest)
-    checkpointing: bool
 
     @property
     def speed(self) -> float:
@@ -125,7 +125,7 @@ def finetune_run(recipe, shape: Shape, takes_images: bool) -> Measured:
     epoch = batch_shapes(lengths, mb, acc)[kind]
     largest = epoch.largest_tokens / (mb * min(max(lengths), shape.max_seq_len))
     return Measured(kind, memory["planned_peak_bytes"], memory["measured_peak_bytes"], results["data"]["train_tokens"],
-                    results["train_runtime_s"], epoch.real_share, largest, bool(settings["activation_checkpointing"]))
+                    results["train_runtime_s"], epoch.real_share, largest)
 
 
 def trl_run(recipe, shape: Shape, checkpointing: bool, folder: Path) -> tuple[int, float]:
@@ -161,6 +161,13 @@ def trl_run(recipe, shape: Shape, checkpointing: bool, folder: Path) -> tuple[in
     return sum(len(ids) for ids in rows["input_ids"]), time.perf_counter() - start
 
 
+def plan_checkpointing(recipe) -> bool:
+    """Whether the plan checkpoints activations for `recipe` (what TRL is given, to train alike)."""
+    from finetune import api
+
+    return bool(api.plan(recipe).settings["activation_checkpointing"])
+
+
 def mib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:.2f}"
 
@@ -174,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--datasets", default=",".join(DATASETS), help="comma-separated, of: " + ", ".join(DATASETS))
     parser.add_argument("--no-trl", action="store_true", help="leave TRL's SFTTrainer out")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each variant, interleaved; the best counts")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     names = args.datasets.split(",")
@@ -190,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"# OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '?')} nice -n 10 python benchmarks/real_data.py "
              + shlex.join(argv if argv is not None else sys.argv[1:]),
              f"# {platform.machine()}, {os.cpu_count()} CPUs (shared), torch {torch.__version__}, "
-             f"{torch.get_num_threads()} thread(s); single runs: read speeds as ratios",
+             f"{torch.get_num_threads()} thread(s); best of {args.repeats} interleaved run(s): read speeds as ratios",
              f"# each dataset: its first {shape.records} records (data.max_samples), one epoch, data.max_seq_len "
              f"{shape.max_seq_len}, micro-batch {shape.micro_batch} x accumulation {shape.accumulation}, LoRA r 16, "
              "AdamW; before = data.batching random (the old default), after = auto",
@@ -206,13 +214,21 @@ def main(argv: list[str] | None = None) -> int:
             if vision and vlm is None:
                 vlm = vision_model("qwen2_5_vl", folder / "vlm")
             model = vlm if vision else text_model
-            runs = {}
-            for when, batching in (("before", "random"), ("after", "auto")):
-                recipe = recipe_for(args.data / file, method, model, shape, batching, folder / f"{name}-{when}")
-                runs[when] = finetune_run(recipe, shape, vision)
-            trl = None
-            if not args.no_trl and method == "sft" and not vision:
-                trl = trl_run(recipe, shape, runs["after"].checkpointing, folder / f"{name}-trl")
+            runs: dict[str, Measured] = {}
+            trl: tuple[int, float] | None = None
+            for repeat in range(args.repeats):  # interleaved, the order reversed each time; the best time counts
+                variants = [("before", "random"), ("after", "auto"), ("TRL", None)]
+                for when, batching in variants if repeat % 2 == 0 else variants[::-1]:
+                    if batching is not None:
+                        recipe = recipe_for(args.data / file, method, model, shape, batching, folder / f"{name}-{when}")
+                        new = finetune_run(recipe, shape, vision)
+                        runs[when] = new if when not in runs or new.seconds < runs[when].seconds else runs[when]
+                    elif not args.no_trl and method == "sft" and not vision:
+                        recipe = recipe_for(args.data / file, method, model, shape, "random", folder / f"{name}-trl")
+                        checkpointing = plan_checkpointing(recipe)
+                        new_trl = trl_run(recipe, shape, checkpointing, folder / f"{name}-trl")
+                        trl = new_trl if trl is None or new_trl[1] < trl[1] else trl
+            runs = {"before": runs["before"], "after": runs["after"]}
             table += row(name, method, runs, trl)
             misses += [f"{name} {when} ({r.batching}): measured {r.off:+.1%} of planned"
                        for when, r in runs.items() if r.off is not None and abs(r.off) > TOLERANCE]
