@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from finetune.data import build_datasets  # noqa: E402
-from finetune.data.batching import Batching, epoch_shape  # noqa: E402
+from finetune.data.batching import Batching, EpochShape, epoch_shape  # noqa: E402
 from finetune.data.packing import make_collator  # noqa: E402
 from finetune.recipe import validate_recipe  # noqa: E402
 from finetune.recipe.resolved import resolve  # noqa: E402
@@ -37,6 +37,19 @@ from finetune.train.setup import simple_loop  # noqa: E402
 DATA = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "alpaca_en_demo.json"
 SHAPE = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
          "num_key_value_heads": 4}
+
+
+def tiny_model(folder: Path) -> Path:
+    """The benchmarks' small Llama with random weights (finetune.testing's tiny model widened to SHAPE, its
+    trained byte-level BPE tokenizer), written to `folder`."""
+    return make_tiny_model_dir(folder, **SHAPE)
+
+
+def batch_shapes(lengths: list[int], micro_batch: int, accumulation: int) -> dict[str, EpochShape]:
+    """Every batching's micro-batches of one epoch over examples of `lengths` (token_budget at the run's
+    budget: micro_batch x the longest example)."""
+    budget = micro_batch * max(lengths)
+    return {k: epoch_shape(lengths, Batching(k, micro_batch, accumulation, token_budget=budget)) for k in BATCHINGS}
 
 
 def main() -> None:
@@ -55,7 +68,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = Path(tempfile.mkdtemp(prefix="batching-bench-"))
-    model_dir = make_tiny_model_dir(folder / "model", **SHAPE)
+    model_dir = tiny_model(folder / "model")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train = build_datasets(DataConfig(path=str(args.data), max_seq_len=4096), tokenizer, seed=0).train
     lengths = [len(ids) for ids in train["input_ids"]]
@@ -64,8 +77,7 @@ def main() -> None:
           f"{max(lengths)} (tiny byte-level BPE tokenizer); micro-batch {mb} x accumulation {acc}; "
           f"{args.threads} CPU thread(s)")
     print("\nreal-token share of every micro-batch of one epoch over the whole file:")
-    shapes = {k: epoch_shape(lengths, Batching(k, mb, acc, token_budget=mb * max(lengths))) for k in BATCHINGS}
-    for k, s in shapes.items():
+    for k, s in batch_shapes(lengths, mb, acc).items():
         print(f"  {k:15s} real {100 * s.real_share:5.1f}%  padded tokens {s.padded_tokens:8d}  "
               f"forward/backwards {s.passes:4d}  largest micro-batch {s.largest_rows} rows / {s.largest_tokens} tokens")
 

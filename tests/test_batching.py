@@ -178,9 +178,12 @@ def test_the_plan_decides_batching_auto_from_the_lengths_and_the_run_config_carr
     assert fixed.settings["batching"] == "random" and not any("data.batching" in n for n in fixed.notes)
 
 
-def test_an_out_of_memory_recovery_keeps_token_budget_steps_and_their_losses(tmp_path, tiny_model_dir, monkeypatch):
-    """The recovery halves the micro-batch and doubles the accumulation: the steps keep their examples, the token
-    budget halves, and each step's loss (a token mean over the step) is the uninterrupted run's."""
+@pytest.mark.parametrize("tokens", [None, 150])
+def test_an_out_of_memory_recovery_keeps_token_budget_steps_and_their_losses(tmp_path, tiny_model_dir, monkeypatch,
+                                                                             tokens):
+    """The recovery halves the micro-batch and doubles the accumulation: the steps keep their examples (steps of
+    examples, or of training.effective_batch_tokens), the token budget halves, and each step's loss (a token
+    mean over the step) is the uninterrupted run's."""
     from finetune.train.recovery import FAULT_ENV
 
     data = text_data(tmp_path / "data.jsonl", [4 + (11 * i) % 58 for i in range(24)])
@@ -189,7 +192,7 @@ def test_an_out_of_memory_recovery_keeps_token_budget_steps_and_their_losses(tmp
         return tiny_lora_recipe(tiny_model_dir, data, tmp_path / name, {
             "data": {"batching": "token_budget"},
             "training": {"max_steps": 4, "micro_batch_size": 4, "gradient_accumulation_steps": 1,
-                         "learning_rate": 1e-2}})
+                         "learning_rate": 1e-2, "effective_batch_tokens": tokens}})
 
     whole = run(validate_recipe(recipe("whole")))
     monkeypatch.setenv(FAULT_ENV, "2")

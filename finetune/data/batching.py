@@ -15,6 +15,13 @@ alpaca_en_demo are ~45% real tokens; grouped by length, ~99% (benchmarks/results
   example, the tokens of the largest micro-batch the plan prices, so no micro-batch needs more memory than
   the planned one; the rows of a micro-batch are capped by its step's examples.
 
+With `training.effective_batch_tokens` (`step_tokens` here) a step is a number of real tokens instead: examples
+join the step until their tokens reach the target (so a step holds at most one example more than it needs),
+in the permutation's order (random) or, grouped, in each chunk's order by length (chunks of about GROUP_STEPS
+steps' tokens; a chunk's last step short of the target is carried into the next chunk, so only the epoch's last
+step falls short), the chunk's steps shuffled; then each step is cut into micro-batches as its kind cuts them.
+The steps do not depend on the micro-batch, so a recovery's smaller micro-batch keeps them.
+
 Everything follows from (the permutation, the lengths, the seed and epoch), so a step's examples follow from
 its number: resuming needs no sampler state, and an out-of-memory recovery that trades micro-batch for
 accumulation (the same examples per step) keeps the same steps. Torch-free: the planner prices the same batches.
@@ -41,6 +48,7 @@ class Batching:
     accumulation: int = 1
     processes: int = 1
     token_budget: int | None = None  # token_budget: padded tokens per micro-batch
+    step_tokens: int | None = None  # the effective batch in real tokens (None: micro_batch x accumulation examples)
 
     def __post_init__(self) -> None:
         if self.kind not in BATCHINGS:
@@ -67,6 +75,11 @@ def epoch_steps(order: Sequence[int], lengths: Sequence[int], batching: Batching
     epoch's permutation, `lengths` every example's tokens. Random micro-batches are dealt round-robin to the
     processes (the last round padded from the start, as accelerate's even batches do)."""
     b = batching
+    if b.step_tokens is not None:
+        if b.processes != 1 or (b.kind == "token_budget" and b.token_budget is None):
+            raise ValueError("steps of a token target need one process (token_budget: and a budget)")
+        rng = random.Random(f"batching:{seed}:{epoch}")
+        return [_micro_batches(u, lengths, b) for u in _token_steps(order, lengths, b.step_tokens, b.kind != "random", rng)]
     if b.kind == "random":
         batches = [list(order[i:i + b.micro_batch]) for i in range(0, len(order), b.micro_batch)]
     else:
@@ -80,6 +93,42 @@ def epoch_steps(order: Sequence[int], lengths: Sequence[int], batching: Batching
         rounds = -(-len(batches) // b.processes)
         batches = (batches * b.processes)[:rounds * b.processes][rank::b.processes]
     return [batches[i:i + b.accumulation] for i in range(0, len(batches), b.accumulation)]
+
+
+def _micro_batches(step: Sequence[int], lengths: Sequence[int], b: Batching) -> list[list[int]]:
+    """One step's examples as its kind cuts them: micro_batch rows, or (token_budget) under the budget."""
+    if b.kind == "token_budget":
+        return cut(step, lengths, rows=len(step), tokens=b.token_budget)
+    return [list(step[i:i + b.micro_batch]) for i in range(0, len(step), b.micro_batch)]
+
+
+def _fill(indices: Sequence[int], lengths: Sequence[int], target: int) -> list[list[int]]:
+    """`indices` in order as runs that each close as soon as their tokens reach `target` (the last may not)."""
+    runs: list[list[int]] = []
+    current: list[int] = []
+    tokens = 0
+    for i in indices:
+        current.append(i)
+        tokens += lengths[i]
+        if tokens >= target:
+            runs.append(current)
+            current, tokens = [], 0
+    return runs + ([current] if current else [])
+
+
+def _token_steps(order: Sequence[int], lengths: Sequence[int], target: int, grouped: bool,
+                 rng: random.Random) -> list[list[int]]:
+    """`order` as steps of at least `target` tokens (module docstring); only the last may fall short."""
+    if not grouped:
+        return _fill(order, lengths, target)
+    steps: list[list[int]] = []
+    carry: list[int] = []
+    for chunk in _fill(order, lengths, target * GROUP_STEPS):
+        group = _fill(sorted(carry + chunk, key=lambda i: lengths[i]), lengths, target)  # stable: ties keep order
+        carry = group.pop() if sum(lengths[i] for i in group[-1]) < target else []
+        rng.shuffle(group)
+        steps += group
+    return steps + ([carry] if carry else [])
 
 
 def _grouped_steps(order: Sequence[int], lengths: Sequence[int], size: int, rng: random.Random) -> list[list[int]]:

@@ -709,13 +709,14 @@ def auto_batching(recipe: Recipe, settings: dict[str, Any], lengths: Sequence[in
     micro, accumulation = settings["micro_batch_size"], settings["gradient_accumulation_steps"]
     if recipe.data.packing:
         return "random", "packed rows are full already"
-    if micro * accumulation == 1:
+    tokens = recipe.training.effective_batch_tokens  # steps of a token target: grouped by length too
+    if micro * accumulation == 1 and tokens is None:
         return "random", "one example per step: nothing to group"
     if not lengths:  # nothing says grouping is faster here; the plan's trace is of random batches
         return "random", "the examples' lengths are not known before planning"
     kinds = ["random", "length_grouped"] + (["token_budget"] if recipe.distributed.gpus == 1 else [])
-    shapes = {k: epoch_shape(lengths, Batching(k, micro, accumulation, token_budget=micro * max(lengths)),
-                             recipe.training.seed) for k in kinds}
+    shapes = {k: epoch_shape(lengths, Batching(k, micro, accumulation, token_budget=micro * max(lengths),
+                                               step_tokens=tokens), recipe.training.seed) for k in kinds}
     cost = {k: shape.cost(pass_tokens) for k, shape in shapes.items()}
     best = "length_grouped" if cost["length_grouped"] < (1 - BATCHING_GAIN) * cost["random"] else "random"
     if "token_budget" in cost and cost["token_budget"] < (1 - BATCHING_GAIN) * cost[best]:

@@ -182,7 +182,7 @@ class DataConfig(Section):
         "length_grouped: steps of examples of similar length (sorted within shuffled chunks of 64 steps; the order "
         "of the steps stays random), far less padding. token_budget: length_grouped's steps, each cut into "
         "micro-batches of up to micro_batch_size x the longest example's tokens, so short examples run more rows per "
-        "forward pass (one process only). The effective batch stays in examples. auto: the planner picks the one "
+        "forward pass (one process only). The effective batch stays in examples (tokens with training.effective_batch_tokens). auto: the planner picks the one "
         "predicted fastest from the examples' lengths; random where they are not known before planning, where "
         "grouping saves nothing (micro-batch 1 without accumulation, packing) or where a method generates (grpo).")
     assistant_only_loss: bool = Field(True, description="Chat formats: compute the loss only on assistant turns.")
@@ -255,6 +255,11 @@ class TrainingFields(Section):
         "chosen during the run from the measured gradient noise scale: updates start at one sequence inside each "
         "micro-batch and grow, then accumulate, while a larger batch costs at most 2% more tokens; learning rate "
         "and beta2 follow the batch rules.")
+    effective_batch_tokens: int | None = Field(
+        None, ge=1, le=MAX_COUNT, description="The effective batch in real (non-padding) tokens instead of "
+        "sequences: a step takes examples until their tokens reach this, in micro-batches as data.batching cuts "
+        "them, so its micro-batches vary in number (gradient_accumulation_steps is not used); length_grouped or "
+        "token_budget batching keeps them full. null: micro_batch_size x gradient_accumulation_steps sequences.")
     learning_rate: float = Field(2.0e-4, gt=0, le=1, description="Peak learning rate.")
     lr_scheduler: Literal["cosine", "linear", "constant", "wsd"] = Field(
         "cosine", description="Schedule after warmup; wsd = warmup, stable, then decay over decay_ratio.")
@@ -728,6 +733,9 @@ class Recipe(Section):
         if self.data.batching == "token_budget" and self.distributed.gpus > 1:
             raise ValueError("data.batching=token_budget with several processes: each would run a different "
                              "number of micro-batches per step; set data.batching: length_grouped")
+        if self.training.effective_batch_tokens is not None:
+            if problem := self._token_batch_problem():
+                raise ValueError(f"training.effective_batch_tokens with {problem}")
         why = method_spec(self.training.method).packing
         if why and self.data.packing:
             raise ValueError(f"data.packing cannot be used with training.method={self.training.method}: {why}; "
@@ -789,6 +797,29 @@ class Recipe(Section):
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    def _token_batch_problem(self) -> str | None:
+        """Why steps of a token target cannot run with the rest of the recipe (None: they can)."""
+        t = self.training
+        if t.effective_batch_size is not None:
+            return (f"training.effective_batch_size={t.effective_batch_size}: each defines the effective batch; "
+                    "keep one")
+        if t.reference_batch_size is not None:
+            return (f"training.reference_batch_size={t.reference_batch_size}: the learning-rate rules rescale for "
+                    "a batch in sequences; remove training.reference_batch_size")
+        if t.spec.generates:
+            return (f"training.method={t.method}: its steps are prompts to generate from; remove "
+                    "training.effective_batch_tokens")
+        if self.data.packing:
+            return ("data.packing: packed rows are full already, a step of them is micro_batch_size x "
+                    "max_seq_len tokens; set data.packing: false or remove training.effective_batch_tokens")
+        if self.distributed.gpus > 1:
+            return (f"distributed.gpus={self.distributed.gpus}: each process would run a different number of "
+                    "micro-batches per step; remove training.effective_batch_tokens")
+        if self.optimizer.layerwise:
+            return ("optimizer.layerwise: a layer-wise optimizer updates after a fixed number of backwards; set "
+                    "optimizer.layerwise: false")
+        return None
 
 
 def max_prompt_tokens(recipe: Recipe) -> int:

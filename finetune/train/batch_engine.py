@@ -385,6 +385,8 @@ def batch_summary(engine: BatchEngine, loop, rows: list[dict], stats: dict) -> d
         "batch": {"micro_batch_size": micro, "gradient_accumulation_steps": accumulation,
                   "effective_batch_size": used, "auto": engine.engine_on,
                   **({"update_batch": engine.update_batch} if engine.engine_on else {}),
+                  **({"effective_batch_tokens": tokens} if (tokens := engine.recipe.training.effective_batch_tokens)
+                     else {}),
                   "changes": [r for r in rows if r.get("event") == "batch_changed"]},
         "noise_scale": {"unit": "labelled tokens", "final": values.get("gns"), "grad_sq": values.get("grad_sq"),
                         "trace_sigma": values.get("trace_sigma"), "tokens_per_sequence": round(tokens_per_sequence, 2),

@@ -84,6 +84,7 @@ class LoopData:
     collator: Callable[[list], Batch | Mapping[str, Any]] = Batch.of
     pad_token_id: int | None = None  # tokens counted as seen leave it out where a batch has no attention mask
     batching: str = "random"  # data.batching as resolved (finetune.data.batching)
+    step_tokens: int | None = None  # training.effective_batch_tokens: steps of real tokens, not examples
 
 
 @dataclass(frozen=True)
@@ -234,29 +235,22 @@ class TrainLoop:
         """This process's steps of `epoch`, each its loader batches (indices): a permutation seeded by (seed,
         epoch), cut as data.batching says (finetune.data.batching: random micro-batches dealt round-robin to
         the processes, or steps of examples grouped by length, or those under a token budget)."""
-        n = len(self.data.train)
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.schedule.seed + epoch)).tolist()
-        return cut_epoch(order, self.lengths if self.data.batching != "random" else (), self.batching(),
-                           self.schedule.seed, epoch, self.rank)
+        by_length = self.data.batching != "random" or self.data.step_tokens is not None
+        return cut_epoch(epoch_order(len(self.data.train), self.schedule.seed, epoch),
+                         self.lengths if by_length else (), self.batching(), self.schedule.seed, epoch, self.rank)
 
     def batching(self) -> Batching:
         """The epoch's cut at the current geometry; token_budget's budget is the micro-batch's rows at the
         longest example (the tokens the plan prices for a micro-batch)."""
         g = self.geometry
         budget = g.micro_batch * max(self.lengths) if self.data.batching == "token_budget" else None
-        return Batching(self.data.batching, g.micro_batch, g.accumulation, self.processes, budget)
+        return Batching(self.data.batching, g.micro_batch, g.accumulation, self.processes, budget,
+                        self.data.step_tokens)
 
     @functools.cached_property
     def lengths(self) -> list[int]:
         """Every training example's padded tokens (finetune.data.batching.example_length)."""
-        train = self.data.train
-        columns = getattr(train, "column_names", None) or []
-        if "input_ids" in columns:  # a datasets.Dataset: the column at once, not row by row
-            return [len(ids) for ids in train["input_ids"]]
-        lengths = [example_length(row) for row in train]
-        if any(n is None for n in lengths):
-            raise ValueError(f"data.batching {self.data.batching} needs examples with input_ids")
-        return lengths
+        return example_lengths(self.data.train)
 
     def _steps(self) -> Iterator[tuple[float, list[list[int]]]]:
         """(epoch at the step's end, its batches) from state.step on; steps never cross an epoch."""
@@ -650,6 +644,24 @@ class TrainLoop:
                 own = saved.get(type(p).__name__)
             if own is not None:
                 p.load_state_dict(own)
+
+
+def epoch_order(examples: int, seed: int, epoch: int) -> list[int]:
+    """The permutation of an epoch's examples: a function of (seed, epoch) alone, so resuming needs no sampler
+    state."""
+    return torch.randperm(examples, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+
+def example_lengths(train: Sequence) -> list[int]:
+    """Every training example's padded tokens (finetune.data.batching.example_length), for a batching by
+    length."""
+    columns = getattr(train, "column_names", None) or []
+    if "input_ids" in columns:  # a datasets.Dataset: the column at once, not row by row
+        return [len(ids) for ids in train["input_ids"]]
+    lengths = [example_length(row) for row in train]
+    if any(n is None for n in lengths):
+        raise ValueError("a batching by length needs examples with input_ids")
+    return [n for n in lengths if n is not None]
 
 
 def _check_keys(policies: Sequence[Policy]) -> None:

@@ -391,7 +391,7 @@ def _build(prepared: _Prepared, run_dir: RunDir, checkpoint: str | None, stopper
                                 autocast_for(mixed_precision(recipe.model.dtype, torch.cuda.is_available())),
                                 lambda: stopper.requested)
 
-    steps = total_steps(recipe, len(data.train))
+    steps = total_steps(recipe, data.train, prepared.config.settings.batching)
     if checkpoint and main:
         damaged = run_dir.truncate_metrics(step_of(checkpoint))
         if damaged:

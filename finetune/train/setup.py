@@ -4,7 +4,7 @@ the policies, and the loop itself (torchtune's recipe split: setup here, the loo
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,8 @@ from transformers import get_scheduler
 
 from finetune.compat import fresh_accelerator_state
 from finetune.console import console
+from finetune.data.batching import Batching
+from finetune.data.batching import epoch_steps as cut_epoch
 from finetune.memory.step import enable_checkpointing, mixed_precision
 from finetune.optim import build_optimizer
 from finetune.recipe.resolved import RunConfig
@@ -24,7 +26,16 @@ from finetune.train import distributed
 from finetune.train.batch_engine import BatchEngine, record_batch_change
 from finetune.train.callbacks import ProgressBar, RunFiles
 from finetune.train.checkpoints import numbered
-from finetune.train.loop import LoopData, MemorySettings, RunHooks, Schedule, TrainLoop, TrainParts
+from finetune.train.loop import (
+    LoopData,
+    MemorySettings,
+    RunHooks,
+    Schedule,
+    TrainLoop,
+    TrainParts,
+    epoch_order,
+    example_lengths,
+)
 from finetune.train.noise_scale import GradNormProbe, NoiseScale
 from finetune.train.objectives import MethodContext, make_objective
 from finetune.train.peak_memory import PeakMemory
@@ -36,11 +47,21 @@ SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with
               "wsd": "warmup_stable_decay"}
 
 
-def total_steps(recipe: Recipe, train_examples: int) -> int:
-    """Loop steps for the run: max_steps, or epochs over the data (last partial batch included)."""
+def total_steps(recipe: Recipe, train: Sequence, batching: str = "random") -> int:
+    """Loop steps for the run: max_steps, or epochs over the data (last partial batch included); steps of a
+    token target (training.effective_batch_tokens) counted as the loop cuts each epoch under `batching`."""
     t = recipe.training
     if t.max_steps is not None:
         return t.max_steps
+    train_examples = len(train)
+    if t.effective_batch_tokens is not None:
+        lengths = example_lengths(train)
+        cut = Batching(batching, int(t.micro_batch_size), 1, token_budget=int(t.micro_batch_size) * max(lengths),
+                       step_tokens=t.effective_batch_tokens)
+        whole, part = divmod(t.epochs, 1)
+        counts = [len(cut_epoch(epoch_order(train_examples, t.seed, e), lengths, cut, t.seed, e))
+                  for e in range(math.ceil(t.epochs))]
+        return max(1, sum(counts[:int(whole)]) + (math.ceil(part * counts[-1]) if part else 0))
     per_step = _step_examples(recipe, int(t.micro_batch_size), int(t.gradient_accumulation_steps))
     per_epoch = math.ceil(train_examples / (per_step * recipe.distributed.gpus))
     return max(1, math.ceil(per_epoch * t.epochs))
@@ -136,7 +157,8 @@ def build_loop(config: RunConfig, model: torch.nn.Module, data: Any, run_dir: Ru
     policies += [RunFiles(run_dir, steps, status_fields), ProgressBar(steps)]
     has_eval = data.eval is not None
     return TrainLoop(
-        parts, LoopData(data.train, data.eval, data.collator, tokenizer.pad_token_id, config.settings.batching),
+        parts, LoopData(data.train, data.eval, data.collator, tokenizer.pad_token_id, config.settings.batching,
+                        t.effective_batch_tokens),
         geometry,
         _schedule(config, steps, eval_steps=(t.eval_steps or steps) if has_eval else None,
                   save_steps=recipe.output.save_steps),
@@ -160,7 +182,8 @@ def simple_loop(config: RunConfig, model: torch.nn.Module, train_data: Any, coll
     parts, probe, geometry = _prepared(config, model, steps, t.noise_scale)
     save = (lambda loop: save_checkpoint(loop, checkpoints, recipe.output.save_total_limit)) if checkpoints else None
     return TrainLoop(
-        parts, LoopData(train_data, None, collator, batching=config.settings.batching), geometry,
+        parts, LoopData(train_data, None, collator, batching=config.settings.batching,
+                        step_tokens=t.effective_batch_tokens), geometry,
         _schedule(config, steps, eval_steps=None, save_steps=recipe.output.save_steps if checkpoints else None),
         make_objective(config), policies=[NoiseScale(probe, t.noise_scale_split_every), *(policies or [])],
         memory=MemorySettings(chunked_loss=config.settings.chunked_loss), hooks=RunHooks(save=save))
