@@ -24,8 +24,11 @@ layers materialised at once (what the planner prices: `ahead + 1`).
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -34,6 +37,7 @@ from finetune.errors import RecipeError
 from finetune.memory.expert_offload import ExpertFiles, tier_files
 from finetune.memory.offload_disk import OffloadDirError
 from finetune.model.family import decoder_layers
+from finetune.model.moe import STORE
 
 FILE_PREFIX = "ft-weights-"
 STORE_ATTRIBUTE = "finetune_weight_store"  # the first decoder layer's reference to its model's store
@@ -46,16 +50,18 @@ def frozen_storages(layer: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     bitsandbytes quant state's absmax (and the nested state's), and buffers (a 4-bit expert store's), by
     name. A quant state's code and offset (a kilobyte) stay: bitsandbytes reads them when the model's state
     dict is taken (peft's adapter save), outside any layer's forward."""
-    found: list[tuple[str, torch.Tensor]] = []
-    for name, param in layer.named_parameters():
-        if param.requires_grad:
-            continue
-        found.append((name, param))
-        state = getattr(param, "quant_state", None)
-        while state is not None:
-            found.append((f"{name}.absmax", state.absmax))
-            name, state = f"{name}.nested", getattr(state, "state2", None)
-    found += [(name, b) for name, b in layer.named_buffers() if b is not None]
+    found = [named for name, param in layer.named_parameters() if not param.requires_grad
+             for named in _with_quant_state(name, param)]
+    return found + [(name, b) for name, b in layer.named_buffers() if b is not None]
+
+
+def _with_quant_state(name: str, param: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """`param` and its bitsandbytes quant state's absmax (and the nested state's), by name."""
+    found = [(name, param)]
+    state = getattr(param, "quant_state", None)
+    while state is not None:
+        found.append((f"{name}.absmax", state.absmax))
+        name, state = f"{name}.nested", getattr(state, "state2", None)
     return found
 
 
@@ -63,16 +69,12 @@ class WeightStore:
     """The frozen weights of each decoder layer (position), resident on the device only while the layer or
     the next `ahead` ones run; off it in host tensors (`files` None) or in files."""
 
-    def __init__(self, layers: list[list[tuple[str, torch.Tensor]]], device: torch.device, ahead: int,
-                 files: ExpertFiles | None):
+    def __init__(self, count: int, device: torch.device, ahead: int, files: ExpertFiles | None):
         self.device, self.ahead, self.files = device, ahead, files
-        for _, tensor in (named for tensors in layers for named in tensors):
-            if not tensor.untyped_storage().resizable():  # e.g. mapped from a safetensors file: a copy of its own
-                tensor.data = tensor.detach().clone()
-        self.storages = [[t.untyped_storage() for _, t in tensors] for tensors in layers]
-        self.names = [[name for name, _ in tensors] for tensors in layers]
-        self.sizes = [[s.nbytes() for s in storages] for storages in self.storages]
-        self.host: list[list[torch.Tensor]] = []
+        self.storages: list[list[torch.UntypedStorage]] = [[] for _ in range(count)]
+        self.names: list[list[str]] = [[] for _ in range(count)]
+        self.sizes: list[list[int]] = [[] for _ in range(count)]
+        self.host: list[list[torch.Tensor]] = [[] for _ in range(count)]
         cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if cuda else None
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="ft-weights-read") if files is not None else None
@@ -80,18 +82,24 @@ class WeightStore:
         self.last = -1
         self.materialised_peak = 0  # the most layers materialised at once
         self.hooks: list = []  # the layers' module hooks
-        for position, storages in enumerate(self.storages):
-            copies = []
-            for name, storage in zip(self.names[position], storages, strict=True):
-                flat = _bytes_of(storage)
-                if files is None:
-                    copy = torch.empty(flat.shape, dtype=torch.uint8, pin_memory=cuda)
-                    copy.copy_(flat)
-                    copies.append(copy)
-                else:
-                    files.write(position, name, flat.to("cpu", copy=True))  # (numpy would pin its storage)
-                storage.resize_(0)  # one layer at a time: its device memory goes before the next is copied
-            self.host.append(copies)
+
+    def take(self, position: int, name: str, tensor: torch.Tensor) -> None:
+        """Move `tensor`'s bytes (a frozen weight of layer `position`) off the device, to host RAM or its file,
+        and free its storage: at load as each weight arrives, or for a model loaded whole, layer by layer."""
+        if not tensor.untyped_storage().resizable():  # e.g. mapped from a safetensors file: a copy of its own
+            tensor.data = tensor.detach().clone()
+        storage = tensor.untyped_storage()
+        flat = _bytes_of(storage)
+        if self.files is None:
+            copy = torch.empty(flat.shape, dtype=torch.uint8, pin_memory=self.stream is not None)
+            copy.copy_(flat)
+            self.host[position].append(copy)
+        else:
+            self.files.write(position, name, flat.to("cpu", copy=True))  # (numpy would pin its storage)
+        self.storages[position].append(storage)
+        self.names[position].append(name)
+        self.sizes[position].append(storage.nbytes())
+        storage.resize_(0)
 
     @property
     def host_bytes(self) -> int:
@@ -225,29 +233,127 @@ def offload_weights(model: torch.nn.Module, tier: str, ahead: int, host_ram: int
     """memory.offload_weights: stream every decoder layer's frozen weights from tier `cpu` (host RAM, pinned on
     CUDA) or `disk` (files in `directory`), `ahead` layers read ahead. `host_ram`: the bytes they may take in
     RAM (free RAM, or memory.offload_cpu_limit); more is a RecipeError, a `directory` without room an
-    OffloadDirError, before anything moves. A storage shared by several layers (tied weights) stays put."""
+    OffloadDirError, before anything moves. A storage shared by several layers (tied weights) stays put.
+    A model loaded through `stream_on_arrival` has its store already (checked and filled as it loaded): what
+    did not arrive through it (a buffer made at build) joins it here."""
     if tier == "none":
         return None
     layers = decoder_layers(model)
     found = [_unique(frozen_storages(layer)) for layer in layers]
     counts = Counter(ptr for tensors in found for ptr in tensors)
     kept = [[named for ptr, named in tensors.items() if counts[ptr] == 1] for tensors in found]
-    sizes = [sum(t.untyped_storage().nbytes() for _, t in tensors) for tensors in kept]
-    device = next(model.parameters()).device
-    cuda = device.type == "cuda"
-    in_ram = sum(sizes) if tier == "cpu" else (ahead + 1) * max(sizes, default=0) if cuda else 0
-    files = tier_files("memory.offload_weights", tier, "frozen weights", in_ram, host_ram, directory, sum(sizes),
-                       FILE_PREFIX, DISK_HINT)
-    try:
-        store = WeightStore(kept, device, ahead, files)
-    except OSError as exc:  # the disk filled up or failed while writing
-        files.remove()
-        raise OffloadDirError(f"memory.offload_weights: writing the weights to {files.directory} failed: {exc}",
-                              hint=DISK_HINT) from exc
+    store = weight_store_of(model)
+    if store is None:
+        sizes = [sum(t.untyped_storage().nbytes() for _, t in tensors) for tensors in kept]
+        device = next(model.parameters()).device
+        in_ram = sum(sizes) if tier == "cpu" else (ahead + 1) * max(sizes, default=0) if device.type == "cuda" else 0
+        files = tier_files("memory.offload_weights", tier, "frozen weights", in_ram, host_ram, directory,
+                           sum(sizes), FILE_PREFIX, DISK_HINT)
+        store = WeightStore(len(layers), device, ahead, files)
+    elif store.hooks:
+        return store  # streaming already
+    with _writing(store.files):
+        for position, tensors in enumerate(kept):
+            for name, tensor in tensors:  # one layer at a time: its device memory goes before the next is copied
+                store.take(position, name, tensor)
     for position, layer in enumerate(layers):
         store.hooks += _hooks(store, layer, position)
     setattr(layers[0], STORE_ATTRIBUTE, store)  # a plain attribute: weight_store_of finds it
     return store
+
+
+@contextmanager
+def _writing(files: ExpertFiles | None) -> Iterator[None]:
+    """A disk that fills up or fails while the weights are written: the files go, one line says so."""
+    try:
+        yield
+    except OSError as exc:
+        if files is None:
+            raise
+        files.remove()
+        raise OffloadDirError(f"memory.offload_weights: writing the weights to {files.directory} failed: {exc}",
+                              hint=DISK_HINT) from exc
+
+
+@contextmanager
+def stream_on_arrival(tier: str, ahead: int, host_ram: int | None, directory: Path | None,
+                      planned: tuple[int, int]) -> Iterator[None]:
+    """While a model loads in this thread, move each decoder layer's weight off the device the moment it is set
+    on its module (a 4-bit one with its quant state, a MoE layer's 4-bit expert store as it is made), into a
+    `WeightStore` that `offload_weights` completes after the load: the device never holds more than the parts
+    that stay (embeddings, norms outside the layers, the LM head) and the weight arriving, and host RAM one
+    weight beyond the store. So a model whose weights exceed the card (or RAM, for the disk tier) loads.
+
+    `planned`: (host RAM, disk) bytes the tier takes (finetune.plan.weight_stream.host_bytes), checked against
+    `host_ram` and `directory` before anything loads. The seams are torch's public module and parameter
+    registration hooks, limited to this thread: a parameter's module is found through the parents the
+    registrations recorded while the model was built; nothing of transformers is patched."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    files = tier_files("memory.offload_weights", tier, "frozen weights", planned[0], host_ram, directory,
+                       planned[1], FILE_PREFIX, DISK_HINT)
+    thread = threading.get_ident()
+    parents: dict[int, tuple[torch.nn.Module, str]] = {}
+    positions: dict[int, int] = {}
+    stores: list[WeightStore] = []
+
+    def registered(parent: torch.nn.Module, name: str, child: torch.nn.Module | None) -> None:
+        if threading.get_ident() == thread and child is not None:
+            parents[id(child)] = (parent, name)
+
+    def layer_of(module: torch.nn.Module) -> tuple[torch.nn.Module, str] | None:
+        """The decoder layer holding `module` and the module's path in it, or None (outside the layers)."""
+        path = []
+        while not isinstance(module, GradientCheckpointingLayer):
+            if id(module) not in parents:
+                return None
+            module, name = parents[id(module)][0], parents[id(module)][1]
+            path.append(name)
+        return module, ".".join(reversed(path))
+
+    def start(layer: torch.nn.Module, device: torch.device) -> WeightStore:
+        root = layer
+        while id(root) in parents:
+            root = parents[id(root)][0]
+        layers = decoder_layers(root)
+        positions.update((id(m), p) for p, m in enumerate(layers))
+        stores.append(WeightStore(len(layers), device, ahead, files))
+        setattr(layers[0], STORE_ATTRIBUTE, stores[0])
+        return stores[0]
+
+    def arrived(module: torch.nn.Module, name: str, param: torch.Tensor | None) -> None:
+        if threading.get_ident() != thread or param is None or param.is_meta:
+            return
+        found = layer_of(module)
+        if found is None:
+            return
+        layer, path = found
+        store = stores[0] if stores else start(layer, param.device)
+        position = positions.get(id(layer))
+        if position is None:  # a vision tower's layer: not streamed
+            return
+        prefix = f"{path}." if path else ""
+        store_buffers = getattr(module, STORE, None)  # a MoE layer's 4-bit expert store, made as they arrive
+        tensors = [*_with_quant_state(name, param),
+                   *((f"{STORE}.{n}", b) for n, b in (store_buffers.named_buffers() if store_buffers else ()))]
+        for key, tensor in tensors:
+            if tensor.untyped_storage().nbytes():  # not taken yet (a 4-bit expert store's earlier buffers are)
+                store.take(position, prefix + key, tensor)
+
+    handles = [torch.nn.modules.module.register_module_module_registration_hook(registered),
+               torch.nn.modules.module.register_module_parameter_registration_hook(arrived)]
+    try:
+        with _writing(files):
+            yield
+    except BaseException:
+        for store in stores:
+            store.close()  # its reader; the files go too
+        if files is not None:
+            files.remove()
+        raise
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def weight_store_of(model: torch.nn.Module) -> WeightStore | None:
