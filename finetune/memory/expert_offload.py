@@ -108,6 +108,14 @@ def tier_files(key: str, tier: str, what: str, in_ram: int, host_ram: int | None
     return ExpertFiles(check_offload_dir(directory, needed, f"of {what}", hint), prefix)
 
 
+def host_room(limit: int | None) -> int:
+    """Bytes a frozen-weight offload may keep in host RAM: what is free now, capped by memory.offload_cpu_limit."""
+    import psutil
+
+    ram = psutil.virtual_memory().available
+    return min(ram, limit) if limit else ram
+
+
 def _unlink(paths: dict[tuple[int, str], Path], made: list[Path]) -> None:
     for path in paths.values():
         path.unlink(missing_ok=True)

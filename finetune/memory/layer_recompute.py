@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from finetune.memory.expert_offload import ExpertOffload, offload_experts
+from finetune.memory.expert_offload import ExpertOffload, host_room, offload_experts
 from finetune.memory.offload import offload_dir_for
 from finetune.memory.weight_store import WeightStore, offload_weights
 from finetune.model.family import decoder_layers, dense_mlp, family_of
@@ -210,10 +210,7 @@ def apply_memory_config(model: torch.nn.Module, memory: MemoryConfig,
     apply_layer_recompute(model, memory.recompute_norms, memory.tiled_mlp_tokens if memory.tiled_mlp is True else None)
     if memory.offload_experts == "none" and memory.offload_weights == "none":
         return None
-    import psutil
-
-    ram = psutil.virtual_memory().available
-    ram = min(ram, memory.offload_cpu_limit) if memory.offload_cpu_limit else ram
+    ram = host_room(memory.offload_cpu_limit)
     directory = offload_dir_for(memory, run_dir) if memory.offload_dir or run_dir is not None else None
     if memory.offload_weights != "none":
         return offload_weights(model, memory.offload_weights, memory.offload_weights_ahead, ram, directory)

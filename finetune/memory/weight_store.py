@@ -33,11 +33,13 @@ from pathlib import Path
 
 import torch
 
+from finetune.console import console
 from finetune.errors import RecipeError
 from finetune.memory.expert_offload import ExpertFiles, tier_files
 from finetune.memory.offload_disk import OffloadDirError
 from finetune.model.family import decoder_layers
 from finetune.model.moe import STORE
+from finetune.units import format_bytes
 
 FILE_PREFIX = "ft-weights-"
 STORE_ATTRIBUTE = "finetune_weight_store"  # the first decoder layer's reference to its model's store
@@ -99,7 +101,7 @@ class WeightStore:
         self.storages[position].append(storage)
         self.names[position].append(name)
         self.sizes[position].append(storage.nbytes())
-        storage.resize_(0)
+        _free(storage)
 
     @property
     def host_bytes(self) -> int:
@@ -149,7 +151,7 @@ class WeightStore:
         for storage in self.storages[position]:
             if self.stream is not None:
                 _bytes_of(storage).record_stream(torch.cuda.current_stream(self.device))
-            storage.resize_(0)
+            _free(storage)
 
     def fetch(self, position: int) -> None:
         """Layer `position`'s weights on the device before it runs; start the next `ahead` layers' in the pass
@@ -197,6 +199,13 @@ class _nothing:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def _free(storage: torch.UntypedStorage) -> None:
+    """Free `storage`'s bytes, and show it freed to a tensor tracker (`finetune.memory.tracker`, which sees
+    storages through the operators that return tensors over them)."""
+    storage.resize_(0)
+    _bytes_of(storage)
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -339,12 +348,17 @@ def stream_on_arrival(tier: str, ahead: int, host_ram: int | None, directory: Pa
         for key, tensor in tensors:
             if tensor.untyped_storage().nbytes():  # not taken yet (a 4-bit expert store's earlier buffers are)
                 store.take(position, prefix + key, tensor)
+        if files is None:  # what the plan priced was not less than what arrives: RAM checked as it fills
+            tier_files("memory.offload_weights", tier, "frozen weights", store.host_bytes, host_ram, None, 0)
 
     handles = [torch.nn.modules.module.register_module_module_registration_hook(registered),
                torch.nn.modules.module.register_module_parameter_registration_hook(arrived)]
     try:
         with _writing(files):
             yield
+        where = "in host RAM" if files is None else f"in files under {files.directory}"
+        console.print(f"memory.offload_weights: {tier}: loaded layer by layer, "
+                      f"{format_bytes(sum(s.host_bytes for s in stores))} of frozen weights {where}", markup=False)
     except BaseException:
         for store in stores:
             store.close()  # its reader; the files go too
