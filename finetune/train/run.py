@@ -512,8 +512,11 @@ def _train(built: _Built, run_dir: RunDir, checkpoint: str | None, main: bool) -
         peak.close()  # also after an error
         if loop.offload is not None:  # an out-of-memory recovery may have turned it on or changed it
             loop.offload.close()  # removes every file the disk tier still holds, also after an error
-        if built.experts is not None:
-            built.experts.close()  # the expert offload's files too
+        from finetune.memory.weight_store import weight_store_of
+
+        for frozen in (built.experts, weight_store_of(loop.model)):  # and a store a recovery turned on
+            if frozen is not None:
+                frozen.close()  # the expert offload's or the weight store's files too
     if main and peak.tracked_steps:
         run_dir.log_line(f"memory tracker: tracked {len(peak.tracked_steps)} of {loop.state.step} steps "
                          f"(those that could set a new peak): {', '.join(str(s + 1) for s in peak.tracked_steps)}")
