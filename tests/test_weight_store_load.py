@@ -120,3 +120,34 @@ def test_run_loads_layer_by_layer(tmp_path, capsys):
         losses[tier] = [r["loss"] for r in read_jsonl(folder / "run" / "metrics.jsonl") if "loss" in r]
         assert not (folder / "weights").exists()
     assert len(losses["none"]) == 3 and losses["none"] == losses["disk"]
+
+
+def test_disk_filling_up_during_the_load_is_one_line(tmp_path, capsys, monkeypatch):
+    """The disk fills up while the weights are written as they load: exit 2, one line naming offload_dir's
+    folder, no weight file and no run folder left."""
+    import errno
+
+    from finetune.memory import expert_offload
+    from tests.test_weight_store import _refused
+
+    written = []
+
+    def full(path: Path, data: torch.Tensor) -> None:
+        if len(written) == 5:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(path)
+        path.write_bytes(data.numpy().tobytes())
+
+    monkeypatch.setattr(expert_offload, "write_tensor_file", full)
+    path = three_step_recipe(tmp_path, "llama", {"memory": {"offload_weights": "disk",
+                                                            "offload_dir": str(tmp_path / "weights")}})
+    _refused(tmp_path, capsys, ["run", str(path)], "memory.offload_weights", "writing the weights", "No space left")
+    assert len(written) == 5 and not (tmp_path / "weights").exists()
+
+
+@pytest.mark.parametrize("command", ["validate", "plan", "run"])
+def test_streaming_with_several_gpus_refused_by_every_command(tmp_path, capsys, command):
+    from tests.test_weight_store import _refused
+
+    path = three_step_recipe(tmp_path, "llama", {"memory": {"offload_weights": "cpu"}, "distributed": {"gpus": 2}})
+    _refused(tmp_path, capsys, [command, str(path)], "memory.offload_weights", "distributed.gpus")
