@@ -77,10 +77,12 @@ def bound_note(spec: ModelSpec, settings: Settings, tokens_per_s: float, residen
     compute = tokens / resident_tokens_per_s
     link = link_seconds(spec, settings, bytes_per_s)
     bound = "the link" if link > compute else "the compute (the link is hidden)"
+    ram, disk = host_bytes(spec, settings)
+    held = f"{format_bytes(ram)} of host RAM" + (f" and {format_bytes(disk)} {STORES['offload_dir']}" if disk else "")
     return (f"memory.offload_weights: {settings.offload_weights} streams {format_bytes(streamed)} of frozen weights "
             f"per pass at {bytes_per_s / 1e9:.1f} GB/s: {link:.2f} s of link per micro-batch against "
             f"{compute:.2f} s of compute; the step is bound by {bound}, {tokens_per_s:,.0f} tokens/s "
-            f"({resident_tokens_per_s:,.0f} if the weights fitted on the device)")
+            f"({resident_tokens_per_s:,.0f} if the weights fitted on the device); the weights take {held}")
 
 
 def resident(settings: Settings) -> Settings:
