@@ -127,7 +127,7 @@ def test_disk_filling_up_during_the_load_is_one_line(tmp_path, capsys, monkeypat
     folder, no weight file and no run folder left."""
     import errno
 
-    from finetune.memory import expert_offload
+    from finetune.memory import weight_store
     from tests.test_weight_store import _refused
 
     written = []
@@ -138,7 +138,7 @@ def test_disk_filling_up_during_the_load_is_one_line(tmp_path, capsys, monkeypat
         written.append(path)
         path.write_bytes(data.numpy().tobytes())
 
-    monkeypatch.setattr(expert_offload, "write_tensor_file", full)
+    monkeypatch.setattr(weight_store, "write_tensor_file", full)
     path = three_step_recipe(tmp_path, "llama", {"memory": {"offload_weights": "disk",
                                                             "offload_dir": str(tmp_path / "weights")}})
     _refused(tmp_path, capsys, ["run", str(path)], "memory.offload_weights", "writing the weights", "No space left")

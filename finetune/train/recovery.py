@@ -44,12 +44,11 @@ import torch
 from finetune.console import console
 from finetune.errors import FinetuneError
 from finetune.memory.device_memory import usable_gpu_memory
-from finetune.memory.expert_offload import host_room
 from finetune.memory.layer_recompute import apply_layer_recompute
 from finetune.memory.offload import activation_offload, offload_dir_for, preflight_offload
 from finetune.memory.offload_disk import OffloadDirError
 from finetune.memory.step import enable_checkpointing
-from finetune.memory.weight_store import offload_weights
+from finetune.memory.weight_store import host_room, offload_weights
 from finetune.model.family import decoder_layers
 from finetune.model.vision import inputs_require_grad
 from finetune.plan import predict

@@ -427,7 +427,6 @@ def _model(recipe: Recipe, settings: Settings, run_dir: RunDir, main: bool, base
     if base is None:
         model, tokenizer, path = load_model(recipe.model, recipe.quantization, sharded=recipe.distributed.gpus > 1
                                             and recipe.distributed.strategy == "fsdp",
-                                            experts_on_host=recipe.memory.offload_experts in ("cpu", "disk"),
                                             packing=recipe.data.packing,
                                             arriving=_streamed_load(recipe, settings, run_dir))
     else:
@@ -455,24 +454,25 @@ def _model(recipe: Recipe, settings: Settings, run_dir: RunDir, main: bool, base
 
 
 def _streamed_load(recipe: Recipe, settings: Settings, run_dir: RunDir) -> AbstractContextManager | None:
-    """memory.offload_weights cpu or disk: the load that puts each layer's weights into the weight store as
-    they arrive (`finetune.memory.weight_store.stream_on_arrival`), its host RAM and disk checked first against
-    what the planner prices; None without streaming."""
-    if settings.offload_weights not in ("cpu", "disk"):
-        return None
-    from finetune.memory.expert_offload import host_room
+    """memory.offload_weights (or memory.offload_experts) cpu or disk: the load that puts each layer's weights
+    (experts) into the weight store as they arrive (`finetune.memory.weight_store.stream_on_arrival`), its host
+    RAM and disk checked first against what the planner prices; None without either."""
     from finetune.memory.offload import offload_dir_for
-    from finetune.memory.weight_store import stream_on_arrival
+    from finetune.memory.weight_store import EXPERTS, WEIGHTS, host_room, stream_on_arrival
     from finetune.plan.search import model_spec
     from finetune.plan.trace import planned_config
     from finetune.plan.weight_stream import host_bytes
 
     memory = recipe.memory
+    kind, tier, ahead = (WEIGHTS, settings.offload_weights, memory.offload_weights_ahead) \
+        if settings.offload_weights != "none" else (EXPERTS, settings.offload_experts, 1)
+    if tier not in ("cpu", "disk"):
+        return None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     spec = model_spec(recipe, planned_config(recipe.model.path, recipe.model.trust_remote_code), device)
-    directory = offload_dir_for(memory, run_dir.root) if settings.offload_weights == "disk" else None
-    return stream_on_arrival(settings.offload_weights, memory.offload_weights_ahead, host_room(memory.offload_cpu_limit),
-                             directory, host_bytes(spec, settings))
+    directory = offload_dir_for(memory, run_dir.root) if tier == "disk" else None
+    return stream_on_arrival(tier, ahead, host_room(memory.offload_cpu_limit), directory, host_bytes(spec, settings),
+                             kind)
 
 
 def _data(recipe: Recipe, tokenizer: Any, vision: VisionData | None, run_dir: RunDir, checkpoint: str | None,
