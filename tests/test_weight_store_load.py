@@ -141,7 +141,7 @@ def test_disk_filling_up_during_the_load_is_one_line(tmp_path, capsys, monkeypat
     monkeypatch.setattr(weight_store, "write_tensor_file", full)
     path = three_step_recipe(tmp_path, "llama", {"memory": {"offload_weights": "disk",
                                                             "offload_dir": str(tmp_path / "weights")}})
-    _refused(tmp_path, capsys, ["run", str(path)], "memory.offload_weights", "writing the weights", "No space left")
+    _refused(tmp_path, capsys, ["run", str(path)], "memory.offload_weights", "writing the frozen weights", "No space left")
     assert len(written) == 5 and not (tmp_path / "weights").exists()
 
 
