@@ -65,6 +65,25 @@ def test_streamed_load_trains_bit_equal(tiny_model_dir, tmp_path, bits):
         assert not folder.exists()
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_5_vl"])
+def test_streamed_load_of_moe_and_vision_models_trains_bit_equal(tmp_path, arch):
+    """QLoRA on a MoE model (its 4-bit experts taken as they are stored) and a vision-language model (its vision
+    tower's layers stay, the language model's stream), loaded into files layer by layer: the losses and LoRA
+    gradients of the model loaded whole, bit for bit."""
+    from finetune.testing import make_tiny_model_dir
+
+    path = make_tiny_model_dir(tmp_path / "model", arch)
+    reference = _steps(_trained(_load(path, 4, None), None, None))
+    model = _load(path, 4, "disk", tmp_path / "weights")
+    streamed = _steps(_trained(model, "disk", tmp_path / "weights"))
+    for (loss, grads), (ref_loss, ref_grads) in zip(streamed, reference, strict=True):
+        assert loss == ref_loss
+        assert grads.keys() == ref_grads.keys() and all(torch.equal(grads[k], ref_grads[k]) for k in grads)
+    store = weight_store_of(model)
+    assert store.host_bytes > 0 and all(len(names) for names in store.names)
+    store.close()
+
+
 def test_streamed_load_peak_within_the_window(tmp_path):
     """QLoRA, disk tier, 8 layers: the tensor tracker's peak while the model loads is at most the plan's weights
     with streaming (what stays, two layers' 4-bit weights), the quant states' codes and the one weight arriving
