@@ -469,10 +469,15 @@ def _streamed_load(recipe: Recipe, settings: Settings, run_dir: RunDir) -> Abstr
     if tier not in ("cpu", "disk"):
         return None
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    spec = model_spec(recipe, planned_config(recipe.model.path, recipe.model.trust_remote_code), device)
+    try:
+        planned = host_bytes(model_spec(recipe, planned_config(recipe.model.path, recipe.model.trust_remote_code),
+                                        device), settings)
+    except Exception as exc:  # noqa: BLE001 - a model the planner cannot trace: RAM checked as it fills
+        console.print(f"{kind.key}: no price for this model's weights ({type(exc).__name__}): host RAM is checked "
+                      "as they load, the disk as they are written", markup=False)
+        planned = (0, 0)
     directory = offload_dir_for(memory, run_dir.root) if tier == "disk" else None
-    return stream_on_arrival(tier, ahead, host_room(memory.offload_cpu_limit), directory, host_bytes(spec, settings),
-                             kind)
+    return stream_on_arrival(tier, ahead, host_room(memory.offload_cpu_limit), directory, planned, kind)
 
 
 def _data(recipe: Recipe, tokenizer: Any, vision: VisionData | None, run_dir: RunDir, checkpoint: str | None,
