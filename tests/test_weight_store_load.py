@@ -5,6 +5,7 @@ tracker's peak during the load stays within the plan's window; `finetune run` lo
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -127,18 +128,26 @@ def _codes(layers: list[torch.nn.Module]) -> int:
 
 def test_run_loads_layer_by_layer(tmp_path, capsys):
     """`finetune run` with offload_weights disk loads through the store (its line says so) and trains the same
-    losses as resident, no file left behind."""
-    losses = {}
+    losses as resident, its measured peak lower and within 5% of the plan's (as resident's is), no file left
+    behind."""
+    losses, peaks = {}, {}
     for tier in ("none", "disk"):
         folder = tmp_path / tier
         path = three_step_recipe(folder, "llama", {"quantization": {"bits": 4}},
-                                 {"memory": {"offload_weights": tier, "offload_dir": str(folder / "weights")}})
+                                 {"memory": {"offload_weights": tier, "offload_dir": str(folder / "weights")}},
+                                 num_hidden_layers=4)
         assert main(["run", str(path)]) == 0, capsys.readouterr().err
         out = capsys.readouterr().err  # the console says what the run does on stderr
         assert ("memory.offload_weights: disk: loaded layer by layer" in out) == (tier == "disk")
-        losses[tier] = [r["loss"] for r in read_jsonl(folder / "run" / "metrics.jsonl") if "loss" in r]
+        rows = [r for r in read_jsonl(folder / "run" / "metrics.jsonl") if "loss" in r]
+        losses[tier] = [r["loss"] for r in rows]
+        measured = max(r["peak_memory_bytes"] for r in rows)
+        planned = json.loads((folder / "run" / "plan.json").read_text())["peak_bytes"]
+        assert abs(planned - measured) <= 0.05 * measured, (tier, planned, measured)
+        peaks[tier] = measured
         assert not (folder / "weights").exists()
     assert len(losses["none"]) == 3 and losses["none"] == losses["disk"]
+    assert peaks["disk"] < peaks["none"]
 
 
 def test_disk_filling_up_during_the_load_is_one_line(tmp_path, capsys, monkeypatch):
