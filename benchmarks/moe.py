@@ -41,9 +41,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from finetune.memory.expert_offload import expert_offload_of  # noqa: E402
 from finetune.memory.step import training_step  # noqa: E402
 from finetune.memory.tracker import measure_step  # noqa: E402
+from finetune.memory.weight_store import weight_store_of  # noqa: E402
 from finetune.model.moe import STORE, expert_matrix, moe_blocks  # noqa: E402
 from finetune.plan import predict  # noqa: E402
 from finetune.recipe import load_recipe, validate_recipe  # noqa: E402
@@ -98,8 +98,8 @@ def part_a(folder: Path) -> list[str]:
             files = sorted((folder / name / "offload").iterdir())
             on_disk.append(f"4-bit on disk: {len(files)} files, {format_bytes(sum(f.stat().st_size for f in files))} "
                            f"in the offload folder while training (the experts as stored: "
-                           f"{format_bytes(expert_offload_of(model).host_bytes)})")
-            expert_offload_of(model).close()
+                           f"{format_bytes(weight_store_of(model).host_bytes)})")
+            weight_store_of(model).close()
             on_disk.append(f"after close: {len(list((folder / name / 'offload').iterdir()))} files")
         if name == "4-bit":
             quantized = {b.name: {w: torch.stack([expert_matrix(b.experts, w, e, torch.bfloat16)

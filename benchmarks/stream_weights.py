@@ -13,6 +13,9 @@ bandwidth (what prices the disk tier); and, on this CPU, a tiny model's step res
 (c) A tiny Llama (4 layers, hidden 64) QLoRA, 2 steps of micro-batch 2 x 16 tokens, checkpointing on,
     resident / cpu / disk: the losses (equal) and seconds per step (on a CPU the cpu tier saves nothing; the
     path's cost shows, and the disk tier frees the RAM of all but two layers).
+(d) The weight-streaming recipes (recipes/qlora-llama-3.3-70b-*, qlora-qwen3-32b-12gb, qlora-qwen3-235b-a22b-24gb)
+    planned on the machine each names (finetune.testing.stated_machine), the SSD at the typical figure: docs/memory.md
+    quotes these lines.
 
 Writes benchmarks/results/stream_weights.txt.
 """
@@ -89,6 +92,36 @@ def tiny_steps(folder: Path) -> list[str]:
     return lines
 
 
+# The streaming recipes, the config fixture with their shapes, and the machine each names (RAM, free SSD).
+RECIPES = (("qlora-llama-3.3-70b-24gb", "llama-3.1-70b", 64, None), ("qlora-llama-3.3-70b-16gb", "llama-3.1-70b", 64, None),
+           ("qlora-qwen3-32b-12gb", "qwen3-32b", 32, None), ("qlora-qwen3-235b-a22b-24gb", "qwen3-235b-a22b", 32, 200))
+
+
+def recipe_plans() -> list[str]:
+    """(d) Each streaming recipe planned as `finetune plan` plans it, on the machine it names, with the SSD priced
+    at the cost model's typical figure (this machine's disk is not the recipe's NVMe)."""
+    from unittest import mock
+
+    from finetune.memory import bandwidth
+    from finetune.testing import stated_machine
+
+    lines = ["(d) the streaming recipes on the machines they name (GPU as titled; RAM and free SSD as stated; "
+             "the SSD priced at the typical 3 GB/s, PCIe at 20 GB/s):"]
+    for name, config, ram, disk in RECIPES:
+        overrides = [f"model.path={ROOT / 'tests' / 'fixtures' / 'configs' / config}.json"]
+        with stated_machine(ram * 10**9, disk * 10**9 if disk else None), \
+                mock.patch.object(bandwidth, "disk_bandwidth", lambda *args, **kwargs: None):
+            plan = predict(load_recipe(ROOT / "recipes" / f"{name}.yaml", overrides), device="cuda")
+        s = plan.settings
+        lines.append(f"  {name} ({ram} GB RAM{f', {disk} GB free SSD' if disk else ''}): "
+                     f"{'fits' if plan.fits else 'does not fit'}, peak {format_bytes(plan.peak_bytes)} of "
+                     f"{format_bytes(plan.budget_bytes)}, mb={s['micro_batch_size']} ga={s['gradient_accumulation_steps']} "
+                     f"ckpt={s['activation_checkpointing']} offload={s['offload']} stream={s['offload_weights']}, "
+                     f"{plan.tokens_per_s:,.0f} tokens/s")
+        lines += [f"    {note}" for note in plan.notes if "offload_weights" in note]
+    return lines
+
+
 def main() -> None:
     with tempfile.TemporaryDirectory(prefix="stream-weights-") as scratch:
         folder = Path(scratch)
@@ -97,6 +130,7 @@ def main() -> None:
         lines.append("(b) disk bandwidth of the offload folder's filesystem here: "
                      + (", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in disk.items()) if disk else "not measurable"))
         lines += tiny_steps(folder)
+        lines += recipe_plans()
     text = "\n".join(lines) + "\n"
     print(text, end="")
     RESULTS.mkdir(parents=True, exist_ok=True)

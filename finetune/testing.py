@@ -6,6 +6,9 @@ tokenizer trained on the spot, a ChatML chat template) that loads exactly like a
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 CHATML_TEMPLATE = (
@@ -398,3 +401,27 @@ def shape_task(folder: str | Path, *, train: int = 64, held_out: int = 32, size:
     for path, part in zip(paths, (records[:train], records[train:]), strict=True):
         path.write_text(json.dumps(part, indent=1) + "\n", encoding="utf-8")
     return paths
+
+
+@contextmanager
+def stated_machine(host_ram: int | None = None, disk_free: int | None = None) -> Iterator[None]:
+    """Plan as on the machine a recipe names ("with 64 GB of RAM", "an NVMe SSD with 200 GB free"), not this
+    one: psutil's available RAM and every disk's free space read as given (None: as they are). What fits a
+    weight-streaming recipe depends on them; the tests and the benchmark that plan those recipes use this."""
+    import shutil
+    from types import SimpleNamespace
+    from unittest import mock
+
+    import psutil
+
+    patches = []
+    if host_ram is not None:
+        ram = SimpleNamespace(total=host_ram, available=host_ram, percent=0.0, used=0, free=host_ram)
+        patches.append(mock.patch.object(psutil, "virtual_memory", lambda: ram))
+    if disk_free is not None:
+        patches.append(mock.patch.object(shutil, "disk_usage",
+                                         lambda path: SimpleNamespace(total=disk_free, used=0, free=disk_free)))
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        yield

@@ -193,7 +193,7 @@ def test_at_micro_batch_1_the_alternatives_come_in_order_then_a_clear_error_and_
                      memory={"tiled_mlp_tokens": 16, "offload_min_size": 0})
     path = tmp_path / "ladder.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    monkeypatch.setenv(FAULT_ENV, "2,2,2,2,2")  # step 2 fails five times: four alternatives, then none left
+    monkeypatch.setenv(FAULT_ENV, "2,2,2,2,2,2")  # step 2 fails six times: five alternatives, then none left
     code = main(["run", str(path)])
     out = capsys.readouterr()
     assert code != 0
@@ -204,7 +204,7 @@ def test_at_micro_batch_1_the_alternatives_come_in_order_then_a_clear_error_and_
     rows = read_jsonl(run_dir / "metrics.jsonl")
     changes = [r["to"] for r in rows if r.get("event") == "oom_recovered"]
     assert changes == [{"activation_checkpointing": True}, {"offload": "disk"},
-                       {"chunked_loss": True}, {"tiled_mlp": True}]
+                       {"chunked_loss": True}, {"tiled_mlp": True}, {"offload_weights": "disk"}]
     assert [r["event"] for r in rows if _oom(r)][-1] == "oom_gave_up"
     assert sorted(_losses(rows)) == [1]
     assert (run_dir / "checkpoints" / "checkpoint-1").is_dir()
@@ -214,12 +214,31 @@ def test_at_micro_batch_1_the_alternatives_come_in_order_then_a_clear_error_and_
     monkeypatch.delenv(FAULT_ENV)  # more memory now: --resume continues from checkpoint-1 with the leanest plan
     assert main(["run", str(path), "--resume"]) == 0
     saved = yaml.safe_load((run_dir / "recipe.yaml").read_text())["memory"]
-    assert (saved["activation_checkpointing"], saved["offload"], saved["chunked_loss"], saved["tiled_mlp"]) == (
-        True, "disk", True, True)
+    assert (saved["activation_checkpointing"], saved["offload"], saved["chunked_loss"], saved["tiled_mlp"],
+            saved["offload_weights"]) == (True, "disk", True, True, "disk")
     resumed = read_jsonl(run_dir / "metrics.jsonl")
     assert sorted(_losses(resumed)) == [1, 2, 3, 4]
     # the events of the interrupted run (logged at the checkpoint's step 1) survive the resume's truncation
     assert [r["event"] for r in resumed if _oom(r)] == [r["event"] for r in rows if _oom(r)]
+
+
+def test_with_every_other_rung_on_the_recovery_streams_the_weights(tmp_path, tmp_path_factory, tiny_model_dir,
+                                                                   monkeypatch):
+    """Checkpointing, activation offload, chunked loss and tiled MLP already on at micro-batch 1: an out-of-memory
+    error turns on weight streaming (disk, on a CPU run) for the live model; the step is redone and the run trains
+    the losses of an uninterrupted run, its weight files gone at the end."""
+    memory = {"activation_checkpointing": True, "offload": "disk", "offload_min_size": 0, "chunked_loss": True,
+              "tiled_mlp": True, "tiled_mlp_tokens": 16}
+    training = {"micro_batch_size": 1, "gradient_accumulation_steps": 2}
+    reference = _reference(tmp_path_factory, tiny_model_dir, monkeypatch, training=training, memory=memory)
+    result, rows = _run(monkeypatch, _recipe(tmp_path, tiny_model_dir, "streamed", training=training, memory=memory),
+                        "2")
+    assert [r["to"] for r in rows if r.get("event") == "oom_recovered"] == [{"offload_weights": "disk"}]
+    losses = _losses(rows)
+    assert sorted(losses) == [1, 2, 3, 4]
+    for s in losses:
+        assert losses[s] == pytest.approx(reference[s], rel=REL), f"step {s}"
+    assert not any(p.is_file() for p in (result.run_dir / "offload").rglob("*")), "offload files left"
 
 
 @pytest.mark.parametrize("where", ["optimizer", "clip"])
@@ -425,7 +444,11 @@ def test_the_ladder_keeps_the_effective_batch_and_skips_what_is_on_or_predicted_
 
     on_cuda = [list(r.items())[0] for r in rungs(recipe, "cuda")]  # the tier table's order
     assert on_cuda == [("activation_checkpointing", True), ("offload", "cpu"),
-                       ("offload", "disk"), ("chunked_loss", True)]  # 64 tokens: tiling is a no-op
+                       ("offload", "disk"), ("chunked_loss", True),  # 64 tokens: tiling is a no-op
+                       ("offload_weights", "cpu")]  # last: streaming the weights costs link time
+    assert ("offload_weights", "disk") in [list(r.items())[0] for r in rungs(recipe, "cpu")]
+    several = validate_recipe(_recipe(tmp_path, tiny_model_dir, "ladder-unit", distributed={"gpus": 2}))
+    assert "offload_weights" not in {k for r in rungs(several, "cuda") for k in r}  # the schema refuses it
     assert ("offload", "cpu") not in [list(r.items())[0] for r in rungs(recipe, "cpu")]  # RAM is the device
     assert ("offload", "disk") not in [list(r.items())[0] for r in rungs(recipe, "cuda", frozenset({"disk"}))]
     # At micro-batch 1 a rung the planner says does not fit is passed over; the next one is taken with it.

@@ -12,6 +12,7 @@ from finetune import api
 from finetune.recipe.goals import GOALS
 from finetune.recipe.schema import Recipe
 from finetune.recipe.settings import auto_keys
+from finetune.testing import stated_machine
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "tests" / "fixtures" / "configs"
@@ -20,6 +21,8 @@ HUB_CONFIGS = {"meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b.json", "Qwen/Qw
                "Qwen/Qwen3-8B": "qwen3-8b.json"}
 HUB_CONFIGS.update({"Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b.json", "openai/gpt-oss-20b": "gpt-oss-20b.json",
                     "Qwen/Qwen2.5-VL-3B-Instruct": "qwen2.5-vl-3b.json", "Qwen/Qwen3-VL-8B-Instruct": "qwen3-vl-8b.json"})
+HUB_CONFIGS.update({"meta-llama/Llama-3.3-70B-Instruct": "llama-3.1-70b.json",  # Llama 3.1's 70B shapes
+                    "Qwen/Qwen3-32B": "qwen3-32b.json", "Qwen/Qwen3-235B-A22B": "qwen3-235b-a22b.json"})
 GIB = 1 << 30
 
 
@@ -35,6 +38,14 @@ def _gpu_gib(title: str) -> int | None:
     """The GPU size a recipe's title is written for ("... with a 16 GB GPU"), None when it names none."""
     found = re.search(r"(\d+) GB GPU", title)
     return int(found.group(1)) if found else None
+
+
+def _machine(description: str) -> tuple[int | None, int | None]:
+    """(host RAM, free disk) bytes of the machine a recipe's description names ("with 64 GB of RAM", "an NVMe
+    SSD with 200 GB free"): what a weight-streaming recipe needs besides its GPU (None: not named)."""
+    ram = re.search(r"(\d+) GB of RAM", description)
+    disk = re.search(r"(\d+) GB free", description)
+    return (int(ram.group(1)) * 10**9 if ram else None), (int(disk.group(1)) * 10**9 if disk else None)
 
 
 GALLERY = api.recipe_gallery(ROOT / "recipes")
@@ -56,15 +67,32 @@ def test_every_recipe_validates_and_plans_to_fit_its_gpu(entry):
     data = (ROOT / recipe.data.path).resolve()
     assert data.is_file() and data.is_relative_to(ROOT)  # runnable as shipped, from the repository alone
     gib = _gpu_gib(entry["title"])
-    if gib is None:  # the quickstarts run anywhere: plan them for a 24 GB card
-        plan = api.plan(recipe, gpu_memory="24GiB", device="cuda")
-    else:  # the recipe's own budget: `finetune plan` on a machine without that GPU plans for it, not the CPU
-        assert recipe.memory.gpu_memory == gib * GIB, entry["name"]
-        plan = api.plan(recipe)
-        assert plan.device == "cuda" and plan.budget_bytes == gib * GIB - recipe.memory.gpu_memory_margin
+    with stated_machine(*_machine(entry["description"])):  # the RAM and SSD it names, where it names them
+        if gib is None:  # the quickstarts run anywhere: plan them for a 24 GB card
+            plan = api.plan(recipe, gpu_memory="24GiB", device="cuda")
+        else:  # the recipe's own budget: `finetune plan` on a machine without that GPU plans for it, not the CPU
+            assert recipe.memory.gpu_memory == gib * GIB, entry["name"]
+            plan = api.plan(recipe)
+            assert plan.device == "cuda" and plan.budget_bytes == gib * GIB - recipe.memory.gpu_memory_margin
     assert plan.fits, f"{entry['name']} needs {plan.min_budget_bytes} bytes, written for {gib or 24} GB"
     resolved = plan.apply(recipe).recipe
     assert not auto_keys(resolved)
+
+
+@pytest.mark.parametrize(("name", "tier"), [("qlora-llama-3.3-70b-24gb", "cpu"), ("qlora-llama-3.3-70b-16gb", "cpu"),
+                                            ("qlora-qwen3-32b-12gb", "cpu"), ("qlora-qwen3-235b-a22b-24gb", "disk")])
+def test_models_larger_than_their_card_stream_their_weights(name, tier):
+    """The weight-streaming recipes: on the machine each names, the plan streams from RAM (or the SSD, for the
+    235B mixture of experts, its experts with the layers); without streaming nothing fits that card."""
+    entry = next(r for r in GALLERY if r["name"] == name)
+    recipe = _offline(api.load_recipe(entry["path"]))
+    with stated_machine(*_machine(entry["description"])):
+        plan = api.plan(recipe)
+        resident = api.plan(recipe.model_copy(update={"memory": recipe.memory.model_copy(
+            update={"offload_weights": "none"})}))
+    assert plan.fits and plan.settings["offload_weights"] == tier
+    assert any("bound by" in note for note in plan.notes)
+    assert not resident.fits
 
 
 @pytest.mark.parametrize("goal", list(GOALS))

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from finetune.memory.expert_offload import ExpertOffload, offload_experts
+from finetune.memory.expert_offload import offload_experts
 from finetune.memory.offload import offload_dir_for
-from finetune.memory.weight_store import WeightStore, offload_weights
+from finetune.memory.weight_store import WeightStore, host_room, offload_weights
 from finetune.model.family import decoder_layers, dense_mlp, family_of
 from finetune.recipe.schema import MemoryConfig
 
@@ -202,7 +202,7 @@ def compile_layers(model: torch.nn.Module, enabled: bool) -> int:
 
 
 def apply_memory_config(model: torch.nn.Module, memory: MemoryConfig,
-                        run_dir: str | Path | None = None) -> ExpertOffload | WeightStore | None:
+                        run_dir: str | Path | None = None) -> WeightStore | None:
     """`apply_layer_recompute`, expert offload and weight streaming as a resolved recipe's memory section says
     (tiled_mlp, offload_experts and offload_weights no longer auto; the schema allows one of the last two).
     `run_dir`: where the disk tier's default folder is (memory.offload_dir unset). Returns the offload, which
@@ -210,10 +210,7 @@ def apply_memory_config(model: torch.nn.Module, memory: MemoryConfig,
     apply_layer_recompute(model, memory.recompute_norms, memory.tiled_mlp_tokens if memory.tiled_mlp is True else None)
     if memory.offload_experts == "none" and memory.offload_weights == "none":
         return None
-    import psutil
-
-    ram = psutil.virtual_memory().available
-    ram = min(ram, memory.offload_cpu_limit) if memory.offload_cpu_limit else ram
+    ram = host_room(memory.offload_cpu_limit)
     directory = offload_dir_for(memory, run_dir) if memory.offload_dir or run_dir is not None else None
     if memory.offload_weights != "none":
         return offload_weights(model, memory.offload_weights, memory.offload_weights_ahead, ram, directory)

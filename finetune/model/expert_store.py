@@ -144,11 +144,11 @@ def _is_expert_weight(module: torch.nn.Module, param: torch.Tensor | None) -> bo
 
 
 @contextmanager
-def quantize_on_arrival(quant: QuantizationConfig, host: bool = False) -> Iterator[None]:
+def quantize_on_arrival(quant: QuantizationConfig) -> Iterator[None]:
     """While a model loads in this thread, store each fused expert weight in 4 bits the moment it is set on
     its experts module, leaving a `meta` placeholder of its shape (no bytes) that `quantize_experts` removes.
-    `host` (memory.offload_experts): the 4-bit store goes to host RAM as it is made, so the device never holds
-    every layer's experts, which the offload would move there afterwards.
+    (memory.offload_experts and offload_weights move each 4-bit store off the device as it is made:
+    finetune.memory.weight_store.stream_on_arrival.)
 
     Why: transformers sets a converted weight with `setattr`; bitsandbytes quantizes Linear layers as they
     arrive but leaves 3-D experts in 16 bits, so they would all be on the device at once before being stored
@@ -168,8 +168,6 @@ def quantize_on_arrival(quant: QuantizationConfig, host: bool = False) -> Iterat
             store = QuantizedExperts(quant)
             setattr(module, STORE, store)
         store.add(name, param)
-        if host:
-            store.to("cpu")
         placeholder = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
                                          requires_grad=False)
         placeholder.__dict__.update(param.__dict__)  # transformers' marks (_is_hf_initialized: not re-initialized)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,11 +146,11 @@ def local_tokenizer(model_cfg: ModelConfig) -> tuple[Any, str | None]:
 
 
 def load_model(model_cfg: ModelConfig, quant: QuantizationConfig, *, quantize: bool = True, sharded: bool = False,
-               experts_on_host: bool = False, packing: bool = False):
+               packing: bool = False, arriving: AbstractContextManager | None = None):
     """Return (model, tokenizer, local_path). `quantize=False` loads full precision (used by export);
-    `sharded`: the weights will be sharded by FSDP (see quantization_config); `experts_on_host`
-    (memory.offload_experts): a MoE model's 4-bit experts are kept in host RAM as they load; `packing`
-    (data.packing): the batches join documents, which model.attn_implementation auto keeps apart without a mask."""
+    `sharded`: the weights will be sharded by FSDP (see quantization_config); `packing` (data.packing): the batches join documents, which model.attn_implementation auto keeps apart without a mask;
+    `arriving` (memory.offload_weights or offload_experts, `finetune.memory.weight_store.stream_on_arrival`):
+    entered around the load, it takes each weight as it is set (already quantized); they load onto the device."""
 
     path = resolve_model_path(model_cfg.path, model_cfg.revision)
     dtype = compute_dtype(model_cfg)
@@ -171,15 +171,17 @@ def load_model(model_cfg: ModelConfig, quant: QuantizationConfig, *, quantize: b
                   trust_remote_code=model_cfg.trust_remote_code)
     if qconfig is not None:
         kwargs["quantization_config"] = qconfig
+    if qconfig is not None or arriving is not None:  # streamed weights cannot move after the load
         kwargs["device_map"] = {"": _device_index()}
     # bits 4: each fused expert weight is stored in 4 bits as it loads, so the 16-bit experts of the whole
     # model are never on the device at once (bitsandbytes quantizes Linear layers only)
     try:
-        with quantize_on_arrival(quant, experts_on_host) if qconfig is not None else nullcontext():
+        with quantize_on_arrival(quant) if qconfig is not None else nullcontext(), \
+                arriving or nullcontext():
             model = _from_pretrained(model_cfg.path, path, config, kwargs)
     except ValueError as exc:
         raise _load_error("model", model_cfg, exc) from None
-    if qconfig is None and torch.cuda.is_available():
+    if qconfig is None and arriving is None and torch.cuda.is_available():
         model.to("cuda")
     disable_cpu_4bit_repack(model)
     if use_finetune_experts(model) and qconfig is not None:

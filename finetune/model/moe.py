@@ -12,7 +12,7 @@ ExpertsInterface` and selected with `set_experts_implementation`, the library's 
 grouped_mm kernel takes bf16 only (CPU training runs fp32) and its eager loop reads a tensor's values to find
 the experts a batch hits, which the planner's trace on `meta` cannot. This one loops over the experts the
 batch routes to (one host sync), reads each expert's matrices through `expert_matrix` (the parameter's slice,
-or the 4-bit / offloaded copy of `finetune.memory.expert_offload`, dequantized one expert at a time, again in
+or the 4-bit store of `finetune.model.expert_store` (offloaded or not), dequantized one expert at a time, again in
 backward, never kept), and on `meta` routes the worst case the router allows: top_k experts that each get every
 token of the batch, so the plan prices the largest per-expert temporaries any routing can make. The routed
 activations are the same under every routing: tokens x top_k rows.

@@ -19,7 +19,6 @@ from finetune.errors import FinetuneError, RecipeError, UsageError
 from finetune.memory.bandwidth import cpu_compute, transfer_bandwidth
 from finetune.memory.device_memory import usable_gpu_memory
 from finetune.memory.offload import offload_dir_for
-from finetune.memory.offload_disk import with_margin
 from finetune.memory.preference import PreferenceLoss, loads_reference_adapter, reference_is_current
 from finetune.model.kernels import compile_pays, kernel_choices
 from finetune.model.moe import moe_config
@@ -29,7 +28,6 @@ from finetune.plan.cost_model import figures_of, tier_bytes_per_s, tokens_per_se
 from finetune.plan.data import PlannedData, read_data
 from finetune.plan.memory_model import (
     ModelSpec,
-    expert_weight_bytes,
     managed_state,
     memory_floor,
     predict_memory,
@@ -539,8 +537,6 @@ def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, free: dic
             cand.reject("offload_space", f"{settings.offload} offload needs {format_bytes(pred.offloaded_bytes)} "
                         f"{STORES[holds_in]}, {format_bytes(available)} free")
     ram = (free or {}).get("host_ram")
-    if cand.kind is None and settings.offload_experts != "none":
-        _check_expert_room(cand, spec, settings, free or {}, pred.offloaded_bytes if holds_in == "offload_dir" else 0)
     short = stream.lacking_room(spec, settings, free or {}, pred.offloaded_bytes if holds_in == "offload_dir" else 0)
     if cand.kind is None and short is not None:
         cand.reject(*short)
@@ -550,28 +546,6 @@ def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, free: dic
             cand.reject("host_ram", f"{settings.optimizer} keeps {format_bytes(pred.managed_bytes)} of state in "
                         f"managed memory, paged to host RAM: needs {format_bytes(in_ram)} of RAM, {format_bytes(ram)} free")
     return cand
-
-
-def _check_expert_room(cand: Candidate, spec: ModelSpec, settings: Settings, free: dict[str, int],
-                       activations_on_disk: int) -> None:
-    """Reject `cand` where memory.offload_experts' tier lacks the room for the experts: host RAM (free, capped by
-    memory.offload_cpu_limit) for cpu on a GPU; for disk, offload_dir's free space (with the activations the
-    disk tier holds, and the margin the run's check asks for) and, on a GPU, pinned RAM for two layers."""
-    experts, per_layer = expert_weight_bytes(spec, settings)
-    ram = free.get("host_ram")
-    if spec.device == "cuda" and ram is not None:
-        ram = min(ram, spec.offload_cpu_limit) if spec.offload_cpu_limit is not None else ram
-        in_ram = experts if settings.offload_experts == "cpu" else 2 * per_layer
-        if in_ram > ram:
-            cand.reject("host_ram", f"expert offload to {settings.offload_experts} needs {format_bytes(in_ram)} of "
-                        f"RAM, {format_bytes(ram)} free (or memory.offload_cpu_limit)")
-            return
-    disk = free.get("offload_dir")
-    if settings.offload_experts == "disk" and disk is not None:
-        needed = with_margin(int(experts) + activations_on_disk)
-        if needed > disk:
-            cand.reject("offload_space", f"expert offload to disk needs {format_bytes(needed)} "
-                        f"{STORES['offload_dir']} (with a margin), {format_bytes(disk)} free")
 
 
 def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str | None = None,

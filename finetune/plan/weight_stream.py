@@ -17,7 +17,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from finetune.plan.memory_model import ModelSpec, streamed_weight_bytes, weights_streamed
+from finetune.plan.memory_model import (
+    ModelSpec,
+    expert_weight_bytes,
+    experts_offloaded,
+    streamed_weight_bytes,
+    weights_streamed,
+)
 from finetune.recipe.offload_tiers import STORES
 from finetune.recipe.settings import Settings
 from finetune.units import format_bytes
@@ -32,35 +38,50 @@ def link_seconds(spec: ModelSpec, settings: Settings, bytes_per_s: float) -> flo
     return FETCHES_PER_MICRO_BATCH * streamed_weight_bytes(spec, settings)[0] / bytes_per_s
 
 
+def _offloaded(spec: ModelSpec, settings: Settings) -> tuple[str, str, float, float, int] | None:
+    """The weight store's use in `settings`: (its words in messages, tier, bytes it holds, one layer's, layers
+    read ahead): weight streaming (every frozen weight) or expert offload (the experts); None for neither."""
+    if weights_streamed(spec, settings):
+        return (f"weight streaming from {settings.offload_weights}", settings.offload_weights,
+                *streamed_weight_bytes(spec, settings), spec.stream_ahead)
+    if experts_offloaded(spec, settings):
+        return (f"expert offload to {settings.offload_experts}", settings.offload_experts,
+                *expert_weight_bytes(spec, settings), 1)
+    return None
+
+
 def host_bytes(spec: ModelSpec, settings: Settings) -> tuple[int, int]:
-    """(host RAM, disk) bytes weight streaming holds: every layer in RAM for cpu; files plus `ahead + 1`
-    layers' pinned read buffers (on CUDA) for disk."""
-    if not weights_streamed(spec, settings):
+    """(host RAM, disk) bytes the weight store holds (weight streaming, or expert offload): every layer's in RAM
+    for cpu; files plus `ahead + 1` layers' pinned read buffers (on CUDA) for disk."""
+    used = _offloaded(spec, settings)
+    if used is None:
         return 0, 0
-    streamed, per_layer = streamed_weight_bytes(spec, settings)
-    if settings.offload_weights == "cpu":
-        return int(streamed), 0
-    return (int((spec.stream_ahead + 1) * per_layer) if spec.device == "cuda" else 0), int(streamed)
+    _, tier, held, per_layer, ahead = used
+    if tier == "cpu":
+        return int(held), 0
+    return (int((ahead + 1) * per_layer) if spec.device == "cuda" else 0), int(held)
 
 
 def lacking_room(spec: ModelSpec, settings: Settings, free: dict[str, int],
                  activations_on_disk: int) -> tuple[str, str] | None:
-    """(the rejection's kind, its reason) where the tier lacks the room, else None: host RAM (free, capped by
-    memory.offload_cpu_limit) on a GPU, offload_dir's free space with the activations the disk tier holds
-    there and the run's margin."""
+    """(the rejection's kind, its reason) where the weight store's tier (weight streaming's or expert
+    offload's) lacks the room, else None: host RAM (free, capped by memory.offload_cpu_limit) on a GPU,
+    offload_dir's free space with the activations the disk tier holds there and the run's margin."""
     from finetune.memory.offload_disk import with_margin
 
+    used = _offloaded(spec, settings)
+    if used is None:
+        return None
     ram_needed, disk_needed = host_bytes(spec, settings)
     ram = free.get("host_ram")
     if spec.device == "cuda" and ram is not None:
         ram = min(ram, spec.offload_cpu_limit) if spec.offload_cpu_limit is not None else ram
         if ram_needed > ram:
-            return "host_ram", (f"weight streaming from {settings.offload_weights} needs {format_bytes(ram_needed)} "
-                                f"of RAM, {format_bytes(ram)} free (or memory.offload_cpu_limit)")
+            return "host_ram", (f"{used[0]} needs {format_bytes(ram_needed)} of RAM, {format_bytes(ram)} free "
+                                "(or memory.offload_cpu_limit)")
     disk = free.get("offload_dir")
     if disk_needed and disk is not None and with_margin(disk_needed + activations_on_disk) > disk:
-        return "offload_space", (f"weight streaming from disk needs "
-                                 f"{format_bytes(with_margin(disk_needed + activations_on_disk))} "
+        return "offload_space", (f"{used[0]} needs {format_bytes(with_margin(disk_needed + activations_on_disk))} "
                                  f"{STORES['offload_dir']} (with a margin), {format_bytes(disk)} free")
     return None
 
@@ -77,10 +98,12 @@ def bound_note(spec: ModelSpec, settings: Settings, tokens_per_s: float, residen
     compute = tokens / resident_tokens_per_s
     link = link_seconds(spec, settings, bytes_per_s)
     bound = "the link" if link > compute else "the compute (the link is hidden)"
+    ram, disk = host_bytes(spec, settings)
+    held = f"{format_bytes(ram)} of host RAM" + (f" and {format_bytes(disk)} {STORES['offload_dir']}" if disk else "")
     return (f"memory.offload_weights: {settings.offload_weights} streams {format_bytes(streamed)} of frozen weights "
             f"per pass at {bytes_per_s / 1e9:.1f} GB/s: {link:.2f} s of link per micro-batch against "
             f"{compute:.2f} s of compute; the step is bound by {bound}, {tokens_per_s:,.0f} tokens/s "
-            f"({resident_tokens_per_s:,.0f} if the weights fitted on the device)")
+            f"({resident_tokens_per_s:,.0f} if the weights fitted on the device); the weights take {held}")
 
 
 def resident(settings: Settings) -> Settings:

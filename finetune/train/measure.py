@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from finetune.memory.expert_offload import expert_offload_of
 from finetune.memory.layer_recompute import apply_memory_config, compile_layers
 from finetune.memory.preference import (
     PreferenceLoss,
@@ -37,7 +36,7 @@ def step_setup(recipe: Recipe, scratch: str | Path | None = None,
     with `plan_kwargs`), its model with adapter and memory settings in training mode, its optimizer and the
     vocabulary size: what measuring a real step needs (measure, benchmarks). `scratch`: the folder whose
     offload/ holds expert offload files when memory.offload_dir is unset (default output.dir); they go with
-    `expert_offload_of(model).close()`, or when the process exits."""
+    `weight_store_of(model).close()`, or when the process exits."""
     from finetune.model.adapter import apply_adapter
     from finetune.model.kernels import apply_kernels
     from finetune.model.load import load_model
@@ -107,9 +106,8 @@ def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
         finally:
             if offload is not None:
                 offload.close()  # the disk tier's threads and files go before the scratch folder does
-            for weights in (expert_offload_of(model), weight_store_of(model)):
-                if weights is not None:
-                    weights.close()  # and the expert offload's or the weight store's
+            if weight_store_of(model) is not None:
+                weight_store_of(model).close()  # and the weight store's (expert offload's or weight streaming's)
     result["steps"] = steps
     if passes:  # the tracked peak of the pass, next to the plan's reference_pass_bytes
         result["reference_pass_bytes"] = passes[0]

@@ -4,8 +4,10 @@ Halve the micro-batch at the same effective batch (the next divisor of the loade
 is odd) down to 1; then turn on, one at a time and keeping the earlier ones, activation checkpointing,
 each offload tier after the current one that frees the training device (finetune.recipe.offload_tiers
 order: cpu on CUDA, then disk), chunked loss and tiled MLP, each only when the planner predicts it fits the
-memory free now. Settings are the planner's table (finetune.recipe.settings), by name. Pure recipe logic:
-the trainer applies what it returns.
+memory free now; last, streaming the frozen weights (memory.offload_weights, the first tier that frees the
+device: cpu on CUDA, disk on a CPU run), which costs link time but leaves the device only the layers in flight.
+Settings are the planner's table (finetune.recipe.settings), by name. Pure recipe logic: the trainer applies
+what it returns.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from finetune.recipe.settings import read_settings, write_settings
 
 # The settings (names in finetune.recipe.settings' table) a recovery may change.
 NAMES = ("micro_batch_size", "gradient_accumulation_steps", "activation_checkpointing", "offload", "chunked_loss",
-         "tiled_mlp")
+         "tiled_mlp", "offload_weights")
 
 
 def settings_of(recipe: Recipe) -> dict[str, Any]:
@@ -43,7 +45,20 @@ def rungs(recipe: Recipe, device: str, unusable: frozenset[str] = frozenset()) -
         rungs.append({"chunked_loss": True})
     if m.tiled_mlp is not True and recipe.data.max_seq_len > m.tiled_mlp_tokens:
         rungs.append({"tiled_mlp": True})
+    streams = next((t.name for t in TIERS if t.frees_device(device) and t.name not in unusable), None)
+    if m.offload_weights == "none" and streams is not None and _allowed(recipe, {"offload_weights": streams}):
+        rungs.append({"offload_weights": streams})
     return rungs
+
+
+def _allowed(recipe: Recipe, values: dict[str, Any]) -> bool:
+    """Whether the recipe validates with `values` (weight streaming is refused with a full fine-tune, compile,
+    several GPUs, expert offload or expert adapters: the schema says which)."""
+    try:
+        write_settings(recipe, values)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass

@@ -11,7 +11,8 @@ optimizer state, the examples and their order continue as if the run had used mi
 times the accumulation from the start (tests/test_oom_recovery.py checks this against such a run).
 
 The next plan comes from finetune.train.oom_ladder: half the micro-batch down to 1, then checkpointing,
-offload, chunked loss, tiled MLP. When nothing is left the run saves a checkpoint of the last completed
+offload, chunked loss, tiled MLP, then streaming the frozen weights (the live model's layers go into the
+weight store; a tier without the room is a RecipeError or OffloadDirError, one line). When nothing is left the run saves a checkpoint of the last completed
 step and stops with the smallest budget the planner says would work.
 
 Layer-wise optimizers: with accumulation > 1 they apply nothing before optimizer.step(), so the retry is
@@ -44,9 +45,10 @@ from finetune.console import console
 from finetune.errors import FinetuneError
 from finetune.memory.device_memory import usable_gpu_memory
 from finetune.memory.layer_recompute import apply_layer_recompute
-from finetune.memory.offload import activation_offload, preflight_offload
+from finetune.memory.offload import activation_offload, offload_dir_for, preflight_offload
 from finetune.memory.offload_disk import OffloadDirError
 from finetune.memory.step import enable_checkpointing
+from finetune.memory.weight_store import host_room, offload_weights
 from finetune.model.family import decoder_layers
 from finetune.model.vision import inputs_require_grad
 from finetune.plan import predict
@@ -203,6 +205,10 @@ class OOMRecovery(Policy):
             loop.set_memory(chunked_loss=new.chunked_loss)
         if new.tiled_mlp and not old.tiled_mlp:
             apply_layer_recompute(loop.model, False, choice.recipe.memory.tiled_mlp_tokens)
+        if new.offload_weights != old.offload_weights:  # the run closes the store (weight_store_of) when it ends
+            memory = choice.recipe.memory
+            offload_weights(model, new.offload_weights, memory.offload_weights_ahead,
+                            host_room(memory.offload_cpu_limit), offload_dir_for(memory, self.run_root))
         loop.set_geometry(splits=choice.splits)
         self._settings = choice.recipe
 

@@ -6,6 +6,7 @@ import errno
 import shutil
 import time
 import weakref
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -426,8 +427,8 @@ def _model(recipe: Recipe, settings: Settings, run_dir: RunDir, main: bool, base
     if base is None:
         model, tokenizer, path = load_model(recipe.model, recipe.quantization, sharded=recipe.distributed.gpus > 1
                                             and recipe.distributed.strategy == "fsdp",
-                                            experts_on_host=recipe.memory.offload_experts in ("cpu", "disk"),
-                                            packing=recipe.data.packing)
+                                            packing=recipe.data.packing,
+                                            arriving=_streamed_load(recipe, settings, run_dir))
     else:
         mismatch = base.mismatch(recipe.model, recipe.quantization)
         if mismatch is not None:
@@ -450,6 +451,33 @@ def _model(recipe: Recipe, settings: Settings, run_dir: RunDir, main: bool, base
         console.print(f"kernels: Liger's {', '.join(fused)}", markup=False, highlight=False)
     compile_layers(model, recipe.training.compile)
     return model, tokenizer, started, experts, vision
+
+
+def _streamed_load(recipe: Recipe, settings: Settings, run_dir: RunDir) -> AbstractContextManager | None:
+    """memory.offload_weights (or memory.offload_experts) cpu or disk: the load that puts each layer's weights
+    (experts) into the weight store as they arrive (`finetune.memory.weight_store.stream_on_arrival`), its host
+    RAM and disk checked first against what the planner prices; None without either."""
+    from finetune.memory.offload import offload_dir_for
+    from finetune.memory.weight_store import EXPERTS, WEIGHTS, host_room, stream_on_arrival
+    from finetune.plan.search import model_spec
+    from finetune.plan.trace import planned_config
+    from finetune.plan.weight_stream import host_bytes
+
+    memory = recipe.memory
+    kind, tier, ahead = (WEIGHTS, settings.offload_weights, memory.offload_weights_ahead) \
+        if settings.offload_weights != "none" else (EXPERTS, settings.offload_experts, 1)
+    if tier not in ("cpu", "disk"):
+        return None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        planned = host_bytes(model_spec(recipe, planned_config(recipe.model.path, recipe.model.trust_remote_code),
+                                        device), settings)
+    except Exception as exc:  # noqa: BLE001 - a model the planner cannot trace: RAM checked as it fills
+        console.print(f"{kind.key}: no price for this model's weights ({type(exc).__name__}): host RAM is checked "
+                      "as they load, the disk as they are written", markup=False)
+        planned = (0, 0)
+    directory = offload_dir_for(memory, run_dir.root) if tier == "disk" else None
+    return stream_on_arrival(tier, ahead, host_room(memory.offload_cpu_limit), directory, planned, kind)
 
 
 def _data(recipe: Recipe, tokenizer: Any, vision: VisionData | None, run_dir: RunDir, checkpoint: str | None,
@@ -489,8 +517,11 @@ def _train(built: _Built, run_dir: RunDir, checkpoint: str | None, main: bool) -
         peak.close()  # also after an error
         if loop.offload is not None:  # an out-of-memory recovery may have turned it on or changed it
             loop.offload.close()  # removes every file the disk tier still holds, also after an error
-        if built.experts is not None:
-            built.experts.close()  # the expert offload's files too
+        from finetune.memory.weight_store import weight_store_of
+
+        for frozen in (built.experts, weight_store_of(loop.model)):  # and a store a recovery turned on
+            if frozen is not None:
+                frozen.close()  # the expert offload's or the weight store's files too
     if main and peak.tracked_steps:
         run_dir.log_line(f"memory tracker: tracked {len(peak.tracked_steps)} of {loop.state.step} steps "
                          f"(those that could set a new peak): {', '.join(str(s + 1) for s in peak.tracked_steps)}")

@@ -1,0 +1,181 @@
+"""Loading streams (memory.offload_weights cpu/disk): each decoder layer's weights go into the weight store as
+transformers sets them, so the whole model is never on the device. The model loaded so trains with the same
+losses and gradients, bit for bit, as one loaded whole and streamed afterwards (and as resident); the tensor
+tracker's peak during the load stays within the plan's window; `finetune run` loads this way."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from finetune.cli import main
+from finetune.memory.step import enable_checkpointing
+from finetune.memory.tracker import MemoryTracker
+from finetune.memory.weight_store import frozen_storages, offload_weights, stream_on_arrival, weight_store_of
+from finetune.model.adapter import apply_adapter
+from finetune.model.family import decoder_layers
+from finetune.model.load import load_model
+from finetune.recipe.schema import AdapterConfig, ModelConfig, QuantizationConfig
+from finetune.rundir import read_jsonl
+from tests.run_support import three_step_recipe
+from tests.test_weight_store import _steps
+
+
+def _load(path: Path, bits: int | None, tier: str | None, folder: Path | None = None) -> torch.nn.Module:
+    """The tiny model loaded whole (`tier` None) or streamed into the store as it loads."""
+    arriving = stream_on_arrival(tier, 1, None, folder, (0, 0)) if tier else None
+    model, _, _ = load_model(ModelConfig(path=str(path)), QuantizationConfig(bits=bits), arriving=arriving)
+    return model
+
+
+def _trained(model: torch.nn.Module, tier: str | None, folder: Path | None) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = apply_adapter(model, AdapterConfig(r=8, dropout=0.0), checkpointing=True)
+    enable_checkpointing(model, True, 1)
+    for name, param in model.named_parameters():  # lora_B non-zero, so lora_A gets gradients too
+        if "lora_B" in name:
+            param.data.normal_(0, 0.02)
+    if tier is not None:
+        offload_weights(model, tier, 1, None, folder)
+    return model.train()
+
+
+@pytest.mark.parametrize("bits", [4, None])
+def test_streamed_load_trains_bit_equal(tiny_model_dir, tmp_path, bits):
+    """Loaded into host RAM or into files layer by layer: no decoder layer's weight has bytes once loaded, and
+    two steps give the losses and LoRA gradients of the model loaded whole (resident, and streamed after a whole
+    load), bit for bit; the files go when the store closes."""
+    reference = _steps(_trained(_load(tiny_model_dir, bits, None), None, None))
+    for tier in ("cpu", "disk"):
+        folder = tmp_path / tier
+        model = _load(tiny_model_dir, bits, tier, folder)
+        layers = decoder_layers(model)
+        assert all(t.untyped_storage().nbytes() == 0 for layer in layers for _, t in frozen_storages(layer))
+        whole = _steps(_trained(_load(tiny_model_dir, bits, None), tier, tmp_path / f"{tier}-whole"))
+        streamed = _steps(_trained(model, tier, folder))
+        for (loss, grads), (ref_loss, ref_grads), (whole_loss, _) in zip(streamed, reference, whole, strict=True):
+            assert loss == ref_loss == whole_loss, tier
+            assert grads.keys() == ref_grads.keys()
+            assert all(torch.equal(grads[k], ref_grads[k]) for k in grads), tier
+        store = weight_store_of(model)
+        assert store.materialised_peak == 2
+        store.close()
+        assert not folder.exists()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_5_vl"])
+def test_streamed_load_of_moe_and_vision_models_trains_bit_equal(tmp_path, arch):
+    """QLoRA on a MoE model (its 4-bit experts taken as they are stored) and a vision-language model (its vision
+    tower's layers stay, the language model's stream), loaded into files layer by layer: the losses and LoRA
+    gradients of the model loaded whole, bit for bit."""
+    from finetune.testing import make_tiny_model_dir
+
+    path = make_tiny_model_dir(tmp_path / "model", arch)
+    reference = _steps(_trained(_load(path, 4, None), None, None))
+    model = _load(path, 4, "disk", tmp_path / "weights")
+    streamed = _steps(_trained(model, "disk", tmp_path / "weights"))
+    for (loss, grads), (ref_loss, ref_grads) in zip(streamed, reference, strict=True):
+        assert loss == ref_loss
+        assert grads.keys() == ref_grads.keys() and all(torch.equal(grads[k], ref_grads[k]) for k in grads)
+    store = weight_store_of(model)
+    assert store.host_bytes > 0 and all(len(names) for names in store.names)
+    store.close()
+
+
+def test_streamed_load_peak_within_the_window(tmp_path):
+    """QLoRA, disk tier, 8 layers: the tensor tracker's peak while the model loads is at most the plan's weights
+    with streaming (what stays, two layers' 4-bit weights), the quant states' codes and the one weight arriving
+    in full precision to be quantized; the model loaded whole peaks above that. (4-bit: the tracker sees the quantizing operators; a
+    16-bit CPU load hands over safetensors' tensors without an operator it could see.)"""
+    from finetune.plan import predict
+    from finetune.recipe import load_recipe
+
+    path = three_step_recipe(tmp_path, "llama", {"quantization": {"bits": 4}},
+                             {"memory": {"offload_dir": str(tmp_path / "weights"), "offload_weights": "disk"}},
+                             num_hidden_layers=8)
+    recipe = load_recipe(path)
+    planned = predict(recipe, device="cpu").breakdown["weights"]
+    peaks = {}
+    for tier in (None, "disk"):
+        tracker = MemoryTracker()
+        with tracker:
+            model = _load(Path(recipe.model.path), 4, tier, tmp_path / "weights")
+        peaks[tier] = tracker.peak
+        if tier is not None:
+            weight_store_of(model).close()
+    layers = decoder_layers(model)
+    arriving = max(p.numel() * 4 for p in layers[0].parameters())  # the largest weight, fp32 before quantizing
+    assert peaks["disk"] <= planned + _codes(layers) + arriving < peaks[None]
+
+
+def _codes(layers: list[torch.nn.Module]) -> int:
+    """Bytes of the quant states' codes and offsets, which stay on the device (a kilobyte a 4-bit weight, which
+    the plan leaves out): bitsandbytes reads them when the state dict is taken, outside any layer's forward."""
+    found = {}
+    for layer in layers:
+        for param in layer.parameters():
+            state = getattr(param, "quant_state", None)
+            while state is not None:
+                for t in (state.code, state.offset):
+                    if isinstance(t, torch.Tensor):
+                        found[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                state = state.state2
+    return sum(found.values())
+
+
+def test_run_loads_layer_by_layer(tmp_path, capsys):
+    """`finetune run` with offload_weights disk loads through the store (its line says so) and trains the same
+    losses as resident, its measured peak lower and within 5% of the plan's (as resident's is), no file left
+    behind."""
+    losses, peaks = {}, {}
+    for tier in ("none", "disk"):
+        folder = tmp_path / tier
+        path = three_step_recipe(folder, "llama", {"quantization": {"bits": 4}},
+                                 {"memory": {"offload_weights": tier, "offload_dir": str(folder / "weights")}},
+                                 num_hidden_layers=4)
+        assert main(["run", str(path)]) == 0, capsys.readouterr().err
+        out = capsys.readouterr().err  # the console says what the run does on stderr
+        assert ("memory.offload_weights: disk: loaded layer by layer" in out) == (tier == "disk")
+        rows = [r for r in read_jsonl(folder / "run" / "metrics.jsonl") if "loss" in r]
+        losses[tier] = [r["loss"] for r in rows]
+        measured = max(r["peak_memory_bytes"] for r in rows)
+        planned = json.loads((folder / "run" / "plan.json").read_text())["peak_bytes"]
+        assert abs(planned - measured) <= 0.05 * measured, (tier, planned, measured)
+        peaks[tier] = measured
+        assert not (folder / "weights").exists()
+    assert len(losses["none"]) == 3 and losses["none"] == losses["disk"]
+    assert peaks["disk"] < peaks["none"]
+
+
+def test_disk_filling_up_during_the_load_is_one_line(tmp_path, capsys, monkeypatch):
+    """The disk fills up while the weights are written as they load: exit 2, one line naming offload_dir's
+    folder, no weight file and no run folder left."""
+    import errno
+
+    from finetune.memory import weight_store
+    from tests.test_weight_store import _refused
+
+    written = []
+
+    def full(path: Path, data: torch.Tensor) -> None:
+        if len(written) == 5:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(path)
+        path.write_bytes(data.numpy().tobytes())
+
+    monkeypatch.setattr(weight_store, "write_tensor_file", full)
+    path = three_step_recipe(tmp_path, "llama", {"memory": {"offload_weights": "disk",
+                                                            "offload_dir": str(tmp_path / "weights")}})
+    _refused(tmp_path, capsys, ["run", str(path)], "memory.offload_weights", "writing the frozen weights", "No space left")
+    assert len(written) == 5 and not (tmp_path / "weights").exists()
+
+
+@pytest.mark.parametrize("command", ["validate", "plan", "run"])
+def test_streaming_with_several_gpus_refused_by_every_command(tmp_path, capsys, command):
+    from tests.test_weight_store import _refused
+
+    path = three_step_recipe(tmp_path, "llama", {"memory": {"offload_weights": "cpu"}, "distributed": {"gpus": 2}})
+    _refused(tmp_path, capsys, [command, str(path)], "memory.offload_weights", "distributed.gpus")
