@@ -86,7 +86,7 @@ def status_html(run: Path | RunFiles, state: str) -> str:
 
 def run_warnings(files: RunFiles) -> list[str]:
     """What the run view warns about: a run that stopped learning (status.json's training_warning, from
-    finetune.train.callbacks.CollapseWatch) and damaged lines of metrics.jsonl that were skipped."""
+    finetune.train.reporting.CollapseWatch) and damaged lines of metrics.jsonl that were skipped."""
     warning = files.status.get(TRAINING_WARNING)
     skipped = getattr(files.metrics, "skipped", 0)
     return ([warning] if isinstance(warning, str) else []) + (
@@ -263,7 +263,7 @@ def run_events(rows: list[dict[str, Any]]) -> list[tuple[int, str, str, str]]:
         if event == "checkpoint_saved":
             out.append((step, "checkpoint", "checkpoint", "checkpoint saved"))
             continue
-        if event == COLLAPSED_EVENT:  # finetune.train.callbacks.CollapseWatch
+        if event == COLLAPSED_EVENT:  # finetune.train.reporting.CollapseWatch
             out.append((step, "collapsed", "warning", str(row.get("detail") or "training collapsed")))
             continue
         to = row.get("to") or {}

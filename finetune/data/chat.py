@@ -35,9 +35,14 @@ from typing import Any
 
 from finetune.data.formats import CALL, Chat, RecordError
 from finetune.errors import DataError, RecipeError
-from finetune.testing import CHATML_TEMPLATE
 
 IGNORE_INDEX = -100
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 DEFAULT_CHAT_TEMPLATE = CHATML_TEMPLATE
 TOOLS_PREAMBLE = (
     "You can call the tools below. To call one, reply with only a JSON object "

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from finetune.memory.preference import PreferenceLoss
 from finetune.model.kernels import kernel_speedup
 from finetune.model.moe import moe_config
 from finetune.plan.generation import generation_memory
@@ -53,6 +52,7 @@ from finetune.plan.shapes import ModelShapes
 from finetune.plan.weight_stream import link_seconds
 from finetune.recipe.offload_tiers import tier_spec
 from finetune.rl.step import of_trace_objective
+from finetune.step.preference import PreferenceLoss
 
 DEVICE = {
     # peak dense FLOP/s, memory bandwidth B/s: a consumer GPU (RTX 4090 class, bf16) and a desktop CPU.

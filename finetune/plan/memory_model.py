@@ -47,7 +47,6 @@ from typing import Any
 import torch
 
 from finetune.memory.chunked_loss import default_chunk_size
-from finetune.memory.preference import batch_layout
 from finetune.optim import gradient_bytes, optimizer_state_bytes
 from finetune.plan.generation import generation_memory
 from finetune.plan.planner import DEFAULT, Planner
@@ -58,6 +57,7 @@ from finetune.recipe.optimizers import optimizer_spec
 from finetune.recipe.schema import AdapterConfig, OptimizerConfig
 from finetune.recipe.settings import Settings
 from finetune.rl.step import of_trace_objective, prompts_per_step
+from finetune.step.preference import batch_layout
 
 # CUDA fixed costs. The context is outside torch's allocator, so it is added to the peak; the budget is
 # measured as free memory before the process creates its context. Values for CUDA 12 with lazy module
@@ -120,7 +120,7 @@ class ModelSpec:
     interconnect_bandwidth: float = 20e9  # bytes/s between GPUs (the speed model's communication time)
     zero_stage: int = 3  # deepspeed only
     deepspeed_offload: str = "none"  # deepspeed only: none | cpu | nvme (optimizer state off the device)
-    objective: str = "sft"  # or a preference method (finetune.memory.preference.PreferenceLoss.objective)
+    objective: str = "sft"  # or a preference method (finetune.step.preference.PreferenceLoss.objective)
     rows_per_example: int = 1  # sequences per example: 2 for chosen + rejected pairs
     reference_adapter: bool = False  # adapter.init_from, reference forward in each step: a frozen copy
     reference_pass: bool = True  # precompute_reference: price the pass before training (not in a re-plan)
@@ -130,7 +130,7 @@ class ModelSpec:
     planner: Planner = field(default=DEFAULT, compare=False, repr=False)  # whose caches the traces go to
     images: tuple[tuple[int, int, int], ...] = ()  # a vision-language model: one example's image grids (plan.vision)
     image_positions: int = 0  # those images' tokens in the sequence: never labelled, never through a chunked loss's head
-    packing: bool = False  # data.packing: a micro-batch's rows joined into one sequence (memory.preference.batch_layout)
+    packing: bool = False  # data.packing: a micro-batch's rows joined into one sequence (step.preference.batch_layout)
 
 
 def _block(settings: Settings) -> int:
@@ -169,7 +169,7 @@ def _mix(traces: list[Trace], weights: list[float], checkpointing: bool) -> Trac
 
 
 def _layout(spec: ModelSpec, settings: Settings) -> str:
-    """The micro-batch's layout as the run's collator makes it (`finetune.memory.preference.batch_layout`);
+    """The micro-batch's layout as the run's collator makes it (`finetune.step.preference.batch_layout`);
     GRPO's steps build their own batches (`finetune.rl.step`). Flash attention takes padded and packed rows
     through its variable-length kernels (no mask, grouped-query attention in the kernel): full rows. Under flex
     attention and `chunked` a packed batch is traced as such, without a dense mask (plan.trace)."""

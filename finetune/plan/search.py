@@ -20,7 +20,6 @@ from finetune.memory.bandwidth import cpu_compute, transfer_bandwidth
 from finetune.memory.device_memory import usable_gpu_memory
 from finetune.memory.offload import offload_dir_for
 from finetune.memory.offload_disk import with_margin
-from finetune.memory.preference import PreferenceLoss, loads_reference_adapter, reference_is_current
 from finetune.model.kernels import compile_pays, kernel_choices
 from finetune.model.moe import moe_config
 from finetune.model.vision import in_vision
@@ -63,6 +62,7 @@ from finetune.recipe.schema import (
 from finetune.recipe.settings import Settings, inactive_settings, read_settings, write_settings
 from finetune.recipe.settings import table as settings_table
 from finetune.rl.step import scoring_passes, trace_objective
+from finetune.step.preference import PreferenceLoss, loads_reference_adapter, reference_is_current
 from finetune.units import format_bytes, parse_bytes
 from finetune.vision import layout_of
 

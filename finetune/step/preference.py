@@ -1,4 +1,4 @@
-"""Preference losses (DPO, ORPO, KTO, SimPO, CPO) as part of the one training step (`finetune.memory.step`).
+"""Preference losses (DPO, ORPO, KTO, SimPO, CPO) as part of the one training step (`finetune.step.training_step`).
 
 Why our own and not TRL's trainers: TRL's DPOTrainer (and ORPO/KTO, which trl 1.x moved to
 `trl.experimental`) own the training step, the data pipeline and the reference model, so they would bypass

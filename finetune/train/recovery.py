@@ -46,7 +46,6 @@ from finetune.memory.device_memory import usable_gpu_memory
 from finetune.memory.layer_recompute import apply_layer_recompute
 from finetune.memory.offload import activation_offload, preflight_offload
 from finetune.memory.offload_disk import OffloadDirError
-from finetune.memory.step import enable_checkpointing
 from finetune.model.family import decoder_layers
 from finetune.model.vision import inputs_require_grad
 from finetune.plan import predict
@@ -56,6 +55,7 @@ from finetune.recipe.schema import Recipe
 from finetune.recipe.settings import read_settings, write_settings
 from finetune.recipe.settings import table as settings_table
 from finetune.rundir import RunDir, atomic_write_json, atomic_write_text
+from finetune.step.training_step import enable_checkpointing
 from finetune.train.oom_ladder import Cheaper, cheaper, settings_of
 from finetune.train.peak_memory import PeakMemory
 from finetune.train.plan_files import save_plan

@@ -18,8 +18,6 @@ from finetune.console import console
 from finetune.data.fingerprint import DataChanged, check_resumed_data
 from finetune.errors import FinetuneError, RecipeError, UsageError
 from finetune.memory.offload import activation_offload, preflight_offload
-from finetune.memory.preference import loads_reference_adapter
-from finetune.memory.step import autocast_for, mixed_precision
 from finetune.plan import Plan, blocked_by_room, predict, room_error
 from finetune.recipe.batch_rules import apply_batch_rules, reference_batch
 from finetune.recipe.init_from import init_from_record, resolve_init_from
@@ -46,9 +44,10 @@ from finetune.rundir import (
     read_json,
     replace_dir,
 )
+from finetune.step.preference import loads_reference_adapter
+from finetune.step.training_step import autocast_for, mixed_precision
 from finetune.train import distributed
 from finetune.train.batch_engine import BatchEngine, batch_summary
-from finetune.train.callbacks import StopOnSignal
 from finetune.train.checkpoints import check_output_dir, find_resumable, report_skipped, step_of
 from finetune.train.environment import environment_summary
 from finetune.train.loop import TrainLoop
@@ -56,6 +55,7 @@ from finetune.train.peak_memory import PeakMemory
 from finetune.train.plan_files import save_plan
 from finetune.train.plots import plot_loss_curve
 from finetune.train.recovery import OOMRecovery, keep_recovered
+from finetune.train.reporting import StopOnSignal
 from finetune.train.setup import build_loop, total_steps
 from finetune.train.train_state import load_checkpoint
 from finetune.units import format_bytes
