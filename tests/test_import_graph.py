@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
      "finetune.compat", "finetune.model", "finetune.data", "finetune.optim", "finetune.memory", "finetune.export",
      "finetune.rl", "finetune.vision", "finetune.step"),
     ("finetune.plan",),
-    ("finetune.train", "finetune.evaluate"),
+    ("finetune.train", "finetune.evaluate", "finetune.run_view"),
     ("finetune.api",),
     ("finetune.cli", "finetune.cli_tables", "finetune.__main__", "ui"),
     ("benchmarks",),  # the benchmarks and the GPU kit: users of finetune, used by none of it
