@@ -205,3 +205,11 @@ def test_cost_model_prices_a_tier_by_its_link_and_overhead(monkeypatch):
     assert speed("fake_pcie") == pytest.approx(speed("none"))  # hidden behind compute, no overhead
     assert speed("fake_slow") == pytest.approx(speed("fake_pcie") / 1.5)
     assert speed("fake_disk_like", "cpu") == speed("disk", "cpu")  # same facts, same price
+
+
+def test_whether_a_tier_keeps_weights_on_the_host_comes_from_its_entry(monkeypatch):
+    """A run loads offloaded experts onto the host when the tier's entry says its bytes stay there (RAM and disk
+    do), not from the tier's name; `none` keeps them on the device."""
+    register(monkeypatch, tier_entry("peer", on_host=False), tier_entry("fake"))
+    assert [offload_tiers.on_host(n) for n in ("cpu", "disk", "fake", "peer", "none")] == [True, True, True, False,
+                                                                                             False]

@@ -37,6 +37,9 @@ class TierSpec:
     overhead: float  # bookkeeping (hooks, copy launches, files) relative to compute, even when hidden
     limit_key: str | None = None  # memory.* key capping the bytes it holds; what exceeds it goes to spill_to
     spill_to: str | None = None  # the next tier of its spill chain
+    # Its bytes stay with the host (RAM, or files read back through RAM), so the weights it holds load there, not
+    # onto the device: true of RAM and disk; a tier in another device's memory would say False.
+    on_host: bool = True
 
     def frees_device(self, device: str) -> bool:
         """Whether moving a tensor here lowers the training device's peak (on a CPU run RAM is the device)."""
@@ -63,6 +66,12 @@ def tier_spec(name: str) -> TierSpec:
         if spec.name == name:
             return spec
     raise KeyError(f"unknown offload tier {name!r}; known: {', '.join(tier_names())}")
+
+
+def on_host(name: str) -> bool:
+    """Whether a memory.offload* value keeps its bytes on the host (a tier whose entry says so; none keeps them
+    on the training device), so the weights it holds load there, not onto the device."""
+    return name in tier_names() and tier_spec(name).on_host
 
 
 def chain_names(name: str, limits: dict[str, int]) -> list[str]:

@@ -22,6 +22,7 @@ from finetune.plan import Plan, blocked_by_room, predict, room_error
 from finetune.recipe.batch_rules import apply_batch_rules, reference_batch
 from finetune.recipe.init_from import init_from_record, resolve_init_from
 from finetune.recipe.load import load_recipe, recipe_to_yaml
+from finetune.recipe.offload_tiers import on_host
 from finetune.recipe.resolved import RunConfig, resolve
 from finetune.recipe.schema import Recipe, max_prompt_tokens
 from finetune.recipe.settings import (
@@ -426,7 +427,7 @@ def _model(recipe: Recipe, settings: Settings, run_dir: RunDir, main: bool, base
     if base is None:
         model, tokenizer, path = load_model(recipe.model, recipe.quantization, sharded=recipe.distributed.gpus > 1
                                             and recipe.distributed.strategy == "fsdp",
-                                            experts_on_host=recipe.memory.offload_experts in ("cpu", "disk"),
+                                            experts_on_host=on_host(recipe.memory.offload_experts),
                                             packing=recipe.data.packing)
     else:
         mismatch = base.mismatch(recipe.model, recipe.quantization)
