@@ -136,7 +136,7 @@ def quickstart(full_layers: int | None, bits: int | None, path: str | None):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from finetune.data import build_datasets
-    from finetune.memory.layer_recompute import apply_memory_config
+    from finetune.memory.memory_config import apply_memory_config
     from finetune.model.adapter import apply_adapter
     from finetune.model.load import load_model
     from finetune.model.source import resolve_model_path

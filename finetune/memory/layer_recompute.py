@@ -20,15 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from pathlib import Path
 
 import torch
 
-from finetune.memory.expert_offload import ExpertOffload, offload_experts
-from finetune.memory.offload import offload_dir_for
-from finetune.memory.weight_store import WeightStore, offload_weights
 from finetune.model.family import decoder_layers, dense_mlp, family_of
-from finetune.recipe.schema import MemoryConfig
 
 NORM_TOKENS = 1024
 
@@ -199,22 +194,3 @@ def compile_layers(model: torch.nn.Module, enabled: bool) -> int:
     for layer in layers:
         layer.compile()
     return len(layers)
-
-
-def apply_memory_config(model: torch.nn.Module, memory: MemoryConfig,
-                        run_dir: str | Path | None = None) -> ExpertOffload | WeightStore | None:
-    """`apply_layer_recompute`, expert offload and weight streaming as a resolved recipe's memory section says
-    (tiled_mlp, offload_experts and offload_weights no longer auto; the schema allows one of the last two).
-    `run_dir`: where the disk tier's default folder is (memory.offload_dir unset). Returns the offload, which
-    the caller closes when training ends (its files go then)."""
-    apply_layer_recompute(model, memory.recompute_norms, memory.tiled_mlp_tokens if memory.tiled_mlp is True else None)
-    if memory.offload_experts == "none" and memory.offload_weights == "none":
-        return None
-    import psutil
-
-    ram = psutil.virtual_memory().available
-    ram = min(ram, memory.offload_cpu_limit) if memory.offload_cpu_limit else ram
-    directory = offload_dir_for(memory, run_dir) if memory.offload_dir or run_dir is not None else None
-    if memory.offload_weights != "none":
-        return offload_weights(model, memory.offload_weights, memory.offload_weights_ahead, ram, directory)
-    return offload_experts(model, memory.offload_experts, ram, directory)

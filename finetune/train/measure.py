@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from finetune.memory.expert_offload import expert_offload_of
-from finetune.memory.layer_recompute import apply_memory_config, compile_layers
+from finetune.memory.layer_recompute import compile_layers
+from finetune.memory.memory_config import apply_memory_config
 from finetune.memory.tracker import MemoryTracker, measure_step
 from finetune.memory.weight_store import weight_store_of
 from finetune.plan.search import planned_sequence

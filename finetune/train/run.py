@@ -417,7 +417,8 @@ def _model(recipe: Recipe, settings: Settings, run_dir: RunDir, main: bool, base
     """The model to train (loaded, or the lent `base`) with its adapter and memory settings, the tokenizer,
     rank 0's record of adapter.init_from's start adapter (None without one), the expert offload (None
     without one) and a vision-language model's image processor (None for a text model)."""
-    from finetune.memory.layer_recompute import apply_memory_config, compile_layers
+    from finetune.memory.layer_recompute import compile_layers
+    from finetune.memory.memory_config import apply_memory_config
     from finetune.model.adapter import apply_adapter
     from finetune.model.kernels import apply_kernels
     from finetune.model.load import load_model
