@@ -1,19 +1,9 @@
 """Recompute inside a decoder layer: norms that keep no fp32 copies, and a sequence-tiled MLP.
 
 Why: with activation checkpointing, the peak of a long-context step is the one layer being recomputed in
-backward (see docs/planner.md). Two things dominate it:
+backward (see docs/planner.md); the norms' fp32 copies and the MLP's intermediates dominate it.
 
-- RMSNorm upcasts its input to fp32: autograd keeps fp32 copies (two norms per layer), and the norm's
-  backward makes five more fp32 temporaries of the whole sequence at once. `recompute_norms` runs each norm
-  like the tiled MLP below, in chunks of NORM_TOKENS positions: only its input (already alive) is kept and
-  the fp32 work is redone in backward one chunk at a time: negligible compute.
-- The MLP's intermediates (gate, up, activation, product: 4 x intermediate_size per token, ~3.5x the hidden
-  size each in Llama) dwarf everything else. `tile_mlps` runs the MLP over the sequence in chunks of
-  `tokens` (as ALST's TiledMLP, arXiv 2506.13996): forward keeps only the input, backward recomputes one chunk
-  at a time and backpropagates it, so the intermediates of one chunk exist at once. Costs one extra MLP
-  forward per layer; the planner picks it only when it is needed to fit (`memory.tiled_mlp: auto`).
-
-Both change only where memory goes, not the math: gradients match the plain layer (tests/test_layer_recompute.py).
+More in docs/memory.md, "Recompute inside a decoder layer (finetune/memory/layer_recompute.py)".
 """
 
 from __future__ import annotations

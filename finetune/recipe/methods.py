@@ -7,14 +7,7 @@ factory makes (`objective`, finetune/train/objectives.py: a loss over collated b
 brings its own, as GRPO does); the planner and the batch engine read its geometry hooks. This module imports no torch (the schema, at the bottom of the import graph, imports it): a
 loss is named as "module:function" and imported only when a step computes it.
 
-How to add a training method (docs/architecture.md, "How to add"): append one `MethodSpec` to `METHODS`
-below and write its loss. A pairwise preference loss (data kind "pair") is a function (loss, pc, pr, rc, rr,
-cc, cr) -> (mean loss, stats) over the chosen/rejected sequence log-prob sums (pc, pr), their reference values
-(rc, rr; zeros without a reference) and answer token counts (cc, cr), as `finetune.step.preference.dpo_loss`;
-the stats are what `finetune.step.preference.pair_stats` returns, plus any extra logged terms. Declare a
-knob only this method uses in its entry's `knobs` (the schema makes it a training.* key that applies only to
-this method; the loss reads it as `loss.<name>`); a knob several methods share is a training.* field in
-finetune/recipe/schema.py that each of them names in `keys`.
+More in docs/architecture.md, "Training method entries (finetune/recipe/methods.py)".
 """
 
 from __future__ import annotations

@@ -6,21 +6,7 @@
             grpo_forward_backward(model, micro, config)
         # the loop's optimizer update (finetune.step.training_step.optimizer_update)
 
-Why split: generation (KV cache, sampling) and training (activations, gradients) are separate phases with their
-own memory peaks, and the loop owns the optimizer, the schedule, logging and recovery. No Trainer here.
-
-`generate_and_score`: each prompt (left-padded, `num_generations` times) is answered by HF `generate` with the
-weights as they are (adapter on), in eval mode without gradients, with a static KV cache (what
-finetune.plan.generation prices) and sampling at `temperature`/`top_p` (no top-k, as TRL), each row from its own
-seeded generator (`RowSampler`: the Gumbel-max trick under greedy decoding). A completion
-ends at its first EOS (kept in the loss, as TRL); the rewards (finetune.rl.rewards.score) are summed with their
-weights, and the advantages are `group_advantages`. With `num_iterations` > 1 the old policy's per-token
-log-probabilities are computed now (the later passes clip against them; the first pass's ratio is 1), and with
-`beta` > 0 the reference's (the base, adapter switched off, as finetune.step.preference does for DPO); both
-without gradients, in chunks of `logps_rows` completions. `beta: 0` runs no reference forward.
-
-Per-token log-probabilities are those of the completion tokens under logits divided by the temperature (as TRL),
-with position ids counted from the attention mask, so left-padded rows see the positions `generate` gave them.
+More in docs/rl.md, "In the code: finetune/rl/step.py".
 """
 
 from __future__ import annotations
