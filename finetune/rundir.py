@@ -5,6 +5,8 @@ this module, so a file is renamed or a reader fixed in one place. It imports onl
 finetune.errors: every layer may use it. A crash never leaves half a file behind (writes go to a temp file that
 is renamed over the target), and readers accept what a live or crashed run leaves: a missing file, a file being
 replaced, a metrics line still being written.
+
+Why one module of ~600 lines: that is its point, every file of a run in one place.
 """
 
 from __future__ import annotations

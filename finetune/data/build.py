@@ -4,6 +4,9 @@ Order matters for reproducibility: `max_samples` takes a seeded shuffle of the r
 validation split is a seeded split of the surviving records (never of tokens), and only then are examples
 tokenized, cut or dropped for length (`overlong`), so the split does not depend on max_seq_len.
 
+Why one module of ~650 lines: it runs the pipeline's stages in the order above over the same records and
+counts; each stage's rules are modules of their own (formats, chat, fit, packing, mix).
+
 More in docs/training.md, "Building the datasets (finetune/data/build.py)".
 """
 

@@ -1,5 +1,8 @@
 """Record formats: detect them and normalise every record to chat messages or plain text.
 
+Why one module of ~550 lines: one normaliser per record format over shared helpers (roles, tools, images);
+the detection that picks a format reads them all.
+
 More in docs/training.md, "Record formats (finetune/data/formats.py)".
 """
 

@@ -1,5 +1,9 @@
 """Peak memory per component for one set of concrete settings.
 
+Why one module of ~650 lines: every component of the peak (weights, optimizer state, activations, offload,
+several processes) is priced from the same ModelSpec and Settings and summed in one place, so none is
+counted twice or missed.
+
 More in docs/planner.md, "The memory model, component by component (finetune/plan/memory_model.py)".
 """
 

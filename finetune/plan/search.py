@@ -1,4 +1,9 @@
-"""Enumerate the `auto` settings of a recipe, drop what does not fit the budget, rank the rest by tokens/s."""
+"""Enumerate the `auto` settings of a recipe, drop what does not fit the budget, rank the rest by tokens/s.
+
+Why one module of ~800 lines: the search is one pipeline (the model's spec, the candidates from the `auto`
+keys, the fit and room checks, the ranking, the `Plan` it returns) whose steps share the candidate and plan
+types; the models it asks (memory, speed, trace, vision) are modules of their own.
+"""
 
 from __future__ import annotations
 

@@ -8,6 +8,10 @@ and `finetune measure` run) on meta tensors, under the same tracker, gives the b
 tensor in ~0.1 s. We run it on copies with 2-3 repeating blocks of layers at micro-batch 1 and extrapolate
 linearly (activations are linear in micro-batch and in the number of layers), see `memory_model.py`; the batch
 padded or packed as the run's collator makes it (`finetune.step.preference.batch_layout`), a packed one whole. Results are cached on disk (`trace_cache.py`).
+
+Why one module of ~700 lines: the meta-device machinery (the kernel mode that keeps index tensors on the CPU,
+the model cut to repeating blocks, the traced batch, the cached facts) serves the trace alone and shares its
+state.
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""One fine-tuning run: recipe -> build (model, data) -> train -> run directory."""
+"""One fine-tuning run: recipe -> build (model, data) -> train -> run directory.
+
+Why one module of ~600 lines: a run's phases (preflight, build, plan, train, save, give back) in the order a run
+goes through them; the loop, its policies, checkpoints and recovery are modules of their own.
+"""
 
 from __future__ import annotations
 
