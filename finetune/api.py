@@ -41,10 +41,9 @@ if TYPE_CHECKING:  # torch and transformers load only when a command needs them
 
 # Answers defined where torch is imported, by module: imported on first use (see the docstring).
 _ELSEWHERE = {
-    "finetune.plan.sizes": ("GPU_SIZES_GB", "CONTEXT_LADDER", "SPEED_CEILING", "plan_gpu_sizes", "plan_sizes",
-                            "speed_estimate"),
+    "finetune.plan.sizes": ("plan_gpu_sizes", "plan_sizes", "speed_estimate"),
     "finetune.plan.advice": ("batch_plan", "run_advice", "apply_advice"),
-    "finetune.plan.context": ("check_context", "context_note", "longest_record_bytes", "image_token_counter"),
+    "finetune.plan.context": ("check_context", "context_note", "longest_record_bytes"),
     "finetune.model.compare": ("compare", "compare_runs"),
 }
 _DEFINED_IN = {name: module for module, names in _ELSEWHERE.items() for name in names}
