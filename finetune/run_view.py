@@ -1,7 +1,8 @@
 """A read view of a run directory: each of its files read once (`RunView`), and the reports a run's page and
 the end of `finetune run` draw from them (memory against the plan, batch and noise scale, rewards, GRPO curves,
-the latest evaluation). Why above train/ and evaluate/: a report re-evaluates the plan at the length the run
-saw and formats `finetune eval`'s table; the API re-exports them for the CLI and the UI."""
+the latest evaluation). Why in the train layer, beside train/ and evaluate/ (tests/test_import_graph.py): a
+report re-evaluates the plan at the length the run saw and formats `finetune eval`'s table, so it sits above
+plan/; the API re-exports them for the CLI and the UI."""
 
 from __future__ import annotations
 
