@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from finetune.compat import graph_breaks  # noqa: E402
 from finetune.memory.layer_recompute import compile_layers  # noqa: E402
-from finetune.memory.step import enable_checkpointing, training_step  # noqa: E402
+from finetune.step.training_step import enable_checkpointing, training_step  # noqa: E402
 from finetune.testing import tiny_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,7 +6,7 @@ On the quickstart (recipes/quickstart.yaml: SmolLM2-135M-Instruct from the llm-s
 r16 all-linear, activation checkpointing) with `training.micro_batch_size: auto`: the micro-batch the planner
 picks, then the prediction (`finetune plan`'s tokens/s, priced with this CPU's measured matmul throughput and
 memory bandwidth: finetune.memory.bandwidth.cpu_compute, measured here afresh) for it and for the others given,
-next to the measured speed of the same training step (finetune.memory.step.training_step: forward, backward,
+next to the measured speed of the same training step (finetune.step.training_step.training_step: forward, backward,
 clip, AdamW) on rows of max_seq_len tokens, as the planner prices them. The micro-batches alternate step by
 step (A B C A B C ...) after one warm-up step each; measured tokens/s = micro-batch x max_seq_len / median
 step time (wall clock); `per CPU s` divides by the step's CPU time of this process over the threads instead,
@@ -28,11 +28,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from finetune.memory.bandwidth import cpu_compute  # noqa: E402
-from finetune.memory.preference import synthetic_batch  # noqa: E402
-from finetune.memory.step import training_step  # noqa: E402
 from finetune.plan import predict  # noqa: E402
 from finetune.recipe.load import load_recipe  # noqa: E402
 from finetune.recipe.settings import write_settings  # noqa: E402
+from finetune.step.preference import synthetic_batch  # noqa: E402
+from finetune.step.training_step import training_step  # noqa: E402
 from finetune.train.measure import step_setup  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -100,8 +100,8 @@ def child_trl(cfg: dict) -> dict:
 
     from finetune import api
     from finetune.data import build_datasets
-    from finetune.memory.step import mixed_precision
     from finetune.model.load import load_model
+    from finetune.step.training_step import mixed_precision
     from finetune.units import torch_dtype
 
     recipe = api.load_recipe(cfg["recipe"], overrides(cfg))

@@ -41,12 +41,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from finetune.memory.step import training_step  # noqa: E402
 from finetune.memory.tracker import measure_step  # noqa: E402
 from finetune.memory.weight_store import weight_store_of  # noqa: E402
 from finetune.model.moe import STORE, expert_matrix, moe_blocks  # noqa: E402
 from finetune.plan import predict  # noqa: E402
 from finetune.recipe import load_recipe, validate_recipe  # noqa: E402
+from finetune.step.training_step import training_step  # noqa: E402
 from finetune.testing import make_tiny_model_dir  # noqa: E402
 from finetune.train.measure import step_setup  # noqa: E402
 from finetune.units import format_bytes  # noqa: E402

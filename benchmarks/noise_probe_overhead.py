@@ -11,7 +11,7 @@ same family: SmolLM2-135M's config cut to --full-layers decoder layers (random w
 the tied 28M-element embedding as in the real model). Data: the quickstart's examples, micro-batch 4 without
 accumulation and micro-batch 2 x accumulation 2 (the same 4 sequences per step).
 
-Each optimizer step is the loop's: forward_backward (finetune/memory/step.py) per micro-batch with the
+Each optimizer step is the loop's: forward_backward (finetune/step/training_step.py) per micro-batch with the
 loss normalised by the step's labelled tokens, the probe told each micro-batch's share before its backward
 and finished before clipping, clip_grad_norm_, AdamW. Variants, run on the same micro-batches:
   off     no probe (training.noise_scale: false)
@@ -42,8 +42,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from finetune.memory.step import autocast_for, enable_checkpointing, forward_backward, mixed_precision  # noqa: E402
 from finetune.recipe.schema import TrainingConfig  # noqa: E402
+from finetune.step.training_step import autocast_for, enable_checkpointing, forward_backward, mixed_precision  # noqa: E402
 from finetune.train.noise_scale import GradNormProbe, labelled_tokens  # noqa: E402
 from finetune.units import format_bytes  # noqa: E402
 
@@ -136,7 +136,7 @@ def quickstart(full_layers: int | None, bits: int | None, path: str | None):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from finetune.data import build_datasets
-    from finetune.memory.layer_recompute import apply_memory_config
+    from finetune.memory.memory_config import apply_memory_config
     from finetune.model.adapter import apply_adapter
     from finetune.model.load import load_model
     from finetune.model.source import resolve_model_path

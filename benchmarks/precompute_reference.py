@@ -4,7 +4,7 @@
 
 The recipe's model, adapter, quantization and memory settings (default recipes/dpo-quickstart.yaml: 4-bit
 SmolLM2-135M-Instruct, LoRA r=16, checkpointing), one micro-batch of full-length pairs (data.max_seq_len),
-the real step (finetune.memory.step.training_step with the optimizer update). The two variants alternate
+the real step (finetune.step.training_step.training_step with the optimizer update). The two variants alternate
 step by step, so load on the machine hits both alike; times are CPU seconds of this process (one thread),
 so other processes on the machine do not count. Also times the pass itself (the reference forward of one
 micro-batch), which precompute pays once per example before training.
@@ -24,9 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from finetune.memory.preference import PreferenceLoss, batch_reference_logps, synthetic_batch  # noqa: E402
-from finetune.memory.step import training_step  # noqa: E402
 from finetune.recipe.load import load_recipe  # noqa: E402
+from finetune.step.preference import PreferenceLoss, batch_reference_logps, synthetic_batch  # noqa: E402
+from finetune.step.training_step import training_step  # noqa: E402
 from finetune.train.measure import step_setup  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -116,7 +116,7 @@ def finetune_run(recipe, shape: Shape, takes_images: bool) -> Measured:
     from finetune.model.load import local_tokenizer
 
     api.run(recipe, overwrite=True)
-    files = api.run_files(recipe.output.dir)
+    files = api.view_of(recipe.output.dir)
     memory = api.run_memory(files)
     results = json.loads((Path(recipe.output.dir) / "results.json").read_text())
     settings = files.plan["settings"]

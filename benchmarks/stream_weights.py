@@ -32,13 +32,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from finetune.memory.bandwidth import disk_bandwidth  # noqa: E402
-from finetune.memory.step import enable_checkpointing  # noqa: E402
 from finetune.memory.weight_store import offload_weights  # noqa: E402
 from finetune.model.adapter import apply_adapter  # noqa: E402
 from finetune.model.load import load_model  # noqa: E402
 from finetune.plan import predict  # noqa: E402
 from finetune.recipe import load_recipe  # noqa: E402
 from finetune.recipe.schema import AdapterConfig, ModelConfig, QuantizationConfig  # noqa: E402
+from finetune.step.training_step import enable_checkpointing  # noqa: E402
 from finetune.testing import make_tiny_model_dir  # noqa: E402
 from finetune.units import format_bytes  # noqa: E402
 

@@ -5,6 +5,8 @@ this module, so a file is renamed or a reader fixed in one place. It imports onl
 finetune.errors: every layer may use it. A crash never leaves half a file behind (writes go to a temp file that
 is renamed over the target), and readers accept what a live or crashed run leaves: a missing file, a file being
 replaced, a metrics line still being written.
+
+Why one module of ~600 lines: that is its point, every file of a run in one place.
 """
 
 from __future__ import annotations
@@ -33,14 +35,14 @@ EXPORT_MARKER = ".finetune-export"  # written into an export folder: a later exp
 TAIL_BYTES = 65536  # a log tail reads at most this much from the end of the file
 
 # metrics.jsonl keys of a preference run (a preference training.method; kto logs no accuracy), each with the
-# name plots give it: finetune/memory/preference.py logs them, loss.png (finetune/train/plots.py) and the UI
+# name plots give it: finetune/step/preference.py logs them, loss.png (finetune/train/plots.py) and the UI
 # (finetune.api.run_reward_report) draw them. Evaluation rows carry the same keys behind EVAL_PREFIX.
 REWARD_CHOSEN, REWARD_REJECTED = "rewards/chosen", "rewards/rejected"
 REWARD_MARGIN, REWARD_ACCURACY = "rewards/margins", "rewards/accuracies"
 REWARD_KEYS = {REWARD_CHOSEN: "chosen reward", REWARD_REJECTED: "rejected reward", REWARD_MARGIN: "reward margin",
                REWARD_ACCURACY: "accuracy (chosen > rejected)"}
 EVAL_PREFIX = "eval_"  # evaluation metrics' prefix in log rows
-# a run that stopped learning (finetune/train/callbacks.py CollapseWatch): the metrics.jsonl event row the curves
+# a run that stopped learning (finetune/train/reporting.py CollapseWatch): the metrics.jsonl event row the curves
 # mark, and the status.json field the run view shows
 COLLAPSED_EVENT, TRAINING_WARNING = "training_collapsed", "training_warning"
 

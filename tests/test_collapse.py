@@ -9,7 +9,7 @@ from test_run import _recipe_dict, _write_recipe
 
 from finetune.cli import main
 from finetune.rundir import COLLAPSED_EVENT, RunDir
-from finetune.train.callbacks import FLAT_STEPS, CollapseWatch
+from finetune.train.reporting import FLAT_STEPS, CollapseWatch
 from ui import views
 
 

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 from finetune.errors import FinetuneError
-from finetune.memory.preference import PreferenceLoss, preference_loss, reference_logps, sequence_logps
 from finetune.recipe.init_from import resolve_init_from
 from finetune.rundir import RunDir, read_jsonl
+from finetune.step.preference import PreferenceLoss, preference_loss, reference_logps, sequence_logps
 from finetune.train.run import run
 from tests.run_support import assert_same_steps
 from tests.test_preference_train import COLOURS, _recipe
@@ -272,7 +272,7 @@ def test_precompute_from_an_adapter_keeps_no_reference_copy_and_trains_like_the_
     Every build reads the start adapter's safetensors once and results.json hashes those very bytes."""
     import hashlib
 
-    from finetune.memory import preference
+    from finetune.step import preference
     from finetune.train import reference_pass
 
     start_weights = (sft_run / "adapter" / "adapter_model.safetensors").resolve()

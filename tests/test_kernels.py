@@ -46,7 +46,7 @@ def _model_and_reference(arch: str, monkeypatch) -> tuple[torch.nn.Module, torch
 
 
 def _loss_and_grads(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    from finetune.memory.step import compute_loss
+    from finetune.step.training_step import compute_loss
 
     loss = compute_loss(model, batch, num_items_in_batch=torch.tensor(20))
     loss.backward()

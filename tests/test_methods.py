@@ -9,7 +9,6 @@ import pytest
 from pydantic import ValidationError
 
 from finetune.data.build import data_kind
-from finetune.memory.preference import PreferenceLoss
 from finetune.recipe.methods import (
     DATA_KINDS,
     METHODS,
@@ -21,6 +20,7 @@ from finetune.recipe.methods import (
 )
 from finetune.recipe.reference import resolve
 from finetune.recipe.schema import Recipe, TrainingConfig, training_config
+from finetune.step.preference import PreferenceLoss
 from ui.form import form_specs
 
 BASE = {"model": {"path": "m"}, "data": {"path": "d.jsonl", "batching": "random"}}
@@ -93,7 +93,7 @@ def test_a_knob_declared_in_one_entry_is_a_training_key_of_that_method_only():
     """A throwaway registry: its method's knob becomes a bounded training.* field with its default and
     description, set for that method it validates, set for another it is refused naming the key, and the
     loss of a recipe carries its value (no schema, loss or form edit)."""
-    toy = MethodSpec("toy", "toy (a test's method)", "pair", "finetune.memory.preference:dpo_loss",
+    toy = MethodSpec("toy", "toy (a test's method)", "pair", "finetune.step.preference:dpo_loss",
                      rows_per_example=2, keys=("beta",),
                      knobs={"toy_margin": Knob(0.25, "toy only: a margin.", ge=0, le=2)})
     section = training_config((*METHODS, toy))

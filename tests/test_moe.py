@@ -67,8 +67,8 @@ def test_blocks_found_generically():
 def test_chunked_loss_adds_the_same_aux_loss():
     """The chunked loss runs the decoder without the model's head: it adds the router's aux loss as the
     model's own forward does, and both log it."""
-    from finetune.memory.step import compute_loss
     from finetune.model.moe import use_finetune_experts
+    from finetune.step.training_step import compute_loss
 
     model = _tiny_model("qwen3_moe")
     use_finetune_experts(model)

@@ -12,10 +12,10 @@ import torch
 from pydantic import ValidationError
 
 from finetune.errors import FinetuneError
-from finetune.memory import preference
-from finetune.memory.preference import PreferenceLoss, reference_logps
 from finetune.recipe.schema import Recipe
 from finetune.rundir import read_jsonl
+from finetune.step import preference
+from finetune.step.preference import PreferenceLoss, reference_logps
 from finetune.train.run import run
 from tests.run_support import assert_same_steps
 from tests.test_preference_train import _pairs, _recipe

@@ -11,10 +11,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from finetune.memory.preference import reference_logps, sequence_logps
 from finetune.recipe.load import recipe_to_yaml
 from finetune.recipe.schema import Recipe
 from finetune.rundir import read_jsonl
+from finetune.step.preference import reference_logps, sequence_logps
 from finetune.train.run import run
 
 COLOURS = ["red", "blue", "green", "black", "white", "pink", "grey", "gold"]
@@ -171,7 +171,7 @@ def test_orpo_term_matches_trl():
 
     from trl.experimental.orpo.orpo_trainer import ORPOTrainer
 
-    from finetune.memory.preference import PreferenceLoss, orpo_loss
+    from finetune.step.preference import PreferenceLoss, orpo_loss
 
     torch.manual_seed(0)
     counts_c, counts_r = torch.tensor([5, 9, 3]), torch.tensor([7, 2, 4])
@@ -206,7 +206,7 @@ def _fixed_pairs():
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
 def test_simpo_loss_and_gradients_match_trl(label_smoothing):
     """SimPO is TRL's CPO loss_type simpo (with cpo_alpha 0: no NLL term) on length-averaged log-probs."""
-    from finetune.memory.preference import PreferenceLoss, simpo_loss
+    from finetune.step.preference import PreferenceLoss, simpo_loss
 
     knobs = {"beta": 2.0, "simpo_gamma": 0.7, "label_smoothing": label_smoothing}
     pc, pr, counts_c, counts_r = _fixed_pairs()
@@ -227,7 +227,7 @@ def test_cpo_loss_and_gradients_match_trl(label_smoothing, cpo_alpha):
     import torch.nn.functional as F
     from trl.experimental.cpo.cpo_trainer import CPOTrainer
 
-    from finetune.memory.preference import PreferenceLoss, cpo_loss
+    from finetune.step.preference import PreferenceLoss, cpo_loss
 
     torch.manual_seed(0)
     logits = torch.randn(6, 9, 11, requires_grad=True)  # 3 chosen rows, then 3 rejected
@@ -257,7 +257,7 @@ def test_reference_free_methods_train_and_plan_no_reference(tmp_path, tiny_model
     """Three steps through `finetune run`: a falling loss and finite logged rewards; the plan has no
     reference forward (the method needs no reference model, so it trains a full fine-tune too)."""
     from finetune.cli import main
-    from finetune.memory.preference import PreferenceLoss
+    from finetune.step.preference import PreferenceLoss
 
     recipe = _recipe(tmp_path, tiny_model_dir, training={**training, "max_steps": 3, "learning_rate": 5e-3},
                      memory={"plan": True})

@@ -1,5 +1,5 @@
-"""The rewards a preference run logs are the ones its plots draw: the keys finetune/memory/preference.py
-logs (through the loop's metrics.jsonl writer, RunFiles) are what loss.png (finetune/train/plots.py) and the UI's
+"""The rewards a preference run logs are the ones its plots draw: the keys finetune/step/preference.py
+logs (through the loop's metrics.jsonl writer, LiveFiles) are what loss.png (finetune/train/plots.py) and the UI's
 reward panel (finetune.api.run_reward_report, ui/charts.py) read back, for training and held-out rows alike."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from finetune import api
-from finetune.memory.preference import PreferenceLoss, metric_means, preference_loss, synthetic_batch
 from finetune.rundir import RunDir
-from finetune.train.callbacks import RunFiles
+from finetune.step.preference import PreferenceLoss, metric_means, preference_loss, synthetic_batch
 from finetune.train.plots import plot_loss_curve
+from finetune.train.reporting import LiveFiles
 from ui import charts
 
 VOCAB = 32
@@ -36,7 +36,7 @@ def _logged_run(tmp_path, method: str) -> RunDir:
     model, loss = TinyLM(), PreferenceLoss(method, precompute_reference=True)  # no reference forward needed
     run = RunDir(tmp_path / method)
     run.create()
-    callback = RunFiles(run, max_steps=3)
+    callback = LiveFiles(run, max_steps=3)
     for step in (1, 2, 3):
         loop = SimpleNamespace(state=SimpleNamespace(step=step), rank=0)
         head = {"step": step, "epoch": step / 3}

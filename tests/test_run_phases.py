@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 import finetune.console
-import finetune.train.callbacks
+import finetune.train.reporting
 from finetune.cli import main
 from finetune.rundir import RunDir, read_jsonl
 from tests.run_support import sums_data, tiny_lora_recipe
@@ -57,7 +57,7 @@ def _ctrl_c_during(monkeypatch, label: str, times: int = 1) -> None:
         return bar
 
     monkeypatch.setattr(finetune.console, "progress_bar", progress_bar)
-    monkeypatch.setattr(finetune.train.callbacks, "progress_bar", progress_bar)
+    monkeypatch.setattr(finetune.train.reporting, "progress_bar", progress_bar)
 
 
 def _progress(err: str, label: str) -> list[tuple[int, int]]:

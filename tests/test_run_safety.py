@@ -309,9 +309,9 @@ def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, t
                                                                       monkeypatch):
     # The schema refuses the learning rates that overflow a tiny model for real (learning_rate <= 1), so the
     # overflow is made here: from the second optimizer step on (one micro-batch per step), the loss of the one
-    # training step (finetune.memory.step) is scaled by inf, as an fp16/bf16 overflow would make it, and its
+    # training step (finetune.step.training_step) is scaled by inf, as an fp16/bf16 overflow would make it, and its
     # backward fills the gradients with NaN.
-    from finetune.memory import step
+    from finetune.step import training_step as step
 
     plain, calls = step.compute_loss, []
 

@@ -1,4 +1,4 @@
-"""One training step everywhere (finetune.memory.step), the planner's trace cache and concurrent planning."""
+"""One training step everywhere (finetune.step.training_step), the planner's trace cache and concurrent planning."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import finetune.memory.step as step
+import finetune.step.training_step as step
 from finetune.plan import DEFAULT_PLANNER, trace, trace_cache
 from finetune.recipe.schema import Recipe
 

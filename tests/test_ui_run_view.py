@@ -183,7 +183,7 @@ PAIRS = {"rewards/chosen": 0.1, "rewards/rejected": -0.2, "rewards/margins": 0.3
 
 
 def _preference_run(tmp_path) -> RunDir:
-    """A dpo run as finetune/memory/preference.py logs it: train rows with rewards, eval rows (the last one
+    """A dpo run as finetune/step/preference.py logs it: train rows with rewards, eval rows (the last one
     twice, as run.py evaluates again after the Trainer), and results.json's eval before and after."""
     before = {"eval_loss": 0.6931, **{f"eval_{k}": 0.0 for k in PAIRS}}
     after = {"eval_loss": 0.41, **{f"eval_{k}": 2 * v for k, v in PAIRS.items()}}

@@ -120,11 +120,11 @@ def test_the_cross_attention_layers_get_lora_and_checkpointing_and_the_tower_sta
     quantized, frozen unless adapter.vision says lora or full."""
     import bitsandbytes as bnb
 
-    from finetune.memory.step import enable_checkpointing
     from finetune.model.adapter import apply_adapter
     from finetune.model.family import decoder_layers, vision_parts
     from finetune.model.load import load_model
     from finetune.recipe.schema import AdapterConfig, ModelConfig, QuantizationConfig
+    from finetune.step.training_step import enable_checkpointing
 
     model, _, _ = load_model(ModelConfig(path=str(mllama)), QuantizationConfig(bits=4))
     model = apply_adapter(model, AdapterConfig(r=4, vision=vision), checkpointing=True)

@@ -86,10 +86,10 @@ def _trained_on_a_picture(tmp_path: Path, arch: str, vision: str = "frozen"):
     from transformers import AutoConfig, AutoTokenizer
 
     from finetune.data import build_datasets
-    from finetune.memory.step import enable_checkpointing
     from finetune.model.adapter import apply_adapter
     from finetune.model.load import load_model
     from finetune.model.vision import vision_data
+    from finetune.step.training_step import enable_checkpointing
 
     folder = vision_model(arch, tmp_path / "model")
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -143,7 +143,7 @@ def test_the_chunked_loss_sees_the_images(tmp_path, arch):
     """memory.chunked_loss runs the whole model (vision tower, projector, language model) and only then the head
     in chunks: the loss and every gradient equal the model's own loss's, images included (a vision-language
     model's decoder alone is its language model, which would ignore the pixels)."""
-    from finetune.memory.step import compute_loss
+    from finetune.step.training_step import compute_loss
 
     model, batch = _trained_on_a_picture(tmp_path, arch)
     results = []

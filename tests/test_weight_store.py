@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from finetune.cli import main
-from finetune.memory.step import enable_checkpointing
 from finetune.memory.weight_store import frozen_storages, offload_weights
 from finetune.model.adapter import apply_adapter
 from finetune.model.family import decoder_layers
 from finetune.model.load import load_model
 from finetune.recipe.schema import AdapterConfig, ModelConfig, QuantizationConfig
 from finetune.rundir import read_jsonl
+from finetune.step.training_step import enable_checkpointing
 from tests.run_support import three_step_recipe
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"

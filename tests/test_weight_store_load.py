@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from finetune.cli import main
-from finetune.memory.step import enable_checkpointing
 from finetune.memory.tracker import MemoryTracker
 from finetune.memory.weight_store import frozen_storages, offload_weights, stream_on_arrival, weight_store_of
 from finetune.model.adapter import apply_adapter
@@ -20,6 +19,7 @@ from finetune.model.family import decoder_layers
 from finetune.model.load import load_model
 from finetune.recipe.schema import AdapterConfig, ModelConfig, QuantizationConfig
 from finetune.rundir import read_jsonl
+from finetune.step.training_step import enable_checkpointing
 from tests.run_support import three_step_recipe
 from tests.test_weight_store import _steps
 

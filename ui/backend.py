@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune import api
-from finetune.api import RunFiles
+from finetune.api import RunView
 from finetune.errors import FinetuneError, RecipeError
 from finetune.recipe.load import (
     MAX_FILE_BYTES,
@@ -220,10 +220,10 @@ class Backend:
             self._sweeps[key] = api.plan_gpu_sizes(recipe)
         return self._sweeps[key]
 
-    def seen_length_plan(self, run: Path | RunFiles) -> dict[str, Any] | None:
+    def seen_length_plan(self, run: Path | RunView) -> dict[str, Any] | None:
         """The run's plan at the longest sequence it has (finetune.api.plan_at_seen_length), computed once
         per run, length and plan; None when there is nothing to explain or the planner cannot say."""
-        files = api.run_files(run)
+        files = api.view_of(run)
         key = (str(files.root), files.status.get("longest_sequence_tokens"), (files.plan or {}).get("peak_bytes"))
         if key[1] is None:
             return None

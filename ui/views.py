@@ -6,7 +6,7 @@ import html
 from pathlib import Path
 from typing import Any
 
-from finetune.api import RunFiles, run_files
+from finetune.api import RunView, view_of
 from finetune.evaluate.report import run_loss
 from finetune.recipe.settings import format_choices
 from finetune.rundir import COLLAPSED_EVENT, REWARD_ACCURACY, REWARD_KEYS, TRAINING_WARNING, HeldRun, RunDir
@@ -54,9 +54,9 @@ def summary(run_dir: Path) -> dict[str, Any]:
     }
 
 
-def status_html(run: Path | RunFiles, state: str) -> str:
+def status_html(run: Path | RunView, state: str) -> str:
     """Progress bar, step, ETA, tokens/s and measured against predicted memory for one run."""
-    files = run_files(run)
+    files = view_of(run)
     status, rows = files.status, files.metrics
     step = status.get("step") or last_value(rows, "step") or 0
     max_steps = status.get("max_steps") or 0
@@ -84,9 +84,9 @@ def status_html(run: Path | RunFiles, state: str) -> str:
             f"<div style='display:flex;gap:1.5em;flex-wrap:wrap'>{cells}</div>{warnings}{err}</div>")
 
 
-def run_warnings(files: RunFiles) -> list[str]:
+def run_warnings(files: RunView) -> list[str]:
     """What the run view warns about: a run that stopped learning (status.json's training_warning, from
-    finetune.train.callbacks.CollapseWatch) and damaged lines of metrics.jsonl that were skipped."""
+    finetune.train.reporting.CollapseWatch) and damaged lines of metrics.jsonl that were skipped."""
     warning = files.status.get(TRAINING_WARNING)
     skipped = getattr(files.metrics, "skipped", 0)
     return ([warning] if isinstance(warning, str) else []) + (
@@ -235,11 +235,11 @@ def preview_markdown(examples: list[dict[str, Any]], bad: list[str]) -> str:
     return "\n".join(lines)
 
 
-def measured_bars(run: Path | RunFiles, seen: dict[str, Any] | None = None
+def measured_bars(run: Path | RunView, seen: dict[str, Any] | None = None
                   ) -> tuple[list[tuple[str, dict[str, float]]], float | None]:
     """Predicted (plan.json; and at the longest sequence seen, `seen`) and measured (the latest logged peak
     breakdown) memory, and the budget."""
-    files = run_files(run)
+    files = view_of(run)
     plan = files.plan or {}
     bars = [("predicted", plan["breakdown"])] if isinstance(plan.get("breakdown"), dict) else []
     if seen and isinstance(seen.get("breakdown"), dict):
@@ -263,7 +263,7 @@ def run_events(rows: list[dict[str, Any]]) -> list[tuple[int, str, str, str]]:
         if event == "checkpoint_saved":
             out.append((step, "checkpoint", "checkpoint", "checkpoint saved"))
             continue
-        if event == COLLAPSED_EVENT:  # finetune.train.callbacks.CollapseWatch
+        if event == COLLAPSED_EVENT:  # finetune.train.reporting.CollapseWatch
             out.append((step, "collapsed", "warning", str(row.get("detail") or "training collapsed")))
             continue
         to = row.get("to") or {}

@@ -9,7 +9,7 @@ so a new data kind's collator needs no wrapper. `kto_label` and `ref_logps` are 
 model inputs.
 
 A `Batch` also reads as a mapping of its present values (field names and `extra`'s keys), so the code that
-takes a collated dict (the step of finetune.memory.step, the planner's trace, the memory tracker's step
+takes a collated dict (the step of finetune.step.training_step, the planner's trace, the memory tracker's step
 signature) takes it as it is.
 """
 

@@ -4,17 +4,10 @@ Order matters for reproducibility: `max_samples` takes a seeded shuffle of the r
 validation split is a seeded split of the surviving records (never of tokens), and only then are examples
 tokenized, cut or dropped for length (`overlong`), so the split does not depend on max_seq_len.
 
-Malformed records (each problem names its file and line or record) stop the build with on_bad_record: error,
-or are skipped and counted. So are records with no loss token (no assistant turn with text): they would
-train on nothing. Records longer than max_seq_len follow data.overlong: truncate cuts the prompt so the answer
-keeps its tokens (`finetune.data.fit`), then the end; one whose answer still cannot start within max_seq_len
-is dropped and counted (drop: every overlong one; error: stop). The stats name the first few of each, and
-`DataBundle.warnings` says what was left out.
+Why one module of ~650 lines: it runs the pipeline's stages in the order above over the same records and
+counts; each stage's rules are modules of their own (formats, chat, fit, packing, mix).
 
-Preference data (pair methods: dpo, orpo, simpo, cpo; kto): each record becomes one example of two sequences (chosen,
-rejected; columns `chosen_input_ids`, `chosen_labels`, `rejected_*`) or of one sequence with a `kto_label`;
-only the answers carry loss. A pair's prompt is cut once for both answers, and the pair is dropped whole when
-either keeps no loss token. For kto, pairs are split into a good and a bad example (as TRL does).
+More in docs/training.md, "Building the datasets (finetune/data/build.py)".
 """
 
 from __future__ import annotations

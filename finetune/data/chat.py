@@ -4,25 +4,7 @@ Which template: `data.chat_template` (a Jinja string, or a path to a .jinja file
 else `DEFAULT_CHAT_TEMPLATE`, plain ChatML (`<|im_start|>{role}\\n{content}<|im_end|>\\n` per message,
 `<|im_start|>assistant\\n` as generation prompt).
 
-How assistant-only loss is marked: the conversation is rendered to text once and tokenized once with the fast
-tokenizer's offset mapping; a token gets loss when its characters overlap an assistant span. Assistant
-message i spans from the end of `render(messages[:i], add_generation_prompt=True)` to the end of
-`render(messages[:i + 1])`, minus trailing whitespace (so ChatML trains on `answer<|im_end|>` but not on the
-newline after it, as `{% generation %}` blocks do). Why this and not transformers'
-`return_assistant_tokens_mask`: that needs `{% generation %}` markers, which most real templates lack; the
-prefix renders work with any template that is prefix-stable (rendering a conversation cut before an assistant
-turn gives a prefix of the full rendering), cost microseconds, and the single tokenization of the full text
-gives exactly the token boundaries the model sees. Records whose rendering is not prefix-stable (templates that
-rewrite earlier turns) raise a RecordError naming the turn. As with `apply_chat_template`, control-token
-strings inside message text are tokenized as control tokens. Labels at position 0 are always -100: no token
-predicts the first one (this also keeps packed examples from predicting across their boundary).
-Texts are tokenized only as far as the first max_seq_len + 1 tokens (`tokenize_prefixes`), so a 20 MB record
-costs what a max_seq_len one does; the kept tokens and the overlong decision are those of the whole text.
-
-Tools: when the template uses a `tools` variable, a record's tools go to it, and sharegpt function_call turns
-whose text is a JSON object `{"name", "arguments"}` become structured `tool_calls` if the template reads
-`tool_calls`. Otherwise the tools are appended to the system message (one is added if there is none) as
-`TOOLS_PREAMBLE` followed by the JSON list of schemas, and calls stay the JSON text of the data.
+More in docs/training.md, "Chat templates and loss masks (finetune/data/chat.py)".
 """
 
 from __future__ import annotations
@@ -35,9 +17,14 @@ from typing import Any
 
 from finetune.data.formats import CALL, Chat, RecordError
 from finetune.errors import DataError, RecipeError
-from finetune.testing import CHATML_TEMPLATE
 
 IGNORE_INDEX = -100
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 DEFAULT_CHAT_TEMPLATE = CHATML_TEMPLATE
 TOOLS_PREAMBLE = (
     "You can call the tools below. To call one, reply with only a JSON object "

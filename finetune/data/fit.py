@@ -2,17 +2,9 @@
 
 `data.overlong: truncate`. Cutting the end of a sequence whose prompt alone fills max_seq_len leaves no answer
 token: the record trains on nothing. So the prompt is cut instead, as LLaMA-Factory (which splits the budget
-between prompt and answer) and TRL (which truncates the DPO prompt) do:
+between prompt and answer) and TRL (which truncates the DPO prompt) do.
 
-1. whole earlier exchanges are left out, oldest first, keeping the system message (with any tools) and the
-   turns nearest the answer;
-2. if the last exchange still does not fit, the start of its user message is cut, keeping its end (the
-   question usually ends it); the system message stays if it leaves room, else it is left out too.
-
-The answer is everything after the prompt: for SFT the turns after the last user message, for preference data
-each answer (chosen and rejected share one cut prompt, so a pair still compares answers to the same prompt).
-The prompt may keep `max_seq_len - min(answer tokens, max_seq_len // 2)` tokens: a short answer is kept
-whole, a long one keeps at least half the sequence and is cut at its end afterwards (build.py).
+More in docs/training.md, "Fitting records to max_seq_len (finetune/data/fit.py)".
 """
 
 from __future__ import annotations

@@ -1,53 +1,9 @@
 """Record formats: detect them and normalise every record to chat messages or plain text.
 
-Mapping to chat messages (`{"role", "content"}` with roles system, user, assistant, tool):
+Why one module of ~550 lines: one normaliser per record format over shared helpers (roles, tools, images);
+the detection that picks a format reads them all.
 
-- alpaca `{"instruction", "input"?, "output", "system"?, "history"?}`: `system` becomes a system message;
-  `history` (a list of `[question, answer]` pairs) becomes earlier user/assistant turns; the user turn is
-  `instruction`, followed by a newline and `input` when `input` is not empty (LLaMA-Factory's convention);
-  `output` is the assistant turn.
-- messages `{"messages": [{"role", "content"}...], "system"?, "tools"?}` (OpenAI style; the list may also be
-  under `conversations`): roles system, user, assistant, tool are kept; other keys of a message (`tool_calls`,
-  `name`, ...) are passed to the chat template unchanged.
-- sharegpt `{"conversations": [{"from", "value"}...], "system"?, "tools"?}` (the list may also be under
-  `messages`): human/user -> user, gpt/assistant -> assistant, system -> system, observation/tool -> tool
-  (a tool result: no loss), function_call -> an assistant turn (trained on) whose content is the call as
-  written in the data (see `finetune.data.chat` for templates with native tool calls).
-- text `{"text"}`: raw text for continued pre-training.
-
-Preference formats (training.method dpo, orpo, kto) normalise to a `Preference`: prompt messages, then the
-answer(s) whose assistant turns carry the loss:
-
-- preference `{"prompt", "chosen", "rejected", "system"?}` (TRL): strings (a user prompt, assistant answers)
-  or message lists (`[{"role", "content"}...]`).
-- sharegpt_preference `{"conversations": [{"from", "value"}...], "chosen": {"from", "value"}, "rejected":
-  {...}, "system"?, "tools"?}` (LLaMA-Factory): the conversation is the prompt; chosen and rejected are one
-  turn each (or a list of turns).
-- kto `{"prompt", "completion", "label": bool}` (TRL's unpaired preference): one answer, good or bad.
-
-A conversation may not open with an assistant turn (after any system message), and an assistant turn may not
-be empty (unless it carries tool_calls): both are malformed records.
-
-`tools` is a list of tool schemas, or a JSON string holding one (as in glaive_toolcall); an empty string or
-list means no tools. In CSV and Parquet files the message list and tools may be JSON strings; they are parsed.
-
-Images (vision-language data), in any chat format:
-
-- LLaMA-Factory's: an `images` list beside the turns (`messages`, `conversations`, or a preference record's),
-  each `<image>` in a turn's text standing for the next image of the list (markers count only in a record
-  that has `images`: elsewhere `<image>` is plain text);
-- content parts (HF / OpenAI): a message's `content` is a list of `{"type": "text", "text": ...}` and
-  `{"type": "image", "path" | "image" | "url": ...}` or `{"type": "image_url", "image_url": {"url": ...}}`
-  parts; an image part without a source takes the next image of the record's `images` (TRL's datasets).
-
-A record with images normalises to the canonical form the vision-language tokenizer reads: every turn's
-`content` a list of `{"type": "text", "text"}` and `{"type": "image", "path": ABSOLUTE_PATH}` parts, in
-order (`images_of` lists the paths). Relative paths are read from the folder of the data file (`folder`), a
-`file://` URL is its path, an image held in the data (datasets' `{"bytes", "path"}`, a base64 `data:` URL) a
-file of the cache named by its content; other URLs are malformed records (images must be local: nothing is
-downloaded at run time), as is a record whose markers and images do not pair up. A content
-list of text parts only is its text joined, as chat templates render it. Whether the image files can be read is
-`finetune.data.images`' check (headers, then one full decode).
+More in docs/training.md, "Record formats (finetune/data/formats.py)".
 """
 
 from __future__ import annotations

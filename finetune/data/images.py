@@ -1,19 +1,9 @@
 """The image files of vision-language records, checked from their headers before anything trains.
 
-A bad image is a bad record (named with its file, record and image path; skipped and counted under
-`data.on_bad_record: skip`): a missing file, an empty one, bytes Pillow cannot read as an image, a file cut
-short (a JPEG without its end-of-image marker, a PNG without its IEND chunk, a GIF without its trailer, a WebP
-shorter than its RIFF header says), an image over Pillow's decompression-bomb limit (`PIL.Image.MAX_IMAGE_PIXELS`
-pixels), one whose sides differ more than MAX_ASPECT_RATIO times (the vision processors refuse it), a path with a
-NUL byte, bytes that fail to decode past a good header (a corrupt PNG IDAT or GIF LZW stream, an EPS file that
-needs Ghostscript), and any image given to a model that reads only text.
+Why before: a bad image is a bad record (named with its file, record and image path), found in seconds by
+the preflight rather than minutes into a run.
 
-The header and end checks come first (cheap); then each image is decoded once, in full, since a broken stream
-behind a good header shows only there. The result is cached per process by path, size and modification time, so
-an image a dataset names many times (and the run's data build after its preflight) is decoded once: 29 s per
-1,000 noise PNGs of 512x512 against 1.1 s for their headers alone (benchmarks/image_checks.py). `open_image` decodes one for the
-vision-language tokenizer, its failures the same one-line record problems. `image_sizes` gives the planner a
-record's (width, height)s.
+More in docs/vision.md, "Reading the images (finetune/data/images.py)".
 """
 
 from __future__ import annotations

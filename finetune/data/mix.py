@@ -1,20 +1,6 @@
 """Several data files as one dataset: data.path as a list, each file read on its own and mixed by the seed.
 
-How many records each file gives (`amounts`):
-- a plain path: every record it holds, once;
-- `records: N`: exactly N. Fewer than the file holds: a seeded sample (kept in file order). More: every record
-  N // held times, plus a seeded sample of the remainder (the file is repeated; a warning says so), up to
-  MAX_REPEAT times what it holds (more is refused when the files are read: the copies are held in memory);
-- `weight: w`: the weighted files share what they give in proportion to their weights, and give as much as
-  they can without repeating a record: the file with the fewest records for its weight is used whole, the
-  others are sampled down to their share (weights 1 and 3 over files of 100 and 1,000 records: 100 + 300).
-
-The records taken are then shuffled together with the seed: the same recipe and seed give the same mix in the
-same order; another seed another order (and other samples). A file listed twice (under two names, a link
-included) is refused: one entry with `records:` or `weight:` says how much of it to take. One file given as a
-plain `data.path` string is
-read as before, unmixed and unshuffled, so existing recipes build exactly the same examples. A record keeps its
-file's location (`where`) and carries its file's index (`Record.file`), for per-file counts.
+More in docs/training.md, "How the mix is made (finetune/data/mix.py)".
 """
 
 from __future__ import annotations

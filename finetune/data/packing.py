@@ -73,7 +73,7 @@ def _seq_lengths(position_ids: list[int]) -> list[int]:
 @dataclass
 class PreferenceCollator(DataCollatorForLanguageModeling):
     """Preference examples as one right-padded batch: for pairs, the chosen sequences then the rejected ones
-    (2 x micro-batch rows, one forward for both, as `finetune.memory.preference` expects); for kto, the
+    (2 x micro-batch rows, one forward for both, as `finetune.step.preference` expects); for kto, the
     sequences and a boolean `kto_label` per row. Examples with a `ref_logps` column (precomputed reference
     log-probabilities, one per sequence of the example) give `ref_logps` per row, in the same order."""
 

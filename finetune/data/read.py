@@ -6,15 +6,7 @@ file (one record a line; blank lines are ignored), CSV (a header row, every cell
 folder written by `datasets.Dataset.save_to_disk` (a `DatasetDict` must have a `train` split; its `Image`
 columns are read as their stored `{"bytes", "path"}`, not decoded).
 
-Every record carries `where`, a location for error messages: `data.jsonl:17` (1-based line number) for JSON
-Lines and `data.json record 5` (0-based index, as in `records[5]`) for everything else. A JSON Lines line
-that does not parse is returned as a problem, not raised, so that `on_bad_record: skip` can skip it.
-
-Text is decoded as UTF-8 with `surrogateescape`: a bad byte inside a record does not refuse the whole file but
-becomes a lone surrogate that `formats.unicode_problem` reports for that record only. A file that starts with
-bytes that are not UTF-8 text, or holds a NUL byte in its first line, is refused as binary. Values JSON itself
-cannot hold in Python (integers over the int-str conversion limit, nesting past the recursion limit) are
-reported with their line.
+More in docs/training.md, "Reading record files (finetune/data/read.py)".
 """
 
 from __future__ import annotations

@@ -1,34 +1,19 @@
 """Recompute inside a decoder layer: norms that keep no fp32 copies, and a sequence-tiled MLP.
 
 Why: with activation checkpointing, the peak of a long-context step is the one layer being recomputed in
-backward (see docs/planner.md). Two things dominate it:
+backward (see docs/planner.md); the norms' fp32 copies and the MLP's intermediates dominate it.
 
-- RMSNorm upcasts its input to fp32: autograd keeps fp32 copies (two norms per layer), and the norm's
-  backward makes five more fp32 temporaries of the whole sequence at once. `recompute_norms` runs each norm
-  like the tiled MLP below, in chunks of NORM_TOKENS positions: only its input (already alive) is kept and
-  the fp32 work is redone in backward one chunk at a time: negligible compute.
-- The MLP's intermediates (gate, up, activation, product: 4 x intermediate_size per token, ~3.5x the hidden
-  size each in Llama) dwarf everything else. `tile_mlps` runs the MLP over the sequence in chunks of
-  `tokens` (as ALST's TiledMLP, arXiv 2506.13996): forward keeps only the input, backward recomputes one chunk
-  at a time and backpropagates it, so the intermediates of one chunk exist at once. Costs one extra MLP
-  forward per layer; the planner picks it only when it is needed to fit (`memory.tiled_mlp: auto`).
-
-Both change only where memory goes, not the math: gradients match the plain layer (tests/test_layer_recompute.py).
+More in docs/memory.md, "Recompute inside a decoder layer (finetune/memory/layer_recompute.py)".
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from pathlib import Path
 
 import torch
 
-from finetune.memory.expert_offload import offload_experts
-from finetune.memory.offload import offload_dir_for
-from finetune.memory.weight_store import WeightStore, host_room, offload_weights
 from finetune.model.family import decoder_layers, dense_mlp, family_of
-from finetune.recipe.schema import MemoryConfig
 
 NORM_TOKENS = 1024
 
@@ -199,19 +184,3 @@ def compile_layers(model: torch.nn.Module, enabled: bool) -> int:
     for layer in layers:
         layer.compile()
     return len(layers)
-
-
-def apply_memory_config(model: torch.nn.Module, memory: MemoryConfig,
-                        run_dir: str | Path | None = None) -> WeightStore | None:
-    """`apply_layer_recompute`, expert offload and weight streaming as a resolved recipe's memory section says
-    (tiled_mlp, offload_experts and offload_weights no longer auto; the schema allows one of the last two).
-    `run_dir`: where the disk tier's default folder is (memory.offload_dir unset). Returns the offload, which
-    the caller closes when training ends (its files go then)."""
-    apply_layer_recompute(model, memory.recompute_norms, memory.tiled_mlp_tokens if memory.tiled_mlp is True else None)
-    if memory.offload_experts == "none" and memory.offload_weights == "none":
-        return None
-    ram = host_room(memory.offload_cpu_limit)
-    directory = offload_dir_for(memory, run_dir) if memory.offload_dir or run_dir is not None else None
-    if memory.offload_weights != "none":
-        return offload_weights(model, memory.offload_weights, memory.offload_weights_ahead, ram, directory)
-    return offload_experts(model, memory.offload_experts, ram, directory)

@@ -1,20 +1,9 @@
 """Activation offload: move the tensors autograd saves in forward to RAM or disk, bring them back in backward.
 
 Built on `torch.autograd.graph.saved_tensors_hooks`; where the tensors go is a spill chain of offload tiers
-(`finetune.memory.offload_tier`, built from the table in `finetune.recipe.offload_tiers`). What is offloaded:
+(`finetune.memory.offload_tier`, built from the table in `finetune.recipe.offload_tiers`).
 
-- with activation checkpointing (non-reentrant, as HF's `gradient_checkpointing_enable` with
-  `use_reentrant=False` sets it up) only the checkpointed decoder layers' inputs reach these hooks -- the
-  checkpoint's own hooks take everything saved inside a layer -- so exactly those inputs are offloaded;
-- without checkpointing, every tensor a decoder layer saves that is at least `offload_min_size` bytes.
-
-Never offloaded: parameters and views of them (quantized weights included), leaves that require grad
-(autograd holds them anyway, e.g. the embedding output under LoRA with checkpointing), tensors of the last decoder
-layer and everything saved outside the decoder layers (embeddings, final norm, LM head, loss): backward
-needs those first. In backward the next layer's tensors are fetched while the current one computes.
-
-Use one `ActivationOffload` for the whole run and enter it around each training step (forward AND
-backward); `close()` it at the end. Leaving the block always deletes the step's files, also on errors.
+More in docs/memory.md, "Activation offload (finetune/memory/offload.py)".
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def apply_adapter(model: torch.nn.Module, cfg: AdapterConfig, *, checkpointing: 
 
     adapter.init_from (resolved by `finetune.recipe.init_from.resolve_init_from`): the trained adapter starts
     from those weights; `reference` (dpo/kto with the reference forward in each step) also loads them as a
-    frozen adapter named REFERENCE_ADAPTER, the reference model that `finetune.memory.preference.
+    frozen adapter named REFERENCE_ADAPTER, the reference model that `finetune.step.preference.
     reference_logps` switches to (TRL's ref_adapter_name: one base, one extra adapter). A precomputed
     reference needs no copy: its pass runs before the first step, while the trained adapter still holds the
     start weights. The file is read once for both; `digest`: its sha256 is taken for results.json

@@ -7,13 +7,7 @@ with the square of the context; SDPA fuses that away but takes neither soft-capp
 installed, is supported by the model class and handles every feature of the family (`features`) without an
 s x s tensor; eager only where none does, with the reason printed.
 
-`chunked` (registered in transformers' public `AttentionInterface` and `AttentionMaskInterface`) computes eager
-attention's exact math one block of query rows at a time, each block recomputed in backward (non-reentrant
-checkpoint): it holds one block's scores at a time and keeps only q, k and v for backward. Its mask is never
-built whole: transformers hands it the mask function (causal, sliding window, packed documents from the
-position_ids, padding), which each block evaluates for its own rows (`transformers.masking_utils.sdpa_mask`).
-It is the CPU's kernel for what SDPA cannot run alone: torch's flex attention has no backward on CPU (torch 2.13:
-"FlexAttention does not support backward on CPU"), and flash-attention is CUDA only.
+More in docs/memory.md, "The attention kernel (finetune/model/attention.py)".
 """
 
 from __future__ import annotations

@@ -1,27 +1,7 @@
 """Faster kernels where they run: Liger Kernel's fused kernels on CUDA, and the per-layer torch.compile on CUDA and
 the CPU, with what the planner prices them at and when it picks them.
 
-Why: Liger's RMSNorm, RoPE, SwiGLU/GeGLU and fused linear cross-entropy are what TRL, LLaMA-Factory and Axolotl
-switch on with one flag; the fused loss never materialises the logits (as our chunked loss) and the others
-fuse memory-bound element-wise work. `memory.kernels: liger` calls the family's
-`liger_kernel.transformers.apply_liger_kernel_to_<model_type>` with the loaded model instance (under any peft
-wrapper), switching on every kernel that function takes. Liger's RoPE is swapped in transformers' modeling
-module of that family (its per-model API has no instance-level RoPE): every model of that family in this process
-uses it from then on, as with TRL's flag.
-
-What stays unfused: a LoRA on the LM head (Liger's fused loss multiplies by `lm_head.weight` and would skip the
-adapter: refused), the preference methods' log-probabilities (their own path, chunked or not; Liger's fused
-preference losses are not wired), Liger's plain cross-entropy (the fused one replaces it).
-
-`training.compile` compiles each decoder layer (finetune.memory.layer_recompute.compile_layers); on the CPU
-through inductor's C++ backend, which needs a C++ compiler. It changes no memory the planner prices (planned as
-uncompiled) and pays only once the steps it speeds repay its compile time: `auto` turns it on where the run's
-steps reach twice the break-even step count of `COMPILE` (CPU: benchmarks/compile.py; CUDA: a declared figure
-until the GPU kit measures it); a run whose length the planner cannot count, a mixture-of-experts model and
-checkpointed layers (both break the graph) stay uncompiled.
-
-Liger needs `pip install -c finetune/constraints.txt -e ".[cuda]"` (liger-kernel, triton) and a CUDA GPU: without
-either, `memory.kernels: liger` is refused before anything loads, `auto` stays `none`.
+More in docs/training.md, "Kernels in the code (finetune/model/kernels.py)".
 """
 
 from __future__ import annotations

@@ -7,15 +7,7 @@ every token goes through). `experts_of(block)` reads that layout from the module
 OLMoE, gpt-oss, DeepSeek-V2/V3 and GLM-4-MoE need no entry of their own; a model-family description can hold
 the `MoEBlock` it returns.
 
-Why our own experts implementation (`IMPLEMENTATION`, registered in `transformers.integrations.moe.
-ExpertsInterface` and selected with `set_experts_implementation`, the library's seam for this): transformers'
-grouped_mm kernel takes bf16 only (CPU training runs fp32) and its eager loop reads a tensor's values to find
-the experts a batch hits, which the planner's trace on `meta` cannot. This one loops over the experts the
-batch routes to (one host sync), reads each expert's matrices through `expert_matrix` (the parameter's slice,
-or the 4-bit store of `finetune.model.expert_store` (offloaded or not), dequantized one expert at a time, again in
-backward, never kept), and on `meta` routes the worst case the router allows: top_k experts that each get every
-token of the batch, so the plan prices the largest per-expert temporaries any routing can make. The routed
-activations are the same under every routing: tokens x top_k rows.
+More in docs/moe.md, "Computing the experts (finetune/model/moe.py)".
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ def inputs_require_grad(model: nn.Module) -> None:
     backward that reaches no trained weight (6 GiB at Llama-3.2-11B-Vision, 0.44 GiB at Qwen2.5-VL-3B): with
     the tower frozen only the language model's token embedding is hooked. A tower that trains (adapter.vision
     lora or full) keeps transformers' hooks, and with them its graph and gradients. Called again once the
-    adapter is in place (`finetune.memory.step.enable_checkpointing`), when the tower's LoRA weights exist."""
+    adapter is in place (`finetune.step.training_step.enable_checkpointing`), when the tower's LoRA weights exist."""
     embedding = model.get_input_embeddings()
     model.disable_input_require_grads()
     if not vision_parts(model) or trains_vision(model):

@@ -1,6 +1,6 @@
 """Optimizers: presets, low-rank (APOLLO/GaLore), 8-bit, layer-wise updates, and the state-size model.
 
-Wiring into the training loop (finetune/train/setup.py; tests/test_optim_trainer_wiring.py runs it):
+Wiring into the training loop (finetune/train/setup.py; tests/test_optim_loop_wiring.py runs it):
 
 * before resuming: `register_safe_globals()` (train_state.pt is loaded with weights_only=True and holds
   GaLore/APOLLO projector objects);

@@ -2,26 +2,9 @@
 
 One inner optimizer per parameter (same class and settings as the normal optimizer; APOLLO seeds numbered
 as in the normal optimizer), driven by `Tensor.register_post_accumulate_grad_hook`. Two modes, chosen by
-`steps_per_update` (gradient accumulation):
+`steps_per_update` (gradient accumulation).
 
-* steps_per_update == 1 (immediate): each weight is updated inside backward as soon as its gradient is
-  complete, then its .grad is freed: at most ONE weight's gradient is resident. The update is identical to
-  the normal optimizer's. Clipping cannot see this step's global norm before the first weights move, so it
-  uses the PREVIOUS step's norm: coefficient min(1, max_grad_norm / (norm_{t-1} + 1e-6)) (the first step is
-  not clipped). Guarantee: the applied gradient's norm is <= max_grad_norm * norm_t / norm_{t-1}.
-* steps_per_update > 1 (accumulate): GaLore-projected weights project each micro-batch gradient with the
-  step's projection (renewed, when due, from the FIRST micro-batch's gradient rather than the sum) and free
-  it in the hook, so only rank x width accumulators persist between micro-batches. Every other weight
-  accumulates in .grad as autograd does: APOLLO multiplies the full gradient by its channel factors and
-  AdamW/8-bit/Adafactor/SGD need every element, so an exact update needs the full sum; it costs no more than
-  normal accumulation. `step()` (the loop's optimizer.step() after the last backward) then clips with
-  the exact global norm, as torch.nn.utils.clip_grad_norm_ does, and updates every weight. The update equals
-  the normal optimizer's (tests/test_optim_layerwise.py), except at GaLore refresh steps where the subspace
-  comes from micro-batch 0.
-
-`grad_norm()` is the global pre-clip norm of the step's gradient: every full gradient, and for
-GaLore-accumulated weights the norm of the projected sum (the part GaLore uses; the rest is discarded by
-GaLore and never touches the weights).
+More in docs/architecture.md, "Layer-wise optimizer updates (finetune/optim/layerwise.py)".
 """
 
 from __future__ import annotations

@@ -3,23 +3,7 @@
 Works on `(name, shape, dtype)` triples so the planner can ask about a meta-device model and
 `build_optimizer` about a real one, and both get the same answer.
 
-Presets (why they differ from Hugging Face and LLaMA-Factory): both tools use a FIXED rank (HF 128,
-LLaMA-Factory 16) whatever the model width, so the same recipe keeps 1/32 of a 4096-wide 7B but 1/7 of a
-896-wide 0.5B model. We set the rank relative to the width of the projected weights, at the ratios the
-papers validated: GaLore rank = width/4 with scale 0.25 (GaLore paper, LLaMA 1B: rank 512 of 2048,
-alpha 0.25; HF's scale, not LLaMA-Factory's 2.0 which was paired with rank 16), APOLLO rank = width/8 with
-channel-wise scaling and scale 1 (the APOLLO repo pre-trains at about width/4, e.g. rank 256 for the
-1024-wide 350M; we halve it for fine-tuning, whose updates are lower-rank, which puts APOLLO's state near
-1/8 of AdamW's), APOLLO-Mini rank 1 with tensor-wise scaling and scale 128 (APOLLO repo, 1B script).
-All refresh the projection every 200 steps (all three sources agree). `width` is the largest short side among the projected weights: the hidden size for full
-fine-tuning, adapter.r for LoRA.
-
-Targets: every trained 2-D weight, embeddings and LM head included (HF and LLaMA-Factory project only the
-block linears). Embeddings and head are 5-30% of a small model's weights (Qwen2-0.5B: 27%); left on AdamW
-they would hold most of the state and APOLLO-Mini could never get near SGD-level memory. APOLLO's update is
-the gradient scaled per row (or per tensor), so embedding rows of tokens absent from a batch stay as they
-are. Weights whose short side is not above the rank (nothing to save) fall back to AdamW, as do 1-D
-parameters. Exclude embeddings with `target_modules: [self_attn, mlp]`.
+More in docs/architecture.md, "Optimizer presets (finetune/optim/presets.py)".
 """
 
 from __future__ import annotations

@@ -1,42 +1,14 @@
 """Predicted tokens/s of a configuration: a roofline-style model, used only to rank candidates.
 
 step time = compute / (peak FLOPs x utilisation) + dequantization + exposed transfer time.
-- compute: 2 FLOPs per weight per token forward, the same again backward for the input gradient, once more
-  for weight gradients of trained weights (full fine-tuning), plus attention (4 s h per token per layer
-  forward); checkpointed layers run their forward twice (recompute); a tiled MLP runs its MLP forward once
-  more in backward (recomputed chunk by chunk). Recomputed norms are not counted (memory-bound, <1%).
-- utilisation grows with tokens per micro-batch: u = t / (t + half_tokens) (small batches starve the GPU).
-- the device's figures (peak FLOP/s, half_tokens, memory bandwidth): on a GPU the constants of DEVICE; on a
-  CPU those measured on this machine (`calibrated`: fp32 matmuls of a layer's width at a small and a large
-  row count, finetune.memory.bandwidth.cpu_compute), fitted to rate(t) = peak * t / (t + half_tokens).
-- 4-bit/8-bit: every quantized weight is dequantized in forward, backward and recompute (reads its packed
-  bytes, writes compute-dtype bytes) at memory bandwidth; a tiled MLP dequantizes its weights once per chunk
-  in each of those passes, plus once per chunk for its recompute.
-- several processes: the bytes each device sends per step (plan/memory_model.py `traffic_bytes`) over the
-  interconnect (distributed.interconnect_bandwidth), overlapped with the backward two thirds of the compute;
-  deepspeed offload's host traffic at the host link's speed; tokens/s is then that of all devices together.
-- preference methods: an example is `rows_per_example` sequences (dpo/orpo pairs: chosen and rejected) and
-  tokens/s counts each example's max_seq_len once, so a pair costs twice an SFT sequence; a reference forward
-  in the step (dpo, kto) adds one forward without backward or recompute (and one more dequantization pass);
-  a precomputed reference (training.precompute_reference) adds nothing per step (its one pass over the data
-  before training is not counted). The run's measured tokens/s counts every row's tokens (both of a pair).
-- GRPO (`Rollout`): before it trains, a step generates its completions, grpo.generation_batch_size at a time
-  (per generate call: a prefill over the prompts, then one decode step per completion token, each reading every
-  weight and the KV cache so far: the larger of that memory time and the compute time, plus a dequantization
-  pass of 4-bit/8-bit weights and the layers' launch overhead per forward)
-  and scores them with no-grad forwards (reference, old policy); that time is shared by the grpo.num_iterations
-  updates trained on the same completions. Tokens/s counts prompt + completion tokens, as the run does.
-- offload: 2 x offloaded bytes (out and back) per micro-batch over the tier's link (its entry in
-  finetune.recipe.offload_tiers: host<->device over PCIe, or disk), at the bandwidths measured once on this
-  machine and cached; overlapped with compute, so only the part longer than the compute time counts; plus
-  the tier's bookkeeping overhead.
+
+More in docs/planner.md, "The speed model (finetune/plan/cost_model.py)".
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from finetune.memory.preference import PreferenceLoss
 from finetune.model.kernels import kernel_speedup
 from finetune.model.moe import moe_config
 from finetune.plan.generation import generation_memory
@@ -53,6 +25,7 @@ from finetune.plan.shapes import ModelShapes
 from finetune.plan.weight_stream import link_seconds
 from finetune.recipe.offload_tiers import tier_spec
 from finetune.rl.step import of_trace_objective
+from finetune.step.preference import PreferenceLoss
 
 DEVICE = {
     # peak dense FLOP/s, memory bandwidth B/s: a consumer GPU (RTX 4090 class, bf16) and a desktop CPU.

@@ -1,20 +1,10 @@
 """The memory of GRPO's generation phase, beside the weights the plan already prices.
 
 Generating `num_sequences` completions (num_generations per prompt x prompts) with a static, preallocated KV
-cache holds, on top of the weights:
+cache holds the KV cache and the larger of the prefill's activations and the sampling's logits, on top of the
+weights.
 
-- the KV cache: 2 (keys, values) x layers x KV heads x head dim x sequences x (prompt + completion - 1) tokens
-  (the last sampled token is never fed back) at the cache dtype, allocated whole before the first token;
-- the larger of two transients:
-  - prefill: the prompt's forward over sequences x prompt tokens, whose peak is the MLP (gate, up and their
-    activation: 3 x intermediate) plus the hidden states alive around it (embedding output, residual, norm:
-    `PREFILL_HIDDEN_COPIES` x hidden), at the compute dtype. The logits of the prefill are the last position's
-    only (transformers passes logits_to_keep=1), and attention scores live inside the SDPA kernel;
-  - sampling: the last position's logits, `LOGITS_COPIES` copies of sequences x vocab in fp32 (the model's
-    output, generate's fp32 copy, the processed scores and the softmax probabilities).
-
-The training search can then take the larger of this and the training step's peak. Checked against the CPU
-tensor tracker around `model.generate` on the tiny model (tests/test_generation_memory.py).
+More in docs/rl.md, "How generation memory is priced (finetune/plan/generation.py)".
 """
 
 from __future__ import annotations

@@ -1,40 +1,10 @@
 """Peak memory per component for one set of concrete settings.
 
-How the prediction is put together (docs/planner.md has the long form):
+Why one module of ~650 lines: every component of the peak (weights, optimizer state, activations, offload,
+several processes) is priced from the same ModelSpec and Settings and summed in one place, so none is
+counted twice or missed.
 
-1. Activations, logits/loss and gradients as they evolve through forward and backward come from `trace.py`:
-   the real training step run on the `meta` device for a model cut to two and three repeating blocks of
-   layers (a block = `checkpoint_every_n_layers` layers, or one layer without checkpointing), at
-   micro-batch 1. Each phase's peak (forward; backward through the head, the top layer, the bottom layer)
-   is extrapolated linearly to the real layer count,
-   and its activation and logits parts are multiplied by the micro-batch (every such tensor has the batch
-   as a dimension).
-2. Weights are priced per parameter: compute dtype, NF4 (0.5 B/element + one absmax per 64-element block:
-   fp32, or with double quantization uint8 plus one fp32 per 256 blocks), LLM.int8 (1 B/element + one
-   fp32 scale per row); embeddings, norms and the LM head stay unquantized as bitsandbytes leaves them.
-   4-bit layers dequantize one weight at a time into the compute dtype in backward (and forward on CUDA):
-   the largest one is added. LLM.int8 layers are emulated in the trace (they keep their input for backward).
-3. Optimizer state and resident gradients from `finetune.optim` (`optimizer_state_bytes`, `gradient_bytes`:
-   per preset, low-rank projections, 8-bit blocks, layer-wise), state present in every phase from step 2 on.
-   A paged optimizer keeps its state in CUDA managed memory (the registry's `state_memory`): it is left out
-   of the device peak, reported as `managed_bytes` and priced against host RAM (search.py).
-   The optimizer phase holds weights + gradients + state + the update's temporaries (the registry spec's
-   `step_temporaries` times the largest trained parameter).
-4. A precomputed reference (training.precompute_reference) takes the reference forward out of the step;
-   its pass over the data before training is a window of its own (weights and one forward's transients,
-   no gradients or optimizer state yet), and the peak is the larger of the two. A re-plan during training
-   (`ModelSpec.reference_pass` off) prices the step alone: the pass is over.
-5. Chunked loss keeps `default_chunk_size(vocab)` tokens of logits instead of all, of the labelled positions
-   only: a vision-language row's image tokens never go through the head (preference methods: the trace
-   runs the chunked log-probabilities itself, see trace.py); with a trained LM head its weight's gradient is
-   summed over the chunks in autograd's buffer, one head-sized gradient more in the loss's backward than the
-   unchunked trace shows (`chunked_head_gradient_bytes`); offload removes
-   checkpointed inputs (all but the first and the last, less the layers fetched ahead in backward) or,
-   without checkpointing, the saved tensors of every layer but the last (less the prefetched ones).
-6. CUDA fixed costs (context, cuBLAS workspace, allocator rounding) are the constants below.
-7. Several processes (`ModelSpec.world_size` > 1) are planned per device (`distributed_parts`): what the
-   strategy shards is divided by the world size, what it replicates stays, and its communication buffers
-   are added to `other`.
+More in docs/planner.md, "The memory model, component by component (finetune/plan/memory_model.py)".
 """
 
 from __future__ import annotations
@@ -47,7 +17,6 @@ from typing import Any
 import torch
 
 from finetune.memory.chunked_loss import default_chunk_size
-from finetune.memory.preference import batch_layout
 from finetune.optim import gradient_bytes, optimizer_state_bytes
 from finetune.plan.generation import generation_memory
 from finetune.plan.planner import DEFAULT, Planner
@@ -58,6 +27,7 @@ from finetune.recipe.optimizers import optimizer_spec
 from finetune.recipe.schema import AdapterConfig, OptimizerConfig
 from finetune.recipe.settings import Settings
 from finetune.rl.step import of_trace_objective, prompts_per_step
+from finetune.step.preference import batch_layout
 
 # CUDA fixed costs. The context is outside torch's allocator, so it is added to the peak; the budget is
 # measured as free memory before the process creates its context. Values for CUDA 12 with lazy module
@@ -120,7 +90,7 @@ class ModelSpec:
     interconnect_bandwidth: float = 20e9  # bytes/s between GPUs (the speed model's communication time)
     zero_stage: int = 3  # deepspeed only
     deepspeed_offload: str = "none"  # deepspeed only: none | cpu | nvme (optimizer state off the device)
-    objective: str = "sft"  # or a preference method (finetune.memory.preference.PreferenceLoss.objective)
+    objective: str = "sft"  # or a preference method (finetune.step.preference.PreferenceLoss.objective)
     rows_per_example: int = 1  # sequences per example: 2 for chosen + rejected pairs
     reference_adapter: bool = False  # adapter.init_from, reference forward in each step: a frozen copy
     reference_pass: bool = True  # precompute_reference: price the pass before training (not in a re-plan)
@@ -130,7 +100,7 @@ class ModelSpec:
     planner: Planner = field(default=DEFAULT, compare=False, repr=False)  # whose caches the traces go to
     images: tuple[tuple[int, int, int], ...] = ()  # a vision-language model: one example's image grids (plan.vision)
     image_positions: int = 0  # those images' tokens in the sequence: never labelled, never through a chunked loss's head
-    packing: bool = False  # data.packing: a micro-batch's rows joined into one sequence (memory.preference.batch_layout)
+    packing: bool = False  # data.packing: a micro-batch's rows joined into one sequence (step.preference.batch_layout)
 
 
 def _block(settings: Settings) -> int:
@@ -169,7 +139,7 @@ def _mix(traces: list[Trace], weights: list[float], checkpointing: bool) -> Trac
 
 
 def _layout(spec: ModelSpec, settings: Settings) -> str:
-    """The micro-batch's layout as the run's collator makes it (`finetune.memory.preference.batch_layout`);
+    """The micro-batch's layout as the run's collator makes it (`finetune.step.preference.batch_layout`);
     GRPO's steps build their own batches (`finetune.rl.step`). Flash attention takes padded and packed rows
     through its variable-length kernels (no mask, grouped-query attention in the kernel): full rows. Under flex
     attention and `chunked` a packed batch is traced as such, without a dense mask (plan.trace)."""

@@ -1,4 +1,9 @@
-"""Enumerate the `auto` settings of a recipe, drop what does not fit the budget, rank the rest by tokens/s."""
+"""Enumerate the `auto` settings of a recipe, drop what does not fit the budget, rank the rest by tokens/s.
+
+Why one module of ~800 lines: the search is one pipeline (the model's spec, the candidates from the `auto`
+keys, the fit and room checks, the ranking, the `Plan` it returns) whose steps share the candidate and plan
+types; the models it asks (memory, speed, trace, vision) are modules of their own.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +24,6 @@ from finetune.errors import FinetuneError, RecipeError, UsageError
 from finetune.memory.bandwidth import cpu_compute, transfer_bandwidth
 from finetune.memory.device_memory import usable_gpu_memory
 from finetune.memory.offload import offload_dir_for
-from finetune.memory.preference import PreferenceLoss, loads_reference_adapter, reference_is_current
 from finetune.model.kernels import compile_pays, kernel_choices
 from finetune.model.moe import moe_config
 from finetune.model.vision import in_vision
@@ -61,6 +65,7 @@ from finetune.recipe.schema import (
 from finetune.recipe.settings import Settings, inactive_settings, read_settings, write_settings
 from finetune.recipe.settings import table as settings_table
 from finetune.rl.step import scoring_passes, trace_objective
+from finetune.step.preference import PreferenceLoss, loads_reference_adapter, reference_is_current
 from finetune.units import format_bytes, parse_bytes
 from finetune.vision import layout_of
 

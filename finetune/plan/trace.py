@@ -3,11 +3,15 @@
 Why: activation memory depends on every detail of an architecture's forward (GQA handled by the kernel or by
 repeating K/V, rotary tables, dropout masks, soft-capping, fused projections, the attention kernel's saved
 log-sum-exp, upcasts in norms and in the loss). Writing that as a formula per family drifts with every
-transformers release. Running the training step itself (`finetune.memory.step.forward_backward`, what `finetune run`
+transformers release. Running the training step itself (`finetune.step.training_step.forward_backward`, what `finetune run`
 and `finetune measure` run) on meta tensors, under the same tracker, gives the byte count of every saved
 tensor in ~0.1 s. We run it on copies with 2-3 repeating blocks of layers at micro-batch 1 and extrapolate
 linearly (activations are linear in micro-batch and in the number of layers), see `memory_model.py`; the batch
-padded or packed as the run's collator makes it (`finetune.memory.preference.batch_layout`), a packed one whole. Results are cached on disk (`trace_cache.py`).
+padded or packed as the run's collator makes it (`finetune.step.preference.batch_layout`), a packed one whole. Results are cached on disk (`trace_cache.py`).
+
+Why one module of ~700 lines: the meta-device machinery (the kernel mode that keeps index tensors on the CPU,
+the model cut to repeating blocks, the traced batch, the cached facts) serves the trace alone and shares its
+state.
 """
 
 from __future__ import annotations
@@ -33,8 +37,6 @@ from finetune.compat import (
 )
 from finetune.errors import FinetuneError
 from finetune.memory.layer_recompute import apply_layer_recompute
-from finetune.memory.preference import PreferenceLoss, batch_reference_logps, synthetic_batch
-from finetune.memory.step import enable_checkpointing, forward_backward
 from finetune.memory.tracker import MemoryTracker
 from finetune.model.adapter import apply_adapter
 from finetune.model.building import BUILDING
@@ -52,6 +54,8 @@ from finetune.rl.step import (
     of_trace_objective,
     synthetic_micro_batch,
 )
+from finetune.step.preference import PreferenceLoss, batch_reference_logps, synthetic_batch
+from finetune.step.training_step import enable_checkpointing, forward_backward
 
 
 class _MetaKernels(TorchFunctionMode):
@@ -433,7 +437,7 @@ def _direct_trace(key: tuple[str, str, str, str], attn: str, micro_batch: int, s
                   planner: Planner = DEFAULT, layout: str = "full") -> Trace:
     """Run the training step's forward_backward on a meta model under the tracker (its model and meta-kernel
     memo from `planner`; `images`: each example's image grids, for a vision-language model; `layout`: the
-    batch's, `finetune.memory.preference.batch_layout`)."""
+    batch's, `finetune.step.preference.batch_layout`)."""
     built = (key, attn, layers, checkpoint_every, recompute_norms, mlp_tokens)
     model = _take_model(planner, built)
     config = model.config
@@ -716,7 +720,7 @@ def trace_step(config: Any, adapter: AdapterConfig, dtype: torch.dtype, attn: st
     (`...:precompute_reference`) traces the step without a reference forward and, in window `reference_pass`,
     the pass over the data that precedes training. images: a vision-language model's image grids per example
     (`finetune.plan.vision`), traced through its vision tower. `planner`: whose caches remember the trace.
-    layout: the micro-batch as the run's collator lays it out (`finetune.memory.preference.batch_layout`):
+    layout: the micro-batch as the run's collator lays it out (`finetune.step.preference.batch_layout`):
     `padded` rows end in padding with their attention mask, `packed` ones are joined into one sequence of
     micro_batch x seq_len tokens with restarting position_ids; either makes the step build a 4-D mask (and
     SDPA copy K and V per head for grouped-query attention): the trace runs that code, priced by the tracker.

@@ -6,13 +6,7 @@ only on the model config, the settings that change the trace and the code that r
 by all of those: the arguments, the torch / transformers / peft versions and a hash of finetune's own
 source (a changed step, tracker or layer wrapper invalidates every entry).
 
-One JSON file per entry under `<cache dir>/traces/`, written to a temporary file and renamed over the
-target, so concurrent writers (UI handlers, several CLIs) never leave a half file; an unreadable or corrupt
-file is a miss and is rewritten. Every finetune upgrade orphans the old entries, so the folder keeps at most
-MAX_ENTRIES, the most recently used (a hit refreshes an entry's mtime): a writer that may have filled it
-scans it and drops the least recent down to MAX_ENTRIES - MAX_ENTRIES // 8, so a full cache costs one scan
-per MAX_ENTRIES // 8 writes, not one per write (each process counts its own writes; several writing at once
-may overshoot the limit by their counts until the next scan).
+More in docs/planner.md, "The trace cache (finetune/plan/trace_cache.py)".
 """
 
 from __future__ import annotations

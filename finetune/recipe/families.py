@@ -24,7 +24,7 @@ from typing import Any
 
 from finetune.errors import UsageError
 
-METHODS = ("QLoRA", "LoRA", "DoRA", "full")
+ADAPTER_KINDS = ("QLoRA", "LoRA", "DoRA", "full")  # how a family trains; training.method is recipe/methods.py
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class Family:
     # layer (finetune/model/moe.py), the expert block of one decoder layer, None for a dense layer. A family
     # with `experts` set is a MoE family: the tiled MLP leaves its expert blocks out, docs/models.md says MoE.
     experts: str | None = None
-    methods: tuple[str, ...] = METHODS  # what trains (docs/models.md)
+    adapter_kinds: tuple[str, ...] = ADAPTER_KINDS  # what trains it (docs/models.md's methods column)
     # Its vision-language checkpoints (a config with a vision part) load as their text model: transformers maps
     # them to the causal LM and leaves the vision tower unloaded, so they train, chat and export as text models.
     text_of_vision: bool = False
@@ -124,10 +124,10 @@ _SHARED_EXPERT_KEYS = (
     ("add_expert_shared_count", "n_shared_experts"), ("add_leading_dense_block_count", "first_k_dense_replace"),
     ("add_expert_weights_scale", "routed_scaling_factor"), ("add_expert_weights_norm", "norm_topk_prob"),
     ("add_expert_group_count", "n_group"), ("add_expert_group_used_count", "topk_group"))
-_MOE_METHODS = ("QLoRA", "LoRA")  # the ones tests/test_moe.py trains (4-bit experts, LoRA beside frozen experts)
+_MOE_ADAPTER_KINDS = ("QLoRA", "LoRA")  # the ones tests/test_moe.py trains (4-bit experts, LoRA beside frozen experts)
 
 # Vision-language families: the language model is adapted (QLoRA, LoRA), the vision tower too with adapter.vision.
-_VISION_METHODS = ("QLoRA", "LoRA", "full")
+_VISION_ADAPTER_KINDS = ("QLoRA", "LoRA", "full")
 _PROJECTOR_NOTE = "the vision tower and projector in a second file, mmproj-NAME.TYPE.gguf"
 _GEMMA3 = GGUFLayout("GEMMA3", norm_plus_one=True, swa_every=6)
 
@@ -171,47 +171,48 @@ FAMILIES: tuple[Family, ...] = (
     Family("Qwen3-MoE", ("qwen3_moe",), "Qwen3-30B-A3B, Qwen3-235B-A22B", "full attention with q/k norms; "
            "routed experts (128, top-8)", experts=_MOE,
            gguf=GGUFLayout("QWEN3MOE", fixed=(("norm_topk_prob", True), ("decoder_sparse_step", 1),
-                                              ("mlp_only_layers", []))), methods=_MOE_METHODS),
+                                              ("mlp_only_layers", []))), adapter_kinds=_MOE_ADAPTER_KINDS),
     Family("Mixtral", ("mixtral",), "Mixtral-8x7B, Mixtral-8x22B", "full attention; routed experts (8, top-2)",
-           gguf=_LLAMA, experts=_MOE, methods=_MOE_METHODS),
+           gguf=_LLAMA, experts=_MOE, adapter_kinds=_MOE_ADAPTER_KINDS),
     Family("OLMoE", ("olmoe",), "OLMoE-1B-7B", "full attention with q/k norms; routed experts (64, top-8)",
            gguf=GGUFLayout("OLMOE", fixed=(("norm_topk_prob", False), ("clip_qkv", None)),
-                           equal=(("num_key_value_heads", "num_attention_heads"),)), experts=_MOE, methods=_MOE_METHODS),
+                           equal=(("num_key_value_heads", "num_attention_heads"),)), experts=_MOE,
+           adapter_kinds=_MOE_ADAPTER_KINDS),
     Family("gpt-oss", ("gpt_oss",), "gpt-oss-20b, gpt-oss-120b", "sliding-window and full attention, "
            "alternating, with attention sinks; routed experts (32/128, top-4)",
            gguf=GGUFLayout("GPT_OSS", interleaved_experts=True, yarn=True, swa_every=2, fixed=(("swiglu_limit", 7.0),),
                            keys=(("add_expert_feed_forward_length", "intermediate_size"),)),
-           experts=_MOE, methods=_MOE_METHODS, attention_sinks=True),
+           experts=_MOE, adapter_kinds=_MOE_ADAPTER_KINDS, attention_sinks=True),
     Family("DeepSeek-V2/V3", ("deepseek_v2", "deepseek_v3"), "DeepSeek-V2-Lite, DeepSeek-V3-style models",
            "multi-head latent attention (compressed KV); routed and shared experts after dense first layers",
-           experts=_MOE, methods=_MOE_METHODS,
+           experts=_MOE, adapter_kinds=_MOE_ADAPTER_KINDS,
            gguf=GGUFLayout("DEEPSEEK2", latent_attention=True, yarn=True, expert_gating="SIGMOID", keys=_SHARED_EXPERT_KEYS,
                            fixed=(("rope_interleave", True),),
                            note="DeepSeek-V3-style; DeepSeek-V2's softmax router is refused")),
     Family("GLM-4-MoE", ("glm4_moe",), "GLM-4.5-Air, GLM-4.5", "full attention; routed and shared experts "
-           "after a dense first layer", experts=_MOE, methods=_MOE_METHODS,
+           "after a dense first layer", experts=_MOE, adapter_kinds=_MOE_ADAPTER_KINDS,
            gguf=GGUFLayout("GLM4_MOE", expert_gating="SIGMOID", keys=_SHARED_EXPERT_KEYS)),
     Family("Qwen2.5-VL", ("qwen2_5_vl",), "Qwen2.5-VL-3B/7B/32B/72B-Instruct", "vision transformer (window "
            "attention, merged 2x2 patches) before full attention text layers with multimodal rotary positions",
-           gguf=GGUFLayout("QWEN2VL", mrope=True, note=_PROJECTOR_NOTE), methods=_VISION_METHODS,
+           gguf=GGUFLayout("QWEN2VL", mrope=True, note=_PROJECTOR_NOTE), adapter_kinds=_VISION_ADAPTER_KINDS,
            vision=replace(_QWEN_VL, projector="QWEN25VL")),
     Family("Gemma 3", ("gemma3",), "gemma-3-4b/12b/27b-it", "SigLIP vision encoder, pooled to 256 tokens per "
            "image, before five sliding-window layers per full attention layer; images attend to themselves both "
-           "ways", methods=_VISION_METHODS,
+           "ways", adapter_kinds=_VISION_ADAPTER_KINDS,
            gguf=replace(_GEMMA3, note=_PROJECTOR_NOTE),
            vision=VisionLayout("Gemma3ImageProcessorPil", "<image_soft_token>", token_types="token_type_ids",
                                kind="gemma3", written="<start_of_image>",
                                wrap=("\n\n<start_of_image>", "<end_of_image>\n\n"), projector="GEMMA3")),
     Family("Qwen3-VL", ("qwen3_vl",), "Qwen3-VL-2B/4B/8B/32B-Instruct", "vision transformer (merged 2x2 patches, "
            "its features also added to the first text layers) before full attention text layers with q/k norms "
-           "and interleaved multimodal rotary positions", methods=_VISION_METHODS,
+           "and interleaved multimodal rotary positions", adapter_kinds=_VISION_ADAPTER_KINDS,
            gguf=GGUFLayout("QWEN3VL", mrope=True, note=_PROJECTOR_NOTE,
                            keys=(("add_num_deepstack_layers", "num_deepstack_layers"),)),
            vision=replace(_QWEN_VL, projector="QWEN3VL")),
     # SmolVLM v1 checkpoints are idefics3 configs; SmolVLM2's are smolvlm (the same image processing).
     Family("SmolVLM / Idefics3", ("idefics3", "smolvlm"), "SmolVLM-256M/500M/2.2B-Instruct, SmolVLM2, Idefics3-8B",
            "SigLIP vision encoder over the image's tiles and the whole image, pixel-shuffled into the text model's "
-           "tokens, before full attention text layers", methods=_VISION_METHODS,
+           "tokens, before full attention text layers", adapter_kinds=_VISION_ADAPTER_KINDS,
            gguf=replace(_LLAMA, note=_PROJECTOR_NOTE),
            vision=VisionLayout("Idefics3ImageProcessorPil", "<image>", kind="idefics3",
                                wrap=("<fake_token_around_image><global-img>", "<fake_token_around_image>"),
@@ -219,14 +220,15 @@ FAMILIES: tuple[Family, ...] = (
     # Mistral Small 3.1/3.2 carry a mistral text model, Ministral 3's vision checkpoints a ministral3 one.
     Family("Mistral 3", ("mistral3",), "Mistral-Small-3.1/3.2-24B-Instruct, Ministral-3-3B/8B/14B (BF16 checkpoints)",
            "Pixtral vision encoder (2D rotary positions, any aspect ratio), 2x2 patches merged into one token, before "
-           "full attention text layers", methods=_VISION_METHODS,
+           "full attention text layers", adapter_kinds=_VISION_ADAPTER_KINDS,
            gguf=GGUFLayout("MISTRAL3", permute_qk=True, sliding_window=False, yarn=True, yarn_log_mul=1.0,
                            note=_PROJECTOR_NOTE + ", with the [IMG_BREAK] embedding"),
            vision=VisionLayout("PixtralImageProcessorPil", "[IMG]", kind="pixtral",
                                breaks=("[IMG_BREAK]", "[IMG_END]"), projector="PIXTRAL")),
     Family("Llama 3.2 Vision", ("mllama",), "Llama-3.2-11B/90B-Vision(-Instruct)", "vision transformer over up "
            "to 4 tiles of each image (a local and a gated global encoder), read by cross-attention layers placed "
-           "between the full attention text layers; one token per image in the text", methods=_VISION_METHODS,
+           "between the full attention text layers; one token per image in the text",
+           adapter_kinds=_VISION_ADAPTER_KINDS,
            no_gguf="llama.cpp has no Llama 3.2 Vision support (its cross-attention layers and tiled vision tower)",
            vision=VisionLayout("MllamaImageProcessorPil", "<|image|>", kind="mllama")),
 )
@@ -297,7 +299,7 @@ def _offload_text(f: Family) -> str:
 
 def models_text() -> str:
     """`finetune models`: one line per family."""
-    return "".join(f"{f.name} ({', '.join(f.model_types)}): {f.layers}; {', '.join(f.methods)}; "
+    return "".join(f"{f.name} ({', '.join(f.model_types)}): {f.layers}; {', '.join(f.adapter_kinds)}; "
                    f"{'MoE' if f.moe else 'dense'}; {'images and text' if f.vision else 'text'}; "
                    f"GGUF {_gguf_text(f)}\n" for f in FAMILIES)
 
@@ -308,7 +310,7 @@ def models_markdown() -> str:
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for f in FAMILIES:
         rows.append(f"| {f.name} | {', '.join(f'`{t}`' for t in f.model_types)} | {f.models} | {f.layers} | "
-                    f"{', '.join(f.methods)} | {'yes' if f.moe else 'no (dense)'} | {'images' if f.vision else 'text'} | "
+                    f"{', '.join(f.adapter_kinds)} | {'yes' if f.moe else 'no (dense)'} | {'images' if f.vision else 'text'} | "
                     f"{_offload_text(f)} | {_gguf_text(f)} |")
     return "\n".join([
         "# Supported models",

@@ -2,19 +2,12 @@
 
 The schema takes its method names, their description, which training.* keys apply to which method and
 whether a method needs the reference model from here; `finetune.data.build` builds the data kind a method
-declares; `finetune.memory.preference` runs the loss it names; the training loop calls the objective its
+declares; `finetune.step.preference` runs the loss it names; the training loop calls the objective its
 factory makes (`objective`, finetune/train/objectives.py: a loss over collated batches unless the method
 brings its own, as GRPO does); the planner and the batch engine read its geometry hooks. This module imports no torch (the schema, at the bottom of the import graph, imports it): a
 loss is named as "module:function" and imported only when a step computes it.
 
-How to add a training method (docs/architecture.md, "How to add"): append one `MethodSpec` to `METHODS`
-below and write its loss. A pairwise preference loss (data kind "pair") is a function (loss, pc, pr, rc, rr,
-cc, cr) -> (mean loss, stats) over the chosen/rejected sequence log-prob sums (pc, pr), their reference values
-(rc, rr; zeros without a reference) and answer token counts (cc, cr), as `finetune.memory.preference.dpo_loss`;
-the stats are what `finetune.memory.preference.pair_stats` returns, plus any extra logged terms. Declare a
-knob only this method uses in its entry's `knobs` (the schema makes it a training.* key that applies only to
-this method; the loss reads it as `loss.<name>`); a knob several methods share is a training.* field in
-finetune/recipe/schema.py that each of them names in `keys`.
+More in docs/architecture.md, "Training method entries (finetune/recipe/methods.py)".
 """
 
 from __future__ import annotations
@@ -61,7 +54,7 @@ class MethodSpec:
 
     @property
     def preference(self) -> bool:
-        """A loss over answers' sequence log-probabilities (finetune.memory.preference's step)."""
+        """A loss over answers' sequence log-probabilities (finetune.step.preference's step)."""
         return self.data_kind in ("pair", "kto")
 
 
@@ -69,23 +62,23 @@ _WHOLE_ANSWERS = "preference losses compare whole answers"
 
 METHODS: tuple[MethodSpec, ...] = (
     MethodSpec("sft", "sft (supervised)", "sft", "finetune.memory.chunked_loss:causal_lm_loss"),
-    MethodSpec("dpo", "dpo (pairs, against the reference model)", "pair", "finetune.memory.preference:dpo_loss",
+    MethodSpec("dpo", "dpo (pairs, against the reference model)", "pair", "finetune.step.preference:dpo_loss",
                rows_per_example=2, reference=True,
                keys=("beta", "loss_type", "reference_free", "label_smoothing", "precompute_reference"),
                packing=_WHOLE_ANSWERS),
     MethodSpec("orpo", "orpo (pairs, reference-free, adds the NLL of the chosen answer)", "pair",
-               "finetune.memory.preference:orpo_loss", rows_per_example=2, keys=("beta",), packing=_WHOLE_ANSWERS),
+               "finetune.step.preference:orpo_loss", rows_per_example=2, keys=("beta",), packing=_WHOLE_ANSWERS),
     MethodSpec("simpo", "simpo (pairs, reference-free: length-averaged log-probabilities, a target margin)",
-               "pair", "finetune.memory.preference:simpo_loss", rows_per_example=2,
+               "pair", "finetune.step.preference:simpo_loss", rows_per_example=2,
                keys=("beta", "label_smoothing"), packing=_WHOLE_ANSWERS,
                knobs={"simpo_gamma": Knob(0.5, "simpo only: the target reward margin by which the chosen answer's "
                                           "reward must beat the rejected one's.", ge=0, le=1e3)}),
     MethodSpec("cpo", "cpo (pairs, reference-free: a sigmoid loss on the log-probability margin plus the NLL of "
-               "the chosen answer)", "pair", "finetune.memory.preference:cpo_loss", rows_per_example=2,
+               "the chosen answer)", "pair", "finetune.step.preference:cpo_loss", rows_per_example=2,
                keys=("beta", "label_smoothing"), packing=_WHOLE_ANSWERS,
                knobs={"cpo_alpha": Knob(1.0, "cpo only: weight of the NLL of the chosen answer (behaviour cloning) "
                                         "added to the preference loss; 0: the sigmoid term alone.", ge=0, le=1e3)}),
-    MethodSpec("kto", "kto (single answers labelled good or bad)", "kto", "finetune.memory.preference:kto_loss",
+    MethodSpec("kto", "kto (single answers labelled good or bad)", "kto", "finetune.step.preference:kto_loss",
                reference=True, keys=("beta", "precompute_reference"),
                knobs={"desirable_weight": Knob(1.0, "kto only: loss weight of good answers.", gt=0, le=1e3),
                       "undesirable_weight": Knob(1.0, "kto only: loss weight of bad answers.", gt=0, le=1e3)},

@@ -1,6 +1,10 @@
 """The recipe schema: the single source of truth for CLI validation, the UI form, docs and defaults.
 
 Every field has a default or is required, and a one-line description. Sections mirror the YAML.
+
+Why one module of ~800 lines: it is the recipe's one source of truth, every section's model and the checks
+that need the whole recipe; the registries it reads (methods, optimizers, tiers, families) are modules of
+their own.
 """
 
 from __future__ import annotations

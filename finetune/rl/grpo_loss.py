@@ -6,22 +6,7 @@ by the group's standard deviation (`scale="group"`), the whole batch's (`"batch"
 plus 1e-4. Completions are laid out group after group (prompt 0's completions, then prompt 1's, ...); a NaN
 reward (no reward function could score it) is left out of the statistics and gets advantage 0.
 
-Loss (`grpo_loss`, TRL's `_compute_loss` at importance_sampling_level "token"): per completion token the ratio
-r = exp(logp - old_logp) is clipped to [1 - epsilon_low, 1 + epsilon_high] and the token's loss is
--min(r A, clip(r) A); with `beta` > 0 the k3 estimator of KL to the reference, exp(ref - logp) - (ref - logp) - 1,
-is added times beta (beta 0: no reference model is needed at all), multiplied by r when `kl_correction` (TRL's
-use_bias_correction_kl, on by default: the completions were sampled from the old policy). The loss types differ only in how token
-losses become one number:
-
-- grpo: mean over each completion's tokens, then over completions (long answers weigh less per token);
-- bnpo: mean over all tokens of the micro-batch;
-- dr_grpo: sum over tokens / (completions x max_completion_length), a constant, so no length bias (Dr. GRPO);
-- dapo: sum over tokens / the completion tokens of the whole accumulation window (`window_tokens`), so every
-  token of an optimizer step weighs the same whatever micro-batch it lands in (DAPO's token-level loss).
-
-grpo, bnpo and dr_grpo are divided by `accumulation` (the micro-batches summed into one update); dapo's
-normaliser already spans the window. Ratios are 1 on the first pass over freshly generated completions (old =
-logp detached): the clip matters only when a generation batch is reused for several updates.
+More in docs/rl.md, "In the code: finetune/rl/grpo_loss.py".
 """
 
 from __future__ import annotations

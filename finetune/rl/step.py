@@ -4,23 +4,9 @@
     for _ in range(config.num_iterations):
         for micro in rollout.micro_batches(n):
             grpo_forward_backward(model, micro, config)
-        # the loop's optimizer update (finetune.memory.step.optimizer_update)
+        # the loop's optimizer update (finetune.step.training_step.optimizer_update)
 
-Why split: generation (KV cache, sampling) and training (activations, gradients) are separate phases with their
-own memory peaks, and the loop owns the optimizer, the schedule, logging and recovery. No Trainer here.
-
-`generate_and_score`: each prompt (left-padded, `num_generations` times) is answered by HF `generate` with the
-weights as they are (adapter on), in eval mode without gradients, with a static KV cache (what
-finetune.plan.generation prices) and sampling at `temperature`/`top_p` (no top-k, as TRL), each row from its own
-seeded generator (`RowSampler`: the Gumbel-max trick under greedy decoding). A completion
-ends at its first EOS (kept in the loss, as TRL); the rewards (finetune.rl.rewards.score) are summed with their
-weights, and the advantages are `group_advantages`. With `num_iterations` > 1 the old policy's per-token
-log-probabilities are computed now (the later passes clip against them; the first pass's ratio is 1), and with
-`beta` > 0 the reference's (the base, adapter switched off, as finetune.memory.preference does for DPO); both
-without gradients, in chunks of `logps_rows` completions. `beta: 0` runs no reference forward.
-
-Per-token log-probabilities are those of the completion tokens under logits divided by the temperature (as TRL),
-with position ids counted from the attention mask, so left-padded rows see the positions `generate` gave them.
+More in docs/rl.md, "In the code: finetune/rl/step.py".
 """
 
 from __future__ import annotations
@@ -37,11 +23,11 @@ from typing import Any
 import torch
 
 from finetune.data.prompts import PromptExample, left_padded
-from finetune.memory.preference import reference_weights
 from finetune.memory.tracker import MemoryTracker
 from finetune.recipe.schema import GRPOConfig
 from finetune.rl.grpo_loss import group_advantages, grpo_loss
 from finetune.rl.rewards import NamedReward, score
+from finetune.step.preference import reference_weights
 
 _NULL = contextlib.nullcontext
 
@@ -320,7 +306,7 @@ def grpo_forward_backward(model: torch.nn.Module, micro: MicroBatch, config: GRP
     """One micro-batch's policy forward (adapter on, the model's mode as the loop set it) and backward of the
     GRPO-family loss, scaled for `micro.accumulation` micro-batches as finetune.rl.grpo_loss scales it (dapo:
     by the update's completion tokens). `backward`: the run's (fp16 loss scaling); `tracker`: record the
-    forward and `backward_window` phases (the planner's trace), both as in finetune.memory.step.forward_backward."""
+    forward and `backward_window` phases (the planner's trace), both as in finetune.step.training_step.forward_backward."""
     with tracker.window("forward") if tracker is not None else _NULL():
         with autocast():
             logps = completion_logps(model, micro.input_ids, micro.attention_mask, micro.prompt_length,

@@ -129,7 +129,7 @@ def accelerator_plugins(recipe: Recipe, model: torch.nn.Module | None, micro_bat
     if d.deepspeed_offload != "none":
         zero["offload_optimizer"] = {"device": d.deepspeed_offload, "pin_memory": True,
                                      **({"nvme_path": d.deepspeed_nvme_path} if d.deepspeed_nvme_path else {})}
-    from finetune.memory.step import mixed_precision
+    from finetune.step.training_step import mixed_precision
 
     precision = mixed_precision(recipe.model.dtype, torch.cuda.is_available())
     return {"deepspeed_plugin": DeepSpeedPlugin(hf_ds_config={

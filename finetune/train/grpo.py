@@ -6,18 +6,7 @@
       forward_backward: finetune.rl.step.grpo_forward_backward on one micro-batch (the loop's Objective)
       evaluate:         the greedy answer to each held-out prompt, scored (eval_reward, eval_rewards/NAME)
 
-Sampling: every completion draws from its own generator, seeded by (the run's seed, the step, its record, its
-index in the group) (finetune.rl.step.RowSampler), so what a step samples does not depend on the process layout
-or on generating in halves, and a resumed run samples what the uninterrupted one did.
-
-Out of memory: in generation the step's completions are generated in halves (down to one prompt's group at
-a time: the same completions), in training the micro-batch halves (down to 1; the update's completions and its
-loss scaling stay, so the gradient is the same but for rounding). Either way the step is not lost. The settings
-reached are kept in the train state, so a resume continues with them.
-
-Several processes: each generates for its own prompts (the loop deals them out); dapo's token normaliser is
-the completion tokens of every process and the logged metrics are means over every process, so two processes
-train and log as one process at the same completions per update.
+More in docs/rl.md, "In the code: finetune/train/grpo.py".
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`finetune measure`: run N real training steps under the tracker and report the peak and its breakdown.
 
-The steps are `finetune.memory.step.training_step`: the micro-batch forward + backward the loop runs in
+The steps are `finetune.step.training_step.training_step`: the micro-batch forward + backward the loop runs in
 `finetune run` and the planner traces on `meta`, then the loop's optimizer update. It lives next to
 training (not under memory/) because it calls the planner for `auto` settings.
 """
@@ -13,8 +13,14 @@ from typing import Any
 
 import torch
 
-from finetune.memory.layer_recompute import apply_memory_config, compile_layers
-from finetune.memory.preference import (
+from finetune.memory.layer_recompute import compile_layers
+from finetune.memory.memory_config import apply_memory_config
+from finetune.memory.tracker import MemoryTracker, measure_step
+from finetune.memory.weight_store import weight_store_of
+from finetune.plan.search import planned_sequence
+from finetune.recipe.schema import Recipe
+from finetune.recipe.settings import auto_keys, read_settings
+from finetune.step.preference import (
     PreferenceLoss,
     batch_layout,
     batch_reference_logps,
@@ -22,12 +28,7 @@ from finetune.memory.preference import (
     reference_is_current,
     synthetic_batch,
 )
-from finetune.memory.step import autocast_for, enable_checkpointing, mixed_precision, training_step
-from finetune.memory.tracker import MemoryTracker, measure_step
-from finetune.memory.weight_store import weight_store_of
-from finetune.plan.search import planned_sequence
-from finetune.recipe.schema import Recipe
-from finetune.recipe.settings import auto_keys, read_settings
+from finetune.step.training_step import autocast_for, enable_checkpointing, mixed_precision, training_step
 
 
 def step_setup(recipe: Recipe, scratch: str | Path | None = None,

@@ -6,33 +6,7 @@ the covariance of one token's gradient, G the true gradient. Batches much smalle
 -100), so packed and unpacked data, and sequences of different lengths, are counted alike; divide by the
 labelled tokens per sequence for a batch in sequences.
 
-Estimator (their Appendix A, the two-batch form): a mean gradient over b tokens has E|G_b|^2 = |G|^2 +
-tr(Sigma)/b. Each optimizer step gives two such norms for free: each micro-batch's own gradient ("small")
-and the accumulated gradient ("big"). Solving the two equations gives unbiased, very noisy estimates of
-|G|^2 and tr(Sigma); each is smoothed with a bias-corrected EMA and only the smoothed values are divided.
-With unequal micro-batches (packing, variable lengths) 1/b is averaged the way the loss weights each part.
-
-Cost: no gradient copy at all. A tensor hook on each trained parameter sees the micro-batch's gradient
-contribution before autograd adds it to .grad and keeps its norm (a device scalar, one kernel). The first
-micro-batch of a step needs no hooks: its contribution is all .grad holds when the second one begins, read
-then in one fused foreach call; so a step of one micro-batch (no accumulation, not split) costs nothing.
-The accumulated gradient's norm is taken once per step, before clipping, in one foreach call. Nothing is
-synchronised with the host until the optimizer step (benchmarks/noise_probe_overhead.py measures the
-cost). The hooks are installed before the optimizer is built, so they run before a layer-wise optimizer's
-own; a layer-wise optimizer keeps .grad until its step when it accumulates, except GaLore, which projects
-and frees each micro-batch's gradient: that combination logs no noise scale.
-
-With no accumulation the step has one micro-batch and no "small" norm: every `split_every` steps the trainer
-runs the micro-batch as two halves (the loop re-collates a loader batch's rows exactly), which
-gives both sizes at the same total gradient. A micro-batch of one sequence cannot be split; the run then
-logs no noise scale (say so, do not guess).
-
-Several processes (DDP): each process's hooks see its own micro-batches' gradients, before DDP averages
-them, and .grad holds the average over processes at the step's end. So every micro-batch of every process is
-a small batch and the averaged gradient the big one: the per-micro-batch sums are all-reduced (five numbers,
-one collective per step) and the big norm is that of the averaged .grad, the same on every process. Without
-accumulation each step still has one micro-batch per process, so no split is needed. FSDP and DeepSpeed
-shard the gradients and replace the parameters the hooks sit on: no noise scale is measured there.
+More in docs/training.md, "How the noise scale is measured (finetune/train/noise_scale.py)".
 """
 
 from __future__ import annotations

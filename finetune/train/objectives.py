@@ -4,7 +4,7 @@ forward/backward, for held-out evaluation and for a training row's metrics.
 Each `MethodSpec` in finetune/recipe/methods.py names its objective's factory, "module:function" taking
 `(config: RunConfig, context: MethodContext)`; `make_objective` builds the one a run's method names. SFT and
 the preference methods (dpo, orpo, simpo, cpo, kto: the loss the registry names, through
-`finetune.memory.preference`) are one class here, a loss over collated batches (`LossObjective`); GRPO's is its
+`finetune.step.preference`) are one class here, a loss over collated batches (`LossObjective`); GRPO's is its
 loop policy (finetune/train/grpo.py: `grpo_objective`).
 """
 
@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from finetune.memory.preference import Metrics, PreferenceLoss, metric_means
-from finetune.memory.step import compute_loss, forward_backward
 from finetune.recipe.reference import resolve
 from finetune.recipe.resolved import RunConfig
 from finetune.rundir import EVAL_PREFIX, RunDir
+from finetune.step.preference import Metrics, PreferenceLoss, metric_means
+from finetune.step.training_step import compute_loss, forward_backward
 from finetune.train.policy import Objective, Part
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ def make_objective(config: RunConfig, context: MethodContext = MethodContext()) 
 
 class LossObjective:
     """A loss over collated batches: the causal-LM loss (sft), or the preference loss of the method
-    (`preference`), finetune.memory.step's forward/backward with the loop's memory savers. Metrics (a
+    (`preference`), finetune.step.training_step's forward/backward with the loop's memory savers. Metrics (a
     preference loss's rewards and margins, a MoE router's aux_loss) are summed over micro-batches and logged
     as means."""
 

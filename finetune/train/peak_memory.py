@@ -1,20 +1,9 @@
 """Record the measured peak memory of a run in its training log rows (and so in metrics.jsonl): a policy.
 
-On CUDA the allocator's own peak is read, which costs nothing. On CPU the tensor tracker (deterministic, with
-the breakdown) sees every operator through Python, which slowed a whole CPU run by a quarter, so it sees the
-steps (forward, backward, optimizer update) only that can set a new peak: the first FIRST_STEPS (the optimizer
-state appears in the first), a step whose loader batches are not covered by an already tracked step's (another
-number of micro-batches, more rows or longer rows: the longest batch so far, a changed micro-batch or
-accumulation), and the step of an out-of-memory recovery and those after it (`restart`). A step covered by a
-tracked one runs the same operators on at most as much data, so it cannot go higher. Between steps
-(fetching batches, logging, checkpoints) the tracker stays on, and what an untracked step leaves to the next
-(its loss, its gradient norm) is tagged, so the recorded peak is the one a run tracked throughout records.
-The loop hands it each step's batches before anything of the step runs (`plan_updates`: a GRPO policy after it
-generates there), runs each micro-batch through it
-(`around_micro_batch`) and hands it the gradient norm (`after_update`), so it decides per step.
-`FINETUNE_MEMORY_TRACKER=every_step` tracks the whole training as before, `off` tracks nothing (benchmarks).
-Every log gets `peak_memory_bytes`; the first log after the peak exceeds the plan's prediction by more than
-`tolerance` also gets a warning line.
+On CUDA the allocator's own peak is read, at no cost; on CPU the tensor tracker (which sees every
+operator through Python) tracks only the steps that can set a new peak.
+
+More in docs/planner.md, "The measured peak (finetune/train/peak_memory.py)".
 """
 
 from __future__ import annotations

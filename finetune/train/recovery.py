@@ -1,33 +1,10 @@
 """Out-of-memory recovery: an optimizer step that runs out of memory is redone, exactly, with a cheaper plan.
 
-How the retry stays exact: the loader keeps the batch size the run started with, and the loop keeps every
-loader batch's example rows. After an out-of-memory error inside update N the step's partial gradients are
-dropped (nothing of it was applied: the optimizer steps only after the last micro-batch), the RNG streams
-are put back to where update N began (finetune/train/loop.py), and the update's loader batches are run
-again, each split into k sub-micro-batches collated exactly as a loader of micro-batch B/k would collate
-them (`Geometry.splits`). With num_items_in_batch the summed loss is the same sum; without it each sub-batch's mean
-is divided by the update's sub-batch count, as a run at micro-batch B/k does. So the LR schedule, the
-optimizer state, the examples and their order continue as if the run had used micro-batch B/k and k
-times the accumulation from the start (tests/test_oom_recovery.py checks this against such a run).
+Why exact: the loader keeps the run's batch size and the update's batches are run again split into smaller
+micro-batches, so the schedule, the optimizer state and the examples continue as if the run had used the
+smaller micro-batch from the start.
 
-The next plan comes from finetune.train.oom_ladder: half the micro-batch down to 1, then checkpointing,
-offload, chunked loss, tiled MLP, then streaming the frozen weights (the live model's layers go into the
-weight store; a tier without the room is a RecipeError or OffloadDirError, one line). When nothing is left the run saves a checkpoint of the last completed
-step and stops with the smallest budget the planner says would work.
-
-Layer-wise optimizers: with accumulation > 1 they apply nothing before optimizer.step(), so the retry is
-exact (GaLore's pending projected sums are dropped too). With accumulation 1 weights move inside backward:
-an OOM before the first hook ran is retried (in accumulate mode, as the accumulation doubles); one after
-cannot be undone, so the run stops with a message and records the cheaper settings for --resume.
-
-An OOM in the update itself (gradient clipping, optimizer.step(), e.g. AdamW allocating its state on step 1)
-is not retried: the run stops with the smallest budget. When the optimizer changed nothing yet (no state's
-`step` counter moved; the lazily created state is dropped again) it first saves a checkpoint of the last
-completed step; otherwise the last saved checkpoint is what --resume continues from.
-
-`FINETUNE_FAULT_OOM_AT_STEP=N[,M...]` (tests): raise torch.OutOfMemoryError inside the forward of the
-last micro-batch of optimizer step N, once per listed N (list N twice to fail its retry too); `N:optimizer`
-raises it in optimizer step N's optimizer.step() instead, before the optimizer runs.
+More in docs/memory.md, "In the code: finetune/train/recovery.py".
 """
 
 from __future__ import annotations
@@ -47,7 +24,6 @@ from finetune.memory.device_memory import usable_gpu_memory
 from finetune.memory.layer_recompute import apply_layer_recompute
 from finetune.memory.offload import activation_offload, offload_dir_for, preflight_offload
 from finetune.memory.offload_disk import OffloadDirError
-from finetune.memory.step import enable_checkpointing
 from finetune.memory.weight_store import host_room, offload_weights
 from finetune.model.family import decoder_layers
 from finetune.model.vision import inputs_require_grad
@@ -58,6 +34,7 @@ from finetune.recipe.schema import Recipe
 from finetune.recipe.settings import read_settings, write_settings
 from finetune.recipe.settings import table as settings_table
 from finetune.rundir import RunDir, atomic_write_json, atomic_write_text
+from finetune.step.training_step import enable_checkpointing
 from finetune.train.oom_ladder import Cheaper, cheaper, settings_of
 from finetune.train.peak_memory import PeakMemory
 from finetune.train.plan_files import save_plan

@@ -1,5 +1,5 @@
 """training.precompute_reference: the reference model's log-probabilities of the training and eval data,
-computed once before training, so no step runs a reference forward (`finetune.memory.preference`).
+computed once before training, so no step runs a reference forward (`finetune.step.preference`).
 
 The pass runs before the training loop exists (no optimizer state, no gradients), under no_grad, one micro-batch
 at a time. A run started from an adapter (adapter.init_from) runs it on the model as it is: before the first
@@ -26,10 +26,10 @@ import torch
 
 from finetune.console import console, progress_bar
 from finetune.data.build import DataBundle
-from finetune.memory.preference import PreferenceLoss, reference_is_current, reference_values
 from finetune.recipe.init_from import init_from_record
 from finetune.recipe.schema import Recipe
 from finetune.rundir import RunDir, atomic_write_text, read_json
+from finetune.step.preference import PreferenceLoss, reference_is_current, reference_values
 
 FORMAT = 1  # of the file; a different one is computed again
 
@@ -61,7 +61,7 @@ def compute_reference(model: torch.nn.Module, dataset: Any, collator: Callable[[
                       current: bool = False) -> list[list[float]]:
     """The reference values of every example of `dataset` (collated as training collates it, `micro_batch`
     examples at a time), in its order; `progress` is told how many examples each batch did. `current`: the
-    reference is the model as it is (`finetune.memory.preference.reference_logps`)."""
+    reference is the model as it is (`finetune.step.preference.reference_logps`)."""
     device = next(model.parameters()).device
     values: list[list[float]] = []
     for start in range(0, len(dataset), micro_batch):

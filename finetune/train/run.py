@@ -1,4 +1,8 @@
-"""One fine-tuning run: recipe -> build (model, data) -> train -> run directory."""
+"""One fine-tuning run: recipe -> build (model, data) -> train -> run directory.
+
+Why one module of ~600 lines: a run's phases (preflight, build, plan, train, save, give back) in the order a run
+goes through them; the loop, its policies, checkpoints and recovery are modules of their own.
+"""
 
 from __future__ import annotations
 
@@ -19,8 +23,6 @@ from finetune.console import console
 from finetune.data.fingerprint import DataChanged, check_resumed_data
 from finetune.errors import FinetuneError, RecipeError, UsageError
 from finetune.memory.offload import activation_offload, preflight_offload
-from finetune.memory.preference import loads_reference_adapter
-from finetune.memory.step import autocast_for, mixed_precision
 from finetune.plan import Plan, blocked_by_room, predict, room_error
 from finetune.recipe.batch_rules import apply_batch_rules, reference_batch
 from finetune.recipe.init_from import init_from_record, resolve_init_from
@@ -47,9 +49,10 @@ from finetune.rundir import (
     read_json,
     replace_dir,
 )
+from finetune.step.preference import loads_reference_adapter
+from finetune.step.training_step import autocast_for, mixed_precision
 from finetune.train import distributed
 from finetune.train.batch_engine import BatchEngine, batch_summary
-from finetune.train.callbacks import StopOnSignal
 from finetune.train.checkpoints import check_output_dir, find_resumable, report_skipped, step_of
 from finetune.train.environment import environment_summary
 from finetune.train.loop import TrainLoop
@@ -57,6 +60,7 @@ from finetune.train.peak_memory import PeakMemory
 from finetune.train.plan_files import save_plan
 from finetune.train.plots import plot_loss_curve
 from finetune.train.recovery import OOMRecovery, keep_recovered
+from finetune.train.reporting import StopOnSignal
 from finetune.train.setup import build_loop, total_steps
 from finetune.train.train_state import load_checkpoint
 from finetune.units import format_bytes
@@ -417,7 +421,8 @@ def _model(recipe: Recipe, settings: Settings, run_dir: RunDir, main: bool, base
     """The model to train (loaded, or the lent `base`) with its adapter and memory settings, the tokenizer,
     rank 0's record of adapter.init_from's start adapter (None without one), the expert offload (None
     without one) and a vision-language model's image processor (None for a text model)."""
-    from finetune.memory.layer_recompute import apply_memory_config, compile_layers
+    from finetune.memory.layer_recompute import compile_layers
+    from finetune.memory.memory_config import apply_memory_config
     from finetune.model.adapter import apply_adapter
     from finetune.model.kernels import apply_kernels
     from finetune.model.load import load_model
@@ -466,7 +471,7 @@ def _streamed_load(recipe: Recipe, settings: Settings, run_dir: RunDir) -> Abstr
     memory = recipe.memory
     kind, tier, ahead = (WEIGHTS, settings.offload_weights, memory.offload_weights_ahead) \
         if settings.offload_weights != "none" else (EXPERTS, settings.offload_experts, 1)
-    if tier not in ("cpu", "disk"):
+    if tier == "none":
         return None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:

@@ -16,15 +16,14 @@ from finetune.compat import fresh_accelerator_state
 from finetune.console import console
 from finetune.data.batching import Batching
 from finetune.data.batching import epoch_steps as cut_epoch
-from finetune.memory.step import enable_checkpointing, mixed_precision
 from finetune.optim import build_optimizer
 from finetune.recipe.resolved import RunConfig
 from finetune.recipe.schema import Recipe
 from finetune.rl.step import prompts_per_step
 from finetune.rundir import RunDir
+from finetune.step.training_step import enable_checkpointing, mixed_precision
 from finetune.train import distributed
 from finetune.train.batch_engine import BatchEngine, record_batch_change
-from finetune.train.callbacks import ProgressBar, RunFiles
 from finetune.train.checkpoints import numbered
 from finetune.train.loop import (
     LoopData,
@@ -41,6 +40,7 @@ from finetune.train.objectives import MethodContext, make_objective
 from finetune.train.peak_memory import PeakMemory
 from finetune.train.policy import Geometry, Policy
 from finetune.train.recovery import OOMRecovery, record_recovery
+from finetune.train.reporting import LiveFiles, ProgressBar
 from finetune.train.train_state import save_checkpoint
 
 SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup",
@@ -154,7 +154,7 @@ def build_loop(config: RunConfig, model: torch.nn.Module, data: Any, run_dir: Ru
                             record_batch_change(run_dir, status_fields)),
                 OOMRecovery(recipe, run_dir.root, record_recovery(run_dir, steps, peak, status_fields))]
         policies.append(peak)
-    policies += [RunFiles(run_dir, steps, status_fields), ProgressBar(steps)]
+    policies += [LiveFiles(run_dir, steps, status_fields), ProgressBar(steps)]
     has_eval = data.eval is not None
     return TrainLoop(
         parts, LoopData(data.train, data.eval, data.collator, tokenizer.pad_token_id, config.settings.batching,

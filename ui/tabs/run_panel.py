@@ -72,9 +72,9 @@ def build(prefix: str) -> RunPanel:
                     grpo_box, grpo_plot, grpo_md, eval_box, eval_md, noise_box)
 
 
-def updates(run: Path | api.RunFiles | None) -> tuple[Any, ...]:
+def updates(run: Path | api.RunView | None) -> tuple[Any, ...]:
     """What the panels show for a run directory (RunPanel.outputs order); hidden where it has nothing."""
-    files = api.run_files(run) if run else None
+    files = api.view_of(run) if run else None
     batch = api.run_batch_report(files) if files else None
     rewards = api.run_reward_report(files) if files else None
     measured = bool(batch and batch["noise_series"])  # none measured: no empty chart, the text says why

@@ -82,7 +82,7 @@ def redraw(backend: Backend, run_dir: str | None, last: tuple | None
            ) -> tuple[str, tuple[Any, ...] | None, str, str, tuple | None]:
     """One refresh of the selected run: (status HTML, the explanations, plots and run panels or None when the run
     has logged nothing new since `last`, log tail, queue, the signature to pass as `last` next time). Each run
-    file is read once (api.RunFiles), however many views show it."""
+    file is read once (api.RunView), however many views show it."""
     queue = views.queue_markdown(backend.manager, backend.outside_runs())
     if not run_dir:
         return "<div id='run-status'>No run yet: start one above.</div>", None, "", queue, last
@@ -90,7 +90,7 @@ def redraw(backend: Backend, run_dir: str | None, last: tuple | None
         path = backend.run_path(run_dir, must_exist=False)
     except FinetuneError as exc:
         return f"<div id='run-status'>{html.escape(str(exc))}</div>", None, "", queue, last
-    files = api.RunFiles(path)
+    files = api.RunView(path)
     state = backend.manager.run_state(path, files.status)
     log = files.run.log_tail(LOG_LINES) or backend.manager.process_log(path, LOG_LINES)
     if state.startswith("failed"):

@@ -39,7 +39,7 @@ def _run(model_dir, out, opt, accumulation, resume=None):
     (config("galore", layerwise=True, update_proj_gap=2), 2), (config("apollo_mini", layerwise=True), 1),
     (config("muon"), 2)],
     ids=["galore", "apollo-layerwise", "galore-layerwise", "apollo_mini-layerwise-no-accumulation", "muon-hybrid"])
-def test_trainer_logs_grad_norm_and_resumes_exactly(tiny_model_dir, tmp_path, opt, accumulation):
+def test_loop_logs_grad_norm_and_resumes_exactly(tiny_model_dir, tmp_path, opt, accumulation):
     full, loop = _run(tiny_model_dir, tmp_path / "a", opt, accumulation)
     norms = [h["grad_norm"] for h in loop.state.log_history if "grad_norm" in h]
     assert len(norms) == 4 and all(n > 0 for n in norms)

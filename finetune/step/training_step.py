@@ -16,12 +16,12 @@ from typing import Any
 import torch
 
 from finetune.memory.chunked_loss import AUX_LOSS, add_metric, causal_lm_loss
-from finetune.memory.preference import Metrics, PreferenceLoss, preference_loss
 from finetune.memory.tracker import MemoryTracker
 from finetune.model.family import vision_parts
 from finetune.model.moe import aux_loss_coef
 from finetune.model.vision import inputs_require_grad
 from finetune.optim import layerwise_of
+from finetune.step.preference import Metrics, PreferenceLoss, preference_loss
 from finetune.units import dtype_name, torch_dtype
 
 _NULL = contextlib.nullcontext
@@ -57,7 +57,7 @@ def compute_loss(model: torch.nn.Module, inputs: Mapping[str, Any], num_items_in
                  chunked_loss: bool = False, preference: PreferenceLoss | None = None,
                  metrics: Metrics | None = None) -> torch.Tensor:
     """The loss of one micro-batch: the model's causal-LM loss, or chunked so full logits never exist, or the
-    preference loss (`finetune.memory.preference`; its rewards and margins are added to `metrics`). A
+    preference loss (`finetune.step.preference`; its rewards and margins are added to `metrics`). A
     mixture-of-experts model with a load-balancing loss (router_aux_loss_coef) adds it, as its forward does with
     output_router_logits, and logs it as `aux_loss` in `metrics`.
 

@@ -1,4 +1,4 @@
-"""Preference losses (DPO, ORPO, KTO, SimPO, CPO) as part of the one training step (`finetune.memory.step`).
+"""Preference losses (DPO, ORPO, KTO, SimPO, CPO) as part of the one training step (`finetune.step.training_step`).
 
 Why our own and not TRL's trainers: TRL's DPOTrainer (and ORPO/KTO, which trl 1.x moved to
 `trl.experimental`) own the training step, the data pipeline and the reference model, so they would bypass
@@ -6,23 +6,7 @@ the step that `finetune run`, `finetune measure` and the planner's meta trace sh
 offload, chunked loss, OOM recovery). The formulas below follow TRL's (`DPOTrainer.dpo_loss`,
 `ORPOTrainer.odds_ratio_loss`, `KTOTrainer.kto_loss`, `CPOTrainer.cpo_loss` for SimPO and CPO).
 
-Batch layout (`finetune.data.packing.PreferenceCollator`): pairs are 2 x B rows, the chosen answers first,
-then the rejected ones, so one forward serves both (TRL's "concatenated forward"); kto batches are B rows
-with a boolean `kto_label`. Labels are -100 outside the answers.
-
-Reference model: the base, i.e. the same model with its adapter switched off (peft's `disable_adapter`),
-run under `no_grad` before the policy forward, so it keeps no activations and costs no second copy of the
-weights. A run started from an adapter (adapter.init_from, e.g. DPO after SFT) has that adapter loaded twice,
-trained and frozen; the reference is the frozen one (one extra adapter's memory). With
-training.precompute_reference the reference values come with the batch instead (`ref_logps`, one per row,
-computed once before training by `reference_values`), and the step runs no reference forward; a run from an
-adapter then needs no frozen copy either: the pass runs the model as it is (`current`), whose trained adapter
-still holds the start weights before the first step.
-KTO's reference point z0 (the KL between policy and reference) is estimated from the batch's own
-answers (detached, clamped at 0), not from TRL's extra forward over mismatched prompt/answer pairs.
-
-Sequence log-probabilities sum log p(token) over each row's answer tokens. With memory.chunked_loss the LM
-head runs over chunks of answer tokens under a checkpoint, so full logits never exist (as for SFT).
+More in docs/preference.md, "In the code: finetune/step/preference.py".
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ from rich.progress import Progress
 
 from finetune.console import ProgressLines, console, progress_bar
 from finetune.memory.chunked_loss import AUX_LOSS
-from finetune.memory.preference import METRIC_PREFIXES
 from finetune.rundir import COLLAPSED_EVENT, EVAL_PREFIX, TRAINING_WARNING, RunDir, is_eval_row
+from finetune.step.preference import METRIC_PREFIXES
 from finetune.train.grpo import METRIC_PREFIXES as GRPO_METRICS
 from finetune.train.noise_scale import KEYS as NOISE_SCALE_KEYS
 from finetune.train.policy import Policy
@@ -48,7 +48,7 @@ class CollapseWatch:
         return self.warning
 
 
-class RunFiles(Policy):
+class LiveFiles(Policy):
     """One JSON line per logged step (and per evaluation) in metrics.jsonl, train.log; live status in
     status.json. Several processes: rank 0 alone writes (asked at every hook: the evaluation before training
     logs before on_train_begin)."""
