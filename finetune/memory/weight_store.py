@@ -1,30 +1,11 @@
 """The weight store: frozen weights off the device, in host RAM (`cpu`, pinned on CUDA) or in files under
-memory.offload_dir (`disk`), each decoder layer's brought to the device when the layer runs, the next `ahead`
-layers' fetched meanwhile; at most `ahead + 1` layers are ever materialised. One mechanism for two recipe keys
-(`Streamed`): `memory.offload_weights` streams every frozen weight of each layer (dense Linear weights as stored,
-NF4 with their quant state or 16-bit; a MoE layer's experts alike); `memory.offload_experts` streams only the
-MoE layers' expert weights (finetune.memory.expert_offload), one layer ahead.
+memory.offload_dir (`disk`), each decoder layer's brought to the device when the layer runs and the next `ahead`
+layers' fetched meanwhile (at most `ahead + 1` materialised). One mechanism for `memory.offload_weights` (every
+frozen weight of each layer) and `memory.offload_experts` (the experts only): `Streamed`.
 
-Why: a 70B model's 4-bit weights are ~37 GB, more than a 24 GB card; its frozen weights are read once per
-pass, and the link (PCIe ~25 GB/s, an NVMe SSD ~7 GB/s) carries a layer while the previous one computes.
-
-How, without touching a library's internals: each frozen tensor keeps its storage object (the parameter,
-a Params4bit's packed bytes, its quant state's absmax), whose bytes are freed by resizing the storage to
-zero and brought back by resizing it and copying into it (what FSDP does with its flat parameters). Anything
-that holds the tensor (a module, a quant state, autograd's saved tensors, bitsandbytes' ctx.tensors) sees the
-bytes again when they are back, so the losses and gradients are the resident run's, bit for bit. Module
-hooks say when: a decoder layer's forward pre-hook fetches it for forward, and a gradient hook on its output
-fetches it again before its backward, which is before a checkpointed layer's recompute (transformers
-checkpoints the layer's `forward`, inside the module hooks). Trained weights (LoRA,
-anything with requires_grad) and the optimizer state never move. The files are written with the activation
-offload's disk tier writer and reader (`finetune.memory.offload_disk`), one per tensor (`StoreFiles`).
-
-Loading streams too (`stream_on_arrival`): each weight moves into the store the moment the loader sets it on
-its module, so a model larger than the card (or RAM, for the disk tier) loads without being whole anywhere.
-
-Direction: a layer fetched below the previous one means backward has begun; read-ahead follows the pass,
-and at either end turns back (the next pass starts where this one ended). `materialised_peak` counts the
-layers materialised at once (what the planner prices: `ahead + 1`).
+Why: a 70B model's 4-bit weights (~37 GB) exceed a 24 GB card, and each is read once per pass, so the link can
+carry a layer while the previous one computes. How (storages emptied and refilled in place, module and gradient
+hooks, loading as weights arrive): docs/memory.md, "The weight store in the code".
 """
 
 from __future__ import annotations

@@ -1,48 +1,9 @@
 """`training.effective_batch_size: auto`: the batch grows with the measured gradient noise scale.
 
-The warmup first (finetune/train/sub_updates.py): the critical batch starts near 0 and grows (Critical
-Batch Size Revisited), so the run starts with updates of ONE sequence even where the loader batch (the
-micro-batch m) is larger: each loop step's loader batch runs as m/u updates of u sequences. u grows to
-the largest power of two dividing m whose predicted token overhead next to one sequence stays within
-TOKEN_SLACK (batch_rules.update_batch), at the same decision points as the accumulation below, until it is m;
-from then on the engine works as described next. Not with a layer-wise optimizer (it updates inside
-backward: an update cannot end inside a loader batch), nor for kto (its reference point is its batch's
-mean), nor where a loop step accumulates loader batches (an out-of-memory recovery's settings on --resume):
-those start at u = m, as before.
-
-The micro-batch stays the planner's fastest fit and the loop keeps one loader batch per step, so
-`max_steps`, the data order, the LR schedule and the run length stay defined in loader batches (fixed
-tokens): a ramp never changes which examples are seen or how many. The engine accumulates A consecutive
-steps into one optimizer update: on the first A-1 of a group the update is deferred (`Policy.defers`: the
-gradients stay in .grad, clipping waits), and the last one applies the mean of the group's loader-batch
-gradients. The scheduler still steps every loop step, so the learning rate follows the schedule in tokens.
-
-When to accumulate: finetune/recipe/batch_rules.py (best_accumulation). On one device accumulation buys no
-throughput; it only spreads the optimizer step's fixed cost over more micro-batches, and McCandlish et al.'s
-model prices the larger batch in tokens, so the engine times its own steps (StepTimes: forward-backward and
-the rest of an updating step, on the device's timeline: CUDA events, no host sync) and, at the end of a group
-once the noise scale has MIN_OBSERVATIONS fresh observations since the last change, accumulates the k that
-minimises the predicted wall time to a loss, k* = sqrt(t_opt x gns / (t_micro x tokens per micro-batch)),
-ramping up only (the critical batch grows during training, Critical Batch Size Revisited), up to
-MAX_ACCUMULATION. A cheap optimizer step (LoRA, small models) keeps k = 1. Each change rescales the learning
-rate and beta2 by the same module's rules against the starting batch and is recorded (`on_change`: a
-`batch_changed` row in metrics.jsonl, shaped like the out-of-memory events).
-
-A step that cannot be split in two for the noise-scale probe (one sequence, or a layer-wise optimizer that
-updates inside backward) is measured by taking two loader batches into one update once every
-training.noise_scale_split_every loader batches while the accumulation is 1, instead of accumulating all the
-time (the pair keeps the learning rate and beta2 of one loader batch). Splitting one sequence by tokens would
-not do: the halves of a sequence are correlated, and the two-batch estimator assumes independent parts.
-
-Learning rate and beta2 follow the rules for u x accumulation sequences (the run's first change, to u = 1,
-is recorded at step 0); each batch_changed event names the update batch u in `from` and `to`.
-
-Checkpoints fall on group boundaries only (a save or stop asked for mid-group waits for the group's last
-step), and hold the accumulation (the engine's state) and the update batch (the loop's geometry) in the train
-state, so `--resume` continues exactly.
-An out-of-memory retry inside a group re-runs the group's earlier loader batches too
-(finetune/train/loop.py keeps the group's steps); one inside a step of several updates re-runs only those
-not applied yet.
+Why a policy of its own: the critical batch starts near one sequence and grows during training, so the run
+starts with updates of one sequence and accumulates more loader batches per update as the measured noise scale
+supports, while the micro-batch, the data order and the schedule stay in loader batches; checkpoints fall on
+group boundaries, so `--resume` continues exactly. More in docs/training.md, "The batch engine in the code".
 """
 
 from __future__ import annotations

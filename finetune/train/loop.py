@@ -1,25 +1,11 @@
 """The training loop: one explicit loop over accelerate, with policies composed into it.
 
-    for each step (`accumulation` loader batches):
-        updates = the step's rows as updates of micro-batches (policies may re-plan: sub-updates, splits)
-        for each update (`run_update`, the happy path): the objective's forward/backward of each micro-batch
-                         then, unless a policy defers it: gradient norm and clipping, divergence check,
-                         optimizer step, gradients freed
-        scheduler step; log, evaluate, save, stop, in that order, as their schedules say
-    around the updates (`run_step`): an out-of-memory error lets the policies make the step cheaper, then again
-
-What a training method computes is its `Objective` (finetune/train/objectives.py, named by its registry entry),
-called blind on typed batches (finetune.data.batch.Batch, or an objective's own: GRPO's completions).
-
-Device placement, mixed precision and the gradient all-reduce of several processes (DDP, FSDP2, DeepSpeed)
-are accelerate's (`Accelerator`); everything else is in plain sight here. What varies by feature (the
-out-of-memory retry, sub-updates, grouping steps for `effective_batch_size: auto`, the noise-scale probe,
-the memory tracker, the run directory's files) is a `finetune.train.policy.Policy`, called through the
-hooks declared there; the loop never names one.
-
-The data order is a function of (seed, epoch) alone and steps never cross an epoch, so a step's examples
-follow from its number: resuming needs no sampler state, and a micro-batch changed by an out-of-memory
-recovery (B/k rows, k times the accumulation) sees the same examples in the same steps.
+Why one loop of our own: every feature that varies (out-of-memory retry, sub-updates, batch growth, the
+noise-scale probe, the memory tracker, the run's files) is a `finetune.train.policy.Policy` called through
+declared hooks, and what a method computes is its `Objective`, so the loop names neither; accelerate keeps
+device placement, mixed precision and the all-reduce. The step-by-step picture: docs/architecture.md, "The
+training loop". Why one module of ~680 lines: the step, its retry and the state it checkpoints are one order of
+hook calls, read together.
 """
 
 from __future__ import annotations
