@@ -348,16 +348,15 @@ class Suite:
         steps = 3 if self.cpu else 8
         speed = configs.stage_c_speed()[:1] if self.cpu else configs.stage_c_speed()
         overheads = configs.stage_c_overheads((8192,) if self.cpu else (8192, 32768))
-        kernels = [] if self.cpu else configs.stage_c_kernels()  # Liger needs CUDA; CPU compile: benchmarks/compile.py
-        cfgs = {c["name"]: c for c in speed + overheads + kernels}
+        variants = [] if self.cpu else configs.stage_c_variants()  # Liger needs CUDA; CPU: benchmarks/compile.py
+        cfgs = {c["name"]: c for c in speed + overheads + variants}
         for name in self.each("c", _pick(cfgs, only), only is not None, lambda n: 3 if cfgs[n] in speed else 1):
             cfg = cfgs[name]
             if cfg in speed:
                 row = self.speed_row(cfg, steps, ("hf_peft", "trl"))
-            else:  # against its length's reference row: checkpointing alone, or kernels none
-                row = self.speed_row(cfg, steps * (3 if cfg in kernels else 1), ())
-                reference = self.results.row("c", f"{name.split()[0]} "
-                                                  f"{'kernels none' if cfg in kernels else 'checkpointing alone'}")
+            else:  # against its reference row: its length's checkpointing alone, or the variant's own
+                row = self.speed_row(cfg, steps * (3 if cfg in variants else 1), ())
+                reference = self.results.row("c", cfg.get("reference") or f"{name.split()[0]} checkpointing alone")
                 if reference and reference.get("finetune_tokens_per_s") and row["finetune_tokens_per_s"]:
                     row["overhead"] = 1 - row["finetune_tokens_per_s"] / reference["finetune_tokens_per_s"]
             self.put("c", row)
@@ -368,9 +367,11 @@ class Suite:
         self.results.set_stage("c", self.results.data["stages"]["c"]["status"], {
             "lowest speed ratio vs HF/TRL (goal >= 1.0x)": min(ratios) if ratios else None,
             **{f"worst overhead {k}": v for k, v in over.items()},
-            **{f"speedup {label} (2k, 8k)": [round(1 - r["overhead"], 3) for r in rows
-                                             if r["name"].split(" ", 1)[1] == label and "overhead" in r] or None
-               for label in configs.KERNEL_VARIANTS if label != "kernels none"},
+            **{f"speed vs reference, {label}": [round(1 - r["overhead"], 3) for r in rows
+                                                if r["name"].endswith(f"k {label}") or r["name"].endswith(f"mb4 {label}")
+                                                if "overhead" in r] or None
+               for label in (*configs.KERNEL_VARIANTS, *configs.STREAM_VARIANTS)
+               if label not in ("kernels none", "weights resident")},
             "goal: offload cpu <= 5%, disk <= 15%": None if over["offload cpu"] is None else
             bool(over["offload cpu"] <= 0.05 and (over["offload disk"] or 0) <= 0.15)})
 
@@ -383,7 +384,7 @@ class Suite:
         row: dict[str, Any] = {"name": cfg["name"], "max_seq_len": self.seq(cfg)}
         ours = self.train(self.recipe(cfg, steps, self.work / "run"), base=base)
         row.update({k: ours[k] for k in ("status", "error_kind", "error", "oom_events", "predicted_bytes",
-                                         "measured_reserved_bytes") if k in ours},
+                                         "measured_reserved_bytes", "predicted_tokens_per_s") if k in ours},
                    finetune_tokens_per_s=ours["tokens_per_s"], seconds=ours["seconds"])
         for framework in frameworks:
             started = time.time()
