@@ -20,7 +20,7 @@ from finetune.model.load import load_model
 from finetune.recipe.schema import AdapterConfig, ModelConfig, QuantizationConfig
 from finetune.rundir import read_jsonl
 from finetune.step.training_step import enable_checkpointing
-from tests.run_support import three_step_recipe
+from tests.run_support import assert_same_steps, three_step_recipe
 from tests.test_weight_store import _steps
 
 
@@ -179,3 +179,30 @@ def test_streaming_with_several_gpus_refused_by_every_command(tmp_path, capsys, 
 
     path = three_step_recipe(tmp_path, "llama", {"memory": {"offload_weights": "cpu"}, "distributed": {"gpus": 2}})
     _refused(tmp_path, capsys, [command, str(path)], "memory.offload_weights", "distributed.gpus")
+
+
+def test_a_streamed_run_resumes_exactly(tmp_path, capsys):
+    """Weights streamed from disk: 2 steps, a checkpoint, --resume to 4 (constant schedule), the same losses
+    as 4 straight steps with the weights resident; the resumed run loads layer by layer again."""
+    import yaml
+
+    def recipe(name: str, tier: str, steps: int) -> Path:
+        folder = tmp_path / name
+        return three_step_recipe(folder, "llama", {"quantization": {"bits": 4}},
+                                 {"training": {"max_steps": steps, "lr_scheduler": "constant"},
+                                  "output": {"save_steps": 2},
+                                  "memory": {"offload_weights": tier, "offload_dir": str(folder / "weights")}},
+                                 num_hidden_layers=4)
+
+    straight = recipe("straight", "none", 4)
+    assert main(["run", str(straight)]) == 0, capsys.readouterr().err
+    streamed = recipe("streamed", "disk", 2)
+    assert main(["run", str(streamed)]) == 0, capsys.readouterr().err
+    data = yaml.safe_load(streamed.read_text())
+    data["training"]["max_steps"] = 4
+    streamed.write_text(yaml.safe_dump(data))
+    capsys.readouterr()
+    assert main(["run", str(streamed), "--resume"]) == 0, capsys.readouterr().err
+    assert "memory.offload_weights: disk: loaded layer by layer" in capsys.readouterr().err
+    assert_same_steps(tmp_path / "streamed" / "run", tmp_path / "straight" / "run", ("loss",), [1, 2, 3, 4])
+    assert not (tmp_path / "streamed" / "weights").exists()
