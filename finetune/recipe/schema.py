@@ -263,7 +263,7 @@ class TrainingFields(Section):
         None, ge=1, le=MAX_COUNT, description="The effective batch in real (non-padding) tokens instead of "
         "sequences: a step takes examples until their tokens reach this, in micro-batches as data.batching cuts "
         "them, so its micro-batches vary in number (gradient_accumulation_steps is not used); length_grouped or "
-        "token_budget batching keeps them full. null: micro_batch_size x gradient_accumulation_steps sequences.")
+        "token_budget batching keeps them full. null: the batch in sequences (micro-batch x accumulation).")
     learning_rate: float = Field(2.0e-4, gt=0, le=1, description="Peak learning rate.")
     lr_scheduler: Literal["cosine", "linear", "constant", "wsd"] = Field(
         "cosine", description="Schedule after warmup; wsd = warmup, stable, then decay over decay_ratio.")
