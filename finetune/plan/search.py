@@ -447,7 +447,8 @@ class PlannedExample:
 
 
 def planned_example(recipe: Recipe, config: Any, planner: Planner = DEFAULT) -> PlannedExample:
-    """What the plan traces: the largest micro-batch the run forms from the data (`planned_data`). Text
+    """What the search traces: a bound on the largest micro-batch the run forms from the data (`planned_data`),
+    whatever its batching (the chosen plan is then priced at the run's real micro-batches: `plan.batches`). Text
     examples: padded to the longest row of the micro-batch, so the longest example's length, at most
     max_seq_len (packing: max_seq_len rows). Data with images: the images of the record with the most image
     tokens (at data.max_pixels, each resized as its processor resizes) in a sequence as long as the longest
