@@ -44,8 +44,12 @@ class PricedBatch:
 
 def largest(batches: Sequence[PricedBatch]) -> list[PricedBatch]:
     """The micro-batches no other dominates: one of them is the largest, whatever the model."""
-    distinct = sorted(set(batches), key=lambda b: (-b.rows * b.row, -b.row, -b.image_tokens))
-    return [b for i, b in enumerate(distinct) if not any(o.dominates(b) for o in distinct[:i])]
+    kept: list[PricedBatch] = []
+    # a dominating micro-batch sorts first, so checking those kept suffices (dominance is transitive)
+    for b in sorted(set(batches), key=lambda b: (-b.rows * b.row, -b.row, -b.padded, -b.image_tokens)):
+        if not any(o.dominates(b) for o in kept):
+            kept.append(b)
+    return kept
 
 
 def run_batches(recipe: Recipe, micro_batch: int, accumulation: int, batching: str, lengths: Sequence[int],
@@ -63,10 +67,9 @@ def run_batches(recipe: Recipe, micro_batch: int, accumulation: int, batching: s
     if indices is None:
         return None
     rows = rows or [(n, (), 0) for n in lengths]
-    priced = []
+    priced = set()
     for mb in indices:
         row = max(rows[i][0] for i in mb)
         _, grids, tokens = max((rows[i] for i in mb), key=lambda r: r[2])
-        padded = rows_per_example > 1 or any(rows[i][0] < row for i in mb)
-        priced.append(PricedBatch(len(mb), row, padded, grids, tokens))
-    return largest(priced)
+        priced.add(PricedBatch(len(mb), row, rows_per_example > 1 or any(rows[i][0] < row for i in mb), grids, tokens))
+    return largest(list(priced))
