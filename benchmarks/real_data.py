@@ -13,10 +13,11 @@ random one (benchmarks/batching.py's Llama; mllm_demo: finetune.testing's tiny Q
 null (a million weights) and the batch shape (--micro-batch x --accumulation, so that batching has rows to
 group). dpo_en_demo trains with training.method dpo.
 
-- planned / measured: the run's plan.json peak (made for the largest micro-batch the data forms) and the peak
-  the run's tracker measured (metrics.jsonl), as the end of `finetune run` prints them (api.run_memory).
-- largest: the largest micro-batch of the epoch (padded tokens) over the one the plan prices (micro-batch rows x
-  the longest example): below 100% the run's batches never reach the planned one, and its peak stays under.
+- planned / measured: the run's plan.json peak (made for the largest micro-batch the run forms: its rows, row
+  length and padding, finetune.plan.batches) and the peak the run's tracker measured (metrics.jsonl), as the
+  end of `finetune run` prints them (api.run_memory).
+- largest: the largest micro-batch of the epoch (padded tokens) over the search's bound (micro-batch rows x the
+  longest example): below 100% the run's batches never reach the bound, and its plan is priced below it.
 - real: real tokens / padded tokens of one epoch's micro-batches under the run's batching
   (finetune.data.batching.epoch_shape over the data's lengths, finetune.data.build.data_shape; image records
   count their text tokens).

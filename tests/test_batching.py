@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import copy
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
 
-from finetune.data.batching import Batching, epoch_shape, epoch_steps
+from finetune.data.batching import Batching, epoch_order, epoch_shape, epoch_steps, run_micro_batches
 from finetune.data.packing import make_collator
 from finetune.plan.search import auto_batching
 from finetune.recipe import validate_recipe
@@ -29,6 +30,23 @@ def _steps(kind: str, seed: int, epoch: int = 0, micro: int = 4, accumulation: i
     order = torch.randperm(len(LENGTHS), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
     return epoch_steps(order, LENGTHS, Batching(kind, micro, accumulation, token_budget=micro * max(LENGTHS)),
                        seed, epoch)
+
+
+@pytest.mark.parametrize("step_tokens", [None, 400], ids=["examples", "tokens"])
+@pytest.mark.parametrize("kind", ["random", "length_grouped"])
+def test_the_planner_cuts_the_loops_micro_batches_and_a_recoverys_halves(kind, step_tokens):
+    """run_micro_batches (what the plan prices) are the loop's micro-batches, from the loop's permutation, over
+    the run's steps; at half the micro-batch and twice the accumulation (an out-of-memory recovery's re-plan)
+    they are the halves the loop then runs (TrainLoop.cut_rows: consecutive parts of part_rows rows)."""
+    cut = Batching(kind, 4, 2, step_tokens=step_tokens)
+    steps = epoch_steps(epoch_order(len(LENGTHS), 7, 0), LENGTHS, cut, 7, 0)
+    assert run_micro_batches(LENGTHS, cut, 7, 1.0, None, 4) == [mb for step in steps for mb in step]
+    assert run_micro_batches(LENGTHS, cut, 7, 1.0, 3, 4) == [mb for step in steps[:3] for mb in step]
+    halves = run_micro_batches(LENGTHS, replace(cut, micro_batch=2, accumulation=4), 7, 2.0, None, 4)
+    assert halves == [mb[i:i + 2] for e in range(2) for step in
+                      epoch_steps(epoch_order(len(LENGTHS), 7, e), LENGTHS, cut, 7, e) for mb in step
+                      for i in range(0, len(mb), 2)]
+    assert run_micro_batches(LENGTHS, cut, 7, 5.0, None, 4) is None  # more epochs than cut: the plan's bound
 
 
 @pytest.mark.parametrize("kind", ["length_grouped", "token_budget"])

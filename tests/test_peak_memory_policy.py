@@ -108,6 +108,23 @@ def test_only_steps_that_can_set_a_new_peak_are_tracked():
     assert _get_current_dispatch_mode() is None
 
 
+def test_a_padded_step_is_tracked_after_an_unpadded_one_of_the_same_shape():
+    """A padded micro-batch makes transformers build a 4-D attention mask that an all-ones one does not (SDPA
+    skips it), so an unpadded tracked step of the same shape does not bound it; a padded one bounds both."""
+    callback = _callback()
+    full, padded = torch.ones(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.long)
+    padded[0, -3:] = 0
+    batches = [[{"input_ids": torch.zeros(2, 8, dtype=torch.long), "attention_mask": m}] for m in
+               (full, full, full, padded, padded, full)]
+    tracked = []
+    for step, step_batches in enumerate(batches):
+        callback.step_begins(step_batches, step)
+        tracked.append(callback.track_step)
+        callback.on_step_end()
+    assert tracked == [True, True, False, True, False, False]  # the first two, then the first padded one
+    callback.close()
+
+
 def test_the_recorded_peak_is_the_every_step_peak_when_the_longest_batch_comes_late(tiny_model_dir, tmp_path,
                                                                                     monkeypatch):
     """`finetune run` on CPU: tracking only the steps that can set a peak records in metrics.jsonl the peak

@@ -4,13 +4,13 @@ the settings the recipe fixes that would make it fit."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 
 from finetune import api
 from finetune.cli import main
+from finetune.data.batching import epoch_order
 from finetune.data.build import build_datasets, data_shape
 from finetune.data.shape import DataShape
 from finetune.plan import Planner, predict
@@ -28,39 +28,40 @@ def _recipe(tmp_path: Path, model: Path, data: Path, max_seq_len: int, **trainin
         "training": {"micro_batch_size": 2, "max_steps": 2, **training}}))
 
 
-def _longest_micro_batch(recipe, tokenizer) -> tuple[int, int]:
-    """The largest micro-batch (rows, row length) the run's collator makes of the data, over every order of the
-    examples in micro-batches of the recipe's size (the loader draws them at random): one holding the longest
-    example is padded to it."""
+def _largest_micro_batch(recipe, tokenizer, steps: int) -> tuple[int, int]:
+    """The largest micro-batch (rows, row length) the run's collator makes of the data in its first `steps`
+    steps, in the loop's order (its permutation, cut in micro-batches of the recipe's size)."""
     bundle = build_datasets(recipe.data, tokenizer, recipe.training.seed)
-    rows = recipe.training.micro_batch_size
-    order = list(range(len(bundle.train)))
-    shapes = set()
-    for seed in range(20):
-        random.Random(seed).shuffle(order)
-        for i in range(0, len(order), rows):
-            batch = bundle.collator([bundle.train[j] for j in order[i:i + rows]])
-            shapes.add(tuple(batch["input_ids"].shape))
+    rows, seed = recipe.training.micro_batch_size, recipe.training.seed
+    batches = []
+    for epoch in range(-(-steps * rows // len(bundle.train))):
+        order = epoch_order(len(bundle.train), seed, epoch)
+        batches += [order[i:i + rows] for i in range(0, len(order), rows)]
+    shapes = [tuple(bundle.collator([bundle.train[j] for j in b])["input_ids"].shape) for b in batches[:steps]]
     return max(shapes, key=lambda s: (s[1], s[0]))
 
 
 @pytest.mark.parametrize("max_seq_len", [256, 32], ids=["shorter-than-max_seq_len", "capped"])
 def test_the_plan_is_made_for_the_longest_micro_batch_the_run_forms(tmp_path, tiny_model_dir, tiny_tokenizer,
                                                                      max_seq_len):
-    """The traced rows are as long as the longest real micro-batch (the longest example, capped at max_seq_len),
-    and that plan is lower than the plan for max_seq_len-token rows wherever the data is shorter."""
-    recipe = _recipe(tmp_path, tiny_model_dir, text_data(tmp_path / "d.jsonl", LENGTHS), max_seq_len)
+    """The traced rows are as long as the longest real micro-batch (over two epochs: the longest example, capped
+    at max_seq_len), and that plan is lower than the plan for max_seq_len-token rows wherever the data is
+    shorter. Two steps see only their own micro-batches: the plan prices the longest of those."""
+    recipe = _recipe(tmp_path, tiny_model_dir, text_data(tmp_path / "d.jsonl", LENGTHS), max_seq_len,
+                     max_steps=None, epochs=2)
     plan = predict(recipe, device="cpu", planner=Planner())
-    rows, longest = _longest_micro_batch(recipe, tiny_tokenizer)
+    rows, longest = _largest_micro_batch(recipe, tiny_tokenizer, steps=len(LENGTHS))
     assert rows == 2 and plan.data["sequence"] == longest == min(max(LENGTHS) + 1, max_seq_len)  # text ends in EOS
-    assert plan.data["examples"] == len(LENGTHS) and plan.notes == []
+    assert plan.data["examples"] == len(LENGTHS) and plan.data["rows"] == 2 and plan.notes == []
     bound = predict(recipe, device="cpu", planner=Planner(), full_length=True)  # max_seq_len-token rows
     assert bound.data == {}
     if longest < max_seq_len:
         assert plan.peak_bytes < 0.8 * bound.peak_bytes
-        assert plan.planned_for() == f"for the data's longest example ({longest} tokens; data.max_seq_len 256)"
+        assert plan.planned_for() == f"for the run's largest micro-batch (2 x {longest} tokens; data.max_seq_len 256)"
     else:
         assert plan.peak_bytes == bound.peak_bytes
+    two = _recipe(tmp_path, tiny_model_dir, text_data(tmp_path / "d.jsonl", LENGTHS), max_seq_len)  # max_steps 2
+    assert predict(two, device="cpu", planner=Planner()).data["sequence"] == _largest_micro_batch(two, tiny_tokenizer, 2)[1]
 
 
 def test_without_a_tokenizer_the_plan_keeps_max_seq_len_and_says_why(tmp_path):
@@ -126,3 +127,30 @@ def test_nothing_fits_names_the_setting_that_would_fit_with_its_peak_and_speed(c
     fix = next(f for f in plan.fixes if f["key"] == "memory.offload_experts")
     assert fix["value"] in ("cpu", "disk") and fix["peak_bytes"] <= plan.budget_bytes and fix["tokens_per_s"] > 0
     assert plan.fix_lines()[plan.fixes.index(fix)] in " ".join(out.split())  # the console wraps long lines
+
+
+@pytest.mark.parametrize(("lengths", "rows", "padded"), [
+    ([200, 210, 220, 230, 20, 30, 40, 50], 4, False),  # four records cut to max_seq_len share a micro-batch
+    ([10, 12, 14, 16, 100, 110], 2, True),  # six records, one step of 8: micro-batches of 4 and 2 rows
+], ids=["unpadded", "fewer-rows"])
+def test_a_grouped_run_is_planned_at_its_largest_real_micro_batch(tmp_path, tiny_model_dir, lengths, rows, padded):
+    """data.batching length_grouped: the plan prices the largest micro-batch the run forms (from the loop's own
+    permutation), not micro_batch_size rows at the longest example, padded: one whose rows are all cut to
+    max_seq_len has no padding (no attention mask is built), and the two longest of six records share the
+    step's 2-row micro-batch. The run's measured peak is within 5% of that plan, and below the bound's."""
+    data = text_data(tmp_path / "d.jsonl", lengths)
+
+    def recipe(batching: str):
+        return validate_recipe(tiny_lora_recipe(tiny_model_dir, data, tmp_path / "run", {
+            "data": {"max_seq_len": 128, "format": "text", "overlong": "truncate", "batching": batching},
+            "training": {"micro_batch_size": 4, "gradient_accumulation_steps": 2, "seed": 0}}))
+
+    api.run(recipe("length_grouped"), overwrite=True)
+    files = api.view_of(tmp_path / "run")
+    memory = api.run_memory(files)
+    planned, measured = memory["planned_peak_bytes"], memory["measured_peak_bytes"]
+    assert (files.plan["data"]["rows"], files.plan["data"]["padded"]) == (rows, int(padded))
+    assert abs(planned - measured) <= 0.05 * measured, (planned, measured)
+    at_random = predict(recipe("random"), device="cpu", planner=Planner())  # 4 padded rows at the longest
+    assert at_random.data["rows"] == 4 and at_random.data["padded"] == 1
+    assert measured < 0.95 * at_random.peak_bytes

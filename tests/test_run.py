@@ -242,7 +242,7 @@ def test_auto_settings_are_planned_and_saved(tmp_path, tiny_model_dir, capsys):
 @pytest.mark.parametrize("packing", [False, True])
 def test_the_plan_is_made_for_the_data_and_the_end_of_a_run_prints_it_beside_the_measured_peak(
         tmp_path, tiny_model_dir, capsys, packing):
-    """Data much shorter than max_seq_len: the first memory line is the plan for the data's longest example,
+    """Data much shorter than max_seq_len: the first memory line is the plan for the run's largest micro-batch,
     within 5% of the measured peak (packed: for max_seq_len rows, an upper bound where the data does not fill
     them), and the CLI's last line puts the two side by side."""
     from finetune import api
@@ -265,7 +265,8 @@ def test_the_plan_is_made_for_the_data_and_the_end_of_a_run_prints_it_beside_the
         at = "for packed rows of data.max_seq_len 256 tokens"
     else:
         assert plan["data"]["sequence"] == plan["data"]["longest_tokens"] == longest < 64
-        at = f"for the data's longest example ({longest} tokens; data.max_seq_len 256)"
+        padding = "" if plan["data"]["padded"] else ", no padding"  # the run's largest micro-batch, as it is
+        at = f"for the run's largest micro-batch ({plan['data']['rows']} x {longest} tokens{padding}; data.max_seq_len 256)"
     assert first.startswith(f"memory plan: {format_bytes(planned)} predicted peak {at}, budget ")
     assert line == f"memory: planned {format_bytes(planned)} {at}; measured peak {format_bytes(measured)}"
     if packing:  # these few short examples fill less than one packed micro-batch of 2 x 256 tokens

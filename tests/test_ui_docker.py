@@ -37,7 +37,8 @@ def test_dockerfile_runs_the_ui_as_non_root_with_a_healthcheck():
     assert 'ENTRYPOINT ["finetune"]' in lines
     cmd = [ln for ln in lines if ln.startswith("CMD ")][-1]
     assert '"ui"' in cmd and '"0.0.0.0"' in cmd
-    assert any('pip install' in ln and '.[ui]' in ln for ln in lines)
+    # the UI and Liger (the cuda extra) by default; docker/test.sh's CPU stand-in builds with EXTRAS=ui
+    assert "ARG EXTRAS=ui,cuda" in lines and any('pip install' in ln and '".[${EXTRAS}]"' in ln for ln in lines)
 
 
 def test_compose_reserves_the_gpu_and_keeps_the_port_on_loopback():

@@ -150,9 +150,13 @@ def test_the_gpu_size_sweep_plans_contexts_of_max_seq_len_whatever_the_images(tm
     assert len(lengths) >= 2 and all(need[a] < need[b] for a, b in itertools.pairwise(lengths))
 
 
-def test_the_end_of_a_run_says_the_plan_was_made_at_the_longest_image_record(tmp_path, vlm, capsys):
+def test_the_end_of_a_run_says_the_plan_was_made_at_the_image_record_it_trains(tmp_path, vlm, capsys):
+    """One step of one record: the plan is priced at that record's row (its image and text tokens), no longer
+    than the longest record's the search bounds it by."""
     recipe = write_recipe(tmp_path, vlm, write_data(tmp_path), max_seq_len=2048, max_pixels=12544)
     assert main(["run", str(recipe)]) == 0
     line = next(li for li in capsys.readouterr().err.splitlines() if li.startswith("memory: planned"))
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
-    assert f"for the data's longest example ({plan['vision']['sequence']:,} tokens; data.max_seq_len 2,048)" in line
+    assert plan["data"]["rows"] == 1 and plan["data"]["sequence"] <= plan["vision"]["sequence"]
+    assert f"for the run's largest micro-batch (1 x {plan['data']['sequence']:,} tokens, no padding; " \
+           "data.max_seq_len 2,048)" in line

@@ -24,11 +24,14 @@ The steps do not depend on the micro-batch, so a recovery's smaller micro-batch 
 
 Everything follows from (the permutation, the lengths, the seed and epoch), so a step's examples follow from
 its number: resuming needs no sampler state, and an out-of-memory recovery that trades micro-batch for
-accumulation (the same examples per step) keeps the same steps. Torch-free: the planner prices the same batches.
+accumulation (the same examples per step) keeps the same steps. The permutation is `epoch_order`, the one the
+loop draws, so the planner prices the very micro-batches the run forms (`run_micro_batches`); torch is imported
+only to draw it.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -67,6 +70,34 @@ def example_length(row: Mapping[str, Any]) -> int | None:
         return len(row["input_ids"])
     pair = [len(row[k]) for k in ("chosen_input_ids", "rejected_input_ids") if k in row]
     return max(pair) if pair else None
+
+
+def epoch_order(examples: int, seed: int, epoch: int) -> list[int]:
+    """The permutation of an epoch's examples: a function of (seed, epoch) alone, so resuming needs no sampler
+    state and the planner draws the run's own (torch.randperm on a CPU generator: the same on every machine)."""
+    import torch
+
+    return torch.randperm(examples, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+
+def run_micro_batches(lengths: Sequence[int], batching: Batching, seed: int, epochs: float,
+                      max_steps: int | None, most_epochs: int) -> list[list[int]] | None:
+    """Every micro-batch (example indices) the run forms, over every process: its first `max_steps` steps, or
+    (None) `epochs` epochs (a part of the last as `finetune.train.setup.total_steps` counts it); what the plan
+    must hold (finetune.plan.batches prices the largest). None where that takes more than `most_epochs` epochs."""
+    out: list[list[int]] = []
+    done = 0
+    for epoch in range(most_epochs):
+        ranks = [epoch_steps(epoch_order(len(lengths), seed, epoch), lengths, batching, seed, epoch, rank)
+                 for rank in range(batching.processes)]
+        count = len(ranks[0])
+        take = min(count, max_steps - done) if max_steps is not None else \
+            count if epoch + 1 <= epochs else max(1, math.ceil((epochs - epoch) * count))
+        out += [mb for steps in ranks for step in steps[:take] for mb in step]
+        done += take
+        if done >= max_steps if max_steps is not None else epoch + 1 >= epochs:
+            return out
+    return None
 
 
 def epoch_steps(order: Sequence[int], lengths: Sequence[int], batching: Batching, seed: int, epoch: int,
@@ -190,9 +221,7 @@ class EpochShape:
 def epoch_shape(lengths: Sequence[int], batching: Batching, seed: int = 0, epoch: int = 0) -> EpochShape:
     """The micro-batches `batching` forms from `lengths` in one epoch (one process's share, as trained),
     counted (the planner's price of a batching, the benchmark's real-token share)."""
-    import numpy as np
-
-    order = np.random.default_rng(seed + epoch).permutation(len(lengths)).tolist()
+    order = epoch_order(len(lengths), seed, epoch)
     real = padded = passes = rows = tokens = 0
     for step in epoch_steps(order, lengths, batching, seed, epoch):
         for mb in step:

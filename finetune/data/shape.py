@@ -50,8 +50,8 @@ class DataShape:
 
     def padded_row(self, max_seq_len: int) -> int:
         """The row length of the longest micro-batch padded to its longest row (the run's collator without
-        packing): the micro-batch that holds the longest example, at most max_seq_len. Any number of rows:
-        examples are drawn at random, so some micro-batch may hold the longest example."""
+        packing): the micro-batch that holds the longest example, at most max_seq_len. The bound the planner's
+        search prices, whatever the batching (finetune.plan.batches then prices the run's real micro-batches)."""
         return min(self.longest, max_seq_len)
 
     def histogram(self, edges: Sequence[int]) -> list[int]:

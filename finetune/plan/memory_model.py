@@ -101,6 +101,9 @@ class ModelSpec:
     images: tuple[tuple[int, int, int], ...] = ()  # a vision-language model: one example's image grids (plan.vision)
     image_positions: int = 0  # those images' tokens in the sequence: never labelled, never through a chunked loss's head
     packing: bool = False  # data.packing: a micro-batch's rows joined into one sequence (step.preference.batch_layout)
+    # the priced micro-batch has padding (finetune.plan.batches); False: its rows are one length, so the collator's
+    # attention_mask is all ones and transformers builds no mask from it (traced without one)
+    padded: bool = True
 
 
 def _block(settings: Settings) -> int:
@@ -141,9 +144,10 @@ def _mix(traces: list[Trace], weights: list[float], checkpointing: bool) -> Trac
 def _layout(spec: ModelSpec, settings: Settings) -> str:
     """The micro-batch's layout as the run's collator makes it (`finetune.step.preference.batch_layout`);
     GRPO's steps build their own batches (`finetune.rl.step`). Flash attention takes padded and packed rows
-    through its variable-length kernels (no mask, grouped-query attention in the kernel): full rows. Under flex
-    attention and `chunked` a packed batch is traced as such, without a dense mask (plan.trace)."""
-    if spec.num_generations or spec.attn == "flash_attention_2":
+    through its variable-length kernels (no mask, grouped-query attention in the kernel): full rows, as are rows
+    without padding (`ModelSpec.padded`). Under flex attention and `chunked` a packed batch is traced as such,
+    without a dense mask (plan.trace)."""
+    if spec.num_generations or spec.attn == "flash_attention_2" or not (spec.padded or spec.packing):
         return "full"
     return batch_layout(settings.micro_batch_size * spec.rows_per_example, spec.packing)
 

@@ -20,6 +20,7 @@ import torch
 from pydantic import ValidationError
 
 from finetune.data.batching import Batching, epoch_shape
+from finetune.data.shape import DataShape
 from finetune.errors import FinetuneError, RecipeError, UsageError
 from finetune.memory.bandwidth import cpu_compute, transfer_bandwidth
 from finetune.memory.device_memory import usable_gpu_memory
@@ -28,6 +29,7 @@ from finetune.model.kernels import compile_pays, kernel_choices
 from finetune.model.moe import moe_config
 from finetune.model.vision import in_vision
 from finetune.plan import weight_stream as stream
+from finetune.plan.batches import PricedBatch, run_batches
 from finetune.plan.cost_model import figures_of, tier_bytes_per_s, tokens_per_second
 from finetune.plan.data import PlannedData, read_data
 from finetune.plan.memory_model import (
@@ -131,8 +133,10 @@ class Plan:
     vision: dict[str, int] = field(default_factory=dict)
     attention: str = ""  # the attention kernel planned (model.attn_implementation, auto resolved for the device)
     # the data planned for (plan.data): examples, longest_tokens (the longest example), sequence (the row length
-    # traced: the longest example's, at most max_seq_len; packing: max_seq_len), max_seq_len, packing (0/1); {}
-    # where the data could not be read before the plan (planned at data.max_seq_len, with a note saying why)
+    # traced: the largest micro-batch's the run forms, else the longest example's, at most max_seq_len; packing:
+    # max_seq_len), max_seq_len, packing (0/1), and where the run's batches were cut (finetune.plan.batches) rows
+    # and padded (0/1) of that micro-batch; {} where the data could not be read before the plan (planned at
+    # data.max_seq_len, with a note saying why)
     data: dict[str, int] = field(default_factory=dict)
     # nothing fits: each setting the recipe fixes that, left to the planner (auto), would make the plan fit, as
     # {"key": "memory.offload_experts", "value": what the planner then picks, "peak_bytes", "tokens_per_s"}
@@ -148,8 +152,9 @@ class Plan:
                 f"{format_bytes(f['peak_bytes'])}, {f['tokens_per_s']:,.0f} tokens/s predicted" for f in self.fixes]
 
     def planned_for(self) -> str:
-        """What the peak is for, in words: the data's largest micro-batch (its longest example's rows), or
-        data.max_seq_len's rows where the data was not read before the plan ("" then: a note says why)."""
+        """What the peak is for, in words: the largest micro-batch the run forms (its rows and row tokens), or
+        the longest example's rows where the run's batches are not known before it, or data.max_seq_len's rows
+        where the data was not read before the plan ("" then: a note says why)."""
         return planned_for(self.data)
 
     def to_json(self) -> str:
@@ -170,6 +175,9 @@ def planned_for(data: dict[str, int]) -> str:
         return ""
     if data.get("packing"):
         return f"for packed rows of data.max_seq_len {data['max_seq_len']:,} tokens"
+    if "rows" in data:
+        return (f"for the run's largest micro-batch ({data['rows']} x {data['sequence']:,} tokens"
+                f"{'' if data['padded'] else ', no padding'}; data.max_seq_len {data['max_seq_len']:,})")
     if data["sequence"] < data["max_seq_len"]:
         return (f"for the data's longest example ({data['sequence']:,} tokens; data.max_seq_len "
                 f"{data['max_seq_len']:,})")
@@ -386,12 +394,17 @@ def vision_costs(spec: ModelSpec) -> dict[str, int]:
             "sequence": spec.seq_len}
 
 
-def data_facts(data: PlannedData, spec: ModelSpec, recipe: Recipe) -> dict[str, int]:
-    """What the plan says of the data it was made for (Plan.data); {} where it was not read."""
+def data_facts(data: PlannedData, spec: ModelSpec, recipe: Recipe, priced: PricedBatch | None = None
+               ) -> dict[str, int]:
+    """What the plan says of the data it was made for (Plan.data); {} where it was not read. `priced`: the run's
+    largest micro-batch the peak was priced at (its rows, row tokens as `sequence`, padded 0/1)."""
     if data.shape is None:
         return {}
-    return {"examples": data.shape.examples, "longest_tokens": data.shape.longest, "sequence": spec.seq_len,
-            "max_seq_len": recipe.data.max_seq_len, "packing": int(recipe.data.packing)}
+    facts = {"examples": data.shape.examples, "longest_tokens": data.shape.longest, "sequence": spec.seq_len,
+             "max_seq_len": recipe.data.max_seq_len, "packing": int(recipe.data.packing)}
+    if priced is not None:
+        facts.update(sequence=priced.row, rows=priced.rows, padded=int(priced.padded))
+    return facts
 
 
 def pixel_budgets(recipe: Recipe, config: Any) -> list[int]:
@@ -432,10 +445,15 @@ class PlannedExample:
     grids: tuple[Grid, ...]
     seq_len: int
     too_long: int = 0
+    # image data read before the plan, every record fitting: each record's row as the run pads it (its image
+    # tokens and text, at most max_seq_len), its grids and their tokens (finetune.plan.batches prices the run's
+    # micro-batches of them); () otherwise
+    rows: tuple[tuple[int, tuple[Grid, ...], int], ...] = ()
 
 
 def planned_example(recipe: Recipe, config: Any, planner: Planner = DEFAULT) -> PlannedExample:
-    """What the plan traces: the largest micro-batch the run forms from the data (`planned_data`). Text
+    """What the search traces: a bound on the largest micro-batch the run forms from the data (`planned_data`),
+    whatever its batching (the chosen plan is then priced at the run's real micro-batches: `plan.batches`). Text
     examples: padded to the longest row of the micro-batch, so the longest example's length, at most
     max_seq_len (packing: max_seq_len rows). Data with images: the images of the record with the most image
     tokens (at data.max_pixels, each resized as its processor resizes) in a sequence as long as the longest
@@ -455,6 +473,7 @@ def planned_example(recipe: Recipe, config: Any, planner: Planner = DEFAULT) -> 
     budget = None if pixels == "auto" else pixels
     most: tuple[int, tuple[Grid, ...]] = (0, ())  # the most image tokens of a record that fits, its grids
     longest = too_long = 0  # the longest record that fits (image tokens and text bound); those that do not fit
+    rows = []
     seen: dict[tuple[tuple[int, int], ...], tuple[tuple[Grid, ...], int]] = {}  # records of the same image sizes
     for sizes, text in records:
         key = tuple(sizes)
@@ -467,9 +486,11 @@ def planned_example(recipe: Recipe, config: Any, planner: Planner = DEFAULT) -> 
             continue
         most = max(most, (tokens, grids), key=lambda x: x[0])
         longest = max(longest, tokens + text)
+        rows.append((min(max_seq_len, tokens + text), grids, tokens))
     if not most[1]:  # no image record fits: text only, as the build keeps it
         return PlannedExample((), max_seq_len, too_long)
-    return PlannedExample(most[1], min(max_seq_len, longest), too_long)
+    return PlannedExample(most[1], min(max_seq_len, longest), too_long,
+                          tuple(rows) if data is not None and not too_long else ())
 
 
 def planned_sequence(recipe: Recipe, planner: Planner = DEFAULT) -> int:
@@ -651,6 +672,7 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
     rejected += [Candidate(asdict(st), floor, {}, 0.0, f"needs at least {format_bytes(floor)}, budget "
                            f"{format_bytes(budget)}", "over_budget_floor") for floor, st in pruned]
     inactive = inactive_settings(recipe)  # settings that do not matter here (one process: no strategy)
+    full = {id(c): dict(c.settings) for c in candidates}  # every setting, for the pricing at the run's batches
     for cand in candidates + rejected:
         cand.settings = {k: v for k, v in cand.settings.items() if k not in inactive}
     chosen = ok[0] if ok else leanest
@@ -658,6 +680,13 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
         for cand in [*ok[1:4], chosen]:  # each at its own micro-batch; the chosen one's reason is a note
             cand.settings["batching"], why = auto_batching(recipe, cand.settings, lengths, figures["half_tokens"])
         notes.append(f"data.batching auto: {chosen.settings['batching']} ({why})")
+    priced = None  # the chosen plan's priced micro-batch: None where the bound (max_seq_len or the longest) stays
+    if ok and data.shape is not None and not full_length and not recipe.data.packing:
+        # the search's bound holds every batching; the plans shown are priced at the batches theirs forms
+        for cand in {id(c): c for c in [chosen, *ok[1:4]]}.values():
+            batch = _price_run_batches(cand, Settings(**{**full[id(cand)], **cand.settings}), recipe, config, spec,
+                                       shapes, data.shape, training_only, (free, bandwidth, figures))
+            priced = batch if cand is chosen else priced
     notes += _stream_notes(spec, shapes, chosen, bandwidth, figures)
     fixes = [] if ok or not suggest or training_only or full_length else \
         freed_fixes(recipe, config, gpu_memory, device, planner)
@@ -669,7 +698,34 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
                 generation_bytes=chosen.generation_bytes, training_bytes=chosen.training_bytes,
                 device_figures=figures, figures_measured=measured, notes=notes,
                 vision=vision_costs(spec), attention=spec.attn,
-                data=data_facts(data, spec, recipe) if not full_length else {}, fixes=fixes)
+                data=data_facts(data, spec, recipe, priced) if not full_length else {}, fixes=fixes)
+
+
+def _price_run_batches(cand: Candidate, settings: Settings, recipe: Recipe, config: Any, spec: ModelSpec,
+                       shapes: ModelShapes, data: DataShape, training_only: bool,
+                       resources: tuple[dict[str, int], dict[str, float], dict[str, float]]) -> PricedBatch | None:
+    """`cand`'s memory at the largest micro-batch the run forms (finetune.plan.batches), which its peak then
+    is, and that micro-batch; None (the peak stays the search's bound) where those batches are not known
+    before the run: more epochs than are cut, records whose images do not fit, or token_budget in a re-plan
+    (an out-of-memory recovery splits the loader's budgeted batches, whose budget the recipe no longer says)."""
+    if training_only and settings.batching == "token_budget":
+        return None
+    rows = planned_example(recipe, config, spec.planner).rows if data.has_images else ()
+    if data.has_images and not rows:
+        return None
+    batches = run_batches(recipe, settings.micro_batch_size, settings.gradient_accumulation_steps,
+                          settings.batching, data.lengths, rows, spec.rows_per_example)
+    if batches is None:
+        return None
+    free, bandwidth, figures = resources
+    worst, batch = max(((evaluate(replace(spec, seq_len=b.row, padded=b.padded, images=b.grids,
+                                          image_positions=b.image_tokens),
+                                  shapes, replace(settings, micro_batch_size=b.rows), free, bandwidth, figures), b)
+                        for b in batches), key=lambda x: x[0].peak_bytes)
+    for name in ("peak_bytes", "breakdown", "communication_bytes", "reference_pass_bytes", "managed_bytes",
+                 "generation_bytes", "training_bytes"):
+        setattr(cand, name, getattr(worst, name))
+    return batch
 
 
 BATCHING_GAIN = 0.02  # the predicted saving a batching other than random must bring to be chosen by auto

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from finetune.data.batch import Batch
-from finetune.data.batching import Batching, cut, example_length
+from finetune.data.batching import Batching, cut, epoch_order, example_length
 from finetune.data.batching import epoch_steps as cut_epoch
 from finetune.errors import FinetuneError
 from finetune.optim import layerwise_of
@@ -630,12 +630,6 @@ class TrainLoop:
                 own = saved.get(type(p).__name__)
             if own is not None:
                 p.load_state_dict(own)
-
-
-def epoch_order(examples: int, seed: int, epoch: int) -> list[int]:
-    """The permutation of an epoch's examples: a function of (seed, epoch) alone, so resuming needs no sampler
-    state."""
-    return torch.randperm(examples, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
 
 
 def example_lengths(train: Sequence) -> list[int]:

@@ -25,17 +25,21 @@ MODE_VARIABLE = "FINETUNE_MEMORY_TRACKER"
 FIRST_STEPS = 2  # step 1 creates the optimizer state, step 2 is the first to hold it from its start
 
 
-def step_signature(batches: Sequence[Mapping[str, Any]]) -> tuple[int, int, int]:
-    """(micro-batches, most rows, longest row) of one step's loader batches: what its memory grows with."""
+def step_signature(batches: Sequence[Mapping[str, Any]]) -> tuple[int, int, int, bool]:
+    """(micro-batches, most rows, longest row, any padded) of one step's loader batches: what its memory grows
+    with. Padded: an attention_mask with a zero, for which transformers builds a 4-D mask (SDPA skips an
+    all-ones one), so a padded batch costs more than an unpadded one of the same shape."""
     shapes = [next((v.shape for v in b.values() if isinstance(v, torch.Tensor) and v.dim() == 2), (0, 0))
               for b in batches]
-    return len(batches), max((s[0] for s in shapes), default=0), max((s[1] for s in shapes), default=0)
+    masks = [b.get("attention_mask") for b in batches]
+    padded = any(isinstance(m, torch.Tensor) and not bool(m.all()) for m in masks)
+    return len(batches), max((s[0] for s in shapes), default=0), max((s[1] for s in shapes), default=0), padded
 
 
-def covers(tracked: tuple[int, int, int], step: tuple[int, int, int]) -> bool:
+def covers(tracked: tuple[int, int, int, bool], step: tuple[int, int, int, bool]) -> bool:
     """Whether a tracked step's signature bounds `step`'s: as many micro-batches, none with more rows or
-    longer rows."""
-    return tracked[0] == step[0] and tracked[1] >= step[1] and tracked[2] >= step[2]
+    longer rows, padded if it is."""
+    return tracked[0] == step[0] and tracked[1] >= step[1] and tracked[2] >= step[2] and tracked[3] >= step[3]
 
 
 class PeakMemory(Policy):
@@ -56,7 +60,7 @@ class PeakMemory(Policy):
         self.active = False  # the tracker's dispatch mode is entered
         self.track_step = True  # the current step can set a new peak
         self._aside = False  # the tracker stands aside for the rest of this step (micro_batch)
-        self.tracked: list[tuple[int, int, int]] = []  # signatures of the steps tracked since the last restart
+        self.tracked: list[tuple[int, int, int, bool]] = []  # signatures of the steps tracked since the last restart
         self.tracked_steps: list[int] = []  # global steps (0-based) tracked, for tests and benchmarks
         self._first = FIRST_STEPS  # steps still to track whatever their batches
 

@@ -14,7 +14,7 @@ from transformers import get_scheduler
 
 from finetune.compat import fresh_accelerator_state
 from finetune.console import console
-from finetune.data.batching import Batching
+from finetune.data.batching import Batching, epoch_order
 from finetune.data.batching import epoch_steps as cut_epoch
 from finetune.optim import build_optimizer
 from finetune.recipe.resolved import RunConfig
@@ -32,7 +32,6 @@ from finetune.train.loop import (
     Schedule,
     TrainLoop,
     TrainParts,
-    epoch_order,
     example_lengths,
 )
 from finetune.train.noise_scale import GradNormProbe, NoiseScale
