@@ -56,6 +56,19 @@ def test_a_missing_data_file_is_exit_2_in_seconds_with_no_run_directory(tmp_path
     assert not (tmp_path / "run").exists()
 
 
+def test_a_missing_data_file_is_reported_before_torch_is_imported(tmp_path, tiny_model_dir):
+    """What keeps the refusal in a fraction of a second, on a loaded machine too: no command imports torch
+    (about 1.5 s) before the preflight (the planner's torch-free modules once imported it through
+    finetune.plan's package)."""
+    recipe = write_recipe(tmp_path, tiny_model_dir, tmp_path / "nowhere" / "train.jsonl")
+    for command in ("validate", "plan", "run"):
+        code = (f"import sys\nfrom finetune.cli import main\nrc = main([{command!r}, {str(recipe)!r}])\n"
+                "print('torch' in sys.modules)\nsys.exit(rc)")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert proc.returncode == 2 and proc.stdout.strip() == "False", (command, proc.stdout, proc.stderr)
+
+
 def test_a_broken_data_line_is_named_before_any_model_loads(tmp_path, tiny_model_dir, no_model, capsys):
     data = sums_data(tmp_path / "data.jsonl", 6)
     lines = data.read_text().splitlines()
