@@ -19,7 +19,8 @@ GRPO = {"training.method": "grpo", "data.format": "auto", "grpo.num_generations"
         "grpo.rewards": [{"kind": "length", "max_chars": 400}]}
 GRPO_ROW = "Qwen2.5-0.5B QLoRA GRPO 512+256 mb4 acc2"
 LLAMA, QWEN7, QWEN05, MISTRAL, GEMMA = "llama-3.1-8b", "qwen2.5-7b", "qwen2.5-0.5b", "mistral-7b-v0.3", "gemma-2-9b"
-MODELS = (LLAMA, QWEN7, QWEN05, MISTRAL, GEMMA)
+GPT_OSS = "gpt-oss-20b"
+MODELS = (LLAMA, QWEN7, QWEN05, MISTRAL, GEMMA, GPT_OSS)
 
 
 def _cfg(name: str, model: str, seq: int, mb: int = 1, acc: int = 1, **keys) -> dict:
@@ -51,6 +52,9 @@ def stage_a() -> list[dict]:
         _cfg("Qwen2.5-7B LoRA bf16 2k", QWEN7, 2048, **_k(LORA_BF16, PLAIN)),
         _cfg("Qwen2.5-7B QLoRA 16k chunked", QWEN7, 16384, **_k(QLORA, CHUNKED)),
         _cfg("Gemma-2-9B QLoRA 2k", GEMMA, 2048, **_k(QLORA, PLAIN, model__attn_implementation="eager")),
+        # attention sinks: `auto` picks flex attention on CUDA (never s x s scores), planned so; CPU cannot run it
+        _cfg("gpt-oss-20b QLoRA 8k attention auto (flex, sinks)", GPT_OSS, 8192,
+             **_k(QLORA, PLAIN, model__attn_implementation="auto")),
         _cfg("Mistral-7B DoRA 2k", MISTRAL, 2048, **_k(QLORA, PLAIN, adapter__type="dora")),
         _cfg("Mistral-7B QLoRA 4k mb2", MISTRAL, 4096, mb=2, **_k(QLORA, PLAIN)),
         *[_cfg(f"Qwen2.5-0.5B full {o}", QWEN05, 2048, mb=2, **_k(FULL, PLAIN, {opt: o}))
