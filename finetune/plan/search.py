@@ -683,8 +683,9 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
     priced = None  # the chosen plan's priced micro-batch: None where the bound (max_seq_len or the longest) stays
     if ok and data.shape is not None and not full_length and not recipe.data.packing:
         # the search's bound holds every batching; the plans shown are priced at the batches theirs forms
+        rows = planned_example(recipe, config, planner).rows if data.shape.has_images else ()
         for cand in {id(c): c for c in [chosen, *ok[1:4]]}.values():
-            batch = _price_run_batches(cand, Settings(**{**full[id(cand)], **cand.settings}), recipe, config, spec,
+            batch = _price_run_batches(cand, Settings(**{**full[id(cand)], **cand.settings}), recipe, rows, spec,
                                        shapes, data.shape, training_only, (free, bandwidth, figures))
             priced = batch if cand is chosen else priced
     notes += _stream_notes(spec, shapes, chosen, bandwidth, figures)
@@ -701,7 +702,8 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
                 data=data_facts(data, spec, recipe, priced) if not full_length else {}, fixes=fixes)
 
 
-def _price_run_batches(cand: Candidate, settings: Settings, recipe: Recipe, config: Any, spec: ModelSpec,
+def _price_run_batches(cand: Candidate, settings: Settings, recipe: Recipe,
+                       rows: tuple[tuple[int, tuple[Grid, ...], int], ...], spec: ModelSpec,
                        shapes: ModelShapes, data: DataShape, training_only: bool,
                        resources: tuple[dict[str, int], dict[str, float], dict[str, float]]) -> PricedBatch | None:
     """`cand`'s memory at the largest micro-batch the run forms (finetune.plan.batches), which its peak then
@@ -710,8 +712,7 @@ def _price_run_batches(cand: Candidate, settings: Settings, recipe: Recipe, conf
     (an out-of-memory recovery splits the loader's budgeted batches, whose budget the recipe no longer says)."""
     if training_only and settings.batching == "token_budget":
         return None
-    rows = planned_example(recipe, config, spec.planner).rows if data.has_images else ()
-    if data.has_images and not rows:
+    if data.has_images and not rows:  # `rows`: planned_example's, each image record's row (() where some do not fit)
         return None
     batches = run_batches(recipe, settings.micro_batch_size, settings.gradient_accumulation_steps,
                           settings.batching, data.lengths, rows, spec.rows_per_example)
