@@ -343,6 +343,36 @@ def test_export_to_a_read_only_or_full_disk_keeps_the_earlier_export(tmp_path, t
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the earlier export kept
 
 
+@pytest.mark.parametrize(("form", "problem"), [([], "takes no file that large"),  # safetensors: the OS's errno
+                                              (["--format", "gguf", "--type", "f32"], "ran out of space")])
+def test_an_export_whose_disk_takes_too_little_is_one_line_and_keeps_the_earlier_export(tmp_path, text_run, form,
+                                                                                       problem):
+    """A real short write, as a full disk (or a FAT32 one, for a file over 4 GiB) makes: the export's own process
+    may write no file over 64 KiB (RLIMIT_FSIZE), and the weights are larger. GGUF's writer (numpy) reports the
+    short write without an errno."""
+    import resource
+    import subprocess
+
+    out = tmp_path / "merged"
+    assert main(["export", str(text_run), "--out", str(out), *form]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert max(len(data) for data in before.values()) > 64 << 10
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    done = subprocess.run([sys.executable, "-m", "finetune", "export", str(text_run), "--out", str(out), *form,
+                           "--progress", "json"], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).parents[1], preexec_fn=small_files)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    error = _json_error(done.stdout)
+    assert error["exit_code"] == 1 and error["error"].startswith(f"export: {tmp_path} {problem}"), error
+    assert [line for line in done.stderr.splitlines() if line.startswith("error:")] == \
+        [f"error: {error['error'].splitlines()[0]}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]  # no temporary left
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the earlier export kept
+
+
 # ---- 7, 9. offload folders and MoE-only keys ---------------------------------------------------------------
 
 

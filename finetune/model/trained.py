@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -239,8 +240,9 @@ def _writing(out: Path) -> Iterator[None]:
     try:
         yield
     except (OSError, SafetensorError) as exc:
-        code = getattr(exc, "errno", None)
         text = str(exc)
+        os_error = re.search(r"os error (\d+)|code: (\d+)", text)  # safetensors' IoError names no errno itself
+        code = getattr(exc, "errno", None) or (int(os_error.group(1) or os_error.group(2)) if os_error else None)
         folder = out.absolute().parent
         if code in (errno.EEXIST, errno.ENOTDIR):
             blocker = next((p for p in (out.absolute(), *out.absolute().parents) if p.exists() and not p.is_dir()),
@@ -250,8 +252,9 @@ def _writing(out: Path) -> Iterator[None]:
         if code in _READ_ONLY or code == errno.ENAMETOOLONG:
             raise UsageError(f"export: cannot write into {folder} ({exc.strerror or text})",
                              hint="choose a --out on a writable disk, with folder names the disk allows") from None
-        if code in _FULL or "No space left" in text or " requested and " in text:  # safetensors', numpy's short write
-            raise FinetuneError(f"export: {folder} ran out of space while the model was written ({text}); "
+        if code in _FULL or " requested and " in text:  # numpy's short write of a GGUF tensor
+            what = "takes no file that large" if code == errno.EFBIG else "ran out of space"
+            raise FinetuneError(f"export: {folder} {what} while the model was written ({text}); "
                                 "nothing was replaced", hint="free space there, or choose a --out on a disk with "
                                 "room for the model (an earlier export there is kept)") from None
         raise
