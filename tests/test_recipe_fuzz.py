@@ -344,25 +344,29 @@ def test_fuzzed_mixes_and_offload_keys_are_valid_or_a_located_error(tmp_path, se
 
 
 def test_fuzzed_moe_and_mix_recipes_through_the_preflight(tmp_path):
-    """Recipes with image records, mixes and MoE offload keys, on a dense and a MoE model, through `api.preflight`
-    (what validate, plan and run check before a model loads): a result or a FinetuneError of located lines, never
-    another exception. Each case prints its seed."""
-    from finetune.testing import make_tiny_model_dir
+    """Recipes with image records, mixes and MoE offload keys, on a dense, a MoE and a vision-language model,
+    through `api.preflight` (what validate, plan and run check before a model loads): a result or a FinetuneError
+    of located lines, never another exception, and nothing written. Each case prints its seed."""
+    import json
 
-    models = {arch: make_tiny_model_dir(tmp_path / arch, arch) for arch in ("llama", "qwen3_moe")}
-    (tmp_path / "img").mkdir()
     from PIL import Image
 
+    from finetune.testing import make_tiny_model_dir, vision_model
+
+    models = {arch: make_tiny_model_dir(tmp_path / arch, arch) for arch in ("llama", "qwen3_moe")}
+    models["qwen2_5_vl"] = vision_model("qwen2_5_vl", tmp_path / "qwen2_5_vl")
+    (tmp_path / "img").mkdir()
     Image.new("RGB", (24, 16), "red").save(tmp_path / "img" / "good.png")
     Image.new("RGB", (300, 1), "red").save(tmp_path / "img" / "wide.png")
     chat = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
     image = {"messages": [{"role": "user", "content": "<image>Colour?"}, {"role": "assistant", "content": "Red."}]}
-    files = {"a.jsonl": [chat] * 3, "b.jsonl": [chat] * 10,
+    files = {"a.jsonl": [chat] * 3, "b.jsonl": [chat] * 10, "good-img.jsonl": [chat, {**image, "images": ["img/good.png"]}],
              "img.jsonl": [chat, {**image, "images": ["img/good.png"]}, {**image, "images": [None]},
                            {**image, "images": ["img/wide.png"]}, {**image, "images": ["img/good.png\x00x"]}]}
     for name, rows in files.items():
-        (tmp_path / name).write_text("".join(__import__("json").dumps(r) + "\n" for r in rows))
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     path = tmp_path / "recipe.yaml"
+    outcomes = {"valid": 0, "error": 0}
     for i in range(40):
         seed = f"preflight:{i}"
         rng = random.Random(seed)
@@ -370,18 +374,22 @@ def test_fuzzed_moe_and_mix_recipes_through_the_preflight(tmp_path):
         entries = [rng.choice([str(tmp_path / n), {"path": str(tmp_path / n), "weight": rng.choice([1e-300, 1.0, 1e308])},
                                {"path": str(tmp_path / n), "records": rng.choice([1, 50, 1000, 2**31 - 1])}])
                    for n in rng.sample(list(files), rng.randint(1, 3))]
+        too_long = rng.random() < 0.2  # a folder name no disk takes: refused before anything else is checked
         recipe = {"model": {"path": str(models[arch])}, "data": {
             "path": entries if len(entries) > 1 or rng.random() < 0.5 else str(tmp_path / "img.jsonl"),
             "on_bad_record": rng.choice(["error", "skip"])}, "memory": {
             "offload_experts": rng.choice(["none", "cpu", "disk", "auto"]),
-            "offload_dir": rng.choice([str(tmp_path / "off" / "deeper"), str(tmp_path / ("x" * 300))])},
+            "offload_dir": str(tmp_path / ("x" * 300)) if too_long else str(tmp_path / "off" / "deeper")},
             "output": {"dir": str(tmp_path / "run")}}
         print(f"random.Random({seed!r}): {arch} {recipe['data']} {recipe['memory']}")
         path.write_text(dump(recipe))
         try:
             api.preflight(api.load_recipe(path))
+            outcomes["valid"] += 1
         except FinetuneError as exc:
+            outcomes["error"] += 1
             for line in exc.problems or [exc.message]:
                 assert "\n" not in line and (located(line, path) or "data.path" in line or str(tmp_path) in line
                                              or "memory.offload_experts" in line), f"{seed}: {line!r}"
         assert not (tmp_path / "run").exists() and not (tmp_path / "off").exists(), seed  # the preflight writes nothing
+    assert outcomes["valid"] >= 8 and outcomes["error"] >= 8, outcomes  # both ends reached, not one refusal always

@@ -191,7 +191,7 @@ def test_the_runs_data_build_counts_a_decode_failure_as_a_bad_record(tmp_path, v
     assert bundle.stats["bad_records_skipped"] == 4 and bundle.stats["train_examples"] == 1
 
 
-@pytest.mark.parametrize("command", ["validate", "plan"])
+@pytest.mark.parametrize("command", ["validate", "plan", "run"])
 def test_an_aspect_ratio_over_200_is_a_bad_record_as_a_path_a_part_or_parquet_bytes(tmp_path, vlm, capsys, command):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -199,6 +199,7 @@ def test_an_aspect_ratio_over_200_is_a_bad_record_as_a_path_a_part_or_parquet_by
     data = image_records(tmp_path, narrow())
     line = one_error(capsys, DataError.exit_code, main([command, str(recipe_file(tmp_path, vlm, data))]))
     assert "is 300x1, an aspect ratio over 200:1" in line, line
+    assert not (tmp_path / "run").exists()
     skip = recipe_file(tmp_path, vlm, data, data={"on_bad_record": "skip"})
     assert main([command, str(skip)]) == 0, capsys.readouterr().err
     assert "Traceback" not in capsys.readouterr().err
@@ -235,10 +236,14 @@ def test_a_null_image_is_a_bad_record_for_vision_and_text_models(tmp_path, vlm, 
     (tmp_path / "img" / "good.png").write_bytes(png())
     turn = {"role": "user", "content": "<image>" * len(images) + "Colour?"}
     data = tmp_path / "data.json"
-    data.write_text(json.dumps([{"messages": [turn, ANSWER], "images": images}]))
+    data.write_text(json.dumps([{"messages": [{"role": "user", "content": "Hi"}, ANSWER]},
+                                {"messages": [turn, ANSWER], "images": images}]))
     for model in (vlm, tiny_model_dir):
         line = one_error(capsys, DataError.exit_code, main(["validate", str(recipe_file(tmp_path, model, data))]))
-        assert "'images'[0] is null" in line, line
+        assert "record 1: 'images'[0] is null" in line, line
+        skip = recipe_file(tmp_path, model, data, data={"on_bad_record": "skip"})
+        assert main(["validate", str(skip)]) == 0  # counted as bad, not trained with an image less
+        assert "2 messages records, 1 malformed to skip" in " ".join(capsys.readouterr().out.split())
 
 
 # ---- 2, 5. generate --image checks its image before any model loads ----------------------------------------
@@ -396,7 +401,7 @@ def test_experts_on_a_disk_without_room_name_the_offload_dir_in_run_and_plan(tmp
                              {"training": {"micro_batch_size": batch}})
     result = main(["run", str(path)])
     shown = capsys.readouterr()
-    assert shown.out.count("nothing was trained") + shown.err.count("nothing was trained") <= 1
+    assert shown.out.count("nothing was trained") + shown.err.count("nothing was trained") == 1, shown
     capsys.readouterr()
     print(shown.err, file=sys.stderr)
     line = one_error(capsys, 2, result)
@@ -407,7 +412,18 @@ def test_experts_on_a_disk_without_room_name_the_offload_dir_in_run_and_plan(tmp
     assert "set memory.offload_dir to a folder with room" in out and "set memory.gpu_memory" not in out, out
 
 
-def test_a_missing_offload_dir_is_not_left_behind(tmp_path):
+def test_a_missing_offload_dir_is_not_left_behind_by_validate_plan_or_a_run(tmp_path, capsys):
+    folder = tmp_path / "off" / "deeper"
+    path = three_step_recipe(tmp_path, "qwen3_moe", {"memory": {"offload_experts": "disk", "offload_dir": str(folder)}})
+    for command in ("validate", "plan", "run"):
+        result = main([command, str(path)])
+        err = capsys.readouterr().err
+        assert result == 0, err
+        assert not (tmp_path / "off").exists(), command
+    assert f"of expert weights in files under {folder}" in " ".join(err.split())  # the run did offload there
+
+
+def test_the_offload_folders_made_go_with_the_files(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from finetune.memory.expert_offload import offload_experts
