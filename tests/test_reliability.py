@@ -454,6 +454,9 @@ def test_offload_experts_on_a_dense_model_is_refused(tmp_path, capsys, command):
 
 
 def test_a_cache_that_is_a_file_and_a_non_image_payload_are_one_line(tmp_path, vlm, capsys, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     cache = tmp_path / "cache"
     monkeypatch.setenv("FINETUNE_CACHE", str(cache))
     uri = "data:image/png;base64," + base64.b64encode(png()).decode()
@@ -464,6 +467,13 @@ def test_a_cache_that_is_a_file_and_a_non_image_payload_are_one_line(tmp_path, v
     line = one_error(capsys, DataError.exit_code, main(["validate", str(recipe_file(tmp_path, vlm, data))]))
     assert "record 1: an image held in the data is not an image Pillow can read" in line, line
     assert [p.stat().st_size for p in (cache / "images").rglob("*") if p.is_file()] == [len(png())]  # no zeros kept
+    pq.write_table(pa.table({"messages": [json.dumps([ASK, ANSWER])], "images": [[{"bytes": bytes(3 << 20),
+                                                                                 "path": None}]]}),
+                   tmp_path / "zeros.parquet")
+    line = one_error(capsys, DataError.exit_code, main(["validate", str(recipe_file(tmp_path, vlm,
+                                                                                     tmp_path / "zeros.parquet"))]))
+    assert "record 0: an image held in the data is not an image Pillow can read" in line, line
+    assert [p.stat().st_size for p in (cache / "images").rglob("*") if p.is_file()] == [len(png())]
     shutil.rmtree(cache)
     cache.write_text("a file, not a folder")
     line = one_error(capsys, DataError.exit_code, main(["validate", str(recipe_file(tmp_path, vlm, data))]))
