@@ -483,3 +483,38 @@ def test_resume_names_an_image_replaced_under_the_same_name(tmp_path, vlm_data):
     text = build_datasets(cfg(write(tmp_path / "t.json", [{"messages": [{"role": "user", "content": "Hi"}, ANSWER]}])),
                           vlm_data[0], 0).fingerprint
     assert "images_sha256" not in text  # text data: the fingerprint it always had
+
+
+_CHECK_IN_A_NEW_PROCESS = """
+import sys
+from PIL import ImageFile
+decoded = []
+load = ImageFile.ImageFile.load
+ImageFile.ImageFile.load = lambda self: decoded.append(1) or load(self)  # counts full decodes in this process
+from finetune.data.images import image_size
+print(image_size(sys.argv[1]), len(decoded))
+"""
+
+
+def _check_in_a_new_process(path: Path, cache: Path) -> str:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "FINETUNE_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", _CHECK_IN_A_NEW_PROCESS, str(path)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_a_later_process_reuses_the_image_check_and_checks_a_changed_file_again(tmp_path):
+    path = noisy(tmp_path / "n.png")
+    cache = tmp_path / "cache"
+    assert _check_in_a_new_process(path, cache) == "(64, 64) 1"  # decoded once: validate's process
+    assert _check_in_a_new_process(path, cache) == "(64, 64) 0"  # the run's process reuses the answer
+    noisy(tmp_path / "n.png", (32, 48))  # a new version of the file
+    assert _check_in_a_new_process(path, cache) == "(32, 48) 1"
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")  # a cache that cannot be made: every process checks for itself, as before
+    assert [_check_in_a_new_process(path, blocked) for _ in range(2)] == ["(32, 48) 1"] * 2

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import functools
 import os
+import sqlite3
 import struct
+import threading
 import warnings
 from typing import Any
 
 from finetune.data.formats import Example, RecordError, images_of
+from finetune.units import cache_dir
 
 TAIL = 64 << 10  # bytes read from a file's end to find its end marker
 # The widest aspect ratio an image may have: transformers' smart_resize (Qwen-VL) refuses more than 200, and
@@ -50,16 +53,91 @@ def image_size(path: str) -> tuple[int, int]:
         raise RecordError(f"image {path} does not exist") from None
     except OSError as exc:
         raise RecordError(f"image {path} cannot be read ({exc.strerror or exc})") from None
-    size, problem = _header(path, stat.st_mtime_ns, stat.st_size)
+    size, problem = _checked(path, stat.st_mtime_ns, stat.st_size)
     if problem:
         raise RecordError(f"image {path} {problem}")
     return size
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _header(path: str, mtime_ns: int, length: int) -> tuple[tuple[int, int], str | None]:
-    """((width, height), None), or ((0, 0), what is wrong); cached per file version (a dataset names one
-    image many times, and the run's build checks what its preflight checked)."""
+def _checked(path: str, mtime_ns: int, length: int) -> tuple[tuple[int, int], str | None]:
+    """_check's answer for this file version, from this process's memory, else from the check cache on disk
+    (so `run` reuses what `validate` decoded: a full decode is ~30 ms an image), else checked now and kept."""
+    from PIL import Image
+
+    key = (os.path.abspath(path), mtime_ns, length, Image.MAX_IMAGE_PIXELS or 0, CHECK_VERSION)
+    known = CHECKS.get(key)
+    if known is not None:
+        return known
+    answer = _check(path, length)
+    CHECKS.put(key, answer)
+    return answer
+
+
+CHECK_VERSION = 1  # bump when _check's answers change, so no answer of an older check is reused
+
+
+class CheckCache:
+    """Image check answers kept on disk (SQLite under cache_dir()), keyed by the file's path, mtime and size.
+
+    Only an optimisation: a cache that cannot be opened or written (no room, a read-only home, a cache path
+    that is a file) is left unused, and every image is then checked in each process as before."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._db: sqlite3.Connection | None = None
+        self._broken = False
+        self._pid = os.getpid()
+
+    def _open(self) -> sqlite3.Connection | None:
+        if self._pid != os.getpid():  # a forked worker: the parent's connection is not its to use
+            self._db, self._broken, self._pid = None, False, os.getpid()
+        if self._db is None and not self._broken:
+            try:
+                folder = cache_dir()
+                folder.mkdir(parents=True, exist_ok=True)
+                db = sqlite3.connect(folder / "image_checks.sqlite", timeout=5, check_same_thread=False)
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA synchronous=NORMAL")  # a commit without fsync: a lost answer is checked again
+                db.execute("CREATE TABLE IF NOT EXISTS checks (path TEXT, mtime_ns INTEGER, length INTEGER, "
+                           "max_pixels INTEGER, version INTEGER, width INTEGER, height INTEGER, problem TEXT, "
+                           "PRIMARY KEY (path, mtime_ns, length, max_pixels, version))")
+                self._db = db
+            except (OSError, sqlite3.Error):
+                self._broken = True
+        return self._db
+
+    def get(self, key: tuple) -> tuple[tuple[int, int], str | None] | None:
+        with self._lock:
+            db = self._open()
+            if db is None:
+                return None
+            try:
+                row = db.execute("SELECT width, height, problem FROM checks WHERE path=? AND mtime_ns=? AND "
+                                 "length=? AND max_pixels=? AND version=?", key).fetchone()
+            except sqlite3.Error:
+                return None
+            return None if row is None else ((row[0], row[1]), row[2])
+
+    def put(self, key: tuple, answer: tuple[tuple[int, int], str | None]) -> None:
+        with self._lock:
+            db = self._open()
+            if db is None:
+                return
+            (width, height), problem = answer
+            try:
+                with db:
+                    db.execute("INSERT OR REPLACE INTO checks VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                               (*key, width, height, problem))
+            except sqlite3.Error:
+                self._broken = True
+
+
+CHECKS = CheckCache()
+
+
+def _check(path: str, length: int) -> tuple[tuple[int, int], str | None]:
+    """((width, height), None), or ((0, 0), what is wrong with the file."""
     from PIL import Image
 
     if length == 0:
