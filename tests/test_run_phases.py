@@ -97,7 +97,8 @@ def test_ctrl_c_in_training_saves_skips_the_final_evaluation_and_prints_the_resu
     err = capsys.readouterr().err
     assert f"stopped at step 1; continue with: finetune run {path} --set=training.learning_rate=0.001 --resume" in err
     assert "final evaluation:" not in err and "Traceback" not in err
-    assert "final evaluation skipped (stop requested)" in err
+    assert "final evaluation skipped (stop requested); the resumed run evaluates at its end" in err
+    assert "finetune eval" not in err  # it refuses a run without its adapter
     run = RunDir(tmp_path / "run")
     assert (run.checkpoints / "checkpoint-1").is_dir() and not run.adapter.exists()
     assert not any("eval_loss" in row for row in read_jsonl(run.metrics))
