@@ -18,6 +18,7 @@ from finetune.recipe import validate_recipe
 from finetune.rundir import EXPORT_MARKER, RunDir
 from finetune.train.run import run
 from tests.run_support import sums_data, tiny_lora_recipe
+from ui.views import history_rows
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +99,7 @@ def test_eval_compares_base_and_run_on_held_out_records(trained, tmp_path, capsy
     first = report["answers"][0]
     assert first["prompt"] == "What is 16 plus 16?" and set(first["answers"]) == {"base model", "run"}
     assert json.loads(RunDir(trained).evaluation.read_text()) == report
+    assert history_rows([str(trained)])[0][4] == f"{tuned['loss']:.4f} (finetune eval)"  # the UI's Runs tab
 
 
 @pytest.mark.parametrize(("answer", "expected", "want"), [
