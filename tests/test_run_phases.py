@@ -104,6 +104,19 @@ def test_ctrl_c_in_training_saves_skips_the_final_evaluation_and_prints_the_resu
     assert not any("eval_loss" in row for row in read_jsonl(run.metrics))
 
 
+def test_ctrl_c_in_an_evaluation_during_training_saves_that_step_and_prints_the_resume_command(
+        tmp_path, tiny_model_dir, monkeypatch, capsys):
+    path = _sft(tmp_path, tiny_model_dir, eval_steps=1)
+    _ctrl_c_during(monkeypatch, "evaluation at step 1")
+    assert main(["run", str(path)]) == 130
+    err = capsys.readouterr().err
+    assert "evaluation at step 1: 20 held-out examples" in err and _progress(err, "evaluation at step 1")[-1][0] < 20
+    assert f"stopped at step 1; continue with: finetune run {path} --resume" in err and "Traceback" not in err
+    run = RunDir(tmp_path / "run")
+    assert [p.name for p in run.checkpoints.iterdir()] == ["checkpoint-1"] and not run.adapter.exists()
+    assert not any("eval_loss" in row for row in read_jsonl(run.metrics))  # no row from a stopped evaluation
+
+
 def test_ctrl_c_in_the_final_evaluation_keeps_the_adapter_and_says_how_to_evaluate(tmp_path, tiny_model_dir,
                                                                                     monkeypatch, capsys):
     _ctrl_c_during(monkeypatch, "final evaluation")
