@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from finetune.recipe import validate_recipe
 from finetune.rundir import EXPORT_MARKER, RunDir
 from finetune.train.run import run
 from tests.run_support import sums_data, tiny_lora_recipe
+from ui.views import history_rows
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +35,11 @@ def test_gguf_export_equals_the_merged_safetensors_export(trained, tmp_path, cap
     assert main(["export", str(trained), "--out", str(tmp_path / "merged")]) == 0
     assert main(["export", str(trained), "--out", str(tmp_path / "gguf"), "--format", "gguf", "--type", "f32",
                  "--ollama"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "[3/4] saving the merged model: GGUF f32" in out
+    # piped, the conversion's progress: a line each tenth of the model's weights, the last at the end
+    done = [(int(a), int(b)) for a, b in re.findall(r"^\d\d:\d\d:\d\d GGUF f32 tensors (\d+)/(\d+) ", err, re.M)]
+    assert done[-1][0] == done[-1][1] > 10 and any(n < done[-1][1] for n, _ in done), err
     assert f"ollama create run -f {tmp_path / 'gguf' / 'Modelfile'}" in out
     assert sorted(p.name for p in (tmp_path / "gguf").iterdir()) == sorted([EXPORT_MARKER, "Modelfile", "run.f32.gguf"])
     assert (tmp_path / "gguf" / "Modelfile").read_text().startswith("FROM ./run.f32.gguf\n")
@@ -98,6 +103,7 @@ def test_eval_compares_base_and_run_on_held_out_records(trained, tmp_path, capsy
     first = report["answers"][0]
     assert first["prompt"] == "What is 16 plus 16?" and set(first["answers"]) == {"base model", "run"}
     assert json.loads(RunDir(trained).evaluation.read_text()) == report
+    assert history_rows([str(trained)])[0][4] == f"{tuned['loss']:.4f} (finetune eval)"  # the UI's Runs tab
 
 
 @pytest.mark.parametrize(("answer", "expected", "want"), [

@@ -1,7 +1,7 @@
-"""A run's long phases besides training (the held-out evaluation before training, the final evaluation) say
-what they do and show progress in a piped log before they end; Ctrl-C during them stops after a checkpoint
-(or, training complete, keeps the adapter), skips the final evaluation and prints how to go on; a second
-Ctrl-C still prints the resume command."""
+"""A run's long phases besides training (a preference method's reference pass, the held-out evaluation before
+training, the final evaluation) say what they do and show progress in a piped log before they end; Ctrl-C
+during them stops after a checkpoint (or, training complete, keeps the adapter; nothing trained yet, leaves
+nothing), skips the final evaluation and prints how to go on; a second Ctrl-C still prints the resume command."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 import finetune.console
+import finetune.train.reference_pass
 import finetune.train.reporting
 from finetune.cli import main
 from finetune.rundir import RunDir, read_jsonl
@@ -58,6 +59,7 @@ def _ctrl_c_during(monkeypatch, label: str, times: int = 1) -> None:
 
     monkeypatch.setattr(finetune.console, "progress_bar", progress_bar)
     monkeypatch.setattr(finetune.train.reporting, "progress_bar", progress_bar)
+    monkeypatch.setattr(finetune.train.reference_pass, "progress_bar", progress_bar)
 
 
 def _progress(err: str, label: str) -> list[tuple[int, int]]:
@@ -95,10 +97,24 @@ def test_ctrl_c_in_training_saves_skips_the_final_evaluation_and_prints_the_resu
     err = capsys.readouterr().err
     assert f"stopped at step 1; continue with: finetune run {path} --set=training.learning_rate=0.001 --resume" in err
     assert "final evaluation:" not in err and "Traceback" not in err
-    assert "final evaluation skipped (stop requested)" in err
+    assert "final evaluation skipped (stop requested); the resumed run evaluates at its end" in err
+    assert "finetune eval" not in err  # it refuses a run without its adapter
     run = RunDir(tmp_path / "run")
     assert (run.checkpoints / "checkpoint-1").is_dir() and not run.adapter.exists()
     assert not any("eval_loss" in row for row in read_jsonl(run.metrics))
+
+
+def test_ctrl_c_in_an_evaluation_during_training_saves_that_step_and_prints_the_resume_command(
+        tmp_path, tiny_model_dir, monkeypatch, capsys):
+    path = _sft(tmp_path, tiny_model_dir, eval_steps=1)
+    _ctrl_c_during(monkeypatch, "evaluation at step 1")
+    assert main(["run", str(path)]) == 130
+    err = capsys.readouterr().err
+    assert "evaluation at step 1: 20 held-out examples" in err and _progress(err, "evaluation at step 1")[-1][0] < 20
+    assert f"stopped at step 1; continue with: finetune run {path} --resume" in err and "Traceback" not in err
+    run = RunDir(tmp_path / "run")
+    assert [p.name for p in run.checkpoints.iterdir()] == ["checkpoint-1"] and not run.adapter.exists()
+    assert not any("eval_loss" in row for row in read_jsonl(run.metrics))  # no row from a stopped evaluation
 
 
 def test_ctrl_c_in_the_final_evaluation_keeps_the_adapter_and_says_how_to_evaluate(tmp_path, tiny_model_dir,
@@ -137,4 +153,45 @@ def test_ctrl_c_in_the_scoring_before_training_stops_there_and_leaves_nothing(tm
     err = capsys.readouterr().err
     assert f"nothing was trained; removed {tmp_path / 'run'}" in err and "interrupted" in err
     assert "--resume" not in err and "Traceback" not in err and "train 1/1" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def _dpo(tmp_path: Path, model: Path) -> Path:
+    """24 preference pairs, a quarter held out, the reference log-probabilities computed before training."""
+    from tests.test_preference_train import _pairs
+
+    recipe = tiny_lora_recipe(model, _pairs(tmp_path / "pairs.jsonl"), tmp_path / "run",
+                              {"data": {"validation_split": 0.25},
+                               "training": {"method": "dpo", "precompute_reference": True, "max_steps": 1,
+                                            "micro_batch_size": 2, "gradient_accumulation_steps": 1},
+                               "output": {"save_steps": 100}})
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def test_dpo_reference_pass_and_scoring_before_training_show_progress_before_training(tmp_path, tiny_model_dir,
+                                                                                      capsys):
+    """Preference methods' quiet phases before step 1: the reference pass over every record (18 trained, 6 held
+    out), then the held-out scoring, each with progress lines in a piped log before the first step."""
+    assert main(["run", str(_dpo(tmp_path, tiny_model_dir))]) == 0
+    err = capsys.readouterr().err
+    for label, total in (("reference pass", 24), ("held-out evaluation before training", 6)):
+        lines = _progress(err, label)
+        assert lines[-1] == (total, total) and any(done < total for done, _ in lines), err
+        assert err.index(f"{label} {lines[0][0]}/{total}") < err.index("train 1/1"), err
+    assert err.index("reference pass: 24 examples") < err.index("held-out evaluation before training: 6 held-out "
+                                                                "examples") < err.index("train 1/1")
+
+
+def test_ctrl_c_in_the_reference_pass_stops_there_and_leaves_nothing(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """Nothing trained yet: the pass ends at its next micro-batch, nothing is written, exit 130 without a resume
+    command."""
+    path = _dpo(tmp_path, tiny_model_dir)
+    _ctrl_c_during(monkeypatch, "reference pass")
+    assert main(["run", str(path)]) == 130
+    err = capsys.readouterr().err
+    assert "stopped during the reference pass: nothing saved" in err and "interrupted" in err
+    assert _progress(err, "reference pass")[-1][0] < 24  # it stopped early
+    assert "--resume" not in err and "Traceback" not in err and "held-out evaluation before training" not in err
     assert not (tmp_path / "run").exists()

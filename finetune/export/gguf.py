@@ -13,9 +13,11 @@ rope_freqs, Phi-3's LongRoPE factors) computed as that converter computes them.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from finetune.console import progress_bar
 from finetune.errors import FinetuneError, UsageError
 from finetune.export.gguf_vocab import CONVERT_HINT, add_vocab, read_vocab
 from finetune.recipe.families import FAMILIES, GGUFLayout, family_for
@@ -112,15 +114,18 @@ def write_gguf(model: Any, tokenizer: Any, path: Path, *, qtype: str = "f16", na
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.arch], config.num_hidden_layers)
     for gguf_name, data in _rope_tensors(config):  # first, as llama.cpp's converter writes them
         writer.add_tensor(gguf_name, *encode(data, qtype))
-    for hf_name, data in _tensors(model, arch):
-        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
-            continue  # a tied head is the embedding; readers infer the tie from output.weight's absence
-        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if gguf_name is None:
-            raise FinetuneError(f"export --format gguf: tensor {hf_name} has no place in llama.cpp's "
-                                f"{arch.arch.lower()} architecture" + (" (its output head is always tied to the "
-                                "embedding)" if hf_name == "lm_head.weight" else ""))
-        writer.add_tensor(gguf_name, *encode(_layout(arch, config, hf_name, data), qtype))
+    # a large model's tensors take minutes to convert (and quantize): progress per weight of the model
+    with progress_bar(f"GGUF {qtype} tensors") as bar:
+        task = bar.add_task("tensors", total=len(model.state_dict()))
+        for hf_name, data in _tensors(model, arch, lambda: bar.update(task, advance=1)):
+            if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+                continue  # a tied head is the embedding; readers infer the tie from output.weight's absence
+            gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+            if gguf_name is None:
+                raise FinetuneError(f"export --format gguf: tensor {hf_name} has no place in llama.cpp's "
+                                    f"{arch.arch.lower()} architecture" + (" (its output head is always tied to "
+                                    "the embedding)" if hf_name == "lm_head.weight" else ""))
+            writer.add_tensor(gguf_name, *encode(_layout(arch, config, hf_name, data), qtype))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -227,13 +232,13 @@ def _head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _tensors(model: Any, arch: GGUFLayout) -> Any:
+def _tensors(model: Any, arch: GGUFLayout, done: Callable[[], None] = lambda: None) -> Any:
     """(name, float32 array) of every weight, as llama.cpp's converter names them: transformers' fused 3-D
     expert parameters (`experts.gate_up_proj` [experts, 2 x ff, hidden], gate rows first, and
     `experts.down_proj` [experts, hidden, ff], both without a .weight suffix) become the stacked per-projection
     weights `experts.{gate,up,down}_proj.weight` that map to llama.cpp's ffn_{gate,up,down}_exps; DeepSeek's
     kv_b_proj [heads x (nope + v), kv rank] becomes k_b_proj [heads, kv rank, nope] and v_b_proj [heads, v, kv
-    rank] (llama.cpp multiplies them into the compressed cache)."""
+    rank] (llama.cpp multiplies them into the compressed cache). `done()` after each weight's tensors were taken."""
     config = model.config
     for name, tensor in model.state_dict().items():
         data = tensor.detach().float().cpu().numpy()
@@ -261,6 +266,7 @@ def _tensors(model: Any, arch: GGUFLayout) -> Any:
             yield f"{name.removesuffix('_bias')}.bias", data
         else:
             yield f"{name}.weight", data
+        done()
 
 
 def _feed_forward_length(config: Any) -> int:

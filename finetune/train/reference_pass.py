@@ -95,6 +95,8 @@ def attach_reference(model: torch.nn.Module, data: DataBundle, recipe: Recipe, r
         values = {"fingerprint": key}
         total = sum(len(ds) for ds in splits.values() if ds is not None)
         start = time.time()
+        console.print(f"reference pass: {total:,} examples, the reference model's log-probabilities computed once "
+                      "before training", markup=False, highlight=False)
         with progress_bar("reference pass") as bar:
             task = bar.add_task("reference", total=total)
 

@@ -593,16 +593,17 @@ def _record_data(run_dir: RunDir, fingerprint: dict, resumed: bool, allow_change
 def _final_evaluation(loop: TrainLoop, run_dir: RunDir, main: bool) -> dict[str, float]:
     """The evaluation at the last step: the loop's own when it ran one there (evaluating again would log a
     second row for the same step in metrics.jsonl), else a new one. Empty after a stop asked for (Ctrl-C,
-    before or during it; one process): the checkpoint (or, training complete, the adapter) is what the user waits for,
-    and `finetune eval` measures it later."""
+    before or during it; one process): the checkpoint (or, training complete, the adapter) is what the user waits
+    for; the resumed run evaluates at its end, or `finetune eval` measures the adapter later."""
     last = next((row for row in reversed(loop.state.log_history) if is_eval_row(row)), None)
     if last is not None and last.get("step") == loop.state.step:
         return {k: v for k, v in last.items() if k not in ("step", "epoch")}
     stop = loop.processes == 1 and loop.hooks.should_stop()  # several: each would decide apart, then wait
     after = loop.evaluate("final evaluation") if not stop else None
     if after is None:
-        line = (f"final evaluation skipped (stop requested); measure the run later with: finetune eval "
-                f"{run_dir.root} --data HELD_OUT_FILE")
+        later = ("the resumed run evaluates at its end" if loop.stopped else  # no adapter yet for `eval`
+                 f"measure the run later with: finetune eval {run_dir.root} --data HELD_OUT_FILE")
+        line = f"final evaluation skipped (stop requested); {later}"
         if main:
             console.print(line, style="yellow", markup=False, highlight=False)
             run_dir.log_line(line)
