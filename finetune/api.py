@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # torch and transformers load only when a command needs them
 _ELSEWHERE = {
     "finetune.plan.sizes": ("plan_gpu_sizes", "plan_sizes", "speed_estimate"),
     "finetune.plan.advice": ("batch_plan", "run_advice", "apply_advice"),
-    "finetune.plan.context": ("check_context", "context_note", "longest_record_bytes"),
+    "finetune.plan.context": ("check_context", "context_note", "longest_example", "longest_record_bytes"),
     "finetune.model.compare": ("compare", "compare_runs"),
 }
 _DEFINED_IN = {name: module for module, names in _ELSEWHERE.items() for name in names}

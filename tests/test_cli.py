@@ -209,18 +209,18 @@ def test_a_max_seq_len_past_the_model_or_far_past_the_data_says_so(tiny_recipe, 
     start = time.monotonic()
     assert main(["plan", str(tiny_recipe), "--set", "data.max_seq_len=1000000"]) == 2
     err = capsys.readouterr().err
-    longest = api.longest_record_bytes(api.load_recipe(str(tiny_recipe)))
-    assert 20 < longest < 1000  # the quickstart's short sums and answers
+    recipe = api.load_recipe(str(tiny_recipe), ["data.max_seq_len=2048"])  # the model's limit: nothing cut
+    longest = api.plan(recipe).data["longest_tokens"]  # the data as the plan tokenizes it with the model's tokenizer
+    assert 5 < longest < api.longest_record_bytes(recipe)  # tokens, not the bound from the record's bytes
     assert err.splitlines()[0] == (f"error: data.max_seq_len 1,000,000 is above the model's own limit of 2,048 "
-                                   f"positions (max_position_embeddings of {api.load_recipe(str(tiny_recipe)).model.path}); "
-                                   f"the longest record of {SAMPLE_DATA} is {longest:,} bytes of JSON, so at most "
-                                   f"about {longest:,} tokens")
+                                   f"positions (max_position_embeddings of {recipe.model.path}); "
+                                   f"the longest example of {SAMPLE_DATA} has {longest:,} tokens")
     assert "set data.max_seq_len to at most 2,048" in err and "Traceback" not in err
     assert time.monotonic() - start < 60
     assert main(["plan", str(tiny_recipe), "--gpu-memory", "1MiB", "--set", "data.max_seq_len=2048"]) == 1
-    assert (f"data.max_seq_len 2,048 is far above the data's longest record ({longest:,} bytes of JSON"
-            in capsys.readouterr().err)
-    assert main(["plan", str(tiny_recipe), "--gpu-memory", "1MiB", "--set", f"data.max_seq_len={longest}"]) == 1
+    assert (f"data.max_seq_len 2,048 is far above the data's longest example (the longest example of {SAMPLE_DATA} "
+            f"has {longest:,} tokens)" in capsys.readouterr().err)
+    assert main(["plan", str(tiny_recipe), "--gpu-memory", "1MiB", "--set", f"data.max_seq_len={4 * longest}"]) == 1
     assert "far above" not in capsys.readouterr().err
 
 

@@ -5,7 +5,7 @@ planner counts them, so the preflight refuses images too long for max_seq_len.""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from finetune.recipe.schema import Recipe
 
@@ -27,9 +27,8 @@ def check_context(recipe: Recipe) -> None:
         return
     limit = getattr(text, "max_position_embeddings", None)
     if isinstance(limit, int) and recipe.data.max_seq_len > limit:
-        longest = longest_record_bytes(recipe)
-        data = (f"; the longest record of {recipe.data.label()} is {longest:,} bytes of JSON, so at most about "
-                f"{longest:,} tokens" if longest else "")
+        longest = longest_example(recipe)
+        data = f"; {longest.text}" if longest else ""
         raise RecipeError(f"data.max_seq_len {recipe.data.max_seq_len:,} is above the model's own limit of {limit:,} "
                           f"positions (max_position_embeddings of {recipe.model.path}){data}",
                           hint=f"set data.max_seq_len to at most {limit:,}; the longest example's length is "
@@ -39,11 +38,38 @@ def check_context(recipe: Recipe) -> None:
 def context_note(recipe: Recipe) -> str | None:
     """For a plan where nothing fits: a line saying data.max_seq_len is far (4x) above the data's longest
     record, the length a step's memory grows with, or None."""
-    longest = longest_record_bytes(recipe)
-    if longest is None or recipe.data.max_seq_len <= 4 * longest:
+    longest = longest_example(recipe)
+    if longest is None or recipe.data.max_seq_len <= 4 * longest.tokens:
         return None
-    return (f"data.max_seq_len {recipe.data.max_seq_len:,} is far above the data's longest record ({longest:,} bytes "
-            f"of JSON, so at most about {longest:,} tokens): a max_seq_len near that needs far less memory")
+    return (f"data.max_seq_len {recipe.data.max_seq_len:,} is far above the data's longest example ({longest.text}): "
+            "a max_seq_len near that needs far less memory")
+
+
+class Longest(NamedTuple):
+    """The data's longest example: its tokens (or a bound on them) and how a message says it."""
+
+    tokens: int
+    text: str
+
+
+def longest_example(recipe: Recipe) -> Longest | None:
+    """The longest training example's tokens, counted with the model's own tokenizer where the plan reads the
+    data here (finetune.plan.data: tokenized once, cached under the data fingerprint), else bounded by its
+    record's bytes of JSON; None where the data cannot be read (the preflight says why)."""
+    try:
+        from finetune.plan.search import planned_data
+        from finetune.plan.trace import planned_config
+
+        shape = planned_data(recipe, planned_config(recipe.model.path, recipe.model.trust_remote_code)).shape
+    except Exception:  # noqa: BLE001 - no tokenizer or config here: the bound from the bytes below
+        shape = None
+    if shape is not None:
+        return Longest(shape.longest, f"the longest example of {recipe.data.label()} has {shape.longest:,} tokens")
+    longest = longest_record_bytes(recipe)
+    if longest is None:
+        return None
+    return Longest(longest, f"the longest record of {recipe.data.label()} is {longest:,} bytes of JSON, so at most "
+                            f"about {longest:,} tokens")
 
 
 def longest_record_bytes(recipe: Recipe) -> int | None:
