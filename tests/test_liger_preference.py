@@ -121,3 +121,53 @@ def test_a_method_without_a_matching_liger_loss_runs_ours_and_says_why(lora_mode
     for name, grad in grads.items():
         torch.testing.assert_close(grad, want_grads[name], rtol=1e-4, atol=1e-5, msg=name)
     assert metrics.keys() == want_metrics.keys()
+
+
+@pytest.fixture(scope="module")
+def vocab_model_dir(tmp_path_factory):
+    """A tiny Llama whose vocabulary (20,000: chunks of 512 tokens) makes the loss's logits the step's peak."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune.testing import make_tokenizer
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("vocab")
+    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=20000, hidden_size=128, intermediate_size=320,
+                                                 num_hidden_layers=4)).save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.mark.skipif(not LIGER, reason=NO_LIGER)
+@pytest.mark.parametrize(("method", "seq", "mb", "ckpt"), [("dpo", 512, 1, True), ("dpo", 256, 2, True),
+                                                          ("orpo", 512, 1, False), ("kto", 512, 2, True)])
+def test_the_planner_prices_the_fused_preference_loss_as_it_runs(vocab_model_dir, method, seq, mb, ckpt):
+    """memory.kernels: liger priced within 5% of the tracked step (Liger's chunk: one example's rows at every
+    position; kto: our chunked log-probabilities, priced exactly as memory.chunked_loss prices them, not twice)."""
+    from finetune.memory.tracker import measure_step
+    from finetune.plan.memory_model import Settings, predict_memory
+    from finetune.plan.search import model_spec
+    from finetune.plan.shapes import load_model_config
+    from finetune.recipe.schema import Recipe
+    from finetune.step.preference import synthetic_batch
+    from finetune.step.training_step import training_step
+    from finetune.train.measure import step_setup
+
+    recipe = Recipe.model_validate({
+        "model": {"path": str(vocab_model_dir)}, "data": {"path": "unused.jsonl", "max_seq_len": seq},
+        "adapter": {"type": "lora", "r": 8}, "quantization": {"bits": None},
+        "training": {"method": method, "micro_batch_size": mb},
+        "memory": {"activation_checkpointing": ckpt, "chunked_loss": False, "tiled_mlp": False}})
+    recipe, model, optimizer, vocab = step_setup(recipe)  # Liger's model kernels are CUDA's: the loss alone here
+    loss = PreferenceLoss.of(recipe.training, fused=True)
+    batch = synthetic_batch(loss, mb, seq, vocab, "cpu", torch.Generator().manual_seed(0))
+    measured = measure_step(lambda tracker: [training_step(model, [batch], optimizer, tracker=tracker, preference=loss)
+                                             for _ in range(2)],
+                            model=model, optimizer=optimizer, vocab_size=vocab, device="cpu")["peak_bytes"]
+    spec = model_spec(recipe, load_model_config(recipe.model.path), "cpu")
+    settings = {"micro_batch_size": mb, "gradient_accumulation_steps": 1, "activation_checkpointing": ckpt,
+                "checkpoint_every_n_layers": 1, "offload": "none", "bits": None, "optimizer": recipe.optimizer.name}
+    liger = predict_memory(spec, Settings(**settings, chunked_loss=False, kernels="liger")).peak_bytes
+    chunked = predict_memory(spec, Settings(**settings, chunked_loss=True)).peak_bytes
+    assert liger == pytest.approx(measured, rel=0.05)
+    assert (liger == chunked) is (fused_problem(loss) is not None)

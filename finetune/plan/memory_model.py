@@ -27,7 +27,7 @@ from finetune.recipe.optimizers import optimizer_spec
 from finetune.recipe.schema import AdapterConfig, OptimizerConfig
 from finetune.recipe.settings import Settings
 from finetune.rl.step import of_trace_objective, prompts_per_step
-from finetune.step.liger_losses import fused_problem
+from finetune.step.liger_losses import FUSED_CHUNK_BYTES, fused_problem
 from finetune.step.preference import PreferenceLoss, batch_layout
 
 # CUDA fixed costs. The context is outside torch's allocator, so it is added to the peak; the budget is
@@ -501,13 +501,14 @@ def _step(spec: ModelSpec, settings: Settings) -> _Step:
     # sft traces keep full logits and scale them here. Preference traces ran the chunked log-probabilities,
     # whose logits are one chunk, not one per example: they grow with the micro-batch only up to a chunk. Under
     # memory.kernels: liger that is our own loss's, and Liger's fused preference loss (where the method has one)
-    # takes one example's rows at every position a chunk: priced at the larger of the two.
+    # takes one example's rows at every position a chunk, FUSED_CHUNK_BYTES as much a token: priced at the larger.
     chunk = default_chunk_size(spec.config.get_text_config().vocab_size)
     if settings.loss_without_logits and spec.objective != "sft":
         traced_tokens = spec.seq_len * spec.rows_per_example
         loss = PreferenceLoss.of_objective(spec.objective) if settings.kernels == "liger" else None
         fused = loss is not None and fused_problem(loss) is None
-        logits_scale = max(min(tokens, chunk), traced_tokens if fused else 0) / min(traced_tokens, chunk)
+        logits_scale = max(min(tokens, chunk), traced_tokens * FUSED_CHUNK_BYTES if fused else 0) / min(
+            traced_tokens, chunk)
     elif settings.loss_without_logits:  # only labelled positions reach the head, a chunk at a time: no image token
         labelled = settings.micro_batch_size * max(spec.seq_len - spec.image_positions, 1)
         logits_scale = min(labelled, chunk) / (spec.seq_len * settings.micro_batch_size / rows_scale)  # of the traced

@@ -18,6 +18,12 @@ from typing import Any
 
 import torch
 
+# The vocabulary-wide bytes a token of Liger's chunk holds, to those of our chunked log-probabilities' (which
+# the planner traces): four fp32 tensors (logits, log-softmax and their gradients inside its torch.func grad) to
+# our three (tests/test_liger_preference.py measures both on the CPU, eager; Liger's compiled chunk on CUDA may
+# fuse some: an over-estimate there).
+FUSED_CHUNK_BYTES = 4 / 3
+
 _NO_SMOOTHING = ("its sigmoid loss takes no label smoothing (its `robust` loss with label_smoothing is the "
                  "debiased formula, divided by 1 - 2 x label_smoothing, not ours)")
 
