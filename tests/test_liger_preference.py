@@ -171,3 +171,27 @@ def test_the_planner_prices_the_fused_preference_loss_as_it_runs(vocab_model_dir
     chunked = predict_memory(spec, Settings(**settings, chunked_loss=True)).peak_bytes
     assert liger == pytest.approx(measured, rel=0.05)
     assert (liger == chunked) is (fused_problem(loss) is not None)
+
+
+@pytest.mark.parametrize(("method", "record", "says"), [
+    ("dpo", {"prompt": "a", "chosen": "b", "rejected": "c"}, "the dpo loss is Liger's fused LigerFusedLinearDPOLoss"),
+    ("kto", {"prompt": "a", "completion": "b", "label": True}, "the kto loss is ours over chunked log-probabilities"),
+])
+def test_the_plan_says_which_preference_loss_liger_runs(tiny_model_dir, tmp_path, method, record, says):
+    """A plan with memory.kernels: liger (a CUDA plan, made here by giving the GPU's memory) notes which loss the
+    preference method runs and, where it is ours, why."""
+    import json
+
+    from finetune.plan import predict
+    from finetune.recipe import validate_recipe
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({**record, "label": i % 2 == 0} if method == "kto" else record) + "\n"
+                            for i in range(8)))
+    recipe = validate_recipe({"model": {"path": str(tiny_model_dir)}, "data": {"path": str(data), "max_seq_len": 64},
+                              "training": {"method": method, "micro_batch_size": 2},
+                              "memory": {"kernels": "liger"}, "output": {"dir": str(tmp_path / "out")}})
+    plan = predict(recipe, gpu_memory="8GiB")
+    assert plan.settings["kernels"] == "liger"
+    line = next(note for note in plan.notes if note.startswith("memory.kernels: liger: "))
+    assert says in line and (method != "kto" or "KL reference point" in line)
