@@ -10,6 +10,7 @@ allows on CUDA only (finetune.model.kernels).
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -29,6 +30,16 @@ WIRED = (("dpo", {}), ("dpo", {"loss_type": "hinge"}), ("dpo", {"reference_free"
 OURS = (("kto", {}, "KL reference point"), ("dpo", {"loss_type": "ipo"}, "no ipo"),
         ("dpo", {"label_smoothing": 0.1}, "no label smoothing"),
         ("dpo", {"precompute_reference": True}, "precomputed"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def triton_interpreter() -> Iterator[None]:
+    """Triton's CPU interpreter, as tests/test_kernels.py runs Liger's kernels: Triton and Liger read
+    TRITON_INTERPRET when this process first imports them (peft may import Triton through bitsandbytes), which
+    may be here, before the model is built (Liger's chunked losses themselves are plain torch)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "1")
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from finetune.memory.chunked_loss import IGNORE_INDEX
+
 # The vocabulary-wide bytes a token of Liger's chunk holds, to those of our chunked log-probabilities' (which
 # the planner traces): four fp32 tensors (logits, log-softmax and their gradients inside its torch.func grad) to
 # our three (tests/test_liger_preference.py measures both on the CPU, eager; Liger's compiled chunk on CUDA may
@@ -106,11 +108,11 @@ def fused_loss(loss: Any, hidden: torch.Tensor, head: torch.nn.Linear, labels: t
 
     entry = LIGER_LOSSES[loss.method]
     assert isinstance(entry, LigerLoss)
-    module = getattr(chunked, entry.name)(ignore_index=-100, compiled=hidden.is_cuda, **entry.arguments(loss))
+    module = getattr(chunked, entry.name)(ignore_index=IGNORE_INDEX, compiled=hidden.is_cuda, **entry.arguments(loss))
     extra = {"ref_input": ref_hidden, "ref_weight": head.weight, "ref_bias": head.bias} \
         if ref_hidden is not None else {}
     value, (chosen, rejected, _, _, _, *aux) = module(head.weight, hidden, labels, head.bias, **extra)
-    counts = (labels != -100).sum(-1)
+    counts = (labels != IGNORE_INDEX).sum(-1)
     logps = torch.cat([chosen, rejected]).detach()
     logps = logps * counts if entry.average else logps
     ref = None
