@@ -4,7 +4,8 @@ Why our own and not TRL's trainers: TRL's DPOTrainer (and ORPO/KTO, which trl 1.
 `trl.experimental`) own the training step, the data pipeline and the reference model, so they would bypass
 the step that `finetune run`, `finetune measure` and the planner's meta trace share (layer-wise optimizers,
 offload, chunked loss, OOM recovery). The formulas below follow TRL's (`DPOTrainer.dpo_loss`,
-`ORPOTrainer.odds_ratio_loss`, `KTOTrainer.kto_loss`, `CPOTrainer.cpo_loss` for SimPO and CPO).
+`ORPOTrainer.odds_ratio_loss`, `KTOTrainer.kto_loss`, `CPOTrainer.cpo_loss` for SimPO and CPO). Under
+`memory.kernels: liger` Liger's fused loss runs where its formula is ours (finetune/step/liger_losses.py).
 
 More in docs/preference.md, "In the code: finetune/step/preference.py".
 """
