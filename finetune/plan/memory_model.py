@@ -503,10 +503,10 @@ def _step(spec: ModelSpec, settings: Settings) -> _Step:
     # memory.kernels: liger that is our own loss's, and Liger's fused preference loss (where the method has one)
     # takes one example's rows at every position a chunk, FUSED_CHUNK_BYTES as much a token: priced at the larger.
     chunk = default_chunk_size(spec.config.get_text_config().vocab_size)
-    if settings.loss_without_logits and spec.objective != "sft":
+    preference = PreferenceLoss.of_objective(spec.objective)
+    if settings.chunked_loss and spec.objective != "sft" or preference is not None and settings.loss_without_logits:
         traced_tokens = spec.seq_len * spec.rows_per_example
-        loss = PreferenceLoss.of_objective(spec.objective) if settings.kernels == "liger" else None
-        fused = loss is not None and fused_problem(loss) is None
+        fused = preference is not None and settings.kernels == "liger" and fused_problem(preference) is None
         logits_scale = max(min(tokens, chunk), traced_tokens * FUSED_CHUNK_BYTES if fused else 0) / min(
             traced_tokens, chunk)
     elif settings.loss_without_logits:  # only labelled positions reach the head, a chunk at a time: no image token
