@@ -27,7 +27,8 @@ from finetune.recipe.optimizers import optimizer_spec
 from finetune.recipe.schema import AdapterConfig, OptimizerConfig
 from finetune.recipe.settings import Settings
 from finetune.rl.step import of_trace_objective, prompts_per_step
-from finetune.step.preference import batch_layout
+from finetune.step.liger_losses import FUSED_CHUNK_BYTES, fused_problem
+from finetune.step.preference import PreferenceLoss, batch_layout
 
 # CUDA fixed costs. The context is outside torch's allocator, so it is added to the peak; the budget is
 # measured as free memory before the process creates its context. Values for CUDA 12 with lazy module
@@ -159,7 +160,7 @@ def _traces(spec: ModelSpec, settings: Settings, micro_batch: int = 1) -> tuple[
     la, lb = _layer_counts(spec, settings)
     every = settings.checkpoint_every_n_layers if settings.activation_checkpointing else 0
     layer = (settings.bits == 8, spec.recompute_norms, spec.tiled_mlp_tokens if settings.tiled_mlp else 0,
-             spec.objective, bool(settings.chunked_loss))
+             spec.objective, settings.loss_without_logits)
     variants = _variants(spec, settings)
     weights = [w for _, w in variants]
     layout = _layout(spec, settings)
@@ -498,11 +499,16 @@ def _step(spec: ModelSpec, settings: Settings) -> _Step:
     tokens = settings.micro_batch_size * spec.seq_len * spec.rows_per_example
     rows_scale = 1 if _layout(spec, settings) == "packed" else settings.micro_batch_size
     # sft traces keep full logits and scale them here. Preference traces ran the chunked log-probabilities,
-    # whose logits are one chunk, not one per example: they grow with the micro-batch only up to a chunk.
+    # whose logits are one chunk, not one per example: they grow with the micro-batch only up to a chunk. Under
+    # memory.kernels: liger that is our own loss's, and Liger's fused preference loss (where the method has one)
+    # takes one example's rows at every position a chunk, FUSED_CHUNK_BYTES as much a token: priced at the larger.
     chunk = default_chunk_size(spec.config.get_text_config().vocab_size)
-    if settings.chunked_loss and spec.objective != "sft":
+    preference = PreferenceLoss.of_objective(spec.objective)
+    if settings.chunked_loss and spec.objective != "sft" or preference is not None and settings.loss_without_logits:
         traced_tokens = spec.seq_len * spec.rows_per_example
-        logits_scale = min(tokens, chunk) / min(traced_tokens, chunk)
+        fused = preference is not None and settings.kernels == "liger" and fused_problem(preference) is None
+        logits_scale = max(min(tokens, chunk), traced_tokens * FUSED_CHUNK_BYTES if fused else 0) / min(
+            traced_tokens, chunk)
     elif settings.loss_without_logits:  # only labelled positions reach the head, a chunk at a time: no image token
         labelled = settings.micro_batch_size * max(spec.seq_len - spec.image_positions, 1)
         logits_scale = min(labelled, chunk) / (spec.seq_len * settings.micro_batch_size / rows_scale)  # of the traced

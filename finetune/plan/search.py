@@ -67,6 +67,7 @@ from finetune.recipe.schema import (
 from finetune.recipe.settings import Settings, inactive_settings, read_settings, write_settings
 from finetune.recipe.settings import table as settings_table
 from finetune.rl.step import scoring_passes, trace_objective
+from finetune.step.liger_losses import kernels_line
 from finetune.step.preference import PreferenceLoss, loads_reference_adapter, reference_is_current
 from finetune.units import format_bytes, parse_bytes
 from finetune.vision import layout_of
@@ -689,6 +690,9 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
                                        shapes, data.shape, training_only, (free, bandwidth, figures))
             priced = batch if cand is chosen else priced
     notes += _stream_notes(spec, shapes, chosen, bandwidth, figures)
+    loss = PreferenceLoss.of(recipe.training)
+    if chosen.settings.get("kernels") == "liger" and loss is not None:
+        notes.append(kernels_line(loss))
     fixes = [] if ok or not suggest or training_only or full_length else \
         freed_fixes(recipe, config, gpu_memory, device, planner)
     return Plan(device, chosen.settings, chosen.peak_bytes, chosen.breakdown, budget, bool(ok), chosen.tokens_per_s,

@@ -4,7 +4,8 @@ Why our own and not TRL's trainers: TRL's DPOTrainer (and ORPO/KTO, which trl 1.
 `trl.experimental`) own the training step, the data pipeline and the reference model, so they would bypass
 the step that `finetune run`, `finetune measure` and the planner's meta trace share (layer-wise optimizers,
 offload, chunked loss, OOM recovery). The formulas below follow TRL's (`DPOTrainer.dpo_loss`,
-`ORPOTrainer.odds_ratio_loss`, `KTOTrainer.kto_loss`, `CPOTrainer.cpo_loss` for SimPO and CPO).
+`ORPOTrainer.odds_ratio_loss`, `KTOTrainer.kto_loss`, `CPOTrainer.cpo_loss` for SimPO and CPO). Under
+`memory.kernels: liger` Liger's fused loss runs where its formula is ours (finetune/step/liger_losses.py).
 
 More in docs/preference.md, "In the code: finetune/step/preference.py".
 """
@@ -27,6 +28,7 @@ from finetune.recipe.methods import method_keys, method_spec, uses_reference
 from finetune.recipe.reference import resolve
 from finetune.recipe.schema import Recipe, TrainingConfig
 from finetune.rundir import REWARD_ACCURACY, REWARD_CHOSEN, REWARD_KEYS, REWARD_MARGIN, REWARD_REJECTED
+from finetune.step.liger_losses import fused_loss, fused_problem, head_problem
 
 Metrics = dict[str, list[float]]  # name -> [sum, count], added over micro-batches
 METRIC_PREFIXES = (*REWARD_KEYS, "logps/", "nll_loss", "log_odds_ratio", "kl")  # logged keys (metrics.jsonl)
@@ -41,8 +43,9 @@ class PreferenceLoss:
     method: str  # a training.method whose registry entry is a preference method (finetune/recipe/methods.py)
     knobs: tuple[tuple[str, Any], ...]  # (training.* key, value) for every key of `method_keys()`
     reference_current: bool = False  # the precomputed pass runs the model as it is (`reference_is_current`)
+    fused: bool = False  # memory.kernels: liger: Liger's fused loss where it is ours (finetune.step.liger_losses)
 
-    def __init__(self, method: str, *, reference_current: bool = False, **knobs: Any) -> None:
+    def __init__(self, method: str, *, reference_current: bool = False, fused: bool = False, **knobs: Any) -> None:
         keys, fields = method_keys(), TrainingConfig.model_fields
         unknown = sorted(set(knobs) - set(keys))
         if unknown:
@@ -50,6 +53,7 @@ class PreferenceLoss:
         object.__setattr__(self, "method", method)
         object.__setattr__(self, "knobs", tuple((key, knobs.get(key, fields[key].default)) for key in keys))
         object.__setattr__(self, "reference_current", reference_current)
+        object.__setattr__(self, "fused", fused)
 
     def __getattr__(self, name: str) -> Any:
         """A knob's value (only names that are no attribute get here)."""
@@ -59,14 +63,16 @@ class PreferenceLoss:
         raise AttributeError(f"{type(self).__name__} has no knob {name!r}")
 
     @classmethod
-    def of(cls, training: TrainingConfig, reference_current: bool = False) -> PreferenceLoss | None:
+    def of(cls, training: TrainingConfig, reference_current: bool = False, fused: bool = False
+           ) -> PreferenceLoss | None:
         """The loss of a recipe's training section; None for sft (and grpo, whose loss is finetune.rl's).
         `reference_current`: the recipe's `reference_is_current` (what the precomputed pass runs, for the
-        planner's trace)."""
+        planner's trace); `fused`: memory.kernels resolved to liger (Liger's fused loss where it is ours, else
+        ours over chunked log-probabilities: the model's own forward would return full logits)."""
         if not method_spec(training.method).preference:
             return None
         knobs = {key: getattr(training, key) for key in method_keys()}  # each a field of the section
-        return cls(training.method, reference_current=reference_current, **knobs)
+        return cls(training.method, reference_current=reference_current, fused=fused, **knobs)
 
     @property
     def uses_reference(self) -> bool:
@@ -207,11 +213,19 @@ def sequence_logps(model: torch.nn.Module, inputs: Mapping[str, Any],
 
 def reference_logps(model: torch.nn.Module, inputs: Mapping[str, Any], chunked: bool = False,
                     current: bool = False) -> torch.Tensor:
-    """Sequence log-probabilities of the reference model, no graph kept: the frozen REFERENCE_ADAPTER when the
-    run started from an adapter (adapter.init_from: the SFT model), else the base with the adapter off;
-    `current`: the model as it is, adapter on (a run from an adapter before its first step, whose trained
-    adapter is the start adapter). Under DDP or DeepSpeed the peft model inside the wrapper runs it: the
-    wrapper has no adapter switch, and a forward without gradients needs none of its synchronisation."""
+    """Sequence log-probabilities of the reference model, no graph kept (`reference_model`)."""
+    with reference_model(model, current) as reference:
+        return sequence_logps(reference, inputs, chunked)[0]
+
+
+@contextmanager
+def reference_model(model: torch.nn.Module, current: bool = False) -> Iterator[torch.nn.Module]:
+    """The model switched to the reference, in eval mode (no dropout), without gradients: the frozen
+    REFERENCE_ADAPTER when the run started from an adapter (adapter.init_from: the SFT model), else the base
+    with the adapter off; `current`: the model as it is, adapter on (a run from an adapter before its first
+    step, whose trained adapter is the start adapter). Under DDP or DeepSpeed the peft model inside the wrapper
+    runs it: the wrapper has no adapter switch, and a forward without gradients needs none of its
+    synchronisation."""
     from accelerate.utils import extract_model_from_parallel
 
     model = extract_model_from_parallel(model)
@@ -219,10 +233,10 @@ def reference_logps(model: torch.nn.Module, inputs: Mapping[str, Any], chunked: 
         raise FinetuneError("the reference model is the base with the adapter switched off, but this model has "
                             "no adapter", hint="use adapter.type: lora, or a reference-free method")
     was_training = model.training
-    model.eval()  # no dropout in the reference
+    model.eval()
     try:
         with torch.no_grad(), nullcontext() if current else reference_weights(model):
-            return sequence_logps(model, inputs, chunked)[0]
+            yield model
     finally:
         model.train(was_training)
 
@@ -272,24 +286,51 @@ def preference_loss(model: torch.nn.Module, inputs: Mapping[str, Any], loss: Pre
                             "reference",
                             hint="please report this bug; meanwhile set training.precompute_reference: false "
                                  "(the reference forward then runs in each step)")
-    if ref is None and loss.uses_reference:
-        ref = reference_logps(model, inputs, chunked)
-    logps, counts = sequence_logps(model, inputs, chunked)
+    fused = _liger_loss(model, inputs, loss) if loss.fused else None
+    if fused is not None:  # our formula below gives the metrics, from Liger's detached log-probabilities
+        value, logps, ref, counts = fused
+    else:  # under memory.kernels: liger the model's own forward would return full logits: chunked instead
+        if ref is None and loss.uses_reference:
+            ref = reference_logps(model, inputs, chunked or loss.fused)
+        logps, counts = sequence_logps(model, inputs, chunked or loss.fused)
     ref = ref if ref is not None else torch.zeros_like(logps)
     spec = method_spec(loss.method)
     objective = resolve(spec.loss)
     if spec.data_kind == "kto":
-        value, stats = objective(loss, logps, ref, kto_label)
+        ours, stats = objective(loss, logps, ref, kto_label)
     else:
         n = logps.shape[0] // 2
         pc, pr, rc, rr, cc, cr = logps[:n], logps[n:], ref[:n], ref[n:], counts[:n], counts[n:]
-        value, stats = objective(loss, pc, pr, rc, rr, cc, cr)
+        ours, stats = objective(loss, pc, pr, rc, rr, cc, cr)
+    value = fused[0] if fused is not None else ours
     if metrics is not None:
         for name, (total, count) in stats.items():
             entry = metrics.setdefault(name, [0.0, 0.0])
             entry[0] += float(total)
             entry[1] += float(count)
     return value
+
+
+def _liger_loss(model: torch.nn.Module, inputs: dict[str, Any], loss: PreferenceLoss
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
+    """Liger's fused loss (finetune.step.liger_losses) where its formula is ours and the model's head allows:
+    the loss, the rows' log-probabilities and reference log-probabilities (detached) and labelled-token
+    counts; None where our own loss runs (`kernels_line` says why). The reference's hidden states come from
+    the reference forward (`reference_model`), before the policy's."""
+    if fused_problem(loss) is not None:
+        return None
+    decoder, head, softcap, _ = head_of(model)
+    if head_problem(head, softcap) is not None:
+        return None
+    inputs = dict(inputs)
+    labels = shift(inputs.pop("labels"))
+    inputs.setdefault("use_cache", False)
+    ref_hidden = None
+    if loss.reference_in_step:
+        with reference_model(model):
+            ref_hidden = decoder(**inputs)[0]
+    value, logps, ref = fused_loss(loss, decoder(**inputs)[0], head, labels, ref_hidden)
+    return value, logps, ref, (labels != IGNORE_INDEX).sum(-1)
 
 
 def pair_stats(chosen: torch.Tensor, rejected: torch.Tensor, pc: torch.Tensor, pr: torch.Tensor) -> dict:

@@ -79,7 +79,7 @@ def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
 
         recipe, model, optimizer, vocab = step_setup(recipe, scratch)
         gen = torch.Generator().manual_seed(recipe.training.seed)
-        preference = PreferenceLoss.of(recipe.training)
+        preference = PreferenceLoss.of(recipe.training, fused=recipe.memory.kernels == "liger")
         rows = recipe.training.micro_batch_size * (preference.rows_per_example if preference is not None else 1)
         batch = synthetic_batch(preference, recipe.training.micro_batch_size, planned_sequence(recipe), vocab, device,
                                 gen, layout=batch_layout(rows, recipe.data.packing))
@@ -94,7 +94,8 @@ def measure(recipe: Recipe, steps: int = 2) -> dict[str, Any]:
         def run(tracker: MemoryTracker) -> None:
             if preference is not None and preference.reference_precomputed:
                 with tracker.window("reference_pass"), autocast():  # the pass before training, as `run` does
-                    batch_reference_logps(model, batch, bool(recipe.memory.chunked_loss),
+                    batch_reference_logps(model, batch, bool(recipe.memory.chunked_loss)
+                                          or recipe.memory.kernels == "liger",
                                           current=reference_is_current(recipe))
                 passes.append(tracker.windows["reference_pass"][0])
             for _ in range(steps):

@@ -102,4 +102,4 @@ class LossObjective:
 
 def loss_objective(config: RunConfig, context: MethodContext) -> LossObjective:
     """sft's and the preference methods' objective (the method's loss from its registry entry)."""
-    return LossObjective(PreferenceLoss.of(config.recipe.training))
+    return LossObjective(PreferenceLoss.of(config.recipe.training, fused=config.settings.kernels == "liger"))

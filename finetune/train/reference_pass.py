@@ -110,7 +110,7 @@ def attach_reference(model: torch.nn.Module, data: DataBundle, recipe: Recipe, r
             for name, ds in splits.items():
                 values[name] = [] if ds is None else compute_reference(
                     model, ds, data.collator, loss, int(recipe.training.micro_batch_size),
-                    recipe.memory.chunked_loss is True, autocast, advance,
+                    recipe.memory.chunked_loss is True or recipe.memory.kernels == "liger", autocast, advance,
                     current=reference_is_current(recipe))
         atomic_write_text(run_dir.reference_logps, json.dumps(values, separators=(",", ":")) + "\n")
         run_dir.log_line(f"reference pass: {total} examples in {time.time() - start:.1f} s, "

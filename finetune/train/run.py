@@ -49,7 +49,7 @@ from finetune.rundir import (
     read_json,
     replace_dir,
 )
-from finetune.step.preference import loads_reference_adapter
+from finetune.step.preference import PreferenceLoss, loads_reference_adapter
 from finetune.step.training_step import autocast_for, mixed_precision
 from finetune.train import distributed
 from finetune.train.batch_engine import BatchEngine, batch_summary
@@ -454,8 +454,23 @@ def _model(recipe: Recipe, settings: Settings, run_dir: RunDir, main: bool, base
     fused = apply_kernels(model, recipe.memory.kernels)
     if fused:
         console.print(f"kernels: Liger's {', '.join(fused)}", markup=False, highlight=False)
+        _preference_kernels_line(model, recipe, run_dir)
     compile_layers(model, recipe.training.compile)
     return model, tokenizer, started, experts, vision
+
+
+def _preference_kernels_line(model: torch.nn.Module, recipe: Recipe, run_dir: RunDir) -> None:
+    """Under memory.kernels: liger, which loss a preference method runs (Liger's fused one or ours, and why):
+    printed and in the run's log."""
+    from finetune.memory.chunked_loss import head_of
+    from finetune.step.liger_losses import head_problem, kernels_line
+
+    loss = PreferenceLoss.of(recipe.training)
+    if loss is not None:
+        _, head, softcap, _ = head_of(model)
+        line = kernels_line(loss, head_problem(head, softcap))
+        console.print(line, markup=False, highlight=False)
+        run_dir.log_line(line)
 
 
 def _streamed_load(recipe: Recipe, settings: Settings, run_dir: RunDir) -> AbstractContextManager | None:
