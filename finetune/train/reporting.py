@@ -182,4 +182,5 @@ class StopOnSignal:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        console.print("[yellow]stop requested: saving a checkpoint after this step (again to abort)[/yellow]")
+        console.print("[yellow]stop requested: stopping after this step or batch, with a checkpoint once training "
+                      "has begun (Ctrl-C again aborts at once)[/yellow]")
