@@ -114,3 +114,25 @@ def test_the_gpu_kits_wheels_are_the_locks_versions():
 
     carried, pins = carried_pins(), lock_tool.read_lock()
     assert carried and all(pins.get(lock_tool.normalize(n)) == v for n, v in carried.items()), carried
+
+
+def test_wheels_sh_downloads_the_locks_pins(tmp_path):
+    """The GPU kit's download itself (benchmarks/gpu/wheels.sh, run with a stand-in Python that records its
+    `pip download` and stops there): every wheel it asks for is pinned at the lock's version, none without one."""
+    import os
+    import subprocess
+
+    record = tmp_path / "args"
+    stub = tmp_path / "python"
+    stub.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {record}\nexit 3\n')
+    stub.chmod(0o755)
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "wheels.sh"), str(tmp_path / "whl")],
+                          env={**os.environ, "PYTHON": str(stub)}, capture_output=True, text=True)
+    assert proc.returncode == 3, proc.stderr  # stopped at the stand-in's download, after the pins were read
+    args = record.read_text().splitlines()
+    assert args[:3] == ["-m", "pip", "download"]
+    wanted = args[args.index(str(tmp_path / "whl")) + 1:]
+    assert len(wanted) > 10 and all("==" in a for a in wanted), wanted
+    pins = lock_tool.read_lock()
+    differ = [a for a in wanted if pins.get(lock_tool.normalize(a.split("==")[0])) != a.split("==")[1]]
+    assert differ == [], f"wheels.sh downloads {differ}; the lock's: {[pins.get(lock_tool.normalize(a.split('==')[0])) for a in differ]}"
