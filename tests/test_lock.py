@@ -105,6 +105,7 @@ def test_upgrade_widens_compat_and_pyproject_together(tmp_path):
 @pytest.mark.parametrize(("path", "needle"), [
     ("README.md", ".venv/bin/pip install torch==2.13.0 -c finetune/constraints.txt -e"),
     ("docker/Dockerfile", "--constraint finetune/constraints.txt"),
+    (".ci/run", 'run ".venv/bin/python .ci/lock.py check"'),  # after the README's install: drift named first
 ])
 def test_every_install_reads_the_lock(path, needle):
     assert needle in (ROOT / path).read_text()
