@@ -164,7 +164,7 @@ def upgrade() -> int:
         subprocess.run([*pip, "--upgrade", *bounded], check=True)  # pip says it conflicts; that is the point
         kept = {path: path.read_text() for path in (LOCK, COMPAT, PYPROJECT)}
         subprocess.run([py, __file__, "freeze"], check=True)
-        for line in widen(read_lock()):
+        for line in widen(read_lock(LOCK), COMPAT, PYPROJECT):
             print(f"upgrade: {line}")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         suite = subprocess.run([py, "-m", "pytest", "-q", "-n", "auto", "-p", "no:cacheprovider"], cwd=ROOT, env=env)

@@ -100,17 +100,13 @@ RECIPES = (("qlora-llama-3.3-70b-24gb", "llama-3.1-70b", 64, None), ("qlora-llam
 def recipe_plans() -> list[str]:
     """(d) Each streaming recipe planned as `finetune plan` plans it, on the machine it names, with the SSD priced
     at the cost model's typical figure (this machine's disk is not the recipe's NVMe)."""
-    from unittest import mock
-
-    from finetune.memory import bandwidth
     from finetune.testing import stated_machine
 
     lines = ["(d) the streaming recipes on the machines they name (GPU as titled; RAM and free SSD as stated; "
              "the SSD priced at the typical 3 GB/s, PCIe at 20 GB/s):"]
     for name, config, ram, disk in RECIPES:
         overrides = [f"model.path={ROOT / 'tests' / 'fixtures' / 'configs' / config}.json"]
-        with stated_machine(ram * 10**9, disk * 10**9 if disk else None), \
-                mock.patch.object(bandwidth, "disk_bandwidth", lambda *args, **kwargs: None):
+        with stated_machine(ram * 10**9, disk * 10**9 if disk else None, typical_disk=True):
             plan = predict(load_recipe(ROOT / "recipes" / f"{name}.yaml", overrides), device="cuda")
         s = plan.settings
         lines.append(f"  {name} ({ram} GB RAM{f', {disk} GB free SSD' if disk else ''}): "

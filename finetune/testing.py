@@ -399,9 +399,11 @@ def shape_task(folder: str | Path, *, train: int = 64, held_out: int = 32, size:
 
 
 @contextmanager
-def stated_machine(host_ram: int | None = None, disk_free: int | None = None) -> Iterator[None]:
+def stated_machine(host_ram: int | None = None, disk_free: int | None = None,
+                   typical_disk: bool = False) -> Iterator[None]:
     """Plan as on the machine a recipe names ("with 64 GB of RAM", "an NVMe SSD with 200 GB free"), not this
-    one: psutil's available RAM and every disk's free space read as given (None: as they are). What fits a
+    one: psutil's available RAM and every disk's free space read as given (None: as they are), and with
+    `typical_disk` the disk priced at the cost model's typical speed, not this disk's measured one. What fits a
     weight-streaming recipe depends on them; the tests and the benchmark that plan those recipes use this."""
     import shutil
     from types import SimpleNamespace
@@ -409,7 +411,9 @@ def stated_machine(host_ram: int | None = None, disk_free: int | None = None) ->
 
     import psutil
 
-    patches = []
+    from finetune.memory import bandwidth
+
+    patches = [mock.patch.object(bandwidth, "disk_bandwidth", lambda *args, **kwargs: None)] if typical_disk else []
     if host_ram is not None:
         ram = SimpleNamespace(total=host_ram, available=host_ram, percent=0.0, used=0, free=host_ram)
         patches.append(mock.patch.object(psutil, "virtual_memory", lambda: ram))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,7 @@ def test_upgrade_widens_compat_and_pyproject_together(tmp_path):
 @pytest.mark.parametrize(("path", "needle"), [
     ("README.md", ".venv/bin/pip install torch==2.13.0 -c finetune/constraints.txt -e"),
     ("docker/Dockerfile", "--constraint finetune/constraints.txt"),
+    (".ci/run", 'run ".venv/bin/python .ci/lock.py check"'),  # after the README's install: drift named first
 ])
 def test_every_install_reads_the_lock(path, needle):
     assert needle in (ROOT / path).read_text()
@@ -114,3 +116,61 @@ def test_the_gpu_kits_wheels_are_the_locks_versions():
 
     carried, pins = carried_pins(), lock_tool.read_lock()
     assert carried and all(pins.get(lock_tool.normalize(n)) == v for n, v in carried.items()), carried
+
+
+def test_wheels_sh_downloads_the_locks_pins(tmp_path):
+    """The GPU kit's download itself (benchmarks/gpu/wheels.sh, run with a stand-in Python that records its
+    `pip download` and stops there): every wheel it asks for is pinned at the lock's version, none without one."""
+    import os
+
+    record = tmp_path / "args"
+    stub = tmp_path / "python"
+    stub.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {record}\nexit 3\n')
+    stub.chmod(0o755)
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "wheels.sh"), str(tmp_path / "whl")],
+                          env={**os.environ, "PYTHON": str(stub)}, capture_output=True, text=True)
+    assert proc.returncode == 3, proc.stderr  # stopped at the stand-in's download, after the pins were read
+    args = record.read_text().splitlines()
+    assert args[:3] == ["-m", "pip", "download"]
+    wanted = args[args.index(str(tmp_path / "whl")) + 1:]
+    assert len(wanted) > 10 and all("==" in a for a in wanted), wanted
+    pins = lock_tool.read_lock()
+    differ = [a for a in wanted if pins.get(lock_tool.normalize(a.split("==")[0])) != a.split("==")[1]]
+    assert differ == [], f"wheels.sh downloads {differ}; the lock's: {[pins.get(lock_tool.normalize(a.split('==')[0])) for a in differ]}"
+
+
+@pytest.mark.parametrize("suite", [0, 1])
+def test_upgrade_keeps_the_new_versions_only_where_the_suite_passes(tmp_path, monkeypatch, capsys, suite):
+    """`upgrade`, its venv, pip and suite stood in for: the newest releases' lock is written and compat's range
+    and pyproject's bound widened before the suite runs in the new venv (which checks them); red puts the three
+    files back as they were, green keeps them."""
+    files = {}
+    for name, source in (("lock", lock_tool.LOCK), ("compat", lock_tool.COMPAT), ("pyproject", lock_tool.PYPROJECT)):
+        files[name] = tmp_path / source.name
+        shutil.copy(source, files[name])
+        monkeypatch.setattr(lock_tool, name.upper(), files[name])
+    before = {name: path.read_text() for name, path in files.items()}
+    oldest, newest = compat.CHECKED["transformers"]
+    major, minor = map(int, newest.split("."))
+    newer = f"{major}.{minor + 1}.0"
+    calls = []
+
+    def run(args, **kwargs):
+        calls.append(args)
+        if args[1:] == [lock_tool.__file__, "freeze"]:  # the new venv writes the lock from its newest releases
+            files["lock"].write_text(before["lock"].replace(f"transformers=={lock_tool.read_lock()['transformers']}",
+                                                            f"transformers=={newer}"))
+        if "pytest" in args:
+            assert f'"transformers": ("{oldest}", "{major}.{minor + 1}"),' in files["compat"].read_text()
+        return subprocess.CompletedProcess(args, suite if "pytest" in args else 0)
+
+    monkeypatch.setattr(lock_tool.subprocess, "run", run)
+    assert lock_tool.upgrade() == suite
+    assert any("pytest" in c for c in calls) and any("--upgrade" in c and "transformers" in c for c in calls)
+    after = {name: path.read_text() for name, path in files.items()}
+    if suite:
+        assert after == before and "lock, compat and pyproject are as they were" in capsys.readouterr().err
+    else:
+        assert f"transformers=={newer}" in after["lock"]
+        assert f'"transformers>={oldest},<{major}.{minor + 2}"' in after["pyproject"]
+        assert _bounds_agree(after["compat"], after["pyproject"]) == []

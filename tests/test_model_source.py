@@ -134,3 +134,46 @@ def test_a_missing_local_model_folder_in_a_recipe_is_one_line_in_seconds(tmp_pat
     assert err.splitlines()[0] == (f"error: model.path: 'models/SmolLM2-135M-Instruct' does not exist: no folder "
                                    f"{tmp_path / 'models' / 'SmolLM2-135M-Instruct'} (the folder models/ exists "
                                    "here, without SmolLM2-135M-Instruct)")
+
+
+def test_a_config_the_hub_client_cannot_fetch_is_one_line(monkeypatch):
+    """A hub that accepts the connection but does not serve (a proxy or portal in the way, the hub down):
+    transformers' several-line message is the error's one line, the hint the next."""
+    import transformers
+
+    from finetune.errors import ModelLoadError
+    from finetune.plan.shapes import load_model_config
+
+    def unreachable(*args, **kwargs):
+        raise OSError("We couldn't connect to 'http://hub.example' to load the files.\nCheck your internet "
+                      "connection or see how to run the library in offline mode.")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", unreachable)
+    with pytest.raises(ModelLoadError) as info:
+        load_model_config("some-org/some-model")
+    assert str(info.value).splitlines() == [
+        "cannot read a model config from some-org/some-model: We couldn't connect to 'http://hub.example' to load "
+        "the files. Check your internet connection or see how to run the library in offline mode.",
+        info.value.hint]
+
+
+def test_a_hub_whose_name_does_not_resolve_is_unreachable_in_seconds(monkeypatch):
+    """The network down as the report found it (DNS fails: `Name or service not known`), probed once: the
+    one-line error names the hub and why, in seconds (`.invalid` never resolves, RFC 6761)."""
+    from huggingface_hub import constants
+
+    from finetune.errors import ModelLoadError
+    from finetune.model import source
+
+    monkeypatch.setattr(constants, "ENDPOINT", "http://hub.invalid")
+    for var in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    source._hub_unreachable.cache_clear()
+    start = time.monotonic()
+    try:
+        with pytest.raises(ModelLoadError, match=r"'some-org/some-model' is not in the local Hugging Face cache and "
+                                                 r"the hub cannot be reached \(http://hub\.invalid: .+\): "):
+            source.check_hub_reachable("some-org/some-model")
+    finally:
+        source._hub_unreachable.cache_clear()
+    assert time.monotonic() - start < source.PROBE_SECONDS + 10

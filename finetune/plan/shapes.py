@@ -48,7 +48,8 @@ def load_model_config(path: str, trust_remote_code: bool = False) -> Any:
         else:
             config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as exc:
-        raise ModelLoadError(f"cannot read a model config from {path}: {exc}",
+        why = " ".join(str(exc).split())  # transformers' hub errors run over several lines: the error is one
+        raise ModelLoadError(f"cannot read a model config from {path}: {why}",
                              hint="model.path must be a folder with config.json, a config.json, a .gguf file or pkg:PACKAGE/FILE") from None
     # A vision-language checkpoint of a family that trains its text model: the planner sees what loads.
     return text_config(config) if family_of(config).text_of_vision else config
