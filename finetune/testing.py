@@ -399,17 +399,24 @@ def shape_task(folder: str | Path, *, train: int = 64, held_out: int = 32, size:
 
 
 @contextmanager
-def stated_machine(host_ram: int | None = None, disk_free: int | None = None) -> Iterator[None]:
-    """Plan as on the machine a recipe names ("with 64 GB of RAM", "an NVMe SSD with 200 GB free"), not this
-    one: psutil's available RAM and every disk's free space read as given (None: as they are). What fits a
-    weight-streaming recipe depends on them; the tests and the benchmark that plan those recipes use this."""
+def stated_machine(host_ram: int | None = None, disk_free: int | None = None,
+                   disk_bytes_per_s: float | None = None) -> Iterator[None]:
+    """Plan as on the machine a recipe names ("with 64 GB of RAM", "an NVMe SSD with 200 GB free, 3 GB/s"), not
+    this one: psutil's available RAM, every disk's free space and its measured bandwidth (both directions) read
+    as given (None: as they are). What fits a weight-streaming recipe, and how fast, depends on them; the tests
+    and the benchmark that plan those recipes use this."""
     import shutil
     from types import SimpleNamespace
     from unittest import mock
 
     import psutil
 
+    from finetune.memory import bandwidth
+
     patches = []
+    if disk_bytes_per_s is not None:
+        measured = {"read": disk_bytes_per_s, "write": disk_bytes_per_s}
+        patches.append(mock.patch.object(bandwidth, "disk_bandwidth", lambda directory, refresh=False: measured))
     if host_ram is not None:
         ram = SimpleNamespace(total=host_ram, available=host_ram, percent=0.0, used=0, free=host_ram)
         patches.append(mock.patch.object(psutil, "virtual_memory", lambda: ram))

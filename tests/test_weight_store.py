@@ -180,10 +180,10 @@ def test_link_time_against_compute():
                         offload_weights="cpu")
     streamed, per_layer = streamed_weight_bytes(spec, settings)
     assert streamed == pytest.approx(80 * per_layer) and 30 * 2**30 < streamed < 40 * 2**30  # 4-bit layers
-    assert link_seconds(spec, settings, 1e9) == pytest.approx(2 * streamed / 1e9)
+    assert link_seconds(spec, settings, (1e9,)) == pytest.approx(2 * streamed / 1e9)
     tokens = spec.seq_len  # one micro-batch of one sequence
-    slow = bound_note(spec, settings, 10.0, tokens / (link_seconds(spec, settings, 1e9) / 2), 1e9)
-    fast = bound_note(spec, settings, 10.0, tokens / (link_seconds(spec, settings, 1e9) * 2), 1e9)
+    slow = bound_note(spec, settings, 10.0, tokens / (link_seconds(spec, settings, (1e9,)) / 2), (1e9,))
+    fast = bound_note(spec, settings, 10.0, tokens / (link_seconds(spec, settings, (1e9,)) * 2), (1e9,))
     assert "bound by the link" in slow and "bound by the compute" in fast
 
 
@@ -205,3 +205,42 @@ def test_planned_weights_match_what_the_store_moves(tmp_path):
     moved = store.host_bytes - 2 * max(sum(sizes) for sizes in store.sizes)
     store.close()
     assert planned["none"] - planned["disk"] == pytest.approx(moved, rel=0.05)
+
+
+def test_read_ahead_depth_is_searched_and_priced(tmp_path):
+    """memory.offload_weights_ahead: auto. The disk tier on a GPU carries each layer over the SSD, then PCIe:
+    with one layer ahead the two add up, with two the SSD reads one layer while the last crosses PCIe, so where
+    the link bounds the step the planner reads two ahead and its window holds one layer more. Over one link
+    (the cpu tier) a deeper read-ahead buys no time, so the search keeps one."""
+    from finetune.plan import predict
+    from finetune.plan.memory_model import streamed_weight_bytes
+    from finetune.plan.search import model_spec
+    from finetune.plan.trace import planned_config
+    from finetune.plan.weight_stream import link_seconds
+    from finetune.recipe import load_recipe
+    from finetune.recipe.settings import Settings
+    from finetune.testing import stated_machine
+
+    base = [f"model.path={CONFIGS / 'llama-3.1-70b.json'}", f"memory.offload_dir={tmp_path}"]
+    recipe = load_recipe(RECIPE, base)
+    spec = model_spec(recipe, planned_config(recipe.model.path), "cuda")
+    one = Settings(micro_batch_size=1, gradient_accumulation_steps=1, activation_checkpointing=True,
+                   checkpoint_every_n_layers=1, offload="none", chunked_loss=True, bits=4, optimizer="adamw",
+                   offload_weights="disk", offload_weights_ahead=1)
+    two = Settings(**{**one.__dict__, "offload_weights_ahead": 2})
+    streamed, per_layer = streamed_weight_bytes(spec, one)
+    assert link_seconds(spec, one, (3e9, 20e9)) == pytest.approx(2 * streamed * (1 / 3e9 + 1 / 20e9))
+    assert link_seconds(spec, two, (3e9, 20e9)) == pytest.approx(2 * streamed / 3e9)
+
+    with stated_machine(host_ram=16 * 10**9, disk_free=400 * 10**9, disk_bytes_per_s=1e9):  # RAM too small: disk
+        auto = predict(load_recipe(RECIPE, [*base, "training.micro_batch_size=2"]), device="cuda")
+        fixed = predict(load_recipe(RECIPE, [*base, "training.micro_batch_size=2", "memory.offload_weights_ahead=1"]),
+                        device="cuda")
+    assert auto.fits and auto.settings["offload_weights"] == "disk" and auto.settings["offload_weights_ahead"] == 2
+    assert fixed.settings["offload_weights"] == "disk" and fixed.settings["offload_weights_ahead"] == 1
+    assert auto.tokens_per_s > fixed.tokens_per_s
+    assert auto.breakdown["weights"] - fixed.breakdown["weights"] == pytest.approx(per_layer, rel=0.01)
+    assert any("2 layers read ahead" in note and "overlapped" in note for note in auto.notes)
+    with stated_machine(host_ram=128 * 10**9):
+        in_ram = predict(load_recipe(RECIPE, base), device="cuda")
+    assert in_ram.settings["offload_weights"] == "cpu" and in_ram.settings["offload_weights_ahead"] == 1

@@ -83,7 +83,6 @@ class ModelSpec:
     double_quant: bool = True
     offload_min_size: int = 1 << 20
     offload_cpu_limit: int | None = None  # memory.offload_cpu_limit: host RAM the offload may hold
-    stream_ahead: int = 1  # memory.offload_weights_ahead: layers weight streaming fetches ahead
     recompute_norms: bool = True
     tiled_mlp_tokens: int = 1024
     world_size: int = 1  # processes (GPUs) the run is spread over; the plan is per device
@@ -272,7 +271,7 @@ def _param_parts(spec: ModelSpec, settings: Settings) -> tuple[dict[str, float],
     whole, per_layer, largest_trained, largest_quant = _whole_parts(spec, settings)
     if weights_streamed(spec, settings):  # finetune.memory.weight_store: the layers read ahead and the one computing
         streamed, per_layer_frozen = streamed_weight_bytes(spec, settings)
-        window = min(streamed, (spec.stream_ahead + 1) * per_layer_frozen)
+        window = min(streamed, (settings.offload_weights_ahead + 1) * per_layer_frozen)
         whole = {**whole, "weights": whole["weights"] - streamed + window}
     elif experts_offloaded(spec, settings):  # finetune.memory.expert_offload
         experts, per_moe_layer = expert_weight_bytes(spec, settings)

@@ -30,7 +30,7 @@ from finetune.model.moe import moe_config
 from finetune.model.vision import in_vision
 from finetune.plan import weight_stream as stream
 from finetune.plan.batches import PricedBatch, run_batches
-from finetune.plan.cost_model import figures_of, tier_bytes_per_s, tokens_per_second
+from finetune.plan.cost_model import figures_of, stream_links, tokens_per_second
 from finetune.plan.data import PlannedData, read_data
 from finetune.plan.memory_model import (
     ModelSpec,
@@ -243,6 +243,8 @@ def auto_values(recipe: Recipe, device: str) -> dict[str, list[Any]]:
         "offload_experts": ["none", *(t for t in tier_names() if tier_spec(t).frees_device(device))],
         # weight streaming: the tiers that free the training device, as for the experts
         "offload_weights": ["none", *(t for t in tier_names() if tier_spec(t).frees_device(device))],
+        # read-ahead depths; `_choices` keeps those that can be faster for the candidate's tier (ahead_choices)
+        "offload_weights_ahead": list(stream.AHEAD_CHOICES),
         "strategy": _auto_strategies(recipe),
         # grpo: whole groups, doubling; one that holds the step's all is None (_choices)
         "generation_batch_size": [None, *(recipe.grpo.num_generations << k for k in range(11))]
@@ -327,6 +329,9 @@ def _choices(recipe: Recipe, spec: ModelSpec) -> list[Settings]:
             continue  # a dense model has no experts to offload
         if st["offload_weights"] != "none" and st["offload_experts"] != "none":
             continue  # weight streaming moves the experts too (the schema refuses both)
+        if given["offload_weights_ahead"] == "auto" and st["offload_weights_ahead"] not in \
+                stream.ahead_choices(st["offload_weights"], spec.device):
+            continue  # deeper read-ahead only where it can be faster (finetune.plan.weight_stream)
         if world > 1 and given["strategy"] == "auto" and _refused(recipe, st):
             continue
         if st["gradient_accumulation_steps"] == "auto":  # keep training.effective_batch_size over all devices
@@ -369,7 +374,6 @@ def model_spec(recipe: Recipe, config: Any, device: str, planner: Planner = DEFA
         num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
         optimizer=recipe.optimizer, double_quant=recipe.quantization.double_quant,
         offload_min_size=recipe.memory.offload_min_size, offload_cpu_limit=recipe.memory.offload_cpu_limit,
-        stream_ahead=recipe.memory.offload_weights_ahead,
         recompute_norms=recipe.memory.recompute_norms,
         tiled_mlp_tokens=recipe.memory.tiled_mlp_tokens, world_size=recipe.distributed.gpus,
         interconnect_bandwidth=recipe.distributed.interconnect_bandwidth, zero_stage=recipe.distributed.zero_stage,
@@ -636,7 +640,8 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
         elif not st.activation_checkpointing and with_ckpt in over:
             # Dominance: without checkpointing every layer keeps what a checkpointed run recomputes for one.
             pruned.append((over[with_ckpt], st))
-        elif st.offload_weights != "none" and replace(st, offload_weights="none") in fits_untiled:
+        elif st.offload_weights != "none" and {replace(stream.resident(st), offload_weights_ahead=a)
+                                                for a in {*stream.AHEAD_CHOICES, st.offload_weights_ahead}} & fits_untiled:
             continue  # weight streaming only buys memory (finetune.plan.weight_stream): its resident twin fits
         elif st.tiled_mlp and (replace(st, tiled_mlp=False) in fits_untiled
                                or _score_of(st.optimizer, tokens_per_second(spec, shapes, st, bandwidth=bandwidth,
@@ -769,7 +774,7 @@ def _stream_notes(spec: ModelSpec, shapes: ModelShapes, chosen: Candidate, bandw
         return []
     resident = tokens_per_second(spec, shapes, stream.resident(settings), bandwidth=bandwidth, figures=figures)
     note = stream.bound_note(spec, settings, chosen.tokens_per_s, resident,
-                             tier_bytes_per_s(settings.offload_weights, spec.device, figures, bandwidth))
+                             stream_links(settings.offload_weights, spec.device, figures, bandwidth))
     return [note] if note else []
 
 

@@ -469,7 +469,7 @@ def _streamed_load(recipe: Recipe, settings: Settings, run_dir: RunDir) -> Abstr
     from finetune.plan.weight_stream import host_bytes
 
     memory = recipe.memory
-    kind, tier, ahead = (WEIGHTS, settings.offload_weights, memory.offload_weights_ahead) \
+    kind, tier, ahead = (WEIGHTS, settings.offload_weights, settings.offload_weights_ahead) \
         if settings.offload_weights != "none" else (EXPERTS, settings.offload_experts, 1)
     if tier == "none":
         return None
