@@ -244,3 +244,27 @@ def test_read_ahead_depth_is_searched_and_priced(tmp_path):
     with stated_machine(host_ram=128 * 10**9):
         in_ram = predict(load_recipe(RECIPE, base), device="cuda")
     assert in_ram.settings["offload_weights"] == "cpu" and in_ram.settings["offload_weights_ahead"] == 1
+
+
+def test_streaming_from_a_slow_disk_refused(tmp_path, capsys):
+    """memory.offload_weights: disk on a disk measured below 100 MB/s: `finetune plan` and `finetune run` refuse
+    it in one line naming memory.offload_dir and the measured speed, nothing written; `auto` never streams from
+    it (its disk candidates rejected as slow), where the same disk at 3 GB/s streams."""
+    from finetune.plan import predict
+    from finetune.recipe import load_recipe
+    from finetune.testing import stated_machine
+
+    path = three_step_recipe(tmp_path, "llama", {"memory": {"offload_weights": "disk",
+                                                            "offload_dir": str(tmp_path / "weights")}})
+    with stated_machine(disk_bytes_per_s=40e6):
+        for command in ("plan", "run"):
+            _refused(tmp_path, capsys, [command, str(path)], "memory.offload_dir", "40 MB/s", "below the 100 MB/s")
+        assert not (tmp_path / "weights").exists()
+    base = [f"model.path={CONFIGS / 'llama-3.1-70b.json'}", f"memory.offload_dir={tmp_path}"]
+    plans = {}
+    for speed in (40e6, 3e9):
+        with stated_machine(host_ram=16 * 10**9, disk_free=400 * 10**9, disk_bytes_per_s=speed):  # RAM too small
+            plans[speed] = predict(load_recipe(RECIPE, base), device="cuda")
+    assert plans[3e9].fits and plans[3e9].settings["offload_weights"] == "disk"
+    assert not plans[40e6].fits
+    assert any(c.kind == "slow_disk" and "40 MB/s" in c.reason for c in plans[40e6].rejected)

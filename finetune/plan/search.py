@@ -82,7 +82,7 @@ AUTO_OPTIMIZERS = auto_preferences()
 # over_budget: its traced peak exceeds the budget; over_budget_floor: its lower bound (weights and optimizer
 # state, no trace) already does; offload_space: its offload tier's folder or RAM lacks the room; host_ram: a
 # paged optimizer's managed state, or the experts memory.offload_experts keeps there, do not fit in free host RAM.
-RejectionKind = Literal["over_budget", "over_budget_floor", "offload_space", "host_ram"]
+RejectionKind = Literal["over_budget", "over_budget_floor", "offload_space", "host_ram", "slow_disk"]
 
 
 @dataclass
@@ -570,6 +570,9 @@ def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, free: dic
     short = stream.lacking_room(spec, settings, free or {}, pred.offloaded_bytes if holds_in == "offload_dir" else 0)
     if cand.kind is None and short is not None:
         cand.reject(*short)
+    slow = stream.slow_disk(settings.offload_weights, bandwidth or {})
+    if cand.kind is None and slow is not None:  # auto never streams from a disk that slow (finetune.plan.weight_stream)
+        cand.reject("slow_disk", f"memory.offload_dir: {slow}")
     if cand.kind is None and pred.managed_bytes and ram is not None:
         in_ram = pred.managed_bytes + (pred.offloaded_bytes if holds_in == "host_ram" else 0)
         if in_ram > ram:
@@ -618,6 +621,10 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
                      "route tokens, and the tiled MLP runs dense MLPs only (docs/moe.md)")
     tiers = {st.offload for st in choices} | {st.offload_experts for st in choices} | {st.offload_weights for st in choices}
     bandwidth, free = _offload_resources(recipe, device, tiers - {"none"})
+    slow = stream.slow_disk(recipe.memory.offload_weights, bandwidth)
+    if slow is not None and "offload_weights" not in inactive_settings(recipe):
+        raise RecipeError(f"memory.offload_dir {offload_dir_for(recipe.memory, recipe.output.dir)}: {slow}", hint="set memory.offload_dir to a folder on an SSD, or memory.offload_weights: cpu "
+                                     "(host RAM) or auto")
     if device == "cuda" and any(managed_state(spec, st) for st in choices):
         free.setdefault("host_ram", _free_memory("cpu"))
     # A CPU is priced with what it measured (once per machine and thread count, cached); a GPU with constants.

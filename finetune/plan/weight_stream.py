@@ -37,6 +37,10 @@ from finetune.recipe.settings import Settings
 from finetune.units import format_bytes
 
 FETCHES_PER_MICRO_BATCH = 2  # forward, and backward (with a checkpointed layer's recompute)
+# The slowest disk weight streaming reads from: below it (a network mount, a USB stick, a busy hard disk) each
+# micro-batch of a 70B waits over ten minutes for the link. A recipe naming the disk tier on such a disk is
+# refused (`slow_disk`); `auto` never picks it.
+MIN_DISK_BYTES_PER_S = 100e6
 
 
 AHEAD_CHOICES = (1, 2)  # read-ahead depths the search tries where the links are in series (module docstring)
@@ -104,6 +108,17 @@ def lacking_room(spec: ModelSpec, settings: Settings, free: dict[str, int],
         return "offload_space", (f"{used[0]} needs {format_bytes(with_margin(disk_needed + activations_on_disk))} "
                                  f"{STORES['offload_dir']} (with a margin), {format_bytes(disk)} free")
     return None
+
+
+def slow_disk(tier: str, bandwidth: dict[str, float]) -> str | None:
+    """Why weight streaming from `tier` is refused on this machine: the disk tier where the measured bandwidth of
+    memory.offload_dir's disk is below MIN_DISK_BYTES_PER_S (the speed, in words); None where it is not (a disk
+    not measured is priced at the typical figure, not refused)."""
+    measured = bandwidth.get("disk")
+    if tier != "disk" or measured is None or measured >= MIN_DISK_BYTES_PER_S:
+        return None
+    return (f"its disk moves {measured / 1e6:.0f} MB/s (measured), below the {MIN_DISK_BYTES_PER_S / 1e6:.0f} MB/s "
+            "memory.offload_weights: disk needs to stream the frozen weights in useful time")
 
 
 def bound_note(spec: ModelSpec, settings: Settings, tokens_per_s: float, resident_tokens_per_s: float,
