@@ -268,3 +268,40 @@ def test_streaming_from_a_slow_disk_refused(tmp_path, capsys):
     assert plans[3e9].fits and plans[3e9].settings["offload_weights"] == "disk"
     assert not plans[40e6].fits
     assert any(c.kind == "slow_disk" and "40 MB/s" in c.reason for c in plans[40e6].rejected)
+
+
+def test_planned_weights_match_what_the_store_leaves_on_the_device(tmp_path):
+    """QLoRA streamed from disk on a CPU run: the plan's weights are what stays on the device (the frozen weights
+    outside the layers, every 4-bit weight's quant state codes, which the store leaves there) plus the window of
+    two layers' streamed bytes, within 1%; the codes are a third of this tiny model's 4-bit weights, so a plan
+    without them would be off by far more."""
+    from finetune.plan import predict
+    from finetune.recipe import load_recipe
+
+    path = three_step_recipe(tmp_path, "llama", {"quantization": {"bits": 4},
+                                                 "memory": {"offload_dir": str(tmp_path / "weights")}},
+                             num_hidden_layers=4)
+    recipe = load_recipe(path)
+    planned = predict(load_recipe(path, ["memory.offload_weights=disk", "memory.offload_weights_ahead=1"]),
+                      device="cpu").breakdown["weights"]
+    torch.manual_seed(0)
+    model, _, _ = load_model(recipe.model, recipe.quantization)
+    model = apply_adapter(model, recipe.adapter, checkpointing=True)
+    store = offload_weights(model, "disk", 1, None, tmp_path / "weights")
+    left, codes = {}, {}
+    for param in model.parameters():
+        if param.requires_grad:
+            continue
+        left[param.untyped_storage().data_ptr()] = param.untyped_storage().nbytes()
+        state = getattr(param, "quant_state", None)
+        while state is not None:
+            for t in (state.code, state.offset, state.absmax):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                    left[t.untyped_storage().data_ptr()] = codes[t.untyped_storage().data_ptr()] = \
+                        t.untyped_storage().nbytes()
+            state = state.state2
+    window = 2 * max(sum(sizes) for sizes in store.sizes)
+    store.close()
+    on_device = sum(left.values()) + window
+    assert planned == pytest.approx(on_device, rel=0.01)
+    assert abs(planned - (on_device - sum(codes.values()))) > 0.05 * on_device

@@ -39,6 +39,11 @@ CUBLAS_WORKSPACE_BYTES = 32 * 2**20
 ALLOCATOR_OVERHEAD = 0.05
 NF4_BLOCK = 64
 DOUBLE_QUANT_BLOCK = 256
+# A 4-bit weight's quant state besides its absmax, on the device with the model: the NF4 code table (16 fp32),
+# and with double quantization the absmax's offset (one fp32) and its 8-bit code table (256 fp32). Weight
+# streaming leaves them there (finetune.memory.weight_store.frozen_storages): they are not streamed.
+NF4_CODE_BYTES = 16 * 4
+NESTED_CODE_BYTES = 4 + 256 * 4
 
 
 @dataclass
@@ -205,7 +210,8 @@ def _sum_params(planner: Planner, key: tuple[str, ...], layers: int, bits: int |
                 optimizer: str, optimizer_json: str, accumulation: int, untrained: frozenset[str]
                 ) -> tuple[dict[str, float], int, int]:
     params = param_table_of(key, layers, planner)
-    frozen = sum(_stored_bytes(p, bits, double_quant) for p in params if not p.trainable)
+    frozen = sum(_stored_bytes(p, bits, double_quant) + quant_state_codes(p, bits, double_quant)
+                 for p in params if not p.trainable)
     graded = [p for p in params if p.trainable and p.name not in untrained]
     trained = [(p.name, p.shape, p.dtype) for p in graded]
     opt = OptimizerConfig.model_validate_json(optimizer_json).model_copy(update={"name": optimizer})
@@ -216,6 +222,15 @@ def _sum_params(planner: Planner, key: tuple[str, ...], layers: int, bits: int |
     largest_quant = max((p.numel // (p.shape[0] if len(p.shape) == 3 else 1) for p in params if p.quantizable),
                         default=0)
     return sums, largest_trained, largest_quant
+
+
+def quant_state_codes(p: ParamInfo, bits: int | None, double_quant: bool) -> int:
+    """Bytes of a bitsandbytes 4-bit Linear weight's quant state codes (NF4_CODE_BYTES, NESTED_CODE_BYTES): on
+    the device whether the weight is resident or streamed; 0 for any other parameter (a MoE block's 4-bit
+    experts keep their state in the expert store's streamed buffers)."""
+    if bits != 4 or not p.quantizable or len(p.shape) != 2:
+        return 0
+    return NF4_CODE_BYTES + (NESTED_CODE_BYTES if double_quant else 0)
 
 
 def _stored_bytes(p: ParamInfo, bits: int | None, double_quant: bool) -> float:
