@@ -81,7 +81,8 @@ def test_every_auto_key_of_the_schema_is_planned_or_said_to_be_someone_elses():
     everything_auto = _recipe(**sections)
     generating = {"grpo.generation_batch_size"}  # planned only with training.method grpo
     images = {"data.max_pixels"}  # planned only for a vision-language model
-    streaming = {"memory.offload_weights", "memory.offload_weights_ahead"}  # one process only (gpus is 2)
+    streaming = {"memory.offload_weights", "memory.offload_weights_ahead",  # one process only (gpus is 2)
+                 "memory.offload_weights_resident"}
     assert set(auto_keys(everything_auto)) == planned - generating - images - streaming
 
 

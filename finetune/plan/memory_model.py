@@ -334,11 +334,11 @@ def weights_streamed(spec: ModelSpec, settings: Settings) -> bool:
 
 
 def streamed_weight_bytes(spec: ModelSpec, settings: Settings) -> tuple[float, float]:
-    """(every decoder layer's, one layer's) frozen weights as stored: what memory.offload_weights streams (the
-    embeddings and the LM head, outside the layers, stay)."""
+    """(the streamed decoder layers', one layer's) frozen weights as stored: what memory.offload_weights streams
+    (the embeddings, the LM head and the first memory.offload_weights_resident layers stay)."""
     per_layer = _over_layers(spec, settings, lambda table: sum(
         _stored_bytes(p, settings.bits, spec.double_quant) for p in table if not p.trainable))[1]
-    return per_layer * spec.num_layers, per_layer
+    return per_layer * max(0, spec.num_layers - settings.offload_weights_resident), per_layer
 
 
 def moe_elements(spec: ModelSpec, settings: Settings) -> tuple[float, float]:

@@ -38,6 +38,8 @@ from finetune.plan.memory_model import (
     memory_floor,
     predict_memory,
     step_completions,
+    streamed_weight_bytes,
+    weights_streamed,
 )
 from finetune.plan.planner import DEFAULT, Planner
 from finetune.plan.shapes import ModelShapes, target_dtype
@@ -245,6 +247,8 @@ def auto_values(recipe: Recipe, device: str) -> dict[str, list[Any]]:
         "offload_weights": ["none", *(t for t in tier_names() if tier_spec(t).frees_device(device))],
         # read-ahead depths; `_choices` keeps those that can be faster for the candidate's tier (ahead_choices)
         "offload_weights_ahead": list(stream.AHEAD_CHOICES),
+        # not a search axis: `predict` fills the chosen plan's room with resident layers (_fill_resident)
+        "offload_weights_resident": [0],
         "strategy": _auto_strategies(recipe),
         # grpo: whole groups, doubling; one that holds the step's all is None (_choices)
         "generation_batch_size": [None, *(recipe.grpo.num_generations << k for k in range(11))]
@@ -671,6 +675,11 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
         if c.kind is None and c.peak_bytes > budget:
             c.reject("over_budget", f"needs {format_bytes(c.peak_bytes)}, budget {format_bytes(budget)}")
     ok = _smallest_batch_first(sorted((c for c in candidates if c.kind is None), key=lambda c: -_score(c)))
+    if ok and recipe.memory.offload_weights_resident == "auto":
+        filled = _fill_resident(spec, shapes, ok[0], budget, free, bandwidth, figures)
+        if filled is not ok[0]:
+            ok[0] = filled
+            candidates.append(filled)
     leanest = min(candidates, key=lambda c: c.peak_bytes, default=None)
     while not ok and pruned and (leanest is None or pruned[0][0] < leanest.peak_bytes):
         # Nothing fits: find the leanest configuration (branch and bound on the lower bounds).
@@ -830,6 +839,24 @@ def _offload_resources(recipe: Recipe, device: str, tiers: set[str]) -> tuple[di
     if "offload_dir" in stores:
         free["offload_dir"] = free_disk_bytes(offload_dir)
     return bandwidth, free
+
+
+def _fill_resident(spec: ModelSpec, shapes: ModelShapes, chosen: Candidate, budget: int, free: dict[str, int],
+                   bandwidth: dict[str, float], figures: dict[str, float]) -> Candidate:
+    """memory.offload_weights_resident auto: the chosen streaming plan keeps its first layers on the device, as
+    many as the budget has room for, where that is faster (a link-bound step: the link carries the other layers
+    only); else `chosen` itself (no layer kept where the link is hidden: the time model gains nothing)."""
+    st = Settings(**chosen.settings)
+    if not weights_streamed(spec, st):
+        return chosen
+    per_layer = streamed_weight_bytes(spec, st)[1]
+    room = min(int((budget - chosen.peak_bytes) // max(per_layer, 1)),
+               spec.num_layers - st.offload_weights_ahead - 1)
+    for kept in range(room, 0, -1):  # the memory is linear in the layers kept: the first that fits is the most
+        trial = evaluate(spec, shapes, replace(st, offload_weights_resident=kept), free, bandwidth, figures)
+        if trial.kind is None and trial.peak_bytes <= budget:
+            return trial if trial.tokens_per_s > chosen.tokens_per_s else chosen
+    return chosen
 
 
 def _smallest_batch_first(ranked: list[Candidate]) -> list[Candidate]:

@@ -19,6 +19,11 @@ two or more the reader reads one layer while the previous one crosses PCIe, so t
 Over one link (the cpu tier; a CPU run) a deeper read-ahead buys no time for layers of equal size, only memory
 (one layer's window more), so the search tries a second layer ahead only for the disk tier on a GPU
 (`AHEAD_CHOICES`) and takes it where it fits and is faster.
+
+Resident layers (memory.offload_weights_resident): the first layers' weights stay on the device, each priced as
+one layer's weights there and carrying nothing over the link. Not a search axis (any count up to the layers
+could be): the search's chosen plan keeps as many as its budget has room for where that is faster (a link-bound
+step), none where the link is hidden (plan.search's `_fill_resident`).
 """
 
 from __future__ import annotations
@@ -138,9 +143,14 @@ def bound_note(spec: ModelSpec, settings: Settings, tokens_per_s: float, residen
     return (f"memory.offload_weights: {settings.offload_weights} streams {format_bytes(streamed)} of frozen weights "
             f"per pass at {links[0] / 1e9:.1f} GB/s{_then(links, settings.offload_weights_ahead)}, "
             f"{settings.offload_weights_ahead} layer{'s' if settings.offload_weights_ahead > 1 else ''} read "
-            f"ahead: {link:.2f} s of link per micro-batch against "
+            f"ahead{_kept(settings.offload_weights_resident)}: {link:.2f} s of link per micro-batch against "
             f"{compute:.2f} s of compute; the step is bound by {bound}, {tokens_per_s:,.0f} tokens/s "
             f"({resident_tokens_per_s:,.0f} if the weights fitted on the device); the weights take {held}")
+
+
+def _kept(resident: int) -> str:
+    """The layers that stay on the device (memory.offload_weights_resident), in the plan's note."""
+    return f", the first {resident} layer{'s' if resident > 1 else ''} kept on the device" if resident else ""
 
 
 def _then(links: tuple[float, ...], ahead: int) -> str:

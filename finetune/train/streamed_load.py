@@ -20,11 +20,12 @@ from finetune.recipe.schema import Recipe
 from finetune.recipe.settings import Settings
 
 
-def _stream_of(settings: Settings) -> tuple[str, str, int]:
-    """(which store: weights or experts, its tier, its read-ahead) of resolved `settings`."""
+def _stream_of(settings: Settings) -> tuple[str, str, int, int]:
+    """(which store: weights or experts, its tier, its read-ahead, the layers it leaves on the device) of
+    resolved `settings`."""
     if settings.offload_weights != "none":
-        return "weights", settings.offload_weights, settings.offload_weights_ahead
-    return "experts", settings.offload_experts, 1
+        return "weights", settings.offload_weights, settings.offload_weights_ahead, settings.offload_weights_resident
+    return "experts", settings.offload_experts, 1, 0
 
 
 def streamed_load(recipe: Recipe, settings: Settings, offload_root: Path) -> AbstractContextManager | None:
@@ -37,7 +38,7 @@ def streamed_load(recipe: Recipe, settings: Settings, offload_root: Path) -> Abs
     from finetune.plan.trace import planned_config
     from finetune.plan.weight_stream import host_bytes
 
-    which, tier, ahead = _stream_of(settings)
+    which, tier, ahead, resident = _stream_of(settings)
     if tier == "none":
         return None
     kind = WEIGHTS if which == "weights" else EXPERTS
@@ -50,7 +51,8 @@ def streamed_load(recipe: Recipe, settings: Settings, offload_root: Path) -> Abs
                       "as they load, the disk as they are written", markup=False)
         planned = (0, 0)
     directory = offload_dir_for(recipe.memory, offload_root) if tier == "disk" else None
-    return stream_on_arrival(tier, ahead, host_room(recipe.memory.offload_cpu_limit), directory, planned, kind)
+    return stream_on_arrival(tier, ahead, host_room(recipe.memory.offload_cpu_limit), directory, planned, kind,
+                             resident)
 
 
 @dataclass
@@ -70,10 +72,10 @@ class StreamedUse:
         from finetune.memory.offload import offload_dir_for
         from finetune.memory.weight_store import EXPERTS, WEIGHTS, host_room, offload_weights
 
-        which, tier, ahead = _stream_of(resolve(self.recipe).settings)
+        which, tier, ahead, resident = _stream_of(resolve(self.recipe).settings)
         directory = offload_dir_for(self.recipe.memory, self.root) if tier == "disk" else None
         self.stores.append(offload_weights(model, tier, ahead, host_room(self.recipe.memory.offload_cpu_limit),
-                                           directory, WEIGHTS if which == "weights" else EXPERTS))
+                                           directory, WEIGHTS if which == "weights" else EXPERTS, resident))
 
 
 @contextmanager
