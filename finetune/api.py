@@ -253,12 +253,16 @@ def generate(run_dir: str | Path, prompt: str, *, image: str | Path | None = Non
     """Answer `prompt` with the run's model (or its base model with use_adapter=False), about `image` where one
     is given (a vision-language run; the file and the model are checked before anything loads)."""
     from finetune.model.chat import generate as _generate
-    from finetune.model.trained import check_image, load_trained, vision_of
+    from finetune.model.trained import check_image, load_run, load_trained, vision_of
+    from finetune.train.streamed_load import streamed_use
 
     image = check_image(run_dir, image)
-    model, tokenizer = load_trained(run_dir, use_adapter=use_adapter)
-    vision = vision_of(run_dir, model, tokenizer) if image else None
-    return _generate(model, tokenizer, prompt, image=image, vision=vision, max_new_tokens=max_new_tokens)
+    recipe, run = load_run(run_dir)
+    with streamed_use(recipe, run.root) as streaming:  # the base streamed where the run streamed it
+        model, tokenizer = load_trained(run_dir, use_adapter=use_adapter, arriving=streaming.arriving)
+        streaming.attach(model)
+        vision = vision_of(run_dir, model, tokenizer) if image else None
+        return _generate(model, tokenizer, prompt, image=image, vision=vision, max_new_tokens=max_new_tokens)
 
 
 def lineage(run_dirs: list[str | Path]) -> list[tuple[Path, str]]:

@@ -400,11 +400,12 @@ def shape_task(folder: str | Path, *, train: int = 64, held_out: int = 32, size:
 
 @contextmanager
 def stated_machine(host_ram: int | None = None, disk_free: int | None = None,
-                   typical_disk: bool = False) -> Iterator[None]:
-    """Plan as on the machine a recipe names ("with 64 GB of RAM", "an NVMe SSD with 200 GB free"), not this
-    one: psutil's available RAM and every disk's free space read as given (None: as they are), and with
-    `typical_disk` the disk priced at the cost model's typical speed, not this disk's measured one. What fits a
-    weight-streaming recipe depends on them; the tests and the benchmark that plan those recipes use this."""
+                   typical_disk: bool = False, disk_bytes_per_s: float | None = None) -> Iterator[None]:
+    """Plan as on the machine a recipe names ("with 64 GB of RAM", "an NVMe SSD with 200 GB free, 3 GB/s"), not
+    this one: psutil's available RAM and every disk's free space read as given (None: as they are); the disk's
+    bandwidth (both directions) as `disk_bytes_per_s`, or with `typical_disk` the cost model's typical speed,
+    else as measured here. What fits a weight-streaming recipe, and how fast, depends on them; the tests and
+    the benchmarks that plan those recipes use this."""
     import shutil
     from types import SimpleNamespace
     from unittest import mock
@@ -413,7 +414,12 @@ def stated_machine(host_ram: int | None = None, disk_free: int | None = None,
 
     from finetune.memory import bandwidth
 
-    patches = [mock.patch.object(bandwidth, "disk_bandwidth", lambda *args, **kwargs: None)] if typical_disk else []
+    patches = []
+    if typical_disk:
+        patches.append(mock.patch.object(bandwidth, "disk_bandwidth", lambda *args, **kwargs: None))
+    elif disk_bytes_per_s is not None:
+        measured = {"read": disk_bytes_per_s, "write": disk_bytes_per_s}
+        patches.append(mock.patch.object(bandwidth, "disk_bandwidth", lambda directory, refresh=False: measured))
     if host_ram is not None:
         ram = SimpleNamespace(total=host_ram, available=host_ram, percent=0.0, used=0, free=host_ram)
         patches.append(mock.patch.object(psutil, "virtual_memory", lambda: ram))

@@ -7,6 +7,7 @@ import dataclasses
 import typing
 from types import SimpleNamespace
 
+import pydantic
 import pytest
 
 from finetune.plan.search import Plan, _choices, auto_values
@@ -53,8 +54,17 @@ def _other_value(key: str, current: object) -> object:
     options += [True, False] if bool in leaves else []
     options += [current + 1] if int in leaves and isinstance(current, int) and not isinstance(current, bool) else []
     options += [None] if type(None) in leaves else []
-    options += [1 << 20] if int in leaves and current == "auto" else []
-    return next(v for v in options if v != current)
+    options += [1 << 20, 1] if int in leaves and current == "auto" else []  # a large one, or a small bounded one
+    accepts = pydantic.TypeAdapter(_field(key).annotation)
+    return next(v for v in options if v != current and _valid(accepts, v))
+
+
+def _valid(accepts: pydantic.TypeAdapter, value: object) -> bool:
+    try:
+        accepts.validate_python(value)
+    except pydantic.ValidationError:
+        return False
+    return True
 
 
 def test_every_auto_key_of_the_schema_is_planned_or_said_to_be_someone_elses():
@@ -71,7 +81,8 @@ def test_every_auto_key_of_the_schema_is_planned_or_said_to_be_someone_elses():
     everything_auto = _recipe(**sections)
     generating = {"grpo.generation_batch_size"}  # planned only with training.method grpo
     images = {"data.max_pixels"}  # planned only for a vision-language model
-    streaming = {"memory.offload_weights"}  # planned only in one process (gpus is 2 here)
+    streaming = {"memory.offload_weights", "memory.offload_weights_ahead",  # one process only (gpus is 2)
+                 "memory.offload_weights_resident"}
     assert set(auto_keys(everything_auto)) == planned - generating - images - streaming
 
 

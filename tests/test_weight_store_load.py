@@ -206,3 +206,35 @@ def test_a_streamed_run_resumes_exactly(tmp_path, capsys):
     assert "memory.offload_weights: disk: loaded layer by layer" in capsys.readouterr().err
     assert_same_steps(tmp_path / "streamed" / "run", tmp_path / "straight" / "run", ("loss",), [1, 2, 3, 4])
     assert not (tmp_path / "streamed" / "weights").exists()
+
+
+def test_generate_and_eval_load_the_base_as_the_run_streamed_it(tmp_path, capsys):
+    """A run that streamed its weights from disk is asked (`finetune generate`) and evaluated (`finetune eval`)
+    with its base loaded layer by layer into the store, so a model that trained only streamed can be used on the
+    same card: the same tokens and held-out loss as the base loaded whole, no weight file left behind."""
+    import yaml
+
+    from finetune import api
+    from finetune.rundir import RunDir
+
+    path = three_step_recipe(tmp_path, "llama", {"quantization": {"bits": 4}},
+                             {"memory": {"offload_weights": "disk", "offload_dir": str(tmp_path / "weights")}},
+                             num_hidden_layers=4)
+    assert main(["run", str(path)]) == 0, capsys.readouterr().err
+    run = tmp_path / "run"
+    capsys.readouterr()
+    answers, losses = {}, {}
+    for tier in ("disk", "none"):
+        if tier == "none":  # the same run, its base loaded whole
+            saved = RunDir(run).recipe
+            recipe = yaml.safe_load(saved.read_text())
+            recipe["memory"]["offload_weights"] = "none"
+            saved.write_text(yaml.safe_dump(recipe))
+        answers[tier] = api.generate(run, "Tell me about the sea", max_new_tokens=12)
+        losses[tier] = api.evaluate(run, tmp_path / "data.jsonl")["models"][0]["loss"]
+        out = capsys.readouterr()
+        assert (out.err + out.out).count("memory.offload_weights: disk: loaded layer by layer") == \
+            (2 if tier == "disk" else 0)
+        assert not (tmp_path / "weights").exists()
+    assert answers["disk"] == answers["none"] and answers["none"]
+    assert losses["disk"] == losses["none"]

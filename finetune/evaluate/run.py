@@ -19,6 +19,7 @@ from finetune.model.chat import reply
 from finetune.model.trained import load_adapters, load_run, load_trained, reads_images, vision_of
 from finetune.recipe.schema import Recipe
 from finetune.rundir import RunDir, atomic_write_json
+from finetune.train.streamed_load import streamed_use
 
 BASE = "base model"
 
@@ -102,13 +103,15 @@ def _models(run_dirs: list[str | Path], *, with_base: bool) -> Iterator[tuple[st
     LoRA runs share one loaded base with their adapters switched in turn; a full fine-tune loads alone."""
     recipes: list[Recipe] = [load_run(d)[0] for d in run_dirs]
     if all(r.adapter.type != "full" for r in recipes):
-        model, tokenizer, names = load_adapters(run_dirs)
-        if with_base:
-            with model.disable_adapter():
-                yield BASE, model, tokenizer
-        for name, run_dir in zip(names, run_dirs, strict=True):
-            model.set_adapter(name)
-            yield Path(run_dir).name, model, tokenizer
+        with streamed_use(recipes[0], Path(run_dirs[0])) as streaming:  # the base streamed as the first run's was
+            model, tokenizer, names = load_adapters(run_dirs, arriving=streaming.arriving)
+            streaming.attach(model)
+            if with_base:
+                with model.disable_adapter():
+                    yield BASE, model, tokenizer
+            for name, run_dir in zip(names, run_dirs, strict=True):
+                model.set_adapter(name)
+                yield Path(run_dir).name, model, tokenizer
         return
     if with_base:
         yield BASE, *load_trained(run_dirs[-1], use_adapter=False)

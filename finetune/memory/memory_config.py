@@ -28,5 +28,6 @@ def apply_memory_config(model: torch.nn.Module, memory: MemoryConfig,
     ram = host_room(memory.offload_cpu_limit)
     directory = offload_dir_for(memory, run_dir) if memory.offload_dir or run_dir is not None else None
     if memory.offload_weights != "none":
-        return offload_weights(model, memory.offload_weights, memory.offload_weights_ahead, ram, directory)
+        return offload_weights(model, memory.offload_weights, memory.offload_weights_ahead, ram, directory,
+                               resident=memory.offload_weights_resident)
     return offload_experts(model, memory.offload_experts, ram, directory)

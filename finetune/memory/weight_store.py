@@ -193,8 +193,9 @@ class WeightStore:
             target.copy_(buffer, non_blocking=self.stream is not None)
 
     def _start(self, position: int) -> None:
-        """Begin bringing layer `position` to the device (nothing if it is there or beyond the ends)."""
-        if position in self.resident or not 0 <= position < len(self.storages):
+        """Begin bringing layer `position` to the device (nothing if it is there, beyond the ends, or one that
+        stays on the device: memory.offload_weights_resident)."""
+        if position in self.resident or not 0 <= position < len(self.storages) or not self.storages[position]:
             return
         context = torch.cuda.stream(self.stream) if self.stream is not None else _nothing()
         with context:  # allocated on the copy stream (CUDA), on this thread (a CPU run's tracker counts them)
@@ -310,11 +311,12 @@ def _unique(tensors: list[tuple[str, torch.Tensor]]) -> dict[int, tuple[str, tor
 
 
 def offload_weights(model: torch.nn.Module, tier: str, ahead: int, host_ram: int | None,
-                    directory: Path | None = None, kind: Streamed = WEIGHTS) -> WeightStore | None:
+                    directory: Path | None = None, kind: Streamed = WEIGHTS, resident: int = 0) -> WeightStore | None:
     """memory.offload_weights (or, `kind` EXPERTS, memory.offload_experts): stream each decoder layer's frozen
     weights (its experts) from tier `cpu` (host RAM, pinned on CUDA) or `disk` (files in `directory`), `ahead`
-    layers read ahead. `host_ram`: the bytes they may take in RAM (free RAM, or memory.offload_cpu_limit); more
-    is a RecipeError, a `directory` without room an OffloadDirError, before anything moves. A storage shared by
+    layers read ahead, the first `resident` layers left on the device (memory.offload_weights_resident).
+    `host_ram`: the bytes they may take in RAM (free RAM, or memory.offload_cpu_limit); more is a RecipeError, a
+    `directory` without room an OffloadDirError, before anything moves. A storage shared by
     several layers (tied weights) stays put. A model loaded through `stream_on_arrival` has its store already
     (checked and filled as it loaded): what did not arrive through it (a buffer made at build) joins it here."""
     if tier == "none" or (kind.experts_only and not moe_blocks(model)):
@@ -322,7 +324,8 @@ def offload_weights(model: torch.nn.Module, tier: str, ahead: int, host_ram: int
     layers = decoder_layers(model)
     found = [_unique(_streamed(layer, kind)) for layer in layers]
     counts = Counter(ptr for tensors in found for ptr in tensors)
-    kept = [[named for ptr, named in tensors.items() if counts[ptr] == 1] for tensors in found]
+    kept = [[named for ptr, named in tensors.items() if counts[ptr] == 1] if position >= resident else []
+            for position, tensors in enumerate(found)]
     store = weight_store_of(model)
     if store is None:
         sizes = [sum(t.untyped_storage().nbytes() for _, t in tensors) for tensors in kept]
@@ -367,7 +370,7 @@ def _writing(files: StoreFiles | None, kind: Streamed) -> Iterator[None]:
 
 @contextmanager
 def stream_on_arrival(tier: str, ahead: int, host_ram: int | None, directory: Path | None,
-                      planned: tuple[int, int], kind: Streamed = WEIGHTS) -> Iterator[None]:
+                      planned: tuple[int, int], kind: Streamed = WEIGHTS, resident: int = 0) -> Iterator[None]:
     """While a model loads in this thread, move each decoder layer's weight off the device the moment it is set
     on its module (a 4-bit one with its quant state, a MoE layer's 4-bit expert store as it is made; with `kind`
     EXPERTS the experts alone), into a `WeightStore` that `offload_weights` completes after the load: the device
@@ -375,6 +378,7 @@ def stream_on_arrival(tier: str, ahead: int, host_ram: int | None, directory: Pa
     arriving, and host RAM one weight beyond the store. So a model whose weights exceed the card (or RAM, for
     the disk tier) loads.
 
+    `resident`: the first layers, whose weights stay where they load (memory.offload_weights_resident).
     `planned`: (host RAM, disk) bytes the tier takes (finetune.plan.weight_stream.host_bytes), checked against
     `host_ram` and `directory` before anything loads; host RAM is checked again as it fills. The seams are
     torch's public module and parameter registration hooks, limited to this thread: a parameter's module is
@@ -421,7 +425,7 @@ def stream_on_arrival(tier: str, ahead: int, host_ram: int | None, directory: Pa
         layer, path = found
         store = stores[0] if stores else start(layer, param.device)
         position = positions.get(id(layer))
-        if position is None:  # a vision tower's layer: not streamed
+        if position is None or position < resident:  # a vision tower's layer, or one that stays: not streamed
             return
         prefix = f"{path}." if path else ""
         expert_store = getattr(module, STORE, None)  # a MoE layer's 4-bit expert store, made as they arrive

@@ -6,7 +6,7 @@ import errno
 import re
 import shutil
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 from finetune.data.formats import RecordError
@@ -50,15 +50,18 @@ def base_model_key(recipe: Recipe) -> tuple:
     return path, model.revision, model.trust_remote_code, str(compute_dtype(model)), bits
 
 
-def load_trained(run_dir: str | Path, *, use_adapter: bool = True, quantize: bool = True):
-    """(model, tokenizer) for a run: the base as trained (quantized if it was) with the adapter applied."""
+def load_trained(run_dir: str | Path, *, use_adapter: bool = True, quantize: bool = True,
+                 arriving: AbstractContextManager | None = None):
+    """(model, tokenizer) for a run: the base as trained (quantized if it was) with the adapter applied.
+    `arriving`: entered around the base's load (its weights streamed as the run trained:
+    finetune.train.streamed_load.streamed_use)."""
     recipe, run = load_run(run_dir)
     if recipe.adapter.type == "full":
         if not use_adapter:
             model, tokenizer, _ = load_model(recipe.model, recipe.quantization, quantize=False)
             return model.eval(), tokenizer
         return load_full(run.adapter).eval(), load_tokenizer(run.adapter, recipe.model)
-    model, tokenizer, _ = load_model(recipe.model, recipe.quantization, quantize=quantize)
+    model, tokenizer, _ = load_model(recipe.model, recipe.quantization, quantize=quantize, arriving=arriving)
     tokenizer = load_tokenizer(run.adapter, recipe.model)  # carries the chat template used in training
     if use_adapter:
         from peft import PeftModel
@@ -90,12 +93,12 @@ def lineage(run_dirs: list[str | Path]) -> list[tuple[Path, str]]:
     return out
 
 
-def load_adapters(run_dirs: list[str | Path], *, quantize: bool = True):
+def load_adapters(run_dirs: list[str | Path], *, quantize: bool = True, arriving: AbstractContextManager | None = None):
     """(model, tokenizer, adapter names): one base model with the LoRA adapters of several runs loaded side by
     side (an SFT run and a DPO run on top of it, say), so each answer comes from the same base weights.
 
     The runs must share the base model (`base_model_key`); select one with `model.set_adapter(name)`, the
-    base alone with `model.disable_adapter()`."""
+    base alone with `model.disable_adapter()`. `arriving`: as `load_trained`'s."""
     loaded = [load_run(d) for d in run_dirs]
     first = loaded[0][0]
     for recipe, run in loaded:
@@ -109,7 +112,7 @@ def load_adapters(run_dirs: list[str | Path], *, quantize: bool = True):
                 hint="compare runs trained on the same base model, revision, dtype and quantization")
     from peft import PeftModel
 
-    model, _, _ = load_model(first.model, first.quantization, quantize=quantize)
+    model, _, _ = load_model(first.model, first.quantization, quantize=quantize, arriving=arriving)
     names = [f"run{i}" for i in range(len(loaded))]
     model = PeftModel.from_pretrained(model, loaded[0][1].adapter, adapter_name=names[0])
     for name, (_, run) in zip(names[1:], loaded[1:], strict=True):

@@ -147,8 +147,7 @@ def tokens_per_second(spec: ModelSpec, shapes: ModelShapes, settings: Settings, 
         overhead += tier.overhead
     if settings.offload_weights != "none":  # finetune.plan.weight_stream
         tier = tier_spec(settings.offload_weights)
-        transfer += max(0.0, link_seconds(spec, settings, _link_bytes_per_s(tier.link, device, dev, bandwidth or {}))
-                        - compute)
+        transfer += max(0.0, link_seconds(spec, settings, stream_links(tier.name, device, dev, bandwidth)) - compute)
         overhead += tier.overhead
     step = (compute * (1 + overhead) + dequant + transfer) * settings.gradient_accumulation_steps
     link, host = traffic_bytes(spec, settings)
@@ -217,6 +216,16 @@ def rollout_seconds(r: Rollout, w: Weights, dev: dict[str, float], micro_batch: 
 def tier_bytes_per_s(tier: str, device: str, figures: dict[str, float], measured: dict[str, float] | None) -> float:
     """The bandwidth offload tier `tier`'s transfers are priced at: measured, else the link's constant."""
     return _link_bytes_per_s(tier_spec(tier).link, device, figures, measured or {})
+
+
+def stream_links(tier: str, device: str, figures: dict[str, float], measured: dict[str, float] | None
+                 ) -> tuple[float, ...]:
+    """The bytes/s of each link weight streaming from `tier` crosses, in order (finetune.plan.weight_stream's
+    `link_seconds`): the tier's own, then PCIe where the disk tier feeds a GPU."""
+    first = tier_bytes_per_s(tier, device, figures, measured)
+    if tier_spec(tier).link == "disk" and device == "cuda":
+        return first, _link_bytes_per_s("host_device", device, figures, measured or {})
+    return (first,)
 
 
 def _link_bytes_per_s(link: str, device: str, dev: dict[str, float], measured: dict[str, float]) -> float:

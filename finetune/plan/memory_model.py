@@ -40,6 +40,11 @@ CUBLAS_WORKSPACE_BYTES = 32 * 2**20
 ALLOCATOR_OVERHEAD = 0.05
 NF4_BLOCK = 64
 DOUBLE_QUANT_BLOCK = 256
+# A 4-bit weight's quant state besides its absmax, on the device with the model: the NF4 code table (16 fp32),
+# and with double quantization the absmax's offset (one fp32) and its 8-bit code table (256 fp32). Weight
+# streaming leaves them there (finetune.memory.weight_store.frozen_storages): they are not streamed.
+NF4_CODE_BYTES = 16 * 4
+NESTED_CODE_BYTES = 4 + 256 * 4
 
 
 @dataclass
@@ -84,7 +89,6 @@ class ModelSpec:
     double_quant: bool = True
     offload_min_size: int = 1 << 20
     offload_cpu_limit: int | None = None  # memory.offload_cpu_limit: host RAM the offload may hold
-    stream_ahead: int = 1  # memory.offload_weights_ahead: layers weight streaming fetches ahead
     recompute_norms: bool = True
     tiled_mlp_tokens: int = 1024
     world_size: int = 1  # processes (GPUs) the run is spread over; the plan is per device
@@ -207,7 +211,8 @@ def _sum_params(planner: Planner, key: tuple[str, ...], layers: int, bits: int |
                 optimizer: str, optimizer_json: str, accumulation: int, untrained: frozenset[str]
                 ) -> tuple[dict[str, float], int, int]:
     params = param_table_of(key, layers, planner)
-    frozen = sum(_stored_bytes(p, bits, double_quant) for p in params if not p.trainable)
+    frozen = sum(_stored_bytes(p, bits, double_quant) + quant_state_codes(p, bits, double_quant)
+                 for p in params if not p.trainable)
     graded = [p for p in params if p.trainable and p.name not in untrained]
     trained = [(p.name, p.shape, p.dtype) for p in graded]
     opt = OptimizerConfig.model_validate_json(optimizer_json).model_copy(update={"name": optimizer})
@@ -218,6 +223,15 @@ def _sum_params(planner: Planner, key: tuple[str, ...], layers: int, bits: int |
     largest_quant = max((p.numel // (p.shape[0] if len(p.shape) == 3 else 1) for p in params if p.quantizable),
                         default=0)
     return sums, largest_trained, largest_quant
+
+
+def quant_state_codes(p: ParamInfo, bits: int | None, double_quant: bool) -> int:
+    """Bytes of a bitsandbytes 4-bit Linear weight's quant state codes (NF4_CODE_BYTES, NESTED_CODE_BYTES): on
+    the device whether the weight is resident or streamed; 0 for any other parameter (a MoE block's 4-bit
+    experts keep their state in the expert store's streamed buffers)."""
+    if bits != 4 or not p.quantizable or len(p.shape) != 2:
+        return 0
+    return NF4_CODE_BYTES + (NESTED_CODE_BYTES if double_quant else 0)
 
 
 def _stored_bytes(p: ParamInfo, bits: int | None, double_quant: bool) -> float:
@@ -273,7 +287,7 @@ def _param_parts(spec: ModelSpec, settings: Settings) -> tuple[dict[str, float],
     whole, per_layer, largest_trained, largest_quant = _whole_parts(spec, settings)
     if weights_streamed(spec, settings):  # finetune.memory.weight_store: the layers read ahead and the one computing
         streamed, per_layer_frozen = streamed_weight_bytes(spec, settings)
-        window = min(streamed, (spec.stream_ahead + 1) * per_layer_frozen)
+        window = min(streamed, (settings.offload_weights_ahead + 1) * per_layer_frozen)
         whole = {**whole, "weights": whole["weights"] - streamed + window}
     elif experts_offloaded(spec, settings):  # finetune.memory.expert_offload
         experts, per_moe_layer = expert_weight_bytes(spec, settings)
@@ -321,11 +335,11 @@ def weights_streamed(spec: ModelSpec, settings: Settings) -> bool:
 
 
 def streamed_weight_bytes(spec: ModelSpec, settings: Settings) -> tuple[float, float]:
-    """(every decoder layer's, one layer's) frozen weights as stored: what memory.offload_weights streams (the
-    embeddings and the LM head, outside the layers, stay)."""
+    """(the streamed decoder layers', one layer's) frozen weights as stored: what memory.offload_weights streams
+    (the embeddings, the LM head and the first memory.offload_weights_resident layers stay)."""
     per_layer = _over_layers(spec, settings, lambda table: sum(
         _stored_bytes(p, settings.bits, spec.double_quant) for p in table if not p.trainable))[1]
-    return per_layer * spec.num_layers, per_layer
+    return per_layer * max(0, spec.num_layers - settings.offload_weights_resident), per_layer
 
 
 def moe_elements(spec: ModelSpec, settings: Settings) -> tuple[float, float]:

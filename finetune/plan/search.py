@@ -30,7 +30,7 @@ from finetune.model.moe import moe_config
 from finetune.model.vision import in_vision
 from finetune.plan import weight_stream as stream
 from finetune.plan.batches import PricedBatch, run_batches
-from finetune.plan.cost_model import figures_of, tier_bytes_per_s, tokens_per_second
+from finetune.plan.cost_model import figures_of, stream_links, tokens_per_second
 from finetune.plan.data import PlannedData, read_data
 from finetune.plan.memory_model import (
     ModelSpec,
@@ -38,6 +38,8 @@ from finetune.plan.memory_model import (
     memory_floor,
     predict_memory,
     step_completions,
+    streamed_weight_bytes,
+    weights_streamed,
 )
 from finetune.plan.planner import DEFAULT, Planner
 from finetune.plan.shapes import ModelShapes, target_dtype
@@ -83,7 +85,7 @@ AUTO_OPTIMIZERS = auto_preferences()
 # over_budget: its traced peak exceeds the budget; over_budget_floor: its lower bound (weights and optimizer
 # state, no trace) already does; offload_space: its offload tier's folder or RAM lacks the room; host_ram: a
 # paged optimizer's managed state, or the experts memory.offload_experts keeps there, do not fit in free host RAM.
-RejectionKind = Literal["over_budget", "over_budget_floor", "offload_space", "host_ram"]
+RejectionKind = Literal["over_budget", "over_budget_floor", "offload_space", "host_ram", "slow_disk"]
 
 
 @dataclass
@@ -244,6 +246,10 @@ def auto_values(recipe: Recipe, device: str) -> dict[str, list[Any]]:
         "offload_experts": ["none", *(t for t in tier_names() if tier_spec(t).frees_device(device))],
         # weight streaming: the tiers that free the training device, as for the experts
         "offload_weights": ["none", *(t for t in tier_names() if tier_spec(t).frees_device(device))],
+        # read-ahead depths; `_choices` keeps those that can be faster for the candidate's tier (ahead_choices)
+        "offload_weights_ahead": list(stream.AHEAD_CHOICES),
+        # not a search axis: `predict` fills the chosen plan's room with resident layers (_fill_resident)
+        "offload_weights_resident": [0],
         "strategy": _auto_strategies(recipe),
         # grpo: whole groups, doubling; one that holds the step's all is None (_choices)
         "generation_batch_size": [None, *(recipe.grpo.num_generations << k for k in range(11))]
@@ -328,6 +334,9 @@ def _choices(recipe: Recipe, spec: ModelSpec) -> list[Settings]:
             continue  # a dense model has no experts to offload
         if st["offload_weights"] != "none" and st["offload_experts"] != "none":
             continue  # weight streaming moves the experts too (the schema refuses both)
+        if given["offload_weights_ahead"] == "auto" and st["offload_weights_ahead"] not in \
+                stream.ahead_choices(st["offload_weights"], spec.device):
+            continue  # deeper read-ahead only where it can be faster (finetune.plan.weight_stream)
         if world > 1 and given["strategy"] == "auto" and _refused(recipe, st):
             continue
         if st["gradient_accumulation_steps"] == "auto":  # keep training.effective_batch_size over all devices
@@ -370,7 +379,6 @@ def model_spec(recipe: Recipe, config: Any, device: str, planner: Planner = DEFA
         num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
         optimizer=recipe.optimizer, double_quant=recipe.quantization.double_quant,
         offload_min_size=recipe.memory.offload_min_size, offload_cpu_limit=recipe.memory.offload_cpu_limit,
-        stream_ahead=recipe.memory.offload_weights_ahead,
         recompute_norms=recipe.memory.recompute_norms,
         tiled_mlp_tokens=recipe.memory.tiled_mlp_tokens, world_size=recipe.distributed.gpus,
         interconnect_bandwidth=recipe.distributed.interconnect_bandwidth, zero_stage=recipe.distributed.zero_stage,
@@ -567,6 +575,9 @@ def evaluate(spec: ModelSpec, shapes: ModelShapes, settings: Settings, free: dic
     short = stream.lacking_room(spec, settings, free or {}, pred.offloaded_bytes if holds_in == "offload_dir" else 0)
     if cand.kind is None and short is not None:
         cand.reject(*short)
+    slow = stream.slow_disk(settings.offload_weights, bandwidth or {})
+    if cand.kind is None and slow is not None:  # auto never streams from a disk that slow (finetune.plan.weight_stream)
+        cand.reject("slow_disk", f"memory.offload_dir: {slow}")
     if cand.kind is None and pred.managed_bytes and ram is not None:
         in_ram = pred.managed_bytes + (pred.offloaded_bytes if holds_in == "host_ram" else 0)
         if in_ram > ram:
@@ -615,6 +626,10 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
                      "route tokens, and the tiled MLP runs dense MLPs only (docs/moe.md)")
     tiers = {st.offload for st in choices} | {st.offload_experts for st in choices} | {st.offload_weights for st in choices}
     bandwidth, free = _offload_resources(recipe, device, tiers - {"none"})
+    slow = stream.slow_disk(recipe.memory.offload_weights, bandwidth)
+    if slow is not None and "offload_weights" not in inactive_settings(recipe):
+        raise RecipeError(f"memory.offload_dir {offload_dir_for(recipe.memory, recipe.output.dir)}: {slow}", hint="set memory.offload_dir to a folder on an SSD, or memory.offload_weights: cpu "
+                                     "(host RAM) or auto")
     if device == "cuda" and any(managed_state(spec, st) for st in choices):
         free.setdefault("host_ram", _free_memory("cpu"))
     # A CPU is priced with what it measured (once per machine and thread count, cached); a GPU with constants.
@@ -637,7 +652,8 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
         elif not st.activation_checkpointing and with_ckpt in over:
             # Dominance: without checkpointing every layer keeps what a checkpointed run recomputes for one.
             pruned.append((over[with_ckpt], st))
-        elif st.offload_weights != "none" and replace(st, offload_weights="none") in fits_untiled:
+        elif st.offload_weights != "none" and {replace(stream.resident(st), offload_weights_ahead=a)
+                                                for a in {*stream.AHEAD_CHOICES, st.offload_weights_ahead}} & fits_untiled:
             continue  # weight streaming only buys memory (finetune.plan.weight_stream): its resident twin fits
         elif st.tiled_mlp and (replace(st, tiled_mlp=False) in fits_untiled
                                or _score_of(st.optimizer, tokens_per_second(spec, shapes, st, bandwidth=bandwidth,
@@ -660,6 +676,11 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
         if c.kind is None and c.peak_bytes > budget:
             c.reject("over_budget", f"needs {format_bytes(c.peak_bytes)}, budget {format_bytes(budget)}")
     ok = _smallest_batch_first(sorted((c for c in candidates if c.kind is None), key=lambda c: -_score(c)))
+    if ok and recipe.memory.offload_weights_resident == "auto":
+        filled = _fill_resident(spec, shapes, ok[0], budget, free, bandwidth, figures)
+        if filled is not ok[0]:
+            ok[0] = filled
+            candidates.append(filled)
     leanest = min(candidates, key=lambda c: c.peak_bytes, default=None)
     while not ok and pruned and (leanest is None or pruned[0][0] < leanest.peak_bytes):
         # Nothing fits: find the leanest configuration (branch and bound on the lower bounds).
@@ -773,7 +794,7 @@ def _stream_notes(spec: ModelSpec, shapes: ModelShapes, chosen: Candidate, bandw
         return []
     resident = tokens_per_second(spec, shapes, stream.resident(settings), bandwidth=bandwidth, figures=figures)
     note = stream.bound_note(spec, settings, chosen.tokens_per_s, resident,
-                             tier_bytes_per_s(settings.offload_weights, spec.device, figures, bandwidth))
+                             stream_links(settings.offload_weights, spec.device, figures, bandwidth))
     return [note] if note else []
 
 
@@ -822,6 +843,24 @@ def _offload_resources(recipe: Recipe, device: str, tiers: set[str]) -> tuple[di
     if "offload_dir" in stores:
         free["offload_dir"] = free_disk_bytes(offload_dir)
     return bandwidth, free
+
+
+def _fill_resident(spec: ModelSpec, shapes: ModelShapes, chosen: Candidate, budget: int, free: dict[str, int],
+                   bandwidth: dict[str, float], figures: dict[str, float]) -> Candidate:
+    """memory.offload_weights_resident auto: the chosen streaming plan keeps its first layers on the device, as
+    many as the budget has room for, where that is faster (a link-bound step: the link carries the other layers
+    only); else `chosen` itself (no layer kept where the link is hidden: the time model gains nothing)."""
+    st = Settings(**chosen.settings)
+    if not weights_streamed(spec, st):
+        return chosen
+    per_layer = streamed_weight_bytes(spec, st)[1]
+    room = min(int((budget - chosen.peak_bytes) // max(per_layer, 1)),
+               spec.num_layers - st.offload_weights_ahead - 1)
+    for kept in range(room, 0, -1):  # the memory is linear in the layers kept: the first that fits is the most
+        trial = evaluate(spec, shapes, replace(st, offload_weights_resident=kept), free, bandwidth, figures)
+        if trial.kind is None and trial.peak_bytes <= budget:
+            return trial if trial.tokens_per_s > chosen.tokens_per_s else chosen
+    return chosen
 
 
 def _smallest_batch_first(ranked: list[Candidate]) -> list[Candidate]:

@@ -493,8 +493,14 @@ class MemoryConfig(Section):
         "recompute, backward) and the next offload_weights_ahead layers' fetched meanwhile: none (on the device), "
         "cpu (pinned host RAM), disk (files in offload_dir: for a model larger than host RAM); auto: planner. "
         "Trained weights and the optimizer state stay on the device. For a model larger than the GPU.")
-    offload_weights_ahead: int = Field(1, ge=1, le=8, description="Decoder layers whose frozen weights "
-                                       "offload_weights fetches ahead of need (the device holds this many plus one).")
+    offload_weights_ahead: Annotated[int, Field(ge=1, le=8)] | Auto = Field(
+        "auto", description="Decoder layers whose frozen weights offload_weights fetches ahead of need (the device "
+        "holds this many plus one); auto: planner (2 for the disk tier on a GPU, where the next layer's disk read "
+        "overlaps this one's copy to the GPU, if it fits; else 1).")
+    offload_weights_resident: Annotated[int, Field(ge=0, le=MAX_COUNT)] | Auto = Field(
+        "auto", description="With offload_weights: the first decoder layers whose frozen weights stay on the device "
+        "(not streamed: the link carries the others only); auto: planner (as many as the budget has room for where "
+        "the link bounds the step, else 0).")
     gpu_memory: PositiveByteSize | Auto = Field("auto", description="Memory budget, e.g. 12GiB; auto: the GPU memory free when the run starts "
         "(torch.cuda.mem_get_info), so what other processes hold then is excluded; gpu_memory_margin stays free "
         "below it for what they (and the CUDA context, allocator fragmentation) may take later.")

@@ -75,6 +75,12 @@ class Settings:
                                     default="none")  # none or a tier of finetune.recipe.offload_tiers
     offload_weights: str = _setting("memory.offload_weights", "stream", fallback="none", default="none",
                                     active=_streams)  # none or a tier: finetune.memory.weight_store
+    # decoder layers weight streaming reads ahead (finetune.plan.weight_stream prices the window and the time)
+    offload_weights_ahead: int = _setting("memory.offload_weights_ahead", "ahead", fallback=1, default=1,
+                                          active=_streams)
+    # the first decoder layers weight streaming leaves on the device (finetune.plan.weight_stream)
+    offload_weights_resident: int = _setting("memory.offload_weights_resident", "resident", fallback=0, default=0,
+                                             active=_streams)
     strategy: str = _setting("distributed.strategy", "strategy", fallback="ddp", default="ddp",
                              active=_several_processes)  # with one process there is nothing to distribute
     # completions per generate call (None: the step's all, what an out-of-memory recovery starts halving from)

@@ -184,8 +184,9 @@ class OOMRecovery(Policy):
             apply_layer_recompute(loop.model, False, choice.recipe.memory.tiled_mlp_tokens)
         if new.offload_weights != old.offload_weights:  # the run closes the store (weight_store_of) when it ends
             memory = choice.recipe.memory
-            offload_weights(model, new.offload_weights, memory.offload_weights_ahead,
-                            host_room(memory.offload_cpu_limit), offload_dir_for(memory, self.run_root))
+            offload_weights(model, new.offload_weights, new.offload_weights_ahead,
+                            host_room(memory.offload_cpu_limit), offload_dir_for(memory, self.run_root),
+                            resident=new.offload_weights_resident)
         loop.set_geometry(splits=choice.splits)
         self._settings = choice.recipe
 

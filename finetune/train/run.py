@@ -10,7 +10,6 @@ import errno
 import shutil
 import time
 import weakref
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -62,6 +61,7 @@ from finetune.train.plots import plot_loss_curve
 from finetune.train.recovery import OOMRecovery, keep_recovered
 from finetune.train.reporting import StopOnSignal
 from finetune.train.setup import build_loop, total_steps
+from finetune.train.streamed_load import streamed_load
 from finetune.train.train_state import load_checkpoint
 from finetune.units import format_bytes
 
@@ -433,7 +433,7 @@ def _model(recipe: Recipe, settings: Settings, run_dir: RunDir, main: bool, base
         model, tokenizer, path = load_model(recipe.model, recipe.quantization, sharded=recipe.distributed.gpus > 1
                                             and recipe.distributed.strategy == "fsdp",
                                             packing=recipe.data.packing,
-                                            arriving=_streamed_load(recipe, settings, run_dir))
+                                            arriving=streamed_load(recipe, settings, run_dir.root))
     else:
         mismatch = base.mismatch(recipe.model, recipe.quantization)
         if mismatch is not None:
@@ -472,32 +472,6 @@ def _preference_kernels_line(model: torch.nn.Module, recipe: Recipe, run_dir: Ru
         console.print(line, markup=False, highlight=False)
         run_dir.log_line(line)
 
-
-def _streamed_load(recipe: Recipe, settings: Settings, run_dir: RunDir) -> AbstractContextManager | None:
-    """memory.offload_weights (or memory.offload_experts) cpu or disk: the load that puts each layer's weights
-    (experts) into the weight store as they arrive (`finetune.memory.weight_store.stream_on_arrival`), its host
-    RAM and disk checked first against what the planner prices; None without either."""
-    from finetune.memory.offload import offload_dir_for
-    from finetune.memory.weight_store import EXPERTS, WEIGHTS, host_room, stream_on_arrival
-    from finetune.plan.search import model_spec
-    from finetune.plan.trace import planned_config
-    from finetune.plan.weight_stream import host_bytes
-
-    memory = recipe.memory
-    kind, tier, ahead = (WEIGHTS, settings.offload_weights, memory.offload_weights_ahead) \
-        if settings.offload_weights != "none" else (EXPERTS, settings.offload_experts, 1)
-    if tier == "none":
-        return None
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        planned = host_bytes(model_spec(recipe, planned_config(recipe.model.path, recipe.model.trust_remote_code),
-                                        device), settings)
-    except Exception as exc:  # noqa: BLE001 - a model the planner cannot trace: RAM checked as it fills
-        console.print(f"{kind.key}: no price for this model's weights ({type(exc).__name__}): host RAM is checked "
-                      "as they load, the disk as they are written", markup=False)
-        planned = (0, 0)
-    directory = offload_dir_for(memory, run_dir.root) if tier == "disk" else None
-    return stream_on_arrival(tier, ahead, host_room(memory.offload_cpu_limit), directory, planned, kind)
 
 
 def _data(recipe: Recipe, tokenizer: Any, vision: VisionData | None, run_dir: RunDir, checkpoint: str | None,
