@@ -16,6 +16,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `-n auto`: one worker per core, so 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    # Triton kernels (Liger's, with the cuda extra) run on a CPU only in Triton's interpreter, which Triton reads
+    # once, when this process first imports it: whichever test does (TRL, peft through bitsandbytes), not only
+    # the kernel tests, so it is set for the whole session.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from finetune.console import LIBRARY_WARNINGS  # noqa: E402
 
