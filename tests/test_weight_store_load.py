@@ -310,3 +310,33 @@ def test_chat_loads_a_streamed_run_as_it_streamed_and_its_files_go_with_the_mode
     done = [e for e in map(json.loads, out.getvalue().splitlines()) if e["event"] == "done"]
     assert [e["text"] for e in done] == [replies["disk", True]]
     assert LOADED in capsys.readouterr().err and not weights.exists()
+
+
+def test_the_chat_worker_stopped_by_sigterm_removes_the_store_files(streamed_runs):
+    """The UI's chat worker process (`python -m ui.chat_serve`) holding a streamed run's base: SIGTERM (what the
+    UI sends a worker that does not end in time) still closes the store, its files removed, before it exits."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    weights = streamed_runs["disk"].parent / "weights"
+    worker = subprocess.Popen([sys.executable, "-m", "ui.chat_serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=root,
+                              env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
+    try:
+        worker.stdin.write(json.dumps({"op": "chat", "id": 1, "run": str(streamed_runs["disk"]), "max_new_tokens": 4,
+                                       "messages": [{"role": "user", "content": "Hello"}]}) + "\n")
+        worker.stdin.flush()
+        while (event := json.loads(worker.stdout.readline()))["event"] not in ("done", "error"):
+            pass
+        assert event["event"] == "done", event
+        assert any(weights.iterdir()), "the store's files while the worker keeps the model"
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=60) == 143
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    assert not weights.exists(), worker.stderr.read()
