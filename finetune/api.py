@@ -1,8 +1,9 @@
 """The Python API. The CLI and the web UI call these functions and hold no logic of their own.
 
-A facade: the planning questions live in finetune/plan/ (sizes.py, advice.py, context.py), the reports of a
-run directory in finetune/run_view.py and the side-by-side answers in finetune/model/compare.py; they are
-re-exported here so the shells import one module. Those that import torch load when first asked for
+A facade: the planning questions live in finetune/plan/ (sizes.py, advice.py, context.py) and the reports of a
+run directory in finetune/run_view.py; they are re-exported here so the shells import one module. What uses a
+finished run (generate, compare, chat) gets from here how the run's base loads (`streamed_use`: through the
+weight store where the run streamed it), which the finetune.model layer below may not import. Those that import torch load when first asked for
 (`__getattr__`): `finetune --help` or the UI's form must not wait for torch.
 """
 
@@ -35,6 +36,7 @@ from finetune.rundir import REWARD_KEYS as REWARD_KEYS
 from finetune.rundir import RunDir
 
 if TYPE_CHECKING:  # torch and transformers load only when a command needs them
+    from finetune.model.chat import ChatModels
     from finetune.model.load import LoadedModel
     from finetune.plan import Plan
     from finetune.train.run import RunResult
@@ -44,7 +46,6 @@ _ELSEWHERE = {
     "finetune.plan.sizes": ("plan_gpu_sizes", "plan_sizes", "speed_estimate"),
     "finetune.plan.advice": ("batch_plan", "run_advice", "apply_advice"),
     "finetune.plan.context": ("check_context", "context_note", "longest_example", "longest_record_bytes"),
-    "finetune.model.compare": ("compare", "compare_runs"),
 }
 _DEFINED_IN = {name: module for module, names in _ELSEWHERE.items() for name in names}
 
@@ -253,16 +254,55 @@ def generate(run_dir: str | Path, prompt: str, *, image: str | Path | None = Non
     """Answer `prompt` with the run's model (or its base model with use_adapter=False), about `image` where one
     is given (a vision-language run; the file and the model are checked before anything loads)."""
     from finetune.model.chat import generate as _generate
-    from finetune.model.trained import check_image, load_run, load_trained, vision_of
+    from finetune.model.trained import check_image, load_trained, loaded, vision_of
     from finetune.train.streamed_load import streamed_use
 
     image = check_image(run_dir, image)
-    recipe, run = load_run(run_dir)
-    with streamed_use(recipe, run.root) as streaming:  # the base streamed where the run streamed it
-        model, tokenizer = load_trained(run_dir, use_adapter=use_adapter, arriving=streaming.arriving)
-        streaming.attach(model)
+
+    def load(arriving: Any) -> tuple:
+        return load_trained(run_dir, use_adapter=use_adapter, arriving=arriving)
+
+    with loaded(run_dir, streamed_use, load) as (model, tokenizer):  # the base streamed where the run streamed it
         vision = vision_of(run_dir, model, tokenizer) if image else None
         return _generate(model, tokenizer, prompt, image=image, vision=vision, max_new_tokens=max_new_tokens)
+
+
+def compare(run_dir: str | Path, prompt: str, *, image: str | Path | None = None, max_new_tokens: int = 128
+            ) -> tuple[str, str]:
+    """(base model's answer, fine-tuned answer) to the same prompt (and image), the model loaded once, its base
+    as the run streamed it (finetune.model.compare.compare)."""
+    from finetune.model.compare import compare as _compare
+    from finetune.train.streamed_load import streamed_use
+
+    return _compare(run_dir, prompt, image=image, max_new_tokens=max_new_tokens, streaming=streamed_use)
+
+
+def compare_runs(run_dirs: list[str | Path], prompt: str, *, image: str | Path | None = None,
+                 max_new_tokens: int = 128, parents: bool = True) -> list[tuple[str, str]]:
+    """[(label, answer)]: the base model's, then each run's (and with `parents` the runs each started from), from
+    one loaded base, streamed as the first run streamed it (finetune.model.compare.compare_runs)."""
+    from finetune.model.compare import compare_runs as _compare_runs
+    from finetune.train.streamed_load import streamed_use
+
+    return _compare_runs(run_dirs, prompt, image=image, max_new_tokens=max_new_tokens, parents=parents,
+                         streaming=streamed_use)
+
+
+def chat_models() -> ChatModels:
+    """The models chat keeps loaded (finetune.model.chat.ChatModels), each run's base loaded as the run streamed
+    it; `close()` drops them and closes their weight stores (their files removed)."""
+    from finetune.model.chat import ChatModels
+    from finetune.train.streamed_load import streamed_use
+
+    return ChatModels(streaming=streamed_use)
+
+
+def chat_worker() -> int:
+    """The chat worker process the UI starts (ui.chat_serve): finetune.model.chat's JSON-lines loop on stdin and
+    stdout over `chat_models()`, until stdin closes."""
+    from finetune.model.chat import main
+
+    return main(chat_models())
 
 
 def lineage(run_dirs: list[str | Path]) -> list[tuple[Path, str]]:

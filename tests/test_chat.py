@@ -31,9 +31,9 @@ class CountingLoader:
     def __init__(self):
         self.calls = []
 
-    def __call__(self, run, use_adapter=True):
+    def __call__(self, run, use_adapter=True, arriving=None):
         self.calls.append((run, use_adapter))
-        return load_trained(run, use_adapter=use_adapter)
+        return load_trained(run, use_adapter=use_adapter, arriving=arriving)
 
 
 def test_three_turn_history_and_system_prompt_reach_the_model_and_the_reply_streams(run_dir):

@@ -208,33 +208,135 @@ def test_a_streamed_run_resumes_exactly(tmp_path, capsys):
     assert not (tmp_path / "streamed" / "weights").exists()
 
 
-def test_generate_and_eval_load_the_base_as_the_run_streamed_it(tmp_path, capsys):
+LOADED = "memory.offload_weights: disk: loaded layer by layer"
+
+
+@pytest.fixture(scope="module")
+def streamed_runs(tmp_path_factory) -> dict[str, Path]:
+    """{"disk": a tiny 4-bit run that streamed its frozen weights from disk (its offload folder `weights` beside
+    it), "none": a copy of it whose recipe loads the base whole}; both folders are named run (the labels of
+    compare_runs)."""
+    import shutil
+
+    import yaml
+
+    from finetune.rundir import RunDir
+
+    folder = tmp_path_factory.mktemp("streamed")
+    path = three_step_recipe(folder, "llama", {"quantization": {"bits": 4}},
+                             {"memory": {"offload_weights": "disk", "offload_dir": str(folder / "weights")}},
+                             num_hidden_layers=4)
+    assert main(["run", str(path)]) == 0
+    whole = folder / "whole" / "run"
+    shutil.copytree(folder / "run", whole)
+    recipe = yaml.safe_load(RunDir(whole).recipe.read_text())
+    recipe["memory"]["offload_weights"] = "none"
+    RunDir(whole).recipe.write_text(yaml.safe_dump(recipe))
+    return {"disk": folder / "run", "none": whole}
+
+
+def test_generate_and_eval_load_the_base_as_the_run_streamed_it(streamed_runs, capsys):
     """A run that streamed its weights from disk is asked (`finetune generate`) and evaluated (`finetune eval`)
     with its base loaded layer by layer into the store, so a model that trained only streamed can be used on the
     same card: the same tokens and held-out loss as the base loaded whole, no weight file left behind."""
-    import yaml
-
     from finetune import api
-    from finetune.rundir import RunDir
 
-    path = three_step_recipe(tmp_path, "llama", {"quantization": {"bits": 4}},
-                             {"memory": {"offload_weights": "disk", "offload_dir": str(tmp_path / "weights")}},
-                             num_hidden_layers=4)
-    assert main(["run", str(path)]) == 0, capsys.readouterr().err
-    run = tmp_path / "run"
+    weights = streamed_runs["disk"].parent / "weights"
     capsys.readouterr()
     answers, losses = {}, {}
-    for tier in ("disk", "none"):
-        if tier == "none":  # the same run, its base loaded whole
-            saved = RunDir(run).recipe
-            recipe = yaml.safe_load(saved.read_text())
-            recipe["memory"]["offload_weights"] = "none"
-            saved.write_text(yaml.safe_dump(recipe))
+    for tier, run in streamed_runs.items():
         answers[tier] = api.generate(run, "Tell me about the sea", max_new_tokens=12)
-        losses[tier] = api.evaluate(run, tmp_path / "data.jsonl")["models"][0]["loss"]
+        losses[tier] = api.evaluate(run, streamed_runs["disk"].parent / "data.jsonl")["models"][0]["loss"]
         out = capsys.readouterr()
-        assert (out.err + out.out).count("memory.offload_weights: disk: loaded layer by layer") == \
-            (2 if tier == "disk" else 0)
-        assert not (tmp_path / "weights").exists()
+        assert (out.err + out.out).count(LOADED) == (2 if tier == "disk" else 0)
+        assert not weights.exists()
     assert answers["disk"] == answers["none"] and answers["none"]
     assert losses["disk"] == losses["none"]
+
+
+def test_generate_compare_loads_the_base_as_the_run_streamed_it(streamed_runs, capsys):
+    """`finetune generate --compare` (base and fine-tuned answers) and `--compare RUN` (the runs' answers side
+    by side) on a run that streamed its weights from disk load its base once, layer by layer into the store:
+    the same texts as with the base loaded whole, the load line printed, no weight file left behind."""
+    weights = streamed_runs["disk"].parent / "weights"
+    capsys.readouterr()
+    shown = {}
+    for tier, run in streamed_runs.items():
+        for others in ([], [str(run)]):
+            command = ["generate", str(run), "--prompt", "Tell me about the sea", "--max-new-tokens", "12", "--compare", *others]
+            assert main(command) == 0, capsys.readouterr().err
+            out = capsys.readouterr()
+            assert out.err.count(LOADED) == (1 if tier == "disk" else 0), out.err
+            assert LOADED not in out.out, "the answers alone are the command's output"
+            assert not weights.exists()
+            shown[tier, bool(others)] = out.out
+    assert "base model: " in shown["none", False] and "fine-tuned: " in shown["none", False]
+    assert "base model" in shown["none", True] and " run " in shown["none", True]
+    assert shown["disk", False] == shown["none", False]
+    assert shown["disk", True] == shown["none", True]
+
+
+def test_chat_loads_a_streamed_run_as_it_streamed_and_its_files_go_with_the_models(streamed_runs, capsys):
+    """The chat worker's models (finetune.api.chat_models, what the UI's chat page talks to) load a run that
+    streamed from disk layer by layer, fine-tuned and base sharing one load: the same replies as its base loaded
+    whole; the store's files stay while the models are kept and go when they are released (`close`, and the
+    worker loop's end)."""
+    import io
+    import json
+
+    from finetune import api
+    from finetune.model.chat import serve, stream_reply
+
+    weights = streamed_runs["disk"].parent / "weights"
+    turn = [{"role": "user", "content": "Tell me about the sea"}]
+    capsys.readouterr()
+    replies = {}
+    for tier, run in streamed_runs.items():
+        models = api.chat_models()
+        for adapter in (True, False, True):
+            with models.use(run, adapter) as (model, tokenizer):
+                reply = stream_reply(model, tokenizer, turn, max_new_tokens=12)
+            assert replies.setdefault((tier, adapter), reply) == reply
+        assert capsys.readouterr().err.count(LOADED) == (1 if tier == "disk" else 0)
+        assert models.loads == 1
+        assert (weights.is_dir() and any(weights.iterdir())) == (tier == "disk"), "the store's files while kept"
+        models.close()
+        assert not weights.exists()
+    assert replies["disk", True] == replies["none", True] and replies["disk", False] == replies["none", False]
+
+    out = io.StringIO()
+    request = {"op": "chat", "id": 1, "run": str(streamed_runs["disk"]), "messages": turn, "max_new_tokens": 12}
+    serve(io.StringIO(json.dumps(request) + "\n"), out, api.chat_models())
+    done = [e for e in map(json.loads, out.getvalue().splitlines()) if e["event"] == "done"]
+    assert [e["text"] for e in done] == [replies["disk", True]]
+    assert LOADED in capsys.readouterr().err and not weights.exists()
+
+
+def test_the_chat_worker_stopped_by_sigterm_removes_the_store_files(streamed_runs):
+    """The UI's chat worker process (`python -m ui.chat_serve`) holding a streamed run's base: SIGTERM (what the
+    UI sends a worker that does not end in time) still closes the store, its files removed, before it exits."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    weights = streamed_runs["disk"].parent / "weights"
+    worker = subprocess.Popen([sys.executable, "-m", "ui.chat_serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=root,
+                              env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
+    try:
+        worker.stdin.write(json.dumps({"op": "chat", "id": 1, "run": str(streamed_runs["disk"]), "max_new_tokens": 4,
+                                       "messages": [{"role": "user", "content": "Hello"}]}) + "\n")
+        worker.stdin.flush()
+        while (event := json.loads(worker.stdout.readline()))["event"] not in ("done", "error"):
+            pass
+        assert event["event"] == "done", event
+        assert any(weights.iterdir()), "the store's files while the worker keeps the model"
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=60) == 143
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    assert not weights.exists(), worker.stderr.read()

@@ -1,4 +1,4 @@
-"""The UI's side of the chat worker: one `python -m finetune.model.chat` process that keeps models loaded
+"""The UI's side of the chat worker: one `python -m ui.chat_serve` process that keeps models loaded
 between messages, queued behind training so the two never share the GPU.
 
 The worker starts on the first message and is stopped (freeing every byte of GPU memory, CUDA context
@@ -20,7 +20,7 @@ from typing import Any
 
 from ui.runs import RunManager
 
-WORKER = [sys.executable, "-m", "finetune.model.chat"]
+WORKER = [sys.executable, "-m", "ui.chat_serve"]
 
 
 class ChatWorker:
@@ -145,17 +145,20 @@ class ChatWorker:
         self.stop(timeout)
 
     def stop(self, timeout: float = 10) -> None:
-        """End the worker (and free its models): close its pipe, kill it if it does not exit in time."""
+        """End the worker (and free its models): close its pipe; if it does not exit in time (a reply being
+        generated), SIGTERM, which still closes its weight stores (a streamed base's files removed); then kill."""
         proc, self._proc = self._proc, None
         if proc is None:
             return
         with contextlib.suppress(OSError):
             proc.stdin.close()
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        for end in (proc.terminate, proc.kill):
+            try:
+                proc.wait(timeout)
+                break
+            except subprocess.TimeoutExpired:
+                end()
+        proc.wait()
         with contextlib.suppress(OSError):
             proc.stdout.close()
 

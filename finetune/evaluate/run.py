@@ -16,7 +16,7 @@ from finetune.data.read import read_records
 from finetune.errors import UsageError
 from finetune.evaluate.match import KINDS, score
 from finetune.model.chat import reply
-from finetune.model.trained import load_adapters, load_run, load_trained, reads_images, vision_of
+from finetune.model.trained import load_adapters, load_run, load_trained, loaded, reads_images, vision_of
 from finetune.recipe.schema import Recipe
 from finetune.rundir import RunDir, atomic_write_json
 from finetune.train.streamed_load import streamed_use
@@ -103,9 +103,8 @@ def _models(run_dirs: list[str | Path], *, with_base: bool) -> Iterator[tuple[st
     LoRA runs share one loaded base with their adapters switched in turn; a full fine-tune loads alone."""
     recipes: list[Recipe] = [load_run(d)[0] for d in run_dirs]
     if all(r.adapter.type != "full" for r in recipes):
-        with streamed_use(recipes[0], Path(run_dirs[0])) as streaming:  # the base streamed as the first run's was
-            model, tokenizer, names = load_adapters(run_dirs, arriving=streaming.arriving)
-            streaming.attach(model)
+        with loaded(run_dirs[0], streamed_use,  # the base streamed as the first run's was
+                    lambda arriving: load_adapters(run_dirs, arriving=arriving)) as (model, tokenizer, names):
             if with_base:
                 with model.disable_adapter():
                     yield BASE, model, tokenizer

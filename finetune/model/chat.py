@@ -1,6 +1,7 @@
 """Chat with trained runs: multi-turn prompts, streamed sampling, and a process that keeps models loaded.
 
-`python -m finetune.model.chat` is the chat worker the UI starts: it reads one JSON request per line on stdin
+`main` is the chat worker the UI starts (python -m ui.chat_serve, through finetune.api.chat_worker, which passes
+the models their streamed loads): it reads one JSON request per line on stdin
 and answers with JSON lines on stdout, so the model lives in its own process (never the UI's), is loaded once
 and reused for every message, and is freed by ending the process (stdin closed) when training needs the GPU.
 
@@ -18,6 +19,7 @@ import queue
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, NamedTuple, TextIO
 
@@ -27,7 +29,7 @@ from finetune.console import quiet_libraries
 from finetune.data.chat import drops_text_content, text_parts
 from finetune.errors import FinetuneError
 from finetune.model.load import load_tokenizer
-from finetune.model.trained import base_model_key, load_run, load_trained, vision_of
+from finetune.model.trained import Streaming, base_model_key, load_run, load_trained, loaded, vision_of
 
 # A turn's content is a str, or (a turn with images) a list of parts, in order: {"type": "text", "text": ...} and
 # {"type": "image", "path": "/absolute/path.png"}, the canonical record's shape (finetune.data.formats).
@@ -194,10 +196,16 @@ class ChatModels:
     """Models kept loaded for chat. LoRA runs on the same base model (`base_model_key`) share one
     copy of it, each run's adapter loaded beside the others under its own name, and a run's base model is
     those weights with the adapters switched off: base, fine-tuned and a second run side by side cost one
-    load. A full fine-tune is its own model. `loads` counts model loads, `adapter_loads` added adapters."""
+    load. A full fine-tune is its own model. `loads` counts model loads, `adapter_loads` added adapters.
 
-    def __init__(self, loader: Callable = load_trained):
+    A base loads as `streaming` says (finetune.api.chat_models: through the weight store where the run streamed
+    it; runs sharing a base share it as the first of them streamed it). The models stay until `close()`, which
+    drops them all and closes their stores (their files removed): the worker's end (`serve`)."""
+
+    def __init__(self, loader: Callable = load_trained, streaming: Streaming | None = None):
         self._loader = loader
+        self._streaming = streaming
+        self._stores = contextlib.ExitStack()  # each loaded base's store, open while its model is kept
         self._runs: dict[tuple[str, bool], tuple[Any, Any, str | None]] = {}  # -> (model, tokenizer, adapter)
         self._shared: dict[tuple, Any] = {}  # base_model_key -> the PeftModel holding its runs' adapters
         self.loads = 0
@@ -214,16 +222,23 @@ class ChatModels:
     def needs_load(self, run: str | Path, adapter: bool = True) -> bool:
         return self._key(run, adapter)[0] not in self._runs
 
+    def _open(self, key: tuple[str, bool]) -> tuple[Any, Any]:
+        """(model, tokenizer) of `key` loaded, its store (where it streams) kept open until `close`."""
+        def load(arriving: AbstractContextManager | None) -> tuple[Any, Any]:
+            return self._loader(key[0], use_adapter=key[1], arriving=arriving)
+
+        model, tokenizer = self._stores.enter_context(loaded(key[0], self._streaming, load))
+        self.loads += 1
+        return model, tokenizer
+
     def _load(self, key: tuple[str, bool]) -> tuple[Any, Any, str | None]:
         recipe, run = load_run(key[0])
         if recipe.adapter.type == "full" or not key[1]:
-            self.loads += 1
-            return (*self._loader(key[0], use_adapter=key[1]), None)
+            return (*self._open(key), None)
         base = base_model_key(recipe)
         model = self._shared.get(base)
         if model is None:
-            model, tokenizer = self._loader(key[0], use_adapter=True)
-            self.loads += 1
+            model, tokenizer = self._open(key)
             self._shared[base] = model
             return model, tokenizer, model.active_adapter
         name = f"run{self.adapter_loads + 1}"
@@ -243,9 +258,16 @@ class ChatModels:
         with model.disable_adapter() if switch_off else contextlib.nullcontext():
             yield model, tokenizer
 
+    def close(self) -> None:
+        """Drop every model and close their weight stores (a streamed base's files removed); the next `use`
+        loads again."""
+        self._runs.clear()
+        self._shared.clear()
+        self._stores.close()
+
 
 def serve(requests: TextIO, replies: TextIO, models: ChatModels | None = None) -> None:
-    """The worker loop: answer chat requests one at a time until `requests` ends."""
+    """The worker loop: answer chat requests one at a time until `requests` ends, then close the models."""
     models = models or ChatModels()
     pending: queue.Queue[dict | None] = queue.Queue()
     lock = threading.Lock()
@@ -275,23 +297,26 @@ def serve(requests: TextIO, replies: TextIO, models: ChatModels | None = None) -
         pending.put(None)
 
     threading.Thread(target=read, name="chat-requests", daemon=True).start()
-    while (request := pending.get()) is not None:
-        op, rid = request.get("op"), request.get("id")
-        if op == "stats":
-            send(id=rid, event="stats", loads=models.loads, adapter_loads=models.adapter_loads)
-        elif op != "chat":
-            send(id=rid, event="error", message=f"unknown request {op!r}")
-        else:
-            with lock:
-                cancel = current.setdefault(rid, threading.Event())
-                if rid in cancelled:
-                    cancel.set()
-            try:
-                _answer(request, models, send, cancel)
-            finally:
+    try:
+        while (request := pending.get()) is not None:
+            op, rid = request.get("op"), request.get("id")
+            if op == "stats":
+                send(id=rid, event="stats", loads=models.loads, adapter_loads=models.adapter_loads)
+            elif op != "chat":
+                send(id=rid, event="error", message=f"unknown request {op!r}")
+            else:
                 with lock:
-                    current.pop(rid, None)
-                    cancelled.discard(rid)
+                    cancel = current.setdefault(rid, threading.Event())
+                    if rid in cancelled:
+                        cancel.set()
+                try:
+                    _answer(request, models, send, cancel)
+                finally:
+                    with lock:
+                        current.pop(rid, None)
+                        cancelled.discard(rid)
+    finally:
+        models.close()
 
 
 def _answer(request: dict, models: ChatModels, send: Callable[..., None], cancel: threading.Event) -> None:
@@ -321,14 +346,11 @@ def _answer(request: dict, models: ChatModels, send: Callable[..., None], cancel
         send(id=rid, event="error", message=f"{type(exc).__name__}: {exc}")
 
 
-def main() -> int:
-    """Entry point: stdout carries only the protocol; anything libraries print goes to stderr."""
+def main(models: ChatModels) -> int:
+    """The worker process (finetune.api.chat_worker): stdout carries only the protocol; anything libraries print
+    goes to stderr."""
     replies = sys.stdout
     sys.stdout = sys.stderr
     quiet_libraries()  # the UI server's worker: its log carries no more library noise than the server's
-    serve(sys.stdin, replies)
+    serve(sys.stdin, replies, models)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

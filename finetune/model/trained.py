@@ -50,11 +50,32 @@ def base_model_key(recipe: Recipe) -> tuple:
     return path, model.revision, model.trust_remote_code, str(compute_dtype(model)), bits
 
 
+# How a finished run's base loads, passed down by finetune.api (finetune.train.streamed_load.streamed_use, which
+# this layer may not import): called with the run's recipe and directory, a block yielding `arriving` (entered
+# around the base's load, None: whole) and `attach(model)` (the store's hooks on the loaded model); the store
+# closes, its files removed, when the block ends. None: the base loads whole.
+Streaming = Callable[[Recipe, Path], AbstractContextManager]
+
+
+@contextmanager
+def loaded(run_dir: str | Path, streaming: Streaming | None,
+           load: Callable[[AbstractContextManager | None], tuple]) -> Iterator[tuple]:
+    """`load(arriving)`'s (model, ...) for the block, its base loaded as `streaming` says for the run in
+    `run_dir` (through the weight store where the run streamed it); the store closes when the block ends."""
+    if streaming is None:
+        yield load(None)
+        return
+    recipe, run = load_run(run_dir)
+    with streaming(recipe, run.root) as use:
+        models = load(use.arriving)
+        use.attach(models[0])
+        yield models
+
+
 def load_trained(run_dir: str | Path, *, use_adapter: bool = True, quantize: bool = True,
                  arriving: AbstractContextManager | None = None):
     """(model, tokenizer) for a run: the base as trained (quantized if it was) with the adapter applied.
-    `arriving`: entered around the base's load (its weights streamed as the run trained:
-    finetune.train.streamed_load.streamed_use)."""
+    `arriving`: entered around the base's load (its weights streamed as the run trained: `loaded`)."""
     recipe, run = load_run(run_dir)
     if recipe.adapter.type == "full":
         if not use_adapter:

@@ -1,8 +1,8 @@
 """Loading a model whose frozen weights stream (memory.offload_weights, memory.offload_experts: cpu or disk):
 each layer's weights go into the weight store as they arrive (`finetune.memory.weight_store.stream_on_arrival`),
 so the model is never whole on the device. For training (`streamed_load`) and for using a finished run
-(`streamed_use`: generate and eval load the base as the run trained it, so a model that trained only streamed
-can be asked and evaluated on the same card).
+(`streamed_use`: generate, compare, eval and chat load the base as the run trained it, so a model that trained
+only streamed can be used on the same card; finetune.api hands it to finetune.model.trained.loaded).
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ def streamed_load(recipe: Recipe, settings: Settings, offload_root: Path) -> Abs
 
 @dataclass
 class StreamedUse:
-    """A finished run's base loaded as it trained: `arriving` (None: whole) goes to the load
-    (finetune.model.trained.load_trained), `attach` completes the store on the loaded model."""
+    """A finished run's base loaded as it trained: `arriving` (None: whole) goes to the load, `attach` completes
+    the store on the loaded model (finetune.model.trained.loaded does both)."""
 
     recipe: Recipe
     root: Path
