@@ -143,8 +143,12 @@ def test_eval_without_data_measures_the_runs_own_held_out_split(split_run, capsy
     assert RunDir(split_run).read_evaluation()["models"][0]["loss"] == pytest.approx(tuned["loss"], rel=1e-5)
 
 
-def test_eval_of_a_split_run_whose_training_data_changed_is_refused(split_run, tmp_path, capsys):
-    """The split made again of other records would be other records: refused before any loss, naming the file."""
+def test_eval_of_a_split_run_whose_training_data_changed_is_refused(split_run, monkeypatch, capsys):
+    """The split made again of other records would be other records: refused before a model loads, naming the
+    file."""
+    import finetune.evaluate.run as evaluate_run
+
+    monkeypatch.setattr(evaluate_run, "load_adapters", lambda *a, **k: pytest.fail("a model was loaded"))
     data = split_run.parent / "sums.jsonl"
     original = data.read_text()
     before = RunDir(split_run).evaluation.read_bytes() if RunDir(split_run).evaluation.exists() else None
@@ -161,16 +165,49 @@ def test_eval_of_a_split_run_whose_training_data_changed_is_refused(split_run, t
     assert after == before  # evaluation.json untouched
 
 
-def test_eval_without_data_of_a_run_holding_nothing_out_is_a_one_line_usage_error(tmp_path, tiny_model_dir,
-                                                                                   monkeypatch, capsys):
+@pytest.mark.parametrize(("overrides", "why"), [
+    ({}, "holds no records out of its training data (data.validation_split is 0)"),
+    ({"data": {"validation_split": 0.25}, "training": {"method": "dpo"}},
+     "is a dpo run: its held-out records are preference data, which eval does not measure"),
+])
+def test_eval_without_data_of_a_run_with_no_split_to_measure_is_a_one_line_usage_error(
+        tmp_path, tiny_model_dir, monkeypatch, capsys, overrides, why):
     import finetune.evaluate.run as evaluate_run
 
-    run = _fake_run(tmp_path, tiny_model_dir)
+    run = _fake_run(tmp_path, tiny_model_dir, overrides)
     monkeypatch.setattr(evaluate_run, "load_adapters", lambda *a, **k: pytest.fail("a model was loaded"))
     assert main(["eval", str(run.root)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: finetune eval {run.root}: the run {why}; give held-out records with --data FILE"
+    assert not run.evaluation.exists()
+
+
+def test_eval_of_a_split_left_without_an_example_is_refused(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """The one held-out record is longer than data.max_seq_len (data.overlong: drop): no loss to measure, as the
+    run had no evaluation either; refused rather than a loss of 0."""
+    from transformers import AutoTokenizer
+
+    import finetune.evaluate.run as evaluate_run
+    from finetune.data.build import build_datasets, built_fingerprint
+    from finetune.model.trained import load_run
+
+    run = _fake_run(tmp_path, tiny_model_dir, {"data": {"validation_split": 0.25, "overlong": "drop"}})
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.save_pretrained(run.adapter)
+    recipe = load_run(run.root)[0]
+    ((record, _),) = build_datasets(recipe.data, tokenizer, recipe.training.seed).held_out
+    data = Path(recipe.data.path)
+    lines = data.read_text().splitlines()
+    lines[int(record.where.rsplit(":", 1)[1]) - 1] = json.dumps({"messages": [
+        {"role": "user", "content": "What is 1 plus 1? " * 40}, {"role": "assistant", "content": "2"}]})
+    data.write_text("\n".join(lines) + "\n")
+    run.data_fingerprint.write_text(json.dumps(built_fingerprint(recipe.data, tokenizer, recipe.training.seed)))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    monkeypatch.setattr(evaluate_run, "_models", lambda runs, with_base: iter([("run", model, tokenizer)]))
+    assert main(["eval", str(run.root)]) == 3
     err = " ".join(capsys.readouterr().err.split())
-    assert err == (f"error: finetune eval {run.root}: the run holds no records out of its training data "
-                   "(data.validation_split is 0); give held-out records with --data FILE")
+    assert (f"finetune eval {run.root}: none of the 1 records data.validation_split held out of {data} is an "
+            "example (each longer than data.max_seq_len=64 or without answer tokens)") in err
     assert not run.evaluation.exists()
 
 

@@ -99,8 +99,7 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
     files, formats, fmt, records, encoder, fingerprint = (read.files, read.formats, read.fmt, read.records,
                                                           read.encoder, read.fingerprint)
     prepared, problems, train_part, eval_part = _prepared_split(read, cfg, seed, method, vision is not None)
-    if any(p.images for p in prepared):
-        fingerprint["images_sha256"] = images_identity([path for p in prepared for path in p.images])
+    _add_images(fingerprint, prepared)
     prepared_from = Counter(p.file for p in prepared)
     dropped = _Dropped()
     train = _fit(train_part, _tokenize(train_part, tokenizer, encoder, cfg.max_seq_len, vision), cfg, encoder, dropped,
@@ -183,6 +182,22 @@ def _prepared_split(read: _Read, cfg: DataConfig, seed: int, method: str, model_
     if data_kind(method) == "kto" and read.formats[0] in PAIR_FORMATS:
         train_part, eval_part = _unpair(train_part), _unpair(eval_part)
     return prepared, problems, train_part, eval_part
+
+
+def _add_images(fingerprint: dict[str, Any], prepared: list[_Prepared]) -> None:
+    """The records' images in the fingerprint, where they have any (text-only data's is as it always was)."""
+    if any(p.images for p in prepared):
+        fingerprint["images_sha256"] = images_identity([path for p in prepared for path in p.images])
+
+
+def built_fingerprint(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sft",
+                      model_takes_images: bool = False) -> dict[str, Any]:
+    """The fingerprint `build_datasets` gives this data (finetune.data.fingerprint), from the records read and
+    rendered, not tokenized: in seconds, before a model loads (`finetune eval` compares a run's with it)."""
+    read = _read(cfg, tokenizer, seed, method)
+    prepared, *_ = _prepared_split(read, cfg, seed, method, model_takes_images)
+    _add_images(read.fingerprint, prepared)
+    return read.fingerprint
 
 
 SHAPE_CACHE_VERSION = 1

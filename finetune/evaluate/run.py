@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from finetune.console import progress_bar
-from finetune.data.build import build_datasets, check_records, evaluable_split
+from finetune.data.build import build_datasets, built_fingerprint, check_records, data_kind, evaluable_split
 from finetune.data.fingerprint import DataChanged, data_changes
 from finetune.data.formats import Chat, Example, RecordError, detect_format, images_of, normalize
 from finetune.data.read import Record, read_records
-from finetune.errors import UsageError
+from finetune.errors import DataError, UsageError
 from finetune.evaluate.match import KINDS, score
 from finetune.model.chat import reply
+from finetune.model.load import load_tokenizer
 from finetune.model.trained import load_adapters, load_run, load_trained, reads_images, vision_of
 from finetune.recipe.schema import DataConfig, Recipe
 from finetune.rundir import RunDir, atomic_write_json, read_json
@@ -44,8 +45,12 @@ def evaluate(run_dir: str | Path, data: str | Path | None = None, *, compare: li
     recipe, run = load_run(run_dir)
     runs = [*(compare or []), run_dir]
     cfg, method = _data_config(recipe, run_dir, data)
-    # the file parses and its records have their fields (and readable images): in seconds, before a model loads
+    # the file parses and its records have their fields (and readable images), and the run's split is of the
+    # data it trained on: in seconds, before a model loads
     check_records(cfg, method, model_takes_images=reads_images(recipe))
+    if data is None:
+        tokenizer = load_tokenizer(run.adapter, recipe.model)  # the run's, as the models load it
+        _check_unchanged(run, built_fingerprint(cfg, tokenizer, recipe.training.seed, method, reads_images(recipe)))
     results: list[dict[str, Any]] = []
     answers: list[dict[str, Any]] = []
     examples = prompts = bundle = vision = None
@@ -56,8 +61,12 @@ def evaluate(run_dir: str | Path, data: str | Path | None = None, *, compare: li
             vision = vision_of(run_dir, model, tokenizer)  # a vision-language run: images as it trained on them
             bundle = build_datasets(cfg, tokenizer, recipe.training.seed, method, vision=vision)
             if data is None:
-                _check_unchanged(run, bundle.fingerprint)
-                examples, records_read = bundle.eval or [], len(bundle.held_out)
+                if bundle.eval is None:  # as the run, which then had no evaluation either
+                    raise DataError(f"finetune eval {run_dir}: none of the {len(bundle.held_out)} records "
+                                    f"data.validation_split held out of {cfg.label()} is an example (each longer "
+                                    f"than data.max_seq_len={cfg.max_seq_len} or without answer tokens)",
+                                    hint="give held-out records with --data FILE")
+                examples, records_read = bundle.eval, len(bundle.held_out)
                 prompts = expected_answers(bundle.held_out)
             else:
                 examples, records_read = bundle.train, bundle.stats["records"]
@@ -109,7 +118,8 @@ def _data_config(recipe: Recipe, run_dir: str | Path, data: str | Path | None) -
     if not evaluable_split(recipe.data, method):
         why = ("holds no records out of its training data (data.validation_split is 0)"
                if recipe.data.validation_split == 0 else
-               f"is a {method} run: the records it held out are not records with answers that eval measures")
+               f"is a {method} run: its held-out records are "
+               f"{'prompts' if data_kind(method) == 'prompt' else 'preference data'}, which eval does not measure")
         raise UsageError(f"finetune eval {run_dir}: the run {why}; give held-out records with --data FILE")
     return recipe.data.model_copy(update={"packing": False}), method
 
