@@ -1,6 +1,7 @@
-"""Evaluate runs on the user's held-out records (or on a run's own held-out split): loss and perplexity on the tokens a run trains on (the
-assistant turns of chat records, all of a text record), and for records with an expected answer the greedy
-generation scored by finetune.evaluate.match. The base model and every run are measured on the same tokens."""
+"""Evaluate runs on the user's held-out records, or on a run's own held-out split: loss and perplexity on the
+tokens a run trains on (the assistant turns of chat records, all of a text record), and for records with an
+expected answer the greedy generation scored by finetune.evaluate.match. The base model and every run are
+measured on the same tokens."""
 
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ def evaluate(run_dir: str | Path, data: str | Path | None = None, *, compare: li
              ) -> dict[str, Any]:
     """Measure the run (and, with `compare`, the base model and the runs listed, side by side) on the records of
     `data`, or (None) on the run's own held-out split: the records data.validation_split kept out of its
-    training data, built by the same data build with the run's seed and tokenizer (refused, UsageError, where
-    the run holds none out, or where that data changed since: its split would be other records). The result is
+    training data, built by the same data build with the run's seed and tokenizer (refused, exit 2, where the
+    run holds none out, or where that data changed since: its split would be other records). The result is
     also written to the run's evaluation.json (the caller holds the run's lock: finetune.api.evaluate). Each
     answer ends at the model's end of turn, or at `max_new_tokens` (None: twice the longest expected answer's
     tokens + ANSWER_MARGIN, `answer_cap`: enough for an answer to be matched, short of the minutes a model that
