@@ -325,12 +325,13 @@ def export(run_dir: str | Path, out_dir: str | Path, progress: Callable[[ExportS
         return export_merged(run_dir, out_dir, progress, gguf)
 
 
-def evaluate(run_dir: str | Path, data: str | Path, *, compare: list[str | Path] | None = None,
+def evaluate(run_dir: str | Path, data: str | Path | None = None, *, compare: list[str | Path] | None = None,
              max_new_tokens: int | None = None, progress: Callable[[str], None] = lambda line: None
              ) -> dict[str, Any]:
-    """Held-out loss, perplexity and answer matches of the run on `data` (with `compare`: the base model and the
-    runs listed beside it); also saved as the run's evaluation.json (finetune.evaluate.run). Refused, as export
-    is, while a run, a resume or an export holds the run directory."""
+    """Held-out loss, perplexity and answer matches of the run on `data`, or (None) on the records its
+    data.validation_split held out (with `compare`: the base model and the runs listed beside it); also saved
+    as the run's evaluation.json (finetune.evaluate.run). Refused, as export is, while a run, a resume or an
+    export holds the run directory."""
     from finetune.evaluate.run import evaluate as _evaluate
 
     with RunDir(Path(run_dir)).lock("finetune eval"):

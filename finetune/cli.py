@@ -146,8 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="held-out loss, perplexity and answer matches of a run (vs its base model)")
     p.add_argument("run_dir", help="a run directory")
-    p.add_argument("--data", required=True, help="records the run did not train on (any training data format); "
-                   "a chat record's last answer, or its \"expected\" string, is what a generation is matched to")
+    p.add_argument("--data", help="records the run did not train on (any training data format); a chat record's "
+                   "last answer, or its \"expected\" string, is what a generation is matched to (default: the "
+                   "records the run's data.validation_split held out of its training data)")
     p.add_argument("--compare", nargs="*", metavar="OTHER_RUN", default=None,
                    help="also evaluate the base model, and the other run directories given, side by side")
     p.add_argument("--max-new-tokens", type=_positive_int, metavar="N", help="length limit of each answer "

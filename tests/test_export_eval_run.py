@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from finetune.cli import main
 from finetune.evaluate.match import score
 from finetune.recipe import validate_recipe
-from finetune.rundir import EXPORT_MARKER, RunDir
+from finetune.rundir import EXPORT_MARKER, RunDir, read_jsonl
 from finetune.train.run import run
 from tests.run_support import sums_data, tiny_lora_recipe
 from ui.views import history_rows
@@ -104,6 +104,111 @@ def test_eval_compares_base_and_run_on_held_out_records(trained, tmp_path, capsy
     assert first["prompt"] == "What is 16 plus 16?" and set(first["answers"]) == {"base model", "run"}
     assert json.loads(RunDir(trained).evaluation.read_text()) == report
     assert history_rows([str(trained)])[0][4] == f"{tuned['loss']:.4f} (finetune eval)"  # the UI's Runs tab
+
+
+@pytest.fixture(scope="module")
+def split_run(tmp_path_factory, tiny_model_dir) -> Path:
+    """A run on 16 records of which data.validation_split holds 4 out, evaluated at its end in one micro-batch
+    of 4 (the loss per token of the four, as `finetune eval` measures it)."""
+    folder = tmp_path_factory.mktemp("split-run")
+    recipe = tiny_lora_recipe(tiny_model_dir, sums_data(folder / "sums.jsonl", 16), folder / "run",
+                              {"data": {"validation_split": 0.25},
+                               "training": {"max_steps": 4, "micro_batch_size": 4, "learning_rate": 1e-2}})
+    run(validate_recipe(recipe))
+    return folder / "run"
+
+
+def test_eval_without_data_measures_the_runs_own_held_out_split(split_run, capsys):
+    """The loss equals the run's own final evaluation (the same examples, the same adapter), and the answers are
+    those of exactly the records the split held out."""
+    final = [row for row in read_jsonl(split_run / "metrics.jsonl") if "eval_loss" in row][-1]
+    assert main(["eval", str(split_run), "--max-new-tokens", "4"]) == 0
+    report = RunDir(split_run).read_evaluation()
+    (tuned,) = report["models"]
+    assert tuned["loss"] == pytest.approx(final["eval_loss"], rel=1e-4)
+    assert json.loads((split_run / "data_stats.json").read_text())["eval_examples"] == 4
+    data = split_run.parent / "sums.jsonl"
+    assert report["data"] == f"held-out split of {data} (4 records)"
+    assert report["records_read"] == report["examples_kept"] == report["with_expected_answer"] == 4
+    records = {f"{data}:{n}": json.loads(line)["messages"] for n, line in enumerate(data.read_text().splitlines(), 1)}
+    wheres = [row["where"] for row in report["answers"]]
+    assert len(set(wheres)) == 4 and set(wheres) <= set(records)
+    for row in report["answers"]:
+        user, answer = records[row["where"]]
+        assert (row["prompt"], row["expected"]) == (user["content"], answer["content"])
+    # the loss is of those records: measured again on them as a file, it is the same
+    held_out = split_run.parent / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps({"messages": records[w]}) + "\n" for w in wheres))
+    assert main(["eval", str(split_run), "--data", str(held_out), "--max-new-tokens", "4"]) == 0
+    assert RunDir(split_run).read_evaluation()["models"][0]["loss"] == pytest.approx(tuned["loss"], rel=1e-5)
+
+
+def test_eval_of_a_split_run_whose_training_data_changed_is_refused(split_run, monkeypatch, capsys):
+    """The split made again of other records would be other records: refused before a model loads, naming the
+    file."""
+    import finetune.evaluate.run as evaluate_run
+
+    monkeypatch.setattr(evaluate_run, "load_adapters", lambda *a, **k: pytest.fail("a model was loaded"))
+    data = split_run.parent / "sums.jsonl"
+    original = data.read_text()
+    before = RunDir(split_run).evaluation.read_bytes() if RunDir(split_run).evaluation.exists() else None
+    try:
+        data.write_text(original.replace("What is 3 plus 3?", "What is 3 plus 4?"))
+        assert main(["eval", str(split_run)]) == 2
+    finally:
+        data.write_text(original)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert f"the training data ({data}) changed since the run trained on it (record content changed)" in err
+    assert "--data FILE" in err
+    after = RunDir(split_run).evaluation.read_bytes() if RunDir(split_run).evaluation.exists() else None
+    assert after == before  # evaluation.json untouched
+
+
+@pytest.mark.parametrize(("overrides", "why"), [
+    ({}, "holds no records out of its training data (data.validation_split is 0)"),
+    ({"data": {"validation_split": 0.25}, "training": {"method": "dpo"}},
+     "is a dpo run: its held-out records are preference data, which eval does not measure"),
+])
+def test_eval_without_data_of_a_run_with_no_split_to_measure_is_a_one_line_usage_error(
+        tmp_path, tiny_model_dir, monkeypatch, capsys, overrides, why):
+    import finetune.evaluate.run as evaluate_run
+
+    run = _fake_run(tmp_path, tiny_model_dir, overrides)
+    monkeypatch.setattr(evaluate_run, "load_adapters", lambda *a, **k: pytest.fail("a model was loaded"))
+    assert main(["eval", str(run.root)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: finetune eval {run.root}: the run {why}; give held-out records with --data FILE"
+    assert not run.evaluation.exists()
+
+
+def test_eval_of_a_split_left_without_an_example_is_refused(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """The one held-out record is longer than data.max_seq_len (data.overlong: drop): no loss to measure, as the
+    run had no evaluation either; refused rather than a loss of 0."""
+    from transformers import AutoTokenizer
+
+    import finetune.evaluate.run as evaluate_run
+    from finetune.data.build import build_datasets, built_fingerprint
+    from finetune.model.trained import load_run
+
+    run = _fake_run(tmp_path, tiny_model_dir, {"data": {"validation_split": 0.25, "overlong": "drop"}})
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.save_pretrained(run.adapter)
+    recipe = load_run(run.root)[0]
+    ((record, _),) = build_datasets(recipe.data, tokenizer, recipe.training.seed).held_out
+    data = Path(recipe.data.path)
+    lines = data.read_text().splitlines()
+    lines[int(record.where.rsplit(":", 1)[1]) - 1] = json.dumps({"messages": [
+        {"role": "user", "content": "What is 1 plus 1? " * 40}, {"role": "assistant", "content": "2"}]})
+    data.write_text("\n".join(lines) + "\n")
+    run.data_fingerprint.write_text(json.dumps(built_fingerprint(recipe.data, tokenizer, recipe.training.seed)))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    monkeypatch.setattr(evaluate_run, "_models", lambda runs, with_base: iter([("run", model, tokenizer)]))
+    assert main(["eval", str(run.root)]) == 3
+    err = " ".join(capsys.readouterr().err.split())
+    assert (f"finetune eval {run.root}: none of the 1 records data.validation_split held out of {data} is an "
+            "example (each longer than data.max_seq_len=64 or without answer tokens)") in err
+    assert not run.evaluation.exists()
 
 
 @pytest.mark.parametrize(("answer", "expected", "want"), [

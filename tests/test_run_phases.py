@@ -123,8 +123,9 @@ def test_ctrl_c_in_the_final_evaluation_keeps_the_adapter_and_says_how_to_evalua
     assert main(["run", str(_sft(tmp_path, tiny_model_dir))]) == 0  # training was complete
     err = capsys.readouterr().err
     run = RunDir(tmp_path / "run")
-    assert (f"final evaluation skipped (stop requested); measure the run later with: finetune eval {run.root} "
-            "--data HELD_OUT_FILE") in err
+    # its held-out records are the split, which `finetune eval` makes again without --data
+    hint = f"final evaluation skipped (stop requested); measure the run later with: finetune eval {run.root}"
+    assert f"{hint}\n" in err and "--data" not in err
     assert _progress(err, "final evaluation")[-1][0] < 20  # it stopped early
     assert (run.adapter / "adapter_model.safetensors").is_file() and run.read_status()["state"] == "completed"
     assert not any("eval_loss" in row for row in read_jsonl(run.metrics))
@@ -182,6 +183,16 @@ def test_dpo_reference_pass_and_scoring_before_training_show_progress_before_tra
         assert err.index(f"{label} {lines[0][0]}/{total}") < err.index("train 1/1"), err
     assert err.index("reference pass: 24 examples") < err.index("held-out evaluation before training: 6 held-out "
                                                                 "examples") < err.index("train 1/1")
+
+
+def test_ctrl_c_in_the_final_evaluation_of_a_preference_run_says_to_give_held_out_records(
+        tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """A dpo run's held-out split is pairs, which `finetune eval` does not measure: the command names --data."""
+    _ctrl_c_during(monkeypatch, "final evaluation")
+    assert main(["run", str(_dpo(tmp_path, tiny_model_dir))]) == 0
+    err = capsys.readouterr().err
+    assert (f"final evaluation skipped (stop requested); measure the run later with: finetune eval "
+            f"{tmp_path / 'run'} --data HELD_OUT_FILE") in err
 
 
 def test_ctrl_c_in_the_reference_pass_stops_there_and_leaves_nothing(tmp_path, tiny_model_dir, monkeypatch, capsys):

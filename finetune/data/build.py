@@ -69,6 +69,7 @@ class _Prepared:
     label: bool | None = None
     source: Source | None = None
     images: list[str] = field(default_factory=list)  # the record's images (absolute paths), in order
+    origin: tuple[Record, Example] | None = None  # the record and its normalised example
 
 
 Sequences = list[Encoded]  # an example's sequences: one, or chosen and rejected
@@ -78,6 +79,12 @@ def data_kind(method: str) -> str:
     """What examples a training method needs (its registry entry, finetune/recipe/methods.py): sft (sequences),
     pair (chosen + rejected), kto (labelled), prompt (prompts the model answers)."""
     return method_spec(method).data_kind
+
+
+def evaluable_split(cfg: DataConfig, method: str) -> bool:
+    """Whether the run holds records out (data.validation_split) that `finetune eval` can measure without
+    --data: records with answers to score (sft data; a preference or prompt-only method's are not)."""
+    return cfg.validation_split > 0 and data_kind(method) == "sft"
 
 
 def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sft",
@@ -92,8 +99,7 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
     files, formats, fmt, records, encoder, fingerprint = (read.files, read.formats, read.fmt, read.records,
                                                           read.encoder, read.fingerprint)
     prepared, problems, train_part, eval_part = _prepared_split(read, cfg, seed, method, vision is not None)
-    if any(p.images for p in prepared):
-        fingerprint["images_sha256"] = images_identity([path for p in prepared for path in p.images])
+    _add_images(fingerprint, prepared)
     prepared_from = Counter(p.file for p in prepared)
     dropped = _Dropped()
     train = _fit(train_part, _tokenize(train_part, tokenizer, encoder, cfg.max_seq_len, vision), cfg, encoder, dropped,
@@ -135,8 +141,10 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
     collator = make_collator(tokenizer, cfg.packing, kind)
     if vision is not None:
         collator = vision.collator(collator, 2 if kind == "pair" else 1)
+    held_out = {(p.file, p.where): p.origin for p in eval_part if p.origin is not None}  # a repeated record once
     return DataBundle(train_ds, eval_ds, stats, collator, fingerprint,
-                      repeated(files) + _warnings(cfg, len(problems) - len(dropped.bad), dropped))
+                      repeated(files) + _warnings(cfg, len(problems) - len(dropped.bad), dropped),
+                      list(held_out.values()))
 
 
 @dataclass
@@ -174,6 +182,22 @@ def _prepared_split(read: _Read, cfg: DataConfig, seed: int, method: str, model_
     if data_kind(method) == "kto" and read.formats[0] in PAIR_FORMATS:
         train_part, eval_part = _unpair(train_part), _unpair(eval_part)
     return prepared, problems, train_part, eval_part
+
+
+def _add_images(fingerprint: dict[str, Any], prepared: list[_Prepared]) -> None:
+    """The records' images in the fingerprint, where they have any (text-only data's is as it always was)."""
+    if any(p.images for p in prepared):
+        fingerprint["images_sha256"] = images_identity([path for p in prepared for path in p.images])
+
+
+def built_fingerprint(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sft",
+                      model_takes_images: bool = False) -> dict[str, Any]:
+    """The fingerprint `build_datasets` gives this data (finetune.data.fingerprint), from the records read and
+    rendered, not tokenized: in seconds, before a model loads (`finetune eval` compares a run's with it)."""
+    read = _read(cfg, tokenizer, seed, method)
+    prepared, *_ = _prepared_split(read, cfg, seed, method, model_takes_images)
+    _add_images(read.fingerprint, prepared)
+    return read.fingerprint
 
 
 SHAPE_CACHE_VERSION = 1
@@ -320,7 +344,8 @@ def _check_method(path: str, fmt: str, method: str) -> None:
 
 def _unpair(items: list[_Prepared]) -> list[_Prepared]:
     """A pair as two kto examples: the chosen answer good, the rejected one bad."""
-    return [_Prepared(p.where, p.file, chat=chat, label=good, source=[source], images=p.images) for p in items
+    return [_Prepared(p.where, p.file, chat=chat, label=good, source=[source], images=p.images, origin=p.origin)
+            for p in items
             for chat, good, source in ((p.chat, True, p.source[0]), (p.rejected, False, p.source[1]))]
 
 
@@ -409,13 +434,13 @@ def _prepare(records: Sequence[Record], formats: list[str], cfg: DataConfig, enc
                 rendered = [encoder.render(chat, first) for chat, first in example.chats()]
                 item = _Prepared(record.where, record.file, chat=rendered[0],
                                  rejected=rendered[1] if len(rendered) > 1 else None, label=example.label,
-                                 source=example.chats(), images=images)
+                                 source=example.chats(), images=images, origin=(record, example))
             elif isinstance(example, Chat):
                 assert encoder is not None
                 item = _Prepared(record.where, record.file, chat=encoder.render(example), source=[(example, 0)],
-                                 images=images)
+                                 images=images, origin=(record, example))
             else:
-                item = _Prepared(record.where, record.file, text=example)
+                item = _Prepared(record.where, record.file, text=example, origin=(record, example))
             prepared.append(item)
         except RecordError as exc:
             problems.append(f"{record.where}: {exc}")

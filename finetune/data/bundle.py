@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from finetune.data.formats import Example
 from finetune.data.mix import FileRead, is_mix
 from finetune.data.read import Record
 from finetune.errors import DataError
@@ -37,6 +38,9 @@ class DataBundle:
     collator: Callable[[list[dict[str, Any]]], dict[str, Any]]
     fingerprint: dict[str, Any] = field(default_factory=dict)  # what decides the examples (finetune.data.fingerprint); --resume compares it
     warnings: list[str] = field(default_factory=list)  # records left out, one line each kind, for the run log
+    # the records data.validation_split held out, each once with its normalised example, in the data's order:
+    # what `finetune eval` without --data matches answers on
+    held_out: list[tuple[Record, Example]] = field(default_factory=list)
 
     def summary(self) -> str:
         """The counts people read first, in one short line: records read (format), examples kept, examples

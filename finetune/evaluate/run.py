@@ -1,24 +1,27 @@
-"""Evaluate runs on the user's held-out records: loss and perplexity on the tokens a run trains on (the
-assistant turns of chat records, all of a text record), and for records with an expected answer the greedy
-generation scored by finetune.evaluate.match. The base model and every run are measured on the same tokens."""
+"""Evaluate runs on the user's held-out records, or on a run's own held-out split: loss and perplexity on the
+tokens a run trains on (the assistant turns of chat records, all of a text record), and for records with an
+expected answer the greedy generation scored by finetune.evaluate.match. The base model and every run are
+measured on the same tokens."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from finetune.console import progress_bar
-from finetune.data.build import build_datasets, check_records
-from finetune.data.formats import Chat, RecordError, detect_format, images_of, normalize
-from finetune.data.read import read_records
-from finetune.errors import UsageError
+from finetune.data.build import build_datasets, built_fingerprint, check_records, data_kind, evaluable_split
+from finetune.data.fingerprint import DataChanged, data_changes
+from finetune.data.formats import Chat, Example, RecordError, detect_format, images_of, normalize
+from finetune.data.read import Record, read_records
+from finetune.errors import DataError, UsageError
 from finetune.evaluate.match import KINDS, score
 from finetune.model.chat import reply
+from finetune.model.load import load_tokenizer
 from finetune.model.trained import load_adapters, load_run, load_trained, loaded, reads_images, vision_of
-from finetune.recipe.schema import Recipe
-from finetune.rundir import RunDir, atomic_write_json
+from finetune.recipe.schema import DataConfig, Recipe
+from finetune.rundir import RunDir, atomic_write_json, read_json
 from finetune.train.streamed_load import streamed_use
 
 BASE = "base model"
@@ -27,25 +30,28 @@ BASE = "base model"
 ANSWER_MARGIN = 16  # new tokens past twice the longest expected answer, for a preamble ("The answer is ...")
 
 
-def evaluate(run_dir: str | Path, data: str | Path, *, compare: list[str | Path] | None = None,
+def evaluate(run_dir: str | Path, data: str | Path | None = None, *, compare: list[str | Path] | None = None,
              max_new_tokens: int | None = None, progress: Callable[[str], None] = lambda line: None
              ) -> dict[str, Any]:
     """Measure the run (and, with `compare`, the base model and the runs listed, side by side) on the records of
-    `data`; the result is also written to the run's evaluation.json (the caller holds the run's lock:
-    finetune.api.evaluate). Each answer ends at the model's end of turn, or at `max_new_tokens` (None: twice
-    the longest expected answer's tokens + ANSWER_MARGIN, `answer_cap`: enough for an answer to be matched,
-    short of the minutes a model that never ends its turn would spend); the answers cut there are counted
-    per model (`capped`). `progress` gets a line as each model's phase starts; the answers' progress is a
-    bar on a terminal, else a line each tenth or 30 s (finetune.console.progress_bar)."""
+    `data`, or (None) on the run's own held-out split: the records data.validation_split kept out of its
+    training data, built by the same data build with the run's seed and tokenizer (refused, exit 2, where the
+    run holds none out, or where that data changed since: its split would be other records). The result is
+    also written to the run's evaluation.json (the caller holds the run's lock: finetune.api.evaluate). Each
+    answer ends at the model's end of turn, or at `max_new_tokens` (None: twice the longest expected answer's
+    tokens + ANSWER_MARGIN, `answer_cap`: enough for an answer to be matched, short of the minutes a model that
+    never ends its turn would spend); the answers cut there are counted per model (`capped`). `progress` gets
+    a line as each model's phase starts; the answers' progress is a bar on a terminal, else a line each tenth
+    or 30 s (finetune.console.progress_bar)."""
     recipe, run = load_run(run_dir)
     runs = [*(compare or []), run_dir]
-    if not Path(data).is_file():
-        raise UsageError(f"eval --data {data}: no such file", hint="give a file of held-out records "
-                         "(.jsonl, .json, .csv or .parquet, in any training data format)")
-    cfg = recipe.data.model_copy(update={"path": str(data), "format": "auto", "validation_split": 0.0,
-                                         "packing": False, "max_samples": None})
-    # the file parses and its records have their fields (and readable images): in seconds, before a model loads
-    check_records(cfg, model_takes_images=reads_images(recipe))
+    cfg, method = _data_config(recipe, run_dir, data)
+    # the file parses and its records have their fields (and readable images), and the run's split is of the
+    # data it trained on: in seconds, before a model loads
+    check_records(cfg, method, model_takes_images=reads_images(recipe))
+    if data is None:
+        tokenizer = load_tokenizer(run.adapter, recipe.model)  # the run's, as the models load it
+        _check_unchanged(run, built_fingerprint(cfg, tokenizer, recipe.training.seed, method, reads_images(recipe)))
     results: list[dict[str, Any]] = []
     answers: list[dict[str, Any]] = []
     examples = prompts = bundle = vision = None
@@ -54,9 +60,18 @@ def evaluate(run_dir: str | Path, data: str | Path, *, compare: list[str | Path]
     for label, model, tokenizer in _models(runs, with_base=compare is not None):
         if examples is None:
             vision = vision_of(run_dir, model, tokenizer)  # a vision-language run: images as it trained on them
-            bundle = build_datasets(cfg, tokenizer, recipe.training.seed, vision=vision)
-            examples, records_read = bundle.train, bundle.stats["records"]
-            prompts = expected_answers(cfg.path, cfg.system_prompt)
+            bundle = build_datasets(cfg, tokenizer, recipe.training.seed, method, vision=vision)
+            if data is None:
+                if bundle.eval is None:  # as the run, which then had no evaluation either
+                    raise DataError(f"finetune eval {run_dir}: none of the {len(bundle.held_out)} records "
+                                    f"data.validation_split held out of {cfg.label()} is an example (each longer "
+                                    f"than data.max_seq_len={cfg.max_seq_len} or without answer tokens)",
+                                    hint="give held-out records with --data FILE")
+                examples, records_read = bundle.eval, len(bundle.held_out)
+                prompts = expected_answers(bundle.held_out)
+            else:
+                examples, records_read = bundle.train, bundle.stats["records"]
+                prompts = expected_answers(_file_examples(cfg.path, cfg.system_prompt))
             answers = [_answer_row(where, messages, expected) for where, messages, expected in prompts]
             cap = max_new_tokens or answer_cap(tokenizer, [expected for _, _, expected in prompts])
         progress(f"{label}: loss on {len(examples)} examples")
@@ -77,14 +92,53 @@ def evaluate(run_dir: str | Path, data: str | Path, *, compare: list[str | Path]
                 bar.update(task, advance=1)
         results.append({"label": label, "loss": loss, "perplexity": math.exp(loss), "loss_tokens": tokens,
                         **{kind: _rate(scores[kind]) for kind in KINDS}, "capped": capped})
-    # records_read: the file's records, bad ones included; examples_kept: those the loss is measured on (a bad
-    # record skipped by data.on_bad_record, one longer than max_seq_len dropped or with no answer tokens is not)
-    report = {"data": str(Path(data).resolve()), "records_read": records_read, "examples_kept": len(examples),
+    # records_read: the file's records, bad ones included (the split's: the records it held out); examples_kept:
+    # those the loss is measured on (a bad record skipped by data.on_bad_record, one longer than max_seq_len
+    # dropped or with no answer tokens is not)
+    used = (str(Path(data).resolve()) if data is not None
+            else f"held-out split of {cfg.label()} ({records_read} records)")
+    report = {"data": used, "records_read": records_read, "examples_kept": len(examples),
               "with_expected_answer": len(answers),
               "max_new_tokens": cap, "max_new_tokens_from": "given" if max_new_tokens else "expected answers",
               "models": results, "answers": answers}
     atomic_write_json(RunDir(run.root).evaluation, report)
     return report
+
+
+def _data_config(recipe: Recipe, run_dir: str | Path, data: str | Path | None) -> tuple[DataConfig, str]:
+    """(data config, training method) the evaluation builds its examples by: the file `data` read whole as
+    sft records, or (None) the run's own data as it trained on it, unpacked (packing joins examples into rows,
+    and the split is made before it); UsageError where that is not there to measure."""
+    if data is not None:
+        if not Path(data).is_file():
+            raise UsageError(f"eval --data {data}: no such file", hint="give a file of held-out records "
+                             "(.jsonl, .json, .csv or .parquet, in any training data format)")
+        return recipe.data.model_copy(update={"path": str(data), "format": "auto", "validation_split": 0.0,
+                                              "packing": False, "max_samples": None}), "sft"
+    method = recipe.training.method
+    if not evaluable_split(recipe.data, method):
+        why = ("holds no records out of its training data (data.validation_split is 0)"
+               if recipe.data.validation_split == 0 else
+               f"is a {method} run: its held-out records are "
+               f"{'prompts' if data_kind(method) == 'prompt' else 'preference data'}, which eval does not measure")
+        raise UsageError(f"finetune eval {run_dir}: the run {why}; give held-out records with --data FILE")
+    return recipe.data.model_copy(update={"packing": False}), method
+
+
+def _check_unchanged(run: RunDir, now: dict[str, Any]) -> None:
+    """The run's held-out split is made again only from the data it trained on: DataChanged (exit 2) where the
+    data's fingerprint differs from the one the run saved (records, tokenizer, split settings). Packing is
+    not compared: the evaluation builds unpacked, and packing does not decide which records are held out."""
+    saved = read_json(run.data_fingerprint)
+    if saved is None:
+        raise DataChanged(f"finetune eval {run.root}: the run saved no data fingerprint ({run.data_fingerprint}), so "
+                          "its held-out split cannot be told to be the same records; give held-out records with "
+                          "--data FILE")
+    saved = {**saved, "settings": {k: v for k, v in (saved.get("settings") or {}).items() if k != "data.packing"}}
+    if changes := data_changes(saved, now):
+        raise DataChanged(f"finetune eval {run.root}: the training data ({now['path']}) changed since the run "
+                          f"trained on it ({'; '.join(changes)}), so its held-out split would be other records; "
+                          "restore that data, or give held-out records with --data FILE")
 
 
 def answer_cap(tokenizer: Any, expected: list[str]) -> int:
@@ -152,23 +206,28 @@ def held_out_loss(model: Any, examples: Any, collate: Callable[[list[dict]], dic
     return total / max(count, 1), count
 
 
-def expected_answers(path: str, system_prompt: str | None) -> list[tuple[str, list[dict], str]]:
-    """(where, prompt messages, expected answer) for each chat record that ends with an assistant turn after a
-    user turn: the expected answer is the record's `expected` string where it has one (a short answer to look
-    for, as "Paris"), else that last assistant turn."""
-    records = read_records(path).records
-    fmt = detect_format([r.value for r in records])
+def expected_answers(examples: Iterable[tuple[Record, Example]]) -> list[tuple[str, list[dict], str]]:
+    """(where, prompt messages, expected answer) for each chat record (as read, and normalised) that ends with
+    an assistant turn after a user turn: the expected answer is the record's `expected` string where it has
+    one (a short answer to look for, as "Paris"), else that last assistant turn."""
     out = []
-    for record in records:
-        try:
-            example = normalize(record.value, fmt, system_prompt, Path(path).parent)
-        except RecordError:
-            continue  # build_datasets already reported it (or skips it, as data.on_bad_record says)
+    for record, example in examples:
         if not isinstance(example, Chat) or len(example.messages) < 2:
             continue
         *prompt, last = example.messages
         if last["role"] != "assistant" or prompt[-1]["role"] != "user":
             continue
-        expected = record.value.get("expected")
+        expected = record.value.get("expected") if isinstance(record.value, dict) else None
         out.append((record.where, prompt, expected if isinstance(expected, str) else _text(last["content"])))
     return out
+
+
+def _file_examples(path: str, system_prompt: str | None) -> Iterator[tuple[Record, Example]]:
+    """Each well-formed record of the file `path` with its normalised example."""
+    records = read_records(path).records
+    fmt = detect_format([r.value for r in records])
+    for record in records:
+        try:
+            yield record, normalize(record.value, fmt, system_prompt, Path(path).parent)
+        except RecordError:
+            continue  # build_datasets already reported it (or skips it, as data.on_bad_record says)

@@ -19,6 +19,7 @@ from transformers import set_seed
 
 from finetune.compat import graph_breaks
 from finetune.console import console
+from finetune.data.build import evaluable_split
 from finetune.data.fingerprint import DataChanged, check_resumed_data
 from finetune.errors import FinetuneError, RecipeError, UsageError
 from finetune.memory.offload import activation_offload, preflight_offload
@@ -345,7 +346,7 @@ def _plan_build_train(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, s
     """A run's four stages: prepare (plan, settings), build (model, data, loop), train, record (rank 0)."""
     prepared = _prepare(recipe, run_dir, checkpoint, main)
     built = _build(prepared, run_dir, checkpoint, stopper, allow_data_change, main, base)
-    trained = _train(built, run_dir, checkpoint, main)
+    trained = _train(built, run_dir, checkpoint, main, recipe)
     if main:
         _record(prepared, built, trained, run_dir)
     return trained.result
@@ -494,7 +495,7 @@ def _data(recipe: Recipe, tokenizer: Any, vision: VisionData | None, run_dir: Ru
     return data
 
 
-def _train(built: _Built, run_dir: RunDir, checkpoint: str | None, main: bool) -> _Trained:
+def _train(built: _Built, run_dir: RunDir, checkpoint: str | None, main: bool, recipe: Recipe) -> _Trained:
     """The held-out metrics before training (preference methods and GRPO, on a fresh run), the loop's fit (the
     peak tracker and offload closed however it ends), the final evaluation and, when completed, the adapter."""
     loop, data, peak = built.loop, built.data, built.peak
@@ -523,7 +524,7 @@ def _train(built: _Built, run_dir: RunDir, checkpoint: str | None, main: bool) -
     if main and breaks:
         console.print(f"training.compile: {breaks} graph break(s): those regions ran uncompiled", markup=False)
         run_dir.log_line(f"training.compile: {breaks} graph break(s) in this process (regions run uncompiled)")
-    after = _final_evaluation(loop, run_dir, main) if data.eval is not None else {}
+    after = _final_evaluation(loop, run_dir, main, recipe) if data.eval is not None else {}
     state = "stopped" if loop.stopped else "completed"
     if state == "completed":
         _save_result(loop, built.tokenizer, run_dir, main)
@@ -579,7 +580,7 @@ def _record_data(run_dir: RunDir, fingerprint: dict, resumed: bool, allow_change
     atomic_write_json(run_dir.data_fingerprint, fingerprint)
 
 
-def _final_evaluation(loop: TrainLoop, run_dir: RunDir, main: bool) -> dict[str, float]:
+def _final_evaluation(loop: TrainLoop, run_dir: RunDir, main: bool, recipe: Recipe) -> dict[str, float]:
     """The evaluation at the last step: the loop's own when it ran one there (evaluating again would log a
     second row for the same step in metrics.jsonl), else a new one. Empty after a stop asked for (Ctrl-C,
     before or during it; one process): the checkpoint (or, training complete, the adapter) is what the user waits
@@ -590,8 +591,9 @@ def _final_evaluation(loop: TrainLoop, run_dir: RunDir, main: bool) -> dict[str,
     stop = loop.processes == 1 and loop.hooks.should_stop()  # several: each would decide apart, then wait
     after = loop.evaluate("final evaluation") if not stop else None
     if after is None:
+        data = "" if evaluable_split(recipe.data, recipe.training.method) else " --data HELD_OUT_FILE"
         later = ("the resumed run evaluates at its end" if loop.stopped else  # no adapter yet for `eval`
-                 f"measure the run later with: finetune eval {run_dir.root} --data HELD_OUT_FILE")
+                 f"measure the run later with: finetune eval {run_dir.root}{data}")
         line = f"final evaluation skipped (stop requested); {later}"
         if main:
             console.print(line, style="yellow", markup=False, highlight=False)
