@@ -67,8 +67,9 @@ class LossObjective:
         return values
 
     def evaluate(self, loop: TrainLoop) -> dict[str, float]:
-        """The held-out loss (and a preference method's rewards, margins, accuracy): the mean per example of
-        each micro-batch's loss, over every process."""
+        """The held-out loss (and a preference method's rewards, margins, accuracy), over every process: per
+        loss token for sft (each micro-batch's mean weighted by its labelled tokens, as `finetune eval` and
+        perplexity count it), per example for a preference method (its loss is one per pair)."""
         loop.model.eval()
         losses, counts = [], []
         b = loop.geometry.part_rows
@@ -84,8 +85,10 @@ class LossObjective:
                                         and batch.labels is not None, preference=self.preference,
                                         metrics=self._metrics["eval"])
                 rows = len(indices[i:i + b])
-                losses.append(loss.detach().float() * rows)
-                counts.append(rows)
+                weight = rows if self.preference is not None or batch.labels is None else \
+                    int((batch.labels[..., 1:] != -100).sum())
+                losses.append(loss.detach().float() * weight)
+                counts.append(weight)
                 advance(rows)
         loop.model.train()
         total = torch.stack(losses).sum() if losses else torch.tensor(0.0, device=loop.accelerator.device)
