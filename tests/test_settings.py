@@ -161,8 +161,10 @@ def test_plan_apply_fills_the_budget_and_keeps_what_the_planner_does_not_decide(
     chosen = dataclasses.asdict(Settings(2, 4, False, 1, "cpu", True, None, "sgd", True))
     recipe = _recipe(training={"micro_batch_size": "auto", "learning_rate": 0.01}, memory={"gpu_memory_margin": 0})
     applied = _fake_plan(chosen).apply(recipe).recipe
-    # one process: no strategy is written; sft: no generation batch; a text model: no image budget
-    assert read_settings(applied) == {**chosen, "strategy": "auto", "generation_batch_size": "auto", "max_pixels": "auto"}
+    # one process: no strategy is written; sft: no generation batch; a text model: no image budget; no weight
+    # streaming (offload_weights none): neither its read-ahead nor its resident layers
+    assert read_settings(applied) == {**chosen, "strategy": "auto", "generation_batch_size": "auto", "max_pixels": "auto",
+                                      "offload_weights_ahead": "auto", "offload_weights_resident": "auto"}
     assert applied.memory.gpu_memory == 2**30 and applied.training.learning_rate == 0.01
     explicit = recipe.model_copy(update={"memory": recipe.memory.model_copy(update={"gpu_memory": 5 * 2**30})})
     assert _fake_plan(chosen).apply(explicit).recipe.memory.gpu_memory == 5 * 2**30

@@ -36,6 +36,11 @@ def _streams(recipe: Recipe) -> bool:
     return recipe.distributed.gpus == 1 and recipe.adapter.type != "full" and not recipe.adapter.target_experts
 
 
+def _may_stream(recipe: Recipe) -> bool:
+    """The streaming's own settings (read-ahead, resident layers) matter only where weights may stream."""
+    return _streams(recipe) and recipe.memory.offload_weights != "none"
+
+
 def _generates(recipe: Recipe) -> bool:
     return recipe.training.spec.generates
 
@@ -77,10 +82,10 @@ class Settings:
                                     active=_streams)  # none or a tier: finetune.memory.weight_store
     # decoder layers weight streaming reads ahead (finetune.plan.weight_stream prices the window and the time)
     offload_weights_ahead: int = _setting("memory.offload_weights_ahead", "ahead", fallback=1, default=1,
-                                          active=_streams)
+                                          active=_may_stream)
     # the first decoder layers weight streaming leaves on the device (finetune.plan.weight_stream)
     offload_weights_resident: int = _setting("memory.offload_weights_resident", "resident", fallback=0, default=0,
-                                             active=_streams)
+                                             active=_may_stream)
     strategy: str = _setting("distributed.strategy", "strategy", fallback="ddp", default="ddp",
                              active=_several_processes)  # with one process there is nothing to distribute
     # completions per generate call (None: the step's all, what an out-of-memory recovery starts halving from)
