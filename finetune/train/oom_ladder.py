@@ -13,14 +13,14 @@ what it returns.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
 from finetune.recipe.offload_tiers import TIERS
 from finetune.recipe.schema import Recipe
-from finetune.recipe.settings import read_settings, write_settings
+from finetune.recipe.settings import Settings, read_settings, write_settings
 
 # The settings (names in finetune.recipe.settings' table) a recovery may change.
 NAMES = ("micro_batch_size", "gradient_accumulation_steps", "activation_checkpointing", "offload", "chunked_loss",
@@ -47,8 +47,19 @@ def rungs(recipe: Recipe, device: str, unusable: frozenset[str] = frozenset()) -
         rungs.append({"tiled_mlp": True})
     streams = next((t.name for t in TIERS if t.frees_device(device) and t.name not in unusable), None)
     if m.offload_weights == "none" and streams is not None and _allowed(recipe, {"offload_weights": streams}):
-        rungs.append({"offload_weights": streams})
+        rungs.append(_streaming(recipe, streams))
     return rungs
+
+
+STREAMING = ("offload_weights_ahead", "offload_weights_resident")  # the streaming's own settings
+
+
+def _streaming(recipe: Recipe, tier: str) -> dict[str, Any]:
+    """The rung that streams the frozen weights from `tier`: its read-ahead and resident layers at the settings
+    table's defaults where the recipe leaves them auto (no plan is made mid-run to choose them)."""
+    values = read_settings(recipe)
+    defaults = {f.name: f.default for f in fields(Settings)}
+    return {"offload_weights": tier, **{name: defaults[name] for name in STREAMING if values[name] == "auto"}}
 
 
 def _allowed(recipe: Recipe, values: dict[str, Any]) -> bool:
