@@ -2,7 +2,8 @@
 against what is installed, and moved to new releases in one deliberate step.
 
     .venv/bin/python .ci/lock.py freeze    # write the lock from this Python's environment
-    .venv/bin/python .ci/lock.py check     # name every installed package that differs from the lock (exit 1)
+    .venv/bin/python .ci/lock.py check     # name every installed package that differs from the lock, and every
+                                           # torch version written in the repository other than TORCH (exit 1)
     python3 .ci/lock.py upgrade            # fresh venv with the newest releases, the suite, and on green:
                                            # the lock, compat.CHECKED and pyproject's bounds follow
 
@@ -36,6 +37,14 @@ LEFT_OUT = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*)$")
 # the GPU kit). Their own packages are pinned (not what they need: torch and triton, left out above), at the version
 # installed where the lock is written, else the pin the lock already has: a new Liger is adopted on purpose too.
 OPTIONAL = ("cuda",)
+# The torch the suite runs on: the CPU wheel the README's install pins, the Docker image's base and its CPU
+# stand-in, upgrade's venv. Each other copy in the repository (a literal: the README's command is run as written,
+# a Dockerfile's ARG cannot read a file) equals this one, `torch_copies` names those that do not.
+TORCH = "2.13.0"
+# A torch version written down: torch==X, TORCH=X, torch X, torch-X, pytorch/pytorch:X (not apollo-torch==X).
+TORCH_COPY = re.compile(r"(?<![\w-])(?:torch(?:==|=| |-)|pytorch/pytorch:)(\d+\.\d+\.\d+)", re.IGNORECASE)
+# Records of what ran or what a machine holds, not versions to install.
+RECORDS = ("benchmarks/results/", "benchmarks/gpu/image_packages.txt")
 HEADER = """# The versions the test suite last passed on: the dependency closure of finetune[dev,ui], torch excepted
 # (CPU installs pin the local wheel on the command line; GPU users bring their CUDA build), and the packages of
 # the cuda extra (Liger Kernel; checked only where installed). Written by
@@ -115,6 +124,22 @@ def drift(pins: dict[str, str]) -> list[str]:
     return out
 
 
+def torch_copies(root: Path = ROOT) -> list[str]:
+    """One line (file:line) per torch version written in the repository's tracked files that is not TORCH."""
+    files = subprocess.run(["git", "-C", str(root), "ls-files", "-z"], capture_output=True, text=True,
+                           check=True).stdout.split("\0")
+    out = []
+    for name in sorted(f for f in files if f and not f.startswith(RECORDS)):
+        try:
+            text = (root / name).read_text(encoding="utf-8")
+        except (UnicodeDecodeError, FileNotFoundError, IsADirectoryError):  # binary, deleted, a submodule
+            continue
+        for number, line in enumerate(text.splitlines(), 1):
+            out += [f"{name}:{number}: torch {m[1]}, .ci/lock.py's TORCH is {TORCH}"
+                    for m in TORCH_COPY.finditer(line) if m[1] != TORCH]
+    return out
+
+
 def freeze(path: Path = LOCK) -> dict[str, str]:
     pins = closure()
     kept = read_lock(path) if path.exists() else {}
@@ -159,7 +184,7 @@ def upgrade() -> int:
         py = str(venv / "bin" / "python")
         pip = [py, "-m", "pip", "install", "-q", "--upgrade-strategy", "eager"]
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        subprocess.run([*pip, "torch==2.13.0", "-e", f"{ROOT}[dev,ui]"], check=True)
+        subprocess.run([*pip, f"torch=={TORCH}", "-e", f"{ROOT}[dev,ui]"], check=True)
         bounded = [lib for lib in re.findall(r'^    "([\w-]+)": \(', COMPAT.read_text(), re.M) if lib != "torch"]
         subprocess.run([*pip, "--upgrade", *bounded], check=True)  # pip says it conflicts; that is the point
         kept = {path: path.read_text() for path in (LOCK, COMPAT, PYPROJECT)}
@@ -191,8 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lock: {len(freeze())} packages in {LOCK.relative_to(ROOT)}")
         return 0
     if args.command == "check":
-        lines = drift(read_lock())
-        print("\n".join(lines) or "lock: installed versions equal the lock")
+        lines = drift(read_lock()) + torch_copies()
+        print("\n".join(lines) or f"lock: installed versions equal the lock; each torch written is {TORCH}")
         return 1 if lines else 0
     return upgrade()
 

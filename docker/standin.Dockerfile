@@ -5,6 +5,7 @@
 # folder with the torch wheel and its dependencies, so this step needs no network.
 ARG OS=finetune-standin-os:bookworm
 FROM ${OS}
+# .ci/lock.py TORCH, as every torch version written in the repository (tests/test_lock.py)
 ARG TORCH=2.13.0
 RUN --mount=type=bind,target=/tmp/wheels \
     useradd --uid 1000 --create-home --shell /bin/bash ubuntu \

@@ -16,7 +16,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${PYTHON:-python3}
 CACHE=${FINETUNE_DOCKER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/finetune/docker}
-TORCH=2.13.0
+TORCH=2.13.0  # .ci/lock.py TORCH, as every torch version written here (tests/test_lock.py)
 OS_IMG=finetune-standin-os:bookworm
 BASE_IMG=finetune-standin-base:torch-$TORCH
 IMG=finetune:docker-test

@@ -103,12 +103,36 @@ def test_upgrade_widens_compat_and_pyproject_together(tmp_path):
 
 
 @pytest.mark.parametrize(("path", "needle"), [
-    ("README.md", ".venv/bin/pip install torch==2.13.0 -c finetune/constraints.txt -e"),
+    ("README.md", f".venv/bin/pip install torch=={lock_tool.TORCH} -c finetune/constraints.txt -e"),
     ("docker/Dockerfile", "--constraint finetune/constraints.txt"),
     (".ci/run", 'run ".venv/bin/python .ci/lock.py check"'),  # after the README's install: drift named first
 ])
 def test_every_install_reads_the_lock(path, needle):
     assert needle in (ROOT / path).read_text()
+
+
+def test_every_torch_version_written_is_the_lock_tools():
+    """One torch version: the README's install, the Docker base and stand-in, docker/test.sh, pyproject's and the
+    docs' prose all say .ci/lock.py's TORCH (a copy that differs is named by file and line)."""
+    assert lock_tool.torch_copies() == []
+    assert f"torch=={lock_tool.TORCH} " in (ROOT / "README.md").read_text()  # the command CI runs pins it
+
+
+def test_a_torch_copy_that_differs_is_named_by_file_and_line(tmp_path):
+    """A checkout with one copy moved (the Docker base) and one left behind (docker/test.sh): only the one that
+    differs is named; a record of what ran (benchmarks/results) and another package's version are not."""
+    other = "2.12.1" if lock_tool.TORCH != "2.12.1" else "2.11.0"
+    files = {"docker/Dockerfile": f"# torch {lock_tool.TORCH}\nARG BASE=pytorch/pytorch:{lock_tool.TORCH}-cuda13.0\n",
+             "docker/test.sh": f"set -e\n\nTORCH={other}\n",
+             "benchmarks/results/old.txt": f"torch {other}+cpu\n",
+             "finetune/constraints.txt": f"apollo-torch=={other}\n"}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    subprocess.run(["git", "-C", str(tmp_path), "add", "."], check=True)
+    assert lock_tool.torch_copies(tmp_path) == [f"docker/test.sh:3: torch {other}, .ci/lock.py's TORCH is "
+                                                f"{lock_tool.TORCH}"]
 
 
 def test_the_gpu_kits_wheels_are_the_locks_versions():

@@ -158,7 +158,7 @@ def test_a_config_the_hub_client_cannot_fetch_is_one_line(monkeypatch):
 
 
 def test_a_hub_whose_name_does_not_resolve_is_unreachable_in_seconds(monkeypatch):
-    """The network down as the report found it (DNS fails: `Name or service not known`), probed once: the
+    """The network down as the report found it (DNS fails: `Name or service not known`), asked once: the
     one-line error names the hub and why, in seconds (`.invalid` never resolves, RFC 6761)."""
     from huggingface_hub import constants
 
@@ -168,12 +168,65 @@ def test_a_hub_whose_name_does_not_resolve_is_unreachable_in_seconds(monkeypatch
     monkeypatch.setattr(constants, "ENDPOINT", "http://hub.invalid")
     for var in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
         monkeypatch.delenv(var, raising=False)
-    source._hub_unreachable.cache_clear()
     start = time.monotonic()
+    with pytest.raises(ModelLoadError, match=r"'some-org/some-model' is not in the local Hugging Face cache and "
+                                             r"the hub cannot be reached \(http://hub\.invalid: .+\): "):
+        source.check_hub_reachable("some-org/some-model")
+    assert time.monotonic() - start < constants.HF_HUB_ETAG_TIMEOUT + 10
+
+
+def _failing_hub(answer: str):
+    """A local hub endpoint that accepts connections and fails each request: `answer` "503" answers HTTP 503,
+    "close" closes the connection unanswered (a proxy in the way). Returns (server, the request lines seen)."""
+    import http.server
+    import threading
+
+    seen: list[str] = []
+
+    class Failing(http.server.BaseHTTPRequestHandler):
+        def answer(self) -> None:
+            seen.append(self.requestline)
+            if answer == "close":
+                self.close_connection = True
+                return
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_GET = do_HEAD = answer
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Failing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, seen
+
+
+@pytest.mark.parametrize(("answer", "command", "why"), [
+    ("503", "plan", "HTTP 503 Service Unavailable"),
+    ("close", "validate", "RemoteProtocolError: Server disconnected without sending a response")])
+def test_a_hub_that_accepts_connections_and_fails_is_one_line_in_seconds(tmp_path, answer, command, why):
+    """A hub endpoint (HF_ENDPOINT, or a proxy) that accepts the connection and then fails, a hub id the cache
+    does not hold: one line naming the endpoint, the failure and the ways forward, exit 4, after one request
+    for the model's config (the hub client alone retries it for a minute, twice: 22 lines)."""
+    server, seen = _failing_hub(answer)
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    (tmp_path / "data.jsonl").write_text('{"text": "hello"}\n')
+    (tmp_path / "r.yaml").write_text(f"model:\n  path: some-org/some-model\ndata:\n  path: {tmp_path / 'data.jsonl'}\n"
+                                     f"output:\n  dir: {tmp_path / 'run'}\n")
     try:
-        with pytest.raises(ModelLoadError, match=r"'some-org/some-model' is not in the local Hugging Face cache and "
-                                                 r"the hub cannot be reached \(http://hub\.invalid: .+\): "):
-            source.check_hub_reachable("some-org/some-model")
+        code, err, seconds = _finetune([command, "r.yaml"], tmp_path, HF_ENDPOINT=endpoint, HF_HOME=str(tmp_path / "hf"),
+                                       NO_PROXY="127.0.0.1", no_proxy="127.0.0.1")  # asked directly
     finally:
-        source._hub_unreachable.cache_clear()
-    assert time.monotonic() - start < source.PROBE_SECONDS + 10
+        server.shutdown()
+        server.server_close()
+    lines = err.strip().splitlines()
+    assert code == 4 and len(lines) == 1 and "Traceback" not in err and "Retry" not in err, err
+    assert lines[0] == (f"error: model.path: 'some-org/some-model' is not in the local Hugging Face cache and the "
+                        f"hub cannot be reached ({endpoint}: {why}): connect once so it is cached (check HF_ENDPOINT "
+                        "and the proxy variables), point model.path at a local model folder, or set HF_HUB_OFFLINE=1 "
+                        "to work from the cache"), err
+    asked = [line for line in seen if "config.json" in line]
+    assert asked == ["HEAD /some-org/some-model/resolve/main/config.json HTTP/1.1"], seen
+    assert seconds < 30, f"{seconds:.0f} s: the hub client's retries take over 40"

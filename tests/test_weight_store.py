@@ -363,3 +363,34 @@ def test_resident_layers_planned_where_the_link_bounds_the_step(tmp_path):
     with stated_machine(host_ram=128 * 10**9):  # the cpu tier: the link hidden
         hidden = predict(load_recipe(RECIPE, base[:2]), device="cuda")
     assert hidden.settings["offload_weights"] == "cpu" and hidden.settings["offload_weights_resident"] == 0
+
+
+def test_resident_layers_are_filled_only_for_a_plan_that_streams_weights(tmp_path, monkeypatch):
+    """memory.offload_weights_resident auto: resident layers are looked for only where the chosen plan streams
+    its weights. A plan that does not (offload_weights auto choosing none, or none) is not searched and is the
+    plan with none kept; a plan streaming from a link-bound disk still keeps layers, faster than with none."""
+    from finetune.plan import predict, search
+    from finetune.recipe import load_recipe
+    from finetune.testing import stated_machine
+
+    filled = []
+    fill = search._fill_resident
+    monkeypatch.setattr(search, "_fill_resident", lambda spec, shapes, chosen, *rest: (
+        filled.append(chosen.settings["offload_weights"]) or fill(spec, shapes, chosen, *rest)))
+    base = [f"model.path={CONFIGS / 'llama-3.2-1b.json'}", f"memory.offload_dir={tmp_path}",
+            "training.micro_batch_size=2"]
+    disk = [*base, "memory.offload_weights=disk", "memory.offload_weights_ahead=2"]
+    with stated_machine(host_ram=16 * 10**9, disk_free=400 * 10**9, disk_bytes_per_s=1e9):
+        plans = {name: predict(load_recipe(RECIPE, overrides), device="cuda") for name, overrides in (
+            ("auto", base), ("auto, none kept", [*base, "memory.offload_weights_resident=0"]),
+            ("none", [*base, "memory.offload_weights=none"]), ("disk", disk),
+            ("disk, none kept", [*disk, "memory.offload_weights_resident=0"]))}
+    assert filled == ["disk"]  # the streaming plan's only; "disk, none kept" fixes the layers kept
+    auto, fixed = plans["auto"], plans["auto, none kept"]
+    assert auto.settings["offload_weights"] == "none" and auto.settings["offload_weights_resident"] == 0
+    assert (auto.settings, auto.peak_bytes, auto.tokens_per_s) == (fixed.settings, fixed.peak_bytes,
+                                                                   fixed.tokens_per_s)
+    assert plans["none"].settings["offload_weights"] == "none"
+    streaming, none_kept = plans["disk"], plans["disk, none kept"]
+    assert streaming.fits and streaming.settings["offload_weights_resident"] > 0
+    assert streaming.tokens_per_s > none_kept.tokens_per_s and streaming.peak_bytes <= streaming.budget_bytes

@@ -4,7 +4,6 @@ a .gguf file converted once to a cached safetensors folder (so the second run st
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import shutil
@@ -60,8 +59,9 @@ def check_model_path(path: str, revision: str | None = None) -> None:
     owner is a folder here, or that a folder here almost matches: `_meant_local`), a name that is no path and
     no hub id, or, with the hub offline (HF_HUB_OFFLINE=1), a hub id the local cache does not hold: otherwise
     `plan` prints the hub client's connection error and `run` fails once torch has loaded. A hub id the cache
-    does not hold, online: the hub is probed once (`check_hub_reachable`, seconds), so a machine whose network
-    is down is told so in one line instead of a minute of the hub client's retries."""
+    does not hold, online: the hub is asked once (`check_hub_reachable`, seconds), so a machine whose network
+    is down, or whose hub or proxy fails, is told so in one line instead of a minute of the hub client's
+    retries."""
     from finetune.model.random_weights import random_folder
 
     if (folder := random_folder(path)) is not None:
@@ -90,7 +90,7 @@ def check_model_path(path: str, revision: str | None = None) -> None:
                                    "is named owner/name")
         if is_offline_mode():
             raise _offline_miss(path)
-        check_hub_reachable(path)
+        check_hub_reachable(path, revision)
 
 
 def _meant_local(path: str) -> str | None:
@@ -114,39 +114,48 @@ def _in_hub_cache(repo_id: str, revision: str | None) -> bool:
     return isinstance(try_to_load_from_cache(repo_id, "config.json", revision=revision), str)
 
 
-PROBE_SECONDS = 3.0  # a hub (or proxy) that does not accept a connection in this long is taken as unreachable
+# What the hub client retries for a minute (its backoff: 5 retries, 1 to 8 s apart) when the hub answers them.
+_RETRIED_STATUS = (408, 429, 500, 502, 503, 504)
 
 
-@functools.cache
-def _hub_unreachable() -> str | None:
-    """Why the hub cannot be reached from here (its host, through the proxy the environment names for it:
-    one TCP connection, at most PROBE_SECONDS), or None. Asked once per process."""
-    import socket
+def _hub_unreachable(repo_id: str, revision: str | None = None) -> str | None:
+    """Why the hub cannot serve `repo_id` from here, or None: the request the hub client makes first (HEAD of
+    its config.json: huggingface_hub's own session, proxies, certificates and token, and its own timeout,
+    HF_HUB_ETAG_TIMEOUT), tried once, without the retries. A connection refused or dropped, a name that does
+    not resolve, a timeout, or an answer the hub client would retry (HTTP 5xx, 408, 429) is a reason; any other
+    answer (a 404, a gated repo) is the hub's to report. Not remembered: a long-lived process (the UI) asks
+    again once the network is back."""
     import urllib.parse
     import urllib.request
 
-    from huggingface_hub import constants
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import HfHubHTTPError
 
-    endpoint = urllib.parse.urlsplit(constants.ENDPOINT)
-    proxy = urllib.request.getproxies().get(endpoint.scheme)
-    target = urllib.parse.urlsplit(proxy if proxy and not urllib.request.proxy_bypass(endpoint.hostname or "")
-                                   else constants.ENDPOINT)
-    port = target.port or (443 if target.scheme == "https" else 80)
+    hub = urllib.parse.urlsplit(constants.ENDPOINT)
+    proxy = urllib.parse.urlsplit(urllib.request.getproxies().get(hub.scheme, ""))  # named without its password
+    via = proxy.hostname and not urllib.request.proxy_bypass(hub.hostname or "")
+    where = constants.ENDPOINT + (f" through the proxy {proxy.netloc.rpartition('@')[2]}" if via else "")
     try:
-        socket.create_connection((target.hostname or "", port), timeout=PROBE_SECONDS).close()
-    except OSError as exc:
-        via = f" through the proxy {target.hostname}:{port}" if target.geturl() != constants.ENDPOINT else ""
-        return f"{constants.ENDPOINT}{via}: {exc.strerror or exc or type(exc).__name__}"
+        get_hf_file_metadata(hf_hub_url(repo_id, "config.json", revision=revision, endpoint=constants.ENDPOINT),
+                             timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except HfHubHTTPError as exc:
+        if exc.response is None or exc.response.status_code not in _RETRIED_STATUS:
+            return None
+        return f"{where}: HTTP {exc.response.status_code} {exc.response.reason_phrase}".rstrip()
+    except Exception as exc:  # noqa: BLE001 - the HTTP client's network errors come in many types
+        return f"{where}: {type(exc).__name__}: " + (str(exc).splitlines() or ["no answer"])[0].rstrip(".")
     return None
 
 
-def check_hub_reachable(repo_id: str) -> None:
-    """Refuse, in seconds, a hub id to download on a machine that cannot reach the hub (the network down but
-    HF_HUB_OFFLINE unset), in one line as offline mode does, before the hub client's minute of retries."""
-    if (why := _hub_unreachable()) is not None:
+def check_hub_reachable(repo_id: str, revision: str | None = None) -> None:
+    """Refuse, in seconds, a hub id to download on a machine where the hub does not serve it (the network down
+    but HF_HUB_OFFLINE unset, a proxy or hub that accepts the connection and fails), in one line as offline
+    mode does, before the hub client's minute of retries."""
+    if (why := _hub_unreachable(repo_id, revision)) is not None:
         raise ModelLoadError(f"model.path: {repo_id!r} is not in the local Hugging Face cache and the hub cannot be "
-                             f"reached ({why}): connect once so it is cached, point model.path at a local model "
-                             "folder, or set HF_HUB_OFFLINE=1 to work from the cache")
+                             f"reached ({why}): connect once so it is cached (check HF_ENDPOINT and the proxy "
+                             "variables), point model.path at a local model folder, or set HF_HUB_OFFLINE=1 to "
+                             "work from the cache")
 
 
 def _offline_miss(repo_id: str) -> RecipeError:
@@ -219,7 +228,7 @@ def _from_hub(repo_id: str, revision: str | None) -> Path:
 
     if is_offline_mode():  # config.json cached (the check above) but not the weights
         raise _offline_miss(repo_id)
-    check_hub_reachable(repo_id)  # config.json cached, the weights to download
+    check_hub_reachable(repo_id, revision)  # config.json cached, the weights to download
     try:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, etag_timeout=5))
     except Exception as exc:  # network errors come in many types; the message is what matters

@@ -676,7 +676,8 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
         if c.kind is None and c.peak_bytes > budget:
             c.reject("over_budget", f"needs {format_bytes(c.peak_bytes)}, budget {format_bytes(budget)}")
     ok = _smallest_batch_first(sorted((c for c in candidates if c.kind is None), key=lambda c: -_score(c)))
-    if ok and recipe.memory.offload_weights_resident == "auto":
+    if (ok and recipe.memory.offload_weights_resident == "auto"
+            and weights_streamed(spec, Settings(**ok[0].settings))):  # the chosen plan streams its weights
         filled = _fill_resident(spec, shapes, ok[0], budget, free, bandwidth, figures)
         if filled is not ok[0]:
             ok[0] = filled
@@ -851,8 +852,6 @@ def _fill_resident(spec: ModelSpec, shapes: ModelShapes, chosen: Candidate, budg
     many as the budget has room for, where that is faster (a link-bound step: the link carries the other layers
     only); else `chosen` itself (no layer kept where the link is hidden: the time model gains nothing)."""
     st = Settings(**chosen.settings)
-    if not weights_streamed(spec, st):
-        return chosen
     per_layer = streamed_weight_bytes(spec, st)[1]
     room = min(int((budget - chosen.peak_bytes) // max(per_layer, 1)),
                spec.num_layers - st.offload_weights_ahead - 1)
