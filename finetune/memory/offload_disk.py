@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 # from the user's.
 WEIGHTS_PREFIX, EXPERTS_PREFIX, ACTIVATIONS_PREFIX = "ft-weights-", "ft-experts-", "ft-act-"
 _KINDS = "|".join(re.escape(p) for p in (WEIGHTS_PREFIX, EXPERTS_PREFIX, ACTIVATIONS_PREFIX))
-_OURS = re.compile(rf"\.?(?:{_KINDS})(\d+)-[0-9a-f]{{8}}-(made-(\d+)$)?")
+_OURS = re.compile(rf"\.?(?:{_KINDS})(\d+)-[0-9a-f]{{8}}-(?:made(\d+)-)?")
 CLOCK_SLACK_S = 2.0  # a process's start time (psutil) against a file's mtime: both clocks, ~1 s resolution
 DISK_MARGIN = 0.10  # free space asked for on top of the predicted bytes
 DISK_MARGIN_MIN = 256 << 20
@@ -94,27 +94,22 @@ def check_offload_dir(path: str | Path, needed_bytes: int, what: str = "of activ
 
 class OffloadFolder:
     """Where one writer (a weight store, the activations' disk tier) puts its files: their names' `prefix` (the
-    kind's, this process's pid, a random tag) and the folders it makes, removed again by `close` once empty.
-    Where it makes folders, a marker file among its own (`<prefix>made-<count>`) says how many, so that after a
-    kill `reclaim_left_behind` removes them too."""
+    kind's, this process's pid, a random tag, and `made<count>-` where it makes that many folders, so that after
+    a kill `reclaim_left_behind` removes them too) and the folders it makes, removed again by `close` once
+    empty."""
 
     def __init__(self, directory: Path, kind: str):
         self.directory = Path(directory)
-        self.prefix = f"{kind}{os.getpid()}-{uuid.uuid4().hex[:8]}-"
         self.made = missing_folders(self.directory)
-        self._marker: Path | None = None
+        made = f"made{len(self.made)}-" if self.made else ""
+        self.prefix = f"{kind}{os.getpid()}-{uuid.uuid4().hex[:8]}-{made}"
 
     def make(self) -> None:
-        """The folder, made where missing (with its marker, once)."""
+        """The folder, made where missing."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        if self.made and self._marker is None:
-            self._marker = self.directory / f"{self.prefix}made-{len(self.made)}"
-            self._marker.touch()
 
     def close(self) -> None:
-        """Remove the marker, then the folders this made while they are empty (the writer removed its files)."""
-        if self._marker is not None:
-            self._marker.unlink(missing_ok=True)
+        """Remove the folders this made while they are empty (the writer removed its files)."""
         remove_empty(self.made)
 
 
@@ -162,17 +157,15 @@ def reclaim_left_behind(directory: str | Path) -> int:
     found = left_behind(directory)
     if not found:
         return 0
-    made = 0
     for path, _, _ in found:
         path.unlink(missing_ok=True)
-        match = _OURS.match(path.name)
-        made = max(made, int(match[3] or 0))
+    made = max(int(_OURS.match(path.name)[2] or 0) for path, _, _ in found)  # the folders their writers made
+    remove_empty([directory, *directory.parents][:made])
     freed, pids = sum(size for _, size, _ in found), sorted({pid for _, _, pid in found})
     owners = f"a run that ended without cleaning up (pid {pids[0]})" if len(pids) == 1 else \
         f"runs that ended without cleaning up (pids {', '.join(map(str, pids))})"
     console.print(f"offload: removed {len(found)} file{'s' * (len(found) != 1)} ({format_bytes(freed)}) left in "
                   f"{directory} by {owners}", markup=False, highlight=False)
-    remove_empty([directory, *directory.parents][:made])
     return freed
 
 
