@@ -127,3 +127,30 @@ def test_a_terminated_writers_files_go_and_the_checking_process_keeps_its_own(tm
     assert check_offload_dir(tmp_path / "ssd", 0) and _names(tmp_path / "ssd") == kept, "its own files stay"
     store.remove()
     assert not (tmp_path / "ssd").exists()
+
+
+def test_the_planner_counts_a_killed_runs_files_as_room_and_leaves_them(tmp_path, monkeypatch):
+    """`finetune plan` prices the offload folder's free space with what a killed run left there (the run
+    removes it before writing), and removes nothing itself."""
+    from collections import namedtuple
+
+    from finetune import api
+    from finetune.recipe import validate_recipe
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    folder = tmp_path / "offload"
+    folder.mkdir()
+    left = folder / f"ft-weights-{ended.pid}-0123abcd-0-layer.bin"
+    with open(left, "wb") as f:
+        f.truncate(8 << 20)
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: namedtuple("usage", "total used free")(
+        real_usage(p).total, 0, 64 << 20))
+    config = Path(__file__).parent / "fixtures" / "configs" / "llama-3.1-8b.json"
+    recipe = validate_recipe({"model": {"path": str(config)}, "data": {"path": "d.jsonl"},
+                              "memory": {"offload": "disk", "offload_dir": str(folder)}})
+    plan = api.plan(recipe, gpu_memory="24GiB")
+    assert any("in memory.offload_dir, 72.00 MiB free" in c.reason for c in plan.rejected), plan.rejected
+    assert left.exists()
