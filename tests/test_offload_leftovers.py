@@ -154,3 +154,23 @@ def test_the_planner_counts_a_killed_runs_files_as_room_and_leaves_them(tmp_path
     plan = api.plan(recipe, gpu_memory="24GiB")
     assert any("in memory.offload_dir, 72.00 MiB free" in c.reason for c in plan.rejected), plan.rejected
     assert left.exists()
+
+
+def test_a_left_file_that_cannot_be_removed_stays_and_the_rest_go(tmp_path, monkeypatch, capsys):
+    """Another user's file (a shared folder): not ours to remove; the check goes on and counts the others."""
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    theirs, ours = (tmp_path / f"ft-act-{ended.pid}-0123abcd-{i}.bin" for i in (0, 1))
+    theirs.write_bytes(b"\0" * 10)
+    ours.write_bytes(b"\0" * 10)
+    real_unlink = Path.unlink
+
+    def unlink(path, missing_ok=False):
+        if path == theirs:
+            raise PermissionError(13, "Permission denied", str(path))
+        real_unlink(path, missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    assert check_offload_dir(tmp_path, 0) == tmp_path
+    assert theirs.exists() and not ours.exists()
+    assert f"offload: removed 1 file (10 B) left in {tmp_path} by a run" in capsys.readouterr().err

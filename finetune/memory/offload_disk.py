@@ -150,23 +150,27 @@ def left_behind(directory: str | Path) -> list[tuple[Path, int, int]]:
     return found
 
 
-def reclaim_left_behind(directory: str | Path) -> int:
+def reclaim_left_behind(directory: str | Path) -> None:
     """Remove what killed runs left in `directory` (`left_behind`), and the folders they made there once empty;
-    one line says what went. Returns the bytes freed. Called before writing there (`check_offload_dir`)."""
+    one line says what went. Called before writing there (`check_offload_dir`). A file that cannot be removed
+    (another user's) stays, and the check that follows counts it as taken."""
     directory = Path(directory)
-    found = left_behind(directory)
-    if not found:
-        return 0
-    for path, _, _ in found:
-        path.unlink(missing_ok=True)
-    made = max(int(_OURS.match(path.name)[2] or 0) for path, _, _ in found)  # the folders their writers made
+    removed = []
+    for path, size, pid in left_behind(directory):
+        try:
+            path.unlink()
+        except OSError:  # gone already (another run reclaiming), or not ours to remove
+            continue
+        removed.append((path, size, pid))
+    if not removed:
+        return
+    made = max(int(_OURS.match(path.name)[2] or 0) for path, _, _ in removed)  # the folders their writers made
     remove_empty([directory, *directory.parents][:made])
-    freed, pids = sum(size for _, size, _ in found), sorted({pid for _, _, pid in found})
+    freed, pids = sum(size for _, size, _ in removed), sorted({pid for _, _, pid in removed})
     owners = f"a run that ended without cleaning up (pid {pids[0]})" if len(pids) == 1 else \
         f"runs that ended without cleaning up (pids {', '.join(map(str, pids))})"
-    console.print(f"offload: removed {len(found)} file{'s' * (len(found) != 1)} ({format_bytes(freed)}) left in "
-                  f"{directory} by {owners}", markup=False, highlight=False)
-    return freed
+    console.print(f"offload: removed {len(removed)} file{'s' * (len(removed) != 1)} ({format_bytes(freed)}) left "
+                  f"in {directory} by {owners}", markup=False, highlight=False)
 
 
 def missing_folders(path: Path) -> list[Path]:
