@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import namedtuple
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,8 @@ import torch
 from finetune.memory import offload_disk
 from finetune.memory.offload_disk import OffloadDirError, check_offload_dir, with_margin
 from finetune.memory.weight_store import EXPERTS, WEIGHTS, tier_files
+
+Usage = namedtuple("Usage", "total used free")  # shutil.disk_usage's answer
 
 # A process writing offload files as finetune does: weights and experts through the weight store's files, an
 # activation through the disk tier; then it waits to be killed (or ended).
@@ -81,7 +84,7 @@ def test_a_killed_writers_files_and_folders_go_a_live_ones_and_the_users_stay(tm
 
         def disk_usage(path):
             used = sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
-            return shutil._ntuple_diskusage(capacity, used, capacity - used)
+            return Usage(capacity, used, capacity - used)
 
         monkeypatch.setattr(offload_disk.shutil, "disk_usage", disk_usage)
         with pytest.raises(OffloadDirError, match="free but disk offload needs"):
@@ -132,8 +135,6 @@ def test_a_terminated_writers_files_go_and_the_checking_process_keeps_its_own(tm
 def test_the_planner_counts_a_killed_runs_files_as_room_and_leaves_them(tmp_path, monkeypatch):
     """`finetune plan` prices the offload folder's free space with what a killed run left there (the run
     removes it before writing), and removes nothing itself."""
-    from collections import namedtuple
-
     from finetune import api
     from finetune.recipe import validate_recipe
 
@@ -146,8 +147,7 @@ def test_the_planner_counts_a_killed_runs_files_as_room_and_leaves_them(tmp_path
         f.truncate(8 << 20)
     monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
     real_usage = shutil.disk_usage
-    monkeypatch.setattr(shutil, "disk_usage", lambda p: namedtuple("usage", "total used free")(
-        real_usage(p).total, 0, 64 << 20))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(real_usage(p).total, 0, 64 << 20))
     config = Path(__file__).parent / "fixtures" / "configs" / "llama-3.1-8b.json"
     recipe = validate_recipe({"model": {"path": str(config)}, "data": {"path": "d.jsonl"},
                               "memory": {"offload": "disk", "offload_dir": str(folder)}})
