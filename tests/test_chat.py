@@ -130,6 +130,59 @@ def test_worker_protocol_counts_loads_and_reports_bad_requests(run_dir, tmp_path
     assert events[-1] == {"id": 6, "event": "stats", "loads": 1, "adapter_loads": 0}
 
 
+class Replies(io.StringIO):
+    """The worker's replies, with what was still loaded (`alive()`) when each event was written."""
+
+    def __init__(self, alive):
+        super().__init__()
+        self.alive, self.seen = alive, []
+
+    def write(self, text: str) -> int:
+        self.seen.append((json.loads(text), self.alive()))
+        return super().write(text)
+
+
+def test_the_worker_lets_go_of_the_models_no_shown_run_uses(run_dir, tiny_model_dir, tmp_path):
+    """Clicking through runs keeps what is shown (a request's "keep": the UI's columns; absent, its own run):
+    a run on another base drops the last one's model (its memory freed), a run sharing a base drops only the
+    adapter of the run no longer shown."""
+    import gc
+    import shutil
+    import weakref
+
+    shutil.copytree(tiny_model_dir, tmp_path / "other-base")
+    other_base = fake_run(tmp_path / "b", tmp_path / "other-base", seed=2)
+    same_base = fake_run(tmp_path / "c", tiny_model_dir, seed=1)
+    loaded = []  # (run, weakref to its model) per load
+
+    def loader(run, use_adapter=True, arriving=None):
+        model, tokenizer = load_trained(run, use_adapter=use_adapter, arriving=arriving)
+        loaded.append((run, weakref.ref(model)))
+        return model, tokenizer
+
+    def chat(rid, run, *keep):
+        request = {"op": "chat", "id": rid, "run": str(run), "messages": HISTORY[:1], "max_new_tokens": 4}
+        return json.dumps({**request, "keep": [{"run": str(r), "adapter": True} for r in keep]} if keep else request)
+
+    a, b, c = (str(r.resolve()) for r in (run_dir, other_base, same_base))
+    requests = [chat(1, run_dir), chat(2, same_base, run_dir, same_base), chat(3, other_base),
+                chat(4, run_dir, run_dir, other_base), chat(5, other_base, run_dir, other_base),
+                chat(6, same_base, same_base)]
+    models = ChatModels(loader)
+    out = Replies(lambda: [(run, sorted(model().peft_config)) for run, model in loaded if model() is not None])
+    serve(io.StringIO("".join(r + "\n" for r in requests)), out, models)
+    done = {event["id"]: alive for event, alive in out.seen if event["event"] == "done"}
+    assert [run for run, _ in loaded] == [a, b, a], "A again after B: the only reloads"
+    assert done[1] == [(a, ["default"])]
+    assert done[2] == [(a, ["default", "run1"])], "two runs on one base shown side by side: one model"
+    assert done[3] == [(b, ["default"])], "another base shown alone: the first base let go"
+    assert done[4] == done[5] == [(b, ["default"]), (a, ["default"])], "both shown: both kept"
+    assert done[6] == [(a, ["run2"])], "B let go; C's adapter joins A's base, A's adapter leaves it"
+    assert all(event["event"] != "error" for event, _ in out.seen), out.getvalue()
+    gc.collect()
+    assert [model() for _, model in loaded] == [None, None, None], "the worker's end lets go of every model"
+
+
 def test_a_run_without_adapter_is_a_clear_error(run_dir, tmp_path):
     import shutil
 

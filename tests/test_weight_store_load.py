@@ -5,6 +5,7 @@ tracker's peak during the load stays within the plan's window; `finetune run` lo
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -340,3 +341,66 @@ def test_the_chat_worker_stopped_by_sigterm_removes_the_store_files(streamed_run
             worker.kill()
             worker.wait()
     assert not weights.exists(), worker.stderr.read()
+
+
+def test_the_chat_worker_lets_go_of_a_streamed_run_for_another_and_a_killed_ones_files_go_later(streamed_runs,
+                                                                                              capsys, tmp_path):
+    """The chat worker process (`python -m ui.chat_serve`) asked about a run that streams from disk, then about
+    a run on another base: the first run's model is let go, its store's files removed while the worker lives;
+    shown side by side, both stay. A worker killed outright (kill -9) leaves the files: the next load of that
+    run removes them first, in one line."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+
+    import yaml
+
+    from finetune import api
+    from finetune.model.chat import serve
+    from finetune.rundir import RunDir
+
+    other = tmp_path / "run"  # the run on a 16-bit base: another base model
+    shutil.copytree(streamed_runs["none"], other)
+    recipe = yaml.safe_load(RunDir(other).recipe.read_text())
+    recipe["quantization"]["bits"] = None
+    RunDir(other).recipe.write_text(yaml.safe_dump(recipe))
+    streamed, weights = streamed_runs["disk"], streamed_runs["disk"].parent / "weights"
+    root = Path(__file__).resolve().parents[1]
+    worker = subprocess.Popen([sys.executable, "-m", "ui.chat_serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=root,
+                              env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
+
+    def chat(rid: int, run: Path, keep: list[Path] | None = None) -> dict:
+        request = {"op": "chat", "id": rid, "run": str(run), "max_new_tokens": 4,
+                   "messages": [{"role": "user", "content": "Hello"}]}
+        worker.stdin.write(json.dumps({**request, "keep": [{"run": str(r)} for r in keep]} if keep else request) + "\n")
+        worker.stdin.flush()
+        while (event := json.loads(worker.stdout.readline()))["event"] not in ("done", "error"):
+            pass
+        assert event["event"] == "done", event
+        return event
+
+    try:
+        assert chat(1, streamed)["loads"] == 1 and any(weights.iterdir()), "the store's files while it is kept"
+        assert chat(2, other)["loads"] == 2
+        assert not weights.exists(), "the streamed run's model let go for the other run's: its files removed"
+        assert chat(3, streamed, [streamed, other])["loads"] == 3 and any(weights.iterdir())
+        assert chat(4, other, [streamed, other])["loads"] == 3 and any(weights.iterdir()), "both shown: both kept"
+        left = sorted(p.name for p in weights.iterdir())
+        worker.send_signal(signal.SIGKILL)
+        worker.wait()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    assert sorted(p.name for p in weights.iterdir()) == left, "a kill leaves the files"
+    capsys.readouterr()
+    out = io.StringIO()
+    serve(io.StringIO(json.dumps({"op": "chat", "id": 1, "run": str(streamed), "max_new_tokens": 4,
+                                  "messages": [{"role": "user", "content": "Hello"}]}) + "\n"), out, api.chat_models())
+    assert [json.loads(line)["event"] for line in out.getvalue().splitlines()][-1] == "done"
+    err = capsys.readouterr().err
+    assert f"offload: removed {len(left)} files" in err and f"left in {weights} by a run" in err, err
+    assert f"(pid {worker.pid})" in err and not weights.exists()

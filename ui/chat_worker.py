@@ -1,5 +1,6 @@
-"""The UI's side of the chat worker: one `python -m ui.chat_serve` process that keeps models loaded
-between messages, queued behind training so the two never share the GPU.
+"""The UI's side of the chat worker: one `python -m ui.chat_serve` process that keeps the models the chat shows
+loaded between messages (another run chosen: the last one's let go), queued behind training so the two never
+share the GPU.
 
 The worker starts on the first message and is stopped (freeing every byte of GPU memory, CUDA context
 included) when a training run or an export is about to start; the next message starts it again. It reads
@@ -62,12 +63,14 @@ class ChatWorker:
     def chat(self, requests: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         """Answer each request (run, adapter, messages, system, temperature, top_p, max_new_tokens) in turn,
         once no training run holds the GPU; yields the worker's events, each tagged with its request's
-        index as "column". Closing the iterator mid-reply cancels that reply."""
+        index as "column". Closing the iterator mid-reply cancels that reply. The worker keeps the models
+        these requests use and lets go of the others (an earlier run's), its memory and files freed."""
+        shown = [{"run": request["run"], "adapter": request.get("adapter", True)} for request in requests]
         with self.gpu() as waiting:
             yield from waiting
             with self._lock:
                 for column, request in enumerate(requests):
-                    with contextlib.closing(self._ask({"op": "chat", **request})) as events:
+                    with contextlib.closing(self._ask({"op": "chat", **request, "keep": shown})) as events:
                         for event in events:
                             yield {**event, "column": column}
 

@@ -11,13 +11,17 @@ import json
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
 
-from finetune.memory.offload_disk import FILE_PREFIX, read_tensor_file, write_tensor_file
+from finetune.memory.offload_disk import (
+    ACTIVATIONS_PREFIX,
+    OffloadFolder,
+    read_tensor_file,
+    write_tensor_file,
+)
 from finetune.rundir import atomic_write_text
 from finetune.units import cache_dir
 
@@ -60,7 +64,8 @@ def measure_disk(directory: str | Path, nbytes: int = PROBE_BYTES) -> dict[str, 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     chunk = torch.randint(0, 256, (min(nbytes, PROBE_CHUNK),), dtype=torch.uint8)
-    paths = [directory / f"{FILE_PREFIX}bw-{uuid.uuid4().hex}" for _ in range(max(1, nbytes // chunk.numel()))]
+    prefix = OffloadFolder(directory, ACTIVATIONS_PREFIX).prefix  # named as ours: a kill leaves nothing for good
+    paths = [directory / f"{prefix}bw-{i}" for i in range(max(1, nbytes // chunk.numel()))]
     try:
         start = time.perf_counter()
         for path in paths:

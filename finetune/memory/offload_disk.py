@@ -1,4 +1,7 @@
 """The disk tier of activation offload: background writes, reverse-order read-ahead, no file left behind.
+Also what every writer under memory.offload_dir shares (activations here, the weight store's files): the check
+before writing (`check_offload_dir`), the names of finetune's files and the folders it makes (`OffloadFolder`),
+and the removal of files a killed run left there (`reclaim_left_behind`).
 
 Each offloaded activation becomes one file in `offload_dir`. Writes run on background threads behind a
 bounded queue (the forward blocks only when the disk falls that far behind); reads are started ahead of
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import shutil
 import threading
 import uuid
@@ -20,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from finetune.console import console
 from finetune.errors import FinetuneError
 from finetune.memory.offload_cpu import STEP_ENDED, DeviceCopy, HostPool, Mover, byte_view, host_view
 from finetune.units import format_bytes
@@ -27,7 +32,13 @@ from finetune.units import format_bytes
 if TYPE_CHECKING:
     from finetune.memory.offload_tier import TierSetup
 
-FILE_PREFIX = "ft-act-"
+# The names of finetune's files under an offload folder start with one of these, then the writing process's pid
+# and a random tag (`OffloadFolder.prefix`): how a later run tells a killed run's files from a live one's and
+# from the user's.
+WEIGHTS_PREFIX, EXPERTS_PREFIX, ACTIVATIONS_PREFIX = "ft-weights-", "ft-experts-", "ft-act-"
+_KINDS = "|".join(re.escape(p) for p in (WEIGHTS_PREFIX, EXPERTS_PREFIX, ACTIVATIONS_PREFIX))
+_OURS = re.compile(rf"\.?(?:{_KINDS})(\d+)-[0-9a-f]{{8}}-(?:made(\d+)-)?")
+CLOCK_SLACK_S = 2.0  # a process's start time (psutil) against a file's mtime: both clocks, ~1 s resolution
 DISK_MARGIN = 0.10  # free space asked for on top of the predicted bytes
 DISK_MARGIN_MIN = 256 << 20
 
@@ -52,18 +63,20 @@ def check_offload_dir(path: str | Path, needed_bytes: int, what: str = "of activ
     """Before training: `path` must be a writable directory (or one that can be made) with `needed_bytes`
     (`what`) plus a margin free.
 
-    Makes nothing: a missing folder is checked through its nearest existing parent, and made by the writer,
-    which removes it again when it ends empty (`missing_folders`). Raises `OffloadDirError` saying which
-    directory, how much is needed and free, and how to fix it.
+    First removes what a killed run left there (`reclaim_left_behind`), so its room counts. Makes nothing: a
+    missing folder is checked through its nearest existing parent, and made by the writer, which removes it
+    again when it ends empty (`OffloadFolder`). Raises `OffloadDirError` saying which directory, how much is
+    needed and free, and how to fix it.
     """
     path = Path(path).expanduser().absolute()
+    reclaim_left_behind(path)
     try:
         existing = path
         while not existing.exists():
             existing = existing.parent
         if not existing.is_dir():
             raise NotADirectoryError(0, f"{existing} is a file, not a folder")
-        probe = existing / f".{FILE_PREFIX}probe-{uuid.uuid4().hex}"
+        probe = existing / f".{OffloadFolder(existing, ACTIVATIONS_PREFIX).prefix}probe"
         probe.write_bytes(b"\0" * 4096)
         probe.unlink()
         free = shutil.disk_usage(existing).free
@@ -79,9 +92,90 @@ def check_offload_dir(path: str | Path, needed_bytes: int, what: str = "of activ
     return path
 
 
+class OffloadFolder:
+    """Where one writer (a weight store, the activations' disk tier) puts its files: their names' `prefix` (the
+    kind's, this process's pid, a random tag, and `made<count>-` where it makes that many folders, so that after
+    a kill `reclaim_left_behind` removes them too) and the folders it makes, removed again by `close` once
+    empty."""
+
+    def __init__(self, directory: Path, kind: str):
+        self.directory = Path(directory)
+        self.made = missing_folders(self.directory)
+        made = f"made{len(self.made)}-" if self.made else ""
+        self.prefix = f"{kind}{os.getpid()}-{uuid.uuid4().hex[:8]}-{made}"
+
+    def make(self) -> None:
+        """The folder, made where missing."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def close(self) -> None:
+        """Remove the folders this made while they are empty (the writer removed its files)."""
+        remove_empty(self.made)
+
+
+def _owner_gone(pid: int, written: float) -> bool:
+    """Whether the process that wrote a file at `written` (its mtime) has ended: no process `pid`, or one that
+    started after the file was written (the pid reused)."""
+    import psutil
+
+    if pid == os.getpid():
+        return False
+    try:
+        process = psutil.Process(pid)
+        return process.status() == psutil.STATUS_ZOMBIE or process.create_time() > written + CLOCK_SLACK_S
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:  # e.g. another user's process we may not inspect: assume it lives
+        return False
+
+
+def left_behind(directory: str | Path) -> list[tuple[Path, int, int]]:
+    """(path, bytes, owner pid) of finetune's files in `directory` whose writer has ended without removing them
+    (killed: SIGKILL, the OOM killer); nothing else there (the user's files, a live run's) is listed."""
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:  # no such folder (yet), or one we may not read: nothing of ours to reclaim
+        return []
+    found = []
+    for entry in entries:
+        match = _OURS.match(entry.name)
+        try:
+            if match is None or not entry.is_file(follow_symlinks=False):
+                continue
+            stat = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if _owner_gone(int(match[1]), stat.st_mtime):
+            found.append((Path(entry.path), stat.st_size, int(match[1])))
+    return found
+
+
+def reclaim_left_behind(directory: str | Path) -> None:
+    """Remove what killed runs left in `directory` (`left_behind`), and the folders they made there once empty;
+    one line says what went. Called before writing there (`check_offload_dir`). A file that cannot be removed
+    (another user's) stays, and the check that follows counts it as taken."""
+    directory = Path(directory)
+    removed = []
+    for path, size, pid in left_behind(directory):
+        try:
+            path.unlink()
+        except OSError:  # gone already (another run reclaiming), or not ours to remove
+            continue
+        removed.append((path, size, pid))
+    if not removed:
+        return
+    made = max(int(_OURS.match(path.name)[2] or 0) for path, _, _ in removed)  # the folders their writers made
+    remove_empty([directory, *directory.parents][:made])
+    freed, pids = sum(size for _, size, _ in removed), sorted({pid for _, _, pid in removed})
+    owners = f"a run that ended without cleaning up (pid {pids[0]})" if len(pids) == 1 else \
+        f"runs that ended without cleaning up (pids {', '.join(map(str, pids))})"
+    console.print(f"offload: removed {len(removed)} file{'s' * (len(removed) != 1)} ({format_bytes(freed)}) left "
+                  f"in {directory} by {owners}", markup=False, highlight=False)
+
+
 def missing_folders(path: Path) -> list[Path]:
     """The folders of `path` that do not exist yet, deepest first: what a writer that makes them removes again
-    (`remove_empty`), so an offload folder the recipe named but nothing had made is not left behind."""
+    (`OffloadFolder`), so an offload folder the recipe named but nothing had made is not left behind."""
     missing = []
     while not path.exists() and path != path.parent:
         missing.append(path)
@@ -212,8 +306,8 @@ class DiskTier:
     def __init__(self, setup: TierSetup, max_pending: int = 256 << 20, threads: int = 2):
         if setup.directory is None:
             raise ValueError("activation offload to disk needs an offload_dir")
-        self.directory = Path(setup.directory)
-        self._made = missing_folders(self.directory)  # removed by close() once empty
+        self.folder = OffloadFolder(Path(setup.directory), ACTIVATIONS_PREFIX)  # its folders removed by close() once empty
+        self.directory = self.folder.directory
         self.mover: Mover | None = setup.mover
         self.pool = HostPool(self.mover) if self.mover is not None else None
         self._writers = ThreadPoolExecutor(threads, thread_name_prefix="ft-offload-write")
@@ -221,7 +315,6 @@ class DiskTier:
         self.max_pending = max_pending
         self._pending = 0
         self._written = threading.Condition()
-        self._prefix = f"{FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}-"
         self._counter = itertools.count()
         self._lock = threading.Lock()
         self._live: set[DiskFile] = set()
@@ -231,13 +324,13 @@ class DiskTier:
         self.bytes_read = 0
 
     def new_path(self) -> Path:
-        path = self.directory / f"{self._prefix}{next(self._counter)}.bin"
+        path = self.directory / f"{self.folder.prefix}{next(self._counter)}.bin"
         with self._lock:
             self._paths.add(path)
         return path
 
     def store(self, tensor: torch.Tensor, layout: torch.Tensor, nbytes: int) -> DiskFile:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.folder.make()
         with self._written:  # the bounded queue: wait while too many bytes are still to be written
             self._written.wait_for(lambda: self._pending == 0 or self._pending + nbytes <= self.max_pending)
             self._pending += nbytes
@@ -317,4 +410,4 @@ class DiskTier:
         self.drain()
         self._writers.shutdown(wait=True, cancel_futures=True)
         self._readers.shutdown(wait=True, cancel_futures=True)
-        remove_empty(self._made)
+        self.folder.close()

@@ -10,9 +10,7 @@ hooks, loading as weights arrive): docs/memory.md, "The weight store in the code
 
 from __future__ import annotations
 
-import os
 import threading
-import uuid
 import weakref
 from collections import Counter
 from collections.abc import Iterator
@@ -26,11 +24,12 @@ import torch
 from finetune.console import console
 from finetune.errors import RecipeError
 from finetune.memory.offload_disk import (
+    EXPERTS_PREFIX,
+    WEIGHTS_PREFIX,
     OffloadDirError,
+    OffloadFolder,
     check_offload_dir,
-    missing_folders,
     read_tensor_file,
-    remove_empty,
     write_tensor_file,
 )
 from finetune.model.expert_store import store_of
@@ -52,10 +51,10 @@ class Streamed:
     experts_only: bool  # a MoE layer's expert weights only, else every frozen weight of each layer
 
 
-WEIGHTS = Streamed("memory.offload_weights", "frozen weights", "ft-weights-",
+WEIGHTS = Streamed("memory.offload_weights", "frozen weights", WEIGHTS_PREFIX,
                    "Set memory.offload_dir to a folder on a disk with room for the model's weights (ideally an NVMe "
                    "SSD), or use memory.offload_weights: cpu (host RAM) or none.", False)
-EXPERTS = Streamed("memory.offload_experts", "expert weights", "ft-experts-",
+EXPERTS = Streamed("memory.offload_experts", "expert weights", EXPERTS_PREFIX,
                    "Set memory.offload_dir to a folder on a disk with room for the experts (ideally an NVMe SSD), "
                    "or use memory.offload_experts: cpu (host RAM) or none.", True)
 
@@ -63,15 +62,14 @@ EXPERTS = Streamed("memory.offload_experts", "expert weights", "ft-experts-",
 class StoreFiles:
     """The store's tensors as one file per tensor under the offload folder: written before training (or as the
     model loads), read while training, removed by `remove` (or when the process exits, whatever ends it but a
-    kill), with the folders the store made."""
+    kill: the next run writing there removes them, `reclaim_left_behind`), with the folders the store made."""
 
     def __init__(self, directory: Path, prefix: str):
-        self.directory = directory
-        self.prefix = f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}-"
+        folder = OffloadFolder(directory, prefix)
+        self.directory, self.prefix = folder.directory, folder.prefix
         self.paths: dict[tuple[int, str], Path] = {}
-        made = missing_folders(directory)  # removed with the files, once empty
-        directory.mkdir(parents=True, exist_ok=True)
-        self._finalizer = weakref.finalize(self, _unlink, self.paths, made)
+        folder.make()
+        self._finalizer = weakref.finalize(self, _unlink, self.paths, folder)
 
     def write(self, position: int, name: str, tensor: torch.Tensor) -> None:
         """Layer `position`'s tensor `name` (on the host) to its file."""
@@ -89,10 +87,10 @@ class StoreFiles:
         self._finalizer()
 
 
-def _unlink(paths: dict[tuple[int, str], Path], made: list[Path]) -> None:
+def _unlink(paths: dict[tuple[int, str], Path], folder: OffloadFolder) -> None:
     for path in paths.values():
         path.unlink(missing_ok=True)
-    remove_empty(made)
+    folder.close()
 
 
 def host_room(limit: int | None) -> int:

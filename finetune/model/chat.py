@@ -6,14 +6,17 @@ and answers with JSON lines on stdout, so the model lives in its own process (ne
 and reused for every message, and is freed by ending the process (stdin closed) when training needs the GPU.
 
 Requests: {"op": "chat", "id", "run", "adapter", "messages", "system", "temperature", "top_p",
-"max_new_tokens"}, {"op": "cancel", "id"} (ends that reply early), {"op": "stats"} (model and adapter loads
-so far). A chat answers with events {"id", "event": "loading" | "text" | "done" | "error", ...}; "done"
-carries the whole reply and the number of model loads so far.
+"max_new_tokens", "keep"}, {"op": "cancel", "id"} (ends that reply early), {"op": "stats"} (model and adapter
+loads so far). "keep" lists the {"run", "adapter"} the client shows now (the UI: the turn's columns; absent: this
+request's alone): the models the others used are let go before this one is answered (`ChatModels.keep`). A chat
+answers with events {"id", "event": "loading" | "text" | "done" | "error", ...}; "done" carries the whole reply
+and the number of model loads so far.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import queue
 import sys
@@ -199,13 +202,14 @@ class ChatModels:
     load. A full fine-tune is its own model. `loads` counts model loads, `adapter_loads` added adapters.
 
     A base loads as `streaming` says (finetune.api.chat_models: through the weight store where the run streamed
-    it; runs sharing a base share it as the first of them streamed it). The models stay until `close()`, which
-    drops them all and closes their stores (their files removed): the worker's end (`serve`)."""
+    it; runs sharing a base share it as the first of them streamed it). The models stay until `keep` lets go of
+    those no run shown uses any more (a run's adapter leaves a base other runs shown share) or `close()` drops
+    them all; either closes their stores (their files removed) and frees their memory."""
 
     def __init__(self, loader: Callable = load_trained, streaming: Streaming | None = None):
         self._loader = loader
         self._streaming = streaming
-        self._stores = contextlib.ExitStack()  # each loaded base's store, open while its model is kept
+        self._stores: dict[int, contextlib.ExitStack] = {}  # id(model) -> its store, open while the model is kept
         self._runs: dict[tuple[str, bool], tuple[Any, Any, str | None]] = {}  # -> (model, tokenizer, adapter)
         self._shared: dict[tuple, Any] = {}  # base_model_key -> the PeftModel holding its runs' adapters
         self.loads = 0
@@ -227,7 +231,9 @@ class ChatModels:
         def load(arriving: AbstractContextManager | None) -> tuple[Any, Any]:
             return self._loader(key[0], use_adapter=key[1], arriving=arriving)
 
-        model, tokenizer = self._stores.enter_context(loaded(key[0], self._streaming, load))
+        with contextlib.ExitStack() as stores:
+            model, tokenizer = stores.enter_context(loaded(key[0], self._streaming, load))
+            self._stores[id(model)] = stores.pop_all()
         self.loads += 1
         return model, tokenizer
 
@@ -258,12 +264,43 @@ class ChatModels:
         with model.disable_adapter() if switch_off else contextlib.nullcontext():
             yield model, tokenizer
 
+    def keep(self, runs: list[tuple[str | Path, bool]]) -> None:
+        """Let go of every model none of `runs` ((run, adapter) pairs: what the client shows now) uses: a run's
+        adapter leaves a base a run shown goes on (loaded or not yet), a model no run shown uses goes whole, its
+        store closed (a streamed base's files removed) and its memory freed, so clicking through runs keeps only
+        what is shown. A run that cannot load is no reason to keep anything (its request answers the error)."""
+        wanted, bases = set(), set()  # the entries shown; the shared bases their adapters go on
+        for run, adapter in runs:
+            with contextlib.suppress(FinetuneError):
+                key = self._key(run, adapter)[0]
+                wanted.add(key)
+                recipe, _ = load_run(key[0])
+                if recipe.adapter.type != "full" and key[1]:
+                    bases.add(base_model_key(recipe))
+        kept = {id(model) for base, model in self._shared.items() if base in bases}
+        for key in [key for key in self._runs if key not in wanted]:
+            model, _, name = self._runs.pop(key)
+            if name is not None and (id(model) in kept or any(other is model for other, _, _ in self._runs.values())):
+                model.delete_adapter(name)  # the base stays for the runs shown
+        self._release(kept | {id(model) for model, _, _ in self._runs.values()})
+
+    def _release(self, kept: set[int]) -> None:
+        """Close the stores of the models not in `kept` (ids), drop them, and free their memory."""
+        gone = [ident for ident in self._stores if ident not in kept]
+        if not gone:
+            return
+        self._shared = {base: model for base, model in self._shared.items() if id(model) in kept}
+        for ident in gone:
+            self._stores.pop(ident).close()
+        gc.collect()  # models hold reference cycles (modules, hooks): their tensors go now, not some time later
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
     def close(self) -> None:
         """Drop every model and close their weight stores (a streamed base's files removed); the next `use`
         loads again."""
         self._runs.clear()
-        self._shared.clear()
-        self._stores.close()
+        self._release(set())
 
 
 def serve(requests: TextIO, replies: TextIO, models: ChatModels | None = None) -> None:
@@ -326,6 +363,8 @@ def _answer(request: dict, models: ChatModels, send: Callable[..., None], cancel
             send(id=rid, event="done", text="", loads=models.loads, cancelled=True)
             return
         load_run(request["run"])  # a folder that is not a finished run: an error before any loading
+        shown = request.get("keep") or [{"run": request["run"], "adapter": adapter}]
+        models.keep([(item["run"], bool(item.get("adapter", True))) for item in shown])
         if models.needs_load(request["run"], adapter):
             send(id=rid, event="loading")
         with models.use(request["run"], adapter) as (model, tokenizer):

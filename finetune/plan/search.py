@@ -25,6 +25,7 @@ from finetune.errors import FinetuneError, RecipeError, UsageError
 from finetune.memory.bandwidth import cpu_compute, transfer_bandwidth
 from finetune.memory.device_memory import usable_gpu_memory
 from finetune.memory.offload import offload_dir_for
+from finetune.memory.offload_disk import left_behind
 from finetune.model.kernels import compile_pays, kernel_choices
 from finetune.model.moe import moe_config
 from finetune.model.vision import in_vision
@@ -842,7 +843,8 @@ def _offload_resources(recipe: Recipe, device: str, tiers: set[str]) -> tuple[di
     if "host_ram" in stores and device == "cuda":  # on a CPU run RAM is the budgeted device memory
         free["host_ram"] = _free_memory("cpu")
     if "offload_dir" in stores:
-        free["offload_dir"] = free_disk_bytes(offload_dir)
+        # what a killed run left there counts as free: the run removes it before writing (reclaim_left_behind)
+        free["offload_dir"] = free_disk_bytes(offload_dir) + sum(size for _, size, _ in left_behind(offload_dir))
     return bandwidth, free
 
 
