@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from finetune.memory import offload_disk
-from finetune.memory.offload_disk import OffloadDirError, check_offload_dir, with_margin
+from finetune.memory.offload_disk import OffloadDirError, check_offload_dir, pid_space, with_margin
 from finetune.memory.weight_store import EXPERTS, WEIGHTS, tier_files
 
 Usage = namedtuple("Usage", "total used free")  # shutil.disk_usage's answer
@@ -68,10 +68,13 @@ def test_a_killed_writers_files_and_folders_go_a_live_ones_and_the_users_stay(tm
     shared.mkdir()
     (shared / "notes.txt").write_text("the user's")
     (shared / "ft-weights-readme.bin").write_text("ours by prefix, but no pid: not ours")
+    # a writer on another machine sharing the folder (NFS), or in another container: its pid means nothing here
+    elsewhere = shared / f"ft-weights-{'0' * 8}-{2 ** 22 + 1}-0123abcd-0-w.bin"
+    elsewhere.write_bytes(b"\0" * 100)
     killed, alive = _writer(shared, tmp_path / "run-a" / "offload"), _writer(shared, tmp_path / "run-b" / "offload")
     try:
         # pid reuse: a file named for the live writer's pid but written before that process started
-        reused = shared / f"ft-act-{alive.pid}-0123abcd-0.bin"
+        reused = shared / f"ft-act-{pid_space()}-{alive.pid}-0123abcd-0.bin"
         reused.write_bytes(b"\0" * 100)
         os.utime(reused, (time.time() - 3600, time.time() - 3600))
         before = _names(shared)
@@ -97,6 +100,7 @@ def test_a_killed_writers_files_and_folders_go_a_live_ones_and_the_users_stay(tm
         assert check_offload_dir(shared, 0) == shared  # room now
         assert _names(shared) == before - dead - {reused.name}, "exactly the killed process's files go"
         assert _of(_names(shared), alive.pid) and {"notes.txt", "ft-weights-readme.bin"} <= _names(shared)
+        assert elsewhere.exists(), "a file written in another pid space is never judged by its pid here"
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "offload: removed 3 files" in err and f"(pid {killed.pid})" in err
         assert str(shared) in err
@@ -142,7 +146,7 @@ def test_the_planner_counts_a_killed_runs_files_as_room_and_leaves_them(tmp_path
     ended.wait()
     folder = tmp_path / "offload"
     folder.mkdir()
-    left = folder / f"ft-weights-{ended.pid}-0123abcd-0-layer.bin"
+    left = folder / f"ft-weights-{pid_space()}-{ended.pid}-0123abcd-0-layer.bin"
     with open(left, "wb") as f:
         f.truncate(8 << 20)
     monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
@@ -160,7 +164,7 @@ def test_a_left_file_that_cannot_be_removed_stays_and_the_rest_go(tmp_path, monk
     """Another user's file (a shared folder): not ours to remove; the check goes on and counts the others."""
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()
-    theirs, ours = (tmp_path / f"ft-act-{ended.pid}-0123abcd-{i}.bin" for i in (0, 1))
+    theirs, ours = (tmp_path / f"ft-act-{pid_space()}-{ended.pid}-0123abcd-{i}.bin" for i in (0, 1))
     theirs.write_bytes(b"\0" * 10)
     ours.write_bytes(b"\0" * 10)
     real_unlink = Path.unlink

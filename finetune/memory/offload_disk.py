@@ -12,10 +12,13 @@ go.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import itertools
 import os
 import re
 import shutil
+import socket
 import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,12 +35,25 @@ from finetune.units import format_bytes
 if TYPE_CHECKING:
     from finetune.memory.offload_tier import TierSetup
 
-# The names of finetune's files under an offload folder start with one of these, then the writing process's pid
-# and a random tag (`OffloadFolder.prefix`): how a later run tells a killed run's files from a live one's and
-# from the user's.
+# The names of finetune's files under an offload folder start with one of these, then the pid space the writer
+# runs in (`pid_space`), its pid and a random tag (`OffloadFolder.prefix`): how a later run tells a killed run's
+# files from a live one's and from the user's.
 WEIGHTS_PREFIX, EXPERTS_PREFIX, ACTIVATIONS_PREFIX = "ft-weights-", "ft-experts-", "ft-act-"
 _KINDS = "|".join(re.escape(p) for p in (WEIGHTS_PREFIX, EXPERTS_PREFIX, ACTIVATIONS_PREFIX))
-_OURS = re.compile(rf"\.?(?:{_KINDS})(\d+)-[0-9a-f]{{8}}-(?:made(\d+)-)?")
+_OURS = re.compile(rf"\.?(?:{_KINDS})([0-9a-f]{{8}})-(\d+)-[0-9a-f]{{8}}-(?:made(\d+)-)?")
+
+
+@functools.cache
+def pid_space() -> str:
+    """8 hex digits naming the pids this process sees: its host's name and its pid namespace (a container has
+    its own). Only files written in this same space are judged by their pid, so a live writer on another machine
+    sharing the folder (NFS) or in another container mounting it is never taken for a dead one. Stable across
+    reboots of one machine (its name and the first pid namespace stay), so a crashed run's files are still found."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:  # no /proc (macOS): the host's name alone
+        namespace = ""
+    return hashlib.sha1(f"{socket.gethostname()}|{namespace}".encode()).hexdigest()[:8]
 CLOCK_SLACK_S = 2.0  # a process's start time (psutil) against a file's mtime: both clocks, ~1 s resolution
 DISK_MARGIN = 0.10  # free space asked for on top of the predicted bytes
 DISK_MARGIN_MIN = 256 << 20
@@ -102,7 +118,7 @@ class OffloadFolder:
         self.directory = Path(directory)
         self.made = missing_folders(self.directory)
         made = f"made{len(self.made)}-" if self.made else ""
-        self.prefix = f"{kind}{os.getpid()}-{uuid.uuid4().hex[:8]}-{made}"
+        self.prefix = f"{kind}{pid_space()}-{os.getpid()}-{uuid.uuid4().hex[:8]}-{made}"
 
     def make(self) -> None:
         """The folder, made where missing."""
@@ -140,13 +156,13 @@ def left_behind(directory: str | Path) -> list[tuple[Path, int, int]]:
     for entry in entries:
         match = _OURS.match(entry.name)
         try:
-            if match is None or not entry.is_file(follow_symlinks=False):
+            if match is None or match[1] != pid_space() or not entry.is_file(follow_symlinks=False):
                 continue
             stat = entry.stat(follow_symlinks=False)
         except OSError:
             continue
-        if _owner_gone(int(match[1]), stat.st_mtime):
-            found.append((Path(entry.path), stat.st_size, int(match[1])))
+        if _owner_gone(int(match[2]), stat.st_mtime):
+            found.append((Path(entry.path), stat.st_size, int(match[2])))
     return found
 
 
@@ -164,7 +180,7 @@ def reclaim_left_behind(directory: str | Path) -> None:
         removed.append((path, size, pid))
     if not removed:
         return
-    made = max(int(_OURS.match(path.name)[2] or 0) for path, _, _ in removed)  # the folders their writers made
+    made = max(int(_OURS.match(path.name)[3] or 0) for path, _, _ in removed)  # the folders their writers made
     remove_empty([directory, *directory.parents][:made])
     freed, pids = sum(size for _, size, _ in removed), sorted({pid for _, _, pid in removed})
     owners = f"a run that ended without cleaning up (pid {pids[0]})" if len(pids) == 1 else \
