@@ -51,7 +51,7 @@ from finetune.plan.trace import (
     planned_config,
     real_config,
 )
-from finetune.plan.vision import Grid, image_tokens, planned_grids, processor_config
+from finetune.plan.vision import Grid, image_tokens, planned_grids, processor_config, shown_rows
 from finetune.recipe.batch_rules import accumulation_for
 from finetune.recipe.families import family_for
 from finetune.recipe.init_from import resolve_init_from
@@ -745,7 +745,8 @@ def _price_run_batches(cand: Candidate, settings: Settings, recipe: Recipe,
         return None
     free, bandwidth, figures = resources
     worst, batch = max(((evaluate(replace(spec, seq_len=b.row, padded=b.padded, images=b.grids,
-                                          image_positions=b.image_tokens),
+                                          image_positions=b.image_tokens, image_rows=shown_rows(
+                                              spec.config, b.rows, b.image_rows) if b.grids else None),
                                   shapes, replace(settings, micro_batch_size=b.rows), free, bandwidth, figures), b)
                         for b in batches), key=lambda x: x[0].peak_bytes)
     for name in ("peak_bytes", "breakdown", "communication_bytes", "reference_pass_bytes", "managed_bytes",
