@@ -157,3 +157,37 @@ def test_the_plan_says_when_no_micro_batch_divides_the_batch_over_the_processes(
     assert (f"batch: trains {micro} x {accumulation} accumulation x 2 processes = {trained} sequences per "
             "step, not training.effective_batch_size 7: the micro-batch x processes does not divide it") \
         in "\n".join(api.batch_plan(recipe, plan))
+
+
+@pytest.mark.parametrize("stats", [True, False], ids=["tokens-known", "no-data-stats"])
+def test_advice_for_a_recipe_with_a_batch_in_tokens_speaks_in_tokens_and_validates(
+        tiny_model_dir, tmp_path, advised_2, capsys, stats):
+    """training.effective_batch_tokens refuses effective_batch_size (and reference_batch_size) beside it: the
+    advised batch of 2 sequences is given as the tokens of 2 of the advising run's sequences (its
+    data_stats.json), and every `--set` the command prints, applied to the recipe, validates. Without the run's
+    token counts no batch change is advised (nor the learning rate and betas made for it)."""
+    from finetune.cli import main
+    from finetune.recipe.load import load_recipe
+
+    if stats:
+        atomic_write_json(RunDir(advised_2).data_stats, {"train_tokens": 1000, "train_sequences": 40})
+    recipe = validate_recipe({"model": {"path": str(tiny_model_dir)}, "quantization": {"bits": None},
+                              "data": {"path": SAMPLE_DATA, "max_seq_len": 64},
+                              "training": {"effective_batch_tokens": 200}})
+    path = tmp_path / "recipe.yaml"
+    path.write_text(recipe_to_yaml(recipe))
+    assert main(["plan", str(path), "--gpu-memory", "2GiB", "--device", "cpu", "--advice", str(advised_2)]) == 0
+    out = capsys.readouterr().out
+    lines = [x.strip() for x in out.splitlines() if x.strip().startswith("--set ")]  # `  --set K=V  --set K=V`
+    printed = [item for x in lines for item in x.removeprefix("--set ").split("  --set ")]
+    keys = {p.split("=", 1)[0] for p in printed}
+    assert not keys & {"training.effective_batch_size", "training.reference_batch_size",
+                       "training.gradient_accumulation_steps"}, out
+    applied = load_recipe(path, printed)  # validates
+    if stats:
+        assert "training.effective_batch_tokens=50" in printed and "training.learning_rate" in keys
+        assert applied.training.effective_batch_tokens == 50  # 2 sequences of 1000 / 40 tokens
+        assert "2 sequence(s) of the run's 25 tokens each" in out
+    else:
+        assert not keys & {"training.effective_batch_tokens", "training.learning_rate"}, out
+        assert applied.training.effective_batch_tokens == 200 and "no batch change advised" in out

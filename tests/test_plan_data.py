@@ -154,3 +154,27 @@ def test_a_grouped_run_is_planned_at_its_largest_real_micro_batch(tmp_path, tiny
     at_random = predict(recipe("random"), device="cpu", planner=Planner())  # 4 padded rows at the longest
     assert at_random.data["rows"] == 4 and at_random.data["padded"] == 1
     assert measured < 0.95 * at_random.peak_bytes
+
+
+def test_a_fixed_recipe_fits_at_the_price_of_its_runs_micro_batches(tmp_path, tiny_model_dir):
+    """Every setting fixed, data.batching length_grouped: nothing to search, so the fit verdict is the price of
+    the micro-batches the run forms (2 padded rows at the longest example), not the bound over every batching
+    (4 rows there), which once refused a budget the run fits: accepted between the two with that price as its
+    peak, refused one byte below it (the least budget it names is that price)."""
+    data = text_data(tmp_path / "d.jsonl", [10, 12, 14, 16, 100, 110])
+
+    def recipe(**training):
+        return validate_recipe(tiny_lora_recipe(tiny_model_dir, data, tmp_path / "run", {
+            "data": {"max_seq_len": 128, "format": "text", "batching": "length_grouped"},
+            "training": {"micro_batch_size": 4, "gradient_accumulation_steps": 2, "seed": 0, **training},
+            "memory": {"gpu_memory_margin": 0}}))
+
+    exact = api.plan(recipe(), device="cpu", gpu_memory="64GiB")
+    assert exact.fits and (exact.data["rows"], exact.data["padded"]) == (2, 1) and not exact.alternatives
+    bound = api.plan(recipe(epochs=17), device="cpu", gpu_memory="64GiB")  # more epochs than are cut: the bound
+    assert "rows" not in bound.data and bound.peak_bytes > 1.2 * exact.peak_bytes
+    between = api.plan(recipe(), device="cpu", gpu_memory=(exact.peak_bytes + bound.peak_bytes) // 2)
+    assert between.budget_bytes < bound.peak_bytes
+    assert between.fits and between.peak_bytes == exact.peak_bytes and between.data["rows"] == 2
+    below = api.plan(recipe(), device="cpu", gpu_memory=exact.peak_bytes - 1)
+    assert not below.fits and below.min_budget_bytes == exact.peak_bytes

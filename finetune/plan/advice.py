@@ -83,6 +83,8 @@ def apply_advice(recipe: Recipe | str | Path, run_dir: str | Path, overrides: li
                                    f"the recipe with the advice of {run_dir}")
         return load_recipe(recipe, items)
 
+    if build(overrides).training.effective_batch_tokens is not None:
+        advised, why = _in_tokens(advised, why, run_dir)
     new = build(advised + overrides)
     t, gpus = new.training, new.distributed.gpus
     batch, micro = t.effective_batch_size, t.micro_batch_size
@@ -101,3 +103,38 @@ def apply_advice(recipe: Recipe | str | Path, run_dir: str | Path, overrides: li
             why += (f". The recipe's {pinned} {problem}: the advice released it to auto, so the planner "
                     "picks a micro-batch that divides the batch")
     return new, advised, why
+
+
+# the advice's keys that are in sequences, which a batch in tokens (training.effective_batch_tokens) refuses or
+# does not use; the advised batch is given in tokens instead
+SEQUENCE_KEYS = ("training.effective_batch_size", "training.gradient_accumulation_steps",
+                 "training.reference_batch_size")
+
+
+def _in_tokens(advised: list[str], why: str, run_dir: str | Path) -> tuple[list[str], str]:
+    """The advice for a recipe whose effective batch is in tokens: its batch of sequences as
+    training.effective_batch_tokens (that many of the advising run's sequences, at their mean real tokens:
+    data_stats.json), with the learning rate and betas the rules gave that batch; the keys in sequences left
+    out. Where the run's token counts are not there, no batch change (nor its learning rate and betas)."""
+    import json
+
+    from finetune.recipe.load import parse_override
+
+    values = {".".join(parse_override(item)[0]): item for item in advised}
+    batch = values.get("training.effective_batch_size")
+    if batch is None:
+        return advised, why
+    try:
+        stats = json.loads(RunDir(Path(run_dir)).data_stats.read_text())
+        per_sequence = stats["train_tokens"] / stats["train_sequences"]
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        kept = [item for key, item in values.items()
+                if key not in (*SEQUENCE_KEYS, "training.learning_rate", "optimizer.betas")]
+        return kept, (f"{why}. The recipe's batch is in tokens (training.effective_batch_tokens) and the run's "
+                      "data_stats.json does not say its tokens per sequence: no batch change advised")
+    sequences = int(parse_override(batch)[1])
+    tokens = max(1, round(sequences * per_sequence))
+    kept = [item for key, item in values.items() if key not in SEQUENCE_KEYS]
+    return [f"training.effective_batch_tokens={tokens}", *kept], (
+        f"{why}. The recipe's batch is in tokens: {sequences} sequence(s) of the run's {per_sequence:.4g} tokens "
+        f"each = training.effective_batch_tokens {tokens}")

@@ -7,8 +7,9 @@ That worst case is far off where the data is small or grouped: a step of the lon
 data.max_seq_len has no padding, so transformers builds no attention mask for it (SDPA: an all-ones
 attention_mask is skipped), and the two longest records of six may share the step's last, smaller
 micro-batch. What one micro-batch costs grows with its rows x row tokens (activations), its rows x row tokens
-squared where it is padded (the [rows, 1, s, s] mask), and its images' tokens; the candidates are those no
-other micro-batch exceeds in all of these (`largest`), and the plan prices each and keeps the highest.
+squared where it is padded (the [rows, 1, s, s] mask), and its images' tokens over the rows that show images (a
+text row beside an image row brings no image to the vision tower); the candidates are those no other
+micro-batch exceeds in all of these (`largest`), and the plan prices each and keeps the highest.
 """
 
 from __future__ import annotations
@@ -27,26 +28,29 @@ MOST_EPOCHS = 16  # epochs cut at most; a longer run is planned at the bound (so
 class PricedBatch:
     """A micro-batch as the plan traces it: `rows` examples padded to `row` tokens; `padded`: some row is
     shorter (the collator's attention mask then holds zeros); `grids`: the image grids of its example with
-    the most image tokens (every row is traced with them), () for text."""
+    the most image tokens, () for text; `image_rows`: its examples with images (each priced with those
+    grids), the others priced as text."""
 
     rows: int
     row: int
     padded: bool
     grids: tuple[Grid, ...] = ()
     image_tokens: int = 0  # those grids' tokens
+    image_rows: int = 0
 
     def dominates(self, other: PricedBatch) -> bool:
         """At least as large in every part of a micro-batch's memory (module docstring)."""
         return (self.rows * self.row >= other.rows * other.row and self.padded >= other.padded
                 and self.rows * self.row ** 2 >= other.rows * other.row ** 2
-                and self.rows * self.image_tokens >= other.rows * other.image_tokens)
+                and self.image_rows * self.image_tokens >= other.image_rows * other.image_tokens)
 
 
 def largest(batches: Sequence[PricedBatch]) -> list[PricedBatch]:
     """The micro-batches no other dominates: one of them is the largest, whatever the model."""
     kept: list[PricedBatch] = []
     # a dominating micro-batch sorts first, so checking those kept suffices (dominance is transitive)
-    for b in sorted(set(batches), key=lambda b: (-b.rows * b.row, -b.row, -b.padded, -b.image_tokens)):
+    for b in sorted(set(batches), key=lambda b: (-b.rows * b.row, -b.row, -b.padded,
+                                            -b.image_rows * b.image_tokens)):
         if not any(o.dominates(b) for o in kept):
             kept.append(b)
     return kept
@@ -71,5 +75,6 @@ def run_batches(recipe: Recipe, micro_batch: int, accumulation: int, batching: s
     for mb in indices:
         row = max(rows[i][0] for i in mb)
         _, grids, tokens = max((rows[i] for i in mb), key=lambda r: r[2])
-        priced.add(PricedBatch(len(mb), row, rows_per_example > 1 or any(rows[i][0] < row for i in mb), grids, tokens))
+        priced.add(PricedBatch(len(mb), row, rows_per_example > 1 or any(rows[i][0] < row for i in mb), grids, tokens,
+                               sum(rows[i][2] > 0 for i in mb)))
     return largest(list(priced))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -105,6 +105,8 @@ class ModelSpec:
     planner: Planner = field(default=DEFAULT, compare=False, repr=False)  # whose caches the traces go to
     images: tuple[tuple[int, int, int], ...] = ()  # a vision-language model: one example's image grids (plan.vision)
     image_positions: int = 0  # those images' tokens in the sequence: never labelled, never through a chunked loss's head
+    # of a micro-batch's examples, how many show the images (the others are text rows: `_text_rows`); None: all
+    image_rows: int | None = None
     packing: bool = False  # data.packing: a micro-batch's rows joined into one sequence (step.preference.batch_layout)
     # the priced micro-batch has padding (finetune.plan.batches); False: its rows are one length, so the collator's
     # attention_mask is all ones and transformers builds no mask from it (traced without one)
@@ -539,6 +541,7 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
     step = _step(spec, settings)
     windows, offloaded = _step_windows(step)
     windows.update(_reference_pass_window(step))
+    _text_rows(spec, settings, windows)
     grpo = of_trace_objective(spec.objective)
     if grpo is not None:
         windows.update(_grpo_windows(step, grpo))
@@ -606,6 +609,23 @@ def _step_windows(step: _Step) -> tuple[dict[str, dict[str, float]], float]:
         windows[name] = {**step.params, "gradients": grads, "activations": act, "logits_and_loss": logits,
                          "other": (step.dequant if in_layers else 0) + step.communication}
     return windows, offloaded
+
+
+def _text_rows(spec: ModelSpec, settings: Settings, windows: dict[str, dict[str, float]]) -> None:
+    """A micro-batch whose examples do not all show images (`spec.image_rows`): the windows' activations and
+    logits are those of its image rows (as traced, per row) plus those of its text rows (traced without
+    images: no vision tower, every position labelled), each share of the rows; in place. The rest (weights,
+    state, gradients) is the image step's: the trained tower's state exists whatever the batch."""
+    shown = spec.image_rows
+    if not spec.images or shown is None or shown >= settings.micro_batch_size:
+        return
+    text = _step(replace(spec, images=(), image_positions=0, image_rows=None), settings)
+    text_windows = _step_windows(text)[0] | _reference_pass_window(text)
+    share = shown / settings.micro_batch_size
+    for name, window in windows.items():
+        if name in text_windows:
+            for part in ("activations", "logits_and_loss"):
+                window[part] = window[part] * share + text_windows[name][part] * (1 - share)
 
 
 def _reference_pass_window(step: _Step) -> dict[str, dict[str, float]]:

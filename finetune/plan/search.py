@@ -52,7 +52,7 @@ from finetune.plan.trace import (
     planned_config,
     real_config,
 )
-from finetune.plan.vision import Grid, image_tokens, planned_grids, processor_config
+from finetune.plan.vision import Grid, image_tokens, planned_grids, processor_config, shown_rows
 from finetune.recipe.batch_rules import accumulation_for
 from finetune.recipe.families import family_for
 from finetune.recipe.init_from import resolve_init_from
@@ -673,6 +673,15 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
                 fits_untiled.add(st)
                 best_score[st.micro_batch_size] = max(best_score.get(st.micro_batch_size, 0.0), _score(cand))
     pruned.sort(key=lambda x: x[0])
+    exact = data.shape is not None and not full_length and not recipe.data.packing
+    if exact and len(choices) == 1 and len(candidates) == 1 and candidates[0].kind is None \
+            and candidates[0].peak_bytes > budget and recipe.data.batching != "auto":
+        # nothing to search: the recipe's one configuration fits or not at its run's own micro-batches where
+        # they are known (the bound over every batching holds only where a search compares configurations)
+        only = candidates[0]
+        rows = planned_example(recipe, config, planner).rows if data.shape.has_images else ()
+        _price_run_batches(only, Settings(**only.settings), recipe, rows, spec, shapes, data.shape, training_only,
+                           (free, bandwidth, figures))
     for c in candidates:
         if c.kind is None and c.peak_bytes > budget:
             c.reject("over_budget", f"needs {format_bytes(c.peak_bytes)}, budget {format_bytes(budget)}")
@@ -705,7 +714,7 @@ def predict(recipe: Recipe, *, model_config: Any = None, gpu_memory: int | str |
             cand.settings["batching"], why = auto_batching(recipe, cand.settings, lengths, figures["half_tokens"])
         notes.append(f"data.batching auto: {chosen.settings['batching']} ({why})")
     priced = None  # the chosen plan's priced micro-batch: None where the bound (max_seq_len or the longest) stays
-    if ok and data.shape is not None and not full_length and not recipe.data.packing:
+    if ok and exact:
         # the search's bound holds every batching; the plans shown are priced at the batches theirs forms
         rows = planned_example(recipe, config, planner).rows if data.shape.has_images else ()
         for cand in {id(c): c for c in [chosen, *ok[1:4]]}.values():
@@ -747,7 +756,8 @@ def _price_run_batches(cand: Candidate, settings: Settings, recipe: Recipe,
         return None
     free, bandwidth, figures = resources
     worst, batch = max(((evaluate(replace(spec, seq_len=b.row, padded=b.padded, images=b.grids,
-                                          image_positions=b.image_tokens),
+                                          image_positions=b.image_tokens, image_rows=shown_rows(
+                                              spec.config, b.rows, b.image_rows) if b.grids else None),
                                   shapes, replace(settings, micro_batch_size=b.rows), free, bandwidth, figures), b)
                         for b in batches), key=lambda x: x[0].peak_bytes)
     for name in ("peak_bytes", "breakdown", "communication_bytes", "reference_pass_bytes", "managed_bytes",

@@ -19,7 +19,8 @@ from finetune.model.family import family_of
 from finetune.model.source import config_location
 from finetune.vision import Grid, ImageLayout, layout_of
 
-__all__ = ["Grid", "image_grid", "image_tokens", "is_vision", "planned_grids", "processor_config", "trace_batch"]
+__all__ = ["Grid", "image_grid", "image_tokens", "is_vision", "planned_grids", "processor_config", "shown_rows",
+           "trace_batch"]
 
 
 def processor_config(model_path: str) -> dict[str, Any]:
@@ -55,6 +56,12 @@ def _images(config: Any) -> ImageLayout:
 def image_tokens(config: Any, grid: Grid) -> int:
     """The language model's tokens for one image's grid (the image tokens and the markers around them)."""
     return _images(config).tokens(config, grid)
+
+
+def shown_rows(config: Any, rows: int, image_rows: int) -> int | None:
+    """Of a micro-batch's `rows` examples, `image_rows` with images: how many the vision tower runs on as image
+    rows (`ModelSpec.image_rows`); None: every row (the layout pads text rows with images, or all have some)."""
+    return None if image_rows >= rows or _images(config).text_rows_show_images else image_rows
 
 
 def trace_batch(config: Any, rows: int, seq_len: int, grids: tuple[Grid, ...]) -> dict[str, Any]:

@@ -46,6 +46,9 @@ class ImageLayout:
 
     processors: tuple[str, ...] = ()  # the image_processor_type names it counts (without Fast/Pil)
     fixed_size = False  # every image at one size: data.max_pixels changes nothing
+    # the collator gives a batch's text rows image inputs too (padded to the batch's most images), which the vision
+    # tower runs: such a row costs what an image row does
+    text_rows_show_images = False
 
     # ---- the torch-free counter (data checks, planner) ----
     def count(self, config: dict[str, Any], width: int, height: int) -> ImageInputs:

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 class Mllama(ImageLayout):
     processors = ("MllamaImageProcessor",)
+    text_rows_show_images = True  # every row padded to the batch's most images (`cross_attention_inputs`)
 
     def count(self, config: dict[str, Any], width: int, height: int) -> ImageInputs:
         tile = (config.get("size") or {}).get("height", 560)
