@@ -62,16 +62,19 @@ def _pairs(path: Path, n: int) -> Path:
 
 @pytest.mark.parametrize("case", ["chat", "text", "dpo", "kto-of-pairs"])
 def test_the_plans_read_is_built_without_tokenizing_again(tmp_path, tiny_tokenizer, monkeypatch, case):
-    """The plan's measuring (data_shape) and the build over one DataRead: each record tokenized once, and the
-    bundle is the one a build made apart gives, whatever the data kind (held-out split included)."""
+    """The plan's measuring (data_shape) and the build over one DataRead tokenize what a build made apart does,
+    once (each record, and each prompt cut to fit max_seq_len), and the bundle is that build's, whatever the data
+    kind (held-out split included)."""
     method = {"dpo": "dpo", "kto-of-pairs": "kto"}.get(case, "sft")
     path = (text_data(tmp_path / "d.jsonl", [5, 40, 12, 23, 9, 31, 17, 28]) if case == "text" else
             _pairs(tmp_path / "d.jsonl", 8) if method != "sft" else sums_data(tmp_path / "d.jsonl", 8))
-    # text: the records of 40 and 31 tokens are cut (chats longer than max_seq_len would be tokenized again, cut)
-    cfg = DataConfig(path=str(path), max_seq_len=32 if case == "text" else 128, overlong="truncate",
-                     validation_split=0.25)
-    apart = build_datasets(cfg, tiny_tokenizer, 3, method)
+    # records longer than max_seq_len: text cut at its end, chats with their prompts cut
+    cfg = DataConfig(path=str(path), max_seq_len=32, overlong="truncate", validation_split=0.25)
     counts = Counts(monkeypatch)
+    apart = build_datasets(cfg, tiny_tokenizer, 3, method)
+    assert apart.stats["truncated"] > 0 and (case == "text" or apart.stats["prompts_cut"] > 0)
+    once = counts.texts
+    counts.texts = counts.reads = 0
     read = data_read(cfg, method)
     shape = data_shape(cfg, tiny_tokenizer, 3, method, read=read)
     planned = counts.texts
@@ -79,10 +82,7 @@ def test_the_plans_read_is_built_without_tokenizing_again(tmp_path, tiny_tokeniz
     # the run's data config after the plan (data.batching and max_pixels chosen) builds the plan's examples
     bundle = build_datasets(cfg.model_copy(update={"batching": "length_grouped"}), tiny_tokenizer, 3, method,
                             read=read)
-    # dpo: a pair's chosen and rejected answers, one example; kto of pairs: each answer an example
-    texts = (2 if method == "dpo" else 1) * (bundle.stats["train_examples"] + bundle.stats["eval_examples"])
-    assert counts.texts == texts
-    assert counts.reads == 1
+    assert counts.texts == once and counts.reads == 1
     _same(bundle, apart)
     assert shape == data_shape(cfg, tiny_tokenizer, 3, method)
 
@@ -133,8 +133,8 @@ def test_image_records_are_tokenized_once_and_expanded_by_the_build(tmp_path, mo
     shape = data_shape(cfg, tokenizer, 0, model_takes_images=True, read=read)
     bundle = build_datasets(chosen, tokenizer, 0, vision=vision, read=read)
     assert shape.has_images and bundle.stats["prompts_cut"] == bundle.stats["truncated"] == 1
-    # each record once; the prompt cut to fit max_seq_len is tokenized again, cut, where each fits it
-    assert counts.texts == len(records) + 2 and counts.reads == 1
+    # each record once, and the prompt cut to fit max_seq_len once more, cut
+    assert counts.texts == len(records) + 1 and counts.reads == 1
     assert bundle.stats["image_records"] == 5
     _same(bundle, apart)
 

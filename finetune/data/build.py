@@ -107,9 +107,11 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
     prepared_from = Counter(p.file for p in prepared)
     dropped = _Dropped()
     train = _fit(train_part, _expand(train_part, _part_tokens(built, takes_images, "train", train_part, tokenizer,
-                                                               cfg.max_seq_len), vision), cfg, encoder, dropped, vision)
+                                                               cfg.max_seq_len), vision), cfg, encoder, dropped, vision,
+                 built.cuts)
     evaluation = _fit(eval_part, _expand(eval_part, _part_tokens(built, takes_images, "eval", eval_part, tokenizer,
-                                                                 cfg.max_seq_len), vision), cfg, encoder, dropped, vision)
+                                                                 cfg.max_seq_len), vision), cfg, encoder, dropped, vision,
+                      built.cuts)
     problems = problems + dropped.bad  # image records too long for max_seq_len (refused in _check_dropped under error)
     stats: dict[str, Any] = {
         "format": fmt, "records": sum(f.read.total for f in files), "records_used": len(records),
@@ -167,9 +169,10 @@ class _Read:
     encoder: ChatEncoder | None
     fingerprint: dict[str, Any]
     digest: dict[str, Any]
-    seed: int
     splits: dict[bool, _Split] = field(default_factory=dict)  # _prepared_split's, by model_takes_images
     tokens: dict[tuple[bool, str], list[Sequences]] = field(default_factory=dict)  # _part_tokens', by split and part
+    # _fit's prompt cuts, by the id of the split's item (the split keeps the items, so the ids stay theirs)
+    cuts: dict[int, Sequences | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -226,14 +229,12 @@ def _read(cfg: DataConfig, tokenizer: Any, seed: int, method: str, given: DataRe
     encoder = _encoder(cfg, tokenizer, files.formats[0])
     template = encoder.template if encoder else None
     built = files.built
-    if built is not None and built.seed == seed:
-        fingerprint = data_fingerprint(cfg, reads, files.fmt, tokenizer, template, seed, method, built.digest)
-        if _examples_key(fingerprint) == _examples_key(built.fingerprint):
-            return dataclasses.replace(built, encoder=encoder, fingerprint=fingerprint)
+    digest = built.digest if built is not None else records_digest(cfg, reads)  # of the files alone
+    fingerprint = data_fingerprint(cfg, reads, files.fmt, tokenizer, template, seed, method, digest)
+    if built is not None and _examples_key(fingerprint) == _examples_key(built.fingerprint):
+        return dataclasses.replace(built, encoder=encoder, fingerprint=fingerprint)
     records = _sample(mixed_records(cfg, files.files, seed), cfg.max_samples, seed)
-    digest = records_digest(cfg, reads)
-    files.built = _Read(files.files, files.formats, files.fmt, records, encoder,
-                        data_fingerprint(cfg, reads, files.fmt, tokenizer, template, seed, method, digest), digest, seed)
+    files.built = _Read(files.files, files.formats, files.fmt, records, encoder, fingerprint, digest)
     return files.built
 
 
@@ -321,7 +322,7 @@ def data_shape(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sft", 
     _, _, train_part, _ = _prepared_split(built, cfg, seed, method, model_takes_images)
     tokens = _part_tokens(built, model_takes_images, "train", train_part, tokenizer, cfg.max_seq_len)
     text = [(x, parts) for x, parts in zip(train_part, tokens, strict=True) if not x.images]
-    fitted = _fit([x for x, _ in text], [parts for _, parts in text], cfg, built.encoder, _Dropped())
+    fitted = _fit([x for x, _ in text], [parts for _, parts in text], cfg, built.encoder, _Dropped(), cuts=built.cuts)
     # an image record whole: cut (or not) once the image tokens are known
     with_images = [(x, parts) for x, parts in zip(train_part, tokens, strict=True) if x.images]
     examples = [(max(len(ids) for ids, _ in parts), ()) for _, parts in fitted] + \
@@ -678,11 +679,13 @@ class _Dropped:
 
 
 def _fit(items: list[_Prepared], examples: list[Sequences], cfg: DataConfig, encoder: ChatEncoder | None,
-         dropped: _Dropped, vision: VisionData | None = None) -> list[tuple[_Prepared, Sequences]]:
+         dropped: _Dropped, vision: VisionData | None = None,
+         cuts: dict[int, Sequences | None] | None = None) -> list[tuple[_Prepared, Sequences]]:
     """Apply data.overlong and drop examples without loss tokens, recording both in `dropped`; a preference
     pair is cut, dropped or kept whole. An image record (its images expanded by `vision`) is never cut inside an
-    image's tokens: one whose images end past max_seq_len is a bad record; otherwise only its end is cut."""
-    kept = []
+    image's tokens: one whose images end past max_seq_len is a bad record; otherwise only its end is cut.
+    `cuts`: each item's prompt cut (`cut_prompt`), kept by the read (`_Read.cuts`) for the next fit of it."""
+    kept, cuts = [], {} if cuts is None else cuts
     for item, parts in zip(items, examples, strict=True):
         cut = any(len(ids) > cfg.max_seq_len for ids, _ in parts)
         answered = item.chat is None or all(spans for _, spans in filter(None, (item.chat, item.rejected)))
@@ -698,7 +701,9 @@ def _fit(items: list[_Prepared], examples: list[Sequences], cfg: DataConfig, enc
             continue
         if cut and answered and item.source is not None and not item.images:  # cutting turns would lose images
             assert encoder is not None
-            shorter = cut_prompt(item.source, encoder, cfg.max_seq_len)
+            if id(item) not in cuts:
+                cuts[id(item)] = cut_prompt(item.source, encoder, cfg.max_seq_len)
+            shorter = cuts[id(item)]
             if shorter is not None:
                 parts = shorter
                 dropped.prompts_cut += 1
