@@ -3,13 +3,13 @@ process: the same steps with the data read once and handed on (finetune.data.bui
 now run) and with each step reading it again (as they did before), on a shared sample dataset repeated to a
 size where it shows.
 
-    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/data_once.py [--dataset alpaca_en_demo.json] [--repeat 20]
+    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/data_once.py [--dataset alpaca_en_demo.json] [--repeat 5]
         [--repeats 3] [--data-dir ../shared/datasets] [--out benchmarks/results/data_once.txt]
 
-The data: the dataset's records --repeat times (one JSON array; alpaca_en_demo: 999 records -> 19,980), 10% held
+The data: the dataset's records --repeat times (one JSON array; alpaca_en_demo: 999 records -> 4,995), 10% held
 out (data.validation_split), max_seq_len 1024, tokenized by finetune.testing's tiny model's byte-level BPE
-tokenizer (no model hub here; a real model's tokenizer is slower, so the share below is a lower bound). No
-model loads and nothing trains: the rows are the data steps of each command before its model loads, and the
+tokenizer (no model hub here; its 482 tokens make a token of every byte or two of text, so more records are cut
+to max_seq_len than a real model's tokenizer would cut: the times are this tokenizer's). No model loads and nothing trains: the rows are the data steps of each command before its model loads, and the
 run's plan (`predict` of the tiny model on the CPU, its traces cached by a first, unmeasured run) for scale.
 
 - run, once: the preflight's check (`api.preflight`), the plan's read and tokenization of the training part
@@ -18,9 +18,11 @@ run's plan (`predict` of the tiny model on the CPU, its traces cached by a first
   over).
 - run, before: the same, but the build reading, rendering and tokenizing everything again.
 - eval, once / before: `finetune eval RUN` without --data: the check, the fingerprint of the split, the build,
-  from one read, or each reading (and the fingerprint and build each rendering) it again.
+  from one read, or each reading (and the fingerprint and build each rendering) it again. The build still
+  tokenizes the training part too, which eval does not measure: most of what is left.
 
-Each variant runs --repeats times, interleaved; the best time counts. The share printed is the second pass's
+Times are CPU seconds of this process (`time.process_time`: the tokenizer's threads included), which other jobs
+on a shared machine hardly change. Each variant runs --repeats times, interleaved; the best time counts. The share printed is the second pass's
 time over the whole of what the command did before.
 """
 
@@ -45,9 +47,11 @@ RESULTS = ROOT / "benchmarks" / "results" / "data_once.txt"
 
 
 def timed(step: Callable[[], object]) -> tuple[float, object]:
-    start = time.perf_counter()
+    """The step's CPU seconds (this process's, its threads' included): steadier than the wall clock on a machine
+    shared with other jobs."""
+    start = time.process_time()
     out = step()
-    return time.perf_counter() - start, out
+    return time.process_time() - start, out
 
 
 def run_steps(recipe, tokenizer, once: bool) -> dict[str, float]:
@@ -95,7 +99,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dataset", default="alpaca_en_demo.json")
     parser.add_argument("--data-dir", type=Path, default=DATA, help="the shared datasets' folder")
-    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -134,7 +138,7 @@ def main() -> None:
         f"# {platform.machine()}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
         f"python {platform.python_version()}",
         f"data: {len(records) * args.repeat:,} records ({args.dataset} x {args.repeat}), 10% held out, "
-        "max_seq_len 1024, the tiny model's tokenizer; best of each, seconds",
+        "max_seq_len 1024, the tiny model's tokenizer; best of each, CPU seconds",
         "finetune run, its steps before the model loads:",
         line("before", t["run before"]), line("once", t["run once"]),
         f"  the second read and tokenization: {run_saved:.2f} s, {run_saved / sum(t['run before'].values()):.0%} "

@@ -148,13 +148,15 @@ def test_the_plan_and_a_replan_of_the_chosen_settings_read_the_data_once(
                                               {"data": {"batching": "auto"}, "training": {"max_steps": 2}}))
     monkeypatch.setattr(plan_data, "cache_dir", lambda: tmp_path / "cache")  # nothing measured before
     DEFAULT_PLANNER.data.clear()
+    predict(recipe.model_copy(update={"training": recipe.training.model_copy(update={"seed": 7})}), device="cpu")
     counts = Counts(monkeypatch)
     planned = data_for_run(recipe)
     assert planned.read is not None and planned.shape is not None and counts.reads == 1
     plan = predict(recipe, device="cpu")
     replanned = predict(plan.apply(recipe).recipe, device="cpu", training_only=True)
     assert counts.reads == 1 and counts.texts == len(planned.shape.lengths)
-    assert all(entry.read is None for entry in DEFAULT_PLANNER.data.values())  # the cache keeps no records
+    # the cache keeps no records (a plan's, and the run's read), only shapes
+    assert len(DEFAULT_PLANNER.data) == 2 and all(entry.read is None for entry in DEFAULT_PLANNER.data.values())
     assert replanned.data == plan.data
 
 

@@ -59,8 +59,8 @@ def read_data(recipe: Recipe, takes_images: bool, planner: Any, keep_read: bool 
         return PlannedData(None)
     key = (recipe.data.model_dump_json(exclude={"max_pixels", "batching"}), recipe.model.path,
            recipe.model.revision, recipe.training.method, recipe.training.seed, takes_images, _stamps(recipe))
-    if not keep_read:
-        return planner.data.get_or_compute(key, lambda: _read(recipe, takes_images))
+    if not keep_read:  # the planner's cache keeps the shape, never the records and their tokens
+        return planner.data.get_or_compute(key, lambda: replace(_read(recipe, takes_images), read=None))
     planned = _read(recipe, takes_images)
     planner.data.get_or_compute(key, lambda: replace(planned, read=None))
     return planned
