@@ -18,8 +18,8 @@ run's plan (`predict` of the tiny model on the CPU, its traces cached by a first
   over).
 - run, before: the same, but the build reading, rendering and tokenizing everything again.
 - eval, once / before: `finetune eval RUN` without --data: the check, the fingerprint of the split, the build,
-  from one read, or each reading (and the fingerprint and build each rendering) it again. The build still
-  tokenizes the training part too, which eval does not measure: most of what is left.
+  from one read and of the held-out part alone (`held_out_only`), or each reading (and the fingerprint and build
+  each rendering) it again and the build tokenizing the training part too, which eval does not measure.
 
 Times are CPU seconds of this process (`time.process_time`: the tokenizer's threads included), which other jobs
 on a shared machine hardly change. Each variant runs --repeats times, interleaved; the best time counts. The share printed is the second pass's
@@ -74,7 +74,8 @@ def run_steps(recipe, tokenizer, once: bool) -> dict[str, float]:
 
 
 def eval_steps(recipe, tokenizer, once: bool) -> dict[str, float]:
-    """`finetune eval RUN`'s data steps: check, fingerprint, build, from one read (`once`) or each reading."""
+    """`finetune eval RUN`'s data steps: check, fingerprint, build, from one read and of the held-out part alone
+    (`once`), or each reading and the build of both parts."""
     from finetune.data.build import build_datasets, built_fingerprint, check_records, data_read
 
     cfg, seed = recipe.data.model_copy(update={"packing": False}), recipe.training.seed
@@ -82,7 +83,7 @@ def eval_steps(recipe, tokenizer, once: bool) -> dict[str, float]:
     t["read"], read = timed(lambda: data_read(cfg) if once else None)
     t["check"], _ = timed(lambda: check_records(cfg, read=read))
     t["fingerprint"], _ = timed(lambda: built_fingerprint(cfg, tokenizer, seed, read=read))
-    t["build"], _ = timed(lambda: build_datasets(cfg, tokenizer, seed, read=read))
+    t["build"], _ = timed(lambda: build_datasets(cfg, tokenizer, seed, read=read, held_out_only=once))
     return t
 
 
@@ -145,7 +146,7 @@ def main() -> None:
         "of those steps before",
         "finetune eval RUN (no --data), its data steps:",
         line("before", t["eval before"]), line("once", t["eval once"]),
-        f"  the second and third reads (and second rendering): {eval_saved:.2f} s, "
+        f"  the second and third reads, second rendering and the training part's tokens: {eval_saved:.2f} s, "
         f"{eval_saved / sum(t['eval before'].values()):.0%} of those steps before",
     ]
     text = "\n".join(out)

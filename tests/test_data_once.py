@@ -108,6 +108,18 @@ def test_a_read_is_not_taken_over_where_its_examples_would_differ(tmp_path, tiny
     assert counts.reads == 3 + 2
 
 
+def test_the_held_out_part_alone_is_the_full_builds(tmp_path, tiny_tokenizer, monkeypatch):
+    """finetune eval of a run's split builds the held-out part alone: the same examples, held-out records and
+    fingerprint as the whole build, without tokenizing the training part."""
+    cfg = DataConfig(path=str(sums_data(tmp_path / "d.jsonl", 16)), validation_split=0.25)
+    full = build_datasets(cfg, tiny_tokenizer, 3)
+    counts = Counts(monkeypatch)
+    alone = build_datasets(cfg, tiny_tokenizer, 3, held_out_only=True)
+    assert counts.texts == full.stats["eval_examples"] == 4 and len(alone.train) == 0
+    assert alone.eval.to_dict() == full.eval.to_dict()
+    assert (alone.held_out, alone.fingerprint) == (full.held_out, full.fingerprint)
+
+
 def test_image_records_are_tokenized_once_and_expanded_by_the_build(tmp_path, monkeypatch):
     """A vision-language model's data: the plan measures the text tokens and image sizes at no pixel budget, the
     build expands each image at the one the plan chose, from the same tokens; text records among them (one

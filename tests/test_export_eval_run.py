@@ -146,8 +146,8 @@ def test_eval_without_data_measures_the_runs_own_held_out_split(split_run, capsy
 
 def test_eval_reads_renders_and_tokenizes_its_data_once(split_run, monkeypatch):
     """The check before a model loads, the split's fingerprint and the build share one read of the data: the
-    file read once, each of its 16 records rendered by the chat template once and tokenized once (without
-    --data: 12 trained on, 4 held out); the loss is still the run's own final evaluation's. With --data: one
+    file read once, each of its 16 records rendered by the chat template once, and the 4 the split held out
+    tokenized (not the 12 trained on); the loss is still the run's own final evaluation's. With --data: one
     read too, its records' expected answers taken from it."""
     import finetune.data.build as build
     import finetune.data.chat as chat
@@ -165,7 +165,7 @@ def test_eval_reads_renders_and_tokenizes_its_data_once(split_run, monkeypatch):
     monkeypatch.setattr(chat.ChatEncoder, "render", counted("renders", render))
     monkeypatch.setattr(chat, "tokenize_prefixes", counted("texts", tokenize, lambda tokenizer, texts, *a, **k: len(texts)))
     assert main(["eval", str(split_run), "--max-new-tokens", "4"]) == 0
-    assert counts == {"reads": 1, "renders": 16, "texts": 16}
+    assert counts == {"reads": 1, "renders": 16, "texts": 4}
     final = [row for row in read_jsonl(split_run / "metrics.jsonl") if "eval_loss" in row][-1]
     assert RunDir(split_run).read_evaluation()["models"][0]["loss"] == pytest.approx(final["eval_loss"], rel=1e-4)
     counts.update(reads=0, renders=0, texts=0)

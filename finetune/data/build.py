@@ -89,13 +89,15 @@ def evaluable_split(cfg: DataConfig, method: str) -> bool:
 
 def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sft",
                    max_prompt_tokens: int | None = None, vision: VisionData | None = None,
-                   read: DataRead | None = None) -> DataBundle:
+                   read: DataRead | None = None, held_out_only: bool = False) -> DataBundle:
     """Read, check, tokenize, mask, split and optionally pack the dataset described by `cfg`, for training
     method `method` (sft, or a preference method: dpo, orpo, simpo, cpo, kto); grpo: prompt-only records of at most
     `max_prompt_tokens` tokens (finetune.data.prompts). `vision`: a vision-language model's image processor
     (records with images then train; without it they are bad records: the model reads only text). `read`: the
     data as an earlier step read it (`data_read`; the plan's `data_shape`, eval's `check_records` and
-    `built_fingerprint`), whose records, rendering, split and tokens are taken over where they are this build's."""
+    `built_fingerprint`), whose records, rendering, split and tokens are taken over where they are this build's.
+    `held_out_only`: the records data.validation_split holds out alone (`finetune eval` of a run's split): the
+    training part is split off but neither tokenized nor built (an empty `train`, its counts 0)."""
     if data_kind(method) == "prompt":
         return build_prompts(cfg, tokenizer, seed, max_prompt_tokens)
     takes_images = vision is not None
@@ -106,9 +108,10 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
     _add_images(fingerprint, prepared)
     prepared_from = Counter(p.file for p in prepared)
     dropped = _Dropped()
-    train = _fit(train_part, _expand(train_part, _part_tokens(built, takes_images, "train", train_part, tokenizer,
-                                                               cfg.max_seq_len), vision), cfg, encoder, dropped, vision,
-                 built.cuts)
+    train = [] if held_out_only else \
+        _fit(train_part, _expand(train_part, _part_tokens(built, takes_images, "train", train_part, tokenizer,
+                                                          cfg.max_seq_len), vision), cfg, encoder, dropped, vision,
+             built.cuts)
     evaluation = _fit(eval_part, _expand(eval_part, _part_tokens(built, takes_images, "eval", eval_part, tokenizer,
                                                                  cfg.max_seq_len), vision), cfg, encoder, dropped, vision,
                       built.cuts)
@@ -126,7 +129,7 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
                                     left_out + dropped.by_file)
     _count_images(stats, [(item.file, len(item.images)) for item, _ in train + evaluation])
     _check_dropped(cfg, dropped)
-    if not train:
+    if not train and not held_out_only:
         raise DataError(
             f"{cfg.label()}: no training examples left: {stats['dropped_overlong']} longer than data.max_seq_len="
             f"{cfg.max_seq_len} were dropped, {stats['dropped_no_loss']} had no tokens to train on",
@@ -136,7 +139,7 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
         train_examples=len(train), eval_examples=len(evaluation),
         train_tokens=_tokens(train), eval_tokens=_tokens(evaluation),
         loss_tokens=sum(_loss_count(labels) for _, parts in train for _, labels in parts),
-        max_example_tokens=max(len(ids) for _, parts in train for ids, _ in parts),
+        max_example_tokens=max((len(ids) for _, parts in train for ids, _ in parts), default=0),
     )
     kind = data_kind(method)
     train_ds = _dataset(train, cfg, kind)

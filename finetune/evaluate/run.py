@@ -71,7 +71,9 @@ def evaluate(run_dir: str | Path, data: str | Path | None = None, *, compare: li
     for label, model, tokenizer in _models(runs, with_base=compare is not None):
         if examples is None:
             vision = vision_of(run_dir, model, tokenizer)  # a vision-language run: images as it trained on them
-            bundle = build_datasets(cfg, tokenizer, recipe.training.seed, method, vision=vision, read=read)
+            # the run's split: its held-out part alone is tokenized
+            bundle = build_datasets(cfg, tokenizer, recipe.training.seed, method, vision=vision, read=read,
+                                    held_out_only=data is None)
             if data is None:
                 if bundle.eval is None:  # as the run, which then had no evaluation either
                     raise DataError(f"finetune eval {run_dir}: none of the {len(bundle.held_out)} records "
