@@ -144,6 +144,38 @@ def test_eval_without_data_measures_the_runs_own_held_out_split(split_run, capsy
     assert RunDir(split_run).read_evaluation()["models"][0]["loss"] == pytest.approx(tuned["loss"], rel=1e-5)
 
 
+def test_eval_reads_renders_and_tokenizes_its_data_once(split_run, monkeypatch):
+    """The check before a model loads, the split's fingerprint and the build share one read of the data: the
+    file read once, each of its 16 records rendered by the chat template once, and the 4 the split held out
+    tokenized (not the 12 trained on); the loss is still the run's own final evaluation's. With --data: one
+    read too, its records' expected answers taken from it."""
+    import finetune.data.build as build
+    import finetune.data.chat as chat
+
+    counts = {"reads": 0, "renders": 0, "texts": 0}
+    read_files, render, tokenize = build.read_files, chat.ChatEncoder.render, chat.tokenize_prefixes
+
+    def counted(name, function, add=lambda *a, **k: 1):
+        def spy(*args, **kwargs):
+            counts[name] += add(*args, **kwargs)
+            return function(*args, **kwargs)
+        return spy
+
+    monkeypatch.setattr(build, "read_files", counted("reads", read_files))
+    monkeypatch.setattr(chat.ChatEncoder, "render", counted("renders", render))
+    monkeypatch.setattr(chat, "tokenize_prefixes", counted("texts", tokenize, lambda tokenizer, texts, *a, **k: len(texts)))
+    assert main(["eval", str(split_run), "--max-new-tokens", "4"]) == 0
+    assert counts == {"reads": 1, "renders": 16, "texts": 4}
+    final = [row for row in read_jsonl(split_run / "metrics.jsonl") if "eval_loss" in row][-1]
+    assert RunDir(split_run).read_evaluation()["models"][0]["loss"] == pytest.approx(final["eval_loss"], rel=1e-4)
+    counts.update(reads=0, renders=0, texts=0)
+    held_out = sums_data(split_run.parent / "three.jsonl", 3)
+    assert main(["eval", str(split_run), "--data", str(held_out), "--max-new-tokens", "4"]) == 0
+    assert counts == {"reads": 1, "renders": 3, "texts": 3}
+    report = RunDir(split_run).read_evaluation()
+    assert report["with_expected_answer"] == 3 and report["answers"][0]["expected"] == "It is 0."
+
+
 def test_eval_of_a_split_run_whose_training_data_changed_is_refused(split_run, monkeypatch, capsys):
     """The split made again of other records would be other records: refused before a model loads, naming the
     file."""

@@ -24,7 +24,7 @@ from typing import Any
 
 from finetune.data.bundle import DataBundle, _listed, _refuse_bad, _sample, _split, checked
 from finetune.data.chat import IGNORE_INDEX, ChatEncoder, Encoded, encode_text, resolve_template
-from finetune.data.fingerprint import data_fingerprint, images_identity
+from finetune.data.fingerprint import data_fingerprint, images_identity, records_digest
 from finetune.data.fit import Source, cut_prompt
 from finetune.data.formats import (
     FORMATS,
@@ -88,25 +88,34 @@ def evaluable_split(cfg: DataConfig, method: str) -> bool:
 
 
 def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sft",
-                   max_prompt_tokens: int | None = None, vision: VisionData | None = None) -> DataBundle:
+                   max_prompt_tokens: int | None = None, vision: VisionData | None = None,
+                   read: DataRead | None = None, held_out_only: bool = False) -> DataBundle:
     """Read, check, tokenize, mask, split and optionally pack the dataset described by `cfg`, for training
     method `method` (sft, or a preference method: dpo, orpo, simpo, cpo, kto); grpo: prompt-only records of at most
     `max_prompt_tokens` tokens (finetune.data.prompts). `vision`: a vision-language model's image processor
-    (records with images then train; without it they are bad records: the model reads only text)."""
+    (records with images then train; without it they are bad records: the model reads only text). `read`: the
+    data as an earlier step read it (`data_read`; the plan's `data_shape`, eval's `check_records` and
+    `built_fingerprint`), whose records, rendering, split and tokens are taken over where they are this build's.
+    `held_out_only`: the records data.validation_split holds out alone (`finetune eval` of a run's split): the
+    training part is split off but neither tokenized nor built (an empty `train`, its counts 0)."""
     if data_kind(method) == "prompt":
         return build_prompts(cfg, tokenizer, seed, max_prompt_tokens)
-    read = _read(cfg, tokenizer, seed, method)
-    files, formats, fmt, records, encoder, fingerprint = (read.files, read.formats, read.fmt, read.records,
-                                                          read.encoder, read.fingerprint)
-    prepared, problems, train_part, eval_part = _prepared_split(read, cfg, seed, method, vision is not None)
+    takes_images = vision is not None
+    built = _read(cfg, tokenizer, seed, method, read)
+    files, formats, fmt, records, encoder, fingerprint = (built.files, built.formats, built.fmt, built.records,
+                                                          built.encoder, built.fingerprint)
+    prepared, problems, train_part, eval_part = _prepared_split(built, cfg, seed, method, takes_images)
     _add_images(fingerprint, prepared)
     prepared_from = Counter(p.file for p in prepared)
     dropped = _Dropped()
-    train = _fit(train_part, _tokenize(train_part, tokenizer, encoder, cfg.max_seq_len, vision), cfg, encoder, dropped,
-                 vision)
-    evaluation = _fit(eval_part, _tokenize(eval_part, tokenizer, encoder, cfg.max_seq_len, vision), cfg, encoder,
-                      dropped, vision)
-    problems += dropped.bad  # image records too long for max_seq_len (refused in _check_dropped under error)
+    train = [] if held_out_only else \
+        _fit(train_part, _expand(train_part, _part_tokens(built, takes_images, "train", train_part, tokenizer,
+                                                          cfg.max_seq_len), vision), cfg, encoder, dropped, vision,
+             built.cuts)
+    evaluation = _fit(eval_part, _expand(eval_part, _part_tokens(built, takes_images, "eval", eval_part, tokenizer,
+                                                                 cfg.max_seq_len), vision), cfg, encoder, dropped, vision,
+                      built.cuts)
+    problems = problems + dropped.bad  # image records too long for max_seq_len (refused in _check_dropped under error)
     stats: dict[str, Any] = {
         "format": fmt, "records": sum(f.read.total for f in files), "records_used": len(records),
         "bad_records_skipped": len(problems), "bad_records_at": [_where(p) for p in problems[:NAMED_IN_STATS]],
@@ -120,7 +129,7 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
                                     left_out + dropped.by_file)
     _count_images(stats, [(item.file, len(item.images)) for item, _ in train + evaluation])
     _check_dropped(cfg, dropped)
-    if not train:
+    if not train and not held_out_only:
         raise DataError(
             f"{cfg.label()}: no training examples left: {stats['dropped_overlong']} longer than data.max_seq_len="
             f"{cfg.max_seq_len} were dropped, {stats['dropped_no_loss']} had no tokens to train on",
@@ -130,7 +139,7 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
         train_examples=len(train), eval_examples=len(evaluation),
         train_tokens=_tokens(train), eval_tokens=_tokens(evaluation),
         loss_tokens=sum(_loss_count(labels) for _, parts in train for _, labels in parts),
-        max_example_tokens=max(len(ids) for _, parts in train for ids, _ in parts),
+        max_example_tokens=max((len(ids) for _, parts in train for ids, _ in parts), default=0),
     )
     kind = data_kind(method)
     train_ds = _dataset(train, cfg, kind)
@@ -147,10 +156,14 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sf
                       list(held_out.values()))
 
 
+_Split = tuple[list[_Prepared], list[str], list[_Prepared], list[_Prepared]]  # prepared, problems, train, eval
+
+
 @dataclass
 class _Read:
     """The data as read for one build: the files, their formats, the records the mix and max_samples take, the
-    chat encoder and the fingerprint of what decides the examples."""
+    chat encoder, the fingerprint of what decides the examples (and its records' part, `digest`), and what the
+    build made of them so far, kept for the next step that builds the same examples (`DataRead`)."""
 
     files: list[FileRead]
     formats: list[str]
@@ -158,22 +171,81 @@ class _Read:
     records: list[Record]
     encoder: ChatEncoder | None
     fingerprint: dict[str, Any]
+    digest: dict[str, Any]
+    splits: dict[bool, _Split] = field(default_factory=dict)  # _prepared_split's, by model_takes_images
+    tokens: dict[tuple[bool, str], list[Sequences]] = field(default_factory=dict)  # _part_tokens', by split and part
+    # _fit's prompt cuts, by the id of the split's item (the split keeps the items, so the ids stay theirs)
+    cuts: dict[int, Sequences | None] = field(default_factory=dict)
 
 
-def _read(cfg: DataConfig, tokenizer: Any, seed: int, method: str) -> _Read:
+@dataclass
+class DataRead:
+    """The data files as read once for one command: each file parsed and its format (what `check_records`
+    checks), and (`built`) what a build made of them for a tokenizer: the records taken, rendered, split and
+    tokenized, each kept as it is made. Handed from one step of a command to the next (the plan's `data_shape`
+    to the run's `build_datasets`; eval's `check_records`, `built_fingerprint` and build), so that the data is
+    read, rendered and tokenized once; a step whose examples would differ (another data config, seed or
+    tokenizer definition: its fingerprint says) makes its own."""
+
+    cfg: DataConfig
+    method: str
+    files: list[FileRead]
+    formats: list[str]
+    fmt: str
+    built: _Read | None = None
+
+
+def data_read(cfg: DataConfig, method: str = "sft") -> DataRead:
+    """Every file of `cfg` read, each file's format found and checked against `method` (not for prompt-only
+    data: finetune.data.prompts reads that); raises the DataError the build would."""
     files = read_files(cfg)
     formats, fmt = _formats(cfg, files, method)
-    records = _sample(mixed_records(cfg, files, seed), cfg.max_samples, seed)
-    encoder = _encoder(cfg, tokenizer, formats[0])
-    fingerprint = data_fingerprint(cfg, [f.read for f in files], fmt, tokenizer,
-                                   encoder.template if encoder else None, seed, method)
-    return _Read(files, formats, fmt, records, encoder, fingerprint)
+    return DataRead(cfg, method, files, formats, fmt)
 
 
-def _prepared_split(read: _Read, cfg: DataConfig, seed: int, method: str, model_takes_images: bool
-                    ) -> tuple[list[_Prepared], list[str], list[_Prepared], list[_Prepared]]:
+def _read_as(cfg: DataConfig) -> dict[str, Any]:
+    """What decides which files are read, and their records taken, rendered and split: the data config less
+    data.max_pixels (images are expanded after) and data.batching (the order of the steps only)."""
+    return cfg.model_dump(exclude={"max_pixels", "batching"})
+
+
+def _files_of(cfg: DataConfig, method: str, given: DataRead | None) -> DataRead:
+    """`given` where it read these files for this method, else the files read now."""
+    if given is not None and given.method == method and _read_as(given.cfg) == _read_as(cfg):
+        return given
+    return data_read(cfg, method)
+
+
+def _examples_key(fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """The fingerprint less what does not change the examples before their images are expanded: the tokenizer's
+    name (its definition is kept), data.max_pixels and the images' hash (added once the records are rendered)."""
+    settings = {k: v for k, v in fingerprint["settings"].items() if k != "data.max_pixels"}
+    return {**{k: v for k, v in fingerprint.items() if k != "images_sha256"},
+            "tokenizer": fingerprint["tokenizer"]["sha256"], "settings": settings}
+
+
+def _read(cfg: DataConfig, tokenizer: Any, seed: int, method: str, given: DataRead | None = None) -> _Read:
+    """The data read for this build: `given`'s files, and what it built, where its examples are this build's
+    (the same fingerprint but for `_examples_key`'s leave-outs), the fingerprint always this build's."""
+    files = _files_of(cfg, method, given)
+    reads = [f.read for f in files.files]
+    encoder = _encoder(cfg, tokenizer, files.formats[0])
+    template = encoder.template if encoder else None
+    built = files.built
+    digest = built.digest if built is not None else records_digest(cfg, reads)  # of the files alone
+    fingerprint = data_fingerprint(cfg, reads, files.fmt, tokenizer, template, seed, method, digest)
+    if built is not None and _examples_key(fingerprint) == _examples_key(built.fingerprint):
+        return dataclasses.replace(built, encoder=encoder, fingerprint=fingerprint)
+    records = _sample(mixed_records(cfg, files.files, seed), cfg.max_samples, seed)
+    files.built = _Read(files.files, files.formats, files.fmt, records, encoder, fingerprint, digest)
+    return files.built
+
+
+def _prepared_split(read: _Read, cfg: DataConfig, seed: int, method: str, model_takes_images: bool) -> _Split:
     """The records rendered (malformed ones refused or counted as on_bad_record says), the problem lines, and
-    the seeded train and held-out parts (kto on pairs: split by record, then unpaired)."""
+    the seeded train and held-out parts (kto on pairs: split by record, then unpaired); made once per read."""
+    if model_takes_images in read.splits:
+        return read.splits[model_takes_images]
     prepared, problems = _prepare(read.records, read.formats, cfg, read.encoder, model_takes_images)
     _check_packing(cfg, prepared)
     problems = [p for f in read.files for p in f.read.problems] + problems
@@ -181,7 +253,33 @@ def _prepared_split(read: _Read, cfg: DataConfig, seed: int, method: str, model_
     train_part, eval_part = _split(cfg.label(), prepared, cfg.validation_split, seed)
     if data_kind(method) == "kto" and read.formats[0] in PAIR_FORMATS:
         train_part, eval_part = _unpair(train_part), _unpair(eval_part)
-    return prepared, problems, train_part, eval_part
+    read.splits[model_takes_images] = prepared, problems, train_part, eval_part
+    return read.splits[model_takes_images]
+
+
+def _part_tokens(read: _Read, model_takes_images: bool, part: str, items: list[_Prepared], tokenizer: Any,
+                 max_seq_len: int) -> list[Sequences]:
+    """The sequences of a part of the split (`part`: train or eval, its `items`), their images not expanded: a
+    text record's first max_seq_len + 1 tokens (enough to cut or drop it), an image record's whole (cut, or
+    not, once its image tokens are known); tokenized once per read."""
+    key = (model_takes_images, part)
+    if key not in read.tokens:
+        out: list[Sequences] = [[] for _ in items]
+        for whole in (False, True):
+            at = [i for i, x in enumerate(items) if bool(x.images) == whole]
+            for i, parts in zip(at, _tokenize([items[i] for i in at], tokenizer, read.encoder,
+                                              _WHOLE if whole else max_seq_len), strict=True):
+                out[i] = parts
+        read.tokens[key] = out
+    return read.tokens[key]
+
+
+def _expand(items: list[_Prepared], examples: list[Sequences], vision: VisionData | None) -> list[Sequences]:
+    """Each image record's image tokens expanded (`vision`); text records as they are."""
+    if vision is None:
+        return examples
+    return [[vision.expand(e, x.images) for e in parts] if x.images else parts
+            for x, parts in zip(items, examples, strict=True)]
 
 
 def _add_images(fingerprint: dict[str, Any], prepared: list[_Prepared]) -> None:
@@ -191,30 +289,32 @@ def _add_images(fingerprint: dict[str, Any], prepared: list[_Prepared]) -> None:
 
 
 def built_fingerprint(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sft",
-                      model_takes_images: bool = False) -> dict[str, Any]:
+                      model_takes_images: bool = False, read: DataRead | None = None) -> dict[str, Any]:
     """The fingerprint `build_datasets` gives this data (finetune.data.fingerprint), from the records read and
-    rendered, not tokenized: in seconds, before a model loads (`finetune eval` compares a run's with it)."""
-    read = _read(cfg, tokenizer, seed, method)
-    prepared, *_ = _prepared_split(read, cfg, seed, method, model_takes_images)
-    _add_images(read.fingerprint, prepared)
-    return read.fingerprint
+    rendered, not tokenized: in seconds, before a model loads (`finetune eval` compares a run's with it). `read`:
+    the files as already read (`data_read`), which keeps the rendered records for the build."""
+    built = _read(cfg, tokenizer, seed, method, read)
+    prepared, *_ = _prepared_split(built, cfg, seed, method, model_takes_images)
+    _add_images(built.fingerprint, prepared)
+    return built.fingerprint
 
 
 SHAPE_CACHE_VERSION = 1
 
 
 def data_shape(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sft", model_takes_images: bool = False,
-               cache: Path | None = None) -> DataShape:
+               cache: Path | None = None, read: DataRead | None = None) -> DataShape:
     """Every training example's length as `build_datasets` makes it (the same read, sample, split, tokenize and
     fit to max_seq_len; an image record's text tokens and image sizes, its images not expanded: that needs the
     pixel budget the plan chooses), without building the datasets: what the memory plan sizes its batches by.
     Cached in `cache` (a folder) under the data fingerprint, so planning the same data again does not
-    tokenize it again. Raises the DataError the build would (malformed records under on_bad_record: error, no
+    tokenize it again. `read` (`data_read`) keeps what this read and tokenized, for `build_datasets` to take
+    over (`finetune run`: the plan's data is the run's). Raises the DataError the build would (malformed records under on_bad_record: error, no
     example left); prompt-only data (grpo) has no shape here: ValueError."""
     if data_kind(method) == "prompt":
         raise ValueError("prompt-only data: the plan sizes its sequences from the generation settings")
-    read = _read(cfg, tokenizer, seed, method)
-    key = hashlib.sha256(json.dumps([SHAPE_CACHE_VERSION, read.fingerprint, model_takes_images],
+    built = _read(cfg, tokenizer, seed, method, read)
+    key = hashlib.sha256(json.dumps([SHAPE_CACHE_VERSION, _examples_key(built.fingerprint), model_takes_images],
                                     sort_keys=True, default=str).encode()).hexdigest()
     file = cache / f"{key}.json" if cache is not None else None
     if file is not None and file.is_file():
@@ -222,15 +322,15 @@ def data_shape(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sft", 
             return DataShape.from_json(file.read_text())
         except (OSError, ValueError, KeyError, TypeError):
             pass  # a damaged entry: measured again and rewritten
-    _, _, train_part, _ = _prepared_split(read, cfg, seed, method, model_takes_images)
-    text = [x for x in train_part if not x.images]
-    dropped = _Dropped()
-    fitted = _fit(text, _tokenize(text, tokenizer, read.encoder, cfg.max_seq_len), cfg, read.encoder, dropped)
-    with_images = [x for x in train_part if x.images]
-    whole = _tokenize(with_images, tokenizer, read.encoder, _WHOLE)  # cut (or not) once the image tokens are known
+    _, _, train_part, _ = _prepared_split(built, cfg, seed, method, model_takes_images)
+    tokens = _part_tokens(built, model_takes_images, "train", train_part, tokenizer, cfg.max_seq_len)
+    text = [(x, parts) for x, parts in zip(train_part, tokens, strict=True) if not x.images]
+    fitted = _fit([x for x, _ in text], [parts for _, parts in text], cfg, built.encoder, _Dropped(), cuts=built.cuts)
+    # an image record whole: cut (or not) once the image tokens are known
+    with_images = [(x, parts) for x, parts in zip(train_part, tokens, strict=True) if x.images]
     examples = [(max(len(ids) for ids, _ in parts), ()) for _, parts in fitted] + \
         [(max(len(ids) for ids, _ in parts), tuple(image_size(path) for path in item.images))
-         for item, parts in zip(with_images, whole, strict=True)]
+         for item, parts in with_images]
     if not examples:
         raise DataError(f"{cfg.label()}: no training examples left after fitting them to data.max_seq_len="
                         f"{cfg.max_seq_len}", hint="raise data.max_seq_len, or use data.overlong: truncate")
@@ -458,7 +558,7 @@ def _example(record: Record, fmt: str, cfg: DataConfig, folder: str) -> Example:
 
 
 def check_records(cfg: DataConfig, method: str = "sft", model_takes_images: bool = False,
-                  count_image_tokens: TokenCounter | None = None) -> dict[str, Any]:
+                  count_image_tokens: TokenCounter | None = None, read: DataRead | None = None) -> dict[str, Any]:
     """Read and check every record without a tokenizer, in seconds, before a model loads: the file parses,
     its format is known and suits `method`, each record has its fields and its images are readable files
     (headers only; any image is a bad record unless `model_takes_images`, the model family's vision flag);
@@ -467,11 +567,11 @@ def check_records(cfg: DataConfig, method: str = "sft", model_takes_images: bool
     every file of a list, each whole (not only what the mix takes). Raises the DataError build_datasets would;
     returns the format and the counts of records and of malformed ones (and, for a list, `files`: each file's
     path, format, records, bad_records), with `images` and `image_records` (of the good records) when any
-    record has images."""
+    record has images. `read`: the files as already read (`data_read`), handed on to the build after."""
     if data_kind(method) == "prompt":  # prompt-only records (finetune.data.prompts)
         return check_prompt_records(cfg)
-    files = read_files(cfg)
-    formats, fmt = _formats(cfg, files, method)
+    given = _files_of(cfg, method, read)
+    files, formats, fmt = given.files, given.formats, given.fmt
     bad, good = _check_each(cfg, files, formats, model_takes_images, count_image_tokens)
     out = checked(cfg, files, formats, fmt, bad)
     _count_images(out, [(i, len(sizes)) for i, sizes, _ in good])
@@ -550,19 +650,15 @@ def _where(problem: str) -> str:
     return problem.split(": ", 1)[0]
 
 
-def _tokenize(items: list[_Prepared], tokenizer: Any, encoder: ChatEncoder | None, max_seq_len: int,
-              vision: VisionData | None = None) -> list[Sequences]:
-    """Each item's sequences (one, or chosen and rejected), tokenized in one batch; a record's images expanded
-    to their tokens (`vision`)."""
+def _tokenize(items: list[_Prepared], tokenizer: Any, encoder: ChatEncoder | None,
+              max_seq_len: int) -> list[Sequences]:
+    """Each item's sequences (one, or chosen and rejected), tokenized in one batch: at least their first
+    max_seq_len + 1 tokens (`tokenize_prefixes`)."""
     if encoder is None:
         return [[e] for e in encode_text(tokenizer, [x.text for x in items], max_seq_len)]
     chats = [c for x in items for c in (x.chat, x.rejected) if c is not None]
-    # an image record is tokenized whole: its image tokens are expanded before it is fitted to max_seq_len
-    encoded = iter(encoder.encode(chats, max_seq_len if vision is None else _WHOLE))
-    out = [[next(encoded) for _ in range(1 + (x.rejected is not None))] for x in items]
-    if vision is None:
-        return out
-    return [[vision.expand(e, x.images) for e in parts] for x, parts in zip(items, out, strict=True)]
+    encoded = iter(encoder.encode(chats, max_seq_len))
+    return [[next(encoded) for _ in range(1 + (x.rejected is not None))] for x in items]
 
 
 _WHOLE = 1 << 30  # tokens: no cut
@@ -586,11 +682,13 @@ class _Dropped:
 
 
 def _fit(items: list[_Prepared], examples: list[Sequences], cfg: DataConfig, encoder: ChatEncoder | None,
-         dropped: _Dropped, vision: VisionData | None = None) -> list[tuple[_Prepared, Sequences]]:
+         dropped: _Dropped, vision: VisionData | None = None,
+         cuts: dict[int, Sequences | None] | None = None) -> list[tuple[_Prepared, Sequences]]:
     """Apply data.overlong and drop examples without loss tokens, recording both in `dropped`; a preference
     pair is cut, dropped or kept whole. An image record (its images expanded by `vision`) is never cut inside an
-    image's tokens: one whose images end past max_seq_len is a bad record; otherwise only its end is cut."""
-    kept = []
+    image's tokens: one whose images end past max_seq_len is a bad record; otherwise only its end is cut.
+    `cuts`: each item's prompt cut (`cut_prompt`), kept by the read (`_Read.cuts`) for the next fit of it."""
+    kept, cuts = [], {} if cuts is None else cuts
     for item, parts in zip(items, examples, strict=True):
         cut = any(len(ids) > cfg.max_seq_len for ids, _ in parts)
         answered = item.chat is None or all(spans for _, spans in filter(None, (item.chat, item.rejected)))
@@ -606,7 +704,9 @@ def _fit(items: list[_Prepared], examples: list[Sequences], cfg: DataConfig, enc
             continue
         if cut and answered and item.source is not None and not item.images:  # cutting turns would lose images
             assert encoder is not None
-            shorter = cut_prompt(item.source, encoder, cfg.max_seq_len)
+            if id(item) not in cuts:
+                cuts[id(item)] = cut_prompt(item.source, encoder, cfg.max_seq_len)
+            shorter = cuts[id(item)]
             if shorter is not None:
                 parts = shorter
                 dropped.prompts_cut += 1

@@ -51,28 +51,43 @@ def _hashes(read: ReadResult) -> list[str]:
     return [_sha256(json.dumps(r.value, sort_keys=True, default=str)) for r in read.records]
 
 
-def data_fingerprint(cfg: DataConfig, reads: Sequence[ReadResult], fmt: str, tokenizer: Any, template: str | None,
-                     seed: int, method: str) -> dict[str, Any]:
-    """The fingerprint of one build of the data (build_datasets computes it from what it read): `reads`, one
-    per file of `cfg.files()`."""
+def records_digest(cfg: DataConfig, reads: Sequence[ReadResult]) -> dict[str, Any]:
+    """The records' part of the fingerprint: their number and hashes (per file, for a list). It takes a pass over
+    every record, so a build that reuses a read (finetune.data.build.DataRead) computes it once and hands it to
+    `data_fingerprint`."""
     records = [h for read in reads for h in _hashes(read)]
     problems = [p for read in reads for p in read.problems]
-    settings = cfg.model_dump(exclude={"path", "max_seq_len", "format", "batching"})  # batching: the order only
-    settings = {f"data.{k}": v for k, v in settings.items()} | {"training.seed": seed, "training.method": method}
-    out = {
-        "version": VERSION, "path": cfg.label(),
+    out: dict[str, Any] = {
         "records": len(records) + len(problems),
         "content_sha256": _sha256("\n".join(records + problems)),
         "records_sha256_any_order": _sha256("\n".join(sorted(records + problems))),
-        "tokenizer": tokenizer_identity(tokenizer), "max_seq_len": cfg.max_seq_len, "format": fmt,
-        "chat_template_sha256": _sha256(template) if template is not None else None,
-        "settings": settings,
     }
     if is_mix(cfg):
         out["files"] = [{"path": entry.path, "weight": entry.weight, "records": entry.records,
                          "records_read": read.total,
                          "content_sha256": _sha256("\n".join(_hashes(read) + read.problems))}
                         for entry, read in zip(cfg.files(), reads, strict=True)]
+    return out
+
+
+def data_fingerprint(cfg: DataConfig, reads: Sequence[ReadResult], fmt: str, tokenizer: Any, template: str | None,
+                     seed: int, method: str, digest: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The fingerprint of one build of the data (build_datasets computes it from what it read): `reads`, one
+    per file of `cfg.files()`; `digest`: their `records_digest`, where already computed."""
+    digest = records_digest(cfg, reads) if digest is None else digest
+    settings = cfg.model_dump(exclude={"path", "max_seq_len", "format", "batching"})  # batching: the order only
+    settings = {f"data.{k}": v for k, v in settings.items()} | {"training.seed": seed, "training.method": method}
+    out = {
+        "version": VERSION, "path": cfg.label(),
+        "records": digest["records"],
+        "content_sha256": digest["content_sha256"],
+        "records_sha256_any_order": digest["records_sha256_any_order"],
+        "tokenizer": tokenizer_identity(tokenizer), "max_seq_len": cfg.max_seq_len, "format": fmt,
+        "chat_template_sha256": _sha256(template) if template is not None else None,
+        "settings": settings,
+    }
+    if "files" in digest:
+        out["files"] = digest["files"]
     return out
 
 

@@ -11,10 +11,18 @@ from pathlib import Path
 from typing import Any
 
 from finetune.console import progress_bar
-from finetune.data.build import build_datasets, built_fingerprint, check_records, data_kind, evaluable_split
+from finetune.data.build import (
+    DataRead,
+    build_datasets,
+    built_fingerprint,
+    check_records,
+    data_kind,
+    data_read,
+    evaluable_split,
+)
 from finetune.data.fingerprint import DataChanged, data_changes
-from finetune.data.formats import Chat, Example, RecordError, detect_format, images_of, normalize
-from finetune.data.read import Record, read_records
+from finetune.data.formats import Chat, Example, RecordError, images_of, normalize
+from finetune.data.read import Record
 from finetune.errors import DataError, UsageError
 from finetune.evaluate.match import KINDS, score
 from finetune.model.chat import reply
@@ -47,11 +55,14 @@ def evaluate(run_dir: str | Path, data: str | Path | None = None, *, compare: li
     runs = [*(compare or []), run_dir]
     cfg, method = _data_config(recipe, run_dir, data)
     # the file parses and its records have their fields (and readable images), and the run's split is of the
-    # data it trained on: in seconds, before a model loads
-    check_records(cfg, method, model_takes_images=reads_images(recipe))
+    # data it trained on: in seconds, before a model loads; read once, the fingerprint's reading and rendering
+    # handed on to the build
+    read = data_read(cfg, method)
+    check_records(cfg, method, model_takes_images=reads_images(recipe), read=read)
     if data is None:
         tokenizer = load_tokenizer(run.adapter, recipe.model)  # the run's, as the models load it
-        _check_unchanged(run, built_fingerprint(cfg, tokenizer, recipe.training.seed, method, reads_images(recipe)))
+        _check_unchanged(run, built_fingerprint(cfg, tokenizer, recipe.training.seed, method, reads_images(recipe),
+                                                read=read))
     results: list[dict[str, Any]] = []
     answers: list[dict[str, Any]] = []
     examples = prompts = bundle = vision = None
@@ -60,7 +71,9 @@ def evaluate(run_dir: str | Path, data: str | Path | None = None, *, compare: li
     for label, model, tokenizer in _models(runs, with_base=compare is not None):
         if examples is None:
             vision = vision_of(run_dir, model, tokenizer)  # a vision-language run: images as it trained on them
-            bundle = build_datasets(cfg, tokenizer, recipe.training.seed, method, vision=vision)
+            # the run's split: its held-out part alone is tokenized
+            bundle = build_datasets(cfg, tokenizer, recipe.training.seed, method, vision=vision, read=read,
+                                    held_out_only=data is None)
             if data is None:
                 if bundle.eval is None:  # as the run, which then had no evaluation either
                     raise DataError(f"finetune eval {run_dir}: none of the {len(bundle.held_out)} records "
@@ -71,7 +84,7 @@ def evaluate(run_dir: str | Path, data: str | Path | None = None, *, compare: li
                 prompts = expected_answers(bundle.held_out)
             else:
                 examples, records_read = bundle.train, bundle.stats["records"]
-                prompts = expected_answers(_file_examples(cfg.path, cfg.system_prompt))
+                prompts = expected_answers(_file_examples(read, cfg.system_prompt))
             answers = [_answer_row(where, messages, expected) for where, messages, expected in prompts]
             cap = max_new_tokens or answer_cap(tokenizer, [expected for _, _, expected in prompts])
         progress(f"{label}: loss on {len(examples)} examples")
@@ -222,12 +235,11 @@ def expected_answers(examples: Iterable[tuple[Record, Example]]) -> list[tuple[s
     return out
 
 
-def _file_examples(path: str, system_prompt: str | None) -> Iterator[tuple[Record, Example]]:
-    """Each well-formed record of the file `path` with its normalised example."""
-    records = read_records(path).records
-    fmt = detect_format([r.value for r in records])
-    for record in records:
+def _file_examples(read: DataRead, system_prompt: str | None) -> Iterator[tuple[Record, Example]]:
+    """Each well-formed record of the one file `read` (eval --data, as read once) with its normalised example."""
+    (file,), (fmt,) = read.files, read.formats
+    for record in file.read.records:
         try:
-            yield record, normalize(record.value, fmt, system_prompt, Path(path).parent)
+            yield record, normalize(record.value, fmt, system_prompt, Path(file.entry.path).parent)
         except RecordError:
             continue  # build_datasets already reported it (or skips it, as data.on_bad_record says)

@@ -9,14 +9,17 @@ there), the plan keeps max_seq_len, an upper bound, and says so.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from finetune.data.shape import DataShape
 from finetune.errors import FinetuneError
 from finetune.recipe.schema import Recipe
 from finetune.units import cache_dir
+
+if TYPE_CHECKING:
+    from finetune.data.build import DataRead
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,9 @@ class PlannedData:
 
     shape: DataShape | None
     note: str | None = None
+    # the data as read and tokenized for this plan, for a run's build to take over (`read_data(keep_read=True)`
+    # only: the planner's cache keeps the shape, never the records and their tokens)
+    read: DataRead | None = None
 
 
 def _stamps(recipe: Recipe) -> tuple:
@@ -41,20 +47,27 @@ def _stamps(recipe: Recipe) -> tuple:
     return tuple(out)
 
 
-def read_data(recipe: Recipe, takes_images: bool, planner: Any) -> PlannedData:
+def read_data(recipe: Recipe, takes_images: bool, planner: Any, keep_read: bool = False) -> PlannedData:
     """The recipe's training examples as `finetune.data.build.data_shape` measures them with the model's own
-    tokenizer (never downloaded or converted here), remembered by `planner` per data and file versions and
-    cached on disk under the data fingerprint; else a PlannedData with the reason in its note. Prompt-only
-    data (grpo) is sized by its generation settings: no shape, no note."""
+    tokenizer (never downloaded or converted here), remembered by `planner` per data (but data.max_pixels and
+    data.batching, which the shape does not depend on: a plan per pixel budget, an out-of-memory re-plan of the
+    chosen settings read nothing again) and file versions, and cached on disk under the data fingerprint; else
+    a PlannedData with the reason in its note. Prompt-only data (grpo) is sized by its generation settings: no
+    shape, no note. `keep_read`: read now, and the PlannedData keeps the data as read and tokenized (`read`),
+    which `finetune run` hands to its build."""
     if recipe.training.spec.generates:
         return PlannedData(None)
-    key = (recipe.data.model_dump_json(), recipe.model.path, recipe.model.revision, recipe.training.method,
-           recipe.training.seed, takes_images, _stamps(recipe))
-    return planner.data.get_or_compute(key, lambda: _read(recipe, takes_images))
+    key = (recipe.data.model_dump_json(exclude={"max_pixels", "batching"}), recipe.model.path,
+           recipe.model.revision, recipe.training.method, recipe.training.seed, takes_images, _stamps(recipe))
+    if not keep_read:  # the planner's cache keeps the shape, never the records and their tokens
+        return planner.data.get_or_compute(key, lambda: replace(_read(recipe, takes_images), read=None))
+    planned = _read(recipe, takes_images)
+    planner.data.get_or_compute(key, lambda: replace(planned, read=None))
+    return planned
 
 
 def _read(recipe: Recipe, takes_images: bool) -> PlannedData:
-    from finetune.data.build import data_shape
+    from finetune.data.build import data_read, data_shape
     from finetune.model.load import local_tokenizer
 
     bound = f"planned for data.max_seq_len {recipe.data.max_seq_len:,} (an upper bound)"
@@ -62,8 +75,9 @@ def _read(recipe: Recipe, takes_images: bool) -> PlannedData:
     if tokenizer is None:
         return PlannedData(None, f"{bound}: the data was not tokenized before the plan: {why}")
     try:
+        read = data_read(recipe.data, recipe.training.method)
         shape = data_shape(recipe.data, tokenizer, recipe.training.seed, recipe.training.method, takes_images,
-                           cache=cache_dir() / "data_shapes")
+                           cache=cache_dir() / "data_shapes", read=read)
     except FinetuneError as exc:
         return PlannedData(None, f"{bound}: the data could not be read before the plan: {exc.message}")
-    return PlannedData(shape)
+    return PlannedData(shape, read=read)

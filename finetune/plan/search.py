@@ -440,10 +440,19 @@ def _stat(path: str) -> os.stat_result | None:
         return None
 
 
-def planned_data(recipe: Recipe, config: Any, planner: Planner = DEFAULT) -> PlannedData:
-    """The recipe's data as the plan sizes its batches (`finetune.plan.data.read_data`)."""
+def planned_data(recipe: Recipe, config: Any, planner: Planner = DEFAULT, keep_read: bool = False) -> PlannedData:
+    """The recipe's data as the plan sizes its batches (`finetune.plan.data.read_data`; `keep_read`: with the
+    data as read and tokenized)."""
     family = family_for(model_type_of(config))
-    return read_data(recipe, family is not None and family.vision is not None, planner)
+    return read_data(recipe, family is not None and family.vision is not None, planner, keep_read)
+
+
+def data_for_run(recipe: Recipe, planner: Planner = DEFAULT) -> PlannedData:
+    """The recipe's data as `predict` reads it, read now for a run: its shape left in the planner's cache for
+    `predict`, the data as read and tokenized (`PlannedData.read`) for the run's build to take over, so that a
+    run tokenizes its data once (finetune.train.run)."""
+    config = planned_config(recipe.model.path, recipe.model.trust_remote_code, planner)
+    return planned_data(resolve_init_from(recipe), config, planner, keep_read=True)
 
 
 @dataclass(frozen=True)

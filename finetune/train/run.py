@@ -10,6 +10,7 @@ import errno
 import shutil
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,7 @@ from finetune.data.fingerprint import DataChanged, check_resumed_data
 from finetune.errors import FinetuneError, RecipeError, UsageError
 from finetune.memory.offload import activation_offload, preflight_offload
 from finetune.plan import Plan, blocked_by_room, predict, room_error
+from finetune.plan.search import data_for_run
 from finetune.recipe.batch_rules import apply_batch_rules, reference_batch
 from finetune.recipe.init_from import init_from_record, resolve_init_from
 from finetune.recipe.load import load_recipe, recipe_to_yaml
@@ -67,6 +69,7 @@ from finetune.train.train_state import load_checkpoint
 from finetune.units import format_bytes
 
 if TYPE_CHECKING:
+    from finetune.data.build import DataRead
     from finetune.data.bundle import DataBundle
     from finetune.data.vision import VisionData
     from finetune.model.load import LoadedModel
@@ -107,8 +110,9 @@ def _prepare_run_dir(recipe: Recipe, resume: bool, overwrite: bool, held: list[R
     return run, None
 
 
-def _plan(recipe: Recipe) -> tuple[Plan | None, Recipe]:
-    """Plan the memory before loading anything; `auto` settings become the planner's choice.
+def _plan(recipe: Recipe, keep: Callable[[DataRead], None]) -> tuple[Plan | None, Recipe]:
+    """Plan the memory before loading anything; `auto` settings become the planner's choice. The data the plan
+    reads and tokenizes goes to `keep`, for the build to take over (read and tokenized once).
 
     A plan that cannot be made stops the run: the fit the plan promises is never dropped silently. Only
     `memory.plan: false` (`finetune run --no-plan`) trains without one, and only where every open `auto`
@@ -126,7 +130,9 @@ def _plan(recipe: Recipe) -> tuple[Plan | None, Recipe]:
                       + (f"; {chosen}" if chosen else ""))
         return None, write_settings(recipe, {s.name: s.fallback for s in open_settings})
     try:
-        plan = predict(recipe)
+        if (read := data_for_run(recipe).read) is not None:
+            keep(read)
+        plan = predict(recipe)  # finds the data's shape in the planner's cache
     except FinetuneError:
         raise
     except Exception as exc:
@@ -307,6 +313,7 @@ class _Prepared:
 
     config: RunConfig
     plan: Plan | None
+    data: DataRead | None = None  # rank 0: the data as the plan read and tokenized it, until the build takes it over
 
     @property
     def recipe(self) -> Recipe:
@@ -360,9 +367,11 @@ def _prepare(recipe: Recipe, run_dir: RunDir, checkpoint: str | None, main: bool
     if checkpoint and run_dir.recipe.is_file():
         saved = load_recipe(run_dir.recipe)
         recipe = keep_recovered(keep_resolved(recipe, saved), saved, run_dir.root)
-    plan, recipe = distributed.on_main(lambda: _plan(recipe))  # one plan for all processes
+    read: list[DataRead] = []  # kept on rank 0, not sent to the other processes with the plan
+    plan, recipe = distributed.on_main(lambda: _plan(recipe, read.append))  # one plan for all processes
     recipe, rule = apply_batch_rules(recipe, reference)
-    prepared = _Prepared(resolve(recipe), plan)  # no `auto` left in the settings the run trains with
+    # no `auto` left in the settings the run trains with
+    prepared = _Prepared(resolve(recipe), plan, read[0] if read else None)
     if main:
         if rule is not None:
             console.print(f"batch rules: {rule.describe()}")
@@ -387,7 +396,8 @@ def _build(prepared: _Prepared, run_dir: RunDir, checkpoint: str | None, stopper
     trainable, total = count_parameters(model)
     console.print(f"model: {recipe.model.path}  trainable {trainable:,} of {total:,} parameters "
                   f"({100 * trainable / max(total, 1):.2f}%)")
-    data = _data(recipe, tokenizer, vision, run_dir, checkpoint, allow_data_change, main)
+    data = _data(recipe, tokenizer, vision, run_dir, checkpoint, allow_data_change, main, prepared.data)
+    prepared.data = None  # built: training holds the datasets, not the records and tokens they were made from
     if main and checkpoint:
         _save_run_files(run_dir, prepared.plan, recipe)
     if recipe.training.precompute_reference:  # before the loop: no optimizer state or gradients yet
@@ -476,13 +486,14 @@ def _preference_kernels_line(model: torch.nn.Module, recipe: Recipe, run_dir: Ru
 
 
 def _data(recipe: Recipe, tokenizer: Any, vision: VisionData | None, run_dir: RunDir, checkpoint: str | None,
-          allow_data_change: bool, main: bool) -> DataBundle:
+          allow_data_change: bool, main: bool, read: DataRead | None = None) -> DataBundle:
     """The training method's data (its images through `vision`, a vision-language model's), its fingerprint checked against a resumed run's (`DataChanged`) and saved,
-    its counts and warnings on screen and (rank 0) in the run directory."""
+    its counts and warnings on screen and (rank 0) in the run directory. `read`: the data as the plan read and
+    tokenized it, which the build takes over where its examples are the build's (finetune.data.build.DataRead)."""
     from finetune.data import build_datasets
 
     data = build_datasets(recipe.data, tokenizer, recipe.training.seed, recipe.training.method,
-                          max_prompt_tokens(recipe) if recipe.training.spec.generates else None, vision)
+                          max_prompt_tokens(recipe) if recipe.training.spec.generates else None, vision, read)
     console.print(f"data: {data.summary()} (every count: {run_dir.data_stats})", markup=False, highlight=False)
     distributed.on_main(lambda: _record_data(run_dir, data.fingerprint, checkpoint is not None, allow_data_change))
     for warning in data.warnings:
