@@ -151,6 +151,33 @@ def test_image_records_are_tokenized_once_and_expanded_by_the_build(tmp_path, mo
     _same(bundle, apart)
 
 
+
+def test_the_shape_lists_text_and_image_records_in_the_runs_order(tmp_path):
+    """Text records among image records: the plan's shape keeps the build's order (the planner pairs examples
+    into micro-batches as the run will), with each text example's fitted length, a dropped one left out."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from finetune.model.vision import vision_data
+    from finetune.testing import vision_model
+
+    folder = vision_model("qwen2_5_vl", tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    chat = [{"role": "user", "content": "Hi " * 3}, {"role": "assistant", "content": "Hello there."}]
+    records = []
+    for i in range(6):
+        records.append(record([str(picture(tmp_path / f"{i}.png", (40 + 8 * i, 30)))]))
+        records.append({"messages": [{**chat[0], "content": "Hi " * (2 + 9 * i)}, chat[1]]})
+    records.append({"messages": [{"role": "user", "content": "No answer."}]})  # dropped: nothing to train on
+    cfg = DataConfig(path=str(write(tmp_path / "d.json", records)), max_seq_len=40, overlong="truncate",
+                     validation_split=0.25, on_bad_record="skip")
+    shape = data_shape(cfg, tokenizer, 1, model_takes_images=True)
+    vision = vision_data(AutoConfig.from_pretrained(folder), folder, tokenizer, 64 * 28 * 28)
+    train = build_datasets(cfg.model_copy(update={"max_pixels": 64 * 28 * 28}), tokenizer, 1, vision=vision).train
+    assert [bool(sizes) for sizes in shape.images] == [bool(e.get("images")) for e in train]
+    assert len({bool(sizes) for sizes in shape.images[:4]}) == 2, "the split keeps the two kinds interleaved"
+    assert [n for n, sizes in zip(shape.lengths, shape.images, strict=True) if not sizes] == \
+        [len(e["input_ids"]) for e in train if not e.get("images")]
+
 def test_the_plan_and_a_replan_of_the_chosen_settings_read_the_data_once(
         tmp_path, tiny_model_dir, monkeypatch):
     """The planner remembers the data's shape whatever data.batching and data.max_pixels are (the plan chooses

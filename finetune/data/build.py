@@ -299,7 +299,7 @@ def built_fingerprint(cfg: DataConfig, tokenizer: Any, seed: int, method: str = 
     return built.fingerprint
 
 
-SHAPE_CACHE_VERSION = 1
+SHAPE_CACHE_VERSION = 2
 
 
 def data_shape(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sft", model_takes_images: bool = False,
@@ -325,12 +325,15 @@ def data_shape(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sft", 
     _, _, train_part, _ = _prepared_split(built, cfg, seed, method, model_takes_images)
     tokens = _part_tokens(built, model_takes_images, "train", train_part, tokenizer, cfg.max_seq_len)
     text = [(x, parts) for x, parts in zip(train_part, tokens, strict=True) if not x.images]
-    fitted = _fit([x for x, _ in text], [parts for _, parts in text], cfg, built.encoder, _Dropped(), cuts=built.cuts)
-    # an image record whole: cut (or not) once the image tokens are known
-    with_images = [(x, parts) for x, parts in zip(train_part, tokens, strict=True) if x.images]
-    examples = [(max(len(ids) for ids, _ in parts), ()) for _, parts in fitted] + \
-        [(max(len(ids) for ids, _ in parts), tuple(image_size(path) for path in item.images))
-         for item, parts in with_images]
+    fitted = {id(x): parts for x, parts in
+              _fit([x for x, _ in text], [parts for _, parts in text], cfg, built.encoder, _Dropped(), cuts=built.cuts)}
+    # in the run's order (the plan pairs examples into micro-batches as the run does); an image record whole:
+    # cut (or not) once the image tokens are known
+    examples = [(max(len(ids) for ids, _ in parts), tuple(image_size(path) for path in item.images))
+                for item, parts in ((x, parts if x.images else fitted.get(id(x)))
+                                    for x, parts in zip(train_part, tokens, strict=True))
+                if parts is not None]
+    with_images = any(x.images for x in train_part)
     if not examples:
         raise DataError(f"{cfg.label()}: no training examples left after fitting them to data.max_seq_len="
                         f"{cfg.max_seq_len}", hint="raise data.max_seq_len, or use data.overlong: truncate")
