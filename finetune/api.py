@@ -330,7 +330,8 @@ def evaluate(run_dir: str | Path, data: str | Path | None = None, *, compare: li
              ) -> dict[str, Any]:
     """Held-out loss, perplexity and answer matches of the run on `data`, or (None) on the records its
     data.validation_split held out (with `compare`: the base model and the runs listed beside it); also saved
-    as the run's evaluation.json (finetune.evaluate.run). Refused, as export is, while a run, a resume or an
+    as the run's evaluation.json (finetune.evaluate.run). A preference run (dpo, orpo, simpo, cpo) is measured
+    on chosen/rejected pairs instead: preference accuracy, reward margin, the chosen answers' NLL. Refused, as export is, while a run, a resume or an
     export holds the run directory."""
     from finetune.evaluate.run import evaluate as _evaluate
 

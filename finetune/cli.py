@@ -144,9 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "{\"error\": message, \"exit_code\": n} (json)")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("eval", help="held-out loss, perplexity and answer matches of a run (vs its base model)")
+    p = sub.add_parser("eval", help="held-out loss, perplexity and answer matches of a run (vs its base model); "
+                       "of a dpo, orpo, simpo or cpo run: preference accuracy and margins on held-out pairs")
     p.add_argument("run_dir", help="a run directory")
-    p.add_argument("--data", help="records the run did not train on (any training data format); a chat record's "
+    p.add_argument("--data", help="records the run did not train on (any training data format; chosen/rejected "
+                   "pairs for a dpo, orpo, simpo or cpo run); a chat record's "
                    "last answer, or its \"expected\" string, is what a generation is matched to (default: the "
                    "records the run's data.validation_split held out of its training data)")
     p.add_argument("--compare", nargs="*", metavar="OTHER_RUN", default=None,

@@ -179,11 +179,10 @@ def memory_line(memory: RunMemory) -> str:
 
 def render_evaluation(report: dict[str, Any], console: Console | None = None) -> None:
     """`finetune eval`: one row per model (base model, other runs, the run), then where it was saved."""
-    from finetune.evaluate.report import table
+    from finetune.evaluate.report import caption, table
 
     headers, rows = table(report)
-    out = Table(*headers, title=f"{report['records_read']} held-out records read, {report['examples_kept']} examples "
-                f"kept ({report['with_expected_answer']} with an expected answer)")
+    out = Table(*headers, title=caption(report))
     for row in rows:
         out.add_row(*row)
     console = console or Console()

@@ -104,7 +104,8 @@ class EvaluationTable(TypedDict):
     data: str | None
     records_read: int | None  # records in the data file, bad ones included (None: a file of an older version)
     examples_kept: int | None  # the examples the loss was measured on
-    with_expected_answer: int | None
+    with_expected_answer: int | None  # None for a preference run's pairs
+    preference: dict[str, Any] | None  # a preference run's pairs: method, beta, reference (None: sft records)
 
 
 class BatchReport(TypedDict):

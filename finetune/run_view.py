@@ -68,7 +68,7 @@ def view_of(run: str | Path | RunView) -> RunView:
 
 def run_evaluation_table(run: str | Path | RunView) -> EvaluationTable | None:
     """The run's latest `finetune eval` as {"headers", "rows" (one per model), "data", "records_read",
-    "examples_kept", "with_expected_answer"}, or None before one ran."""
+    "examples_kept", "with_expected_answer", "preference"}, or None before one ran."""
     report = view_of(run).evaluation
     if not report or not report.get("models"):
         return None
@@ -77,7 +77,7 @@ def run_evaluation_table(run: str | Path | RunView) -> EvaluationTable | None:
     headers, rows = table(report)
     return {"headers": headers, "rows": rows, "data": report.get("data"), "records_read": report.get("records_read"),
             "examples_kept": report.get("examples_kept", report.get("records")),  # "records": an older file's name
-            "with_expected_answer": report.get("with_expected_answer")}
+            "with_expected_answer": report.get("with_expected_answer"), "preference": report.get("preference")}
 
 
 def plan_at_seen_length(run: str | Path | RunView) -> SeenLengthPlan | None:

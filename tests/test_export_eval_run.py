@@ -200,8 +200,8 @@ def test_eval_of_a_split_run_whose_training_data_changed_is_refused(split_run, m
 
 @pytest.mark.parametrize(("overrides", "why"), [
     ({}, "holds no records out of its training data (data.validation_split is 0)"),
-    ({"data": {"validation_split": 0.25}, "training": {"method": "dpo"}},
-     "is a dpo run: its held-out records are preference data, which eval does not measure"),
+    ({"data": {"validation_split": 0.25}, "training": {"method": "kto"}},
+     "is a kto run: its held-out records are answers labelled good or bad, not pairs, which eval does not measure"),
 ])
 def test_eval_without_data_of_a_run_with_no_split_to_measure_is_a_one_line_usage_error(
         tmp_path, tiny_model_dir, monkeypatch, capsys, overrides, why):

@@ -443,9 +443,12 @@ def evaluation_markdown(evaluation: dict[str, Any] | None) -> str:
     if evaluation is None:
         return ""
     read = "" if evaluation["records_read"] is None else f"{evaluation['records_read']} records read, "
-    lines = [f"{read}{evaluation['examples_kept']} examples kept of `{evaluation['data']}`, "
-             f"{evaluation['with_expected_answer']} with an expected answer (greedy generations; exact, contains "
-             "and numeric match)", "",
+    how = evaluation.get("preference")
+    measured = (f"preference pairs of a {how.get('method')} run (log-probabilities of chosen and rejected; reward "
+                f"vs {how.get('reference') or 'no reference'})" if isinstance(how, dict) else
+                f"{evaluation['with_expected_answer']} with an expected answer (greedy generations; exact, contains "
+                "and numeric match)")
+    lines = [f"{read}{evaluation['examples_kept']} examples kept of `{evaluation['data']}`, {measured}", "",
              "| " + " | ".join(evaluation["headers"]) + " |", "|" + "---|" * len(evaluation["headers"])]
     lines += ["| " + " | ".join(row) + " |" for row in evaluation["rows"]]
     return "\n".join(lines)

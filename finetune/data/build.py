@@ -83,8 +83,9 @@ def data_kind(method: str) -> str:
 
 def evaluable_split(cfg: DataConfig, method: str) -> bool:
     """Whether the run holds records out (data.validation_split) that `finetune eval` can measure without
-    --data: records with answers to score (sft data; a preference or prompt-only method's are not)."""
-    return cfg.validation_split > 0 and data_kind(method) == "sft"
+    --data: records with answers to score (sft data) or preference pairs (dpo, orpo, simpo, cpo); kto's labelled
+    answers and a prompt-only method's prompts are not."""
+    return cfg.validation_split > 0 and data_kind(method) in ("sft", "pair")
 
 
 def build_datasets(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sft",

@@ -1,6 +1,7 @@
 """Evaluate runs on the user's held-out records, or on a run's own held-out split: loss and perplexity on the
 tokens a run trains on (the assistant turns of chat records, all of a text record), and for records with an
-expected answer the greedy generation scored by finetune.evaluate.match. The base model and every run are
+expected answer the greedy generation scored by finetune.evaluate.match; for a preference run (dpo, orpo,
+simpo, cpo), its chosen/rejected pairs instead (finetune.evaluate.pairs). The base model and every run are
 measured on the same tokens."""
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ from finetune.data.formats import Chat, Example, RecordError, images_of, normali
 from finetune.data.read import Record
 from finetune.errors import DataError, UsageError
 from finetune.evaluate.match import KINDS, score
+from finetune.evaluate.pairs import pair_measures
 from finetune.model.chat import reply
 from finetune.model.load import load_tokenizer
 from finetune.model.trained import load_adapters, load_run, load_trained, loaded, reads_images, vision_of
 from finetune.recipe.schema import DataConfig, Recipe
 from finetune.rundir import RunDir, atomic_write_json, read_json
+from finetune.step.preference import PreferenceLoss
 from finetune.train.streamed_load import streamed_use
 
 BASE = "base model"
@@ -50,14 +53,18 @@ def evaluate(run_dir: str | Path, data: str | Path | None = None, *, compare: li
     tokens + ANSWER_MARGIN, `answer_cap`: enough for an answer to be matched, short of the minutes a model that
     never ends its turn would spend); the answers cut there are counted per model (`capped`). `progress` gets
     a line as each model's phase starts; the answers' progress is a bar on a terminal, else a line each tenth
-    or 30 s (finetune.console.progress_bar)."""
+    or 30 s (finetune.console.progress_bar). A preference run (dpo, orpo, simpo, cpo) is measured on pairs,
+    its split's or the file's (`pair_measures`: no answers generated, `max_new_tokens` unused); a kto run's
+    split is refused (its answers are unpaired)."""
     recipe, run = load_run(run_dir)
     runs = [*(compare or []), run_dir]
     cfg, method = _data_config(recipe, run_dir, data)
+    # a preference run's pairs: measured by its method's log-probabilities and loss (no answers generated)
+    pairs = PreferenceLoss.of(recipe.training) if data_kind(method) == "pair" else None
     # the file parses and its records have their fields (and readable images), and the run's split is of the
     # data it trained on: in seconds, before a model loads; read once, the fingerprint's reading and rendering
     # handed on to the build
-    read = data_read(cfg, method)
+    read = _read_data(cfg, method, data)
     check_records(cfg, method, model_takes_images=reads_images(recipe), read=read)
     if data is None:
         tokenizer = load_tokenizer(run.adapter, recipe.model)  # the run's, as the models load it
@@ -81,12 +88,17 @@ def evaluate(run_dir: str | Path, data: str | Path | None = None, *, compare: li
                                     f"than data.max_seq_len={cfg.max_seq_len} or without answer tokens)",
                                     hint="give held-out records with --data FILE")
                 examples, records_read = bundle.eval, len(bundle.held_out)
-                prompts = expected_answers(bundle.held_out)
+                prompts = expected_answers(bundle.held_out) if pairs is None else []
             else:
                 examples, records_read = bundle.train, bundle.stats["records"]
-                prompts = expected_answers(_file_examples(read, cfg.system_prompt))
+                prompts = expected_answers(_file_examples(read, cfg.system_prompt)) if pairs is None else []
             answers = [_answer_row(where, messages, expected) for where, messages, expected in prompts]
             cap = max_new_tokens or answer_cap(tokenizer, [expected for _, _, expected in prompts])
+        if pairs is not None:  # held-out pairs: preference accuracy, margins, the chosen answers' NLL
+            progress(f"{label}: preferences on {len(examples)} pairs")
+            results.append({"label": label, **pair_measures(model, examples, bundle.collator, pairs,
+                                                            is_base=label == BASE)})
+            continue
         progress(f"{label}: loss on {len(examples)} examples")
         loss, tokens = held_out_loss(model, examples, bundle.collator)
         scores = {kind: [] for kind in KINDS}
@@ -110,32 +122,53 @@ def evaluate(run_dir: str | Path, data: str | Path | None = None, *, compare: li
     # dropped or with no answer tokens is not)
     used = (str(Path(data).resolve()) if data is not None
             else f"held-out split of {cfg.label()} ({records_read} records)")
-    report = {"data": used, "records_read": records_read, "examples_kept": len(examples),
-              "with_expected_answer": len(answers),
-              "max_new_tokens": cap, "max_new_tokens_from": "given" if max_new_tokens else "expected answers",
-              "models": results, "answers": answers}
+    if pairs is not None:  # no answers generated: what the pairs were measured by instead
+        how = {"preference": {"method": method, "beta": pairs.beta,
+                              "reference": "base model (adapters off)" if pairs.uses_reference else None}}
+    else:
+        how = {"with_expected_answer": len(answers), "max_new_tokens": cap,
+               "max_new_tokens_from": "given" if max_new_tokens else "expected answers"}
+    report = {"data": used, "records_read": records_read, "examples_kept": len(examples), **how,
+              "models": results, **({"answers": answers} if pairs is None else {})}
     atomic_write_json(RunDir(run.root).evaluation, report)
     return report
 
 
 def _data_config(recipe: Recipe, run_dir: str | Path, data: str | Path | None) -> tuple[DataConfig, str]:
-    """(data config, training method) the evaluation builds its examples by: the file `data` read whole as
-    sft records, or (None) the run's own data as it trained on it, unpacked (packing joins examples into rows,
-    and the split is made before it); UsageError where that is not there to measure."""
+    """(data config, training method) the evaluation builds its examples by: the file `data` read whole (as
+    the run's preference pairs for a dpo, orpo, simpo or cpo run, else as sft records), or (None) the run's own
+    data as it trained on it, unpacked (packing joins examples into rows, and the split is made before it);
+    UsageError where that is not there to measure."""
+    method = recipe.training.method
     if data is not None:
         if not Path(data).is_file():
             raise UsageError(f"eval --data {data}: no such file", hint="give a file of held-out records "
                              "(.jsonl, .json, .csv or .parquet, in any training data format)")
         return recipe.data.model_copy(update={"path": str(data), "format": "auto", "validation_split": 0.0,
-                                              "packing": False, "max_samples": None}), "sft"
-    method = recipe.training.method
+                                              "packing": False, "max_samples": None}), \
+            method if data_kind(method) == "pair" else "sft"
     if not evaluable_split(recipe.data, method):
+        kind = data_kind(method)
         why = ("holds no records out of its training data (data.validation_split is 0)"
                if recipe.data.validation_split == 0 else
                f"is a {method} run: its held-out records are "
-               f"{'prompts' if data_kind(method) == 'prompt' else 'preference data'}, which eval does not measure")
+               f"{'prompts' if kind == 'prompt' else 'answers labelled good or bad, not pairs'}, which eval does not "
+               "measure")
         raise UsageError(f"finetune eval {run_dir}: the run {why}; give held-out records with --data FILE")
     return recipe.data.model_copy(update={"packing": False}), method
+
+
+def _read_data(cfg: DataConfig, method: str, data: str | Path | None) -> DataRead:
+    """`data_read`; for the --data file of a preference run, its DataError says it was eval's file, and what a
+    preference run's file holds (not how to train on it)."""
+    try:
+        return data_read(cfg, method)
+    except DataError as exc:
+        if data is None or data_kind(method) != "pair":
+            raise
+        raise DataError(f"eval --data: {exc.message}", problems=exc.problems,
+                        hint=f"give records with prompt/chosen/rejected to measure a {method} run's preferences"
+                        ) from None
 
 
 def _check_unchanged(run: RunDir, now: dict[str, Any]) -> None:

@@ -293,16 +293,22 @@ def preference_loss(model: torch.nn.Module, inputs: Mapping[str, Any], loss: Pre
         if ref is None and loss.uses_reference:
             ref = reference_logps(model, inputs, chunked or loss.fused)
         logps, counts = sequence_logps(model, inputs, chunked or loss.fused)
-    ref = ref if ref is not None else torch.zeros_like(logps)
+    ours = objective_of(loss, logps, ref if ref is not None else torch.zeros_like(logps), counts, kto_label, metrics)
+    return fused[0] if fused is not None else ours
+
+
+def objective_of(loss: PreferenceLoss, logps: torch.Tensor, ref: torch.Tensor, counts: torch.Tensor,
+                 kto_label: torch.Tensor | None = None, metrics: Metrics | None = None) -> torch.Tensor:
+    """The method's loss (its registry entry's formula) from the rows' sequence log-probabilities, reference
+    log-probabilities and labelled-token counts (pairs: chosen rows then rejected rows); adds its rewards,
+    margins and accuracy to `metrics`. What the step's loss and `finetune eval`'s held-out pairs both use."""
     spec = method_spec(loss.method)
     objective = resolve(spec.loss)
     if spec.data_kind == "kto":
-        ours, stats = objective(loss, logps, ref, kto_label)
+        value, stats = objective(loss, logps, ref, kto_label)
     else:
         n = logps.shape[0] // 2
-        pc, pr, rc, rr, cc, cr = logps[:n], logps[n:], ref[:n], ref[n:], counts[:n], counts[n:]
-        ours, stats = objective(loss, pc, pr, rc, rr, cc, cr)
-    value = fused[0] if fused is not None else ours
+        value, stats = objective(loss, logps[:n], logps[n:], ref[:n], ref[n:], counts[:n], counts[n:])
     if metrics is not None:
         for name, (total, count) in stats.items():
             entry = metrics.setdefault(name, [0.0, 0.0])
