@@ -5,6 +5,7 @@ accuracy and margin against the base model, and the chosen answers' NLL per toke
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -112,6 +113,21 @@ def test_a_file_of_pairs_is_measured_as_pairs(dpo_run, tmp_path):
     (tuned,) = report["models"]
     assert tuned["pairs"] == 5 and tuned["prefers_chosen"] > 0.5
 
+
+
+def test_a_file_of_conversations_is_measured_as_for_an_sft_run(dpo_run, tmp_path):
+    """A dpo run given held-out conversations with expected answers: their loss and greedy answers, as for
+    an sft run (the file's format decides, not the run's method)."""
+    data = tmp_path / "questions.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Say {c}."},
+                                                     {"role": "assistant", "content": f"{c} {c}."}],
+                                        "expected": c}) + "\n" for c in ("red", "blue", "green")))
+    run = shutil.copytree(dpo_run, tmp_path / "run")  # its evaluation.json is the other tests'
+    assert main(["eval", str(run), "--data", str(data), "--max-new-tokens", "4"]) == 0
+    report = RunDir(run).read_evaluation()
+    assert "preference" not in report and report["with_expected_answer"] == 3 and len(report["answers"]) == 3
+    (tuned,) = report["models"]
+    assert tuned["loss_tokens"] > 0 and tuned["perplexity"] > 1
 
 def test_a_file_without_pairs_is_a_one_line_error(dpo_run, tmp_path, monkeypatch, capsys):
     import finetune.evaluate.run as evaluate_run

@@ -204,6 +204,15 @@ def data_read(cfg: DataConfig, method: str = "sft") -> DataRead:
     return DataRead(cfg, method, files, formats, fmt)
 
 
+def data_read_as(cfg: DataConfig, method_for: Callable[[str], str]) -> DataRead:
+    """`data_read` for data whose method follows its format (`method_for`: the data's format -> the method it
+    is read and checked for): `finetune eval --data` of a preference run measures pairs as pairs and
+    conversations as sft records."""
+    files = read_files(cfg)
+    formats, fmt = _formats(cfg, files, method_for(_formats(cfg, files, None)[1]))
+    return DataRead(cfg, method_for(fmt), files, formats, fmt)
+
+
 def _read_as(cfg: DataConfig) -> dict[str, Any]:
     """What decides which files are read, and their records taken, rendered and split: the data config less
     data.max_pixels (images are expanded after) and data.batching (the order of the steps only)."""

@@ -19,10 +19,11 @@ from finetune.data.build import (
     check_records,
     data_kind,
     data_read,
+    data_read_as,
     evaluable_split,
 )
 from finetune.data.fingerprint import DataChanged, data_changes
-from finetune.data.formats import Chat, Example, RecordError, images_of, normalize
+from finetune.data.formats import PREFERENCE_FORMATS, Chat, Example, RecordError, images_of, normalize
 from finetune.data.read import Record
 from finetune.errors import DataError, UsageError
 from finetune.evaluate.match import KINDS, score
@@ -59,12 +60,13 @@ def evaluate(run_dir: str | Path, data: str | Path | None = None, *, compare: li
     recipe, run = load_run(run_dir)
     runs = [*(compare or []), run_dir]
     cfg, method = _data_config(recipe, run_dir, data)
-    # a preference run's pairs: measured by its method's log-probabilities and loss (no answers generated)
-    pairs = PreferenceLoss.of(recipe.training) if data_kind(method) == "pair" else None
     # the file parses and its records have their fields (and readable images), and the run's split is of the
     # data it trained on: in seconds, before a model loads; read once, the fingerprint's reading and rendering
     # handed on to the build
     read = _read_data(cfg, method, data)
+    method = read.method  # a preference run's --data file of conversations: sft records
+    # a preference run's pairs: measured by its method's log-probabilities and loss (no answers generated)
+    pairs = PreferenceLoss.of(recipe.training) if data_kind(method) == "pair" else None
     check_records(cfg, method, model_takes_images=reads_images(recipe), read=read)
     if data is None:
         tokenizer = load_tokenizer(run.adapter, recipe.model)  # the run's, as the models load it
@@ -135,8 +137,9 @@ def evaluate(run_dir: str | Path, data: str | Path | None = None, *, compare: li
 
 
 def _data_config(recipe: Recipe, run_dir: str | Path, data: str | Path | None) -> tuple[DataConfig, str]:
-    """(data config, training method) the evaluation builds its examples by: the file `data` read whole (as
-    the run's preference pairs for a dpo, orpo, simpo or cpo run, else as sft records), or (None) the run's own
+    """(data config, training method) the evaluation builds its examples by: the file `data` read whole (for
+    a dpo, orpo, simpo or cpo run its method, which `_read_data` keeps for a file of preference records and
+    turns to sft for one of conversations; else as sft records), or (None) the run's own
     data as it trained on it, unpacked (packing joins examples into rows, and the split is made before it);
     UsageError where that is not there to measure."""
     method = recipe.training.method
@@ -159,9 +162,12 @@ def _data_config(recipe: Recipe, run_dir: str | Path, data: str | Path | None) -
 
 
 def _read_data(cfg: DataConfig, method: str, data: str | Path | None) -> DataRead:
-    """`data_read`; for the --data file of a preference run, its DataError says it was eval's file, and what a
-    preference run's file holds (not how to train on it)."""
+    """`data_read`; the --data file of a preference run is read as pairs where it holds preference records,
+    as sft records where it holds conversations (their loss and answers, as for an sft run), and its DataError
+    says it was eval's file, and what a preference run's file holds (not how to train on it)."""
     try:
+        if data is not None and data_kind(method) == "pair":
+            return data_read_as(cfg, lambda fmt: method if fmt in PREFERENCE_FORMATS else "sft")
         return data_read(cfg, method)
     except DataError as exc:
         if data is None or data_kind(method) != "pair":
