@@ -87,8 +87,9 @@ def trace_batch(config: Any, rows: int, seq_len: int, grids: tuple[Grid, ...]) -
 def image_input_bytes(config: Any, rows: int, seq_len: int, grids: tuple[Grid, ...]) -> int:
     """Bytes of the image inputs (pixel values and their index tensors) the collator makes for `rows` examples
     with the images of `grids`, as the trace lays them out: what a collated micro-batch holds besides its
-    tokens while it waits for its turn in the step."""
-    inputs = layout_of(family_of(config).vision).trace_inputs(config, rows, seq_len, grids)
+    tokens while it waits for its turn in the step. Made on meta: their sizes, not hundreds of MB of values."""
+    with torch.device("meta"):
+        inputs = layout_of(family_of(config).vision).trace_inputs(config, rows, seq_len, grids)
     return sum(t.nbytes for t in inputs.values() if isinstance(t, torch.Tensor))
 
 
