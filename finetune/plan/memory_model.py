@@ -22,6 +22,7 @@ from finetune.plan.generation import generation_memory
 from finetune.plan.planner import DEFAULT, Planner
 from finetune.plan.shapes import kind_variants
 from finetune.plan.trace import ParamInfo, Trace, model_key, param_table_of, real_config, trace_step
+from finetune.plan.vision import image_input_bytes
 from finetune.recipe.offload_tiers import tier_spec
 from finetune.recipe.optimizers import optimizer_spec
 from finetune.recipe.schema import AdapterConfig, OptimizerConfig
@@ -546,6 +547,7 @@ def predict_memory(spec: ModelSpec, settings: Settings) -> Prediction:
     if grpo is not None:
         windows.update(_grpo_windows(step, grpo))
     windows["optimizer"] = _optimizer_window(step)
+    _collated_inputs(spec, settings, windows)
     for w in windows.values():
         w["other"] += _fixed_costs(spec, sum(w.values()))
     parts = {name: {k: int(round(v)) for k, v in w.items()} for name, w in windows.items()}
@@ -626,6 +628,23 @@ def _text_rows(spec: ModelSpec, settings: Settings, windows: dict[str, dict[str,
         if name in text_windows:
             for part in ("activations", "logits_and_loss"):
                 window[part] = window[part] * share + text_windows[name][part] * (1 - share)
+
+
+def _collated_inputs(spec: ModelSpec, settings: Settings, windows: dict[str, dict[str, float]]) -> None:
+    """The loop collates a step's micro-batches before the first runs and frees them after its update: the
+    others' image inputs (pixel values, as large as the tower's activations at small models) wait beside each
+    micro-batch's forward and backward, and all of them beside the optimizer update; in place (the trace
+    prices the running micro-batch's own)."""
+    if not spec.images:
+        return
+    rows = min(spec.image_rows if spec.image_rows is not None else settings.micro_batch_size,
+               settings.micro_batch_size)
+    one = image_input_bytes(spec.config, rows, spec.seq_len, spec.images)
+    waiting = settings.gradient_accumulation_steps - 1
+    for name in ("forward", "bwd_head", "bwd_top", "bwd_bottom"):
+        if name in windows:
+            windows[name]["activations"] += waiting * one
+    windows["optimizer"]["activations"] += (waiting + 1) * one
 
 
 def _reference_pass_window(step: _Step) -> dict[str, dict[str, float]]:

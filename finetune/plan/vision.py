@@ -19,8 +19,8 @@ from finetune.model.family import family_of
 from finetune.model.source import config_location
 from finetune.vision import Grid, ImageLayout, layout_of
 
-__all__ = ["Grid", "image_grid", "image_tokens", "is_vision", "planned_grids", "processor_config", "shown_rows",
-           "trace_batch"]
+__all__ = ["Grid", "image_grid", "image_input_bytes", "image_tokens", "is_vision", "planned_grids",
+           "processor_config", "shown_rows", "trace_batch"]
 
 
 def processor_config(model_path: str) -> dict[str, Any]:
@@ -82,6 +82,15 @@ def trace_batch(config: Any, rows: int, seq_len: int, grids: tuple[Grid, ...]) -
     if layout.token_types is not None:
         batch[layout.token_types] = (ids == config.image_token_id).int()
     return batch
+
+
+def image_input_bytes(config: Any, rows: int, seq_len: int, grids: tuple[Grid, ...]) -> int:
+    """Bytes of the image inputs (pixel values and their index tensors) the collator makes for `rows` examples
+    with the images of `grids`, as the trace lays them out: what a collated micro-batch holds besides its
+    tokens while it waits for its turn in the step. Made on meta: their sizes, not hundreds of MB of values."""
+    with torch.device("meta"):
+        inputs = layout_of(family_of(config).vision).trace_inputs(config, rows, seq_len, grids)
+    return sum(t.nbytes for t in inputs.values() if isinstance(t, torch.Tensor))
 
 
 def planned_grids(config: Any, model_path: str, sizes: list[tuple[int, int]], max_pixels: int | None

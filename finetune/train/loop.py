@@ -282,6 +282,10 @@ class TrainLoop:
                 self._after_step(step)
                 if self.stopped:
                     break
+                # The finished step's batches (a vision model's pixels, often larger than the step's
+                # activations) are freed before the next step's are collated: only one step's inputs live.
+                del step
+                self._current = None
         finally:
             for p in self.policies:
                 p.on_train_end(self)

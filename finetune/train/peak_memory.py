@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -25,21 +25,34 @@ MODE_VARIABLE = "FINETUNE_MEMORY_TRACKER"
 FIRST_STEPS = 2  # step 1 creates the optimizer state, step 2 is the first to hold it from its start
 
 
-def step_signature(batches: Sequence[Mapping[str, Any]]) -> tuple[int, int, int, bool]:
-    """(micro-batches, most rows, longest row, any padded) of one step's loader batches: what its memory grows
-    with. Padded: an attention_mask with a zero, for which transformers builds a 4-D mask (SDPA skips an
-    all-ones one), so a padded batch costs more than an unpadded one of the same shape."""
+class Signature(NamedTuple):
+    """What one step's memory grows with, read off its loader batches (`step_signature`)."""
+
+    micro_batches: int
+    rows: int  # the most rows of a micro-batch
+    longest: int  # the longest row
+    padded: bool  # an attention_mask with a zero: transformers builds a 4-D mask (SDPA skips an all-ones one)
+    pixels: int  # the most image input elements (pixel_values) of a micro-batch: what the vision tower runs on
+    step_pixels: int  # the step's own: its micro-batches are all collated before the first runs
+
+
+def step_signature(batches: Sequence[Mapping[str, Any]]) -> Signature:
+    """The signature of one step's loader batches. Images count apart from the token shape: two image rows
+    and one image row beside a text row are batches of the same shape, the first far heavier."""
     shapes = [next((v.shape for v in b.values() if isinstance(v, torch.Tensor) and v.dim() == 2), (0, 0))
               for b in batches]
     masks = [b.get("attention_mask") for b in batches]
     padded = any(isinstance(m, torch.Tensor) and not bool(m.all()) for m in masks)
-    return len(batches), max((s[0] for s in shapes), default=0), max((s[1] for s in shapes), default=0), padded
+    pixels = [v.numel() if isinstance(v := b.get("pixel_values"), torch.Tensor) else 0 for b in batches]
+    return Signature(len(batches), max((s[0] for s in shapes), default=0), max((s[1] for s in shapes), default=0),
+                     padded, max(pixels, default=0), sum(pixels))
 
 
-def covers(tracked: tuple[int, int, int, bool], step: tuple[int, int, int, bool]) -> bool:
-    """Whether a tracked step's signature bounds `step`'s: as many micro-batches, none with more rows or
-    longer rows, padded if it is."""
-    return tracked[0] == step[0] and tracked[1] >= step[1] and tracked[2] >= step[2] and tracked[3] >= step[3]
+def covers(tracked: Signature, step: Signature) -> bool:
+    """Whether a tracked step's signature bounds `step`'s: as many micro-batches, none with more rows, longer
+    rows or more pixels, padded if it is."""
+    return tracked.micro_batches == step.micro_batches and all(
+        t >= s for t, s in zip(tracked[1:], step[1:], strict=True))
 
 
 class PeakMemory(Policy):
@@ -60,7 +73,7 @@ class PeakMemory(Policy):
         self.active = False  # the tracker's dispatch mode is entered
         self.track_step = True  # the current step can set a new peak
         self._aside = False  # the tracker stands aside for the rest of this step (micro_batch)
-        self.tracked: list[tuple[int, int, int, bool]] = []  # signatures of the steps tracked since the last restart
+        self.tracked: list[Signature] = []  # signatures of the steps tracked since the last restart
         self.tracked_steps: list[int] = []  # global steps (0-based) tracked, for tests and benchmarks
         self._first = FIRST_STEPS  # steps still to track whatever their batches
 
