@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from finetune.plan.pixel_table import (
     CONFIGS,
     DOCS,
@@ -21,20 +23,39 @@ from finetune.units import parse_bytes
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_docs_pixel_budget_table_is_the_planners_and_grows_with_the_gpu():
+def _ready_recipes() -> dict[Path, tuple[str, int]]:
+    """Each ready Qwen-VL QLoRA recipe -> (the table's model name, its card's GiB)."""
+    from finetune.api import load_recipe
+
+    return {path: (load_recipe(path).model.path.split("/")[-1], int(path.stem.rsplit("-", 1)[1].removesuffix("gb")))
+            for path in sorted(ROOT.glob("recipes/qlora-qwen*-vl-*gb.yaml"))}
+
+
+def _cells(row: str) -> list[str]:
+    """A table row's cells, the model's name first."""
+    return row.removeprefix("| ").removesuffix(" |").split(" | ")
+
+
+def test_the_docs_pixel_budget_table_has_a_row_per_vision_family_and_the_ready_recipes_are_its_recipe():
+    """The table's frame (its header, one row per MODELS entry, in order; each cell the planner's: the next
+    test, per model and card, so that the planning spreads over the test processes), a larger GPU never given
+    a smaller image budget in a row, and each ready Qwen-VL QLoRA recipe the table's recipe for its card (that
+    its plan there fits: the next test)."""
     import json
+
+    from finetune.api import load_recipe
+    from finetune.plan.pixel_table import RECIPE
 
     covered = {family_for(json.loads((CONFIGS / f).read_text())["model_type"]).name for f in MODELS.values()}
     assert covered == {f.name for f in FAMILIES if f.vision is not None}  # every vision family has its row
-    plans = budget_plans()  # on pixel_table.MACHINE: not this machine's free RAM, which moves with its load
-    for name, per_gpu in plans.items():
-        chosen = [p.settings["max_pixels"] if p.fits else 0 for p in per_gpu]
-        assert chosen == sorted(chosen), (name, chosen)  # more memory: never a smaller image budget
-        for gib, plan in zip(GPU_SIZES, per_gpu, strict=True):
-            assert plan.fits == (plan.peak_bytes <= plan.budget_bytes) and plan.budget_bytes <= parse_bytes(f"{gib}GiB")
-    # each ready Qwen-VL QLoRA recipe is the table's recipe for its card, and its plan there fits
-    from finetune.api import load_recipe
-    from finetune.plan.pixel_table import RECIPE
+    table = docs_table(DOCS.read_text()).splitlines()
+    assert table[:2] == pixel_budget_markdown({}).splitlines(), "regenerate the table: python -m " \
+        "finetune.plan.pixel_table --docs"
+    assert [_cells(row)[0] for row in table[2:]] == list(MODELS)
+    for row in table[2:]:
+        name, *cells = _cells(row)
+        chosen = [0 if c.startswith("does not fit") else int(c.split(" px")[0].replace(",", "")) for c in cells]
+        assert len(chosen) == len(GPU_SIZES) and chosen == sorted(chosen), (name, chosen)  # more memory: never less
 
     def settings(path: Path) -> dict:
         values = load_recipe(path).model_dump(mode="json")
@@ -42,14 +63,27 @@ def test_the_docs_pixel_budget_table_is_the_planners_and_grows_with_the_gpu():
             del values[section][key]
         return values
 
-    recipes = sorted(ROOT.glob("recipes/qlora-qwen*-vl-*gb.yaml"))
+    recipes = _ready_recipes()
     assert len(recipes) == 5
-    for path in recipes:
-        name = load_recipe(path).model.path.split("/")[-1]
+    for path, (name, gib) in recipes.items():
         assert settings(path) == settings(RECIPE), path.name
-        assert plans[name][GPU_SIZES.index(int(path.stem.rsplit("-", 1)[1].removesuffix("gb")))].fits, path.name
-    assert docs_table(DOCS.read_text()) == pixel_budget_markdown(plans), \
-        "regenerate the table: python -m finetune.plan.pixel_table --docs\n" + pixel_budget_markdown(plans)
+        assert name in MODELS and gib in GPU_SIZES, path.name
+
+
+@pytest.mark.parametrize("gib", GPU_SIZES, ids=lambda gib: f"{gib}GiB")
+@pytest.mark.parametrize("name", list(MODELS), ids=[Path(f).stem for f in MODELS.values()])
+def test_the_docs_pixel_budget_table_is_the_planners_and_grows_with_the_gpu(name, gib):
+    """`name`'s cell for a `gib` GiB card is the planner's output (so the row's growth with the GPU, checked on
+    the table above, is the planner's), and a ready recipe for the model and card fits."""
+    plan, = budget_plans({name: str(CONFIGS / MODELS[name])}, (gib,))[name]  # on pixel_table.MACHINE
+    assert plan.fits == (plan.peak_bytes <= plan.budget_bytes) and plan.budget_bytes <= parse_bytes(f"{gib}GiB")
+    for path, ready in _ready_recipes().items():
+        if ready == (name, gib):
+            assert plan.fits, path.name
+    cell = _cells(pixel_budget_markdown({name: [plan]}, (gib,)).splitlines()[2])[1]
+    rows = [_cells(r) for r in docs_table(DOCS.read_text()).splitlines() if r.startswith(f"| {name} |")]
+    assert [r[1 + GPU_SIZES.index(gib)] for r in rows] == [cell], \
+        f"regenerate the table: python -m finetune.plan.pixel_table --docs\n{name} at {gib} GiB: {cell}"
 
 
 def test_the_image_budget_sets_the_planned_peak(tmp_path):

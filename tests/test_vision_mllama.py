@@ -176,7 +176,7 @@ def test_dpo_on_images_shares_the_prompts_pictures_and_plans_within_5_percent(tm
 
 
 def test_resume_is_exact_generate_answers_about_an_image_and_export(tmp_path, mllama, capsys):
-    """3 steps + --resume to 6 equal 6 straight; `finetune generate RUN --image`: several new tokens, each step
+    """2 steps + --resume to 4 equal 4 straight; `finetune generate RUN --image`: several new tokens, each step
     reading the picture (the model extends the cross_attention_mask per step), the API's answer; GGUF export
     refused in one line, merged safetensors answer as the run does."""
     from transformers import AutoModelForImageTextToText
