@@ -185,14 +185,14 @@ def test_dpo_reference_pass_and_scoring_before_training_show_progress_before_tra
                                                                 "examples") < err.index("train 1/1")
 
 
-def test_ctrl_c_in_the_final_evaluation_of_a_preference_run_says_to_give_held_out_records(
+def test_ctrl_c_in_the_final_evaluation_of_a_preference_run_names_the_eval_command(
         tmp_path, tiny_model_dir, monkeypatch, capsys):
-    """A dpo run's held-out split is pairs, which `finetune eval` does not measure: the command names --data."""
+    """A dpo run's held-out split is pairs, which `finetune eval` measures as pairs: the command needs no --data."""
     _ctrl_c_during(monkeypatch, "final evaluation")
     assert main(["run", str(_dpo(tmp_path, tiny_model_dir))]) == 0
     err = capsys.readouterr().err
     assert (f"final evaluation skipped (stop requested); measure the run later with: finetune eval "
-            f"{tmp_path / 'run'} --data HELD_OUT_FILE") in err
+            f"{tmp_path / 'run'}\n") in err
 
 
 def test_ctrl_c_in_the_reference_pass_stops_there_and_leaves_nothing(tmp_path, tiny_model_dir, monkeypatch, capsys):

@@ -192,6 +192,8 @@ def test_a_plan_that_cannot_be_made_stops_the_run_unless_skipped_on_purpose(monk
     """A planner failure stops the run with one line that names the switch; `memory.plan: false` trains without a
     plan when only chunked_loss/tiled_mlp are auto (their plain value is always correct); any other auto key
     needs the plan and is a clear error."""
+    from types import SimpleNamespace
+
     from finetune.errors import FinetuneError, RecipeError
     from finetune.train import run as run_module
 
@@ -199,11 +201,14 @@ def test_a_plan_that_cannot_be_made_stops_the_run_unless_skipped_on_purpose(monk
         raise RuntimeError("unknown architecture")
 
     monkeypatch.setattr(run_module, "predict", unplannable)
+    monkeypatch.setattr(run_module, "data_for_run", lambda recipe: SimpleNamespace(read=None))  # no data here
+    kept = []  # the data the plan read, handed to the build
     with pytest.raises(FinetuneError, match="cannot make the memory plan: RuntimeError: unknown architecture") as err:
-        run_module._plan(_recipe(memory={"chunked_loss": "auto", "tiled_mlp": "auto"}))
+        run_module._plan(_recipe(memory={"chunked_loss": "auto", "tiled_mlp": "auto"}), kept.append)
     assert "--no-plan" in str(err.value)
-    plan, resolved = run_module._plan(_recipe(memory={"chunked_loss": "auto", "tiled_mlp": "auto", "plan": False}))
+    plan, resolved = run_module._plan(_recipe(memory={"chunked_loss": "auto", "tiled_mlp": "auto", "plan": False}),
+                                           kept.append)
     assert plan is None and auto_keys(resolved) == []
     assert (resolved.memory.chunked_loss, resolved.memory.tiled_mlp) == (False, False)
     with pytest.raises(RecipeError, match="training.micro_batch_size"):
-        run_module._plan(_recipe(training={"micro_batch_size": "auto"}, memory={"plan": False}))
+        run_module._plan(_recipe(training={"micro_batch_size": "auto"}, memory={"plan": False}), kept.append)
